@@ -1,0 +1,5 @@
+import sys
+
+from refpar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,51 @@
+"""`refpar <command> ...`: one module per command under refpar/commands/.
+
+Each command module defines `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`.
+A `ConfigError` anywhere becomes one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from refpar.config import ConfigError
+
+# name -> module. Command modules import heavy dependencies (mpi4py, the model) inside run(),
+# so `refpar schedule --help` starts instantly and never initialises MPI.
+COMMANDS: dict[str, str] = {}
+
+
+def launcher_rank() -> int:
+    """This process's rank as the MPI launcher set it, read without initialising MPI."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="refpar",
+        description="Parallel training strategies in plain NumPy on real MPI ranks.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except ConfigError as err:
+        # Every rank raises the same ConfigError before any communication; one prints it.
+        if launcher_rank() == 0:
+            print(f"refpar {args.command}: error: {err}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,180 @@
+"""Configuration as dataclasses that check themselves.
+
+Every invalid combination raises `ConfigError` with one sentence that says what to change, so a
+learner can act on it. Checks run on every rank before any communication (DESIGN.md, "Errors").
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+DTYPES = ("float64", "float32")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+class ConfigError(ValueError):
+    """A configuration or command-line mistake; its message is one sentence saying what to change."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _require_positive(owner: str, **values: int | float) -> None:
+    for name, value in values.items():
+        if value <= 0:
+            raise ConfigError(f"{owner}.{name} must be positive, got {value}; set it to a value > 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """GPT-2's shape (Radford et al. 2019): pre-LayerNorm blocks, learned positions, tied head."""
+
+    vocab_size: int = 96  # V
+    n_positions: int = 32  # longest sequence the position table holds
+    n_embd: int = 32  # C
+    n_head: int = 4  # nh; head size hs = C // nh
+    n_layer: int = 4  # L transformer blocks
+    dropout: float = 0.1  # GPT-2's embd/attn/resid dropout probability
+    dtype: str = "float64"  # float64 for exact checks; float32 for speed
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02  # GPT-2's initializer_range
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            "ModelConfig",
+            vocab_size=self.vocab_size,
+            n_positions=self.n_positions,
+            n_embd=self.n_embd,
+            n_head=self.n_head,
+            n_layer=self.n_layer,
+        )
+        if self.n_embd % self.n_head != 0:
+            choices = [h for h in _divisors(self.n_embd) if h <= 64]
+            raise ConfigError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"choose n_head in {choices}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout={self.dropout} must be in [0, 1); use e.g. 0.0 or 0.1")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+
+    @property
+    def head_size(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: global batch, sequence, optimizer and seed."""
+
+    steps: int = 30
+    batch_size: int = 8  # B, global: the number of sequences per optimizer step
+    seq_len: int = 16  # T
+    lr: float = 1e-2
+    optimizer: str = "adamw"
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            "TrainConfig", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
+            lr=self.lr,
+        )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"
+            )
+        if self.seed < 0:
+            raise ConfigError(f"seed={self.seed} must be a non-negative integer")
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Checks that need both configs."""
+        if self.seq_len > model.n_positions:
+            raise ConfigError(
+                f"seq_len={self.seq_len} is longer than n_positions={model.n_positions}; "
+                f"use --seq-len {model.n_positions} or less"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # A step takes milliseconds on one core: the model of every test and of the demo.
+    "tiny": ModelConfig(),
+    # Large enough that matmuls dominate: the benchmark preset.
+    "small": ModelConfig(
+        vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_layer=4, dtype="float32"
+    ),
+}
+
+
+def model_preset(name: str, **overrides) -> ModelConfig:
+    """A named preset with fields replaced, e.g. `model_preset("tiny", dtype="float32")`."""
+    if name not in MODEL_PRESETS:
+        raise ConfigError(
+            f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}"
+        )
+    return replace(MODEL_PRESETS[name], **overrides)
+
+
+MESH_AXES = ("pp", "dp", "ep", "cp", "tp")  # slowest- to fastest-varying, as Megatron lays ranks
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How a run is split over ranks: axis sizes and the options of each strategy."""
+
+    sizes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MESH_AXES, 1))
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.sizes) - set(MESH_AXES))
+        if unknown:
+            raise ConfigError(
+                f"unknown mesh axis {unknown[0]!r}; axes are {', '.join(MESH_AXES)}"
+            )
+        for axis, size in self.sizes.items():
+            if not isinstance(size, int) or size < 1:
+                raise ConfigError(f"mesh axis {axis}={size} must be a positive integer")
+        full = dict.fromkeys(MESH_AXES, 1)
+        full.update(self.sizes)
+        object.__setattr__(self, "sizes", full)
+
+    @property
+    def world_size(self) -> int:
+        product = 1
+        for size in self.sizes.values():
+            product *= size
+        return product
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`"dp=2,tp=2"` -> {"dp": 2, "tp": 2}; every mistake is one sentence."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ConfigError(f"mesh entry {part!r} needs the form axis=size, e.g. dp=2")
+        if name not in MESH_AXES:
+            raise ConfigError(f"unknown mesh axis {name!r}; axes are {', '.join(MESH_AXES)}")
+        if name in sizes:
+            raise ConfigError(f"mesh axis {name!r} is given twice; give each axis once")
+        try:
+            size = int(value)
+        except ValueError:
+            raise ConfigError(f"mesh axis {name}={value!r} needs a whole number") from None
+        if size < 1:
+            raise ConfigError(f"mesh axis {name}={size} must be at least 1")
+        sizes[name] = size
+    if not sizes:
+        raise ConfigError("the mesh is empty; give it as e.g. --mesh dp=2,tp=2")
+    return sizes

@@ -1,0 +1,91 @@
+"""MemoryLedger: what one rank holds, in bytes, by category, with peaks.
+
+Strategies register every array they keep (parameters, gradients, optimizer state, activations
+saved for backward, communication buffers) and free it when they let it go. The ledger is the
+truth a learner reads, and tests compare its peaks with the closed forms in `refpar.analysis`.
+
+    ledger.alloc("h.0.attn.c_attn.weight", w, "params")
+    ledger.free("h.0.attn.c_attn.weight")
+    ledger.peak["params"]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm")
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One allocation (+bytes) or release (-bytes), in order; the app draws these."""
+
+    seq: int
+    name: str
+    category: str
+    delta: int
+    total_after: int
+
+
+def nbytes_of(obj) -> int:
+    """Bytes of an array of any namespace, or an int taken as bytes."""
+    if isinstance(obj, int):
+        return obj
+    return int(obj.size) * int(obj.dtype.itemsize)
+
+
+class MemoryLedger:
+    def __init__(self, record_events: bool = False):
+        self._live: dict[str, tuple[str, int]] = {}
+        self.current = dict.fromkeys(CATEGORIES, 0)
+        self.peak = dict.fromkeys(CATEGORIES, 0)
+        self.peak_total = 0
+        self.events: list[MemoryEvent] | None = [] if record_events else None
+        self._seq = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.current.values())
+
+    def alloc(self, name: str, array_or_nbytes, category: str):
+        """Counts `array_or_nbytes` under `category`; returns the array so calls can be inlined."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown memory category {category!r}; use one of {CATEGORIES}")
+        if name in self._live:
+            raise ValueError(f"{name!r} is already in the ledger; free it first or use another name")
+        nbytes = nbytes_of(array_or_nbytes)
+        self._live[name] = (category, nbytes)
+        self.current[category] += nbytes
+        self.peak[category] = max(self.peak[category], self.current[category])
+        self.peak_total = max(self.peak_total, self.total)
+        self._record(name, category, nbytes)
+        return array_or_nbytes
+
+    def free(self, name: str) -> None:
+        if name not in self._live:
+            raise ValueError(f"{name!r} is not in the ledger")
+        category, nbytes = self._live.pop(name)
+        self.current[category] -= nbytes
+        self._record(name, category, -nbytes)
+
+    def free_prefix(self, prefix: str) -> None:
+        """Frees every entry whose name starts with `prefix` (a layer's saved activations)."""
+        for name in [n for n in self._live if n.startswith(prefix)]:
+            self.free(name)
+
+    def holds(self, name: str) -> bool:
+        return name in self._live
+
+    def live(self, category: str | None = None) -> dict[str, int]:
+        """Names and bytes of what is held now, optionally of one category."""
+        return {n: b for n, (c, b) in self._live.items() if category in (None, c)}
+
+    def reset_peaks(self) -> None:
+        """Peaks restart from what is held now (e.g. to measure one step after warm-up)."""
+        self.peak = dict(self.current)
+        self.peak_total = self.total
+
+    def _record(self, name: str, category: str, delta: int) -> None:
+        if self.events is not None:
+            self.events.append(MemoryEvent(self._seq, name, category, delta, self.total))
+        self._seq += 1
