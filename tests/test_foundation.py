@@ -76,3 +76,15 @@ def test_ledger_tracks_current_and_peak_per_category():
     assert [e.delta for e in ledger.events] == [80, 16, 24, -16, -24]
     with pytest.raises(ValueError, match="already in the ledger"):
         ledger.alloc("w", 8, "params")
+
+
+def test_shard_range_covers_every_item_once_with_sizes_differing_by_at_most_one():
+    from refpar.sharding import shard_range, shard_sizes
+
+    for n in range(0, 23):
+        for parts in range(1, 9):
+            ranges = [shard_range(n, parts, i) for i in range(parts)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            sizes = shard_sizes(n, parts)
+            assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
