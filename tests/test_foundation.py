@@ -85,6 +85,6 @@ def test_shard_range_covers_every_item_once_with_sizes_differing_by_at_most_one(
         for parts in range(1, 9):
             ranges = [shard_range(n, parts, i) for i in range(parts)]
             assert ranges[0][0] == 0 and ranges[-1][1] == n
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
             sizes = shard_sizes(n, parts)
             assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
