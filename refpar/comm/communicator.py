@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -322,6 +323,24 @@ class Communicator:
         self._native(self.comm.Ibarrier, self.comm.Barrier)
         if self.tracer is not None:
             self._record("barrier", "native", None, (), np.uint8, cost.Bytes(0, 0), tag, t0)
+
+    def gather_object(self, obj, root: int = 0) -> list | None:
+        """Small Python objects (trace rows, reports) from every rank to `root`, in rank order; None
+        elsewhere. Pickled and untraced: for bookkeeping about a run, never for its tensors."""
+        self._check_peer(root, "root")
+        self._doing = ("gather_object", "")
+        if self.timeout is None:
+            return self._private.gather(obj, root)
+        # No non-blocking pickled gather in MPI: send the pickle's length, then its bytes.
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        lengths = self._counts(data.size)
+        spec = [np.empty(sum(lengths), np.uint8), (lengths, _displacements(lengths, 1))] \
+            if self.rank == root else None
+        self._wait([self._private.Igatherv(data, spec, root)])
+        if self.rank != root:
+            return None
+        bounds = np.cumsum([0, *lengths])
+        return [pickle.loads(spec[0][bounds[i]:bounds[i + 1]].tobytes()) for i in range(self.size)]
 
     # --- point to point ----------------------------------------------------------------------
 
