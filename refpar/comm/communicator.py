@@ -464,10 +464,20 @@ class Communicator:
             raise ValueError(f"{what}={peer} is not a rank of axis {self.axis} (0..{self.size - 1})")
 
     def _record(self, op, algo, peer, shape, dtype, moved: cost.Bytes, tag: str, t0: float) -> None:
-        name = f"native({cost.NATIVE_ALGO[op]})" if algo == "native" and op in cost.NATIVE_ALGO else algo
+        name = _NATIVE_NAMES.get(op, algo) if algo == "native" else algo
         self.tracer.record(op=op, axis=self.axis, group=self.group, algo=name, peer=peer,
-                           dtype=np.dtype(dtype).name, shape=shape, bytes_sent=moved.sent,
+                           dtype=_dtype_name(dtype), shape=shape, bytes_sent=moved.sent,
                            bytes_recv=moved.recv, tag=tag, t_start=t0, t_end=now())
+
+
+_NATIVE_NAMES = {op: f"native({algo})" for op, algo in cost.NATIVE_ALGO.items()}
+_DTYPE_NAMES: dict = {}  # dtype.name runs Python code in NumPy; a traced call should cost microseconds
+
+
+def _dtype_name(dtype) -> str:
+    if dtype not in _DTYPE_NAMES:
+        _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+    return _DTYPE_NAMES[dtype]
 
 
 def _reduce_op(op: str):

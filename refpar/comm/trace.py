@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class CommEvent:
     """One call on one rank. Bytes are what this rank put on (sent) and took off (recv) the wire;
     a rank's copy of its own chunk is not counted. `algo` names the algorithm whose bytes these are:
@@ -67,7 +67,7 @@ class Tracer:
     def record(self, *, op, axis, group, algo, peer, dtype, shape, bytes_sent, bytes_recv, tag,
                t_start, t_end) -> CommEvent:
         event = CommEvent(rank=self.rank, op=op, axis=axis, group=tuple(group), algo=algo, peer=peer,
-                          dtype=str(dtype), shape=tuple(int(s) for s in shape),
+                          dtype=str(dtype), shape=tuple(shape),
                           bytes_sent=int(bytes_sent), bytes_recv=int(bytes_recv), tag=tag,
                           t_start=t_start, t_end=t_end, **self._context)
         self.events.append(event)
