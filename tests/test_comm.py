@@ -16,9 +16,14 @@ from tests.mpi import mpiexec
 HYPOTHESIS_EXAMPLES = 8  # per job; five jobs, so 40 random collectives per run
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4, 5, 8])
-def test_every_collective_matches_numpy_and_traced_bytes_equal_cost(ranks):
-    proc = mpiexec(ranks, "tests/comm_checks.py", str(HYPOTHESIS_EXAMPLES), timeout=240)
+# The 3-rank job runs with debug checks and a timeout on, so their polling paths carry real traffic.
+CHECKED = {"REFPAR_DEBUG_COLLECTIVES": "1", "REFPAR_COLLECTIVE_TIMEOUT": "120"}
+
+
+@pytest.mark.parametrize("ranks,env", [(2, None), (3, CHECKED), (4, None), (5, None), (8, None)],
+                         ids=["2", "3-debug-timeout", "4", "5", "8"])
+def test_every_collective_matches_numpy_and_traced_bytes_equal_cost(ranks, env):
+    proc = mpiexec(ranks, "tests/comm_checks.py", str(HYPOTHESIS_EXAMPLES), timeout=240, env=env)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["failures"] == [], "\n".join(report["failures"])
     assert report["group_sizes"] == list(range(1, ranks + 1))  # the splits cover every smaller group
@@ -165,10 +170,9 @@ with abort_on_error():
 
 def test_chrome_trace_of_a_small_run_is_valid_json_with_one_track_per_rank(tmp_path):
     proc, _ = _run(tmp_path, 3, f"""
-import json
 import numpy as np
 from refpar.comm.communicator import abort_on_error, world
-from refpar.comm.trace import Tracer, chrome_trace
+from refpar.comm.trace import Tracer, write_trace
 from refpar.mesh import DeviceMesh
 with abort_on_error():
     tracer = Tracer()
@@ -185,12 +189,10 @@ with abort_on_error():
     t = comm.all_reduce(x, algo="ring", tag="torch")
     if comm.rank == 0:
         assert isinstance(t, torch.Tensor) and torch.equal(t, 3 * torch.arange(4, dtype=torch.float64))
-    with open("{tmp_path}/rank%d.jsonl" % comm.rank, "w") as f:
-        f.write(tracer.to_jsonl())
+    write_trace("{tmp_path}/rank%d.jsonl" % comm.rank, tracer.events)
     events = comm.gather_object(tracer.events)
     if comm.rank == 0:
-        with open("{tmp_path}/trace.json", "w") as f:
-            json.dump(chrome_trace([e for rank in events for e in rank]), f)
+        write_trace("{tmp_path}/trace.json", [e for rank in events for e in rank])
 """)
     assert proc.returncode == 0, proc.stderr
     trace = json.loads((tmp_path / "trace.json").read_text())

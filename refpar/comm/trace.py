@@ -98,9 +98,6 @@ class Tracer:
         return [{"rank": self.rank, "axis": axis, "op": op, "bytes_sent": s, "bytes_recv": r}
                 for (axis, op), (s, r) in self.totals().items()]
 
-    def to_jsonl(self) -> str:
-        return "".join(json.dumps(e.to_dict()) + "\n" for e in self.events)
-
 
 def chrome_trace(events: list[CommEvent], t0: float | None = None) -> dict:
     """Chrome trace JSON (the "Trace Event Format") for events of any number of ranks: one process
@@ -119,6 +116,15 @@ def chrome_trace(events: list[CommEvent], t0: float | None = None) -> dict:
                       "pid": e.rank, "tid": 0, "ts": (e.t_start - t0) * 1e6,
                       "dur": max(e.t_end - e.t_start, 0.0) * 1e6, "args": args})
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_trace(path, events: list[CommEvent]) -> None:
+    """Writes events as JSON lines when `path` ends in .jsonl, else as a Chrome trace (.json)."""
+    with open(path, "w") as f:
+        if str(path).endswith(".jsonl"):
+            f.writelines(json.dumps(e.to_dict()) + "\n" for e in events)
+        else:
+            json.dump(chrome_trace(events), f)
 
 
 def now() -> float:
