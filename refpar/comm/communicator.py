@@ -29,6 +29,7 @@ import zlib
 from contextlib import contextmanager
 
 import numpy as np
+from array_api_compat import array_namespace, is_array_api_obj
 from mpi4py import MPI
 
 from refpar.comm import algorithms, cost
@@ -76,10 +77,6 @@ def _to_host(x):
     """(contiguous NumPy array, namespace to return results in or None for NumPy)."""
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x), None
-    try:
-        from array_api_compat import array_namespace, is_array_api_obj
-    except ImportError:  # array-api-compat is a dependency; without it, accept what NumPy accepts
-        return np.ascontiguousarray(np.asarray(x)), None
     if not is_array_api_obj(x):
         return np.ascontiguousarray(np.asarray(x)), None
     try:
@@ -266,7 +263,7 @@ class Communicator:
             raise ValueError(f"all_to_all needs one chunk per rank ({self.size}), got {len(chunks)}")
         hosted = [_to_host(c) for c in chunks]
         parts = [h[0] for h in hosted]
-        xp = hosted[0][1] if hosted else None
+        xp = hosted[0][1]  # results come back in the namespace of the first chunk
         for part in parts:
             _require_axis0(part, "all_to_all")
             if part.shape[1:] != parts[0].shape[1:] or part.dtype != parts[0].dtype:
@@ -280,7 +277,7 @@ class Communicator:
         recv_counts = [int(c) for c in recv_counts]
         unit = int(np.prod(rest, dtype=np.int64))
         if algo == "native":
-            sendbuf = np.concatenate(parts) if parts else np.empty((0, *rest), dtype)
+            sendbuf = np.concatenate(parts)  # (sum n_j, ...) one buffer for MPI's Alltoallv
             recvbuf = np.empty((sum(recv_counts), *rest), dtype=dtype)
             send_spec = [sendbuf, ([c * unit for c in send_counts], _displacements(send_counts, unit))]
             recv_spec = [recvbuf, ([c * unit for c in recv_counts], _displacements(recv_counts, unit))]
