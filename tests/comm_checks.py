@@ -163,6 +163,7 @@ def check_group(c: Checker, comm, dtypes=DTYPES) -> None:
                 check_reduce_scatter(c, comm, n, dtype, algo)
                 counts = [(n + 2 * i) % 4 for i in range(p)]  # uneven, some empty
                 check_all_gather(c, comm, counts, dtype, algo, give_counts=n % 2 == 0)
+                check_all_gather(c, comm, [n] * p, dtype, algo, give_counts=n % 2 == 1)  # even
             for algo in ("native", "pairwise"):
                 rows = [[(n + i + 2 * j) % 3 for j in range(p)] for i in range(p)]
                 check_all_to_all(c, comm, rows, dtype, algo, give_counts=n % 2 == 1)

@@ -247,8 +247,11 @@ class Communicator:
         unit = _row_size(a)
         if algo == "native":
             out = np.empty((sum(counts), *a.shape[1:]), dtype=a.dtype)
-            spec = [out, ([c * unit for c in counts], _displacements(counts, unit))]
-            self._native(lambda: self.comm.Iallgatherv(a, spec), lambda: self.comm.Allgatherv(a, spec))
+            if len(set(counts)) == 1:  # MPICH's Allgather is 10-50x faster than its Allgatherv here
+                self._native(lambda: self.comm.Iallgather(a, out), lambda: self.comm.Allgather(a, out))
+            else:
+                spec = [out, ([c * unit for c in counts], _displacements(counts, unit))]
+                self._native(lambda: self.comm.Iallgatherv(a, spec), lambda: self.comm.Allgatherv(a, spec))
         else:
             link = _Link(self)
             out = algorithms.ring_all_gather(link, a, counts)
