@@ -470,9 +470,8 @@ class Communicator:
 
     def _record(self, op, algo, peer, shape, dtype, moved: cost.Bytes, tag: str, t0: float) -> None:
         name = _NATIVE_NAMES.get(op, algo) if algo == "native" else algo
-        self.tracer.record(op=op, axis=self.axis, group=self.group, algo=name, peer=peer,
-                           dtype=_dtype_name(dtype), shape=shape, bytes_sent=moved.sent,
-                           bytes_recv=moved.recv, tag=tag, t_start=t0, t_end=now())
+        self.tracer.record(op, self.axis, self.group, name, peer, _dtype_name(dtype), tuple(shape),
+                           moved.sent, moved.recv, tag, t0, now())
 
 
 _NATIVE_NAMES = {op: f"native({algo})" for op, algo in cost.NATIVE_ALGO.items()}
