@@ -32,16 +32,19 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refpar.comm.communicator import Communicator, _mpi_tag
 from refpar.comm.trace import now
 from refpar.config import ConfigError, ModelConfig
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import DropoutContext
 from refpar.parallel.pipeline.schedules import Action, Schedule, Slot, Timeline, simulate, validate
 from refpar.parallel.pipeline.stage import Stage
+
+if TYPE_CHECKING:  # the communicator module starts MPI when imported; `--help` must not
+    from refpar.comm.communicator import Communicator
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,8 @@ class PipelineExecutor:
     def _check_tags(self) -> dict[Action, str]:
         """MPI matches messages by (source, integer tag); the Communicator hashes string tags to
         integers, so two messages on one link must not share a hash or they could swap."""
+        from refpar.comm.communicator import _mpi_tag
+
         links: dict[tuple[int, int], dict[int, str]] = {}
         tags = {}
         for a, src, dst, tag in self._messages():

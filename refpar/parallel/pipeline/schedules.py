@@ -84,10 +84,6 @@ class Layout:
             return [Action(a.stage, "F", a.microbatch), *later]
         return [Action(a.stage, "B", a.microbatch)]
 
-    def releases(self, a: Action) -> bool:
-        """True for the action after which a microbatch's stored activations are all freed."""
-        return a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in self.split)
-
 
 def layout(schedule: Schedule) -> Layout:
     """Checks the shape of a schedule (ranks 0..p-1, each stage on one rank, every stage and
@@ -294,23 +290,59 @@ def simulate(schedule: Schedule, costs: Costs | None = None,
     return _run(schedule, lay, duration, costs.p2p)
 
 
-def inflight(schedule: Schedule) -> dict[int, list[int]]:
-    """Per rank, after each tick, how many (stage, microbatch) pairs hold stored activations:
-    from their F until their W (or their full B)."""
+def critical_path_gap(timeline: Timeline, schedule: Schedule) -> float:
+    """Time on the timeline's critical path spent outside actions: walking back from the action
+    that ends last, each step to the latest-ending of what it waited for (its rank's previous
+    action, its inputs), summing the time between them (messages in flight, bookkeeping between
+    actions, a rank waiting for a core). It bounds how far an executed timeline can be from the
+    simulation of the same action durations: the chain's durations fit in the simulated makespan,
+    and nothing runs earlier than the simulation allows, so
+        0 <= measured makespan - simulated makespan <= critical_path_gap(measured)."""
     lay = layout(schedule)
-    counts = {}
+    slot_of = {s.action: s for row in timeline.slots.values() for s in row}
+    before: dict[Action, Slot] = {}
+    for row in timeline.slots.values():
+        ordered = sorted(row, key=lambda s: s.tick)
+        before.update({b.action: a for a, b in zip(ordered, ordered[1:], strict=False)})
+    current = max(slot_of.values(), key=lambda s: s.end)
+    gap = timeline.makespan - current.end
+    while True:
+        waited = [slot_of[n] for n in lay.inputs(current.action)]
+        waited += [before[current.action]] if current.action in before else []
+        if not waited:
+            return gap + current.start
+        previous = max(waited, key=lambda s: s.end)
+        gap += current.start - previous.end
+        current = previous
+
+
+def stored(schedule: Schedule, after_f: Callable[[Action], int] = lambda a: 1,
+           after_b: Callable[[Action], int] = lambda a: 1) -> dict[int, list[int]]:
+    """Per rank, after each tick, what is stored for backward: `after_f(F)` from each F until its
+    B, then `after_b(B)` until its W where the backward is split. With the defaults, the number of
+    (stage, microbatch) pairs in flight; with bytes, the activation memory a run must measure."""
+    lay = layout(schedule)
+    held: dict[tuple[int, int], int] = {}
+    out = {}
     for rank, row in schedule.items():
-        n, trace = 0, []
+        total, trace = 0, []
         for a in row:
             if a is not None:
-                n += (a.kind == "F") - lay.releases(a)
-            trace.append(n)
-        counts[rank] = trace
-    return counts
+                key = (a.stage, a.microbatch)
+                total -= held.pop(key, 0)
+                if a.kind == "F":
+                    held[key] = after_f(a)
+                elif a.kind == "B" and key in lay.split:
+                    held[key] = after_b(a)
+                total += held.get(key, 0)
+            trace.append(total)
+        out[rank] = trace
+    return out
 
 
 def peak_inflight_microbatches(schedule: Schedule) -> dict[int, int]:
-    return {rank: max(trace, default=0) for rank, trace in inflight(schedule).items()}
+    """Per rank, the most (stage, microbatch) pairs holding stored activations at once."""
+    return {rank: max(trace, default=0) for rank, trace in stored(schedule).items()}
 
 
 # ---------------------------------------------------------------- builders

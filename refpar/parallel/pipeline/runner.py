@@ -1,0 +1,206 @@
+"""`refpar train --mesh pp=P[,dp=D] --schedule KIND --microbatches M [--chunks V] [--check]`.
+
+    mpiexec -n 4 python -m refpar train --mesh pp=4 --schedule zb-h1 --microbatches 8 --steps 3 --check
+
+Pipeline training: each pipeline rank holds its stages' parameters and optimizer state and runs
+its list of the schedule every step (refpar/parallel/pipeline/executor.py). With dp > 1 each
+data-parallel replica is a whole pipeline over its shard of the global batch, and the gradients
+are summed over dp before the update. Reports the losses (next to the single-device run's with
+--check), the bytes each rank sent, peak memory per rank, and the bubble of the last step: as
+measured from the executed trace, and as simulated from the same per-action durations.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from refpar.comm.trace import Tracer
+from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.memory import CATEGORIES, MemoryLedger
+from refpar.model.data import MarkovCorpus
+from refpar.model.gpt import init_params
+from refpar.model.optim import optimizer_init, optimizer_step
+from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor
+from refpar.parallel.pipeline.schedules import BUILDERS, Timeline, build, critical_path_gap, simulate
+from refpar.sharding import shard_range
+
+
+def add_arguments(parser) -> None:
+    """The pipeline flags of `refpar train`; shared flags are added once, whoever adds them first."""
+    def once(flag, **kwargs):
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, **kwargs)
+
+    once("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
+    once("--chunks", type=int, default=None,
+         help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
+    once("--n-layer", type=int, default=None,
+         help="blocks of the model, replacing the preset's (each pipeline stage needs one)")
+    once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+    once("--check", action="store_true", help="also run the single-device reference and compare")
+
+
+def wants_pipeline(sizes: dict[str, int]) -> bool:
+    return sizes["pp"] > 1
+
+
+@dataclass
+class PipelineRun:
+    """One rank's view of a finished run."""
+
+    losses: list[float]
+    step_time_s: float
+    params: dict  # this rank's parameters after the last step
+    executor: PipelineExecutor
+    ledger: MemoryLedger
+    tracer: Tracer | None
+    measured: Timeline  # the last step's executed actions, every pipeline rank
+    simulated: Timeline  # the schedule simulated with those actions' measured durations
+
+
+def microbatches(tokens, targets, first_id: int, m: int) -> list[Microbatch]:
+    """Rows split into m microbatches by `shard_range`; each keeps its rows' global sample ids."""
+    if tokens.shape[0] < m:
+        raise ConfigError(f"{tokens.shape[0]} sequences per pipeline cannot fill {m} microbatches; use "
+                          f"--microbatches {tokens.shape[0]} or fewer, or a larger --batch-size")
+    out = []
+    for i in range(m):
+        a, b = shard_range(tokens.shape[0], m, i)
+        out.append(Microbatch(tokens[a:b], targets[a:b], tuple(range(first_id + a, first_id + b))))
+    return out
+
+
+def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int, v: int = 1
+                 ) -> PipelineRun:
+    """Trains `train.steps` steps on `mesh` (pp, and optionally dp) with schedule `kind`."""
+    train.check_model(model)
+    pp, dp = mesh.pp, mesh.dp
+    ledger = MemoryLedger()
+    executor = PipelineExecutor(build(kind, pp.size, m, v), model, pp, ledger)
+    full = init_params(model, train.seed)  # drawn whole, then this rank keeps its stages' part
+    params = {n: full[n] for n in executor.param_names()}
+    for n, p in params.items():
+        ledger.alloc(f"param:{n}", p, "params")
+    state = optimizer_init(params, train)
+    for n in params:
+        for moment in ("m", "v"):
+            if moment in state:
+                ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
+    corpus = MarkovCorpus(model.vocab_size, train.seed)
+    first, stop = shard_range(train.batch_size, dp.size, dp.rank)
+    normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
+    losses, times = [], []
+    for step in range(train.steps):
+        start = time.perf_counter()
+        tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (b, T) each
+        loss, grads = executor.step(params, microbatches(tokens, targets, first, m), step=step,
+                                    seed=train.seed, normalizer=normalizer)
+        if dp.size > 1:
+            grads = {n: dp.all_reduce(g, tag=f"{n}:grad") for n, g in grads.items()}
+        params, state = optimizer_step(params, grads, state, train)
+        losses.append(float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0]))
+        times.append(time.perf_counter() - start)
+    measured = executor.measured_timeline()
+    simulated = executor.simulated_timeline(measured)
+    return PipelineRun(losses, sum(times[1:] or times) / len(times[1:] or times), params, executor,
+                       ledger, pp.tracer, measured, simulated)
+
+
+def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, plain) -> dict:
+    """The single-device run (on every rank: it is small) and the largest relative differences:
+    per step's loss, and each parameter's max |difference| over its max |value|, over all ranks."""
+    from refpar.trainer import train_single_device
+
+    ref = train_single_device(model, train)
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+    mine = max(float(np.max(np.abs(p - ref.params[n])) / np.max(np.abs(ref.params[n])))
+               for n, p in run.params.items())
+    param_diff = float(plain.all_reduce(np.array([mine]), op="max")[0])
+    return {"reference_losses": ref.losses, "max_loss_rel_diff": loss_diff,
+            "max_param_rel_diff": param_diff}
+
+
+def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args) -> int:
+    from refpar.comm.communicator import abort_on_error, world
+    from refpar.mesh import DeviceMesh
+    from refpar.report import run_summary, summary_line
+
+    other = [f"{a}={s}" for a, s in sizes.items() if a not in ("pp", "dp") and s > 1]
+    if other:
+        raise ConfigError(f"pipeline training combines with dp only so far; drop {', '.join(other)}")
+    if args.n_layer is not None:
+        model = replace(model, n_layer=args.n_layer)
+    v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved-1f1b" else 1)
+    build(args.schedule, sizes["pp"], args.microbatches, v)  # every rank checks before communicating
+    with abort_on_error():
+        comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
+        run = run_pipeline(model, train, DeviceMesh(comm, sizes), args.schedule, args.microbatches, v)
+        checked = reference_diffs(model, train, run, plain) if args.check else {}
+        comm_rows, memory_rows = gather_rows(plain, run)
+        if comm.rank != 0:
+            return 0
+        report(args.schedule, sizes, model, train, run, checked, comm_rows, memory_rows, v)
+        if args.json:
+            bubble = {"measured": run.measured.bubble_fraction,
+                      "simulated": run.simulated.bubble_fraction,
+                      "simulated_unit_costs": simulate(run.executor.schedule).bubble_fraction}
+            summary = run_summary(
+                model, train, run.losses, mesh=sizes, world_size=comm.size, zero=0,
+                schedule=args.schedule, microbatches=args.microbatches, comm_bytes=comm_rows,
+                memory_peak_bytes=memory_rows, bubble_fraction=bubble, step_time_s=run.step_time_s,
+                loss_floor=MarkovCorpus(model.vocab_size, train.seed).entropy_rate(), **checked)
+            print(summary_line(summary), flush=True)
+    return 0
+
+
+def gather_rows(plain, run: PipelineRun) -> tuple[list[dict], list[dict]]:
+    """Every rank's (comm rows by axis and op, peak memory rows), gathered onto every rank."""
+    keys = [("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("dp", "all_reduce"),
+            ("world", "all_reduce")]
+    totals = run.tracer.totals() if run.tracer is not None else {}
+    mine = [v for k in keys for v in totals.get(k, (0, 0))] + [run.ledger.peak[c] for c in CATEGORIES]
+    every = plain.all_gather(np.array([mine], dtype=np.int64))
+    comm, memory = [], []
+    for r, row in enumerate(every.tolist()):
+        for i, (axis, op) in enumerate(keys):
+            if row[2 * i] or row[2 * i + 1]:
+                comm.append({"rank": r, "axis": axis, "op": op, "bytes_sent": row[2 * i],
+                             "bytes_recv": row[2 * i + 1]})
+        for j, c in enumerate(CATEGORIES):
+            memory.append({"rank": r, "category": c, "bytes": row[2 * len(keys) + j]})
+    return comm, memory
+
+
+def report(kind, sizes, model, train, run: PipelineRun, checked, comm_rows, memory_rows, v) -> None:
+    def say(text=""):
+        print(text, flush=True)
+
+    p, m = sizes["pp"], run.executor.layout.n_microbatches
+    say(f"pipeline {kind} over pp={p}" + (f" x dp={sizes['dp']}" if sizes["dp"] > 1 else "")
+        + f", v={v}: GPT-2 {model.n_layer} layers, {model.dtype}, batch {train.batch_size} x "
+        f"{train.seq_len} in {m} microbatches per pipeline")
+    ref = checked.get("reference_losses")
+    say(f"{'step':>5} {'loss':>20}" + ("" if ref is None else f" {'single device':>20} {'rel diff':>10}"))
+    for s, loss in enumerate(run.losses):
+        tail = "" if ref is None else f" {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}"
+        say(f"{s + 1:>5} {loss:>20.15f}{tail}")
+    if checked:
+        say(f"max relative parameter difference after {train.steps} steps: "
+            f"{checked['max_param_rel_diff']:.1e}")
+    measured, simulated = run.measured, run.simulated
+    say(f"bubble of the last step: measured {measured.bubble_fraction:.1%} of rank-time, simulated "
+        f"with the measured action times {simulated.bubble_fraction:.1%}, with unit costs "
+        f"{simulate(run.executor.schedule).bubble_fraction:.1%}")
+    say(f"  measured makespan {measured.makespan * 1e3:.2f} ms, simulated {simulated.makespan * 1e3:.2f}"
+        f" ms; time on the executed critical path outside actions (messages, bookkeeping): "
+        f"{critical_path_gap(measured, run.executor.schedule) * 1e3:.2f} ms")
+    say("bytes sent (received) per rank over all steps:")
+    for r in comm_rows:
+        say(f"  rank {r['rank']} {r['axis']} {r['op']:<11} {r['bytes_sent']:>10,} ({r['bytes_recv']:,})")
+    say("peak memory per rank in bytes:")
+    for rank in range(max(r["rank"] for r in memory_rows) + 1):
+        cells = [f"{r['category']} {r['bytes']:,}" for r in memory_rows if r["rank"] == rank]
+        say(f"  rank {rank}: " + ", ".join(cells))
