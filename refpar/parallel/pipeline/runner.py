@@ -21,7 +21,7 @@ from refpar.comm.trace import Tracer
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params
+from refpar.model.gpt import init_params, param_shapes
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from refpar.parallel.pipeline.schedules import BUILDERS, Timeline, build, critical_path_gap, simulate
@@ -150,10 +150,50 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
             summary = run_summary(
                 model, train, run.losses, mesh=sizes, world_size=comm.size, zero=0,
                 schedule=args.schedule, microbatches=args.microbatches, comm_bytes=comm_rows,
+                expected_comm_bytes=expected_comm_rows(model, train, sizes, args.microbatches, v),
                 memory_peak_bytes=memory_rows, bubble_fraction=bubble, step_time_s=run.step_time_s,
                 loss_floor=MarkovCorpus(model.vocab_size, train.seed).entropy_rate(), **checked)
             print(summary_line(summary), flush=True)
     return 0
+
+
+def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], m: int,
+                       v: int) -> list[dict]:
+    """Every rank's bytes over the run, from closed forms (rows as in `gather_rows`).
+
+    Stage s lives on rank s mod p, so every one of the S - 1 stage boundaries crosses ranks: pp
+    rank r sends one activation per microbatch for each of its stages but the last one overall and
+    one input gradient for each but the first, 2v - [r = 0] - [r = p-1] copies of its pipeline's
+    batch (b, T, C), and receives as many. Then per step: wte's gradient all-reduced between the
+    first and the last rank (Megatron's embedding group), each gradient all-reduced over dp, and
+    the loss (one float64) over the world; all-reduce bytes are the ring's (refpar.comm.cost)."""
+    from refpar.comm.cost import all_reduce_bytes
+    from refpar.parallel.pipeline.stage import Stage
+
+    p, d, n = sizes["pp"], sizes["dp"], sizes["pp"] * sizes["dp"]
+    item = np.dtype(model.dtype).itemsize
+    shapes = {name: int(np.prod(shape)) for name, shape in param_shapes(model).items()}
+    rows = []
+    for rank in range(n):
+        r, dr = divmod(rank, d)  # the mesh lays pp slowest, then dp
+        first, stop = shard_range(train.batch_size, d, dr)
+        b = stop - first  # this pipeline's sequences
+        crossings = 2 * v - (r == 0) - (r == p - 1)
+        p2p = int(crossings * b * train.seq_len * model.n_embd * item * train.steps)
+        totals = {("pp", "isend"): (p2p, 0), ("pp", "irecv"): (0, p2p)}
+        if r in (0, p - 1):
+            ar = all_reduce_bytes(shapes["wte.weight"], 2, int(r == p - 1), item)
+            totals["pp", "all_reduce"] = (ar.sent * train.steps, ar.recv * train.steps)
+        if d > 1:
+            names = {nm for c in range(v) for nm in Stage(model, p * v, c * p + r).param_names()}
+            per = [all_reduce_bytes(shapes[nm], d, dr, item) for nm in names]
+            totals["dp", "all_reduce"] = (sum(x.sent for x in per) * train.steps,
+                                          sum(x.recv for x in per) * train.steps)
+        loss = all_reduce_bytes(1, n, rank, 8)
+        totals["world", "all_reduce"] = (loss.sent * train.steps, loss.recv * train.steps)
+        rows += [{"rank": rank, "axis": a, "op": o, "bytes_sent": int(sb), "bytes_recv": int(rb)}
+                 for (a, o), (sb, rb) in totals.items()]
+    return rows
 
 
 def gather_rows(plain, run: PipelineRun) -> tuple[list[dict], list[dict]]:
