@@ -54,9 +54,18 @@ class Microbatch:
     sample_ids: tuple[int, ...]  # global ids of the b rows: they key the dropout masks
 
 
-def held_bytes(obj, exclude: set[int]) -> int:
+def _root(a: np.ndarray) -> np.ndarray:
+    """The array that owns the buffer `a` views."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def held_bytes(obj, params: dict) -> int:
     """Bytes of the distinct buffers a cache keeps alive: every array is traced to the buffer it
-    views, each buffer counts once, and buffers in `exclude` (the parameters) not at all."""
+    views, each buffer counts once, and the parameters' buffers (a linear layer's cache holds its
+    weight) not at all."""
+    exclude = {id(_root(p)) for p in params.values()}
     roots: dict[int, int] = {}
     stack = [obj]
     while stack:
@@ -64,17 +73,10 @@ def held_bytes(obj, exclude: set[int]) -> int:
         if isinstance(item, tuple | list):
             stack.extend(item)
         elif isinstance(item, np.ndarray):
-            while isinstance(item.base, np.ndarray):
-                item = item.base
-            if id(item) not in exclude:
-                roots[id(item)] = item.nbytes
+            root = _root(item)
+            if id(root) not in exclude:
+                roots[id(root)] = root.nbytes
     return sum(roots.values())
-
-
-def _root_id(a: np.ndarray) -> int:
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return id(a)
 
 
 class PipelineExecutor:
@@ -160,7 +162,6 @@ class PipelineExecutor:
             raise ConfigError(f"the schedule has {m} microbatches but the step got "
                               f"{len(microbatches)}; split the batch into {m}")
         where = self.layout.stage_rank
-        exclude = {_root_id(p) for p in params.values()}
         self.ledger.free_prefix("grad:")
         self.slots = []  # the last step's actions only
         received = self._post_receives(microbatches)
@@ -192,7 +193,7 @@ class PipelineExecutor:
                     drop = DropoutContext(seed, step, mb.sample_ids, self.config.dropout, True)
                     out, caches[key] = stage.forward(params, x, mb.targets, drop, normalizer)
                     end = now()
-                    self.ledger.alloc(f"act:{key}", held_bytes(caches[key], exclude), "activations")
+                    self.ledger.alloc(f"act:{key}", held_bytes(caches[key], params), "activations")
                     if stage.last:
                         loss += float(out)
                     else:
@@ -206,7 +207,7 @@ class PipelineExecutor:
                     end = now()
                     self.ledger.free(f"act:{key}")
                     if (a.stage, i) in self.layout.split:
-                        self.ledger.alloc(f"wact:{key}", held_bytes(saved[key], exclude),
+                        self.ledger.alloc(f"wact:{key}", held_bytes(saved[key], params),
                                           "activations")
                     else:
                         self._accumulate(grads, new)
