@@ -25,6 +25,7 @@ from refpar.model.gpt import init_params, param_shapes
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from refpar.parallel.pipeline.schedules import BUILDERS, Timeline, build, critical_path_gap, simulate
+from refpar.parallel.pipeline.stage import stage_layers
 from refpar.sharding import shard_range
 
 
@@ -134,7 +135,13 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
     if args.n_layer is not None:
         model = replace(model, n_layer=args.n_layer)
     v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved-1f1b" else 1)
-    build(args.schedule, sizes["pp"], args.microbatches, v)  # every rank checks before communicating
+    # Every rank checks everything before the first message.
+    build(args.schedule, sizes["pp"], args.microbatches, v)
+    stage_layers(model.n_layer, sizes["pp"] * v, 0)
+    if train.batch_size // sizes["dp"] < args.microbatches:
+        raise ConfigError(f"--batch-size {train.batch_size} over dp={sizes['dp']} leaves fewer "
+                          f"sequences per pipeline than --microbatches {args.microbatches}; use "
+                          f"--batch-size {sizes['dp'] * args.microbatches} or more")
     with abort_on_error():
         comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
         run = run_pipeline(model, train, DeviceMesh(comm, sizes), args.schedule, args.microbatches, v)
