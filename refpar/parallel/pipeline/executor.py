@@ -30,13 +30,13 @@ between those two ranks, Megatron's "embedding group".
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refpar.comm.trace import now
 from refpar.config import ConfigError, ModelConfig
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import DropoutContext
@@ -77,6 +77,12 @@ def held_bytes(obj, params: dict) -> int:
             if id(root) not in exclude:
                 roots[id(root)] = root.nbytes
     return sum(roots.values())
+
+
+def _now() -> float:
+    """time.perf_counter, the clock the Tracer stamps messages with (one clock for every process
+    of a machine), so actions and transfers line up."""
+    return time.perf_counter()
 
 
 class PipelineExecutor:
@@ -189,10 +195,10 @@ class PipelineExecutor:
             with context:
                 if a.kind == "F":
                     x = mb.tokens if stage.first else take(Action(a.stage - 1, "F", i))
-                    start = now()
+                    start = _now()
                     drop = DropoutContext(seed, step, mb.sample_ids, self.config.dropout, True)
                     out, caches[key] = stage.forward(params, x, mb.targets, drop, normalizer)
-                    end = now()
+                    end = _now()
                     self.ledger.alloc(f"act:{key}", held_bytes(caches[key], params), "activations")
                     if stage.last:
                         loss += float(out)
@@ -200,11 +206,11 @@ class PipelineExecutor:
                         give(a, out, a.stage + 1)
                 elif a.kind == "B":
                     dout = None if stage.last else take(Action(a.stage + 1, "B", i))
-                    start = now()
+                    start = _now()
                     dx, saved[key] = stage.backward_input(dout, caches.pop(key))
                     if (a.stage, i) not in self.layout.split:
                         new = stage.backward_weight(saved.pop(key))
-                    end = now()
+                    end = _now()
                     self.ledger.free(f"act:{key}")
                     if (a.stage, i) in self.layout.split:
                         self.ledger.alloc(f"wact:{key}", held_bytes(saved[key], params),
@@ -214,9 +220,9 @@ class PipelineExecutor:
                     if dx is not None:
                         give(a, dx, a.stage - 1)
                 else:
-                    start = now()
+                    start = _now()
                     new = stage.backward_weight(saved.pop(key))
-                    end = now()
+                    end = _now()
                     self.ledger.free(f"wact:{key}")
                     self._accumulate(grads, new)
             self.slots.append(Slot(self.rank, tick, a, start, end))

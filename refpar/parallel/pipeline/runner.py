@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refpar.comm.trace import Tracer
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.data import MarkovCorpus
@@ -27,6 +27,9 @@ from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from refpar.parallel.pipeline.schedules import BUILDERS, Timeline, build, critical_path_gap, simulate
 from refpar.parallel.pipeline.stage import stage_layers
 from refpar.sharding import shard_range
+
+if TYPE_CHECKING:
+    from refpar.comm.trace import Tracer
 
 
 def add_arguments(parser) -> None:
@@ -126,6 +129,7 @@ def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, pl
 
 def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args) -> int:
     from refpar.comm.communicator import abort_on_error, world
+    from refpar.comm.trace import Tracer
     from refpar.mesh import DeviceMesh
     from refpar.report import run_summary, summary_line
 
