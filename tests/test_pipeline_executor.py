@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from refpar.cli import main
 from refpar.parallel.pipeline.schedules import gpipe, one_f_one_b, peak_inflight_microbatches
-from tests.mpi import mpiexec
+from tests.mpi import mpiexec, refpar_json
 
 CASES = {
     2: [["gpipe", 4, 1], ["1f1b", 3, 1], ["interleaved-1f1b", 4, 2], ["zb-h1", 4, 1],
@@ -74,3 +75,32 @@ def test_executed_bubble_is_the_simulated_one_within_the_critical_path_gap(resul
         assert -1e-9 <= slack <= r["gap"] + 1e-9, (p, r["kind"], slack, r["gap"])
         assert 0 <= r["measured_bubble"] - r["simulated_bubble"] + 1e-9
         assert r["measured_bubble"] - r["simulated_bubble"] <= r["gap"] / r["measured_makespan"] + 1e-9
+
+
+def test_train_command_matches_one_device_and_reports_bytes_and_bubbles():
+    out = refpar_json(2, "train", "--mesh", "pp=2", "--schedule", "interleaved-1f1b",
+                      "--microbatches", "4", "--steps", "2", "--check")
+    assert (out["schedule"], out["microbatches"], out["mesh"]["pp"]) == ("interleaved-1f1b", 4, 2)
+    assert out["max_loss_rel_diff"] <= 1e-10 and out["max_param_rel_diff"] <= 1e-10
+    rows = {tuple(sorted(r.items())) for r in out["comm_bytes"]}
+    assert rows == {tuple(sorted(r.items())) for r in out["expected_comm_bytes"]}
+    bubble = out["bubble_fraction"]
+    # the simulation of the measured durations is a lower bound of the executed bubble (see
+    # test_executed_bubble_is_the_simulated_one_within_the_critical_path_gap); unit costs give
+    # Narayanan et al.'s (p-1)/(v*m + p-1) of total time
+    assert bubble["simulated"] <= bubble["measured"] + 1e-9
+    assert bubble["simulated_unit_costs"] == pytest.approx(1 / 9)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--schedule", "zb-h3"], "unknown schedule 'zb-h3'"),
+    (["--mesh", "pp=2,tp=2"], "combines with dp only so far; drop tp=2"),
+    (["--microbatches", "16"], "fewer sequences per pipeline than --microbatches 16"),
+    (["--mesh", "pp=4", "--schedule", "interleaved-1f1b", "--microbatches", "4"],
+     "8 pipeline stages need at least 8 blocks"),
+])
+def test_train_command_bad_pipeline_input_is_one_sentence_before_mpi(argv, words, capsys):
+    argv = ["train", "--mesh", "pp=2", *argv] if "--mesh" not in argv else ["train", *argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err

@@ -44,7 +44,8 @@ def configs(args):
         if size > 1:
             raise ConfigError(f"mesh axis {axis}={size} is not implemented yet; run without --mesh "
                               f"(or with {axis}=1) for the single-device reference")
-    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout)) if v is not None}
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout),
+                                   ("n_layer", args.n_layer)) if v is not None}
     model = model_preset(args.model, **overrides)
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         optimizer=args.optimizer, seed=args.seed)

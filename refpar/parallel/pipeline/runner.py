@@ -13,7 +13,7 @@ measured from the executed trace, and as simulated from the same per-action dura
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,7 +42,7 @@ def add_arguments(parser) -> None:
     once("--chunks", type=int, default=None,
          help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
     once("--n-layer", type=int, default=None,
-         help="blocks of the model, replacing the preset's (each pipeline stage needs one)")
+         help="blocks of the model, replacing the preset's (each pipeline stage needs at least one)")
     once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
     once("--check", action="store_true", help="also run the single-device reference and compare")
 
@@ -128,16 +128,9 @@ def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, pl
 
 
 def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args) -> int:
-    from refpar.comm.communicator import abort_on_error, world
-    from refpar.comm.trace import Tracer
-    from refpar.mesh import DeviceMesh
-    from refpar.report import run_summary, summary_line
-
     other = [f"{a}={s}" for a, s in sizes.items() if a not in ("pp", "dp") and s > 1]
     if other:
         raise ConfigError(f"pipeline training combines with dp only so far; drop {', '.join(other)}")
-    if args.n_layer is not None:
-        model = replace(model, n_layer=args.n_layer)
     v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved-1f1b" else 1)
     # Every rank checks everything before the first message.
     build(args.schedule, sizes["pp"], args.microbatches, v)
@@ -146,6 +139,11 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
         raise ConfigError(f"--batch-size {train.batch_size} over dp={sizes['dp']} leaves fewer "
                           f"sequences per pipeline than --microbatches {args.microbatches}; use "
                           f"--batch-size {sizes['dp'] * args.microbatches} or more")
+    from refpar.comm.communicator import abort_on_error, world  # starts MPI
+    from refpar.comm.trace import Tracer
+    from refpar.mesh import DeviceMesh
+    from refpar.report import run_summary, summary_line
+
     with abort_on_error():
         comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
         run = run_pipeline(model, train, DeviceMesh(comm, sizes), args.schedule, args.microbatches, v)
