@@ -15,9 +15,13 @@ from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig
 from refpar.mesh import DeviceMesh
 from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import DropoutContext, init_params
-from refpar.parallel.pipeline.executor import held_bytes
-from refpar.parallel.pipeline.runner import expected_comm_rows, microbatches, run_pipeline
+from refpar.model.gpt import init_params
+from refpar.parallel.pipeline.runner import (
+    expected_comm_rows,
+    microbatch_bytes,
+    microbatches,
+    run_pipeline,
+)
 from refpar.parallel.pipeline.schedules import critical_path_gap, stored
 from refpar.parallel.pipeline.stage import Stage
 from refpar.trainer import train_single_device
@@ -26,20 +30,6 @@ from refpar.trainer import train_single_device
 # be drawn by global sample id and global layer to match.
 MODEL = ModelConfig(n_layer=8, dropout=0.1, dtype="float64")
 TRAIN = TrainConfig(steps=3, batch_size=8, seq_len=8, seed=7)
-
-
-def stage_bytes(stage: Stage, mb, params) -> tuple[int, int]:
-    """Bytes a stage stores for one microbatch after its F and after its B, measured here on one
-    process, independently of the executor's ledger."""
-    x = mb.tokens
-    if not stage.first:
-        x = np.zeros((len(mb.sample_ids), mb.tokens.shape[1], MODEL.n_embd))  # (b, T, C)
-    drop = DropoutContext(TRAIN.seed, 0, mb.sample_ids, MODEL.dropout, True)
-    out, cache = stage.forward(params, x, mb.targets, drop, TRAIN.batch_size * TRAIN.seq_len)
-    after_f = held_bytes(cache, params)
-    dout = None if stage.last else np.ones_like(out)
-    _, saved = stage.backward_input(dout, cache)
-    return after_f, held_bytes(saved, params)
 
 
 def main(cases) -> None:
@@ -57,7 +47,9 @@ def main(cases) -> None:
         mbs = microbatches(tokens, targets, 0, m)
         ex = run.executor
         n_stages = ex.layout.n_stages
-        sizes = {(s, i): stage_bytes(Stage(MODEL, n_stages, s), mbs[i], params0)
+        # measured apart from the run: one stage on one microbatch of zeros, here
+        sizes = {(s, i): microbatch_bytes(Stage(MODEL, n_stages, s), len(mbs[i].sample_ids), MODEL,
+                                          TRAIN, params0)
                  for s in range(n_stages) for i in range(m)}
         replay = stored(ex.schedule, lambda a, sizes=sizes: sizes[a.stage, a.microbatch][0],
                         lambda a, sizes=sizes: sizes[a.stage, a.microbatch][1])[ex.rank]

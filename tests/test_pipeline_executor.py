@@ -84,6 +84,9 @@ def test_train_command_matches_one_device_and_reports_bytes_and_bubbles():
     assert out["max_loss_rel_diff"] <= 1e-10 and out["max_param_rel_diff"] <= 1e-10
     rows = {tuple(sorted(r.items())) for r in out["comm_bytes"]}
     assert rows == {tuple(sorted(r.items())) for r in out["expected_comm_bytes"]}
+    # parameters, gradients, AdamW moments of each rank's stages; activations: the schedule's
+    # in-flight microbatches times what each keeps
+    assert out["memory_peak_bytes"] == out["expected_memory_peak_bytes"]
     bubble = out["bubble_fraction"]
     # the simulation of the measured durations is a lower bound of the executed bubble (see
     # test_executed_bubble_is_the_simulated_one_within_the_critical_path_gap); unit costs give

@@ -21,11 +21,18 @@ import numpy as np
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params, param_shapes
+from refpar.model.gpt import DropoutContext, init_params, param_shapes
 from refpar.model.optim import optimizer_init, optimizer_step
-from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor
-from refpar.parallel.pipeline.schedules import BUILDERS, Timeline, build, critical_path_gap, simulate
-from refpar.parallel.pipeline.stage import stage_layers
+from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor, held_bytes
+from refpar.parallel.pipeline.schedules import (
+    BUILDERS,
+    Timeline,
+    build,
+    critical_path_gap,
+    simulate,
+    stored,
+)
+from refpar.parallel.pipeline.stage import Stage, stage_layers
 from refpar.sharding import shard_range
 
 if TYPE_CHECKING:
@@ -73,7 +80,10 @@ def microbatches(tokens, targets, first_id: int, m: int) -> list[Microbatch]:
     out = []
     for i in range(m):
         a, b = shard_range(tokens.shape[0], m, i)
-        out.append(Microbatch(tokens[a:b], targets[a:b], tuple(range(first_id + a, first_id + b))))
+        # copies: a microbatch owns its rows, so the embedding cache that keeps its tokens holds
+        # (b, T), not a view of the whole batch, in the ledger
+        out.append(Microbatch(tokens[a:b].copy(), targets[a:b].copy(),
+                              tuple(range(first_id + a, first_id + b))))
     return out
 
 
@@ -151,7 +161,10 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
         comm_rows, memory_rows = gather_rows(plain, run)
         if comm.rank != 0:
             return 0
-        report(args.schedule, sizes, model, train, run, checked, comm_rows, memory_rows, v)
+        expected_comm = expected_comm_rows(model, train, sizes, args.microbatches, v)
+        expected_memory = expected_memory_rows(model, train, sizes, args.schedule, args.microbatches, v)
+        report(args.schedule, sizes, model, train, run, checked, comm_rows, expected_comm,
+               memory_rows, expected_memory, v)
         if args.json:
             bubble = {"measured": run.measured.bubble_fraction,
                       "simulated": run.simulated.bubble_fraction,
@@ -159,8 +172,9 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
             summary = run_summary(
                 model, train, run.losses, mesh=sizes, world_size=comm.size, zero=0,
                 schedule=args.schedule, microbatches=args.microbatches, comm_bytes=comm_rows,
-                expected_comm_bytes=expected_comm_rows(model, train, sizes, args.microbatches, v),
-                memory_peak_bytes=memory_rows, bubble_fraction=bubble, step_time_s=run.step_time_s,
+                expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
+                expected_memory_peak_bytes=expected_memory, bubble_fraction=bubble,
+                step_time_s=run.step_time_s,
                 loss_floor=MarkovCorpus(model.vocab_size, train.seed).entropy_rate(), **checked)
             print(summary_line(summary), flush=True)
     return 0
@@ -205,6 +219,52 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict[str, 
     return rows
 
 
+def microbatch_bytes(stage: Stage, b: int, model: ModelConfig, train: TrainConfig, params: dict
+                     ) -> tuple[int, int]:
+    """Bytes `stage` keeps for one microbatch of b sequences after its F, and after its B (what
+    W needs), measured by running the stage once on zeros: they depend on shapes only."""
+    T, C = train.seq_len, model.n_embd
+    tokens = np.zeros((b, T), dtype=np.int64)  # (b, T)
+    x = tokens if stage.first else np.zeros((b, T, C), dtype=model.dtype)  # (b, T) or (b, T, C)
+    drop = DropoutContext(train.seed, 0, tuple(range(b)), model.dropout, True)
+    out, cache = stage.forward(params, x, tokens, drop, b * T)
+    after_f = held_bytes(cache, params)
+    _, saved = stage.backward_input(None if stage.last else np.ones_like(out), cache)
+    return after_f, held_bytes(saved, params)
+
+
+def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], kind: str,
+                         m: int, v: int) -> list[dict]:
+    """Every rank's peak bytes by category: its stages' parameters, as many gradients, AdamW's two
+    moments; and activations, the schedule's in-flight replay (`schedules.stored`) with the bytes
+    one microbatch keeps after F and after B (`microbatch_bytes`)."""
+    p, d = sizes["pp"], sizes["dp"]
+    schedule = build(kind, p, m, v)
+    stages = [Stage(model, p * v, s) for s in range(p * v)]
+    params = init_params(model, train.seed)
+    rows_of = {}  # dp rank -> the rows of each of its microbatches
+    for dr in range(d):
+        first, stop = shard_range(train.batch_size, d, dr)
+        rows_of[dr] = [b - a for a, b in (shard_range(stop - first, m, i) for i in range(m))]
+    kept = {(st.stage, b): microbatch_bytes(st, b, model, train, params)  # after F, after B
+            for st in stages for b in {b for rows in rows_of.values() for b in rows}}
+    replays = {dr: _replay(schedule, kept, rows) for dr, rows in rows_of.items()}
+    out = []
+    for rank in range(p * d):
+        r, dr = divmod(rank, d)  # the mesh lays pp slowest, then dp
+        names = {n for st in stages if st.stage % p == r for n in st.param_names()}
+        held = sum(params[n].nbytes for n in names)
+        peaks = {"params": held, "grads": held, "optimizer": 2 * held if train.optimizer == "adamw" else 0,
+                 "activations": max(replays[dr][r], default=0), "comm": 0}
+        out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
+    return out
+
+
+def _replay(schedule, kept, rows_of) -> dict[int, list[int]]:
+    return stored(schedule, lambda a: kept[a.stage, rows_of[a.microbatch]][0],
+                  lambda a: kept[a.stage, rows_of[a.microbatch]][1])
+
+
 def gather_rows(plain, run: PipelineRun) -> tuple[list[dict], list[dict]]:
     """Every rank's (comm rows by axis and op, peak memory rows), gathered onto every rank."""
     keys = [("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("dp", "all_reduce"),
@@ -223,7 +283,8 @@ def gather_rows(plain, run: PipelineRun) -> tuple[list[dict], list[dict]]:
     return comm, memory
 
 
-def report(kind, sizes, model, train, run: PipelineRun, checked, comm_rows, memory_rows, v) -> None:
+def report(kind, sizes, model, train, run: PipelineRun, checked, comm_rows, expected_comm, memory_rows,
+           expected_memory, v) -> None:
     def say(text=""):
         print(text, flush=True)
 
@@ -246,10 +307,16 @@ def report(kind, sizes, model, train, run: PipelineRun, checked, comm_rows, memo
     say(f"  measured makespan {measured.makespan * 1e3:.2f} ms, simulated {simulated.makespan * 1e3:.2f}"
         f" ms; time on the executed critical path outside actions (messages, bookkeeping): "
         f"{critical_path_gap(measured, run.executor.schedule) * 1e3:.2f} ms")
-    say("bytes sent (received) per rank over all steps:")
+    closed = {(r["rank"], r["axis"], r["op"]): r for r in expected_comm}
+    say("bytes sent (received) per rank over all steps, measured | closed form:")
     for r in comm_rows:
-        say(f"  rank {r['rank']} {r['axis']} {r['op']:<11} {r['bytes_sent']:>10,} ({r['bytes_recv']:,})")
-    say("peak memory per rank in bytes:")
+        e = closed.get((r["rank"], r["axis"], r["op"]), {"bytes_sent": 0, "bytes_recv": 0})
+        say(f"  rank {r['rank']} {r['axis']:<5} {r['op']:<10} {r['bytes_sent']:>10,} ({r['bytes_recv']:,})"
+            f" | {e['bytes_sent']:,} ({e['bytes_recv']:,})")
+    expected = {(r["rank"], r["category"]): r["bytes"] for r in expected_memory}
+    say("peak memory per rank in bytes, measured | expected (activations: the schedule's in-flight "
+        "microbatches x the bytes each keeps):")
     for rank in range(max(r["rank"] for r in memory_rows) + 1):
-        cells = [f"{r['category']} {r['bytes']:,}" for r in memory_rows if r["rank"] == rank]
+        cells = [f"{r['category']} {r['bytes']:,} | {expected[rank, r['category']]:,}"
+                 for r in memory_rows if r["rank"] == rank and r["category"] != "comm"]
         say(f"  rank {rank}: " + ", ".join(cells))
