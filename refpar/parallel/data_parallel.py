@@ -1,0 +1,90 @@
+"""Data parallelism: every rank holds the whole model and a slice of the global batch.
+
+    mpiexec -n 2 python -m refpar train --mesh dp=2 --check
+
+Each dp rank takes its `shard_range` of the global batch's sample ids, runs forward and backward
+on it (in micro-batches, gradients accumulating in one flat buffer), and the ranks all-reduce
+(sum) the gradients. The loss is normalised by the *global* token count B*T on every rank, so
+the sum over ranks is the single device's mean and the summed gradients are its gradients; no
+rank ever divides by its own batch size.
+
+The all-reduce is done in buckets, as PyTorch DDP does: whole parameters taken from the end of
+the flat buffer (the last block's gradients are complete first), a bucket sent as soon as the
+backward of every parameter in it is finished, during the last micro-batch only (earlier ones
+just accumulate). Per rank per step that is 2(N-1)/N·Ψ elements for a ring all-reduce.
+
+Ledger: params 8Ψ, grads 8Ψ (+ the largest dict a backward piece returns, until it is folded
+in), optimizer 16Ψ (AdamW m, v), comm one bucket's all-reduce output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refpar.analysis.memory import bucket_sizes
+from refpar.parallel.units import FlatLayout, optimizer_update
+
+
+class DataParallel:
+    name = "dp"
+
+    def __init__(self, config, train, dp, ledger, params: dict, bucket_elems: int = 1 << 62):
+        self.config, self.train, self.dp, self.ledger = config, train, dp, ledger
+        self.layout = lay = FlatLayout(config)
+        self.params = ledger.alloc("params.flat", np.concatenate(
+            [lay.flatten(u, params) for u in lay.units]), "params")  # (Ψ,)
+        self.grads = ledger.alloc("grads.flat", np.zeros_like(self.params), "grads")  # (Ψ,)
+        self.state = {}
+        if train.optimizer == "adamw":
+            for k in ("m", "v"):
+                self.state[k] = ledger.alloc(f"optimizer.{k}", np.zeros_like(self.params), "optimizer")
+        self.t = 0
+        # Buckets as [start, stop) of the flat buffer, in the order backward completes them, each
+        # with the unit whose backward completes it (the unit of its lowest parameter).
+        self.buckets = []
+        stop = lay.total
+        for size in bucket_sizes(config, bucket_elems):
+            start = stop - size
+            unit = next(u for u in reversed(list(lay.units)) if lay.starts[u] <= start)
+            self.buckets.append((start, stop, unit))
+            stop = start
+
+    def unit_flat(self, unit: str, flat):
+        a = self.layout.starts[unit]
+        return flat[a:a + self.layout.sizes[unit]]  # (Ψ_u,)
+
+    def begin_step(self) -> None:
+        self.grads[...] = 0.0
+
+    def acquire(self, unit: str, phase: str):
+        return self.layout.views(unit, self.unit_flat(unit, self.params)), self.params
+
+    def release(self, unit: str, phase: str) -> None:
+        """Every rank keeps the whole model: nothing to free."""
+
+    def fold(self, unit: str, grads: dict, piece: str) -> None:
+        self.ledger.alloc("grads.piece", sum(int(g.nbytes) for g in grads.values()), "grads")
+        views = self.layout.views(unit, self.unit_flat(unit, self.grads))
+        for name, g in grads.items():
+            views[name] += g
+        self.ledger.free("grads.piece")
+
+    def unit_done(self, unit: str, last: bool) -> None:
+        if not last:
+            return
+        for k, (start, stop, ready_after) in enumerate(self.buckets):
+            if ready_after == unit:
+                summed = self.dp.all_reduce(self.grads[start:stop], tag=f"bucket.{k}:grad")
+                self.ledger.alloc("comm.bucket", summed, "comm")
+                self.grads[start:stop] = summed
+                self.ledger.free("comm.bucket")
+
+    def optimizer_step(self) -> None:
+        self.t += 1
+        for u in self.layout.units:
+            optimizer_update(self, u, self.unit_flat(u, self.params), self.unit_flat(u, self.grads),
+                             {k: self.unit_flat(u, s) for k, s in self.state.items()}, 0)
+
+    def full_params(self) -> dict:
+        return {n: v.copy() for u in self.layout.units
+                for n, v in self.layout.views(u, self.unit_flat(u, self.params)).items()}
