@@ -11,12 +11,12 @@ memory by category next to the closed form (refpar.analysis.memory).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from refpar.analysis.comm_volume import step_bytes
-from refpar.analysis.memory import Options, peak_bytes
+from refpar.analysis.memory import Options, model_state_bytes, peak_bytes
 from refpar.comm.trace import Tracer
 from refpar.config import ConfigError
 from refpar.memory import CATEGORIES, MemoryLedger
@@ -132,3 +132,110 @@ def gather_rows(world, run: DPRun):
             memory.append({"rank": r, "category": c, "bytes": row[2 * len(OPS) + j]})
     return comm, memory
 
+
+# ------------------------------------------------------------------------------ command line
+def add_arguments(parser) -> None:
+    """The data-parallel flags of `refpar train`; --check and --microbatches are shared with other
+    strategies, so each is added only if another module has not added it already."""
+    def once(flag, **kwargs):
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, **kwargs)
+
+    once("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+         help="ZeRO stage over the dp axis: 0 plain DP, 1 optimizer, 2 +gradients, 3 +parameters")
+    once("--fsdp", action="store_true", help="FSDP over the dp axis (ZeRO-3 by units)")
+    once("--prefetch", action="store_true", help="FSDP: gather the next unit one piece early")
+    once("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+         help="FSDP: keep each block gathered from its forward to its backward")
+    once("--bucket-kb", type=float, default=None,
+         help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
+    once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+    once("--check", action="store_true", help="also run the single-device reference and compare")
+
+
+def wants_data_parallel(sizes: dict[str, int], args) -> bool:
+    """A dp-only mesh with more than one rank, or ZeRO/FSDP asked for."""
+    only_dp = all(size == 1 for axis, size in sizes.items() if axis != "dp")
+    return only_dp and (sizes["dp"] > 1 or args.zero > 0 or args.fsdp)
+
+
+def strategy_name(args) -> str:
+    if args.fsdp and args.zero:
+        raise ConfigError(f"--fsdp and --zero {args.zero} are two ways to shard; give one of them")
+    return "fsdp" if args.fsdp else ("dp" if args.zero == 0 else f"zero{args.zero}")
+
+
+def run_cli(model, train, sizes: dict[str, int], args) -> int:
+    from refpar.comm.communicator import abort_on_error, world
+    from refpar.mesh import DeviceMesh
+    from refpar.report import run_summary, summary_line
+
+    itemsize = np.dtype(model.dtype).itemsize
+    bucket = 1 << 62 if args.bucket_kb is None else int(args.bucket_kb * 1024 // itemsize)
+    opts = options(strategy_name(args), model, train, args.microbatches, bucket, args.prefetch,
+                   args.reshard_after_forward)
+    check_options(opts, train, sizes["dp"])
+    with abort_on_error():
+        comm = world(Tracer())
+        mesh = DeviceMesh(comm, sizes)
+        n = mesh.dp.size
+        run = run_data_parallel(opts, model, train, mesh.dp, gather_params=args.check)
+        comm_rows, memory_rows = gather_rows(comm, run)
+        states = comm.all_gather(np.array([[run.model_state[c] for c in ("params", "grads", "optimizer")]]),
+                                 tag="report", counts=[1] * n)
+        if comm.rank != 0:
+            return 0
+        checked = reference_diffs(model, train, run) if args.check else {}
+        expected_comm, expected_memory = expected_rows(opts, model, train, n)
+        report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory_rows,
+               expected_memory, states.sum(axis=1).tolist())
+        if args.json:
+            summary = run_summary(
+                model, train, run.losses, mesh=sizes, world_size=comm.size,
+                zero=3 if opts.strategy == "fsdp" else int(args.zero), microbatches=opts.microbatches,
+                comm_bytes=comm_rows, expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
+                expected_memory_peak_bytes=expected_memory, step_time_s=run.step_time_s,
+                loss_floor=corpus_for(model, train).entropy_rate(), **checked)
+            print(summary_line(summary), flush=True)
+    return 0
+
+
+def report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory_rows, expected_memory,
+           state_per_rank) -> None:
+    """The learner's table: losses by step, bytes by rank and op, peak memory by rank and category,
+    and how the model states per rank compare with plain DP's."""
+    def say(text=""):
+        print(text, flush=True)
+
+    label = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
+    say(f"{label[opts.strategy]} over dp={n}: GPT-2 {model.n_layer} layers, {model.dtype}, "
+        f"batch {train.batch_size} x {train.seq_len} in {opts.microbatches} micro-batch(es) per rank")
+    ref = checked.get("reference_losses")
+    say(f"{'step':>5} {'loss':>20} {'single device':>20} {'rel diff':>10}")
+    for s, loss in enumerate(run.losses):
+        if ref is None:
+            say(f"{s + 1:>5} {loss:>20.15f}")
+        else:
+            say(f"{s + 1:>5} {loss:>20.15f} {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}")
+    if checked:
+        say(f"max relative parameter difference after {train.steps} steps: "
+            f"{checked['max_param_rel_diff']:.1e}")
+    expected = {(r["rank"], r["op"]): r for r in expected_comm}
+    say(f"bytes sent (received) per rank over {train.steps} steps, measured | closed form:")
+    for r in comm_rows:
+        e = expected.get((r["rank"], r["op"]), {"bytes_sent": 0, "bytes_recv": 0})
+        say(f"  rank {r['rank']} {r['op']:<15} {r['bytes_sent']:>10,} ({r['bytes_recv']:,}) | "
+            f"{e['bytes_sent']:,} ({e['bytes_recv']:,})")
+    expected_mem = {(r["rank"], r["category"]): r["bytes"] for r in expected_memory}
+    say("peak memory per rank in bytes, measured | closed form:")
+    for rank in range(n):
+        cells = []
+        for r in memory_rows:
+            if r["rank"] == rank:
+                e = expected_mem.get((rank, r["category"]))
+                cells.append(f"{r['category']} {r['bytes']:,}" + ("" if e is None else f" | {e:,}"))
+        say(f"  rank {rank}: " + ", ".join(cells))
+    dp_state = sum(model_state_bytes(model, n, 0, replace(opts, strategy="dp")).values())
+    say(f"model states (params+grads+optimizer) per rank: {label[opts.strategy]} "
+        + ", ".join(f"{b:,}" for b in state_per_rank)
+        + f" vs DP {dp_state:,} ({dp_state / max(state_per_rank):.2f}x less on the fullest rank)")
