@@ -26,9 +26,9 @@ def paper_step_elems(psi: float, n: int, stage: int) -> float:
 LOSS = ("all_reduce", 1, 1)  # the step's loss, one float64, summed so every rank can print it
 
 
-def step_collectives(config, n: int, opts: Options) -> list[tuple[str, int, int]]:
-    """(op, elements, calls per step) of every collective one step runs; the last is the loss's
-    one-element all-reduce (a float64 whatever the model's dtype)."""
+def step_collectives(config, n: int, opts: Options, loss: bool = True) -> list[tuple[str, int, int]]:
+    """(op, elements, calls per step) of every collective one step runs; with `loss` the last is
+    the loss's one-element all-reduce (a float64 whatever the model's dtype)."""
     check_strategy(opts.strategy)
     sizes, M = unit_sizes(config), opts.microbatches
     calls: list[tuple[str, int, int]] = []
@@ -47,7 +47,8 @@ def step_collectives(config, n: int, opts: Options) -> list[tuple[str, int, int]
             gathers = {u: M if u == ROOT or not opts.reshard_after_forward else 2 * M for u in sizes}
         for u, size in sizes.items():
             calls += [("all_gather", size, gathers[u]), ("reduce_scatter", size, M)]
-    calls.append(LOSS)
+    if loss:
+        calls.append(LOSS)
     return [c for c in calls if c[2] > 0]
 
 
@@ -60,10 +61,12 @@ def collective_bytes(op: str, elems: int, n: int, rank: int, itemsize: int) -> c
     return cost.all_gather_bytes(shard_sizes(elems, n), rank, itemsize)
 
 
-def step_bytes(config, n: int, rank: int, opts: Options, steps: int = 1) -> dict[str, cost.Bytes]:
-    """op -> bytes sent and received by `rank` of `n` over `steps` steps, in first-call order."""
+def step_bytes(config, n: int, rank: int, opts: Options, steps: int = 1,
+               loss: bool = True) -> dict[str, cost.Bytes]:
+    """op -> bytes sent and received by `rank` of `n` over `steps` steps, in first-call order
+    (`loss=False`: the model states' traffic only)."""
     out: dict[str, list[int]] = {}
-    for call in step_collectives(config, n, opts):
+    for call in step_collectives(config, n, opts, loss):
         op, elems, calls = call
         b = collective_bytes(op, elems, n, rank, 8 if call is LOSS else opts.itemsize)
         sent, recv = out.setdefault(op, [0, 0])

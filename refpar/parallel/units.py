@@ -169,9 +169,9 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
         strategy.release(f"h.{i}", "fwd")
         acts.keep(f"h.{i}", c_blocks[-1])
 
-    params, _ = strategy.acquire(ROOT, "head")
+    params, base = strategy.acquire(ROOT, "head")
     loss, c_head = head_forward(x, params, targets, config, normalizer)  # ()
-    acts.keep("head", c_head)
+    acts.keep("head", detach(c_head, base))  # the parameters it views are not activations
     dx, grads = head_backward(c_head)  # (B, T, C)
     del c_head
     acts.drop("head")
