@@ -35,7 +35,6 @@ def test_uneven_shards_add_up_to_the_whole_model_and_stay_within_one_element_per
         n, strategy, stage):
     opts = Options(strategy)
     per_rank = [model_state_bytes(TINY, n, r, opts) for r in range(n)]
-    whole = paper_model_state_bytes(PSI, 1, 0, k=16, param_bytes=8, grad_bytes=8)
     sharded = {"params": stage >= 3, "grads": stage >= 2, "optimizer": True}
     for category, is_sharded in sharded.items():
         total = sum(s[category] for s in per_rank)
