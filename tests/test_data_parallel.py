@@ -11,7 +11,7 @@ import pytest
 
 from refpar.analysis.memory import Options, model_state_bytes
 from refpar.config import model_preset
-from tests.mpi import refpar_json, run_script
+from tests.mpi import mpiexec, refpar_json, run_script
 
 TOL = 1e-10  # float64: only the order of the sums over ranks and micro-batches differs
 
@@ -122,3 +122,14 @@ def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the
     measured = {(r["rank"], r["category"]): r["bytes"] for r in summary["memory_peak_bytes"]}
     assert all(measured[(r["rank"], r["category"])] == r["bytes"]
                for r in summary["expected_memory_peak_bytes"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--zero", "2", "--fsdp"], "--fsdp and --zero 2 are two ways to shard; give one of them"),
+    (["--zero", "1", "--microbatches", "9"], "cannot give each of dp=1 ranks 9 micro-batches"),
+    (["--zero", "4"], "invalid choice: 4"),
+])
+def test_bad_data_parallel_options_exit_with_one_sentence(args, words):
+    proc = mpiexec(1, "-m", "refpar", "train", *args, check=False, timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -175,10 +175,10 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     opts = options(strategy_name(args), model, train, args.microbatches, bucket, args.prefetch,
                    args.reshard_after_forward)
     check_options(opts, train, sizes["dp"])
+    comm = world(Tracer())
+    mesh = DeviceMesh(comm, sizes)  # a mesh that does not fit the job: the same ConfigError everywhere
+    n = mesh.dp.size
     with abort_on_error():
-        comm = world(Tracer())
-        mesh = DeviceMesh(comm, sizes)
-        n = mesh.dp.size
         run = run_data_parallel(opts, model, train, mesh.dp, gather_params=args.check)
         comm_rows, memory_rows = gather_rows(comm, run)
         states = comm.all_gather(np.array([[run.model_state[c] for c in ("params", "grads", "optimizer")]]),
