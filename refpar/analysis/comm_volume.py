@@ -64,11 +64,20 @@ def collective_bytes(op: str, elems: int, n: int, rank: int, itemsize: int) -> c
 def step_bytes(config, n: int, rank: int, opts: Options, steps: int = 1,
                loss: bool = True) -> dict[str, cost.Bytes]:
     """op -> bytes sent and received by `rank` of `n` over `steps` steps, in first-call order
-    (`loss=False`: the model states' traffic only)."""
+    (`loss=False`: the model states' traffic only). With overlap=True and N>1, DP's buckets appear as
+isend and irecv, with the ring all-reduce's bytes."""
     out: dict[str, list[int]] = {}
     for call in step_collectives(config, n, opts, loss):
         op, elems, calls = call
         b = collective_bytes(op, elems, n, rank, 8 if call is LOSS else opts.itemsize)
+        if opts.overlap and call is not LOSS:
+            # The overlapped buckets move the ring's bytes as isend/irecv pairs (DataParallel);
+            # one rank alone sends no message at all.
+            for p2p, moved in (("isend", cost.Bytes(b.sent, 0)), ("irecv", cost.Bytes(0, b.recv)))[
+                    :2 if n > 1 else 0]:
+                sent, recv = out.setdefault(p2p, [0, 0])
+                out[p2p] = [sent + moved.sent * calls * steps, recv + moved.recv * calls * steps]
+            continue
         sent, recv = out.setdefault(op, [0, 0])
         out[op] = [sent + b.sent * calls * steps, recv + b.recv * calls * steps]
     return {op: cost.Bytes(s, r) for op, (s, r) in out.items()}

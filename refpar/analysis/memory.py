@@ -112,6 +112,7 @@ class Options:
     microbatches: int = 1
     prefetch: bool = False  # FSDP: gather the next unit before computing the current one
     reshard_after_forward: bool = True  # FSDP: free a block's gathered parameters after its forward
+    overlap: bool = False  # DP: buckets all-reduced by ring rounds interleaved with the backward
 
 
 def model_state_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[str, int]:
@@ -145,7 +146,10 @@ def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[st
         # after the embedding's), plus one piece's dict and the unit buffer it is folded into.
         unit_transient = max(pieces["head"], pieces["embed"], 2 * psi_block)
         grads = state["grads"] + b * (psi_root + unit_transient)
-    if opts.strategy == "dp":
+    if opts.strategy == "dp" and opts.overlap:
+        params = state["params"]
+        comm = b * overlap_comm_peak(config, n, rank, opts.bucket_elems)
+    elif opts.strategy == "dp":
         params = state["params"]
         comm = b * max(bucket_sizes(config, opts.bucket_elems))  # one all-reduce output at a time
     elif opts.strategy in ("zero1", "zero2"):
@@ -179,3 +183,60 @@ def bucket_sizes(config: ModelConfig, bucket_elems: int) -> list[int]:
         current += size
     buckets.append(current)
     return buckets
+
+
+def bucket_ready_units(config: ModelConfig, bucket_elems: int) -> list[str]:
+    """For each bucket (in `bucket_sizes` order) the unit whose backward completes it: the unit of
+    its lowest parameter, since units finish backward from the last block down to the root."""
+    sizes = unit_sizes(config)
+    starts, total = {}, 0
+    for u, size in sizes.items():
+        starts[u], total = total, total + size
+    out, stop = [], total
+    for size in bucket_sizes(config, bucket_elems):
+        stop -= size
+        out.append(max((u for u in sizes if starts[u] <= stop), key=lambda u: starts[u]))
+    return out
+
+
+def overlap_comm_peak(config: ModelConfig, n: int, rank: int, bucket_elems: int) -> int:
+    """Peak elements of send copies and receive buffers held by overlapped ring all-reduces.
+
+    The schedule (refpar/parallel/data_parallel.py): when a unit's backward ends, every bucket in
+    flight completes its round (freeing that round's send and receive chunks) and posts the next,
+    one bucket after the other; then the buckets this unit completes post round 0; after the
+    backward the rest are advanced to the end. Ring round k of 2(N-1) on rank r moves chunks
+    (r-k-1, r-k-2) in the reduce-scatter half and (r-k+p-1, r-k+p-2) in the all-gather half."""
+    if n == 1:
+        return 0
+    rounds = 2 * (n - 1)
+
+    def held(size: int, k: int) -> int:
+        chunks = shard_sizes(size, n)
+        return chunks[(rank - k - 1) % n] + chunks[(rank - k - 2) % n]
+
+    sizes, ready = bucket_sizes(config, bucket_elems), bucket_ready_units(config, bucket_elems)
+    flight: list[list[int]] = []  # [size, round] of every bucket in flight, oldest first
+    now = peak = 0
+
+    def advance_all() -> None:
+        nonlocal now, peak
+        for bucket in flight:
+            now -= held(*bucket)
+            bucket[1] += 1
+            if bucket[1] < rounds:
+                now += held(*bucket)
+                peak = max(peak, now)
+        flight[:] = [bucket for bucket in flight if bucket[1] < rounds]
+
+    done_order = [f"h.{i}" for i in reversed(range(config.n_layer))] + [ROOT]
+    for unit in done_order:
+        advance_all()
+        for size, u in zip(sizes, ready, strict=True):
+            if u == unit:
+                flight.append([size, 0])
+                now += held(size, 0)
+                peak = max(peak, now)
+    while flight:
+        advance_all()
+    return peak

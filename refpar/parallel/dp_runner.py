@@ -27,7 +27,7 @@ from refpar.parallel.units import train_step
 from refpar.parallel.zero import Zero
 from refpar.trainer import corpus_for, train_single_device
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "isend", "irecv")
 
 
 @dataclass
@@ -44,10 +44,10 @@ class DPRun:
 
 
 def options(strategy: str, model, train, microbatches: int = 1, bucket_elems: int = 1 << 62,
-            prefetch: bool = False, reshard_after_forward: bool = True) -> Options:
+            prefetch: bool = False, reshard_after_forward: bool = True, overlap: bool = False) -> Options:
     return Options(strategy=strategy, itemsize=np.dtype(model.dtype).itemsize, optimizer=train.optimizer,
                    bucket_elems=bucket_elems, microbatches=microbatches, prefetch=prefetch,
-                   reshard_after_forward=reshard_after_forward)
+                   reshard_after_forward=reshard_after_forward, overlap=overlap)
 
 
 def check_options(opts: Options, train, dp_size: int) -> None:
@@ -58,6 +58,8 @@ def check_options(opts: Options, train, dp_size: int) -> None:
             f"the global batch of {train.batch_size} cannot give each of dp={dp_size} ranks "
             f"{opts.microbatches} micro-batches of at least one sequence; use --batch-size "
             f"{dp_size * opts.microbatches} or more, or fewer micro-batches")
+    if opts.overlap and opts.strategy != "dp":
+        raise ConfigError("--overlap applies to plain DP's gradient buckets; drop it or use --zero 0")
     if opts.bucket_elems < 1:
         raise ConfigError(f"the bucket size must be positive, got {opts.bucket_elems} elements")
 
@@ -65,7 +67,7 @@ def check_options(opts: Options, train, dp_size: int) -> None:
 def build(opts: Options, model, train, dp, ledger, params: dict):
     """The strategy object for `opts.strategy`, holding its share of `params`."""
     if opts.strategy == "dp":
-        return DataParallel(model, train, dp, ledger, params, opts.bucket_elems)
+        return DataParallel(model, train, dp, ledger, params, opts.bucket_elems, opts.overlap)
     if opts.strategy == "fsdp":
         return FSDP(model, train, dp, ledger, params, opts.prefetch, opts.reshard_after_forward)
     return Zero(model, train, dp, ledger, params, int(opts.strategy[-1]))
@@ -147,6 +149,8 @@ def add_arguments(parser) -> None:
     once("--prefetch", action="store_true", help="FSDP: gather the next unit one piece early")
     once("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
          help="FSDP: keep each block gathered from its forward to its backward")
+    once("--overlap", action="store_true",
+         help="DP: all-reduce each bucket as ring rounds interleaved with the rest of the backward")
     once("--bucket-kb", type=float, default=None,
          help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
     once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
@@ -173,7 +177,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     itemsize = np.dtype(model.dtype).itemsize
     bucket = 1 << 62 if args.bucket_kb is None else int(args.bucket_kb * 1024 // itemsize)
     opts = options(strategy_name(args), model, train, args.microbatches, bucket, args.prefetch,
-                   args.reshard_after_forward)
+                   args.reshard_after_forward, args.overlap)
     check_options(opts, train, sizes["dp"])
     comm = world(Tracer())
     mesh = DeviceMesh(comm, sizes)  # a mesh that does not fit the job: the same ConfigError everywhere
@@ -235,7 +239,12 @@ def report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory
                 e = expected_mem.get((rank, r["category"]))
                 cells.append(f"{r['category']} {r['bytes']:,}" + ("" if e is None else f" | {e:,}"))
         say(f"  rank {rank}: " + ", ".join(cells))
-    dp_state = sum(model_state_bytes(model, n, 0, replace(opts, strategy="dp")).values())
-    say(f"model states (params+grads+optimizer) per rank: {label[opts.strategy]} "
+    def state(strategy):
+        return max(sum(model_state_bytes(model, n, r, replace(opts, strategy=strategy)).values())
+                   for r in range(n))
+
+    dp_state, z3_state = state("dp"), state("zero3")
+    say(f"model states (params+grads+optimizer) per rank: {label[opts.strategy]} measured "
         + ", ".join(f"{b:,}" for b in state_per_rank)
-        + f" vs DP {dp_state:,} ({dp_state / max(state_per_rank):.2f}x less on the fullest rank)")
+        + f"; closed forms at dp={n}: DP {dp_state:,}, ZeRO-3 {z3_state:,} "
+        f"(DP / ZeRO-3 = {dp_state / z3_state:.2f}, falls as 1/N)")
