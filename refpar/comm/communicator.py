@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -28,6 +29,7 @@ import zlib
 from contextlib import contextmanager
 
 import numpy as np
+from array_api_compat import array_namespace, is_array_api_obj
 from mpi4py import MPI
 
 from refpar.comm import algorithms, cost
@@ -75,10 +77,6 @@ def _to_host(x):
     """(contiguous NumPy array, namespace to return results in or None for NumPy)."""
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x), None
-    try:
-        from array_api_compat import array_namespace, is_array_api_obj
-    except ImportError:  # array-api-compat is a dependency; without it, accept what NumPy accepts
-        return np.ascontiguousarray(np.asarray(x)), None
     if not is_array_api_obj(x):
         return np.ascontiguousarray(np.asarray(x)), None
     try:
@@ -92,10 +90,15 @@ def _from_host(a: np.ndarray, xp):
     return a if xp is None else xp.asarray(a)
 
 
+# Tags up to MPI's TAG_UB (2^29 - 1 in MPICH; the standard promises at least 32767), so that two
+# tensors in flight on one link almost never share a hash.
+_TAG_LIMIT = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1
+
+
 def _mpi_tag(tag: str) -> int:
     """The MPI tag of a point-to-point message: a hash of its refpar tag, the same on every rank,
-    so a receive matches the send of the same tensor; below 32768, the smallest TAG_UB MPI allows."""
-    return zlib.crc32(tag.encode()) % 32768
+    so a receive matches the send of the same tensor."""
+    return zlib.crc32(tag.encode()) % _TAG_LIMIT
 
 
 class _Link:
@@ -265,7 +268,7 @@ class Communicator:
             raise ValueError(f"all_to_all needs one chunk per rank ({self.size}), got {len(chunks)}")
         hosted = [_to_host(c) for c in chunks]
         parts = [h[0] for h in hosted]
-        xp = hosted[0][1] if hosted else None
+        xp = hosted[0][1]  # results come back in the namespace of the first chunk
         for part in parts:
             _require_axis0(part, "all_to_all")
             if part.shape[1:] != parts[0].shape[1:] or part.dtype != parts[0].dtype:
@@ -279,7 +282,7 @@ class Communicator:
         recv_counts = [int(c) for c in recv_counts]
         unit = int(np.prod(rest, dtype=np.int64))
         if algo == "native":
-            sendbuf = np.concatenate(parts) if parts else np.empty((0, *rest), dtype)
+            sendbuf = np.concatenate(parts)  # (sum n_j, ...) one buffer for MPI's Alltoallv
             recvbuf = np.empty((sum(recv_counts), *rest), dtype=dtype)
             send_spec = [sendbuf, ([c * unit for c in send_counts], _displacements(send_counts, unit))]
             recv_spec = [recvbuf, ([c * unit for c in recv_counts], _displacements(recv_counts, unit))]
@@ -322,6 +325,24 @@ class Communicator:
         self._native(self.comm.Ibarrier, self.comm.Barrier)
         if self.tracer is not None:
             self._record("barrier", "native", None, (), np.uint8, cost.Bytes(0, 0), tag, t0)
+
+    def gather_object(self, obj, root: int = 0) -> list | None:
+        """Small Python objects (trace rows, reports) from every rank to `root`, in rank order; None
+        elsewhere. Pickled and untraced: for bookkeeping about a run, never for its tensors."""
+        self._check_peer(root, "root")
+        self._doing = ("gather_object", "")
+        if self.timeout is None:
+            return self._private.gather(obj, root)
+        # No non-blocking pickled gather in MPI: send the pickle's length, then its bytes.
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        lengths = self._counts(data.size)
+        spec = [np.empty(sum(lengths), np.uint8), (lengths, _displacements(lengths, 1))] \
+            if self.rank == root else None
+        self._wait([self._private.Igatherv(data, spec, root)])
+        if self.rank != root:
+            return None
+        bounds = np.cumsum([0, *lengths])
+        return [pickle.loads(spec[0][bounds[i]:bounds[i + 1]].tobytes()) for i in range(self.size)]
 
     # --- point to point ----------------------------------------------------------------------
 
@@ -445,10 +466,20 @@ class Communicator:
             raise ValueError(f"{what}={peer} is not a rank of axis {self.axis} (0..{self.size - 1})")
 
     def _record(self, op, algo, peer, shape, dtype, moved: cost.Bytes, tag: str, t0: float) -> None:
-        name = f"native({cost.NATIVE_ALGO[op]})" if algo == "native" and op in cost.NATIVE_ALGO else algo
+        name = _NATIVE_NAMES.get(op, algo) if algo == "native" else algo
         self.tracer.record(op=op, axis=self.axis, group=self.group, algo=name, peer=peer,
-                           dtype=np.dtype(dtype).name, shape=shape, bytes_sent=moved.sent,
+                           dtype=_dtype_name(dtype), shape=shape, bytes_sent=moved.sent,
                            bytes_recv=moved.recv, tag=tag, t_start=t0, t_end=now())
+
+
+_NATIVE_NAMES = {op: f"native({algo})" for op, algo in cost.NATIVE_ALGO.items()}
+_DTYPE_NAMES: dict = {}  # dtype.name runs Python code in NumPy; a traced call should cost microseconds
+
+
+def _dtype_name(dtype) -> str:
+    if dtype not in _DTYPE_NAMES:
+        _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+    return _DTYPE_NAMES[dtype]
 
 
 def _reduce_op(op: str):

@@ -53,14 +53,19 @@ def resolve_algo(op: str, algo: str) -> str:
 
 
 
+def chunk(n: int, p: int, i: int) -> int:
+    """c_i: the length of chunk i of n split p ways, as `shard_range` splits (the first n % p one
+    longer), without building the list."""
+    return n // p + (i < n % p)
+
+
 def reduce_scatter_bytes(n: int, p: int, rank: int, itemsize: int, row_size: int = 1,
                          algo: str = "ring") -> Bytes:
     """n rows of row_size elements split by shard_range. Ring: rank r forwards every chunk but
     its own, (n - c_r) rows, and receives every chunk but its left neighbour's, (n - c_{r-1})."""
     resolve_algo("reduce_scatter", algo)
-    c = shard_sizes(n, p)
     unit = row_size * itemsize
-    return Bytes((n - c[rank]) * unit, (n - c[(rank - 1) % p]) * unit)
+    return Bytes((n - chunk(n, p, rank)) * unit, (n - chunk(n, p, (rank - 1) % p)) * unit)
 
 
 def all_gather_bytes(counts: list[int], rank: int, itemsize: int, row_size: int = 1,
@@ -77,10 +82,8 @@ def all_reduce_bytes(n: int, p: int, rank: int, itemsize: int, algo: str = "ring
     """Ring = reduce-scatter of the n elements in chunks c_i, then all-gather of the same chunks:
     sent 2n - c_r - c_{r+1}, received 2n - c_{r-1} - c_r (2 (n - n/p) when p divides n)."""
     resolve_algo("all_reduce", algo)
-    c = shard_sizes(n, p)
-    rs = reduce_scatter_bytes(n, p, rank, itemsize)
-    ag = all_gather_bytes(c, rank, itemsize)
-    return Bytes(rs.sent + ag.sent, rs.recv + ag.recv)
+    left, own, right = chunk(n, p, (rank - 1) % p), chunk(n, p, rank), chunk(n, p, (rank + 1) % p)
+    return Bytes((2 * n - own - right) * itemsize, (2 * n - left - own) * itemsize)
 
 
 def all_to_all_bytes(send_counts: list[int], recv_counts: list[int], rank: int, itemsize: int,
@@ -111,11 +114,10 @@ def broadcast_bytes(n: int, p: int, rank: int, root: int, itemsize: int,
     name = resolve_algo("broadcast", algo)
     if name == "tree":
         return Bytes(tree_children(p, rank, root) * n * itemsize, (0 if rank == root else n) * itemsize)
-    c = shard_sizes(n, p)
-    ag = all_gather_bytes(c, rank, itemsize)
+    ag = all_gather_bytes(shard_sizes(n, p), rank, itemsize)
     if rank == root:
-        return Bytes((n - c[root]) * itemsize + ag.sent, ag.recv)
-    return Bytes(ag.sent, c[rank] * itemsize + ag.recv)
+        return Bytes((n - chunk(n, p, root)) * itemsize + ag.sent, ag.recv)
+    return Bytes(ag.sent, chunk(n, p, rank) * itemsize + ag.recv)
 
 
 def alpha_beta_time(op: str, algo: str, nbytes: int, p: int, *, alpha: float = 5e-6,

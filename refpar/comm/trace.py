@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class CommEvent:
     """One call on one rank. Bytes are what this rank put on (sent) and took off (recv) the wire;
     a rank's copy of its own chunk is not counted. `algo` names the algorithm whose bytes these are:
@@ -67,7 +67,7 @@ class Tracer:
     def record(self, *, op, axis, group, algo, peer, dtype, shape, bytes_sent, bytes_recv, tag,
                t_start, t_end) -> CommEvent:
         event = CommEvent(rank=self.rank, op=op, axis=axis, group=tuple(group), algo=algo, peer=peer,
-                          dtype=str(dtype), shape=tuple(int(s) for s in shape),
+                          dtype=str(dtype), shape=tuple(shape),
                           bytes_sent=int(bytes_sent), bytes_recv=int(bytes_recv), tag=tag,
                           t_start=t_start, t_end=t_end, **self._context)
         self.events.append(event)
@@ -98,9 +98,6 @@ class Tracer:
         return [{"rank": self.rank, "axis": axis, "op": op, "bytes_sent": s, "bytes_recv": r}
                 for (axis, op), (s, r) in self.totals().items()]
 
-    def to_jsonl(self) -> str:
-        return "".join(json.dumps(e.to_dict()) + "\n" for e in self.events)
-
 
 def chrome_trace(events: list[CommEvent], t0: float | None = None) -> dict:
     """Chrome trace JSON (the "Trace Event Format") for events of any number of ranks: one process
@@ -119,6 +116,15 @@ def chrome_trace(events: list[CommEvent], t0: float | None = None) -> dict:
                       "pid": e.rank, "tid": 0, "ts": (e.t_start - t0) * 1e6,
                       "dur": max(e.t_end - e.t_start, 0.0) * 1e6, "args": args})
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def write_trace(path, events: list[CommEvent]) -> None:
+    """Writes events as JSON lines when `path` ends in .jsonl, else as a Chrome trace (.json)."""
+    with open(path, "w") as f:
+        if str(path).endswith(".jsonl"):
+            f.writelines(json.dumps(e.to_dict()) + "\n" for e in events)
+        else:
+            json.dump(chrome_trace(events), f)
 
 
 def now() -> float:
