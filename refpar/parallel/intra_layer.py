@@ -100,6 +100,7 @@ class ActivationLedger:
 def loss_and_grads(params, tokens, targets, lay: Layout, drop, normalizer, acts: ActivationLedger):
     """tokens, targets (B, T) of this rank's samples -> (this rank's share of the loss, grads of its
     shards). Under tp the share is the whole loss; under cp and dp the shares add up to it."""
+    acts.begin(params)
     x, emb = vocab_parallel_embedding_forward(tokens[:, lay.region_pos], params, lay, drop)  # (B, Tl, C)
     acts.keep("act.embed.", emb)
     blocks = []
