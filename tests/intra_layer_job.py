@@ -62,7 +62,8 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
         for axis in ("tp", "cp", "dp"):
             g, w = [c for c in got if c[0] == axis], [c for c in want if c[0] == axis]
             if g != w:
-                first = next((i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), min(len(g), len(w)))
+                pairs = zip(g, w, strict=False)
+                first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(g), len(w)))
                 mismatches.append({"step": step, "axis": axis, "index": first, "got": g[first:first + 1],
                                    "want": w[first:first + 1], "n_got": len(g), "n_want": len(w)})
     out["comm_mismatches"] = mismatches
