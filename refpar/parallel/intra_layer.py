@@ -18,10 +18,11 @@ import numpy as np
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.model.gpt import DropoutContext, init_params
 from refpar.model.optim import optimizer_init, optimizer_step
-from refpar.parallel.context_parallel import cp_layout
-from refpar.parallel.sequence_parallel import all_reduce_sequence_parallel_grads, sp_layout
+from refpar.parallel.context_parallel import check_cp, cp_layout
+from refpar.parallel.sequence_parallel import all_reduce_sequence_parallel_grads, check_sp, sp_layout
 from refpar.parallel.tensor_parallel import (
     Layout,
+    check_tp,
     gather_params_tp,
     parallel_block_backward,
     parallel_block_forward,
@@ -47,6 +48,22 @@ def check_mesh(sizes: dict, sp: bool, cp_algo: str | None) -> None:
         raise ConfigError("--sp shards along the sequence over tp ranks; give the mesh tp=2 or more")
     if cp_algo is not None and sizes.get("cp", 1) < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
+
+
+def validate(model: ModelConfig, train: TrainConfig, sizes: dict, sp: bool = False,
+             cp_algo: str | None = None) -> None:
+    """Every check of a layout, with no communication: each rank raises the same ConfigError."""
+    check_mesh(sizes, sp, cp_algo)
+    train.check_model(model)
+    t, c, d = sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("dp", 1)
+    check_tp(model, t)
+    if sp:
+        check_sp(model, train.seq_len, t)
+    if c > 1:
+        check_cp(model, train.seq_len, c, cp_algo or "ring", t)
+    if train.batch_size < d:
+        raise ConfigError(f"batch_size={train.batch_size} is smaller than dp={d}; "
+                          f"use --batch-size {d} or more")
 
 
 def build_layout(config: ModelConfig, seq_len: int, mesh, sp: bool = False,
@@ -137,13 +154,10 @@ class IntraLayerTrainer:
     """One rank's state: its parameter shards, AdamW moments and ledger; `step(s)` trains one step."""
 
     def __init__(self, model: ModelConfig, train: TrainConfig, mesh, ledger, sp=False, cp_algo=None):
-        check_mesh(mesh.sizes, sp, cp_algo)
+        validate(model, train, mesh.sizes, sp, cp_algo)
         self.model, self.train, self.mesh, self.ledger, self.sp = model, train, mesh, ledger, sp
         self.lay = build_layout(model, train.seq_len, mesh, sp, cp_algo)
         dp = mesh.sizes["dp"]
-        if train.batch_size < dp:
-            raise ConfigError(f"batch_size={train.batch_size} is smaller than dp={dp}; "
-                              f"use --batch-size {dp} or more")
         t, tr = mesh.sizes["tp"], mesh.coords["tp"]
         self.params = shard_params_tp(init_params(model, train.seed), model, t, tr)
         for n, w in self.params.items():
