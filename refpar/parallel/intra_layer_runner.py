@@ -101,7 +101,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
             peaks = row[2 * len(AXIS_OPS):]
             memory_rows += [{"rank": r, "category": c, "bytes": b}
                             for c, b in zip(CATEGORIES, peaks, strict=True)]
-            expected_comm += expected_comm_rows(model, train, sizes, rank_coords(sizes, r), r, sp, cp_algo)
+            rows = expected_comm_rows(model, train, sizes, rank_coords(sizes, r), r, sp, cp_algo)
+            expected_comm += sorted(rows, key=lambda row: AXIS_OPS.index((row["axis"], row["op"])))
             expected_mem += [{"rank": r, "category": c, "bytes": b}
                              for c, b in expected_memory(model, train, sizes, r, sp, cp_algo).items()]
         checked = {}
