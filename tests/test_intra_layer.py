@@ -124,3 +124,18 @@ def test_layouts_that_cannot_work_raise_one_sentence_config_errors():
         with pytest.raises(ConfigError, match=words) as err:
             call()
         assert str(err.value).count(". ") == 0, str(err.value)
+
+
+@pytest.mark.parametrize("kind,p", [("tp", 2), ("tp", 4), ("sp", 2), ("sp", 4), ("ring", 2), ("ring", 4),
+                                    ("ulysses", 2), ("ulysses", 4)])
+def test_bytes_of_one_layer_reduce_to_the_papers_formulas(kind, p):
+    from refpar.analysis.intra_layer import expected_calls, paper_bytes_per_layer
+    from refpar.config import TrainConfig
+
+    model = ModelConfig(n_embd=32, n_head=4, n_layer=1, n_positions=32)
+    train = TrainConfig(batch_size=2, seq_len=32)
+    axis = "tp" if kind in ("tp", "sp") else "cp"
+    algo = kind if axis == "cp" else None
+    calls = expected_calls(model, train, {axis: p}, {axis: 1}, sp=kind == "sp", cp_algo=algo)
+    layer = sum(c.bytes_sent for c in calls if c.tag.startswith("h.0."))
+    assert layer == paper_bytes_per_layer(kind, 2, 32, 32, p, 8)

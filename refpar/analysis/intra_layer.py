@@ -203,3 +203,26 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, coor
         row[1] += call.bytes_recv * train.steps
     return [{"rank": rank, "axis": a, "op": o, "bytes_sent": s, "bytes_recv": r}
             for (a, o), (s, r) in totals.items()]
+
+
+def paper_bytes_per_layer(kind: str, B: int, T: int, C: int, p: int, e: int) -> float:
+    """Bytes one rank sends per transformer layer per step, as the papers write them (sizes that
+    divide evenly; p the tp or cp size). `expected_calls` reduces to these (tests check it).
+
+    tp:      4 all-reduces of BTC, 2(p-1)/p each (Narayanan et al. 2021 §3.2)
+    sp:      4 (reduce-scatter, all-gather) pairs, (p-1)/p each, the same as tp (Korthikanti et
+             al. 2022 §4.2.2), plus the 2 all-gathers that re-gather c_attn's and c_fc's input
+    ring:    K and V of BTC/p each: p-1 hops forward, p-1 backward, and their gradients p hops
+    ulysses: q, k, v and the output, each BTC/p, forward and backward, (p-1)/p of it leaving the rank
+             (Jacobs et al. 2023: 4 all-to-alls of Nh/P per layer, each way)
+    """
+    n = B * T * C * e
+    if kind == "tp":
+        return 4 * 2 * (p - 1) / p * n
+    if kind == "sp":
+        return (4 * 2 + 2) * (p - 1) / p * n
+    if kind == "ring":
+        return ((p - 1) + (p - 1) + p) * 2 * n / p
+    if kind == "ulysses":
+        return 2 * 4 * (p - 1) / p * n / p
+    raise ValueError(f"unknown kind {kind!r}; use tp, sp, ring or ulysses")
