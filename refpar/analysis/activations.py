@@ -82,10 +82,10 @@ def embed_bytes(model: ModelConfig, r: RankShape, dropout: bool = True) -> int:
 
 
 def head_bytes(model: ModelConfig, r: RankShape) -> int:
-    """ln_f (x-hat, rstd), its output kept by the LM head, this rank's softmax probabilities
-    (B, Ta, V/t), and the target columns (int64) and flags (bool)."""
+    """ln_f (x-hat, rstd), its output kept by the LM head, and over this rank's vocabulary rows
+    (B, Ta, V/t) the softmax probabilities and the one-hot targets (as the model's cross-entropy)."""
     C = model.n_embd
-    return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * (r.e * r.V + 8 + 1)
+    return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * r.e * 2 * r.V
 
 
 def activation_peak_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict,

@@ -28,9 +28,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from array_api_compat import array_namespace, device
 
 from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
+from refpar.model.layers import as_like
 from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp
 from refpar.sharding import shard_range, shard_sizes
 
@@ -69,8 +71,19 @@ def cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm=Non
 
 def _scores(q, k, q_pos, k_pos):
     """(B, nh, Tq, hs) x (B, nh, Tk, hs) -> (B, nh, Tq, Tk) scaled, -inf where causality forbids."""
-    s = (q @ k.swapaxes(-1, -2)) / math.sqrt(q.shape[-1])
-    return np.where(k_pos[None, :] <= q_pos[:, None], s, -np.inf)
+    xp = array_namespace(q)
+    s = (q @ xp.matrix_transpose(k)) * (1.0 / math.sqrt(q.shape[-1]))
+    visible = np.reshape(k_pos, (1, -1)) <= np.reshape(q_pos, (-1, 1))  # (Tq, Tk), host
+    return xp.where(as_like(visible, s), s, -math.inf)
+
+
+def _dropped(p, keep, k_pos, scale):
+    """p (B, nh, Tq, Tk) times the dropout scale of the keys in hand (keep holds all T columns)."""
+    if keep is None:
+        return p
+    xp = array_namespace(p)
+    cols = xp.take(keep, as_like(k_pos, p), axis=-1)  # (B, nh, Tq, Tk)
+    return xp.where(cols, p, xp.zeros_like(p)) * scale
 
 
 class RingAttention:
@@ -86,65 +99,63 @@ class RingAttention:
         r, c = self.cp.rank, self.cp.size
         shape = list(x.shape)
         shape[-2] = len(zigzag_positions(seq_len, c, self._source(step + 1)))
-        send = self.cp.isend(np.ascontiguousarray(x), dest=(r + 1) % c, tag=tag)
+        send = self.cp.isend(x, dest=(r + 1) % c, tag=tag)
         recv = self.cp.irecv(tuple(shape), x.dtype, source=(r - 1) % c, tag=tag)
         return send, recv
 
     def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs) each
+        xp = array_namespace(q)
         cfg, T, c, pos = lay.config, lay.seq_len, self.cp.size, lay.region_pos
         keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
-                         np.ix_(np.arange(*lay.heads), pos, np.arange(T)))  # (B, nh, Tl, T)
-        scale = None if keep is None else 1.0 / (1.0 - drop.p)
-        out = np.zeros_like(q)  # (B, nh, Tl, hs)
-        lse = np.full(q.shape[:-1] + (1,), -np.inf)  # (B, nh, Tl, 1)
-        kv = np.stack([k, v])  # (2, B, nh, Tl, hs): the block that travels
+                         np.ix_(np.arange(*lay.heads), pos, np.arange(T)))  # (B, nh, Tl, T) bool
+        scale = 1.0 / (1.0 - drop.p)
+        out = xp.zeros_like(q)  # (B, nh, Tl, hs)
+        lse = xp.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype, device=device(q))  # (B, nh, Tl, 1)
+        kv = xp.stack([k, v])  # (2, B, nh, Tl, hs): the block that travels
         for step in range(c):
             if step < c - 1:
                 send, recv = self._pass(kv, step, T, f"h.{layer}.attn.ring_kv:fwd")
-            k_pos = zigzag_positions(T, c, self._source(step))
-            s = _scores(q, kv[0], pos, k_pos)  # (B, nh, Tl, Tk)
-            m = s.max(axis=-1, keepdims=True)
-            m = np.where(np.isfinite(m), m, 0.0)  # rows with no allowed key in this block
-            e = np.exp(s - m)
-            z = e.sum(axis=-1, keepdims=True)  # (B, nh, Tl, 1)
-            p = e / np.where(z > 0, z, 1.0)
-            if keep is not None:
-                p = p * keep[..., k_pos] * scale
-            with np.errstate(divide="ignore"):
-                lse_b = m + np.log(z)  # -inf where the block has no allowed key
-            new = np.logaddexp(lse, lse_b)  # finite from step 0 on: each query sees itself
-            out = out * np.exp(lse - new) + (p @ kv[1]) * np.exp(lse_b - new)
+            s = _scores(q, kv[0], pos, zigzag_positions(T, c, self._source(step)))  # (B, nh, Tl, Tk)
+            m = xp.max(s, axis=-1, keepdims=True)  # (B, nh, Tl, 1)
+            m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # rows with no visible key in this block
+            e = xp.exp(s - m)  # (B, nh, Tl, Tk)
+            z = xp.sum(e, axis=-1, keepdims=True)  # (B, nh, Tl, 1)
+            seen = z > 0
+            p = _dropped(e / xp.where(seen, z, xp.ones_like(z)), keep,
+                         zigzag_positions(T, c, self._source(step)), scale)
+            lse_b = xp.where(seen, m + xp.log(xp.where(seen, z, xp.ones_like(z))), -math.inf)
+            new = xp.logaddexp(lse, lse_b)  # finite from step 0 on: each query sees itself
+            out = out * xp.exp(lse - new) + (p @ kv[1]) * xp.exp(lse_b - new)
             lse = new
             if step < c - 1:
                 send.wait()
-                kv = recv.wait()
-        return out, (q, k, v, out, lse, keep, drop.p, layer)
+                kv = as_like(recv.wait(), q)
+        return out, (q, k, v, out, lse, keep, scale, layer)
 
     def backward(self, dout, cache, lay: Layout):
-        q, k, v, out, lse, keep, p_drop, layer = cache
+        q, k, v, out, lse, keep, scale, layer = cache
+        xp = array_namespace(dout)
         T, c, pos = lay.seq_len, self.cp.size, lay.region_pos
-        scale = None if keep is None else 1.0 / (1.0 - p_drop)
-        D = (dout * out).sum(axis=-1, keepdims=True)  # (B, nh, Tl, 1): rowsum(dP * P) of softmax
-        dq = np.zeros_like(q)
-        kv = np.stack([k, v])  # (2, B, nh, Tk, hs)
-        dkv = np.zeros_like(kv)  # the gradient of the block in hand, travelling with it
+        D = xp.sum(dout * out, axis=-1, keepdims=True)  # (B, nh, Tl, 1): sum_j P_ij dP_ij of softmax
+        dq = xp.zeros_like(q)
+        kv = xp.stack([k, v])  # (2, B, nh, Tk, hs)
+        dkv = xp.zeros_like(kv)  # the gradient of the block in hand, travelling with it
         for step in range(c):
             if step < c - 1:
                 send_kv, recv_kv = self._pass(kv, step, T, f"h.{layer}.attn.ring_kv:bwd")
             k_pos = zigzag_positions(T, c, self._source(step))
-            p = np.exp(_scores(q, kv[0], pos, k_pos) - lse)  # (B, nh, Tl, Tk), the global softmax
-            pd = p if keep is None else p * keep[..., k_pos] * scale
-            dpd = dout @ kv[1].swapaxes(-1, -2)  # (B, nh, Tl, Tk)
-            dp = dpd if keep is None else dpd * keep[..., k_pos] * scale
-            ds = p * (dp - D) / math.sqrt(q.shape[-1])
-            dq += ds @ kv[0]
-            dkv = dkv + np.stack([ds.swapaxes(-1, -2) @ q, pd.swapaxes(-1, -2) @ dout])
+            p = xp.exp(_scores(q, kv[0], pos, k_pos) - lse)  # (B, nh, Tl, Tk), the global softmax
+            pd = _dropped(p, keep, k_pos, scale)
+            dp = _dropped(dout @ xp.matrix_transpose(kv[1]), keep, k_pos, scale)  # (B, nh, Tl, Tk)
+            ds = p * (dp - D) * (1.0 / math.sqrt(q.shape[-1]))
+            dq = dq + ds @ kv[0]
+            dkv = dkv + xp.stack([xp.matrix_transpose(ds) @ q, xp.matrix_transpose(pd) @ dout])
             send_d, recv_d = self._pass(dkv, step, T, f"h.{layer}.attn.ring_dkv:bwd")
             if step < c - 1:
                 send_kv.wait()
-                kv = recv_kv.wait()
+                kv = as_like(recv_kv.wait(), q)
             send_d.wait()
-            dkv = recv_d.wait()  # after the last step: this rank's own block, complete
+            dkv = as_like(recv_d.wait(), q)  # after the last step: this rank's own block, complete
         return dq, dkv[0], dkv[1]
 
 
@@ -158,38 +169,42 @@ class UlyssesAttention:
         n, B, nh, _, hs = x.shape
         c, r = self.cp.size, self.cp.rank
         heads, seqs = shard_sizes(nh, c), shard_sizes(seq_len, c)
-        chunks = [x[:, :, slice(*shard_range(nh, c, d))].ravel() for d in range(c)]
+        xp = array_namespace(x)
+        chunks = [xp.reshape(x[:, :, slice(*shard_range(nh, c, d))], (-1,)) for d in range(c)]
         counts = [n * B * heads[r] * seqs[s] * hs for s in range(c)]
         got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
-        return np.concatenate([g.reshape(n, B, heads[r], seqs[s], hs) for s, g in enumerate(got)],
-                              axis=3)  # sources in sequence order
+        return xp.concat([xp.reshape(g, (n, B, heads[r], seqs[s], hs)) for s, g in enumerate(got)],
+                         axis=3)  # sources in sequence order
 
     def _to_sequence(self, x, nh, tag):
         """(n, B, nh_c, T, hs) head-sharded -> (n, B, nh, Tl, hs) sequence-sharded: the reverse."""
         n, B, _, T, hs = x.shape
         c, r = self.cp.size, self.cp.rank
         heads, seqs = shard_sizes(nh, c), shard_sizes(T, c)
-        chunks = [x[:, :, :, slice(*shard_range(T, c, d))].ravel() for d in range(c)]
+        xp = array_namespace(x)
+        chunks = [xp.reshape(x[:, :, :, slice(*shard_range(T, c, d))], (-1,)) for d in range(c)]
         counts = [n * B * heads[s] * seqs[r] * hs for s in range(c)]
         got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
-        return np.concatenate([g.reshape(n, B, heads[s], seqs[r], hs) for s, g in enumerate(got)],
-                              axis=2)  # sources in head order
+        return xp.concat([xp.reshape(g, (n, B, heads[s], seqs[r], hs)) for s, g in enumerate(got)],
+                         axis=2)  # sources in head order
 
     def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs) each
         cfg, T, nh = lay.config, lay.seq_len, q.shape[1]
         a, b = shard_range(nh, self.cp.size, self.cp.rank)  # this rank's heads while head-sharded
-        qkv = np.stack([q, k, v])  # (3, B, nh, Tl, hs)
-        qh, kh, vh = self._to_heads(qkv, T, f"h.{layer}.attn.ulysses_qkv:fwd")  # (B, nh_c, T, hs) each
-        pos = np.arange(T)
-        keep = drop.keep(layer, "attn", (cfg.n_head, T, T), qh,
+        xp = array_namespace(q)
+        qkv = self._to_heads(xp.stack([q, k, v]), T, f"h.{layer}.attn.ulysses_qkv:fwd")  # (3, B, nh_c, T, hs)
+        pos = as_like(np.arange(T), q)
+        keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
                          (slice(lay.heads[0] + a, lay.heads[0] + b),))  # (B, nh_c, T, T)
-        y, core = attention_forward(qh, kh, vh, pos, pos, keep, drop.p)
-        y = self._to_sequence(y[None], nh, f"h.{layer}.attn.ulysses_out:fwd")[0]  # (B, nh, Tl, hs)
+        y, core = attention_forward(qkv[0], qkv[1], qkv[2], pos, pos, keep, drop.p)  # (B, nh_c, T, hs)
+        y = self._to_sequence(xp.expand_dims(y, axis=0), nh, f"h.{layer}.attn.ulysses_out:fwd")[0]
         return y, (core, layer, nh)
 
     def backward(self, dy, cache, lay: Layout):
         core, layer, nh = cache
-        dyh = self._to_heads(dy[None], lay.seq_len, f"h.{layer}.attn.ulysses_out:bwd")[0]  # (B, nh_c, T, hs)
-        dqkv = np.stack(attention_backward(dyh, core))  # (3, B, nh_c, T, hs)
-        dq, dk, dv = self._to_sequence(dqkv, nh, f"h.{layer}.attn.ulysses_qkv:bwd")
-        return dq, dk, dv
+        xp = array_namespace(dy)
+        dyh = self._to_heads(xp.expand_dims(dy, axis=0), lay.seq_len,
+                             f"h.{layer}.attn.ulysses_out:bwd")[0]  # (B, nh_c, T, hs)
+        dqkv = xp.stack(attention_backward(dyh, core))  # (3, B, nh_c, T, hs)
+        dqkv = self._to_sequence(dqkv, nh, f"h.{layer}.attn.ulysses_qkv:bwd")  # (3, B, nh, Tl, hs)
+        return dqkv[0], dqkv[1], dqkv[2]

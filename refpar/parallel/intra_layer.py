@@ -13,7 +13,10 @@ parameters of the sequence-parallel region, over cp and dp for all), and AdamW o
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.model.gpt import DropoutContext, init_params
@@ -145,9 +148,10 @@ def all_reduce_replicated_grads(grads: dict, comm, tag: str) -> dict:
     """Parameters replicated over `comm`'s axis saw only its ranks' share of the batch (dp) or of
     the sequence (cp): their gradients are summed, coalesced into one all-reduce."""
     names = list(grads)
-    flat = comm.all_reduce(np.concatenate([grads[n].ravel() for n in names]), tag=tag)
-    bounds = np.cumsum([0] + [grads[n].size for n in names])
-    return {n: flat[bounds[i]:bounds[i + 1]].reshape(grads[n].shape) for i, n in enumerate(names)}
+    xp = array_namespace(grads[names[0]])
+    flat = comm.all_reduce(xp.concat([xp.reshape(grads[n], (-1,)) for n in names]), tag=tag)
+    bounds = np.cumsum([0] + [math.prod(grads[n].shape) for n in names]).tolist()
+    return {n: xp.reshape(flat[bounds[i]:bounds[i + 1]], grads[n].shape) for i, n in enumerate(names)}
 
 
 class IntraLayerTrainer:

@@ -21,9 +21,11 @@ rank's tokens, so their gradients are summed over tp once per step.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import numpy as np
+from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
 from refpar.parallel.tensor_parallel import Layout, LocalAttention, RegionPair, check_tp
@@ -32,14 +34,15 @@ from refpar.sharding import shard_range, shard_sizes
 
 def _all_gather_seq(x, tp, tag, seq_len):
     """(B, Tl, C) -> (B, T, C). Collectives work on axis 0, so the sequence goes first."""
-    counts = shard_sizes(seq_len, tp.size)
-    seq_first = np.ascontiguousarray(x.transpose(1, 0, 2))  # (Tl, B, C)
-    return tp.all_gather(seq_first, tag=tag, counts=counts).transpose(1, 0, 2)
+    xp = array_namespace(x)
+    seq_first = xp.permute_dims(x, (1, 0, 2))  # (Tl, B, C)
+    return xp.permute_dims(tp.all_gather(seq_first, tag=tag, counts=shard_sizes(seq_len, tp.size)), (1, 0, 2))
 
 
 def _reduce_scatter_seq(x, tp, tag):
     """(B, T, C) -> (B, Tl, C), summed over tp; rank r keeps positions shard_range(T, t, r)."""
-    return tp.reduce_scatter(np.ascontiguousarray(x.transpose(1, 0, 2)), tag=tag).transpose(1, 0, 2)
+    xp = array_namespace(x)
+    return xp.permute_dims(tp.reduce_scatter(xp.permute_dims(x, (1, 0, 2)), tag=tag), (1, 0, 2))
 
 
 def gather_from_sp(x, tp, tag, seq_len):
@@ -97,9 +100,11 @@ def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
 def all_reduce_sequence_parallel_grads(grads: dict, config: ModelConfig, tp) -> None:
     """Sums those gradients over tp in place, coalesced into one all-reduce per step."""
     names = sequence_parallel_param_names(config)
-    flat = tp.all_reduce(np.concatenate([grads[n].ravel() for n in names]), tag="sp.replicated_grads:bwd")
+    xp = array_namespace(grads[names[0]])
+    flat = xp.concat([xp.reshape(grads[n], (-1,)) for n in names])
+    flat = tp.all_reduce(flat, tag="sp.replicated_grads:bwd")
     start = 0
     for n in names:
-        size = grads[n].size
-        grads[n] = flat[start:start + size].reshape(grads[n].shape)
+        size = math.prod(grads[n].shape)
+        grads[n] = xp.reshape(flat[start:start + size], grads[n].shape)
         start += size

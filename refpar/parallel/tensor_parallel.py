@@ -34,16 +34,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.layers import (
+    as_like,
     dropout_backward,
     dropout_forward,
     gelu_backward,
     gelu_forward,
     layernorm_backward,
     layernorm_forward,
+    one_hot,
 )
 from refpar.sharding import shard_range
 
@@ -194,8 +197,9 @@ def column_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
 def column_parallel_linear_backward(dout, cache, lay: Layout):
     x, w, has_bias, tag = cache
     xa = lay.pair.enter(x, lay.tp, f"{tag}:regather")  # (B, Ta, C)
-    dw = xa.reshape(-1, xa.shape[-1]).T @ dout.reshape(-1, dout.shape[-1])  # (C, out/t)
-    db = dout.sum(axis=(0, 1)) if has_bias else None  # (out/t,)
+    xp = array_namespace(dout)
+    dw = xp.reshape(xa, (-1, xa.shape[-1])).T @ xp.reshape(dout, (-1, dout.shape[-1]))  # (C, out/t)
+    db = xp.sum(dout, axis=(0, 1)) if has_bias else None  # (out/t,)
     dx = lay.pair.enter_backward(dout @ w.T, lay.tp, f"{tag}:bwd")  # (B, Tl, C)
     return dx, dw, db
 
@@ -209,9 +213,10 @@ def row_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
 
 def row_parallel_linear_backward(dout, cache, lay: Layout):
     x, w, tag = cache
-    db = dout.sum(axis=(0, 1))  # (C,): over this rank's residual tokens
+    xp = array_namespace(dout)
+    db = xp.sum(dout, axis=(0, 1))  # (C,): over this rank's residual tokens
     dpartial = lay.pair.leave_backward(dout, lay.tp, f"{tag}:bwd")  # (B, Ta, C)
-    dw = x.reshape(-1, x.shape[-1]).T @ dpartial.reshape(-1, dpartial.shape[-1])  # (in/t, C)
+    dw = xp.reshape(x, (-1, x.shape[-1])).T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (in/t, C)
     return dpartial @ w.T, dw, db  # dx (B, Ta, in/t)
 
 
@@ -222,7 +227,7 @@ class LocalAttention:
         cfg, pos = lay.config, lay.region_pos
         keep = drop.keep(layer, "attn", (cfg.n_head, lay.seq_len, lay.seq_len), q,
                          np.ix_(np.arange(*lay.heads), pos, pos))  # (B, nh/t, Ta, Ta)
-        return attention_forward(q, k, v, pos, pos, keep, drop.p)
+        return attention_forward(q, k, v, as_like(pos, q), as_like(pos, q), keep, drop.p)
 
     def backward(self, dy, cache, lay: Layout):
         return attention_backward(dy, cache)
@@ -234,10 +239,10 @@ def parallel_attention_forward(x, params, layer: int, lay: Layout, drop):
     nh = lay.heads[1] - lay.heads[0]
     qkv, c_attn = column_parallel_linear_forward(
         x, params[P + "c_attn.weight"], params[P + "c_attn.bias"], lay, P + "c_attn")  # (B, Ta, 3C/t)
-    B, Ta, _ = qkv.shape
-    q, k, v = qkv.reshape(B, Ta, 3, nh, hs).transpose(2, 0, 3, 1, 4)  # 3 x (B, nh/t, Ta, hs)
-    y, core = lay.attention.forward(q, k, v, layer, lay, drop)  # (B, nh/t, Ta, hs)
-    y = y.transpose(0, 2, 1, 3).reshape(B, Ta, nh * hs)  # (B, Ta, C/t)
+    xp, (B, Ta, _) = array_namespace(qkv), qkv.shape
+    qkv = xp.permute_dims(xp.reshape(qkv, (B, Ta, 3, nh, hs)), (2, 0, 3, 1, 4))  # (3, B, nh/t, Ta, hs)
+    y, core = lay.attention.forward(qkv[0], qkv[1], qkv[2], layer, lay, drop)  # (B, nh/t, Ta, hs)
+    y = xp.reshape(xp.permute_dims(y, (0, 2, 1, 3)), (B, Ta, nh * hs))  # (B, Ta, C/t)
     out, c_proj = row_parallel_linear_forward(
         y, params[P + "c_proj.weight"], params[P + "c_proj.bias"], lay, P + "c_proj")  # (B, Tl, C)
     return out, (c_attn, core, c_proj)
@@ -248,10 +253,10 @@ def parallel_attention_backward(dout, cache, layer: int, lay: Layout):
     P, hs = f"h.{layer}.attn.", lay.config.head_size
     nh = lay.heads[1] - lay.heads[0]
     dy, dw_proj, db_proj = row_parallel_linear_backward(dout, c_proj, lay)  # (B, Ta, C/t)
-    B, Ta, _ = dy.shape
-    dq, dk, dv = lay.attention.backward(
-        dy.reshape(B, Ta, nh, hs).transpose(0, 2, 1, 3), core, lay)  # 3 x (B, nh/t, Ta, hs)
-    dqkv = np.stack([dq, dk, dv]).transpose(1, 3, 0, 2, 4).reshape(B, Ta, 3 * nh * hs)  # (B, Ta, 3C/t)
+    xp, (B, Ta, _) = array_namespace(dy), dy.shape
+    dy = xp.permute_dims(xp.reshape(dy, (B, Ta, nh, hs)), (0, 2, 1, 3))  # (B, nh/t, Ta, hs)
+    dqkv = xp.stack(lay.attention.backward(dy, core, lay))  # (3, B, nh/t, Ta, hs)
+    dqkv = xp.reshape(xp.permute_dims(dqkv, (1, 3, 0, 2, 4)), (B, Ta, 3 * nh * hs))  # (B, Ta, 3C/t)
     dx, dw_attn, db_attn = column_parallel_linear_backward(dqkv, c_attn, lay)  # (B, Tl, C)
     return dx, {P + "c_attn.weight": dw_attn, P + "c_attn.bias": db_attn,
                 P + "c_proj.weight": dw_proj, P + "c_proj.bias": db_proj}
@@ -305,23 +310,31 @@ def parallel_block_backward(dy, cache, layer: int, lay: Layout):
 # Vocab-parallel embedding: each rank looks up only the tokens in its rows; g sums the lookups.
 def vocab_parallel_embedding_forward(tokens, params, lay: Layout, drop):
     """tokens (B, Ta) global ids at lay.region_pos -> x (B, Tl, C)."""
-    v0, v1 = lay.vocab
+    wte, wpe = params["wte.weight"], params["wpe.weight"]
+    xp, v0, v1 = array_namespace(wte), *lay.vocab
+    tokens = as_like(tokens, wte)
+    B, Ta = tokens.shape
     mine = (tokens >= v0) & (tokens < v1)  # (B, Ta)
-    rows = np.where(mine, tokens - v0, 0)  # (B, Ta)
-    partial = params["wte.weight"][rows] * mine[..., None]  # (B, Ta, C), 0 where another rank holds it
-    x = lay.pair.leave(partial, lay.tp, "wte:fwd") + params["wpe.weight"][lay.resid_pos]  # (B, Tl, C)
+    rows = xp.where(mine, tokens - v0, xp.zeros_like(tokens))  # (B, Ta)
+    partial = xp.reshape(xp.take(wte, xp.reshape(rows, (-1,)), axis=0), (B, Ta, wte.shape[1]))
+    partial = partial * xp.expand_dims(xp.astype(mine, wte.dtype), axis=-1)  # (B, Ta, C), 0 if not mine
+    x = lay.pair.leave(partial, lay.tp, "wte:fwd")  # (B, Tl, C)
+    x = x + xp.take(wpe, as_like(lay.resid_pos, wpe), axis=0)  # (B, Tl, C)
     x, drop_e = resid_dropout_forward(x, drop, 0, "embd", lay)
     return x, (rows, mine, drop_e)
 
 
 def vocab_parallel_embedding_backward(dx, cache, lay: Layout, params) -> dict:
     rows, mine, drop_e = cache
+    wte, wpe = params["wte.weight"], params["wpe.weight"]
+    xp = array_namespace(dx)
     dx = resid_dropout_backward(dx, drop_e)  # (B, Tl, C)
-    dwpe = np.zeros_like(params["wpe.weight"])
-    np.add.at(dwpe, lay.resid_pos, dx.sum(axis=0))
+    # Scatter-adds as one-hot products (the array API has no scatter-add): repeats accumulate.
+    dwpe = one_hot(as_like(lay.resid_pos, dx), wpe.shape[0], dx.dtype).T @ xp.sum(dx, axis=0)  # (P, C)
     dpartial = lay.pair.leave_backward(dx, lay.tp, "wte:bwd")  # (B, Ta, C)
-    dwte = np.zeros_like(params["wte.weight"])  # (V/t, C)
-    np.add.at(dwte, rows[mine], dpartial[mine])
+    hot = one_hot(xp.reshape(rows, (-1,)), wte.shape[0], dx.dtype)  # (B*Ta, V/t)
+    hot = hot * xp.reshape(xp.astype(mine, dx.dtype), (-1, 1))  # rows of other ranks' tokens are 0
+    dwte = hot.T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (V/t, C)
     return {"wte.weight": dwte, "wpe.weight": dwpe}
 
 
@@ -329,24 +342,22 @@ def vocab_parallel_embedding_backward(dx, cache, lay: Layout, params) -> dict:
 # (max, sum of exponentials, target logit) give every rank the exact loss (Megatron-LM).
 def vocab_parallel_cross_entropy_forward(logits, targets, lay: Layout, normalizer):
     """logits (B, Ta, V/t), targets (B, Ta) global ids -> the sum of token losses / normalizer."""
-    v0, v1 = lay.vocab
-    m = tp_all_reduce(logits.max(axis=-1), lay, "lm_head.ce.max:fwd", op="max")  # (B, Ta)
-    e = np.exp(logits - m[..., None])  # (B, Ta, V/t)
-    s = tp_all_reduce(e.sum(axis=-1), lay, "lm_head.ce.sumexp:fwd")  # (B, Ta)
+    xp, v0, v1 = array_namespace(logits), *lay.vocab
+    targets = as_like(targets, logits)
+    m = tp_all_reduce(xp.max(logits, axis=-1), lay, "lm_head.ce.max:fwd", op="max")  # (B, Ta)
+    e = xp.exp(logits - xp.expand_dims(m, axis=-1))  # (B, Ta, V/t)
+    s = tp_all_reduce(xp.sum(e, axis=-1), lay, "lm_head.ce.sumexp:fwd")  # (B, Ta)
     mine = (targets >= v0) & (targets < v1)  # (B, Ta)
-    cols = np.where(mine, targets - v0, 0)  # (B, Ta)
-    z = np.take_along_axis(logits, cols[..., None], axis=-1)[..., 0] * mine  # (B, Ta)
-    z = tp_all_reduce(z, lay, "lm_head.ce.target:fwd")  # (B, Ta): the target's logit
-    loss = float((np.log(s) + m - z).sum()) / normalizer
-    return loss, (e / s[..., None], cols, mine, normalizer)  # probabilities (B, Ta, V/t)
+    hot = one_hot(xp.where(mine, targets - v0, xp.zeros_like(targets)), logits.shape[-1], logits.dtype)
+    hot = hot * xp.expand_dims(xp.astype(mine, logits.dtype), axis=-1)  # (B, Ta, V/t), 0 if not mine
+    z = tp_all_reduce(xp.sum(logits * hot, axis=-1), lay, "lm_head.ce.target:fwd")  # (B, Ta) target logit
+    loss = float(xp.sum(xp.log(s) + m - z)) / normalizer
+    return loss, (e / xp.expand_dims(s, axis=-1), hot, normalizer)  # probabilities (B, Ta, V/t)
 
 
 def vocab_parallel_cross_entropy_backward(dloss, cache):
-    probs, cols, mine, normalizer = cache
-    dlogits = probs.copy()  # (B, Ta, V/t)
-    b, t = np.nonzero(mine)
-    dlogits[b, t, cols[b, t]] -= 1.0
-    return dlogits * (dloss / normalizer)
+    probs, hot, normalizer = cache
+    return (probs - hot) * (dloss / normalizer)  # (B, Ta, V/t)
 
 
 def vocab_parallel_head_forward(x, params, targets, lay: Layout, normalizer):
