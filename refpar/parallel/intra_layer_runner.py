@@ -61,7 +61,7 @@ def expected_memory(model, train, sizes, rank, sp, cp_algo) -> dict[str, int]:
 
 
 def run_cli(model, train, sizes: dict[str, int], args) -> int:
-    from refpar.comm.communicator import abort_on_error, world
+    from refpar.comm.communicator import world
     from refpar.comm.trace import Tracer
     from refpar.memory import MemoryLedger
     from refpar.mesh import DeviceMesh
@@ -73,55 +73,54 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     if getattr(args, "zero", 0) or getattr(args, "fsdp", False):
         raise ConfigError("--zero and --fsdp shard over a dp-only mesh; drop them when the mesh has tp or cp")
     validate(model, train, sizes, sp, cp_algo)  # on every rank, before any communication
-    with abort_on_error():
-        tracer = Tracer()
-        comm = world(tracer)
-        mesh = DeviceMesh(comm, sizes)
-        ledger = MemoryLedger()
-        trainer = IntraLayerTrainer(model, train, mesh, ledger, sp, cp_algo)
-        corpus = corpus_for(model, train)
-        losses, times = [], []
-        for step in range(train.steps):
-            start = time.perf_counter()
-            with tracer.context(step=step):
-                losses.append(trainer.step(step, corpus))
-            times.append(time.perf_counter() - start)
-        totals = tracer.totals()  # before the reporting below adds its own messages
-        full = trainer.full_params() if args.check else None
-        mine = [v for key in AXIS_OPS for v in totals.get(key, (0, 0))] + [ledger.peak[c] for c in CATEGORIES]
-        every = comm.all_gather(np.array([mine], dtype=np.int64), tag="report", counts=[1] * comm.size)
-        if comm.rank != 0:
-            return 0
-        comm_rows, memory_rows, expected_comm, expected_mem = [], [], [], []
-        for r, row in enumerate(every.tolist()):
-            for i, (axis, op) in enumerate(AXIS_OPS):
-                if row[2 * i] or row[2 * i + 1]:
-                    comm_rows.append({"rank": r, "axis": axis, "op": op, "bytes_sent": row[2 * i],
-                                      "bytes_recv": row[2 * i + 1]})
-            peaks = row[2 * len(AXIS_OPS):]
-            memory_rows += [{"rank": r, "category": c, "bytes": b}
-                            for c, b in zip(CATEGORIES, peaks, strict=True)]
-            rows = expected_comm_rows(model, train, sizes, rank_coords(sizes, r), r, sp, cp_algo)
-            expected_comm += sorted(rows, key=lambda row: AXIS_OPS.index((row["axis"], row["op"])))
-            expected_mem += [{"rank": r, "category": c, "bytes": b}
-                             for c, b in expected_memory(model, train, sizes, r, sp, cp_algo).items()]
-        checked = {}
-        if args.check:
-            ref = train_single_device(model, train)
-            checked = {"reference_losses": ref.losses,
-                       "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses,
-                                                                                      strict=True)),
-                       "max_param_rel_diff": max(float(np.max(np.abs(full[n] - p)) / np.max(np.abs(p)))
-                                                 for n, p in ref.params.items())}
-        step_time = float(np.mean(times[1:] or times))
-        report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
-               expected_mem)
-        if args.json:
-            print(summary_line(run_summary(
-                model, train, losses, mesh=sizes, world_size=comm.size, zero=0, comm_bytes=comm_rows,
-                expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
-                expected_memory_peak_bytes=expected_mem, step_time_s=step_time,
-                loss_floor=corpus.entropy_rate(), **checked)), flush=True)
+    tracer = Tracer()
+    comm = world(tracer)
+    mesh = DeviceMesh(comm, sizes)
+    ledger = MemoryLedger()
+    trainer = IntraLayerTrainer(model, train, mesh, ledger, sp, cp_algo)
+    corpus = corpus_for(model, train)
+    losses, times = [], []
+    for step in range(train.steps):
+        start = time.perf_counter()
+        with tracer.context(step=step):
+            losses.append(trainer.step(step, corpus))
+        times.append(time.perf_counter() - start)
+    totals = tracer.totals()  # before the reporting below adds its own messages
+    full = trainer.full_params() if args.check else None
+    mine = [v for key in AXIS_OPS for v in totals.get(key, (0, 0))] + [ledger.peak[c] for c in CATEGORIES]
+    every = comm.gather_object(mine)
+    if comm.rank != 0:
+        return 0
+    comm_rows, memory_rows, expected_comm, expected_mem = [], [], [], []
+    for r, row in enumerate(every):
+        for i, (axis, op) in enumerate(AXIS_OPS):
+            if row[2 * i] or row[2 * i + 1]:
+                comm_rows.append({"rank": r, "axis": axis, "op": op, "bytes_sent": row[2 * i],
+                                  "bytes_recv": row[2 * i + 1]})
+        peaks = row[2 * len(AXIS_OPS):]
+        memory_rows += [{"rank": r, "category": c, "bytes": b}
+                        for c, b in zip(CATEGORIES, peaks, strict=True)]
+        rows = expected_comm_rows(model, train, sizes, rank_coords(sizes, r), r, sp, cp_algo)
+        expected_comm += sorted(rows, key=lambda row: AXIS_OPS.index((row["axis"], row["op"])))
+        expected_mem += [{"rank": r, "category": c, "bytes": b}
+                         for c, b in expected_memory(model, train, sizes, r, sp, cp_algo).items()]
+    checked = {}
+    if args.check:
+        ref = train_single_device(model, train)
+        checked = {"reference_losses": ref.losses,
+                   "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses,
+                                                                                  strict=True)),
+                   "max_param_rel_diff": max(float(np.max(np.abs(full[n] - p)) / np.max(np.abs(p)))
+                                             for n, p in ref.params.items())}
+    step_time = float(np.mean(times[1:] or times))
+    report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
+           expected_mem)
+    if args.json:
+        print(summary_line(run_summary(
+            model, train, losses, mesh=sizes, world_size=comm.size, zero=0, comm_bytes=comm_rows,
+            expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
+            expected_memory_peak_bytes=expected_mem, step_time_s=step_time,
+            loss_floor=corpus.entropy_rate(), **checked)), flush=True)
     return 0
 
 
