@@ -36,7 +36,12 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     sp, cp_algo = spec.get("sp", False), spec.get("cp_algo")
     mesh = DeviceMesh(comm, spec["mesh"])
     ledger = MemoryLedger()
-    trainer = IntraLayerTrainer(model, train, mesh, ledger, sp=sp, cp_algo=cp_algo)
+    to_backend = None
+    if spec.get("backend") == "torch":  # the array-API plug: the same code on torch CPU tensors
+        import torch
+
+        to_backend = torch.from_numpy
+    trainer = IntraLayerTrainer(model, train, mesh, ledger, sp=sp, cp_algo=cp_algo, to_backend=to_backend)
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     tracer.clear()
     losses = []

@@ -56,6 +56,18 @@ def results() -> list[dict]:
     return out
 
 
+def test_tp_sp_ring_and_ulysses_run_unchanged_on_torch_tensors():
+    pytest.importorskip("torch")
+    layouts = [{**spec, "backend": "torch"} for spec in LAYOUTS[2][1:]]  # tp+sp, ring, Ulysses
+    proc = mpiexec(2, "tests/intra_layer_job.py", json.dumps(layouts), timeout=240)
+    got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(got) == len(layouts)
+    for r in got:
+        for x in r["ranks"]:
+            assert x["loss_rel_diff"] <= TOL and x["param_rel_diff"] <= TOL, _name(r["spec"])
+            assert x["comm_mismatches"] == [] and x["activation_peak"] == x["activation_expected"]
+
+
 def test_every_layout_matches_single_device_after_3_adamw_steps_with_dropout(results):
     for r in results:
         loss = max(x["loss_rel_diff"] for x in r["ranks"])

@@ -94,13 +94,14 @@ class RingAttention:
         """The rank whose K/V block this rank holds at ring step `step`."""
         return (self.cp.rank - step) % self.cp.size
 
-    def _pass(self, x, step, seq_len, tag):
-        """Sends the block held at `step` to rank+1; receives from rank-1 the one held at step+1."""
+    def _pass(self, x, step, lay: Layout, tag):
+        """Sends the block held at `step` to rank+1; receives from rank-1 the one held at step+1.
+        (The receive buffer is NumPy on the host, of the model's dtype, whatever x's namespace.)"""
         r, c = self.cp.rank, self.cp.size
         shape = list(x.shape)
-        shape[-2] = len(zigzag_positions(seq_len, c, self._source(step + 1)))
+        shape[-2] = len(zigzag_positions(lay.seq_len, c, self._source(step + 1)))
         send = self.cp.isend(x, dest=(r + 1) % c, tag=tag)
-        recv = self.cp.irecv(tuple(shape), x.dtype, source=(r - 1) % c, tag=tag)
+        recv = self.cp.irecv(tuple(shape), np.dtype(lay.config.dtype), source=(r - 1) % c, tag=tag)
         return send, recv
 
     def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs) each
@@ -109,12 +110,14 @@ class RingAttention:
         keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
                          np.ix_(np.arange(*lay.heads), pos, np.arange(T)))  # (B, nh, Tl, T) bool
         scale = 1.0 / (1.0 - drop.p)
-        out = xp.zeros_like(q)  # (B, nh, Tl, hs)
+        # Fresh and contiguous (zeros_like would copy q's strides, and the merged heads c_proj keeps
+        # would then be a view of it in some namespaces): the same arrays are kept in every backend.
+        out = xp.zeros(q.shape, dtype=q.dtype, device=device(q))  # (B, nh, Tl, hs)
         lse = xp.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype, device=device(q))  # (B, nh, Tl, 1)
         kv = xp.stack([k, v])  # (2, B, nh, Tl, hs): the block that travels
         for step in range(c):
             if step < c - 1:
-                send, recv = self._pass(kv, step, T, f"h.{layer}.attn.ring_kv:fwd")
+                send, recv = self._pass(kv, step, lay, f"h.{layer}.attn.ring_kv:fwd")
             s = _scores(q, kv[0], pos, zigzag_positions(T, c, self._source(step)))  # (B, nh, Tl, Tk)
             m = xp.max(s, axis=-1, keepdims=True)  # (B, nh, Tl, 1)
             m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # rows with no visible key in this block
@@ -142,7 +145,7 @@ class RingAttention:
         dkv = xp.zeros_like(kv)  # the gradient of the block in hand, travelling with it
         for step in range(c):
             if step < c - 1:
-                send_kv, recv_kv = self._pass(kv, step, T, f"h.{layer}.attn.ring_kv:bwd")
+                send_kv, recv_kv = self._pass(kv, step, lay, f"h.{layer}.attn.ring_kv:bwd")
             k_pos = zigzag_positions(T, c, self._source(step))
             p = xp.exp(_scores(q, kv[0], pos, k_pos) - lse)  # (B, nh, Tl, Tk), the global softmax
             pd = _dropped(p, keep, k_pos, scale)
@@ -150,7 +153,7 @@ class RingAttention:
             ds = p * (dp - D) * (1.0 / math.sqrt(q.shape[-1]))
             dq = dq + ds @ kv[0]
             dkv = dkv + xp.stack([xp.matrix_transpose(ds) @ q, xp.matrix_transpose(pd) @ dout])
-            send_d, recv_d = self._pass(dkv, step, T, f"h.{layer}.attn.ring_dkv:bwd")
+            send_d, recv_d = self._pass(dkv, step, lay, f"h.{layer}.attn.ring_dkv:bwd")
             if step < c - 1:
                 send_kv.wait()
                 kv = as_like(recv_kv.wait(), q)

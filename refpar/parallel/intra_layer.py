@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from array_api_compat import array_namespace
+from array_api_compat import array_namespace, is_array_api_obj
 
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.model.gpt import DropoutContext, init_params
@@ -79,17 +79,26 @@ def build_layout(config: ModelConfig, seq_len: int, mesh, sp: bool = False,
     return tp_layout(config, seq_len, tp)
 
 
+def nbytes(a) -> int:
+    """Bytes of an array of any namespace (NumPy, torch, ...)."""
+    return math.prod(a.shape) * a.dtype.itemsize
+
+
 def _arrays(obj):
-    if isinstance(obj, np.ndarray):
+    if is_array_api_obj(obj):
         yield obj
     elif isinstance(obj, tuple | list):
         for item in obj:
             yield from _arrays(item)
 
 
-def _root(a: np.ndarray) -> np.ndarray:
-    """The array that owns a view's memory: keeping the view keeps all of it."""
-    return a if a.base is None or not isinstance(a.base, np.ndarray) else a.base
+def _root(a):
+    """The array that owns a view's memory (NumPy's base, torch's _base): keeping the view keeps it."""
+    for attr in ("base", "_base"):
+        owner = getattr(a, attr, None)
+        if owner is not None and is_array_api_obj(owner):
+            return owner
+    return a
 
 
 class ActivationLedger:
@@ -111,7 +120,7 @@ class ActivationLedger:
             root = _root(a)
             if id(root) not in self.params and id(root) not in self.seen:
                 self.seen.add(id(root))
-                self.ledger.alloc(f"{prefix}{len(self.seen)}", root, "activations")
+                self.ledger.alloc(f"{prefix}{len(self.seen)}", nbytes(root), "activations")
 
     def release(self, prefix: str) -> None:
         self.ledger.free_prefix(prefix)
@@ -155,23 +164,34 @@ def all_reduce_replicated_grads(grads: dict, comm, tag: str) -> dict:
 
 
 class IntraLayerTrainer:
-    """One rank's state: its parameter shards, AdamW moments and ledger; `step(s)` trains one step."""
+    """One rank's state: its parameter shards, AdamW moments and ledger; `step(s)` trains one step.
+    `to_backend` moves the NumPy initialisation to the run's array namespace (e.g. torch.asarray)."""
 
-    def __init__(self, model: ModelConfig, train: TrainConfig, mesh, ledger, sp=False, cp_algo=None):
+    def __init__(self, model: ModelConfig, train: TrainConfig, mesh, ledger, sp=False, cp_algo=None,
+                 to_backend=None):
         validate(model, train, mesh.sizes, sp, cp_algo)
         self.model, self.train, self.mesh, self.ledger, self.sp = model, train, mesh, ledger, sp
         self.lay = build_layout(model, train.seq_len, mesh, sp, cp_algo)
-        dp = mesh.sizes["dp"]
         t, tr = mesh.sizes["tp"], mesh.coords["tp"]
-        self.params = shard_params_tp(init_params(model, train.seed), model, t, tr)
-        for n, w in self.params.items():
-            ledger.alloc(f"param.{n}", w, "params")
+        params = shard_params_tp(init_params(model, train.seed), model, t, tr)
+        self.params = params if to_backend is None else {n: to_backend(w) for n, w in params.items()}
         self.state = optimizer_init(self.params, train)
-        for k in ("m", "v"):
-            for n, w in self.state.get(k, {}).items():
-                ledger.alloc(f"optimizer.{k}.{n}", w, "optimizer")
+        self._hold()
         self.acts = ActivationLedger(ledger)
-        self.sample_ids = tuple(range(*shard_range(train.batch_size, dp, mesh.coords["dp"])))
+        self.sample_ids = tuple(range(*shard_range(train.batch_size, mesh.sizes["dp"], mesh.coords["dp"])))
+
+    def _held(self):
+        yield from ((f"param.{n}", w, "params") for n, w in self.params.items())
+        for k in ("m", "v"):
+            yield from ((f"optimizer.{k}.{n}", w, "optimizer") for n, w in self.state.get(k, {}).items())
+
+    def _hold(self) -> None:
+        for name, w, category in self._held():
+            self.ledger.alloc(name, nbytes(w), category)
+
+    def _release(self) -> None:
+        for name, _, _ in self._held():
+            self.ledger.free(name)
 
     def step(self, step: int, corpus) -> float:
         """One optimizer step on the global batch `step`; returns the global mean loss."""
@@ -186,21 +206,13 @@ class IntraLayerTrainer:
             if mesh.sizes[axis] > 1:
                 grads = all_reduce_replicated_grads(grads, mesh.axis(axis), f"grads.{axis}:bwd")
                 loss = float(mesh.axis(axis).all_reduce(np.array([loss]), tag=f"loss.{axis}:report")[0])
-        self.ledger.alloc("grads", sum(int(g.nbytes) for g in grads.values()), "grads")
-        for k in ("m", "v"):
-            for n in self.state.get(k, {}):
-                self.ledger.free(f"optimizer.{k}.{n}")
-        for n in self.params:
-            self.ledger.free(f"param.{n}")
+        self.ledger.alloc("grads", sum(nbytes(g) for g in grads.values()), "grads")
+        self._release()
         self.params, self.state = optimizer_step(self.params, grads, self.state, train)
-        for n, w in self.params.items():
-            self.ledger.alloc(f"param.{n}", w, "params")
-        for k in ("m", "v"):
-            for n, w in self.state.get(k, {}).items():
-                self.ledger.alloc(f"optimizer.{k}.{n}", w, "optimizer")
+        self._hold()
         self.ledger.free("grads")
         return loss
 
     def full_params(self) -> dict:
-        """Every parameter whole (gathered over tp), for the comparison with one device."""
-        return gather_params_tp(self.params, self.model, self.lay.tp)
+        """Every parameter whole as NumPy (gathered over tp), for the comparison with one device."""
+        return {n: np.asarray(w) for n, w in gather_params_tp(self.params, self.model, self.lay.tp).items()}

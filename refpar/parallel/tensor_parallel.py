@@ -162,7 +162,7 @@ def gather_params_tp(local: dict, config: ModelConfig, tp) -> dict:
             full[name] = w
             continue
         axis = mine[name][0]
-        pieces = tp.all_gather(np.ascontiguousarray(np.moveaxis(w, axis, 0)), tag=f"{name}:check")
+        pieces = tp.all_gather(np.ascontiguousarray(np.moveaxis(np.asarray(w), axis, 0)), tag=f"{name}:check")
         moved = np.empty_like(pieces)
         moved[np.concatenate([s[name][1] for s in every])] = pieces
         full[name] = np.moveaxis(moved, 0, axis)
