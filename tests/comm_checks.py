@@ -190,6 +190,9 @@ def check_mesh(c: Checker, w, sizes) -> DeviceMesh:
         c.expect(mesh.coords[a] == where[k] == mesh.axis(a).rank, f"mesh {a} coord")
     c.expect(mesh.pp_next == (where[0] + 1 if where[0] + 1 < full["pp"] else None), "pp_next")
     c.expect(mesh.pp_prev == (where[0] - 1 if where[0] > 0 else None), "pp_prev")
+    for k, a in enumerate(full):
+        neighbours = ((where[k] - 1) % full[a], (where[k] + 1) % full[a])
+        c.expect((mesh.ring_prev(a), mesh.ring_next(a)) == neighbours, f"mesh {a} ring neighbours")
     label = "-".join(f"{a.upper()}({s})" for a, s in full.items() if s > 1) + f"-Rank({w.rank})"
     c.expect(str(mesh) == label, f"str(mesh) {mesh} != {label}")
     return mesh
@@ -247,6 +250,9 @@ def main(examples: int) -> None:
     for part in range(1, p // 2 + 1):  # the first `part` ranks and the rest: every size below p
         groups.append(w.split(0 if w.rank < part else 1, key=w.rank, axis=f"split{part}"))
     mesh_axes = []
+    outside = w.split(None if w.rank == 0 else 1, axis="without0")  # rank 0 takes no part
+    c.expect((outside is None) == (w.rank == 0), "split(None) gives None")
+    c.expect(outside is None or outside.group == tuple(range(1, p)), "split group")
     meshes = {2: {"dp": 2}, 4: {"dp": 2, "tp": 2}, 8: {"pp": 2, "dp": 2, "tp": 2}}
     if p in meshes:
         mesh = check_mesh(c, w, meshes[p])
