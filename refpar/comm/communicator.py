@@ -517,7 +517,7 @@ def abort_on_error(grace_s: float = 0.5):
 
     Printed once: when every rank fails alike, rank 0 prints and aborts at once and the others wait
     `grace_s` first, so the abort ends them before they print. A CollectiveTimeout is the exception:
-    each rank that times out prints which op, axis and tag it is in, and waits `grace_s` before
+    each rank that times out prints which op, axis and tag it is in, and waits 2 * `grace_s` before
     aborting so that the other stuck ranks can say where they are.
 
         with abort_on_error():
@@ -549,6 +549,6 @@ def _abort(message: str, code: int, wait_first: bool, grace_s: float, linger: bo
     sys.stdout.flush()
     sys.stderr.write(message)
     sys.stderr.flush()
-    if linger:  # let the other stuck ranks say where they are
-        time.sleep(grace_s)
+    if linger:  # let the other stuck ranks say where they are (their clocks ran out about now too)
+        time.sleep(2 * grace_s)
     MPI.COMM_WORLD.Abort(code)
