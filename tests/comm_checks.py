@@ -82,6 +82,7 @@ def check_reduce_scatter(c: Checker, comm, n, dtype, algo, rest=ROW) -> None:
     start, stop = shard_range(n, p, r)
     what = f"reduce_scatter p={p} n={n} {np.dtype(dtype).name} {algo}"
     c.same(got, sum(xs[1:], xs[0])[start:stop], what)
+    c.same(xs[r], data(case, r, (n, *rest), dtype), f"{what}: input unchanged")
     c.traced(comm, "reduce_scatter", algo,
              cost.reduce_scatter_bytes(n, p, r, np.dtype(dtype).itemsize, int(np.prod(rest)), algo), what)
 
@@ -93,6 +94,7 @@ def check_all_gather(c: Checker, comm, counts, dtype, algo, give_counts: bool, r
     got = comm.all_gather(xs[r], algo=algo, tag="ag", counts=counts if give_counts else None)
     what = f"all_gather p={p} counts={counts} {np.dtype(dtype).name} {algo}"
     c.same(got, np.concatenate(xs), what)
+    c.same(xs[r], data(case, r, (counts[r], *rest), dtype), f"{what}: input unchanged")
     predicted = cost.all_gather_bytes(counts, r, np.dtype(dtype).itemsize, int(np.prod(rest)), algo)
     c.traced(comm, "all_gather", algo, predicted, what)
 
@@ -108,6 +110,7 @@ def check_all_to_all(c: Checker, comm, rows, dtype, algo, give_counts: bool, res
     c.expect(len(got) == p, f"{what}: {len(got)} results")
     for i in range(p):
         c.same(got[i], chunks[i][r], f"{what} from {i}")
+        c.same(chunks[r][i], data(case, r * p + i, (rows[r][i], *rest), dtype), f"{what}: input unchanged")
     itemsize = np.dtype(dtype).itemsize
     unit = int(np.prod(rest))
     predicted = cost.all_to_all_bytes([rows[r][j] * unit for j in range(p)],
@@ -122,6 +125,7 @@ def check_broadcast(c: Checker, comm, n, dtype, algo, root) -> None:
     got = comm.broadcast(x, root=root, algo=algo, tag="bc")
     what = f"broadcast p={p} n={n} root={root} {np.dtype(dtype).name} {algo}"
     c.same(got, data(case, root, (n, 3), dtype), what)
+    c.expect(r == root or not x.any(), f"{what}: input unchanged")
     c.traced(comm, "broadcast", algo, cost.broadcast_bytes(3 * n, p, r, root, np.dtype(dtype).itemsize, algo),
              what)
 
