@@ -492,12 +492,6 @@ def build(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     return BUILDERS[kind](p, m)
 
 
-def n_chunks(schedule: Schedule) -> int:
-    """v: model chunks per rank."""
-    lay = layout(schedule)
-    return lay.n_stages // len(schedule)
-
-
 # ---------------------------------------------------------------- printing
 
 def format_grid(schedule: Schedule, error: ScheduleError | None = None) -> str:
