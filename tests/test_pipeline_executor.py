@@ -78,7 +78,8 @@ def test_executed_bubble_is_the_simulated_one_within_the_critical_path_gap(resul
 
 
 def test_train_command_matches_one_device_and_reports_bytes_and_bubbles():
-    out = refpar_json(2, "train", "--mesh", "pp=2", "--schedule", "interleaved-1f1b",
+    # each of the dp=2 pipelines takes 4 of the 8 sequences, one per microbatch
+    out = refpar_json(4, "train", "--mesh", "pp=2,dp=2", "--schedule", "interleaved-1f1b",
                       "--microbatches", "4", "--steps", "2", "--check")
     assert (out["schedule"], out["microbatches"], out["mesh"]["pp"]) == ("interleaved-1f1b", 4, 2)
     assert out["max_loss_rel_diff"] <= 1e-10 and out["max_param_rel_diff"] <= 1e-10
@@ -101,6 +102,7 @@ def test_train_command_matches_one_device_and_reports_bytes_and_bubbles():
     (["--microbatches", "16"], "fewer sequences per pipeline than --microbatches 16"),
     (["--mesh", "pp=4", "--schedule", "interleaved-1f1b", "--microbatches", "4"],
      "8 pipeline stages need at least 8 blocks"),
+    (["--mesh", "dp=2", "--schedule", "1f1b"], "need a pipeline; add pp=2 or more to --mesh"),
 ])
 def test_train_command_bad_pipeline_input_is_one_sentence_before_mpi(argv, words, capsys):
     argv = ["train", "--mesh", "pp=2", *argv] if "--mesh" not in argv else ["train", *argv]

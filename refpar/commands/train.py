@@ -62,7 +62,7 @@ def run(args) -> int:
     from refpar.parallel.pipeline import runner as pipeline_runner
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
-    if pipeline_runner.wants_pipeline(sizes):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py
+    if pipeline_runner.wants_pipeline(sizes, args):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return pipeline_runner.run_cli(model, train, sizes, args)
     if intra_layer_runner.wants_intra_layer(sizes, args):  # TP, SP, CP (with dp): intra_layer_runner.py

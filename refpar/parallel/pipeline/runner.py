@@ -45,7 +45,7 @@ def add_arguments(parser) -> None:
         if flag not in parser._option_string_actions:
             parser.add_argument(flag, **kwargs)
 
-    once("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
+    once("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
     once("--chunks", type=int, default=None,
          help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
     once("--n-layer", type=int, default=None,
@@ -54,8 +54,9 @@ def add_arguments(parser) -> None:
     once("--check", action="store_true", help="also run the single-device reference and compare")
 
 
-def wants_pipeline(sizes: dict[str, int]) -> bool:
-    return sizes["pp"] > 1
+def wants_pipeline(sizes: dict[str, int], args) -> bool:
+    """A mesh with pp, or a pipeline flag (so that it can say what is missing)."""
+    return sizes["pp"] > 1 or args.schedule is not None or args.chunks is not None
 
 
 @dataclass
@@ -138,12 +139,15 @@ def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, pl
 
 
 def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args) -> int:
+    if sizes["pp"] == 1:
+        raise ConfigError("--schedule and --chunks need a pipeline; add pp=2 or more to --mesh")
+    kind = args.schedule or "1f1b"
     other = [f"{a}={s}" for a, s in sizes.items() if a not in ("pp", "dp") and s > 1]
     if other:
         raise ConfigError(f"pipeline training combines with dp only so far; drop {', '.join(other)}")
-    v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved-1f1b" else 1)
+    v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
     # Every rank checks everything before the first message.
-    build(args.schedule, sizes["pp"], args.microbatches, v)
+    build(kind, sizes["pp"], args.microbatches, v)
     stage_layers(model.n_layer, sizes["pp"] * v, 0)
     if train.batch_size // sizes["dp"] < args.microbatches:
         raise ConfigError(f"--batch-size {train.batch_size} over dp={sizes['dp']} leaves fewer "
@@ -156,14 +160,14 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
 
     with abort_on_error():
         comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
-        run = run_pipeline(model, train, DeviceMesh(comm, sizes), args.schedule, args.microbatches, v)
+        run = run_pipeline(model, train, DeviceMesh(comm, sizes), kind, args.microbatches, v)
         checked = reference_diffs(model, train, run, plain) if args.check else {}
         comm_rows, memory_rows = gather_rows(plain, run)
         if comm.rank != 0:
             return 0
         expected_comm = expected_comm_rows(model, train, sizes, args.microbatches, v)
-        expected_memory = expected_memory_rows(model, train, sizes, args.schedule, args.microbatches, v)
-        report(args.schedule, sizes, model, train, run, checked, comm_rows, expected_comm,
+        expected_memory = expected_memory_rows(model, train, sizes, kind, args.microbatches, v)
+        report(kind, sizes, model, train, run, checked, comm_rows, expected_comm,
                memory_rows, expected_memory, v)
         if args.json:
             bubble = {"measured": run.measured.bubble_fraction,
@@ -171,7 +175,7 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
                       "simulated_unit_costs": simulate(run.executor.schedule).bubble_fraction}
             summary = run_summary(
                 model, train, run.losses, mesh=sizes, world_size=comm.size, zero=0,
-                schedule=args.schedule, microbatches=args.microbatches, comm_bytes=comm_rows,
+                schedule=kind, microbatches=args.microbatches, comm_bytes=comm_rows,
                 expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
                 expected_memory_peak_bytes=expected_memory, bubble_fraction=bubble,
                 step_time_s=run.step_time_s,
