@@ -28,6 +28,13 @@ Dependencies (what "the input is ready" means):
 or every rank waits on another (a deadlock). `validate(schedule, ticks=True)` also checks the grid:
 each action's inputs finish at an earlier tick. `simulate(schedule, costs)` times the schedule with
 F, B, W and transfer costs and returns a `Timeline` (slots per rank, idle intervals, makespan).
+`stored` replays what each rank keeps for backward (counts, or bytes), `critical_path_gap` bounds
+how far an executed timeline may be from its simulation. `refpar schedule 1f1b -p 3 -m 4` prints:
+
+    tick    0   1   2   3   4   5   6   7   8   9   10  11
+    rank 0  0F0 0F1 0F2 .   .   0B0 0F3 0B1 .   0B2 .   0B3
+    rank 1  .   1F0 1F1 .   1B0 1F2 1B1 1F3 1B2 .   1B3 .
+    rank 2  .   .   2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 .   .
 """
 
 from __future__ import annotations
