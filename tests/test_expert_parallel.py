@@ -79,3 +79,38 @@ def test_bad_expert_parallel_setup_is_one_sentence(model, sizes, words):
     with pytest.raises(ConfigError) as err:
         check_run(model, TrainConfig(), sizes)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_train_cli_reports_routing_per_step_and_matches_one_device_with_closed_form_bytes():
+    from tests.mpi import refpar_json
+
+    s = refpar_json(2, "train", "--mesh", "ep=2", "--moe-experts", "4", "--moe-topk", "2",
+                    "--capacity-factor", "0.9", "--moe-layers", "1,3", "--steps", "3", "--check")
+    print({k: s[k] for k in ("losses", "max_loss_rel_diff", "max_param_rel_diff", "moe")})
+    assert s["mesh"]["ep"] == 2 and s["world_size"] == 2
+    assert s["max_loss_rel_diff"] <= 1e-10 and s["max_param_rel_diff"] <= 1e-10
+    moe = s["moe"]
+    assert moe["blocks"] == [1, 3] and moe["dropped"] == moe["reference_dropped"]
+    assert all(sum(step) > 0 for step in moe["dropped"])
+    cap = math.ceil(8 * 16 * 2 * 0.9 / 4)  # tiny: batch 8 x 16 tokens
+    for step, dropped in zip(moe["tokens_per_expert"], moe["dropped"], strict=True):
+        for kept, lost in zip(step, dropped, strict=True):
+            assert max(kept) <= cap and sum(kept) + lost == 8 * 16 * 2
+    assert len(moe["aux_loss"]) == 3 and all(a > 0 for a in moe["aux_loss"])
+    assert s["comm_bytes"] == s["expected_comm_bytes"]
+    assert {(r["axis"], r["op"]) for r in s["comm_bytes"]} == {
+        ("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce")}
+
+
+def test_train_cli_refuses_more_ep_ranks_than_experts_in_one_sentence():
+    import subprocess
+    import sys
+
+    from tests.mpi import ROOT, mpi_env
+
+    proc = subprocess.run([sys.executable, "-m", "refpar", "train", "--mesh", "ep=4",
+                           "--moe-experts", "2"], cwd=ROOT, env=mpi_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("refpar train: error: moe_experts=2 is fewer than ep=4; "
+                                   "use at least 4 experts")
