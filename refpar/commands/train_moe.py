@@ -124,6 +124,12 @@ def run_moe(args, model, train, sizes) -> int:
         sent = int(every[:, COMM_KEYS.index(key), 0].sum())
         if sent:
             say(f"{key[0]:>5} {key[1]:<10} {sent:>12,} bytes sent over all ranks")
+    n_data = mesh.sizes["dp"] * ep
+    uniform = len(blocks) * moe_analysis.expected_all_to_all_bytes(
+        model, train.batch_size * train.seq_len // n_data, n_data, ep, np.dtype(model.dtype).itemsize)
+    measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].mean() / train.steps
+    say(f"ep all-to-all per rank and step: {measured:,.0f} bytes; uniform routing would send "
+        f"{uniform:,.0f}")
     if args.json:
         moe = {
             "blocks": list(blocks),
@@ -133,6 +139,7 @@ def run_moe(args, model, train, sizes) -> int:
             "expert_param_bytes_per_ep_rank": [
                 moe_analysis.expert_param_bytes_per_rank(model, ep, q) for q in range(ep)],
             "reference_dropped": fields.pop("reference_dropped", None),
+            "uniform_all_to_all_bytes_per_rank_step": uniform,
         }
         summary = run_summary(model, train, run.losses, mesh=mesh.sizes, world_size=comm.size,
                               comm_bytes=rows[0], expected_comm_bytes=rows[1],
