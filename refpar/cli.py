@@ -15,7 +15,9 @@ from refpar.config import ConfigError
 
 # name -> module. Command modules import heavy dependencies (mpi4py, the model) inside run(),
 # so `refpar schedule --help` starts instantly and never initialises MPI.
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "train": "refpar.commands.train",
+}
 
 
 def launcher_rank() -> int:
@@ -26,8 +28,17 @@ def launcher_rank() -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (what is wrong, and `--help`), exit status 2."""
+
+    def error(self, message: str):
+        if launcher_rank() == 0:
+            print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="refpar",
         description="Parallel training strategies in plain NumPy on real MPI ranks.",
     )
@@ -40,9 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def under_launcher() -> bool:
+    """True when mpiexec started this process (its rank is in the environment)."""
+    return any(var in os.environ for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if under_launcher():
+            # An error on one rank must end every rank, not leave the others waiting in a collective.
+            from refpar.comm.communicator import abort_on_error
+
+            with abort_on_error():
+                return int(args._run(args) or 0)
         return int(args._run(args) or 0)
     except ConfigError as err:
         # Every rank raises the same ConfigError before any communication; one prints it.
