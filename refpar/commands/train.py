@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from refpar.commands import train_moe
+
 HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
 
 
@@ -30,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dropout probability (default: the preset's)")
     parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
+    parser.add_argument("--check", action="store_true",
+                        help="also run the single-device reference and report the differences")
+    train_moe.add_arguments(parser)
 
 
 def configs(args):
@@ -38,11 +43,11 @@ def configs(args):
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
     for axis, size in sizes.items():
-        if size > 1:
+        if size > 1 and not (args.moe_experts and axis in ("dp", "ep")):
             raise ConfigError(f"mesh axis {axis}={size} is not implemented yet; run without --mesh "
                               f"(or with {axis}=1) for the single-device reference")
     overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout)) if v is not None}
-    model = model_preset(args.model, **overrides)
+    model = model_preset(args.model, **overrides, **train_moe.model_overrides(args))
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         optimizer=args.optimizer, seed=args.seed)
     train.check_model(model)
@@ -56,6 +61,8 @@ def run(args) -> int:
     from refpar.trainer import corpus_for, train_single_device
 
     model, train, sizes = configs(args)
+    if model.moe_experts:
+        return train_moe.run_moe(args, model, train, sizes)
     speak = launcher_rank() == 0
     n_params = sum(_numel(shape) for shape in param_shapes(model).values())
     floor = corpus_for(model, train).entropy_rate()
