@@ -102,15 +102,17 @@ def test_train_cli_reports_routing_per_step_and_matches_one_device_with_closed_f
         ("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce")}
 
 
-def test_train_cli_refuses_more_ep_ranks_than_experts_in_one_sentence():
+@pytest.mark.parametrize("args, sentence", [
+    (["--mesh", "ep=4", "--moe-experts", "2"], "moe_experts=2 is fewer than ep=4; use at least 4 experts"),
+    (["--mesh", "ep=2"], "ep=2 spreads experts over ranks; add --moe-experts E with E >= 2"),
+])
+def test_train_cli_refuses_a_bad_expert_setup_in_one_sentence(args, sentence):
     import subprocess
     import sys
 
     from tests.mpi import ROOT, mpi_env
 
-    proc = subprocess.run([sys.executable, "-m", "refpar", "train", "--mesh", "ep=4",
-                           "--moe-experts", "2"], cwd=ROOT, env=mpi_env(), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "refpar", "train", *args], cwd=ROOT, env=mpi_env(),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("refpar train: error: moe_experts=2 is fewer than ep=4; "
-                                   "use at least 4 experts")
+    assert proc.stderr.strip() == f"refpar train: error: {sentence}"

@@ -42,6 +42,9 @@ def configs(args):
     from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset, parse_mesh
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
+    if sizes["ep"] > 1 and not args.moe_experts:
+        raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
+                          f"E >= {sizes['ep']}")
     for axis, size in sizes.items():
         if size > 1 and not (args.moe_experts and axis in ("dp", "ep")):
             raise ConfigError(f"mesh axis {axis}={size} is not implemented yet; run without --mesh "
