@@ -32,8 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dropout probability (default: the preset's)")
     parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
-    parser.add_argument("--check", action="store_true",
-                        help="also run the single-device reference and report the differences")
     train_moe.add_arguments(parser)
 
 
