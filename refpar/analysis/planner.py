@@ -1,0 +1,196 @@
+"""Which mesh should I use, and will it fit? Enumerate every valid plan, price it, rank it.
+
+A plan is a mesh (dp, tp, pp, cp, ep: world = their product, laid out as refpar.config.MESH_AXES)
+and the options that change memory and time: ZeRO stage, micro-batch size, pipeline schedule
+(with its chunks per stage), activation recomputation. The sizes are enumerated in Python (a few
+hundred meshes), the options as NumPy arrays, and every candidate of one (schedule, recompute)
+pair is priced by one call of scale.memory_per_rank and step_time.step_time.
+
+Validity (what Megatron-LM accepts): tp within a node and dividing the KV heads; pp dividing the
+layers (v * pp for interleaving, whose micro-batches must also be a multiple of pp); cp dividing
+s / 2 (the load-balanced causal split cuts the sequence into 2c chunks); ep dividing the experts;
+dp * ep dividing the global batch, and the micro-batch size dividing each replica's share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from refpar.analysis.hardware import Hardware
+from refpar.analysis.presets import ModelSpec
+from refpar.analysis.scale import PRECISIONS, memory_per_rank
+from refpar.analysis.step_time import step_time, throughput
+from refpar.config import ConfigError
+
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE = ("none", "selective", "full")
+# (schedule, chunks per stage); with one stage there is no schedule to choose ("none").
+PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
+                      ("zb-h1", 1), ("zb-h2", 1))
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "comm")
+COMM_KEYS = ("tp", "cp", "ep", "pp", "dp")
+TIME_KEYS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_gpus(gpus: int, hw: Hardware) -> None:
+    """Whole nodes, or a power of two inside one node: the shapes clusters are built in."""
+    node = hw.gpus_per_node
+    if gpus < 1 or (gpus <= node and gpus & (gpus - 1)) or (gpus > node and gpus % node):
+        raise ConfigError(
+            f"--gpus {gpus} is neither a power of two up to {node} nor a whole number of "
+            f"{node}-GPU {hw.name} nodes; use e.g. {min(node, 2 ** max(0, gpus.bit_length() - 1))} "
+            f"or {max(node, gpus - gpus % node)}"
+        )
+
+
+def meshes(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int, seq: int) -> np.ndarray:
+    """Every valid (dp, tp, pp, cp, ep) for this model and world, one row each."""
+    rows = []
+    for tp in _divisors(gpus):
+        if tp > hw.gpus_per_node or spec.n_kv_head % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if spec.n_layer % pp:
+                continue
+            for cp in _divisors(gpus // (tp * pp)):
+                if seq % (2 * cp) and cp > 1:
+                    continue
+                for ep in _divisors(gpus // (tp * pp * cp)):
+                    if (spec.n_experts if spec.is_moe else 1) % ep:
+                        continue
+                    dp = gpus // (tp * pp * cp * ep)
+                    if global_batch % (dp * ep) == 0:
+                        rows.append((dp, tp, pp, cp, ep))
+    return np.array(rows, dtype=np.int64).reshape(-1, 5)
+
+
+@dataclass
+class Candidates:
+    """Structure of arrays: one entry per priced plan."""
+
+    columns: dict[str, np.ndarray]
+    schedule: np.ndarray  # str
+    recompute: np.ndarray  # str
+    memory: dict[str, np.ndarray]
+    times: dict[str, np.ndarray]
+    comm_bytes: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.schedule)
+
+
+def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, seq: int,
+                    precision: str = "bf16", dtype: str = "bfloat16",
+                    efficiency: float = 0.75) -> Candidates:
+    """Price every candidate plan (fitting or not)."""
+    check_gpus(gpus, hw)
+    if global_batch < 1 or seq < 1:
+        raise ConfigError(f"global batch {global_batch} and sequence {seq} must both be positive")
+    if spec.learned_positions and seq > spec.seq_len:
+        raise ConfigError(
+            f"{spec.name} learns {spec.seq_len} positions; use --seq {spec.seq_len} or less"
+        )
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    mesh = meshes(spec, gpus, hw, global_batch, seq)
+    if len(mesh) == 0:
+        raise ConfigError(
+            f"no mesh of {gpus} GPUs divides {spec.name} with a global batch of {global_batch}; "
+            f"use a global batch that is a multiple of {gpus}"
+        )
+    # Micro-batch sizes: powers of two dividing each replica's share of the batch.
+    per_replica = global_batch // (mesh[:, 0] * mesh[:, 4])
+    mbs_options = 2 ** np.arange(0, 1 + int(math.log2(max(1, per_replica.max()))))
+    rows, mbs = np.nonzero(per_replica[:, None] % mbs_options[None, :] == 0)
+    base = np.repeat(mesh[rows], len(ZERO_STAGES), axis=0)
+    micro = np.repeat(mbs_options[mbs], len(ZERO_STAGES))
+    zero = np.tile(np.array(ZERO_STAGES), len(rows))
+    dp, tp, pp, cp, ep = base.T
+    m = global_batch // (dp * ep * micro)
+
+    parts = []
+    for label, chunks in (("none", 1),) + PIPELINE_SCHEDULES:
+        # One stage has no schedule to choose; its memory and time are 1F1B's with p = 1.
+        schedule = "1f1b" if label == "none" else label
+        ok = pp == 1 if label == "none" else pp > 1
+        if schedule == "interleaved-1f1b":
+            ok &= (spec.n_layer % (pp * chunks) == 0) & (m % pp == 0)
+        if schedule.startswith("zb"):
+            ok &= m >= pp
+        index = np.nonzero(ok)[0]
+        for recompute in RECOMPUTE if len(index) else ():
+            kw = dict(micro_batch=micro[index], seq=seq, tp=tp[index], pp=pp[index], dp=dp[index],
+                      cp=cp[index], ep=ep[index], zero=zero[index], schedule=schedule, chunks=chunks,
+                      recompute=recompute, precision=PRECISIONS[precision])
+            memory = memory_per_rank(spec, microbatches=m[index], **kw)
+            times, comm = step_time(spec, hw, global_batch=global_batch, dtype=dtype,
+                                    efficiency=efficiency, **kw)
+            parts.append((index, chunks, label, recompute, memory, times, comm))
+
+    def cat(key_fn):
+        return np.concatenate([np.broadcast_to(key_fn(p), p[0].shape) for p in parts])
+
+    columns = {name: cat(lambda p, col=col: col[p[0]])
+               for name, col in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep),
+                                 ("zero", zero), ("micro_batch", micro), ("microbatches", m))}
+    columns["chunks"] = cat(lambda p: p[1])
+    return Candidates(
+        columns=columns,
+        schedule=cat(lambda p: np.array(p[2])),
+        recompute=cat(lambda p: np.array(p[3])),
+        memory={k: cat(lambda p, k=k: p[4][k]) for k in MEMORY_KEYS},
+        times={k: cat(lambda p, k=k: p[5][k]) for k in (*TIME_KEYS, "total")},
+        comm_bytes={k: cat(lambda p, k=k: p[6][k]) for k in COMM_KEYS},
+    )
+
+
+def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = None,
+         seq: int | None = None, top: int = 5, precision: str = "bf16", dtype: str = "bfloat16",
+         efficiency: float = 0.75) -> dict:
+    """The `top` fastest plans that fit, best first, as plain dicts (the --json output)."""
+    global_batch = spec.global_batch if global_batch is None else global_batch
+    seq = spec.seq_len if seq is None else seq
+    c = enumerate_plans(spec, hw, gpus, global_batch, seq, precision, dtype, efficiency)
+    total_memory = sum(c.memory.values())
+    fits = total_memory <= hw.memory_bytes
+    if not fits.any():
+        need = float(total_memory.min())
+        raise ConfigError(
+            f"{spec.name} fits on no mesh of {gpus} {hw.name} GPUs: the leanest plan needs "
+            f"{need / 1e9:.1f} GB per GPU against {hw.memory_bytes / 1e9:.0f} GB; use more GPUs, "
+            f"a smaller global batch or a shorter sequence"
+        )
+    order = np.nonzero(fits)[0]
+    # Fastest first; among equally fast plans, the one that leaves more memory free.
+    order = order[np.lexsort((total_memory[order], c.times["total"][order]))][:top]
+    plans = []
+    for i in order:
+        step = float(c.times["total"][i])
+        mfu, tokens = throughput(spec, hw, step, global_batch=global_batch, seq=seq, gpus=gpus,
+                                 dtype=dtype)
+        plans.append({
+            "mesh": {k: int(c.columns[k][i]) for k in ("dp", "tp", "pp", "cp", "ep")},
+            "zero": int(c.columns["zero"][i]),
+            "micro_batch": int(c.columns["micro_batch"][i]),
+            "microbatches": int(c.columns["microbatches"][i]),
+            "schedule": str(c.schedule[i]),
+            "chunks": int(c.columns["chunks"][i]),
+            "recompute": str(c.recompute[i]),
+            "memory_bytes": {k: float(c.memory[k][i]) for k in MEMORY_KEYS},
+            "time_s": {k: float(c.times[k][i]) for k in TIME_KEYS},
+            "comm_bytes": {k: float(v[i]) for k, v in c.comm_bytes.items()},
+            "step_time_s": step,
+            "mfu": float(mfu),
+            "tokens_per_s": float(tokens),
+        })
+    return {
+        "model": spec.name, "hardware": hw.name, "gpus": gpus, "global_batch": global_batch,
+        "seq": seq, "candidates": len(c), "fitting": int(fits.sum()), "plans": plans,
+    }
