@@ -15,7 +15,9 @@ from refpar.config import ConfigError
 
 # name -> module. Command modules import heavy dependencies (mpi4py, the model) inside run(),
 # so `refpar schedule --help` starts instantly and never initialises MPI.
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "plan": "refpar.commands.plan",
+}
 
 
 def launcher_rank() -> int:

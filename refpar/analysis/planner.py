@@ -42,11 +42,16 @@ def _divisors(n: int) -> list[int]:
 def check_gpus(gpus: int, hw: Hardware) -> None:
     """Whole nodes, or a power of two inside one node: the shapes clusters are built in."""
     node = hw.gpus_per_node
-    if gpus < 1 or (gpus <= node and gpus & (gpus - 1)) or (gpus > node and gpus % node):
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} must be at least 1")
+    if (gpus <= node and gpus & (gpus - 1)) or (gpus > node and gpus % node):
+        if gpus < node:
+            lower, upper = 2 ** (gpus.bit_length() - 1), 2 ** gpus.bit_length()
+        else:
+            lower, upper = gpus - gpus % node, gpus - gpus % node + node
         raise ConfigError(
             f"--gpus {gpus} is neither a power of two up to {node} nor a whole number of "
-            f"{node}-GPU {hw.name} nodes; use e.g. {min(node, 2 ** max(0, gpus.bit_length() - 1))} "
-            f"or {max(node, gpus - gpus % node)}"
+            f"{node}-GPU {hw.name} nodes; use e.g. {lower} or {upper}"
         )
 
 
