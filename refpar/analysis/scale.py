@@ -143,6 +143,34 @@ def _stage_layers(spec: ModelSpec, pp):
     return (first_dense, per_stage - first_dense), (last_dense, per_stage - last_dense)
 
 
+def stage_params(spec: ModelSpec, tp, pp, ep):
+    """((shared, expert) on the first stage, (shared, expert) on the last): one rank's weights.
+
+    Shared weights are split by t (Megatron's column/row split; norms, row-parallel biases and
+    the router whole), experts by e and t. The first stage holds the embedding (vocabulary split
+    by t), the last the final norm and the LM head; a tied head is a second copy of the
+    embedding when the two are on different stages (Megatron keeps both and all-reduces their
+    gradients).
+    """
+    tp, pp, ep = np.asarray(tp), np.asarray(pp), np.asarray(ep)
+    h, V = spec.d_model, spec.vocab_size
+    dense, moe = layer_params(spec, False), layer_params(spec, True)
+
+    def blocks(nd, nm):
+        shared = nd * (dense.split / tp + dense.replicated) + nm * (moe.split / tp + moe.replicated)
+        return shared, nm * moe.experts / (ep * tp)
+
+    norm = 2 * h if spec.norm == "layernorm" else h
+    embed = V * h / tp + (spec.seq_len * h if spec.learned_positions else 0)
+    head = norm + np.where(spec.tied_embeddings & (pp == 1), 0, V * h / tp)
+    (fd, fm), (ld, lm) = _stage_layers(spec, pp)
+    first_shared, first_expert = blocks(fd, fm)
+    last_shared, last_expert = blocks(ld, lm)
+    first_shared = first_shared + embed + np.where(pp == 1, head, 0)
+    last_shared = last_shared + head + np.where(pp == 1, embed, 0)
+    return (first_shared, first_expert), (last_shared, last_expert)
+
+
 def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1, ep=1, zero=0,
                     schedule="1f1b", microbatches=1, chunks=1, recompute="none", sp=None,
                     precision: Precision = PRECISIONS["bf16"]):
@@ -163,20 +191,7 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
     pr, h, V = precision, spec.d_model, spec.vocab_size
     dense, moe = layer_params(spec, False), layer_params(spec, True)
     (fd, fm), (ld, lm) = _stage_layers(spec, pp)
-
-    def block_params(nd, nm):
-        shared = nd * (dense.split / tp + dense.replicated) + nm * (moe.split / tp + moe.replicated)
-        return shared, nm * moe.experts / (ep * tp)
-
-    norm = 2 * h if spec.norm == "layernorm" else h
-    embed = V * h / tp + (spec.seq_len * h if spec.learned_positions else 0)
-    # The last stage holds the LM head: a tied head is a second copy of the embedding when the two
-    # are on different stages (Megatron keeps both and all-reduces their gradients).
-    head = norm + np.where(spec.tied_embeddings & (pp == 1), 0, V * h / tp)
-    first_shared, first_expert = block_params(fd, fm)
-    last_shared, last_expert = block_params(ld, lm)
-    first_shared = first_shared + embed + np.where(pp == 1, head, 0)
-    last_shared = last_shared + head + np.where(pp == 1, embed, 0)
+    (first_shared, first_expert), (last_shared, last_expert) = stage_params(spec, tp, pp, ep)
 
     def states(shared, expert):
         return model_states(shared, zero, dp * ep * cp, pr, expert, dp * cp)
@@ -202,8 +217,8 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
         return (nd * per_layer[False] + nm * per_layer[True]) * hold + extra + working
 
     p2p = np.where(pp > 1, 2 * pr.activation * n * h / sp_div, 0)
-    biggest_block = max(dense.split, moe.split + (moe.experts / max(spec.n_experts, 1)))
-    gathered = np.where(zero >= 3, 2 * pr.param * biggest_block / tp, 0)
+    biggest_block = np.maximum(dense.split / tp, (moe.split + moe.experts / ep) / tp)
+    gathered = np.where(zero >= 3, 2 * pr.param * biggest_block, 0)
     first = states(first_shared, first_expert)
     first["activations"] = activations(fd, fm, first_hold, first_hold * embed_act
                                        + np.where(pp == 1, head_act, 0))

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from refpar.analysis.flops import forward_flops, layer_params, model_flops
+from refpar.analysis.flops import forward_flops, model_flops
 from refpar.analysis.hardware import Hardware
 from refpar.analysis.presets import ModelSpec
-from refpar.analysis.scale import PRECISIONS, Precision
+from refpar.analysis.scale import PRECISIONS, Precision, stage_params
 
 AXES = ("pp", "dp", "ep", "cp", "tp")  # slowest- to fastest-varying (refpar.config.MESH_AXES)
 
@@ -150,17 +150,14 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     else:  # GPipe and 1F1B: (p - 1) ticks of forward and backward (Narayanan et al. 2021, eq. 1)
         bubble = (pp - 1) * (t_f + t_b + 2 * p2p)
 
-    # Data parallelism over the replicas of each weight (scale.py): the gradient reduction of
-    # stages 0 and 1 runs once and overlaps the last micro-batch's backward (Li et al. 2020, PyTorch
-    # DDP buckets); stage 2 reduce-scatters each micro-batch's gradients during its backward; stage
-    # 3 also gathers the weights before forward and backward (Rajbhandari et al. 2020, Section 7).
-    dense, moe = layer_params(spec, False), layer_params(spec, True)
-    n_dense = spec.n_layer - spec.n_moe_layers
-    shared = (n_dense * (dense.split / tp + dense.replicated)
-              + spec.n_moe_layers * (moe.split / tp + moe.replicated)) / pp
-    # The heaviest stage's embedding or head; with one stage an untied head is a second table.
-    shared = shared + spec.vocab_size * h / tp * np.where((pp == 1) & (not spec.tied_embeddings), 2, 1)
-    expert = spec.n_moe_layers * moe.experts / (ep * tp * pp)
+    # Data parallelism over the replicas of each weight of the heaviest stage (scale.py): the
+    # gradient reduction of stages 0 and 1 runs once and overlaps the last micro-batch's backward
+    # (Li et al. 2020, PyTorch DDP buckets); stage 2 reduce-scatters each micro-batch's gradients
+    # during its backward; stage 3 also gathers the weights before forward and backward
+    # (Rajbhandari et al. 2020, Section 7).
+    (fs, fe), (ls, le) = stage_params(spec, tp, pp, ep)
+    first_heavier = fs + fe >= ls + le
+    shared, expert = np.where(first_heavier, fs, ls), np.where(first_heavier, fe, le)
     dp_time, dp_bytes = 0.0, 0.0
     for params, group_sizes in ((shared, {"dp": dp, "ep": ep, "cp": cp}), (expert, {"dp": dp, "cp": cp})):
         n = group_sizes["dp"] * group_sizes["cp"] * group_sizes.get("ep", 1)
