@@ -195,3 +195,35 @@ def test_arrays_price_many_meshes_at_once_as_one_at_a_time():
                               zero=int(zero[i]), microbatches=8, recompute="selective")
         for key, value in one.items():
             assert many[key][i] == pytest.approx(value, rel=1e-12)
+
+
+# Narayanan et al. 2021, Table 1: (model, t, p, GPUs, batch, achieved teraFLOP/s per GPU).
+MEGATRON_TABLE1_RUNS = [
+    ("megatron-1.7b", 1, 1, 32, 512, 137), ("megatron-3.6b", 2, 1, 64, 512, 138),
+    ("megatron-7.5b", 4, 1, 128, 512, 142), ("megatron-18.4b", 8, 1, 256, 1024, 135),
+    ("megatron-39.1b", 8, 2, 512, 1536, 138), ("megatron-76.1b", 8, 4, 1024, 1792, 140),
+    ("megatron-145.6b", 8, 8, 1536, 2304, 148), ("megatron-310.1b", 8, 16, 1920, 2160, 155),
+    ("megatron-529.6b", 8, 35, 2520, 2520, 163), ("megatron-1t", 8, 64, 3072, 3072, 163),
+]
+
+
+@pytest.mark.parametrize("name, t, p, gpus, batch, published", MEGATRON_TABLE1_RUNS)
+def test_step_time_model_bounds_megatron_table1_throughput(name, t, p, gpus, batch, published):
+    # Narayanan et al. 2021, Table 1, on A100s with full recomputation (their eq. 3 FLOPs). The
+    # model leaves out kernel launches and assumes 75% matmul efficiency and perfect overlap, so it
+    # may only be optimistic, and by at most 30%, on every row, at their own mesh.
+    from refpar.analysis.hardware import HARDWARE
+    from refpar.analysis.step_time import step_time
+
+    spec, d = PRESETS[name], gpus // (t * p)
+    best = 0.0
+    for micro in (1, 2, 4, 8):
+        m = batch // (d * micro)
+        for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+            if batch % (d * micro) or (v > 1 and (spec.n_layer % (p * v) or m % p or p == 1)):
+                continue
+            times, _ = step_time(spec, HARDWARE["a100"], global_batch=batch, micro_batch=micro,
+                                 seq=2048, tp=t, pp=p, dp=d, schedule=schedule, chunks=v,
+                                 recompute="full")
+            best = max(best, step_flops(spec, batch, 2048, "full") / times["total"] / gpus / 1e12)
+    assert published <= best <= 1.3 * published, f"predicted {best:.0f} TFLOP/s"

@@ -22,7 +22,7 @@ import numpy as np
 from refpar.analysis.flops import forward_flops, model_flops
 from refpar.analysis.hardware import Hardware
 from refpar.analysis.presets import ModelSpec
-from refpar.analysis.scale import PRECISIONS, Precision, stage_params
+from refpar.analysis.scale import PRECISIONS, Precision, layer_activation_bytes, stage_params
 
 AXES = ("pp", "dp", "ep", "cp", "tp")  # slowest- to fastest-varying (refpar.config.MESH_AXES)
 
@@ -88,8 +88,15 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     split = tp * cp
     t_fwd = (layers + core) / pp / split / rate
     t_logits = logits / split / rate
-    extra = {"none": 0.0, "selective": core / pp / split / rate, "full": t_fwd}[recompute]
-    compute_f = t_fwd + t_logits
+    # Norms, activations, softmax, dropout and residual adds are memory-bound (the roofline,
+    # Williams et al. 2009): each tensor Korthikanti et al. count is written by one kernel and read
+    # by the next, at HBM bandwidth; backward moves twice as much. Where the attention core is
+    # fused (flash attention, which "selective" stands for) its scores never reach memory.
+    stored = layer_activation_bytes(spec, micro_batch, seq, tp=tp, cp=cp, sp=sp, precision=precision,
+                                    recompute="selective" if recompute == "selective" else "none")
+    t_memory = 2 * stored * spec.n_layer / pp / hw.hbm_bandwidth
+    extra = {"none": 0.0, "selective": core / pp / split / rate, "full": t_fwd + t_memory}[recompute]
+    compute_f = t_fwd + t_logits + t_memory
     compute_b = 2 * compute_f + extra
 
     # Tensor parallelism: per block per micro-batch two all-reduces of the (b, s/c, h) activation
