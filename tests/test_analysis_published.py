@@ -227,3 +227,16 @@ def test_step_time_model_bounds_megatron_table1_throughput(name, t, p, gpus, bat
                                  recompute="full")
             best = max(best, step_flops(spec, batch, 2048, "full") / times["total"] / gpus / 1e12)
     assert published <= best <= 1.3 * published, f"predicted {best:.0f} TFLOP/s"
+
+
+def test_refpar_models_are_counted_as_their_parameter_table():
+    # docs/internals.md, the model's parameter table: wte (V, C), wpe (n_positions, C), per block
+    # ln_1, c_attn (C, 3C) + 3C, c_proj (C, C) + C, ln_2, c_fc (C, 4C) + 4C, c_proj (4C, C) + C; ln_f.
+    from refpar.analysis.presets import from_model_config
+    from refpar.config import MODEL_PRESETS
+
+    for config in MODEL_PRESETS.values():
+        V, P, C, L = config.vocab_size, config.n_positions, config.n_embd, config.n_layer
+        table = V * C + P * C + L * (2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + 8 * C * C
+                                     + 4 * C + C) + 2 * C
+        assert param_counts(from_model_config(config)).total == table

@@ -173,8 +173,10 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
             f"a smaller global batch or a shorter sequence"
         )
     order = np.nonzero(fits)[0]
-    # Fastest first; among equally fast plans, the one that leaves more memory free.
-    order = order[np.lexsort((total_memory[order], c.times["total"][order]))][:top]
+    # Fastest first; among equally fast plans the lower ZeRO stage (fewer collectives to go
+    # wrong), then the one that leaves more memory free.
+    keys = (total_memory[order], c.columns["zero"][order], c.times["total"][order])
+    order = order[np.lexsort(keys)][:top]
     plans = []
     for i in order:
         step = float(c.times["total"][i])

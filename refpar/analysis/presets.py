@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from refpar.config import ConfigError
+from refpar.config import ConfigError, ModelConfig
 
 MLPS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -161,6 +161,14 @@ PRESETS: dict[str, ModelSpec] = {
                 n_experts=64, top_k=6, n_shared_experts=2, moe_d_ff=1408, n_dense_layers=1),
     ]
 }
+
+
+def from_model_config(config: ModelConfig, global_batch: int = 1) -> ModelSpec:
+    """The spec of a model refpar trains (GPT-2's shape, refpar.config.ModelConfig), so a small
+    run's ledger and trace can be set against the same formulas the planner uses."""
+    return ModelSpec("refpar", config.n_layer, config.n_embd, config.n_head,
+                     vocab_size=config.vocab_size, seq_len=config.n_positions,
+                     global_batch=global_batch, dropout=config.dropout > 0)
 
 
 def preset(name: str) -> ModelSpec:
