@@ -127,8 +127,10 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
         ok = pp == 1 if label == "none" else pp > 1
         if schedule == "interleaved-1f1b":
             ok &= (spec.n_layer % (pp * chunks) == 0) & (m % pp == 0)
-        if schedule.startswith("zb"):
+        if schedule == "zb-h1":
             ok &= m >= pp
+        if schedule == "zb-h2":
+            ok &= m >= 2 * pp - 1
         index = np.nonzero(ok)[0]
         for recompute in RECOMPUTE if len(index) else ():
             kw = dict(micro_batch=micro[index], seq=seq, tp=tp[index], pp=pp[index], dp=dp[index],

@@ -62,6 +62,30 @@ def collective_time(op: str, size, n, bandwidth, latency, call_latency):
     return np.where(n > 1, ring, 0.0)
 
 
+def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1):
+    """(work, bubble, exposed p2p) of one step on the busiest stage, in seconds.
+
+    F, B, W: one micro-batch's forward, input-gradient and weight-gradient time on a whole stage
+    (a chunk of an interleaved stage takes a v-th of each); p2p: one activation transfer.
+    With p2p = 0 these are the makespans `schedules.simulate` gives for the builders' schedules:
+    GPipe and 1F1B idle (p-1)(F+B+W) (Narayanan et al. 2021, eq. 1), interleaving divides that by
+    v (Section 2.2.2), ZB-H1 idles (p-1)(F+B-W) (Qi et al. 2023, Section 3; the simulator's
+    max(F, W) + B - W where W > F), ZB-H2 (p-1)(F+B-2W) in steady state but at least the (p-1) F
+    it takes the first forward to reach the last stage (m >= 2p - 1). Transfers are priced as
+    blocking, every micro-batch and chunk, both ways: an upper bound on the simulator's.
+    """
+    if schedule == "interleaved-1f1b":
+        bubble = (pp - 1) / chunks * (F + B + W)
+    elif schedule == "zb-h1":
+        bubble = (pp - 1) * (np.maximum(F, W) + B - W)
+    elif schedule == "zb-h2":
+        bubble = (pp - 1) * np.maximum(F, F + B - 2 * W)
+    else:
+        bubble = (pp - 1) * (F + B + W)
+    comm = np.where(pp > 1, 2 * (m * chunks + pp - 1) * p2p, 0.0)
+    return m * (F + B + W), bubble, comm
+
+
 def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, tp=1, pp=1, dp=1,
               cp=1, ep=1, zero=0, schedule="1f1b", chunks=1, recompute="none", sp=None,
               precision: Precision = PRECISIONS["bf16"], dtype="bfloat16", efficiency=0.75):
@@ -144,18 +168,9 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
 
     t_f = compute_f + tp_f + cp_exposed_f + ep_f
     t_b = compute_b + tp_b + cp_exposed_b + ep_b
-    t_w = compute_f  # the weight-gradient half of the backward (Qi et al. 2023: T_W ~ T_F)
-    work = m * (t_f + t_b)
-    pipe_comm = m * chunks * 2 * p2p
-    if schedule == "interleaved-1f1b":
-        # Narayanan et al. 2021, Section 2.2.2: the bubble shrinks by v, the p2p traffic grows by v.
-        bubble = (pp - 1) / chunks * (t_f + t_b + 2 * p2p)
-    elif schedule == "zb-h1":
-        bubble = (pp - 1) * (t_f + t_b - 2 * t_w + 2 * p2p)  # Qi et al. 2023, Table 1
-    elif schedule == "zb-h2":
-        bubble = (pp - 1) * np.maximum(0, t_f + t_b - 3 * t_w + 2 * p2p)
-    else:  # GPipe and 1F1B: (p - 1) ticks of forward and backward (Narayanan et al. 2021, eq. 1)
-        bubble = (pp - 1) * (t_f + t_b + 2 * p2p)
+    # The weight-gradient half of the backward: the same matmul FLOPs as the forward.
+    t_w = compute_f
+    work, bubble, pipe_comm = pipeline_time(schedule, pp, m, t_f, t_b - t_w, t_w, p2p, chunks)
 
     # Data parallelism over the replicas of each weight of the heaviest stage (scale.py): the
     # gradient reduction of stages 0 and 1 runs once and overlaps the last micro-batch's backward
