@@ -222,7 +222,7 @@ def test_step_time_model_bounds_megatron_table1_throughput(name, t, p, gpus, bat
         for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
             if batch % (d * micro) or (v > 1 and (spec.n_layer % (p * v) or m % p or p == 1)):
                 continue
-            times, _ = step_time(spec, HARDWARE["a100"], global_batch=batch, micro_batch=micro,
+            times, _, _ = step_time(spec, HARDWARE["a100"], global_batch=batch, micro_batch=micro,
                                  seq=2048, tp=t, pp=p, dp=d, schedule=schedule, chunks=v,
                                  recompute="full")
             best = max(best, step_flops(spec, batch, 2048, "full") / times["total"] / gpus / 1e12)

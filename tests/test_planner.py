@@ -70,7 +70,7 @@ def test_data_parallel_bytes_are_the_bandwidth_optimal_all_reduce_of_the_gradien
     from refpar.analysis.flops import param_counts
 
     psi = param_counts(spec).total
-    _, comm = step_time(spec, HARDWARE["h100"], global_batch=8, micro_batch=1, seq=1024, dp=8,
+    _, comm, _ = step_time(spec, HARDWARE["h100"], global_batch=8, micro_batch=1, seq=1024, dp=8,
                         zero=np.array([0, 1, 2, 3]))
     grad_bytes = 2 * psi  # bf16
     expected = collective_bytes("all_reduce", grad_bytes, 8)
@@ -114,3 +114,27 @@ def test_cli_json_gives_the_ranked_plans():
     assert len(result["plans"]) == 2 and result["gpus"] == 16
     assert set(result["plans"][0]["memory_bytes"]) == {"params", "grads", "optimizer",
                                                         "activations", "comm"}
+
+
+def test_each_collective_names_its_algorithm_and_their_bytes_add_up_per_axis():
+    result = plan(PRESETS["mixtral-8x7b"], HARDWARE["h100"], 64, top=3)
+    for p in result["plans"]:
+        sent = dict.fromkeys(p["comm_bytes"], 0.0)
+        for c in p["collectives"]:
+            assert c["algo"] in ("ring", "tree", "pairwise", "p2p")
+            per_call = c["bytes"] if c["op"] == "send" else collective_bytes(c["op"], c["bytes"],
+                                                                            c["ranks"])
+            sent[c["axis"]] += c["calls_per_step"] * per_call
+        for axis, total in p["comm_bytes"].items():
+            assert sent[axis] == pytest.approx(total, rel=1e-9), axis
+
+
+def test_all_reduce_takes_the_tree_when_latency_dominates_and_the_ring_when_bandwidth_does():
+    # Thakur, Rabenseifner and Gropp 2005, Section 4: log-step algorithms for short messages,
+    # bandwidth-optimal rings for long ones (NCCL's tree/ring switch follows the same rule).
+    from refpar.analysis.step_time import collective_choice
+
+    ib = HARDWARE["h100"]
+    args = (ib.ib_bandwidth, ib.ib_latency, ib.call_latency)
+    assert str(collective_choice("all_reduce", 4096, 1024, *args)[1]) == "tree"
+    assert str(collective_choice("all_reduce", 4e9, 8, *args)[1]) == "ring"

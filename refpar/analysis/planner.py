@@ -86,6 +86,25 @@ class Candidates:
     memory: dict[str, np.ndarray]
     times: dict[str, np.ndarray]
     comm_bytes: dict[str, np.ndarray]
+    part: np.ndarray  # which priced group a candidate came from, and its index there
+    local: np.ndarray
+    calls: list[dict]  # per group: step_time's collectives
+
+    def collectives(self, i: int) -> list[dict]:
+        """Candidate i's collectives that run, each with its algorithm and alpha-beta time."""
+        group, j = self.calls[self.part[i]], self.local[i]
+        size = int(np.sum(self.part == self.part[i]))
+
+        def at(x):
+            return np.broadcast_to(x, (size,))[j]
+
+        out = []
+        for name, (axis, op, nbytes, ranks, calls, seconds, algo) in group.items():
+            if at(calls) > 0 and at(ranks) > 1 and at(nbytes) > 0:
+                out.append({"name": name, "axis": axis, "op": op, "bytes": float(at(nbytes)),
+                            "ranks": int(at(ranks)), "calls_per_step": float(at(calls)),
+                            "seconds_per_call": float(at(seconds)), "algo": str(at(algo))})
+        return out
 
     def __len__(self) -> int:
         return len(self.schedule)
@@ -137,9 +156,9 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
                       cp=cp[index], ep=ep[index], zero=zero[index], schedule=schedule, chunks=chunks,
                       recompute=recompute, precision=PRECISIONS[precision])
             memory = memory_per_rank(spec, microbatches=m[index], **kw)
-            times, comm = step_time(spec, hw, global_batch=global_batch, dtype=dtype,
-                                    efficiency=efficiency, **kw)
-            parts.append((index, chunks, label, recompute, memory, times, comm))
+            times, comm, calls = step_time(spec, hw, global_batch=global_batch, dtype=dtype,
+                                           efficiency=efficiency, **kw)
+            parts.append((index, chunks, label, recompute, memory, times, comm, calls))
 
     def cat(key_fn):
         return np.concatenate([np.broadcast_to(key_fn(p), p[0].shape) for p in parts])
@@ -155,6 +174,9 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
         memory={k: cat(lambda p, k=k: p[4][k]) for k in MEMORY_KEYS},
         times={k: cat(lambda p, k=k: p[5][k]) for k in (*TIME_KEYS, "total")},
         comm_bytes={k: cat(lambda p, k=k: p[6][k]) for k in COMM_KEYS},
+        part=np.concatenate([np.full(len(p[0]), k) for k, p in enumerate(parts)]),
+        local=cat(lambda p: np.arange(len(p[0]))),
+        calls=[p[7] for p in parts],
     )
 
 
@@ -195,6 +217,7 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
             "memory_bytes": {k: float(c.memory[k][i]) for k in MEMORY_KEYS},
             "time_s": {k: float(c.times[k][i]) for k in TIME_KEYS},
             "comm_bytes": {k: float(v[i]) for k, v in c.comm_bytes.items()},
+            "collectives": c.collectives(i),
             "step_time_s": step,
             "mfu": float(mfu),
             "tokens_per_s": float(tokens),

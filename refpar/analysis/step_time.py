@@ -51,15 +51,23 @@ def collective_bytes(op: str, size, n):
 
 def collective_time(op: str, size, n, bandwidth, latency, call_latency):
     """Alpha-beta time of one collective; all-reduce picks the faster of ring and tree."""
+    return collective_choice(op, size, n, bandwidth, latency, call_latency)[0]
+
+
+def collective_choice(op: str, size, n, bandwidth, latency, call_latency):
+    """(seconds, algorithm) of one collective: the algorithm name per entry, an all-reduce's
+    "tree" where the double binary tree's 2 log2(n) steps beat the ring's 2 (n-1)."""
     n = np.asarray(n)
     if op == "send":
-        return call_latency + latency + size / bandwidth
+        return call_latency + latency + size / bandwidth, np.full(np.shape(size), "p2p")
     steps = np.where(op == "all_reduce", 2, 1) * (n - 1)
     ring = call_latency + steps * latency + collective_bytes(op, size, n) / bandwidth
+    algo = np.full(np.broadcast(ring, n).shape, "pairwise" if op == "all_to_all" else "ring")
     if op == "all_reduce":
         tree = call_latency + 2 * np.log2(np.maximum(n, 2)) * latency + 2 * size / bandwidth
+        algo = np.where(tree < ring, "tree", algo)
         ring = np.minimum(ring, tree)
-    return np.where(n > 1, ring, 0.0)
+    return np.where(n > 1, ring, 0.0), algo
 
 
 def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1):
@@ -95,9 +103,10 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     model, not a measurement (large bf16 GEMMs on A100/H100 reach 70-80% of peak in cuBLAS's
     published benchmarks; Narayanan et al. 2021 report 52% of peak end-to-end at 1T).
 
-    Returns (times, bytes): times has compute, bubble, tp, cp, ep, pp, dp, optimizer and total
-    in seconds (communication entries are the exposed part); bytes is sent per rank per step
-    by axis.
+    Returns (times, bytes, calls): times has compute, bubble, tp, cp, ep, pp, dp, optimizer and
+    total in seconds (communication entries are the exposed part); bytes is sent per rank per
+    step by axis; calls names each collective ("tp.all_reduce", "dp.experts.reduce_scatter", ...)
+    with (axis, op, message bytes, ranks, calls per step, seconds per call, algorithm).
     """
     tp, pp, dp, cp, ep, zero = (np.asarray(x) for x in (tp, pp, dp, cp, ep, zero))
     sp = tp > 1 if sp is None else np.asarray(sp)
@@ -131,11 +140,13 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     act = e * n_tok * h
     layers_per_stage = spec.n_layer / pp
     bw, lat = link(hw, sizes, "tp")
-    t_ar = collective_time("all_reduce", act, tp, bw, lat, cl)
+    t_ar, tp_algo = collective_choice("all_reduce", act, tp, bw, lat, cl)
     n_bwd_ar = 2 + (2 if recompute == "full" else 0)
     tp_f = layers_per_stage * 2 * t_ar
     tp_b = layers_per_stage * n_bwd_ar * t_ar
     tp_bytes = m * layers_per_stage * (2 + n_bwd_ar) * collective_bytes("all_reduce", act, tp)
+    calls = {"tp.all_reduce": ("tp", "all_reduce", act, tp, m * layers_per_stage * (2 + n_bwd_ar),
+                               t_ar, tp_algo)}
 
     # Context parallelism (ring attention, Liu et al. 2023): K and V pass around the ring, c - 1
     # hops forward; backward passes them again with their gradients. It overlaps the attention core.
@@ -147,17 +158,20 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     cp_exposed_f = np.maximum(0, cp_f - core_t)
     cp_exposed_b = np.maximum(0, 2 * cp_f - 2 * core_t)
     cp_bytes = m * layers_per_stage * 3 * (cp - 1) * kv
+    calls["cp.send"] = ("cp", "send", kv, cp, m * layers_per_stage * 3 * (cp - 1), hop, "ring")
 
     # Expert parallelism: dispatch and combine all-to-alls of the k copies of each token, forward
     # and backward (Lepikhin et al. 2021), per MoE block.
     bw, lat = link(hw, sizes, "ep")
     moe_per_stage = spec.n_moe_layers / pp
     a2a = e * n_tok * max(spec.top_k, 1) * h
-    t_a2a = collective_time("all_to_all", a2a, ep, bw, lat, cl)
+    t_a2a, ep_algo = collective_choice("all_to_all", a2a, ep, bw, lat, cl)
     ep_f = moe_per_stage * 2 * t_a2a
     ep_b = moe_per_stage * (2 + (2 if recompute == "full" else 0)) * t_a2a
     ep_bytes = m * moe_per_stage * (4 + (2 if recompute == "full" else 0)) * collective_bytes(
         "all_to_all", a2a, ep)
+    calls["ep.all_to_all"] = ("ep", "all_to_all", a2a, ep,
+                              m * moe_per_stage * (4 + (2 if recompute == "full" else 0)), t_a2a, ep_algo)
 
     # Pipeline: one activation forward and one gradient backward per micro-batch and chunk;
     # sequence parallelism sends the t-th part (Narayanan et al. 2021, Section 4.1 scatter/gather).
@@ -165,6 +179,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     p2p_size = e * n_tok * h / np.where(sp, tp, 1)
     p2p = np.where(pp > 1, collective_time("send", p2p_size, 2, bw, lat, cl), 0)
     pp_bytes = np.where(pp > 1, 2 * m * chunks * p2p_size, 0)
+    calls["pp.send"] = ("pp", "send", p2p_size, pp, 2 * m * chunks, p2p, "p2p")
 
     t_f = compute_f + tp_f + cp_exposed_f + ep_f
     t_b = compute_b + tp_b + cp_exposed_b + ep_b
@@ -181,12 +196,13 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     first_heavier = fs + fe >= ls + le
     shared, expert = np.where(first_heavier, fs, ls), np.where(first_heavier, fe, le)
     dp_time, dp_bytes = 0.0, 0.0
-    for params, group_sizes in ((shared, {"dp": dp, "ep": ep, "cp": cp}), (expert, {"dp": dp, "cp": cp})):
+    groups = (("dp", shared, {"dp": dp, "ep": ep, "cp": cp}), ("dp.experts", expert, {"dp": dp, "cp": cp}))
+    for name, params, group_sizes in groups:
         n = group_sizes["dp"] * group_sizes["cp"] * group_sizes.get("ep", 1)
         # The group spans the slowest of its axes: its link is that axis's.
         bw, lat = link(hw, {**sizes, **group_sizes}, "dp")
         g, w = params * precision.grad, params * precision.param
-        t_ar = collective_time("all_reduce", g, n, bw, lat, cl)
+        t_ar, ar_algo = collective_choice("all_reduce", g, n, bw, lat, cl)
         t_rs = collective_time("reduce_scatter", g, n, bw, lat, cl)
         t_ag = collective_time("all_gather", w, n, bw, lat, cl)
         once = np.where(zero == 0, t_ar, t_rs + t_ag)
@@ -200,6 +216,11 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
              collective_bytes("reduce_scatter", g, n) + collective_bytes("all_gather", w, n),
              m * collective_bytes("reduce_scatter", g, n) + collective_bytes("all_gather", w, n)],
             m * (collective_bytes("reduce_scatter", g, n) + 2 * collective_bytes("all_gather", w, n)))
+        calls[f"{name}.all_reduce"] = ("dp", "all_reduce", g, n, np.where(zero == 0, 1, 0), t_ar, ar_algo)
+        calls[f"{name}.reduce_scatter"] = ("dp", "reduce_scatter", g, n,
+                                           np.select([zero == 0, zero == 1], [0, 1], m), t_rs, "ring")
+        calls[f"{name}.all_gather"] = ("dp", "all_gather", w, n,
+                                       np.select([zero == 0, zero <= 2], [0, 1], 2 * m), t_ag, "ring")
 
     # The optimizer step is memory-bound: read master, m, v and the gradient, write master, m, v
     # and the bf16 weights, for the rank's shard.
@@ -219,7 +240,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     }
     times["total"] = work + pipe_comm + bubble + dp_time + optimizer
     comm_bytes = {"tp": tp_bytes, "cp": cp_bytes, "ep": ep_bytes, "pp": pp_bytes, "dp": dp_bytes}
-    return times, comm_bytes
+    return times, comm_bytes, calls
 
 
 def throughput(spec: ModelSpec, hw: Hardware, step_seconds, *, global_batch, seq, gpus,

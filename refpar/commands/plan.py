@@ -53,6 +53,10 @@ def format_plans(result: dict) -> str:
             "   memory GB: " + "  ".join(f"{k} {_gb(v).strip()}" for k, v in mem.items())
             + f"  total {_gb(sum(mem.values())).strip()}",
             "   time s:    " + "  ".join(f"{k} {v:.3f}" for k, v in t.items() if v > 0),
+            "   collectives: " + "; ".join(
+                f"{c['name']} {c['bytes'] / 1e6:.1f} MB x {c['calls_per_step']:.0f} over "
+                f"{c['ranks']} ({c['algo']}, {c['seconds_per_call'] * 1e3:.2f} ms)"
+                for c in p["collectives"]) if p["collectives"] else "   collectives: none",
         ]
     return "\n".join(lines)
 
