@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m refpar train --model tiny --steps 30
+	$(PY) -m refpar train --model tiny --steps 200
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -16,6 +16,7 @@ from refpar.config import ConfigError
 # name -> module. Command modules import heavy dependencies (mpi4py, the model) inside run(),
 # so `refpar schedule --help` starts instantly and never initialises MPI.
 COMMANDS: dict[str, str] = {
+    "train": "refpar.commands.train",
     "plan": "refpar.commands.plan",
 }
 
@@ -28,8 +29,17 @@ def launcher_rank() -> int:
     return 0
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (what is wrong, and `--help`), exit status 2."""
+
+    def error(self, message: str):
+        if launcher_rank() == 0:
+            print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="refpar",
         description="Parallel training strategies in plain NumPy on real MPI ranks.",
     )

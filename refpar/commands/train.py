@@ -1,0 +1,99 @@
+"""`refpar train`: train GPT-2 on the synthetic Markov corpus and print the loss next to its floor.
+
+    refpar train --model tiny --steps 200
+    refpar train --model tiny --steps 5 --json     # last line: the JSON summary (refpar.report)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from refpar.config import TrainConfig
+
+    d = TrainConfig()
+    parser.add_argument("--model", default="tiny", help="model preset: tiny or small (default tiny)")
+    parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size,
+                        help=f"global batch, sequences per step (default {d.batch_size})")
+    parser.add_argument("--seq-len", type=int, default=d.seq_len,
+                        help=f"tokens per sequence (default {d.seq_len})")
+    parser.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
+    parser.add_argument("--optimizer", default=d.optimizer, help="adamw or sgd (default adamw)")
+    parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
+    parser.add_argument("--seed", type=int, default=d.seed,
+                        help=f"seeds weights, data and dropout (default {d.seed})")
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="dropout probability (default: the preset's)")
+    parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
+    parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
+
+
+def configs(args):
+    """(ModelConfig, TrainConfig, mesh sizes) from the parsed arguments; ConfigError on any mistake."""
+    from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset, parse_mesh
+
+    sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
+    for axis, size in sizes.items():
+        if size > 1:
+            raise ConfigError(f"mesh axis {axis}={size} is not implemented yet; run without --mesh "
+                              f"(or with {axis}=1) for the single-device reference")
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout)) if v is not None}
+    model = model_preset(args.model, **overrides)
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                        optimizer=args.optimizer, seed=args.seed)
+    train.check_model(model)
+    return model, train, sizes
+
+
+def run(args) -> int:
+    from refpar.cli import launcher_rank
+    from refpar.model.gpt import param_shapes
+    from refpar.report import run_summary, summary_line
+    from refpar.trainer import corpus_for, train_single_device
+
+    model, train, sizes = configs(args)
+    speak = launcher_rank() == 0
+    n_params = sum(_numel(shape) for shape in param_shapes(model).values())
+    floor = corpus_for(model, train).entropy_rate()
+    tokens_per_step = train.batch_size * train.seq_len
+    # About a dozen table rows whatever the length of the run, plus the first and the last step.
+    every = max(1, train.steps // 12)
+
+    def say(text: str) -> None:
+        if speak:
+            print(text, flush=True)
+
+    say(f"GPT-2 {args.model}: {model.n_layer} layers, {model.n_embd} channels, {model.n_head} heads, "
+        f"{n_params:,} parameters, {model.dtype}, dropout {model.dropout}, 1 device")
+    say(f"data: Markov chain over {model.vocab_size} tokens, batch {train.batch_size} x {train.seq_len} "
+        f"tokens; loss floor (entropy rate) {floor:.4f}")
+    say(f"{'step':>6} {'loss':>9} {'floor':>9} {'tokens/s':>10}")
+
+    def row(r) -> None:
+        if r.step == 0 or (r.step + 1) % every == 0 or r.step == train.steps - 1:
+            say(f"{r.step + 1:>6} {r.loss:>9.4f} {floor:>9.4f} {tokens_per_step / r.time_s:>10,.0f}")
+
+    result = train_single_device(model, train, on_step=row)
+    # The mean of the last ten steps, since one batch's loss is noisy.
+    tail = result.losses[-10:]
+    first, last = result.losses[0], sum(tail) / len(tail)
+    gap = first - floor
+    progress = f", {100 * (first - last) / gap:.0f}% of the way to the floor" if gap > 0 else ""
+    say(f"loss {first:.4f} at step 1, {last:.4f} over the last {len(tail)} steps{progress}; "
+        f"{result.step_time_s * 1e3:.1f} ms per step")
+    if args.json:
+        summary = run_summary(model, train, result.losses, mesh=sizes, world_size=1,
+                              step_time_s=result.step_time_s, loss_floor=floor)
+        say(summary_line(summary))
+    return 0
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,155 @@
+"""GPT-2's layers as forward/backward pairs, written by hand (no autograd).
+
+Legend: B batch, T sequence, C channels (n_embd), V vocab, N = B*T tokens, `...` any leading dims.
+`x_forward(...) -> (out, cache)`; `x_backward(dout, cache) -> (dinputs..., dparams...)`.
+Every function takes its array namespace from its inputs (array-api-compat), so the same code runs
+on NumPy, array-api-strict, torch and CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import math
+
+from array_api_compat import array_namespace, device
+
+GELU_C = math.sqrt(2.0 / math.pi)  # tanh-GELU (Hendrycks & Gimpel 2016), as GPT-2 uses it
+
+
+def as_like(a, like):
+    """`a` (e.g. a NumPy mask or token batch) as an array of `like`'s namespace and device."""
+    xp = array_namespace(like)
+    return xp.asarray(a, device=device(like))
+
+
+def one_hot(idx, n: int, dtype):
+    """(...) integer ids -> (..., n) one-hot rows of `dtype`: the array-API way to gather and
+    scatter-add by index (the standard has `take` but no scatter-add)."""
+    xp = array_namespace(idx)
+    columns = xp.arange(n, dtype=idx.dtype, device=device(idx))  # (n,)
+    return xp.astype(xp.expand_dims(idx, axis=-1) == columns, dtype)  # (..., n)
+
+
+# ---------------------------------------------------------------------------------------- linear
+def linear_forward(x, w, b):
+    """Conv1D layout: out = x @ w + b with w (in, out). b may be None."""
+    xp = array_namespace(x, w)
+    lead = x.shape[:-1]
+    out = xp.reshape(x, (-1, x.shape[-1])) @ w  # (N, out): one GEMM over all tokens
+    if b is not None:
+        out += b
+    return xp.reshape(out, (*lead, w.shape[1])), (x, w, b is not None)
+
+
+def linear_backward(dout, cache):
+    x, w, has_bias = cache
+    xp = array_namespace(dout, w)
+    dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, out)
+    x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, in)
+    dx = xp.reshape(dout2 @ w.T, x.shape)  # (..., in)
+    dw = x2.T @ dout2  # (in, out)
+    db = xp.sum(dout2, axis=0) if has_bias else None  # (out,)
+    return dx, dw, db
+
+
+# ------------------------------------------------------------------------------------- layernorm
+def layernorm_forward(x, w, b, eps=1e-5):
+    """Over the last axis, biased variance, as torch.nn.LayerNorm."""
+    xp = array_namespace(x, w)
+    mean = xp.mean(x, axis=-1, keepdims=True)  # (..., 1)
+    xc = x - mean  # (..., C)
+    var = xp.mean(xc * xc, axis=-1, keepdims=True)  # (..., 1)
+    rstd = 1.0 / xp.sqrt(var + eps)  # (..., 1)
+    xhat = xc * rstd  # (..., C)
+    out = xhat * w + b  # (..., C)
+    return out, (xhat, rstd, w)
+
+
+def layernorm_backward(dout, cache):
+    xhat, rstd, w = cache
+    xp = array_namespace(dout, w)
+    lead = tuple(range(dout.ndim - 1))
+    dw = xp.sum(dout * xhat, axis=lead)  # (C,)
+    db = xp.sum(dout, axis=lead)  # (C,)
+    dxhat = dout * w  # (..., C)
+    # d/dx of (x - mean) * rstd: remove the mean of dxhat and its projection on xhat.
+    dx = (
+        dxhat
+        - xp.mean(dxhat, axis=-1, keepdims=True)
+        - xhat * xp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    ) * rstd  # (..., C)
+    return dx, dw, db
+
+
+# ------------------------------------------------------------------------------------------ gelu
+def gelu_forward(x):
+    xp = array_namespace(x)
+    t = xp.tanh(GELU_C * (x + 0.044715 * (x * x * x)))  # (...)
+    return 0.5 * x * (1.0 + t), (x, t)
+
+
+def gelu_backward(dout, cache):
+    x, t = cache
+    dinner = GELU_C * (1.0 + 3.0 * 0.044715 * (x * x))  # d(tanh argument)/dx
+    return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner)
+
+
+# --------------------------------------------------------------------------------------- dropout
+def dropout_forward(x, keep, p):
+    """Inverted dropout: kept values scaled by 1/(1-p). `keep` is None (no dropout) or a boolean
+    array broadcastable to x, of x's namespace (`as_like` moves a NumPy mask)."""
+    if keep is None or p == 0.0:
+        return x, None
+    xp = array_namespace(x)
+    scale = xp.astype(keep, x.dtype) * (1.0 / (1.0 - p))  # (..., like x): 0 or 1/(1-p)
+    return x * scale, scale
+
+
+def dropout_backward(dout, cache):
+    return dout if cache is None else dout * cache
+
+
+# ------------------------------------------------------------------------------------- embedding
+def embedding_forward(tokens, wte, wpe, positions):
+    """out[b, t] = wte[tokens[b, t]] + wpe[positions[t]]; positions are global, so a sequence
+    shard passes its own slice of them."""
+    xp = array_namespace(wte)
+    B, T = tokens.shape
+    tok = xp.take(wte, xp.reshape(tokens, (-1,)), axis=0)  # (N, C)
+    pos = xp.take(wpe, positions, axis=0)  # (T, C)
+    out = xp.reshape(tok, (B, T, wte.shape[1])) + pos  # (B, T, C)
+    return out, (tokens, positions, wte.shape[0], wpe.shape[0])
+
+
+def embedding_backward(dout, cache):
+    tokens, positions, V, P = cache
+    xp = array_namespace(dout)
+    C = dout.shape[-1]
+    dout2 = xp.reshape(dout, (-1, C))  # (N, C)
+    # Scatter-add as a one-hot product: repeated tokens accumulate, as they must.
+    dwte = one_hot(xp.reshape(tokens, (-1,)), V, dout.dtype).T @ dout2  # (V, C)
+    dwpe = one_hot(positions, P, dout.dtype).T @ xp.sum(dout, axis=0)  # (P, C)
+    return dwte, dwpe
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+def cross_entropy_forward(logits, targets, normalizer):
+    """loss = sum over tokens of -log softmax(logits)[target] / normalizer. The normalizer is the
+    global token count, so losses computed on shards of the batch add up to the global mean."""
+    xp = array_namespace(logits)
+    V = logits.shape[-1]
+    logits2 = xp.reshape(logits, (-1, V))  # (N, V)
+    z = logits2 - xp.max(logits2, axis=-1, keepdims=True)  # (N, V), max 0: exp cannot overflow
+    e = xp.exp(z)  # (N, V)
+    s = xp.sum(e, axis=-1, keepdims=True)  # (N, 1)
+    hot = one_hot(xp.reshape(targets, (-1,)), V, logits.dtype)  # (N, V)
+    z_target = xp.sum(z * hot, axis=-1)  # (N,)
+    loss = xp.sum(xp.log(xp.reshape(s, (-1,))) - z_target) / normalizer  # ()
+    probs = e / s  # (N, V)
+    return loss, (probs, hot, normalizer, logits.shape)
+
+
+def cross_entropy_backward(dloss, cache):
+    probs, hot, normalizer, shape = cache
+    xp = array_namespace(probs)
+    dlogits = (probs - hot) * (dloss / normalizer)  # (N, V)
+    return xp.reshape(dlogits, shape)

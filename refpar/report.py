@@ -1,0 +1,64 @@
+"""The one-line JSON summary of `refpar train --json` (DESIGN.md, "Command line").
+
+Every strategy fills the same fields through `run_summary`; a field that does not apply to a run
+is null. Fields may be added here, never renamed: tests and scripts read them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from refpar.config import ModelConfig, TrainConfig
+
+SUMMARY_FIELDS = (
+    "mesh",  # {"pp": 1, "dp": 2, ...}: every axis, sizes of this run
+    "world_size",
+    "zero",  # ZeRO stage
+    "schedule",  # pipeline schedule name
+    "microbatches",
+    "model",  # ModelConfig as a dict
+    "dtype",
+    "steps",
+    "losses",  # one per step, as this run computed them
+    "reference_losses",  # --check: the single-device run's
+    "max_loss_rel_diff",  # --check
+    "max_param_rel_diff",  # --check: over all parameters after the last step
+    "comm_bytes",  # [{"rank", "axis", "op", "bytes_sent", "bytes_recv"}]
+    "expected_comm_bytes",  # same rows, from the closed forms
+    "memory_peak_bytes",  # [{"rank", "category", "bytes"}]
+    "expected_memory_peak_bytes",  # same rows, from the closed forms
+    "bubble_fraction",  # {"measured", "simulated"}
+    "step_time_s",
+    "config",  # {"model": ..., "train": ...}: everything needed to rerun
+    "loss_floor",  # the corpus's entropy rate: the best mean loss possible
+)
+
+
+def run_summary(model: ModelConfig, train: TrainConfig, losses, **fields) -> dict:
+    """The summary dict in SUMMARY_FIELDS order; `fields` sets any of the others (unknown names are
+    a programming error and raise)."""
+    unknown = sorted(set(fields) - set(SUMMARY_FIELDS))
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not a summary field; add it to SUMMARY_FIELDS first")
+    summary = dict.fromkeys(SUMMARY_FIELDS)
+    summary.update(
+        model=model.to_dict(), dtype=model.dtype, steps=train.steps, losses=[float(x) for x in losses],
+        config={"model": model.to_dict(), "train": train.to_dict()},
+    )
+    summary.update(fields)
+    return summary
+
+
+def summary_line(summary: dict) -> str:
+    """One line of strict JSON (no NaN/Infinity literals: a diverged loss becomes null)."""
+    def clean(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(summary), allow_nan=False)

@@ -1,0 +1,69 @@
+"""The model's numeric code runs on any array-API namespace and gives the NumPy numbers.
+
+array-api-strict refuses anything outside the standard (NumPy-only functions, integer-array
+indexing, ...), so passing here keeps the GPU backends honest; torch CPU tensors stand in for the
+torch CUDA backend. Float64 throughout: only summation order may differ, hence 1e-12.
+"""
+
+import numpy as np
+import pytest
+
+from refpar.config import TrainConfig, model_preset
+from refpar.model import gpt
+from refpar.model.data import MarkovCorpus
+from refpar.model.optim import optimizer_init, optimizer_step
+
+
+def namespaces():
+    out = []
+    try:
+        import array_api_strict
+
+        out.append(pytest.param(array_api_strict, id="array-api-strict"))
+    except ImportError:
+        out.append(pytest.param(None, id="array-api-strict",
+                                marks=pytest.mark.skip(reason="array-api-strict is not installed")))
+    try:
+        import torch
+
+        out.append(pytest.param(torch, id="torch-cpu"))
+    except ImportError:
+        out.append(pytest.param(None, id="torch-cpu",
+                                marks=pytest.mark.skip(reason="torch is not installed")))
+    return out
+
+
+def to_numpy(a):
+    return np.asarray(a.numpy() if hasattr(a, "numpy") else np.from_dlpack(a))
+
+
+def rel_diff(a, b):
+    return float(np.max(np.abs(to_numpy(a) - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("xp", namespaces())
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_forward_backward_and_optimizer_step_give_the_numpy_numbers(xp, optimizer):
+    config = model_preset("tiny", dropout=0.1)
+    train = TrainConfig(optimizer=optimizer)
+    params = gpt.init_params(config, seed=0)
+    tokens, targets = MarkovCorpus(config.vocab_size, 0).batch(2, range(3), 10)
+    kw = dict(seed=4, step=2, sample_ids=[0, 1, 2])
+    loss, grads = gpt.loss_and_grads(params, tokens, targets, config, **kw)
+    new, _ = optimizer_step(params, grads, optimizer_init(params, train), train)
+    logits = gpt.forward(params, tokens, config)
+
+    other = {n: xp.asarray(p) for n, p in params.items()}
+    other_loss, other_grads = gpt.loss_and_grads(other, xp.asarray(tokens), xp.asarray(targets), config, **kw)
+    # The optimizer from the same gradients: Adam's first step is ~sign(g), which would magnify
+    # the 1e-16 differences of near-zero gradients and say nothing about the optimizer code.
+    same_grads = {n: xp.asarray(g) for n, g in grads.items()}
+    other_new, _ = optimizer_step(other, same_grads, optimizer_init(other, train), train)
+    other_logits = gpt.forward(other, xp.asarray(tokens), config)
+
+    assert abs(other_loss - loss) / loss < 1e-12
+    assert rel_diff(other_logits, logits) < 1e-12
+    for name in params:
+        assert type(other_grads[name]) is type(other[name])
+        assert rel_diff(other_grads[name], grads[name]) < 1e-12, name
+        assert rel_diff(other_new[name], new[name]) < 1e-12, name

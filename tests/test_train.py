@@ -1,0 +1,74 @@
+"""The single-device trainer learns the Markov corpus, and `refpar train` reports it cleanly."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from refpar.config import TrainConfig, model_preset
+from refpar.model.data import MarkovCorpus
+from refpar.report import SUMMARY_FIELDS
+from refpar.trainer import train_single_device
+from tests.mpi import ROOT, mpi_env
+
+
+def refpar(*args):
+    return subprocess.run([sys.executable, "-m", "refpar", *args], cwd=ROOT, env=mpi_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_training_tiny_gets_more_than_halfway_from_the_initial_loss_to_the_floor():
+    result = train_single_device(model_preset("tiny"), TrainConfig(steps=150, seed=7))
+    first, floor = result.losses[0], result.loss_floor
+    last = float(np.mean(result.losses[-10:]))  # the last ten, so one lucky batch does not pass it
+    print(f"initial {first:.3f}, last ten {last:.3f}, floor {floor:.3f}")
+    assert abs(first - np.log(96)) < 0.1  # GPT-2's init predicts nearly uniformly
+    assert last < floor + 0.5 * (first - floor)
+    assert last > floor - 0.05  # nothing beats the entropy rate (up to batch noise)
+
+
+def test_markov_floor_is_the_empirical_mean_negative_log_likelihood_of_the_chain():
+    corpus = MarkovCorpus(96, seed=3)
+    tokens, targets = corpus.batch(0, range(200), 32)
+    nll = -np.log(corpus.transition[tokens, targets])
+    assert abs(nll.mean() - corpus.entropy_rate()) < 0.05  # 6,400 tokens: standard error ~0.01
+    np.testing.assert_allclose(corpus.stationary @ corpus.transition, corpus.stationary, atol=1e-15)
+    # keyed by sample id: a data-parallel rank's slice equals the global rows
+    part, _ = corpus.batch(0, [150, 151], 32)
+    assert np.array_equal(part, tokens[150:152])
+
+
+def test_train_json_summary_is_the_last_line_with_every_summary_field_and_the_reference_losses():
+    proc = refpar("train", "--model", "tiny", "--steps", "4", "--seed", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert list(summary) == list(SUMMARY_FIELDS)
+    expected = train_single_device(model_preset("tiny"), TrainConfig(steps=4, seed=3)).losses
+    assert summary["losses"] == expected  # the CLI runs exactly the reference loop
+    assert summary["world_size"] == 1 and set(summary["mesh"].values()) == {1}
+    assert summary["schedule"] is None and summary["reference_losses"] is None
+    assert summary["config"]["train"]["seed"] == 3 and summary["dtype"] == "float64"
+    assert 0 < summary["loss_floor"] < summary["losses"][0]
+    assert lines[2].split() == ["step", "loss", "floor", "tokens/s"]
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--steps", "many"], "invalid int value: 'many'"),
+        (["--steps", "0"], "steps must be positive"),
+        (["--model", "huge"], "unknown model preset 'huge'"),
+        (["--mesh", "dp=2"], "mesh axis dp=2 is not implemented yet"),
+        (["--mesh", "dp2"], "needs the form axis=size"),
+        (["--seq-len", "40"], "seq_len=40 is longer than n_positions=32"),
+    ],
+)
+def test_bad_train_input_exits_non_zero_with_one_sentence_and_no_traceback(args, words):
+    proc = refpar("train", *args)
+    assert proc.returncode != 0
+    assert words in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
