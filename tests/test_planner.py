@@ -77,7 +77,7 @@ def test_data_parallel_bytes_are_the_bandwidth_optimal_all_reduce_of_the_gradien
     np.testing.assert_allclose(comm["dp"], [expected, expected, expected, 1.5 * expected], rtol=1e-12)
 
 
-@pytest.mark.parametrize("gpus", [0, 6, 12, 1000])
+@pytest.mark.parametrize("gpus", [0, 6, 12, 1001])
 def test_gpu_counts_that_are_not_whole_nodes_are_refused(gpus):
     with pytest.raises(ConfigError) as err:
         plan(PRESETS["gpt2"], HARDWARE["a100"], gpus)

@@ -28,8 +28,8 @@ from refpar.config import ConfigError
 ZERO_STAGES = (0, 1, 2, 3)
 RECOMPUTE = ("none", "selective", "full")
 # (schedule, chunks per stage); with one stage there is no schedule to choose ("none").
-PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
-                      ("zb-h1", 1), ("zb-h2", 1))
+SCHEDULE_CHOICES = (("none", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
+                    ("interleaved-1f1b", 4), ("zb-h1", 1), ("zb-h2", 1))
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "comm")
 COMM_KEYS = ("tp", "cp", "ep", "pp", "dp")
 TIME_KEYS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
@@ -58,16 +58,21 @@ def check_gpus(gpus: int, hw: Hardware) -> None:
 def meshes(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int, seq: int) -> np.ndarray:
     """Every valid (dp, tp, pp, cp, ep) for this model and world, one row each."""
     rows = []
-    for tp in _divisors(gpus):
+    divisors = _divisors(gpus)
+
+    def dividing(n: int) -> list[int]:  # the divisors of a divisor of gpus
+        return [d for d in divisors if n % d == 0]
+
+    for tp in divisors:
         if tp > hw.gpus_per_node or spec.n_kv_head % tp:
             continue
-        for pp in _divisors(gpus // tp):
+        for pp in dividing(gpus // tp):
             if spec.n_layer % pp:
                 continue
-            for cp in _divisors(gpus // (tp * pp)):
+            for cp in dividing(gpus // (tp * pp)):
                 if seq % (2 * cp) and cp > 1:
                     continue
-                for ep in _divisors(gpus // (tp * pp * cp)):
+                for ep in dividing(gpus // (tp * pp * cp)):
                     if (spec.n_experts if spec.is_moe else 1) % ep:
                         continue
                     dp = gpus // (tp * pp * cp * ep)
@@ -81,14 +86,16 @@ class Candidates:
     """Structure of arrays: one entry per priced plan."""
 
     columns: dict[str, np.ndarray]
-    schedule: np.ndarray  # str
-    recompute: np.ndarray  # str
+    schedule: np.ndarray  # index into SCHEDULE_CHOICES
+    recompute: np.ndarray  # index into RECOMPUTE
     memory: dict[str, np.ndarray]
     times: dict[str, np.ndarray]
     comm_bytes: dict[str, np.ndarray]
     part: np.ndarray  # which priced group a candidate came from, and its index there
     local: np.ndarray
     calls: list[dict]  # per group: step_time's collectives
+    priced: int  # candidates whose memory was priced (the fitting ones are the rows here)
+    leanest: float  # the least memory any candidate needs, in bytes per GPU
 
     def collectives(self, i: int) -> list[dict]:
         """Candidate i's collectives that run, each with its algorithm and alpha-beta time."""
@@ -111,9 +118,13 @@ class Candidates:
 
 
 def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, seq: int,
-                    precision: str = "bf16", dtype: str = "bfloat16",
-                    efficiency: float = 0.75) -> Candidates:
-    """Price every candidate plan (fitting or not)."""
+                    precision: str = "bf16", dtype: str = "bfloat16", efficiency: float = 0.75,
+                    budget: float = np.inf) -> Candidates:
+    """Every candidate plan with its memory; the time of those within `budget` bytes per GPU.
+
+    Memory is priced first and the step time only for the plans that fit: the pruning that keeps
+    a 1T-parameter search on 4,096 GPUs well under two seconds.
+    """
     check_gpus(gpus, hw)
     if global_batch < 1 or seq < 1:
         raise ConfigError(f"global batch {global_batch} and sequence {seq} must both be positive")
@@ -138,9 +149,11 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
     zero = np.tile(np.array(ZERO_STAGES), len(rows))
     dp, tp, pp, cp, ep = base.T
     m = global_batch // (dp * ep * micro)
+    mesh_columns = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": zero,
+                    "micro_batch": micro, "microbatches": m}
 
-    parts = []
-    for label, chunks in (("none", 1),) + PIPELINE_SCHEDULES:
+    parts, priced, leanest = [], 0, np.inf
+    for code, (label, chunks) in enumerate(SCHEDULE_CHOICES):
         # One stage has no schedule to choose; its memory and time are 1F1B's with p = 1.
         schedule = "1f1b" if label == "none" else label
         ok = pp == 1 if label == "none" else pp > 1
@@ -150,33 +163,44 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
             ok &= m >= pp
         if schedule == "zb-h2":
             ok &= m >= 2 * pp - 1
-        index = np.nonzero(ok)[0]
-        for recompute in RECOMPUTE if len(index) else ():
-            kw = dict(micro_batch=micro[index], seq=seq, tp=tp[index], pp=pp[index], dp=dp[index],
-                      cp=cp[index], ep=ep[index], zero=zero[index], schedule=schedule, chunks=chunks,
-                      recompute=recompute, precision=PRECISIONS[precision])
-            memory = memory_per_rank(spec, microbatches=m[index], **kw)
+        rows_ok = np.nonzero(ok)[0]
+        sizes = dict(micro_batch=micro[rows_ok], tp=tp[rows_ok], pp=pp[rows_ok], dp=dp[rows_ok],
+                     cp=cp[rows_ok], ep=ep[rows_ok], zero=zero[rows_ok])
+        for rc, recompute in enumerate(RECOMPUTE if len(rows_ok) else ()):
+            options = dict(seq=seq, schedule=schedule, chunks=chunks, recompute=recompute,
+                           precision=PRECISIONS[precision])
+            memory = memory_per_rank(spec, microbatches=m[rows_ok], **sizes, **options)
+            total = sum(memory.values())
+            priced += len(rows_ok)
+            leanest = min(leanest, float(total.min()))
+            keep = np.nonzero(total <= budget)[0]
+            if len(keep) == 0:
+                continue
+            index = rows_ok[keep]
             times, comm, calls = step_time(spec, hw, global_batch=global_batch, dtype=dtype,
-                                           efficiency=efficiency, **kw)
-            parts.append((index, chunks, label, recompute, memory, times, comm, calls))
+                                           efficiency=efficiency, **options,
+                                           **{k: v[keep] for k, v in sizes.items()})
+            memory = {k: np.broadcast_to(v, total.shape)[keep] for k, v in memory.items()}
+            parts.append((index, code, rc, memory, times, comm, calls))
 
     def cat(key_fn):
+        if not parts:
+            return np.zeros(0)
         return np.concatenate([np.broadcast_to(key_fn(p), p[0].shape) for p in parts])
 
-    columns = {name: cat(lambda p, col=col: col[p[0]])
-               for name, col in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep),
-                                 ("zero", zero), ("micro_batch", micro), ("microbatches", m))}
-    columns["chunks"] = cat(lambda p: p[1])
+    columns = {name: cat(lambda p, col=col: col[p[0]]) for name, col in mesh_columns.items()}
     return Candidates(
         columns=columns,
-        schedule=cat(lambda p: np.array(p[2])),
-        recompute=cat(lambda p: np.array(p[3])),
-        memory={k: cat(lambda p, k=k: p[4][k]) for k in MEMORY_KEYS},
-        times={k: cat(lambda p, k=k: p[5][k]) for k in (*TIME_KEYS, "total")},
-        comm_bytes={k: cat(lambda p, k=k: p[6][k]) for k in COMM_KEYS},
-        part=np.concatenate([np.full(len(p[0]), k) for k, p in enumerate(parts)]),
-        local=cat(lambda p: np.arange(len(p[0]))),
-        calls=[p[7] for p in parts],
+        schedule=cat(lambda p: p[1]).astype(int),
+        recompute=cat(lambda p: p[2]).astype(int),
+        memory={k: cat(lambda p, k=k: p[3][k]) for k in MEMORY_KEYS},
+        times={k: cat(lambda p, k=k: p[4][k]) for k in (*TIME_KEYS, "total")},
+        comm_bytes={k: cat(lambda p, k=k: p[5][k]) for k in COMM_KEYS},
+        part=np.concatenate([np.full(len(p[0]), k) for k, p in enumerate(parts)] or [np.zeros(0, int)]),
+        local=cat(lambda p: np.arange(len(p[0]))).astype(int),
+        calls=[p[6] for p in parts],
+        priced=priced,
+        leanest=leanest,
     )
 
 
@@ -186,21 +210,21 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
     """The `top` fastest plans that fit, best first, as plain dicts (the --json output)."""
     global_batch = spec.global_batch if global_batch is None else global_batch
     seq = spec.seq_len if seq is None else seq
-    c = enumerate_plans(spec, hw, gpus, global_batch, seq, precision, dtype, efficiency)
-    total_memory = sum(c.memory.values())
-    fits = total_memory <= hw.memory_bytes
-    if not fits.any():
-        need = float(total_memory.min())
+    c = enumerate_plans(spec, hw, gpus, global_batch, seq, precision, dtype, efficiency,
+                        budget=hw.memory_bytes)
+    if len(c) == 0:
         raise ConfigError(
             f"{spec.name} fits on no mesh of {gpus} {hw.name} GPUs: the leanest plan needs "
-            f"{need / 1e9:.1f} GB per GPU against {hw.memory_bytes / 1e9:.0f} GB; use more GPUs, "
-            f"a smaller global batch or a shorter sequence"
+            f"{c.leanest / 1e9:.1f} GB per GPU against {hw.memory_bytes / 1e9:.0f} GB; use more "
+            f"GPUs, a smaller global batch or a shorter sequence"
         )
-    order = np.nonzero(fits)[0]
-    # Fastest first; among equally fast plans the lower ZeRO stage (fewer collectives to go
-    # wrong), then the one that leaves more memory free.
-    keys = (total_memory[order], c.columns["zero"][order], c.times["total"][order])
-    order = order[np.lexsort(keys)][:top]
+    total_memory = sum(c.memory.values())
+    # Fastest first. Plans within 0.1% of each other's time are a tie, and the tie goes to the
+    # simpler plan: fewer parallel axes besides dp, then the lower ZeRO stage, then less memory.
+    seconds = c.times["total"]
+    bucket = np.floor(seconds / (seconds.min() * 1e-3))
+    axes = sum((c.columns[k] > 1).astype(int) for k in ("tp", "pp", "cp", "ep"))
+    order = np.lexsort((total_memory, c.columns["zero"], axes, bucket))[:top]
     plans = []
     for i in order:
         step = float(c.times["total"][i])
@@ -211,9 +235,9 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
             "zero": int(c.columns["zero"][i]),
             "micro_batch": int(c.columns["micro_batch"][i]),
             "microbatches": int(c.columns["microbatches"][i]),
-            "schedule": str(c.schedule[i]),
-            "chunks": int(c.columns["chunks"][i]),
-            "recompute": str(c.recompute[i]),
+            "schedule": SCHEDULE_CHOICES[c.schedule[i]][0],
+            "chunks": SCHEDULE_CHOICES[c.schedule[i]][1],
+            "recompute": RECOMPUTE[c.recompute[i]],
             "memory_bytes": {k: float(c.memory[k][i]) for k in MEMORY_KEYS},
             "time_s": {k: float(c.times[k][i]) for k in TIME_KEYS},
             "comm_bytes": {k: float(v[i]) for k, v in c.comm_bytes.items()},
@@ -224,5 +248,5 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
         })
     return {
         "model": spec.name, "hardware": hw.name, "gpus": gpus, "global_batch": global_batch,
-        "seq": seq, "candidates": len(c), "fitting": int(fits.sum()), "plans": plans,
+        "seq": seq, "candidates": c.priced, "fitting": len(c), "plans": plans,
     }
