@@ -138,3 +138,20 @@ def test_all_reduce_takes_the_tree_when_latency_dominates_and_the_ring_when_band
     args = (ib.ib_bandwidth, ib.ib_latency, ib.call_latency)
     assert str(collective_choice("all_reduce", 4096, 1024, *args)[1]) == "tree"
     assert str(collective_choice("all_reduce", 4e9, 8, *args)[1]) == "ring"
+
+
+def test_ring_times_are_refpar_comm_cost_priced_for_every_candidate_at_once():
+    # The planner does not restate the alpha-beta formulas: it applies refpar.comm.cost's.
+    from refpar.analysis.step_time import collective_choice
+    from refpar.comm import cost
+
+    hw = HARDWARE["a100"]
+    sizes, ranks = np.array([1e3, 5e7, 3e9, 7.0]), np.array([2, 8, 64, 4])
+    for op in ("reduce_scatter", "all_gather", "all_to_all"):
+        seconds, _ = collective_choice(op, sizes, ranks, hw.ib_bandwidth, hw.ib_latency,
+                                       hw.call_latency)
+        for got, size, n in zip(seconds, sizes, ranks, strict=True):
+            want = hw.call_latency + cost.alpha_beta_time(op, "native", size, int(n),
+                                                          alpha=hw.ib_latency,
+                                                          bandwidth=hw.ib_bandwidth)
+            assert got == pytest.approx(want, rel=1e-12)

@@ -7,12 +7,12 @@ Ranks are laid out as refpar's DeviceMesh lays them (pp slowest, then dp, ep, cp
 as Megatron does), so an axis's group lies inside one node when its stride times its size is at
 most the node's GPU count, and then runs over NVLink; otherwise over InfiniBand.
 
-Collective costs (Thakur, Rabenseifner and Gropp 2005; Patarasuk and Yuan 2009), S the full
-buffer in bytes, n ranks: ring all-reduce sends 2 (n-1)/n S per rank in 2 (n-1) steps; ring
-all-gather and reduce-scatter (n-1)/n S in n-1 steps; pairwise all-to-all (n-1)/n S in n-1 steps;
-a double binary tree all-reduce (NCCL's tree) 2 S per rank in 2 log2(n) steps. Time = call
-latency + steps * step latency + bytes / link bandwidth, and an all-reduce takes whichever of ring
-and tree is faster. Every size argument may be a NumPy array (see scale.py).
+Collective costs: refpar.comm.cost's alpha-beta times (Thakur, Rabenseifner and Gropp 2005) for
+the ring (pairwise for all-to-all) with the link's bandwidth and per-step latency, plus NCCL's
+per-call latency; an all-reduce may take a double binary tree instead. Bytes per rank, S the full
+buffer, n ranks: ring all-reduce 2 (n-1)/n S, all-gather and reduce-scatter (n-1)/n S, all-to-all
+(n-1)/n S (the even-split forms of cost.py's exact per-rank counts). An all-reduce takes
+whichever of ring and tree is faster. Every size argument may be a NumPy array (see scale.py).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from refpar.analysis.flops import forward_flops, model_flops
 from refpar.analysis.hardware import Hardware
 from refpar.analysis.presets import ModelSpec
 from refpar.analysis.scale import PRECISIONS, Precision, layer_activation_bytes, stage_params
+from refpar.comm import cost
 
 AXES = ("pp", "dp", "ep", "cp", "tp")  # slowest- to fastest-varying (refpar.config.MESH_AXES)
 
@@ -54,20 +55,38 @@ def collective_time(op: str, size, n, bandwidth, latency, call_latency):
     return collective_choice(op, size, n, bandwidth, latency, call_latency)[0]
 
 
+def _ring_time(op: str, size, n, bandwidth, latency):
+    """refpar.comm.cost.alpha_beta_time for every entry. Its times are affine in the bytes, so it
+    is called twice per distinct (link, ranks) and the line is applied to every message size:
+    a search has tens of thousands of candidates but only a few groups and links."""
+    size, n, bw, lat = np.broadcast_arrays(*(np.asarray(x, float) for x in (size, n, bandwidth, latency)))
+    out = np.zeros(size.shape)
+    big = 1e12  # bytes: far enough from zero that the slope keeps its digits
+    for b in np.unique(bw):
+        on_link = bw == b
+        for a in np.unique(lat[on_link]):
+            same = on_link & (lat == a)
+            for p in np.unique(n[same]):
+                where = same & (n == p)
+                t0 = cost.alpha_beta_time(op, "native", 0, int(p), alpha=a, bandwidth=b)
+                slope = (cost.alpha_beta_time(op, "native", big, int(p), alpha=a, bandwidth=b) - t0) / big
+                out[where] = t0 + slope * size[where]
+    return out
+
+
 def collective_choice(op: str, size, n, bandwidth, latency, call_latency):
-    """(seconds, algorithm) of one collective: the algorithm name per entry, an all-reduce's
-    "tree" where the double binary tree's 2 log2(n) steps beat the ring's 2 (n-1)."""
+    """(seconds, algorithm) of one collective: the ring (pairwise for all-to-all) as
+    refpar.comm.cost prices it, plus NCCL's per-call latency; an all-reduce takes NCCL's double
+    binary tree (2 log2(n) latency steps, 2 S bytes: Sanders, Speck and Traeff 2009) where that is
+    faster, and names it "tree"."""
     n = np.asarray(n)
     if op == "send":
-        return call_latency + latency + size / bandwidth, np.full(np.shape(size), "p2p")
-    steps = np.where(op == "all_reduce", 2, 1) * (n - 1)
-    ring = call_latency + steps * latency + collective_bytes(op, size, n) / bandwidth
-    algo = np.full(np.broadcast(ring, n).shape, "pairwise" if op == "all_to_all" else "ring")
-    if op == "all_reduce":
-        tree = call_latency + 2 * np.log2(np.maximum(n, 2)) * latency + 2 * size / bandwidth
-        algo = np.where(tree < ring, "tree", algo)
-        ring = np.minimum(ring, tree)
-    return np.where(n > 1, ring, 0.0), algo
+        return call_latency + _ring_time("send", size, np.full(np.shape(n), 2), bandwidth, latency), "p2p"
+    ring = call_latency + _ring_time(op, size, n, bandwidth, latency)
+    if op != "all_reduce":
+        return np.where(n > 1, ring, 0.0), "pairwise" if op == "all_to_all" else "ring"
+    tree = call_latency + 2 * np.log2(np.maximum(n, 2)) * latency + 2 * size / bandwidth
+    return np.where(n > 1, np.minimum(ring, tree), 0.0), np.where(tree < ring, "tree", "ring")
 
 
 def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1):
