@@ -155,3 +155,16 @@ def test_ring_times_are_refpar_comm_cost_priced_for_every_candidate_at_once():
                                                           alpha=hw.ib_latency,
                                                           bandwidth=hw.ib_bandwidth)
             assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_plan_figure_stacks_each_plans_memory_and_time():
+    from refpar.viz.plan import plan_figure
+
+    result = plan(PRESETS["gpt3-175b"], HARDWARE["h100"], 256, top=3)
+    fig = plan_figure(result)
+    memory = [t for t in fig.data if t.legendgroup == "memory"]
+    times = [t for t in fig.data if t.legendgroup == "time"]
+    assert [t.name for t in memory] == ["params", "grads", "optimizer", "activations", "comm"]
+    for i, p in enumerate(result["plans"]):
+        assert sum(t.x[i] for t in memory) == pytest.approx(sum(p["memory_bytes"].values()) / 1e9)
+        assert sum(t.x[i] for t in times) == pytest.approx(p["step_time_s"])

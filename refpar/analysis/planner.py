@@ -248,5 +248,6 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
         })
     return {
         "model": spec.name, "hardware": hw.name, "gpus": gpus, "global_batch": global_batch,
-        "seq": seq, "candidates": c.priced, "fitting": len(c), "plans": plans,
+        "seq": seq, "candidates": c.priced, "fitting": len(c),
+        "memory_capacity_bytes": hw.memory_bytes, "plans": plans,
     }
