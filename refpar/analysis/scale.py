@@ -97,8 +97,10 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
     outside = (4 * e + 2 * mk) * n * h / sp_div
     # Inside: Q and K for QK^T, V, the output projection's input, the MLP's hidden activations.
     if moe:
+        # Each token's k dispatched copies (the routed experts' first input) and the hidden
+        # activations of its k routed and the shared experts; the router reads the norm output.
         experts = spec.top_k + spec.n_shared_experts
-        hidden = experts * (3 if spec.mlp == "swiglu" else 2) * spec.moe_d_ff
+        hidden = spec.top_k * h + experts * (3 if spec.mlp == "swiglu" else 2) * spec.moe_d_ff
     else:
         hidden = (3 if spec.mlp == "swiglu" else 2) * spec.d_ff  # gelu: its input, fc2's input
     inside = e * n * (h + kv + kv + h + hidden) / tp

@@ -144,9 +144,12 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     # Williams et al. 2009): each tensor Korthikanti et al. count is written by one kernel and read
     # by the next, at HBM bandwidth; backward moves twice as much. Where the attention core is
     # fused (flash attention, which "selective" stands for) its scores never reach memory.
-    stored = layer_activation_bytes(spec, micro_batch, seq, tp=tp, cp=cp, sp=sp, precision=precision,
-                                    recompute="selective" if recompute == "selective" else "none")
-    t_memory = 2 * stored * spec.n_layer / pp / hw.hbm_bandwidth
+    kept = "selective" if recompute == "selective" else "none"
+    stored = sum(count * layer_activation_bytes(spec, micro_batch, seq, tp=tp, cp=cp, sp=sp,
+                                                precision=precision, recompute=kept, moe=moe)
+                 for count, moe in ((spec.n_layer - spec.n_moe_layers, False), (spec.n_moe_layers, True))
+                 if count)
+    t_memory = 2 * stored / pp / hw.hbm_bandwidth
     extra = {"none": 0.0, "selective": core / pp / split / rate, "full": t_fwd + t_memory}[recompute]
     compute_f = t_fwd + t_logits + t_memory
     compute_b = 2 * compute_f + extra
