@@ -90,6 +90,7 @@ class Candidates:
     recompute: np.ndarray  # index into RECOMPUTE
     memory: dict[str, np.ndarray]
     times: dict[str, np.ndarray]
+    stage: dict[str, np.ndarray]  # one micro-batch's F, B, W and p2p seconds on the busiest stage
     comm_bytes: dict[str, np.ndarray]
     part: np.ndarray  # which priced group a candidate came from, and its index there
     local: np.ndarray
@@ -195,6 +196,7 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
         recompute=cat(lambda p: p[2]).astype(int),
         memory={k: cat(lambda p, k=k: p[3][k]) for k in MEMORY_KEYS},
         times={k: cat(lambda p, k=k: p[4][k]) for k in (*TIME_KEYS, "total")},
+        stage={k: cat(lambda p, k=k: p[4]["stage"][k]) for k in ("F", "B", "W", "p2p")},
         comm_bytes={k: cat(lambda p, k=k: p[5][k]) for k in COMM_KEYS},
         part=np.concatenate([np.full(len(p[0]), k) for k, p in enumerate(parts)] or [np.zeros(0, int)]),
         local=cat(lambda p: np.arange(len(p[0]))).astype(int),
@@ -242,6 +244,7 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
             "time_s": {k: float(c.times[k][i]) for k in TIME_KEYS},
             "comm_bytes": {k: float(v[i]) for k, v in c.comm_bytes.items()},
             "collectives": c.collectives(i),
+            "stage_costs_s": {k: float(v[i]) for k, v in c.stage.items()},
             "step_time_s": step,
             "mfu": float(mfu),
             "tokens_per_s": float(tokens),

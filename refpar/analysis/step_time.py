@@ -123,7 +123,9 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     published benchmarks; Narayanan et al. 2021 report 52% of peak end-to-end at 1T).
 
     Returns (times, bytes, calls): times has compute, bubble, tp, cp, ep, pp, dp, optimizer and
-    total in seconds (communication entries are the exposed part); bytes is sent per rank per
+    total in seconds (communication entries are the exposed part), and under "stage" one
+    micro-batch's F, B (input gradient), W (weight gradient) and p2p times on the busiest stage;
+    bytes is sent per rank per
     step by axis; calls names each collective ("tp.all_reduce", "dp.experts.reduce_scatter", ...)
     with (axis, op, message bytes, ranks, calls per step, seconds per call, algorithm).
     """
@@ -261,6 +263,8 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
         "optimizer": optimizer,
     }
     times["total"] = work + pipe_comm + bubble + dp_time + optimizer
+    # One micro-batch on one stage, for schedules.simulate (analysis/timeline.py).
+    times["stage"] = {"F": t_f, "B": t_b - t_w, "W": t_w, "p2p": p2p}
     comm_bytes = {"tp": tp_bytes, "cp": cp_bytes, "ep": ep_bytes, "pp": pp_bytes, "dp": dp_bytes}
     return times, comm_bytes, calls
 
