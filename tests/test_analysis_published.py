@@ -155,11 +155,16 @@ def test_korthikanti_table2_activation_memory_per_layer(a, h, L, t):
         return layer_activation_bytes(spec, b, s, tp=t, precision=FP16, **kw)
 
     sbh = s * b * h
-    # Korthikanti et al. 2022, Table 2, row by row.
+    # Korthikanti et al. 2022, Table 2, row by row (and refpar/analysis/activations.py's
+    # transcription of the same rows).
+    from refpar.analysis.activations import korthikanti_layer_bytes
+
     if t == 1:
         assert act() == pytest.approx(sbh * (34 + 5 * a * s / h))
     assert act(sp=False) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
     assert act(sp=True) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    for sp in (False, True):
+        assert act(sp=sp) == pytest.approx(korthikanti_layer_bytes(s, b, h, a, t, sp))
     assert act(sp=False, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
     assert act(sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
     assert act(sp=False, recompute="full") == pytest.approx(2 * sbh)

@@ -41,3 +41,22 @@ def test_planner_data_parallel_bytes_equal_the_trace_closed_forms(strategy, stag
     opts = memory.Options(strategy=strategy, microbatches=microbatches)
     exact = comm_volume.step_bytes(config, n, 0, opts, loss=False)
     assert planned["dp"] == sum(b.sent for b in exact.values())
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_planner_block_activations_equal_the_tp_closed_forms_term_for_term(t, sp):
+    # refpar/analysis/activations.py writes Korthikanti et al.'s terms for refpar's tensors;
+    # with the paper's list (PAPER: 1-byte masks, no LayerNorm rstd, no kept tanh) its block is
+    # the planner's, for the same model, batch and mesh.
+    from refpar.analysis import activations
+    from refpar.analysis.intra_layer import rank_shape
+    from refpar.analysis.scale import Precision, layer_activation_bytes
+    from refpar.config import TrainConfig
+
+    config, train = model_preset("tiny"), TrainConfig(batch_size=4, seq_len=32)
+    r = rank_shape(config, train, {"tp": t}, {"tp": 0}, sp, None)
+    exact = activations.layer_bytes(config, r, "local", True, activations.PAPER)
+    planned = layer_activation_bytes(from_model_config(config), train.batch_size, train.seq_len,
+                                     tp=t, sp=sp, precision=Precision(activation=8, mask=1))
+    assert planned == exact
