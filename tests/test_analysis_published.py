@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from refpar.analysis.flops import param_counts, step_flops
+from refpar.analysis.memory import paper_model_state_bytes
 from refpar.analysis.presets import PRESETS, ModelSpec
 from refpar.analysis.scale import (
     PRECISIONS,
@@ -83,8 +84,10 @@ def test_training_time_examples_of_narayanan_eq4(name, tokens, gpus, tflops, day
 
 
 def _zero_gb(psi, nd, stage):
-    states = model_states(psi, stage, nd, PRECISIONS["bf16"])
-    return sum(states.values()) / 1e9
+    states = sum(model_states(psi, stage, nd, PRECISIONS["bf16"]).values())
+    # The ZeRO engineer's transcription (refpar/analysis/memory.py) of the same Section 5 forms.
+    assert states == pytest.approx(paper_model_state_bytes(psi, nd, stage), rel=1e-12)
+    return states / 1e9
 
 
 def test_zero_figure1_example():
