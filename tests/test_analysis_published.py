@@ -248,3 +248,21 @@ def test_refpar_models_are_counted_as_their_parameter_table():
         table = V * C + P * C + L * (2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + 8 * C * C
                                      + 4 * C + C) + 2 * C
         assert param_counts(from_model_config(config)).total == table
+
+
+@pytest.mark.parametrize("name, t, p, gpus, batch, published", MEGATRON_TABLE1_RUNS)
+def test_megatron_table1_meshes_are_enumerated_and_fit_an_80gb_a100(name, t, p, gpus, batch,
+                                                                   published):
+    # Narayanan et al. 2021 trained every Table 1 row on 80 GB A100s (Section 5) with full
+    # recomputation and fp32 gradient accumulation: the planner must offer each mesh and must not
+    # reject it for memory.
+    from refpar.analysis.hardware import HARDWARE
+    from refpar.analysis.planner import meshes
+
+    spec, d = PRESETS[name], gpus // (t * p)
+    offered = {tuple(row) for row in meshes(spec, gpus, HARDWARE["a100"], batch, 2048)}
+    assert (d, t, p, 1, 1) in offered
+    memory = memory_per_rank(spec, micro_batch=1, seq=2048, tp=t, pp=p, dp=d, schedule="1f1b",
+                             microbatches=batch // d, recompute="full",
+                             precision=PRECISIONS["bf16-fp32-accum"])
+    assert sum(memory.values()) <= HARDWARE["a100"].memory_bytes
