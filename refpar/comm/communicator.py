@@ -90,10 +90,15 @@ def _from_host(a: np.ndarray, xp):
     return a if xp is None else xp.asarray(a)
 
 
+# Tags up to MPI's TAG_UB (2^29 - 1 in MPICH; the standard promises at least 32767), so that two
+# tensors in flight on one link almost never share a hash.
+_TAG_LIMIT = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1
+
+
 def _mpi_tag(tag: str) -> int:
     """The MPI tag of a point-to-point message: a hash of its refpar tag, the same on every rank,
-    so a receive matches the send of the same tensor; below 32768, the smallest TAG_UB MPI allows."""
-    return zlib.crc32(tag.encode()) % 32768
+    so a receive matches the send of the same tensor."""
+    return zlib.crc32(tag.encode()) % _TAG_LIMIT
 
 
 class _Link:

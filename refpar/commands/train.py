@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dropout probability (default: the preset's)")
     parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
+    from refpar.parallel import dp_runner, intra_layer_runner
+    from refpar.parallel.pipeline import runner as pipeline_runner
+
+    dp_runner.add_arguments(parser)
+    intra_layer_runner.add_arguments(parser)
+    pipeline_runner.add_arguments(parser)
     train_moe.add_arguments(parser)
 
 
@@ -44,10 +50,11 @@ def configs(args):
         raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
                           f"E >= {sizes['ep']}")
     for axis, size in sizes.items():
-        if size > 1 and not (args.moe_experts and axis in ("dp", "ep")):
+        if size > 1:
             raise ConfigError(f"mesh axis {axis}={size} is not implemented yet; run without --mesh "
                               f"(or with {axis}=1) for the single-device reference")
-    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout)) if v is not None}
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout),
+                                   ("n_layer", args.n_layer)) if v is not None}
     model = model_preset(args.model, **overrides, **train_moe.model_overrides(args))
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         optimizer=args.optimizer, seed=args.seed)
@@ -56,14 +63,29 @@ def configs(args):
 
 
 def run(args) -> int:
+    from refpar.config import ParallelConfig, parse_mesh
+    from refpar.parallel import dp_runner, intra_layer_runner
+    from refpar.parallel.pipeline import runner as pipeline_runner
+
+    sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
+    if args.moe_experts:  # MoE on one device or over dp x ep: refpar/commands/train_moe.py
+        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
+        return train_moe.run_cli(model, train, sizes, args)
+    if pipeline_runner.wants_pipeline(sizes):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py
+        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
+        return pipeline_runner.run_cli(model, train, sizes, args)
+    if intra_layer_runner.wants_intra_layer(sizes, args):  # TP, SP, CP (with dp): intra_layer_runner.py
+        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
+        return intra_layer_runner.run_cli(model, train, sizes, args)
+    if dp_runner.wants_data_parallel(sizes, args):  # DP, ZeRO and FSDP: refpar/parallel/dp_runner.py
+        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
+        return dp_runner.run_cli(model, train, sizes, args)
     from refpar.cli import launcher_rank
     from refpar.model.gpt import param_shapes
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for, train_single_device
 
     model, train, sizes = configs(args)
-    if model.moe_experts:
-        return train_moe.run_moe(args, model, train, sizes)
     speak = launcher_rank() == 0
     n_params = sum(_numel(shape) for shape in param_shapes(model).values())
     floor = corpus_for(model, train).entropy_rate()

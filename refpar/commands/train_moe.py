@@ -3,7 +3,7 @@
     mpiexec -n 4 refpar train --mesh ep=4 --moe-experts 4 --moe-topk 2 --capacity-factor 1.0 --check
     mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --moe-topk 1 --dropless --json
 
-`refpar/commands/train.py` adds these options and hands every run with experts to `run_moe`.
+`refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`.
 Besides the usual report it prints, per step, the router losses, the dropped assignments and how
 many assignments each expert kept; `--json` adds them under "moe".
 """
@@ -59,7 +59,7 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
 
 
-def run_moe(args, model, train, sizes) -> int:
+def run_cli(model, train, sizes, args) -> int:
     from refpar.analysis import moe as moe_analysis
     from refpar.comm.communicator import world
     from refpar.comm.trace import Tracer
