@@ -74,6 +74,9 @@ class Stage:
     def __init__(self, config: ModelConfig, n_stages: int, stage: int):
         self.config, self.n_stages, self.stage = config, n_stages, stage
         self.layers = stage_layers(config.n_layer, n_stages, stage)
+        if config.moe_blocks:
+            raise ConfigError("pipeline stages run dense GPT-2 blocks only so far; drop the MoE "
+                              "options or the pp axis")
         self.first, self.last = stage == 0, stage == n_stages - 1
 
     def param_names(self) -> list[str]:
