@@ -163,10 +163,12 @@ def test_schedule_command_json_reports_grid_bubble_and_inflight(capsys):
     assert out["makespan"] == 33.0  # (m + p - 1) * (F + B + W) with the default unit costs
 
 
-def test_schedule_command_prints_grid_and_bubble(capsys):
-    assert main(["schedule", "interleaved-1f1b", "-p", "2", "-m", "4"]) == 0
+def test_schedule_command_prints_grid_and_bubble_and_writes_the_figure(capsys, tmp_path):
+    figure = tmp_path / "zb.html"
+    assert main(["schedule", "interleaved-1f1b", "-p", "2", "-m", "4", "--figure", str(figure)]) == 0
     text = capsys.readouterr().out
     assert "rank 1" in text and "2F0" in text and "bubble: " in text and "v=2" in text
+    assert "interleaved-1f1b, p=2, m=4, v=2" in figure.read_text()
 
 
 @pytest.mark.parametrize("argv, words", [
