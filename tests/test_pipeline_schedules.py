@@ -20,6 +20,7 @@ from refpar.parallel.pipeline.schedules import (
     one_f_one_b,
     peak_inflight_microbatches,
     simulate,
+    stored,
     validate,
     zb_h1,
     zb_h2,
@@ -81,6 +82,9 @@ def test_peak_inflight_microbatches_match_the_papers(p, m):
     assert peak_inflight_microbatches(gpipe(p, m)) == dict.fromkeys(range(p), m)
     assert peak_inflight_microbatches(one_f_one_b(p, m)) == {r: min(p - r, m) for r in range(p)}
     assert peak_inflight_microbatches(zb_h1(p, m)) == dict.fromkeys(range(p), min(p, m))
+    # ... of which full activations (F until B) on ZB-H1's rank r: 1F1B's min(p - r, m)
+    full = stored(zb_h1(p, m), lambda a: 1, lambda a: 0)
+    assert {r: max(full[r]) for r in range(p)} == {r: min(p - r, m) for r in range(p)}
     assert peak_inflight_microbatches(zb_h2(p, m)) == dict.fromkeys(range(p), min(2 * p - 1, m))
 
 

@@ -424,8 +424,10 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 def zb_h1(p: int, m: int) -> Schedule:
     """1F1B with the backward split: rank r runs B as soon as it can and delays each W by r
-    microbatches, so the W's fill the cool-down. Same memory as 1F1B (p microbatches at most);
-    bubble (p-1)(F+B-W) per rank instead of 1F1B's (p-1)(F+B+W) (Qi et al., Table 2)."""
+    microbatches, so the W's fill the cool-down. Rank r holds full activations for at most p-r
+    microbatches, as in 1F1B, and W inputs for up to r more: p in flight on every rank, 1F1B's
+    peak (Qi et al., Table 2: p M_B). Bubble (p-1)(F+B-W) per rank instead of 1F1B's (p-1)(F+B+W).
+    """
     _check(p, m)
     orders = {}
     for r in range(p):
