@@ -18,6 +18,7 @@ from refpar.config import ConfigError
 COMMANDS: dict[str, str] = {
     "train": "refpar.commands.train",
     "schedule": "refpar.commands.schedule",
+    "plan": "refpar.commands.plan",
 }
 
 
