@@ -15,9 +15,10 @@ overlap it, so a checkpoint written under one mesh loads under any other.
 
 Safety: every file is written under a temporary name, fsynced and renamed; the manifest is written
 only after every rank's file is in place (the gather of their descriptions is the barrier), so a
-directory without `manifest.json` is an unfinished save and is never loaded. Loading checks each
-file's size and sha256 before opening it, never unpickles (`allow_pickle=False`), and checks every
-array's shape and dtype against the manifest; any mismatch is one sentence naming the file.
+directory without `manifest.json` is an unfinished save and is never loaded. Before reading
+anything, every rank checks every file's size, sha256 and array headers (shape, dtype, no object
+arrays) against the manifest, so all ranks refuse a damaged checkpoint alike; loading never
+unpickles (`allow_pickle=False`). Any mismatch is one sentence naming the file.
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
             _fsync_dir(path)
     if comm is not None:
         comm.barrier(tag="checkpoint:begin")
+    for p, a in arrays:
+        if a.shape != p.shape:
+            raise ValueError(f"array of shape {a.shape} saved as {p.tensor} {_where(p)}")
     name = f"rank{rank:05d}.npz"
     named = {f"a{i}": np.ascontiguousarray(a) for i, (_, a) in enumerate(arrays)}
     _atomic_write(path / name, lambda f: np.savez(f, **named))
@@ -175,7 +179,11 @@ def find(path) -> Path:
 
 
 def read_manifest(path) -> dict:
-    """The manifest of the checkpoint `path` names (see `find`), checked for the fields loading uses."""
+    """The manifest of the checkpoint `path` names (see `find`), with every file it lists verified:
+    size, sha256, and each array's header (shape, dtype) against the manifest. Every rank checks
+    every file, not just those it will read, so that all ranks refuse a damaged checkpoint alike,
+    with the same sentence, before any communication (one rank failing alone would leave the others
+    waiting in a collective)."""
     file = find(path) / MANIFEST
     try:
         doc = json.loads(file.read_text())
@@ -201,12 +209,15 @@ def read_manifest(path) -> dict:
                 raise CheckpointError(f"{file} says {r['file']} holds {piece.tensor} {_where(piece)}, "
                                       f"which is not part of any tensor it lists; the manifest is "
                                       f"inconsistent")
+    for r in files:
+        _verify_shard(file.parent, r, tensors)
     return {**doc, "tensors": tensors, "files": files, "dir": str(file.parent)}
 
 
 def load(path, wanted: list[Piece], manifest: dict | None = None) -> list[np.ndarray]:
     """The arrays of the pieces in `wanted`, in order, each reassembled from every stored piece that
-    overlaps it. Reads only the files it needs, each checked against its size and sha256 first."""
+    overlaps it; `manifest`, if given, is `read_manifest(path)`'s (its files already verified).
+    Reads only the arrays it needs."""
     man = read_manifest(path) if manifest is None else manifest
     folder = Path(man["dir"])
     opened: dict[str, np.lib.npyio.NpzFile] = {}
@@ -257,7 +268,7 @@ def _where(piece: Piece) -> str:
     return f"box {list(piece.box)}" if piece.box is not None else f"flat range {list(piece.flat)}"
 
 
-def _open_shard(folder: Path, record: dict):
+def _verify_shard(folder: Path, record: dict, tensors: dict) -> None:
     file = folder / record["file"]
     if not file.is_file():
         raise CheckpointError(f"checkpoint shard {file} is missing; the checkpoint is incomplete "
@@ -269,6 +280,37 @@ def _open_shard(folder: Path, record: dict):
     if _sha256(file) != record["sha256"]:
         raise CheckpointError(f"checkpoint shard {file} is corrupt: its sha256 does not match the "
                               f"manifest; the checkpoint cannot be loaded")
+    try:
+        with zipfile.ZipFile(file) as z:
+            for key, piece in record["arrays"]:
+                with z.open(f"{key}.npy") as f:
+                    header = _read_header(f)
+                dtype = np.dtype(tensors[piece.tensor][1])
+                if header[2].hasobject:
+                    raise CheckpointError(f"checkpoint shard {file} array {key} is an object array, "
+                                          f"which only unpickling could read; refusing it")
+                if header[0] != piece.shape or header[2] != dtype:
+                    raise CheckpointError(
+                        f"checkpoint shard {file} array {key} is {header[2]}{list(header[0])} but the "
+                        f"manifest says {piece.tensor} {_where(piece)} of {dtype}")
+    except KeyError:
+        raise CheckpointError(f"checkpoint shard {file} lacks an array its manifest lists") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise CheckpointError(f"checkpoint shard {file} is not a readable .npz file ({err})") from None
+
+
+def _read_header(f) -> tuple[tuple, bool, np.dtype]:
+    """(shape, fortran order, dtype) of a .npy stream, read without its data."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(f)
+    raise ValueError(f".npy format version {version} is not one np.savez writes for numbers")
+
+
+def _open_shard(folder: Path, record: dict):
+    file = folder / record["file"]
     try:
         return np.load(file, allow_pickle=False)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:

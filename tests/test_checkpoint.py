@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import zipfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from refpar.checkpoint import CheckpointError, Piece
 from refpar.config import TrainConfig, model_preset
 from refpar.sharding import shard_range
 from refpar.trainer import train_single_device
-from tests.mpi import ROOT, mpi_env, refpar_json
+from tests.mpi import ROOT, mpi_env, mpiexec, refpar_json
 
 SHAPE = (5, 6, 7)
 
@@ -72,8 +73,20 @@ def test_single_device_resume_continues_the_uninterrupted_run_bit_for_bit(tmp_pa
     assert resumed.first_step == 2 and resumed.losses == full.losses[2:]
     for name, p in full.params.items():
         assert np.array_equal(resumed.params[name], p), name
-    newest = checkpoint.find(tmp_path)
-    assert newest.name == "step-00000004"
+    assert checkpoint.find(tmp_path).name == "step-00000004"
+    (tmp_path / "step-00000004" / "manifest.json").unlink()  # as if the last save had crashed
+    assert checkpoint.find(tmp_path).name == "step-00000002"  # the unfinished one is passed over
+
+
+def test_a_checkpoint_of_another_run_is_refused(tmp_path):
+    model, train = model_preset("tiny", n_layer=1), TrainConfig(steps=1, batch_size=2, seq_len=4)
+    train_single_device(model, train, save=str(tmp_path))
+    with pytest.raises(CheckpointError, match="seed=1234 but this run has 7"):
+        train_single_device(model, replace(train, steps=2, seed=7), resume=str(tmp_path))
+    with pytest.raises(CheckpointError, match="n_layer=1 but this run has 2"):
+        train_single_device(replace(model, n_layer=2), replace(train, steps=2), resume=str(tmp_path))
+    with pytest.raises(CheckpointError, match="give --steps more than 1"):
+        train_single_device(model, train, resume=str(tmp_path))
 
 
 # ------------------------------------------------------------------------ refusing bad input
@@ -163,6 +176,13 @@ def test_zero3_checkpoint_resumes_under_other_meshes(tmp_path):
     # do, so each later step rounds differently, at the level of float64's epsilon (2.2e-16).
     for other in (three, one):
         assert max(abs(a - b) / abs(b) for a, b in zip(other, full[2:], strict=True)) <= 1e-12
+    shard = tmp_path / "step-00000002" / "rank00001.npz"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x10
+    shard.write_bytes(bytes(data))
+    # Every rank checks every file first, so the ranks refuse together instead of one waiting.
+    proc = mpiexec(3, "-m", "refpar", *common, "--mesh", "dp=3", "--resume", step2, check=False)
+    assert proc.returncode == 2 and str(shard) in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 def _state(path) -> dict:
