@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refpar import checkpoint
 from refpar.checkpoint import CheckpointError, Piece
@@ -63,6 +66,34 @@ def test_any_layout_reassembles_to_the_global_tensors_slices_exactly(tmp_path, s
     got = checkpoint.load(tmp_path, wanted)
     for piece, a in zip(wanted, got, strict=True):
         assert np.array_equal(a, _take(_global(), piece)), f"{piece}: max diff differs"
+
+
+def _cut(draw, shape) -> list[Piece]:
+    """A random layout of a tensor: a flat partition (ZeRO) or boxes along one axis (tp, vocab)."""
+    if draw(st.booleans()):
+        n = int(np.prod(shape))
+        parts = draw(st.integers(1, n))
+        return [Piece("x", flat=shard_range(n, parts, r)) for r in range(parts)]
+    axis = draw(st.integers(0, len(shape) - 1))
+    parts = draw(st.integers(1, shape[axis]))
+    out = []
+    for r in range(parts):
+        box = [(0, n) for n in shape]
+        box[axis] = shard_range(shape[axis], parts, r)
+        out.append(Piece("x", box=tuple(box)))
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_random_layouts_reassemble_exactly(data):
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    stored, wanted = _cut(data.draw, shape), _cut(data.draw, shape)
+    tensor = np.arange(np.prod(shape), dtype=np.float64).reshape(shape) / 7  # (shape)
+    with tempfile.TemporaryDirectory() as path:
+        _write(path, stored, tensor)
+        for piece, a in zip(wanted, checkpoint.load(path, wanted), strict=True):
+            assert np.array_equal(a, _take(tensor, piece)), piece
 
 
 def test_single_device_resume_continues_the_uninterrupted_run_bit_for_bit(tmp_path):
