@@ -98,14 +98,15 @@ def step_dir(root, step: int) -> Path:
 
 
 def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict, comm=None) -> Path:
-    """Writes this rank's `arrays` to `path`/rank{world rank}.npz and, on rank 0 once every rank's
-    file is in place, the manifest. `tensors`: global name -> (shape, dtype), the same on every
-    rank; `info`: what else a resume needs (step, mesh, configs), JSON. Collective over `comm`
-    (None: one process). Returns `path`."""
+    """Writes this rank's `arrays` to `path`/rank{world rank}.npz and, on `comm`'s rank 0 once every
+    rank's file is in place, the manifest. `tensors`: global name -> (shape, dtype), the same on
+    every rank; `info`: what else a resume needs (step, mesh, configs), JSON. Collective over
+    `comm`, which must span every rank that holds state (None: one process). Returns `path`."""
     path = Path(path)
     rank = 0 if comm is None else comm.world_rank
+    leader = comm is None or comm.rank == 0
     manifest = path / MANIFEST
-    if rank == 0:
+    if leader:
         path.mkdir(parents=True, exist_ok=True)
         # Saving again into a finished checkpoint: its manifest goes first, so a crash from here on
         # leaves a directory that is refused rather than a manifest over a mix of old and new files.
@@ -123,7 +124,7 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
     record = {"file": name, "sha256": _sha256(path / name), "bytes": (path / name).stat().st_size,
               "arrays": [{"key": k, **p.to_json()} for k, (p, _) in zip(named, arrays, strict=True)]}
     records = [record] if comm is None else comm.gather_object(record, root=0)
-    if rank == 0:
+    if leader:
         doc = {"format": FORMAT, **info,
                "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in tensors.items()},
                "files": records}
