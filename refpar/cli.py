@@ -51,9 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def under_launcher() -> bool:
+    """True when mpiexec started this process (its rank is in the environment)."""
+    return any(var in os.environ for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if under_launcher():
+            # An error on one rank must end every rank, not leave the others waiting in a collective.
+            from refpar.comm.communicator import abort_on_error
+
+            with abort_on_error():
+                return int(args._run(args) or 0)
         return int(args._run(args) or 0)
     except ConfigError as err:
         # Every rank raises the same ConfigError before any communication; one prints it.

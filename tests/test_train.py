@@ -61,7 +61,7 @@ def test_train_json_summary_is_the_last_line_with_every_summary_field_and_the_re
         (["--steps", "many"], "invalid int value: 'many'"),
         (["--steps", "0"], "steps must be positive"),
         (["--model", "huge"], "unknown model preset 'huge'"),
-        (["--mesh", "dp=2"], "mesh axis dp=2 is not implemented yet"),
+        (["--mesh", "dp=2"], "the mesh dp=2 has 2 ranks but the job has 1"),
         (["--mesh", "dp2"], "needs the form axis=size"),
         (["--seq-len", "40"], "seq_len=40 is longer than n_positions=32"),
     ],

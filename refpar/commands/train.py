@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dropout probability (default: the preset's)")
     parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
+    from refpar.parallel import dp_runner
+
+    dp_runner.add_arguments(parser)
 
 
 def configs(args):
@@ -50,6 +53,13 @@ def configs(args):
 
 
 def run(args) -> int:
+    from refpar.config import ParallelConfig, parse_mesh
+    from refpar.parallel import dp_runner
+
+    sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
+    if dp_runner.wants_data_parallel(sizes, args):  # DP, ZeRO and FSDP: refpar/parallel/dp_runner.py
+        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
+        return dp_runner.run_cli(model, train, sizes, args)
     from refpar.cli import launcher_rank
     from refpar.model.gpt import param_shapes
     from refpar.report import run_summary, summary_line

@@ -1,0 +1,83 @@
+"""Bytes each data-parallel rank sends and receives per training step, in closed form.
+
+The ZeRO paper (Rajbhandari et al. 2020, sec. 7) counts elements per rank per step with a
+bandwidth-optimal (ring) collective: DP and ZeRO-1/2 move 2(N-1)/N·Ψ (an all-reduce, or a
+reduce-scatter plus an all-gather), ZeRO-3 3(N-1)/N·Ψ (all-gathers for forward and for backward,
+a reduce-scatter of the gradients). `paper_step_elems` is that.
+
+`step_collectives` lists the collectives refpar's implementation really calls in one step (per
+bucket, per unit, per micro-batch), and `step_bytes` prices each with `refpar.comm.cost`, exact for
+uneven `shard_range` partitions: the number a trace must show, to the byte.
+"""
+
+from __future__ import annotations
+
+from refpar.analysis.memory import ROOT, Options, bucket_sizes, check_strategy, unit_sizes
+from refpar.comm import cost
+from refpar.sharding import shard_sizes
+
+
+def paper_step_elems(psi: float, n: int, stage: int) -> float:
+    """Elements one rank sends per step: 2(N-1)/N·Ψ for DP (stage 0) and ZeRO-1/2, 3(N-1)/N·Ψ for
+    ZeRO-3 (paper sec. 7.2)."""
+    return (3 if stage == 3 else 2) * (n - 1) / n * psi
+
+
+LOSS = ("all_reduce", 1, 1)  # the step's loss, one float64, summed so every rank can print it
+
+
+def step_collectives(config, n: int, opts: Options, loss: bool = True) -> list[tuple[str, int, int]]:
+    """(op, elements, calls per step) of every collective one step runs; with `loss` the last is
+    the loss's one-element all-reduce (a float64 whatever the model's dtype)."""
+    check_strategy(opts.strategy)
+    sizes, M = unit_sizes(config), opts.microbatches
+    calls: list[tuple[str, int, int]] = []
+    if opts.strategy == "dp":
+        calls += [("all_reduce", b, 1) for b in bucket_sizes(config, opts.bucket_elems)]
+    elif opts.strategy in ("zero1", "zero2"):
+        # Stage 1 reduce-scatters once (last micro-batch), stage 2 every micro-batch; both gather
+        # the updated parameters once after the step.
+        rs_calls = 1 if opts.strategy == "zero1" else M
+        for size in sizes.values():
+            calls += [("reduce_scatter", size, rs_calls), ("all_gather", size, 1)]
+    else:
+        if opts.strategy == "zero3":
+            gathers = dict.fromkeys(sizes, 2 * M)  # forward and again backward (root: embed, head)
+        else:
+            gathers = {u: M if u == ROOT or not opts.reshard_after_forward else 2 * M for u in sizes}
+        for u, size in sizes.items():
+            calls += [("all_gather", size, gathers[u]), ("reduce_scatter", size, M)]
+    if loss:
+        calls.append(LOSS)
+    return [c for c in calls if c[2] > 0]
+
+
+def collective_bytes(op: str, elems: int, n: int, rank: int, itemsize: int) -> cost.Bytes:
+    """Bytes of one native (ring) collective on `elems` elements, split with `shard_range`."""
+    if op == "all_reduce":
+        return cost.all_reduce_bytes(elems, n, rank, itemsize)
+    if op == "reduce_scatter":
+        return cost.reduce_scatter_bytes(elems, n, rank, itemsize)
+    return cost.all_gather_bytes(shard_sizes(elems, n), rank, itemsize)
+
+
+def step_bytes(config, n: int, rank: int, opts: Options, steps: int = 1,
+               loss: bool = True) -> dict[str, cost.Bytes]:
+    """op -> bytes sent and received by `rank` of `n` over `steps` steps, in first-call order
+    (`loss=False`: the model states' traffic only). With overlap=True and N>1, DP's buckets appear as
+isend and irecv, with the ring all-reduce's bytes."""
+    out: dict[str, list[int]] = {}
+    for call in step_collectives(config, n, opts, loss):
+        op, elems, calls = call
+        b = collective_bytes(op, elems, n, rank, 8 if call is LOSS else opts.itemsize)
+        if opts.overlap and call is not LOSS:
+            # The overlapped buckets move the ring's bytes as isend/irecv pairs (DataParallel);
+            # one rank alone sends no message at all.
+            for p2p, moved in (("isend", cost.Bytes(b.sent, 0)), ("irecv", cost.Bytes(0, b.recv)))[
+                    :2 if n > 1 else 0]:
+                sent, recv = out.setdefault(p2p, [0, 0])
+                out[p2p] = [sent + moved.sent * calls * steps, recv + moved.recv * calls * steps]
+            continue
+        sent, recv = out.setdefault(op, [0, 0])
+        out[op] = [sent + b.sent * calls * steps, recv + b.recv * calls * steps]
+    return {op: cost.Bytes(s, r) for op, (s, r) in out.items()}

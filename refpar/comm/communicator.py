@@ -1,0 +1,542 @@
+"""`Communicator`: every byte refpar moves between ranks goes through here (the only mpi4py import).
+
+    comm = world(tracer=Tracer())                       # MPI.COMM_WORLD, axis "world"
+    total = comm.all_reduce(x, tag="loss")              # MPI's own Allreduce
+    total = comm.all_reduce(x, algo="ring", tag="loss") # the ring of refpar.comm.algorithms
+
+Each call converts its input to a contiguous NumPy array on the host (arrays of other namespaces,
+e.g. torch CPU tensors, come back in their own namespace), never modifies it, returns new arrays,
+and records one `CommEvent` on the tracer if there is one. Arrays move with mpi4py's uppercase,
+buffer-based calls: no pickling.
+
+Switches (constructor arguments; None reads the environment):
+- `debug` (`REFPAR_DEBUG_COLLECTIVES=1`): before each collective the ranks of the group exchange
+  (op, algo, shape, dtype, tag) and raise `CollectiveMismatch` naming the ranks that differ.
+- `timeout` (`REFPAR_COLLECTIVE_TIMEOUT=seconds`): every wait polls non-blocking requests and
+  raises `CollectiveTimeout` naming this rank's op, axis and tag when it takes longer.
+Wrap a program's main in `abort_on_error()` so that an error on one rank ends the whole job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+import time
+import traceback
+import zlib
+from contextlib import contextmanager
+
+import numpy as np
+from array_api_compat import array_namespace, is_array_api_obj
+from mpi4py import MPI
+
+from refpar.comm import algorithms, cost
+from refpar.comm.trace import Tracer, now
+from refpar.config import ConfigError
+from refpar.sharding import shard_sizes
+
+# op name -> (NumPy ufunc for the written-out algorithms, MPI reduction for native calls)
+REDUCE_OPS = {
+    "sum": (np.add, MPI.SUM),
+    "prod": (np.multiply, MPI.PROD),
+    "max": (np.maximum, MPI.MAX),
+    "min": (np.minimum, MPI.MIN),
+}
+
+_SIGNATURE_BYTES = 1024  # room for one rank's (op, algo, shape, dtype, tag) in debug mode
+
+
+class CollectiveError(RuntimeError):
+    """Ranks of a group disagree about a collective, or one waited too long for the others."""
+
+
+class CollectiveMismatch(CollectiveError):
+    """Debug mode found ranks of one group calling different collectives (op, shape, dtype, tag)."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A wait took longer than the collective timeout: a deadlock or a rank that stopped."""
+
+
+def _env_timeout() -> float | None:
+    text = os.environ.get("REFPAR_COLLECTIVE_TIMEOUT", "").strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ConfigError(f"REFPAR_COLLECTIVE_TIMEOUT={text!r} must be a number of seconds") from None
+    if seconds <= 0:
+        raise ConfigError(f"REFPAR_COLLECTIVE_TIMEOUT={text!r} must be positive; unset it for no timeout")
+    return seconds
+
+
+def _to_host(x):
+    """(contiguous NumPy array, namespace to return results in or None for NumPy)."""
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x), None
+    if not is_array_api_obj(x):
+        return np.ascontiguousarray(np.asarray(x)), None
+    try:
+        host = np.from_dlpack(x)
+    except (TypeError, RuntimeError, BufferError):
+        host = np.asarray(x)
+    return np.ascontiguousarray(host), array_namespace(x)
+
+
+def _from_host(a: np.ndarray, xp):
+    return a if xp is None else xp.asarray(a)
+
+
+# Tags up to MPI's TAG_UB (2^29 - 1 in MPICH; the standard promises at least 32767), so that two
+# tensors in flight on one link almost never share a hash.
+_TAG_LIMIT = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1
+
+
+def _mpi_tag(tag: str) -> int:
+    """The MPI tag of a point-to-point message: a hash of its refpar tag, the same on every rank,
+    so a receive matches the send of the same tensor."""
+    return zlib.crc32(tag.encode()) % _TAG_LIMIT
+
+
+class _Link:
+    """Point-to-point for the written-out algorithms, on the communicator's private duplicate (so
+    it never matches a user's send/recv), counting the bytes it moves."""
+
+    def __init__(self, owner: Communicator):
+        self.owner, self.rank, self.size = owner, owner.rank, owner.size
+        self.sent = self.recv = 0
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source) -> None:
+        requests = []
+        if recvbuf is not None:
+            requests.append(self.owner._private.Irecv(recvbuf, source, 0))
+            self.recv += recvbuf.nbytes
+        if sendbuf is not None:
+            requests.append(self.owner._private.Isend(sendbuf, dest, 0))
+            self.sent += sendbuf.nbytes
+        self.owner._wait(requests)
+
+    def moved(self) -> cost.Bytes:
+        return cost.Bytes(self.sent, self.recv)
+
+
+class Request:
+    """A pending `isend`/`irecv`. `wait()` completes it, records its event (from the post to the
+    completion) and returns the received array (irecv) or None (isend); a second wait() returns
+    the same."""
+
+    def __init__(self, comm: Communicator, request, op: str, peer: int, buf: np.ndarray, xp,
+                 tag: str, t_start: float):
+        self._comm, self._request, self._op, self._peer = comm, request, op, peer
+        self._buf, self._xp, self._tag, self._t_start = buf, xp, tag, t_start
+        self._done = False
+
+    def wait(self):
+        if not self._done:
+            self._comm._doing = (self._op, self._tag)
+            self._comm._wait([self._request])
+            self._done = True
+            if self._comm.tracer is not None:
+                n = self._buf.nbytes
+                moved = cost.Bytes(n, 0) if self._op == "isend" else cost.Bytes(0, n)
+                self._comm._record(self._op, "p2p", self._comm.group[self._peer], self._buf.shape,
+                                   self._buf.dtype, moved, self._tag, self._t_start)
+        return _from_host(self._buf, self._xp) if self._op == "irecv" else None
+
+
+class Communicator:
+    """One MPI communicator and the axis it spans (`world`, `pp`, `dp`, `ep`, `cp`, `tp`).
+
+    `rank` and `size` are within the group; `group` lists the world ranks of the group in rank
+    order; `world_rank` is this process's rank in MPI.COMM_WORLD. Collectives must be called by
+    every rank of the group in the same order, with the same algo.
+    """
+
+    def __init__(self, mpi_comm, axis: str = "world", tracer: Tracer | None = None, *,
+                 debug: bool | None = None, timeout: float | None = None):
+        self.comm = mpi_comm
+        self.axis = axis
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self.world_rank = MPI.COMM_WORLD.Get_rank()
+        group, world_group = mpi_comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        self.group = tuple(int(g) for g in group.Translate_ranks(list(range(self.size)), world_group))
+        group.Free()
+        world_group.Free()
+        self.tracer = tracer
+        if tracer is not None and tracer.rank is None:
+            tracer.rank = self.world_rank
+        self.debug = os.environ.get("REFPAR_DEBUG_COLLECTIVES", "") not in ("", "0") if debug is None \
+            else bool(debug)
+        self.timeout = _env_timeout() if timeout is None else timeout
+        # Written-out algorithms, debug checks and count exchanges talk on a duplicate, so their
+        # messages can never be taken by a user's recv on the same communicator.
+        self._private = mpi_comm.Dup()
+        self._doing = ("", "")  # (op, tag) of the call in progress, for the timeout's message
+
+    def __repr__(self) -> str:
+        return f"Communicator(axis={self.axis!r}, rank={self.rank}, size={self.size}, group={self.group})"
+
+    def split(self, color: int | None, key: int = 0, axis: str | None = None) -> Communicator | None:
+        """MPI Comm_split: ranks with the same color form a new communicator ordered by key; color
+        None takes no part and gets None. Tracer, debug and timeout carry over."""
+        mpi_color = MPI.UNDEFINED if color is None else color
+        sub = self.comm.Split(mpi_color, key)
+        if sub == MPI.COMM_NULL:
+            return None
+        return Communicator(sub, axis or self.axis, self.tracer, debug=self.debug, timeout=self.timeout)
+
+    # --- collectives -------------------------------------------------------------------------
+
+    def all_reduce(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
+        """Elementwise reduction (`sum`, `prod`, `max`, `min`) over the group; every rank gets it.
+        algo: native or ring."""
+        a, xp = _to_host(x)
+        ufunc, mpi_op = _reduce_op(op)
+        t0 = self._begin("all_reduce", algo, a.shape, a.dtype, tag)
+        if algo == "native":
+            out = np.empty_like(a)
+            self._native(lambda: self.comm.Iallreduce(a, out, mpi_op),
+                         lambda: self.comm.Allreduce(a, out, mpi_op))
+        else:
+            link = _Link(self)
+            out = algorithms.ring_all_reduce(link, a, ufunc)
+        if self.tracer is not None:
+            moved = cost.all_reduce_bytes(a.size, self.size, self.rank, a.itemsize) \
+                if algo == "native" else link.moved()
+            self._record("all_reduce", algo, None, a.shape, a.dtype, moved, tag, t0)
+        return _from_host(out, xp)
+
+    def reduce_scatter(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
+        """x (n, ...), the same shape on every rank -> rows `shard_range(n, size, rank)` of the
+        elementwise reduction, shape (n_rank, ...). algo: native or ring."""
+        a, xp = _to_host(x)
+        _require_axis0(a, "reduce_scatter")
+        ufunc, mpi_op = _reduce_op(op)
+        t0 = self._begin("reduce_scatter", algo, a.shape, a.dtype, tag)
+        rows = shard_sizes(a.shape[0], self.size)
+        unit = _row_size(a)
+        if algo == "native":
+            out = np.empty((rows[self.rank], *a.shape[1:]), dtype=a.dtype)
+            counts = [c * unit for c in rows]
+            self._native(lambda: self.comm.Ireduce_scatter(a, out, counts, mpi_op),
+                         lambda: self.comm.Reduce_scatter(a, out, counts, mpi_op))
+        else:
+            link = _Link(self)
+            out = algorithms.ring_reduce_scatter(link, a, ufunc)
+        if self.tracer is not None:
+            moved = cost.reduce_scatter_bytes(a.shape[0], self.size, self.rank, a.itemsize, unit) \
+                if algo == "native" else link.moved()
+            self._record("reduce_scatter", algo, None, a.shape, a.dtype, moved, tag, t0)
+        return _from_host(out, xp)
+
+    def all_gather(self, x, algo: str = "native", tag: str = "", counts: list[int] | None = None):
+        """x (n_rank, ...) on each rank -> the pieces concatenated along axis 0 in rank order,
+        (sum n_i, ...). Pieces may differ in length; pass `counts` (every rank's n_i) if known,
+        else the ranks exchange them first (a small untraced message). algo: native or ring."""
+        a, xp = _to_host(x)
+        _require_axis0(a, "all_gather")
+        t0 = self._begin("all_gather", algo, ("*", *a.shape[1:]), a.dtype, tag)
+        counts = self._counts(a.shape[0]) if counts is None else [int(c) for c in counts]
+        if len(counts) != self.size or counts[self.rank] != a.shape[0]:
+            raise ValueError(f"all_gather counts {counts} do not give rank {self.rank} its "
+                             f"{a.shape[0]} rows; pass one count per rank or none")
+        unit = _row_size(a)
+        if algo == "native":
+            out = np.empty((sum(counts), *a.shape[1:]), dtype=a.dtype)
+            spec = [out, ([c * unit for c in counts], _displacements(counts, unit))]
+            self._native(lambda: self.comm.Iallgatherv(a, spec), lambda: self.comm.Allgatherv(a, spec))
+        else:
+            link = _Link(self)
+            out = algorithms.ring_all_gather(link, a, counts)
+        if self.tracer is not None:
+            moved = cost.all_gather_bytes(counts, self.rank, a.itemsize, unit) \
+                if algo == "native" else link.moved()
+            self._record("all_gather", algo, None, a.shape, a.dtype, moved, tag, t0)
+        return _from_host(out, xp)
+
+    def all_to_all(self, chunks, algo: str = "native", tag: str = "",
+                   recv_counts: list[int] | None = None) -> list:
+        """chunks[j] (n_j, ...) goes to rank j -> a list whose entry i is what rank i sent here.
+        Chunk lengths may differ (uneven); all chunks share the shape after axis 0 and the dtype.
+        Pass `recv_counts` if known, else the ranks exchange the lengths first (untraced).
+        algo: native or pairwise."""
+        if len(chunks) != self.size:
+            raise ValueError(f"all_to_all needs one chunk per rank ({self.size}), got {len(chunks)}")
+        hosted = [_to_host(c) for c in chunks]
+        parts = [h[0] for h in hosted]
+        xp = hosted[0][1]  # results come back in the namespace of the first chunk
+        for part in parts:
+            _require_axis0(part, "all_to_all")
+            if part.shape[1:] != parts[0].shape[1:] or part.dtype != parts[0].dtype:
+                raise ValueError("all_to_all chunks must share their shape after axis 0 and their "
+                                 f"dtype; got {[(p.shape, p.dtype.name) for p in parts]}")
+        rest, dtype = parts[0].shape[1:], parts[0].dtype
+        t0 = self._begin("all_to_all", algo, ("*", *rest), dtype, tag)
+        send_counts = [p.shape[0] for p in parts]
+        if recv_counts is None:
+            recv_counts = self._exchange_all_to_all(send_counts)
+        recv_counts = [int(c) for c in recv_counts]
+        unit = int(np.prod(rest, dtype=np.int64))
+        if algo == "native":
+            sendbuf = np.concatenate(parts)  # (sum n_j, ...) one buffer for MPI's Alltoallv
+            recvbuf = np.empty((sum(recv_counts), *rest), dtype=dtype)
+            send_spec = [sendbuf, ([c * unit for c in send_counts], _displacements(send_counts, unit))]
+            recv_spec = [recvbuf, ([c * unit for c in recv_counts], _displacements(recv_counts, unit))]
+            self._native(lambda: self.comm.Ialltoallv(send_spec, recv_spec),
+                         lambda: self.comm.Alltoallv(send_spec, recv_spec))
+            received = np.split(recvbuf, np.cumsum(recv_counts)[:-1])
+        else:
+            received = [np.empty((c, *rest), dtype=dtype) for c in recv_counts]
+            link = _Link(self)
+            algorithms.pairwise_all_to_all(link, parts, received)
+        if self.tracer is not None:
+            moved = cost.all_to_all_bytes([c * unit for c in send_counts], [c * unit for c in recv_counts],
+                                          self.rank, dtype.itemsize) if algo == "native" else link.moved()
+            self._record("all_to_all", algo, None, (sum(send_counts), *rest), dtype, moved, tag, t0)
+        return [_from_host(r, xp) for r in received]
+
+    def broadcast(self, x, root: int = 0, algo: str = "native", tag: str = ""):
+        """Rank `root`'s x to every rank. As in MPI, every rank passes an array of the same shape
+        and dtype (the others' contents are ignored). algo: native, tree or scatter_allgather."""
+        a, xp = _to_host(x)
+        self._check_peer(root, "root")
+        t0 = self._begin("broadcast", algo, a.shape, a.dtype, tag, root=root)
+        out = a.copy()
+        if algo == "native":
+            self._native(lambda: self.comm.Ibcast(out, root), lambda: self.comm.Bcast(out, root))
+        else:
+            link = _Link(self)
+            written_out = {"tree": algorithms.tree_broadcast,
+                           "scatter_allgather": algorithms.scatter_allgather_broadcast}
+            written_out[algo](link, out, root)
+        if self.tracer is not None:
+            moved = cost.broadcast_bytes(out.size, self.size, self.rank, root, a.itemsize) \
+                if algo == "native" else link.moved()
+            self._record("broadcast", algo, None, a.shape, a.dtype, moved, tag, t0)
+        return _from_host(out, xp)
+
+    def barrier(self, tag: str = "") -> None:
+        """Returns once every rank of the group has entered it."""
+        t0 = self._begin("barrier", "native", (), np.dtype("uint8"), tag)
+        self._native(self.comm.Ibarrier, self.comm.Barrier)
+        if self.tracer is not None:
+            self._record("barrier", "native", None, (), np.uint8, cost.Bytes(0, 0), tag, t0)
+
+    def gather_object(self, obj, root: int = 0) -> list | None:
+        """Small Python objects (trace rows, reports) from every rank to `root`, in rank order; None
+        elsewhere. Pickled and untraced: for bookkeeping about a run, never for its tensors."""
+        self._check_peer(root, "root")
+        self._doing = ("gather_object", "")
+        if self.timeout is None:
+            return self._private.gather(obj, root)
+        # No non-blocking pickled gather in MPI: send the pickle's length, then its bytes.
+        data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+        lengths = self._counts(data.size)
+        spec = [np.empty(sum(lengths), np.uint8), (lengths, _displacements(lengths, 1))] \
+            if self.rank == root else None
+        self._wait([self._private.Igatherv(data, spec, root)])
+        if self.rank != root:
+            return None
+        bounds = np.cumsum([0, *lengths])
+        return [pickle.loads(spec[0][bounds[i]:bounds[i + 1]].tobytes()) for i in range(self.size)]
+
+    # --- point to point ----------------------------------------------------------------------
+
+    def send(self, x, dest: int, tag: str = "") -> None:
+        """Sends x to group rank `dest`; the matching recv names the same tag."""
+        a, _ = _to_host(x)
+        self._check_peer(dest, "dest")
+        self._doing, t0 = ("send", tag), now()
+        if self.timeout is None:
+            self.comm.Send(a, dest, _mpi_tag(tag))
+        else:
+            self._wait([self.comm.Isend(a, dest, _mpi_tag(tag))])
+        if self.tracer is not None:
+            self._record("send", "p2p", self.group[dest], a.shape, a.dtype, cost.Bytes(a.nbytes, 0), tag, t0)
+
+    def recv(self, shape, dtype, source: int, tag: str = "") -> np.ndarray:
+        """Receives a (shape, dtype) array from group rank `source`, sent with the same tag."""
+        self._check_peer(source, "source")
+        out = np.empty(shape, dtype=dtype)
+        self._doing, t0 = ("recv", tag), now()
+        if self.timeout is None:
+            self.comm.Recv(out, source, _mpi_tag(tag))
+        else:
+            self._wait([self.comm.Irecv(out, source, _mpi_tag(tag))])
+        if self.tracer is not None:
+            self._record("recv", "p2p", self.group[source], out.shape, out.dtype, cost.Bytes(0, out.nbytes),
+                         tag, t0)
+        return out
+
+    def isend(self, x, dest: int, tag: str = "") -> Request:
+        """Starts sending x to `dest`; x may be reused at once (its host copy travels)."""
+        a = _to_host(x)[0].copy()  # the caller may overwrite x before the send completes
+        self._check_peer(dest, "dest")
+        t0 = now()
+        return Request(self, self.comm.Isend(a, dest, _mpi_tag(tag)), "isend", dest, a, None, tag, t0)
+
+    def irecv(self, shape, dtype, source: int, tag: str = "") -> Request:
+        """Starts receiving a (shape, dtype) array from `source`; `wait()` returns it."""
+        self._check_peer(source, "source")
+        out = np.empty(shape, dtype=dtype)
+        t0 = now()
+        return Request(self, self.comm.Irecv(out, source, _mpi_tag(tag)), "irecv", source, out, None,
+                       tag, t0)
+
+    # --- machinery ---------------------------------------------------------------------------
+
+    def _begin(self, op: str, algo: str, shape, dtype, tag: str, **extra) -> float:
+        """Checks the algo name, runs the debug check, notes the op for timeouts; returns t_start."""
+        if algo != "native":
+            cost.resolve_algo(op, algo)
+        self._doing = (op, tag)
+        if self.debug:
+            self._check_same(op, algo, shape, np.dtype(dtype).name, tag, extra)
+        return now()
+
+    def _native(self, nonblocking, blocking) -> None:
+        if self.timeout is None:
+            blocking()
+        else:
+            self._wait([nonblocking()])
+
+    def _wait(self, requests) -> None:
+        """Waits for all requests; with a timeout, polls and raises CollectiveTimeout when late."""
+        if self.timeout is None:
+            MPI.Request.Waitall(requests)
+            return
+        deadline = time.monotonic() + self.timeout
+        polls = 0
+        while not MPI.Request.Testall(requests):
+            if time.monotonic() > deadline:
+                op, tag = self._doing
+                raise CollectiveTimeout(
+                    f"world rank {self.world_rank} ({self.axis} rank {self.rank} of {self.size}, "
+                    f"group {list(self.group)}) waited more than {self.timeout:g} s in {op} on axis "
+                    f"{self.axis} with tag {tag!r}: another rank of the group is in a different "
+                    "call or has stopped")
+            polls += 1
+            if polls > 1000:  # after a short spin, yield the core to the other ranks
+                time.sleep(1e-4 if polls < 10000 else 1e-3)
+
+    def _counts(self, n: int) -> list[int]:
+        mine = np.array([n], dtype=np.int64)
+        every = np.empty(self.size, dtype=np.int64)
+        self._native(lambda: self._private.Iallgather(mine, every),
+                             lambda: self._private.Allgather(mine, every))
+        return [int(c) for c in every]
+
+    def _exchange_all_to_all(self, send_counts: list[int]) -> list[int]:
+        mine = np.array(send_counts, dtype=np.int64)
+        theirs = np.empty(self.size, dtype=np.int64)
+        self._native(lambda: self._private.Ialltoall(mine, theirs),
+                             lambda: self._private.Alltoall(mine, theirs))
+        return [int(c) for c in theirs]
+
+    def _check_same(self, op, algo, shape, dtype, tag, extra) -> None:
+        """Debug mode: every rank of the group shows the others what it is about to call."""
+        mine = json.dumps([op, algo, list(shape), dtype, tag, extra]).encode()[:_SIGNATURE_BYTES]
+        buf = np.zeros(_SIGNATURE_BYTES, dtype=np.uint8)
+        buf[: len(mine)] = np.frombuffer(mine, dtype=np.uint8)
+        every = np.empty((self.size, _SIGNATURE_BYTES), dtype=np.uint8)
+        self._native(lambda: self._private.Iallgather(buf, every),
+                     lambda: self._private.Allgather(buf, every))
+        calls = [bytes(row).rstrip(b"\0").decode() for row in every]
+        if len(set(calls)) == 1:
+            return
+        by_call: dict[str, list[int]] = {}
+        for rank, call in enumerate(calls):
+            by_call.setdefault(call, []).append(self.group[rank])
+        described = []
+        for call, ranks in by_call.items():
+            c_op, c_algo, c_shape, c_dtype, c_tag, c_extra = json.loads(call)
+            shape_text = "(" + ", ".join(str(s) for s in c_shape) + ("," if len(c_shape) == 1 else "") + ")"
+            more = "".join(f", {k}={v}" for k, v in c_extra.items())
+            described.append(f"world ranks {ranks} call {c_op}(shape={shape_text}, dtype={c_dtype}, "
+                             f"algo={c_algo}, tag={c_tag!r}{more})")
+        raise CollectiveMismatch(f"collective mismatch on axis {self.axis} (world ranks {list(self.group)}): "
+                                 + "; ".join(described))
+
+    def _check_peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self.size:
+            raise ValueError(f"{what}={peer} is not a rank of axis {self.axis} (0..{self.size - 1})")
+
+    def _record(self, op, algo, peer, shape, dtype, moved: cost.Bytes, tag: str, t0: float) -> None:
+        name = _NATIVE_NAMES.get(op, algo) if algo == "native" else algo
+        self.tracer.record(op=op, axis=self.axis, group=self.group, algo=name, peer=peer,
+                           dtype=_dtype_name(dtype), shape=shape, bytes_sent=moved.sent,
+                           bytes_recv=moved.recv, tag=tag, t_start=t0, t_end=now())
+
+
+_NATIVE_NAMES = {op: f"native({algo})" for op, algo in cost.NATIVE_ALGO.items()}
+_DTYPE_NAMES: dict = {}  # dtype.name runs Python code in NumPy; a traced call should cost microseconds
+
+
+def _dtype_name(dtype) -> str:
+    if dtype not in _DTYPE_NAMES:
+        _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+    return _DTYPE_NAMES[dtype]
+
+
+def _reduce_op(op: str):
+    if op not in REDUCE_OPS:
+        raise ConfigError(f"unknown reduction {op!r}; choose one of {', '.join(REDUCE_OPS)}")
+    return REDUCE_OPS[op]
+
+
+def _require_axis0(a: np.ndarray, op: str) -> None:
+    if a.ndim == 0:
+        raise ValueError(f"{op} splits or joins axis 0; give it an array of at least one dimension")
+
+
+def _row_size(a: np.ndarray) -> int:
+    return int(np.prod(a.shape[1:], dtype=np.int64))
+
+
+def _displacements(counts: list[int], unit: int) -> list[int]:
+    return [int(d) * unit for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
+
+
+def world(tracer: Tracer | None = None, *, debug: bool | None = None,
+          timeout: float | None = None) -> Communicator:
+    """The communicator of all ranks (MPI.COMM_WORLD), axis "world"."""
+    return Communicator(MPI.COMM_WORLD, "world", tracer, debug=debug, timeout=timeout)
+
+
+@contextmanager
+def abort_on_error(grace_s: float = 0.5):
+    """Wrap a program's main: an exception on any rank prints that rank and the error once to
+    stderr and calls MPI Abort, which ends every rank of the job at once (exit status 2 for a
+    ConfigError, 1 otherwise) instead of leaving the others waiting forever.
+
+    Printed once: when every rank fails alike, rank 0 prints and aborts at once and the others wait
+    `grace_s` first, so the abort ends them before they print. A CollectiveTimeout is the exception:
+    each rank that times out prints which op, axis and tag it is in, and waits `grace_s` before
+    aborting so that the other stuck ranks can say where they are.
+
+        with abort_on_error():
+            main()
+    """
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - any error on one rank must end every rank
+        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        every_rank_speaks = isinstance(err, CollectiveTimeout)
+        if rank != 0 and not every_rank_speaks:
+            time.sleep(grace_s)
+        if isinstance(err, ConfigError | CollectiveError):
+            message = f"refpar: error on rank {rank} of {size}: {err}\n"
+        else:
+            message = (f"refpar: rank {rank} of {size} failed:\n"
+                       + "".join(traceback.format_exception(err))
+                       + f"refpar: error on rank {rank} of {size}: {type(err).__name__}: {err}\n")
+        sys.stdout.flush()
+        sys.stderr.write(message)
+        sys.stderr.flush()
+        if every_rank_speaks:
+            time.sleep(grace_s)
+        MPI.COMM_WORLD.Abort(2 if isinstance(err, ConfigError) else 1)

@@ -1,0 +1,107 @@
+"""DeviceMesh: the world's ranks laid on a named grid, one Communicator per axis.
+
+Ranks are laid out as Megatron does, tp fastest-varying, then cp, ep, dp, and pp slowest:
+
+    ranks = arange(world).reshape(pp, dp, ep, cp, tp)
+
+so the ranks of one tp group are neighbours (on a real machine, the GPUs of one node). The group
+of an axis is the line through this rank's grid position along that axis; it is built with
+MPI's Split (color = the other coordinates, key = the coordinate on the axis).
+
+    mesh = DeviceMesh(world(), {"pp": 2, "dp": 2, "tp": 2})   # mpiexec -n 8
+    mesh.tp.all_reduce(x, tag="h.3.mlp.c_proj:fwd")          # the 2 ranks of this tp group
+    str(mesh)  # "PP(2)-DP(2)-TP(2)-Rank(5)" on world rank 5
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refpar.comm.communicator import Communicator
+from refpar.config import MESH_AXES, ConfigError, ParallelConfig
+
+
+class DeviceMesh:
+    """`sizes` gives any of the axes pp, dp, ep, cp, tp (missing ones are 1); their product must be
+    the world size, else every rank raises the same ConfigError before any communication.
+
+    `coords[axis]` is this rank's position on each axis; `axis(name)` (or `mesh.tp`, ...) its
+    Communicator, whose ranks are the positions along that axis; `ranks` the whole grid of world
+    ranks, shaped (pp, dp, ep, cp, tp).
+    """
+
+    def __init__(self, world: Communicator, sizes: dict[str, int]):
+        self.sizes = ParallelConfig(dict(sizes)).sizes  # all five axes, validated
+        shape = tuple(self.sizes[a] for a in MESH_AXES)
+        product = int(np.prod(shape))
+        if product != world.size:
+            given = ",".join(f"{a}={self.sizes[a]}" for a in MESH_AXES if self.sizes[a] > 1) or "all 1"
+            raise ConfigError(
+                f"the mesh {given} has {product} ranks but the job has {world.size}; "
+                f"run mpiexec -n {product} or change the mesh so its sizes multiply to {world.size}"
+            )
+        self.world = world
+        self.rank = world.rank
+        self.ranks = np.arange(world.size).reshape(shape)  # (pp, dp, ep, cp, tp)
+        position = np.unravel_index(world.rank, shape)
+        self.coords = {a: int(c) for a, c in zip(MESH_AXES, position, strict=True)}
+        self._comms: dict[str, Communicator] = {}
+        for i, a in enumerate(MESH_AXES):  # every rank splits on every axis, in the same order
+            others = tuple(c for j, c in enumerate(position) if j != i)
+            color = int(np.ravel_multi_index(others, shape[:i] + shape[i + 1:])) if others else 0
+            self._comms[a] = world.split(color, key=self.coords[a], axis=a)
+
+    def axis(self, name: str) -> Communicator:
+        if name not in self._comms:
+            raise ConfigError(f"unknown mesh axis {name!r}; axes are {', '.join(MESH_AXES)}")
+        return self._comms[name]
+
+    @property
+    def pp(self) -> Communicator:
+        return self._comms["pp"]
+
+    @property
+    def dp(self) -> Communicator:
+        return self._comms["dp"]
+
+    @property
+    def ep(self) -> Communicator:
+        return self._comms["ep"]
+
+    @property
+    def cp(self) -> Communicator:
+        return self._comms["cp"]
+
+    @property
+    def tp(self) -> Communicator:
+        return self._comms["tp"]
+
+    @property
+    def pp_prev(self) -> int | None:
+        """pp rank of the previous pipeline stage (the one that feeds this one), None on the first."""
+        return self.coords["pp"] - 1 if self.coords["pp"] > 0 else None
+
+    @property
+    def pp_next(self) -> int | None:
+        """pp rank of the next pipeline stage, None on the last."""
+        return self.coords["pp"] + 1 if self.coords["pp"] < self.sizes["pp"] - 1 else None
+
+    def ring_next(self, name: str) -> int:
+        """The right neighbour on axis `name`'s ring (its rank in that axis), wrapping around."""
+        return (self.coords[name] + 1) % self.sizes[name]
+
+    def ring_prev(self, name: str) -> int:
+        """The left neighbour on axis `name`'s ring, wrapping around."""
+        return (self.coords[name] - 1) % self.sizes[name]
+
+    def group(self, name: str) -> tuple[int, ...]:
+        """World ranks of this rank's group on axis `name`, in axis order."""
+        return self.axis(name).group
+
+    def __str__(self) -> str:
+        parts = [f"{a.upper()}({self.sizes[a]})" for a in MESH_AXES if self.sizes[a] > 1]
+        return "-".join([*parts, f"Rank({self.rank})"])
+
+    def __repr__(self) -> str:
+        coords = ", ".join(f"{a}={self.coords[a]}" for a in MESH_AXES)
+        return f"DeviceMesh({self}, coords: {coords})"

@@ -1,0 +1,250 @@
+"""`refpar train --mesh dp=N [--zero 0|1|2|3] [--fsdp]`: data-parallel training on MPI ranks.
+
+    mpiexec -n 4 python -m refpar train --mesh dp=4 --zero 3 --steps 5 --check
+
+Runs the chosen strategy, then (with --check) the single-device reference on rank 0, and reports
+per step the loss next to the reference's, the largest relative parameter difference, the bytes
+each rank sent by op next to the closed form (refpar.analysis.comm_volume) and each rank's peak
+memory by category next to the closed form (refpar.analysis.memory).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from refpar.analysis.comm_volume import step_bytes
+from refpar.analysis.memory import Options, model_state_bytes, peak_bytes
+from refpar.comm.trace import Tracer
+from refpar.config import ConfigError
+from refpar.memory import CATEGORIES, MemoryLedger
+from refpar.model.gpt import init_params
+from refpar.parallel.data_parallel import DataParallel
+from refpar.parallel.fsdp import FSDP
+from refpar.parallel.units import train_step
+from refpar.parallel.zero import Zero
+from refpar.trainer import corpus_for, train_single_device
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "isend", "irecv")
+
+
+@dataclass
+class DPRun:
+    """One rank's view of a finished run."""
+
+    losses: list[float]
+    step_time_s: float
+    comm: dict[str, tuple[int, int]]  # op -> (bytes sent, bytes received) over the training steps
+    peaks: dict[str, int]  # category -> peak bytes
+    model_state: dict[str, int]  # params/grads/optimizer held between steps
+    params: dict = field(default_factory=dict)  # every parameter, whole, after the last step
+    tracer: Tracer | None = None
+
+
+def options(strategy: str, model, train, microbatches: int = 1, bucket_elems: int = 1 << 62,
+            prefetch: bool = False, reshard_after_forward: bool = True, overlap: bool = False) -> Options:
+    return Options(strategy=strategy, itemsize=np.dtype(model.dtype).itemsize, optimizer=train.optimizer,
+                   bucket_elems=bucket_elems, microbatches=microbatches, prefetch=prefetch,
+                   reshard_after_forward=reshard_after_forward, overlap=overlap)
+
+
+def check_options(opts: Options, train, dp_size: int) -> None:
+    if opts.microbatches < 1:
+        raise ConfigError(f"--microbatches {opts.microbatches} must be at least 1")
+    if train.batch_size < dp_size * opts.microbatches:
+        raise ConfigError(
+            f"the global batch of {train.batch_size} cannot give each of dp={dp_size} ranks "
+            f"{opts.microbatches} micro-batches of at least one sequence; use --batch-size "
+            f"{dp_size * opts.microbatches} or more, or fewer micro-batches")
+    if opts.overlap and opts.strategy != "dp":
+        raise ConfigError("--overlap applies to plain DP's gradient buckets; drop it or use --zero 0")
+    if opts.bucket_elems < 1:
+        raise ConfigError(f"the bucket size must be positive, got {opts.bucket_elems} elements")
+
+
+def build(opts: Options, model, train, dp, ledger, params: dict):
+    """The strategy object for `opts.strategy`, holding its share of `params`."""
+    if opts.strategy == "dp":
+        return DataParallel(model, train, dp, ledger, params, opts.bucket_elems, opts.overlap)
+    if opts.strategy == "fsdp":
+        return FSDP(model, train, dp, ledger, params, opts.prefetch, opts.reshard_after_forward)
+    return Zero(model, train, dp, ledger, params, int(opts.strategy[-1]))
+
+
+def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = False) -> DPRun:
+    """Trains `train.steps` steps with the strategy on the dp communicator `dp` (its tracer, if any,
+    records the communication). With gather_params every rank ends with all parameters whole."""
+    check_options(opts, train, dp.size)
+    ledger = MemoryLedger()
+    strategy = build(opts, model, train, dp, ledger, init_params(model, train.seed))
+    corpus = corpus_for(model, train)
+    losses, times = [], []
+    for step in range(train.steps):
+        start = time.perf_counter()
+        losses.append(train_step(strategy, corpus, step, opts.microbatches, dp.tracer))
+        times.append(time.perf_counter() - start)
+    comm = {}
+    if dp.tracer is not None:
+        for e in dp.tracer.events:
+            sent, recv = comm.get(e.op, (0, 0))
+            comm[e.op] = (sent + e.bytes_sent, recv + e.bytes_recv)
+    state = {c: ledger.current[c] for c in ("params", "grads", "optimizer")}
+    result = DPRun(losses, float(np.mean(times[1:] or times)), comm, dict(ledger.peak), state,
+                   tracer=dp.tracer)
+    if gather_params:
+        result.params = strategy.full_params()
+    return result
+
+
+def reference_diffs(model, train, run: DPRun) -> dict:
+    """The single-device run and the largest relative differences from it (loss per step; each
+    parameter's max |difference| over its max |value|)."""
+    ref = train_single_device(model, train)
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+    param_diff = max(float(np.max(np.abs(run.params[n] - p)) / np.max(np.abs(p)))
+                     for n, p in ref.params.items())
+    return {"reference_losses": ref.losses, "max_loss_rel_diff": loss_diff,
+            "max_param_rel_diff": param_diff}
+
+
+def expected_rows(opts: Options, model, train, n: int):
+    """(comm rows, memory rows) of every rank from the closed forms."""
+    comm, memory = [], []
+    for r in range(n):
+        for op, b in step_bytes(model, n, r, opts, train.steps).items():
+            comm.append({"rank": r, "axis": "dp", "op": op, "bytes_sent": b.sent, "bytes_recv": b.recv})
+        for cat, b in peak_bytes(model, n, r, opts).items():
+            memory.append({"rank": r, "category": cat, "bytes": b})
+    return comm, memory
+
+
+def gather_rows(world, run: DPRun):
+    """Every rank's measured (comm rows, memory rows), on every rank, as one all-gather of numbers."""
+    mine = [v for op in OPS for v in run.comm.get(op, (0, 0))] + [run.peaks[c] for c in CATEGORIES]
+    every = world.all_gather(np.array([mine], dtype=np.int64), tag="report", counts=[1] * world.size)
+    comm, memory = [], []
+    for r, row in enumerate(every.tolist()):
+        for i, op in enumerate(OPS):
+            if op in run.comm:
+                comm.append({"rank": r, "axis": "dp", "op": op, "bytes_sent": row[2 * i],
+                             "bytes_recv": row[2 * i + 1]})
+        for j, c in enumerate(CATEGORIES):
+            memory.append({"rank": r, "category": c, "bytes": row[2 * len(OPS) + j]})
+    return comm, memory
+
+
+# ------------------------------------------------------------------------------ command line
+def add_arguments(parser) -> None:
+    """The data-parallel flags of `refpar train`; --check and --microbatches are shared with other
+    strategies, so each is added only if another module has not added it already."""
+    def once(flag, **kwargs):
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, **kwargs)
+
+    once("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+         help="ZeRO stage over the dp axis: 0 plain DP, 1 optimizer, 2 +gradients, 3 +parameters")
+    once("--fsdp", action="store_true", help="FSDP over the dp axis (ZeRO-3 by units)")
+    once("--prefetch", action="store_true", help="FSDP: gather the next unit one piece early")
+    once("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+         help="FSDP: keep each block gathered from its forward to its backward")
+    once("--overlap", action="store_true",
+         help="DP: all-reduce each bucket as ring rounds interleaved with the rest of the backward")
+    once("--bucket-kb", type=float, default=None,
+         help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
+    once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
+    once("--check", action="store_true", help="also run the single-device reference and compare")
+
+
+def wants_data_parallel(sizes: dict[str, int], args) -> bool:
+    """A dp-only mesh with more than one rank, or ZeRO/FSDP asked for."""
+    only_dp = all(size == 1 for axis, size in sizes.items() if axis != "dp")
+    return only_dp and (sizes["dp"] > 1 or args.zero > 0 or args.fsdp)
+
+
+def strategy_name(args) -> str:
+    if args.fsdp and args.zero:
+        raise ConfigError(f"--fsdp and --zero {args.zero} are two ways to shard; give one of them")
+    return "fsdp" if args.fsdp else ("dp" if args.zero == 0 else f"zero{args.zero}")
+
+
+def run_cli(model, train, sizes: dict[str, int], args) -> int:
+    from refpar.comm.communicator import abort_on_error, world
+    from refpar.mesh import DeviceMesh
+    from refpar.report import run_summary, summary_line
+
+    itemsize = np.dtype(model.dtype).itemsize
+    bucket = 1 << 62 if args.bucket_kb is None else int(args.bucket_kb * 1024 // itemsize)
+    opts = options(strategy_name(args), model, train, args.microbatches, bucket, args.prefetch,
+                   args.reshard_after_forward, args.overlap)
+    check_options(opts, train, sizes["dp"])
+    comm = world(Tracer())
+    mesh = DeviceMesh(comm, sizes)  # a mesh that does not fit the job: the same ConfigError everywhere
+    n = mesh.dp.size
+    with abort_on_error():
+        run = run_data_parallel(opts, model, train, mesh.dp, gather_params=args.check)
+        comm_rows, memory_rows = gather_rows(comm, run)
+        states = comm.all_gather(np.array([[run.model_state[c] for c in ("params", "grads", "optimizer")]]),
+                                 tag="report", counts=[1] * n)
+        if comm.rank != 0:
+            return 0
+        checked = reference_diffs(model, train, run) if args.check else {}
+        expected_comm, expected_memory = expected_rows(opts, model, train, n)
+        report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory_rows,
+               expected_memory, states.sum(axis=1).tolist())
+        if args.json:
+            summary = run_summary(
+                model, train, run.losses, mesh=sizes, world_size=comm.size,
+                zero=3 if opts.strategy == "fsdp" else int(args.zero), microbatches=opts.microbatches,
+                comm_bytes=comm_rows, expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
+                expected_memory_peak_bytes=expected_memory, step_time_s=run.step_time_s,
+                loss_floor=corpus_for(model, train).entropy_rate(), **checked)
+            print(summary_line(summary), flush=True)
+    return 0
+
+
+def report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory_rows, expected_memory,
+           state_per_rank) -> None:
+    """The learner's table: losses by step, bytes by rank and op, peak memory by rank and category,
+    and how the model states per rank compare with plain DP's."""
+    def say(text=""):
+        print(text, flush=True)
+
+    label = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
+    say(f"{label[opts.strategy]} over dp={n}: GPT-2 {model.n_layer} layers, {model.dtype}, "
+        f"batch {train.batch_size} x {train.seq_len} in {opts.microbatches} micro-batch(es) per rank")
+    ref = checked.get("reference_losses")
+    say(f"{'step':>5} {'loss':>20} {'single device':>20} {'rel diff':>10}")
+    for s, loss in enumerate(run.losses):
+        if ref is None:
+            say(f"{s + 1:>5} {loss:>20.15f}")
+        else:
+            say(f"{s + 1:>5} {loss:>20.15f} {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}")
+    if checked:
+        say(f"max relative parameter difference after {train.steps} steps: "
+            f"{checked['max_param_rel_diff']:.1e}")
+    expected = {(r["rank"], r["op"]): r for r in expected_comm}
+    say(f"bytes sent (received) per rank over {train.steps} steps, measured | closed form:")
+    for r in comm_rows:
+        e = expected.get((r["rank"], r["op"]), {"bytes_sent": 0, "bytes_recv": 0})
+        say(f"  rank {r['rank']} {r['op']:<15} {r['bytes_sent']:>10,} ({r['bytes_recv']:,}) | "
+            f"{e['bytes_sent']:,} ({e['bytes_recv']:,})")
+    expected_mem = {(r["rank"], r["category"]): r["bytes"] for r in expected_memory}
+    say("peak memory per rank in bytes, measured | closed form:")
+    for rank in range(n):
+        cells = []
+        for r in memory_rows:
+            if r["rank"] == rank:
+                e = expected_mem.get((rank, r["category"]))
+                cells.append(f"{r['category']} {r['bytes']:,}" + ("" if e is None else f" | {e:,}"))
+        say(f"  rank {rank}: " + ", ".join(cells))
+    def state(strategy):
+        return max(sum(model_state_bytes(model, n, r, replace(opts, strategy=strategy)).values())
+                   for r in range(n))
+
+    dp_state, z3_state = state("dp"), state("zero3")
+    say(f"model states (params+grads+optimizer) per rank: {label[opts.strategy]} measured "
+        + ", ".join(f"{b:,}" for b in state_per_rank)
+        + f"; closed forms at dp={n}: DP {dp_state:,}, ZeRO-3 {z3_state:,} "
+        f"(DP / ZeRO-3 = {dp_state / z3_state:.2f}, falls as 1/N)")

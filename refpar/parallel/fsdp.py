@@ -1,0 +1,55 @@
+"""FSDP (Zhao et al. 2023): ZeRO-3 organised by units, as PyTorch's fully_shard does it.
+
+    mpiexec -n 4 python -m refpar train --mesh dp=4 --fsdp --check
+
+Legend: Ψ_root the root unit (wte, wpe, ln_f), Ψ_b one block's unit, L blocks, N ranks.
+
+The parameters, gradients and optimizer state of every unit are sharded exactly as in ZeRO-3
+(refpar/parallel/zero.py: one flat buffer per unit split with `shard_range`, a reduce-scatter of
+the unit's gradient after its backward). What FSDP adds is a policy for *when* a unit is gathered:
+
+- The root is gathered once per micro-batch, before the embedding, and kept until the tied head's
+  backward is done: PyTorch does not reshard the root after forward because its backward follows
+  at once. (ZeRO-3 gathers it twice: for the embedding and again for the head.)
+- reshard_after_forward=True: a block is freed after its forward and gathered again for its
+  backward (2 all-gathers per block); False: it stays gathered until its backward (1 all-gather,
+  but at the head all L blocks are held, as much as DP).
+- prefetch=True: when a unit is acquired the next unit in execution order is gathered too, so
+  its communication could run under this unit's compute; two blocks are held at a time.
+"""
+
+from __future__ import annotations
+
+from refpar.analysis.memory import ROOT
+from refpar.parallel.zero import Zero
+
+
+class FSDP(Zero):
+    def __init__(self, config, train, dp, ledger, params: dict, prefetch: bool = False,
+                 reshard_after_forward: bool = True):
+        super().__init__(config, train, dp, ledger, params, stage=3)
+        self.name = "fsdp"
+        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        L = config.n_layer
+        # Every piece that reads parameters, in execution order; the embedding's backward reads
+        # none (refpar/parallel/units.py), so the order ends with block 0's backward.
+        self.uses = ([(ROOT, "embed:fwd")] + [(f"h.{i}", "fwd") for i in range(L)] + [(ROOT, "head")]
+                     + [(f"h.{i}", "bwd") for i in reversed(range(L))])
+
+    def acquire(self, unit: str, phase: str):
+        if unit not in self.gathered:
+            self.gather(unit, phase)
+        if self.prefetch:
+            k = self.uses.index((unit, phase))
+            if k + 1 < len(self.uses):
+                nxt, nxt_phase = self.uses[k + 1]
+                if nxt not in self.gathered:
+                    self.gather(nxt, nxt_phase)
+        return self.layout.views(unit, self.gathered[unit]), self.gathered[unit]
+
+    def release(self, unit: str, phase: str) -> None:
+        if unit == ROOT:
+            if phase == "head":
+                self.drop(unit)
+        elif phase == "bwd" or self.reshard_after_forward:
+            self.drop(unit)

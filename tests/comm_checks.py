@@ -1,0 +1,277 @@
+"""Every collective and algorithm against NumPy, and every traced byte against refpar.comm.cost.
+
+    mpiexec -n 4 python tests/comm_checks.py [hypothesis_examples]
+
+Run by tests/test_comm.py with 2, 3, 4, 5 and 8 ranks. Each rank builds every rank's input from
+(case, rank), so it computes the expected result itself with NumPy; the collective under test is
+never used to check itself. Groups: the world, the axes of a mesh, and splits of the world into
+parts of sizes 1 .. p-1 (so an 8-rank job also covers groups of 6, 7 and 1). Rank 0 prints one
+JSON line: {"ranks", "checks", "group_sizes", "failures"}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import reduce
+
+import numpy as np
+
+from refpar.comm import cost
+from refpar.comm.communicator import REDUCE_OPS, abort_on_error, world
+from refpar.comm.trace import Tracer
+from refpar.mesh import DeviceMesh
+from refpar.sharding import shard_range
+
+DTYPES = (np.float32, np.float64, np.int64)
+ROW = (2,)  # the trailing shape of the row-wise ops
+
+
+def data(case: int, rank: int, shape, dtype) -> np.ndarray:
+    """Integers in [-3, 3]: sums and products of up to 8 of them are exact in float32, so every
+    algorithm's reduction order gives the same bits and results compare exactly."""
+    rng = np.random.default_rng([case, rank])
+    return rng.integers(-3, 4, size=shape).astype(dtype)
+
+
+class Checker:
+    def __init__(self, tracer: Tracer):
+        self.tracer, self.case, self.checks, self.failures = tracer, 0, 0, []
+
+    def next_case(self) -> int:
+        self.case += 1
+        return self.case
+
+    def expect(self, ok: bool, what: str) -> None:
+        self.checks += 1
+        if not ok:
+            self.failures.append(what)
+
+    def same(self, got, want, what: str) -> None:
+        ok = (isinstance(got, np.ndarray) and got.shape == want.shape and got.dtype == want.dtype
+              and np.array_equal(got, want))
+        self.expect(ok, f"{what}: got {getattr(got, 'shape', None)} {got!r:.200} "
+                        f"want {want.shape} {want!r:.200}")
+
+    def traced(self, comm, op: str, algo: str, predicted: cost.Bytes, what: str) -> None:
+        e = self.tracer.events[-1]
+        name = f"native({cost.NATIVE_ALGO[op]})" if algo == "native" else algo
+        self.expect((e.op, e.axis, e.group, e.algo) == (op, comm.axis, comm.group, name),
+                    f"{what}: event {e.op} {e.axis} {e.group} {e.algo}")
+        self.expect((e.bytes_sent, e.bytes_recv) == (predicted.sent, predicted.recv),
+                    f"{what}: traced ({e.bytes_sent}, {e.bytes_recv}) != cost {predicted}")
+
+
+def check_all_reduce(c: Checker, comm, n, dtype, algo, op) -> None:
+    p, r = comm.size, comm.rank
+    case = c.next_case()
+    xs = [data(case, i, (n,), dtype) for i in range(p)]  # (n,) per rank
+    mine = xs[r].copy()
+    got = comm.all_reduce(xs[r], op=op, algo=algo, tag="ar")
+    what = f"all_reduce p={p} n={n} {np.dtype(dtype).name} {algo} {op}"
+    c.same(got, reduce(REDUCE_OPS[op][0], xs), what)
+    c.expect(np.array_equal(xs[r], mine), f"{what}: input modified")
+    c.traced(comm, "all_reduce", algo, cost.all_reduce_bytes(n, p, r, np.dtype(dtype).itemsize, algo), what)
+
+
+def check_reduce_scatter(c: Checker, comm, n, dtype, algo, rest=ROW) -> None:
+    p, r = comm.size, comm.rank
+    case = c.next_case()
+    xs = [data(case, i, (n, *rest), dtype) for i in range(p)]  # (n, *rest) per rank
+    got = comm.reduce_scatter(xs[r], algo=algo, tag="rs")
+    start, stop = shard_range(n, p, r)
+    what = f"reduce_scatter p={p} n={n} {np.dtype(dtype).name} {algo}"
+    c.same(got, sum(xs[1:], xs[0])[start:stop], what)
+    c.traced(comm, "reduce_scatter", algo,
+             cost.reduce_scatter_bytes(n, p, r, np.dtype(dtype).itemsize, int(np.prod(rest)), algo), what)
+
+
+def check_all_gather(c: Checker, comm, counts, dtype, algo, give_counts: bool, rest=ROW) -> None:
+    p, r = comm.size, comm.rank
+    case = c.next_case()
+    xs = [data(case, i, (counts[i], *rest), dtype) for i in range(p)]  # (counts[i], *rest)
+    got = comm.all_gather(xs[r], algo=algo, tag="ag", counts=counts if give_counts else None)
+    what = f"all_gather p={p} counts={counts} {np.dtype(dtype).name} {algo}"
+    c.same(got, np.concatenate(xs), what)
+    predicted = cost.all_gather_bytes(counts, r, np.dtype(dtype).itemsize, int(np.prod(rest)), algo)
+    c.traced(comm, "all_gather", algo, predicted, what)
+
+
+def check_all_to_all(c: Checker, comm, rows, dtype, algo, give_counts: bool, rest=ROW) -> None:
+    """rows[i][j]: the length of the chunk rank i sends to rank j."""
+    p, r = comm.size, comm.rank
+    case = c.next_case()
+    chunks = [[data(case, i * p + j, (rows[i][j], *rest), dtype) for j in range(p)] for i in range(p)]
+    recv_counts = [rows[i][r] for i in range(p)] if give_counts else None
+    got = comm.all_to_all(chunks[r], algo=algo, tag="a2a", recv_counts=recv_counts)
+    what = f"all_to_all p={p} rows={rows} {np.dtype(dtype).name} {algo}"
+    c.expect(len(got) == p, f"{what}: {len(got)} results")
+    for i in range(p):
+        c.same(got[i], chunks[i][r], f"{what} from {i}")
+    itemsize = np.dtype(dtype).itemsize
+    unit = int(np.prod(rest))
+    predicted = cost.all_to_all_bytes([rows[r][j] * unit for j in range(p)],
+                                      [rows[i][r] * unit for i in range(p)], r, itemsize, algo)
+    c.traced(comm, "all_to_all", algo, predicted, what)
+
+
+def check_broadcast(c: Checker, comm, n, dtype, algo, root) -> None:
+    p, r = comm.size, comm.rank
+    case = c.next_case()
+    x = data(case, root, (n, 3), dtype) if r == root else np.zeros((n, 3), dtype)
+    got = comm.broadcast(x, root=root, algo=algo, tag="bc")
+    what = f"broadcast p={p} n={n} root={root} {np.dtype(dtype).name} {algo}"
+    c.same(got, data(case, root, (n, 3), dtype), what)
+    c.traced(comm, "broadcast", algo, cost.broadcast_bytes(3 * n, p, r, root, np.dtype(dtype).itemsize, algo),
+             what)
+
+
+def check_point_to_point(c: Checker, comm, n) -> None:
+    """A ring shift both ways: blocking send/recv (even ranks send first) and isend/irecv."""
+    p, r = comm.size, comm.rank
+    case = c.next_case()
+    right, left = (r + 1) % p, (r - 1) % p
+    if p == 1:
+        return
+    mine = data(case, r, (n,), np.float64)
+    if r % 2 == 0:
+        comm.send(mine, right, tag="shift")
+        got = comm.recv((n,), np.float64, left, tag="shift")
+    else:
+        got = comm.recv((n,), np.float64, left, tag="shift")
+        comm.send(mine, right, tag="shift")
+    c.same(got, data(case, left, (n,), np.float64), f"send/recv p={p} n={n}")
+    e = c.tracer.events[-1] if r % 2 == 0 else c.tracer.events[-2]
+    c.expect((e.op, e.peer, e.bytes_recv) == ("recv", comm.group[left], 8 * n), f"recv event {e}")
+    pending = comm.irecv((n,), np.float64, right, tag="back")
+    sending = comm.isend(mine, left, tag="back")
+    c.expect(sending.wait() is None, "isend wait returns None")
+    c.same(pending.wait(), data(case, right, (n,), np.float64), f"isend/irecv p={p} n={n}")
+    e = c.tracer.events[-1]
+    c.expect((e.op, e.peer, e.bytes_recv, e.bytes_sent) == ("irecv", comm.group[right], 8 * n, 0),
+             f"irecv event {e}")
+
+
+def check_group(c: Checker, comm, dtypes=DTYPES) -> None:
+    p = comm.size
+    for dtype in dtypes:
+        for n in (0, 1, 7, 2 * p + 1):  # empty, fewer than p, odd, more than p
+            for algo in ("native", "ring"):
+                ops = ("sum", "prod", "max", "min") if dtype is np.int64 else ("sum",)
+                for op in ops:
+                    check_all_reduce(c, comm, n, dtype, algo, op)
+                check_reduce_scatter(c, comm, n, dtype, algo)
+                counts = [(n + 2 * i) % 4 for i in range(p)]  # uneven, some empty
+                check_all_gather(c, comm, counts, dtype, algo, give_counts=n % 2 == 0)
+            for algo in ("native", "pairwise"):
+                rows = [[(n + i + 2 * j) % 3 for j in range(p)] for i in range(p)]
+                check_all_to_all(c, comm, rows, dtype, algo, give_counts=n % 2 == 1)
+            for algo in ("native", "tree", "scatter_allgather"):
+                for root in sorted({0, p - 1}):
+                    check_broadcast(c, comm, n, dtype, algo, root)
+    check_point_to_point(c, comm, 5)
+    # Not exactly representable values: the written-out ring sums in another order than MPI.
+    rng = np.random.default_rng([99, comm.rank])
+    x = rng.standard_normal(1001)
+    want = comm.all_reduce(x, algo="native")
+    got = comm.all_reduce(x, algo="ring")
+    c.expect(np.allclose(got, want, rtol=1e-12, atol=1e-12), f"ring vs native float64 p={p}")
+
+
+def check_mesh(c: Checker, w, sizes) -> DeviceMesh:
+    mesh = DeviceMesh(w, sizes)
+    full = {a: sizes.get(a, 1) for a in ("pp", "dp", "ep", "cp", "tp")}
+    grid = np.arange(w.size).reshape(tuple(full.values()))  # (pp, dp, ep, cp, tp)
+    where = [int(i[0]) for i in np.nonzero(grid == w.rank)]
+    for k, a in enumerate(full):
+        index = tuple(slice(None) if j == k else where[j] for j in range(5))
+        c.expect(mesh.group(a) == tuple(int(g) for g in grid[index]), f"mesh {a} group {mesh.group(a)}")
+        c.expect(mesh.coords[a] == where[k] == mesh.axis(a).rank, f"mesh {a} coord")
+    c.expect(mesh.pp_next == (where[0] + 1 if where[0] + 1 < full["pp"] else None), "pp_next")
+    c.expect(mesh.pp_prev == (where[0] - 1 if where[0] > 0 else None), "pp_prev")
+    label = "-".join(f"{a.upper()}({s})" for a, s in full.items() if s > 1) + f"-Rank({w.rank})"
+    c.expect(str(mesh) == label, f"str(mesh) {mesh} != {label}")
+    return mesh
+
+
+def run_hypothesis(c: Checker, w, groups, examples: int) -> None:
+    """Random op, algorithm, dtype, group, trailing shape, lengths and uneven counts. Every rank runs
+    the same examples (derandomized, nothing drawn depends on the rank or the group size) and a
+    world-wide flag makes them fail together, so shrinking stays in step across ranks."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.generate, Phase.shrink])
+    @given(group=st.integers(0, len(groups) - 1),
+           op=st.sampled_from(sorted(cost.ALGORITHMS)),
+           algo_index=st.integers(0, 2),
+           dtype=st.sampled_from(["float32", "float64", "int32", "int64"]),
+           rest=st.lists(st.integers(1, 3), max_size=2),
+           n=st.integers(0, 11),
+           counts=st.lists(st.integers(0, 4), min_size=64, max_size=64),
+           root=st.integers(0, 7))
+    def collective_matches_numpy(group, op, algo_index, dtype, rest, n, counts, root):
+        comm = groups[group]
+        p = comm.size
+        algos = ("native", *cost.ALGORITHMS[op])
+        algo = algos[algo_index % len(algos)]
+        before = len(c.failures)
+        if op == "all_reduce":
+            check_all_reduce(c, comm, n, dtype, algo, "sum")
+        elif op == "reduce_scatter":
+            check_reduce_scatter(c, comm, n, dtype, algo, tuple(rest))
+        elif op == "all_gather":
+            check_all_gather(c, comm, counts[:p], dtype, algo, n % 2 == 0, tuple(rest))
+        elif op == "all_to_all":
+            rows = [counts[8 * i: 8 * i + p] for i in range(p)]
+            check_all_to_all(c, comm, rows, dtype, algo, n % 2 == 0, tuple(rest))
+        else:
+            check_broadcast(c, comm, n, dtype, algo, root % p)
+        failed = w.all_reduce(np.array([len(c.failures) - before]), op="max", tag="hypothesis")
+        assert not failed[0], "a rank failed; see its failures"
+
+    try:
+        collective_matches_numpy()
+    except AssertionError as err:
+        c.failures.append(f"hypothesis: {err}")
+
+
+def main(examples: int) -> None:
+    tracer = Tracer()
+    w = world(tracer)
+    c = Checker(tracer)
+    p = w.size
+    groups = [w]
+    for part in range(1, p // 2 + 1):  # the first `part` ranks and the rest: every size below p
+        groups.append(w.split(0 if w.rank < part else 1, key=w.rank, axis=f"split{part}"))
+    mesh_axes = []
+    meshes = {2: {"dp": 2}, 4: {"dp": 2, "tp": 2}, 8: {"pp": 2, "dp": 2, "tp": 2}}
+    if p in meshes:
+        mesh = check_mesh(c, w, meshes[p])
+        mesh_axes = [mesh.axis(a) for a in meshes[p]]
+    sizes = set()
+    for index, comm in enumerate(groups + mesh_axes):
+        c.case = 1_000_000 * (index + 1)  # groups run different numbers of cases; restart in step
+        # A mesh axis is a sub-communicator like the splits: one dtype shows its groups are right.
+        check_group(c, comm, (np.float64,) if comm in mesh_axes else DTYPES)
+        sizes.add(comm.size)
+    if examples:
+        c.case = 1_000_000 * (len(groups) + len(mesh_axes) + 1)
+        run_hypothesis(c, w, groups + mesh_axes, examples)
+    # Conservation over the whole job: every byte one rank sent, another received.
+    totals = w.gather_object(tracer.bytes_by())
+    reports = w.gather_object((c.checks, c.failures, sorted(sizes)))
+    if w.rank == 0:
+        sent, recv = map(sum, zip(*totals, strict=True))
+        failures = [f"rank {i}: {f}" for i, (_, fs, _) in enumerate(reports) for f in fs]
+        if sent != recv:
+            failures.append(f"bytes sent {sent} != bytes received {recv} over the job")
+        print(json.dumps({"ranks": p, "checks": sum(r[0] for r in reports),
+                          "group_sizes": sorted({s for r in reports for s in r[2]}),
+                          "failures": failures[:40]}), flush=True)
+
+
+if __name__ == "__main__":
+    with abort_on_error():
+        main(int(sys.argv[1]) if len(sys.argv) > 1 else 0)

@@ -1,0 +1,162 @@
+"""DP, ZeRO-1/2/3 and FSDP on real MPI ranks reproduce the single device, and their measured bytes
+and memory equal the closed forms exactly.
+
+One MPI job per rank count runs every strategy (5 AdamW steps, float64, dropout 0.1, with and
+without gradient accumulation) and reports every difference; the tests below read its report.
+"""
+
+import json
+
+import pytest
+
+from refpar.analysis.memory import Options, model_state_bytes
+from refpar.config import model_preset
+from tests.mpi import mpiexec, refpar_json, run_script
+
+TOL = 1e-10  # float64: only the order of the sums over ranks and micro-batches differs
+
+SCRIPT = r"""
+import json
+from refpar.comm.communicator import abort_on_error, world
+from refpar.comm.trace import Tracer
+from refpar.config import TrainConfig, model_preset
+from refpar.parallel.dp_runner import (expected_rows, gather_rows, options, reference_diffs,
+                                       run_data_parallel)
+
+CONFIGS = [
+    ("dp", dict(microbatches=1, bucket_elems=3000)),
+    ("dp", dict(microbatches=2)),
+    ("zero1", dict(microbatches=2)),
+    ("zero2", dict(microbatches=2)),
+    ("zero3", dict(microbatches=2)),
+    ("fsdp", dict(microbatches=2, prefetch=True)),
+    ("fsdp", dict(microbatches=1, reshard_after_forward=False)),
+    ("dp", dict(microbatches=2, bucket_elems=12704, overlap=True)),  # one bucket per block
+]
+model, train = model_preset("tiny"), TrainConfig(steps=5, batch_size=8, seq_len=16, seed=11)
+report = []
+
+
+def bucket_intervals(events):
+    # [first post, last completion] of each bucket's messages in step 0, in bucket order.
+    spans = {}
+    for e in events:
+        if e.step == 0 and e.tag.startswith("bucket."):
+            k = int(e.tag.split(".")[1].split(":")[0])
+            a, b = spans.get(k, (e.t_start, e.t_end))
+            spans[k] = (min(a, e.t_start), max(b, e.t_end))
+    return [spans[k] for k in sorted(spans)]
+
+
+with abort_on_error():
+    for strategy, kwargs in CONFIGS:
+        comm = world(Tracer())
+        opts = options(strategy, model, train, **kwargs)
+        run = run_data_parallel(opts, model, train, comm, gather_params=True)
+        comm_rows, memory_rows = gather_rows(comm, run)
+        if comm.rank == 0:
+            expected_comm, expected_memory = expected_rows(opts, model, train, comm.size)
+            report.append(dict(strategy=strategy, options=kwargs, comm=comm_rows,
+                               expected_comm=expected_comm, memory=memory_rows,
+                               expected_memory=expected_memory, model_state=run.model_state,
+                               buckets=bucket_intervals(comm.tracer.events),
+                               **reference_diffs(model, train, run)))
+    if comm.rank == 0:
+        print(json.dumps(report), flush=True)
+"""
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def job(request):
+    n = request.param
+    proc = run_script(n, SCRIPT, timeout=240)
+    return n, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def label(entry):
+    return f"{entry['strategy']} {entry['options']}"
+
+
+def test_every_strategy_matches_the_single_device_after_5_adamw_steps_with_dropout_and_accumulation(job):
+    n, report = job
+    worst = {label(e): (e["max_loss_rel_diff"], e["max_param_rel_diff"]) for e in report}
+    print(f"dp={n}: (max loss rel diff, max param rel diff) per strategy: {worst}")
+    assert all(loss <= TOL and param <= TOL for loss, param in worst.values()), worst
+    assert {e["strategy"] for e in report} == {"dp", "zero1", "zero2", "zero3", "fsdp"}
+
+
+def test_traced_bytes_per_rank_and_op_equal_the_closed_form_exactly(job):
+    n, report = job
+    for e in report:
+        measured = {(r["rank"], r["op"]): (r["bytes_sent"], r["bytes_recv"]) for r in e["comm"]}
+        expected = {(r["rank"], r["op"]): (r["bytes_sent"], r["bytes_recv"]) for r in e["expected_comm"]}
+        assert measured == expected, f"dp={n} {label(e)}"
+
+
+def test_peak_memory_per_rank_and_category_equals_the_closed_form_exactly(job):
+    n, report = job
+    for e in report:
+        measured = {(r["rank"], r["category"]): r["bytes"] for r in e["memory"]}
+        expected = {(r["rank"], r["category"]): r["bytes"] for r in e["expected_memory"]}
+        differing = {k: (measured[k], v) for k, v in expected.items() if measured[k] != v}
+        assert not differing, f"dp={n} {label(e)}: (measured, closed form) {differing}"
+        assert len(expected) == 4 * n  # params, grads, optimizer and comm of every rank
+
+
+def test_activation_memory_is_the_same_whatever_strategy_shards_the_model_states(job):
+    # Sharding model states never changes what a micro-batch keeps for backward.
+    n, report = job
+    by_microbatches = {}
+    for e in report:
+        acts = tuple(r["bytes"] for r in e["memory"] if r["category"] == "activations")
+        by_microbatches.setdefault(e["options"]["microbatches"], set()).add(acts)
+    assert all(len(peaks) == 1 for peaks in by_microbatches.values()), by_microbatches
+
+
+def test_zero3_model_states_per_rank_are_dp_over_n_up_to_uneven_shards_and_equal_the_closed_form(job):
+    n, report = job
+    model = model_preset("tiny")
+    entry = next(e for e in report if e["strategy"] == "zero3")
+    dp_state = sum(model_state_bytes(model, n, 0, Options("dp")).values())
+    z3_rank0 = sum(entry["model_state"].values())
+    assert entry["model_state"] == model_state_bytes(model, n, 0, Options("zero3"))
+    print(f"dp={n}: model states per rank DP {dp_state:,} B, ZeRO-3 {z3_rank0:,} B, "
+          f"ratio {dp_state / z3_rank0:.4f}")
+    assert n * (1 - 1e-3) <= dp_state / z3_rank0 <= n
+
+
+def test_overlapped_buckets_are_still_in_flight_when_the_next_block_finishes_its_backward(job):
+    # Bucket k+1 is posted only after the next block's backward; bucket k's messages completing
+    # after that post shows its communication overlapped that backward (trace of rank 0, step 0).
+    n, report = job
+    entry = next(e for e in report if e["options"].get("overlap"))
+    spans = entry["buckets"]
+    assert len(spans) == 5  # the four blocks, then the root
+    overlapping = [spans[k][1] > spans[k + 1][0] for k in range(len(spans) - 1)]
+    print(f"dp={n}: bucket spans (s) {spans}")
+    assert all(overlapping), overlapping
+
+
+def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the_closed_forms():
+    summary = refpar_json(2, "train", "--mesh", "dp=2", "--zero", "3", "--steps", "2",
+                          "--microbatches", "2", "--check", timeout=120)
+    assert summary["zero"] == 3 and summary["world_size"] == 2 and summary["microbatches"] == 2
+    assert len(summary["reference_losses"]) == 2
+    assert summary["max_loss_rel_diff"] <= TOL and summary["max_param_rel_diff"] <= TOL
+    key = ("rank", "op")
+    assert sorted(tuple(r[k] for k in key) + (r["bytes_sent"],) for r in summary["comm_bytes"]) == \
+        sorted(tuple(r[k] for k in key) + (r["bytes_sent"],) for r in summary["expected_comm_bytes"])
+    measured = {(r["rank"], r["category"]): r["bytes"] for r in summary["memory_peak_bytes"]}
+    assert all(measured[(r["rank"], r["category"])] == r["bytes"]
+               for r in summary["expected_memory_peak_bytes"])
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--zero", "2", "--fsdp"], "--fsdp and --zero 2 are two ways to shard; give one of them"),
+    (["--zero", "1", "--microbatches", "9"], "cannot give each of dp=1 ranks 9 micro-batches"),
+    (["--zero", "4"], "invalid choice: 4"),
+])
+def test_bad_data_parallel_options_exit_with_one_sentence(args, words):
+    proc = mpiexec(1, "-m", "refpar", "train", *args, check=False, timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
