@@ -22,6 +22,8 @@ def parse_args():
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dropout", type=float, default=None, help="default: the preset's")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps after two warm-up steps")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: process CPU time, steadier on a shared machine (use with --threads 1)")
     return parser.parse_args()
 
 
@@ -39,13 +41,14 @@ from refpar.model.optim import optimizer_init, optimizer_step  # noqa: E402
 
 
 def median_time(step, repeats):
+    clock = time.perf_counter if ARGS.clock == "wall" else time.process_time
     for _ in range(2):
         step()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         step()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return float(np.median(times))
 
 
@@ -124,7 +127,8 @@ def main() -> int:
     corpus = MarkovCorpus(config.vocab_size, train.seed)
     tokens, targets = corpus.batch(0, range(train.batch_size), train.seq_len)  # (B, T) each
     print(f"small preset: {config.n_layer} layers, C={config.n_embd}, V={config.vocab_size}, float32, "
-          f"dropout {config.dropout}; batch {train.batch_size} x {train.seq_len}; {ARGS.threads} threads",
+          f"dropout {config.dropout}; batch {train.batch_size} x {train.seq_len}; {ARGS.threads} threads; "
+          f"{ARGS.clock} clock",
           flush=True)
     ours = refpar_step_time(config, train, tokens, targets)
     print(f"refpar (NumPy):       {ours * 1e3:8.1f} ms per step", flush=True)
