@@ -6,12 +6,14 @@ without gradient accumulation) and reports every difference; the tests below rea
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from refpar.analysis.memory import Options, model_state_bytes
 from refpar.config import model_preset
-from tests.mpi import mpiexec, refpar_json, run_script
+from tests.mpi import ROOT, mpi_env, refpar_json, run_script
 
 TOL = 1e-10  # float64: only the order of the sums over ranks and micro-batches differs
 
@@ -157,6 +159,7 @@ def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the
     (["--zero", "4"], "invalid choice: 4"),
 ])
 def test_bad_data_parallel_options_exit_with_one_sentence(args, words):
-    proc = mpiexec(1, "-m", "refpar", "train", *args, check=False, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "refpar", "train", *args], cwd=ROOT, env=mpi_env(),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -10,6 +10,7 @@ memory by category next to the closed form (refpar.analysis.memory).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 
@@ -17,7 +18,7 @@ import numpy as np
 
 from refpar.analysis.comm_volume import step_bytes
 from refpar.analysis.memory import Options, model_state_bytes, peak_bytes
-from refpar.comm.trace import Tracer
+from refpar.comm.trace import Tracer, chrome_trace
 from refpar.config import ConfigError
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.gpt import init_params
@@ -155,6 +156,8 @@ def add_arguments(parser) -> None:
          help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
     once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
     once("--check", action="store_true", help="also run the single-device reference and compare")
+    once("--trace", default=None, metavar="PATH",
+         help="write every rank's communication events as a Chrome trace (open in Perfetto)")
 
 
 def wants_data_parallel(sizes: dict[str, int], args) -> bool:
@@ -185,10 +188,14 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     with abort_on_error():
         run = run_data_parallel(opts, model, train, mesh.dp, gather_params=args.check)
         comm_rows, memory_rows = gather_rows(comm, run)
+        events = comm.gather_object(run.tracer.events) if args.trace else None
         states = comm.all_gather(np.array([[run.model_state[c] for c in ("params", "grads", "optimizer")]]),
                                  tag="report", counts=[1] * n)
         if comm.rank != 0:
             return 0
+        if events is not None:
+            with open(args.trace, "w") as f:
+                json.dump(chrome_trace([e for rank_events in events for e in rank_events]), f)
         checked = reference_diffs(model, train, run) if args.check else {}
         expected_comm, expected_memory = expected_rows(opts, model, train, n)
         report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory_rows,
