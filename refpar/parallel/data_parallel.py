@@ -85,7 +85,7 @@ class RingAllReduce:
 
 
 class DataParallel:
-    name = "dp"
+    """One replica of the model on a dp rank; the hooks of refpar.parallel.units.forward_backward."""
 
     def __init__(self, config, train, dp, ledger, params: dict, bucket_elems: int = 1 << 62,
                  overlap: bool = False):
