@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from refpar.config import ConfigError, ModelConfig
-from refpar.sharding import shard_sizes
+from refpar.sharding import shard_range, shard_sizes
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 ROOT = "root"  # the unit of wte, wpe and ln_f: used by the embedding and again by the tied head
@@ -240,3 +242,35 @@ def overlap_comm_peak(config: ModelConfig, n: int, rank: int, bucket_elems: int)
     while flight:
         advance_all()
     return peak
+
+
+def activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:
+    """Bytes each piece's cache keeps for the backward of a micro-batch of b sequences of T tokens
+    (refpar.model.gpt's caches; an array several caches share counts once, parameters not at all).
+
+    Per block, with s bytes per element and dropout on: ln_1's x̂ and ln_2's x̂, the attention
+    input, q|k|v, the projection input, both residual dropout masks, the MLP input: 8bTC; the MLP's
+    4C-wide pre-activation, tanh and GELU output: 12bTC; the projection input and GELU: in those;
+    two 1/σ of LayerNorm: 2bT; probabilities, dropped probabilities and their mask: 3·b·nh·T².
+    (Korthikanti et al. 2022 count 34sbh + 5as²b for fp16 with 1-byte masks; refpar keeps float
+    masks and no separate copy of what LayerNorm normalises.) Dropout off drops the masks and the
+    dropped copies. The embedding keeps the int64 tokens and positions and its dropout mask; the
+    head keeps ln_f's x̂, 1/σ and output, the probabilities and the one-hot targets."""
+    s, C, V, nh = np.dtype(config.dtype).itemsize, config.n_embd, config.vocab_size, config.n_head
+    drop = config.dropout > 0.0
+    tokens = b * T
+    block = s * ((20 + 2 * drop) * tokens * C + 2 * tokens + (1 + 2 * drop) * b * nh * T * T)
+    return {
+        "embed": 8 * tokens + 8 * T + s * drop * tokens * C,
+        "block": block,
+        "head": s * (2 * tokens * C + tokens + 2 * tokens * V),
+    }
+
+
+def activation_peak_bytes(config: ModelConfig, n: int, rank: int, microbatches: int, batch_size: int,
+                          seq_len: int) -> int:
+    """Peak activation bytes on `rank`: everything the largest micro-batch keeps at its head."""
+    lo, hi = shard_range(batch_size, n, rank)
+    b = max(shard_sizes(hi - lo, microbatches))
+    pieces = activation_bytes(config, b, seq_len)
+    return pieces["embed"] + config.n_layer * pieces["block"] + pieces["head"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from refpar.analysis.comm_volume import step_bytes
-from refpar.analysis.memory import Options, model_state_bytes, peak_bytes
+from refpar.analysis.memory import Options, activation_peak_bytes, model_state_bytes, peak_bytes
 from refpar.comm.trace import Tracer, chrome_trace
 from refpar.config import ConfigError
 from refpar.memory import CATEGORIES, MemoryLedger
@@ -116,8 +116,11 @@ def expected_rows(opts: Options, model, train, n: int):
     for r in range(n):
         for op, b in step_bytes(model, n, r, opts, train.steps).items():
             comm.append({"rank": r, "axis": "dp", "op": op, "bytes_sent": b.sent, "bytes_recv": b.recv})
-        for cat, b in peak_bytes(model, n, r, opts).items():
-            memory.append({"rank": r, "category": cat, "bytes": b})
+        peaks = peak_bytes(model, n, r, opts)
+        peaks["activations"] = activation_peak_bytes(model, n, r, opts.microbatches, train.batch_size,
+                                                     train.seq_len)
+        for cat in CATEGORIES:
+            memory.append({"rank": r, "category": cat, "bytes": peaks[cat]})
     return comm, memory
 
 
