@@ -56,18 +56,24 @@ def under_launcher() -> bool:
     return any(var in os.environ for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _run_reporting_config_errors(args) -> int:
     try:
-        if under_launcher():
-            # An error on one rank must end every rank, not leave the others waiting in a collective.
-            from refpar.comm.communicator import abort_on_error
-
-            with abort_on_error():
-                return int(args._run(args) or 0)
         return int(args._run(args) or 0)
     except ConfigError as err:
-        # Every rank raises the same ConfigError before any communication; one prints it.
+        # Every rank raises the same ConfigError before any communication (DESIGN.md, "Errors"),
+        # so every rank can return 2 on its own; one prints the sentence.
         if launcher_rank() == 0:
             print(f"refpar {args.command}: error: {err}", file=sys.stderr, flush=True)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if under_launcher():
+        # Any other error on one rank must end every rank, not leave the others waiting in a
+        # collective.
+        from refpar.comm.communicator import abort_on_error
+
+        with abort_on_error():
+            return _run_reporting_config_errors(args)
+    return _run_reporting_config_errors(args)

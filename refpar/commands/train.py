@@ -30,9 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dropout probability (default: the preset's)")
     parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
-    from refpar.parallel import dp_runner
+    from refpar.parallel import dp_runner, intra_layer_runner
 
     dp_runner.add_arguments(parser)
+    intra_layer_runner.add_arguments(parser)
 
 
 def configs(args):
@@ -54,9 +55,12 @@ def configs(args):
 
 def run(args) -> int:
     from refpar.config import ParallelConfig, parse_mesh
-    from refpar.parallel import dp_runner
+    from refpar.parallel import dp_runner, intra_layer_runner
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
+    if intra_layer_runner.wants_intra_layer(sizes, args):  # TP, SP, CP (with dp): intra_layer_runner.py
+        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
+        return intra_layer_runner.run_cli(model, train, sizes, args)
     if dp_runner.wants_data_parallel(sizes, args):  # DP, ZeRO and FSDP: refpar/parallel/dp_runner.py
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return dp_runner.run_cli(model, train, sizes, args)

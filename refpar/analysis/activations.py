@@ -1,0 +1,101 @@
+"""Activation memory per rank: the bytes kept for backward (Korthikanti et al. 2022, §4).
+
+Legend (the paper's): s sequence, b batch, h hidden (C), a heads, t tp size, L layers.
+The paper counts 16-bit activations and 1-byte dropout masks, per layer:
+
+    eq. 1, no parallelism:  sbh (34 + 5as/h)
+    eq. 2, tensor parallel: sbh (10 + 24/t + 5as/(ht))
+    eq. 4, TP + sequence parallel: sbh/t (34 + 5as/h)
+
+where 34 = 4 (two LayerNorm inputs) + 2 + 2 (inputs of c_attn and c_fc) + 1 + 1 (two residual
+dropout masks) + 24 (Q, K, V 6, c_proj's input 2, GeLU's input 8, the second linear's input 8) and
+5as/h = softmax output 2 + its dropout mask 1 + dropout output 2 (times as^2 b / sbh).
+
+`layer_bytes` writes the same terms for e bytes per element and counts what refpar really keeps,
+which differs from the paper in three places, each a term of its own: a dropout mask is kept as a
+scale array of the activation dtype (e bytes, not 1), LayerNorm keeps rstd (one value per token),
+and the tanh-GELU keeps its tanh (4h per token) beside its input. `PAPER` switches those
+off, and then `layer_bytes` with e = 2 is the paper's equation (tests check this). Context
+parallelism and the embedding and head are not in the paper; their terms follow the same rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refpar.analysis.intra_layer import RankShape, rank_shape
+from refpar.config import ModelConfig, TrainConfig
+from refpar.sharding import shard_sizes
+
+
+@dataclass(frozen=True)
+class Keep:
+    """What is kept beyond the paper's list, and how big a dropout mask is."""
+
+    mask_bytes: int | None  # bytes per mask element; None: the activation's e (refpar's scale array)
+    ln_rstd: bool  # LayerNorm keeps 1/std per token
+    gelu_tanh: bool  # the GELU keeps tanh(...) beside its input
+
+
+REFPAR = Keep(mask_bytes=None, ln_rstd=True, gelu_tanh=True)
+PAPER = Keep(mask_bytes=1, ln_rstd=False, gelu_tanh=False)
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False) -> float:
+    """Per layer, 16-bit activations: eq. 1 (t = 1), eq. 2 (tensor parallel), eq. 4 (with sp)."""
+    if sp:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def layer_bytes(model: ModelConfig, r: RankShape, attention: str = "local", dropout: bool = True,
+                keep: Keep = REFPAR) -> int:
+    """One block on one rank: residual-stream terms over Tl tokens, region terms over Ta tokens
+    and this rank's heads and columns."""
+    e, B, C, nh, hs = r.e, r.B, model.n_embd, r.nh, model.head_size
+    mask = (e if keep.mask_bytes is None else keep.mask_bytes) if dropout else 0
+    Cl = C // r.t  # this rank's channels of the region (its heads' columns)
+    resid = B * r.Tl * (2 * e * C  # the inputs of ln_1 and ln_2 (refpar keeps x-hat, the same size)
+                        + 2 * e * C  # ln outputs, kept by c_attn and c_fc (sharded under SP)
+                        + 2 * mask * C  # the attn_resid and mlp_resid dropout masks
+                        + (2 * e if keep.ln_rstd else 0))  # rstd of both LayerNorms
+    region = B * r.Ta * e * (Cl  # c_proj's input (the merged heads)
+                             + 4 * Cl + 4 * Cl  # GeLU's input, the second linear's input
+                             + (4 * Cl if keep.gelu_tanh else 0))
+    if attention == "local":  # q, k, v; softmax output, its mask, its dropout output
+        region += B * r.Ta * e * 3 * Cl
+        region += B * nh * r.Ta * r.Ta * (e + (mask + e if dropout else 0))
+    elif attention == "ring":  # q, k, v; out and lse for the backward's softmax; the bool mask rows
+        region += B * r.Ta * e * 3 * Cl
+        region += B * nh * r.Ta * (e * hs + e) + (B * nh * r.Ta * r.T if dropout else 0)
+    else:  # Ulysses keeps the head-sharded q, k, v and local attention's arrays over all T
+        nh_c = shard_sizes(nh, r.c)[r.cp_rank]
+        region += 3 * B * nh_c * r.T * hs * e
+        region += B * nh_c * r.T * r.T * (e + (mask + e if dropout else 0))
+    return resid + region
+
+
+def embed_bytes(model: ModelConfig, r: RankShape, dropout: bool = True) -> int:
+    """Vocab-parallel embedding: row ids (int64) and ownership flags (bool) of the looked-up tokens,
+    and the embd dropout mask."""
+    return r.B * r.Ta * (8 + 1) + (r.B * r.Tl * model.n_embd * r.e if dropout else 0)
+
+
+def head_bytes(model: ModelConfig, r: RankShape) -> int:
+    """ln_f (x-hat, rstd), its output kept by the LM head, and over this rank's vocabulary rows
+    (B, Ta, V/t) the softmax probabilities and the one-hot targets (as the model's cross-entropy)."""
+    C = model.n_embd
+    return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * r.e * 2 * r.V
+
+
+def activation_peak_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict,
+                          sp: bool = False, cp_algo: str | None = None) -> int:
+    """Everything kept at the end of the forward pass, the peak of a step, on the rank at `coords`."""
+    r = rank_shape(model, train, sizes, coords, sp, cp_algo)
+    attention = "local" if r.c == 1 else (cp_algo or "ring")
+    dropout = model.dropout > 0.0
+    per_layer = layer_bytes(model, r, attention, dropout)
+    if attention == "ring" and r.nh == 1:
+        # One head per rank: the merged heads c_proj keeps are a view of the ring's output, kept once.
+        per_layer -= r.B * r.Ta * r.e * model.head_size
+    return embed_bytes(model, r, dropout) + model.n_layer * per_layer + head_bytes(model, r)

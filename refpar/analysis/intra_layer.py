@@ -1,0 +1,228 @@
+"""Closed forms for tensor, sequence and context parallelism: what each rank holds and what it sends.
+
+Legend: B batch (this rank's dp share), T sequence, C channels, nh heads, hs head size, V vocab,
+L layers, t tp size, c cp size, e bytes per element; Ta tokens inside a tensor-parallel region,
+Tl tokens of the residual stream on this rank.
+
+Bytes per rank per step (`expected_calls` lists every call, in order, so a test can compare the
+trace call by call; each call's bytes come from refpar.comm.cost):
+- TP (Narayanan et al. 2021 §3.2): per block 4 all-reduces of (B, T, C), 2 forward (g) and 2
+  backward (f); plus one for the vocab-parallel embedding (g), one before the LM head (f backward)
+  and three of (B, T) in the vocab-parallel cross-entropy (max, sum of exponentials, target logit).
+- TP+SP (Korthikanti et al. 2022 §4.2.2): each all-reduce becomes a reduce-scatter and an
+  all-gather, the same bytes; plus, as in Megatron-LM, an all-gather per column-parallel linear in
+  backward that re-gathers the input it kept sharded; plus one all-reduce of the gradients of the
+  parameters of the sequence-sharded region.
+- Ring attention: per layer c-1 K/V blocks (2, B, nh, Tk, hs) forward, c-1 again backward and c
+  blocks of their gradients; each an isend on this rank and an irecv from the previous one.
+- Ulysses (Jacobs et al. 2023): per layer one all-to-all of q, k, v and one of the output forward,
+  the same two backward.
+- cp and dp: one all-reduce of every gradient this rank holds, and one of the loss (1 element).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from refpar.comm import cost
+from refpar.config import ModelConfig, TrainConfig
+from refpar.sharding import shard_range, shard_sizes
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """The sizes one rank works with, from the mesh and its coordinates."""
+
+    B: int  # this rank's samples
+    T: int
+    Ta: int  # tokens inside a tp region
+    Tl: int  # tokens of the residual stream
+    t: int
+    c: int
+    nh: int  # heads of this tp rank
+    V: int  # vocabulary rows of this tp rank
+    e: int  # bytes per element
+    cp_tokens: tuple[int, ...]  # tokens on each cp rank
+    cp_rank: int
+
+
+def zigzag_lengths(T: int, c: int) -> list[int]:
+    """Tokens of each cp rank when rank r holds chunks r and 2c-1-r of 2c (ring attention)."""
+    chunks = shard_sizes(T, 2 * c)
+    return [chunks[r] + chunks[2 * c - 1 - r] for r in range(c)]
+
+
+def rank_shape(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict, sp: bool,
+               cp_algo: str | None) -> RankShape:
+    t, c, d = sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("dp", 1)
+    T = train.seq_len
+    B = len(range(*shard_range(train.batch_size, d, coords.get("dp", 0))))
+    if c > 1:
+        tokens = zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
+        Ta = Tl = tokens[coords.get("cp", 0)]
+    else:
+        tokens = [T]
+        Ta, Tl = T, (shard_sizes(T, t)[coords.get("tp", 0)] if sp else T)
+    V = shard_sizes(model.vocab_size, t)[coords.get("tp", 0)]
+    return RankShape(B, T, Ta, Tl, t, c, model.n_head // t, V, np.dtype(model.dtype).itemsize,
+                     tuple(tokens), coords.get("cp", 0))
+
+
+def local_param_numel(model: ModelConfig, t: int, rank: int) -> int:
+    """Elements of the parameters a tp rank holds: the sharded ones divided, the rest whole."""
+    C, L = model.n_embd, model.n_layer
+    V = shard_sizes(model.vocab_size, t)[rank]
+    per_block = (2 * C  # ln_1
+                 + C * 3 * C // t + 3 * C // t + C // t * C + C  # c_attn (w, b), c_proj (w/t, b)
+                 + 2 * C  # ln_2
+                 + C * 4 * C // t + 4 * C // t + 4 * C // t * C + C)  # c_fc (w, b), c_proj (w/t, b)
+    return V * C + model.n_positions * C + L * per_block + 2 * C
+
+
+def sp_param_numel(model: ModelConfig) -> int:
+    """Elements of the parameters applied in the sequence-sharded region (sequence_parallel.py)."""
+    return model.n_positions * model.n_embd + 2 * model.n_embd + model.n_layer * 6 * model.n_embd
+
+
+@dataclass(frozen=True)
+class Call:
+    axis: str
+    op: str
+    tag: str
+    bytes_sent: int
+    bytes_recv: int
+
+
+def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int) -> list[Call]:
+    t, e, C, L = s.t, s.e, model.n_embd, model.n_layer
+    act = s.B * s.Ta * C  # elements of a (B, Ta, C) activation
+
+    def ar(tag, n):
+        b = cost.all_reduce_bytes(n, t, tp_rank, e)
+        return Call("tp", "all_reduce", tag, b.sent, b.recv)
+
+    def ag(tag):  # (Tl, B, C) pieces -> (T, B, C)
+        b = cost.all_gather_bytes(shard_sizes(s.T, t), tp_rank, e, s.B * C)
+        return Call("tp", "all_gather", tag, b.sent, b.recv)
+
+    def rs(tag):  # (T, B, C) -> (Tl, B, C)
+        b = cost.reduce_scatter_bytes(s.T, t, tp_rank, e, s.B * C)
+        return Call("tp", "reduce_scatter", tag, b.sent, b.recv)
+
+    ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta) for k in ("max", "sumexp", "target")]
+    if not sp:
+        calls = [ar("wte:fwd", act)]
+        for i in range(L):
+            calls += [ar(f"h.{i}.attn.c_proj:fwd", act), ar(f"h.{i}.mlp.c_proj:fwd", act)]
+        calls += ce + [ar("lm_head:bwd", act)]
+        for i in reversed(range(L)):
+            calls += [ar(f"h.{i}.mlp.c_fc:bwd", act), ar(f"h.{i}.attn.c_attn:bwd", act)]
+        return calls
+    calls = [rs("wte:fwd")]
+    for i in range(L):
+        calls += [ag(f"h.{i}.attn.c_attn:fwd"), rs(f"h.{i}.attn.c_proj:fwd"),
+                  ag(f"h.{i}.mlp.c_fc:fwd"), rs(f"h.{i}.mlp.c_proj:fwd")]
+    calls += [ag("lm_head:fwd"), *ce, ag("lm_head:regather"), rs("lm_head:bwd")]
+    for i in reversed(range(L)):
+        for sub, col in (("mlp", "c_fc"), ("attn", "c_attn")):
+            calls += [ag(f"h.{i}.{sub}.c_proj:bwd"), ag(f"h.{i}.{sub}.{col}:regather"),
+                      rs(f"h.{i}.{sub}.{col}:bwd")]
+    calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_param_numel(model))]
+    return calls
+
+
+def _ring_calls(model: ModelConfig, s: RankShape) -> list[Call]:
+    c, r, hs = s.c, s.cp_rank, model.head_size
+    block = [2 * s.B * s.nh * n * hs * s.e for n in s.cp_tokens]  # bytes of each rank's K/V block
+
+    def hop(tag, step):  # the block held at `step` goes to rank+1; rank-1's arrives
+        return [Call("cp", "isend", tag, block[(r - step) % c], 0),
+                Call("cp", "irecv", tag, 0, block[(r - step - 1) % c])]
+
+    calls = []
+    for i in range(model.n_layer):
+        for step in range(c - 1):
+            calls += hop(f"h.{i}.attn.ring_kv:fwd", step)
+    for i in reversed(range(model.n_layer)):
+        for step in range(c):
+            if step < c - 1:
+                calls += hop(f"h.{i}.attn.ring_kv:bwd", step)
+            calls += hop(f"h.{i}.attn.ring_dkv:bwd", step)
+    return calls
+
+
+def _ulysses_calls(model: ModelConfig, s: RankShape) -> list[Call]:
+    c, r, hs = s.c, s.cp_rank, model.head_size
+    heads, seqs = shard_sizes(s.nh, c), list(s.cp_tokens)
+
+    def a2a(tag, n, to_heads):
+        if to_heads:  # my tokens of each rank's heads out, my heads of each rank's tokens in
+            send = [n * s.B * heads[d] * seqs[r] * hs for d in range(c)]
+            recv = [n * s.B * heads[r] * seqs[q] * hs for q in range(c)]
+        else:
+            send = [n * s.B * heads[r] * seqs[d] * hs for d in range(c)]
+            recv = [n * s.B * heads[q] * seqs[r] * hs for q in range(c)]
+        b = cost.all_to_all_bytes(send, recv, r, s.e)
+        return Call("cp", "all_to_all", tag, b.sent, b.recv)
+
+    calls = []
+    for i in range(model.n_layer):
+        calls += [a2a(f"h.{i}.attn.ulysses_qkv:fwd", 3, True), a2a(f"h.{i}.attn.ulysses_out:fwd", 1, False)]
+    for i in reversed(range(model.n_layer)):
+        calls += [a2a(f"h.{i}.attn.ulysses_out:bwd", 1, True), a2a(f"h.{i}.attn.ulysses_qkv:bwd", 3, False)]
+    return calls
+
+
+def expected_calls(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict, sp: bool = False,
+                   cp_algo: str | None = None) -> list[Call]:
+    """Every communication call of one training step on the rank at `coords`, in program order
+    within each axis."""
+    s = rank_shape(model, train, sizes, coords, sp, cp_algo)
+    calls = _tp_calls(model, s, sp, coords.get("tp", 0)) if s.t > 1 else []
+    if s.c > 1:
+        calls += _ring_calls(model, s) if (cp_algo or "ring") == "ring" else _ulysses_calls(model, s)
+    grads = local_param_numel(model, s.t, coords.get("tp", 0))
+    for axis in ("cp", "dp"):
+        p = sizes.get(axis, 1)
+        if p > 1:
+            for tag, n in ((f"grads.{axis}:bwd", grads), (f"loss.{axis}:report", 1)):
+                b = cost.all_reduce_bytes(n, p, coords.get(axis, 0), s.e)
+                calls.append(Call(axis, "all_reduce", tag, b.sent, b.recv))
+    return calls
+
+
+def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict, rank: int,
+                       sp: bool = False, cp_algo: str | None = None) -> list[dict]:
+    """The `comm_bytes` rows of `refpar train --json` for `rank` after train.steps steps."""
+    totals: dict[tuple[str, str], list[int]] = {}
+    for call in expected_calls(model, train, sizes, coords, sp, cp_algo):
+        row = totals.setdefault((call.axis, call.op), [0, 0])
+        row[0] += call.bytes_sent * train.steps
+        row[1] += call.bytes_recv * train.steps
+    return [{"rank": rank, "axis": a, "op": o, "bytes_sent": s, "bytes_recv": r}
+            for (a, o), (s, r) in totals.items()]
+
+
+def paper_bytes_per_layer(kind: str, B: int, T: int, C: int, p: int, e: int) -> float:
+    """Bytes one rank sends per transformer layer per step, as the papers write them (sizes that
+    divide evenly; p the tp or cp size). `expected_calls` reduces to these (tests check it).
+
+    tp:      4 all-reduces of BTC, 2(p-1)/p each (Narayanan et al. 2021 §3.2)
+    sp:      4 (reduce-scatter, all-gather) pairs, (p-1)/p each, the same as tp (Korthikanti et
+             al. 2022 §4.2.2), plus the 2 all-gathers that re-gather c_attn's and c_fc's input
+    ring:    K and V of BTC/p each: p-1 hops forward, p-1 backward, and their gradients p hops
+    ulysses: q, k, v and the output, each BTC/p, forward and backward, (p-1)/p of it leaving the rank
+             (Jacobs et al. 2023: 4 all-to-alls of Nh/P per layer, each way)
+    """
+    n = B * T * C * e
+    if kind == "tp":
+        return 4 * 2 * (p - 1) / p * n
+    if kind == "sp":
+        return (4 * 2 + 2) * (p - 1) / p * n
+    if kind == "ring":
+        return ((p - 1) + (p - 1) + p) * 2 * n / p
+    if kind == "ulysses":
+        return 2 * 4 * (p - 1) / p * n / p
+    raise ValueError(f"unknown kind {kind!r}; use tp, sp, ring or ulysses")

@@ -1,0 +1,213 @@
+"""Context parallelism on the `cp` axis: each rank holds part of the sequence in every layer.
+
+    mpiexec -n 2 python -m refpar train --mesh cp=2 --cp-algo ring --check
+    mpiexec -n 2 python -m refpar train --mesh cp=2 --cp-algo ulysses --check
+
+Legend: B batch, T sequence, C channels, nh heads (this rank's tp heads), hs head size, c cp size,
+Tl this rank's tokens, Tk the tokens of the key/value block in hand.
+
+Everything but attention works token by token, so a rank runs the block on its own tokens with
+their global positions; only attention needs the other ranks' keys and values. Two ways:
+
+- Ring attention (Liu et al. 2023): the K/V blocks travel around the ring (isend to rank+1, irecv
+  from rank-1) while each rank attends its queries to the block in hand and folds the result into
+  an online softmax (Milakov & Gimelshein 2018): out and the log-sum-exp lse are merged block by
+  block, exactly. The backward sends the K/V blocks around again with their gradients travelling
+  alongside, which arrive back at their owner after c steps. Causal attention would leave early
+  ranks idle, so the sequence is cut into 2c chunks and rank r holds chunks r and 2c-1-r (zig-zag):
+  every rank gets the same amount of work. Chunks come from shard_range, so T need not divide 2c.
+- DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns sequence-sharded q, k, v into
+  head-sharded ones over the whole sequence, attention runs locally, and a second all-to-all turns
+  the output back. Heads are split with shard_range, so nh need not divide c (c <= nh).
+
+Parameters are replicated over cp and their gradients summed over cp, as over dp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from array_api_compat import array_namespace, device
+
+from refpar.config import ConfigError, ModelConfig
+from refpar.model.attention import attention_backward, attention_forward
+from refpar.model.layers import as_like
+from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp
+from refpar.sharding import shard_range, shard_sizes
+
+CP_ALGOS = ("ring", "ulysses")
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:
+    """Chunks rank and 2cp-1-rank of 2cp: an early and a late chunk, so causal work is balanced."""
+    first, last = shard_range(seq_len, 2 * cp, rank), shard_range(seq_len, 2 * cp, 2 * cp - 1 - rank)
+    return np.concatenate([np.arange(*first), np.arange(*last)])
+
+
+def check_cp(config: ModelConfig, seq_len: int, cp: int, algo: str, tp: int) -> None:
+    if algo not in CP_ALGOS:
+        raise ConfigError(f"unknown --cp-algo {algo!r}; choose one of {', '.join(CP_ALGOS)}")
+    if algo == "ring" and seq_len < 2 * cp:
+        raise ConfigError(f"ring attention cuts the sequence into 2*cp={2 * cp} zig-zag chunks; "
+                          f"use --seq-len {2 * cp} or more")
+    if algo == "ulysses" and (seq_len < cp or config.n_head // tp < cp):
+        raise ConfigError(f"Ulysses gives each of cp={cp} ranks whole heads and sequence positions; "
+                          f"use cp <= n_head/tp={config.n_head // tp} and cp <= seq_len={seq_len}")
+
+
+def cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm=None) -> Layout:
+    t, tr = (1, 0) if tp_comm is None else (tp_comm.size, tp_comm.rank)
+    check_tp(config, t)
+    check_cp(config, seq_len, cp_comm.size, algo, t)
+    if algo == "ring":
+        pos, core = zigzag_positions(seq_len, cp_comm.size, cp_comm.rank), RingAttention(cp_comm)
+    else:
+        pos, core = np.arange(*shard_range(seq_len, cp_comm.size, cp_comm.rank)), UlyssesAttention(cp_comm)
+    return Layout(config, seq_len, tp_comm, TP_PAIR if t > 1 else NO_PAIR,
+                  shard_range(config.n_head, t, tr), shard_range(config.vocab_size, t, tr),
+                  pos, pos, core)
+
+
+def _scores(q, k, q_pos, k_pos):
+    """(B, nh, Tq, hs) x (B, nh, Tk, hs) -> (B, nh, Tq, Tk) scaled, -inf where causality forbids."""
+    xp = array_namespace(q)
+    s = (q @ xp.matrix_transpose(k)) * (1.0 / math.sqrt(q.shape[-1]))
+    visible = np.reshape(k_pos, (1, -1)) <= np.reshape(q_pos, (-1, 1))  # (Tq, Tk), host
+    return xp.where(as_like(visible, s), s, -math.inf)
+
+
+def _dropped(p, keep, k_pos, scale):
+    """p (B, nh, Tq, Tk) times the dropout scale of the keys in hand (keep holds all T columns)."""
+    if keep is None:
+        return p
+    xp = array_namespace(p)
+    cols = xp.take(keep, as_like(k_pos, p), axis=-1)  # (B, nh, Tq, Tk)
+    return xp.where(cols, p, xp.zeros_like(p)) * scale
+
+
+class RingAttention:
+    def __init__(self, cp):
+        self.cp = cp
+
+    def _source(self, step):
+        """The rank whose K/V block this rank holds at ring step `step`."""
+        return (self.cp.rank - step) % self.cp.size
+
+    def _pass(self, x, step, lay: Layout, tag):
+        """Sends the block held at `step` to rank+1; receives from rank-1 the one held at step+1.
+        (The receive buffer is NumPy on the host, of the model's dtype, whatever x's namespace.)"""
+        r, c = self.cp.rank, self.cp.size
+        shape = list(x.shape)
+        shape[-2] = len(zigzag_positions(lay.seq_len, c, self._source(step + 1)))
+        send = self.cp.isend(x, dest=(r + 1) % c, tag=tag)
+        recv = self.cp.irecv(tuple(shape), np.dtype(lay.config.dtype), source=(r - 1) % c, tag=tag)
+        return send, recv
+
+    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs) each
+        xp = array_namespace(q)
+        cfg, T, c, pos = lay.config, lay.seq_len, self.cp.size, lay.region_pos
+        keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
+                         np.ix_(np.arange(*lay.heads), pos, np.arange(T)))  # (B, nh, Tl, T) bool
+        scale = 1.0 / (1.0 - drop.p)
+        # Fresh and contiguous (zeros_like would copy q's strides, and the merged heads c_proj keeps
+        # would then be a view of it in some namespaces): the same arrays are kept in every backend.
+        out = xp.zeros(q.shape, dtype=q.dtype, device=device(q))  # (B, nh, Tl, hs)
+        lse = xp.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype, device=device(q))  # (B, nh, Tl, 1)
+        kv = xp.stack([k, v])  # (2, B, nh, Tl, hs): the block that travels
+        for step in range(c):
+            if step < c - 1:
+                send, recv = self._pass(kv, step, lay, f"h.{layer}.attn.ring_kv:fwd")
+            s = _scores(q, kv[0], pos, zigzag_positions(T, c, self._source(step)))  # (B, nh, Tl, Tk)
+            m = xp.max(s, axis=-1, keepdims=True)  # (B, nh, Tl, 1)
+            m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # rows with no visible key in this block
+            e = xp.exp(s - m)  # (B, nh, Tl, Tk)
+            z = xp.sum(e, axis=-1, keepdims=True)  # (B, nh, Tl, 1)
+            seen = z > 0
+            p = _dropped(e / xp.where(seen, z, xp.ones_like(z)), keep,
+                         zigzag_positions(T, c, self._source(step)), scale)
+            lse_b = xp.where(seen, m + xp.log(xp.where(seen, z, xp.ones_like(z))), -math.inf)
+            new = xp.logaddexp(lse, lse_b)  # finite from step 0 on: each query sees itself
+            out = out * xp.exp(lse - new) + (p @ kv[1]) * xp.exp(lse_b - new)
+            lse = new
+            if step < c - 1:
+                send.wait()
+                kv = as_like(recv.wait(), q)
+        return out, (q, k, v, out, lse, keep, scale, layer)
+
+    def backward(self, dout, cache, lay: Layout):
+        q, k, v, out, lse, keep, scale, layer = cache
+        xp = array_namespace(dout)
+        T, c, pos = lay.seq_len, self.cp.size, lay.region_pos
+        D = xp.sum(dout * out, axis=-1, keepdims=True)  # (B, nh, Tl, 1): sum_j P_ij dP_ij of softmax
+        dq = xp.zeros_like(q)
+        kv = xp.stack([k, v])  # (2, B, nh, Tk, hs)
+        dkv = xp.zeros_like(kv)  # the gradient of the block in hand, travelling with it
+        for step in range(c):
+            if step < c - 1:
+                send_kv, recv_kv = self._pass(kv, step, lay, f"h.{layer}.attn.ring_kv:bwd")
+            k_pos = zigzag_positions(T, c, self._source(step))
+            p = xp.exp(_scores(q, kv[0], pos, k_pos) - lse)  # (B, nh, Tl, Tk), the global softmax
+            pd = _dropped(p, keep, k_pos, scale)
+            dp = _dropped(dout @ xp.matrix_transpose(kv[1]), keep, k_pos, scale)  # (B, nh, Tl, Tk)
+            ds = p * (dp - D) * (1.0 / math.sqrt(q.shape[-1]))
+            dq = dq + ds @ kv[0]
+            dkv = dkv + xp.stack([xp.matrix_transpose(ds) @ q, xp.matrix_transpose(pd) @ dout])
+            send_d, recv_d = self._pass(dkv, step, lay, f"h.{layer}.attn.ring_dkv:bwd")
+            if step < c - 1:
+                send_kv.wait()
+                kv = as_like(recv_kv.wait(), q)
+            send_d.wait()
+            dkv = as_like(recv_d.wait(), q)  # after the last step: this rank's own block, complete
+        return dq, dkv[0], dkv[1]
+
+
+class UlyssesAttention:
+    def __init__(self, cp):
+        self.cp = cp
+
+    def _to_heads(self, x, seq_len, tag):
+        """(n, B, nh, Tl, hs) sequence-sharded -> (n, B, nh_c, T, hs) head-sharded: an all-to-all.
+        Chunks travel flat because their shapes differ when the splits are uneven."""
+        n, B, nh, _, hs = x.shape
+        c, r = self.cp.size, self.cp.rank
+        heads, seqs = shard_sizes(nh, c), shard_sizes(seq_len, c)
+        xp = array_namespace(x)
+        chunks = [xp.reshape(x[:, :, slice(*shard_range(nh, c, d))], (-1,)) for d in range(c)]
+        counts = [n * B * heads[r] * seqs[s] * hs for s in range(c)]
+        got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
+        return xp.concat([xp.reshape(g, (n, B, heads[r], seqs[s], hs)) for s, g in enumerate(got)],
+                         axis=3)  # sources in sequence order
+
+    def _to_sequence(self, x, nh, tag):
+        """(n, B, nh_c, T, hs) head-sharded -> (n, B, nh, Tl, hs) sequence-sharded: the reverse."""
+        n, B, _, T, hs = x.shape
+        c, r = self.cp.size, self.cp.rank
+        heads, seqs = shard_sizes(nh, c), shard_sizes(T, c)
+        xp = array_namespace(x)
+        chunks = [xp.reshape(x[:, :, :, slice(*shard_range(T, c, d))], (-1,)) for d in range(c)]
+        counts = [n * B * heads[s] * seqs[r] * hs for s in range(c)]
+        got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
+        return xp.concat([xp.reshape(g, (n, B, heads[s], seqs[r], hs)) for s, g in enumerate(got)],
+                         axis=2)  # sources in head order
+
+    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs) each
+        cfg, T, nh = lay.config, lay.seq_len, q.shape[1]
+        a, b = shard_range(nh, self.cp.size, self.cp.rank)  # this rank's heads while head-sharded
+        xp = array_namespace(q)
+        qkv = self._to_heads(xp.stack([q, k, v]), T, f"h.{layer}.attn.ulysses_qkv:fwd")  # (3, B, nh_c, T, hs)
+        pos = as_like(np.arange(T), q)
+        keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
+                         (slice(lay.heads[0] + a, lay.heads[0] + b),))  # (B, nh_c, T, T)
+        y, core = attention_forward(qkv[0], qkv[1], qkv[2], pos, pos, keep, drop.p)  # (B, nh_c, T, hs)
+        y = self._to_sequence(xp.expand_dims(y, axis=0), nh, f"h.{layer}.attn.ulysses_out:fwd")[0]
+        return y, (core, layer, nh)
+
+    def backward(self, dy, cache, lay: Layout):
+        core, layer, nh = cache
+        xp = array_namespace(dy)
+        dyh = self._to_heads(xp.expand_dims(dy, axis=0), lay.seq_len,
+                             f"h.{layer}.attn.ulysses_out:bwd")[0]  # (B, nh_c, T, hs)
+        dqkv = xp.stack(attention_backward(dyh, core))  # (3, B, nh_c, T, hs)
+        dqkv = self._to_sequence(dqkv, nh, f"h.{layer}.attn.ulysses_qkv:bwd")  # (3, B, nh, Tl, hs)
+        return dqkv[0], dqkv[1], dqkv[2]

@@ -1,0 +1,158 @@
+"""`refpar train --mesh tp=N [--sp]` and `--mesh cp=N [--cp-algo ring|ulysses]`, with dp around them.
+
+    mpiexec -n 4 python -m refpar train --mesh dp=2,tp=2 --sp --steps 5 --check
+
+Trains with refpar/parallel/intra_layer.py, then (with --check) runs the single-device reference on
+rank 0 and reports per step the loss next to the reference's, the largest relative parameter
+difference, the bytes each rank sent by axis and op next to the closed form
+(refpar.analysis.intra_layer), and each rank's peak memory by category next to the closed form
+(refpar.analysis.activations for the activations).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from refpar.analysis.activations import activation_peak_bytes
+from refpar.analysis.intra_layer import expected_comm_rows, local_param_numel
+from refpar.config import ConfigError
+from refpar.memory import CATEGORIES
+
+# Every (axis, op) this runner can trace, in report order.
+AXIS_OPS = (("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"), ("cp", "isend"),
+            ("cp", "irecv"), ("cp", "all_to_all"), ("cp", "all_reduce"), ("dp", "all_reduce"))
+
+
+def add_arguments(parser) -> None:
+    """The tp/cp flags of `refpar train`; --check is shared with other strategies, so it is added
+    only if another module has not added it already."""
+    def once(flag, **kwargs):
+        if flag not in parser._option_string_actions:
+            parser.add_argument(flag, **kwargs)
+
+    once("--sp", action="store_true", help="TP: Megatron sequence parallelism over the tp axis")
+    once("--cp-algo", default=None, choices=("ring", "ulysses"),
+         help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
+    once("--check", action="store_true", help="also run the single-device reference and compare")
+
+
+def wants_intra_layer(sizes: dict[str, int], args) -> bool:
+    """A mesh with tp or cp, or a flag only this runner takes (so that it can say what is wrong)."""
+    return sizes.get("tp", 1) > 1 or sizes.get("cp", 1) > 1 or args.sp or args.cp_algo is not None
+
+
+def rank_coords(sizes: dict[str, int], rank: int) -> dict[str, int]:
+    """The mesh coordinates of a world rank (DeviceMesh's layout: tp fastest-varying)."""
+    from refpar.config import MESH_AXES
+
+    position = np.unravel_index(rank, tuple(sizes[a] for a in MESH_AXES))
+    return {a: int(c) for a, c in zip(MESH_AXES, position, strict=True)}
+
+
+def expected_memory(model, train, sizes, rank, sp, cp_algo) -> dict[str, int]:
+    """Peak bytes by category on `rank`: its parameter shards, their gradients and AdamW's two
+    moments, and the activations kept at the end of the forward pass."""
+    coords = rank_coords(sizes, rank)
+    state = local_param_numel(model, sizes["tp"], coords["tp"]) * np.dtype(model.dtype).itemsize
+    return {"params": state, "grads": state, "optimizer": 2 * state if train.optimizer == "adamw" else 0,
+            "activations": activation_peak_bytes(model, train, sizes, coords, sp, cp_algo), "comm": 0}
+
+
+def run_cli(model, train, sizes: dict[str, int], args) -> int:
+    from refpar.comm.communicator import world
+    from refpar.comm.trace import Tracer
+    from refpar.memory import MemoryLedger
+    from refpar.mesh import DeviceMesh
+    from refpar.parallel.intra_layer import IntraLayerTrainer, validate
+    from refpar.report import run_summary, summary_line
+    from refpar.trainer import corpus_for, train_single_device
+
+    sp, cp_algo = args.sp, args.cp_algo
+    if getattr(args, "zero", 0) or getattr(args, "fsdp", False):
+        raise ConfigError("--zero and --fsdp shard over a dp-only mesh; drop them when the mesh has tp or cp")
+    validate(model, train, sizes, sp, cp_algo)  # on every rank, before any communication
+    tracer = Tracer()
+    comm = world(tracer)
+    mesh = DeviceMesh(comm, sizes)
+    ledger = MemoryLedger()
+    trainer = IntraLayerTrainer(model, train, mesh, ledger, sp, cp_algo)
+    corpus = corpus_for(model, train)
+    losses, times = [], []
+    for step in range(train.steps):
+        start = time.perf_counter()
+        with tracer.context(step=step):
+            losses.append(trainer.step(step, corpus))
+        times.append(time.perf_counter() - start)
+    totals = tracer.totals()  # before the reporting below adds its own messages
+    full = trainer.full_params() if args.check else None
+    mine = [v for key in AXIS_OPS for v in totals.get(key, (0, 0))] + [ledger.peak[c] for c in CATEGORIES]
+    every = comm.gather_object(mine)
+    if comm.rank != 0:
+        return 0
+    comm_rows, memory_rows, expected_comm, expected_mem = [], [], [], []
+    for r, row in enumerate(every):
+        for i, (axis, op) in enumerate(AXIS_OPS):
+            if row[2 * i] or row[2 * i + 1]:
+                comm_rows.append({"rank": r, "axis": axis, "op": op, "bytes_sent": row[2 * i],
+                                  "bytes_recv": row[2 * i + 1]})
+        peaks = row[2 * len(AXIS_OPS):]
+        memory_rows += [{"rank": r, "category": c, "bytes": b}
+                        for c, b in zip(CATEGORIES, peaks, strict=True)]
+        rows = expected_comm_rows(model, train, sizes, rank_coords(sizes, r), r, sp, cp_algo)
+        expected_comm += sorted(rows, key=lambda row: AXIS_OPS.index((row["axis"], row["op"])))
+        expected_mem += [{"rank": r, "category": c, "bytes": b}
+                         for c, b in expected_memory(model, train, sizes, r, sp, cp_algo).items()]
+    checked = {}
+    if args.check:
+        ref = train_single_device(model, train)
+        checked = {"reference_losses": ref.losses,
+                   "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses,
+                                                                                  strict=True)),
+                   "max_param_rel_diff": max(float(np.max(np.abs(full[n] - p)) / np.max(np.abs(p)))
+                                             for n, p in ref.params.items())}
+    step_time = float(np.mean(times[1:] or times))
+    report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
+           expected_mem)
+    if args.json:
+        print(summary_line(run_summary(
+            model, train, losses, mesh=sizes, world_size=comm.size, zero=0, comm_bytes=comm_rows,
+            expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
+            expected_memory_peak_bytes=expected_mem, step_time_s=step_time,
+            loss_floor=corpus.entropy_rate(), **checked)), flush=True)
+    return 0
+
+
+def report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
+           expected_mem) -> None:
+    """The learner's table: losses by step, bytes by rank, axis and op, peak memory by rank."""
+    def say(text=""):
+        print(text, flush=True)
+
+    parts = [f"{a}={sizes[a]}" for a in ("dp", "tp", "cp") if sizes[a] > 1]
+    how = " with sequence parallelism" if sp else ""
+    if sizes["cp"] > 1:
+        how += f", {cp_algo or 'ring'} attention"
+    say(f"{','.join(parts)}{how}: GPT-2 {model.n_layer} layers, {model.dtype}, "
+        f"batch {train.batch_size} x {train.seq_len}, vocabulary {model.vocab_size}")
+    ref = checked.get("reference_losses")
+    say(f"{'step':>5} {'loss':>20} {'single device':>20} {'rel diff':>10}")
+    for s, loss in enumerate(losses):
+        tail = "" if ref is None else f" {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}"
+        say(f"{s + 1:>5} {loss:>20.15f}{tail}")
+    if checked:
+        say(f"max relative parameter difference after {train.steps} steps: "
+            f"{checked['max_param_rel_diff']:.1e}")
+    expected = {(r["rank"], r["axis"], r["op"]): r for r in expected_comm}
+    say(f"bytes sent (received) per rank over {train.steps} steps, measured | closed form:")
+    for r in comm_rows:
+        e = expected.get((r["rank"], r["axis"], r["op"]), {"bytes_sent": 0, "bytes_recv": 0})
+        say(f"  rank {r['rank']} {r['axis']} {r['op']:<15} {r['bytes_sent']:>10,} ({r['bytes_recv']:,}) | "
+            f"{e['bytes_sent']:,} ({e['bytes_recv']:,})")
+    want = {(r["rank"], r["category"]): r["bytes"] for r in expected_mem}
+    say("peak memory per rank in bytes, measured | closed form:")
+    for rank in sorted({r["rank"] for r in memory_rows}):
+        say(f"  rank {rank}: " + ", ".join(
+            f"{r['category']} {r['bytes']:,} | {want[(rank, r['category'])]:,}"
+            for r in memory_rows if r["rank"] == rank))

@@ -1,0 +1,377 @@
+"""Tensor parallelism on the `tp` axis (Megatron-LM: Shoeybi et al. 2019; Narayanan et al. 2021 §3.2).
+
+    mpiexec -n 2 python -m refpar train --mesh tp=2 --check
+
+Legend: B batch, T sequence, C channels, nh heads, hs head size, V vocab, t tp size;
+Ta tokens inside a tensor-parallel region, Tl tokens of the residual stream on this rank (both T
+under plain TP; sequence_parallel.py and context_parallel.py change them through a `Layout`).
+
+A block is two tensor-parallel regions, attention and MLP. Each is entered through f and left
+through g, Megatron's conjugate pair:
+
+    f = copy_to_tp       identity forward   | all-reduce backward
+    g = reduce_from_tp   all-reduce forward | identity backward
+
+so a block does two all-reduces forward (g after attention, g after the MLP) and two backward
+(f before each): four, each of (B, T, C). Inside a region nothing moves: the column-parallel linear
+(c_attn, c_fc) splits its output columns, the row-parallel linear (c_proj) its input rows, and
+attention runs on whole heads (the fused c_attn is split per head, so a head's Q, K, V stay together).
+
+Weights a rank holds (GPT-2 Conv1D layout weight[in, out]); all others are replicated:
+    wte.weight            rows shard_range(V, t, rank)              (V/t, C), uneven allowed
+    h.i.attn.c_attn       columns of heads [h0, h1) of q, k and v   (C, 3C/t), (3C/t,)
+    h.i.attn.c_proj.w     rows of heads [h0, h1)                    (C/t, C)
+    h.i.mlp.c_fc          columns shard_range(4C, t, rank)          (C, 4C/t), (4C/t,)
+    h.i.mlp.c_proj.w      rows shard_range(4C, t, rank)             (4C/t, C)
+The vocabulary is split unevenly with shard_range rather than padded: every logit a rank computes is
+a real vocabulary entry, so the max, the sum of exponentials and the target logit reduce over exactly
+the single device's V entries and there is nothing to mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from array_api_compat import array_namespace
+
+from refpar.config import ConfigError, ModelConfig
+from refpar.model.attention import attention_backward, attention_forward
+from refpar.model.layers import (
+    as_like,
+    dropout_backward,
+    dropout_forward,
+    gelu_backward,
+    gelu_forward,
+    layernorm_backward,
+    layernorm_forward,
+    one_hot,
+)
+from refpar.sharding import shard_range
+
+
+# f and g, each with its backward next to it. `tp` is the tp Communicator.
+def copy_to_tp(x, tp, tag):
+    """f forward: the region's input is already on every rank."""
+    return x
+
+
+def copy_to_tp_backward(dx, tp, tag):
+    """f backward: each rank's heads or columns give part of the input's gradient; sum them."""
+    return tp.all_reduce(dx, tag=tag)
+
+
+def reduce_from_tp(x, tp, tag):
+    """g forward: each rank's rows give a partial sum of the output; sum them."""
+    return tp.all_reduce(x, tag=tag)
+
+
+def reduce_from_tp_backward(dx, tp, tag):
+    """g backward: the gradient of a replicated output is already on every rank."""
+    return dx
+
+
+def _identity(x, comm, tag):
+    return x
+
+
+@dataclass(frozen=True)
+class RegionPair:
+    """How activations enter (f) and leave (g) a tensor-parallel region, each with its backward."""
+
+    enter: Callable
+    enter_backward: Callable
+    leave: Callable
+    leave_backward: Callable
+
+
+TP_PAIR = RegionPair(copy_to_tp, copy_to_tp_backward, reduce_from_tp, reduce_from_tp_backward)
+NO_PAIR = RegionPair(_identity, _identity, _identity, _identity)  # tp == 1: nothing to split
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What this rank holds of a step's activations and weights, and how regions are entered."""
+
+    config: ModelConfig
+    seq_len: int  # T, the global sequence length
+    tp: object  # the tp Communicator, None when tp == 1
+    pair: RegionPair
+    heads: tuple[int, int]  # global heads [h0, h1) of this rank
+    vocab: tuple[int, int]  # global vocabulary rows [v0, v1) of this rank
+    region_pos: np.ndarray  # (Ta,) global positions inside a region (attention, MLP, LM head)
+    resid_pos: np.ndarray  # (Tl,) global positions of the residual stream (LayerNorm, dropout)
+    attention: object  # the attention core: forward(q, k, v, layer, lay, drop) / backward(dy, cache, lay)
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    if config.n_head % tp != 0:
+        choices = [d for d in range(1, config.n_head + 1) if config.n_head % d == 0]
+        raise ConfigError(
+            f"tp={tp} does not divide n_head={config.n_head}; choose tp in {set(choices)}"
+        )
+    if config.vocab_size < tp:
+        raise ConfigError(f"tp={tp} is larger than vocab_size={config.vocab_size}; use tp <= vocab_size")
+
+
+def tp_layout(config: ModelConfig, seq_len: int, tp_comm) -> Layout:
+    """Plain TP: every rank holds the whole sequence, its heads, its vocabulary rows."""
+    t, r = (1, 0) if tp_comm is None else (tp_comm.size, tp_comm.rank)
+    check_tp(config, t)
+    pos = np.arange(seq_len)
+    return Layout(config, seq_len, tp_comm, TP_PAIR if t > 1 else NO_PAIR,
+                  shard_range(config.n_head, t, r), shard_range(config.vocab_size, t, r),
+                  pos, pos, LocalAttention())
+
+
+# Which slice of each full parameter a tp rank holds: (axis, global indices), absent = replicated.
+def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
+    C, hs = config.n_embd, config.head_size
+    h0, h1 = shard_range(config.n_head, t, rank)
+    head_cols = np.arange(h0 * hs, h1 * hs)  # this rank's heads within q, within k, within v
+    qkv_cols = np.concatenate([head_cols, C + head_cols, 2 * C + head_cols])
+    fc = np.arange(*shard_range(4 * C, t, rank))
+    slices = {"wte.weight": (0, np.arange(*shard_range(config.vocab_size, t, rank)))}
+    for i in range(config.n_layer):
+        slices |= {
+            f"h.{i}.attn.c_attn.weight": (1, qkv_cols), f"h.{i}.attn.c_attn.bias": (0, qkv_cols),
+            f"h.{i}.attn.c_proj.weight": (0, head_cols),
+            f"h.{i}.mlp.c_fc.weight": (1, fc), f"h.{i}.mlp.c_fc.bias": (0, fc),
+            f"h.{i}.mlp.c_proj.weight": (0, fc),
+        }
+    return slices
+
+
+def shard_params_tp(full: dict, config: ModelConfig, t: int, rank: int) -> dict:
+    """This rank's parameters: a slice of the full initialisation, so any t starts from the same model."""
+    slices = tp_param_slices(config, t, rank)
+    return {name: (np.take(w, slices[name][1], axis=slices[name][0]) if name in slices else w.copy())
+            for name, w in full.items()}
+
+
+def gather_params_tp(local: dict, config: ModelConfig, tp) -> dict:
+    """The full parameters on every tp rank (for checks against the single device, not for training)."""
+    if tp is None:
+        return dict(local)
+    mine = tp_param_slices(config, tp.size, tp.rank)
+    every = [tp_param_slices(config, tp.size, r) for r in range(tp.size)]
+    full = {}
+    for name, w in local.items():
+        if name not in mine:
+            full[name] = w
+            continue
+        axis = mine[name][0]
+        pieces = tp.all_gather(np.ascontiguousarray(np.moveaxis(np.asarray(w), axis, 0)), tag=f"{name}:check")
+        moved = np.empty_like(pieces)
+        moved[np.concatenate([s[name][1] for s in every])] = pieces
+        full[name] = np.moveaxis(moved, 0, axis)
+    return full
+
+
+def tp_all_reduce(x, lay: Layout, tag: str, op: str = "sum"):
+    return x if lay.tp is None else lay.tp.all_reduce(x, op=op, tag=tag)
+
+
+# Dropout keyed by global indices (DropoutContext.keep draws a site's mask whole per sample and then
+# slices it): replicated regions get identical masks on every tp rank, shards get their own part.
+def resid_dropout_forward(x, drop, layer: int, site: str, lay: Layout):
+    shape = (lay.seq_len, lay.config.n_embd)
+    return dropout_forward(x, drop.keep(layer, site, shape, x, (lay.resid_pos, slice(None))), drop.p)
+
+
+def resid_dropout_backward(dout, cache):
+    return dropout_backward(dout, cache)
+
+
+# Column- and row-parallel linear (weight [in, out]).
+def column_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
+    """x (B, Tl, C) -> (B, Ta, out/t). Keeps x as given, not as entered: the backward enters it again,
+    free under TP (f is the identity), an all-gather under SP, which keeps only the sequence shard
+    (Korthikanti et al. 2022 §4.2.2)."""
+    xa = lay.pair.enter(x, lay.tp, f"{tag}:fwd")  # (B, Ta, C)
+    out = xa @ w if b is None else xa @ w + b  # (B, Ta, out/t)
+    return out, (x, w, b is not None, tag)
+
+
+def column_parallel_linear_backward(dout, cache, lay: Layout):
+    x, w, has_bias, tag = cache
+    xa = lay.pair.enter(x, lay.tp, f"{tag}:regather")  # (B, Ta, C)
+    xp = array_namespace(dout)
+    dw = xp.reshape(xa, (-1, xa.shape[-1])).T @ xp.reshape(dout, (-1, dout.shape[-1]))  # (C, out/t)
+    db = xp.sum(dout, axis=(0, 1)) if has_bias else None  # (out/t,)
+    dx = lay.pair.enter_backward(dout @ w.T, lay.tp, f"{tag}:bwd")  # (B, Tl, C)
+    return dx, dw, db
+
+
+def row_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
+    """x (B, Ta, in/t) -> (B, Tl, C): each rank's rows give a partial sum; g adds them, then the bias
+    is added once."""
+    partial = x @ w  # (B, Ta, C), partial over t
+    return lay.pair.leave(partial, lay.tp, f"{tag}:fwd") + b, (x, w, tag)  # (B, Tl, C)
+
+
+def row_parallel_linear_backward(dout, cache, lay: Layout):
+    x, w, tag = cache
+    xp = array_namespace(dout)
+    db = xp.sum(dout, axis=(0, 1))  # (C,): over this rank's residual tokens
+    dpartial = lay.pair.leave_backward(dout, lay.tp, f"{tag}:bwd")  # (B, Ta, C)
+    dw = xp.reshape(x, (-1, x.shape[-1])).T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (in/t, C)
+    return dpartial @ w.T, dw, db  # dx (B, Ta, in/t)
+
+
+class LocalAttention:
+    """The whole sequence is on this rank: the model's causal attention on this rank's heads."""
+
+    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh/t, Ta, hs) each
+        cfg, pos = lay.config, lay.region_pos
+        keep = drop.keep(layer, "attn", (cfg.n_head, lay.seq_len, lay.seq_len), q,
+                         np.ix_(np.arange(*lay.heads), pos, pos))  # (B, nh/t, Ta, Ta)
+        return attention_forward(q, k, v, as_like(pos, q), as_like(pos, q), keep, drop.p)
+
+    def backward(self, dy, cache, lay: Layout):
+        return attention_backward(dy, cache)
+
+
+def parallel_attention_forward(x, params, layer: int, lay: Layout, drop):
+    """x (B, Tl, C), ln_1's output -> (B, Tl, C), before the residual dropout."""
+    P, hs = f"h.{layer}.attn.", lay.config.head_size
+    nh = lay.heads[1] - lay.heads[0]
+    qkv, c_attn = column_parallel_linear_forward(
+        x, params[P + "c_attn.weight"], params[P + "c_attn.bias"], lay, P + "c_attn")  # (B, Ta, 3C/t)
+    xp, (B, Ta, _) = array_namespace(qkv), qkv.shape
+    qkv = xp.permute_dims(xp.reshape(qkv, (B, Ta, 3, nh, hs)), (2, 0, 3, 1, 4))  # (3, B, nh/t, Ta, hs)
+    y, core = lay.attention.forward(qkv[0], qkv[1], qkv[2], layer, lay, drop)  # (B, nh/t, Ta, hs)
+    y = xp.reshape(xp.permute_dims(y, (0, 2, 1, 3)), (B, Ta, nh * hs))  # (B, Ta, C/t)
+    out, c_proj = row_parallel_linear_forward(
+        y, params[P + "c_proj.weight"], params[P + "c_proj.bias"], lay, P + "c_proj")  # (B, Tl, C)
+    return out, (c_attn, core, c_proj)
+
+
+def parallel_attention_backward(dout, cache, layer: int, lay: Layout):
+    c_attn, core, c_proj = cache
+    P, hs = f"h.{layer}.attn.", lay.config.head_size
+    nh = lay.heads[1] - lay.heads[0]
+    dy, dw_proj, db_proj = row_parallel_linear_backward(dout, c_proj, lay)  # (B, Ta, C/t)
+    xp, (B, Ta, _) = array_namespace(dy), dy.shape
+    dy = xp.permute_dims(xp.reshape(dy, (B, Ta, nh, hs)), (0, 2, 1, 3))  # (B, nh/t, Ta, hs)
+    dqkv = xp.stack(lay.attention.backward(dy, core, lay))  # (3, B, nh/t, Ta, hs)
+    dqkv = xp.reshape(xp.permute_dims(dqkv, (1, 3, 0, 2, 4)), (B, Ta, 3 * nh * hs))  # (B, Ta, 3C/t)
+    dx, dw_attn, db_attn = column_parallel_linear_backward(dqkv, c_attn, lay)  # (B, Tl, C)
+    return dx, {P + "c_attn.weight": dw_attn, P + "c_attn.bias": db_attn,
+                P + "c_proj.weight": dw_proj, P + "c_proj.bias": db_proj}
+
+
+def parallel_mlp_forward(x, params, layer: int, lay: Layout):
+    """x (B, Tl, C), ln_2's output -> (B, Tl, C), before the residual dropout."""
+    P = f"h.{layer}.mlp."
+    h, c_fc = column_parallel_linear_forward(
+        x, params[P + "c_fc.weight"], params[P + "c_fc.bias"], lay, P + "c_fc")  # (B, Ta, 4C/t)
+    g, gelu = gelu_forward(h)  # (B, Ta, 4C/t)
+    out, c_proj = row_parallel_linear_forward(
+        g, params[P + "c_proj.weight"], params[P + "c_proj.bias"], lay, P + "c_proj")  # (B, Tl, C)
+    return out, (c_fc, gelu, c_proj)
+
+
+def parallel_mlp_backward(dout, cache, layer: int, lay: Layout):
+    c_fc, gelu, c_proj = cache
+    P = f"h.{layer}.mlp."
+    dg, dw_proj, db_proj = row_parallel_linear_backward(dout, c_proj, lay)  # (B, Ta, 4C/t)
+    dx, dw_fc, db_fc = column_parallel_linear_backward(gelu_backward(dg, gelu), c_fc, lay)  # (B, Tl, C)
+    return dx, {P + "c_fc.weight": dw_fc, P + "c_fc.bias": db_fc,
+                P + "c_proj.weight": dw_proj, P + "c_proj.bias": db_proj}
+
+
+def parallel_block_forward(x, params, layer: int, lay: Layout, drop):
+    """x (B, Tl, C) -> (B, Tl, C): GPT-2's pre-LayerNorm block with both sublayers tensor-parallel."""
+    P, eps = f"h.{layer}.", lay.config.layer_norm_eps
+    a, ln_1 = layernorm_forward(x, params[P + "ln_1.weight"], params[P + "ln_1.bias"], eps)
+    a, attn = parallel_attention_forward(a, params, layer, lay, drop)  # f ... g
+    a, drop_a = resid_dropout_forward(a, drop, layer, "attn_resid", lay)
+    x = x + a
+    m, ln_2 = layernorm_forward(x, params[P + "ln_2.weight"], params[P + "ln_2.bias"], eps)
+    m, mlp = parallel_mlp_forward(m, params, layer, lay)  # f ... g
+    m, drop_m = resid_dropout_forward(m, drop, layer, "mlp_resid", lay)
+    return x + m, (ln_1, attn, drop_a, ln_2, mlp, drop_m)
+
+
+def parallel_block_backward(dy, cache, layer: int, lay: Layout):
+    ln_1, attn, drop_a, ln_2, mlp, drop_m = cache
+    P = f"h.{layer}."
+    dm, grads = parallel_mlp_backward(resid_dropout_backward(dy, drop_m), mlp, layer, lay)
+    dx, grads[P + "ln_2.weight"], grads[P + "ln_2.bias"] = layernorm_backward(dm, ln_2)
+    dx = dx + dy
+    da, attn_grads = parallel_attention_backward(resid_dropout_backward(dx, drop_a), attn, layer, lay)
+    grads |= attn_grads
+    dx0, grads[P + "ln_1.weight"], grads[P + "ln_1.bias"] = layernorm_backward(da, ln_1)
+    return dx + dx0, grads
+
+
+# Vocab-parallel embedding: each rank looks up only the tokens in its rows; g sums the lookups.
+def vocab_parallel_embedding_forward(tokens, params, lay: Layout, drop):
+    """tokens (B, Ta) global ids at lay.region_pos -> x (B, Tl, C)."""
+    wte, wpe = params["wte.weight"], params["wpe.weight"]
+    xp, v0, v1 = array_namespace(wte), *lay.vocab
+    tokens = as_like(tokens, wte)
+    B, Ta = tokens.shape
+    mine = (tokens >= v0) & (tokens < v1)  # (B, Ta)
+    rows = xp.where(mine, tokens - v0, xp.zeros_like(tokens))  # (B, Ta)
+    partial = xp.reshape(xp.take(wte, xp.reshape(rows, (-1,)), axis=0), (B, Ta, wte.shape[1]))
+    partial = partial * xp.expand_dims(xp.astype(mine, wte.dtype), axis=-1)  # (B, Ta, C), 0 if not mine
+    x = lay.pair.leave(partial, lay.tp, "wte:fwd")  # (B, Tl, C)
+    x = x + xp.take(wpe, as_like(lay.resid_pos, wpe), axis=0)  # (B, Tl, C)
+    x, drop_e = resid_dropout_forward(x, drop, 0, "embd", lay)
+    return x, (rows, mine, drop_e)
+
+
+def vocab_parallel_embedding_backward(dx, cache, lay: Layout, params) -> dict:
+    rows, mine, drop_e = cache
+    wte, wpe = params["wte.weight"], params["wpe.weight"]
+    xp = array_namespace(dx)
+    dx = resid_dropout_backward(dx, drop_e)  # (B, Tl, C)
+    # Scatter-adds as one-hot products (the array API has no scatter-add): repeats accumulate.
+    dwpe = one_hot(as_like(lay.resid_pos, dx), wpe.shape[0], dx.dtype).T @ xp.sum(dx, axis=0)  # (P, C)
+    dpartial = lay.pair.leave_backward(dx, lay.tp, "wte:bwd")  # (B, Ta, C)
+    hot = one_hot(xp.reshape(rows, (-1,)), wte.shape[0], dx.dtype)  # (B*Ta, V/t)
+    hot = hot * xp.reshape(xp.astype(mine, dx.dtype), (-1, 1))  # rows of other ranks' tokens are 0
+    dwte = hot.T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (V/t, C)
+    return {"wte.weight": dwte, "wpe.weight": dwpe}
+
+
+# Vocab-parallel cross-entropy: the (B, Ta, V) logits are never gathered; three all-reduces of (B, Ta)
+# (max, sum of exponentials, target logit) give every rank the exact loss (Megatron-LM).
+def vocab_parallel_cross_entropy_forward(logits, targets, lay: Layout, normalizer):
+    """logits (B, Ta, V/t), targets (B, Ta) global ids -> the sum of token losses / normalizer."""
+    xp, v0, v1 = array_namespace(logits), *lay.vocab
+    targets = as_like(targets, logits)
+    m = tp_all_reduce(xp.max(logits, axis=-1), lay, "lm_head.ce.max:fwd", op="max")  # (B, Ta)
+    e = xp.exp(logits - xp.expand_dims(m, axis=-1))  # (B, Ta, V/t)
+    s = tp_all_reduce(xp.sum(e, axis=-1), lay, "lm_head.ce.sumexp:fwd")  # (B, Ta)
+    mine = (targets >= v0) & (targets < v1)  # (B, Ta)
+    hot = one_hot(xp.where(mine, targets - v0, xp.zeros_like(targets)), logits.shape[-1], logits.dtype)
+    hot = hot * xp.expand_dims(xp.astype(mine, logits.dtype), axis=-1)  # (B, Ta, V/t), 0 if not mine
+    z = tp_all_reduce(xp.sum(logits * hot, axis=-1), lay, "lm_head.ce.target:fwd")  # (B, Ta) target logit
+    loss = float(xp.sum(xp.log(s) + m - z)) / normalizer
+    return loss, (e / xp.expand_dims(s, axis=-1), hot, normalizer)  # probabilities (B, Ta, V/t)
+
+
+def vocab_parallel_cross_entropy_backward(dloss, cache):
+    probs, hot, normalizer = cache
+    return (probs - hot) * (dloss / normalizer)  # (B, Ta, V/t)
+
+
+def vocab_parallel_head_forward(x, params, targets, lay: Layout, normalizer):
+    """x (B, Tl, C) -> loss: ln_f, logits of this rank's vocabulary rows (tied to wte), cross-entropy."""
+    eps = lay.config.layer_norm_eps
+    h, ln_f = layernorm_forward(x, params["ln_f.weight"], params["ln_f.bias"], eps)  # (B, Tl, C)
+    logits, lm = column_parallel_linear_forward(h, params["wte.weight"].T, None, lay, "lm_head")
+    loss, ce = vocab_parallel_cross_entropy_forward(logits, targets, lay, normalizer)  # (B, Ta, V/t) in
+    return loss, (ln_f, lm, ce)
+
+
+def vocab_parallel_head_backward(cache, lay: Layout) -> tuple:
+    ln_f, lm, ce = cache
+    dlogits = vocab_parallel_cross_entropy_backward(1.0, ce)  # (B, Ta, V/t)
+    dh, dw, _ = column_parallel_linear_backward(dlogits, lm, lay)  # dw (C, V/t)
+    dx, dln_w, dln_b = layernorm_backward(dh, ln_f)
+    return dx, {"wte.weight": dw.T, "ln_f.weight": dln_w, "ln_f.bias": dln_b}
