@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refpar.analysis.activations import head_bytes, layer_bytes
+from refpar.analysis.intra_layer import RankShape
 from refpar.config import ConfigError, ModelConfig
 from refpar.sharding import shard_range, shard_sizes
 
@@ -246,24 +248,18 @@ def overlap_comm_peak(config: ModelConfig, n: int, rank: int, bucket_elems: int)
 
 def activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:
     """Bytes each piece's cache keeps for the backward of a micro-batch of b sequences of T tokens
-    (refpar.model.gpt's caches; an array several caches share counts once, parameters not at all).
-
-    Per block, with s bytes per element and dropout on: ln_1's x̂ and ln_2's x̂, the attention
-    input, q|k|v, the projection input, both residual dropout masks, the MLP input: 8bTC; the MLP's
-    4C-wide pre-activation, tanh and GELU output: 12bTC; the projection input and GELU: in those;
-    two 1/σ of LayerNorm: 2bT; probabilities, dropped probabilities and their mask: 3·b·nh·T².
-    (Korthikanti et al. 2022 count 34sbh + 5as²b for fp16 with 1-byte masks; refpar keeps float
-    masks and no separate copy of what LayerNorm normalises.) Dropout off drops the masks and the
-    dropped copies. The embedding keeps the int64 tokens and positions and its dropout mask; the
-    head keeps ln_f's x̂, 1/σ and output, the probabilities and the one-hot targets."""
-    s, C, V, nh = np.dtype(config.dtype).itemsize, config.n_embd, config.vocab_size, config.n_head
-    drop = config.dropout > 0.0
-    tokens = b * T
-    block = s * ((20 + 2 * drop) * tokens * C + 2 * tokens + (1 + 2 * drop) * b * nh * T * T)
+    (an array several caches share counts once, parameters not at all). A block and the head keep
+    what `refpar.analysis.activations` counts for one rank without tensor, sequence or context
+    parallelism (Korthikanti et al. 2022's terms as refpar keeps them); the model's own embedding
+    keeps the int64 tokens and positions and, with dropout, its mask."""
+    e = np.dtype(config.dtype).itemsize
+    rank = RankShape(B=b, T=T, Ta=T, Tl=T, t=1, c=1, nh=config.n_head, V=config.vocab_size, e=e,
+                     cp_tokens=(T,), cp_rank=0)
+    dropout = config.dropout > 0.0
     return {
-        "embed": 8 * tokens + 8 * T + s * drop * tokens * C,
-        "block": block,
-        "head": s * (2 * tokens * C + tokens + 2 * tokens * V),
+        "embed": 8 * b * T + 8 * T + (e * b * T * config.n_embd if dropout else 0),
+        "block": layer_bytes(config, rank, "local", dropout),
+        "head": head_bytes(config, rank),
     }
 
 
