@@ -123,7 +123,7 @@ class DataParallel:
     def release(self, unit: str, phase: str) -> None:
         """Every rank keeps the whole model: nothing to free."""
 
-    def fold(self, unit: str, grads: dict, piece: str) -> None:
+    def fold(self, unit: str, grads: dict) -> None:
         self.ledger.alloc("grads.piece", sum(int(g.nbytes) for g in grads.values()), "grads")
         views = self.layout.views(unit, self.unit_flat(unit, self.grads))
         for name, g in grads.items():

@@ -175,21 +175,21 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
     dx, grads = head_backward(c_head)  # (B, T, C)
     del c_head
     acts.drop("head")
-    strategy.fold(ROOT, grads, "head")
+    strategy.fold(ROOT, grads)
     strategy.release(ROOT, "head")
 
     for i in reversed(range(L)):
         _, base = strategy.acquire(f"h.{i}", "bwd")
         dx, grads = block_backward(dx, attach(c_blocks.pop(), base))  # (B, T, C)
         acts.drop(f"h.{i}")
-        strategy.fold(f"h.{i}", grads, "block")
+        strategy.fold(f"h.{i}", grads)
         strategy.release(f"h.{i}", "bwd")
         strategy.unit_done(f"h.{i}", last)
     # The embedding's backward scatters dx into rows of wte and wpe without reading their values,
     # so no strategy needs the root's parameters here (ZeRO-3 and FSDP gather nothing for it).
     grads = embed_backward(dx, attach(c_embed, None))
     acts.drop("embed")
-    strategy.fold(ROOT, grads, "embed")
+    strategy.fold(ROOT, grads)
     strategy.unit_done(ROOT, last)
     acts.reset()
     return float(loss)

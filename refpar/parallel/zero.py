@@ -98,7 +98,7 @@ class Zero:
             self.drop(unit)
 
     # ------------------------------------------------------------------------------- gradients
-    def fold(self, unit: str, grads: dict, piece: str) -> None:
+    def fold(self, unit: str, grads: dict) -> None:
         self.ledger.alloc("grads.piece", sum(int(g.nbytes) for g in grads.values()), "grads")
         if self.stage == 1:
             target = self.unit_slice(unit, self.grads)
