@@ -19,11 +19,13 @@ TOL = 1e-10  # float64: only the order of the sums over ranks and micro-batches 
 
 SCRIPT = r"""
 import json
+import weakref
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
 from refpar.parallel.dp_runner import (expected_rows, gather_rows, options, reference_diffs,
                                        run_data_parallel)
+from refpar.parallel.zero import Zero
 
 CONFIGS = [
     ("dp", dict(microbatches=1, bucket_elems=3000)),
@@ -37,6 +39,25 @@ CONFIGS = [
 ]
 model, train = model_preset("tiny"), TrainConfig(steps=5, batch_size=8, seq_len=16, seed=11)
 report = []
+
+# Every unit ZeRO-3/FSDP releases must be garbage by the next gather: the ledger's free is real
+# only if no cache still views the gathered buffer.
+dropped, alive = [], [0]
+drop, gather = Zero.drop, Zero.gather
+
+
+def tracked_drop(self, unit):
+    dropped.append(weakref.ref(self.gathered[unit]))
+    drop(self, unit)
+
+
+def tracked_gather(self, unit, phase):
+    alive[0] += sum(ref() is not None for ref in dropped)
+    dropped.clear()
+    gather(self, unit, phase)
+
+
+Zero.drop, Zero.gather = tracked_drop, tracked_gather
 
 
 def bucket_intervals(events):
@@ -61,7 +82,7 @@ with abort_on_error():
             report.append(dict(strategy=strategy, options=kwargs, comm=comm_rows,
                                expected_comm=expected_comm, memory=memory_rows,
                                expected_memory=expected_memory, model_state=run.model_state,
-                               buckets=bucket_intervals(comm.tracer.events),
+                               buckets=bucket_intervals(comm.tracer.events), released_alive=alive[0],
                                **reference_diffs(model, train, run)))
     if comm.rank == 0:
         print(json.dumps(report), flush=True)
@@ -125,6 +146,11 @@ def test_zero3_model_states_per_rank_are_dp_over_n_up_to_uneven_shards_and_equal
     print(f"dp={n}: model states per rank DP {dp_state:,} B, ZeRO-3 {z3_rank0:,} B, "
           f"ratio {dp_state / z3_rank0:.4f}")
     assert n * (1 - 1e-3) <= dp_state / z3_rank0 <= n
+
+
+def test_units_released_by_zero3_and_fsdp_are_really_freed_before_the_next_gather(job):
+    n, report = job
+    assert [e["released_alive"] for e in report] == [0] * len(report)
 
 
 def test_overlapped_buckets_are_still_in_flight_when_the_next_block_finishes_its_backward(job):

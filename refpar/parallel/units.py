@@ -159,6 +159,8 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
     params, base = strategy.acquire(ROOT, "embed:fwd")
     x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
     c_embed = detach(c_embed, base)
+    # Drop every reference to the unit before releasing it, so a gathered unit is really freed.
+    del params, base
     strategy.release(ROOT, "embed:fwd")
     acts.keep("embed", c_embed)
     c_blocks = []
@@ -166,6 +168,7 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
         params, base = strategy.acquire(f"h.{i}", "fwd")
         x, c = block_forward(x, params, i, config, drop)  # (B, T, C)
         c_blocks.append(detach(c, base))
+        del params, base, c
         strategy.release(f"h.{i}", "fwd")
         acts.keep(f"h.{i}", c_blocks[-1])
 
@@ -173,14 +176,15 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
     loss, c_head = head_forward(x, params, targets, config, normalizer)  # ()
     acts.keep("head", detach(c_head, base))  # the parameters it views are not activations
     dx, grads = head_backward(c_head)  # (B, T, C)
-    del c_head
+    del c_head, params, base
     acts.drop("head")
     strategy.fold(ROOT, grads)
     strategy.release(ROOT, "head")
 
     for i in reversed(range(L)):
-        _, base = strategy.acquire(f"h.{i}", "bwd")
+        base = strategy.acquire(f"h.{i}", "bwd")[1]  # the cache holds what backward reads
         dx, grads = block_backward(dx, attach(c_blocks.pop(), base))  # (B, T, C)
+        del base
         acts.drop(f"h.{i}")
         strategy.fold(f"h.{i}", grads)
         strategy.release(f"h.{i}", "bwd")
