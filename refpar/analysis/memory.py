@@ -1,4 +1,4 @@
-"""Per-rank memory of model states under data parallelism, ZeRO 1/2/3 and FSDP, in closed form.
+"""Per-rank memory under data parallelism, ZeRO 1/2/3 and FSDP, in closed form.
 
 Two levels:
 - The ZeRO paper's forms (Rajbhandari et al. 2020, sec. 5 and Figure 1): with Ψ parameters, N
@@ -13,7 +13,9 @@ Two levels:
 
 The peaks add what the implementation holds transiently on top of the persistent states, exactly:
 a piece's freshly returned gradients before they are folded into a buffer, a unit's full gradient
-before its reduce-scatter, gathered units, and collective outputs not yet consumed.
+before its reduce-scatter, gathered units, and collective outputs not yet consumed. The optimizer's
+elementwise temporaries (one parameter segment, written back at once) are not counted, like any
+other intermediate of a single expression. `activation_peak_bytes` gives the fifth category.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ def model_state_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> 
 
 def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[str, int]:
     """Peak bytes per category (params, grads, optimizer, comm) during a training step, exactly as
-    refpar's implementation holds them (see refpar/parallel/zero.py for the sequence of events)."""
+    refpar's implementation holds them (the sequences of events are in refpar/parallel/
+    data_parallel.py, zero.py and fsdp.py)."""
     state = model_state_bytes(config, n, rank, opts)
     b, L = opts.itemsize, config.n_layer
     sizes, shards, pieces = unit_sizes(config), shard_elems(config, n, rank), piece_grad_sizes(config)
