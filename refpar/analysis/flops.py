@@ -1,0 +1,139 @@
+"""Parameter counts from shapes, and FLOPs per training step.
+
+Legend: L layers, h = d_model, a heads, kv = n_kv_head * head_size, f MLP width, V vocabulary,
+s sequence, B sequences per step, t tensor-parallel size, E routed experts, k experts per token.
+
+Counting convention (Narayanan et al. 2021, Section 3.3 / Appendix): a matmul of an (m, n) input
+by an (n, p) weight costs 2mnp FLOPs; elementwise work (norms, softmax, activations) is not counted;
+the attention scores QK^T and the weighted sum of V are counted over the full s x s square (the
+causal mask does not halve them). Backward costs twice the forward.
+
+Every function takes plain ints or NumPy arrays for the batch and sequence, so the planner
+evaluates thousands of candidates in one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refpar.analysis.presets import ModelSpec
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _mlp_params(h: int, f: int, mlp: str, bias: bool) -> tuple[int, int]:
+    """(column-parallel part, row-parallel bias) of one MLP: weights and the biases that split by t."""
+    if mlp == "swiglu":  # gate and up (h, f) each, down (f, h): Shazeer 2020
+        return 3 * h * f + (2 * f if bias else 0), (h if bias else 0)
+    return 2 * h * f + (f if bias else 0), (h if bias else 0)
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """One transformer block's parameters, split the way Megatron's tensor parallelism splits them.
+
+    `split` divides by t (attention and MLP weights, column-parallel biases); `replicated` is held
+    whole by every tensor-parallel rank (norms, row-parallel output biases, the router); `experts`
+    is the routed experts' total, split by ep (whole experts) and by t (each expert's matrices).
+    """
+
+    split: int
+    replicated: int
+    experts: int
+    expert_active: int  # the k experts one token goes through
+
+    @property
+    def total(self) -> int:
+        return self.split + self.replicated + self.experts
+
+
+def layer_params(spec: ModelSpec, moe: bool) -> LayerParams:
+    h, kv, b = spec.d_model, spec.kv_dim, spec.bias
+    norm = 2 * h if spec.norm == "layernorm" else h
+    # Q and O are (h, h); K and V are (h, kv): kv = h without GQA (Ainslie et al. 2023).
+    attn_split = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if b else 0)
+    attn_repl = h if b else 0
+    if not moe:
+        mlp_split, mlp_repl = _mlp_params(h, spec.d_ff, spec.mlp, b)
+        return LayerParams(attn_split + mlp_split, attn_repl + 2 * norm + mlp_repl, 0, 0)
+    one_split, one_repl = _mlp_params(h, spec.moe_d_ff, spec.mlp, b)
+    expert = one_split + one_repl
+    shared_split = spec.n_shared_experts * one_split
+    shared_repl = spec.n_shared_experts * one_repl
+    router = h * spec.n_experts  # the gate: (h, E), no bias (Mixtral, DeepSeekMoE)
+    return LayerParams(
+        attn_split + shared_split,
+        attn_repl + 2 * norm + shared_repl + router,
+        spec.n_experts * expert,
+        spec.top_k * expert,
+    )
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    embedding: int  # token table (V, h), plus the learned position table (s, h) where there is one
+    layers: int  # all blocks, every expert included
+    head: int  # final norm, plus the (h, V) LM head when it is not tied to the embedding
+    active: int  # parameters one token goes through (MoE: k of E experts)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.layers + self.head
+
+
+def param_counts(spec: ModelSpec) -> ParamCounts:
+    """Parameters from the shapes alone; for GPT shapes this is Narayanan et al. 2021 eq. 2 + 2h
+    (their formula leaves out the final LayerNorm)."""
+    h, V = spec.d_model, spec.vocab_size
+    embedding = V * h + (spec.seq_len * h if spec.learned_positions else 0)
+    dense, moe = layer_params(spec, False), layer_params(spec, True)
+    n_dense = spec.n_layer - spec.n_moe_layers
+    layers = n_dense * dense.total + spec.n_moe_layers * moe.total
+    final_norm = 2 * h if spec.norm == "layernorm" else h
+    head = final_norm + (0 if spec.tied_embeddings else V * h)
+    inactive = spec.n_moe_layers * (moe.experts - moe.expert_active)
+    return ParamCounts(embedding, layers, head, embedding + layers + head - inactive)
+
+
+def layer_matmul_params(spec: ModelSpec) -> int:
+    """Weights one token multiplies by in all blocks together (MoE: k routed + shared experts)."""
+    h, kv = spec.d_model, spec.kv_dim
+    attn = 2 * h * h + 2 * h * kv
+    width = 3 if spec.mlp == "swiglu" else 2
+    dense = attn + width * h * spec.d_ff
+    moe = attn + (spec.top_k + spec.n_shared_experts) * width * h * spec.moe_d_ff + h * spec.n_experts
+    n_moe = spec.n_moe_layers
+    return (spec.n_layer - n_moe) * dense + n_moe * moe
+
+
+def forward_flops(spec: ModelSpec, batch, seq):
+    """(layer FLOPs, attention-core FLOPs, logit FLOPs) of one forward pass over batch x seq tokens.
+
+    Attention core = QK^T and scores @ V: 2 * 2 * s * h per token per layer (the full square).
+    """
+    tokens = batch * seq
+    layers = 2 * tokens * layer_matmul_params(spec)
+    core = 4 * tokens * seq * spec.d_model * spec.n_layer
+    logits = 2 * tokens * spec.d_model * spec.vocab_size
+    return layers, core, logits
+
+
+def step_flops(spec: ModelSpec, batch, seq, recompute: str = "full"):
+    """FLOPs of one training step (forward + backward) on `batch` sequences of `seq` tokens.
+
+    recompute="full" is Narayanan et al. 2021 eq. 3 (for GPT shapes exactly
+    96 B s L h^2 (1 + s/6h + V/16Lh)): the blocks run forward twice, the logit layer once.
+    recompute="none" is the model's own work, 72 B s L h^2 (1 + s/6h + V/12Lh): what MFU counts.
+    recompute="selective" reruns only the attention core (Korthikanti et al. 2022, Section 5).
+    """
+    layers, core, logits = forward_flops(spec, batch, seq)
+    if recompute == "full":
+        return 4 * (layers + core) + 3 * logits
+    if recompute == "selective":
+        return 3 * (layers + core) + core + 3 * logits
+    return 3 * (layers + core + logits)
+
+
+def model_flops(spec: ModelSpec, batch, seq):
+    """The work MFU counts (Chowdhery et al. 2022, Appendix B): no recomputation."""
+    return step_flops(spec, batch, seq, "none")

@@ -1,0 +1,99 @@
+"""Accelerator presets: peak FLOP/s per dtype, memory, and the two links of a DGX-style node.
+
+Units are SI: FLOP/s, bytes, bytes/s per direction, seconds. Memory is the datasheet's decimal
+figure (80 GB = 80e9 bytes); the CUDA context and the allocator take some of the slightly larger
+physical amount, so the decimal figure serves as the usable budget.
+
+Every GPU of a node reaches the others over NVLink through NVSwitch, and owns one InfiniBand
+adapter for traffic between nodes (DGX A100/H100/H200 user guides: eight compute NICs per eight
+GPUs), so a collective whose group spans nodes runs at the per-GPU InfiniBand bandwidth.
+
+Latencies are the per-step ring latencies of NCCL's own cost model (src/graph/tuning.cc, `hwLat`,
+Ring/Simple: 5.7 us over NVLink, 6.6 us over the network) and its per-call base latency
+(`baseLat`, Ring/Simple: 8.4 us). Simple is the protocol NCCL picks for the large messages of
+training (gradients, activations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refpar.config import ConfigError
+
+TERA = 1e12
+GIGA = 1e9
+
+# NCCL src/graph/tuning.cc (see the module docstring).
+NVLINK_STEP_LATENCY = 5.7e-6
+NET_STEP_LATENCY = 6.6e-6
+CALL_LATENCY = 8.4e-6
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: dict[str, float]  # dense (no 2:4 sparsity) tensor-core peak per dtype
+    memory_bytes: float
+    hbm_bandwidth: float  # bytes/s
+    gpus_per_node: int
+    nvlink_bandwidth: float  # bytes/s per GPU per direction
+    ib_bandwidth: float  # bytes/s per GPU per direction
+    nvlink_latency: float = NVLINK_STEP_LATENCY
+    ib_latency: float = NET_STEP_LATENCY
+    call_latency: float = CALL_LATENCY
+    source: str = ""
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ConfigError(
+                f"{self.name} has no {dtype} peak listed; choose one of {', '.join(self.peak_flops)}"
+            )
+        return self.peak_flops[dtype]
+
+
+HARDWARE: dict[str, Hardware] = {
+    hw.name: hw
+    for hw in [
+        # NVIDIA A100 Tensor Core GPU datasheet (2021), SXM 80GB column: FP64 Tensor Core 19.5,
+        # FP32 19.5, TF32 156, BF16/FP16 312 TFLOP/s dense; 80 GB HBM2e at 2,039 GB/s; NVLink
+        # 600 GB/s (both directions together, so 300 GB/s each way). DGX A100 user guide: eight
+        # ConnectX-6 HDR InfiniBand adapters at 200 Gb/s = 25 GB/s per GPU each way.
+        Hardware(
+            "a100",
+            peak_flops={"float64": 19.5 * TERA, "float32": 19.5 * TERA, "tf32": 156 * TERA,
+                        "bfloat16": 312 * TERA, "float16": 312 * TERA},
+            memory_bytes=80 * GIGA, hbm_bandwidth=2039 * GIGA, gpus_per_node=8,
+            nvlink_bandwidth=300 * GIGA, ib_bandwidth=25 * GIGA,
+            source="NVIDIA A100 datasheet (SXM 80GB); DGX A100 user guide",
+        ),
+        # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: FP64 Tensor Core 67, FP32 67,
+        # TF32 494.5, BF16/FP16 989.5, FP8 1,979 TFLOP/s dense (the datasheet's headline figures
+        # are twice these, with sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (450 each way).
+        # DGX H100 user guide: eight ConnectX-7 NDR adapters at 400 Gb/s = 50 GB/s per GPU each way.
+        Hardware(
+            "h100",
+            peak_flops={"float64": 67 * TERA, "float32": 67 * TERA, "tf32": 494.5 * TERA,
+                        "bfloat16": 989.5 * TERA, "float16": 989.5 * TERA, "fp8": 1979 * TERA},
+            memory_bytes=80 * GIGA, hbm_bandwidth=3350 * GIGA, gpus_per_node=8,
+            nvlink_bandwidth=450 * GIGA, ib_bandwidth=50 * GIGA,
+            source="NVIDIA H100 datasheet (SXM); DGX H100 user guide",
+        ),
+        # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: the H100 SXM's compute, 141 GB
+        # HBM3e at 4.8 TB/s, NVLink 900 GB/s. DGX H200: eight ConnectX-7 at 400 Gb/s per GPU.
+        Hardware(
+            "h200",
+            peak_flops={"float64": 67 * TERA, "float32": 67 * TERA, "tf32": 494.5 * TERA,
+                        "bfloat16": 989.5 * TERA, "float16": 989.5 * TERA, "fp8": 1979 * TERA},
+            memory_bytes=141 * GIGA, hbm_bandwidth=4800 * GIGA, gpus_per_node=8,
+            nvlink_bandwidth=450 * GIGA, ib_bandwidth=50 * GIGA,
+            source="NVIDIA H200 datasheet (SXM); DGX H200 user guide",
+        ),
+    ]
+}
+
+
+def hardware(name: str) -> Hardware:
+    """The named accelerator, or one sentence listing the names there are."""
+    if name not in HARDWARE:
+        raise ConfigError(f"unknown hardware {name!r}; choose one of {', '.join(HARDWARE)}")
+    return HARDWARE[name]

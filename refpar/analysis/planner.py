@@ -1,0 +1,256 @@
+"""Which mesh should I use, and will it fit? Enumerate every valid plan, price it, rank it.
+
+A plan is a mesh (dp, tp, pp, cp, ep: world = their product, laid out as refpar.config.MESH_AXES)
+and the options that change memory and time: ZeRO stage, micro-batch size, pipeline schedule
+(with its chunks per stage), activation recomputation. The sizes are enumerated in Python (a few
+hundred meshes), the options as NumPy arrays, and every candidate of one (schedule, recompute)
+pair is priced by one call of scale.memory_per_rank and step_time.step_time.
+
+Validity (what Megatron-LM accepts): tp within a node and dividing the KV heads; pp dividing the
+layers (v * pp for interleaving, whose micro-batches must also be a multiple of pp); cp dividing
+s / 2 (the load-balanced causal split cuts the sequence into 2c chunks); ep dividing the experts;
+dp * ep dividing the global batch, and the micro-batch size dividing each replica's share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from refpar.analysis.hardware import Hardware
+from refpar.analysis.presets import ModelSpec
+from refpar.analysis.scale import PRECISIONS, memory_per_rank
+from refpar.analysis.step_time import step_time, throughput
+from refpar.config import ConfigError
+
+ZERO_STAGES = (0, 1, 2, 3)
+RECOMPUTE = ("none", "selective", "full")
+# (schedule, chunks per stage); with one stage there is no schedule to choose ("none").
+SCHEDULE_CHOICES = (("none", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
+                    ("interleaved-1f1b", 4), ("zb-h1", 1), ("zb-h2", 1))
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "comm")
+COMM_KEYS = ("tp", "cp", "ep", "pp", "dp")
+TIME_KEYS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_gpus(gpus: int, hw: Hardware) -> None:
+    """Whole nodes, or a power of two inside one node: the shapes clusters are built in."""
+    node = hw.gpus_per_node
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} must be at least 1")
+    if (gpus <= node and gpus & (gpus - 1)) or (gpus > node and gpus % node):
+        if gpus < node:
+            lower, upper = 2 ** (gpus.bit_length() - 1), 2 ** gpus.bit_length()
+        else:
+            lower, upper = gpus - gpus % node, gpus - gpus % node + node
+        raise ConfigError(
+            f"--gpus {gpus} is neither a power of two up to {node} nor a whole number of "
+            f"{node}-GPU {hw.name} nodes; use e.g. {lower} or {upper}"
+        )
+
+
+def meshes(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int, seq: int) -> np.ndarray:
+    """Every valid (dp, tp, pp, cp, ep) for this model and world, one row each."""
+    rows = []
+    divisors = _divisors(gpus)
+
+    def dividing(n: int) -> list[int]:  # the divisors of a divisor of gpus
+        return [d for d in divisors if n % d == 0]
+
+    for tp in divisors:
+        if tp > hw.gpus_per_node or spec.n_kv_head % tp:
+            continue
+        for pp in dividing(gpus // tp):
+            if spec.n_layer % pp:
+                continue
+            for cp in dividing(gpus // (tp * pp)):
+                if seq % (2 * cp) and cp > 1:
+                    continue
+                for ep in dividing(gpus // (tp * pp * cp)):
+                    if (spec.n_experts if spec.is_moe else 1) % ep:
+                        continue
+                    dp = gpus // (tp * pp * cp * ep)
+                    if global_batch % (dp * ep) == 0:
+                        rows.append((dp, tp, pp, cp, ep))
+    return np.array(rows, dtype=np.int64).reshape(-1, 5)
+
+
+@dataclass
+class Candidates:
+    """Structure of arrays: one entry per priced plan."""
+
+    columns: dict[str, np.ndarray]
+    schedule: np.ndarray  # index into SCHEDULE_CHOICES
+    recompute: np.ndarray  # index into RECOMPUTE
+    memory: dict[str, np.ndarray]
+    times: dict[str, np.ndarray]
+    stage: dict[str, np.ndarray]  # one micro-batch's F, B, W and p2p seconds on the busiest stage
+    comm_bytes: dict[str, np.ndarray]
+    part: np.ndarray  # which priced group a candidate came from, and its index there
+    local: np.ndarray
+    calls: list[dict]  # per group: step_time's collectives
+    priced: int  # candidates whose memory was priced (the fitting ones are the rows here)
+    leanest: float  # the least memory any candidate needs, in bytes per GPU
+
+    def collectives(self, i: int) -> list[dict]:
+        """Candidate i's collectives that run, each with its algorithm and alpha-beta time."""
+        group, j = self.calls[self.part[i]], self.local[i]
+        size = int(np.sum(self.part == self.part[i]))
+
+        def at(x):
+            return np.broadcast_to(x, (size,))[j]
+
+        out = []
+        for name, (axis, op, nbytes, ranks, calls, seconds, algo) in group.items():
+            if at(calls) > 0 and at(ranks) > 1 and at(nbytes) > 0:
+                out.append({"name": name, "axis": axis, "op": op, "bytes": float(at(nbytes)),
+                            "ranks": int(at(ranks)), "calls_per_step": float(at(calls)),
+                            "seconds_per_call": float(at(seconds)), "algo": str(at(algo))})
+        return out
+
+    def __len__(self) -> int:
+        return len(self.schedule)
+
+
+def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, seq: int,
+                    precision: str = "bf16", dtype: str = "bfloat16", efficiency: float = 0.75,
+                    budget: float = np.inf) -> Candidates:
+    """Every candidate plan with its memory; the time of those within `budget` bytes per GPU.
+
+    Memory is priced first and the step time only for the plans that fit: the pruning that keeps
+    a 1T-parameter search on 4,096 GPUs well under two seconds.
+    """
+    check_gpus(gpus, hw)
+    if global_batch < 1 or seq < 1:
+        raise ConfigError(f"global batch {global_batch} and sequence {seq} must both be positive")
+    if spec.learned_positions and seq > spec.seq_len:
+        raise ConfigError(
+            f"{spec.name} learns {spec.seq_len} positions; use --seq {spec.seq_len} or less"
+        )
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    mesh = meshes(spec, gpus, hw, global_batch, seq)
+    if len(mesh) == 0:
+        raise ConfigError(
+            f"no mesh of {gpus} GPUs divides {spec.name} with a global batch of {global_batch}; "
+            f"use a global batch that is a multiple of {gpus}"
+        )
+    # Micro-batch sizes: powers of two dividing each replica's share of the batch.
+    per_replica = global_batch // (mesh[:, 0] * mesh[:, 4])
+    mbs_options = 2 ** np.arange(0, 1 + int(math.log2(max(1, per_replica.max()))))
+    rows, mbs = np.nonzero(per_replica[:, None] % mbs_options[None, :] == 0)
+    base = np.repeat(mesh[rows], len(ZERO_STAGES), axis=0)
+    micro = np.repeat(mbs_options[mbs], len(ZERO_STAGES))
+    zero = np.tile(np.array(ZERO_STAGES), len(rows))
+    dp, tp, pp, cp, ep = base.T
+    m = global_batch // (dp * ep * micro)
+    mesh_columns = {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": zero,
+                    "micro_batch": micro, "microbatches": m}
+
+    parts, priced, leanest = [], 0, np.inf
+    for code, (label, chunks) in enumerate(SCHEDULE_CHOICES):
+        # One stage has no schedule to choose; its memory and time are 1F1B's with p = 1.
+        schedule = "1f1b" if label == "none" else label
+        ok = pp == 1 if label == "none" else pp > 1
+        if schedule == "interleaved-1f1b":
+            ok &= (spec.n_layer % (pp * chunks) == 0) & (m % pp == 0)
+        if schedule == "zb-h1":
+            ok &= m >= pp
+        if schedule == "zb-h2":
+            ok &= m >= 2 * pp - 1
+        rows_ok = np.nonzero(ok)[0]
+        sizes = dict(micro_batch=micro[rows_ok], tp=tp[rows_ok], pp=pp[rows_ok], dp=dp[rows_ok],
+                     cp=cp[rows_ok], ep=ep[rows_ok], zero=zero[rows_ok])
+        for rc, recompute in enumerate(RECOMPUTE if len(rows_ok) else ()):
+            options = dict(seq=seq, schedule=schedule, chunks=chunks, recompute=recompute,
+                           precision=PRECISIONS[precision])
+            memory = memory_per_rank(spec, microbatches=m[rows_ok], **sizes, **options)
+            total = sum(memory.values())
+            priced += len(rows_ok)
+            leanest = min(leanest, float(total.min()))
+            keep = np.nonzero(total <= budget)[0]
+            if len(keep) == 0:
+                continue
+            index = rows_ok[keep]
+            times, comm, calls = step_time(spec, hw, global_batch=global_batch, dtype=dtype,
+                                           efficiency=efficiency, **options,
+                                           **{k: v[keep] for k, v in sizes.items()})
+            memory = {k: np.broadcast_to(v, total.shape)[keep] for k, v in memory.items()}
+            parts.append((index, code, rc, memory, times, comm, calls))
+
+    def cat(key_fn):
+        if not parts:
+            return np.zeros(0)
+        return np.concatenate([np.broadcast_to(key_fn(p), p[0].shape) for p in parts])
+
+    columns = {name: cat(lambda p, col=col: col[p[0]]) for name, col in mesh_columns.items()}
+    return Candidates(
+        columns=columns,
+        schedule=cat(lambda p: p[1]).astype(int),
+        recompute=cat(lambda p: p[2]).astype(int),
+        memory={k: cat(lambda p, k=k: p[3][k]) for k in MEMORY_KEYS},
+        times={k: cat(lambda p, k=k: p[4][k]) for k in (*TIME_KEYS, "total")},
+        stage={k: cat(lambda p, k=k: p[4]["stage"][k]) for k in ("F", "B", "W", "p2p")},
+        comm_bytes={k: cat(lambda p, k=k: p[5][k]) for k in COMM_KEYS},
+        part=np.concatenate([np.full(len(p[0]), k) for k, p in enumerate(parts)] or [np.zeros(0, int)]),
+        local=cat(lambda p: np.arange(len(p[0]))).astype(int),
+        calls=[p[6] for p in parts],
+        priced=priced,
+        leanest=leanest,
+    )
+
+
+def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = None,
+         seq: int | None = None, top: int = 5, precision: str = "bf16", dtype: str = "bfloat16",
+         efficiency: float = 0.75) -> dict:
+    """The `top` fastest plans that fit, best first, as plain dicts (the --json output)."""
+    global_batch = spec.global_batch if global_batch is None else global_batch
+    seq = spec.seq_len if seq is None else seq
+    c = enumerate_plans(spec, hw, gpus, global_batch, seq, precision, dtype, efficiency,
+                        budget=hw.memory_bytes)
+    if len(c) == 0:
+        raise ConfigError(
+            f"{spec.name} fits on no mesh of {gpus} {hw.name} GPUs: the leanest plan needs "
+            f"{c.leanest / 1e9:.1f} GB per GPU against {hw.memory_bytes / 1e9:.0f} GB; use more "
+            f"GPUs, a smaller global batch or a shorter sequence"
+        )
+    total_memory = sum(c.memory.values())
+    # Fastest first. Plans within 0.1% of each other's time are a tie, and the tie goes to the
+    # simpler plan: fewer parallel axes besides dp, then the lower ZeRO stage, then less memory.
+    seconds = c.times["total"]
+    bucket = np.floor(seconds / (seconds.min() * 1e-3))
+    axes = sum((c.columns[k] > 1).astype(int) for k in ("tp", "pp", "cp", "ep"))
+    order = np.lexsort((total_memory, c.columns["zero"], axes, bucket))[:top]
+    plans = []
+    for i in order:
+        step = float(c.times["total"][i])
+        mfu, tokens = throughput(spec, hw, step, global_batch=global_batch, seq=seq, gpus=gpus,
+                                 dtype=dtype)
+        plans.append({
+            "mesh": {k: int(c.columns[k][i]) for k in ("dp", "tp", "pp", "cp", "ep")},
+            "zero": int(c.columns["zero"][i]),
+            "micro_batch": int(c.columns["micro_batch"][i]),
+            "microbatches": int(c.columns["microbatches"][i]),
+            "schedule": SCHEDULE_CHOICES[c.schedule[i]][0],
+            "chunks": SCHEDULE_CHOICES[c.schedule[i]][1],
+            "recompute": RECOMPUTE[c.recompute[i]],
+            "memory_bytes": {k: float(c.memory[k][i]) for k in MEMORY_KEYS},
+            "time_s": {k: float(c.times[k][i]) for k in TIME_KEYS},
+            "comm_bytes": {k: float(v[i]) for k, v in c.comm_bytes.items()},
+            "collectives": c.collectives(i),
+            "stage_costs_s": {k: float(v[i]) for k, v in c.stage.items()},
+            "step_time_s": step,
+            "mfu": float(mfu),
+            "tokens_per_s": float(tokens),
+        })
+    return {
+        "model": spec.name, "hardware": hw.name, "gpus": gpus, "global_batch": global_batch,
+        "seq": seq, "candidates": c.priced, "fitting": len(c),
+        "memory_capacity_bytes": hw.memory_bytes, "plans": plans,
+    }

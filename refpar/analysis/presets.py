@@ -1,0 +1,178 @@
+"""Model presets for planning at scale: the shapes of published models, as the formulas read them.
+
+refpar trains GPT-2-shaped models (refpar.config.ModelConfig). The planner also needs the models
+people actually train at scale, which differ from GPT-2 in ways the memory and FLOP formulas must
+see. Each difference is a field of `ModelSpec`, not a separate code path:
+
+    mlp="swiglu"          three (h, f) matrices instead of two (Shazeer 2020); Llama's f is ~8h/3
+    n_kv_head < n_head    grouped-query attention (Ainslie et al. 2023): K and V are (h, n_kv*hs)
+    norm="rmsnorm"        weight only, no bias (Zhang & Sennrich 2019)
+    bias=False            no biases in the linear layers (Llama, Mixtral)
+    tied_embeddings=False a separate (h, V) LM head (Llama)
+    learned_positions     GPT-2/3 learn an (s, h) table; rotary embeddings (Llama) have no parameters
+    dropout               GPT-2/3 and Megatron keep dropout masks for backward; Llama trains without
+    n_experts > 0         MoE MLPs: n_experts routed experts of width moe_d_ff, top_k per token,
+                          n_shared_experts always-on experts (DeepSeekMoE, Dai et al. 2024), the
+                          first n_dense_layers blocks keep a dense MLP of width d_ff
+
+Legend: L layers, h = d_model, a heads, s sequence, V vocabulary, f MLP width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from refpar.config import ConfigError, ModelConfig
+
+MLPS = ("gelu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model's shape; every field is an input of the parameter, FLOP and memory formulas."""
+
+    name: str
+    n_layer: int  # L
+    d_model: int  # h
+    n_head: int  # a
+    vocab_size: int  # V
+    seq_len: int  # s the model was trained with (the default of `refpar plan --seq`)
+    global_batch: int  # sequences per step in the published run (the default of --global-batch)
+    d_ff: int = 0  # f; 0 means 4h (GPT)
+    n_kv_head: int = 0  # 0 means n_head (multi-head attention)
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    bias: bool = True
+    tied_embeddings: bool = True
+    learned_positions: bool = True
+    dropout: bool = True
+    n_experts: int = 0
+    top_k: int = 0
+    n_shared_experts: int = 0
+    moe_d_ff: int = 0
+    n_dense_layers: int = 0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.d_ff == 0:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        if self.n_kv_head == 0:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        if self.mlp not in MLPS:
+            raise ConfigError(f"unknown mlp {self.mlp!r}; choose one of {', '.join(MLPS)}")
+        if self.norm not in NORMS:
+            raise ConfigError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
+        if self.d_model % self.n_head or self.n_head % self.n_kv_head:
+            raise ConfigError(
+                f"{self.name}: n_head={self.n_head} must divide d_model={self.d_model} and be a "
+                f"multiple of n_kv_head={self.n_kv_head}"
+            )
+        if self.n_experts and not 0 < self.top_k <= self.n_experts:
+            raise ConfigError(f"{self.name}: top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
+
+    @property
+    def head_size(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): n_kv_head * head_size, h for multi-head attention."""
+        return self.n_kv_head * self.head_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layer - self.n_dense_layers if self.is_moe else 0
+
+
+def _gpt2(name: str, n_layer: int, d_model: int, n_head: int) -> ModelSpec:
+    # Radford et al. 2019, Table 2 (layers, d_model); heads from the released configs
+    # (n_head = d_model / 64). GPT-2 trained on 1024-token sequences, 512 per batch.
+    return ModelSpec(name, n_layer, d_model, n_head, vocab_size=50257, seq_len=1024,
+                     global_batch=512, source="Radford et al. 2019, Table 2")
+
+
+def _megatron(name: str, n_head: int, d_model: int, n_layer: int, batch: int) -> ModelSpec:
+    # Narayanan et al. 2021 (SC'21), Table 1: heads, hidden size, layers, batch size; the
+    # parameter formula of their eq. 2 uses V = 51,200 and s = 2048 (Section 5.1).
+    return ModelSpec(name, n_layer, d_model, n_head, vocab_size=51200, seq_len=2048,
+                     global_batch=batch, source="Narayanan et al. 2021, Table 1")
+
+
+def _llama(name: str, n_layer: int, d_model: int, n_head: int, n_kv_head: int, d_ff: int,
+           vocab: int, seq: int, batch: int, source: str) -> ModelSpec:
+    return ModelSpec(name, n_layer, d_model, n_head, vocab_size=vocab, seq_len=seq,
+                     global_batch=batch, d_ff=d_ff, n_kv_head=n_kv_head, mlp="swiglu",
+                     norm="rmsnorm", bias=False, tied_embeddings=False, learned_positions=False,
+                     dropout=False, source=source)
+
+
+PRESETS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in [
+        _gpt2("gpt2", 12, 768, 12),
+        _gpt2("gpt2-medium", 24, 1024, 16),
+        _gpt2("gpt2-large", 36, 1280, 20),
+        _gpt2("gpt2-xl", 48, 1600, 25),
+        # Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads, 2048 context; batch
+        # 3.2M tokens (~1536 sequences, the batch Narayanan et al. 2021 Section 5.2 uses).
+        ModelSpec("gpt3-175b", 96, 12288, 96, vocab_size=50257, seq_len=2048, global_batch=1536,
+                  source="Brown et al. 2020, Table 2.1"),
+        _megatron("megatron-1.7b", 24, 2304, 24, 512),
+        _megatron("megatron-3.6b", 32, 3072, 30, 512),
+        _megatron("megatron-7.5b", 32, 4096, 36, 512),
+        _megatron("megatron-18.4b", 48, 6144, 40, 1024),
+        _megatron("megatron-39.1b", 64, 8192, 48, 1536),
+        _megatron("megatron-76.1b", 80, 10240, 60, 1792),
+        _megatron("megatron-145.6b", 96, 12288, 80, 2304),
+        _megatron("megatron-310.1b", 128, 16384, 96, 2160),
+        _megatron("megatron-529.6b", 128, 20480, 105, 2520),
+        _megatron("megatron-1t", 160, 25600, 128, 3072),
+        # Touvron et al. 2023 (Llama 2), Table 1 and the released config.json: 4k context, 4M-token
+        # batches; the 70B uses GQA with 8 KV heads.
+        _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, 1024,
+               "Touvron et al. 2023, Table 1; Llama-2-7b config.json"),
+        _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, 1024,
+               "Touvron et al. 2023, Table 1; Llama-2-70b config.json"),
+        # Llama Team 2024 (The Llama 3 Herd of Models), Table 3: layers, width, FFN, heads, KV heads,
+        # vocabulary 128,000 (+256 special tokens in config.json); 8k context in pre-training. The
+        # 8B/70B batch is not published: 4M tokens (512 x 8192) is refpar's choice.
+        _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 512,
+               "Llama Team 2024, Table 3; Meta-Llama-3-8B config.json"),
+        _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 512,
+               "Llama Team 2024, Table 3; Meta-Llama-3-70B config.json"),
+        _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, 2048,
+               "Llama Team 2024, Table 3 and Section 3.4.1 (batch 16M tokens)"),
+        # Jiang et al. 2024 (Mixtral of Experts), Table 1: Mistral-7B's shape with 8 experts, top-2;
+        # the batch is not published (4M tokens here, as Llama 2).
+        replace(_llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 4096, 1024,
+                       "Jiang et al. 2024, Table 1; Mixtral-8x7B-v0.1 config.json"),
+                n_experts=8, top_k=2, moe_d_ff=14336),
+        # Dai et al. 2024 (DeepSeekMoE), Section 5 and the released deepseek-moe-16b config.json:
+        # 28 layers, first dense (f = 10944), then 64 fine-grained routed experts (f = 1408), top-6,
+        # plus 2 shared experts; multi-head attention, 4k context. The paper's batch is 4.5M tokens;
+        # 1024 x 4096 (4.2M) here so that it divides by powers of two.
+        replace(_llama("deepseek-moe-16b", 28, 2048, 16, 16, 10944, 102400, 4096, 1024,
+                       "Dai et al. 2024, Section 5; deepseek-moe-16b-base config.json"),
+                n_experts=64, top_k=6, n_shared_experts=2, moe_d_ff=1408, n_dense_layers=1),
+    ]
+}
+
+
+def from_model_config(config: ModelConfig, global_batch: int = 1) -> ModelSpec:
+    """The spec of a model refpar trains (GPT-2's shape, refpar.config.ModelConfig), so a small
+    run's ledger and trace can be set against the same formulas the planner uses."""
+    return ModelSpec("refpar", config.n_layer, config.n_embd, config.n_head,
+                     vocab_size=config.vocab_size, seq_len=config.n_positions,
+                     global_batch=global_batch, dropout=config.dropout > 0)
+
+
+def preset(name: str) -> ModelSpec:
+    """The named model, or one sentence listing the names there are."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]

@@ -1,0 +1,237 @@
+"""Memory per rank, by category, for any mesh: the closed forms the planner searches with.
+
+Legend: L layers, h = d_model, a heads, kv = K/V width, f MLP width, V vocabulary, s sequence,
+b micro-batch size, t tensor-parallel size, p pipeline stages, m micro-batches per step, c
+context-parallel size, e expert-parallel size, d data-parallel size, v model chunks per stage.
+
+The mesh is refpar's (config.MESH_AXES): world = p * d * e * c * t. The batch is split over d * e
+(expert parallelism takes its ranks from the data-parallel ones, as in Megatron-Core and
+DeepSpeed-MoE), the sequence over c. So the non-expert weights are replicated over d * e * c
+ranks and the experts over d * c: these are the groups ZeRO shards over.
+
+Categories are the ledger's (refpar.memory.CATEGORIES). Where a small refpar run has a ledger,
+these functions take its inputs: `Precision(param=8, grad=8, master=0, optimizer=16,
+activation=8)` describes a float64 AdamW run.
+
+Every size argument may be an int or a NumPy array; arrays broadcast, so one call prices every
+candidate mesh of a search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from refpar.analysis.flops import layer_params
+from refpar.analysis.presets import ModelSpec
+from refpar.config import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of state (Rajbhandari et al. 2020, Section 3.1: 2 + 2 + K)."""
+
+    param: int = 2  # the weights forward and backward read (bf16)
+    grad: int = 2  # their gradients (bf16)
+    master: int = 4  # fp32 master weights; 0 when the weights are already full precision
+    optimizer: int = 8  # Adam's m and v in fp32 (with `master`, the ZeRO paper's K = 12)
+    grad_accum: int = 0  # an fp32 gradient accumulation buffer (Megatron's main_grad)
+    activation: int = 2
+    mask: int = 1  # a dropout mask element (Korthikanti et al. 2022, Section 4.1)
+
+
+PRECISIONS = {
+    # Mixed precision with Adam (Micikevicius et al. 2018; ZeRO's K = 12): 16 bytes per parameter.
+    "bf16": Precision(),
+    # The same with fp32 gradient accumulation: 20 bytes per parameter (HF Ultra-Scale Playbook,
+    # "Memory usage in Transformers": 2 + 2 + 4 + 8 + 4).
+    "bf16-fp32-accum": Precision(grad_accum=4),
+    # refpar's own float64 runs: weights, gradients and Adam's m and v all float64, no master copy.
+    "float64": Precision(param=8, grad=8, master=0, optimizer=16, activation=8),
+}
+
+
+def in_flight(schedule: str, pp, m, chunks=1):
+    """(first stage, last stage) micro-batches whose activations are held at the peak.
+
+    GPipe keeps all m (Huang et al. 2019). 1F1B keeps p on the first stage and one on the last
+    (Narayanan et al. 2021, Section 2.2.1). Interleaving with v chunks keeps p (1 + (p-1)/(pv))
+    on the first (Korthikanti et al. 2022, Section 4.2.3); its last stage warms up (v-1)p + 1
+    chunks of one v-th of the layers (Megatron-LM's interleaved schedule). ZB-H1 keeps 1F1B's
+    peak, ZB-H2 2p - 1 (Qi et al. 2023, Table 1).
+    """
+    pp, m = np.asarray(pp), np.asarray(m)
+    if schedule == "gpipe":
+        return m, m
+    if schedule in ("1f1b", "zb-h1"):
+        return np.minimum(pp, m), np.ones_like(pp)
+    if schedule == "interleaved-1f1b":
+        return pp + (pp - 1) / chunks, ((chunks - 1) * pp + 1) / chunks
+    if schedule == "zb-h2":
+        return np.minimum(2 * pp - 1, m), np.ones_like(pp)
+    raise ConfigError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=False,
+                           recompute="none", precision: Precision = PRECISIONS["bf16"], moe=False):
+    """Bytes one block keeps for backward, per micro-batch, on one rank.
+
+    Korthikanti et al. 2022, Section 4.1, term by term, with GQA, SwiGLU, MoE and dropout-free
+    models as parameters. For a GPT block in fp16 with 1-byte dropout masks this is their Table 2:
+    s b h (34 + 5 a s / h) with no parallelism, s b h (10 + 24/t + 5 a s / (h t)) with tensor
+    parallelism, s b h / t (34 + 5 a s / h) with sequence parallelism too; "selective" drops the
+    5 a s / h term (the attention core is recomputed, as flash attention does); "full" keeps only
+    the block's input, 2 s b h (/ t with sequence parallelism).
+    """
+    e, h, kv = precision.activation, spec.d_model, spec.kv_dim
+    mk = precision.mask if spec.dropout else 0
+    n = micro_batch * seq / cp  # tokens this rank holds
+    sp_div = np.where(sp, tp, 1)
+    if recompute == "full":
+        return e * n * h / sp_div
+    # Outside the tensor-parallel region: the two norm inputs, the inputs of the QKV and first
+    # MLP matmuls, the two residual dropout masks. Sequence parallelism splits them by t.
+    outside = (4 * e + 2 * mk) * n * h / sp_div
+    # Inside: Q and K for QK^T, V, the output projection's input, the MLP's hidden activations.
+    if moe:
+        # Each token's k dispatched copies (the routed experts' first input) and the hidden
+        # activations of its k routed and the shared experts; the router reads the norm output.
+        experts = spec.top_k + spec.n_shared_experts
+        hidden = spec.top_k * h + experts * (3 if spec.mlp == "swiglu" else 2) * spec.moe_d_ff
+    else:
+        hidden = (3 if spec.mlp == "swiglu" else 2) * spec.d_ff  # gelu: its input, fc2's input
+    inside = e * n * (h + kv + kv + h + hidden) / tp
+    if recompute == "selective":
+        return outside + inside
+    # Softmax output, its dropout mask, and the dropped-out probabilities V is multiplied by:
+    # 5 a s^2 b in Korthikanti's count; 2 a s^2 b without dropout. Queries are the rank's own
+    # s / c, keys all s.
+    score_bytes = e + (mk + e if spec.dropout else 0)
+    scores = score_bytes * (spec.n_head / tp) * micro_batch * (seq / cp) * seq
+    return outside + inside + scores
+
+
+def model_states(params, zero, group, precision: Precision = PRECISIONS["bf16"], expert_params=0,
+                 expert_group=1):
+    """Bytes of weights, gradients and optimizer state per rank (Rajbhandari et al. 2020, Figure 1).
+
+    `params` weights are replicated over `group` ranks, `expert_params` over `expert_group`.
+    ZeRO stage 1 shards the optimizer state (K = master + Adam's m and v), stage 2 the gradients
+    too, stage 3 the weights too: (2 + 2 + K) psi, 2 psi + 2 psi + K psi / N_d, 2 psi +
+    (2 + K) psi / N_d, (2 + 2 + K) psi / N_d.
+    """
+    zero = np.asarray(zero)
+
+    def sharded(stage):
+        return params / np.where(zero >= stage, group, 1) + expert_params / np.where(
+            zero >= stage, expert_group, 1)
+
+    return {
+        "params": precision.param * sharded(3),
+        "grads": (precision.grad + precision.grad_accum) * sharded(2),
+        "optimizer": (precision.master + precision.optimizer) * sharded(1),
+    }
+
+
+def _stage_layers(spec: ModelSpec, pp):
+    """(dense, moe) layer counts on the first and on the last stage: the dense layers come first."""
+    per_stage = spec.n_layer / np.asarray(pp)
+    n_dense = spec.n_layer - spec.n_moe_layers
+    first_dense = np.minimum(n_dense, per_stage)
+    last_dense = np.clip(n_dense - (spec.n_layer - per_stage), 0, per_stage)
+    return (first_dense, per_stage - first_dense), (last_dense, per_stage - last_dense)
+
+
+def stage_params(spec: ModelSpec, tp, pp, ep):
+    """((shared, expert) on the first stage, (shared, expert) on the last): one rank's weights.
+
+    Shared weights are split by t (Megatron's column/row split; norms, row-parallel biases and
+    the router whole), experts by e and t. The first stage holds the embedding (vocabulary split
+    by t), the last the final norm and the LM head; a tied head is a second copy of the
+    embedding when the two are on different stages (Megatron keeps both and all-reduces their
+    gradients).
+    """
+    tp, pp, ep = np.asarray(tp), np.asarray(pp), np.asarray(ep)
+    h, V = spec.d_model, spec.vocab_size
+    dense, moe = layer_params(spec, False), layer_params(spec, True)
+
+    def blocks(nd, nm):
+        shared = nd * (dense.split / tp + dense.replicated) + nm * (moe.split / tp + moe.replicated)
+        return shared, nm * moe.experts / (ep * tp)
+
+    norm = 2 * h if spec.norm == "layernorm" else h
+    embed = V * h / tp + (spec.seq_len * h if spec.learned_positions else 0)
+    head = norm + np.where(spec.tied_embeddings & (pp == 1), 0, V * h / tp)
+    (fd, fm), (ld, lm) = _stage_layers(spec, pp)
+    first_shared, first_expert = blocks(fd, fm)
+    last_shared, last_expert = blocks(ld, lm)
+    first_shared = first_shared + embed + np.where(pp == 1, head, 0)
+    last_shared = last_shared + head + np.where(pp == 1, embed, 0)
+    return (first_shared, first_expert), (last_shared, last_expert)
+
+
+def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1, ep=1, zero=0,
+                    schedule="1f1b", microbatches=1, chunks=1, recompute="none", sp=None,
+                    precision: Precision = PRECISIONS["bf16"]):
+    """Peak bytes per rank by category on the stage that needs the most (first or last).
+
+    params, grads, optimizer: ZeRO stage 1 shards the optimizer state (master weights included),
+    2 the gradients too, 3 the weights too (Rajbhandari et al. 2020, Section 5 and Figure 1),
+    over the ranks that hold the same weights. activations: `layer_activation_bytes` times the
+    layers of a stage times the micro-batches the schedule holds, plus the embedding's dropout
+    mask on the first stage and the final norm, head input and fp32 logits on the last
+    (Korthikanti et al. 2022, Section 4.3). comm: send and receive buffers of one activation for
+    the pipeline, and ZeRO-3's two gathered blocks (the one computing and the one prefetched).
+    sp defaults to on whenever tp > 1 (it costs no extra bytes on the wire: Korthikanti et al.
+    2022, Section 4.2.2).
+    """
+    tp, pp, dp, cp, ep, zero = (np.asarray(x) for x in (tp, pp, dp, cp, ep, zero))
+    sp = tp > 1 if sp is None else np.asarray(sp)
+    pr, h, V = precision, spec.d_model, spec.vocab_size
+    dense, moe = layer_params(spec, False), layer_params(spec, True)
+    (fd, fm), (ld, lm) = _stage_layers(spec, pp)
+    (first_shared, first_expert), (last_shared, last_expert) = stage_params(spec, tp, pp, ep)
+
+    def states(shared, expert):
+        return model_states(shared, zero, dp * ep * cp, pr, expert, dp * cp)
+
+    first_hold, last_hold = in_flight(schedule, pp, microbatches, chunks)
+    act_kw = dict(tp=tp, cp=cp, sp=sp, precision=pr)
+    per_layer = {
+        kind: layer_activation_bytes(spec, micro_batch, seq, recompute=recompute, moe=kind, **act_kw)
+        for kind in (False, True)
+    }
+    n = micro_batch * seq / cp
+    sp_div = np.where(sp, tp, 1)
+    mk = pr.mask if spec.dropout else 0
+    embed_act = mk * n * h / sp_div
+    head_act = 2 * pr.activation * n * h / sp_div + 4 * n * V / tp
+    # Full recomputation rebuilds one block's activations during its backward: a working set.
+    working = 0
+    if recompute == "full":
+        working = layer_activation_bytes(spec, micro_batch, seq, recompute="none",
+                                         moe=spec.is_moe, **act_kw)
+
+    def activations(nd, nm, hold, extra):
+        return (nd * per_layer[False] + nm * per_layer[True]) * hold + extra + working
+
+    p2p = np.where(pp > 1, 2 * pr.activation * n * h / sp_div, 0)
+    biggest_block = np.maximum(dense.split / tp, (moe.split + moe.experts / ep) / tp)
+    gathered = np.where(zero >= 3, 2 * pr.param * biggest_block, 0)
+    first = states(first_shared, first_expert)
+    first["activations"] = activations(fd, fm, first_hold, first_hold * embed_act
+                                       + np.where(pp == 1, head_act, 0))
+    last = states(last_shared, last_expert)
+    last["activations"] = activations(ld, lm, last_hold, head_act
+                                      + np.where(pp == 1, last_hold * embed_act, 0))
+    for stage in (first, last):
+        stage["comm"] = p2p + gathered
+    use_first = sum(first.values()) >= sum(last.values())
+    return {k: np.where(use_first, first[k], last[k]) for k in first}
+
+
+def total_bytes(memory: dict):
+    return sum(memory.values())

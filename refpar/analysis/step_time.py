@@ -1,0 +1,276 @@
+"""Communication bytes per rank by axis, alpha-beta times, pipeline time, step time and MFU.
+
+Legend as in refpar/analysis/scale.py: t tensor, p pipeline, d data, c context, e expert
+parallel sizes; b micro-batch size, s sequence, m micro-batches per step, v chunks per stage.
+
+Ranks are laid out as refpar's DeviceMesh lays them (pp slowest, then dp, ep, cp, tp fastest,
+as Megatron does), so an axis's group lies inside one node when its stride times its size is at
+most the node's GPU count, and then runs over NVLink; otherwise over InfiniBand.
+
+Collective costs: refpar.comm.cost's alpha-beta times (Thakur, Rabenseifner and Gropp 2005) for
+the ring (pairwise for all-to-all) with the link's bandwidth and per-step latency, plus NCCL's
+per-call latency; an all-reduce may take a double binary tree instead. Bytes per rank, S the full
+buffer, n ranks: ring all-reduce 2 (n-1)/n S, all-gather and reduce-scatter (n-1)/n S, all-to-all
+(n-1)/n S (the even-split forms of cost.py's exact per-rank counts). An all-reduce takes
+whichever of ring and tree is faster. Every size argument may be a NumPy array (see scale.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refpar.analysis.flops import forward_flops, model_flops
+from refpar.analysis.hardware import Hardware
+from refpar.analysis.presets import ModelSpec
+from refpar.analysis.scale import PRECISIONS, Precision, layer_activation_bytes, stage_params
+from refpar.comm import cost
+
+AXES = ("pp", "dp", "ep", "cp", "tp")  # slowest- to fastest-varying (refpar.config.MESH_AXES)
+
+
+def link(hw: Hardware, sizes: dict, axis: str):
+    """(bandwidth, step latency) of an axis's group: NVLink inside a node, InfiniBand across."""
+    stride = 1
+    for name in AXES[AXES.index(axis) + 1:]:
+        stride = stride * np.asarray(sizes.get(name, 1))
+    inside = stride * np.asarray(sizes.get(axis, 1)) <= hw.gpus_per_node
+    return (np.where(inside, hw.nvlink_bandwidth, hw.ib_bandwidth),
+            np.where(inside, hw.nvlink_latency, hw.ib_latency))
+
+
+def collective_bytes(op: str, size, n):
+    """Bytes one rank sends in a bandwidth-optimal `op` of a `size`-byte buffer over n ranks."""
+    n = np.asarray(n)
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * size
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * size
+    if op == "send":
+        return size * np.ones_like(n)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def collective_time(op: str, size, n, bandwidth, latency, call_latency):
+    """Alpha-beta time of one collective; all-reduce picks the faster of ring and tree."""
+    return collective_choice(op, size, n, bandwidth, latency, call_latency)[0]
+
+
+def _ring_time(op: str, size, n, bandwidth, latency):
+    """refpar.comm.cost.alpha_beta_time for every entry. Its times are affine in the bytes, so it
+    is called twice per distinct (link, ranks) and the line is applied to every message size:
+    a search has tens of thousands of candidates but only a few groups and links."""
+    size, n, bw, lat = np.broadcast_arrays(*(np.asarray(x, float) for x in (size, n, bandwidth, latency)))
+    out = np.zeros(size.shape)
+    big = 1e12  # bytes: far enough from zero that the slope keeps its digits
+    for b in np.unique(bw):
+        on_link = bw == b
+        for a in np.unique(lat[on_link]):
+            same = on_link & (lat == a)
+            for p in np.unique(n[same]):
+                where = same & (n == p)
+                t0 = cost.alpha_beta_time(op, "native", 0, int(p), alpha=a, bandwidth=b)
+                slope = (cost.alpha_beta_time(op, "native", big, int(p), alpha=a, bandwidth=b) - t0) / big
+                out[where] = t0 + slope * size[where]
+    return out
+
+
+def collective_choice(op: str, size, n, bandwidth, latency, call_latency):
+    """(seconds, algorithm) of one collective: the ring (pairwise for all-to-all) as
+    refpar.comm.cost prices it, plus NCCL's per-call latency; an all-reduce takes NCCL's double
+    binary tree (2 log2(n) latency steps, 2 S bytes: Sanders, Speck and Traeff 2009) where that is
+    faster, and names it "tree"."""
+    n = np.asarray(n)
+    if op == "send":
+        return call_latency + _ring_time("send", size, np.full(np.shape(n), 2), bandwidth, latency), "p2p"
+    ring = call_latency + _ring_time(op, size, n, bandwidth, latency)
+    if op != "all_reduce":
+        return np.where(n > 1, ring, 0.0), "pairwise" if op == "all_to_all" else "ring"
+    tree = call_latency + 2 * np.log2(np.maximum(n, 2)) * latency + 2 * size / bandwidth
+    return np.where(n > 1, np.minimum(ring, tree), 0.0), np.where(tree < ring, "tree", "ring")
+
+
+def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1):
+    """(work, bubble, exposed p2p) of one step on the busiest stage, in seconds.
+
+    F, B, W: one micro-batch's forward, input-gradient and weight-gradient time on a whole stage
+    (a chunk of an interleaved stage takes a v-th of each); p2p: one activation transfer.
+    With p2p = 0 these are the makespans `schedules.simulate` gives for the builders' schedules:
+    GPipe and 1F1B idle (p-1)(F+B+W) (Narayanan et al. 2021, eq. 1), interleaving divides that by
+    v (Section 2.2.2), ZB-H1 idles (p-1)(F+B-W) (Qi et al. 2023, Section 3; the simulator's
+    max(F, W) + B - W where W > F), ZB-H2 (p-1)(F+B-2W) in steady state but at least the (p-1) F
+    it takes the first forward to reach the last stage (m >= 2p - 1). Transfers are priced as
+    blocking, every micro-batch and chunk, both ways: an upper bound on the simulator's.
+    """
+    if schedule == "interleaved-1f1b":
+        bubble = (pp - 1) / chunks * (F + B + W)
+    elif schedule == "zb-h1":
+        bubble = (pp - 1) * (np.maximum(F, W) + B - W)
+    elif schedule == "zb-h2":
+        bubble = (pp - 1) * np.maximum(F, F + B - 2 * W)
+    else:
+        bubble = (pp - 1) * (F + B + W)
+    comm = np.where(pp > 1, 2 * (m * chunks + pp - 1) * p2p, 0.0)
+    return m * (F + B + W), bubble, comm
+
+
+def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, tp=1, pp=1, dp=1,
+              cp=1, ep=1, zero=0, schedule="1f1b", chunks=1, recompute="none", sp=None,
+              precision: Precision = PRECISIONS["bf16"], dtype="bfloat16", efficiency=0.75):
+    """Predicted time of one optimizer step, split by cause, with bytes per rank per axis.
+
+    `efficiency` is the fraction of peak FLOP/s the matmuls reach; it is an assumption of the
+    model, not a measurement (large bf16 GEMMs on A100/H100 reach 70-80% of peak in cuBLAS's
+    published benchmarks; Narayanan et al. 2021 report 52% of peak end-to-end at 1T).
+
+    Returns (times, bytes, calls): times has compute, bubble, tp, cp, ep, pp, dp, optimizer and
+    total in seconds (communication entries are the exposed part), and under "stage" one
+    micro-batch's F, B (input gradient), W (weight gradient) and p2p times on the busiest stage;
+    bytes is sent per rank per
+    step by axis; calls names each collective ("tp.all_reduce", "dp.experts.reduce_scatter", ...)
+    with (axis, op, message bytes, ranks, calls per step, seconds per call, algorithm).
+    """
+    tp, pp, dp, cp, ep, zero = (np.asarray(x) for x in (tp, pp, dp, cp, ep, zero))
+    sp = tp > 1 if sp is None else np.asarray(sp)
+    sizes = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep}
+    m = global_batch / (dp * ep * micro_batch)
+    e, h = precision.activation, spec.d_model
+    rate = hw.flops(dtype) * efficiency
+    cl = hw.call_latency
+
+    # Compute per micro-batch on the heaviest stage: its share of the blocks plus the logits.
+    layers, core, logits = forward_flops(spec, micro_batch, seq)
+    split = tp * cp
+    t_fwd = (layers + core) / pp / split / rate
+    t_logits = logits / split / rate
+    # Norms, activations, softmax, dropout and residual adds are memory-bound (the roofline,
+    # Williams et al. 2009): each tensor Korthikanti et al. count is written by one kernel and read
+    # by the next, at HBM bandwidth; backward moves twice as much. Where the attention core is
+    # fused (flash attention, which "selective" stands for) its scores never reach memory.
+    kept = "selective" if recompute == "selective" else "none"
+    stored = sum(count * layer_activation_bytes(spec, micro_batch, seq, tp=tp, cp=cp, sp=sp,
+                                                precision=precision, recompute=kept, moe=moe)
+                 for count, moe in ((spec.n_layer - spec.n_moe_layers, False), (spec.n_moe_layers, True))
+                 if count)
+    t_memory = 2 * stored / pp / hw.hbm_bandwidth
+    extra = {"none": 0.0, "selective": core / pp / split / rate, "full": t_fwd + t_memory}[recompute]
+    compute_f = t_fwd + t_logits + t_memory
+    compute_b = 2 * compute_f + extra
+
+    # Tensor parallelism: per block per micro-batch two all-reduces of the (b, s/c, h) activation
+    # forward and two backward, two more when full recomputation reruns the forward (Korthikanti
+    # et al. 2022, Section 4.2.2: with sequence parallelism the same bytes move as reduce-scatter
+    # plus all-gather pairs).
+    n_tok = micro_batch * seq / cp
+    act = e * n_tok * h
+    layers_per_stage = spec.n_layer / pp
+    bw, lat = link(hw, sizes, "tp")
+    t_ar, tp_algo = collective_choice("all_reduce", act, tp, bw, lat, cl)
+    n_bwd_ar = 2 + (2 if recompute == "full" else 0)
+    tp_f = layers_per_stage * 2 * t_ar
+    tp_b = layers_per_stage * n_bwd_ar * t_ar
+    tp_bytes = m * layers_per_stage * (2 + n_bwd_ar) * collective_bytes("all_reduce", act, tp)
+    calls = {"tp.all_reduce": ("tp", "all_reduce", act, tp, m * layers_per_stage * (2 + n_bwd_ar),
+                               t_ar, tp_algo)}
+
+    # Context parallelism (ring attention, Liu et al. 2023): K and V pass around the ring, c - 1
+    # hops forward; backward passes them again with their gradients. It overlaps the attention core.
+    bw, lat = link(hw, sizes, "cp")
+    kv = 2 * e * n_tok * spec.kv_dim / tp
+    hop = collective_time("send", kv, cp, bw, lat, cl)
+    cp_f = layers_per_stage * np.where(cp > 1, (cp - 1) * hop, 0)
+    core_t = core / pp / split / rate
+    cp_exposed_f = np.maximum(0, cp_f - core_t)
+    cp_exposed_b = np.maximum(0, 2 * cp_f - 2 * core_t)
+    cp_bytes = m * layers_per_stage * 3 * (cp - 1) * kv
+    calls["cp.send"] = ("cp", "send", kv, cp, m * layers_per_stage * 3 * (cp - 1), hop, "ring")
+
+    # Expert parallelism: dispatch and combine all-to-alls of the k copies of each token, forward
+    # and backward (Lepikhin et al. 2021), per MoE block.
+    bw, lat = link(hw, sizes, "ep")
+    moe_per_stage = spec.n_moe_layers / pp
+    a2a = e * n_tok * max(spec.top_k, 1) * h
+    t_a2a, ep_algo = collective_choice("all_to_all", a2a, ep, bw, lat, cl)
+    ep_f = moe_per_stage * 2 * t_a2a
+    ep_b = moe_per_stage * (2 + (2 if recompute == "full" else 0)) * t_a2a
+    ep_bytes = m * moe_per_stage * (4 + (2 if recompute == "full" else 0)) * collective_bytes(
+        "all_to_all", a2a, ep)
+    calls["ep.all_to_all"] = ("ep", "all_to_all", a2a, ep,
+                              m * moe_per_stage * (4 + (2 if recompute == "full" else 0)), t_a2a, ep_algo)
+
+    # Pipeline: one activation forward and one gradient backward per micro-batch and chunk;
+    # sequence parallelism sends the t-th part (Narayanan et al. 2021, Section 4.1 scatter/gather).
+    bw, lat = link(hw, sizes, "pp")
+    p2p_size = e * n_tok * h / np.where(sp, tp, 1)
+    p2p = np.where(pp > 1, collective_time("send", p2p_size, 2, bw, lat, cl), 0)
+    pp_bytes = np.where(pp > 1, 2 * m * chunks * p2p_size, 0)
+    calls["pp.send"] = ("pp", "send", p2p_size, pp, 2 * m * chunks, p2p, "p2p")
+
+    t_f = compute_f + tp_f + cp_exposed_f + ep_f
+    t_b = compute_b + tp_b + cp_exposed_b + ep_b
+    # The weight-gradient half of the backward: the same matmul FLOPs as the forward.
+    t_w = compute_f
+    work, bubble, pipe_comm = pipeline_time(schedule, pp, m, t_f, t_b - t_w, t_w, p2p, chunks)
+
+    # Data parallelism over the replicas of each weight of the heaviest stage (scale.py): the
+    # gradient reduction of stages 0 and 1 runs once and overlaps the last micro-batch's backward
+    # (Li et al. 2020, PyTorch DDP buckets); stage 2 reduce-scatters each micro-batch's gradients
+    # during its backward; stage 3 also gathers the weights before forward and backward
+    # (Rajbhandari et al. 2020, Section 7).
+    (fs, fe), (ls, le) = stage_params(spec, tp, pp, ep)
+    first_heavier = fs + fe >= ls + le
+    shared, expert = np.where(first_heavier, fs, ls), np.where(first_heavier, fe, le)
+    dp_time, dp_bytes = 0.0, 0.0
+    groups = (("dp", shared, {"dp": dp, "ep": ep, "cp": cp}), ("dp.experts", expert, {"dp": dp, "cp": cp}))
+    for name, params, group_sizes in groups:
+        n = group_sizes["dp"] * group_sizes["cp"] * group_sizes.get("ep", 1)
+        # The group spans the slowest of its axes: its link is that axis's.
+        bw, lat = link(hw, {**sizes, **group_sizes}, "dp")
+        g, w = params * precision.grad, params * precision.param
+        t_ar, ar_algo = collective_choice("all_reduce", g, n, bw, lat, cl)
+        t_rs = collective_time("reduce_scatter", g, n, bw, lat, cl)
+        t_ag = collective_time("all_gather", w, n, bw, lat, cl)
+        once = np.where(zero == 0, t_ar, t_rs + t_ag)
+        z0 = np.maximum(0, once - t_b)
+        z2 = m * np.maximum(0, t_rs - t_b) + t_ag
+        z3 = m * np.maximum(0, 2 * t_ag + t_rs - (t_f + t_b))
+        dp_time = dp_time + np.select([zero <= 1, zero == 2], [z0, z2], z3)
+        dp_bytes = dp_bytes + np.select(
+            [zero == 0, zero == 1, zero == 2],
+            [collective_bytes("all_reduce", g, n),
+             collective_bytes("reduce_scatter", g, n) + collective_bytes("all_gather", w, n),
+             m * collective_bytes("reduce_scatter", g, n) + collective_bytes("all_gather", w, n)],
+            m * (collective_bytes("reduce_scatter", g, n) + 2 * collective_bytes("all_gather", w, n)))
+        calls[f"{name}.all_reduce"] = ("dp", "all_reduce", g, n, np.where(zero == 0, 1, 0), t_ar, ar_algo)
+        calls[f"{name}.reduce_scatter"] = ("dp", "reduce_scatter", g, n,
+                                           np.select([zero == 0, zero == 1], [0, 1], m), t_rs, "ring")
+        calls[f"{name}.all_gather"] = ("dp", "all_gather", w, n,
+                                       np.select([zero == 0, zero <= 2], [0, 1], 2 * m), t_ag, "ring")
+
+    # The optimizer step is memory-bound: read master, m, v and the gradient, write master, m, v
+    # and the bf16 weights, for the rank's shard.
+    local = shared / np.where(zero >= 1, dp * ep * cp, 1) + expert / np.where(zero >= 1, dp * cp, 1)
+    touched = local * (2 * (precision.master + precision.optimizer) + precision.grad + precision.param)
+    optimizer = touched / hw.hbm_bandwidth
+
+    times = {
+        "compute": m * (compute_f + compute_b),
+        "bubble": bubble,
+        "tp": m * (tp_f + tp_b),
+        "cp": m * (cp_exposed_f + cp_exposed_b),
+        "ep": m * (ep_f + ep_b),
+        "pp": pipe_comm,
+        "dp": dp_time,
+        "optimizer": optimizer,
+    }
+    times["total"] = work + pipe_comm + bubble + dp_time + optimizer
+    # One micro-batch on one stage, for schedules.simulate (analysis/timeline.py).
+    times["stage"] = {"F": t_f, "B": t_b - t_w, "W": t_w, "p2p": p2p}
+    comm_bytes = {"tp": tp_bytes, "cp": cp_bytes, "ep": ep_bytes, "pp": pp_bytes, "dp": dp_bytes}
+    return times, comm_bytes, calls
+
+
+def throughput(spec: ModelSpec, hw: Hardware, step_seconds, *, global_batch, seq, gpus,
+               dtype="bfloat16"):
+    """(MFU, tokens/s): model FLOPs without recomputation over peak (Chowdhery et al. 2022, App. B)."""
+    mfu = model_flops(spec, global_batch, seq) / (step_seconds * gpus * hw.flops(dtype))
+    return mfu, global_batch * seq / step_seconds

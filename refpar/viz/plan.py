@@ -1,0 +1,41 @@
+"""Figures of a `refpar plan` result: where each plan's memory and step time go.
+
+Data in (the dict `refpar.analysis.planner.plan` returns, the `refpar plan --json` object), a
+Plotly figure out; the app's Plan page lays these out.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+
+def plan_label(p: dict) -> str:
+    """`dp=16 tp=8 pp=32 zero=1 zb-h2 selective`: the mesh axes above 1 and the options."""
+    mesh = " ".join(f"{k}={v}" for k, v in p["mesh"].items() if v > 1) or "one GPU"
+    chunks = f" v={p['chunks']}" if p["chunks"] > 1 else ""
+    return f"{mesh} zero={p['zero']} {p['schedule']}{chunks} {p['recompute']}"
+
+
+def plan_figure(result: dict) -> go.Figure:
+    """Two stacked horizontal bars per plan: memory per GPU by category (GB, with the GPU's
+    capacity as a line when `memory_capacity_bytes` is given) and step time by cause (s)."""
+    plans = result["plans"]
+    labels = [f"{i + 1}. {plan_label(p)}" for i, p in enumerate(plans)]
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=("memory per GPU (GB)", "step time (s)"))
+    for category in plans[0]["memory_bytes"] if plans else ():
+        fig.add_trace(go.Bar(y=labels, x=[p["memory_bytes"][category] / 1e9 for p in plans],
+                             name=category, orientation="h", legendgroup="memory"), row=1, col=1)
+    for cause in plans[0]["time_s"] if plans else ():
+        fig.add_trace(go.Bar(y=labels, x=[p["time_s"][cause] for p in plans], name=cause,
+                             orientation="h", legendgroup="time"), row=1, col=2)
+    if "memory_capacity_bytes" in result:
+        fig.add_vline(x=result["memory_capacity_bytes"] / 1e9, line_dash="dash", row=1, col=1)
+    fig.update_layout(
+        barmode="stack",
+        title=f"{result['model']} on {result['gpus']} {result['hardware']} GPUs: "
+              f"{result['fitting']} of {result['candidates']} plans fit",
+        yaxis={"autorange": "reversed"},
+    )
+    return fig

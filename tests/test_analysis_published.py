@@ -1,0 +1,268 @@
+"""The closed forms of refpar.analysis reproduce published tables; each test names its source."""
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from refpar.analysis.flops import param_counts, step_flops
+from refpar.analysis.memory import paper_model_state_bytes
+from refpar.analysis.presets import PRESETS, ModelSpec
+from refpar.analysis.scale import (
+    PRECISIONS,
+    Precision,
+    layer_activation_bytes,
+    memory_per_rank,
+    model_states,
+)
+
+MEGATRON = [name for name in PRESETS if name.startswith("megatron-")]
+# Narayanan et al. 2021, Table 1, "Number of parameters (billion)".
+MEGATRON_TABLE1_BILLIONS = [1.7, 3.6, 7.5, 18.4, 39.1, 76.1, 145.6, 310.1, 529.6, 1008.0]
+
+
+def test_megatron_2021_table1_parameter_counts_from_their_shapes():
+    for name, published in zip(MEGATRON, MEGATRON_TABLE1_BILLIONS, strict=True):
+        spec = PRESETS[name]
+        l, h, V, s = spec.n_layer, spec.d_model, spec.vocab_size, spec.seq_len
+        # Narayanan et al. 2021, eq. 2: P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)); refpar also
+        # counts the final LayerNorm (2h), which eq. 2 leaves out.
+        eq2 = 12 * l * h * h + 13 * l * h + (V + s) * h
+        assert param_counts(spec).total == eq2 + 2 * h
+        assert round(param_counts(spec).total / 1e9, 1) == published, name
+
+
+@pytest.mark.parametrize(
+    "name, released",
+    [
+        # Parameter counts of the released checkpoints (the sum of their tensors' sizes).
+        ("gpt2", 124_439_808),
+        ("gpt2-xl", 1_557_611_200),
+        ("llama2-7b", 6_738_415_616),
+        ("llama3-8b", 8_030_261_248),
+        ("llama3-70b", 70_553_706_496),
+        ("mixtral-8x7b", 46_702_792_704),
+    ],
+)
+def test_parameter_counts_equal_released_checkpoints(name, released):
+    assert param_counts(PRESETS[name]).total == released
+
+
+def test_moe_active_parameters_match_the_papers():
+    # Jiang et al. 2024, Section 1: Mixtral has 47B parameters, 13B active per token.
+    mixtral = param_counts(PRESETS["mixtral-8x7b"])
+    assert round(mixtral.total / 1e9) == 47 and round(mixtral.active / 1e9) == 13
+    # Dai et al. 2024, Table 1 / Section 5: DeepSeekMoE 16B has 16.4B total, 2.8B activated.
+    deepseek = param_counts(PRESETS["deepseek-moe-16b"])
+    assert round(deepseek.total / 1e9, 1) == 16.4 and round(deepseek.active / 1e9, 1) == 2.8
+
+
+@pytest.mark.parametrize("name", MEGATRON + ["gpt3-175b"])
+@pytest.mark.parametrize("batch, seq", [(1, 2048), (1536, 2048), (8, 1024)])
+def test_step_flops_are_narayanan_eq3_with_and_without_recomputation(name, batch, seq):
+    spec = PRESETS[name]
+    B, s, l, h, V = batch, seq, spec.n_layer, spec.d_model, spec.vocab_size
+    # Narayanan et al. 2021, eq. 3 (with recomputation) and its derivation in Section 5.1 (three
+    # passes instead of four for the blocks: 72 and 1/12).
+    eq3 = 96 * B * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(V, 16 * l * h))
+    without = 72 * B * s * l * h * h * (1 + Fraction(s, 6 * h) + Fraction(V, 12 * l * h))
+    assert step_flops(spec, B, s, "full") == eq3
+    assert step_flops(spec, B, s, "none") == without
+
+
+@pytest.mark.parametrize(
+    "name, tokens, gpus, tflops, days",
+    # Narayanan et al. 2021, Section 5.1, eq. 4 (time ~ 8TP / nX) and its two worked examples.
+    [("gpt3-175b", 300e9, 1024, 140e12, 34), ("megatron-1t", 450e9, 3072, 163e12, 84)],
+)
+def test_training_time_examples_of_narayanan_eq4(name, tokens, gpus, tflops, days):
+    spec = PRESETS[name]
+    per_token = step_flops(spec, 1, spec.seq_len, "full") / spec.seq_len
+    predicted = per_token * tokens / (gpus * tflops) / 86400
+    # eq. 4 approximates eq. 3 by 8P per token; the exact count is within 3% of it.
+    assert abs(predicted - days) / days < 0.03
+
+
+def _zero_gb(psi, nd, stage):
+    states = sum(model_states(psi, stage, nd, PRECISIONS["bf16"]).values())
+    # The ZeRO engineer's transcription (refpar/analysis/memory.py) of the same Section 5 forms.
+    assert states == pytest.approx(paper_model_state_bytes(psi, nd, stage), rel=1e-12)
+    return states / 1e9
+
+
+def test_zero_figure1_example():
+    # Rajbhandari et al. 2020, Figure 1: psi = 7.5B, N_d = 64, K = 12.
+    shown = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, gb in shown.items():
+        assert round(_zero_gb(7.5e9, 64, stage), 1) == gb
+
+
+# Rajbhandari et al. 2020, Table 1: per-device memory (GB) for P_os, P_os+g, P_os+g+p.
+ZERO_TABLE1 = {
+    7.5e9: {1: (120, 120, 120), 4: (52.5, 41.3, 30), 16: (35.6, 21.6, 7.5),
+            64: (31.4, 16.6, 1.88), 256: (30.4, 15.4, 0.47), 1024: (30.1, 15.1, 0.12)},
+    128e9: {1: (2048, 2048, 2048), 4: (896, 704, 512), 16: (608, 368, 128),
+            64: (536, 284, 32), 256: (518, 263, 8), 1024: (513, 257, 2)},
+    1e12: {1: (16000, 16000, 16000), 4: (7000, 5500, 4000), 16: (4750, 2875, 1000),
+           64: (4187, 2218, 250), 256: (4046, 2054, 62.5), 1024: (4011, 2013, 15.6)},
+}
+
+
+@pytest.mark.parametrize("psi", list(ZERO_TABLE1))
+def test_zero_table1_per_device_memory(psi):
+    for nd, row in ZERO_TABLE1[psi].items():
+        for stage, printed in zip((1, 2, 3), row, strict=True):
+            # The table prints 2-4 significant digits, truncating or rounding: within one unit
+            # of the last digit printed.
+            text = repr(printed)
+            unit = 10.0 ** -(len(text.split(".")[1]) if "." in text else 0)
+            assert abs(_zero_gb(psi, nd, stage) - printed) < unit, (psi, nd, stage)
+
+
+def test_playbook_model_state_memory_table():
+    # HF Ultra-Scale Playbook, "Memory usage in Transformers": weights + gradients + Adam state
+    # for 1B/7B/70B/405B models, bf16 mixed precision without and with fp32 gradient accumulation.
+    table = {1e9: (16, 20), 7e9: (112, 140), 70e9: (1120, 1400), 405e9: (6480, 8100)}
+    for n, (plain, accum) in table.items():
+        assert sum(model_states(n, 0, 1, PRECISIONS["bf16"]).values()) / 1e9 == pytest.approx(plain)
+        got = sum(model_states(n, 0, 1, PRECISIONS["bf16-fp32-accum"]).values()) / 1e9
+        assert got == pytest.approx(accum)
+
+
+def test_planner_memory_of_one_rank_is_zero_formula_with_the_model_psi():
+    # With dp only, the planner's weights + gradients + optimizer are ZeRO's formulas with
+    # psi = the parameter count from the shapes (Rajbhandari et al. 2020, Section 5).
+    spec = PRESETS["gpt3-175b"]
+    psi = param_counts(spec).total
+    for stage in range(4):
+        memory = memory_per_rank(spec, micro_batch=1, seq=2048, dp=64, zero=stage)
+        states = memory["params"] + memory["grads"] + memory["optimizer"]
+        assert states == pytest.approx(_zero_gb(psi, 64, stage) * 1e9, rel=1e-12)
+
+
+# Korthikanti et al. 2022, Table 3 models (heads, hidden, layers), fp16 activations, 1-byte masks.
+KORTHIKANTI_MODELS = [(64, 6144, 48), (96, 12288, 96), (128, 20480, 105), (160, 25600, 128)]
+FP16 = Precision(activation=2, mask=1)
+
+
+def _gpt(a, h, L):
+    return ModelSpec("gpt", L, h, a, vocab_size=51200, seq_len=2048, global_batch=1)
+
+
+@pytest.mark.parametrize("a, h, L", KORTHIKANTI_MODELS)
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_korthikanti_table2_activation_memory_per_layer(a, h, L, t):
+    spec, s, b = _gpt(a, h, L), 2048, 1
+
+    def act(**kw):
+        return layer_activation_bytes(spec, b, s, tp=t, precision=FP16, **kw)
+
+    sbh = s * b * h
+    # Korthikanti et al. 2022, Table 2, row by row (and refpar/analysis/activations.py's
+    # transcription of the same rows).
+    from refpar.analysis.activations import korthikanti_layer_bytes
+
+    if t == 1:
+        assert act() == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert act(sp=False) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert act(sp=True) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    for sp in (False, True):
+        assert act(sp=sp) == pytest.approx(korthikanti_layer_bytes(s, b, h, a, t, sp))
+    assert act(sp=False, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert act(sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
+    assert act(sp=False, recompute="full") == pytest.approx(2 * sbh)
+
+
+@pytest.mark.parametrize("a, h, L", KORTHIKANTI_MODELS)
+def test_korthikanti_first_stage_holds_all_layers_of_one_microbatch(a, h, L):
+    # Korthikanti et al. 2022, Section 4.2.3 and eq. 5: with 1F1B the first stage holds p
+    # micro-batches of L/p layers, s b h L / t (34 + 5 a s / h), plus the embedding's dropout mask
+    # for each of them (Section 4.3, s b h p / t); interleaving multiplies the layers' part by
+    # 1 + (p - 1) / (p v).
+    spec, s, b, t, p = _gpt(a, h, L), 2048, 1, 8, 8
+    if L % p:
+        p = 7 if L % 7 == 0 else 1
+    common = dict(micro_batch=b, seq=s, tp=t, pp=p, microbatches=4 * p, precision=FP16)
+    one_f_one_b = memory_per_rank(spec, schedule="1f1b", **common)["activations"]
+    layers = s * b * h * L / t * (34 + 5 * a * s / h)
+    assert one_f_one_b == pytest.approx(layers + s * b * h * p / t)
+    if L % (2 * p) == 0:
+        v = 2
+        interleaved = memory_per_rank(spec, schedule="interleaved-1f1b", chunks=v, **common)
+        factor = 1 + (p - 1) / (p * v)
+        assert interleaved["activations"] == pytest.approx((layers + s * b * h * p / t) * factor)
+
+
+def test_arrays_price_many_meshes_at_once_as_one_at_a_time():
+    spec = PRESETS["llama3-70b"]
+    tp, zero = np.array([1, 2, 4, 8]), np.array([0, 1, 2, 3])
+    many = memory_per_rank(spec, micro_batch=2, seq=4096, tp=tp, pp=4, dp=8, zero=zero,
+                           microbatches=8, recompute="selective")
+    for i in range(4):
+        one = memory_per_rank(spec, micro_batch=2, seq=4096, tp=int(tp[i]), pp=4, dp=8,
+                              zero=int(zero[i]), microbatches=8, recompute="selective")
+        for key, value in one.items():
+            assert many[key][i] == pytest.approx(value, rel=1e-12)
+
+
+# Narayanan et al. 2021, Table 1: (model, t, p, GPUs, batch, achieved teraFLOP/s per GPU).
+MEGATRON_TABLE1_RUNS = [
+    ("megatron-1.7b", 1, 1, 32, 512, 137), ("megatron-3.6b", 2, 1, 64, 512, 138),
+    ("megatron-7.5b", 4, 1, 128, 512, 142), ("megatron-18.4b", 8, 1, 256, 1024, 135),
+    ("megatron-39.1b", 8, 2, 512, 1536, 138), ("megatron-76.1b", 8, 4, 1024, 1792, 140),
+    ("megatron-145.6b", 8, 8, 1536, 2304, 148), ("megatron-310.1b", 8, 16, 1920, 2160, 155),
+    ("megatron-529.6b", 8, 35, 2520, 2520, 163), ("megatron-1t", 8, 64, 3072, 3072, 163),
+]
+
+
+@pytest.mark.parametrize("name, t, p, gpus, batch, published", MEGATRON_TABLE1_RUNS)
+def test_step_time_model_bounds_megatron_table1_throughput(name, t, p, gpus, batch, published):
+    # Narayanan et al. 2021, Table 1, on A100s with full recomputation (their eq. 3 FLOPs). The
+    # model leaves out kernel launches and assumes 75% matmul efficiency and perfect overlap, so it
+    # may only be optimistic, and by at most 30%, on every row, at their own mesh.
+    from refpar.analysis.hardware import HARDWARE
+    from refpar.analysis.step_time import step_time
+
+    spec, d = PRESETS[name], gpus // (t * p)
+    best = 0.0
+    for micro in (1, 2, 4, 8):
+        m = batch // (d * micro)
+        for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+            if batch % (d * micro) or (v > 1 and (spec.n_layer % (p * v) or m % p or p == 1)):
+                continue
+            times, _, _ = step_time(spec, HARDWARE["a100"], global_batch=batch, micro_batch=micro,
+                                 seq=2048, tp=t, pp=p, dp=d, schedule=schedule, chunks=v,
+                                 recompute="full")
+            best = max(best, step_flops(spec, batch, 2048, "full") / times["total"] / gpus / 1e12)
+    assert published <= best <= 1.3 * published, f"predicted {best:.0f} TFLOP/s"
+
+
+def test_refpar_models_are_counted_as_their_parameter_table():
+    # docs/internals.md, the model's parameter table: wte (V, C), wpe (n_positions, C), per block
+    # ln_1, c_attn (C, 3C) + 3C, c_proj (C, C) + C, ln_2, c_fc (C, 4C) + 4C, c_proj (4C, C) + C; ln_f.
+    from refpar.analysis.presets import from_model_config
+    from refpar.config import MODEL_PRESETS
+
+    for config in MODEL_PRESETS.values():
+        V, P, C, L = config.vocab_size, config.n_positions, config.n_embd, config.n_layer
+        table = V * C + P * C + L * (2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + 8 * C * C
+                                     + 4 * C + C) + 2 * C
+        assert param_counts(from_model_config(config)).total == table
+
+
+@pytest.mark.parametrize("name, t, p, gpus, batch, published", MEGATRON_TABLE1_RUNS)
+def test_megatron_table1_meshes_are_enumerated_and_fit_an_80gb_a100(name, t, p, gpus, batch,
+                                                                   published):
+    # Narayanan et al. 2021 trained every Table 1 row on 80 GB A100s (Section 5) with full
+    # recomputation and fp32 gradient accumulation: the planner must offer each mesh and must not
+    # reject it for memory.
+    from refpar.analysis.hardware import HARDWARE
+    from refpar.analysis.planner import meshes
+
+    spec, d = PRESETS[name], gpus // (t * p)
+    offered = {tuple(row) for row in meshes(spec, gpus, HARDWARE["a100"], batch, 2048)}
+    assert (d, t, p, 1, 1) in offered
+    memory = memory_per_rank(spec, micro_batch=1, seq=2048, tp=t, pp=p, dp=d, schedule="1f1b",
+                             microbatches=batch // d, recompute="full",
+                             precision=PRECISIONS["bf16-fp32-accum"])
+    assert sum(memory.values()) <= HARDWARE["a100"].memory_bytes

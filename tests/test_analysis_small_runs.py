@@ -1,0 +1,62 @@
+"""For the models refpar runs, the planner's closed forms equal the exact small-run ones.
+
+refpar/analysis/memory.py and comm_volume.py give, to the byte, what the ledger and the trace of a
+data-parallel or ZeRO run show (tests/test_zero_closed_forms.py checks them against real runs).
+The planner's vectorised forms, fed the same model and a float64 AdamW precision, must give the
+same numbers wherever every flat unit splits evenly over the ranks.
+"""
+
+import pytest
+
+from refpar.analysis import comm_volume, memory
+from refpar.analysis.hardware import HARDWARE
+from refpar.analysis.presets import from_model_config
+from refpar.analysis.scale import PRECISIONS, memory_per_rank
+from refpar.analysis.step_time import step_time
+from refpar.config import model_preset
+
+STRATEGIES = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+
+
+@pytest.mark.parametrize("strategy, stage", list(STRATEGIES.items()))
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_planner_model_states_equal_the_ledger_closed_forms(strategy, stage, n):
+    config = model_preset("tiny")
+    assert all(size % n == 0 for size in memory.unit_sizes(config).values())
+    planned = memory_per_rank(from_model_config(config), micro_batch=1, seq=config.n_positions,
+                              dp=n, zero=stage, precision=PRECISIONS["float64"])
+    exact = memory.model_state_bytes(config, n, 0, memory.Options(strategy=strategy))
+    for category in ("params", "grads", "optimizer"):
+        assert planned[category] == exact[category], category
+
+
+@pytest.mark.parametrize("strategy, stage", list(STRATEGIES.items()))
+@pytest.mark.parametrize("n, microbatches", [(2, 1), (4, 2), (8, 4)])
+def test_planner_data_parallel_bytes_equal_the_trace_closed_forms(strategy, stage, n, microbatches):
+    config = model_preset("tiny")
+    spec = from_model_config(config)
+    _, planned, _ = step_time(spec, HARDWARE["a100"], global_batch=n * microbatches, micro_batch=1,
+                              seq=config.n_positions, dp=n, zero=stage,
+                              precision=PRECISIONS["float64"], dtype="float64")
+    opts = memory.Options(strategy=strategy, microbatches=microbatches)
+    exact = comm_volume.step_bytes(config, n, 0, opts, loss=False)
+    assert planned["dp"] == sum(b.sent for b in exact.values())
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("sp", [False, True])
+def test_planner_block_activations_equal_the_tp_closed_forms_term_for_term(t, sp):
+    # refpar/analysis/activations.py writes Korthikanti et al.'s terms for refpar's tensors;
+    # with the paper's list (PAPER: 1-byte masks, no LayerNorm rstd, no kept tanh) its block is
+    # the planner's, for the same model, batch and mesh.
+    from refpar.analysis import activations
+    from refpar.analysis.intra_layer import rank_shape
+    from refpar.analysis.scale import Precision, layer_activation_bytes
+    from refpar.config import TrainConfig
+
+    config, train = model_preset("tiny"), TrainConfig(batch_size=4, seq_len=32)
+    r = rank_shape(config, train, {"tp": t}, {"tp": 0}, sp, None)
+    exact = activations.layer_bytes(config, r, "local", True, activations.PAPER)
+    planned = layer_activation_bytes(from_model_config(config), train.batch_size, train.seq_len,
+                                     tp=t, sp=sp, precision=Precision(activation=8, mask=1))
+    assert planned == exact
