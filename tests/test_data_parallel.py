@@ -170,6 +170,9 @@ def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the
     summary = refpar_json(2, "train", "--mesh", "dp=2", "--zero", "3", "--steps", "2",
                           "--microbatches", "2", "--dropout", "0", "--check", timeout=120)
     assert summary["zero"] == 3 and summary["world_size"] == 2 and summary["microbatches"] == 2
+    state = summary["data_parallel"]["model_state_bytes"]
+    assert summary["data_parallel"]["strategy"] == "zero3" and state[0] == state[1]
+    assert state[0] == sum(model_state_bytes(model_preset("tiny"), 2, 0, Options("zero3")).values())
     assert len(summary["reference_losses"]) == 2
     assert summary["max_loss_rel_diff"] <= TOL and summary["max_param_rel_diff"] <= TOL
     key = ("rank", "op")
@@ -191,3 +194,17 @@ def test_bad_data_parallel_options_exit_with_one_sentence(args, words):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_float32_and_sgd_runs_still_match_the_memory_and_byte_closed_forms():
+    # 4-byte elements and no optimizer state: the forms scale with the dtype and optimizer in use.
+    summary = refpar_json(3, "train", "--mesh", "dp=3", "--fsdp", "--prefetch", "--steps", "2",
+                          "--dtype", "float32", "--optimizer", "sgd", timeout=120)
+    assert summary["dtype"] == "float32"
+    for measured_key, expected_key, value in (("comm_bytes", "expected_comm_bytes", "bytes_sent"),
+                                              ("memory_peak_bytes", "expected_memory_peak_bytes", "bytes")):
+        index = ("op", "category")[measured_key == "memory_peak_bytes"]
+        measured = {(r["rank"], r[index]): r[value] for r in summary[measured_key]}
+        expected = {(r["rank"], r[index]): r[value] for r in summary[expected_key]}
+        assert measured == expected
+    assert all(r["bytes"] == 0 for r in summary["memory_peak_bytes"] if r["category"] == "optimizer")

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from refpar.analysis.comm_volume import step_bytes
-from refpar.analysis.memory import Options, activation_peak_bytes, model_state_bytes, peak_bytes
+from refpar.analysis.memory import (
+    Options,
+    activation_peak_bytes,
+    model_state_bytes,
+    peak_bytes,
+    unit_sizes,
+)
 from refpar.comm.trace import Tracer, chrome_trace
 from refpar.config import ConfigError
 from refpar.memory import CATEGORIES, MemoryLedger
@@ -209,7 +215,11 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                 zero=3 if opts.strategy == "fsdp" else int(args.zero), microbatches=opts.microbatches,
                 comm_bytes=comm_rows, expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
                 expected_memory_peak_bytes=expected_memory, step_time_s=run.step_time_s,
-                loss_floor=corpus_for(model, train).entropy_rate(), **checked)
+                loss_floor=corpus_for(model, train).entropy_rate(),
+                data_parallel={"strategy": opts.strategy, "model_state_bytes": states.sum(axis=1).tolist(),
+                               "bucket_elems": min(opts.bucket_elems, sum(unit_sizes(model).values())),
+                               "overlap": opts.overlap, "prefetch": opts.prefetch,
+                               "reshard_after_forward": opts.reshard_after_forward}, **checked)
             print(summary_line(summary), flush=True)
     return 0
 
