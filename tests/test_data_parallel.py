@@ -208,3 +208,48 @@ def test_float32_and_sgd_runs_still_match_the_memory_and_byte_closed_forms():
         expected = {(r["rank"], r[index]): r[value] for r in summary[expected_key]}
         assert measured == expected
     assert all(r["bytes"] == 0 for r in summary["memory_peak_bytes"] if r["category"] == "optimizer")
+
+
+SHAPES_SCRIPT = r"""
+import json
+from refpar.comm.communicator import abort_on_error, world
+from refpar.comm.trace import Tracer
+from refpar.config import ModelConfig, TrainConfig
+from refpar.parallel.dp_runner import (expected_rows, gather_rows, options, reference_diffs,
+                                       run_data_parallel)
+
+SHAPES = [  # (model, train, microbatches): one block with the embedding the largest unit; and
+    # two blocks of 24 channels and 3 heads with a small vocabulary; batches that do not divide
+    (ModelConfig(vocab_size=500, n_positions=8, n_embd=16, n_head=2, n_layer=1),
+     TrainConfig(steps=2, batch_size=7, seq_len=8, seed=5), 2),
+    (ModelConfig(vocab_size=40, n_positions=12, n_embd=24, n_head=3, n_layer=2, dropout=0.2),
+     TrainConfig(steps=2, batch_size=5, seq_len=12, seed=6), 1),
+]
+STRATEGIES = [("dp", dict(bucket_elems=700, overlap=True)), ("zero1", {}), ("zero2", {}),
+              ("zero3", {}), ("fsdp", dict(prefetch=True)), ("fsdp", dict(reshard_after_forward=False))]
+out = []
+with abort_on_error():
+    for model, train, microbatches in SHAPES:
+        for strategy, kwargs in STRATEGIES:
+            comm = world(Tracer())
+            opts = options(strategy, model, train, microbatches=microbatches, **kwargs)
+            run = run_data_parallel(opts, model, train, comm, gather_params=True)
+            measured = gather_rows(comm, run)
+            if comm.rank == 0:
+                expected = expected_rows(opts, model, train, comm.size)
+                diffs = reference_diffs(model, train, run)
+                out.append(dict(case=f"L={model.n_layer} {strategy} {kwargs}",
+                                same_comm=sorted(map(str, measured[0])) == sorted(map(str, expected[0])),
+                                same_memory=sorted(map(str, measured[1])) == sorted(map(str, expected[1])),
+                                loss=diffs["max_loss_rel_diff"], param=diffs["max_param_rel_diff"]))
+    if comm.rank == 0:
+        print(json.dumps(out), flush=True)
+"""
+
+
+def test_closed_forms_and_exactness_hold_for_other_shapes_where_units_and_batches_split_unevenly():
+    proc = run_script(3, SHAPES_SCRIPT, timeout=240)
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    wrong = [c for c in cases if not (c["same_comm"] and c["same_memory"] and c["loss"] <= TOL
+                                      and c["param"] <= TOL)]
+    assert len(cases) == 12 and not wrong, wrong
