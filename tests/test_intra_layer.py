@@ -36,7 +36,8 @@ LAYOUTS = {
         {"mesh": {"tp": 4}, "model": {"vocab_size": 95}},
         {"mesh": {"tp": 4}, "sp": True, "seq_len": 15},
         {"mesh": {"cp": 4}, "cp_algo": "ring", "seq_len": 15},
-        {"mesh": {"cp": 4}, "cp_algo": "ulysses", "seq_len": 14},
+        # 6 heads over 4 ranks: Ulysses splits heads unevenly too (2, 2, 1, 1).
+        {"mesh": {"cp": 4}, "cp_algo": "ulysses", "seq_len": 14, "model": {"n_embd": 48, "n_head": 6}},
         {"mesh": {"dp": 2, "tp": 2}, "model": {"vocab_size": 95}},
         {"mesh": {"tp": 2, "cp": 2}, "cp_algo": "ring", "seq_len": 15},
     ],
