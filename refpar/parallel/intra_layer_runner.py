@@ -12,6 +12,7 @@ difference, the bytes each rank sent by axis and op next to the closed form
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -86,6 +87,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
             losses.append(trainer.step(step, corpus))
         times.append(time.perf_counter() - start)
     totals = tracer.totals()  # before the reporting below adds its own messages
+    block = Counter(f"{e.op}{' (re-gather)' if e.tag.endswith(':regather') else ''}" for e in tracer.events
+                    if e.axis == "tp" and e.step == 0 and e.tag.startswith("h.0."))
     full = trainer.full_params() if args.check else None
     mine = [v for key in AXIS_OPS for v in totals.get(key, (0, 0))] + [ledger.peak[c] for c in CATEGORIES]
     every = comm.gather_object(mine)
@@ -115,6 +118,9 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     step_time = float(np.mean(times[1:] or times))
     report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
            expected_mem)
+    if block:
+        print("tp collectives of block 0 in one step, from rank 0's trace: "
+              + ", ".join(f"{n} {op}" for op, n in block.items()), flush=True)
     if args.json:
         print(summary_line(run_summary(
             model, train, losses, mesh=sizes, world_size=comm.size, zero=0, comm_bytes=comm_rows,
