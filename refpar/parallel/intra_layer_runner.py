@@ -37,6 +37,8 @@ def add_arguments(parser) -> None:
     once("--cp-algo", default=None, choices=("ring", "ulysses"),
          help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
     once("--check", action="store_true", help="also run the single-device reference and compare")
+    once("--trace", default=None, metavar="PATH",
+         help="write the last step as a Chrome trace (open in https://ui.perfetto.dev)")
 
 
 def wants_intra_layer(sizes: dict[str, int], args) -> bool:
@@ -63,7 +65,7 @@ def expected_memory(model, train, sizes, rank, sp, cp_algo) -> dict[str, int]:
 
 def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.comm.communicator import world
-    from refpar.comm.trace import Tracer
+    from refpar.comm.trace import Tracer, write_trace
     from refpar.memory import MemoryLedger
     from refpar.mesh import DeviceMesh
     from refpar.parallel.intra_layer import IntraLayerTrainer, validate
@@ -89,7 +91,12 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     totals = tracer.totals()  # before the reporting below adds its own messages
     block = Counter(f"{e.op}{' (re-gather)' if e.tag.endswith(':regather') else ''}" for e in tracer.events
                     if e.axis == "tp" and e.step == 0 and e.tag.startswith("h.0."))
+    last = [e for e in tracer.events if e.step == train.steps - 1]
     full = trainer.full_params() if args.check else None
+    if args.trace:  # every rank's messages of the last step, one track per rank
+        every_event = comm.gather_object(last)
+        if comm.rank == 0:
+            write_trace(args.trace, [e for events in every_event for e in events])
     mine = [v for key in AXIS_OPS for v in totals.get(key, (0, 0))] + [ledger.peak[c] for c in CATEGORIES]
     every = comm.gather_object(mine)
     if comm.rank != 0:
