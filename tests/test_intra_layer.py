@@ -18,6 +18,14 @@ from refpar.config import ConfigError, ModelConfig, model_preset
 from tests.mpi import mpiexec
 
 TOL = 1e-10  # float64; differences come only from the order of sums across ranks
+# float32 rounds at 6e-8 and the ranks sum in another order than one device, so its runs agree to
+# about 1e-7 (losses) and 5e-7 (parameters); they use SGD, because AdamW's m / sqrt(v) turns that
+# rounding on near-zero gradients into steps of order lr.
+TOL_FLOAT32 = 1e-5
+
+
+def _tol(spec: dict) -> float:
+    return TOL_FLOAT32 if spec.get("model", {}).get("dtype") == "float32" else TOL
 
 # Each covers something the others do not: a vocabulary of 95 does not divide tp = 2 or 4, and
 # sequences of 15 and 14 do not divide tp, cp or 2cp (the zig-zag chunks).
@@ -31,6 +39,9 @@ LAYOUTS = {
         # are its probabilities): the closed forms must follow.
         {"mesh": {"tp": 2}, "sp": True, "seq_len": 15, "model": {"dropout": 0.0}},
         {"mesh": {"cp": 2}, "cp_algo": "ring", "seq_len": 15, "model": {"dropout": 0.0}},
+        # float32: 4-byte activations in the closed forms, the loss still all-reduced as a float64.
+        {"mesh": {"cp": 2}, "cp_algo": "ring", "seq_len": 15, "model": {"dtype": "float32"},
+         "optimizer": "sgd"},
     ],
     4: [
         {"mesh": {"tp": 4}, "model": {"vocab_size": 95}},
@@ -49,7 +60,8 @@ def _name(spec: dict) -> str:
     extra = [k for k in ("sp",) if spec.get(k)] + [spec.get("cp_algo")] * ("cp_algo" in spec)
     model = spec.get("model", {})
     return " ".join([mesh, *extra, f"T={spec.get('seq_len', 16)}", f"V={model.get('vocab_size', 96)}",
-                     f"dropout={model.get('dropout', 0.1)}"])
+                     f"dropout={model.get('dropout', 0.1)}", model.get("dtype", "float64"),
+                     spec.get("optimizer", "adamw")])
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +86,12 @@ def test_tp_sp_ring_and_ulysses_run_unchanged_on_torch_tensors():
             assert x["comm_mismatches"] == [] and x["activation_peak"] == x["activation_expected"]
 
 
-def test_every_layout_matches_single_device_after_3_adamw_steps_with_dropout(results):
+def test_every_layout_matches_single_device_after_3_steps_with_dropout(results):
     for r in results:
         loss = max(x["loss_rel_diff"] for x in r["ranks"])
         param = max(x["param_rel_diff"] for x in r["ranks"])
-        print(f"{_name(r['spec']):38s} loss rel diff {loss:.1e}  param rel diff {param:.1e}")
-        assert loss <= TOL and param <= TOL, _name(r["spec"])
+        print(f"{_name(r['spec']):50s} loss rel diff {loss:.1e}  param rel diff {param:.1e}")
+        assert loss <= _tol(r["spec"]) and param <= _tol(r["spec"]), _name(r["spec"])
 
 
 def test_traced_bytes_equal_the_closed_form_call_by_call_on_every_rank(results):
