@@ -45,6 +45,12 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:
     return np.concatenate([np.arange(*first), np.arange(*last)])
 
 
+def causal_work(positions) -> int:
+    """(query, key) pairs causal attention computes for these query positions: key k <= query q,
+    so q+1 each. Zig-zag gives every rank the same; contiguous chunks give the last rank the most."""
+    return int(np.sum(np.asarray(positions) + 1))
+
+
 def check_cp(config: ModelConfig, seq_len: int, cp: int, algo: str, tp: int) -> None:
     if algo not in CP_ALGOS:
         raise ConfigError(f"unknown --cp-algo {algo!r}; choose one of {', '.join(CP_ALGOS)}")
