@@ -172,12 +172,11 @@ def test_bytes_of_one_layer_reduce_to_the_papers_formulas(kind, p):
 
 
 def test_zigzag_chunks_give_every_cp_rank_the_same_causal_work_and_contiguous_ones_do_not():
-    from refpar.parallel.context_parallel import causal_work, zigzag_positions
-    from refpar.sharding import shard_range
+    from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
 
     T, c = 64, 4
     zigzag = [causal_work(zigzag_positions(T, c, r)) for r in range(c)]
-    contiguous = [causal_work(range(*shard_range(T, c, r))) for r in range(c)]
+    contiguous = [causal_work(contiguous_positions(T, c, r)) for r in range(c)]
     print(f"causal (q, k) pairs per cp rank, T={T}, cp={c}: zig-zag {zigzag}, contiguous {contiguous}")
     assert len(set(zigzag)) == 1 and sum(zigzag) == T * (T + 1) // 2
     assert max(contiguous) > 3 * min(contiguous)

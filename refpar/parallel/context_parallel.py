@@ -45,6 +45,11 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:
     return np.concatenate([np.arange(*first), np.arange(*last)])
 
 
+def contiguous_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:
+    """Chunk rank of cp (Ulysses, which attends over the whole sequence after its all-to-all)."""
+    return np.arange(*shard_range(seq_len, cp, rank))
+
+
 def causal_work(positions) -> int:
     """(query, key) pairs causal attention computes for these query positions: key k <= query q,
     so q+1 each. Zig-zag gives every rank the same; contiguous chunks give the last rank the most."""
@@ -69,7 +74,7 @@ def cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm=Non
     if algo == "ring":
         pos, core = zigzag_positions(seq_len, cp_comm.size, cp_comm.rank), RingAttention(cp_comm)
     else:
-        pos, core = np.arange(*shard_range(seq_len, cp_comm.size, cp_comm.rank)), UlyssesAttention(cp_comm)
+        pos, core = contiguous_positions(seq_len, cp_comm.size, cp_comm.rank), UlyssesAttention(cp_comm)
     return Layout(config, seq_len, tp_comm, TP_PAIR if t > 1 else NO_PAIR,
                   shard_range(config.n_head, t, tr), shard_range(config.vocab_size, t, tr),
                   pos, pos, core)

@@ -68,6 +68,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.comm.trace import Tracer, write_trace
     from refpar.memory import MemoryLedger
     from refpar.mesh import DeviceMesh
+    from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
     from refpar.parallel.intra_layer import IntraLayerTrainer, validate
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for, train_single_device
@@ -128,6 +129,12 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     if block:
         print("tp collectives of block 0 in one step, from rank 0's trace: "
               + ", ".join(f"{n} {op}" for op, n in block.items()), flush=True)
+    if sizes["cp"] > 1 and (cp_algo or "ring") == "ring":
+        c, T = sizes["cp"], train.seq_len
+        zigzag = [causal_work(zigzag_positions(T, c, r)) for r in range(c)]
+        contiguous = [causal_work(contiguous_positions(T, c, r)) for r in range(c)]
+        print(f"ring attention's causal (query, key) pairs per cp rank: {zigzag} with zig-zag chunks "
+              f"(contiguous chunks would give {contiguous})", flush=True)
     if args.json:
         print(summary_line(run_summary(
             model, train, losses, mesh=sizes, world_size=comm.size, zero=0, comm_bytes=comm_rows,
