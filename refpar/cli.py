@@ -17,6 +17,7 @@ from refpar.config import ConfigError
 # so `refpar schedule --help` starts instantly and never initialises MPI.
 COMMANDS: dict[str, str] = {
     "train": "refpar.commands.train",
+    "schedule": "refpar.commands.schedule",
     "plan": "refpar.commands.plan",
 }
 

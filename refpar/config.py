@@ -39,6 +39,14 @@ class ModelConfig:
     dtype: str = "float64"  # float64 for exact checks; float32 for speed
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02  # GPT-2's initializer_range
+    # Mixture of Experts (refpar/model/moe.py); moe_experts=0 means every block keeps its MLP.
+    moe_experts: int = 0  # E experts per MoE block
+    moe_top_k: int = 1  # k experts per token: 1 is Switch, 2 is Mixtral-style
+    moe_capacity_factor: float = 1.25  # capacity = ceil(tokens * k * factor / E) per expert
+    moe_dropless: bool = False  # True: no capacity, no token is ever dropped
+    moe_layers: tuple[int, ...] | None = None  # blocks whose MLP becomes MoE; None: all blocks
+    moe_aux_loss_weight: float = 0.01  # alpha of the Switch load-balancing loss
+    moe_z_loss_weight: float = 0.001  # beta of the ST-MoE router z-loss
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -59,6 +67,40 @@ class ModelConfig:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1); use e.g. 0.0 or 0.1")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.moe_experts < 0:
+            raise ConfigError(f"moe_experts={self.moe_experts} must be 0 (no MoE) or a positive count")
+        if self.moe_experts == 0:
+            return
+        if not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ConfigError(
+                f"moe_top_k={self.moe_top_k} must be between 1 and moe_experts={self.moe_experts}"
+            )
+        if not self.moe_dropless and self.moe_capacity_factor <= 0:
+            raise ConfigError(
+                f"moe_capacity_factor={self.moe_capacity_factor} must be positive; use e.g. 1.25 "
+                "or dropless routing"
+            )
+        if self.moe_layers is not None:
+            layers = tuple(self.moe_layers)
+            if not layers or len(set(layers)) != len(layers) or not all(
+                isinstance(i, int) and 0 <= i < self.n_layer for i in layers
+            ):
+                raise ConfigError(
+                    f"moe_layers={layers} must list distinct block indices in 0..{self.n_layer - 1}"
+                )
+            object.__setattr__(self, "moe_layers", tuple(sorted(layers)))
+        if self.moe_aux_loss_weight < 0 or self.moe_z_loss_weight < 0:
+            raise ConfigError("moe_aux_loss_weight and moe_z_loss_weight must be 0 or positive")
+
+    @property
+    def moe_blocks(self) -> tuple[int, ...]:
+        """The blocks whose MLP is a Mixture of Experts (empty without MoE)."""
+        if self.moe_experts == 0:
+            return ()
+        return tuple(range(self.n_layer)) if self.moe_layers is None else self.moe_layers
 
     @property
     def head_size(self) -> int:

@@ -32,6 +32,7 @@ SUMMARY_FIELDS = (
     "step_time_s",
     "config",  # {"model": ..., "train": ...}: everything needed to rerun
     "loss_floor",  # the corpus's entropy rate: the best mean loss possible
+    "moe",  # MoE runs: per step tokens per expert, dropped assignments, router losses (train_moe.py)
 )
 
 

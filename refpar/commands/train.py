@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from refpar.commands import train_moe
+
 HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
 
 
@@ -31,9 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
     from refpar.parallel import dp_runner, intra_layer_runner
+    from refpar.parallel.pipeline import runner as pipeline_runner
 
     dp_runner.add_arguments(parser)
     intra_layer_runner.add_arguments(parser)
+    pipeline_runner.add_arguments(parser)
+    train_moe.add_arguments(parser)
 
 
 def configs(args):
@@ -41,12 +46,16 @@ def configs(args):
     from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset, parse_mesh
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
+    if sizes["ep"] > 1 and not args.moe_experts:
+        raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
+                          f"E >= {sizes['ep']}")
     for axis, size in sizes.items():
         if size > 1:
             raise ConfigError(f"mesh axis {axis}={size} is not implemented yet; run without --mesh "
                               f"(or with {axis}=1) for the single-device reference")
-    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout)) if v is not None}
-    model = model_preset(args.model, **overrides)
+    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout),
+                                   ("n_layer", args.n_layer)) if v is not None}
+    model = model_preset(args.model, **overrides, **train_moe.model_overrides(args))
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         optimizer=args.optimizer, seed=args.seed)
     train.check_model(model)
@@ -56,8 +65,15 @@ def configs(args):
 def run(args) -> int:
     from refpar.config import ParallelConfig, parse_mesh
     from refpar.parallel import dp_runner, intra_layer_runner
+    from refpar.parallel.pipeline import runner as pipeline_runner
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
+    if args.moe_experts:  # MoE on one device or over dp x ep: refpar/commands/train_moe.py
+        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
+        return train_moe.run_cli(model, train, sizes, args)
+    if pipeline_runner.wants_pipeline(sizes):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py
+        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
+        return pipeline_runner.run_cli(model, train, sizes, args)
     if intra_layer_runner.wants_intra_layer(sizes, args):  # TP, SP, CP (with dp): intra_layer_runner.py
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return intra_layer_runner.run_cli(model, train, sizes, args)

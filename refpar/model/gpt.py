@@ -40,6 +40,7 @@ from refpar.model.layers import (
     linear_backward,
     linear_forward,
 )
+from refpar.model.moe import MoELayer, moe_param_shapes, router_loss
 
 
 # ------------------------------------------------------------------------------------ parameters
@@ -54,9 +55,14 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             h + "attn.c_attn.weight": (C, 3 * C), h + "attn.c_attn.bias": (3 * C,),
             h + "attn.c_proj.weight": (C, C), h + "attn.c_proj.bias": (C,),
             h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
-            h + "mlp.c_fc.weight": (C, 4 * C), h + "mlp.c_fc.bias": (4 * C,),
-            h + "mlp.c_proj.weight": (4 * C, C), h + "mlp.c_proj.bias": (C,),
         })
+        if i in config.moe_blocks:  # a Mixture of Experts replaces the MLP (refpar/model/moe.py)
+            shapes.update(moe_param_shapes(config, i))
+        else:
+            shapes.update({
+                h + "mlp.c_fc.weight": (C, 4 * C), h + "mlp.c_fc.bias": (4 * C,),
+                h + "mlp.c_proj.weight": (4 * C, C), h + "mlp.c_proj.bias": (C,),
+            })
     shapes.update({"ln_f.weight": (C,), "ln_f.bias": (C,)})
     return shapes
 
@@ -148,9 +154,10 @@ def merge_heads(t):
 
 
 def block_forward(x, params, layer: int, config: ModelConfig, drop: DropoutContext = NO_DROPOUT,
-                  positions=None):
+                  positions=None, moe=None):
     """x (B, T, C) -> y (B, T, C): x + attn(ln_1(x)), then + mlp(ln_2(.)). `positions` (T,) are the
-    global positions of x's rows (default 0..T-1)."""
+    global positions of x's rows (default 0..T-1). In the blocks of `config.moe_blocks` the MLP is
+    `moe.forward` (default the single-device `MoELayer`; expert parallelism passes its own)."""
     h = f"h.{layer}."
     P = params
     B, T, C = x.shape
@@ -170,9 +177,14 @@ def block_forward(x, params, layer: int, config: ModelConfig, drop: DropoutConte
     x1 = x + o  # (B, T, C)
 
     m, c_ln2 = layernorm_forward(x1, P[h + "ln_2.weight"], P[h + "ln_2.bias"], eps)  # (B, T, C)
-    m, c_fc = linear_forward(m, P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"])  # (B, T, 4C)
-    m, c_gelu = gelu_forward(m)  # (B, T, 4C)
-    m, c_mproj = linear_forward(m, P[h + "mlp.c_proj.weight"], P[h + "mlp.c_proj.bias"])  # (B, T, C)
+    if layer in config.moe_blocks:
+        moe = MoELayer() if moe is None else moe
+        m, c_moe = moe.forward(m, P, layer, config)  # (B, T, C)
+        c_fc, c_gelu, c_mproj = (moe, c_moe), None, None
+    else:
+        m, c_fc = linear_forward(m, P[h + "mlp.c_fc.weight"], P[h + "mlp.c_fc.bias"])  # (B, T, 4C)
+        m, c_gelu = gelu_forward(m)  # (B, T, 4C)
+        m, c_mproj = linear_forward(m, P[h + "mlp.c_proj.weight"], P[h + "mlp.c_proj.bias"])  # (B, T, C)
     m, c_drop2 = dropout_forward(m, drop.keep(layer, "mlp_resid", (T, C), x), drop.p)  # (B, T, C)
     y = x1 + m  # (B, T, C)
     cache = (layer, config.n_head, c_ln1, c_attn, c_sdpa, c_proj, c_drop1, c_ln2, c_fc, c_gelu,
@@ -189,9 +201,13 @@ def block_backward(dy, cache):
     g = {}
 
     dm = dropout_backward(dy, c_drop2)  # (B, T, C)
-    dm, g[h + "mlp.c_proj.weight"], g[h + "mlp.c_proj.bias"] = linear_backward(dm, c_mproj)  # (B, T, 4C)
-    dm = gelu_backward(dm, c_gelu)  # (B, T, 4C)
-    dm, g[h + "mlp.c_fc.weight"], g[h + "mlp.c_fc.bias"] = linear_backward(dm, c_fc)  # (B, T, C)
+    if c_mproj is None:  # a MoE block: c_fc is (the layer object, its cache)
+        dm, g_moe = c_fc[0].backward(dm, c_fc[1])  # (B, T, C)
+        g.update(g_moe)
+    else:
+        dm, g[h + "mlp.c_proj.weight"], g[h + "mlp.c_proj.bias"] = linear_backward(dm, c_mproj)  # (B, T, 4C)
+        dm = gelu_backward(dm, c_gelu)  # (B, T, 4C)
+        dm, g[h + "mlp.c_fc.weight"], g[h + "mlp.c_fc.bias"] = linear_backward(dm, c_fc)  # (B, T, C)
     dm, g[h + "ln_2.weight"], g[h + "ln_2.bias"] = layernorm_backward(dm, c_ln2)  # (B, T, C)
     dx1 = dy + dm  # (B, T, C)
 
@@ -203,6 +219,13 @@ def block_backward(dy, cache):
     da, g[h + "ln_1.weight"], g[h + "ln_1.bias"] = layernorm_backward(da, c_ln1)  # (B, T, C)
     dx = dx1 + da  # (B, T, C)
     return dx, g
+
+
+def block_router_loss(cache):
+    """The MoE router losses (load balancing + z-loss) of a block's forward; 0.0 for a dense block.
+    They are part of the training loss, and `block_backward` includes their gradients."""
+    c_fc, c_mproj = cache[8], cache[10]
+    return 0.0 if c_mproj is not None else router_loss(c_fc[1])
 
 
 # ------------------------------------------------------------------------------------------ head
@@ -242,8 +265,9 @@ def forward(params, tokens, config: ModelConfig):
 
 
 def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step=0, sample_ids=None,
-                   normalizer=None, training=True):
-    """Mean cross-entropy over the batch (sum / normalizer, default B*T) and every parameter's
+                   normalizer=None, training=True, moe=None):
+    """Mean cross-entropy over the batch (sum / normalizer, default B*T), plus the router losses of
+    the MoE blocks (`moe`: their layer object, default the single-device one), and every parameter's
     gradient. Dropout masks are keyed by (seed, step, layer, site, sample id): `sample_ids` are the
     batch rows' global ids (default 0..B-1), so a data-parallel shard drops what one device drops."""
     wte = params["wte.weight"]
@@ -256,9 +280,10 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step
     x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
     c_blocks = []
     for layer in range(config.n_layer):
-        x, c = block_forward(x, params, layer, config, drop)  # (B, T, C)
+        x, c = block_forward(x, params, layer, config, drop, moe=moe)  # (B, T, C)
         c_blocks.append(c)
     loss, c_head = head_forward(x, params, targets, config, normalizer)
+    loss = loss + sum(block_router_loss(c) for c in c_blocks)  # MoE blocks' router losses
 
     dx, grads = head_backward(c_head)  # (B, T, C)
     for layer in reversed(range(config.n_layer)):

@@ -1,0 +1,80 @@
+"""`refpar schedule KIND --stages P --microbatches M [--chunks V] [--json]`
+
+Prints a pipeline schedule as a ranks x ticks grid and its simulated bubble, e.g.
+
+    refpar schedule 1f1b --stages 4 --microbatches 8
+    refpar schedule interleaved-1f1b --stages 4 --microbatches 8 --chunks 2 --json
+"""
+
+from __future__ import annotations
+
+import json
+
+from refpar.config import ConfigError
+from refpar.parallel.pipeline import schedules as S
+
+HELP = "print a pipeline schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2) and its bubble"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("kind", metavar="KIND", help=f"one of {', '.join(S.BUILDERS)}")
+    parser.add_argument("--stages", "-p", type=int, required=True, help="pipeline ranks p")
+    parser.add_argument("--microbatches", "-m", type=int, required=True, help="microbatches m")
+    parser.add_argument("--chunks", "-v", type=int, default=None,
+                        help="model chunks per rank v (interleaved-1f1b; default 2)")
+    parser.add_argument("--cost-f", type=float, default=1.0, help="duration of a forward (1)")
+    parser.add_argument("--cost-b", type=float, default=1.0,
+                        help="duration of an input-gradient backward (1); a full backward costs B + W")
+    parser.add_argument("--cost-w", type=float, default=1.0, help="duration of a weight gradient (1)")
+    parser.add_argument("--cost-p2p", type=float, default=0.0, help="duration of one transfer (0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def summary(kind: str, p: int, m: int, v: int, costs: S.Costs) -> dict:
+    """Everything the command prints, as data (the app uses it too)."""
+    schedule = S.build(kind, p, m, v)
+    timeline = S.simulate(schedule, costs)
+    return {
+        "kind": kind, "stages": p, "microbatches": m, "chunks": v,
+        "costs": {"F": costs.F, "B": costs.B, "W": costs.W, "p2p": costs.p2p},
+        "grid": [[None if a is None else str(a) for a in schedule[r]] for r in sorted(schedule)],
+        "makespan": timeline.makespan,
+        "bubble_fraction": timeline.bubble_fraction,
+        "bubble_over_ideal": timeline.bubble_over_ideal,
+        # what remains when steps run back to back: idle between each rank's first and last action
+        "steady_bubble_fraction": sum(map(timeline.inner_idle_time, schedule))
+        / (len(schedule) * timeline.makespan),
+        "published_bubble_fraction": S.published_bubble_fraction(kind, p, m, v),
+        "peak_inflight_microbatches": [
+            S.peak_inflight_microbatches(schedule)[r] for r in sorted(schedule)],
+    }
+
+
+def run(args) -> int:
+    costs = S.Costs(args.cost_f, args.cost_b, args.cost_w, args.cost_p2p)
+    for name, value in (("--cost-f", costs.F), ("--cost-b", costs.B), ("--cost-w", costs.W)):
+        if value <= 0:
+            raise ConfigError(f"{name} {value:g} must be positive; give a duration > 0")
+    if costs.p2p < 0:
+        raise ConfigError(f"--cost-p2p {costs.p2p:g} must not be negative; give 0 or more")
+    v = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved-1f1b" else 1)
+    out = summary(args.kind, args.stages, args.microbatches, v, costs)
+    if args.json:
+        print(json.dumps(out), flush=True)
+        return 0
+    schedule = S.build(args.kind, args.stages, args.microbatches, v)
+    print(f"{args.kind}: p={args.stages} ranks, m={args.microbatches} microbatches, v={v} chunks "
+          "per rank; each column is one tick when every action takes one", flush=True)
+    print(S.format_grid(schedule))
+    print(f"simulated with F={costs.F:g} B={costs.B:g} W={costs.W:g} p2p={costs.p2p:g} (a full "
+          f"backward costs B+W): makespan {out['makespan']:g}")
+    print(f"bubble: {out['bubble_fraction']:.2%} of all rank-time, "
+          f"{out['bubble_over_ideal']:.2%} of compute time, "
+          f"{out['steady_bubble_fraction']:.2%} in steady state (between each rank's first and "
+          "last action)")
+    if out["published_bubble_fraction"] is not None:
+        print(f"published closed form (uniform costs F=B=W): "
+              f"{out['published_bubble_fraction']:.2%} of all rank-time")
+    print("peak in-flight microbatches per rank: "
+          + " ".join(map(str, out["peak_inflight_microbatches"])), flush=True)
+    return 0

@@ -1,0 +1,158 @@
+"""`refpar train` for Mixture-of-Experts models: the options, and the run over a dp x ep mesh.
+
+    mpiexec -n 4 refpar train --mesh ep=4 --moe-experts 4 --moe-topk 2 --capacity-factor 1.0 --check
+    mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --moe-topk 1 --dropless --json
+
+`refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`.
+Besides the usual report it prints, per step, the router losses, the dropped assignments and how
+many assignments each expert kept; `--json` adds them under "moe".
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # --check is shared with the other strategies: added here only if none has added it yet.
+    if "--check" not in parser._option_string_actions:
+        parser.add_argument("--check", action="store_true",
+                            help="also run the single-device reference and compare")
+    group = parser.add_argument_group("Mixture of Experts (refpar/model/moe.py)")
+    group.add_argument("--moe-experts", type=int, default=0,
+                       help="experts per MoE block; 0 keeps GPT-2's MLP (default 0)")
+    group.add_argument("--moe-topk", type=int, default=1, help="experts per token: 1 Switch, 2 Mixtral")
+    group.add_argument("--moe-layers", default=None,
+                       help="blocks with experts, e.g. 1,3 (default: every block)")
+    drop = group.add_mutually_exclusive_group()
+    drop.add_argument("--capacity-factor", type=float, default=1.25,
+                      help="capacity = ceil(tokens * k * factor / experts) per expert (default 1.25)")
+    drop.add_argument("--dropless", action="store_true", help="no capacity: never drop a token")
+    group.add_argument("--aux-loss-weight", type=float, default=0.01,
+                       help="alpha of the Switch load-balancing loss (default 0.01)")
+    group.add_argument("--z-loss-weight", type=float, default=0.001,
+                       help="beta of the router z-loss (default 0.001)")
+
+
+def model_overrides(args) -> dict:
+    """ModelConfig fields from the MoE options (empty without --moe-experts)."""
+    from refpar.config import ConfigError
+
+    if not args.moe_experts:
+        return {}
+    layers = None
+    if args.moe_layers is not None:
+        try:
+            layers = tuple(int(i) for i in args.moe_layers.split(",") if i.strip())
+        except ValueError:
+            raise ConfigError(f"--moe-layers {args.moe_layers!r} needs block numbers like 1,3") from None
+    return {"moe_experts": args.moe_experts, "moe_top_k": args.moe_topk, "moe_layers": layers,
+            "moe_capacity_factor": args.capacity_factor, "moe_dropless": args.dropless,
+            "moe_aux_loss_weight": args.aux_loss_weight, "moe_z_loss_weight": args.z_loss_weight}
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
+
+
+def run_cli(model, train, sizes, args) -> int:
+    from refpar.analysis import moe as moe_analysis
+    from refpar.comm.communicator import world
+    from refpar.comm.trace import Tracer
+    from refpar.mesh import DeviceMesh
+    from refpar.model.moe import capacity
+    from refpar.parallel.expert_parallel_run import check_run, reference_run, train_expert_parallel
+    from refpar.report import run_summary, summary_line
+    from refpar.trainer import corpus_for
+
+    check_run(model, train, sizes)
+    comm = world(Tracer(rank=None))
+    mesh = DeviceMesh(comm, sizes)
+    speak = comm.rank == 0
+    blocks = model.moe_blocks
+    ep = mesh.sizes["ep"]
+    floor = corpus_for(model, train).entropy_rate()
+
+    def say(text: str) -> None:
+        if speak:
+            print(text, flush=True)
+
+    limit = "dropless" if model.moe_dropless else (
+        f"capacity factor {model.moe_capacity_factor}: {capacity(train.batch_size * train.seq_len, model)} "
+        "assignments per expert")
+    say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
+        f"{','.join(map(str, blocks))}; mesh {mesh}; experts per ep rank: "
+        + " ".join(f"{list(range(*_owned(model.moe_experts, ep, q)))}" for q in range(ep)))
+    say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert (block {blocks[0]})")
+
+    def row(s) -> None:
+        say(f"{s.step + 1:>5} {s.loss:>8.4f} {s.aux_loss:>7.4f} {s.z_loss:>7.4f} "
+            f"{sum(s.dropped.values()):>7}  {s.tokens_per_expert[blocks[0]]}")
+
+    run = train_expert_parallel(model, train, mesh, on_step=row)
+    say(f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f} (floor {floor:.4f}); "
+        f"{run.step_time_s * 1e3:.1f} ms per step")
+
+    fields = {}
+    if args.check:
+        ref = reference_run(model, train)
+        loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+        mine = max(_rel(p, ref.params[n]) for n, p in run.params.items())
+        param_diff = float(comm.all_reduce(np.array([mine]), op="max")[0])
+        same_drops = [s.dropped for s in run.steps] == [s.dropped for s in ref.steps]
+        say(f"check against one device: loss rel diff {loss_diff:.2e}, parameter rel diff "
+            f"{param_diff:.2e}, dropped assignments {'equal' if same_drops else 'DIFFER'}")
+        fields = {"reference_losses": ref.losses, "max_loss_rel_diff": loss_diff,
+                  "max_param_rel_diff": param_diff,
+                  "reference_dropped": [[s.dropped[i] for i in blocks] for s in ref.steps]}
+
+    totals = comm.tracer.totals()
+    expected: dict = {}
+    for s in run.steps:
+        for key, b in moe_analysis.step_comm_bytes(model, mesh.sizes, mesh.coords,
+                                                   list(s.kept_counts.values())).items():
+            old = expected.get(key, (0, 0))
+            expected[key] = (old[0] + b.sent, old[1] + b.recv)
+    mine = np.array([[*totals.get(k, (0, 0)), *expected.get(k, (0, 0))] for k in COMM_KEYS])
+    every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
+    if not speak:
+        return 0
+    rows = [[{"rank": r, "axis": a, "op": o, "bytes_sent": int(every[r, i, j]),
+              "bytes_recv": int(every[r, i, j + 1])} for r in range(comm.size)
+             for i, (a, o) in enumerate(COMM_KEYS) if every[r, i].any()] for j in (0, 2)]
+    for key in COMM_KEYS:
+        sent = int(every[:, COMM_KEYS.index(key), 0].sum())
+        if sent:
+            say(f"{key[0]:>5} {key[1]:<10} {sent:>12,} bytes sent over all ranks")
+    n_data = mesh.sizes["dp"] * ep
+    uniform = len(blocks) * moe_analysis.expected_all_to_all_bytes(
+        model, train.batch_size * train.seq_len // n_data, n_data, ep, np.dtype(model.dtype).itemsize)
+    measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].mean() / train.steps
+    say(f"ep all-to-all per rank and step: {measured:,.0f} bytes; uniform routing would send "
+        f"{uniform:,.0f}")
+    if args.json:
+        moe = {
+            "blocks": list(blocks),
+            "tokens_per_expert": [[s.tokens_per_expert[i] for i in blocks] for s in run.steps],
+            "dropped": [[s.dropped[i] for i in blocks] for s in run.steps],
+            "aux_loss": [s.aux_loss for s in run.steps], "z_loss": [s.z_loss for s in run.steps],
+            "expert_param_bytes_per_ep_rank": [
+                moe_analysis.expert_param_bytes_per_rank(model, ep, q) for q in range(ep)],
+            "reference_dropped": fields.pop("reference_dropped", None),
+            "uniform_all_to_all_bytes_per_rank_step": uniform,
+        }
+        summary = run_summary(model, train, run.losses, mesh=mesh.sizes, world_size=comm.size,
+                              comm_bytes=rows[0], expected_comm_bytes=rows[1],
+                              step_time_s=run.step_time_s, loss_floor=floor, moe=moe, **fields)
+        say(summary_line(summary))
+    return 0
+
+
+def _owned(n_experts: int, ep: int, q: int) -> tuple[int, int]:
+    from refpar.sharding import shard_range
+
+    return shard_range(n_experts, ep, q)

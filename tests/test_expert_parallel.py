@@ -1,0 +1,118 @@
+"""Expert parallelism on 2 and 4 ranks, and dp x ep, against the single device; its closed forms."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from refpar.analysis import moe as moe_analysis
+from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.model.gpt import param_shapes
+from refpar.parallel.expert_parallel_run import check_run
+from tests.mpi import mpiexec
+
+CASES = {"top1_drops", "top2_drops", "top1_dropless", "top2_dropless"}
+
+
+def runs(n, *meshes):
+    proc = mpiexec(n, "tests/ep_check.py", *meshes, timeout=240)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for row in rows:
+        print(row)
+    assert {(r["mesh"], r["case"]) for r in rows} == {(m, c) for m in meshes for c in CASES}
+    return rows
+
+
+def assert_matches_single_device(rows):
+    for r in rows:
+        assert r["reference_is_trainer"], r  # the stats' reference is the trainer's run
+        assert r["loss_diff"] <= 1e-10 and r["param_diff"] <= 1e-10, r
+        assert r["same_dropped"] and r["same_tokens_per_expert"] and r["same_aux"] <= 1e-15, r
+        assert r["bytes_match"], r  # traced all-to-all and count bytes == closed forms
+        assert (min(r["dropped"]) > 0) == r["case"].endswith("_drops"), r
+
+
+def test_ep2_matches_single_device_after_3_adamw_steps_for_top1_top2_drops_and_dropless():
+    assert_matches_single_device(runs(2, "ep=2"))
+
+
+def test_ep4_and_dp2_ep2_match_single_device_after_3_adamw_steps_with_closed_form_bytes():
+    assert_matches_single_device(runs(4, "ep=4", "dp=2,ep=2"))
+
+
+def test_balanced_routing_bytes_equal_the_uniform_expectation():
+    """When every rank keeps the same number of rows for every expert, the exact bytes from the
+    counts are the uniform-routing expectation, with and without a capacity that binds."""
+    for factor, dropless in [(0.5, False), (2.0, False), (1.0, True)]:
+        config = ModelConfig(n_embd=16, moe_experts=8, moe_top_k=2, moe_capacity_factor=factor,
+                             moe_dropless=dropless)
+        n_data, ep, tokens = 4, 2, 32  # dp=2, ep=2
+        share = tokens * n_data * 2 // 8  # assignments per expert
+        cap = moe_analysis.capacity(tokens * n_data, config)
+        per_rank = (share if cap is None else min(share, cap)) // n_data
+        kept = np.full((n_data, 8), per_rank)
+        for rank in range(n_data):
+            exact = moe_analysis.all_to_all_bytes(kept, ep, rank, 16, 8)
+            expected = moe_analysis.expected_all_to_all_bytes(config, tokens, n_data, ep, 8)
+            assert exact.sent == exact.recv == expected
+
+
+def test_expert_memory_per_rank_adds_up_to_every_expert_parameter():
+    config = ModelConfig(moe_experts=6, moe_layers=(1, 3))
+    expert_elems = sum(math.prod(s) for n, s in param_shapes(config).items() if ".experts." in n)
+    for ep in (1, 2, 4):  # 6 experts on 4 ranks: 2, 2, 1, 1
+        per_rank = [moe_analysis.expert_params_per_rank(config, ep, q) for q in range(ep)]
+        assert sum(per_rank) == expert_elems
+        assert max(per_rank) - min(per_rank) <= 2 * (4 * 32 * 32 * 2 + 4 * 32 + 32)
+    assert moe_analysis.expert_param_bytes_per_rank(config, 2, 0) == 8 * expert_elems // 2
+
+
+@pytest.mark.parametrize(
+    "model, sizes, words",
+    [(ModelConfig(moe_experts=2), {"ep": 4}, "moe_experts=2 is fewer than ep=4"),
+     (ModelConfig(moe_experts=4), {"ep": 2, "tp": 2}, "drop tp=2"),
+     (ModelConfig(), {"ep": 2}, "add --moe-experts"),
+     (ModelConfig(moe_experts=4), {"dp": 4, "ep": 4}, "batch_size=8 is smaller than dp x ep = 16")],
+)
+def test_bad_expert_parallel_setup_is_one_sentence(model, sizes, words):
+    with pytest.raises(ConfigError) as err:
+        check_run(model, TrainConfig(), sizes)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_train_cli_reports_routing_per_step_and_matches_one_device_with_closed_form_bytes():
+    from tests.mpi import refpar_json
+
+    s = refpar_json(2, "train", "--mesh", "ep=2", "--moe-experts", "4", "--moe-topk", "2",
+                    "--capacity-factor", "0.9", "--moe-layers", "1,3", "--steps", "3", "--check")
+    print({k: s[k] for k in ("losses", "max_loss_rel_diff", "max_param_rel_diff", "moe")})
+    assert s["mesh"]["ep"] == 2 and s["world_size"] == 2
+    assert s["max_loss_rel_diff"] <= 1e-10 and s["max_param_rel_diff"] <= 1e-10
+    moe = s["moe"]
+    assert moe["blocks"] == [1, 3] and moe["dropped"] == moe["reference_dropped"]
+    assert all(sum(step) > 0 for step in moe["dropped"])
+    cap = math.ceil(8 * 16 * 2 * 0.9 / 4)  # tiny: batch 8 x 16 tokens
+    for step, dropped in zip(moe["tokens_per_expert"], moe["dropped"], strict=True):
+        for kept, lost in zip(step, dropped, strict=True):
+            assert max(kept) <= cap and sum(kept) + lost == 8 * 16 * 2
+    assert len(moe["aux_loss"]) == 3 and all(a > 0 for a in moe["aux_loss"])
+    assert s["comm_bytes"] == s["expected_comm_bytes"]
+    assert {(r["axis"], r["op"]) for r in s["comm_bytes"]} == {
+        ("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce")}
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["--mesh", "ep=4", "--moe-experts", "2"], "moe_experts=2 is fewer than ep=4; use at least 4 experts"),
+    (["--mesh", "ep=2"], "ep=2 spreads experts over ranks; add --moe-experts E with E >= 2"),
+])
+def test_train_cli_refuses_a_bad_expert_setup_in_one_sentence(args, sentence):
+    import subprocess
+    import sys
+
+    from tests.mpi import ROOT, mpi_env
+
+    proc = subprocess.run([sys.executable, "-m", "refpar", "train", *args], cwd=ROOT, env=mpi_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"refpar train: error: {sentence}"

@@ -1,0 +1,197 @@
+"""The MoE layer against finite differences, a brute-force router and GPT-2's MLP (float64)."""
+
+import math
+
+import numpy as np
+import pytest
+
+from refpar.config import ConfigError, ModelConfig
+from refpar.model import moe
+from refpar.model.layers import gelu_forward, linear_forward
+
+C, B, T = 8, 2, 6
+
+
+def make_params(config, seed, router_std=1.0):
+    """Random weights, the router's large enough that the top-k choice is far from a tie."""
+    gen = np.random.default_rng(seed)
+    params = {}
+    for name, shape in moe.moe_param_shapes(config, 0).items():
+        std = router_std if name.endswith("router.weight") else 0.3
+        params[name] = gen.standard_normal(shape) * std
+    return params
+
+
+def objective(x, params, config, G):
+    out, cache = moe.moe_forward(x, params, 0, config)
+    r = cache["routing"]
+    return float(np.sum(out * G) + r["aux_loss"] + r["z_loss"]), cache
+
+
+def cfg(**kw):
+    base = dict(n_embd=C, n_head=2, n_layer=1, moe_experts=4, moe_aux_loss_weight=0.3,
+                moe_z_loss_weight=0.2)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+CASES = {
+    "switch_top1_drops": cfg(moe_top_k=1, moe_capacity_factor=1.0),
+    "top2_drops": cfg(moe_top_k=2, moe_capacity_factor=0.75),
+    "top2_dropless": cfg(moe_experts=3, moe_top_k=2, moe_dropless=True),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_moe_backward_matches_central_differences_with_aux_and_z_loss(name):
+    config = CASES[name]
+    gen = np.random.default_rng(1)
+    x = gen.standard_normal((B, T, C))
+    G = gen.standard_normal((B, T, C))
+    params = make_params(config, 2)
+    _, cache = objective(x, params, config, G)
+    r = cache["routing"]
+    assert (r["dropped"] > 0) == (not config.moe_dropless)
+    # Top-k is piecewise constant: the check is valid only away from ties between the k-th and
+    # the next probability, where an eps-sized step cannot change the choice.
+    probs = np.sort(cache["router"][0], axis=-1)[:, ::-1]
+    k = config.moe_top_k
+    assert np.min(probs[:, k - 1] - probs[:, k]) > 1e-4
+
+    dx, grads = moe.moe_backward(G, cache)
+    assert r["aux_loss"] > 0 and r["z_loss"] > 0
+    eps = 1e-6
+    worst = 0.0
+    pick = np.random.default_rng(3)
+    for key, analytic in [("x", dx), *grads.items()]:
+        target = x if key == "x" else params[key]
+        flat = target.reshape(-1)
+        for i in pick.choice(flat.size, size=min(flat.size, 12), replace=False):
+            old = flat[i]
+            flat[i] = old + eps
+            up, c_up = objective(x, params, config, G)
+            flat[i] = old - eps
+            down, c_down = objective(x, params, config, G)
+            flat[i] = old
+            assert np.array_equal(c_up["routing"]["keep"], r["keep"])
+            assert np.array_equal(c_down["routing"]["experts"], r["experts"])
+            numeric = (up - down) / (2 * eps)
+            err = abs(numeric - analytic.reshape(-1)[i]) / max(1.0, abs(numeric))
+            worst = max(worst, err)
+    assert worst < 1e-7, f"max relative gradient error {worst:.2e}"
+
+
+def brute_force_routing(probs, k, cap):
+    """The documented order as a plain loop: slot by slot, token by token, first come first
+    served until an expert holds `cap` assignments."""
+    N, E = probs.shape
+    choice = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+    keep = np.zeros((N, k), bool)
+    filled = [0] * E
+    for j in range(k):
+        for n in range(N):
+            e = choice[n, j]
+            if cap is None or filled[e] < cap:
+                keep[n, j] = True
+                filled[e] += 1
+    return choice, keep
+
+
+@pytest.mark.parametrize("k, factor", [(1, 0.5), (2, 0.6), (2, 1.0), (3, 0.9)])
+def test_capacity_drops_assignments_in_documented_order(k, factor):
+    config = cfg(moe_top_k=k, moe_capacity_factor=factor)
+    x = np.random.default_rng(4).standard_normal((B * T, C))
+    w = np.random.default_rng(5).standard_normal((C, 4))
+    routing, cache = moe.route(x, w, config)
+    cap = math.ceil(B * T * k * factor / 4)
+    assert routing["capacity"] == cap
+    choice, keep = brute_force_routing(cache[0], k, cap)
+    np.testing.assert_array_equal(routing["experts"], choice)
+    np.testing.assert_array_equal(routing["keep"], keep)
+    assert routing["dropped"] == int((~keep).sum())
+    kept = np.bincount(choice[keep], minlength=4)
+    np.testing.assert_array_equal(routing["tokens_per_expert"], kept)
+
+
+def test_token_that_loses_all_experts_passes_through_as_zero():
+    config = cfg(moe_top_k=1, moe_capacity_factor=0.25)
+    gen = np.random.default_rng(6)
+    x = gen.standard_normal((B, T, C))
+    params = make_params(config, 7)
+    out, cache = moe.moe_forward(x, params, 0, config)
+    dropped = ~cache["routing"]["keep"][:, 0]
+    assert dropped.any()
+    assert np.all(out.reshape(-1, C)[dropped] == 0.0)
+    assert np.all(np.abs(out.reshape(-1, C)[~dropped]).sum(axis=-1) > 0)
+
+
+def test_one_expert_top1_is_gpt2_mlp_and_uniform_router_aux_loss_is_alpha():
+    config = cfg(moe_experts=1, moe_top_k=1, moe_dropless=True, moe_aux_loss_weight=0.3)
+    gen = np.random.default_rng(8)
+    x = gen.standard_normal((B, T, C))
+    params = make_params(config, 9)
+    out, cache = moe.moe_forward(x, params, 0, config)
+    p = "h.0.mlp.experts.0"
+    h, _ = linear_forward(x, params[f"{p}.c_fc.weight"], params[f"{p}.c_fc.bias"])
+    mlp, _ = linear_forward(gelu_forward(h)[0], params[f"{p}.c_proj.weight"],
+                            params[f"{p}.c_proj.bias"])
+    np.testing.assert_allclose(out, mlp, rtol=1e-13, atol=0)
+    # One expert: probs are 1, f = P = 1, so alpha * E * f * P = alpha; logsumexp of one logit
+    # is the logit, so the z-loss is beta * mean(logit^2).
+    assert abs(float(cache["routing"]["aux_loss"]) - 0.3) < 1e-15
+    logit = x.reshape(-1, C) @ params["h.0.mlp.router.weight"]
+    assert abs(float(cache["routing"]["z_loss"]) - 0.2 * np.mean(logit**2)) < 1e-14
+
+
+def test_moe_runs_on_array_api_strict_with_numpys_numbers():
+    xps = pytest.importorskip("array_api_strict")
+    config = CASES["top2_drops"]
+    gen = np.random.default_rng(10)
+    x = gen.standard_normal((B, T, C))
+    params = make_params(config, 11)
+    out, cache = moe.moe_forward(x, params, 0, config)
+    dx, grads = moe.moe_backward(x, cache)
+    sx = xps.asarray(x)
+    sparams = {k: xps.asarray(v) for k, v in params.items()}
+    sout, scache = moe.moe_forward(sx, sparams, 0, config)
+    sdx, sgrads = moe.moe_backward(sx, scache)
+    np.testing.assert_allclose(np.asarray(sout), out, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(np.asarray(sdx), dx, rtol=1e-12, atol=1e-14)
+    for name, g in grads.items():
+        np.testing.assert_allclose(np.asarray(sgrads[name]), g, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [({"moe_experts": -1}, "moe_experts=-1"), ({"moe_experts": 4, "moe_top_k": 5}, "moe_top_k=5"),
+     ({"moe_experts": 4, "moe_capacity_factor": 0.0}, "moe_capacity_factor=0.0"),
+     ({"moe_experts": 4, "moe_layers": (0, 7)}, "moe_layers=(0, 7)"),
+     ({"moe_experts": 4, "moe_z_loss_weight": -1.0}, "must be 0 or positive")],
+)
+def test_bad_moe_config_is_one_sentence(kwargs, words):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(**kwargs)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("k, dropless", [(1, False), (2, False), (2, True)])
+def test_routing_a_batch_in_parts_keeps_what_one_device_keeps(k, dropless):
+    """Each part routes its own tokens, seeing only every part's (k, E) counts: the drops, kept
+    counts and losses add up to the whole batch's."""
+    config = cfg(moe_top_k=k, moe_capacity_factor=0.7, moe_dropless=dropless)
+    x = np.random.default_rng(12).standard_normal((B * T, C))
+    w = np.random.default_rng(13).standard_normal((C, 4))
+    whole, _ = moe.route(x, w, config)
+    parts = [x[:5], x[5:7], x[7:]]
+    counts = np.stack([moe.route(p, w, config)[0]["selections"][0] for p in parts])  # (3, k, E)
+    kept = moe.kept_counts(counts, whole["capacity"])
+    keep, aux, z = [], 0.0, 0.0
+    for r, p in enumerate(parts):
+        part, _ = moe.route(p, w, config, exchange=lambda c: counts, rank=r)
+        np.testing.assert_array_equal(part["rows_per_expert"], kept[r])
+        keep.append(part["keep"])
+        aux, z = aux + part["aux_loss"], z + part["z_loss"]
+        assert part["dropped"] == whole["dropped"]
+    np.testing.assert_array_equal(np.concatenate(keep), whole["keep"])
+    assert (whole["dropped"] > 0) == (not dropless)
+    assert abs(aux - whole["aux_loss"]) <= 1e-14 and abs(z - whole["z_loss"]) <= 1e-14
