@@ -60,18 +60,22 @@ def in_flight(schedule: str, pp, m, chunks=1):
     GPipe keeps all m (Huang et al. 2019). 1F1B keeps p on the first stage and one on the last
     (Narayanan et al. 2021, Section 2.2.1). Interleaving with v chunks keeps p (1 + (p-1)/(pv))
     on the first (Korthikanti et al. 2022, Section 4.2.3); its last stage warms up (v-1)p + 1
-    chunks of one v-th of the layers (Megatron-LM's interleaved schedule). ZB-H1 keeps 1F1B's
-    peak, ZB-H2 2p - 1 (Qi et al. 2023, Table 1).
+    chunks of one v-th of the layers (Megatron-LM's interleaved schedule). ZB-H1 keeps p and
+    ZB-H2 2p - 1 on every stage, the last included: a deferred W still needs its micro-batch's
+    activations (Qi et al. 2023, Section 3). These are the peaks of refpar's schedule builders
+    (`schedules.peak_inflight_microbatches`, divided by v).
     """
     pp, m = np.asarray(pp), np.asarray(m)
     if schedule == "gpipe":
         return m, m
-    if schedule in ("1f1b", "zb-h1"):
+    if schedule == "1f1b":
         return np.minimum(pp, m), np.ones_like(pp)
     if schedule == "interleaved-1f1b":
         return pp + (pp - 1) / chunks, ((chunks - 1) * pp + 1) / chunks
+    if schedule == "zb-h1":
+        return np.minimum(pp, m), np.minimum(pp, m)
     if schedule == "zb-h2":
-        return np.minimum(2 * pp - 1, m), np.ones_like(pp)
+        return np.minimum(2 * pp - 1, m), np.minimum(2 * pp - 1, m)
     raise ConfigError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 
