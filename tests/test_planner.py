@@ -24,10 +24,12 @@ def test_model_that_fits_one_gpu_gets_data_parallelism_only():
 
 
 def test_one_trillion_parameters_on_4096_gpus_is_searched_in_under_two_seconds():
-    start = time.perf_counter()
+    # CPU time of this process: the test machines run several suites on two shared cores, where
+    # wall time measures the neighbours (the search takes ~0.15 s of CPU, ~0.2 s alone).
+    start = time.process_time()
     result = plan(PRESETS["megatron-1t"], HARDWARE["h100"], 4096)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"search took {elapsed:.2f} s"
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0, f"search took {elapsed:.2f} s of CPU"
     assert result["candidates"] > 10_000
     best = result["plans"][0]
     # 1T parameters need their weights split across nodes: model parallel within the node and
