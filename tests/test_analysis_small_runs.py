@@ -89,3 +89,24 @@ def test_planner_equals_what_a_real_zero_run_traces_and_its_ledger_holds(stage):
         assert held["optimizer"] == planned_memory["optimizer"]
         if stage < 3:
             assert held["params"] == planned_memory["params"]
+
+
+def test_planner_equals_what_a_real_pipeline_run_traces_and_its_ledger_holds():
+    # A real 2-stage 1F1B run: the first stage's pp bytes (its activations out, the tied
+    # embedding's gradient all-reduced with the last stage) and its weights and AdamW state.
+    from refpar.config import TrainConfig
+    from tests.mpi import refpar_json
+
+    summary = refpar_json(2, "train", "--mesh", "pp=2", "--schedule", "1f1b", "--microbatches", "4",
+                          "--steps", "1", timeout=120)
+    train, config = TrainConfig(), model_preset("tiny")
+    spec, micro = from_model_config(config), train.batch_size // 4
+    kw = dict(micro_batch=micro, seq=train.seq_len, pp=2, schedule="1f1b",
+              precision=PRECISIONS["float64"])
+    _, planned_bytes, _ = step_time(spec, HARDWARE["a100"], global_batch=train.batch_size,
+                                    dtype="float64", **kw)
+    traced = sum(r["bytes_sent"] for r in summary["comm_bytes"] if r["rank"] == 0 and r["axis"] == "pp")
+    assert traced == planned_bytes["pp"]
+    planned = memory_per_rank(spec, microbatches=4, **kw)
+    held = {r["category"]: r["bytes"] for r in summary["memory_peak_bytes"] if r["rank"] == 0}
+    assert held["params"] == planned["params"] and held["optimizer"] == planned["optimizer"]
