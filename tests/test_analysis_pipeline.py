@@ -38,7 +38,7 @@ def test_a_plans_simulated_pipeline_is_its_predicted_one(gpus, model):
     from refpar.analysis.presets import PRESETS
     from refpar.analysis.timeline import plan_timeline
 
-    result = plan(PRESETS[model], HARDWARE["a100"], gpus, global_batch=64, top=20)
+    result = plan(PRESETS[model], HARDWARE["a100"], gpus, global_batch=64, top=400)
     piped = [p for p in result["plans"] if p["mesh"]["pp"] > 1][:2]
     assert piped
     for p in piped:
