@@ -118,16 +118,17 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
               precision: Precision = PRECISIONS["bf16"], dtype="bfloat16", efficiency=0.75):
     """Predicted time of one optimizer step, split by cause, with bytes per rank per axis.
 
-    `efficiency` is the fraction of peak FLOP/s the matmuls reach; it is an assumption of the
-    model, not a measurement (large bf16 GEMMs on A100/H100 reach 70-80% of peak in cuBLAS's
-    published benchmarks; Narayanan et al. 2021 report 52% of peak end-to-end at 1T).
+    `efficiency` is the fraction of peak FLOP/s the matmuls reach: an assumption of the model, not
+    a measurement. With 0.75 the predicted throughput of Narayanan et al. 2021's Table 1 runs is
+    8-24% above what they measured (kernel launches and imperfect overlap are left out);
+    tests/test_analysis_published.py holds it to that band.
 
     Returns (times, bytes, calls): times has compute, bubble, tp, cp, ep, pp, dp, optimizer and
     total in seconds (communication entries are the exposed part), and under "stage" one
     micro-batch's F, B (input gradient), W (weight gradient) and p2p times on the busiest stage;
-    bytes is sent per rank per
-    step by axis; calls names each collective ("tp.all_reduce", "dp.experts.reduce_scatter", ...)
-    with (axis, op, message bytes, ranks, calls per step, seconds per call, algorithm).
+    bytes is sent per rank per step by axis; calls names each collective ("tp.all_reduce",
+    "dp.experts.reduce_scatter", ...) with (axis, op, message bytes, ranks, calls per step,
+    seconds per call, algorithm).
     """
     tp, pp, dp, cp, ep, zero = (np.asarray(x) for x in (tp, pp, dp, cp, ep, zero))
     sp = tp > 1 if sp is None else np.asarray(sp)
