@@ -99,6 +99,8 @@ def _cli(*args):
         (["--model", "llama3-405b", "--gpus", "8", "--hardware", "h100"], "fits on no mesh"),
         (["--model", "gpt2", "--gpus", "12"], "whole number of 8-GPU"),
         (["--model", "gpt2", "--gpus", "8", "--seq", "4096"], "learns 1024 positions"),
+        (["--model", "gpt2", "--gpus", "8", "--hardware", "a100", "--dtype", "fp8"],
+         "a100 has no fp8 peak listed"),
     ],
 )
 def test_cli_refusals_are_one_sentence_without_traceback(args, words):

@@ -136,6 +136,7 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
         )
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    hw.flops(dtype)  # an unknown dtype is refused before any pricing
     mesh = meshes(spec, gpus, hw, global_batch, seq)
     if len(mesh) == 0:
         raise ConfigError(
