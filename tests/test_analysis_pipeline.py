@@ -50,14 +50,15 @@ def test_a_plans_simulated_pipeline_is_its_predicted_one(gpus, model):
 
 @pytest.mark.parametrize("kind, v", SCHEDULES)
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 16), (8, 16)])
-def test_in_flight_micro_batches_are_the_schedules_own_peaks(kind, v, p, m):
+def test_micro_batches_held_until_w_are_the_schedules_own_peaks(kind, v, p, m):
     # The memory model holds, on the first and the last stage, the activations of as many
-    # micro-batches (in whole stages: an interleaved chunk is a v-th) as the schedule keeps alive.
-    from refpar.analysis.scale import in_flight
+    # micro-batches (in whole stages: an interleaved chunk is a v-th) as the schedule keeps
+    # anything of, from F until W (tests/test_pipeline_analysis_agrees.py checks F until B).
+    from refpar.analysis.scale import held_until_w
     from refpar.parallel.pipeline.schedules import peak_inflight_microbatches
 
     if kind == "zb-h2" and m < 2 * p - 1:
         pytest.skip("the planner offers ZB-H2 only with m >= 2p - 1")
     peaks = peak_inflight_microbatches(build(kind, p, m, v))
-    first, last = in_flight(kind, p, m, v)
+    first, last = held_until_w(kind, p, m, v)
     assert (first, last) == (peaks[0] / v, peaks[p - 1] / v)
