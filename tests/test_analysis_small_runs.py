@@ -110,3 +110,18 @@ def test_planner_equals_what_a_real_pipeline_run_traces_and_its_ledger_holds():
     planned = memory_per_rank(spec, microbatches=4, **kw)
     held = {r["category"]: r["bytes"] for r in summary["memory_peak_bytes"] if r["rank"] == 0}
     assert held["params"] == planned["params"] and held["optimizer"] == planned["optimizer"]
+
+
+@pytest.mark.parametrize("ep, k", [(2, 1), (4, 2)])
+def test_planner_expert_parallel_bytes_equal_the_moe_closed_form(ep, k):
+    # refpar/analysis/moe.py's balanced dropless all-to-all bytes (which the MoE tests hold
+    # against real runs) per MoE block, summed over the blocks, are the planner's ep bytes.
+    from refpar.analysis import moe
+
+    config = model_preset("tiny", moe_experts=4, moe_top_k=k, moe_dropless=True)
+    train_batch, seq, micro = 8, 16, 1
+    spec = from_model_config(config)
+    _, planned, _ = step_time(spec, HARDWARE["a100"], global_batch=train_batch, micro_batch=micro,
+                              seq=seq, ep=ep, precision=PRECISIONS["float64"], dtype="float64")
+    per_block = moe.expected_all_to_all_bytes(config, train_batch // ep * seq, ep, ep, 8)
+    assert planned["ep"] == pytest.approx(len(config.moe_blocks) * per_block, rel=1e-12)
