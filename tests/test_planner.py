@@ -111,9 +111,12 @@ def test_cli_refusals_are_one_sentence_without_traceback(args, words):
     assert done.stdout == ""
 
 
-def test_cli_json_gives_the_ranked_plans():
-    done = _cli("--model", "llama2-7b", "--gpus", "16", "--hardware", "a100", "--top", "2", "--json")
+def test_cli_json_gives_the_ranked_plans(tmp_path):
+    figure = tmp_path / "plan.html"
+    done = _cli("--model", "llama2-7b", "--gpus", "16", "--hardware", "a100", "--top", "2", "--json",
+                "--figure", str(figure))
     assert done.returncode == 0, done.stderr
+    assert "plotly" in figure.read_text()
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(result["plans"]) == 2 and result["gpus"] == 16
     assert set(result["plans"][0]["memory_bytes"]) == {"params", "grads", "optimizer",
