@@ -22,6 +22,7 @@ from refpar.model.gpt import init_params, loss_and_grads
 from refpar.model.moe import MoELayer, expert_prefix, kept_counts
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.expert_parallel import ExpertParallelMoE, check_expert_parallel
+from refpar.parallel.intra_layer import all_reduce_replicated_grads
 from refpar.sharding import shard_range
 from refpar.trainer import corpus_for
 
@@ -80,16 +81,11 @@ def local_params(full: dict, model, ep: int, ep_rank: int) -> dict:
             if ".mlp.experts." not in n or any(n.startswith(m) for m in mine)}
 
 
-def _flat_all_reduce(comm, grads: dict, names: list[str], tag: str) -> None:
-    """Sum `grads[names]` over `comm` in one flat buffer, in place of the dict's entries."""
-    if comm.size == 1 or not names:
-        return
-    summed = comm.all_reduce(np.concatenate([grads[n].reshape(-1) for n in names]), tag=tag)
-    start = 0
-    for n in names:
-        size = grads[n].size
-        grads[n] = summed[start:start + size].reshape(grads[n].shape)
-        start += size
+def reduce_grads(grads: dict, names: list[str], comm, tag: str) -> None:
+    """Sums `grads[names]` over `comm` in place (one coalesced all-reduce, the one the other
+    data-parallel strategies use); nothing to do on one rank."""
+    if comm.size > 1 and names:
+        grads.update(all_reduce_replicated_grads({n: grads[n] for n in names}, comm, tag))
 
 
 def _record(step, loss, routing, start, totals=None) -> MoEStep:
@@ -150,8 +146,8 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
             tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B/D, T) each
             loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
                                          sample_ids=sample_ids, normalizer=normalizer, moe=layer)
-            _flat_all_reduce(data, grads, dense, "dense:grad")
-            _flat_all_reduce(mesh.dp, grads, experts, "experts:grad")
+            reduce_grads(grads, dense, data, "dense:grad")  # over every dp x ep rank
+            reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
             params, state = optimizer_step(params, grads, state, train)
             routing = layer.last_routing
             shares = np.array([loss, sum(float(r["aux_loss"]) for r in routing.values()),
