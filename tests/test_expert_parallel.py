@@ -29,7 +29,7 @@ def assert_matches_single_device(rows):
         assert r["reference_is_trainer"], r  # the stats' reference is the trainer's run
         assert r["loss_diff"] <= 1e-10 and r["param_diff"] <= 1e-10, r
         assert r["same_dropped"] and r["same_tokens_per_expert"] and r["same_aux"] <= 1e-15, r
-        assert r["bytes_match"], r  # traced all-to-all and count bytes == closed forms
+        assert r["bytes_match"], r  # traced bytes per (axis, op) and expert memory == closed forms
         assert (min(r["dropped"]) > 0) == r["case"].endswith("_drops"), r
 
 
