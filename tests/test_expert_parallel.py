@@ -97,6 +97,10 @@ def test_train_cli_reports_routing_per_step_and_matches_one_device_with_closed_f
         for kept, lost in zip(step, dropped, strict=True):
             assert max(kept) <= cap and sum(kept) + lost == 8 * 16 * 2
     assert len(moe["aux_loss"]) == 3 and all(a > 0 for a in moe["aux_loss"])
+    assert moe["capacity"] == cap and moe["experts_per_ep_rank"] == [[0, 1], [2, 3]]
+    for sends, kept in zip(moe["kept_counts"], moe["tokens_per_expert"], strict=True):
+        for per_rank, per_expert in zip(sends, kept, strict=True):  # (D, E) rows add up per expert
+            assert np.sum(per_rank, axis=0).tolist() == per_expert
     assert s["comm_bytes"] == s["expected_comm_bytes"]
     assert {(r["axis"], r["op"]) for r in s["comm_bytes"]} == {
         ("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce")}
@@ -116,3 +120,21 @@ def test_train_cli_refuses_a_bad_expert_setup_in_one_sentence(args, sentence):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"refpar train: error: {sentence}"
+
+
+def test_routing_figure_draws_the_runs_counts():
+    from refpar.viz.moe import routing_figure
+
+    moe = {"blocks": [1, 3], "capacity": 5,
+           "tokens_per_expert": [[[5, 3, 4, 2], [1, 1, 1, 1]], [[5, 5, 1, 0], [2, 2, 2, 2]]],
+           "dropped": [[2, 0], [6, 0]],
+           "kept_counts": [[[[3, 1, 2, 1], [2, 2, 2, 1]], [[0] * 4] * 2],
+                           [[[2, 3, 1, 0], [3, 2, 0, 0]], [[1] * 4] * 2]],
+           "experts_per_ep_rank": [[0, 1], [2, 3]]}
+    fig = routing_figure(moe, block_index=0, step=-1)
+    kept, sends = fig.data
+    assert [list(r) for r in kept.z] == [[5, 3, 4, 2], [5, 5, 1, 0]]
+    assert [list(r) for r in sends.z] == [[2, 3, 1, 0], [3, 2, 0, 0]]
+    assert [list(r) for r in kept.customdata] == [[2] * 4, [6] * 4]
+    assert [s["x0"] for s in fig.layout.shapes] == [1.5]  # between ep rank 0's and 1's experts
+    assert "capacity 5" in fig.layout.annotations[0].text and "step 2" in fig.layout.annotations[1].text

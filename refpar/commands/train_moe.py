@@ -139,6 +139,9 @@ def run_cli(model, train, sizes, args) -> int:
             "blocks": list(blocks),
             "tokens_per_expert": [[s.tokens_per_expert[i] for i in blocks] for s in run.steps],
             "dropped": [[s.dropped[i] for i in blocks] for s in run.steps],
+            "capacity": capacity(train.batch_size * train.seq_len, model),
+            "kept_counts": [[s.kept_counts[i].tolist() for i in blocks] for s in run.steps],
+            "experts_per_ep_rank": [list(range(*_owned(model.moe_experts, ep, q))) for q in range(ep)],
             "aux_loss": [s.aux_loss for s in run.steps], "z_loss": [s.z_loss for s in run.steps],
             "expert_param_bytes_per_ep_rank": [
                 moe_analysis.expert_param_bytes_per_rank(model, ep, q) for q in range(ep)],
