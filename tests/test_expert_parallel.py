@@ -138,3 +138,24 @@ def test_routing_figure_draws_the_runs_counts():
     assert [list(r) for r in kept.customdata] == [[2] * 4, [6] * 4]
     assert [s["x0"] for s in fig.layout.shapes] == [1.5]  # between ep rank 0's and 1's experts
     assert "capacity 5" in fig.layout.annotations[0].text and "step 2" in fig.layout.annotations[1].text
+
+
+def test_uniform_all_to_all_bytes_agree_with_the_planners_ep_term():
+    """refpar.analysis.step_time prices the ep all-to-all of any model; for refpar's own dropless
+    MoE GPT-2 its bytes per rank per step equal this file's uniform-routing expectation."""
+    from refpar.analysis.hardware import hardware
+    from refpar.analysis.presets import ModelSpec
+    from refpar.analysis.scale import PRECISIONS
+    from refpar.analysis.step_time import step_time
+
+    config = ModelConfig(moe_experts=8, moe_top_k=2, moe_dropless=True)
+    spec = ModelSpec("refpar-moe", config.n_layer, config.n_embd, config.n_head,
+                     vocab_size=config.vocab_size, seq_len=16, global_batch=8, n_experts=8, top_k=2,
+                     moe_d_ff=4 * config.n_embd)
+    for dp, ep in [(1, 2), (1, 4), (2, 2)]:
+        tokens = 8 * 16 // (dp * ep)
+        _, sent, _ = step_time(spec, hardware("h100"), global_batch=8, micro_batch=8 // (dp * ep),
+                               seq=16, dp=dp, ep=ep, precision=PRECISIONS["float64"],
+                               dtype="float64")
+        ours = config.n_layer * moe_analysis.expected_all_to_all_bytes(config, tokens, dp * ep, ep, 8)
+        assert ours > 0 and float(sent["ep"]) == pytest.approx(ours, rel=1e-12)
