@@ -81,11 +81,12 @@ def run_cli(model, train, sizes, args) -> int:
         if speak:
             print(text, flush=True)
 
+    where = f"mesh {mesh}" if comm.size > 1 else "1 device"
     limit = "dropless" if model.moe_dropless else (
         f"capacity factor {model.moe_capacity_factor}: {capacity(train.batch_size * train.seq_len, model)} "
         "assignments per expert")
     say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
-        f"{','.join(map(str, blocks))}; mesh {mesh}; experts per ep rank: "
+        f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
         + " ".join(f"{list(range(*_owned(model.moe_experts, ep, q)))}" for q in range(ep)))
     say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert (block {blocks[0]})")
 
