@@ -71,7 +71,7 @@ def run(args) -> int:
     if args.moe_experts:  # MoE on one device or over dp x ep: refpar/commands/train_moe.py
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return train_moe.run_cli(model, train, sizes, args)
-    if pipeline_runner.wants_pipeline(sizes):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py
+    if pipeline_runner.wants_pipeline(sizes, args):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return pipeline_runner.run_cli(model, train, sizes, args)
     if intra_layer_runner.wants_intra_layer(sizes, args):  # TP, SP, CP (with dp): intra_layer_runner.py

@@ -12,7 +12,9 @@ measured from the executed trace, and as simulated from the same per-action dura
 
 from __future__ import annotations
 
+import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,17 +47,20 @@ def add_arguments(parser) -> None:
         if flag not in parser._option_string_actions:
             parser.add_argument(flag, **kwargs)
 
-    once("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
+    once("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
     once("--chunks", type=int, default=None,
          help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
     once("--n-layer", type=int, default=None,
          help="blocks of the model, replacing the preset's (each pipeline stage needs at least one)")
     once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
     once("--check", action="store_true", help="also run the single-device reference and compare")
+    once("--trace", default=None, metavar="PATH",
+         help="write the last step as a Chrome trace (open in https://ui.perfetto.dev)")
 
 
-def wants_pipeline(sizes: dict[str, int]) -> bool:
-    return sizes["pp"] > 1
+def wants_pipeline(sizes: dict[str, int], args) -> bool:
+    """A mesh with pp, or a pipeline flag (so that it can say what is missing)."""
+    return sizes["pp"] > 1 or args.schedule is not None or args.chunks is not None
 
 
 @dataclass
@@ -109,13 +114,14 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
     losses, times = [], []
     for step in range(train.steps):
         start = time.perf_counter()
-        tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (b, T) each
-        loss, grads = executor.step(params, microbatches(tokens, targets, first, m), step=step,
-                                    seed=train.seed, normalizer=normalizer)
-        if dp.size > 1:
-            grads = {n: dp.all_reduce(g, tag=f"{n}:grad") for n, g in grads.items()}
-        params, state = optimizer_step(params, grads, state, train)
-        losses.append(float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0]))
+        with pp.tracer.context(step=step) if pp.tracer else nullcontext():
+            tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (b, T) each
+            loss, grads = executor.step(params, microbatches(tokens, targets, first, m), step=step,
+                                        seed=train.seed, normalizer=normalizer)
+            if dp.size > 1:
+                grads = {n: dp.all_reduce(g, tag=f"{n}:grad") for n, g in grads.items()}
+            params, state = optimizer_step(params, grads, state, train)
+            losses.append(float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0]))
         times.append(time.perf_counter() - start)
     measured = executor.measured_timeline()
     simulated = executor.simulated_timeline(measured)
@@ -138,12 +144,15 @@ def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, pl
 
 
 def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args) -> int:
+    if sizes["pp"] == 1:
+        raise ConfigError("--schedule and --chunks need a pipeline; add pp=2 or more to --mesh")
+    kind = args.schedule or "1f1b"
     other = [f"{a}={s}" for a, s in sizes.items() if a not in ("pp", "dp") and s > 1]
     if other:
         raise ConfigError(f"pipeline training combines with dp only so far; drop {', '.join(other)}")
-    v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved-1f1b" else 1)
+    v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
     # Every rank checks everything before the first message.
-    build(args.schedule, sizes["pp"], args.microbatches, v)
+    build(kind, sizes["pp"], args.microbatches, v)
     stage_layers(model.n_layer, sizes["pp"] * v, 0)
     if train.batch_size // sizes["dp"] < args.microbatches:
         raise ConfigError(f"--batch-size {train.batch_size} over dp={sizes['dp']} leaves fewer "
@@ -156,14 +165,16 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
 
     with abort_on_error():
         comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
-        run = run_pipeline(model, train, DeviceMesh(comm, sizes), args.schedule, args.microbatches, v)
+        run = run_pipeline(model, train, DeviceMesh(comm, sizes), kind, args.microbatches, v)
         checked = reference_diffs(model, train, run, plain) if args.check else {}
         comm_rows, memory_rows = gather_rows(plain, run)
+        if args.trace:
+            write_chrome_trace(args.trace, plain, run, train.steps - 1)
         if comm.rank != 0:
             return 0
         expected_comm = expected_comm_rows(model, train, sizes, args.microbatches, v)
-        expected_memory = expected_memory_rows(model, train, sizes, args.schedule, args.microbatches, v)
-        report(args.schedule, sizes, model, train, run, checked, comm_rows, expected_comm,
+        expected_memory = expected_memory_rows(model, train, sizes, kind, args.microbatches, v)
+        report(kind, sizes, model, train, run, checked, comm_rows, expected_comm,
                memory_rows, expected_memory, v)
         if args.json:
             bubble = {"measured": run.measured.bubble_fraction,
@@ -171,7 +182,7 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
                       "simulated_unit_costs": simulate(run.executor.schedule).bubble_fraction}
             summary = run_summary(
                 model, train, run.losses, mesh=sizes, world_size=comm.size, zero=0,
-                schedule=args.schedule, microbatches=args.microbatches, comm_bytes=comm_rows,
+                schedule=kind, microbatches=args.microbatches, comm_bytes=comm_rows,
                 expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
                 expected_memory_peak_bytes=expected_memory, bubble_fraction=bubble,
                 step_time_s=run.step_time_s,
@@ -263,6 +274,39 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict[str
 def _replay(schedule, kept, rows_of) -> dict[int, list[int]]:
     return stored(schedule, lambda a: kept[a.stage, rows_of[a.microbatch]][0],
                   lambda a: kept[a.stage, rows_of[a.microbatch]][1])
+
+
+def write_chrome_trace(path, plain, run: PipelineRun, step: int) -> None:
+    """Rank 0 writes one Chrome trace of step `step`: per rank, its messages (track 0) and its
+    actions as compute slices named like "1F0" (track 1), on the one clock of the machine."""
+    from refpar.comm.trace import CommEvent, chrome_trace
+
+    mine = {"events": [e.to_dict() for e in run.tracer.events if e.step == step],
+            "slots": [{"action": str(s.action), "tick": s.tick, "start": s.start, "end": s.end}
+                      for s in run.executor.slots]}
+    payload = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
+    pieces = plain.all_gather(payload)
+    lengths = plain.all_gather(np.array([payload.size]))
+    if plain.rank != 0:
+        return
+    events, slots = [], []
+    for rank, (a, b) in enumerate(zip(np.cumsum(lengths) - lengths, np.cumsum(lengths), strict=True)):
+        part = json.loads(pieces[a:b].tobytes())
+        events += [CommEvent(**{**e, "group": tuple(e["group"]), "shape": tuple(e["shape"])})
+                   for e in part["events"]]
+        slots += [{**sl, "rank": rank} for sl in part["slots"]]
+    t0 = min([e.t_start for e in events] + [sl["start"] for sl in slots])
+    trace = chrome_trace(events, t0)
+    for rank in sorted({sl["rank"] for sl in slots}):
+        trace["traceEvents"] += [
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+            for tid, name in ((0, "messages"), (1, "compute"))]
+    trace["traceEvents"] += [
+        {"name": sl["action"], "cat": "compute", "ph": "X", "pid": sl["rank"], "tid": 1,
+         "ts": (sl["start"] - t0) * 1e6, "dur": (sl["end"] - sl["start"]) * 1e6,
+         "args": {"tick": sl["tick"], "step": step}} for sl in slots]
+    with open(path, "w") as f:
+        json.dump(trace, f)
 
 
 def gather_rows(plain, run: PipelineRun) -> tuple[list[dict], list[dict]]:
