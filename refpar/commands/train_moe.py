@@ -55,6 +55,23 @@ def model_overrides(args) -> dict:
             "moe_aux_loss_weight": args.aux_loss_weight, "moe_z_loss_weight": args.z_loss_weight}
 
 
+# Options of the other strategies' runners (their defaults mean "not asked for"): a MoE run takes
+# none of them, and says so rather than ignore one.
+OTHER_OPTIONS = {"zero": 0, "fsdp": False, "microbatches": 1, "sp": False, "cp_algo": None,
+                 "schedule": None, "chunks": None, "overlap": False, "bucket_kb": None}
+
+
+def check_options(args) -> None:
+    from refpar.config import ConfigError
+
+    for name, default in OTHER_OPTIONS.items():
+        value = getattr(args, name, default)
+        if value != default:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over dp and ep "
+                              f"only, so drop {flag}")
+
+
 def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
 
@@ -62,13 +79,14 @@ def _rel(a, b) -> float:
 def run_cli(model, train, sizes, args) -> int:
     from refpar.analysis import moe as moe_analysis
     from refpar.comm.communicator import world
-    from refpar.comm.trace import Tracer
+    from refpar.comm.trace import Tracer, write_trace
     from refpar.mesh import DeviceMesh
     from refpar.model.moe import capacity
     from refpar.parallel.expert_parallel_run import check_run, reference_run, train_expert_parallel
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for
 
+    check_options(args)
     check_run(model, train, sizes)
     comm = world(Tracer(rank=None))
     mesh = DeviceMesh(comm, sizes)
@@ -120,8 +138,13 @@ def run_cli(model, train, sizes, args) -> int:
             expected[key] = (old[0] + b.sent, old[1] + b.recv)
     mine = np.array([[*totals.get(k, (0, 0)), *expected.get(k, (0, 0))] for k in COMM_KEYS])
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
+    trace_path = getattr(args, "trace", None)
+    events = comm.gather_object(comm.tracer.events) if trace_path else None
     if not speak:
         return 0
+    if events is not None:
+        write_trace(trace_path, [e for rank_events in events for e in rank_events])
+        say(f"trace of every rank's communication written to {trace_path}")
     rows = [[{"rank": r, "axis": a, "op": o, "bytes_sent": int(every[r, i, j]),
               "bytes_recv": int(every[r, i, j + 1])} for r in range(comm.size)
              for i, (a, o) in enumerate(COMM_KEYS) if every[r, i].any()] for j in (0, 2)]
