@@ -14,6 +14,7 @@ import argparse
 
 import numpy as np
 
+STATE_KEYS = ("params", "grads", "optimizer")  # what a MoE run's ledger counts
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"))
 
 
@@ -138,6 +139,8 @@ def run_cli(model, train, sizes, args) -> int:
             expected[key] = (old[0] + b.sent, old[1] + b.recv)
     mine = np.array([[*totals.get(k, (0, 0)), *expected.get(k, (0, 0))] for k in COMM_KEYS])
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
+    states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer)
+    memory = comm.all_gather(np.array([[[run.ledger.peak[c], states[c]] for c in STATE_KEYS]]))
     trace_path = getattr(args, "trace", None)
     events = comm.gather_object(comm.tracer.events) if trace_path else None
     if not speak:
@@ -158,6 +161,11 @@ def run_cli(model, train, sizes, args) -> int:
     measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].mean() / train.steps
     say(f"ep all-to-all per rank and step: {measured:,.0f} bytes; uniform routing would send "
         f"{uniform:,.0f}")
+    memory_rows = [[{"rank": r, "category": c, "bytes": int(memory[r, i, j])}
+                    for r in range(comm.size) for i, c in enumerate(STATE_KEYS)] for j in (0, 1)]
+    say("peak params / grads / optimizer bytes per rank: " + "; ".join(
+        "rank {}: {:,} / {:,} / {:,}".format(r, *(int(v) for v in memory[r, :, 0]))
+        for r in range(comm.size)))
     if args.json:
         moe = {
             "blocks": list(blocks),
@@ -174,6 +182,7 @@ def run_cli(model, train, sizes, args) -> int:
         }
         summary = run_summary(model, train, run.losses, mesh=mesh.sizes, world_size=comm.size,
                               comm_bytes=rows[0], expected_comm_bytes=rows[1],
+                              memory_peak_bytes=memory_rows[0], expected_memory_peak_bytes=memory_rows[1],
                               step_time_s=run.step_time_s, loss_floor=floor, moe=moe, **fields)
         say(summary_line(summary))
     return 0

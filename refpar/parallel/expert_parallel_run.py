@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refpar.config import ConfigError
+from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params, loss_and_grads
 from refpar.model.moe import MoELayer, expert_prefix, kept_counts
 from refpar.model.optim import optimizer_init, optimizer_step
@@ -47,6 +48,7 @@ class MoEStep:
 class MoERun:
     steps: list[MoEStep] = field(default_factory=list)
     params: dict = field(default_factory=dict)  # this rank's, after the last step
+    ledger: MemoryLedger | None = None  # this rank's parameters, gradients, optimizer state
 
     @property
     def losses(self) -> list[float]:
@@ -133,6 +135,12 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
     layer = ExpertParallelMoE(data, ep_comm, model)
     params = local_params(init_params(model, train.seed), model, ep_comm.size, ep_comm.rank)
     state = optimizer_init(params, train)
+    # The model states this rank holds; activations and buffers are not counted in MoE runs.
+    ledger = MemoryLedger()
+    ledger.alloc("params", sum(p.nbytes for p in params.values()), "params")
+    for key in ("m", "v"):
+        if key in state:
+            ledger.alloc(f"optimizer.{key}", sum(a.nbytes for a in state[key].values()), "optimizer")
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
@@ -146,9 +154,11 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
             tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B/D, T) each
             loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
                                          sample_ids=sample_ids, normalizer=normalizer, moe=layer)
+            ledger.alloc("grads", sum(g.nbytes for g in grads.values()), "grads")
             reduce_grads(grads, dense, data, "dense:grad")  # over every dp x ep rank
             reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
             params, state = optimizer_step(params, grads, state, train)
+            ledger.free("grads")
             routing = layer.last_routing
             shares = np.array([loss, sum(float(r["aux_loss"]) for r in routing.values()),
                                sum(float(r["z_loss"]) for r in routing.values())])
@@ -156,6 +166,5 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
         run.steps.append(_record(step, loss, routing, start, totals))
         if on_step is not None:
             on_step(run.steps[-1])
-    run.params = params
+    run.params, run.ledger = params, ledger
     return run
-
