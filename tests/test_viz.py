@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refpar.config import ConfigError
+from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.model.gpt import init_params
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import (
@@ -17,6 +17,8 @@ from refpar.parallel.pipeline.schedules import (
 from refpar.parallel.tensor_parallel import shard_params_tp
 from refpar.parallel.units import FlatLayout
 from refpar.sharding import shard_range
+from refpar.viz import comm as cv
+from refpar.viz import expected as ex
 from refpar.viz import sharding as sh
 from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
 
@@ -149,3 +151,59 @@ def test_sharding_figure_frames_carry_the_steps_grids():
 def test_bad_sharding_inputs_are_one_sentence(strategy, n):
     with pytest.raises(ConfigError):
         sh.steps_for(strategy, n)
+
+
+# ---------------------------------------------------------------- communication and memory
+
+TINY, ONE_STEP = model_preset("tiny"), TrainConfig(steps=1)
+
+
+@pytest.mark.parametrize("strategy", ex.STRATEGIES)
+def test_traffic_matrix_rows_add_up_to_each_ranks_bytes_sent(strategy):
+    w = ex.workload(strategy, 2, TINY, ONE_STEP, dp=2)
+    rows, _ = ex.closed_form_rows(w)
+    matrix = cv.traffic_matrix(rows, w.sizes)
+    sent = [sum(r["bytes_sent"] for r in rows if r["rank"] == k) for k in range(w.world)]
+    np.testing.assert_allclose(matrix.sum(axis=1), sent)
+    assert np.trace(matrix) == 0  # nobody sends to itself
+    # Every byte goes to a rank of the sender's group on that axis.
+    for r in rows:
+        for dst, _ in cv.destinations(w.sizes, r["rank"], r["axis"], r["op"]):
+            assert dst in cv.axis_group(w.sizes, r["rank"], r["axis"])
+
+
+@pytest.mark.parametrize("strategy", [s for s in ex.STRATEGIES if s != "pp"])
+def test_the_steps_calls_add_up_to_the_closed_form_rows(strategy):
+    w = ex.workload(strategy, 2, TINY, ONE_STEP, dp=2)
+    rows, _ = ex.closed_form_rows(w)
+    calls = ex.calls(w)
+    for k in range(w.world):
+        assert sum(c["bytes_sent"][k] for c in calls) == sum(r["bytes_sent"] for r in rows if r["rank"] == k)
+    fig = cv.calls_figure(calls, w.sizes)
+    assert len(fig.frames) == len(calls) + 1
+    np.testing.assert_allclose(np.asarray(fig.frames[-1].data[0].z), cv.traffic_matrix(rows, w.sizes))
+    timeline = cv.timeline_figure(calls)
+    assert sum(len(t.x) for t in timeline.data) == len(calls)
+
+
+def test_axis_groups_follow_the_device_mesh_layout():
+    sizes = ex.workload("tp", 2, TINY, ONE_STEP, dp=2).sizes  # ranks (dp, tp) = [[0, 1], [2, 3]]
+    assert cv.axis_group(sizes, 3, "tp") == [2, 3] and cv.axis_group(sizes, 3, "dp") == [1, 3]
+    assert cv.axis_group(sizes, 0, "world") == [0, 1, 2, 3]
+
+
+def test_bytes_and_memory_figures_show_the_rows():
+    w = ex.workload("zero3", 4, TINY, ONE_STEP)
+    comm, memory = ex.closed_form_rows(w)
+    fig = cv.bytes_figure(comm, comm)
+    assert list(fig.data[0].y) == list(fig.data[1].y) == list(cv.by_axis_op(comm).values())
+    mem = cv.memory_figure({"zero3": cv.memory_by_rank(memory)[0]})
+    assert {t.name: t.y[0] for t in mem.data} == {r["category"]: r["bytes"] for r in memory if r["rank"] == 0}
+
+
+@pytest.mark.parametrize("args", [("tp", 3, 1), ("dp", 17, 1), ("pp", 4, 8), ("nope", 2, 1)])
+def test_bad_workloads_are_config_errors(args):
+    strategy, n, dp = args
+    with pytest.raises(ConfigError):
+        w = ex.workload(strategy, n, TINY, ONE_STEP, dp=dp)
+        ex.closed_form_rows(w)
