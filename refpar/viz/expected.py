@@ -124,3 +124,25 @@ def calls(w: Workload) -> list[dict]:
     # Every rank runs the same calls in the same order (each group's members call together).
     return [{"axis": row[0].axis, "op": row[0].op, "tag": row[0].tag,
              "bytes_sent": [c.bytes_sent for c in row]} for row in zip(*per_rank, strict=True)]
+
+
+def train_args(w: Workload) -> list[str]:
+    """The `refpar train` arguments that run this workload (after `mpiexec -n w.world`)."""
+    mesh = ",".join(f"{a}={w.sizes[a]}" for a in MESH_AXES if w.sizes[a] > 1) or "dp=1"
+    args = ["--mesh", mesh, "--steps", str(w.train.steps), "--batch-size", str(w.train.batch_size),
+            "--seq-len", str(w.train.seq_len), "--json"]
+    if w.strategy in ("zero1", "zero2", "zero3"):
+        args += ["--zero", w.strategy[-1]]
+    elif w.strategy == "fsdp":
+        args += ["--fsdp"]
+    elif w.strategy == "sp":
+        args += ["--sp"]
+    elif w.strategy.startswith("cp-"):
+        args += ["--cp-algo", w.strategy[3:]]
+    elif w.strategy == "pp":
+        args += ["--schedule", w.schedule, "--microbatches", str(w.microbatches)]
+        if w.schedule == "interleaved-1f1b":
+            args += ["--chunks", str(w.chunks)]
+    if w.strategy in DP_STRATEGIES and w.microbatches > 1:
+        args += ["--microbatches", str(w.microbatches)]
+    return args

@@ -1,0 +1,135 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import streamlit as st
+
+from refpar.config import ConfigError, TrainConfig, model_preset
+from refpar.viz import expected
+
+MAX_STEPS, TIME_LIMIT_S = 20, 300
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Launcher:
+    """The one run this app may have going at a time (shared by every browser tab)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+        self.started = 0.0
+        self.label, self.key, self.steps = "", None, 1
+        self.result: dict | None = None  # {"key", "label", "summary"} of the last run that succeeded
+        self.error: str | None = None  # the output tail of the last run that failed
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, argv: list[str], label: str, key: tuple, steps: int) -> None:
+        with self.lock:
+            if self.running():
+                raise ConfigError("a run is already going; wait for it or stop it first")
+            env = {**os.environ, "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            # A list, never a shell; a session of its own so that Stop ends mpiexec and its ranks.
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         cwd=ROOT, env=env, start_new_session=True)
+            self.lines, self.started, self.error = [], time.monotonic(), None
+            self.label, self.key, self.steps = label, key, steps
+            threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+        proc.wait()
+        with self.lock:
+            summary = next((json.loads(x) for x in reversed(self.lines) if x.startswith('{"mesh"')), None)
+            if proc.returncode == 0 and summary is not None:
+                self.result = {"key": self.key, "label": self.label, "summary": summary}
+            else:
+                tail = "\n".join(self.lines[-25:])
+                self.error = f"the run ended with exit status {proc.returncode}:\n{tail}"
+
+    def stop(self) -> None:
+        if self.running():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+
+
+@st.cache_resource
+def launcher() -> Launcher:
+    return Launcher()
+
+
+def mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    from shutil import which
+
+    return which("mpiexec")
+
+
+@st.fragment(run_every=1.0)
+def progress(run: Launcher) -> None:
+    """Redrawn every second while the run goes; the rest of the page stays usable."""
+    if run.running():
+        elapsed = time.monotonic() - run.started
+        if elapsed > TIME_LIMIT_S:
+            run.stop()
+        done = sum(1 for x in run.lines if x.split()[:1] and x.split()[0].isdigit())
+        st.progress(min(done / max(run.steps, 1), 1.0), text=f"{run.label}: {elapsed:.0f} s")
+        st.code("\n".join(run.lines[-12:]) or "starting mpiexec ...", language=None)
+        if st.button("Stop", type="secondary"):
+            run.stop()
+    elif run.error is not None:
+        st.error(run.error)
+    elif run.result is not None:
+        st.session_state["run"] = run.result
+        summary = run.result["summary"]
+        st.success(f"{run.result['label']}: {summary['steps']} steps, last loss {summary['losses'][-1]:.4f}, "
+                   f"{summary['step_time_s'] * 1e3:.1f} ms per step. Its bytes and memory are now on the "
+                   "Communication and Memory pages.")
+        st.dataframe(summary["comm_bytes"], hide_index=True)
+
+
+st.title("Run for real")
+st.markdown(
+    "Launch `mpiexec` with the chosen mesh on this machine: real ranks train refpar's tiny GPT-2 and "
+    "print a JSON summary of the bytes each rank sent and the memory it peaked at. Compare those "
+    "with the closed forms on the Communication and Memory pages, which pick the run up once it ends."
+)
+a, b, c, d, e = st.columns(5)
+strategy = a.selectbox("strategy", expected.STRATEGIES, index=0)
+n = b.number_input("ranks on its axis", min_value=1, value=2)
+dp = c.number_input("dp replicas", min_value=1, value=1, disabled=strategy in expected.DP_STRATEGIES)
+m = d.number_input("microbatches", min_value=1, value=2 if strategy == "pp" else 1)
+steps = e.number_input("steps", min_value=1, value=3, help=f"at most {MAX_STEPS}")
+run = launcher()
+try:
+    if steps > MAX_STEPS:
+        raise ConfigError(f"{steps} steps: choose 1 to {MAX_STEPS}, this is a demonstration")
+    key = (strategy, int(n), 1 if strategy in expected.DP_STRATEGIES else int(dp), int(m))
+    w = expected.workload(strategy, key[1], model_preset("tiny"), TrainConfig(steps=int(steps)), dp=key[2],
+                          microbatches=key[3])
+    expected.closed_form_rows(w)  # refuses a mesh refpar cannot run, with the reason, before launching
+    launch = mpiexec()
+    if launch is None:
+        raise ConfigError("mpiexec is not installed; pip install mpich (the mpich extra) and reload")
+    argv = [launch, "-n", str(w.world), sys.executable, "-m", "refpar", "train", *expected.train_args(w)]
+except ConfigError as err:
+    st.error(str(err))
+    argv = None
+st.code(" ".join(argv) if argv else "", language="bash")
+if st.button("Start", type="primary", disabled=argv is None or run.running()):
+    try:
+        mesh = " ".join(f"{k}={v}" for k, v in w.sizes.items() if v > 1)
+        run.start(argv, f"{mesh} {strategy}", key, w.train.steps)
+    except ConfigError as err:
+        st.error(str(err))
+progress(run)
