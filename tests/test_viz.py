@@ -147,7 +147,7 @@ def test_sharding_figure_frames_carry_the_steps_grids():
     assert all(f.layout.title.text.endswith(s.moves) for f, s in zip(fig.frames, steps, strict=True))
 
 
-@pytest.mark.parametrize("strategy,n", [("tp", 3), ("dp", 9), ("sp", 0), ("ep", 9)])
+@pytest.mark.parametrize("strategy,n", [("tp", 3), ("dp", 9), ("sp", 1), ("ep", 9)])
 def test_bad_sharding_inputs_are_one_sentence(strategy, n):
     with pytest.raises(ConfigError):
         sh.steps_for(strategy, n)

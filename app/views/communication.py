@@ -24,10 +24,11 @@ st.markdown(
 )
 a, b, c, d = st.columns(4)
 strategy = a.selectbox("strategy", expected.STRATEGIES, index=3)
-n = b.number_input(f"{STRATEGY_AXIS[strategy]} ranks", min_value=1, value=2)
+n = b.number_input("ranks on its axis", min_value=1, value=2,
+                   help="dp for DP, ZeRO and FSDP; tp for TP and SP; cp for CP; pp for PP")
 dp = c.number_input("dp replicas", min_value=1, value=1, disabled=STRATEGY_AXIS[strategy] == "dp",
                     help="tp, sp, cp and pp can be replicated over dp")
-m = d.number_input("microbatches", min_value=1, value=2 if strategy == "pp" else 1,
+m = d.number_input("microbatches", min_value=1, value=2,
                    help="pp: m per step; dp strategies: gradient accumulation")
 try:
     key = (strategy, int(n), 1 if STRATEGY_AXIS[strategy] == "dp" else int(dp), int(m))

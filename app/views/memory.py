@@ -12,7 +12,8 @@ def rank0_memory(n: int, microbatches: int) -> tuple[dict, dict]:
     columns, skipped = {}, {}
     for s in SHOWN:
         try:
-            w = expected.workload(s, n, model_preset("tiny"), TrainConfig(steps=1), microbatches=microbatches)
+            w = expected.workload(s, n, model_preset("tiny"), TrainConfig(steps=1),
+                                  microbatches=microbatches if s == "pp" else 1)
             columns[f"{s} ({n})"] = comm.memory_by_rank(expected.closed_form_rows(w)[1])[0]
         except ConfigError as err:
             skipped[s] = str(err)

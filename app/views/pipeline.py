@@ -44,8 +44,9 @@ def controls(key: str, default_kind: str) -> tuple:
     a, b, c = st.columns(3)
     p = a.number_input("p (stages)", min_value=1, value=4, key=f"{key}p")
     m = b.number_input("m (microbatches)", min_value=1, value=8, key=f"{key}m")
-    v = c.number_input("v (chunks, interleaved)", min_value=1, value=2 if kind == "interleaved-1f1b" else 1,
-                       key=f"{key}v")
+    v = 1  # chunks per rank: the other schedules have one
+    if kind == "interleaved-1f1b":
+        v = c.number_input("v (chunks per rank)", min_value=1, value=2, key=f"{key}v")
     a, b, c = st.columns(3)
     F = a.number_input("F cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}F")
     B = b.number_input("B cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}B")

@@ -46,7 +46,8 @@ a, b, c, d, e = st.columns(5)
 strategy = a.selectbox("strategy", expected.STRATEGIES, index=0)
 n = b.number_input("ranks on its axis", min_value=1, value=2)
 dp = c.number_input("dp replicas", min_value=1, value=1, disabled=strategy in expected.DP_STRATEGIES)
-m = d.number_input("microbatches", min_value=1, value=2 if strategy == "pp" else 1)
+m = d.number_input("microbatches", min_value=1, value=2,
+                   help="pp: m per step; dp strategies: gradient accumulation")
 steps = e.number_input("steps", min_value=1, value=3, help=f"at most {MAX_STEPS}")
 run = launcher()
 try:

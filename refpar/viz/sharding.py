@@ -25,6 +25,7 @@ from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
 from refpar.model.moe import router_forward, router_name
 from refpar.parallel.expert_parallel import owned_experts
+from refpar.parallel.sequence_parallel import check_sp
 from refpar.parallel.tensor_parallel import check_tp, tp_param_slices
 from refpar.parallel.units import FlatLayout
 from refpar.sharding import shard_range
@@ -139,8 +140,7 @@ def sp_steps(t: int, seq_len: int = DEMO_SEQ, config: ModelConfig = DEMO_MODEL) 
     """The activations (T, C) of one block under sequence parallelism over t tp ranks: the residual
     stream holds `shard_range(T, t, rank)` rows (sp_layout's resid_pos), regions the whole sequence."""
     check_ranks(t)
-    if seq_len < t:
-        raise ConfigError(f"seq_len={seq_len} is shorter than tp={t}; use a sequence of {t} or more")
+    check_sp(config, seq_len, t)
     rows = np.zeros(seq_len, dtype=int)
     for rank in range(t):
         rows[slice(*shard_range(seq_len, t, rank))] = rank
