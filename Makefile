@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # MPICH busy-polls; with more ranks than cores this halves the run time (ENVIRONMENT.md).
 export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench app clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,6 +22,9 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+app: $(STAMP)
+	$(PY) -m refpar app
 
 bench: $(STAMP)
 	$(PY) benchmarks/model_step.py
