@@ -218,10 +218,12 @@ class EngineRun:
 
     losses: list[float]
     step_times: list[float]
+    windows: list[tuple[float, float]]  # (start, end) of each step on the tracer's clock
     params: dict  # this rank's shards after the last step
     executor: EngineExecutor
     ledger: MemoryLedger
     totals: dict  # traced (axis, op) -> (sent, received) of the training steps only
+    tracer: object  # the world's Tracer (None when untraced)
     measured: Timeline
     simulated: Timeline
 
@@ -251,7 +253,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
     normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
     tracer = mesh.world.tracer
-    losses, times = [], []
+    losses, times, windows = [], [], []
     for step in range(train.steps):
         start = time.perf_counter()
         with tracer.context(step=step) if tracer else nullcontext():
@@ -269,12 +271,13 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
                 params, state = optimizer_step(params, grads, state, train)
             loss = pp.all_reduce(np.array([loss]), tag="loss.pp:report")  # only the last stage's is not 0
             losses.append(float(dp.all_reduce(loss, tag="loss.dp:report")[0]))
-        times.append(time.perf_counter() - start)
+        windows.append((start, time.perf_counter()))
+        times.append(windows[-1][1] - start)
         if on_step is not None:
             on_step(step, losses[-1], times[-1], tracer.totals() if tracer else {})
     totals = tracer.totals() if tracer else {}  # before the timeline gather below adds its own
     measured = executor.measured_timeline()
-    return EngineRun(losses, times, params, executor, ledger, totals, measured,
+    return EngineRun(losses, times, windows, params, executor, ledger, totals, tracer, measured,
                      executor.simulated_timeline(measured))
 
 
