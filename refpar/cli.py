@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "train": "refpar.commands.train",
     "schedule": "refpar.commands.schedule",
     "plan": "refpar.commands.plan",
+    "verify": "refpar.commands.verify",
 }
 
 
