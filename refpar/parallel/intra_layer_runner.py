@@ -174,7 +174,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                                              for n, p in ref.params.items())}
     step_time = float(np.mean(times[1:] or times))
     report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
-           expected_mem)
+           expected_mem, first)
     if block:
         print("tp collectives of block 0 in one step, from rank 0's trace: "
               + ", ".join(f"{n} {op}" for op, n in block.items()), flush=True)
@@ -184,7 +184,6 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
         contiguous = [causal_work(contiguous_positions(T, c, r)) for r in range(c)]
         print(f"ring attention's causal (query, key) pairs per cp rank: {zigzag} with zig-zag chunks "
               f"(contiguous chunks would give {contiguous})", flush=True)
-           expected_mem, first)
     if args.json:
         print(summary_line(run_summary(
             model, train, losses, mesh=sizes, world_size=comm.size, zero=0, comm_bytes=comm_rows,
