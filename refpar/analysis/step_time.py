@@ -128,7 +128,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
 
     `efficiency` is the fraction of peak FLOP/s the matmuls reach: an assumption of the model, not
     a measurement. With 0.75 the predicted throughput of Narayanan et al. 2021's Table 1 runs is
-    8-24% above what they measured (kernel launches and imperfect overlap are left out);
+    7-21% above what they measured (kernel launches and imperfect overlap are left out);
     tests/test_analysis_published.py holds it to that band.
 
     Returns (times, bytes, calls): times has compute, bubble, tp, cp, ep, pp, dp, optimizer and
