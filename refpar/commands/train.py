@@ -80,6 +80,11 @@ def run(args) -> int:
     if args.moe_experts:  # MoE on one device or over dp x ep: refpar/commands/train_moe.py
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return train_moe.run_cli(model, train, sizes, args)
+    from refpar.commands import train_engine
+
+    if train_engine.wants_engine(sizes, args):  # pp with tp or ZeRO-1: the N-D engine, refpar/engine.py
+        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
+        return train_engine.run_cli(model, train, sizes, args)
     if pipeline_runner.wants_pipeline(sizes, args):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return pipeline_runner.run_cli(model, train, sizes, args)

@@ -10,6 +10,7 @@ memory by category next to the closed form (refpar.analysis.memory).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 
@@ -17,8 +18,14 @@ import numpy as np
 
 from refpar import checkpoint
 from refpar.analysis.comm_volume import step_bytes
-from refpar.analysis.memory import Options, model_state_bytes, peak_bytes
-from refpar.comm.trace import Tracer
+from refpar.analysis.memory import (
+    Options,
+    activation_peak_bytes,
+    model_state_bytes,
+    peak_bytes,
+    unit_sizes,
+)
+from refpar.comm.trace import Tracer, chrome_trace
 from refpar.config import ConfigError
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.gpt import init_params
@@ -157,8 +164,11 @@ def expected_rows(opts: Options, model, train, n: int):
     for r in range(n):
         for op, b in step_bytes(model, n, r, opts, train.steps).items():
             comm.append({"rank": r, "axis": "dp", "op": op, "bytes_sent": b.sent, "bytes_recv": b.recv})
-        for cat, b in peak_bytes(model, n, r, opts).items():
-            memory.append({"rank": r, "category": cat, "bytes": b})
+        peaks = peak_bytes(model, n, r, opts)
+        peaks["activations"] = activation_peak_bytes(model, n, r, opts.microbatches, train.batch_size,
+                                                     train.seq_len)
+        for cat in CATEGORIES:
+            memory.append({"rank": r, "category": cat, "bytes": peaks[cat]})
     return comm, memory
 
 
@@ -197,6 +207,8 @@ def add_arguments(parser) -> None:
          help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
     once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
     once("--check", action="store_true", help="also run the single-device reference and compare")
+    once("--trace", default=None, metavar="PATH",
+         help="write every rank's communication events as a Chrome trace (open in Perfetto)")
 
 
 def wants_data_parallel(sizes: dict[str, int], args) -> bool:
@@ -228,10 +240,14 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
         run = run_data_parallel(opts, model, train, mesh.dp, gather_params=args.check,
                                 save=args.save, save_every=args.save_every, resume=args.resume)
         comm_rows, memory_rows = gather_rows(comm, run)
+        events = comm.gather_object(run.tracer.events) if args.trace else None
         states = comm.all_gather(np.array([[run.model_state[c] for c in ("params", "grads", "optimizer")]]),
                                  tag="report", counts=[1] * n)
         if comm.rank != 0:
             return 0
+        if events is not None:
+            with open(args.trace, "w") as f:
+                json.dump(chrome_trace([e for rank_events in events for e in rank_events]), f)
         checked = reference_diffs(model, train, run) if args.check else {}
         expected_comm, expected_memory = expected_rows(
             opts, model, replace(train, steps=len(run.losses)), n)
@@ -243,7 +259,11 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                 zero=3 if opts.strategy == "fsdp" else int(args.zero), microbatches=opts.microbatches,
                 comm_bytes=comm_rows, expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
                 expected_memory_peak_bytes=expected_memory, step_time_s=run.step_time_s,
-                loss_floor=corpus_for(model, train).entropy_rate(), **checked)
+                loss_floor=corpus_for(model, train).entropy_rate(),
+                data_parallel={"strategy": opts.strategy, "model_state_bytes": states.sum(axis=1).tolist(),
+                               "bucket_elems": min(opts.bucket_elems, sum(unit_sizes(model).values())),
+                               "overlap": opts.overlap, "prefetch": opts.prefetch,
+                               "reshard_after_forward": opts.reshard_after_forward}, **checked)
             print(summary_line(summary), flush=True)
     return 0
 

@@ -12,6 +12,7 @@ difference, the bytes each rank sent by axis and op next to the closed form
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -38,6 +39,8 @@ def add_arguments(parser) -> None:
     once("--cp-algo", default=None, choices=("ring", "ulysses"),
          help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
     once("--check", action="store_true", help="also run the single-device reference and compare")
+    once("--trace", default=None, metavar="PATH",
+         help="write the last step as a Chrome trace (open in https://ui.perfetto.dev)")
 
 
 def wants_intra_layer(sizes: dict[str, int], args) -> bool:
@@ -98,9 +101,10 @@ def checkpoint_arrays(trainer, saving: bool) -> list:
 
 def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.comm.communicator import world
-    from refpar.comm.trace import Tracer
+    from refpar.comm.trace import Tracer, write_trace
     from refpar.memory import MemoryLedger
     from refpar.mesh import DeviceMesh
+    from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
     from refpar.parallel.intra_layer import IntraLayerTrainer, validate
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for, train_single_device
@@ -133,7 +137,14 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
             checkpoint.save_training(args.save, step + 1, checkpoint_arrays(trainer, saving=True), model,
                                      train, sizes, "sp" if sp else "tp", comm)
     totals = tracer.totals()  # before the reporting below adds its own messages
+    block = Counter(f"{e.op}{' (re-gather)' if e.tag.endswith(':regather') else ''}" for e in tracer.events
+                    if e.axis == "tp" and e.step == 0 and e.tag.startswith("h.0."))
+    last = [e for e in tracer.events if e.step == train.steps - 1]
     full = trainer.full_params() if args.check else None
+    if args.trace:  # every rank's messages of the last step, one track per rank
+        every_event = comm.gather_object(last)
+        if comm.rank == 0:
+            write_trace(args.trace, [e for events in every_event for e in events])
     mine = [v for key in AXIS_OPS for v in totals.get(key, (0, 0))] + [ledger.peak[c] for c in CATEGORIES]
     every = comm.gather_object(mine)
     if comm.rank != 0:
@@ -164,6 +175,15 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     step_time = float(np.mean(times[1:] or times))
     report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
            expected_mem, first)
+    if block:
+        print("tp collectives of block 0 in one step, from rank 0's trace: "
+              + ", ".join(f"{n} {op}" for op, n in block.items()), flush=True)
+    if sizes["cp"] > 1 and (cp_algo or "ring") == "ring":
+        c, T = sizes["cp"], train.seq_len
+        zigzag = [causal_work(zigzag_positions(T, c, r)) for r in range(c)]
+        contiguous = [causal_work(contiguous_positions(T, c, r)) for r in range(c)]
+        print(f"ring attention's causal (query, key) pairs per cp rank: {zigzag} with zig-zag chunks "
+              f"(contiguous chunks would give {contiguous})", flush=True)
     if args.json:
         print(summary_line(run_summary(
             model, train, losses, mesh=sizes, world_size=comm.size, zero=0, comm_bytes=comm_rows,
