@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
     parser.add_argument("--save", metavar="DIR", default=None,
                         help="write sharded checkpoints to DIR/step-N (after the last step, and "
-                             "every --save-every steps); not yet with MoE or pp with tp/ZeRO")
+                             "every --save-every steps); not yet with MoE")
     parser.add_argument("--save-every", metavar="N", type=int, default=None,
                         help="with --save: also save every N steps")
     parser.add_argument("--resume", metavar="DIR", default=None,
@@ -142,7 +142,7 @@ def run(args) -> int:
 
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:
     """--save and --resume exist for one device and the dp/ZeRO/FSDP, tp/sp/cp and pipeline runners
-    (refpar/checkpoint.py), not yet for MoE or the N-D engine."""
+    and the N-D engine (refpar/checkpoint.py), not yet for MoE."""
     from refpar.config import ConfigError
 
     if args.save_every is not None and (args.save is None or args.save_every < 1):
@@ -150,11 +150,7 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
     if (args.save or args.resume) and (args.moe_experts or sizes["ep"] > 1):
         raise ConfigError("--save and --resume do not work with Mixture of Experts yet; drop them "
                           "or --moe-experts")
-    from refpar.commands import train_engine
 
-    if (args.save or args.resume) and train_engine.wants_engine(sizes, args):
-        raise ConfigError("--save and --resume do not work in the N-D engine (pp with tp or ZeRO) "
-                          "yet; drop them, or use pp with dp, or tp, cp and dp without pp")
 
 
 def _numel(shape) -> int:
