@@ -112,8 +112,10 @@ class ServeResult:
     tokens: dict = field(default_factory=dict)  # rid -> generated tokens
     logits: dict = field(default_factory=dict)  # rid -> [(V,) per token], on the last stage
     passes: list = field(default_factory=list)
-    kv_bytes: list = field(default_factory=list)  # after each step: this rank's cache bytes (ledger)
-    cached: list = field(default_factory=list)  # after each step: {rid: positions cached}
+    # After every pass (the cache at its largest) and after every step's frees: this rank's cache
+    # bytes as the ledger counts them, and the positions each running request has cached.
+    kv_bytes: list = field(default_factory=list)
+    cached: list = field(default_factory=list)
     steps: int = 0
 
 
@@ -189,6 +191,8 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             seqs[r.rid].append(int(token))
             out.tokens[r.rid].append(int(token))
         out.passes.append(Pass(step, phase, int(sum(sizes)), len(segs), sizes, time.perf_counter() - t0))
+        out.kv_bytes.append(ledger.current["activations"])
+        out.cached.append(dict(fed))
 
     step = 0
     while waiting or running:
