@@ -33,7 +33,7 @@ def main() -> None:
         if s is not None:
             keep = ("mesh", "max_logit_rel_diff", "tokens_match_reference", "comm_matches_closed_form",
                     "kv_matches_closed_form", "kv_cache", "comm_bytes", "tokens_generated", "steps",
-                    "bytes_per_token")
+                    "bytes_per_token", "kv_moments", "requests", "max_batch")
             print(json.dumps({k: s[k] for k in keep}), flush=True)
 
 

@@ -138,3 +138,16 @@ def test_generate_command_reports_and_checks_on_one_device():
     assert summary["tokens_match_reference"] and summary["max_logit_rel_diff"] <= TOL
     assert summary["kv_cache"][0]["peak_bytes"] == summary["kv_closed_form_at_peak"]
     assert "ms per token" in proc.stdout and "llama2-70b" in proc.stdout
+
+
+def test_kv_cache_figure_stacks_each_ranks_ledger_bytes_by_request(parallel_runs):
+    from refpar.viz.serving import kv_cache_figure
+
+    run = next(r for r in parallel_runs if r["mesh"] == {"tp": 1, "cp": 4, "pp": 1})
+    fig = kv_cache_figure(run)
+    for k in run["kv_cache"]:
+        bars = [t for t in fig.data if t.type == "bar" and t.xaxis == ("x" if k["rank"] == 0
+                                                                         else f"x{k['rank'] + 1}")]
+        assert len(bars) == len(run["requests"])
+        stacked = [sum(int(b.y[i]) for b in bars) for i in range(len(run["kv_moments"]))]
+        assert stacked == k["bytes_timeline"] == k["expected_bytes_timeline"]

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-gpus", type=int, default=8, help="GPUs of one node in the estimate (8)")
     parser.add_argument("--scale-batch", type=int, default=1, help="requests decoded together (1)")
     parser.add_argument("--scale-context", type=int, default=4096, help="cached tokens per request (4096)")
+    parser.add_argument("--figure", metavar="PATH", default=None,
+                        help="also write each rank's KV cache over the run as an HTML figure")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
 
 
@@ -82,6 +84,10 @@ def run(args) -> int:
     summary["scale"] = {"model": spec.name, "hardware": hw.name, "precision": "float16",
                         "batch": args.scale_batch, "context": args.scale_context, "layouts": scale}
     print_report(summary)
+    if args.figure:
+        from refpar.viz.serving import kv_cache_figure
+
+        kv_cache_figure(summary).write_html(args.figure, include_plotlyjs=True)
     ok = not args.check or (summary["tokens_match_reference"] and summary["max_logit_rel_diff"] <= 1e-10)
     if args.json:
         print(json.dumps(summary), flush=True)

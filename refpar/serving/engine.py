@@ -116,6 +116,8 @@ class ServeResult:
     # bytes as the ledger counts them, and the positions each running request has cached.
     kv_bytes: list = field(default_factory=list)
     cached: list = field(default_factory=list)
+    kv_by_request: list = field(default_factory=list)  # {rid: bytes this rank holds}, from the ledger
+    moments: list = field(default_factory=list)  # "step 3 decode", "step 3 end"
     steps: int = 0
 
 
@@ -150,6 +152,16 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
     fed: dict[int, int] = {}  # rid -> positions whose keys and values are cached
     waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
     running: list[Request] = []
+
+    def snapshot(moment):
+        by_request: dict[int, int] = {}
+        for name, nbytes in ledger.live("activations").items():  # kv.r{rid}.h{layer}.p{position}
+            rid = int(name.split(".")[1][1:])
+            by_request[rid] = by_request.get(rid, 0) + nbytes
+        out.kv_bytes.append(ledger.current["activations"])
+        out.kv_by_request.append(by_request)
+        out.cached.append(dict(fed))
+        out.moments.append(moment)
 
     def run_pass(step, phase, segs):  # segs: [(request, tokens, first position)]
         t0 = time.perf_counter()
@@ -191,8 +203,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             seqs[r.rid].append(int(token))
             out.tokens[r.rid].append(int(token))
         out.passes.append(Pass(step, phase, int(sum(sizes)), len(segs), sizes, time.perf_counter() - t0))
-        out.kv_bytes.append(ledger.current["activations"])
-        out.cached.append(dict(fed))
+        snapshot(f"step {step} {phase}")
 
     step = 0
     while waiting or running:
@@ -210,8 +221,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             running.remove(r)
             cache.free(r.rid)
             del fed[r.rid]
-        out.kv_bytes.append(ledger.current["activations"])
-        out.cached.append(dict(fed))
+        snapshot(f"step {step} end")
         step += 1
     out.steps = step
     if not sm.last_stage:

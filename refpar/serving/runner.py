@@ -67,7 +67,8 @@ def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request]
             diffs += [rel_diff(a, b) for a, b in zip(result.logits[r.rid], logits, strict=True)]
     mine = {
         "rank": world.rank, "coords": sm.coords, "measured": measured, "expected": expected,
-        "kv": result.kv_bytes, "kv_expected": kv_expected, "kv_peak": ledger.peak["activations"],
+        "kv": result.kv_bytes, "kv_by_request": result.kv_by_request,
+        "kv_expected": kv_expected, "kv_peak": ledger.peak["activations"],
         "params_bytes": ledger.current["params"], "diffs": diffs, "same": same,
         "passes": [(p.phase, p.tokens, p.rows, p.seconds) for p in result.passes],
     }
@@ -125,7 +126,9 @@ def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
         "bytes_per_token": per_token,
         "kv_cache": [{"rank": row["rank"], "coords": row["coords"], "bytes_timeline": row["kv"],
                       "expected_bytes_timeline": row["kv_expected"], "peak_bytes": row["kv_peak"],
+                      "bytes_by_request": [{str(k): v for k, v in d.items()} for d in row["kv_by_request"]],
                       "params_bytes": row["params_bytes"]} for row in every],
+        "kv_moments": result.moments,
         "kv_matches_closed_form": all(row["kv"] == row["kv_expected"] for row in every),
         "kv_peak_tokens": peak_tokens,  # cached positions of all running requests at their largest
         "kv_closed_form_at_peak": kv_cache_bytes(config.n_layer, config.n_head, config.head_size,
