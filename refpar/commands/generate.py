@@ -88,7 +88,10 @@ def run(args) -> int:
         from refpar.viz.serving import kv_cache_figure
 
         kv_cache_figure(summary).write_html(args.figure, include_plotlyjs=True)
-    ok = not args.check or (summary["tokens_match_reference"] and summary["max_logit_rel_diff"] <= 1e-10)
+    # float32 logits differ from the single device's in the reduction order of the merged heads,
+    # partial sums and log-sum-exp merges: ~1e-7 relative, so the check allows 1e-4 there.
+    tol = 1e-10 if config.dtype == "float64" else 1e-4
+    ok = not args.check or (summary["tokens_match_reference"] and summary["max_logit_rel_diff"] <= tol)
     if args.json:
         print(json.dumps(summary), flush=True)
     return 0 if ok else 1

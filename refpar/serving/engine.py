@@ -87,12 +87,10 @@ def local_params(full: dict, config: ModelConfig, sm: ServeMesh) -> dict:
     """This rank's weights: its tp slice of the parameters its pipeline stage uses."""
     tp = shard_params_tp(full, config, sm.sizes["tp"], sm.coords["tp"])
     layers = stage_layers(config.n_layer, sm.sizes["pp"], sm.stage)
-    keep = {f"h.{i}." for i in layers}
-    first, last = sm.stage == 0, sm.last_stage
-    return {n: w for n, w in tp.items()
-            if n[:n.index(".", 2) + 1] in keep
-            or (first and n in ("wte.weight", "wpe.weight"))
-            or (last and n in ("wte.weight", "ln_f.weight", "ln_f.bias"))}
+    ends = (("wte.weight", "wpe.weight") if sm.stage == 0 else ()) + \
+        (("wte.weight", "ln_f.weight", "ln_f.bias") if sm.last_stage else ())
+    return {name: w for name, w in tp.items()
+            if name in ends or (name.startswith("h.") and int(name.split(".")[1]) in layers)}
 
 
 @dataclass
@@ -103,7 +101,7 @@ class Pass:
     phase: str  # prefill | decode
     tokens: int  # N, all groups together
     rows: int  # R: new tokens chosen
-    groups: list  # N of each pipeline group
+    groups: list  # (N, R) of each pipeline group
     seconds: float
 
 
@@ -175,7 +173,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             spans = [(r.rid, int(e - len(tok)), int(e)) for (r, tok, _), e in zip(group, ends, strict=True)]
             lay = replace(base, region_pos=pos, resid_pos=pos,
                           attention=CachedAttention(cache, spans, sm.cp))
-            sizes.append(len(tokens))
+            sizes.append((len(tokens), len(group)))
             ctx = tracer.context(step=step, microbatch=g, phase=phase) if tracer else nullcontext()
             with ctx:
                 if sm.stage == 0:
@@ -202,7 +200,8 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             fed[r.rid] = p0 + len(tok)
             seqs[r.rid].append(int(token))
             out.tokens[r.rid].append(int(token))
-        out.passes.append(Pass(step, phase, int(sum(sizes)), len(segs), sizes, time.perf_counter() - t0))
+        seconds = time.perf_counter() - t0
+        out.passes.append(Pass(step, phase, sum(n for n, _ in sizes), len(segs), sizes, seconds))
         snapshot(f"step {step} {phase}")
 
     step = 0

@@ -76,7 +76,7 @@ def partial_attention(q, k, v, q_pos, k_pos):
     out normalised over these keys only; rows that see none of them get out 0 and lse -inf."""
     nh, n, hs = q.shape
     if k.shape[1] == 0:
-        return np.zeros_like(q), np.full((nh, n, 1), -math.inf)
+        return np.zeros_like(q), np.full((nh, n, 1), -math.inf, dtype=q.dtype)
     s = (q @ np.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(hs))  # (nh, n, Tr)
     s = np.where(np.reshape(k_pos, (1, -1)) <= np.reshape(q_pos, (-1, 1)), s, -math.inf)
     m = np.max(s, axis=-1, keepdims=True)  # (nh, n, 1)

@@ -51,8 +51,7 @@ def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request]
                    for cached in result.cached]
     expected: dict = {}
     for p in result.passes:
-        rows = [(n, len(g)) for n, g in zip(p.groups, _group_rows(p.rows, len(p.groups)), strict=True)]
-        for key, moved in pass_comm_bytes(config, sm.sizes, sm.coords, rows).items():
+        for key, moved in pass_comm_bytes(config, sm.sizes, sm.coords, p.groups).items():
             was = expected.get((p.phase, *key), (0, 0))
             expected[(p.phase, *key)] = (was[0] + moved.sent, was[1] + moved.recv)
     measured: dict = {}
@@ -78,12 +77,6 @@ def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request]
     return _summary(config, sizes, requests, sampling, opts, result, every)
 
 
-def _group_rows(rows: int, groups: int) -> list[range]:
-    from refpar.sharding import shard_range
-
-    return [range(*shard_range(rows, groups, g)) for g in range(groups)]
-
-
 def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
     phases = {"prefill": [0, 0, 0.0, 0], "decode": [0, 0, 0.0, 0]}  # tokens in, chosen, seconds, passes
     for phase, n, r, _ in every[0]["passes"]:
@@ -97,12 +90,12 @@ def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
         for rows, source in ((comm, row["measured"]), (expected, row["expected"])):
             rows += [{"rank": row["rank"], "phase": ph, "axis": ax, "op": op, "bytes_sent": s,
                       "bytes_recv": r} for (ph, ax, op), (s, r) in sorted(source.items())]
+    sent: dict = {}  # (axis:phase, rank) -> bytes sent
     for c in comm:
-        tokens = phases[c["phase"]][0]
-        key = f"{c['axis']}:{c['phase']}"
-        per_token[key] = max(per_token.get(key, 0.0), sum(
-            d["bytes_sent"] for d in comm if (d["rank"], d["axis"], d["phase"]) ==
-            (c["rank"], c["axis"], c["phase"])) / tokens)
+        key = (f"{c['axis']}:{c['phase']}", c["rank"])
+        sent[key] = sent.get(key, 0) + c["bytes_sent"]
+    for (key, _), nbytes in sent.items():  # per token that went through the passes of the phase
+        per_token[key] = max(per_token.get(key, 0.0), nbytes / phases[key.split(":")[1]][0])
     shards = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
     peak_tokens = max((sum(cached.values()) for cached in result.cached), default=0)
     itemsize = np.dtype(config.dtype).itemsize
