@@ -151,3 +151,19 @@ def test_kv_cache_figure_stacks_each_ranks_ledger_bytes_by_request(parallel_runs
         assert len(bars) == len(run["requests"])
         stacked = [sum(int(b.y[i]) for b in bars) for i in range(len(run["kv_moments"]))]
         assert stacked == k["bytes_timeline"] == k["expected_bytes_timeline"]
+
+
+def test_comm_figure_bars_are_traced_bytes_per_token_and_diamonds_the_closed_form(parallel_runs):
+    from refpar.viz.serving import comm_per_token_figure
+
+    run = next(r for r in parallel_runs if r["mesh"] == {"tp": 2, "cp": 1, "pp": 2})
+    fig = comm_per_token_figure(run)
+    bars = [t for t in fig.data if t.type == "bar"]
+    marks = [t for t in fig.data if t.type == "scatter"]
+    assert {b.name for b in bars} >= {"decode tp all_reduce", "decode pp send", "prefill pp broadcast"}
+    for bar, mark in zip(bars, marks, strict=True):
+        assert list(bar.y) == list(mark.y), bar.name
+    decode = run["latency"]["decode"]["tokens"]
+    sent = sum(r["bytes_sent"] for r in run["comm_bytes"]
+               if (r["rank"], r["phase"], r["axis"], r["op"]) == (0, "decode", "tp", "all_reduce"))
+    assert next(b for b in bars if b.name == "decode tp all_reduce").y[0] == sent / decode

@@ -46,3 +46,34 @@ def kv_cache_figure(summary: dict) -> go.Figure:
                       title=f"KV cache per rank on {mesh}, {len(rids)} requests, at most "
                             f"{summary['max_batch']} at once")
     return fig
+
+
+def comm_per_token_figure(summary: dict) -> go.Figure:
+    """Bytes each rank sent per token, by phase, axis and op (bars, traced), with the closed form
+    of the same calls (diamonds): under tp the decode bars are 2 · layers + 1 all-reduces of one
+    token's activations plus the gathered logits; under pp one activation hop and the tokens."""
+    tokens = {"prefill": summary["latency"]["prefill"]["prompt_tokens"],
+              "decode": summary["latency"]["decode"]["tokens"]}
+    ranks = [k["rank"] for k in summary["kv_cache"]]
+
+    def per_token(rows):
+        out: dict = {}
+        for r in rows:
+            key = f"{r['phase']} {r['axis']} {r['op']}"
+            out.setdefault(key, dict.fromkeys(ranks, 0.0))[r["rank"]] += r["bytes_sent"] / tokens[r["phase"]]
+        return out
+
+    measured, expected = per_token(summary["comm_bytes"]), per_token(summary["expected_comm_bytes"])
+    fig = go.Figure()
+    for i, (key, by_rank) in enumerate(sorted(measured.items())):
+        color = f"hsl({(i * 67) % 360}, 60%, 55%)"
+        fig.add_trace(go.Bar(x=ranks, y=[by_rank[r] for r in ranks], name=key, offsetgroup=key,
+                             marker_color=color,
+                             hovertemplate="rank %{x}: %{y:.1f} B per token<extra>" + key + "</extra>"))
+        fig.add_trace(go.Scatter(x=ranks, y=[expected.get(key, {}).get(r, 0.0) for r in ranks],
+                                 mode="markers", marker={"symbol": "diamond", "color": "black"},
+                                 name=f"{key} (closed form)", showlegend=False,
+                                 hovertemplate="closed form %{y:.1f} B per token<extra></extra>"))
+    fig.update_layout(barmode="group", xaxis_title="rank", yaxis_title="bytes sent per token",
+                      xaxis={"tickvals": ranks}, title="bytes per token by phase, axis and op")
+    return fig
