@@ -185,7 +185,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
                     x, _ = parallel_block_forward(x, params, layer, lay, NO_DROPOUT)  # (1, N, C)
                 if not sm.last_stage:
                     sm.pp.send(x, dest=sm.stage + 1, tag="pp:act")
-                    chosen += [0] * len(group)
+                    chosen += [0] * len(group)  # placeholders: the last stage broadcasts the tokens
                     continue
                 logits = _head(x[0, ends - 1], params, config, sm)  # (R, V)
             for (r, tok, p0), row in zip(group, logits, strict=True):

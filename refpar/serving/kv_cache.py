@@ -16,6 +16,9 @@ replicated over cp), attends them to the keys it holds, and the partial results 
 the log-sum-exp rule of the online softmax (Milakov & Gimelshein 2018), as ring attention merges
 blocks: with m = max_r lse_r, out = sum_r exp(lse_r - m) out_r / sum_r exp(lse_r - m). That is two
 all-reduces per layer: the max of lse, then the sum of [exp(lse_r - m) out_r, exp(lse_r - m)].
+What cp saves is the cache's memory and the attention's reads of it, which grow with the context;
+the prompt's linear layers are computed on every cp rank (a training-style split of the prompt's
+queries, ring attention in context_parallel.py, would divide those too).
 """
 
 from __future__ import annotations
