@@ -33,7 +33,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
+from array_api_compat import array_namespace, device
 
+from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
@@ -156,9 +158,9 @@ class EngineExecutor(PipelineExecutor):
         self.stages = {s: TensorParallelStage(config, self.layout.n_stages, s, lay)
                        for s in self.stages}
 
-    def _post_receives(self, mbs):
+    def _post_receives(self, mbs, like):
         dtype, Tl, C = np.dtype(self.config.dtype), len(self.lay.resid_pos), self.config.n_embd
-        return {a: self.pp.irecv((len(mbs[a.microbatch].sample_ids), Tl, C), dtype, src, tag)
+        return {a: self.pp.irecv((len(mbs[a.microbatch].sample_ids), Tl, C), dtype, src, tag, like=like)
                 for a, src, dst, tag in self._messages() if dst == self.rank}
 
 
@@ -174,16 +176,19 @@ class ZeroOne:
         self.train, self.dp, self.ledger, self.t = train, dp, ledger, 0
         self.counts = shard_sizes(self.total, dp.size)
         self.a, self.b = shard_range(self.total, dp.size, dp.rank)
-        dtype = params[self.names[0]].dtype
-        self.m = ledger.alloc("optimizer.m", np.zeros(self.b - self.a, dtype), "optimizer")
-        self.v = ledger.alloc("optimizer.v", np.zeros(self.b - self.a, dtype), "optimizer")
+        like = params[self.names[0]]
+        xp = array_namespace(like)
+        self.m = ledger.alloc("optimizer.m", xp.zeros(self.b - self.a, dtype=like.dtype, device=device(like)),
+                              "optimizer")
+        self.v = ledger.alloc("optimizer.v", xp.zeros_like(self.m), "optimizer")
 
-    def flatten(self, arrays: dict, a: int = 0, b: int | None = None) -> np.ndarray:
+    def flatten(self, arrays: dict, a: int = 0, b: int | None = None):
         """Elements [a, b) of the arrays laid end to end, copying only those."""
         b = self.total if b is None else b
-        pieces = [np.reshape(arrays[n], -1)[max(a - s, 0):max(min(b - s, size), 0)]
+        xp = array_namespace(arrays[self.names[0]])
+        pieces = [xp.reshape(arrays[n], (-1,))[max(a - s, 0):max(min(b - s, size), 0)]
                   for n, s, size in zip(self.names, self.starts, self.sizes, strict=False)]
-        return np.concatenate(pieces)  # (b - a,)
+        return xp.concat(pieces)  # (b - a,)
 
     def step(self, params: dict, grads: dict) -> dict:
         """Reduce-scatter, update the shard segment by segment (decay follows each parameter's full
@@ -283,7 +288,8 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     executor = EngineExecutor(build(opts.schedule, pp.size, opts.microbatches, opts.chunks), model,
                               pp, lay, ledger)
     full = shard_params_tp(init_params(model, train.seed), model, t, mesh.coords["tp"])
-    params = {n: full[n] for n in executor.param_names()}  # drawn whole, sliced by tp, then by pp
+    # Drawn whole on the host, sliced by tp, then by pp, then moved to the run's backend.
+    params = backend.current().from_host({n: full[n] for n in executor.param_names()})
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
     zero = ZeroOne(params, train, dp, ledger) if opts.zero == 1 else None
@@ -347,5 +353,5 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
 
 def full_params(run: EngineRun, model: ModelConfig, mesh) -> dict:
     """This rank's stages' parameters, whole over tp (for the comparison with one device)."""
-    return gather_params_tp({n: np.asarray(p) for n, p in run.params.items()}, model,
+    return gather_params_tp({n: backend.to_host(p) for n, p in run.params.items()}, model,
                             mesh.tp if mesh.sizes["tp"] > 1 else None)

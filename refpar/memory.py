@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from array_api_compat import array_namespace, size
+
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm")
 
 
@@ -31,7 +33,20 @@ def nbytes_of(obj) -> int:
     """Bytes of an array of any namespace, or an int taken as bytes."""
     if isinstance(obj, int):
         return obj
-    return int(obj.size) * int(obj.dtype.itemsize)
+    # array_api_compat.size: torch's `.size` is a method, not the element count.
+    return int(size(obj)) * _itemsize(obj)
+
+
+def _itemsize(obj) -> int:
+    """Bytes per element from the array API's finfo/iinfo, which every namespace has."""
+    itemsize = getattr(obj.dtype, "itemsize", None)  # NumPy, CuPy and torch dtypes carry it
+    if itemsize is not None:
+        return int(itemsize)
+    xp = array_namespace(obj)
+    if obj.dtype == xp.bool:
+        return 1
+    info = xp.finfo(obj.dtype) if xp.isdtype(obj.dtype, "real floating") else xp.iinfo(obj.dtype)
+    return info.bits // 8
 
 
 class MemoryLedger:

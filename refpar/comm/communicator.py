@@ -5,8 +5,10 @@
     total = comm.all_reduce(x, algo="ring", tag="loss") # the ring of refpar.comm.algorithms
 
 Each call converts its input to a contiguous NumPy array on the host (arrays of other namespaces,
-e.g. torch CPU tensors, come back in their own namespace), never modifies it, returns new arrays,
-and records one `CommEvent` on the tracer if there is one. Arrays move with mpi4py's uppercase,
+e.g. torch tensors, come back in their own namespace and on their own device), never modifies it,
+returns new arrays, and records one `CommEvent` on the tracer if there is one. Device arrays are
+staged through host buffers, since the MPI library is not GPU-aware, and their events say so
+(`staged=True`). Arrays move with mpi4py's uppercase,
 buffer-based calls: no pickling.
 
 Switches (constructor arguments; None reads the environment):
@@ -29,9 +31,10 @@ import zlib
 from contextlib import contextmanager
 
 import numpy as np
-from array_api_compat import array_namespace, is_array_api_obj
+from array_api_compat import array_namespace, device, is_array_api_obj
 from mpi4py import MPI
 
+from refpar import backend
 from refpar.comm import algorithms, cost
 from refpar.comm.trace import Tracer, now
 from refpar.config import ConfigError
@@ -74,20 +77,25 @@ def _env_timeout() -> float | None:
 
 
 def _to_host(x):
-    """(contiguous NumPy array, namespace to return results in or None for NumPy)."""
+    """(contiguous NumPy array, the input as a template for results, or None for NumPy input).
+
+    Device arrays (torch CUDA, CuPy) are staged: copied to the host after their device's queued
+    work, and results copied back to the same device; the MPI library here is not GPU-aware."""
     if isinstance(x, np.ndarray):
         return np.ascontiguousarray(x), None
     if not is_array_api_obj(x):
         return np.ascontiguousarray(np.asarray(x)), None
-    try:
-        host = np.from_dlpack(x)
-    except (TypeError, RuntimeError, BufferError):
-        host = np.asarray(x)
-    return np.ascontiguousarray(host), array_namespace(x)
+    return np.ascontiguousarray(backend.to_host(x)), x
 
 
-def _from_host(a: np.ndarray, xp):
-    return a if xp is None else xp.asarray(a)
+def _from_host(a: np.ndarray, like):
+    """`a` in the namespace and on the device of `like` (None: NumPy as it is)."""
+    return a if like is None else array_namespace(like).asarray(a, device=device(like))
+
+
+def _staged(like) -> bool:
+    """Whether a call's data went through host buffers on its way from and to a device."""
+    return like is not None and backend.on_device(like)
 
 
 # Tags up to MPI's TAG_UB (2^29 - 1 in MPICH; the standard promises at least 32767), so that two
@@ -128,10 +136,10 @@ class Request:
     completion) and returns the received array (irecv) or None (isend); a second wait() returns
     the same."""
 
-    def __init__(self, comm: Communicator, request, op: str, peer: int, buf: np.ndarray, xp,
+    def __init__(self, comm: Communicator, request, op: str, peer: int, buf: np.ndarray, like,
                  tag: str, t_start: float):
         self._comm, self._request, self._op, self._peer = comm, request, op, peer
-        self._buf, self._xp, self._tag, self._t_start = buf, xp, tag, t_start
+        self._buf, self._like, self._tag, self._t_start = buf, like, tag, t_start
         self._done = False
 
     def wait(self):
@@ -143,8 +151,8 @@ class Request:
                 n = self._buf.nbytes
                 moved = cost.Bytes(n, 0) if self._op == "isend" else cost.Bytes(0, n)
                 self._comm._record(self._op, "p2p", self._comm.group[self._peer], self._buf.shape,
-                                   self._buf.dtype, moved, self._tag, self._t_start)
-        return _from_host(self._buf, self._xp) if self._op == "irecv" else None
+                                   self._buf.dtype, moved, self._tag, self._t_start, self._like)
+        return _from_host(self._buf, self._like) if self._op == "irecv" else None
 
 
 class Communicator:
@@ -194,7 +202,7 @@ class Communicator:
     def all_reduce(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
         """Elementwise reduction (`sum`, `prod`, `max`, `min`) over the group; every rank gets it.
         algo: native or ring."""
-        a, xp = _to_host(x)
+        a, like = _to_host(x)
         ufunc, mpi_op = _reduce_op(op)
         t0 = self._begin("all_reduce", algo, a.shape, a.dtype, tag)
         if algo == "native":
@@ -207,13 +215,13 @@ class Communicator:
         if self.tracer is not None:
             moved = cost.all_reduce_bytes(a.size, self.size, self.rank, a.itemsize) \
                 if algo == "native" else link.moved()
-            self._record("all_reduce", algo, None, a.shape, a.dtype, moved, tag, t0)
-        return _from_host(out, xp)
+            self._record("all_reduce", algo, None, a.shape, a.dtype, moved, tag, t0, like)
+        return _from_host(out, like)
 
     def reduce_scatter(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
         """x (n, ...), the same shape on every rank -> rows `shard_range(n, size, rank)` of the
         elementwise reduction, shape (n_rank, ...). algo: native or ring."""
-        a, xp = _to_host(x)
+        a, like = _to_host(x)
         _require_axis0(a, "reduce_scatter")
         ufunc, mpi_op = _reduce_op(op)
         t0 = self._begin("reduce_scatter", algo, a.shape, a.dtype, tag)
@@ -230,14 +238,14 @@ class Communicator:
         if self.tracer is not None:
             moved = cost.reduce_scatter_bytes(a.shape[0], self.size, self.rank, a.itemsize, unit) \
                 if algo == "native" else link.moved()
-            self._record("reduce_scatter", algo, None, a.shape, a.dtype, moved, tag, t0)
-        return _from_host(out, xp)
+            self._record("reduce_scatter", algo, None, a.shape, a.dtype, moved, tag, t0, like)
+        return _from_host(out, like)
 
     def all_gather(self, x, algo: str = "native", tag: str = "", counts: list[int] | None = None):
         """x (n_rank, ...) on each rank -> the pieces concatenated along axis 0 in rank order,
         (sum n_i, ...). Pieces may differ in length; pass `counts` (every rank's n_i) if known,
         else the ranks exchange them first (a small untraced message). algo: native or ring."""
-        a, xp = _to_host(x)
+        a, like = _to_host(x)
         _require_axis0(a, "all_gather")
         t0 = self._begin("all_gather", algo, ("*", *a.shape[1:]), a.dtype, tag)
         counts = self._counts(a.shape[0]) if counts is None else [int(c) for c in counts]
@@ -258,8 +266,8 @@ class Communicator:
         if self.tracer is not None:
             moved = cost.all_gather_bytes(counts, self.rank, a.itemsize, unit) \
                 if algo == "native" else link.moved()
-            self._record("all_gather", algo, None, a.shape, a.dtype, moved, tag, t0)
-        return _from_host(out, xp)
+            self._record("all_gather", algo, None, a.shape, a.dtype, moved, tag, t0, like)
+        return _from_host(out, like)
 
     def all_to_all(self, chunks, algo: str = "native", tag: str = "",
                    recv_counts: list[int] | None = None) -> list:
@@ -271,7 +279,7 @@ class Communicator:
             raise ValueError(f"all_to_all needs one chunk per rank ({self.size}), got {len(chunks)}")
         hosted = [_to_host(c) for c in chunks]
         parts = [h[0] for h in hosted]
-        xp = hosted[0][1]  # results come back in the namespace of the first chunk
+        like = hosted[0][1]  # results come back in the namespace and on the device of the first chunk
         for part in parts:
             _require_axis0(part, "all_to_all")
             if part.shape[1:] != parts[0].shape[1:] or part.dtype != parts[0].dtype:
@@ -299,13 +307,14 @@ class Communicator:
         if self.tracer is not None:
             moved = cost.all_to_all_bytes([c * unit for c in send_counts], [c * unit for c in recv_counts],
                                           self.rank, dtype.itemsize) if algo == "native" else link.moved()
-            self._record("all_to_all", algo, None, (sum(send_counts), *rest), dtype, moved, tag, t0)
-        return [_from_host(r, xp) for r in received]
+            self._record("all_to_all", algo, None, (sum(send_counts), *rest), dtype, moved, tag, t0,
+                         like)
+        return [_from_host(r, like) for r in received]
 
     def broadcast(self, x, root: int = 0, algo: str = "native", tag: str = ""):
         """Rank `root`'s x to every rank. As in MPI, every rank passes an array of the same shape
         and dtype (the others' contents are ignored). algo: native, tree or scatter_allgather."""
-        a, xp = _to_host(x)
+        a, like = _to_host(x)
         self._check_peer(root, "root")
         t0 = self._begin("broadcast", algo, a.shape, a.dtype, tag, root=root)
         out = a.copy()
@@ -319,8 +328,8 @@ class Communicator:
         if self.tracer is not None:
             moved = cost.broadcast_bytes(out.size, self.size, self.rank, root, a.itemsize) \
                 if algo == "native" else link.moved()
-            self._record("broadcast", algo, None, a.shape, a.dtype, moved, tag, t0)
-        return _from_host(out, xp)
+            self._record("broadcast", algo, None, a.shape, a.dtype, moved, tag, t0, like)
+        return _from_host(out, like)
 
     def barrier(self, tag: str = "") -> None:
         """Returns once every rank of the group has entered it."""
@@ -351,7 +360,7 @@ class Communicator:
 
     def send(self, x, dest: int, tag: str = "") -> None:
         """Sends x to group rank `dest`; the matching recv names the same tag."""
-        a, _ = _to_host(x)
+        a, like = _to_host(x)
         self._check_peer(dest, "dest")
         self._doing, t0 = ("send", tag), now()
         if self.timeout is None:
@@ -359,10 +368,12 @@ class Communicator:
         else:
             self._wait([self.comm.Isend(a, dest, _mpi_tag(tag))])
         if self.tracer is not None:
-            self._record("send", "p2p", self.group[dest], a.shape, a.dtype, cost.Bytes(a.nbytes, 0), tag, t0)
+            self._record("send", "p2p", self.group[dest], a.shape, a.dtype, cost.Bytes(a.nbytes, 0), tag, t0,
+                         like)
 
-    def recv(self, shape, dtype, source: int, tag: str = "") -> np.ndarray:
-        """Receives a (shape, dtype) array from group rank `source`, sent with the same tag."""
+    def recv(self, shape, dtype, source: int, tag: str = "", like=None):
+        """Receives a (shape, dtype) array from group rank `source`, sent with the same tag; in
+        `like`'s namespace and on its device when given (else NumPy)."""
         self._check_peer(source, "source")
         out = np.empty(shape, dtype=dtype)
         self._doing, t0 = ("recv", tag), now()
@@ -372,22 +383,24 @@ class Communicator:
             self._wait([self.comm.Irecv(out, source, _mpi_tag(tag))])
         if self.tracer is not None:
             self._record("recv", "p2p", self.group[source], out.shape, out.dtype, cost.Bytes(0, out.nbytes),
-                         tag, t0)
-        return out
+                         tag, t0, like)
+        return _from_host(out, like)
 
     def isend(self, x, dest: int, tag: str = "") -> Request:
         """Starts sending x to `dest`; x may be reused at once (its host copy travels)."""
-        a = _to_host(x)[0].copy()  # the caller may overwrite x before the send completes
+        a, like = _to_host(x)
+        a = a.copy()  # the caller may overwrite x before the send completes
         self._check_peer(dest, "dest")
         t0 = now()
-        return Request(self, self.comm.Isend(a, dest, _mpi_tag(tag)), "isend", dest, a, None, tag, t0)
+        return Request(self, self.comm.Isend(a, dest, _mpi_tag(tag)), "isend", dest, a, like, tag, t0)
 
-    def irecv(self, shape, dtype, source: int, tag: str = "") -> Request:
-        """Starts receiving a (shape, dtype) array from `source`; `wait()` returns it."""
+    def irecv(self, shape, dtype, source: int, tag: str = "", like=None) -> Request:
+        """Starts receiving a (shape, dtype) array from `source`; `wait()` returns it, in `like`'s
+        namespace and on its device when given (else NumPy)."""
         self._check_peer(source, "source")
         out = np.empty(shape, dtype=dtype)
         t0 = now()
-        return Request(self, self.comm.Irecv(out, source, _mpi_tag(tag)), "irecv", source, out, None,
+        return Request(self, self.comm.Irecv(out, source, _mpi_tag(tag)), "irecv", source, out, like,
                        tag, t0)
 
     # --- machinery ---------------------------------------------------------------------------
@@ -468,10 +481,11 @@ class Communicator:
         if not 0 <= peer < self.size:
             raise ValueError(f"{what}={peer} is not a rank of axis {self.axis} (0..{self.size - 1})")
 
-    def _record(self, op, algo, peer, shape, dtype, moved: cost.Bytes, tag: str, t0: float) -> None:
+    def _record(self, op, algo, peer, shape, dtype, moved: cost.Bytes, tag: str, t0: float,
+                like=None) -> None:
         name = _NATIVE_NAMES.get(op, algo) if algo == "native" else algo
         self.tracer.record(op, self.axis, self.group, name, peer, _dtype_name(dtype), tuple(shape),
-                           moved.sent, moved.recv, tag, t0, now())
+                           moved.sent, moved.recv, tag, t0, now(), _staged(like))
 
 
 _NATIVE_NAMES = {op: f"native({algo})" for op, algo in cost.NATIVE_ALGO.items()}

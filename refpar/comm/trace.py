@@ -36,6 +36,7 @@ class CommEvent:
     phase: str | None
     t_start: float  # seconds, time.perf_counter() of this process
     t_end: float
+    staged: bool = False  # device arrays copied to host buffers and back around the MPI call
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -66,12 +67,13 @@ class Tracer:
 
     def record(self, op: str, axis: str, group: tuple, algo: str, peer: int | None, dtype: str,
                shape: tuple, bytes_sent: int, bytes_recv: int, tag: str, t_start: float,
-               t_end: float) -> CommEvent:
+               t_end: float, staged: bool = False) -> CommEvent:
         """Appends one event labelled with the current context. Positional and unconverted on
         purpose: it runs on every traced call, and tracing should cost microseconds."""
         context = self._context
         event = CommEvent(self.rank, op, axis, group, algo, peer, dtype, shape, bytes_sent, bytes_recv,
-                          tag, context["step"], context["microbatch"], context["phase"], t_start, t_end)
+                          tag, context["step"], context["microbatch"], context["phase"], t_start, t_end,
+                          staged)
         self.events.append(event)
         return event
 

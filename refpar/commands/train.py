@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dropout", type=float, default=None,
                         help="dropout probability (default: the preset's)")
     parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
+    parser.add_argument("--backend", default="numpy", choices=("numpy", "torch", "cupy"),
+                        help="array library every rank computes with (default numpy; refpar/backend.py)")
+    parser.add_argument("--device", default=None,
+                        help="torch: cpu (default) or cuda; cupy: cuda (each rank takes its local GPU)")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
     parser.add_argument("--save", metavar="DIR", default=None,
                         help="write sharded checkpoints to DIR/step-N (after the last step, and "
@@ -77,6 +81,9 @@ def run(args) -> int:
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
     check_checkpoint_args(sizes, args)
+    from refpar import backend
+
+    backend.use(args.backend, args.device)  # before any array exists: the runners draw through it
     if args.moe_experts:  # MoE on one device or over dp x ep: refpar/commands/train_moe.py
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return train_moe.run_cli(model, train, sizes, args)

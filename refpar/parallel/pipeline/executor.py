@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from refpar import backend
 from refpar.config import ConfigError, ModelConfig
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import DropoutContext
@@ -55,11 +56,9 @@ class Microbatch:
     sample_ids: tuple[int, ...]  # global ids of the b rows: they key the dropout masks
 
 
-def _root(a: np.ndarray) -> np.ndarray:
-    """The array that owns the buffer `a` views."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a
+def _root(a):
+    """The array that owns the buffer `a` views (NumPy, torch or CuPy)."""
+    return backend.owner(a)
 
 
 def held_bytes(obj, params: dict) -> int:
@@ -73,7 +72,7 @@ def held_bytes(obj, params: dict) -> int:
         item = stack.pop()
         if isinstance(item, tuple | list):
             stack.extend(item)
-        elif isinstance(item, np.ndarray):
+        elif backend.is_array(item):
             root = _root(item)
             if id(root) not in exclude:
                 roots[id(root)] = root.nbytes
@@ -147,14 +146,15 @@ class PipelineExecutor:
             tags[a] = tag
         return tags
 
-    def _post_receives(self, microbatches: list[Microbatch]) -> dict[Action, object]:
+    def _post_receives(self, microbatches: list[Microbatch], like) -> dict[Action, object]:
+        """irecv of every message this rank gets in a step; arrays arrive in `like`'s namespace."""
         C = self.config.n_embd
         dtype = np.dtype(self.config.dtype)
         requests = {}
         for a, src, dst, tag in self._messages():
             if dst == self.rank:
                 shape = (len(microbatches[a.microbatch].sample_ids), microbatches[0].tokens.shape[1], C)
-                requests[a] = self.pp.irecv(shape, dtype, src, tag)
+                requests[a] = self.pp.irecv(shape, dtype, src, tag, like=like)
         return requests
 
     # -- one step ----------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class PipelineExecutor:
         where = self.layout.stage_rank
         self.ledger.free_prefix("grad:")
         self.slots = []  # the last step's actions only
-        received = self._post_receives(microbatches)
+        received = self._post_receives(microbatches, like=next(iter(params.values())))
         local: dict[Action, np.ndarray] = {}  # outputs handed to a stage on this same rank
         sends, caches, saved, grads = [], {}, {}, {}
         loss = 0.0

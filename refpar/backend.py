@@ -1,0 +1,115 @@
+"""The run's backend: which array namespace and device a run computes in (NumPy by default).
+
+    from refpar import backend
+    backend.use("torch")                 # torch CPU tensors; backend.use("torch", "cuda") on a GPU
+    params = backend.current().from_host(init_params(model, seed))
+
+Numeric code takes its namespace from its inputs (array-api-compat), so only code that creates
+arrays from nothing asks the backend: the initialisation, data batches and optimizer state are
+drawn on the host with refpar.rng (the same numbers whatever the backend) and moved with
+`from_host`. Communication stages device arrays through host buffers (refpar/comm/communicator.py)
+after `synchronize`; `gpu_backend/` holds the CuPy and torch backends and the device transport.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from array_api_compat import is_array_api_obj, is_cupy_array, is_numpy_array, is_torch_array
+
+from refpar.config import ConfigError
+
+BACKENDS = ("numpy", "torch", "cupy")
+
+
+class NumpyBackend:
+    """The reference: NumPy arrays on the host; moving is a no-op."""
+
+    name, device = "numpy", "cpu"
+
+    def from_host(self, a):
+        """A NumPy array, or a dict of them, in this backend's namespace and device."""
+        if isinstance(a, dict):
+            return {k: self.from_host(v) for k, v in a.items()}
+        return self._move(np.asarray(a))
+
+    def _move(self, a: np.ndarray):
+        return a
+
+    def synchronize(self) -> None:
+        """Waits for the device's queued work, so a host copy sees finished results."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device!r})"
+
+
+def get(name: str, device: str | None = None):
+    """The backend called `name` (numpy, torch or cupy) on `device` (default: cpu for numpy and
+    torch, the rank's GPU for cupy); ConfigError when it is unknown or cannot run here."""
+    if name == "numpy":
+        if device not in (None, "cpu"):
+            raise ConfigError(f"the numpy backend runs on the host, not on {device!r}; use "
+                              "--backend torch or cupy for a GPU")
+        return NumpyBackend()
+    if name == "torch":
+        from gpu_backend.torch_backend import TorchBackend
+
+        return TorchBackend(device or "cpu")
+    if name == "cupy":
+        from gpu_backend.cupy_backend import CupyBackend
+
+        return CupyBackend(device)
+    raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+_current = NumpyBackend()
+
+
+def use(name: str, device: str | None = None):
+    """Makes `name` the backend of this process's runs and returns it (one call per process)."""
+    global _current
+    _current = get(name, device)
+    return _current
+
+
+def current():
+    """The backend chosen with `use` (NumPy unless another was chosen)."""
+    return _current
+
+
+def to_host(x) -> np.ndarray:
+    """Any array (NumPy, torch on any device, CuPy, array-api-strict) as a NumPy array on the host;
+    device arrays are copied after their device's queued work is done."""
+    if is_numpy_array(x):
+        return x
+    if is_torch_array(x):
+        return x.detach().cpu().numpy()  # .cpu() waits for the CUDA stream
+    if is_cupy_array(x):
+        return x.get()  # cupy's device-to-host copy synchronises its stream
+    if is_array_api_obj(x):
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, RuntimeError, BufferError):
+            return np.asarray(x)
+    return np.asarray(x)
+
+
+def is_array(x) -> bool:
+    """True for an array of any namespace refpar computes with."""
+    return is_numpy_array(x) or is_torch_array(x) or is_cupy_array(x) or is_array_api_obj(x)
+
+
+def owner(a):
+    """The array that owns the memory `a` views (itself when it owns it), so a buffer viewed from
+    several places is counted once."""
+    if is_torch_array(a):
+        return a if a._base is None else a._base  # torch keeps one level: _base owns the storage
+    while getattr(a, "base", None) is not None and is_array(a.base):
+        a = a.base
+    return a
+
+
+def on_device(x) -> bool:
+    """True for an array that lives in device memory (not on the host)."""
+    if is_torch_array(x):
+        return x.device.type != "cpu"
+    return is_cupy_array(x)
