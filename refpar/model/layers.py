@@ -133,6 +133,8 @@ def embedding_forward(tokens, wte, wpe, positions):
     """out[b, t] = wte[tokens[b, t]] + wpe[positions[t]]; positions are global, so a sequence
     shard passes its own slice of them."""
     xp = array_namespace(wte)
+    # Token ids come from the host (the data loader): move them next to the table.
+    tokens, positions = as_like(tokens, wte), as_like(positions, wte)
     B, T = tokens.shape
     tok = xp.take(wte, xp.reshape(tokens, (-1,)), axis=0)  # (N, C)
     pos = xp.take(wpe, positions, axis=0)  # (T, C)
@@ -156,6 +158,7 @@ def cross_entropy_forward(logits, targets, normalizer):
     """loss = sum over tokens of -log softmax(logits)[target] / normalizer. The normalizer is the
     global token count, so losses computed on shards of the batch add up to the global mean."""
     xp = array_namespace(logits)
+    targets = as_like(targets, logits)  # from the host (the data loader)
     V = logits.shape[-1]
     logits2 = xp.reshape(logits, (-1, V))  # (N, V)
     z = logits2 - xp.max(logits2, axis=-1, keepdims=True)  # (N, V), max 0: exp cannot overflow

@@ -18,6 +18,7 @@ import math
 import numpy as np
 from array_api_compat import array_namespace, is_array_api_obj
 
+from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.model.gpt import DropoutContext, init_params
 from refpar.model.optim import optimizer_init, optimizer_step
@@ -165,7 +166,8 @@ def all_reduce_replicated_grads(grads: dict, comm, tag: str) -> dict:
 
 class IntraLayerTrainer:
     """One rank's state: its parameter shards, AdamW moments and ledger; `step(s)` trains one step.
-    `to_backend` moves the NumPy initialisation to the run's array namespace (e.g. torch.asarray)."""
+    `to_backend` moves the NumPy initialisation to the run's array namespace (e.g. torch.asarray);
+    None: the run's backend (refpar/backend.py)."""
 
     def __init__(self, model: ModelConfig, train: TrainConfig, mesh, ledger, sp=False, cp_algo=None,
                  to_backend=None):
@@ -174,7 +176,8 @@ class IntraLayerTrainer:
         self.lay = build_layout(model, train.seq_len, mesh, sp, cp_algo)
         t, tr = mesh.sizes["tp"], mesh.coords["tp"]
         params = shard_params_tp(init_params(model, train.seed), model, t, tr)
-        self.params = params if to_backend is None else {n: to_backend(w) for n, w in params.items()}
+        self.params = backend.current().from_host(params) if to_backend is None \
+            else {n: to_backend(w) for n, w in params.items()}
         self.state = optimizer_init(self.params, train)
         self._hold()
         self.acts = ActivationLedger(ledger)
@@ -215,4 +218,5 @@ class IntraLayerTrainer:
 
     def full_params(self) -> dict:
         """Every parameter whole as NumPy (gathered over tp), for the comparison with one device."""
-        return {n: np.asarray(w) for n, w in gather_params_tp(self.params, self.model, self.lay.tp).items()}
+        whole = gather_params_tp(self.params, self.model, self.lay.tp)
+        return {n: backend.to_host(w) for n, w in whole.items()}

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from refpar import checkpoint
+from refpar import backend, checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.data import MarkovCorpus
@@ -117,7 +117,7 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
     ledger = MemoryLedger()
     executor = PipelineExecutor(build(kind, pp.size, m, v), model, pp, ledger)
     full = init_params(model, train.seed)  # drawn whole, then this rank keeps its stages' part
-    params = {n: full[n] for n in executor.param_names()}
+    params = backend.current().from_host({n: full[n] for n in executor.param_names()})
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
     state = optimizer_init(params, train)
@@ -165,7 +165,7 @@ def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, pl
     ref = train_single_device(model, train)
     ref_losses = ref.losses[run.first_step:]  # a resumed run has only the steps after its checkpoint
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref_losses, strict=True))
-    mine = max(float(np.max(np.abs(p - ref.params[n])) / np.max(np.abs(ref.params[n])))
+    mine = max(float(np.max(np.abs(backend.to_host(p) - ref.params[n])) / np.max(np.abs(ref.params[n])))
                for n, p in run.params.items())
     param_diff = float(plain.all_reduce(np.array([mine]), op="max")[0])
     return {"reference_losses": ref_losses, "max_loss_rel_diff": loss_diff,
