@@ -108,6 +108,11 @@ def owner(a):
     return a
 
 
+def host_dtype(x) -> np.dtype:
+    """The NumPy dtype `x`'s elements have on the host (what a receive buffer is made of)."""
+    return to_host(x[:0] if x.ndim else x).dtype
+
+
 def on_device(x) -> bool:
     """True for an array that lives in device memory (not on the host)."""
     if is_torch_array(x):

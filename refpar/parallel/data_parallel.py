@@ -26,8 +26,11 @@ receive buffer of each round in flight).
 from __future__ import annotations
 
 import numpy as np
+from array_api_compat import array_namespace
 
+from refpar import backend
 from refpar.analysis.memory import bucket_sizes
+from refpar.memory import nbytes_of
 from refpar.parallel.units import FlatLayout, optimizer_update
 from refpar.sharding import shard_range
 
@@ -66,7 +69,8 @@ class RingAllReduce:
         self.ledger.alloc(f"comm.{self.tag}.send", self.buf[a:b], "comm")  # isend's copy
         self.ledger.alloc(f"comm.{self.tag}.recv", self.buf[c:d], "comm")  # irecv's buffer
         self.pending = (self.comm.isend(self.buf[a:b], right, tag=self.tag),
-                        self.comm.irecv((d - c,), self.buf.dtype, left, tag=self.tag), c, d, reduce)
+                        self.comm.irecv((d - c,), backend.host_dtype(self.buf), left, tag=self.tag,
+                                        like=self.buf), c, d, reduce)
 
     def advance(self) -> None:
         """Completes the round in flight and posts the next one."""
@@ -92,13 +96,14 @@ class DataParallel:
         self.config, self.train, self.dp, self.ledger = config, train, dp, ledger
         self.overlap, self.in_flight = overlap, []
         self.layout = lay = FlatLayout(config)
-        self.params = ledger.alloc("params.flat", np.concatenate(
+        xp = array_namespace(params["wte.weight"])
+        self.params = ledger.alloc("params.flat", xp.concat(
             [lay.flatten(u, params) for u in lay.units]), "params")  # (Ψ,)
-        self.grads = ledger.alloc("grads.flat", np.zeros_like(self.params), "grads")  # (Ψ,)
+        self.grads = ledger.alloc("grads.flat", xp.zeros_like(self.params), "grads")  # (Ψ,)
         self.state = {}
         if train.optimizer == "adamw":
             for k in ("m", "v"):
-                self.state[k] = ledger.alloc(f"optimizer.{k}", np.zeros_like(self.params), "optimizer")
+                self.state[k] = ledger.alloc(f"optimizer.{k}", xp.zeros_like(self.params), "optimizer")
         self.t = 0
         # Buckets as [start, stop) of the flat buffer, in the order backward completes them, each
         # with the unit whose backward completes it (the unit of its lowest parameter).
@@ -124,7 +129,7 @@ class DataParallel:
         """Every rank keeps the whole model: nothing to free."""
 
     def fold(self, unit: str, grads: dict) -> None:
-        self.ledger.alloc("grads.piece", sum(int(g.nbytes) for g in grads.values()), "grads")
+        self.ledger.alloc("grads.piece", sum(nbytes_of(g) for g in grads.values()), "grads")
         views = self.layout.views(unit, self.unit_flat(unit, self.grads))
         for name, g in grads.items():
             views[name] += g
@@ -157,5 +162,5 @@ class DataParallel:
                              {k: self.unit_flat(u, s) for k, s in self.state.items()}, 0)
 
     def full_params(self) -> dict:
-        return {n: v.copy() for u in self.layout.units
+        return {n: np.array(backend.to_host(v)) for u in self.layout.units
                 for n, v in self.layout.views(u, self.unit_flat(u, self.params)).items()}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from refpar import checkpoint
+from refpar import backend, checkpoint
 from refpar.analysis.comm_volume import step_bytes
 from refpar.analysis.memory import (
     Options,
@@ -91,7 +91,8 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
     the world communicator then). With gather_params every rank ends with all parameters whole."""
     check_options(opts, train, dp.size)
     ledger = MemoryLedger()
-    strategy = build(opts, model, train, dp, ledger, init_params(model, train.seed))
+    params = backend.current().from_host(init_params(model, train.seed))  # drawn on the host, moved
+    strategy = build(opts, model, train, dp, ledger, params)
     first = 0
     if resume is not None:
         manifest = checkpoint.open_training(resume, model, train)

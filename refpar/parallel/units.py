@@ -18,8 +18,11 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+from array_api_compat import array_namespace, is_torch_array
 
+from refpar import backend
 from refpar.analysis.memory import ROOT, numel, param_shapes, units
+from refpar.memory import nbytes_of
 from refpar.model.gpt import (
     DropoutContext,
     block_backward,
@@ -53,15 +56,16 @@ class FlatLayout:
             total += start
         self.total = total  # Ψ
 
-    def flatten(self, unit: str, arrays: dict) -> np.ndarray:
-        return np.concatenate([np.ravel(arrays[n]) for n in self.units[unit]])  # (Ψ_u,)
+    def flatten(self, unit: str, arrays: dict):
+        xp = array_namespace(arrays[self.units[unit][0]])
+        return xp.concat([xp.reshape(arrays[n], (-1,)) for n in self.units[unit]])  # (Ψ_u,)
 
     def views(self, unit: str, flat) -> dict:
         """The unit's parameters as reshaped views of its flat buffer (writes go through)."""
-        out = {}
+        xp, out = array_namespace(flat), {}
         for n in self.units[unit]:
             _, a, b = self.offsets[n]
-            out[n] = flat[a:b].reshape(self.shapes[n])
+            out[n] = xp.reshape(flat[a:b], self.shapes[n])
         return out
 
     def shard(self, unit: str, n: int, rank: int) -> tuple[int, int]:
@@ -79,22 +83,39 @@ class FlatLayout:
 
 
 class _ParamView:
-    """A cached view of a unit's flat buffer, kept as its position so it can be rebuilt."""
+    """A cached view of a unit's flat buffer, kept as its position so it can be rebuilt: offset and
+    strides in elements."""
 
     def __init__(self, offset: int, shape, strides):
         self.offset, self.shape, self.strides = offset, shape, strides
 
 
-def _owner(a):
-    return a if a.base is None else a.base
+def _position(a, base) -> _ParamView:
+    """Where the view `a` sits in `base`'s memory. NumPy and torch say it differently (bytes from
+    an address, elements from the storage's start); the array API has no word for it."""
+    if is_torch_array(a):
+        return _ParamView(a.storage_offset() - base.storage_offset(), tuple(a.shape), a.stride())
+    item = a.itemsize
+    offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    return _ParamView(offset // item, a.shape, tuple(s // item for s in a.strides))
+
+
+def _view_at(base, view: _ParamView):
+    """The read-only view of `base` at `view`'s position (inverse of `_position`)."""
+    if is_torch_array(base):
+        import torch
+
+        return torch.as_strided(base, view.shape, view.strides, base.storage_offset() + view.offset)
+    item = base.itemsize
+    return np.lib.stride_tricks.as_strided(base[view.offset:], view.shape,
+                                           tuple(s * item for s in view.strides), writeable=False)
 
 
 def detach(cache, base):
     """`cache` with every array viewing `base`'s memory replaced by its position in `base`."""
-    if isinstance(cache, np.ndarray):
-        if base is not None and _owner(cache) is _owner(base):
-            offset = cache.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-            return _ParamView(offset, cache.shape, cache.strides)
+    if backend.is_array(cache):
+        if base is not None and backend.owner(cache) is backend.owner(base):
+            return _position(cache, base)
         return cache
     if isinstance(cache, tuple | list):
         return type(cache)(detach(c, base) for c in cache)
@@ -106,8 +127,7 @@ def attach(cache, base):
     if isinstance(cache, _ParamView):
         if base is None:
             raise RuntimeError("a cached parameter view needs its unit's parameters in backward")
-        return np.lib.stride_tricks.as_strided(base[cache.offset // base.itemsize:], cache.shape,
-                                               cache.strides, writeable=False)
+        return _view_at(base, cache)
     if isinstance(cache, tuple | list):
         return type(cache)(attach(c, base) for c in cache)
     return cache
@@ -115,8 +135,8 @@ def attach(cache, base):
 
 def cached_arrays(cache, out: dict):
     """id -> owning array of every array a cache keeps alive (views count their base once)."""
-    if isinstance(cache, np.ndarray):
-        owner = _owner(cache)
+    if backend.is_array(cache):
+        owner = backend.owner(cache)
         out[id(owner)] = owner
     elif isinstance(cache, tuple | list):
         for c in cache:
@@ -133,7 +153,7 @@ class Activations:
     def keep(self, piece: str, cache) -> None:
         new = {k: a for k, a in cached_arrays(cache, {}).items() if k not in self.seen}
         self.seen.update(new)
-        self.ledger.alloc(f"activations.{piece}", sum(int(a.nbytes) for a in new.values()),
+        self.ledger.alloc(f"activations.{piece}", sum(nbytes_of(a) for a in new.values()),
                           "activations")
 
     def drop(self, piece: str) -> None:

@@ -26,9 +26,12 @@ gathered unit), grads 8Ψ or 8Σs_u (+ transients), optimizer 16Σs_u, comm coll
 from __future__ import annotations
 
 import numpy as np
+from array_api_compat import array_namespace, device
 
+from refpar import backend
 from refpar.analysis.memory import ROOT
 from refpar.config import ConfigError
+from refpar.memory import nbytes_of
 from refpar.parallel.units import FlatLayout, optimizer_update
 from refpar.sharding import shard_sizes
 
@@ -44,25 +47,26 @@ class Zero:
         self.own = {u: lay.shard(u, dp.size, dp.rank) for u in lay.units}  # [a, b) per unit
         self.counts = {u: shard_sizes(lay.sizes[u], dp.size) for u in lay.units}  # every rank's s_u
         full = {u: lay.flatten(u, params) for u in lay.units}  # drawn whole, then sliced
+        xp = array_namespace(full[ROOT])
         if stage < 3:
-            self.params = ledger.alloc("params.flat", np.concatenate(list(full.values())), "params")
+            self.params = ledger.alloc("params.flat", xp.concat(list(full.values())), "params")
         else:
-            self.shards = {u: ledger.alloc(f"params.shard.{u}", full[u][a:b].copy(), "params")
-                           for u, (a, b) in self.own.items()}  # (s_u,) each
-        dtype = full[ROOT].dtype
+            self.shards = {u: ledger.alloc(f"params.shard.{u}", xp.asarray(full[u][a:b], copy=True),
+                                           "params") for u, (a, b) in self.own.items()}  # (s_u,) each
+        self.zeros = lambda n: xp.zeros(n, dtype=full[ROOT].dtype, device=device(full[ROOT]))
         if stage == 1:
-            self.grads = ledger.alloc("grads.flat", np.zeros(lay.total, dtype), "grads")  # (Ψ,)
+            self.grads = ledger.alloc("grads.flat", self.zeros(lay.total), "grads")  # (Ψ,)
         else:
-            self.grad_shards = {u: ledger.alloc(f"grads.shard.{u}", np.zeros(b - a, dtype), "grads")
+            self.grad_shards = {u: ledger.alloc(f"grads.shard.{u}", self.zeros(b - a), "grads")
                                 for u, (a, b) in self.own.items()}  # (s_u,) each
         self.state = {u: {} for u in lay.units}
         if train.optimizer == "adamw":
             for u, (a, b) in self.own.items():
                 for k in ("m", "v"):
-                    self.state[u][k] = ledger.alloc(f"optimizer.{k}.{u}", np.zeros(b - a, dtype),
+                    self.state[u][k] = ledger.alloc(f"optimizer.{k}.{u}", self.zeros(b - a),
                                                     "optimizer")  # (s_u,)
-        self.gathered: dict[str, np.ndarray] = {}  # stage 3: unit -> its all-gathered flat buffer
-        self.unit_grads: dict[str, np.ndarray] = {}  # stages 2, 3: unit -> its full gradient
+        self.gathered: dict = {}  # stage 3: unit -> its all-gathered flat buffer
+        self.unit_grads: dict = {}  # stages 2, 3: unit -> its full gradient
         self.t = 0
 
     def unit_slice(self, unit: str, flat):
@@ -99,14 +103,13 @@ class Zero:
 
     # ------------------------------------------------------------------------------- gradients
     def fold(self, unit: str, grads: dict) -> None:
-        self.ledger.alloc("grads.piece", sum(int(g.nbytes) for g in grads.values()), "grads")
+        self.ledger.alloc("grads.piece", sum(nbytes_of(g) for g in grads.values()), "grads")
         if self.stage == 1:
             target = self.unit_slice(unit, self.grads)
         else:
             if unit not in self.unit_grads:
                 self.unit_grads[unit] = self.ledger.alloc(
-                    f"grads.unit.{unit}", np.zeros(self.layout.sizes[unit], self.grad_shards[unit].dtype),
-                    "grads")  # (Ψ_u,)
+                    f"grads.unit.{unit}", self.zeros(self.layout.sizes[unit]), "grads")  # (Ψ_u,)
             target = self.unit_grads[unit]
         views = self.layout.views(unit, target)
         for name, g in grads.items():
@@ -156,5 +159,5 @@ class Zero:
             else:
                 flat = self.dp.all_gather(self.shards[u], tag=f"{u}:params:check",
                                           counts=self.counts[u])
-            out.update({n: v.copy() for n, v in self.layout.views(u, flat).items()})
+            out.update({n: np.array(backend.to_host(v)) for n, v in self.layout.views(u, flat).items()})
         return out
