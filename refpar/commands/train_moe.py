@@ -74,6 +74,9 @@ def check_options(args) -> None:
 
 
 def _rel(a, b) -> float:
+    from refpar.backend import to_host
+
+    a = to_host(a)  # the run's parameters may live on a device; the reference is NumPy
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
 
 

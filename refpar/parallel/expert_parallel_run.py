@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from refpar import backend
 from refpar.config import ConfigError
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params, loss_and_grads
@@ -133,7 +134,9 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
     ep_comm = mesh.ep
     data = mesh.world.split(0, key=mesh.world.rank, axis="data")  # dp x ep, in batch order
     layer = ExpertParallelMoE(data, ep_comm, model)
-    params = local_params(init_params(model, train.seed), model, ep_comm.size, ep_comm.rank)
+    # Drawn whole on the host, this rank's experts kept, then moved to the run's backend.
+    params = backend.current().from_host(local_params(init_params(model, train.seed), model, ep_comm.size,
+                                                      ep_comm.rank))
     state = optimizer_init(params, train)
     # The model states this rank holds; activations and buffers are not counted in MoE runs.
     ledger = MemoryLedger()
