@@ -215,7 +215,9 @@ def dispatch(x2, routing):
 def dispatch_backward(dxbuf, routing):
     """(R, C) -> (N, C): each token gathers its rows back (a scatter-add written as gathers)."""
     xp = array_namespace(dxbuf)
-    pad = xp.concat([dxbuf, xp.zeros_like(dxbuf[:1, ...])], axis=0)  # (R+1, C)
+    # The zero row is built, not sliced from dxbuf: a rank whose tokens were all dropped has R = 0.
+    pad = xp.concat([dxbuf, xp.zeros((1, dxbuf.shape[1]), dtype=dxbuf.dtype, device=device(dxbuf))],
+                    axis=0)  # (R+1, C)
     k = routing["row"].shape[1]
     return sum(xp.take(pad, routing["row"][:, j], axis=0) for j in range(k))  # (N, C)
 

@@ -1,0 +1,85 @@
+"""The run's backend (refpar/backend.py, gpu_backend/): every strategy and the N-D engine give the
+NumPy single-device numbers on torch CPU tensors, and a backend that cannot run here is refused
+with one sentence. Float64 throughout: only summation order differs, hence 1e-10.
+
+Strategies are trained in two MPI jobs (tests/backend_job.py): 2 ranks for ZeRO-3, tp+sp, the 1F1B
+pipeline and expert parallelism, 8 ranks for the dp=2, tp=2, pp=2 engine.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from refpar import backend
+from refpar.config import ConfigError
+from tests.mpi import ROOT, mpi_env, mpiexec
+
+TOL = 1e-10
+
+
+def test_unknown_or_unavailable_backends_are_refused_with_one_sentence():
+    cases = [("jax", None), ("numpy", "cuda")]
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        cases.append(("cupy", None))
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        cases.append(("torch", "cuda"))
+    cases.append(("torch", "tpu"))
+    for name, device in cases:
+        with pytest.raises(ConfigError) as err:
+            backend.get(name, device)
+        message = str(err.value)
+        assert "\n" not in message and message.count(". ") == 0 and "; " in message, message
+
+
+def test_cli_refuses_a_missing_cupy_in_one_line_with_status_2():
+    pytest.importorskip("torch")
+    try:
+        import cupy  # noqa: F401
+
+        pytest.skip("cupy is installed here")
+    except ImportError:
+        pass
+    proc = subprocess.run([sys.executable, "-m", "refpar", "train", "--backend", "cupy", "--steps", "1"],
+                          cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "cupy" in proc.stderr.lower(), proc.stderr
+
+
+def test_torch_backend_moves_the_host_draw_exactly_and_keeps_the_host_copy():
+    torch = pytest.importorskip("torch")
+    tb = backend.get("torch")
+    host = {"w": np.random.default_rng(0).normal(size=(3, 4)), "ids": np.arange(5)}
+    moved = tb.from_host(host)
+    assert all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in moved.values())
+    assert np.array_equal(backend.to_host(moved["w"]), host["w"])
+    moved["w"] += 1.0  # the run updates in place; the host draw must not change with it
+    assert np.array_equal(backend.to_host(moved["w"]), host["w"] + 1.0)
+    assert not np.shares_memory(backend.to_host(moved["w"]), host["w"])
+    assert backend.to_host(moved["ids"]).dtype == host["ids"].dtype
+    assert backend.host_dtype(moved["w"]) == np.float64 and not backend.on_device(moved["w"])
+
+
+def _jobs(spec: str, n: int, names: list[str]) -> list[dict]:
+    proc = mpiexec(n, "tests/backend_job.py", spec, json.dumps(names), timeout=240)
+    got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [g["strategy"] for g in got] == names
+    return got
+
+
+def test_every_strategy_and_the_3d_engine_on_torch_cpu_match_the_numpy_single_device_run():
+    pytest.importorskip("torch")
+    results = _jobs("torch", 2, ["zero3", "tp_sp", "pp_1f1b", "ep"]) + _jobs("torch", 8, ["3d"])
+    for r in results:
+        loss = max(x["loss_rel_diff"] for x in r["ranks"])
+        param = max(x["param_rel_diff"] for x in r["ranks"])
+        print(f"torch cpu {r['strategy']:8s} loss rel diff {loss:.1e}  param rel diff {param:.1e}")
+        assert loss <= TOL and param <= TOL, r["strategy"]
+        for x in r["ranks"]:
+            assert x["namespaces"] == ["torch"], r  # the strategy really held torch tensors
+            assert x["events"] > 0 and x["staged"] == [False], r  # CPU tensors: no device staging
