@@ -83,3 +83,14 @@ def test_every_strategy_and_the_3d_engine_on_torch_cpu_match_the_numpy_single_de
         for x in r["ranks"]:
             assert x["namespaces"] == ["torch"], r  # the strategy really held torch tensors
             assert x["events"] > 0 and x["staged"] == [False], r  # CPU tensors: no device staging
+
+
+def test_gpu_check_says_in_one_sentence_that_no_gpu_is_present():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run benchmarks/gpu_check.py itself")
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, env=mpi_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line and "no NVIDIA GPU is present" in line, line

@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 from array_api_compat import array_namespace
 
+from refpar import backend
 from refpar.config import ConfigError
 from refpar.model import moe
 from refpar.sharding import shard_range
@@ -99,7 +100,7 @@ class ExpertParallelMoE:
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
         routing, rcache = moe.route(x2, params[moe.router_name(layer)], config,
                                     exchange=self._exchange(layer), rank=self.data.rank)
-        kept = np.asarray(moe.kept_counts(routing["selections"], routing["capacity"]))  # (D, E)
+        kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"]))  # (D, E)
         mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert
         send = [int(mine[list(self.owners[q])].sum()) for q in range(self.ep.size)]
         recv = kept[self.group_base:self.group_base + self.ep.size, list(self.local)]  # (S, El)

@@ -101,7 +101,7 @@ def _record(step, loss, routing, start, totals=None) -> MoEStep:
         step=step, loss=float(totals[0]), aux_loss=float(totals[1]), z_loss=float(totals[2]),
         tokens_per_expert={i: [int(c) for c in r["tokens_per_expert"]] for i, r in routing.items()},
         dropped={i: int(r["dropped"]) for i, r in routing.items()},
-        kept_counts={i: np.asarray(kept_counts(r["selections"], r["capacity"]))
+        kept_counts={i: backend.to_host(kept_counts(r["selections"], r["capacity"]))
                      for i, r in routing.items()},
         time_s=time.perf_counter() - start)
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from array_api_compat import array_namespace
 
+from refpar import backend
 from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.layers import (
@@ -162,7 +163,8 @@ def gather_params_tp(local: dict, config: ModelConfig, tp) -> dict:
             full[name] = w
             continue
         axis = mine[name][0]
-        pieces = tp.all_gather(np.ascontiguousarray(np.moveaxis(np.asarray(w), axis, 0)), tag=f"{name}:check")
+        pieces = tp.all_gather(np.ascontiguousarray(np.moveaxis(backend.to_host(w), axis, 0)),
+                               tag=f"{name}:check")
         moved = np.empty_like(pieces)
         moved[np.concatenate([s[name][1] for s in every])] = pieces
         full[name] = np.moveaxis(moved, 0, axis)
