@@ -3,6 +3,7 @@ single-device run; rank 0 prints one JSON line per strategy. Run by tests/test_b
 
     mpiexec -n 2 python tests/backend_job.py torch '["zero3", "tp_sp", "pp_1f1b", "ep"]'
     mpiexec -n 8 python tests/backend_job.py torch '["3d"]'
+    mpiexec -n 2 python tests/backend_job.py torch '["tp_sp"]' torch.distributed   # the transport
 
 On a GPU machine benchmarks/gpu_check.py runs it with `torch:cuda` and `cupy`.
 """
@@ -75,13 +76,14 @@ def check(name: str, comm, tracer: Tracer) -> dict:
             "param_rel_diff": max(rel(p, ref_params[n]) for n, p in whole.items()),
             # The module of the arrays the strategy holds: proof that the run computed on the backend.
             "namespaces": sorted({type(a).__module__.split(".")[0] for a in held.values()}),
-            "staged": sorted({e.staged for e in tracer.events}), "events": len(tracer.events)}
+            "staged": sorted({e.staged for e in tracer.events}), "events": len(tracer.events),
+            "algos": sorted({e.algo for e in tracer.events})}
 
 
 def main() -> None:
     backend.use(*sys.argv[1].split(":"))
     tracer = Tracer()
-    comm = world(tracer)
+    comm = world(tracer, transport=sys.argv[3] if len(sys.argv) > 3 else "mpi")
     for name in json.loads(sys.argv[2]):
         mine = check(name, comm, tracer)
         ranks = comm.gather_object(mine)

@@ -94,3 +94,30 @@ def test_gpu_check_says_in_one_sentence_that_no_gpu_is_present():
     assert proc.returncode == 1 and proc.stdout == "", proc.stdout + proc.stderr
     line = proc.stderr.strip()
     assert "\n" not in line and "no NVIDIA GPU is present" in line, line
+
+
+def test_torch_distributed_transport_gives_the_same_numbers_and_says_so_in_the_trace():
+    """The device-aware transport's code on CPU tensors (gloo stands in for NCCL): the collectives
+    it takes are traced as "gloo", the rest still go through MPI, and the runs stay exact."""
+    pytest.importorskip("torch")
+    proc = mpiexec(2, "tests/backend_job.py", "torch", json.dumps(["zero3", "tp_sp"]), "torch.distributed",
+                   timeout=240)
+    got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [g["strategy"] for g in got] == ["zero3", "tp_sp"]
+    for r in got:
+        for x in r["ranks"]:
+            assert x["loss_rel_diff"] <= TOL and x["param_rel_diff"] <= TOL, r
+            assert "gloo" in x["algos"] and x["staged"] == [False], r
+
+
+def test_an_unavailable_or_unknown_transport_is_refused_with_one_sentence():
+    torch = pytest.importorskip("torch")
+    from gpu_backend.transport import TorchDistributed, check_transport
+
+    if torch.cuda.is_available():
+        pytest.skip("NCCL may be available on this machine")
+    with pytest.raises(ConfigError, match="no nccl backend here") as err:
+        TorchDistributed.start(None, "nccl")  # refused before any rank talks
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="unknown transport 'carrier-pigeon'; choose mpi or"):
+        check_transport("carrier-pigeon")  # what world(transport=...) checks first

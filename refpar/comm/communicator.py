@@ -22,6 +22,7 @@ Wrap a program's main in `abort_on_error()` so that an error on one rank ends th
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import sys
@@ -164,8 +165,10 @@ class Communicator:
     """
 
     def __init__(self, mpi_comm, axis: str = "world", tracer: Tracer | None = None, *,
-                 debug: bool | None = None, timeout: float | None = None):
+                 debug: bool | None = None, timeout: float | None = None, transport=None):
         self.comm = mpi_comm
+        # A device-aware transport (gpu_backend/transport.py) or None: MPI, staged through the host.
+        self.transport = transport
         self.axis = axis
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
@@ -195,13 +198,20 @@ class Communicator:
         sub = self.comm.Split(mpi_color, key)
         if sub == MPI.COMM_NULL:
             return None
-        return Communicator(sub, axis or self.axis, self.tracer, debug=self.debug, timeout=self.timeout)
+        out = Communicator(sub, axis or self.axis, self.tracer, debug=self.debug, timeout=self.timeout)
+        if self.transport is not None:
+            out.transport = self.transport.subgroup(out.group)
+        return out
 
     # --- collectives -------------------------------------------------------------------------
 
     def all_reduce(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
         """Elementwise reduction (`sum`, `prod`, `max`, `min`) over the group; every rank gets it.
         algo: native or ring."""
+        if self._transported("all_reduce", x, algo):
+            _reduce_op(op)
+            return self._by_transport("all_reduce", x, tag, lambda item: cost.all_reduce_bytes(
+                math.prod(x.shape), self.size, self.rank, item), lambda: self.transport.all_reduce(x, op))
         a, like = _to_host(x)
         ufunc, mpi_op = _reduce_op(op)
         t0 = self._begin("all_reduce", algo, a.shape, a.dtype, tag)
@@ -221,6 +231,11 @@ class Communicator:
     def reduce_scatter(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
         """x (n, ...), the same shape on every rank -> rows `shard_range(n, size, rank)` of the
         elementwise reduction, shape (n_rank, ...). algo: native or ring."""
+        if x.ndim and self._transported("reduce_scatter", x, algo, even=x.shape[0] % self.size == 0):
+            _reduce_op(op)
+            return self._by_transport("reduce_scatter", x, tag, lambda item: cost.reduce_scatter_bytes(
+                x.shape[0], self.size, self.rank, item, math.prod(x.shape[1:])),
+                lambda: self.transport.reduce_scatter(x, op, self.size))
         a, like = _to_host(x)
         _require_axis0(a, "reduce_scatter")
         ufunc, mpi_op = _reduce_op(op)
@@ -245,6 +260,11 @@ class Communicator:
         """x (n_rank, ...) on each rank -> the pieces concatenated along axis 0 in rank order,
         (sum n_i, ...). Pieces may differ in length; pass `counts` (every rank's n_i) if known,
         else the ranks exchange them first (a small untraced message). algo: native or ring."""
+        even = counts is not None and len(set(counts)) == 1 and x.ndim and counts[0] == x.shape[0]
+        if self._transported("all_gather", x, algo, even=bool(even)):
+            return self._by_transport("all_gather", x, tag, lambda item: cost.all_gather_bytes(
+                [int(c) for c in counts], self.rank, item, math.prod(x.shape[1:])),
+                lambda: self.transport.all_gather(x, self.size))
         a, like = _to_host(x)
         _require_axis0(a, "all_gather")
         t0 = self._begin("all_gather", algo, ("*", *a.shape[1:]), a.dtype, tag)
@@ -314,6 +334,11 @@ class Communicator:
     def broadcast(self, x, root: int = 0, algo: str = "native", tag: str = ""):
         """Rank `root`'s x to every rank. As in MPI, every rank passes an array of the same shape
         and dtype (the others' contents are ignored). algo: native, tree or scatter_allgather."""
+        if self._transported("broadcast", x, algo):
+            self._check_peer(root, "root")
+            return self._by_transport("broadcast", x, tag, lambda item: cost.broadcast_bytes(
+                math.prod(x.shape), self.size, self.rank, root, item),
+                lambda: self.transport.broadcast(x, root, self.group[root]), root=root)
         a, like = _to_host(x)
         self._check_peer(root, "root")
         t0 = self._begin("broadcast", algo, a.shape, a.dtype, tag, root=root)
@@ -404,6 +429,21 @@ class Communicator:
                        tag, t0)
 
     # --- machinery ---------------------------------------------------------------------------
+
+    def _transported(self, op: str, x, algo: str, even: bool = True) -> bool:
+        """Whether the device transport does this call instead of MPI (gpu_backend/transport.py)."""
+        return self.transport is not None and algo == "native" and self.transport.takes(op, x, even)
+
+    def _by_transport(self, op: str, x, tag: str, moved, call, **extra):
+        """Runs `call` on the transport, traced like a native call: the ring's bytes, not staged."""
+        dtype, shape = backend.host_dtype(x), tuple(x.shape)
+        t0 = self._begin(op, "native", shape, dtype, tag, **extra)
+        out = call()
+        if self.tracer is not None:
+            bytes_moved = moved(dtype.itemsize)
+            self.tracer.record(op, self.axis, self.group, self.transport.name, None, dtype.name, shape,
+                               bytes_moved.sent, bytes_moved.recv, tag, t0, now())
+        return out
 
     def _begin(self, op: str, algo: str, shape, dtype, tag: str, **extra) -> float:
         """Checks the algo name, runs the debug check, notes the op for timeouts; returns t_start."""
@@ -518,9 +558,17 @@ def _displacements(counts: list[int], unit: int) -> list[int]:
 
 
 def world(tracer: Tracer | None = None, *, debug: bool | None = None,
-          timeout: float | None = None) -> Communicator:
-    """The communicator of all ranks (MPI.COMM_WORLD), axis "world"."""
-    return Communicator(MPI.COMM_WORLD, "world", tracer, debug=debug, timeout=timeout)
+          timeout: float | None = None, transport: str = "mpi") -> Communicator:
+    """The communicator of all ranks (MPI.COMM_WORLD), axis "world". transport "mpi" stages device
+    arrays through host buffers; "torch.distributed" moves torch tensors with NCCL (gloo on the CPU)
+    where it can (gpu_backend/transport.py); every rank must choose the same."""
+    comm = Communicator(MPI.COMM_WORLD, "world", tracer, debug=debug, timeout=timeout)
+    if transport != "mpi":
+        from gpu_backend.transport import TorchDistributed, check_transport
+
+        check_transport(transport)
+        comm.transport = TorchDistributed.start(comm)
+    return comm
 
 
 @contextmanager
