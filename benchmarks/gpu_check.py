@@ -5,7 +5,8 @@
 1. The equivalence matrix (tests/backend_job.py): ZeRO-3, tp+sp, the 1F1B pipeline and expert
    parallelism on 2 ranks, the dp=2, tp=2, pp=2 engine on 8, all sharing the one GPU, with
    `--backend torch --device cuda` and `--backend cupy` (when CuPy is installed); float64, each
-   against the NumPy single-device run (<= 1e-10). Communication is staged through host buffers.
+   against the NumPy single-device run (<= 1e-10). Communication is staged through host buffers,
+   then once more with the torch.distributed transport (NCCL) for torch.
 2. The device's measured matmul rate (an 8192^3 matmul) in float32 and bf16.
 3. One training step (forward, backward, AdamW) of a larger GPT-2 on one GPU in float32 and bf16,
    with the achieved TFLOP/s (refpar.analysis.flops, no recomputation) next to that matmul rate.
@@ -58,15 +59,16 @@ def has_cupy() -> bool:
         return False
 
 
-def equivalence(spec: str) -> bool:
-    """Runs the matrix on backend `spec`; prints one row per strategy; True when all match."""
+def equivalence(spec: str, transport: str = "mpi") -> bool:
+    """Runs the matrix on backend `spec` over `transport`; prints one row per strategy; True when
+    all match."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = dict(os.environ, PYTHONPATH=str(ROOT), MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1")
     ok = True
     for n, names in MATRIX:
         proc = subprocess.run([str(mpiexec), "-n", str(n), sys.executable, "tests/backend_job.py", spec,
-                               json.dumps(names)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=600)
+                               json.dumps(names), transport], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=600)
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or len(rows) != len(names):
             print(f"  {spec:10s} {n} ranks {names}: FAILED (exit {proc.returncode})\n{proc.stderr[-3000:]}")
@@ -76,11 +78,13 @@ def equivalence(spec: str) -> bool:
             loss = max(x["loss_rel_diff"] for x in r["ranks"])
             param = max(x["param_rel_diff"] for x in r["ranks"])
             held = sorted({ns for x in r["ranks"] for ns in x["namespaces"]})
+            algos = sorted({a for x in r["ranks"] for a in x["algos"]})
             staged = any(True in x["staged"] for x in r["ranks"])
             good = loss <= TOL and param <= TOL
             ok &= good
             print(f"  {spec:10s} {r['strategy']:8s} {n} ranks  loss {loss:.1e}  params {param:.1e}  "
-                  f"arrays {','.join(held)}  staged {staged}  {'ok' if good else 'DIFFERS'}", flush=True)
+                  f"arrays {','.join(held)}  staged {staged}  algos {','.join(algos)}  "
+                  f"{'ok' if good else 'DIFFERS'}", flush=True)
     return ok
 
 
@@ -169,6 +173,8 @@ def main() -> int:
     if not args.skip_matrix:
         print("equivalence with the NumPy single device (float64, ranks sharing the GPU):")
         ok &= equivalence("torch:cuda")
+        print("the same with torch.distributed (NCCL) carrying the collectives it can:")
+        ok &= equivalence("torch:cuda", "torch.distributed")
         if has_cupy():
             ok &= equivalence("cupy")
         else:
