@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dropout probability (default: the preset's)")
     parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
     parser.add_argument("--backend", default="numpy", choices=("numpy", "torch", "cupy"),
-                        help="array library every rank computes with (default numpy; refpar/backend.py)")
+                        help="array library every rank of a --mesh run computes with (default numpy; "
+                             "refpar/backend.py); the single-device reference is always NumPy")
     parser.add_argument("--device", default=None,
                         help="torch: cpu (default) or cuda; cupy: cuda (each rank takes its local GPU)")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
@@ -107,6 +108,11 @@ def run(args) -> int:
     from refpar.trainer import corpus_for, train_single_device
 
     model, train, sizes = configs(args)
+    if args.backend != "numpy":
+        from refpar.config import ConfigError
+
+        raise ConfigError(f"--backend {args.backend} runs the parallel strategies (give --mesh); the "
+                          "single-device run is the NumPy reference every check compares with")
     speak = launcher_rank() == 0
     n_params = sum(_numel(shape) for shape in param_shapes(model).values())
     floor = corpus_for(model, train).entropy_rate()

@@ -59,6 +59,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=3, help="AdamW steps per run (default 3)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
     parser.add_argument("--only", default=None, help="comma-separated config names to run")
+    parser.add_argument("--backend", default="numpy", choices=("numpy", "torch", "cupy"),
+                        help="array library of the runs (default numpy); the reference stays NumPy")
+    parser.add_argument("--device", default=None, help="torch: cpu (default) or cuda")
 
 
 def _rows(rows, key) -> dict | None:
@@ -88,11 +91,12 @@ def judge(summary: dict) -> dict:
                      for k, v in expected_mem.items())}
 
 
-def launch(ranks: int, args: tuple[str, ...], steps: int, timeout: float) -> tuple[dict | str, float]:
+def launch(ranks: int, args: tuple[str, ...], steps: int, timeout: float,
+           backend: tuple[str, ...] = ()) -> tuple[dict | str, float]:
     """One run as `mpiexec` from this Python's environment; (summary, seconds) or (why it failed, s)."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
     cmd = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "refpar", "train", *args,
-           "--steps", str(steps), "--check", "--json"]
+           "--steps", str(steps), "--check", "--json", *backend]
     env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     start = time.perf_counter()
@@ -109,6 +113,10 @@ def launch(ranks: int, args: tuple[str, ...], steps: int, timeout: float) -> tup
 
 
 def run(args) -> int:
+    from refpar import backend
+
+    backend.get(args.backend, args.device)  # a backend that cannot run here: one sentence, no jobs
+    chosen = ("--backend", args.backend) + (("--device", args.device) if args.device else ())
     names = [n for n, _, _ in MATRIX]
     wanted = QUICK if args.quick else tuple(names)
     if args.only:
@@ -124,7 +132,7 @@ def run(args) -> int:
     for name, ranks, cli in MATRIX:
         if name not in wanted:
             continue
-        summary, seconds = launch(ranks, cli, args.steps, args.timeout)
+        summary, seconds = launch(ranks, cli, args.steps, args.timeout, chosen)
         if isinstance(summary, str):
             failed += 1
             print(f"{name:<22} {ranks:>5} {'':>23} {seconds:>6.1f}s  FAIL {summary}", flush=True)
