@@ -131,8 +131,8 @@ def test_pipeline_page_compares_two_schedules_and_explains_bad_ones():
 
 def test_communication_page_bars_are_the_closed_forms():
     at = page("views/communication.py")
-    figs = charts(at)  # default: zero3 over 2 ranks, 2 microbatches
-    rows, _ = expected.closed_form_rows(expected.workload("zero3", 2, TINY, ONE_STEP, microbatches=2))
+    figs = charts(at)  # default: tp=2 replicated over dp=2
+    rows, _ = expected.closed_form_rows(expected.workload("tp", 2, TINY, ONE_STEP, dp=2))
     bars = figs[0]["data"][0]
     assert dict(zip(bars["x"], np.asarray(bars["y"]).tolist(), strict=True)) == comm.by_axis_op(rows)
     assert figs[1]["frames"][-1]["name"] == "whole step"

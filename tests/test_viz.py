@@ -116,7 +116,7 @@ def test_dp_replicates_everything_and_zero2_shards_gradients_at_backward():
 
 
 def test_sp_rows_are_shard_ranges_and_regions_are_whole():
-    t, T = 3, sh.DEMO_SEQ
+    t, T = 4, sh.DEMO_SEQ
     steps = sh.sp_steps(t)
     grid = next(iter(steps[0].grids["activations"].values()))
     for rank in range(t):

@@ -19,7 +19,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from refpar.config import MESH_AXES
-from refpar.viz.pipeline import play_controls
+from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
 
 CATEGORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b",
                     "activations": "#e45756", "comm": "#72b7b2"}
@@ -104,7 +104,8 @@ def calls_figure(calls: list[dict], sizes: dict[str, int], title: str = "") -> g
               for label, m in zip(labels, [*mats, whole], strict=True)]
     fig = go.Figure(data=[_matrix_heatmap(whole, whole.max())], frames=frames)
     _matrix_layout(fig, whole.shape[0], f"{title}whole step")
-    fig.update_layout(margin={"b": 120}, **play_controls(labels, ""))
+    fig.update_layout(margin={"b": CONTROLS_MARGIN}, height=max(fig.layout.height, 470),
+                      **play_controls(labels, "", [str(k + 1) for k in range(len(calls))] + ["all"]))
     return fig
 
 

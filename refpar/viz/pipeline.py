@@ -51,13 +51,19 @@ def frame_times(timeline: Timeline) -> list[float]:
     return times
 
 
-def play_controls(labels: list[str], prefix: str) -> dict:
-    """A play/pause pair and a slider over frames named by `labels` (redraw: bars are not scatter)."""
+CONTROLS_MARGIN = 150  # pixels under the plot for the axis title, the slider and the buttons
+
+
+def play_controls(names: list[str], prefix: str, labels: list[str] | None = None) -> dict:
+    """Play/Pause buttons and a slider over the frames `names` (ticks labelled `labels`, default
+    the names), placed in pixels under the plot so they never cover an axis. `redraw` because
+    bars and heatmaps are not scatter traces (ENVIRONMENT.md, Plotly 7)."""
     step_args = {"frame": {"duration": 300, "redraw": True}, "mode": "immediate",
                  "transition": {"duration": 0}}
     return {
         "updatemenus": [{
-            "type": "buttons", "showactive": False, "x": 0, "y": -0.12, "xanchor": "left",
+            "type": "buttons", "direction": "left", "showactive": False, "x": 0, "xanchor": "left",
+            "y": 0, "yanchor": "top", "pad": {"t": 95},
             "buttons": [
                 {"label": "Play", "method": "animate", "args": [None, {**step_args, "fromcurrent": True}]},
                 {"label": "Pause", "method": "animate",
@@ -65,10 +71,10 @@ def play_controls(labels: list[str], prefix: str) -> dict:
             ],
         }],
         "sliders": [{
-            "active": len(labels) - 1, "x": 0.12, "len": 0.88, "y": -0.05,
-            "currentvalue": {"prefix": prefix},
-            "steps": [{"label": label, "method": "animate", "args": [[label], step_args]}
-                      for label in labels],
+            "active": len(names) - 1, "x": 0.16, "len": 0.84, "y": 0, "yanchor": "top", "pad": {"t": 55},
+            "currentvalue": {"prefix": prefix, "xanchor": "left"},
+            "steps": [{"label": label, "method": "animate", "args": [[name], step_args]}
+                      for name, label in zip(names, labels or names, strict=True)],
         }],
     }
 
@@ -83,7 +89,7 @@ def gantt_figure(timeline: Timeline, title: str = "") -> go.Figure:
                     frames=[go.Frame(name=label, data=_bars(timeline, t))
                             for label, t in zip(labels, times, strict=True)])
     fig.update_layout(
-        title=title, barmode="overlay", height=140 + 45 * p, margin={"b": 110},
+        title=title, barmode="overlay", height=190 + 45 * p, margin={"b": CONTROLS_MARGIN},
         xaxis={"title": "time (F = 1 unit)", "range": [0, timeline.makespan], "autorange": False},
         yaxis={"title": "rank", "range": [p - 0.5, -0.5], "autorange": False,
                "tickvals": list(range(p)), "ticktext": [f"rank {r}" for r in range(p)]},
