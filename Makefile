@@ -14,12 +14,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[all]'
 	touch $(STAMP)
 
+# The 8-rank 3D example: 2 pipelines of 2 stages, each stage tensor-parallel over 2 ranks.
 demo: $(STAMP)
-	$(PY) -m refpar train --model tiny --steps 200
+	$(VENV)/bin/mpiexec -n 8 $(PY) -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --steps 10 --check
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# The suite includes `refpar verify --quick` (tests/test_engine.py): every strategy combination.
 test: $(STAMP) lint
 	$(PY) -m pytest -q
 

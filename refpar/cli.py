@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "schedule": "refpar.commands.schedule",
     "plan": "refpar.commands.plan",
     "app": "refpar.commands.app",
+    "verify": "refpar.commands.verify",
 }
 
 
