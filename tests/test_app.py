@@ -199,6 +199,13 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
     closed, measured = charts(at)[0]["data"]
     assert measured["name"] == "measured"
     np.testing.assert_array_equal(measured["y"], closed["y"])
+    # The traced run's calls, one bar each, and as many bytes as the summary counted.
+    trace = charts(at)[-1]
+    events = [e for e in at.session_state["run"]["trace"]["traceEvents"] if e.get("ph") == "X"]
+    assert sum(len(t["y"]) for t in trace["data"]) == len(events) > 0
+    # The summary leaves out the report's own gather of these numbers, which the trace records.
+    traced = sum(e["args"]["bytes_sent"] for e in events if e["args"]["tag"] != "report")
+    assert traced == sum(r["bytes_sent"] for r in at.session_state["run"]["summary"]["comm_bytes"])
     at.switch_page("views/memory.py")
     rerun(at)
     pairs = charts(at)[1]  # every rank, closed form next to measured

@@ -56,3 +56,6 @@ else:
                    "one is sent.")
 if measured is not None:
     st.plotly_chart(comm.traffic_figure(measured, sizes, "measured: who sends to whom"), width="stretch")
+    if run.get("trace"):
+        title = "measured: every call of the traced run, rank by rank"
+        st.plotly_chart(comm.trace_figure(run["trace"], title), width="stretch")

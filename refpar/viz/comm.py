@@ -157,3 +157,23 @@ def memory_figure(columns: dict[str, dict[str, int]], title: str = "") -> go.Fig
                             marker_color=CATEGORY_COLOURS.get(c)) for c in categories])
     fig.update_layout(title=title, barmode="stack", yaxis_title="peak bytes", height=380)
     return fig
+
+
+def trace_figure(trace: dict, title: str = "") -> go.Figure:
+    """A real run's communication events (the Chrome trace `refpar train --trace` writes, as
+    `refpar.comm.trace.chrome_trace` builds it): one bar per call, rank by rank over time,
+    coloured by axis; hovering names the op, the tag and the bytes."""
+    calls = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    fig = go.Figure()
+    for axis in dict.fromkeys(e["cat"] for e in calls):
+        mine = [e for e in calls if e["cat"] == axis]
+        fig.add_trace(go.Bar(
+            name=axis, orientation="h", y=[e["pid"] for e in mine], base=[e["ts"] / 1e3 for e in mine],
+            x=[max(e["dur"], 1.0) / 1e3 for e in mine],  # a call shorter than 1 us still shows
+            text=[f"{e['name']}: {e['args']['bytes_sent']:,} bytes sent" for e in mine], textposition="none",
+            hovertemplate="rank %{y}, %{base:.3f} ms: %{text}<extra></extra>"))
+    ranks = sorted({e["pid"] for e in calls})
+    fig.update_layout(title=title, barmode="overlay", height=160 + 40 * max(len(ranks), 1),
+                      xaxis_title="ms since the first call",
+                      yaxis={"title": "rank", "autorange": "reversed", "tickvals": ranks})
+    return fig
