@@ -43,7 +43,8 @@ class Launcher:
             env = {**os.environ, "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
             # A list, never a shell; a session of its own so that Stop ends mpiexec and its ranks.
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True,
                                          cwd=ROOT, env=env, start_new_session=True)
             self.lines, self.started, self.error = [], time.monotonic(), None
             self.label, self.key, self.steps, self.trace = label, key, steps, trace
