@@ -132,6 +132,7 @@ def test_ep_tokens_travel_to_the_rank_that_owns_their_expert():
     assert (home == np.arange(ep)[:, None]).all()
     owners = sh.expert_owners(ep)
     assert all(owners[e] == r for r in range(ep) for e in owned_experts(sh.DEMO_MOE_MODEL.moe_experts, ep, r))
+    assert list(steps[0].grids["experts"]["experts (owner)"][0]) == owners
     assert set(np.unique(away)) <= set(range(ep)) and (away != home).any()
 
 

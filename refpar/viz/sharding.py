@@ -189,12 +189,16 @@ def ep_steps(ep: int, tokens_per_rank: int = 8, config: ModelConfig = DEMO_MOE_M
     home = np.repeat(np.arange(ep)[:, None], tokens_per_rank, axis=1)  # (ep, tokens)
     away = owner_of[experts]
     t = "tokens (source rank x token)"
+    experts_row = {"experts (owner)": owner_of[None, :]}  # (1, E): which rank holds each expert
+
+    def step(label: str, moves: str, where: np.ndarray) -> Step:
+        return Step(label, moves, {"tokens": {t: where}, "experts": experts_row})
+
     return [
-        Step("tokens on their rank", "each rank routes its own tokens", {"tokens": {t: home}}),
-        Step("dispatch (all-to-all)", "each token goes to the rank that owns its expert",
-             {"tokens": {t: away}}),
-        Step("experts compute", "every rank runs only the experts it owns", {"tokens": {t: away}}),
-        Step("combine (all-to-all)", "outputs return to the token's own rank", {"tokens": {t: home}}),
+        step("tokens on their rank", "each rank routes its own tokens", home),
+        step("dispatch (all-to-all)", "each token goes to the rank that owns its expert", away),
+        step("experts compute", "every rank runs only the experts it owns", away),
+        step("combine (all-to-all)", "outputs return to the token's own rank", home),
     ]
 
 
@@ -236,8 +240,11 @@ def sharding_figure(steps: list[Step], n: int, title: str = "") -> go.Figure:
     cols = max(len(v) for v in steps[0].grids.values())
     titles = [f"{row}: {'.'.join(name.split('.')[2:]) if name.startswith('h.') else name}"
               for row in rows for name in steps[0].grids[row]]
+    # Rows as tall as their tallest tensor (at least a quarter of the tallest row) so cells stay square-ish.
+    tall = [max(np.shape(g)[0] for g in steps[0].grids[row].values()) for row in rows]
+    heights = [max(h, max(tall) / 4) for h in tall]
     fig = make_subplots(rows=len(rows), cols=cols, subplot_titles=titles, horizontal_spacing=0.04,
-                        vertical_spacing=0.12)
+                        vertical_spacing=0.12, row_heights=heights)
     for i, trace in enumerate(_heatmaps(steps[-1], n)):
         fig.add_trace(trace, row=i // cols + 1, col=i % cols + 1)
     fig.frames = [go.Frame(name=s.label, data=_heatmaps(s, n), traces=list(range(len(fig.data))),
