@@ -243,3 +243,27 @@ def test_refpar_app_command_runs_streamlit_headless_without_importing_it():
             "refpar.viz.pipeline, refpar.viz.expected; print('streamlit' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_pipeline_page_draws_its_largest_input():
+    at = page("views/pipeline.py")
+    at.selectbox[0].set_value("interleaved-1f1b")
+    rerun(at)
+    at.number_input(key="p").set_value(16)
+    at.number_input(key="m").set_value(64)
+    at.number_input(key="v").set_value(4)
+    gantt = charts(rerun(at))[0]
+    bars = sum(len(t["x"]) for f in gantt["frames"] for t in f["data"])
+    assert not at.error and bars <= 60_000 + sum(len(t["x"]) for t in gantt["data"])
+    timeline = simulate(build("interleaved-1f1b", 16, 64, 4))
+    assert float(at.metric[0].value) == pytest.approx(timeline.bubble_fraction, abs=5e-5)
+
+
+def test_communication_page_takes_sixteen_ranks_and_refuses_more():
+    at = page("views/communication.py")  # tp=2
+    at.number_input[1].set_value(8)  # dp replicas: 16 ranks
+    figs = charts(rerun(at))
+    assert np.asarray(figs[1]["data"][0]["z"]).shape == (16, 16)
+    at.number_input[1].set_value(9)
+    rerun(at)
+    assert "at most 16" in at.error[0].value
