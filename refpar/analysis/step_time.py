@@ -118,16 +118,17 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
               precision: Precision = PRECISIONS["bf16"], dtype="bfloat16", efficiency=0.75):
     """Predicted time of one optimizer step, split by cause, with bytes per rank per axis.
 
-    `efficiency` is the fraction of peak FLOP/s the matmuls reach; it is an assumption of the
-    model, not a measurement (large bf16 GEMMs on A100/H100 reach 70-80% of peak in cuBLAS's
-    published benchmarks; Narayanan et al. 2021 report 52% of peak end-to-end at 1T).
+    `efficiency` is the fraction of peak FLOP/s the matmuls reach: an assumption of the model, not
+    a measurement. With 0.75 the predicted throughput of Narayanan et al. 2021's Table 1 runs is
+    8-24% above what they measured (kernel launches and imperfect overlap are left out);
+    tests/test_analysis_published.py holds it to that band.
 
     Returns (times, bytes, calls): times has compute, bubble, tp, cp, ep, pp, dp, optimizer and
     total in seconds (communication entries are the exposed part), and under "stage" one
     micro-batch's F, B (input gradient), W (weight gradient) and p2p times on the busiest stage;
-    bytes is sent per rank per
-    step by axis; calls names each collective ("tp.all_reduce", "dp.experts.reduce_scatter", ...)
-    with (axis, op, message bytes, ranks, calls per step, seconds per call, algorithm).
+    bytes is sent per rank per step by axis; calls names each collective ("tp.all_reduce",
+    "dp.experts.reduce_scatter", ...) with (axis, op, message bytes, ranks, calls per step,
+    seconds per call, algorithm).
     """
     tp, pp, dp, cp, ep, zero = (np.asarray(x) for x in (tp, pp, dp, cp, ep, zero))
     sp = tp > 1 if sp is None else np.asarray(sp)
@@ -199,11 +200,19 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
 
     # Pipeline: one activation forward and one gradient backward per micro-batch and chunk;
     # sequence parallelism sends the t-th part (Narayanan et al. 2021, Section 4.1 scatter/gather).
+    # Bytes are the first stage's: stage s lives on rank s mod p, so rank 0 sends 2v - 1 copies
+    # per micro-batch (no gradient leaves the first stage), and with a tied head it all-reduces
+    # the embedding's gradient with the last stage (Megatron's embedding group; refpar's
+    # pipeline runner counts the same).
     bw, lat = link(hw, sizes, "pp")
     p2p_size = e * n_tok * h / np.where(sp, tp, 1)
     p2p = np.where(pp > 1, collective_time("send", p2p_size, 2, bw, lat, cl), 0)
-    pp_bytes = np.where(pp > 1, 2 * m * chunks * p2p_size, 0)
-    calls["pp.send"] = ("pp", "send", p2p_size, pp, 2 * m * chunks, p2p, "p2p")
+    sends = np.where(pp > 1, m * (2 * chunks - 1), 0)
+    tied = np.where((pp > 1) & spec.tied_embeddings, spec.vocab_size * h / tp * precision.grad, 0)
+    t_tied, tied_algo = collective_choice("all_reduce", tied, np.where(tied > 0, 2, 1), bw, lat, cl)
+    pp_bytes = sends * p2p_size + collective_bytes("all_reduce", tied, 2)
+    calls["pp.send"] = ("pp", "send", p2p_size, pp, sends, p2p, "p2p")
+    calls["pp.all_reduce"] = ("pp", "all_reduce", tied, 2, np.where(tied > 0, 1, 0), t_tied, tied_algo)
 
     t_f = compute_f + tp_f + cp_exposed_f + ep_f
     t_b = compute_b + tp_b + cp_exposed_b + ep_b
@@ -258,11 +267,11 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
         "tp": m * (tp_f + tp_b),
         "cp": m * (cp_exposed_f + cp_exposed_b),
         "ep": m * (ep_f + ep_b),
-        "pp": pipe_comm,
+        "pp": pipe_comm + t_tied,
         "dp": dp_time,
         "optimizer": optimizer,
     }
-    times["total"] = work + pipe_comm + bubble + dp_time + optimizer
+    times["total"] = work + pipe_comm + t_tied + bubble + dp_time + optimizer
     # One micro-batch on one stage, for schedules.simulate (analysis/timeline.py).
     times["stage"] = {"F": t_f, "B": t_b - t_w, "W": t_w, "p2p": p2p}
     comm_bytes = {"tp": tp_bytes, "cp": cp_bytes, "ep": ep_bytes, "pp": pp_bytes, "dp": dp_bytes}
