@@ -59,7 +59,8 @@ def model_overrides(args) -> dict:
 # Options of the other strategies' runners (their defaults mean "not asked for"): a MoE run takes
 # none of them, and says so rather than ignore one.
 OTHER_OPTIONS = {"zero": 0, "fsdp": False, "microbatches": 1, "sp": False, "cp_algo": None,
-                 "schedule": None, "chunks": None, "overlap": False, "bucket_kb": None}
+                 "schedule": None, "chunks": None, "overlap": False, "bucket_kb": None,
+                 "prefetch": False}
 
 
 def check_options(args) -> None:
