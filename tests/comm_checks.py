@@ -82,6 +82,7 @@ def check_reduce_scatter(c: Checker, comm, n, dtype, algo, rest=ROW) -> None:
     start, stop = shard_range(n, p, r)
     what = f"reduce_scatter p={p} n={n} {np.dtype(dtype).name} {algo}"
     c.same(got, sum(xs[1:], xs[0])[start:stop], what)
+    c.same(xs[r], data(case, r, (n, *rest), dtype), f"{what}: input unchanged")
     c.traced(comm, "reduce_scatter", algo,
              cost.reduce_scatter_bytes(n, p, r, np.dtype(dtype).itemsize, int(np.prod(rest)), algo), what)
 
@@ -93,6 +94,7 @@ def check_all_gather(c: Checker, comm, counts, dtype, algo, give_counts: bool, r
     got = comm.all_gather(xs[r], algo=algo, tag="ag", counts=counts if give_counts else None)
     what = f"all_gather p={p} counts={counts} {np.dtype(dtype).name} {algo}"
     c.same(got, np.concatenate(xs), what)
+    c.same(xs[r], data(case, r, (counts[r], *rest), dtype), f"{what}: input unchanged")
     predicted = cost.all_gather_bytes(counts, r, np.dtype(dtype).itemsize, int(np.prod(rest)), algo)
     c.traced(comm, "all_gather", algo, predicted, what)
 
@@ -108,6 +110,7 @@ def check_all_to_all(c: Checker, comm, rows, dtype, algo, give_counts: bool, res
     c.expect(len(got) == p, f"{what}: {len(got)} results")
     for i in range(p):
         c.same(got[i], chunks[i][r], f"{what} from {i}")
+        c.same(chunks[r][i], data(case, r * p + i, (rows[r][i], *rest), dtype), f"{what}: input unchanged")
     itemsize = np.dtype(dtype).itemsize
     unit = int(np.prod(rest))
     predicted = cost.all_to_all_bytes([rows[r][j] * unit for j in range(p)],
@@ -122,6 +125,8 @@ def check_broadcast(c: Checker, comm, n, dtype, algo, root) -> None:
     got = comm.broadcast(x, root=root, algo=algo, tag="bc")
     what = f"broadcast p={p} n={n} root={root} {np.dtype(dtype).name} {algo}"
     c.same(got, data(case, root, (n, 3), dtype), what)
+    before = data(case, root, (n, 3), dtype) if r == root else np.zeros((n, 3), dtype)
+    c.same(x, before, f"{what}: input unchanged")
     c.traced(comm, "broadcast", algo, cost.broadcast_bytes(3 * n, p, r, root, np.dtype(dtype).itemsize, algo),
              what)
 
@@ -163,6 +168,7 @@ def check_group(c: Checker, comm, dtypes=DTYPES) -> None:
                 check_reduce_scatter(c, comm, n, dtype, algo)
                 counts = [(n + 2 * i) % 4 for i in range(p)]  # uneven, some empty
                 check_all_gather(c, comm, counts, dtype, algo, give_counts=n % 2 == 0)
+                check_all_gather(c, comm, [n] * p, dtype, algo, give_counts=n % 2 == 1)  # even
             for algo in ("native", "pairwise"):
                 rows = [[(n + i + 2 * j) % 3 for j in range(p)] for i in range(p)]
                 check_all_to_all(c, comm, rows, dtype, algo, give_counts=n % 2 == 1)
@@ -189,6 +195,9 @@ def check_mesh(c: Checker, w, sizes) -> DeviceMesh:
         c.expect(mesh.coords[a] == where[k] == mesh.axis(a).rank, f"mesh {a} coord")
     c.expect(mesh.pp_next == (where[0] + 1 if where[0] + 1 < full["pp"] else None), "pp_next")
     c.expect(mesh.pp_prev == (where[0] - 1 if where[0] > 0 else None), "pp_prev")
+    for k, a in enumerate(full):
+        neighbours = ((where[k] - 1) % full[a], (where[k] + 1) % full[a])
+        c.expect((mesh.ring_prev(a), mesh.ring_next(a)) == neighbours, f"mesh {a} ring neighbours")
     label = "-".join(f"{a.upper()}({s})" for a, s in full.items() if s > 1) + f"-Rank({w.rank})"
     c.expect(str(mesh) == label, f"str(mesh) {mesh} != {label}")
     return mesh
@@ -246,6 +255,9 @@ def main(examples: int) -> None:
     for part in range(1, p // 2 + 1):  # the first `part` ranks and the rest: every size below p
         groups.append(w.split(0 if w.rank < part else 1, key=w.rank, axis=f"split{part}"))
     mesh_axes = []
+    outside = w.split(None if w.rank == 0 else 1, axis="without0")  # rank 0 takes no part
+    c.expect((outside is None) == (w.rank == 0), "split(None) gives None")
+    c.expect(outside is None or outside.group == tuple(range(1, p)), "split group")
     meshes = {2: {"dp": 2}, 4: {"dp": 2, "tp": 2}, 8: {"pp": 2, "dp": 2, "tp": 2}}
     if p in meshes:
         mesh = check_mesh(c, w, meshes[p])

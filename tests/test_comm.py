@@ -118,6 +118,20 @@ with abort_on_error():
     assert proc.stderr.count("refpar: error on rank 1 of 3: ValueError: rank one has a bad batch") == 1
 
 
+def test_a_non_zero_exit_on_one_rank_ends_the_job_with_its_status(tmp_path):
+    proc, seconds = _run(tmp_path, 2, """
+import sys
+from refpar.comm.communicator import abort_on_error, world
+with abort_on_error():
+    comm = world()
+    if comm.rank == 1:
+        sys.exit(3)
+    comm.barrier()
+""")
+    assert proc.returncode == 3 and seconds < 10
+    assert proc.stderr.count("refpar: error on rank 1 of 2: exited with 3") == 1, proc.stderr
+
+
 def test_debug_mode_names_the_ranks_whose_collective_differs(tmp_path):
     proc, seconds = _run(tmp_path, 3, """
 import numpy as np

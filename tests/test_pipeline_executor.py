@@ -8,7 +8,12 @@ import json
 import pytest
 
 from refpar.cli import main
-from refpar.parallel.pipeline.schedules import gpipe, one_f_one_b, peak_inflight_microbatches
+from refpar.parallel.pipeline.schedules import (
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    peak_inflight_microbatches,
+)
 from tests.mpi import mpiexec, refpar_json
 
 CASES = {
@@ -77,9 +82,11 @@ def test_executed_bubble_is_the_simulated_one_within_the_critical_path_gap(resul
         assert r["measured_bubble"] - r["simulated_bubble"] <= r["gap"] / r["measured_makespan"] + 1e-9
 
 
-def test_train_command_matches_one_device_and_reports_bytes_and_bubbles():
-    out = refpar_json(2, "train", "--mesh", "pp=2", "--schedule", "interleaved-1f1b",
-                      "--microbatches", "4", "--steps", "2", "--check")
+def test_train_command_matches_one_device_and_reports_bytes_bubbles_and_trace(tmp_path):
+    # each of the dp=2 pipelines takes 4 of the 8 sequences, one per microbatch
+    trace = tmp_path / "trace.json"
+    out = refpar_json(4, "train", "--mesh", "pp=2,dp=2", "--schedule", "interleaved-1f1b",
+                      "--microbatches", "4", "--steps", "2", "--check", "--trace", str(trace))
     assert (out["schedule"], out["microbatches"], out["mesh"]["pp"]) == ("interleaved-1f1b", 4, 2)
     assert out["max_loss_rel_diff"] <= 1e-10 and out["max_param_rel_diff"] <= 1e-10
     rows = {tuple(sorted(r.items())) for r in out["comm_bytes"]}
@@ -93,6 +100,12 @@ def test_train_command_matches_one_device_and_reports_bytes_and_bubbles():
     # Narayanan et al.'s (p-1)/(v*m + p-1) of total time
     assert bubble["simulated"] <= bubble["measured"] + 1e-9
     assert bubble["simulated_unit_costs"] == pytest.approx(1 / 9)
+    # the Chrome trace holds every action of the last step on every rank (world rank = pp * 2 + dp)
+    events = json.loads(trace.read_text())["traceEvents"]
+    schedule = interleaved_1f1b(2, 4, 2)
+    assert sorted((e["pid"], e["name"]) for e in events if e.get("cat") == "compute") == sorted(
+        (pp * 2 + dp, str(a)) for pp, row in schedule.items() for a in row if a for dp in range(2))
+    assert {e["name"].split()[0] for e in events if e.get("cat") == "pp"} >= {"isend", "irecv"}
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -101,6 +114,7 @@ def test_train_command_matches_one_device_and_reports_bytes_and_bubbles():
     (["--microbatches", "16"], "fewer sequences per pipeline than --microbatches 16"),
     (["--mesh", "pp=4", "--schedule", "interleaved-1f1b", "--microbatches", "4"],
      "8 pipeline stages need at least 8 blocks"),
+    (["--mesh", "dp=2", "--schedule", "1f1b"], "need a pipeline; add pp=2 or more to --mesh"),
 ])
 def test_train_command_bad_pipeline_input_is_one_sentence_before_mpi(argv, words, capsys):
     argv = ["train", "--mesh", "pp=2", *argv] if "--mesh" not in argv else ["train", *argv]

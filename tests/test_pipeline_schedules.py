@@ -20,6 +20,7 @@ from refpar.parallel.pipeline.schedules import (
     one_f_one_b,
     peak_inflight_microbatches,
     simulate,
+    stored,
     validate,
     zb_h1,
     zb_h2,
@@ -81,6 +82,9 @@ def test_peak_inflight_microbatches_match_the_papers(p, m):
     assert peak_inflight_microbatches(gpipe(p, m)) == dict.fromkeys(range(p), m)
     assert peak_inflight_microbatches(one_f_one_b(p, m)) == {r: min(p - r, m) for r in range(p)}
     assert peak_inflight_microbatches(zb_h1(p, m)) == dict.fromkeys(range(p), min(p, m))
+    # ... of which full activations (F until B) on ZB-H1's rank r: 1F1B's min(p - r, m)
+    full = stored(zb_h1(p, m), lambda a: 1, lambda a: 0)
+    assert {r: max(full[r]) for r in range(p)} == {r: min(p - r, m) for r in range(p)}
     assert peak_inflight_microbatches(zb_h2(p, m)) == dict.fromkeys(range(p), min(2 * p - 1, m))
 
 
@@ -163,10 +167,12 @@ def test_schedule_command_json_reports_grid_bubble_and_inflight(capsys):
     assert out["makespan"] == 33.0  # (m + p - 1) * (F + B + W) with the default unit costs
 
 
-def test_schedule_command_prints_grid_and_bubble(capsys):
-    assert main(["schedule", "interleaved-1f1b", "-p", "2", "-m", "4"]) == 0
+def test_schedule_command_prints_grid_and_bubble_and_writes_the_figure(capsys, tmp_path):
+    figure = tmp_path / "zb.html"
+    assert main(["schedule", "interleaved-1f1b", "-p", "2", "-m", "4", "--figure", str(figure)]) == 0
     text = capsys.readouterr().out
     assert "rank 1" in text and "2F0" in text and "bubble: " in text and "v=2" in text
+    assert "interleaved-1f1b, p=2, m=4, v=2" in figure.read_text()
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -182,3 +188,18 @@ def test_schedule_command_bad_input_is_one_sentence(argv, words, capsys):
     assert main(["schedule", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "\n" not in err and err.startswith("refpar schedule: error:")
+
+
+def test_gantt_figure_draws_every_action_at_its_simulated_time_and_shades_the_bubble():
+    from refpar.viz.pipeline import gantt_figure, idle_total
+
+    timeline = simulate(zb_h1(3, 4), Costs(1, 1, 1))
+    fig = gantt_figure(timeline, "ZB-H1")
+    drawn = {(y, t, b, x) for trace in fig.data if trace.name in "FBW"
+             for y, t, b, x in zip(trace.y, trace.text, trace.base, trace.x, strict=True)}
+    expected = {(s.rank, str(s.action), s.start, s.end - s.start)
+                for row in timeline.slots.values() for s in row}
+    assert drawn == expected and len(drawn) == 3 * 4 * 3
+    # (p-1)/(3m+p-1) = 2/14 of rank-time idle
+    assert idle_total(fig) == sum(map(timeline.idle_time, timeline.slots))
+    assert idle_total(fig) / (3 * timeline.makespan) == 2 / 14

@@ -37,10 +37,10 @@ def ring_reduce_scatter_inplace(link, buf: np.ndarray, bounds, ufunc) -> None:
     right, left = (r + 1) % p, (r - 1) % p
     tmp = np.empty(max(b - a for a, b in bounds), dtype=buf.dtype)  # one receive buffer for all steps
     for k in range(p - 1):
-        s0, s1 = bounds[(r - k - 1) % p]
-        r0, r1 = bounds[(r - k - 2) % p]
+        s0, s1 = bounds[(r - k - 1) % p]  # step k: send chunk (r-k-1) mod p to the right neighbour,
+        r0, r1 = bounds[(r - k - 2) % p]  # receive chunk (r-k-2) mod p from the left one
         link.sendrecv(buf[s0:s1], right, tmp[: r1 - r0], left)
-        ufunc(buf[r0:r1], tmp[: r1 - r0], out=buf[r0:r1])
+        ufunc(buf[r0:r1], tmp[: r1 - r0], out=buf[r0:r1])  # and add it into our copy, in place
 
 
 def ring_all_gather_inplace(link, buf: np.ndarray, bounds) -> None:
@@ -52,8 +52,8 @@ def ring_all_gather_inplace(link, buf: np.ndarray, bounds) -> None:
     p, r = link.size, link.rank
     right, left = (r + 1) % p, (r - 1) % p
     for k in range(p - 1):
-        s0, s1 = bounds[(r - k) % p]
-        r0, r1 = bounds[(r - k - 1) % p]
+        s0, s1 = bounds[(r - k) % p]  # step k: send chunk (r-k) mod p to the right neighbour,
+        r0, r1 = bounds[(r - k - 1) % p]  # receive chunk (r-k-1) mod p from the left one, in place
         link.sendrecv(buf[s0:s1], right, buf[r0:r1], left)
 
 
@@ -99,7 +99,7 @@ def pairwise_all_to_all(link, chunks: list[np.ndarray], received: list[np.ndarra
     p, r = link.size, link.rank
     received[r][...] = chunks[r]
     for k in range(1, p):
-        dest, source = (r + k) % p, (r - k) % p
+        dest, source = (r + k) % p, (r - k) % p  # step k: send to r+k, receive from r-k
         link.sendrecv(chunks[dest], dest, received[source], source)
 
 

@@ -247,8 +247,11 @@ class Communicator:
         unit = _row_size(a)
         if algo == "native":
             out = np.empty((sum(counts), *a.shape[1:]), dtype=a.dtype)
-            spec = [out, ([c * unit for c in counts], _displacements(counts, unit))]
-            self._native(lambda: self.comm.Iallgatherv(a, spec), lambda: self.comm.Allgatherv(a, spec))
+            if len(set(counts)) == 1:  # MPICH's Allgather is 10-50x faster than its Allgatherv here
+                self._native(lambda: self.comm.Iallgather(a, out), lambda: self.comm.Allgather(a, out))
+            else:
+                spec = [out, ([c * unit for c in counts], _displacements(counts, unit))]
+                self._native(lambda: self.comm.Iallgatherv(a, spec), lambda: self.comm.Allgatherv(a, spec))
         else:
             link = _Link(self)
             out = algorithms.ring_all_gather(link, a, counts)
@@ -467,9 +470,8 @@ class Communicator:
 
     def _record(self, op, algo, peer, shape, dtype, moved: cost.Bytes, tag: str, t0: float) -> None:
         name = _NATIVE_NAMES.get(op, algo) if algo == "native" else algo
-        self.tracer.record(op=op, axis=self.axis, group=self.group, algo=name, peer=peer,
-                           dtype=_dtype_name(dtype), shape=shape, bytes_sent=moved.sent,
-                           bytes_recv=moved.recv, tag=tag, t_start=t0, t_end=now())
+        self.tracer.record(op, self.axis, self.group, name, peer, _dtype_name(dtype), tuple(shape),
+                           moved.sent, moved.recv, tag, t0, now())
 
 
 _NATIVE_NAMES = {op: f"native({algo})" for op, algo in cost.NATIVE_ALGO.items()}
@@ -509,34 +511,44 @@ def world(tracer: Tracer | None = None, *, debug: bool | None = None,
 
 @contextmanager
 def abort_on_error(grace_s: float = 0.5):
-    """Wrap a program's main: an exception on any rank prints that rank and the error once to
-    stderr and calls MPI Abort, which ends every rank of the job at once (exit status 2 for a
-    ConfigError, 1 otherwise) instead of leaving the others waiting forever.
+    """Wrap a program's main: an exception (or a non-zero sys.exit) on any rank prints that rank and
+    the error once to stderr and calls MPI Abort, which ends every rank of the job at once (exit
+    status 2 for a ConfigError, 1 otherwise) instead of leaving the others waiting forever.
 
     Printed once: when every rank fails alike, rank 0 prints and aborts at once and the others wait
     `grace_s` first, so the abort ends them before they print. A CollectiveTimeout is the exception:
-    each rank that times out prints which op, axis and tag it is in, and waits `grace_s` before
+    each rank that times out prints which op, axis and tag it is in, and waits 2 * `grace_s` before
     aborting so that the other stuck ranks can say where they are.
 
         with abort_on_error():
             main()
     """
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    where = f"rank {rank} of {size}"
     try:
         yield
+    except SystemExit as stop:
+        if stop.code in (0, None):
+            raise
+        code = stop.code if isinstance(stop.code, int) else 1
+        _abort(f"refpar: error on {where}: exited with {stop.code!r}\n", code, rank != 0, grace_s)
     except Exception as err:  # noqa: BLE001 - any error on one rank must end every rank
-        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-        every_rank_speaks = isinstance(err, CollectiveTimeout)
-        if rank != 0 and not every_rank_speaks:
-            time.sleep(grace_s)
         if isinstance(err, ConfigError | CollectiveError):
-            message = f"refpar: error on rank {rank} of {size}: {err}\n"
+            message = f"refpar: error on {where}: {err}\n"
         else:
-            message = (f"refpar: rank {rank} of {size} failed:\n"
-                       + "".join(traceback.format_exception(err))
-                       + f"refpar: error on rank {rank} of {size}: {type(err).__name__}: {err}\n")
-        sys.stdout.flush()
-        sys.stderr.write(message)
-        sys.stderr.flush()
-        if every_rank_speaks:
-            time.sleep(grace_s)
-        MPI.COMM_WORLD.Abort(2 if isinstance(err, ConfigError) else 1)
+            message = (f"refpar: {where} failed:\n" + "".join(traceback.format_exception(err))
+                       + f"refpar: error on {where}: {type(err).__name__}: {err}\n")
+        timed_out = isinstance(err, CollectiveTimeout)
+        _abort(message, 2 if isinstance(err, ConfigError) else 1, rank != 0 and not timed_out,
+               grace_s, linger=timed_out)
+
+
+def _abort(message: str, code: int, wait_first: bool, grace_s: float, linger: bool = False) -> None:
+    if wait_first:  # let rank 0 speak for a failure every rank shares
+        time.sleep(grace_s)
+    sys.stdout.flush()
+    sys.stderr.write(message)
+    sys.stderr.flush()
+    if linger:  # let the other stuck ranks say where they are (their clocks ran out about now too)
+        time.sleep(2 * grace_s)
+    MPI.COMM_WORLD.Abort(code)

@@ -4,7 +4,8 @@ Legend: p = group size, r = rank in the group, n = elements, c_i = size of chunk
 (`shard_sizes(n, p)`, uneven when p does not divide n), s_i = rank i's piece in an all-gather.
 Byte counts are exact: the written-out algorithms in `algorithms.py` send exactly these, and a
 native MPI call is traced with the bytes of the bandwidth-optimal algorithm named in
-`NATIVE_ALGO` (what MPICH picks for long messages). A rank's copy of its own chunk costs nothing.
+`NATIVE_ALGO` (MPICH's long-message algorithms, e.g. Rabenseifner's halving-doubling all-reduce,
+move the same bytes when p is a power of two). A rank's copy of its own chunk costs nothing.
 
 Time: Hockney's model, latency alpha per message step plus bytes / bandwidth, plus the reduction's
 bytes / reduce_bandwidth for reducing ops (Thakur, Rabenseifner & Gropp 2005, section 3).
@@ -13,7 +14,7 @@ bytes / reduce_bandwidth for reducing ops (Thakur, Rabenseifner & Gropp 2005, se
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from refpar.config import ConfigError
 from refpar.sharding import shard_sizes
@@ -37,8 +38,10 @@ NATIVE_ALGO = {
 }
 
 
-@dataclass(frozen=True)
-class Bytes:
+class Bytes(NamedTuple):
+    """Bytes one rank puts on the wire and takes off it in one call. A named tuple, not a frozen
+    dataclass: every traced call builds one, and a tuple is several times cheaper to build."""
+
     sent: int
     recv: int
 

@@ -28,6 +28,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cost-w", type=float, default=1.0, help="duration of a weight gradient (1)")
     parser.add_argument("--cost-p2p", type=float, default=0.0, help="duration of one transfer (0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--figure", metavar="PATH", default=None,
+                        help="also write the simulated timeline as an HTML figure")
 
 
 def summary(kind: str, p: int, m: int, v: int, costs: S.Costs) -> dict:
@@ -59,6 +61,12 @@ def run(args) -> int:
         raise ConfigError(f"--cost-p2p {costs.p2p:g} must not be negative; give 0 or more")
     v = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved-1f1b" else 1)
     out = summary(args.kind, args.stages, args.microbatches, v, costs)
+    if args.figure:
+        from refpar.viz.pipeline import gantt_figure
+
+        title = f"{args.kind}, p={args.stages}, m={args.microbatches}" + (f", v={v}" if v > 1 else "")
+        timeline = S.simulate(S.build(args.kind, args.stages, args.microbatches, v), costs)
+        gantt_figure(timeline, title).write_html(args.figure, include_plotlyjs=True)
     if args.json:
         print(json.dumps(out), flush=True)
         return 0

@@ -19,7 +19,8 @@ timeline and the simulated one can be compared action by action.
 
 Memory: the cache of every F is registered in the MemoryLedger as activations when it is made
 and released by the B that consumes it; what B keeps for W is registered until W. So the ledger's
-activation peak per rank is the in-flight count of the schedule times the bytes of a microbatch.
+activation peak per rank is the schedule's replay (`schedules.stored`) with those two sizes: for
+GPipe and 1F1B, the peak in-flight count times the bytes of one microbatch.
 
 The loss of each microbatch is its token losses over the *global* token count, so the losses add
 up to the single device's mean; dropout masks are keyed by global sample ids and global layer

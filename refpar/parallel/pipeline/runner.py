@@ -12,12 +12,15 @@ measured from the executed trace, and as simulated from the same per-action dura
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from refpar import checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.data import MarkovCorpus
@@ -45,17 +48,20 @@ def add_arguments(parser) -> None:
         if flag not in parser._option_string_actions:
             parser.add_argument(flag, **kwargs)
 
-    once("--schedule", default="1f1b", help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
+    once("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
     once("--chunks", type=int, default=None,
          help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
     once("--n-layer", type=int, default=None,
          help="blocks of the model, replacing the preset's (each pipeline stage needs at least one)")
     once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
     once("--check", action="store_true", help="also run the single-device reference and compare")
+    once("--trace", default=None, metavar="PATH",
+         help="write the last step as a Chrome trace (open in https://ui.perfetto.dev)")
 
 
-def wants_pipeline(sizes: dict[str, int]) -> bool:
-    return sizes["pp"] > 1
+def wants_pipeline(sizes: dict[str, int], args) -> bool:
+    """A mesh with pp, or a pipeline flag (so that it can say what is missing)."""
+    return sizes["pp"] > 1 or args.schedule is not None or args.chunks is not None
 
 
 @dataclass
@@ -70,6 +76,7 @@ class PipelineRun:
     tracer: Tracer | None
     measured: Timeline  # the last step's executed actions, every pipeline rank
     simulated: Timeline  # the schedule simulated with those actions' measured durations
+    first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
 
 
 def microbatches(tokens, targets, first_id: int, m: int) -> list[Microbatch]:
@@ -87,9 +94,24 @@ def microbatches(tokens, targets, first_id: int, m: int) -> list[Microbatch]:
     return out
 
 
-def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int, v: int = 1
+def checkpoint_arrays(params: dict, state: dict, mesh, saving: bool) -> list:
+    """(checkpoint.Piece, array) for each tensor this rank holds, all whole (a stage holds whole
+    parameters). Saving, only each pipeline's dp rank 0 writes, and the tied wte, held by the first
+    and the last stage, only pp rank 0 (stage 0 is always there): each element is written once."""
+    if saving and mesh.coords["dp"]:
+        return []
+    held = [("params", params)] + [(f"adamw.{k}", state[k]) for k in ("m", "v") if k in state]
+    return [(checkpoint.whole(f"{prefix}/{n}", a.shape), a) for prefix, arrays in held
+            for n, a in arrays.items()
+            if not (saving and n == "wte.weight" and mesh.coords["pp"] != 0)]
+
+
+def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int, v: int = 1, *,
+                 save: str | None = None, save_every: int | None = None, resume: str | None = None
                  ) -> PipelineRun:
-    """Trains `train.steps` steps on `mesh` (pp, and optionally dp) with schedule `kind`."""
+    """Trains `train.steps` steps on `mesh` (pp, and optionally dp) with schedule `kind`, or from
+    the checkpoint `resume` (any mesh's) up to `train.steps`; with `save`, checkpoints every
+    `save_every` steps and after the last (refpar/checkpoint.py)."""
     train.check_model(model)
     pp, dp = mesh.pp, mesh.dp
     ledger = MemoryLedger()
@@ -103,24 +125,36 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
         for moment in ("m", "v"):
             if moment in state:
                 ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
+    start_step = 0
+    if resume is not None:
+        manifest = checkpoint.open_training(resume, model, train)
+        pairs = checkpoint_arrays(params, state, mesh, saving=False)
+        for (_, array), loaded in zip(pairs, checkpoint.load(resume, [p for p, _ in pairs], manifest),
+                                      strict=True):
+            array[...] = loaded
+        start_step = state["t"] = int(manifest["step"])
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
     normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
     losses, times = [], []
-    for step in range(train.steps):
+    for step in range(start_step, train.steps):
         start = time.perf_counter()
-        tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (b, T) each
-        loss, grads = executor.step(params, microbatches(tokens, targets, first, m), step=step,
-                                    seed=train.seed, normalizer=normalizer)
-        if dp.size > 1:
-            grads = {n: dp.all_reduce(g, tag=f"{n}:grad") for n, g in grads.items()}
-        params, state = optimizer_step(params, grads, state, train)
-        losses.append(float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0]))
+        with pp.tracer.context(step=step) if pp.tracer else nullcontext():
+            tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (b, T) each
+            loss, grads = executor.step(params, microbatches(tokens, targets, first, m), step=step,
+                                        seed=train.seed, normalizer=normalizer)
+            if dp.size > 1:
+                grads = {n: dp.all_reduce(g, tag=f"{n}:grad") for n, g in grads.items()}
+            params, state = optimizer_step(params, grads, state, train)
+            losses.append(float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0]))
         times.append(time.perf_counter() - start)
+        if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
+            checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh, saving=True),
+                                     model, train, mesh.sizes, kind, mesh.world)
     measured = executor.measured_timeline()
     simulated = executor.simulated_timeline(measured)
     return PipelineRun(losses, sum(times[1:] or times) / len(times[1:] or times), params, executor,
-                       ledger, pp.tracer, measured, simulated)
+                       ledger, pp.tracer, measured, simulated, start_step)
 
 
 def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, plain) -> dict:
@@ -129,21 +163,25 @@ def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, pl
     from refpar.trainer import train_single_device
 
     ref = train_single_device(model, train)
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+    ref_losses = ref.losses[run.first_step:]  # a resumed run has only the steps after its checkpoint
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref_losses, strict=True))
     mine = max(float(np.max(np.abs(p - ref.params[n])) / np.max(np.abs(ref.params[n])))
                for n, p in run.params.items())
     param_diff = float(plain.all_reduce(np.array([mine]), op="max")[0])
-    return {"reference_losses": ref.losses, "max_loss_rel_diff": loss_diff,
+    return {"reference_losses": ref_losses, "max_loss_rel_diff": loss_diff,
             "max_param_rel_diff": param_diff}
 
 
 def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args) -> int:
+    if sizes["pp"] == 1:
+        raise ConfigError("--schedule and --chunks need a pipeline; add pp=2 or more to --mesh")
+    kind = args.schedule or "1f1b"
     other = [f"{a}={s}" for a, s in sizes.items() if a not in ("pp", "dp") and s > 1]
     if other:
         raise ConfigError(f"pipeline training combines with dp only so far; drop {', '.join(other)}")
-    v = args.chunks if args.chunks is not None else (2 if args.schedule == "interleaved-1f1b" else 1)
+    v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
     # Every rank checks everything before the first message.
-    build(args.schedule, sizes["pp"], args.microbatches, v)
+    build(kind, sizes["pp"], args.microbatches, v)
     stage_layers(model.n_layer, sizes["pp"] * v, 0)
     if train.batch_size // sizes["dp"] < args.microbatches:
         raise ConfigError(f"--batch-size {train.batch_size} over dp={sizes['dp']} leaves fewer "
@@ -156,14 +194,18 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
 
     with abort_on_error():
         comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
-        run = run_pipeline(model, train, DeviceMesh(comm, sizes), args.schedule, args.microbatches, v)
+        run = run_pipeline(model, train, DeviceMesh(comm, sizes), kind, args.microbatches, v,
+                           save=args.save, save_every=args.save_every, resume=args.resume)
         checked = reference_diffs(model, train, run, plain) if args.check else {}
         comm_rows, memory_rows = gather_rows(plain, run)
+        if args.trace:
+            write_chrome_trace(args.trace, plain, run, train.steps - 1)
         if comm.rank != 0:
             return 0
-        expected_comm = expected_comm_rows(model, train, sizes, args.microbatches, v)
-        expected_memory = expected_memory_rows(model, train, sizes, args.schedule, args.microbatches, v)
-        report(args.schedule, sizes, model, train, run, checked, comm_rows, expected_comm,
+        expected_comm = expected_comm_rows(model, replace(train, steps=len(run.losses)), sizes,
+                                           args.microbatches, v)
+        expected_memory = expected_memory_rows(model, train, sizes, kind, args.microbatches, v)
+        report(kind, sizes, model, train, run, checked, comm_rows, expected_comm,
                memory_rows, expected_memory, v)
         if args.json:
             bubble = {"measured": run.measured.bubble_fraction,
@@ -171,7 +213,7 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
                       "simulated_unit_costs": simulate(run.executor.schedule).bubble_fraction}
             summary = run_summary(
                 model, train, run.losses, mesh=sizes, world_size=comm.size, zero=0,
-                schedule=args.schedule, microbatches=args.microbatches, comm_bytes=comm_rows,
+                schedule=kind, microbatches=args.microbatches, comm_bytes=comm_rows,
                 expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
                 expected_memory_peak_bytes=expected_memory, bubble_fraction=bubble,
                 step_time_s=run.step_time_s,
@@ -265,6 +307,39 @@ def _replay(schedule, kept, rows_of) -> dict[int, list[int]]:
                   lambda a: kept[a.stage, rows_of[a.microbatch]][1])
 
 
+def write_chrome_trace(path, plain, run: PipelineRun, step: int) -> None:
+    """Rank 0 writes one Chrome trace of step `step`: per rank, its messages (track 0) and its
+    actions as compute slices named like "1F0" (track 1), on the one clock of the machine."""
+    from refpar.comm.trace import CommEvent, chrome_trace
+
+    mine = {"events": [e.to_dict() for e in run.tracer.events if e.step == step],
+            "slots": [{"action": str(s.action), "tick": s.tick, "start": s.start, "end": s.end}
+                      for s in run.executor.slots]}
+    payload = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
+    pieces = plain.all_gather(payload)
+    lengths = plain.all_gather(np.array([payload.size]))
+    if plain.rank != 0:
+        return
+    events, slots = [], []
+    for rank, (a, b) in enumerate(zip(np.cumsum(lengths) - lengths, np.cumsum(lengths), strict=True)):
+        part = json.loads(pieces[a:b].tobytes())
+        events += [CommEvent(**{**e, "group": tuple(e["group"]), "shape": tuple(e["shape"])})
+                   for e in part["events"]]
+        slots += [{**sl, "rank": rank} for sl in part["slots"]]
+    t0 = min([e.t_start for e in events] + [sl["start"] for sl in slots])
+    trace = chrome_trace(events, t0)
+    for rank in sorted({sl["rank"] for sl in slots}):
+        trace["traceEvents"] += [
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+            for tid, name in ((0, "messages"), (1, "compute"))]
+    trace["traceEvents"] += [
+        {"name": sl["action"], "cat": "compute", "ph": "X", "pid": sl["rank"], "tid": 1,
+         "ts": (sl["start"] - t0) * 1e6, "dur": (sl["end"] - sl["start"]) * 1e6,
+         "args": {"tick": sl["tick"], "step": step}} for sl in slots]
+    with open(path, "w") as f:
+        json.dump(trace, f)
+
+
 def gather_rows(plain, run: PipelineRun) -> tuple[list[dict], list[dict]]:
     """Every rank's (comm rows by axis and op, peak memory rows), gathered onto every rank."""
     keys = [("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("dp", "all_reduce"),
@@ -296,7 +371,7 @@ def report(kind, sizes, model, train, run: PipelineRun, checked, comm_rows, expe
     say(f"{'step':>5} {'loss':>20}" + ("" if ref is None else f" {'single device':>20} {'rel diff':>10}"))
     for s, loss in enumerate(run.losses):
         tail = "" if ref is None else f" {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}"
-        say(f"{s + 1:>5} {loss:>20.15f}{tail}")
+        say(f"{run.first_step + s + 1:>5} {loss:>20.15f}{tail}")
     if checked:
         say(f"max relative parameter difference after {train.steps} steps: "
             f"{checked['max_param_rel_diff']:.1e}")

@@ -28,6 +28,13 @@ Dependencies (what "the input is ready" means):
 or every rank waits on another (a deadlock). `validate(schedule, ticks=True)` also checks the grid:
 each action's inputs finish at an earlier tick. `simulate(schedule, costs)` times the schedule with
 F, B, W and transfer costs and returns a `Timeline` (slots per rank, idle intervals, makespan).
+`stored` replays what each rank keeps for backward (counts, or bytes), `critical_path_gap` bounds
+how far an executed timeline may be from its simulation. `refpar schedule 1f1b -p 3 -m 4` prints:
+
+    tick    0   1   2   3   4   5   6   7   8   9   10  11
+    rank 0  0F0 0F1 0F2 .   .   0B0 0F3 0B1 .   0B2 .   0B3
+    rank 1  .   1F0 1F1 .   1B0 1F2 1B1 1F3 1B2 .   1B3 .
+    rank 2  .   .   2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 .   .
 """
 
 from __future__ import annotations
@@ -417,8 +424,10 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 def zb_h1(p: int, m: int) -> Schedule:
     """1F1B with the backward split: rank r runs B as soon as it can and delays each W by r
-    microbatches, so the W's fill the cool-down. Same memory as 1F1B (p microbatches at most);
-    bubble (p-1)(F+B-W) per rank instead of 1F1B's (p-1)(F+B+W) (Qi et al., Table 2)."""
+    microbatches, so the W's fill the cool-down. Rank r holds full activations for at most p-r
+    microbatches, as in 1F1B, and W inputs for up to r more: p in flight on every rank, 1F1B's
+    peak (Qi et al., Table 2: p M_B). Bubble (p-1)(F+B-W) per rank instead of 1F1B's (p-1)(F+B+W).
+    """
     _check(p, m)
     orders = {}
     for r in range(p):
@@ -490,12 +499,6 @@ def build(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     if v != 1:
         raise ConfigError(f"--chunks {v} applies to interleaved-1f1b only; drop it for {kind}")
     return BUILDERS[kind](p, m)
-
-
-def n_chunks(schedule: Schedule) -> int:
-    """v: model chunks per rank."""
-    lay = layout(schedule)
-    return lay.n_stages // len(schedule)
 
 
 # ---------------------------------------------------------------- printing

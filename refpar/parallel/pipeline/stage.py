@@ -14,7 +14,7 @@ Each stage runs the three actions of a schedule:
 B computes what the previous stage waits for (dx) and keeps, for W, the inputs and output
 gradients of every linear layer; W turns them into weight gradients (x.T @ dout), which nobody
 downstream waits for: that is the split that zero-bubble schedules exploit (Qi et al. 2023,
-section 2). A schedule without W runs both inside its B. The formulas are the model's
+section 2). A schedule without W runs both halves inside its B. The formulas are the model's
 (`linear_backward`, `layernorm_backward`, `embed_backward`), so the gradients are the single
 device's up to the order of summation over microbatches.
 """
@@ -74,6 +74,9 @@ class Stage:
     def __init__(self, config: ModelConfig, n_stages: int, stage: int):
         self.config, self.n_stages, self.stage = config, n_stages, stage
         self.layers = stage_layers(config.n_layer, n_stages, stage)
+        if config.moe_blocks:
+            raise ConfigError("pipeline stages run dense GPT-2 blocks only so far; drop the MoE "
+                              "options or the pp axis")
         self.first, self.last = stage == 0, stage == n_stages - 1
 
     def param_names(self) -> list[str]:
@@ -144,11 +147,6 @@ class Stage:
                 grads["wte.weight"] = grads.get("wte.weight", 0) + g["wte.weight"]
                 grads["wpe.weight"] = g["wpe.weight"]
         return grads
-
-    def backward(self, dout, cache):
-        """A full backward (B then W at once), for schedules that do not split them."""
-        dx, saved = self.backward_input(dout, cache)
-        return dx, self.backward_weight(saved)
 
     # -- the input-gradient halves, mirroring gpt.head_backward and gpt.block_backward ------------
 
