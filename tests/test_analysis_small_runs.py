@@ -125,3 +125,24 @@ def test_planner_expert_parallel_bytes_equal_the_moe_closed_form(ep, k):
                               seq=seq, ep=ep, precision=PRECISIONS["float64"], dtype="float64")
     per_block = moe.expected_all_to_all_bytes(config, train_batch // ep * seq, ep, ep, 8)
     assert planned["ep"] == pytest.approx(len(config.moe_blocks) * per_block, rel=1e-12)
+
+
+@pytest.mark.parametrize("sizes, sp", [({"tp": 2}, False), ({"tp": 2}, True), ({"tp": 4}, True),
+                                       ({"cp": 2}, False), ({"tp": 2, "cp": 2}, False)])
+def test_planner_tensor_and_context_bytes_equal_every_call_refpar_makes(sizes, sp):
+    # refpar/analysis/intra_layer.py lists every tp and cp call of a step (checked against the
+    # trace of real runs); the planner's bytes per axis are their sum, on rank 0. The planner
+    # counts the gradients' all-reduce over the ranks that share weights (dp x ep x cp) as dp.
+    from refpar.analysis.intra_layer import expected_calls
+    from refpar.config import TrainConfig
+
+    config, train = model_preset("tiny"), TrainConfig()
+    calls = expected_calls(config, train, sizes, dict.fromkeys(sizes, 0), sp)
+    _, planned, _ = step_time(from_model_config(config), HARDWARE["a100"],
+                              global_batch=train.batch_size, micro_batch=train.batch_size,
+                              seq=train.seq_len, tp=sizes.get("tp", 1), cp=sizes.get("cp", 1),
+                              sp=sp, precision=PRECISIONS["float64"], dtype="float64")
+    assert planned["tp"] == sum(c.bytes_sent for c in calls if c.axis == "tp")
+    assert planned["cp"] == sum(c.bytes_sent for c in calls if c.axis == "cp" and c.op == "isend")
+    grads = [c for c in calls if c.axis == "cp" and c.op == "all_reduce" and c.tag.startswith("grads")]
+    assert planned["dp"] == sum(c.bytes_sent for c in grads)

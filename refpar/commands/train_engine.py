@@ -12,6 +12,7 @@ measured and simulated, and the last step's time split into compute, communicati
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -115,7 +116,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
         tokens_s = train.batch_size * train.seq_len / seconds
         say(f"{step + 1:>5} {loss:>18.12f}{tail} {tokens_s:>9,.0f}  {moved}")
 
-    run = run_engine(model, train, mesh, opts, on_step=progress)
+    run = run_engine(model, train, mesh, opts, on_step=progress, save=args.save,
+                     save_every=args.save_every, resume=args.resume)
     last = train.steps - 1
     split = time_split(run.executor.slots, [e for e in comm.tracer.events if e.step == last],
                        run.windows[-1])
@@ -137,13 +139,14 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                  for r, e in enumerate(every) for (a, o), (s, rv) in sorted(e["totals"].items()) if s or rv]
     memory_rows = [{"rank": r, "category": c, "bytes": int(e["peak"][c])}
                    for r, e in enumerate(every) for c in CATEGORIES]
-    expected_comm = expected_comm_rows(model, train, sizes, opts)
+    expected_comm = expected_comm_rows(model, replace(train, steps=len(run.losses)), sizes, opts)
     expected_memory = expected_memory_rows(model, train, sizes, opts)
     checked = {}
     if ref is not None:
-        checked = {"reference_losses": ref.losses,
+        ref_losses = ref.losses[run.first_step:]  # a resumed run has only the steps after its checkpoint
+        checked = {"reference_losses": ref_losses,
                    "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in
-                                            zip(run.losses, ref.losses, strict=True)),
+                                            zip(run.losses, ref_losses, strict=True)),
                    "max_param_rel_diff": max(float(np.max(np.abs(p - ref.params[n])) / np.max(
                        np.abs(ref.params[n]))) for e in every for n, p in e["full"].items())}
         say(f"largest relative difference from one device: loss {checked['max_loss_rel_diff']:.1e}, "
