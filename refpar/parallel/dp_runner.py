@@ -42,12 +42,17 @@ class DPRun:
     """One rank's view of a finished run."""
 
     losses: list[float]
-    step_time_s: float
+    step_times_s: list[float]  # wall time of each step on this rank
     comm: dict[str, tuple[int, int]]  # op -> (bytes sent, bytes received) over the training steps
     peaks: dict[str, int]  # category -> peak bytes
     model_state: dict[str, int]  # params/grads/optimizer held between steps
     params: dict = field(default_factory=dict)  # every parameter, whole, after the last step
     tracer: Tracer | None = None
+
+    @property
+    def step_time_s(self) -> float:
+        """Mean step time, leaving out the first step (warm-up) when there are others."""
+        return float(np.mean(self.step_times_s[1:] or self.step_times_s))
 
 
 def options(strategy: str, model, train, microbatches: int = 1, bucket_elems: int = 1 << 62,
@@ -98,8 +103,7 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
             sent, recv = comm.get(e.op, (0, 0))
             comm[e.op] = (sent + e.bytes_sent, recv + e.bytes_recv)
     state = {c: ledger.current[c] for c in ("params", "grads", "optimizer")}
-    result = DPRun(losses, float(np.mean(times[1:] or times)), comm, dict(ledger.peak), state,
-                   tracer=dp.tracer)
+    result = DPRun(losses, times, comm, dict(ledger.peak), state, tracer=dp.tracer)
     if gather_params:
         result.params = strategy.full_params()
     return result
