@@ -72,8 +72,12 @@ def check_options(opts: Options, train, dp_size: int) -> None:
             f"{dp_size * opts.microbatches} or more, or fewer micro-batches")
     if opts.overlap and opts.strategy != "dp":
         raise ConfigError("--overlap applies to plain DP's gradient buckets; drop it or use --zero 0")
+    if (opts.prefetch or not opts.reshard_after_forward) and opts.strategy != "fsdp":
+        raise ConfigError("--prefetch and --no-reshard-after-forward are FSDP options; add --fsdp or "
+                          "drop them")
     if opts.bucket_elems < 1:
-        raise ConfigError(f"the bucket size must be positive, got {opts.bucket_elems} elements")
+        raise ConfigError(f"the bucket must hold at least one element, got {opts.bucket_elems}; "
+                          "give --bucket-kb a larger size")
 
 
 def build(opts: Options, model, train, dp, ledger, params: dict):
@@ -191,6 +195,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.report import run_summary, summary_line
 
     itemsize = np.dtype(model.dtype).itemsize
+    if args.bucket_kb is not None and (args.zero or args.fsdp):
+        raise ConfigError("--bucket-kb sizes plain DP's all-reduce buckets; drop it or use --zero 0")
     bucket = 1 << 62 if args.bucket_kb is None else int(args.bucket_kb * 1024 // itemsize)
     opts = options(strategy_name(args), model, train, args.microbatches, bucket, args.prefetch,
                    args.reshard_after_forward, args.overlap)
