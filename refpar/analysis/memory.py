@@ -172,6 +172,8 @@ def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[st
             blocks = min(L, 2 if opts.prefetch else 1)
         params = state["params"] + b * (psi_root + blocks * psi_block)
         comm = b * max(shards.values())
+        if opts.prefetch and n > 1 and L:
+            comm = b * max(max(shards.values()), prefetch_comm_peak(config, n, rank, opts))
     return {"params": params, "grads": grads, "optimizer": state["optimizer"], "comm": comm}
 
 
@@ -273,3 +275,19 @@ def activation_peak_bytes(config: ModelConfig, n: int, rank: int, microbatches: 
     b = max(shard_sizes(hi - lo, microbatches))
     pieces = activation_bytes(config, b, seq_len)
     return pieces["embed"] + config.n_layer * pieces["block"] + pieces["head"]
+
+
+def prefetch_comm_peak(config: ModelConfig, n: int, rank: int, opts: Options) -> int:
+    """Elements of ring messages FSDP's prefetch holds at its peak (refpar/parallel/fsdp.py).
+
+    A block's all-gather is a ring of n-1 rounds; round k on rank r sends piece (r-k) and receives
+    piece (r-k-1), and one round is in flight at a time. In the backward (with resharding) the
+    next block's first round is still in flight when this block's gradient shard comes back from
+    its reduce-scatter, so the two add up."""
+    psi_block = unit_sizes(config)["h.0"]
+    pieces = shard_sizes(psi_block, n)
+    rounds = [pieces[(rank - k) % n] + pieces[(rank - k - 1) % n] for k in range(n - 1)]
+    peak = max(rounds)
+    if opts.reshard_after_forward and config.n_layer >= 2:
+        peak = max(peak, rounds[0] + pieces[rank])
+    return peak
