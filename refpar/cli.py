@@ -19,6 +19,8 @@ COMMANDS: dict[str, str] = {
     "train": "refpar.commands.train",
     "schedule": "refpar.commands.schedule",
     "plan": "refpar.commands.plan",
+    "app": "refpar.commands.app",
+    "verify": "refpar.commands.verify",
 }
 
 

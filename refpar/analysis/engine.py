@@ -1,0 +1,164 @@
+"""Closed forms of an engine run (refpar/engine.py): bytes per rank by axis and op, and peak memory
+per rank by category, composed from the strategies' own closed forms.
+
+Legend: p pp size, d dp size, t tp size, v chunks, b_i rows of microbatch i, B_d = sum b_i the
+rows of this pipeline, T sequence, Tl residual tokens (T, or T/t under sp), C channels, e bytes
+per element, Ψl elements of the parameters a rank holds (its stages' tp shards).
+
+Per step, the rank at (pp r, dp q, tp k):
+- tp: for each microbatch and each of its stages, the calls of tensor parallelism over the stage's
+  blocks (analysis.intra_layer; the embedding's calls on the first stage, the head's on the last),
+  with B = b_i; under sp one all-reduce of the sequence-sharded region's gradients.
+- pp: (2v - [r = 0] - [r = p-1]) activations or input gradients of (B_d, Tl, C) each way (see
+  pipeline/runner.expected_comm_rows); wte's shard (V/t, C) all-reduced by the first and last
+  rank; the loss (one float64) over pp.
+- dp: --zero 0: one all-reduce of Ψl; --zero 1: a reduce-scatter and an all-gather of Ψl
+  (ZeRO's 2Ψ); the loss over dp.
+Memory: params and grads Ψl e; AdamW 2Ψl e (zero 1: 2 e times this rank's shard_range share);
+activations: the schedule's replay (schedules.stored) with the bytes a microbatch keeps after F
+(analysis.activations: embedding, blocks, head, for b_i rows); comm (zero 1): the flat gradient
+and the reduced shard, (Ψl + Ψl/d) e.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes
+from refpar.analysis.intra_layer import RankShape, _tp_calls
+from refpar.comm import cost
+from refpar.config import MESH_AXES, ModelConfig, TrainConfig
+from refpar.memory import CATEGORIES
+from refpar.model.gpt import param_shapes
+from refpar.parallel.pipeline.schedules import build, stored
+from refpar.parallel.pipeline.stage import Stage, stage_layers
+from refpar.parallel.sequence_parallel import sequence_parallel_param_names
+from refpar.parallel.tensor_parallel import tp_param_slices
+from refpar.sharding import shard_range, shard_sizes
+
+
+def rank_coords(sizes: dict, rank: int) -> dict:
+    """The mesh coordinates of a world rank (DeviceMesh's layout: pp slowest, tp fastest)."""
+    position = np.unravel_index(rank, tuple(sizes[a] for a in MESH_AXES))
+    return {a: int(c) for a, c in zip(MESH_AXES, position, strict=True)}
+
+
+def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> dict[str, int]:
+    """Elements of each parameter the rank holds: its stages' names, tp-sliced."""
+    p, t = sizes["pp"], sizes["tp"]
+    slices = tp_param_slices(model, t, coords["tp"])
+    names = {n for c in range(chunks) for n in Stage(model, p * chunks, c * p + coords["pp"]).param_names()}
+    out = {}
+    for name, shape in param_shapes(model).items():
+        if name in names:
+            shape = list(shape)
+            if name in slices:
+                axis, index = slices[name]
+                shape[axis] = len(index)
+            out[name] = int(np.prod(shape))
+    return out
+
+
+def _shape(model: ModelConfig, T: int, t: int, k: int, b: int, sp: bool) -> RankShape:
+    return RankShape(B=b, T=T, Ta=T, Tl=shard_sizes(T, t)[k] if sp else T, t=t, c=1,
+                     nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
+                     e=np.dtype(model.dtype).itemsize, cp_tokens=(T,), cp_rank=0)
+
+
+def _rows_of(train: TrainConfig, d: int, q: int, m: int) -> list[int]:
+    first, stop = shard_range(train.batch_size, d, q)
+    return [b - a for a, b in (shard_range(stop - first, m, i) for i in range(m))]
+
+
+def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts) -> list[dict]:
+    """Every rank's bytes over the run, rows as refpar train's `comm_bytes`."""
+    p, d, t, v, T = sizes["pp"], sizes["dp"], sizes["tp"], opts.chunks, train.seq_len
+    e, C, S = np.dtype(model.dtype).itemsize, model.n_embd, sizes["pp"] * opts.chunks
+    out = []
+    for rank in range(int(np.prod(list(sizes.values())))):
+        co = rank_coords(sizes, rank)
+        r, q, k = co["pp"], co["dp"], co["tp"]
+        rows = _rows_of(train, d, q, opts.microbatches)
+        totals: dict[tuple[str, str], list[int]] = {}
+
+        def add(axis, op, sent, recv, totals=totals):
+            row = totals.setdefault((axis, op), [0, 0])
+            row[0], row[1] = row[0] + sent, row[1] + recv
+
+        if t > 1:
+            for s in (c * p + r for c in range(v)):
+                blocks = replace(model, n_layer=len(stage_layers(model.n_layer, S, s)))
+                for b in rows:
+                    for call in _tp_calls(blocks, _shape(model, T, t, k, b, opts.sp), opts.sp, k):
+                        if (call.tag.startswith("sp.") or (call.tag.startswith("wte") and s != 0)
+                                or (call.tag.startswith("lm_head") and s != S - 1)):
+                            continue
+                        add("tp", call.op, call.bytes_sent, call.bytes_recv)
+        numels = rank_param_numels(model, sizes, co, v)
+        if opts.sp:
+            n = sum(numels[nm] for nm in sequence_parallel_param_names(model) if nm in numels)
+            ar = cost.all_reduce_bytes(n, t, k, e)
+            add("tp", "all_reduce", ar.sent, ar.recv)
+        if p > 1:
+            Tl = shard_sizes(T, t)[k] if opts.sp else T
+            p2p = (2 * v - (r == 0) - (r == p - 1)) * sum(rows) * Tl * C * e
+            add("pp", "isend", p2p, 0)
+            add("pp", "irecv", 0, p2p)
+            if r in (0, p - 1):
+                ar = cost.all_reduce_bytes(numels["wte.weight"], 2, int(r == p - 1), e)
+                add("pp", "all_reduce", ar.sent, ar.recv)
+            ar = cost.all_reduce_bytes(1, p, r, 8)
+            add("pp", "all_reduce", ar.sent, ar.recv)
+        if d > 1:
+            total = sum(numels.values())
+            if opts.zero == 1:
+                rs = cost.reduce_scatter_bytes(total, d, q, e)
+                ag = cost.all_gather_bytes(shard_sizes(total, d), q, e)
+                add("dp", "reduce_scatter", rs.sent, rs.recv)
+                add("dp", "all_gather", ag.sent, ag.recv)
+            else:
+                ar = cost.all_reduce_bytes(total, d, q, e)
+                add("dp", "all_reduce", ar.sent, ar.recv)
+            ar = cost.all_reduce_bytes(1, d, q, 8)
+            add("dp", "all_reduce", ar.sent, ar.recv)
+        out += [{"rank": rank, "axis": a, "op": o, "bytes_sent": int(sb * train.steps),
+                 "bytes_recv": int(rb * train.steps)}
+                for (a, o), (sb, rb) in totals.items() if sb or rb]
+    return out
+
+
+def microbatch_activation_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, k: int,
+                                stage: int, n_stages: int, b: int, sp: bool) -> int:
+    """What one microbatch of b rows keeps on a tp rank of `stage` between its F and its B."""
+    r = _shape(model, train.seq_len, sizes["tp"], k, b, sp)
+    dropout = model.dropout > 0.0
+    n = len(stage_layers(model.n_layer, n_stages, stage)) * layer_bytes(model, r, "local", dropout)
+    if stage == 0:
+        n += embed_bytes(model, r, dropout)
+    if stage == n_stages - 1:
+        n += head_bytes(model, r)
+    return n
+
+
+def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts) -> list[dict]:
+    """Every rank's peak bytes by category, rows as refpar train's `memory_peak_bytes`."""
+    p, d, v = sizes["pp"], sizes["dp"], opts.chunks
+    e, S = np.dtype(model.dtype).itemsize, p * v
+    schedule = build(opts.schedule, p, opts.microbatches, v)
+    out = []
+    for rank in range(int(np.prod(list(sizes.values())))):
+        co = rank_coords(sizes, rank)
+        r, q, k = co["pp"], co["dp"], co["tp"]
+        rows = _rows_of(train, d, q, opts.microbatches)
+        kept = stored(schedule, lambda a, k=k, rows=rows: microbatch_activation_bytes(
+            model, train, sizes, k, a.stage, S, rows[a.microbatch], opts.sp), lambda a: 0)
+        held = sum(rank_param_numels(model, sizes, co, v).values())
+        share = shard_sizes(held, d)[q] if opts.zero == 1 else held
+        peaks = {"params": held * e, "grads": held * e,
+                 "optimizer": 2 * share * e if train.optimizer == "adamw" else 0,
+                 "activations": max(kept[r], default=0),
+                 "comm": (held + share) * e if opts.zero == 1 else 0}
+        out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
+    return out

@@ -1,0 +1,287 @@
+"""The N-D engine: pipeline stages of tensor-parallel blocks, replicated over dp (Narayanan et al.
+2021, "3D parallelism").
+
+    mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --check
+
+Legend: b microbatch rows, T sequence, Tl tokens of the residual stream on this rank (T, or T/tp
+under sequence parallelism), C channels, t tp size, Ψl elements of the parameters this rank holds.
+
+A rank at mesh coordinates (pp, dp, tp) holds the tp shard (tensor_parallel.shard_params_tp) of
+the parameters of its pipeline stages (stage.Stage.param_names). One step composes the strategies'
+own pieces, nothing is written again:
+
+    pipeline     executor.PipelineExecutor walks schedule[pp rank]; each stage is a
+                 `TensorParallelStage`, whose F and B are tensor_parallel's vocab-parallel
+                 embedding, parallel blocks (f/g or the SP pair inside) and vocab-parallel head.
+                 Activations (b, Tl, C) go to the same tp rank of the next stage.
+    tied wte     the executor's embedding group: first and last pp rank, per tp rank (same rows)
+    sp           the sequence-sharded region's gradients summed over tp (one all-reduce)
+    dp           --zero 0: every gradient summed over dp (intra_layer.all_reduce_replicated_grads)
+                 --zero 1: the flat gradient reduce-scattered over dp, AdamW on this rank's
+                 shard only, the updated shard all-gathered (Rajbhandari et al. 2020, P_os)
+    loss         the last stage's microbatch losses summed over pp, then over dp
+
+A tensor-parallel piece computes its input and weight gradients together, so a stage's B is the
+full backward and its W hands over what B computed: schedules that split B from W (zb-h1, zb-h2)
+run, but gain nothing under tp.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+
+from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.memory import MemoryLedger
+from refpar.model.data import MarkovCorpus
+from refpar.model.gpt import init_params
+from refpar.model.optim import adamw_update, optimizer_init, optimizer_step, sgd_update
+from refpar.parallel.intra_layer import all_reduce_replicated_grads
+from refpar.parallel.pipeline.executor import PipelineExecutor
+from refpar.parallel.pipeline.runner import microbatches
+from refpar.parallel.pipeline.schedules import Timeline, build
+from refpar.parallel.pipeline.stage import Stage, stage_layers
+from refpar.parallel.sequence_parallel import check_sp, sequence_parallel_param_names, sp_layout
+from refpar.parallel.tensor_parallel import (
+    check_tp,
+    gather_params_tp,
+    parallel_block_backward,
+    parallel_block_forward,
+    shard_params_tp,
+    tp_layout,
+    vocab_parallel_embedding_backward,
+    vocab_parallel_embedding_forward,
+    vocab_parallel_head_backward,
+    vocab_parallel_head_forward,
+)
+from refpar.sharding import shard_range, shard_sizes
+
+AXES = ("pp", "dp", "tp")  # the axes the engine composes; cp and ep run in their own runners
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    chunks: int = 1  # v, model chunks per pipeline rank (interleaved-1f1b)
+    sp: bool = False
+    zero: int = 0
+
+
+def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOptions) -> None:
+    """Every check of an engine run, with no communication: each rank raises the same ConfigError."""
+    other = [f"{a}={s}" for a, s in sizes.items() if a not in AXES and s > 1]
+    if other:
+        raise ConfigError(f"the engine composes pp, dp and tp; run {other[0]} without pp "
+                          f"(its own runner combines it with dp)")
+    if model.moe_blocks:
+        raise ConfigError("the engine runs dense GPT-2 blocks; drop the MoE options or use "
+                          "--mesh dp=D,ep=E for experts")
+    if opts.zero not in (0, 1):
+        raise ConfigError(f"--zero {opts.zero} with tp or pp is not available; use --zero 0 or 1 "
+                          "(ZeRO-2/3 and FSDP run on a dp-only mesh)")
+    if opts.zero == 1 and sizes["dp"] < 2:
+        raise ConfigError("--zero 1 shards the optimizer state over dp ranks; give the mesh dp=2 or more")
+    train.check_model(model)
+    t, p, d = sizes["tp"], sizes["pp"], sizes["dp"]
+    check_tp(model, t)
+    if opts.sp:
+        if t < 2:
+            raise ConfigError("--sp shards along the sequence over tp ranks; give the mesh tp=2 or more")
+        check_sp(model, train.seq_len, t)
+    build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
+    stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
+    if train.batch_size // d < opts.microbatches:
+        raise ConfigError(f"--batch-size {train.batch_size} over dp={d} leaves fewer sequences per "
+                          f"pipeline than --microbatches {opts.microbatches}; use --batch-size "
+                          f"{d * opts.microbatches} or more")
+
+
+class TensorParallelStage(Stage):
+    """Stage `stage` of `n_stages` with tensor-parallel pieces on layout `lay`; the same blocks,
+    parameter names and ends as stage.Stage."""
+
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay):
+        super().__init__(config, n_stages, stage)
+        self.lay = lay
+
+    def forward(self, params, x, targets, drop, normalizer):
+        """F: tokens (b, T) on the first stage or (b, Tl, C) -> (b, Tl, C), or the loss on the last."""
+        lay = self.lay
+        c_embed = c_head = None
+        if self.first:
+            x, c_embed = vocab_parallel_embedding_forward(x[:, lay.region_pos], params, lay, drop)
+        c_blocks = []
+        for layer in self.layers:
+            x, c = parallel_block_forward(x, params, layer, lay, drop)  # (b, Tl, C)
+            c_blocks.append(c)
+        if self.last:
+            x, c_head = vocab_parallel_head_forward(x, params, targets[:, lay.region_pos], lay,
+                                                    normalizer)
+        # the dict of parameters rides along for the embedding backward's shapes; held_bytes
+        # does not look inside dicts, so it is not counted as an activation
+        return x, (c_embed, c_blocks, c_head, params)
+
+    def backward_input(self, dout, cache):
+        """B, the whole backward: dx (b, Tl, C) (None on the first stage) and this rank's gradients."""
+        c_embed, c_blocks, c_head, params = cache
+        grads = {}
+        d = dout
+        if self.last:
+            d, grads = vocab_parallel_head_backward(c_head, self.lay)  # (b, Tl, C)
+        for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
+            d, g = parallel_block_backward(d, c, layer, self.lay)  # (b, Tl, C)
+            grads |= g
+        if self.first:
+            g = vocab_parallel_embedding_backward(d, c_embed, self.lay, params)
+            grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"] if self.last else g["wte.weight"]
+            grads["wpe.weight"] = g["wpe.weight"]
+            d = None
+        return d, grads
+
+    def backward_weight(self, saved) -> dict:
+        """W: B already computed the weight gradients (tensor-parallel pieces fuse the halves)."""
+        return saved
+
+
+class EngineExecutor(PipelineExecutor):
+    """The pipeline executor with tensor-parallel stages; receives are (b, Tl, C)."""
+
+    def __init__(self, schedule, config: ModelConfig, pp, lay, ledger: MemoryLedger):
+        super().__init__(schedule, config, pp, ledger)
+        self.lay = lay
+        self.stages = {s: TensorParallelStage(config, self.layout.n_stages, s, lay)
+                       for s in self.stages}
+
+    def _post_receives(self, mbs):
+        dtype, Tl, C = np.dtype(self.config.dtype), len(self.lay.resid_pos), self.config.n_embd
+        return {a: self.pp.irecv((len(mbs[a.microbatch].sample_ids), Tl, C), dtype, src, tag)
+                for a, src, dst, tag in self._messages() if dst == self.rank}
+
+
+class ZeroOne:
+    """ZeRO-1 over dp of this rank's flat parameters: optimizer state for its shard_range only."""
+
+    def __init__(self, params: dict, train: TrainConfig, dp, ledger: MemoryLedger):
+        self.names = list(params)
+        self.shapes = {n: params[n].shape for n in self.names}
+        self.sizes = [int(np.prod(self.shapes[n])) for n in self.names]
+        self.starts = np.cumsum([0, *self.sizes]).tolist()
+        self.total = self.starts[-1]
+        self.train, self.dp, self.ledger, self.t = train, dp, ledger, 0
+        self.counts = shard_sizes(self.total, dp.size)
+        self.a, self.b = shard_range(self.total, dp.size, dp.rank)
+        dtype = params[self.names[0]].dtype
+        self.m = ledger.alloc("optimizer.m", np.zeros(self.b - self.a, dtype), "optimizer")
+        self.v = ledger.alloc("optimizer.v", np.zeros(self.b - self.a, dtype), "optimizer")
+
+    def flatten(self, arrays: dict, a: int = 0, b: int | None = None) -> np.ndarray:
+        """Elements [a, b) of the arrays laid end to end, copying only those."""
+        b = self.total if b is None else b
+        pieces = [np.reshape(arrays[n], -1)[max(a - s, 0):max(min(b - s, size), 0)]
+                  for n, s, size in zip(self.names, self.starts, self.sizes, strict=False)]
+        return np.concatenate(pieces)  # (b - a,)
+
+    def step(self, params: dict, grads: dict) -> dict:
+        """Reduce-scatter, update the shard segment by segment (decay follows each parameter's full
+        shape), all-gather; returns the new parameters, views of the gathered buffer."""
+        self.t += 1
+        flat = self.ledger.alloc("comm.grads", self.flatten(grads), "comm")  # (Ψl,)
+        g = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(flat, tag="grads.dp:zero1"),
+                              "comm")  # (Ψl/d,)
+        self.ledger.free("comm.grads")
+        p = self.flatten(params, self.a, self.b)  # (Ψl/d,)
+        for i, n in enumerate(self.names):
+            lo, hi = max(self.starts[i], self.a), min(self.starts[i + 1], self.b)
+            if lo >= hi:
+                continue
+            s, decay = slice(lo - self.a, hi - self.a), len(self.shapes[n]) >= 2
+            if self.train.optimizer == "adamw":
+                p[s], self.m[s], self.v[s] = adamw_update(p[s], g[s], self.m[s], self.v[s], self.t,
+                                                          self.train, decay)
+            else:
+                p[s] = sgd_update(p[s], g[s], self.train, decay)
+        full = self.ledger.alloc("comm.params", self.dp.all_gather(
+            p, tag="params.dp:zero1", counts=self.counts), "comm")  # (Ψl,)
+        self.ledger.free("comm.grad_shard")
+        self.ledger.free("comm.params")
+        return {n: full[self.starts[i]:self.starts[i + 1]].reshape(self.shapes[n])
+                for i, n in enumerate(self.names)}
+
+
+@dataclass
+class EngineRun:
+    """One rank's view of a finished run."""
+
+    losses: list[float]
+    step_times: list[float]
+    windows: list[tuple[float, float]]  # (start, end) of each step on the tracer's clock
+    params: dict  # this rank's shards after the last step
+    executor: EngineExecutor
+    ledger: MemoryLedger
+    totals: dict  # traced (axis, op) -> (sent, received) of the training steps only
+    tracer: object  # the world's Tracer (None when untraced)
+    measured: Timeline
+    simulated: Timeline
+
+
+def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions,
+               on_step=None) -> EngineRun:
+    """Trains `train.steps` steps on `mesh`; `on_step(step, loss, seconds, totals)` after each."""
+    validate(model, train, mesh.sizes, opts)
+    pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
+    t = mesh.sizes["tp"]
+    lay = (sp_layout(model, train.seq_len, tp) if opts.sp
+           else tp_layout(model, train.seq_len, tp if t > 1 else None))
+    ledger = MemoryLedger()
+    executor = EngineExecutor(build(opts.schedule, pp.size, opts.microbatches, opts.chunks), model,
+                              pp, lay, ledger)
+    full = shard_params_tp(init_params(model, train.seed), model, t, mesh.coords["tp"])
+    params = {n: full[n] for n in executor.param_names()}  # drawn whole, sliced by tp, then by pp
+    for n, p in params.items():
+        ledger.alloc(f"param:{n}", p, "params")
+    zero = ZeroOne(params, train, dp, ledger) if opts.zero == 1 else None
+    state = optimizer_init(params, train) if zero is None else None
+    for moment in ("m", "v") if state is not None and train.optimizer == "adamw" else ():
+        for n in params:
+            ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
+    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
+    corpus = MarkovCorpus(model.vocab_size, train.seed)
+    first, stop = shard_range(train.batch_size, dp.size, dp.rank)
+    normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
+    tracer = mesh.world.tracer
+    losses, times, windows = [], [], []
+    for step in range(train.steps):
+        start = time.perf_counter()
+        with tracer.context(step=step) if tracer else nullcontext():
+            tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (B/d, T) each
+            loss, grads = executor.step(params, microbatches(tokens, targets, first, opts.microbatches),
+                                        step=step, seed=train.seed, normalizer=normalizer)
+            if sp_names:
+                grads |= all_reduce_replicated_grads({n: grads[n] for n in sp_names}, tp,
+                                                     "sp.replicated_grads:bwd")
+            if zero is not None:
+                params = zero.step(params, grads)
+            else:
+                if dp.size > 1:
+                    grads = all_reduce_replicated_grads(grads, dp, "grads.dp:bwd")
+                params, state = optimizer_step(params, grads, state, train)
+            loss = pp.all_reduce(np.array([loss]), tag="loss.pp:report")  # only the last stage's is not 0
+            losses.append(float(dp.all_reduce(loss, tag="loss.dp:report")[0]))
+        windows.append((start, time.perf_counter()))
+        times.append(windows[-1][1] - start)
+        if on_step is not None:
+            on_step(step, losses[-1], times[-1], tracer.totals() if tracer else {})
+    totals = tracer.totals() if tracer else {}  # before the timeline gather below adds its own
+    measured = executor.measured_timeline()
+    return EngineRun(losses, times, windows, params, executor, ledger, totals, tracer, measured,
+                     executor.simulated_timeline(measured))
+
+
+def full_params(run: EngineRun, model: ModelConfig, mesh) -> dict:
+    """This rank's stages' parameters, whole over tp (for the comparison with one device)."""
+    return gather_params_tp({n: np.asarray(p) for n, p in run.params.items()}, model,
+                            mesh.tp if mesh.sizes["tp"] > 1 else None)

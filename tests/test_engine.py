@@ -1,0 +1,92 @@
+"""The N-D engine (refpar/engine.py) against the single device and its closed forms, its bad input,
+and a rank that fails mid-step. Every MPI job is a subprocess with a timeout (tests/mpi.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.mpi import mpiexec, refpar_json, run_script
+
+
+def _by_key(rows, key):
+    return {tuple(r[k] for k in key): r for r in rows}
+
+
+def test_dp2_tp2_pp2_1f1b_matches_one_device_with_closed_form_bytes_memory_and_a_trace(tmp_path):
+    trace = tmp_path / "run.json"
+    s = refpar_json(8, "train", "--mesh", "dp=2,tp=2,pp=2", "--microbatches", "4", "--steps", "3",
+                    "--check", "--trace", str(trace), timeout=300)
+    print({k: s[k] for k in ("losses", "reference_losses", "max_loss_rel_diff", "max_param_rel_diff")})
+    assert s["model"]["dropout"] > 0 and s["model"]["dtype"] == "float64" and s["schedule"] == "1f1b"
+    assert s["max_loss_rel_diff"] <= 1e-10 and s["max_param_rel_diff"] <= 1e-10
+    # every rank, axis and op: traced bytes == the closed form, exactly
+    comm_key = ("rank", "axis", "op")
+    assert _by_key(s["comm_bytes"], comm_key) == _by_key(s["expected_comm_bytes"], comm_key)
+    assert {(r["axis"], r["op"]) for r in s["comm_bytes"]} >= {
+        ("tp", "all_reduce"), ("pp", "isend"), ("pp", "irecv"), ("dp", "all_reduce")}
+    mem_key = ("rank", "category")
+    assert _by_key(s["memory_peak_bytes"], mem_key) == _by_key(s["expected_memory_peak_bytes"], mem_key)
+    assert 0 < s["bubble_fraction"]["simulated"] < 1 and 0 < s["bubble_fraction"]["measured"] < 1
+    chrome = json.loads(trace.read_text())
+    assert {e["pid"] for e in chrome["traceEvents"]} == set(range(8))
+    lines = [json.loads(line) for line in trace.with_suffix(".jsonl").read_text().splitlines()]
+    assert {e["axis"] for e in lines} >= {"tp", "pp", "dp"} and {e["rank"] for e in lines} == set(range(8))
+
+
+def test_verify_quick_matrix_passes_every_strategy_combination():
+    proc = mpiexec(1, "-m", "refpar", "verify", "--quick", timeout=840)
+    print(proc.stdout)
+    assert "FAIL" not in proc.stdout and "passed" in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("n", "args", "words"),
+    [
+        (4, ["--mesh", "dp=2,tp=2,pp=2"], "has 8 ranks but the job has 4; run mpiexec -n 8"),
+        (4, ["--mesh", "tp=3,pp=2"], "tp=3 does not divide n_head=4"),
+        (4, ["--mesh", "tp=2,pp=2", "--n-layer", "1"], "2 pipeline stages need at least 2 blocks"),
+        (4, ["--mesh", "tp=2,pp=2", "--zero", "3"], "use --zero 0 or 1"),
+    ],
+)
+def test_bad_engine_mesh_fails_on_every_rank_with_one_sentence_before_any_communication(n, args, words):
+    proc = mpiexec(n, "-m", "refpar", "train", *args, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert words in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+FAILING_RANK = """
+import sys
+from refpar.comm.communicator import abort_on_error, world
+from refpar.config import TrainConfig, model_preset
+from refpar.engine import EngineOptions, TensorParallelStage, run_engine
+from refpar.mesh import DeviceMesh
+
+comm = world()
+backward = TensorParallelStage.backward_input
+
+def broken(self, dout, cache):
+    if comm.rank == 3:
+        raise RuntimeError("injected failure in a backward")
+    return backward(self, dout, cache)
+
+TensorParallelStage.backward_input = broken
+with abort_on_error():
+    mesh = DeviceMesh(comm, {"pp": 2, "dp": 1, "ep": 1, "cp": 1, "tp": 2})
+    run_engine(model_preset("tiny"), TrainConfig(steps=3), mesh, EngineOptions(microbatches=2))
+"""
+
+
+def test_a_rank_that_raises_mid_step_ends_the_job_in_seconds_with_its_rank_and_error():
+    start = time.perf_counter()
+    with pytest.raises(AssertionError) as failed:  # run_script raises when the job exits non-zero
+        run_script(4, FAILING_RANK, timeout=60)
+    seconds = time.perf_counter() - start
+    message = str(failed.value)
+    print(f"{seconds:.1f} s", message[-400:])
+    assert "exited 1" in message
+    assert "error on rank 3 of 4: RuntimeError: injected failure in a backward" in message
+    assert seconds < 45
