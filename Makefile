@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # MPICH busy-polls; with more ranks than cores this halves the run time (ENVIRONMENT.md).
 export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench app clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The 8-rank 3D example: 2 pipelines of 2 stages, each stage tensor-parallel over 2 ranks.
+# One BLAS thread per rank: 8 ranks already oversubscribe 2 cores, and BLAS threads on top made
+# tiny steps several times slower.
 demo: $(STAMP)
-	$(VENV)/bin/mpiexec -n 8 $(PY) -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --steps 10 --check
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 8 $(PY) -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --steps 10 --check
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -24,6 +26,9 @@ lint: $(STAMP)
 # The suite includes `refpar verify --quick` (tests/test_engine.py): every strategy combination.
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+app: $(STAMP)
+	$(PY) -m refpar app
 
 bench: $(STAMP)
 	$(PY) benchmarks/model_step.py

@@ -19,7 +19,9 @@ COMMANDS: dict[str, str] = {
     "train": "refpar.commands.train",
     "schedule": "refpar.commands.schedule",
     "plan": "refpar.commands.plan",
+    "app": "refpar.commands.app",
     "verify": "refpar.commands.verify",
+    "generate": "refpar.commands.generate",
 }
 
 

@@ -33,6 +33,7 @@ SUMMARY_FIELDS = (
     "config",  # {"model": ..., "train": ...}: everything needed to rerun
     "loss_floor",  # the corpus's entropy rate: the best mean loss possible
     "moe",  # MoE runs: per step tokens per expert, dropped assignments, router losses (train_moe.py)
+    "data_parallel",  # DP/ZeRO/FSDP runs: {"strategy", "model_state_bytes": per rank, options} (dp_runner.py)
 )
 
 

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from refpar.config import ModelConfig, TrainConfig
+from refpar import checkpoint
+from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params, loss_and_grads
 from refpar.model.optim import optimizer_init, optimizer_step
@@ -29,6 +30,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
     params: dict = field(default_factory=dict)  # after the last step
+    first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
     loss_floor: float = 0.0  # the corpus's entropy rate in nats
 
     @property
@@ -43,15 +45,21 @@ def corpus_for(model: ModelConfig, train: TrainConfig) -> MarkovCorpus:
 
 
 def train_single_device(model: ModelConfig, train: TrainConfig,
-                        on_step: Callable[[StepResult], None] | None = None) -> RunResult:
-    """Trains from `init_params(model, train.seed)` for `train.steps` steps on one process."""
+                        on_step: Callable[[StepResult], None] | None = None, *,
+                        save: str | None = None, save_every: int | None = None,
+                        resume: str | None = None) -> RunResult:
+    """Trains from `init_params(model, train.seed)` for `train.steps` steps on one process, or from
+    the checkpoint `resume` (any mesh's) up to `train.steps`; with `save`, writes a checkpoint under
+    that directory every `save_every` steps and after the last (refpar/checkpoint.py)."""
     train.check_model(model)
     corpus = corpus_for(model, train)
-    params = init_params(model, train.seed)
+    params = init_params(model, train.seed) if resume is None else {}
     state = optimizer_init(params, train)
     sample_ids = range(train.batch_size)
     result = RunResult(loss_floor=corpus.entropy_rate())
-    for step in range(train.steps):
+    if resume is not None:
+        result.first_step, params, state = checkpoint.load_whole(resume, model, train)
+    for step in range(result.first_step, train.steps):
         start = time.perf_counter()
         tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B, T) each
         loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
@@ -62,5 +70,8 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
         result.step_times_s.append(elapsed)
         if on_step is not None:
             on_step(StepResult(step, loss, elapsed))
+        if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
+            checkpoint.save_training(save, step + 1, checkpoint.whole_arrays(params, state), model,
+                                     train, dict.fromkeys(MESH_AXES, 1), "single")
     result.params = params
     return result

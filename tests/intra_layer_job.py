@@ -32,7 +32,8 @@ def rel(a, b) -> float:
 
 def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     model = model_preset("tiny", **spec.get("model", {}))
-    train = TrainConfig(steps=STEPS, batch_size=spec.get("batch_size", 4), seq_len=spec.get("seq_len", 16))
+    train = TrainConfig(steps=STEPS, batch_size=spec.get("batch_size", 4), seq_len=spec.get("seq_len", 16),
+                        optimizer=spec.get("optimizer", "adamw"))
     sp, cp_algo = spec.get("sp", False), spec.get("cp_algo")
     mesh = DeviceMesh(comm, spec["mesh"])
     ledger = MemoryLedger()

@@ -237,16 +237,20 @@ def test_step_time_model_bounds_megatron_table1_throughput(name, t, p, gpus, bat
     assert published <= best <= 1.3 * published, f"predicted {best:.0f} TFLOP/s"
 
 
-def test_refpar_models_are_counted_as_their_parameter_table():
-    # docs/internals.md, the model's parameter table: wte (V, C), wpe (n_positions, C), per block
-    # ln_1, c_attn (C, 3C) + 3C, c_proj (C, C) + C, ln_2, c_fc (C, 4C) + 4C, c_proj (4C, C) + C; ln_f.
-    from refpar.analysis.presets import from_model_config
-    from refpar.config import MODEL_PRESETS
+@pytest.mark.parametrize("overrides", [{}, {"moe_experts": 4, "moe_top_k": 2},
+                                       {"moe_experts": 4, "moe_top_k": 1, "moe_layers": (2, 3)}])
+def test_refpar_models_are_counted_as_their_parameter_table(overrides):
+    # The model's own parameter table (refpar.model.gpt.param_shapes, docs/internals.md), dense and
+    # with MoE blocks (experts and routers), against the planner's count from the shapes alone.
+    import math
 
-    for config in MODEL_PRESETS.values():
-        V, P, C, L = config.vocab_size, config.n_positions, config.n_embd, config.n_layer
-        table = V * C + P * C + L * (2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + 8 * C * C
-                                     + 4 * C + C) + 2 * C
+    from refpar.analysis.presets import from_model_config
+    from refpar.config import MODEL_PRESETS, model_preset
+    from refpar.model.gpt import param_shapes
+
+    for name in MODEL_PRESETS:
+        config = model_preset(name, **overrides)
+        table = sum(math.prod(shape) for shape in param_shapes(config).values())
         assert param_counts(from_model_config(config)).total == table
 
 

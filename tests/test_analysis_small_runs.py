@@ -60,3 +60,89 @@ def test_planner_block_activations_equal_the_tp_closed_forms_term_for_term(t, sp
     planned = layer_activation_bytes(from_model_config(config), train.batch_size, train.seq_len,
                                      tp=t, sp=sp, precision=Precision(activation=8, mask=1))
     assert planned == exact
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_planner_equals_what_a_real_zero_run_traces_and_its_ledger_holds(stage):
+    # A real 2-rank run (`refpar train --mesh dp=2 --zero S --microbatches 2 --json`): the dp
+    # bytes its trace shows (less the loss's one-float all-reduce, which the planner leaves out)
+    # and its ledger's optimizer state (and weights, unsharded below stage 3) are the planner's.
+    from refpar.comm import cost
+    from refpar.config import TrainConfig
+    from tests.mpi import refpar_json
+
+    summary = refpar_json(2, "train", "--mesh", "dp=2", "--zero", str(stage), "--steps", "1",
+                          "--microbatches", "2", timeout=120)
+    train, config = TrainConfig(), model_preset("tiny")
+    planned_memory = memory_per_rank(from_model_config(config), micro_batch=train.batch_size // 4,
+                                     seq=train.seq_len, dp=2, zero=stage,
+                                     precision=PRECISIONS["float64"])
+    _, planned_bytes, _ = step_time(from_model_config(config), HARDWARE["a100"],
+                                    global_batch=train.batch_size, micro_batch=train.batch_size // 4,
+                                    seq=train.seq_len, dp=2, zero=stage,
+                                    precision=PRECISIONS["float64"], dtype="float64")
+    for rank in (0, 1):
+        traced = sum(r["bytes_sent"] for r in summary["comm_bytes"] if r["rank"] == rank)
+        loss = cost.all_reduce_bytes(1, 2, rank, 8).sent
+        assert traced - loss == planned_bytes["dp"]
+        held = {r["category"]: r["bytes"] for r in summary["memory_peak_bytes"] if r["rank"] == rank}
+        assert held["optimizer"] == planned_memory["optimizer"]
+        if stage < 3:
+            assert held["params"] == planned_memory["params"]
+
+
+def test_planner_equals_what_a_real_pipeline_run_traces_and_its_ledger_holds():
+    # A real 2-stage 1F1B run: the first stage's pp bytes (its activations out, the tied
+    # embedding's gradient all-reduced with the last stage) and its weights and AdamW state.
+    from refpar.config import TrainConfig
+    from tests.mpi import refpar_json
+
+    summary = refpar_json(2, "train", "--mesh", "pp=2", "--schedule", "1f1b", "--microbatches", "4",
+                          "--steps", "1", timeout=120)
+    train, config = TrainConfig(), model_preset("tiny")
+    spec, micro = from_model_config(config), train.batch_size // 4
+    kw = dict(micro_batch=micro, seq=train.seq_len, pp=2, schedule="1f1b",
+              precision=PRECISIONS["float64"])
+    _, planned_bytes, _ = step_time(spec, HARDWARE["a100"], global_batch=train.batch_size,
+                                    dtype="float64", **kw)
+    traced = sum(r["bytes_sent"] for r in summary["comm_bytes"] if r["rank"] == 0 and r["axis"] == "pp")
+    assert traced == planned_bytes["pp"]
+    planned = memory_per_rank(spec, microbatches=4, **kw)
+    held = {r["category"]: r["bytes"] for r in summary["memory_peak_bytes"] if r["rank"] == 0}
+    assert held["params"] == planned["params"] and held["optimizer"] == planned["optimizer"]
+
+
+@pytest.mark.parametrize("ep, k", [(2, 1), (4, 2)])
+def test_planner_expert_parallel_bytes_equal_the_moe_closed_form(ep, k):
+    # refpar/analysis/moe.py's balanced dropless all-to-all bytes (which the MoE tests hold
+    # against real runs) per MoE block, summed over the blocks, are the planner's ep bytes.
+    from refpar.analysis import moe
+
+    config = model_preset("tiny", moe_experts=4, moe_top_k=k, moe_dropless=True)
+    train_batch, seq, micro = 8, 16, 1
+    spec = from_model_config(config)
+    _, planned, _ = step_time(spec, HARDWARE["a100"], global_batch=train_batch, micro_batch=micro,
+                              seq=seq, ep=ep, precision=PRECISIONS["float64"], dtype="float64")
+    per_block = moe.expected_all_to_all_bytes(config, train_batch // ep * seq, ep, ep, 8)
+    assert planned["ep"] == pytest.approx(len(config.moe_blocks) * per_block, rel=1e-12)
+
+
+@pytest.mark.parametrize("sizes, sp", [({"tp": 2}, False), ({"tp": 2}, True), ({"tp": 4}, True),
+                                       ({"cp": 2}, False), ({"tp": 2, "cp": 2}, False)])
+def test_planner_tensor_and_context_bytes_equal_every_call_refpar_makes(sizes, sp):
+    # refpar/analysis/intra_layer.py lists every tp and cp call of a step (checked against the
+    # trace of real runs); the planner's bytes per axis are their sum, on rank 0. The planner
+    # counts the gradients' all-reduce over the ranks that share weights (dp x ep x cp) as dp.
+    from refpar.analysis.intra_layer import expected_calls
+    from refpar.config import TrainConfig
+
+    config, train = model_preset("tiny"), TrainConfig()
+    calls = expected_calls(config, train, sizes, dict.fromkeys(sizes, 0), sp)
+    _, planned, _ = step_time(from_model_config(config), HARDWARE["a100"],
+                              global_batch=train.batch_size, micro_batch=train.batch_size,
+                              seq=train.seq_len, tp=sizes.get("tp", 1), cp=sizes.get("cp", 1),
+                              sp=sp, precision=PRECISIONS["float64"], dtype="float64")
+    assert planned["tp"] == sum(c.bytes_sent for c in calls if c.axis == "tp")
+    assert planned["cp"] == sum(c.bytes_sent for c in calls if c.axis == "cp" and c.op == "isend")
+    grads = [c for c in calls if c.axis == "cp" and c.op == "all_reduce" and c.tag.startswith("grads")]
+    assert planned["dp"] == sum(c.bytes_sent for c in grads)

@@ -6,22 +6,26 @@ without gradient accumulation) and reports every difference; the tests below rea
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from refpar.analysis.memory import Options, model_state_bytes
 from refpar.config import model_preset
-from tests.mpi import mpiexec, refpar_json, run_script
+from tests.mpi import ROOT, mpi_env, refpar_json, run_script
 
 TOL = 1e-10  # float64: only the order of the sums over ranks and micro-batches differs
 
 SCRIPT = r"""
 import json
+import weakref
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
 from refpar.parallel.dp_runner import (expected_rows, gather_rows, options, reference_diffs,
                                        run_data_parallel)
+from refpar.parallel.zero import Zero
 
 CONFIGS = [
     ("dp", dict(microbatches=1, bucket_elems=3000)),
@@ -35,6 +39,25 @@ CONFIGS = [
 ]
 model, train = model_preset("tiny"), TrainConfig(steps=5, batch_size=8, seq_len=16, seed=11)
 report = []
+
+# Every unit ZeRO-3/FSDP releases must be garbage by the next gather: the ledger's free is real
+# only if no cache still views the gathered buffer.
+dropped, alive = [], [0]
+drop, gather = Zero.drop, Zero.gather
+
+
+def tracked_drop(self, unit):
+    dropped.append(weakref.ref(self.gathered[unit]))
+    drop(self, unit)
+
+
+def tracked_gather(self, unit, phase):
+    alive[0] += sum(ref() is not None for ref in dropped)
+    dropped.clear()
+    gather(self, unit, phase)
+
+
+Zero.drop, Zero.gather = tracked_drop, tracked_gather
 
 
 def bucket_intervals(events):
@@ -59,7 +82,7 @@ with abort_on_error():
             report.append(dict(strategy=strategy, options=kwargs, comm=comm_rows,
                                expected_comm=expected_comm, memory=memory_rows,
                                expected_memory=expected_memory, model_state=run.model_state,
-                               buckets=bucket_intervals(comm.tracer.events),
+                               buckets=bucket_intervals(comm.tracer.events), released_alive=alive[0],
                                **reference_diffs(model, train, run)))
     if comm.rank == 0:
         print(json.dumps(report), flush=True)
@@ -100,7 +123,7 @@ def test_peak_memory_per_rank_and_category_equals_the_closed_form_exactly(job):
         expected = {(r["rank"], r["category"]): r["bytes"] for r in e["expected_memory"]}
         differing = {k: (measured[k], v) for k, v in expected.items() if measured[k] != v}
         assert not differing, f"dp={n} {label(e)}: (measured, closed form) {differing}"
-        assert len(expected) == 4 * n  # params, grads, optimizer and comm of every rank
+        assert len(expected) == 5 * n  # params, grads, optimizer, activations and comm of every rank
 
 
 def test_activation_memory_is_the_same_whatever_strategy_shards_the_model_states(job):
@@ -125,6 +148,11 @@ def test_zero3_model_states_per_rank_are_dp_over_n_up_to_uneven_shards_and_equal
     assert n * (1 - 1e-3) <= dp_state / z3_rank0 <= n
 
 
+def test_units_released_by_zero3_and_fsdp_are_really_freed_before_the_next_gather(job):
+    n, report = job
+    assert [e["released_alive"] for e in report] == [0] * len(report)
+
+
 def test_overlapped_buckets_are_still_in_flight_when_the_next_block_finishes_its_backward(job):
     # Bucket k+1 is posted only after the next block's backward; bucket k's messages completing
     # after that post shows its communication overlapped that backward (trace of rank 0, step 0).
@@ -138,9 +166,13 @@ def test_overlapped_buckets_are_still_in_flight_when_the_next_block_finishes_its
 
 
 def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the_closed_forms():
+    # Dropout off here (on in the job above): the activation closed form loses its masks.
     summary = refpar_json(2, "train", "--mesh", "dp=2", "--zero", "3", "--steps", "2",
-                          "--microbatches", "2", "--check", timeout=120)
+                          "--microbatches", "2", "--dropout", "0", "--check", timeout=120)
     assert summary["zero"] == 3 and summary["world_size"] == 2 and summary["microbatches"] == 2
+    state = summary["data_parallel"]["model_state_bytes"]
+    assert summary["data_parallel"]["strategy"] == "zero3" and state[0] == state[1]
+    assert state[0] == sum(model_state_bytes(model_preset("tiny"), 2, 0, Options("zero3")).values())
     assert len(summary["reference_losses"]) == 2
     assert summary["max_loss_rel_diff"] <= TOL and summary["max_param_rel_diff"] <= TOL
     key = ("rank", "op")
@@ -149,6 +181,7 @@ def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the
     measured = {(r["rank"], r["category"]): r["bytes"] for r in summary["memory_peak_bytes"]}
     assert all(measured[(r["rank"], r["category"])] == r["bytes"]
                for r in summary["expected_memory_peak_bytes"])
+    assert len(summary["expected_memory_peak_bytes"]) == 2 * 5
 
 
 @pytest.mark.parametrize("args, words", [
@@ -157,6 +190,66 @@ def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the
     (["--zero", "4"], "invalid choice: 4"),
 ])
 def test_bad_data_parallel_options_exit_with_one_sentence(args, words):
-    proc = mpiexec(1, "-m", "refpar", "train", *args, check=False, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "refpar", "train", *args], cwd=ROOT, env=mpi_env(),
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_float32_and_sgd_runs_still_match_the_memory_and_byte_closed_forms():
+    # 4-byte elements and no optimizer state: the forms scale with the dtype and optimizer in use.
+    summary = refpar_json(3, "train", "--mesh", "dp=3", "--fsdp", "--prefetch", "--steps", "2",
+                          "--dtype", "float32", "--optimizer", "sgd", timeout=120)
+    assert summary["dtype"] == "float32"
+    for measured_key, expected_key, value in (("comm_bytes", "expected_comm_bytes", "bytes_sent"),
+                                              ("memory_peak_bytes", "expected_memory_peak_bytes", "bytes")):
+        index = ("op", "category")[measured_key == "memory_peak_bytes"]
+        measured = {(r["rank"], r[index]): r[value] for r in summary[measured_key]}
+        expected = {(r["rank"], r[index]): r[value] for r in summary[expected_key]}
+        assert measured == expected
+    assert all(r["bytes"] == 0 for r in summary["memory_peak_bytes"] if r["category"] == "optimizer")
+
+
+SHAPES_SCRIPT = r"""
+import json
+from refpar.comm.communicator import abort_on_error, world
+from refpar.comm.trace import Tracer
+from refpar.config import ModelConfig, TrainConfig
+from refpar.parallel.dp_runner import (expected_rows, gather_rows, options, reference_diffs,
+                                       run_data_parallel)
+
+SHAPES = [  # (model, train, microbatches): one block with the embedding the largest unit; and
+    # two blocks of 24 channels and 3 heads with a small vocabulary; batches that do not divide
+    (ModelConfig(vocab_size=500, n_positions=8, n_embd=16, n_head=2, n_layer=1),
+     TrainConfig(steps=2, batch_size=7, seq_len=8, seed=5), 2),
+    (ModelConfig(vocab_size=40, n_positions=12, n_embd=24, n_head=3, n_layer=2, dropout=0.2),
+     TrainConfig(steps=2, batch_size=5, seq_len=12, seed=6), 1),
+]
+STRATEGIES = [("dp", dict(bucket_elems=700, overlap=True)), ("zero1", {}), ("zero2", {}),
+              ("zero3", {}), ("fsdp", dict(prefetch=True)), ("fsdp", dict(reshard_after_forward=False))]
+out = []
+with abort_on_error():
+    for model, train, microbatches in SHAPES:
+        for strategy, kwargs in STRATEGIES:
+            comm = world(Tracer())
+            opts = options(strategy, model, train, microbatches=microbatches, **kwargs)
+            run = run_data_parallel(opts, model, train, comm, gather_params=True)
+            measured = gather_rows(comm, run)
+            if comm.rank == 0:
+                expected = expected_rows(opts, model, train, comm.size)
+                diffs = reference_diffs(model, train, run)
+                out.append(dict(case=f"L={model.n_layer} {strategy} {kwargs}",
+                                same_comm=sorted(map(str, measured[0])) == sorted(map(str, expected[0])),
+                                same_memory=sorted(map(str, measured[1])) == sorted(map(str, expected[1])),
+                                loss=diffs["max_loss_rel_diff"], param=diffs["max_param_rel_diff"]))
+    if comm.rank == 0:
+        print(json.dumps(out), flush=True)
+"""
+
+
+def test_closed_forms_and_exactness_hold_for_other_shapes_where_units_and_batches_split_unevenly():
+    proc = run_script(3, SHAPES_SCRIPT, timeout=240)
+    cases = json.loads(proc.stdout.strip().splitlines()[-1])
+    wrong = [c for c in cases if not (c["same_comm"] and c["same_memory"] and c["loss"] <= TOL
+                                      and c["param"] <= TOL)]
+    assert len(cases) == 12 and not wrong, wrong

@@ -29,7 +29,7 @@ def assert_matches_single_device(rows):
         assert r["reference_is_trainer"], r  # the stats' reference is the trainer's run
         assert r["loss_diff"] <= 1e-10 and r["param_diff"] <= 1e-10, r
         assert r["same_dropped"] and r["same_tokens_per_expert"] and r["same_aux"] <= 1e-15, r
-        assert r["bytes_match"], r  # traced all-to-all and count bytes == closed forms
+        assert r["bytes_match"], r  # traced bytes per (axis, op) and expert memory == closed forms
         assert (min(r["dropped"]) > 0) == r["case"].endswith("_drops"), r
 
 
@@ -97,7 +97,13 @@ def test_train_cli_reports_routing_per_step_and_matches_one_device_with_closed_f
         for kept, lost in zip(step, dropped, strict=True):
             assert max(kept) <= cap and sum(kept) + lost == 8 * 16 * 2
     assert len(moe["aux_loss"]) == 3 and all(a > 0 for a in moe["aux_loss"])
+    assert moe["capacity"] == cap and moe["experts_per_ep_rank"] == [[0, 1], [2, 3]]
+    for sends, kept in zip(moe["kept_counts"], moe["tokens_per_expert"], strict=True):
+        for per_rank, per_expert in zip(sends, kept, strict=True):  # (D, E) rows add up per expert
+            assert np.sum(per_rank, axis=0).tolist() == per_expert
     assert s["comm_bytes"] == s["expected_comm_bytes"]
+    assert s["memory_peak_bytes"] == s["expected_memory_peak_bytes"]
+    assert {r["category"] for r in s["memory_peak_bytes"]} == {"params", "grads", "optimizer"}
     assert {(r["axis"], r["op"]) for r in s["comm_bytes"]} == {
         ("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce")}
 
@@ -105,6 +111,8 @@ def test_train_cli_reports_routing_per_step_and_matches_one_device_with_closed_f
 @pytest.mark.parametrize("args, sentence", [
     (["--mesh", "ep=4", "--moe-experts", "2"], "moe_experts=2 is fewer than ep=4; use at least 4 experts"),
     (["--mesh", "ep=2"], "ep=2 spreads experts over ranks; add --moe-experts E with E >= 2"),
+    (["--moe-experts", "4", "--zero", "1"],
+     "--zero does not combine with --moe-experts; MoE runs over dp and ep only, so drop --zero"),
 ])
 def test_train_cli_refuses_a_bad_expert_setup_in_one_sentence(args, sentence):
     import subprocess
@@ -116,3 +124,42 @@ def test_train_cli_refuses_a_bad_expert_setup_in_one_sentence(args, sentence):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"refpar train: error: {sentence}"
+
+
+def test_routing_figure_draws_the_runs_counts():
+    from refpar.viz.moe import routing_figure
+
+    moe = {"blocks": [1, 3], "capacity": 5,
+           "tokens_per_expert": [[[5, 3, 4, 2], [1, 1, 1, 1]], [[5, 5, 1, 0], [2, 2, 2, 2]]],
+           "dropped": [[2, 0], [6, 0]],
+           "kept_counts": [[[[3, 1, 2, 1], [2, 2, 2, 1]], [[0] * 4] * 2],
+                           [[[2, 3, 1, 0], [3, 2, 0, 0]], [[1] * 4] * 2]],
+           "experts_per_ep_rank": [[0, 1], [2, 3]]}
+    fig = routing_figure(moe, block_index=0, step=-1)
+    kept, sends = fig.data
+    assert [list(r) for r in kept.z] == [[5, 3, 4, 2], [5, 5, 1, 0]]
+    assert [list(r) for r in sends.z] == [[2, 3, 1, 0], [3, 2, 0, 0]]
+    assert [list(r) for r in kept.customdata] == [[2] * 4, [6] * 4]
+    assert [s["x0"] for s in fig.layout.shapes] == [1.5]  # between ep rank 0's and 1's experts
+    assert "capacity 5" in fig.layout.annotations[0].text and "step 2" in fig.layout.annotations[1].text
+
+
+def test_uniform_all_to_all_bytes_agree_with_the_planners_ep_term():
+    """refpar.analysis.step_time prices the ep all-to-all of any model; for refpar's own dropless
+    MoE GPT-2 its bytes per rank per step equal this file's uniform-routing expectation."""
+    from refpar.analysis.hardware import hardware
+    from refpar.analysis.presets import ModelSpec
+    from refpar.analysis.scale import PRECISIONS
+    from refpar.analysis.step_time import step_time
+
+    config = ModelConfig(moe_experts=8, moe_top_k=2, moe_dropless=True)
+    spec = ModelSpec("refpar-moe", config.n_layer, config.n_embd, config.n_head,
+                     vocab_size=config.vocab_size, seq_len=16, global_batch=8, n_experts=8, top_k=2,
+                     moe_d_ff=4 * config.n_embd)
+    for dp, ep in [(1, 2), (1, 4), (2, 2)]:
+        tokens = 8 * 16 // (dp * ep)
+        _, sent, _ = step_time(spec, hardware("h100"), global_batch=8, micro_batch=8 // (dp * ep),
+                               seq=16, dp=dp, ep=ep, precision=PRECISIONS["float64"],
+                               dtype="float64")
+        ours = config.n_layer * moe_analysis.expected_all_to_all_bytes(config, tokens, dp * ep, ep, 8)
+        assert ours > 0 and float(sent["ep"]) == pytest.approx(ours, rel=1e-12)

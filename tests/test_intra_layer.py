@@ -18,6 +18,14 @@ from refpar.config import ConfigError, ModelConfig, model_preset
 from tests.mpi import mpiexec
 
 TOL = 1e-10  # float64; differences come only from the order of sums across ranks
+# float32 rounds at 6e-8 and the ranks sum in another order than one device, so its runs agree to
+# about 1e-7 (losses) and 5e-7 (parameters); they use SGD, because AdamW's m / sqrt(v) turns that
+# rounding on near-zero gradients into steps of order lr.
+TOL_FLOAT32 = 1e-5
+
+
+def _tol(spec: dict) -> float:
+    return TOL_FLOAT32 if spec.get("model", {}).get("dtype") == "float32" else TOL
 
 # Each covers something the others do not: a vocabulary of 95 does not divide tp = 2 or 4, and
 # sequences of 15 and 14 do not divide tp, cp or 2cp (the zig-zag chunks).
@@ -27,13 +35,21 @@ LAYOUTS = {
         {"mesh": {"tp": 2}, "sp": True, "model": {"vocab_size": 95}},
         {"mesh": {"cp": 2}, "cp_algo": "ring", "seq_len": 15},
         {"mesh": {"cp": 2}, "cp_algo": "ulysses", "seq_len": 15},
+        # Without dropout the caches keep less (no masks; the attention's dropped probabilities
+        # are its probabilities): the closed forms must follow.
+        {"mesh": {"tp": 2}, "sp": True, "seq_len": 15, "model": {"dropout": 0.0}},
+        {"mesh": {"cp": 2}, "cp_algo": "ring", "seq_len": 15, "model": {"dropout": 0.0}},
+        # float32: 4-byte activations in the closed forms, the loss still all-reduced as a float64.
+        {"mesh": {"cp": 2}, "cp_algo": "ring", "seq_len": 15, "model": {"dtype": "float32"},
+         "optimizer": "sgd"},
     ],
     4: [
         {"mesh": {"tp": 4}, "model": {"vocab_size": 95}},
         {"mesh": {"tp": 4}, "sp": True, "seq_len": 15},
         {"mesh": {"cp": 4}, "cp_algo": "ring", "seq_len": 15},
-        {"mesh": {"cp": 4}, "cp_algo": "ulysses", "seq_len": 14},
-        {"mesh": {"dp": 2, "tp": 2}, "sp": True, "model": {"vocab_size": 95}},
+        # 6 heads over 4 ranks: Ulysses splits heads unevenly too (2, 2, 1, 1).
+        {"mesh": {"cp": 4}, "cp_algo": "ulysses", "seq_len": 14, "model": {"n_embd": 48, "n_head": 6}},
+        {"mesh": {"dp": 2, "tp": 2}, "model": {"vocab_size": 95}},
         {"mesh": {"tp": 2, "cp": 2}, "cp_algo": "ring", "seq_len": 15},
     ],
 }
@@ -42,8 +58,10 @@ LAYOUTS = {
 def _name(spec: dict) -> str:
     mesh = ",".join(f"{a}={n}" for a, n in spec["mesh"].items())
     extra = [k for k in ("sp",) if spec.get(k)] + [spec.get("cp_algo")] * ("cp_algo" in spec)
-    return " ".join([mesh, *extra, f"T={spec.get('seq_len', 16)}",
-                     f"V={spec.get('model', {}).get('vocab_size', 96)}"])
+    model = spec.get("model", {})
+    return " ".join([mesh, *extra, f"T={spec.get('seq_len', 16)}", f"V={model.get('vocab_size', 96)}",
+                     f"dropout={model.get('dropout', 0.1)}", model.get("dtype", "float64"),
+                     spec.get("optimizer", "adamw")])
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +76,7 @@ def results() -> list[dict]:
 
 def test_tp_sp_ring_and_ulysses_run_unchanged_on_torch_tensors():
     pytest.importorskip("torch")
-    layouts = [{**spec, "backend": "torch"} for spec in LAYOUTS[2][1:]]  # tp+sp, ring, Ulysses
+    layouts = [{**spec, "backend": "torch"} for spec in LAYOUTS[2][1:4]]  # tp+sp, ring, Ulysses
     proc = mpiexec(2, "tests/intra_layer_job.py", json.dumps(layouts), timeout=240)
     got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(got) == len(layouts)
@@ -68,12 +86,12 @@ def test_tp_sp_ring_and_ulysses_run_unchanged_on_torch_tensors():
             assert x["comm_mismatches"] == [] and x["activation_peak"] == x["activation_expected"]
 
 
-def test_every_layout_matches_single_device_after_3_adamw_steps_with_dropout(results):
+def test_every_layout_matches_single_device_after_3_steps_with_dropout(results):
     for r in results:
         loss = max(x["loss_rel_diff"] for x in r["ranks"])
         param = max(x["param_rel_diff"] for x in r["ranks"])
-        print(f"{_name(r['spec']):38s} loss rel diff {loss:.1e}  param rel diff {param:.1e}")
-        assert loss <= TOL and param <= TOL, _name(r["spec"])
+        print(f"{_name(r['spec']):50s} loss rel diff {loss:.1e}  param rel diff {param:.1e}")
+        assert loss <= _tol(r["spec"]) and param <= _tol(r["spec"]), _name(r["spec"])
 
 
 def test_traced_bytes_equal_the_closed_form_call_by_call_on_every_rank(results):
@@ -151,3 +169,14 @@ def test_bytes_of_one_layer_reduce_to_the_papers_formulas(kind, p):
     calls = expected_calls(model, train, {axis: p}, {axis: 1}, sp=kind == "sp", cp_algo=algo)
     layer = sum(c.bytes_sent for c in calls if c.tag.startswith("h.0."))
     assert layer == paper_bytes_per_layer(kind, 2, 32, 32, p, 8)
+
+
+def test_zigzag_chunks_give_every_cp_rank_the_same_causal_work_and_contiguous_ones_do_not():
+    from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
+
+    T, c = 64, 4
+    zigzag = [causal_work(zigzag_positions(T, c, r)) for r in range(c)]
+    contiguous = [causal_work(contiguous_positions(T, c, r)) for r in range(c)]
+    print(f"causal (q, k) pairs per cp rank, T={T}, cp={c}: zig-zag {zigzag}, contiguous {contiguous}")
+    assert len(set(zigzag)) == 1 and sum(zigzag) == T * (T + 1) // 2
+    assert max(contiguous) > 3 * min(contiguous)

@@ -233,3 +233,13 @@ def test_loss_sums_over_shards_to_the_global_mean_and_dropout_depends_on_sample_
     logits = gpt.forward(params, tokens, config)
     expected, _ = cross_entropy_forward(logits, targets, tokens.size)
     assert abs(no_drop - float(expected)) < 1e-14
+
+
+def test_explicit_positions_with_dropout_on_are_refused_rather_than_drawn_wrong():
+    config, params, tokens, _ = tiny_batch()
+    drop = gpt.DropoutContext(1, 0, (0, 1), 0.1, True)
+    with pytest.raises(ValueError, match="explicit positions need dropout off"):
+        gpt.embed_forward(tokens, params, drop, positions=np.arange(4, 12))
+    x, _ = gpt.embed_forward(tokens, params, gpt.NO_DROPOUT, positions=np.arange(8))
+    y, _ = gpt.embed_forward(tokens, params)
+    assert np.array_equal(x, y)

@@ -143,16 +143,17 @@ def test_one_expert_top1_is_gpt2_mlp_and_uniform_router_aux_loss_is_alpha():
     assert abs(float(cache["routing"]["z_loss"]) - 0.2 * np.mean(logit**2)) < 1e-14
 
 
-def test_moe_runs_on_array_api_strict_with_numpys_numbers():
-    xps = pytest.importorskip("array_api_strict")
+@pytest.mark.parametrize("backend", ["array_api_strict", "torch"])
+def test_moe_runs_on_other_array_namespaces_with_numpys_numbers(backend):
+    lib = pytest.importorskip(backend)
     config = CASES["top2_drops"]
     gen = np.random.default_rng(10)
     x = gen.standard_normal((B, T, C))
     params = make_params(config, 11)
     out, cache = moe.moe_forward(x, params, 0, config)
     dx, grads = moe.moe_backward(x, cache)
-    sx = xps.asarray(x)
-    sparams = {k: xps.asarray(v) for k, v in params.items()}
+    sx = lib.asarray(x)
+    sparams = {k: lib.asarray(v) for k, v in params.items()}
     sout, scache = moe.moe_forward(sx, sparams, 0, config)
     sdx, sgrads = moe.moe_backward(sx, scache)
     np.testing.assert_allclose(np.asarray(sout), out, rtol=1e-12, atol=1e-14)

@@ -190,15 +190,16 @@ def test_schedule_command_bad_input_is_one_sentence(argv, words, capsys):
     assert words in err and "\n" not in err and err.startswith("refpar schedule: error:")
 
 
-def test_timeline_figure_draws_every_action_at_its_simulated_time():
-    from refpar.viz.pipeline import timeline_figure
+def test_gantt_figure_draws_every_action_at_its_simulated_time_and_shades_the_bubble():
+    from refpar.viz.pipeline import gantt_figure, idle_total
 
     timeline = simulate(zb_h1(3, 4), Costs(1, 1, 1))
-    fig = timeline_figure(timeline, "ZB-H1")
-    drawn = {(y, t, b, x) for trace in fig.data
+    fig = gantt_figure(timeline, "ZB-H1")
+    drawn = {(y, t, b, x) for trace in fig.data if trace.name in "FBW"
              for y, t, b, x in zip(trace.y, trace.text, trace.base, trace.x, strict=True)}
-    expected = {(f"rank {s.rank}", str(s.action), s.start, s.end - s.start)
+    expected = {(s.rank, str(s.action), s.start, s.end - s.start)
                 for row in timeline.slots.values() for s in row}
     assert drawn == expected and len(drawn) == 3 * 4 * 3
-    assert [t.name for t in fig.data] == ["forward", "backward (input grad, or full)", "weight grad"]
-    assert "bubble 14.3%" in fig.layout.title.text  # (p-1)/(3m+p-1) = 2/14
+    # (p-1)/(3m+p-1) = 2/14 of rank-time idle
+    assert idle_total(fig) == sum(map(timeline.idle_time, timeline.slots))
+    assert idle_total(fig) / (3 * timeline.makespan) == 2 / 14

@@ -24,10 +24,12 @@ def test_model_that_fits_one_gpu_gets_data_parallelism_only():
 
 
 def test_one_trillion_parameters_on_4096_gpus_is_searched_in_under_two_seconds():
-    start = time.perf_counter()
+    # CPU time of this process: the test machines run several suites on two shared cores, where
+    # wall time measures the neighbours (seen: 0.15 s of CPU, 1.3 s of wall at load average 17).
+    start = time.process_time()
     result = plan(PRESETS["megatron-1t"], HARDWARE["h100"], 4096)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"search took {elapsed:.2f} s"
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0, f"search took {elapsed:.2f} s of CPU"
     assert result["candidates"] > 10_000
     best = result["plans"][0]
     # 1T parameters need their weights split across nodes: model parallel within the node and
@@ -97,6 +99,8 @@ def _cli(*args):
         (["--model", "llama3-405b", "--gpus", "8", "--hardware", "h100"], "fits on no mesh"),
         (["--model", "gpt2", "--gpus", "12"], "whole number of 8-GPU"),
         (["--model", "gpt2", "--gpus", "8", "--seq", "4096"], "learns 1024 positions"),
+        (["--model", "gpt2", "--gpus", "8", "--hardware", "a100", "--dtype", "fp8"],
+         "a100 has no fp8 peak listed"),
     ],
 )
 def test_cli_refusals_are_one_sentence_without_traceback(args, words):
@@ -107,9 +111,12 @@ def test_cli_refusals_are_one_sentence_without_traceback(args, words):
     assert done.stdout == ""
 
 
-def test_cli_json_gives_the_ranked_plans():
-    done = _cli("--model", "llama2-7b", "--gpus", "16", "--hardware", "a100", "--top", "2", "--json")
+def test_cli_json_gives_the_ranked_plans(tmp_path):
+    figure = tmp_path / "plan.html"
+    done = _cli("--model", "llama2-7b", "--gpus", "16", "--hardware", "a100", "--top", "2", "--json",
+                "--figure", str(figure))
     assert done.returncode == 0, done.stderr
+    assert "plotly" in figure.read_text()
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(result["plans"]) == 2 and result["gpus"] == 16
     assert set(result["plans"][0]["memory_bytes"]) == {"params", "grads", "optimizer",

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from refpar.config import TrainConfig, model_preset
+from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.model.data import MarkovCorpus
 from refpar.report import SUMMARY_FIELDS
 from refpar.trainer import train_single_device
@@ -38,6 +38,8 @@ def test_markov_floor_is_the_empirical_mean_negative_log_likelihood_of_the_chain
     # keyed by sample id: a data-parallel rank's slice equals the global rows
     part, _ = corpus.batch(0, [150, 151], 32)
     assert np.array_equal(part, tokens[150:152])
+    with pytest.raises(ConfigError, match="vocab_size=3 is too small"):
+        MarkovCorpus(3, seed=0)
 
 
 def test_train_json_summary_is_the_last_line_with_every_summary_field_and_the_reference_losses():

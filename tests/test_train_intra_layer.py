@@ -3,6 +3,10 @@ forms, and layouts that cannot work stop every rank with one sentence."""
 
 from __future__ import annotations
 
+import json
+
+from refpar.analysis.intra_layer import expected_calls
+from refpar.config import TrainConfig, model_preset
 from tests.mpi import mpiexec, refpar_json
 
 
@@ -17,11 +21,18 @@ def test_train_json_dp_tp_sp_matches_one_device_and_the_closed_forms():
     assert s["memory_peak_bytes"] == s["expected_memory_peak_bytes"]
 
 
-def test_train_json_ring_cp_reports_its_point_to_point_bytes():
-    s = refpar_json(2, "train", "--mesh", "cp=2", "--cp-algo", "ring", "--steps", "2", "--check")
+def test_train_json_ring_cp_reports_its_point_to_point_bytes_and_traces_the_last_step(tmp_path):
+    trace = tmp_path / "ring.json"
+    s = refpar_json(2, "train", "--mesh", "cp=2", "--cp-algo", "ring", "--steps", "2", "--check",
+                    "--trace", str(trace))
     assert s["max_loss_rel_diff"] <= 1e-10 and s["max_param_rel_diff"] <= 1e-10
     assert s["comm_bytes"] == s["expected_comm_bytes"]
     assert {r["op"] for r in s["comm_bytes"]} == {"isend", "irecv", "all_reduce"}
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    model, train = model_preset("tiny"), TrainConfig(steps=2)
+    for rank in (0, 1):
+        want = expected_calls(model, train, {"cp": 2}, {"cp": rank}, cp_algo="ring")
+        assert len([e for e in events if e["pid"] == rank]) == len(want)
 
 
 def test_a_layout_that_cannot_work_exits_2_with_its_sentence_and_no_traceback():

@@ -10,8 +10,9 @@ GPUs), so a collective whose group spans nodes runs at the per-GPU InfiniBand ba
 
 Latencies are the per-step ring latencies of NCCL's own cost model (src/graph/tuning.cc, `hwLat`,
 Ring/Simple: 5.7 us over NVLink, 6.6 us over the network) and its per-call base latency
-(`baseLat`, Ring/Simple: 8.4 us). Simple is the protocol NCCL picks for the large messages of
-training (gradients, activations).
+(`baseLat`, Ring/Simple: 8.4 us), as in NCCL 2.x releases whose tables have these entries (they
+change between releases). Simple is the protocol NCCL picks for the large messages of training
+(gradients, activations).
 """
 
 from __future__ import annotations

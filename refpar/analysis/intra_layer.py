@@ -17,7 +17,7 @@ trace call by call; each call's bytes come from refpar.comm.cost):
   blocks of their gradients; each an isend on this rank and an irecv from the previous one.
 - Ulysses (Jacobs et al. 2023): per layer one all-to-all of q, k, v and one of the output forward,
   the same two backward.
-- cp and dp: one all-reduce of every gradient this rank holds, and one of the loss (1 element).
+- cp and dp: one all-reduce of every gradient this rank holds, and one of the loss (1 float64).
 """
 
 from __future__ import annotations
@@ -187,8 +187,9 @@ def expected_calls(model: ModelConfig, train: TrainConfig, sizes: dict, coords: 
     for axis in ("cp", "dp"):
         p = sizes.get(axis, 1)
         if p > 1:
-            for tag, n in ((f"grads.{axis}:bwd", grads), (f"loss.{axis}:report", 1)):
-                b = cost.all_reduce_bytes(n, p, coords.get(axis, 0), s.e)
+            # The loss travels as a float64 whatever the model's dtype (it is a Python float).
+            for tag, n, e in ((f"grads.{axis}:bwd", grads, s.e), (f"loss.{axis}:report", 1, 8)):
+                b = cost.all_reduce_bytes(n, p, coords.get(axis, 0), e)
                 calls.append(Call(axis, "all_reduce", tag, b.sent, b.recv))
     return calls
 

@@ -1,4 +1,4 @@
-"""Per-rank memory of model states under data parallelism, ZeRO 1/2/3 and FSDP, in closed form.
+"""Per-rank memory under data parallelism, ZeRO 1/2/3 and FSDP, in closed form.
 
 Two levels:
 - The ZeRO paper's forms (Rajbhandari et al. 2020, sec. 5 and Figure 1): with Ψ parameters, N
@@ -13,15 +13,21 @@ Two levels:
 
 The peaks add what the implementation holds transiently on top of the persistent states, exactly:
 a piece's freshly returned gradients before they are folded into a buffer, a unit's full gradient
-before its reduce-scatter, gathered units, and collective outputs not yet consumed.
+before its reduce-scatter, gathered units, and collective outputs not yet consumed. The optimizer's
+elementwise temporaries (one parameter segment, written back at once) are not counted, like any
+other intermediate of a single expression. `activation_peak_bytes` gives the fifth category.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+from refpar.analysis.activations import head_bytes, layer_bytes
+from refpar.analysis.intra_layer import RankShape
 from refpar.config import ConfigError, ModelConfig
-from refpar.sharding import shard_sizes
+from refpar.sharding import shard_range, shard_sizes
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 ROOT = "root"  # the unit of wte, wpe and ln_f: used by the embedding and again by the tied head
@@ -131,7 +137,8 @@ def model_state_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> 
 
 def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[str, int]:
     """Peak bytes per category (params, grads, optimizer, comm) during a training step, exactly as
-    refpar's implementation holds them (see refpar/parallel/zero.py for the sequence of events)."""
+    refpar's implementation holds them (the sequences of events are in refpar/parallel/
+    data_parallel.py, zero.py and fsdp.py)."""
     state = model_state_bytes(config, n, rank, opts)
     b, L = opts.itemsize, config.n_layer
     sizes, shards, pieces = unit_sizes(config), shard_elems(config, n, rank), piece_grad_sizes(config)
@@ -240,3 +247,29 @@ def overlap_comm_peak(config: ModelConfig, n: int, rank: int, bucket_elems: int)
     while flight:
         advance_all()
     return peak
+
+
+def activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:
+    """Bytes each piece's cache keeps for the backward of a micro-batch of b sequences of T tokens
+    (an array several caches share counts once, parameters not at all). A block and the head keep
+    what `refpar.analysis.activations` counts for one rank without tensor, sequence or context
+    parallelism (Korthikanti et al. 2022's terms as refpar keeps them); the model's own embedding
+    keeps the int64 tokens and positions and, with dropout, its mask."""
+    e = np.dtype(config.dtype).itemsize
+    rank = RankShape(B=b, T=T, Ta=T, Tl=T, t=1, c=1, nh=config.n_head, V=config.vocab_size, e=e,
+                     cp_tokens=(T,), cp_rank=0)
+    dropout = config.dropout > 0.0
+    return {
+        "embed": 8 * b * T + 8 * T + (e * b * T * config.n_embd if dropout else 0),
+        "block": layer_bytes(config, rank, "local", dropout),
+        "head": head_bytes(config, rank),
+    }
+
+
+def activation_peak_bytes(config: ModelConfig, n: int, rank: int, microbatches: int, batch_size: int,
+                          seq_len: int) -> int:
+    """Peak activation bytes on `rank`: everything the largest micro-batch keeps at its head."""
+    lo, hi = shard_range(batch_size, n, rank)
+    b = max(shard_sizes(hi - lo, microbatches))
+    pieces = activation_bytes(config, b, seq_len)
+    return pieces["embed"] + config.n_layer * pieces["block"] + pieces["head"]

@@ -112,3 +112,11 @@ def step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], kept_
             expert_params_per_rank(config, ep, coords["ep"]), dp, coords["dp"], itemsize))
     add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data, data_rank, 8))  # the losses
     return out
+
+
+def model_state_bytes(config, ep: int, ep_rank: int, optimizer: str) -> dict[str, int]:
+    """Peak bytes per category of what ep rank `ep_rank` holds in an expert-parallel run: the dense
+    weights and its experts, their gradients (one dict at a time) and AdamW's m and v."""
+    itemsize = np.dtype(config.dtype).itemsize
+    held = (dense_params(config) + expert_params_per_rank(config, ep, ep_rank)) * itemsize
+    return {"params": held, "grads": held, "optimizer": {"adamw": 2, "sgd": 0}[optimizer] * held}

@@ -3,8 +3,9 @@
 A plan is a mesh (dp, tp, pp, cp, ep: world = their product, laid out as refpar.config.MESH_AXES)
 and the options that change memory and time: ZeRO stage, micro-batch size, pipeline schedule
 (with its chunks per stage), activation recomputation. The sizes are enumerated in Python (a few
-hundred meshes), the options as NumPy arrays, and every candidate of one (schedule, recompute)
-pair is priced by one call of scale.memory_per_rank and step_time.step_time.
+hundred meshes), the options as NumPy arrays: for each (schedule, recompute) pair one call of
+scale.memory_per_rank prices every candidate's memory, and one call of step_time.step_time the
+time of those that fit.
 
 Validity (what Megatron-LM accepts): tp within a node and dividing the KV heads; pp dividing the
 layers (v * pp for interleaving, whose micro-batches must also be a multiple of pp); cp dividing
@@ -135,6 +136,7 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
         )
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    hw.flops(dtype)  # an unknown dtype is refused before any pricing
     mesh = meshes(spec, gpus, hw, global_batch, seq)
     if len(mesh) == 0:
         raise ConfigError(
@@ -221,8 +223,9 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
             f"GPUs, a smaller global batch or a shorter sequence"
         )
     total_memory = sum(c.memory.values())
-    # Fastest first. Plans within 0.1% of each other's time are a tie, and the tie goes to the
-    # simpler plan: fewer parallel axes besides dp, then the lower ZeRO stage, then less memory.
+    # Fastest first, times compared in steps of 0.1% of the fastest: within a step the simpler
+    # plan goes first (fewer parallel axes besides dp, then the lower ZeRO stage), then the one
+    # that leaves more memory free.
     seconds = c.times["total"]
     bucket = np.floor(seconds / (seconds.min() * 1e-3))
     axes = sum((c.columns[k] > 1).astype(int) for k in ("tp", "pp", "cp", "ep"))

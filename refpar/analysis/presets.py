@@ -165,10 +165,18 @@ PRESETS: dict[str, ModelSpec] = {
 
 def from_model_config(config: ModelConfig, global_batch: int = 1) -> ModelSpec:
     """The spec of a model refpar trains (GPT-2's shape, refpar.config.ModelConfig), so a small
-    run's ledger and trace can be set against the same formulas the planner uses."""
+    run's ledger and trace can be set against the same formulas the planner uses.
+
+    refpar's MoE blocks (refpar/model/moe.py) are GPT-2 MLPs of width 4C behind a (C, E) router,
+    without shared experts. The spec counts its MoE blocks and puts its dense ones first, so
+    per-stage splits (pp > 1) are refpar's own when the MoE blocks are the last ones.
+    """
+    moe = len(config.moe_blocks)
     return ModelSpec("refpar", config.n_layer, config.n_embd, config.n_head,
                      vocab_size=config.vocab_size, seq_len=config.n_positions,
-                     global_batch=global_batch, dropout=config.dropout > 0)
+                     global_batch=global_batch, dropout=config.dropout > 0,
+                     n_experts=config.moe_experts if moe else 0, top_k=config.moe_top_k if moe else 0,
+                     moe_d_ff=4 * config.n_embd if moe else 0, n_dense_layers=config.n_layer - moe)
 
 
 def preset(name: str) -> ModelSpec:

@@ -55,13 +55,15 @@ PRECISIONS = {
 
 
 def in_flight(schedule: str, pp, m, chunks=1):
-    """(first stage, last stage) micro-batches whose activations are held at the peak.
+    """(first stage, last stage) micro-batches whose full activations are held at the peak, from
+    their F until their B.
 
     GPipe keeps all m (Huang et al. 2019). 1F1B keeps p on the first stage and one on the last
     (Narayanan et al. 2021, Section 2.2.1). Interleaving with v chunks keeps p (1 + (p-1)/(pv))
     on the first (Korthikanti et al. 2022, Section 4.2.3); its last stage warms up (v-1)p + 1
     chunks of one v-th of the layers (Megatron-LM's interleaved schedule). ZB-H1 keeps 1F1B's
-    peak, ZB-H2 2p - 1 (Qi et al. 2023, Table 1).
+    p and 1, ZB-H2 2p - 1 on the first stage (Qi et al. 2023, Section 3). These are the peaks of
+    refpar's schedule builders (`schedules.stored`, divided by v).
     """
     pp, m = np.asarray(pp), np.asarray(m)
     if schedule == "gpipe":
@@ -73,6 +75,21 @@ def in_flight(schedule: str, pp, m, chunks=1):
     if schedule == "zb-h2":
         return np.minimum(2 * pp - 1, m), np.ones_like(pp)
     raise ConfigError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def held_until_w(schedule: str, pp, m, chunks=1):
+    """(first stage, last stage) micro-batches holding anything for backward, from F until W.
+
+    A zero-bubble schedule defers W: after its B a micro-batch still keeps the linear layers'
+    inputs and output gradients, nearly its full activations, so every stage, the last included,
+    holds p (ZB-H1) or 2p - 1 (ZB-H2) micro-batches (Qi et al. 2023, Section 3; the peaks of
+    `schedules.peak_inflight_microbatches`). The memory model prices them as full activations:
+    an upper bound. Without a split backward this is `in_flight`.
+    """
+    first, last = in_flight(schedule, pp, m, chunks)
+    if schedule in ("zb-h1", "zb-h2"):
+        return first, first
+    return first, last
 
 
 def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=False,
@@ -181,8 +198,9 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
     params, grads, optimizer: ZeRO stage 1 shards the optimizer state (master weights included),
     2 the gradients too, 3 the weights too (Rajbhandari et al. 2020, Section 5 and Figure 1),
     over the ranks that hold the same weights. activations: `layer_activation_bytes` times the
-    layers of a stage times the micro-batches the schedule holds, plus the embedding's dropout
-    mask on the first stage and the final norm, head input and fp32 logits on the last
+    layers of a stage times the micro-batches the schedule holds (`held_until_w`), plus the
+    embedding's dropout mask on the first stage and the final norm, head input and fp32 logits
+    on the last
     (Korthikanti et al. 2022, Section 4.3). comm: send and receive buffers of one activation for
     the pipeline, and ZeRO-3's two gathered blocks (the one computing and the one prefetched).
     sp defaults to on whenever tp > 1 (it costs no extra bytes on the wire: Korthikanti et al.
@@ -198,7 +216,7 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
     def states(shared, expert):
         return model_states(shared, zero, dp * ep * cp, pr, expert, dp * cp)
 
-    first_hold, last_hold = in_flight(schedule, pp, microbatches, chunks)
+    first_hold, last_hold = held_until_w(schedule, pp, microbatches, chunks)
     act_kw = dict(tp=tp, cp=cp, sp=sp, precision=pr)
     per_layer = {
         kind: layer_activation_bytes(spec, micro_batch, seq, recompute=recompute, moe=kind, **act_kw)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refpar.analysis.flops import forward_flops, model_flops
+from refpar.analysis.flops import forward_flops, layer_params, model_flops
 from refpar.analysis.hardware import Hardware
 from refpar.analysis.presets import ModelSpec
 from refpar.analysis.scale import PRECISIONS, Precision, layer_activation_bytes, stage_params
@@ -89,6 +89,14 @@ def collective_choice(op: str, size, n, bandwidth, latency, call_latency):
     return np.where(n > 1, np.minimum(ring, tree), 0.0), np.where(tree < ring, "tree", "ring")
 
 
+def stage_replicated(spec: ModelSpec) -> float:
+    """Weights a block keeps whole on every tensor-parallel rank (norms, row-parallel biases,
+    router), averaged over its dense and MoE blocks."""
+    dense, moe = layer_params(spec, False), layer_params(spec, True)
+    n_moe = spec.n_moe_layers
+    return ((spec.n_layer - n_moe) * dense.replicated + n_moe * moe.replicated) / spec.n_layer
+
+
 def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1):
     """(work, bubble, exposed p2p) of one step on the busiest stage, in seconds.
 
@@ -118,16 +126,17 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
               precision: Precision = PRECISIONS["bf16"], dtype="bfloat16", efficiency=0.75):
     """Predicted time of one optimizer step, split by cause, with bytes per rank per axis.
 
-    `efficiency` is the fraction of peak FLOP/s the matmuls reach; it is an assumption of the
-    model, not a measurement (large bf16 GEMMs on A100/H100 reach 70-80% of peak in cuBLAS's
-    published benchmarks; Narayanan et al. 2021 report 52% of peak end-to-end at 1T).
+    `efficiency` is the fraction of peak FLOP/s the matmuls reach: an assumption of the model, not
+    a measurement. With 0.75 the predicted throughput of Narayanan et al. 2021's Table 1 runs is
+    7-21% above what they measured (kernel launches and imperfect overlap are left out);
+    tests/test_analysis_published.py holds it to that band.
 
     Returns (times, bytes, calls): times has compute, bubble, tp, cp, ep, pp, dp, optimizer and
     total in seconds (communication entries are the exposed part), and under "stage" one
     micro-batch's F, B (input gradient), W (weight gradient) and p2p times on the busiest stage;
-    bytes is sent per rank per
-    step by axis; calls names each collective ("tp.all_reduce", "dp.experts.reduce_scatter", ...)
-    with (axis, op, message bytes, ranks, calls per step, seconds per call, algorithm).
+    bytes is sent per rank per step by axis; calls names each collective ("tp.all_reduce",
+    "dp.experts.reduce_scatter", ...) with (axis, op, message bytes, ranks, calls per step,
+    seconds per call, algorithm).
     """
     tp, pp, dp, cp, ep, zero = (np.asarray(x) for x in (tp, pp, dp, cp, ep, zero))
     sp = tp > 1 if sp is None else np.asarray(sp)
@@ -156,33 +165,68 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     compute_f = t_fwd + t_logits + t_memory
     compute_b = 2 * compute_f + extra
 
-    # Tensor parallelism: per block per micro-batch two all-reduces of the (b, s/c, h) activation
-    # forward and two backward, two more when full recomputation reruns the forward (Korthikanti
-    # et al. 2022, Section 4.2.2: with sequence parallelism the same bytes move as reduce-scatter
-    # plus all-gather pairs).
+    # Tensor parallelism (Narayanan et al. 2021, Section 3.2), per micro-batch: per block two
+    # all-reduces of the (b, s/c, h) activation forward (g) and two backward (f), two more when
+    # full recomputation reruns the forward; the vocab-parallel embedding's all-reduce forward;
+    # with the head, its input's all-reduce backward and the cross-entropy's three all-reduces of
+    # (b, s/c) fp32 statistics (max, sum of exponentials, target logit). Sequence parallelism
+    # (Korthikanti et al. 2022, Section 4.2.2) turns each all-reduce into a reduce-scatter and an
+    # all-gather, and, as Megatron-LM does, re-gathers in backward the input each column-parallel
+    # linear kept sharded (two per block, one for the head); once per step it all-reduces the
+    # gradients of the weights applied to the sharded sequence (norms, row-parallel biases,
+    # positions). refpar's tensor parallelism makes the same calls (analysis/intra_layer.py).
+    # Bytes and time are the first stage's, with the head's terms where it is also the last.
     n_tok = micro_batch * seq / cp
     act = e * n_tok * h
     layers_per_stage = spec.n_layer / pp
+    head_here = pp == 1
     bw, lat = link(hw, sizes, "tp")
     t_ar, tp_algo = collective_choice("all_reduce", act, tp, bw, lat, cl)
-    n_bwd_ar = 2 + (2 if recompute == "full" else 0)
-    tp_f = layers_per_stage * 2 * t_ar
-    tp_b = layers_per_stage * n_bwd_ar * t_ar
-    tp_bytes = m * layers_per_stage * (2 + n_bwd_ar) * collective_bytes("all_reduce", act, tp)
-    calls = {"tp.all_reduce": ("tp", "all_reduce", act, tp, m * layers_per_stage * (2 + n_bwd_ar),
-                               t_ar, tp_algo)}
+    t_ag = collective_time("all_gather", act, tp, bw, lat, cl)
+    t_rs = collective_time("reduce_scatter", act, tp, bw, lat, cl)
+    stats = max(e, 4) * n_tok
+    t_stats, stats_algo = collective_choice("all_reduce", stats, tp, bw, lat, cl)
+    redo = 2 if recompute == "full" else 0
+    # Calls per micro-batch, forward and backward: (all-reduces, all-gathers, reduce-scatters).
+    ar_f = np.where(sp, 0, 2 * layers_per_stage + 1)
+    ar_b = np.where(sp, 0, (2 + redo) * layers_per_stage + head_here)
+    ag_f = np.where(sp, 2 * layers_per_stage + head_here, 0)
+    rs_f = np.where(sp, 2 * layers_per_stage + 1, 0)
+    ag_b = np.where(sp, (4 + redo) * layers_per_stage + 1 + head_here, 0)
+    rs_b = np.where(sp, (2 + redo) * layers_per_stage + head_here, 0)
+    n_stats = np.where(head_here, 3, 0)
+    tp_f = ar_f * t_ar + ag_f * t_ag + rs_f * t_rs + n_stats * t_stats
+    tp_b = ar_b * t_ar + ag_b * t_ag + rs_b * t_rs
+    sp_grads = np.where(sp & (tp > 1), precision.grad * (layers_per_stage * stage_replicated(spec)
+                        + (spec.seq_len * h if spec.learned_positions else 0)
+                        + np.where(head_here, 2 * h if spec.norm == "layernorm" else h, 0)), 0)
+    t_sp_grads, sp_algo = collective_choice("all_reduce", sp_grads, tp, bw, lat, cl)
+    tp_bytes = (m * ((ar_f + ar_b) * collective_bytes("all_reduce", act, tp)
+                     + (ag_f + ag_b + rs_f + rs_b) * collective_bytes("all_gather", act, tp)
+                     + n_stats * collective_bytes("all_reduce", stats, tp))
+                + collective_bytes("all_reduce", sp_grads, tp))
+    calls = {
+        "tp.all_reduce": ("tp", "all_reduce", act, tp, m * (ar_f + ar_b), t_ar, tp_algo),
+        "tp.all_gather": ("tp", "all_gather", act, tp, m * (ag_f + ag_b), t_ag, "ring"),
+        "tp.reduce_scatter": ("tp", "reduce_scatter", act, tp, m * (rs_f + rs_b), t_rs, "ring"),
+        "tp.cross_entropy": ("tp", "all_reduce", stats, tp, m * n_stats, t_stats, stats_algo),
+        "tp.sp_grads": ("tp", "all_reduce", sp_grads, tp, np.where(sp_grads > 0, 1, 0), t_sp_grads,
+                        sp_algo),
+    }
 
     # Context parallelism (ring attention, Liu et al. 2023): K and V pass around the ring, c - 1
-    # hops forward; backward passes them again with their gradients. It overlaps the attention core.
+    # hops forward; backward passes them c - 1 hops again and their gradients c hops, home
+    # (refpar's ring attention, analysis/intra_layer.py). It overlaps the attention core.
     bw, lat = link(hw, sizes, "cp")
     kv = 2 * e * n_tok * spec.kv_dim / tp
     hop = collective_time("send", kv, cp, bw, lat, cl)
-    cp_f = layers_per_stage * np.where(cp > 1, (cp - 1) * hop, 0)
+    hops_f = np.where(cp > 1, cp - 1, 0)
+    hops_b = np.where(cp > 1, 2 * cp - 1, 0)
     core_t = core / pp / split / rate
-    cp_exposed_f = np.maximum(0, cp_f - core_t)
-    cp_exposed_b = np.maximum(0, 2 * cp_f - 2 * core_t)
-    cp_bytes = m * layers_per_stage * 3 * (cp - 1) * kv
-    calls["cp.send"] = ("cp", "send", kv, cp, m * layers_per_stage * 3 * (cp - 1), hop, "ring")
+    cp_exposed_f = np.maximum(0, layers_per_stage * hops_f * hop - core_t)
+    cp_exposed_b = np.maximum(0, layers_per_stage * hops_b * hop - 2 * core_t)
+    cp_bytes = m * layers_per_stage * (hops_f + hops_b) * kv
+    calls["cp.send"] = ("cp", "send", kv, cp, m * layers_per_stage * (hops_f + hops_b), hop, "ring")
 
     # Expert parallelism: dispatch and combine all-to-alls of the k copies of each token, forward
     # and backward (Lepikhin et al. 2021), per MoE block.
@@ -199,11 +243,19 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
 
     # Pipeline: one activation forward and one gradient backward per micro-batch and chunk;
     # sequence parallelism sends the t-th part (Narayanan et al. 2021, Section 4.1 scatter/gather).
+    # Bytes are the first stage's: stage s lives on rank s mod p, so rank 0 sends 2v - 1 copies
+    # per micro-batch (no gradient leaves the first stage), and with a tied head it all-reduces
+    # the embedding's gradient with the last stage (Megatron's embedding group; refpar's
+    # pipeline runner counts the same).
     bw, lat = link(hw, sizes, "pp")
     p2p_size = e * n_tok * h / np.where(sp, tp, 1)
     p2p = np.where(pp > 1, collective_time("send", p2p_size, 2, bw, lat, cl), 0)
-    pp_bytes = np.where(pp > 1, 2 * m * chunks * p2p_size, 0)
-    calls["pp.send"] = ("pp", "send", p2p_size, pp, 2 * m * chunks, p2p, "p2p")
+    sends = np.where(pp > 1, m * (2 * chunks - 1), 0)
+    tied = np.where((pp > 1) & spec.tied_embeddings, spec.vocab_size * h / tp * precision.grad, 0)
+    t_tied, tied_algo = collective_choice("all_reduce", tied, np.where(tied > 0, 2, 1), bw, lat, cl)
+    pp_bytes = sends * p2p_size + collective_bytes("all_reduce", tied, 2)
+    calls["pp.send"] = ("pp", "send", p2p_size, pp, sends, p2p, "p2p")
+    calls["pp.all_reduce"] = ("pp", "all_reduce", tied, 2, np.where(tied > 0, 1, 0), t_tied, tied_algo)
 
     t_f = compute_f + tp_f + cp_exposed_f + ep_f
     t_b = compute_b + tp_b + cp_exposed_b + ep_b
@@ -255,14 +307,14 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     times = {
         "compute": m * (compute_f + compute_b),
         "bubble": bubble,
-        "tp": m * (tp_f + tp_b),
+        "tp": m * (tp_f + tp_b) + t_sp_grads,
         "cp": m * (cp_exposed_f + cp_exposed_b),
         "ep": m * (ep_f + ep_b),
-        "pp": pipe_comm,
+        "pp": pipe_comm + t_tied,
         "dp": dp_time,
         "optimizer": optimizer,
     }
-    times["total"] = work + pipe_comm + bubble + dp_time + optimizer
+    times["total"] = work + pipe_comm + t_tied + t_sp_grads + bubble + dp_time + optimizer
     # One micro-batch on one stage, for schedules.simulate (analysis/timeline.py).
     times["stage"] = {"F": t_f, "B": t_b - t_w, "W": t_w, "p2p": p2p}
     comm_bytes = {"tp": tp_bytes, "cp": cp_bytes, "ep": ep_bytes, "pp": pp_bytes, "dp": dp_bytes}

@@ -26,8 +26,12 @@ def add_arguments(parser) -> None:
                         help="tokens per sequence (default: the model's training context)")
     parser.add_argument("--top", type=int, default=5, help="how many plans to print")
     parser.add_argument("--precision", default="bf16", help=f"one of {', '.join(PRECISIONS)}")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="the matmuls' dtype, whose peak FLOP/s the hardware preset lists")
     parser.add_argument("--efficiency", type=float, default=0.75,
                         help="fraction of peak FLOP/s the matmuls reach (an assumption)")
+    parser.add_argument("--figure", metavar="PATH", default=None,
+                        help="also write the plans' memory and time as an HTML figure")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -74,7 +78,11 @@ def run(args) -> int:
     spec, hw = preset(args.model), hardware(args.hardware)
     start = time.perf_counter()
     result = plan(spec, hw, args.gpus, args.global_batch, args.seq, top=args.top,
-                  precision=args.precision, efficiency=args.efficiency)
+                  precision=args.precision, dtype=args.dtype, efficiency=args.efficiency)
     result["search_s"] = time.perf_counter() - start
+    if args.figure:
+        from refpar.viz.plan import plan_figure
+
+        plan_figure(result).write_html(args.figure, include_plotlyjs=True)
     print(json.dumps(result) if args.json else format_plans(result), flush=True)
     return 0

@@ -62,11 +62,11 @@ def run(args) -> int:
     v = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved-1f1b" else 1)
     out = summary(args.kind, args.stages, args.microbatches, v, costs)
     if args.figure:
-        from refpar.viz.pipeline import timeline_figure
+        from refpar.viz.pipeline import gantt_figure
 
         title = f"{args.kind}, p={args.stages}, m={args.microbatches}" + (f", v={v}" if v > 1 else "")
         timeline = S.simulate(S.build(args.kind, args.stages, args.microbatches, v), costs)
-        timeline_figure(timeline, title).write_html(args.figure, include_plotlyjs=True)
+        gantt_figure(timeline, title).write_html(args.figure, include_plotlyjs=True)
     if args.json:
         print(json.dumps(out), flush=True)
         return 0

@@ -32,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dropout probability (default: the preset's)")
     parser.add_argument("--mesh", default=None, help="parallel layout, e.g. dp=2,tp=2 (default: one device)")
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
+    parser.add_argument("--save", metavar="DIR", default=None,
+                        help="write sharded checkpoints to DIR/step-N (after the last step, and "
+                             "every --save-every steps); not yet with MoE")
+    parser.add_argument("--save-every", metavar="N", type=int, default=None,
+                        help="with --save: also save every N steps")
+    parser.add_argument("--resume", metavar="DIR", default=None,
+                        help="continue from a checkpoint (DIR/step-N, or DIR: its newest complete "
+                             "step), whatever mesh wrote it; --steps counts from the start")
     from refpar.parallel import dp_runner, intra_layer_runner
     from refpar.parallel.pipeline import runner as pipeline_runner
 
@@ -68,6 +76,7 @@ def run(args) -> int:
     from refpar.parallel.pipeline import runner as pipeline_runner
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
+    check_checkpoint_args(sizes, args)
     if args.moe_experts:  # MoE on one device or over dp x ep: refpar/commands/train_moe.py
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return train_moe.run_cli(model, train, sizes, args)
@@ -108,23 +117,40 @@ def run(args) -> int:
         f"tokens; loss floor (entropy rate) {floor:.4f}")
     say(f"{'step':>6} {'loss':>9} {'floor':>9} {'tokens/s':>10}")
 
-    def row(r) -> None:
-        if r.step == 0 or (r.step + 1) % every == 0 or r.step == train.steps - 1:
-            say(f"{r.step + 1:>6} {r.loss:>9.4f} {floor:>9.4f} {tokens_per_step / r.time_s:>10,.0f}")
+    shown: list[int] = []
 
-    result = train_single_device(model, train, on_step=row)
+    def row(r) -> None:
+        if not shown or (r.step + 1) % every == 0 or r.step == train.steps - 1:
+            say(f"{r.step + 1:>6} {r.loss:>9.4f} {floor:>9.4f} {tokens_per_step / r.time_s:>10,.0f}")
+            shown.append(r.step)
+
+    result = train_single_device(model, train, on_step=row, save=args.save,
+                                 save_every=args.save_every, resume=args.resume)
     # The mean of the last ten steps, since one batch's loss is noisy.
     tail = result.losses[-10:]
     first, last = result.losses[0], sum(tail) / len(tail)
     gap = first - floor
     progress = f", {100 * (first - last) / gap:.0f}% of the way to the floor" if gap > 0 else ""
-    say(f"loss {first:.4f} at step 1, {last:.4f} over the last {len(tail)} steps{progress}; "
-        f"{result.step_time_s * 1e3:.1f} ms per step")
+    say(f"loss {first:.4f} at step {result.first_step + 1}, {last:.4f} over the last {len(tail)} "
+        f"steps{progress}; {result.step_time_s * 1e3:.1f} ms per step")
     if args.json:
         summary = run_summary(model, train, result.losses, mesh=sizes, world_size=1,
                               step_time_s=result.step_time_s, loss_floor=floor)
         say(summary_line(summary))
     return 0
+
+
+def check_checkpoint_args(sizes: dict[str, int], args) -> None:
+    """--save and --resume exist for one device and the dp/ZeRO/FSDP, tp/sp/cp and pipeline runners
+    and the N-D engine (refpar/checkpoint.py), not yet for MoE."""
+    from refpar.config import ConfigError
+
+    if args.save_every is not None and (args.save is None or args.save_every < 1):
+        raise ConfigError("--save-every N needs --save DIR and N >= 1")
+    if (args.save or args.resume) and (args.moe_experts or sizes["ep"] > 1):
+        raise ConfigError("--save and --resume do not work with Mixture of Experts yet; drop them "
+                          "or --moe-experts")
+
 
 
 def _numel(shape) -> int:

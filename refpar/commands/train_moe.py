@@ -14,6 +14,7 @@ import argparse
 
 import numpy as np
 
+STATE_KEYS = ("params", "grads", "optimizer")  # what a MoE run's ledger counts
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"))
 
 
@@ -55,6 +56,23 @@ def model_overrides(args) -> dict:
             "moe_aux_loss_weight": args.aux_loss_weight, "moe_z_loss_weight": args.z_loss_weight}
 
 
+# Options of the other strategies' runners (their defaults mean "not asked for"): a MoE run takes
+# none of them, and says so rather than ignore one.
+OTHER_OPTIONS = {"zero": 0, "fsdp": False, "microbatches": 1, "sp": False, "cp_algo": None,
+                 "schedule": None, "chunks": None, "overlap": False, "bucket_kb": None}
+
+
+def check_options(args) -> None:
+    from refpar.config import ConfigError
+
+    for name, default in OTHER_OPTIONS.items():
+        value = getattr(args, name, default)
+        if value != default:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over dp and ep "
+                              f"only, so drop {flag}")
+
+
 def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
 
@@ -62,13 +80,14 @@ def _rel(a, b) -> float:
 def run_cli(model, train, sizes, args) -> int:
     from refpar.analysis import moe as moe_analysis
     from refpar.comm.communicator import world
-    from refpar.comm.trace import Tracer
+    from refpar.comm.trace import Tracer, write_trace
     from refpar.mesh import DeviceMesh
     from refpar.model.moe import capacity
     from refpar.parallel.expert_parallel_run import check_run, reference_run, train_expert_parallel
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for
 
+    check_options(args)
     check_run(model, train, sizes)
     comm = world(Tracer(rank=None))
     mesh = DeviceMesh(comm, sizes)
@@ -81,11 +100,12 @@ def run_cli(model, train, sizes, args) -> int:
         if speak:
             print(text, flush=True)
 
+    where = f"mesh {mesh}" if comm.size > 1 else "1 device"
     limit = "dropless" if model.moe_dropless else (
         f"capacity factor {model.moe_capacity_factor}: {capacity(train.batch_size * train.seq_len, model)} "
         "assignments per expert")
     say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
-        f"{','.join(map(str, blocks))}; mesh {mesh}; experts per ep rank: "
+        f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
         + " ".join(f"{list(range(*_owned(model.moe_experts, ep, q)))}" for q in range(ep)))
     say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert (block {blocks[0]})")
 
@@ -119,8 +139,15 @@ def run_cli(model, train, sizes, args) -> int:
             expected[key] = (old[0] + b.sent, old[1] + b.recv)
     mine = np.array([[*totals.get(k, (0, 0)), *expected.get(k, (0, 0))] for k in COMM_KEYS])
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
+    states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer)
+    memory = comm.all_gather(np.array([[[run.ledger.peak[c], states[c]] for c in STATE_KEYS]]))
+    trace_path = getattr(args, "trace", None)
+    events = comm.gather_object(comm.tracer.events) if trace_path else None
     if not speak:
         return 0
+    if events is not None:
+        write_trace(trace_path, [e for rank_events in events for e in rank_events])
+        say(f"trace of every rank's communication written to {trace_path}")
     rows = [[{"rank": r, "axis": a, "op": o, "bytes_sent": int(every[r, i, j]),
               "bytes_recv": int(every[r, i, j + 1])} for r in range(comm.size)
              for i, (a, o) in enumerate(COMM_KEYS) if every[r, i].any()] for j in (0, 2)]
@@ -134,11 +161,19 @@ def run_cli(model, train, sizes, args) -> int:
     measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].mean() / train.steps
     say(f"ep all-to-all per rank and step: {measured:,.0f} bytes; uniform routing would send "
         f"{uniform:,.0f}")
+    memory_rows = [[{"rank": r, "category": c, "bytes": int(memory[r, i, j])}
+                    for r in range(comm.size) for i, c in enumerate(STATE_KEYS)] for j in (0, 1)]
+    say("peak params / grads / optimizer bytes per rank: " + "; ".join(
+        "rank {}: {:,} / {:,} / {:,}".format(r, *(int(v) for v in memory[r, :, 0]))
+        for r in range(comm.size)))
     if args.json:
         moe = {
             "blocks": list(blocks),
             "tokens_per_expert": [[s.tokens_per_expert[i] for i in blocks] for s in run.steps],
             "dropped": [[s.dropped[i] for i in blocks] for s in run.steps],
+            "capacity": capacity(train.batch_size * train.seq_len, model),
+            "kept_counts": [[s.kept_counts[i].tolist() for i in blocks] for s in run.steps],
+            "experts_per_ep_rank": [list(range(*_owned(model.moe_experts, ep, q))) for q in range(ep)],
             "aux_loss": [s.aux_loss for s in run.steps], "z_loss": [s.z_loss for s in run.steps],
             "expert_param_bytes_per_ep_rank": [
                 moe_analysis.expert_param_bytes_per_rank(model, ep, q) for q in range(ep)],
@@ -147,6 +182,7 @@ def run_cli(model, train, sizes, args) -> int:
         }
         summary = run_summary(model, train, run.losses, mesh=mesh.sizes, world_size=comm.size,
                               comm_bytes=rows[0], expected_comm_bytes=rows[1],
+                              memory_peak_bytes=memory_rows[0], expected_memory_peak_bytes=memory_rows[1],
                               step_time_s=run.step_time_s, loss_floor=floor, moe=moe, **fields)
         say(summary_line(summary))
     return 0

@@ -11,7 +11,7 @@ import math
 
 from array_api_compat import array_namespace
 
-from refpar.model.layers import dropout_backward, dropout_forward
+from refpar.model.layers import dropout_forward
 
 
 def attention_forward(q, k, v, q_pos, k_pos, keep=None, p=0.0):
@@ -19,11 +19,14 @@ def attention_forward(q, k, v, q_pos, k_pos, keep=None, p=0.0):
     mask of the probabilities, broadcastable to (B, nh, Tq, Tk), or None."""
     xp = array_namespace(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ xp.matrix_transpose(k)) * scale  # (B, nh, Tq, Tk)
     visible = xp.reshape(k_pos, (1, -1)) <= xp.reshape(q_pos, (-1, 1))  # (Tq, Tk)
+    # In-place updates of fresh arrays: the (B, nh, Tq, Tk) tensors dominate this layer's time.
+    scores = q @ xp.matrix_transpose(k)  # (B, nh, Tq, Tk)
+    scores *= scale
     scores = xp.where(visible, scores, -math.inf)  # (B, nh, Tq, Tk)
-    e = xp.exp(scores - xp.max(scores, axis=-1, keepdims=True))  # (B, nh, Tq, Tk)
-    att = e / xp.sum(e, axis=-1, keepdims=True)  # (B, nh, Tq, Tk) softmax
+    scores -= xp.max(scores, axis=-1, keepdims=True)  # max 0 per row: exp cannot overflow
+    att = xp.exp(scores)  # (B, nh, Tq, Tk)
+    att /= xp.sum(att, axis=-1, keepdims=True)  # softmax
     att_drop, drop_cache = dropout_forward(att, keep, p)  # (B, nh, Tq, Tk)
     out = att_drop @ v  # (B, nh, Tq, hs)
     return out, (q, k, v, att, att_drop, drop_cache, scale)
@@ -33,10 +36,14 @@ def attention_backward(dout, cache):
     q, k, v, att, att_drop, drop_cache, scale = cache
     xp = array_namespace(dout, q)
     dv = xp.matrix_transpose(att_drop) @ dout  # (B, nh, Tk, hs)
-    datt = dropout_backward(dout @ xp.matrix_transpose(v), drop_cache)  # (B, nh, Tq, Tk)
+    datt = dout @ xp.matrix_transpose(v)  # (B, nh, Tq, Tk), fresh: updated in place below
+    if drop_cache is not None:
+        datt *= drop_cache  # dropout backward
     # softmax backward: dscores = att * (datt - sum(datt * att)); masked entries have att = 0.
-    dscores = att * (datt - xp.sum(datt * att, axis=-1, keepdims=True))  # (B, nh, Tq, Tk)
-    dscores = dscores * scale
+    datt -= xp.expand_dims(xp.vecdot(datt, att, axis=-1), axis=-1)  # minus (B, nh, Tq, 1)
+    datt *= att
+    datt *= scale
+    dscores = datt  # (B, nh, Tq, Tk)
     dq = dscores @ k  # (B, nh, Tq, hs)
     dk = xp.matrix_transpose(dscores) @ q  # (B, nh, Tk, hs)
     return dq, dk, dv

@@ -16,12 +16,16 @@ from __future__ import annotations
 import numpy as np
 
 from refpar import rng
+from refpar.config import ConfigError
 
 
 class MarkovCorpus:
     def __init__(self, vocab_size: int, seed: int, branching: int = 4):
-        if not 3 <= branching <= vocab_size:
-            raise ValueError(f"branching={branching} must be in 3..vocab_size={vocab_size}")
+        if vocab_size < branching:
+            raise ConfigError(f"vocab_size={vocab_size} is too small for a Markov corpus with "
+                              f"{branching} successors per token; use vocab_size >= {branching}")
+        if branching < 3:
+            raise ValueError(f"branching={branching} must be at least 3 (i+1, i+2 and a random one)")
         V = vocab_size
         self.vocab_size, self.seed = V, seed
         gen = rng.generator(seed, "data")  # the chain's own key: no step or sample id

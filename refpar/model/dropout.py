@@ -24,8 +24,13 @@ def keep_mask(seed, step, layer, site, sample_ids, shape, p, index=None) -> np.n
     """Boolean (len(sample_ids), *shape[index]): True where the value is kept (probability 1 - p)."""
     if site not in SITES:
         raise ValueError(f"unknown dropout site {site!r}; sites are {', '.join(SITES)}")
-    rows = [
-        rng.uniform(seed, "dropout", step, layer, SITES[site], int(s), shape=shape, index=index) >= p
-        for s in sample_ids
-    ]
-    return np.stack(rows)
+    out = None
+    for row, s in enumerate(sample_ids):
+        # float32 uniforms: twice as fast as float64 and fine enough (2^-24) to set p; masks are the
+        # largest random draws of a step.
+        u = rng.generator(seed, "dropout", step, layer, SITES[site], int(s)).random(shape, dtype=np.float32)
+        kept = (u if index is None else u[index]) >= p
+        if out is None:
+            out = np.empty((len(sample_ids), *kept.shape), dtype=bool)
+        out[row] = kept
+    return out

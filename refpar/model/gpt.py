@@ -116,16 +116,24 @@ class DropoutContext:
 NO_DROPOUT = DropoutContext()
 
 
-def _positions(x, T):
-    xp = array_namespace(x)
-    return xp.arange(T, device=device(x))  # (T,)
+def _positions(x, T, positions, drop: DropoutContext):
+    """The rows' global positions: 0..T-1 unless given. Given positions (a sequence shard) with
+    dropout on are refused: the masks here are drawn for this (T, ...) shape, which is right only
+    for whole sequences; a shard draws its slice with `drop.keep(..., index)`."""
+    if positions is None:
+        xp = array_namespace(x)
+        return xp.arange(T, device=device(x))  # (T,)
+    if drop.active:
+        raise ValueError("explicit positions need dropout off here; a sequence shard draws its "
+                         "masks with drop.keep(layer, site, full_shape, like, index)")
+    return positions
 
 
 # ----------------------------------------------------------------------------------------- embed
 def embed_forward(tokens, params, drop: DropoutContext = NO_DROPOUT, positions=None):
     """tokens (B, T) -> x (B, T, C): token plus position embedding, then embd dropout."""
     wte, wpe = params["wte.weight"], params["wpe.weight"]
-    positions = _positions(tokens, tokens.shape[1]) if positions is None else positions
+    positions = _positions(tokens, tokens.shape[1], positions, drop)  # (T,)
     x, c_emb = embedding_forward(tokens, wte, wpe, positions)  # (B, T, C)
     x, c_drop = dropout_forward(x, drop.keep(0, "embd", x.shape[1:], x), drop.p)  # (B, T, C)
     return x, (c_emb, c_drop)
@@ -161,7 +169,7 @@ def block_forward(x, params, layer: int, config: ModelConfig, drop: DropoutConte
     h = f"h.{layer}."
     P = params
     B, T, C = x.shape
-    positions = _positions(x, T) if positions is None else positions
+    positions = _positions(x, T, positions, drop)  # (T,)
     eps = config.layer_norm_eps
 
     a, c_ln1 = layernorm_forward(x, P[h + "ln_1.weight"], P[h + "ln_1.bias"], eps)  # (B, T, C)

@@ -13,9 +13,12 @@ their global positions; only attention needs the other ranks' keys and values. T
   from rank-1) while each rank attends its queries to the block in hand and folds the result into
   an online softmax (Milakov & Gimelshein 2018): out and the log-sum-exp lse are merged block by
   block, exactly. The backward sends the K/V blocks around again with their gradients travelling
-  alongside, which arrive back at their owner after c steps. Causal attention would leave early
-  ranks idle, so the sequence is cut into 2c chunks and rank r holds chunks r and 2c-1-r (zig-zag):
-  every rank gets the same amount of work. Chunks come from shard_range, so T need not divide 2c.
+  alongside, which arrive back at their owner after c steps. With contiguous chunks the causal mask
+  leaves early ranks little real work (their queries see few keys), so the sequence is cut into 2c
+  chunks and rank r holds chunks r and 2c-1-r (zig-zag): every rank gets the same number of visible
+  (query, key) pairs (`causal_work`). refpar computes each block whole, masked scores as -inf,
+  which is exact; a kernel that skips masked blocks is what turns that balance into time.
+  Chunks come from shard_range, so T need not divide 2c.
 - DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns sequence-sharded q, k, v into
   head-sharded ones over the whole sequence, attention runs locally, and a second all-to-all turns
   the output back. Heads are split with shard_range, so nh need not divide c (c <= nh).
@@ -45,6 +48,17 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:
     return np.concatenate([np.arange(*first), np.arange(*last)])
 
 
+def contiguous_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:
+    """Chunk rank of cp (Ulysses, which attends over the whole sequence after its all-to-all)."""
+    return np.arange(*shard_range(seq_len, cp, rank))
+
+
+def causal_work(positions) -> int:
+    """Visible (query, key) pairs of these query positions under the causal mask (key k <= query q,
+    so q+1 each). Zig-zag gives every rank the same; contiguous chunks give the last rank the most."""
+    return int(np.sum(np.asarray(positions) + 1))
+
+
 def check_cp(config: ModelConfig, seq_len: int, cp: int, algo: str, tp: int) -> None:
     if algo not in CP_ALGOS:
         raise ConfigError(f"unknown --cp-algo {algo!r}; choose one of {', '.join(CP_ALGOS)}")
@@ -63,7 +77,7 @@ def cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm=Non
     if algo == "ring":
         pos, core = zigzag_positions(seq_len, cp_comm.size, cp_comm.rank), RingAttention(cp_comm)
     else:
-        pos, core = np.arange(*shard_range(seq_len, cp_comm.size, cp_comm.rank)), UlyssesAttention(cp_comm)
+        pos, core = contiguous_positions(seq_len, cp_comm.size, cp_comm.rank), UlyssesAttention(cp_comm)
     return Layout(config, seq_len, tp_comm, TP_PAIR if t > 1 else NO_PAIR,
                   shard_range(config.n_head, t, tr), shard_range(config.vocab_size, t, tr),
                   pos, pos, core)

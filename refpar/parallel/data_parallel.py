@@ -85,7 +85,7 @@ class RingAllReduce:
 
 
 class DataParallel:
-    name = "dp"
+    """One replica of the model on a dp rank; the hooks of refpar.parallel.units.forward_backward."""
 
     def __init__(self, config, train, dp, ledger, params: dict, bucket_elems: int = 1 << 62,
                  overlap: bool = False):
@@ -123,7 +123,7 @@ class DataParallel:
     def release(self, unit: str, phase: str) -> None:
         """Every rank keeps the whole model: nothing to free."""
 
-    def fold(self, unit: str, grads: dict, piece: str) -> None:
+    def fold(self, unit: str, grads: dict) -> None:
         self.ledger.alloc("grads.piece", sum(int(g.nbytes) for g in grads.values()), "grads")
         views = self.layout.views(unit, self.unit_flat(unit, self.grads))
         for name, g in grads.items():

@@ -10,14 +10,22 @@ memory by category next to the closed form (refpar.analysis.memory).
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from refpar import checkpoint
 from refpar.analysis.comm_volume import step_bytes
-from refpar.analysis.memory import Options, model_state_bytes, peak_bytes
-from refpar.comm.trace import Tracer
+from refpar.analysis.memory import (
+    Options,
+    activation_peak_bytes,
+    model_state_bytes,
+    peak_bytes,
+    unit_sizes,
+)
+from refpar.comm.trace import Tracer, chrome_trace
 from refpar.config import ConfigError
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.gpt import init_params
@@ -41,6 +49,7 @@ class DPRun:
     model_state: dict[str, int]  # params/grads/optimizer held between steps
     params: dict = field(default_factory=dict)  # every parameter, whole, after the last step
     tracer: Tracer | None = None
+    first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
 
 
 def options(strategy: str, model, train, microbatches: int = 1, bucket_elems: int = 1 << 62,
@@ -73,18 +82,33 @@ def build(opts: Options, model, train, dp, ledger, params: dict):
     return Zero(model, train, dp, ledger, params, int(opts.strategy[-1]))
 
 
-def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = False) -> DPRun:
+def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = False, *,
+                      save: str | None = None, save_every: int | None = None,
+                      resume: str | None = None) -> DPRun:
     """Trains `train.steps` steps with the strategy on the dp communicator `dp` (its tracer, if any,
-    records the communication). With gather_params every rank ends with all parameters whole."""
+    records the communication), or from the checkpoint `resume` (written under any mesh) up to
+    `train.steps`; with `save`, checkpoints every `save_every` steps and after the last (dp must be
+    the world communicator then). With gather_params every rank ends with all parameters whole."""
     check_options(opts, train, dp.size)
     ledger = MemoryLedger()
     strategy = build(opts, model, train, dp, ledger, init_params(model, train.seed))
+    first = 0
+    if resume is not None:
+        manifest = checkpoint.open_training(resume, model, train)
+        pairs = checkpoint_arrays(strategy, saving=False)
+        for (_, view), loaded in zip(pairs, checkpoint.load(resume, [p for p, _ in pairs], manifest),
+                                     strict=True):
+            view[...] = loaded
+        first = strategy.t = int(manifest["step"])
     corpus = corpus_for(model, train)
     losses, times = [], []
-    for step in range(train.steps):
+    for step in range(first, train.steps):
         start = time.perf_counter()
         losses.append(train_step(strategy, corpus, step, opts.microbatches, dp.tracer))
         times.append(time.perf_counter() - start)
+        if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
+            checkpoint.save_training(save, step + 1, checkpoint_arrays(strategy, saving=True), model,
+                                     train, {"dp": dp.size}, opts.strategy, dp)
     comm = {}
     if dp.tracer is not None:
         for e in dp.tracer.events:
@@ -92,20 +116,45 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
             comm[e.op] = (sent + e.bytes_sent, recv + e.bytes_recv)
     state = {c: ledger.current[c] for c in ("params", "grads", "optimizer")}
     result = DPRun(losses, float(np.mean(times[1:] or times)), comm, dict(ledger.peak), state,
-                   tracer=dp.tracer)
+                   tracer=dp.tracer, first_step=first)
     if gather_params:
         result.params = strategy.full_params()
     return result
+
+
+def checkpoint_arrays(strategy, saving: bool) -> list:
+    """(checkpoint.Piece, view) for each array this rank holds, as flat ranges of the global
+    parameters and AdamW moments (each unit is one flat buffer cut with `shard_range`, blind to
+    where one parameter ends: refpar/parallel/units.py). Loading writes through the views. A
+    buffer every rank holds whole is written by each rank only for its own `shard_range`, so the
+    files hold each element once."""
+    lay, out = strategy.layout, []
+    for u in lay.units:
+        own = lay.shard(u, strategy.dp.size, strategy.dp.rank)
+        if isinstance(strategy, DataParallel):
+            held = [("params", 0, strategy.unit_flat(u, strategy.params), True)] + [
+                (f"adamw.{k}", 0, strategy.unit_flat(u, s), True) for k, s in strategy.state.items()]
+        else:
+            full = strategy.stage < 3  # ZeRO-1/2 keep every parameter; stage 3 and FSDP their shard
+            params = strategy.unit_slice(u, strategy.params) if full else strategy.shards[u]
+            held = [("params", 0 if full else own[0], params, full)] + [
+                (f"adamw.{k}", own[0], s, False) for k, s in strategy.state[u].items()]
+        for prefix, start, flat, whole in held:
+            if saving and whole:
+                flat, start = flat[own[0]:own[1]], own[0]
+            out += checkpoint.flat_unit_pieces(prefix, lay, u, start, flat)
+    return out
 
 
 def reference_diffs(model, train, run: DPRun) -> dict:
     """The single-device run and the largest relative differences from it (loss per step; each
     parameter's max |difference| over its max |value|)."""
     ref = train_single_device(model, train)
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+    ref_losses = ref.losses[run.first_step:]  # a resumed run has only the steps after its checkpoint
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref_losses, strict=True))
     param_diff = max(float(np.max(np.abs(run.params[n] - p)) / np.max(np.abs(p)))
                      for n, p in ref.params.items())
-    return {"reference_losses": ref.losses, "max_loss_rel_diff": loss_diff,
+    return {"reference_losses": ref_losses, "max_loss_rel_diff": loss_diff,
             "max_param_rel_diff": param_diff}
 
 
@@ -115,8 +164,11 @@ def expected_rows(opts: Options, model, train, n: int):
     for r in range(n):
         for op, b in step_bytes(model, n, r, opts, train.steps).items():
             comm.append({"rank": r, "axis": "dp", "op": op, "bytes_sent": b.sent, "bytes_recv": b.recv})
-        for cat, b in peak_bytes(model, n, r, opts).items():
-            memory.append({"rank": r, "category": cat, "bytes": b})
+        peaks = peak_bytes(model, n, r, opts)
+        peaks["activations"] = activation_peak_bytes(model, n, r, opts.microbatches, train.batch_size,
+                                                     train.seq_len)
+        for cat in CATEGORIES:
+            memory.append({"rank": r, "category": cat, "bytes": peaks[cat]})
     return comm, memory
 
 
@@ -155,6 +207,8 @@ def add_arguments(parser) -> None:
          help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
     once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
     once("--check", action="store_true", help="also run the single-device reference and compare")
+    once("--trace", default=None, metavar="PATH",
+         help="write every rank's communication events as a Chrome trace (open in Perfetto)")
 
 
 def wants_data_parallel(sizes: dict[str, int], args) -> bool:
@@ -183,14 +237,20 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     mesh = DeviceMesh(comm, sizes)  # a mesh that does not fit the job: the same ConfigError everywhere
     n = mesh.dp.size
     with abort_on_error():
-        run = run_data_parallel(opts, model, train, mesh.dp, gather_params=args.check)
+        run = run_data_parallel(opts, model, train, mesh.dp, gather_params=args.check,
+                                save=args.save, save_every=args.save_every, resume=args.resume)
         comm_rows, memory_rows = gather_rows(comm, run)
+        events = comm.gather_object(run.tracer.events) if args.trace else None
         states = comm.all_gather(np.array([[run.model_state[c] for c in ("params", "grads", "optimizer")]]),
                                  tag="report", counts=[1] * n)
         if comm.rank != 0:
             return 0
+        if events is not None:
+            with open(args.trace, "w") as f:
+                json.dump(chrome_trace([e for rank_events in events for e in rank_events]), f)
         checked = reference_diffs(model, train, run) if args.check else {}
-        expected_comm, expected_memory = expected_rows(opts, model, train, n)
+        expected_comm, expected_memory = expected_rows(
+            opts, model, replace(train, steps=len(run.losses)), n)
         report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory_rows,
                expected_memory, states.sum(axis=1).tolist())
         if args.json:
@@ -199,7 +259,11 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                 zero=3 if opts.strategy == "fsdp" else int(args.zero), microbatches=opts.microbatches,
                 comm_bytes=comm_rows, expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
                 expected_memory_peak_bytes=expected_memory, step_time_s=run.step_time_s,
-                loss_floor=corpus_for(model, train).entropy_rate(), **checked)
+                loss_floor=corpus_for(model, train).entropy_rate(),
+                data_parallel={"strategy": opts.strategy, "model_state_bytes": states.sum(axis=1).tolist(),
+                               "bucket_elems": min(opts.bucket_elems, sum(unit_sizes(model).values())),
+                               "overlap": opts.overlap, "prefetch": opts.prefetch,
+                               "reshard_after_forward": opts.reshard_after_forward}, **checked)
             print(summary_line(summary), flush=True)
     return 0
 
@@ -217,15 +281,16 @@ def report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory
     ref = checked.get("reference_losses")
     say(f"{'step':>5} {'loss':>20} {'single device':>20} {'rel diff':>10}")
     for s, loss in enumerate(run.losses):
+        number = run.first_step + s + 1
         if ref is None:
-            say(f"{s + 1:>5} {loss:>20.15f}")
+            say(f"{number:>5} {loss:>20.15f}")
         else:
-            say(f"{s + 1:>5} {loss:>20.15f} {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}")
+            say(f"{number:>5} {loss:>20.15f} {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}")
     if checked:
         say(f"max relative parameter difference after {train.steps} steps: "
             f"{checked['max_param_rel_diff']:.1e}")
     expected = {(r["rank"], r["op"]): r for r in expected_comm}
-    say(f"bytes sent (received) per rank over {train.steps} steps, measured | closed form:")
+    say(f"bytes sent (received) per rank over {len(run.losses)} steps, measured | closed form:")
     for r in comm_rows:
         e = expected.get((r["rank"], r["op"]), {"bytes_sent": 0, "bytes_recv": 0})
         say(f"  rank {r['rank']} {r['op']:<15} {r['bytes_sent']:>10,} ({r['bytes_recv']:,}) | "

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refpar.config import ConfigError
+from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params, loss_and_grads
 from refpar.model.moe import MoELayer, expert_prefix, kept_counts
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.expert_parallel import ExpertParallelMoE, check_expert_parallel
+from refpar.parallel.intra_layer import all_reduce_replicated_grads
 from refpar.sharding import shard_range
 from refpar.trainer import corpus_for
 
@@ -46,6 +48,7 @@ class MoEStep:
 class MoERun:
     steps: list[MoEStep] = field(default_factory=list)
     params: dict = field(default_factory=dict)  # this rank's, after the last step
+    ledger: MemoryLedger | None = None  # this rank's parameters, gradients, optimizer state
 
     @property
     def losses(self) -> list[float]:
@@ -80,16 +83,11 @@ def local_params(full: dict, model, ep: int, ep_rank: int) -> dict:
             if ".mlp.experts." not in n or any(n.startswith(m) for m in mine)}
 
 
-def _flat_all_reduce(comm, grads: dict, names: list[str], tag: str) -> None:
-    """Sum `grads[names]` over `comm` in one flat buffer, in place of the dict's entries."""
-    if comm.size == 1 or not names:
-        return
-    summed = comm.all_reduce(np.concatenate([grads[n].reshape(-1) for n in names]), tag=tag)
-    start = 0
-    for n in names:
-        size = grads[n].size
-        grads[n] = summed[start:start + size].reshape(grads[n].shape)
-        start += size
+def reduce_grads(grads: dict, names: list[str], comm, tag: str) -> None:
+    """Sums `grads[names]` over `comm` in place (one coalesced all-reduce, the one the other
+    data-parallel strategies use); nothing to do on one rank."""
+    if comm.size > 1 and names:
+        grads.update(all_reduce_replicated_grads({n: grads[n] for n in names}, comm, tag))
 
 
 def _record(step, loss, routing, start, totals=None) -> MoEStep:
@@ -137,6 +135,12 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
     layer = ExpertParallelMoE(data, ep_comm, model)
     params = local_params(init_params(model, train.seed), model, ep_comm.size, ep_comm.rank)
     state = optimizer_init(params, train)
+    # The model states this rank holds; activations and buffers are not counted in MoE runs.
+    ledger = MemoryLedger()
+    ledger.alloc("params", sum(p.nbytes for p in params.values()), "params")
+    for key in ("m", "v"):
+        if key in state:
+            ledger.alloc(f"optimizer.{key}", sum(a.nbytes for a in state[key].values()), "optimizer")
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
@@ -150,9 +154,11 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
             tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B/D, T) each
             loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
                                          sample_ids=sample_ids, normalizer=normalizer, moe=layer)
-            _flat_all_reduce(data, grads, dense, "dense:grad")
-            _flat_all_reduce(mesh.dp, grads, experts, "experts:grad")
+            ledger.alloc("grads", sum(g.nbytes for g in grads.values()), "grads")
+            reduce_grads(grads, dense, data, "dense:grad")  # over every dp x ep rank
+            reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
             params, state = optimizer_step(params, grads, state, train)
+            ledger.free("grads")
             routing = layer.last_routing
             shares = np.array([loss, sum(float(r["aux_loss"]) for r in routing.values()),
                                sum(float(r["z_loss"]) for r in routing.values())])
@@ -160,6 +166,5 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
         run.steps.append(_record(step, loss, routing, start, totals))
         if on_step is not None:
             on_step(run.steps[-1])
-    run.params = params
+    run.params, run.ledger = params, ledger
     return run
-

@@ -28,7 +28,6 @@ class FSDP(Zero):
     def __init__(self, config, train, dp, ledger, params: dict, prefetch: bool = False,
                  reshard_after_forward: bool = True):
         super().__init__(config, train, dp, ledger, params, stage=3)
-        self.name = "fsdp"
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         L = config.n_layer
         # Every piece that reads parameters, in execution order; the embedding's backward reads

@@ -12,9 +12,12 @@ difference, the bytes each rank sent by axis and op next to the closed form
 from __future__ import annotations
 
 import time
+from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
+from refpar import checkpoint
 from refpar.analysis.activations import activation_peak_bytes
 from refpar.analysis.intra_layer import expected_comm_rows, local_param_numel
 from refpar.config import ConfigError
@@ -36,6 +39,8 @@ def add_arguments(parser) -> None:
     once("--cp-algo", default=None, choices=("ring", "ulysses"),
          help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
     once("--check", action="store_true", help="also run the single-device reference and compare")
+    once("--trace", default=None, metavar="PATH",
+         help="write the last step as a Chrome trace (open in https://ui.perfetto.dev)")
 
 
 def wants_intra_layer(sizes: dict[str, int], args) -> bool:
@@ -60,11 +65,36 @@ def expected_memory(model, train, sizes, rank, sp, cp_algo) -> dict[str, int]:
             "activations": activation_peak_bytes(model, train, sizes, coords, sp, cp_algo), "comm": 0}
 
 
+def checkpoint_arrays(trainer, saving: bool) -> list:
+    """(checkpoint.Piece, view) for each array this rank holds: parameters and AdamW moments, each a
+    box of the global tensor (`tp_param_slices`: a shard's columns of c_attn are three runs, of q, k
+    and v, so three boxes). Loading writes through the views. Saving, only the ranks at dp = cp = 0
+    write, and a tensor every tp rank holds whole only tp rank 0: each element is written once."""
+    from refpar.parallel.tensor_parallel import tp_param_slices
+
+    coords, sizes = trainer.mesh.coords, trainer.mesh.sizes
+    if saving and (coords["dp"] or coords["cp"]):
+        return []
+    slices = tp_param_slices(trainer.model, sizes["tp"], coords["tp"])
+    held = [("params", trainer.params)] + [(f"adamw.{k}", trainer.state[k]) for k in ("m", "v")
+                                            if k in trainer.state]
+    out = []
+    for prefix, arrays in held:
+        for name, w in arrays.items():
+            if name in slices or not saving or coords["tp"] == 0:
+                axis, index = slices.get(name, (None, None))
+                # copy=False: the pieces must view w itself, so that loading writes into it
+                out += checkpoint.shard_pieces(f"{prefix}/{name}", np.reshape(w, -1, copy=False),
+                                               w.shape, 0, axis, index)
+    return out
+
+
 def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.comm.communicator import world
-    from refpar.comm.trace import Tracer
+    from refpar.comm.trace import Tracer, write_trace
     from refpar.memory import MemoryLedger
     from refpar.mesh import DeviceMesh
+    from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
     from refpar.parallel.intra_layer import IntraLayerTrainer, validate
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for, train_single_device
@@ -78,15 +108,33 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     mesh = DeviceMesh(comm, sizes)
     ledger = MemoryLedger()
     trainer = IntraLayerTrainer(model, train, mesh, ledger, sp, cp_algo)
+    first = 0
+    if args.resume is not None:
+        manifest = checkpoint.open_training(args.resume, model, train)
+        pairs = checkpoint_arrays(trainer, saving=False)
+        for (_, view), loaded in zip(pairs, checkpoint.load(args.resume, [p for p, _ in pairs], manifest),
+                                     strict=True):
+            view[...] = loaded
+        first = trainer.state["t"] = int(manifest["step"])
     corpus = corpus_for(model, train)
     losses, times = [], []
-    for step in range(train.steps):
+    for step in range(first, train.steps):
         start = time.perf_counter()
         with tracer.context(step=step):
             losses.append(trainer.step(step, corpus))
         times.append(time.perf_counter() - start)
+        if args.save is not None and checkpoint.should_save(step + 1, train.steps, args.save_every):
+            checkpoint.save_training(args.save, step + 1, checkpoint_arrays(trainer, saving=True), model,
+                                     train, sizes, "sp" if sp else "tp", comm)
     totals = tracer.totals()  # before the reporting below adds its own messages
+    block = Counter(f"{e.op}{' (re-gather)' if e.tag.endswith(':regather') else ''}" for e in tracer.events
+                    if e.axis == "tp" and e.step == 0 and e.tag.startswith("h.0."))
+    last = [e for e in tracer.events if e.step == train.steps - 1]
     full = trainer.full_params() if args.check else None
+    if args.trace:  # every rank's messages of the last step, one track per rank
+        every_event = comm.gather_object(last)
+        if comm.rank == 0:
+            write_trace(args.trace, [e for events in every_event for e in events])
     mine = [v for key in AXIS_OPS for v in totals.get(key, (0, 0))] + [ledger.peak[c] for c in CATEGORIES]
     every = comm.gather_object(mine)
     if comm.rank != 0:
@@ -100,21 +148,32 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
         peaks = row[2 * len(AXIS_OPS):]
         memory_rows += [{"rank": r, "category": c, "bytes": b}
                         for c, b in zip(CATEGORIES, peaks, strict=True)]
-        rows = expected_comm_rows(model, train, sizes, rank_coords(sizes, r), r, sp, cp_algo)
+        rows = expected_comm_rows(model, replace(train, steps=len(losses)), sizes, rank_coords(sizes, r),
+                                  r, sp, cp_algo)
         expected_comm += sorted(rows, key=lambda row: AXIS_OPS.index((row["axis"], row["op"])))
         expected_mem += [{"rank": r, "category": c, "bytes": b}
                          for c, b in expected_memory(model, train, sizes, r, sp, cp_algo).items()]
     checked = {}
     if args.check:
         ref = train_single_device(model, train)
-        checked = {"reference_losses": ref.losses,
-                   "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses,
+        ref_losses = ref.losses[first:]  # a resumed run has only the steps after its checkpoint
+        checked = {"reference_losses": ref_losses,
+                   "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses,
                                                                                   strict=True)),
                    "max_param_rel_diff": max(float(np.max(np.abs(full[n] - p)) / np.max(np.abs(p)))
                                              for n, p in ref.params.items())}
     step_time = float(np.mean(times[1:] or times))
     report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
-           expected_mem)
+           expected_mem, first)
+    if block:
+        print("tp collectives of block 0 in one step, from rank 0's trace: "
+              + ", ".join(f"{n} {op}" for op, n in block.items()), flush=True)
+    if sizes["cp"] > 1 and (cp_algo or "ring") == "ring":
+        c, T = sizes["cp"], train.seq_len
+        zigzag = [causal_work(zigzag_positions(T, c, r)) for r in range(c)]
+        contiguous = [causal_work(contiguous_positions(T, c, r)) for r in range(c)]
+        print(f"ring attention's causal (query, key) pairs per cp rank: {zigzag} with zig-zag chunks "
+              f"(contiguous chunks would give {contiguous})", flush=True)
     if args.json:
         print(summary_line(run_summary(
             model, train, losses, mesh=sizes, world_size=comm.size, zero=0, comm_bytes=comm_rows,
@@ -125,7 +184,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
 
 
 def report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
-           expected_mem) -> None:
+           expected_mem, first: int = 0) -> None:
     """The learner's table: losses by step, bytes by rank, axis and op, peak memory by rank."""
     def say(text=""):
         print(text, flush=True)
@@ -140,12 +199,12 @@ def report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expecte
     say(f"{'step':>5} {'loss':>20} {'single device':>20} {'rel diff':>10}")
     for s, loss in enumerate(losses):
         tail = "" if ref is None else f" {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}"
-        say(f"{s + 1:>5} {loss:>20.15f}{tail}")
+        say(f"{first + s + 1:>5} {loss:>20.15f}{tail}")
     if checked:
         say(f"max relative parameter difference after {train.steps} steps: "
             f"{checked['max_param_rel_diff']:.1e}")
     expected = {(r["rank"], r["axis"], r["op"]): r for r in expected_comm}
-    say(f"bytes sent (received) per rank over {train.steps} steps, measured | closed form:")
+    say(f"bytes sent (received) per rank over {len(losses)} steps, measured | closed form:")
     for r in comm_rows:
         e = expected.get((r["rank"], r["axis"], r["op"]), {"bytes_sent": 0, "bytes_recv": 0})
         say(f"  rank {r['rank']} {r['axis']} {r['op']:<15} {r['bytes_sent']:>10,} ({r['bytes_recv']:,}) | "

@@ -159,6 +159,8 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
     params, base = strategy.acquire(ROOT, "embed:fwd")
     x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
     c_embed = detach(c_embed, base)
+    # Drop every reference to the unit before releasing it, so a gathered unit is really freed.
+    del params, base
     strategy.release(ROOT, "embed:fwd")
     acts.keep("embed", c_embed)
     c_blocks = []
@@ -166,6 +168,7 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
         params, base = strategy.acquire(f"h.{i}", "fwd")
         x, c = block_forward(x, params, i, config, drop)  # (B, T, C)
         c_blocks.append(detach(c, base))
+        del params, base, c
         strategy.release(f"h.{i}", "fwd")
         acts.keep(f"h.{i}", c_blocks[-1])
 
@@ -173,23 +176,24 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
     loss, c_head = head_forward(x, params, targets, config, normalizer)  # ()
     acts.keep("head", detach(c_head, base))  # the parameters it views are not activations
     dx, grads = head_backward(c_head)  # (B, T, C)
-    del c_head
+    del c_head, params, base
     acts.drop("head")
-    strategy.fold(ROOT, grads, "head")
+    strategy.fold(ROOT, grads)
     strategy.release(ROOT, "head")
 
     for i in reversed(range(L)):
-        _, base = strategy.acquire(f"h.{i}", "bwd")
+        base = strategy.acquire(f"h.{i}", "bwd")[1]  # the cache holds what backward reads
         dx, grads = block_backward(dx, attach(c_blocks.pop(), base))  # (B, T, C)
+        del base
         acts.drop(f"h.{i}")
-        strategy.fold(f"h.{i}", grads, "block")
+        strategy.fold(f"h.{i}", grads)
         strategy.release(f"h.{i}", "bwd")
         strategy.unit_done(f"h.{i}", last)
     # The embedding's backward scatters dx into rows of wte and wpe without reading their values,
     # so no strategy needs the root's parameters here (ZeRO-3 and FSDP gather nothing for it).
     grads = embed_backward(dx, attach(c_embed, None))
     acts.drop("embed")
-    strategy.fold(ROOT, grads, "embed")
+    strategy.fold(ROOT, grads)
     strategy.unit_done(ROOT, last)
     acts.reset()
     return float(loss)
@@ -220,6 +224,9 @@ def train_step(strategy, corpus, step: int, microbatches: int, tracer=None) -> f
     for m in range(microbatches):
         ids = microbatch_ids(B, s.dp.size, s.dp.rank, microbatches, m)
         tokens, targets = corpus.batch(step, ids, T)  # (b, T) each
+        # Owned (b, T): for one sequence the loader's rows view a (1, T+1) buffer, which the
+        # embedding's cache would otherwise keep alive whole.
+        tokens = np.array(tokens)  # (b, T)
         drop = DropoutContext(train.seed, step, tuple(ids), s.config.dropout, True)
         with _context(tracer, step=step, microbatch=m):
             loss += forward_backward(s, tokens, targets, s.config, drop, B * T,

@@ -34,10 +34,11 @@ from refpar.sharding import shard_sizes
 
 
 class Zero:
+    """ZeRO stage 1, 2 or 3 on one dp rank; the hooks of refpar.parallel.units.forward_backward."""
+
     def __init__(self, config, train, dp, ledger, params: dict, stage: int):
         if stage not in (1, 2, 3):
             raise ConfigError(f"--zero {stage} is not a ZeRO stage; use 0 (plain DP), 1, 2 or 3")
-        self.name = f"zero{stage}"
         self.config, self.train, self.dp, self.ledger, self.stage = config, train, dp, ledger, stage
         self.layout = lay = FlatLayout(config)
         self.own = {u: lay.shard(u, dp.size, dp.rank) for u in lay.units}  # [a, b) per unit
@@ -97,7 +98,7 @@ class Zero:
             self.drop(unit)
 
     # ------------------------------------------------------------------------------- gradients
-    def fold(self, unit: str, grads: dict, piece: str) -> None:
+    def fold(self, unit: str, grads: dict) -> None:
         self.ledger.alloc("grads.piece", sum(int(g.nbytes) for g in grads.values()), "grads")
         if self.stage == 1:
             target = self.unit_slice(unit, self.grads)

@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from refpar import checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.data import MarkovCorpus
@@ -75,6 +76,7 @@ class PipelineRun:
     tracer: Tracer | None
     measured: Timeline  # the last step's executed actions, every pipeline rank
     simulated: Timeline  # the schedule simulated with those actions' measured durations
+    first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
 
 
 def microbatches(tokens, targets, first_id: int, m: int) -> list[Microbatch]:
@@ -92,9 +94,24 @@ def microbatches(tokens, targets, first_id: int, m: int) -> list[Microbatch]:
     return out
 
 
-def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int, v: int = 1
+def checkpoint_arrays(params: dict, state: dict, mesh, saving: bool) -> list:
+    """(checkpoint.Piece, array) for each tensor this rank holds, all whole (a stage holds whole
+    parameters). Saving, only each pipeline's dp rank 0 writes, and the tied wte, held by the first
+    and the last stage, only pp rank 0 (stage 0 is always there): each element is written once."""
+    if saving and mesh.coords["dp"]:
+        return []
+    held = [("params", params)] + [(f"adamw.{k}", state[k]) for k in ("m", "v") if k in state]
+    return [(checkpoint.whole(f"{prefix}/{n}", a.shape), a) for prefix, arrays in held
+            for n, a in arrays.items()
+            if not (saving and n == "wte.weight" and mesh.coords["pp"] != 0)]
+
+
+def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int, v: int = 1, *,
+                 save: str | None = None, save_every: int | None = None, resume: str | None = None
                  ) -> PipelineRun:
-    """Trains `train.steps` steps on `mesh` (pp, and optionally dp) with schedule `kind`."""
+    """Trains `train.steps` steps on `mesh` (pp, and optionally dp) with schedule `kind`, or from
+    the checkpoint `resume` (any mesh's) up to `train.steps`; with `save`, checkpoints every
+    `save_every` steps and after the last (refpar/checkpoint.py)."""
     train.check_model(model)
     pp, dp = mesh.pp, mesh.dp
     ledger = MemoryLedger()
@@ -108,11 +125,19 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
         for moment in ("m", "v"):
             if moment in state:
                 ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
+    start_step = 0
+    if resume is not None:
+        manifest = checkpoint.open_training(resume, model, train)
+        pairs = checkpoint_arrays(params, state, mesh, saving=False)
+        for (_, array), loaded in zip(pairs, checkpoint.load(resume, [p for p, _ in pairs], manifest),
+                                      strict=True):
+            array[...] = loaded
+        start_step = state["t"] = int(manifest["step"])
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
     normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
     losses, times = [], []
-    for step in range(train.steps):
+    for step in range(start_step, train.steps):
         start = time.perf_counter()
         with pp.tracer.context(step=step) if pp.tracer else nullcontext():
             tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (b, T) each
@@ -123,10 +148,13 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
             params, state = optimizer_step(params, grads, state, train)
             losses.append(float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0]))
         times.append(time.perf_counter() - start)
+        if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
+            checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh, saving=True),
+                                     model, train, mesh.sizes, kind, mesh.world)
     measured = executor.measured_timeline()
     simulated = executor.simulated_timeline(measured)
     return PipelineRun(losses, sum(times[1:] or times) / len(times[1:] or times), params, executor,
-                       ledger, pp.tracer, measured, simulated)
+                       ledger, pp.tracer, measured, simulated, start_step)
 
 
 def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, plain) -> dict:
@@ -135,11 +163,12 @@ def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, pl
     from refpar.trainer import train_single_device
 
     ref = train_single_device(model, train)
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+    ref_losses = ref.losses[run.first_step:]  # a resumed run has only the steps after its checkpoint
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref_losses, strict=True))
     mine = max(float(np.max(np.abs(p - ref.params[n])) / np.max(np.abs(ref.params[n])))
                for n, p in run.params.items())
     param_diff = float(plain.all_reduce(np.array([mine]), op="max")[0])
-    return {"reference_losses": ref.losses, "max_loss_rel_diff": loss_diff,
+    return {"reference_losses": ref_losses, "max_loss_rel_diff": loss_diff,
             "max_param_rel_diff": param_diff}
 
 
@@ -165,14 +194,16 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
 
     with abort_on_error():
         comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
-        run = run_pipeline(model, train, DeviceMesh(comm, sizes), kind, args.microbatches, v)
+        run = run_pipeline(model, train, DeviceMesh(comm, sizes), kind, args.microbatches, v,
+                           save=args.save, save_every=args.save_every, resume=args.resume)
         checked = reference_diffs(model, train, run, plain) if args.check else {}
         comm_rows, memory_rows = gather_rows(plain, run)
         if args.trace:
             write_chrome_trace(args.trace, plain, run, train.steps - 1)
         if comm.rank != 0:
             return 0
-        expected_comm = expected_comm_rows(model, train, sizes, args.microbatches, v)
+        expected_comm = expected_comm_rows(model, replace(train, steps=len(run.losses)), sizes,
+                                           args.microbatches, v)
         expected_memory = expected_memory_rows(model, train, sizes, kind, args.microbatches, v)
         report(kind, sizes, model, train, run, checked, comm_rows, expected_comm,
                memory_rows, expected_memory, v)
@@ -340,7 +371,7 @@ def report(kind, sizes, model, train, run: PipelineRun, checked, comm_rows, expe
     say(f"{'step':>5} {'loss':>20}" + ("" if ref is None else f" {'single device':>20} {'rel diff':>10}"))
     for s, loss in enumerate(run.losses):
         tail = "" if ref is None else f" {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}"
-        say(f"{s + 1:>5} {loss:>20.15f}{tail}")
+        say(f"{run.first_step + s + 1:>5} {loss:>20.15f}{tail}")
     if checked:
         say(f"max relative parameter difference after {train.steps} steps: "
             f"{checked['max_param_rel_diff']:.1e}")

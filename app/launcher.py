@@ -1,0 +1,72 @@
+"""The one `mpiexec` run the app may have going at a time: started from an argument list (never a
+shell), its output read line by line, stopped by ending its process group.
+
+Kept out of the page so that tests can drive it without a browser.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from refpar.config import ConfigError
+
+MAX_STEPS, TIME_LIMIT_S = 20, 300
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Launcher:
+    """The one run this app may have going at a time (shared by every browser tab)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+        self.started = 0.0
+        self.label, self.key, self.steps = "", None, 1
+        self.result: dict | None = None  # {"key", "label", "summary"} of the last run that succeeded
+        self.error: str | None = None  # the output tail of the last run that failed
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, argv: list[str], label: str, key: tuple, steps: int) -> None:
+        with self.lock:
+            if self.running():
+                raise ConfigError("a run is already going; wait for it or stop it first")
+            env = {**os.environ, "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            # A list, never a shell; a session of its own so that Stop ends mpiexec and its ranks.
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         cwd=ROOT, env=env, start_new_session=True)
+            self.lines, self.started, self.error = [], time.monotonic(), None
+            self.label, self.key, self.steps = label, key, steps
+            threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+        proc.wait()
+        with self.lock:
+            summary = next((json.loads(x) for x in reversed(self.lines) if x.startswith('{"mesh"')), None)
+            if proc.returncode == 0 and summary is not None:
+                self.result = {"key": self.key, "label": self.label, "summary": summary}
+            else:
+                tail = "\n".join(self.lines[-25:])
+                self.error = f"the run ended with exit status {proc.returncode}:\n{tail}"
+
+    def stop(self) -> None:
+        if self.running():
+            os.killpg(self.proc.pid, signal.SIGTERM)
+
+
+def mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("mpiexec")

@@ -1,0 +1,58 @@
+import streamlit as st
+
+from refpar.config import ConfigError, TrainConfig, model_preset
+from refpar.viz import comm, expected
+
+STRATEGY_AXIS = {"dp": "dp", "zero1": "dp", "zero2": "dp", "zero3": "dp", "fsdp": "dp", "tp": "tp",
+                 "sp": "tp", "cp-ring": "cp", "cp-ulysses": "cp", "pp": "pp"}
+
+
+@st.cache_data(max_entries=64)
+def closed_form(strategy: str, n: int, dp: int, microbatches: int):
+    w = expected.workload(strategy, n, model_preset("tiny"), TrainConfig(steps=1), dp=dp,
+                          microbatches=microbatches)
+    rows, _ = expected.closed_form_rows(w)
+    return w.sizes, rows, expected.calls(w)
+
+
+st.title("Communication")
+st.markdown(
+    "Bytes one training step of refpar's tiny GPT-2 moves, from the closed forms the tests check "
+    "every trace against. Drag the slider under the matrix to light up the links each collective "
+    "uses, in program order: a ring sends everything to the next rank of its group, so a tp group's "
+    "traffic stays on the diagonal band of neighbours while dp's jumps across it."
+)
+a, b, c, d = st.columns(4)
+strategy = a.selectbox("strategy", expected.STRATEGIES, index=3)
+n = b.number_input("ranks on its axis", min_value=1, value=2,
+                   help="dp for DP, ZeRO and FSDP; tp for TP and SP; cp for CP; pp for PP")
+dp = c.number_input("dp replicas", min_value=1, value=1, disabled=STRATEGY_AXIS[strategy] == "dp",
+                    help="tp, sp, cp and pp can be replicated over dp")
+m = d.number_input("microbatches", min_value=1, value=2,
+                   help="pp: m per step; dp strategies: gradient accumulation")
+try:
+    key = (strategy, int(n), 1 if STRATEGY_AXIS[strategy] == "dp" else int(dp), int(m))
+    sizes, rows, calls = closed_form(*key)
+except ConfigError as err:
+    st.error(str(err))
+    st.stop()
+run = st.session_state.get("run")
+measured = None
+if run is not None and run["key"] == key:
+    per_step = run["summary"]["steps"]
+    measured = [{**r, "bytes_sent": r["bytes_sent"] // per_step, "bytes_recv": r["bytes_recv"] // per_step}
+                for r in run["summary"]["comm_bytes"]]
+    st.success("The measured bars come from the run launched on the Run for real page (per step).")
+else:
+    st.info("Launch this mesh on the Run for real page to see measured bytes beside the closed form.")
+st.plotly_chart(comm.bytes_figure(rows, measured, "bytes per step by axis and op"), width="stretch")
+left, right = st.columns(2)
+if calls:
+    left.plotly_chart(comm.calls_figure(calls, sizes, "who sends to whom: "), width="stretch")
+    right.plotly_chart(comm.timeline_figure(calls, "the step's collectives, in order"), width="stretch")
+else:
+    left.plotly_chart(comm.traffic_figure(rows, sizes, "who sends to whom, one step"), width="stretch")
+    right.markdown("The pipeline's messages are per microbatch: the Pipeline page draws when each "
+                   "one is sent.")
+if measured is not None:
+    st.plotly_chart(comm.traffic_figure(measured, sizes, "measured: who sends to whom"), width="stretch")

@@ -1,0 +1,49 @@
+import streamlit as st
+
+from refpar.config import ConfigError, TrainConfig, model_preset
+from refpar.viz import comm, expected
+
+SHOWN = ("dp", "zero1", "zero2", "zero3", "fsdp", "tp", "sp", "pp")
+
+
+@st.cache_data(max_entries=32)
+def rank0_memory(n: int, microbatches: int) -> tuple[dict, dict]:
+    """Rank 0's closed-form peak bytes by category per strategy, and why any strategy is left out."""
+    columns, skipped = {}, {}
+    for s in SHOWN:
+        try:
+            w = expected.workload(s, n, model_preset("tiny"), TrainConfig(steps=1),
+                                  microbatches=microbatches if s == "pp" else 1)
+            columns[f"{s} ({n})"] = comm.memory_by_rank(expected.closed_form_rows(w)[1])[0]
+        except ConfigError as err:
+            skipped[s] = str(err)
+    return columns, skipped
+
+
+st.title("Memory")
+st.markdown(
+    "Peak bytes on rank 0 of refpar's tiny GPT-2 in float64, by category, from the closed forms the "
+    "memory ledger is tested against. Watch the optimizer state shrink from DP to ZeRO-1, the "
+    "gradients at ZeRO-2 and the parameters at ZeRO-3, while TP and SP split activations too and "
+    "PP holds only its stages (plus the activations its schedule keeps in flight)."
+)
+a, b = st.columns(2)
+n = a.number_input("ranks on the strategy's axis", min_value=1, max_value=expected.MAX_WORLD, value=4)
+m = b.number_input("microbatches (pp)", min_value=1, max_value=64, value=4)
+columns, skipped = rank0_memory(int(n), int(m))
+st.plotly_chart(comm.memory_figure(columns, "peak bytes on rank 0, closed form"), width="stretch")
+for s, why in skipped.items():
+    st.warning(f"{s} left out: {why}")
+run = st.session_state.get("run")
+if run is not None:
+    summary = run["summary"]
+    measured = comm.memory_by_rank(summary["memory_peak_bytes"] or [])
+    closed = comm.memory_by_rank(summary["expected_memory_peak_bytes"] or [])
+    pairs = {}
+    for rank in sorted(measured):
+        pairs[f"rank {rank} closed form"] = closed.get(rank, {})
+        pairs[f"rank {rank} measured"] = measured[rank]
+    st.subheader(f"The last real run: {run['label']}")
+    st.plotly_chart(comm.memory_figure(pairs, "closed form next to measured, every rank"), width="stretch")
+else:
+    st.info("Launch a run on the Run for real page to see every rank's measured peaks beside these.")

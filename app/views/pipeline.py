@@ -1,0 +1,91 @@
+import streamlit as st
+
+from refpar.config import ConfigError
+from refpar.parallel.pipeline.schedules import (
+    BUILDERS,
+    Costs,
+    build,
+    format_grid,
+    published_bubble_fraction,
+    simulate,
+)
+from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
+
+MAX_P, MAX_M, MAX_V, MAX_COST = 16, 64, 4, 100.0
+
+
+def check(p: int, m: int, v: int, costs: tuple[float, float, float]) -> None:
+    """Refuses what would freeze the browser or mean nothing, in one sentence each."""
+    if not 1 <= p <= MAX_P:
+        raise ConfigError(f"p={p} stages: choose 1 to {MAX_P}")
+    if not 1 <= m <= MAX_M:
+        raise ConfigError(f"m={m} microbatches would draw {m * p * 3:,} bars; choose 1 to {MAX_M}")
+    if not 1 <= v <= MAX_V:
+        raise ConfigError(f"v={v} chunks: choose 1 to {MAX_V}")
+    if not all(0 < c <= MAX_COST for c in costs):
+        raise ConfigError(f"F, B and W must each take more than 0 and at most {MAX_COST:g} units")
+
+
+@st.cache_data(max_entries=64)
+def figures(kind: str, p: int, m: int, v: int, F: float, B: float, W: float):
+    schedule = build(kind, p, m, v)
+    timeline = simulate(schedule, Costs(F=F, B=B, W=W))
+    label = f"{kind}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
+    gantt = gantt_figure(timeline, label)
+    return {"gantt": gantt, "inflight": inflight_figure(schedule, timeline, "held for backward"),
+            "grid": grid_figure(schedule, "unit-cost grid"), "text": format_grid(schedule),
+            "bubble": timeline.bubble_fraction, "idle": idle_total(gantt), "makespan": timeline.makespan,
+            "closed": published_bubble_fraction(kind, p, m, v) if (F, B, W) == (1, 1, 1) else None}
+
+
+def controls(key: str, default_kind: str) -> tuple:
+    kinds = list(BUILDERS)
+    kind = st.selectbox("schedule", kinds, index=kinds.index(default_kind), key=f"{key}kind")
+    a, b, c = st.columns(3)
+    p = a.number_input("p (stages)", min_value=1, value=4, key=f"{key}p")
+    m = b.number_input("m (microbatches)", min_value=1, value=8, key=f"{key}m")
+    v = 1  # chunks per rank: the other schedules have one
+    if kind == "interleaved-1f1b":
+        v = c.number_input("v (chunks per rank)", min_value=1, value=2, key=f"{key}v")
+    a, b, c = st.columns(3)
+    F = a.number_input("F cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}F")
+    B = b.number_input("B cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}B")
+    W = c.number_input("W cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}W")
+    return kind, int(p), int(m), int(v), float(F), float(B), float(W)
+
+
+def show(kind, p, m, v, F, B, W) -> None:
+    try:
+        check(p, m, v, (F, B, W))
+        out = figures(kind, p, m, v, F, B, W)
+    except ConfigError as err:
+        st.error(str(err))
+        return
+    a, b = st.columns(2)
+    a.metric("bubble (simulated)", f"{out['bubble']:.4f}",
+             help=f"idle time shaded in the Gantt, {out['idle']:g}, over p x makespan = {p} x "
+                  f"{out['makespan']:g}")
+    b.metric("bubble (closed form)", "n/a" if out["closed"] is None else f"{out['closed']:.4f}",
+             help="the published form with F = B = W = 1; n/a for other costs or where none is published")
+    st.plotly_chart(out["gantt"], width="stretch")
+    st.plotly_chart(out["inflight"], width="stretch")
+    st.plotly_chart(out["grid"], width="stretch")
+    with st.expander("the grid as `refpar schedule` prints it"):
+        st.code(out["text"], language=None)
+
+
+st.title("Pipeline schedules")
+st.markdown(
+    "Each bar is one action (`1F0`: stage 1's forward of microbatch 0) at the time the simulator "
+    "runs it; red shading is idle time, and its share of all rank-time is the bubble, shown next "
+    "to the published formula. Press Play to watch the schedule tick by tick, and compare how many "
+    "microbatches each stage holds for backward: GPipe holds all m, 1F1B at most p."
+)
+if st.toggle("compare two schedules side by side"):
+    left, right = st.columns(2)
+    with left:
+        show(*controls("a_", "1f1b"))
+    with right:
+        show(*controls("b_", "zb-h1"))
+else:
+    show(*controls("", "1f1b"))

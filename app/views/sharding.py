@@ -1,0 +1,34 @@
+import streamlit as st
+
+from refpar.config import ConfigError
+from refpar.viz import sharding
+
+NAMES = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP",
+         "tp": "TP (column/row split)", "sp": "SP (sequence parallel)", "ep": "EP (experts)"}
+
+
+@st.cache_data(max_entries=64)
+def figure(strategy: str, n: int):
+    return sharding.sharding_figure(sharding.steps_for(strategy, n), n, f"{NAMES[strategy]}, {n} ranks. ")
+
+
+st.title("Sharding layouts")
+st.markdown(
+    "Each cell is one element of a tensor of block 0, coloured by the rank that holds it (grey: "
+    "every rank has a copy; white: nobody holds it at that moment). Press Play or drag the slider "
+    "through the step: watch ZeRO-3 gather block 0's weights only around its forward and backward, "
+    "TP split c_attn and c_fc by columns and the c_proj's by rows, SP shard the sequence outside "
+    "attention and the MLP, and EP send each token to the rank that owns its expert."
+)
+left, right = st.columns(2)
+strategy = left.selectbox("strategy", list(NAMES), format_func=NAMES.get, index=3)
+n = right.number_input("ranks", min_value=1, value=4, step=1,
+                       help=f"1 to {sharding.MAX_RANKS}: more colours cannot be told apart")
+try:
+    st.plotly_chart(figure(strategy, int(n)), width="stretch")
+except ConfigError as err:
+    st.error(str(err))
+st.caption(f"Model: {sharding.DEMO_MODEL.n_layer} blocks, C={sharding.DEMO_MODEL.n_embd}, "
+           f"{sharding.DEMO_MODEL.n_head} heads, T={sharding.DEMO_SEQ} (EP: "
+           f"{sharding.DEMO_MOE_MODEL.moe_experts} experts, top-1), small enough to draw every element. "
+           "Biases and LayerNorms are left out of the picture.")

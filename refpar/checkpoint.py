@@ -1,0 +1,518 @@
+"""Sharded checkpoints that load into a different mesh.
+
+    mpiexec -n 2 python -m refpar train --mesh dp=2 --zero 3 --steps 4 --save ckpt --save-every 2
+    mpiexec -n 3 python -m refpar train --mesh dp=3 --zero 1 --steps 4 --resume ckpt/step-00000002
+    python -m refpar train --steps 4 --resume ckpt                  # the newest complete step
+
+A checkpoint is a directory: one `.npz` per rank holding that rank's pieces, and `manifest.json`,
+written last by rank 0, which says for every *global* tensor (`params/wte.weight`,
+`adamw.m/h.0.ln_1.bias`, ...) its shape and dtype, and for every file its sha256, its size and
+which piece of which tensor each of its arrays is. A `Piece` is either an n-d box (`[start, stop)`
+per axis: tensor- and pipeline-parallel shards, whole tensors) or a flat `[start, stop)` range of
+the row-major flattened tensor (ZeRO and FSDP partitions, which cut flat buffers regardless of
+rows). Loading asks for pieces in the same terms and reassembles each from whichever stored pieces
+overlap it, so a checkpoint written under one mesh loads under any other.
+
+Safety: every file is written under a temporary name, fsynced and renamed; the manifest is written
+only after every rank's file is in place (the gather of their descriptions is the barrier), so a
+directory without `manifest.json` is an unfinished save and is never loaded. Before reading
+anything, every rank checks every file's size, sha256 and array headers (shape, dtype, no object
+arrays) against the manifest, so all ranks refuse a damaged checkpoint alike; loading never
+unpickles (`allow_pickle=False`). Any mismatch is one sentence naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from refpar.config import ConfigError
+
+FORMAT = "refpar-checkpoint/1"
+MANIFEST = "manifest.json"
+STEP_PREFIX = "step-"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used as asked; the message names the file and what to do."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Which part of a global tensor an array is: `box` ((start, stop) per axis) or `flat`
+    ((start, stop) of the row-major flattened tensor); exactly one of them is set."""
+
+    tensor: str
+    box: tuple[tuple[int, int], ...] | None = None
+    flat: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the array that holds this piece."""
+        ranges = self.box if self.box is not None else (self.flat,)
+        return tuple(b - a for a, b in ranges)
+
+    def to_json(self) -> dict:
+        if self.box is not None:
+            return {"tensor": self.tensor, "box": [list(r) for r in self.box]}
+        return {"tensor": self.tensor, "flat": list(self.flat)}
+
+    @staticmethod
+    def from_json(d: dict) -> Piece:
+        if "box" in d:
+            return Piece(d["tensor"], box=tuple((int(a), int(b)) for a, b in d["box"]))
+        a, b = d["flat"]
+        return Piece(d["tensor"], flat=(int(a), int(b)))
+
+
+def whole(tensor: str, shape) -> Piece:
+    return Piece(tensor, box=tuple((0, int(n)) for n in shape))
+
+
+def flat_unit_pieces(prefix: str, layout, unit: str, start: int, flat) -> list[tuple[Piece, np.ndarray]]:
+    """The pieces of `flat`, which holds [start, start + len(flat)) of `unit`'s flat buffer in a
+    `refpar.parallel.units.FlatLayout`: one flat range per parameter it overlaps, as views."""
+    out = []
+    for name, lo, hi in layout.segments(unit, start, start + flat.shape[0]):
+        _, offset, _ = layout.offsets[name]
+        out.append((Piece(f"{prefix}/{name}", flat=(lo - offset, hi - offset)),
+                    flat[lo - start:hi - start]))
+    return out
+
+
+def shard_pieces(tensor: str, flat, shape, lo: int, axis: int | None = None, index=None
+                 ) -> list[tuple[Piece, np.ndarray]]:
+    """(Piece, view of `flat`) for the elements [lo, lo + len(flat)) of the row-major flattening of
+    a local array of `shape` which is either the global tensor (axis None) or a tensor-parallel
+    shard: along `axis` it holds the global indices `index` (increasing, maybe in runs, as c_attn's
+    q, k, v columns), the other axes whole. Covers a ZeRO flat shard of a tp shard too."""
+    out, at = [], 0
+    for box in _contiguous_boxes(tuple(shape), lo, lo + flat.shape[0]):
+        block = flat[at:at + math.prod(b - a for a, b in box)].reshape([b - a for a, b in box])
+        at += block.size
+        if axis is None:
+            out.append((Piece(tensor, box=box), block))
+            continue
+        a, b = box[axis]
+        held = np.asarray(index)[a:b]  # the global indices of this box along `axis`
+        for run in np.split(np.arange(b - a), np.flatnonzero(np.diff(held) != 1) + 1):
+            global_box = list(box)
+            global_box[axis] = (int(held[run[0]]), int(held[run[-1]]) + 1)
+            local = [slice(None)] * len(box)
+            local[axis] = slice(int(run[0]), int(run[-1]) + 1)
+            out.append((Piece(tensor, box=tuple(global_box)), block[tuple(local)]))
+    return out
+
+
+def _contiguous_boxes(shape: tuple, lo: int, hi: int) -> list[tuple]:
+    """[lo, hi) of the row-major flattening of an array of `shape` as boxes, in order, each a
+    contiguous run of it: a partial first row, whole rows, a partial last row (recursively)."""
+    if lo >= hi:
+        return []
+    if len(shape) == 1:
+        return [((lo, hi),)]
+    inner = math.prod(shape[1:])
+    rest = tuple((0, n) for n in shape[1:])
+
+    def part_of_row(i, a, b):
+        return [((i, i + 1),) + box for box in _contiguous_boxes(shape[1:], a, b)]
+
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return part_of_row(first, lo - first * inner, hi - first * inner)
+    out = []
+    if lo % inner:
+        out += part_of_row(first, lo % inner, inner)
+        first += 1
+    if hi // inner > first:
+        out.append(((first, hi // inner),) + rest)
+    if hi % inner:
+        out += part_of_row(hi // inner, 0, hi % inner)
+    return out
+
+
+def training_tensors(param_shapes: dict, dtype, optimizer: str) -> dict[str, tuple[tuple, str]]:
+    """Every global tensor a training checkpoint holds: the parameters, and AdamW's m and v."""
+    prefixes = ["params"] + (["adamw.m", "adamw.v"] if optimizer == "adamw" else [])
+    return {f"{p}/{n}": (tuple(s), np.dtype(dtype).name) for p in prefixes for n, s in param_shapes.items()}
+
+
+# ------------------------------------------------------------------------------------ saving
+def step_dir(root, step: int) -> Path:
+    return Path(root) / f"{STEP_PREFIX}{step:08d}"
+
+
+def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict, comm=None) -> Path:
+    """Writes this rank's `arrays` to `path`/rank{world rank}.npz and, on `comm`'s rank 0 once every
+    rank's file is in place, the manifest. `tensors`: global name -> (shape, dtype), the same on
+    every rank; `info`: what else a resume needs (step, mesh, configs), JSON. Collective over
+    `comm`, which must span every rank that holds state (None: one process). Returns `path`."""
+    path = Path(path)
+    rank = 0 if comm is None else comm.world_rank
+    leader = comm is None or comm.rank == 0
+    manifest = path / MANIFEST
+    if leader:
+        path.mkdir(parents=True, exist_ok=True)
+        # Saving again into a finished checkpoint: its manifest goes first, so a crash from here on
+        # leaves a directory that is refused rather than a manifest over a mix of old and new files.
+        if manifest.exists():
+            manifest.unlink()
+            _fsync_dir(path)
+    if comm is not None:
+        comm.barrier(tag="checkpoint:begin")
+    for p, a in arrays:
+        if a.shape != p.shape:
+            raise ValueError(f"array of shape {a.shape} saved as {p.tensor} {_where(p)}")
+    name = f"rank{rank:05d}.npz"
+    named = {f"a{i}": np.ascontiguousarray(a) for i, (_, a) in enumerate(arrays)}
+    _atomic_write(path / name, lambda f: np.savez(f, **named))
+    record = {"file": name, "sha256": _sha256(path / name), "bytes": (path / name).stat().st_size,
+              "arrays": [{"key": k, **p.to_json()} for k, (p, _) in zip(named, arrays, strict=True)]}
+    records = [record] if comm is None else comm.gather_object(record, root=0)
+    if leader:
+        doc = {"format": FORMAT, **info,
+               "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in tensors.items()},
+               "files": records}
+        text = json.dumps(doc, indent=1)
+        _atomic_write(manifest, lambda f: f.write(text.encode()))
+    if comm is not None:
+        comm.barrier(tag="checkpoint:done")  # nobody goes on (or exits) before the manifest exists
+    return path
+
+
+def _atomic_write(target: Path, write) -> None:
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Makes a rename in `path` durable (POSIX: the directory entry is the directory's data)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------------- loading
+def find(path) -> Path:
+    """The checkpoint `path` names: itself if it holds a manifest, else its newest `step-*`
+    directory that does (an unfinished save, without a manifest, is passed over)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist; give --resume a "
+                              f"directory written by --save")
+    if (path / MANIFEST).is_file():
+        return path
+    steps = sorted(p for p in path.glob(f"{STEP_PREFIX}*") if (p / MANIFEST).is_file())
+    if not steps:
+        raise CheckpointError(f"{path} holds no complete checkpoint (no {MANIFEST}, as a save that "
+                              f"did not finish leaves it); resume from a directory written by --save")
+    return steps[-1]
+
+
+def read_manifest(path) -> dict:
+    """The manifest of the checkpoint `path` names (see `find`), with every file it lists verified:
+    size, sha256, and each array's header (shape, dtype) against the manifest. Every rank checks
+    every file, not just those it will read, so that all ranks refuse a damaged checkpoint alike,
+    with the same sentence, before any communication (one rank failing alone would leave the others
+    waiting in a collective)."""
+    file = find(path) / MANIFEST
+    try:
+        doc = json.loads(file.read_text())
+        if doc.get("format") != FORMAT:
+            raise CheckpointError(f"{file} is not a {FORMAT} manifest (format {doc.get('format')!r}); "
+                                  f"it was not written by this version of refpar")
+        tensors = {n: (tuple(int(s) for s in t["shape"]), np.dtype(t["dtype"]).name)
+                   for n, t in doc["tensors"].items()}
+        files = [{"file": str(r["file"]), "sha256": str(r["sha256"]), "bytes": int(r["bytes"]),
+                  "arrays": [(str(a["key"]), Piece.from_json(a)) for a in r["arrays"]]}
+                 for r in doc["files"]]
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{file} is not a readable checkpoint manifest ({err}); the save that "
+                              f"wrote it did not finish or the file was changed") from None
+    for r in files:
+        if Path(r["file"]).name != r["file"]:
+            raise CheckpointError(f"{file} names shard {r['file']!r} outside its directory; "
+                                  f"the manifest was changed after it was written")
+        for _, piece in r["arrays"]:
+            if piece.tensor not in tensors or not _inside(piece, tensors[piece.tensor][0]):
+                raise CheckpointError(f"{file} says {r['file']} holds {piece.tensor} {_where(piece)}, "
+                                      f"which is not part of any tensor it lists; the manifest is "
+                                      f"inconsistent")
+    for r in files:
+        _verify_shard(file.parent, r, tensors)
+    return {**doc, "tensors": tensors, "files": files, "dir": str(file.parent)}
+
+
+def load(path, wanted: list[Piece], manifest: dict | None = None) -> list[np.ndarray]:
+    """The arrays of the pieces in `wanted`, in order, each reassembled from every stored piece that
+    overlaps it; `manifest`, if given, is `read_manifest(path)`'s (its files already verified).
+    Reads only the arrays it needs."""
+    man = read_manifest(path) if manifest is None else manifest
+    folder = Path(man["dir"])
+    opened: dict[str, np.lib.npyio.NpzFile] = {}
+    out = []
+    try:
+        for want in wanted:
+            shape, dtype = _tensor(man, want, folder)
+            dst = np.empty(want.shape, dtype)
+            covered = np.zeros(want.shape, bool)
+            for r in man["files"]:
+                for key, have in r["arrays"]:
+                    if have.tensor != want.tensor or not _may_overlap(want, have, shape):
+                        continue
+                    if r["file"] not in opened:
+                        opened[r["file"]] = _open_shard(folder, r)
+                    src = _member(opened[r["file"]], folder / r["file"], key, have, dtype)
+                    _copy(want, dst, covered, have, src, shape)
+            if not covered.all():
+                raise CheckpointError(f"checkpoint {folder} holds no shard for part of "
+                                      f"{want.tensor} {_where(want)}; its manifest's files do not "
+                                      f"cover the tensor")
+            out.append(dst)
+    finally:
+        for f in opened.values():
+            f.close()
+    return out
+
+
+def _tensor(man: dict, piece: Piece, folder: Path) -> tuple[tuple, np.dtype]:
+    if piece.tensor not in man["tensors"]:
+        raise CheckpointError(f"checkpoint {folder} has no tensor {piece.tensor}; it was written "
+                              f"for another model or optimizer")
+    shape, dtype = man["tensors"][piece.tensor]
+    if not _inside(piece, shape):
+        raise CheckpointError(f"{piece.tensor} {_where(piece)} is outside its shape {shape} in "
+                              f"checkpoint {folder}; it was written for another model")
+    return shape, np.dtype(dtype)
+
+
+def _inside(piece: Piece, shape) -> bool:
+    if piece.box is not None:
+        return len(piece.box) == len(shape) and all(
+            0 <= a <= b <= n for (a, b), n in zip(piece.box, shape, strict=True))
+    return 0 <= piece.flat[0] <= piece.flat[1] <= int(np.prod(shape))
+
+
+def _where(piece: Piece) -> str:
+    return f"box {list(piece.box)}" if piece.box is not None else f"flat range {list(piece.flat)}"
+
+
+def _verify_shard(folder: Path, record: dict, tensors: dict) -> None:
+    file = folder / record["file"]
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint shard {file} is missing; the checkpoint is incomplete "
+                              f"and cannot be loaded")
+    size = file.stat().st_size
+    if size != record["bytes"]:
+        raise CheckpointError(f"checkpoint shard {file} is {size} bytes but its manifest says "
+                              f"{record['bytes']} (truncated or replaced); the checkpoint cannot be loaded")
+    if _sha256(file) != record["sha256"]:
+        raise CheckpointError(f"checkpoint shard {file} is corrupt: its sha256 does not match the "
+                              f"manifest; the checkpoint cannot be loaded")
+    try:
+        with zipfile.ZipFile(file) as z:
+            for key, piece in record["arrays"]:
+                with z.open(f"{key}.npy") as f:
+                    header = _read_header(f)
+                dtype = np.dtype(tensors[piece.tensor][1])
+                if header[2].hasobject:
+                    raise CheckpointError(f"checkpoint shard {file} array {key} is an object array, "
+                                          f"which only unpickling could read; refusing it")
+                if header[0] != piece.shape or header[2] != dtype:
+                    raise CheckpointError(
+                        f"checkpoint shard {file} array {key} is {header[2]}{list(header[0])} but the "
+                        f"manifest says {piece.tensor} {_where(piece)} of {dtype}")
+    except KeyError:
+        raise CheckpointError(f"checkpoint shard {file} lacks an array its manifest lists") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise CheckpointError(f"checkpoint shard {file} is not a readable .npz file ({err})") from None
+
+
+def _read_header(f) -> tuple[tuple, bool, np.dtype]:
+    """(shape, fortran order, dtype) of a .npy stream, read without its data."""
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(f)
+    raise ValueError(f".npy format version {version} is not one np.savez writes for numbers")
+
+
+def _open_shard(folder: Path, record: dict):
+    file = folder / record["file"]
+    try:
+        return np.load(file, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        raise CheckpointError(f"checkpoint shard {file} is not a readable .npz file ({err})") from None
+
+
+def _member(npz, file: Path, key: str, piece: Piece, dtype: np.dtype) -> np.ndarray:
+    try:
+        a = npz[key]
+    except KeyError:
+        raise CheckpointError(f"checkpoint shard {file} has no array {key} that its manifest "
+                              f"lists") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
+        # Object arrays land here: reading them would mean unpickling, which a checkpoint never needs.
+        raise CheckpointError(f"checkpoint shard {file} array {key} cannot be read without "
+                              f"unpickling or is damaged ({err}); refusing it") from None
+    if a.dtype != dtype or a.shape != piece.shape:
+        raise CheckpointError(f"checkpoint shard {file} array {key} is {a.dtype}{list(a.shape)} but "
+                              f"the manifest says {piece.tensor} {_where(piece)} of {dtype}")
+    return a
+
+
+# ------------------------------------------------------------------------------- reassembly
+def _flat_extent(piece: Piece, shape) -> tuple[int, int]:
+    """[first, last + 1) of the piece's elements in the flattened tensor."""
+    if piece.flat is not None:
+        return piece.flat
+    if any(a == b for a, b in piece.box):
+        return 0, 0
+    strides = _strides(shape)
+    first = sum(a * s for (a, _), s in zip(piece.box, strides, strict=True))
+    last = sum((b - 1) * s for (_, b), s in zip(piece.box, strides, strict=True))
+    return first, last + 1
+
+
+def _may_overlap(a: Piece, b: Piece, shape) -> bool:
+    (a0, a1), (b0, b1) = _flat_extent(a, shape), _flat_extent(b, shape)
+    return max(a0, b0) < min(a1, b1)
+
+
+def _strides(shape) -> list[int]:
+    """Row-major element strides."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return strides[::-1]
+
+
+def _box_indices(box, shape) -> np.ndarray:
+    """The flat index in the global tensor of every element of `box`, box-shaped (row-major, so
+    increasing in the box's own row-major order)."""
+    idx = np.zeros(tuple(b - a for a, b in box), np.int64)
+    for axis, ((a, b), s) in enumerate(zip(box, _strides(shape), strict=True)):
+        idx += (np.arange(a, b, dtype=np.int64) * s).reshape((-1,) + (1,) * (len(box) - axis - 1))
+    return idx
+
+
+def _copy(want: Piece, dst, covered, have: Piece, src, shape) -> None:
+    """Copies the overlap of stored piece `have` (array `src`) into `dst`, which holds `want`."""
+    if want.box is not None and have.box is not None:
+        ranges = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(want.box, have.box, strict=True)]
+        if any(lo >= hi for lo, hi in ranges):
+            return
+        to = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(ranges, want.box, strict=True))
+        dst[to] = src[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(ranges, have.box, strict=True))]
+        covered[to] = True
+    elif want.flat is not None and have.flat is not None:
+        lo, hi = max(want.flat[0], have.flat[0]), min(want.flat[1], have.flat[1])
+        dst[lo - want.flat[0]:hi - want.flat[0]] = src[lo - have.flat[0]:hi - have.flat[0]]
+        covered[lo - want.flat[0]:hi - want.flat[0]] = True
+    elif want.box is not None:  # a box from a flat range
+        idx = _box_indices(want.box, shape)
+        a, b = have.flat
+        inside = (idx >= a) & (idx < b)
+        dst[inside] = src[idx[inside] - a]
+        covered[inside] = True
+    else:  # a flat range from a box
+        idx = _box_indices(have.box, shape)
+        a, b = want.flat
+        inside = (idx >= a) & (idx < b)
+        dst[idx[inside] - a] = src[inside]
+        covered[idx[inside] - a] = True
+
+
+# ---------------------------------------------------------------------------------- training
+def save_training(root, step: int, arrays: list[tuple[Piece, np.ndarray]], model, train,
+                  mesh: dict, strategy: str, comm=None) -> Path:
+    """Saves the state after `step` optimizer steps into `root`/step-{step}: the parameters and
+    optimizer state in `arrays`, and what a resume needs to go on from there: the step (the data
+    and dropout of step s are keyed by (seed, s, sample id), so the step and the seed are the whole
+    data position; AdamW's step count t equals it), the configs and the mesh it was written under."""
+    from refpar.model.gpt import param_shapes
+
+    tensors = training_tensors(param_shapes(model), model.dtype, train.optimizer)
+    info = {"step": step, "optimizer_t": step, "mesh": dict(mesh), "strategy": strategy,
+            "world_size": 1 if comm is None else comm.size,
+            "model": model.to_dict(), "train": train.to_dict()}
+    return save(step_dir(root, step), arrays, tensors, info, comm)
+
+
+def open_training(path, model, train) -> dict:
+    """The manifest of the checkpoint `path` names, checked against this run's configs: everything
+    but the number of steps must match, or the run would not continue the one that was saved."""
+    from refpar.model.gpt import param_shapes
+
+    man = read_manifest(path)
+    where = f"checkpoint {man['dir']}"
+    for kind, mine in (("model", model.to_dict()), ("train", train.to_dict())):
+        theirs = man.get(kind, {})
+        for key, value in mine.items():
+            if key != "steps" and theirs.get(key) != value:
+                raise CheckpointError(f"{where} was written with {kind} {key}={theirs.get(key)!r} but "
+                                      f"this run has {value!r}; resume with the settings it was "
+                                      f"written with")
+    expected = training_tensors(param_shapes(model), model.dtype, train.optimizer)
+    if man["tensors"] != expected:
+        raise CheckpointError(f"{where} holds other tensors than this model and optimizer have; "
+                              f"resume with the model it was written for")
+    if not 0 <= int(man["step"]) < train.steps:
+        raise CheckpointError(f"{where} is at step {man['step']}, so --steps {train.steps} leaves "
+                              f"nothing to train; give --steps more than {man['step']}")
+    return man
+
+
+def whole_arrays(params: dict, state: dict) -> list[tuple[Piece, np.ndarray]]:
+    """One process's state as whole-tensor pieces (`refpar.model.optim` layout)."""
+    out = [(whole(f"params/{n}", p.shape), p) for n, p in params.items()]
+    for k in ("m", "v"):
+        out += [(whole(f"adamw.{k}/{n}", a.shape), a) for n, a in state.get(k, {}).items()]
+    return out
+
+
+def load_whole(path, model, train) -> tuple[int, dict, dict]:
+    """(step, params, optimizer state) for one process from a checkpoint of any mesh."""
+    man = open_training(path, model, train)
+    names = [n.split("/", 1) for n in man["tensors"]]
+    arrays = load(path, [whole(n, s) for n, (s, _) in man["tensors"].items()], man)
+    step = int(man["step"])
+    state: dict = {"t": step}
+    params = {}
+    for (prefix, name), a in zip(names, arrays, strict=True):
+        if prefix == "params":
+            params[name] = a
+        else:
+            state.setdefault(prefix.split(".")[1], {})[name] = a
+    return step, params, state
+
+
+def should_save(step_done: int, steps: int, every: int | None) -> bool:
+    """Whether to save after `step_done` steps: every `every` steps, and after the last."""
+    return step_done == steps or (every is not None and step_done % every == 0)

@@ -1,0 +1,238 @@
+"""The Streamlit app, page by page, through streamlit.testing.v1.AppTest: every page renders for
+default and edge inputs without an exception, and its figures hold what refpar's own functions say.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from refpar.config import TrainConfig, model_preset
+from refpar.parallel.pipeline.schedules import build, published_bubble_fraction, simulate
+from refpar.viz import comm, expected, sharding
+
+ROOT = Path(__file__).resolve().parents[1]
+HOME = str(ROOT / "app" / "Home.py")
+TINY, ONE_STEP = model_preset("tiny"), TrainConfig(steps=1)
+TIMEOUT = 60  # seconds per script run: two cores shared by many test processes
+
+sys.path.insert(0, str(ROOT / "app"))
+from launcher import Launcher  # noqa: E402
+
+
+def decode(value):
+    """Plotly 7 JSON with its base64 `bdata` arrays turned back into NumPy arrays."""
+    if isinstance(value, dict):
+        if "bdata" in value and "dtype" in value:
+            array = np.frombuffer(base64.b64decode(value["bdata"]), dtype=value["dtype"])
+            shape = [int(s) for s in str(value.get("shape", len(array))).split(",")]
+            return array.reshape(shape)
+        return {k: decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    return value
+
+
+def charts(at: AppTest) -> list[dict]:
+    return [decode(json.loads(c.proto.spec)) for c in at.get("plotly_chart")]
+
+
+def page(path: str) -> AppTest:
+    at = AppTest.from_file(HOME, default_timeout=TIMEOUT)
+    at.run()
+    at.switch_page(path)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def rerun(at: AppTest) -> AppTest:
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_home_lists_every_page():
+    at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
+    assert not at.exception
+    text = at.markdown[0].value
+    for name in ("Sharding layouts", "Pipeline schedules", "Communication", "Memory", "Plan", "Run for real"):
+        assert name in text
+
+
+def test_sharding_page_colours_are_refpars_layouts():
+    at = page("views/sharding.py")
+    fig = charts(at)[0]  # default: ZeRO-3 over 4 ranks
+    names = sharding.block_weights(0)
+    frames = {f["name"]: f for f in fig["frames"]}
+    for i, name in enumerate(names):
+        owner = sharding.flat_owner_grid(sharding.DEMO_MODEL, 4, name)
+        np.testing.assert_array_equal(np.asarray(frames["before the step"]["data"][i]["z"]), owner)
+        assert (np.asarray(frames["forward h.0"]["data"][i]["z"]) == sharding.EVERY).all()
+    at.selectbox[0].set_value("tp")
+    at.number_input[0].set_value(8)
+    fig = charts(rerun(at))[0]
+    for i, name in enumerate(names):
+        np.testing.assert_array_equal(np.asarray(fig["data"][i]["z"]),
+                                      sharding.tp_owner_grid(sharding.DEMO_MODEL, 8, name))
+
+
+@pytest.mark.parametrize("strategy,n", [("tp", 3), ("zero3", 9), ("sp", 1), ("ep", 8)])
+def test_sharding_page_edge_inputs(strategy, n):
+    at = page("views/sharding.py")
+    at.selectbox[0].set_value(strategy)
+    at.number_input[0].set_value(n)
+    rerun(at)
+    if (strategy, n) in (("tp", 3), ("zero3", 9), ("sp", 1)):
+        assert at.error and not at.get("plotly_chart")
+    else:
+        assert len(charts(at)[0]["frames"]) == 4
+
+
+def test_pipeline_page_idle_time_is_the_simulated_bubble():
+    at = page("views/pipeline.py")
+    gantt = charts(at)[0]  # default: 1f1b, p=4, m=8, F=B=W=1
+    timeline = simulate(build("1f1b", 4, 8))
+    idle = next(t for t in gantt["data"] if t["name"] == "idle")
+    assert np.sum(idle["x"]) == pytest.approx(sum(map(timeline.idle_time, timeline.slots)))
+    assert float(at.metric[0].value) == pytest.approx(timeline.bubble_fraction, abs=5e-5)
+    assert float(at.metric[1].value) == pytest.approx(published_bubble_fraction("1f1b", 4, 8), abs=5e-5)
+    assert len(gantt["frames"]) > 1 and gantt["layout"]["sliders"]
+
+
+def test_pipeline_page_refuses_ten_thousand_microbatches():
+    at = page("views/pipeline.py")
+    at.number_input(key="m").set_value(10_000)
+    rerun(at)
+    assert "choose 1 to 64" in at.error[0].value and not at.get("plotly_chart")
+
+
+def test_pipeline_page_compares_two_schedules_and_explains_bad_ones():
+    at = page("views/pipeline.py")
+    at.toggle[0].set_value(True)
+    rerun(at)
+    assert len(at.get("plotly_chart")) == 6
+    at.selectbox(key="b_kind").set_value("interleaved-1f1b")
+    at.number_input(key="b_m").set_value(6)
+    rerun(at)
+    assert "divisible" in at.error[0].value and len(at.get("plotly_chart")) == 3
+    at.number_input(key="a_F").set_value(0.0)
+    rerun(at)
+    assert any("more than 0" in e.value for e in at.error)
+
+
+def test_communication_page_bars_are_the_closed_forms():
+    at = page("views/communication.py")
+    figs = charts(at)  # default: zero3 over 2 ranks, 2 microbatches
+    rows, _ = expected.closed_form_rows(expected.workload("zero3", 2, TINY, ONE_STEP, microbatches=2))
+    bars = figs[0]["data"][0]
+    assert dict(zip(bars["x"], np.asarray(bars["y"]).tolist(), strict=True)) == comm.by_axis_op(rows)
+    assert figs[1]["frames"][-1]["name"] == "whole step"
+    at.selectbox[0].set_value("tp")
+    at.number_input[0].set_value(3)
+    rerun(at)
+    assert at.error and not at.get("plotly_chart")
+    at.selectbox[0].set_value("pp")
+    at.number_input[0].set_value(2)
+    rerun(at)
+    assert len(at.get("plotly_chart")) == 2
+
+
+def test_memory_page_shows_every_strategys_closed_form():
+    at = page("views/memory.py")
+    fig = charts(at)[0]  # default: 4 ranks
+    zero3 = expected.closed_form_rows(expected.workload("zero3", 4, TINY, ONE_STEP))[1]
+    col = list(fig["data"][0]["x"]).index("zero3 (4)")
+    for trace in fig["data"]:
+        assert trace["y"][col] == comm.memory_by_rank(zero3)[0].get(trace["name"], 0)
+    at.number_input[0].set_value(3)
+    rerun(at)
+    assert any("tp left out" in w.value for w in at.warning)
+
+
+def test_plan_page_renders_the_planners_plans():
+    at = page("views/plan.py")
+    fig = charts(at)[0]
+    assert "plans fit" in fig["layout"]["title"]["text"]
+    at.number_input[0].set_value(1)
+    rerun(at)
+    assert at.error and "fits on no mesh" in at.error[0].value
+
+
+def test_run_page_refuses_bad_runs_before_launching():
+    at = page("views/run.py")
+    assert "mpiexec -n 2" in at.code[0].value and "--mesh dp=2" in at.code[0].value
+    at.number_input[3].set_value(50)
+    rerun(at)
+    assert "choose 1 to 20" in at.error[0].value
+    at.number_input[3].set_value(2)
+    at.selectbox[0].set_value("tp")
+    at.number_input[0].set_value(3)
+    rerun(at)
+    assert at.error and at.button[0].disabled
+
+
+@pytest.mark.timeout(240)
+def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_form():
+    at = page("views/run.py")  # default: dp=2, 3 steps
+    at.number_input[3].set_value(2)
+    at.button[0].click()
+    rerun(at)
+    deadline = time.monotonic() + 180
+    while "run" not in at.session_state and time.monotonic() < deadline:
+        time.sleep(1)
+        rerun(at)
+    assert "run" in at.session_state, [c.value for c in at.code] + [e.value for e in at.error]
+    assert at.session_state["run"]["summary"]["world_size"] == 2
+    at.switch_page("views/communication.py")
+    rerun(at)
+    at.selectbox[0].set_value("dp")
+    rerun(at)
+    closed, measured = charts(at)[0]["data"]
+    assert measured["name"] == "measured"
+    np.testing.assert_array_equal(measured["y"], closed["y"])
+    at.switch_page("views/memory.py")
+    rerun(at)
+    pairs = charts(at)[1]  # every rank, closed form next to measured
+    assert list(pairs["data"][0]["x"]) == ["rank 0 closed form", "rank 0 measured", "rank 1 closed form",
+                                           "rank 1 measured"]
+
+
+def test_a_failing_run_reports_its_output_and_status():
+    run = Launcher()
+    fails = "print('rank 0: boom', flush=True); raise SystemExit(3)"
+    run.start([sys.executable, "-c", fails], "fails", None, 1)
+    run.proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while run.error is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "exit status 3" in run.error and "boom" in run.error and run.result is None
+
+
+def test_one_run_at_a_time_and_stop_ends_it():
+    run = Launcher()
+    run.start([sys.executable, "-c", "import time; time.sleep(60)"], "sleeps", None, 1)
+    with pytest.raises(ValueError, match="already going"):
+        run.start([sys.executable, "-c", "pass"], "second", None, 1)
+    run.stop()
+    assert run.proc.wait(timeout=10) != 0
+
+
+def test_refpar_app_command_runs_streamlit_headless_without_importing_it():
+    from refpar.commands.app import command
+
+    argv = command(8600)
+    assert argv[1:4] == ["-m", "streamlit", "run"] and argv[4].endswith("app/Home.py")
+    assert "--server.headless" in argv and argv[argv.index("--server.port") + 1] == "8600"
+    probe = "import sys, refpar.cli, refpar.commands.app, refpar.viz.comm, refpar.viz.sharding, " \
+            "refpar.viz.pipeline, refpar.viz.expected; print('streamlit' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

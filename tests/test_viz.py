@@ -1,0 +1,209 @@
+"""refpar.viz figure builders: what each figure draws is what refpar's own functions say."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from refpar.config import ConfigError, TrainConfig, model_preset
+from refpar.model.gpt import init_params
+from refpar.parallel.expert_parallel import owned_experts
+from refpar.parallel.pipeline.schedules import (
+    Costs,
+    build,
+    peak_inflight_microbatches,
+    simulate,
+)
+from refpar.parallel.tensor_parallel import shard_params_tp
+from refpar.parallel.units import FlatLayout
+from refpar.sharding import shard_range
+from refpar.viz import comm as cv
+from refpar.viz import expected as ex
+from refpar.viz import sharding as sh
+from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
+
+SCHEDULES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1), ("interleaved-1f1b", 2, 4, 2),
+             ("zb-h1", 4, 8, 1), ("zb-h2", 3, 6, 1), ("1f1b", 1, 1, 1)]
+
+
+@pytest.mark.parametrize("kind,p,m,v", SCHEDULES)
+def test_gantt_idle_time_equals_the_simulated_bubble(kind, p, m, v):
+    timeline = simulate(build(kind, p, m, v), Costs(F=1, B=2, W=1))
+    fig = gantt_figure(timeline)
+    idle = idle_total(fig)
+    assert idle == pytest.approx(sum(timeline.idle_time(r) for r in timeline.slots))
+    assert idle / (p * timeline.makespan) == pytest.approx(timeline.bubble_fraction)
+    bars = {t.name: t for t in fig.data}
+    for kind_ in "FBW":
+        slots = [s for row in timeline.slots.values() for s in row if s.action.kind == kind_]
+        assert sorted(zip(bars[kind_].y, bars[kind_].base, bars[kind_].x, bars[kind_].text, strict=True)) == \
+            sorted((s.rank, s.start, s.end - s.start, str(s.action)) for s in slots)
+    # The animation ends on the whole timeline, with fixed axes so frames do not jump.
+    last = fig.frames[-1].data
+    assert [list(t.x) for t in last] == [list(t.x) for t in fig.data]
+    assert fig.layout.xaxis.range == (0, timeline.makespan)
+    assert list(fig.layout.sliders[0].steps[-1].args[0]) == [fig.frames[-1].name]
+
+
+def test_gantt_frames_grow_with_time():
+    timeline = simulate(build("1f1b", 4, 8))
+    busy = [sum(sum(t.x) for t in f.data if t.name in "FBW") for f in gantt_figure(timeline).frames]
+    assert busy == sorted(busy) and busy[-1] == sum(map(timeline.busy_time, timeline.slots))
+
+
+@pytest.mark.parametrize("kind,p,m,v", SCHEDULES)
+def test_inflight_peak_is_the_schedules_peak(kind, p, m, v):
+    schedule = build(kind, p, m, v)
+    fig = inflight_figure(schedule, simulate(schedule))
+    peaks = {int(t.name.split()[1]): max(t.y) for t in fig.data}
+    assert peaks == peak_inflight_microbatches(schedule)
+
+
+def test_grid_cells_are_the_schedules_actions():
+    schedule = build("zb-h1", 3, 4)
+    heat = grid_figure(schedule).data[0]
+    for rank, row in schedule.items():
+        assert heat.text[rank] == ["" if a is None else str(a) for a in row]
+        assert list(heat.z[rank]) == [0 if a is None else " FBW".index(a.kind) for a in row]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_zero_grids_are_flat_layout_shards(n):
+    config = sh.DEMO_MODEL
+    lay = FlatLayout(config)
+    for name in sh.block_weights(0):
+        grid = sh.flat_owner_grid(config, n, name).ravel()
+        unit, start, _ = lay.offsets[name]
+        for rank in range(n):
+            a, b = lay.shard(unit, n, rank)
+            held = np.flatnonzero(grid == rank) + start  # positions in the unit's flat buffer
+            assert set(held) == set(range(a, b)) & set(range(start, start + grid.size))
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+def test_tp_grids_are_the_slices_shard_params_tp_takes(t):
+    config = sh.DEMO_MODEL
+    full = init_params(config, 0)
+    for name in sh.block_weights(0):
+        grid = sh.tp_owner_grid(config, t, name)
+        for rank in range(t):
+            local = shard_params_tp(full, config, t, rank)[name]
+            if (grid == sh.EVERY).all():
+                np.testing.assert_array_equal(local, full[name])
+            else:
+                np.testing.assert_array_equal(full[name][grid == rank], local.ravel())
+
+
+def test_zero3_gathers_block_0_only_around_its_forward_and_backward():
+    steps = sh.weight_steps("zero3", 4)
+    owner = sh.flat_owner_grid(sh.DEMO_MODEL, 4, sh.block_weights(0)[0])
+    for s in steps:
+        params = s.grids["params"][sh.block_weights(0)[0]]
+        if s.label in ("forward h.0", "backward h.0"):
+            assert (params == sh.EVERY).all()
+        else:
+            np.testing.assert_array_equal(params, owner)
+        np.testing.assert_array_equal(s.grids["optimizer"][sh.block_weights(0)[0]], owner)
+
+
+def test_dp_replicates_everything_and_zero2_shards_gradients_at_backward():
+    name = sh.block_weights(0)[2]
+    for s in sh.weight_steps("dp", 2):
+        assert (s.grids["params"][name] == sh.EVERY).all() and (s.grids["optimizer"][name] == sh.EVERY).all()
+    zero2 = {s.label: s.grids["grads"][name] for s in sh.weight_steps("zero2", 2)}
+    assert (zero2["backward h.1"] == sh.NOBODY).all()
+    np.testing.assert_array_equal(zero2["backward h.0"], sh.flat_owner_grid(sh.DEMO_MODEL, 2, name))
+
+
+def test_sp_rows_are_shard_ranges_and_regions_are_whole():
+    t, T = 3, sh.DEMO_SEQ
+    steps = sh.sp_steps(t)
+    grid = next(iter(steps[0].grids["activations"].values()))
+    for rank in range(t):
+        assert set(np.flatnonzero(grid[:, 0] == rank)) == set(range(*shard_range(T, t, rank)))
+    assert (next(iter(steps[1].grids["activations"].values())) == sh.EVERY).all()
+
+
+def test_ep_tokens_travel_to_the_rank_that_owns_their_expert():
+    ep = 4
+    steps = sh.ep_steps(ep)
+    home = next(iter(steps[0].grids["tokens"].values()))
+    away = next(iter(steps[1].grids["tokens"].values()))
+    assert (home == np.arange(ep)[:, None]).all()
+    owners = sh.expert_owners(ep)
+    assert all(owners[e] == r for r in range(ep) for e in owned_experts(sh.DEMO_MOE_MODEL.moe_experts, ep, r))
+    assert set(np.unique(away)) <= set(range(ep)) and (away != home).any()
+
+
+def test_sharding_figure_frames_carry_the_steps_grids():
+    steps = sh.steps_for("zero3", 4)
+    fig = sh.sharding_figure(steps, 4)
+    for frame, step in zip(fig.frames, steps, strict=True):
+        grids = [g for row in step.grids.values() for g in row.values()]
+        assert len(frame.data) == len(grids)
+        for trace, grid in zip(frame.data, grids, strict=True):
+            np.testing.assert_array_equal(np.asarray(trace.z), grid)
+    assert [s.label for s in fig.layout.sliders[0].steps] == [s.label for s in steps]
+    assert all(f.layout.title.text.endswith(s.moves) for f, s in zip(fig.frames, steps, strict=True))
+
+
+@pytest.mark.parametrize("strategy,n", [("tp", 3), ("dp", 9), ("sp", 1), ("ep", 9)])
+def test_bad_sharding_inputs_are_one_sentence(strategy, n):
+    with pytest.raises(ConfigError):
+        sh.steps_for(strategy, n)
+
+
+# ---------------------------------------------------------------- communication and memory
+
+TINY, ONE_STEP = model_preset("tiny"), TrainConfig(steps=1)
+
+
+@pytest.mark.parametrize("strategy", ex.STRATEGIES)
+def test_traffic_matrix_rows_add_up_to_each_ranks_bytes_sent(strategy):
+    w = ex.workload(strategy, 2, TINY, ONE_STEP, dp=2)
+    rows, _ = ex.closed_form_rows(w)
+    matrix = cv.traffic_matrix(rows, w.sizes)
+    sent = [sum(r["bytes_sent"] for r in rows if r["rank"] == k) for k in range(w.world)]
+    np.testing.assert_allclose(matrix.sum(axis=1), sent)
+    assert np.trace(matrix) == 0  # nobody sends to itself
+    # Every byte goes to a rank of the sender's group on that axis.
+    for r in rows:
+        for dst, _ in cv.destinations(w.sizes, r["rank"], r["axis"], r["op"]):
+            assert dst in cv.axis_group(w.sizes, r["rank"], r["axis"])
+
+
+@pytest.mark.parametrize("strategy", [s for s in ex.STRATEGIES if s != "pp"])
+def test_the_steps_calls_add_up_to_the_closed_form_rows(strategy):
+    w = ex.workload(strategy, 2, TINY, ONE_STEP, dp=2)
+    rows, _ = ex.closed_form_rows(w)
+    calls = ex.calls(w)
+    for k in range(w.world):
+        assert sum(c["bytes_sent"][k] for c in calls) == sum(r["bytes_sent"] for r in rows if r["rank"] == k)
+    fig = cv.calls_figure(calls, w.sizes)
+    assert len(fig.frames) == len(calls) + 1
+    np.testing.assert_allclose(np.asarray(fig.frames[-1].data[0].z), cv.traffic_matrix(rows, w.sizes))
+    timeline = cv.timeline_figure(calls)
+    assert sum(len(t.x) for t in timeline.data) == len(calls)
+
+
+def test_axis_groups_follow_the_device_mesh_layout():
+    sizes = ex.workload("tp", 2, TINY, ONE_STEP, dp=2).sizes  # ranks (dp, tp) = [[0, 1], [2, 3]]
+    assert cv.axis_group(sizes, 3, "tp") == [2, 3] and cv.axis_group(sizes, 3, "dp") == [1, 3]
+    assert cv.axis_group(sizes, 0, "world") == [0, 1, 2, 3]
+
+
+def test_bytes_and_memory_figures_show_the_rows():
+    w = ex.workload("zero3", 4, TINY, ONE_STEP)
+    comm, memory = ex.closed_form_rows(w)
+    fig = cv.bytes_figure(comm, comm)
+    assert list(fig.data[0].y) == list(fig.data[1].y) == list(cv.by_axis_op(comm).values())
+    mem = cv.memory_figure({"zero3": cv.memory_by_rank(memory)[0]})
+    assert {t.name: t.y[0] for t in mem.data} == {r["category"]: r["bytes"] for r in memory if r["rank"] == 0}
+
+
+@pytest.mark.parametrize("args", [("tp", 3, 1), ("dp", 17, 1), ("pp", 4, 8), ("nope", 2, 1)])
+def test_bad_workloads_are_config_errors(args):
+    strategy, n, dp = args
+    with pytest.raises(ConfigError):
+        w = ex.workload(strategy, n, TINY, ONE_STEP, dp=dp)
+        ex.closed_form_rows(w)
