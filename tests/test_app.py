@@ -217,10 +217,8 @@ def test_a_failing_run_reports_its_output_and_status():
     run = Launcher()
     fails = "print('rank 0: boom', flush=True); raise SystemExit(3)"
     run.start([sys.executable, "-c", fails], "fails", None, 1)
-    run.proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while run.error is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    run.reader.join(timeout=30)
+    assert not run.running()
     assert "exit status 3" in run.error and "boom" in run.error and run.result is None
 
 
@@ -230,7 +228,8 @@ def test_one_run_at_a_time_and_stop_ends_it():
     with pytest.raises(ValueError, match="already going"):
         run.start([sys.executable, "-c", "pass"], "second", None, 1)
     run.stop()
-    assert run.proc.wait(timeout=10) != 0
+    run.reader.join(timeout=30)
+    assert run.proc.returncode != 0 and "exit status" in run.error and not run.running()
 
 
 def test_refpar_app_command_runs_streamlit_headless_without_importing_it():
