@@ -211,6 +211,11 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
     pairs = charts(at)[1]  # every rank, closed form next to measured
     assert list(pairs["data"][0]["x"]) == ["rank 0 closed form", "rank 0 measured", "rank 1 closed form",
                                            "rank 1 measured"]
+    summary = at.session_state["run"]["summary"]
+    for trace in pairs["data"]:
+        drawn = np.asarray(trace["y"]).tolist()
+        for offset, field in ((0, "expected_memory_peak_bytes"), (1, "memory_peak_bytes")):
+            assert drawn[offset::2] == [r["bytes"] for r in summary[field] if r["category"] == trace["name"]]
 
 
 def test_a_failing_run_reports_its_output_and_status():
