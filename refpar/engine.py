@@ -19,6 +19,8 @@ own pieces, nothing is written again:
     dp           --zero 0: every gradient summed over dp (intra_layer.all_reduce_replicated_grads)
                  --zero 1: the flat gradient reduce-scattered over dp, AdamW on this rank's
                  shard only, the updated shard all-gathered (Rajbhandari et al. 2020, P_os)
+                 --zero 3: parameters sharded too, gathered around every action
+                 (refpar/engine_zero3.py)
     loss         the last stage's microbatch losses summed over pp, then over dp
 
 A tensor-parallel piece computes its input and weight gradients together, so a stage's B is the
@@ -37,6 +39,7 @@ from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.engine_zero3 import ZeroThree, attach, detach
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
@@ -62,6 +65,7 @@ from refpar.parallel.tensor_parallel import (
 from refpar.sharding import shard_range, shard_sizes
 
 AXES = ("pp", "dp", "tp")  # the axes the engine composes; cp and ep run in their own runners
+NO_ZERO3_CHECKPOINTS = "--save and --resume hold ZeRO 0 or 1 states; use --zero 0 or 1 to checkpoint"
 
 
 @dataclass(frozen=True)
@@ -82,11 +86,14 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
     if model.moe_blocks:
         raise ConfigError("the engine runs dense GPT-2 blocks; drop the MoE options or use "
                           "--mesh dp=D,ep=E for experts")
-    if opts.zero not in (0, 1):
-        raise ConfigError(f"--zero {opts.zero} with tp or pp is not available; use --zero 0 or 1 "
-                          "(ZeRO-2/3 and FSDP run on a dp-only mesh)")
-    if opts.zero == 1 and sizes["dp"] < 2:
-        raise ConfigError("--zero 1 shards the optimizer state over dp ranks; give the mesh dp=2 or more")
+    if opts.zero not in (0, 1, 3):
+        raise ConfigError(f"--zero {opts.zero} with tp or pp is not available; use --zero 0, 1 or 3 "
+                          "(ZeRO-2 and FSDP run on a dp-only mesh)")
+    if opts.zero == 3 and opts.sp:
+        raise ConfigError("--sp sums its region's gradients over tp, which ZeRO-3's dp shards mix "
+                          "with tp-sharded ones; use --zero 1 with --sp")
+    if opts.zero and sizes["dp"] < 2:
+        raise ConfigError(f"--zero {opts.zero} shards over dp ranks; give the mesh dp=2 or more")
     train.check_model(model)
     t, p, d = sizes["tp"], sizes["pp"], sizes["dp"]
     check_tp(model, t)
@@ -162,6 +169,28 @@ class EngineExecutor(PipelineExecutor):
         dtype, Tl, C = np.dtype(self.config.dtype), len(self.lay.resid_pos), self.config.n_embd
         return {a: self.pp.irecv((len(mbs[a.microbatch].sample_ids), Tl, C), dtype, src, tag, like=like)
                 for a, src, dst, tag in self._messages() if dst == self.rank}
+
+
+class ZeroThreeStage(TensorParallelStage):
+    """A tensor-parallel stage whose parameters ZeRO-3 gathers for each action and frees after."""
+
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, zero: ZeroThree):
+        super().__init__(config, n_stages, stage, lay)
+        self.zero = zero
+
+    def forward(self, params, x, targets, drop, normalizer):
+        full, bases = self.zero.gather(self.stage, "fwd")
+        out, cache = super().forward(full, x, targets, drop, normalizer)
+        cache = detach(cache[:-1], bases)  # without the parameters: they are freed now
+        self.zero.release(bases)
+        return out, cache
+
+    def backward_input(self, dout, cache):
+        full, bases = self.zero.gather(self.stage, "bwd")
+        dx, grads = super().backward_input(dout, (*attach(cache, bases), full))
+        self.zero.release(bases)
+        self.zero.reduce(self.stage, grads)
+        return dx, {}  # the gradients are in the shards already
 
 
 class ZeroOne:
@@ -280,6 +309,8 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     `resume`: start from that checkpoint (any mesh's); `save`: checkpoint every `save_every` steps
     and after the last (refpar/checkpoint.py)."""
     validate(model, train, mesh.sizes, opts)
+    if opts.zero == 3 and (save is not None or resume is not None):
+        raise ConfigError(NO_ZERO3_CHECKPOINTS)
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     t = mesh.sizes["tp"]
     lay = (sp_layout(model, train.seq_len, tp) if opts.sp
@@ -290,10 +321,17 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     full = shard_params_tp(init_params(model, train.seed), model, t, mesh.coords["tp"])
     # Drawn whole on the host, sliced by tp, then by pp, then moved to the run's backend.
     params = backend.current().from_host({n: full[n] for n in executor.param_names()})
+    zero3 = tied = None
+    if opts.zero == 3:
+        zero3, tied = ZeroThree(params, executor.stages, train, dp, ledger), executor.embedding_group
+        executor.stages = {s: ZeroThreeStage(model, executor.layout.n_stages, s, lay, zero3)
+                           for s in executor.stages}
+        executor.embedding_group = None  # the tied sum runs on the shards (ZeroThree.sum_tied)
+        params = {}  # the stages gather what they need
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
     zero = ZeroOne(params, train, dp, ledger) if opts.zero == 1 else None
-    state = optimizer_init(params, train) if zero is None else None
+    state = optimizer_init(params, train) if zero is None and zero3 is None else None
     for moment in ("m", "v") if state is not None and train.optimizer == "adamw" else ():
         for n in params:
             ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
@@ -321,12 +359,17 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         start = time.perf_counter()
         with tracer.context(step=step) if tracer else nullcontext():
             tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (B/d, T) each
+            if zero3 is not None:
+                zero3.begin_step()
             loss, grads = executor.step(params, microbatches(tokens, targets, first, opts.microbatches),
                                         step=step, seed=train.seed, normalizer=normalizer)
             if sp_names:
                 grads |= all_reduce_replicated_grads({n: grads[n] for n in sp_names}, tp,
                                                      "sp.replicated_grads:bwd")
-            if zero is not None:
+            if zero3 is not None:
+                zero3.sum_tied(tied)
+                zero3.step()
+            elif zero is not None:
                 params = zero.step(params, grads)
             else:
                 if dp.size > 1:
@@ -345,7 +388,9 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
                 checkpoint.save_training(save, step + 1, checkpoint_arrays(
                     model, mesh, params, state, zero, saving=True), model, train, mesh.sizes,
                     f"engine zero{opts.zero}", mesh.world)
-    totals = tracer.totals() if tracer else {}  # before the timeline gather below adds its own
+    totals = tracer.totals() if tracer else {}  # before the gathers below add their own
+    if zero3 is not None:
+        params = zero3.full_params()
     measured = executor.measured_timeline()
     return EngineRun(losses, times, windows, params, executor, ledger, totals, tracer, measured,
                      executor.simulated_timeline(measured), start_step)
