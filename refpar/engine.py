@@ -327,6 +327,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         executor.stages = {s: ZeroThreeStage(model, executor.layout.n_stages, s, lay, zero3)
                            for s in executor.stages}
         executor.embedding_group = None  # the tied sum runs on the shards (ZeroThree.sum_tied)
+        executor.like = next(iter(zero3.shards.values()))
         params = {}  # the stages gather what they need
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")

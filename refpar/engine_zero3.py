@@ -23,9 +23,12 @@ reduce-scattered: ZeRO-3's 3Ψ.
 from __future__ import annotations
 
 import numpy as np
+from array_api_compat import array_namespace, device
 
+from refpar import backend
+from refpar.memory import nbytes_of
 from refpar.model.optim import adamw_update, sgd_update
-from refpar.parallel.units import _ParamView
+from refpar.parallel.units import _ParamView, _position, _view_at
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -35,18 +38,13 @@ def units_of(names: list[str]) -> dict[str, list[str]]:
     return ({"wte": ["wte.weight"]} if "wte.weight" in names else {}) | ({"rest": rest} if rest else {})
 
 
-def _owner(a):
-    return a if a.base is None else a.base
-
-
 def detach(cache, bases: dict):
     """`cache` with every array viewing one of `bases` (unit -> flat buffer) replaced by
     (unit, its position in that buffer), so the cache does not keep the gathered buffer alive."""
-    if isinstance(cache, np.ndarray):
+    if backend.is_array(cache):
         for unit, base in bases.items():
-            if _owner(cache) is _owner(base):
-                offset = cache.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-                return unit, _ParamView(offset, cache.shape, cache.strides)
+            if backend.owner(cache) is backend.owner(base):
+                return unit, _position(cache, base)
         return cache
     if isinstance(cache, tuple | list):
         return type(cache)(detach(c, bases) for c in cache)
@@ -56,9 +54,7 @@ def detach(cache, bases: dict):
 def attach(cache, bases: dict):
     """Inverse of `detach` on freshly gathered buffers of the same layout."""
     if isinstance(cache, tuple) and len(cache) == 2 and isinstance(cache[1], _ParamView):
-        base, view = bases[cache[0]], cache[1]
-        return np.lib.stride_tricks.as_strided(base[view.offset // base.itemsize:], view.shape,
-                                               view.strides, writeable=False)
+        return _view_at(bases[cache[0]], cache[1])
     if isinstance(cache, tuple | list):
         return type(cache)(attach(c, bases) for c in cache)
     return cache
@@ -76,15 +72,20 @@ class ZeroThree:
         for key, names in self.units.items():
             if key[1] == "wte" and any(k[1] == "wte" and k < key for k in self.units):
                 continue  # first and last stage on one rank (interleaved): one wte unit
-            flat = np.concatenate([np.reshape(params[n], -1) for n in names])  # (Ψ_u,)
-            self.counts[key] = shard_sizes(flat.size, dp.size)
-            a, b = self.own[key] = shard_range(flat.size, dp.size, dp.rank)
+            xp = array_namespace(params[names[0]])
+            flat = xp.concat([xp.reshape(params[n], (-1,)) for n in names])  # (Ψ_u,)
+            self.counts[key] = shard_sizes(flat.shape[0], dp.size)
+            a, b = self.own[key] = shard_range(flat.shape[0], dp.size, dp.rank)
             tag = f"{key[0]}.{key[1]}"
-            self.shards[key] = ledger.alloc(f"params.shard.{tag}", flat[a:b].copy(), "params")
-            self.grads[key] = ledger.alloc(f"grads.shard.{tag}", np.zeros(b - a, flat.dtype), "grads")
+
+            def zeros(n, like=flat, xp=xp):
+                return xp.zeros(n, dtype=like.dtype, device=device(like))
+
+            self.shards[key] = ledger.alloc(f"params.shard.{tag}", xp.asarray(flat[a:b], copy=True), "params")
+            self.grads[key] = ledger.alloc(f"grads.shard.{tag}", zeros(b - a), "grads")
             if train.optimizer == "adamw":
-                self.m[key] = ledger.alloc(f"optimizer.m.{tag}", np.zeros(b - a, flat.dtype), "optimizer")
-                self.v[key] = ledger.alloc(f"optimizer.v.{tag}", np.zeros(b - a, flat.dtype), "optimizer")
+                self.m[key] = ledger.alloc(f"optimizer.m.{tag}", zeros(b - a), "optimizer")
+                self.v[key] = ledger.alloc(f"optimizer.v.{tag}", zeros(b - a), "optimizer")
 
     def key(self, stage: int, unit: str):
         """The unit's owner key (the wte unit lives under the first stage that holds it)."""
@@ -103,7 +104,7 @@ class ZeroThree:
             start = 0
             for n in names:
                 size = int(np.prod(self.shapes[n]))
-                params[n] = flat[start:start + size].reshape(self.shapes[n])
+                params[n] = array_namespace(flat).reshape(flat[start:start + size], self.shapes[n])
                 start += size
         return params, bases
 
@@ -113,13 +114,14 @@ class ZeroThree:
 
     def reduce(self, stage: int, grads: dict) -> None:
         """One microbatch's gradients of the stage (Ψ, held while reduced) into the shards."""
-        self.ledger.alloc("grads.stage", sum(g.nbytes for g in grads.values()), "grads")
+        self.ledger.alloc("grads.stage", sum(nbytes_of(g) for g in grads.values()), "grads")
         for (s, u), names in self.units.items():
             if s != stage:
                 continue
             key = self.key(s, u)
-            flat = self.ledger.alloc("grads.flat", np.concatenate(
-                [np.reshape(grads[n], -1) for n in names]), "grads")  # (Ψ_u,)
+            xp = array_namespace(grads[names[0]])
+            flat = self.ledger.alloc("grads.flat", xp.concat(
+                [xp.reshape(grads[n], (-1,)) for n in names]), "grads")  # (Ψ_u,)
             shard = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(
                 flat, tag=f"s{stage}.{u}:grads"), "comm")  # (s_u,)
             self.grads[key] += shard
@@ -161,6 +163,6 @@ class ZeroThree:
         out = {}
         for stage in sorted({s for s, _ in self.units}):
             params, bases = self.gather(stage, "check")
-            out |= {n: p.copy() for n, p in params.items()}
+            out |= {n: np.array(backend.to_host(p)) for n, p in params.items()}
             self.release(bases)
         return out

@@ -101,6 +101,7 @@ class PipelineExecutor:
         self.stages = {s: Stage(config, n_stages, s) for s, r in self.layout.stage_rank.items()
                        if r == self.rank}
         self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.like = None  # an array of the run's backend, for steps given no parameters
         self.slots: list[Slot] = []
         self._tags = self._check_tags()
         first, last = self.layout.stage_rank[0], self.layout.stage_rank[n_stages - 1]
@@ -171,7 +172,9 @@ class PipelineExecutor:
         where = self.layout.stage_rank
         self.ledger.free_prefix("grad:")
         self.slots = []  # the last step's actions only
-        received = self._post_receives(microbatches, like=next(iter(params.values())))
+        # Activations arrive in the namespace and on the device of the parameters (or of `like`
+        # when the stages gather their own, as the engine's ZeRO-3 does).
+        received = self._post_receives(microbatches, like=next(iter(params.values()), self.like))
         local: dict[Action, np.ndarray] = {}  # outputs handed to a stage on this same rank
         sends, caches, saved, grads = [], {}, {}, {}
         loss = 0.0
