@@ -42,6 +42,24 @@ class NumpyBackend:
         return f"{type(self).__name__}(device={self.device!r})"
 
 
+class StrictBackend(NumpyBackend):
+    """array-api-strict: a CPU namespace that refuses anything outside the array API standard, so
+    a run on it proves no NumPy-only call is left on that path (what CI runs instead of a GPU)."""
+
+    name = "array-api-strict"
+
+    def __init__(self):
+        try:
+            import array_api_strict
+        except ImportError:
+            raise ConfigError("the array-api-strict backend needs the array-api-strict package; "
+                              "install refpar[dev]") from None
+        self.xp = array_api_strict
+
+    def _move(self, a):
+        return self.xp.asarray(a, copy=True)
+
+
 def get(name: str, device: str | None = None):
     """The backend called `name` (numpy, torch or cupy) on `device` (default: cpu for numpy and
     torch, the rank's GPU for cupy); ConfigError when it is unknown or cannot run here."""
@@ -58,7 +76,10 @@ def get(name: str, device: str | None = None):
         from gpu_backend.cupy_backend import CupyBackend
 
         return CupyBackend(device)
-    raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "array-api-strict" and device in (None, "cpu"):
+        return StrictBackend()
+    raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or "
+                      "array-api-strict on the CPU, for tests)")
 
 
 _current = NumpyBackend()

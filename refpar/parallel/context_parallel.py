@@ -213,7 +213,8 @@ class UlyssesAttention:
         pos = as_like(np.arange(T), q)
         keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
                          (slice(lay.heads[0] + a, lay.heads[0] + b),))  # (B, nh_c, T, T)
-        y, core = attention_forward(qkv[0], qkv[1], qkv[2], pos, pos, keep, drop.p)  # (B, nh_c, T, hs)
+        qc, kc, vc = qkv[0, ...], qkv[1, ...], qkv[2, ...]  # (B, nh_c, T, hs) each: whole sequence
+        y, core = attention_forward(qc, kc, vc, pos, pos, keep, drop.p)  # (B, nh_c, T, hs)
         y = self._to_sequence(xp.expand_dims(y, axis=0), nh, f"h.{layer}.attn.ulysses_out:fwd")[0]
         return y, (core, layer, nh)
 
@@ -224,4 +225,4 @@ class UlyssesAttention:
                              f"h.{layer}.attn.ulysses_out:bwd")[0]  # (B, nh_c, T, hs)
         dqkv = xp.stack(attention_backward(dyh, core))  # (3, B, nh_c, T, hs)
         dqkv = self._to_sequence(dqkv, nh, f"h.{layer}.attn.ulysses_qkv:bwd")  # (3, B, nh, Tl, hs)
-        return dqkv[0], dqkv[1], dqkv[2]
+        return dqkv[0, ...], dqkv[1, ...], dqkv[2, ...]

@@ -19,7 +19,7 @@ import numpy as np
 
 from refpar import backend
 from refpar.config import ConfigError
-from refpar.memory import MemoryLedger
+from refpar.memory import MemoryLedger, nbytes_of
 from refpar.model.gpt import init_params, loss_and_grads
 from refpar.model.moe import MoELayer, expert_prefix, kept_counts
 from refpar.model.optim import optimizer_init, optimizer_step
@@ -140,10 +140,10 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
     state = optimizer_init(params, train)
     # The model states this rank holds; activations and buffers are not counted in MoE runs.
     ledger = MemoryLedger()
-    ledger.alloc("params", sum(p.nbytes for p in params.values()), "params")
+    ledger.alloc("params", sum(nbytes_of(p) for p in params.values()), "params")
     for key in ("m", "v"):
         if key in state:
-            ledger.alloc(f"optimizer.{key}", sum(a.nbytes for a in state[key].values()), "optimizer")
+            ledger.alloc(f"optimizer.{key}", sum(nbytes_of(a) for a in state[key].values()), "optimizer")
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
@@ -157,7 +157,7 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
             tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B/D, T) each
             loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
                                          sample_ids=sample_ids, normalizer=normalizer, moe=layer)
-            ledger.alloc("grads", sum(g.nbytes for g in grads.values()), "grads")
+            ledger.alloc("grads", sum(nbytes_of(g) for g in grads.values()), "grads")
             reduce_grads(grads, dense, data, "dense:grad")  # over every dp x ep rank
             reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
             params, state = optimizer_step(params, grads, state, train)

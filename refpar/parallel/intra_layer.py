@@ -20,6 +20,7 @@ from array_api_compat import array_namespace, is_array_api_obj
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.memory import nbytes_of
 from refpar.model.gpt import DropoutContext, init_params
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.context_parallel import check_cp, cp_layout
@@ -81,8 +82,8 @@ def build_layout(config: ModelConfig, seq_len: int, mesh, sp: bool = False,
 
 
 def nbytes(a) -> int:
-    """Bytes of an array of any namespace (NumPy, torch, ...)."""
-    return math.prod(a.shape) * a.dtype.itemsize
+    """Bytes of an array of any namespace (NumPy, torch, array-api-strict, ...)."""
+    return nbytes_of(a)
 
 
 def _arrays(obj):

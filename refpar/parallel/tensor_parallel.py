@@ -243,7 +243,8 @@ def parallel_attention_forward(x, params, layer: int, lay: Layout, drop):
         x, params[P + "c_attn.weight"], params[P + "c_attn.bias"], lay, P + "c_attn")  # (B, Ta, 3C/t)
     xp, (B, Ta, _) = array_namespace(qkv), qkv.shape
     qkv = xp.permute_dims(xp.reshape(qkv, (B, Ta, 3, nh, hs)), (2, 0, 3, 1, 4))  # (3, B, nh/t, Ta, hs)
-    y, core = lay.attention.forward(qkv[0], qkv[1], qkv[2], layer, lay, drop)  # (B, nh/t, Ta, hs)
+    q, k, v = qkv[0, ...], qkv[1, ...], qkv[2, ...]  # (B, nh/t, Ta, hs) each
+    y, core = lay.attention.forward(q, k, v, layer, lay, drop)  # (B, nh/t, Ta, hs)
     y = xp.reshape(xp.permute_dims(y, (0, 2, 1, 3)), (B, Ta, nh * hs))  # (B, Ta, C/t)
     out, c_proj = row_parallel_linear_forward(
         y, params[P + "c_proj.weight"], params[P + "c_proj.bias"], lay, P + "c_proj")  # (B, Tl, C)

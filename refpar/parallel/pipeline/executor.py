@@ -40,7 +40,7 @@ import numpy as np
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig
-from refpar.memory import MemoryLedger
+from refpar.memory import MemoryLedger, nbytes_of
 from refpar.model.gpt import DropoutContext
 from refpar.parallel.pipeline.schedules import Action, Schedule, Slot, Timeline, simulate, validate
 from refpar.parallel.pipeline.stage import Stage
@@ -75,7 +75,7 @@ def held_bytes(obj, params: dict) -> int:
         elif backend.is_array(item):
             root = _root(item)
             if id(root) not in exclude:
-                roots[id(root)] = root.nbytes
+                roots[id(root)] = nbytes_of(root)
     return sum(roots.values())
 
 
