@@ -1,7 +1,7 @@
 """One MPI job that trains several strategies on a chosen backend and compares each with the NumPy
 single-device run; rank 0 prints one JSON line per strategy. Run by tests/test_backends.py:
 
-    mpiexec -n 2 python tests/backend_job.py torch '["zero3", "tp_sp", "pp_1f1b", "ep"]'
+    mpiexec -n 2 python tests/backend_job.py torch,array-api-strict '["zero3", "tp_sp", "pp_1f1b", "ep"]'
     mpiexec -n 8 python tests/backend_job.py torch '["3d"]'
     mpiexec -n 2 python tests/backend_job.py torch '["tp_sp"]' torch.distributed   # the transport
 
@@ -32,8 +32,8 @@ from refpar.parallel.units import train_step
 from refpar.trainer import train_single_device
 
 TRAIN = TrainConfig(steps=2, batch_size=4, seq_len=16)
-MESHES = {"zero3": {"dp": 2}, "tp_sp": {"tp": 2}, "pp_1f1b": {"pp": 2}, "ep": {"ep": 2},
-          "3d": {"dp": 2, "tp": 2, "pp": 2}}
+MESHES = {"zero3": {"dp": 2}, "tp_sp": {"tp": 2}, "cp_ulysses": {"cp": 2}, "pp_1f1b": {"pp": 2},
+          "ep": {"ep": 2}, "3d": {"dp": 2, "tp": 2, "pp": 2}}
 
 
 def rel(a, b) -> float:
@@ -58,8 +58,9 @@ def train(name: str, comm):
                                    MemoryLedger(), params)
         losses = [train_step(strategy, corpus, s, 1) for s in range(TRAIN.steps)]
         return losses, strategy.shards, strategy.full_params(), ref.losses, ref.params
-    if name == "tp_sp":
-        trainer = IntraLayerTrainer(model, TRAIN, mesh, MemoryLedger(), sp=True)
+    if name in ("tp_sp", "cp_ulysses"):
+        trainer = IntraLayerTrainer(model, TRAIN, mesh, MemoryLedger(), sp=name == "tp_sp",
+                                    cp_algo="ulysses" if name == "cp_ulysses" else None)
         losses = [trainer.step(s, corpus) for s in range(TRAIN.steps)]
         return losses, trainer.params, trainer.full_params(), ref.losses, ref.params
     if name == "pp_1f1b":
@@ -81,14 +82,15 @@ def check(name: str, comm, tracer: Tracer) -> dict:
 
 
 def main() -> None:
-    backend.use(*sys.argv[1].split(":"))
     tracer = Tracer()
     comm = world(tracer, transport=sys.argv[3] if len(sys.argv) > 3 else "mpi")
-    for name in json.loads(sys.argv[2]):
-        mine = check(name, comm, tracer)
-        ranks = comm.gather_object(mine)
-        if comm.rank == 0:
-            print(json.dumps({"strategy": name, "backend": sys.argv[1], "ranks": ranks}), flush=True)
+    for spec in sys.argv[1].split(","):  # backend[:device], several in one job
+        backend.use(*spec.split(":"))
+        for name in json.loads(sys.argv[2]):
+            mine = check(name, comm, tracer)
+            ranks = comm.gather_object(mine)
+            if comm.rank == 0:
+                print(json.dumps({"strategy": name, "backend": spec, "ranks": ranks}), flush=True)
 
 
 if __name__ == "__main__":

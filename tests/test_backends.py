@@ -2,8 +2,9 @@
 NumPy single-device numbers on torch CPU tensors, and a backend that cannot run here is refused
 with one sentence. Float64 throughout: only summation order differs, hence 1e-10.
 
-Strategies are trained in two MPI jobs (tests/backend_job.py): 2 ranks for ZeRO-3, tp+sp, the 1F1B
-pipeline and expert parallelism, 8 ranks for the dp=2, tp=2, pp=2 engine.
+Strategies are trained in two MPI jobs (tests/backend_job.py): 2 ranks for ZeRO-3, tp+sp, Ulysses
+cp, the 1F1B pipeline and expert parallelism (torch, then array-api-strict), 8 ranks for the
+dp=2, tp=2, pp=2 engine (torch).
 """
 
 import json
@@ -65,24 +66,31 @@ def test_torch_backend_moves_the_host_draw_exactly_and_keeps_the_host_copy():
     assert backend.host_dtype(moved["w"]) == np.float64 and not backend.on_device(moved["w"])
 
 
+TWO_RANKS = ["zero3", "tp_sp", "cp_ulysses", "pp_1f1b", "ep"]
+
+
 def _jobs(spec: str, n: int, names: list[str]) -> list[dict]:
-    proc = mpiexec(n, "tests/backend_job.py", spec, json.dumps(names), timeout=240)
+    proc = mpiexec(n, "tests/backend_job.py", spec, json.dumps(names), timeout=300)
     got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [g["strategy"] for g in got] == names
+    assert [(g["backend"], g["strategy"]) for g in got] == [(b, x) for b in spec.split(",") for x in names]
     return got
 
 
-def test_every_strategy_and_the_3d_engine_on_torch_cpu_match_the_numpy_single_device_run():
+def test_every_strategy_and_the_3d_engine_match_the_numpy_single_device_on_torch_cpu_and_strict():
+    """torch CPU for every strategy and the engine; array-api-strict, which refuses anything outside
+    the standard, for every strategy on two ranks."""
     pytest.importorskip("torch")
-    results = _jobs("torch", 2, ["zero3", "tp_sp", "pp_1f1b", "ep"]) + _jobs("torch", 8, ["3d"])
+    pytest.importorskip("array_api_strict")
+    results = _jobs("torch,array-api-strict", 2, TWO_RANKS) + _jobs("torch", 8, ["3d"])
     for r in results:
         loss = max(x["loss_rel_diff"] for x in r["ranks"])
         param = max(x["param_rel_diff"] for x in r["ranks"])
-        print(f"torch cpu {r['strategy']:8s} loss rel diff {loss:.1e}  param rel diff {param:.1e}")
-        assert loss <= TOL and param <= TOL, r["strategy"]
+        print(f"{r['backend']:17s} {r['strategy']:10s} loss rel diff {loss:.1e}  param rel diff {param:.1e}")
+        assert loss <= TOL and param <= TOL, (r["backend"], r["strategy"])
+        module = r["backend"].replace("-", "_")
         for x in r["ranks"]:
-            assert x["namespaces"] == ["torch"], r  # the strategy really held torch tensors
-            assert x["events"] > 0 and x["staged"] == [False], r  # CPU tensors: no device staging
+            assert x["namespaces"] == [module], r  # the strategy really held the backend's arrays
+            assert x["events"] > 0 and x["staged"] == [False], r  # CPU arrays: no device staging
 
 
 def test_gpu_check_says_in_one_sentence_that_no_gpu_is_present():

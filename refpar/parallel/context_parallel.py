@@ -187,7 +187,7 @@ class UlyssesAttention:
         c, r = self.cp.size, self.cp.rank
         heads, seqs = shard_sizes(nh, c), shard_sizes(seq_len, c)
         xp = array_namespace(x)
-        chunks = [xp.reshape(x[:, :, slice(*shard_range(nh, c, d))], (-1,)) for d in range(c)]
+        chunks = [xp.reshape(x[:, :, slice(*shard_range(nh, c, d)), ...], (-1,)) for d in range(c)]
         counts = [n * B * heads[r] * seqs[s] * hs for s in range(c)]
         got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
         return xp.concat([xp.reshape(g, (n, B, heads[r], seqs[s], hs)) for s, g in enumerate(got)],
@@ -199,7 +199,7 @@ class UlyssesAttention:
         c, r = self.cp.size, self.cp.rank
         heads, seqs = shard_sizes(nh, c), shard_sizes(T, c)
         xp = array_namespace(x)
-        chunks = [xp.reshape(x[:, :, :, slice(*shard_range(T, c, d))], (-1,)) for d in range(c)]
+        chunks = [xp.reshape(x[:, :, :, slice(*shard_range(T, c, d)), ...], (-1,)) for d in range(c)]
         counts = [n * B * heads[s] * seqs[r] * hs for s in range(c)]
         got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
         return xp.concat([xp.reshape(g, (n, B, heads[s], seqs[r], hs)) for s, g in enumerate(got)],
@@ -215,14 +215,14 @@ class UlyssesAttention:
                          (slice(lay.heads[0] + a, lay.heads[0] + b),))  # (B, nh_c, T, T)
         qc, kc, vc = qkv[0, ...], qkv[1, ...], qkv[2, ...]  # (B, nh_c, T, hs) each: whole sequence
         y, core = attention_forward(qc, kc, vc, pos, pos, keep, drop.p)  # (B, nh_c, T, hs)
-        y = self._to_sequence(xp.expand_dims(y, axis=0), nh, f"h.{layer}.attn.ulysses_out:fwd")[0]
+        y = self._to_sequence(xp.expand_dims(y, axis=0), nh, f"h.{layer}.attn.ulysses_out:fwd")[0, ...]
         return y, (core, layer, nh)
 
     def backward(self, dy, cache, lay: Layout):
         core, layer, nh = cache
         xp = array_namespace(dy)
         dyh = self._to_heads(xp.expand_dims(dy, axis=0), lay.seq_len,
-                             f"h.{layer}.attn.ulysses_out:bwd")[0]  # (B, nh_c, T, hs)
+                             f"h.{layer}.attn.ulysses_out:bwd")[0, ...]  # (B, nh_c, T, hs)
         dqkv = xp.stack(attention_backward(dyh, core))  # (3, B, nh_c, T, hs)
         dqkv = self._to_sequence(dqkv, nh, f"h.{layer}.attn.ulysses_qkv:bwd")  # (3, B, nh, Tl, hs)
         return dqkv[0, ...], dqkv[1, ...], dqkv[2, ...]
