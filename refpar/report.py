@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 
+from refpar import backend
 from refpar.config import ModelConfig, TrainConfig
 
 SUMMARY_FIELDS = (
@@ -34,6 +35,7 @@ SUMMARY_FIELDS = (
     "loss_floor",  # the corpus's entropy rate: the best mean loss possible
     "moe",  # MoE runs: per step tokens per expert, dropped assignments, router losses (train_moe.py)
     "data_parallel",  # DP/ZeRO/FSDP runs: {"strategy", "model_state_bytes": per rank, options} (dp_runner.py)
+    "backend",  # {"name", "device"}: the array library the run computed with (refpar/backend.py)
 )
 
 
@@ -47,6 +49,7 @@ def run_summary(model: ModelConfig, train: TrainConfig, losses, **fields) -> dic
     summary.update(
         model=model.to_dict(), dtype=model.dtype, steps=train.steps, losses=[float(x) for x in losses],
         config={"model": model.to_dict(), "train": train.to_dict()},
+        backend={"name": backend.current().name, "device": backend.current().device},
     )
     summary.update(fields)
     return summary
