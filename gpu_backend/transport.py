@@ -54,6 +54,10 @@ class TorchDistributed:
         if not available.get(name, False):
             raise ConfigError(f"torch.distributed has no {name} backend here (NCCL needs an NVIDIA GPU "
                               "and a CUDA build of torch); use the default MPI transport")
+        if name == "nccl":  # one GPU per rank: NCCL refuses two ranks of a group on one device
+            from gpu_backend.torch_backend import local_rank
+
+            torch.cuda.set_device(local_rank() % torch.cuda.device_count())
         if not dist.is_initialized():
             host = np.zeros(256, np.uint8)
             text = socket.gethostname().encode()[:255]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-from array_api_compat import array_namespace, is_torch_array
+from array_api_compat import array_namespace, is_cupy_array, is_torch_array
 
 from refpar import backend
 from refpar.analysis.memory import ROOT, numel, param_shapes, units
@@ -96,8 +96,12 @@ def _position(a, base) -> _ParamView:
     if is_torch_array(a):
         return _ParamView(a.storage_offset() - base.storage_offset(), tuple(a.shape), a.stride())
     item = a.itemsize
-    offset = a.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    offset = _address(a) - _address(base)  # bytes, as NumPy and CuPy count strides
     return _ParamView(offset // item, a.shape, tuple(s // item for s in a.strides))
+
+
+def _address(a) -> int:
+    return a.data.ptr if is_cupy_array(a) else a.__array_interface__["data"][0]
 
 
 def _view_at(base, view: _ParamView):
@@ -107,8 +111,12 @@ def _view_at(base, view: _ParamView):
 
         return torch.as_strided(base, view.shape, view.strides, base.storage_offset() + view.offset)
     item = base.itemsize
-    return np.lib.stride_tricks.as_strided(base[view.offset:], view.shape,
-                                           tuple(s * item for s in view.strides), writeable=False)
+    strides = tuple(s * item for s in view.strides)
+    if is_cupy_array(base):
+        import cupy
+
+        return cupy.lib.stride_tricks.as_strided(base[view.offset:], view.shape, strides)
+    return np.lib.stride_tricks.as_strided(base[view.offset:], view.shape, strides, writeable=False)
 
 
 def detach(cache, base):
