@@ -160,6 +160,9 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
 
     if args.save_every is not None and (args.save is None or args.save_every < 1):
         raise ConfigError("--save-every N needs --save DIR and N >= 1")
+    if (args.save or args.resume) and getattr(args, "backend", "numpy") != "numpy":
+        raise ConfigError(f"--save and --resume read and write NumPy arrays; drop them or --backend "
+                          f"{args.backend}")
     if (args.save or args.resume) and (args.moe_experts or sizes["ep"] > 1):
         raise ConfigError("--save and --resume do not work with Mixture of Experts yet; drop them "
                           "or --moe-experts")
