@@ -1,0 +1,70 @@
+"""The course in lessons/ runs as written: every command of every lesson prints what the lesson
+shows (timings masked, non-integers to 1e-10, integers such as bytes exactly; refpar/lessons.py),
+every reference solution passes its checker and every untouched exercise fails it, saying so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from refpar import lessons
+from refpar.lesson_checks import EXERCISES, check
+from tests.mpi import ROOT, mpi_env
+
+LESSON_FILES = lessons.lesson_files()
+
+
+@pytest.mark.parametrize("path", LESSON_FILES, ids=[p.stem for p in LESSON_FILES])
+def test_every_command_of_the_lesson_prints_what_the_lesson_shows(path):
+    found = lessons.blocks(path.read_text())
+    assert found and all(b.commands for b in found), f"{path.name} has no ```console command"
+    for block in found:
+        for command, shown in zip(block.commands, block.outputs, strict=True):
+            problem = lessons.compare(shown, lessons.run_command(command, timeout=240), block.varies)
+            assert problem is None, f"{path.name}: `{command}`: {problem}"
+
+
+def _check(n: int, folder: str, capsys) -> tuple[int, str]:
+    """Grades lessons/<folder>/<exercise n> as `refpar lesson check n --file` does."""
+    path = lessons.LESSONS / folder / EXERCISES[n].file
+    if EXERCISES[n].ranks > 1:
+        # the command itself starts mpiexec -n ranks, as a learner's would
+        proc = subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", str(n), "--file",
+                               str(path)], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                              timeout=180)
+        return proc.returncode, proc.stdout + proc.stderr
+    code = check(n, path)
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n", sorted(EXERCISES))
+def test_the_reference_solution_passes_its_checker(n, capsys):
+    code, out = _check(n, "solutions", capsys)
+    assert code == 0 and out.startswith(f"lesson {n}: passed: "), out
+
+
+@pytest.mark.parametrize("n", sorted(EXERCISES))
+def test_the_untouched_exercise_fails_its_checker_saying_it_is_blank(n, capsys):
+    code, out = _check(n, "exercises", capsys)
+    assert code == 1, out
+    assert out.startswith(f"lesson {n}: not yet: the exercise is still blank: write "), out
+    assert EXERCISES[n].file in out, out
+
+
+def test_a_wrong_answer_is_told_what_is_wrong(tmp_path, capsys):
+    wrong = tmp_path / "mean_of_means.py"
+    wrong.write_text("def global_mean_loss(loss_sums, token_counts):\n"
+                     "    return sum(s / c for s, c in zip(loss_sums, token_counts)) / len(loss_sums)\n")
+    assert check(9, wrong) == 1
+    out = capsys.readouterr().out
+    assert "lesson 9: not yet: global_mean_loss = " in out and "mean of the microbatches' means" in out
+
+
+def test_compare_masks_timings_and_holds_numbers_to_their_tolerance():
+    shown = "loss 4.567039131706693, 1,024 bytes, 12.5 ms\n"
+    assert lessons.compare(shown, "loss 4.567039131706694, 1,024 bytes, 3.1 ms\n") is None
+    assert "integers must be equal" in lessons.compare(shown, "loss 4.567039131706693, 1,025 bytes, 1 ms")
+    assert "tolerance" in lessons.compare(shown, "loss 4.567139131706693, 1,024 bytes, 12.5 ms")
+    assert "line 1 differs" in lessons.compare(shown, "loss 4.567039131706693, 1,024 kB, 12.5 ms")
