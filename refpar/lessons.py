@@ -2,8 +2,8 @@
 
 A lesson is `lessons/NN-name.md`. Every fenced ```console block in it is *generated*: its lines
 that start with `$ ` are commands, everything after a command up to the next one is that command's
-output as `lessons/regenerate.py` last wrote it. An HTML comment on the line before a block,
-`<!-- varies: REGEX -->`, names text that differs from run to run (timings); it is masked in both
+output as `lessons/regenerate.py` last wrote it. HTML comments on the lines right above a block,
+`<!-- varies: REGEX -->`, name text that differs from run to run (timings); it is masked in both
 outputs before they are compared.
 
 Comparison (`compare`): the text between numbers must be equal; integers (bytes, counts, 12,345)
@@ -70,8 +70,10 @@ def blocks(text: str) -> list[Block]:
     while i < len(lines):
         if lines[i].strip() == "```console":
             block = Block(start=i, stop=i)
-            if i > 0 and (m := VARIES_LINE.search(lines[i - 1])):
+            k = i - 1
+            while k >= 0 and (m := VARIES_LINE.search(lines[k])):  # the comments right above it
                 block.varies.append(m.group(1))
+                k -= 1
             j = i + 1
             while lines[j].strip() != "```":
                 if lines[j].startswith("$ "):
