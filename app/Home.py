@@ -43,5 +43,6 @@ pages = [
     st.Page("views/memory.py", title="Memory", icon=":material/memory:"),
     st.Page("views/plan.py", title="Plan", icon=":material/calculate:"),
     st.Page("views/run.py", title="Run for real", icon=":material/play_arrow:"),
+    st.Page("views/lessons.py", title="Lessons", icon=":material/school:"),
 ]
 st.navigation(pages).run()

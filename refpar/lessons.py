@@ -155,10 +155,17 @@ def compare(expected: str, actual: str, varies: list[str] = ()) -> str | None:
 def regenerate(path: Path, timeout: float = 300) -> None:
     """Reruns every command of one lesson and rewrites its outputs in place."""
     lines = path.read_text().splitlines()
-    for block in reversed(blocks("\n".join(lines))):
+    found = blocks("\n".join(lines))
+    bodies = []
+    for block in found:  # in reading order: a later command may read what an earlier one wrote
         body = []
         for command in block.commands:
+            output = run_command(command, timeout)
+            if "Traceback (most recent call last)" in output:
+                raise RuntimeError(f"{path.name}: `{command}` failed:\n{output}")
             body.append(f"$ {command}")
-            body.extend(run_command(command, timeout).rstrip("\n").splitlines())
+            body.extend(output.rstrip("\n").splitlines())
+        bodies.append(body)
+    for block, body in reversed(list(zip(found, bodies, strict=True))):  # later lines first
         lines[block.start + 1:block.stop] = body
     path.write_text("\n".join(lines) + "\n")

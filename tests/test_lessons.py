@@ -68,3 +68,18 @@ def test_compare_masks_timings_and_holds_numbers_to_their_tolerance():
     assert "integers must be equal" in lessons.compare(shown, "loss 4.567039131706693, 1,025 bytes, 1 ms")
     assert "tolerance" in lessons.compare(shown, "loss 4.567139131706693, 1,024 bytes, 12.5 ms")
     assert "line 1 differs" in lessons.compare(shown, "loss 4.567039131706693, 1,024 kB, 12.5 ms")
+
+
+def test_the_app_shows_each_lesson_and_its_exercise():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(lessons.ROOT / "app" / "Home.py"), default_timeout=60)
+    at.run()
+    at.switch_page("views/lessons.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    at.selectbox[0].set_value(1).run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = "\n".join(m.value for m in at.markdown)
+    assert "Lesson 1: collectives" in text and "reduce-scatter" in text
+    assert "def ring_all_reduce" in at.code[0].value
