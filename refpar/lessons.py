@@ -28,7 +28,7 @@ REL_TOL = 1e-10
 ABS_TOL = 1e-10
 # Always masked: wall-clock times and throughputs.
 ALWAYS_VARIES = (r"[\d,]+(?:\.\d+)? ?(?:ms|s)\b", r"[\d,]+(?:\.\d+)? tokens/s")
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 VARIES_LINE = re.compile(r"<!--\s*varies:\s*(.*?)\s*-->")
 
 
