@@ -83,3 +83,35 @@ def test_the_app_shows_each_lesson_and_its_exercise():
     text = "\n".join(m.value for m in at.markdown)
     assert "Lesson 1: collectives" in text and "reduce-scatter" in text
     assert "def ring_all_reduce" in at.code[0].value
+
+
+def test_lesson_list_and_show_print_the_course(capsys):
+    from refpar.cli import main
+
+    assert main(["lesson", "list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == len(LESSON_FILES) and listed[1].startswith(" 1  Lesson 1: collectives")
+    assert "exercise: lessons/exercises/01_ring_all_reduce.py" in listed[1]
+    assert main(["lesson", "show", "6"]) == 0
+    assert capsys.readouterr().out == (lessons.LESSONS / "06-pipeline-parallelism.md").read_text()
+    assert main(["lesson", "show", "42"]) == 2
+    assert "there is no lesson 42; the lessons are 0, 1" in capsys.readouterr().err
+
+
+def test_a_ring_that_sends_too_much_is_told_its_bytes(tmp_path):
+    wrong = tmp_path / "pass_everything.py"
+    wrong.write_text(
+        "def ring_all_reduce(link, x):\n"
+        "    p, r = link.size, link.rank\n"
+        "    total, passing = x.copy(), x.copy()\n"
+        "    for _ in range(p - 1):  # pass whole vectors around the ring: right sum, too many bytes\n"
+        "        incoming = passing.copy()\n"
+        "        link.sendrecv(passing, (r + 1) % p, incoming, (r - 1) % p)\n"
+        "        total += incoming\n"
+        "        passing = incoming\n"
+        "    return total\n")
+    proc = subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", "1", "--file", str(wrong)],
+                          cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "lesson 1: not yet: rank 0 sent 480 bytes for n=20" in proc.stdout, proc.stdout
+    assert "a ring all-reduce sends 2 (p-1) chunks" in proc.stdout

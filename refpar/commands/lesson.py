@@ -22,6 +22,9 @@ def run(args) -> int:
     from refpar import lessons
     from refpar.config import ConfigError
 
+    if not lessons.LESSONS.is_dir():
+        raise ConfigError(f"no lessons/ folder at {lessons.LESSONS}; the course comes with a clone of "
+                          "the repository (pip install -e . there)")
     if args.action == "list":
         from refpar.lesson_checks import EXERCISES
 
