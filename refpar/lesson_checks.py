@@ -21,6 +21,8 @@ import numpy as np
 from refpar.lessons import LESSONS, ROOT, argv, command_env
 from refpar.sharding import shard_range
 
+WAIT_S = 20  # seconds a rank of an exercise may wait for a message before it is told why
+
 
 class Wrong(Exception):
     """What is wrong with the learner's answer, in one or two plain sentences."""
@@ -311,6 +313,9 @@ def _verdict(ex: Exercise, path: Path, comm) -> tuple[bool, str]:
     except Wrong as err:
         return False, str(err)
     except Exception as err:  # the learner's code failed: say where, in one line
+        if type(err).__name__ == "CollectiveTimeout":  # refpar.comm.communicator's
+            return False, (f"a rank waited for a message no rank sent ({err}); every rank must call "
+                           "sendrecv the same number of times, with matching partners")
         return False, f"your code raised {type(err).__name__}: {err}"
 
 
@@ -326,8 +331,11 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
         raise ConfigError(f"{path} does not exist; give --file PATH to your copy of {ex.file}")
     if ex.ranks > 1 and not under_launcher():
         cmd = argv(f"mpiexec -n {ex.ranks} python -m refpar lesson check {n} --file {path.resolve()}")
+        env = command_env()
+        # a rank left waiting for a message that never comes says so, instead of hanging
+        env.setdefault("REFPAR_COLLECTIVE_TIMEOUT", str(WAIT_S))
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=command_env(), capture_output=True, text=True,
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
             print(f"lesson {n}: not yet: your code did not finish in {timeout:g} s on {ex.ranks} ranks; "
@@ -335,11 +343,11 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
                   "rank calls sendrecv the same number of times, with matching partners)", flush=True)
             return 1
         sys.stdout.write(proc.stdout)
-        sys.stdout.write(proc.stderr)
+        sys.stderr.write(proc.stderr)
         return proc.returncode
     comm = None
     if ex.ranks > 1:
-        from refpar.comm.communicator import world
+        from refpar.comm.communicator import world  # initialises MPI: only under mpiexec
 
         comm = world()
         if comm.size != ex.ranks:
@@ -349,12 +357,15 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
                               f"run refpar lesson check {n} without mpiexec")
     ok, sentence = _verdict(ex, path, comm)
     if comm is not None:
-        verdicts = comm.gather_object((ok, sentence))
+        # gathered on a communicator that waits longer than the learner's, so the ranks still
+        # stuck in the learner's code time out and report before the gather gives up on them
+        verdicts = world(timeout=3 * WAIT_S).gather_object((ok, sentence))
         if comm.rank != 0:
             return 0 if ok else 1
         failed = [(r, s) for r, (good, s) in enumerate(verdicts) if not good]
         ok = not failed
         if failed:  # name the rank only when the ranks disagree
-            sentence = failed[0][1] + (f" (rank {failed[0][0]})" if len(failed) < len(verdicts) else "")
+            agree = len(failed) == len(verdicts) and len({s for _, s in failed}) == 1
+            sentence = failed[0][1] + ("" if agree else f" (rank {failed[0][0]})")
     print(f"lesson {n}: {'passed' if ok else 'not yet'}: {sentence}", flush=True)
     return 0 if ok else 1

@@ -115,3 +115,19 @@ def test_a_ring_that_sends_too_much_is_told_its_bytes(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "lesson 1: not yet: rank 0 sent 480 bytes for n=20" in proc.stdout, proc.stdout
     assert "a ring all-reduce sends 2 (p-1) chunks" in proc.stdout
+
+
+def test_a_ring_whose_rank_stops_is_reported_not_left_hanging(tmp_path):
+    stops = tmp_path / "rank0_stops.py"
+    stops.write_text(
+        "def ring_all_reduce(link, x):\n"
+        "    if link.rank == 0:\n"
+        "        raise ValueError('rank 0 gave up')\n"
+        "    out = x.copy()  # the others wait for rank 0's message\n"
+        "    link.sendrecv(x, (link.rank + 1) % link.size, out, (link.rank - 1) % link.size)\n"
+        "    return out\n")
+    proc = subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", "1", "--file", str(stops)],
+                          cwd=ROOT, env=mpi_env({"REFPAR_COLLECTIVE_TIMEOUT": "3"}), capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("lesson 1: not yet: your code raised ValueError: rank 0 gave up (rank 0)")
