@@ -26,6 +26,7 @@ class Launcher:
     def __init__(self):
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
+        self.reader: threading.Thread | None = None
         self.lines: list[str] = []
         self.started = 0.0
         self.label, self.key, self.steps = "", None, 1
@@ -34,7 +35,8 @@ class Launcher:
         self.error: str | None = None  # the output tail of the last run that failed
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """True until the run has ended and its output, result or error have been taken in."""
+        return self.reader is not None and self.reader.is_alive()
 
     def start(self, argv: list[str], label: str, key: tuple, steps: int, trace: str | None = None) -> None:
         with self.lock:
@@ -48,7 +50,8 @@ class Launcher:
                                          cwd=ROOT, env=env, start_new_session=True)
             self.lines, self.started, self.error = [], time.monotonic(), None
             self.label, self.key, self.steps, self.trace = label, key, steps, trace
-            threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+            self.reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
+            self.reader.start()
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
@@ -68,7 +71,7 @@ class Launcher:
                 self.error = f"the run ended with exit status {proc.returncode}:\n{tail}"
 
     def stop(self) -> None:
-        if self.running():
+        if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
 
 

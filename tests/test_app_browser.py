@@ -1,4 +1,4 @@
-"""The app in a real browser: start it headless on a free localhost port, open it in Chromium via
+"""The app in a real browser: start it with `refpar app` on a free localhost port, open it in Chromium via
 Playwright, click through every page, play an animation, take screenshots, and check that no page
 shows a Streamlit exception.
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,11 +45,11 @@ def app_url():
     port = free_port()
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(ROOT / "app" / "Home.py"), "--server.headless", "true",
-         "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    # Through `refpar app`, as a user starts it; its own process group, so that ending the group
+    # ends the Streamlit server it started too.
+    server = subprocess.Popen([sys.executable, "-m", "refpar", "app", "--port", str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://localhost:{port}"
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -62,11 +63,11 @@ def app_url():
                 time.sleep(0.5)
         yield url
     finally:
-        server.terminate()
+        os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)
             server.wait()
 
 

@@ -28,10 +28,17 @@ def progress(run: Launcher) -> None:
         st.code("\n".join(run.lines[-12:]) or "starting mpiexec ...", language=None)
         if st.button("Stop", type="secondary"):
             run.stop()
-    elif run.error is not None:
+        return
+    if run.proc is not None and st.session_state.get("ended") != run.proc.pid:
+        # The run ended since this page last looked: redraw the whole page once, so that Start is
+        # enabled again and the result is taken up.
+        st.session_state["ended"] = run.proc.pid
+        if run.error is None and run.result is not None:
+            st.session_state["run"] = run.result
+        st.rerun()
+    if run.error is not None:
         st.error(run.error)
     elif run.result is not None:
-        st.session_state["run"] = run.result
         summary = run.result["summary"]
         st.success(f"{run.result['label']}: {summary['steps']} steps, last loss {summary['losses'][-1]:.4f}, "
                    f"{summary['step_time_s'] * 1e3:.1f} ms per step. Its bytes and memory are now on the "

@@ -23,6 +23,9 @@ from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, T
 
 DP_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 STRATEGIES = (*DP_STRATEGIES, "tp", "sp", "cp-ring", "cp-ulysses", "pp")
+# The mesh axis each strategy splits over (SP shares tp's ranks; cp's two algorithms share cp).
+AXIS = {**dict.fromkeys(DP_STRATEGIES, "dp"), "tp": "tp", "sp": "tp", "cp-ring": "cp", "cp-ulysses": "cp",
+        "pp": "pp"}
 MAX_WORLD = 16  # the Run page's limit too: more ranks than this do not fit this machine or the screen
 
 
@@ -49,7 +52,7 @@ def workload(strategy: str, n: int, model: ModelConfig, train: TrainConfig, dp: 
     replicas for tp, sp, cp and pp. Raises ConfigError with the fix for a mesh refpar cannot run."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    axis = {"tp": "tp", "sp": "tp", "cp-ring": "cp", "cp-ulysses": "cp", "pp": "pp"}.get(strategy, "dp")
+    axis = AXIS[strategy]
     sizes = ParallelConfig({axis: n} if axis == "dp" else {axis: n, "dp": dp}).sizes
     w = Workload(strategy, sizes, model, train, schedule, microbatches, chunks)
     if w.world > MAX_WORLD:
