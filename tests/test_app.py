@@ -131,8 +131,8 @@ def test_pipeline_page_compares_two_schedules_and_explains_bad_ones():
 
 def test_communication_page_bars_are_the_closed_forms():
     at = page("views/communication.py")
-    figs = charts(at)  # default: zero3 over 2 ranks, 2 microbatches
-    rows, _ = expected.closed_form_rows(expected.workload("zero3", 2, TINY, ONE_STEP, microbatches=2))
+    figs = charts(at)  # default: tp=2 replicated over dp=2
+    rows, _ = expected.closed_form_rows(expected.workload("tp", 2, TINY, ONE_STEP, dp=2))
     bars = figs[0]["data"][0]
     assert dict(zip(bars["x"], np.asarray(bars["y"]).tolist(), strict=True)) == comm.by_axis_op(rows)
     assert figs[1]["frames"][-1]["name"] == "whole step"
@@ -199,6 +199,13 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
     closed, measured = charts(at)[0]["data"]
     assert measured["name"] == "measured"
     np.testing.assert_array_equal(measured["y"], closed["y"])
+    # The traced run's calls, one bar each, and as many bytes as the summary counted.
+    trace = charts(at)[-1]
+    events = [e for e in at.session_state["run"]["trace"]["traceEvents"] if e.get("ph") == "X"]
+    assert sum(len(t["y"]) for t in trace["data"]) == len(events) > 0
+    # The summary leaves out the report's own gather of these numbers, which the trace records.
+    traced = sum(e["args"]["bytes_sent"] for e in events if e["args"]["tag"] != "report")
+    assert traced == sum(r["bytes_sent"] for r in at.session_state["run"]["summary"]["comm_bytes"])
     at.switch_page("views/memory.py")
     rerun(at)
     pairs = charts(at)[1]  # every rank, closed form next to measured

@@ -23,10 +23,10 @@ st.markdown(
     "traffic stays on the diagonal band of neighbours while dp's jumps across it."
 )
 a, b, c, d = st.columns(4)
-strategy = a.selectbox("strategy", expected.STRATEGIES, index=3)
+strategy = a.selectbox("strategy", expected.STRATEGIES, index=expected.STRATEGIES.index("tp"))
 n = b.number_input("ranks on its axis", min_value=1, value=2,
                    help="dp for DP, ZeRO and FSDP; tp for TP and SP; cp for CP; pp for PP")
-dp = c.number_input("dp replicas", min_value=1, value=1, disabled=STRATEGY_AXIS[strategy] == "dp",
+dp = c.number_input("dp replicas", min_value=1, value=2, disabled=STRATEGY_AXIS[strategy] == "dp",
                     help="tp, sp, cp and pp can be replicated over dp")
 m = d.number_input("microbatches", min_value=1, value=2,
                    help="pp: m per step; dp strategies: gradient accumulation")
@@ -56,3 +56,6 @@ else:
                    "one is sent.")
 if measured is not None:
     st.plotly_chart(comm.traffic_figure(measured, sizes, "measured: who sends to whom"), width="stretch")
+    if run.get("trace"):
+        title = "measured: every call of the traced run, rank by rank"
+        st.plotly_chart(comm.trace_figure(run["trace"], title), width="stretch")

@@ -1,5 +1,8 @@
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import streamlit as st
 from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec
@@ -60,7 +63,9 @@ try:
     launch = mpiexec()
     if launch is None:
         raise ConfigError("mpiexec is not installed; pip install mpich (the mpich extra) and reload")
-    argv = [launch, "-n", str(w.world), sys.executable, "-m", "refpar", "train", *expected.train_args(w)]
+    trace = str(Path(tempfile.gettempdir()) / f"refpar-app-trace-{os.getpid()}.json")
+    argv = [launch, "-n", str(w.world), sys.executable, "-m", "refpar", "train",
+            *expected.train_args(w, trace)]
 except ConfigError as err:
     st.error(str(err))
     argv = None
@@ -68,7 +73,7 @@ st.code(" ".join(argv) if argv else "", language="bash")
 if st.button("Start", type="primary", disabled=argv is None or run.running()):
     try:
         mesh = " ".join(f"{k}={v}" for k, v in w.sizes.items() if v > 1)
-        run.start(argv, f"{mesh} {strategy}", key, w.train.steps)
+        run.start(argv, f"{mesh} {strategy}", key, w.train.steps, trace)
     except ConfigError as err:
         st.error(str(err))
 progress(run)

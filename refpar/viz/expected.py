@@ -126,8 +126,9 @@ def calls(w: Workload) -> list[dict]:
              "bytes_sent": [c.bytes_sent for c in row]} for row in zip(*per_rank, strict=True)]
 
 
-def train_args(w: Workload) -> list[str]:
-    """The `refpar train` arguments that run this workload (after `mpiexec -n w.world`)."""
+def train_args(w: Workload, trace: str | None = None) -> list[str]:
+    """The `refpar train` arguments that run this workload (after `mpiexec -n w.world`); with
+    `trace`, rank 0 writes the run's communication events there as a Chrome trace."""
     mesh = ",".join(f"{a}={w.sizes[a]}" for a in MESH_AXES if w.sizes[a] > 1) or "dp=1"
     args = ["--mesh", mesh, "--steps", str(w.train.steps), "--batch-size", str(w.train.batch_size),
             "--seq-len", str(w.train.seq_len), "--json"]
@@ -145,4 +146,4 @@ def train_args(w: Workload) -> list[str]:
             args += ["--chunks", str(w.chunks)]
     if w.strategy in DP_STRATEGIES and w.microbatches > 1:
         args += ["--microbatches", str(w.microbatches)]
-    return args
+    return args + (["--trace", trace] if trace else [])
