@@ -21,13 +21,13 @@ def run_cases(n: int, *args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_cases(2, "ddp", "fsdp2")
+    return run_cases(2, "ddp", "fsdp2", "tp")
 
 
 @pytest.fixture(scope="module")
 def four_ranks_uneven():
     # 6 sequences over 4 ranks: 2, 2, 1, 1. Uneven shards are where loss conventions part.
-    return run_cases(4, "--batch-size", "6", "ddp", "ddp-mean", "fsdp2")
+    return run_cases(4, "--batch-size", "6", "ddp", "ddp-mean", "fsdp2", "tp")
 
 
 def check(row):
@@ -38,13 +38,13 @@ def check(row):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("case", ["ddp", "fsdp2", "tp"])
 def test_pytorch_matches_refpar_per_step_on_2_ranks(two_ranks, case):
     check(two_ranks[case])
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("case", ["ddp", "fsdp2", "tp"])
 def test_pytorch_matches_refpar_per_step_on_4_ranks_with_uneven_shards(four_ranks_uneven, case):
     check(four_ranks_uneven[case])
 

@@ -1,7 +1,8 @@
 """mpiexec -n 2 python -m refpar.conformance [--dtype float64] [--batch-size 8] CASE ...
 
 Runs each case on every rank of the job and prints, from rank 0, one JSON line per case:
-{"case", "ranks", "dtype", "batch_size", "steps": [per-step worst-rank differences], "max"}.
+{"case", "ranks", "dtype", "batch_size", "steps": [per-step worst-rank differences], "max",
+"orders": per-rank action orders of a pipeline case, torch's and refpar's, else null}.
 """
 
 from __future__ import annotations
@@ -11,17 +12,20 @@ import json
 from functools import partial
 
 from refpar.comm.communicator import abort_on_error, world
-from refpar.conformance import cases
+from refpar.conformance import cases, pipeline
 from refpar.conformance.compare import merge_ranks
 from refpar.conformance.dist import process_group
 
 # "-mean": the case with PyTorch's habit of a per-rank mean loss (cases.py, "Conventions").
-CASES = {"ddp": cases.ddp, "ddp-mean": partial(cases.ddp, convention="mean"), "fsdp2": cases.fsdp2}
+CASES = {"ddp": cases.ddp, "ddp-mean": partial(cases.ddp, convention="mean"), "fsdp2": cases.fsdp2,
+         "tp": cases.tp}
+# "pp-NAME": torch.distributed.pipelining's ScheduleNAME (refpar/conformance/pipeline.py).
+PIPELINES = {f"pp-{name}": name for name in pipeline.SCHEDULES}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m refpar.conformance")
-    parser.add_argument("cases", nargs="+", choices=sorted(CASES))
+    parser.add_argument("cases", nargs="+", choices=sorted(CASES) + sorted(PIPELINES))
     parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     parser.add_argument("--batch-size", type=int, default=8)
     args = parser.parse_args(argv)
@@ -29,14 +33,19 @@ def main(argv=None) -> None:
         comm = world()
         with process_group(comm):
             for name in args.cases:
-                rows = CASES[name](comm, args.dtype, batch_size=args.batch_size)
+                orders = None
+                if name in PIPELINES:
+                    rows, orders = pipeline.pipelining(comm, PIPELINES[name], args.dtype,
+                                                       batch_size=args.batch_size)
+                else:
+                    rows = CASES[name](comm, args.dtype, batch_size=args.batch_size)
                 every = comm.gather_object(rows)
                 if comm.rank == 0:
                     steps = merge_ranks(every)
                     top = max(max(s["loss"], s["grads"], s["params"]) for s in steps)
                     print(json.dumps({"case": name, "ranks": comm.size, "dtype": args.dtype,
                                       "batch_size": args.batch_size,
-                                      "steps": steps, "max": top}), flush=True)
+                                      "steps": steps, "max": top, "orders": orders}), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from refpar.config import ModelConfig, TrainConfig
 from refpar.conformance.compare import step_row, worst
-from refpar.conformance.torch_model import build, to_gpt2_layout, to_torch_layout
+from refpar.conformance.torch_model import build, qkv_row_order, to_gpt2_layout, to_torch_layout
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params
 from refpar.parallel.units import microbatch_ids, train_step
@@ -145,5 +145,82 @@ def fsdp2(comm, dtype: str = "float64", convention: str = "global", batch_size: 
                        {u: ours.grad_shards[u] for u in lay.units})
         params = {n: gpt2(n, p.full_tensor()) for n, p in net.named_parameters()}
         rows.append(step_row(loss, float(reported) / N, max(g_fsdp, g_ours),
+                             worst(params, ours.full_params())))
+    return rows
+
+
+# ------------------------------------------------------------------------------------ DTensor TP
+def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8) -> list[dict]:
+    """DTensor tensor parallelism (`parallelize_module`: c_attn and mlp.c_fc ColwiseParallel,
+    attn.c_proj and mlp.c_proj RowwiseParallel) against refpar's TP on tp = world.
+
+    Two layouts differ and are mapped, not assumed equal: c_attn's rows are reordered
+    (torch_model.qkv_row_order) so ColwiseParallel's contiguous chunk r holds rank r's heads of q, k
+    and v, which is the slice refpar keeps; and the embedding and tied head stay replicated on the
+    torch side while refpar splits the vocabulary, so rank r compares the rows of the torch
+    gradient that refpar's vocabulary shard holds. Every rank sees the whole batch (dp = 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from refpar.mesh import DeviceMesh
+    from refpar.model.gpt import DropoutContext
+    from refpar.model.optim import optimizer_step
+    from refpar.parallel.intra_layer import IntraLayerTrainer, loss_and_grads
+    from refpar.parallel.tensor_parallel import tp_param_slices
+
+    model, train = configs(dtype, batch_size=batch_size)
+    N, r, B, T = comm.size, comm.rank, train.batch_size, train.seq_len
+    full = init_params(model, train.seed)
+    ours = IntraLayerTrainer(model, train, DeviceMesh(comm, {"tp": N}), MemoryLedger())
+    slices = tp_param_slices(model, N, r)
+
+    order = qkv_row_order(model.n_embd, model.head_size, N)
+    undo = np.argsort(order)
+    permuted = dict(full)
+    for i in range(model.n_layer):
+        w, b = f"h.{i}.attn.c_attn.weight", f"h.{i}.attn.c_attn.bias"
+        permuted[w], permuted[b] = full[w][:, order], full[b][order]  # Conv1D columns = Linear rows
+    net = build(model, permuted, getattr(torch, dtype))
+    mesh = init_device_mesh("cpu", (N,))
+    plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    for block in net.h:
+        parallelize_module(block, mesh, plan)
+    opt = adamw(net, train)
+    corpus = corpus_for(model, train)
+
+    def unpermute(n, a):  # GPT-2 layout, c_attn back in q, k, v order
+        return a[..., undo] if ".attn.c_attn." in n else a
+
+    rows = []
+    for step in range(train.steps):
+        tokens, targets = corpus.batch(step, ours.sample_ids, T)
+        drop = DropoutContext(train.seed, step, ours.sample_ids, model.dropout, True)
+        loss, grads = loss_and_grads(ours.params, tokens, targets, ours.lay, drop, B * T, ours.acts)
+        ours.params, ours.state = optimizer_step(ours.params, grads, ours.state, train)
+
+        opt.zero_grad()
+        out = torch.nn.functional.cross_entropy(net(torch.from_numpy(tokens)).reshape(-1, model.vocab_size),
+                                                torch.from_numpy(targets).reshape(-1))
+        out.backward()
+        opt.step()
+        theirs = {}
+        for n, p in net.named_parameters():
+            if isinstance(p.grad, DTensor):  # this rank's shard, in GPT-2 layout
+                theirs[n] = gpt2(n, p.grad.to_local())
+            elif n in slices:  # replicated here, split by refpar: the rows refpar's shard holds
+                axis, idx = slices[n]
+                theirs[n] = np.take(gpt2(n, p.grad), idx, axis=axis)
+            else:
+                theirs[n] = gpt2(n, p.grad)
+        params = {n: unpermute(n, gpt2(n, p.full_tensor() if isinstance(p, DTensor) else p))
+                  for n, p in net.named_parameters()}
+        want = {n: np.asarray(g) for n, g in grads.items()}
+        rows.append(step_row(loss, float(out.detach()), worst(theirs, want),
                              worst(params, ours.full_params())))
     return rows
