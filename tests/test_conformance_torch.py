@@ -1,33 +1,38 @@
 """refpar against PyTorch's own parallelism (refpar/conformance), float64, on 2 and 4 MPI ranks.
 
 One MPI job per rank count runs every case; each prints per-step differences of the loss, every
-rank's gradient shard and the updated parameters (refpar.conformance.compare)."""
+rank's gradient shard and the updated parameters (refpar.conformance.compare), and for pipeline
+cases both per-rank action orders."""
 
 import json
 
 import pytest
 
+from refpar.conformance.pipeline import SCHEDULES
 from tests.mpi import mpiexec
 
 pytest.importorskip("torch")
 
 TOL = 1e-10  # float64 after 3 AdamW steps (DESIGN.md, "Numerics")
+PIPELINES = [f"pp-{name}" for name in SCHEDULES]
+CASES = ["ddp", "fsdp2", "tp", *PIPELINES]
 
 
 def run_cases(n: int, *args: str) -> dict:
-    proc = mpiexec(n, "-m", "refpar.conformance", *args, timeout=400)
+    proc = mpiexec(n, "-m", "refpar.conformance", *args, timeout=600)
     return {row["case"]: row for row in map(json.loads, proc.stdout.strip().splitlines())}
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_cases(2, "ddp", "fsdp2", "tp")
+    # 5 sequences: dp shards of 3 and 2, pipeline microbatches of 2, 1, 1, 1. Uneven pieces are
+    # where loss conventions part.
+    return run_cases(2, "--batch-size", "5", "--microbatches", "4", "ddp-mean", *CASES)
 
 
 @pytest.fixture(scope="module")
-def four_ranks_uneven():
-    # 6 sequences over 4 ranks: 2, 2, 1, 1. Uneven shards are where loss conventions part.
-    return run_cases(4, "--batch-size", "6", "ddp", "ddp-mean", "fsdp2", "tp")
+def four_ranks():
+    return run_cases(4, "--batch-size", "8", "--microbatches", "8", *CASES)
 
 
 def check(row):
@@ -38,22 +43,45 @@ def check(row):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", ["ddp", "fsdp2", "tp"])
-def test_pytorch_matches_refpar_per_step_on_2_ranks(two_ranks, case):
+@pytest.mark.parametrize("case", CASES)
+def test_pytorch_matches_refpar_per_step_on_2_ranks_with_uneven_pieces(two_ranks, case):
     check(two_ranks[case])
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("case", ["ddp", "fsdp2", "tp"])
-def test_pytorch_matches_refpar_per_step_on_4_ranks_with_uneven_shards(four_ranks_uneven, case):
-    check(four_ranks_uneven[case])
+@pytest.mark.parametrize("case", CASES)
+def test_pytorch_matches_refpar_per_step_on_4_ranks(four_ranks, case):
+    check(four_ranks[case])
 
 
 @pytest.mark.timeout(900)
-def test_per_rank_mean_loss_differs_on_uneven_shards_and_global_normalisation_fixes_it(four_ranks_uneven):
-    """DDP averages gradients over ranks; with each rank's loss the mean over its own tokens, ranks
-    holding 1 sequence weigh as much as ranks holding 2, so neither loss nor gradients are the global
-    mean's. Normalising by the global token count (the "global" convention, `ddp` above) agrees."""
-    first = four_ranks_uneven["ddp-mean"]["steps"][0]
+def test_per_rank_mean_loss_differs_on_uneven_shards_and_global_normalisation_fixes_it(two_ranks):
+    """DDP averages gradients over ranks; with each rank's loss the mean over its own tokens, the
+    rank holding 2 sequences weighs as much as the one holding 3, so neither loss nor gradients are
+    the global mean's. Normalising by the global token count (`ddp`) agrees."""
+    first = two_ranks["ddp-mean"]["steps"][0]
     assert first["loss"] > 1e-4 and first["grads"] > 1e-3, first
-    check(four_ranks_uneven["ddp"])
+    check(two_ranks["ddp"])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["GPipe", "Interleaved1F1B"])
+def test_torch_and_refpar_schedules_order_every_rank_alike(two_ranks, four_ranks, name):
+    for run in (two_ranks, four_ranks):
+        orders = run[f"pp-{name}"]["orders"]
+        assert orders["torch"] == orders["refpar"], orders
+
+
+@pytest.mark.timeout(900)
+def test_torch_1f1b_order_differs_only_in_its_last_rank_forward_labels(two_ranks, four_ranks):
+    """Finding: torch's Schedule1F1B._get_pipeline_order numbers the last rank's forwards from 1
+    (its warm-up is empty, and the steady state increments the counter before the first forward),
+    so `pipeline_order` shows F1..Fm there; execution runs F0..F(m-1), and the numbers agree."""
+    for run in (two_ranks, four_ranks):
+        orders = run["pp-1F1B"]["orders"]
+        last = str(run["pp-1F1B"]["ranks"] - 1)
+        for rank, ours in orders["refpar"].items():
+            theirs = orders["torch"][rank]
+            if rank == last:
+                ours = [f"{a[0]}F{int(a[2:]) + 1}" if a[1] == "F" else a for a in ours]
+            assert theirs == ours, (rank, theirs, ours)

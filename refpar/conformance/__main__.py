@@ -28,6 +28,7 @@ def main(argv=None) -> None:
     parser.add_argument("cases", nargs="+", choices=sorted(CASES) + sorted(PIPELINES))
     parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4, help="pipeline cases only")
     args = parser.parse_args(argv)
     with abort_on_error():
         comm = world()
@@ -36,7 +37,8 @@ def main(argv=None) -> None:
                 orders = None
                 if name in PIPELINES:
                     rows, orders = pipeline.pipelining(comm, PIPELINES[name], args.dtype,
-                                                       batch_size=args.batch_size)
+                                                       batch_size=args.batch_size,
+                                                       microbatches=args.microbatches)
                 else:
                     rows = CASES[name](comm, args.dtype, batch_size=args.batch_size)
                 every = comm.gather_object(rows)

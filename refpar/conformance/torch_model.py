@@ -5,8 +5,8 @@ Legend: B batch, T sequence, C channels, nh heads, hs head size, V vocab.
 
 Parameter names are GPT-2's (`h.0.attn.c_attn.weight`, ...); GPT-2 stores Conv1D weights as
 weight[in, out] and nn.Linear as weight[out, in], so `load_gpt2` and `to_gpt2` transpose the
-2-D weights of the linear layers. Dropout is off in every conformance case (p = 0): the torch
-side draws no masks, refpar's config says dropout=0.0.
+2-D weights of the linear layers. Dropout is off in every conformance case (p = 0); the dumps
+for `refpar check` pass keep masks in (`masks={(layer, site): bool tensor}`, refpar's sites).
 
 Attention takes its number of heads from the width it receives (3C/tp under tensor
 parallelism: ColwiseParallel hands each rank its heads as a plain local tensor), and splits q, k,
@@ -25,6 +25,11 @@ from torch import nn
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
+def drop(x, keep, p: float):
+    """Inverted dropout with a given keep mask (None: no dropout)."""
+    return x if keep is None else x * keep.to(x.dtype) / (1.0 - p)
+
+
 class Attention(nn.Module):
     def __init__(self, C: int, hs: int):
         super().__init__()
@@ -32,7 +37,7 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(C, 3 * C)
         self.c_proj = nn.Linear(C, C)
 
-    def forward(self, x):
+    def forward(self, x, keep_att=None, p=0.0):
         B, T, _ = x.shape
         qkv = self.c_attn(x)  # (B, T, 3C/tp)
         nh = qkv.shape[-1] // (3 * self.hs)  # this rank's heads
@@ -40,7 +45,7 @@ class Attention(nn.Module):
         att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hs)  # (B, nh, T, T)
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         att = att.masked_fill(~causal, float("-inf")).softmax(dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(B, T, nh * self.hs)  # (B, T, C/tp)
+        y = (drop(att, keep_att, p) @ v).transpose(1, 2).reshape(B, T, nh * self.hs)  # (B, T, C/tp)
         return self.c_proj(y)  # (B, T, C)
 
 
@@ -62,9 +67,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(C, eps=eps)
         self.mlp = MLP(C)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x, masks=None, p=0.0):
+        masks = masks or {}
+        x = x + drop(self.attn(self.ln_1(x), masks.get("attn"), p), masks.get("attn_resid"), p)
+        return x + drop(self.mlp(self.ln_2(x)), masks.get("mlp_resid"), p)
 
 
 class GPT2(nn.Module):
@@ -78,11 +84,12 @@ class GPT2(nn.Module):
         self.h = nn.ModuleList(Block(C, config.head_size, eps) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(C, eps=eps)
 
-    def forward(self, tokens):
+    def forward(self, tokens, masks=None, p=0.0):
+        masks = masks or {}
         T = tokens.shape[1]
-        x = self.wte(tokens) + self.wpe(torch.arange(T))  # (B, T, C)
-        for block in self.h:
-            x = block(x)
+        x = drop(self.wte(tokens) + self.wpe(torch.arange(T)), masks.get((0, "embd")), p)  # (B, T, C)
+        for i, block in enumerate(self.h):
+            x = block(x, {s: m for (layer, s), m in masks.items() if layer == i}, p)
         return self.ln_f(x) @ self.wte.weight.t()  # (B, T, V)
 
 
