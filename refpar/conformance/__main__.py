@@ -1,6 +1,7 @@
-"""mpiexec -n 2 python -m refpar.conformance [--dtype float64] [--batch-size 8] CASE ...
+"""mpiexec -n 2 python -m refpar.conformance [--dtype float64] [--batch-size 8] CASE[@DTYPE] ...
 
-Runs each case on every rank of the job and prints, from rank 0, one JSON line per case:
+Runs each case (in --dtype, or in DTYPE when the name ends in "@float32" or "@float64") on every
+rank of the job and prints, from rank 0, one JSON line per case:
 {"case", "ranks", "dtype", "batch_size", "steps": [per-step worst-rank differences], "max",
 "orders": per-rank action orders of a pipeline case, torch's and refpar's, else null}.
 """
@@ -25,27 +26,34 @@ PIPELINES = {f"pp-{name}": name for name in pipeline.SCHEDULES}
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m refpar.conformance")
-    parser.add_argument("cases", nargs="+", choices=sorted(CASES) + sorted(PIPELINES))
+    parser.add_argument("cases", nargs="+", metavar="CASE",
+                        help=f"one of {', '.join(sorted(CASES) + sorted(PIPELINES))}, optionally @float32")
     parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline cases only")
     args = parser.parse_args(argv)
+    runs = []
+    for spec in args.cases:
+        name, _, dtype = spec.partition("@")
+        if name not in CASES and name not in PIPELINES or dtype not in ("", "float64", "float32"):
+            parser.error(f"unknown case {spec!r}")
+        runs.append((spec, name, dtype or args.dtype))
     with abort_on_error():
         comm = world()
         with process_group(comm):
-            for name in args.cases:
+            for spec, name, dtype in runs:
                 orders = None
                 if name in PIPELINES:
-                    rows, orders = pipeline.pipelining(comm, PIPELINES[name], args.dtype,
+                    rows, orders = pipeline.pipelining(comm, PIPELINES[name], dtype,
                                                        batch_size=args.batch_size,
                                                        microbatches=args.microbatches)
                 else:
-                    rows = CASES[name](comm, args.dtype, batch_size=args.batch_size)
+                    rows = CASES[name](comm, dtype, batch_size=args.batch_size)
                 every = comm.gather_object(rows)
                 if comm.rank == 0:
                     steps = merge_ranks(every)
                     top = max(max(s["loss"], s["grads"], s["params"]) for s in steps)
-                    print(json.dumps({"case": name, "ranks": comm.size, "dtype": args.dtype,
+                    print(json.dumps({"case": spec, "ranks": comm.size, "dtype": dtype,
                                       "batch_size": args.batch_size,
                                       "steps": steps, "max": top, "orders": orders}), flush=True)
 
