@@ -29,8 +29,9 @@ def main(argv=None) -> None:
     parser.add_argument("cases", nargs="+", metavar="CASE",
                         help=f"one of {', '.join(sorted(CASES) + sorted(PIPELINES))}, optionally @float32")
     parser.add_argument("--dtype", default="float64", choices=("float64", "float32"))
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=4, help="pipeline cases only")
+    parser.add_argument("--batch-size", type=int, default=8, help="all but the pipeline cases")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="pipeline cases only, each of 2 sequences")
     args = parser.parse_args(argv)
     runs = []
     for spec in args.cases:
@@ -45,7 +46,6 @@ def main(argv=None) -> None:
                 orders = None
                 if name in PIPELINES:
                     rows, orders = pipeline.pipelining(comm, PIPELINES[name], dtype,
-                                                       batch_size=args.batch_size,
                                                        microbatches=args.microbatches)
                 else:
                     rows = CASES[name](comm, dtype, batch_size=args.batch_size)

@@ -103,14 +103,18 @@ def refpar_order(kind: str, p: int, m: int, v: int) -> dict[int, list[str]]:
 
 
 def pipelining(comm, name: str, dtype: str = "float64", convention: str = "global",
-               batch_size: int = 8, microbatches: int = 4) -> tuple[list[dict], dict]:
-    """Runs torch schedule `name` and its refpar counterpart; rows are computed on rank 0 from every
-    rank's tensors (other ranks return zero rows). Also returns the action orders of both."""
+               microbatches: int = 4) -> tuple[list[dict], dict]:
+    """Runs torch schedule `name` and its refpar counterpart on a batch of 2 sequences per
+    microbatch; rows are computed on rank 0 from every rank's tensors (other ranks return zero
+    rows). Also returns the action orders of both.
+
+    Equal microbatches, because a torch PipelineStage infers its receive buffers from the first
+    microbatch: with 5 sequences in 4 microbatches (2, 1, 1, 1) the job was seen to hang in gloo."""
     kind, v, placement, same_idea = SCHEDULES[name]
     p, r, m = comm.size, comm.rank, microbatches
     S = p * v
     model = ModelConfig(n_layer=S, dropout=0.0, dtype=dtype)
-    train = TrainConfig(steps=3, batch_size=batch_size, seq_len=8)
+    train = TrainConfig(steps=3, batch_size=2 * m, seq_len=8)
     B, T = train.batch_size, train.seq_len
     full = init_params(model, train.seed)
 
