@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 TOL = 1e-10  # float64 after 3 AdamW steps (DESIGN.md, "Numerics")
 PIPELINES = [f"pp-{name}" for name in SCHEDULES]
-CASES = ["ddp", "fsdp2", "tp", *PIPELINES]
+CASES = ["ddp", "fsdp2", "tp", "tp-sp", *PIPELINES]
 
 
 def run_cases(n: int, *args: str) -> dict:

@@ -19,7 +19,7 @@ from refpar.conformance.dist import process_group
 
 # "-mean": the case with PyTorch's habit of a per-rank mean loss (cases.py, "Conventions").
 CASES = {"ddp": cases.ddp, "ddp-mean": partial(cases.ddp, convention="mean"), "fsdp2": cases.fsdp2,
-         "tp": cases.tp}
+         "tp": cases.tp, "tp-sp": partial(cases.tp, sp=True)}
 # "pp-NAME": torch.distributed.pipelining's ScheduleNAME (refpar/conformance/pipeline.py).
 PIPELINES = {f"pp-{name}": name for name in pipeline.SCHEDULES}
 

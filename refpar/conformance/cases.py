@@ -150,9 +150,13 @@ def fsdp2(comm, dtype: str = "float64", convention: str = "global", batch_size: 
 
 
 # ------------------------------------------------------------------------------------ DTensor TP
-def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8) -> list[dict]:
+def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8,
+       sp: bool = False) -> list[dict]:
     """DTensor tensor parallelism (`parallelize_module`: c_attn and mlp.c_fc ColwiseParallel,
-    attn.c_proj and mlp.c_proj RowwiseParallel) against refpar's TP on tp = world.
+    attn.c_proj and mlp.c_proj RowwiseParallel) against refpar's TP on tp = world. With `sp`,
+    sequence parallelism too: ln_1 and ln_2 SequenceParallel, attn and mlp gather the sequence
+    (PrepareModuleInput Shard(1) -> Replicate), the projections scatter it back (RowwiseParallel
+    to Shard(1)), against refpar's `--sp`; DTensor all-reduces the LayerNorm gradients itself.
 
     Two layouts differ and are mapped, not assumed equal: c_attn's rows are reordered
     (torch_model.qkv_row_order) so ColwiseParallel's contiguous chunk r holds rank r's heads of q, k
@@ -160,10 +164,12 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
     torch side while refpar splits the vocabulary, so rank r compares the rows of the torch
     gradient that refpar's vocabulary shard holds. Every rank sees the whole batch (dp = 1)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
+        SequenceParallel,
         parallelize_module,
     )
 
@@ -171,12 +177,13 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
     from refpar.model.gpt import DropoutContext
     from refpar.model.optim import optimizer_step
     from refpar.parallel.intra_layer import IntraLayerTrainer, loss_and_grads
+    from refpar.parallel.sequence_parallel import all_reduce_sequence_parallel_grads
     from refpar.parallel.tensor_parallel import tp_param_slices
 
     model, train = configs(dtype, batch_size=batch_size)
     N, r, B, T = comm.size, comm.rank, train.batch_size, train.seq_len
     full = init_params(model, train.seed)
-    ours = IntraLayerTrainer(model, train, DeviceMesh(comm, {"tp": N}), MemoryLedger())
+    ours = IntraLayerTrainer(model, train, DeviceMesh(comm, {"tp": N}), MemoryLedger(), sp=sp)
     slices = tp_param_slices(model, N, r)
 
     order = qkv_row_order(model.n_embd, model.head_size, N)
@@ -189,9 +196,29 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
     mesh = init_device_mesh("cpu", (N,))
     plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
             "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    if sp:
+        # attn(x, keep_att, p) and mlp(x): only x is a tensor to gather
+        plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
+                 "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                 "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+                 "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))}
     for block in net.h:
         parallelize_module(block, mesh, plan)
     opt = adamw(net, train)
+
+    def forward(tokens):
+        if not sp:
+            return net(tokens)
+        x = net.wte(tokens) + net.wpe(torch.arange(T))  # (B, T, C), the same on every rank
+        x = DTensor.from_local(x, mesh, [Replicate()]).redistribute(mesh, [Shard(1)])
+        x = x.to_local()  # (B, T/tp, C)
+        for block in net.h:
+            x = block(x)  # (B, T/tp, C)
+        x = DTensor.from_local(x, mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
+        x = x.to_local()  # (B, T, C)
+        return net.ln_f(x) @ net.wte.weight.t()  # (B, T, V)
     corpus = corpus_for(model, train)
 
     def unpermute(n, a):  # GPT-2 layout, c_attn back in q, k, v order
@@ -202,16 +229,23 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
         tokens, targets = corpus.batch(step, ours.sample_ids, T)
         drop = DropoutContext(train.seed, step, ours.sample_ids, model.dropout, True)
         loss, grads = loss_and_grads(ours.params, tokens, targets, ours.lay, drop, B * T, ours.acts)
+        if sp:
+            all_reduce_sequence_parallel_grads(grads, model, ours.mesh.tp)
         ours.params, ours.state = optimizer_step(ours.params, grads, ours.state, train)
 
         opt.zero_grad()
-        out = torch.nn.functional.cross_entropy(net(torch.from_numpy(tokens)).reshape(-1, model.vocab_size),
+        logits = forward(torch.from_numpy(tokens))  # (B, T, V)
+        out = torch.nn.functional.cross_entropy(logits.reshape(-1, model.vocab_size),
                                                 torch.from_numpy(targets).reshape(-1))
         out.backward()
         opt.step()
         theirs = {}
         for n, p in net.named_parameters():
-            if isinstance(p.grad, DTensor):  # this rank's shard, in GPT-2 layout
+            if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+                # SequenceParallel LayerNorms: DTensor keeps each rank's sequence part as a Partial
+                # gradient and sums it when read whole (the optimizer's arithmetic does)
+                theirs[n] = gpt2(n, p.grad.full_tensor())
+            elif isinstance(p.grad, DTensor):  # this rank's shard, in GPT-2 layout
                 theirs[n] = gpt2(n, p.grad.to_local())
             elif n in slices:  # replicated here, split by refpar: the rows refpar's shard holds
                 axis, idx = slices[n]

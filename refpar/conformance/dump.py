@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +100,7 @@ def tp_scenarios(comm, root: Path) -> None:
             vp = -(-V // 50) * 50
             pad = np.random.default_rng(0).normal(0, 0.02, (vp - V, model.n_embd))
             params["wte.weight"] = np.concatenate([full["wte.weight"], pad])
-            cfg = configs("float64")[0].__class__(**{**model_fields(model), "vocab_size": vp})
+            cfg = replace(model, vocab_size=vp)
         net = build(cfg, params, torch.float64)
         for block in net.h:
             parallelize_module(block, mesh, plan)
@@ -136,7 +137,7 @@ def ddp_scenarios(comm, root: Path) -> None:
     for name in ("ddp", "ddp-per-rank-loss", "zero-flat", "ddp-dropout", "ddp-dropout-rng", "fsdp2"):
         dropout = 0.1 if "dropout" in name else 0.0
         model, train = configs("float64", batch_size=2 * N + 1)  # uneven: 3 and 2 on 2 ranks
-        model = model.__class__(**{**model_fields(model), "dropout": dropout})
+        model = replace(model, dropout=dropout)
         B, T = train.batch_size, train.seq_len
         ids = microbatch_ids(B, N, r, 1, 0)
         tokens, targets = corpus_for(model, train).batch(STEP, ids, T)
