@@ -15,8 +15,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The 8-rank 3D example: 2 pipelines of 2 stages, each stage tensor-parallel over 2 ranks.
+# One BLAS thread per rank: 8 ranks already oversubscribe 2 cores, and BLAS threads on top made
+# tiny steps several times slower.
 demo: $(STAMP)
-	$(VENV)/bin/mpiexec -n 8 $(PY) -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --steps 10 --check
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 8 $(PY) -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --steps 10 --check
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

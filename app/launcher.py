@@ -26,42 +26,52 @@ class Launcher:
     def __init__(self):
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
+        self.reader: threading.Thread | None = None
         self.lines: list[str] = []
         self.started = 0.0
         self.label, self.key, self.steps = "", None, 1
-        self.result: dict | None = None  # {"key", "label", "summary"} of the last run that succeeded
+        self.trace: str | None = None  # where the run writes its Chrome trace
+        self.result: dict | None = None  # {"key", "label", "summary", "trace"} of the last good run
         self.error: str | None = None  # the output tail of the last run that failed
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        """True until the run has ended and its output, result or error have been taken in."""
+        return self.reader is not None and self.reader.is_alive()
 
-    def start(self, argv: list[str], label: str, key: tuple, steps: int) -> None:
+    def start(self, argv: list[str], label: str, key: tuple, steps: int, trace: str | None = None) -> None:
         with self.lock:
             if self.running():
                 raise ConfigError("a run is already going; wait for it or stop it first")
             env = {**os.environ, "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
             # A list, never a shell; a session of its own so that Stop ends mpiexec and its ranks.
-            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True,
                                          cwd=ROOT, env=env, start_new_session=True)
             self.lines, self.started, self.error = [], time.monotonic(), None
-            self.label, self.key, self.steps = label, key, steps
-            threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+            self.label, self.key, self.steps, self.trace = label, key, steps, trace
+            self.reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
+            self.reader.start()
 
     def _read(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             self.lines.append(line.rstrip("\n"))
         proc.wait()
         with self.lock:
+            trace, events = (Path(self.trace) if self.trace else None), None
+            if proc.returncode == 0 and trace is not None and trace.exists():
+                events = json.loads(trace.read_text())
+            if trace is not None:
+                trace.unlink(missing_ok=True)  # a stopped run may have left half a file
             summary = next((json.loads(x) for x in reversed(self.lines) if x.startswith('{"mesh"')), None)
             if proc.returncode == 0 and summary is not None:
-                self.result = {"key": self.key, "label": self.label, "summary": summary}
+                self.result = {"key": self.key, "label": self.label, "summary": summary, "trace": events}
             else:
                 tail = "\n".join(self.lines[-25:])
                 self.error = f"the run ended with exit status {proc.returncode}:\n{tail}"
 
     def stop(self) -> None:
-        if self.running():
+        if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
 
 

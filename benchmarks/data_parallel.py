@@ -1,12 +1,15 @@
 """Data parallelism's cost on this machine: DP=2 against one process on the same global batch, the
 share of the step spent communicating (from the trace), and ZeRO-3 / FSDP against DP.
 
-    python benchmarks/data_parallel.py [--model small] [--steps 4] [--batch-size 8] [--seq-len 64]
+    python benchmarks/data_parallel.py [--model small] [--steps 5] [--batch-size 8] [--seq-len 64]
 
 Every process runs one BLAS thread, so DP=2 uses two cores where the single process uses one: the
 ideal DP=2 step is half the single-process step plus the communication. The script runs the
 single-process reference itself and each parallel strategy as `mpiexec -n 2 python <this file>
---worker STRATEGY`, then prints times and ratios (lower is better), not pass/fail.
+--worker STRATEGY`, then prints times and ratios, not pass/fail. Each figure is the fastest timed
+step (the least disturbed on a shared machine). "Messages in flight" is the union of rank 0's
+traced communication intervals: for blocking collectives the time spent communicating, for the
+overlapped rings (DP buckets, FSDP prefetch) also the compute they overlap.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ STRATEGIES = {  # label -> (strategy, options)
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="model preset (default small, float32)")
-    parser.add_argument("--steps", type=int, default=4, help="steps; the first is warm-up")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="steps; the first is warm-up, the fastest of the others is reported")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--ranks", type=int, default=2)
@@ -59,7 +63,7 @@ def single_process(args) -> float:
     from refpar.trainer import train_single_device
 
     model, train = configs(args)
-    return train_single_device(model, train).step_time_s
+    return min(train_single_device(model, train).step_times_s[1:])
 
 
 def worker(args) -> None:
@@ -81,16 +85,21 @@ def worker(args) -> None:
     start = time.perf_counter()
     run = run_data_parallel(opts, model, train, comm)
     elapsed = time.perf_counter() - start
-    # Communication time of the timed steps (step 0 is warm-up), as intervals merged on rank 0,
-    # so overlapping messages of several buckets are counted once.
-    spans = sorted((e.t_start, e.t_end) for e in comm.tracer.events if e.step and e.step > 0)
-    busy, end = 0.0, -np.inf
-    for a, b in spans:
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
+    # Each timed step's communication time, its events' intervals merged on rank 0 (overlapping
+    # messages of several buckets count once); the fastest step is reported, the one least
+    # disturbed by other processes on a shared machine.
+    best = None
+    for step in range(1, train.steps):
+        spans = sorted((e.t_start, e.t_end) for e in comm.tracer.events if e.step == step)
+        busy, end = 0.0, -np.inf
+        for a, b in spans:
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        if best is None or run.step_times_s[step] < best[0]:
+            best = (run.step_times_s[step], busy)
     if comm.rank == 0:
-        print(json.dumps({"step_time_s": run.step_time_s, "comm_s_per_step": busy / (train.steps - 1),
-                          "wall_s": elapsed}), flush=True)
+        print(json.dumps({"step_time_s": best[0], "comm_s_per_step": best[1], "wall_s": elapsed}),
+              flush=True)
 
 
 def main() -> None:
@@ -119,7 +128,7 @@ def main() -> None:
         results[label] = r
         print(f"{label + f' dp={args.ranks}':<28} {r['step_time_s'] * 1e3:8.1f} ms/step  "
               f"{one / r['step_time_s']:5.2f}x the single process (ideal {args.ranks})  "
-              f"communication {100 * r['comm_s_per_step'] / r['step_time_s']:4.1f}% of the step",
+              f"messages in flight {100 * r['comm_s_per_step'] / r['step_time_s']:4.1f}% of the step",
               flush=True)
     dp = results["DP"]["step_time_s"]
     print(f"ZeRO-3 / DP step time: {results['ZeRO-3']['step_time_s'] / dp:.2f}; "

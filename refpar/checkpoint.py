@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import zipfile
 from dataclasses import dataclass
@@ -86,6 +87,57 @@ def flat_unit_pieces(prefix: str, layout, unit: str, start: int, flat) -> list[t
     return out
 
 
+def shard_pieces(tensor: str, flat, shape, lo: int, axis: int | None = None, index=None
+                 ) -> list[tuple[Piece, np.ndarray]]:
+    """(Piece, view of `flat`) for the elements [lo, lo + len(flat)) of the row-major flattening of
+    a local array of `shape` which is either the global tensor (axis None) or a tensor-parallel
+    shard: along `axis` it holds the global indices `index` (increasing, maybe in runs, as c_attn's
+    q, k, v columns), the other axes whole. Covers a ZeRO flat shard of a tp shard too."""
+    out, at = [], 0
+    for box in _contiguous_boxes(tuple(shape), lo, lo + flat.shape[0]):
+        block = flat[at:at + math.prod(b - a for a, b in box)].reshape([b - a for a, b in box])
+        at += block.size
+        if axis is None:
+            out.append((Piece(tensor, box=box), block))
+            continue
+        a, b = box[axis]
+        held = np.asarray(index)[a:b]  # the global indices of this box along `axis`
+        for run in np.split(np.arange(b - a), np.flatnonzero(np.diff(held) != 1) + 1):
+            global_box = list(box)
+            global_box[axis] = (int(held[run[0]]), int(held[run[-1]]) + 1)
+            local = [slice(None)] * len(box)
+            local[axis] = slice(int(run[0]), int(run[-1]) + 1)
+            out.append((Piece(tensor, box=tuple(global_box)), block[tuple(local)]))
+    return out
+
+
+def _contiguous_boxes(shape: tuple, lo: int, hi: int) -> list[tuple]:
+    """[lo, hi) of the row-major flattening of an array of `shape` as boxes, in order, each a
+    contiguous run of it: a partial first row, whole rows, a partial last row (recursively)."""
+    if lo >= hi:
+        return []
+    if len(shape) == 1:
+        return [((lo, hi),)]
+    inner = math.prod(shape[1:])
+    rest = tuple((0, n) for n in shape[1:])
+
+    def part_of_row(i, a, b):
+        return [((i, i + 1),) + box for box in _contiguous_boxes(shape[1:], a, b)]
+
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return part_of_row(first, lo - first * inner, hi - first * inner)
+    out = []
+    if lo % inner:
+        out += part_of_row(first, lo % inner, inner)
+        first += 1
+    if hi // inner > first:
+        out.append(((first, hi // inner),) + rest)
+    if hi % inner:
+        out += part_of_row(hi // inner, 0, hi % inner)
+    return out
+
+
 def training_tensors(param_shapes: dict, dtype, optimizer: str) -> dict[str, tuple[tuple, str]]:
     """Every global tensor a training checkpoint holds: the parameters, and AdamW's m and v."""
     prefixes = ["params"] + (["adamw.m", "adamw.v"] if optimizer == "adamw" else [])
@@ -98,14 +150,15 @@ def step_dir(root, step: int) -> Path:
 
 
 def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict, comm=None) -> Path:
-    """Writes this rank's `arrays` to `path`/rank{world rank}.npz and, on rank 0 once every rank's
-    file is in place, the manifest. `tensors`: global name -> (shape, dtype), the same on every
-    rank; `info`: what else a resume needs (step, mesh, configs), JSON. Collective over `comm`
-    (None: one process). Returns `path`."""
+    """Writes this rank's `arrays` to `path`/rank{world rank}.npz and, on `comm`'s rank 0 once every
+    rank's file is in place, the manifest. `tensors`: global name -> (shape, dtype), the same on
+    every rank; `info`: what else a resume needs (step, mesh, configs), JSON. Collective over
+    `comm`, which must span every rank that holds state (None: one process). Returns `path`."""
     path = Path(path)
     rank = 0 if comm is None else comm.world_rank
+    leader = comm is None or comm.rank == 0
     manifest = path / MANIFEST
-    if rank == 0:
+    if leader:
         path.mkdir(parents=True, exist_ok=True)
         # Saving again into a finished checkpoint: its manifest goes first, so a crash from here on
         # leaves a directory that is refused rather than a manifest over a mix of old and new files.
@@ -123,7 +176,7 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
     record = {"file": name, "sha256": _sha256(path / name), "bytes": (path / name).stat().st_size,
               "arrays": [{"key": k, **p.to_json()} for k, (p, _) in zip(named, arrays, strict=True)]}
     records = [record] if comm is None else comm.gather_object(record, root=0)
-    if rank == 0:
+    if leader:
         doc = {"format": FORMAT, **info,
                "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in tensors.items()},
                "files": records}

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "app": "refpar.commands.app",
     "verify": "refpar.commands.verify",
     "check": "refpar.commands.check",
+    "generate": "refpar.commands.generate",
 }
 
 

@@ -19,6 +19,8 @@ own pieces, nothing is written again:
     dp           --zero 0: every gradient summed over dp (intra_layer.all_reduce_replicated_grads)
                  --zero 1: the flat gradient reduce-scattered over dp, AdamW on this rank's
                  shard only, the updated shard all-gathered (Rajbhandari et al. 2020, P_os)
+                 --zero 3: parameters sharded too, gathered around every action
+                 (refpar/engine_zero3.py)
     loss         the last stage's microbatch losses summed over pp, then over dp
 
 A tensor-parallel piece computes its input and weight gradients together, so a stage's B is the
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.engine_zero3 import ZeroThree, attach, detach
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
@@ -60,6 +63,7 @@ from refpar.parallel.tensor_parallel import (
 from refpar.sharding import shard_range, shard_sizes
 
 AXES = ("pp", "dp", "tp")  # the axes the engine composes; cp and ep run in their own runners
+NO_ZERO3_CHECKPOINTS = "--save and --resume hold ZeRO 0 or 1 states; use --zero 0 or 1 to checkpoint"
 
 
 @dataclass(frozen=True)
@@ -80,11 +84,14 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
     if model.moe_blocks:
         raise ConfigError("the engine runs dense GPT-2 blocks; drop the MoE options or use "
                           "--mesh dp=D,ep=E for experts")
-    if opts.zero not in (0, 1):
-        raise ConfigError(f"--zero {opts.zero} with tp or pp is not available; use --zero 0 or 1 "
-                          "(ZeRO-2/3 and FSDP run on a dp-only mesh)")
-    if opts.zero == 1 and sizes["dp"] < 2:
-        raise ConfigError("--zero 1 shards the optimizer state over dp ranks; give the mesh dp=2 or more")
+    if opts.zero not in (0, 1, 3):
+        raise ConfigError(f"--zero {opts.zero} with tp or pp is not available; use --zero 0, 1 or 3 "
+                          "(ZeRO-2 and FSDP run on a dp-only mesh)")
+    if opts.zero == 3 and opts.sp:
+        raise ConfigError("--sp sums its region's gradients over tp, which ZeRO-3's dp shards mix "
+                          "with tp-sharded ones; use --zero 1 with --sp")
+    if opts.zero and sizes["dp"] < 2:
+        raise ConfigError(f"--zero {opts.zero} shards over dp ranks; give the mesh dp=2 or more")
     train.check_model(model)
     t, p, d = sizes["tp"], sizes["pp"], sizes["dp"]
     check_tp(model, t)
@@ -162,6 +169,28 @@ class EngineExecutor(PipelineExecutor):
                 for a, src, dst, tag in self._messages() if dst == self.rank}
 
 
+class ZeroThreeStage(TensorParallelStage):
+    """A tensor-parallel stage whose parameters ZeRO-3 gathers for each action and frees after."""
+
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, zero: ZeroThree):
+        super().__init__(config, n_stages, stage, lay)
+        self.zero = zero
+
+    def forward(self, params, x, targets, drop, normalizer):
+        full, bases = self.zero.gather(self.stage, "fwd")
+        out, cache = super().forward(full, x, targets, drop, normalizer)
+        cache = detach(cache[:-1], bases)  # without the parameters: they are freed now
+        self.zero.release(bases)
+        return out, cache
+
+    def backward_input(self, dout, cache):
+        full, bases = self.zero.gather(self.stage, "bwd")
+        dx, grads = super().backward_input(dout, (*attach(cache, bases), full))
+        self.zero.release(bases)
+        self.zero.reduce(self.stage, grads)
+        return dx, {}  # the gradients are in the shards already
+
+
 class ZeroOne:
     """ZeRO-1 over dp of this rank's flat parameters: optimizer state for its shard_range only."""
 
@@ -226,12 +255,57 @@ class EngineRun:
     tracer: object  # the world's Tracer (None when untraced)
     measured: Timeline
     simulated: Timeline
+    first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
+
+
+def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None, zero, saving: bool
+                      ) -> list:
+    """(checkpoint.Piece, view) for what this rank holds: its stages' tp shards (boxes of the global
+    tensors, `tp_param_slices`) and their AdamW moments, whole or, under ZeRO-1, the range [a, b)
+    of this rank's parameters laid end to end (`checkpoint.shard_pieces` cuts either into boxes).
+    Saving writes each element once: each dp rank its [a, b) of the replicated tensors, tp rank 0
+    what every tp rank holds whole, pp rank 0 the tied wte (the last stage holds it too)."""
+    from refpar import checkpoint
+    from refpar.parallel.tensor_parallel import tp_param_slices
+
+    coords, names = mesh.coords, list(params)
+    slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
+    starts = np.cumsum([0] + [params[n].size for n in names]).tolist()
+    own = shard_range(starts[-1], mesh.sizes["dp"], coords["dp"])  # ZeRO-1's [a, b)
+    every = own if saving else (0, starts[-1])
+
+    def whole(arrays):  # elements [lo, hi) of tensor n as a view (copy=False): loading writes into it
+        return lambda i, n, lo, hi: np.reshape(arrays[n], -1, copy=False)[lo:hi]
+
+    def flat(buffer):  # ZeRO-1's moments: one buffer over [a, b) of the parameters laid end to end
+        return lambda i, n, lo, hi: buffer[starts[i] + lo - own[0]:starts[i] + hi - own[0]]
+
+    held = [("params", every, whole(params))]
+    if zero is not None and zero.train.optimizer == "adamw":
+        held += [("adamw.m", own, flat(zero.m)), ("adamw.v", own, flat(zero.v))]
+    elif state is not None and "m" in state:
+        held += [("adamw.m", every, whole(state["m"])), ("adamw.v", every, whole(state["v"]))]
+    out = []
+    for prefix, (a, b), segment in held:
+        for i, n in enumerate(names):
+            lo, hi = max(a - starts[i], 0), min(b - starts[i], params[n].size)
+            skip = saving and ((n == "wte.weight" and coords["pp"]) or (n not in slices and coords["tp"]))
+            if lo < hi and not skip:
+                axis, index = slices.get(n, (None, None))
+                out += checkpoint.shard_pieces(f"{prefix}/{n}", segment(i, n, lo, hi), params[n].shape,
+                                               lo, axis, index)
+    return out
 
 
 def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions,
-               on_step=None) -> EngineRun:
-    """Trains `train.steps` steps on `mesh`; `on_step(step, loss, seconds, totals)` after each."""
+               on_step=None, *, save: str | None = None, save_every: int | None = None,
+               resume: str | None = None) -> EngineRun:
+    """Trains `train.steps` steps on `mesh`; `on_step(step, loss, seconds, totals)` after each.
+    `resume`: start from that checkpoint (any mesh's); `save`: checkpoint every `save_every` steps
+    and after the last (refpar/checkpoint.py)."""
     validate(model, train, mesh.sizes, opts)
+    if opts.zero == 3 and (save is not None or resume is not None):
+        raise ConfigError(NO_ZERO3_CHECKPOINTS)
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     t = mesh.sizes["tp"]
     lay = (sp_layout(model, train.seq_len, tp) if opts.sp
@@ -241,29 +315,55 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
                               pp, lay, ledger)
     full = shard_params_tp(init_params(model, train.seed), model, t, mesh.coords["tp"])
     params = {n: full[n] for n in executor.param_names()}  # drawn whole, sliced by tp, then by pp
+    zero3 = tied = None
+    if opts.zero == 3:
+        zero3, tied = ZeroThree(params, executor.stages, train, dp, ledger), executor.embedding_group
+        executor.stages = {s: ZeroThreeStage(model, executor.layout.n_stages, s, lay, zero3)
+                           for s in executor.stages}
+        executor.embedding_group = None  # the tied sum runs on the shards (ZeroThree.sum_tied)
+        params = {}  # the stages gather what they need
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
     zero = ZeroOne(params, train, dp, ledger) if opts.zero == 1 else None
-    state = optimizer_init(params, train) if zero is None else None
+    state = optimizer_init(params, train) if zero is None and zero3 is None else None
     for moment in ("m", "v") if state is not None and train.optimizer == "adamw" else ():
         for n in params:
             ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
     sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
+    start_step = 0
+    if resume is not None:
+        from refpar import checkpoint
+
+        manifest = checkpoint.open_training(resume, model, train)
+        pairs = checkpoint_arrays(model, mesh, params, state, zero, saving=False)
+        for (_, view), loaded in zip(pairs, checkpoint.load(resume, [p for p, _ in pairs], manifest),
+                                     strict=True):
+            view[...] = loaded
+        start_step = int(manifest["step"])
+        if zero is not None:
+            zero.t = start_step
+        else:
+            state["t"] = start_step
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
     normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
     tracer = mesh.world.tracer
     losses, times, windows = [], [], []
-    for step in range(train.steps):
+    for step in range(start_step, train.steps):
         start = time.perf_counter()
         with tracer.context(step=step) if tracer else nullcontext():
             tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (B/d, T) each
+            if zero3 is not None:
+                zero3.begin_step()
             loss, grads = executor.step(params, microbatches(tokens, targets, first, opts.microbatches),
                                         step=step, seed=train.seed, normalizer=normalizer)
             if sp_names:
                 grads |= all_reduce_replicated_grads({n: grads[n] for n in sp_names}, tp,
                                                      "sp.replicated_grads:bwd")
-            if zero is not None:
+            if zero3 is not None:
+                zero3.sum_tied(tied)
+                zero3.step()
+            elif zero is not None:
                 params = zero.step(params, grads)
             else:
                 if dp.size > 1:
@@ -275,10 +375,19 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         times.append(windows[-1][1] - start)
         if on_step is not None:
             on_step(step, losses[-1], times[-1], tracer.totals() if tracer else {})
-    totals = tracer.totals() if tracer else {}  # before the timeline gather below adds its own
+        if save is not None:
+            from refpar import checkpoint
+
+            if checkpoint.should_save(step + 1, train.steps, save_every):
+                checkpoint.save_training(save, step + 1, checkpoint_arrays(
+                    model, mesh, params, state, zero, saving=True), model, train, mesh.sizes,
+                    f"engine zero{opts.zero}", mesh.world)
+    totals = tracer.totals() if tracer else {}  # before the gathers below add their own
+    if zero3 is not None:
+        params = zero3.full_params()
     measured = executor.measured_timeline()
     return EngineRun(losses, times, windows, params, executor, ledger, totals, tracer, measured,
-                     executor.simulated_timeline(measured))
+                     executor.simulated_timeline(measured), start_step)
 
 
 def full_params(run: EngineRun, model: ModelConfig, mesh) -> dict:

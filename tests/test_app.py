@@ -131,8 +131,8 @@ def test_pipeline_page_compares_two_schedules_and_explains_bad_ones():
 
 def test_communication_page_bars_are_the_closed_forms():
     at = page("views/communication.py")
-    figs = charts(at)  # default: zero3 over 2 ranks, 2 microbatches
-    rows, _ = expected.closed_form_rows(expected.workload("zero3", 2, TINY, ONE_STEP, microbatches=2))
+    figs = charts(at)  # default: tp=2 replicated over dp=2
+    rows, _ = expected.closed_form_rows(expected.workload("tp", 2, TINY, ONE_STEP, dp=2))
     bars = figs[0]["data"][0]
     assert dict(zip(bars["x"], np.asarray(bars["y"]).tolist(), strict=True)) == comm.by_axis_op(rows)
     assert figs[1]["frames"][-1]["name"] == "whole step"
@@ -199,21 +199,31 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
     closed, measured = charts(at)[0]["data"]
     assert measured["name"] == "measured"
     np.testing.assert_array_equal(measured["y"], closed["y"])
+    # The traced run's calls, one bar each, and as many bytes as the summary counted.
+    trace = charts(at)[-1]
+    events = [e for e in at.session_state["run"]["trace"]["traceEvents"] if e.get("ph") == "X"]
+    assert sum(len(t["y"]) for t in trace["data"]) == len(events) > 0
+    # The summary leaves out the report's own gather of these numbers, which the trace records.
+    traced = sum(e["args"]["bytes_sent"] for e in events if e["args"]["tag"] != "report")
+    assert traced == sum(r["bytes_sent"] for r in at.session_state["run"]["summary"]["comm_bytes"])
     at.switch_page("views/memory.py")
     rerun(at)
     pairs = charts(at)[1]  # every rank, closed form next to measured
     assert list(pairs["data"][0]["x"]) == ["rank 0 closed form", "rank 0 measured", "rank 1 closed form",
                                            "rank 1 measured"]
+    summary = at.session_state["run"]["summary"]
+    for trace in pairs["data"]:
+        drawn = np.asarray(trace["y"]).tolist()
+        for offset, field in ((0, "expected_memory_peak_bytes"), (1, "memory_peak_bytes")):
+            assert drawn[offset::2] == [r["bytes"] for r in summary[field] if r["category"] == trace["name"]]
 
 
 def test_a_failing_run_reports_its_output_and_status():
     run = Launcher()
     fails = "print('rank 0: boom', flush=True); raise SystemExit(3)"
     run.start([sys.executable, "-c", fails], "fails", None, 1)
-    run.proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while run.error is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    run.reader.join(timeout=30)
+    assert not run.running()
     assert "exit status 3" in run.error and "boom" in run.error and run.result is None
 
 
@@ -223,7 +233,8 @@ def test_one_run_at_a_time_and_stop_ends_it():
     with pytest.raises(ValueError, match="already going"):
         run.start([sys.executable, "-c", "pass"], "second", None, 1)
     run.stop()
-    assert run.proc.wait(timeout=10) != 0
+    run.reader.join(timeout=30)
+    assert run.proc.returncode != 0 and "exit status" in run.error and not run.running()
 
 
 def test_refpar_app_command_runs_streamlit_headless_without_importing_it():
@@ -236,3 +247,27 @@ def test_refpar_app_command_runs_streamlit_headless_without_importing_it():
             "refpar.viz.pipeline, refpar.viz.expected; print('streamlit' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_pipeline_page_draws_its_largest_input():
+    at = page("views/pipeline.py")
+    at.selectbox[0].set_value("interleaved-1f1b")
+    rerun(at)
+    at.number_input(key="p").set_value(16)
+    at.number_input(key="m").set_value(64)
+    at.number_input(key="v").set_value(4)
+    gantt = charts(rerun(at))[0]
+    bars = sum(len(t["x"]) for f in gantt["frames"] for t in f["data"])
+    assert not at.error and bars <= 60_000 + sum(len(t["x"]) for t in gantt["data"])
+    timeline = simulate(build("interleaved-1f1b", 16, 64, 4))
+    assert float(at.metric[0].value) == pytest.approx(timeline.bubble_fraction, abs=5e-5)
+
+
+def test_communication_page_takes_sixteen_ranks_and_refuses_more():
+    at = page("views/communication.py")  # tp=2
+    at.number_input[1].set_value(8)  # dp replicas: 16 ranks
+    figs = charts(rerun(at))
+    assert np.asarray(figs[1]["data"][0]["z"]).shape == (16, 16)
+    at.number_input[1].set_value(9)
+    rerun(at)
+    assert "at most 16" in at.error[0].value

@@ -188,6 +188,9 @@ def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the
     (["--zero", "2", "--fsdp"], "--fsdp and --zero 2 are two ways to shard; give one of them"),
     (["--zero", "1", "--microbatches", "9"], "cannot give each of dp=1 ranks 9 micro-batches"),
     (["--zero", "4"], "invalid choice: 4"),
+    (["--zero", "3", "--prefetch"], "--prefetch and --no-reshard-after-forward are FSDP options"),
+    (["--fsdp", "--bucket-kb", "64"], "--bucket-kb sizes plain DP's all-reduce buckets"),
+    (["--mesh", "dp=2", "--bucket-kb", "0.001"], "the bucket must hold at least one element"),
 ])
 def test_bad_data_parallel_options_exit_with_one_sentence(args, words):
     proc = subprocess.run([sys.executable, "-m", "refpar", "train", *args], cwd=ROOT, env=mpi_env(),

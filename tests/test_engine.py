@@ -48,7 +48,8 @@ def test_verify_quick_matrix_passes_every_strategy_combination():
         (4, ["--mesh", "dp=2,tp=2,pp=2"], "has 8 ranks but the job has 4; run mpiexec -n 8"),
         (4, ["--mesh", "tp=3,pp=2"], "tp=3 does not divide n_head=4"),
         (4, ["--mesh", "tp=2,pp=2", "--n-layer", "1"], "2 pipeline stages need at least 2 blocks"),
-        (4, ["--mesh", "tp=2,pp=2", "--zero", "3"], "use --zero 0 or 1"),
+        (4, ["--mesh", "tp=2,pp=2", "--zero", "2"], "use --zero 0, 1 or 3"),
+        (4, ["--mesh", "tp=2,pp=2", "--zero", "3"], "give the mesh dp=2 or more"),
     ],
 )
 def test_bad_engine_mesh_fails_on_every_rank_with_one_sentence_before_any_communication(n, args, words):

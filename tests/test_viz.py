@@ -116,7 +116,7 @@ def test_dp_replicates_everything_and_zero2_shards_gradients_at_backward():
 
 
 def test_sp_rows_are_shard_ranges_and_regions_are_whole():
-    t, T = 3, sh.DEMO_SEQ
+    t, T = 4, sh.DEMO_SEQ
     steps = sh.sp_steps(t)
     grid = next(iter(steps[0].grids["activations"].values()))
     for rank in range(t):
@@ -132,6 +132,7 @@ def test_ep_tokens_travel_to_the_rank_that_owns_their_expert():
     assert (home == np.arange(ep)[:, None]).all()
     owners = sh.expert_owners(ep)
     assert all(owners[e] == r for r in range(ep) for e in owned_experts(sh.DEMO_MOE_MODEL.moe_experts, ep, r))
+    assert list(steps[0].grids["experts"]["experts (owner)"][0]) == owners
     assert set(np.unique(away)) <= set(range(ep)) and (away != home).any()
 
 
@@ -207,3 +208,18 @@ def test_bad_workloads_are_config_errors(args):
     with pytest.raises(ConfigError):
         w = ex.workload(strategy, n, TINY, ONE_STEP, dp=dp)
         ex.closed_form_rows(w)
+
+
+def test_trace_figure_draws_every_traced_call():
+    from refpar.comm.trace import CommEvent, chrome_trace
+
+    events = [CommEvent(rank=r, op="all_reduce", axis=axis, group=(0, 1), algo="native(ring)", peer=None,
+                        dtype="float64", shape=(4,), bytes_sent=32 * (k + 1), bytes_recv=32, tag="g",
+                        step=0, microbatch=None, phase=None, t_start=k * 1e-3, t_end=k * 1e-3 + 5e-4)
+              for k, (r, axis) in enumerate([(0, "dp"), (1, "dp"), (0, "tp"), (1, "tp"), (1, "tp")])]
+    fig = cv.trace_figure(chrome_trace(events))
+    bars = {t.name: t for t in fig.data}
+    assert list(bars["dp"].y) == [0, 1] and list(bars["tp"].y) == [0, 1, 1]
+    np.testing.assert_allclose(bars["tp"].base, [2.0, 3.0, 4.0])  # ms since the first call
+    np.testing.assert_allclose(bars["dp"].x, [0.5, 0.5])
+    assert "160 bytes sent" in bars["tp"].text[2]

@@ -3,9 +3,6 @@ import streamlit as st
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.viz import comm, expected
 
-STRATEGY_AXIS = {"dp": "dp", "zero1": "dp", "zero2": "dp", "zero3": "dp", "fsdp": "dp", "tp": "tp",
-                 "sp": "tp", "cp-ring": "cp", "cp-ulysses": "cp", "pp": "pp"}
-
 
 @st.cache_data(max_entries=64)
 def closed_form(strategy: str, n: int, dp: int, microbatches: int):
@@ -23,15 +20,15 @@ st.markdown(
     "traffic stays on the diagonal band of neighbours while dp's jumps across it."
 )
 a, b, c, d = st.columns(4)
-strategy = a.selectbox("strategy", expected.STRATEGIES, index=3)
+strategy = a.selectbox("strategy", expected.STRATEGIES, index=expected.STRATEGIES.index("tp"))
 n = b.number_input("ranks on its axis", min_value=1, value=2,
                    help="dp for DP, ZeRO and FSDP; tp for TP and SP; cp for CP; pp for PP")
-dp = c.number_input("dp replicas", min_value=1, value=1, disabled=STRATEGY_AXIS[strategy] == "dp",
+dp = c.number_input("dp replicas", min_value=1, value=2, disabled=expected.AXIS[strategy] == "dp",
                     help="tp, sp, cp and pp can be replicated over dp")
 m = d.number_input("microbatches", min_value=1, value=2,
                    help="pp: m per step; dp strategies: gradient accumulation")
 try:
-    key = (strategy, int(n), 1 if STRATEGY_AXIS[strategy] == "dp" else int(dp), int(m))
+    key = (strategy, int(n), 1 if expected.AXIS[strategy] == "dp" else int(dp), int(m))
     sizes, rows, calls = closed_form(*key)
 except ConfigError as err:
     st.error(str(err))
@@ -56,3 +53,6 @@ else:
                    "one is sent.")
 if measured is not None:
     st.plotly_chart(comm.traffic_figure(measured, sizes, "measured: who sends to whom"), width="stretch")
+    if run.get("trace"):
+        title = "measured: every call of the traced run, rank by rank"
+        st.plotly_chart(comm.trace_figure(run["trace"], title), width="stretch")

@@ -1,5 +1,8 @@
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import streamlit as st
 from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec
@@ -25,10 +28,17 @@ def progress(run: Launcher) -> None:
         st.code("\n".join(run.lines[-12:]) or "starting mpiexec ...", language=None)
         if st.button("Stop", type="secondary"):
             run.stop()
-    elif run.error is not None:
+        return
+    if run.proc is not None and st.session_state.get("ended") != run.proc.pid:
+        # The run ended since this page last looked: redraw the whole page once, so that Start is
+        # enabled again and the result is taken up.
+        st.session_state["ended"] = run.proc.pid
+        if run.error is None and run.result is not None:
+            st.session_state["run"] = run.result
+        st.rerun()
+    if run.error is not None:
         st.error(run.error)
     elif run.result is not None:
-        st.session_state["run"] = run.result
         summary = run.result["summary"]
         st.success(f"{run.result['label']}: {summary['steps']} steps, last loss {summary['losses'][-1]:.4f}, "
                    f"{summary['step_time_s'] * 1e3:.1f} ms per step. Its bytes and memory are now on the "
@@ -60,7 +70,9 @@ try:
     launch = mpiexec()
     if launch is None:
         raise ConfigError("mpiexec is not installed; pip install mpich (the mpich extra) and reload")
-    argv = [launch, "-n", str(w.world), sys.executable, "-m", "refpar", "train", *expected.train_args(w)]
+    trace = str(Path(tempfile.gettempdir()) / f"refpar-app-trace-{os.getpid()}.json")
+    argv = [launch, "-n", str(w.world), sys.executable, "-m", "refpar", "train",
+            *expected.train_args(w, trace)]
 except ConfigError as err:
     st.error(str(err))
     argv = None
@@ -68,7 +80,7 @@ st.code(" ".join(argv) if argv else "", language="bash")
 if st.button("Start", type="primary", disabled=argv is None or run.running()):
     try:
         mesh = " ".join(f"{k}={v}" for k, v in w.sizes.items() if v > 1)
-        run.start(argv, f"{mesh} {strategy}", key, w.train.steps)
+        run.start(argv, f"{mesh} {strategy}", key, w.train.steps, trace)
     except ConfigError as err:
         st.error(str(err))
 progress(run)

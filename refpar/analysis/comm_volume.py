@@ -5,9 +5,10 @@ bandwidth-optimal (ring) collective: DP and ZeRO-1/2 move 2(N-1)/N·Ψ (an all-r
 reduce-scatter plus an all-gather), ZeRO-3 3(N-1)/N·Ψ (all-gathers for forward and for backward,
 a reduce-scatter of the gradients). `paper_step_elems` is that.
 
-`step_collectives` lists the collectives refpar's implementation really calls in one step (per
-bucket, per unit, per micro-batch), and `step_bytes` prices each with `refpar.comm.cost`, exact for
-uneven `shard_range` partitions: the number a trace must show, to the byte.
+`step_collectives` lists the blocking collectives refpar's implementation really calls in one step
+(per bucket, per unit, per micro-batch), `ring_collectives` those it writes out as isend/irecv
+rings to overlap them with compute, and `step_bytes` prices each with `refpar.comm.cost`, exact
+for uneven `shard_range` partitions: the number a trace must show, to the byte.
 """
 
 from __future__ import annotations
@@ -27,12 +28,13 @@ LOSS = ("all_reduce", 1, 1)  # the step's loss, one float64, summed so every ran
 
 
 def step_collectives(config, n: int, opts: Options, loss: bool = True) -> list[tuple[str, int, int]]:
-    """(op, elements, calls per step) of every collective one step runs; with `loss` the last is
-    the loss's one-element all-reduce (a float64 whatever the model's dtype)."""
+    """(op, elements, calls per step) of every blocking collective one step runs; with `loss` the
+    last is the loss's one-element all-reduce (a float64 whatever the model's dtype). Collectives
+    written out as rings of isend/irecv are in `ring_collectives`."""
     check_strategy(opts.strategy)
     sizes, M = unit_sizes(config), opts.microbatches
     calls: list[tuple[str, int, int]] = []
-    if opts.strategy == "dp":
+    if opts.strategy == "dp" and not opts.overlap:
         calls += [("all_reduce", b, 1) for b in bucket_sizes(config, opts.bucket_elems)]
     elif opts.strategy in ("zero1", "zero2"):
         # Stage 1 reduce-scatters once (last micro-batch), stage 2 every micro-batch; both gather
@@ -40,16 +42,38 @@ def step_collectives(config, n: int, opts: Options, loss: bool = True) -> list[t
         rs_calls = 1 if opts.strategy == "zero1" else M
         for size in sizes.values():
             calls += [("reduce_scatter", size, rs_calls), ("all_gather", size, 1)]
-    else:
-        if opts.strategy == "zero3":
-            gathers = dict.fromkeys(sizes, 2 * M)  # forward and again backward (root: embed, head)
-        else:
-            gathers = {u: M if u == ROOT or not opts.reshard_after_forward else 2 * M for u in sizes}
+    elif opts.strategy in ("zero3", "fsdp"):
+        gathers = unit_gathers(config, opts)
         for u, size in sizes.items():
-            calls += [("all_gather", size, gathers[u]), ("reduce_scatter", size, M)]
+            if not (opts.strategy == "fsdp" and opts.prefetch and u != ROOT):
+                calls.append(("all_gather", size, gathers[u]))
+            calls.append(("reduce_scatter", size, M))
     if loss:
         calls.append(LOSS)
     return [c for c in calls if c[2] > 0]
+
+
+def unit_gathers(config, opts: Options) -> dict[str, int]:
+    """All-gathers of each unit per step. ZeRO-3: forward and again backward (the root: for the
+    embedding and for the head). FSDP: the root once; a block twice, or once without resharding."""
+    M, sizes = opts.microbatches, unit_sizes(config)
+    if opts.strategy == "zero3":
+        return dict.fromkeys(sizes, 2 * M)
+    return {u: M if u == ROOT or not opts.reshard_after_forward else 2 * M for u in sizes}
+
+
+def ring_collectives(config, n: int, opts: Options) -> list[tuple[str, int, int]]:
+    """(op, elements, calls per step) of the collectives refpar writes out as rings of isend/irecv
+    (refpar/parallel/ring.py) to overlap them with compute: DP's buckets with overlap=True, FSDP's
+    block all-gathers with prefetch=True. One rank alone runs none."""
+    if n == 1:
+        return []
+    if opts.strategy == "dp" and opts.overlap:
+        return [("all_reduce", b, 1) for b in bucket_sizes(config, opts.bucket_elems)]
+    if opts.strategy == "fsdp" and opts.prefetch:
+        gathers, sizes = unit_gathers(config, opts), unit_sizes(config)
+        return [("all_gather", size, gathers[u]) for u, size in sizes.items() if u != ROOT]
+    return []
 
 
 def collective_bytes(op: str, elems: int, n: int, rank: int, itemsize: int) -> cost.Bytes:
@@ -64,20 +88,19 @@ def collective_bytes(op: str, elems: int, n: int, rank: int, itemsize: int) -> c
 def step_bytes(config, n: int, rank: int, opts: Options, steps: int = 1,
                loss: bool = True) -> dict[str, cost.Bytes]:
     """op -> bytes sent and received by `rank` of `n` over `steps` steps, in first-call order
-    (`loss=False`: the model states' traffic only). With overlap=True and N>1, DP's buckets appear as
-isend and irecv, with the ring all-reduce's bytes."""
+    (`loss=False`: the model states' traffic only). The written-out rings move the bytes of the
+    ring collective they replace, traced as isend (sent) and irecv (received)."""
     out: dict[str, list[int]] = {}
+
+    def add(op: str, moved: cost.Bytes, calls: int) -> None:
+        sent, recv = out.setdefault(op, [0, 0])
+        out[op] = [sent + moved.sent * calls * steps, recv + moved.recv * calls * steps]
+
     for call in step_collectives(config, n, opts, loss):
         op, elems, calls = call
-        b = collective_bytes(op, elems, n, rank, 8 if call is LOSS else opts.itemsize)
-        if opts.overlap and call is not LOSS:
-            # The overlapped buckets move the ring's bytes as isend/irecv pairs (DataParallel);
-            # one rank alone sends no message at all.
-            for p2p, moved in (("isend", cost.Bytes(b.sent, 0)), ("irecv", cost.Bytes(0, b.recv)))[
-                    :2 if n > 1 else 0]:
-                sent, recv = out.setdefault(p2p, [0, 0])
-                out[p2p] = [sent + moved.sent * calls * steps, recv + moved.recv * calls * steps]
-            continue
-        sent, recv = out.setdefault(op, [0, 0])
-        out[op] = [sent + b.sent * calls * steps, recv + b.recv * calls * steps]
+        add(op, collective_bytes(op, elems, n, rank, 8 if call is LOSS else opts.itemsize), calls)
+    for op, elems, calls in ring_collectives(config, n, opts):
+        b = collective_bytes(op, elems, n, rank, opts.itemsize)
+        add("isend", cost.Bytes(b.sent, 0), calls)
+        add("irecv", cost.Bytes(0, b.recv), calls)
     return {op: cost.Bytes(s, r) for op, (s, r) in out.items()}

@@ -30,6 +30,7 @@ from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes
 from refpar.analysis.intra_layer import RankShape, _tp_calls
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
+from refpar.engine_zero3 import units_of
 from refpar.memory import CATEGORIES
 from refpar.model.gpt import param_shapes
 from refpar.parallel.pipeline.schedules import build, stored
@@ -59,6 +60,15 @@ def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, chunks: int
                 shape[axis] = len(index)
             out[name] = int(np.prod(shape))
     return out
+
+
+def zero3_units(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> dict[int, dict[str, int]]:
+    """stage -> unit -> elements (engine_zero3.units_of over the rank's tp shards)."""
+    numels = rank_param_numels(model, sizes, coords, chunks)
+    p = sizes["pp"]
+    return {s: {u: sum(numels[n] for n in names)
+                for u, names in units_of(Stage(model, p * chunks, s).param_names()).items()}
+            for s in (c * p + coords["pp"] for c in range(chunks))}
 
 
 def _shape(model: ModelConfig, T: int, t: int, k: int, b: int, sp: bool) -> RankShape:
@@ -107,13 +117,21 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
             add("pp", "isend", p2p, 0)
             add("pp", "irecv", 0, p2p)
             if r in (0, p - 1):
-                ar = cost.all_reduce_bytes(numels["wte.weight"], 2, int(r == p - 1), e)
+                tied = numels["wte.weight"] if opts.zero != 3 else shard_sizes(numels["wte.weight"], d)[q]
+                ar = cost.all_reduce_bytes(tied, 2, int(r == p - 1), e)
                 add("pp", "all_reduce", ar.sent, ar.recv)
             ar = cost.all_reduce_bytes(1, p, r, 8)
             add("pp", "all_reduce", ar.sent, ar.recv)
         if d > 1:
             total = sum(numels.values())
-            if opts.zero == 1:
+            if opts.zero == 3:  # per microbatch and stage: gathered for F and for B, reduced after B
+                for units in zero3_units(model, sizes, co, v).values():
+                    for n in units.values():
+                        ag = cost.all_gather_bytes(shard_sizes(n, d), q, e)
+                        rs = cost.reduce_scatter_bytes(n, d, q, e)
+                        add("dp", "all_gather", 2 * ag.sent * len(rows), 2 * ag.recv * len(rows))
+                        add("dp", "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
+            elif opts.zero == 1:
                 rs = cost.reduce_scatter_bytes(total, d, q, e)
                 ag = cost.all_gather_bytes(shard_sizes(total, d), q, e)
                 add("dp", "reduce_scatter", rs.sent, rs.recv)
@@ -127,6 +145,19 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                  "bytes_recv": int(rb * train.steps)}
                 for (a, o), (sb, rb) in totals.items() if sb or rb]
     return out
+
+
+def _zero3_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, optimizer: str) -> dict:
+    """Shards of every unit (wte once), plus the largest stage gathered (params); plus, while a
+    microbatch's gradients are reduced, the stage's whole gradient and one unit's flat copy (grads);
+    the largest reduced shard (comm)."""
+    units = {("wte" if u == "wte" else (s, u)): n for s, us in stages.items() for u, n in us.items()}
+    shards = {k: shard_sizes(n, d)[q] for k, n in units.items()}
+    owned = sum(shards.values())
+    return {"params": (owned + max(sum(us.values()) for us in stages.values())) * e,
+            "grads": (owned + max(sum(us.values()) + max(us.values()) for us in stages.values())) * e,
+            "optimizer": 2 * owned * e if optimizer == "adamw" else 0,
+            "comm": max(shards.values()) * e}
 
 
 def microbatch_activation_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, k: int,
@@ -160,5 +191,7 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
                  "optimizer": 2 * share * e if train.optimizer == "adamw" else 0,
                  "activations": max(kept[r], default=0),
                  "comm": (held + share) * e if opts.zero == 1 else 0}
+        if opts.zero == 3:
+            peaks |= _zero3_peaks(zero3_units(model, sizes, co, v), d, q, e, train.optimizer)
         out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
     return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refpar.analysis.activations import head_bytes, layer_bytes
+from refpar.analysis.activations import layer_bytes
 from refpar.analysis.intra_layer import RankShape
 from refpar.config import ConfigError, ModelConfig
 from refpar.sharding import shard_range, shard_sizes
@@ -172,6 +172,8 @@ def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[st
             blocks = min(L, 2 if opts.prefetch else 1)
         params = state["params"] + b * (psi_root + blocks * psi_block)
         comm = b * max(shards.values())
+        if opts.prefetch and n > 1 and L:
+            comm = b * max(max(shards.values()), prefetch_comm_peak(config, n, rank, opts))
     return {"params": params, "grads": grads, "optimizer": state["optimizer"], "comm": comm}
 
 
@@ -251,18 +253,20 @@ def overlap_comm_peak(config: ModelConfig, n: int, rank: int, bucket_elems: int)
 
 def activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:
     """Bytes each piece's cache keeps for the backward of a micro-batch of b sequences of T tokens
-    (an array several caches share counts once, parameters not at all). A block and the head keep
-    what `refpar.analysis.activations` counts for one rank without tensor, sequence or context
-    parallelism (Korthikanti et al. 2022's terms as refpar keeps them); the model's own embedding
-    keeps the int64 tokens and positions and, with dropout, its mask."""
+    (an array several caches share counts once, parameters not at all). A block keeps what
+    `refpar.analysis.activations.layer_bytes` counts for one rank without tensor, sequence or
+    context parallelism (Korthikanti et al. 2022's terms as refpar keeps them). The model's own
+    embedding keeps the int64 tokens and positions and, with dropout, its mask; its head keeps
+    ln_f's x̂, 1/σ and output, the softmax probabilities (b, T, V) and the int64 targets."""
     e = np.dtype(config.dtype).itemsize
     rank = RankShape(B=b, T=T, Ta=T, Tl=T, t=1, c=1, nh=config.n_head, V=config.vocab_size, e=e,
                      cp_tokens=(T,), cp_rank=0)
     dropout = config.dropout > 0.0
+    tokens, C, V = b * T, config.n_embd, config.vocab_size
     return {
-        "embed": 8 * b * T + 8 * T + (e * b * T * config.n_embd if dropout else 0),
+        "embed": 8 * tokens + 8 * T + (e * tokens * C if dropout else 0),
         "block": layer_bytes(config, rank, "local", dropout),
-        "head": head_bytes(config, rank),
+        "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens,
     }
 
 
@@ -273,3 +277,19 @@ def activation_peak_bytes(config: ModelConfig, n: int, rank: int, microbatches: 
     b = max(shard_sizes(hi - lo, microbatches))
     pieces = activation_bytes(config, b, seq_len)
     return pieces["embed"] + config.n_layer * pieces["block"] + pieces["head"]
+
+
+def prefetch_comm_peak(config: ModelConfig, n: int, rank: int, opts: Options) -> int:
+    """Elements of ring messages FSDP's prefetch holds at its peak (refpar/parallel/fsdp.py).
+
+    A block's all-gather is a ring of n-1 rounds; round k on rank r sends piece (r-k) and receives
+    piece (r-k-1), and one round is in flight at a time. In the backward (with resharding) the
+    next block's first round is still in flight when this block's gradient shard comes back from
+    its reduce-scatter, so the two add up."""
+    psi_block = unit_sizes(config)["h.0"]
+    pieces = shard_sizes(psi_block, n)
+    rounds = [pieces[(rank - k) % n] + pieces[(rank - k - 1) % n] for k in range(n - 1)]
+    peak = max(rounds)
+    if opts.reshard_after_forward and config.n_layer >= 2:
+        peak = max(peak, rounds[0] + pieces[rank])
+    return peak

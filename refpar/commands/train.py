@@ -142,7 +142,7 @@ def run(args) -> int:
 
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:
     """--save and --resume exist for one device and the dp/ZeRO/FSDP, tp/sp/cp and pipeline runners
-    (refpar/checkpoint.py), not yet for MoE."""
+    and the N-D engine (refpar/checkpoint.py), not yet for MoE."""
     from refpar.config import ConfigError
 
     if args.save_every is not None and (args.save is None or args.save_every < 1):
@@ -150,6 +150,7 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
     if (args.save or args.resume) and (args.moe_experts or sizes["ep"] > 1):
         raise ConfigError("--save and --resume do not work with Mixture of Experts yet; drop them "
                           "or --moe-experts")
+
 
 
 def _numel(shape) -> int:

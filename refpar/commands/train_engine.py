@@ -12,13 +12,14 @@ measured and simulated, and the last step's time split into compute, communicati
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from refpar.analysis.engine import expected_comm_rows, expected_memory_rows, rank_coords, rank_param_numels
 from refpar.config import ConfigError
-from refpar.engine import EngineOptions, full_params, run_engine, validate
+from refpar.engine import NO_ZERO3_CHECKPOINTS, EngineOptions, full_params, run_engine, validate
 from refpar.memory import CATEGORIES
 from refpar.parallel.pipeline.schedules import simulate
 from refpar.parallel.pipeline.stage import stage_layers
@@ -36,7 +37,9 @@ def engine_options(sizes: dict[str, int], args) -> EngineOptions:
     kind = args.schedule or "1f1b"
     v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
     if args.fsdp:
-        raise ConfigError("--fsdp runs on a dp-only mesh; with pp use --zero 1")
+        raise ConfigError("--fsdp runs on a dp-only mesh; with pp use --zero 1 or 3")
+    if args.zero == 3 and (args.save or args.resume):
+        raise ConfigError(NO_ZERO3_CHECKPOINTS)
     return EngineOptions(kind, args.microbatches, v, args.sp, args.zero)
 
 
@@ -115,7 +118,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
         tokens_s = train.batch_size * train.seq_len / seconds
         say(f"{step + 1:>5} {loss:>18.12f}{tail} {tokens_s:>9,.0f}  {moved}")
 
-    run = run_engine(model, train, mesh, opts, on_step=progress)
+    run = run_engine(model, train, mesh, opts, on_step=progress, save=args.save,
+                     save_every=args.save_every, resume=args.resume)
     last = train.steps - 1
     split = time_split(run.executor.slots, [e for e in comm.tracer.events if e.step == last],
                        run.windows[-1])
@@ -137,13 +141,14 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                  for r, e in enumerate(every) for (a, o), (s, rv) in sorted(e["totals"].items()) if s or rv]
     memory_rows = [{"rank": r, "category": c, "bytes": int(e["peak"][c])}
                    for r, e in enumerate(every) for c in CATEGORIES]
-    expected_comm = expected_comm_rows(model, train, sizes, opts)
+    expected_comm = expected_comm_rows(model, replace(train, steps=len(run.losses)), sizes, opts)
     expected_memory = expected_memory_rows(model, train, sizes, opts)
     checked = {}
     if ref is not None:
-        checked = {"reference_losses": ref.losses,
+        ref_losses = ref.losses[run.first_step:]  # a resumed run has only the steps after its checkpoint
+        checked = {"reference_losses": ref_losses,
                    "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in
-                                            zip(run.losses, ref.losses, strict=True)),
+                                            zip(run.losses, ref_losses, strict=True)),
                    "max_param_rel_diff": max(float(np.max(np.abs(p - ref.params[n])) / np.max(
                        np.abs(ref.params[n]))) for e in every for n, p in e["full"].items())}
         say(f"largest relative difference from one device: loss {checked['max_loss_rel_diff']:.1e}, "

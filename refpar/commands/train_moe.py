@@ -59,7 +59,8 @@ def model_overrides(args) -> dict:
 # Options of the other strategies' runners (their defaults mean "not asked for"): a MoE run takes
 # none of them, and says so rather than ignore one.
 OTHER_OPTIONS = {"zero": 0, "fsdp": False, "microbatches": 1, "sp": False, "cp_algo": None,
-                 "schedule": None, "chunks": None, "overlap": False, "bucket_kb": None}
+                 "schedule": None, "chunks": None, "overlap": False, "bucket_kb": None,
+                 "prefetch": False}
 
 
 def check_options(args) -> None:
@@ -83,6 +84,7 @@ def run_cli(model, train, sizes, args) -> int:
     from refpar.comm.trace import Tracer, write_trace
     from refpar.mesh import DeviceMesh
     from refpar.model.moe import capacity
+    from refpar.parallel.expert_parallel import owned_experts
     from refpar.parallel.expert_parallel_run import check_run, reference_run, train_expert_parallel
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for
@@ -106,7 +108,7 @@ def run_cli(model, train, sizes, args) -> int:
         "assignments per expert")
     say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
         f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
-        + " ".join(f"{list(range(*_owned(model.moe_experts, ep, q)))}" for q in range(ep)))
+        + " ".join(f"{list(owned_experts(model.moe_experts, ep, q))}" for q in range(ep)))
     say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert (block {blocks[0]})")
 
     def row(s) -> None:
@@ -121,8 +123,8 @@ def run_cli(model, train, sizes, args) -> int:
     if args.check:
         ref = reference_run(model, train)
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
-        mine = max(_rel(p, ref.params[n]) for n, p in run.params.items())
-        param_diff = float(comm.all_reduce(np.array([mine]), op="max")[0])
+        local_diff = max(_rel(p, ref.params[n]) for n, p in run.params.items())
+        param_diff = float(comm.all_reduce(np.array([local_diff]), op="max")[0])
         same_drops = [s.dropped for s in run.steps] == [s.dropped for s in ref.steps]
         say(f"check against one device: loss rel diff {loss_diff:.2e}, parameter rel diff "
             f"{param_diff:.2e}, dropped assignments {'equal' if same_drops else 'DIFFER'}")
@@ -173,7 +175,7 @@ def run_cli(model, train, sizes, args) -> int:
             "dropped": [[s.dropped[i] for i in blocks] for s in run.steps],
             "capacity": capacity(train.batch_size * train.seq_len, model),
             "kept_counts": [[s.kept_counts[i].tolist() for i in blocks] for s in run.steps],
-            "experts_per_ep_rank": [list(range(*_owned(model.moe_experts, ep, q))) for q in range(ep)],
+            "experts_per_ep_rank": [list(owned_experts(model.moe_experts, ep, q)) for q in range(ep)],
             "aux_loss": [s.aux_loss for s in run.steps], "z_loss": [s.z_loss for s in run.steps],
             "expert_param_bytes_per_ep_rank": [
                 moe_analysis.expert_param_bytes_per_rank(model, ep, q) for q in range(ep)],
@@ -187,8 +189,3 @@ def run_cli(model, train, sizes, args) -> int:
         say(summary_line(summary))
     return 0
 
-
-def _owned(n_experts: int, ep: int, q: int) -> tuple[int, int]:
-    from refpar.sharding import shard_range
-
-    return shard_range(n_experts, ep, q)

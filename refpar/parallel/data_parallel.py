@@ -13,7 +13,7 @@ the flat buffer (the last block's gradients are complete first), a bucket sent a
 backward of every parameter in it is finished, during the last micro-batch only (earlier ones
 just accumulate). Per rank per step that is 2(N-1)/N·Ψ elements for a ring all-reduce.
 
-With overlap=True a bucket is not all-reduced by one blocking call but by `RingAllReduce`: the
+With overlap=True a bucket is not all-reduced by one blocking call but by a `Ring` (ring.py): the
 ring's 2(N-1) rounds written out as isend/irecv, one round advanced each time another unit's
 backward finishes, so the messages of bucket k are in flight while the backward of the next
 blocks computes (the trace shows bucket k's sends ending after bucket k+1's begin). Same bytes.
@@ -28,60 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from refpar.analysis.memory import bucket_sizes
+from refpar.parallel.ring import Ring
 from refpar.parallel.units import FlatLayout, optimizer_update
-from refpar.sharding import shard_range
-
-
-class RingAllReduce:
-    """A sum all-reduce of `buf` (in place) over `comm` as the ring's rounds, one per `advance()`.
-
-    Chunk i of the n elements is `shard_range(n, p, i)`. Reduce-scatter round k: rank r sends
-    chunk (r-k-1) to its right neighbour and adds the chunk (r-k-2) it receives from its left, so
-    after p-1 rounds it holds chunk r reduced; all-gather round k: it sends chunk (r-k) and stores
-    chunk (r-k-1). Each rank sends 2n - c_r - c_{r+1} elements: `refpar.comm.cost`'s ring."""
-
-    def __init__(self, comm, buf, tag: str, ledger):
-        self.comm, self.buf, self.tag, self.ledger = comm, buf, tag, ledger
-        self.p, self.r = comm.size, comm.rank
-        self.round, self.pending = 0, None
-        if self.p > 1:
-            self._post()
-
-    @property
-    def done(self) -> bool:
-        return self.round == 2 * (self.p - 1)
-
-    def _chunks(self, k: int) -> tuple[int, int, bool]:
-        p, r = self.p, self.r
-        if k < p - 1:
-            return (r - k - 1) % p, (r - k - 2) % p, True  # reduce-scatter: add what arrives
-        k -= p - 1
-        return (r - k) % p, (r - k - 1) % p, False  # all-gather: store what arrives
-
-    def _post(self) -> None:
-        send, recv, reduce = self._chunks(self.round)
-        a, b = shard_range(self.buf.size, self.p, send)
-        c, d = shard_range(self.buf.size, self.p, recv)
-        right, left = (self.r + 1) % self.p, (self.r - 1) % self.p
-        self.ledger.alloc(f"comm.{self.tag}.send", self.buf[a:b], "comm")  # isend's copy
-        self.ledger.alloc(f"comm.{self.tag}.recv", self.buf[c:d], "comm")  # irecv's buffer
-        self.pending = (self.comm.isend(self.buf[a:b], right, tag=self.tag),
-                        self.comm.irecv((d - c,), self.buf.dtype, left, tag=self.tag), c, d, reduce)
-
-    def advance(self) -> None:
-        """Completes the round in flight and posts the next one."""
-        sent, received, c, d, reduce = self.pending
-        sent.wait()
-        chunk = received.wait()  # (d - c,)
-        self.ledger.free(f"comm.{self.tag}.send")
-        self.ledger.free(f"comm.{self.tag}.recv")
-        if reduce:
-            self.buf[c:d] += chunk
-        else:
-            self.buf[c:d] = chunk
-        self.round += 1
-        if not self.done:
-            self._post()
 
 
 class DataParallel:
@@ -138,7 +86,7 @@ class DataParallel:
         self.in_flight = [ring for ring in self.in_flight if not ring.done]
         for k, (start, stop, ready_after) in enumerate(self.buckets):
             if ready_after == unit and self.overlap:
-                ring = RingAllReduce(self.dp, self.grads[start:stop], f"bucket.{k}:grad", self.ledger)
+                ring = Ring(self.dp, self.grads[start:stop], f"bucket.{k}:grad", self.ledger, reduce=True)
                 self.in_flight += [] if ring.done else [ring]
             elif ready_after == unit:
                 summed = self.dp.all_reduce(self.grads[start:stop], tag=f"bucket.{k}:grad")

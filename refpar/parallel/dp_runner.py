@@ -43,13 +43,18 @@ class DPRun:
     """One rank's view of a finished run."""
 
     losses: list[float]
-    step_time_s: float
+    step_times_s: list[float]  # wall time of each step on this rank
     comm: dict[str, tuple[int, int]]  # op -> (bytes sent, bytes received) over the training steps
     peaks: dict[str, int]  # category -> peak bytes
     model_state: dict[str, int]  # params/grads/optimizer held between steps
     params: dict = field(default_factory=dict)  # every parameter, whole, after the last step
     tracer: Tracer | None = None
     first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
+
+    @property
+    def step_time_s(self) -> float:
+        """Mean step time, leaving out the first step (warm-up) when there are others."""
+        return float(np.mean(self.step_times_s[1:] or self.step_times_s))
 
 
 def options(strategy: str, model, train, microbatches: int = 1, bucket_elems: int = 1 << 62,
@@ -69,8 +74,12 @@ def check_options(opts: Options, train, dp_size: int) -> None:
             f"{dp_size * opts.microbatches} or more, or fewer micro-batches")
     if opts.overlap and opts.strategy != "dp":
         raise ConfigError("--overlap applies to plain DP's gradient buckets; drop it or use --zero 0")
+    if (opts.prefetch or not opts.reshard_after_forward) and opts.strategy != "fsdp":
+        raise ConfigError("--prefetch and --no-reshard-after-forward are FSDP options; add --fsdp or "
+                          "drop them")
     if opts.bucket_elems < 1:
-        raise ConfigError(f"the bucket size must be positive, got {opts.bucket_elems} elements")
+        raise ConfigError(f"the bucket must hold at least one element, got {opts.bucket_elems}; "
+                          "give --bucket-kb a larger size")
 
 
 def build(opts: Options, model, train, dp, ledger, params: dict):
@@ -115,8 +124,7 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
             sent, recv = comm.get(e.op, (0, 0))
             comm[e.op] = (sent + e.bytes_sent, recv + e.bytes_recv)
     state = {c: ledger.current[c] for c in ("params", "grads", "optimizer")}
-    result = DPRun(losses, float(np.mean(times[1:] or times)), comm, dict(ledger.peak), state,
-                   tracer=dp.tracer, first_step=first)
+    result = DPRun(losses, times, comm, dict(ledger.peak), state, tracer=dp.tracer, first_step=first)
     if gather_params:
         result.params = strategy.full_params()
     return result
@@ -229,6 +237,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.report import run_summary, summary_line
 
     itemsize = np.dtype(model.dtype).itemsize
+    if args.bucket_kb is not None and (args.zero or args.fsdp):
+        raise ConfigError("--bucket-kb sizes plain DP's all-reduce buckets; drop it or use --zero 0")
     bucket = 1 << 62 if args.bucket_kb is None else int(args.bucket_kb * 1024 // itemsize)
     opts = options(strategy_name(args), model, train, args.microbatches, bucket, args.prefetch,
                    args.reshard_after_forward, args.overlap)

@@ -70,7 +70,6 @@ def checkpoint_arrays(trainer, saving: bool) -> list:
     box of the global tensor (`tp_param_slices`: a shard's columns of c_attn are three runs, of q, k
     and v, so three boxes). Loading writes through the views. Saving, only the ranks at dp = cp = 0
     write, and a tensor every tp rank holds whole only tp rank 0: each element is written once."""
-    from refpar.checkpoint import Piece
     from refpar.parallel.tensor_parallel import tp_param_slices
 
     coords, sizes = trainer.mesh.coords, trainer.mesh.sizes
@@ -82,20 +81,11 @@ def checkpoint_arrays(trainer, saving: bool) -> list:
     out = []
     for prefix, arrays in held:
         for name, w in arrays.items():
-            if name not in slices:
-                if not saving or coords["tp"] == 0:
-                    out.append((Piece(f"{prefix}/{name}", box=tuple((0, n) for n in w.shape)), w))
-                continue
-            axis, index = slices[name]
-            runs = np.split(index, np.flatnonzero(np.diff(index) != 1) + 1)  # contiguous column runs
-            at = 0
-            for run in runs:
-                box = [(0, n) for n in w.shape]
-                box[axis] = (int(run[0]), int(run[-1]) + 1)
-                view = [slice(None)] * w.ndim
-                view[axis] = slice(at, at + len(run))
-                out.append((Piece(f"{prefix}/{name}", box=tuple(box)), w[tuple(view)]))
-                at += len(run)
+            if name in slices or not saving or coords["tp"] == 0:
+                axis, index = slices.get(name, (None, None))
+                # copy=False: the pieces must view w itself, so that loading writes into it
+                out += checkpoint.shard_pieces(f"{prefix}/{name}", np.reshape(w, -1, copy=False),
+                                               w.shape, 0, axis, index)
     return out
 
 

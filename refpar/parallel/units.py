@@ -225,8 +225,8 @@ def train_step(strategy, corpus, step: int, microbatches: int, tracer=None) -> f
         ids = microbatch_ids(B, s.dp.size, s.dp.rank, microbatches, m)
         tokens, targets = corpus.batch(step, ids, T)  # (b, T) each
         # Owned (b, T): for one sequence the loader's rows view a (1, T+1) buffer, which the
-        # embedding's cache would otherwise keep alive whole.
-        tokens = np.array(tokens)  # (b, T)
+        # embedding's and the head's caches would otherwise keep alive whole.
+        tokens, targets = np.array(tokens), np.array(targets)  # (b, T) each
         drop = DropoutContext(train.seed, step, tuple(ids), s.config.dropout, True)
         with _context(tracer, step=step, microbatch=m):
             loss += forward_backward(s, tokens, targets, s.config, drop, B * T,

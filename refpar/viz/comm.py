@@ -19,7 +19,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from refpar.config import MESH_AXES
-from refpar.viz.pipeline import play_controls
+from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
 
 CATEGORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b",
                     "activations": "#e45756", "comm": "#72b7b2"}
@@ -104,7 +104,8 @@ def calls_figure(calls: list[dict], sizes: dict[str, int], title: str = "") -> g
               for label, m in zip(labels, [*mats, whole], strict=True)]
     fig = go.Figure(data=[_matrix_heatmap(whole, whole.max())], frames=frames)
     _matrix_layout(fig, whole.shape[0], f"{title}whole step")
-    fig.update_layout(margin={"b": 120}, **play_controls(labels, ""))
+    fig.update_layout(margin={"b": CONTROLS_MARGIN}, height=max(fig.layout.height, 470),
+                      **play_controls(labels, "", [str(k + 1) for k in range(len(calls))] + ["all"]))
     return fig
 
 
@@ -155,4 +156,24 @@ def memory_figure(columns: dict[str, dict[str, int]], title: str = "") -> go.Fig
     fig = go.Figure([go.Bar(name=c, x=labels, y=[columns[k].get(c, 0) for k in labels],
                             marker_color=CATEGORY_COLOURS.get(c)) for c in categories])
     fig.update_layout(title=title, barmode="stack", yaxis_title="peak bytes", height=380)
+    return fig
+
+
+def trace_figure(trace: dict, title: str = "") -> go.Figure:
+    """A real run's communication events (the Chrome trace `refpar train --trace` writes, as
+    `refpar.comm.trace.chrome_trace` builds it): one bar per call, rank by rank over time,
+    coloured by axis; hovering names the op, the tag and the bytes."""
+    calls = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    fig = go.Figure()
+    for axis in dict.fromkeys(e["cat"] for e in calls):
+        mine = [e for e in calls if e["cat"] == axis]
+        fig.add_trace(go.Bar(
+            name=axis, orientation="h", y=[e["pid"] for e in mine], base=[e["ts"] / 1e3 for e in mine],
+            x=[max(e["dur"], 1.0) / 1e3 for e in mine],  # a call shorter than 1 us still shows
+            text=[f"{e['name']}: {e['args']['bytes_sent']:,} bytes sent" for e in mine], textposition="none",
+            hovertemplate="rank %{y}, %{base:.3f} ms: %{text}<extra></extra>"))
+    ranks = sorted({e["pid"] for e in calls})
+    fig.update_layout(title=title, barmode="overlay", height=160 + 40 * max(len(ranks), 1),
+                      xaxis_title="ms since the first call",
+                      yaxis={"title": "rank", "autorange": "reversed", "tickvals": ranks})
     return fig

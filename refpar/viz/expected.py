@@ -23,6 +23,9 @@ from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, T
 
 DP_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 STRATEGIES = (*DP_STRATEGIES, "tp", "sp", "cp-ring", "cp-ulysses", "pp")
+# The mesh axis each strategy splits over (SP shares tp's ranks; cp's two algorithms share cp).
+AXIS = {**dict.fromkeys(DP_STRATEGIES, "dp"), "tp": "tp", "sp": "tp", "cp-ring": "cp", "cp-ulysses": "cp",
+        "pp": "pp"}
 MAX_WORLD = 16  # the Run page's limit too: more ranks than this do not fit this machine or the screen
 
 
@@ -49,7 +52,7 @@ def workload(strategy: str, n: int, model: ModelConfig, train: TrainConfig, dp: 
     replicas for tp, sp, cp and pp. Raises ConfigError with the fix for a mesh refpar cannot run."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    axis = {"tp": "tp", "sp": "tp", "cp-ring": "cp", "cp-ulysses": "cp", "pp": "pp"}.get(strategy, "dp")
+    axis = AXIS[strategy]
     sizes = ParallelConfig({axis: n} if axis == "dp" else {axis: n, "dp": dp}).sizes
     w = Workload(strategy, sizes, model, train, schedule, microbatches, chunks)
     if w.world > MAX_WORLD:
@@ -126,8 +129,9 @@ def calls(w: Workload) -> list[dict]:
              "bytes_sent": [c.bytes_sent for c in row]} for row in zip(*per_rank, strict=True)]
 
 
-def train_args(w: Workload) -> list[str]:
-    """The `refpar train` arguments that run this workload (after `mpiexec -n w.world`)."""
+def train_args(w: Workload, trace: str | None = None) -> list[str]:
+    """The `refpar train` arguments that run this workload (after `mpiexec -n w.world`); with
+    `trace`, rank 0 writes the run's communication events there as a Chrome trace."""
     mesh = ",".join(f"{a}={w.sizes[a]}" for a in MESH_AXES if w.sizes[a] > 1) or "dp=1"
     args = ["--mesh", mesh, "--steps", str(w.train.steps), "--batch-size", str(w.train.batch_size),
             "--seq-len", str(w.train.seq_len), "--json"]
@@ -145,4 +149,4 @@ def train_args(w: Workload) -> list[str]:
             args += ["--chunks", str(w.chunks)]
     if w.strategy in DP_STRATEGIES and w.microbatches > 1:
         args += ["--microbatches", str(w.microbatches)]
-    return args
+    return args + (["--trace", trace] if trace else [])

@@ -16,48 +16,61 @@ from refpar.parallel.pipeline.schedules import KINDS, Schedule, Timeline, stored
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "idle": "#d62728"}
 IDLE_OPACITY = 0.25
 MAX_FRAMES = 120  # a longer animation only slows the browser; frames are then spread evenly
+BAR_BUDGET = 60_000  # bars over all frames: each frame repeats the bars before it
 
 
 def _bars(timeline: Timeline, until: float) -> list[go.Bar]:
-    """One bar trace per kind and one for idle time, everything cut off at time `until`."""
+    """One bar trace per kind and one for idle time, everything cut off at time `until`. Columns
+    go in as NumPy arrays: Plotly validates those at once, lists element by element (minutes for
+    a long schedule's frames)."""
     traces = []
     for kind in KINDS:
-        slots = [s for row in timeline.slots.values() for s in row if s.action.kind == kind]
-        shown = [s for s in slots if s.start < until]
+        shown = [s for row in timeline.slots.values() for s in row
+                 if s.action.kind == kind and s.start < until]
+        start = np.array([s.start for s in shown], dtype=float)
+        end = np.array([s.end for s in shown], dtype=float)
         traces.append(go.Bar(
             name=kind, orientation="h", marker_color=COLOURS[kind],
-            y=[s.rank for s in shown], base=[s.start for s in shown],
-            x=[min(s.end, until) - s.start for s in shown], text=[str(s.action) for s in shown],
+            y=np.array([s.rank for s in shown], dtype=int), base=start, x=np.minimum(end, until) - start,
+            text=np.array([str(s.action) for s in shown], dtype=object),
             textposition="inside", insidetextanchor="middle",
             hovertemplate="%{text}: %{base} to %{customdata}<extra></extra>",
-            customdata=[s.end for s in shown], marker_line={"color": "white", "width": 1},
+            customdata=end, marker_line={"color": "white", "width": 1},
         ))
-    gaps = [(r, a, b) for r, row in timeline.idle.items() for a, b in row if a < until]
+    gaps = np.array([(r, a, b) for r, row in timeline.idle.items() for a, b in row if a < until],
+                    dtype=float).reshape(-1, 3)
     traces.append(go.Bar(
         name="idle", orientation="h", marker_color=COLOURS["idle"], opacity=IDLE_OPACITY,
-        y=[r for r, _, _ in gaps], base=[a for _, a, _ in gaps],
-        x=[min(b, until) - a for _, a, b in gaps],
-        hovertemplate="idle %{base} to %{customdata}<extra></extra>",
-        customdata=[b for _, _, b in gaps],
+        y=gaps[:, 0].astype(int), base=gaps[:, 1], x=np.minimum(gaps[:, 2], until) - gaps[:, 1],
+        hovertemplate="idle %{base} to %{customdata}<extra></extra>", customdata=gaps[:, 2],
     ))
     return traces
 
 
 def frame_times(timeline: Timeline) -> list[float]:
-    """The instants the animation stops at: every time an action ends (at most MAX_FRAMES)."""
+    """The instants the animation stops at: every time an action ends, or as many of them, evenly
+    spread, as MAX_FRAMES and BAR_BUDGET allow (the last is always the end)."""
     times = sorted({s.end for row in timeline.slots.values() for s in row})
-    if len(times) > MAX_FRAMES:
-        times = [times[int(i)] for i in np.linspace(0, len(times) - 1, MAX_FRAMES)]
+    bars = sum(len(row) for row in timeline.slots.values()) + sum(map(len, timeline.idle.values()))
+    most = max(2, min(MAX_FRAMES, BAR_BUDGET // max(bars, 1)))
+    if len(times) > most:
+        times = [times[int(i)] for i in np.linspace(0, len(times) - 1, most)]
     return times
 
 
-def play_controls(labels: list[str], prefix: str) -> dict:
-    """A play/pause pair and a slider over frames named by `labels` (redraw: bars are not scatter)."""
+CONTROLS_MARGIN = 150  # pixels under the plot for the axis title, the slider and the buttons
+
+
+def play_controls(names: list[str], prefix: str, labels: list[str] | None = None) -> dict:
+    """Play/Pause buttons and a slider over the frames `names` (ticks labelled `labels`, default
+    the names), placed in pixels under the plot so they never cover an axis. `redraw` because
+    bars and heatmaps are not scatter traces (ENVIRONMENT.md, Plotly 7)."""
     step_args = {"frame": {"duration": 300, "redraw": True}, "mode": "immediate",
                  "transition": {"duration": 0}}
     return {
         "updatemenus": [{
-            "type": "buttons", "showactive": False, "x": 0, "y": -0.12, "xanchor": "left",
+            "type": "buttons", "direction": "left", "showactive": False, "x": 0, "xanchor": "left",
+            "y": 0, "yanchor": "top", "pad": {"t": 95},
             "buttons": [
                 {"label": "Play", "method": "animate", "args": [None, {**step_args, "fromcurrent": True}]},
                 {"label": "Pause", "method": "animate",
@@ -65,10 +78,10 @@ def play_controls(labels: list[str], prefix: str) -> dict:
             ],
         }],
         "sliders": [{
-            "active": len(labels) - 1, "x": 0.12, "len": 0.88, "y": -0.05,
-            "currentvalue": {"prefix": prefix},
-            "steps": [{"label": label, "method": "animate", "args": [[label], step_args]}
-                      for label in labels],
+            "active": len(names) - 1, "x": 0.16, "len": 0.84, "y": 0, "yanchor": "top", "pad": {"t": 55},
+            "currentvalue": {"prefix": prefix, "xanchor": "left"},
+            "steps": [{"label": label, "method": "animate", "args": [[name], step_args]}
+                      for name, label in zip(names, labels or names, strict=True)],
         }],
     }
 
@@ -83,7 +96,7 @@ def gantt_figure(timeline: Timeline, title: str = "") -> go.Figure:
                     frames=[go.Frame(name=label, data=_bars(timeline, t))
                             for label, t in zip(labels, times, strict=True)])
     fig.update_layout(
-        title=title, barmode="overlay", height=140 + 45 * p, margin={"b": 110},
+        title=title, barmode="overlay", height=190 + 45 * p, margin={"b": CONTROLS_MARGIN},
         xaxis={"title": "time (F = 1 unit)", "range": [0, timeline.makespan], "autorange": False},
         yaxis={"title": "rank", "range": [p - 0.5, -0.5], "autorange": False,
                "tickvals": list(range(p)), "ticktext": [f"rank {r}" for r in range(p)]},

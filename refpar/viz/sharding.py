@@ -29,7 +29,7 @@ from refpar.parallel.sequence_parallel import check_sp
 from refpar.parallel.tensor_parallel import check_tp, tp_param_slices
 from refpar.parallel.units import FlatLayout
 from refpar.sharding import shard_range
-from refpar.viz.pipeline import play_controls
+from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
 
 EVERY, NOBODY = -1, -2
 MAX_RANKS = 8  # more colours than this cannot be told apart on screen
@@ -103,17 +103,25 @@ def weight_steps(strategy: str, n: int, config: ModelConfig = DEMO_MODEL) -> lis
     moments = [("before the step", "idle", None), ("forward h.0", "fwd", 0), ("forward h.1", "fwd", 1),
                ("backward h.1", "bwd", 1), ("backward h.0", "bwd", 0), ("gradient sync", "sync", None),
                ("optimizer step", "opt", None), ("after the step", "after", None)]
+    sharded = "each rank updates the optimizer state and parameters of its own shard"
+    quiet = {"idle": "nothing moves", "fwd": "compute only, no communication",
+             "bwd": "compute only, no communication", "sync": "nothing to sync", "opt": sharded,
+             "after": "nothing moves: ready for the next step"}
     moves = {
-        "dp": {"sync": "all-reduce of every gradient over dp: 2(N-1)/N·Ψ bytes per rank"},
-        "zero1": {"sync": "reduce-scatter of the gradients: each rank keeps the sum of its shard",
-                  "after": "all-gather of the updated parameter shards"},
+        "dp": {"sync": "all-reduce of every gradient over dp: 2(N-1)/N·Ψ bytes per rank",
+               "opt": "every rank applies the same update to its whole copy"},
+        "zero1": {"sync": "reduce-scatter of the gradients: each rank keeps the sum over ranks of its "
+                          "shard", "after": "all-gather of the updated parameter shards"},
         "zero2": {"bwd": "the unit's gradient is reduce-scattered as soon as its backward ends",
+                  "sync": "nothing left: each unit was reduce-scattered after its backward",
                   "after": "all-gather of the updated parameter shards"},
         "zero3": {"fwd": "all-gather the block's parameters, compute, free them",
-                  "bwd": "all-gather again, compute, reduce-scatter the gradient, free"},
+                  "bwd": "all-gather again, compute, reduce-scatter the gradient, free",
+                  "sync": "nothing left: each unit was reduce-scattered after its backward"},
         "tp": {"fwd": "column split (c_attn, c_fc) needs no communication; the row split (c_proj) "
                       "ends in an all-reduce of the activations",
-               "bwd": "the backward all-reduces the input gradient before each column-split layer"},
+               "bwd": "the backward all-reduces the input gradient before each column-split layer",
+               "sync": "nothing to sync: each rank holds the whole gradient of its own slice"},
     }
     moves["fsdp"] = moves["zero3"]
     steps = []
@@ -131,7 +139,7 @@ def weight_steps(strategy: str, n: int, config: ModelConfig = DEMO_MODEL) -> lis
             grads = every  # each rank's own full gradient, not yet summed over ranks
         else:
             grads = every if strategy == "dp" else owner
-        text = moves.get(strategy, {}).get(phase, "nothing moves" if phase == "idle" else "compute only")
+        text = moves[strategy].get(phase, quiet[phase])
         steps.append(Step(label, text, {"params": params, "grads": grads, "optimizer": rest}))
     return steps
 
@@ -181,12 +189,16 @@ def ep_steps(ep: int, tokens_per_rank: int = 8, config: ModelConfig = DEMO_MOE_M
     home = np.repeat(np.arange(ep)[:, None], tokens_per_rank, axis=1)  # (ep, tokens)
     away = owner_of[experts]
     t = "tokens (source rank x token)"
+    experts_row = {"experts (owner)": owner_of[None, :]}  # (1, E): which rank holds each expert
+
+    def step(label: str, moves: str, where: np.ndarray) -> Step:
+        return Step(label, moves, {"tokens": {t: where}, "experts": experts_row})
+
     return [
-        Step("tokens on their rank", "each rank routes its own tokens", {"tokens": {t: home}}),
-        Step("dispatch (all-to-all)", "each token goes to the rank that owns its expert",
-             {"tokens": {t: away}}),
-        Step("experts compute", "every rank runs only the experts it owns", {"tokens": {t: away}}),
-        Step("combine (all-to-all)", "outputs return to the token's own rank", {"tokens": {t: home}}),
+        step("tokens on their rank", "each rank routes its own tokens", home),
+        step("dispatch (all-to-all)", "each token goes to the rank that owns its expert", away),
+        step("experts compute", "every rank runs only the experts it owns", away),
+        step("combine (all-to-all)", "outputs return to the token's own rank", home),
     ]
 
 
@@ -226,10 +238,13 @@ def sharding_figure(steps: list[Step], n: int, title: str = "") -> go.Figure:
     rank that holds the element; grey = every rank holds a copy; white = nobody holds it now."""
     rows = list(steps[0].grids)
     cols = max(len(v) for v in steps[0].grids.values())
-    titles = [f"{row}: {name.split('.', 1)[-1] if name.startswith('h.') else name}"
+    titles = [f"{row}: {'.'.join(name.split('.')[2:]) if name.startswith('h.') else name}"
               for row in rows for name in steps[0].grids[row]]
+    # Rows as tall as their tallest tensor (at least a quarter of the tallest row) so cells stay square-ish.
+    tall = [max(np.shape(g)[0] for g in steps[0].grids[row].values()) for row in rows]
+    heights = [max(h, max(tall) / 4) for h in tall]
     fig = make_subplots(rows=len(rows), cols=cols, subplot_titles=titles, horizontal_spacing=0.04,
-                        vertical_spacing=0.12)
+                        vertical_spacing=0.12, row_heights=heights)
     for i, trace in enumerate(_heatmaps(steps[-1], n)):
         fig.add_trace(trace, row=i // cols + 1, col=i % cols + 1)
     fig.frames = [go.Frame(name=s.label, data=_heatmaps(s, n), traces=list(range(len(fig.data))),
@@ -239,14 +254,12 @@ def sharding_figure(steps: list[Step], n: int, title: str = "") -> go.Figure:
         axis = "" if i == 0 else str(i + 1)
         fig.layout[f"xaxis{axis}"].update(range=[-0.5, shape[1] - 0.5], autorange=False, showticklabels=False)
         fig.layout[f"yaxis{axis}"].update(range=[shape[0] - 0.5, -0.5], autorange=False, showticklabels=False)
-    controls = play_controls([s.label for s in steps], "")
-    controls["sliders"][0]["active"] = len(steps) - 1
     fig.update_layout(title=f"{title}{steps[-1].label}: {steps[-1].moves}", height=260 * len(rows) + 120,
-                      margin={"b": 110}, **controls)
+                      margin={"b": CONTROLS_MARGIN, "t": 110},
+                      **play_controls([s.label for s in steps], ""))
     legend = ["nobody", "every rank"] + [f"rank {r}" for r in range(n)]
     for colour, label in zip(["#ffffff", "#9e9e9e"] + RANK_COLOURS[:n], legend, strict=True):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label, showlegend=True,
                                  marker={"symbol": "square", "size": 12, "color": colour,
                                          "line": {"color": "#666", "width": 1}}), row=1, col=1)
-    fig.update_layout(legend={"orientation": "h", "y": 1.08, "yanchor": "bottom"})
     return fig

@@ -1,0 +1,145 @@
+"""Closed forms of serving: KV cache bytes, bytes per token by axis, and decode latency at scale.
+
+Legend: L layers, h d_model, nkv key/value heads, hd head size, b bytes per element, t tp, c cp,
+p pp, N tokens of a pass, R tokens chosen in it (one per request), B requests decoded together.
+
+KV cache (K and V of every layer, head and cached token):
+    2 · L · nkv · hd · tokens · b / shards
+tp splits the heads, pp the layers, cp the tokens (striped: cp rank r holds positions p % c == r).
+`kv_bytes_per_rank` is the exact per-rank count the MemoryLedger measures, uneven splits included.
+
+Decode is memory-bound: each step reads every weight and the whole cache from HBM once (Pope et
+al. 2022, "Efficiently Scaling Transformer Inference", sec. 2). Tensor parallelism divides that
+read by t and adds 2L all-reduces of B·h·b bytes per token; pipeline parallelism divides it by p
+but a token still crosses all p stages one after another, so its latency is that of one GPU
+reading everything (plus p-1 hops): pp raises throughput (p groups of requests in flight), not
+latency. Once the tp group spans nodes its 2L all-reduces per token run over InfiniBand.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from refpar.analysis.flops import param_counts
+from refpar.analysis.hardware import Hardware
+from refpar.analysis.presets import ModelSpec
+from refpar.analysis.step_time import collective_time, link
+from refpar.comm import cost
+from refpar.config import ModelConfig
+from refpar.sharding import shard_range, shard_sizes
+
+TOKEN_ITEMSIZE = 8  # the chosen tokens travel as int64
+
+
+def kv_cache_bytes(n_layer, kv_heads, head_dim, tokens, itemsize, shards=1):
+    """2 · layers · kv_heads · head_dim · tokens · bytes / shards."""
+    return 2 * n_layer * kv_heads * head_dim * tokens * itemsize / shards
+
+
+def striped_tokens(cached: int, cp: int, cp_rank: int) -> int:
+    """How many of positions 0..cached-1 cp rank `cp_rank` holds (p % cp == cp_rank)."""
+    return max(0, (cached - cp_rank + cp - 1) // cp)
+
+
+def kv_bytes_per_rank(config: ModelConfig, cached, sizes: dict, coords: dict) -> int:
+    """Bytes of KV cache one rank holds when the requests have `cached` positions each cached."""
+    layers = len(range(*shard_range(config.n_layer, sizes["pp"], coords["pp"])))
+    heads = len(range(*shard_range(config.n_head, sizes["tp"], coords["tp"])))
+    tokens = sum(striped_tokens(n, sizes["cp"], coords["cp"]) for n in cached)
+    return int(kv_cache_bytes(layers, heads, config.head_size, tokens, _itemsize(config)))
+
+
+def pass_comm_bytes(config: ModelConfig, sizes: dict, coords: dict, groups) -> dict:
+    """{(axis, op): Bytes} one rank moves in one pass; `groups` is [(N, R)] per pipeline group.
+
+    tp: the embedding's g and two g per block, all-reduces of (N, C); the logits all-gathered
+        as (V/t, R) pieces on the last stage.
+    cp: per block, the all-reduce of the max lse (nh/t, N) and of [weighted out, weight] (nh/t, N, hs+1).
+    pp: (N, C) sent to the next stage per group; the R chosen tokens broadcast from the last stage.
+    """
+    t, c, p = sizes["tp"], sizes["cp"], sizes["pp"]
+    tr, cr, s = coords["tp"], coords["cp"], coords["pp"]
+    b, C, hs = _itemsize(config), config.n_embd, config.head_size
+    layers = len(range(*shard_range(config.n_layer, p, s)))
+    heads = len(range(*shard_range(config.n_head, t, tr)))
+    out: dict = defaultdict(lambda: cost.Bytes(0, 0))
+
+    def add(axis, op, moved, times=1):
+        was = out[(axis, op)]
+        out[(axis, op)] = cost.Bytes(was.sent + times * moved.sent, was.recv + times * moved.recv)
+
+    for n, r in groups:
+        if t > 1:
+            add("tp", "all_reduce", cost.all_reduce_bytes(n * C, t, tr, b), 2 * layers + (s == 0))
+            if s == p - 1:
+                add("tp", "all_gather", cost.all_gather_bytes(shard_sizes(config.vocab_size, t), tr, b, r))
+        if c > 1:
+            add("cp", "all_reduce", cost.all_reduce_bytes(heads * n, c, cr, b), layers)
+            add("cp", "all_reduce", cost.all_reduce_bytes(heads * n * (hs + 1), c, cr, b), layers)
+        if p > 1 and s < p - 1:
+            add("pp", "send", cost.Bytes(n * C * b, 0))
+        if p > 1 and s > 0:
+            add("pp", "recv", cost.Bytes(0, n * C * b))
+    if p > 1:
+        rows = sum(r for _, r in groups)
+        add("pp", "broadcast", cost.broadcast_bytes(rows, p, s, p - 1, TOKEN_ITEMSIZE))
+    return dict(out)
+
+
+def _itemsize(config: ModelConfig) -> int:
+    return 8 if config.dtype == "float64" else 4
+
+
+# ------------------------------------------------------------------------------------ at scale
+def decode_estimate(spec: ModelSpec, hw: Hardware, *, tp: int = 1, pp: int = 1, batch: int = 1,
+                    context: int = 4096, prompt: int = 1024, itemsize: int = 2) -> dict:
+    """One configuration of a large model on real hardware: bytes per GPU and seconds per token.
+
+    KV heads are split over tp while tp <= nkv; past that each is replicated (GQA), so the cache is
+    split over min(tp, nkv) · pp. Prefill is compute-bound (2 · params FLOPs per token at the
+    fp16 peak); decode is the HBM read of weights and cache. Communication uses the hardware's
+    NVLink inside a node and InfiniBand across (`step_time.link`), NCCL's latencies.
+    """
+    h, L = spec.d_model, spec.n_layer
+    params = param_counts(spec).total
+    weights = params * itemsize / (tp * pp)
+    kv_shards = min(tp, spec.n_kv_head) * pp
+    kv = kv_cache_bytes(L, spec.n_kv_head, spec.head_size, batch * context, itemsize, kv_shards)
+    tp_bw, tp_lat = link(hw, {"tp": tp}, "tp")
+    pp_bw, pp_lat = link(hw, {"tp": tp, "pp": pp}, "pp")
+
+    def tp_comm(tokens):  # 2L all-reduces of (tokens, h) per pass
+        return float(2 * L * collective_time("all_reduce", tokens * h * itemsize, tp, tp_bw, tp_lat,
+                                             hw.call_latency))
+
+    def pp_comm(tokens):  # p - 1 hops of (tokens, h)
+        return float((pp - 1) * collective_time("send", tokens * h * itemsize, 2, pp_bw, pp_lat,
+                                                hw.call_latency)) if pp > 1 else 0.0
+
+    read = (weights + kv) / hw.hbm_bandwidth  # one stage's HBM read per decode step
+    decode = pp * read + tp_comm(batch) + pp_comm(batch)
+    flops = 2 * params * prompt  # the prompt's forward (Kaplan et al. 2020: 2 FLOPs per param per token)
+    prefill = flops / (tp * hw.flops("float16")) + tp_comm(prompt) + pp_comm(prompt)
+    return {
+        "tp": tp, "pp": pp, "gpus": tp * pp, "batch": batch, "context": context,
+        "tp_link": "nvlink" if tp <= hw.gpus_per_node else "infiniband",
+        "weights_bytes_per_gpu": weights, "kv_bytes_per_gpu": kv,
+        "kv_bytes_per_token_per_gpu": kv_cache_bytes(L, spec.n_kv_head, spec.head_size, 1, itemsize,
+                                                     kv_shards),
+        "tp_bytes_per_token": float(2 * L * (2 * (tp - 1) / tp) * h * itemsize) if tp > 1 else 0.0,
+        "pp_bytes_per_token": float(h * itemsize) if pp > 1 else 0.0,
+        "prefill_s_per_token": prefill / prompt,
+        "decode_s_per_token": decode,
+        "decode_comm_s": tp_comm(batch) + pp_comm(batch),
+        "decode_tokens_per_s": batch * pp / decode,
+    }
+
+
+def serving_table(spec: ModelSpec, hw: Hardware, *, gpus: int = 8, batch: int = 1, context: int = 4096,
+                  prompt: int = 1024, itemsize: int = 2) -> list[dict]:
+    """TP inside a node, PP over the same GPUs, and two nodes: TP across them, or TP inside and PP across."""
+    rows = [("tp", gpus, 1), ("pp", 1, gpus), ("tp over 2 nodes", 2 * gpus, 1),
+            ("tp x pp over 2 nodes", gpus, 2)]
+    return [{"layout": name, **decode_estimate(spec, hw, tp=t, pp=p, batch=batch, context=context,
+                                               prompt=prompt, itemsize=itemsize)}
+            for name, t, p in rows]

@@ -1,0 +1,229 @@
+"""Continuous batching over a mesh of tp x cp x pp ranks: prefill, then decode with a KV cache.
+
+    mpiexec -n 2 python -m refpar generate --mesh tp=2 --check
+
+Legend: N tokens of a pass (the segments of several requests side by side, as vLLM flattens a
+batch), R rows whose logits are needed (one per request: the last token of its segment),
+C channels, V vocab, t tp size.
+
+Every engine step (one tick of the scheduler, the same on every rank):
+  1. requests that have arrived take free slots (at most `max_batch` run at once);
+  2. prefill pass: the new requests' whole prompts, which fills their caches and gives each its
+     first token;
+  3. decode pass: one token for every request that was already running;
+  4. requests with all their tokens leave and free their KV cache slots.
+A pass runs the tensor-parallel block of training (`parallel_block_forward`) on the new tokens
+only, with `CachedAttention` as its core: under tp the two g all-reduces per layer per pass
+(after attention, after the MLP) are the only traffic besides the vocab-parallel embedding and
+the gather of the logits. Under pp the pass is split into one group of requests per stage, so
+several groups are in flight (stage s works on group g while stage s+1 works on group g-1), and
+the last stage broadcasts the new tokens to every stage.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from refpar.config import ConfigError, ModelConfig
+from refpar.memory import MemoryLedger
+from refpar.model.gpt import NO_DROPOUT
+from refpar.model.layers import layernorm_forward
+from refpar.parallel.pipeline.stage import stage_layers
+from refpar.parallel.tensor_parallel import (
+    parallel_block_forward,
+    shard_params_tp,
+    tp_layout,
+    vocab_parallel_embedding_forward,
+)
+from refpar.serving.kv_cache import CachedAttention, KVCache
+from refpar.serving.requests import Request, check_requests
+from refpar.serving.sampling import Sampling, sample_token
+from refpar.sharding import shard_range
+
+
+@dataclass(frozen=True)
+class ServeMesh:
+    """The communicators a serving rank uses (None for an axis of size 1) and its coordinates."""
+
+    sizes: dict  # {"tp": t, "cp": c, "pp": p}
+    coords: dict  # this rank's position on each axis
+    tp: object = None
+    cp: object = None
+    pp: object = None
+
+    @staticmethod
+    def from_mesh(mesh) -> ServeMesh:
+        for axis in ("dp", "ep"):
+            if mesh.sizes[axis] > 1:
+                raise ConfigError(f"serving splits a model over tp, cp and pp; {axis}={mesh.sizes[axis]} "
+                                  "would be independent replicas, so leave it out of --mesh")
+        sizes = {a: mesh.sizes[a] for a in ("tp", "cp", "pp")}
+        comms = {a: (mesh.axis(a) if sizes[a] > 1 else None) for a in sizes}
+        return ServeMesh(sizes, {a: mesh.coords[a] for a in sizes}, **comms)
+
+    @property
+    def stage(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def last_stage(self) -> bool:
+        return self.stage == self.sizes["pp"] - 1
+
+
+SINGLE = ServeMesh({"tp": 1, "cp": 1, "pp": 1}, {"tp": 0, "cp": 0, "pp": 0})
+
+
+def check_mesh(config: ModelConfig, sm: ServeMesh) -> None:
+    if config.moe_experts:
+        raise ConfigError("refpar generate serves dense GPT-2; leave out the MoE options")
+    stage_layers(config.n_layer, sm.sizes["pp"], 0)  # enough blocks for the stages
+
+
+def local_params(full: dict, config: ModelConfig, sm: ServeMesh) -> dict:
+    """This rank's weights: its tp slice of the parameters its pipeline stage uses."""
+    tp = shard_params_tp(full, config, sm.sizes["tp"], sm.coords["tp"])
+    layers = stage_layers(config.n_layer, sm.sizes["pp"], sm.stage)
+    ends = (("wte.weight", "wpe.weight") if sm.stage == 0 else ()) + \
+        (("wte.weight", "ln_f.weight", "ln_f.bias") if sm.last_stage else ())
+    return {name: w for name, w in tp.items()
+            if name in ends or (name.startswith("h.") and int(name.split(".")[1]) in layers)}
+
+
+@dataclass
+class Pass:
+    """One prefill or decode pass as this rank saw it."""
+
+    step: int
+    phase: str  # prefill | decode
+    tokens: int  # N, all groups together
+    rows: int  # R: new tokens chosen
+    groups: list  # (N, R) of each pipeline group
+    seconds: float
+
+
+@dataclass
+class ServeResult:
+    tokens: dict = field(default_factory=dict)  # rid -> generated tokens
+    logits: dict = field(default_factory=dict)  # rid -> [(V,) per token], on the last stage
+    passes: list = field(default_factory=list)
+    # After every pass (the cache at its largest) and after every step's frees: this rank's cache
+    # bytes as the ledger counts them, and the positions each running request has cached.
+    kv_bytes: list = field(default_factory=list)
+    cached: list = field(default_factory=list)
+    kv_by_request: list = field(default_factory=list)  # {rid: bytes this rank holds}, from the ledger
+    moments: list = field(default_factory=list)  # "step 3 decode", "step 3 end"
+    steps: int = 0
+
+
+def _head(x, params, config: ModelConfig, sm: ServeMesh):
+    """x (R, C) -> logits (R, V) on every tp rank: ln_f, this rank's vocabulary rows, all-gather."""
+    h, _ = layernorm_forward(x, params["ln_f.weight"], params["ln_f.bias"], config.layer_norm_eps)
+    local = h @ params["wte.weight"].T  # (R, V/t)
+    if sm.tp is None:
+        return local
+    t = sm.sizes["tp"]
+    counts = [b - a for a, b in (shard_range(config.vocab_size, t, r) for r in range(t))]
+    return sm.tp.all_gather(np.ascontiguousarray(local.T), tag="lm_head.logits", counts=counts).T
+
+
+def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampling: Sampling,
+          sm: ServeMesh = SINGLE, max_batch: int = 4, ledger: MemoryLedger | None = None,
+          tracer=None) -> ServeResult:
+    """Generates every request's tokens; see the module docstring for the step."""
+    check_requests(config, requests)
+    check_mesh(config, sm)
+    if max_batch < 1:
+        raise ConfigError(f"max_batch={max_batch} must be at least 1")
+    ledger = MemoryLedger(record_events=True) if ledger is None else ledger
+    params = local_params(full_params, config, sm)
+    for name, w in params.items():
+        ledger.alloc(name, w, "params")
+    cache = KVCache(ledger, sm.sizes["cp"], sm.coords["cp"])
+    base = tp_layout(config, config.n_positions, sm.tp)
+    layers = stage_layers(config.n_layer, sm.sizes["pp"], sm.stage)
+    out = ServeResult()
+    seqs: dict[int, list[int]] = {}  # rid -> prompt + generated tokens
+    fed: dict[int, int] = {}  # rid -> positions whose keys and values are cached
+    waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
+    running: list[Request] = []
+
+    def snapshot(moment):
+        by_request: dict[int, int] = {}
+        for name, nbytes in ledger.live("activations").items():  # kv.r{rid}.h{layer}.p{position}
+            rid = int(name.split(".")[1][1:])
+            by_request[rid] = by_request.get(rid, 0) + nbytes
+        out.kv_bytes.append(ledger.current["activations"])
+        out.kv_by_request.append(by_request)
+        out.cached.append(dict(fed))
+        out.moments.append(moment)
+
+    def run_pass(step, phase, segs):  # segs: [(request, tokens, first position)]
+        t0 = time.perf_counter()
+        n_groups = min(sm.sizes["pp"], len(segs))
+        chosen, sizes = [], []
+        for g in range(n_groups):
+            group = segs[slice(*shard_range(len(segs), n_groups, g))]
+            tokens = np.concatenate([np.asarray(tok, dtype=np.int64) for _, tok, _ in group])  # (N,)
+            pos = np.concatenate([np.arange(p0, p0 + len(tok)) for _, tok, p0 in group])  # (N,)
+            ends = np.cumsum([len(tok) for _, tok, _ in group])  # (R,)
+            spans = [(r.rid, int(e - len(tok)), int(e)) for (r, tok, _), e in zip(group, ends, strict=True)]
+            lay = replace(base, region_pos=pos, resid_pos=pos,
+                          attention=CachedAttention(cache, spans, sm.cp))
+            sizes.append((len(tokens), len(group)))
+            ctx = tracer.context(step=step, microbatch=g, phase=phase) if tracer else nullcontext()
+            with ctx:
+                if sm.stage == 0:
+                    x, _ = vocab_parallel_embedding_forward(tokens[None], params, lay, NO_DROPOUT)  # (1,N,C)
+                else:
+                    x = sm.pp.recv((1, len(tokens), config.n_embd), np.dtype(config.dtype),
+                                   source=sm.stage - 1, tag="pp:act")  # (1, N, C)
+                for layer in layers:
+                    x, _ = parallel_block_forward(x, params, layer, lay, NO_DROPOUT)  # (1, N, C)
+                if not sm.last_stage:
+                    sm.pp.send(x, dest=sm.stage + 1, tag="pp:act")
+                    chosen += [0] * len(group)  # placeholders: the last stage broadcasts the tokens
+                    continue
+                logits = _head(x[0, ends - 1], params, config, sm)  # (R, V)
+            for (r, tok, p0), row in zip(group, logits, strict=True):
+                out.logits[r.rid].append(row)
+                chosen.append(sample_token(row, sampling, r.rid, p0 + len(tok)))
+        chosen = np.asarray(chosen, dtype=np.int64)  # (R,)
+        if sm.pp is not None:
+            ctx = tracer.context(step=step, phase=phase) if tracer else nullcontext()
+            with ctx:
+                chosen = sm.pp.broadcast(chosen, root=sm.sizes["pp"] - 1, tag="pp:tokens")
+        for (r, tok, p0), token in zip(segs, chosen, strict=True):
+            fed[r.rid] = p0 + len(tok)
+            seqs[r.rid].append(int(token))
+            out.tokens[r.rid].append(int(token))
+        seconds = time.perf_counter() - t0
+        out.passes.append(Pass(step, phase, sum(n for n, _ in sizes), len(segs), sizes, seconds))
+        snapshot(f"step {step} {phase}")
+
+    step = 0
+    while waiting or running:
+        arrived = [r for r in waiting if r.arrival <= step][:max_batch - len(running)]
+        decoding = list(running)
+        for r in arrived:
+            waiting.remove(r)
+            seqs[r.rid], out.tokens[r.rid], out.logits[r.rid] = list(r.prompt), [], []
+        if arrived:
+            run_pass(step, "prefill", [(r, list(r.prompt), 0) for r in arrived])
+        if decoding:
+            run_pass(step, "decode", [(r, seqs[r.rid][-1:], len(seqs[r.rid]) - 1) for r in decoding])
+        running = decoding + arrived
+        for r in [r for r in running if len(out.tokens[r.rid]) == r.max_new_tokens]:
+            running.remove(r)
+            cache.free(r.rid)
+            del fed[r.rid]
+        snapshot(f"step {step} end")
+        step += 1
+    out.steps = step
+    if not sm.last_stage:
+        out.logits = {}
+    return out
+

@@ -1,0 +1,123 @@
+"""The KV cache of one rank, and the attention core that reads it while decoding.
+
+Legend: N new tokens of a pass (all requests' segments side by side), nh this rank's heads
+(nh/t under tensor parallelism), hs head size, Tr the positions of a request this rank holds.
+
+What a rank holds of a request's keys and values, for each block of its pipeline stage:
+    tp  splits the heads: rank r keeps heads shard_range(nh, t, r), as its c_attn columns compute;
+    cp  splits the positions, striped: cp rank r keeps positions p with p % c == r (Brandon et al.
+        2023, "Striped Attention"), so every rank's share grows by one token every c decode steps.
+Every append is an entry of the MemoryLedger (category `activations`: the keys and values are kept
+activations), and a finished request frees its entries, so the ledger's `current` is the cache's
+size on this rank at any moment.
+
+Decode attention under cp: every cp rank computes the new tokens' queries (the linear layers are
+replicated over cp), attends them to the keys it holds, and the partial results are merged with
+the log-sum-exp rule of the online softmax (Milakov & Gimelshein 2018), as ring attention merges
+blocks: with m = max_r lse_r, out = sum_r exp(lse_r - m) out_r / sum_r exp(lse_r - m). That is two
+all-reduces per layer: the max of lse, then the sum of [exp(lse_r - m) out_r, exp(lse_r - m)].
+What cp saves is the cache's memory and the attention's reads of it, which grow with the context;
+the prompt's linear layers are computed on every cp rank (a training-style split of the prompt's
+queries, ring attention in context_parallel.py, would divide those too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from refpar.memory import MemoryLedger
+from refpar.model.attention import attention_forward
+
+
+class KVCache:
+    def __init__(self, ledger: MemoryLedger, cp_size: int = 1, cp_rank: int = 0):
+        self.ledger, self.cp_size, self.cp_rank = ledger, cp_size, cp_rank
+        self.k: dict[tuple[int, int], np.ndarray] = {}  # (rid, layer) -> (nh, Tr, hs)
+        self.v: dict[tuple[int, int], np.ndarray] = {}  # (rid, layer) -> (nh, Tr, hs)
+        self.pos: dict[tuple[int, int], np.ndarray] = {}  # (rid, layer) -> (Tr,) global positions
+
+    def owns(self, positions) -> np.ndarray:
+        """Which of these global positions this cp rank keeps (striped)."""
+        return np.asarray(positions) % self.cp_size == self.cp_rank  # (n,)
+
+    def append(self, rid: int, layer: int, k, v, positions) -> None:
+        """k, v (nh, n, hs) of a request's new tokens at `positions` (n,): keeps the owned ones."""
+        mine = self.owns(positions)  # (n,)
+        if not mine.any():
+            return
+        k, v, positions = k[:, mine], v[:, mine], np.asarray(positions)[mine]  # (nh, n_mine, hs)
+        key = (rid, layer)
+        if key in self.k:
+            k = np.concatenate([self.k[key], k], axis=1)  # (nh, Tr, hs)
+            v = np.concatenate([self.v[key], v], axis=1)  # (nh, Tr, hs)
+            positions = np.concatenate([self.pos[key], positions])  # (Tr,)
+        self.ledger.alloc(f"kv.r{rid}.h{layer}.p{int(positions[-1])}", 2 * int(mine.sum()) * k.shape[0]
+                          * k.shape[2] * k.dtype.itemsize, "activations")
+        self.k[key], self.v[key], self.pos[key] = k, v, positions
+
+    def get(self, rid: int, layer: int, like):
+        """(K, V (nh, Tr, hs), positions (Tr,)); empty when this rank holds none of the request yet."""
+        if (rid, layer) not in self.k:
+            empty = np.zeros((like.shape[0], 0, like.shape[-1]), dtype=like.dtype)  # (nh, 0, hs)
+            return empty, empty, np.zeros(0, dtype=np.int64)
+        return self.k[(rid, layer)], self.v[(rid, layer)], self.pos[(rid, layer)]
+
+    def free(self, rid: int) -> None:
+        """A finished request gives its slots back."""
+        self.ledger.free_prefix(f"kv.r{rid}.")
+        for key in [key for key in self.k if key[0] == rid]:
+            del self.k[key], self.v[key], self.pos[key]
+
+    def held_tokens(self, rid: int, layer: int) -> int:
+        return 0 if (rid, layer) not in self.pos else len(self.pos[(rid, layer)])
+
+
+def partial_attention(q, k, v, q_pos, k_pos):
+    """q (nh, n, hs) against the keys in hand k, v (nh, Tr, hs) -> (out (nh, n, hs), lse (nh, n, 1)),
+    out normalised over these keys only; rows that see none of them get out 0 and lse -inf."""
+    nh, n, hs = q.shape
+    if k.shape[1] == 0:
+        return np.zeros_like(q), np.full((nh, n, 1), -math.inf, dtype=q.dtype)
+    s = (q @ np.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(hs))  # (nh, n, Tr)
+    s = np.where(np.reshape(k_pos, (1, -1)) <= np.reshape(q_pos, (-1, 1)), s, -math.inf)
+    m = np.max(s, axis=-1, keepdims=True)  # (nh, n, 1)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m)  # (nh, n, Tr)
+    z = np.sum(e, axis=-1, keepdims=True)  # (nh, n, 1)
+    seen = z > 0
+    lse = np.where(seen, m + np.log(np.where(seen, z, 1.0)), -math.inf)  # (nh, n, 1)
+    return (e @ v) / np.where(seen, z, 1.0), lse
+
+
+class CachedAttention:
+    """The attention core of a decode or prefill pass (tensor_parallel.Layout.attention): appends
+    the new keys and values of each request's segment to the cache, then attends the segment's
+    queries to everything the request has cached. `segments` are (rid, start, stop) along N."""
+
+    def __init__(self, cache: KVCache, segments, cp=None):
+        self.cache, self.segments, self.cp = cache, segments, cp
+
+    def forward(self, q, k, v, layer, lay, drop):  # (1, nh, N, hs) each
+        pos = lay.region_pos  # (N,)
+        outs, lses = [], []
+        for rid, a, b in self.segments:
+            self.cache.append(rid, layer, k[0, :, a:b], v[0, :, a:b], pos[a:b])
+            K, V, k_pos = self.cache.get(rid, layer, q[0])  # (nh, Tr, hs)
+            if self.cp is None:
+                o, _ = attention_forward(q[:, :, a:b], K[None], V[None], pos[a:b], k_pos)  # (1, nh, n, hs)
+                outs.append(o[0])
+            else:
+                o, lse = partial_attention(q[0, :, a:b], K, V, pos[a:b], k_pos)  # (nh, n, hs), (nh, n, 1)
+                outs.append(o)
+                lses.append(lse)
+        out = np.concatenate(outs, axis=1)  # (nh, N, hs)
+        if self.cp is not None:
+            lse = np.concatenate(lses, axis=1)  # (nh, N, 1)
+            m = self.cp.all_reduce(lse, op="max", tag=f"h.{layer}.attn.lse_max")  # (nh, N, 1)
+            w = np.exp(lse - m)  # (nh, N, 1): 0 on ranks that hold no visible key
+            both = self.cp.all_reduce(np.concatenate([out * w, w], axis=-1),
+                                      tag=f"h.{layer}.attn.lse_sum")  # (nh, N, hs + 1)
+            out = both[..., :-1] / both[..., -1:]  # (nh, N, hs)
+        return out[None], None  # (1, nh, N, hs)

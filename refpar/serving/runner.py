@@ -1,0 +1,131 @@
+"""One serving run on a mesh, measured and checked: what `refpar generate` prints.
+
+    mpiexec -n 2 python -m refpar generate --mesh tp=2 --check --json
+
+Every rank serves; rank 0 gathers the rows (traced bytes, ledger bytes, timings) and builds the
+summary. `--check` replays every request alone on one device, recomputing the whole sequence for
+each token, and reports the largest relative difference of the logits and whether the tokens agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from refpar.analysis.serving import kv_bytes_per_rank, kv_cache_bytes, pass_comm_bytes
+from refpar.comm.trace import Tracer
+from refpar.config import ModelConfig
+from refpar.memory import MemoryLedger
+from refpar.mesh import DeviceMesh
+from refpar.model import gpt
+from refpar.serving.engine import ServeMesh, serve
+from refpar.serving.requests import Request, reference_generate
+from refpar.serving.sampling import Sampling
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    max_batch: int = 4
+    seed: int = 0  # the weights' seed
+    check: bool = False
+
+
+def rel_diff(a, b) -> float:
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(np.max(np.abs(np.asarray(b))), 1e-300))
+
+
+def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request], sampling: Sampling,
+                opts: ServeOptions) -> dict | None:
+    """Serves `requests` on the mesh `sizes` over `world`; the summary on world rank 0, else None."""
+    tracer = Tracer()
+    world = world.split(0, world.rank)  # this run's own communicator, traced by its own tracer
+    world.tracer, tracer.rank = tracer, world.world_rank
+    mesh = DeviceMesh(world, sizes)
+    sm = ServeMesh.from_mesh(mesh)
+    ledger = MemoryLedger(record_events=True)
+    params = gpt.init_params(config, opts.seed)
+    result = serve(params, config, requests, sampling, sm, opts.max_batch, ledger, tracer)
+
+    kv_expected = [kv_bytes_per_rank(config, cached.values(), sm.sizes, sm.coords)
+                   for cached in result.cached]
+    expected: dict = {}
+    for p in result.passes:
+        for key, moved in pass_comm_bytes(config, sm.sizes, sm.coords, p.groups).items():
+            was = expected.get((p.phase, *key), (0, 0))
+            expected[(p.phase, *key)] = (was[0] + moved.sent, was[1] + moved.recv)
+    measured: dict = {}
+    for e in tracer.events:
+        was = measured.get((e.phase, e.axis, e.op), (0, 0))
+        measured[(e.phase, e.axis, e.op)] = (was[0] + e.bytes_sent, was[1] + e.bytes_recv)
+    diffs, same = [], True
+    if opts.check and result.logits:
+        for r in requests:
+            tokens, logits = reference_generate(params, config, r, sampling)
+            same &= tokens == result.tokens[r.rid]
+            diffs += [rel_diff(a, b) for a, b in zip(result.logits[r.rid], logits, strict=True)]
+    mine = {
+        "rank": world.rank, "coords": sm.coords, "measured": measured, "expected": expected,
+        "kv": result.kv_bytes, "kv_by_request": result.kv_by_request,
+        "kv_expected": kv_expected, "kv_peak": ledger.peak["activations"],
+        "params_bytes": ledger.current["params"], "diffs": diffs, "same": same,
+        "passes": [(p.phase, p.tokens, p.rows, p.seconds) for p in result.passes],
+    }
+    every = world.gather_object(mine)
+    if world.rank != 0:
+        return None
+    return _summary(config, sizes, requests, sampling, opts, result, every)
+
+
+def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
+    phases = {"prefill": [0, 0, 0.0, 0], "decode": [0, 0, 0.0, 0]}  # tokens in, chosen, seconds, passes
+    for phase, n, r, _ in every[0]["passes"]:
+        phases[phase][0] += n
+        phases[phase][1] += r
+        phases[phase][3] += 1
+    for i in range(len(every[0]["passes"])):  # a pass lasts as long as its slowest rank
+        phases[every[0]["passes"][i][0]][2] += max(row["passes"][i][3] for row in every)
+    comm, expected, per_token = [], [], {}
+    for row in every:
+        for rows, source in ((comm, row["measured"]), (expected, row["expected"])):
+            rows += [{"rank": row["rank"], "phase": ph, "axis": ax, "op": op, "bytes_sent": s,
+                      "bytes_recv": r} for (ph, ax, op), (s, r) in sorted(source.items())]
+    sent: dict = {}  # (axis:phase, rank) -> bytes sent
+    for c in comm:
+        key = (f"{c['axis']}:{c['phase']}", c["rank"])
+        sent[key] = sent.get(key, 0) + c["bytes_sent"]
+    for (key, _), nbytes in sent.items():  # per token that went through the passes of the phase
+        per_token[key] = max(per_token.get(key, 0.0), nbytes / phases[key.split(":")[1]][0])
+    shards = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
+    peak_tokens = max((sum(cached.values()) for cached in result.cached), default=0)
+    itemsize = np.dtype(config.dtype).itemsize
+    prefill, decode = phases["prefill"], phases["decode"]
+    diffs = [d for row in every for d in row["diffs"]]
+    return {
+        "mesh": {a: sizes.get(a, 1) for a in ("tp", "cp", "pp")}, "world_size": len(every),
+        "model": config.to_dict(), "dtype": config.dtype, "sampling": sampling.describe(),
+        "max_batch": opts.max_batch, "steps": result.steps,
+        "requests": [{"rid": r.rid, "prompt_len": len(r.prompt), "new_tokens": r.max_new_tokens,
+                      "arrival": r.arrival, "tokens": result.tokens[r.rid]} for r in requests],
+        "tokens_generated": sum(len(t) for t in result.tokens.values()),
+        "latency": {
+            "prefill": {"passes": prefill[3], "prompt_tokens": prefill[0], "seconds": prefill[2],
+                        "s_per_token": prefill[2] / max(prefill[0], 1)},
+            "decode": {"passes": decode[3], "tokens": decode[1], "seconds": decode[2],
+                       "s_per_step": decode[2] / max(decode[3], 1)},
+        },
+        "comm_bytes": comm, "expected_comm_bytes": expected,
+        "comm_matches_closed_form": sorted(map(str, comm)) == sorted(map(str, expected)),
+        "bytes_per_token": per_token,
+        "kv_cache": [{"rank": row["rank"], "coords": row["coords"], "bytes_timeline": row["kv"],
+                      "expected_bytes_timeline": row["kv_expected"], "peak_bytes": row["kv_peak"],
+                      "bytes_by_request": [{str(k): v for k, v in d.items()} for d in row["kv_by_request"]],
+                      "params_bytes": row["params_bytes"]} for row in every],
+        "kv_moments": result.moments,
+        "kv_matches_closed_form": all(row["kv"] == row["kv_expected"] for row in every),
+        "kv_peak_tokens": peak_tokens,  # cached positions of all running requests at their largest
+        "kv_closed_form_at_peak": kv_cache_bytes(config.n_layer, config.n_head, config.head_size,
+                                                 peak_tokens, itemsize, shards),
+        "max_logit_rel_diff": max(diffs) if opts.check and diffs else None,
+        "tokens_match_reference": all(row["same"] for row in every) if opts.check else None,
+    }

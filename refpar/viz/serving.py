@@ -1,0 +1,79 @@
+"""Figures of a serving run: each rank's KV cache filling and emptying as requests come and go.
+
+Data in (the summary of `refpar generate --json`, refpar/serving/runner.py), a Plotly figure out.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from refpar.config import MESH_AXES
+
+
+def _rank_title(k: dict) -> str:
+    coords = ", ".join(f"{a}{k['coords'][a]}" for a in MESH_AXES if a in k["coords"])
+    return f"rank {k['rank']} ({coords})"
+
+
+def kv_cache_figure(summary: dict) -> go.Figure:
+    """One panel per rank: the KV cache bytes the MemoryLedger counted after every pass and after
+    every step's frees, stacked by request (a request's band grows by one token per decode pass
+    and vanishes when it finishes); the dashed line is the closed form for that moment."""
+    ranks = summary["kv_cache"]
+    moments = summary["kv_moments"]
+    rids = [str(r["rid"]) for r in summary["requests"]]
+    fig = make_subplots(rows=len(ranks), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+                        subplot_titles=[_rank_title(k) for k in ranks])
+    x = list(range(len(moments)))
+    for row, k in enumerate(ranks, start=1):
+        for i, rid in enumerate(rids):
+            fig.add_trace(go.Bar(
+                x=x, y=[d.get(rid, 0) for d in k["bytes_by_request"]], name=f"request {rid}",
+                legendgroup=rid, showlegend=row == 1, marker_color=f"hsl({(i * 67) % 360}, 60%, 55%)",
+                customdata=moments, hovertemplate="%{customdata}: %{y} B of request " + rid
+                + "<extra></extra>"), row=row, col=1)
+        fig.add_trace(go.Scatter(
+            x=x, y=k["expected_bytes_timeline"], mode="lines", line={"dash": "dash", "color": "black",
+            "shape": "hv"}, name="closed form", legendgroup="closed", showlegend=row == 1,
+            customdata=moments, hovertemplate="%{customdata}: closed form %{y} B<extra></extra>"),
+            row=row, col=1)
+        fig.update_yaxes(title_text="KV bytes", row=row, col=1)
+    fig.update_xaxes(title_text="after each pass and each step's frees", row=len(ranks), col=1,
+                     tickvals=x, ticktext=moments, tickangle=-60)
+    mesh = "-".join(f"{a.upper()}({n})" for a, n in summary["mesh"].items() if n > 1) or "one device"
+    fig.update_layout(barmode="stack", height=220 * len(ranks) + 160,
+                      title=f"KV cache per rank on {mesh}, {len(rids)} requests, at most "
+                            f"{summary['max_batch']} at once")
+    return fig
+
+
+def comm_per_token_figure(summary: dict) -> go.Figure:
+    """Bytes each rank sent per token, by phase, axis and op (bars, traced), with the closed form
+    of the same calls (diamonds): under tp the decode bars are 2 · layers + 1 all-reduces of one
+    token's activations plus the gathered logits; under pp one activation hop and the tokens."""
+    tokens = {"prefill": summary["latency"]["prefill"]["prompt_tokens"],
+              "decode": summary["latency"]["decode"]["tokens"]}
+    ranks = [k["rank"] for k in summary["kv_cache"]]
+
+    def per_token(rows):
+        out: dict = {}
+        for r in rows:
+            key = f"{r['phase']} {r['axis']} {r['op']}"
+            out.setdefault(key, dict.fromkeys(ranks, 0.0))[r["rank"]] += r["bytes_sent"] / tokens[r["phase"]]
+        return out
+
+    measured, expected = per_token(summary["comm_bytes"]), per_token(summary["expected_comm_bytes"])
+    fig = go.Figure()
+    for i, (key, by_rank) in enumerate(sorted(measured.items())):
+        color = f"hsl({(i * 67) % 360}, 60%, 55%)"
+        fig.add_trace(go.Bar(x=ranks, y=[by_rank[r] for r in ranks], name=key, offsetgroup=key,
+                             marker_color=color,
+                             hovertemplate="rank %{x}: %{y:.1f} B per token<extra>" + key + "</extra>"))
+        fig.add_trace(go.Scatter(x=ranks, y=[expected.get(key, {}).get(r, 0.0) for r in ranks],
+                                 mode="markers", marker={"symbol": "diamond", "color": "black"},
+                                 name=f"{key} (closed form)", showlegend=False,
+                                 hovertemplate="closed form %{y:.1f} B per token<extra></extra>"))
+    fig.update_layout(barmode="group", xaxis_title="rank", yaxis_title="bytes sent per token",
+                      xaxis={"tickvals": ranks}, title="bytes per token by phase, axis and op")
+    return fig

@@ -1,0 +1,116 @@
+"""The app in a real browser: start it with `refpar app` on a free localhost port, open it in Chromium via
+Playwright, click through every page, play an animation, take screenshots, and check that no page
+shows a Streamlit exception.
+
+    REFPAR_SCREENSHOTS=docs python -m pytest tests/test_app_browser.py   # refresh docs/app-*.png
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+PAGES = ["Sharding layouts", "Pipeline schedules", "Communication", "Memory", "Plan", "Run for real"]
+CHANGED = "t => document.querySelector('.js-plotly-plot .gtitle').textContent !== t"
+SHOTS = {"Sharding layouts": "app-sharding.png", "Pipeline schedules": "app-pipeline.png",
+         "Communication": "app-communication.png"}
+
+pytestmark = [
+    pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                       reason=f"no Chromium at {CHROMIUM}: apt-get install -y chromium (.ci/run does)"),
+    pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
+                       reason="playwright is not installed: pip install -e '.[dev]'"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def app_url():
+    port = free_port()
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    # Through `refpar app`, as a user starts it; its own process group, so that ending the group
+    # ends the Streamlit server it started too.
+    server = subprocess.Popen([sys.executable, "-m", "refpar", "app", "--port", str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://localhost:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+@pytest.mark.timeout(300)
+def test_every_page_renders_in_chromium_without_an_exception(app_url, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    shots = Path(os.environ.get("REFPAR_SCREENSHOTS", tmp_path))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.set_default_timeout(90_000)
+            page.goto(app_url)
+            page.get_by_text("parallel training, step by step").wait_for()
+            for name in PAGES:
+                page.get_by_test_id("stSidebarNav").get_by_role("link", name=name).click()
+                page.get_by_role("heading", name=name).wait_for()
+                page.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')")
+                if name != "Run for real":
+                    page.locator(".js-plotly-plot").first.wait_for()
+                if name == "Sharding layouts":
+                    # Step the animation: drag the slider back to the first frame, then Play; the
+                    # title names the frame shown, so it must change each time.
+                    plot = page.locator(".js-plotly-plot").first
+                    plot.scroll_into_view_if_needed()
+                    title = plot.locator(".gtitle")
+                    last = title.text_content()
+                    plot.locator(".slider-rail-touch-rect").first.click(position={"x": 3, "y": 3})
+                    page.wait_for_function(CHANGED, arg=last)
+                    first = title.text_content()
+                    assert "before the step" in first
+                    plot.locator(".updatemenu-button").first.click()
+                    page.wait_for_function(CHANGED, arg=first)
+                    page.wait_for_function(CHANGED.replace("!== t", "=== t"), arg=last)  # played to the end
+                assert page.get_by_test_id("stException").count() == 0, f"{name} shows an exception"
+                assert page.get_by_test_id("stAlert").filter(has_text="Traceback").count() == 0
+                if name == "Communication":
+                    page.locator(".js-plotly-plot").nth(1).scroll_into_view_if_needed()  # the traffic matrix
+                if name in SHOTS:
+                    page.screenshot(path=str(shots / SHOTS[name]), full_page=False)
+            assert all((shots / f).stat().st_size > 10_000 for f in SHOTS.values())
+        finally:
+            browser.close()

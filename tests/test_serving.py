@@ -1,0 +1,169 @@
+"""Serving: KV-cache decoding with continuous batching, on one device and on tp, cp and pp meshes,
+against the single device recomputing every sequence; bytes and KV memory against closed forms."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from refpar.analysis.hardware import hardware
+from refpar.analysis.presets import preset
+from refpar.analysis.serving import decode_estimate, kv_bytes_per_rank, kv_cache_bytes
+from refpar.comm import cost
+from refpar.config import ConfigError, model_preset
+from refpar.memory import MemoryLedger
+from refpar.model import gpt
+from refpar.serving.engine import serve
+from refpar.serving.requests import Request, check_requests, make_requests, reference_generate
+from refpar.serving.sampling import Sampling, parse_sampling, sample_token
+from tests.mpi import ROOT, mpi_env, mpiexec
+
+CONFIG = model_preset("tiny")
+TOL = 1e-10
+
+
+def _rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "temperature=0.7,top_k=8"])
+def test_kv_cache_decoding_with_continuous_batching_matches_full_recompute(sampling):
+    params = gpt.init_params(CONFIG, 2)
+    requests = make_requests(CONFIG, [6, 15, 2, 10], [7, 3, 9, 4], [0, 0, 2, 3], seed=4)
+    smp = parse_sampling(sampling, seed=9)
+    ledger = MemoryLedger()
+    out = serve(params, CONFIG, requests, smp, max_batch=2, ledger=ledger)
+    worst = 0.0
+    for r in requests:
+        tokens, logits = reference_generate(params, CONFIG, r, smp)
+        assert out.tokens[r.rid] == tokens, f"request {r.rid}"
+        worst = max(worst, *(_rel(a, b) for a, b in zip(out.logits[r.rid], logits, strict=True)))
+    assert worst <= TOL, f"max logit rel diff {worst:.2e}"
+    one = {"tp": 1, "cp": 1, "pp": 1}
+    expected = [kv_bytes_per_rank(CONFIG, c.values(), one, {"tp": 0, "cp": 0, "pp": 0}) for c in out.cached]
+    assert out.kv_bytes == expected
+    assert ledger.current["activations"] == 0, "finished requests free their KV cache slots"
+    assert max(out.kv_bytes) == ledger.peak["activations"]
+
+
+@pytest.fixture(scope="module")
+def parallel_runs():
+    proc = mpiexec(4, "tests/serving_job.py", timeout=240)
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(runs) == 4, proc.stdout[-2000:]
+    return runs
+
+
+def test_every_parallel_decoding_mode_gives_the_single_device_tokens_and_logits(parallel_runs):
+    for run in parallel_runs:
+        assert run["tokens_match_reference"], run["mesh"]
+        assert run["max_logit_rel_diff"] <= TOL, f"{run['mesh']}: {run['max_logit_rel_diff']:.2e}"
+        assert run["tokens_generated"] == 5 + 8 + 3 + 6 + 2
+
+
+def test_traced_bytes_and_ledger_kv_bytes_equal_the_closed_forms_on_every_rank(parallel_runs):
+    for run in parallel_runs:
+        assert run["comm_matches_closed_form"], run["mesh"]
+        assert run["kv_matches_closed_form"], run["mesh"]
+        assert all(max(k["bytes_timeline"]) == k["peak_bytes"] > 0 for k in run["kv_cache"])
+
+
+def test_tp_decode_moves_two_all_reduces_per_layer_per_token(parallel_runs):
+    run = next(r for r in parallel_runs if r["mesh"] == {"tp": 2, "cp": 2, "pp": 1})
+    C, L, V, b = CONFIG.n_embd, CONFIG.n_layer, CONFIG.vocab_size, 8
+    # per decoded token: the embedding's g, two g per block, and the (V/2, 1) logits gathered
+    per_token = (2 * L + 1) * cost.all_reduce_bytes(C, 2, 0, b).sent + (V // 2) * b
+    assert run["bytes_per_token"]["tp:decode"] == per_token
+
+
+def test_kv_closed_form_per_rank_adds_up_and_splits_evenly():
+    cached = [13, 4, 22]
+    L, nh, hs, b = CONFIG.n_layer, CONFIG.n_head, CONFIG.head_size, 8
+    total = kv_cache_bytes(L, nh, hs, sum(cached), b)
+    for sizes in ({"tp": 2, "cp": 2, "pp": 1}, {"tp": 4, "cp": 1, "pp": 2}, {"tp": 1, "cp": 3, "pp": 4}):
+        ranks = [{"tp": t, "cp": c, "pp": p} for t in range(sizes["tp"]) for c in range(sizes["cp"])
+                 for p in range(sizes["pp"])]
+        assert sum(kv_bytes_per_rank(CONFIG, cached, sizes, r) for r in ranks) == total
+    even = {"tp": 2, "cp": 2, "pp": 2}
+    assert kv_bytes_per_rank(CONFIG, [16, 8], even, {"tp": 1, "cp": 0, "pp": 1}) == \
+        kv_cache_bytes(L, nh, hs, 24, b, shards=8)
+
+
+def test_sampling_is_keyed_by_request_and_position_and_top_1_is_greedy():
+    logits = np.linspace(-1.0, 2.0, CONFIG.vocab_size)[::-1].copy()
+    s = Sampling(temperature=1.0, seed=3)
+    assert sample_token(logits, s, 4, 9) == sample_token(logits.copy(), s, 4, 9)
+    draws = {sample_token(logits, s, rid, 9) for rid in range(40)}
+    assert len(draws) > 5, "different requests draw different numbers"
+    assert sample_token(logits, Sampling(temperature=2.0, top_k=1), 0, 1) == int(np.argmax(logits))
+
+
+def test_70b_on_8_gpus_holds_about_17_gb_each_and_tp_beats_pp_on_latency():
+    spec, hw = preset("llama2-70b"), hardware("h100")
+    tp = decode_estimate(spec, hw, tp=8)
+    pp = decode_estimate(spec, hw, pp=8)
+    assert 16.5e9 < tp["weights_bytes_per_gpu"] == pp["weights_bytes_per_gpu"] < 17.6e9
+    # 8 KV heads of 128 over tp=8: 2 * 80 layers * 1 head * 128 * 2 bytes per cached token
+    assert tp["kv_bytes_per_token_per_gpu"] == 2 * 80 * 1 * 128 * 2
+    assert tp["decode_s_per_token"] < pp["decode_s_per_token"]
+    assert pp["decode_tokens_per_s"] > tp["decode_tokens_per_s"], "pp's requests in flight"
+    across = decode_estimate(spec, hw, tp=16)
+    assert across["tp_link"] == "infiniband" and across["decode_comm_s"] > tp["decode_comm_s"]
+
+
+def test_bad_requests_get_one_sentence():
+    with pytest.raises(ConfigError, match="longer than the context"):
+        check_requests(CONFIG, [Request(0, tuple(range(40)), 1)])
+    with pytest.raises(ConfigError, match="at most 3 new tokens"):
+        check_requests(CONFIG, [Request(0, tuple(range(30)), 5)])
+    with pytest.raises(ConfigError, match="unknown sampling option"):
+        parse_sampling("temperature=0.5,nucleus=0.9")
+    for args in (["--prompt-lens", "40"], ["--sampling", "temp=0.5"], ["--mesh", "dp=2"]):
+        proc = subprocess.run([sys.executable, "-m", "refpar", "generate", *args], cwd=ROOT,
+                              env=mpi_env(), capture_output=True, text=True, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("refpar generate: error: ")
+
+
+def test_generate_command_reports_and_checks_on_one_device():
+    proc = subprocess.run([sys.executable, "-m", "refpar", "generate", "--check", "--json"], cwd=ROOT,
+                          env=mpi_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["tokens_match_reference"] and summary["max_logit_rel_diff"] <= TOL
+    assert summary["kv_cache"][0]["peak_bytes"] == summary["kv_closed_form_at_peak"]
+    assert "ms per token" in proc.stdout and "llama2-70b" in proc.stdout
+
+
+def test_kv_cache_figure_stacks_each_ranks_ledger_bytes_by_request(parallel_runs):
+    from refpar.viz.serving import kv_cache_figure
+
+    run = next(r for r in parallel_runs if r["mesh"] == {"tp": 1, "cp": 4, "pp": 1})
+    fig = kv_cache_figure(run)
+    for k in run["kv_cache"]:
+        bars = [t for t in fig.data if t.type == "bar" and t.xaxis == ("x" if k["rank"] == 0
+                                                                         else f"x{k['rank'] + 1}")]
+        assert len(bars) == len(run["requests"])
+        stacked = [sum(int(b.y[i]) for b in bars) for i in range(len(run["kv_moments"]))]
+        assert stacked == k["bytes_timeline"] == k["expected_bytes_timeline"]
+
+
+def test_comm_figure_bars_are_traced_bytes_per_token_and_diamonds_the_closed_form(parallel_runs):
+    from refpar.viz.serving import comm_per_token_figure
+
+    run = next(r for r in parallel_runs if r["mesh"] == {"tp": 2, "cp": 1, "pp": 2})
+    fig = comm_per_token_figure(run)
+    bars = [t for t in fig.data if t.type == "bar"]
+    marks = [t for t in fig.data if t.type == "scatter"]
+    assert {b.name for b in bars} >= {"decode tp all_reduce", "decode pp send", "prefill pp broadcast"}
+    for bar, mark in zip(bars, marks, strict=True):
+        assert list(bar.y) == list(mark.y), bar.name
+    decode = run["latency"]["decode"]["tokens"]
+    sent = sum(r["bytes_sent"] for r in run["comm_bytes"]
+               if (r["rank"], r["phase"], r["axis"], r["op"]) == (0, "decode", "tp", "all_reduce"))
+    assert next(b for b in bars if b.name == "decode tp all_reduce").y[0] == sent / decode
