@@ -27,7 +27,8 @@ def run_cases(n: int, *args: str) -> dict:
 def two_ranks():
     # 5 sequences: dp shards of 3 and 2, where loss conventions part. Pipeline cases take 2
     # sequences per microbatch (equal microbatches: refpar/conformance/pipeline.py).
-    return run_cases(2, "--batch-size", "5", "--microbatches", "4", "ddp-mean", "tp@float32", *CASES)
+    return run_cases(2, "--batch-size", "5", "--microbatches", "4", "ddp-mean", "ddp-accum",
+                     "ddp-accum-mean", "tp@float32", *CASES)
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +100,13 @@ def test_float32_differences_are_rounding_because_float64_agrees(two_ranks):
     for s in two_ranks["tp@float32"]["steps"]:
         assert s["loss"] <= 1e-6 and s["grads"] <= 1e-4, s
         assert s["params"] <= 1e-2 and s["param_worst"].endswith("attn.c_attn.bias"), s
+
+
+@pytest.mark.timeout(900)
+def test_accumulating_microbatch_means_without_dividing_is_the_accumulation_bug(two_ranks):
+    """Two microbatches per step under DDP's no_sync: normalising each by the global token count
+    agrees with refpar; each microbatch's own mean, not divided by 2, roughly doubles the loss
+    and the gradients."""
+    check(two_ranks["ddp-accum"])
+    first = two_ranks["ddp-accum-mean"]["steps"][0]
+    assert first["loss"] > 0.5 and first["grads"] > 0.5, first

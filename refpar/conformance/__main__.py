@@ -18,7 +18,10 @@ from refpar.conformance.compare import merge_ranks
 from refpar.conformance.dist import process_group
 
 # "-mean": the case with PyTorch's habit of a per-rank mean loss (cases.py, "Conventions").
-CASES = {"ddp": cases.ddp, "ddp-mean": partial(cases.ddp, convention="mean"), "fsdp2": cases.fsdp2,
+# "-accum": 2 microbatches accumulated per step.
+CASES = {"ddp": cases.ddp, "ddp-mean": partial(cases.ddp, convention="mean"),
+         "ddp-accum": partial(cases.ddp, microbatches=2),
+         "ddp-accum-mean": partial(cases.ddp, microbatches=2, convention="mean"), "fsdp2": cases.fsdp2,
          "tp": cases.tp, "tp-sp": partial(cases.tp, sp=True)}
 # "pp-NAME": torch.distributed.pipelining's ScheduleNAME (refpar/conformance/pipeline.py).
 PIPELINES = {f"pp-{name}": name for name in pipeline.SCHEDULES}

@@ -57,8 +57,15 @@ def gpt2(name: str, t: torch.Tensor) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------- DDP
-def ddp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8) -> list[dict]:
-    """torch DDP against refpar.parallel.data_parallel.DataParallel on dp = world."""
+def ddp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8,
+        microbatches: int = 1) -> list[dict]:
+    """torch DDP against refpar.parallel.data_parallel.DataParallel on dp = world, accumulating
+    `microbatches` per step (DDP's `no_sync` until the last). refpar normalises every microbatch
+    by B*T and sums; the "mean" convention takes each microbatch's own mean and does not divide by
+    the number of microbatches, the usual accumulation bug: gradients about that many times too
+    large, parameters less far off (AdamW's m / sqrt(v) is nearly blind to a gradient's scale)."""
+    from contextlib import nullcontext
+
     from torch.nn.parallel import DistributedDataParallel
 
     from refpar.parallel.data_parallel import DataParallel
@@ -72,17 +79,20 @@ def ddp(comm, dtype: str = "float64", convention: str = "global", batch_size: in
     corpus = corpus_for(model, train)
     rows = []
     for step in range(train.steps):
-        loss = train_step(ours, corpus, step, 1)
+        loss = train_step(ours, corpus, step, microbatches)
         grads = {n: v.copy() for u in ours.layout.units
                  for n, v in ours.layout.views(u, ours.unit_flat(u, ours.grads)).items()}
 
-        tokens, targets = corpus.batch(step, microbatch_ids(B, N, r, 1, 0), T)
         opt.zero_grad()
-        out = token_loss(net(torch.from_numpy(tokens)), torch.from_numpy(targets), tokens.size, N, B, T,
-                         convention)
-        out.backward()
+        reported = torch.zeros((), dtype=getattr(torch, dtype))
+        for m in range(microbatches):
+            tokens, targets = corpus.batch(step, microbatch_ids(B, N, r, microbatches, m), T)
+            with net.no_sync() if m < microbatches - 1 else nullcontext():
+                out = token_loss(net(torch.from_numpy(tokens)), torch.from_numpy(targets), tokens.size,
+                                 N, B, T, convention)
+                out.backward()
+            reported += out.detach()
         opt.step()
-        reported = out.detach().clone()
         dist.all_reduce(reported)  # DDP averages gradients, so the loss it optimises is the average
         theirs = {n: gpt2(n, p.grad) for n, p in net.module.named_parameters()}
         params = {n: gpt2(n, p) for n, p in net.module.named_parameters()}
