@@ -5,9 +5,10 @@ common bug planted.
 
 Each scenario writes OUT_DIR/<scenario>/layout.json and rank{r}.npz (refpar/commands/check.py):
 
-- tp, fsdp2, ddp, zero-flat, ddp-dropout: correct runs (DTensor TP with fused QKV interleaved per
-  rank; FSDP2's per-parameter dim-0 shards; DDP over uneven shards with the loss normalised by the
-  global token count; DDP gradients written as ZeRO flat pieces; DDP with refpar's keyed masks).
+- tp, tp-float32, fsdp2, ddp, zero-flat, ddp-dropout: correct runs (DTensor TP with fused QKV
+  interleaved per rank, in float64 and float32; FSDP2's per-parameter dim-0 shards; DDP over
+  uneven shards with the loss normalised by the global token count; DDP gradients written as
+  ZeRO flat pieces; DDP with refpar's keyed masks).
 - tp-vocab-pad: wte padded to a multiple of 50 rows, the padded logits left in the softmax.
 - ddp-per-rank-loss: each rank's loss the mean over its own tokens, shards of 3 and 2 sequences.
 - sp-layernorm: LayerNorm gradients as each rank of a Megatron-style sequence-parallel run holds
@@ -94,14 +95,14 @@ def tp_scenarios(comm, root: Path) -> None:
     plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
             "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
 
-    for name in ("tp", "tp-vocab-pad", "sp-layernorm"):
+    for name in ("tp", "tp-float32", "tp-vocab-pad", "sp-layernorm"):
         params, cfg = dict(full), model
         if name == "tp-vocab-pad":  # Megatron pads V to a multiple of 128 * tp; 50 here
             vp = -(-V // 50) * 50
             pad = np.random.default_rng(0).normal(0, 0.02, (vp - V, model.n_embd))
             params["wte.weight"] = np.concatenate([full["wte.weight"], pad])
             cfg = replace(model, vocab_size=vp)
-        net = build(cfg, params, torch.float64)
+        net = build(cfg, params, torch.float32 if name == "tp-float32" else torch.float64)
         for block in net.h:
             parallelize_module(block, mesh, plan)
         seen = {}
