@@ -58,6 +58,8 @@ HELP = "Check a dump of a parallel run (per rank .npz + layout.json) against ref
 # float64 the project's tolerance (DESIGN.md); float32 about 1e3 epsilons (sums of ~1e3 terms).
 NOISE = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
 SPLITS = ("replicate", "column", "row")
+# The ranks of a dump lie on one mesh axis; which one names how its tensors were split.
+AXES = ("world", "dp", "tp", "sp", "cp", "pp", "ep")
 MODEL_KEYS = ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer", "dropout", "layer_norm_eps")
 
 
@@ -112,6 +114,8 @@ def load(directory: str) -> Dump:
         config = ModelConfig(**layout["model"], dtype="float64")
     except (TypeError, ConfigError) as err:
         raise CheckError(f"layout.json's model is not a valid GPT-2: {err}") from err
+    if layout.get("axis", "world") not in AXES:
+        raise CheckError(f"layout.json's axis {layout['axis']!r} is not one of {', '.join(AXES)}")
     n = layout.get("ranks")
     if not isinstance(n, int) or n < 1:
         raise CheckError('layout.json needs "ranks", a positive integer')
