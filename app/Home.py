@@ -31,7 +31,9 @@ def home() -> None:
         "- **Memory**: peak bytes per rank by category across strategies.\n"
         "- **Plan**: the fastest meshes for a published model on N GPUs.\n"
         "- **Run for real**: launch `mpiexec` on this machine and lay the measured numbers next to "
-        "the closed forms."
+        "the closed forms.\n"
+        "- **Lessons**: the course in lessons/, from a first `mpiexec` to 3D parallelism, with "
+        "exercises that `refpar lesson check N` grades."
     )
 
 
@@ -43,5 +45,6 @@ pages = [
     st.Page("views/memory.py", title="Memory", icon=":material/memory:"),
     st.Page("views/plan.py", title="Plan", icon=":material/calculate:"),
     st.Page("views/run.py", title="Run for real", icon=":material/play_arrow:"),
+    st.Page("views/lessons.py", title="Lessons", icon=":material/school:"),
 ]
 st.navigation(pages).run()

@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "verify": "refpar.commands.verify",
     "check": "refpar.commands.check",
     "generate": "refpar.commands.generate",
+    "lesson": "refpar.commands.lesson",
 }
 
 
