@@ -31,6 +31,7 @@ def home() -> None:
         "- **Memory**: peak bytes per rank by category across strategies.\n"
         "- **Plan**: the fastest meshes for a published model on N GPUs.\n"
         "- **Serving**: each rank's KV cache token by token, and tp against pp latency at scale.\n"
+        "- **Lessons**: the course, lesson by lesson.\n"
         "- **Run for real**: launch `mpiexec` on this machine and lay the measured numbers next to "
         "the closed forms."
     )
@@ -45,5 +46,6 @@ pages = [
     st.Page("views/plan.py", title="Plan", icon=":material/calculate:"),
     st.Page("views/run.py", title="Run for real", icon=":material/play_arrow:"),
     st.Page("views/serving.py", title="Serving", icon=":material/chat:"),
+    st.Page("views/lessons.py", title="Lessons", icon=":material/school:"),
 ]
 st.navigation(pages).run()

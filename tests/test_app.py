@@ -65,7 +65,7 @@ def test_home_lists_every_page():
     assert not at.exception
     text = at.markdown[0].value
     for name in ("Sharding layouts", "Pipeline schedules", "Communication", "Memory", "Plan", "Run for real",
-                 "Serving"):
+                 "Serving", "Lessons"):
         assert name in text
 
 
@@ -321,3 +321,19 @@ def test_a_real_generate_draws_each_ranks_kv_cache_from_its_summary():
     at.switch_page("views/run.py")
     rerun(at)
     assert "run" not in at.session_state and not at.button[0].disabled
+
+
+def test_lessons_page_shows_every_lessons_title_in_order():
+    at = page("views/lessons.py")
+    lessons = sorted((ROOT / "lessons").glob("*.md"))
+    if not lessons:
+        assert "have not landed" in at.info[0].value and not at.selectbox
+        return
+    titles = [next(x[2:].strip() for x in p.read_text().splitlines() if x.startswith("# ")) for p in lessons]
+    box = at.selectbox[0]
+    assert box.options == titles
+    for lesson, name in zip(lessons, titles, strict=True):
+        at.selectbox[0].set_value(lesson)
+        rerun(at)
+        assert at.caption[0].value == f"lessons/{lesson.name}"
+        assert any(name in m.value for m in at.markdown)
