@@ -287,9 +287,16 @@ def test_serving_page_at_scale_numbers_are_refpars_closed_forms():
     assert list(table["layout"]) == [r["layout"] for r in rows]
     np.testing.assert_allclose(table["decode ms/token"], [1e3 * r["decode_s_per_token"] for r in rows])
     np.testing.assert_allclose(table["tokens/s"], [r["decode_tokens_per_s"] for r in rows])
+    at.selectbox[2].set_value("h200")
+    at.number_input[2].set_value(16)
+    rerun(at)
+    rows = serving_table(preset("llama2-70b"), hardware("h200"), batch=16, context=4096)
+    np.testing.assert_allclose(at.dataframe[0].value["tokens/s"], [r["decode_tokens_per_s"] for r in rows])
     at.number_input[0].set_value(7)
+    at.number_input[3].set_value(1 << 21)
     rerun(at)
     assert "choose 1 to 6" in at.error[0].value and at.button[0].disabled
+    assert "at most 1,048,576" in at.error[1].value and not at.dataframe
 
 
 @pytest.mark.timeout(120)

@@ -29,7 +29,7 @@ def progress(run: Launcher) -> None:
         elapsed = time.monotonic() - run.started
         if elapsed > TIME_LIMIT_S:
             run.stop()
-        st.progress(min(elapsed / 30, 1.0), text=f"{run.label}: {elapsed:.0f} s")
+        st.caption(f"{run.label}: {elapsed:.0f} s")
         st.code("\n".join(run.lines[-12:]) or "starting mpiexec ...", language=None)
         return
     if run.proc is not None and st.session_state.get("serving_ended") != run.proc.pid:
