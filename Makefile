@@ -24,8 +24,10 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 # The suite includes `refpar verify --quick` (tests/test_engine.py): every strategy combination.
+# One BLAS thread: the tiny test models gain nothing from more, and the MPI jobs already use every
+# core (with two OpenBLAS threads a tiny training run took 10x longer on a busy 2-core machine).
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q
 
 app: $(STAMP)
 	$(PY) -m refpar app
