@@ -31,9 +31,10 @@ def home() -> None:
         "- **Memory**: peak bytes per rank by category across strategies.\n"
         "- **Plan**: the fastest meshes for a published model on N GPUs.\n"
         "- **Serving**: each rank's KV cache token by token, and tp against pp latency at scale.\n"
-        "- **Lessons**: the course, lesson by lesson.\n"
         "- **Run for real**: launch `mpiexec` on this machine and lay the measured numbers next to "
-        "the closed forms."
+        "the closed forms.\n"
+        "- **Lessons**: the course in lessons/, from a first `mpiexec` to 3D parallelism, with "
+        "exercises that `refpar lesson check N` grades."
     )
 
 

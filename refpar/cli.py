@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "app": "refpar.commands.app",
     "verify": "refpar.commands.verify",
     "generate": "refpar.commands.generate",
+    "lesson": "refpar.commands.lesson",
 }
 
 
