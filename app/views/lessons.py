@@ -8,6 +8,11 @@ from refpar import lessons
 from refpar.lesson_checks import EXERCISES
 
 st.title("Lessons")
+st.markdown(
+    "The course, one numbered lesson a page, in order. Each runs as written: copy its commands into a "
+    "terminal at the repository root and compare what the ranks print with the output shown here, "
+    "then edit the lesson's exercise file and let `refpar lesson check N` grade it."
+)
 files = lessons.lesson_files()
 if not files:
     st.info("No lessons found: this page reads lessons/NN-name.md from the repository.")
