@@ -30,8 +30,11 @@ def home() -> None:
         "- **Communication**: bytes by axis and op, who sends to whom, each collective in turn.\n"
         "- **Memory**: peak bytes per rank by category across strategies.\n"
         "- **Plan**: the fastest meshes for a published model on N GPUs.\n"
+        "- **Serving**: each rank's KV cache token by token, and tp against pp latency at scale.\n"
         "- **Run for real**: launch `mpiexec` on this machine and lay the measured numbers next to "
-        "the closed forms."
+        "the closed forms.\n"
+        "- **Lessons**: the course in lessons/, from a first `mpiexec` to 3D parallelism, with "
+        "exercises that `refpar lesson check N` grades."
     )
 
 
@@ -43,5 +46,7 @@ pages = [
     st.Page("views/memory.py", title="Memory", icon=":material/memory:"),
     st.Page("views/plan.py", title="Plan", icon=":material/calculate:"),
     st.Page("views/run.py", title="Run for real", icon=":material/play_arrow:"),
+    st.Page("views/serving.py", title="Serving", icon=":material/chat:"),
+    st.Page("views/lessons.py", title="Lessons", icon=":material/school:"),
 ]
 st.navigation(pages).run()

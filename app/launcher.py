@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import cache
 from pathlib import Path
 
 from refpar.config import ConfigError
@@ -30,6 +31,7 @@ class Launcher:
         self.lines: list[str] = []
         self.started = 0.0
         self.label, self.key, self.steps = "", None, 1
+        self.kind = "train"  # which command the last run ran: "train" or "generate"
         self.trace: str | None = None  # where the run writes its Chrome trace
         self.result: dict | None = None  # {"key", "label", "summary", "trace"} of the last good run
         self.error: str | None = None  # the output tail of the last run that failed
@@ -38,7 +40,8 @@ class Launcher:
         """True until the run has ended and its output, result or error have been taken in."""
         return self.reader is not None and self.reader.is_alive()
 
-    def start(self, argv: list[str], label: str, key: tuple, steps: int, trace: str | None = None) -> None:
+    def start(self, argv: list[str], label: str, key: tuple, steps: int, trace: str | None = None,
+              kind: str = "train") -> None:
         with self.lock:
             if self.running():
                 raise ConfigError("a run is already going; wait for it or stop it first")
@@ -49,7 +52,7 @@ class Launcher:
                                          stderr=subprocess.STDOUT, text=True,
                                          cwd=ROOT, env=env, start_new_session=True)
             self.lines, self.started, self.error = [], time.monotonic(), None
-            self.label, self.key, self.steps, self.trace = label, key, steps, trace
+            self.label, self.key, self.steps, self.trace, self.kind = label, key, steps, trace, kind
             self.reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
             self.reader.start()
 
@@ -73,6 +76,12 @@ class Launcher:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
+
+
+@cache
+def shared() -> Launcher:
+    """The launcher every page and every browser tab of this app process uses."""
+    return Launcher()
 
 
 def mpiexec() -> str | None:

@@ -21,7 +21,9 @@ COMMANDS: dict[str, str] = {
     "plan": "refpar.commands.plan",
     "app": "refpar.commands.app",
     "verify": "refpar.commands.verify",
+    "check": "refpar.commands.check",
     "generate": "refpar.commands.generate",
+    "lesson": "refpar.commands.lesson",
 }
 
 

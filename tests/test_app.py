@@ -64,7 +64,8 @@ def test_home_lists_every_page():
     at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
     assert not at.exception
     text = at.markdown[0].value
-    for name in ("Sharding layouts", "Pipeline schedules", "Communication", "Memory", "Plan", "Run for real"):
+    for name in ("Sharding layouts", "Pipeline schedules", "Communication", "Memory", "Plan", "Run for real",
+                 "Serving", "Lessons"):
         assert name in text
 
 
@@ -271,3 +272,76 @@ def test_communication_page_takes_sixteen_ranks_and_refuses_more():
     at.number_input[1].set_value(9)
     rerun(at)
     assert "at most 16" in at.error[0].value
+
+
+def test_serving_page_at_scale_numbers_are_refpars_closed_forms():
+    from refpar.analysis.hardware import hardware
+    from refpar.analysis.presets import preset
+    from refpar.analysis.serving import serving_table
+
+    at = page("views/serving.py")  # default: llama2-70b on h100, batch 1, 4096 cached tokens
+    rows = serving_table(preset("llama2-70b"), hardware("h100"), batch=1, context=4096)
+    assert float(at.metric[0].value) == pytest.approx(1e3 * rows[0]["decode_s_per_token"], abs=5e-4)
+    assert float(at.metric[1].value) == pytest.approx(1e3 * rows[1]["decode_s_per_token"], abs=5e-4)
+    table = at.dataframe[0].value
+    assert list(table["layout"]) == [r["layout"] for r in rows]
+    np.testing.assert_allclose(table["decode ms/token"], [1e3 * r["decode_s_per_token"] for r in rows])
+    np.testing.assert_allclose(table["tokens/s"], [r["decode_tokens_per_s"] for r in rows])
+    at.selectbox[2].set_value("h200")
+    at.number_input[2].set_value(16)
+    rerun(at)
+    rows = serving_table(preset("llama2-70b"), hardware("h200"), batch=16, context=4096)
+    np.testing.assert_allclose(at.dataframe[0].value["tokens/s"], [r["decode_tokens_per_s"] for r in rows])
+    at.number_input[0].set_value(7)
+    at.number_input[3].set_value(1 << 21)
+    rerun(at)
+    assert "choose 1 to 6" in at.error[0].value and at.button[0].disabled
+    assert "at most 1,048,576" in at.error[1].value and not at.dataframe
+
+
+@pytest.mark.timeout(120)
+def test_a_real_generate_draws_each_ranks_kv_cache_from_its_summary():
+    at = page("views/serving.py")  # default mesh tp=2
+    at.number_input[0].set_value(2)
+    at.number_input[1].set_value(2)
+    rerun(at)
+    at.button[0].click()
+    rerun(at)
+    deadline = time.monotonic() + 90
+    while "serving" not in at.session_state and time.monotonic() < deadline:
+        time.sleep(1)
+        rerun(at)
+    assert "serving" in at.session_state, [c.value for c in at.code] + [e.value for e in at.error]
+    summary = at.session_state["serving"]["summary"]
+    assert summary["world_size"] == 2 and summary["kv_matches_closed_form"]
+    kv, per_token = charts(at)[:2]
+    for rank in summary["kv_cache"]:  # rank 0's bars first, then rank 1's, each a request then the line
+        traces = kv["data"][rank["rank"] * 3: rank["rank"] * 3 + 3]
+        for rid, trace in zip("01", traces[:2], strict=True):
+            assert np.asarray(trace["y"]).tolist() == [d.get(rid, 0) for d in rank["bytes_by_request"]]
+        assert np.asarray(traces[2]["y"]).tolist() == rank["expected_bytes_timeline"]
+    drawn = sum(np.sum(t["y"]) for t in per_token["data"] if t["type"] == "bar")
+    tokens = {"prefill": summary["latency"]["prefill"]["prompt_tokens"],
+              "decode": summary["latency"]["decode"]["tokens"]}
+    assert drawn == pytest.approx(sum(r["bytes_sent"] / tokens[r["phase"]] for r in summary["comm_bytes"]))
+    # One launcher for the whole app: the Run page sees this run ended and does not take it for training.
+    at.switch_page("views/run.py")
+    rerun(at)
+    assert "run" not in at.session_state and not at.button[0].disabled
+
+
+def test_lessons_page_shows_every_lessons_title_in_order():
+    from refpar import lessons
+
+    at = page("views/lessons.py")
+    files = lessons.lesson_files()
+    if not files:
+        assert "No lessons found" in at.info[0].value and not at.selectbox
+        return
+    titles = [lessons.title(p) for p in files]
+    assert at.selectbox[0].options == titles
+    for path, title in zip(files, titles, strict=True):
+        at.selectbox[0].set_value(int(path.name[:2]))
+        rerun(at)
+        shown = [m.value.strip() for m in at.markdown]
+        assert path.read_text().strip() in shown and shown[-1].startswith(f"# {title}\n")

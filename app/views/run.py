@@ -5,15 +5,10 @@ import time
 from pathlib import Path
 
 import streamlit as st
-from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec
+from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec, shared
 
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.viz import expected
-
-
-@st.cache_resource
-def launcher() -> Launcher:
-    return Launcher()
 
 
 @st.fragment(run_every=1.0)
@@ -33,9 +28,11 @@ def progress(run: Launcher) -> None:
         # The run ended since this page last looked: redraw the whole page once, so that Start is
         # enabled again and the result is taken up.
         st.session_state["ended"] = run.proc.pid
-        if run.error is None and run.result is not None:
+        if run.error is None and run.result is not None and run.kind == "train":
             st.session_state["run"] = run.result
         st.rerun()
+    if run.kind != "train":
+        return  # the Serving page's run, which that page shows
     if run.error is not None:
         st.error(run.error)
     elif run.result is not None:
@@ -59,7 +56,7 @@ dp = c.number_input("dp replicas", min_value=1, value=1, disabled=strategy in ex
 m = d.number_input("microbatches", min_value=1, value=2,
                    help="pp: m per step; dp strategies: gradient accumulation")
 steps = e.number_input("steps", min_value=1, value=3, help=f"at most {MAX_STEPS}")
-run = launcher()
+run = shared()
 try:
     if steps > MAX_STEPS:
         raise ConfigError(f"{steps} steps: choose 1 to {MAX_STEPS}, this is a demonstration")

@@ -1,5 +1,5 @@
-"""`refpar train --mesh dp=D,tp=T,pp=P [--sp] [--zero 1] [--schedule KIND] [--microbatches M]`:
-the N-D engine (refpar/engine.py) as a job, for meshes that mix pp with tp (or ZeRO-1).
+"""`refpar train --mesh dp=D,tp=T,pp=P [--sp] [--zero 1|3] [--schedule KIND] [--microbatches M]`:
+the N-D engine (refpar/engine.py) as a job, for meshes that mix pp with tp (or with ZeRO-1/3).
 
     mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --steps 3 --check
 
@@ -29,7 +29,7 @@ P2P = ("isend", "irecv")  # their time is spent waiting for the other side: idle
 
 
 def wants_engine(sizes: dict[str, int], args) -> bool:
-    """pp together with tp, or pp with a sharded optimizer: what no single-strategy runner composes."""
+    """pp together with tp, or pp with ZeRO sharding over dp: what no single-strategy runner composes."""
     return sizes["pp"] > 1 and (sizes["tp"] > 1 or args.sp or args.zero > 0 or args.fsdp)
 
 

@@ -1,0 +1,413 @@
+"""`refpar check DUMP_DIR [--json]`: is a user's parallel run computing GPT-2's numbers?
+
+    refpar check ./dump
+
+DUMP_DIR holds `layout.json` and one `rank{r}.npz` per rank (loaded with allow_pickle=False; a
+`rank{r}.safetensors` is read instead when the safetensors package is installed). Keys of a rank:
+`tokens`, `targets` (int), `loss` (0-d), `weights.<name>` and `grads.<name>` (GPT-2 state-dict
+names, Conv1D layout weight[in, out]), `weights.@<group>`/`grads.@<group>` (a ZeRO flat piece),
+and optionally `masks.<layer>.<site>` (the dropout keep masks the run applied). layout.json:
+
+    {"model": {"vocab_size": 96, "n_positions": 32, "n_embd": 32, "n_head": 4, "n_layer": 2,
+               "dropout": 0.0},
+     "ranks": 2, "axis": "tp",            # the one mesh axis the ranks lie on (tp, dp or sp)
+     "inputs": "replicate",               # or "batch": rank r holds the next rows of the batch
+     "seed": 1234, "step": 0,             # refpar's dropout keys, with dropout > 0
+     "tensors": {"h.0.mlp.c_fc.weight": {"split": "column"},      # last axis split over ranks
+                 "h.0.mlp.c_proj.weight": {"split": "row"},       # first axis split
+                 "h.0.attn.c_attn.weight": {"split": "column", "qkv": "interleaved"}},
+     "flat": {"root": ["wte.weight", "wpe.weight"]}}  # ZeRO: the group's concatenation, in order,
+                                                      # split into contiguous pieces by rank
+
+Absent tensors are replicated. "qkv": "interleaved" means rank r's piece of c_attn is
+[q_r, k_r, v_r] (each rank's heads), not a contiguous slice of q|k|v.
+
+The weights are reassembled, the step is recomputed in float64 with refpar.model.gpt and each
+gradient and the loss get: max abs and rel difference, ULP distance in the dump's dtype, and a
+verdict: exact (bitwise), noise (within reduction-order noise for the dtype, NOISE), or mismatch.
+A mismatch is explained by re-running the reference under each common bug and naming the one
+under which the user's numbers agree: vocabulary padding left in the softmax, the loss normalised
+per rank instead of by the global token count, sequence-parallel LayerNorm gradients not
+all-reduced over the ranks, a different dropout RNG.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from refpar.config import ConfigError, ModelConfig
+from refpar.model.dropout import keep_mask
+from refpar.model.gpt import (
+    DropoutContext,
+    block_backward,
+    block_forward,
+    embed_backward,
+    embed_forward,
+    head_backward,
+    head_forward,
+    loss_and_grads,
+    param_shapes,
+)
+
+HELP = "Check a dump of a parallel run (per rank .npz + layout.json) against refpar's GPT-2."
+# Relative differences that summation in another order can produce after one step, per dtype:
+# float64 the project's tolerance (DESIGN.md); float32 about 1e3 epsilons (sums of ~1e3 terms).
+NOISE = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
+SPLITS = ("replicate", "column", "row")
+# The ranks of a dump lie on one mesh axis; which one names how its tensors were split.
+AXES = ("world", "dp", "tp", "sp", "cp", "pp", "ep")
+MODEL_KEYS = ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer", "dropout", "layer_norm_eps")
+
+
+class CheckError(ConfigError):
+    """A dump refpar cannot read: the message is one sentence saying what is wrong."""
+
+
+# ------------------------------------------------------------------------------------- loading
+@dataclass
+class Dump:
+    layout: dict
+    config: ModelConfig
+    ranks: list[dict]  # per rank: key -> array
+    dtype: str
+
+
+def _load_rank(path: Path) -> dict:
+    st = path.with_suffix(".safetensors")
+    if not path.exists() and st.exists():
+        try:
+            from safetensors.numpy import load_file
+        except ImportError as err:
+            raise CheckError(f"{st.name} needs the safetensors package, which is not installed") from err
+        return dict(load_file(str(st)))
+    if not path.exists():
+        raise CheckError(f"the dump lacks {path.name}")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except ValueError as err:
+        raise CheckError(f"{path.name} holds pickled objects, which refpar never loads") from err
+    except Exception as err:  # a truncated or foreign file: zipfile, OSError, EOFError
+        raise CheckError(f"{path.name} is not a readable .npz file ({type(err).__name__})") from err
+
+
+def load(directory: str) -> Dump:
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckError(f"{directory} is not a directory holding layout.json and rank*.npz")
+    try:
+        layout = json.loads((root / "layout.json").read_text())
+    except FileNotFoundError as err:
+        raise CheckError(f"{directory} has no layout.json") from err
+    except json.JSONDecodeError as err:
+        raise CheckError(f"layout.json is not valid JSON (line {err.lineno}: {err.msg})") from err
+    if not isinstance(layout, dict) or not isinstance(layout.get("model"), dict):
+        raise CheckError('layout.json needs a "model" object with the GPT-2 sizes')
+    unknown = sorted(set(layout["model"]) - set(MODEL_KEYS))
+    if unknown:
+        raise CheckError(f'layout.json\'s model has {unknown[0]!r}; known fields are {", ".join(MODEL_KEYS)}')
+    try:
+        config = ModelConfig(**layout["model"], dtype="float64")
+    except (TypeError, ConfigError) as err:
+        raise CheckError(f"layout.json's model is not a valid GPT-2: {err}") from err
+    if layout.get("axis", "world") not in AXES:
+        raise CheckError(f"layout.json's axis {layout['axis']!r} is not one of {', '.join(AXES)}")
+    n = layout.get("ranks")
+    if not isinstance(n, int) or n < 1:
+        raise CheckError('layout.json needs "ranks", a positive integer')
+    for name, spec in layout.get("tensors", {}).items():
+        if spec.get("split", "replicate") not in SPLITS:
+            raise CheckError(f"{name}'s split {spec.get('split')!r} is not one of {', '.join(SPLITS)}")
+    ranks = [_load_rank(root / f"rank{r}.npz") for r in range(n)]
+    for r, arrays in enumerate(ranks):
+        for key in ("tokens", "targets", "loss"):
+            if key not in arrays:
+                raise CheckError(f"rank{r} lacks {key!r}")
+    dtypes = {str(a.dtype) for arrays in ranks for k, a in arrays.items() if k.startswith("grads.")}
+    if len(dtypes) != 1:
+        raise CheckError(f"the gradients must share one floating dtype, found {sorted(dtypes) or 'none'}")
+    return Dump(layout, config, ranks, dtypes.pop())
+
+
+# ---------------------------------------------------------------------------------- reassembly
+def _uninterleave(w, n: int, axis: int):
+    """[q_0 k_0 v_0 | q_1 k_1 v_1 | ...] along `axis` -> [q | k | v]."""
+    pieces = np.split(w, 3 * n, axis=axis)
+    return np.concatenate([pieces[3 * r + j] for j in range(3) for r in range(n)], axis=axis)
+
+
+def reassemble(dump: Dump, kind: str) -> tuple[dict, dict]:
+    """({name: whole array}, {name: [each rank's copy]} for replicated names) of weights or grads."""
+    lay, n = dump.layout, len(dump.ranks)
+    whole, copies = {}, {}
+    for group, names in lay.get("flat", {}).items():
+        key = f"{kind}.@{group}"
+        held = [key in arrays for arrays in dump.ranks]
+        if not any(held):  # e.g. ZeRO-2: gradients flat, weights whole
+            continue
+        if not all(held):
+            raise CheckError(f"{key} is on some ranks but not on rank {held.index(False)}")
+        flat = np.concatenate([np.ravel(arrays[key]) for arrays in dump.ranks])
+        shapes = _shapes(dump, names)
+        sizes = [int(np.prod(s)) for s in shapes]
+        if sum(sizes) != flat.size:
+            raise CheckError(f"flat group {group!r} holds {flat.size} elements; its names need {sum(sizes)}")
+        for name, shape, piece in zip(names, shapes, np.split(flat, np.cumsum(sizes)[:-1]), strict=True):
+            whole[name] = piece.reshape(shape)
+    prefix = f"{kind}."
+    names = [k[len(prefix):] for k in dump.ranks[0]
+             if k.startswith(prefix) and not k.startswith(prefix + "@")]
+    for name in names:
+        if any(prefix + name not in arrays for arrays in dump.ranks):
+            raise CheckError(f"{prefix + name} is on rank 0 but not on every rank")
+        parts = [arrays[prefix + name] for arrays in dump.ranks]
+        spec = lay.get("tensors", {}).get(name, {})
+        split = spec.get("split", "replicate")
+        if split == "replicate":
+            whole[name], copies[name] = parts[0], parts
+            continue
+        axis = -1 if split == "column" else 0
+        try:
+            w = np.concatenate(parts, axis=axis)
+        except ValueError as err:
+            raise CheckError(f"{prefix + name}'s pieces do not join along the {split} axis") from err
+        whole[name] = _uninterleave(w, n, axis) if spec.get("qkv") == "interleaved" else w
+    return whole, copies
+
+
+def _shapes(dump: Dump, names) -> list[tuple]:
+    shapes = param_shapes(dump.config)
+    unknown = [m for m in names if m not in shapes]
+    if unknown:
+        raise CheckError(f"{unknown[0]} is not a parameter of GPT-2 with this model")
+    return [shapes[m] for m in names]
+
+
+def inputs(dump: Dump) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """(tokens, targets) of the whole batch, and each rank's row counts as index arrays."""
+    how = dump.layout.get("inputs", "replicate")
+    tok = [np.asarray(a["tokens"]) for a in dump.ranks]
+    tgt = [np.asarray(a["targets"]) for a in dump.ranks]
+    if how == "replicate":
+        return tok[0], tgt[0], [np.arange(tok[0].shape[0])]
+    if how != "batch":
+        raise CheckError(f'inputs {how!r} is not "replicate" or "batch"')
+    bounds = np.cumsum([0] + [t.shape[0] for t in tok])
+    rows = [np.arange(bounds[r], bounds[r + 1]) for r in range(len(tok))]
+    return np.concatenate(tok), np.concatenate(tgt), rows
+
+
+# --------------------------------------------------------------------------------- comparisons
+def ulp_distance(got, want) -> int:
+    """Largest count of representable values of got's dtype between got and want (cast to it)."""
+    dtype = np.asarray(got).dtype
+    ints = {2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
+
+    def ordered(a):  # sign-magnitude bits -> integers in the order of the values (-0 == +0)
+        i = np.asarray(a, dtype).view(ints).astype(np.int64)
+        return np.where(i < 0, np.iinfo(ints).min - i, i)
+
+    if not np.size(got):
+        return 0
+    a, b = ordered(got), ordered(want)
+    # Same sign: the difference fits in int64. Across zero it can pass 2**63: add magnitudes as uint64.
+    same = np.abs(a - np.where((a >= 0) == (b >= 0), b, 0)).astype(np.uint64)
+    across = np.abs(a).astype(np.uint64) + np.abs(b).astype(np.uint64)
+    return int(np.max(np.where((a >= 0) == (b >= 0), same, across)))
+
+
+def measure(got, want, dtype: str) -> dict:
+    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got64.shape != want64.shape:
+        return {"max_abs": None, "max_rel": None, "ulp": None, "verdict": "mismatch",
+                "shape": f"{got64.shape} against {want64.shape}"}
+    abs_diff = float(np.max(np.abs(got64 - want64))) if got64.size else 0.0
+    rel = abs_diff / max(float(np.max(np.abs(want64))) if want64.size else 0.0, 1e-300)
+    ulp = ulp_distance(np.asarray(got), want64)
+    verdict = "exact" if ulp == 0 else "noise" if rel <= NOISE.get(dtype, 1e-4) else "mismatch"
+    return {"max_abs": abs_diff, "max_rel": rel, "ulp": ulp, "verdict": verdict}
+
+
+class GivenMasks(DropoutContext):
+    """Dropout with the keep masks a dump applied, instead of refpar's keyed ones."""
+
+    def __init__(self, masks: dict, base: DropoutContext):
+        super().__init__(base.seed, base.step, base.sample_ids, base.p, base.training)
+        object.__setattr__(self, "masks", masks)
+
+    def keep(self, layer, site, shape, like, index=None):
+        mask = self.masks.get((layer, site))
+        return super().keep(layer, site, shape, like, index) if mask is None else mask
+
+
+def dump_masks(dump: Dump) -> dict:
+    out = {}
+    for key in dump.ranks[0]:
+        if key.startswith("masks."):
+            _, layer, site = key.split(".", 2)
+            parts = [a[key] for a in dump.ranks]
+            batch = dump.layout.get("inputs", "replicate") == "batch"
+            out[(int(layer), site)] = np.concatenate(parts) if batch else parts[0]
+    return out
+
+
+def reference(config, params, tokens, targets, layout, normalizer=None, masks=None):
+    """refpar's loss and gradients (float64) for these weights and rows; with `masks`, the dump's
+    own dropout masks instead of refpar's keyed ones."""
+    ids = tuple(range(tokens.shape[0]))
+    drop = DropoutContext(layout.get("seed", 0), layout.get("step", 0), ids, config.dropout)
+    if masks is None:
+        return loss_and_grads(params, tokens, targets, config, seed=drop.seed, step=drop.step,
+                              normalizer=normalizer)
+    drop = GivenMasks(masks, drop)
+    normalizer = tokens.size if normalizer is None else normalizer
+    x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
+    caches = []
+    for layer in range(config.n_layer):
+        x, c = block_forward(x, params, layer, config, drop)  # (B, T, C)
+        caches.append(c)
+    loss, c_head = head_forward(x, params, targets, config, normalizer)
+    dx, grads = head_backward(c_head)  # (B, T, C)
+    for c in reversed(caches):
+        dx, g = block_backward(dx, c)  # (B, T, C)
+        grads.update(g)
+    g = embed_backward(dx, c_embed)
+    grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"]  # tied
+    grads["wpe.weight"] = g["wpe.weight"]
+    return float(loss), grads
+
+
+# ------------------------------------------------------------------------------------- causes
+CAUSES = {
+    "vocab-padding": "vocabulary padding: wte has {vp} rows for a vocabulary of {v}, and the padded "
+                     "rows' logits enter the softmax; mask them to -inf or slice the logits to {v}",
+    "per-rank-loss": "the loss is normalised per rank (each rank's mean over its own tokens, then "
+                     "averaged) instead of by the global token count; ranks hold unequal shares",
+    "sp-layernorm": "sequence-parallel LayerNorm gradients are not all-reduced over the {n} ranks: "
+                    "each rank holds only its sequence shard's part, whose sum is the reference",
+    "dropout-rng": "a different dropout RNG: {what}; refpar keys masks by (seed, step, layer, site, "
+                   "sample); with dropout 0 or refpar's masks the run would agree",
+}
+
+
+def _agrees(got, want, dtype) -> bool:
+    return measure(got, want, dtype)["verdict"] != "mismatch"
+
+
+def explain(dump: Dump, params, grads, loss, tokens, targets, rows) -> dict:
+    """{tensor name or "loss": cause} for the mismatches one common bug accounts for."""
+    cfg, lay, dtype = dump.config, dump.layout, dump.dtype
+    out = {}
+
+    def claim(ref_loss, ref_grads, text):
+        if "loss" not in out and _agrees(loss, ref_loss, dtype):
+            out["loss"] = text
+        for name, g in grads.items():
+            if name not in out and name in ref_grads and _agrees(g, ref_grads[name], dtype):
+                out[name] = text
+
+    vp = params["wte.weight"].shape[0]
+    if vp > cfg.vocab_size:
+        padded = replace(cfg, vocab_size=vp)
+        ref_loss, ref_grads = reference(padded, params, tokens, targets, lay)
+        claim(ref_loss, ref_grads, CAUSES["vocab-padding"].format(vp=vp, v=cfg.vocab_size))
+    if len(rows) > 1 and len({r.size for r in rows}) > 1:
+        per_rank = [reference(cfg, _strip(params, cfg), tokens[r], targets[r], lay) for r in rows]
+        ref_loss = sum(x[0] for x in per_rank) / len(rows)
+        ref_grads = {k: sum(x[1][k] for x in per_rank) / len(rows) for k in per_rank[0][1]}
+        claim(ref_loss, ref_grads, CAUSES["per-rank-loss"])
+    if cfg.dropout > 0:
+        masks = dump_masks(dump)
+        if masks:
+            ids = tuple(range(tokens.shape[0]))
+            differ = [float(np.mean(m != keep_mask(lay.get("seed", 0), lay.get("step", 0), layer, site, ids,
+                                                   m.shape[1:], cfg.dropout)))
+                      for (layer, site), m in masks.items()]
+            ref_loss, ref_grads = reference(cfg, _strip(params, cfg), tokens, targets, lay, masks=masks)
+            what = f"its masks differ from refpar's in {100 * max(differ):.0f}% of entries"
+            claim(ref_loss, ref_grads, CAUSES["dropout-rng"].format(what=what))
+        else:
+            text = CAUSES["dropout-rng"].format(what=f"dropout is {cfg.dropout} and the dump has no "
+                                                     "masks.<layer>.<site> to compare (likely)")
+            out.setdefault("loss", text)
+            out.update({k: text for k in grads if k not in out})
+    return out
+
+
+def _strip(params, cfg):
+    """The parameters with wte cut to the vocabulary (padding rows dropped)."""
+    return {**params, "wte.weight": params["wte.weight"][:cfg.vocab_size]}
+
+
+def sp_layernorm_causes(dump: Dump, copies, ref_grads) -> dict:
+    """Replicated LayerNorm gradients that differ over ranks but sum to the reference."""
+    out = {}
+    for name, parts in copies.items():
+        if ".ln_" not in f".{name}" or name not in ref_grads:
+            continue
+        if all(np.array_equal(parts[0], q) for q in parts[1:]):
+            continue
+        if _agrees(sum(np.asarray(q, np.float64) for q in parts), ref_grads[name], dump.dtype):
+            out[name] = CAUSES["sp-layernorm"].format(n=len(parts))
+    return out
+
+
+# ------------------------------------------------------------------------------------- the run
+def check(directory: str) -> dict:
+    dump = load(directory)
+    cfg, lay, dtype = dump.config, dump.layout, dump.dtype
+    params, _ = reassemble(dump, "weights")
+    grads, copies = reassemble(dump, "grads")
+    missing = [k for k in param_shapes(cfg) if k not in params]
+    if missing:
+        raise CheckError(f"the dump has no weights for {missing[0]} (and {len(missing) - 1} more)")
+    params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    tokens, targets, rows = inputs(dump)
+    losses = [float(a["loss"]) for a in dump.ranks]
+    loss = losses[0] if lay.get("inputs", "replicate") == "replicate" else float(np.mean(losses))
+    ref_loss, ref_grads = reference(cfg, _strip(params, cfg), tokens, targets, lay)
+
+    results = {"loss": measure(np.asarray(loss, dtype), ref_loss, dtype)}
+    for name, g in grads.items():
+        if name not in ref_grads:
+            raise CheckError(f"grads.{name} is not a parameter of GPT-2 with this model")
+        want = ref_grads[name]
+        if g.shape[0] > want.shape[0] and name == "wte.weight":  # padded rows: compare the real ones
+            g = g[:want.shape[0]]
+        results[name] = measure(g, want, dtype)
+    if any(r["verdict"] == "mismatch" for r in results.values()):
+        causes = sp_layernorm_causes(dump, copies, ref_grads)
+        causes.update({k: v for k, v in explain(dump, params, grads, loss, tokens, targets,
+                                                 rows).items() if k not in causes})
+        for name, r in results.items():
+            if r["verdict"] == "mismatch":
+                r["cause"] = causes.get(name, "unexplained: none of the common causes accounts for it")
+    return {"dtype": dtype, "ranks": len(dump.ranks), "tensors": results,
+            "ok": all(r["verdict"] != "mismatch" for r in results.values())}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("dump", help="directory with layout.json and rank0.npz, rank1.npz, ...")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON line")
+
+
+def run(args) -> int:
+    report = check(args.dump)
+    if args.json:
+        print(json.dumps(report), flush=True)
+        return 0 if report["ok"] else 1
+    print(f"{'tensor':<28} {'max abs':>10} {'max rel':>10} {'ULP':>8}  verdict   ({report['dtype']}, "
+          f"{report['ranks']} ranks)")
+    for name, r in report["tensors"].items():
+        if r["max_abs"] is None:
+            print(f"{name:<28} {'shape':>10} {r['shape']}")
+        else:
+            print(f"{name:<28} {r['max_abs']:10.2e} {r['max_rel']:10.2e} {r['ulp']:8d}  {r['verdict']}")
+        if "cause" in r:
+            print(f"    cause: {r['cause']}")
+    print("every tensor agrees" if report["ok"] else "MISMATCH", flush=True)
+    return 0 if report["ok"] else 1

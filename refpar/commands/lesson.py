@@ -1,0 +1,44 @@
+"""`refpar lesson list | show N | check N [--file PATH]`: the course in lessons/ from a terminal.
+
+    refpar lesson list                 # the lessons, one line each
+    refpar lesson show 1               # lesson 1's markdown
+    refpar lesson check 1              # grade lessons/exercises/01_ring_all_reduce.py
+    refpar lesson check 1 --file my_ring.py
+"""
+
+from __future__ import annotations
+
+HELP = "the course in lessons/: list the lessons, show one, check your answer to its exercise"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("action", choices=("list", "show", "check"), help="list, show N or check N")
+    parser.add_argument("number", nargs="?", type=int, default=None, help="the lesson's number")
+    parser.add_argument("--file", default=None,
+                        help="your answer to check (default lessons/exercises/<the exercise>.py)")
+
+
+def run(args) -> int:
+    from refpar import lessons
+    from refpar.config import ConfigError
+
+    if not lessons.LESSONS.is_dir():
+        raise ConfigError(f"no lessons/ folder at {lessons.LESSONS}; the course comes with a clone of "
+                          "the repository (pip install -e . there)")
+    if args.action == "list":
+        from refpar.lesson_checks import EXERCISES
+
+        for path in lessons.lesson_files():
+            n = int(path.name[:2])
+            exercise = f"  (exercise: lessons/exercises/{EXERCISES[n].file})" if n in EXERCISES else ""
+            print(f"{n:2d}  {lessons.title(path)}{exercise}", flush=True)
+        return 0
+    if args.number is None:
+        raise ConfigError(f"refpar lesson {args.action} needs the lesson's number, e.g. "
+                          f"refpar lesson {args.action} 1")
+    if args.action == "show":
+        print(lessons.lesson_path(args.number).read_text(), end="", flush=True)
+        return 0
+    from refpar.lesson_checks import check
+
+    return check(args.number, args.file)

@@ -1,0 +1,270 @@
+"""Each PyTorch strategy next to refpar's run of the same mesh, per optimizer step.
+
+Every case returns, for each step, this rank's differences (refpar.conformance.compare.step_row):
+the global loss, this rank's gradient shard (in the layout the PyTorch strategy keeps it, compared
+with the same elements of refpar's gradient) and the updated parameters, whole.
+
+Conventions (the mismatches production users report most):
+- loss averaging across dp: DDP and FSDP2 average gradients over ranks, so with each rank's loss
+  the mean over its own tokens ("mean", PyTorch's habit) the result is the global mean only when
+  every rank holds as many tokens. refpar normalises every token by the global count B*T and sums
+  over ranks ("global"). The torch side offers both; "global" scales the rank's token sum by
+  world/(B*T) so that the average over ranks is refpar's sum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from refpar.config import ModelConfig, TrainConfig
+from refpar.conformance.compare import step_row, worst
+from refpar.conformance.torch_model import build, qkv_row_order, to_gpt2_layout, to_torch_layout
+from refpar.memory import MemoryLedger
+from refpar.model.gpt import init_params
+from refpar.parallel.units import microbatch_ids, train_step
+from refpar.trainer import corpus_for
+
+CONVENTIONS = ("global", "mean")
+
+
+def configs(dtype: str, n_layer: int = 2, batch_size: int = 8, steps: int = 3):
+    """Dropout 0 on both sides: the torch model draws no masks (torch_model.py)."""
+    model = ModelConfig(n_layer=n_layer, dropout=0.0, dtype=dtype)
+    return model, TrainConfig(steps=steps, batch_size=batch_size, seq_len=8)
+
+
+def adamw(model: torch.nn.Module, train: TrainConfig):
+    """torch's AdamW with refpar's hyper-parameters and its decay rule (matrices only)."""
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": train.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    # foreach=False: the single-tensor loop works alike for plain tensors and DTensors.
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps,
+                             foreach=False)
+
+
+def token_loss(logits, targets, tokens_here: int, world: int, B: int, T: int, convention: str):
+    """This rank's loss: its token sum over its own count ("mean") or over B*T/world ("global")."""
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                              targets.reshape(-1), reduction="sum")
+    return total / tokens_here if convention == "mean" else total * (world / (B * T))
+
+
+def gpt2(name: str, t: torch.Tensor) -> np.ndarray:
+    return np.ascontiguousarray(to_gpt2_layout(name, t.detach().numpy()))
+
+
+# ------------------------------------------------------------------------------------------- DDP
+def ddp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8,
+        microbatches: int = 1) -> list[dict]:
+    """torch DDP against refpar.parallel.data_parallel.DataParallel on dp = world, accumulating
+    `microbatches` per step (DDP's `no_sync` until the last). refpar normalises every microbatch
+    by B*T and sums; the "mean" convention takes each microbatch's own mean and does not divide by
+    the number of microbatches, the usual accumulation bug: gradients about that many times too
+    large, parameters less far off (AdamW's m / sqrt(v) is nearly blind to a gradient's scale)."""
+    from contextlib import nullcontext
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from refpar.parallel.data_parallel import DataParallel
+
+    model, train = configs(dtype, batch_size=batch_size)
+    N, r, B, T = comm.size, comm.rank, train.batch_size, train.seq_len
+    full = init_params(model, train.seed)
+    ours = DataParallel(model, train, comm, MemoryLedger(), full)
+    net = DistributedDataParallel(build(model, full, getattr(torch, dtype)))
+    opt = adamw(net, train)
+    corpus = corpus_for(model, train)
+    rows = []
+    for step in range(train.steps):
+        loss = train_step(ours, corpus, step, microbatches)
+        grads = {n: v.copy() for u in ours.layout.units
+                 for n, v in ours.layout.views(u, ours.unit_flat(u, ours.grads)).items()}
+
+        opt.zero_grad()
+        reported = torch.zeros((), dtype=getattr(torch, dtype))
+        for m in range(microbatches):
+            tokens, targets = corpus.batch(step, microbatch_ids(B, N, r, microbatches, m), T)
+            with net.no_sync() if m < microbatches - 1 else nullcontext():
+                out = token_loss(net(torch.from_numpy(tokens)), torch.from_numpy(targets), tokens.size,
+                                 N, B, T, convention)
+                out.backward()
+            reported += out.detach()
+        opt.step()
+        dist.all_reduce(reported)  # DDP averages gradients, so the loss it optimises is the average
+        theirs = {n: gpt2(n, p.grad) for n, p in net.module.named_parameters()}
+        params = {n: gpt2(n, p) for n, p in net.module.named_parameters()}
+        rows.append(step_row(loss, float(reported) / N, worst(theirs, grads),
+                             worst(params, ours.full_params())))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- FSDP2
+def fsdp2(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8) -> list[dict]:
+    """FSDP2 (`fully_shard` on every block, then the root) against refpar's FSDP (ZeRO-3 units).
+
+    The two shard differently: FSDP2 splits every parameter on dim 0 (torch.chunk: ceil-sized
+    pieces, the last ones shorter or empty); refpar splits each unit's flat buffer (root: wte, wpe,
+    ln_f; one per block) with shard_range. Each rank compares both of its shards: FSDP2's against
+    the same rows of refpar's reassembled gradient, refpar's against the same elements of FSDP2's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from refpar.parallel.fsdp import FSDP
+
+    model, train = configs(dtype, batch_size=batch_size)
+    N, r, B, T = comm.size, comm.rank, train.batch_size, train.seq_len
+    full = init_params(model, train.seed)
+    ours = FSDP(model, train, comm, MemoryLedger(), full)
+    lay = ours.layout
+    net = build(model, full, getattr(torch, dtype))
+    mesh = init_device_mesh("cpu", (N,))
+    for block in net.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = adamw(net, train)
+    corpus = corpus_for(model, train)
+    rows = []
+    for step in range(train.steps):
+        loss = train_step(ours, corpus, step, 1)
+        whole = {}
+        for u in lay.units:
+            flat = comm.all_gather(ours.grad_shards[u], tag=f"{u}:grads:check", counts=ours.counts[u])
+            whole.update({n: v.copy() for n, v in lay.views(u, flat).items()})
+
+        tokens, targets = corpus.batch(step, microbatch_ids(B, N, r, 1, 0), T)
+        opt.zero_grad()
+        out = token_loss(net(torch.from_numpy(tokens)), torch.from_numpy(targets), tokens.size, N, B, T,
+                         convention)
+        out.backward()
+        opt.step()
+        reported = out.detach().clone()
+        dist.all_reduce(reported)
+        theirs_full, theirs_rows, want_rows = {}, {}, {}
+        for n, p in net.named_parameters():
+            theirs_full[n] = gpt2(n, p.grad.full_tensor())
+            local = p.grad.to_local()  # (rows of this rank, ...) in torch layout
+            chunk = -(-p.shape[0] // N)  # torch.chunk's piece size
+            lo = min(r * chunk, p.shape[0])
+            theirs_rows[n] = local.detach().numpy()
+            want_rows[n] = to_torch_layout(n, whole[n])[lo:lo + local.shape[0]]
+        g_fsdp = worst(theirs_rows, want_rows)
+        g_ours = worst({u: lay.flatten(u, theirs_full)[slice(*ours.own[u])] for u in lay.units},
+                       {u: ours.grad_shards[u] for u in lay.units})
+        params = {n: gpt2(n, p.full_tensor()) for n, p in net.named_parameters()}
+        rows.append(step_row(loss, float(reported) / N, max(g_fsdp, g_ours),
+                             worst(params, ours.full_params())))
+    return rows
+
+
+# ------------------------------------------------------------------------------------ DTensor TP
+def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8,
+       sp: bool = False) -> list[dict]:
+    """DTensor tensor parallelism (`parallelize_module`: c_attn and mlp.c_fc ColwiseParallel,
+    attn.c_proj and mlp.c_proj RowwiseParallel) against refpar's TP on tp = world. With `sp`,
+    sequence parallelism too: ln_1 and ln_2 SequenceParallel, attn and mlp gather the sequence
+    (PrepareModuleInput Shard(1) -> Replicate), the projections scatter it back (RowwiseParallel
+    to Shard(1)), against refpar's `--sp`; DTensor all-reduces the LayerNorm gradients itself.
+
+    Two layouts differ and are mapped, not assumed equal: c_attn's rows are reordered
+    (torch_model.qkv_row_order) so ColwiseParallel's contiguous chunk r holds rank r's heads of q, k
+    and v, which is the slice refpar keeps; and the embedding and tied head stay replicated on the
+    torch side while refpar splits the vocabulary, so rank r compares the rows of the torch
+    gradient that refpar's vocabulary shard holds. Every rank sees the whole batch (dp = 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    from refpar.mesh import DeviceMesh
+    from refpar.model.gpt import DropoutContext
+    from refpar.model.optim import optimizer_step
+    from refpar.parallel.intra_layer import IntraLayerTrainer, loss_and_grads
+    from refpar.parallel.sequence_parallel import all_reduce_sequence_parallel_grads
+    from refpar.parallel.tensor_parallel import tp_param_slices
+
+    model, train = configs(dtype, batch_size=batch_size)
+    N, r, B, T = comm.size, comm.rank, train.batch_size, train.seq_len
+    full = init_params(model, train.seed)
+    ours = IntraLayerTrainer(model, train, DeviceMesh(comm, {"tp": N}), MemoryLedger(), sp=sp)
+    slices = tp_param_slices(model, N, r)
+
+    order = qkv_row_order(model.n_embd, model.head_size, N)
+    undo = np.argsort(order)
+    permuted = dict(full)
+    for i in range(model.n_layer):
+        w, b = f"h.{i}.attn.c_attn.weight", f"h.{i}.attn.c_attn.bias"
+        permuted[w], permuted[b] = full[w][:, order], full[b][order]  # Conv1D columns = Linear rows
+    net = build(model, permuted, getattr(torch, dtype))
+    mesh = init_device_mesh("cpu", (N,))
+    plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    if sp:
+        # attn(x, keep_att, p) and mlp(x): only x is a tensor to gather
+        plan |= {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
+                 "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+                 "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                 "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),
+                 "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))}
+    for block in net.h:
+        parallelize_module(block, mesh, plan)
+    opt = adamw(net, train)
+
+    def forward(tokens):
+        if not sp:
+            return net(tokens)
+        x = net.wte(tokens) + net.wpe(torch.arange(T))  # (B, T, C), the same on every rank
+        x = DTensor.from_local(x, mesh, [Replicate()]).redistribute(mesh, [Shard(1)])
+        x = x.to_local()  # (B, T/tp, C)
+        for block in net.h:
+            x = block(x)  # (B, T/tp, C)
+        x = DTensor.from_local(x, mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
+        x = x.to_local()  # (B, T, C)
+        return net.ln_f(x) @ net.wte.weight.t()  # (B, T, V)
+    corpus = corpus_for(model, train)
+
+    def unpermute(n, a):  # GPT-2 layout, c_attn back in q, k, v order
+        return a[..., undo] if ".attn.c_attn." in n else a
+
+    rows = []
+    for step in range(train.steps):
+        tokens, targets = corpus.batch(step, ours.sample_ids, T)
+        drop = DropoutContext(train.seed, step, ours.sample_ids, model.dropout, True)
+        loss, grads = loss_and_grads(ours.params, tokens, targets, ours.lay, drop, B * T, ours.acts)
+        if sp:
+            all_reduce_sequence_parallel_grads(grads, model, ours.mesh.tp)
+        ours.params, ours.state = optimizer_step(ours.params, grads, ours.state, train)
+
+        opt.zero_grad()
+        logits = forward(torch.from_numpy(tokens))  # (B, T, V)
+        out = torch.nn.functional.cross_entropy(logits.reshape(-1, model.vocab_size),
+                                                torch.from_numpy(targets).reshape(-1))
+        out.backward()
+        opt.step()
+        theirs = {}
+        for n, p in net.named_parameters():
+            if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+                # SequenceParallel LayerNorms: DTensor keeps each rank's sequence part as a Partial
+                # gradient and sums it when read whole (the optimizer's arithmetic does)
+                theirs[n] = gpt2(n, p.grad.full_tensor())
+            elif isinstance(p.grad, DTensor):  # this rank's shard, in GPT-2 layout
+                theirs[n] = gpt2(n, p.grad.to_local())
+            elif n in slices:  # replicated here, split by refpar: the rows refpar's shard holds
+                axis, idx = slices[n]
+                theirs[n] = np.take(gpt2(n, p.grad), idx, axis=axis)
+            else:
+                theirs[n] = gpt2(n, p.grad)
+        params = {n: unpermute(n, gpt2(n, p.full_tensor() if isinstance(p, DTensor) else p))
+                  for n, p in net.named_parameters()}
+        want = {n: np.asarray(g) for n, g in grads.items()}
+        rows.append(step_row(loss, float(out.detach()), worst(theirs, want),
+                             worst(params, ours.full_params())))
+    return rows

@@ -1,0 +1,193 @@
+"""Dumps of one training step made by PyTorch, for `refpar check`: correct ones, and ones with a
+common bug planted.
+
+    mpiexec -n 2 python -m refpar.conformance.dump OUT_DIR
+
+Each scenario writes OUT_DIR/<scenario>/layout.json and rank{r}.npz (refpar/commands/check.py):
+
+- tp, tp-float32, fsdp2, ddp, zero-flat, ddp-dropout: correct runs (DTensor TP with fused QKV
+  interleaved per rank, in float64 and float32; FSDP2's per-parameter dim-0 shards; DDP over
+  uneven shards with the loss normalised by the global token count; DDP gradients written as
+  ZeRO flat pieces; DDP with refpar's keyed masks).
+- tp-vocab-pad: wte padded to a multiple of 50 rows, the padded logits left in the softmax.
+- ddp-per-rank-loss: each rank's loss the mean over its own tokens, shards of 3 and 2 sequences.
+- sp-layernorm: LayerNorm gradients as each rank of a Megatron-style sequence-parallel run holds
+  them before their all-reduce (its sequence shard's part, computed here from torch's autograd).
+- ddp-dropout-rng: dropout masks drawn by torch's RNG, dumped next to the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from refpar.comm.communicator import abort_on_error, world
+from refpar.conformance.cases import configs, gpt2
+from refpar.conformance.dist import process_group
+from refpar.conformance.torch_model import build, qkv_row_order
+from refpar.model.dropout import keep_mask
+from refpar.model.gpt import init_params, param_shapes
+from refpar.parallel.units import microbatch_ids
+from refpar.sharding import shard_range
+from refpar.trainer import corpus_for
+
+STEP = 0
+SITES = ("attn", "attn_resid", "mlp_resid")
+
+
+def write(out: Path, comm, layout: dict, arrays: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / f"rank{comm.rank}.npz", **arrays)
+    if comm.rank == 0:
+        (out / "layout.json").write_text(json.dumps(layout, indent=1))
+
+
+def model_fields(model) -> dict:
+    return {k: getattr(model, k) for k in ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer",
+                                           "dropout")}
+
+
+def ce(logits, targets, normalizer):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             reduction="sum") / normalizer
+
+
+def tensors(net, weights=True) -> dict:
+    """weights.<name> and grads.<name> in GPT-2 layout; DTensors as this rank's local shard."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    out = {}
+    for n, p in net.named_parameters():
+        if weights:
+            out[f"weights.{n}"] = gpt2(n, local(p))
+        out[f"grads.{n}"] = gpt2(n, local(p.grad))
+    return out
+
+
+# ------------------------------------------------------------------------------- tensor parallel
+def tp_scenarios(comm, root: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model, train = configs("float64", batch_size=4)
+    N, B, T, V = comm.size, train.batch_size, train.seq_len, model.vocab_size
+    full = init_params(model, train.seed)
+    tokens, targets = corpus_for(model, train).batch(STEP, range(B), T)
+    order = qkv_row_order(model.n_embd, model.head_size, N)
+    split = {}
+    for i in range(model.n_layer):
+        h = f"h.{i}."
+        full[h + "attn.c_attn.weight"] = full[h + "attn.c_attn.weight"][:, order]
+        full[h + "attn.c_attn.bias"] = full[h + "attn.c_attn.bias"][order]
+        split |= {h + "attn.c_attn.weight": {"split": "column", "qkv": "interleaved"},
+                  h + "attn.c_attn.bias": {"split": "column", "qkv": "interleaved"},
+                  h + "mlp.c_fc.weight": {"split": "column"}, h + "mlp.c_fc.bias": {"split": "column"},
+                  h + "attn.c_proj.weight": {"split": "row"}, h + "mlp.c_proj.weight": {"split": "row"}}
+    layout = {"model": model_fields(model), "ranks": N, "axis": "tp", "inputs": "replicate",
+              "tensors": split}
+    mesh = init_device_mesh("cpu", (N,))
+    plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+
+    for name in ("tp", "tp-float32", "tp-vocab-pad", "sp-layernorm"):
+        params, cfg = dict(full), model
+        if name == "tp-vocab-pad":  # Megatron pads V to a multiple of 128 * tp; 50 here
+            vp = -(-V // 50) * 50
+            pad = np.random.default_rng(0).normal(0, 0.02, (vp - V, model.n_embd))
+            params["wte.weight"] = np.concatenate([full["wte.weight"], pad])
+            cfg = replace(model, vocab_size=vp)
+        net = build(cfg, params, torch.float32 if name == "tp-float32" else torch.float64)
+        for block in net.h:
+            parallelize_module(block, mesh, plan)
+        seen = {}
+
+        def keep(mod, args, y, n, seen=seen):  # a LayerNorm's input, and its output's gradient
+            y.retain_grad()
+            seen[n] = (args[0], y)
+
+        if name == "sp-layernorm":
+            for n, mod in net.named_modules():
+                if isinstance(mod, torch.nn.LayerNorm):
+                    mod.register_forward_hook(lambda m, a, y, n=n: keep(m, a, y, n))
+        loss = ce(net(torch.from_numpy(tokens)), torch.from_numpy(targets), B * T)
+        loss.backward()
+        arrays = {"tokens": tokens, "targets": targets, "loss": loss.detach().numpy(), **tensors(net)}
+        if name == "sp-layernorm":
+            a, b = shard_range(T, N, comm.rank)  # this rank's positions
+            for n, (x, y) in seen.items():
+                mod = net.get_submodule(n)
+                xhat = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=mod.eps)
+                arrays[f"grads.{n}.weight"] = (y.grad * xhat)[:, a:b].sum((0, 1)).detach().numpy()
+                arrays[f"grads.{n}.bias"] = y.grad[:, a:b].sum((0, 1)).detach().numpy()
+        write(root / name, comm, layout, arrays)
+
+
+# --------------------------------------------------------------------------------- data parallel
+def ddp_scenarios(comm, root: Path) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    N, r = comm.size, comm.rank
+    for name in ("ddp", "ddp-per-rank-loss", "zero-flat", "ddp-dropout", "ddp-dropout-rng", "fsdp2"):
+        dropout = 0.1 if "dropout" in name else 0.0
+        model, train = configs("float64", batch_size=2 * N + 1)  # uneven: 3 and 2 on 2 ranks
+        model = replace(model, dropout=dropout)
+        B, T = train.batch_size, train.seq_len
+        ids = microbatch_ids(B, N, r, 1, 0)
+        tokens, targets = corpus_for(model, train).batch(STEP, ids, T)
+        layout = {"model": model_fields(model), "ranks": N, "axis": "dp", "inputs": "batch",
+                  "seed": train.seed, "step": STEP}
+        masks = {}
+        if dropout:
+            shapes = {"embd": (T, model.n_embd), "attn": (model.n_head, T, T),
+                      "attn_resid": (T, model.n_embd), "mlp_resid": (T, model.n_embd)}
+            gen = torch.Generator().manual_seed(100 + r)
+            for layer in range(model.n_layer):
+                for site in (("embd",) if layer == 0 else ()) + SITES:
+                    shape = (len(ids), *shapes[site])
+                    if name.endswith("rng"):
+                        masks[(layer, site)] = torch.rand(shape, generator=gen) >= dropout
+                    else:
+                        masks[(layer, site)] = torch.from_numpy(
+                            keep_mask(train.seed, STEP, layer, site, ids, shapes[site], dropout))
+        net = build(model, init_params(model, train.seed), torch.float64)
+        if name == "fsdp2":
+            for block in net.h:
+                fully_shard(block, mesh=init_device_mesh("cpu", (N,)))
+            fully_shard(net, mesh=init_device_mesh("cpu", (N,)))
+            # FSDP2 splits dim 0 of torch's layout: a Linear's output features, GPT-2's columns
+            layout["tensors"] = {n: {"split": "column" if p.ndim == 2 and ".h." in f".{n}" else "row"}
+                                 for n, p in net.named_parameters()}
+            wrapped = net
+        else:
+            wrapped = DistributedDataParallel(net)
+        normalizer = tokens.size if name == "ddp-per-rank-loss" else B * T / N  # DDP averages over ranks
+        loss = ce(wrapped(torch.from_numpy(tokens), masks, dropout), torch.from_numpy(targets), normalizer)
+        loss.backward()
+        arrays = {"tokens": tokens, "targets": targets, "loss": loss.detach().numpy(), **tensors(net)}
+        arrays |= {f"masks.{layer}.{site}": m.numpy() for (layer, site), m in masks.items()}
+        if name == "zero-flat":  # every gradient as one flat buffer, rank r keeping its piece
+            names = list(param_shapes(model))
+            flat = np.concatenate([np.ravel(arrays.pop(f"grads.{n}")) for n in names])
+            arrays["grads.@all"] = flat[slice(*shard_range(flat.size, N, r))]
+            layout["flat"] = {"all": names}
+        write(root / name, comm, layout, arrays)
+
+
+def main(out: str) -> None:
+    with abort_on_error():
+        comm = world()
+        with process_group(comm):
+            tp_scenarios(comm, Path(out))
+            ddp_scenarios(comm, Path(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

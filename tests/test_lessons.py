@@ -1,0 +1,133 @@
+"""The course in lessons/ runs as written: every command of every lesson prints what the lesson
+shows (timings masked, non-integers to 1e-10, integers such as bytes exactly; refpar/lessons.py),
+every reference solution passes its checker and every untouched exercise fails it, saying so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from refpar import lessons
+from refpar.lesson_checks import EXERCISES, check
+from tests.mpi import ROOT, mpi_env
+
+LESSON_FILES = lessons.lesson_files()
+
+
+@pytest.mark.parametrize("path", LESSON_FILES, ids=[p.stem for p in LESSON_FILES])
+def test_every_command_of_the_lesson_prints_what_the_lesson_shows(path):
+    found = lessons.blocks(path.read_text())
+    assert found and all(b.commands for b in found), f"{path.name} has no ```console command"
+    for block in found:
+        for command, shown in zip(block.commands, block.outputs, strict=True):
+            problem = lessons.compare(shown, lessons.run_command(command, timeout=240), block.varies)
+            assert problem is None, f"{path.name}: `{command}`: {problem}"
+
+
+def _check(n: int, folder: str, capsys) -> tuple[int, str]:
+    """Grades lessons/<folder>/<exercise n> as `refpar lesson check n --file` does."""
+    path = lessons.LESSONS / folder / EXERCISES[n].file
+    if EXERCISES[n].ranks > 1:
+        # the command itself starts mpiexec -n ranks, as a learner's would
+        proc = subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", str(n), "--file",
+                               str(path)], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                              timeout=180)
+        return proc.returncode, proc.stdout + proc.stderr
+    code = check(n, path)
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("n", sorted(EXERCISES))
+def test_the_reference_solution_passes_its_checker(n, capsys):
+    code, out = _check(n, "solutions", capsys)
+    assert code == 0 and out.startswith(f"lesson {n}: passed: "), out
+
+
+@pytest.mark.parametrize("n", sorted(EXERCISES))
+def test_the_untouched_exercise_fails_its_checker_saying_it_is_blank(n, capsys):
+    code, out = _check(n, "exercises", capsys)
+    assert code == 1, out
+    assert out.startswith(f"lesson {n}: not yet: the exercise is still blank: write "), out
+    assert EXERCISES[n].file in out, out
+
+
+def test_a_wrong_answer_is_told_what_is_wrong(tmp_path, capsys):
+    wrong = tmp_path / "mean_of_means.py"
+    wrong.write_text("def global_mean_loss(loss_sums, token_counts):\n"
+                     "    return sum(s / c for s, c in zip(loss_sums, token_counts)) / len(loss_sums)\n")
+    assert check(9, wrong) == 1
+    out = capsys.readouterr().out
+    assert "lesson 9: not yet: global_mean_loss = " in out and "mean of the microbatches' means" in out
+
+
+def test_compare_masks_timings_and_holds_numbers_to_their_tolerance():
+    shown = "loss 4.567039131706693, 1,024 bytes, 12.5 ms\n"
+    assert lessons.compare(shown, "loss 4.567039131706694, 1,024 bytes, 3.1 ms\n") is None
+    assert "integers must be equal" in lessons.compare(shown, "loss 4.567039131706693, 1,025 bytes, 1 ms")
+    assert "tolerance" in lessons.compare(shown, "loss 4.567139131706693, 1,024 bytes, 12.5 ms")
+    assert "line 1 differs" in lessons.compare(shown, "loss 4.567039131706693, 1,024 kB, 12.5 ms")
+
+
+def test_the_app_shows_each_lesson_and_its_exercise():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(lessons.ROOT / "app" / "Home.py"), default_timeout=60)
+    at.run()
+    at.switch_page("views/lessons.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    at.selectbox[0].set_value(1).run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = "\n".join(m.value for m in at.markdown)
+    assert "Lesson 1: collectives" in text and "reduce-scatter" in text
+    assert "def ring_all_reduce" in at.code[0].value
+
+
+def test_lesson_list_and_show_print_the_course(capsys):
+    from refpar.cli import main
+
+    assert main(["lesson", "list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) == len(LESSON_FILES) and listed[1].startswith(" 1  Lesson 1: collectives")
+    assert "exercise: lessons/exercises/01_ring_all_reduce.py" in listed[1]
+    assert main(["lesson", "show", "6"]) == 0
+    assert capsys.readouterr().out == (lessons.LESSONS / "06-pipeline-parallelism.md").read_text()
+    assert main(["lesson", "show", "42"]) == 2
+    assert "there is no lesson 42; the lessons are 0, 1" in capsys.readouterr().err
+
+
+def test_a_ring_that_sends_too_much_is_told_its_bytes(tmp_path):
+    wrong = tmp_path / "pass_everything.py"
+    wrong.write_text(
+        "def ring_all_reduce(link, x):\n"
+        "    p, r = link.size, link.rank\n"
+        "    total, passing = x.copy(), x.copy()\n"
+        "    for _ in range(p - 1):  # pass whole vectors around the ring: right sum, too many bytes\n"
+        "        incoming = passing.copy()\n"
+        "        link.sendrecv(passing, (r + 1) % p, incoming, (r - 1) % p)\n"
+        "        total += incoming\n"
+        "        passing = incoming\n"
+        "    return total\n")
+    proc = subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", "1", "--file", str(wrong)],
+                          cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "lesson 1: not yet: rank 0 sent 480 bytes for n=20" in proc.stdout, proc.stdout
+    assert "a ring all-reduce sends 2 (p-1) chunks" in proc.stdout
+
+
+def test_a_ring_whose_rank_stops_is_reported_not_left_hanging(tmp_path):
+    stops = tmp_path / "rank0_stops.py"
+    stops.write_text(
+        "def ring_all_reduce(link, x):\n"
+        "    if link.rank == 0:\n"
+        "        raise ValueError('rank 0 gave up')\n"
+        "    out = x.copy()  # the others wait for rank 0's message\n"
+        "    link.sendrecv(x, (link.rank + 1) % link.size, out, (link.rank - 1) % link.size)\n"
+        "    return out\n")
+    proc = subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", "1", "--file", str(stops)],
+                          cwd=ROOT, env=mpi_env({"REFPAR_COLLECTIVE_TIMEOUT": "3"}), capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("lesson 1: not yet: your code raised ValueError: rank 0 gave up (rank 0)")
