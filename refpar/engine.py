@@ -2,18 +2,23 @@
 2021, "3D parallelism").
 
     mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --check
+    mpiexec -n 8 python -m refpar train --mesh pp=2,cp=2,tp=2 --microbatches 2 --check
 
-Legend: b microbatch rows, T sequence, Tl tokens of the residual stream on this rank (T, or T/tp
-under sequence parallelism), C channels, t tp size, Ψl elements of the parameters this rank holds.
+Legend: b microbatch rows, T sequence, Tl tokens of the residual stream on this rank (T, T/tp
+under sequence parallelism, or this cp rank's tokens), C channels, t tp size, Ψl elements of the
+parameters this rank holds.
 
-A rank at mesh coordinates (pp, dp, tp) holds the tp shard (tensor_parallel.shard_params_tp) of
+A rank at mesh coordinates (pp, dp, cp, tp) holds the tp shard (tensor_parallel.shard_params_tp) of
 the parameters of its pipeline stages (stage.Stage.param_names). One step composes the strategies'
 own pieces, nothing is written again:
 
     pipeline     executor.PipelineExecutor walks schedule[pp rank]; each stage is a
                  `TensorParallelStage`, whose F and B are tensor_parallel's vocab-parallel
                  embedding, parallel blocks (f/g or the SP pair inside) and vocab-parallel head.
-                 Activations (b, Tl, C) go to the same tp rank of the next stage.
+                 Activations (b, Tl, C) go to the same (cp, tp) rank of the next stage.
+    cp           the stages' attention is context_parallel's ring (zig-zag tokens) or Ulysses
+                 core on the cp_layout, every other piece runs on this rank's tokens; the
+                 gradients, each over this rank's tokens only, summed over cp (one all-reduce)
     tied wte     the executor's embedding group: first and last pp rank, per tp rank (same rows)
     sp           the sequence-sharded region's gradients summed over tp (one all-reduce)
     dp           --zero 0: every gradient summed over dp (intra_layer.all_reduce_replicated_grads)
@@ -21,7 +26,7 @@ own pieces, nothing is written again:
                  shard only, the updated shard all-gathered (Rajbhandari et al. 2020, P_os)
                  --zero 3: parameters sharded too, gathered around every action
                  (refpar/engine_zero3.py)
-    loss         the last stage's microbatch losses summed over pp, then over dp
+    loss         the last stage's microbatch losses summed over pp, then over cp, then over dp
 
 A tensor-parallel piece computes its input and weight gradients together, so a stage's B is the
 full backward and its W hands over what B computed: schedules that split B from W (zb-h1, zb-h2)
@@ -44,6 +49,7 @@ from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
 from refpar.model.optim import adamw_update, optimizer_init, optimizer_step, sgd_update
+from refpar.parallel.context_parallel import check_cp, cp_layout
 from refpar.parallel.intra_layer import all_reduce_replicated_grads
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.runner import microbatches
@@ -64,7 +70,7 @@ from refpar.parallel.tensor_parallel import (
 )
 from refpar.sharding import shard_range, shard_sizes
 
-AXES = ("pp", "dp", "tp")  # the axes the engine composes; cp and ep run in their own runners
+AXES = ("pp", "dp", "cp", "tp")  # the axes the engine composes; ep runs in its own runner
 NO_ZERO3_CHECKPOINTS = "--save and --resume hold ZeRO 0 or 1 states; use --zero 0 or 1 to checkpoint"
 
 
@@ -75,13 +81,14 @@ class EngineOptions:
     chunks: int = 1  # v, model chunks per pipeline rank (interleaved-1f1b)
     sp: bool = False
     zero: int = 0
+    cp_algo: str | None = None  # ring (default) or ulysses, when the mesh has cp
 
 
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOptions) -> None:
     """Every check of an engine run, with no communication: each rank raises the same ConfigError."""
     other = [f"{a}={s}" for a, s in sizes.items() if a not in AXES and s > 1]
     if other:
-        raise ConfigError(f"the engine composes pp, dp and tp; run {other[0]} without pp "
+        raise ConfigError(f"the engine composes pp, dp, cp and tp; run {other[0]} without pp "
                           f"(its own runner combines it with dp)")
     if model.moe_blocks:
         raise ConfigError("the engine runs dense GPT-2 blocks; drop the MoE options or use "
@@ -92,6 +99,14 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
     if opts.zero == 3 and opts.sp:
         raise ConfigError("--sp sums its region's gradients over tp, which ZeRO-3's dp shards mix "
                           "with tp-sharded ones; use --zero 1 with --sp")
+    c = sizes.get("cp", 1)
+    if c > 1 and opts.sp:
+        raise ConfigError("--sp and cp both shard the sequence; drop --sp when the mesh has cp")
+    if opts.cp_algo is not None and c < 2:
+        raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
+    if c > 1 and opts.zero == 3:
+        raise ConfigError("ZeRO-3 reduces its gradients over dp inside every action, before cp's sum; "
+                          "use --zero 0 or 1 with cp")
     if opts.zero and sizes["dp"] < 2:
         raise ConfigError(f"--zero {opts.zero} shards over dp ranks; give the mesh dp=2 or more")
     train.check_model(model)
@@ -101,6 +116,8 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
         if t < 2:
             raise ConfigError("--sp shards along the sequence over tp ranks; give the mesh tp=2 or more")
         check_sp(model, train.seq_len, t)
+    if c > 1:
+        check_cp(model, train.seq_len, c, opts.cp_algo or "ring", t)
     build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
     stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
     if train.batch_size // d < opts.microbatches:
@@ -274,6 +291,8 @@ def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None
     from refpar.parallel.tensor_parallel import tp_param_slices
 
     coords, names = mesh.coords, list(params)
+    if saving and coords.get("cp", 0):  # cp ranks hold the same parameters: cp rank 0 writes them
+        return []
     slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
     starts = np.cumsum([0] + [params[n].size for n in names]).tolist()
     own = shard_range(starts[-1], mesh.sizes["dp"], coords["dp"])  # ZeRO-1's [a, b)
@@ -313,8 +332,13 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         raise ConfigError(NO_ZERO3_CHECKPOINTS)
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     t = mesh.sizes["tp"]
-    lay = (sp_layout(model, train.seq_len, tp) if opts.sp
-           else tp_layout(model, train.seq_len, tp if t > 1 else None))
+    cp = mesh.cp if mesh.sizes.get("cp", 1) > 1 else None
+    if cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
+        lay = cp_layout(model, train.seq_len, cp, opts.cp_algo or "ring", tp if t > 1 else None)
+    elif opts.sp:
+        lay = sp_layout(model, train.seq_len, tp)
+    else:
+        lay = tp_layout(model, train.seq_len, tp if t > 1 else None)
     ledger = MemoryLedger()
     executor = EngineExecutor(build(opts.schedule, pp.size, opts.microbatches, opts.chunks), model,
                               pp, lay, ledger)
@@ -367,6 +391,8 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
             if sp_names:
                 grads |= all_reduce_replicated_grads({n: grads[n] for n in sp_names}, tp,
                                                      "sp.replicated_grads:bwd")
+            if cp is not None:  # each cp rank's gradients cover its tokens only: sum them
+                grads = all_reduce_replicated_grads(grads, cp, "grads.cp:bwd")
             if zero3 is not None:
                 zero3.sum_tied(tied)
                 zero3.step()
@@ -377,6 +403,8 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
                     grads = all_reduce_replicated_grads(grads, dp, "grads.dp:bwd")
                 params, state = optimizer_step(params, grads, state, train)
             loss = pp.all_reduce(np.array([loss]), tag="loss.pp:report")  # only the last stage's is not 0
+            if cp is not None:  # each cp rank's loss is over its tokens
+                loss = cp.all_reduce(loss, tag="loss.cp:report")
             losses.append(float(dp.all_reduce(loss, tag="loss.dp:report")[0]))
         windows.append((start, time.perf_counter()))
         times.append(windows[-1][1] - start)

@@ -44,7 +44,7 @@ def test_verify_quick_matrix_passes_every_strategy_combination():
                           env=mpi_env(), capture_output=True, text=True, timeout=840)
     print(proc.stdout, proc.stderr[-2000:])
     assert proc.returncode == 0 and "FAIL" not in proc.stdout
-    assert proc.stdout.splitlines()[-1].startswith("all 8 passed")
+    assert proc.stdout.splitlines()[-1].startswith("all 9 passed")
 
 
 @pytest.mark.parametrize(
@@ -55,6 +55,7 @@ def test_verify_quick_matrix_passes_every_strategy_combination():
         (4, ["--mesh", "tp=2,pp=2", "--n-layer", "1"], "2 pipeline stages need at least 2 blocks"),
         (4, ["--mesh", "tp=2,pp=2", "--zero", "2"], "use --zero 0, 1 or 3"),
         (4, ["--mesh", "tp=2,pp=2", "--zero", "3"], "give the mesh dp=2 or more"),
+        (4, ["--mesh", "cp=2,pp=2", "--sp"], "--sp and cp both shard the sequence"),
     ],
 )
 def test_bad_engine_mesh_fails_on_every_rank_with_one_sentence_before_any_communication(n, args, words):

@@ -110,7 +110,7 @@ def test_train_command_matches_one_device_and_reports_bytes_bubbles_and_trace(tm
 
 @pytest.mark.parametrize("argv, words", [
     (["--schedule", "zb-h3"], "unknown schedule 'zb-h3'"),
-    (["--mesh", "pp=2,cp=2"], "combines with dp and tp (the engine) only so far; drop cp=2"),
+    (["--mesh", "pp=2,ep=2"], "combines with dp, tp and cp (the engine) only so far; drop ep=2"),
     (["--microbatches", "16"], "fewer sequences per pipeline than --microbatches 16"),
     (["--mesh", "pp=4", "--schedule", "interleaved-1f1b", "--microbatches", "4"],
      "8 pipeline stages need at least 8 blocks"),

@@ -2,21 +2,26 @@
 per rank by category, composed from the strategies' own closed forms.
 
 Legend: p pp size, d dp size, t tp size, v chunks, b_i rows of microbatch i, B_d = sum b_i the
-rows of this pipeline, T sequence, Tl residual tokens (T, or T/t under sp), C channels, e bytes
-per element, Ψl elements of the parameters a rank holds (its stages' tp shards).
+rows of this pipeline, T sequence, c cp size, Tl residual tokens (T, T/t under sp, or the cp
+rank's tokens, `cp_tokens`), C channels, e bytes per element, Ψl elements of the parameters a rank
+holds (its stages' tp shards).
 
-Per step, the rank at (pp r, dp q, tp k):
+Per step, the rank at (pp r, dp q, cp j, tp k):
 - tp: for each microbatch and each of its stages, the calls of tensor parallelism over the stage's
   blocks (analysis.intra_layer; the embedding's calls on the first stage, the head's on the last),
   with B = b_i; under sp one all-reduce of the sequence-sharded region's gradients.
 - pp: (2v - [r = 0] - [r = p-1]) activations or input gradients of (B_d, Tl, C) each way (see
   pipeline/runner.expected_comm_rows); wte's shard (V/t, C) all-reduced by the first and last
   rank; the loss (one float64) over pp.
+- cp: for each microbatch and each of its stages, ring attention's K/V hops or Ulysses'
+  all-to-alls over the stage's blocks (analysis.intra_layer, B = b_i, this rank's tokens); one
+  all-reduce of Ψl and one of the loss.
 - dp: --zero 0: one all-reduce of Ψl; --zero 1: a reduce-scatter and an all-gather of Ψl
   (ZeRO's 2Ψ); the loss over dp.
 Memory: params and grads Ψl e; AdamW 2Ψl e (zero 1: 2 e times this rank's shard_range share);
 activations: the schedule's replay (schedules.stored) with the bytes a microbatch keeps after F
-(analysis.activations: embedding, blocks, head, for b_i rows); comm (zero 1): the flat gradient
+(analysis.activations: embedding, blocks with local, ring or Ulysses attention, head, for b_i
+rows and this rank's tokens); comm (zero 1): the flat gradient
 and the reduced shard, (Ψl + Ψl/d) e.
 """
 
@@ -27,7 +32,7 @@ from dataclasses import replace
 import numpy as np
 
 from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes
-from refpar.analysis.intra_layer import RankShape, _tp_calls
+from refpar.analysis.intra_layer import RankShape, _ring_calls, _tp_calls, _ulysses_calls, zigzag_lengths
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.engine_zero3 import units_of
@@ -71,10 +76,20 @@ def zero3_units(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> d
             for s in (c * p + coords["pp"] for c in range(chunks))}
 
 
-def _shape(model: ModelConfig, T: int, t: int, k: int, b: int, sp: bool) -> RankShape:
-    return RankShape(B=b, T=T, Ta=T, Tl=shard_sizes(T, t)[k] if sp else T, t=t, c=1,
+def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
+    """Tokens of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
+    if c == 1:
+        return [T]
+    return zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
+
+
+def _shape(model: ModelConfig, sizes: dict, T: int, coords: dict, b: int, opts) -> RankShape:
+    t, k, c = sizes["tp"], coords["tp"], sizes.get("cp", 1)
+    tokens = cp_tokens(T, c, opts.cp_algo)
+    Ta = tokens[coords.get("cp", 0)]
+    return RankShape(B=b, T=T, Ta=Ta, Tl=shard_sizes(T, t)[k] if opts.sp else Ta, t=t, c=c,
                      nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
-                     e=np.dtype(model.dtype).itemsize, cp_tokens=(T,), cp_rank=0)
+                     e=np.dtype(model.dtype).itemsize, cp_tokens=tuple(tokens), cp_rank=coords.get("cp", 0))
 
 
 def _rows_of(train: TrainConfig, d: int, q: int, m: int) -> list[int]:
@@ -85,6 +100,7 @@ def _rows_of(train: TrainConfig, d: int, q: int, m: int) -> list[int]:
 def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts) -> list[dict]:
     """Every rank's bytes over the run, rows as refpar train's `comm_bytes`."""
     p, d, t, v, T = sizes["pp"], sizes["dp"], sizes["tp"], opts.chunks, train.seq_len
+    c = sizes.get("cp", 1)
     e, C, S = np.dtype(model.dtype).itemsize, model.n_embd, sizes["pp"] * opts.chunks
     out = []
     for rank in range(int(np.prod(list(sizes.values())))):
@@ -97,22 +113,26 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
             row = totals.setdefault((axis, op), [0, 0])
             row[0], row[1] = row[0] + sent, row[1] + recv
 
-        if t > 1:
-            for s in (c * p + r for c in range(v)):
-                blocks = replace(model, n_layer=len(stage_layers(model.n_layer, S, s)))
-                for b in rows:
-                    for call in _tp_calls(blocks, _shape(model, T, t, k, b, opts.sp), opts.sp, k):
-                        if (call.tag.startswith("sp.") or (call.tag.startswith("wte") and s != 0)
-                                or (call.tag.startswith("lm_head") and s != S - 1)):
-                            continue
-                        add("tp", call.op, call.bytes_sent, call.bytes_recv)
+        for s in (j * p + r for j in range(v)):
+            blocks = replace(model, n_layer=len(stage_layers(model.n_layer, S, s)))
+            for b in rows:
+                shape = _shape(model, sizes, T, co, b, opts)
+                calls = _tp_calls(blocks, shape, opts.sp, k) if t > 1 else []
+                if c > 1:
+                    ring = (opts.cp_algo or "ring") == "ring"
+                    calls += _ring_calls(blocks, shape) if ring else _ulysses_calls(blocks, shape)
+                for call in calls:
+                    if (call.tag.startswith("sp.") or (call.tag.startswith("wte") and s != 0)
+                            or (call.tag.startswith("lm_head") and s != S - 1)):
+                        continue
+                    add(call.axis, call.op, call.bytes_sent, call.bytes_recv)
         numels = rank_param_numels(model, sizes, co, v)
         if opts.sp:
             n = sum(numels[nm] for nm in sequence_parallel_param_names(model) if nm in numels)
             ar = cost.all_reduce_bytes(n, t, k, e)
             add("tp", "all_reduce", ar.sent, ar.recv)
         if p > 1:
-            Tl = shard_sizes(T, t)[k] if opts.sp else T
+            Tl = shard_sizes(T, t)[k] if opts.sp else cp_tokens(T, c, opts.cp_algo)[co["cp"]]
             p2p = (2 * v - (r == 0) - (r == p - 1)) * sum(rows) * Tl * C * e
             add("pp", "isend", p2p, 0)
             add("pp", "irecv", 0, p2p)
@@ -122,6 +142,10 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                 add("pp", "all_reduce", ar.sent, ar.recv)
             ar = cost.all_reduce_bytes(1, p, r, 8)
             add("pp", "all_reduce", ar.sent, ar.recv)
+        if c > 1:  # every gradient, then the loss, summed over cp
+            for n, size in ((sum(numels.values()), e), (1, 8)):
+                ar = cost.all_reduce_bytes(n, c, co["cp"], size)
+                add("cp", "all_reduce", ar.sent, ar.recv)
         if d > 1:
             total = sum(numels.values())
             if opts.zero == 3:  # per microbatch and stage: gathered for F and for B, reduced after B
@@ -160,12 +184,17 @@ def _zero3_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, opti
             "comm": max(shards.values()) * e}
 
 
-def microbatch_activation_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, k: int,
-                                stage: int, n_stages: int, b: int, sp: bool) -> int:
-    """What one microbatch of b rows keeps on a tp rank of `stage` between its F and its B."""
-    r = _shape(model, train.seq_len, sizes["tp"], k, b, sp)
+def microbatch_activation_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict,
+                                stage: int, n_stages: int, b: int, opts) -> int:
+    """What one microbatch of b rows keeps on the rank at `coords` of `stage` between its F and its B."""
+    r = _shape(model, sizes, train.seq_len, coords, b, opts)
     dropout = model.dropout > 0.0
-    n = len(stage_layers(model.n_layer, n_stages, stage)) * layer_bytes(model, r, "local", dropout)
+    attention = "local" if r.c == 1 else (opts.cp_algo or "ring")
+    per_layer = layer_bytes(model, r, attention, dropout)
+    if attention == "ring" and r.nh == 1:
+        # One head per rank: the merged heads c_proj keeps are a view of the ring's output, kept once.
+        per_layer -= r.B * r.Ta * r.e * model.head_size
+    n = len(stage_layers(model.n_layer, n_stages, stage)) * per_layer
     if stage == 0:
         n += embed_bytes(model, r, dropout)
     if stage == n_stages - 1:
@@ -181,10 +210,10 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
     out = []
     for rank in range(int(np.prod(list(sizes.values())))):
         co = rank_coords(sizes, rank)
-        r, q, k = co["pp"], co["dp"], co["tp"]
+        r, q = co["pp"], co["dp"]
         rows = _rows_of(train, d, q, opts.microbatches)
-        kept = stored(schedule, lambda a, k=k, rows=rows: microbatch_activation_bytes(
-            model, train, sizes, k, a.stage, S, rows[a.microbatch], opts.sp), lambda a: 0)
+        kept = stored(schedule, lambda a, co=co, rows=rows: microbatch_activation_bytes(
+            model, train, sizes, co, a.stage, S, rows[a.microbatch], opts), lambda a: 0)
         held = sum(rank_param_numels(model, sizes, co, v).values())
         share = shard_sizes(held, d)[q] if opts.zero == 1 else held
         peaks = {"params": held * e, "grads": held * e,

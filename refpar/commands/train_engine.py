@@ -17,7 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar.analysis.engine import expected_comm_rows, expected_memory_rows, rank_coords, rank_param_numels
+from refpar.analysis.engine import (
+    cp_tokens,
+    expected_comm_rows,
+    expected_memory_rows,
+    rank_coords,
+    rank_param_numels,
+)
 from refpar.config import ConfigError
 from refpar.engine import NO_ZERO3_CHECKPOINTS, EngineOptions, full_params, run_engine, validate
 from refpar.memory import CATEGORIES
@@ -29,8 +35,10 @@ P2P = ("isend", "irecv")  # their time is spent waiting for the other side: idle
 
 
 def wants_engine(sizes: dict[str, int], args) -> bool:
-    """pp together with tp, or pp with ZeRO sharding over dp: what no single-strategy runner composes."""
-    return sizes["pp"] > 1 and (sizes["tp"] > 1 or args.sp or args.zero > 0 or args.fsdp)
+    """pp together with tp or cp, or pp with ZeRO sharding over dp: what no single-strategy runner
+    composes."""
+    return sizes["pp"] > 1 and (sizes["tp"] > 1 or sizes["cp"] > 1 or args.sp or args.cp_algo is not None
+                                or args.zero > 0 or args.fsdp)
 
 
 def engine_options(sizes: dict[str, int], args) -> EngineOptions:
@@ -40,7 +48,7 @@ def engine_options(sizes: dict[str, int], args) -> EngineOptions:
         raise ConfigError("--fsdp runs on a dp-only mesh; with pp use --zero 1 or 3")
     if args.zero == 3 and (args.save or args.resume):
         raise ConfigError(NO_ZERO3_CHECKPOINTS)
-    return EngineOptions(kind, args.microbatches, v, args.sp, args.zero)
+    return EngineOptions(kind, args.microbatches, v, args.sp, args.zero, args.cp_algo)
 
 
 def time_split(slots, events, window) -> dict[str, float]:
@@ -72,8 +80,12 @@ def holdings(model, train, sizes, opts) -> list[str]:
         v0, v1 = shard_range(model.vocab_size, t, co["tp"])
         b0, b1 = shard_range(train.batch_size, sizes["dp"], co["dp"])
         n = sum(rank_param_numels(model, sizes, co, v).values())
-        out.append(f"  rank {rank} pp={co['pp']} dp={co['dp']} tp={co['tp']}: {', '.join(parts)}; "
-                   f"heads {h0}-{h1 - 1}, vocab rows {v0}-{v1 - 1}, samples {b0}-{b1 - 1}; {n:,} parameters")
+        cp = f" cp={co['cp']}" if sizes["cp"] > 1 else ""
+        tokens = (f", {cp_tokens(train.seq_len, sizes['cp'], opts.cp_algo)[co['cp']]} tokens"
+                  if cp else "")
+        out.append(f"  rank {rank} pp={co['pp']} dp={co['dp']}{cp} tp={co['tp']}: {', '.join(parts)}; "
+                   f"heads {h0}-{h1 - 1}, vocab rows {v0}-{v1 - 1}, samples {b0}-{b1 - 1}{tokens}; "
+                   f"{n:,} parameters")
     return out
 
 
@@ -95,10 +107,11 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
             print(text, flush=True)
 
     ref = train_single_device(model, train) if args.check and speak else None
-    axes = [a for a in ("pp", "dp", "tp") if sizes[a] > 1]
+    axes = [a for a in ("pp", "dp", "cp", "tp") if sizes[a] > 1]
     say(f"mesh {' x '.join(f'{a}={sizes[a]}' for a in axes)} on {comm.size} ranks: schedule {opts.schedule}"
         f" (v={opts.chunks}), {opts.microbatches} microbatches per pipeline, zero {opts.zero}"
-        + (", sequence parallel" if opts.sp else ""))
+        + (", sequence parallel" if opts.sp else "")
+        + (f", {opts.cp_algo or 'ring'} attention over cp" if sizes["cp"] > 1 else ""))
     say(f"GPT-2 {args.model}: {model.n_layer} layers, {model.n_embd} channels, {model.n_head} heads, "
         f"{model.dtype}, dropout {model.dropout}; batch {train.batch_size} x {train.seq_len}")
     for line in holdings(model, train, sizes, opts):

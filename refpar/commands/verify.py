@@ -49,10 +49,13 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
     ("zero-3 x tp x pp", 8, ("--mesh", "dp=2,tp=2,pp=2", "--zero", "3", "--microbatches", "2")),
     ("zero-1 x tp+sp x pp", 8, ("--mesh", "dp=2,tp=2,pp=2", "--zero", "1", "--sp",
                                 "--microbatches", "2")),
+    ("tp x cp x pp", 8, ("--mesh", "pp=2,cp=2,tp=2", "--microbatches", "2")),
+    ("zero-1 x ulysses x pp", 8, ("--mesh", "dp=2,cp=2,pp=2", "--zero", "1", "--cp-algo", "ulysses",
+                                  "--microbatches", "2")),
 ]
-# About 6-8 runs that touch every building block once: `make test` runs these.
+# About 6-9 runs that touch every building block once: `make test` runs these.
 QUICK = ("zero-3", "tp+sp", "dp x cp", "dp x ep", "pp zb-h1", "interleaved x tp", "zero-1 x tp+sp x pp",
-         "zero-3 x tp x pp")
+         "zero-3 x tp x pp", "tp x cp x pp")
 
 
 def add_arguments(parser) -> None:

@@ -178,7 +178,7 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
     kind = args.schedule or "1f1b"
     other = [f"{a}={s}" for a, s in sizes.items() if a not in ("pp", "dp") and s > 1]
     if other:
-        raise ConfigError(f"pipeline training combines with dp and tp (the engine) only so far; "
+        raise ConfigError(f"pipeline training combines with dp, tp and cp (the engine) only so far; "
                           f"drop {', '.join(other)}")
     v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
     # Every rank checks everything before the first message.
