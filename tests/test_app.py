@@ -345,3 +345,32 @@ def test_lessons_page_shows_every_lessons_title_in_order():
         rerun(at)
         shown = [m.value.strip() for m in at.markdown]
         assert path.read_text().strip() in shown and shown[-1].startswith(f"# {title}\n")
+
+
+LESSON_OF = {"views/sharding.py": 3, "views/pipeline.py": 6, "views/communication.py": 1,
+             "views/memory.py": 3, "views/plan.py": 8, "views/run.py": 8, "views/serving.py": 4}
+
+
+def test_each_view_links_to_its_lesson_and_the_lessons_page_opens_on_it():
+    from refpar import lessons
+
+    if not lessons.lesson_files():
+        pytest.skip("no lessons/ in this checkout")
+    at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
+    for path, n in LESSON_OF.items():
+        at.switch_page(path)
+        links = [(link.proto.page, link.proto.query_string) for link in rerun(at).get("page_link")]
+        assert links == [("lessons", f"lesson={n}")], path
+    at.switch_page("views/sharding.py")
+    rerun(at)
+    for strategy, n in (("dp", 2), ("tp", 4), ("sp", 5), ("ep", 7)):
+        at.selectbox[0].set_value(strategy)
+        assert rerun(at).get("page_link")[0].proto.query_string == f"lesson={n}"
+    # What following the link does: the address carries lesson=N and the Lessons page opens on lesson N.
+    at.query_params["lesson"] = "6"
+    at.switch_page("views/lessons.py")
+    rerun(at)
+    assert at.selectbox[0].value == 6
+    assert at.markdown[1].value.strip() == lessons.lesson_path(6).read_text().strip()
+    at.selectbox[0].set_value(2)
+    assert rerun(at).selectbox[0].value == 2  # the link chose the first lesson shown, not every later one

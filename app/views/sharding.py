@@ -1,10 +1,12 @@
 import streamlit as st
+from lesson_link import lesson_link
 
 from refpar.config import ConfigError
 from refpar.viz import sharding
 
 NAMES = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP",
          "tp": "TP (column/row split)", "sp": "SP (sequence parallel)", "ep": "EP (experts)"}
+LESSON = {"dp": 2, "zero1": 3, "zero2": 3, "zero3": 3, "fsdp": 3, "tp": 4, "sp": 5, "ep": 7}
 
 
 @st.cache_data(max_entries=64)
@@ -24,6 +26,7 @@ left, right = st.columns(2)
 strategy = left.selectbox("strategy", list(NAMES), format_func=NAMES.get, index=3)
 n = right.number_input("ranks", min_value=1, value=4, step=1,
                        help=f"1 to {sharding.MAX_RANKS}: more colours cannot be told apart")
+lesson_link(LESSON[strategy])
 try:
     st.plotly_chart(figure(strategy, int(n)), width="stretch")
 except ConfigError as err:
