@@ -374,3 +374,24 @@ def test_each_view_links_to_its_lesson_and_the_lessons_page_opens_on_it():
     assert at.markdown[1].value.strip() == lessons.lesson_path(6).read_text().strip()
     at.selectbox[0].set_value(2)
     assert rerun(at).selectbox[0].value == 2  # the link chose the first lesson shown, not every later one
+
+
+def test_sharding_page_mixes_dp_and_tp_with_zero_and_refuses_too_many_ranks():
+    from refpar.viz import mesh_sharding
+
+    at = page("views/sharding.py")
+    at.toggle[0].set_value(True)
+    rerun(at)
+    for zero in (3, 0):
+        at.selectbox(key="mix_zero").set_value(zero)
+        fig = charts(rerun(at))[0]  # dp=2 x tp=2
+        sets = fig["layout"]["meta"]["holders"]
+        for i, (name, grid) in enumerate(mesh_sharding.mix_grids(2, 2, zero)["params"].items()):
+            drawn = [tuple(sets[k]) for k in np.asarray(fig["data"][i]["z"]).ravel()]
+            assert drawn == list(grid.ravel()), name
+    at.checkbox(key="mix_sp").set_value(True)
+    assert rerun(at).get("page_link")[0].proto.query_string == "lesson=5"
+    at.number_input(key="mix_dp").set_value(3)
+    at.number_input(key="mix_tp").set_value(4)
+    rerun(at)
+    assert "choose at most 8" in at.error[0].value and not at.get("plotly_chart")
