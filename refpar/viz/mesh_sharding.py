@@ -31,7 +31,7 @@ from refpar.sharding import shard_range
 from refpar.viz.sharding import DEMO_MODEL, DEMO_SEQ, MAX_RANKS, RANK_COLOURS, block_weights
 
 ZERO_STAGES = (0, 1, 3)
-GROUP_COLOURS = qualitative.Dark24  # sets of two or more ranks; one rank keeps its RANK_COLOURS
+GROUP_COLOURS = qualitative.Pastel1  # sets of two or more ranks, paler; one rank keeps its RANK_COLOURS
 
 
 def mesh_ranks(dp: int, tp: int) -> np.ndarray:
@@ -104,7 +104,7 @@ def mix_grids(dp: int, tp: int, zero: int, sp: bool = False, config: ModelConfig
     check_mix(config, dp, tp, zero, sp, seq_len)
     names = block_weights(0)
     grids = {"params": holder_sets(config, dp, tp, zero, zero == 3, names),
-             "grads and optimizer": holder_sets(config, dp, tp, zero, True, names)}
+             "grads/opt": holder_sets(config, dp, tp, zero, True, names)}
     grids["activations"] = {"residual (T, C)": activation_sets(config, dp, tp, sp, seq_len)}
     return grids
 
