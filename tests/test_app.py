@@ -345,3 +345,53 @@ def test_lessons_page_shows_every_lessons_title_in_order():
         rerun(at)
         shown = [m.value.strip() for m in at.markdown]
         assert path.read_text().strip() in shown and shown[-1].startswith(f"# {title}\n")
+
+
+LESSON_OF = {"views/sharding.py": 3, "views/pipeline.py": 6, "views/communication.py": 1,
+             "views/memory.py": 3, "views/plan.py": 8, "views/run.py": 8, "views/serving.py": 4}
+
+
+def test_each_view_links_to_its_lesson_and_the_lessons_page_opens_on_it():
+    from refpar import lessons
+
+    if not lessons.lesson_files():
+        pytest.skip("no lessons/ in this checkout")
+    at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
+    for path, n in LESSON_OF.items():
+        at.switch_page(path)
+        links = [(link.proto.page, link.proto.query_string) for link in rerun(at).get("page_link")]
+        assert links == [("lessons", f"lesson={n}")], path
+    at.switch_page("views/sharding.py")
+    rerun(at)
+    for strategy, n in (("dp", 2), ("tp", 4), ("sp", 5), ("ep", 7)):
+        at.selectbox[0].set_value(strategy)
+        assert rerun(at).get("page_link")[0].proto.query_string == f"lesson={n}"
+    # What following the link does: the address carries lesson=N and the Lessons page opens on lesson N.
+    at.query_params["lesson"] = "6"
+    at.switch_page("views/lessons.py")
+    rerun(at)
+    assert at.selectbox[0].value == 6
+    assert at.markdown[1].value.strip() == lessons.lesson_path(6).read_text().strip()
+    at.selectbox[0].set_value(2)
+    assert rerun(at).selectbox[0].value == 2  # the link chose the first lesson shown, not every later one
+
+
+def test_sharding_page_mixes_dp_and_tp_with_zero_and_refuses_too_many_ranks():
+    from refpar.viz import mesh_sharding
+
+    at = page("views/sharding.py")
+    at.toggle[0].set_value(True)
+    rerun(at)
+    for zero in (3, 0):
+        at.selectbox(key="mix_zero").set_value(zero)
+        fig = charts(rerun(at))[0]  # dp=2 x tp=2
+        sets = fig["layout"]["meta"]["holders"]
+        for i, (name, grid) in enumerate(mesh_sharding.mix_grids(2, 2, zero)["params"].items()):
+            drawn = [tuple(sets[k]) for k in np.asarray(fig["data"][i]["z"]).ravel()]
+            assert drawn == list(grid.ravel()), name
+    at.checkbox(key="mix_sp").set_value(True)
+    assert rerun(at).get("page_link")[0].proto.query_string == "lesson=5"
+    at.number_input(key="mix_dp").set_value(3)
+    at.number_input(key="mix_tp").set_value(4)
+    rerun(at)
+    assert "choose at most 8" in at.error[0].value and not at.get("plotly_chart")

@@ -223,3 +223,58 @@ def test_trace_figure_draws_every_traced_call():
     np.testing.assert_allclose(bars["tp"].base, [2.0, 3.0, 4.0])  # ms since the first call
     np.testing.assert_allclose(bars["dp"].x, [0.5, 0.5])
     assert "160 bytes sent" in bars["tp"].text[2]
+
+
+def engine_holders(dp: int, tp: int, zero: int) -> dict[int, set]:
+    """Element id (unique over the whole model) -> the ranks whose parameters hold it, read off the
+    engine's own placement: shard_params_tp of the full model, then ZeroThree's dp shards."""
+    from types import SimpleNamespace
+
+    from refpar.engine_zero3 import ZeroThree
+    from refpar.memory import MemoryLedger
+    from refpar.model.gpt import param_shapes
+
+    shapes = param_shapes(sh.DEMO_MODEL)
+    starts = np.cumsum([0] + [int(np.prod(s)) for s in shapes.values()])
+    full = {n: (a + np.arange(int(np.prod(s)))).reshape(s).astype(float)
+            for (n, s), a in zip(shapes.items(), starts, strict=False)}
+    holders: dict[int, set] = {}
+    for d in range(dp):
+        for t in range(tp):
+            local = shard_params_tp(full, sh.DEMO_MODEL, tp, t)
+            if zero == 3:
+                stage = SimpleNamespace(param_names=lambda local=local: list(local))
+                held = np.concatenate(list(ZeroThree(local, {0: stage}, TrainConfig(), SimpleNamespace(
+                    size=dp, rank=d), MemoryLedger()).shards.values()))
+            else:
+                held = np.concatenate([w.ravel() for w in local.values()])
+            for i in held.astype(int):
+                holders.setdefault(int(i), set()).add(d * tp + t)  # refpar/mesh.py: tp fastest
+    return holders, dict(zip(shapes, starts, strict=False))
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_mix_colours_are_the_ranks_whose_engine_shards_hold_each_element(zero):
+    from refpar.viz import mesh_sharding as ms
+
+    holders, starts = engine_holders(2, 2, zero)
+    fig = ms.mix_figure(ms.mix_grids(2, 2, zero))
+    sets = fig.layout.meta["holders"]
+    for i, name in enumerate(sh.block_weights(0)):  # the params row
+        z = np.asarray(fig.data[i].z)
+        drawn = [set(sets[k]) for k in z.ravel()]
+        assert drawn == [holders[starts[name] + j] for j in range(z.size)], name
+        colours = {fig.data[-len(sets) + k].marker.color for k in np.unique(z)}  # the legend's squares
+        assert len(colours) == len(np.unique(z))  # one colour per holder set
+
+
+def test_mix_sp_rows_are_shard_ranges_and_bad_mixes_are_one_sentence():
+    from refpar.viz import mesh_sharding as ms
+
+    act = ms.mix_grids(1, 4, 0, sp=True)["activations"]["residual (T, C)"]
+    for t in range(4):
+        a, b = shard_range(sh.DEMO_SEQ, 4, t)
+        assert all(cell == (t,) for cell in act[a:b].ravel())
+    for dp, tp, zero in ((3, 3, 0), (1, 3, 0), (2, 2, 2)):
+        with pytest.raises(ConfigError):
+            ms.mix_grids(dp, tp, zero)

@@ -1,4 +1,5 @@
 import streamlit as st
+from lesson_link import lesson_link
 
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.viz import comm, expected
@@ -19,6 +20,7 @@ st.markdown(
     "uses, in program order: a ring sends everything to the next rank of its group, so a tp group's "
     "traffic stays on the diagonal band of neighbours while dp's jumps across it."
 )
+lesson_link(1)
 a, b, c, d = st.columns(4)
 strategy = a.selectbox("strategy", expected.STRATEGIES, index=expected.STRATEGIES.index("tp"))
 n = b.number_input("ranks on its axis", min_value=1, value=2,

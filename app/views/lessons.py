@@ -3,6 +3,7 @@ exercise file and the command that grades it. Outputs in the lessons are generat
 lessons/regenerate.py, so what this page shows is what the commands print."""
 
 import streamlit as st
+from lesson_link import PARAM
 
 from refpar import lessons
 from refpar.lesson_checks import EXERCISES
@@ -18,7 +19,11 @@ if not files:
     st.info("No lessons found: this page reads lessons/NN-name.md from the repository.")
     st.stop()
 titles = {int(p.name[:2]): lessons.title(p) for p in files}
-n = st.selectbox("Lesson", sorted(titles), format_func=lambda k: titles[k])
+# Another view's link names its lesson in the address; open on it once, then the choice is the reader's.
+wanted = st.query_params.pop(PARAM, "")
+if wanted.isdigit() and int(wanted) in titles:
+    st.session_state["lesson"] = int(wanted)
+n = st.selectbox("Lesson", sorted(titles), format_func=lambda k: titles[k], key="lesson")
 st.markdown(lessons.lesson_path(n).read_text())
 if n in EXERCISES:
     exercise = lessons.LESSONS / "exercises" / EXERCISES[n].file

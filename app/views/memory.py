@@ -1,4 +1,5 @@
 import streamlit as st
+from lesson_link import lesson_link
 
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.viz import comm, expected
@@ -27,6 +28,7 @@ st.markdown(
     "gradients at ZeRO-2 and the parameters at ZeRO-3, while TP and SP split activations too and "
     "PP holds only its stages (plus the activations its schedule keeps in flight)."
 )
+lesson_link(3)
 a, b = st.columns(2)
 n = a.number_input("ranks on the strategy's axis", min_value=1, max_value=expected.MAX_WORLD, value=4)
 m = b.number_input("microbatches (pp)", min_value=1, max_value=64, value=4)

@@ -1,4 +1,5 @@
 import streamlit as st
+from lesson_link import lesson_link
 
 from refpar.config import ConfigError
 from refpar.parallel.pipeline.schedules import (
@@ -81,6 +82,7 @@ st.markdown(
     "to the published formula. Press Play to watch the schedule tick by tick, and compare how many "
     "microbatches each stage holds for backward: GPipe holds all m, 1F1B at most p."
 )
+lesson_link(6)
 if st.toggle("compare two schedules side by side"):
     left, right = st.columns(2)
     with left:

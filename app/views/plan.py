@@ -1,4 +1,5 @@
 import streamlit as st
+from lesson_link import lesson_link
 
 from refpar.analysis.hardware import HARDWARE, hardware
 from refpar.analysis.planner import plan
@@ -21,6 +22,7 @@ st.markdown(
     "capacity (dashed line), and where its step time goes: compute, exposed communication, and the "
     "pipeline bubble."
 )
+lesson_link(8)
 names = list(PRESETS)
 a, b, c, d = st.columns(4)
 model = a.selectbox("model", names, index=names.index("gpt3-175b") if "gpt3-175b" in names else 0)

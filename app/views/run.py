@@ -6,6 +6,7 @@ from pathlib import Path
 
 import streamlit as st
 from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec, shared
+from lesson_link import lesson_link
 
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.viz import expected
@@ -49,6 +50,7 @@ st.markdown(
     "print a JSON summary of the bytes each rank sent and the memory it peaked at. Compare those "
     "with the closed forms on the Communication and Memory pages, which pick the run up once it ends."
 )
+lesson_link(8)
 a, b, c, d, e = st.columns(5)
 strategy = a.selectbox("strategy", expected.STRATEGIES, index=0)
 n = b.number_input("ranks on its axis", min_value=1, value=2)

@@ -3,6 +3,7 @@ import time
 
 import streamlit as st
 from launcher import TIME_LIMIT_S, Launcher, mpiexec, shared
+from lesson_link import lesson_link
 
 from refpar.analysis.hardware import HARDWARE, hardware
 from refpar.analysis.presets import PRESETS, preset
@@ -48,6 +49,7 @@ st.markdown(
     "splits the heads, pp the layers, cp the positions), and the bytes each token costs per axis; "
     "below, the same closed forms price a large model on real GPUs, where tp cuts latency and pp does not."
 )
+lesson_link(4)
 a, b, c = st.columns(3)
 mesh = a.selectbox("mesh", MESHES, index=0)
 n = b.number_input("requests", min_value=1, value=4, help=f"at most {len(PROMPTS)}")

@@ -1,15 +1,43 @@
 import streamlit as st
+from lesson_link import lesson_link
 
 from refpar.config import ConfigError
-from refpar.viz import sharding
+from refpar.viz import mesh_sharding, sharding
 
 NAMES = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP",
          "tp": "TP (column/row split)", "sp": "SP (sequence parallel)", "ep": "EP (experts)"}
+LESSON = {"dp": 2, "zero1": 3, "zero2": 3, "zero3": 3, "fsdp": 3, "tp": 4, "sp": 5, "ep": 7}
 
 
 @st.cache_data(max_entries=64)
 def figure(strategy: str, n: int):
     return sharding.sharding_figure(sharding.steps_for(strategy, n), n, f"{NAMES[strategy]}, {n} ranks. ")
+
+
+@st.cache_data(max_entries=64)
+def mix_figure(dp: int, tp: int, zero: int, sp: bool):
+    title = f"dp={dp} x tp={tp}{' with SP' if sp else ''}, ZeRO-{zero} over dp, between two steps"
+    return mesh_sharding.mix_figure(mesh_sharding.mix_grids(dp, tp, zero, sp), title)
+
+
+def mix() -> None:
+    st.markdown(
+        "Two axes at once, on dp x tp ranks numbered as refpar's mesh numbers them (tp fastest). Each "
+        "cell's colour is the set of ranks that hold it: TP cuts each weight into tp slices, every dp "
+        "replica of a tp rank holds the same slice, and ZeRO cuts that slice once more over dp "
+        "(ZeRO-1: the gradients and optimizer state; ZeRO-3: the parameters too). With SP each tp "
+        "rank keeps only its rows of the residual stream."
+    )
+    a, b, c, d = st.columns(4)
+    dp = a.number_input("dp", min_value=1, value=2, key="mix_dp")
+    tp = b.number_input("tp", min_value=1, value=2, key="mix_tp")
+    zero = c.selectbox("ZeRO stage over dp", mesh_sharding.ZERO_STAGES, index=2, key="mix_zero")
+    sp = d.checkbox("sequence parallel (SP) on tp", key="mix_sp")
+    lesson_link(5 if sp else 3 if zero else 4)
+    try:
+        st.plotly_chart(mix_figure(int(dp), int(tp), zero, sp), width="stretch")
+    except ConfigError as err:
+        st.error(str(err))
 
 
 st.title("Sharding layouts")
@@ -20,14 +48,18 @@ st.markdown(
     "TP split c_attn and c_fc by columns and the c_proj's by rows, SP shard the sequence outside "
     "attention and the MLP, and EP send each token to the rank that owns its expert."
 )
-left, right = st.columns(2)
-strategy = left.selectbox("strategy", list(NAMES), format_func=NAMES.get, index=3)
-n = right.number_input("ranks", min_value=1, value=4, step=1,
-                       help=f"1 to {sharding.MAX_RANKS}: more colours cannot be told apart")
-try:
-    st.plotly_chart(figure(strategy, int(n)), width="stretch")
-except ConfigError as err:
-    st.error(str(err))
+if st.toggle("mix two axes (dp x tp with ZeRO, tp x sp)"):
+    mix()
+else:
+    left, right = st.columns(2)
+    strategy = left.selectbox("strategy", list(NAMES), format_func=NAMES.get, index=3)
+    n = right.number_input("ranks", min_value=1, value=4, step=1,
+                           help=f"1 to {sharding.MAX_RANKS}: more colours cannot be told apart")
+    lesson_link(LESSON[strategy])
+    try:
+        st.plotly_chart(figure(strategy, int(n)), width="stretch")
+    except ConfigError as err:
+        st.error(str(err))
 st.caption(f"Model: {sharding.DEMO_MODEL.n_layer} blocks, C={sharding.DEMO_MODEL.n_embd}, "
            f"{sharding.DEMO_MODEL.n_head} heads, T={sharding.DEMO_SEQ} (EP: "
            f"{sharding.DEMO_MOE_MODEL.moe_experts} experts, top-1), small enough to draw every element. "

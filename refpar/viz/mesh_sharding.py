@@ -1,0 +1,153 @@
+"""Which ranks hold each slice of block 0's tensors under a two-axis mix: dp x tp with ZeRO stage 0,
+1 or 3 over dp, optionally with sequence parallelism on the tp axis (tp x sp).
+
+The placement is composed from refpar's own functions, in the order the engine applies them:
+
+    tp split    shard_params_tp(full, config, tp, tp_rank) (refpar/parallel/tensor_parallel.py)
+    dp split    ZeRO-1: shard_range(Ψl, dp, dp_rank) of the rank's tp shards laid end to end
+                (engine.ZeroOne); ZeRO-3: shard_range(Ψ_u, dp, dp_rank) of each unit,
+                engine_zero3.units_of (wte alone, the rest together); ZeRO-0: nothing split
+    sp rows     shard_range(T, tp, tp_rank) of the residual stream (sp_layout's resid_pos)
+    ranks       arange(dp * tp).reshape(dp, tp): refpar/mesh.py's order with pp = ep = cp = 1
+
+The tp split is taken of a "model" whose every element is its own index, so what a rank ends up
+holding is read off as element ids, not re-derived. A cell's value is an index into the figure's
+list of holder sets (`layout.meta["holders"]`); its colour is that set's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
+
+from refpar.config import ConfigError, ModelConfig
+from refpar.engine_zero3 import units_of
+from refpar.model.gpt import param_shapes
+from refpar.parallel.sequence_parallel import check_sp
+from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
+from refpar.sharding import shard_range
+from refpar.viz.sharding import DEMO_MODEL, DEMO_SEQ, MAX_RANKS, RANK_COLOURS, block_weights
+
+ZERO_STAGES = (0, 1, 3)
+GROUP_COLOURS = qualitative.Pastel1  # sets of two or more ranks, paler; one rank keeps its RANK_COLOURS
+
+
+def mesh_ranks(dp: int, tp: int) -> np.ndarray:
+    return np.arange(dp * tp).reshape(dp, tp)  # (dp, tp)
+
+
+def check_mix(config: ModelConfig, dp: int, tp: int, zero: int, sp: bool, seq_len: int) -> None:
+    if zero not in ZERO_STAGES:
+        raise ConfigError(f"ZeRO stage {zero} is not drawn here; choose one of 0, 1, 3")
+    if not (dp >= 1 and tp >= 1 and dp * tp <= MAX_RANKS):
+        raise ConfigError(f"dp={dp} x tp={tp} is {dp * tp} ranks; choose at most {MAX_RANKS} on screen")
+    check_tp(config, tp)
+    if sp:
+        check_sp(config, seq_len, tp)
+
+
+def ids_held(config: ModelConfig, dp: int, tp: int, zero: int, dp_rank: int, tp_rank: int,
+             split_over_dp: bool) -> dict[str, np.ndarray]:
+    """The element ids (flat indices into each full parameter) rank (dp_rank, tp_rank) holds: its tp
+    shard, cut once more over dp as ZeRO `zero` cuts it when `split_over_dp`."""
+    ids = {n: np.arange(int(np.prod(s))).reshape(s) for n, s in param_shapes(config).items()}
+    local = shard_params_tp(ids, config, tp, tp_rank)  # (the ids of) this rank's tp shards
+    if not (split_over_dp and zero > 0):
+        return {n: w.ravel() for n, w in local.items()}
+    units = units_of(list(local)) if zero == 3 else {"all": list(local)}
+    held = {}
+    for names in units.values():
+        start, stop = shard_range(sum(local[n].size for n in names), dp, dp_rank)
+        offset = 0
+        for n in names:
+            size = local[n].size
+            held[n] = local[n].ravel()[max(start - offset, 0):max(min(stop - offset, size), 0)]
+            offset += size
+    return held
+
+
+def holder_sets(config: ModelConfig, dp: int, tp: int, zero: int, split_over_dp: bool,
+                names: list[str]) -> dict[str, np.ndarray]:
+    """name -> (shape) array of tuples: the global ranks that hold each element."""
+    ranks = mesh_ranks(dp, tp)
+    holds = {n: np.zeros((dp * tp, int(np.prod(param_shapes(config)[n]))), dtype=bool) for n in names}
+    for d in range(dp):
+        for t in range(tp):
+            held = ids_held(config, dp, tp, zero, d, t, split_over_dp)
+            for n in names:
+                holds[n][ranks[d, t], held[n]] = True
+    out = {}
+    for n, mask in holds.items():
+        cells = np.empty(mask.shape[1], dtype=object)
+        cells[:] = [tuple(np.flatnonzero(mask[:, i]).tolist()) for i in range(mask.shape[1])]
+        out[n] = cells.reshape(param_shapes(config)[n])
+    return out
+
+
+def activation_sets(config: ModelConfig, dp: int, tp: int, sp: bool, seq_len: int) -> np.ndarray:
+    """(T, C) tuples: who holds dp rank 0's residual stream (the same for every dp rank's own sample)."""
+    group = mesh_ranks(dp, tp)[0]
+    rows = np.empty(seq_len, dtype=object)
+    for t in range(tp):
+        a, b = shard_range(seq_len, tp, t) if sp else (0, seq_len)
+        for i in range(a, b):
+            rows[i] = (int(group[t]),) if sp else tuple(group.tolist())
+    return np.repeat(rows[:, None], config.n_embd, axis=1)
+
+
+def mix_grids(dp: int, tp: int, zero: int, sp: bool = False, config: ModelConfig = DEMO_MODEL,
+              seq_len: int = DEMO_SEQ) -> dict[str, dict[str, np.ndarray]]:
+    """Panel row -> tensor -> holder sets, at rest between steps: parameters (gathered copies
+    freed), gradients and AdamW moments (after the gradient sync) and, under tp, the activations."""
+    check_mix(config, dp, tp, zero, sp, seq_len)
+    names = block_weights(0)
+    grids = {"params": holder_sets(config, dp, tp, zero, zero == 3, names),
+             "grads/opt": holder_sets(config, dp, tp, zero, True, names)}
+    grids["activations"] = {"residual (T, C)": activation_sets(config, dp, tp, sp, seq_len)}
+    return grids
+
+
+def _label(ranks: tuple) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _colour(ranks: tuple, k: int) -> str:
+    return RANK_COLOURS[ranks[0]] if len(ranks) == 1 else GROUP_COLOURS[k % len(GROUP_COLOURS)]
+
+
+def mix_figure(grids: dict[str, dict[str, np.ndarray]], title: str = "") -> go.Figure:
+    """One heatmap per (panel row, tensor); z indexes `layout.meta["holders"]`, coloured per set."""
+    sets = sorted({s for row in grids.values() for g in row.values() for s in g.ravel()},
+                  key=lambda s: (len(s), s))
+    index = {s: i for i, s in enumerate(sets)}
+    multi = {s: k for k, s in enumerate(s for s in sets if len(s) > 1)}
+    colours = [_colour(s, multi.get(s, 0)) for s in sets]
+    k = len(sets)
+    scale = [[edge, c] for i, c in enumerate(colours) for edge in (i / k, (i + 1) / k)]
+    rows = list(grids)
+    cols = max(len(r) for r in grids.values())
+    titles = [f"{row}: {'.'.join(n.split('.')[2:]) if n.startswith('h.') else n}"
+              for row in rows for n in grids[row]]
+    tall = [max(g.shape[0] for g in grids[row].values()) for row in rows]
+    fig = make_subplots(rows=len(rows), cols=cols, subplot_titles=titles,
+                        horizontal_spacing=0.04, vertical_spacing=0.12,
+                        row_heights=[max(h, max(tall) / 4) for h in tall])
+    for r, row in enumerate(rows):
+        for c, (name, grid) in enumerate(grids[row].items()):
+            z = np.vectorize(index.get, otypes=[int])(grid)
+            text = np.vectorize(_label, otypes=[object])(grid)
+            fig.add_trace(go.Heatmap(z=z, zmin=-0.5, zmax=k - 0.5, colorscale=scale, showscale=False,
+                                     xgap=0.5, ygap=0.5, name=name, text=text,
+                                     hovertemplate=f"{name}[%{{y}}, %{{x}}]: %{{text}}<extra></extra>"),
+                          row=r + 1, col=c + 1)
+            axis = "" if r == c == 0 else str(r * cols + c + 1)
+            fig.layout[f"xaxis{axis}"].update(showticklabels=False)
+            fig.layout[f"yaxis{axis}"].update(autorange="reversed", showticklabels=False)
+    for s, colour in zip(sets, colours, strict=True):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=_label(s), showlegend=True,
+                                 marker={"symbol": "square", "size": 12, "color": colour,
+                                         "line": {"color": "#666", "width": 1}}), row=1, col=1)
+    fig.update_layout(title=title, height=260 * len(rows) + 120, meta={"holders": [list(s) for s in sets]})
+    return fig
