@@ -395,3 +395,24 @@ def test_sharding_page_mixes_dp_and_tp_with_zero_and_refuses_too_many_ranks():
     at.number_input(key="mix_tp").set_value(4)
     rerun(at)
     assert "choose at most 8" in at.error[0].value and not at.get("plotly_chart")
+
+
+def test_communication_page_draws_ep_bytes_equal_to_the_moe_closed_form():
+    from refpar.config import ParallelConfig
+    from refpar.viz import moe as mv
+
+    at = page("views/communication.py")
+    at.selectbox[0].set_value("ep")
+    at.number_input[0].set_value(4)
+    rerun(at)  # dp=2 x ep=4
+    bars, matrix = charts(at)
+    config = model_preset("tiny", moe_experts=8)
+    sizes = ParallelConfig({"dp": 2, "ep": 4}).sizes
+    kept = mv.drawn_kept(config, 8, ONE_STEP.seq_len)
+    rows = mv.step_rows(config, sizes, kept)
+    drawn = dict(zip(bars["data"][0]["x"], np.asarray(bars["data"][0]["y"]).tolist(), strict=True))
+    assert drawn == comm.by_axis_op(rows) and drawn["ep all_to_all"] > 0
+    np.testing.assert_array_equal(np.asarray(matrix["data"][0]["z"]), mv.traffic_matrix(config, sizes, kept))
+    at.number_input[1].set_value(3)
+    rerun(at)
+    assert at.error and "at most 8" in at.error[0].value

@@ -278,3 +278,26 @@ def test_mix_sp_rows_are_shard_ranges_and_bad_mixes_are_one_sentence():
     for dp, tp, zero in ((3, 3, 0), (1, 3, 0), (2, 2, 2)):
         with pytest.raises(ConfigError):
             ms.mix_grids(dp, tp, zero)
+
+
+def test_ep_traffic_matrix_rows_and_columns_are_the_closed_form_bytes():
+    from refpar.analysis import moe as closed
+    from refpar.config import ParallelConfig
+    from refpar.viz import moe as mv
+
+    config = model_preset("tiny", moe_experts=8)
+    sizes = ParallelConfig({"dp": 2, "ep": 4}).sizes
+    kept = mv.drawn_kept(config, 8, 16)
+    itemsize = np.dtype(config.dtype).itemsize
+    assert all(k.shape == (8, 8) for k in kept) and len(kept) == len(config.moe_blocks)
+    a2a = sum(mv.all_to_all_matrix(k, 4, config.n_embd, itemsize) for k in kept)
+    for d in range(8):
+        exact = [closed.all_to_all_bytes(k, 4, d, config.n_embd, itemsize) for k in kept]
+        assert a2a[d].sum() == sum(b.sent for b in exact) and a2a[:, d].sum() == sum(b.recv for b in exact)
+        assert not a2a[d, [r for r in range(8) if r // 4 != d // 4]].any()  # no all-to-all across dp
+    rows = mv.step_rows(config, sizes, kept)
+    matrix = mv.traffic_matrix(config, sizes, kept)
+    for d in range(8):
+        per_op = closed.step_comm_bytes(config, sizes, {"dp": d // 4, "ep": d % 4}, kept)
+        assert matrix[d].sum() == sum(b.sent for b in per_op.values())
+        assert sum(r["bytes_sent"] for r in rows if r["rank"] == d) == matrix[d].sum()

@@ -78,11 +78,15 @@ def _matrix_layout(fig: go.Figure, world: int, title: str) -> None:
                       yaxis={"title": "from rank", "range": [world - 0.5, -0.5], **fixed})
 
 
-def traffic_figure(rows: list[dict], sizes: dict[str, int], title: str = "") -> go.Figure:
-    matrix = traffic_matrix(rows, sizes)
+def matrix_figure(matrix: np.ndarray, title: str = "") -> go.Figure:
+    """A (world, world) matrix of bytes, entry [src, dst] what src sends to dst, as a heatmap."""
     fig = go.Figure(_matrix_heatmap(matrix, matrix.max()))
     _matrix_layout(fig, matrix.shape[0], title)
     return fig
+
+
+def traffic_figure(rows: list[dict], sizes: dict[str, int], title: str = "") -> go.Figure:
+    return matrix_figure(traffic_matrix(rows, sizes), title)
 
 
 def call_rows(call: dict) -> list[dict]:

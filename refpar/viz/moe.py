@@ -2,13 +2,23 @@
 the all-to-all carried.
 
 Data in (the "moe" object of `refpar train --json`, refpar/commands/train_moe.py), a Plotly figure
-out.
+out. For the Communication page, `drawn_kept` draws one step's routing with refpar's own router and
+`step_rows` / `traffic_matrix` give what a dp x ep step moves, from refpar.analysis.moe's exact
+closed forms (which take the routing counts).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from refpar.analysis import moe as closed
+from refpar.model.data import MarkovCorpus
+from refpar.model.gpt import init_params
+from refpar.model.moe import capacity, kept_counts, router_forward, router_name, selection_counts
+from refpar.sharding import shard_range
+from refpar.viz.comm import destinations
 
 
 def routing_figure(moe: dict, block_index: int = 0, step: int = -1) -> go.Figure:
@@ -41,3 +51,66 @@ def routing_figure(moe: dict, block_index: int = 0, step: int = -1) -> go.Figure
     fig.update_yaxes(title_text="data rank", dtick=1, autorange="reversed", row=1, col=2)
     fig.update_layout(title=f"block {block}: routing and dispatch", coloraxis={"colorscale": "Blues"})
     return fig
+
+
+def drawn_kept(config, n_data: int, tokens_per_rank: int, seed: int = 0) -> list[np.ndarray]:
+    """(D, E) kept counts of each MoE block for one step: each data rank holds one sequence of
+    refpar's corpus, and each block's router (`router_forward`, the initial weights) routes its
+    embedded tokens; the capacity then drops what overflows (`kept_counts`). The embeddings stand
+    in for the block's true input: a routing drawn by refpar's router, not a trained one's."""
+    params = init_params(config, seed)
+    tokens, _ = MarkovCorpus(config.vocab_size, seed).batch(0, np.arange(n_data), tokens_per_rank)  # (D, T)
+    x = params["wte.weight"][tokens] + params["wpe.weight"][:tokens_per_rank]  # (D, T, C)
+    out = []
+    for block in config.moe_blocks:
+        w = params[router_name(block)]  # (C, E)
+        counts = np.stack([selection_counts(router_forward(x[d], w, config.moe_top_k)[2], config.moe_experts)
+                           for d in range(n_data)])  # (D, k, E)
+        out.append(np.asarray(kept_counts(counts, capacity(n_data * tokens_per_rank, config))))
+    return out
+
+
+def step_rows(config, sizes: dict[str, int], kept_by_layer) -> list[dict]:
+    """`comm_bytes` rows of one training step on every rank of a dp x ep mesh
+    (`refpar.analysis.moe.step_comm_bytes`); the axis `data` is all dp x ep ranks."""
+    dp, ep = sizes.get("dp", 1), sizes.get("ep", 1)
+    rows = []
+    for rank in range(dp * ep):  # world rank = data rank: dp is the slower axis
+        coords = {"dp": rank // ep, "ep": rank % ep}
+        for (axis, op), b in closed.step_comm_bytes(config, sizes, coords, kept_by_layer).items():
+            rows.append({"rank": rank, "axis": axis, "op": op, "bytes_sent": b.sent, "bytes_recv": b.recv})
+    return rows
+
+
+def all_to_all_matrix(kept, ep: int, n_embd: int, itemsize: int) -> np.ndarray:
+    """(D, D) bytes one MoE block's all-to-alls move in a step: data rank d sends its rows for the
+    experts of ep peer d' (dispatch) and d''s outputs for d's experts back (combine), and the
+    backward repeats both with gradients."""
+    kept = np.asarray(kept)
+    n_data, n_experts = kept.shape
+    owned = [list(range(*shard_range(n_experts, ep, q))) for q in range(ep)]
+    matrix = np.zeros((n_data, n_data))
+    for d in range(n_data):
+        base = d - d % ep
+        for q in range(ep):
+            peer = base + q
+            if peer != d:
+                rows = kept[d, owned[q]].sum() + kept[peer, owned[d % ep]].sum()
+                matrix[d, peer] = 2 * rows * n_embd * itemsize
+    return matrix
+
+
+def traffic_matrix(config, sizes: dict[str, int], kept_by_layer) -> np.ndarray:
+    """(world, world) bytes of one step: the all-to-alls exactly from the counts, every ring
+    collective to the next rank of its group (`refpar.viz.comm.destinations`)."""
+    ep, world = sizes.get("ep", 1), sizes.get("dp", 1) * sizes.get("ep", 1)
+    itemsize = np.dtype(config.dtype).itemsize
+    matrix = sum((all_to_all_matrix(k, ep, config.n_embd, itemsize) for k in kept_by_layer),
+                 np.zeros((world, world)))
+    for row in step_rows(config, sizes, kept_by_layer):
+        if row["axis"] == "ep":
+            continue
+        axis = "world" if row["axis"] == "data" else row["axis"]
+        for dst, share in destinations(sizes, row["rank"], axis, row["op"]):
+            matrix[row["rank"], dst] += row["bytes_sent"] * share
+    return matrix
