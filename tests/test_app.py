@@ -389,6 +389,7 @@ def test_sharding_page_mixes_dp_and_tp_with_zero_and_refuses_too_many_ranks():
         for i, (name, grid) in enumerate(mesh_sharding.mix_grids(2, 2, zero)["params"].items()):
             drawn = [tuple(sets[k]) for k in np.asarray(fig["data"][i]["z"]).ravel()]
             assert drawn == list(grid.ravel()), name
+        assert [f["name"] for f in fig["frames"]] == [s.label for s in mesh_sharding.mix_steps(2, 2, zero)]
     at.checkbox(key="mix_sp").set_value(True)
     assert rerun(at).get("page_link")[0].proto.query_string == "lesson=5"
     at.number_input(key="mix_dp").set_value(3)

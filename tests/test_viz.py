@@ -258,7 +258,7 @@ def test_mix_colours_are_the_ranks_whose_engine_shards_hold_each_element(zero):
     from refpar.viz import mesh_sharding as ms
 
     holders, starts = engine_holders(2, 2, zero)
-    fig = ms.mix_figure(ms.mix_grids(2, 2, zero))
+    fig = ms.mix_figure(ms.mix_steps(2, 2, zero))
     sets = fig.layout.meta["holders"]
     for i, name in enumerate(sh.block_weights(0)):  # the params row
         z = np.asarray(fig.data[i].z)
@@ -301,3 +301,27 @@ def test_ep_traffic_matrix_rows_and_columns_are_the_closed_form_bytes():
         per_op = closed.step_comm_bytes(config, sizes, {"dp": d // 4, "ep": d % 4}, kept)
         assert matrix[d].sum() == sum(b.sent for b in per_op.values())
         assert sum(r["bytes_sent"] for r in rows if r["rank"] == d) == matrix[d].sum()
+
+
+def test_mix_frames_show_zero3_gather_block0_over_dp_then_free_it_as_the_engine_places_it():
+    from refpar.viz import mesh_sharding as ms
+
+    gathered, _ = engine_holders(2, 2, 0)  # every dp replica holds its tp rank's whole shard
+    sharded, starts = engine_holders(2, 2, 3)
+    fig = ms.mix_figure(ms.mix_steps(2, 2, 3))
+    sets = fig.layout.meta["holders"]
+    frames = {f.name: f for f in fig.frames}
+    names = sh.block_weights(0)
+
+    def drawn(frame: str, row: int, i: int) -> list[set]:
+        return [set(sets[k]) for k in np.asarray(frames[frame].data[row * len(names) + i].z).ravel()]
+
+    for i, name in enumerate(names):
+        size = np.asarray(fig.data[i].z).size
+        want = {f: [h[starts[name] + j] for j in range(size)] for f, h in (("g", gathered), ("s", sharded))}
+        assert drawn("forward h.0", 0, i) == want["g"] and drawn("backward h.0", 0, i) == want["g"], name
+        assert drawn("forward h.1", 0, i) == want["s"] and drawn("after the step", 0, i) == want["s"], name
+        assert drawn("forward h.0", 1, i) == [set()] * size  # no gradient before block 0's backward
+        assert drawn("backward h.0", 1, i) == want["s"]  # reduce-scattered as its backward ends
+    assert all(s["args"][1]["frame"]["redraw"] for s in fig.layout.sliders[0].steps)
+    assert fig.layout.xaxis.autorange is False and fig.layout.yaxis.autorange is False

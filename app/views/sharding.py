@@ -16,8 +16,8 @@ def figure(strategy: str, n: int):
 
 @st.cache_data(max_entries=64)
 def mix_figure(dp: int, tp: int, zero: int, sp: bool):
-    title = f"dp={dp} x tp={tp}{' with SP' if sp else ''}, ZeRO-{zero} over dp, between two steps"
-    return mesh_sharding.mix_figure(mesh_sharding.mix_grids(dp, tp, zero, sp), title)
+    title = f"dp={dp} x tp={tp}{' with SP' if sp else ''}, ZeRO-{zero} over dp. "
+    return mesh_sharding.mix_figure(mesh_sharding.mix_steps(dp, tp, zero, sp), title)
 
 
 def mix() -> None:
@@ -26,7 +26,8 @@ def mix() -> None:
         "cell's colour is the set of ranks that hold it: TP cuts each weight into tp slices, every dp "
         "replica of a tp rank holds the same slice, and ZeRO cuts that slice once more over dp "
         "(ZeRO-1: the gradients and optimizer state; ZeRO-3: the parameters too). With SP each tp "
-        "rank keeps only its rows of the residual stream."
+        "rank keeps only its rows of the residual stream. Press Play or drag the slider through the "
+        "step: with ZeRO-3, block 0's slices are gathered over dp for its forward and backward only."
     )
     a, b, c, d = st.columns(4)
     dp = a.number_input("dp", min_value=1, value=2, key="mix_dp")

@@ -12,7 +12,11 @@ The placement is composed from refpar's own functions, in the order the engine a
 
 The tp split is taken of a "model" whose every element is its own index, so what a rank ends up
 holding is read off as element ids, not re-derived. A cell's value is an index into the figure's
-list of holder sets (`layout.meta["holders"]`); its colour is that set's.
+list of holder sets (`layout.meta["holders"]`); its colour is that set's, white for nobody.
+
+`mix_steps` walks one training step as the single-strategy views do (refpar.viz.sharding's
+`weight_steps`): ZeRO-3 gathers block 0's tp shards over dp around its forward and backward and frees
+them after; gradients appear with block 0's backward and are cut over dp by ZeRO's reduce-scatter.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from refpar.model.gpt import param_shapes
 from refpar.parallel.sequence_parallel import check_sp
 from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
 from refpar.sharding import shard_range
-from refpar.viz.sharding import DEMO_MODEL, DEMO_SEQ, MAX_RANKS, RANK_COLOURS, block_weights
+from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
+from refpar.viz.sharding import DEMO_MODEL, DEMO_SEQ, MAX_RANKS, RANK_COLOURS, Step, block_weights
 
 ZERO_STAGES = (0, 1, 3)
 GROUP_COLOURS = qualitative.Pastel1  # sets of two or more ranks, paler; one rank keeps its RANK_COLOURS
@@ -97,57 +102,123 @@ def activation_sets(config: ModelConfig, dp: int, tp: int, sp: bool, seq_len: in
     return np.repeat(rows[:, None], config.n_embd, axis=1)
 
 
+def _nobody(shape: tuple) -> np.ndarray:
+    grid = np.empty(shape, dtype=object)
+    for i in range(grid.size):
+        grid.flat[i] = ()  # the empty set of holders
+    return grid
+
+
+def mix_steps(dp: int, tp: int, zero: int, sp: bool = False, config: ModelConfig = DEMO_MODEL,
+              seq_len: int = DEMO_SEQ) -> list[Step]:
+    """Panel row -> tensor -> holder sets of block 0 at each moment of one training step."""
+    check_mix(config, dp, tp, zero, sp, seq_len)
+    names = block_weights(0)
+    whole = holder_sets(config, dp, tp, zero, False, names)  # every dp replica holds its tp shard
+    cut = holder_sets(config, dp, tp, zero, True, names)  # ZeRO's dp shard of it
+    nobody = {n: _nobody(g.shape) for n, g in whole.items()}
+    activations = {"residual (T, C)": activation_sets(config, dp, tp, sp, seq_len)}
+    moments = [("before the step", "idle", None), ("forward h.0", "fwd", 0), ("forward h.1", "fwd", 1),
+               ("backward h.1", "bwd", 1), ("backward h.0", "bwd", 0), ("gradient sync", "sync", None),
+               ("optimizer step", "opt", None), ("after the step", "after", None)]
+    tp_note = " (tp: an all-reduce of the activations after each row-split c_proj)" if tp > 1 else ""
+    moves = {
+        0: {"sync": "all-reduce of each tp shard's gradient over dp",
+            "opt": "every dp replica applies the same update to its tp shard"},
+        1: {"sync": "reduce-scatter of each tp shard's gradient over dp",
+            "opt": "each rank updates its dp shard of its tp shard",
+            "after": "all-gather of the updated shards over dp"},
+        3: {"fwd": "all-gather the block's tp shards over dp, compute, free them",
+            "bwd": "all-gather again, compute, reduce-scatter the block's gradient over dp, free",
+            "sync": "nothing left: each unit was reduce-scattered after its backward",
+            "opt": "each rank updates its dp shard of its tp shard"},
+    }[zero]
+    quiet = {"idle": "nothing moves", "fwd": f"compute{tp_note}", "bwd": f"compute{tp_note}",
+             "sync": "nothing to sync", "opt": "", "after": "nothing moves: ready for the next step"}
+    steps = []
+    for label, phase, layer in moments:
+        if zero == 3:
+            params = whole if phase in ("fwd", "bwd") and layer == 0 else cut
+        else:
+            params = cut if zero == 1 and phase == "opt" else whole  # the owner's update, not yet gathered
+        if phase in ("idle", "fwd") or (phase == "bwd" and layer == 1):
+            grads = nobody  # block 0's gradient is computed by its own backward, last
+        elif phase == "bwd" and zero < 3:
+            grads = whole  # each rank's own gradient of its tp shard, not yet summed over dp
+        else:
+            grads = cut if zero else whole
+        text = moves.get(phase, quiet[phase])
+        steps.append(Step(label, text, {"params": params, "grads": grads, "optimizer": cut if zero else whole,
+                                        "activations": activations}))
+    return steps
+
+
 def mix_grids(dp: int, tp: int, zero: int, sp: bool = False, config: ModelConfig = DEMO_MODEL,
               seq_len: int = DEMO_SEQ) -> dict[str, dict[str, np.ndarray]]:
     """Panel row -> tensor -> holder sets, at rest between steps: parameters (gathered copies
     freed), gradients and AdamW moments (after the gradient sync) and, under tp, the activations."""
-    check_mix(config, dp, tp, zero, sp, seq_len)
-    names = block_weights(0)
-    grids = {"params": holder_sets(config, dp, tp, zero, zero == 3, names),
-             "grads/opt": holder_sets(config, dp, tp, zero, True, names)}
-    grids["activations"] = {"residual (T, C)": activation_sets(config, dp, tp, sp, seq_len)}
-    return grids
+    return mix_steps(dp, tp, zero, sp, config, seq_len)[-1].grids
 
 
 def _label(ranks: tuple) -> str:
+    if not ranks:
+        return "nobody"
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _colour(ranks: tuple, k: int) -> str:
+    if not ranks:
+        return "#ffffff"
     return RANK_COLOURS[ranks[0]] if len(ranks) == 1 else GROUP_COLOURS[k % len(GROUP_COLOURS)]
 
 
-def mix_figure(grids: dict[str, dict[str, np.ndarray]], title: str = "") -> go.Figure:
-    """One heatmap per (panel row, tensor); z indexes `layout.meta["holders"]`, coloured per set."""
-    sets = sorted({s for row in grids.values() for g in row.values() for s in g.ravel()},
-                  key=lambda s: (len(s), s))
+def _heatmaps(grids: dict[str, dict[str, np.ndarray]], index: dict, scale: list) -> list[go.Heatmap]:
+    traces = []
+    for row in grids.values():
+        for name, grid in row.items():
+            z = np.vectorize(index.get, otypes=[int])(grid)
+            text = np.vectorize(_label, otypes=[object])(grid)
+            traces.append(go.Heatmap(z=z, zmin=-0.5, zmax=len(index) - 0.5, colorscale=scale, showscale=False,
+                                     xgap=0.5, ygap=0.5, name=name, text=text,
+                                     hovertemplate=f"{name}[%{{y}}, %{{x}}]: %{{text}}<extra></extra>"))
+    return traces
+
+
+def mix_figure(steps: list[Step], title: str = "") -> go.Figure:
+    """One heatmap per (panel row, tensor), a frame per step with a slider and Play, showing the
+    last step; z indexes `layout.meta["holders"]`, coloured per set."""
+    grids_seen = [g for step in steps for row in step.grids.values() for g in row.values()]
+    sets = sorted({s for g in grids_seen for s in g.ravel()}, key=lambda s: (len(s), s))
     index = {s: i for i, s in enumerate(sets)}
     multi = {s: k for k, s in enumerate(s for s in sets if len(s) > 1)}
     colours = [_colour(s, multi.get(s, 0)) for s in sets]
     k = len(sets)
     scale = [[edge, c] for i, c in enumerate(colours) for edge in (i / k, (i + 1) / k)]
+    grids = steps[-1].grids
     rows = list(grids)
     cols = max(len(r) for r in grids.values())
     titles = [f"{row}: {'.'.join(n.split('.')[2:]) if n.startswith('h.') else n}"
               for row in rows for n in grids[row]]
     tall = [max(g.shape[0] for g in grids[row].values()) for row in rows]
     fig = make_subplots(rows=len(rows), cols=cols, subplot_titles=titles,
-                        horizontal_spacing=0.04, vertical_spacing=0.12,
+                        horizontal_spacing=0.04, vertical_spacing=0.08,
                         row_heights=[max(h, max(tall) / 4) for h in tall])
-    for r, row in enumerate(rows):
-        for c, (name, grid) in enumerate(grids[row].items()):
-            z = np.vectorize(index.get, otypes=[int])(grid)
-            text = np.vectorize(_label, otypes=[object])(grid)
-            fig.add_trace(go.Heatmap(z=z, zmin=-0.5, zmax=k - 0.5, colorscale=scale, showscale=False,
-                                     xgap=0.5, ygap=0.5, name=name, text=text,
-                                     hovertemplate=f"{name}[%{{y}}, %{{x}}]: %{{text}}<extra></extra>"),
-                          row=r + 1, col=c + 1)
-            axis = "" if r == c == 0 else str(r * cols + c + 1)
-            fig.layout[f"xaxis{axis}"].update(showticklabels=False)
-            fig.layout[f"yaxis{axis}"].update(autorange="reversed", showticklabels=False)
+    cells = [(r, c, grid) for r, row in enumerate(rows) for c, grid in enumerate(grids[row].values())]
+    for (r, c, grid), trace in zip(cells, _heatmaps(grids, index, scale), strict=True):
+        fig.add_trace(trace, row=r + 1, col=c + 1)
+        axis = "" if r == c == 0 else str(r * cols + c + 1)
+        fig.layout[f"xaxis{axis}"].update(range=[-0.5, grid.shape[1] - 0.5], autorange=False,
+                                          showticklabels=False)
+        fig.layout[f"yaxis{axis}"].update(range=[grid.shape[0] - 0.5, -0.5], autorange=False,
+                                          showticklabels=False)
+    fig.frames = [go.Frame(name=s.label, data=_heatmaps(s.grids, index, scale),
+                           traces=list(range(len(cells))),
+                           layout={"title": {"text": f"{title}{s.label}: {s.moves}"}}) for s in steps]
     for s, colour in zip(sets, colours, strict=True):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=_label(s), showlegend=True,
                                  marker={"symbol": "square", "size": 12, "color": colour,
                                          "line": {"color": "#666", "width": 1}}), row=1, col=1)
-    fig.update_layout(title=title, height=260 * len(rows) + 120, meta={"holders": [list(s) for s in sets]})
+    fig.update_layout(title=f"{title}{steps[-1].label}: {steps[-1].moves}", height=240 * len(rows) + 160,
+                      margin={"b": CONTROLS_MARGIN, "t": 110}, meta={"holders": [list(s) for s in sets]},
+                      **play_controls([s.label for s in steps], ""))
     return fig
