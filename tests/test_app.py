@@ -417,3 +417,20 @@ def test_communication_page_draws_ep_bytes_equal_to_the_moe_closed_form():
     at.number_input[1].set_value(3)
     rerun(at)
     assert at.error and "at most 8" in at.error[0].value
+
+
+def test_sharding_page_mixes_pp_and_tp_by_stage_and_refuses_more_stages_than_blocks():
+    from refpar.viz import mesh_sharding
+
+    at = page("views/sharding.py")
+    at.toggle[0].set_value(True)
+    rerun(at)
+    at.radio(key="mix_axes").set_value("pp x tp")
+    fig = charts(rerun(at))[0]  # pp=2 x tp=2
+    sets = fig["layout"]["meta"]["holders"]
+    grids = [g for row in mesh_sharding.pp_tp_steps(2, 2)[0].grids.values() for g in row.values()]
+    for i, grid in enumerate(grids):
+        assert [tuple(sets[k]) for k in np.asarray(fig["data"][i]["z"]).ravel()] == list(grid.ravel())
+    at.number_input(key="mix_pp").set_value(3)
+    rerun(at)
+    assert "stages need at least 3 blocks" in at.error[0].value and not at.get("plotly_chart")

@@ -325,3 +325,21 @@ def test_mix_frames_show_zero3_gather_block0_over_dp_then_free_it_as_the_engine_
         assert drawn("backward h.0", 1, i) == want["s"]  # reduce-scattered as its backward ends
     assert all(s["args"][1]["frame"]["redraw"] for s in fig.layout.sliders[0].steps)
     assert fig.layout.xaxis.autorange is False and fig.layout.yaxis.autorange is False
+
+
+def test_pp_tp_mix_puts_each_block_on_its_stage_ranks_cut_by_tp():
+    from refpar.parallel.pipeline.stage import stage_layers
+    from refpar.viz import mesh_sharding as ms
+
+    tp_holders, starts = engine_holders(1, 2, 0)  # tp rank t holds what shard_params_tp gives it
+    fig = ms.mix_figure(ms.pp_tp_steps(2, 2))
+    sets = fig.layout.meta["holders"]
+    traces = iter(fig.data)
+    for stage in range(2):
+        for block in stage_layers(sh.DEMO_MODEL.n_layer, 2, stage):
+            for name in sh.block_weights(block):
+                z = np.asarray(next(traces).z)
+                want = [{stage * 2 + t for t in tp_holders[starts[name] + j]} for j in range(z.size)]
+                assert [set(sets[k]) for k in z.ravel()] == want, name
+    with pytest.raises(ConfigError):
+        ms.pp_tp_steps(3, 1)  # more stages than blocks

@@ -20,6 +20,28 @@ def mix_figure(dp: int, tp: int, zero: int, sp: bool):
     return mesh_sharding.mix_figure(mesh_sharding.mix_steps(dp, tp, zero, sp), title)
 
 
+@st.cache_data(max_entries=16)
+def pp_tp_figure(pp: int, tp: int):
+    return mesh_sharding.mix_figure(mesh_sharding.pp_tp_steps(pp, tp), f"pp={pp} x tp={tp}. ")
+
+
+def pp_tp() -> None:
+    st.markdown(
+        "Pipeline stages times tensor parallelism, ranks numbered as refpar's mesh numbers them (tp "
+        "fastest): each stage holds only its own blocks (stage_layers), and within a stage TP cuts "
+        "each weight into tp slices."
+    )
+    a, b = st.columns(2)
+    pp = a.number_input("pp", min_value=1, value=2, key="mix_pp",
+                        help=f"at most {sharding.DEMO_MODEL.n_layer}: one block per stage or more")
+    tp = b.number_input("tp", min_value=1, value=2, key="mix_pp_tp")
+    lesson_link(6)
+    try:
+        st.plotly_chart(pp_tp_figure(int(pp), int(tp)), width="stretch")
+    except ConfigError as err:
+        st.error(str(err))
+
+
 def mix() -> None:
     st.markdown(
         "Two axes at once, on dp x tp ranks numbered as refpar's mesh numbers them (tp fastest). Each "
@@ -49,8 +71,11 @@ st.markdown(
     "TP split c_attn and c_fc by columns and the c_proj's by rows, SP shard the sequence outside "
     "attention and the MLP, and EP send each token to the rank that owns its expert."
 )
-if st.toggle("mix two axes (dp x tp with ZeRO, tp x sp)"):
-    mix()
+if st.toggle("mix two axes (dp x tp with ZeRO, tp x sp, pp x tp)"):
+    if st.radio("axes", ("dp x tp", "pp x tp"), horizontal=True, key="mix_axes") == "pp x tp":
+        pp_tp()
+    else:
+        mix()
 else:
     left, right = st.columns(2)
     strategy = left.selectbox("strategy", list(NAMES), format_func=NAMES.get, index=3)

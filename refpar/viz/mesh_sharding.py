@@ -10,6 +10,10 @@ The placement is composed from refpar's own functions, in the order the engine a
     sp rows     shard_range(T, tp, tp_rank) of the residual stream (sp_layout's resid_pos)
     ranks       arange(dp * tp).reshape(dp, tp): refpar/mesh.py's order with pp = ep = cp = 1
 
+`pp_tp_steps` draws the other mix, pp x tp: every block's weights on the ranks of the stage that
+owns the block (refpar/parallel/pipeline/stage.py's `stage_layers`), cut by tp within the stage,
+ranks arange(pp * tp).reshape(pp, tp).
+
 The tp split is taken of a "model" whose every element is its own index, so what a rank ends up
 holding is read off as element ids, not re-derived. A cell's value is an index into the figure's
 list of holder sets (`layout.meta["holders"]`); its colour is that set's, white for nobody.
@@ -29,6 +33,7 @@ from plotly.subplots import make_subplots
 from refpar.config import ConfigError, ModelConfig
 from refpar.engine_zero3 import units_of
 from refpar.model.gpt import param_shapes
+from refpar.parallel.pipeline.stage import stage_layers
 from refpar.parallel.sequence_parallel import check_sp
 from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
 from refpar.sharding import shard_range
@@ -158,6 +163,22 @@ def mix_grids(dp: int, tp: int, zero: int, sp: bool = False, config: ModelConfig
     """Panel row -> tensor -> holder sets, at rest between steps: parameters (gathered copies
     freed), gradients and AdamW moments (after the gradient sync) and, under tp, the activations."""
     return mix_steps(dp, tp, zero, sp, config, seq_len)[-1].grids
+
+
+def pp_tp_steps(pp: int, tp: int, config: ModelConfig = DEMO_MODEL) -> list[Step]:
+    """One moment (at rest): panel row per block -> its weights -> holder sets on pp x tp ranks."""
+    if not (pp >= 1 and tp >= 1 and pp * tp <= MAX_RANKS):
+        raise ConfigError(f"pp={pp} x tp={tp} is {pp * tp} ranks; choose at most {MAX_RANKS} on screen")
+    check_tp(config, tp)
+    grids = {}
+    for stage in range(pp):
+        for block in stage_layers(config.n_layer, pp, stage):
+            within = holder_sets(config, 1, tp, 0, False, block_weights(block))  # tp ranks of a stage
+            grids[f"stage {stage}, h.{block}"] = {
+                n: np.vectorize(lambda ts, s=stage: tuple(s * tp + t for t in ts), otypes=[object])(g)
+                for n, g in within.items()}
+    moves = "each stage holds only its blocks, split by tp; activations go stage to stage"
+    return [Step("the model's blocks by stage", moves, grids)]
 
 
 def _label(ranks: tuple) -> str:
