@@ -613,4 +613,9 @@ def _abort(message: str, code: int, wait_first: bool, grace_s: float, linger: bo
     sys.stderr.flush()
     if linger:  # let the other stuck ranks say where they are (their clocks ran out about now too)
         time.sleep(2 * grace_s)
+    else:
+        # The launcher forwards stderr asynchronously and Abort kills its proxies at once: without
+        # a pause the one message could be lost (seen under MPICH's hydra). Still well before the
+        # other ranks' grace period ends, so they do not print too.
+        time.sleep(grace_s / 2)
     MPI.COMM_WORLD.Abort(code)
