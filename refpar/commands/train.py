@@ -45,6 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="DIR", default=None,
                         help="continue from a checkpoint (DIR/step-N, or DIR: its newest complete "
                              "step), whatever mesh wrote it; --steps counts from the start")
+    # Flags every strategy reads; each runner adds only its own after these.
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="micro-batches per step (gradient accumulation; pipeline microbatches)")
+    parser.add_argument("--check", action="store_true",
+                        help="also run the single-device reference and compare")
+    parser.add_argument("--trace", default=None, metavar="PATH",
+                        help="write communication events as a Chrome trace (open in Perfetto) and, "
+                             "for engine runs, PATH.jsonl")
     from refpar.parallel import dp_runner, intra_layer_runner
     from refpar.parallel.pipeline import runner as pipeline_runner
 

@@ -19,10 +19,6 @@ COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # --check is shared with the other strategies: added here only if none has added it yet.
-    if "--check" not in parser._option_string_actions:
-        parser.add_argument("--check", action="store_true",
-                            help="also run the single-device reference and compare")
     group = parser.add_argument_group("Mixture of Experts (refpar/model/moe.py)")
     group.add_argument("--moe-experts", type=int, default=0,
                        help="experts per MoE block; 0 keeps GPT-2's MLP (default 0)")

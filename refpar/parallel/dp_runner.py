@@ -198,26 +198,19 @@ def gather_rows(world, run: DPRun):
 
 # ------------------------------------------------------------------------------ command line
 def add_arguments(parser) -> None:
-    """The data-parallel flags of `refpar train`; --check and --microbatches are shared with other
-    strategies, so each is added only if another module has not added it already."""
-    def once(flag, **kwargs):
-        if flag not in parser._option_string_actions:
-            parser.add_argument(flag, **kwargs)
-
-    once("--zero", type=int, default=0, choices=(0, 1, 2, 3),
-         help="ZeRO stage over the dp axis: 0 plain DP, 1 optimizer, 2 +gradients, 3 +parameters")
-    once("--fsdp", action="store_true", help="FSDP over the dp axis (ZeRO-3 by units)")
-    once("--prefetch", action="store_true", help="FSDP: gather the next unit one piece early")
-    once("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-         help="FSDP: keep each block gathered from its forward to its backward")
-    once("--overlap", action="store_true",
-         help="DP: all-reduce each bucket as ring rounds interleaved with the rest of the backward")
-    once("--bucket-kb", type=float, default=None,
-         help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
-    once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
-    once("--check", action="store_true", help="also run the single-device reference and compare")
-    once("--trace", default=None, metavar="PATH",
-         help="write every rank's communication events as a Chrome trace (open in Perfetto)")
+    """The data-parallel flags of `refpar train` (--microbatches, --check and --trace are train's
+    own)."""
+    add = parser.add_argument
+    add("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+        help="ZeRO stage over the dp axis: 0 plain DP, 1 optimizer, 2 +gradients, 3 +parameters")
+    add("--fsdp", action="store_true", help="FSDP over the dp axis (ZeRO-3 by units)")
+    add("--prefetch", action="store_true", help="FSDP: gather the next unit one piece early")
+    add("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+        help="FSDP: keep each block gathered from its forward to its backward")
+    add("--overlap", action="store_true",
+        help="DP: all-reduce each bucket as ring rounds interleaved with the rest of the backward")
+    add("--bucket-kb", type=float, default=None,
+        help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
 
 
 def wants_data_parallel(sizes: dict[str, int], args) -> bool:

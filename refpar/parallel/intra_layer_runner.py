@@ -29,18 +29,11 @@ AXIS_OPS = (("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter")
 
 
 def add_arguments(parser) -> None:
-    """The tp/cp flags of `refpar train`; --check is shared with other strategies, so it is added
-    only if another module has not added it already."""
-    def once(flag, **kwargs):
-        if flag not in parser._option_string_actions:
-            parser.add_argument(flag, **kwargs)
-
-    once("--sp", action="store_true", help="TP: Megatron sequence parallelism over the tp axis")
-    once("--cp-algo", default=None, choices=("ring", "ulysses"),
-         help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
-    once("--check", action="store_true", help="also run the single-device reference and compare")
-    once("--trace", default=None, metavar="PATH",
-         help="write the last step as a Chrome trace (open in https://ui.perfetto.dev)")
+    """The tp/cp flags of `refpar train` (--check and --trace are train's own)."""
+    add = parser.add_argument
+    add("--sp", action="store_true", help="TP: Megatron sequence parallelism over the tp axis")
+    add("--cp-algo", default=None, choices=("ring", "ulysses"),
+        help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
 
 
 def wants_intra_layer(sizes: dict[str, int], args) -> bool:

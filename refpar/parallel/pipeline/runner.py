@@ -43,20 +43,13 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser) -> None:
-    """The pipeline flags of `refpar train`; shared flags are added once, whoever adds them first."""
-    def once(flag, **kwargs):
-        if flag not in parser._option_string_actions:
-            parser.add_argument(flag, **kwargs)
-
-    once("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
-    once("--chunks", type=int, default=None,
-         help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
-    once("--n-layer", type=int, default=None,
-         help="blocks of the model, replacing the preset's (each pipeline stage needs at least one)")
-    once("--microbatches", type=int, default=1, help="micro-batches per step (gradient accumulation)")
-    once("--check", action="store_true", help="also run the single-device reference and compare")
-    once("--trace", default=None, metavar="PATH",
-         help="write the last step as a Chrome trace (open in https://ui.perfetto.dev)")
+    """The pipeline flags of `refpar train` (--microbatches, --check and --trace are train's own)."""
+    add = parser.add_argument
+    add("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
+    add("--chunks", type=int, default=None,
+        help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
+    add("--n-layer", type=int, default=None,
+        help="blocks of the model, replacing the preset's (each pipeline stage needs at least one)")
 
 
 def wants_pipeline(sizes: dict[str, int], args) -> bool:
