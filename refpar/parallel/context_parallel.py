@@ -24,6 +24,13 @@ their global positions; only attention needs the other ranks' keys and values. T
   the output back. Heads are split with shard_range, so nh need not divide c (c <= nh).
 
 Parameters are replicated over cp and their gradients summed over cp, as over dp.
+
+Mixed precision: the K/V blocks and Ulysses' all-to-alls travel in the 16-bit activation dtype.
+Ring attention keeps its online softmax in float32, as FlashAttention-style ring kernels do
+(zhuzilin/ring-flash-attention): the running max, the log-sum-exp (kept for backward, a statistic
+of one float32 per query) and the output accumulator, rounded to 16 bits once after the last
+block; in backward dq and the travelling dK/dV accumulate in float32 and travel as float32 (a sum
+over c blocks that rounded at every hop would add c roundings), rounded once at the end.
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ import math
 import numpy as np
 from array_api_compat import array_namespace, device
 
+from refpar import backend
 from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.layers import as_like
-from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp
+from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp, compute, rounded
 from refpar.sharding import shard_range, shard_sizes
 
 CP_ALGOS = ("ring", "ulysses")
@@ -110,12 +118,12 @@ class RingAttention:
 
     def _pass(self, x, step, lay: Layout, tag):
         """Sends the block held at `step` to rank+1; receives from rank-1 the one held at step+1.
-        (The receive buffer is NumPy on the host, of the model's dtype, whatever x's namespace.)"""
+        (The receive buffer is NumPy on the host, of x's dtype, whatever x's namespace.)"""
         r, c = self.cp.rank, self.cp.size
         shape = list(x.shape)
         shape[-2] = len(zigzag_positions(lay.seq_len, c, self._source(step + 1)))
         send = self.cp.isend(x, dest=(r + 1) % c, tag=tag)
-        recv = self.cp.irecv(tuple(shape), np.dtype(lay.config.dtype), source=(r - 1) % c, tag=tag)
+        recv = self.cp.irecv(tuple(shape), backend.host_dtype(x), source=(r - 1) % c, tag=tag)
         return send, recv
 
     def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs) each
@@ -124,15 +132,17 @@ class RingAttention:
         keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
                          np.ix_(np.arange(*lay.heads), pos, np.arange(T)))  # (B, nh, Tl, T) bool
         scale = 1.0 / (1.0 - drop.p)
+        qc = compute(q)  # (B, nh, Tl, hs), float32 when q is 16-bit
         # Fresh and contiguous (zeros_like would copy q's strides, and the merged heads c_proj keeps
         # would then be a view of it in some namespaces): the same arrays are kept in every backend.
-        out = xp.zeros(q.shape, dtype=q.dtype, device=device(q))  # (B, nh, Tl, hs)
-        lse = xp.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype, device=device(q))  # (B, nh, Tl, 1)
-        kv = xp.stack([k, v])  # (2, B, nh, Tl, hs): the block that travels
+        out = xp.zeros(q.shape, dtype=qc.dtype, device=device(q))  # (B, nh, Tl, hs)
+        lse = xp.full((*q.shape[:-1], 1), -math.inf, dtype=qc.dtype, device=device(q))  # (B, nh, Tl, 1)
+        kv = xp.stack([k, v])  # (2, B, nh, Tl, hs): the block that travels, in q's dtype
         for step in range(c):
             if step < c - 1:
                 send, recv = self._pass(kv, step, lay, f"h.{layer}.attn.ring_kv:fwd")
-            s = _scores(q, kv[0], pos, zigzag_positions(T, c, self._source(step)))  # (B, nh, Tl, Tk)
+            kc = compute(kv)  # (2, B, nh, Tk, hs)
+            s = _scores(qc, kc[0], pos, zigzag_positions(T, c, self._source(step)))  # (B, nh, Tl, Tk)
             m = xp.max(s, axis=-1, keepdims=True)  # (B, nh, Tl, 1)
             m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # rows with no visible key in this block
             e = xp.exp(s - m)  # (B, nh, Tl, Tk)
@@ -142,38 +152,41 @@ class RingAttention:
                          zigzag_positions(T, c, self._source(step)), scale)
             lse_b = xp.where(seen, m + xp.log(xp.where(seen, z, xp.ones_like(z))), -math.inf)
             new = xp.logaddexp(lse, lse_b)  # finite from step 0 on: each query sees itself
-            out = out * xp.exp(lse - new) + (p @ kv[1]) * xp.exp(lse_b - new)
+            out = out * xp.exp(lse - new) + (p @ kc[1]) * xp.exp(lse_b - new)
             lse = new
             if step < c - 1:
                 send.wait()
                 kv = as_like(recv.wait(), q)
+        out = rounded(out, q.dtype)  # (B, nh, Tl, hs)
         return out, (q, k, v, out, lse, keep, scale, layer)
 
     def backward(self, dout, cache, lay: Layout):
         q, k, v, out, lse, keep, scale, layer = cache
-        xp = array_namespace(dout)
+        xp, dt = array_namespace(dout), dout.dtype
         T, c, pos = lay.seq_len, self.cp.size, lay.region_pos
-        D = xp.sum(dout * out, axis=-1, keepdims=True)  # (B, nh, Tl, 1): sum_j P_ij dP_ij of softmax
-        dq = xp.zeros_like(q)
+        qc, dc = compute(q), compute(dout)  # (B, nh, Tl, hs) each
+        D = xp.sum(dc * compute(out), axis=-1, keepdims=True)  # (B, nh, Tl, 1): sum_j P_ij dP_ij of softmax
+        dq = xp.zeros_like(qc)
         kv = xp.stack([k, v])  # (2, B, nh, Tk, hs)
-        dkv = xp.zeros_like(kv)  # the gradient of the block in hand, travelling with it
+        dkv = xp.zeros_like(compute(kv))  # the gradient of the block in hand, travelling with it
         for step in range(c):
             if step < c - 1:
                 send_kv, recv_kv = self._pass(kv, step, lay, f"h.{layer}.attn.ring_kv:bwd")
             k_pos = zigzag_positions(T, c, self._source(step))
-            p = xp.exp(_scores(q, kv[0], pos, k_pos) - lse)  # (B, nh, Tl, Tk), the global softmax
+            kc = compute(kv)  # (2, B, nh, Tk, hs)
+            p = xp.exp(_scores(qc, kc[0], pos, k_pos) - lse)  # (B, nh, Tl, Tk), the global softmax
             pd = _dropped(p, keep, k_pos, scale)
-            dp = _dropped(dout @ xp.matrix_transpose(kv[1]), keep, k_pos, scale)  # (B, nh, Tl, Tk)
+            dp = _dropped(dc @ xp.matrix_transpose(kc[1]), keep, k_pos, scale)  # (B, nh, Tl, Tk)
             ds = p * (dp - D) * (1.0 / math.sqrt(q.shape[-1]))
-            dq = dq + ds @ kv[0]
-            dkv = dkv + xp.stack([xp.matrix_transpose(ds) @ q, xp.matrix_transpose(pd) @ dout])
+            dq = dq + ds @ kc[0]
+            dkv = dkv + xp.stack([xp.matrix_transpose(ds) @ qc, xp.matrix_transpose(pd) @ dc])
             send_d, recv_d = self._pass(dkv, step, lay, f"h.{layer}.attn.ring_dkv:bwd")
             if step < c - 1:
                 send_kv.wait()
                 kv = as_like(recv_kv.wait(), q)
             send_d.wait()
             dkv = as_like(recv_d.wait(), q)  # after the last step: this rank's own block, complete
-        return dq, dkv[0], dkv[1]
+        return rounded(dq, dt), rounded(dkv[0], dt), rounded(dkv[1], dt)
 
 
 class UlyssesAttention:

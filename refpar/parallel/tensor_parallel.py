@@ -26,6 +26,13 @@ Weights a rank holds (GPT-2 Conv1D layout weight[in, out]); all others are repli
 The vocabulary is split unevenly with shard_range rather than padded: every logit a rank computes is
 a real vocabulary entry, so the max, the sum of exponentials and the target logit reduce over exactly
 the single device's V entries and there is nothing to mask.
+
+Mixed precision (bf16 / fp16 activations, refpar/precision.py): every piece reads 16-bit arrays,
+computes in float32 (`compute`) and rounds its output once (`rounded`), as the model's layers do.
+What crosses tp is what Megatron-LM sends: the row-parallel partial sums and the f/g activation
+gradients in 16 bits (so a sum over ranks rounds where one device's GEMM does not), the
+cross-entropy's three all-reduces in float32 (they are softmax statistics). For float64 and
+float32 models both helpers return their input: the numbers are unchanged, bit for bit.
 """
 
 from __future__ import annotations
@@ -50,6 +57,20 @@ from refpar.model.layers import (
     one_hot,
 )
 from refpar.sharding import shard_range
+
+
+def compute(x):
+    """x in float32 when it is 16-bit (an op reads 16-bit inputs and computes in float32, as a
+    tensor-core GEMM accumulates), else x itself."""
+    # NumPy (ml_dtypes' bfloat16 too) and torch dtypes carry itemsize; only 16-bit floats reach here
+    if x is None or getattr(x.dtype, "itemsize", 0) != 2:
+        return x
+    return array_namespace(x).astype(x, np.float32)
+
+
+def rounded(x, dtype):
+    """An op's float32 result rounded once to the activation dtype (x itself when it has it)."""
+    return x if x.dtype == dtype else array_namespace(x).astype(x, dtype)
 
 
 # f and g, each with its backward next to it. `tp` is the tp Communicator.
@@ -192,34 +213,38 @@ def column_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
     free under TP (f is the identity), an all-gather under SP, which keeps only the sequence shard
     (Korthikanti et al. 2022 §4.2.2)."""
     xa = lay.pair.enter(x, lay.tp, f"{tag}:fwd")  # (B, Ta, C)
-    out = xa @ w if b is None else xa @ w + b  # (B, Ta, out/t)
-    return out, (x, w, b is not None, tag)
+    out = compute(xa) @ compute(w)  # (B, Ta, out/t)
+    if b is not None:
+        out = out + compute(b)
+    return rounded(out, x.dtype), (x, w, b is not None, tag)
 
 
 def column_parallel_linear_backward(dout, cache, lay: Layout):
     x, w, has_bias, tag = cache
-    xa = lay.pair.enter(x, lay.tp, f"{tag}:regather")  # (B, Ta, C)
-    xp = array_namespace(dout)
-    dw = xp.reshape(xa, (-1, xa.shape[-1])).T @ xp.reshape(dout, (-1, dout.shape[-1]))  # (C, out/t)
-    db = xp.sum(dout, axis=(0, 1)) if has_bias else None  # (out/t,)
-    dx = lay.pair.enter_backward(dout @ w.T, lay.tp, f"{tag}:bwd")  # (B, Tl, C)
-    return dx, dw, db
+    xa = compute(lay.pair.enter(x, lay.tp, f"{tag}:regather"))  # (B, Ta, C)
+    xp, dt, dc = array_namespace(dout), dout.dtype, compute(dout)
+    dw = xp.reshape(xa, (-1, xa.shape[-1])).T @ xp.reshape(dc, (-1, dc.shape[-1]))  # (C, out/t)
+    db = rounded(xp.sum(dc, axis=(0, 1)), w.dtype) if has_bias else None  # (out/t,)
+    dx = lay.pair.enter_backward(rounded(dc @ compute(w).T, dt), lay.tp, f"{tag}:bwd")  # (B, Tl, C)
+    return dx, rounded(dw, w.dtype), db
 
 
 def row_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
     """x (B, Ta, in/t) -> (B, Tl, C): each rank's rows give a partial sum; g adds them, then the bias
     is added once."""
-    partial = x @ w  # (B, Ta, C), partial over t
-    return lay.pair.leave(partial, lay.tp, f"{tag}:fwd") + b, (x, w, tag)  # (B, Tl, C)
+    partial = rounded(compute(x) @ compute(w), x.dtype)  # (B, Ta, C), partial over t
+    out = lay.pair.leave(partial, lay.tp, f"{tag}:fwd")  # (B, Tl, C)
+    return rounded(compute(out) + compute(b), x.dtype), (x, w, tag)
 
 
 def row_parallel_linear_backward(dout, cache, lay: Layout):
     x, w, tag = cache
-    xp = array_namespace(dout)
-    db = xp.sum(dout, axis=(0, 1))  # (C,): over this rank's residual tokens
-    dpartial = lay.pair.leave_backward(dout, lay.tp, f"{tag}:bwd")  # (B, Ta, C)
-    dw = xp.reshape(x, (-1, x.shape[-1])).T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (in/t, C)
-    return dpartial @ w.T, dw, db  # dx (B, Ta, in/t)
+    xp, dt = array_namespace(dout), dout.dtype
+    db = rounded(xp.sum(compute(dout), axis=(0, 1)), w.dtype)  # (C,): over this rank's residual tokens
+    dpartial = compute(lay.pair.leave_backward(dout, lay.tp, f"{tag}:bwd"))  # (B, Ta, C)
+    xc = compute(x)
+    dw = xp.reshape(xc, (-1, xc.shape[-1])).T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (in/t, C)
+    return rounded(dpartial @ compute(w).T, dt), rounded(dw, w.dtype), db  # dx (B, Ta, in/t)
 
 
 class LocalAttention:
@@ -332,21 +357,23 @@ def vocab_parallel_embedding_backward(dx, cache, lay: Layout, params) -> dict:
     wte, wpe = params["wte.weight"], params["wpe.weight"]
     xp = array_namespace(dx)
     dx = resid_dropout_backward(dx, drop_e)  # (B, Tl, C)
+    dc = compute(dx)  # (B, Tl, C)
     # Scatter-adds as one-hot products (the array API has no scatter-add): repeats accumulate.
-    dwpe = one_hot(as_like(lay.resid_pos, dx), wpe.shape[0], dx.dtype).T @ xp.sum(dx, axis=0)  # (P, C)
-    dpartial = lay.pair.leave_backward(dx, lay.tp, "wte:bwd")  # (B, Ta, C)
-    hot = one_hot(xp.reshape(rows, (-1,)), wte.shape[0], dx.dtype)  # (B*Ta, V/t)
-    hot = hot * xp.reshape(xp.astype(mine, dx.dtype), (-1, 1))  # rows of other ranks' tokens are 0
+    dwpe = one_hot(as_like(lay.resid_pos, dx), wpe.shape[0], dc.dtype).T @ xp.sum(dc, axis=0)  # (P, C)
+    dpartial = compute(lay.pair.leave_backward(dx, lay.tp, "wte:bwd"))  # (B, Ta, C)
+    hot = one_hot(xp.reshape(rows, (-1,)), wte.shape[0], dc.dtype)  # (B*Ta, V/t)
+    hot = hot * xp.reshape(xp.astype(mine, dc.dtype), (-1, 1))  # rows of other ranks' tokens are 0
     dwte = hot.T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (V/t, C)
-    return {"wte.weight": dwte, "wpe.weight": dwpe}
+    return {"wte.weight": rounded(dwte, wte.dtype), "wpe.weight": rounded(dwpe, wpe.dtype)}
 
 
 # Vocab-parallel cross-entropy: the (B, Ta, V) logits are never gathered; three all-reduces of (B, Ta)
 # (max, sum of exponentials, target logit) give every rank the exact loss (Megatron-LM).
 def vocab_parallel_cross_entropy_forward(logits, targets, lay: Layout, normalizer):
     """logits (B, Ta, V/t), targets (B, Ta) global ids -> the sum of token losses / normalizer."""
-    xp, v0, v1 = array_namespace(logits), *lay.vocab
+    xp, v0, v1, dt = array_namespace(logits), *lay.vocab, logits.dtype
     targets = as_like(targets, logits)
+    logits = compute(logits)  # (B, Ta, V/t): the softmax and its all-reduces run in float32
     m = tp_all_reduce(xp.max(logits, axis=-1), lay, "lm_head.ce.max:fwd", op="max")  # (B, Ta)
     e = xp.exp(logits - xp.expand_dims(m, axis=-1))  # (B, Ta, V/t)
     s = tp_all_reduce(xp.sum(e, axis=-1), lay, "lm_head.ce.sumexp:fwd")  # (B, Ta)
@@ -355,12 +382,14 @@ def vocab_parallel_cross_entropy_forward(logits, targets, lay: Layout, normalize
     hot = hot * xp.expand_dims(xp.astype(mine, logits.dtype), axis=-1)  # (B, Ta, V/t), 0 if not mine
     z = tp_all_reduce(xp.sum(logits * hot, axis=-1), lay, "lm_head.ce.target:fwd")  # (B, Ta) target logit
     loss = float(xp.sum(xp.log(s) + m - z)) / normalizer
-    return loss, (e / xp.expand_dims(s, axis=-1), hot, normalizer)  # probabilities (B, Ta, V/t)
+    # kept for backward in the activation dtype: probabilities and one-hot targets (B, Ta, V/t)
+    return loss, (rounded(e / xp.expand_dims(s, axis=-1), dt), rounded(hot, dt), normalizer)
 
 
 def vocab_parallel_cross_entropy_backward(dloss, cache):
+    """dloss: 1, or the loss scale of an fp16 run (its gradients are scaled by it)."""
     probs, hot, normalizer = cache
-    return (probs - hot) * (dloss / normalizer)  # (B, Ta, V/t)
+    return rounded((compute(probs) - compute(hot)) * (dloss / normalizer), probs.dtype)  # (B, Ta, V/t)
 
 
 def vocab_parallel_head_forward(x, params, targets, lay: Layout, normalizer):
@@ -372,9 +401,10 @@ def vocab_parallel_head_forward(x, params, targets, lay: Layout, normalizer):
     return loss, (ln_f, lm, ce)
 
 
-def vocab_parallel_head_backward(cache, lay: Layout) -> tuple:
+def vocab_parallel_head_backward(cache, lay: Layout, dloss: float = 1.0) -> tuple:
+    """dloss: where backward starts, 1 or an fp16 run's loss scale."""
     ln_f, lm, ce = cache
-    dlogits = vocab_parallel_cross_entropy_backward(1.0, ce)  # (B, Ta, V/t)
+    dlogits = vocab_parallel_cross_entropy_backward(dloss, ce)  # (B, Ta, V/t)
     dh, dw, _ = column_parallel_linear_backward(dlogits, lm, lay)  # dw (C, V/t)
     dx, dln_w, dln_b = layernorm_backward(dh, ln_f)
     return dx, {"wte.weight": dw.T, "ln_f.weight": dln_w, "ln_f.bias": dln_b}
