@@ -66,8 +66,8 @@ def layer_bytes(model: ModelConfig, r: RankShape, attention: str = "local", drop
         region += B * r.Ta * e * 3 * Cl
         region += B * nh * r.Ta * r.Ta * (e + (mask + e if dropout else 0))
     elif attention == "ring":  # q, k, v; out and lse for the backward's softmax; the bool mask rows
-        region += B * r.Ta * e * 3 * Cl
-        region += B * nh * r.Ta * (e * hs + e) + (B * nh * r.Ta * r.T if dropout else 0)
+        region += B * r.Ta * e * 3 * Cl  # lse is a float32 statistic when the activations are 16-bit
+        region += B * nh * r.Ta * (e * hs + (4 if e == 2 else e)) + (B * nh * r.Ta * r.T if dropout else 0)
     else:  # Ulysses keeps the head-sharded q, k, v and local attention's arrays over all T
         nh_c = shard_sizes(nh, r.c)[r.cp_rank]
         region += 3 * B * nh_c * r.T * hs * e

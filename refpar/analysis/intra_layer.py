@@ -18,6 +18,12 @@ trace call by call; each call's bytes come from refpar.comm.cost):
 - Ulysses (Jacobs et al. 2023): per layer one all-to-all of q, k, v and one of the output forward,
   the same two backward.
 - cp and dp: one all-reduce of every gradient this rank holds, and one of the loss (1 float64).
+
+Mixed precision (e = 2): activations, their gradients, K/V blocks and all-to-alls move in 16 bits;
+what is computed in float32 moves in float32 (4 bytes, `compute_itemsize`): the cross-entropy's
+three all-reduces and ring attention's travelling dK/dV accumulators; gradients move in their own
+dtype (`grad_itemsize`: 4 with fp32_grads); fp16 adds one all-reduce of a float32 overflow flag over
+tp (`found_inf.tp`), the axis whose ranks hold different gradients.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import numpy as np
 
 from refpar.comm import cost
 from refpar.config import ModelConfig, TrainConfig
+from refpar.precision import is_16bit
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -46,6 +53,28 @@ class RankShape:
     e: int  # bytes per element
     cp_tokens: tuple[int, ...]  # tokens on each cp rank
     cp_rank: int
+
+
+def compute_itemsize(e: int) -> int:
+    """Bytes per element of what a 16-bit op computes in (float32); e itself for float32/64."""
+    return 4 if e == 2 else e
+
+
+def grad_itemsize(model: ModelConfig, train: TrainConfig) -> int:
+    """Bytes per gradient element: the parameters' dtype, float32 with fp32_grads."""
+    return 4 if train.fp32_grads else np.dtype(model.dtype).itemsize
+
+
+def state_bytes(numel: int, model, train) -> dict[str, int]:
+    """Bytes of the model states of `numel` parameters (ZeRO's categories): params and grads in the
+    model's dtype (grads float32 with fp32_grads), AdamW's two moments in the optimizer's dtype, and
+    the fp32 master weights of a 16-bit model (0 otherwise): 2 + 2 + 4 + 8 = 16 bytes per parameter
+    in bf16-mixed with AdamW."""
+    e = np.dtype(model.dtype).itemsize
+    sixteen = is_16bit(model.dtype)
+    moments = 2 * (4 if sixteen else e) if train.optimizer == "adamw" else 0
+    return {"params": numel * e, "grads": numel * (4 if train.fp32_grads else e),
+            "master": numel * 4 if sixteen else 0, "optimizer": numel * moments}
 
 
 def zigzag_lengths(T: int, c: int) -> list[int]:
@@ -95,12 +124,13 @@ class Call:
     bytes_recv: int
 
 
-def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int) -> list[Call]:
+def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: int | None = None
+              ) -> list[Call]:
     t, e, C, L = s.t, s.e, model.n_embd, model.n_layer
     act = s.B * s.Ta * C  # elements of a (B, Ta, C) activation
 
-    def ar(tag, n):
-        b = cost.all_reduce_bytes(n, t, tp_rank, e)
+    def ar(tag, n, size=e):
+        b = cost.all_reduce_bytes(n, t, tp_rank, size)
         return Call("tp", "all_reduce", tag, b.sent, b.recv)
 
     def ag(tag):  # (Tl, B, C) pieces -> (T, B, C)
@@ -111,7 +141,7 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int) -> list[
         b = cost.reduce_scatter_bytes(s.T, t, tp_rank, e, s.B * C)
         return Call("tp", "reduce_scatter", tag, b.sent, b.recv)
 
-    ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta) for k in ("max", "sumexp", "target")]
+    ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta, compute_itemsize(e)) for k in ("max", "sumexp", "target")]
     if not sp:
         calls = [ar("wte:fwd", act)]
         for i in range(L):
@@ -129,17 +159,17 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int) -> list[
         for sub, col in (("mlp", "c_fc"), ("attn", "c_attn")):
             calls += [ag(f"h.{i}.{sub}.c_proj:bwd"), ag(f"h.{i}.{sub}.{col}:regather"),
                       rs(f"h.{i}.{sub}.{col}:bwd")]
-    calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_param_numel(model))]
+    calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_param_numel(model), grad_e or e)]
     return calls
 
 
 def _ring_calls(model: ModelConfig, s: RankShape) -> list[Call]:
     c, r, hs = s.c, s.cp_rank, model.head_size
-    block = [2 * s.B * s.nh * n * hs * s.e for n in s.cp_tokens]  # bytes of each rank's K/V block
+    block = [2 * s.B * s.nh * n * hs for n in s.cp_tokens]  # elements of each rank's K/V block
 
-    def hop(tag, step):  # the block held at `step` goes to rank+1; rank-1's arrives
-        return [Call("cp", "isend", tag, block[(r - step) % c], 0),
-                Call("cp", "irecv", tag, 0, block[(r - step - 1) % c])]
+    def hop(tag, step, e=s.e):  # the block held at `step` goes to rank+1; rank-1's arrives
+        return [Call("cp", "isend", tag, block[(r - step) % c] * e, 0),
+                Call("cp", "irecv", tag, 0, block[(r - step - 1) % c] * e)]
 
     calls = []
     for i in range(model.n_layer):
@@ -149,7 +179,7 @@ def _ring_calls(model: ModelConfig, s: RankShape) -> list[Call]:
         for step in range(c):
             if step < c - 1:
                 calls += hop(f"h.{i}.attn.ring_kv:bwd", step)
-            calls += hop(f"h.{i}.attn.ring_dkv:bwd", step)
+            calls += hop(f"h.{i}.attn.ring_dkv:bwd", step, compute_itemsize(s.e))  # float32 sums
     return calls
 
 
@@ -180,7 +210,8 @@ def expected_calls(model: ModelConfig, train: TrainConfig, sizes: dict, coords: 
     """Every communication call of one training step on the rank at `coords`, in program order
     within each axis."""
     s = rank_shape(model, train, sizes, coords, sp, cp_algo)
-    calls = _tp_calls(model, s, sp, coords.get("tp", 0)) if s.t > 1 else []
+    ge = grad_itemsize(model, train)
+    calls = _tp_calls(model, s, sp, coords.get("tp", 0), ge) if s.t > 1 else []
     if s.c > 1:
         calls += _ring_calls(model, s) if (cp_algo or "ring") == "ring" else _ulysses_calls(model, s)
     grads = local_param_numel(model, s.t, coords.get("tp", 0))
@@ -188,9 +219,12 @@ def expected_calls(model: ModelConfig, train: TrainConfig, sizes: dict, coords: 
         p = sizes.get(axis, 1)
         if p > 1:
             # The loss travels as a float64 whatever the model's dtype (it is a Python float).
-            for tag, n, e in ((f"grads.{axis}:bwd", grads, s.e), (f"loss.{axis}:report", 1, 8)):
+            for tag, n, e in ((f"grads.{axis}:bwd", grads, ge), (f"loss.{axis}:report", 1, 8)):
                 b = cost.all_reduce_bytes(n, p, coords.get(axis, 0), e)
                 calls.append(Call(axis, "all_reduce", tag, b.sent, b.recv))
+    if model.dtype == "float16" and s.t > 1:  # the tp ranks agree on an overflow
+        b = cost.all_reduce_bytes(1, s.t, coords.get("tp", 0), 4)
+        calls.append(Call("tp", "all_reduce", "found_inf.tp", b.sent, b.recv))
     return calls
 
 

@@ -9,6 +9,14 @@ Puts tensor_parallel.py, sequence_parallel.py and context_parallel.py together i
 rank's layout (tokens, heads, vocabulary rows), forward and backward of the whole model with every
 array a piece keeps for backward registered in the MemoryLedger, the gradient sums (over tp for the
 parameters of the sequence-parallel region, over cp and dp for all), and AdamW on this rank's shards.
+
+Mixed precision: parameters, activations and gradients in the model's 16-bit dtype (gradients in
+float32 with TrainConfig.fp32_grads, cast as they leave backward, as Megatron-LM's main_grad),
+every gradient sum in the gradients' dtype, and the AdamW step through the optimizer's fp32
+master weights and moments (ledger category "master" for the masters). fp16 scales the loss
+(`refpar.precision.LossScaler`): backward starts from the scale, and the tp ranks, whose gradient
+shards differ, agree on an overflow with one all-reduce (max) of a float32 flag before they all
+skip the step or all take it (`overflow_anywhere`).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from refpar.parallel.tensor_parallel import (
     vocab_parallel_head_backward,
     vocab_parallel_head_forward,
 )
+from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
 from refpar.sharding import shard_range
 
 AXES = ("dp", "tp", "cp")  # the axes this runner composes; pp and ep are other strategies'
@@ -128,9 +137,11 @@ class ActivationLedger:
         self.ledger.free_prefix(prefix)
 
 
-def loss_and_grads(params, tokens, targets, lay: Layout, drop, normalizer, acts: ActivationLedger):
+def loss_and_grads(params, tokens, targets, lay: Layout, drop, normalizer, acts: ActivationLedger,
+                   dloss: float = 1.0, grad_dtype=None):
     """tokens, targets (B, T) of this rank's samples -> (this rank's share of the loss, grads of its
-    shards). Under tp the share is the whole loss; under cp and dp the shares add up to it."""
+    shards). Under tp the share is the whole loss; under cp and dp the shares add up to it.
+    `dloss`: the fp16 loss scale backward starts from; `grad_dtype`: float32 for fp32_grads."""
     acts.begin(params)
     x, emb = vocab_parallel_embedding_forward(tokens[:, lay.region_pos], params, lay, drop)  # (B, Tl, C)
     acts.keep("act.embed.", emb)
@@ -142,7 +153,7 @@ def loss_and_grads(params, tokens, targets, lay: Layout, drop, normalizer, acts:
     loss, head = vocab_parallel_head_forward(x, params, targets[:, lay.region_pos], lay, normalizer)
     acts.keep("act.head.", head)
 
-    dx, grads = vocab_parallel_head_backward(head, lay)  # (B, Tl, C)
+    dx, grads = vocab_parallel_head_backward(head, lay, dloss)  # (B, Tl, C)
     acts.release("act.head.")
     for layer in reversed(range(lay.config.n_layer)):
         dx, g = parallel_block_backward(dx, blocks.pop(), layer, lay)
@@ -150,6 +161,9 @@ def loss_and_grads(params, tokens, targets, lay: Layout, drop, normalizer, acts:
         acts.release(f"act.h.{layer}.")
     g = vocab_parallel_embedding_backward(dx, emb, lay, params)
     acts.release("act.embed.")
+    if grad_dtype is not None:  # fp32_grads: each gradient leaves backward into a float32 buffer
+        xp = array_namespace(dx)
+        grads, g = ({n: xp.astype(a, grad_dtype) for n, a in d.items()} for d in (grads, g))
     grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"]  # tied: head and embedding add
     grads["wpe.weight"] = g["wpe.weight"]
     return loss, {n: grads[n] for n in params}
@@ -163,6 +177,24 @@ def all_reduce_replicated_grads(grads: dict, comm, tag: str) -> dict:
     flat = comm.all_reduce(xp.concat([xp.reshape(grads[n], (-1,)) for n in names]), tag=tag)
     bounds = np.cumsum([0] + [math.prod(grads[n].shape) for n in names]).tolist()
     return {n: xp.reshape(flat[bounds[i]:bounds[i + 1]], grads[n].shape) for i, n in enumerate(names)}
+
+
+def overflow_anywhere(grads: dict, comms) -> bool:
+    """Whether any rank found an inf or nan in its gradients, agreed with one all-reduce (max) of a
+    float32 flag over each of `comms`, the axes over which the gradients differ (traced, 4 bytes
+    each): every rank then skips the step, or none does."""
+    flag = np.array([1.0 if has_overflow(grads) else 0.0], dtype=MASTER_DTYPE)
+    for comm in comms:
+        flag = comm.all_reduce(flag, op="max", tag=f"found_inf.{comm.axis}")
+    return bool(flag[0] > 0)
+
+
+def held_state(params: dict, state: dict):
+    """(ledger name, array, category) of parameters, AdamW's moments and fp32 master weights."""
+    yield from ((f"param.{n}", w, "params") for n, w in params.items())
+    for k in ("m", "v"):
+        yield from ((f"optimizer.{k}.{n}", w, "optimizer") for n, w in state.get(k, {}).items())
+    yield from ((f"master.{n}", w, "master") for n, w in state.get("master", {}).items())
 
 
 class IntraLayerTrainer:
@@ -180,14 +212,14 @@ class IntraLayerTrainer:
         self.params = backend.current().from_host(params) if to_backend is None \
             else {n: to_backend(w) for n, w in params.items()}
         self.state = optimizer_init(self.params, train)
+        self.scaler = loss_scaler(model, train)  # fp16 only
+        self.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
         self._hold()
         self.acts = ActivationLedger(ledger)
         self.sample_ids = tuple(range(*shard_range(train.batch_size, mesh.sizes["dp"], mesh.coords["dp"])))
 
     def _held(self):
-        yield from ((f"param.{n}", w, "params") for n, w in self.params.items())
-        for k in ("m", "v"):
-            yield from ((f"optimizer.{k}.{n}", w, "optimizer") for n, w in self.state.get(k, {}).items())
+        return held_state(self.params, self.state)
 
     def _hold(self) -> None:
         for name, w, category in self._held():
@@ -202,8 +234,9 @@ class IntraLayerTrainer:
         model, train, mesh = self.model, self.train, self.mesh
         tokens, targets = corpus.batch(step, self.sample_ids, train.seq_len)  # (B/dp, T) each
         drop = DropoutContext(train.seed, step, self.sample_ids, model.dropout, True)
+        scale = 1.0 if self.scaler is None else self.scaler.scale
         loss, grads = loss_and_grads(self.params, tokens, targets, self.lay, drop,
-                                     train.batch_size * train.seq_len, self.acts)
+                                     train.batch_size * train.seq_len, self.acts, scale, self.grad_dtype)
         if self.sp:
             all_reduce_sequence_parallel_grads(grads, model, mesh.tp)
         for axis in ("cp", "dp"):
@@ -211,8 +244,13 @@ class IntraLayerTrainer:
                 grads = all_reduce_replicated_grads(grads, mesh.axis(axis), f"grads.{axis}:bwd")
                 loss = float(mesh.axis(axis).all_reduce(np.array([loss]), tag=f"loss.{axis}:report")[0])
         self.ledger.alloc("grads", sum(nbytes(g) for g in grads.values()), "grads")
+        skip = False
+        if self.scaler is not None:  # cp and dp ranks hold the same sums; tp ranks different shards
+            skip = overflow_anywhere(grads, [mesh.tp] if mesh.sizes["tp"] > 1 else [])
+            self.scaler.update(skip)
         self._release()
-        self.params, self.state = optimizer_step(self.params, grads, self.state, train)
+        self.params, self.state = optimizer_step(self.params, grads, self.state, train,
+                                                 inv_scale=1.0 / scale, skip=skip)
         self._hold()
         self.ledger.free("grads")
         return loss

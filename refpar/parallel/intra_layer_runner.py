@@ -19,7 +19,7 @@ import numpy as np
 
 from refpar import checkpoint
 from refpar.analysis.activations import activation_peak_bytes
-from refpar.analysis.intra_layer import expected_comm_rows, local_param_numel
+from refpar.analysis.intra_layer import expected_comm_rows, local_param_numel, state_bytes
 from refpar.config import ConfigError
 from refpar.memory import CATEGORIES
 
@@ -50,12 +50,13 @@ def rank_coords(sizes: dict[str, int], rank: int) -> dict[str, int]:
 
 
 def expected_memory(model, train, sizes, rank, sp, cp_algo) -> dict[str, int]:
-    """Peak bytes by category on `rank`: its parameter shards, their gradients and AdamW's two
-    moments, and the activations kept at the end of the forward pass."""
+    """Peak bytes by category on `rank`: its parameter shards, their gradients, fp32 master weights
+    and AdamW's two moments, and the activations kept at the end of the forward pass."""
     coords = rank_coords(sizes, rank)
-    state = local_param_numel(model, sizes["tp"], coords["tp"]) * np.dtype(model.dtype).itemsize
-    return {"params": state, "grads": state, "optimizer": 2 * state if train.optimizer == "adamw" else 0,
-            "activations": activation_peak_bytes(model, train, sizes, coords, sp, cp_algo), "comm": 0}
+    states = state_bytes(local_param_numel(model, sizes["tp"], coords["tp"]), model, train)
+    peaks = states | {"activations": activation_peak_bytes(model, train, sizes, coords, sp, cp_algo),
+                      "comm": 0}
+    return {c: peaks[c] for c in CATEGORIES}
 
 
 def checkpoint_arrays(trainer, saving: bool) -> list:

@@ -56,16 +56,17 @@ from refpar.model.layers import (
     layernorm_forward,
     one_hot,
 )
+from refpar.precision import is_16bit
 from refpar.sharding import shard_range
 
 
 def compute(x):
     """x in float32 when it is 16-bit (an op reads 16-bit inputs and computes in float32, as a
     tensor-core GEMM accumulates), else x itself."""
-    # NumPy (ml_dtypes' bfloat16 too) and torch dtypes carry itemsize; only 16-bit floats reach here
-    if x is None or getattr(x.dtype, "itemsize", 0) != 2:
+    if x is None or not is_16bit(x.dtype):
         return x
-    return array_namespace(x).astype(x, np.float32)
+    xp = array_namespace(x)
+    return xp.astype(x, xp.float32)
 
 
 def rounded(x, dtype):

@@ -27,6 +27,10 @@ up to the single device's mean; dropout masks are keyed by global sample ids and
 indices, so every stage drops what the single device drops. The tied embedding (wte) lives on the
 first and the last stage; after the step its two gradient halves are summed by an all-reduce
 between those two ranks, Megatron's "embedding group".
+
+Mixed precision: activations and their gradients travel in the model's 16-bit dtype; microbatch
+gradients accumulate in the gradients' dtype (16-bit, or a float32 buffer with `grad_dtype`, the
+Ultra-Scale Playbook's fp32 accumulation), and the tied sum runs in it too.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+from array_api_compat import array_namespace
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig
@@ -101,6 +106,7 @@ class PipelineExecutor:
         self.stages = {s: Stage(config, n_stages, s) for s, r in self.layout.stage_rank.items()
                        if r == self.rank}
         self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.grad_dtype = None  # float32 to accumulate 16-bit gradients in fp32 (fp32_grads)
         self.like = None  # an array of the run's backend, for steps given no parameters
         self.slots: list[Slot] = []
         self._tags = self._check_tags()
@@ -161,10 +167,12 @@ class PipelineExecutor:
     # -- one step ----------------------------------------------------------------------------------
 
     def step(self, params: dict, microbatches: list[Microbatch], *, step: int, seed: int,
-             normalizer: int) -> tuple[float, dict]:
+             normalizer: int, dloss: float = 1.0) -> tuple[float, dict]:
         """Runs this rank's actions for one optimizer step. Returns the sum of the microbatch losses
         computed here (0.0 on ranks without the last stage) and this rank's parameter gradients
-        (wte's already summed over the embedding group)."""
+        (wte's already summed over the embedding group). `dloss`: the fp16 loss scale."""
+        for stage in self.stages.values():
+            stage.dloss = dloss
         m = self.layout.n_microbatches
         if len(microbatches) != m:
             raise ConfigError(f"the schedule has {m} microbatches but the step got "
@@ -244,6 +252,8 @@ class PipelineExecutor:
             if name in grads:
                 grads[name] += g
             else:
+                if self.grad_dtype is not None:  # a float32 buffer the 16-bit gradients add into
+                    g = array_namespace(g).astype(g, self.grad_dtype)
                 grads[name] = self.ledger.alloc(f"grad:{name}", g, "grads")
 
     # -- the executed timeline ---------------------------------------------------------------------

@@ -8,6 +8,11 @@ data-parallel replica is a whole pipeline over its shard of the global batch, an
 are summed over dp before the update. Reports the losses (next to the single-device run's with
 --check), the bytes each rank sent, peak memory per rank, and the bubble of the last step: as
 measured from the executed trace, and as simulated from the same per-action durations.
+
+Mixed precision: 16-bit stages (stage.py), 16-bit activation messages, gradients summed over dp in
+their dtype, AdamW on fp32 master weights (`refpar.model.optim`, ledger "master"); fp16 scales the
+loss, and the pipeline ranks, which hold different stages' gradients, agree on an overflow with
+one all-reduce (max) of a float32 flag over pp (`found_inf.pp`) before all skip the step or none.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import DropoutContext, init_params, param_shapes
 from refpar.model.optim import optimizer_init, optimizer_step
+from refpar.parallel.intra_layer import overflow_anywhere
 from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor, held_bytes
 from refpar.parallel.pipeline.schedules import (
     BUILDERS,
@@ -36,6 +42,7 @@ from refpar.parallel.pipeline.schedules import (
     stored,
 )
 from refpar.parallel.pipeline.stage import Stage, stage_layers
+from refpar.precision import MASTER_DTYPE, loss_scaler
 from refpar.sharding import shard_range
 
 if TYPE_CHECKING:
@@ -114,10 +121,10 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
     state = optimizer_init(params, train)
-    for n in params:
-        for moment in ("m", "v"):
-            if moment in state:
-                ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
+    _hold_state(ledger, state, params)
+    scaler = loss_scaler(model, train)  # fp16 only
+    if train.fp32_grads:
+        executor.grad_dtype = MASTER_DTYPE
     start_step = 0
     if resume is not None:
         manifest = checkpoint.open_training(resume, model, train)
@@ -134,11 +141,18 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
         start = time.perf_counter()
         with pp.tracer.context(step=step) if pp.tracer else nullcontext():
             tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (b, T) each
+            scale = 1.0 if scaler is None else scaler.scale
             loss, grads = executor.step(params, microbatches(tokens, targets, first, m), step=step,
-                                        seed=train.seed, normalizer=normalizer)
+                                        seed=train.seed, normalizer=normalizer, dloss=scale)
             if dp.size > 1:
                 grads = {n: dp.all_reduce(g, tag=f"{n}:grad") for n, g in grads.items()}
-            params, state = optimizer_step(params, grads, state, train)
+            skip = False
+            if scaler is not None:  # dp replicas hold the same sums; pp ranks different stages
+                skip = overflow_anywhere(grads, [pp])
+                scaler.update(skip)
+            _hold_state(ledger, state, params, free=True)
+            params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
+            _hold_state(ledger, state, params)
             losses.append(float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0]))
         times.append(time.perf_counter() - start)
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
@@ -148,6 +162,17 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
     simulated = executor.simulated_timeline(measured)
     return PipelineRun(losses, sum(times[1:] or times) / len(times[1:] or times), params, executor,
                        ledger, pp.tracer, measured, simulated, start_step)
+
+
+def _hold_state(ledger: MemoryLedger, state: dict, params: dict, free: bool = False) -> None:
+    """Registers (or frees) AdamW's moments and the fp32 master weights of this rank's parameters."""
+    for n in params:
+        for key, category in (("m", "optimizer"), ("v", "optimizer"), ("master", "master")):
+            if key in state:
+                if free:
+                    ledger.free(f"opt:{key}:{n}")
+                else:
+                    ledger.alloc(f"opt:{key}:{n}", state[key][n], category)
 
 
 def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, plain) -> dict:
@@ -225,12 +250,14 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict[str, 
     one input gradient for each but the first, 2v - [r = 0] - [r = p-1] copies of its pipeline's
     batch (b, T, C), and receives as many. Then per step: wte's gradient all-reduced between the
     first and the last rank (Megatron's embedding group), each gradient all-reduced over dp, and
-    the loss (one float64) over the world; all-reduce bytes are the ring's (refpar.comm.cost)."""
+    the loss (one float64) over the world; all-reduce bytes are the ring's (refpar.comm.cost).
+    Gradients move in their dtype; fp16 adds the overflow flag (one float32) over pp."""
+    from refpar.analysis.intra_layer import grad_itemsize
     from refpar.comm.cost import all_reduce_bytes
     from refpar.parallel.pipeline.stage import Stage
 
     p, d, n = sizes["pp"], sizes["dp"], sizes["pp"] * sizes["dp"]
-    item = np.dtype(model.dtype).itemsize
+    item, gitem = np.dtype(model.dtype).itemsize, grad_itemsize(model, train)
     shapes = {name: int(np.prod(shape)) for name, shape in param_shapes(model).items()}
     rows = []
     for rank in range(n):
@@ -241,11 +268,15 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict[str, 
         p2p = int(crossings * b * train.seq_len * model.n_embd * item * train.steps)
         totals = {("pp", "isend"): (p2p, 0), ("pp", "irecv"): (0, p2p)}
         if r in (0, p - 1):
-            ar = all_reduce_bytes(shapes["wte.weight"], 2, int(r == p - 1), item)
+            ar = all_reduce_bytes(shapes["wte.weight"], 2, int(r == p - 1), gitem)
             totals["pp", "all_reduce"] = (ar.sent * train.steps, ar.recv * train.steps)
+        if model.dtype == "float16":
+            ar = all_reduce_bytes(1, p, r, 4)
+            old = totals.get(("pp", "all_reduce"), (0, 0))
+            totals["pp", "all_reduce"] = (old[0] + ar.sent * train.steps, old[1] + ar.recv * train.steps)
         if d > 1:
             names = {nm for c in range(v) for nm in Stage(model, p * v, c * p + r).param_names()}
-            per = [all_reduce_bytes(shapes[nm], d, dr, item) for nm in names]
+            per = [all_reduce_bytes(shapes[nm], d, dr, gitem) for nm in names]
             totals["dp", "all_reduce"] = (sum(x.sent for x in per) * train.steps,
                                           sum(x.recv for x in per) * train.steps)
         loss = all_reduce_bytes(1, n, rank, 8)
@@ -271,9 +302,12 @@ def microbatch_bytes(stage: Stage, b: int, model: ModelConfig, train: TrainConfi
 
 def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], kind: str,
                          m: int, v: int) -> list[dict]:
-    """Every rank's peak bytes by category: its stages' parameters, as many gradients, AdamW's two
-    moments; and activations, the schedule's in-flight replay (`schedules.stored`) with the bytes
-    one microbatch keeps after F and after B (`microbatch_bytes`)."""
+    """Every rank's peak bytes by category: its stages' parameters, as many gradients, fp32 master
+    weights (16-bit models), AdamW's two moments (analysis.intra_layer.state_bytes); and activations,
+    the schedule's in-flight replay (`schedules.stored`) with the bytes one microbatch keeps after F
+    and after B (`microbatch_bytes`)."""
+    from refpar.analysis.intra_layer import state_bytes
+
     p, d = sizes["pp"], sizes["dp"]
     schedule = build(kind, p, m, v)
     stages = [Stage(model, p * v, s) for s in range(p * v)]
@@ -289,9 +323,8 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict[str
     for rank in range(p * d):
         r, dr = divmod(rank, d)  # the mesh lays pp slowest, then dp
         names = {n for st in stages if st.stage % p == r for n in st.param_names()}
-        held = sum(params[n].nbytes for n in names)
-        peaks = {"params": held, "grads": held, "optimizer": 2 * held if train.optimizer == "adamw" else 0,
-                 "activations": max(replays[dr][r], default=0), "comm": 0}
+        peaks = state_bytes(sum(params[n].size for n in names), model, train) | {
+            "activations": max(replays[dr][r], default=0), "comm": 0}
         out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
     return out
 

@@ -17,6 +17,10 @@ downstream waits for: that is the split that zero-bubble schedules exploit (Qi e
 section 2). A schedule without W runs both halves inside its B. The formulas are the model's
 (`linear_backward`, `layernorm_backward`, `embed_backward`), so the gradients are the single
 device's up to the order of summation over microbatches.
+
+Mixed precision: the halves run under `fp32_compute` as the model's layers do (16-bit in, fp32
+GEMMs, 16-bit out), so a 16-bit stage computes each microbatch's numbers exactly as one device
+would; `dloss` (the fp16 loss scale, set by the executor for a step) starts the last stage's backward.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from refpar.model.layers import (
     gelu_backward,
     layernorm_backward,
 )
+from refpar.precision import fp32_compute
 from refpar.sharding import shard_range
 
 
@@ -52,6 +57,7 @@ def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
     return range(*shard_range(n_layer, n_stages, stage))
 
 
+@fp32_compute
 def _linear_dx(dout, cache):
     """The input half of `linear_backward`: dx = dout @ w.T (same formula, same order)."""
     x, w, _ = cache
@@ -60,6 +66,7 @@ def _linear_dx(dout, cache):
     return xp.reshape(dout2 @ w.T, x.shape)  # (..., in)
 
 
+@fp32_compute
 def _linear_dw(x, dout):
     """The weight half of `linear_backward`: dw = x.T @ dout, db = sum of dout."""
     xp = array_namespace(dout, x)
@@ -73,6 +80,7 @@ class Stage:
 
     def __init__(self, config: ModelConfig, n_stages: int, stage: int):
         self.config, self.n_stages, self.stage = config, n_stages, stage
+        self.dloss = 1.0  # where the last stage's backward starts: 1, or an fp16 run's loss scale
         self.layers = stage_layers(config.n_layer, n_stages, stage)
         if config.moe_blocks:
             raise ConfigError("pipeline stages run dense GPT-2 blocks only so far; drop the MoE "
@@ -136,9 +144,7 @@ class Stage:
                 dw, db = arrays
                 grads[prefix + ".weight"], grads[prefix + ".bias"] = dw, db
             elif kind == "tied_head":  # logits = xf @ wte.T, so dwte = (xf.T @ dlogits).T
-                xf, dlogits = arrays
-                xp = array_namespace(xf)
-                dwte_t = xp.reshape(xf, (-1, xf.shape[-1])).T @ xp.reshape(dlogits, (-1, dlogits.shape[-1]))
+                dwte_t, _ = _linear_dw(*arrays)  # (C, V)
                 grads["wte.weight"] = dwte_t.T  # (V, C); the head comes first in backward order
             else:  # embed: the first stage's input gradient scattered into wte and wpe
                 dx, c_embed = arrays
@@ -152,7 +158,7 @@ class Stage:
 
     def _head_input(self, c_head, saved):
         (c_lnf, c_lin), c_ce = c_head
-        dlogits = cross_entropy_backward(1.0, c_ce)  # (B, T, V)
+        dlogits = cross_entropy_backward(self.dloss, c_ce)  # (B, T, V)
         saved.append(("", "tied_head", (c_lin[0], dlogits)))
         dxf = _linear_dx(dlogits, c_lin)  # (B, T, C)
         dx, dw, db = layernorm_backward(dxf, c_lnf)  # (B, T, C)
