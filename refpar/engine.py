@@ -31,6 +31,11 @@ own pieces, nothing is written again:
 A tensor-parallel piece computes its input and weight gradients together, so a stage's B is the
 full backward and its W hands over what B computed: schedules that split B from W (zb-h1, zb-h2)
 run, but gain nothing under tp.
+
+Mixed precision (16-bit ModelConfig.dtype): the pieces are the strategies' own, 16-bit in and out;
+gradients sum over cp and dp in their dtype; AdamW runs on fp32 master weights (ZeRO-1 and 3: of
+this rank's shard only). fp16 starts backward from the loss scale; the ranks whose gradients differ
+(tp, pp, and dp under ZeRO) agree on an overflow (`intra_layer.overflow_anywhere`) and all skip.
 """
 
 from __future__ import annotations
@@ -48,9 +53,17 @@ from refpar.engine_zero3 import ZeroThree, attach, detach
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
-from refpar.model.optim import adamw_update, optimizer_init, optimizer_step, sgd_update
+from refpar.model.optim import (
+    adamw_update,
+    fp32,
+    mixed_adamw_update,
+    mixed_sgd_update,
+    optimizer_init,
+    optimizer_step,
+    sgd_update,
+)
 from refpar.parallel.context_parallel import check_cp, cp_layout
-from refpar.parallel.intra_layer import all_reduce_replicated_grads
+from refpar.parallel.intra_layer import all_reduce_replicated_grads, overflow_anywhere
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.runner import microbatches
 from refpar.parallel.pipeline.schedules import Timeline, build
@@ -68,6 +81,7 @@ from refpar.parallel.tensor_parallel import (
     vocab_parallel_head_backward,
     vocab_parallel_head_forward,
 )
+from refpar.precision import MASTER_DTYPE, is_16bit, loss_scaler
 from refpar.sharding import shard_range, shard_sizes
 
 AXES = ("pp", "dp", "cp", "tp")  # the axes the engine composes; ep runs in its own runner
@@ -157,7 +171,7 @@ class TensorParallelStage(Stage):
         grads = {}
         d = dout
         if self.last:
-            d, grads = vocab_parallel_head_backward(c_head, self.lay)  # (b, Tl, C)
+            d, grads = vocab_parallel_head_backward(c_head, self.lay, self.dloss)  # (b, Tl, C)
         for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
             d, g = parallel_block_backward(d, c, layer, self.lay)  # (b, Tl, C)
             grads |= g
@@ -224,9 +238,14 @@ class ZeroOne:
         self.a, self.b = shard_range(self.total, dp.size, dp.rank)
         like = params[self.names[0]]
         xp = array_namespace(like)
-        self.m = ledger.alloc("optimizer.m", xp.zeros(self.b - self.a, dtype=like.dtype, device=device(like)),
+        mixed = is_16bit(like.dtype)
+        moments = MASTER_DTYPE if mixed else like.dtype
+        self.m = ledger.alloc("optimizer.m", xp.zeros(self.b - self.a, dtype=moments, device=device(like)),
                               "optimizer")
         self.v = ledger.alloc("optimizer.v", xp.zeros_like(self.m), "optimizer")
+        # a 16-bit model's fp32 master weights of this rank's shard only (P_os)
+        self.master = ledger.alloc("master", fp32(self.flatten(params, self.a, self.b)), "master") \
+            if mixed else None
 
     def flatten(self, arrays: dict, a: int = 0, b: int | None = None):
         """Elements [a, b) of the arrays laid end to end, copying only those."""
@@ -236,21 +255,33 @@ class ZeroOne:
                   for n, s, size in zip(self.names, self.starts, self.sizes, strict=False)]
         return xp.concat(pieces)  # (b - a,)
 
-    def step(self, params: dict, grads: dict) -> dict:
+    def step(self, params: dict, grads: dict, inv_scale: float = 1.0, overflow=None) -> dict:
         """Reduce-scatter, update the shard segment by segment (decay follows each parameter's full
-        shape), all-gather; returns the new parameters, views of the gathered buffer."""
-        self.t += 1
+        shape), all-gather; returns the new parameters, views of the gathered buffer. fp16:
+        `overflow(shard)` says whether any rank's shard overflowed, and then the step is skipped
+        (the parameters returned as they are); `inv_scale` undoes the loss scale."""
         flat = self.ledger.alloc("comm.grads", self.flatten(grads), "comm")  # (Ψl,)
         g = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(flat, tag="grads.dp:zero1"),
                               "comm")  # (Ψl/d,)
         self.ledger.free("comm.grads")
+        if overflow is not None and overflow(g):
+            self.ledger.free("comm.grad_shard")
+            return params
+        self.t += 1
         p = self.flatten(params, self.a, self.b)  # (Ψl/d,)
         for i, n in enumerate(self.names):
             lo, hi = max(self.starts[i], self.a), min(self.starts[i + 1], self.b)
             if lo >= hi:
                 continue
             s, decay = slice(lo - self.a, hi - self.a), len(self.shapes[n]) >= 2
-            if self.train.optimizer == "adamw":
+            if self.master is not None:
+                w = self.master
+                if self.train.optimizer == "adamw":
+                    p[s], w[s], self.m[s], self.v[s] = mixed_adamw_update(
+                        p[s], g[s], w[s], self.m[s], self.v[s], self.t, self.train, decay, inv_scale)
+                else:
+                    p[s], w[s] = mixed_sgd_update(p[s], g[s], w[s], self.train, decay, inv_scale)
+            elif self.train.optimizer == "adamw":
                 p[s], self.m[s], self.v[s] = adamw_update(p[s], g[s], self.m[s], self.v[s], self.t,
                                                           self.train, decay)
             else:
@@ -342,12 +373,17 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     ledger = MemoryLedger()
     executor = EngineExecutor(build(opts.schedule, pp.size, opts.microbatches, opts.chunks), model,
                               pp, lay, ledger)
+    scaler = loss_scaler(model, train)  # fp16 only
+    executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
+    # the axes over which this rank's gradients differ from others' (where an overflow is agreed)
+    differ = [c for c in (tp, pp) + ((dp,) if opts.zero else ()) if c.size > 1]
     full = shard_params_tp(init_params(model, train.seed), model, t, mesh.coords["tp"])
     # Drawn whole on the host, sliced by tp, then by pp, then moved to the run's backend.
     params = backend.current().from_host({n: full[n] for n in executor.param_names()})
     zero3 = tied = None
     if opts.zero == 3:
-        zero3, tied = ZeroThree(params, executor.stages, train, dp, ledger), executor.embedding_group
+        zero3, tied = (ZeroThree(params, executor.stages, train, dp, ledger, executor.grad_dtype),
+                       executor.embedding_group)
         executor.stages = {s: ZeroThreeStage(model, executor.layout.n_stages, s, lay, zero3)
                            for s in executor.stages}
         executor.embedding_group = None  # the tied sum runs on the shards (ZeroThree.sum_tied)
@@ -357,9 +393,10 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         ledger.alloc(f"param:{n}", p, "params")
     zero = ZeroOne(params, train, dp, ledger) if opts.zero == 1 else None
     state = optimizer_init(params, train) if zero is None and zero3 is None else None
-    for moment in ("m", "v") if state is not None and train.optimizer == "adamw" else ():
+    held = [k for k in ("m", "v", "master") if state is not None and k in state]
+    for key in held:
         for n in params:
-            ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
+            ledger.alloc(f"opt:{key}:{n}", state[key][n], "master" if key == "master" else "optimizer")
     sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
     start_step = 0
     if resume is not None:
@@ -386,22 +423,33 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
             tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (B/d, T) each
             if zero3 is not None:
                 zero3.begin_step()
+            scale = 1.0 if scaler is None else scaler.scale
             loss, grads = executor.step(params, microbatches(tokens, targets, first, opts.microbatches),
-                                        step=step, seed=train.seed, normalizer=normalizer)
+                                        step=step, seed=train.seed, normalizer=normalizer, dloss=scale)
             if sp_names:
                 grads |= all_reduce_replicated_grads({n: grads[n] for n in sp_names}, tp,
                                                      "sp.replicated_grads:bwd")
             if cp is not None:  # each cp rank's gradients cover its tokens only: sum them
                 grads = all_reduce_replicated_grads(grads, cp, "grads.cp:bwd")
+            skipped = False
             if zero3 is not None:
                 zero3.sum_tied(tied)
-                zero3.step()
+                skipped = scaler is not None and overflow_anywhere(zero3.grads, differ)
+                if not skipped:
+                    zero3.step(1.0 / scale)
             elif zero is not None:
-                params = zero.step(params, grads)
+                t = zero.t
+                params = zero.step(params, grads, 1.0 / scale, None if scaler is None else
+                                   lambda shard: overflow_anywhere({"shard": shard}, differ))
+                skipped = zero.t == t
             else:
                 if dp.size > 1:
                     grads = all_reduce_replicated_grads(grads, dp, "grads.dp:bwd")
-                params, state = optimizer_step(params, grads, state, train)
+                skipped = scaler is not None and overflow_anywhere(grads, differ)
+                params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale,
+                                               skip=skipped)
+            if scaler is not None:
+                scaler.update(skipped)
             loss = pp.all_reduce(np.array([loss]), tag="loss.pp:report")  # only the last stage's is not 0
             if cp is not None:  # each cp rank's loss is over its tokens
                 loss = cp.all_reduce(loss, tag="loss.cp:report")

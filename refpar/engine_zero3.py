@@ -18,6 +18,10 @@ After the schedule, the first and last pipeline ranks all-reduce their wte gradi
 executor's embedding group), and AdamW updates the parameter shards in place; nothing is
 gathered after the step. Per microbatch and stage 2(d-1)/d Ψ gathered and (d-1)/d Ψ
 reduce-scattered: ZeRO-3's 3Ψ.
+
+Mixed precision: the shards and their gathers are 16-bit, the gradient shards and their
+reduce-scatters in the gradients' dtype (16-bit, float32 with fp32_grads), and this rank's fp32
+master weights and moments cover its shards only (P_os+g+p of all 16 bytes per parameter).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.memory import nbytes_of
-from refpar.model.optim import adamw_update, sgd_update
+from refpar.model.optim import adamw_update, fp32, mixed_adamw_update, mixed_sgd_update, sgd_update
 from refpar.parallel.units import _ParamView, _position, _view_at
+from refpar.precision import MASTER_DTYPE, is_16bit
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -63,8 +68,10 @@ def attach(cache, bases: dict):
 class ZeroThree:
     """This rank's unit shards, gradient shards and AdamW moments; gathers and reduces over dp."""
 
-    def __init__(self, params: dict, stages: dict, train, dp, ledger):
+    def __init__(self, params: dict, stages: dict, train, dp, ledger, grad_dtype=None):
         self.train, self.dp, self.ledger, self.t = train, dp, ledger, 0
+        self.grad_dtype = grad_dtype  # None: the parameters' dtype
+        self.master = {}  # fp32 copies of 16-bit shards
         self.units = {(s, u): names for s, st in stages.items()
                       for u, names in units_of(st.param_names()).items()}
         self.shapes = {n: params[n].shape for n in params}
@@ -78,14 +85,20 @@ class ZeroThree:
             a, b = self.own[key] = shard_range(flat.shape[0], dp.size, dp.rank)
             tag = f"{key[0]}.{key[1]}"
 
-            def zeros(n, like=flat, xp=xp):
-                return xp.zeros(n, dtype=like.dtype, device=device(like))
+            mixed = is_16bit(flat.dtype)
+
+            def zeros(n, dtype, like=flat, xp=xp):
+                return xp.zeros(n, dtype=dtype, device=device(like))
 
             self.shards[key] = ledger.alloc(f"params.shard.{tag}", xp.asarray(flat[a:b], copy=True), "params")
-            self.grads[key] = ledger.alloc(f"grads.shard.{tag}", zeros(b - a), "grads")
+            self.grads[key] = ledger.alloc(f"grads.shard.{tag}", zeros(b - a, grad_dtype or flat.dtype),
+                                           "grads")
+            state = MASTER_DTYPE if mixed else flat.dtype  # moments (and master) in fp32 when mixed
+            if mixed:
+                self.master[key] = ledger.alloc(f"master.shard.{tag}", fp32(self.shards[key]), "master")
             if train.optimizer == "adamw":
-                self.m[key] = ledger.alloc(f"optimizer.m.{tag}", zeros(b - a), "optimizer")
-                self.v[key] = ledger.alloc(f"optimizer.v.{tag}", zeros(b - a), "optimizer")
+                self.m[key] = ledger.alloc(f"optimizer.m.{tag}", zeros(b - a, state), "optimizer")
+                self.v[key] = ledger.alloc(f"optimizer.v.{tag}", zeros(b - a, state), "optimizer")
 
     def key(self, stage: int, unit: str):
         """The unit's owner key (the wte unit lives under the first stage that holds it)."""
@@ -120,8 +133,10 @@ class ZeroThree:
                 continue
             key = self.key(s, u)
             xp = array_namespace(grads[names[0]])
-            flat = self.ledger.alloc("grads.flat", xp.concat(
-                [xp.reshape(grads[n], (-1,)) for n in names]), "grads")  # (Ψ_u,)
+            flat = xp.concat([xp.reshape(grads[n], (-1,)) for n in names])  # (Ψ_u,)
+            if self.grad_dtype is not None:  # fp32_grads: reduced and accumulated in float32
+                flat = xp.astype(flat, self.grad_dtype)
+            self.ledger.alloc("grads.flat", flat, "grads")
             shard = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(
                 flat, tag=f"s{stage}.{u}:grads"), "comm")  # (s_u,)
             self.grads[key] += shard
@@ -139,8 +154,9 @@ class ZeroThree:
             key = self.key(0, "wte")
             self.grads[key][...] = group.all_reduce(self.grads[key], tag="wte.weight:tied-grad")
 
-    def step(self) -> None:
-        """AdamW on every shard, segment by segment (decay follows each parameter's full shape)."""
+    def step(self, inv_scale: float = 1.0) -> None:
+        """AdamW on every shard, segment by segment (decay follows each parameter's full shape);
+        16-bit shards through their fp32 masters, the gradients times `inv_scale` (fp16)."""
         self.t += 1
         for key, p in self.shards.items():
             a, b = self.own[key]
@@ -152,7 +168,15 @@ class ZeroThree:
                 if lo >= hi:
                     continue
                 s, g, decay = slice(lo - a, hi - a), self.grads[key], len(self.shapes[n]) >= 2
-                if self.train.optimizer == "adamw":
+                if key in self.master:
+                    w = self.master[key]
+                    if self.train.optimizer == "adamw":
+                        p[s], w[s], self.m[key][s], self.v[key][s] = mixed_adamw_update(
+                            p[s], g[s], w[s], self.m[key][s], self.v[key][s], self.t, self.train, decay,
+                            inv_scale)
+                    else:
+                        p[s], w[s] = mixed_sgd_update(p[s], g[s], w[s], self.train, decay, inv_scale)
+                elif self.train.optimizer == "adamw":
                     p[s], self.m[key][s], self.v[key][s] = adamw_update(
                         p[s], g[s], self.m[key][s], self.v[key][s], self.t, self.train, decay)
                 else:

@@ -23,6 +23,13 @@ activations: the schedule's replay (schedules.stored) with the bytes a microbatc
 (analysis.activations: embedding, blocks with local, ring or Ulysses attention, head, for b_i
 rows and this rank's tokens); comm (zero 1): the flat gradient
 and the reduced shard, (Ψl + Ψl/d) e.
+
+Mixed precision: e = 2 for activations, p2p messages and parameter all-gathers; gradient sums
+(cp, dp, the tied wte, sp's region) move g bytes per element (2, or 4 with fp32_grads); the
+strategies' float32 pieces (cross-entropy statistics, ring attention's dK/dV) come from
+analysis.intra_layer; fp16 adds an all-reduce of one float32 overflow flag over each axis whose
+ranks hold different gradients (tp, pp, and dp under ZeRO). Memory adds "master", 4 bytes per
+parameter this rank updates (all it holds, or its ZeRO shard), and AdamW's moments take 4 bytes each.
 """
 
 from __future__ import annotations
@@ -32,7 +39,14 @@ from dataclasses import replace
 import numpy as np
 
 from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes
-from refpar.analysis.intra_layer import RankShape, _ring_calls, _tp_calls, _ulysses_calls, zigzag_lengths
+from refpar.analysis.intra_layer import (
+    RankShape,
+    _ring_calls,
+    _tp_calls,
+    _ulysses_calls,
+    grad_itemsize,
+    zigzag_lengths,
+)
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.engine_zero3 import units_of
@@ -102,6 +116,7 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
     p, d, t, v, T = sizes["pp"], sizes["dp"], sizes["tp"], opts.chunks, train.seq_len
     c = sizes.get("cp", 1)
     e, C, S = np.dtype(model.dtype).itemsize, model.n_embd, sizes["pp"] * opts.chunks
+    g = grad_itemsize(model, train)
     out = []
     for rank in range(int(np.prod(list(sizes.values())))):
         co = rank_coords(sizes, rank)
@@ -129,8 +144,13 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
         numels = rank_param_numels(model, sizes, co, v)
         if opts.sp:
             n = sum(numels[nm] for nm in sequence_parallel_param_names(model) if nm in numels)
-            ar = cost.all_reduce_bytes(n, t, k, e)
+            ar = cost.all_reduce_bytes(n, t, k, g)
             add("tp", "all_reduce", ar.sent, ar.recv)
+        if model.dtype == "float16":  # the overflow flag, over the axes whose gradients differ
+            for axis, size in (("tp", t), ("pp", p), ("dp", d if opts.zero else 1)):
+                if size > 1:
+                    ar = cost.all_reduce_bytes(1, size, co[axis], 4)
+                    add(axis, "all_reduce", ar.sent, ar.recv)
         if p > 1:
             Tl = shard_sizes(T, t)[k] if opts.sp else cp_tokens(T, c, opts.cp_algo)[co["cp"]]
             p2p = (2 * v - (r == 0) - (r == p - 1)) * sum(rows) * Tl * C * e
@@ -138,12 +158,12 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
             add("pp", "irecv", 0, p2p)
             if r in (0, p - 1):
                 tied = numels["wte.weight"] if opts.zero != 3 else shard_sizes(numels["wte.weight"], d)[q]
-                ar = cost.all_reduce_bytes(tied, 2, int(r == p - 1), e)
+                ar = cost.all_reduce_bytes(tied, 2, int(r == p - 1), g)
                 add("pp", "all_reduce", ar.sent, ar.recv)
             ar = cost.all_reduce_bytes(1, p, r, 8)
             add("pp", "all_reduce", ar.sent, ar.recv)
         if c > 1:  # every gradient, then the loss, summed over cp
-            for n, size in ((sum(numels.values()), e), (1, 8)):
+            for n, size in ((sum(numels.values()), g), (1, 8)):
                 ar = cost.all_reduce_bytes(n, c, co["cp"], size)
                 add("cp", "all_reduce", ar.sent, ar.recv)
         if d > 1:
@@ -152,16 +172,16 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                 for units in zero3_units(model, sizes, co, v).values():
                     for n in units.values():
                         ag = cost.all_gather_bytes(shard_sizes(n, d), q, e)
-                        rs = cost.reduce_scatter_bytes(n, d, q, e)
+                        rs = cost.reduce_scatter_bytes(n, d, q, g)
                         add("dp", "all_gather", 2 * ag.sent * len(rows), 2 * ag.recv * len(rows))
                         add("dp", "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
             elif opts.zero == 1:
-                rs = cost.reduce_scatter_bytes(total, d, q, e)
+                rs = cost.reduce_scatter_bytes(total, d, q, g)
                 ag = cost.all_gather_bytes(shard_sizes(total, d), q, e)
                 add("dp", "reduce_scatter", rs.sent, rs.recv)
                 add("dp", "all_gather", ag.sent, ag.recv)
             else:
-                ar = cost.all_reduce_bytes(total, d, q, e)
+                ar = cost.all_reduce_bytes(total, d, q, g)
                 add("dp", "all_reduce", ar.sent, ar.recv)
             ar = cost.all_reduce_bytes(1, d, q, 8)
             add("dp", "all_reduce", ar.sent, ar.recv)
@@ -171,17 +191,20 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
     return out
 
 
-def _zero3_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, optimizer: str) -> dict:
+def _zero3_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, g: int, s: int,
+                 optimizer: str) -> dict:
     """Shards of every unit (wte once), plus the largest stage gathered (params); plus, while a
-    microbatch's gradients are reduced, the stage's whole gradient and one unit's flat copy (grads);
-    the largest reduced shard (comm)."""
-    units = {("wte" if u == "wte" else (s, u)): n for s, us in stages.items() for u, n in us.items()}
+    microbatch's gradients are reduced, the stage's whole gradient (e bytes each, as backward
+    leaves it) and one unit's flat copy (g, the gradients' dtype: grads); the largest reduced
+    shard (comm); master (4 bytes, 16-bit models) and moments (s bytes) of the owned shards."""
+    units = {("wte" if u == "wte" else (s_, u)): n for s_, us in stages.items() for u, n in us.items()}
     shards = {k: shard_sizes(n, d)[q] for k, n in units.items()}
     owned = sum(shards.values())
     return {"params": (owned + max(sum(us.values()) for us in stages.values())) * e,
-            "grads": (owned + max(sum(us.values()) + max(us.values()) for us in stages.values())) * e,
-            "optimizer": 2 * owned * e if optimizer == "adamw" else 0,
-            "comm": max(shards.values()) * e}
+            "grads": owned * g + max(sum(us.values()) * e + max(us.values()) * g for us in stages.values()),
+            "master": owned * 4 if e == 2 else 0,
+            "optimizer": 2 * owned * s if optimizer == "adamw" else 0,
+            "comm": max(shards.values()) * g}
 
 
 def microbatch_activation_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict,
@@ -206,6 +229,7 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
     """Every rank's peak bytes by category, rows as refpar train's `memory_peak_bytes`."""
     p, d, v = sizes["pp"], sizes["dp"], opts.chunks
     e, S = np.dtype(model.dtype).itemsize, p * v
+    g, s = grad_itemsize(model, train), (4 if e == 2 else e)  # gradients; moments and masters
     schedule = build(opts.schedule, p, opts.microbatches, v)
     out = []
     for rank in range(int(np.prod(list(sizes.values())))):
@@ -216,11 +240,11 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
             model, train, sizes, co, a.stage, S, rows[a.microbatch], opts), lambda a: 0)
         held = sum(rank_param_numels(model, sizes, co, v).values())
         share = shard_sizes(held, d)[q] if opts.zero == 1 else held
-        peaks = {"params": held * e, "grads": held * e,
-                 "optimizer": 2 * share * e if train.optimizer == "adamw" else 0,
+        peaks = {"params": held * e, "grads": held * g, "master": share * 4 if e == 2 else 0,
+                 "optimizer": 2 * share * s if train.optimizer == "adamw" else 0,
                  "activations": max(kept[r], default=0),
-                 "comm": (held + share) * e if opts.zero == 1 else 0}
+                 "comm": (held + share) * g if opts.zero == 1 else 0}
         if opts.zero == 3:
-            peaks |= _zero3_peaks(zero3_units(model, sizes, co, v), d, q, e, train.optimizer)
+            peaks |= _zero3_peaks(zero3_units(model, sizes, co, v), d, q, e, g, s, train.optimizer)
         out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
     return out

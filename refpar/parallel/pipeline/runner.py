@@ -150,9 +150,7 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
             if scaler is not None:  # dp replicas hold the same sums; pp ranks different stages
                 skip = overflow_anywhere(grads, [pp])
                 scaler.update(skip)
-            _hold_state(ledger, state, params, free=True)
             params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
-            _hold_state(ledger, state, params)
             losses.append(float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0]))
         times.append(time.perf_counter() - start)
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
@@ -164,15 +162,13 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
                        ledger, pp.tracer, measured, simulated, start_step)
 
 
-def _hold_state(ledger: MemoryLedger, state: dict, params: dict, free: bool = False) -> None:
-    """Registers (or frees) AdamW's moments and the fp32 master weights of this rank's parameters."""
+def _hold_state(ledger: MemoryLedger, state: dict, params: dict) -> None:
+    """Registers AdamW's moments and the fp32 master weights of this rank's parameters (the step
+    replaces the arrays, not their sizes)."""
     for n in params:
         for key, category in (("m", "optimizer"), ("v", "optimizer"), ("master", "master")):
             if key in state:
-                if free:
-                    ledger.free(f"opt:{key}:{n}")
-                else:
-                    ledger.alloc(f"opt:{key}:{n}", state[key][n], category)
+                ledger.alloc(f"opt:{key}:{n}", state[key][n], category)
 
 
 def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, plain) -> dict:
