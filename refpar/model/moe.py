@@ -26,6 +26,9 @@ The conventions, so that the numbers can be reproduced elsewhere:
 - Both losses enter the training loss with weight 1 (alpha and beta are their weights), and
   `moe_backward` includes their gradients.
 
+Mixed precision: the router (softmax, gates, losses), `combine` and the backward scatter-adds run
+under `fp32_compute` (refpar/precision.py), the experts through the fp32-computing layer pairs.
+
 Everything that depends on the rest of the global batch comes from the selection counts alone:
 `route` takes an `exchange(counts) -> all ranks' counts`, the identity here on one device and an
 all-gather under expert parallelism (refpar/parallel/expert_parallel.py), which also reuses
@@ -45,6 +48,7 @@ from refpar.model.layers import (
     linear_forward,
     one_hot,
 )
+from refpar.precision import fp32_compute
 
 EXPERT_LINEARS = ("c_fc", "c_proj")
 
@@ -128,6 +132,7 @@ def kept_counts(all_counts, cap):
     return xp.sum(xp.minimum(room, all_counts), axis=1)  # (ranks, E)
 
 
+@fp32_compute
 def route(x2, w, config, exchange=None, rank: int = 0):
     """Router forward and the routing decision for this call's tokens.
 
@@ -186,6 +191,7 @@ def route(x2, w, config, exchange=None, rank: int = 0):
     return routing, cache
 
 
+@fp32_compute
 def router_backward(dgates, cache):
     """dgates (N, k) of the kept assignments -> (dx2 (N, C), dw (C, E)), aux and z-loss included."""
     probs, lse, experts, chosen, gates, keep, aux_coef, z_coef, lin_cache = cache
@@ -212,6 +218,7 @@ def dispatch(x2, routing):
     return xp.take(x2, routing["token_of_row"], axis=0)  # (R, C)
 
 
+@fp32_compute
 def dispatch_backward(dxbuf, routing):
     """(R, C) -> (N, C): each token gathers its rows back (a scatter-add written as gathers)."""
     xp = array_namespace(dxbuf)
@@ -222,6 +229,7 @@ def dispatch_backward(dxbuf, routing):
     return sum(xp.take(pad, routing["row"][:, j], axis=0) for j in range(k))  # (N, C)
 
 
+@fp32_compute
 def combine(ybuf, routing):
     """(R, C) expert outputs -> (N, C): out[n] = sum over kept slots j of gate[n, j] * y[row]."""
     xp = array_namespace(ybuf)
@@ -233,6 +241,7 @@ def combine(ybuf, routing):
     return out, pad
 
 
+@fp32_compute
 def combine_backward(dout, pad, routing):
     """dout (N, C) -> (dybuf (R, C), dgates (N, k))."""
     xp = array_namespace(dout)
