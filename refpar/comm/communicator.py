@@ -36,7 +36,6 @@ import traceback
 import zlib
 from contextlib import contextmanager
 
-import ml_dtypes
 import numpy as np
 from array_api_compat import array_namespace, device, is_array_api_obj
 from mpi4py import MPI
@@ -45,6 +44,7 @@ from refpar import backend
 from refpar.comm import algorithms, cost
 from refpar.comm.trace import Tracer, now
 from refpar.config import ConfigError
+from refpar.precision import dtype_of
 from refpar.sharding import shard_sizes
 
 # op name -> (NumPy ufunc for the written-out algorithms, MPI reduction for native calls)
@@ -561,7 +561,7 @@ def _reduce_op(op: str, dtype=None):
 # The 16-bit floats of mixed precision: MPI has no bfloat16 (and NumPy exports no buffer of one),
 # so both travel as their 2-byte bit patterns, a uint16 view of the same memory. The trace still
 # records the real dtype and its 2-byte itemsize.
-_SIXTEEN_BIT = frozenset({np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
+_SIXTEEN_BIT = frozenset({dtype_of("bfloat16"), dtype_of("float16")})
 
 
 def _wire(a: np.ndarray) -> np.ndarray:
