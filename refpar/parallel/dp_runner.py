@@ -23,6 +23,7 @@ from refpar.analysis.memory import (
     activation_peak_bytes,
     model_state_bytes,
     peak_bytes,
+    precision_options,
     unit_sizes,
 )
 from refpar.comm.trace import Tracer, chrome_trace
@@ -36,6 +37,7 @@ from refpar.parallel.zero import Zero
 from refpar.trainer import corpus_for, train_single_device
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "isend", "irecv")
+STATES = ("params", "grads", "master", "optimizer")  # the model states: the ZeRO paper's categories
 
 
 @dataclass
@@ -46,7 +48,7 @@ class DPRun:
     step_times_s: list[float]  # wall time of each step on this rank
     comm: dict[str, tuple[int, int]]  # op -> (bytes sent, bytes received) over the training steps
     peaks: dict[str, int]  # category -> peak bytes
-    model_state: dict[str, int]  # params/grads/optimizer held between steps
+    model_state: dict[str, int]  # params/grads/master/optimizer held between steps
     params: dict = field(default_factory=dict)  # every parameter, whole, after the last step
     tracer: Tracer | None = None
     first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
@@ -59,9 +61,9 @@ class DPRun:
 
 def options(strategy: str, model, train, microbatches: int = 1, bucket_elems: int = 1 << 62,
             prefetch: bool = False, reshard_after_forward: bool = True, overlap: bool = False) -> Options:
-    return Options(strategy=strategy, itemsize=np.dtype(model.dtype).itemsize, optimizer=train.optimizer,
-                   bucket_elems=bucket_elems, microbatches=microbatches, prefetch=prefetch,
-                   reshard_after_forward=reshard_after_forward, overlap=overlap)
+    return Options(strategy=strategy, **precision_options(model.dtype, train.fp32_grads),
+                   optimizer=train.optimizer, bucket_elems=bucket_elems, microbatches=microbatches,
+                   prefetch=prefetch, reshard_after_forward=reshard_after_forward, overlap=overlap)
 
 
 def check_options(opts: Options, train, dp_size: int) -> None:
@@ -124,7 +126,7 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
         for e in dp.tracer.events:
             sent, recv = comm.get(e.op, (0, 0))
             comm[e.op] = (sent + e.bytes_sent, recv + e.bytes_recv)
-    state = {c: ledger.current[c] for c in ("params", "grads", "optimizer")}
+    state = {c: ledger.current[c] for c in STATES}
     result = DPRun(losses, times, comm, dict(ledger.peak), state, tracer=dp.tracer, first_step=first)
     if gather_params:
         result.params = strategy.full_params()
@@ -230,7 +232,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.mesh import DeviceMesh
     from refpar.report import run_summary, summary_line
 
-    itemsize = np.dtype(model.dtype).itemsize
+    fields = precision_options(model.dtype, train.fp32_grads)
+    itemsize = fields.get("grad_itemsize") or fields["itemsize"]  # a bucket holds gradients
     if args.bucket_kb is not None and (args.zero or args.fsdp):
         raise ConfigError("--bucket-kb sizes plain DP's all-reduce buckets; drop it or use --zero 0")
     bucket = 1 << 62 if args.bucket_kb is None else int(args.bucket_kb * 1024 // itemsize)
@@ -245,7 +248,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                                 save=args.save, save_every=args.save_every, resume=args.resume)
         comm_rows, memory_rows = gather_rows(comm, run)
         events = comm.gather_object(run.tracer.events) if args.trace else None
-        states = comm.all_gather(np.array([[run.model_state[c] for c in ("params", "grads", "optimizer")]]),
+        states = comm.all_gather(np.array([[run.model_state[c] for c in STATES]]),
                                  tag="report", counts=[1] * n)
         if comm.rank != 0:
             return 0
@@ -313,7 +316,7 @@ def report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory
                    for r in range(n))
 
     dp_state, z3_state = state("dp"), state("zero3")
-    say(f"model states (params+grads+optimizer) per rank: {label[opts.strategy]} measured "
+    say(f"model states (params+grads+master+optimizer) per rank: {label[opts.strategy]} measured "
         + ", ".join(f"{b:,}" for b in state_per_rank)
         + f"; closed forms at dp={n}: DP {dp_state:,}, ZeRO-3 {z3_state:,} "
         f"(DP / ZeRO-3 = {dp_state / z3_state:.2f}, falls as 1/N)")
