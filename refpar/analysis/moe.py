@@ -89,12 +89,15 @@ def dense_params(config) -> int:
     return sum(math.prod(s) for n, s in param_shapes(config).items() if ".mlp.experts." not in n)
 
 
-def step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], kept_by_layer) -> dict:
+def step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], kept_by_layer,
+                    grad_itemsize: int | None = None) -> dict:
     """{(axis, op): Bytes} of one training step on the rank at `coords` of a dp x ep mesh, given the
-    (D, E) kept counts of each MoE layer in that step."""
+    (D, E) kept counts of each MoE layer in that step. Tokens move in the model's dtype (2 bytes in
+    bf16-mixed), gradients in theirs (`grad_itemsize`: default the model's, 4 with fp32_grads)."""
     dp, ep = sizes.get("dp", 1), sizes.get("ep", 1)
     n_data, data_rank = dp * ep, coords["dp"] * ep + coords["ep"]
     itemsize = np.dtype(config.dtype).itemsize
+    g = grad_itemsize or itemsize
     out = {}
 
     def add(key, b):
@@ -105,18 +108,23 @@ def step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], kept_
         add(("data", "all_gather"), counts_all_gather_bytes(config, n_data, data_rank))
         add(("ep", "all_to_all"), all_to_all_bytes(kept, ep, data_rank, config.n_embd, itemsize))
     if n_data > 1:
-        add(("data", "all_reduce"), cost.all_reduce_bytes(dense_params(config), n_data, data_rank,
-                                                         itemsize))
+        add(("data", "all_reduce"), cost.all_reduce_bytes(dense_params(config), n_data, data_rank, g))
     if dp > 1:
         add(("dp", "all_reduce"), cost.all_reduce_bytes(
-            expert_params_per_rank(config, ep, coords["ep"]), dp, coords["dp"], itemsize))
+            expert_params_per_rank(config, ep, coords["ep"]), dp, coords["dp"], g))
     add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data, data_rank, 8))  # the losses
     return out
 
 
-def model_state_bytes(config, ep: int, ep_rank: int, optimizer: str) -> dict[str, int]:
+def model_state_bytes(config, ep: int, ep_rank: int, optimizer: str, fp32_grads: bool = False
+                      ) -> dict[str, int]:
     """Peak bytes per category of what ep rank `ep_rank` holds in an expert-parallel run: the dense
-    weights and its experts, their gradients (one dict at a time) and AdamW's m and v."""
+    weights and its experts, their gradients (one dict at a time), and AdamW's m and v; a 16-bit
+    model adds fp32 master weights and keeps the moments in fp32 (2 + 2 + 4 + 8 bytes per
+    parameter), fp32_grads makes the gradients 4 bytes."""
     itemsize = np.dtype(config.dtype).itemsize
-    held = (dense_params(config) + expert_params_per_rank(config, ep, ep_rank)) * itemsize
-    return {"params": held, "grads": held, "optimizer": {"adamw": 2, "sgd": 0}[optimizer] * held}
+    n = dense_params(config) + expert_params_per_rank(config, ep, ep_rank)
+    state = 4 if itemsize == 2 else itemsize  # master weights and moments
+    return {"params": n * itemsize, "grads": n * (4 if fp32_grads else itemsize),
+            "master": n * 4 if itemsize == 2 else 0,
+            "optimizer": {"adamw": 2, "sgd": 0}[optimizer] * n * state}

@@ -14,7 +14,7 @@ import argparse
 
 import numpy as np
 
-STATE_KEYS = ("params", "grads", "optimizer")  # what a MoE run's ledger counts
+STATE_KEYS = ("params", "grads", "master", "optimizer")  # what a MoE run's ledger counts
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"))
 
 
@@ -135,12 +135,13 @@ def run_cli(model, train, sizes, args) -> int:
     expected: dict = {}
     for s in run.steps:
         for key, b in moe_analysis.step_comm_bytes(model, mesh.sizes, mesh.coords,
-                                                   list(s.kept_counts.values())).items():
+                                                   list(s.kept_counts.values()),
+                                                   4 if train.fp32_grads else None).items():
             old = expected.get(key, (0, 0))
             expected[key] = (old[0] + b.sent, old[1] + b.recv)
     mine = np.array([[*totals.get(k, (0, 0)), *expected.get(k, (0, 0))] for k in COMM_KEYS])
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
-    states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer)
+    states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer, train.fp32_grads)
     memory = comm.all_gather(np.array([[[run.ledger.peak[c], states[c]] for c in STATE_KEYS]]))
     trace_path = getattr(args, "trace", None)
     events = comm.gather_object(comm.tracer.events) if trace_path else None
@@ -164,9 +165,9 @@ def run_cli(model, train, sizes, args) -> int:
         f"{uniform:,.0f}")
     memory_rows = [[{"rank": r, "category": c, "bytes": int(memory[r, i, j])}
                     for r in range(comm.size) for i, c in enumerate(STATE_KEYS)] for j in (0, 1)]
-    say("peak params / grads / optimizer bytes per rank: " + "; ".join(
-        "rank {}: {:,} / {:,} / {:,}".format(r, *(int(v) for v in memory[r, :, 0]))
-        for r in range(comm.size)))
+    kept = [i for i, c in enumerate(STATE_KEYS) if c != "master" or memory[:, i].any()]  # fp64: no masters
+    say(f"peak {' / '.join(STATE_KEYS[i] for i in kept)} bytes per rank: " + "; ".join(
+        f"rank {r}: " + " / ".join(f"{int(memory[r, i, 0]):,}" for i in kept) for r in range(comm.size)))
     if args.json:
         moe = {
             "blocks": list(blocks),

@@ -7,6 +7,13 @@ replaced by `ExpertParallelMoE`, then sums gradients over the ranks that share t
 (routers included) over all dp x ep ranks, an expert's weights over dp, and takes the AdamW step
 on what it holds. The loss is normalised by the global token count, so per-rank losses add up to
 the single device's, router losses included.
+
+Mixed precision (bf16; config refuses fp16 with experts): tokens travel to their experts and back in
+16 bits, the router's softmax runs in fp32 inside refpar.model.moe, gradients are summed in their
+dtype (float32 with fp32_grads) and AdamW updates fp32 master weights (ledger category "master").
+Routing is a discrete choice: once two runs' parameters differ in the last bit, a token near a tie
+or at the capacity edge can go elsewhere, so a 16-bit run agrees with one device in its losses
+within a tolerance, not in every dropped assignment.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from refpar.model.moe import MoELayer, expert_prefix, kept_counts
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.expert_parallel import ExpertParallelMoE, check_expert_parallel
 from refpar.parallel.intra_layer import all_reduce_replicated_grads
+from refpar.precision import MASTER_DTYPE
 from refpar.sharding import shard_range
 from refpar.trainer import corpus_for
 
@@ -119,13 +127,18 @@ def reference_run(model, train, on_step=None) -> MoERun:
         layer = MoELayer()
         tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B, T) each
         loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
-                                     sample_ids=sample_ids, moe=layer)
+                                     sample_ids=sample_ids, moe=layer, grad_dtype=_grad_dtype(train))
         params, state = optimizer_step(params, grads, state, train)
         run.steps.append(_record(step, loss, layer.last_routing, start))
         if on_step is not None:
             on_step(run.steps[-1])
     run.params = params
     return run
+
+
+def _grad_dtype(train):
+    """float32 when gradients accumulate in fp32 (fp32_grads), else None: the parameters' dtype."""
+    return MASTER_DTYPE if train.fp32_grads else None
 
 
 def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
@@ -144,6 +157,8 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
     for key in ("m", "v"):
         if key in state:
             ledger.alloc(f"optimizer.{key}", sum(nbytes_of(a) for a in state[key].values()), "optimizer")
+    if "master" in state:  # fp32 copies of a 16-bit model's parameters
+        ledger.alloc("master", sum(nbytes_of(a) for a in state["master"].values()), "master")
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
@@ -156,7 +171,8 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
         with tracer.context(step=step) if tracer is not None else nullcontext():
             tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B/D, T) each
             loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
-                                         sample_ids=sample_ids, normalizer=normalizer, moe=layer)
+                                         sample_ids=sample_ids, normalizer=normalizer, moe=layer,
+                                         grad_dtype=_grad_dtype(train))
             ledger.alloc("grads", sum(nbytes_of(g) for g in grads.values()), "grads")
             reduce_grads(grads, dense, data, "dense:grad")  # over every dp x ep rank
             reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
