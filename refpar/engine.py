@@ -82,6 +82,7 @@ from refpar.parallel.tensor_parallel import (
     vocab_parallel_head_forward,
 )
 from refpar.precision import MASTER_DTYPE, is_16bit, loss_scaler
+from refpar.report import loss_scaling_summary
 from refpar.sharding import shard_range, shard_sizes
 
 AXES = ("pp", "dp", "cp", "tp")  # the axes the engine composes; ep runs in its own runner
@@ -309,6 +310,7 @@ class EngineRun:
     measured: Timeline
     simulated: Timeline
     first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
+    loss_scaling: dict | None = None  # fp16: report.loss_scaling_summary (scales, skipped steps)
 
 
 def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None, zero, saving: bool
@@ -416,7 +418,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
     normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
     tracer = mesh.world.tracer
-    losses, times, windows = [], [], []
+    losses, times, windows, scales, skipped_steps = [], [], [], [], []
     for step in range(start_step, train.steps):
         start = time.perf_counter()
         with tracer.context(step=step) if tracer else nullcontext():
@@ -424,8 +426,9 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
             if zero3 is not None:
                 zero3.begin_step()
             scale = 1.0 if scaler is None else scaler.scale
-            loss, grads = executor.step(params, microbatches(tokens, targets, first, opts.microbatches),
-                                        step=step, seed=train.seed, normalizer=normalizer, dloss=scale)
+            with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
+                loss, grads = executor.step(params, microbatches(tokens, targets, first, opts.microbatches),
+                                            step=step, seed=train.seed, normalizer=normalizer, dloss=scale)
             if sp_names:
                 grads |= all_reduce_replicated_grads({n: grads[n] for n in sp_names}, tp,
                                                      "sp.replicated_grads:bwd")
@@ -450,6 +453,8 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
                                                skip=skipped)
             if scaler is not None:
                 scaler.update(skipped)
+                scales.append(scale)
+                skipped_steps += [step] * skipped
             loss = pp.all_reduce(np.array([loss]), tag="loss.pp:report")  # only the last stage's is not 0
             if cp is not None:  # each cp rank's loss is over its tokens
                 loss = cp.all_reduce(loss, tag="loss.cp:report")
@@ -470,7 +475,8 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         params = zero3.full_params()
     measured = executor.measured_timeline()
     return EngineRun(losses, times, windows, params, executor, ledger, totals, tracer, measured,
-                     executor.simulated_timeline(measured), start_step)
+                     executor.simulated_timeline(measured), start_step,
+                     loss_scaling_summary(scales, skipped_steps))
 
 
 def full_params(run: EngineRun, model: ModelConfig, mesh) -> dict:

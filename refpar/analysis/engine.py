@@ -111,8 +111,10 @@ def _rows_of(train: TrainConfig, d: int, q: int, m: int) -> list[int]:
     return [b - a for a, b in (shard_range(stop - first, m, i) for i in range(m))]
 
 
-def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts) -> list[dict]:
-    """Every rank's bytes over the run, rows as refpar train's `comm_bytes`."""
+def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts, skipped: int = 0
+                       ) -> list[dict]:
+    """Every rank's bytes over the run, rows as refpar train's `comm_bytes`; `skipped`: steps an
+    fp16 overflow skipped, in which ZeRO-1 gathers no updated parameters."""
     p, d, t, v, T = sizes["pp"], sizes["dp"], sizes["tp"], opts.chunks, train.seq_len
     c = sizes.get("cp", 1)
     e, C, S = np.dtype(model.dtype).itemsize, model.n_embd, sizes["pp"] * opts.chunks
@@ -178,15 +180,16 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
             elif opts.zero == 1:
                 rs = cost.reduce_scatter_bytes(total, d, q, g)
                 ag = cost.all_gather_bytes(shard_sizes(total, d), q, e)
+                taken = (train.steps - skipped) / train.steps  # the steps that gathered parameters
                 add("dp", "reduce_scatter", rs.sent, rs.recv)
-                add("dp", "all_gather", ag.sent, ag.recv)
+                add("dp", "all_gather", ag.sent * taken, ag.recv * taken)
             else:
                 ar = cost.all_reduce_bytes(total, d, q, g)
                 add("dp", "all_reduce", ar.sent, ar.recv)
             ar = cost.all_reduce_bytes(1, d, q, 8)
             add("dp", "all_reduce", ar.sent, ar.recv)
-        out += [{"rank": rank, "axis": a, "op": o, "bytes_sent": int(sb * train.steps),
-                 "bytes_recv": int(rb * train.steps)}
+        out += [{"rank": rank, "axis": a, "op": o, "bytes_sent": round(sb * train.steps),
+                 "bytes_recv": round(rb * train.steps)}
                 for (a, o), (sb, rb) in totals.items() if sb or rb]
     return out
 

@@ -217,7 +217,7 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
 
 
 def check_precision_args(sizes: dict[str, int], args) -> None:
-    """Mixed precision runs on every mesh; checkpoints of 16-bit runs are not built yet."""
+    """Mixed precision runs on every mesh; its checkpoints are built for one device only."""
     from refpar.config import ConfigError
     from refpar.precision import PRECISIONS, is_16bit
 

@@ -27,7 +27,7 @@ from refpar.analysis.engine import (
 from refpar.config import ConfigError
 from refpar.engine import NO_ZERO3_CHECKPOINTS, EngineOptions, full_params, run_engine, validate
 from refpar.memory import CATEGORIES
-from refpar.parallel.intra_layer_runner import shown
+from refpar.parallel.intra_layer_runner import loss_scaling_line, shown
 from refpar.parallel.pipeline.schedules import simulate
 from refpar.parallel.pipeline.stage import stage_layers
 from refpar.sharding import shard_range
@@ -155,7 +155,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                  for r, e in enumerate(every) for (a, o), (s, rv) in sorted(e["totals"].items()) if s or rv]
     memory_rows = [{"rank": r, "category": c, "bytes": int(e["peak"][c])}
                    for r, e in enumerate(every) for c in CATEGORIES]
-    expected_comm = expected_comm_rows(model, replace(train, steps=len(run.losses)), sizes, opts)
+    skipped = len(run.loss_scaling["skipped_steps"]) if run.loss_scaling else 0
+    expected_comm = expected_comm_rows(model, replace(train, steps=len(run.losses)), sizes, opts, skipped)
     expected_memory = expected_memory_rows(model, train, sizes, opts)
     checked = {}
     if ref is not None:
@@ -167,6 +168,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                        np.abs(ref.params[n]))) for e in every for n, p in e["full"].items())}
         say(f"largest relative difference from one device: loss {checked['max_loss_rel_diff']:.1e}, "
             f"parameters {checked['max_param_rel_diff']:.1e} after {train.steps} steps")
+    if run.loss_scaling:
+        say(loss_scaling_line(run.loss_scaling))
     report(say, comm_rows, expected_comm, memory_rows, expected_memory, train)
     bubble = {"measured": run.measured.bubble_fraction, "simulated": run.simulated.bubble_fraction,
               "simulated_unit_costs": simulate(run.executor.schedule).bubble_fraction}
@@ -189,7 +192,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
             expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
             expected_memory_peak_bytes=expected_memory, bubble_fraction=bubble,
             step_time_s=float(np.mean(times)), loss_floor=corpus_for(model, train).entropy_rate(),
-            **checked)))
+            loss_scaling=run.loss_scaling, **checked)))
     return 0
 
 

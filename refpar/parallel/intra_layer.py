@@ -22,6 +22,7 @@ skip the step or all take it (`overflow_anywhere`).
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import numpy as np
 from array_api_compat import array_namespace, is_array_api_obj
@@ -213,6 +214,7 @@ class IntraLayerTrainer:
             else {n: to_backend(w) for n, w in params.items()}
         self.state = optimizer_init(self.params, train)
         self.scaler = loss_scaler(model, train)  # fp16 only
+        self.scales, self.skipped_steps = [], []  # the scale each step used, the steps skipped
         self.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
         self._hold()
         self.acts = ActivationLedger(ledger)
@@ -235,8 +237,9 @@ class IntraLayerTrainer:
         tokens, targets = corpus.batch(step, self.sample_ids, train.seq_len)  # (B/dp, T) each
         drop = DropoutContext(train.seed, step, self.sample_ids, model.dropout, True)
         scale = 1.0 if self.scaler is None else self.scaler.scale
-        loss, grads = loss_and_grads(self.params, tokens, targets, self.lay, drop,
-                                     train.batch_size * train.seq_len, self.acts, scale, self.grad_dtype)
+        with np.errstate(over="ignore", invalid="ignore") if self.scaler else nullcontext():
+            loss, grads = loss_and_grads(self.params, tokens, targets, self.lay, drop,
+                                         train.batch_size * train.seq_len, self.acts, scale, self.grad_dtype)
         if self.sp:
             all_reduce_sequence_parallel_grads(grads, model, mesh.tp)
         for axis in ("cp", "dp"):
@@ -248,6 +251,8 @@ class IntraLayerTrainer:
         if self.scaler is not None:  # cp and dp ranks hold the same sums; tp ranks different shards
             skip = overflow_anywhere(grads, [mesh.tp] if mesh.sizes["tp"] > 1 else [])
             self.scaler.update(skip)
+            self.scales.append(scale)
+            self.skipped_steps += [step] * skip
         self._release()
         self.params, self.state = optimizer_step(self.params, grads, self.state, train,
                                                  inv_scale=1.0 / scale, skip=skip)

@@ -90,7 +90,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.mesh import DeviceMesh
     from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
     from refpar.parallel.intra_layer import IntraLayerTrainer, validate
-    from refpar.report import run_summary, summary_line
+    from refpar.report import loss_scaling_summary, run_summary, summary_line
     from refpar.trainer import corpus_for, train_single_device
 
     sp, cp_algo = args.sp, args.cp_algo
@@ -157,8 +157,11 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                    "max_param_rel_diff": max(float(np.max(np.abs(full[n] - p)) / np.max(np.abs(p)))
                                              for n, p in ref.params.items())}
     step_time = float(np.mean(times[1:] or times))
+    scaling = loss_scaling_summary(trainer.scales, trainer.skipped_steps)
     report(model, train, sizes, sp, cp_algo, losses, checked, comm_rows, expected_comm, memory_rows,
            expected_mem, first)
+    if scaling:
+        print(loss_scaling_line(scaling), flush=True)
     if block:
         print("tp collectives of block 0 in one step, from rank 0's trace: "
               + ", ".join(f"{n} {op}" for op, n in block.items()), flush=True)
@@ -173,8 +176,15 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
             model, train, losses, mesh=sizes, world_size=comm.size, zero=0, comm_bytes=comm_rows,
             expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
             expected_memory_peak_bytes=expected_mem, step_time_s=step_time,
-            loss_floor=corpus.entropy_rate(), **checked)), flush=True)
+            loss_floor=corpus.entropy_rate(), loss_scaling=scaling, **checked)), flush=True)
     return 0
+
+
+def loss_scaling_line(scaling: dict) -> str:
+    """fp16's loss scale: where it ended and which steps (1-based) every rank skipped."""
+    skipped = [s + 1 for s in scaling["skipped_steps"]]
+    return (f"fp16 loss scale {scaling['scales'][0]:g} -> {scaling['final_scale']:g}; steps skipped on "
+            f"every rank (gradients overflowed): {', '.join(map(str, skipped)) or 'none'}")
 
 
 def shown(row: dict, expected: int) -> bool:

@@ -32,7 +32,7 @@ from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import DropoutContext, init_params, param_shapes
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.intra_layer import overflow_anywhere
-from refpar.parallel.intra_layer_runner import shown
+from refpar.parallel.intra_layer_runner import loss_scaling_line, shown
 from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor, held_bytes
 from refpar.parallel.pipeline.schedules import (
     BUILDERS,
@@ -44,6 +44,7 @@ from refpar.parallel.pipeline.schedules import (
 )
 from refpar.parallel.pipeline.stage import Stage, stage_layers
 from refpar.precision import MASTER_DTYPE, loss_scaler
+from refpar.report import loss_scaling_summary
 from refpar.sharding import shard_range
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class PipelineRun:
     measured: Timeline  # the last step's executed actions, every pipeline rank
     simulated: Timeline  # the schedule simulated with those actions' measured durations
     first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
+    loss_scaling: dict | None = None  # fp16: report.loss_scaling_summary (scales, skipped steps)
 
 
 def microbatches(tokens, targets, first_id: int, m: int) -> list[Microbatch]:
@@ -137,20 +139,23 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
     normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
-    losses, times = [], []
+    losses, times, scales, skipped_steps = [], [], [], []
     for step in range(start_step, train.steps):
         start = time.perf_counter()
         with pp.tracer.context(step=step) if pp.tracer else nullcontext():
             tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (b, T) each
             scale = 1.0 if scaler is None else scaler.scale
-            loss, grads = executor.step(params, microbatches(tokens, targets, first, m), step=step,
-                                        seed=train.seed, normalizer=normalizer, dloss=scale)
+            with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
+                loss, grads = executor.step(params, microbatches(tokens, targets, first, m), step=step,
+                                            seed=train.seed, normalizer=normalizer, dloss=scale)
             if dp.size > 1:
                 grads = {n: dp.all_reduce(g, tag=f"{n}:grad") for n, g in grads.items()}
             skip = False
             if scaler is not None:  # dp replicas hold the same sums; pp ranks different stages
                 skip = overflow_anywhere(grads, [pp])
                 scaler.update(skip)
+                scales.append(scale)
+                skipped_steps += [step] * skip
             params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
             losses.append(float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0]))
         times.append(time.perf_counter() - start)
@@ -160,7 +165,8 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
     measured = executor.measured_timeline()
     simulated = executor.simulated_timeline(measured)
     return PipelineRun(losses, sum(times[1:] or times) / len(times[1:] or times), params, executor,
-                       ledger, pp.tracer, measured, simulated, start_step)
+                       ledger, pp.tracer, measured, simulated, start_step,
+                       loss_scaling_summary(scales, skipped_steps))
 
 
 def _hold_state(ledger: MemoryLedger, state: dict, params: dict) -> None:
@@ -232,7 +238,7 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
                 schedule=kind, microbatches=args.microbatches, comm_bytes=comm_rows,
                 expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
                 expected_memory_peak_bytes=expected_memory, bubble_fraction=bubble,
-                step_time_s=run.step_time_s,
+                step_time_s=run.step_time_s, loss_scaling=run.loss_scaling,
                 loss_floor=MarkovCorpus(model.vocab_size, train.seed).entropy_rate(), **checked)
             print(summary_line(summary), flush=True)
     return 0
@@ -399,6 +405,8 @@ def report(kind, sizes, model, train, run: PipelineRun, checked, comm_rows, expe
     if checked:
         say(f"max relative parameter difference after {train.steps} steps: "
             f"{checked['max_param_rel_diff']:.1e}")
+    if run.loss_scaling:
+        say(loss_scaling_line(run.loss_scaling))
     measured, simulated = run.measured, run.simulated
     say(f"bubble of the last step: measured {measured.bubble_fraction:.1%} of rank-time, simulated "
         f"with the measured action times {simulated.bubble_fraction:.1%}, with unit costs "
