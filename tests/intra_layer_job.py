@@ -2,10 +2,15 @@
 device and the closed forms; rank 0 prints one JSON line per layout. Run by tests/test_intra_layer.py:
 
     mpiexec -n 2 python tests/intra_layer_job.py '[{"mesh": {"tp": 2}, "sp": true, "seq_len": 15}]'
+
+A spec may set "model": {"dtype": "bfloat16"} (mixed precision: compared with the single-device
+bfloat16 run) and "force_overflow": [world rank, step], which makes that rank alone find an inf in
+its gradients at that step (fp16 loss scaling: every rank must then skip the step).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections import Counter
@@ -20,7 +25,10 @@ from refpar.config import TrainConfig, model_preset
 from refpar.memory import MemoryLedger
 from refpar.mesh import DeviceMesh
 from refpar.model.data import MarkovCorpus
+from refpar.parallel import intra_layer
 from refpar.parallel.intra_layer import IntraLayerTrainer
+from refpar.parallel.intra_layer_runner import expected_memory
+from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.trainer import train_single_device
 
 STEPS = 3
@@ -33,7 +41,7 @@ def rel(a, b) -> float:
 def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     model = model_preset("tiny", **spec.get("model", {}))
     train = TrainConfig(steps=STEPS, batch_size=spec.get("batch_size", 4), seq_len=spec.get("seq_len", 16),
-                        optimizer=spec.get("optimizer", "adamw"))
+                        optimizer=spec.get("optimizer", "adamw"), **spec.get("train", {}))
     sp, cp_algo = spec.get("sp", False), spec.get("cp_algo")
     mesh = DeviceMesh(comm, spec["mesh"])
     ledger = MemoryLedger()
@@ -46,9 +54,15 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     tracer.clear()
     losses = []
+    forced = spec.get("force_overflow")  # [world rank, step]: that rank alone finds an inf
+    found = intra_layer.has_overflow
     for step in range(STEPS):
+        if forced is not None:
+            hit = (comm.rank, step) == tuple(forced)
+            intra_layer.has_overflow = (lambda grads: True) if hit else found
         with tracer.context(step=step):
             losses.append(trainer.step(step, corpus))
+    intra_layer.has_overflow = found
     events = list(tracer.events)
     full = trainer.full_params()
 
@@ -88,6 +102,17 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
 
     out["activation_peak"] = ledger.peak["activations"]
     out["activation_expected"] = activation_peak_bytes(model, train, mesh.sizes, mesh.coords, sp, cp_algo)
+    out["memory"] = dict(ledger.peak)
+    out["memory_expected"] = expected_memory(model, train, mesh.sizes, comm.rank, sp, cp_algo)
+    out["losses"], out["reference_losses"] = losses, ref.losses
+    # fp16 loss scaling: what each rank skipped, and a digest of the parameters every tp rank holds
+    # whole (they stay equal only if all ranks skip the same steps)
+    sharded = tp_param_slices(model, mesh.sizes["tp"], mesh.coords["tp"])
+    out["skipped_steps"], out["reference_skipped"] = trainer.skipped_steps, ref.skipped_steps
+    out["scales"] = trainer.scales
+    out["optimizer_t"] = trainer.state["t"]
+    out["replicated_digest"] = hashlib.sha256(b"".join(
+        np.ascontiguousarray(full[n]).tobytes() for n in sorted(full) if n not in sharded)).hexdigest()
     return out
 
 
