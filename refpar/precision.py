@@ -117,15 +117,17 @@ def fp32_compute(fn):
     16-bit inputs are upcast (exact), `fn` computes in fp32 (so a matmul accumulates in fp32 like a
     tensor core), and every fp32 output of one or more dimensions, caches included, is rounded to the
     16-bit dtype once. 0-d outputs (a loss) stay fp32. With no 16-bit argument `fn` runs untouched,
-    so float64 and float32 models are bit-identical with or without this decorator."""
+    so float64 and float32 models are bit-identical with or without this decorator. Overflow to inf
+    is silent, as on a GPU: fp16 loss scaling expects it and checks the gradients for it."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         dtype = _first_16bit(args) or _first_16bit(kwargs.values())
         if dtype is None:
             return fn(*args, **kwargs)
         originals: dict = {}
-        out = fn(*_upcast(args, originals), **_upcast(kwargs, originals))
-        return _round(out, dtype, originals)
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = fn(*_upcast(args, originals), **_upcast(kwargs, originals))
+            return _round(out, dtype, originals)
 
     return wrapper
 

@@ -144,7 +144,8 @@ def run(args) -> int:
         return dp_runner.run_cli(model, train, sizes, args)
     from refpar.cli import launcher_rank
     from refpar.model.gpt import param_shapes
-    from refpar.report import run_summary, summary_line
+    from refpar.precision import precision_of
+    from refpar.report import loss_scaling_summary, run_summary, summary_line
     from refpar.trainer import corpus_for, train_single_device
 
     model, train, sizes = configs(args)
@@ -165,16 +166,21 @@ def run(args) -> int:
             print(text, flush=True)
 
     say(f"GPT-2 {args.model}: {model.n_layer} layers, {model.n_embd} channels, {model.n_head} heads, "
-        f"{n_params:,} parameters, {model.dtype}, dropout {model.dropout}, 1 device")
+        f"{n_params:,} parameters, {precision_of(model.dtype)}, dropout {model.dropout}, 1 device")
     say(f"data: Markov chain over {model.vocab_size} tokens, batch {train.batch_size} x {train.seq_len} "
         f"tokens; loss floor (entropy rate) {floor:.4f}")
-    say(f"{'step':>6} {'loss':>9} {'floor':>9} {'tokens/s':>10}")
+    scaled = model.dtype == "float16"  # fp16-mixed: show the loss scale and the skipped steps
+    say(f"{'step':>6} {'loss':>9} {'floor':>9} {'tokens/s':>10}"
+        + (f" {'loss scale':>11} {'skipped':>8}" if scaled else ""))
 
     shown: list[int] = []
+    skipped = [0]
 
     def row(r) -> None:
-        if not shown or (r.step + 1) % every == 0 or r.step == train.steps - 1:
-            say(f"{r.step + 1:>6} {r.loss:>9.4f} {floor:>9.4f} {tokens_per_step / r.time_s:>10,.0f}")
+        skipped[0] += r.skipped
+        if not shown or (r.step + 1) % every == 0 or r.step == train.steps - 1 or r.skipped:
+            say(f"{r.step + 1:>6} {r.loss:>9.4f} {floor:>9.4f} {tokens_per_step / r.time_s:>10,.0f}"
+                + (f" {r.loss_scale:>11g} {skipped[0]:>8}" if scaled else ""))
             shown.append(r.step)
 
     result = train_single_device(model, train, on_step=row, save=args.save,
@@ -188,7 +194,9 @@ def run(args) -> int:
         f"steps{progress}; {result.step_time_s * 1e3:.1f} ms per step")
     if args.json:
         summary = run_summary(model, train, result.losses, mesh=sizes, world_size=1,
-                              step_time_s=result.step_time_s, loss_floor=floor)
+                              step_time_s=result.step_time_s, loss_floor=floor,
+                              loss_scaling=loss_scaling_summary(result.loss_scales,
+                                                                result.skipped_steps))
         say(summary_line(summary))
     return 0
 
@@ -219,9 +227,6 @@ def check_precision_args(sizes: dict[str, int], args) -> None:
     if any(size > 1 for size in sizes.values()) or args.moe_experts:
         raise ConfigError(f"--precision {precision} runs on one device without MoE so far; drop "
                           "--mesh and --moe-experts or use --precision fp64 or fp32")
-    if args.save or args.resume:
-        raise ConfigError(f"--save and --resume do not store {precision} runs yet; drop them or use "
-                          "--precision fp64 or fp32")
 
 
 def _numel(shape) -> int:
