@@ -4,7 +4,8 @@
 
 Run by tests/test_mixed_precision_dp.py on 3 ranks, so every unit splits unevenly. For each run
 (bf16-mixed, bf16-mixed with fp32 gradients, fp16-mixed; an fp16 run whose loss scale starts too
-high) and each strategy it checks, on every rank:
+high; bf16 with overlapped buckets, FSDP prefetch and micro-batches) and each strategy it checks,
+on every rank:
 - the model states held between steps are the paper's 2Ψ + 2Ψ + 4Ψ + 8Ψ and its partitioned forms,
   computed here from Ψ_u and `shard_sizes` alone: P_os 2Ψ + 2Ψ + 12 s, P_os+g 2Ψ + 14 s, P_os+g+p
   16 s, with s = Σ_u s_u this rank's uneven share; --fp32-grads makes the gradient 4 bytes;
@@ -41,6 +42,11 @@ RUNS = {
     "fp16": ("float16", {}, STRATEGIES, 2.0 ** -11),
     "fp16-overflow": ("float16", {"loss_scale": 2.0 ** 20, "loss_scale_window": 2}, ("dp", "zero2"),
                       2.0 ** -11),
+    # The options that change what is held and sent: buckets overlapped as written-out rings,
+    # FSDP's prefetch, micro-batches accumulating 16-bit gradients.
+    "bf16-options": ("bfloat16", {}, ({"strategy": "dp", "bucket_elems": 3000, "overlap": True},
+                                      {"strategy": "fsdp", "prefetch": True},
+                                      {"strategy": "zero2", "microbatches": 2}), 2.0 ** -8),
 }
 
 
@@ -71,10 +77,12 @@ def main() -> None:
         s = sum(shard_sizes(n_u, w.size)[w.rank] for n_u in sizes.values())
         grad_dtype = "float32" if train.fp32_grads else dtype
         loss_diffs[name] = {}
-        for strategy in strategies:
-            what = f"{name} {strategy}"
+        for knobs in strategies:
+            knobs = {"strategy": knobs} if isinstance(knobs, str) else knobs
+            strategy = knobs["strategy"]
+            what = f"{name} {knobs}"
             w.tracer.clear()
-            opts = options(strategy, model, train)
+            opts = options(model=model, train=train, **knobs)
             run = run_data_parallel(opts, model, train, w)
             want = paper_states(psi, s, STAGE[strategy], 4 if train.fp32_grads else 2)
             expect(run.model_state == want, f"{what}: model states {run.model_state} != paper {want}")
@@ -84,7 +92,7 @@ def main() -> None:
                 elif e.tag == "found_inf":
                     want_dtype = "float32"
                     expect(e.shape == (1,) and e.op == "all_reduce", f"{what}: flag event {e}")
-                elif e.op == "all_gather":
+                elif ":params" in e.tag:  # all-gathers, and FSDP's prefetch rings
                     want_dtype = dtype
                 else:
                     want_dtype = grad_dtype
@@ -102,7 +110,7 @@ def main() -> None:
             expect(sorted(comm_rows, key=key) == sorted(expected_comm, key=key),
                    f"{what}: traced bytes {comm_rows} != closed form {expected_comm}")
             diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
-            loss_diffs[name][strategy] = diff
+            loss_diffs[name][" ".join(f"{v}" for v in knobs.values())] = diff
             expect(diff <= tolerance, f"{what}: loss rel diff {diff:.2e} > {tolerance:.2e}")
             every = w.gather_object(run.skipped_steps)
             if w.rank == 0:

@@ -6,6 +6,9 @@ overflow, and checks measured memory, traced bytes, dtypes on the wire and losse
 """
 
 import json
+import subprocess
+import sys
+from operator import itemgetter
 
 import pytest
 
@@ -20,7 +23,7 @@ from refpar.analysis.memory import (
 from refpar.comm import cost
 from refpar.config import model_preset
 from refpar.sharding import shard_sizes
-from tests.mpi import mpiexec
+from tests.mpi import mpi_env, mpiexec, refpar_json
 
 TINY = model_preset("tiny", dtype="bfloat16")
 PSI = sum(unit_sizes(TINY).values())
@@ -109,3 +112,27 @@ def test_every_strategy_in_mixed_precision_matches_the_papers_memory_the_traced_
     print(json.dumps(report["max_loss_rel_diff"], indent=1))
     assert report["failures"] == [], "\n".join(report["failures"])
     assert report["checks"] > 1000
+
+
+def test_refpar_train_runs_zero3_in_bf16_mixed_and_reports_the_master_weights_next_to_the_closed_form():
+    s = refpar_json(2, "train", "--mesh", "dp=2", "--zero", "3", "--precision", "bf16-mixed", "--steps", "2",
+                    "--check")
+    assert s["precision"] == "bf16-mixed" and s["loss_scaling"] is None
+    assert s["max_loss_rel_diff"] <= 2.0 ** -8  # bf16's unit roundoff: see the test above
+    key = itemgetter("rank", "category")
+    assert sorted(s["memory_peak_bytes"], key=key) == sorted(s["expected_memory_peak_bytes"], key=key)
+    key = itemgetter("rank", "op")
+    assert sorted(s["comm_bytes"], key=key) == sorted(s["expected_comm_bytes"], key=key)
+    master = [r["bytes"] for r in s["memory_peak_bytes"] if r["category"] == "master"]
+    assert master == [4 * sum(shard_sizes(n_u, 2)[r] for n_u in unit_sizes(TINY).values()) for r in range(2)]
+    assert s["data_parallel"]["model_state_bytes"] == [16 * PSI // 2] * 2  # every unit splits evenly
+
+
+def test_saving_a_mixed_precision_data_parallel_run_is_refused_in_one_sentence():
+    args = ["train", "--zero", "3", "--precision", "bf16-mixed", "--save", "unused"]
+    proc = subprocess.run([sys.executable, "-m", "refpar", *args], capture_output=True, text=True,
+                          timeout=60, env=mpi_env())
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "refpar train: error: --save and --resume store bf16-mixed runs on one device only so far; drop "
+        "them or run without --mesh, --zero and --fsdp"]
