@@ -104,21 +104,24 @@ def collective_bytes(op: str, elems: int, n: int, rank: int, itemsize: int) -> c
 
 
 def step_bytes(config, n: int, rank: int, opts: Options, steps: int = 1,
-               loss: bool = True) -> dict[str, cost.Bytes]:
+               loss: bool = True, skipped: int = 0) -> dict[str, cost.Bytes]:
     """op -> bytes sent and received by `rank` of `n` over `steps` steps, in first-call order
     (`loss=False`: the model states' traffic only). The written-out rings move the bytes of the
-    ring collective they replace, traced as isend (sent) and irecv (received)."""
+    ring collective they replace, traced as isend (sent) and irecv (received). `skipped` of the
+    steps overflowed in fp16: ZeRO-1/2 gather no parameters after them (none changed)."""
     out: dict[str, list[int]] = {}
 
     def add(op: str, moved: cost.Bytes, calls: int) -> None:
         sent, recv = out.setdefault(op, [0, 0])
-        out[op] = [sent + moved.sent * calls * steps, recv + moved.recv * calls * steps]
+        out[op] = [sent + moved.sent * calls, recv + moved.recv * calls]
 
     for call in step_collectives(config, n, opts, loss):
         op, elems, calls = call
-        add(op, collective_bytes(op, elems, n, rank, itemsize(call, opts)), calls)
+        after_step = op == "all_gather" and opts.strategy in ("zero1", "zero2")
+        add(op, collective_bytes(op, elems, n, rank, itemsize(call, opts)),
+            calls * (steps - skipped if after_step else steps))
     for op, elems, calls in ring_collectives(config, n, opts):
         b = collective_bytes(op, elems, n, rank, opts.grad_bytes if op == "all_reduce" else opts.itemsize)
-        add("isend", cost.Bytes(b.sent, 0), calls)
-        add("irecv", cost.Bytes(0, b.recv), calls)
+        add("isend", cost.Bytes(b.sent, 0), calls * steps)
+        add("irecv", cost.Bytes(0, b.recv), calls * steps)
     return {op: cost.Bytes(s, r) for op, (s, r) in out.items()}

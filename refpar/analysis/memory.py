@@ -170,11 +170,12 @@ def model_state_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> 
     }
 
 
-def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[str, int]:
+def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options, stepped: bool = True) -> dict[str, int]:
     """Peak bytes per category (params, grads, master, optimizer, comm) during a training step,
     exactly as refpar's implementation holds them (the sequences of events are in refpar/parallel/
     data_parallel.py, zero.py and fsdp.py). A backward piece returns its gradients in the
-    parameters' dtype (b); buffers, reductions and reduced shards have the gradients' (g)."""
+    parameters' dtype (b); buffers, reductions and reduced shards have the gradients' (g).
+    `stepped=False`: fp16 skipped every step, so ZeRO-1/2 never gathered parameters after one."""
     state = model_state_bytes(config, n, rank, opts)
     b, g, L = opts.itemsize, opts.grad_bytes, config.n_layer
     sizes, shards, pieces = unit_sizes(config), shard_elems(config, n, rank), piece_grad_sizes(config)
@@ -199,7 +200,7 @@ def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[st
         params = state["params"]
         # A unit's reduce-scattered gradient shard, or the unit all-gathered after the step
         # before it is copied in (the larger unless fp32 gradients meet 16-bit parameters).
-        comm = max(g * max(shards.values()), b * largest_unit)
+        comm = max(g * max(shards.values()), b * largest_unit if stepped else 0)
     elif opts.strategy == "zero3":
         params = state["params"] + b * largest_unit  # one unit gathered at a time
         comm = g * max(shards.values())  # a reduce-scattered gradient shard before it is added

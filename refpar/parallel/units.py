@@ -301,10 +301,22 @@ def optimizer_update(strategy, unit: str, p, g, state: dict, start: int, master=
 
 def train_step(strategy, corpus, step: int, microbatches: int, tracer=None) -> float:
     """One optimizer step on the global batch 0..B-1; returns the global mean loss (all ranks)."""
-    s, train = strategy, strategy.train
-    B, T = train.batch_size, train.seq_len
-    acts = Activations(s.ledger)
+    s = strategy
     s.begin_step()
+    # fp16 loss scaling expects an overflow to inf now and then, and checks for it: no warnings.
+    quiet = np.errstate(over="ignore", invalid="ignore") if s.dtypes.scaler else contextlib.nullcontext()
+    with quiet:
+        loss = _microbatches(s, corpus, step, microbatches, tracer)
+    with _context(tracer, step=step, microbatch=None):
+        s.optimizer_step()
+        # Each rank's loss is its share of the global mean (normalised by B*T): their sum is it.
+        return float(s.dp.all_reduce(np.array([loss]), tag="loss")[0])
+
+
+def _microbatches(s, corpus, step: int, microbatches: int, tracer) -> float:
+    """Forward and backward of this rank's micro-batches; returns its share of the loss."""
+    train, acts = s.train, Activations(s.ledger)
+    B, T = train.batch_size, train.seq_len
     loss = 0.0
     for m in range(microbatches):
         ids = microbatch_ids(B, s.dp.size, s.dp.rank, microbatches, m)
@@ -316,10 +328,7 @@ def train_step(strategy, corpus, step: int, microbatches: int, tracer=None) -> f
         with _context(tracer, step=step, microbatch=m):
             loss += forward_backward(s, tokens, targets, s.config, drop, B * T,
                                      m == microbatches - 1, acts)
-    with _context(tracer, step=step, microbatch=None):
-        s.optimizer_step()
-        # Each rank's loss is its share of the global mean (normalised by B*T): their sum is it.
-        return float(s.dp.all_reduce(np.array([loss]), tag="loss")[0])
+    return loss
 
 
 def _context(tracer, **fields):
