@@ -113,6 +113,8 @@ def step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], kept_
         add(("dp", "all_reduce"), cost.all_reduce_bytes(
             expert_params_per_rank(config, ep, coords["ep"]), dp, coords["dp"], g))
     add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data, data_rank, 8))  # the losses
+    if config.dtype == "float16" and ep > 1:  # the ep ranks agree on an overflow (one float32)
+        add(("ep", "all_reduce"), cost.all_reduce_bytes(1, ep, coords["ep"], 4))
     return out
 
 

@@ -15,7 +15,8 @@ import argparse
 import numpy as np
 
 STATE_KEYS = ("params", "grads", "master", "optimizer")  # what a MoE run's ledger counts
-COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"))
+COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"),
+             ("ep", "all_reduce"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -185,7 +186,8 @@ def run_cli(model, train, sizes, args) -> int:
         summary = run_summary(model, train, run.losses, mesh=mesh.sizes, world_size=comm.size,
                               comm_bytes=rows[0], expected_comm_bytes=rows[1],
                               memory_peak_bytes=memory_rows[0], expected_memory_peak_bytes=memory_rows[1],
-                              step_time_s=run.step_time_s, loss_floor=floor, moe=moe, **fields)
+                              step_time_s=run.step_time_s, loss_floor=floor, moe=moe,
+                              loss_scaling=run.loss_scaling, **fields)
         say(summary_line(summary))
     return 0
 

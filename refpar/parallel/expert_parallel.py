@@ -89,6 +89,7 @@ class ExpertParallelMoE:
         self.local = self.owners[ep.rank]
         self.group_base = data.rank - ep.rank  # data rank of this ep group's first member
         self.last_routing: dict[int, dict] = {}
+        self.loss_scale = 1.0  # fp16: the scale the next backward starts from (moe.route)
 
     def _exchange(self, layer):
         def gather(counts):  # (k, E) -> (D, k, E)
@@ -99,7 +100,8 @@ class ExpertParallelMoE:
         xp = array_namespace(x)
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
         routing, rcache = moe.route(x2, params[moe.router_name(layer)], config,
-                                    exchange=self._exchange(layer), rank=self.data.rank)
+                                    exchange=self._exchange(layer), rank=self.data.rank,
+                                    loss_scale=self.loss_scale)
         kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"]))  # (D, E)
         mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert
         send = [int(mine[list(self.owners[q])].sum()) for q in range(self.ep.size)]

@@ -8,9 +8,11 @@ replaced by `ExpertParallelMoE`, then sums gradients over the ranks that share t
 on what it holds. The loss is normalised by the global token count, so per-rank losses add up to
 the single device's, router losses included.
 
-Mixed precision (bf16; config refuses fp16 with experts): tokens travel to their experts and back in
-16 bits, the router's softmax runs in fp32 inside refpar.model.moe, gradients are summed in their
-dtype (float32 with fp32_grads) and AdamW updates fp32 master weights (ledger category "master").
+Mixed precision: tokens travel to their experts and back in 16 bits, the router's softmax runs in
+fp32 inside refpar.model.moe, gradients are summed in their dtype (float32 with fp32_grads) and
+AdamW updates fp32 master weights (ledger category "master"). fp16 scales the loss, the router
+losses' gradients included; the ep ranks, which hold different experts' gradients, agree on an
+overflow (`found_inf.ep`) and all skip the step.
 Routing is a discrete choice: once two runs' parameters differ in the last bit, a token near a tie
 or at the capacity edge can go elsewhere, so a 16-bit run agrees with one device in its losses
 within a tolerance, not in every dropped assignment.
@@ -31,8 +33,9 @@ from refpar.model.gpt import init_params, loss_and_grads
 from refpar.model.moe import MoELayer, expert_prefix, kept_counts
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.expert_parallel import ExpertParallelMoE, check_expert_parallel
-from refpar.parallel.intra_layer import all_reduce_replicated_grads
-from refpar.precision import MASTER_DTYPE
+from refpar.parallel.intra_layer import all_reduce_replicated_grads, overflow_anywhere
+from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
+from refpar.report import loss_scaling_summary
 from refpar.sharding import shard_range
 from refpar.trainer import corpus_for
 
@@ -58,6 +61,7 @@ class MoERun:
     steps: list[MoEStep] = field(default_factory=list)
     params: dict = field(default_factory=dict)  # this rank's, after the last step
     ledger: MemoryLedger | None = None  # this rank's parameters, gradients, optimizer state
+    loss_scaling: dict | None = None  # fp16: report.loss_scaling_summary (scales, skipped steps)
 
     @property
     def losses(self) -> list[float]:
@@ -121,14 +125,21 @@ def reference_run(model, train, on_step=None) -> MoERun:
     state = optimizer_init(params, train)
     corpus = corpus_for(model, train)
     sample_ids = range(train.batch_size)
+    scaler = loss_scaler(model, train)  # fp16 only
     run = MoERun()
     for step in range(train.steps):
         start = time.perf_counter()
-        layer = MoELayer()
+        scale = 1.0 if scaler is None else scaler.scale
+        layer = MoELayer(loss_scale=scale)
         tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B, T) each
-        loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
-                                     sample_ids=sample_ids, moe=layer, grad_dtype=_grad_dtype(train))
-        params, state = optimizer_step(params, grads, state, train)
+        with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
+            loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
+                                         sample_ids=sample_ids, moe=layer, dloss=scale,
+                                         grad_dtype=_grad_dtype(train))
+        skip = scaler is not None and has_overflow(grads)
+        params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
+        if scaler is not None:
+            scaler.update(skip)
         run.steps.append(_record(step, loss, layer.last_routing, start))
         if on_step is not None:
             on_step(run.steps[-1])
@@ -164,19 +175,29 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
     corpus = corpus_for(model, train)
     sample_ids = list(range(*shard_range(train.batch_size, data.size, data.rank)))
     normalizer = train.batch_size * train.seq_len
+    scaler = loss_scaler(model, train)  # fp16 only
+    scales, skipped_steps = [], []
     run = MoERun()
     for step in range(train.steps):
         start = time.perf_counter()
         tracer = mesh.world.tracer
         with tracer.context(step=step) if tracer is not None else nullcontext():
             tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B/D, T) each
-            loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
-                                         sample_ids=sample_ids, normalizer=normalizer, moe=layer,
-                                         grad_dtype=_grad_dtype(train))
+            scale = layer.loss_scale = 1.0 if scaler is None else scaler.scale
+            with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
+                loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
+                                             sample_ids=sample_ids, normalizer=normalizer, moe=layer,
+                                             dloss=scale, grad_dtype=_grad_dtype(train))
             ledger.alloc("grads", sum(nbytes_of(g) for g in grads.values()), "grads")
             reduce_grads(grads, dense, data, "dense:grad")  # over every dp x ep rank
             reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
-            params, state = optimizer_step(params, grads, state, train)
+            skip = False
+            if scaler is not None:  # dense sums agree everywhere; ep ranks hold different experts
+                skip = overflow_anywhere(grads, [ep_comm] if ep_comm.size > 1 else [])
+                scaler.update(skip)
+                scales.append(scale)
+                skipped_steps += [step] * skip
+            params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
             ledger.free("grads")
             routing = layer.last_routing
             shares = np.array([loss, sum(float(r["aux_loss"]) for r in routing.values()),
@@ -186,4 +207,5 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
         if on_step is not None:
             on_step(run.steps[-1])
     run.params, run.ledger = params, ledger
+    run.loss_scaling = loss_scaling_summary(scales, skipped_steps)
     return run
