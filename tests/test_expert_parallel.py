@@ -103,7 +103,7 @@ def test_train_cli_reports_routing_per_step_and_matches_one_device_with_closed_f
             assert np.sum(per_rank, axis=0).tolist() == per_expert
     assert s["comm_bytes"] == s["expected_comm_bytes"]
     assert s["memory_peak_bytes"] == s["expected_memory_peak_bytes"]
-    assert {r["category"] for r in s["memory_peak_bytes"]} == {"params", "grads", "optimizer"}
+    assert {r["category"] for r in s["memory_peak_bytes"]} == {"params", "grads", "master", "optimizer"}
     assert {(r["axis"], r["op"]) for r in s["comm_bytes"]} == {
         ("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce")}
 
