@@ -286,7 +286,7 @@ def test_fp16_progress_line_and_json_show_the_precision_scale_and_skipped_steps(
     (["--precision", "fp16-mixed", "--loss-scale", "0"], "loss_scale=0.0 must be a positive finite"),
     (["--precision", "fp16-mixed", "--loss-scale-window", "0"], "loss_scale_window=0 must be a whole"),
     (["--precision", "fp64", "--fp32-grads"], "--fp32-grads applies to bf16-mixed and fp16-mixed"),
-    (["--precision", "bf16-mixed", "--mesh", "dp=2"], "runs on one device without MoE so far"),
+    (["--precision", "fp16-mixed", "--loss-scale", "inf"], "loss_scale=inf must be a positive finite"),
 ])
 def test_bad_precision_flags_are_one_sentence(capsys, args, words):
     try:
@@ -317,3 +317,21 @@ def test_gradients_from_a_power_of_two_loss_scale_are_the_unscaled_ones_times_it
     assert loss8 == loss1
     for name, g in g1.items():
         assert np.array_equal(g8[name], 8.0 * g), name
+
+
+def test_fp32_grads_keep_each_ops_16bit_gradient_and_sum_the_tied_wte_in_fp32():
+    """--fp32-grads: each op's gradient still leaves it rounded to 16 bits (so every untied
+    gradient is the 16-bit one, upcast), but sums happen in fp32: the tied wte's head and embedding
+    shares add in fp32, and rounding that sum once gives the default run's 16-bit gradient."""
+    model = model_preset("tiny", n_layer=1, dtype="bfloat16")
+    params = init_params(model, 9)
+    tokens, targets = MarkovCorpus(96, 9).batch(0, range(4), 8)
+    _, g16 = loss_and_grads(params, tokens, targets, model, seed=9)
+    _, g32 = loss_and_grads(params, tokens, targets, model, seed=9, grad_dtype=MASTER_DTYPE)
+    for name, g in g32.items():
+        assert g.dtype == MASTER_DTYPE
+        if name != "wte.weight":
+            assert np.array_equal(g, g16[name].astype(np.float32)), name
+    assert np.array_equal(g32["wte.weight"].astype(g16["wte.weight"].dtype), g16["wte.weight"])
+    run = train_single_device(model, TrainConfig(steps=2, batch_size=4, seq_len=8, fp32_grads=True))
+    assert run.params["wte.weight"].dtype == dtype_of("bfloat16")
