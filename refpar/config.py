@@ -167,7 +167,7 @@ class TrainConfig:
                               "bf16 has fp32's exponent range); drop --loss-scale and "
                               "--loss-scale-window or use --precision fp16-mixed")
         if model.dtype == "float16" and model.moe_experts:
-            raise ConfigError("fp16-mixed does not scale the MoE router losses' gradients yet; use "
+            raise ConfigError("fp16-mixed does not reach the MoE runners' router losses yet; use "
                               "--precision bf16-mixed with --moe-experts")
 
     def to_dict(self) -> dict:

@@ -298,7 +298,40 @@ def test_bad_precision_flags_are_one_sentence(capsys, args, words):
 
 
 def test_fp16_with_moe_and_a_bad_dtype_are_config_errors():
-    with pytest.raises(ConfigError, match="MoE router losses"):
+    with pytest.raises(ConfigError, match="MoE runners' router losses"):
         TrainConfig().check_model(model_preset("tiny", dtype="float16", moe_experts=2))
     with pytest.raises(ConfigError, match="unknown dtype 'float8'"):
         model_preset("tiny", dtype="float8")
+
+
+@pytest.mark.parametrize("moe_experts", [0, 4])
+def test_gradients_from_a_power_of_two_loss_scale_are_the_unscaled_ones_times_it_exactly(moe_experts):
+    """In float64, scaling by 2^k commutes with every rounding, so loss scaling is exact: the
+    gradients of dloss=8 are 8 times those of dloss=1 bit for bit, MoE router losses included (their
+    gradients must scale with the task loss's), and the loss itself is unscaled."""
+    model = model_preset("tiny", n_layer=2, moe_experts=moe_experts, moe_top_k=2 if moe_experts else 1)
+    params = init_params(model, 5)
+    tokens, targets = MarkovCorpus(96, 5).batch(0, range(4), 8)
+    loss1, g1 = loss_and_grads(params, tokens, targets, model, seed=5)
+    loss8, g8 = loss_and_grads(params, tokens, targets, model, seed=5, dloss=8.0)
+    assert loss8 == loss1
+    for name, g in g1.items():
+        assert np.array_equal(g8[name], 8.0 * g), name
+
+
+def test_fp32_grads_keep_each_ops_16bit_gradient_and_sum_the_tied_wte_in_fp32():
+    """--fp32-grads: each op's gradient still leaves it rounded to 16 bits (so every untied
+    gradient is the 16-bit one, upcast), but sums happen in fp32: the tied wte's head and embedding
+    shares add in fp32, and rounding that sum once gives the default run's 16-bit gradient."""
+    model = model_preset("tiny", n_layer=1, dtype="bfloat16")
+    params = init_params(model, 9)
+    tokens, targets = MarkovCorpus(96, 9).batch(0, range(4), 8)
+    _, g16 = loss_and_grads(params, tokens, targets, model, seed=9)
+    _, g32 = loss_and_grads(params, tokens, targets, model, seed=9, grad_dtype=MASTER_DTYPE)
+    for name, g in g32.items():
+        assert g.dtype == MASTER_DTYPE
+        if name != "wte.weight":
+            assert np.array_equal(g, g16[name].astype(np.float32)), name
+    assert np.array_equal(g32["wte.weight"].astype(g16["wte.weight"].dtype), g16["wte.weight"])
+    run = train_single_device(model, TrainConfig(steps=2, batch_size=4, seq_len=8, fp32_grads=True))
+    assert run.params["wte.weight"].dtype == dtype_of("bfloat16")

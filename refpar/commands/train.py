@@ -144,7 +144,6 @@ def run(args) -> int:
         return dp_runner.run_cli(model, train, sizes, args)
     from refpar.cli import launcher_rank
     from refpar.model.gpt import param_shapes
-    from refpar.precision import precision_of
     from refpar.report import loss_scaling_summary, run_summary, summary_line
     from refpar.trainer import corpus_for, train_single_device
 
@@ -166,7 +165,7 @@ def run(args) -> int:
             print(text, flush=True)
 
     say(f"GPT-2 {args.model}: {model.n_layer} layers, {model.n_embd} channels, {model.n_head} heads, "
-        f"{n_params:,} parameters, {precision_of(model.dtype)}, dropout {model.dropout}, 1 device")
+        f"{n_params:,} parameters, {precision_label(model.dtype)}, dropout {model.dropout}, 1 device")
     say(f"data: Markov chain over {model.vocab_size} tokens, batch {train.batch_size} x {train.seq_len} "
         f"tokens; loss floor (entropy rate) {floor:.4f}")
     scaled = model.dtype == "float16"  # fp16-mixed: show the loss scale and the skipped steps
@@ -214,6 +213,16 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
     if (args.save or args.resume) and (args.moe_experts or sizes["ep"] > 1):
         raise ConfigError("--save and --resume do not work with Mixture of Experts yet; drop them "
                           "or --moe-experts")
+
+
+def precision_label(dtype: str) -> str:
+    """"float64", or for mixed runs e.g. "bf16-mixed (bfloat16 weights and activations, fp32 master
+    weights)", for the header line of a run."""
+    from refpar.precision import is_16bit, precision_of
+
+    if not is_16bit(dtype):
+        return dtype
+    return f"{precision_of(dtype)} ({dtype} weights and activations, fp32 master weights)"
 
 
 def check_precision_args(sizes: dict[str, int], args) -> None:

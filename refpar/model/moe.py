@@ -133,7 +133,7 @@ def kept_counts(all_counts, cap):
 
 
 @fp32_compute
-def route(x2, w, config, exchange=None, rank: int = 0):
+def route(x2, w, config, exchange=None, rank: int = 0, loss_scale: float = 1.0):
     """Router forward and the routing decision for this call's tokens.
 
     `exchange(counts (k, E)) -> (ranks, k, E)` gathers the selection counts of every part of the
@@ -142,7 +142,8 @@ def route(x2, w, config, exchange=None, rank: int = 0):
     (N, k), `keep` (N, k), the buffer layout (`token_of_row` (R,), `gate_of_row` (R,), `row` (N, k),
     `rows_per_expert` (E,) of this call), the losses `aux_loss`, `z_loss` (this call's share of the
     global ones), the global `tokens_per_expert` (E,) kept and `dropped` assignments, `capacity`,
-    and `selections`, every part's counts (ranks, k, E).
+    and `selections`, every part's counts (ranks, k, E). `loss_scale` is the fp16 loss scale the
+    backward will start from: the router losses' gradients are scaled by it like the task loss's.
     """
     xp = array_namespace(x2, w)
     N, E, k = x2.shape[0], config.moe_experts, config.moe_top_k
@@ -187,6 +188,8 @@ def route(x2, w, config, exchange=None, rank: int = 0):
         "capacity": cap,
         "selections": all_counts,  # (ranks, k, E) of every part of the global batch
     }
+    if loss_scale != 1.0:  # the losses above stay unscaled; their gradients, like the rest, scale
+        aux_coef, z_coef = aux_coef * loss_scale, z_coef * loss_scale
     cache = (probs, lse, experts, chosen, gates, keep, aux_coef, z_coef, lin_cache)
     return routing, cache
 
@@ -286,13 +289,13 @@ def experts_backward(dybuf, caches):
 
 
 # ------------------------------------------------------------------------------ the whole layer
-def moe_forward(x, params, layer: int, config):
+def moe_forward(x, params, layer: int, config, loss_scale: float = 1.0):
     """x (B, T, C) after ln_2 -> (out (B, T, C), cache). This call is the whole global batch.
     cache["routing"] holds the losses and statistics (`aux_loss`, `z_loss`, `tokens_per_expert`,
-    `dropped`)."""
+    `dropped`); `loss_scale` as in `route`."""
     xp = array_namespace(x)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
-    routing, rcache = route(x2, params[router_name(layer)], config)
+    routing, rcache = route(x2, params[router_name(layer)], config, loss_scale=loss_scale)
     xbuf = dispatch(x2, routing)  # (R, C)
     counts = [int(c) for c in routing["rows_per_expert"]]
     ybuf, ecache = experts_forward(xbuf, counts, params, layer, range(config.moe_experts))  # (R, C)
@@ -322,13 +325,15 @@ def router_loss(cache):
 class MoELayer:
     """The single-device layer as the object `gpt.block_forward(..., moe=)` takes; expert
     parallelism passes its own with the same two methods. `last_routing[layer]` keeps the routing
-    of each layer's latest forward, for reports."""
+    of each layer's latest forward, for reports. `loss_scale`: the fp16 loss scale of the backward
+    that will follow (`route`)."""
 
-    def __init__(self):
+    def __init__(self, loss_scale: float = 1.0):
         self.last_routing: dict[int, dict] = {}
+        self.loss_scale = loss_scale
 
     def forward(self, x, params, layer: int, config):
-        out, cache = moe_forward(x, params, layer, config)
+        out, cache = moe_forward(x, params, layer, config, self.loss_scale)
         self.last_routing[layer] = cache["routing"]
         return out, cache
 
