@@ -32,6 +32,7 @@ class StepResult:
     time_s: float  # wall time of data, forward, backward and update
     loss_scale: float | None = None  # fp16-mixed: the scale this step's backward used
     skipped: bool = False  # fp16-mixed: the gradients overflowed, so the update was skipped
+    skipped_total: int = 0  # fp16-mixed: steps skipped so far, from step 0 (across resumes)
 
 
 @dataclass
@@ -93,7 +94,8 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
         result.losses.append(loss)
         result.step_times_s.append(elapsed)
         if on_step is not None:
-            on_step(StepResult(step, loss, elapsed, None if scaler is None else dloss, skip))
+            on_step(StepResult(step, loss, elapsed, None if scaler is None else dloss, skip,
+                               0 if scaler is None else scaler.skipped))
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
             checkpoint.save_training(save, step + 1, checkpoint.whole_arrays(params, state), model,
                                      train, dict.fromkeys(MESH_AXES, 1), "single",

@@ -286,7 +286,7 @@ def test_fp16_progress_line_and_json_show_the_precision_scale_and_skipped_steps(
     (["--precision", "fp16-mixed", "--loss-scale", "0"], "loss_scale=0.0 must be a positive finite"),
     (["--precision", "fp16-mixed", "--loss-scale-window", "0"], "loss_scale_window=0 must be a whole"),
     (["--precision", "fp64", "--fp32-grads"], "--fp32-grads applies to bf16-mixed and fp16-mixed"),
-    (["--precision", "bf16-mixed", "--mesh", "dp=2"], "runs on one device without MoE so far"),
+    (["--precision", "fp16-mixed", "--loss-scale", "inf"], "loss_scale=inf must be a positive finite"),
 ])
 def test_bad_precision_flags_are_one_sentence(capsys, args, words):
     try:

@@ -173,13 +173,11 @@ def run(args) -> int:
         + (f" {'loss scale':>11} {'skipped':>8}" if scaled else ""))
 
     shown: list[int] = []
-    skipped = [0]
 
     def row(r) -> None:
-        skipped[0] += r.skipped
         if not shown or (r.step + 1) % every == 0 or r.step == train.steps - 1 or r.skipped:
             say(f"{r.step + 1:>6} {r.loss:>9.4f} {floor:>9.4f} {tokens_per_step / r.time_s:>10,.0f}"
-                + (f" {r.loss_scale:>11g} {skipped[0]:>8}" if scaled else ""))
+                + (f" {r.loss_scale:>11g} {r.skipped_total:>8}" if scaled else ""))
             shown.append(r.step)
 
     result = train_single_device(model, train, on_step=row, save=args.save,
