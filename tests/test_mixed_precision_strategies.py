@@ -1,9 +1,9 @@
 """tp, sp, cp (ring and Ulysses), the pipeline, expert parallelism and the N-D engine in mixed
 precision, against the single-device run of the same precision and the closed forms.
 
-Four MPI jobs: one trains six tp / sp / cp layouts (tests/intra_layer_job.py, 2 ranks), three are
-`refpar train --json` runs (pp 1f1b on 2 ranks, dp x ep MoE on 4, dp=2,tp=2,pp=2 on 8), each for 3
-AdamW steps from the same seed as one device.
+Five MPI jobs: one trains six tp / sp / cp layouts (tests/intra_layer_job.py, 2 ranks), four are
+`refpar train --json` runs (bf16: pp 1f1b on 2 ranks, dp x ep MoE on 4, dp=2,tp=2,pp=2 on 8; fp16:
+dp=2,tp=2,pp=2 with ZeRO-1 on 8), each for 3 AdamW steps from the same seed as one device.
 
 Why a tolerance, and which. A mixed run computes every op in float32 and rounds its output to 16
 bits once (refpar/precision.py), exactly as the single-device mixed run does; the two differ only
@@ -71,6 +71,10 @@ BF16_RUNS = {
                     "--capacity-factor", "0.9", "--moe-layers", "1,3")),
     "dp x tp x pp": (8, ("--mesh", "dp=2,tp=2,pp=2", "--microbatches", "2")),
 }
+# fp16 from a scale of 2^19: step 1 overflows; the ranks (whose gradient shards differ over tp, pp
+# and, under ZeRO-1, dp) agree, skip it and gather no parameters that step
+FP16_ENGINE = (8, ("--mesh", "dp=2,tp=2,pp=2", "--zero", "1", "--microbatches", "2",
+                   "--loss-scale", str(2 ** 19)))
 
 
 def _name(spec: dict) -> str:
@@ -133,6 +137,28 @@ def test_an_overflow_on_one_tp_rank_makes_every_rank_skip_that_step(intra):
     assert forced[0]["replicated_digest"] == forced[1]["replicated_digest"]
     # the first loss is computed before any update: one device's
     assert abs(forced[0]["losses"][0] - forced[0]["reference_losses"][0]) <= FP16 * forced[0]["losses"][0]
+
+
+def test_fp16_zero1_engine_skips_the_overflowed_step_everywhere_and_gathers_nothing_for_it():
+    n, args = FP16_ENGINE
+    summary = refpar_json(n, "train", *args, "--precision", "fp16-mixed", "--steps", "3", "--check",
+                          timeout=240)
+    verdict = judge(summary)
+    print(f"fp16 zero-1 x tp x pp: {summary['loss_scaling']}, loss rel diff "
+          f"{summary['max_loss_rel_diff']:.1e} (bound {FP16:g})")
+    assert summary["loss_scaling"]["skipped_steps"] == [0]
+    assert summary["loss_scaling"]["scales"] == [2.0 ** 19, 2.0 ** 18, 2.0 ** 18]
+    # one device skipped step 1 too: its step-2 loss is the untouched model's, and so is ours
+    assert summary["max_loss_rel_diff"] <= FP16
+    assert verdict["bytes_ok"] and verdict["memory_ok"]
+    # ZeRO-1 reduce-scatters the 16-bit gradients every step but all-gathers the 16-bit parameters
+    # (the same bytes per step) in 2 of the 3 steps only; the closed form knows it (bytes_ok)
+    dp = {r["rank"]: {} for r in summary["comm_bytes"]}
+    for r in summary["comm_bytes"]:
+        if r["axis"] == "dp":
+            dp[r["rank"]][r["op"]] = r["bytes_sent"]
+    for rank, ops in dp.items():
+        assert 3 * ops["all_gather"] == 2 * ops["reduce_scatter"] > 0, rank
 
 
 @pytest.mark.parametrize("name", list(BF16_RUNS))
