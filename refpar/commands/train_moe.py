@@ -118,6 +118,10 @@ def run_cli(model, train, sizes, args) -> int:
     run = train_expert_parallel(model, train, mesh, on_step=row)
     say(f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f} (floor {floor:.4f}); "
         f"{run.step_time_s * 1e3:.1f} ms per step")
+    if run.loss_scaling:
+        from refpar.parallel.intra_layer_runner import loss_scaling_line
+
+        say(loss_scaling_line(run.loss_scaling))
 
     fields = {}
     if args.check:
