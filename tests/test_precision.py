@@ -297,9 +297,9 @@ def test_bad_precision_flags_are_one_sentence(capsys, args, words):
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_fp16_with_moe_and_a_bad_dtype_are_config_errors():
-    with pytest.raises(ConfigError, match="MoE runners' router losses"):
-        TrainConfig().check_model(model_preset("tiny", dtype="float16", moe_experts=2))
+def test_a_bad_dtype_is_a_config_error():
+    # (fp16 with experts runs: refpar/parallel/expert_parallel_run.py scales the router losses)
+    TrainConfig().check_model(model_preset("tiny", dtype="float16", moe_experts=2))
     with pytest.raises(ConfigError, match="unknown dtype 'float8'"):
         model_preset("tiny", dtype="float8")
 
