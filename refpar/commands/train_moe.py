@@ -136,7 +136,7 @@ def run_cli(model, train, sizes, args) -> int:
     where = f"mesh {mesh}" if comm.size > 1 else "1 device"
     limit = "dropless" if model.moe_dropless else (
         f"capacity factor {model.moe_capacity_factor}: {capacity(tokens, model)} assignments per "
-        f"expert and microbatch of {tokens} tokens")
+        f"expert" + (f" and microbatch of {tokens} tokens" if m > 1 else ""))
     say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
         f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
         + " ".join(f"{list(owned_experts(model.moe_experts, ep, q))}" for q in range(ep)))
@@ -218,17 +218,17 @@ def run_cli(model, train, sizes, args) -> int:
         model, tokens // n_data, n_data, ep, np.dtype(model.dtype).itemsize)
     # the data ranks of one stage (all ranks without pp) between them run every block once
     measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].sum() / (len(run.steps) * n_data)
-    say(f"ep all-to-all per data rank and step, every MoE block: {measured:,.0f} bytes; uniform "
-        f"routing would send {uniform:,.0f}")
+    what = "per data rank and step, every MoE block" if pipelined else "per rank and step"
+    say(f"ep all-to-all {what}: {measured:,.0f} bytes; uniform routing would send {uniform:,.0f}")
     memory_rows = [[{"rank": r, "category": c, "bytes": int(memory[r, i, j])}
                     for r in range(comm.size) for i, c in enumerate(STATE_KEYS)] for j in (0, 1)]
     say("peak params / grads / optimizer bytes per rank: " + "; ".join(
         "rank {}: {:,} / {:,} / {:,}".format(r, *(int(v) for v in memory[r, :, 0]))
         for r in range(comm.size)))
-    per_block = {i: sum(st["dropped"][i] for st in steps) for i in blocks}
-    say("dropped assignments per block over the run: " + ", ".join(f"{i}: {n}" for i, n in per_block.items()))
     bubble = None
-    if pipelined:
+    if pipelined:  # the step rows leave out the routing, which lives on the stages holding the blocks
+        say("dropped assignments per block over the run: " + ", ".join(
+            f"{i}: {sum(st['dropped'][i] for st in steps)}" for i in blocks))
         bubble = {"measured": run.measured.bubble_fraction, "simulated": run.simulated.bubble_fraction,
                   "simulated_unit_costs": simulate(run.executor.schedule).bubble_fraction}
         say(f"bubble of the last step: measured {bubble['measured']:.1%}, simulated with the measured "
