@@ -170,9 +170,8 @@ def step_record(step, loss, routings: list[dict], start, totals=None) -> MoEStep
     layers = list(routings[0]) if routings else []  # a pipeline stage may hold no MoE block
     return MoEStep(
         step=step, loss=float(totals[0]), aux_loss=float(totals[1]), z_loss=float(totals[2]),
-        tokens_per_expert={i: [int(sum(int(rs[i]["tokens_per_expert"][e]) for rs in routings))
-                               for e in range(len(routings[0][i]["tokens_per_expert"]))]
-                           for i in layers},
+        tokens_per_expert={i: [int(c) for c in sum(backend.to_host(rs[i]["tokens_per_expert"])
+                                                   for rs in routings)] for i in layers},
         dropped={i: sum(int(rs[i]["dropped"]) for rs in routings) for i in layers},
         kept_counts={i: sum(k[i] for k in kept) for i in layers},
         time_s=time.perf_counter() - start, microbatch_kept_counts=kept)
