@@ -8,7 +8,8 @@ single-device reference with the same microbatches, whether the routing statisti
 assignments, tokens per expert, per block) and the aux losses are the reference's, whether every
 step's traced bytes per (axis, op) and the params/grads/optimizer peaks equal the closed forms.
 Checkpoint runs: 4 steps under one mesh, saved after step 2; resumed from there under the same mesh
-(losses and parameters compared exactly), under others and on one process (losses compared).
+(losses and parameters compared exactly), under others and on one process (each rank's loaded
+slices compared exactly with the global tensors, the losses compared).
 """
 
 import json
@@ -18,13 +19,22 @@ from pathlib import Path
 
 import numpy as np
 
+from refpar import checkpoint
 from refpar.analysis import moe as moe_analysis
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh
 from refpar.engine_moe import MoEPipelineOptions, run_moe_pipeline
 from refpar.mesh import DeviceMesh
-from refpar.parallel.expert_parallel_run import reference_run, train_expert_parallel
+from refpar.model.gpt import param_shapes
+from refpar.model.optim import optimizer_init
+from refpar.parallel.expert_parallel_run import (
+    local_params,
+    reference_run,
+    resume_from,
+    train_expert_parallel,
+)
+from refpar.parallel.pipeline.stage import stage_param_names
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
@@ -102,6 +112,21 @@ def check_run(comm, mesh_text, schedule, m, v, changes) -> dict:
     }
 
 
+def reassembles_exactly(mesh, schedule, path: Path, train_cfg) -> bool:
+    """Whether `resume_from` gives this rank of `mesh` exactly its slices of the checkpoint's
+    global tensors (read whole on one process): parameters and AdamW's m and v."""
+    p = mesh.sizes["pp"]
+    names = stage_param_names(MODEL, p, mesh.coords["pp"]) if schedule else list(param_shapes(MODEL))
+    shapes = param_shapes(MODEL)
+    params = local_params({n: np.zeros(shapes[n]) for n in names}, MODEL, mesh.sizes["ep"],
+                          mesh.coords["ep"])
+    state = optimizer_init(params, train_cfg)
+    resume_from(str(path), MODEL, train_cfg, params, state, mesh.coords)
+    _, whole, moments = checkpoint.load_whole(str(path), MODEL, train_cfg)
+    return all(np.array_equal(params[n], whole[n]) and np.array_equal(state["m"][n], moments["m"][n])
+               and np.array_equal(state["v"][n], moments["v"][n]) for n in params)
+
+
 def check_resumes(comm, saved_on, resumed_on: list, root: Path) -> list[dict]:
     """Trains 4 steps on `saved_on`, saving after steps 2 and 4; resumes from step 2 on each mesh
     of `resumed_on` ("1": one process, rank 0 alone on its own communicator) up to step 4."""
@@ -115,12 +140,13 @@ def check_resumes(comm, saved_on, resumed_on: list, root: Path) -> list[dict]:
         group = comm if mesh_b != "1" else comm.split(0 if comm.rank == 0 else None, key=0, axis="world")
         if group is not None:
             mesh = DeviceMesh(group, parse_mesh(mesh_b) if mesh_b != "1" else {})
+            exact_slices = reassembles_exactly(mesh, sched_b, path / "step-00000002", train4)
             resumed = train(MODEL, train4, mesh, sched_b, 2, 1, resume=str(path / "step-00000002"))
             same = mesh_b == mesh_a and resumed.losses == full.losses[2:] and all(
                 np.array_equal(p, full.params[n]) for n, p in resumed.params.items())
             out.append({"resume": f"{mesh_a} -> {mesh_b}", "first_step": resumed.first_step,
                         "losses": resumed.losses, "uninterrupted": full.losses[2:],
-                        "exact": all_ranks(group, same)})
+                        "exact": all_ranks(group, same), "reassembled": all_ranks(group, exact_slices)})
         comm.barrier()
     return out
 

@@ -45,14 +45,14 @@ def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_
 def test_moe_checkpoints_resume_exactly_on_their_mesh_and_reshard_to_others(rows):
     """Saved by the dp x ep runner and by a pp x ep pipeline after 2 of 4 steps. Resumed on the
     same mesh: losses and parameters bit for bit the uninterrupted run's. Resumed on another mesh
-    (pipeline <-> no pipeline, ep=2 -> ep=4, one process): every rank reassembles its whole tensors
-    from the other layout, and the losses agree to float64's rounding."""
+    (pipeline <-> no pipeline, ep=2 -> ep=4, one process): every rank reassembles exactly its
+    tensors and moments from the other layout, and the losses agree to float64's rounding."""
     resumes = [r for r in rows if "resume" in r]
     assert [r["resume"] for r in resumes] == ["dp=2,ep=2 -> dp=2,ep=2", "dp=2,ep=2 -> pp=2,ep=2",
                                               "pp=2,ep=2 -> pp=2,ep=2", "pp=2,ep=2 -> ep=4",
                                               "pp=2,ep=2 -> 1"]
     for r in resumes:
-        assert r["first_step"] == 2 and len(r["losses"]) == 2, r
+        assert r["first_step"] == 2 and len(r["losses"]) == 2 and r["reassembled"], r
         a, b = r["resume"].split(" -> ")
         if a == b:
             # Exact: the same ranks run the same operations in the same order on the same state.
