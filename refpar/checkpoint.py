@@ -19,6 +19,11 @@ directory without `manifest.json` is an unfinished save and is never loaded. Bef
 anything, every rank checks every file's size, sha256 and array headers (shape, dtype, no object
 arrays) against the manifest, so all ranks refuse a damaged checkpoint alike; loading never
 unpickles (`allow_pickle=False`). Any mismatch is one sentence naming the file.
+
+Mixed precision: `.npy` cannot describe ml_dtypes' bfloat16 without pickling, so 16-bit arrays are
+stored as their uint16 bit patterns and the manifest keeps their true dtype; the fp32 master weights
+are tensors `master/NAME`, and the manifest keeps the optimizer's step count and the loss scaler's
+state, so a resumed run continues bit for bit.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from refpar.config import ConfigError
+from refpar.precision import MASTER_DTYPE, is_16bit
 
 FORMAT = "refpar-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -139,9 +145,18 @@ def _contiguous_boxes(shape: tuple, lo: int, hi: int) -> list[tuple]:
 
 
 def training_tensors(param_shapes: dict, dtype, optimizer: str) -> dict[str, tuple[tuple, str]]:
-    """Every global tensor a training checkpoint holds: the parameters, and AdamW's m and v."""
-    prefixes = ["params"] + (["adamw.m", "adamw.v"] if optimizer == "adamw" else [])
-    return {f"{p}/{n}": (tuple(s), np.dtype(dtype).name) for p in prefixes for n, s in param_shapes.items()}
+    """Every global tensor a training checkpoint holds: the parameters, and AdamW's m and v; for
+    16-bit parameters also the fp32 master weights, and m and v are fp32."""
+    mixed = is_16bit(np.dtype(dtype))
+    state = MASTER_DTYPE.name if mixed else np.dtype(dtype).name
+    prefixes = {"params": np.dtype(dtype).name, **dict.fromkeys(["master"] if mixed else [], state),
+                **dict.fromkeys(["adamw.m", "adamw.v"] if optimizer == "adamw" else [], state)}
+    return {f"{p}/{n}": (tuple(s), d) for p, d in prefixes.items() for n, s in param_shapes.items()}
+
+
+def _stored(dtype: np.dtype) -> np.dtype:
+    """The dtype an array of `dtype` has in a shard file: uint16 bit patterns for 16-bit floats."""
+    return np.dtype(np.uint16) if is_16bit(dtype) else dtype
 
 
 # ------------------------------------------------------------------------------------ saving
@@ -171,7 +186,7 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
         if a.shape != p.shape:
             raise ValueError(f"array of shape {a.shape} saved as {p.tensor} {_where(p)}")
     name = f"rank{rank:05d}.npz"
-    named = {f"a{i}": np.ascontiguousarray(a) for i, (_, a) in enumerate(arrays)}
+    named = {f"a{i}": np.ascontiguousarray(a).view(_stored(a.dtype)) for i, (_, a) in enumerate(arrays)}
     _atomic_write(path / name, lambda f: np.savez(f, **named))
     record = {"file": name, "sha256": _sha256(path / name), "bytes": (path / name).stat().st_size,
               "arrays": [{"key": k, **p.to_json()} for k, (p, _) in zip(named, arrays, strict=True)]}
@@ -338,7 +353,7 @@ def _verify_shard(folder: Path, record: dict, tensors: dict) -> None:
             for key, piece in record["arrays"]:
                 with z.open(f"{key}.npy") as f:
                     header = _read_header(f)
-                dtype = np.dtype(tensors[piece.tensor][1])
+                dtype = _stored(np.dtype(tensors[piece.tensor][1]))
                 if header[2].hasobject:
                     raise CheckpointError(f"checkpoint shard {file} array {key} is an object array, "
                                           f"which only unpickling could read; refusing it")
@@ -380,10 +395,10 @@ def _member(npz, file: Path, key: str, piece: Piece, dtype: np.dtype) -> np.ndar
         # Object arrays land here: reading them would mean unpickling, which a checkpoint never needs.
         raise CheckpointError(f"checkpoint shard {file} array {key} cannot be read without "
                               f"unpickling or is damaged ({err}); refusing it") from None
-    if a.dtype != dtype or a.shape != piece.shape:
+    if a.dtype != _stored(dtype) or a.shape != piece.shape:
         raise CheckpointError(f"checkpoint shard {file} array {key} is {a.dtype}{list(a.shape)} but "
                               f"the manifest says {piece.tensor} {_where(piece)} of {dtype}")
-    return a
+    return a.view(dtype)
 
 
 # ------------------------------------------------------------------------------- reassembly
@@ -451,15 +466,18 @@ def _copy(want: Piece, dst, covered, have: Piece, src, shape) -> None:
 
 # ---------------------------------------------------------------------------------- training
 def save_training(root, step: int, arrays: list[tuple[Piece, np.ndarray]], model, train,
-                  mesh: dict, strategy: str, comm=None) -> Path:
+                  mesh: dict, strategy: str, comm=None, *, optimizer_t: int | None = None,
+                  loss_scaler: dict | None = None) -> Path:
     """Saves the state after `step` optimizer steps into `root`/step-{step}: the parameters and
     optimizer state in `arrays`, and what a resume needs to go on from there: the step (the data
     and dropout of step s are keyed by (seed, s, sample id), so the step and the seed are the whole
-    data position; AdamW's step count t equals it), the configs and the mesh it was written under."""
+    data position), AdamW's step count t (`optimizer_t`: the step unless fp16 skipped steps), the
+    fp16 `LossScaler.state_dict()`, the configs and the mesh it was written under."""
     from refpar.model.gpt import param_shapes
 
     tensors = training_tensors(param_shapes(model), model.dtype, train.optimizer)
-    info = {"step": step, "optimizer_t": step, "mesh": dict(mesh), "strategy": strategy,
+    info = {"step": step, "optimizer_t": step if optimizer_t is None else optimizer_t,
+            "loss_scaler": loss_scaler, "mesh": dict(mesh), "strategy": strategy,
             "world_size": 1 if comm is None else comm.size,
             "model": model.to_dict(), "train": train.to_dict()}
     return save(step_dir(root, step), arrays, tensors, info, comm)
@@ -468,14 +486,19 @@ def save_training(root, step: int, arrays: list[tuple[Piece, np.ndarray]], model
 def open_training(path, model, train) -> dict:
     """The manifest of the checkpoint `path` names, checked against this run's configs: everything
     but the number of steps must match, or the run would not continue the one that was saved."""
+    from refpar.config import ModelConfig, TrainConfig
     from refpar.model.gpt import param_shapes
 
     man = read_manifest(path)
     where = f"checkpoint {man['dir']}"
-    for kind, mine in (("model", model.to_dict()), ("train", train.to_dict())):
+    for kind, mine, default in (("model", model.to_dict(), ModelConfig().to_dict()),
+                                ("train", train.to_dict(), TrainConfig().to_dict())):
         mine = json.loads(json.dumps(mine))  # as the manifest stores it: tuples (moe_layers) as lists
+        default = json.loads(json.dumps(default))
         theirs = man.get(kind, {})
         for key, value in mine.items():
+            if key not in theirs and value == default[key]:
+                continue  # a field newer than the checkpoint, at its default: the same run
             if key != "steps" and theirs.get(key) != value:
                 raise CheckpointError(f"{where} was written with {kind} {key}={theirs.get(key)!r} but "
                                       f"this run has {value!r}; resume with the settings it was "
@@ -493,24 +516,28 @@ def open_training(path, model, train) -> dict:
 def whole_arrays(params: dict, state: dict) -> list[tuple[Piece, np.ndarray]]:
     """One process's state as whole-tensor pieces (`refpar.model.optim` layout)."""
     out = [(whole(f"params/{n}", p.shape), p) for n, p in params.items()]
+    out += [(whole(f"master/{n}", a.shape), a) for n, a in state.get("master", {}).items()]
     for k in ("m", "v"):
         out += [(whole(f"adamw.{k}/{n}", a.shape), a) for n, a in state.get(k, {}).items()]
     return out
 
 
 def load_whole(path, model, train) -> tuple[int, dict, dict]:
-    """(step, params, optimizer state) for one process from a checkpoint of any mesh."""
+    """(step, params, optimizer state) for one process from a checkpoint of any mesh; an fp16 run's
+    state also holds "loss_scaler" (`LossScaler.state_dict()`), for the caller to take out."""
     man = open_training(path, model, train)
     names = [n.split("/", 1) for n in man["tensors"]]
     arrays = load(path, [whole(n, s) for n, (s, _) in man["tensors"].items()], man)
     step = int(man["step"])
-    state: dict = {"t": step}
+    state: dict = {"t": int(man.get("optimizer_t", step))}
+    if man.get("loss_scaler") is not None:
+        state["loss_scaler"] = man["loss_scaler"]
     params = {}
     for (prefix, name), a in zip(names, arrays, strict=True):
         if prefix == "params":
             params[name] = a
-        else:
-            state.setdefault(prefix.split(".")[1], {})[name] = a
+        else:  # "adamw.m" -> state["m"], "master" -> state["master"]
+            state.setdefault(prefix.split(".")[-1], {})[name] = a
     return step, params, state
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-DTYPES = ("float64", "float32")
+from refpar.precision import PRECISIONS
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")  # the last two: mixed precision
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -36,7 +38,7 @@ class ModelConfig:
     n_head: int = 4  # nh; head size hs = C // nh
     n_layer: int = 4  # L transformer blocks
     dropout: float = 0.1  # GPT-2's embd/attn/resid dropout probability
-    dtype: str = "float64"  # float64 for exact checks; float32 for speed
+    dtype: str = "float64"  # float64 for exact checks; float32 for speed; bfloat16/float16: mixed
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02  # GPT-2's initializer_range
     # Mixture of Experts (refpar/model/moe.py); moe_experts=0 means every block keeps its MLP.
@@ -66,7 +68,8 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1); use e.g. 0.0 or 0.1")
         if self.dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)} "
+                              f"(or --precision {'|'.join(PRECISIONS)})")
         self._check_moe()
 
     def _check_moe(self) -> None:
@@ -124,12 +127,23 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     seed: int = 1234
+    # Mixed precision (refpar/precision.py), for 16-bit ModelConfig.dtype only:
+    fp32_grads: bool = False  # accumulate gradients in fp32 instead of the 16-bit dtype
+    loss_scale: float | None = None  # fp16: the initial dynamic loss scale (None: 2^16)
+    loss_scale_window: int | None = None  # fp16: good steps before the scale doubles (None: 1000)
 
     def __post_init__(self) -> None:
         _require_positive(
             "TrainConfig", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
             lr=self.lr,
         )
+        if self.loss_scale is not None and not 0 < self.loss_scale < float("inf"):
+            raise ConfigError(f"loss_scale={self.loss_scale} must be a positive finite number; "
+                              "use e.g. --loss-scale 65536")
+        if self.loss_scale_window is not None and (
+                not isinstance(self.loss_scale_window, int) or self.loss_scale_window < 1):
+            raise ConfigError(f"loss_scale_window={self.loss_scale_window} must be a whole number "
+                              ">= 1; use e.g. --loss-scale-window 1000")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"
@@ -144,6 +158,17 @@ class TrainConfig:
                 f"seq_len={self.seq_len} is longer than n_positions={model.n_positions}; "
                 f"use --seq-len {model.n_positions} or less"
             )
+        if self.fp32_grads and model.dtype not in ("bfloat16", "float16"):
+            raise ConfigError(f"--fp32-grads applies to bf16-mixed and fp16-mixed; {model.dtype} "
+                              "gradients already have the parameters' precision, so drop it")
+        if (self.loss_scale is not None or self.loss_scale_window is not None) \
+                and model.dtype != "float16":
+            raise ConfigError(f"loss scaling applies to fp16-mixed only ({model.dtype} needs none: "
+                              "bf16 has fp32's exponent range); drop --loss-scale and "
+                              "--loss-scale-window or use --precision fp16-mixed")
+        if model.dtype == "float16" and model.moe_experts:
+            raise ConfigError("fp16-mixed does not reach the MoE runners' router losses yet; use "
+                              "--precision bf16-mixed with --moe-experts")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -161,7 +161,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     # This stage's dp x ep ranks in batch order: world ranks are laid (pp, dp, ep), so within one pp
     # coordinate the world rank order is d = dp rank * ep + ep rank.
     data = world.split(mesh.coords["pp"], key=world.rank, axis="data")
-    layer = ExpertParallelMoE(data, mesh.ep, model, loss_scale=1 / m)
+    layer = ExpertParallelMoE(data, mesh.ep, model, weight=1 / m)
     ledger = MemoryLedger()
     routings: dict[tuple, dict] = {}  # sample ids of a microbatch -> layer -> routing
     executor = PipelineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, ledger,

@@ -11,6 +11,7 @@ import math
 
 from refpar import backend
 from refpar.config import ModelConfig, TrainConfig
+from refpar.precision import precision_of
 
 SUMMARY_FIELDS = (
     "mesh",  # {"pp": 1, "dp": 2, ...}: every axis, sizes of this run
@@ -36,6 +37,8 @@ SUMMARY_FIELDS = (
     "moe",  # MoE runs: per step tokens per expert, dropped assignments, router losses (train_moe.py)
     "data_parallel",  # DP/ZeRO/FSDP runs: {"strategy", "model_state_bytes": per rank, options} (dp_runner.py)
     "backend",  # {"name", "device"}: the array library the run computed with (refpar/backend.py)
+    "precision",  # fp64, fp32, bf16-mixed or fp16-mixed (refpar/precision.py)
+    "loss_scaling",  # fp16-mixed: {"scales": per step, "final_scale", "skipped_steps": 0-based}
 )
 
 
@@ -50,9 +53,18 @@ def run_summary(model: ModelConfig, train: TrainConfig, losses, **fields) -> dic
         model=model.to_dict(), dtype=model.dtype, steps=train.steps, losses=[float(x) for x in losses],
         config={"model": model.to_dict(), "train": train.to_dict()},
         backend={"name": backend.current().name, "device": backend.current().device},
+        precision=precision_of(model.dtype),
     )
     summary.update(fields)
     return summary
+
+
+def loss_scaling_summary(scales: list[float], skipped_steps: list[int]) -> dict | None:
+    """The `loss_scaling` field from the scale each step used and the steps skipped (None: no
+    loss scaling, every precision but fp16-mixed)."""
+    if not scales:
+        return None
+    return {"scales": list(scales), "final_scale": scales[-1], "skipped_steps": list(skipped_steps)}
 
 
 def summary_line(summary: dict) -> str:

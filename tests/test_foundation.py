@@ -13,7 +13,7 @@ from refpar.memory import MemoryLedger
     [
         ({"n_embd": 30, "n_head": 4}, "not divisible by n_head=4"),
         ({"n_layer": 0}, "n_layer must be positive"),
-        ({"dtype": "float16"}, "unknown dtype"),
+        ({"dtype": "float8"}, "unknown dtype"),
         ({"dropout": 1.0}, "dropout=1.0 must be in [0, 1)"),
     ],
 )

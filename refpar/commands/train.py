@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
     parser.add_argument("--optimizer", default=d.optimizer, help="adamw or sgd (default adamw)")
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
+    add_precision_arguments(parser)
     parser.add_argument("--seed", type=int, default=d.seed,
                         help=f"seeds weights, data and dropout (default {d.seed})")
     parser.add_argument("--dropout", type=float, default=None,
@@ -62,6 +63,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     train_moe.add_arguments(parser)
 
 
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """--precision and the mixed-precision options (refpar/precision.py)."""
+    from refpar.precision import PRECISIONS
+
+    parser.add_argument("--precision", default=None, choices=tuple(PRECISIONS),
+                        help="fp64, fp32, or bf16/fp16 weights and activations with fp32 master "
+                             "weights (default: the preset's dtype; --dtype is the fp64/fp32 alias)")
+    parser.add_argument("--fp32-grads", action="store_true",
+                        help="mixed precision: accumulate gradients in fp32 (20 bytes per parameter)")
+    parser.add_argument("--loss-scale", type=float, default=None,
+                        help="fp16-mixed: the initial dynamic loss scale (default 65536)")
+    parser.add_argument("--loss-scale-window", type=int, default=None,
+                        help="fp16-mixed: good steps in a row before the loss scale doubles (default 1000)")
+
+
+def precision_dtype(args) -> str | None:
+    """ModelConfig.dtype from --precision or its alias --dtype (None: the preset's)."""
+    from refpar.config import ConfigError
+    from refpar.precision import PRECISIONS
+
+    precision = getattr(args, "precision", None)
+    if precision is not None and args.dtype is not None:
+        raise ConfigError(f"--dtype and --precision both set the precision; give only --precision "
+                          f"{precision}")
+    return PRECISIONS[precision] if precision is not None else args.dtype
+
+
 def configs(args):
     """(ModelConfig, TrainConfig, mesh sizes) from the parsed arguments; ConfigError on any mistake."""
     from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset, parse_mesh
@@ -74,11 +102,14 @@ def configs(args):
         if size > 1:
             raise ConfigError(f"mesh axis {axis}={size} is not implemented yet; run without --mesh "
                               f"(or with {axis}=1) for the single-device reference")
-    overrides = {k: v for k, v in (("dtype", args.dtype), ("dropout", args.dropout),
+    overrides = {k: v for k, v in (("dtype", precision_dtype(args)), ("dropout", args.dropout),
                                    ("n_layer", args.n_layer)) if v is not None}
     model = model_preset(args.model, **overrides, **train_moe.model_overrides(args))
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                        optimizer=args.optimizer, seed=args.seed)
+                        optimizer=args.optimizer, seed=args.seed,
+                        fp32_grads=getattr(args, "fp32_grads", False),
+                        loss_scale=getattr(args, "loss_scale", None),
+                        loss_scale_window=getattr(args, "loss_scale_window", None))
     train.check_model(model)
     return model, train, sizes
 
@@ -90,6 +121,7 @@ def run(args) -> int:
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
     check_checkpoint_args(sizes, args)
+    check_precision_args(sizes, args)
     from refpar import backend
 
     backend.use(args.backend, args.device)  # before any array exists: the runners draw through it
@@ -112,7 +144,7 @@ def run(args) -> int:
         return dp_runner.run_cli(model, train, sizes, args)
     from refpar.cli import launcher_rank
     from refpar.model.gpt import param_shapes
-    from refpar.report import run_summary, summary_line
+    from refpar.report import loss_scaling_summary, run_summary, summary_line
     from refpar.trainer import corpus_for, train_single_device
 
     model, train, sizes = configs(args)
@@ -133,16 +165,19 @@ def run(args) -> int:
             print(text, flush=True)
 
     say(f"GPT-2 {args.model}: {model.n_layer} layers, {model.n_embd} channels, {model.n_head} heads, "
-        f"{n_params:,} parameters, {model.dtype}, dropout {model.dropout}, 1 device")
+        f"{n_params:,} parameters, {precision_label(model.dtype)}, dropout {model.dropout}, 1 device")
     say(f"data: Markov chain over {model.vocab_size} tokens, batch {train.batch_size} x {train.seq_len} "
         f"tokens; loss floor (entropy rate) {floor:.4f}")
-    say(f"{'step':>6} {'loss':>9} {'floor':>9} {'tokens/s':>10}")
+    scaled = model.dtype == "float16"  # fp16-mixed: show the loss scale and the skipped steps
+    say(f"{'step':>6} {'loss':>9} {'floor':>9} {'tokens/s':>10}"
+        + (f" {'loss scale':>11} {'skipped':>8}" if scaled else ""))
 
     shown: list[int] = []
 
     def row(r) -> None:
-        if not shown or (r.step + 1) % every == 0 or r.step == train.steps - 1:
-            say(f"{r.step + 1:>6} {r.loss:>9.4f} {floor:>9.4f} {tokens_per_step / r.time_s:>10,.0f}")
+        if not shown or (r.step + 1) % every == 0 or r.step == train.steps - 1 or r.skipped:
+            say(f"{r.step + 1:>6} {r.loss:>9.4f} {floor:>9.4f} {tokens_per_step / r.time_s:>10,.0f}"
+                + (f" {r.loss_scale:>11g} {r.skipped_total:>8}" if scaled else ""))
             shown.append(r.step)
 
     result = train_single_device(model, train, on_step=row, save=args.save,
@@ -156,7 +191,9 @@ def run(args) -> int:
         f"steps{progress}; {result.step_time_s * 1e3:.1f} ms per step")
     if args.json:
         summary = run_summary(model, train, result.losses, mesh=sizes, world_size=1,
-                              step_time_s=result.step_time_s, loss_floor=floor)
+                              step_time_s=result.step_time_s, loss_floor=floor,
+                              loss_scaling=loss_scaling_summary(result.loss_scales,
+                                                                result.skipped_steps))
         say(summary_line(summary))
     return 0
 
@@ -172,6 +209,28 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
         raise ConfigError(f"--save and --resume read and write NumPy arrays; drop them or --backend "
                           f"{args.backend}")
 
+
+def precision_label(dtype: str) -> str:
+    """"float64", or for mixed runs e.g. "bf16-mixed (bfloat16 weights and activations, fp32 master
+    weights)", for the header line of a run."""
+    from refpar.precision import is_16bit, precision_of
+
+    if not is_16bit(dtype):
+        return dtype
+    return f"{precision_of(dtype)} ({dtype} weights and activations, fp32 master weights)"
+
+
+def check_precision_args(sizes: dict[str, int], args) -> None:
+    """Mixed precision runs where it is built: so far the single-device trainer."""
+    from refpar.config import ConfigError
+    from refpar.precision import PRECISIONS, is_16bit
+
+    precision = getattr(args, "precision", None)
+    if precision is None or not is_16bit(PRECISIONS[precision]):
+        return
+    if any(size > 1 for size in sizes.values()) or args.moe_experts:
+        raise ConfigError(f"--precision {precision} runs on one device without MoE so far; drop "
+                          "--mesh and --moe-experts or use --precision fp64 or fp32")
 
 
 def _numel(shape) -> int:

@@ -1,6 +1,8 @@
 """Causal scaled dot-product attention as a forward/backward pair.
 
 Legend: B batch, nh heads, Tq query positions, Tk key positions, hs head size.
+Mixed precision: both run under `fp32_compute` (16-bit q, k, v in; fp32 scores, softmax and
+products; 16-bit outputs and cached probabilities out).
 Causality is by global position (a key is visible when k_pos <= q_pos), not by index, so a
 query or key shard (context parallelism) passes its own positions and gets the same numbers.
 """
@@ -12,8 +14,10 @@ import math
 from array_api_compat import array_namespace
 
 from refpar.model.layers import dropout_forward
+from refpar.precision import fp32_compute
 
 
+@fp32_compute
 def attention_forward(q, k, v, q_pos, k_pos, keep=None, p=0.0):
     """q (B, nh, Tq, hs), k and v (B, nh, Tk, hs), positions (Tq,) and (Tk,); `keep` is the dropout
     mask of the probabilities, broadcastable to (B, nh, Tq, Tk), or None."""
@@ -32,6 +36,7 @@ def attention_forward(q, k, v, q_pos, k_pos, keep=None, p=0.0):
     return out, (q, k, v, att, att_drop, drop_cache, scale)
 
 
+@fp32_compute
 def attention_backward(dout, cache):
     q, k, v, att, att_drop, drop_cache, scale = cache
     xp = array_namespace(dout, q)

@@ -41,6 +41,7 @@ from refpar.model.layers import (
     linear_forward,
 )
 from refpar.model.moe import MoELayer, moe_param_shapes, router_loss
+from refpar.precision import dtype_of
 
 
 # ------------------------------------------------------------------------------------ parameters
@@ -76,8 +77,10 @@ def init_std(name: str, config: ModelConfig) -> float:
 
 
 def init_params(config: ModelConfig, seed: int) -> dict:
-    """Weights drawn full, one RNG key per parameter name: a shard is a slice of this."""
-    dtype = np.dtype(config.dtype)
+    """Weights drawn full, one RNG key per parameter name: a shard is a slice of this. Drawn in
+    float64 and rounded once to config.dtype, so a bf16 run starts from the float64 run's weights
+    rounded to bf16 (and its fp32 master weights are exactly those rounded values)."""
+    dtype = dtype_of(config.dtype)
     params = {}
     for name, shape in param_shapes(config).items():
         if name.endswith(".bias"):
@@ -273,17 +276,23 @@ def forward(params, tokens, config: ModelConfig):
 
 
 def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step=0, sample_ids=None,
-                   normalizer=None, training=True, moe=None):
+                   normalizer=None, training=True, moe=None, dloss=1.0, grad_dtype=None):
     """Mean cross-entropy over the batch (sum / normalizer, default B*T), plus the router losses of
     the MoE blocks (`moe`: their layer object, default the single-device one), and every parameter's
     gradient. Dropout masks are keyed by (seed, step, layer, site, sample id): `sample_ids` are the
-    batch rows' global ids (default 0..B-1), so a data-parallel shard drops what one device drops."""
+    batch rows' global ids (default 0..B-1), so a data-parallel shard drops what one device drops.
+    Mixed precision: backward starts from `dloss` (the fp16 loss scale; the gradients come out
+    multiplied by it, the returned loss does not; a `moe` layer given must carry the same
+    `grad_scale` for its router losses); gradients leave each op in the parameters' dtype
+    and, with `grad_dtype` (float32 for TrainConfig.fp32_grads), are summed in that dtype."""
     wte = params["wte.weight"]
     tokens, targets = as_like(tokens, wte), as_like(targets, wte)
     B, T = tokens.shape
     sample_ids = tuple(range(B)) if sample_ids is None else tuple(int(s) for s in sample_ids)
     normalizer = B * T if normalizer is None else normalizer
     drop = DropoutContext(seed, step, sample_ids, config.dropout, training)
+    if moe is None and dloss != 1.0 and config.moe_blocks:
+        moe = MoELayer(grad_scale=dloss)  # the router losses' gradients scale with the rest
 
     x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
     c_blocks = []
@@ -293,11 +302,14 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step
     loss, c_head = head_forward(x, params, targets, config, normalizer)
     loss = loss + sum(block_router_loss(c) for c in c_blocks)  # MoE blocks' router losses
 
-    dx, grads = head_backward(c_head)  # (B, T, C)
+    dx, grads = head_backward(c_head, dloss)  # (B, T, C)
     for layer in reversed(range(config.n_layer)):
         dx, g = block_backward(dx, c_blocks[layer])  # (B, T, C)
         grads.update(g)
     g = embed_backward(dx, c_embed)
+    if grad_dtype is not None:
+        xp = array_namespace(wte)
+        grads, g = ({n: xp.astype(a, grad_dtype) for n, a in d.items()} for d in (grads, g))
     grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"]  # tied: head and embedding add
     grads["wpe.weight"] = g["wpe.weight"]
     return float(loss), {name: grads[name] for name in params}
@@ -316,7 +328,7 @@ def from_gpt2_state_dict(state_dict, config: ModelConfig) -> dict:
     `transformer.` prefix); a `lm_head.weight` must equal `wte.weight` (the head is tied); the
     attention-mask buffers (`attn.bias`, `attn.masked_bias`) are ignored. Missing names, unknown
     names and wrong shapes raise ValueError naming the first one."""
-    dtype = np.dtype(config.dtype)
+    dtype = dtype_of(config.dtype)
     shapes = param_shapes(config)
     params, extra = {}, []
     lm_head = None

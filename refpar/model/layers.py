@@ -4,6 +4,10 @@ Legend: B batch, T sequence, C channels (n_embd), V vocab, N = B*T tokens, `...`
 `x_forward(...) -> (out, cache)`; `x_backward(dout, cache) -> (dinputs..., dparams...)`.
 Every function takes its array namespace from its inputs (array-api-compat), so the same code runs
 on NumPy, array-api-strict, torch and CuPy arrays.
+
+Mixed precision: every pair is wrapped in `fp32_compute` (refpar/precision.py): given bf16/fp16
+arrays it computes in fp32 and rounds outputs and caches to 16 bits once; for float64/float32 it is
+a no-op. So softmax, LayerNorm statistics and cross-entropy always run in fp32.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import math
 
 from array_api_compat import array_namespace, device
+
+from refpar.precision import fp32_compute
 
 GELU_C = math.sqrt(2.0 / math.pi)  # tanh-GELU (Hendrycks & Gimpel 2016), as GPT-2 uses it
 
@@ -30,6 +36,7 @@ def one_hot(idx, n: int, dtype):
 
 
 # ---------------------------------------------------------------------------------------- linear
+@fp32_compute
 def linear_forward(x, w, b):
     """Conv1D layout: out = x @ w + b with w (in, out). b may be None."""
     xp = array_namespace(x, w)
@@ -40,6 +47,7 @@ def linear_forward(x, w, b):
     return xp.reshape(out, (*lead, w.shape[1])), (x, w, b is not None)
 
 
+@fp32_compute
 def linear_backward(dout, cache):
     x, w, has_bias = cache
     xp = array_namespace(dout, w)
@@ -52,6 +60,7 @@ def linear_backward(dout, cache):
 
 
 # ------------------------------------------------------------------------------------- layernorm
+@fp32_compute
 def layernorm_forward(x, w, b, eps=1e-5):
     """Over the last axis, biased variance, as torch.nn.LayerNorm."""
     xp = array_namespace(x, w)
@@ -64,6 +73,7 @@ def layernorm_forward(x, w, b, eps=1e-5):
     return out, (xhat, rstd, w)
 
 
+@fp32_compute
 def layernorm_backward(dout, cache):
     xhat, rstd, w = cache
     xp = array_namespace(dout, w)
@@ -81,6 +91,7 @@ def layernorm_backward(dout, cache):
 
 
 # ------------------------------------------------------------------------------------------ gelu
+@fp32_compute
 def gelu_forward(x):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), built in place on fresh arrays: the MLP's
     (B, T, 4C) activations make this one of the model's largest elementwise costs."""
@@ -97,6 +108,7 @@ def gelu_forward(x):
     return out, (x, t)
 
 
+@fp32_compute
 def gelu_backward(dout, cache):
     """d gelu / dx = 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2)."""
     x, t = cache
@@ -113,6 +125,7 @@ def gelu_backward(dout, cache):
 
 
 # --------------------------------------------------------------------------------------- dropout
+@fp32_compute
 def dropout_forward(x, keep, p):
     """Inverted dropout: kept values scaled by 1/(1-p). `keep` is None (no dropout) or a boolean
     array broadcastable to x, of x's namespace (`as_like` moves a NumPy mask)."""
@@ -124,11 +137,13 @@ def dropout_forward(x, keep, p):
     return x * scale, scale
 
 
+@fp32_compute
 def dropout_backward(dout, cache):
     return dout if cache is None else dout * cache
 
 
 # ------------------------------------------------------------------------------------- embedding
+@fp32_compute
 def embedding_forward(tokens, wte, wpe, positions):
     """out[b, t] = wte[tokens[b, t]] + wpe[positions[t]]; positions are global, so a sequence
     shard passes its own slice of them."""
@@ -142,6 +157,7 @@ def embedding_forward(tokens, wte, wpe, positions):
     return out, (tokens, positions, wte.shape[0], wpe.shape[0])
 
 
+@fp32_compute
 def embedding_backward(dout, cache):
     tokens, positions, V, P = cache
     xp = array_namespace(dout)
@@ -154,6 +170,7 @@ def embedding_backward(dout, cache):
 
 
 # ----------------------------------------------------------------------------- cross-entropy
+@fp32_compute
 def cross_entropy_forward(logits, targets, normalizer):
     """loss = sum over tokens of -log softmax(logits)[target] / normalizer. The normalizer is the
     global token count, so losses computed on shards of the batch add up to the global mean."""
@@ -171,6 +188,7 @@ def cross_entropy_forward(logits, targets, normalizer):
     return loss, (e, t, normalizer, logits.shape)
 
 
+@fp32_compute
 def cross_entropy_backward(dloss, cache):
     probs, t, normalizer, shape = cache
     xp = array_namespace(probs)

@@ -31,6 +31,9 @@ The conventions, so that the numbers can be reproduced elsewhere:
   (`loss_scale`), so the step's router losses are the mean over microbatches. M = 1 is the
   global-batch routing above.
 
+Mixed precision: the router (softmax, gates, losses), `combine` and the backward scatter-adds run
+under `fp32_compute` (refpar/precision.py), the experts through the fp32-computing layer pairs.
+
 Everything that depends on the rest of the global batch comes from the selection counts alone:
 `route` takes an `exchange(counts) -> all ranks' counts`, the identity here on one device and an
 all-gather under expert parallelism (refpar/parallel/expert_parallel.py), which also reuses
@@ -50,6 +53,7 @@ from refpar.model.layers import (
     linear_forward,
     one_hot,
 )
+from refpar.precision import fp32_compute
 
 EXPERT_LINEARS = ("c_fc", "c_proj")
 
@@ -133,17 +137,19 @@ def kept_counts(all_counts, cap):
     return xp.sum(xp.minimum(room, all_counts), axis=1)  # (ranks, E)
 
 
-def route(x2, w, config, exchange=None, rank: int = 0, loss_scale: float = 1.0):
+@fp32_compute
+def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad_scale: float = 1.0):
     """Router forward and the routing decision for this call's tokens.
 
-    `exchange(counts (k, E)) -> (ranks, k, E)` gathers the selection counts of every part of the global
-    batch in batch order, `rank` is this part's index; by default this call is the whole batch.
-    `loss_scale` weighs both router losses (1/M for one of M microbatches). Returns (routing,
-    cache): routing is a dict with the chosen `experts` (N, k), `gates` (N, k), `keep` (N, k), the
-    buffer layout (`token_of_row` (R,), `gate_of_row` (R,), `row` (N, k), `rows_per_expert` (E,) of
-    this call), the losses `aux_loss`, `z_loss` (this call's share of the global ones), the global
-    `tokens_per_expert` (E,) kept and `dropped` assignments, `capacity`, and `selections`, every
-    part's counts (ranks, k, E).
+    `exchange(counts (k, E)) -> (ranks, k, E)` gathers the selection counts of every part of the
+    global batch in batch order, `rank` is this part's index; by default this call is the whole
+    batch. `weight` weighs both router losses (1/M for one of M microbatches); `grad_scale` is the
+    fp16 loss scale the backward will start from: the router losses' gradients are scaled by it like
+    the task loss's, their reported values are not. Returns (routing, cache): routing is a dict with
+    the chosen `experts` (N, k), `gates` (N, k), `keep` (N, k), the buffer layout (`token_of_row`
+    (R,), `gate_of_row` (R,), `row` (N, k), `rows_per_expert` (E,) of this call), the losses
+    `aux_loss`, `z_loss` (this call's share of the global ones), the global `tokens_per_expert` (E,)
+    kept and `dropped` assignments, `capacity`, and `selections`, every part's counts (ranks, k, E).
     """
     xp = array_namespace(x2, w)
     N, E, k = x2.shape[0], config.moe_experts, config.moe_top_k
@@ -170,10 +176,10 @@ def route(x2, w, config, exchange=None, rank: int = 0, loss_scale: float = 1.0):
     kept_hot = hot * xp.astype(keep, xp.int64)[..., None]  # (N, k, E)
 
     n_dev = xp.asarray(N, dtype=xp.int64, device=device(x2))
-    aux_coef = (loss_scale * config.moe_aux_loss_weight * E / n_global) * (
+    aux_coef = (weight * config.moe_aux_loss_weight * E / n_global) * (
         xp.astype(selected, x2.dtype) / (n_global * k)
     )  # (E,): alpha * E * f_i / N_global, d aux / d probs[n, i]
-    z_coef = loss_scale * config.moe_z_loss_weight / n_global
+    z_coef = weight * config.moe_z_loss_weight / n_global
     kept_global = selected if cap is None else xp.minimum(selected, xp.asarray(cap, dtype=xp.int64))
     routing = {
         "experts": experts, "gates": gates, "keep": keep,
@@ -188,10 +194,13 @@ def route(x2, w, config, exchange=None, rank: int = 0, loss_scale: float = 1.0):
         "capacity": cap,
         "selections": all_counts,  # (ranks, k, E) of every part of the global batch
     }
+    if grad_scale != 1.0:  # the losses above stay unscaled; their gradients, like the rest, scale
+        aux_coef, z_coef = aux_coef * grad_scale, z_coef * grad_scale
     cache = (probs, lse, experts, chosen, gates, keep, aux_coef, z_coef, lin_cache)
     return routing, cache
 
 
+@fp32_compute
 def router_backward(dgates, cache):
     """dgates (N, k) of the kept assignments -> (dx2 (N, C), dw (C, E)), aux and z-loss included."""
     probs, lse, experts, chosen, gates, keep, aux_coef, z_coef, lin_cache = cache
@@ -218,6 +227,7 @@ def dispatch(x2, routing):
     return xp.take(x2, routing["token_of_row"], axis=0)  # (R, C)
 
 
+@fp32_compute
 def dispatch_backward(dxbuf, routing):
     """(R, C) -> (N, C): each token gathers its rows back (a scatter-add written as gathers)."""
     xp = array_namespace(dxbuf)
@@ -228,6 +238,7 @@ def dispatch_backward(dxbuf, routing):
     return sum(xp.take(pad, routing["row"][:, j], axis=0) for j in range(k))  # (N, C)
 
 
+@fp32_compute
 def combine(ybuf, routing):
     """(R, C) expert outputs -> (N, C): out[n] = sum over kept slots j of gate[n, j] * y[row]."""
     xp = array_namespace(ybuf)
@@ -239,6 +250,7 @@ def combine(ybuf, routing):
     return out, pad
 
 
+@fp32_compute
 def combine_backward(dout, pad, routing):
     """dout (N, C) -> (dybuf (R, C), dgates (N, k))."""
     xp = array_namespace(dout)
@@ -283,13 +295,13 @@ def experts_backward(dybuf, caches):
 
 
 # ------------------------------------------------------------------------------ the whole layer
-def moe_forward(x, params, layer: int, config, loss_scale: float = 1.0):
+def moe_forward(x, params, layer: int, config, weight: float = 1.0, grad_scale: float = 1.0):
     """x (B, T, C) after ln_2 -> (out (B, T, C), cache). This call is the whole global batch (or
-    microbatch: `loss_scale` 1/M). cache["routing"] holds the losses and statistics (`aux_loss`,
-    `z_loss`, `tokens_per_expert`, `dropped`)."""
+    one microbatch: `weight` 1/M). cache["routing"] holds the losses and statistics (`aux_loss`,
+    `z_loss`, `tokens_per_expert`, `dropped`); `weight` and `grad_scale` as in `route`."""
     xp = array_namespace(x)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
-    routing, rcache = route(x2, params[router_name(layer)], config, loss_scale=loss_scale)
+    routing, rcache = route(x2, params[router_name(layer)], config, weight=weight, grad_scale=grad_scale)
     xbuf = dispatch(x2, routing)  # (R, C)
     counts = [int(c) for c in routing["rows_per_expert"]]
     ybuf, ecache = experts_forward(xbuf, counts, params, layer, range(config.moe_experts))  # (R, C)
@@ -319,14 +331,15 @@ def router_loss(cache):
 class MoELayer:
     """The single-device layer as the object `gpt.block_forward(..., moe=)` takes; expert
     parallelism passes its own with the same two methods. `last_routing[layer]` keeps the routing
-    of each layer's latest forward, for reports. `loss_scale`: 1/M when the step has M microbatches."""
+    of each layer's latest forward, for reports. `weight`: 1/M when the step has M microbatches;
+    `grad_scale`: the fp16 loss scale of the backward that will follow (`route`)."""
 
-    def __init__(self, loss_scale: float = 1.0):
+    def __init__(self, weight: float = 1.0, grad_scale: float = 1.0):
         self.last_routing: dict[int, dict] = {}
-        self.loss_scale = loss_scale
+        self.weight, self.grad_scale = weight, grad_scale
 
     def forward(self, x, params, layer: int, config):
-        out, cache = moe_forward(x, params, layer, config, self.loss_scale)
+        out, cache = moe_forward(x, params, layer, config, self.weight, self.grad_scale)
         self.last_routing[layer] = cache["routing"]
         return out, cache
 

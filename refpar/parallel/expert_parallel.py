@@ -81,12 +81,14 @@ class ExpertParallelMoE:
     """refpar.model.moe's layer with the experts spread over `ep`; pass it to `block_forward` as
     `moe`. `data` is the communicator over all dp x ep ranks in batch order, `ep` the one over this
     rank's ep group. After each forward, `last_routing[layer]` holds that layer's routing.
-    `loss_scale`: the router losses' weight, 1/M when a step has M microbatches (moe.route)."""
+    `weight`: the router losses' weight, 1/M when a step has M microbatches; `grad_scale`: the fp16
+    loss scale the next backward starts from (both as in moe.route)."""
 
-    def __init__(self, data, ep, config, loss_scale: float = 1.0):
+    def __init__(self, data, ep, config, weight: float = 1.0, grad_scale: float = 1.0):
         if data.rank % ep.size != ep.rank:
             raise ValueError("the data ranks must list each ep group contiguously, in ep order")
-        self.data, self.ep, self.config, self.loss_scale = data, ep, config, loss_scale
+        self.data, self.ep, self.config = data, ep, config
+        self.weight, self.grad_scale = weight, grad_scale
         E = config.moe_experts
         self.owners = [owned_experts(E, ep.size, q) for q in range(ep.size)]
         self.local = self.owners[ep.rank]
@@ -103,7 +105,7 @@ class ExpertParallelMoE:
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
         routing, rcache = moe.route(x2, params[moe.router_name(layer)], config,
                                     exchange=self._exchange(layer), rank=self.data.rank,
-                                    loss_scale=self.loss_scale)
+                                    weight=self.weight, grad_scale=self.grad_scale)
         kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"]))  # (D, E)
         mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert
         send = [int(mine[list(self.owners[q])].sum()) for q in range(self.ep.size)]

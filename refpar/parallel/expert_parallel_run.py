@@ -190,7 +190,7 @@ def reference_run(model, train, on_step=None, microbatches: int = 1) -> MoERun:
         start = time.perf_counter()
         loss, grads, routings = 0.0, None, []
         for j in range(m):
-            layer = MoELayer(loss_scale=1 / m)
+            layer = MoELayer(weight=1 / m)
             sample_ids = microbatch_samples(B, m, 1, 0, j)
             tokens, targets = corpus.batch(step, sample_ids, T)  # (B/M, T) each
             part, g = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
@@ -216,7 +216,7 @@ def train_expert_parallel(model, train, mesh, on_step=None, microbatches: int = 
     m = microbatches
     ep_comm = mesh.ep
     data = mesh.world.split(0, key=mesh.world.rank, axis="data")  # dp x ep, in batch order
-    layer = ExpertParallelMoE(data, ep_comm, model, loss_scale=1 / m)
+    layer = ExpertParallelMoE(data, ep_comm, model, weight=1 / m)
     # Drawn whole on the host, this rank's experts kept, then moved to the run's backend.
     params = backend.current().from_host(local_params(init_params(model, train.seed), model, ep_comm.size,
                                                       ep_comm.rank))
