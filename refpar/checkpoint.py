@@ -493,6 +493,8 @@ def open_training(path, model, train) -> dict:
     where = f"checkpoint {man['dir']}"
     for kind, mine, default in (("model", model.to_dict(), ModelConfig().to_dict()),
                                 ("train", train.to_dict(), TrainConfig().to_dict())):
+        mine = json.loads(json.dumps(mine))  # as the manifest stores it: tuples (moe_layers) as lists
+        default = json.loads(json.dumps(default))
         theirs = man.get(kind, {})
         for key, value in mine.items():
             if key not in theirs and value == default[key]:

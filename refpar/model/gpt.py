@@ -283,7 +283,7 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step
     batch rows' global ids (default 0..B-1), so a data-parallel shard drops what one device drops.
     Mixed precision: backward starts from `dloss` (the fp16 loss scale; the gradients come out
     multiplied by it, the returned loss does not; a `moe` layer given must carry the same
-    `loss_scale` for its router losses); gradients leave each op in the parameters' dtype
+    `grad_scale` for its router losses); gradients leave each op in the parameters' dtype
     and, with `grad_dtype` (float32 for TrainConfig.fp32_grads), are summed in that dtype."""
     wte = params["wte.weight"]
     tokens, targets = as_like(tokens, wte), as_like(targets, wte)
@@ -292,7 +292,7 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step
     normalizer = B * T if normalizer is None else normalizer
     drop = DropoutContext(seed, step, sample_ids, config.dropout, training)
     if moe is None and dloss != 1.0 and config.moe_blocks:
-        moe = MoELayer(loss_scale=dloss)  # the router losses' gradients scale with the rest
+        moe = MoELayer(grad_scale=dloss)  # the router losses' gradients scale with the rest
 
     x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
     c_blocks = []
