@@ -173,3 +173,21 @@ def test_bf16_pipeline_ep_and_3d_engine_agree_with_one_device_and_the_closed_for
     peak = {(r["rank"], r["category"]): r["bytes"] for r in summary["memory_peak_bytes"]}
     for rank in range(summary["world_size"]):
         assert peak[rank, "master"] == 2 * peak[rank, "params"] > 0, f"{name} rank {rank}"
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["--mesh", "tp=2", "--backend", "torch"], "runs on the NumPy backend"),
+    (["--mesh", "tp=2", "--save", "/tmp/refpar-never-written"], "on one device only so far"),
+    (["--mesh", "pp=2,ep=2", "--moe-experts", "4", "--microbatches", "2", "--fp32-grads"],
+     "MoE pipeline stages run bf16-mixed with 16-bit gradients"),
+])
+def test_mixed_precision_runs_it_cannot_do_are_refused_in_one_sentence(args, sentence):
+    import subprocess
+    import sys
+
+    from tests.mpi import ROOT, mpi_env
+
+    proc = subprocess.run([sys.executable, "-m", "refpar", "train", *args, "--precision", "bf16-mixed"],
+                          cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and sentence in proc.stderr, proc.stderr[-1000:]
+    assert "Traceback" not in proc.stderr

@@ -228,6 +228,9 @@ def check_precision_args(sizes: dict[str, int], args) -> None:
     precision = getattr(args, "precision", None)
     if precision is None or not is_16bit(PRECISIONS[precision]):
         return
+    if getattr(args, "backend", "numpy") != "numpy":
+        raise ConfigError(f"--precision {precision} runs on the NumPy backend (its 16-bit arrays are "
+                          f"NumPy's and ml_dtypes'); drop --backend {args.backend}")
     if (args.save or args.resume) and any(size > 1 for size in sizes.values()):
         raise ConfigError(f"--save and --resume store {precision} runs on one device only so far; drop "
                           "them or --mesh, or use --precision fp64 or fp32")
