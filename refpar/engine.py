@@ -64,6 +64,7 @@ from refpar.model.optim import (
 )
 from refpar.parallel.context_parallel import check_cp, cp_layout
 from refpar.parallel.intra_layer import all_reduce_replicated_grads, overflow_anywhere
+from refpar.parallel.intra_layer_runner import resumed_position, saved_position
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.runner import microbatches
 from refpar.parallel.pipeline.schedules import Timeline, build
@@ -316,8 +317,9 @@ class EngineRun:
 def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None, zero, saving: bool
                       ) -> list:
     """(checkpoint.Piece, view) for what this rank holds: its stages' tp shards (boxes of the global
-    tensors, `tp_param_slices`) and their AdamW moments, whole or, under ZeRO-1, the range [a, b)
-    of this rank's parameters laid end to end (`checkpoint.shard_pieces` cuts either into boxes).
+    tensors, `tp_param_slices`) and their AdamW moments and fp32 master weights (16-bit models),
+    whole or, under ZeRO-1, the range [a, b) of this rank's parameters laid end to end
+    (`checkpoint.shard_pieces` cuts either into boxes).
     Saving writes each element once: each dp rank its [a, b) of the replicated tensors, tp rank 0
     what every tp rank holds whole, pp rank 0 the tied wte (the last stage holds it too)."""
     from refpar import checkpoint
@@ -342,6 +344,10 @@ def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None
         held += [("adamw.m", own, flat(zero.m)), ("adamw.v", own, flat(zero.v))]
     elif state is not None and "m" in state:
         held += [("adamw.m", every, whole(state["m"])), ("adamw.v", every, whole(state["v"]))]
+    if zero is not None and zero.master is not None:
+        held += [("master", own, flat(zero.master))]
+    elif state is not None and "master" in state:
+        held += [("master", every, whole(state["master"]))]
     out = []
     for prefix, (a, b), segment in held:
         for i, n in enumerate(names):
@@ -409,11 +415,11 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         for (_, view), loaded in zip(pairs, checkpoint.load(resume, [p for p, _ in pairs], manifest),
                                      strict=True):
             view[...] = loaded
-        start_step = int(manifest["step"])
+        start_step, t = resumed_position(manifest, scaler)
         if zero is not None:
-            zero.t = start_step
+            zero.t = t
         else:
-            state["t"] = start_step
+            state["t"] = t
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
     normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
@@ -469,7 +475,8 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
             if checkpoint.should_save(step + 1, train.steps, save_every):
                 checkpoint.save_training(save, step + 1, checkpoint_arrays(
                     model, mesh, params, state, zero, saving=True), model, train, mesh.sizes,
-                    f"engine zero{opts.zero}", mesh.world)
+                    f"engine zero{opts.zero}", mesh.world,
+                    **saved_position({"t": zero.t} if zero is not None else state, scaler))
     totals = tracer.totals() if tracer else {}  # before the gathers below add their own
     if zero3 is not None:
         params = zero3.full_params()

@@ -177,7 +177,6 @@ def test_bf16_pipeline_ep_and_3d_engine_agree_with_one_device_and_the_closed_for
 
 @pytest.mark.parametrize("args, sentence", [
     (["--mesh", "tp=2", "--backend", "torch"], "runs on the NumPy backend"),
-    (["--mesh", "tp=2", "--save", "/tmp/refpar-never-written"], "on one device only so far"),
     (["--mesh", "pp=2,ep=2", "--moe-experts", "4", "--microbatches", "2", "--fp32-grads"],
      "MoE pipeline stages run bf16-mixed with 16-bit gradients"),
 ])
@@ -191,3 +190,22 @@ def test_mixed_precision_runs_it_cannot_do_are_refused_in_one_sentence(args, sen
                           cwd=ROOT, env=mpi_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and sentence in proc.stderr, proc.stderr[-1000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_fp16_checkpoint_with_a_skipped_step_resumes_bit_for_bit_on_tp_and_across_meshes(tmp_path):
+    """tp=2 in fp16 from a scale of 2^19 skips step 1 and saves after step 2 of 4 (16-bit tensors as
+    bit patterns, fp32 masters, AdamW's t = 1 and the scaler's state in the manifest). Resumed on
+    tp=2, steps 3 and 4 are the unbroken run's bit for bit; a 2-stage pipeline resumes the same
+    checkpoint with its own sums, within fp16's bound."""
+    common = ("train", "--precision", "fp16-mixed", "--loss-scale", str(2 ** 19), "--steps", "4")
+    full = refpar_json(2, *common, "--mesh", "tp=2", timeout=240)
+    assert full["loss_scaling"]["skipped_steps"] == [0]
+    mpiexec(2, "-m", "refpar", *common[:-1], "2", "--mesh", "tp=2", "--save", str(tmp_path), timeout=240)
+    step2 = str(tmp_path / "step-00000002")
+    resumed = refpar_json(2, *common, "--mesh", "tp=2", "--resume", step2, timeout=240)
+    assert resumed["losses"] == full["losses"][2:]
+    assert resumed["loss_scaling"]["scales"] == full["loss_scaling"]["scales"][2:]
+    piped = refpar_json(2, *common, "--mesh", "pp=2", "--microbatches", "2", "--resume", step2,
+                        timeout=240)["losses"]
+    for a, b in zip(piped, full["losses"][2:], strict=True):
+        assert abs(a - b) <= FP16 * b

@@ -221,7 +221,7 @@ def precision_label(dtype: str) -> str:
 
 
 def check_precision_args(sizes: dict[str, int], args) -> None:
-    """Mixed precision runs on every mesh; its checkpoints are built for one device only."""
+    """Mixed precision runs on every mesh and backend NumPy."""
     from refpar.config import ConfigError
     from refpar.precision import PRECISIONS, is_16bit
 
@@ -231,9 +231,6 @@ def check_precision_args(sizes: dict[str, int], args) -> None:
     if getattr(args, "backend", "numpy") != "numpy":
         raise ConfigError(f"--precision {precision} runs on the NumPy backend (its 16-bit arrays are "
                           f"NumPy's and ml_dtypes'); drop --backend {args.backend}")
-    if (args.save or args.resume) and any(size > 1 for size in sizes.values()):
-        raise ConfigError(f"--save and --resume store {precision} runs on one device only so far; drop "
-                          "them or --mesh, or use --precision fp64 or fp32")
 
 
 def _numel(shape) -> int:

@@ -124,7 +124,8 @@ def microbatch_samples(batch_size: int, m: int, n_data: int, data_rank: int, j: 
 
 
 def checkpoint_arrays(params: dict, state: dict, coords: dict, saving: bool) -> list:
-    """(checkpoint.Piece, array) for the whole tensors this rank holds and their AdamW moments.
+    """(checkpoint.Piece, array) for the whole tensors this rank holds, their AdamW moments and
+    fp32 master weights (16-bit models).
     Saving writes each element once: the dense weights from dp = ep = 0 (per pipeline stage; the
     tied wte, on the first and the last stage, from pp rank 0 only), each expert from dp rank 0 of
     the ep rank (and stage) holding it."""
@@ -135,19 +136,22 @@ def checkpoint_arrays(params: dict, state: dict, coords: dict, saving: bool) -> 
             n == "wte.weight" and coords.get("pp", 0))
 
     held = [("params", params)] + [(f"adamw.{k}", state[k]) for k in ("m", "v") if k in state]
+    held += [("master", state["master"])] if "master" in state else []
     return [(checkpoint.whole(f"{prefix}/{n}", a.shape), a) for prefix, arrays in held
             for n, a in arrays.items() if not saving or writes(n)]
 
 
-def resume_from(path: str, model, train, params: dict, state: dict, coords: dict) -> int:
+def resume_from(path: str, model, train, params: dict, state: dict, coords: dict, scaler=None) -> int:
     """Loads this rank's tensors from the checkpoint `path` (any mesh's) into `params` and `state`
-    in place; returns the step it was saved after."""
+    in place (and the fp16 `scaler`'s state); returns the step it was saved after."""
+    from refpar.parallel.intra_layer_runner import resumed_position
+
     manifest = checkpoint.open_training(path, model, train)
     pairs = checkpoint_arrays(params, state, coords, saving=False)
     for (_, a), loaded in zip(pairs, checkpoint.load(path, [p for p, _ in pairs], manifest), strict=True):
         a[...] = loaded
-    state["t"] = int(manifest["step"])
-    return int(manifest["step"])
+    step, state["t"] = resumed_position(manifest, scaler)
+    return step
 
 
 def local_params(full: dict, model, ep: int, ep_rank: int) -> dict:
@@ -245,7 +249,9 @@ def train_expert_parallel(model, train, mesh, on_step=None, microbatches: int = 
     params = backend.current().from_host(local_params(init_params(model, train.seed), model, ep_comm.size,
                                                       ep_comm.rank))
     state = optimizer_init(params, train)
-    start_step = 0 if resume is None else resume_from(resume, model, train, params, state, mesh.coords)
+    scaler = loss_scaler(model, train)  # fp16 only
+    start_step = 0 if resume is None else resume_from(resume, model, train, params, state, mesh.coords,
+                                                      scaler)
     # The model states this rank holds; activations and buffers are not counted in MoE runs.
     ledger = MemoryLedger()
     ledger.alloc("params", sum(nbytes_of(p) for p in params.values()), "params")
@@ -254,7 +260,6 @@ def train_expert_parallel(model, train, mesh, on_step=None, microbatches: int = 
             ledger.alloc(f"optimizer.{key}", sum(nbytes_of(a) for a in state[key].values()), "optimizer")
     if "master" in state:  # fp32 copies of a 16-bit model's parameters
         ledger.alloc("master", sum(nbytes_of(a) for a in state["master"].values()), "master")
-    scaler = loss_scaler(model, train)  # fp16 only
     scales, skipped_steps = [], []
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
@@ -299,8 +304,11 @@ def train_expert_parallel(model, train, mesh, on_step=None, microbatches: int = 
         if on_step is not None:
             on_step(run.steps[-1])
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
+            from refpar.parallel.intra_layer_runner import saved_position
+
             checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh.coords, True),
-                                     model, train, mesh.sizes, "expert parallel", mesh.world)
+                                     model, train, mesh.sizes, "expert parallel", mesh.world,
+                                     **saved_position(state, scaler))
     run.params, run.ledger = params, ledger
     run.loss_scaling = loss_scaling_summary(scales, skipped_steps)
     return run

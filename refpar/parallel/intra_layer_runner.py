@@ -60,10 +60,11 @@ def expected_memory(model, train, sizes, rank, sp, cp_algo) -> dict[str, int]:
 
 
 def checkpoint_arrays(trainer, saving: bool) -> list:
-    """(checkpoint.Piece, view) for each array this rank holds: parameters and AdamW moments, each a
-    box of the global tensor (`tp_param_slices`: a shard's columns of c_attn are three runs, of q, k
-    and v, so three boxes). Loading writes through the views. Saving, only the ranks at dp = cp = 0
-    write, and a tensor every tp rank holds whole only tp rank 0: each element is written once."""
+    """(checkpoint.Piece, view) for each array this rank holds: parameters, fp32 master weights (16-bit
+    models) and AdamW moments, each a box of the global tensor (`tp_param_slices`: a shard's columns
+    of c_attn are three runs, of q, k and v, so three boxes). Loading writes through the views.
+    Saving, only the ranks at dp = cp = 0 write, and a tensor every tp rank holds whole only tp rank
+    0: each element is written once."""
     from refpar.parallel.tensor_parallel import tp_param_slices
 
     coords, sizes = trainer.mesh.coords, trainer.mesh.sizes
@@ -72,6 +73,7 @@ def checkpoint_arrays(trainer, saving: bool) -> list:
     slices = tp_param_slices(trainer.model, sizes["tp"], coords["tp"])
     held = [("params", trainer.params)] + [(f"adamw.{k}", trainer.state[k]) for k in ("m", "v")
                                             if k in trainer.state]
+    held += [("master", trainer.state["master"])] if "master" in trainer.state else []
     out = []
     for prefix, arrays in held:
         for name, w in arrays.items():
@@ -81,6 +83,20 @@ def checkpoint_arrays(trainer, saving: bool) -> list:
                 out += checkpoint.shard_pieces(f"{prefix}/{name}", np.reshape(w, -1, copy=False),
                                                w.shape, 0, axis, index)
     return out
+
+
+def saved_position(state: dict, scaler) -> dict:
+    """What `checkpoint.save_training` keeps beside the arrays so that a resumed run goes on bit for
+    bit: AdamW's step count (behind the step when fp16 skipped steps) and the loss scaler's state."""
+    return {"optimizer_t": state["t"], "loss_scaler": None if scaler is None else scaler.state_dict()}
+
+
+def resumed_position(manifest: dict, scaler) -> tuple[int, int]:
+    """(steps done, AdamW's t) of a checkpoint's manifest; restores the fp16 loss scaler's state."""
+    step = int(manifest["step"])
+    if scaler is not None and manifest.get("loss_scaler") is not None:
+        scaler.load_state_dict(manifest["loss_scaler"])
+    return step, int(manifest.get("optimizer_t", step))
 
 
 def run_cli(model, train, sizes: dict[str, int], args) -> int:
@@ -109,7 +125,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
         for (_, view), loaded in zip(pairs, checkpoint.load(args.resume, [p for p, _ in pairs], manifest),
                                      strict=True):
             view[...] = loaded
-        first = trainer.state["t"] = int(manifest["step"])
+        first, trainer.state["t"] = resumed_position(manifest, trainer.scaler)
     corpus = corpus_for(model, train)
     losses, times = [], []
     for step in range(first, train.steps):
@@ -119,7 +135,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
         times.append(time.perf_counter() - start)
         if args.save is not None and checkpoint.should_save(step + 1, train.steps, args.save_every):
             checkpoint.save_training(args.save, step + 1, checkpoint_arrays(trainer, saving=True), model,
-                                     train, sizes, "sp" if sp else "tp", comm)
+                                     train, sizes, "sp" if sp else "tp", comm,
+                                     **saved_position(trainer.state, trainer.scaler))
     totals = tracer.totals()  # before the reporting below adds its own messages
     block = Counter(f"{e.op}{' (re-gather)' if e.tag.endswith(':regather') else ''}" for e in tracer.events
                     if e.axis == "tp" and e.step == 0 and e.tag.startswith("h.0."))

@@ -32,7 +32,7 @@ from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import DropoutContext, init_params, param_shapes
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.intra_layer import overflow_anywhere
-from refpar.parallel.intra_layer_runner import loss_scaling_line
+from refpar.parallel.intra_layer_runner import loss_scaling_line, resumed_position, saved_position
 from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor, held_bytes
 from refpar.parallel.pipeline.schedules import (
     BUILDERS,
@@ -104,6 +104,7 @@ def checkpoint_arrays(params: dict, state: dict, mesh, saving: bool) -> list:
     if saving and mesh.coords["dp"]:
         return []
     held = [("params", params)] + [(f"adamw.{k}", state[k]) for k in ("m", "v") if k in state]
+    held += [("master", state["master"])] if "master" in state else []  # 16-bit models
     return [(checkpoint.whole(f"{prefix}/{n}", a.shape), a) for prefix, arrays in held
             for n, a in arrays.items()
             if not (saving and n == "wte.weight" and mesh.coords["pp"] != 0)]
@@ -135,7 +136,7 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
         for (_, array), loaded in zip(pairs, checkpoint.load(resume, [p for p, _ in pairs], manifest),
                                       strict=True):
             array[...] = loaded
-        start_step = state["t"] = int(manifest["step"])
+        start_step, state["t"] = resumed_position(manifest, scaler)
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
     normalizer = train.batch_size * train.seq_len  # global tokens: the losses add up to the mean
@@ -161,7 +162,8 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
         times.append(time.perf_counter() - start)
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
             checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh, saving=True),
-                                     model, train, mesh.sizes, kind, mesh.world)
+                                     model, train, mesh.sizes, kind, mesh.world,
+                                     **saved_position(state, scaler))
     measured = executor.measured_timeline()
     simulated = executor.simulated_timeline(measured)
     return PipelineRun(losses, sum(times[1:] or times) / len(times[1:] or times), params, executor,
