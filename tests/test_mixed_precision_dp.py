@@ -106,7 +106,11 @@ def test_every_strategy_in_mixed_precision_matches_the_papers_memory_the_traced_
       the loss, a mean over 7 x 16 tokens, moves far less than one bf16 rounding (seen: 2e-5 to 2e-4).
     - fp16-mixed: within 2^-11 (fp16's unit roundoff) relative, for the same reason (seen: 2e-5);
       with the loss scale started at 2^20 the first steps overflow, every rank skips exactly the
-      single device's steps, and the scale backs off and recovers as it does there."""
+      single device's steps, and the scale backs off and recovers as it does there.
+    These bounds are for a few steps of a stable run: rounding differences are perturbations, and a
+    run whose loss is itself unstable amplifies them like any other (benchmarks/precision.py's
+    small preset jumps from 7.59 to 8.16 at step 4 in fp64, and there bf16 and fp16 DP sit 0.25%
+    and 0.3% from their single-device runs)."""
     proc = mpiexec(3, "tests/mixed_dp_job.py", timeout=240)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(report["max_loss_rel_diff"], indent=1))
