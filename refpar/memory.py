@@ -1,8 +1,9 @@
 """MemoryLedger: what one rank holds, in bytes, by category, with peaks.
 
-Strategies register every array they keep (parameters, gradients, optimizer state, activations
-saved for backward, communication buffers) and free it when they let it go. The ledger is the
-truth a learner reads, and tests compare its peaks with the closed forms in `refpar.analysis`.
+Strategies register every array they keep (parameters, gradients, fp32 master weights, optimizer
+moments, activations saved for backward, communication buffers) and free it when they let it go.
+The ledger is the truth a learner reads, and tests compare its peaks with the closed forms in
+`refpar.analysis`.
 
     ledger.alloc("h.0.attn.c_attn.weight", w, "params")
     ledger.free("h.0.attn.c_attn.weight")
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 
 from array_api_compat import array_namespace, size
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "comm")
+# "master": the fp32 master weights of a mixed-precision run (0 in float64/float32 runs, whose
+# parameters are already full precision); "optimizer": the optimizer's moments (AdamW's m and v).
+CATEGORIES = ("params", "grads", "master", "optimizer", "activations", "comm")
 
 
 @dataclass(frozen=True)

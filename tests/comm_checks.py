@@ -6,7 +6,13 @@ Run by tests/test_comm.py with 2, 3, 4, 5 and 8 ranks. Each rank builds every ra
 (case, rank), so it computes the expected result itself with NumPy; the collective under test is
 never used to check itself. Groups: the world, the axes of a mesh, and splits of the world into
 parts of sizes 1 .. p-1 (so an 8-rank job also covers groups of 6, 7 and 1). Rank 0 prints one
-JSON line: {"ranks", "checks", "group_sizes", "failures"}.
+JSON line: {"ranks", "checks", "group_sizes", "dtypes" (traced), "failures"}.
+
+16-bit floats (bfloat16, float16) run every collective on the world and on one split (2 to 4 ranks;
+16-bit dtypes also enter the random examples of every job): integer data
+compares exactly; random data checks the rounding: the ring equals a NumPy 16-bit reduction in the
+ring's order bit for bit, native MPI (a user-defined operation in MPI's order) stays within one
+16-bit rounding per hop of the exact sum.
 """
 
 from __future__ import annotations
@@ -15,15 +21,18 @@ import json
 import sys
 from functools import reduce
 
+import ml_dtypes
 import numpy as np
 
-from refpar.comm import cost
+from refpar.comm import algorithms, cost
 from refpar.comm.communicator import REDUCE_OPS, abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.mesh import DeviceMesh
 from refpar.sharding import shard_range
 
 DTYPES = (np.float32, np.float64, np.int64)
+SIXTEEN_BIT = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+UNIT_ROUNDOFF = {np.dtype(ml_dtypes.bfloat16): 2.0 ** -8, np.dtype(np.float16): 2.0 ** -11}
 ROW = (2,)  # the trailing shape of the row-wise ops
 
 
@@ -53,11 +62,12 @@ class Checker:
         self.expect(ok, f"{what}: got {getattr(got, 'shape', None)} {got!r:.200} "
                         f"want {want.shape} {want!r:.200}")
 
-    def traced(self, comm, op: str, algo: str, predicted: cost.Bytes, what: str) -> None:
+    def traced(self, comm, op: str, algo: str, predicted: cost.Bytes, what: str, dtype) -> None:
         e = self.tracer.events[-1]
         name = f"native({cost.NATIVE_ALGO[op]})" if algo == "native" else algo
-        self.expect((e.op, e.axis, e.group, e.algo) == (op, comm.axis, comm.group, name),
-                    f"{what}: event {e.op} {e.axis} {e.group} {e.algo}")
+        self.expect((e.op, e.axis, e.group, e.algo, e.dtype) == (op, comm.axis, comm.group, name,
+                                                                 np.dtype(dtype).name),
+                    f"{what}: event {e.op} {e.axis} {e.group} {e.algo} {e.dtype}")
         self.expect((e.bytes_sent, e.bytes_recv) == (predicted.sent, predicted.recv),
                     f"{what}: traced ({e.bytes_sent}, {e.bytes_recv}) != cost {predicted}")
 
@@ -71,7 +81,8 @@ def check_all_reduce(c: Checker, comm, n, dtype, algo, op) -> None:
     what = f"all_reduce p={p} n={n} {np.dtype(dtype).name} {algo} {op}"
     c.same(got, reduce(REDUCE_OPS[op][0], xs), what)
     c.expect(np.array_equal(xs[r], mine), f"{what}: input modified")
-    c.traced(comm, "all_reduce", algo, cost.all_reduce_bytes(n, p, r, np.dtype(dtype).itemsize, algo), what)
+    c.traced(comm, "all_reduce", algo, cost.all_reduce_bytes(n, p, r, np.dtype(dtype).itemsize, algo), what,
+             dtype)
 
 
 def check_reduce_scatter(c: Checker, comm, n, dtype, algo, rest=ROW) -> None:
@@ -84,7 +95,8 @@ def check_reduce_scatter(c: Checker, comm, n, dtype, algo, rest=ROW) -> None:
     c.same(got, sum(xs[1:], xs[0])[start:stop], what)
     c.same(xs[r], data(case, r, (n, *rest), dtype), f"{what}: input unchanged")
     c.traced(comm, "reduce_scatter", algo,
-             cost.reduce_scatter_bytes(n, p, r, np.dtype(dtype).itemsize, int(np.prod(rest)), algo), what)
+             cost.reduce_scatter_bytes(n, p, r, np.dtype(dtype).itemsize, int(np.prod(rest)), algo), what,
+             dtype)
 
 
 def check_all_gather(c: Checker, comm, counts, dtype, algo, give_counts: bool, rest=ROW) -> None:
@@ -96,7 +108,7 @@ def check_all_gather(c: Checker, comm, counts, dtype, algo, give_counts: bool, r
     c.same(got, np.concatenate(xs), what)
     c.same(xs[r], data(case, r, (counts[r], *rest), dtype), f"{what}: input unchanged")
     predicted = cost.all_gather_bytes(counts, r, np.dtype(dtype).itemsize, int(np.prod(rest)), algo)
-    c.traced(comm, "all_gather", algo, predicted, what)
+    c.traced(comm, "all_gather", algo, predicted, what, dtype)
 
 
 def check_all_to_all(c: Checker, comm, rows, dtype, algo, give_counts: bool, rest=ROW) -> None:
@@ -115,7 +127,7 @@ def check_all_to_all(c: Checker, comm, rows, dtype, algo, give_counts: bool, res
     unit = int(np.prod(rest))
     predicted = cost.all_to_all_bytes([rows[r][j] * unit for j in range(p)],
                                       [rows[i][r] * unit for i in range(p)], r, itemsize, algo)
-    c.traced(comm, "all_to_all", algo, predicted, what)
+    c.traced(comm, "all_to_all", algo, predicted, what, dtype)
 
 
 def check_broadcast(c: Checker, comm, n, dtype, algo, root) -> None:
@@ -128,32 +140,33 @@ def check_broadcast(c: Checker, comm, n, dtype, algo, root) -> None:
     before = data(case, root, (n, 3), dtype) if r == root else np.zeros((n, 3), dtype)
     c.same(x, before, f"{what}: input unchanged")
     c.traced(comm, "broadcast", algo, cost.broadcast_bytes(3 * n, p, r, root, np.dtype(dtype).itemsize, algo),
-             what)
+             what, dtype)
 
 
-def check_point_to_point(c: Checker, comm, n) -> None:
+def check_point_to_point(c: Checker, comm, n, dtype=np.float64) -> None:
     """A ring shift both ways: blocking send/recv (even ranks send first) and isend/irecv."""
     p, r = comm.size, comm.rank
     case = c.next_case()
     right, left = (r + 1) % p, (r - 1) % p
     if p == 1:
         return
-    mine = data(case, r, (n,), np.float64)
+    size = np.dtype(dtype).itemsize
+    mine = data(case, r, (n,), dtype)
     if r % 2 == 0:
         comm.send(mine, right, tag="shift")
-        got = comm.recv((n,), np.float64, left, tag="shift")
+        got = comm.recv((n,), dtype, left, tag="shift")
     else:
-        got = comm.recv((n,), np.float64, left, tag="shift")
+        got = comm.recv((n,), dtype, left, tag="shift")
         comm.send(mine, right, tag="shift")
-    c.same(got, data(case, left, (n,), np.float64), f"send/recv p={p} n={n}")
+    c.same(got, data(case, left, (n,), dtype), f"send/recv p={p} n={n} {np.dtype(dtype).name}")
     e = c.tracer.events[-1] if r % 2 == 0 else c.tracer.events[-2]
-    c.expect((e.op, e.peer, e.bytes_recv) == ("recv", comm.group[left], 8 * n), f"recv event {e}")
-    pending = comm.irecv((n,), np.float64, right, tag="back")
+    c.expect((e.op, e.peer, e.bytes_recv) == ("recv", comm.group[left], size * n), f"recv event {e}")
+    pending = comm.irecv((n,), dtype, right, tag="back")
     sending = comm.isend(mine, left, tag="back")
     c.expect(sending.wait() is None, "isend wait returns None")
-    c.same(pending.wait(), data(case, right, (n,), np.float64), f"isend/irecv p={p} n={n}")
+    c.same(pending.wait(), data(case, right, (n,), dtype), f"isend/irecv p={p} n={n} {np.dtype(dtype).name}")
     e = c.tracer.events[-1]
-    c.expect((e.op, e.peer, e.bytes_recv, e.bytes_sent) == ("irecv", comm.group[right], 8 * n, 0),
+    c.expect((e.op, e.peer, e.bytes_recv, e.bytes_sent) == ("irecv", comm.group[right], size * n, 0),
              f"irecv event {e}")
 
 
@@ -162,7 +175,9 @@ def check_group(c: Checker, comm, dtypes=DTYPES) -> None:
     for dtype in dtypes:
         for n in (0, 1, 7, 2 * p + 1):  # empty, fewer than p, odd, more than p
             for algo in ("native", "ring"):
-                ops = ("sum", "prod", "max", "min") if dtype is np.int64 else ("sum",)
+                # 16-bit: products of up to 8 values in [-3, 3] are not exact, sums, max, min are
+                ops = ("sum", "prod", "max", "min") if dtype is np.int64 else \
+                    ("sum", "max", "min") if dtype in SIXTEEN_BIT else ("sum",)
                 for op in ops:
                     check_all_reduce(c, comm, n, dtype, algo, op)
                 check_reduce_scatter(c, comm, n, dtype, algo)
@@ -175,13 +190,48 @@ def check_group(c: Checker, comm, dtypes=DTYPES) -> None:
             for algo in ("native", "tree", "scatter_allgather"):
                 for root in sorted({0, p - 1}):
                     check_broadcast(c, comm, n, dtype, algo, root)
-    check_point_to_point(c, comm, 5)
+    for dtype in dtypes:
+        check_point_to_point(c, comm, 5, dtype)
     # Not exactly representable values: the written-out ring sums in another order than MPI.
     rng = np.random.default_rng([99, comm.rank])
     x = rng.standard_normal(1001)
     want = comm.all_reduce(x, algo="native")
     got = comm.all_reduce(x, algo="ring")
     c.expect(np.allclose(got, want, rtol=1e-12, atol=1e-12), f"ring vs native float64 p={p}")
+
+
+def ring_order_sum(xs: list[np.ndarray], c: int) -> np.ndarray:
+    """Chunk c of the ring's reduction: it starts at rank c + 1, and each rank after it adds its
+    own copy to what arrives, rank c last (algorithms.ring_reduce_scatter_inplace)."""
+    p = len(xs)
+    acc = xs[(c + 1) % p]
+    for j in range(2, p + 1):
+        acc = xs[(c + j) % p] + acc  # one 16-bit rounding per hop
+    return acc
+
+
+def check_16bit_rounding(c: Checker, comm, dtype, n: int = 301) -> None:
+    """Random data, whose sums round: ring all-reduce and reduce-scatter equal the NumPy 16-bit
+    reduction in the ring's order exactly; native stays within gamma_{p-1} = (p-1)u / (1 - (p-1)u)
+    times sum |x_i| of the exact sum (Higham's bound for p - 1 rounded additions, unit roundoff u)."""
+    p, r = comm.size, comm.rank
+    case = c.next_case()
+    xs = [np.random.default_rng([case, i]).standard_normal(n).astype(dtype) for i in range(p)]  # (n,)
+    name = np.dtype(dtype).name
+    bounds = algorithms.chunk_bounds(n, p)
+    want = np.concatenate([ring_order_sum(xs, k)[a:b] for k, (a, b) in enumerate(bounds)])
+    c.same(comm.all_reduce(xs[r], algo="ring"), want, f"ring all_reduce rounding p={p} {name}")
+    a, b = bounds[r]
+    c.same(comm.reduce_scatter(xs[r], algo="ring"), want[a:b], f"ring reduce_scatter rounding p={p} {name}")
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)  # (n,) the sum no rounding spoils
+    budget = (p - 1) * UNIT_ROUNDOFF[np.dtype(dtype)]
+    bound = budget / (1 - budget) * np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
+    for op, got, ref, limit in (
+            ("all_reduce", comm.all_reduce(xs[r]), exact, bound),
+            ("reduce_scatter", comm.reduce_scatter(xs[r]), exact[a:b], bound[a:b])):
+        error = np.abs(got.astype(np.float64) - ref)
+        c.expect(got.dtype == dtype and bool(np.all(error <= limit)),
+                 f"native {op} p={p} {name}: error {error.max(initial=0):.3g} beyond one rounding per hop")
 
 
 def check_mesh(c: Checker, w, sizes) -> DeviceMesh:
@@ -215,7 +265,7 @@ def run_hypothesis(c: Checker, w, groups, examples: int) -> None:
     @given(group=st.integers(0, len(groups) - 1),
            op=st.sampled_from(sorted(cost.ALGORITHMS)),
            algo_index=st.integers(0, 2),
-           dtype=st.sampled_from(["float32", "float64", "int32", "int64"]),
+           dtype=st.sampled_from(["float32", "float64", "int32", "int64", "bfloat16", "float16"]),
            rest=st.lists(st.integers(1, 3), max_size=2),
            n=st.integers(0, 11),
            counts=st.lists(st.integers(0, 4), min_size=64, max_size=64),
@@ -268,19 +318,26 @@ def main(examples: int) -> None:
         # A mesh axis is a sub-communicator like the splits: one dtype shows its groups are right.
         check_group(c, comm, (np.float64,) if comm in mesh_axes else DTYPES)
         sizes.add(comm.size)
+    # 16-bit on the world and its first split, in the 2-, 3- and 4-rank jobs (5 and 8 add no new path)
+    for index, comm in enumerate(groups[:2] if p <= 4 else []):
+        c.case = 1_000_000 * (len(groups) + len(mesh_axes) + 2 + index)
+        check_group(c, comm, SIXTEEN_BIT)
+        for dtype in SIXTEEN_BIT:
+            check_16bit_rounding(c, comm, dtype)
     if examples:
         c.case = 1_000_000 * (len(groups) + len(mesh_axes) + 1)
         run_hypothesis(c, w, groups + mesh_axes, examples)
     # Conservation over the whole job: every byte one rank sent, another received.
     totals = w.gather_object(tracer.bytes_by())
-    reports = w.gather_object((c.checks, c.failures, sorted(sizes)))
+    reports = w.gather_object((c.checks, c.failures, sorted(sizes), sorted({e.dtype for e in tracer.events})))
     if w.rank == 0:
         sent, recv = map(sum, zip(*totals, strict=True))
-        failures = [f"rank {i}: {f}" for i, (_, fs, _) in enumerate(reports) for f in fs]
+        failures = [f"rank {i}: {f}" for i, (_, fs, _, _) in enumerate(reports) for f in fs]
         if sent != recv:
             failures.append(f"bytes sent {sent} != bytes received {recv} over the job")
         print(json.dumps({"ranks": p, "checks": sum(r[0] for r in reports),
                           "group_sizes": sorted({s for r in reports for s in r[2]}),
+                          "dtypes": sorted({d for r in reports for d in r[3]}),
                           "failures": failures[:40]}), flush=True)
 
 

@@ -136,7 +136,7 @@ def test_planner_memory_of_one_rank_is_zero_formula_with_the_model_psi():
     psi = param_counts(spec).total
     for stage in range(4):
         memory = memory_per_rank(spec, micro_batch=1, seq=2048, dp=64, zero=stage)
-        states = memory["params"] + memory["grads"] + memory["optimizer"]
+        states = memory["params"] + memory["grads"] + memory["master"] + memory["optimizer"]
         assert states == pytest.approx(_zero_gb(psi, 64, stage) * 1e9, rel=1e-12)
 
 

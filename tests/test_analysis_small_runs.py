@@ -26,7 +26,20 @@ def test_planner_model_states_equal_the_ledger_closed_forms(strategy, stage, n):
     planned = memory_per_rank(from_model_config(config), micro_batch=1, seq=config.n_positions,
                               dp=n, zero=stage, precision=PRECISIONS["float64"])
     exact = memory.model_state_bytes(config, n, 0, memory.Options(strategy=strategy))
-    for category in ("params", "grads", "optimizer"):
+    for category in ("params", "grads", "master", "optimizer"):
+        assert planned[category] == exact[category], category
+
+
+@pytest.mark.parametrize("strategy, stage", list(STRATEGIES.items()))
+def test_planner_bf16_model_states_equal_the_mixed_precision_ledger_closed_forms(strategy, stage):
+    # The planner's default precision is the ZeRO paper's (2 + 2 + 4 + 8 bytes per parameter):
+    # exactly what a bf16-mixed refpar run holds.
+    n, config = 4, model_preset("tiny", dtype="bfloat16")
+    planned = memory_per_rank(from_model_config(config), micro_batch=1, seq=config.n_positions,
+                              dp=n, zero=stage, precision=PRECISIONS["bf16"])
+    opts = memory.Options(strategy=strategy, **memory.precision_options("bfloat16"))
+    exact = memory.model_state_bytes(config, n, 0, opts)
+    for category in ("params", "grads", "master", "optimizer"):
         assert planned[category] == exact[category], category
 
 

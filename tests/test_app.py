@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from refpar.analysis.memory import unit_sizes
 from refpar.config import TrainConfig, model_preset
 from refpar.parallel.pipeline.schedules import build, published_bubble_fraction, simulate
 from refpar.viz import comm, expected, sharding
@@ -157,6 +158,20 @@ def test_memory_page_shows_every_strategys_closed_form():
     at.number_input[0].set_value(3)
     rerun(at)
     assert any("tp left out" in w.value for w in at.warning)
+
+
+def test_memory_page_in_bf16_mixed_shows_the_fp32_master_weights_of_the_zero_papers_16_psi():
+    at = page("views/memory.py")
+    at.radio[0].set_value("bf16-mixed")
+    rerun(at)
+    fig = charts(at)[0]
+    bf16 = model_preset("tiny", dtype="bfloat16")
+    rows = expected.closed_form_rows(expected.workload("zero3", 4, bf16, ONE_STEP))[1]
+    zero3 = comm.memory_by_rank(rows)[0]
+    col = list(fig["data"][0]["x"]).index("zero3 (4)")
+    shown = {trace["name"]: trace["y"][col] for trace in fig["data"]}
+    assert shown["master"] == zero3["master"] == 4 * sum(unit_sizes(bf16).values()) // 4 > 0
+    assert "tp (4)" not in list(fig["data"][0]["x"])
 
 
 def test_plan_page_renders_the_planners_plans():

@@ -28,6 +28,8 @@ def test_every_collective_matches_numpy_and_traced_bytes_equal_cost(ranks, env):
     assert report["failures"] == [], "\n".join(report["failures"])
     assert report["group_sizes"] == list(range(1, ranks + 1))  # the splits cover every smaller group
     assert report["checks"] > 1000 * ranks
+    if ranks <= 4:  # the 16-bit section ran: its events carry the 16-bit dtypes
+        assert {"bfloat16", "float16"} <= set(report["dtypes"]), report["dtypes"]
 
 
 # --- closed forms, without MPI ---------------------------------------------------------------

@@ -123,7 +123,7 @@ def test_peak_memory_per_rank_and_category_equals_the_closed_form_exactly(job):
         expected = {(r["rank"], r["category"]): r["bytes"] for r in e["expected_memory"]}
         differing = {k: (measured[k], v) for k, v in expected.items() if measured[k] != v}
         assert not differing, f"dp={n} {label(e)}: (measured, closed form) {differing}"
-        assert len(expected) == 5 * n  # params, grads, optimizer, activations and comm of every rank
+        assert len(expected) == 6 * n  # params, grads, master, optimizer, activations and comm of every rank
 
 
 def test_activation_memory_is_the_same_whatever_strategy_shards_the_model_states(job):
@@ -181,7 +181,7 @@ def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the
     measured = {(r["rank"], r["category"]): r["bytes"] for r in summary["memory_peak_bytes"]}
     assert all(measured[(r["rank"], r["category"])] == r["bytes"]
                for r in summary["expected_memory_peak_bytes"])
-    assert len(summary["expected_memory_peak_bytes"]) == 2 * 5
+    assert len(summary["expected_memory_peak_bytes"]) == 2 * 6
 
 
 @pytest.mark.parametrize("args, words", [

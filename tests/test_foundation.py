@@ -69,7 +69,7 @@ def test_ledger_tracks_current_and_peak_per_category():
     ledger.alloc("a1", 24, "activations")
     ledger.free("a0")
     ledger.free_prefix("a")
-    assert ledger.current == {"params": 80, "grads": 0, "optimizer": 0, "activations": 0,
+    assert ledger.current == {"params": 80, "grads": 0, "master": 0, "optimizer": 0, "activations": 0,
                               "comm": 0}
     assert ledger.peak["activations"] == 40
     assert ledger.peak_total == 120

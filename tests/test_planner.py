@@ -52,7 +52,7 @@ def test_plans_fit_and_come_fastest_first_and_their_times_add_up():
 
 def test_more_zero_sharding_never_needs_more_memory_for_model_state():
     c = enumerate_plans(PRESETS["gpt3-175b"], HARDWARE["a100"], 64, 64, 2048)
-    states = c.memory["params"] + c.memory["grads"] + c.memory["optimizer"]
+    states = c.memory["params"] + c.memory["grads"] + c.memory["master"] + c.memory["optimizer"]
     # Candidates come in groups of the four ZeRO stages for each (mesh, micro-batch, option).
     stages = states.reshape(-1, 4)
     assert np.all(np.diff(stages, axis=1) <= 1e-6 * stages[:, :1])
@@ -119,7 +119,7 @@ def test_cli_json_gives_the_ranked_plans(tmp_path):
     assert "plotly" in figure.read_text()
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(result["plans"]) == 2 and result["gpus"] == 16
-    assert set(result["plans"][0]["memory_bytes"]) == {"params", "grads", "optimizer",
+    assert set(result["plans"][0]["memory_bytes"]) == {"params", "grads", "master", "optimizer",
                                                         "activations", "comm"}
 
 
@@ -171,7 +171,7 @@ def test_plan_figure_stacks_each_plans_memory_and_time():
     fig = plan_figure(result)
     memory = [t for t in fig.data if t.legendgroup == "memory"]
     times = [t for t in fig.data if t.legendgroup == "time"]
-    assert [t.name for t in memory] == ["params", "grads", "optimizer", "activations", "comm"]
+    assert [t.name for t in memory] == ["params", "grads", "master", "optimizer", "activations", "comm"]
     for i, p in enumerate(result["plans"]):
         assert sum(t.x[i] for t in memory) == pytest.approx(sum(p["memory_bytes"].values()) / 1e9)
         assert sum(t.x[i] for t in times) == pytest.approx(p["step_time_s"])

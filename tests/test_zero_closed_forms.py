@@ -25,7 +25,7 @@ def test_zero_paper_figure_1_per_device_memory_for_7_5b_parameters_on_64_gpus():
 
 def test_float64_dp_model_states_are_32_bytes_per_parameter_as_the_paper_form_with_k_16():
     state = model_state_bytes(TINY, 1, 0, Options("dp"))
-    assert state == {"params": 8 * PSI, "grads": 8 * PSI, "optimizer": 16 * PSI}
+    assert state == {"params": 8 * PSI, "grads": 8 * PSI, "master": 0, "optimizer": 16 * PSI}
     assert sum(state.values()) == paper_model_state_bytes(PSI, 1, 0, k=16, param_bytes=8, grad_bytes=8)
 
 

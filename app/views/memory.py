@@ -2,18 +2,24 @@ import streamlit as st
 from lesson_link import lesson_link
 
 from refpar.config import ConfigError, TrainConfig, model_preset
+from refpar.precision import PRECISIONS, is_16bit
 from refpar.viz import comm, expected
 
 SHOWN = ("dp", "zero1", "zero2", "zero3", "fsdp", "tp", "sp", "pp")
+MIXED_SHOWN = ("dp", "zero1", "zero2", "zero3", "fsdp")  # closed forms that count mixed precision
 
 
 @st.cache_data(max_entries=32)
-def rank0_memory(n: int, microbatches: int) -> tuple[dict, dict]:
+def rank0_memory(n: int, microbatches: int, precision: str = "fp64") -> tuple[dict, dict]:
     """Rank 0's closed-form peak bytes by category per strategy, and why any strategy is left out."""
     columns, skipped = {}, {}
+    dtype = PRECISIONS[precision]
     for s in SHOWN:
+        if is_16bit(dtype) and s not in MIXED_SHOWN:
+            skipped[s] = f"its closed form counts fp64 and fp32 runs; choose fp64 to see {s}"
+            continue
         try:
-            w = expected.workload(s, n, model_preset("tiny"), TrainConfig(steps=1),
+            w = expected.workload(s, n, model_preset("tiny", dtype=dtype), TrainConfig(steps=1),
                                   microbatches=microbatches if s == "pp" else 1)
             columns[f"{s} ({n})"] = comm.memory_by_rank(expected.closed_form_rows(w)[1])[0]
         except ConfigError as err:
@@ -23,16 +29,19 @@ def rank0_memory(n: int, microbatches: int) -> tuple[dict, dict]:
 
 st.title("Memory")
 st.markdown(
-    "Peak bytes on rank 0 of refpar's tiny GPT-2 in float64, by category, from the closed forms the "
+    "Peak bytes on rank 0 of refpar's tiny GPT-2, by category, from the closed forms the "
     "memory ledger is tested against. Watch the optimizer state shrink from DP to ZeRO-1, the "
     "gradients at ZeRO-2 and the parameters at ZeRO-3, while TP and SP split activations too and "
-    "PP holds only its stages (plus the activations its schedule keeps in flight)."
+    "PP holds only its stages (plus the activations its schedule keeps in flight). In bf16-mixed "
+    "the ZeRO paper's own numbers appear: 2 bytes of parameters and 2 of gradients per parameter, "
+    "and 4 of fp32 master weights plus 8 of fp32 moments, the 12 that ZeRO-1 shards first."
 )
 lesson_link(3)
 a, b = st.columns(2)
 n = a.number_input("ranks on the strategy's axis", min_value=1, max_value=expected.MAX_WORLD, value=4)
 m = b.number_input("microbatches (pp)", min_value=1, max_value=64, value=4)
-columns, skipped = rank0_memory(int(n), int(m))
+precision = st.radio("precision", ("fp64", "bf16-mixed"), horizontal=True)
+columns, skipped = rank0_memory(int(n), int(m), precision)
 st.plotly_chart(comm.memory_figure(columns, "peak bytes on rank 0, closed form"), width="stretch")
 for s, why in skipped.items():
     st.warning(f"{s} left out: {why}")

@@ -8,7 +8,10 @@ a reduce-scatter of the gradients). `paper_step_elems` is that.
 `step_collectives` lists the blocking collectives refpar's implementation really calls in one step
 (per bucket, per unit, per micro-batch), `ring_collectives` those it writes out as isend/irecv
 rings to overlap them with compute, and `step_bytes` prices each with `refpar.comm.cost`, exact
-for uneven `shard_range` partitions: the number a trace must show, to the byte.
+for uneven `shard_range` partitions: the number a trace must show, to the byte. Gradients move in
+their dtype (2 bytes in bf16/fp16-mixed, 4 with --fp32-grads), parameters in theirs (2 bytes in
+mixed precision); fp16's loss scaling adds one 4-byte float32 flag all-reduced over dp where the
+ranks hold different gradient shards (ZeRO and FSDP; plain DP's all-reduced gradients agree).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ def paper_step_elems(psi: float, n: int, stage: int) -> float:
 
 
 LOSS = ("all_reduce", 1, 1)  # the step's loss, one float64, summed so every rank can print it
+# fp16: did any rank's gradient shard overflow? One float32, max. Built at run time so that it is
+# a distinct object from LOSS (equal constant tuples are one object): `itemsize` tells them apart.
+FOUND_INF = tuple(["all_reduce", 1, 1])
 
 
 def step_collectives(config, n: int, opts: Options, loss: bool = True) -> list[tuple[str, int, int]]:
@@ -48,6 +54,8 @@ def step_collectives(config, n: int, opts: Options, loss: bool = True) -> list[t
             if not (opts.strategy == "fsdp" and opts.prefetch and u != ROOT):
                 calls.append(("all_gather", size, gathers[u]))
             calls.append(("reduce_scatter", size, M))
+    if opts.loss_scaling and opts.strategy != "dp":
+        calls.append(FOUND_INF)
     if loss:
         calls.append(LOSS)
     return [c for c in calls if c[2] > 0]
@@ -76,6 +84,16 @@ def ring_collectives(config, n: int, opts: Options) -> list[tuple[str, int, int]
     return []
 
 
+def itemsize(call, opts: Options) -> int:
+    """Bytes per element of a step collective: the loss a float64, the overflow flag a float32,
+    gradient reductions the gradients' dtype, parameter all-gathers the parameters'."""
+    if call is LOSS:
+        return 8
+    if call is FOUND_INF:
+        return 4
+    return opts.itemsize if call[0] == "all_gather" else opts.grad_bytes
+
+
 def collective_bytes(op: str, elems: int, n: int, rank: int, itemsize: int) -> cost.Bytes:
     """Bytes of one native (ring) collective on `elems` elements, split with `shard_range`."""
     if op == "all_reduce":
@@ -86,21 +104,24 @@ def collective_bytes(op: str, elems: int, n: int, rank: int, itemsize: int) -> c
 
 
 def step_bytes(config, n: int, rank: int, opts: Options, steps: int = 1,
-               loss: bool = True) -> dict[str, cost.Bytes]:
+               loss: bool = True, skipped: int = 0) -> dict[str, cost.Bytes]:
     """op -> bytes sent and received by `rank` of `n` over `steps` steps, in first-call order
     (`loss=False`: the model states' traffic only). The written-out rings move the bytes of the
-    ring collective they replace, traced as isend (sent) and irecv (received)."""
+    ring collective they replace, traced as isend (sent) and irecv (received). `skipped` of the
+    steps overflowed in fp16: ZeRO-1/2 gather no parameters after them (none changed)."""
     out: dict[str, list[int]] = {}
 
     def add(op: str, moved: cost.Bytes, calls: int) -> None:
         sent, recv = out.setdefault(op, [0, 0])
-        out[op] = [sent + moved.sent * calls * steps, recv + moved.recv * calls * steps]
+        out[op] = [sent + moved.sent * calls, recv + moved.recv * calls]
 
     for call in step_collectives(config, n, opts, loss):
         op, elems, calls = call
-        add(op, collective_bytes(op, elems, n, rank, 8 if call is LOSS else opts.itemsize), calls)
+        after_step = op == "all_gather" and opts.strategy in ("zero1", "zero2")
+        add(op, collective_bytes(op, elems, n, rank, itemsize(call, opts)),
+            calls * (steps - skipped if after_step else steps))
     for op, elems, calls in ring_collectives(config, n, opts):
-        b = collective_bytes(op, elems, n, rank, opts.itemsize)
-        add("isend", cost.Bytes(b.sent, 0), calls)
-        add("irecv", cost.Bytes(0, b.recv), calls)
+        b = collective_bytes(op, elems, n, rank, opts.grad_bytes if op == "all_reduce" else opts.itemsize)
+        add("isend", cost.Bytes(b.sent, 0), calls * steps)
+        add("irecv", cost.Bytes(0, b.recv), calls * steps)
     return {op: cost.Bytes(s, r) for op, (s, r) in out.items()}

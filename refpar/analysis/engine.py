@@ -216,7 +216,7 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
             model, train, sizes, co, a.stage, S, rows[a.microbatch], opts), lambda a: 0)
         held = sum(rank_param_numels(model, sizes, co, v).values())
         share = shard_sizes(held, d)[q] if opts.zero == 1 else held
-        peaks = {"params": held * e, "grads": held * e,
+        peaks = {"params": held * e, "grads": held * e, "master": 0,
                  "optimizer": 2 * share * e if train.optimizer == "adamw" else 0,
                  "activations": max(kept[r], default=0),
                  "comm": (held + share) * e if opts.zero == 1 else 0}

@@ -5,11 +5,18 @@ Two levels:
   data-parallel ranks and K bytes of optimizer state per parameter, one rank holds
   DP 2Ψ+2Ψ+KΨ, P_os 2Ψ+2Ψ+KΨ/N, P_os+g 2Ψ+(2+K)Ψ/N, P_os+g+p (2+2+K)Ψ/N bytes (fp16 parameters
   and gradients, mixed-precision Adam K=12). `paper_model_state_bytes` is that, for any dtype.
-- refpar's exact numbers (`model_state_bytes`, `peak_bytes`): float64 here, so parameters 8Ψ,
-  gradients 8Ψ and AdamW's m and v 16Ψ (no fp32 master copy: the parameters are already full
-  precision). Parameters are partitioned per unit (one flat buffer per transformer block, one for
-  embeddings + final LayerNorm, the "root"), each unit split over ranks with `shard_range`, so a
-  rank's share is the sum of its uneven unit shards, not Ψ/N.
+- refpar's exact numbers (`model_state_bytes`, `peak_bytes`), for the run's precision
+  (`precision_options`): in float64 parameters 8Ψ, gradients 8Ψ and AdamW's m and v 16Ψ (no
+  master copy: the parameters are already full precision); in bf16-mixed or fp16-mixed the paper's
+  own case, parameters 2Ψ, gradients 2Ψ (4Ψ with --fp32-grads), fp32 master weights 4Ψ and fp32
+  m and v 8Ψ: 16Ψ (18Ψ). Parameters are partitioned per unit (one flat buffer per transformer
+  block, one for embeddings + final LayerNorm, the "root"), each unit split over ranks with
+  `shard_range`, so a rank's share is the sum of its uneven unit shards, not Ψ/N.
+
+The Ultra-Scale Playbook's 20Ψ for fp32 gradient accumulation also counts a persistent 16-bit
+gradient (2Ψ) beside the fp32 one: refpar's backward pieces hand their 16-bit gradients to the
+fp32 buffer at once, so they appear only as the transient piece in the gradient peak, and the
+model states between steps are 2 + 4 + 4 + 8 = 18Ψ.
 
 The peaks add what the implementation holds transiently on top of the persistent states, exactly:
 a piece's freshly returned gradients before they are folded into a buffer, a unit's full gradient
@@ -27,6 +34,7 @@ import numpy as np
 from refpar.analysis.activations import layer_bytes
 from refpar.analysis.intra_layer import RankShape
 from refpar.config import ConfigError, ModelConfig
+from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit
 from refpar.sharding import shard_range, shard_sizes
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
@@ -112,7 +120,11 @@ class Options:
     """The strategy knobs that change what a rank holds (and what it sends)."""
 
     strategy: str = "dp"
-    itemsize: int = 8  # bytes of one parameter, gradient and optimizer-state element
+    itemsize: int = 8  # bytes of one parameter element (and of the others unless given below)
+    grad_itemsize: int = 0  # bytes of one gradient element; 0: the parameters' (4: --fp32-grads)
+    state_itemsize: int = 0  # bytes of one master/moment element; 0: the parameters' (4: mixed)
+    master: bool = False  # mixed precision: fp32 master weights beside the 16-bit parameters
+    loss_scaling: bool = False  # fp16-mixed: ranks with different gradients agree on overflow
     optimizer: str = "adamw"
     bucket_elems: int = 1 << 62  # DP all-reduce bucket cap in elements (a parameter is never split)
     microbatches: int = 1
@@ -120,27 +132,52 @@ class Options:
     reshard_after_forward: bool = True  # FSDP: free a block's gathered parameters after its forward
     overlap: bool = False  # DP: buckets all-reduced by ring rounds interleaved with the backward
 
+    @property
+    def grad_bytes(self) -> int:
+        return self.grad_itemsize or self.itemsize
+
+    @property
+    def state_bytes(self) -> int:
+        return self.state_itemsize or self.itemsize
+
+
+def precision_options(dtype, fp32_grads: bool = False) -> dict:
+    """The Options fields of a run whose ModelConfig.dtype is `dtype` (refpar/precision.py): one
+    itemsize for float64/float32; for bfloat16/float16 2-byte parameters, 2-byte gradients (4 with
+    `fp32_grads`), fp32 master weights and moments, and loss scaling for float16."""
+    d = dtype_of(dtype)
+    if not is_16bit(d):
+        return {"itemsize": d.itemsize}
+    return {"itemsize": d.itemsize, "grad_itemsize": MASTER_DTYPE.itemsize if fp32_grads else d.itemsize,
+            "state_itemsize": MASTER_DTYPE.itemsize, "master": True, "loss_scaling": d.name == "float16"}
+
 
 def model_state_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[str, int]:
-    """Persistent bytes per category on `rank` of `n` between steps: the paper's forms, exact."""
+    """Persistent bytes per category on `rank` of `n` between steps: the paper's forms, exact.
+    bf16-mixed with AdamW: 2Ψ + 2Ψ + 4Ψ + 8Ψ (DP), the master and moments over N (P_os), the
+    gradients too (P_os+g), the parameters too (P_os+g+p), each /N an uneven Σ s_u."""
     check_strategy(opts.strategy)
     psi = sum(unit_sizes(config).values())
     s = sum(shard_elems(config, n, rank).values())  # this rank's share of every unit
-    b, k = opts.itemsize, optimizer_states(opts.optimizer)
+    k = optimizer_states(opts.optimizer)
     stage = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[opts.strategy]
+    state = opts.state_bytes * (psi if stage == 0 else s)  # one fp32 (or full-precision) copy
     return {
-        "params": b * (psi if stage < 3 else s),
-        "grads": b * (psi if stage < 2 else s),
-        "optimizer": b * k * (psi if stage == 0 else s),
+        "params": opts.itemsize * (psi if stage < 3 else s),
+        "grads": opts.grad_bytes * (psi if stage < 2 else s),
+        "master": state if opts.master else 0,
+        "optimizer": k * state,
     }
 
 
-def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[str, int]:
-    """Peak bytes per category (params, grads, optimizer, comm) during a training step, exactly as
-    refpar's implementation holds them (the sequences of events are in refpar/parallel/
-    data_parallel.py, zero.py and fsdp.py)."""
+def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options, stepped: bool = True) -> dict[str, int]:
+    """Peak bytes per category (params, grads, master, optimizer, comm) during a training step,
+    exactly as refpar's implementation holds them (the sequences of events are in refpar/parallel/
+    data_parallel.py, zero.py and fsdp.py). A backward piece returns its gradients in the
+    parameters' dtype (b); buffers, reductions and reduced shards have the gradients' (g).
+    `stepped=False`: fp16 skipped every step, so ZeRO-1/2 never gathered parameters after one."""
     state = model_state_bytes(config, n, rank, opts)
-    b, L = opts.itemsize, config.n_layer
+    b, g, L = opts.itemsize, opts.grad_bytes, config.n_layer
     sizes, shards, pieces = unit_sizes(config), shard_elems(config, n, rank), piece_grad_sizes(config)
     psi_root = sizes[ROOT]
     psi_block = sizes["h.0"] if L else 0
@@ -151,30 +188,33 @@ def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[st
     else:
         # Shards, plus the root's full gradient (filled by the head's backward, reduce-scattered
         # after the embedding's), plus one piece's dict and the unit buffer it is folded into.
-        unit_transient = max(pieces["head"], pieces["embed"], 2 * psi_block)
-        grads = state["grads"] + b * (psi_root + unit_transient)
+        unit_transient = max(b * pieces["head"], b * pieces["embed"], (b + g) * psi_block)
+        grads = state["grads"] + g * psi_root + unit_transient
     if opts.strategy == "dp" and opts.overlap:
         params = state["params"]
-        comm = b * overlap_comm_peak(config, n, rank, opts.bucket_elems)
+        comm = g * overlap_comm_peak(config, n, rank, opts.bucket_elems)
     elif opts.strategy == "dp":
         params = state["params"]
-        comm = b * max(bucket_sizes(config, opts.bucket_elems))  # one all-reduce output at a time
+        comm = g * max(bucket_sizes(config, opts.bucket_elems))  # one all-reduce output at a time
     elif opts.strategy in ("zero1", "zero2"):
         params = state["params"]
-        comm = b * largest_unit  # the all-gathered unit after the step, before it is copied in
+        # A unit's reduce-scattered gradient shard, or the unit all-gathered after the step
+        # before it is copied in (the larger unless fp32 gradients meet 16-bit parameters).
+        comm = max(g * max(shards.values()), b * largest_unit if stepped else 0)
     elif opts.strategy == "zero3":
         params = state["params"] + b * largest_unit  # one unit gathered at a time
-        comm = b * max(shards.values())  # a reduce-scattered gradient shard before it is added
+        comm = g * max(shards.values())  # a reduce-scattered gradient shard before it is added
     else:
         if not opts.reshard_after_forward:
             blocks = L  # every block stays gathered from its forward to its backward
         else:
             blocks = min(L, 2 if opts.prefetch else 1)
         params = state["params"] + b * (psi_root + blocks * psi_block)
-        comm = b * max(shards.values())
+        comm = g * max(shards.values())
         if opts.prefetch and n > 1 and L:
-            comm = b * max(max(shards.values()), prefetch_comm_peak(config, n, rank, opts))
-    return {"params": params, "grads": grads, "optimizer": state["optimizer"], "comm": comm}
+            comm = max(comm, prefetch_comm_peak(config, n, rank, opts))
+    return {"params": params, "grads": grads, "master": state["master"], "optimizer": state["optimizer"],
+            "comm": comm}
 
 
 def bucket_sizes(config: ModelConfig, bucket_elems: int) -> list[int]:
@@ -280,7 +320,7 @@ def activation_peak_bytes(config: ModelConfig, n: int, rank: int, microbatches: 
 
 
 def prefetch_comm_peak(config: ModelConfig, n: int, rank: int, opts: Options) -> int:
-    """Elements of ring messages FSDP's prefetch holds at its peak (refpar/parallel/fsdp.py).
+    """Bytes of ring messages FSDP's prefetch holds at its peak (refpar/parallel/fsdp.py).
 
     A block's all-gather is a ring of n-1 rounds; round k on rank r sends piece (r-k) and receives
     piece (r-k-1), and one round is in flight at a time. In the backward (with resharding) the
@@ -288,8 +328,9 @@ def prefetch_comm_peak(config: ModelConfig, n: int, rank: int, opts: Options) ->
     its reduce-scatter, so the two add up."""
     psi_block = unit_sizes(config)["h.0"]
     pieces = shard_sizes(psi_block, n)
-    rounds = [pieces[(rank - k) % n] + pieces[(rank - k - 1) % n] for k in range(n - 1)]
+    b = opts.itemsize
+    rounds = [b * (pieces[(rank - k) % n] + pieces[(rank - k - 1) % n]) for k in range(n - 1)]
     peak = max(rounds)
     if opts.reshard_after_forward and config.n_layer >= 2:
-        peak = max(peak, rounds[0] + pieces[rank])
+        peak = max(peak, rounds[0] + opts.grad_bytes * pieces[rank])
     return peak

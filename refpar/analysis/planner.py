@@ -31,7 +31,7 @@ RECOMPUTE = ("none", "selective", "full")
 # (schedule, chunks per stage); with one stage there is no schedule to choose ("none").
 SCHEDULE_CHOICES = (("none", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
                     ("interleaved-1f1b", 4), ("zb-h1", 1), ("zb-h2", 1))
-MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "comm")
+MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "comm")  # the ledger's
 COMM_KEYS = ("tp", "cp", "ep", "pp", "dp")
 TIME_KEYS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
 

@@ -133,7 +133,8 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
 
 def model_states(params, zero, group, precision: Precision = PRECISIONS["bf16"], expert_params=0,
                  expert_group=1):
-    """Bytes of weights, gradients and optimizer state per rank (Rajbhandari et al. 2020, Figure 1).
+    """Bytes of weights, gradients, master weights and moments per rank (Rajbhandari et al. 2020,
+    Figure 1), in the ledger's categories.
 
     `params` weights are replicated over `group` ranks, `expert_params` over `expert_group`.
     ZeRO stage 1 shards the optimizer state (K = master + Adam's m and v), stage 2 the gradients
@@ -149,7 +150,8 @@ def model_states(params, zero, group, precision: Precision = PRECISIONS["bf16"],
     return {
         "params": precision.param * sharded(3),
         "grads": (precision.grad + precision.grad_accum) * sharded(2),
-        "optimizer": (precision.master + precision.optimizer) * sharded(1),
+        "master": precision.master * sharded(1),  # the ledger's "master": fp32 weights
+        "optimizer": precision.optimizer * sharded(1),  # the ledger's "optimizer": the moments
     }
 
 
@@ -195,9 +197,9 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
                     precision: Precision = PRECISIONS["bf16"]):
     """Peak bytes per rank by category on the stage that needs the most (first or last).
 
-    params, grads, optimizer: ZeRO stage 1 shards the optimizer state (master weights included),
-    2 the gradients too, 3 the weights too (Rajbhandari et al. 2020, Section 5 and Figure 1),
-    over the ranks that hold the same weights. activations: `layer_activation_bytes` times the
+    params, grads, master, optimizer: ZeRO stage 1 shards the optimizer state (master weights and
+    moments), 2 the gradients too, 3 the weights too (Rajbhandari et al. 2020, Section 5 and
+    Figure 1), over the ranks that hold the same weights. activations: `layer_activation_bytes` times the
     layers of a stage times the micro-batches the schedule holds (`held_until_w`), plus the
     embedding's dropout mask on the first stage and the final norm, head input and fp32 logits
     on the last

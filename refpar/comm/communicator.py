@@ -11,6 +11,11 @@ staged through host buffers, since the MPI library is not GPU-aware, and their e
 (`staged=True`). Arrays move with mpi4py's uppercase,
 buffer-based calls: no pickling.
 
+16-bit floats (float16, ml_dtypes.bfloat16) move as their 2-byte bit patterns and reduce in the
+16-bit dtype, every pairwise sum rounded to 16 bits as NCCL's ring does: the written-out ring
+with NumPy's ufuncs in a known order, `algo="native"` through a user-defined MPI operation in
+MPI's order. The trace records the 16-bit dtype and 2 bytes per element.
+
 Switches (constructor arguments; None reads the environment):
 - `debug` (`REFPAR_DEBUG_COLLECTIVES=1`): before each collective the ranks of the group exchange
   (op, algo, shape, dtype, tag) and raise `CollectiveMismatch` naming the ranks that differ.
@@ -39,6 +44,7 @@ from refpar import backend
 from refpar.comm import algorithms, cost
 from refpar.comm.trace import Tracer, now
 from refpar.config import ConfigError
+from refpar.precision import dtype_of
 from refpar.sharding import shard_sizes
 
 # op name -> (NumPy ufunc for the written-out algorithms, MPI reduction for native calls)
@@ -121,10 +127,10 @@ class _Link:
     def sendrecv(self, sendbuf, dest, recvbuf, source) -> None:
         requests = []
         if recvbuf is not None:
-            requests.append(self.owner._private.Irecv(recvbuf, source, 0))
+            requests.append(self.owner._private.Irecv(_wire(recvbuf), source, 0))
             self.recv += recvbuf.nbytes
         if sendbuf is not None:
-            requests.append(self.owner._private.Isend(sendbuf, dest, 0))
+            requests.append(self.owner._private.Isend(_wire(sendbuf), dest, 0))
             self.sent += sendbuf.nbytes
         self.owner._wait(requests)
 
@@ -213,12 +219,12 @@ class Communicator:
             return self._by_transport("all_reduce", x, tag, lambda item: cost.all_reduce_bytes(
                 math.prod(x.shape), self.size, self.rank, item), lambda: self.transport.all_reduce(x, op))
         a, like = _to_host(x)
-        ufunc, mpi_op = _reduce_op(op)
+        ufunc, mpi_op = _reduce_op(op, a.dtype)
         t0 = self._begin("all_reduce", algo, a.shape, a.dtype, tag)
         if algo == "native":
             out = np.empty_like(a)
-            self._native(lambda: self.comm.Iallreduce(a, out, mpi_op),
-                         lambda: self.comm.Allreduce(a, out, mpi_op))
+            self._native(lambda: self.comm.Iallreduce(_wire(a), _wire(out), mpi_op),
+                         lambda: self.comm.Allreduce(_wire(a), _wire(out), mpi_op))
         else:
             link = _Link(self)
             out = algorithms.ring_all_reduce(link, a, ufunc)
@@ -238,15 +244,15 @@ class Communicator:
                 lambda: self.transport.reduce_scatter(x, op, self.size))
         a, like = _to_host(x)
         _require_axis0(a, "reduce_scatter")
-        ufunc, mpi_op = _reduce_op(op)
+        ufunc, mpi_op = _reduce_op(op, a.dtype)
         t0 = self._begin("reduce_scatter", algo, a.shape, a.dtype, tag)
         rows = shard_sizes(a.shape[0], self.size)
         unit = _row_size(a)
         if algo == "native":
             out = np.empty((rows[self.rank], *a.shape[1:]), dtype=a.dtype)
             counts = [c * unit for c in rows]
-            self._native(lambda: self.comm.Ireduce_scatter(a, out, counts, mpi_op),
-                         lambda: self.comm.Reduce_scatter(a, out, counts, mpi_op))
+            self._native(lambda: self.comm.Ireduce_scatter(_wire(a), _wire(out), counts, mpi_op),
+                         lambda: self.comm.Reduce_scatter(_wire(a), _wire(out), counts, mpi_op))
         else:
             link = _Link(self)
             out = algorithms.ring_reduce_scatter(link, a, ufunc)
@@ -276,10 +282,12 @@ class Communicator:
         if algo == "native":
             out = np.empty((sum(counts), *a.shape[1:]), dtype=a.dtype)
             if len(set(counts)) == 1:  # MPICH's Allgather is 10-50x faster than its Allgatherv here
-                self._native(lambda: self.comm.Iallgather(a, out), lambda: self.comm.Allgather(a, out))
+                self._native(lambda: self.comm.Iallgather(_wire(a), _wire(out)),
+                             lambda: self.comm.Allgather(_wire(a), _wire(out)))
             else:
-                spec = [out, ([c * unit for c in counts], _displacements(counts, unit))]
-                self._native(lambda: self.comm.Iallgatherv(a, spec), lambda: self.comm.Allgatherv(a, spec))
+                spec = [_wire(out), ([c * unit for c in counts], _displacements(counts, unit))]
+                self._native(lambda: self.comm.Iallgatherv(_wire(a), spec),
+                             lambda: self.comm.Allgatherv(_wire(a), spec))
         else:
             link = _Link(self)
             out = algorithms.ring_all_gather(link, a, counts)
@@ -315,8 +323,8 @@ class Communicator:
         if algo == "native":
             sendbuf = np.concatenate(parts)  # (sum n_j, ...) one buffer for MPI's Alltoallv
             recvbuf = np.empty((sum(recv_counts), *rest), dtype=dtype)
-            send_spec = [sendbuf, ([c * unit for c in send_counts], _displacements(send_counts, unit))]
-            recv_spec = [recvbuf, ([c * unit for c in recv_counts], _displacements(recv_counts, unit))]
+            send_spec = [_wire(sendbuf), ([c * unit for c in send_counts], _displacements(send_counts, unit))]
+            recv_spec = [_wire(recvbuf), ([c * unit for c in recv_counts], _displacements(recv_counts, unit))]
             self._native(lambda: self.comm.Ialltoallv(send_spec, recv_spec),
                          lambda: self.comm.Alltoallv(send_spec, recv_spec))
             received = np.split(recvbuf, np.cumsum(recv_counts)[:-1])
@@ -344,7 +352,8 @@ class Communicator:
         t0 = self._begin("broadcast", algo, a.shape, a.dtype, tag, root=root)
         out = a.copy()
         if algo == "native":
-            self._native(lambda: self.comm.Ibcast(out, root), lambda: self.comm.Bcast(out, root))
+            self._native(lambda: self.comm.Ibcast(_wire(out), root),
+                         lambda: self.comm.Bcast(_wire(out), root))
         else:
             link = _Link(self)
             written_out = {"tree": algorithms.tree_broadcast,
@@ -389,9 +398,9 @@ class Communicator:
         self._check_peer(dest, "dest")
         self._doing, t0 = ("send", tag), now()
         if self.timeout is None:
-            self.comm.Send(a, dest, _mpi_tag(tag))
+            self.comm.Send(_wire(a), dest, _mpi_tag(tag))
         else:
-            self._wait([self.comm.Isend(a, dest, _mpi_tag(tag))])
+            self._wait([self.comm.Isend(_wire(a), dest, _mpi_tag(tag))])
         if self.tracer is not None:
             self._record("send", "p2p", self.group[dest], a.shape, a.dtype, cost.Bytes(a.nbytes, 0), tag, t0,
                          like)
@@ -403,9 +412,9 @@ class Communicator:
         out = np.empty(shape, dtype=dtype)
         self._doing, t0 = ("recv", tag), now()
         if self.timeout is None:
-            self.comm.Recv(out, source, _mpi_tag(tag))
+            self.comm.Recv(_wire(out), source, _mpi_tag(tag))
         else:
-            self._wait([self.comm.Irecv(out, source, _mpi_tag(tag))])
+            self._wait([self.comm.Irecv(_wire(out), source, _mpi_tag(tag))])
         if self.tracer is not None:
             self._record("recv", "p2p", self.group[source], out.shape, out.dtype, cost.Bytes(0, out.nbytes),
                          tag, t0, like)
@@ -417,7 +426,7 @@ class Communicator:
         a = a.copy()  # the caller may overwrite x before the send completes
         self._check_peer(dest, "dest")
         t0 = now()
-        return Request(self, self.comm.Isend(a, dest, _mpi_tag(tag)), "isend", dest, a, like, tag, t0)
+        return Request(self, self.comm.Isend(_wire(a), dest, _mpi_tag(tag)), "isend", dest, a, like, tag, t0)
 
     def irecv(self, shape, dtype, source: int, tag: str = "", like=None) -> Request:
         """Starts receiving a (shape, dtype) array from `source`; `wait()` returns it, in `like`'s
@@ -425,7 +434,7 @@ class Communicator:
         self._check_peer(source, "source")
         out = np.empty(shape, dtype=dtype)
         t0 = now()
-        return Request(self, self.comm.Irecv(out, source, _mpi_tag(tag)), "irecv", source, out, like,
+        return Request(self, self.comm.Irecv(_wire(out), source, _mpi_tag(tag)), "irecv", source, out, like,
                        tag, t0)
 
     # --- machinery ---------------------------------------------------------------------------
@@ -538,10 +547,46 @@ def _dtype_name(dtype) -> str:
     return _DTYPE_NAMES[dtype]
 
 
-def _reduce_op(op: str):
+def _reduce_op(op: str, dtype=None):
+    """(NumPy ufunc, MPI operation) of `op`; for a 16-bit float dtype the MPI operation is
+    `_op_16bit`'s, since MPI's own would see the bit patterns as integers."""
     if op not in REDUCE_OPS:
         raise ConfigError(f"unknown reduction {op!r}; choose one of {', '.join(REDUCE_OPS)}")
-    return REDUCE_OPS[op]
+    ufunc, mpi_op = REDUCE_OPS[op]
+    if dtype is not None and dtype in _SIXTEEN_BIT:
+        return ufunc, _op_16bit(op, dtype)
+    return ufunc, mpi_op
+
+
+# The 16-bit floats of mixed precision: MPI has no bfloat16 (and NumPy exports no buffer of one),
+# so both travel as their 2-byte bit patterns, a uint16 view of the same memory. The trace still
+# records the real dtype and its 2-byte itemsize.
+_SIXTEEN_BIT = frozenset({dtype_of("bfloat16"), dtype_of("float16")})
+
+
+def _wire(a: np.ndarray) -> np.ndarray:
+    """What MPI moves for `a`: the array itself, or the uint16 view of a 16-bit float array."""
+    return a.view(np.uint16) if a.dtype in _SIXTEEN_BIT else a
+
+
+_OPS_16BIT: dict = {}  # (op, dtype) -> MPI.Op, created once per process
+
+
+def _op_16bit(op: str, dtype: np.dtype):
+    """A user-defined commutative MPI operation that reduces uint16 bit patterns as `dtype`: each
+    pairwise combination computes in float32 and rounds to 16 bits (NumPy's float16 and
+    ml_dtypes' bfloat16 ufuncs), as NCCL's ring sums bf16 gradients on a GPU. MPI calls it with
+    `inoutvec = invec op inoutvec` on pieces of whatever size its algorithm chooses."""
+    key = (op, dtype)
+    if key not in _OPS_16BIT:
+        ufunc = REDUCE_OPS[op][0]
+
+        def combine(invec, inoutvec, datatype) -> None:
+            acc = np.frombuffer(inoutvec, dtype=dtype)  # (len,) a writable view of MPI's buffer
+            ufunc(np.frombuffer(invec, dtype=dtype), acc, out=acc)
+
+        _OPS_16BIT[key] = MPI.Op.Create(combine, commute=True)
+    return _OPS_16BIT[key]
 
 
 def _require_axis0(a: np.ndarray, op: str) -> None:

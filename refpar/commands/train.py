@@ -221,14 +221,16 @@ def precision_label(dtype: str) -> str:
 
 
 def check_precision_args(sizes: dict[str, int], args) -> None:
-    """Mixed precision runs where it is built: so far the single-device trainer."""
+    """Mixed precision runs where it is built: the single-device trainer and dp/ZeRO/FSDP."""
     from refpar.config import ConfigError
+    from refpar.parallel.dp_runner import wants_data_parallel
     from refpar.precision import PRECISIONS, is_16bit
 
     precision = getattr(args, "precision", None)
     if precision is None or not is_16bit(PRECISIONS[precision]):
         return
-    if any(size > 1 for size in sizes.values()) or args.moe_experts:
+    data_parallel = wants_data_parallel(sizes, args)
+    if (any(size > 1 for size in sizes.values()) and not data_parallel) or args.moe_experts:
         raise ConfigError(f"--precision {precision} runs on one device without MoE so far; drop "
                           "--mesh and --moe-experts or use --precision fp64 or fp32")
 

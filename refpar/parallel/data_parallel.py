@@ -20,7 +20,9 @@ blocks computes (the trace shows bucket k's sends ending after bucket k+1's begi
 
 Ledger: params 8Ψ, grads 8Ψ (+ the largest dict a backward piece returns, until it is folded
 in), optimizer 16Ψ (AdamW m, v), comm one bucket's all-reduce output (overlap: the send copy and
-receive buffer of each round in flight).
+receive buffer of each round in flight). bf16/fp16-mixed: params 2Ψ, grads 2Ψ (all-reduced in 16
+bits; 4Ψ and fp32 with --fp32-grads), master 4Ψ, optimizer 8Ψ: the ZeRO paper's 16Ψ. With fp16
+every rank checks its all-reduced (identical) gradients for overflow, so no flag is exchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from refpar import backend
 from refpar.analysis.memory import bucket_sizes
 from refpar.memory import nbytes_of
 from refpar.parallel.ring import Ring
-from refpar.parallel.units import FlatLayout, optimizer_update
+from refpar.parallel.units import FlatLayout, StateDtypes, optimizer_update, overflowed
 
 
 class DataParallel:
@@ -43,14 +45,19 @@ class DataParallel:
         self.config, self.train, self.dp, self.ledger = config, train, dp, ledger
         self.overlap, self.in_flight = overlap, []
         self.layout = lay = FlatLayout(config)
+        self.dtypes = dt = StateDtypes(config, train)
         xp = array_namespace(params["wte.weight"])
         self.params = ledger.alloc("params.flat", xp.concat(
             [lay.flatten(u, params) for u in lay.units]), "params")  # (Ψ,)
-        self.grads = ledger.alloc("grads.flat", xp.zeros_like(self.params), "grads")  # (Ψ,)
+        self.grads = ledger.alloc("grads.flat", dt.zeros(self.params, lay.total, dt.grad), "grads")  # (Ψ,)
+        # fp32 master weights: the 16-bit parameters upcast, exactly (mixed precision only)
+        self.master = ledger.alloc("master.flat", xp.astype(self.params, dt.state), "master") \
+            if dt.mixed else None  # (Ψ,)
         self.state = {}
         if train.optimizer == "adamw":
             for k in ("m", "v"):
-                self.state[k] = ledger.alloc(f"optimizer.{k}", xp.zeros_like(self.params), "optimizer")
+                self.state[k] = ledger.alloc(f"optimizer.{k}", dt.zeros(self.params, lay.total, dt.state),
+                                             "optimizer")  # (Ψ,)
         self.t = 0
         # Buckets as [start, stop) of the flat buffer, in the order backward completes them, each
         # with the unit whose backward completes it (the unit of its lowest parameter).
@@ -103,10 +110,13 @@ class DataParallel:
             for ring in self.in_flight:
                 ring.advance()
             self.in_flight = [ring for ring in self.in_flight if not ring.done]
+        if overflowed(self, [self.grads], agree=False):
+            return  # fp16: skip the step, t not advanced
         self.t += 1
         for u in self.layout.units:
+            master = None if self.master is None else self.unit_flat(u, self.master)
             optimizer_update(self, u, self.unit_flat(u, self.params), self.unit_flat(u, self.grads),
-                             {k: self.unit_flat(u, s) for k, s in self.state.items()}, 0)
+                             {k: self.unit_flat(u, s) for k, s in self.state.items()}, 0, master)
 
     def full_params(self) -> dict:
         return {n: np.array(backend.to_host(v)) for u in self.layout.units

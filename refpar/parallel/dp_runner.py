@@ -23,6 +23,7 @@ from refpar.analysis.memory import (
     activation_peak_bytes,
     model_state_bytes,
     peak_bytes,
+    precision_options,
     unit_sizes,
 )
 from refpar.comm.trace import Tracer, chrome_trace
@@ -33,9 +34,11 @@ from refpar.parallel.data_parallel import DataParallel
 from refpar.parallel.fsdp import FSDP
 from refpar.parallel.units import train_step
 from refpar.parallel.zero import Zero
+from refpar.precision import is_16bit, precision_of
 from refpar.trainer import corpus_for, train_single_device
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "isend", "irecv")
+STATES = ("params", "grads", "master", "optimizer")  # the model states: the ZeRO paper's categories
 
 
 @dataclass
@@ -46,10 +49,12 @@ class DPRun:
     step_times_s: list[float]  # wall time of each step on this rank
     comm: dict[str, tuple[int, int]]  # op -> (bytes sent, bytes received) over the training steps
     peaks: dict[str, int]  # category -> peak bytes
-    model_state: dict[str, int]  # params/grads/optimizer held between steps
+    model_state: dict[str, int]  # params/grads/master/optimizer held between steps
     params: dict = field(default_factory=dict)  # every parameter, whole, after the last step
     tracer: Tracer | None = None
     first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
+    loss_scales: list[float] = field(default_factory=list)  # fp16-mixed: the scale of each step
+    skipped_steps: list[int] = field(default_factory=list)  # fp16-mixed: 0-based steps skipped
 
     @property
     def step_time_s(self) -> float:
@@ -59,9 +64,9 @@ class DPRun:
 
 def options(strategy: str, model, train, microbatches: int = 1, bucket_elems: int = 1 << 62,
             prefetch: bool = False, reshard_after_forward: bool = True, overlap: bool = False) -> Options:
-    return Options(strategy=strategy, itemsize=np.dtype(model.dtype).itemsize, optimizer=train.optimizer,
-                   bucket_elems=bucket_elems, microbatches=microbatches, prefetch=prefetch,
-                   reshard_after_forward=reshard_after_forward, overlap=overlap)
+    return Options(strategy=strategy, **precision_options(model.dtype, train.fp32_grads),
+                   optimizer=train.optimizer, bucket_elems=bucket_elems, microbatches=microbatches,
+                   prefetch=prefetch, reshard_after_forward=reshard_after_forward, overlap=overlap)
 
 
 def check_options(opts: Options, train, dp_size: int) -> None:
@@ -111,11 +116,17 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
             view[...] = loaded
         first = strategy.t = int(manifest["step"])
     corpus = corpus_for(model, train)
-    losses, times = [], []
+    losses, times, scales, skipped = [], [], [], []
+    scaler = strategy.dtypes.scaler  # fp16-mixed only
     for step in range(first, train.steps):
         start = time.perf_counter()
+        if scaler is not None:
+            scales.append(scaler.scale)
+            before = scaler.skipped
         losses.append(train_step(strategy, corpus, step, opts.microbatches, dp.tracer))
         times.append(time.perf_counter() - start)
+        if scaler is not None and scaler.skipped > before:
+            skipped.append(step)
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
             checkpoint.save_training(save, step + 1, checkpoint_arrays(strategy, saving=True), model,
                                      train, {"dp": dp.size}, opts.strategy, dp)
@@ -124,8 +135,9 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
         for e in dp.tracer.events:
             sent, recv = comm.get(e.op, (0, 0))
             comm[e.op] = (sent + e.bytes_sent, recv + e.bytes_recv)
-    state = {c: ledger.current[c] for c in ("params", "grads", "optimizer")}
-    result = DPRun(losses, times, comm, dict(ledger.peak), state, tracer=dp.tracer, first_step=first)
+    state = {c: ledger.current[c] for c in STATES}
+    result = DPRun(losses, times, comm, dict(ledger.peak), state, tracer=dp.tracer, first_step=first,
+                   loss_scales=scales, skipped_steps=skipped)
     if gather_params:
         result.params = strategy.full_params()
     return result
@@ -161,19 +173,27 @@ def reference_diffs(model, train, run: DPRun) -> dict:
     ref = train_single_device(model, train)
     ref_losses = ref.losses[run.first_step:]  # a resumed run has only the steps after its checkpoint
     loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref_losses, strict=True))
-    param_diff = max(float(np.max(np.abs(run.params[n] - p)) / np.max(np.abs(p)))
-                     for n, p in ref.params.items())
+    param_diff = max(_rel(run.params[n], p) for n, p in ref.params.items())
     return {"reference_losses": ref_losses, "max_loss_rel_diff": loss_diff,
             "max_param_rel_diff": param_diff}
 
 
-def expected_rows(opts: Options, model, train, n: int):
-    """(comm rows, memory rows) of every rank from the closed forms."""
+def _rel(a, ref) -> float:
+    """max |a - ref| / max |ref| (the plain max difference for an all-zero reference: a bias no
+    step has changed yet, as when fp16 skips every step)."""
+    diff = float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(ref, np.float64))))
+    scale = float(np.max(np.abs(np.asarray(ref, np.float64))))
+    return diff / scale if scale else diff
+
+
+def expected_rows(opts: Options, model, train, n: int, skipped: int = 0):
+    """(comm rows, memory rows) of every rank from the closed forms (`skipped`: fp16 steps
+    skipped on overflow)."""
     comm, memory = [], []
     for r in range(n):
-        for op, b in step_bytes(model, n, r, opts, train.steps).items():
+        for op, b in step_bytes(model, n, r, opts, train.steps, skipped=skipped).items():
             comm.append({"rank": r, "axis": "dp", "op": op, "bytes_sent": b.sent, "bytes_recv": b.recv})
-        peaks = peak_bytes(model, n, r, opts)
+        peaks = peak_bytes(model, n, r, opts, stepped=skipped < train.steps)
         peaks["activations"] = activation_peak_bytes(model, n, r, opts.microbatches, train.batch_size,
                                                      train.seq_len)
         for cat in CATEGORIES:
@@ -228,9 +248,13 @@ def strategy_name(args) -> str:
 def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.comm.communicator import abort_on_error, world
     from refpar.mesh import DeviceMesh
-    from refpar.report import run_summary, summary_line
+    from refpar.report import loss_scaling_summary, run_summary, summary_line
 
-    itemsize = np.dtype(model.dtype).itemsize
+    if is_16bit(model.dtype) and (args.save or args.resume):
+        raise ConfigError(f"--save and --resume store {precision_of(model.dtype)} runs on one device "
+                          "only so far; drop them or run without --mesh, --zero and --fsdp")
+    fields = precision_options(model.dtype, train.fp32_grads)
+    itemsize = fields.get("grad_itemsize") or fields["itemsize"]  # a bucket holds gradients
     if args.bucket_kb is not None and (args.zero or args.fsdp):
         raise ConfigError("--bucket-kb sizes plain DP's all-reduce buckets; drop it or use --zero 0")
     bucket = 1 << 62 if args.bucket_kb is None else int(args.bucket_kb * 1024 // itemsize)
@@ -245,7 +269,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                                 save=args.save, save_every=args.save_every, resume=args.resume)
         comm_rows, memory_rows = gather_rows(comm, run)
         events = comm.gather_object(run.tracer.events) if args.trace else None
-        states = comm.all_gather(np.array([[run.model_state[c] for c in ("params", "grads", "optimizer")]]),
+        states = comm.all_gather(np.array([[run.model_state[c] for c in STATES]]),
                                  tag="report", counts=[1] * n)
         if comm.rank != 0:
             return 0
@@ -254,7 +278,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                 json.dump(chrome_trace([e for rank_events in events for e in rank_events]), f)
         checked = reference_diffs(model, train, run) if args.check else {}
         expected_comm, expected_memory = expected_rows(
-            opts, model, replace(train, steps=len(run.losses)), n)
+            opts, model, replace(train, steps=len(run.losses)), n, len(run.skipped_steps))
         report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory_rows,
                expected_memory, states.sum(axis=1).tolist())
         if args.json:
@@ -264,6 +288,7 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
                 comm_bytes=comm_rows, expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
                 expected_memory_peak_bytes=expected_memory, step_time_s=run.step_time_s,
                 loss_floor=corpus_for(model, train).entropy_rate(),
+                loss_scaling=loss_scaling_summary(run.loss_scales, run.skipped_steps),
                 data_parallel={"strategy": opts.strategy, "model_state_bytes": states.sum(axis=1).tolist(),
                                "bucket_elems": min(opts.bucket_elems, sum(unit_sizes(model).values())),
                                "overlap": opts.overlap, "prefetch": opts.prefetch,
@@ -280,16 +305,21 @@ def report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory
         print(text, flush=True)
 
     label = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
-    say(f"{label[opts.strategy]} over dp={n}: GPT-2 {model.n_layer} layers, {model.dtype}, "
+    say(f"{label[opts.strategy]} over dp={n}: GPT-2 {model.n_layer} layers, {precision_of(model.dtype)}, "
         f"batch {train.batch_size} x {train.seq_len} in {opts.microbatches} micro-batch(es) per rank")
     ref = checked.get("reference_losses")
-    say(f"{'step':>5} {'loss':>20} {'single device':>20} {'rel diff':>10}")
+    scaled = bool(run.loss_scales)  # fp16-mixed: each step's loss scale, and whether it was skipped
+    say(f"{'step':>5} {'loss':>20} {'single device':>20} {'rel diff':>10}"
+        + (f" {'loss scale':>11} {'skipped':>8}" if scaled else ""))
     for s, loss in enumerate(run.losses):
         number = run.first_step + s + 1
+        scale = (f" {run.loss_scales[s]:>11g} {sum(k <= number - 1 for k in run.skipped_steps):>8}"
+                 if scaled else "")
         if ref is None:
-            say(f"{number:>5} {loss:>20.15f}")
+            say(f"{number:>5} {loss:>20.15f}" + scale)
         else:
-            say(f"{number:>5} {loss:>20.15f} {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}")
+            say(f"{number:>5} {loss:>20.15f} {ref[s]:>20.15f} {abs(loss - ref[s]) / abs(ref[s]):>10.1e}"
+                + scale)
     if checked:
         say(f"max relative parameter difference after {train.steps} steps: "
             f"{checked['max_param_rel_diff']:.1e}")
@@ -313,7 +343,7 @@ def report(opts, model, train, n, run, checked, comm_rows, expected_comm, memory
                    for r in range(n))
 
     dp_state, z3_state = state("dp"), state("zero3")
-    say(f"model states (params+grads+optimizer) per rank: {label[opts.strategy]} measured "
+    say(f"model states (params+grads+master+optimizer) per rank: {label[opts.strategy]} measured "
         + ", ".join(f"{b:,}" for b in state_per_rank)
         + f"; closed forms at dp={n}: DP {dp_state:,}, ZeRO-3 {z3_state:,} "
         f"(DP / ZeRO-3 = {dp_state / z3_state:.2f}, falls as 1/N)")

@@ -54,7 +54,8 @@ def expected_memory(model, train, sizes, rank, sp, cp_algo) -> dict[str, int]:
     moments, and the activations kept at the end of the forward pass."""
     coords = rank_coords(sizes, rank)
     state = local_param_numel(model, sizes["tp"], coords["tp"]) * np.dtype(model.dtype).itemsize
-    return {"params": state, "grads": state, "optimizer": 2 * state if train.optimizer == "adamw" else 0,
+    return {"params": state, "grads": state, "master": 0,
+            "optimizer": 2 * state if train.optimizer == "adamw" else 0,
             "activations": activation_peak_bytes(model, train, sizes, coords, sp, cp_algo), "comm": 0}
 
 

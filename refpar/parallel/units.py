@@ -8,6 +8,11 @@ where each unit's parameters, gradients and optimizer state live; the step below
 piece by piece (embed, blocks, head; then head, blocks reversed, embed) and asks the strategy for
 a unit's parameters just before a piece needs them, so ZeRO-3 and FSDP can gather just in time.
 
+Mixed precision (refpar/precision.py): parameters in bf16/fp16, gradients in the same dtype (fp32
+with TrainConfig.fp32_grads), fp32 master weights and moments on the ranks that own them
+(`StateDtypes`); the optimizer runs `mixed_adamw_update` on flat shards. fp16 scales the loss
+(`dloss` = the scale) and skips a step whose gradients overflowed on any rank (`overflowed`).
+
 A piece's cache may hold views of the parameters it read. `detach` swaps those views for their
 place in the unit's flat buffer, so releasing a gathered unit after the forward really drops it,
 and `attach` points the cache at the buffer gathered again for the backward.
@@ -18,7 +23,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-from array_api_compat import array_namespace, is_cupy_array, is_torch_array
+from array_api_compat import array_namespace, device, is_cupy_array, is_torch_array
 
 from refpar import backend
 from refpar.analysis.memory import ROOT, numel, param_shapes, units
@@ -32,8 +37,53 @@ from refpar.model.gpt import (
     head_backward,
     head_forward,
 )
-from refpar.model.optim import adamw_update, sgd_update
+from refpar.model.optim import adamw_update, mixed_adamw_update, mixed_sgd_update, sgd_update
+from refpar.precision import MASTER_DTYPE, dtype_of, has_overflow, is_16bit, loss_scaler
 from refpar.sharding import shard_range
+
+
+class StateDtypes:
+    """The dtypes a data-parallel strategy keeps: `param` (the model's), `grad` (the param dtype, or
+    fp32 with fp32_grads), `state` (master weights and moments: fp32 when mixed, else the param
+    dtype); `mixed` says whether fp32 master weights exist. `scaler` is fp16's LossScaler or None."""
+
+    def __init__(self, config, train):
+        self.param = dtype_of(config.dtype)
+        self.mixed = is_16bit(self.param)
+        self.grad = MASTER_DTYPE if self.mixed and train.fp32_grads else self.param
+        self.state = MASTER_DTYPE if self.mixed else self.param
+        self.scaler = loss_scaler(config, train)
+
+    def zeros(self, like, n: int, dtype):
+        """(n,) zeros of `dtype` in the namespace and on the device of `like` (a parameter array):
+        in `like`'s own dtype when `dtype` is the parameters' (every backend), else NumPy's fp32."""
+        xp = array_namespace(like)
+        return xp.zeros(n, dtype=like.dtype if dtype == self.param else dtype, device=device(like))
+
+    @property
+    def dloss(self) -> float:
+        """Where backward starts: the loss scale for fp16, else 1."""
+        return 1.0 if self.scaler is None else self.scaler.scale
+
+    @property
+    def inv_scale(self) -> float:
+        return 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+
+
+def overflowed(strategy, shards, agree: bool) -> bool:
+    """fp16 only (False otherwise, no communication): whether the reduced gradients `shards` (a
+    list of arrays) hold an inf or a nan on any rank. With `agree` the ranks hold different shards
+    and take the max of a float32 flag over dp (traced, 4 bytes); plain DP's all-reduced gradients
+    are the same everywhere and need no message. The scaler backs off or grows."""
+    scaler = strategy.dtypes.scaler
+    if scaler is None:
+        return False
+    found = has_overflow(shards)
+    if agree:
+        flag = np.array([1.0 if found else 0.0], dtype=np.float32)
+        found = bool(strategy.dp.all_reduce(flag, op="max", tag="found_inf")[0] > 0)
+    scaler.update(found)
+    return found
 
 
 class FlatLayout:
@@ -203,7 +253,7 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
     params, base = strategy.acquire(ROOT, "head")
     loss, c_head = head_forward(x, params, targets, config, normalizer)  # ()
     acts.keep("head", detach(c_head, base))  # the parameters it views are not activations
-    dx, grads = head_backward(c_head)  # (B, T, C)
+    dx, grads = head_backward(c_head, strategy.dtypes.dloss)  # (B, T, C)
     del c_head, params, base
     acts.drop("head")
     strategy.fold(ROOT, grads)
@@ -227,15 +277,22 @@ def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, no
     return float(loss)
 
 
-def optimizer_update(strategy, unit: str, p, g, state: dict, start: int) -> None:
+def optimizer_update(strategy, unit: str, p, g, state: dict, start: int, master=None) -> None:
     """One optimizer step, in place, on flat arrays covering [start, start + len(p)) of `unit`.
     The update is elementwise, so a shard gets the single device's numbers; it runs one parameter
-    segment at a time so weight decay follows each parameter's full shape (matrices only)."""
+    segment at a time so weight decay follows each parameter's full shape (matrices only). With
+    `master` (mixed precision) master and moments update in fp32 and p becomes master in 16 bits."""
     cfg, layout = strategy.train, strategy.layout
+    inv_scale = strategy.dtypes.inv_scale
     for name, lo, hi in layout.segments(unit, start, start + p.shape[0]):
         s = slice(lo - start, hi - start)
         decay = len(layout.shapes[name]) >= 2  # refpar.model.optim.decays on the full parameter
-        if cfg.optimizer == "adamw":
+        if master is not None and cfg.optimizer == "adamw":
+            p[s], master[s], state["m"][s], state["v"][s] = mixed_adamw_update(
+                p[s], g[s], master[s], state["m"][s], state["v"][s], strategy.t, cfg, decay, inv_scale)
+        elif master is not None:
+            p[s], master[s] = mixed_sgd_update(p[s], g[s], master[s], cfg, decay, inv_scale)
+        elif cfg.optimizer == "adamw":
             p[s], state["m"][s], state["v"][s] = adamw_update(
                 p[s], g[s], state["m"][s], state["v"][s], strategy.t, cfg, decay)
         else:
@@ -244,10 +301,22 @@ def optimizer_update(strategy, unit: str, p, g, state: dict, start: int) -> None
 
 def train_step(strategy, corpus, step: int, microbatches: int, tracer=None) -> float:
     """One optimizer step on the global batch 0..B-1; returns the global mean loss (all ranks)."""
-    s, train = strategy, strategy.train
-    B, T = train.batch_size, train.seq_len
-    acts = Activations(s.ledger)
+    s = strategy
     s.begin_step()
+    # fp16 loss scaling expects an overflow to inf now and then, and checks for it: no warnings.
+    quiet = np.errstate(over="ignore", invalid="ignore") if s.dtypes.scaler else contextlib.nullcontext()
+    with quiet:
+        loss = _microbatches(s, corpus, step, microbatches, tracer)
+    with _context(tracer, step=step, microbatch=None):
+        s.optimizer_step()
+        # Each rank's loss is its share of the global mean (normalised by B*T): their sum is it.
+        return float(s.dp.all_reduce(np.array([loss]), tag="loss")[0])
+
+
+def _microbatches(s, corpus, step: int, microbatches: int, tracer) -> float:
+    """Forward and backward of this rank's micro-batches; returns its share of the loss."""
+    train, acts = s.train, Activations(s.ledger)
+    B, T = train.batch_size, train.seq_len
     loss = 0.0
     for m in range(microbatches):
         ids = microbatch_ids(B, s.dp.size, s.dp.rank, microbatches, m)
@@ -259,10 +328,7 @@ def train_step(strategy, corpus, step: int, microbatches: int, tracer=None) -> f
         with _context(tracer, step=step, microbatch=m):
             loss += forward_backward(s, tokens, targets, s.config, drop, B * T,
                                      m == microbatches - 1, acts)
-    with _context(tracer, step=step, microbatch=None):
-        s.optimizer_step()
-        # Each rank's loss is its share of the global mean (normalised by B*T): their sum is it.
-        return float(s.dp.all_reduce(np.array([loss]), tag="loss")[0])
+    return loss
 
 
 def _context(tracer, **fields):

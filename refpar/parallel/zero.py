@@ -21,18 +21,25 @@ owns [a, b) of each unit and is the only one to keep optimizer state for it:
 
 Ledger (exact closed forms in refpar.analysis.memory.peak_bytes): params 8Ψ or 8Σs_u (+ one
 gathered unit), grads 8Ψ or 8Σs_u (+ transients), optimizer 16Σs_u, comm collective outputs.
+
+Mixed precision (bf16/fp16): the paper's own setting. The 16-bit parameters (2Ψ, or 2Σs_u at
+stage 3) and gradients (2Ψ, or 2Σs_u from stage 2; fp32 with --fp32-grads) are what moves:
+gradients are reduce-scattered in their dtype, parameters all-gathered in 16 bits. Only the owner
+of a shard keeps its fp32 master weights (4Σs_u, "master") and moments (8Σs_u, "optimizer") and
+runs `mixed_adamw_update` on it. With fp16 the ranks hold different gradient shards, so they agree
+on an overflow with one max all-reduce of a float32 flag, and all skip the step together.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from array_api_compat import array_namespace, device
+from array_api_compat import array_namespace
 
 from refpar import backend
 from refpar.analysis.memory import ROOT
 from refpar.config import ConfigError
 from refpar.memory import nbytes_of
-from refpar.parallel.units import FlatLayout, optimizer_update
+from refpar.parallel.units import FlatLayout, StateDtypes, optimizer_update, overflowed
 from refpar.sharding import shard_sizes
 
 
@@ -44,6 +51,7 @@ class Zero:
             raise ConfigError(f"--zero {stage} is not a ZeRO stage; use 0 (plain DP), 1, 2 or 3")
         self.config, self.train, self.dp, self.ledger, self.stage = config, train, dp, ledger, stage
         self.layout = lay = FlatLayout(config)
+        self.dtypes = dt = StateDtypes(config, train)
         self.own = {u: lay.shard(u, dp.size, dp.rank) for u in lay.units}  # [a, b) per unit
         self.counts = {u: shard_sizes(lay.sizes[u], dp.size) for u in lay.units}  # every rank's s_u
         full = {u: lay.flatten(u, params) for u in lay.units}  # drawn whole, then sliced
@@ -53,18 +61,21 @@ class Zero:
         else:
             self.shards = {u: ledger.alloc(f"params.shard.{u}", xp.asarray(full[u][a:b], copy=True),
                                            "params") for u, (a, b) in self.own.items()}  # (s_u,) each
-        self.zeros = lambda n: xp.zeros(n, dtype=full[ROOT].dtype, device=device(full[ROOT]))
+        self.zeros = lambda n: dt.zeros(full[ROOT], n, dt.grad)  # a gradient buffer
         if stage == 1:
             self.grads = ledger.alloc("grads.flat", self.zeros(lay.total), "grads")  # (Ψ,)
         else:
             self.grad_shards = {u: ledger.alloc(f"grads.shard.{u}", self.zeros(b - a), "grads")
                                 for u, (a, b) in self.own.items()}  # (s_u,) each
+        # fp32 master weights of the owned shard only (mixed precision): its parameters upcast
+        self.master = {u: ledger.alloc(f"master.{u}", xp.astype(full[u][a:b], dt.state), "master")
+                       for u, (a, b) in self.own.items()} if dt.mixed else None  # (s_u,) each
         self.state = {u: {} for u in lay.units}
         if train.optimizer == "adamw":
             for u, (a, b) in self.own.items():
                 for k in ("m", "v"):
-                    self.state[u][k] = ledger.alloc(f"optimizer.{k}.{u}", self.zeros(b - a),
-                                                    "optimizer")  # (s_u,)
+                    self.state[u][k] = ledger.alloc(
+                        f"optimizer.{k}.{u}", dt.zeros(full[ROOT], b - a, dt.state), "optimizer")  # (s_u,)
         self.gathered: dict = {}  # stage 3: unit -> its all-gathered flat buffer
         self.unit_grads: dict = {}  # stages 2, 3: unit -> its full gradient
         self.t = 0
@@ -133,15 +144,22 @@ class Zero:
         self.ledger.free("comm.grad_shard")
 
     # ------------------------------------------------------------------------------- optimizer
+    def grad_shard(self, unit: str):
+        """This rank's reduced gradient shard of `unit`, (s_u,)."""
+        a, b = self.own[unit]
+        return self.unit_slice(unit, self.grads)[a:b] if self.stage == 1 else self.grad_shards[unit]
+
     def optimizer_step(self) -> None:
+        if overflowed(self, [self.grad_shard(u) for u in self.own], agree=True):
+            return  # fp16: every rank skips the step (and the all-gather: no parameter changed)
         self.t += 1
         for u, (a, b) in self.own.items():
             if self.stage < 3:
                 p = self.unit_slice(u, self.params)[a:b]
             else:
                 p = self.shards[u]
-            g = self.unit_slice(u, self.grads)[a:b] if self.stage == 1 else self.grad_shards[u]
-            optimizer_update(self, u, p, g, self.state[u], a)
+            master = None if self.master is None else self.master[u]
+            optimizer_update(self, u, p, self.grad_shard(u), self.state[u], a, master)
         if self.stage < 3:
             for u, (a, b) in self.own.items():
                 full = self.unit_slice(u, self.params)

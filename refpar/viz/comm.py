@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 from refpar.config import MESH_AXES
 from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
 
-CATEGORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b",
+CATEGORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "master": "#9d755d", "optimizer": "#54a24b",
                     "activations": "#e45756", "comm": "#72b7b2"}
 
 

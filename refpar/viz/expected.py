@@ -105,15 +105,14 @@ def calls(w: Workload) -> list[dict]:
     if w.strategy == "pp":
         return []
     if w.strategy in DP_STRATEGIES:
-        from refpar.analysis.comm_volume import LOSS, collective_bytes, step_collectives
+        from refpar.analysis.comm_volume import FOUND_INF, LOSS, collective_bytes, itemsize, step_collectives
 
         opts, n = _dp_options(w), w.sizes["dp"]
         out = []
         for call in step_collectives(w.model, n, opts):
             op, elems, repeat = call
-            item = 8 if call is LOSS else opts.itemsize
-            sent = [collective_bytes(op, elems, n, r, item).sent for r in range(n)]
-            tag = "loss" if call is LOSS else f"{elems:,} elements"
+            sent = [collective_bytes(op, elems, n, r, itemsize(call, opts)).sent for r in range(n)]
+            tag = "loss" if call is LOSS else "found_inf" if call is FOUND_INF else f"{elems:,} elements"
             out += [{"axis": "dp", "op": op, "tag": tag, "bytes_sent": sent}] * repeat
         return out
     from refpar.analysis.intra_layer import expected_calls

@@ -290,7 +290,8 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict[str
         r, dr = divmod(rank, d)  # the mesh lays pp slowest, then dp
         names = {n for st in stages if st.stage % p == r for n in st.param_names()}
         held = sum(params[n].nbytes for n in names)
-        peaks = {"params": held, "grads": held, "optimizer": 2 * held if train.optimizer == "adamw" else 0,
+        peaks = {"params": held, "grads": held, "master": 0,
+                 "optimizer": 2 * held if train.optimizer == "adamw" else 0,
                  "activations": max(replays[dr][r], default=0), "comm": 0}
         out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
     return out
