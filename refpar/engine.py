@@ -104,11 +104,8 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
         raise ConfigError("--sp and cp both shard the sequence; drop --sp when the mesh has cp")
     if opts.cp_algo is not None and c < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
-    if c > 1 and opts.zero == 3:
-        raise ConfigError("ZeRO-3 reduces its gradients over dp inside every action, before cp's sum; "
-                          "use --zero 0 or 1 with cp")
-    if opts.zero and sizes["dp"] < 2:
-        raise ConfigError(f"--zero {opts.zero} shards over dp ranks; give the mesh dp=2 or more")
+    if opts.zero and sizes["dp"] * c < 2:
+        raise ConfigError(f"--zero {opts.zero} shards over the dp (and cp) ranks; give the mesh dp=2 or more")
     train.check_model(model)
     t, p, d = sizes["tp"], sizes["pp"], sizes["dp"]
     check_tp(model, t)
@@ -210,8 +207,22 @@ class ZeroThreeStage(TensorParallelStage):
         return dx, {}  # the gradients are in the shards already
 
 
+def zero_group(mesh):
+    """The ranks ZeRO shards over and sums gradients across: dp, or dp x cp when the mesh has cp.
+    cp ranks hold the same weights and see different tokens, so, as Megatron-LM's data-parallel
+    group with context parallelism, one reduce-scatter sums both axes' gradients and the optimizer
+    state splits d*c ways. Its rank is dp * c + cp; its traffic is traced as axis "dp_cp"."""
+    sizes, co = mesh.sizes, mesh.coords
+    if sizes["cp"] == 1:
+        return mesh.dp
+    others = (co["pp"], co["ep"], co["tp"])  # the dp x cp plane through this rank
+    color = int(np.ravel_multi_index(others, (sizes["pp"], sizes["ep"], sizes["tp"])))
+    return mesh.world.split(color, key=co["dp"] * sizes["cp"] + co["cp"], axis="dp_cp")
+
+
 class ZeroOne:
-    """ZeRO-1 over dp of this rank's flat parameters: optimizer state for its shard_range only."""
+    """ZeRO-1 over `dp` (zero_group: dp or dp x cp) of this rank's flat parameters: optimizer state
+    for its shard_range only."""
 
     def __init__(self, params: dict, train: TrainConfig, dp, ledger: MemoryLedger):
         self.names = list(params)
@@ -241,8 +252,8 @@ class ZeroOne:
         shape), all-gather; returns the new parameters, views of the gathered buffer."""
         self.t += 1
         flat = self.ledger.alloc("comm.grads", self.flatten(grads), "comm")  # (Ψl,)
-        g = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(flat, tag="grads.dp:zero1"),
-                              "comm")  # (Ψl/d,)
+        g = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(
+            flat, tag=f"grads.{self.dp.axis}:zero1"), "comm")  # (Ψl/d,)
         self.ledger.free("comm.grads")
         p = self.flatten(params, self.a, self.b)  # (Ψl/d,)
         for i, n in enumerate(self.names):
@@ -256,7 +267,7 @@ class ZeroOne:
             else:
                 p[s] = sgd_update(p[s], g[s], self.train, decay)
         full = self.ledger.alloc("comm.params", self.dp.all_gather(
-            p, tag="params.dp:zero1", counts=self.counts), "comm")  # (Ψl,)
+            p, tag=f"params.{self.dp.axis}:zero1", counts=self.counts), "comm")  # (Ψl,)
         self.ledger.free("comm.grad_shard")
         self.ledger.free("comm.params")
         return {n: full[self.starts[i]:self.starts[i + 1]].reshape(self.shapes[n])
@@ -285,17 +296,16 @@ def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None
     """(checkpoint.Piece, view) for what this rank holds: its stages' tp shards (boxes of the global
     tensors, `tp_param_slices`) and their AdamW moments, whole or, under ZeRO-1, the range [a, b)
     of this rank's parameters laid end to end (`checkpoint.shard_pieces` cuts either into boxes).
-    Saving writes each element once: each dp rank its [a, b) of the replicated tensors, tp rank 0
+    Saving writes each element once: each (dp, cp) rank its [a, b) of the replicated tensors, tp rank 0
     what every tp rank holds whole, pp rank 0 the tied wte (the last stage holds it too)."""
     from refpar import checkpoint
     from refpar.parallel.tensor_parallel import tp_param_slices
 
-    coords, names = mesh.coords, list(params)
-    if saving and coords.get("cp", 0):  # cp ranks hold the same parameters: cp rank 0 writes them
-        return []
+    coords, names, c = mesh.coords, list(params), mesh.sizes["cp"]
     slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
     starts = np.cumsum([0] + [params[n].size for n in names]).tolist()
-    own = shard_range(starts[-1], mesh.sizes["dp"], coords["dp"])  # ZeRO-1's [a, b)
+    # ZeRO-1's [a, b) over zero_group's dp x cp ranks (which hold the same parameters)
+    own = shard_range(starts[-1], mesh.sizes["dp"] * c, coords["dp"] * c + coords["cp"])
     every = own if saving else (0, starts[-1])
 
     def whole(arrays):  # elements [lo, hi) of tensor n as a view (copy=False): loading writes into it
@@ -345,9 +355,10 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     full = shard_params_tp(init_params(model, train.seed), model, t, mesh.coords["tp"])
     # Drawn whole on the host, sliced by tp, then by pp, then moved to the run's backend.
     params = backend.current().from_host({n: full[n] for n in executor.param_names()})
+    group = zero_group(mesh) if opts.zero else None  # dp, or dp x cp
     zero3 = tied = None
     if opts.zero == 3:
-        zero3, tied = ZeroThree(params, executor.stages, train, dp, ledger), executor.embedding_group
+        zero3, tied = ZeroThree(params, executor.stages, train, group, ledger), executor.embedding_group
         executor.stages = {s: ZeroThreeStage(model, executor.layout.n_stages, s, lay, zero3)
                            for s in executor.stages}
         executor.embedding_group = None  # the tied sum runs on the shards (ZeroThree.sum_tied)
@@ -355,7 +366,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         params = {}  # the stages gather what they need
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
-    zero = ZeroOne(params, train, dp, ledger) if opts.zero == 1 else None
+    zero = ZeroOne(params, train, group, ledger) if opts.zero == 1 else None
     state = optimizer_init(params, train) if zero is None and zero3 is None else None
     for moment in ("m", "v") if state is not None and train.optimizer == "adamw" else ():
         for n in params:
@@ -391,7 +402,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
             if sp_names:
                 grads |= all_reduce_replicated_grads({n: grads[n] for n in sp_names}, tp,
                                                      "sp.replicated_grads:bwd")
-            if cp is not None:  # each cp rank's gradients cover its tokens only: sum them
+            if cp is not None and not opts.zero:  # each cp rank's gradients cover its tokens only
                 grads = all_reduce_replicated_grads(grads, cp, "grads.cp:bwd")
             if zero3 is not None:
                 zero3.sum_tied(tied)

@@ -76,6 +76,14 @@ def zero3_units(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> d
             for s in (c * p + coords["pp"] for c in range(chunks))}
 
 
+def zero_shards(sizes: dict, coords: dict) -> tuple[str, int, int]:
+    """(axis, size, rank) of the ranks ZeRO shards over (engine.zero_group): dp, or dp x cp."""
+    c = sizes.get("cp", 1)
+    if c == 1:
+        return "dp", sizes["dp"], coords["dp"]
+    return "dp_cp", sizes["dp"] * c, coords["dp"] * c + coords["cp"]
+
+
 def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
     """Tokens of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
     if c == 1:
@@ -127,6 +135,7 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                         continue
                     add(call.axis, call.op, call.bytes_sent, call.bytes_recv)
         numels = rank_param_numels(model, sizes, co, v)
+        axis, n_z, g = zero_shards(sizes, co)  # ZeRO's group
         if opts.sp:
             n = sum(numels[nm] for nm in sequence_parallel_param_names(model) if nm in numels)
             ar = cost.all_reduce_bytes(n, t, k, e)
@@ -137,32 +146,32 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
             add("pp", "isend", p2p, 0)
             add("pp", "irecv", 0, p2p)
             if r in (0, p - 1):
-                tied = numels["wte.weight"] if opts.zero != 3 else shard_sizes(numels["wte.weight"], d)[q]
+                tied = numels["wte.weight"] if opts.zero != 3 else shard_sizes(numels["wte.weight"], n_z)[g]
                 ar = cost.all_reduce_bytes(tied, 2, int(r == p - 1), e)
                 add("pp", "all_reduce", ar.sent, ar.recv)
             ar = cost.all_reduce_bytes(1, p, r, 8)
             add("pp", "all_reduce", ar.sent, ar.recv)
-        if c > 1:  # every gradient, then the loss, summed over cp
-            for n, size in ((sum(numels.values()), e), (1, 8)):
+        total = sum(numels.values())
+        if c > 1:  # every gradient (unless ZeRO sums them over dp x cp), then the loss, over cp
+            for n, size in ((0 if opts.zero else total, e), (1, 8)):
                 ar = cost.all_reduce_bytes(n, c, co["cp"], size)
                 add("cp", "all_reduce", ar.sent, ar.recv)
+        if opts.zero == 3:  # per microbatch and stage: gathered for F and for B, reduced after B
+            for units in zero3_units(model, sizes, co, v).values():
+                for n in units.values():
+                    ag = cost.all_gather_bytes(shard_sizes(n, n_z), g, e)
+                    rs = cost.reduce_scatter_bytes(n, n_z, g, e)
+                    add(axis, "all_gather", 2 * ag.sent * len(rows), 2 * ag.recv * len(rows))
+                    add(axis, "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
+        elif opts.zero == 1:
+            rs = cost.reduce_scatter_bytes(total, n_z, g, e)
+            ag = cost.all_gather_bytes(shard_sizes(total, n_z), g, e)
+            add(axis, "reduce_scatter", rs.sent, rs.recv)
+            add(axis, "all_gather", ag.sent, ag.recv)
+        elif d > 1:
+            ar = cost.all_reduce_bytes(total, d, q, e)
+            add("dp", "all_reduce", ar.sent, ar.recv)
         if d > 1:
-            total = sum(numels.values())
-            if opts.zero == 3:  # per microbatch and stage: gathered for F and for B, reduced after B
-                for units in zero3_units(model, sizes, co, v).values():
-                    for n in units.values():
-                        ag = cost.all_gather_bytes(shard_sizes(n, d), q, e)
-                        rs = cost.reduce_scatter_bytes(n, d, q, e)
-                        add("dp", "all_gather", 2 * ag.sent * len(rows), 2 * ag.recv * len(rows))
-                        add("dp", "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
-            elif opts.zero == 1:
-                rs = cost.reduce_scatter_bytes(total, d, q, e)
-                ag = cost.all_gather_bytes(shard_sizes(total, d), q, e)
-                add("dp", "reduce_scatter", rs.sent, rs.recv)
-                add("dp", "all_gather", ag.sent, ag.recv)
-            else:
-                ar = cost.all_reduce_bytes(total, d, q, e)
-                add("dp", "all_reduce", ar.sent, ar.recv)
             ar = cost.all_reduce_bytes(1, d, q, 8)
             add("dp", "all_reduce", ar.sent, ar.recv)
         out += [{"rank": rank, "axis": a, "op": o, "bytes_sent": int(sb * train.steps),
@@ -215,12 +224,13 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
         kept = stored(schedule, lambda a, co=co, rows=rows: microbatch_activation_bytes(
             model, train, sizes, co, a.stage, S, rows[a.microbatch], opts), lambda a: 0)
         held = sum(rank_param_numels(model, sizes, co, v).values())
-        share = shard_sizes(held, d)[q] if opts.zero == 1 else held
+        _, n_z, g = zero_shards(sizes, co)
+        share = shard_sizes(held, n_z)[g] if opts.zero == 1 else held
         peaks = {"params": held * e, "grads": held * e,
                  "optimizer": 2 * share * e if train.optimizer == "adamw" else 0,
                  "activations": max(kept[r], default=0),
                  "comm": (held + share) * e if opts.zero == 1 else 0}
         if opts.zero == 3:
-            peaks |= _zero3_peaks(zero3_units(model, sizes, co, v), d, q, e, train.optimizer)
+            peaks |= _zero3_peaks(zero3_units(model, sizes, co, v), n_z, g, e, train.optimizer)
         out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
     return out

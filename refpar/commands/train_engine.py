@@ -35,10 +35,12 @@ P2P = ("isend", "irecv")  # their time is spent waiting for the other side: idle
 
 
 def wants_engine(sizes: dict[str, int], args) -> bool:
-    """pp together with tp or cp, or pp with ZeRO sharding over dp: what no single-strategy runner
-    composes."""
-    return sizes["pp"] > 1 and (sizes["tp"] > 1 or sizes["cp"] > 1 or args.sp or args.cp_algo is not None
-                                or args.zero > 0 or args.fsdp)
+    """What no single-strategy runner composes: pp together with tp or cp, or pp with ZeRO sharding
+    over dp; ZeRO with tp or cp; sp with cp."""
+    if sizes["pp"] > 1:
+        return (sizes["tp"] > 1 or sizes["cp"] > 1 or args.sp or args.cp_algo is not None
+                or args.zero > 0 or args.fsdp)
+    return (args.zero > 0 and (sizes["tp"] > 1 or sizes["cp"] > 1)) or (args.sp and sizes["cp"] > 1)
 
 
 def engine_options(sizes: dict[str, int], args) -> EngineOptions:
@@ -215,7 +217,7 @@ def report(say, comm_rows, expected_comm, memory_rows, expected_memory, train) -
     lines: dict[int, tuple[str, ...]] = {}
     for key in sorted(set(closed) | set(measured)):
         m, c = measured.get(key, (0, 0)), closed.get(key, (0, 0))
-        lines[key[0]] = (*lines.get(key[0], ()), f"{key[1]:<3} {key[2]:<14} {m[0]:>11,} ({m[1]:,}) | "
+        lines[key[0]] = (*lines.get(key[0], ()), f"{key[1]:<5} {key[2]:<14} {m[0]:>11,} ({m[1]:,}) | "
                          f"{c[0]:,} ({c[1]:,}){'' if m == c else '  MISMATCH'}")
     say(f"bytes sent (received) per rank over {train.steps} steps, measured | closed form:")
     for who, rows in _grouped(lines):
