@@ -44,7 +44,7 @@ from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine_zero3 import ZeroThree, attach, detach
+from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
@@ -93,12 +93,8 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
     if model.moe_blocks:
         raise ConfigError("the engine runs dense GPT-2 blocks; drop the MoE options or use "
                           "--mesh dp=D,ep=E for experts")
-    if opts.zero not in (0, 1, 3):
-        raise ConfigError(f"--zero {opts.zero} with tp or pp is not available; use --zero 0, 1 or 3 "
-                          "(ZeRO-2 and FSDP run on a dp-only mesh)")
-    if opts.zero == 3 and opts.sp:
-        raise ConfigError("--sp sums its region's gradients over tp, which ZeRO-3's dp shards mix "
-                          "with tp-sharded ones; use --zero 1 with --sp")
+    if opts.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {opts.zero} is not a ZeRO stage; use 0 (plain DP), 1, 2 or 3")
     c = sizes.get("cp", 1)
     if c > 1 and opts.sp:
         raise ConfigError("--sp and cp both shard the sequence; drop --sp when the mesh has cp")
@@ -220,6 +216,20 @@ def zero_group(mesh):
     return mesh.world.split(color, key=co["dp"] * sizes["cp"] + co["cp"], axis="dp_cp")
 
 
+class ZeroTwoStage(TensorParallelStage):
+    """A tensor-parallel stage whose B reduce-scatters each microbatch's gradients into ZeRO-2's
+    shards (the parameters stay whole on every rank)."""
+
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, zero: ZeroTwo):
+        super().__init__(config, n_stages, stage, lay)
+        self.zero = zero
+
+    def backward_input(self, dout, cache):
+        dx, grads = super().backward_input(dout, cache)
+        self.zero.reduce(self.stage, grads)
+        return dx, {}  # the gradients are in the shards already
+
+
 class ZeroOne:
     """ZeRO-1 over `dp` (zero_group: dp or dp x cp) of this rank's flat parameters: optimizer state
     for its shard_range only."""
@@ -331,6 +341,27 @@ def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None
     return out
 
 
+def sharded_grads(executor: EngineExecutor, params: dict, train: TrainConfig, group, ledger, lay,
+                  zero: int):
+    """ZeRO-2 or 3 (engine_zero3): (its state, the embedding group) with the executor's stages
+    replaced by ones that reduce-scatter every microbatch's gradients (ZeRO-3's also gather the
+    parameters around each action); the tied wte's sum then runs on the shards. (None, None)
+    for ZeRO 0 and 1."""
+    if zero < 2:
+        return None, None
+    tied, n_stages = executor.embedding_group, executor.layout.n_stages
+    executor.embedding_group = None  # ShardedGrads.sum_tied
+    if zero == 2:
+        state = ZeroTwo(params, executor.stages, train, group, ledger)
+        executor.stages = {s: ZeroTwoStage(executor.config, n_stages, s, lay, state) for s in executor.stages}
+    else:
+        state = ZeroThree(params, executor.stages, train, group, ledger)
+        executor.stages = {s: ZeroThreeStage(executor.config, n_stages, s, lay, state)
+                           for s in executor.stages}
+        executor.like = next(iter(state.shards.values()))
+    return state, tied
+
+
 def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions,
                on_step=None, *, save: str | None = None, save_every: int | None = None,
                resume: str | None = None) -> EngineRun:
@@ -338,7 +369,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     `resume`: start from that checkpoint (any mesh's); `save`: checkpoint every `save_every` steps
     and after the last (refpar/checkpoint.py)."""
     validate(model, train, mesh.sizes, opts)
-    if opts.zero == 3 and (save is not None or resume is not None):
+    if opts.zero >= 2 and (save is not None or resume is not None):
         raise ConfigError(NO_ZERO3_CHECKPOINTS)
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     t = mesh.sizes["tp"]
@@ -356,22 +387,18 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     # Drawn whole on the host, sliced by tp, then by pp, then moved to the run's backend.
     params = backend.current().from_host({n: full[n] for n in executor.param_names()})
     group = zero_group(mesh) if opts.zero else None  # dp, or dp x cp
-    zero3 = tied = None
+    sharded, tied = sharded_grads(executor, params, train, group, ledger, lay, opts.zero)
     if opts.zero == 3:
-        zero3, tied = ZeroThree(params, executor.stages, train, group, ledger), executor.embedding_group
-        executor.stages = {s: ZeroThreeStage(model, executor.layout.n_stages, s, lay, zero3)
-                           for s in executor.stages}
-        executor.embedding_group = None  # the tied sum runs on the shards (ZeroThree.sum_tied)
-        executor.like = next(iter(zero3.shards.values()))
         params = {}  # the stages gather what they need
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
     zero = ZeroOne(params, train, group, ledger) if opts.zero == 1 else None
-    state = optimizer_init(params, train) if zero is None and zero3 is None else None
+    state = optimizer_init(params, train) if opts.zero == 0 else None
     for moment in ("m", "v") if state is not None and train.optimizer == "adamw" else ():
         for n in params:
             ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
-    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
+    sp_names = ([n for n in sequence_parallel_param_names(model) if n in executor.param_names()]
+                if opts.sp else [])
     start_step = 0
     if resume is not None:
         from refpar import checkpoint
@@ -395,18 +422,23 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         start = time.perf_counter()
         with tracer.context(step=step) if tracer else nullcontext():
             tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (B/d, T) each
-            if zero3 is not None:
-                zero3.begin_step()
+            if sharded is not None:
+                sharded.begin_step()
             loss, grads = executor.step(params, microbatches(tokens, targets, first, opts.microbatches),
                                         step=step, seed=train.seed, normalizer=normalizer)
-            if sp_names:
+            if sp_names and sharded is None:
                 grads |= all_reduce_replicated_grads({n: grads[n] for n in sp_names}, tp,
                                                      "sp.replicated_grads:bwd")
             if cp is not None and not opts.zero:  # each cp rank's gradients cover its tokens only
                 grads = all_reduce_replicated_grads(grads, cp, "grads.cp:bwd")
-            if zero3 is not None:
-                zero3.sum_tied(tied)
-                zero3.step()
+            if sharded is not None:  # ZeRO-2 or 3: the sums and the update on the gradient shards
+                sharded.sum_tied(tied)
+                if sp_names:
+                    sharded.sum_sequence_parallel(tp, set(sp_names))
+                if opts.zero == 3:
+                    sharded.step()
+                else:
+                    sharded.step(params)  # ZeRO-2 writes the gathered units into params
             elif zero is not None:
                 params = zero.step(params, grads)
             else:
@@ -429,8 +461,8 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
                     model, mesh, params, state, zero, saving=True), model, train, mesh.sizes,
                     f"engine zero{opts.zero}", mesh.world)
     totals = tracer.totals() if tracer else {}  # before the gathers below add their own
-    if zero3 is not None:
-        params = zero3.full_params()
+    if opts.zero == 3:
+        params = sharded.full_params()
     measured = executor.measured_timeline()
     return EngineRun(losses, times, windows, params, executor, ledger, totals, tracer, measured,
                      executor.simulated_timeline(measured), start_step)

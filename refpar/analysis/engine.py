@@ -84,6 +84,24 @@ def zero_shards(sizes: dict, coords: dict) -> tuple[str, int, int]:
     return "dp_cp", sizes["dp"] * c, coords["dp"] * c + coords["cp"]
 
 
+def sp_shard_numel(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> int:
+    """Elements of the sequence-sharded region's parameters inside this rank's ZeRO-2/3 gradient
+    shards: what ShardedGrads.sum_sequence_parallel all-reduces over tp."""
+    numels = rank_param_numels(model, sizes, coords, chunks)
+    region = set(sequence_parallel_param_names(model))
+    _, n_z, g = zero_shards(sizes, coords)
+    p, total = sizes["pp"], 0
+    for s in (c * p + coords["pp"] for c in range(chunks)):
+        for names in units_of(Stage(model, p * chunks, s).param_names()).values():
+            a, b = shard_range(sum(numels[n] for n in names), n_z, g)
+            start = 0
+            for n in names:
+                if n in region:
+                    total += max(0, min(start + numels[n], b) - max(start, a))
+                start += numels[n]
+    return total
+
+
 def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
     """Tokens of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
     if c == 1:
@@ -137,7 +155,8 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
         numels = rank_param_numels(model, sizes, co, v)
         axis, n_z, g = zero_shards(sizes, co)  # ZeRO's group
         if opts.sp:
-            n = sum(numels[nm] for nm in sequence_parallel_param_names(model) if nm in numels)
+            n = (sp_shard_numel(model, sizes, co, v) if opts.zero >= 2 else
+                 sum(numels[nm] for nm in sequence_parallel_param_names(model) if nm in numels))
             ar = cost.all_reduce_bytes(n, t, k, e)
             add("tp", "all_reduce", ar.sent, ar.recv)
         if p > 1:
@@ -146,7 +165,7 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
             add("pp", "isend", p2p, 0)
             add("pp", "irecv", 0, p2p)
             if r in (0, p - 1):
-                tied = numels["wte.weight"] if opts.zero != 3 else shard_sizes(numels["wte.weight"], n_z)[g]
+                tied = numels["wte.weight"] if opts.zero < 2 else shard_sizes(numels["wte.weight"], n_z)[g]
                 ar = cost.all_reduce_bytes(tied, 2, int(r == p - 1), e)
                 add("pp", "all_reduce", ar.sent, ar.recv)
             ar = cost.all_reduce_bytes(1, p, r, 8)
@@ -163,6 +182,14 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                     rs = cost.reduce_scatter_bytes(n, n_z, g, e)
                     add(axis, "all_gather", 2 * ag.sent * len(rows), 2 * ag.recv * len(rows))
                     add(axis, "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
+        elif opts.zero == 2:  # per microbatch and stage reduced after B; each unit gathered once
+            for units in zero3_units(model, sizes, co, v).values():
+                for n in units.values():
+                    rs = cost.reduce_scatter_bytes(n, n_z, g, e)
+                    add(axis, "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
+            for n in _owned_units(zero3_units(model, sizes, co, v)).values():
+                ag = cost.all_gather_bytes(shard_sizes(n, n_z), g, e)
+                add(axis, "all_gather", ag.sent, ag.recv)
         elif opts.zero == 1:
             rs = cost.reduce_scatter_bytes(total, n_z, g, e)
             ag = cost.all_gather_bytes(shard_sizes(total, n_z), g, e)
@@ -180,17 +207,26 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
     return out
 
 
-def _zero3_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, optimizer: str) -> dict:
-    """Shards of every unit (wte once), plus the largest stage gathered (params); plus, while a
-    microbatch's gradients are reduced, the stage's whole gradient and one unit's flat copy (grads);
-    the largest reduced shard (comm)."""
-    units = {("wte" if u == "wte" else (s, u)): n for s, us in stages.items() for u, n in us.items()}
+def _owned_units(stages: dict[int, dict[str, int]]) -> dict:
+    """unit -> elements, wte once when the first and the last stage are on one rank."""
+    return {("wte" if u == "wte" else (s, u)): n for s, us in stages.items() for u, n in us.items()}
+
+
+def _sharded_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, optimizer: str,
+                   zero: int) -> dict:
+    """ZeRO-2 and 3: shards of every unit's gradient and AdamW moments; plus, while a microbatch's
+    gradients are reduced, the stage's whole gradient and one unit's flat copy (grads). ZeRO-3: the
+    parameter shards plus the largest stage gathered (params), the largest reduced shard (comm).
+    ZeRO-2: the parameters whole; the largest unit all-gathered after the step (comm)."""
+    units = _owned_units(stages)
     shards = {k: shard_sizes(n, d)[q] for k, n in units.items()}
     owned = sum(shards.values())
-    return {"params": (owned + max(sum(us.values()) for us in stages.values())) * e,
-            "grads": (owned + max(sum(us.values()) + max(us.values()) for us in stages.values())) * e,
-            "optimizer": 2 * owned * e if optimizer == "adamw" else 0,
-            "comm": max(shards.values()) * e}
+    peaks = {"grads": (owned + max(sum(us.values()) + max(us.values()) for us in stages.values())) * e,
+             "optimizer": 2 * owned * e if optimizer == "adamw" else 0}
+    if zero == 2:
+        return peaks | {"comm": max(units.values()) * e}
+    return peaks | {"params": (owned + max(sum(us.values()) for us in stages.values())) * e,
+                    "comm": max(shards.values()) * e}
 
 
 def microbatch_activation_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict,
@@ -230,7 +266,7 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
                  "optimizer": 2 * share * e if train.optimizer == "adamw" else 0,
                  "activations": max(kept[r], default=0),
                  "comm": (held + share) * e if opts.zero == 1 else 0}
-        if opts.zero == 3:
-            peaks |= _zero3_peaks(zero3_units(model, sizes, co, v), n_z, g, e, train.optimizer)
+        if opts.zero >= 2:
+            peaks |= _sharded_peaks(zero3_units(model, sizes, co, v), n_z, g, e, train.optimizer, opts.zero)
         out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
     return out

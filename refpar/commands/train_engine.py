@@ -47,8 +47,8 @@ def engine_options(sizes: dict[str, int], args) -> EngineOptions:
     kind = args.schedule or "1f1b"
     v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
     if args.fsdp:
-        raise ConfigError("--fsdp runs on a dp-only mesh; with pp use --zero 1 or 3")
-    if args.zero == 3 and (args.save or args.resume):
+        raise ConfigError("--fsdp runs on a dp-only mesh; with pp use --zero 1, 2 or 3")
+    if args.zero >= 2 and (args.save or args.resume):
         raise ConfigError(NO_ZERO3_CHECKPOINTS)
     return EngineOptions(kind, args.microbatches, v, args.sp, args.zero, args.cp_algo)
 
