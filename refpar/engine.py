@@ -55,7 +55,13 @@ from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.runner import microbatches
 from refpar.parallel.pipeline.schedules import Timeline, build
 from refpar.parallel.pipeline.stage import Stage, stage_layers
-from refpar.parallel.sequence_parallel import check_sp, sequence_parallel_param_names, sp_layout
+from refpar.parallel.sequence_parallel import (
+    check_sp,
+    check_sp_cp,
+    sequence_parallel_param_names,
+    sp_cp_layout,
+    sp_layout,
+)
 from refpar.parallel.tensor_parallel import (
     check_tp,
     gather_params_tp,
@@ -96,8 +102,6 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
     if opts.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero {opts.zero} is not a ZeRO stage; use 0 (plain DP), 1, 2 or 3")
     c = sizes.get("cp", 1)
-    if c > 1 and opts.sp:
-        raise ConfigError("--sp and cp both shard the sequence; drop --sp when the mesh has cp")
     if opts.cp_algo is not None and c < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
     if opts.zero and sizes["dp"] * c < 2:
@@ -111,6 +115,8 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
         check_sp(model, train.seq_len, t)
     if c > 1:
         check_cp(model, train.seq_len, c, opts.cp_algo or "ring", t)
+        if opts.sp:
+            check_sp_cp(model, train.seq_len, t, c, opts.cp_algo or "ring")
     build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
     stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
     if train.batch_size // d < opts.microbatches:
@@ -374,7 +380,9 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     t = mesh.sizes["tp"]
     cp = mesh.cp if mesh.sizes.get("cp", 1) > 1 else None
-    if cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
+    if cp is not None and opts.sp:  # sp inside each cp rank's tokens
+        lay = sp_cp_layout(model, train.seq_len, cp, opts.cp_algo or "ring", tp)
+    elif cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
         lay = cp_layout(model, train.seq_len, cp, opts.cp_algo or "ring", tp if t > 1 else None)
     elif opts.sp:
         lay = sp_layout(model, train.seq_len, tp)

@@ -113,7 +113,7 @@ def _shape(model: ModelConfig, sizes: dict, T: int, coords: dict, b: int, opts) 
     t, k, c = sizes["tp"], coords["tp"], sizes.get("cp", 1)
     tokens = cp_tokens(T, c, opts.cp_algo)
     Ta = tokens[coords.get("cp", 0)]
-    return RankShape(B=b, T=T, Ta=Ta, Tl=shard_sizes(T, t)[k] if opts.sp else Ta, t=t, c=c,
+    return RankShape(B=b, T=T, Ta=Ta, Tl=shard_sizes(Ta, t)[k] if opts.sp else Ta, t=t, c=c,
                      nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
                      e=np.dtype(model.dtype).itemsize, cp_tokens=tuple(tokens), cp_rank=coords.get("cp", 0))
 
@@ -160,7 +160,8 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
             ar = cost.all_reduce_bytes(n, t, k, e)
             add("tp", "all_reduce", ar.sent, ar.recv)
         if p > 1:
-            Tl = shard_sizes(T, t)[k] if opts.sp else cp_tokens(T, c, opts.cp_algo)[co["cp"]]
+            Ta = cp_tokens(T, c, opts.cp_algo)[co["cp"]]
+            Tl = shard_sizes(Ta, t)[k] if opts.sp else Ta
             p2p = (2 * v - (r == 0) - (r == p - 1)) * sum(rows) * Tl * C * e
             add("pp", "isend", p2p, 0)
             add("pp", "irecv", 0, p2p)
