@@ -3,10 +3,11 @@
 
     mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,cp=2,tp=2 --microbatches 2 --check
+    mpiexec -n 8 python -m refpar train --mesh dp=2,cp=2,pp=2 --zero 3 --microbatches 2 --check
 
-Legend: b microbatch rows, T sequence, Tl tokens of the residual stream on this rank (T, T/tp
-under sequence parallelism, or this cp rank's tokens), C channels, t tp size, Ψl elements of the
-parameters this rank holds.
+Legend: b microbatch rows, T sequence, Ta this cp rank's tokens (T without cp), Tl tokens of the
+residual stream on this rank (Ta, or Ta/t under sequence parallelism), C channels, t tp size, Ψl
+elements of the parameters this rank holds, d the ranks ZeRO shards over (dp, or dp x cp).
 
 A rank at mesh coordinates (pp, dp, cp, tp) holds the tp shard (tensor_parallel.shard_params_tp) of
 the parameters of its pipeline stages (stage.Stage.param_names). One step composes the strategies'
@@ -19,13 +20,18 @@ own pieces, nothing is written again:
     cp           the stages' attention is context_parallel's ring (zig-zag tokens) or Ulysses
                  core on the cp_layout, every other piece runs on this rank's tokens; the
                  gradients, each over this rank's tokens only, summed over cp (one all-reduce)
+                 under --zero 0; ZeRO sums them in its own reduce over dp x cp (below)
     tied wte     the executor's embedding group: first and last pp rank, per tp rank (same rows)
-    sp           the sequence-sharded region's gradients summed over tp (one all-reduce)
+    sp           the sequence-sharded region's gradients summed over tp (one all-reduce); with
+                 cp the sp pair runs inside each cp rank's tokens (sequence_parallel.sp_cp_layout)
     dp           --zero 0: every gradient summed over dp (intra_layer.all_reduce_replicated_grads)
-                 --zero 1: the flat gradient reduce-scattered over dp, AdamW on this rank's
-                 shard only, the updated shard all-gathered (Rajbhandari et al. 2020, P_os)
-                 --zero 3: parameters sharded too, gathered around every action
-                 (refpar/engine_zero3.py)
+                 --zero 1: the flat gradient reduce-scattered over d ranks, AdamW on this
+                 rank's shard only, the updated shard all-gathered (Rajbhandari et al. 2020, P_os)
+                 --zero 2: each microbatch's gradients reduce-scattered after its stage's B,
+                 units all-gathered after the update (P_os+g; refpar/engine_zero3.py)
+                 --zero 3: parameters sharded too, gathered around every action (P_os+g+p)
+                 ZeRO's d ranks are `zero_group`: dp, or dp x cp when the mesh has cp (cp ranks
+                 hold the same weights and see different tokens: Megatron-LM's dp-cp group)
     loss         the last stage's microbatch losses summed over pp, then over cp, then over dp
 
 A tensor-parallel piece computes its input and weight gradients together, so a stage's B is the
@@ -77,7 +83,8 @@ from refpar.parallel.tensor_parallel import (
 from refpar.sharding import shard_range, shard_sizes
 
 AXES = ("pp", "dp", "cp", "tp")  # the axes the engine composes; ep runs in its own runner
-NO_ZERO3_CHECKPOINTS = "--save and --resume hold ZeRO 0 or 1 states; use --zero 0 or 1 to checkpoint"
+NO_ZERO3_CHECKPOINTS = ("--save and --resume hold the engine's ZeRO 0 or 1 states; use --zero 0 or 1 "
+                        "to checkpoint")
 
 
 @dataclass(frozen=True)

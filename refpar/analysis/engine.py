@@ -2,27 +2,34 @@
 per rank by category, composed from the strategies' own closed forms.
 
 Legend: p pp size, d dp size, t tp size, v chunks, b_i rows of microbatch i, B_d = sum b_i the
-rows of this pipeline, T sequence, c cp size, Tl residual tokens (T, T/t under sp, or the cp
-rank's tokens, `cp_tokens`), C channels, e bytes per element, Ψl elements of the parameters a rank
-holds (its stages' tp shards).
+rows of this pipeline, T sequence, c cp size, Ta the cp rank's tokens (`cp_tokens`; T without cp),
+Tl residual tokens (Ta, or Ta/t under sp), C channels, e bytes per element, Ψl elements of the
+parameters a rank holds (its stages' tp shards), n the ranks ZeRO shards over (`zero_shards`: d,
+or d c over the "dp_cp" axis when the mesh has cp), Ψ_u a unit (engine_zero3.units_of), s_u this
+rank's share of it.
 
 Per step, the rank at (pp r, dp q, cp j, tp k):
 - tp: for each microbatch and each of its stages, the calls of tensor parallelism over the stage's
   blocks (analysis.intra_layer; the embedding's calls on the first stage, the head's on the last),
-  with B = b_i; under sp one all-reduce of the sequence-sharded region's gradients.
+  with B = b_i (under sp the pair spans Ta tokens); under sp one all-reduce of the sequence-sharded
+  region's gradients (ZeRO-2/3: only their segments inside this rank's gradient shards).
 - pp: (2v - [r = 0] - [r = p-1]) activations or input gradients of (B_d, Tl, C) each way (see
   pipeline/runner.expected_comm_rows); wte's shard (V/t, C) all-reduced by the first and last
   rank; the loss (one float64) over pp.
 - cp: for each microbatch and each of its stages, ring attention's K/V hops or Ulysses'
-  all-to-alls over the stage's blocks (analysis.intra_layer, B = b_i, this rank's tokens); one
-  all-reduce of Ψl and one of the loss.
-- dp: --zero 0: one all-reduce of Ψl; --zero 1: a reduce-scatter and an all-gather of Ψl
-  (ZeRO's 2Ψ); the loss over dp.
+  all-to-alls over the stage's blocks (analysis.intra_layer, B = b_i, this rank's tokens); the
+  loss, and under --zero 0 one all-reduce of Ψl.
+- dp (ZeRO: over n ranks): --zero 0: one all-reduce of Ψl; --zero 1: a reduce-scatter and an
+  all-gather of Ψl (ZeRO's 2Ψ); --zero 2: per microbatch and stage a reduce-scatter of each unit,
+  per step an all-gather of each unit; --zero 3: per microbatch and stage two all-gathers and a
+  reduce-scatter of each unit (3Ψ); the loss over dp.
 Memory: params and grads Ψl e; AdamW 2Ψl e (zero 1: 2 e times this rank's shard_range share);
 activations: the schedule's replay (schedules.stored) with the bytes a microbatch keeps after F
 (analysis.activations: embedding, blocks with local, ring or Ulysses attention, head, for b_i
-rows and this rank's tokens); comm (zero 1): the flat gradient
-and the reduced shard, (Ψl + Ψl/d) e.
+rows and this rank's tokens); comm (zero 1): the flat gradient and the reduced shard,
+(Ψl + Ψl/n) e. ZeRO-2 and 3 (`_sharded_peaks`): grads Σ s_u plus a stage's whole gradient and one
+unit's flat copy while reduced; AdamW 2 Σ s_u; ZeRO-3 params Σ s_u plus the largest stage
+gathered, comm the largest s_u; ZeRO-2 params Ψl, comm the largest Ψ_u (gathered after the step).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""`refpar train --mesh dp=D,tp=T,pp=P [--sp] [--zero 1|3] [--schedule KIND] [--microbatches M]`:
-the N-D engine (refpar/engine.py) as a job, for meshes that mix pp with tp (or with ZeRO-1/3).
+"""`refpar train --mesh dp=D,cp=C,tp=T,pp=P [--sp] [--zero 1|2|3] [--schedule KIND] [--microbatches M]`:
+the N-D engine (refpar/engine.py) as a job, for meshes that mix pp with tp, cp or ZeRO, ZeRO with
+tp or cp, or sp with cp.
 
     mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --steps 3 --check
 

@@ -93,8 +93,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.trainer import corpus_for, train_single_device
 
     sp, cp_algo = args.sp, args.cp_algo
-    if getattr(args, "zero", 0) or getattr(args, "fsdp", False):
-        raise ConfigError("--zero and --fsdp shard over a dp-only mesh; drop them when the mesh has tp or cp")
+    if getattr(args, "fsdp", False):  # --zero with tp or cp runs in the engine (train_engine.wants_engine)
+        raise ConfigError("--fsdp shards over a dp-only mesh; with tp or cp drop it or use --zero 1, 2 or 3")
     validate(model, train, sizes, sp, cp_algo)  # on every rank, before any communication
     tracer = Tracer()
     comm = world(tracer)
