@@ -83,8 +83,6 @@ from refpar.parallel.tensor_parallel import (
 from refpar.sharding import shard_range, shard_sizes
 
 AXES = ("pp", "dp", "cp", "tp")  # the axes the engine composes; ep runs in its own runner
-NO_ZERO3_CHECKPOINTS = ("--save and --resume hold the engine's ZeRO 0 or 1 states; use --zero 0 or 1 "
-                        "to checkpoint")
 
 
 @dataclass(frozen=True)
@@ -314,13 +312,15 @@ class EngineRun:
     first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
 
 
-def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None, zero, saving: bool
-                      ) -> list:
+def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None, zero, saving: bool,
+                      sharded=None) -> list:
     """(checkpoint.Piece, view) for what this rank holds: its stages' tp shards (boxes of the global
     tensors, `tp_param_slices`) and their AdamW moments, whole or, under ZeRO-1, the range [a, b)
     of this rank's parameters laid end to end (`checkpoint.shard_pieces` cuts either into boxes).
     Saving writes each element once: each (dp, cp) rank its [a, b) of the replicated tensors, tp rank 0
-    what every tp rank holds whole, pp rank 0 the tied wte (the last stage holds it too)."""
+    what every tp rank holds whole, pp rank 0 the tied wte (the last stage holds it too). ZeRO-2
+    and 3 (`sharded`) add their unit shards (`sharded_checkpoint_arrays`); ZeRO-3 holds no whole
+    parameters, so `params` is empty."""
     from refpar import checkpoint
     from refpar.parallel.tensor_parallel import tp_param_slices
 
@@ -351,6 +351,31 @@ def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None
                 axis, index = slices.get(n, (None, None))
                 out += checkpoint.shard_pieces(f"{prefix}/{n}", segment(i, n, lo, hi), params[n].shape,
                                                lo, axis, index)
+    return out + (sharded_checkpoint_arrays(model, mesh, sharded, saving) if sharded is not None else [])
+
+
+def sharded_checkpoint_arrays(model: ModelConfig, mesh, sharded, saving: bool) -> list:
+    """(checkpoint.Piece, view) of ZeRO-2's and 3's shards: the AdamW moments (and ZeRO-3's
+    parameters) of this rank's [a, b) of each unit, segment by segment, as flat ranges of the tp
+    shards they cut. The dp x cp ranks' shards are disjoint; saving, tp rank 0 writes what every
+    tp rank holds whole and pp rank 0 the tied wte (the last stage's wte shard is the same)."""
+    from refpar import checkpoint
+    from refpar.parallel.tensor_parallel import tp_param_slices
+
+    coords = mesh.coords
+    slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
+    held = [("params", sharded.shards)] if isinstance(sharded, ZeroThree) else []
+    if sharded.train.optimizer == "adamw":
+        held += [("adamw.m", sharded.m), ("adamw.v", sharded.v)]
+    out = []
+    for prefix, buffers in held:
+        for key in sharded.own:
+            for n, lo, hi, first in sharded.segments(key):
+                if saving and ((n == "wte.weight" and coords["pp"]) or (n not in slices and coords["tp"])):
+                    continue
+                axis, index = slices.get(n, (None, None))
+                out += checkpoint.shard_pieces(f"{prefix}/{n}", buffers[key][lo:hi], sharded.shapes[n],
+                                               first, axis, index)
     return out
 
 
@@ -382,8 +407,6 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     `resume`: start from that checkpoint (any mesh's); `save`: checkpoint every `save_every` steps
     and after the last (refpar/checkpoint.py)."""
     validate(model, train, mesh.sizes, opts)
-    if opts.zero >= 2 and (save is not None or resume is not None):
-        raise ConfigError(NO_ZERO3_CHECKPOINTS)
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     t = mesh.sizes["tp"]
     cp = mesh.cp if mesh.sizes.get("cp", 1) > 1 else None
@@ -419,14 +442,15 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         from refpar import checkpoint
 
         manifest = checkpoint.open_training(resume, model, train)
-        pairs = checkpoint_arrays(model, mesh, params, state, zero, saving=False)
+        pairs = checkpoint_arrays(model, mesh, params, state, zero, saving=False, sharded=sharded)
         for (_, view), loaded in zip(pairs, checkpoint.load(resume, [p for p, _ in pairs], manifest),
                                      strict=True):
             view[...] = loaded
         start_step = int(manifest["step"])
-        if zero is not None:
-            zero.t = start_step
-        else:
+        for optimizer in (zero, sharded):
+            if optimizer is not None:
+                optimizer.t = start_step
+        if state is not None:
             state["t"] = start_step
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
@@ -473,7 +497,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
 
             if checkpoint.should_save(step + 1, train.steps, save_every):
                 checkpoint.save_training(save, step + 1, checkpoint_arrays(
-                    model, mesh, params, state, zero, saving=True), model, train, mesh.sizes,
+                    model, mesh, params, state, zero, saving=True, sharded=sharded), model, train, mesh.sizes,
                     f"engine zero{opts.zero}", mesh.world)
     totals = tracer.totals() if tracer else {}  # before the gathers below add their own
     if opts.zero == 3:

@@ -26,7 +26,7 @@ from refpar.analysis.engine import (
     rank_param_numels,
 )
 from refpar.config import ConfigError
-from refpar.engine import NO_ZERO3_CHECKPOINTS, EngineOptions, full_params, run_engine, validate
+from refpar.engine import EngineOptions, full_params, run_engine, validate
 from refpar.memory import CATEGORIES
 from refpar.parallel.pipeline.schedules import simulate
 from refpar.parallel.pipeline.stage import stage_layers
@@ -49,8 +49,6 @@ def engine_options(sizes: dict[str, int], args) -> EngineOptions:
     v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
     if args.fsdp:
         raise ConfigError("--fsdp runs on a dp-only mesh; with pp use --zero 1, 2 or 3")
-    if args.zero >= 2 and (args.save or args.resume):
-        raise ConfigError(NO_ZERO3_CHECKPOINTS)
     return EngineOptions(kind, args.microbatches, v, args.sp, args.zero, args.cp_algo)
 
 
