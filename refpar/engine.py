@@ -30,6 +30,8 @@ own pieces, nothing is written again:
                  --zero 2: each microbatch's gradients reduce-scattered after its stage's B,
                  units all-gathered after the update (P_os+g; refpar/engine_zero3.py)
                  --zero 3: parameters sharded too, gathered around every action (P_os+g+p)
+                 --fsdp: ZeRO-3 by FSDP's units, a block gathered around each piece
+                 (refpar/engine_fsdp.py)
                  ZeRO's d ranks are `zero_group`: dp, or dp x cp when the mesh has cp (cp ranks
                  hold the same weights and see different tokens: Megatron-LM's dp-cp group)
     loss         the last stage's microbatch losses summed over pp, then over cp, then over dp
@@ -50,6 +52,7 @@ from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.engine_fsdp import FsdpStage, fsdp_units
 from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
@@ -93,6 +96,7 @@ class EngineOptions:
     sp: bool = False
     zero: int = 0
     cp_algo: str | None = None  # ring (default) or ulysses, when the mesh has cp
+    fsdp: bool = False  # with zero 3: FSDP's units, a block at a time (refpar/engine_fsdp.py)
 
 
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOptions) -> None:
@@ -106,6 +110,8 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
                           "--mesh dp=D,ep=E for experts")
     if opts.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero {opts.zero} is not a ZeRO stage; use 0 (plain DP), 1, 2 or 3")
+    if opts.fsdp and opts.zero != 3:
+        raise ConfigError("FSDP shards parameters, gradients and optimizer state; run it as zero 3")
     c = sizes.get("cp", 1)
     if opts.cp_algo is not None and c < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
@@ -380,11 +386,11 @@ def sharded_checkpoint_arrays(model: ModelConfig, mesh, sharded, saving: bool) -
 
 
 def sharded_grads(executor: EngineExecutor, params: dict, train: TrainConfig, group, ledger, lay,
-                  zero: int):
-    """ZeRO-2 or 3 (engine_zero3): (its state, the embedding group) with the executor's stages
-    replaced by ones that reduce-scatter every microbatch's gradients (ZeRO-3's also gather the
-    parameters around each action); the tied wte's sum then runs on the shards. (None, None)
-    for ZeRO 0 and 1."""
+                  zero: int, fsdp: bool = False):
+    """ZeRO-2 or 3 (engine_zero3) or FSDP (engine_fsdp): (its state, the embedding group) with the
+    executor's stages replaced by ones that reduce-scatter every microbatch's gradients (ZeRO-3's
+    also gather the stage's parameters around each action, FSDP's each block's around each
+    piece); the tied wte's sum then runs on the shards. (None, None) for ZeRO 0 and 1."""
     if zero < 2:
         return None, None
     tied, n_stages = executor.embedding_group, executor.layout.n_stages
@@ -392,6 +398,9 @@ def sharded_grads(executor: EngineExecutor, params: dict, train: TrainConfig, gr
     if zero == 2:
         state = ZeroTwo(params, executor.stages, train, group, ledger)
         executor.stages = {s: ZeroTwoStage(executor.config, n_stages, s, lay, state) for s in executor.stages}
+    elif fsdp:
+        state = ZeroThree(params, executor.stages, train, group, ledger, fsdp_units)
+        executor.stages = {s: FsdpStage(executor.config, n_stages, s, lay, state) for s in executor.stages}
     else:
         state = ZeroThree(params, executor.stages, train, group, ledger)
         executor.stages = {s: ZeroThreeStage(executor.config, n_stages, s, lay, state)
@@ -425,7 +434,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     # Drawn whole on the host, sliced by tp, then by pp, then moved to the run's backend.
     params = backend.current().from_host({n: full[n] for n in executor.param_names()})
     group = zero_group(mesh) if opts.zero else None  # dp, or dp x cp
-    sharded, tied = sharded_grads(executor, params, train, group, ledger, lay, opts.zero)
+    sharded, tied = sharded_grads(executor, params, train, group, ledger, lay, opts.zero, opts.fsdp)
     if opts.zero == 3:
         params = {}  # the stages gather what they need
     for n, p in params.items():

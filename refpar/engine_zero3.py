@@ -76,10 +76,11 @@ class ShardedGrads:
     scattered over `dp` (engine.zero_group: dp, or dp x cp) after every microbatch's backward of
     its stage, and the AdamW moments of that shard."""
 
-    def __init__(self, params: dict, stages: dict, train, dp, ledger):
+    def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of):
         self.train, self.dp, self.ledger, self.t = train, dp, ledger, 0
+        # unit_fn(names) -> {unit: names}: units_of, or engine_fsdp.fsdp_units (a unit per block)
         self.units = {(s, u): names for s, st in stages.items()
-                      for u, names in units_of(st.param_names()).items()}
+                      for u, names in unit_fn(st.param_names()).items()}
         self.shapes = {n: params[n].shape for n in params}
         self.grads, self.m, self.v, self.own, self.counts = {}, {}, {}, {}, {}
         like = params[next(iter(params))]
@@ -117,11 +118,12 @@ class ShardedGrads:
                 yield n, lo - a, hi - a, lo - start
             start += size
 
-    def reduce(self, stage: int, grads: dict) -> None:
-        """One microbatch's gradients of the stage (Ψ, held while reduced) into the shards."""
+    def reduce(self, stage: int, grads: dict, units=None) -> None:
+        """One microbatch's gradients of the stage's `units` (default all; held while reduced) into
+        the shards."""
         self.ledger.alloc("grads.stage", sum(nbytes_of(g) for g in grads.values()), "grads")
         for (s, u), names in self.units.items():
-            if s != stage:
+            if s != stage or (units is not None and u not in units):
                 continue
             key = self.key(s, u)
             xp = array_namespace(grads[names[0]])
@@ -176,8 +178,8 @@ class ShardedGrads:
 class ZeroThree(ShardedGrads):
     """ZeRO-3: also the parameters as this rank's unit shards, gathered over dp around each action."""
 
-    def __init__(self, params: dict, stages: dict, train, dp, ledger):
-        super().__init__(params, stages, train, dp, ledger)
+    def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of):
+        super().__init__(params, stages, train, dp, ledger, unit_fn)
         self.shards = {}
         for key, (a, b) in self.own.items():
             xp = array_namespace(params[self.units[key][0]])
@@ -185,11 +187,11 @@ class ZeroThree(ShardedGrads):
             self.shards[key] = ledger.alloc(f"params.shard.{key[0]}.{key[1]}",
                                             xp.asarray(flat[a:b], copy=True), "params")
 
-    def gather(self, stage: int, phase: str) -> tuple[dict, dict]:
-        """(name -> parameter view, unit -> gathered flat buffer) of the stage's units."""
+    def gather(self, stage: int, phase: str, units=None) -> tuple[dict, dict]:
+        """(name -> parameter view, unit -> gathered flat buffer) of the stage's `units` (default all)."""
         params, bases = {}, {}
         for (s, u), names in self.units.items():
-            if s != stage:
+            if s != stage or (units is not None and u not in units):
                 continue
             key = self.key(s, u)
             flat = self.dp.all_gather(self.shards[key], tag=f"s{stage}.{u}:params:{phase}",
@@ -213,10 +215,11 @@ class ZeroThree(ShardedGrads):
             self.update(key, p)
 
     def full_params(self) -> dict:
-        """Every parameter of this rank's stages (tp shards), gathered over dp: for the check."""
+        """Every parameter of this rank's stages (tp shards), gathered over dp a unit at a time (so
+        the ledger's peaks stay the training's): for the check."""
         out = {}
-        for stage in sorted({s for s, _ in self.units}):
-            params, bases = self.gather(stage, "check")
+        for stage, unit in self.units:
+            params, bases = self.gather(stage, "check", (unit,))
             out |= {n: np.array(backend.to_host(p)) for n, p in params.items()}
             self.release(bases)
         return out

@@ -42,6 +42,7 @@ from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes
 from refpar.analysis.intra_layer import RankShape, _ring_calls, _tp_calls, _ulysses_calls, zigzag_lengths
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
+from refpar.engine_fsdp import ENDS, fsdp_units
 from refpar.engine_zero3 import units_of
 from refpar.memory import CATEGORIES
 from refpar.model.gpt import param_shapes
@@ -74,12 +75,14 @@ def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, chunks: int
     return out
 
 
-def zero3_units(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> dict[int, dict[str, int]]:
-    """stage -> unit -> elements (engine_zero3.units_of over the rank's tp shards)."""
+def zero3_units(model: ModelConfig, sizes: dict, coords: dict, chunks: int, unit_fn=units_of
+                ) -> dict[int, dict[str, int]]:
+    """stage -> unit -> elements (engine_zero3.units_of, or engine_fsdp.fsdp_units, over the rank's
+    tp shards)."""
     numels = rank_param_numels(model, sizes, coords, chunks)
     p = sizes["pp"]
     return {s: {u: sum(numels[n] for n in names)
-                for u, names in units_of(Stage(model, p * chunks, s).param_names()).items()}
+                for u, names in unit_fn(Stage(model, p * chunks, s).param_names()).items()}
             for s in (c * p + coords["pp"] for c in range(chunks))}
 
 
@@ -91,7 +94,7 @@ def zero_shards(sizes: dict, coords: dict) -> tuple[str, int, int]:
     return "dp_cp", sizes["dp"] * c, coords["dp"] * c + coords["cp"]
 
 
-def sp_shard_numel(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> int:
+def sp_shard_numel(model: ModelConfig, sizes: dict, coords: dict, chunks: int, unit_fn=units_of) -> int:
     """Elements of the sequence-sharded region's parameters inside this rank's ZeRO-2/3 gradient
     shards: what ShardedGrads.sum_sequence_parallel all-reduces over tp."""
     numels = rank_param_numels(model, sizes, coords, chunks)
@@ -99,7 +102,7 @@ def sp_shard_numel(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -
     _, n_z, g = zero_shards(sizes, coords)
     p, total = sizes["pp"], 0
     for s in (c * p + coords["pp"] for c in range(chunks)):
-        for names in units_of(Stage(model, p * chunks, s).param_names()).values():
+        for names in unit_fn(Stage(model, p * chunks, s).param_names()).values():
             a, b = shard_range(sum(numels[n] for n in names), n_z, g)
             start = 0
             for n in names:
@@ -161,8 +164,9 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                     add(call.axis, call.op, call.bytes_sent, call.bytes_recv)
         numels = rank_param_numels(model, sizes, co, v)
         axis, n_z, g = zero_shards(sizes, co)  # ZeRO's group
+        unit_fn = fsdp_units if opts.fsdp else units_of
         if opts.sp:
-            n = (sp_shard_numel(model, sizes, co, v) if opts.zero >= 2 else
+            n = (sp_shard_numel(model, sizes, co, v, unit_fn) if opts.zero >= 2 else
                  sum(numels[nm] for nm in sequence_parallel_param_names(model) if nm in numels))
             ar = cost.all_reduce_bytes(n, t, k, e)
             add("tp", "all_reduce", ar.sent, ar.recv)
@@ -184,11 +188,12 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                 ar = cost.all_reduce_bytes(n, c, co["cp"], size)
                 add("cp", "all_reduce", ar.sent, ar.recv)
         if opts.zero == 3:  # per microbatch and stage: gathered for F and for B, reduced after B
-            for units in zero3_units(model, sizes, co, v).values():
-                for n in units.values():
+            for s, units in zero3_units(model, sizes, co, v, unit_fn).items():
+                for u, n in units.items():
                     ag = cost.all_gather_bytes(shard_sizes(n, n_z), g, e)
                     rs = cost.reduce_scatter_bytes(n, n_z, g, e)
-                    add(axis, "all_gather", 2 * ag.sent * len(rows), 2 * ag.recv * len(rows))
+                    k = len(rows) * _gathers(u, s, S, opts.fsdp)
+                    add(axis, "all_gather", k * ag.sent, k * ag.recv)
                     add(axis, "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
         elif opts.zero == 2:  # per microbatch and stage reduced after B; each unit gathered once
             for units in zero3_units(model, sizes, co, v).values():
@@ -215,17 +220,42 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
     return out
 
 
+def _gathers(unit: str, stage: int, n_stages: int, fsdp: bool) -> int:
+    """All-gathers of a unit per microbatch: ZeRO-3 gathers the stage for F and for B; FSDP gathers
+    a block for F and for B, the ends' units (wte, root) for the embedding's F and the head's F and B
+    (engine_fsdp.FsdpStage)."""
+    if not fsdp or unit not in ENDS:
+        return 2
+    return (stage == 0) + 2 * (stage == n_stages - 1)
+
+
+def _fsdp_grads(stages: dict[int, dict[str, int]], numels: dict, n_stages: int) -> int:
+    """FSDP's transient gradients (elements): while a block is reduced, its gradient and flat copy,
+    and on the last stage the head's gradients of wte and ln_f kept until the end of B; then the
+    ends' gradients (wte, root) and the larger one's flat copy."""
+    head = numels.get("wte.weight", 0) + numels.get("ln_f.weight", 0) + numels.get("ln_f.bias", 0)
+    most = 0
+    for s, units in stages.items():
+        blocks = [n for u, n in units.items() if u not in ENDS]
+        ends = [n for u, n in units.items() if u in ENDS]
+        most = max(most, (head if s == n_stages - 1 else 0) + 2 * max(blocks),
+                   sum(ends) + max(ends, default=0))
+    return most
+
+
 def _owned_units(stages: dict[int, dict[str, int]]) -> dict:
     """unit -> elements, wte once when the first and the last stage are on one rank."""
     return {("wte" if u == "wte" else (s, u)): n for s, us in stages.items() for u, n in us.items()}
 
 
 def _sharded_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, optimizer: str,
-                   zero: int) -> dict:
+                   zero: int, fsdp_grads: int | None = None) -> dict:
     """ZeRO-2 and 3: shards of every unit's gradient and AdamW moments; plus, while a microbatch's
     gradients are reduced, the stage's whole gradient and one unit's flat copy (grads). ZeRO-3: the
     parameter shards plus the largest stage gathered (params), the largest reduced shard (comm).
-    ZeRO-2: the parameters whole; the largest unit all-gathered after the step (comm)."""
+    ZeRO-2: the parameters whole; the largest unit all-gathered after the step (comm). FSDP
+    (`fsdp_grads`, its transient gradients): params the shards plus the largest set of units one
+    piece gathers (the ends' wte and root together, or one block)."""
     units = _owned_units(stages)
     shards = {k: shard_sizes(n, d)[q] for k, n in units.items()}
     owned = sum(shards.values())
@@ -233,6 +263,11 @@ def _sharded_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, op
              "optimizer": 2 * owned * e if optimizer == "adamw" else 0}
     if zero == 2:
         return peaks | {"comm": max(units.values()) * e}
+    if fsdp_grads is not None:
+        pieces = [n for us in stages.values() for u, n in us.items() if u not in ENDS]
+        pieces += [sum(n for u, n in us.items() if u in ENDS) for us in stages.values()]
+        return peaks | {"params": (owned + max(pieces)) * e, "grads": (owned + fsdp_grads) * e,
+                        "comm": max(shards.values()) * e}
     return peaks | {"params": (owned + max(sum(us.values()) for us in stages.values())) * e,
                     "comm": max(shards.values()) * e}
 
@@ -275,6 +310,8 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
                  "activations": max(kept[r], default=0),
                  "comm": (held + share) * e if opts.zero == 1 else 0}
         if opts.zero >= 2:
-            peaks |= _sharded_peaks(zero3_units(model, sizes, co, v), n_z, g, e, train.optimizer, opts.zero)
+            units = zero3_units(model, sizes, co, v, fsdp_units if opts.fsdp else units_of)
+            fsdp = _fsdp_grads(units, rank_param_numels(model, sizes, co, v), S) if opts.fsdp else None
+            peaks |= _sharded_peaks(units, n_z, g, e, train.optimizer, opts.zero, fsdp)
         out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
     return out
