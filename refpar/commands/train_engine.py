@@ -222,7 +222,7 @@ def report(say, comm_rows, expected_comm, memory_rows, expected_memory, train) -
     lines: dict[int, tuple[str, ...]] = {}
     for key in sorted(set(closed) | set(measured)):
         m, c = measured.get(key, (0, 0)), closed.get(key, (0, 0))
-        lines[key[0]] = (*lines.get(key[0], ()), f"{key[1]:<5} {key[2]:<14} {m[0]:>11,} ({m[1]:,}) | "
+        lines[key[0]] = (*lines.get(key[0], ()), f"{key[1]:<3} {key[2]:<14} {m[0]:>11,} ({m[1]:,}) | "
                          f"{c[0]:,} ({c[1]:,}){'' if m == c else '  MISMATCH'}")
     say(f"bytes sent (received) per rank over {train.steps} steps, measured | closed form:")
     for who, rows in _grouped(lines):
