@@ -116,7 +116,8 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
     if opts.cp_algo is not None and c < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
     if opts.zero and sizes["dp"] * c < 2:
-        raise ConfigError(f"--zero {opts.zero} shards over the dp (and cp) ranks; give the mesh dp=2 or more")
+        flag = "--fsdp" if opts.fsdp else f"--zero {opts.zero}"
+        raise ConfigError(f"{flag} shards over the dp (and cp) ranks; give the mesh dp=2 or more")
     train.check_model(model)
     t, p, d = sizes["tp"], sizes["pp"], sizes["dp"]
     check_tp(model, t)
@@ -405,6 +406,7 @@ def sharded_grads(executor: EngineExecutor, params: dict, train: TrainConfig, gr
         state = ZeroThree(params, executor.stages, train, group, ledger)
         executor.stages = {s: ZeroThreeStage(executor.config, n_stages, s, lay, state)
                            for s in executor.stages}
+    if zero == 3:  # the step is given no parameters: receives take the shards' namespace and device
         executor.like = next(iter(state.shards.values()))
     return state, tied
 
@@ -507,7 +509,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
             if checkpoint.should_save(step + 1, train.steps, save_every):
                 checkpoint.save_training(save, step + 1, checkpoint_arrays(
                     model, mesh, params, state, zero, saving=True, sharded=sharded), model, train, mesh.sizes,
-                    f"engine zero{opts.zero}", mesh.world)
+                    "engine fsdp" if opts.fsdp else f"engine zero{opts.zero}", mesh.world)
     totals = tracer.totals() if tracer else {}  # before the gathers below add their own
     if opts.zero == 3:
         params = sharded.full_params()
