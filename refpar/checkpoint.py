@@ -473,6 +473,7 @@ def open_training(path, model, train) -> dict:
     man = read_manifest(path)
     where = f"checkpoint {man['dir']}"
     for kind, mine in (("model", model.to_dict()), ("train", train.to_dict())):
+        mine = json.loads(json.dumps(mine))  # as the manifest stores it: tuples (moe_layers) as lists
         theirs = man.get(kind, {})
         for key, value in mine.items():
             if key != "steps" and theirs.get(key) != value:

@@ -13,7 +13,15 @@ of D (k, E) int64 arrays over the data ranks (refpar.comm.cost.all_gather_bytes)
 
 A training step (refpar/parallel/expert_parallel_run.py) adds one all-reduce of the dense
 gradients over the D data ranks (axis `data`), one of this rank's expert gradients over dp, and one
-of three loss numbers over the data ranks.
+of three loss numbers over the data ranks. With M microbatches each microbatch routes on its own:
+the counts' all-gather and the all-to-alls come once per microbatch and MoE layer, from that
+microbatch's K.
+
+In pipeline stages (refpar/engine_moe.py, p pp ranks, v chunks, b_j this rank's rows of microbatch
+j, T sequence) the rank at pp rank r does the above for the MoE layers of its stages, over its
+stage's D data ranks, with the dense gradients of its stages only; and on pp: (2v - [r = 0] -
+[r = p-1]) activations or input gradients of (b_j, T, C) each way per microbatch, wte (V, C)
+all-reduced by the first and the last rank, and the three loss numbers.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ import numpy as np
 
 from refpar.comm import cost
 from refpar.model.gpt import param_shapes
-from refpar.model.moe import capacity, expert_param_shapes
+from refpar.model.moe import capacity, expert_param_shapes, expert_prefix
+from refpar.parallel.pipeline.stage import stage_param_names
 from refpar.sharding import shard_range
 
 
@@ -114,9 +123,67 @@ def step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], kept_
     return out
 
 
-def model_state_bytes(config, ep: int, ep_rank: int, optimizer: str) -> dict[str, int]:
+def model_state_bytes(config, ep: int, ep_rank: int, optimizer: str, microbatches: int = 1
+                      ) -> dict[str, int]:
     """Peak bytes per category of what ep rank `ep_rank` holds in an expert-parallel run: the dense
-    weights and its experts, their gradients (one dict at a time) and AdamW's m and v."""
+    weights and its experts, their gradients (one dict at a time; two while a later microbatch's
+    are added to the sum) and AdamW's m and v."""
     itemsize = np.dtype(config.dtype).itemsize
     held = (dense_params(config) + expert_params_per_rank(config, ep, ep_rank)) * itemsize
+    return {"params": held, "grads": held * (2 if microbatches > 1 else 1),
+            "optimizer": {"adamw": 2, "sgd": 0}[optimizer] * held}
+
+
+# ------------------------------------------------------------------- MoE in pipeline stages
+def rank_param_numels(config, sizes: dict[str, int], coords: dict[str, int], chunks: int = 1
+                      ) -> dict[str, int]:
+    """Elements of each parameter the rank at `coords` holds in a pp x dp x ep run: its stages'
+    dense weights whole and, of their MoE blocks, the experts of its ep rank."""
+    p, ep = sizes.get("pp", 1), sizes.get("ep", 1)
+    names = {n for c in range(chunks) for n in stage_param_names(config, p * chunks, c * p + coords["pp"])}
+    mine = tuple(expert_prefix(i, e) + "." for i in config.moe_blocks
+                 for e in _owned(config.moe_experts, ep, coords["ep"]))
+    return {n: math.prod(s) for n, s in param_shapes(config).items()
+            if n in names and (".mlp.experts." not in n or n.startswith(mine))}
+
+
+def pipeline_state_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
+                         optimizer: str) -> dict[str, int]:
+    """Peak params, grads and optimizer bytes of a rank of a MoE pipeline: what it holds, once each
+    (the executor counts each gradient's sum over microbatches), AdamW twice."""
+    held = sum(rank_param_numels(config, sizes, coords, chunks).values()) * np.dtype(config.dtype).itemsize
     return {"params": held, "grads": held, "optimizer": {"adamw": 2, "sgd": 0}[optimizer] * held}
+
+
+def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
+                             rows: list[int], seq_len: int, kept_by_microbatch: list[list]) -> dict:
+    """{(axis, op): Bytes} of one step of a MoE pipeline on the rank at `coords`; `rows` its b_j,
+    `kept_by_microbatch[j]` the (D, E) kept counts of each MoE layer of its stages in microbatch j."""
+    p, dp, ep = sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("ep", 1)
+    r, n_data, data_rank = coords["pp"], dp * ep, coords["dp"] * ep + coords["ep"]
+    e = np.dtype(config.dtype).itemsize
+    numels = rank_param_numels(config, sizes, coords, chunks)
+    out = {}
+
+    def add(key, b):
+        old = out.get(key, cost.Bytes(0, 0))
+        out[key] = cost.Bytes(old.sent + b.sent, old.recv + b.recv)
+
+    for kept in (k for layers in kept_by_microbatch for k in layers):
+        add(("data", "all_gather"), counts_all_gather_bytes(config, n_data, data_rank))
+        add(("ep", "all_to_all"), all_to_all_bytes(kept, ep, data_rank, config.n_embd, e))
+    if p > 1:
+        p2p = (2 * chunks - (r == 0) - (r == p - 1)) * sum(rows) * seq_len * config.n_embd * e
+        add(("pp", "isend"), cost.Bytes(p2p, 0))
+        add(("pp", "irecv"), cost.Bytes(0, p2p))
+        if r in (0, p - 1):
+            add(("pp", "all_reduce"), cost.all_reduce_bytes(numels["wte.weight"], 2, int(r == p - 1), e))
+        add(("pp", "all_reduce"), cost.all_reduce_bytes(3, p, r, 8))  # the losses
+    dense = sum(n for name, n in numels.items() if ".mlp.experts." not in name)
+    experts = sum(numels.values()) - dense
+    if n_data > 1:
+        add(("data", "all_reduce"), cost.all_reduce_bytes(dense, n_data, data_rank, e))
+    if dp > 1 and experts:
+        add(("dp", "all_reduce"), cost.all_reduce_bytes(experts, dp, coords["dp"], e))
+    add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data, data_rank, 8))  # the losses
+    return out

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
     parser.add_argument("--save", metavar="DIR", default=None,
                         help="write sharded checkpoints to DIR/step-N (after the last step, and "
-                             "every --save-every steps); not yet with MoE")
+                             "every --save-every steps)")
     parser.add_argument("--save-every", metavar="N", type=int, default=None,
                         help="with --save: also save every N steps")
     parser.add_argument("--resume", metavar="DIR", default=None,
@@ -162,8 +162,8 @@ def run(args) -> int:
 
 
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:
-    """--save and --resume exist for one device and the dp/ZeRO/FSDP, tp/sp/cp and pipeline runners
-    and the N-D engine (refpar/checkpoint.py), not yet for MoE."""
+    """--save and --resume exist for one device, the dp/ZeRO/FSDP, tp/sp/cp, pipeline and MoE
+    runners and the N-D engine (refpar/checkpoint.py)."""
     from refpar.config import ConfigError
 
     if args.save_every is not None and (args.save is None or args.save_every < 1):
@@ -171,9 +171,6 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
     if (args.save or args.resume) and getattr(args, "backend", "numpy") != "numpy":
         raise ConfigError(f"--save and --resume read and write NumPy arrays; drop them or --backend "
                           f"{args.backend}")
-    if (args.save or args.resume) and (args.moe_experts or sizes["ep"] > 1):
-        raise ConfigError("--save and --resume do not work with Mixture of Experts yet; drop them "
-                          "or --moe-experts")
 
 
 

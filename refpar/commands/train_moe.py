@@ -2,10 +2,13 @@
 
     mpiexec -n 4 refpar train --mesh ep=4 --moe-experts 4 --moe-topk 2 --capacity-factor 1.0 --check
     mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --moe-topk 1 --dropless --json
+    mpiexec -n 8 refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --microbatches 2 --check
 
-`refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`.
-Besides the usual report it prints, per step, the router losses, the dropped assignments and how
-many assignments each expert kept; `--json` adds them under "moe".
+`refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`: over
+dp x ep to refpar/parallel/expert_parallel_run.py, with pp to refpar/engine_moe.py. Besides the
+usual report it prints, per step, the router losses, the dropped assignments and how many
+assignments each expert kept (with pp: the routing of every block after the run); `--json` adds
+them under "moe". With --microbatches M each microbatch routes on its own tokens (refpar/model/moe.py).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import argparse
 
 import numpy as np
 
-STATE_KEYS = ("params", "grads", "optimizer")  # what a MoE run's ledger counts
-COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"))
+STATE_KEYS = ("params", "grads", "optimizer")  # the categories with closed forms in MoE runs
+COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"),
+             ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,21 +57,21 @@ def model_overrides(args) -> dict:
 
 
 # Options of the other strategies' runners (their defaults mean "not asked for"): a MoE run takes
-# none of them, and says so rather than ignore one.
-OTHER_OPTIONS = {"zero": 0, "fsdp": False, "microbatches": 1, "sp": False, "cp_algo": None,
-                 "schedule": None, "chunks": None, "overlap": False, "bucket_kb": None,
-                 "prefetch": False}
+# none of them, and says so rather than ignore one; --schedule and --chunks only with pp.
+OTHER_OPTIONS = {"zero": 0, "fsdp": False, "sp": False, "cp_algo": None, "schedule": None,
+                 "chunks": None, "overlap": False, "bucket_kb": None, "prefetch": False}
 
 
-def check_options(args) -> None:
+def check_options(args, pipelined: bool = False) -> None:
     from refpar.config import ConfigError
 
     for name, default in OTHER_OPTIONS.items():
         value = getattr(args, name, default)
-        if value != default:
+        if value != default and not (pipelined and name in ("schedule", "chunks")):
             flag = "--" + name.replace("_", "-")
-            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over dp and ep "
-                              f"only, so drop {flag}")
+            hint = " or add pp=2 or more to --mesh" if name in ("schedule", "chunks") else ""
+            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over pp, dp and ep "
+                              f"only, so drop {flag}{hint}")
 
 
 def _rel(a, b) -> float:
@@ -77,25 +81,53 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-300))
 
 
+def merged_steps(steps, comm) -> list[dict] | None:
+    """On rank 0: per step, every MoE block's routing statistics, gathered from the pipeline ranks
+    that hold them (each rank's MoEStep covers its stages' blocks); None elsewhere. Untraced."""
+    mine = [(s.tokens_per_expert, s.dropped, s.kept_counts) for s in steps]
+    every = comm.gather_object(mine, root=0)
+    if every is None:
+        return None
+    out = []
+    for i in range(len(steps)):
+        step = {"tokens_per_expert": {}, "dropped": {}, "kept_counts": {}}
+        for rank_steps in every:
+            for key, part in zip(step, rank_steps[i], strict=True):
+                step[key].update(part)
+        out.append(step)
+    return out
+
+
 def run_cli(model, train, sizes, args) -> int:
     from refpar.analysis import moe as moe_analysis
     from refpar.comm.communicator import world
     from refpar.comm.trace import Tracer, write_trace
+    from refpar.engine_moe import MoEPipelineOptions, run_moe_pipeline, validate
     from refpar.mesh import DeviceMesh
     from refpar.model.moe import capacity
     from refpar.parallel.expert_parallel import owned_experts
     from refpar.parallel.expert_parallel_run import check_run, reference_run, train_expert_parallel
+    from refpar.parallel.pipeline.schedules import simulate
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for
 
-    check_options(args)
-    check_run(model, train, sizes)
+    m, pipelined = args.microbatches, sizes["pp"] > 1
+    check_options(args, pipelined)
+    opts = None
+    if pipelined:
+        kind = args.schedule or "1f1b"
+        v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
+        opts = MoEPipelineOptions(kind, m, v)
+        validate(model, train, sizes, opts)
+    else:
+        check_run(model, train, sizes, m)
     comm = world(Tracer(rank=None))
     mesh = DeviceMesh(comm, sizes)
     speak = comm.rank == 0
     blocks = model.moe_blocks
     ep = mesh.sizes["ep"]
     floor = corpus_for(model, train).entropy_rate()
+    tokens = train.batch_size * train.seq_len // m  # routed together: one global microbatch
 
     def say(text: str) -> None:
         if speak:
@@ -103,44 +135,69 @@ def run_cli(model, train, sizes, args) -> int:
 
     where = f"mesh {mesh}" if comm.size > 1 else "1 device"
     limit = "dropless" if model.moe_dropless else (
-        f"capacity factor {model.moe_capacity_factor}: {capacity(train.batch_size * train.seq_len, model)} "
-        "assignments per expert")
+        f"capacity factor {model.moe_capacity_factor}: {capacity(tokens, model)} assignments per "
+        f"expert" + (f" and microbatch of {tokens} tokens" if m > 1 else ""))
     say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
         f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
         + " ".join(f"{list(owned_experts(model.moe_experts, ep, q))}" for q in range(ep)))
-    say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert (block {blocks[0]})")
+    if pipelined:
+        say(f"pipeline: {opts.schedule} over pp={sizes['pp']} with {opts.chunks} chunk(s) per rank, "
+            f"{m} microbatches; each stage's dp x ep ranks route its MoE blocks")
+        say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7}")
+    else:
+        say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert "
+            f"(block {blocks[0]})")
 
     def row(s) -> None:
-        say(f"{s.step + 1:>5} {s.loss:>8.4f} {s.aux_loss:>7.4f} {s.z_loss:>7.4f} "
-            f"{sum(s.dropped.values()):>7}  {s.tokens_per_expert[blocks[0]]}")
+        tail = "" if pipelined else (f" {sum(s.dropped.values()):>7}  {s.tokens_per_expert[blocks[0]]}")
+        say(f"{s.step + 1:>5} {s.loss:>8.4f} {s.aux_loss:>7.4f} {s.z_loss:>7.4f}{tail}")
 
-    run = train_expert_parallel(model, train, mesh, on_step=row)
+    saving = {"save": args.save, "save_every": args.save_every, "resume": args.resume}
+    if pipelined:
+        run = run_moe_pipeline(model, train, mesh, opts, on_step=row, **saving)
+        totals = run.totals
+    else:
+        run = train_expert_parallel(model, train, mesh, on_step=row, microbatches=m, **saving)
+        totals = comm.tracer.totals()
     say(f"loss {run.losses[0]:.4f} -> {run.losses[-1]:.4f} (floor {floor:.4f}); "
         f"{run.step_time_s * 1e3:.1f} ms per step")
+    steps = merged_steps(run.steps, comm)  # every block's statistics, on rank 0
 
     fields = {}
     if args.check:
-        ref = reference_run(model, train)
-        loss_diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
+        ref = reference_run(model, train, microbatches=m)
+        ref_steps = ref.steps[run.first_step:]  # a resumed run has only the steps after its checkpoint
+        loss_diff = max(abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(run.steps, ref_steps, strict=True))
         local_diff = max(_rel(p, ref.params[n]) for n, p in run.params.items())
         param_diff = float(comm.all_reduce(np.array([local_diff]), op="max")[0])
-        same_drops = [s.dropped for s in run.steps] == [s.dropped for s in ref.steps]
+        same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
+                   for s, r in zip(run.steps, ref_steps, strict=True))
+        same_drops = bool(comm.all_reduce(np.array([int(same)]), op="min")[0])
         say(f"check against one device: loss rel diff {loss_diff:.2e}, parameter rel diff "
             f"{param_diff:.2e}, dropped assignments {'equal' if same_drops else 'DIFFER'}")
-        fields = {"reference_losses": ref.losses, "max_loss_rel_diff": loss_diff,
+        fields = {"reference_losses": [s.loss for s in ref_steps], "max_loss_rel_diff": loss_diff,
                   "max_param_rel_diff": param_diff,
-                  "reference_dropped": [[s.dropped[i] for i in blocks] for s in ref.steps]}
+                  "reference_dropped": [[s.dropped[i] for i in blocks] for s in ref_steps]}
 
-    totals = comm.tracer.totals()
     expected: dict = {}
     for s in run.steps:
-        for key, b in moe_analysis.step_comm_bytes(model, mesh.sizes, mesh.coords,
-                                                   list(s.kept_counts.values())).items():
+        if pipelined:
+            step_bytes = moe_analysis.pipeline_step_comm_bytes(
+                model, mesh.sizes, mesh.coords, opts.chunks, run.rows, train.seq_len,
+                [list(k.values()) for k in s.microbatch_kept_counts])
+        else:
+            step_bytes = moe_analysis.step_comm_bytes(
+                model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()])
+        for key, b in step_bytes.items():
             old = expected.get(key, (0, 0))
             expected[key] = (old[0] + b.sent, old[1] + b.recv)
     mine = np.array([[*totals.get(k, (0, 0)), *expected.get(k, (0, 0))] for k in COMM_KEYS])
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
-    states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer)
+    if pipelined:
+        states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, opts.chunks,
+                                                   train.optimizer)
+    else:
+        states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer, m)
     memory = comm.all_gather(np.array([[[run.ledger.peak[c], states[c]] for c in STATE_KEYS]]))
     trace_path = getattr(args, "trace", None)
     events = comm.gather_object(comm.tracer.events) if trace_path else None
@@ -157,23 +214,32 @@ def run_cli(model, train, sizes, args) -> int:
         if sent:
             say(f"{key[0]:>5} {key[1]:<10} {sent:>12,} bytes sent over all ranks")
     n_data = mesh.sizes["dp"] * ep
-    uniform = len(blocks) * moe_analysis.expected_all_to_all_bytes(
-        model, train.batch_size * train.seq_len // n_data, n_data, ep, np.dtype(model.dtype).itemsize)
-    measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].mean() / train.steps
-    say(f"ep all-to-all per rank and step: {measured:,.0f} bytes; uniform routing would send "
-        f"{uniform:,.0f}")
+    uniform = len(blocks) * m * moe_analysis.expected_all_to_all_bytes(
+        model, tokens // n_data, n_data, ep, np.dtype(model.dtype).itemsize)
+    # the data ranks of one stage (all ranks without pp) between them run every block once
+    measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].sum() / (len(run.steps) * n_data)
+    what = "per data rank and step, every MoE block" if pipelined else "per rank and step"
+    say(f"ep all-to-all {what}: {measured:,.0f} bytes; uniform routing would send {uniform:,.0f}")
     memory_rows = [[{"rank": r, "category": c, "bytes": int(memory[r, i, j])}
                     for r in range(comm.size) for i, c in enumerate(STATE_KEYS)] for j in (0, 1)]
     say("peak params / grads / optimizer bytes per rank: " + "; ".join(
         "rank {}: {:,} / {:,} / {:,}".format(r, *(int(v) for v in memory[r, :, 0]))
         for r in range(comm.size)))
+    bubble = None
+    if pipelined:  # the step rows leave out the routing, which lives on the stages holding the blocks
+        say("dropped assignments per block over the run: " + ", ".join(
+            f"{i}: {sum(st['dropped'][i] for st in steps)}" for i in blocks))
+        bubble = {"measured": run.measured.bubble_fraction, "simulated": run.simulated.bubble_fraction,
+                  "simulated_unit_costs": simulate(run.executor.schedule).bubble_fraction}
+        say(f"bubble of the last step: measured {bubble['measured']:.1%}, simulated with the measured "
+            f"action times {bubble['simulated']:.1%}, with unit costs {bubble['simulated_unit_costs']:.1%}")
     if args.json:
         moe = {
             "blocks": list(blocks),
-            "tokens_per_expert": [[s.tokens_per_expert[i] for i in blocks] for s in run.steps],
-            "dropped": [[s.dropped[i] for i in blocks] for s in run.steps],
-            "capacity": capacity(train.batch_size * train.seq_len, model),
-            "kept_counts": [[s.kept_counts[i].tolist() for i in blocks] for s in run.steps],
+            "tokens_per_expert": [[st["tokens_per_expert"][i] for i in blocks] for st in steps],
+            "dropped": [[st["dropped"][i] for i in blocks] for st in steps],
+            "capacity": capacity(tokens, model),
+            "kept_counts": [[st["kept_counts"][i].tolist() for i in blocks] for st in steps],
             "experts_per_ep_rank": [list(owned_experts(model.moe_experts, ep, q)) for q in range(ep)],
             "aux_loss": [s.aux_loss for s in run.steps], "z_loss": [s.z_loss for s in run.steps],
             "expert_param_bytes_per_ep_rank": [
@@ -182,9 +248,10 @@ def run_cli(model, train, sizes, args) -> int:
             "uniform_all_to_all_bytes_per_rank_step": uniform,
         }
         summary = run_summary(model, train, run.losses, mesh=mesh.sizes, world_size=comm.size,
+                              schedule=opts.schedule if pipelined else None, microbatches=m,
                               comm_bytes=rows[0], expected_comm_bytes=rows[1],
                               memory_peak_bytes=memory_rows[0], expected_memory_peak_bytes=memory_rows[1],
-                              step_time_s=run.step_time_s, loss_floor=floor, moe=moe, **fields)
+                              bubble_fraction=bubble, step_time_s=run.step_time_s, loss_floor=floor,
+                              moe=moe, **fields)
         say(summary_line(summary))
     return 0
-

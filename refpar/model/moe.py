@@ -25,6 +25,11 @@ The conventions, so that the numbers can be reproduced elsewhere:
 - Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): beta * mean over tokens of logsumexp(logits)^2.
 - Both losses enter the training loss with weight 1 (alpha and beta are their weights), and
   `moe_backward` includes their gradients.
+- Microbatches (Megatron-Core's convention): a step of M microbatches routes each microbatch on
+  its own tokens: N_global above is the microbatch's token count (capacity, queue order, f and P
+  are the microbatch's), and each microbatch's aux and z losses enter with weight 1/M
+  (`loss_scale`), so the step's router losses are the mean over microbatches. M = 1 is the
+  global-batch routing above.
 
 Everything that depends on the rest of the global batch comes from the selection counts alone:
 `route` takes an `exchange(counts) -> all ranks' counts`, the identity here on one device and an
@@ -128,16 +133,17 @@ def kept_counts(all_counts, cap):
     return xp.sum(xp.minimum(room, all_counts), axis=1)  # (ranks, E)
 
 
-def route(x2, w, config, exchange=None, rank: int = 0):
+def route(x2, w, config, exchange=None, rank: int = 0, loss_scale: float = 1.0):
     """Router forward and the routing decision for this call's tokens.
 
-    `exchange(counts (k, E)) -> (ranks, k, E)` gathers the selection counts of every part of the
-    global batch in batch order, `rank` is this part's index; by default this call is the whole
-    batch. Returns (routing, cache): routing is a dict with the chosen `experts` (N, k), `gates`
-    (N, k), `keep` (N, k), the buffer layout (`token_of_row` (R,), `gate_of_row` (R,), `row` (N, k),
-    `rows_per_expert` (E,) of this call), the losses `aux_loss`, `z_loss` (this call's share of the
-    global ones), the global `tokens_per_expert` (E,) kept and `dropped` assignments, `capacity`,
-    and `selections`, every part's counts (ranks, k, E).
+    `exchange(counts (k, E)) -> (ranks, k, E)` gathers the selection counts of every part of the global
+    batch in batch order, `rank` is this part's index; by default this call is the whole batch.
+    `loss_scale` weighs both router losses (1/M for one of M microbatches). Returns (routing,
+    cache): routing is a dict with the chosen `experts` (N, k), `gates` (N, k), `keep` (N, k), the
+    buffer layout (`token_of_row` (R,), `gate_of_row` (R,), `row` (N, k), `rows_per_expert` (E,) of
+    this call), the losses `aux_loss`, `z_loss` (this call's share of the global ones), the global
+    `tokens_per_expert` (E,) kept and `dropped` assignments, `capacity`, and `selections`, every
+    part's counts (ranks, k, E).
     """
     xp = array_namespace(x2, w)
     N, E, k = x2.shape[0], config.moe_experts, config.moe_top_k
@@ -164,10 +170,10 @@ def route(x2, w, config, exchange=None, rank: int = 0):
     kept_hot = hot * xp.astype(keep, xp.int64)[..., None]  # (N, k, E)
 
     n_dev = xp.asarray(N, dtype=xp.int64, device=device(x2))
-    aux_coef = (config.moe_aux_loss_weight * E / n_global) * (
+    aux_coef = (loss_scale * config.moe_aux_loss_weight * E / n_global) * (
         xp.astype(selected, x2.dtype) / (n_global * k)
     )  # (E,): alpha * E * f_i / N_global, d aux / d probs[n, i]
-    z_coef = config.moe_z_loss_weight / n_global
+    z_coef = loss_scale * config.moe_z_loss_weight / n_global
     kept_global = selected if cap is None else xp.minimum(selected, xp.asarray(cap, dtype=xp.int64))
     routing = {
         "experts": experts, "gates": gates, "keep": keep,
@@ -277,13 +283,13 @@ def experts_backward(dybuf, caches):
 
 
 # ------------------------------------------------------------------------------ the whole layer
-def moe_forward(x, params, layer: int, config):
-    """x (B, T, C) after ln_2 -> (out (B, T, C), cache). This call is the whole global batch.
-    cache["routing"] holds the losses and statistics (`aux_loss`, `z_loss`, `tokens_per_expert`,
-    `dropped`)."""
+def moe_forward(x, params, layer: int, config, loss_scale: float = 1.0):
+    """x (B, T, C) after ln_2 -> (out (B, T, C), cache). This call is the whole global batch (or
+    microbatch: `loss_scale` 1/M). cache["routing"] holds the losses and statistics (`aux_loss`,
+    `z_loss`, `tokens_per_expert`, `dropped`)."""
     xp = array_namespace(x)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
-    routing, rcache = route(x2, params[router_name(layer)], config)
+    routing, rcache = route(x2, params[router_name(layer)], config, loss_scale=loss_scale)
     xbuf = dispatch(x2, routing)  # (R, C)
     counts = [int(c) for c in routing["rows_per_expert"]]
     ybuf, ecache = experts_forward(xbuf, counts, params, layer, range(config.moe_experts))  # (R, C)
@@ -313,13 +319,14 @@ def router_loss(cache):
 class MoELayer:
     """The single-device layer as the object `gpt.block_forward(..., moe=)` takes; expert
     parallelism passes its own with the same two methods. `last_routing[layer]` keeps the routing
-    of each layer's latest forward, for reports."""
+    of each layer's latest forward, for reports. `loss_scale`: 1/M when the step has M microbatches."""
 
-    def __init__(self):
+    def __init__(self, loss_scale: float = 1.0):
         self.last_routing: dict[int, dict] = {}
+        self.loss_scale = loss_scale
 
     def forward(self, x, params, layer: int, config):
-        out, cache = moe_forward(x, params, layer, config)
+        out, cache = moe_forward(x, params, layer, config, self.loss_scale)
         self.last_routing[layer] = cache["routing"]
         return out, cache
 

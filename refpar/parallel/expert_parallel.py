@@ -17,10 +17,12 @@ lives on the ep rank whose `shard_range(E, ep, q)` holds it, once in every dp gr
 Why this layout: ep ranks that also split the batch do no redundant dense work. Ep ranks sharing
 one batch part would compute every attention layer ep times over.
 
-Capacity is global. Before dispatch every rank all-gathers the (k, E) selection counts of every
-data rank (`moe.route`'s exchange); from them it knows the global token count, its place in each
-expert's queue, and how many rows every rank sends to every expert (`moe.kept_counts`), so it drops
-exactly what one device drops and knows each all-to-all's receive sizes before it starts.
+Capacity is global over the global microbatch (the whole batch with one microbatch; see
+expert_parallel_run.microbatch_samples for which tokens form microbatch j). Before dispatch every
+rank all-gathers the (k, E) selection counts of every data rank (`moe.route`'s exchange); from them
+it knows the global token count, its place in each expert's queue, and how many rows every rank
+sends to every expert (`moe.kept_counts`), so it drops exactly what one device drops and knows each
+all-to-all's receive sizes before it starts.
 
 Per MoE layer and step: one all-gather of counts (data axis), four all-to-alls on ep (dispatch and
 combine forward, and the same two backward), shown by the tags `h.{i}.mlp.experts:dispatch` etc.
@@ -78,12 +80,13 @@ def _source_major(buf, counts):
 class ExpertParallelMoE:
     """refpar.model.moe's layer with the experts spread over `ep`; pass it to `block_forward` as
     `moe`. `data` is the communicator over all dp x ep ranks in batch order, `ep` the one over this
-    rank's ep group. After each forward, `last_routing[layer]` holds that layer's routing."""
+    rank's ep group. After each forward, `last_routing[layer]` holds that layer's routing.
+    `loss_scale`: the router losses' weight, 1/M when a step has M microbatches (moe.route)."""
 
-    def __init__(self, data, ep, config):
+    def __init__(self, data, ep, config, loss_scale: float = 1.0):
         if data.rank % ep.size != ep.rank:
             raise ValueError("the data ranks must list each ep group contiguously, in ep order")
-        self.data, self.ep, self.config = data, ep, config
+        self.data, self.ep, self.config, self.loss_scale = data, ep, config, loss_scale
         E = config.moe_experts
         self.owners = [owned_experts(E, ep.size, q) for q in range(ep.size)]
         self.local = self.owners[ep.rank]
@@ -99,7 +102,8 @@ class ExpertParallelMoE:
         xp = array_namespace(x)
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
         routing, rcache = moe.route(x2, params[moe.router_name(layer)], config,
-                                    exchange=self._exchange(layer), rank=self.data.rank)
+                                    exchange=self._exchange(layer), rank=self.data.rank,
+                                    loss_scale=self.loss_scale)
         kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"]))  # (D, E)
         mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert
         send = [int(mine[list(self.owners[q])].sum()) for q in range(self.ep.size)]

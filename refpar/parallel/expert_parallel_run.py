@@ -7,6 +7,19 @@ replaced by `ExpertParallelMoE`, then sums gradients over the ranks that share t
 (routers included) over all dp x ep ranks, an expert's weights over dp, and takes the AdamW step
 on what it holds. The loss is normalised by the global token count, so per-rank losses add up to
 the single device's, router losses included.
+
+Microbatches (`--microbatches M`, gradient accumulation): routing statistics are per microbatch,
+as in Megatron-Core: each global microbatch is routed on its own tokens (capacity from its token
+count, its own drop order), and each contributes 1/M of its aux and z losses, so the step's router
+losses are the mean over microbatches (refpar/model/moe.py). Global microbatch j is the contiguous
+slice `shard_range(B, M, j)` of the global batch, whatever the mesh, cut over the dp x ep data
+ranks in batch order (`microbatch_samples`); the single-device reference (`reference_run`) runs
+the same M slices, so both route the same token sets in the same queue order. With M = 1 it is the
+whole batch and data rank d holds `shard_range(B, D, d)`.
+
+Checkpoints (`--save`, `--resume`, refpar/checkpoint.py): a rank holds whole tensors (the dense
+weights, its experts, their AdamW moments), so every piece is a whole tensor and any mesh can
+load what any other wrote (`checkpoint_arrays`).
 """
 
 from __future__ import annotations
@@ -17,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refpar import backend
+from refpar import backend, checkpoint
 from refpar.config import ConfigError
 from refpar.memory import MemoryLedger, nbytes_of
 from refpar.model.gpt import init_params, loss_and_grads
@@ -43,6 +56,8 @@ class MoEStep:
     dropped: dict[int, int]  # layer -> assignments dropped by the capacity
     kept_counts: dict[int, np.ndarray]  # layer -> (D, E) kept per data rank and expert
     time_s: float
+    # one dict per microbatch: layer -> (D, E) kept in that microbatch (they add up to kept_counts)
+    microbatch_kept_counts: list[dict[int, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +65,7 @@ class MoERun:
     steps: list[MoEStep] = field(default_factory=list)
     params: dict = field(default_factory=dict)  # this rank's, after the last step
     ledger: MemoryLedger | None = None  # this rank's parameters, gradients, optimizer state
+    first_step: int = 0  # 0-based index of steps[0]: not 0 when resumed from a checkpoint
 
     @property
     def losses(self) -> list[float]:
@@ -61,12 +77,14 @@ class MoERun:
         return sum(times) / len(times)
 
 
-def check_run(model, train, sizes: dict[str, int]) -> None:
-    """Every ConfigError of an expert-parallel run, before any communication."""
+def check_run(model, train, sizes: dict[str, int], microbatches: int = 1,
+              allowed: tuple[str, ...] = ()) -> None:
+    """Every ConfigError of an expert-parallel run, before any communication; `allowed`: axes of
+    UNSUPPORTED_AXES the caller composes itself (the pipeline, refpar/engine_moe.py)."""
     for axis in UNSUPPORTED_AXES:
-        if sizes.get(axis, 1) > 1:
-            raise ConfigError(f"expert parallelism combines with dp only; drop {axis}={sizes[axis]} "
-                              "from the mesh")
+        if sizes.get(axis, 1) > 1 and axis not in allowed:
+            raise ConfigError(f"expert parallelism combines with dp{' and pp' if allowed else ''} "
+                              f"only; drop {axis}={sizes[axis]} from the mesh")
     ep, n_data = sizes.get("ep", 1), sizes.get("dp", 1) * sizes.get("ep", 1)
     check_expert_parallel(model, ep)
     if model.moe_experts == 0:
@@ -74,6 +92,50 @@ def check_run(model, train, sizes: dict[str, int]) -> None:
     if train.batch_size < n_data:
         raise ConfigError(f"batch_size={train.batch_size} is smaller than dp x ep = {n_data}; use "
                           f"--batch-size {n_data} or more so every rank has a sequence")
+    B, m = train.batch_size, microbatches
+    if m < 1 or B % m:
+        raise ConfigError(f"--microbatches {m} does not divide --batch-size {B}; MoE microbatches are "
+                          f"equal slices of the batch, so choose a divisor of {B}")
+    if B // m < n_data:
+        raise ConfigError(f"--batch-size {B} in {m} microbatches leaves {B // m} sequences per "
+                          f"microbatch for dp x ep = {n_data} ranks; use --batch-size {n_data * m} or "
+                          f"more, or fewer microbatches")
+
+
+def microbatch_samples(batch_size: int, m: int, n_data: int, data_rank: int, j: int) -> range:
+    """The global sample ids data rank `data_rank` of `n_data` runs in microbatch j of m: the
+    contiguous global slice shard_range(B, m, j), cut over the data ranks in batch order. Together
+    the data ranks' parts of microbatch j are the single device's microbatch j, in the same order."""
+    a, b = shard_range(batch_size, m, j)
+    lo, hi = shard_range(b - a, n_data, data_rank)
+    return range(a + lo, a + hi)
+
+
+def checkpoint_arrays(params: dict, state: dict, coords: dict, saving: bool) -> list:
+    """(checkpoint.Piece, array) for the whole tensors this rank holds and their AdamW moments.
+    Saving writes each element once: the dense weights from dp = ep = 0 (per pipeline stage; the
+    tied wte, on the first and the last stage, from pp rank 0 only), each expert from dp rank 0 of
+    the ep rank (and stage) holding it."""
+    def writes(n: str) -> bool:
+        if ".mlp.experts." in n:
+            return coords.get("dp", 0) == 0
+        return coords.get("dp", 0) == coords.get("ep", 0) == 0 and not (
+            n == "wte.weight" and coords.get("pp", 0))
+
+    held = [("params", params)] + [(f"adamw.{k}", state[k]) for k in ("m", "v") if k in state]
+    return [(checkpoint.whole(f"{prefix}/{n}", a.shape), a) for prefix, arrays in held
+            for n, a in arrays.items() if not saving or writes(n)]
+
+
+def resume_from(path: str, model, train, params: dict, state: dict, coords: dict) -> int:
+    """Loads this rank's tensors from the checkpoint `path` (any mesh's) into `params` and `state`
+    in place; returns the step it was saved after."""
+    manifest = checkpoint.open_training(path, model, train)
+    pairs = checkpoint_arrays(params, state, coords, saving=False)
+    for (_, a), loaded in zip(pairs, checkpoint.load(path, [p for p, _ in pairs], manifest), strict=True):
+        a[...] = loaded
+    state["t"] = int(manifest["step"])
+    return int(manifest["step"])
 
 
 def local_params(full: dict, model, ep: int, ep_rank: int) -> dict:
@@ -91,53 +153,75 @@ def reduce_grads(grads: dict, names: list[str], comm, tag: str) -> None:
         grads.update(all_reduce_replicated_grads({n: grads[n] for n in names}, comm, tag))
 
 
-def _record(step, loss, routing, start, totals=None) -> MoEStep:
-    """A step's record from the routing of every MoE layer; `totals` the (loss, aux, z) summed over
-    ranks, else this process ran the whole batch."""
+def router_shares(routings: list[dict]) -> tuple[float, float]:
+    """(aux, z) of this process: the sum over microbatches and MoE layers of its shares."""
+    return (sum(float(r["aux_loss"]) for rs in routings for r in rs.values()),
+            sum(float(r["z_loss"]) for rs in routings for r in rs.values()))
+
+
+def step_record(step, loss, routings: list[dict], start, totals=None) -> MoEStep:
+    """A step's record from the routing of every MoE layer in each microbatch (one dict layer ->
+    routing per microbatch); `totals` the (loss, aux, z) summed over ranks, else this process ran
+    the whole batch."""
     if totals is None:
-        totals = (loss, sum(float(r["aux_loss"]) for r in routing.values()),
-                  sum(float(r["z_loss"]) for r in routing.values()))
+        totals = (loss, *router_shares(routings))
+    kept = [{i: backend.to_host(kept_counts(r["selections"], r["capacity"])) for i, r in rs.items()}
+            for rs in routings]
+    layers = list(routings[0]) if routings else []  # a pipeline stage may hold no MoE block
     return MoEStep(
         step=step, loss=float(totals[0]), aux_loss=float(totals[1]), z_loss=float(totals[2]),
-        tokens_per_expert={i: [int(c) for c in r["tokens_per_expert"]] for i, r in routing.items()},
-        dropped={i: int(r["dropped"]) for i, r in routing.items()},
-        kept_counts={i: backend.to_host(kept_counts(r["selections"], r["capacity"]))
-                     for i, r in routing.items()},
-        time_s=time.perf_counter() - start)
+        tokens_per_expert={i: [int(c) for c in sum(backend.to_host(rs[i]["tokens_per_expert"])
+                                                   for rs in routings)] for i in layers},
+        dropped={i: sum(int(rs[i]["dropped"]) for rs in routings) for i in layers},
+        kept_counts={i: sum(k[i] for k in kept) for i in layers},
+        time_s=time.perf_counter() - start, microbatch_kept_counts=kept)
 
 
-def reference_run(model, train, on_step=None) -> MoERun:
-    """The single-device run (`refpar.trainer.train_single_device`'s loop) with the routing of
-    each step kept: the numbers an expert-parallel run must reproduce."""
+def reference_run(model, train, on_step=None, microbatches: int = 1) -> MoERun:
+    """The single-device run (`refpar.trainer.train_single_device`'s loop; with microbatches > 1,
+    gradient accumulation over the slices `microbatch_samples`, each routed on its own) with the
+    routing of each step kept: the numbers an expert-parallel run must reproduce."""
     params = init_params(model, train.seed)
     state = optimizer_init(params, train)
     corpus = corpus_for(model, train)
-    sample_ids = range(train.batch_size)
+    B, T, m = train.batch_size, train.seq_len, microbatches
     run = MoERun()
     for step in range(train.steps):
         start = time.perf_counter()
-        layer = MoELayer()
-        tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B, T) each
-        loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
-                                     sample_ids=sample_ids, moe=layer)
+        loss, grads, routings = 0.0, None, []
+        for j in range(m):
+            layer = MoELayer(loss_scale=1 / m)
+            sample_ids = microbatch_samples(B, m, 1, 0, j)
+            tokens, targets = corpus.batch(step, sample_ids, T)  # (B/M, T) each
+            part, g = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
+                                     sample_ids=sample_ids, normalizer=B * T, moe=layer)
+            loss += part
+            grads = g if grads is None else {n: grads[n] + g[n] for n in grads}
+            routings.append(layer.last_routing)
         params, state = optimizer_step(params, grads, state, train)
-        run.steps.append(_record(step, loss, layer.last_routing, start))
+        run.steps.append(step_record(step, loss, routings, start))
         if on_step is not None:
             on_step(run.steps[-1])
     run.params = params
     return run
 
 
-def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
-    """Trains `train.steps` steps on `mesh` (axes dp and ep) from `init_params(model, train.seed)`."""
-    check_run(model, train, mesh.sizes)
+def train_expert_parallel(model, train, mesh, on_step=None, microbatches: int = 1, *,
+                          save: str | None = None, save_every: int | None = None,
+                          resume: str | None = None) -> MoERun:
+    """Trains `train.steps` steps on `mesh` (axes dp and ep) from `init_params(model, train.seed)`,
+    or from the checkpoint `resume` (any mesh's); with `save`, checkpoints every `save_every` steps
+    and after the last."""
+    check_run(model, train, mesh.sizes, microbatches)
+    m = microbatches
     ep_comm = mesh.ep
     data = mesh.world.split(0, key=mesh.world.rank, axis="data")  # dp x ep, in batch order
-    layer = ExpertParallelMoE(data, ep_comm, model)
+    layer = ExpertParallelMoE(data, ep_comm, model, loss_scale=1 / m)
     # Drawn whole on the host, this rank's experts kept, then moved to the run's backend.
     params = backend.current().from_host(local_params(init_params(model, train.seed), model, ep_comm.size,
                                                       ep_comm.rank))
     state = optimizer_init(params, train)
+    start_step = 0 if resume is None else resume_from(resume, model, train, params, state, mesh.coords)
     # The model states this rank holds; activations and buffers are not counted in MoE runs.
     ledger = MemoryLedger()
     ledger.alloc("params", sum(nbytes_of(p) for p in params.values()), "params")
@@ -147,27 +231,38 @@ def train_expert_parallel(model, train, mesh, on_step=None) -> MoERun:
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
-    sample_ids = list(range(*shard_range(train.batch_size, data.size, data.rank)))
-    normalizer = train.batch_size * train.seq_len
-    run = MoERun()
-    for step in range(train.steps):
+    B, T = train.batch_size, train.seq_len
+    run = MoERun(first_step=start_step)
+    for step in range(start_step, train.steps):
         start = time.perf_counter()
         tracer = mesh.world.tracer
         with tracer.context(step=step) if tracer is not None else nullcontext():
-            tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B/D, T) each
-            loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
-                                         sample_ids=sample_ids, normalizer=normalizer, moe=layer)
-            ledger.alloc("grads", sum(nbytes_of(g) for g in grads.values()), "grads")
+            loss, grads, routings = 0.0, None, []
+            for j in range(m):
+                sample_ids = list(microbatch_samples(B, m, data.size, data.rank, j))
+                tokens, targets = corpus.batch(step, sample_ids, T)  # (B/(M D), T) each
+                part, g = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
+                                         sample_ids=sample_ids, normalizer=B * T, moe=layer)
+                loss += part
+                routings.append(dict(layer.last_routing))
+                if grads is None:
+                    grads = g
+                    ledger.alloc("grads", sum(nbytes_of(a) for a in g.values()), "grads")
+                else:  # the accumulator and this microbatch's gradients are both alive here
+                    ledger.alloc("grads.microbatch", sum(nbytes_of(a) for a in g.values()), "grads")
+                    for n in grads:
+                        grads[n] += g[n]
+                    ledger.free("grads.microbatch")
             reduce_grads(grads, dense, data, "dense:grad")  # over every dp x ep rank
             reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
             params, state = optimizer_step(params, grads, state, train)
             ledger.free("grads")
-            routing = layer.last_routing
-            shares = np.array([loss, sum(float(r["aux_loss"]) for r in routing.values()),
-                               sum(float(r["z_loss"]) for r in routing.values())])
-            totals = data.all_reduce(shares, tag="loss")
-        run.steps.append(_record(step, loss, routing, start, totals))
+            totals = data.all_reduce(np.array([loss, *router_shares(routings)]), tag="loss")
+        run.steps.append(step_record(step, loss, routings, start, totals))
         if on_step is not None:
             on_step(run.steps[-1])
+        if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
+            checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh.coords, True),
+                                     model, train, mesh.sizes, "expert parallel", mesh.world)
     run.params, run.ledger = params, ledger
     return run

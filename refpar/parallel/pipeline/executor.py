@@ -89,7 +89,7 @@ class PipelineExecutor:
     """Runs `schedule[pp.rank]`; `pp` is the pipeline axis's Communicator (rank = pipeline rank)."""
 
     def __init__(self, schedule: Schedule, config: ModelConfig, pp: Communicator,
-                 ledger: MemoryLedger | None = None):
+                 ledger: MemoryLedger | None = None, make_stage=Stage):
         if len(schedule) != pp.size:
             raise ConfigError(f"the schedule has {len(schedule)} ranks but the pipeline axis has "
                               f"{pp.size}; build it with p={pp.size}")
@@ -98,7 +98,8 @@ class PipelineExecutor:
         self.rank = pp.rank
         self.row = schedule[self.rank]
         n_stages = self.layout.n_stages
-        self.stages = {s: Stage(config, n_stages, s) for s, r in self.layout.stage_rank.items()
+        # make_stage(config, n_stages, stage): Stage, or a subclass with other blocks (engine_moe)
+        self.stages = {s: make_stage(config, n_stages, s) for s, r in self.layout.stage_rank.items()
                        if r == self.rank}
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self.like = None  # an array of the run's backend, for steps given no parameters

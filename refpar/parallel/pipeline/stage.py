@@ -68,33 +68,43 @@ def _linear_dw(x, dout):
     return x2.T @ dout2, xp.sum(dout2, axis=0)  # (in, out), (out,)
 
 
+def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[str]:
+    """The parameters stage `stage` reads, in GPT-2's order (every expert of its MoE blocks); wte on
+    the first and the last."""
+    keep = {f"h.{i}." for i in stage_layers(config.n_layer, n_stages, stage)}
+    first, last = stage == 0, stage == n_stages - 1
+    names = []
+    for name in param_shapes(config):
+        if name.startswith("h."):
+            wanted = name[: name.index(".", 2) + 1] in keep
+        elif name == "wte.weight":
+            wanted = first or last
+        elif name == "wpe.weight":
+            wanted = first
+        else:  # ln_f
+            wanted = last
+        if wanted:
+            names.append(name)
+    return names
+
+
 class Stage:
     """Stage `stage` of `n_stages` of the GPT-2 described by `config`."""
+
+    # B and W below split GPT-2's MLP; a stage of MoE blocks (refpar/engine_moe.py) overrides both
+    dense_only = True
 
     def __init__(self, config: ModelConfig, n_stages: int, stage: int):
         self.config, self.n_stages, self.stage = config, n_stages, stage
         self.layers = stage_layers(config.n_layer, n_stages, stage)
-        if config.moe_blocks:
-            raise ConfigError("pipeline stages run dense GPT-2 blocks only so far; drop the MoE "
-                              "options or the pp axis")
+        if config.moe_blocks and self.dense_only:
+            raise ConfigError("these pipeline stages run dense GPT-2 blocks; MoE models run in "
+                              "pipeline stages over --mesh pp=P[,dp=D][,ep=E] (refpar/engine_moe.py)")
         self.first, self.last = stage == 0, stage == n_stages - 1
 
     def param_names(self) -> list[str]:
-        """The parameters this stage reads, in GPT-2's order; wte on the first and the last."""
-        keep = {f"h.{i}." for i in self.layers}
-        names = []
-        for name in param_shapes(self.config):
-            if name.startswith("h."):
-                wanted = name[: name.index(".", 2) + 1] in keep
-            elif name == "wte.weight":
-                wanted = self.first or self.last
-            elif name == "wpe.weight":
-                wanted = self.first
-            else:  # ln_f
-                wanted = self.last
-            if wanted:
-                names.append(name)
-        return names
+        """The parameters this stage reads (`stage_param_names`)."""
+        return stage_param_names(self.config, self.n_stages, self.stage)
 
     def forward(self, params, x, targets, drop: DropoutContext, normalizer):
         """F. x is tokens (B, T) on the first stage, the previous stage's output (B, T, C) after.

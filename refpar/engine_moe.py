@@ -1,0 +1,212 @@
+"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep.
+
+    mpiexec -n 4 python -m refpar train --mesh pp=2,ep=2 --moe-experts 4 --microbatches 2 --check
+    mpiexec -n 8 python -m refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --moe-topk 2 \
+        --schedule 1f1b --microbatches 4 --check
+
+Legend: B global batch, M microbatches, D = dp x ep data ranks of a stage, b_j rows of this rank's
+part of microbatch j, T sequence, C channels, E experts.
+
+Layout (Megatron-Core's): every pipeline stage's ranks form the expert-parallel runner's dp x ep
+grid of data ranks (data rank d = dp rank * ep + ep rank, in batch order; refpar/parallel/
+expert_parallel.py). A rank holds its stages' dense weights whole and, of each MoE block in them,
+the experts of its ep rank. One step composes the strategies' own pieces:
+
+    pipeline   executor.PipelineExecutor walks schedule[pp rank] (any schedule it runs); each stage
+               is a `MoEStage`: F is gpt.block_forward with the expert-parallel layer in the MoE
+               blocks, B the whole backward (an expert's all-to-alls carry input and weight
+               gradients together, so schedules that split B from W run, but gain nothing here).
+               Activations (b_j, T, C) go to the same (dp, ep) rank of the next stage.
+    ep         inside each MoE block, ExpertParallelMoE: the selection counts all-gathered over the
+               stage's D data ranks, tokens to their experts and back by all-to-all over ep
+    microbatch global microbatch j is the slice shard_range(B, M, j) of the batch, cut over the D
+               data ranks (expert_parallel_run.microbatch_samples); it is routed on its own tokens
+               and its router losses weigh 1/M (refpar/model/moe.py), so the single device with the
+               same microbatches (expert_parallel_run.reference_run) is the reference
+    tied wte   the executor's embedding group: first and last pp rank, per data rank
+    dp, ep     dense gradients summed over the stage's D data ranks, an expert's over dp
+    loss       the last stage's cross-entropy plus every stage's router-loss shares, summed over
+               pp, then over the data ranks
+
+tp and cp stay out: an expert would need its own tensor-parallel split (Megatron's expert tensor
+parallelism), which refpar does not write out; ZeRO stays out, as in the dp x ep runner.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+
+from refpar import backend, checkpoint
+from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.memory import MemoryLedger
+from refpar.model.gpt import (
+    block_backward,
+    block_forward,
+    embed_backward,
+    embed_forward,
+    head_backward,
+    head_forward,
+    init_params,
+)
+from refpar.model.optim import optimizer_init, optimizer_step
+from refpar.parallel.expert_parallel import ExpertParallelMoE
+from refpar.parallel.expert_parallel_run import (
+    MoERun,
+    check_run,
+    checkpoint_arrays,
+    local_params,
+    microbatch_samples,
+    reduce_grads,
+    resume_from,
+    router_shares,
+    step_record,
+)
+from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor
+from refpar.parallel.pipeline.schedules import Timeline, build
+from refpar.parallel.pipeline.stage import Stage, stage_layers
+from refpar.trainer import corpus_for
+
+AXES = ("pp", "dp", "ep")
+
+
+@dataclass(frozen=True)
+class MoEPipelineOptions:
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    chunks: int = 1  # v, model chunks per pipeline rank (interleaved-1f1b)
+
+
+def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipelineOptions) -> None:
+    """Every check of a MoE pipeline run, with no communication: each rank raises the same ConfigError."""
+    for axis in ("tp", "cp"):
+        if sizes.get(axis, 1) > 1:
+            raise ConfigError(f"MoE blocks run in pipeline stages over pp, dp and ep; {axis} would need "
+                              f"experts split within a rank, which refpar does not do: drop "
+                              f"{axis}={sizes[axis]}")
+    train.check_model(model)
+    check_run(model, train, sizes, opts.microbatches, allowed=("pp",))
+    p = sizes.get("pp", 1)
+    build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
+    stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
+
+
+class MoEStage(Stage):
+    """Stage `stage` of `n_stages` whose MoE blocks run `moe` (ExpertParallelMoE); the same blocks,
+    parameter names and ends as stage.Stage. Each F files its MoE blocks' routing under the
+    microbatch's sample ids in `routings` (shared by the rank's stages), for the step's record."""
+
+    dense_only = False
+
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, moe, routings: dict):
+        super().__init__(config, n_stages, stage)
+        self.moe, self.routings = moe, routings
+
+    def forward(self, params, x, targets, drop, normalizer):
+        """F: tokens (b, T) on the first stage or (b, T, C) -> (b, T, C), or the loss on the last."""
+        c_embed = c_head = None
+        if self.first:
+            x, c_embed = embed_forward(x, params, drop)  # (b, T, C)
+        c_blocks = []
+        for layer in self.layers:
+            x, c = block_forward(x, params, layer, self.config, drop, moe=self.moe)  # (b, T, C)
+            c_blocks.append(c)
+            if layer in self.config.moe_blocks:
+                self.routings.setdefault(drop.sample_ids, {})[layer] = self.moe.last_routing[layer]
+        if self.last:
+            x, c_head = head_forward(x, params, targets, self.config, normalizer)  # ()
+        return x, (c_embed, c_blocks, c_head)
+
+    def backward_input(self, dout, cache):
+        """B, the whole backward: dx (b, T, C) (None on the first stage) and the stage's gradients."""
+        c_embed, c_blocks, c_head = cache
+        d, grads = (dout, {}) if not self.last else head_backward(c_head)  # (b, T, C)
+        for c in reversed(c_blocks):
+            d, g = block_backward(d, c)  # (b, T, C)
+            grads |= g
+        if self.first:
+            g = embed_backward(d, c_embed)
+            grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"] if self.last else g["wte.weight"]
+            grads["wpe.weight"] = g["wpe.weight"]
+            d = None
+        return d, grads
+
+    def backward_weight(self, saved) -> dict:
+        """W: B already computed the weight gradients (the all-to-alls fuse the halves)."""
+        return saved
+
+
+@dataclass
+class MoEPipelineRun(MoERun):
+    """MoERun (steps: the routing of this rank's MoE blocks only) with the pipeline's timelines."""
+
+    executor: PipelineExecutor | None = None
+    totals: dict | None = None  # traced (axis, op) -> (sent, received) of the training steps only
+    measured: Timeline | None = None
+    simulated: Timeline | None = None
+    rows: list[int] | None = None  # this rank's rows b_j of each microbatch
+
+
+def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipelineOptions,
+                     on_step=None, *, save: str | None = None, save_every: int | None = None,
+                     resume: str | None = None) -> MoEPipelineRun:
+    """Trains `train.steps` steps on `mesh` (pp, dp, ep), or from the checkpoint `resume` (any
+    mesh's, MoE runs with and without pp alike); with `save`, checkpoints every `save_every` steps
+    and after the last. `on_step(MoEStep)` after each step."""
+    validate(model, train, mesh.sizes, opts)
+    m, pp, world = opts.microbatches, mesh.pp, mesh.world
+    # This stage's dp x ep ranks in batch order: world ranks are laid (pp, dp, ep), so within one pp
+    # coordinate the world rank order is d = dp rank * ep + ep rank.
+    data = world.split(mesh.coords["pp"], key=world.rank, axis="data")
+    layer = ExpertParallelMoE(data, mesh.ep, model, loss_scale=1 / m)
+    ledger = MemoryLedger()
+    routings: dict[tuple, dict] = {}  # sample ids of a microbatch -> layer -> routing
+    executor = PipelineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, ledger,
+                                lambda c, n, s: MoEStage(c, n, s, layer, routings))
+    full = init_params(model, train.seed)  # drawn whole, then this rank keeps its stages' part
+    params = backend.current().from_host(local_params(
+        {n: full[n] for n in executor.param_names()}, model, mesh.sizes["ep"], mesh.coords["ep"]))
+    for n, p in params.items():
+        ledger.alloc(f"param:{n}", p, "params")
+    state = optimizer_init(params, train)
+    for moment in ("m", "v") if "m" in state else ():
+        for n in params:
+            ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
+    start_step = 0 if resume is None else resume_from(resume, model, train, params, state, mesh.coords)
+    dense = [n for n in params if ".mlp.experts." not in n]
+    experts = [n for n in params if ".mlp.experts." in n]
+    corpus = corpus_for(model, train)
+    B, T = train.batch_size, train.seq_len
+    ids = [list(microbatch_samples(B, m, data.size, data.rank, j)) for j in range(m)]
+    run = MoEPipelineRun(first_step=start_step, rows=[len(i) for i in ids])
+    tracer = world.tracer
+    for step in range(start_step, train.steps):
+        start = time.perf_counter()
+        routings.clear()
+        with tracer.context(step=step) if tracer else nullcontext():
+            mbs = []
+            for j in range(m):
+                tokens, targets = corpus.batch(step, ids[j], T)  # (b_j, T) each
+                mbs.append(Microbatch(tokens, targets, tuple(ids[j])))
+            loss, grads = executor.step(params, mbs, step=step, seed=train.seed, normalizer=B * T)
+            reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep ranks
+            reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
+            params, state = optimizer_step(params, grads, state, train)
+            mine = [routings[tuple(i)] for i in ids if tuple(i) in routings]  # microbatch order
+            aux, z = router_shares(mine)  # this rank's shares; the loss counts them too
+            shares = pp.all_reduce(np.array([loss + aux + z, aux, z]), tag="loss.pp:report")
+            totals = data.all_reduce(shares, tag="loss")
+        run.steps.append(step_record(step, loss, mine, start, totals))
+        if on_step is not None:
+            on_step(run.steps[-1])
+        if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
+            checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh.coords, True),
+                                     model, train, mesh.sizes, "moe pipeline", world)
+    run.totals = tracer.totals() if tracer else {}  # before the timeline gather adds its own
+    run.params, run.ledger, run.executor = params, ledger, executor
+    run.measured = executor.measured_timeline()
+    run.simulated = executor.simulated_timeline(run.measured)
+    return run

@@ -1,0 +1,172 @@
+"""MoE in pipeline stages and MoE checkpoints, run under mpiexec by tests/test_moe_pipeline.py.
+
+    mpiexec -n 4 python tests/moe_pipeline_check.py /tmp/checkpoints
+
+Prints one JSON line per run from rank 0. Training runs (pp x dp x ep meshes and schedules, and the
+dp x ep runner with microbatches): the largest loss and parameter differences from the
+single-device reference with the same microbatches, whether the routing statistics (dropped
+assignments, tokens per expert, per block) and the aux losses are the reference's, whether every
+step's traced bytes per (axis, op) and the params/grads/optimizer peaks equal the closed forms.
+Checkpoint runs: 4 steps under one mesh, saved after step 2; resumed from there under the same mesh
+(losses and parameters compared exactly), under others and on one process (each rank's loaded
+slices compared exactly with the global tensors, the losses compared).
+"""
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from refpar import checkpoint
+from refpar.analysis import moe as moe_analysis
+from refpar.comm.communicator import abort_on_error, world
+from refpar.comm.trace import Tracer
+from refpar.config import ModelConfig, TrainConfig, parse_mesh
+from refpar.engine_moe import MoEPipelineOptions, run_moe_pipeline
+from refpar.mesh import DeviceMesh
+from refpar.model.gpt import param_shapes
+from refpar.model.optim import optimizer_init
+from refpar.parallel.expert_parallel_run import (
+    local_params,
+    reference_run,
+    resume_from,
+    train_expert_parallel,
+)
+from refpar.parallel.pipeline.stage import stage_param_names
+
+MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
+                    moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
+TRAIN = TrainConfig(steps=3, batch_size=8, seq_len=8, lr=1e-2, seed=11)
+# (mesh, schedule, microbatches, chunks, model changes); schedule None: the dp x ep runner
+RUNS = [
+    ("pp=2,ep=2", "1f1b", 2, 1, {}),
+    ("pp=2,ep=2", "gpipe", 4, 1, {"moe_top_k": 1}),
+    ("pp=2,ep=2", "interleaved-1f1b", 2, 2, {"moe_dropless": True}),
+    ("pp=2,dp=2", "zb-h1", 2, 1, {}),
+    ("pp=4", "1f1b", 4, 1, {"moe_layers": (2, 3)}),  # stages 0 and 1 hold no MoE block
+    ("dp=2,ep=2", None, 2, 1, {}),
+]
+
+
+def rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def train(model, train_cfg, mesh, schedule, m, v, **saving):
+    if schedule is None:
+        return train_expert_parallel(model, train_cfg, mesh, microbatches=m, **saving)
+    return run_moe_pipeline(model, train_cfg, mesh, MoEPipelineOptions(schedule, m, v), **saving)
+
+
+def all_ranks(comm, ok: bool) -> bool:
+    return bool(comm.all_reduce(np.array([int(ok)]), op="min")[0])
+
+
+def check_run(comm, mesh_text, schedule, m, v, changes) -> dict:
+    model = replace(MODEL, **changes)
+    comm.tracer.clear()
+    mesh = DeviceMesh(comm, parse_mesh(mesh_text))
+    run = train(model, TRAIN, mesh, schedule, m, v)
+    events = list(comm.tracer.events)
+    ref = reference_run(model, TRAIN, microbatches=m)
+    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in run.params.items())]),
+                                       op="max")[0])
+    routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
+                       and s.tokens_per_expert == {i: r.tokens_per_expert[i] for i in s.tokens_per_expert}
+                       for s, r in zip(run.steps, ref.steps, strict=True))
+    bytes_ok = True
+    for s in run.steps:
+        traced = {}
+        for e in events:
+            if e.step == s.step:
+                sent, recv = traced.get((e.axis, e.op), (0, 0))
+                traced[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
+        if schedule is None:
+            expected = moe_analysis.step_comm_bytes(
+                model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()])
+        else:
+            expected = moe_analysis.pipeline_step_comm_bytes(
+                model, mesh.sizes, mesh.coords, v, run.rows, TRAIN.seq_len,
+                [list(k.values()) for k in s.microbatch_kept_counts])
+        bytes_ok &= traced == {key: (b.sent, b.recv) for key, b in expected.items()}
+    if schedule is None:
+        states = moe_analysis.model_state_bytes(model, mesh.sizes["ep"], mesh.coords["ep"],
+                                                TRAIN.optimizer, m)
+    else:
+        states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, v, TRAIN.optimizer)
+    memory_ok = {c: run.ledger.peak[c] for c in states} == states
+    a2a = sum(e.bytes_sent for e in events if e.op == "all_to_all")
+    return {
+        "run": f"{mesh_text} {schedule or 'dp x ep runner'} m={m} v={v} {changes}",
+        "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
+        "param_diff": param_diff,
+        "aux_diff": max(abs(a.aux_loss - b.aux_loss) / b.aux_loss
+                        for a, b in zip(run.steps, ref.steps, strict=True)),
+        "routing_same": all_ranks(comm, routing_same),
+        "dropped": [sum(s.dropped.values()) for s in ref.steps],
+        "bytes_ok": all_ranks(comm, bytes_ok),
+        "memory_ok": all_ranks(comm, memory_ok),
+        "all_to_all_bytes": float(comm.all_reduce(np.array([float(a2a)]))[0]),
+    }
+
+
+def reassembles_exactly(mesh, schedule, path: Path, train_cfg) -> bool:
+    """Whether `resume_from` gives this rank of `mesh` exactly its slices of the checkpoint's
+    global tensors (read whole on one process): parameters and AdamW's m and v."""
+    p = mesh.sizes["pp"]
+    names = stage_param_names(MODEL, p, mesh.coords["pp"]) if schedule else list(param_shapes(MODEL))
+    shapes = param_shapes(MODEL)
+    params = local_params({n: np.zeros(shapes[n]) for n in names}, MODEL, mesh.sizes["ep"],
+                          mesh.coords["ep"])
+    state = optimizer_init(params, train_cfg)
+    resume_from(str(path), MODEL, train_cfg, params, state, mesh.coords)
+    _, whole, moments = checkpoint.load_whole(str(path), MODEL, train_cfg)
+    return all(np.array_equal(params[n], whole[n]) and np.array_equal(state["m"][n], moments["m"][n])
+               and np.array_equal(state["v"][n], moments["v"][n]) for n in params)
+
+
+def check_resumes(comm, saved_on, resumed_on: list, root: Path) -> list[dict]:
+    """Trains 4 steps on `saved_on`, saving after steps 2 and 4; resumes from step 2 on each mesh
+    of `resumed_on` ("1": one process, rank 0 alone on its own communicator) up to step 4."""
+    train4 = replace(TRAIN, steps=4)
+    mesh_a, sched_a = saved_on
+    path = root / mesh_a.replace(",", "_")
+    full = train(MODEL, train4, DeviceMesh(comm, parse_mesh(mesh_a)), sched_a, 2, 1, save=str(path),
+                 save_every=2)
+    out = []
+    for mesh_b, sched_b in resumed_on:
+        group = comm if mesh_b != "1" else comm.split(0 if comm.rank == 0 else None, key=0, axis="world")
+        if group is not None:
+            mesh = DeviceMesh(group, parse_mesh(mesh_b) if mesh_b != "1" else {})
+            exact_slices = reassembles_exactly(mesh, sched_b, path / "step-00000002", train4)
+            resumed = train(MODEL, train4, mesh, sched_b, 2, 1, resume=str(path / "step-00000002"))
+            same = mesh_b == mesh_a and resumed.losses == full.losses[2:] and all(
+                np.array_equal(p, full.params[n]) for n, p in resumed.params.items())
+            out.append({"resume": f"{mesh_a} -> {mesh_b}", "first_step": resumed.first_step,
+                        "losses": resumed.losses, "uninterrupted": full.losses[2:],
+                        "exact": all_ranks(group, same), "reassembled": all_ranks(group, exact_slices)})
+        comm.barrier()
+    return out
+
+
+def main():
+    comm = world(Tracer(rank=None))
+    for run in RUNS:
+        result = check_run(comm, *run)
+        if comm.rank == 0:
+            print(json.dumps(result), flush=True)
+    root = Path(sys.argv[1])  # an empty directory every rank sees
+    for saved_on, resumed_on in [(("dp=2,ep=2", None), [("dp=2,ep=2", None), ("pp=2,ep=2", "1f1b")]),
+                                 (("pp=2,ep=2", "1f1b"), [("pp=2,ep=2", "1f1b"), ("ep=4", None),
+                                                          ("1", None)])]:
+        for result in check_resumes(comm, saved_on, resumed_on, root):
+            if comm.rank == 0:
+                print(json.dumps(result), flush=True)
+    comm.barrier()
+
+
+if __name__ == "__main__":
+    with abort_on_error():
+        main()

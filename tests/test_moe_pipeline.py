@@ -1,0 +1,139 @@
+"""MoE inside pipeline stages (pp x dp x ep, refpar/engine_moe.py), MoE microbatches (routing per
+microbatch) and MoE checkpoints, against the single device with the same microbatches."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.engine_moe import MoEPipelineOptions, validate
+from refpar.parallel.expert_parallel_run import check_run, microbatch_samples, reference_run
+from tests.mpi import MPIEXEC, ROOT, mpi_env, mpiexec, refpar_json
+
+TOLERANCE = 1e-10  # float64 after 3 AdamW steps (DESIGN.md, "Numerics")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    proc = mpiexec(4, "tests/moe_pipeline_check.py", str(tmp_path_factory.mktemp("moe_ckpt")), timeout=300)
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for r in out:
+        print(r)
+    return out
+
+
+def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_bytes_and_memory(rows):
+    """pp=2 x ep=2 under 1f1b, gpipe (top-1) and interleaved (dropless), pp=2 x dp=2 under zb-h1,
+    pp=4 with MoE in the last two blocks only, and the dp x ep runner, each with 2 or 4 microbatches:
+    losses, parameters, aux losses and the routing of every block are the single device's with the
+    same microbatches; each step's traced bytes per (axis, op) and the params/grads/optimizer peaks
+    equal the closed forms from the routing counts."""
+    runs = [r for r in rows if "run" in r]
+    assert len(runs) == 6
+    for r in runs:
+        assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
+        assert r["aux_diff"] <= 1e-14 and r["routing_same"], r
+        assert r["bytes_ok"] and r["memory_ok"], r
+        assert (min(r["dropped"]) > 0) != ("moe_dropless" in r["run"]), r  # capacities that bite
+        assert (r["all_to_all_bytes"] > 0) == ("ep=2" in r["run"]), r
+
+
+def test_moe_checkpoints_resume_exactly_on_their_mesh_and_reshard_to_others(rows):
+    """Saved by the dp x ep runner and by a pp x ep pipeline after 2 of 4 steps. Resumed on the
+    same mesh: losses and parameters bit for bit the uninterrupted run's. Resumed on another mesh
+    (pipeline <-> no pipeline, ep=2 -> ep=4, one process): every rank reassembles exactly its
+    tensors and moments from the other layout, and the losses agree to float64's rounding."""
+    resumes = [r for r in rows if "resume" in r]
+    assert [r["resume"] for r in resumes] == ["dp=2,ep=2 -> dp=2,ep=2", "dp=2,ep=2 -> pp=2,ep=2",
+                                              "pp=2,ep=2 -> pp=2,ep=2", "pp=2,ep=2 -> ep=4",
+                                              "pp=2,ep=2 -> 1"]
+    for r in resumes:
+        assert r["first_step"] == 2 and len(r["losses"]) == 2 and r["reassembled"], r
+        a, b = r["resume"].split(" -> ")
+        if a == b:
+            # Exact: the same ranks run the same operations in the same order on the same state.
+            assert r["exact"] and r["losses"] == r["uninterrupted"], r
+        else:
+            # Not exact: the other mesh sums the gradients in another order (expert gradients over
+            # all-to-all rows vs dp copies, microbatches in the pipeline's order): float64 epsilon.
+            assert max(abs(x - y) / abs(y) for x, y in zip(r["losses"], r["uninterrupted"],
+                                                          strict=True)) <= 1e-12, r
+
+
+def test_pp_dp_ep_cli_with_1f1b_matches_one_device_and_reports_every_blocks_routing():
+    s = refpar_json(8, "train", "--mesh", "pp=2,dp=2,ep=2", "--moe-experts", "4", "--moe-topk", "2",
+                    "--capacity-factor", "0.9", "--moe-layers", "1,3", "--microbatches", "2",
+                    "--schedule", "1f1b", "--steps", "3", "--check")
+    print({k: s[k] for k in ("losses", "max_loss_rel_diff", "max_param_rel_diff", "bubble_fraction")})
+    assert s["schedule"] == "1f1b" and s["microbatches"] == 2 and s["world_size"] == 8
+    assert s["max_loss_rel_diff"] <= TOLERANCE and s["max_param_rel_diff"] <= TOLERANCE
+    moe = s["moe"]
+    assert moe["dropped"] == moe["reference_dropped"] and all(min(step) > 0 for step in moe["dropped"])
+    cap = int(np.ceil(4 * 16 * 2 * 0.9 / 4))  # a microbatch of tiny's batch: 4 x 16 tokens, top-2
+    assert moe["capacity"] == cap
+    for step, dropped in zip(moe["tokens_per_expert"], moe["dropped"], strict=True):
+        for kept, lost in zip(step, dropped, strict=True):  # two microbatches of 64 tokens x 2 slots
+            assert max(kept) <= 2 * cap and sum(kept) + lost == 2 * 64 * 2
+    assert s["comm_bytes"] == s["expected_comm_bytes"]
+    assert s["memory_peak_bytes"] == s["expected_memory_peak_bytes"]
+    axes = {(r["axis"], r["op"]) for r in s["comm_bytes"]}
+    assert {("pp", "isend"), ("pp", "irecv"), ("ep", "all_to_all"), ("dp", "all_reduce")} <= axes
+    assert 0 < s["bubble_fraction"]["simulated_unit_costs"] < 1
+
+
+def test_one_microbatch_is_the_global_batch_and_dropless_unweighted_microbatches_only_accumulate():
+    """Global microbatch j is the same contiguous slice on any mesh, cut over the data ranks in
+    batch order. Without capacity and router losses, routing per microbatch changes nothing but the
+    order of sums: M = 2 gives the M = 1 run to rounding; with a capacity and the Switch losses it
+    does not (each microbatch is routed, dropped and balanced on its own tokens)."""
+    for n_data in (1, 2, 3):
+        for m in (1, 2, 4):
+            parts = [list(microbatch_samples(12, m, n_data, d, j)) for j in range(m) for d in range(n_data)]
+            assert sum(parts, []) == list(range(12))  # microbatch-major, data ranks in batch order
+    model = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=2, dropout=0.1,
+                        moe_experts=4, moe_top_k=2, moe_dropless=True, moe_aux_loss_weight=0.0,
+                        moe_z_loss_weight=0.0)
+    train = TrainConfig(steps=2, batch_size=4, seq_len=8, lr=1e-2, seed=3)
+    one, two = reference_run(model, train), reference_run(model, train, microbatches=2)
+    assert max(abs(a - b) / b for a, b in zip(one.losses, two.losses, strict=True)) <= 1e-13
+    assert max(float(np.max(np.abs(one.params[n] - p))) for n, p in two.params.items()) <= 1e-13
+    capped = replace(model, moe_dropless=False, moe_capacity_factor=0.8, moe_aux_loss_weight=0.01)
+    one, two = reference_run(capped, train), reference_run(capped, train, microbatches=2)
+    assert abs(one.losses[0] - two.losses[0]) > 1e-6
+    assert [len(s.microbatch_kept_counts) for s in two.steps] == [2, 2]
+
+
+@pytest.mark.parametrize("sizes, opts, changes, words", [
+    ({"pp": 4}, MoEPipelineOptions("1f1b", 4), {"n_layer": 2},
+     "4 pipeline stages need at least 4 blocks, the model has n_layer=2"),
+    ({"pp": 2, "ep": 2}, MoEPipelineOptions("1f1b", 3), {},
+     "--microbatches 3 does not divide --batch-size 8"),
+    ({"pp": 2, "dp": 2, "ep": 2}, MoEPipelineOptions("1f1b", 4), {},
+     "--batch-size 8 in 4 microbatches leaves 2 sequences per microbatch for dp x ep = 4 ranks"),
+    ({"pp": 2, "tp": 2}, MoEPipelineOptions(), {}, "drop tp=2"),
+    ({"pp": 2, "ep": 8}, MoEPipelineOptions(), {}, "moe_experts=4 is fewer than ep=8"),
+    ({"pp": 2}, MoEPipelineOptions("1f1b", 1, 2), {}, "chunks"),
+])
+def test_bad_moe_pipeline_setup_is_one_sentence(sizes, opts, changes, words):
+    model = ModelConfig(moe_experts=4, **changes)
+    with pytest.raises(ConfigError) as err:
+        validate(model, TrainConfig(), sizes, opts)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_dp_ep_runner_refuses_microbatches_that_do_not_divide_the_batch():
+    with pytest.raises(ConfigError, match="--microbatches 3 does not divide --batch-size 8"):
+        check_run(ModelConfig(moe_experts=4), TrainConfig(), {"ep": 2}, 3)
+
+
+def test_a_bad_moe_pipeline_fails_on_every_rank_before_communication_with_one_line():
+    cmd = [sys.executable, "-m", "refpar", "train", "--mesh", "pp=4", "--n-layer", "2", "--moe-experts", "4"]
+    proc = subprocess.run([str(MPIEXEC), "-n", "4", *cmd], cwd=ROOT, env=mpi_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == ("refpar train: error: 4 pipeline stages need at least 4 blocks, the "
+                                   "model has n_layer=2; use fewer stages (or chunks) or more layers")
