@@ -27,7 +27,7 @@ own pieces, nothing is written again:
     dp           --zero 0: every gradient summed over dp (intra_layer.all_reduce_replicated_grads)
                  --zero 1: the flat gradient reduce-scattered over d ranks, AdamW on this
                  rank's shard only, the updated shard all-gathered (Rajbhandari et al. 2020, P_os)
-                 --zero 2: each microbatch's gradients reduce-scattered after its stage's B,
+                 --zero 2: each microbatch's gradients reduce-scattered block by block in B,
                  units all-gathered after the update (P_os+g; refpar/engine_zero3.py)
                  --zero 3: parameters sharded too, gathered around every action (P_os+g+p)
                  --fsdp: ZeRO-3 by FSDP's units, a block gathered around each piece
@@ -52,7 +52,7 @@ from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine_fsdp import FsdpStage, fsdp_units
+from refpar.engine_fsdp import UnitStage, fsdp_units
 from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
@@ -234,20 +234,6 @@ def zero_group(mesh):
     return mesh.world.split(color, key=co["dp"] * sizes["cp"] + co["cp"], axis="dp_cp")
 
 
-class ZeroTwoStage(TensorParallelStage):
-    """A tensor-parallel stage whose B reduce-scatters each microbatch's gradients into ZeRO-2's
-    shards (the parameters stay whole on every rank)."""
-
-    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, zero: ZeroTwo):
-        super().__init__(config, n_stages, stage, lay)
-        self.zero = zero
-
-    def backward_input(self, dout, cache):
-        dx, grads = super().backward_input(dout, cache)
-        self.zero.reduce(self.stage, grads)
-        return dx, {}  # the gradients are in the shards already
-
-
 class ZeroOne:
     """ZeRO-1 over `dp` (zero_group: dp or dp x cp) of this rank's flat parameters: optimizer state
     for its shard_range only."""
@@ -389,19 +375,18 @@ def sharded_checkpoint_arrays(model: ModelConfig, mesh, sharded, saving: bool) -
 def sharded_grads(executor: EngineExecutor, params: dict, train: TrainConfig, group, ledger, lay,
                   zero: int, fsdp: bool = False):
     """ZeRO-2 or 3 (engine_zero3) or FSDP (engine_fsdp): (its state, the embedding group) with the
-    executor's stages replaced by ones that reduce-scatter every microbatch's gradients (ZeRO-3's
-    also gather the stage's parameters around each action, FSDP's each block's around each
-    piece); the tied wte's sum then runs on the shards. (None, None) for ZeRO 0 and 1."""
+    executor's stages replaced by ones that reduce-scatter every microbatch's gradients, ZeRO-2's
+    and FSDP's a block at a time (engine_fsdp.UnitStage; FSDP gathers each block around each
+    piece), ZeRO-3's a stage at a time (it gathers the stage around each action); the tied wte's
+    sum then runs on the shards. (None, None) for ZeRO 0 and 1."""
     if zero < 2:
         return None, None
     tied, n_stages = executor.embedding_group, executor.layout.n_stages
     executor.embedding_group = None  # ShardedGrads.sum_tied
-    if zero == 2:
-        state = ZeroTwo(params, executor.stages, train, group, ledger)
-        executor.stages = {s: ZeroTwoStage(executor.config, n_stages, s, lay, state) for s in executor.stages}
-    elif fsdp:
-        state = ZeroThree(params, executor.stages, train, group, ledger, fsdp_units)
-        executor.stages = {s: FsdpStage(executor.config, n_stages, s, lay, state) for s in executor.stages}
+    if zero == 2 or fsdp:  # unit by unit: a block's gradient is reduce-scattered after its backward
+        kind = ZeroTwo if zero == 2 else ZeroThree
+        state = kind(params, executor.stages, train, group, ledger, fsdp_units)
+        executor.stages = {s: UnitStage(executor.config, n_stages, s, lay, state) for s in executor.stages}
     else:
         state = ZeroThree(params, executor.stages, train, group, ledger)
         executor.stages = {s: ZeroThreeStage(executor.config, n_stages, s, lay, state)

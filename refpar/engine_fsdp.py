@@ -16,11 +16,15 @@ each action, FSDP gathers each unit just before the piece that reads it and free
         (engine_zero3.detach), freed; head: root and wte gathered, run, detached, freed
     B   head: root and wte gathered again, backward, freed, their gradients kept; each block:
         gathered, backward, freed, its gradient reduce-scattered at once; embedding: its backward
-        reads only the parameters' row counts, so nothing is gathered; then wte's and root's
-        gradients are reduce-scattered, the last, as FSDP reduces its root last
+        reads only the parameters' row counts, so nothing is gathered. wte's and root's gradients
+        are reduce-scattered once complete: after the head on the last stage, after the embedding
+        on the first (on a stage that is both, at the end, as FSDP reduces its root last)
 
 Per microbatch and stage over the d ranks: each block (d-1)/d Ψ_b gathered twice and reduced once;
 the ends' units gathered once on the first stage, twice on the last, and reduced once.
+
+ZeRO-2 runs the same UnitStage on engine_zero3.ZeroTwo, whose gather and release move nothing
+(the parameters are whole on every rank): what it keeps is the unit-by-unit reduce-scatter.
 """
 
 from __future__ import annotations
@@ -54,9 +58,10 @@ def fsdp_units(names: list[str]) -> dict[str, list[str]]:
     return out
 
 
-class FsdpStage(Stage):
-    """Stage `stage` of tensor-parallel pieces on layout `lay` whose units `zero` (a ZeroThree over
-    fsdp_units) gathers piece by piece; the same blocks, names and ends as stage.Stage."""
+class UnitStage(Stage):
+    """Stage `stage` of tensor-parallel pieces on layout `lay` that asks `zero` (a ZeroThree or a
+    ZeroTwo over fsdp_units) for its units piece by piece and hands it each unit's gradient as
+    soon as it is complete; the same blocks, names and ends as stage.Stage."""
 
     def __init__(self, config, n_stages: int, stage: int, lay, zero: ZeroThree):
         super().__init__(config, n_stages, stage)
@@ -88,12 +93,16 @@ class FsdpStage(Stage):
         the shards, so none are returned."""
         c_embed, c_blocks, c_head = cache
         lay, zero, s, ledger = self.lay, self.zero, self.stage, self.zero.ledger
-        ends, d = {}, dout  # wte's and root's gradients, reduced when the stage's backward is done
+        ends, d = {}, dout  # wte's and root's gradients, reduced once they are complete
         if self.last:
             _, bases = zero.gather(s, "head:bwd", ENDS)
             d, ends = vocab_parallel_head_backward(attach(c_head, bases), lay)  # (b, Tl, C)
             zero.release(bases)
-            ledger.alloc("grads.ends", sum(nbytes_of(g) for g in ends.values()), "grads")
+            if not self.first:  # complete: reduce them now rather than hold them through the blocks
+                zero.reduce(s, ends, ENDS)
+                ends = {}
+            else:  # the embedding adds to wte's: held until the end of B
+                ledger.alloc("grads.ends", sum(nbytes_of(g) for g in ends.values()), "grads")
         for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
             _, bases = zero.gather(s, "bwd", (f"h.{layer}",))
             d, grads = parallel_block_backward(d, attach(c, bases), layer, lay)  # (b, Tl, C)
@@ -104,9 +113,8 @@ class FsdpStage(Stage):
             ends["wte.weight"] = ends["wte.weight"] + g["wte.weight"] if self.last else g["wte.weight"]
             ends["wpe.weight"] = g["wpe.weight"]
             d = None
-        if self.last:
-            ledger.free("grads.ends")  # reduce holds them again while it reduces them
-        if ends:
+            if self.last:
+                ledger.free("grads.ends")  # reduce holds them again while it reduces them
             zero.reduce(s, ends, ENDS)
         return d, {}
 

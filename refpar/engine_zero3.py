@@ -7,21 +7,23 @@ more over the data-parallel ranks (Rajbhandari et al. 2020, P_os+g and P_os+g+p)
 Legend: Ψ_u elements of unit u on this rank (already a tp shard), s_u this rank's shard_range share
 of it over the d ranks of engine.zero_group (dp, or dp x cp when the mesh has cp).
 
-Units: per stage, the tied embedding `wte` alone (on the first and the last stage, so that both
-ends split it alike and the tied gradient is summed shard by shard) and everything else of the
-stage. Per microbatch and stage:
+ZeRO-3's units (`units_of`): per stage, the tied embedding `wte` alone (on the first and the last
+stage, so that both ends split it alike and the tied gradient is summed shard by shard) and
+everything else of the stage. Per microbatch and stage (ZeroThreeStage in refpar/engine.py):
 
-    F   ZeRO-3: all-gather the stage's units, run the stage, keep its cache with the parameters
-        taken out (units.detach: a cached weight becomes its position in the gathered buffer),
-        free them. ZeRO-2: run the stage on the parameters every rank holds whole.
-    B   ZeRO-3: all-gather again, put the parameters back in the cache (units.attach), run the
-        backward, free them. Both: reduce-scatter each unit's gradient into this rank's gradient
-        shard, so a stage's gradient exists whole only from its backward to its reduce-scatter.
+    F   all-gather the stage's units, run the stage, keep its cache with the parameters taken out
+        (units.detach: a cached weight becomes its position in the gathered buffer), free them
+    B   all-gather again, put the parameters back in the cache (units.attach), run the backward,
+        free them, reduce-scatter each unit's gradient into this rank's gradient shard
 
-ZeRO-2 reduces after every microbatch, as DeepSpeed's stage 2 does and refpar's dp runner does
-(refpar/parallel/zero.py): reducing once after the last microbatch would keep every gradient
-whole through the step, which is ZeRO-1's memory. The price is m reduce-scatters per step instead
-of one, which is why DeepSpeed's own pipeline engine refuses stage 2; here it is counted, not hidden.
+ZeRO-2 (`ZeroTwo`) keeps the parameters whole and uses FSDP's finer units and stage
+(engine_fsdp.fsdp_units, UnitStage; its `gather` hands out the whole parameters, nothing moves):
+each block's gradient is reduce-scattered as soon as its backward is done, so a gradient exists
+whole only from its piece's backward to its reduce-scatter, as DeepSpeed's stage 2 reduces buckets
+as they fill, in every microbatch (refpar's dp runner does the same, refpar/parallel/zero.py).
+Reducing once after the last microbatch would keep every gradient whole through the step:
+ZeRO-1's memory. The price is m reduce-scatters per step instead of one, which is why DeepSpeed's
+own pipeline engine refuses stage 2; here it is counted, not hidden.
 
 After the schedule, the first and last pipeline ranks all-reduce their wte gradient shards (the
 executor's embedding group); under sp the shards' segments of the sequence-sharded region's
@@ -227,7 +229,20 @@ class ZeroThree(ShardedGrads):
 
 class ZeroTwo(ShardedGrads):
     """ZeRO-2: the parameters stay whole on every rank; after the step each unit's updated shard is
-    all-gathered over dp into them."""
+    all-gathered over dp into them. `gather` and `release` have ZeroThree's signature, so a stage
+    written for per-unit gathers (engine_fsdp.UnitStage) runs on it: nothing moves."""
+
+    def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of):
+        super().__init__(params, stages, train, dp, ledger, unit_fn)
+        self.params = params  # the whole parameters, updated in place by `step`
+
+    def gather(self, stage: int, phase: str, units=None) -> tuple[dict, dict]:
+        """(name -> the whole parameter, no gathered buffers) of the stage's `units` (default all)."""
+        return {n: self.params[n] for (s, u), names in self.units.items() if s == stage
+                and (units is None or u in units) for n in names}, {}
+
+    def release(self, bases: dict) -> None:
+        """Nothing was gathered."""
 
     def step(self, params: dict) -> None:
         self.t += 1

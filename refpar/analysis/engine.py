@@ -5,8 +5,9 @@ Legend: p pp size, d dp size, t tp size, v chunks, b_i rows of microbatch i, B_d
 rows of this pipeline, T sequence, c cp size, Ta the cp rank's tokens (`cp_tokens`; T without cp),
 Tl residual tokens (Ta, or Ta/t under sp), C channels, e bytes per element, Ψl elements of the
 parameters a rank holds (its stages' tp shards), n the ranks ZeRO shards over (`zero_shards`: d,
-or d c over the "dp_cp" axis when the mesh has cp), Ψ_u a unit (engine_zero3.units_of), s_u this
-rank's share of it.
+or d c over the "dp_cp" axis when the mesh has cp), Ψ_u a unit (ZeRO-3: engine_zero3.units_of,
+wte and the rest of a stage; ZeRO-2 and FSDP: engine_fsdp.fsdp_units, wte, root and each block),
+s_u this rank's share of it.
 
 Per step, the rank at (pp r, dp q, cp j, tp k):
 - tp: for each microbatch and each of its stages, the calls of tensor parallelism over the stage's
@@ -22,14 +23,17 @@ Per step, the rank at (pp r, dp q, cp j, tp k):
 - dp (ZeRO: over n ranks): --zero 0: one all-reduce of Ψl; --zero 1: a reduce-scatter and an
   all-gather of Ψl (ZeRO's 2Ψ); --zero 2: per microbatch and stage a reduce-scatter of each unit,
   per step an all-gather of each unit; --zero 3: per microbatch and stage two all-gathers and a
-  reduce-scatter of each unit (3Ψ); the loss over dp.
+  reduce-scatter of each unit (3Ψ); --fsdp: the same but the ends' units gathered once on the
+  first stage and twice on the last (`_gathers`); the loss over dp.
 Memory: params and grads Ψl e; AdamW 2Ψl e (zero 1: 2 e times this rank's shard_range share);
 activations: the schedule's replay (schedules.stored) with the bytes a microbatch keeps after F
 (analysis.activations: embedding, blocks with local, ring or Ulysses attention, head, for b_i
 rows and this rank's tokens); comm (zero 1): the flat gradient and the reduced shard,
-(Ψl + Ψl/n) e. ZeRO-2 and 3 (`_sharded_peaks`): grads Σ s_u plus a stage's whole gradient and one
-unit's flat copy while reduced; AdamW 2 Σ s_u; ZeRO-3 params Σ s_u plus the largest stage
-gathered, comm the largest s_u; ZeRO-2 params Ψl, comm the largest Ψ_u (gathered after the step).
+(Ψl + Ψl/n) e. ZeRO-2, 3 and FSDP (`_sharded_peaks`): grads Σ s_u plus the transient ones (ZeRO-3:
+a stage's whole gradient and one unit's flat copy; ZeRO-2 and FSDP `_unit_grads`: one block's and
+its copy, or the ends'); AdamW 2 Σ s_u; ZeRO-3 params Σ s_u plus the largest stage gathered, FSDP
+plus the largest piece's units; comm the largest s_u; ZeRO-2 params Ψl, comm the largest Ψ_u
+(gathered after the step).
 """
 
 from __future__ import annotations
@@ -164,7 +168,7 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                     add(call.axis, call.op, call.bytes_sent, call.bytes_recv)
         numels = rank_param_numels(model, sizes, co, v)
         axis, n_z, g = zero_shards(sizes, co)  # ZeRO's group
-        unit_fn = fsdp_units if opts.fsdp else units_of
+        unit_fn = fsdp_units if opts.fsdp or opts.zero == 2 else units_of  # engine.sharded_grads
         if opts.sp:
             n = (sp_shard_numel(model, sizes, co, v, unit_fn) if opts.zero >= 2 else
                  sum(numels[nm] for nm in sequence_parallel_param_names(model) if nm in numels))
@@ -195,12 +199,12 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                     k = len(rows) * _gathers(u, s, S, opts.fsdp)
                     add(axis, "all_gather", k * ag.sent, k * ag.recv)
                     add(axis, "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
-        elif opts.zero == 2:  # per microbatch and stage reduced after B; each unit gathered once
-            for units in zero3_units(model, sizes, co, v).values():
+        elif opts.zero == 2:  # per microbatch and stage each unit reduced after B; gathered once
+            for units in zero3_units(model, sizes, co, v, unit_fn).values():
                 for n in units.values():
                     rs = cost.reduce_scatter_bytes(n, n_z, g, e)
                     add(axis, "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
-            for n in _owned_units(zero3_units(model, sizes, co, v)).values():
+            for n in _owned_units(zero3_units(model, sizes, co, v, unit_fn)).values():
                 ag = cost.all_gather_bytes(shard_sizes(n, n_z), g, e)
                 add(axis, "all_gather", ag.sent, ag.recv)
         elif opts.zero == 1:
@@ -223,22 +227,23 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
 def _gathers(unit: str, stage: int, n_stages: int, fsdp: bool) -> int:
     """All-gathers of a unit per microbatch: ZeRO-3 gathers the stage for F and for B; FSDP gathers
     a block for F and for B, the ends' units (wte, root) for the embedding's F and the head's F and B
-    (engine_fsdp.FsdpStage)."""
+    (engine_fsdp.UnitStage)."""
     if not fsdp or unit not in ENDS:
         return 2
     return (stage == 0) + 2 * (stage == n_stages - 1)
 
 
-def _fsdp_grads(stages: dict[int, dict[str, int]], numels: dict, n_stages: int) -> int:
-    """FSDP's transient gradients (elements): while a block is reduced, its gradient and flat copy,
-    and on the last stage the head's gradients of wte and ln_f kept until the end of B; then the
-    ends' gradients (wte, root) and the larger one's flat copy."""
+def _unit_grads(stages: dict[int, dict[str, int]], numels: dict, n_stages: int) -> int:
+    """The transient gradients (elements) of a stage that reduces unit by unit (ZeRO-2 and FSDP,
+    engine_fsdp.UnitStage): while a block is reduced, its gradient and flat copy, and on a stage
+    that is both first and last the head's gradients of wte and ln_f, kept until the embedding's
+    backward; while the ends' gradients (wte, root) are reduced, they and the larger one's flat copy."""
     head = numels.get("wte.weight", 0) + numels.get("ln_f.weight", 0) + numels.get("ln_f.bias", 0)
     most = 0
     for s, units in stages.items():
         blocks = [n for u, n in units.items() if u not in ENDS]
         ends = [n for u, n in units.items() if u in ENDS]
-        most = max(most, (head if s == n_stages - 1 else 0) + 2 * max(blocks),
+        most = max(most, (head if s == n_stages - 1 and s == 0 else 0) + 2 * max(blocks),
                    sum(ends) + max(ends, default=0))
     return most
 
@@ -249,27 +254,28 @@ def _owned_units(stages: dict[int, dict[str, int]]) -> dict:
 
 
 def _sharded_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, optimizer: str,
-                   zero: int, fsdp_grads: int | None = None) -> dict:
-    """ZeRO-2 and 3: shards of every unit's gradient and AdamW moments; plus, while a microbatch's
-    gradients are reduced, the stage's whole gradient and one unit's flat copy (grads). ZeRO-3: the
-    parameter shards plus the largest stage gathered (params), the largest reduced shard (comm).
-    ZeRO-2: the parameters whole; the largest unit all-gathered after the step (comm). FSDP
-    (`fsdp_grads`, its transient gradients): params the shards plus the largest set of units one
-    piece gathers (the ends' wte and root together, or one block)."""
+                   zero: int, unit_grads: int | None = None) -> dict:
+    """ZeRO-2, 3 and FSDP: shards of every unit's gradient and AdamW moments, plus the transient
+    gradients: `unit_grads` when the stage reduces unit by unit (ZeRO-2, FSDP: engine_fsdp.UnitStage),
+    else, while a microbatch's gradients are reduced, the stage's whole gradient and one unit's flat
+    copy. ZeRO-2: the parameters stay whole (the caller's), the largest unit is all-gathered after
+    the step (comm). ZeRO-3: the parameter shards plus the largest stage gathered; FSDP: plus the
+    largest set of units one piece gathers (the ends' wte and root together, or one block); both:
+    the largest reduced shard (comm)."""
     units = _owned_units(stages)
     shards = {k: shard_sizes(n, d)[q] for k, n in units.items()}
     owned = sum(shards.values())
-    peaks = {"grads": (owned + max(sum(us.values()) + max(us.values()) for us in stages.values())) * e,
-             "optimizer": 2 * owned * e if optimizer == "adamw" else 0}
+    transient = unit_grads if unit_grads is not None else max(
+        sum(us.values()) + max(us.values()) for us in stages.values())
+    peaks = {"grads": (owned + transient) * e, "optimizer": 2 * owned * e if optimizer == "adamw" else 0}
     if zero == 2:
         return peaks | {"comm": max(units.values()) * e}
-    if fsdp_grads is not None:
+    if unit_grads is not None:  # FSDP
         pieces = [n for us in stages.values() for u, n in us.items() if u not in ENDS]
         pieces += [sum(n for u, n in us.items() if u in ENDS) for us in stages.values()]
-        return peaks | {"params": (owned + max(pieces)) * e, "grads": (owned + fsdp_grads) * e,
-                        "comm": max(shards.values()) * e}
-    return peaks | {"params": (owned + max(sum(us.values()) for us in stages.values())) * e,
-                    "comm": max(shards.values()) * e}
+    else:
+        pieces = [sum(us.values()) for us in stages.values()]
+    return peaks | {"params": (owned + max(pieces)) * e, "comm": max(shards.values()) * e}
 
 
 def microbatch_activation_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict,
@@ -310,8 +316,9 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
                  "activations": max(kept[r], default=0),
                  "comm": (held + share) * e if opts.zero == 1 else 0}
         if opts.zero >= 2:
-            units = zero3_units(model, sizes, co, v, fsdp_units if opts.fsdp else units_of)
-            fsdp = _fsdp_grads(units, rank_param_numels(model, sizes, co, v), S) if opts.fsdp else None
-            peaks |= _sharded_peaks(units, n_z, g, e, train.optimizer, opts.zero, fsdp)
+            by_unit = opts.fsdp or opts.zero == 2  # engine_fsdp.UnitStage
+            units = zero3_units(model, sizes, co, v, fsdp_units if by_unit else units_of)
+            transient = _unit_grads(units, rank_param_numels(model, sizes, co, v), S) if by_unit else None
+            peaks |= _sharded_peaks(units, n_z, g, e, train.optimizer, opts.zero, transient)
         out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
     return out
