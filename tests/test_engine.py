@@ -45,7 +45,7 @@ def test_verify_quick_matrix_passes_every_strategy_combination():
     print(proc.stdout, proc.stderr[-2000:])
     assert proc.returncode == 0 and "FAIL" not in proc.stdout
     lines = proc.stdout.splitlines()
-    assert lines[-2].startswith("all 10 passed")  # one of them, tp+sp, in bf16-mixed
+    assert lines[-2].startswith("all 11 passed")  # one of them, tp+sp, in bf16-mixed
     assert "fp64: loss and parameters <= 1e-10" in lines[-1] and "bf16-mixed: loss <= 0.002" in lines[-1]
 
 
@@ -55,9 +55,9 @@ def test_verify_quick_matrix_passes_every_strategy_combination():
         (4, ["--mesh", "dp=2,tp=2,pp=2"], "has 8 ranks but the job has 4; run mpiexec -n 8"),
         (4, ["--mesh", "tp=3,pp=2"], "tp=3 does not divide n_head=4"),
         (4, ["--mesh", "tp=2,pp=2", "--n-layer", "1"], "2 pipeline stages need at least 2 blocks"),
-        (4, ["--mesh", "tp=2,pp=2", "--zero", "2"], "use --zero 0, 1 or 3"),
+        (4, ["--mesh", "tp=2,pp=2", "--zero", "2"], "give the mesh dp=2 or more"),
         (4, ["--mesh", "tp=2,pp=2", "--zero", "3"], "give the mesh dp=2 or more"),
-        (4, ["--mesh", "cp=2,pp=2", "--sp"], "--sp and cp both shard the sequence"),
+        (4, ["--mesh", "cp=2,pp=2", "--sp"], "--sp shards along the sequence over tp ranks"),
     ],
 )
 def test_bad_engine_mesh_fails_on_every_rank_with_one_sentence_before_any_communication(n, args, words):
