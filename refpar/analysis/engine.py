@@ -40,7 +40,7 @@ Mixed precision: e = 2 for activations, p2p messages and parameter all-gathers; 
 (`analysis.intra_layer.grad_itemsize`: 2, or 4 with fp32_grads); the strategies' float32 pieces
 (cross-entropy statistics, ring attention's dK/dV) come from analysis.intra_layer; fp16 adds an
 all-reduce of one float32 overflow flag over each axis whose ranks hold different gradients (tp,
-pp, and ZeRO's group), and ZeRO-1 gathers no parameters in a skipped step. Memory adds "master",
+pp, and ZeRO's group), and ZeRO-1 and 2 gather no parameters in a skipped step. Memory adds "master",
 4 bytes per parameter this rank updates (all it holds, or its ZeRO shard), and AdamW's moments take
 4 bytes each; gradients held whole after backward are e bytes, gradient shards and buffers gi.
 """
@@ -156,7 +156,7 @@ def _rows_of(train: TrainConfig, d: int, q: int, m: int) -> list[int]:
 def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts, skipped: int = 0
                        ) -> list[dict]:
     """Every rank's bytes over the run, rows as refpar train's `comm_bytes`; `skipped`: steps an
-    fp16 overflow skipped, in which ZeRO-1 gathers no updated parameters."""
+    fp16 overflow skipped, in which ZeRO-1 and ZeRO-2 gather no updated parameters."""
     p, d, t, v, T = sizes["pp"], sizes["dp"], sizes["tp"], opts.chunks, train.seq_len
     c = sizes.get("cp", 1)
     e, C, S = np.dtype(model.dtype).itemsize, model.n_embd, sizes["pp"] * opts.chunks
@@ -228,9 +228,10 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
                 for n in units.values():
                     rs = cost.reduce_scatter_bytes(n, n_z, g, gi)
                     add(axis, "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
+            taken = (train.steps - skipped) / train.steps  # a skipped step gathers nothing
             for n in _owned_units(zero3_units(model, sizes, co, v, unit_fn)).values():
                 ag = cost.all_gather_bytes(shard_sizes(n, n_z), g, e)
-                add(axis, "all_gather", ag.sent, ag.recv)
+                add(axis, "all_gather", ag.sent * taken, ag.recv * taken)
         elif opts.zero == 1:
             rs = cost.reduce_scatter_bytes(total, n_z, g, gi)
             ag = cost.all_gather_bytes(shard_sizes(total, n_z), g, e)
