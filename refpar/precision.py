@@ -96,7 +96,9 @@ def _upcast(a, originals: dict):
 
 def _round(a, dtype, originals: dict):
     """fp32 arrays of one or more dimensions in `a` (nested) rounded to `dtype`; 0-d arrays (losses)
-    stay fp32; inputs passed through come back as the caller's own arrays."""
+    stay fp32; inputs passed through come back as the caller's own arrays, and an array found twice
+    (attention's probabilities are also its dropped ones without dropout) is rounded once, so the
+    cache keeps one 16-bit array as float64 keeps one."""
     if isinstance(a, tuple | list):
         return type(a)(_round(x, dtype, originals) for x in a)
     if isinstance(a, dict):
@@ -108,7 +110,8 @@ def _round(a, dtype, originals: dict):
     if a.ndim >= 1 and _dtype_name(a.dtype) == "float32":
         from array_api_compat import array_namespace
 
-        return array_namespace(a).astype(a, dtype)
+        originals[id(a)] = array_namespace(a).astype(a, dtype)  # `a` is alive: its id stays its own
+        return originals[id(a)]
     return a
 
 
