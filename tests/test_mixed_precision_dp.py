@@ -17,6 +17,7 @@ from refpar.analysis.memory import (
     Options,
     model_state_bytes,
     paper_model_state_bytes,
+    peak_bytes,
     precision_options,
     unit_sizes,
 )
@@ -37,13 +38,42 @@ def test_bf16_mixed_dp_holds_2_2_4_8_bytes_per_parameter_the_zero_papers_16_psi(
     assert sum(state.values()) == paper_model_state_bytes(PSI, 1, 0) == 16 * PSI
 
 
-def test_fp32_gradients_make_the_gradient_4_bytes_so_dp_holds_18_psi():
-    """The Ultra-Scale Playbook's 20Ψ also counts a persistent 16-bit gradient beside the fp32 one;
-    refpar folds each piece's 16-bit gradients into the fp32 buffer at once (they are the transient
-    in the gradient peak), so what stays between steps is 2 + 4 + 4 + 8 = 18Ψ."""
+def test_fp32_gradients_keep_the_16bit_gradient_beside_the_fp32_one_so_dp_holds_the_playbooks_20_psi():
+    """The Ultra-Scale Playbook's fp32 gradient accumulation (DeepSpeed's BF16_Optimizer): 2Ψ bf16
+    parameters + 2Ψ bf16 gradients (what backward writes) + 4Ψ fp32 gradients + 4Ψ master + 8Ψ
+    moments."""
     state = model_state_bytes(TINY, 1, 0, Options("dp", **precision_options("bfloat16", fp32_grads=True)))
-    assert state == {"params": 2 * PSI, "grads": 4 * PSI, "master": 4 * PSI, "optimizer": 8 * PSI}
-    assert sum(state.values()) == paper_model_state_bytes(PSI, 1, 0, grad_bytes=4) == 18 * PSI
+    assert state == {"params": 2 * PSI, "grads": (2 + 4) * PSI, "master": 4 * PSI, "optimizer": 8 * PSI}
+    assert sum(state.values()) == 20 * PSI
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_fp32_gradient_partitions_keep_both_gradients_whole_until_zero2_shards_the_fp32_one(n):
+    """ZeRO-1 keeps BF16_Optimizer's whole 16-bit and fp32 gradients (2Ψ + 6Ψ + 12s); from ZeRO-2
+    the 16-bit gradient lives only until its unit's reduce-scatter and the fp32 shard stays
+    (2Ψ + 16s, ZeRO-3 and FSDP 18s), with s = Σ_u s_u this rank's uneven share."""
+    fp32 = precision_options("bfloat16", fp32_grads=True)
+    for r in range(n):
+        share = sum(shard_sizes(size, n)[r] for size in unit_sizes(TINY).values())
+        want = {"zero1": 8 * PSI + 12 * share, "zero2": 2 * PSI + 16 * share, "zero3": 18 * share,
+                "fsdp": 18 * share}
+        for strategy, total in want.items():
+            state = model_state_bytes(TINY, n, r, Options(strategy, **fp32))
+            assert sum(state.values()) == total, strategy
+            assert state["grads"] == (6 * PSI if strategy == "zero1" else 4 * share), strategy
+    assert any(size % n for size in unit_sizes(TINY).values())  # the shards are uneven
+
+
+def test_the_fp32_gradient_peak_of_zero2_adds_a_units_16bit_gradient_to_its_fp32_buffer():
+    """From a unit's first backward piece to its reduce-scatter ZeRO-2 holds the unit's 16-bit
+    gradient and its fp32 accumulator: (2 + 4)Ψ_u more than the 4-byte gradient alone, the root's
+    (filled by the head, reduced after the embedding) plus a block's with its piece."""
+    n, sizes = 3, unit_sizes(TINY)
+    fp32 = Options("zero2", **precision_options("bfloat16", fp32_grads=True))
+    for r in range(n):
+        share = sum(shard_sizes(size, n)[r] for size in sizes.values())
+        grads = peak_bytes(TINY, n, r, fp32)["grads"]
+        assert grads == 4 * share + 6 * sizes["root"] + (6 + 2) * sizes["h.0"]
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
