@@ -3,10 +3,11 @@
 
     mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,cp=2,tp=2 --microbatches 2 --check
+    mpiexec -n 8 python -m refpar train --mesh dp=2,cp=2,pp=2 --zero 3 --microbatches 2 --check
 
-Legend: b microbatch rows, T sequence, Tl tokens of the residual stream on this rank (T, T/tp
-under sequence parallelism, or this cp rank's tokens), C channels, t tp size, Ψl elements of the
-parameters this rank holds.
+Legend: b microbatch rows, T sequence, Ta this cp rank's tokens (T without cp), Tl tokens of the
+residual stream on this rank (Ta, or Ta/t under sequence parallelism), C channels, t tp size, Ψl
+elements of the parameters this rank holds, d the ranks ZeRO shards over (dp, or dp x cp).
 
 A rank at mesh coordinates (pp, dp, cp, tp) holds the tp shard (tensor_parallel.shard_params_tp) of
 the parameters of its pipeline stages (stage.Stage.param_names). One step composes the strategies'
@@ -19,13 +20,20 @@ own pieces, nothing is written again:
     cp           the stages' attention is context_parallel's ring (zig-zag tokens) or Ulysses
                  core on the cp_layout, every other piece runs on this rank's tokens; the
                  gradients, each over this rank's tokens only, summed over cp (one all-reduce)
+                 under --zero 0; ZeRO sums them in its own reduce over dp x cp (below)
     tied wte     the executor's embedding group: first and last pp rank, per tp rank (same rows)
-    sp           the sequence-sharded region's gradients summed over tp (one all-reduce)
+    sp           the sequence-sharded region's gradients summed over tp (one all-reduce); with
+                 cp the sp pair runs inside each cp rank's tokens (sequence_parallel.sp_cp_layout)
     dp           --zero 0: every gradient summed over dp (intra_layer.all_reduce_replicated_grads)
-                 --zero 1: the flat gradient reduce-scattered over dp, AdamW on this rank's
-                 shard only, the updated shard all-gathered (Rajbhandari et al. 2020, P_os)
-                 --zero 3: parameters sharded too, gathered around every action
-                 (refpar/engine_zero3.py)
+                 --zero 1: the flat gradient reduce-scattered over d ranks, AdamW on this
+                 rank's shard only, the updated shard all-gathered (Rajbhandari et al. 2020, P_os)
+                 --zero 2: each microbatch's gradients reduce-scattered block by block in B,
+                 units all-gathered after the update (P_os+g; refpar/engine_zero3.py)
+                 --zero 3: parameters sharded too, gathered around every action (P_os+g+p)
+                 --fsdp: ZeRO-3 by FSDP's units, a block gathered around each piece
+                 (refpar/engine_fsdp.py)
+                 ZeRO's d ranks are `zero_group`: dp, or dp x cp when the mesh has cp (cp ranks
+                 hold the same weights and see different tokens: Megatron-LM's dp-cp group)
     loss         the last stage's microbatch losses summed over pp, then over cp, then over dp
 
 A tensor-parallel piece computes its input and weight gradients together, so a stage's B is the
@@ -44,7 +52,8 @@ from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine_zero3 import ZeroThree, attach, detach
+from refpar.engine_fsdp import UnitStage, fsdp_units
+from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
@@ -55,7 +64,13 @@ from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.runner import microbatches
 from refpar.parallel.pipeline.schedules import Timeline, build
 from refpar.parallel.pipeline.stage import Stage, stage_layers
-from refpar.parallel.sequence_parallel import check_sp, sequence_parallel_param_names, sp_layout
+from refpar.parallel.sequence_parallel import (
+    check_sp,
+    check_sp_cp,
+    sequence_parallel_param_names,
+    sp_cp_layout,
+    sp_layout,
+)
 from refpar.parallel.tensor_parallel import (
     check_tp,
     gather_params_tp,
@@ -71,7 +86,6 @@ from refpar.parallel.tensor_parallel import (
 from refpar.sharding import shard_range, shard_sizes
 
 AXES = ("pp", "dp", "cp", "tp")  # the axes the engine composes; ep runs in its own runner
-NO_ZERO3_CHECKPOINTS = "--save and --resume hold ZeRO 0 or 1 states; use --zero 0 or 1 to checkpoint"
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,7 @@ class EngineOptions:
     sp: bool = False
     zero: int = 0
     cp_algo: str | None = None  # ring (default) or ulysses, when the mesh has cp
+    fsdp: bool = False  # with zero 3: FSDP's units, a block at a time (refpar/engine_fsdp.py)
 
 
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOptions) -> None:
@@ -93,22 +108,16 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
     if model.moe_blocks:
         raise ConfigError("the engine runs dense GPT-2 blocks; drop the MoE options or use "
                           "--mesh dp=D,ep=E for experts")
-    if opts.zero not in (0, 1, 3):
-        raise ConfigError(f"--zero {opts.zero} with tp or pp is not available; use --zero 0, 1 or 3 "
-                          "(ZeRO-2 and FSDP run on a dp-only mesh)")
-    if opts.zero == 3 and opts.sp:
-        raise ConfigError("--sp sums its region's gradients over tp, which ZeRO-3's dp shards mix "
-                          "with tp-sharded ones; use --zero 1 with --sp")
+    if opts.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {opts.zero} is not a ZeRO stage; use 0 (plain DP), 1, 2 or 3")
+    if opts.fsdp and opts.zero != 3:
+        raise ConfigError("FSDP shards parameters, gradients and optimizer state; run it as zero 3")
     c = sizes.get("cp", 1)
-    if c > 1 and opts.sp:
-        raise ConfigError("--sp and cp both shard the sequence; drop --sp when the mesh has cp")
     if opts.cp_algo is not None and c < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
-    if c > 1 and opts.zero == 3:
-        raise ConfigError("ZeRO-3 reduces its gradients over dp inside every action, before cp's sum; "
-                          "use --zero 0 or 1 with cp")
-    if opts.zero and sizes["dp"] < 2:
-        raise ConfigError(f"--zero {opts.zero} shards over dp ranks; give the mesh dp=2 or more")
+    if opts.zero and sizes["dp"] * c < 2:
+        flag = "--fsdp" if opts.fsdp else f"--zero {opts.zero}"
+        raise ConfigError(f"{flag} shards over the dp (and cp) ranks; give the mesh dp=2 or more")
     train.check_model(model)
     t, p, d = sizes["tp"], sizes["pp"], sizes["dp"]
     check_tp(model, t)
@@ -118,6 +127,8 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
         check_sp(model, train.seq_len, t)
     if c > 1:
         check_cp(model, train.seq_len, c, opts.cp_algo or "ring", t)
+        if opts.sp:
+            check_sp_cp(model, train.seq_len, t, c, opts.cp_algo or "ring")
     build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
     stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
     if train.batch_size // d < opts.microbatches:
@@ -210,8 +221,22 @@ class ZeroThreeStage(TensorParallelStage):
         return dx, {}  # the gradients are in the shards already
 
 
+def zero_group(mesh):
+    """The ranks ZeRO shards over and sums gradients across: dp, or dp x cp when the mesh has cp.
+    cp ranks hold the same weights and see different tokens, so, as Megatron-LM's data-parallel
+    group with context parallelism, one reduce-scatter sums both axes' gradients and the optimizer
+    state splits d*c ways. Its rank is dp * c + cp; its traffic is traced as axis "dp_cp"."""
+    sizes, co = mesh.sizes, mesh.coords
+    if sizes["cp"] == 1:
+        return mesh.dp
+    others = (co["pp"], co["ep"], co["tp"])  # the dp x cp plane through this rank
+    color = int(np.ravel_multi_index(others, (sizes["pp"], sizes["ep"], sizes["tp"])))
+    return mesh.world.split(color, key=co["dp"] * sizes["cp"] + co["cp"], axis="dp_cp")
+
+
 class ZeroOne:
-    """ZeRO-1 over dp of this rank's flat parameters: optimizer state for its shard_range only."""
+    """ZeRO-1 over `dp` (zero_group: dp or dp x cp) of this rank's flat parameters: optimizer state
+    for its shard_range only."""
 
     def __init__(self, params: dict, train: TrainConfig, dp, ledger: MemoryLedger):
         self.names = list(params)
@@ -241,8 +266,8 @@ class ZeroOne:
         shape), all-gather; returns the new parameters, views of the gathered buffer."""
         self.t += 1
         flat = self.ledger.alloc("comm.grads", self.flatten(grads), "comm")  # (Ψl,)
-        g = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(flat, tag="grads.dp:zero1"),
-                              "comm")  # (Ψl/d,)
+        g = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(
+            flat, tag=f"grads.{self.dp.axis}:zero1"), "comm")  # (Ψl/d,)
         self.ledger.free("comm.grads")
         p = self.flatten(params, self.a, self.b)  # (Ψl/d,)
         for i, n in enumerate(self.names):
@@ -256,7 +281,7 @@ class ZeroOne:
             else:
                 p[s] = sgd_update(p[s], g[s], self.train, decay)
         full = self.ledger.alloc("comm.params", self.dp.all_gather(
-            p, tag="params.dp:zero1", counts=self.counts), "comm")  # (Ψl,)
+            p, tag=f"params.{self.dp.axis}:zero1", counts=self.counts), "comm")  # (Ψl,)
         self.ledger.free("comm.grad_shard")
         self.ledger.free("comm.params")
         return {n: full[self.starts[i]:self.starts[i + 1]].reshape(self.shapes[n])
@@ -280,22 +305,23 @@ class EngineRun:
     first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
 
 
-def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None, zero, saving: bool
-                      ) -> list:
+def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None, zero, saving: bool,
+                      sharded=None) -> list:
     """(checkpoint.Piece, view) for what this rank holds: its stages' tp shards (boxes of the global
     tensors, `tp_param_slices`) and their AdamW moments, whole or, under ZeRO-1, the range [a, b)
     of this rank's parameters laid end to end (`checkpoint.shard_pieces` cuts either into boxes).
-    Saving writes each element once: each dp rank its [a, b) of the replicated tensors, tp rank 0
-    what every tp rank holds whole, pp rank 0 the tied wte (the last stage holds it too)."""
+    Saving writes each element once: each (dp, cp) rank its [a, b) of the replicated tensors, tp rank 0
+    what every tp rank holds whole, pp rank 0 the tied wte (the last stage holds it too). ZeRO-2
+    and 3 (`sharded`) add their unit shards (`sharded_checkpoint_arrays`); ZeRO-3 holds no whole
+    parameters, so `params` is empty."""
     from refpar import checkpoint
     from refpar.parallel.tensor_parallel import tp_param_slices
 
-    coords, names = mesh.coords, list(params)
-    if saving and coords.get("cp", 0):  # cp ranks hold the same parameters: cp rank 0 writes them
-        return []
+    coords, names, c = mesh.coords, list(params), mesh.sizes["cp"]
     slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
     starts = np.cumsum([0] + [params[n].size for n in names]).tolist()
-    own = shard_range(starts[-1], mesh.sizes["dp"], coords["dp"])  # ZeRO-1's [a, b)
+    # ZeRO-1's [a, b) over zero_group's dp x cp ranks (which hold the same parameters)
+    own = shard_range(starts[-1], mesh.sizes["dp"] * c, coords["dp"] * c + coords["cp"])
     every = own if saving else (0, starts[-1])
 
     def whole(arrays):  # elements [lo, hi) of tensor n as a view (copy=False): loading writes into it
@@ -318,7 +344,56 @@ def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None
                 axis, index = slices.get(n, (None, None))
                 out += checkpoint.shard_pieces(f"{prefix}/{n}", segment(i, n, lo, hi), params[n].shape,
                                                lo, axis, index)
+    return out + (sharded_checkpoint_arrays(model, mesh, sharded, saving) if sharded is not None else [])
+
+
+def sharded_checkpoint_arrays(model: ModelConfig, mesh, sharded, saving: bool) -> list:
+    """(checkpoint.Piece, view) of ZeRO-2's and 3's shards: the AdamW moments (and ZeRO-3's
+    parameters) of this rank's [a, b) of each unit, segment by segment, as flat ranges of the tp
+    shards they cut. The dp x cp ranks' shards are disjoint; saving, tp rank 0 writes what every
+    tp rank holds whole and pp rank 0 the tied wte (the last stage's wte shard is the same)."""
+    from refpar import checkpoint
+    from refpar.parallel.tensor_parallel import tp_param_slices
+
+    coords = mesh.coords
+    slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
+    held = [("params", sharded.shards)] if isinstance(sharded, ZeroThree) else []
+    if sharded.train.optimizer == "adamw":
+        held += [("adamw.m", sharded.m), ("adamw.v", sharded.v)]
+    out = []
+    for prefix, buffers in held:
+        for key in sharded.own:
+            for n, lo, hi, first in sharded.segments(key):
+                if saving and ((n == "wte.weight" and coords["pp"]) or (n not in slices and coords["tp"])):
+                    continue
+                axis, index = slices.get(n, (None, None))
+                out += checkpoint.shard_pieces(f"{prefix}/{n}", buffers[key][lo:hi], sharded.shapes[n],
+                                               first, axis, index)
     return out
+
+
+def sharded_grads(executor: EngineExecutor, params: dict, train: TrainConfig, group, ledger, lay,
+                  zero: int, fsdp: bool = False):
+    """ZeRO-2 or 3 (engine_zero3) or FSDP (engine_fsdp): (its state, the embedding group) with the
+    executor's stages replaced by ones that reduce-scatter every microbatch's gradients, ZeRO-2's
+    and FSDP's a block at a time (engine_fsdp.UnitStage; FSDP gathers each block around each
+    piece), ZeRO-3's a stage at a time (it gathers the stage around each action); the tied wte's
+    sum then runs on the shards. (None, None) for ZeRO 0 and 1."""
+    if zero < 2:
+        return None, None
+    tied, n_stages = executor.embedding_group, executor.layout.n_stages
+    executor.embedding_group = None  # ShardedGrads.sum_tied
+    if zero == 2 or fsdp:  # unit by unit: a block's gradient is reduce-scattered after its backward
+        kind = ZeroTwo if zero == 2 else ZeroThree
+        state = kind(params, executor.stages, train, group, ledger, fsdp_units)
+        executor.stages = {s: UnitStage(executor.config, n_stages, s, lay, state) for s in executor.stages}
+    else:
+        state = ZeroThree(params, executor.stages, train, group, ledger)
+        executor.stages = {s: ZeroThreeStage(executor.config, n_stages, s, lay, state)
+                           for s in executor.stages}
+    if zero == 3:  # the step is given no parameters: receives take the shards' namespace and device
+        executor.like = next(iter(state.shards.values()))
+    return state, tied
 
 
 def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions,
@@ -328,12 +403,12 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     `resume`: start from that checkpoint (any mesh's); `save`: checkpoint every `save_every` steps
     and after the last (refpar/checkpoint.py)."""
     validate(model, train, mesh.sizes, opts)
-    if opts.zero == 3 and (save is not None or resume is not None):
-        raise ConfigError(NO_ZERO3_CHECKPOINTS)
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     t = mesh.sizes["tp"]
     cp = mesh.cp if mesh.sizes.get("cp", 1) > 1 else None
-    if cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
+    if cp is not None and opts.sp:  # sp inside each cp rank's tokens
+        lay = sp_cp_layout(model, train.seq_len, cp, opts.cp_algo or "ring", tp)
+    elif cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
         lay = cp_layout(model, train.seq_len, cp, opts.cp_algo or "ring", tp if t > 1 else None)
     elif opts.sp:
         lay = sp_layout(model, train.seq_len, tp)
@@ -345,35 +420,33 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     full = shard_params_tp(init_params(model, train.seed), model, t, mesh.coords["tp"])
     # Drawn whole on the host, sliced by tp, then by pp, then moved to the run's backend.
     params = backend.current().from_host({n: full[n] for n in executor.param_names()})
-    zero3 = tied = None
+    group = zero_group(mesh) if opts.zero else None  # dp, or dp x cp
+    sharded, tied = sharded_grads(executor, params, train, group, ledger, lay, opts.zero, opts.fsdp)
     if opts.zero == 3:
-        zero3, tied = ZeroThree(params, executor.stages, train, dp, ledger), executor.embedding_group
-        executor.stages = {s: ZeroThreeStage(model, executor.layout.n_stages, s, lay, zero3)
-                           for s in executor.stages}
-        executor.embedding_group = None  # the tied sum runs on the shards (ZeroThree.sum_tied)
-        executor.like = next(iter(zero3.shards.values()))
         params = {}  # the stages gather what they need
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
-    zero = ZeroOne(params, train, dp, ledger) if opts.zero == 1 else None
-    state = optimizer_init(params, train) if zero is None and zero3 is None else None
+    zero = ZeroOne(params, train, group, ledger) if opts.zero == 1 else None
+    state = optimizer_init(params, train) if opts.zero == 0 else None
     for moment in ("m", "v") if state is not None and train.optimizer == "adamw" else ():
         for n in params:
             ledger.alloc(f"opt:{moment}:{n}", state[moment][n], "optimizer")
-    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
+    sp_names = ([n for n in sequence_parallel_param_names(model) if n in executor.param_names()]
+                if opts.sp else [])
     start_step = 0
     if resume is not None:
         from refpar import checkpoint
 
         manifest = checkpoint.open_training(resume, model, train)
-        pairs = checkpoint_arrays(model, mesh, params, state, zero, saving=False)
+        pairs = checkpoint_arrays(model, mesh, params, state, zero, saving=False, sharded=sharded)
         for (_, view), loaded in zip(pairs, checkpoint.load(resume, [p for p, _ in pairs], manifest),
                                      strict=True):
             view[...] = loaded
         start_step = int(manifest["step"])
-        if zero is not None:
-            zero.t = start_step
-        else:
+        for optimizer in (zero, sharded):
+            if optimizer is not None:
+                optimizer.t = start_step
+        if state is not None:
             state["t"] = start_step
     corpus = MarkovCorpus(model.vocab_size, train.seed)
     first, stop = shard_range(train.batch_size, dp.size, dp.rank)
@@ -384,18 +457,23 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
         start = time.perf_counter()
         with tracer.context(step=step) if tracer else nullcontext():
             tokens, targets = corpus.batch(step, range(first, stop), train.seq_len)  # (B/d, T) each
-            if zero3 is not None:
-                zero3.begin_step()
+            if sharded is not None:
+                sharded.begin_step()
             loss, grads = executor.step(params, microbatches(tokens, targets, first, opts.microbatches),
                                         step=step, seed=train.seed, normalizer=normalizer)
-            if sp_names:
+            if sp_names and sharded is None:
                 grads |= all_reduce_replicated_grads({n: grads[n] for n in sp_names}, tp,
                                                      "sp.replicated_grads:bwd")
-            if cp is not None:  # each cp rank's gradients cover its tokens only: sum them
+            if cp is not None and not opts.zero:  # each cp rank's gradients cover its tokens only
                 grads = all_reduce_replicated_grads(grads, cp, "grads.cp:bwd")
-            if zero3 is not None:
-                zero3.sum_tied(tied)
-                zero3.step()
+            if sharded is not None:  # ZeRO-2 or 3: the sums and the update on the gradient shards
+                sharded.sum_tied(tied)
+                if sp_names:
+                    sharded.sum_sequence_parallel(tp, set(sp_names))
+                if opts.zero == 3:
+                    sharded.step()
+                else:
+                    sharded.step(params)  # ZeRO-2 writes the gathered units into params
             elif zero is not None:
                 params = zero.step(params, grads)
             else:
@@ -415,11 +493,11 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
 
             if checkpoint.should_save(step + 1, train.steps, save_every):
                 checkpoint.save_training(save, step + 1, checkpoint_arrays(
-                    model, mesh, params, state, zero, saving=True), model, train, mesh.sizes,
-                    f"engine zero{opts.zero}", mesh.world)
+                    model, mesh, params, state, zero, saving=True, sharded=sharded), model, train, mesh.sizes,
+                    "engine fsdp" if opts.fsdp else f"engine zero{opts.zero}", mesh.world)
     totals = tracer.totals() if tracer else {}  # before the gathers below add their own
-    if zero3 is not None:
-        params = zero3.full_params()
+    if opts.zero == 3:
+        params = sharded.full_params()
     measured = executor.measured_timeline()
     return EngineRun(losses, times, windows, params, executor, ledger, totals, tracer, measured,
                      executor.simulated_timeline(measured), start_step)

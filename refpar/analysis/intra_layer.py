@@ -103,12 +103,12 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int) -> list[
         b = cost.all_reduce_bytes(n, t, tp_rank, e)
         return Call("tp", "all_reduce", tag, b.sent, b.recv)
 
-    def ag(tag):  # (Tl, B, C) pieces -> (T, B, C)
-        b = cost.all_gather_bytes(shard_sizes(s.T, t), tp_rank, e, s.B * C)
+    def ag(tag):  # (Tl, B, C) pieces -> (Ta, B, C): the sequence, or this cp rank's tokens
+        b = cost.all_gather_bytes(shard_sizes(s.Ta, t), tp_rank, e, s.B * C)
         return Call("tp", "all_gather", tag, b.sent, b.recv)
 
-    def rs(tag):  # (T, B, C) -> (Tl, B, C)
-        b = cost.reduce_scatter_bytes(s.T, t, tp_rank, e, s.B * C)
+    def rs(tag):  # (Ta, B, C) -> (Tl, B, C)
+        b = cost.reduce_scatter_bytes(s.Ta, t, tp_rank, e, s.B * C)
         return Call("tp", "reduce_scatter", tag, b.sent, b.recv)
 
     ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta) for k in ("max", "sumexp", "target")]

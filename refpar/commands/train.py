@@ -130,7 +130,7 @@ def run(args) -> int:
         return train_moe.run_cli(model, train, sizes, args)
     from refpar.commands import train_engine
 
-    if train_engine.wants_engine(sizes, args):  # pp with tp, cp, sp or ZeRO: the N-D engine, refpar/engine.py
+    if train_engine.wants_engine(sizes, args):  # the N-D engine, refpar/engine.py (wants_engine says when)
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return train_engine.run_cli(model, train, sizes, args)
     if pipeline_runner.wants_pipeline(sizes, args):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py

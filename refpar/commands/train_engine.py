@@ -1,5 +1,6 @@
-"""`refpar train --mesh dp=D,tp=T,pp=P [--sp] [--zero 1|3] [--schedule KIND] [--microbatches M]`:
-the N-D engine (refpar/engine.py) as a job, for meshes that mix pp with tp (or with ZeRO-1/3).
+"""`refpar train --mesh dp=D,cp=C,tp=T,pp=P [--sp] [--zero 1|2|3 | --fsdp] [--schedule KIND]
+[--microbatches M]`: the N-D engine (refpar/engine.py) as a job, for meshes that mix pp with tp,
+cp or ZeRO/FSDP, ZeRO/FSDP with tp or cp, or sp with cp.
 
     mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --steps 3 --check
 
@@ -25,7 +26,7 @@ from refpar.analysis.engine import (
     rank_param_numels,
 )
 from refpar.config import ConfigError
-from refpar.engine import NO_ZERO3_CHECKPOINTS, EngineOptions, full_params, run_engine, validate
+from refpar.engine import EngineOptions, full_params, run_engine, validate
 from refpar.memory import CATEGORIES
 from refpar.parallel.pipeline.schedules import simulate
 from refpar.parallel.pipeline.stage import stage_layers
@@ -35,20 +36,25 @@ P2P = ("isend", "irecv")  # their time is spent waiting for the other side: idle
 
 
 def wants_engine(sizes: dict[str, int], args) -> bool:
-    """pp together with tp or cp, or pp with ZeRO sharding over dp: what no single-strategy runner
-    composes."""
-    return sizes["pp"] > 1 and (sizes["tp"] > 1 or sizes["cp"] > 1 or args.sp or args.cp_algo is not None
-                                or args.zero > 0 or args.fsdp)
+    """What no single-strategy runner composes: pp together with tp or cp, or pp with ZeRO or FSDP
+    sharding over dp; ZeRO or FSDP with tp or cp; sp with cp."""
+    if sizes["pp"] > 1:
+        return (sizes["tp"] > 1 or sizes["cp"] > 1 or args.sp or args.cp_algo is not None
+                or args.zero > 0 or args.fsdp)
+    sharded = args.zero > 0 or args.fsdp
+    return (sharded and (sizes["tp"] > 1 or sizes["cp"] > 1)) or (args.sp and sizes["cp"] > 1)
 
 
 def engine_options(sizes: dict[str, int], args) -> EngineOptions:
     kind = args.schedule or "1f1b"
     v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
-    if args.fsdp:
-        raise ConfigError("--fsdp runs on a dp-only mesh; with pp use --zero 1 or 3")
-    if args.zero == 3 and (args.save or args.resume):
-        raise ConfigError(NO_ZERO3_CHECKPOINTS)
-    return EngineOptions(kind, args.microbatches, v, args.sp, args.zero, args.cp_algo)
+    if args.fsdp and args.zero:
+        raise ConfigError(f"--fsdp and --zero {args.zero} are two ways to shard; give one of them")
+    if args.prefetch or not args.reshard_after_forward:
+        raise ConfigError("--prefetch and --no-reshard-after-forward are the dp-only FSDP's options; "
+                          "the engine's FSDP gathers each unit for each piece: drop them")
+    zero = 3 if args.fsdp else args.zero
+    return EngineOptions(kind, args.microbatches, v, args.sp, zero, args.cp_algo, fsdp=args.fsdp)
 
 
 def time_split(slots, events, window) -> dict[str, float]:
@@ -109,7 +115,8 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     ref = train_single_device(model, train) if args.check and speak else None
     axes = [a for a in ("pp", "dp", "cp", "tp") if sizes[a] > 1]
     say(f"mesh {' x '.join(f'{a}={sizes[a]}' for a in axes)} on {comm.size} ranks: schedule {opts.schedule}"
-        f" (v={opts.chunks}), {opts.microbatches} microbatches per pipeline, zero {opts.zero}"
+        f" (v={opts.chunks}), {opts.microbatches} microbatches per pipeline, "
+        + ("FSDP" if opts.fsdp else f"zero {opts.zero}")
         + (", sequence parallel" if opts.sp else "")
         + (f", {opts.cp_algo or 'ring'} attention over cp" if sizes["cp"] > 1 else ""))
     say(f"GPT-2 {args.model}: {model.n_layer} layers, {model.n_embd} channels, {model.n_head} heads, "

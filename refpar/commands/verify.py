@@ -55,10 +55,20 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
                               *MOE)),
     ("zero-1 x ulysses x pp", 8, ("--mesh", "dp=2,cp=2,pp=2", "--zero", "1", "--cp-algo", "ulysses",
                                   "--microbatches", "2")),
+    # ZeRO over dp x cp, ZeRO-2 with tp and pp, sp with ZeRO-2/3, sp inside cp, FSDP in stages
+    ("zero-3 x cp x pp", 8, ("--mesh", "dp=2,cp=2,pp=2", "--zero", "3", "--microbatches", "2")),
+    ("zero-2 x tp x pp", 8, ("--mesh", "dp=2,tp=2,pp=2", "--zero", "2", "--microbatches", "2")),
+    ("zero-2 x interleaved", 4, ("--mesh", "dp=2,pp=2", "--zero", "2", "--schedule", "interleaved-1f1b",
+                                 "--microbatches", "4")),
+    ("zero-3 x tp+sp x pp", 8, ("--mesh", "dp=2,tp=2,pp=2", "--zero", "3", "--sp", "--microbatches", "2")),
+    ("tp+sp x cp x pp", 8, ("--mesh", "cp=2,tp=2,pp=2", "--sp", "--microbatches", "2")),
+    ("fsdp x tp x pp", 8, ("--mesh", "dp=2,tp=2,pp=2", "--fsdp", "--microbatches", "2")),
+    ("zero-3 x tp+sp x cp", 4, ("--mesh", "cp=2,tp=2", "--sp", "--zero", "3", "--cp-algo", "ulysses",
+                                "--microbatches", "2")),
 ]
-# About 6-9 runs that touch every building block once: `make test` runs these.
+# About 10 runs that touch every building block once: `make test` runs these.
 QUICK = ("zero-3", "tp+sp", "dp x cp", "dp x ep", "pp zb-h1", "interleaved x tp", "zero-1 x tp+sp x pp",
-         "zero-3 x tp x pp", "tp x cp x pp")
+         "zero-3 x tp x pp", "tp x cp x pp", "zero-3 x tp+sp x cp")
 
 
 def add_arguments(parser) -> None:

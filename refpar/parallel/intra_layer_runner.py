@@ -20,7 +20,6 @@ import numpy as np
 from refpar import checkpoint
 from refpar.analysis.activations import activation_peak_bytes
 from refpar.analysis.intra_layer import expected_comm_rows, local_param_numel
-from refpar.config import ConfigError
 from refpar.memory import CATEGORIES
 
 # Every (axis, op) this runner can trace, in report order.
@@ -94,8 +93,6 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.trainer import corpus_for, train_single_device
 
     sp, cp_algo = args.sp, args.cp_algo
-    if getattr(args, "zero", 0) or getattr(args, "fsdp", False):
-        raise ConfigError("--zero and --fsdp shard over a dp-only mesh; drop them when the mesh has tp or cp")
     validate(model, train, sizes, sp, cp_algo)  # on every rank, before any communication
     tracer = Tracer()
     comm = world(tracer)

@@ -17,17 +17,22 @@ block, which is what lets Korthikanti's eq. 4 divide every activation by t.
 
 Parameters applied in the sharded region (LayerNorms, the row-parallel biases, wpe) see only this
 rank's tokens, so their gradients are summed over tp once per step.
+
+With context parallelism (`sp_cp_layout`) the same pair runs on each cp rank's tokens: the
+all-gather and reduce-scatter span the Ta tokens of this cp rank, not the whole sequence.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
 from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.parallel.context_parallel import contiguous_positions, cp_layout, zigzag_positions
 from refpar.parallel.tensor_parallel import Layout, LocalAttention, RegionPair, check_tp
 from refpar.sharding import shard_range, shard_sizes
 
@@ -86,6 +91,30 @@ def sp_layout(config: ModelConfig, seq_len: int, tp_comm) -> Layout:
     return Layout(config, seq_len, tp_comm, sp_pair(seq_len),
                   shard_range(config.n_head, t, r), shard_range(config.vocab_size, t, r),
                   np.arange(seq_len), np.arange(*shard_range(seq_len, t, r)), LocalAttention())
+
+
+def check_sp_cp(config: ModelConfig, seq_len: int, tp: int, cp: int, algo: str) -> None:
+    """Every cp rank's tokens must split over the tp ranks."""
+    check_sp(config, seq_len, tp)
+
+    def fewest(T):
+        positions = zigzag_positions if algo == "ring" else contiguous_positions
+        return min(len(positions(T, cp, r)) for r in range(cp))
+
+    if fewest(seq_len) < tp:
+        need = next(T for T in range(seq_len, seq_len + 2 * cp * tp + 1) if fewest(T) >= tp)
+        raise ConfigError(f"a cp rank holds {fewest(seq_len)} of the {seq_len} tokens, fewer than tp={tp} "
+                          f"to shard them over with --sp; use --seq-len {need} or more")
+
+
+def sp_cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm) -> Layout:
+    """sp inside cp, as Megatron-LM combines them: cp gives this rank its tokens (zig-zag under ring
+    attention, contiguous under Ulysses) and attention over the whole sequence; inside those Ta
+    tokens the regions see all of them and the residual stream only shard_range(Ta, t, rank)."""
+    check_sp_cp(config, seq_len, tp_comm.size, cp_comm.size, algo)
+    lay = cp_layout(config, seq_len, cp_comm, algo, tp_comm)
+    Ta, t, r = len(lay.region_pos), tp_comm.size, tp_comm.rank
+    return replace(lay, pair=sp_pair(Ta), resid_pos=lay.region_pos[slice(*shard_range(Ta, t, r))])
 
 
 def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
