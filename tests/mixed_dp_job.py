@@ -41,7 +41,9 @@ STAGE = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 # name: (ModelConfig.dtype, TrainConfig overrides, strategies, loss tolerance (see the test))
 RUNS = {
     "bf16": ("bfloat16", {}, STRATEGIES, 2.0 ** -8),
-    "bf16-fp32-grads": ("bfloat16", {"fp32_grads": True}, STRATEGIES, 2.0 ** -8),
+    # ZeRO-2 with micro-batches: a unit's 16-bit gradient comes and goes in every micro-batch.
+    "bf16-fp32-grads": ("bfloat16", {"fp32_grads": True},
+                        STRATEGIES + ({"strategy": "zero2", "microbatches": 2},), 2.0 ** -8),
     "fp16": ("float16", {}, STRATEGIES, 2.0 ** -11),
     "fp16-overflow": ("float16", {"loss_scale": 2.0 ** 20, "loss_scale_window": 2}, ("dp", "zero2"),
                       2.0 ** -11),
