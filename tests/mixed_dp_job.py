@@ -8,7 +8,10 @@ high; bf16 with overlapped buckets, FSDP prefetch and micro-batches) and each st
 on every rank:
 - the model states held between steps are the paper's 2Ψ + 2Ψ + 4Ψ + 8Ψ and its partitioned forms,
   computed here from Ψ_u and `shard_sizes` alone: P_os 2Ψ + 2Ψ + 12 s, P_os+g 2Ψ + 14 s, P_os+g+p
-  16 s, with s = Σ_u s_u this rank's uneven share; --fp32-grads makes the gradient 4 bytes;
+  16 s, with s = Σ_u s_u this rank's uneven share; with --fp32-grads the Playbook's 20Ψ, partitioned
+  as DeepSpeed does: DP and ZeRO-1 keep the 16-bit gradient backward writes beside the fp32
+  accumulator (DP 2 + 2 + 4 + 4 + 8 = 20Ψ, ZeRO-1 8Ψ + 12 s), ZeRO-2 2Ψ + 16 s and ZeRO-3/FSDP
+  18 s keep only the fp32 gradient shard (a unit's 16-bit gradient lives until its reduce-scatter);
 - every measured peak (params, grads, master, optimizer, activations, comm) equals
   refpar.analysis.memory's closed form, and every traced byte refpar.analysis.comm_volume's;
 - what moves has the right dtype: gradient reductions in the gradient dtype, parameter gathers in
@@ -38,7 +41,9 @@ STAGE = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
 # name: (ModelConfig.dtype, TrainConfig overrides, strategies, loss tolerance (see the test))
 RUNS = {
     "bf16": ("bfloat16", {}, STRATEGIES, 2.0 ** -8),
-    "bf16-fp32-grads": ("bfloat16", {"fp32_grads": True}, ("dp", "zero1", "zero3"), 2.0 ** -8),
+    # ZeRO-2 with micro-batches: a unit's 16-bit gradient comes and goes in every micro-batch.
+    "bf16-fp32-grads": ("bfloat16", {"fp32_grads": True},
+                        STRATEGIES + ({"strategy": "zero2", "microbatches": 2},), 2.0 ** -8),
     "fp16": ("float16", {}, STRATEGIES, 2.0 ** -11),
     "fp16-overflow": ("float16", {"loss_scale": 2.0 ** 20, "loss_scale_window": 2}, ("dp", "zero2"),
                       2.0 ** -11),
@@ -50,11 +55,17 @@ RUNS = {
 }
 
 
-def paper_states(psi: int, s: int, stage: int, grad_bytes: int) -> dict[str, int]:
+def paper_states(psi: int, s: int, stage: int, fp32_grads: bool) -> dict[str, int]:
     """The ZeRO paper's model states per rank for mixed-precision AdamW (Rajbhandari et al. 2020,
     sec. 5.1-5.3): 16-bit parameters and gradients, fp32 master (4) and moments (8), each sharded
-    from its stage on; s replaces Ψ/N with this rank's uneven share."""
-    return {"params": 2 * (psi if stage < 3 else s), "grads": grad_bytes * (psi if stage < 2 else s),
+    from its stage on; s replaces Ψ/N with this rank's uneven share. `fp32_grads`: the Playbook's
+    20Ψ, 2 + 4 bytes of gradient per parameter while gradients are whole (DeepSpeed's
+    BF16_Optimizer), the 4-byte fp32 shard alone once they are partitioned."""
+    if fp32_grads:
+        grads = 6 * psi if stage < 2 else 4 * s
+    else:
+        grads = 2 * (psi if stage < 2 else s)
+    return {"params": 2 * (psi if stage < 3 else s), "grads": grads,
             "master": 4 * (psi if stage == 0 else s), "optimizer": 8 * (psi if stage == 0 else s)}
 
 
@@ -84,8 +95,11 @@ def main() -> None:
             w.tracer.clear()
             opts = options(model=model, train=train, **knobs)
             run = run_data_parallel(opts, model, train, w)
-            want = paper_states(psi, s, STAGE[strategy], 4 if train.fp32_grads else 2)
+            want = paper_states(psi, s, STAGE[strategy], train.fp32_grads)
             expect(run.model_state == want, f"{what}: model states {run.model_state} != paper {want}")
+            if strategy == "dp":
+                total = sum(run.model_state.values())
+                expect(total == (20 if train.fp32_grads else 16) * psi, f"{what}: DP holds {total} bytes")
             for e in w.tracer.events:
                 if e.tag == "loss":
                     want_dtype = "float64"

@@ -8,15 +8,23 @@ Two levels:
 - refpar's exact numbers (`model_state_bytes`, `peak_bytes`), for the run's precision
   (`precision_options`): in float64 parameters 8Ψ, gradients 8Ψ and AdamW's m and v 16Ψ (no
   master copy: the parameters are already full precision); in bf16-mixed or fp16-mixed the paper's
-  own case, parameters 2Ψ, gradients 2Ψ (4Ψ with --fp32-grads), fp32 master weights 4Ψ and fp32
-  m and v 8Ψ: 16Ψ (18Ψ). Parameters are partitioned per unit (one flat buffer per transformer
-  block, one for embeddings + final LayerNorm, the "root"), each unit split over ranks with
-  `shard_range`, so a rank's share is the sum of its uneven unit shards, not Ψ/N.
+  own case, parameters 2Ψ, gradients 2Ψ, fp32 master weights 4Ψ and fp32 m and v 8Ψ: 16Ψ.
+  Parameters are partitioned per unit (one flat buffer per transformer block, one for embeddings
+  + final LayerNorm, the "root"), each unit split over ranks with `shard_range`, so a rank's share
+  s = Σ_u s_u is the sum of its uneven unit shards, not Ψ/N.
 
-The Ultra-Scale Playbook's 20Ψ for fp32 gradient accumulation also counts a persistent 16-bit
-gradient (2Ψ) beside the fp32 one: refpar's backward pieces hand their 16-bit gradients to the
-fp32 buffer at once, so they appear only as the transient piece in the gradient peak, and the
-model states between steps are 2 + 4 + 4 + 8 = 18Ψ.
+fp32 gradient accumulation (--fp32-grads, `Options.wide_grads`) is the Ultra-Scale Playbook's 20Ψ:
+2Ψ bf16 parameters + 2Ψ bf16 gradients + 4Ψ fp32 gradients + 4Ψ master + 8Ψ moments. The 16-bit
+gradient is what backward writes (the framework's param.grad); the fp32 one accumulates it.
+Per stage, following DeepSpeed (counted in "grads", both kinds):
+- DP and ZeRO-1: DeepSpeed's BF16_Optimizer layout. Every parameter keeps its 16-bit .grad
+  (cleared, not freed, after each accumulation) and the optimizer keeps a full fp32 gradient
+  buffer beside it (ZeRO-1's partition of it is a view): grads (2 + 4)Ψ, so DP holds
+  2 + 6 + 4 + 8 = 20Ψ and ZeRO-1 2Ψ + 6Ψ + 12s.
+- ZeRO-2, ZeRO-3 and FSDP: a unit's 16-bit gradient exists only from its backward to its
+  reduce-scatter (DeepSpeed's stage 2/3 free param.grad once it is copied into the reduction
+  bucket); what stays is the reduced fp32 shard: grads 4s, so ZeRO-2 holds 2Ψ + 16s and ZeRO-3
+  18s, with the unit's 16-bit gradient (2Ψ_u) in the gradient peak instead.
 
 The peaks add what the implementation holds transiently on top of the persistent states, exactly:
 a piece's freshly returned gradients before they are folded into a buffer, a unit's full gradient
@@ -140,6 +148,12 @@ class Options:
     def state_bytes(self) -> int:
         return self.state_itemsize or self.itemsize
 
+    @property
+    def wide_grads(self) -> bool:
+        """Gradients accumulated wider than the parameters (--fp32-grads): backward still writes
+        a 16-bit gradient, which then sits beside the fp32 accumulator."""
+        return self.grad_bytes != self.itemsize
+
 
 def precision_options(dtype, fp32_grads: bool = False) -> dict:
     """The Options fields of a run whose ModelConfig.dtype is `dtype` (refpar/precision.py): one
@@ -155,7 +169,9 @@ def precision_options(dtype, fp32_grads: bool = False) -> dict:
 def model_state_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[str, int]:
     """Persistent bytes per category on `rank` of `n` between steps: the paper's forms, exact.
     bf16-mixed with AdamW: 2Ψ + 2Ψ + 4Ψ + 8Ψ (DP), the master and moments over N (P_os), the
-    gradients too (P_os+g), the parameters too (P_os+g+p), each /N an uneven Σ s_u."""
+    gradients too (P_os+g), the parameters too (P_os+g+p), each /N an uneven Σ s_u. With
+    `wide_grads` DP and ZeRO-1 also keep the 16-bit gradient beside the fp32 one (20Ψ for DP);
+    from ZeRO-2 on only the fp32 shard stays (the module docstring's per-stage layout)."""
     check_strategy(opts.strategy)
     psi = sum(unit_sizes(config).values())
     s = sum(shard_elems(config, n, rank).values())  # this rank's share of every unit
@@ -164,7 +180,9 @@ def model_state_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> 
     state = opts.state_bytes * (psi if stage == 0 else s)  # one fp32 (or full-precision) copy
     return {
         "params": opts.itemsize * (psi if stage < 3 else s),
-        "grads": opts.grad_bytes * (psi if stage < 2 else s),
+        # DP, ZeRO-1 with wide gradients: the 16-bit .grad and the fp32 accumulator, both whole
+        "grads": (opts.grad_bytes + opts.itemsize * opts.wide_grads) * psi if stage < 2
+        else opts.grad_bytes * s,
         "master": state if opts.master else 0,
         "optimizer": k * state,
     }
@@ -188,8 +206,11 @@ def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options, stepped: b
     else:
         # Shards, plus the root's full gradient (filled by the head's backward, reduce-scattered
         # after the embedding's), plus one piece's dict and the unit buffer it is folded into.
-        unit_transient = max(b * pieces["head"], b * pieces["embed"], (b + g) * psi_block)
-        grads = state["grads"] + g * psi_root + unit_transient
+        # With wide gradients a unit's buffer is its 16-bit gradient and its fp32 accumulator,
+        # both held from the unit's first backward piece to its reduce-scatter.
+        unit = g + b * opts.wide_grads  # bytes per element of a unit's gradient buffers
+        unit_transient = max(b * pieces["head"], b * pieces["embed"], (unit + b) * psi_block)
+        grads = state["grads"] + unit * psi_root + unit_transient
     if opts.strategy == "dp" and opts.overlap:
         params = state["params"]
         comm = g * overlap_comm_peak(config, n, rank, opts.bucket_elems)

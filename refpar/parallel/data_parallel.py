@@ -21,7 +21,8 @@ blocks computes (the trace shows bucket k's sends ending after bucket k+1's begi
 Ledger: params 8Ψ, grads 8Ψ (+ the largest dict a backward piece returns, until it is folded
 in), optimizer 16Ψ (AdamW m, v), comm one bucket's all-reduce output (overlap: the send copy and
 receive buffer of each round in flight). bf16/fp16-mixed: params 2Ψ, grads 2Ψ (all-reduced in 16
-bits; 4Ψ and fp32 with --fp32-grads), master 4Ψ, optimizer 8Ψ: the ZeRO paper's 16Ψ. With fp16
+bits), master 4Ψ, optimizer 8Ψ: the ZeRO paper's 16Ψ. --fp32-grads keeps the 16-bit gradient
+backward writes (2Ψ) beside an fp32 accumulator (4Ψ, all-reduced in fp32): the Playbook's 20Ψ. With fp16
 every rank checks its all-reduced (identical) gradients for overflow, so no flag is exchanged.
 """
 
@@ -34,7 +35,7 @@ from refpar import backend
 from refpar.analysis.memory import bucket_sizes
 from refpar.memory import nbytes_of
 from refpar.parallel.ring import Ring
-from refpar.parallel.units import FlatLayout, StateDtypes, optimizer_update, overflowed
+from refpar.parallel.units import FlatLayout, StateDtypes, fold_grads, optimizer_update, overflowed
 
 
 class DataParallel:
@@ -50,6 +51,10 @@ class DataParallel:
         self.params = ledger.alloc("params.flat", xp.concat(
             [lay.flatten(u, params) for u in lay.units]), "params")  # (Ψ,)
         self.grads = ledger.alloc("grads.flat", dt.zeros(self.params, lay.total, dt.grad), "grads")  # (Ψ,)
+        # --fp32-grads: the 16-bit gradient backward writes (every parameter's .grad) stays beside
+        # the fp32 accumulator, as in DeepSpeed's BF16_Optimizer: the Playbook's 20Ψ
+        self.lowp = ledger.alloc("grads.lowp", dt.zeros(self.params, lay.total, dt.param), "grads") \
+            if dt.wide else None  # (Ψ,)
         # fp32 master weights: the 16-bit parameters upcast, exactly (mixed precision only)
         self.master = ledger.alloc("master.flat", xp.astype(self.params, dt.state), "master") \
             if dt.mixed else None  # (Ψ,)
@@ -84,9 +89,8 @@ class DataParallel:
 
     def fold(self, unit: str, grads: dict) -> None:
         self.ledger.alloc("grads.piece", sum(nbytes_of(g) for g in grads.values()), "grads")
-        views = self.layout.views(unit, self.unit_flat(unit, self.grads))
-        for name, g in grads.items():
-            views[name] += g
+        lowp = None if self.lowp is None else self.layout.views(unit, self.unit_flat(unit, self.lowp))
+        fold_grads(self.layout.views(unit, self.unit_flat(unit, self.grads)), grads, lowp)
         self.ledger.free("grads.piece")
 
     def unit_done(self, unit: str, last: bool) -> None:

@@ -34,7 +34,7 @@ from refpar.parallel.data_parallel import DataParallel
 from refpar.parallel.fsdp import FSDP
 from refpar.parallel.units import train_step
 from refpar.parallel.zero import Zero
-from refpar.precision import is_16bit, precision_of
+from refpar.precision import precision_of
 from refpar.trainer import corpus_for, train_single_device
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "isend", "irecv")
@@ -114,7 +114,10 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
         for (_, view), loaded in zip(pairs, checkpoint.load(resume, [p for p, _ in pairs], manifest),
                                      strict=True):
             view[...] = loaded
-        first = strategy.t = int(manifest["step"])
+        first = int(manifest["step"])
+        strategy.t = int(manifest.get("optimizer_t", first))  # fewer than the steps if fp16 skipped
+        if strategy.dtypes.scaler is not None:
+            strategy.dtypes.scaler.load_state_dict(manifest["loss_scaler"])
     corpus = corpus_for(model, train)
     losses, times, scales, skipped = [], [], [], []
     scaler = strategy.dtypes.scaler  # fp16-mixed only
@@ -129,7 +132,8 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
             skipped.append(step)
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
             checkpoint.save_training(save, step + 1, checkpoint_arrays(strategy, saving=True), model,
-                                     train, {"dp": dp.size}, opts.strategy, dp)
+                                     train, {"dp": dp.size}, opts.strategy, dp, optimizer_t=strategy.t,
+                                     loss_scaler=None if scaler is None else scaler.state_dict())
     comm = {}
     if dp.tracer is not None:
         for e in dp.tracer.events:
@@ -145,21 +149,25 @@ def run_data_parallel(opts: Options, model, train, dp, gather_params: bool = Fal
 
 def checkpoint_arrays(strategy, saving: bool) -> list:
     """(checkpoint.Piece, view) for each array this rank holds, as flat ranges of the global
-    parameters and AdamW moments (each unit is one flat buffer cut with `shard_range`, blind to
-    where one parameter ends: refpar/parallel/units.py). Loading writes through the views. A
-    buffer every rank holds whole is written by each rank only for its own `shard_range`, so the
-    files hold each element once."""
+    parameters, fp32 master weights (mixed precision) and AdamW moments (each unit is one flat
+    buffer cut with `shard_range`, blind to where one parameter ends: refpar/parallel/units.py).
+    Loading writes through the views. A buffer every rank holds whole is written by each rank only
+    for its own `shard_range`, so the files hold each element once."""
     lay, out = strategy.layout, []
     for u in lay.units:
         own = lay.shard(u, strategy.dp.size, strategy.dp.rank)
         if isinstance(strategy, DataParallel):
+            states = ({} if strategy.master is None else {"master": strategy.master}) | {
+                f"adamw.{k}": s for k, s in strategy.state.items()}
             held = [("params", 0, strategy.unit_flat(u, strategy.params), True)] + [
-                (f"adamw.{k}", 0, strategy.unit_flat(u, s), True) for k, s in strategy.state.items()]
+                (prefix, 0, strategy.unit_flat(u, s), True) for prefix, s in states.items()]
         else:
             full = strategy.stage < 3  # ZeRO-1/2 keep every parameter; stage 3 and FSDP their shard
             params = strategy.unit_slice(u, strategy.params) if full else strategy.shards[u]
+            states = ({} if strategy.master is None else {"master": strategy.master[u]}) | {
+                f"adamw.{k}": s for k, s in strategy.state[u].items()}
             held = [("params", 0 if full else own[0], params, full)] + [
-                (f"adamw.{k}", own[0], s, False) for k, s in strategy.state[u].items()]
+                (prefix, own[0], s, False) for prefix, s in states.items()]
         for prefix, start, flat, whole in held:
             if saving and whole:
                 flat, start = flat[own[0]:own[1]], own[0]
@@ -250,9 +258,6 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     from refpar.mesh import DeviceMesh
     from refpar.report import loss_scaling_summary, run_summary, summary_line
 
-    if is_16bit(model.dtype) and (args.save or args.resume):
-        raise ConfigError(f"--save and --resume store {precision_of(model.dtype)} runs on one device "
-                          "only so far; drop them or run without --mesh, --zero and --fsdp")
     fields = precision_options(model.dtype, train.fp32_grads)
     itemsize = fields.get("grad_itemsize") or fields["itemsize"]  # a bucket holds gradients
     if args.bucket_kb is not None and (args.zero or args.fsdp):

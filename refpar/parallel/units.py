@@ -45,13 +45,15 @@ from refpar.sharding import shard_range
 class StateDtypes:
     """The dtypes a data-parallel strategy keeps: `param` (the model's), `grad` (the param dtype, or
     fp32 with fp32_grads), `state` (master weights and moments: fp32 when mixed, else the param
-    dtype); `mixed` says whether fp32 master weights exist. `scaler` is fp16's LossScaler or None."""
+    dtype); `mixed` says whether fp32 master weights exist; `wide` whether gradients accumulate
+    wider than backward writes them (fp32_grads). `scaler` is fp16's LossScaler or None."""
 
     def __init__(self, config, train):
         self.param = dtype_of(config.dtype)
         self.mixed = is_16bit(self.param)
         self.grad = MASTER_DTYPE if self.mixed and train.fp32_grads else self.param
         self.state = MASTER_DTYPE if self.mixed else self.param
+        self.wide = self.grad != self.param
         self.scaler = loss_scaler(config, train)
 
     def zeros(self, like, n: int, dtype):
@@ -68,6 +70,18 @@ class StateDtypes:
     @property
     def inv_scale(self) -> float:
         return 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+
+
+def fold_grads(views: dict, grads: dict, lowp: dict | None) -> None:
+    """Adds a backward piece's `grads` into the accumulator `views` (name -> view). With wide
+    gradients `lowp` holds the parameters' 16-bit gradient buffers: backward writes each gradient
+    there (its .grad, cleared by the previous accumulation, so writing is adding to zero) and the
+    fp32 accumulator adds it at once, as DeepSpeed's BF16_Optimizer does per parameter."""
+    for name, g in grads.items():
+        if lowp is not None:
+            lowp[name][...] = g
+            g = lowp[name]
+        views[name] += g
 
 
 def overflowed(strategy, shards, agree: bool) -> bool:

@@ -23,11 +23,17 @@ Ledger (exact closed forms in refpar.analysis.memory.peak_bytes): params 8Ψ or 
 gathered unit), grads 8Ψ or 8Σs_u (+ transients), optimizer 16Σs_u, comm collective outputs.
 
 Mixed precision (bf16/fp16): the paper's own setting. The 16-bit parameters (2Ψ, or 2Σs_u at
-stage 3) and gradients (2Ψ, or 2Σs_u from stage 2; fp32 with --fp32-grads) are what moves:
+stage 3) and gradients (2Ψ, or 2Σs_u from stage 2) are what moves:
 gradients are reduce-scattered in their dtype, parameters all-gathered in 16 bits. Only the owner
 of a shard keeps its fp32 master weights (4Σs_u, "master") and moments (8Σs_u, "optimizer") and
 runs `mixed_adamw_update` on it. With fp16 the ranks hold different gradient shards, so they agree
 on an overflow with one max all-reduce of a float32 flag, and all skip the step together.
+
+--fp32-grads (the Playbook's 20Ψ, partitioned as DeepSpeed does; refpar/analysis/memory.py):
+gradients accumulate and are reduce-scattered in fp32, and backward still writes 16-bit ones.
+Stage 1 keeps both whole (BF16_Optimizer: 2Ψ + 4Ψ of gradients, 2Ψ + 6Ψ + 12Σs_u in all); from
+stage 2 a unit's 16-bit gradient lives from its backward to its reduce-scatter and only the fp32
+shard stays (2Ψ + 16Σs_u, stage 3 18Σs_u).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from refpar import backend
 from refpar.analysis.memory import ROOT
 from refpar.config import ConfigError
 from refpar.memory import nbytes_of
-from refpar.parallel.units import FlatLayout, StateDtypes, optimizer_update, overflowed
+from refpar.parallel.units import FlatLayout, StateDtypes, fold_grads, optimizer_update, overflowed
 from refpar.sharding import shard_sizes
 
 
@@ -61,9 +67,12 @@ class Zero:
         else:
             self.shards = {u: ledger.alloc(f"params.shard.{u}", xp.asarray(full[u][a:b], copy=True),
                                            "params") for u, (a, b) in self.own.items()}  # (s_u,) each
-        self.zeros = lambda n: dt.zeros(full[ROOT], n, dt.grad)  # a gradient buffer
+        self.zeros = lambda n, dtype=dt.grad: dt.zeros(full[ROOT], n, dtype)  # a gradient buffer
+        self.lowp = None  # --fp32-grads, stage 1: the 16-bit gradients, whole (BF16_Optimizer's)
         if stage == 1:
             self.grads = ledger.alloc("grads.flat", self.zeros(lay.total), "grads")  # (Ψ,)
+            if dt.wide:
+                self.lowp = ledger.alloc("grads.lowp", self.zeros(lay.total, dt.param), "grads")  # (Ψ,)
         else:
             self.grad_shards = {u: ledger.alloc(f"grads.shard.{u}", self.zeros(b - a), "grads")
                                 for u, (a, b) in self.own.items()}  # (s_u,) each
@@ -78,6 +87,7 @@ class Zero:
                         f"optimizer.{k}.{u}", dt.zeros(full[ROOT], b - a, dt.state), "optimizer")  # (s_u,)
         self.gathered: dict = {}  # stage 3: unit -> its all-gathered flat buffer
         self.unit_grads: dict = {}  # stages 2, 3: unit -> its full gradient
+        self.unit_lowp: dict = {}  # stages 2, 3 with --fp32-grads: unit -> its 16-bit gradient
         self.t = 0
 
     def unit_slice(self, unit: str, flat):
@@ -115,16 +125,22 @@ class Zero:
     # ------------------------------------------------------------------------------- gradients
     def fold(self, unit: str, grads: dict) -> None:
         self.ledger.alloc("grads.piece", sum(nbytes_of(g) for g in grads.values()), "grads")
+        lowp = None
         if self.stage == 1:
             target = self.unit_slice(unit, self.grads)
+            if self.lowp is not None:
+                lowp = self.unit_slice(unit, self.lowp)
         else:
+            size = self.layout.sizes[unit]
             if unit not in self.unit_grads:
                 self.unit_grads[unit] = self.ledger.alloc(
-                    f"grads.unit.{unit}", self.zeros(self.layout.sizes[unit]), "grads")  # (Ψ_u,)
-            target = self.unit_grads[unit]
-        views = self.layout.views(unit, target)
-        for name, g in grads.items():
-            views[name] += g
+                    f"grads.unit.{unit}", self.zeros(size), "grads")  # (Ψ_u,)
+                if self.dtypes.wide:  # the 16-bit .grad lives from this backward to the reduce-scatter
+                    self.unit_lowp[unit] = self.ledger.alloc(
+                        f"grads.lowp.{unit}", self.zeros(size, self.dtypes.param), "grads")  # (Ψ_u,)
+            target, lowp = self.unit_grads[unit], self.unit_lowp.get(unit)
+        fold_grads(self.layout.views(unit, target), grads,
+                   None if lowp is None else self.layout.views(unit, lowp))
         self.ledger.free("grads.piece")
 
     def unit_done(self, unit: str, last: bool) -> None:
@@ -140,6 +156,8 @@ class Zero:
         shard = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(
             self.unit_grads.pop(unit), tag=f"{unit}:grads"), "comm")  # (s_u,)
         self.ledger.free(f"grads.unit.{unit}")
+        if self.unit_lowp.pop(unit, None) is not None:
+            self.ledger.free(f"grads.lowp.{unit}")
         self.grad_shards[unit] += shard
         self.ledger.free("comm.grad_shard")
 
