@@ -30,6 +30,10 @@ the experts of its ep rank. One step composes the strategies' own pieces:
 
 tp and cp stay out: an expert would need its own tensor-parallel split (Megatron's expert tensor
 parallelism), which refpar does not write out; ZeRO stays out, as in the dp x ep runner.
+
+Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
+dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
+the loss scale, and the pp and ep ranks, whose gradients differ, agree on an overflow.
 """
 
 from __future__ import annotations
@@ -65,9 +69,13 @@ from refpar.parallel.expert_parallel_run import (
     router_shares,
     step_record,
 )
+from refpar.parallel.intra_layer import overflow_anywhere
+from refpar.parallel.intra_layer_runner import saved_position
 from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from refpar.parallel.pipeline.schedules import Timeline, build
 from refpar.parallel.pipeline.stage import Stage, stage_layers
+from refpar.precision import MASTER_DTYPE, loss_scaler
+from refpar.report import loss_scaling_summary
 from refpar.trainer import corpus_for
 
 AXES = ("pp", "dp", "ep")
@@ -88,9 +96,6 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipel
                               f"experts split within a rank, which refpar does not do: drop "
                               f"{axis}={sizes[axis]}")
     train.check_model(model)
-    if model.dtype == "float16" or train.fp32_grads:
-        raise ConfigError("MoE pipeline stages run bf16-mixed with 16-bit gradients (no loss scale, no "
-                          "fp32 buffers yet); use --precision bf16-mixed without --fp32-grads, or drop pp")
     check_run(model, train, sizes, opts.microbatches, allowed=("pp",))
     p = sizes.get("pp", 1)
     build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
@@ -126,7 +131,7 @@ class MoEStage(Stage):
     def backward_input(self, dout, cache):
         """B, the whole backward: dx (b, T, C) (None on the first stage) and the stage's gradients."""
         c_embed, c_blocks, c_head = cache
-        d, grads = (dout, {}) if not self.last else head_backward(c_head)  # (b, T, C)
+        d, grads = (dout, {}) if not self.last else head_backward(c_head, self.dloss)  # (b, T, C)
         for c in reversed(c_blocks):
             d, g = block_backward(d, c)  # (b, T, C)
             grads |= g
@@ -178,7 +183,12 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     for key in [k for k in ("m", "v", "master") if k in state]:  # masters: 16-bit models
         for n in params:
             ledger.alloc(f"opt:{key}:{n}", state[key][n], "master" if key == "master" else "optimizer")
-    start_step = 0 if resume is None else resume_from(resume, model, train, params, state, mesh.coords)
+    scaler = loss_scaler(model, train)  # fp16 only
+    executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
+    differ = [c for c in (pp, mesh.ep) if c.size > 1]  # stages and experts differ; dense sums agree
+    scales, skipped_steps = [], []
+    start_step = 0 if resume is None else resume_from(resume, model, train, params, state, mesh.coords,
+                                                      scaler)
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
@@ -194,10 +204,19 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
             for j in range(m):
                 tokens, targets = corpus.batch(step, ids[j], T)  # (b_j, T) each
                 mbs.append(Microbatch(tokens, targets, tuple(ids[j])))
-            loss, grads = executor.step(params, mbs, step=step, seed=train.seed, normalizer=B * T)
+            scale = layer.grad_scale = 1.0 if scaler is None else scaler.scale
+            with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
+                loss, grads = executor.step(params, mbs, step=step, seed=train.seed, normalizer=B * T,
+                                            dloss=scale)
             reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep ranks
             reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
-            params, state = optimizer_step(params, grads, state, train)
+            skip = False
+            if scaler is not None:
+                skip = overflow_anywhere(grads, differ)
+                scaler.update(skip)
+                scales.append(scale)
+                skipped_steps += [step] * skip
+            params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
             mine = [routings[tuple(i)] for i in ids if tuple(i) in routings]  # microbatch order
             aux, z = router_shares(mine)  # this rank's shares; the loss counts them too
             shares = pp.all_reduce(np.array([loss + aux + z, aux, z]), tag="loss.pp:report")
@@ -207,9 +226,11 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
             on_step(run.steps[-1])
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
             checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh.coords, True),
-                                     model, train, mesh.sizes, "moe pipeline", world)
+                                     model, train, mesh.sizes, "moe pipeline", world,
+                                     **saved_position(state, scaler))
     run.totals = tracer.totals() if tracer else {}  # before the timeline gather adds its own
     run.params, run.ledger, run.executor = params, ledger, executor
+    run.loss_scaling = loss_scaling_summary(scales, skipped_steps)
     run.measured = executor.measured_timeline()
     run.simulated = executor.simulated_timeline(run.measured)
     return run

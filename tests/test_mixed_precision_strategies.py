@@ -180,8 +180,6 @@ def test_bf16_pipeline_ep_and_3d_engine_agree_with_one_device_and_the_closed_for
 
 @pytest.mark.parametrize("args, sentence", [
     (["--mesh", "tp=2", "--backend", "torch"], "runs on the NumPy backend"),
-    (["--mesh", "pp=2,ep=2", "--moe-experts", "4", "--microbatches", "2", "--fp32-grads"],
-     "MoE pipeline stages run bf16-mixed with 16-bit gradients"),
 ])
 def test_mixed_precision_runs_it_cannot_do_are_refused_in_one_sentence(args, sentence):
     import subprocess

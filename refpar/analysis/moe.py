@@ -157,24 +157,28 @@ def rank_param_numels(config, sizes: dict[str, int], coords: dict[str, int], chu
 
 
 def pipeline_state_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
-                         optimizer: str) -> dict[str, int]:
+                         optimizer: str, fp32_grads: bool = False) -> dict[str, int]:
     """Peak params, grads, master and optimizer bytes of a rank of a MoE pipeline: what it holds,
     once each (the executor counts each gradient's sum over microbatches), AdamW twice; a 16-bit
     model's fp32 master weights and moments take 4 bytes per element."""
     n = sum(rank_param_numels(config, sizes, coords, chunks).values())
     e = np.dtype(config.dtype).itemsize
     state = 4 if e == 2 else e
-    return {"params": n * e, "grads": n * e, "master": n * 4 if e == 2 else 0,
+    return {"params": n * e, "grads": n * (4 if fp32_grads else e), "master": n * 4 if e == 2 else 0,
             "optimizer": {"adamw": 2, "sgd": 0}[optimizer] * n * state}
 
 
 def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
-                             rows: list[int], seq_len: int, kept_by_microbatch: list[list]) -> dict:
+                             rows: list[int], seq_len: int, kept_by_microbatch: list[list],
+                             grad_itemsize: int | None = None) -> dict:
     """{(axis, op): Bytes} of one step of a MoE pipeline on the rank at `coords`; `rows` its b_j,
-    `kept_by_microbatch[j]` the (D, E) kept counts of each MoE layer of its stages in microbatch j."""
+    `kept_by_microbatch[j]` the (D, E) kept counts of each MoE layer of its stages in microbatch j.
+    Gradients move in their dtype (`grad_itemsize`, default the model's); fp16 adds the overflow
+    flag (one float32) over pp and over ep, the axes whose ranks hold different gradients."""
     p, dp, ep = sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("ep", 1)
     r, n_data, data_rank = coords["pp"], dp * ep, coords["dp"] * ep + coords["ep"]
     e = np.dtype(config.dtype).itemsize
+    g = grad_itemsize or e
     numels = rank_param_numels(config, sizes, coords, chunks)
     out = {}
 
@@ -190,13 +194,17 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
         add(("pp", "isend"), cost.Bytes(p2p, 0))
         add(("pp", "irecv"), cost.Bytes(0, p2p))
         if r in (0, p - 1):
-            add(("pp", "all_reduce"), cost.all_reduce_bytes(numels["wte.weight"], 2, int(r == p - 1), e))
+            add(("pp", "all_reduce"), cost.all_reduce_bytes(numels["wte.weight"], 2, int(r == p - 1), g))
         add(("pp", "all_reduce"), cost.all_reduce_bytes(3, p, r, 8))  # the losses
     dense = sum(n for name, n in numels.items() if ".mlp.experts." not in name)
     experts = sum(numels.values()) - dense
     if n_data > 1:
-        add(("data", "all_reduce"), cost.all_reduce_bytes(dense, n_data, data_rank, e))
+        add(("data", "all_reduce"), cost.all_reduce_bytes(dense, n_data, data_rank, g))
     if dp > 1 and experts:
-        add(("dp", "all_reduce"), cost.all_reduce_bytes(experts, dp, coords["dp"], e))
+        add(("dp", "all_reduce"), cost.all_reduce_bytes(experts, dp, coords["dp"], g))
     add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data, data_rank, 8))  # the losses
+    if config.dtype == "float16":  # the overflow flag
+        for axis, size in (("pp", p), ("ep", ep)):
+            if size > 1:
+                add((axis, "all_reduce"), cost.all_reduce_bytes(1, size, coords[axis], 4))
     return out

@@ -188,7 +188,7 @@ def run_cli(model, train, sizes, args) -> int:
         if pipelined:
             step_bytes = moe_analysis.pipeline_step_comm_bytes(
                 model, mesh.sizes, mesh.coords, opts.chunks, run.rows, train.seq_len,
-                [list(k.values()) for k in s.microbatch_kept_counts])
+                [list(k.values()) for k in s.microbatch_kept_counts], 4 if train.fp32_grads else None)
         else:
             step_bytes = moe_analysis.step_comm_bytes(
                 model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()],
@@ -200,7 +200,7 @@ def run_cli(model, train, sizes, args) -> int:
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
     if pipelined:
         states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, opts.chunks,
-                                                   train.optimizer)
+                                                   train.optimizer, train.fp32_grads)
     else:
         states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer, m,
                                                 train.fp32_grads)
