@@ -121,7 +121,7 @@ def reassembles_exactly(mesh, schedule, path: Path, train_cfg) -> bool:
     params = local_params({n: np.zeros(shapes[n]) for n in names}, MODEL, mesh.sizes["ep"],
                           mesh.coords["ep"])
     state = optimizer_init(params, train_cfg)
-    resume_from(str(path), MODEL, train_cfg, params, state, mesh.coords)
+    resume_from(str(path), MODEL, train_cfg, params, state, mesh.coords, microbatches=2)  # as saved
     _, whole, moments = checkpoint.load_whole(str(path), MODEL, train_cfg)
     return all(np.array_equal(params[n], whole[n]) and np.array_equal(state["m"][n], moments["m"][n])
                and np.array_equal(state["v"][n], moments["v"][n]) for n in params)
