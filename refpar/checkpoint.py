@@ -467,12 +467,14 @@ def _copy(want: Piece, dst, covered, have: Piece, src, shape) -> None:
 # ---------------------------------------------------------------------------------- training
 def save_training(root, step: int, arrays: list[tuple[Piece, np.ndarray]], model, train,
                   mesh: dict, strategy: str, comm=None, *, optimizer_t: int | None = None,
-                  loss_scaler: dict | None = None) -> Path:
+                  loss_scaler: dict | None = None, moe_microbatches: int | None = None) -> Path:
     """Saves the state after `step` optimizer steps into `root`/step-{step}: the parameters and
     optimizer state in `arrays`, and what a resume needs to go on from there: the step (the data
     and dropout of step s are keyed by (seed, s, sample id), so the step and the seed are the whole
     data position), AdamW's step count t (`optimizer_t`: the step unless fp16 skipped steps), the
-    fp16 `LossScaler.state_dict()`, the configs and the mesh it was written under."""
+    fp16 `LossScaler.state_dict()`, the configs and the mesh it was written under; MoE runs also
+    keep `moe_microbatches`, the M their tokens were routed in (capacity and router losses are per
+    microbatch, so a resume with another M would not continue the same run)."""
     from refpar.model.gpt import param_shapes
 
     tensors = training_tensors(param_shapes(model), model.dtype, train.optimizer)
@@ -480,6 +482,8 @@ def save_training(root, step: int, arrays: list[tuple[Piece, np.ndarray]], model
             "loss_scaler": loss_scaler, "mesh": dict(mesh), "strategy": strategy,
             "world_size": 1 if comm is None else comm.size,
             "model": model.to_dict(), "train": train.to_dict()}
+    if moe_microbatches is not None:
+        info["moe_microbatches"] = moe_microbatches
     return save(step_dir(root, step), arrays, tensors, info, comm)
 
 

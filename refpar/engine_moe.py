@@ -188,7 +188,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     differ = [c for c in (pp, mesh.ep) if c.size > 1]  # stages and experts differ; dense sums agree
     scales, skipped_steps = [], []
     start_step = 0 if resume is None else resume_from(resume, model, train, params, state, mesh.coords,
-                                                      scaler)
+                                                      scaler, m)
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
@@ -227,7 +227,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
             checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh.coords, True),
                                      model, train, mesh.sizes, "moe pipeline", world,
-                                     **saved_position(state, scaler))
+                                     moe_microbatches=m, **saved_position(state, scaler))
     run.totals = tracer.totals() if tracer else {}  # before the timeline gather adds its own
     run.params, run.ledger, run.executor = params, ledger, executor
     run.loss_scaling = loss_scaling_summary(scales, skipped_steps)

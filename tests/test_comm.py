@@ -169,6 +169,34 @@ with abort_on_error():
     assert "waited more than 1 s in all_reduce on axis world with tag 'grads:bwd'" in proc.stderr
 
 
+def test_two_tags_with_one_mpi_tag_are_refused_before_their_messages_can_swap(tmp_path):
+    """String tags hash to MPI tags; a birthday search finds two that collide. Without the check
+    the second pair of messages would be matched by MPI tag alone; with it, the job ends naming both."""
+    proc, seconds = _run(tmp_path, 2, """
+import numpy as np
+from refpar.comm.communicator import _mpi_tag, abort_on_error, world
+seen = {}
+for i in range(10 ** 6):
+    tag = f"t{i}"
+    if _mpi_tag(tag) in seen:
+        a, b = seen[_mpi_tag(tag)], tag
+        break
+    seen[_mpi_tag(tag)] = tag
+with abort_on_error():
+    comm = world()
+    if comm.rank == 0:
+        comm.send(np.zeros(2), dest=1, tag=a)
+        comm.send(np.ones(2), dest=1, tag=b)
+    else:
+        comm.recv((2,), "float64", source=0, tag=a)
+        comm.recv((2,), "float64", source=0, tag=b)
+""")
+    assert proc.returncode != 0 and seconds < 20
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("refpar: error")]
+    assert len(lines) == 1, proc.stderr
+    assert "both map to MPI tag" in lines[0] and "rename one of them" in lines[0]
+
+
 def test_a_mesh_that_does_not_match_the_world_is_one_sentence_and_exit_2(tmp_path):
     proc, seconds = _run(tmp_path, 3, """
 from refpar.comm.communicator import abort_on_error, world

@@ -137,3 +137,17 @@ def test_a_bad_moe_pipeline_fails_on_every_rank_before_communication_with_one_li
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip() == ("refpar train: error: 4 pipeline stages need at least 4 blocks, the "
                                    "model has n_layer=2; use fewer stages (or chunks) or more layers")
+
+
+def test_resuming_a_moe_checkpoint_with_other_microbatches_is_refused_in_one_sentence(tmp_path):
+    """Capacity and router losses are per microbatch: another M would silently change the run."""
+    common = ["-m", "refpar", "train", "--mesh", "ep=2", "--moe-experts", "4", "--batch-size", "4"]
+    mpiexec(2, *common, "--microbatches", "2", "--steps", "1", "--save", str(tmp_path))
+    proc = mpiexec(2, *common, "--microbatches", "1", "--steps", "2", "--resume", str(tmp_path),
+                   check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().endswith("routed its tokens in 2 microbatches per step and this run in 1; "
+                                        "resume with --microbatches 2 (capacity and router losses are "
+                                        "per microbatch)"), proc.stderr
+    resumed = mpiexec(2, *common, "--microbatches", "2", "--steps", "2", "--resume", str(tmp_path))
+    assert resumed.returncode == 0

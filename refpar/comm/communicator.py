@@ -112,8 +112,12 @@ _TAG_LIMIT = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1
 
 def _mpi_tag(tag: str) -> int:
     """The MPI tag of a point-to-point message: a hash of its refpar tag, the same on every rank,
-    so a receive matches the send of the same tensor."""
+    so a receive matches the send of the same tensor. `Communicator._tag` refuses a collision."""
     return zlib.crc32(tag.encode()) % _TAG_LIMIT
+
+
+class TagCollision(RuntimeError):
+    """Two refpar tags hash to one MPI tag on one communicator: their messages could swap."""
 
 
 class _Link:
@@ -193,6 +197,7 @@ class Communicator:
         # messages can never be taken by a user's recv on the same communicator.
         self._private = mpi_comm.Dup()
         self._doing = ("", "")  # (op, tag) of the call in progress, for the timeout's message
+        self._tag_names: dict[int, str] = {}  # MPI tag -> the refpar tag that first used it
 
     def __repr__(self) -> str:
         return f"Communicator(axis={self.axis!r}, rank={self.rank}, size={self.size}, group={self.group})"
@@ -392,15 +397,27 @@ class Communicator:
 
     # --- point to point ----------------------------------------------------------------------
 
+    def _tag(self, tag: str) -> int:
+        """`_mpi_tag(tag)`, remembered: MPI matches a receive by (source, integer tag), so two refpar
+        tags with one hash could take each other's messages, same-shaped data swapped without a
+        sound. Both ends of a link see every tag it carries, so refusing a second name for a hash
+        here stops every such swap before it can happen (the tags refpar uses are a bounded set)."""
+        n = _mpi_tag(tag)
+        first = self._tag_names.setdefault(n, tag)
+        if first != tag:
+            raise TagCollision(f"tags {first!r} and {tag!r} both map to MPI tag {n} on axis {self.axis}, "
+                               "so their messages could swap; rename one of them")
+        return n
+
     def send(self, x, dest: int, tag: str = "") -> None:
         """Sends x to group rank `dest`; the matching recv names the same tag."""
         a, like = _to_host(x)
         self._check_peer(dest, "dest")
         self._doing, t0 = ("send", tag), now()
         if self.timeout is None:
-            self.comm.Send(_wire(a), dest, _mpi_tag(tag))
+            self.comm.Send(_wire(a), dest, self._tag(tag))
         else:
-            self._wait([self.comm.Isend(_wire(a), dest, _mpi_tag(tag))])
+            self._wait([self.comm.Isend(_wire(a), dest, self._tag(tag))])
         if self.tracer is not None:
             self._record("send", "p2p", self.group[dest], a.shape, a.dtype, cost.Bytes(a.nbytes, 0), tag, t0,
                          like)
@@ -412,9 +429,9 @@ class Communicator:
         out = np.empty(shape, dtype=dtype)
         self._doing, t0 = ("recv", tag), now()
         if self.timeout is None:
-            self.comm.Recv(_wire(out), source, _mpi_tag(tag))
+            self.comm.Recv(_wire(out), source, self._tag(tag))
         else:
-            self._wait([self.comm.Irecv(_wire(out), source, _mpi_tag(tag))])
+            self._wait([self.comm.Irecv(_wire(out), source, self._tag(tag))])
         if self.tracer is not None:
             self._record("recv", "p2p", self.group[source], out.shape, out.dtype, cost.Bytes(0, out.nbytes),
                          tag, t0, like)
@@ -426,7 +443,7 @@ class Communicator:
         a = a.copy()  # the caller may overwrite x before the send completes
         self._check_peer(dest, "dest")
         t0 = now()
-        return Request(self, self.comm.Isend(_wire(a), dest, _mpi_tag(tag)), "isend", dest, a, like, tag, t0)
+        return Request(self, self.comm.Isend(_wire(a), dest, self._tag(tag)), "isend", dest, a, like, tag, t0)
 
     def irecv(self, shape, dtype, source: int, tag: str = "", like=None) -> Request:
         """Starts receiving a (shape, dtype) array from `source`; `wait()` returns it, in `like`'s
@@ -434,7 +451,7 @@ class Communicator:
         self._check_peer(source, "source")
         out = np.empty(shape, dtype=dtype)
         t0 = now()
-        return Request(self, self.comm.Irecv(_wire(out), source, _mpi_tag(tag)), "irecv", source, out, like,
+        return Request(self, self.comm.Irecv(_wire(out), source, self._tag(tag)), "irecv", source, out, like,
                        tag, t0)
 
     # --- machinery ---------------------------------------------------------------------------

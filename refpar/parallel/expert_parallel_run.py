@@ -141,12 +141,21 @@ def checkpoint_arrays(params: dict, state: dict, coords: dict, saving: bool) -> 
             for n, a in arrays.items() if not saving or writes(n)]
 
 
-def resume_from(path: str, model, train, params: dict, state: dict, coords: dict, scaler=None) -> int:
+def resume_from(path: str, model, train, params: dict, state: dict, coords: dict, scaler=None,
+                microbatches: int = 1) -> int:
     """Loads this rank's tensors from the checkpoint `path` (any mesh's) into `params` and `state`
-    in place (and the fp16 `scaler`'s state); returns the step it was saved after."""
+    in place (and the fp16 `scaler`'s state); returns the step it was saved after. The checkpoint
+    must have routed its tokens in the same number of `microbatches` (checkpoints without the
+    record were written before MoE runs had microbatches: one)."""
     from refpar.parallel.intra_layer_runner import resumed_position
 
     manifest = checkpoint.open_training(path, model, train)
+    saved = int(manifest.get("moe_microbatches", 1))
+    if saved != microbatches:
+        raise checkpoint.CheckpointError(
+            f"checkpoint {manifest['dir']} routed its tokens in {saved} microbatches per step and this "
+            f"run in {microbatches}; resume with --microbatches {saved} (capacity and router losses "
+            "are per microbatch)")
     pairs = checkpoint_arrays(params, state, coords, saving=False)
     for (_, a), loaded in zip(pairs, checkpoint.load(path, [p for p, _ in pairs], manifest), strict=True):
         a[...] = loaded
@@ -251,7 +260,7 @@ def train_expert_parallel(model, train, mesh, on_step=None, microbatches: int = 
     state = optimizer_init(params, train)
     scaler = loss_scaler(model, train)  # fp16 only
     start_step = 0 if resume is None else resume_from(resume, model, train, params, state, mesh.coords,
-                                                      scaler)
+                                                      scaler, m)
     # The model states this rank holds; activations and buffers are not counted in MoE runs.
     ledger = MemoryLedger()
     ledger.alloc("params", sum(nbytes_of(p) for p in params.values()), "params")
@@ -308,7 +317,7 @@ def train_expert_parallel(model, train, mesh, on_step=None, microbatches: int = 
 
             checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh.coords, True),
                                      model, train, mesh.sizes, "expert parallel", mesh.world,
-                                     **saved_position(state, scaler))
+                                     moe_microbatches=m, **saved_position(state, scaler))
     run.params, run.ledger = params, ledger
     run.loss_scaling = loss_scaling_summary(scales, skipped_steps)
     return run
