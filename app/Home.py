@@ -33,8 +33,8 @@ def home() -> None:
         "- **Serving**: each rank's KV cache token by token, and tp against pp latency at scale.\n"
         "- **Run for real**: launch `mpiexec` on this machine and lay the measured numbers next to "
         "the closed forms.\n"
-        "- **Lessons**: the course in lessons/, from a first `mpiexec` to 3D parallelism, with "
-        "exercises that `refpar lesson check N` grades."
+        "- **Lessons**: the course in lessons/, from a first `mpiexec` to 3D parallelism and mixed "
+        "precision, with exercises that `refpar lesson check N` grades."
     )
 
 

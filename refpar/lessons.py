@@ -4,7 +4,9 @@ A lesson is `lessons/NN-name.md`. Every fenced ```console block in it is *genera
 that start with `$ ` are commands, everything after a command up to the next one is that command's
 output as `lessons/regenerate.py` last wrote it. HTML comments on the lines right above a block,
 `<!-- varies: REGEX -->`, name text that differs from run to run (timings); it is masked in both
-outputs before they are compared.
+outputs before they are compared. `<!-- tolerance: X -->` there widens the block's tolerance for
+non-integers to X, relative and absolute: for 16-bit runs, whose last digits depend on the order in
+which the CPU's BLAS sums (a one-bit difference in fp32 can flip a bf16 rounding).
 
 Comparison (`compare`): the text between numbers must be equal; integers (bytes, counts, 12,345)
 must be equal; other numbers must agree to `REL_TOL` relative (or `ABS_TOL` absolute, so rounding
@@ -30,6 +32,7 @@ ABS_TOL = 1e-10
 ALWAYS_VARIES = (r"[\d,]+(?:\.\d+)? ?(?:ms|s)\b", r"[\d,]+(?:\.\d+)? tokens/s")
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?")
 VARIES_LINE = re.compile(r"<!--\s*varies:\s*(.*?)\s*-->")
+TOLERANCE_LINE = re.compile(r"<!--\s*tolerance:\s*(\S+)\s*-->")
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Block:
     commands: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     varies: list[str] = field(default_factory=list)
+    tolerance: float | None = None  # non-integers, relative and absolute; None: REL_TOL, ABS_TOL
 
 
 def lesson_files() -> list[Path]:
@@ -71,8 +75,12 @@ def blocks(text: str) -> list[Block]:
         if lines[i].strip() == "```console":
             block = Block(start=i, stop=i)
             k = i - 1
-            while k >= 0 and (m := VARIES_LINE.search(lines[k])):  # the comments right above it
-                block.varies.append(m.group(1))
+            while k >= 0 and ((m := VARIES_LINE.search(lines[k]))  # the comments right above it
+                              or (t := TOLERANCE_LINE.search(lines[k]))):
+                if m:
+                    block.varies.append(m.group(1))
+                else:
+                    block.tolerance = float(t.group(1))
                 k -= 1
             j = i + 1
             while lines[j].strip() != "```":
@@ -132,9 +140,10 @@ def _number(s: str) -> float | int:
     return int(s) if re.fullmatch(r"-?\d+", s) else float(s)
 
 
-def compare(expected: str, actual: str, varies: list[str] = ()) -> str | None:
+def compare(expected: str, actual: str, varies: list[str] = (), tolerance: float | None = None) -> str | None:
     """None when `actual` matches `expected` (masks and tolerances in the module docstring), else a
     sentence naming the first difference."""
+    rel, absolute = (REL_TOL, ABS_TOL) if tolerance is None else (tolerance, tolerance)
     want, got = _mask(expected, list(varies)), _mask(actual, list(varies))
     want_lines, got_lines = want.splitlines(), got.splitlines()
     if len(want_lines) != len(got_lines):
@@ -147,8 +156,8 @@ def compare(expected: str, actual: str, varies: list[str] = ()) -> str | None:
             if isinstance(x, int) and isinstance(y, int):
                 if x != y:
                     return f"line {k}: {b} where the lesson shows {a} (integers must be equal):\n  {g}"
-            elif abs(x - y) > max(ABS_TOL, REL_TOL * max(abs(x), abs(y))):
-                return f"line {k}: {b} where the lesson shows {a} (tolerance {REL_TOL:g}):\n  {g}"
+            elif abs(x - y) > max(absolute, rel * max(abs(x), abs(y))):
+                return f"line {k}: {b} where the lesson shows {a} (tolerance {rel:g}):\n  {g}"
     return None
 
 

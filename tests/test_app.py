@@ -381,6 +381,9 @@ def test_each_view_links_to_its_lesson_and_the_lessons_page_opens_on_it():
     for strategy, n in (("dp", 2), ("tp", 4), ("sp", 5), ("ep", 7)):
         at.selectbox[0].set_value(strategy)
         assert rerun(at).get("page_link")[0].proto.query_string == f"lesson={n}"
+    at.switch_page("views/memory.py")
+    rerun(at).radio[0].set_value("bf16-mixed")
+    assert [link.proto.query_string for link in rerun(at).get("page_link")] == ["lesson=3", "lesson=10"]
     # What following the link does: the address carries lesson=N and the Lessons page opens on lesson N.
     at.query_params["lesson"] = "6"
     at.switch_page("views/lessons.py")

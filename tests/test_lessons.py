@@ -22,7 +22,8 @@ def test_every_command_of_the_lesson_prints_what_the_lesson_shows(path):
     assert found and all(b.commands for b in found), f"{path.name} has no ```console command"
     for block in found:
         for command, shown in zip(block.commands, block.outputs, strict=True):
-            problem = lessons.compare(shown, lessons.run_command(command, timeout=240), block.varies)
+            problem = lessons.compare(shown, lessons.run_command(command, timeout=240), block.varies,
+                                      block.tolerance)
             assert problem is None, f"{path.name}: `{command}`: {problem}"
 
 
@@ -62,12 +63,33 @@ def test_a_wrong_answer_is_told_what_is_wrong(tmp_path, capsys):
     assert "lesson 9: not yet: global_mean_loss = " in out and "mean of the microbatches' means" in out
 
 
+def test_the_paper_formula_with_even_shards_is_told_about_uneven_units(tmp_path, capsys):
+    even = tmp_path / "even_shards.py"
+    even.write_text("def model_state_bytes(unit_sizes, n, rank, stage, fp32_grads=False):\n"
+                    "    psi = sum(unit_sizes.values())\n"
+                    "    s = psi // n  # the paper's Ψ/N: wrong where units do not split evenly\n"
+                    "    return {'params': 2 * (psi if stage < 3 else s),\n"
+                    "            'grads': 2 * (psi if stage < 2 else s),\n"
+                    "            'master': 4 * (psi if stage == 0 else s),\n"
+                    "            'optimizer': 8 * (psi if stage == 0 else s)}\n")
+    assert check(10, even) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("lesson 10: not yet: master on rank 0 of n=3, ZeRO-1"), out
+    assert "part of every unit" in out
+
+
 def test_compare_masks_timings_and_holds_numbers_to_their_tolerance():
     shown = "loss 4.567039131706693, 1,024 bytes, 12.5 ms\n"
     assert lessons.compare(shown, "loss 4.567039131706694, 1,024 bytes, 3.1 ms\n") is None
     assert "integers must be equal" in lessons.compare(shown, "loss 4.567039131706693, 1,025 bytes, 1 ms")
     assert "tolerance" in lessons.compare(shown, "loss 4.567139131706693, 1,024 bytes, 12.5 ms")
     assert "line 1 differs" in lessons.compare(shown, "loss 4.567039131706693, 1,024 kB, 12.5 ms")
+    # a block marked <!-- tolerance: 1e-2 --> (16-bit runs) holds non-integers to 1e-2, bytes exactly
+    assert lessons.compare(shown, "loss 4.56, 1,024 bytes, 1 ms", tolerance=1e-2) is None
+    assert "tolerance 0.01" in lessons.compare(shown, "loss 4.4, 1,024 bytes, 1 ms", tolerance=1e-2)
+    assert "integers must be equal" in lessons.compare(shown, "loss 4.56, 1,023 bytes, 1 ms", tolerance=1e-2)
+    marked = "<!-- varies: x -->\n<!-- tolerance: 2e-2 -->\n```console\n$ echo 1\n1\n```\n"
+    assert [(b.tolerance, b.varies) for b in lessons.blocks(marked)] == [(2e-2, ["x"])]
 
 
 def test_the_app_shows_each_lesson_and_its_exercise():

@@ -41,6 +41,8 @@ a, b = st.columns(2)
 n = a.number_input("ranks on the strategy's axis", min_value=1, max_value=expected.MAX_WORLD, value=4)
 m = b.number_input("microbatches (pp)", min_value=1, max_value=64, value=4)
 precision = st.radio("precision", ("fp64", "bf16-mixed"), horizontal=True)
+if precision != "fp64":
+    lesson_link(10)  # where the 2 + 2 + 4 + 8 bytes come from, measured
 columns, skipped = rank0_memory(int(n), int(m), precision)
 st.plotly_chart(comm.memory_figure(columns, "peak bytes on rank 0, closed form"), width="stretch")
 for s, why in skipped.items():
