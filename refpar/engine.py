@@ -43,7 +43,7 @@ run, but gain nothing under tp.
 Mixed precision (16-bit ModelConfig.dtype): the pieces are the strategies' own, 16-bit in and out;
 gradients sum over cp and dp in their dtype; AdamW runs on fp32 master weights (under ZeRO of this
 rank's shard only). fp16 starts backward from the loss scale; the ranks whose gradients differ (tp,
-pp, and ZeRO's group) agree on an overflow (`intra_layer.overflow_anywhere`) and all skip the step.
+pp, and ZeRO's group) agree on an overflow (`precision.overflow_anywhere`) and all skip the step.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from refpar.engine_fsdp import UnitStage, fsdp_units
 from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params
+from refpar.model.gpt import add_embedding_grads, init_params
 from refpar.model.optim import (
     adamw_update,
     fp32,
@@ -72,7 +72,7 @@ from refpar.model.optim import (
     sgd_update,
 )
 from refpar.parallel.context_parallel import check_cp, cp_layout
-from refpar.parallel.intra_layer import all_reduce_replicated_grads, overflow_anywhere
+from refpar.parallel.intra_layer import all_reduce_replicated_grads
 from refpar.parallel.intra_layer_runner import resumed_position, saved_position
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.runner import microbatches
@@ -97,7 +97,7 @@ from refpar.parallel.tensor_parallel import (
     vocab_parallel_head_backward,
     vocab_parallel_head_forward,
 )
-from refpar.precision import MASTER_DTYPE, is_16bit, loss_scaler
+from refpar.precision import MASTER_DTYPE, is_16bit, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.sharding import shard_range, shard_sizes
 
@@ -190,8 +190,7 @@ class TensorParallelStage(Stage):
             grads |= g
         if self.first:
             g = vocab_parallel_embedding_backward(d, c_embed, self.lay, params)
-            grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"] if self.last else g["wte.weight"]
-            grads["wpe.weight"] = g["wpe.weight"]
+            add_embedding_grads(grads, g)  # the last stage holds the tied head's share too
             d = None
         return d, grads
 

@@ -48,6 +48,7 @@ from refpar import backend, checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import (
+    add_embedding_grads,
     block_backward,
     block_forward,
     embed_backward,
@@ -69,12 +70,11 @@ from refpar.parallel.expert_parallel_run import (
     router_shares,
     step_record,
 )
-from refpar.parallel.intra_layer import overflow_anywhere
 from refpar.parallel.intra_layer_runner import saved_position
 from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor
 from refpar.parallel.pipeline.schedules import Timeline, build
 from refpar.parallel.pipeline.stage import Stage, stage_layers
-from refpar.precision import MASTER_DTYPE, loss_scaler
+from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.trainer import corpus_for
 
@@ -137,8 +137,7 @@ class MoEStage(Stage):
             grads |= g
         if self.first:
             g = embed_backward(d, c_embed)
-            grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"] if self.last else g["wte.weight"]
-            grads["wpe.weight"] = g["wpe.weight"]
+            add_embedding_grads(grads, g)  # the last stage holds the tied head's share too
             d = None
         return d, grads
 

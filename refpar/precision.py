@@ -136,6 +136,17 @@ def fp32_compute(fn):
 
 
 # ------------------------------------------------------------------------------- loss scaling
+def overflow_anywhere(grads, comms, tag: str | None = None) -> bool:
+    """Whether any rank found an inf or nan in its gradients (a dict or an iterable of arrays),
+    agreed with one all-reduce (max) of a float32 flag over each of `comms`, the axes over which the
+    gradients differ (traced, 4 bytes each; `tag` default `found_inf.{axis}`): every rank then skips
+    the step, or none does. No comms: this rank's own check, no message."""
+    flag = np.array([1.0 if has_overflow(grads) else 0.0], dtype=MASTER_DTYPE)
+    for comm in comms:
+        flag = comm.all_reduce(flag, op="max", tag=tag or f"found_inf.{comm.axis}")
+    return bool(flag[0] > 0)
+
+
 def has_overflow(grads) -> bool:
     """Whether any gradient (a dict or an iterable of arrays) holds an inf or a nan."""
     from array_api_compat import array_namespace

@@ -17,6 +17,7 @@ from collections import Counter
 
 import numpy as np
 
+from refpar import precision
 from refpar.analysis.activations import activation_peak_bytes
 from refpar.analysis.intra_layer import expected_calls
 from refpar.comm.communicator import abort_on_error, world
@@ -25,7 +26,6 @@ from refpar.config import TrainConfig, model_preset
 from refpar.memory import MemoryLedger
 from refpar.mesh import DeviceMesh
 from refpar.model.data import MarkovCorpus
-from refpar.parallel import intra_layer
 from refpar.parallel.intra_layer import IntraLayerTrainer
 from refpar.parallel.intra_layer_runner import expected_memory
 from refpar.parallel.tensor_parallel import tp_param_slices
@@ -55,14 +55,14 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     tracer.clear()
     losses = []
     forced = spec.get("force_overflow")  # [world rank, step]: that rank alone finds an inf
-    found = intra_layer.has_overflow
+    found = precision.has_overflow  # what overflow_anywhere asks
     for step in range(STEPS):
         if forced is not None:
             hit = (comm.rank, step) == tuple(forced)
-            intra_layer.has_overflow = (lambda grads: True) if hit else found
+            precision.has_overflow = (lambda grads: True) if hit else found
         with tracer.context(step=step):
             losses.append(trainer.step(step, corpus))
-    intra_layer.has_overflow = found
+    precision.has_overflow = found
     events = list(tracer.events)
     full = trainer.full_params()
 

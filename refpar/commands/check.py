@@ -43,6 +43,7 @@ from refpar.config import ConfigError, ModelConfig
 from refpar.model.dropout import keep_mask
 from refpar.model.gpt import (
     DropoutContext,
+    add_embedding_grads,
     block_backward,
     block_forward,
     embed_backward,
@@ -276,8 +277,7 @@ def reference(config, params, tokens, targets, layout, normalizer=None, masks=No
         dx, g = block_backward(dx, c)  # (B, T, C)
         grads.update(g)
     g = embed_backward(dx, c_embed)
-    grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"]  # tied
-    grads["wpe.weight"] = g["wpe.weight"]
+    add_embedding_grads(grads, g)  # tied
     return float(loss), grads
 
 

@@ -149,6 +149,14 @@ def embed_backward(dx, cache) -> dict:
     return {"wte.weight": dwte, "wpe.weight": dwpe}
 
 
+def add_embedding_grads(grads: dict, g: dict) -> dict:
+    """Folds the embedding's gradients `g` (`embed_backward`'s or a sharded twin's) into `grads`:
+    wpe's, and wte's added to the tied head's share when `grads` already holds it."""
+    grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"] if "wte.weight" in grads else g["wte.weight"]
+    grads["wpe.weight"] = g["wpe.weight"]
+    return grads
+
+
 # ----------------------------------------------------------------------------------------- block
 def split_heads(t, n_head):
     """(B, T, C) -> (B, nh, T, hs)"""
@@ -310,8 +318,7 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step
     if grad_dtype is not None:
         xp = array_namespace(wte)
         grads, g = ({n: xp.astype(a, grad_dtype) for n, a in d.items()} for d in (grads, g))
-    grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"]  # tied: head and embedding add
-    grads["wpe.weight"] = g["wpe.weight"]
+    add_embedding_grads(grads, g)  # tied: head and embedding add
     return float(loss), {name: grads[name] for name in params}
 
 

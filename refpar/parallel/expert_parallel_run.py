@@ -46,8 +46,8 @@ from refpar.model.gpt import init_params, loss_and_grads
 from refpar.model.moe import MoELayer, expert_prefix, kept_counts
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.expert_parallel import ExpertParallelMoE, check_expert_parallel
-from refpar.parallel.intra_layer import all_reduce_replicated_grads, overflow_anywhere
-from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
+from refpar.parallel.intra_layer import all_reduce_replicated_grads
+from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.sharding import shard_range
 from refpar.trainer import corpus_for

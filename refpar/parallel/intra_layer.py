@@ -16,7 +16,7 @@ every gradient sum in the gradients' dtype, and the AdamW step through the optim
 master weights and moments (ledger category "master" for the masters). fp16 scales the loss
 (`refpar.precision.LossScaler`): backward starts from the scale, and the tp ranks, whose gradient
 shards differ, agree on an overflow with one all-reduce (max) of a float32 flag before they all
-skip the step or all take it (`overflow_anywhere`).
+skip the step or all take it (`precision.overflow_anywhere`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from array_api_compat import array_namespace, is_array_api_obj
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.memory import nbytes_of
-from refpar.model.gpt import DropoutContext, init_params
+from refpar.model.gpt import DropoutContext, add_embedding_grads, init_params
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.context_parallel import check_cp, cp_layout
 from refpar.parallel.sequence_parallel import all_reduce_sequence_parallel_grads, check_sp, sp_layout
@@ -47,7 +47,7 @@ from refpar.parallel.tensor_parallel import (
     vocab_parallel_head_backward,
     vocab_parallel_head_forward,
 )
-from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
+from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.sharding import shard_range
 
 AXES = ("dp", "tp", "cp")  # the axes this runner composes; pp and ep are other strategies'
@@ -165,8 +165,7 @@ def loss_and_grads(params, tokens, targets, lay: Layout, drop, normalizer, acts:
     if grad_dtype is not None:  # fp32_grads: each gradient leaves backward into a float32 buffer
         xp = array_namespace(dx)
         grads, g = ({n: xp.astype(a, grad_dtype) for n, a in d.items()} for d in (grads, g))
-    grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"]  # tied: head and embedding add
-    grads["wpe.weight"] = g["wpe.weight"]
+    add_embedding_grads(grads, g)  # tied: head and embedding add
     return loss, {n: grads[n] for n in params}
 
 
@@ -178,16 +177,6 @@ def all_reduce_replicated_grads(grads: dict, comm, tag: str) -> dict:
     flat = comm.all_reduce(xp.concat([xp.reshape(grads[n], (-1,)) for n in names]), tag=tag)
     bounds = np.cumsum([0] + [math.prod(grads[n].shape) for n in names]).tolist()
     return {n: xp.reshape(flat[bounds[i]:bounds[i + 1]], grads[n].shape) for i, n in enumerate(names)}
-
-
-def overflow_anywhere(grads: dict, comms) -> bool:
-    """Whether any rank found an inf or nan in its gradients, agreed with one all-reduce (max) of a
-    float32 flag over each of `comms`, the axes over which the gradients differ (traced, 4 bytes
-    each): every rank then skips the step, or none does."""
-    flag = np.array([1.0 if has_overflow(grads) else 0.0], dtype=MASTER_DTYPE)
-    for comm in comms:
-        flag = comm.all_reduce(flag, op="max", tag=f"found_inf.{comm.axis}")
-    return bool(flag[0] > 0)
 
 
 def held_state(params: dict, state: dict):

@@ -38,7 +38,7 @@ from refpar.model.gpt import (
     head_forward,
 )
 from refpar.model.optim import adamw_update, mixed_adamw_update, mixed_sgd_update, sgd_update
-from refpar.precision import MASTER_DTYPE, dtype_of, has_overflow, is_16bit, loss_scaler
+from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit, loss_scaler, overflow_anywhere
 from refpar.sharding import shard_range
 
 
@@ -92,10 +92,7 @@ def overflowed(strategy, shards, agree: bool) -> bool:
     scaler = strategy.dtypes.scaler
     if scaler is None:
         return False
-    found = has_overflow(shards)
-    if agree:
-        flag = np.array([1.0 if found else 0.0], dtype=np.float32)
-        found = bool(strategy.dp.all_reduce(flag, op="max", tag="found_inf")[0] > 0)
+    found = overflow_anywhere(shards, [strategy.dp] if agree else [], tag="found_inf")
     scaler.update(found)
     return found
 

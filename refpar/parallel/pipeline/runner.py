@@ -31,7 +31,6 @@ from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import DropoutContext, init_params, param_shapes
 from refpar.model.optim import optimizer_init, optimizer_step
-from refpar.parallel.intra_layer import overflow_anywhere
 from refpar.parallel.intra_layer_runner import loss_scaling_line, resumed_position, saved_position
 from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor, held_bytes
 from refpar.parallel.pipeline.schedules import (
@@ -43,7 +42,7 @@ from refpar.parallel.pipeline.schedules import (
     stored,
 )
 from refpar.parallel.pipeline.stage import Stage, stage_layers
-from refpar.precision import MASTER_DTYPE, loss_scaler
+from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.sharding import shard_range
 

@@ -31,6 +31,7 @@ from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward
 from refpar.model.gpt import (
     DropoutContext,
+    add_embedding_grads,
     block_forward,
     embed_backward,
     embed_forward,
@@ -160,8 +161,7 @@ class Stage:
                 dx, c_embed = arrays
                 g = embed_backward(dx, c_embed)
                 # on a single stage holding both ends, head + embedding as gpt.loss_and_grads adds
-                grads["wte.weight"] = grads.get("wte.weight", 0) + g["wte.weight"]
-                grads["wpe.weight"] = g["wpe.weight"]
+                add_embedding_grads(grads, g)
         return grads
 
     # -- the input-gradient halves, mirroring gpt.head_backward and gpt.block_backward ------------
