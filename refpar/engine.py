@@ -437,6 +437,19 @@ def sharded_grads(executor: EngineExecutor, params: dict, train: TrainConfig, gr
     return state, tied
 
 
+def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None):
+    """The tensor_parallel.Layout of this rank's tokens and weights on `mesh` (its tp and cp axes)."""
+    tp = mesh.tp if mesh.sizes["tp"] > 1 else None
+    cp = mesh.cp if mesh.sizes.get("cp", 1) > 1 else None
+    if cp is not None and sp:  # sp inside each cp rank's tokens
+        return sp_cp_layout(model, seq_len, cp, cp_algo or "ring", mesh.tp)
+    if cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
+        return cp_layout(model, seq_len, cp, cp_algo or "ring", tp)
+    if sp:
+        return sp_layout(model, seq_len, mesh.tp)
+    return tp_layout(model, seq_len, tp)
+
+
 def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions,
                on_step=None, *, save: str | None = None, save_every: int | None = None,
                resume: str | None = None) -> EngineRun:
@@ -447,14 +460,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     t = mesh.sizes["tp"]
     cp = mesh.cp if mesh.sizes.get("cp", 1) > 1 else None
-    if cp is not None and opts.sp:  # sp inside each cp rank's tokens
-        lay = sp_cp_layout(model, train.seq_len, cp, opts.cp_algo or "ring", tp)
-    elif cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
-        lay = cp_layout(model, train.seq_len, cp, opts.cp_algo or "ring", tp if t > 1 else None)
-    elif opts.sp:
-        lay = sp_layout(model, train.seq_len, tp)
-    else:
-        lay = tp_layout(model, train.seq_len, tp if t > 1 else None)
+    lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)
     ledger = MemoryLedger()
     executor = EngineExecutor(build(opts.schedule, pp.size, opts.microbatches, opts.chunks), model,
                               pp, lay, ledger)

@@ -47,7 +47,7 @@ import numpy as np
 
 from refpar import backend, checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine import EngineExecutor, TensorParallelStage
+from refpar.engine import EngineExecutor, TensorParallelStage, layout_for
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params
 from refpar.model.optim import optimizer_init, optimizer_step
@@ -67,7 +67,6 @@ from refpar.parallel.intra_layer_runner import saved_position
 from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline, build
 from refpar.parallel.pipeline.stage import stage_layers
-from refpar.parallel.tensor_parallel import tp_layout
 from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.trainer import corpus_for
@@ -141,7 +140,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     layer = ExpertParallelMoE(data, mesh.ep, model, weight=1 / m)
     ledger = MemoryLedger()
     routings: dict[tuple, dict] = {}  # sample ids of a microbatch -> layer -> routing
-    lay = tp_layout(model, train.seq_len, None)  # each rank runs whole blocks on whole sequences
+    lay = layout_for(model, train.seq_len, mesh)  # whole blocks on whole sequences (no tp, no cp)
     executor = EngineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, lay, ledger,
                               lambda c, n, s, lay: MoEStage(c, n, s, lay, layer, routings))
     full = init_params(model, train.seed)  # drawn whole, then this rank keeps its stages' part
