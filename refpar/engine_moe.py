@@ -1,23 +1,31 @@
-"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep.
+"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep x tp (and --sp).
 
     mpiexec -n 4 python -m refpar train --mesh pp=2,ep=2 --moe-experts 4 --microbatches 2 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --moe-topk 2 \
         --schedule 1f1b --microbatches 4 --check
+    mpiexec -n 8 python -m refpar train --mesh pp=2,ep=2,tp=2 --sp --moe-experts 4 --microbatches 2 --check
 
 Legend: B global batch, M microbatches, D = dp x ep data ranks of a stage, b_j rows of this rank's
 part of microbatch j, T sequence, C channels, E experts.
 
-Layout (Megatron-Core's): every pipeline stage's ranks form the expert-parallel runner's dp x ep
-grid of data ranks (data rank d = dp rank * ep + ep rank, in batch order; refpar/parallel/
-expert_parallel.py). A rank holds its stages' dense weights whole and, of each MoE block in them,
-the experts of its ep rank. One step composes the strategies' own pieces:
+Layout (Megatron-Core's): every pipeline stage's ranks of one tp coordinate form the
+expert-parallel runner's dp x ep grid of data ranks (data rank d = dp rank * ep + ep rank, in batch
+order; refpar/parallel/expert_parallel.py). A rank holds the tp shard (tensor_parallel.
+tp_param_slices) of its stages' dense weights and, of each MoE block in them, of the experts of its
+ep rank. One step composes the strategies' own pieces:
 
     pipeline   engine.EngineExecutor walks schedule[pp rank] (any schedule it runs); each stage
                is a `MoEStage`, the engine's stage (tensor_parallel's pieces, on whole blocks here)
                with the expert-parallel layer in the MoE blocks; B is the whole backward (an
                expert's all-to-alls carry input and weight gradients together, so schedules that
                split B from W run, but gain nothing here).
-               Activations (b_j, T, C) go to the same (dp, ep) rank of the next stage.
+               Activations (b_j, Tl, C) go to the same (dp, ep, tp) rank of the next stage.
+    tp         attention, embedding and head are the engine's tensor-parallel pieces (f/g, or the
+               sp pair); the MoE layer runs replicated over tp outside its experts, each expert a
+               tensor-parallel MLP (refpar/parallel/expert_tensor_parallel.py: one all-reduce of
+               the expert buffer forward and one backward; under sp the layer all-gathers the
+               sequence around itself). Routing, all-to-alls and the data ranks' sums run among
+               the ranks of one tp coordinate
     ep         inside each MoE block, ExpertParallelMoE: the selection counts all-gathered over the
                stage's D data ranks, tokens to their experts and back by all-to-all over ep
     microbatch global microbatch j is the slice shard_range(B, M, j) of the batch, cut over the D
@@ -26,11 +34,12 @@ the experts of its ep rank. One step composes the strategies' own pieces:
                same microbatches (expert_parallel_run.reference_run) is the reference
     tied wte   the executor's embedding group: first and last pp rank, per data rank
     dp, ep     dense gradients summed over the stage's D data ranks, an expert's over dp
+    sp         the sequence-sharded LayerNorms' and attention biases' gradients summed over tp (the
+               MoE layer's, router and expert c_proj.bias, are the same on every tp rank already)
     loss       the last stage's cross-entropy plus every stage's router-loss shares, summed over
-               pp, then over the data ranks
+               pp, then over the data ranks (every tp rank holds the whole loss)
 
-tp and cp stay out: an expert would need its own tensor-parallel split (Megatron's expert tensor
-parallelism), which refpar does not write out; ZeRO stays out, as in the dp x ep runner.
+cp stays out (its ranks would route parts of a sequence); ZeRO stays out, as in the dp x ep runner.
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
@@ -55,7 +64,6 @@ from refpar.parallel.expert_parallel import ExpertParallelMoE
 from refpar.parallel.expert_parallel_run import (
     MoERun,
     check_run,
-    checkpoint_arrays,
     local_params,
     microbatch_samples,
     reduce_grads,
@@ -63,15 +71,19 @@ from refpar.parallel.expert_parallel_run import (
     router_shares,
     step_record,
 )
+from refpar.parallel.expert_parallel_run import checkpoint_arrays as expert_parallel_checkpoint_arrays
+from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.intra_layer_runner import saved_position
 from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline, build
 from refpar.parallel.pipeline.stage import stage_layers
+from refpar.parallel.sequence_parallel import check_sp, sequence_parallel_param_names
+from refpar.parallel.tensor_parallel import check_tp, gather_params_tp, shard_params_tp, tp_param_slices
 from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.trainer import corpus_for
 
-AXES = ("pp", "dp", "ep")
+AXES = ("pp", "dp", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -79,17 +91,20 @@ class MoEPipelineOptions:
     schedule: str = "1f1b"
     microbatches: int = 1
     chunks: int = 1  # v, model chunks per pipeline rank (interleaved-1f1b)
+    sp: bool = False  # sequence parallelism over tp
 
 
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipelineOptions) -> None:
     """Every check of a MoE pipeline run, with no communication: each rank raises the same ConfigError."""
-    for axis in ("tp", "cp"):
-        if sizes.get(axis, 1) > 1:
-            raise ConfigError(f"MoE blocks run in pipeline stages over pp, dp and ep; {axis} would need "
-                              f"experts split within a rank, which refpar does not do: drop "
-                              f"{axis}={sizes[axis]}")
+    if sizes.get("cp", 1) > 1:
+        raise ConfigError(f"MoE blocks run in pipeline stages over pp, dp, ep and tp; cp would route "
+                          f"parts of sequences, which refpar does not do: drop cp={sizes['cp']}")
     train.check_model(model)
-    check_run(model, train, sizes, opts.microbatches, allowed=("pp",))
+    check_run(model, train, sizes, opts.microbatches, allowed=("pp", "tp"))
+    t = sizes.get("tp", 1)
+    check_tp(model, t)
+    if opts.sp:
+        check_sp(model, train.seq_len, t)  # "give the mesh tp=2 or more", seq_len >= tp
     p = sizes.get("pp", 1)
     build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
     stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
@@ -129,23 +144,23 @@ class MoEPipelineRun(MoERun):
 def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipelineOptions,
                      on_step=None, *, save: str | None = None, save_every: int | None = None,
                      resume: str | None = None) -> MoEPipelineRun:
-    """Trains `train.steps` steps on `mesh` (pp, dp, ep), or from the checkpoint `resume` (any
-    mesh's, MoE runs with and without pp alike); with `save`, checkpoints every `save_every` steps
-    and after the last. `on_step(MoEStep)` after each step."""
+    """Trains `train.steps` steps on `mesh` (pp, dp, ep, tp), or from the checkpoint `resume` (any
+    mesh's, MoE runs with and without pp or tp alike); with `save`, checkpoints every `save_every`
+    steps and after the last. `on_step(MoEStep)` after each step."""
     validate(model, train, mesh.sizes, opts)
-    m, pp, world = opts.microbatches, mesh.pp, mesh.world
-    # This stage's dp x ep ranks in batch order: world ranks are laid (pp, dp, ep), so within one pp
-    # coordinate the world rank order is d = dp rank * ep + ep rank.
-    data = world.split(mesh.coords["pp"], key=world.rank, axis="data")
-    layer = ExpertParallelMoE(data, mesh.ep, model, weight=1 / m)
+    m, pp, world, t = opts.microbatches, mesh.pp, mesh.world, mesh.sizes["tp"]
+    data = data_group(mesh)
+    lay = layout_for(model, train.seq_len, mesh, opts.sp)  # the engine's tp (or sp) layout
+    layer = (ExpertParallelMoE(data, mesh.ep, model, weight=1 / m) if t == 1 else
+             TensorParallelExpertMoE(data, mesh.ep, model, lay, opts.sp, weight=1 / m))
     ledger = MemoryLedger()
     routings: dict[tuple, dict] = {}  # sample ids of a microbatch -> layer -> routing
-    lay = layout_for(model, train.seq_len, mesh)  # whole blocks on whole sequences (no tp, no cp)
     executor = EngineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, lay, ledger,
                               lambda c, n, s, lay: MoEStage(c, n, s, lay, layer, routings))
-    full = init_params(model, train.seed)  # drawn whole, then this rank keeps its stages' part
-    params = backend.current().from_host(local_params(
-        {n: full[n] for n in executor.param_names()}, model, mesh.sizes["ep"], mesh.coords["ep"]))
+    full = init_params(model, train.seed)  # drawn whole; this rank keeps its stages', experts', tp part
+    mine = local_params({n: full[n] for n in executor.param_names()}, model, mesh.sizes["ep"],
+                        mesh.coords["ep"])
+    params = backend.current().from_host(shard_params_tp(mine, model, t, mesh.coords["tp"]))
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
     state = optimizer_init(params, train)
@@ -154,10 +169,14 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
             ledger.alloc(f"opt:{key}:{n}", state[key][n], "master" if key == "master" else "optimizer")
     scaler = loss_scaler(model, train)  # fp16 only
     executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
-    differ = [c for c in (pp, mesh.ep) if c.size > 1]  # stages and experts differ; dense sums agree
+    # stages, experts and tp shards differ; the dense sums agree
+    differ = [c for c in (pp, mesh.ep, mesh.tp) if c.size > 1]
     scales, skipped_steps = [], []
-    start_step = 0 if resume is None else resume_from(resume, model, train, params, state, mesh.coords,
-                                                      scaler, m)
+    start_step = 0 if resume is None else resume_from(
+        resume, model, train, params, state, mesh.coords, scaler, m,
+        arrays=checkpoint_arrays(model, params, state, mesh, saving=False))
+    # applied to this rank's part of the sequence only (the MoE blocks' experts are not)
+    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
@@ -177,6 +196,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
             with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
                 loss, grads = executor.step(params, mbs, step=step, seed=train.seed, normalizer=B * T,
                                             dloss=scale)
+            reduce_grads(grads, sp_names, mesh.tp, "sp.replicated_grads:bwd")
             reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep ranks
             reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
             skip = False
@@ -194,7 +214,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
         if on_step is not None:
             on_step(run.steps[-1])
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
-            checkpoint.save_training(save, step + 1, checkpoint_arrays(params, state, mesh.coords, True),
+            checkpoint.save_training(save, step + 1, checkpoint_arrays(model, params, state, mesh, True),
                                      model, train, mesh.sizes, "moe pipeline", world,
                                      moe_microbatches=m, **saved_position(state, scaler))
     run.totals = tracer.totals() if tracer else {}  # before the timeline gather adds its own
@@ -203,3 +223,48 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     run.measured = executor.measured_timeline()
     run.simulated = executor.simulated_timeline(run.measured)
     return run
+
+
+def data_group(mesh):
+    """This stage's dp x ep data ranks of this rank's tp coordinate, in batch order: world ranks are
+    laid (pp, dp, ep, cp, tp), so within one (pp, tp) pair the world rank order is
+    d = dp rank * ep + ep rank. The routing exchange and the dense sums run over it."""
+    color = mesh.coords["pp"] * mesh.sizes["tp"] + mesh.coords["tp"]
+    return mesh.world.split(color, key=mesh.world.rank, axis="data")
+
+
+def checkpoint_arrays(model: ModelConfig, params: dict, state: dict, mesh, saving: bool) -> list:
+    """(checkpoint.Piece, view) of what this rank holds: expert_parallel_run's whole tensors without
+    tp; with tp its tp shards as boxes of the global tensors (tp_param_slices, experts included),
+    their AdamW moments and fp32 masters. Saving writes each element once: dense tensors from
+    dp = ep = 0 (wte from pp rank 0), experts from dp = 0, and what every tp rank holds whole from
+    tp rank 0."""
+    co = mesh.coords
+    if mesh.sizes["tp"] == 1:
+        return expert_parallel_checkpoint_arrays(params, state, co, saving)
+    slices = tp_param_slices(model, mesh.sizes["tp"], co["tp"])
+
+    def writes(n: str) -> bool:
+        if n not in slices and co["tp"]:
+            return False
+        if ".mlp.experts." in n:
+            return co["dp"] == 0
+        return co["dp"] == co["ep"] == 0 and not (n == "wte.weight" and co["pp"])
+
+    held = [("params", params)] + [(f"adamw.{k}", state[k]) for k in ("m", "v") if k in state]
+    held += [("master", state["master"])] if "master" in state else []
+    out = []
+    for prefix, arrays in held:
+        for n, a in arrays.items():
+            if not saving or writes(n):
+                axis, index = slices.get(n, (None, None))
+                out += checkpoint.shard_pieces(f"{prefix}/{n}", np.reshape(a, -1, copy=False),
+                                               a.shape, 0, axis, index)
+    return out
+
+
+def full_params(run: MoEPipelineRun, model: ModelConfig, mesh) -> dict:
+    """This rank's stages' dense weights and its experts, whole over tp (for the comparison with
+    one device; traced as ":check")."""
+    local = {n: backend.to_host(p) for n, p in run.params.items()}
+    return gather_params_tp(local, model, mesh.tp if mesh.sizes["tp"] > 1 else None)

@@ -22,19 +22,34 @@ j, T sequence) the rank at pp rank r does the above for the MoE layers of its st
 stage's D data ranks, with the dense gradients of its stages only; and on pp: (2v - [r = 0] -
 [r = p-1]) activations or input gradients of (b_j, T, C) each way per microbatch, wte (V, C)
 all-reduced by the first and the last rank, and the three loss numbers.
+
+With tp (t ranks, refpar/parallel/expert_tensor_parallel.py) a rank holds tp shards: the dense
+weights as tensor_parallel.tp_param_slices cuts them, each expert's c_fc and c_proj.weight divided
+by t (c_proj.bias whole), so every count of elements above (gradients, wte, memory) is of those
+shards. Routing, all-to-alls and the data ranks' sums are the same as without tp (each tp rank
+routes all its stage's tokens). On tp, per microbatch j and stage: the engine's tensor-parallel
+calls of attention, embedding and head over b_j rows (analysis.intra_layer; the dense MLP's calls
+left out of MoE blocks), and per MoE layer an all-reduce of the (Q, C) expert buffer forward and
+one backward, Q = the rows this rank's experts receive (sum over its ep group of K[d', e] over
+its own experts); under sp two all-gathers of (b_j, T, C) around the layer, activations on pp of
+(b_j, Tl, C), and one all-reduce per step of the sequence-sharded parameters' gradients.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
+from refpar.analysis.intra_layer import RankShape, _tp_calls
 from refpar.comm import cost
 from refpar.model.gpt import param_shapes
 from refpar.model.moe import capacity, expert_param_shapes, expert_prefix
-from refpar.parallel.pipeline.stage import stage_param_names
-from refpar.sharding import shard_range
+from refpar.parallel.pipeline.stage import stage_layers, stage_param_names
+from refpar.parallel.sequence_parallel import sequence_parallel_param_names
+from refpar.parallel.tensor_parallel import tp_param_slices
+from refpar.sharding import shard_range, shard_sizes
 
 
 def _owned(n_experts: int, ep: int, q: int) -> list[int]:
@@ -146,13 +161,19 @@ def model_state_bytes(config, ep: int, ep_rank: int, optimizer: str, microbatche
 # ------------------------------------------------------------------- MoE in pipeline stages
 def rank_param_numels(config, sizes: dict[str, int], coords: dict[str, int], chunks: int = 1
                       ) -> dict[str, int]:
-    """Elements of each parameter the rank at `coords` holds in a pp x dp x ep run: its stages'
-    dense weights whole and, of their MoE blocks, the experts of its ep rank."""
+    """Elements of each parameter the rank at `coords` holds in a pp x dp x ep x tp run: of its
+    stages' dense weights and, of their MoE blocks, of the experts of its ep rank, the tp shards."""
     p, ep = sizes.get("pp", 1), sizes.get("ep", 1)
     names = {n for c in range(chunks) for n in stage_param_names(config, p * chunks, c * p + coords["pp"])}
     mine = tuple(expert_prefix(i, e) + "." for i in config.moe_blocks
                  for e in _owned(config.moe_experts, ep, coords["ep"]))
-    return {n: math.prod(s) for n, s in param_shapes(config).items()
+    slices = tp_param_slices(config, sizes.get("tp", 1), coords.get("tp", 0))
+
+    def numel(n, shape):
+        axis, index = slices.get(n, (None, None))
+        return math.prod(shape) if axis is None else math.prod(shape) // shape[axis] * len(index)
+
+    return {n: numel(n, s) for n, s in param_shapes(config).items()
             if n in names and (".mlp.experts." not in n or n.startswith(mine))}
 
 
@@ -170,12 +191,12 @@ def pipeline_state_bytes(config, sizes: dict[str, int], coords: dict[str, int], 
 
 def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
                              rows: list[int], seq_len: int, kept_by_microbatch: list[list],
-                             grad_itemsize: int | None = None) -> dict:
+                             grad_itemsize: int | None = None, sp: bool = False) -> dict:
     """{(axis, op): Bytes} of one step of a MoE pipeline on the rank at `coords`; `rows` its b_j,
     `kept_by_microbatch[j]` the (D, E) kept counts of each MoE layer of its stages in microbatch j.
     Gradients move in their dtype (`grad_itemsize`, default the model's); fp16 adds the overflow
-    flag (one float32) over pp and over ep, the axes whose ranks hold different gradients."""
-    p, dp, ep = sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("ep", 1)
+    flag (one float32) over pp, ep and tp, the axes whose ranks hold different gradients."""
+    p, dp, ep, t = sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("ep", 1), sizes.get("tp", 1)
     r, n_data, data_rank = coords["pp"], dp * ep, coords["dp"] * ep + coords["ep"]
     e = np.dtype(config.dtype).itemsize
     g = grad_itemsize or e
@@ -189,8 +210,13 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
     for kept in (k for layers in kept_by_microbatch for k in layers):
         add(("data", "all_gather"), counts_all_gather_bytes(config, n_data, data_rank))
         add(("ep", "all_to_all"), all_to_all_bytes(kept, ep, data_rank, config.n_embd, e))
+    if t > 1:
+        for key, b in tensor_parallel_step_bytes(config, sizes, coords, chunks, rows, seq_len,
+                                                 kept_by_microbatch, g, sp).items():
+            add(key, b)
     if p > 1:
-        p2p = (2 * chunks - (r == 0) - (r == p - 1)) * sum(rows) * seq_len * config.n_embd * e
+        Tl = shard_sizes(seq_len, t)[coords.get("tp", 0)] if sp else seq_len
+        p2p = (2 * chunks - (r == 0) - (r == p - 1)) * sum(rows) * Tl * config.n_embd * e
         add(("pp", "isend"), cost.Bytes(p2p, 0))
         add(("pp", "irecv"), cost.Bytes(0, p2p))
         if r in (0, p - 1):
@@ -204,7 +230,56 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
         add(("dp", "all_reduce"), cost.all_reduce_bytes(experts, dp, coords["dp"], g))
     add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data, data_rank, 8))  # the losses
     if config.dtype == "float16":  # the overflow flag
-        for axis, size in (("pp", p), ("ep", ep)):
+        for axis, size in (("pp", p), ("ep", ep), ("tp", t)):
             if size > 1:
                 add((axis, "all_reduce"), cost.all_reduce_bytes(1, size, coords[axis], 4))
+    return out
+
+
+def expert_rows(kept, ep: int, data_rank: int) -> int:
+    """Q: the rows data rank `data_rank`'s experts receive in one MoE layer (its own included), from
+    the layer's (D, E) kept counts: the expert buffer that tensor parallelism all-reduces."""
+    kept = np.asarray(kept)
+    q = data_rank % ep
+    return int(kept[data_rank - q:data_rank - q + ep, _owned(kept.shape[1], ep, q)].sum())
+
+
+def tensor_parallel_step_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
+                               rows: list[int], seq_len: int, kept_by_microbatch: list[list],
+                               grad_itemsize: int, sp: bool = False) -> dict:
+    """{(axis, op): Bytes} on tp of one step of a MoE run with tp (module docstring): the dense
+    pieces as analysis.intra_layer counts them (every stage's blocks, the embedding on the first,
+    the head on the last), the MoE layers' expert buffers and sp gathers, sp's gradient sum."""
+    p, ep, t, k = sizes.get("pp", 1), sizes.get("ep", 1), sizes["tp"], coords["tp"]
+    S, C, e = p * chunks, config.n_embd, np.dtype(config.dtype).itemsize
+    data_rank = coords["dp"] * ep + coords["ep"]
+    Tl = shard_sizes(seq_len, t)[k] if sp else seq_len
+    out = {}
+
+    def add(key, b):
+        old = out.get(key, cost.Bytes(0, 0))
+        out[key] = cost.Bytes(old.sent + b.sent, old.recv + b.recv)
+
+    for s in (c * p + coords["pp"] for c in range(chunks)):
+        layers = list(stage_layers(config.n_layer, S, s))
+        moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in config.moe_blocks)
+        blocks = replace(config, n_layer=len(layers), moe_experts=0, moe_layers=None)
+        for b in rows:
+            shape = RankShape(B=b, T=seq_len, Ta=seq_len, Tl=Tl, t=t, c=1, nh=config.n_head // t,
+                              V=shard_sizes(config.vocab_size, t)[k], e=e, cp_tokens=(seq_len,), cp_rank=0)
+            for call in _tp_calls(blocks, shape, sp, k):
+                if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and s != 0)
+                        or (call.tag.startswith("lm_head") and s != S - 1)):
+                    add(("tp", call.op), cost.Bytes(call.bytes_sent, call.bytes_recv))
+    for j, layers in enumerate(kept_by_microbatch):  # empty when this rank's stages hold no MoE block
+        for kept in layers:
+            buffer = cost.all_reduce_bytes(expert_rows(kept, ep, data_rank) * C, t, k, e)
+            add(("tp", "all_reduce"), cost.Bytes(2 * buffer.sent, 2 * buffer.recv))  # g fwd, f bwd
+            if sp:  # the sequence gathered before the router, and its gradient before the backward
+                gather = cost.all_gather_bytes(shard_sizes(seq_len, t), k, e, rows[j] * C)
+                add(("tp", "all_gather"), cost.Bytes(2 * gather.sent, 2 * gather.recv))
+    if sp:
+        numels = rank_param_numels(config, sizes, coords, chunks)
+        n = sum(numels[name] for name in sequence_parallel_param_names(config) if name in numels)
+        add(("tp", "all_reduce"), cost.all_reduce_bytes(n, t, k, grad_itemsize))
     return out

@@ -3,9 +3,10 @@
     mpiexec -n 4 refpar train --mesh ep=4 --moe-experts 4 --moe-topk 2 --capacity-factor 1.0 --check
     mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --moe-topk 1 --dropless --json
     mpiexec -n 8 refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --microbatches 2 --check
+    mpiexec -n 4 refpar train --mesh ep=2,tp=2 --sp --moe-experts 4 --check
 
 `refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`: over
-dp x ep to refpar/parallel/expert_parallel_run.py, with pp to refpar/engine_moe.py. Besides the
+dp x ep to refpar/parallel/expert_parallel_run.py, with pp or tp to refpar/engine_moe.py. Besides the
 usual report it prints, per step, the router losses, the dropped assignments and how many
 assignments each expert kept (with pp: the routing of every block after the run); `--json` adds
 them under "moe". With --microbatches M each microbatch routes on its own tokens (refpar/model/moe.py).
@@ -19,7 +20,8 @@ import numpy as np
 
 STATE_KEYS = ("params", "grads", "master", "optimizer")  # the categories with closed forms in MoE runs
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"),
-             ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"))
+             ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"),
+             ("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,21 +59,24 @@ def model_overrides(args) -> dict:
 
 
 # Options of the other strategies' runners (their defaults mean "not asked for"): a MoE run takes
-# none of them, and says so rather than ignore one; --schedule and --chunks only with pp.
+# none of them, and says so rather than ignore one; --schedule and --chunks only with pp, --sp only
+# with tp.
 OTHER_OPTIONS = {"zero": 0, "fsdp": False, "sp": False, "cp_algo": None, "schedule": None,
                  "chunks": None, "overlap": False, "bucket_kb": None, "prefetch": False}
 
 
-def check_options(args, pipelined: bool = False) -> None:
+def check_options(args, pipelined: bool = False, tensor_parallel: bool = False) -> None:
     from refpar.config import ConfigError
 
     for name, default in OTHER_OPTIONS.items():
         value = getattr(args, name, default)
-        if value != default and not (pipelined and name in ("schedule", "chunks")):
+        if value != default and not (pipelined and name in ("schedule", "chunks")
+                                     or tensor_parallel and name == "sp"):
             flag = "--" + name.replace("_", "-")
-            hint = " or add pp=2 or more to --mesh" if name in ("schedule", "chunks") else ""
-            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over pp, dp and ep "
-                              f"only, so drop {flag}{hint}")
+            hint = {"schedule": " or add pp=2 or more to --mesh", "chunks": " or add pp=2 or more to --mesh",
+                    "sp": " or add tp=2 or more to --mesh"}.get(name, "")
+            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over pp, dp, ep "
+                              f"and tp only, so drop {flag}{hint}")
 
 
 def _rel(a, b) -> float:
@@ -102,7 +107,7 @@ def run_cli(model, train, sizes, args) -> int:
     from refpar.analysis import moe as moe_analysis
     from refpar.comm.communicator import world
     from refpar.comm.trace import Tracer, write_trace
-    from refpar.engine_moe import MoEPipelineOptions, run_moe_pipeline, validate
+    from refpar.engine_moe import MoEPipelineOptions, full_params, run_moe_pipeline, validate
     from refpar.mesh import DeviceMesh
     from refpar.model.moe import capacity
     from refpar.parallel.expert_parallel import owned_experts
@@ -111,13 +116,14 @@ def run_cli(model, train, sizes, args) -> int:
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for
 
-    m, pipelined = args.microbatches, sizes["pp"] > 1
-    check_options(args, pipelined)
+    m, pipelined, t = args.microbatches, sizes["pp"] > 1, sizes.get("tp", 1)
+    staged = pipelined or t > 1  # engine_moe's stages: pipeline stages, tensor-parallel pieces
+    check_options(args, pipelined, t > 1)
     opts = None
-    if pipelined:
+    if staged:
         kind = args.schedule or "1f1b"
         v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
-        opts = MoEPipelineOptions(kind, m, v)
+        opts = MoEPipelineOptions(kind, m, v, sp=bool(getattr(args, "sp", False)))
         validate(model, train, sizes, opts)
     else:
         check_run(model, train, sizes, m)
@@ -140,6 +146,9 @@ def run_cli(model, train, sizes, args) -> int:
     say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
         f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
         + " ".join(f"{list(owned_experts(model.moe_experts, ep, q))}" for q in range(ep)))
+    if t > 1:
+        say(f"tensor parallelism over tp={t}{' with sequence parallelism' if opts.sp else ''}: each "
+            f"expert's c_fc split by columns and c_proj by rows; routing replicated over tp")
     if pipelined:
         say(f"pipeline: {opts.schedule} over pp={sizes['pp']} with {opts.chunks} chunk(s) per rank, "
             f"{m} microbatches; each stage's dp x ep ranks route its MoE blocks")
@@ -153,7 +162,7 @@ def run_cli(model, train, sizes, args) -> int:
         say(f"{s.step + 1:>5} {s.loss:>8.4f} {s.aux_loss:>7.4f} {s.z_loss:>7.4f}{tail}")
 
     saving = {"save": args.save, "save_every": args.save_every, "resume": args.resume}
-    if pipelined:
+    if staged:
         run = run_moe_pipeline(model, train, mesh, opts, on_step=row, **saving)
         totals = run.totals
     else:
@@ -172,7 +181,8 @@ def run_cli(model, train, sizes, args) -> int:
         ref = reference_run(model, train, microbatches=m)
         ref_steps = ref.steps[run.first_step:]  # a resumed run has only the steps after its checkpoint
         loss_diff = max(abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(run.steps, ref_steps, strict=True))
-        local_diff = max(_rel(p, ref.params[n]) for n, p in run.params.items())
+        mine = full_params(run, model, mesh) if staged else run.params  # whole over tp
+        local_diff = max(_rel(p, ref.params[n]) for n, p in mine.items())
         param_diff = float(comm.all_reduce(np.array([local_diff]), op="max")[0])
         same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                    for s, r in zip(run.steps, ref_steps, strict=True))
@@ -185,10 +195,11 @@ def run_cli(model, train, sizes, args) -> int:
 
     expected: dict = {}
     for s in run.steps:
-        if pipelined:
+        if staged:
             step_bytes = moe_analysis.pipeline_step_comm_bytes(
                 model, mesh.sizes, mesh.coords, opts.chunks, run.rows, train.seq_len,
-                [list(k.values()) for k in s.microbatch_kept_counts], 4 if train.fp32_grads else None)
+                [list(k.values()) for k in s.microbatch_kept_counts], 4 if train.fp32_grads else None,
+                opts.sp)
         else:
             step_bytes = moe_analysis.step_comm_bytes(
                 model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()],
@@ -198,7 +209,7 @@ def run_cli(model, train, sizes, args) -> int:
             expected[key] = (old[0] + b.sent, old[1] + b.recv)
     mine = np.array([[*totals.get(k, (0, 0)), *expected.get(k, (0, 0))] for k in COMM_KEYS])
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
-    if pipelined:
+    if staged:
         states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, opts.chunks,
                                                    train.optimizer, train.fp32_grads)
     else:
@@ -222,9 +233,11 @@ def run_cli(model, train, sizes, args) -> int:
     n_data = mesh.sizes["dp"] * ep
     uniform = len(blocks) * m * moe_analysis.expected_all_to_all_bytes(
         model, tokens // n_data, n_data, ep, np.dtype(model.dtype).itemsize)
-    # the data ranks of one stage (all ranks without pp) between them run every block once
-    measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].sum() / (len(run.steps) * n_data)
-    what = "per data rank and step, every MoE block" if pipelined else "per rank and step"
+    # the data ranks of one stage (all ranks without pp) of each tp coordinate between them run
+    # every block once
+    measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].sum() / (
+        len(run.steps) * n_data * mesh.sizes["tp"])
+    what = "per data rank and step, every MoE block" if staged else "per rank and step"
     say(f"ep all-to-all {what}: {measured:,.0f} bytes; uniform routing would send {uniform:,.0f}")
     memory_rows = [[{"rank": r, "category": c, "bytes": int(memory[r, i, j])}
                     for r in range(comm.size) for i, c in enumerate(STATE_KEYS)] for j in (0, 1)]

@@ -95,6 +95,15 @@ class ExpertParallelMoE:
         self.group_base = data.rank - ep.rank  # data rank of this ep group's first member
         self.last_routing: dict[int, dict] = {}
 
+    def experts_forward(self, xe, rows_per_expert, params, layer):
+        """This rank's experts on their rows, xe (Q, C) grouped by expert -> (Q, C); expert tensor
+        parallelism (refpar/parallel/expert_tensor_parallel.py) splits each expert over tp here."""
+        return moe.experts_forward(xe, rows_per_expert, params, layer, self.local)
+
+    def experts_backward(self, dye, ecache):
+        """(Q, C) -> (dxe (Q, C), the local experts' gradients by name)."""
+        return moe.experts_backward(dye, ecache)
+
     def _exchange(self, layer):
         def gather(counts):  # (k, E) -> (D, k, E)
             return self.data.all_gather(counts[None, ...], tag=f"h.{layer}.mlp.router:counts")
@@ -117,8 +126,8 @@ class ExpertParallelMoE:
         got = self.ep.all_to_all(_split_rows(xbuf, send), tag=f"{tag}:dispatch",
                                  recv_counts=rows_in)  # S x (., C)
         xe = _expert_major(got, recv)  # (Q, C)
-        ye, ecache = moe.experts_forward(xe, [int(c) for c in recv.sum(axis=0)], params, layer,
-                                         self.local)  # (Q, C)
+        ye, ecache = self.experts_forward(xe, [int(c) for c in recv.sum(axis=0)], params,
+                                          layer)  # (Q, C)
         back = self.ep.all_to_all(_source_major(ye, recv), tag=f"{tag}:combine",
                                   recv_counts=send)  # S x (., C)
         out, pad = moe.combine(xp.concat(back, axis=0), routing)  # (N, C)
@@ -135,7 +144,7 @@ class ExpertParallelMoE:
         dybuf, dgates = moe.combine_backward(dout2, cache["pad"], routing)  # (R, C), (N, k)
         got = self.ep.all_to_all(_split_rows(dybuf, send), tag=f"{tag}:combine:bwd",
                                  recv_counts=[int(c) for c in recv.sum(axis=1)])
-        dxe, grads = moe.experts_backward(_expert_major(got, recv), cache["experts"])  # (Q, C)
+        dxe, grads = self.experts_backward(_expert_major(got, recv), cache["experts"])  # (Q, C)
         back = self.ep.all_to_all(_source_major(dxe, recv), tag=f"{tag}:dispatch:bwd",
                                   recv_counts=send)
         dx2 = moe.dispatch_backward(xp.concat(back, axis=0), routing)  # (N, C)

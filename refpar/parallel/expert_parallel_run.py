@@ -142,11 +142,13 @@ def checkpoint_arrays(params: dict, state: dict, coords: dict, saving: bool) -> 
 
 
 def resume_from(path: str, model, train, params: dict, state: dict, coords: dict, scaler=None,
-                microbatches: int = 1) -> int:
+                microbatches: int = 1, arrays: list | None = None) -> int:
     """Loads this rank's tensors from the checkpoint `path` (any mesh's) into `params` and `state`
     in place (and the fp16 `scaler`'s state); returns the step it was saved after. The checkpoint
     must have routed its tokens in the same number of `microbatches` (checkpoints without the
-    record were written before MoE runs had microbatches: one)."""
+    record were written before MoE runs had microbatches: one). `arrays`: the (Piece, view) pairs
+    to load into, when this rank holds tp shards (engine_moe.checkpoint_arrays); default its whole
+    tensors."""
     from refpar.parallel.intra_layer_runner import resumed_position
 
     manifest = checkpoint.open_training(path, model, train)
@@ -156,7 +158,7 @@ def resume_from(path: str, model, train, params: dict, state: dict, coords: dict
             f"checkpoint {manifest['dir']} routed its tokens in {saved} microbatches per step and this "
             f"run in {microbatches}; resume with --microbatches {saved} (capacity and router losses "
             "are per microbatch)")
-    pairs = checkpoint_arrays(params, state, coords, saving=False)
+    pairs = arrays if arrays is not None else checkpoint_arrays(params, state, coords, saving=False)
     for (_, a), loaded in zip(pairs, checkpoint.load(path, [p for p, _ in pairs], manifest), strict=True):
         a[...] = loaded
     step, state["t"] = resumed_position(manifest, scaler)

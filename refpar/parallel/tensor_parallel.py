@@ -23,6 +23,9 @@ Weights a rank holds (GPT-2 Conv1D layout weight[in, out]); all others are repli
     h.i.attn.c_proj.w     rows of heads [h0, h1)                    (C/t, C)
     h.i.mlp.c_fc          columns shard_range(4C, t, rank)          (C, 4C/t), (4C/t,)
     h.i.mlp.c_proj.w      rows shard_range(4C, t, rank)             (4C/t, C)
+In MoE blocks each expert is such an MLP (Megatron-LM's expert tensor parallelism, expert tp size
+= t): h.i.mlp.experts.e.c_fc by columns, its c_proj.weight by rows, c_proj.bias whole
+(refpar/parallel/expert_tensor_parallel.py); the router stays whole.
 The vocabulary is split unevenly with shard_range rather than padded: every logit a rank computes is
 a real vocabulary entry, so the max, the sum of exponentials and the target logit reduce over exactly
 the single device's V entries and there is nothing to mask.
@@ -160,9 +163,12 @@ def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[i
         slices |= {
             f"h.{i}.attn.c_attn.weight": (1, qkv_cols), f"h.{i}.attn.c_attn.bias": (0, qkv_cols),
             f"h.{i}.attn.c_proj.weight": (0, head_cols),
-            f"h.{i}.mlp.c_fc.weight": (1, fc), f"h.{i}.mlp.c_fc.bias": (0, fc),
-            f"h.{i}.mlp.c_proj.weight": (0, fc),
         }
+        # an MoE block's MLP is its experts, each split like the dense MLP
+        mlps = ([f"h.{i}.mlp.experts.{e}." for e in range(config.moe_experts)]
+                if i in config.moe_blocks else [f"h.{i}.mlp."])
+        for p in mlps:
+            slices |= {p + "c_fc.weight": (1, fc), p + "c_fc.bias": (0, fc), p + "c_proj.weight": (0, fc)}
     return slices
 
 

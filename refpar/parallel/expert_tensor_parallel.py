@@ -1,0 +1,128 @@
+"""Expert tensor parallelism: each expert a tensor-parallel MLP over `tp` (Megatron-LM's classic
+layout, expert tp size = tp), the routing replicated over tp.
+
+    mpiexec -n 4 python -m refpar train --mesh ep=2,tp=2 --moe-experts 4 --moe-topk 2 --check
+    mpiexec -n 4 python -m refpar train --mesh ep=2,tp=2 --sp --moe-experts 4 --check
+
+Legend: B rows, T sequence, Tl this rank's residual tokens (T, or shard_range(T, t, rank) under
+sp), C channels, H = 4C an expert's hidden width, t tp size, Q rows this rank's experts receive.
+
+The MoE layer runs replicated over tp OUTSIDE the experts: the router, the routing exchange over
+the data ranks of this tp coordinate, dispatch, the ep all-to-alls (ranks of this tp coordinate)
+and combine see the same tokens on every tp rank, so they are one computation done t times and
+their gradients (the router's) are the same on every tp rank, with nothing to sum. Under plain tp
+the residual stream is already replicated; under sp the layer all-gathers the sequence over tp
+before the router and keeps this rank's part after combine; backward all-gathers dout and keeps
+its part of dx (the replicated backward computes the whole dx on every rank, so no sum).
+
+Inside, the expert buffer (Q, C) is a tensor-parallel region of its own, entered and left through
+Megatron's pair (refpar/parallel/tensor_parallel.py):
+
+    f  copy_to_tp      on the buffer's rows     identity forward | all-reduce backward
+       c_fc            columns shard_range(H, t, rank) of every expert: (Q_e, H/t)
+       c_proj          rows of the same range: a partial (Q_e, C)
+    g  reduce_from_tp  on the partial outputs   all-reduce forward | identity backward
+       + c_proj.bias   whole, once
+
+So per MoE layer and microbatch: one all-reduce of (Q, C) forward (all local experts at once), one
+backward, and under sp two all-gathers of (B, T, C). c_fc's and c_proj.weight's gradients are this
+rank's shard (never summed over tp); c_proj.bias's is the same on every tp rank.
+"""
+
+from __future__ import annotations
+
+from array_api_compat import array_namespace
+
+from refpar.model import moe
+from refpar.model.layers import gelu_backward, gelu_forward, linear_backward, linear_forward
+from refpar.parallel.expert_parallel import ExpertParallelMoE
+from refpar.parallel.sequence_parallel import gather_from_sp
+from refpar.parallel.tensor_parallel import (
+    compute,
+    copy_to_tp,
+    copy_to_tp_backward,
+    reduce_from_tp,
+    reduce_from_tp_backward,
+    rounded,
+)
+
+
+def tensor_parallel_experts_forward(xe, rows_per_expert, params, layer: int, experts, tp):
+    """xe (Q, C) grouped by expert, the same on every tp rank -> (Q, C), the same on every tp rank."""
+    xp = array_namespace(xe)
+    tag = f"h.{layer}.mlp.experts"
+    xa = copy_to_tp(xe, tp, f"{tag}.c_fc:fwd")  # f: (Q, C)
+    partials, caches, start = [], [], 0
+    for e, n in zip(experts, rows_per_expert, strict=True):
+        p = moe.expert_prefix(layer, e)
+        h, c1 = linear_forward(xa[start:start + n, ...], params[f"{p}.c_fc.weight"],
+                               params[f"{p}.c_fc.bias"])  # (n_e, H/t)
+        a, c2 = gelu_forward(h)  # (n_e, H/t)
+        part, c3 = linear_forward(a, params[f"{p}.c_proj.weight"], None)  # (n_e, C), partial over t
+        partials.append(part)
+        caches.append((p, n, c1, c2, (c3[0], c3[1], True)))  # c_proj's bias: its backward sums dy
+        start += n
+    y = reduce_from_tp(xp.concat(partials, axis=0), tp, f"{tag}.c_proj:fwd")  # g: (Q, C), summed
+    outs, start = [], 0
+    for p, n, *_ in caches:
+        b = params[f"{p}.c_proj.bias"]
+        outs.append(rounded(compute(y[start:start + n, ...]) + compute(b), y.dtype))  # (n_e, C)
+        start += n
+    return xp.concat(outs, axis=0), (caches, tp, tag)  # (Q, C)
+
+
+def tensor_parallel_experts_backward(dye, cache):
+    """dye (Q, C), the same on every tp rank -> (dxe (Q, C) summed over tp, this rank's shards of
+    the experts' gradients)."""
+    xp = array_namespace(dye)
+    caches, tp, tag = cache
+    dy = reduce_from_tp_backward(dye, tp, f"{tag}.c_proj:bwd")  # g backward: (Q, C)
+    dxs, grads, start = [], {}, 0
+    for p, n, c1, c2, c3 in caches:
+        da, grads[f"{p}.c_proj.weight"], grads[f"{p}.c_proj.bias"] = linear_backward(
+            dy[start:start + n, ...], c3)  # (n_e, H/t); (H/t, C), (C,)
+        dh = gelu_backward(da, c2)  # (n_e, H/t)
+        dx, grads[f"{p}.c_fc.weight"], grads[f"{p}.c_fc.bias"] = linear_backward(dh, c1)  # (n_e, C)
+        dxs.append(dx)  # (n_e, C), partial over t
+        start += n
+    dxe = copy_to_tp_backward(xp.concat(dxs, axis=0), tp, f"{tag}.c_fc:bwd")  # f backward: (Q, C)
+    return dxe, grads
+
+
+class TensorParallelExpertMoE(ExpertParallelMoE):
+    """ExpertParallelMoE whose experts are tensor-parallel over `lay.tp` (lay: the stage's
+    tensor_parallel.Layout); with `sp` the layer gathers the sequence over tp around itself.
+    `data` and `ep` are the communicators of this rank's tp coordinate."""
+
+    def __init__(self, data, ep, config, lay, sp: bool = False, weight: float = 1.0,
+                 grad_scale: float = 1.0):
+        super().__init__(data, ep, config, weight, grad_scale)
+        self.lay, self.sp = lay, sp
+
+    def forward(self, x, params, layer, config):
+        """x (B, Tl, C) -> (B, Tl, C)."""
+        if self.sp:
+            x = gather_from_sp(x, self.lay.tp, f"h.{layer}.mlp.moe:fwd", self.lay.seq_len)  # (B, T, C)
+        out, cache = super().forward(x, params, layer, config)  # (B, T, C) under sp
+        return self._mine(out), cache
+
+    def backward(self, dout, cache):
+        if self.sp:  # the replicated backward needs the whole sequence's output gradient
+            dout = gather_from_sp(dout, self.lay.tp, f"h.{cache['layer']}.mlp.moe:bwd",
+                                  self.lay.seq_len)  # (B, T, C)
+        dx, grads = super().backward(dout, cache)  # (B, T, C) under sp: whole on every tp rank
+        return self._mine(dx), grads
+
+    def _mine(self, x):
+        """(B, T, C) -> (B, Tl, C): this rank's part of the sequence under sp; x itself otherwise."""
+        if not self.sp:
+            return x
+        lo, hi = int(self.lay.resid_pos[0]), int(self.lay.resid_pos[-1]) + 1
+        return x[:, lo:hi, ...]
+
+    def experts_forward(self, xe, rows_per_expert, params, layer):
+        return tensor_parallel_experts_forward(xe, rows_per_expert, params, layer, self.local,
+                                               self.lay.tp)
+
+    def experts_backward(self, dye, ecache):
+        return tensor_parallel_experts_backward(dye, ecache)
