@@ -208,7 +208,8 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
             params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
             mine = [routings[tuple(i)] for i in ids if tuple(i) in routings]  # microbatch order
             aux, z = router_shares(mine)  # this rank's shares; the loss counts them too
-            shares = pp.all_reduce(np.array([loss + aux + z, aux, z]), tag="loss.pp:report")
+            shares = np.array([loss + aux + z, aux, z])  # over pp when there are stages to sum
+            shares = pp.all_reduce(shares, tag="loss.pp:report") if pp.size > 1 else shares
             totals = data.all_reduce(shares, tag="loss")
         run.steps.append(step_record(step, loss, mine, start, totals))
         if on_step is not None:

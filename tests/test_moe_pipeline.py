@@ -114,7 +114,7 @@ def test_one_microbatch_is_the_global_batch_and_dropless_unweighted_microbatches
      "--microbatches 3 does not divide --batch-size 8"),
     ({"pp": 2, "dp": 2, "ep": 2}, MoEPipelineOptions("1f1b", 4), {},
      "--batch-size 8 in 4 microbatches leaves 2 sequences per microbatch for dp x ep = 4 ranks"),
-    ({"pp": 2, "tp": 2}, MoEPipelineOptions(), {}, "drop tp=2"),
+    ({"pp": 2, "tp": 3}, MoEPipelineOptions(), {}, "tp=3 does not divide n_head=4"),
     ({"pp": 2, "ep": 8}, MoEPipelineOptions(), {}, "moe_experts=4 is fewer than ep=8"),
     ({"pp": 2}, MoEPipelineOptions("1f1b", 1, 2), {}, "chunks"),
 ])

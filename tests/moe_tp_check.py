@@ -1,0 +1,173 @@
+"""MoE with expert tensor parallelism (mesh pp x dp x ep x tp, and --sp), run under mpiexec by
+tests/test_moe_tp.py.
+
+    mpiexec -n 4 python tests/moe_tp_check.py /tmp/checkpoints
+
+Prints one JSON line per run from rank 0. Training runs: the largest loss and parameter (gathered
+over tp) differences from the single-device reference with the same microbatches, whether the
+aux losses and the routing statistics are the reference's, whether every step's traced bytes per
+(axis, op) and the params/grads/optimizer peaks equal the closed forms, and how many expert-buffer
+all-reduces each rank made per MoE layer and microbatch. Checkpoint runs: 4 steps on ep=2,tp=2
+--sp saved after step 2, resumed from there on the same mesh (compared exactly), on pp=2,tp=2, on
+ep=2 and on one process (each rank's loaded tensors compared exactly with the global ones).
+"""
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from refpar import checkpoint
+from refpar.analysis import moe as moe_analysis
+from refpar.comm.communicator import abort_on_error, world
+from refpar.comm.trace import Tracer
+from refpar.config import ModelConfig, TrainConfig, parse_mesh
+from refpar.engine_moe import MoEPipelineOptions, checkpoint_arrays, full_params, run_moe_pipeline
+from refpar.mesh import DeviceMesh
+from refpar.model.gpt import param_shapes
+from refpar.model.optim import optimizer_init
+from refpar.parallel.expert_parallel_run import local_params, reference_run, train_expert_parallel
+from refpar.parallel.pipeline.stage import stage_param_names
+from refpar.parallel.tensor_parallel import shard_params_tp
+
+MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
+                    moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
+TRAIN = TrainConfig(steps=3, batch_size=8, seq_len=8, lr=1e-2, seed=11)
+# (mesh, sp, schedule, microbatches, model changes)
+RUNS = [
+    ("ep=2,tp=2", False, "1f1b", 1, {}),
+    ("ep=2,tp=2", True, "1f1b", 2, {}),
+    ("pp=2,tp=2", True, "1f1b", 2, {"moe_top_k": 1}),
+    ("dp=2,tp=2", False, "1f1b", 2, {"moe_layers": (0, 3)}),
+]
+
+
+def rel(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+
+
+def all_ranks(comm, ok: bool) -> bool:
+    return bool(comm.all_reduce(np.array([int(ok)]), op="min")[0])
+
+
+def check_run(comm, mesh_text, sp, schedule, m, changes) -> dict:
+    model = replace(MODEL, **changes)
+    comm.tracer.clear()
+    mesh = DeviceMesh(comm, parse_mesh(mesh_text))
+    run = run_moe_pipeline(model, TRAIN, mesh, MoEPipelineOptions(schedule, m, 1, sp))
+    events = list(comm.tracer.events)
+    ref = reference_run(model, TRAIN, microbatches=m)
+    whole = full_params(run, model, mesh)
+    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in whole.items())]),
+                                       op="max")[0])
+    routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
+                       and s.tokens_per_expert == {i: r.tokens_per_expert[i] for i in s.tokens_per_expert}
+                       for s, r in zip(run.steps, ref.steps, strict=True))
+    bytes_ok = True
+    for s in run.steps:
+        traced = {}
+        for e in events:
+            if e.step == s.step:
+                sent, recv = traced.get((e.axis, e.op), (0, 0))
+                traced[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
+        expected = moe_analysis.pipeline_step_comm_bytes(
+            model, mesh.sizes, mesh.coords, 1, run.rows, TRAIN.seq_len,
+            [list(k.values()) for k in s.microbatch_kept_counts], sp=sp)
+        bytes_ok &= traced == {key: (b.sent, b.recv) for key, b in expected.items()}
+    states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, 1, TRAIN.optimizer)
+    memory_ok = {c: run.ledger.peak[c] for c in states} == states
+    # this rank's expert-buffer all-reduces and sp gathers per MoE layer it runs, microbatch and step
+    layers = len(run.steps[0].kept_counts) * m * TRAIN.steps
+    buffers = [sum(e.tag.endswith(f"experts.{t}") for e in events) / max(layers, 1)
+               for t in ("c_proj:fwd", "c_fc:bwd")]
+    gathers = sum(".mlp.moe:" in e.tag for e in events) / max(layers, 1)
+    return {
+        "run": f"{mesh_text}{' --sp' if sp else ''} {schedule} m={m} {changes}",
+        "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
+        "param_diff": param_diff,
+        "aux_diff": max(abs(a.aux_loss - b.aux_loss) / b.aux_loss
+                        for a, b in zip(run.steps, ref.steps, strict=True)),
+        "routing_same": all_ranks(comm, routing_same),
+        "dropped": [sum(s.dropped.values()) for s in ref.steps],
+        "bytes_ok": all_ranks(comm, bytes_ok),
+        "memory_ok": all_ranks(comm, memory_ok),
+        "buffer_all_reduces": comm.all_gather(np.array([buffers])).tolist(),
+        "sp_gathers": comm.all_gather(np.array([gathers])).tolist(),
+        "expert_param_ratio": expert_ratio(run.params, model),
+    }
+
+
+def expert_ratio(params: dict, model) -> float:
+    """Expert elements this rank holds over those of the same experts whole (tp slices them)."""
+    mine = {n: p for n, p in params.items() if ".mlp.experts." in n}
+    if not mine:
+        return 0.0
+    shapes = param_shapes(model)
+    return sum(p.size for p in mine.values()) / sum(int(np.prod(shapes[n])) for n in mine)
+
+
+def reassembles_exactly(mesh, path: Path, train_cfg) -> bool:
+    """Whether loading the checkpoint gives this rank of `mesh` exactly its slices of the saved
+    global tensors (read whole on one process): parameters and AdamW's m and v."""
+    names = stage_param_names(MODEL, mesh.sizes["pp"], mesh.coords["pp"])
+    shapes = param_shapes(MODEL)
+    mine = local_params({n: np.zeros(shapes[n]) for n in names}, MODEL, mesh.sizes["ep"], mesh.coords["ep"])
+    params = shard_params_tp(mine, MODEL, mesh.sizes["tp"], mesh.coords["tp"])
+    state = optimizer_init(params, train_cfg)
+    pairs = checkpoint_arrays(MODEL, params, state, mesh, saving=False)
+    for (_, view), loaded in zip(pairs, checkpoint.load(str(path), [p for p, _ in pairs]), strict=True):
+        view[...] = loaded
+    _, whole, moments = checkpoint.load_whole(str(path), MODEL, train_cfg)
+    cut = [shard_params_tp({n: whole_[n] for n in params}, MODEL, mesh.sizes["tp"], mesh.coords["tp"])
+           for whole_ in (whole, moments["m"], moments["v"])]
+    return all(np.array_equal(a[n], b[n]) for a, b in zip((params, state["m"], state["v"]), cut,
+                                                          strict=True) for n in params)
+
+
+def check_resumes(comm, root: Path) -> list[dict]:
+    train4 = replace(TRAIN, steps=4)
+    opts = MoEPipelineOptions("1f1b", 2, 1, sp=True)
+    path = root / "ep2_tp2_sp"
+    full = run_moe_pipeline(MODEL, train4, DeviceMesh(comm, parse_mesh("ep=2,tp=2")), opts,
+                            save=str(path), save_every=2)
+    saved = path / "step-00000002"
+    out = []
+    for mesh_b, sp in [("ep=2,tp=2", True), ("pp=2,tp=2", False), ("ep=2", False), ("1", False)]:
+        n = {"ep=2": 2, "1": 1}.get(mesh_b, comm.size)
+        group = comm if n == comm.size else comm.split(0 if comm.rank < n else None, key=comm.rank,
+                                                       axis="world")
+        if group is not None:
+            mesh = DeviceMesh(group, parse_mesh(mesh_b) if mesh_b != "1" else {})
+            exact_slices = reassembles_exactly(mesh, saved, train4)
+            if mesh.sizes["tp"] > 1 or mesh.sizes["pp"] > 1:
+                resumed = run_moe_pipeline(MODEL, train4, mesh, MoEPipelineOptions("1f1b", 2, 1, sp),
+                                           resume=str(saved))
+            else:
+                resumed = train_expert_parallel(MODEL, train4, mesh, microbatches=2, resume=str(saved))
+            same = mesh_b == "ep=2,tp=2" and resumed.losses == full.losses[2:] and all(
+                np.array_equal(p, full.params[k]) for k, p in resumed.params.items())
+            out.append({"resume": f"ep=2,tp=2 --sp -> {mesh_b}{' --sp' if sp else ''}",
+                        "first_step": resumed.first_step, "losses": resumed.losses,
+                        "uninterrupted": full.losses[2:], "exact": all_ranks(group, same),
+                        "reassembled": all_ranks(group, exact_slices)})
+        comm.barrier()
+    return out
+
+
+def main():
+    comm = world(Tracer(rank=None))
+    for run in RUNS:
+        result = check_run(comm, *run)
+        if comm.rank == 0:
+            print(json.dumps(result), flush=True)
+    for result in check_resumes(comm, Path(sys.argv[1])):
+        if comm.rank == 0:
+            print(json.dumps(result), flush=True)
+    comm.barrier()
+
+
+if __name__ == "__main__":
+    with abort_on_error():
+        main()

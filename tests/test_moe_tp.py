@@ -1,0 +1,110 @@
+"""MoE with expert tensor parallelism (mesh pp x dp x ep x tp, and --sp; refpar/engine_moe.py,
+refpar/parallel/expert_tensor_parallel.py) against the single device with the same microbatches."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from refpar.analysis import moe as moe_analysis
+from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.engine_moe import MoEPipelineOptions, validate
+from refpar.model.gpt import init_params
+from refpar.parallel.tensor_parallel import shard_params_tp, tp_param_slices
+from tests.mpi import ROOT, mpi_env, mpiexec
+
+TOLERANCE = 1e-10  # float64 after 3 AdamW steps (DESIGN.md, "Numerics")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    proc = mpiexec(4, "tests/moe_tp_check.py", str(tmp_path_factory.mktemp("moe_tp_ckpt")), timeout=300)
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for r in out:
+        print(r)
+    return out
+
+
+def test_moe_with_expert_tp_and_sp_matches_one_device_with_closed_form_bytes_and_memory(rows):
+    """ep=2 x tp=2 (one and two microbatches, with and without sp), pp=2 x tp=2 with sp (top-1) and
+    dp=2 x tp=2: losses, parameters gathered over tp, aux losses and the routing of every block
+    are the single device's with capacities that drop; each step's traced bytes per (axis, op) and
+    the params/grads/optimizer peaks equal the closed forms; every rank all-reduces its expert
+    buffer once forward and once backward per MoE layer and microbatch, and under sp gathers the
+    sequence twice; a rank holds 1/t of its experts' weights (c_proj.bias whole)."""
+    runs = [r for r in rows if "run" in r]
+    assert len(runs) == 4
+    C = 16
+    whole, half = 2 * C * 4 * C + 4 * C + C, 2 * C * 2 * C + 2 * C + C  # one expert, and its tp shard
+    for r in runs:
+        assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
+        assert r["aux_diff"] <= 1e-14 and r["routing_same"], r
+        assert r["bytes_ok"] and r["memory_ok"], r
+        assert min(r["dropped"]) > 0, r
+        assert r["buffer_all_reduces"] == [[1.0, 1.0]] * 4, r
+        assert r["sp_gathers"] == [2.0 if "--sp" in r["run"] else 0.0] * 4, r
+        assert r["expert_param_ratio"] == half / whole, r
+
+
+def test_moe_tp_checkpoints_resume_exactly_and_reshard_to_other_meshes(rows):
+    """Saved by ep=2,tp=2 --sp after 2 of 4 steps. On the same mesh: losses and parameters bit for
+    bit the uninterrupted run's. On pp=2,tp=2, ep=2 (whole experts) and one process: every rank
+    reassembles exactly its tp shards or whole tensors and AdamW moments, and the losses agree to
+    float64's rounding (the other mesh sums in another order)."""
+    resumes = [r for r in rows if "resume" in r]
+    assert [r["resume"].split(" -> ")[1] for r in resumes] == ["ep=2,tp=2 --sp", "pp=2,tp=2", "ep=2", "1"]
+    for r in resumes:
+        assert r["first_step"] == 2 and len(r["losses"]) == 2 and r["reassembled"], r
+        if r["resume"].endswith("ep=2,tp=2 --sp"):
+            assert r["exact"] and r["losses"] == r["uninterrupted"], r
+        else:
+            assert max(abs(x - y) / abs(y) for x, y in zip(r["losses"], r["uninterrupted"],
+                                                          strict=True)) <= 1e-12, r
+
+
+def test_expert_tp_slices_split_each_expert_like_the_dense_mlp_and_reassemble_it():
+    """c_fc by columns, c_proj.weight by rows, c_proj.bias and the router whole: the t shards of
+    every expert put back along their axis are the full initialisation."""
+    model = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=4, n_layer=2, moe_experts=3,
+                        moe_layers=(1,))
+    full = init_params(model, 5)
+    for t in (2, 4):
+        shards = [shard_params_tp(full, model, t, k) for k in range(t)]
+        slices = tp_param_slices(model, t, 0)
+        for name in [n for n in full if ".mlp." in n]:
+            if name not in slices:
+                assert name.endswith(("c_proj.bias", "router.weight")), name
+                assert all(np.array_equal(s[name], full[name]) for s in shards)
+                continue
+            axis = slices[name][0]
+            assert axis == (1 if "c_fc.weight" in name else 0), name
+            assert np.array_equal(np.concatenate([s[name] for s in shards], axis=axis), full[name])
+        assert "h.1.mlp.c_fc.weight" not in slices and "h.0.mlp.c_fc.weight" in slices
+
+
+def test_expert_buffer_rows_are_what_the_ep_group_sends_to_this_ranks_experts():
+    kept = np.array([[3, 1, 4, 0], [2, 2, 0, 5], [1, 0, 1, 1], [0, 3, 2, 2]])  # (D=4, E=4), ep=2
+    assert [moe_analysis.expert_rows(kept, 2, d) for d in range(4)] == [3 + 1 + 2 + 2, 4 + 0 + 0 + 5,
+                                                                        1 + 0 + 0 + 3, 1 + 1 + 2 + 2]
+    assert moe_analysis.expert_rows(kept, 1, 2) == int(kept[2].sum())
+
+
+@pytest.mark.parametrize("sizes, opts, words", [
+    ({"ep": 2, "cp": 2}, MoEPipelineOptions(), "drop cp=2"),
+    ({"ep": 2}, MoEPipelineOptions(sp=True), "--sp shards along the sequence over tp ranks"),
+    ({"ep": 2, "tp": 3}, MoEPipelineOptions(), "tp=3 does not divide n_head=4"),
+])
+def test_bad_moe_tp_setup_is_one_sentence(sizes, opts, words):
+    with pytest.raises(ConfigError) as err:
+        validate(ModelConfig(moe_experts=4), TrainConfig(), sizes, opts)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_sp_without_tp_in_a_moe_run_is_refused_in_one_sentence_before_any_run():
+    proc = subprocess.run([sys.executable, "-m", "refpar", "train", "--moe-experts", "4", "--sp"], cwd=ROOT,
+                          env=mpi_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().endswith("--sp does not combine with --moe-experts; MoE runs over pp, dp, "
+                                        "ep and tp only, so drop --sp or add tp=2 or more to --mesh")
