@@ -56,6 +56,7 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
     ("dp x cp", 4, ("--mesh", "dp=2,cp=2")),
     ("dp x ep", 4, ("--mesh", "dp=2,ep=2", *MOE)),
     ("pp x ep", 4, ("--mesh", "pp=2,ep=2", "--microbatches", "2", *MOE)),
+    ("ep x tp", 4, ("--mesh", "ep=2,tp=2", *MOE)),
     ("dp x pp", 4, ("--mesh", "dp=2,pp=2", "--microbatches", "2")),
     ("interleaved x tp", 4, ("--mesh", "tp=2,pp=2", "--schedule", "interleaved-1f1b",
                              "--microbatches", "4")),
@@ -67,6 +68,7 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
     ("tp x cp x pp", 8, ("--mesh", "pp=2,cp=2,tp=2", "--microbatches", "2")),
     ("dp x ep x pp 1f1b", 8, ("--mesh", "pp=2,dp=2,ep=2", "--schedule", "1f1b", "--microbatches", "2",
                               *MOE)),
+    ("ep x tp+sp x pp", 8, ("--mesh", "pp=2,ep=2,tp=2", "--sp", "--microbatches", "2", *MOE)),
     ("zero-1 x ulysses x pp", 8, ("--mesh", "dp=2,cp=2,pp=2", "--zero", "1", "--cp-algo", "ulysses",
                                   "--microbatches", "2")),
     # ZeRO over dp x cp, ZeRO-2 with tp and pp, sp with ZeRO-2/3, sp inside cp, FSDP in stages
