@@ -43,7 +43,9 @@ cp stays out (its ranks would route parts of a sequence); ZeRO stays out, as in 
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
-the loss scale, and the pp and ep ranks, whose gradients differ, agree on an overflow.
+the loss scale, and the pp, ep and tp ranks, whose gradients differ, agree on an overflow. Under
+tp the pieces compute in fp32 and round once, as the engine's (tensor_parallel.compute/rounded):
+the expert buffer's partial sums cross tp in 16 bits, as Megatron-LM sends them.
 """
 
 from __future__ import annotations
