@@ -4,10 +4,11 @@ tests/test_moe_tp.py.
     mpiexec -n 4 python tests/moe_tp_check.py /tmp/checkpoints
 
 Prints one JSON line per run from rank 0. Training runs: the largest loss and parameter (gathered
-over tp) differences from the single-device reference with the same microbatches, whether the
-aux losses and the routing statistics are the reference's, whether every step's traced bytes per
-(axis, op) and the params/grads/optimizer peaks equal the closed forms, and how many expert-buffer
-all-reduces each rank made per MoE layer and microbatch. Checkpoint runs: 4 steps on ep=2,tp=2
+over tp) differences from the single-device reference of the same precision with the same
+microbatches, whether the aux losses and the routing statistics are the reference's, whether
+every step's traced bytes per (axis, op) and the params/grads/optimizer (bf16: and master) peaks
+equal the closed forms, and how many expert-buffer all-reduces each rank made per MoE layer and
+microbatch. Checkpoint runs: 4 steps on ep=2,tp=2
 --sp saved after step 2, resumed from there on the same mesh (compared exactly), on pp=2,tp=2, on
 ep=2 and on one process (each rank's loaded tensors compared exactly with the global ones).
 """
@@ -41,6 +42,7 @@ RUNS = [
     ("ep=2,tp=2", True, "1f1b", 2, {}),
     ("pp=2,tp=2", True, "1f1b", 2, {"moe_top_k": 1}),
     ("dp=2,tp=2", False, "1f1b", 2, {"moe_layers": (0, 3)}),
+    ("ep=2,tp=2", True, "1f1b", 2, {"dtype": "bfloat16"}),  # the same pieces in mixed precision
 ]
 
 
@@ -60,7 +62,8 @@ def check_run(comm, mesh_text, sp, schedule, m, changes) -> dict:
     events = list(comm.tracer.events)
     ref = reference_run(model, TRAIN, microbatches=m)
     whole = full_params(run, model, mesh)
-    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in whole.items())]),
+    param_diff = float(comm.all_reduce(np.array([max(rel(np.asarray(p, np.float64), np.asarray(
+        ref.params[n], np.float64)) for n, p in whole.items())]),
                                        op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                        and s.tokens_per_expert == {i: r.tokens_per_expert[i] for i in s.tokens_per_expert}
@@ -84,7 +87,7 @@ def check_run(comm, mesh_text, sp, schedule, m, changes) -> dict:
                for t in ("c_proj:fwd", "c_fc:bwd")]
     gathers = sum(".mlp.moe:" in e.tag for e in events) / max(layers, 1)
     return {
-        "run": f"{mesh_text}{' --sp' if sp else ''} {schedule} m={m} {changes}",
+        "run": f"{mesh_text}{' --sp' if sp else ''} {schedule} m={m} {changes}", "dtype": model.dtype,
         "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
         "param_diff": param_diff,
         "aux_diff": max(abs(a.aux_loss - b.aux_loss) / b.aux_loss

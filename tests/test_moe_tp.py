@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from refpar.analysis import moe as moe_analysis
+from refpar.commands.verify import MOE_LOSS_TOLERANCES
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.engine_moe import MoEPipelineOptions, validate
 from refpar.model.gpt import init_params
@@ -30,17 +31,22 @@ def rows(tmp_path_factory):
 def test_moe_with_expert_tp_and_sp_matches_one_device_with_closed_form_bytes_and_memory(rows):
     """ep=2 x tp=2 (one and two microbatches, with and without sp), pp=2 x tp=2 with sp (top-1) and
     dp=2 x tp=2: losses, parameters gathered over tp, aux losses and the routing of every block
-    are the single device's with capacities that drop; each step's traced bytes per (axis, op) and
-    the params/grads/optimizer peaks equal the closed forms; every rank all-reduces its expert
-    buffer once forward and once backward per MoE layer and microbatch, and under sp gathers the
-    sequence twice; a rank holds 1/t of its experts' weights (c_proj.bias whole)."""
+    are the single device's with capacities that drop; ep=2 x tp=2 with sp in bf16-mixed: the loss
+    within verify's MoE bound of the bf16 single device. Each step's traced bytes per (axis, op)
+    and the params/grads/optimizer (bf16: master) peaks equal the closed forms; every rank
+    all-reduces its expert buffer once forward and once backward per MoE layer and microbatch, and
+    under sp gathers the sequence twice; a rank holds 1/t of its experts' weights (c_proj.bias
+    whole)."""
     runs = [r for r in rows if "run" in r]
-    assert len(runs) == 4
+    assert len(runs) == 5
     C = 16
     whole, half = 2 * C * 4 * C + 4 * C + C, 2 * C * 2 * C + 2 * C + C  # one expert, and its tp shard
     for r in runs:
-        assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
-        assert r["aux_diff"] <= 1e-14 and r["routing_same"], r
+        if r["dtype"] == "float64":
+            assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
+            assert r["aux_diff"] <= 1e-14 and r["routing_same"], r
+        else:  # bf16: partial sums round where one device rounds once, so routing may flip later
+            assert r["loss_diff"] <= MOE_LOSS_TOLERANCES["bf16-mixed"], r
         assert r["bytes_ok"] and r["memory_ok"], r
         assert min(r["dropped"]) > 0, r
         assert r["buffer_all_reduces"] == [[1.0, 1.0]] * 4, r
