@@ -31,7 +31,9 @@ def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_
     pp=4 with MoE in the last two blocks only, and the dp x ep runner, each with 2 or 4 microbatches:
     losses, parameters, aux losses and the routing of every block are the single device's with the
     same microbatches; each step's traced bytes per (axis, op) and the params/grads/optimizer peaks
-    equal the closed forms from the routing counts."""
+    equal the closed forms from the routing counts, and in the pipelines so does every rank's
+    activation peak, to the byte: the MoE blocks' routing, router, expert buffers and caches from
+    the counts of each microbatch, replayed over the schedule."""
     runs = [r for r in rows if "run" in r]
     assert len(runs) == 6
     for r in runs:
@@ -40,6 +42,9 @@ def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_
         assert r["bytes_ok"] and r["memory_ok"], r
         assert (min(r["dropped"]) > 0) != ("moe_dropless" in r["run"]), r  # capacities that bite
         assert (r["all_to_all_bytes"] > 0) == ("ep=2" in r["run"]), r
+        if "runner" not in r["run"]:
+            measured, closed = zip(*r["activation_peaks"], strict=True)  # one pair per rank
+            assert measured == closed and min(measured) > 0, r
 
 
 def test_moe_checkpoints_resume_exactly_on_their_mesh_and_reshard_to_others(rows):
