@@ -48,6 +48,8 @@ RUNS = [
     ("pp=2,dp=2", "zb-h1", 2, 1, {}),
     ("pp=4", "1f1b", 4, 1, {"moe_layers": (2, 3)}),  # stages 0 and 1 hold no MoE block
     ("dp=2,ep=2", None, 2, 1, {}),
+    # 16-bit activations, router losses kept in fp32: the closed forms in bf16, against a bf16 device
+    ("pp=2,ep=2", "zb-h1", 2, 1, {"dtype": "bfloat16"}),
 ]
 
 

@@ -19,6 +19,7 @@ from refpar.parallel.pipeline.executor import held_bytes
 from tests.mpi import MPIEXEC, ROOT, mpi_env, mpiexec, refpar_json
 
 TOLERANCE = 1e-10  # float64 after 3 AdamW steps (DESIGN.md, "Numerics")
+BF16_MOE_TOLERANCE = 5e-3  # relative loss, bf16-mixed with experts (refpar/commands/verify.py)
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +33,21 @@ def rows(tmp_path_factory):
 
 def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_bytes_and_memory(rows):
     """pp=2 x ep=2 under 1f1b, gpipe (top-1) and interleaved (dropless), pp=2 x dp=2 under zb-h1,
-    pp=4 with MoE in the last two blocks only, and the dp x ep runner, each with 2 or 4 microbatches:
+    pp=4 with MoE in the last two blocks only, the dp x ep runner, each with 2 or 4 microbatches,
+    and pp=2 x ep=2 under zb-h1 in bf16 (its loss within bf16's MoE bound, the rest as follows):
     losses, parameters, aux losses and the routing of every block are the single device's with the
     same microbatches; each step's traced bytes per (axis, op) and the params/grads/optimizer peaks
     equal the closed forms from the routing counts, and in the pipelines so does every rank's
     activation peak, to the byte: the MoE blocks' routing, router, expert buffers and caches from
     the counts of each microbatch, replayed over the schedule."""
     runs = [r for r in rows if "run" in r]
-    assert len(runs) == 6
+    assert len(runs) == 7
     for r in runs:
-        assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
-        assert r["aux_diff"] <= 1e-14 and r["routing_same"], r
+        if "bfloat16" in r["run"]:  # routing may flip once the parameters differ in the last bit
+            assert r["loss_diff"] <= BF16_MOE_TOLERANCE, r
+        else:
+            assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
+            assert r["aux_diff"] <= 1e-14 and r["routing_same"], r
         assert r["bytes_ok"] and r["memory_ok"], r
         assert (min(r["dropped"]) > 0) != ("moe_dropless" in r["run"]), r  # capacities that bite
         assert (r["all_to_all_bytes"] > 0) == ("ep=2" in r["run"]), r
