@@ -42,6 +42,7 @@ import numpy as np
 from refpar.analysis.engine import microbatch_activation_bytes
 from refpar.comm import cost
 from refpar.config import MESH_AXES
+from refpar.engine import EngineOptions
 from refpar.model.gpt import param_shapes
 from refpar.model.moe import capacity, expert_param_shapes, expert_prefix
 from refpar.parallel.pipeline.schedules import build, layout, stored
@@ -255,7 +256,7 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: 
                       0-d (float32 when the activations are 16-bit: fp32_compute keeps 0-d fp32)
         expert_input  the Q rows received, in expert order (Q, C)
         expert_mlps   each local expert's c_fc output, its tanh and the GeLU output: 3 Q H, H = 4C
-        combine_pad   the R rows come back plus combine's zero row, (R+1, C)
+        combine_pad   the R rows that came back plus combine's zero row, (R+1, C)
         counts        the rows each ep rank sends each local expert, (ep, El) int64
     The dispatched (R, C) buffer and the expert outputs leave with the all-to-alls: not kept."""
     i = INDEX_BYTES
@@ -283,10 +284,9 @@ def moe_microbatch_activation_bytes(model, train, sizes: dict, coords: dict, sta
     its B: the dense engine's closed form with, in each MoE block of the stage, the MLP's terms
     replaced by `moe_cache_bytes` from that block's (D, E) kept counts in this microbatch
     (`kept_by_layer`: layer -> counts, as MoEStep.microbatch_kept_counts[j])."""
-    from refpar.engine import EngineOptions  # no sp, no cp: whole blocks on whole sequences
-
     sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
     coords = {a: coords.get(a, 0) for a in MESH_AXES}
+    # EngineOptions(): no sp, no cp, whole blocks on whole sequences
     n = microbatch_activation_bytes(model, train, sizes, coords, stage, n_stages, b, EngineOptions())
     ep, D = sizes["ep"], sizes["dp"] * sizes["ep"]
     El = len(_owned(model.moe_experts, ep, coords["ep"]))
