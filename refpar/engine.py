@@ -176,7 +176,7 @@ class TensorParallelStage(Stage):
             x, c_head = vocab_parallel_head_forward(x, params, targets[:, lay.region_pos], lay,
                                                     normalizer)
         # the dict of parameters rides along for the embedding backward's shapes; held_bytes
-        # does not look inside dicts, so it is not counted as an activation
+        # skips dicts keyed by parameter names, so it is not counted as an activation
         return x, (c_embed, c_blocks, c_head, params)
 
     def backward_input(self, dout, cache):

@@ -6,7 +6,8 @@ Prints one JSON line per run from rank 0. Training runs (pp x dp x ep meshes and
 dp x ep runner with microbatches): the largest loss and parameter differences from the
 single-device reference with the same microbatches, whether the routing statistics (dropped
 assignments, tokens per expert, per block) and the aux losses are the reference's, whether every
-step's traced bytes per (axis, op) and the params/grads/optimizer peaks equal the closed forms.
+step's traced bytes per (axis, op) and the params/grads/optimizer peaks (and in the pipelines the
+activation peak, with every rank's measured and closed-form peak) equal the closed forms.
 Checkpoint runs: 4 steps under one mesh, saved after step 2; resumed from there under the same mesh
 (losses and parameters compared exactly), under others and on one process (each rank's loaded
 slices compared exactly with the global tensors, the losses compared).
@@ -47,6 +48,8 @@ RUNS = [
     ("pp=2,dp=2", "zb-h1", 2, 1, {}),
     ("pp=4", "1f1b", 4, 1, {"moe_layers": (2, 3)}),  # stages 0 and 1 hold no MoE block
     ("dp=2,ep=2", None, 2, 1, {}),
+    # 16-bit activations, router losses kept in fp32: the closed forms in bf16, against a bf16 device
+    ("pp=2,ep=2", "zb-h1", 2, 1, {"dtype": "bfloat16"}),
 ]
 
 
@@ -96,6 +99,10 @@ def check_run(comm, mesh_text, schedule, m, v, changes) -> dict:
                                                 TRAIN.optimizer, m)
     else:
         states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, v, TRAIN.optimizer)
+    if schedule is not None:  # what the F's caches keep until their B, replayed over the schedule
+        states["activations"] = moe_analysis.pipeline_activation_peak(
+            model, TRAIN, mesh.sizes, mesh.coords, schedule, m, v, run.rows,
+            [s.microbatch_kept_counts for s in run.steps])
     memory_ok = {c: run.ledger.peak[c] for c in states} == states
     a2a = sum(e.bytes_sent for e in events if e.op == "all_to_all")
     return {
@@ -108,6 +115,8 @@ def check_run(comm, mesh_text, schedule, m, v, changes) -> dict:
         "dropped": [sum(s.dropped.values()) for s in ref.steps],
         "bytes_ok": all_ranks(comm, bytes_ok),
         "memory_ok": all_ranks(comm, memory_ok),
+        "activation_peaks": comm.all_gather(np.array([[run.ledger.peak["activations"],
+                                                        states.get("activations", 0)]])).tolist(),
         "all_to_all_bytes": float(comm.all_reduce(np.array([float(a2a)]))[0]),
     }
 

@@ -8,7 +8,6 @@ import sys
 import numpy as np
 import pytest
 
-from refpar.analysis import moe as moe_analysis
 from refpar.commands.verify import MOE_LOSS_TOLERANCES
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.engine_moe import MoEPipelineOptions, validate
@@ -88,13 +87,6 @@ def test_expert_tp_slices_split_each_expert_like_the_dense_mlp_and_reassemble_it
             assert axis == (1 if "c_fc.weight" in name else 0), name
             assert np.array_equal(np.concatenate([s[name] for s in shards], axis=axis), full[name])
         assert "h.1.mlp.c_fc.weight" not in slices and "h.0.mlp.c_fc.weight" in slices
-
-
-def test_expert_buffer_rows_are_what_the_ep_group_sends_to_this_ranks_experts():
-    kept = np.array([[3, 1, 4, 0], [2, 2, 0, 5], [1, 0, 1, 1], [0, 3, 2, 2]])  # (D=4, E=4), ep=2
-    assert [moe_analysis.expert_rows(kept, 2, d) for d in range(4)] == [3 + 1 + 2 + 2, 4 + 0 + 0 + 5,
-                                                                        1 + 0 + 0 + 3, 1 + 1 + 2 + 2]
-    assert moe_analysis.expert_rows(kept, 1, 2) == int(kept[2].sum())
 
 
 @pytest.mark.parametrize("sizes, opts, words", [

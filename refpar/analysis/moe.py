@@ -33,6 +33,15 @@ left out of MoE blocks), and per MoE layer an all-reduce of the (Q, C) expert bu
 one backward, Q = the rows this rank's experts receive (sum over its ep group of K[d', e] over
 its own experts); under sp two all-gathers of (b_j, T, C) around the layer, activations on pp of
 (b_j, Tl, C), and one all-reduce per step of the sequence-sharded parameters' gradients.
+
+Activations in pipeline stages: a microbatch keeps, between its F and its B, what the dense
+engine's stage keeps (refpar.analysis.engine.microbatch_activation_bytes), except that in each MoE
+block the MLP's terms are replaced by what the MoE layer's cache keeps (`moe_cache_bytes`), a
+function of this rank's N = b_j T tokens, k, E, C, the D data ranks' counts (D, k, E), the R rows
+it dispatches and the Q rows its experts receive, both from that microbatch's K (`dispatch_rows`).
+The rank's peak is the schedule's replay (schedules.stored) with those bytes per F, the largest
+over the steps (each step routes anew). Mixed precision: e = 2 bytes for the activations; the
+integer indices and counts stay int64, the two router losses float32.
 """
 
 from __future__ import annotations
@@ -42,10 +51,14 @@ from dataclasses import replace
 
 import numpy as np
 
+from refpar.analysis.engine import microbatch_activation_bytes
 from refpar.analysis.intra_layer import RankShape, _tp_calls
 from refpar.comm import cost
+from refpar.config import MESH_AXES
+from refpar.engine import EngineOptions
 from refpar.model.gpt import param_shapes
 from refpar.model.moe import capacity, expert_param_shapes, expert_prefix
+from refpar.parallel.pipeline.schedules import build, layout, stored
 from refpar.parallel.pipeline.stage import stage_layers, stage_param_names
 from refpar.parallel.sequence_parallel import sequence_parallel_param_names
 from refpar.parallel.tensor_parallel import tp_param_slices
@@ -236,12 +249,103 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
     return out
 
 
-def expert_rows(kept, ep: int, data_rank: int) -> int:
-    """Q: the rows data rank `data_rank`'s experts receive in one MoE layer (its own included), from
-    the layer's (D, E) kept counts: the expert buffer that tensor parallelism all-reduces."""
+# --------------------------------------------------------- activations of MoE in pipeline stages
+INDEX_BYTES = 8  # routing's indices and counts: int64, argsort's and the counts' dtype
+
+
+def dispatch_rows(kept, ep: int, data_rank: int) -> tuple[int, int]:
+    """(R, Q) of one MoE layer from its (D, E) kept counts: the rows data rank `data_rank`
+    dispatches (every assignment it keeps, its own experts' included) and the rows its experts
+    receive (from every member of its ep group, itself included)."""
     kept = np.asarray(kept)
     q = data_rank % ep
-    return int(kept[data_rank - q:data_rank - q + ep, _owned(kept.shape[1], ep, q)].sum())
+    base = data_rank - q
+    mine = _owned(kept.shape[1], ep, q)
+    return int(kept[data_rank].sum()), int(kept[base:base + ep, mine].sum())
+
+
+def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: int, El: int,
+                    e: int) -> dict[str, int]:
+    """Bytes the cache of one MoE block (ExpertParallelMoE.forward) keeps alive on a rank, by part:
+    N tokens routed, R rows dispatched, Q rows received by its El local experts, D data ranks, e
+    bytes per activation element. Each buffer once, wherever it is referenced from (routing and
+    router cache share the chosen experts, gates and keep flags):
+
+        router        probs (N, E) and the logsumexp (N,); argsort's (N, E) int64, whose first k
+                      columns are the chosen experts (a view: the whole buffer stays); the chosen
+                      probabilities and the gates (N, k), one array when k = 1 (the gate is the
+                      probability); keep (N, k) bool; the aux-loss coefficients (E,). Its input,
+                      ln_2's output, is the dense block's (kept by c_fc there, by the router here).
+        routing       token (int64) and gate of each of the R rows; each assignment's row (N, k)
+                      int64; this call's and the global kept rows per expert, (E,) int64 each;
+                      every data rank's selection counts (D, k, E) int64; the aux and z losses,
+                      0-d (float32 when the activations are 16-bit: fp32_compute keeps 0-d fp32)
+        expert_input  the Q rows received, in expert order (Q, C)
+        expert_mlps   each local expert's c_fc output, its tanh and the GeLU output: 3 Q H, H = 4C
+        combine_pad   the R rows that came back plus combine's zero row, (R+1, C)
+        counts        the rows each ep rank sends each local expert, (ep, El) int64
+    The dispatched (R, C) buffer and the expert outputs leave with the all-to-alls: not kept."""
+    i = INDEX_BYTES
+    gates = N * e if k == 1 else 2 * N * k * e
+    return {
+        "router": N * E * e + N * e + N * E * i + gates + N * k + E * e,
+        "routing": R * (i + e) + N * k * i + 2 * E * i + D * k * E * i + 2 * max(e, 4),
+        "expert_input": Q * C * e,
+        "expert_mlps": 3 * Q * 4 * C * e,
+        "combine_pad": (R + 1) * C * e,
+        "counts": ep * El * i,
+    }
+
+
+def mlp_activation_bytes(model, tokens: int) -> int:
+    """What GPT-2's MLP adds to analysis.activations.layer_bytes (refpar's Keep, no tp): over
+    `tokens` tokens, GeLU's input, its tanh and c_proj's input, 4C each. An MoE block keeps
+    `moe_cache_bytes` in its place."""
+    return tokens * 3 * 4 * model.n_embd * np.dtype(model.dtype).itemsize
+
+
+def moe_microbatch_activation_bytes(model, train, sizes: dict, coords: dict, stage: int,
+                                    n_stages: int, b: int, kept_by_layer: dict) -> int:
+    """What one microbatch of b rows keeps on the rank at `coords` of `stage` between its F and
+    its B: the dense engine's closed form with, in each MoE block of the stage, the MLP's terms
+    replaced by `moe_cache_bytes` from that block's (D, E) kept counts in this microbatch
+    (`kept_by_layer`: layer -> counts, as MoEStep.microbatch_kept_counts[j])."""
+    sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
+    coords = {a: coords.get(a, 0) for a in MESH_AXES}
+    # EngineOptions(): no sp, no cp, whole blocks on whole sequences
+    n = microbatch_activation_bytes(model, train, sizes, coords, stage, n_stages, b, EngineOptions())
+    ep, D = sizes["ep"], sizes["dp"] * sizes["ep"]
+    El = len(_owned(model.moe_experts, ep, coords["ep"]))
+    N, e = b * train.seq_len, np.dtype(model.dtype).itemsize
+    for layer in stage_layers(model.n_layer, n_stages, stage):
+        if layer in model.moe_blocks:
+            R, Q = dispatch_rows(kept_by_layer[layer], ep, coords["dp"] * ep + coords["ep"])
+            parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, model.n_embd, R, Q, D,
+                                    ep, El, e)
+            n += sum(parts.values()) - mlp_activation_bytes(model, N)
+    return n
+
+
+def pipeline_activation_peak(model, train, sizes: dict, coords: dict, schedule: str,
+                             microbatches: int, chunks: int, rows: list[int],
+                             kept_by_step: list[list[dict]]) -> int:
+    """Peak activation bytes of the rank at `coords` of a MoE pipeline: per step, the replay of the
+    schedule (schedules.stored) with what each of its F keeps until the B (B hands W gradients, no
+    activations), the largest over the steps. `rows`: its b_j; `kept_by_step[s][j]`: layer -> (D,
+    E) kept counts of microbatch j in step s (MoEStep.microbatch_kept_counts; empty on a rank
+    whose stages hold no MoE block)."""
+    p, r = sizes.get("pp", 1), coords["pp"]
+    plan = build(schedule, p, microbatches, chunks)
+    where, S = layout(plan).stage_rank, p * chunks
+    peak = 0
+    for kept in kept_by_step:
+        def after_f(a, kept=kept):
+            if where[a.stage] != r:  # another rank's F: its routing is not this rank's to know
+                return 0
+            return moe_microbatch_activation_bytes(model, train, sizes, coords, a.stage, S,
+                                                   rows[a.microbatch], kept[a.microbatch] if kept else {})
+        peak = max(peak, max(stored(plan, after_f, lambda a: 0)[r], default=0))
+    return peak
 
 
 def tensor_parallel_step_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
@@ -273,7 +377,7 @@ def tensor_parallel_step_bytes(config, sizes: dict[str, int], coords: dict[str, 
                     add(("tp", call.op), cost.Bytes(call.bytes_sent, call.bytes_recv))
     for j, layers in enumerate(kept_by_microbatch):  # empty when this rank's stages hold no MoE block
         for kept in layers:
-            buffer = cost.all_reduce_bytes(expert_rows(kept, ep, data_rank) * C, t, k, e)
+            buffer = cost.all_reduce_bytes(dispatch_rows(kept, ep, data_rank)[1] * C, t, k, e)
             add(("tp", "all_reduce"), cost.Bytes(2 * buffer.sent, 2 * buffer.recv))  # g fwd, f bwd
             if sp:  # the sequence gathered before the router, and its gradient before the backward
                 gather = cost.all_gather_bytes(shard_sizes(seq_len, t), k, e, rows[j] * C)

@@ -10,6 +10,9 @@ dp x ep to refpar/parallel/expert_parallel_run.py, with pp or tp to refpar/engin
 usual report it prints, per step, the router losses, the dropped assignments and how many
 assignments each expert kept (with pp: the routing of every block after the run); `--json` adds
 them under "moe". With --microbatches M each microbatch routes on its own tokens (refpar/model/moe.py).
+Peak memory per rank is compared with the closed forms of refpar/analysis/moe.py: params, grads,
+masters and moments, and with pp the activations too (what each F's cache keeps, MoE blocks'
+routing and expert buffers included, replayed over the schedule).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import numpy as np
 
 STATE_KEYS = ("params", "grads", "master", "optimizer")  # the categories with closed forms in MoE runs
+PIPELINE_KEYS = (*STATE_KEYS, "activations")  # with pp: the F caches' bytes too (the ep runner has none)
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"),
              ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"),
              ("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"))
@@ -212,10 +216,14 @@ def run_cli(model, train, sizes, args) -> int:
     if staged:
         states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, opts.chunks,
                                                    train.optimizer, train.fp32_grads)
+        states["activations"] = moe_analysis.pipeline_activation_peak(
+            model, train, mesh.sizes, mesh.coords, opts.schedule, m, opts.chunks, run.rows,
+            [s.microbatch_kept_counts for s in run.steps])
     else:
         states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer, m,
                                                 train.fp32_grads)
-    memory = comm.all_gather(np.array([[[run.ledger.peak[c], states[c]] for c in STATE_KEYS]]))
+    keys = PIPELINE_KEYS if pipelined else STATE_KEYS
+    memory = comm.all_gather(np.array([[[run.ledger.peak[c], states[c]] for c in keys]]))
     trace_path = getattr(args, "trace", None)
     events = comm.gather_object(comm.tracer.events) if trace_path else None
     if not speak:
@@ -240,10 +248,18 @@ def run_cli(model, train, sizes, args) -> int:
     what = "per data rank and step, every MoE block" if staged else "per rank and step"
     say(f"ep all-to-all {what}: {measured:,.0f} bytes; uniform routing would send {uniform:,.0f}")
     memory_rows = [[{"rank": r, "category": c, "bytes": int(memory[r, i, j])}
-                    for r in range(comm.size) for i, c in enumerate(STATE_KEYS)] for j in (0, 1)]
-    kept = [i for i, c in enumerate(STATE_KEYS) if c != "master" or memory[:, i].any()]  # fp64: none
-    say(f"peak {' / '.join(STATE_KEYS[i] for i in kept)} bytes per rank: " + "; ".join(
-        f"rank {r}: " + " / ".join(f"{int(memory[r, i, 0]):,}" for i in kept) for r in range(comm.size)))
+                    for r in range(comm.size) for i, c in enumerate(keys)] for j in (0, 1)]
+    kept = [i for i, c in enumerate(keys) if c != "master" or memory[:, i].any()]  # fp64: none
+    if pipelined:  # activations differ by rank and routing: each next to its closed form
+        say("peak memory per rank in bytes, measured | closed form:")
+        for r in range(comm.size):
+            say(f"  rank {r}: " + ", ".join(
+                f"{keys[i]} {int(memory[r, i, 0]):,} | {int(memory[r, i, 1]):,}"
+                + ("" if memory[r, i, 0] == memory[r, i, 1] else " MISMATCH") for i in kept))
+    else:
+        say(f"peak {' / '.join(keys[i] for i in kept)} bytes per rank: " + "; ".join(
+            f"rank {r}: " + " / ".join(f"{int(memory[r, i, 0]):,}" for i in kept)
+            for r in range(comm.size)))
     bubble = None
     if pipelined:  # the step rows leave out the routing, which lives on the stages holding the blocks
         say("dropped assignments per block over the run: " + ", ".join(

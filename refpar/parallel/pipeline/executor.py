@@ -68,8 +68,12 @@ def _root(a):
 
 def held_bytes(obj, params: dict) -> int:
     """Bytes of the distinct buffers a cache keeps alive: every array is traced to the buffer it
-    views, each buffer counts once, and the parameters' buffers (a linear layer's cache holds its
-    weight) not at all."""
+    views, each buffer counts once, and parameters never. Tuples, lists and dicts are looked into
+    (an MoE block's cache is a dict of routing arrays, router and expert caches), except a dict
+    keyed by parameter names: that is the parameters themselves (the engine's stages carry theirs
+    for the embedding's backward) or their gradients (a fused B hands them to W), which the ledger
+    counts as params and grads. A parameter's own buffer (a linear layer's cache holds its weight)
+    does not count either."""
     exclude = {id(_root(p)) for p in params.values()}
     roots: dict[int, int] = {}
     stack = [obj]
@@ -77,6 +81,9 @@ def held_bytes(obj, params: dict) -> int:
         item = stack.pop()
         if isinstance(item, tuple | list):
             stack.extend(item)
+        elif isinstance(item, dict):
+            if not item.keys() <= params.keys():
+                stack.extend(item.values())
         elif backend.is_array(item):
             root = _root(item)
             if id(root) not in exclude:
