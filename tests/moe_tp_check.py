@@ -6,11 +6,11 @@ tests/test_moe_tp.py.
 Prints one JSON line per run from rank 0. Training runs: the largest loss and parameter (gathered
 over tp) differences from the single-device reference of the same precision with the same
 microbatches, whether the aux losses and the routing statistics are the reference's, whether
-every step's traced bytes per (axis, op) and the params/grads/optimizer (bf16: and master) peaks
-equal the closed forms, and how many expert-buffer all-reduces each rank made per MoE layer and
-microbatch. Checkpoint runs: 4 steps on ep=2,tp=2
---sp saved after step 2, resumed from there on the same mesh (compared exactly), on pp=2,tp=2, on
-ep=2 and on one process (each rank's loaded tensors compared exactly with the global ones).
+every step's traced bytes per (axis, op) and the params/grads/optimizer (bf16: and master) and
+activation peaks equal the closed forms, and how many expert-buffer all-reduces each rank made
+per MoE layer and microbatch. Checkpoint runs: 4 steps on ep=2,tp=2 --sp saved after step 2,
+resumed from there on the same mesh (compared exactly), on pp=2,tp=2, on ep=2 and on one process
+(each rank's loaded tensors compared exactly with the global ones).
 """
 
 import json
@@ -80,6 +80,9 @@ def check_run(comm, mesh_text, sp, schedule, m, changes) -> dict:
             [list(k.values()) for k in s.microbatch_kept_counts], sp=sp)
         bytes_ok &= traced == {key: (b.sent, b.recv) for key, b in expected.items()}
     states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, 1, TRAIN.optimizer)
+    states["activations"] = moe_analysis.pipeline_activation_peak(
+        model, TRAIN, mesh.sizes, mesh.coords, schedule, m, 1, run.rows,
+        [s.microbatch_kept_counts for s in run.steps], sp)
     memory_ok = {c: run.ledger.peak[c] for c in states} == states
     # this rank's expert-buffer all-reduces and sp gathers per MoE layer it runs, microbatch and step
     layers = len(run.steps[0].kept_counts) * m * TRAIN.steps

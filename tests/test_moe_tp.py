@@ -32,7 +32,7 @@ def test_moe_with_expert_tp_and_sp_matches_one_device_with_closed_form_bytes_and
     dp=2 x tp=2: losses, parameters gathered over tp, aux losses and the routing of every block
     are the single device's with capacities that drop; ep=2 x tp=2 with sp in bf16-mixed: the loss
     within verify's MoE bound of the bf16 single device. Each step's traced bytes per (axis, op)
-    and the params/grads/optimizer (bf16: master) peaks equal the closed forms; every rank
+    and the params/grads/optimizer (bf16: master) and activation peaks equal the closed forms; every rank
     all-reduces its expert buffer once forward and once backward per MoE layer and microbatch, and
     under sp gathers the sequence twice; a rank holds 1/t of its experts' weights (c_proj.bias
     whole)."""

@@ -265,7 +265,7 @@ def dispatch_rows(kept, ep: int, data_rank: int) -> tuple[int, int]:
 
 
 def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: int, El: int,
-                    e: int) -> dict[str, int]:
+                    e: int, H: int | None = None) -> dict[str, int]:
     """Bytes the cache of one MoE block (ExpertParallelMoE.forward) keeps alive on a rank, by part:
     N tokens routed, R rows dispatched, Q rows received by its El local experts, D data ranks, e
     bytes per activation element. Each buffer once, wherever it is referenced from (routing and
@@ -281,7 +281,8 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: 
                       every data rank's selection counts (D, k, E) int64; the aux and z losses,
                       0-d (float32 when the activations are 16-bit: fp32_compute keeps 0-d fp32)
         expert_input  the Q rows received, in expert order (Q, C)
-        expert_mlps   each local expert's c_fc output, its tanh and the GeLU output: 3 Q H, H = 4C
+        expert_mlps   each local expert's c_fc output, its tanh and the GeLU output: 3 Q H, H = 4C,
+                      or this tp rank's columns of it (`H`, refpar/parallel/expert_tensor_parallel.py)
         combine_pad   the R rows that came back plus combine's zero row, (R+1, C)
         counts        the rows each ep rank sends each local expert, (ep, El) int64
     The dispatched (R, C) buffer and the expert outputs leave with the all-to-alls: not kept."""
@@ -291,49 +292,54 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: 
         "router": N * E * e + N * e + N * E * i + gates + N * k + E * e,
         "routing": R * (i + e) + N * k * i + 2 * E * i + D * k * E * i + 2 * max(e, 4),
         "expert_input": Q * C * e,
-        "expert_mlps": 3 * Q * 4 * C * e,
+        "expert_mlps": 3 * Q * (4 * C if H is None else H) * e,
         "combine_pad": (R + 1) * C * e,
         "counts": ep * El * i,
     }
 
 
-def mlp_activation_bytes(model, tokens: int) -> int:
-    """What GPT-2's MLP adds to analysis.activations.layer_bytes (refpar's Keep, no tp): over
-    `tokens` tokens, GeLU's input, its tanh and c_proj's input, 4C each. An MoE block keeps
-    `moe_cache_bytes` in its place."""
-    return tokens * 3 * 4 * model.n_embd * np.dtype(model.dtype).itemsize
+def mlp_activation_bytes(model, tokens: int, H: int | None = None) -> int:
+    """What GPT-2's MLP adds to analysis.activations.layer_bytes (refpar's Keep): over `tokens`
+    tokens, GeLU's input, its tanh and c_proj's input, 4C each (`H`, this tp rank's columns of
+    4C, under tp). An MoE block keeps `moe_cache_bytes` in its place."""
+    return tokens * 3 * (4 * model.n_embd if H is None else H) * np.dtype(model.dtype).itemsize
 
 
 def moe_microbatch_activation_bytes(model, train, sizes: dict, coords: dict, stage: int,
-                                    n_stages: int, b: int, kept_by_layer: dict) -> int:
+                                    n_stages: int, b: int, kept_by_layer: dict, sp: bool = False) -> int:
     """What one microbatch of b rows keeps on the rank at `coords` of `stage` between its F and
-    its B: the dense engine's closed form with, in each MoE block of the stage, the MLP's terms
-    replaced by `moe_cache_bytes` from that block's (D, E) kept counts in this microbatch
-    (`kept_by_layer`: layer -> counts, as MoEStep.microbatch_kept_counts[j])."""
+    its B: the dense engine's closed form (tp, sp: its tensor-parallel pieces) with, in each MoE
+    block of the stage, the MLP's terms replaced by `moe_cache_bytes` from that block's (D, E)
+    kept counts in this microbatch (`kept_by_layer`: layer -> counts, as
+    MoEStep.microbatch_kept_counts[j]), each expert's hidden width this tp rank's columns. Under
+    sp the MoE layer keeps the gathered (b, T, C) its router read instead of ln_2's (b, Tl, C)
+    shard, which the dense block's c_fc would keep."""
     sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
     coords = {a: coords.get(a, 0) for a in MESH_AXES}
-    # EngineOptions(): no sp, no cp, whole blocks on whole sequences
-    n = microbatch_activation_bytes(model, train, sizes, coords, stage, n_stages, b, EngineOptions())
-    ep, D = sizes["ep"], sizes["dp"] * sizes["ep"]
+    # no cp: whole sequences (gathered over tp around the MoE layer under sp)
+    n = microbatch_activation_bytes(model, train, sizes, coords, stage, n_stages, b, EngineOptions(sp=sp))
+    ep, D, t = sizes["ep"], sizes["dp"] * sizes["ep"], sizes["tp"]
     El = len(_owned(model.moe_experts, ep, coords["ep"]))
-    N, e = b * train.seq_len, np.dtype(model.dtype).itemsize
+    T, C, e = train.seq_len, model.n_embd, np.dtype(model.dtype).itemsize
+    N, H = b * T, shard_sizes(4 * C, t)[coords["tp"]]
     for layer in stage_layers(model.n_layer, n_stages, stage):
         if layer in model.moe_blocks:
             R, Q = dispatch_rows(kept_by_layer[layer], ep, coords["dp"] * ep + coords["ep"])
-            parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, model.n_embd, R, Q, D,
-                                    ep, El, e)
-            n += sum(parts.values()) - mlp_activation_bytes(model, N)
+            parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, C, R, Q, D, ep, El, e, H)
+            if sp:  # the gathered sequence for the router's ln_2 shard
+                parts["sequence"] = (N - b * shard_sizes(T, t)[coords["tp"]]) * C * e
+            n += sum(parts.values()) - mlp_activation_bytes(model, N, H)
     return n
 
 
 def pipeline_activation_peak(model, train, sizes: dict, coords: dict, schedule: str,
                              microbatches: int, chunks: int, rows: list[int],
-                             kept_by_step: list[list[dict]]) -> int:
+                             kept_by_step: list[list[dict]], sp: bool = False) -> int:
     """Peak activation bytes of the rank at `coords` of a MoE pipeline: per step, the replay of the
     schedule (schedules.stored) with what each of its F keeps until the B (B hands W gradients, no
     activations), the largest over the steps. `rows`: its b_j; `kept_by_step[s][j]`: layer -> (D,
     E) kept counts of microbatch j in step s (MoEStep.microbatch_kept_counts; empty on a rank
-    whose stages hold no MoE block)."""
+    whose stages hold no MoE block); `sp`: sequence parallelism over tp."""
     p, r = sizes.get("pp", 1), coords["pp"]
     plan = build(schedule, p, microbatches, chunks)
     where, S = layout(plan).stage_rank, p * chunks
@@ -343,7 +349,8 @@ def pipeline_activation_peak(model, train, sizes: dict, coords: dict, schedule: 
             if where[a.stage] != r:  # another rank's F: its routing is not this rank's to know
                 return 0
             return moe_microbatch_activation_bytes(model, train, sizes, coords, a.stage, S,
-                                                   rows[a.microbatch], kept[a.microbatch] if kept else {})
+                                                   rows[a.microbatch], kept[a.microbatch] if kept else {},
+                                                   sp)
         peak = max(peak, max(stored(plan, after_f, lambda a: 0)[r], default=0))
     return peak
 

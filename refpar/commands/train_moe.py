@@ -11,7 +11,7 @@ usual report it prints, per step, the router losses, the dropped assignments and
 assignments each expert kept (with pp: the routing of every block after the run); `--json` adds
 them under "moe". With --microbatches M each microbatch routes on its own tokens (refpar/model/moe.py).
 Peak memory per rank is compared with the closed forms of refpar/analysis/moe.py: params, grads,
-masters and moments, and with pp the activations too (what each F's cache keeps, MoE blocks'
+masters and moments, and with pp or tp the activations too (what each F's cache keeps, MoE blocks'
 routing and expert buffers included, replayed over the schedule).
 """
 
@@ -22,7 +22,7 @@ import argparse
 import numpy as np
 
 STATE_KEYS = ("params", "grads", "master", "optimizer")  # the categories with closed forms in MoE runs
-PIPELINE_KEYS = (*STATE_KEYS, "activations")  # with pp: the F caches' bytes too (the ep runner has none)
+PIPELINE_KEYS = (*STATE_KEYS, "activations")  # pp or tp: the F caches' bytes too (the ep runner has none)
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"),
              ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"),
              ("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"))
@@ -218,11 +218,11 @@ def run_cli(model, train, sizes, args) -> int:
                                                    train.optimizer, train.fp32_grads)
         states["activations"] = moe_analysis.pipeline_activation_peak(
             model, train, mesh.sizes, mesh.coords, opts.schedule, m, opts.chunks, run.rows,
-            [s.microbatch_kept_counts for s in run.steps])
+            [s.microbatch_kept_counts for s in run.steps], opts.sp)
     else:
         states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer, m,
                                                 train.fp32_grads)
-    keys = PIPELINE_KEYS if pipelined else STATE_KEYS
+    keys = PIPELINE_KEYS if staged else STATE_KEYS
     memory = comm.all_gather(np.array([[[run.ledger.peak[c], states[c]] for c in keys]]))
     trace_path = getattr(args, "trace", None)
     events = comm.gather_object(comm.tracer.events) if trace_path else None
@@ -250,7 +250,7 @@ def run_cli(model, train, sizes, args) -> int:
     memory_rows = [[{"rank": r, "category": c, "bytes": int(memory[r, i, j])}
                     for r in range(comm.size) for i, c in enumerate(keys)] for j in (0, 1)]
     kept = [i for i, c in enumerate(keys) if c != "master" or memory[:, i].any()]  # fp64: none
-    if pipelined:  # activations differ by rank and routing: each next to its closed form
+    if staged:  # activations differ by rank and routing: each next to its closed form
         say("peak memory per rank in bytes, measured | closed form:")
         for r in range(comm.size):
             say(f"  rank {r}: " + ", ".join(
