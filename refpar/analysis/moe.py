@@ -22,40 +22,54 @@ j, T sequence) the rank at pp rank r does the above for the MoE layers of its st
 stage's D data ranks, with the dense gradients of its stages only; and on pp: (2v - [r = 0] -
 [r = p-1]) activations or input gradients of (b_j, T, C) each way per microbatch, wte (V, C)
 all-reduced by the first and the last rank, and the three loss numbers.
+
+With context parallelism (c cp ranks, cp rank j holding Ta_j positions of each row, `ring` or
+`ulysses`) the routing group is the stage's D x c ranks (group rank d c + j, axis `data`): the
+counts' all-gather carries one (k, E) array per run of consecutive global tokens (`routing_runs`:
+1 per data rank without cp; under Ulysses one per row; under ring 2 per row, but rank 0's late
+chunk ends a row where its early chunk starts the next, b + 1 runs, and rank c-1's two chunks
+touch, b runs), the all-to-alls stay inside an ep group (same dp and cp rank), the dense gradients
+and the loss sum over D x c ranks, an expert's gradient over dp x c (axis `dp_cp`), the pipeline
+messages are (b_j, Ta_j, C), and each microbatch adds the stages' ring K/V hops or Ulysses'
+all-to-alls over cp (analysis.intra_layer's closed forms).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
+from refpar.analysis.intra_layer import RankShape, _ring_calls, _ulysses_calls, zigzag_lengths
 from refpar.comm import cost
 from refpar.model.gpt import param_shapes
 from refpar.model.moe import capacity, expert_param_shapes, expert_prefix
-from refpar.parallel.pipeline.stage import stage_param_names
-from refpar.sharding import shard_range
+from refpar.parallel.pipeline.stage import stage_layers, stage_param_names
+from refpar.sharding import shard_range, shard_sizes
 
 
 def _owned(n_experts: int, ep: int, q: int) -> list[int]:
     return list(range(*shard_range(n_experts, ep, q)))
 
 
-def all_to_all_rows(kept, ep: int, data_rank: int) -> tuple[int, int]:
+def all_to_all_rows(kept, ep: int, data_rank: int, cp: int = 1) -> tuple[int, int]:
     """(A, B): rows data rank `data_rank` sends to and receives from the other ranks of its ep
-    group in one all-to-all pass (dispatch), from the (D, E) kept counts of one MoE layer."""
+    group in one all-to-all pass (dispatch), from the (D, E) kept counts of one MoE layer. With
+    cp > 1, `data_rank` is the group rank d c + j and kept is (D c, E); the group's members are
+    the ranks of the same cp rank j."""
     kept = np.asarray(kept)
-    q = data_rank % ep
-    base = data_rank - q
+    q = (data_rank // cp) % ep
+    members = [data_rank + (s - q) * cp for s in range(ep)]
     mine = _owned(kept.shape[1], ep, q)
     sent = int(kept[data_rank].sum() - kept[data_rank, mine].sum())
-    received = int(sum(kept[base + s, mine].sum() for s in range(ep) if s != q))
+    received = int(sum(kept[members[s], mine].sum() for s in range(ep) if s != q))
     return sent, received
 
 
-def all_to_all_bytes(kept, ep: int, data_rank: int, n_embd: int, itemsize: int) -> cost.Bytes:
+def all_to_all_bytes(kept, ep: int, data_rank: int, n_embd: int, itemsize: int, cp: int = 1) -> cost.Bytes:
     """Exact ep all-to-all bytes of one MoE layer in one step (forward and backward)."""
-    A, B = all_to_all_rows(kept, ep, data_rank)
+    A, B = all_to_all_rows(kept, ep, data_rank, cp)
     both = 2 * (A + B) * n_embd * itemsize
     return cost.Bytes(both, both)
 
@@ -64,6 +78,46 @@ def counts_all_gather_bytes(config, n_data: int, data_rank: int) -> cost.Bytes:
     """The all-gather of every data rank's (k, E) int64 selection counts, one per MoE layer."""
     per_rank = config.moe_top_k * config.moe_experts
     return cost.all_gather_bytes([per_rank] * n_data, data_rank, 8)
+
+
+def routing_runs(rows: int, seq_len: int, cp: int, cp_rank: int, cp_algo: str | None) -> int:
+    """Runs of consecutive global tokens a rank holding `rows` consecutive rows routes: 1 without
+    cp, `rows` under Ulysses and on ring's last rank (its chunks c-1 and c touch), `rows` + 1 on
+    ring's rank 0 (its late chunk ends each row where its early chunk starts the next), 2 `rows`
+    on ring's other ranks."""
+    if cp == 1:
+        return 1
+    if (cp_algo or "ring") == "ulysses" or cp_rank == cp - 1:
+        return rows
+    return rows + 1 if cp_rank == 0 else 2 * rows
+
+
+def routed_counts_all_gather_bytes(config, runs: list[int], rank: int) -> cost.Bytes:
+    """The all-gather of one (k, E) int64 count per run, `runs[g]` runs on group rank g."""
+    return cost.all_gather_bytes([r * config.moe_top_k * config.moe_experts for r in runs], rank, 8)
+
+
+def cp_tokens(seq_len: int, cp: int, cp_algo: str | None) -> list[int]:
+    """Ta of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
+    if cp == 1:
+        return [seq_len]
+    return zigzag_lengths(seq_len, cp) if (cp_algo or "ring") == "ring" else shard_sizes(seq_len, cp)
+
+
+def cp_attention_bytes(config, n_layers: int, rows: int, seq_len: int, cp: int, cp_rank: int,
+                       cp_algo: str | None) -> dict:
+    """{(cp, op): Bytes} of ring attention's K/V hops or Ulysses' all-to-alls in `n_layers`
+    blocks for one microbatch of `rows` rows, forward and backward (analysis.intra_layer)."""
+    tokens = cp_tokens(seq_len, cp, cp_algo)
+    shape = RankShape(B=rows, T=seq_len, Ta=tokens[cp_rank], Tl=tokens[cp_rank], t=1, c=cp,
+                      nh=config.n_head, V=config.vocab_size, e=np.dtype(config.dtype).itemsize,
+                      cp_tokens=tuple(tokens), cp_rank=cp_rank)
+    blocks = replace(config, n_layer=n_layers, moe_layers=None)
+    out = {}
+    for call in (_ring_calls if (cp_algo or "ring") == "ring" else _ulysses_calls)(blocks, shape):
+        old = out.get((call.axis, call.op), cost.Bytes(0, 0))
+        out[(call.axis, call.op)] = cost.Bytes(old.sent + call.bytes_sent, old.recv + call.bytes_recv)
+    return out
 
 
 def expected_all_to_all_bytes(config, tokens_per_rank: int, n_data: int, ep: int,
@@ -170,27 +224,45 @@ def pipeline_state_bytes(config, sizes: dict[str, int], coords: dict[str, int], 
 
 def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
                              rows: list[int], seq_len: int, kept_by_microbatch: list[list],
-                             grad_itemsize: int | None = None) -> dict:
+                             grad_itemsize: int | None = None, cp_algo: str | None = None,
+                             batch_size: int | None = None) -> dict:
     """{(axis, op): Bytes} of one step of a MoE pipeline on the rank at `coords`; `rows` its b_j,
-    `kept_by_microbatch[j]` the (D, E) kept counts of each MoE layer of its stages in microbatch j.
+    `kept_by_microbatch[j]` the (D c, E) kept counts of each MoE layer of its stages in microbatch j.
     Gradients move in their dtype (`grad_itemsize`, default the model's); fp16 adds the overflow
-    flag (one float32) over pp and over ep, the axes whose ranks hold different gradients."""
-    p, dp, ep = sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("ep", 1)
-    r, n_data, data_rank = coords["pp"], dp * ep, coords["dp"] * ep + coords["ep"]
+    flag (one float32) over pp and over ep, the axes whose ranks hold different gradients. With cp
+    (`cp_algo`), `batch_size` B gives every data rank's rows, which set its runs' count."""
+    p, dp, ep, c = sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("ep", 1), sizes.get("cp", 1)
+    j_cp = coords.get("cp", 0)
+    r, n_data = coords["pp"], dp * ep
+    group = (coords["dp"] * ep + coords["ep"]) * c + j_cp  # rank in the stage's D x c ranks
     e = np.dtype(config.dtype).itemsize
     g = grad_itemsize or e
     numels = rank_param_numels(config, sizes, coords, chunks)
+    Ta = cp_tokens(seq_len, c, cp_algo)[j_cp]
     out = {}
 
     def add(key, b):
         old = out.get(key, cost.Bytes(0, 0))
         out[key] = cost.Bytes(old.sent + b.sent, old.recv + b.recv)
 
-    for kept in (k for layers in kept_by_microbatch for k in layers):
-        add(("data", "all_gather"), counts_all_gather_bytes(config, n_data, data_rank))
-        add(("ep", "all_to_all"), all_to_all_bytes(kept, ep, data_rank, config.n_embd, e))
+    m = len(kept_by_microbatch)
+    for j, layers in enumerate(kept_by_microbatch):
+        if c == 1:
+            runs = [1] * n_data
+        else:  # data rank d's rows of microbatch j: expert_parallel_run.microbatch_samples
+            a, b = shard_range(batch_size, m, j)
+            runs = [routing_runs(n, seq_len, c, q, cp_algo) for n in shard_sizes(b - a, n_data)
+                    for q in range(c)]
+        for kept in layers:
+            add(("data", "all_gather"), routed_counts_all_gather_bytes(config, runs, group))
+            add(("ep", "all_to_all"), all_to_all_bytes(kept, ep, group, config.n_embd, e, c))
+    if c > 1:
+        n_layers = sum(len(stage_layers(config.n_layer, p * chunks, v * p + r)) for v in range(chunks))
+        for b in rows:
+            for key, moved in cp_attention_bytes(config, n_layers, b, seq_len, c, j_cp, cp_algo).items():
+                add(key, moved)
     if p > 1:
-        p2p = (2 * chunks - (r == 0) - (r == p - 1)) * sum(rows) * seq_len * config.n_embd * e
+        p2p = (2 * chunks - (r == 0) - (r == p - 1)) * sum(rows) * Ta * config.n_embd * e
         add(("pp", "isend"), cost.Bytes(p2p, 0))
         add(("pp", "irecv"), cost.Bytes(0, p2p))
         if r in (0, p - 1):
@@ -198,11 +270,12 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
         add(("pp", "all_reduce"), cost.all_reduce_bytes(3, p, r, 8))  # the losses
     dense = sum(n for name, n in numels.items() if ".mlp.experts." not in name)
     experts = sum(numels.values()) - dense
-    if n_data > 1:
-        add(("data", "all_reduce"), cost.all_reduce_bytes(dense, n_data, data_rank, g))
-    if dp > 1 and experts:
-        add(("dp", "all_reduce"), cost.all_reduce_bytes(experts, dp, coords["dp"], g))
-    add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data, data_rank, 8))  # the losses
+    if n_data * c > 1:
+        add(("data", "all_reduce"), cost.all_reduce_bytes(dense, n_data * c, group, g))
+    if dp * c > 1 and experts:  # over the copies of this rank's experts: dp, or dp x cp
+        axis = "dp" if c == 1 else "dp_cp"
+        add((axis, "all_reduce"), cost.all_reduce_bytes(experts, dp * c, coords["dp"] * c + j_cp, g))
+    add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data * c, group, 8))  # the losses
     if config.dtype == "float16":  # the overflow flag
         for axis, size in (("pp", p), ("ep", ep)):
             if size > 1:
