@@ -222,7 +222,9 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
             params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
             mine = [routings[tuple(i)] for i in ids if tuple(i) in routings]  # microbatch order
             aux, z = router_shares(mine)  # this rank's shares; the loss counts them too
-            shares = pp.all_reduce(np.array([loss + aux + z, aux, z]), tag="loss.pp:report")
+            shares = np.array([loss + aux + z, aux, z])
+            if pp.size > 1:  # one stage (cp without pp) holds the whole loss already
+                shares = pp.all_reduce(shares, tag="loss.pp:report")
             totals = data.all_reduce(shares, tag="loss")
         run.steps.append(step_record(step, loss, mine, start, totals))
         if on_step is not None:
