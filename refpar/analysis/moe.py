@@ -41,7 +41,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from refpar.analysis.intra_layer import RankShape, _ring_calls, _ulysses_calls, zigzag_lengths
+from refpar.analysis.engine import cp_tokens
+from refpar.analysis.intra_layer import RankShape, _ring_calls, _ulysses_calls
 from refpar.comm import cost
 from refpar.model.gpt import param_shapes
 from refpar.model.moe import capacity, expert_param_shapes, expert_prefix
@@ -95,13 +96,6 @@ def routing_runs(rows: int, seq_len: int, cp: int, cp_rank: int, cp_algo: str | 
 def routed_counts_all_gather_bytes(config, runs: list[int], rank: int) -> cost.Bytes:
     """The all-gather of one (k, E) int64 count per run, `runs[g]` runs on group rank g."""
     return cost.all_gather_bytes([r * config.moe_top_k * config.moe_experts for r in runs], rank, 8)
-
-
-def cp_tokens(seq_len: int, cp: int, cp_algo: str | None) -> list[int]:
-    """Ta of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
-    if cp == 1:
-        return [seq_len]
-    return zigzag_lengths(seq_len, cp) if (cp_algo or "ring") == "ring" else shard_sizes(seq_len, cp)
 
 
 def cp_attention_bytes(config, n_layers: int, rows: int, seq_len: int, cp: int, cp_rank: int,
