@@ -1,35 +1,47 @@
-"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep.
+"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep x cp.
 
     mpiexec -n 4 python -m refpar train --mesh pp=2,ep=2 --moe-experts 4 --microbatches 2 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --moe-topk 2 \
         --schedule 1f1b --microbatches 4 --check
+    mpiexec -n 4 python -m refpar train --mesh ep=2,cp=2 --cp-algo ring --moe-experts 4 --check
 
-Legend: B global batch, M microbatches, D = dp x ep data ranks of a stage, b_j rows of this rank's
-part of microbatch j, T sequence, C channels, E experts.
+Legend: B global batch, M microbatches, D = dp x ep data ranks of a stage, c cp size, b_j rows of
+this rank's part of microbatch j, T sequence, Ta this cp rank's positions, C channels, E experts.
 
 Layout (Megatron-Core's): every pipeline stage's ranks form the expert-parallel runner's dp x ep
 grid of data ranks (data rank d = dp rank * ep + ep rank, in batch order; refpar/parallel/
-expert_parallel.py). A rank holds its stages' dense weights whole and, of each MoE block in them,
-the experts of its ep rank. One step composes the strategies' own pieces:
+expert_parallel.py), each split over c cp ranks by position (group rank d * c + cp rank: the mesh
+order pp, dp, ep, cp puts cp innermost). A rank holds its stages' dense weights whole and, of each
+MoE block in them, the experts of its ep rank; cp ranks hold the same weights. One step composes
+the strategies' own pieces:
 
     pipeline   engine.EngineExecutor walks schedule[pp rank] (any schedule it runs); each stage
                is a `MoEStage`, the engine's stage (tensor_parallel's pieces, on whole blocks here)
                with the expert-parallel layer in the MoE blocks; B is the whole backward (an
                expert's all-to-alls carry input and weight gradients together, so schedules that
                split B from W run, but gain nothing here).
-               Activations (b_j, T, C) go to the same (dp, ep) rank of the next stage.
-    ep         inside each MoE block, ExpertParallelMoE: the selection counts all-gathered over the
-               stage's D data ranks, tokens to their experts and back by all-to-all over ep
+               Activations (b_j, Ta, C) go to the same (dp, ep, cp) rank of the next stage.
+    cp         the stages' attention is context_parallel's ring (zig-zag chunks) or Ulysses core on
+               engine.layout_for's cp layout, every other piece (the MoE blocks too) runs on this
+               rank's Ta positions of its rows
+    ep         inside each MoE block, ExpertParallelMoE: the selection counts of each run of
+               consecutive tokens (one per data rank without cp; with cp the runs of positions of
+               each row, `expert_parallel.token_runs`) all-gathered over the stage's D x c ranks,
+               put in global order from the microbatch's rows and the cp layout (computed by every
+               rank, nothing sent for it), tokens to their experts and back by all-to-all over ep
     microbatch global microbatch j is the slice shard_range(B, M, j) of the batch, cut over the D
                data ranks (expert_parallel_run.microbatch_samples); it is routed on its own tokens
                and its router losses weigh 1/M (refpar/model/moe.py), so the single device with the
                same microbatches (expert_parallel_run.reference_run) is the reference
     tied wte   the executor's embedding group: first and last pp rank, per data rank
-    dp, ep     dense gradients summed over the stage's D data ranks, an expert's over dp
-    loss       the last stage's cross-entropy plus every stage's router-loss shares, summed over
-               pp, then over the data ranks
+    dp, ep, cp dense gradients summed over the stage's D x c ranks, an expert's over dp x cp (the
+               ranks holding copies of it: engine.zero_group's dp x cp plane, axis dp_cp; dp alone
+               without cp)
+    loss       the last stage's cross-entropy plus every stage's router-loss shares (each cp
+               rank's over its tokens), summed over pp, then over the D x c ranks
 
-tp and cp stay out: an expert would need its own tensor-parallel split (Megatron's expert tensor
+pp = 1 runs here too whenever the mesh has cp (one stage, the schedule's single-rank case). tp
+stays out: an expert would need its own tensor-parallel split (Megatron's expert tensor
 parallelism), which refpar does not write out; ZeRO stays out, as in the dp x ep runner.
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
@@ -47,11 +59,12 @@ import numpy as np
 
 from refpar import backend, checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine import EngineExecutor, TensorParallelStage, layout_for
+from refpar.engine import EngineExecutor, TensorParallelStage, layout_for, zero_group
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params
 from refpar.model.optim import optimizer_init, optimizer_step
-from refpar.parallel.expert_parallel import ExpertParallelMoE
+from refpar.parallel.context_parallel import check_cp, contiguous_positions, zigzag_positions
+from refpar.parallel.expert_parallel import ExpertParallelMoE, routing_runs, token_runs
 from refpar.parallel.expert_parallel_run import (
     MoERun,
     check_run,
@@ -71,7 +84,7 @@ from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.trainer import corpus_for
 
-AXES = ("pp", "dp", "ep")
+AXES = ("pp", "dp", "ep", "cp")
 
 
 @dataclass(frozen=True)
@@ -79,17 +92,21 @@ class MoEPipelineOptions:
     schedule: str = "1f1b"
     microbatches: int = 1
     chunks: int = 1  # v, model chunks per pipeline rank (interleaved-1f1b)
+    cp_algo: str | None = None  # ring (default) or ulysses, when the mesh has cp
 
 
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipelineOptions) -> None:
     """Every check of a MoE pipeline run, with no communication: each rank raises the same ConfigError."""
-    for axis in ("tp", "cp"):
-        if sizes.get(axis, 1) > 1:
-            raise ConfigError(f"MoE blocks run in pipeline stages over pp, dp and ep; {axis} would need "
-                              f"experts split within a rank, which refpar does not do: drop "
-                              f"{axis}={sizes[axis]}")
+    if sizes.get("tp", 1) > 1:
+        raise ConfigError(f"MoE blocks run in pipeline stages over pp, dp, ep and cp; tp would need "
+                          f"experts split within a rank, which refpar does not do: drop tp={sizes['tp']}")
+    c = sizes.get("cp", 1)
+    if opts.cp_algo is not None and c < 2:
+        raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
     train.check_model(model)
-    check_run(model, train, sizes, opts.microbatches, allowed=("pp",))
+    check_run(model, train, sizes, opts.microbatches, allowed=("pp", "cp"))
+    if c > 1:
+        check_cp(model, train.seq_len, c, opts.cp_algo or "ring", 1)
     p = sizes.get("pp", 1)
     build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
     stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
@@ -97,22 +114,32 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipel
 
 class MoEStage(TensorParallelStage):
     """The engine's stage (its embedding, blocks and head on layout `lay`) whose MoE blocks run
-    `moe` (ExpertParallelMoE). Each F files its MoE blocks' routing under the microbatch's sample
+    `moe` (ExpertParallelMoE). Each F routes the microbatch with its runs, `runs[sample ids]`
+    (expert_parallel.RoutingRuns), and files its MoE blocks' routing under the microbatch's sample
     ids in `routings` (shared by the rank's stages), for the step's record."""
 
     dense_only = False
 
-    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, moe, routings: dict):
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, moe, routings: dict,
+                 runs: dict):
         super().__init__(config, n_stages, stage, lay, moe)
-        self.routings = routings
+        self.routings, self.runs = routings, runs
 
     def forward(self, params, x, targets, drop, normalizer):
         """F: tokens (b, T) on the first stage or (b, Tl, C) -> (b, Tl, C), or the loss on the last."""
+        self.moe.runs = self.runs[drop.sample_ids]
         out, cache = super().forward(params, x, targets, drop, normalizer)
         for layer in self.layers:
             if layer in self.config.moe_blocks:
                 self.routings.setdefault(drop.sample_ids, {})[layer] = self.moe.last_routing[layer]
         return out, cache
+
+
+def cp_positions(seq_len: int, cp: int, rank: int, algo: str | None) -> np.ndarray:
+    """(Ta,) the positions cp rank `rank` holds of every row: the layout's (engine.layout_for)."""
+    if cp == 1:
+        return np.arange(seq_len)
+    return (zigzag_positions if (algo or "ring") == "ring" else contiguous_positions)(seq_len, cp, rank)
 
 
 @dataclass
@@ -129,20 +156,27 @@ class MoEPipelineRun(MoERun):
 def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipelineOptions,
                      on_step=None, *, save: str | None = None, save_every: int | None = None,
                      resume: str | None = None) -> MoEPipelineRun:
-    """Trains `train.steps` steps on `mesh` (pp, dp, ep), or from the checkpoint `resume` (any
-    mesh's, MoE runs with and without pp alike); with `save`, checkpoints every `save_every` steps
-    and after the last. `on_step(MoEStep)` after each step."""
+    """Trains `train.steps` steps on `mesh` (pp, dp, ep, cp), or from the checkpoint `resume` (any
+    mesh's, MoE runs with and without pp or cp alike); with `save`, checkpoints every `save_every`
+    steps and after the last. `on_step(MoEStep)` after each step."""
     validate(model, train, mesh.sizes, opts)
-    m, pp, world = opts.microbatches, mesh.pp, mesh.world
-    # This stage's dp x ep ranks in batch order: world ranks are laid (pp, dp, ep), so within one pp
-    # coordinate the world rank order is d = dp rank * ep + ep rank.
+    m, pp, world, c = opts.microbatches, mesh.pp, mesh.world, mesh.sizes.get("cp", 1)
+    # This stage's dp x ep x cp ranks in batch order: world ranks are laid (pp, dp, ep, cp, tp), so
+    # within one pp coordinate the world rank order is d * c + cp rank, d = dp rank * ep + ep rank.
     data = world.split(mesh.coords["pp"], key=world.rank, axis="data")
-    layer = ExpertParallelMoE(data, mesh.ep, model, weight=1 / m)
+    layer = ExpertParallelMoE(data, mesh.ep, model, weight=1 / m, cp=c)
     ledger = MemoryLedger()
     routings: dict[tuple, dict] = {}  # sample ids of a microbatch -> layer -> routing
-    lay = layout_for(model, train.seq_len, mesh)  # whole blocks on whole sequences (no tp, no cp)
+    lay = layout_for(model, train.seq_len, mesh, cp_algo=opts.cp_algo)  # whole blocks, cp's tokens
+    B, T, n_data = train.batch_size, train.seq_len, data.size // c
+    held = [cp_positions(T, c, r, opts.cp_algo) for r in range(c)]  # (Ta,) of each cp rank
+    runs = {}  # sample ids of this rank's part of microbatch j -> its RoutingRuns
+    for j in range(m):
+        rows = [microbatch_samples(B, m, n_data, d, j) for d in range(n_data)]
+        every = [token_runs(rows[g // c], held[g % c], T) for g in range(data.size)]
+        runs[tuple(rows[data.rank // c])] = routing_runs(every, data.rank)
     executor = EngineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, lay, ledger,
-                              lambda c, n, s, lay: MoEStage(c, n, s, lay, layer, routings))
+                              lambda cfg, n, s, lay: MoEStage(cfg, n, s, lay, layer, routings, runs))
     full = init_params(model, train.seed)  # drawn whole, then this rank keeps its stages' part
     params = backend.current().from_host(local_params(
         {n: full[n] for n in executor.param_names()}, model, mesh.sizes["ep"], mesh.coords["ep"]))
@@ -161,8 +195,8 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
-    B, T = train.batch_size, train.seq_len
-    ids = [list(microbatch_samples(B, m, data.size, data.rank, j)) for j in range(m)]
+    ids = [list(microbatch_samples(B, m, n_data, data.rank // c, j)) for j in range(m)]
+    copies = zero_group(mesh)  # the ranks holding this rank's experts: dp, or dp x cp
     run = MoEPipelineRun(first_step=start_step, rows=[len(i) for i in ids])
     tracer = world.tracer
     for step in range(start_step, train.steps):
@@ -177,8 +211,8 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
             with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
                 loss, grads = executor.step(params, mbs, step=step, seed=train.seed, normalizer=B * T,
                                             dloss=scale)
-            reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep ranks
-            reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
+            reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep x cp ranks
+            reduce_grads(grads, experts, copies, "experts:grad")  # over the copies of each expert
             skip = False
             if scaler is not None:
                 skip = overflow_anywhere(grads, differ)
@@ -188,7 +222,9 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
             params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
             mine = [routings[tuple(i)] for i in ids if tuple(i) in routings]  # microbatch order
             aux, z = router_shares(mine)  # this rank's shares; the loss counts them too
-            shares = pp.all_reduce(np.array([loss + aux + z, aux, z]), tag="loss.pp:report")
+            shares = np.array([loss + aux + z, aux, z])
+            if pp.size > 1:  # one stage (cp without pp) holds the whole loss already
+                shares = pp.all_reduce(shares, tag="loss.pp:report")
             totals = data.all_reduce(shares, tag="loss")
         run.steps.append(step_record(step, loss, mine, start, totals))
         if on_step is not None:

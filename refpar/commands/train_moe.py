@@ -3,9 +3,11 @@
     mpiexec -n 4 refpar train --mesh ep=4 --moe-experts 4 --moe-topk 2 --capacity-factor 1.0 --check
     mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --moe-topk 1 --dropless --json
     mpiexec -n 8 refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --microbatches 2 --check
+    mpiexec -n 4 refpar train --mesh ep=2,cp=2 --cp-algo ulysses --moe-experts 4 --check
 
 `refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`: over
-dp x ep to refpar/parallel/expert_parallel_run.py, with pp to refpar/engine_moe.py. Besides the
+dp x ep to refpar/parallel/expert_parallel_run.py, with pp or cp (--cp-algo ring or ulysses) to
+refpar/engine_moe.py. Besides the
 usual report it prints, per step, the router losses, the dropped assignments and how many
 assignments each expert kept (with pp: the routing of every block after the run); `--json` adds
 them under "moe". With --microbatches M each microbatch routes on its own tokens (refpar/model/moe.py).
@@ -23,7 +25,8 @@ import numpy as np
 STATE_KEYS = ("params", "grads", "master", "optimizer")  # the categories with closed forms in MoE runs
 PIPELINE_KEYS = (*STATE_KEYS, "activations")  # with pp: the F caches' bytes too (the ep runner has none)
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"),
-             ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"))
+             ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"),
+             ("cp", "isend"), ("cp", "irecv"), ("cp", "all_to_all"), ("dp_cp", "all_reduce"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,16 +69,18 @@ OTHER_OPTIONS = {"zero": 0, "fsdp": False, "sp": False, "cp_algo": None, "schedu
                  "chunks": None, "overlap": False, "bucket_kb": None, "prefetch": False}
 
 
-def check_options(args, pipelined: bool = False) -> None:
+def check_options(args, pipelined: bool = False, cp: bool = False) -> None:
     from refpar.config import ConfigError
 
     for name, default in OTHER_OPTIONS.items():
         value = getattr(args, name, default)
-        if value != default and not (pipelined and name in ("schedule", "chunks")):
+        if value != default and not (pipelined and name in ("schedule", "chunks")) \
+                and not (cp and name == "cp_algo"):
             flag = "--" + name.replace("_", "-")
-            hint = " or add pp=2 or more to --mesh" if name in ("schedule", "chunks") else ""
-            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over pp, dp and ep "
-                              f"only, so drop {flag}{hint}")
+            hint = {"schedule": " or add pp=2 or more to --mesh", "chunks": " or add pp=2 or more to --mesh",
+                    "cp_algo": " or add cp=2 or more to --mesh"}.get(name, "")
+            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over pp, dp, ep "
+                              f"and cp only, so drop {flag}{hint}")
 
 
 def _rel(a, b) -> float:
@@ -115,13 +120,15 @@ def run_cli(model, train, sizes, args) -> int:
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for
 
-    m, pipelined = args.microbatches, sizes["pp"] > 1
-    check_options(args, pipelined)
+    # pp or cp: refpar/engine_moe.py (with cp, pp = 1 is a one-stage pipeline)
+    m, c = args.microbatches, sizes.get("cp", 1)
+    check_options(args, sizes["pp"] > 1, c > 1)
+    pipelined = sizes["pp"] > 1 or c > 1
     opts = None
     if pipelined:
         kind = args.schedule or "1f1b"
         v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
-        opts = MoEPipelineOptions(kind, m, v)
+        opts = MoEPipelineOptions(kind, m, v, args.cp_algo)
         validate(model, train, sizes, opts)
     else:
         check_run(model, train, sizes, m)
@@ -145,8 +152,10 @@ def run_cli(model, train, sizes, args) -> int:
         f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
         + " ".join(f"{list(owned_experts(model.moe_experts, ep, q))}" for q in range(ep)))
     if pipelined:
+        cp_text = f", {opts.cp_algo or 'ring'} attention over cp={c}" if c > 1 else ""
         say(f"pipeline: {opts.schedule} over pp={sizes['pp']} with {opts.chunks} chunk(s) per rank, "
-            f"{m} microbatches; each stage's dp x ep ranks route its MoE blocks")
+            f"{m} microbatches{cp_text}; each stage's dp x ep{' x cp' if c > 1 else ''} ranks route "
+            f"its MoE blocks")
         say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7}")
     else:
         say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert "
@@ -192,7 +201,8 @@ def run_cli(model, train, sizes, args) -> int:
         if pipelined:
             step_bytes = moe_analysis.pipeline_step_comm_bytes(
                 model, mesh.sizes, mesh.coords, opts.chunks, run.rows, train.seq_len,
-                [list(k.values()) for k in s.microbatch_kept_counts], 4 if train.fp32_grads else None)
+                [list(k.values()) for k in s.microbatch_kept_counts], 4 if train.fp32_grads else None,
+                opts.cp_algo, train.batch_size)
         else:
             step_bytes = moe_analysis.step_comm_bytes(
                 model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()],
@@ -207,7 +217,7 @@ def run_cli(model, train, sizes, args) -> int:
                                                    train.optimizer, train.fp32_grads)
         states["activations"] = moe_analysis.pipeline_activation_peak(
             model, train, mesh.sizes, mesh.coords, opts.schedule, m, opts.chunks, run.rows,
-            [s.microbatch_kept_counts for s in run.steps])
+            [s.microbatch_kept_counts for s in run.steps], opts.cp_algo)
     else:
         states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer, m,
                                                 train.fp32_grads)
