@@ -1,45 +1,61 @@
-"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep x tp (and --sp).
+"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep x cp, or pp x dp x ep x tp (and
+--sp).
 
     mpiexec -n 4 python -m refpar train --mesh pp=2,ep=2 --moe-experts 4 --microbatches 2 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --moe-topk 2 \
         --schedule 1f1b --microbatches 4 --check
+    mpiexec -n 4 python -m refpar train --mesh ep=2,cp=2 --cp-algo ring --moe-experts 4 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,ep=2,tp=2 --sp --moe-experts 4 --microbatches 2 --check
 
-Legend: B global batch, M microbatches, D = dp x ep data ranks of a stage, b_j rows of this rank's
-part of microbatch j, T sequence, C channels, E experts.
+Legend: B global batch, M microbatches, D = dp x ep data ranks of a stage, c cp size, b_j rows of
+this rank's part of microbatch j, T sequence, Ta this cp rank's positions, Tl the residual
+stream's (Ta, or shard_range(T, t, rank) under sp), C channels, E experts, t tp size.
 
-Layout (Megatron-Core's): every pipeline stage's ranks of one tp coordinate form the
-expert-parallel runner's dp x ep grid of data ranks (data rank d = dp rank * ep + ep rank, in batch
-order; refpar/parallel/expert_parallel.py). A rank holds the tp shard (tensor_parallel.
-tp_param_slices) of its stages' dense weights and, of each MoE block in them, of the experts of its
-ep rank. One step composes the strategies' own pieces:
+Layout (Megatron-Core's): every pipeline stage's ranks form the expert-parallel runner's dp x ep
+grid of data ranks (data rank d = dp rank * ep + ep rank, in batch order; refpar/parallel/
+expert_parallel.py), each split over c cp ranks by position (group rank d * c + cp rank: the mesh
+order pp, dp, ep, cp puts cp innermost), the ranks of one tp coordinate only (`data_group`). A rank
+holds the tp shard (tensor_parallel.tp_param_slices; whole without tp) of its stages' dense
+weights and, of each MoE block in them, of the experts of its ep rank; cp ranks hold the same
+weights. One step composes the strategies' own pieces:
 
     pipeline   engine.EngineExecutor walks schedule[pp rank] (any schedule it runs); each stage
                is a `MoEStage`, the engine's stage (tensor_parallel's pieces, on whole blocks here)
                with the expert-parallel layer in the MoE blocks; B is the whole backward (an
                expert's all-to-alls carry input and weight gradients together, so schedules that
                split B from W run, but gain nothing here).
-               Activations (b_j, Tl, C) go to the same (dp, ep, tp) rank of the next stage.
+               Activations (b_j, Tl, C) go to the same (dp, ep, cp, tp) rank of the next stage.
+    cp         the stages' attention is context_parallel's ring (zig-zag chunks) or Ulysses core on
+               engine.layout_for's cp layout, every other piece (the MoE blocks too) runs on this
+               rank's Ta positions of its rows
     tp         attention, embedding and head are the engine's tensor-parallel pieces (f/g, or the
                sp pair); the MoE layer runs replicated over tp outside its experts, each expert a
                tensor-parallel MLP (refpar/parallel/expert_tensor_parallel.py: one all-reduce of
                the expert buffer forward and one backward; under sp the layer all-gathers the
                sequence around itself). Routing, all-to-alls and the data ranks' sums run among
                the ranks of one tp coordinate
-    ep         inside each MoE block, ExpertParallelMoE: the selection counts all-gathered over the
-               stage's D data ranks, tokens to their experts and back by all-to-all over ep
+    ep         inside each MoE block, ExpertParallelMoE: the selection counts of each run of
+               consecutive tokens (one per data rank without cp; with cp the runs of positions of
+               each row, `expert_parallel.token_runs`) all-gathered over the stage's D x c ranks,
+               put in global order from the microbatch's rows and the cp layout (computed by every
+               rank, nothing sent for it), tokens to their experts and back by all-to-all over ep
     microbatch global microbatch j is the slice shard_range(B, M, j) of the batch, cut over the D
                data ranks (expert_parallel_run.microbatch_samples); it is routed on its own tokens
                and its router losses weigh 1/M (refpar/model/moe.py), so the single device with the
                same microbatches (expert_parallel_run.reference_run) is the reference
     tied wte   the executor's embedding group: first and last pp rank, per data rank
-    dp, ep     dense gradients summed over the stage's D data ranks, an expert's over dp
+    dp, ep, cp dense gradients summed over the stage's D x c ranks, an expert's over dp x cp (the
+               ranks holding copies of it: engine.zero_group's dp x cp plane, axis dp_cp; dp alone
+               without cp)
     sp         the sequence-sharded LayerNorms' and attention biases' gradients summed over tp (the
                MoE layer's, router and expert c_proj.bias, are the same on every tp rank already)
-    loss       the last stage's cross-entropy plus every stage's router-loss shares, summed over
-               pp, then over the data ranks (every tp rank holds the whole loss)
+    loss       the last stage's cross-entropy plus every stage's router-loss shares (each cp
+               rank's over its tokens), summed over pp, then over the D x c ranks (every tp rank
+               holds the whole loss)
 
-cp stays out (its ranks would route parts of a sequence); ZeRO stays out, as in the dp x ep runner.
+pp = 1 runs here too whenever the mesh has cp or tp (one stage, the schedule's single-rank case).
+cp and tp do not combine here (the MoE layer would route runs of positions gathered over tp);
+ZeRO stays out, as in the dp x ep runner.
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
@@ -58,11 +74,12 @@ import numpy as np
 
 from refpar import backend, checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine import EngineExecutor, TensorParallelStage, layout_for
+from refpar.engine import EngineExecutor, TensorParallelStage, layout_for, zero_group
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params
 from refpar.model.optim import optimizer_init, optimizer_step
-from refpar.parallel.expert_parallel import ExpertParallelMoE
+from refpar.parallel.context_parallel import check_cp, contiguous_positions, zigzag_positions
+from refpar.parallel.expert_parallel import ExpertParallelMoE, routing_runs, token_runs
 from refpar.parallel.expert_parallel_run import (
     MoERun,
     check_run,
@@ -85,7 +102,7 @@ from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.trainer import corpus_for
 
-AXES = ("pp", "dp", "ep", "tp")
+AXES = ("pp", "dp", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -93,17 +110,22 @@ class MoEPipelineOptions:
     schedule: str = "1f1b"
     microbatches: int = 1
     chunks: int = 1  # v, model chunks per pipeline rank (interleaved-1f1b)
+    cp_algo: str | None = None  # ring (default) or ulysses, when the mesh has cp
     sp: bool = False  # sequence parallelism over tp
 
 
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipelineOptions) -> None:
     """Every check of a MoE pipeline run, with no communication: each rank raises the same ConfigError."""
-    if sizes.get("cp", 1) > 1:
-        raise ConfigError(f"MoE blocks run in pipeline stages over pp, dp, ep and tp; cp would route "
-                          f"parts of sequences, which refpar does not do: drop cp={sizes['cp']}")
+    c, t = sizes.get("cp", 1), sizes.get("tp", 1)
+    if c > 1 and t > 1:
+        raise ConfigError(f"MoE blocks run over cp or over tp, not both: the MoE layer would route runs "
+                          f"of positions gathered over tp, which refpar does not do; drop tp={t} or cp={c}")
+    if opts.cp_algo is not None and c < 2:
+        raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
     train.check_model(model)
-    check_run(model, train, sizes, opts.microbatches, allowed=("pp", "tp"))
-    t = sizes.get("tp", 1)
+    check_run(model, train, sizes, opts.microbatches, allowed=("pp", "cp", "tp"))
+    if c > 1:
+        check_cp(model, train.seq_len, c, opts.cp_algo or "ring", 1)
     check_tp(model, t)
     if opts.sp:
         check_sp(model, train.seq_len, t)  # "give the mesh tp=2 or more", seq_len >= tp
@@ -114,22 +136,32 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipel
 
 class MoEStage(TensorParallelStage):
     """The engine's stage (its embedding, blocks and head on layout `lay`) whose MoE blocks run
-    `moe` (ExpertParallelMoE). Each F files its MoE blocks' routing under the microbatch's sample
+    `moe` (ExpertParallelMoE). Each F routes the microbatch with its runs, `runs[sample ids]`
+    (expert_parallel.RoutingRuns), and files its MoE blocks' routing under the microbatch's sample
     ids in `routings` (shared by the rank's stages), for the step's record."""
 
     dense_only = False
 
-    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, moe, routings: dict):
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, moe, routings: dict,
+                 runs: dict):
         super().__init__(config, n_stages, stage, lay, moe)
-        self.routings = routings
+        self.routings, self.runs = routings, runs
 
     def forward(self, params, x, targets, drop, normalizer):
         """F: tokens (b, T) on the first stage or (b, Tl, C) -> (b, Tl, C), or the loss on the last."""
+        self.moe.runs = self.runs[drop.sample_ids]
         out, cache = super().forward(params, x, targets, drop, normalizer)
         for layer in self.layers:
             if layer in self.config.moe_blocks:
                 self.routings.setdefault(drop.sample_ids, {})[layer] = self.moe.last_routing[layer]
         return out, cache
+
+
+def cp_positions(seq_len: int, cp: int, rank: int, algo: str | None) -> np.ndarray:
+    """(Ta,) the positions cp rank `rank` holds of every row: the layout's (engine.layout_for)."""
+    if cp == 1:
+        return np.arange(seq_len)
+    return (zigzag_positions if (algo or "ring") == "ring" else contiguous_positions)(seq_len, cp, rank)
 
 
 @dataclass
@@ -146,19 +178,28 @@ class MoEPipelineRun(MoERun):
 def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipelineOptions,
                      on_step=None, *, save: str | None = None, save_every: int | None = None,
                      resume: str | None = None) -> MoEPipelineRun:
-    """Trains `train.steps` steps on `mesh` (pp, dp, ep, tp), or from the checkpoint `resume` (any
-    mesh's, MoE runs with and without pp or tp alike); with `save`, checkpoints every `save_every`
-    steps and after the last. `on_step(MoEStep)` after each step."""
+    """Trains `train.steps` steps on `mesh` (pp, dp, ep, and cp or tp), or from the checkpoint
+    `resume` (any mesh's, MoE runs with and without pp, cp or tp alike); with `save`, checkpoints
+    every `save_every` steps and after the last. `on_step(MoEStep)` after each step."""
     validate(model, train, mesh.sizes, opts)
-    m, pp, world, t = opts.microbatches, mesh.pp, mesh.world, mesh.sizes["tp"]
+    m, pp, world, c = opts.microbatches, mesh.pp, mesh.world, mesh.sizes.get("cp", 1)
+    t = mesh.sizes["tp"]
     data = data_group(mesh)
-    lay = layout_for(model, train.seq_len, mesh, opts.sp)  # the engine's tp (or sp) layout
-    layer = (ExpertParallelMoE(data, mesh.ep, model, weight=1 / m) if t == 1 else
+    # whole blocks on cp's tokens, or the engine's tp (or sp) pieces
+    lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)
+    layer = (ExpertParallelMoE(data, mesh.ep, model, weight=1 / m, cp=c) if t == 1 else
              TensorParallelExpertMoE(data, mesh.ep, model, lay, opts.sp, weight=1 / m))
     ledger = MemoryLedger()
     routings: dict[tuple, dict] = {}  # sample ids of a microbatch -> layer -> routing
+    B, T, n_data = train.batch_size, train.seq_len, data.size // c
+    held = [cp_positions(T, c, r, opts.cp_algo) for r in range(c)]  # (Ta,) of each cp rank
+    runs = {}  # sample ids of this rank's part of microbatch j -> its RoutingRuns
+    for j in range(m):
+        rows = [microbatch_samples(B, m, n_data, d, j) for d in range(n_data)]
+        every = [token_runs(rows[g // c], held[g % c], T) for g in range(data.size)]
+        runs[tuple(rows[data.rank // c])] = routing_runs(every, data.rank)
     executor = EngineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, lay, ledger,
-                              lambda c, n, s, lay: MoEStage(c, n, s, lay, layer, routings))
+                              lambda cfg, n, s, lay: MoEStage(cfg, n, s, lay, layer, routings, runs))
     full = init_params(model, train.seed)  # drawn whole; this rank keeps its stages', experts', tp part
     mine = local_params({n: full[n] for n in executor.param_names()}, model, mesh.sizes["ep"],
                         mesh.coords["ep"])
@@ -172,7 +213,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     scaler = loss_scaler(model, train)  # fp16 only
     executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
     # stages, experts and tp shards differ; the dense sums agree
-    differ = [c for c in (pp, mesh.ep, mesh.tp) if c.size > 1]
+    differ = [comm for comm in (pp, mesh.ep, mesh.tp) if comm.size > 1]
     scales, skipped_steps = [], []
     start_step = 0 if resume is None else resume_from(
         resume, model, train, params, state, mesh.coords, scaler, m,
@@ -182,8 +223,8 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
-    B, T = train.batch_size, train.seq_len
-    ids = [list(microbatch_samples(B, m, data.size, data.rank, j)) for j in range(m)]
+    ids = [list(microbatch_samples(B, m, n_data, data.rank // c, j)) for j in range(m)]
+    copies = zero_group(mesh)  # the ranks holding this rank's experts: dp, or dp x cp
     run = MoEPipelineRun(first_step=start_step, rows=[len(i) for i in ids])
     tracer = world.tracer
     for step in range(start_step, train.steps):
@@ -199,8 +240,8 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
                 loss, grads = executor.step(params, mbs, step=step, seed=train.seed, normalizer=B * T,
                                             dloss=scale)
             reduce_grads(grads, sp_names, mesh.tp, "sp.replicated_grads:bwd")
-            reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep ranks
-            reduce_grads(grads, experts, mesh.dp, "experts:grad")  # over the copies of each expert
+            reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep x cp ranks
+            reduce_grads(grads, experts, copies, "experts:grad")  # over the copies of each expert
             skip = False
             if scaler is not None:
                 skip = overflow_anywhere(grads, differ)
@@ -210,8 +251,9 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
             params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
             mine = [routings[tuple(i)] for i in ids if tuple(i) in routings]  # microbatch order
             aux, z = router_shares(mine)  # this rank's shares; the loss counts them too
-            shares = np.array([loss + aux + z, aux, z])  # over pp when there are stages to sum
-            shares = pp.all_reduce(shares, tag="loss.pp:report") if pp.size > 1 else shares
+            shares = np.array([loss + aux + z, aux, z])
+            if pp.size > 1:  # one stage (cp without pp) holds the whole loss already
+                shares = pp.all_reduce(shares, tag="loss.pp:report")
             totals = data.all_reduce(shares, tag="loss")
         run.steps.append(step_record(step, loss, mine, start, totals))
         if on_step is not None:
@@ -229,8 +271,8 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
 
 
 def data_group(mesh):
-    """This stage's dp x ep data ranks of this rank's tp coordinate, in batch order: world ranks are
-    laid (pp, dp, ep, cp, tp), so within one (pp, tp) pair the world rank order is
+    """This stage's dp x ep x cp ranks of this rank's tp coordinate, in batch order: world ranks are
+    laid (pp, dp, ep, cp, tp), so within one (pp, tp) pair the world rank order is d * c + cp rank,
     d = dp rank * ep + ep rank. The routing exchange and the dense sums run over it."""
     color = mesh.coords["pp"] * mesh.sizes["tp"] + mesh.coords["tp"]
     return mesh.world.split(color, key=mesh.world.rank, axis="data")

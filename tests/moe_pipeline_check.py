@@ -57,21 +57,21 @@ def rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
-def train(model, train_cfg, mesh, schedule, m, v, **saving):
+def train(model, train_cfg, mesh, schedule, m, v, cp_algo=None, **saving):
     if schedule is None:
         return train_expert_parallel(model, train_cfg, mesh, microbatches=m, **saving)
-    return run_moe_pipeline(model, train_cfg, mesh, MoEPipelineOptions(schedule, m, v), **saving)
+    return run_moe_pipeline(model, train_cfg, mesh, MoEPipelineOptions(schedule, m, v, cp_algo), **saving)
 
 
 def all_ranks(comm, ok: bool) -> bool:
     return bool(comm.all_reduce(np.array([int(ok)]), op="min")[0])
 
 
-def check_run(comm, mesh_text, schedule, m, v, changes) -> dict:
+def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
     model = replace(MODEL, **changes)
     comm.tracer.clear()
     mesh = DeviceMesh(comm, parse_mesh(mesh_text))
-    run = train(model, TRAIN, mesh, schedule, m, v)
+    run = train(model, TRAIN, mesh, schedule, m, v, cp_algo)
     events = list(comm.tracer.events)
     ref = reference_run(model, TRAIN, microbatches=m)
     param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in run.params.items())]),
@@ -92,7 +92,8 @@ def check_run(comm, mesh_text, schedule, m, v, changes) -> dict:
         else:
             expected = moe_analysis.pipeline_step_comm_bytes(
                 model, mesh.sizes, mesh.coords, v, run.rows, TRAIN.seq_len,
-                [list(k.values()) for k in s.microbatch_kept_counts])
+                [list(k.values()) for k in s.microbatch_kept_counts], cp_algo=cp_algo,
+                batch_size=TRAIN.batch_size)
         bytes_ok &= traced == {key: (b.sent, b.recv) for key, b in expected.items()}
     if schedule is None:
         states = moe_analysis.model_state_bytes(model, mesh.sizes["ep"], mesh.coords["ep"],
@@ -102,11 +103,12 @@ def check_run(comm, mesh_text, schedule, m, v, changes) -> dict:
     if schedule is not None:  # what the F's caches keep until their B, replayed over the schedule
         states["activations"] = moe_analysis.pipeline_activation_peak(
             model, TRAIN, mesh.sizes, mesh.coords, schedule, m, v, run.rows,
-            [s.microbatch_kept_counts for s in run.steps])
+            [s.microbatch_kept_counts for s in run.steps], cp_algo)
     memory_ok = {c: run.ledger.peak[c] for c in states} == states
     a2a = sum(e.bytes_sent for e in events if e.op == "all_to_all")
     return {
-        "run": f"{mesh_text} {schedule or 'dp x ep runner'} m={m} v={v} {changes}",
+        "run": f"{mesh_text} {schedule or 'dp x ep runner'} m={m} v={v} {changes}"
+               + (f" {cp_algo}" if cp_algo else ""),
         "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
         "param_diff": param_diff,
         "aux_diff": max(abs(a.aux_loss - b.aux_loss) / b.aux_loss

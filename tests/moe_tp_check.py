@@ -58,7 +58,7 @@ def check_run(comm, mesh_text, sp, schedule, m, changes) -> dict:
     model = replace(MODEL, **changes)
     comm.tracer.clear()
     mesh = DeviceMesh(comm, parse_mesh(mesh_text))
-    run = run_moe_pipeline(model, TRAIN, mesh, MoEPipelineOptions(schedule, m, 1, sp))
+    run = run_moe_pipeline(model, TRAIN, mesh, MoEPipelineOptions(schedule, m, 1, sp=sp))
     events = list(comm.tracer.events)
     ref = reference_run(model, TRAIN, microbatches=m)
     whole = full_params(run, model, mesh)
@@ -82,7 +82,7 @@ def check_run(comm, mesh_text, sp, schedule, m, changes) -> dict:
     states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, 1, TRAIN.optimizer)
     states["activations"] = moe_analysis.pipeline_activation_peak(
         model, TRAIN, mesh.sizes, mesh.coords, schedule, m, 1, run.rows,
-        [s.microbatch_kept_counts for s in run.steps], sp)
+        [s.microbatch_kept_counts for s in run.steps], sp=sp)
     memory_ok = {c: run.ledger.peak[c] for c in states} == states
     # this rank's expert-buffer all-reduces and sp gathers per MoE layer it runs, microbatch and step
     layers = len(run.steps[0].kept_counts) * m * TRAIN.steps
@@ -148,7 +148,7 @@ def check_resumes(comm, root: Path) -> list[dict]:
             mesh = DeviceMesh(group, parse_mesh(mesh_b) if mesh_b != "1" else {})
             exact_slices = reassembles_exactly(mesh, saved, train4)
             if mesh.sizes["tp"] > 1 or mesh.sizes["pp"] > 1:
-                resumed = run_moe_pipeline(MODEL, train4, mesh, MoEPipelineOptions("1f1b", 2, 1, sp),
+                resumed = run_moe_pipeline(MODEL, train4, mesh, MoEPipelineOptions("1f1b", 2, 1, sp=sp),
                                            resume=str(saved))
             else:
                 resumed = train_expert_parallel(MODEL, train4, mesh, microbatches=2, resume=str(saved))

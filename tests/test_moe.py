@@ -196,3 +196,51 @@ def test_routing_a_batch_in_parts_keeps_what_one_device_keeps(k, dropless):
     np.testing.assert_array_equal(np.concatenate(keep), whole["keep"])
     assert (whole["dropped"] > 0) == (not dropless)
     assert abs(aux - whole["aux_loss"]) <= 1e-14 and abs(z - whole["z_loss"]) <= 1e-14
+
+
+@pytest.mark.parametrize("k, dropless", [(1, False), (2, False), (2, True)])
+def test_routing_interleaved_runs_across_parts_keeps_what_one_device_keeps(k, dropless):
+    """Three parts hold, of each of 4 rows of 6 tokens, runs of positions in zig-zag fashion (part
+    0 positions 0 and 5, part 1 positions 1-2, part 2 positions 3-4; part 0's run 5 of row b and
+    run 0 of row b+1 are one run), as context-parallel ranks do. Each routes only its own tokens,
+    seeing every run's counts in global order: every token's kept slots, each part's rows per
+    expert (kept_counts folded by owner), the drops and the losses are the single call's."""
+    config = cfg(moe_top_k=k, moe_capacity_factor=0.7, moe_dropless=dropless)
+    rows, seq = 4, 6
+    x = np.random.default_rng(14).standard_normal((rows * seq, C))
+    w = np.random.default_rng(15).standard_normal((C, 4))
+    whole, _ = moe.route(x, w, config)
+    held = [[0, 5], [1, 2], [3, 4]]  # positions of each part in every row
+    runs = []  # (global start, length, part) of maximal runs of consecutive global token indices
+    for part, positions in enumerate(held):
+        tokens = [b * seq + t for b in range(rows) for t in positions]
+        for g in tokens:
+            if runs and runs[-1][2] == part and runs[-1][0] + runs[-1][1] == g:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, part)
+            else:
+                runs.append((g, 1, part))
+    order = sorted(range(len(runs)), key=lambda i: runs[i][0])  # global order of the runs
+    place = {i: p for p, i in enumerate(order)}
+    owners = tuple(runs[i][2] for i in order)
+    assert sum(1 for r in runs if r[2] == 0) == rows + 1  # merged across rows: not per row
+    calls = []
+    for part in range(3):
+        mine = [i for i, r in enumerate(runs) if r[2] == part]
+        ids = np.concatenate([np.arange(runs[i][0], runs[i][0] + runs[i][1]) for i in mine])
+        parts = moe.Parts(tuple(runs[i][1] for i in mine), tuple(place[i] for i in mine), owners)
+        counts, _ = moe.route(x[ids], w, config, parts=parts)  # this part's runs' counts
+        calls.append((ids, parts, counts["selections"]))
+    every = np.zeros((len(runs), k, 4), dtype=np.int64)  # (P, k, E) what the all-gather assembles
+    for _, parts, counts in calls:
+        every[list(parts.index)] = counts
+    kept = moe.kept_counts(every, whole["capacity"], owners)  # (3, E)
+    keep, aux, z = np.zeros_like(whole["keep"]), 0.0, 0.0
+    for part, (ids, parts, _) in enumerate(calls):
+        routing, _ = moe.route(x[ids], w, config, exchange=lambda c, every=every: every, parts=parts)
+        keep[ids] = routing["keep"]
+        np.testing.assert_array_equal(routing["rows_per_expert"], kept[part])
+        aux, z = aux + routing["aux_loss"], z + routing["z_loss"]
+        assert routing["dropped"] == whole["dropped"]
+    np.testing.assert_array_equal(keep, whole["keep"])
+    assert (whole["dropped"] > 0) == (not dropless)
+    assert abs(aux - whole["aux_loss"]) <= 1e-14 and abs(z - whole["z_loss"]) <= 1e-14

@@ -23,17 +23,6 @@ stage's D data ranks, with the dense gradients of its stages only; and on pp: (2
 [r = p-1]) activations or input gradients of (b_j, T, C) each way per microbatch, wte (V, C)
 all-reduced by the first and the last rank, and the three loss numbers.
 
-With tp (t ranks, refpar/parallel/expert_tensor_parallel.py) a rank holds tp shards: the dense
-weights as tensor_parallel.tp_param_slices cuts them, each expert's c_fc and c_proj.weight divided
-by t (c_proj.bias whole), so every count of elements above (gradients, wte, memory) is of those
-shards. Routing, all-to-alls and the data ranks' sums are the same as without tp (each tp rank
-routes all its stage's tokens). On tp, per microbatch j and stage: the engine's tensor-parallel
-calls of attention, embedding and head over b_j rows (analysis.intra_layer; the dense MLP's calls
-left out of MoE blocks), and per MoE layer an all-reduce of the (Q, C) expert buffer forward and
-one backward, Q = the rows this rank's experts receive (sum over its ep group of K[d', e] over
-its own experts); under sp two all-gathers of (b_j, T, C) around the layer, activations on pp of
-(b_j, Tl, C), and one all-reduce per step of the sequence-sharded parameters' gradients.
-
 Activations in pipeline stages: a microbatch keeps, between its F and its B, what the dense
 engine's stage keeps (refpar.analysis.engine.microbatch_activation_bytes), except that in each MoE
 block the MLP's terms are replaced by what the MoE layer's cache keeps (`moe_cache_bytes`), a
@@ -42,6 +31,29 @@ it dispatches and the Q rows its experts receive, both from that microbatch's K 
 The rank's peak is the schedule's replay (schedules.stored) with those bytes per F, the largest
 over the steps (each step routes anew). Mixed precision: e = 2 bytes for the activations; the
 integer indices and counts stay int64, the two router losses float32.
+
+With context parallelism (c cp ranks, cp rank j holding Ta_j positions of each row, `ring` or
+`ulysses`) the routing group is the stage's D x c ranks (group rank d c + j, axis `data`): the
+counts' all-gather carries one (k, E) array per run of consecutive global tokens (`routing_runs`:
+1 per data rank without cp; under Ulysses one per row; under ring 2 per row, but rank 0's late
+chunk ends a row where its early chunk starts the next, b + 1 runs, and rank c-1's two chunks
+touch, b runs), the all-to-alls stay inside an ep group (same dp and cp rank), the dense gradients
+and the loss sum over D x c ranks, an expert's gradient over dp x c (axis `dp_cp`), the pipeline
+messages are (b_j, Ta_j, C), and each microbatch adds the stages' ring K/V hops or Ulysses'
+all-to-alls over cp (analysis.intra_layer's closed forms).
+
+With tp (t ranks, refpar/parallel/expert_tensor_parallel.py; not with cp) a rank holds tp shards:
+the dense weights as tensor_parallel.tp_param_slices cuts them, each expert's c_fc and
+c_proj.weight divided by t (c_proj.bias whole), so every count of elements above (gradients, wte,
+memory) is of those shards. Routing, all-to-alls and the data ranks' sums are the same as without
+tp, among the ranks of one tp coordinate (each tp rank routes all its stage's tokens). On tp, per
+microbatch j and stage: the engine's tensor-parallel calls of attention, embedding and head over
+b_j rows (analysis.intra_layer; the dense MLP's calls left out of MoE blocks), and per MoE layer
+an all-reduce of the (Q, C) expert buffer forward and one backward (Q from `dispatch_rows`);
+under sp two all-gathers of (b_j, T, C) around the layer, activations on pp of (b_j, Tl, C), and
+one all-reduce per step of the sequence-sharded parameters' gradients. Activations: the dense
+terms are the engine's tp (sp) ones, an expert's hidden width this tp rank's columns H of 4C, and
+under sp the router keeps the gathered (b_j, T, C) instead of ln_2's (b_j, Tl, C) shard.
 """
 
 from __future__ import annotations
@@ -51,8 +63,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from refpar.analysis.engine import microbatch_activation_bytes
-from refpar.analysis.intra_layer import RankShape, _tp_calls
+from refpar.analysis.engine import cp_tokens, microbatch_activation_bytes
+from refpar.analysis.intra_layer import RankShape, _ring_calls, _tp_calls, _ulysses_calls
 from refpar.comm import cost
 from refpar.config import MESH_AXES
 from refpar.engine import EngineOptions
@@ -69,21 +81,23 @@ def _owned(n_experts: int, ep: int, q: int) -> list[int]:
     return list(range(*shard_range(n_experts, ep, q)))
 
 
-def all_to_all_rows(kept, ep: int, data_rank: int) -> tuple[int, int]:
+def all_to_all_rows(kept, ep: int, data_rank: int, cp: int = 1) -> tuple[int, int]:
     """(A, B): rows data rank `data_rank` sends to and receives from the other ranks of its ep
-    group in one all-to-all pass (dispatch), from the (D, E) kept counts of one MoE layer."""
+    group in one all-to-all pass (dispatch), from the (D, E) kept counts of one MoE layer. With
+    cp > 1, `data_rank` is the group rank d c + j and kept is (D c, E); the group's members are
+    the ranks of the same cp rank j."""
     kept = np.asarray(kept)
-    q = data_rank % ep
-    base = data_rank - q
+    q = (data_rank // cp) % ep
+    members = [data_rank + (s - q) * cp for s in range(ep)]
     mine = _owned(kept.shape[1], ep, q)
     sent = int(kept[data_rank].sum() - kept[data_rank, mine].sum())
-    received = int(sum(kept[base + s, mine].sum() for s in range(ep) if s != q))
+    received = int(sum(kept[members[s], mine].sum() for s in range(ep) if s != q))
     return sent, received
 
 
-def all_to_all_bytes(kept, ep: int, data_rank: int, n_embd: int, itemsize: int) -> cost.Bytes:
+def all_to_all_bytes(kept, ep: int, data_rank: int, n_embd: int, itemsize: int, cp: int = 1) -> cost.Bytes:
     """Exact ep all-to-all bytes of one MoE layer in one step (forward and backward)."""
-    A, B = all_to_all_rows(kept, ep, data_rank)
+    A, B = all_to_all_rows(kept, ep, data_rank, cp)
     both = 2 * (A + B) * n_embd * itemsize
     return cost.Bytes(both, both)
 
@@ -92,6 +106,51 @@ def counts_all_gather_bytes(config, n_data: int, data_rank: int) -> cost.Bytes:
     """The all-gather of every data rank's (k, E) int64 selection counts, one per MoE layer."""
     per_rank = config.moe_top_k * config.moe_experts
     return cost.all_gather_bytes([per_rank] * n_data, data_rank, 8)
+
+
+def routing_runs(rows: int, seq_len: int, cp: int, cp_rank: int, cp_algo: str | None) -> int:
+    """Runs of consecutive global tokens a rank holding `rows` consecutive rows routes: 1 without
+    cp, `rows` under Ulysses and on ring's last rank (its chunks c-1 and c touch), `rows` + 1 on
+    ring's rank 0 (its late chunk ends each row where its early chunk starts the next), 2 `rows`
+    on ring's other ranks."""
+    if cp == 1:
+        return 1
+    if (cp_algo or "ring") == "ulysses" or cp_rank == cp - 1:
+        return rows
+    return rows + 1 if cp_rank == 0 else 2 * rows
+
+
+def exchange_runs(batch_size: int, microbatches: int, j: int, n_data: int, seq_len: int, cp: int,
+                  cp_algo: str | None) -> list[int]:
+    """Runs each member of the routing exchange (group rank d c + cp rank) routes in microbatch j:
+    1 per data rank without cp, else `routing_runs` of data rank d's rows of microbatch j
+    (expert_parallel_run.microbatch_samples)."""
+    if cp == 1:
+        return [1] * n_data
+    a, b = shard_range(batch_size, microbatches, j)
+    return [routing_runs(n, seq_len, cp, q, cp_algo) for n in shard_sizes(b - a, n_data)
+            for q in range(cp)]
+
+
+def routed_counts_all_gather_bytes(config, runs: list[int], rank: int) -> cost.Bytes:
+    """The all-gather of one (k, E) int64 count per run, `runs[g]` runs on group rank g."""
+    return cost.all_gather_bytes([r * config.moe_top_k * config.moe_experts for r in runs], rank, 8)
+
+
+def cp_attention_bytes(config, n_layers: int, rows: int, seq_len: int, cp: int, cp_rank: int,
+                       cp_algo: str | None) -> dict:
+    """{(cp, op): Bytes} of ring attention's K/V hops or Ulysses' all-to-alls in `n_layers`
+    blocks for one microbatch of `rows` rows, forward and backward (analysis.intra_layer)."""
+    tokens = cp_tokens(seq_len, cp, cp_algo)
+    shape = RankShape(B=rows, T=seq_len, Ta=tokens[cp_rank], Tl=tokens[cp_rank], t=1, c=cp,
+                      nh=config.n_head, V=config.vocab_size, e=np.dtype(config.dtype).itemsize,
+                      cp_tokens=tuple(tokens), cp_rank=cp_rank)
+    blocks = replace(config, n_layer=n_layers, moe_layers=None)
+    out = {}
+    for call in (_ring_calls if (cp_algo or "ring") == "ring" else _ulysses_calls)(blocks, shape):
+        old = out.get((call.axis, call.op), cost.Bytes(0, 0))
+        out[(call.axis, call.op)] = cost.Bytes(old.sent + call.bytes_sent, old.recv + call.bytes_recv)
+    return out
 
 
 def expected_all_to_all_bytes(config, tokens_per_rank: int, n_data: int, ep: int,
@@ -174,8 +233,9 @@ def model_state_bytes(config, ep: int, ep_rank: int, optimizer: str, microbatche
 # ------------------------------------------------------------------- MoE in pipeline stages
 def rank_param_numels(config, sizes: dict[str, int], coords: dict[str, int], chunks: int = 1
                       ) -> dict[str, int]:
-    """Elements of each parameter the rank at `coords` holds in a pp x dp x ep x tp run: of its
-    stages' dense weights and, of their MoE blocks, of the experts of its ep rank, the tp shards."""
+    """Elements of each parameter the rank at `coords` holds in a pp x dp x ep (x tp) run: of its
+    stages' dense weights and, of their MoE blocks, of the experts of its ep rank, the tp shards
+    (whole without tp)."""
     p, ep = sizes.get("pp", 1), sizes.get("ep", 1)
     names = {n for c in range(chunks) for n in stage_param_names(config, p * chunks, c * p + coords["pp"])}
     mine = tuple(expert_prefix(i, e) + "." for i in config.moe_blocks
@@ -204,31 +264,46 @@ def pipeline_state_bytes(config, sizes: dict[str, int], coords: dict[str, int], 
 
 def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
                              rows: list[int], seq_len: int, kept_by_microbatch: list[list],
-                             grad_itemsize: int | None = None, sp: bool = False) -> dict:
+                             grad_itemsize: int | None = None, cp_algo: str | None = None,
+                             batch_size: int | None = None, sp: bool = False) -> dict:
     """{(axis, op): Bytes} of one step of a MoE pipeline on the rank at `coords`; `rows` its b_j,
-    `kept_by_microbatch[j]` the (D, E) kept counts of each MoE layer of its stages in microbatch j.
+    `kept_by_microbatch[j]` the (D c, E) kept counts of each MoE layer of its stages in microbatch j.
     Gradients move in their dtype (`grad_itemsize`, default the model's); fp16 adds the overflow
-    flag (one float32) over pp, ep and tp, the axes whose ranks hold different gradients."""
-    p, dp, ep, t = sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("ep", 1), sizes.get("tp", 1)
-    r, n_data, data_rank = coords["pp"], dp * ep, coords["dp"] * ep + coords["ep"]
+    flag (one float32) over pp, ep and tp, the axes whose ranks hold different gradients. With cp
+    (`cp_algo`), `batch_size` B gives every data rank's rows, which set its runs' count; `sp`:
+    sequence parallelism over tp."""
+    p, dp, ep, c = sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("ep", 1), sizes.get("cp", 1)
+    t = sizes.get("tp", 1)
+    j_cp = coords.get("cp", 0)
+    r, n_data = coords["pp"], dp * ep
+    group = (coords["dp"] * ep + coords["ep"]) * c + j_cp  # rank in the stage's D x c ranks
     e = np.dtype(config.dtype).itemsize
     g = grad_itemsize or e
     numels = rank_param_numels(config, sizes, coords, chunks)
+    Ta = cp_tokens(seq_len, c, cp_algo)[j_cp]
     out = {}
 
     def add(key, b):
         old = out.get(key, cost.Bytes(0, 0))
         out[key] = cost.Bytes(old.sent + b.sent, old.recv + b.recv)
 
-    for kept in (k for layers in kept_by_microbatch for k in layers):
-        add(("data", "all_gather"), counts_all_gather_bytes(config, n_data, data_rank))
-        add(("ep", "all_to_all"), all_to_all_bytes(kept, ep, data_rank, config.n_embd, e))
+    m = len(kept_by_microbatch)
+    for j, layers in enumerate(kept_by_microbatch):
+        runs = exchange_runs(batch_size, m, j, n_data, seq_len, c, cp_algo)
+        for kept in layers:
+            add(("data", "all_gather"), routed_counts_all_gather_bytes(config, runs, group))
+            add(("ep", "all_to_all"), all_to_all_bytes(kept, ep, group, config.n_embd, e, c))
+    if c > 1:
+        n_layers = sum(len(stage_layers(config.n_layer, p * chunks, v * p + r)) for v in range(chunks))
+        for b in rows:
+            for key, moved in cp_attention_bytes(config, n_layers, b, seq_len, c, j_cp, cp_algo).items():
+                add(key, moved)
     if t > 1:
         for key, b in tensor_parallel_step_bytes(config, sizes, coords, chunks, rows, seq_len,
                                                  kept_by_microbatch, g, sp).items():
             add(key, b)
     if p > 1:
-        Tl = shard_sizes(seq_len, t)[coords.get("tp", 0)] if sp else seq_len
+        Tl = shard_sizes(Ta, t)[coords.get("tp", 0)] if sp else Ta
         p2p = (2 * chunks - (r == 0) - (r == p - 1)) * sum(rows) * Tl * config.n_embd * e
         add(("pp", "isend"), cost.Bytes(p2p, 0))
         add(("pp", "irecv"), cost.Bytes(0, p2p))
@@ -237,11 +312,12 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
         add(("pp", "all_reduce"), cost.all_reduce_bytes(3, p, r, 8))  # the losses
     dense = sum(n for name, n in numels.items() if ".mlp.experts." not in name)
     experts = sum(numels.values()) - dense
-    if n_data > 1:
-        add(("data", "all_reduce"), cost.all_reduce_bytes(dense, n_data, data_rank, g))
-    if dp > 1 and experts:
-        add(("dp", "all_reduce"), cost.all_reduce_bytes(experts, dp, coords["dp"], g))
-    add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data, data_rank, 8))  # the losses
+    if n_data * c > 1:
+        add(("data", "all_reduce"), cost.all_reduce_bytes(dense, n_data * c, group, g))
+    if dp * c > 1 and experts:  # over the copies of this rank's experts: dp, or dp x cp
+        axis = "dp" if c == 1 else "dp_cp"
+        add((axis, "all_reduce"), cost.all_reduce_bytes(experts, dp * c, coords["dp"] * c + j_cp, g))
+    add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data * c, group, 8))  # the losses
     if config.dtype == "float16":  # the overflow flag
         for axis, size in (("pp", p), ("ep", ep), ("tp", t)):
             if size > 1:
@@ -253,15 +329,16 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
 INDEX_BYTES = 8  # routing's indices and counts: int64, argsort's and the counts' dtype
 
 
-def dispatch_rows(kept, ep: int, data_rank: int) -> tuple[int, int]:
-    """(R, Q) of one MoE layer from its (D, E) kept counts: the rows data rank `data_rank`
-    dispatches (every assignment it keeps, its own experts' included) and the rows its experts
-    receive (from every member of its ep group, itself included)."""
+def dispatch_rows(kept, ep: int, data_rank: int, cp: int = 1) -> tuple[int, int]:
+    """(R, Q) of one MoE layer from its (D c, E) kept counts: the rows exchange rank `data_rank`
+    (d c + cp rank) dispatches (every assignment it keeps, its own experts' included) and the rows
+    its experts receive (from every member of its ep group, itself included: the ranks of its dp
+    and cp coordinates, c apart)."""
     kept = np.asarray(kept)
-    q = data_rank % ep
-    base = data_rank - q
+    q = (data_rank // cp) % ep
+    members = [data_rank + (o - q) * cp for o in range(ep)]
     mine = _owned(kept.shape[1], ep, q)
-    return int(kept[data_rank].sum()), int(kept[base:base + ep, mine].sum())
+    return int(kept[data_rank].sum()), int(kept[np.ix_(members, mine)].sum())
 
 
 def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: int, El: int,
@@ -306,41 +383,54 @@ def mlp_activation_bytes(model, tokens: int, H: int | None = None) -> int:
 
 
 def moe_microbatch_activation_bytes(model, train, sizes: dict, coords: dict, stage: int,
-                                    n_stages: int, b: int, kept_by_layer: dict, sp: bool = False) -> int:
+                                    n_stages: int, b: int, kept_by_layer: dict, runs: int | None = None,
+                                    cp_algo: str | None = None, sp: bool = False) -> int:
     """What one microbatch of b rows keeps on the rank at `coords` of `stage` between its F and
-    its B: the dense engine's closed form (tp, sp: its tensor-parallel pieces) with, in each MoE
-    block of the stage, the MLP's terms replaced by `moe_cache_bytes` from that block's (D, E)
-    kept counts in this microbatch (`kept_by_layer`: layer -> counts, as
-    MoEStep.microbatch_kept_counts[j]), each expert's hidden width this tp rank's columns. Under
-    sp the MoE layer keeps the gathered (b, T, C) its router read instead of ln_2's (b, Tl, C)
-    shard, which the dense block's c_fc would keep."""
+    its B: the dense engine's closed form (with cp: on this cp rank's Ta tokens, ring or Ulysses)
+    with, in each MoE block of the stage, the MLP's terms replaced by `moe_cache_bytes` from that
+    block's (D c, E) kept counts in this microbatch (`kept_by_layer`: layer -> counts, as
+    MoEStep.microbatch_kept_counts[j]); `runs`: the runs every member of the exchange routes
+    together (`exchange_runs`; default D, one per data rank). With tp (`sp`: and sequence
+    parallelism) the dense terms are the engine's tensor-parallel ones and each expert's hidden
+    width is this tp rank's columns; under sp the MoE layer keeps the gathered (b, T, C) its router
+    read instead of ln_2's (b, Tl, C) shard, which the dense block's c_fc would keep."""
     sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
     coords = {a: coords.get(a, 0) for a in MESH_AXES}
-    # no cp: whole sequences (gathered over tp around the MoE layer under sp)
-    n = microbatch_activation_bytes(model, train, sizes, coords, stage, n_stages, b, EngineOptions(sp=sp))
-    ep, D, t = sizes["ep"], sizes["dp"] * sizes["ep"], sizes["tp"]
+    c, t = sizes["cp"], sizes["tp"]
+    # whole blocks or tp's pieces, on whole sequences or this cp rank's tokens
+    n = microbatch_activation_bytes(model, train, sizes, coords, stage, n_stages, b,
+                                    EngineOptions(sp=sp, cp_algo=cp_algo if c > 1 else None))
+    ep, D = sizes["ep"], sizes["dp"] * sizes["ep"]
     El = len(_owned(model.moe_experts, ep, coords["ep"]))
-    T, C, e = train.seq_len, model.n_embd, np.dtype(model.dtype).itemsize
-    N, H = b * T, shard_sizes(4 * C, t)[coords["tp"]]
+    Ta = cp_tokens(train.seq_len, c, cp_algo)[coords["cp"]]
+    N, e, C = b * Ta, np.dtype(model.dtype).itemsize, model.n_embd
+    H = shard_sizes(4 * C, t)[coords["tp"]]  # 4C without tp
+    group = (coords["dp"] * ep + coords["ep"]) * c + coords["cp"]  # this rank in the exchange
     for layer in stage_layers(model.n_layer, n_stages, stage):
         if layer in model.moe_blocks:
-            R, Q = dispatch_rows(kept_by_layer[layer], ep, coords["dp"] * ep + coords["ep"])
-            parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, C, R, Q, D, ep, El, e, H)
-            if sp:  # the gathered sequence for the router's ln_2 shard
-                parts["sequence"] = (N - b * shard_sizes(T, t)[coords["tp"]]) * C * e
+            R, Q = dispatch_rows(kept_by_layer[layer], ep, group, c)
+            parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, C, R, Q,
+                                    D if runs is None else runs, ep, El, e, H)
+            if sp:  # the gathered sequence for the router, ln_2's shard not kept
+                parts["sequence"] = (N - b * shard_sizes(Ta, t)[coords["tp"]]) * C * e
             n += sum(parts.values()) - mlp_activation_bytes(model, N, H)
     return n
 
 
 def pipeline_activation_peak(model, train, sizes: dict, coords: dict, schedule: str,
                              microbatches: int, chunks: int, rows: list[int],
-                             kept_by_step: list[list[dict]], sp: bool = False) -> int:
+                             kept_by_step: list[list[dict]], cp_algo: str | None = None,
+                             sp: bool = False) -> int:
     """Peak activation bytes of the rank at `coords` of a MoE pipeline: per step, the replay of the
     schedule (schedules.stored) with what each of its F keeps until the B (B hands W gradients, no
     activations), the largest over the steps. `rows`: its b_j; `kept_by_step[s][j]`: layer -> (D,
     E) kept counts of microbatch j in step s (MoEStep.microbatch_kept_counts; empty on a rank
-    whose stages hold no MoE block); `sp`: sequence parallelism over tp."""
+    whose stages hold no MoE block); `cp_algo`: ring or ulysses when the mesh has cp; `sp`:
+    sequence parallelism over tp."""
     p, r = sizes.get("pp", 1), coords["pp"]
+    D, c = sizes.get("dp", 1) * sizes.get("ep", 1), sizes.get("cp", 1)
+    runs = [sum(exchange_runs(train.batch_size, microbatches, j, D, train.seq_len, c, cp_algo))
+            for j in range(microbatches)]
     plan = build(schedule, p, microbatches, chunks)
     where, S = layout(plan).stage_rank, p * chunks
     peak = 0
@@ -350,7 +440,7 @@ def pipeline_activation_peak(model, train, sizes: dict, coords: dict, schedule: 
                 return 0
             return moe_microbatch_activation_bytes(model, train, sizes, coords, a.stage, S,
                                                    rows[a.microbatch], kept[a.microbatch] if kept else {},
-                                                   sp)
+                                                   runs[a.microbatch], cp_algo, sp)
         peak = max(peak, max(stored(plan, after_f, lambda a: 0)[r], default=0))
     return peak
 

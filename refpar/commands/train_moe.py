@@ -3,16 +3,18 @@
     mpiexec -n 4 refpar train --mesh ep=4 --moe-experts 4 --moe-topk 2 --capacity-factor 1.0 --check
     mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --moe-topk 1 --dropless --json
     mpiexec -n 8 refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --microbatches 2 --check
+    mpiexec -n 4 refpar train --mesh ep=2,cp=2 --cp-algo ulysses --moe-experts 4 --check
     mpiexec -n 4 refpar train --mesh ep=2,tp=2 --sp --moe-experts 4 --check
 
 `refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`: over
-dp x ep to refpar/parallel/expert_parallel_run.py, with pp or tp to refpar/engine_moe.py. Besides the
-usual report it prints, per step, the router losses, the dropped assignments and how many
-assignments each expert kept (with pp: the routing of every block after the run); `--json` adds
-them under "moe". With --microbatches M each microbatch routes on its own tokens (refpar/model/moe.py).
-Peak memory per rank is compared with the closed forms of refpar/analysis/moe.py: params, grads,
-masters and moments, and with pp or tp the activations too (what each F's cache keeps, MoE blocks'
-routing and expert buffers included, replayed over the schedule).
+dp x ep to refpar/parallel/expert_parallel_run.py, with pp, cp (--cp-algo ring or ulysses) or tp
+(--sp) to refpar/engine_moe.py. Besides the usual report it prints, per step, the router losses,
+the dropped assignments and how many assignments each expert kept (with pp: the routing of every
+block after the run); `--json` adds them under "moe". With --microbatches M each microbatch routes
+on its own tokens (refpar/model/moe.py). Peak memory per rank is compared with the closed forms of
+refpar/analysis/moe.py: params, grads, masters and moments, and with pp, cp or tp the activations
+too (what each F's cache keeps, MoE blocks' routing and expert buffers included, replayed over the
+schedule).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import argparse
 import numpy as np
 
 STATE_KEYS = ("params", "grads", "master", "optimizer")  # the categories with closed forms in MoE runs
-PIPELINE_KEYS = (*STATE_KEYS, "activations")  # pp or tp: the F caches' bytes too (the ep runner has none)
+PIPELINE_KEYS = (*STATE_KEYS, "activations")  # engine_moe: the F caches' bytes too (the ep runner has none)
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"),
              ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"),
+             ("cp", "isend"), ("cp", "irecv"), ("cp", "all_to_all"), ("dp_cp", "all_reduce"),
              ("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"))
 
 
@@ -63,24 +66,25 @@ def model_overrides(args) -> dict:
 
 
 # Options of the other strategies' runners (their defaults mean "not asked for"): a MoE run takes
-# none of them, and says so rather than ignore one; --schedule and --chunks only with pp, --sp only
-# with tp.
+# none of them, and says so rather than ignore one; --schedule and --chunks only with pp, --cp-algo
+# only with cp, --sp only with tp.
 OTHER_OPTIONS = {"zero": 0, "fsdp": False, "sp": False, "cp_algo": None, "schedule": None,
                  "chunks": None, "overlap": False, "bucket_kb": None, "prefetch": False}
 
 
-def check_options(args, pipelined: bool = False, tensor_parallel: bool = False) -> None:
+def check_options(args, pipelined: bool = False, cp: bool = False, tp: bool = False) -> None:
     from refpar.config import ConfigError
 
     for name, default in OTHER_OPTIONS.items():
         value = getattr(args, name, default)
-        if value != default and not (pipelined and name in ("schedule", "chunks")
-                                     or tensor_parallel and name == "sp"):
+        if value != default and not (pipelined and name in ("schedule", "chunks")) \
+                and not (cp and name == "cp_algo") and not (tp and name == "sp"):
             flag = "--" + name.replace("_", "-")
             hint = {"schedule": " or add pp=2 or more to --mesh", "chunks": " or add pp=2 or more to --mesh",
-                    "sp": " or add tp=2 or more to --mesh"}.get(name, "")
-            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over pp, dp, ep "
-                              f"and tp only, so drop {flag}{hint}")
+                    "cp_algo": " or add cp=2 or more to --mesh", "sp": " or add tp=2 or more to --mesh"
+                    }.get(name, "")
+            raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over pp, dp, ep, "
+                              f"cp and tp only, so drop {flag}{hint}")
 
 
 def _rel(a, b) -> float:
@@ -120,14 +124,15 @@ def run_cli(model, train, sizes, args) -> int:
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for
 
-    m, pipelined, t = args.microbatches, sizes["pp"] > 1, sizes.get("tp", 1)
-    staged = pipelined or t > 1  # engine_moe's stages: pipeline stages, tensor-parallel pieces
-    check_options(args, pipelined, t > 1)
+    # pp, cp or tp: refpar/engine_moe.py (with cp or tp, pp = 1 is a one-stage pipeline)
+    m, c, t = args.microbatches, sizes.get("cp", 1), sizes.get("tp", 1)
+    check_options(args, sizes["pp"] > 1, c > 1, t > 1)
+    pipelined = sizes["pp"] > 1 or c > 1 or t > 1
     opts = None
-    if staged:
+    if pipelined:
         kind = args.schedule or "1f1b"
         v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
-        opts = MoEPipelineOptions(kind, m, v, sp=bool(getattr(args, "sp", False)))
+        opts = MoEPipelineOptions(kind, m, v, args.cp_algo, sp=bool(getattr(args, "sp", False)))
         validate(model, train, sizes, opts)
     else:
         check_run(model, train, sizes, m)
@@ -150,12 +155,14 @@ def run_cli(model, train, sizes, args) -> int:
     say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
         f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
         + " ".join(f"{list(owned_experts(model.moe_experts, ep, q))}" for q in range(ep)))
-    if t > 1:
-        say(f"tensor parallelism over tp={t}{' with sequence parallelism' if opts.sp else ''}: each "
-            f"expert's c_fc split by columns and c_proj by rows; routing replicated over tp")
     if pipelined:
+        cp_text = f", {opts.cp_algo or 'ring'} attention over cp={c}" if c > 1 else ""
+        if t > 1:
+            cp_text = (f", tensor parallelism over tp={t}{' with sp' if opts.sp else ''} (each expert's "
+                       f"c_fc split by columns and c_proj by rows, routing replicated over tp)")
         say(f"pipeline: {opts.schedule} over pp={sizes['pp']} with {opts.chunks} chunk(s) per rank, "
-            f"{m} microbatches; each stage's dp x ep ranks route its MoE blocks")
+            f"{m} microbatches{cp_text}; each stage's dp x ep{' x cp' if c > 1 else ''} ranks route "
+            f"its MoE blocks")
         say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7}")
     else:
         say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert "
@@ -166,7 +173,7 @@ def run_cli(model, train, sizes, args) -> int:
         say(f"{s.step + 1:>5} {s.loss:>8.4f} {s.aux_loss:>7.4f} {s.z_loss:>7.4f}{tail}")
 
     saving = {"save": args.save, "save_every": args.save_every, "resume": args.resume}
-    if staged:
+    if pipelined:
         run = run_moe_pipeline(model, train, mesh, opts, on_step=row, **saving)
         totals = run.totals
     else:
@@ -185,8 +192,8 @@ def run_cli(model, train, sizes, args) -> int:
         ref = reference_run(model, train, microbatches=m)
         ref_steps = ref.steps[run.first_step:]  # a resumed run has only the steps after its checkpoint
         loss_diff = max(abs(a.loss - b.loss) / abs(b.loss) for a, b in zip(run.steps, ref_steps, strict=True))
-        mine = full_params(run, model, mesh) if staged else run.params  # whole over tp
-        local_diff = max(_rel(p, ref.params[n]) for n, p in mine.items())
+        whole = full_params(run, model, mesh) if pipelined else run.params  # gathered over tp
+        local_diff = max(_rel(p, ref.params[n]) for n, p in whole.items())
         param_diff = float(comm.all_reduce(np.array([local_diff]), op="max")[0])
         same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                    for s, r in zip(run.steps, ref_steps, strict=True))
@@ -199,11 +206,11 @@ def run_cli(model, train, sizes, args) -> int:
 
     expected: dict = {}
     for s in run.steps:
-        if staged:
+        if pipelined:
             step_bytes = moe_analysis.pipeline_step_comm_bytes(
                 model, mesh.sizes, mesh.coords, opts.chunks, run.rows, train.seq_len,
                 [list(k.values()) for k in s.microbatch_kept_counts], 4 if train.fp32_grads else None,
-                opts.sp)
+                opts.cp_algo, train.batch_size, opts.sp)
         else:
             step_bytes = moe_analysis.step_comm_bytes(
                 model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()],
@@ -213,16 +220,16 @@ def run_cli(model, train, sizes, args) -> int:
             expected[key] = (old[0] + b.sent, old[1] + b.recv)
     mine = np.array([[*totals.get(k, (0, 0)), *expected.get(k, (0, 0))] for k in COMM_KEYS])
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
-    if staged:
+    if pipelined:
         states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, opts.chunks,
                                                    train.optimizer, train.fp32_grads)
         states["activations"] = moe_analysis.pipeline_activation_peak(
             model, train, mesh.sizes, mesh.coords, opts.schedule, m, opts.chunks, run.rows,
-            [s.microbatch_kept_counts for s in run.steps], opts.sp)
+            [s.microbatch_kept_counts for s in run.steps], opts.cp_algo, opts.sp)
     else:
         states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer, m,
                                                 train.fp32_grads)
-    keys = PIPELINE_KEYS if staged else STATE_KEYS
+    keys = PIPELINE_KEYS if pipelined else STATE_KEYS
     memory = comm.all_gather(np.array([[[run.ledger.peak[c], states[c]] for c in keys]]))
     trace_path = getattr(args, "trace", None)
     events = comm.gather_object(comm.tracer.events) if trace_path else None
@@ -241,16 +248,16 @@ def run_cli(model, train, sizes, args) -> int:
     n_data = mesh.sizes["dp"] * ep
     uniform = len(blocks) * m * moe_analysis.expected_all_to_all_bytes(
         model, tokens // n_data, n_data, ep, np.dtype(model.dtype).itemsize)
-    # the data ranks of one stage (all ranks without pp) of each tp coordinate between them run
-    # every block once
+    # the data ranks of one stage (all ranks without pp) between them run every block once
+    # (every tp rank of them sends the same rows again)
     measured = every[:, COMM_KEYS.index(("ep", "all_to_all")), 0].sum() / (
         len(run.steps) * n_data * mesh.sizes["tp"])
-    what = "per data rank and step, every MoE block" if staged else "per rank and step"
+    what = "per data rank and step, every MoE block" if pipelined else "per rank and step"
     say(f"ep all-to-all {what}: {measured:,.0f} bytes; uniform routing would send {uniform:,.0f}")
     memory_rows = [[{"rank": r, "category": c, "bytes": int(memory[r, i, j])}
                     for r in range(comm.size) for i, c in enumerate(keys)] for j in (0, 1)]
     kept = [i for i, c in enumerate(keys) if c != "master" or memory[:, i].any()]  # fp64: none
-    if staged:  # activations differ by rank and routing: each next to its closed form
+    if pipelined:  # activations differ by rank and routing: each next to its closed form
         say("peak memory per rank in bytes, measured | closed form:")
         for r in range(comm.size):
             say(f"  rank {r}: " + ", ".join(

@@ -35,18 +35,24 @@ Mixed precision: the router (softmax, gates, losses), `combine` and the backward
 under `fp32_compute` (refpar/precision.py), the experts through the fp32-computing layer pairs.
 
 Everything that depends on the rest of the global batch comes from the selection counts alone:
-`route` takes an `exchange(counts) -> all ranks' counts`, the identity here on one device and an
+`route` takes an `exchange(counts) -> every part's counts`, the identity here on one device and an
 all-gather under expert parallelism (refpar/parallel/expert_parallel.py), which also reuses
-`dispatch`, `experts_forward` and `combine`.
+`dispatch`, `experts_forward` and `combine`. A part is a run of consecutive global token indices:
+a data rank's rows (T tokens each, rows consecutive) are one, a context-parallel rank's positions
+of its rows are several (`Parts`), and a run's place in each expert's queue comes from the runs
+before it in global order.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import numpy as np
 from array_api_compat import array_namespace, device
 
 from refpar.model.layers import (
+    as_like,
     gelu_backward,
     gelu_forward,
     linear_backward,
@@ -114,10 +120,23 @@ def selection_counts(experts, n_experts: int):
     return xp.sum(hot, axis=0)  # (k, E)
 
 
+@dataclass(frozen=True)
+class Parts:
+    """Where one call's tokens lie in the global (micro)batch. The call's N tokens, in its order, are
+    runs of `sizes` tokens, each a run of consecutive global token indices b*T + t; `index[i]` is
+    run i's place among the runs of every part in global order (the order of `exchange`'s result).
+    `owners[p]`: the exchange rank holding run p (None: run p is rank p's), so that `kept_counts`
+    can add up what each rank sends."""
+
+    sizes: tuple[int, ...]
+    index: tuple[int, ...]
+    owners: tuple[int, ...] | None = None
+
+
 def queue_offsets(all_counts, rank: int):
-    """(ranks, k, E) counts of every rank holding a part of the global batch (in batch order) ->
-    (k, E): the assignments queued ahead of this rank's first slot-j choice of expert e, namely all
-    earlier slots' and the earlier ranks' slot-j ones."""
+    """(parts, k, E) counts of every part of the global batch (in batch order) -> (k, E): the
+    assignments queued ahead of part `rank`'s first slot-j choice of expert e, namely all earlier
+    slots' and the earlier parts' slot-j ones."""
     xp = array_namespace(all_counts)
     total = xp.sum(all_counts, axis=0)  # (k, E)
     earlier_slots = xp.cumulative_sum(total, axis=0) - total  # (k, E)
@@ -125,43 +144,62 @@ def queue_offsets(all_counts, rank: int):
     return earlier_slots + earlier_ranks
 
 
-def kept_counts(all_counts, cap):
-    """(ranks, k, E) selection counts -> (ranks, E) assignments each part keeps per expert: part r's
-    slot-j choices of e hold queue places [offset, offset + count), and those below `cap` stay."""
+def kept_counts(all_counts, cap, owners=None):
+    """(parts, k, E) selection counts -> (parts, E) assignments each part keeps per expert: part p's
+    slot-j choices of e hold queue places [offset, offset + count), and those below `cap` stay.
+    With `owners` (parts,) the parts are added up per owner: (ranks, E), ranks = max(owners) + 1."""
     xp = array_namespace(all_counts)
     if cap is None:
-        return xp.sum(all_counts, axis=1)
-    ranks = all_counts.shape[0]
-    start = xp.stack([queue_offsets(all_counts, r) for r in range(ranks)])  # (ranks, k, E)
-    room = xp.clip(cap - start, min=0)  # (ranks, k, E)
-    return xp.sum(xp.minimum(room, all_counts), axis=1)  # (ranks, E)
+        kept = xp.sum(all_counts, axis=1)  # (parts, E)
+    else:
+        parts = all_counts.shape[0]
+        start = xp.stack([queue_offsets(all_counts, r) for r in range(parts)])  # (parts, k, E)
+        room = xp.clip(cap - start, min=0)  # (parts, k, E)
+        kept = xp.sum(xp.minimum(room, all_counts), axis=1)  # (parts, E)
+    if owners is None:
+        return kept
+    owners = np.asarray(owners)
+    return xp.stack([xp.sum(xp.take(kept, as_like(np.flatnonzero(owners == r), kept), axis=0), axis=0)
+                     for r in range(int(owners.max()) + 1)])  # (ranks, E)
 
 
 @fp32_compute
-def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad_scale: float = 1.0):
+def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad_scale: float = 1.0,
+          parts: Parts | None = None):
     """Router forward and the routing decision for this call's tokens.
 
-    `exchange(counts (k, E)) -> (ranks, k, E)` gathers the selection counts of every part of the
-    global batch in batch order, `rank` is this part's index; by default this call is the whole
-    batch. `weight` weighs both router losses (1/M for one of M microbatches); `grad_scale` is the
-    fp16 loss scale the backward will start from: the router losses' gradients are scaled by it like
-    the task loss's, their reported values are not. Returns (routing, cache): routing is a dict with
-    the chosen `experts` (N, k), `gates` (N, k), `keep` (N, k), the buffer layout (`token_of_row`
-    (R,), `gate_of_row` (R,), `row` (N, k), `rows_per_expert` (E,) of this call), the losses
-    `aux_loss`, `z_loss` (this call's share of the global ones), the global `tokens_per_expert` (E,)
-    kept and `dropped` assignments, `capacity`, and `selections`, every part's counts (ranks, k, E).
+    `exchange(counts (runs, k, E)) -> (P, k, E)` gathers the selection counts of the runs of every
+    part of the global batch in global order; `parts` says which runs this call's tokens are (by
+    default one run, the `rank`-th: a data rank's rows without context parallelism); by default
+    this call is the whole batch. `weight` weighs both router losses (1/M for one of M
+    microbatches); `grad_scale` is the fp16 loss scale the backward will start from: the router
+    losses' gradients are scaled by it like the task loss's, their reported values are not.
+    Returns (routing, cache): routing is a dict with the chosen `experts` (N, k), `gates` (N, k),
+    `keep` (N, k), the buffer layout (`token_of_row` (R,), `gate_of_row` (R,), `row` (N, k),
+    `rows_per_expert` (E,) of this call), the losses `aux_loss`, `z_loss` (this call's share of the
+    global ones), the global `tokens_per_expert` (E,) kept and `dropped` assignments, `capacity`,
+    `selections`, every run's counts (P, k, E), and `owners`, `parts.owners`.
     """
     xp = array_namespace(x2, w)
     N, E, k = x2.shape[0], config.moe_experts, config.moe_top_k
     probs, lse, experts, chosen, gates, lin_cache = router_forward(x2, w, k)
-    counts = selection_counts(experts, E)  # (k, E)
-    all_counts = counts[None, ...] if exchange is None else exchange(counts)  # (ranks, k, E)
+    parts = Parts((N,), (rank,)) if parts is None else parts
+    hot = one_hot(experts, E, xp.int64)  # (N, k, E)
+    # Earlier selections of this call: cum[n] counts tokens 0..n-1, so a run's counts are the
+    # difference of cum at its ends, and a token's place within its run cum[n] - cum[run start].
+    cum = xp.cumulative_sum(hot, axis=0, include_initial=True)  # (N+1, k, E)
+    ends = np.cumsum(parts.sizes)  # (runs,) host
+    starts = as_like(ends - np.asarray(parts.sizes), hot)  # (runs,)
+    at_start = xp.take(cum, starts, axis=0)  # (runs, k, E)
+    counts = xp.take(cum, as_like(ends, hot), axis=0) - at_start  # (runs, k, E)
+    all_counts = counts if exchange is None else exchange(counts)  # (P, k, E)
     selected = xp.sum(all_counts, axis=(0, 1))  # (E,) global selections per expert
     n_global = int(xp.sum(selected)) // k
     cap = capacity(n_global, config)
 
-    hot = one_hot(experts, E, xp.int64)  # (N, k, E)
-    ahead = xp.cumulative_sum(hot, axis=0) - hot + queue_offsets(all_counts, rank)  # (N, k, E)
+    offsets = xp.stack([queue_offsets(all_counts, p) for p in parts.index])  # (runs, k, E)
+    run_of = as_like(np.repeat(np.arange(len(parts.sizes)), parts.sizes), hot)  # (N,)
+    ahead = cum[:-1, ...] + xp.take(offsets - at_start, run_of, axis=0)  # (N, k, E)
     position = xp.sum(ahead * hot, axis=-1)  # (N, k): place in the expert's global queue
     keep = position >= 0 if cap is None else position < cap  # (N, k)
 
@@ -192,7 +230,8 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
         "tokens_per_expert": kept_global,  # (E,) global
         "dropped": int(xp.sum(selected - kept_global)),
         "capacity": cap,
-        "selections": all_counts,  # (ranks, k, E) of every part of the global batch
+        "selections": all_counts,  # (P, k, E) of every run of the global batch
+        "owners": parts.owners,  # (P,) the exchange rank of each run, or None: run p is rank p's
     }
     if grad_scale != 1.0:  # the losses above stay unscaled; their gradients, like the rest, scale
         aux_coef, z_coef = aux_coef * grad_scale, z_coef * grad_scale

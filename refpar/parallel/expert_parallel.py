@@ -26,9 +26,22 @@ all-to-all's receive sizes before it starts.
 
 Per MoE layer and step: one all-gather of counts (data axis), four all-to-alls on ep (dispatch and
 combine forward, and the same two backward), shown by the tags `h.{i}.mlp.experts:dispatch` etc.
+
+With context parallelism (refpar/engine_moe.py) each data rank's rows are split over c cp ranks
+by position, so the exchange group is the dp x ep x cp ranks (group rank d * c + cp rank, cp
+innermost) and a rank's tokens are no longer one contiguous block of the global order: of each
+of its rows it holds runs of positions (two zig-zag chunks under ring attention, one chunk under
+Ulysses). Routing then works on runs (`token_runs`, maximal runs of consecutive global token
+indices b*T + t): each rank all-gathers one (k, E) count per run, and each run's queue offset
+comes from the runs before it in global order (`moe.Parts`). The global order of the runs is
+computed by every rank from the microbatch's rows and the cp layout, without communication
+(`RoutingRuns`): the all-gather carries only counts, and without cp a data rank's rows are one
+run, so the exchange is the dp x ep runner's. The all-to-alls stay on ep (same dp and cp rank).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from array_api_compat import array_namespace
@@ -36,6 +49,7 @@ from array_api_compat import array_namespace
 from refpar import backend
 from refpar.config import ConfigError
 from refpar.model import moe
+from refpar.model.layers import as_like
 from refpar.sharding import shard_range
 
 
@@ -52,6 +66,11 @@ def check_expert_parallel(config, ep: int) -> None:
 def owned_experts(n_experts: int, ep: int, ep_rank: int) -> range:
     """The experts ep rank `ep_rank` holds: a contiguous `shard_range` of 0..E-1."""
     return range(*shard_range(n_experts, ep, ep_rank))
+
+
+def _take_rows(a, order):
+    """Rows `order` of a, in a's namespace and on its device."""
+    return array_namespace(a).take(a, as_like(np.asarray(order), a), axis=0)
 
 
 def _split_rows(buf, sizes):
@@ -77,22 +96,65 @@ def _source_major(buf, counts):
     return [xp.concat([rows[e * S + s] for e in range(El)], axis=0) for s in range(S)]
 
 
+def token_runs(sample_ids, positions, seq_len: int) -> list[tuple[int, int]]:
+    """The maximal runs (first global token index, length) of consecutive global token indices
+    s * T + t among rows `sample_ids` (ascending) at `positions` (ascending), in that order: the
+    order of the tokens of a (rows, positions) batch flattened."""
+    runs: list[tuple[int, int]] = []
+    for s in sample_ids:
+        for t in positions:
+            g = int(s) * seq_len + int(t)
+            if runs and sum(runs[-1]) == g:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((g, 1))
+    return runs
+
+
+@dataclass(frozen=True)
+class RoutingRuns:
+    """The runs of one global microbatch over the exchange group: `parts`, this rank's runs for
+    moe.route; `per_rank`, how many runs each group rank holds (the all-gather's counts); `order`,
+    the runs as gathered (group rank by group rank) in global order."""
+
+    parts: moe.Parts
+    per_rank: tuple[int, ...]
+    order: tuple[int, ...]
+
+
+def routing_runs(runs_by_rank: list[list[tuple[int, int]]], rank: int) -> RoutingRuns:
+    """`runs_by_rank[g]`: group rank g's `token_runs`; the RoutingRuns of group rank `rank`."""
+    gathered = [(start, g, n) for g, runs in enumerate(runs_by_rank) for start, n in runs]
+    order = sorted(range(len(gathered)), key=lambda i: gathered[i][0])  # global order
+    place = {i: p for p, i in enumerate(order)}
+    first = sum(len(r) for r in runs_by_rank[:rank])
+    mine = range(first, first + len(runs_by_rank[rank]))
+    parts = moe.Parts(tuple(gathered[i][2] for i in mine), tuple(place[i] for i in mine),
+                      tuple(gathered[i][1] for i in order))
+    return RoutingRuns(parts, tuple(len(r) for r in runs_by_rank), tuple(order))
+
+
 class ExpertParallelMoE:
     """refpar.model.moe's layer with the experts spread over `ep`; pass it to `block_forward` as
-    `moe`. `data` is the communicator over all dp x ep ranks in batch order, `ep` the one over this
-    rank's ep group. After each forward, `last_routing[layer]` holds that layer's routing.
-    `weight`: the router losses' weight, 1/M when a step has M microbatches; `grad_scale`: the fp16
-    loss scale the next backward starts from (both as in moe.route)."""
+    `moe`. `data` is the communicator over all dp x ep (x cp) ranks in batch order (cp innermost,
+    `cp` of them per data rank), `ep` the one over this rank's ep group. After each forward,
+    `last_routing[layer]` holds that layer's routing. `weight`: the router losses' weight, 1/M when
+    a step has M microbatches; `grad_scale`: the fp16 loss scale the next backward starts from
+    (both as in moe.route); `runs`: the RoutingRuns of the microbatch the next forward routes (None:
+    each group rank's tokens are one run, the dp x ep runner's case; needed with cp > 1)."""
 
-    def __init__(self, data, ep, config, weight: float = 1.0, grad_scale: float = 1.0):
-        if data.rank % ep.size != ep.rank:
+    def __init__(self, data, ep, config, weight: float = 1.0, grad_scale: float = 1.0, cp: int = 1):
+        if (data.rank // cp) % ep.size != ep.rank:
             raise ValueError("the data ranks must list each ep group contiguously, in ep order")
         self.data, self.ep, self.config = data, ep, config
         self.weight, self.grad_scale = weight, grad_scale
         E = config.moe_experts
         self.owners = [owned_experts(E, ep.size, q) for q in range(ep.size)]
         self.local = self.owners[ep.rank]
-        self.group_base = data.rank - ep.rank  # data rank of this ep group's first member
+        # group ranks of this ep group's members (same dp and cp rank), in ep order
+        base = (data.rank // cp - ep.rank) * cp + data.rank % cp
+        self.members = [base + q * cp for q in range(ep.size)]
+        self.runs: RoutingRuns | None = None
         self.last_routing: dict[int, dict] = {}
 
     def experts_forward(self, xe, rows_per_expert, params, layer):
@@ -105,20 +167,26 @@ class ExpertParallelMoE:
         return moe.experts_backward(dye, ecache)
 
     def _exchange(self, layer):
-        def gather(counts):  # (k, E) -> (D, k, E)
-            return self.data.all_gather(counts[None, ...], tag=f"h.{layer}.mlp.router:counts")
+        runs = self.runs
+
+        def gather(counts):  # (runs, k, E) -> (P, k, E) in global order
+            got = self.data.all_gather(counts, tag=f"h.{layer}.mlp.router:counts",
+                                       counts=None if runs is None else list(runs.per_rank))
+            return got if runs is None else _take_rows(got, runs.order)
         return gather
 
     def forward(self, x, params, layer, config):
         xp = array_namespace(x)
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
+        parts = None if self.runs is None else self.runs.parts
         routing, rcache = moe.route(x2, params[moe.router_name(layer)], config,
                                     exchange=self._exchange(layer), rank=self.data.rank,
-                                    weight=self.weight, grad_scale=self.grad_scale)
-        kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"]))  # (D, E)
+                                    weight=self.weight, grad_scale=self.grad_scale, parts=parts)
+        kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"],
+                                               routing["owners"]))  # (group ranks, E)
         mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert
         send = [int(mine[list(self.owners[q])].sum()) for q in range(self.ep.size)]
-        recv = kept[self.group_base:self.group_base + self.ep.size, list(self.local)]  # (S, El)
+        recv = kept[np.ix_(self.members, list(self.local))]  # (S, El)
 
         xbuf = moe.dispatch(x2, routing)  # (R, C)
         tag = f"h.{layer}.mlp.experts"

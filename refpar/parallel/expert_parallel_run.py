@@ -65,7 +65,7 @@ class MoEStep:
     z_loss: float  # sum over MoE blocks of the router z-losses
     tokens_per_expert: dict[int, list[int]]  # layer -> assignments each expert kept
     dropped: dict[int, int]  # layer -> assignments dropped by the capacity
-    kept_counts: dict[int, np.ndarray]  # layer -> (D, E) kept per data rank and expert
+    kept_counts: dict[int, np.ndarray]  # layer -> (D, E) kept per data rank (x cp rank) and expert
     time_s: float
     # one dict per microbatch: layer -> (D, E) kept in that microbatch (they add up to kept_counts)
     microbatch_kept_counts: list[dict[int, np.ndarray]] = field(default_factory=list)
@@ -126,10 +126,12 @@ def microbatch_samples(batch_size: int, m: int, n_data: int, data_rank: int, j: 
 def checkpoint_arrays(params: dict, state: dict, coords: dict, saving: bool) -> list:
     """(checkpoint.Piece, array) for the whole tensors this rank holds, their AdamW moments and
     fp32 master weights (16-bit models).
-    Saving writes each element once: the dense weights from dp = ep = 0 (per pipeline stage; the
-    tied wte, on the first and the last stage, from pp rank 0 only), each expert from dp rank 0 of
-    the ep rank (and stage) holding it."""
+    Saving writes each element once: the dense weights from dp = ep = cp = 0 (per pipeline stage;
+    the tied wte, on the first and the last stage, from pp rank 0 only), each expert from dp rank 0
+    and cp rank 0 of the ep rank (and stage) holding it (cp ranks hold the same weights)."""
     def writes(n: str) -> bool:
+        if coords.get("cp", 0):
+            return False
         if ".mlp.experts." in n:
             return coords.get("dp", 0) == 0
         return coords.get("dp", 0) == coords.get("ep", 0) == 0 and not (
@@ -192,8 +194,8 @@ def step_record(step, loss, routings: list[dict], start, totals=None) -> MoEStep
     the whole batch."""
     if totals is None:
         totals = (loss, *router_shares(routings))
-    kept = [{i: backend.to_host(kept_counts(r["selections"], r["capacity"])) for i, r in rs.items()}
-            for rs in routings]
+    kept = [{i: backend.to_host(kept_counts(r["selections"], r["capacity"], r["owners"]))
+             for i, r in rs.items()} for rs in routings]
     layers = list(routings[0]) if routings else []  # a pipeline stage may hold no MoE block
     return MoEStep(
         step=step, loss=float(totals[0]), aux_loss=float(totals[1]), z_loss=float(totals[2]),

@@ -1,0 +1,79 @@
+"""MoE with context parallelism (refpar/engine_moe.py on pp x dp x ep x cp, ring or Ulysses)
+against the single device with the same microbatches, its closed forms, and its checkpoints."""
+
+import json
+
+import pytest
+
+from refpar.analysis.moe import routing_runs
+from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.engine_moe import MoEPipelineOptions, cp_positions, validate
+from refpar.parallel.expert_parallel import token_runs
+from tests.mpi import mpiexec
+
+TOLERANCE = 1e-10  # float64 after 3 AdamW steps (DESIGN.md, "Numerics")
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    proc = mpiexec(4, "tests/moe_cp_check.py", str(tmp_path_factory.mktemp("moe_cp_ckpt")), timeout=240)
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for r in out:
+        print(r)
+    return out
+
+
+def test_moe_with_ring_and_ulysses_cp_matches_one_device_with_closed_form_bytes_and_memory(rows):
+    """ep=2 x cp=2 (ring), dp=2 x cp=2 (Ulysses, top-1) and pp=2 x cp=2 (ring, 1f1b), 2 microbatches
+    each, capacities that drop assignments: losses and parameters within 1e-10 of one device, aux
+    losses and every block's dropped and kept counts the single device's, each step's traced bytes
+    per (axis, op) and the params/grads/optimizer peaks equal to the closed forms."""
+    runs = [r for r in rows if "run" in r]
+    assert [r["run"].split()[0] for r in runs] == ["ep=2,cp=2", "dp=2,cp=2", "pp=2,cp=2"]
+    for r in runs:
+        assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
+        assert r["aux_diff"] <= 1e-14 and r["routing_same"], r
+        assert min(r["dropped"]) > 0, r  # the capacity bites: the queue order decides what stays
+        assert r["bytes_ok"] and r["memory_ok"], r
+        if r["run"].endswith("ring"):  # Ulysses' own all-to-alls are on cp
+            assert (r["all_to_all_bytes"] > 0) == ("ep=2" in r["run"]), r
+
+
+def test_moe_cp_checkpoint_resumes_exactly_and_reshards_to_a_mesh_without_cp(rows):
+    """Saved under ep=2,cp=2 after 2 of 4 steps (cp rank 0 writes): resumed there, bit for bit the
+    uninterrupted run; resumed under dp=2,ep=2, every rank reassembles exactly its tensors and
+    moments and the losses agree to float64's rounding."""
+    resumes = [r for r in rows if "resume" in r]
+    assert [r["resume"] for r in resumes] == ["ep=2,cp=2 -> ep=2,cp=2", "ep=2,cp=2 -> dp=2,ep=2"]
+    same, other = resumes
+    for r in resumes:
+        assert r["first_step"] == 2 and len(r["losses"]) == 2 and r["reassembled"], r
+    assert same["exact"] and same["losses"] == same["uninterrupted"], same
+    assert max(abs(x - y) / abs(y) for x, y in zip(other["losses"], other["uninterrupted"],
+                                                   strict=True)) <= 1e-12, other
+
+
+@pytest.mark.parametrize("algo", ["ring", "ulysses"])
+@pytest.mark.parametrize("c", [1, 2, 3, 4])
+def test_routing_runs_closed_form_counts_the_maximal_runs_of_each_cp_rank(algo, c):
+    """routing_runs' count (1 without cp, b under Ulysses, b + 1, 2b, ..., b under ring) is the
+    number of maximal runs of consecutive global tokens that token_runs finds."""
+    T = 11
+    for rows in (1, 2, 5):
+        for j in range(c):
+            found = token_runs(range(3, 3 + rows), cp_positions(T, c, j, algo), T)
+            assert len(found) == routing_runs(rows, T, c, j, algo), (rows, j)
+            assert sum(n for _, n in found) == rows * len(cp_positions(T, c, j, algo))
+
+
+@pytest.mark.parametrize("sizes, opts, words", [
+    ({"cp": 2, "tp": 2}, MoEPipelineOptions(), "drop tp=2"),
+    ({"ep": 2}, MoEPipelineOptions(cp_algo="ring"), "give the mesh cp=2 or more"),
+    ({"cp": 4}, MoEPipelineOptions(cp_algo="ulysses"), "use cp <= n_head/tp=2"),
+    ({"cp": 8}, MoEPipelineOptions(), "use --seq-len 16 or more"),
+])
+def test_bad_moe_cp_setup_is_one_sentence(sizes, opts, words):
+    model = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=2, moe_experts=4)
+    with pytest.raises(ConfigError) as err:
+        validate(model, TrainConfig(batch_size=8, seq_len=8), sizes, opts)
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
