@@ -3,9 +3,12 @@
     mpiexec -n 4 refpar train --mesh ep=4 --moe-experts 4 --moe-topk 2 --capacity-factor 1.0 --check
     mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --moe-topk 1 --dropless --json
     mpiexec -n 8 refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --microbatches 2 --check
+    mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --zero 1 --check
 
 `refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`: over
-dp x ep to refpar/parallel/expert_parallel_run.py, with pp to refpar/engine_moe.py. Besides the
+dp x ep to refpar/parallel/expert_parallel_run.py, with pp or with --zero/--fsdp (the dense weights
+sharded over dp x ep, the experts over dp; refpar/engine_moe_zero.py) to refpar/engine_moe.py, a
+one-stage pipeline when the mesh has no pp. Besides the
 usual report it prints, per step, the router losses, the dropped assignments and how many
 assignments each expert kept (with pp: the routing of every block after the run); `--json` adds
 them under "moe". With --microbatches M each microbatch routes on its own tokens (refpar/model/moe.py).
@@ -19,7 +22,8 @@ import numpy as np
 
 STATE_KEYS = ("params", "grads", "master", "optimizer")  # the categories with closed forms in MoE runs
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"),
-             ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"))
+             ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"),
+             ("data", "reduce_scatter"), ("dp", "reduce_scatter"), ("dp", "all_gather"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,9 +61,10 @@ def model_overrides(args) -> dict:
 
 
 # Options of the other strategies' runners (their defaults mean "not asked for"): a MoE run takes
-# none of them, and says so rather than ignore one; --schedule and --chunks only with pp.
-OTHER_OPTIONS = {"zero": 0, "fsdp": False, "sp": False, "cp_algo": None, "schedule": None,
-                 "chunks": None, "overlap": False, "bucket_kb": None, "prefetch": False}
+# none of them, and says so rather than ignore one; --schedule and --chunks only with pp; --zero
+# and --fsdp shard (refpar/engine_moe_zero.py).
+OTHER_OPTIONS = {"sp": False, "cp_algo": None, "schedule": None, "chunks": None, "overlap": False,
+                 "bucket_kb": None, "prefetch": False}
 
 
 def check_options(args, pipelined: bool = False) -> None:
@@ -71,7 +76,15 @@ def check_options(args, pipelined: bool = False) -> None:
             flag = "--" + name.replace("_", "-")
             hint = " or add pp=2 or more to --mesh" if name in ("schedule", "chunks") else ""
             raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over pp, dp and ep "
-                              f"only, so drop {flag}{hint}")
+                              f"(with --zero or --fsdp), so drop {flag}{hint}")
+    if getattr(args, "fsdp", False) and getattr(args, "zero", 0):
+        raise ConfigError(f"--fsdp and --zero {args.zero} are two ways to shard; give one of them")
+
+
+def zero_stage(args) -> tuple[int, bool]:
+    """(ZeRO stage, FSDP) asked for: --fsdp is ZeRO-3 by FSDP's units."""
+    fsdp = bool(getattr(args, "fsdp", False))
+    return (3 if fsdp else getattr(args, "zero", 0)), fsdp
 
 
 def _rel(a, b) -> float:
@@ -111,13 +124,15 @@ def run_cli(model, train, sizes, args) -> int:
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for
 
-    m, pipelined = args.microbatches, sizes["pp"] > 1
-    check_options(args, pipelined)
+    m = args.microbatches
+    check_options(args, sizes["pp"] > 1)
+    zero, fsdp = zero_stage(args)
+    pipelined = sizes["pp"] > 1 or zero > 0  # ZeRO runs in engine_moe, as a one-stage pipeline without pp
     opts = None
     if pipelined:
         kind = args.schedule or "1f1b"
         v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
-        opts = MoEPipelineOptions(kind, m, v)
+        opts = MoEPipelineOptions(kind, m, v, zero, fsdp)
         validate(model, train, sizes, opts)
     else:
         check_run(model, train, sizes, m)
@@ -140,9 +155,13 @@ def run_cli(model, train, sizes, args) -> int:
     say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
         f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
         + " ".join(f"{list(owned_experts(model.moe_experts, ep, q))}" for q in range(ep)))
+    if zero:
+        say(f"{'FSDP' if fsdp else f'ZeRO-{zero}'}: dense weights sharded over each stage's dp x ep = "
+            f"{sizes['dp'] * ep} ranks, each expert's over dp={sizes['dp']}")
     if pipelined:
-        say(f"pipeline: {opts.schedule} over pp={sizes['pp']} with {opts.chunks} chunk(s) per rank, "
-            f"{m} microbatches; each stage's dp x ep ranks route its MoE blocks")
+        if sizes["pp"] > 1:
+            say(f"pipeline: {opts.schedule} over pp={sizes['pp']} with {opts.chunks} chunk(s) per rank, "
+                f"{m} microbatches; each stage's dp x ep ranks route its MoE blocks")
         say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7}")
     else:
         say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert "
@@ -188,7 +207,8 @@ def run_cli(model, train, sizes, args) -> int:
         if pipelined:
             step_bytes = moe_analysis.pipeline_step_comm_bytes(
                 model, mesh.sizes, mesh.coords, opts.chunks, run.rows, train.seq_len,
-                [list(k.values()) for k in s.microbatch_kept_counts], 4 if train.fp32_grads else None)
+                [list(k.values()) for k in s.microbatch_kept_counts], 4 if train.fp32_grads else None,
+                zero, fsdp)
         else:
             step_bytes = moe_analysis.step_comm_bytes(
                 model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()],
@@ -200,7 +220,7 @@ def run_cli(model, train, sizes, args) -> int:
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
     if pipelined:
         states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, opts.chunks,
-                                                   train.optimizer, train.fp32_grads)
+                                                   train.optimizer, train.fp32_grads, zero, fsdp)
     else:
         states = moe_analysis.model_state_bytes(model, ep, mesh.coords["ep"], train.optimizer, m,
                                                 train.fp32_grads)
@@ -235,6 +255,7 @@ def run_cli(model, train, sizes, args) -> int:
     if pipelined:  # the step rows leave out the routing, which lives on the stages holding the blocks
         say("dropped assignments per block over the run: " + ", ".join(
             f"{i}: {sum(st['dropped'][i] for st in steps)}" for i in blocks))
+    if sizes["pp"] > 1:
         bubble = {"measured": run.measured.bubble_fraction, "simulated": run.simulated.bubble_fraction,
                   "simulated_unit_costs": simulate(run.executor.schedule).bubble_fraction}
         say(f"bubble of the last step: measured {bubble['measured']:.1%}, simulated with the measured "
@@ -254,7 +275,7 @@ def run_cli(model, train, sizes, args) -> int:
             "uniform_all_to_all_bytes_per_rank_step": uniform,
         }
         summary = run_summary(model, train, run.losses, mesh=mesh.sizes, world_size=comm.size,
-                              schedule=opts.schedule if pipelined else None, microbatches=m,
+                              schedule=opts.schedule if sizes["pp"] > 1 else None, microbatches=m, zero=zero,
                               comm_bytes=rows[0], expected_comm_bytes=rows[1],
                               memory_peak_bytes=memory_rows[0], expected_memory_peak_bytes=memory_rows[1],
                               bubble_fraction=bubble, step_time_s=run.step_time_s, loss_floor=floor,
