@@ -56,6 +56,8 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
     ("dp x cp", 4, ("--mesh", "dp=2,cp=2")),
     ("dp x ep", 4, ("--mesh", "dp=2,ep=2", *MOE)),
     ("pp x ep", 4, ("--mesh", "pp=2,ep=2", "--microbatches", "2", *MOE)),
+    ("zero-1 x dp x ep", 4, ("--mesh", "dp=2,ep=2", "--zero", "1", *MOE)),
+    ("fsdp x pp x ep", 4, ("--mesh", "pp=2,ep=2", "--fsdp", "--microbatches", "2", *MOE)),
     ("dp x pp", 4, ("--mesh", "dp=2,pp=2", "--microbatches", "2")),
     ("interleaved x tp", 4, ("--mesh", "tp=2,pp=2", "--schedule", "interleaved-1f1b",
                              "--microbatches", "4")),
