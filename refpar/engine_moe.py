@@ -25,15 +25,19 @@ the experts of its ep rank. One step composes the strategies' own pieces:
                same microbatches (expert_parallel_run.reference_run) is the reference
     tied wte   the executor's embedding group: first and last pp rank, per data rank
     dp, ep     dense gradients summed over the stage's D data ranks, an expert's over dp
+    ZeRO       --zero 1/2/3 and --fsdp (refpar/engine_moe_zero.py): the dense weights sharded over
+               the stage's D data ranks, an expert's over dp (DeepSpeed-MoE's and Megatron-Core's
+               expert-data-parallel group); without pp the run is a one-stage pipeline
     loss       the last stage's cross-entropy plus every stage's router-loss shares, summed over
                pp, then over the data ranks
 
 tp and cp stay out: an expert would need its own tensor-parallel split (Megatron's expert tensor
-parallelism), which refpar does not write out; ZeRO stays out, as in the dp x ep runner.
+parallelism), which refpar does not write out.
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
-the loss scale, and the pp and ep ranks, whose gradients differ, agree on an overflow.
+the loss scale, and the pp and ep ranks, whose gradients differ, agree on an overflow (under ZeRO
+the pp and data ranks, whose gradient shards differ).
 """
 
 from __future__ import annotations

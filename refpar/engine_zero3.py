@@ -87,7 +87,8 @@ def attach(cache, bases: dict):
 class ShardedGrads:
     """What ZeRO-2 and ZeRO-3 share: each unit's gradient kept as this rank's shard only, reduce-
     scattered over `dp` (engine.zero_group: dp, or dp x cp) after every microbatch's backward of
-    its stage, and the AdamW moments of that shard."""
+    its stage, and the AdamW moments of that shard. `group_of(unit)` gives each unit its own group
+    instead (MoE runs, refpar/engine_moe_zero.py: dense units over the data ranks, experts' over dp)."""
 
     def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of, grad_dtype=None,
                  group_of=None):
