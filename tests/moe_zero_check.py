@@ -27,14 +27,16 @@ from refpar.mesh import DeviceMesh
 from refpar.parallel.expert_parallel_run import reference_run, train_expert_parallel
 from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, reassembles_exactly, rel
 
-# (mesh, zero, fsdp, schedule, chunks): every run 2 microbatches
+# (mesh, zero, fsdp, schedule, chunks, precision): every run 2 microbatches
 RUNS = [
-    ("dp=2,ep=2", 1, False, "1f1b", 1),
-    ("dp=2,ep=2", 2, False, "1f1b", 1),
-    ("dp=2,ep=2", 3, False, "1f1b", 1),
-    ("dp=2,ep=2", 3, True, "1f1b", 1),
-    ("pp=2,ep=2", 3, True, "1f1b", 1),  # dp=1: each ep rank keeps its experts' state whole
-    ("pp=2,dp=2", 2, False, "interleaved-1f1b", 2),  # ep=1: data = dp; wte one unit per rank
+    ("dp=2,ep=2", 1, False, "1f1b", 1, None),
+    ("dp=2,ep=2", 2, False, "1f1b", 1, None),
+    ("dp=2,ep=2", 3, False, "1f1b", 1, None),
+    ("dp=2,ep=2", 3, True, "1f1b", 1, None),
+    ("pp=2,ep=2", 3, True, "1f1b", 1, None),  # dp=1: each ep rank keeps its experts' state whole
+    ("pp=2,dp=2", 2, False, "interleaved-1f1b", 2, None),  # ep=1: data = dp; wte one unit per rank
+    # fp16 with fp32 gradients: 16-bit gathers, float32 reduce-scatters, the overflow flag over data
+    ("dp=2,ep=2", 2, False, "1f1b", 1, "float16"),
 ]
 M = 2
 
@@ -48,12 +50,14 @@ def traced_by_step(events, step) -> dict:
     return {k: v for k, v in out.items() if v != (0, 0)}  # a one-rank group's calls move nothing
 
 
-def check_run(comm, mesh_text, zero, fsdp, schedule, chunks) -> dict:
+def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype) -> dict:
+    model = MODEL if dtype is None else replace(MODEL, dtype=dtype)
+    train_cfg = TRAIN if dtype is None else replace(TRAIN, fp32_grads=True)
     comm.tracer.clear()
     mesh = DeviceMesh(comm, parse_mesh(mesh_text))
-    run = run_moe_pipeline(MODEL, TRAIN, mesh, MoEPipelineOptions(schedule, M, chunks, zero, fsdp))
+    run = run_moe_pipeline(model, train_cfg, mesh, MoEPipelineOptions(schedule, M, chunks, zero, fsdp))
     events = list(comm.tracer.events)
-    ref = reference_run(MODEL, TRAIN, microbatches=M)
+    ref = reference_run(model, train_cfg, microbatches=M)
     param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in run.params.items())]),
                                        op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
@@ -61,21 +65,23 @@ def check_run(comm, mesh_text, zero, fsdp, schedule, chunks) -> dict:
     bytes_ok = True
     for s in run.steps:
         expected = moe_analysis.pipeline_step_comm_bytes(
-            MODEL, mesh.sizes, mesh.coords, chunks, run.rows, TRAIN.seq_len,
-            [list(k.values()) for k in s.microbatch_kept_counts], zero=zero, fsdp=fsdp)
+            model, mesh.sizes, mesh.coords, chunks, run.rows, TRAIN.seq_len,
+            [list(k.values()) for k in s.microbatch_kept_counts], 4 if dtype else None, zero, fsdp)
         bytes_ok &= traced_by_step(events, s.step) == {
             key: (b.sent, b.recv) for key, b in expected.items() if (b.sent, b.recv) != (0, 0)}
-    states = moe_analysis.pipeline_state_bytes(MODEL, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer,
-                                               zero=zero, fsdp=fsdp)
-    unsharded = moe_analysis.pipeline_state_bytes(MODEL, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer)
+    states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer,
+                                               dtype is not None, zero, fsdp)
+    unsharded = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer,
+                                                  dtype is not None)
     axes = sorted({f"{e.axis}:{e.op}" for e in events if e.step is not None and e.bytes_sent})
     return {
-        "run": f"{mesh_text} {'fsdp' if fsdp else f'zero {zero}'} {schedule} v={chunks}",
+        "run": f"{mesh_text} {'fsdp' if fsdp else f'zero {zero}'} {schedule} v={chunks} {model.dtype}",
         "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
         "param_diff": param_diff,
         "routing_same": all_ranks(comm, routing_same),
         "bytes_ok": all_ranks(comm, bytes_ok),
         "memory_ok": all_ranks(comm, {c: run.ledger.peak[c] for c in states} == states),
+        "master_peaks": comm.gather_object([run.ledger.peak["master"], unsharded["master"]]),
         "optimizer_peaks": comm.gather_object([run.ledger.peak["optimizer"], unsharded["optimizer"]]),
         "axes": comm.gather_object(axes),
     }

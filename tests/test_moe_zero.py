@@ -28,17 +28,27 @@ def test_moe_zero_1_2_3_and_fsdp_match_one_device_with_closed_form_bytes_and_mem
     ZeRO-2, two microbatches each: losses, parameters and routing are the single device's; each
     step's traced bytes per (axis, op) and the params/grads/master/optimizer peaks of every rank
     equal the closed forms; the optimizer state is smaller than the unsharded run's on every rank."""
-    runs = [r for r in rows if "run" in r]
+    runs = [r for r in rows if "run" in r and "float64" in r["run"]]
     assert len(runs) == 6
     for r in runs:
         assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
         assert r["routing_same"] and r["bytes_ok"] and r["memory_ok"], r
         assert all(mine < unsharded for mine, unsharded in r["optimizer_peaks"]), r
+        assert all(master == 0 for master, _ in r["master_peaks"]), r  # float64 needs no masters
         for axes in r["axes"]:
             # the gradients are reduce-scattered, never all-reduced (data's all-reduce is the loss)
             assert "data:reduce_scatter" in axes and "dp:all_reduce" not in axes, r
             # experts are sharded over dp when there is a dp axis; with dp=1 nothing moves over it
             assert ("dp:reduce_scatter" in axes) == ("dp=2" in r["run"]), r
+
+
+def test_moe_zero2_in_fp16_with_fp32_grads_has_the_closed_forms_and_sharded_masters(rows):
+    """fp16-mixed, gradients accumulated and reduce-scattered in float32, parameters gathered in 16
+    bits, the overflow flag agreed over the data ranks: bytes and peaks (fp32 masters and moments of
+    the shards only) equal the closed forms; the loss stays within fp16's MoE bound of one device."""
+    (r,) = [r for r in rows if "run" in r and "float16" in r["run"]]
+    assert r["bytes_ok"] and r["memory_ok"] and r["loss_diff"] <= 2e-3, r
+    assert all(0 < master < unsharded for master, unsharded in r["master_peaks"]), r
 
 
 def test_moe_zero_checkpoints_resume_exactly_on_their_mesh_and_reshard_to_others(rows):
