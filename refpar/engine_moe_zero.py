@@ -177,9 +177,6 @@ class MoEUnitStage(MoEStage):
             zero.reduce(s, ends, ENDS)
         return d, {}
 
-    def backward_weight(self, saved) -> dict:
-        return saved
-
 
 class ZeroOneMoE:
     """ZeRO-1 of a MoE rank: engine.ZeroOne over the dense weights (group `data`) and one over its
