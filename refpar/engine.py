@@ -157,9 +157,10 @@ class TensorParallelStage(Stage):
     """Stage `stage` of `n_stages` with tensor-parallel pieces on layout `lay`; the same blocks,
     parameter names and ends as stage.Stage."""
 
-    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay):
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, moe=None):
         super().__init__(config, n_stages, stage)
         self.lay = lay
+        self.moe = moe  # the MoE blocks' layer (refpar/engine_moe.py); None in dense models
 
     def forward(self, params, x, targets, drop, normalizer):
         """F: tokens (b, T) on the first stage or (b, Tl, C) -> (b, Tl, C), or the loss on the last."""
@@ -169,7 +170,7 @@ class TensorParallelStage(Stage):
             x, c_embed = vocab_parallel_embedding_forward(x[:, lay.region_pos], params, lay, drop)
         c_blocks = []
         for layer in self.layers:
-            x, c = parallel_block_forward(x, params, layer, lay, drop)  # (b, Tl, C)
+            x, c = parallel_block_forward(x, params, layer, lay, drop, self.moe)  # (b, Tl, C)
             c_blocks.append(c)
         if self.last:
             x, c_head = vocab_parallel_head_forward(x, params, targets[:, lay.region_pos], lay,
@@ -200,13 +201,13 @@ class TensorParallelStage(Stage):
 
 
 class EngineExecutor(PipelineExecutor):
-    """The pipeline executor with tensor-parallel stages; receives are (b, Tl, C)."""
+    """The pipeline executor with tensor-parallel stages; receives are (b, Tl, C).
+    `make_stage(config, n_stages, stage, lay)`: TensorParallelStage or a subclass (engine_moe)."""
 
-    def __init__(self, schedule, config: ModelConfig, pp, lay, ledger: MemoryLedger):
-        super().__init__(schedule, config, pp, ledger)
+    def __init__(self, schedule, config: ModelConfig, pp, lay, ledger: MemoryLedger,
+                 make_stage=TensorParallelStage):
+        super().__init__(schedule, config, pp, ledger, lambda c, n, s: make_stage(c, n, s, lay))
         self.lay = lay
-        self.stages = {s: TensorParallelStage(config, self.layout.n_stages, s, lay)
-                       for s in self.stages}
 
     def _post_receives(self, mbs, like):
         dtype, Tl, C = np.dtype(self.config.dtype), len(self.lay.resid_pos), self.config.n_embd
@@ -448,6 +449,19 @@ def sharded_grads(executor: EngineExecutor, params: dict, train: TrainConfig, gr
     return state, tied
 
 
+def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None):
+    """The tensor_parallel.Layout of this rank's tokens and weights on `mesh` (its tp and cp axes)."""
+    tp = mesh.tp if mesh.sizes["tp"] > 1 else None
+    cp = mesh.cp if mesh.sizes.get("cp", 1) > 1 else None
+    if cp is not None and sp:  # sp inside each cp rank's tokens
+        return sp_cp_layout(model, seq_len, cp, cp_algo or "ring", mesh.tp)
+    if cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
+        return cp_layout(model, seq_len, cp, cp_algo or "ring", tp)
+    if sp:
+        return sp_layout(model, seq_len, mesh.tp)
+    return tp_layout(model, seq_len, tp)
+
+
 def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions,
                on_step=None, *, save: str | None = None, save_every: int | None = None,
                resume: str | None = None) -> EngineRun:
@@ -458,14 +472,7 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     t = mesh.sizes["tp"]
     cp = mesh.cp if mesh.sizes.get("cp", 1) > 1 else None
-    if cp is not None and opts.sp:  # sp inside each cp rank's tokens
-        lay = sp_cp_layout(model, train.seq_len, cp, opts.cp_algo or "ring", tp)
-    elif cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
-        lay = cp_layout(model, train.seq_len, cp, opts.cp_algo or "ring", tp if t > 1 else None)
-    elif opts.sp:
-        lay = sp_layout(model, train.seq_len, tp)
-    else:
-        lay = tp_layout(model, train.seq_len, tp if t > 1 else None)
+    lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)
     ledger = MemoryLedger()
     executor = EngineExecutor(build(opts.schedule, pp.size, opts.microbatches, opts.chunks), model,
                               pp, lay, ledger)

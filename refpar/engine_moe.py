@@ -12,10 +12,11 @@ grid of data ranks (data rank d = dp rank * ep + ep rank, in batch order; refpar
 expert_parallel.py). A rank holds its stages' dense weights whole and, of each MoE block in them,
 the experts of its ep rank. One step composes the strategies' own pieces:
 
-    pipeline   executor.PipelineExecutor walks schedule[pp rank] (any schedule it runs); each stage
-               is a `MoEStage`: F is gpt.block_forward with the expert-parallel layer in the MoE
-               blocks, B the whole backward (an expert's all-to-alls carry input and weight
-               gradients together, so schedules that split B from W run, but gain nothing here).
+    pipeline   engine.EngineExecutor walks schedule[pp rank] (any schedule it runs); each stage
+               is a `MoEStage`, the engine's stage (tensor_parallel's pieces, on whole blocks here)
+               with the expert-parallel layer in the MoE blocks; B is the whole backward (an
+               expert's all-to-alls carry input and weight gradients together, so schedules that
+               split B from W run, but gain nothing here).
                Activations (b_j, T, C) go to the same (dp, ep) rank of the next stage.
     ep         inside each MoE block, ExpertParallelMoE: the selection counts all-gathered over the
                stage's D data ranks, tokens to their experts and back by all-to-all over ep
@@ -50,17 +51,9 @@ import numpy as np
 
 from refpar import backend, checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.engine import EngineExecutor, TensorParallelStage, layout_for
 from refpar.memory import MemoryLedger
-from refpar.model.gpt import (
-    add_embedding_grads,
-    block_backward,
-    block_forward,
-    embed_backward,
-    embed_forward,
-    head_backward,
-    head_forward,
-    init_params,
-)
+from refpar.model.gpt import init_params
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.parallel.expert_parallel import ExpertParallelMoE
 from refpar.parallel.expert_parallel_run import (
@@ -76,9 +69,9 @@ from refpar.parallel.expert_parallel_run import (
     step_record,
 )
 from refpar.parallel.intra_layer_runner import saved_position
-from refpar.parallel.pipeline.executor import Microbatch, PipelineExecutor
+from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline, build
-from refpar.parallel.pipeline.stage import Stage, stage_layers
+from refpar.parallel.pipeline.stage import stage_layers
 from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.trainer import corpus_for
@@ -117,48 +110,24 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipel
                           f"dp=2 or ep=2 or more")
 
 
-class MoEStage(Stage):
-    """Stage `stage` of `n_stages` whose MoE blocks run `moe` (ExpertParallelMoE); the same blocks,
-    parameter names and ends as stage.Stage. Each F files its MoE blocks' routing under the
-    microbatch's sample ids in `routings` (shared by the rank's stages), for the step's record."""
+class MoEStage(TensorParallelStage):
+    """The engine's stage (its embedding, blocks and head on layout `lay`) whose MoE blocks run
+    `moe` (ExpertParallelMoE). Each F files its MoE blocks' routing under the microbatch's sample
+    ids in `routings` (shared by the rank's stages), for the step's record."""
 
     dense_only = False
 
-    def __init__(self, config: ModelConfig, n_stages: int, stage: int, moe, routings: dict):
-        super().__init__(config, n_stages, stage)
-        self.moe, self.routings = moe, routings
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, moe, routings: dict):
+        super().__init__(config, n_stages, stage, lay, moe)
+        self.routings = routings
 
     def forward(self, params, x, targets, drop, normalizer):
-        """F: tokens (b, T) on the first stage or (b, T, C) -> (b, T, C), or the loss on the last."""
-        c_embed = c_head = None
-        if self.first:
-            x, c_embed = embed_forward(x, params, drop)  # (b, T, C)
-        c_blocks = []
+        """F: tokens (b, T) on the first stage or (b, Tl, C) -> (b, Tl, C), or the loss on the last."""
+        out, cache = super().forward(params, x, targets, drop, normalizer)
         for layer in self.layers:
-            x, c = block_forward(x, params, layer, self.config, drop, moe=self.moe)  # (b, T, C)
-            c_blocks.append(c)
             if layer in self.config.moe_blocks:
                 self.routings.setdefault(drop.sample_ids, {})[layer] = self.moe.last_routing[layer]
-        if self.last:
-            x, c_head = head_forward(x, params, targets, self.config, normalizer)  # ()
-        return x, (c_embed, c_blocks, c_head)
-
-    def backward_input(self, dout, cache):
-        """B, the whole backward: dx (b, T, C) (None on the first stage) and the stage's gradients."""
-        c_embed, c_blocks, c_head = cache
-        d, grads = (dout, {}) if not self.last else head_backward(c_head, self.dloss)  # (b, T, C)
-        for c in reversed(c_blocks):
-            d, g = block_backward(d, c)  # (b, T, C)
-            grads |= g
-        if self.first:
-            g = embed_backward(d, c_embed)
-            add_embedding_grads(grads, g)  # the last stage holds the tied head's share too
-            d = None
-        return d, grads
-
-    def backward_weight(self, saved) -> dict:
-        """W: B already computed the weight gradients (the all-to-alls fuse the halves)."""
-        return saved
+        return out, cache
 
 
 def resume_sharded(path: str, model: ModelConfig, train: TrainConfig, mesh, params: dict, zero,
@@ -180,7 +149,7 @@ def resume_sharded(path: str, model: ModelConfig, train: TrainConfig, mesh, para
 class MoEPipelineRun(MoERun):
     """MoERun (steps: the routing of this rank's MoE blocks only) with the pipeline's timelines."""
 
-    executor: PipelineExecutor | None = None
+    executor: EngineExecutor | None = None
     totals: dict | None = None  # traced (axis, op) -> (sent, received) of the training steps only
     measured: Timeline | None = None
     simulated: Timeline | None = None
@@ -201,12 +170,13 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     layer = ExpertParallelMoE(data, mesh.ep, model, weight=1 / m)
     ledger = MemoryLedger()
     routings: dict[tuple, dict] = {}  # sample ids of a microbatch -> layer -> routing
+    lay = layout_for(model, train.seq_len, mesh)  # whole blocks on whole sequences (no tp, no cp)
 
     def make(cls, c, n, s, **kw):  # a stage of class cls (MoEStage or engine_moe_zero's)
-        return cls(c, n, s, layer, routings, **kw)
+        return cls(c, n, s, lay, layer, routings, **kw)
 
-    executor = PipelineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, ledger,
-                                lambda c, n, s: make(MoEStage, c, n, s))
+    executor = EngineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, lay, ledger,
+                              lambda c, n, s, lay: make(MoEStage, c, n, s))
     full = init_params(model, train.seed)  # drawn whole, then this rank keeps its stages' part
     params = backend.current().from_host(local_params(
         {n: full[n] for n in executor.param_names()}, model, mesh.sizes["ep"], mesh.coords["ep"]))

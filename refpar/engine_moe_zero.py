@@ -44,18 +44,9 @@ from __future__ import annotations
 
 from refpar import checkpoint
 from refpar.engine import ZeroOne, sharded_checkpoint_arrays
-from refpar.engine_fsdp import ENDS, fsdp_units
+from refpar.engine_fsdp import UnitStage, fsdp_units
 from refpar.engine_moe import MoEStage
 from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach, units_of
-from refpar.memory import nbytes_of
-from refpar.model.gpt import (
-    block_backward,
-    block_forward,
-    embed_backward,
-    embed_forward,
-    head_backward,
-    head_forward,
-)
 from refpar.parallel import expert_parallel_run
 from refpar.precision import overflow_anywhere
 
@@ -89,7 +80,7 @@ def moe_fsdp_units(names: list[str]) -> dict[str, list[str]]:
 
 class MoEZeroThreeStage(MoEStage):
     """A MoE stage whose units ZeRO-3 gathers for each action and frees after (engine.ZeroThreeStage
-    for MoE blocks); MoEStage's arguments, then the ZeroThree."""
+    for MoE stages); MoEStage's arguments, then the ZeroThree."""
 
     def __init__(self, *args, zero: ZeroThree):
         super().__init__(*args)
@@ -98,84 +89,38 @@ class MoEZeroThreeStage(MoEStage):
     def forward(self, params, x, targets, drop, normalizer):
         full, bases = self.zero.gather(self.stage, "fwd")
         out, cache = super().forward(full, x, targets, drop, normalizer)
-        cache = detach(cache, bases)  # the gathered weights are freed now
+        cache = detach(cache[:-1], bases)  # without the parameters: they are freed now
         self.zero.release(bases)
         return out, cache
 
     def backward_input(self, dout, cache):
-        _, bases = self.zero.gather(self.stage, "bwd")
-        dx, grads = super().backward_input(dout, attach(cache, bases))
+        full, bases = self.zero.gather(self.stage, "bwd")
+        dx, grads = super().backward_input(dout, (*attach(cache, bases), full))
         self.zero.release(bases)
         self.zero.reduce(self.stage, grads)
         return dx, {}  # the gradients are in the shards already
 
 
-class MoEUnitStage(MoEStage):
-    """A MoE stage that asks `zero` (ZeroThree or ZeroTwo over moe_fsdp_units) for its units piece
-    by piece and hands each unit's gradient over as soon as it is complete (engine_fsdp.UnitStage
-    with GPT-2's own pieces and the expert-parallel layer in the MoE blocks)."""
+class MoEUnitStage(UnitStage):
+    """engine_fsdp.UnitStage (a unit gathered around each piece, reduced once complete) whose MoE
+    blocks run `moe` and gather and reduce two units, the block's dense weights and its experts;
+    like MoEStage it files each F's routing in `routings`."""
 
-    def __init__(self, *args, zero: ZeroThree):
-        super().__init__(*args)
-        self.zero = zero
+    dense_only = False
 
-    @staticmethod
-    def block_units(layer: int) -> tuple[str, str]:
-        return f"h.{layer}", f"h.{layer}.experts"  # a dense block has no experts unit
+    def __init__(self, config, n_stages: int, stage: int, lay, moe, routings: dict, *, zero: ZeroThree):
+        super().__init__(config, n_stages, stage, lay, zero)
+        self.moe, self.routings = moe, routings
+
+    def block_units(self, layer: int) -> tuple[str, ...]:
+        return f"h.{layer}", f"h.{layer}.experts"  # a dense block has no experts unit: none gathered
 
     def forward(self, params, x, targets, drop, normalizer):
-        """F: tokens (b, T) on the first stage or (b, T, C) -> (b, T, C), or the loss on the last."""
-        zero, s = self.zero, self.stage
-        c_embed = c_head = None
-        if self.first:
-            p, bases = zero.gather(s, "embed:fwd", ENDS)
-            x, c_embed = embed_forward(x, p, drop)  # (b, T, C); the cache holds no parameter
-            zero.release(bases)
-        c_blocks = []
+        out, cache = super().forward(params, x, targets, drop, normalizer)
         for layer in self.layers:
-            p, bases = zero.gather(s, "fwd", self.block_units(layer))
-            x, c = block_forward(x, p, layer, self.config, drop, moe=self.moe)  # (b, T, C)
             if layer in self.config.moe_blocks:
                 self.routings.setdefault(drop.sample_ids, {})[layer] = self.moe.last_routing[layer]
-            c_blocks.append(detach(c, bases))
-            zero.release(bases)
-        if self.last:
-            p, bases = zero.gather(s, "head:fwd", ENDS)
-            x, c_head = head_forward(x, p, targets, self.config, normalizer)  # ()
-            c_head = detach(c_head, bases)
-            zero.release(bases)
-        return x, (c_embed, c_blocks, c_head)
-
-    def backward_input(self, dout, cache):
-        """B, the whole backward: dx (b, T, C) (None on the first stage); the gradients go into
-        the shards, so none are returned."""
-        c_embed, c_blocks, c_head = cache
-        zero, s, ledger = self.zero, self.stage, self.zero.ledger
-        ends, d = {}, dout  # wte's and root's gradients, reduced once they are complete
-        if self.last:
-            _, bases = zero.gather(s, "head:bwd", ENDS)
-            d, ends = head_backward(attach(c_head, bases), self.dloss)  # (b, T, C)
-            zero.release(bases)
-            if not self.first:  # complete: reduce them now rather than hold them through the blocks
-                zero.reduce(s, ends, ENDS)
-                ends = {}
-            else:  # the embedding adds to wte's: held until the end of B
-                ledger.alloc("grads.ends", sum(nbytes_of(g) for g in ends.values()), "grads")
-        for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
-            units = self.block_units(layer)
-            _, bases = zero.gather(s, "bwd", units)
-            d, grads = block_backward(d, attach(c, bases))  # (b, T, C)
-            zero.release(bases)
-            zero.reduce(s, grads, units)
-        if self.first:
-            g = embed_backward(d, c_embed)
-            ends["wte.weight"] = ends["wte.weight"] + g["wte.weight"] if self.last else g["wte.weight"]
-            ends["wpe.weight"] = g["wpe.weight"]
-            d = None
-            if self.last:
-                ledger.free("grads.ends")  # reduce holds them again while it reduces them
-            zero.reduce(s, ends, ENDS)
-        return d, {}
+        return out, cache
 
 
 class ZeroOneMoE:

@@ -311,15 +311,21 @@ def parallel_mlp_backward(dout, cache, layer: int, lay: Layout):
                 P + "c_proj.weight": dw_proj, P + "c_proj.bias": db_proj}
 
 
-def parallel_block_forward(x, params, layer: int, lay: Layout, drop):
-    """x (B, Tl, C) -> (B, Tl, C): GPT-2's pre-LayerNorm block with both sublayers tensor-parallel."""
+def parallel_block_forward(x, params, layer: int, lay: Layout, drop, moe=None):
+    """x (B, Tl, C) -> (B, Tl, C): GPT-2's pre-LayerNorm block with both sublayers tensor-parallel.
+    In the blocks of `config.moe_blocks` the MLP is `moe.forward` (refpar/engine_moe.py passes its
+    expert-parallel layer)."""
     P, eps = f"h.{layer}.", lay.config.layer_norm_eps
     a, ln_1 = layernorm_forward(x, params[P + "ln_1.weight"], params[P + "ln_1.bias"], eps)
     a, attn = parallel_attention_forward(a, params, layer, lay, drop)  # f ... g
     a, drop_a = resid_dropout_forward(a, drop, layer, "attn_resid", lay)
     x = x + a
     m, ln_2 = layernorm_forward(x, params[P + "ln_2.weight"], params[P + "ln_2.bias"], eps)
-    m, mlp = parallel_mlp_forward(m, params, layer, lay)  # f ... g
+    if layer in lay.config.moe_blocks:
+        m, mlp = moe.forward(m, params, layer, lay.config)  # (B, Tl, C)
+        mlp = (moe, mlp)
+    else:
+        m, mlp = parallel_mlp_forward(m, params, layer, lay)  # f ... g
     m, drop_m = resid_dropout_forward(m, drop, layer, "mlp_resid", lay)
     return x + m, (ln_1, attn, drop_a, ln_2, mlp, drop_m)
 
@@ -327,7 +333,11 @@ def parallel_block_forward(x, params, layer: int, lay: Layout, drop):
 def parallel_block_backward(dy, cache, layer: int, lay: Layout):
     ln_1, attn, drop_a, ln_2, mlp, drop_m = cache
     P = f"h.{layer}."
-    dm, grads = parallel_mlp_backward(resid_dropout_backward(dy, drop_m), mlp, layer, lay)
+    if layer in lay.config.moe_blocks:
+        moe, c_moe = mlp
+        dm, grads = moe.backward(resid_dropout_backward(dy, drop_m), c_moe)  # (B, Tl, C)
+    else:
+        dm, grads = parallel_mlp_backward(resid_dropout_backward(dy, drop_m), mlp, layer, lay)
     dx, grads[P + "ln_2.weight"], grads[P + "ln_2.bias"] = layernorm_backward(dm, ln_2)
     dx = dx + dy
     da, attn_grads = parallel_attention_backward(resid_dropout_backward(dx, drop_a), attn, layer, lay)
