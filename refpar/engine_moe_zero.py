@@ -26,7 +26,7 @@ dense weights with experts:
     ZeRO-2,  per stage: wte alone, the root (wpe, ln_f), and per block its dense weights ("h.3")
     FSDP     and, in a MoE block, its experts ("h.3.experts") (`moe_fsdp_units`); a block's two
              units gathered around its piece (FSDP) and reduce-scattered once its backward is done
-             (`MoEUnitStage`, as engine_fsdp.UnitStage; ZeRO-2's gather moves nothing)
+             (`MoEUnitStage`, an engine_fsdp.UnitStage; ZeRO-2's gather moves nothing)
 
 Per step, a dense unit moves over the D data ranks and an expert unit over dp what the dense
 engine's units move over its ZeRO group: ZeRO-1 one reduce-scatter and one all-gather of Ψ_d and of
