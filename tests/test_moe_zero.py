@@ -27,7 +27,8 @@ def test_moe_zero_1_2_3_and_fsdp_match_one_device_with_closed_form_bytes_and_mem
     """dp=2 x ep=2 under ZeRO-1, 2, 3 and FSDP, pp=2 x ep=2 under FSDP, pp=2 x dp=2 interleaved under
     ZeRO-2, dp=2 x cp=2 (Ulysses) under ZeRO-3, two microbatches each: losses, parameters and
     routing are the single device's; each step's traced bytes per (axis, op) and the
-    params/grads/master/optimizer peaks of every rank equal the closed forms; the optimizer state is smaller than the unsharded run's on every rank."""
+    params/grads/master/optimizer peaks of every rank equal the closed forms; the optimizer state
+    is smaller than the unsharded run's on every rank."""
     runs = [r for r in rows if "run" in r and "float64" in r["run"]]
     assert len(runs) == 7
     for r in runs:
