@@ -252,27 +252,28 @@ def zero_group(mesh):
 
 class ZeroOne:
     """ZeRO-1 over `dp` (zero_group: dp or dp x cp) of this rank's flat parameters: optimizer state
-    for its shard_range only."""
+    for its shard_range only. `label` names its ledger entries apart from another instance's on the
+    same ledger (a MoE run keeps one for the dense weights and one for the experts)."""
 
-    def __init__(self, params: dict, train: TrainConfig, dp, ledger: MemoryLedger):
+    def __init__(self, params: dict, train: TrainConfig, dp, ledger: MemoryLedger, label: str = ""):
         self.names = list(params)
         self.shapes = {n: params[n].shape for n in self.names}
         self.sizes = [int(np.prod(self.shapes[n])) for n in self.names]
         self.starts = np.cumsum([0, *self.sizes]).tolist()
         self.total = self.starts[-1]
-        self.train, self.dp, self.ledger, self.t = train, dp, ledger, 0
+        self.train, self.dp, self.ledger, self.t, self.label = train, dp, ledger, 0, label
         self.counts = shard_sizes(self.total, dp.size)
         self.a, self.b = shard_range(self.total, dp.size, dp.rank)
         like = params[self.names[0]]
         xp = array_namespace(like)
         mixed = is_16bit(like.dtype)
         moments = MASTER_DTYPE if mixed else like.dtype
-        self.m = ledger.alloc("optimizer.m", xp.zeros(self.b - self.a, dtype=moments, device=device(like)),
-                              "optimizer")
-        self.v = ledger.alloc("optimizer.v", xp.zeros_like(self.m), "optimizer")
+        self.m = ledger.alloc(f"optimizer.m{label}", xp.zeros(self.b - self.a, dtype=moments,
+                                                              device=device(like)), "optimizer")
+        self.v = ledger.alloc(f"optimizer.v{label}", xp.zeros_like(self.m), "optimizer")
         # a 16-bit model's fp32 master weights of this rank's shard only (P_os)
-        self.master = ledger.alloc("master", fp32(self.flatten(params, self.a, self.b)), "master") \
-            if mixed else None
+        self.master = ledger.alloc(f"master{label}", fp32(self.flatten(params, self.a, self.b)),
+                                   "master") if mixed else None
 
     def flatten(self, arrays: dict, a: int = 0, b: int | None = None):
         """Elements [a, b) of the arrays laid end to end, copying only those."""
@@ -287,12 +288,23 @@ class ZeroOne:
         shape), all-gather; returns the new parameters, views of the gathered buffer. fp16:
         `overflow(shard)` says whether any rank's shard overflowed, and then the step is skipped
         (the parameters returned as they are); `inv_scale` undoes the loss scale."""
-        flat = self.ledger.alloc("comm.grads", self.flatten(grads), "comm")  # (Ψl,)
-        g = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(
+        g = self.reduce(grads)
+        return self.update(params, g, inv_scale, overflow is not None and overflow(g))
+
+    def reduce(self, grads: dict):
+        """The first half of `step`: this rank's shard (Ψl/d,) of the gradients summed over dp."""
+        label = self.label
+        flat = self.ledger.alloc(f"comm.grads{label}", self.flatten(grads), "comm")  # (Ψl,)
+        g = self.ledger.alloc(f"comm.grad_shard{label}", self.dp.reduce_scatter(
             flat, tag=f"grads.{self.dp.axis}:zero1"), "comm")  # (Ψl/d,)
-        self.ledger.free("comm.grads")
-        if overflow is not None and overflow(g):
-            self.ledger.free("comm.grad_shard")
+        self.ledger.free(f"comm.grads{label}")
+        return g
+
+    def update(self, params: dict, g, inv_scale: float = 1.0, skip: bool = False) -> dict:
+        """The second half of `step` on the reduced shard `g`: the update and the all-gather, or,
+        with `skip` (an fp16 overflow somewhere), nothing (the parameters returned as they are)."""
+        if skip:
+            self.ledger.free(f"comm.grad_shard{self.label}")
             return params
         self.t += 1
         p = self.flatten(params, self.a, self.b)  # (Ψl/d,)
@@ -313,10 +325,10 @@ class ZeroOne:
                                                           self.train, decay)
             else:
                 p[s] = sgd_update(p[s], g[s], self.train, decay)
-        full = self.ledger.alloc("comm.params", self.dp.all_gather(
+        full = self.ledger.alloc(f"comm.params{self.label}", self.dp.all_gather(
             p, tag=f"params.{self.dp.axis}:zero1", counts=self.counts), "comm")  # (Ψl,)
-        self.ledger.free("comm.grad_shard")
-        self.ledger.free("comm.params")
+        self.ledger.free(f"comm.grad_shard{self.label}")
+        self.ledger.free(f"comm.params{self.label}")
         return {n: full[self.starts[i]:self.starts[i + 1]].reshape(self.shapes[n])
                 for i, n in enumerate(self.names)}
 

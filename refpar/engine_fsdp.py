@@ -63,9 +63,15 @@ class UnitStage(Stage):
     ZeroTwo over fsdp_units) for its units piece by piece and hands it each unit's gradient as
     soon as it is complete; the same blocks, names and ends as stage.Stage."""
 
+    moe = None  # the MoE blocks' layer (refpar/engine_moe_zero.MoEUnitStage); None in dense models
+
     def __init__(self, config, n_stages: int, stage: int, lay, zero: ZeroThree):
         super().__init__(config, n_stages, stage)
         self.lay, self.zero = lay, zero
+
+    def block_units(self, layer: int) -> tuple[str, ...]:
+        """The units a block's piece gathers and reduces: the block (MoE stages add its experts)."""
+        return (f"h.{layer}",)
 
     def forward(self, params, x, targets, drop, normalizer):
         """F: tokens (b, T) on the first stage or (b, Tl, C) -> (b, Tl, C), or the loss on the last."""
@@ -77,8 +83,8 @@ class UnitStage(Stage):
             zero.release(bases)  # the embedding's cache holds no parameter
         c_blocks = []
         for layer in self.layers:
-            p, bases = zero.gather(s, "fwd", (f"h.{layer}",))
-            x, c = parallel_block_forward(x, p, layer, lay, drop)  # (b, Tl, C)
+            p, bases = zero.gather(s, "fwd", self.block_units(layer))
+            x, c = parallel_block_forward(x, p, layer, lay, drop, self.moe)  # (b, Tl, C)
             c_blocks.append(detach(c, bases))
             zero.release(bases)
         if self.last:
@@ -104,10 +110,10 @@ class UnitStage(Stage):
             else:  # the embedding adds to wte's: held until the end of B
                 ledger.alloc("grads.ends", sum(nbytes_of(g) for g in ends.values()), "grads")
         for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
-            _, bases = zero.gather(s, "bwd", (f"h.{layer}",))
+            _, bases = zero.gather(s, "bwd", self.block_units(layer))
             d, grads = parallel_block_backward(d, attach(c, bases), layer, lay)  # (b, Tl, C)
             zero.release(bases)
-            zero.reduce(s, grads, (f"h.{layer}",))
+            zero.reduce(s, grads, self.block_units(layer))
         if self.first:
             g = vocab_parallel_embedding_backward(d, c_embed, lay, self._row_counts(d))
             ends["wte.weight"] = ends["wte.weight"] + g["wte.weight"] if self.last else g["wte.weight"]

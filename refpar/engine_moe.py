@@ -49,19 +49,24 @@ weights. One step composes the strategies' own pieces:
                without cp)
     sp         the sequence-sharded LayerNorms' and attention biases' gradients summed over tp (the
                MoE layer's, router and expert c_proj.bias, are the same on every tp rank already)
+    ZeRO       --zero 1/2/3 and --fsdp (refpar/engine_moe_zero.py): the dense weights sharded over
+               the stage's D x c ranks, an expert's over dp x cp (DeepSpeed-MoE's and
+               Megatron-Core's expert-data-parallel group); without pp the run is a one-stage
+               pipeline
     loss       the last stage's cross-entropy plus every stage's router-loss shares (each cp
                rank's over its tokens), summed over pp, then over the D x c ranks (every tp rank
                holds the whole loss)
 
-pp = 1 runs here too whenever the mesh has cp or tp (one stage, the schedule's single-rank case).
-cp and tp do not combine here (the MoE layer would route runs of positions gathered over tp);
-ZeRO stays out, as in the dp x ep runner.
+pp = 1 runs here too whenever the mesh has cp or tp or the run asks for ZeRO (one stage, the
+schedule's single-rank case). tp combines with neither cp (the MoE layer would route runs of
+positions gathered over tp) nor ZeRO (its units would shard tp shards) here.
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
-the loss scale, and the pp, ep and tp ranks, whose gradients differ, agree on an overflow. Under
-tp the pieces compute in fp32 and round once, as the engine's (tensor_parallel.compute/rounded):
-the expert buffer's partial sums cross tp in 16 bits, as Megatron-LM sends them.
+the loss scale, and the pp, ep and tp ranks, whose gradients differ, agree on an overflow (under
+ZeRO the pp and data ranks, whose gradient shards differ). Under tp the pieces compute in fp32 and
+round once, as the engine's (tensor_parallel.compute/rounded): the expert buffer's partial sums
+cross tp in 16 bits, as Megatron-LM sends them.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ from refpar.parallel.context_parallel import check_cp, contiguous_positions, zig
 from refpar.parallel.expert_parallel import ExpertParallelMoE, routing_runs, token_runs
 from refpar.parallel.expert_parallel_run import (
     MoERun,
+    check_microbatches,
     check_run,
     local_params,
     microbatch_samples,
@@ -111,6 +117,8 @@ class MoEPipelineOptions:
     microbatches: int = 1
     chunks: int = 1  # v, model chunks per pipeline rank (interleaved-1f1b)
     cp_algo: str | None = None  # ring (default) or ulysses, when the mesh has cp
+    zero: int = 0  # ZeRO stage 0-3 (refpar/engine_moe_zero.py)
+    fsdp: bool = False  # with zero 3: FSDP's units, a block at a time
     sp: bool = False  # sequence parallelism over tp
 
 
@@ -120,6 +128,9 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipel
     if c > 1 and t > 1:
         raise ConfigError(f"MoE blocks run over cp or over tp, not both: the MoE layer would route runs "
                           f"of positions gathered over tp, which refpar does not do; drop tp={t} or cp={c}")
+    if t > 1 and opts.zero:
+        flag = "--fsdp" if opts.fsdp else f"--zero {opts.zero}"
+        raise ConfigError(f"{flag} shards whole MoE weights, not tp shards; drop {flag} or tp={t}")
     if opts.cp_algo is not None and c < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
     train.check_model(model)
@@ -132,6 +143,14 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipel
     p = sizes.get("pp", 1)
     build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
     stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
+    if opts.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {opts.zero} is not a ZeRO stage; use 0 (plain DP), 1, 2 or 3")
+    if opts.fsdp and opts.zero != 3:
+        raise ConfigError("FSDP shards parameters, gradients and optimizer state; run it as zero 3")
+    if opts.zero and sizes.get("dp", 1) * sizes.get("ep", 1) * c < 2:
+        flag = "--fsdp" if opts.fsdp else f"--zero {opts.zero}"
+        raise ConfigError(f"{flag} shards each stage's weights over its dp x ep x cp ranks; give the "
+                          f"mesh dp=2, ep=2 or cp=2 or more")
 
 
 class MoEStage(TensorParallelStage):
@@ -162,6 +181,21 @@ def cp_positions(seq_len: int, cp: int, rank: int, algo: str | None) -> np.ndarr
     if cp == 1:
         return np.arange(seq_len)
     return (zigzag_positions if (algo or "ring") == "ring" else contiguous_positions)(seq_len, cp, rank)
+
+
+def resume_sharded(path: str, model: ModelConfig, train: TrainConfig, mesh, params: dict, zero,
+                   scaler, microbatches: int) -> int:
+    """Loads this rank's whole tensors and ZeRO shards (engine_moe_zero.MoESharding) from the
+    checkpoint `path` (any MoE mesh's, with or without ZeRO); returns the step it was saved after."""
+    from refpar.parallel.intra_layer_runner import resumed_position
+
+    manifest = checkpoint.open_training(path, model, train)
+    check_microbatches(manifest, microbatches)
+    pairs = zero.checkpoint_arrays(model, mesh, params, saving=False)
+    for (_, view), loaded in zip(pairs, checkpoint.load(path, [p for p, _ in pairs], manifest), strict=True):
+        view[...] = loaded
+    step, zero.t = resumed_position(manifest, scaler)
+    return step
 
 
 @dataclass
@@ -198,33 +232,47 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
         rows = [microbatch_samples(B, m, n_data, d, j) for d in range(n_data)]
         every = [token_runs(rows[g // c], held[g % c], T) for g in range(data.size)]
         runs[tuple(rows[data.rank // c])] = routing_runs(every, data.rank)
+
+    def make(cls, cfg, n, s, **kw):  # a stage of class cls (MoEStage or engine_moe_zero's)
+        return cls(cfg, n, s, lay, layer, routings, runs, **kw)
+
     executor = EngineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, lay, ledger,
-                              lambda cfg, n, s, lay: MoEStage(cfg, n, s, lay, layer, routings, runs))
+                              lambda cfg, n, s, lay: make(MoEStage, cfg, n, s))
     full = init_params(model, train.seed)  # drawn whole; this rank keeps its stages', experts', tp part
     mine = local_params({n: full[n] for n in executor.param_names()}, model, mesh.sizes["ep"],
                         mesh.coords["ep"])
     params = backend.current().from_host(shard_params_tp(mine, model, t, mesh.coords["tp"]))
+    scaler = loss_scaler(model, train)  # fp16 only
+    executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
+    copies = zero_group(mesh)  # the ranks holding this rank's experts: dp, or dp x cp
+    zero = None
+    if opts.zero:  # refpar/engine_moe_zero.py: dense weights sharded over data, experts over dp
+        from refpar.engine_moe_zero import MoESharding
+
+        zero = MoESharding(executor, params, train, data, copies, ledger, opts.zero, opts.fsdp, make)
+        params = zero.params  # {} under ZeRO-3
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
-    state = optimizer_init(params, train)
+    state = optimizer_init(params, train) if zero is None else {}
     for key in [k for k in ("m", "v", "master") if k in state]:  # masters: 16-bit models
         for n in params:
             ledger.alloc(f"opt:{key}:{n}", state[key][n], "master" if key == "master" else "optimizer")
-    scaler = loss_scaler(model, train)  # fp16 only
-    executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
-    # stages, experts and tp shards differ; the dense sums agree
-    differ = [comm for comm in (pp, mesh.ep, mesh.tp) if comm.size > 1]
+    # the ranks whose gradients differ: stages, experts and tp shards (dense sums agree), and under
+    # ZeRO the data ranks, each holding other shards
+    differ = [comm for comm in (pp, mesh.ep if zero is None else data, mesh.tp) if comm.size > 1]
     scales, skipped_steps = [], []
-    start_step = 0 if resume is None else resume_from(
-        resume, model, train, params, state, mesh.coords, scaler, m,
-        arrays=checkpoint_arrays(model, params, state, mesh, saving=False))
+    start_step = 0
+    if resume is not None and zero is None:
+        start_step = resume_from(resume, model, train, params, state, mesh.coords, scaler, m,
+                                 arrays=checkpoint_arrays(model, params, state, mesh, saving=False))
+    elif resume is not None:
+        start_step = resume_sharded(resume, model, train, mesh, params, zero, scaler, m)
     # applied to this rank's part of the sequence only (the MoE blocks' experts are not)
     sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
     ids = [list(microbatch_samples(B, m, n_data, data.rank // c, j)) for j in range(m)]
-    copies = zero_group(mesh)  # the ranks holding this rank's experts: dp, or dp x cp
     run = MoEPipelineRun(first_step=start_step, rows=[len(i) for i in ids])
     tracer = world.tracer
     for step in range(start_step, train.steps):
@@ -236,19 +284,24 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
                 tokens, targets = corpus.batch(step, ids[j], T)  # (b_j, T) each
                 mbs.append(Microbatch(tokens, targets, tuple(ids[j])))
             scale = layer.grad_scale = 1.0 if scaler is None else scaler.scale
+            if zero is not None:
+                zero.begin_step()
             with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
                 loss, grads = executor.step(params, mbs, step=step, seed=train.seed, normalizer=B * T,
                                             dloss=scale)
-            reduce_grads(grads, sp_names, mesh.tp, "sp.replicated_grads:bwd")
-            reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep x cp ranks
-            reduce_grads(grads, experts, copies, "experts:grad")  # over the copies of each expert
-            skip = False
+            if zero is not None:  # the sums and the update on the shards
+                params, skip = zero.step(params, grads, 1.0 / scale, None if scaler is None else differ)
+            else:
+                reduce_grads(grads, sp_names, mesh.tp, "sp.replicated_grads:bwd")
+                reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep x cp ranks
+                reduce_grads(grads, experts, copies, "experts:grad")  # over the copies of each expert
+                skip = scaler is not None and overflow_anywhere(grads, differ)
+                params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale,
+                                               skip=skip)
             if scaler is not None:
-                skip = overflow_anywhere(grads, differ)
                 scaler.update(skip)
                 scales.append(scale)
                 skipped_steps += [step] * skip
-            params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / scale, skip=skip)
             mine = [routings[tuple(i)] for i in ids if tuple(i) in routings]  # microbatch order
             aux, z = router_shares(mine)  # this rank's shares; the loss counts them too
             shares = np.array([loss + aux + z, aux, z])
@@ -259,11 +312,15 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
         if on_step is not None:
             on_step(run.steps[-1])
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
-            checkpoint.save_training(save, step + 1, checkpoint_arrays(model, params, state, mesh, True),
-                                     model, train, mesh.sizes, "moe pipeline", world,
-                                     moe_microbatches=m, **saved_position(state, scaler))
+            arrays = (checkpoint_arrays(model, params, state, mesh, True) if zero is None
+                      else zero.checkpoint_arrays(model, mesh, params, True))
+            kind = "moe pipeline" + ("" if zero is None else " fsdp" if opts.fsdp else f" zero{opts.zero}")
+            checkpoint.save_training(save, step + 1, arrays, model, train, mesh.sizes, kind, world,
+                                     moe_microbatches=m, **saved_position(
+                                         state if zero is None else {"t": zero.t}, scaler))
     run.totals = tracer.totals() if tracer else {}  # before the timeline gather adds its own
-    run.params, run.ledger, run.executor = params, ledger, executor
+    run.params = params if zero is None else zero.full_params(params)
+    run.ledger, run.executor = ledger, executor
     run.loss_scaling = loss_scaling_summary(scales, skipped_steps)
     run.measured = executor.measured_timeline()
     run.simulated = executor.simulated_timeline(run.measured)

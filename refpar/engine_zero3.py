@@ -68,6 +68,8 @@ def detach(cache, bases: dict):
         return cache
     if isinstance(cache, tuple | list):
         return type(cache)(detach(c, bases) for c in cache)
+    if isinstance(cache, dict):  # a MoE block's cache (its experts' linear caches hold weights)
+        return {k: detach(c, bases) for k, c in cache.items()}
     return cache
 
 
@@ -77,20 +79,27 @@ def attach(cache, bases: dict):
         return _view_at(bases[cache[0]], cache[1])
     if isinstance(cache, tuple | list):
         return type(cache)(attach(c, bases) for c in cache)
+    if isinstance(cache, dict):
+        return {k: attach(c, bases) for k, c in cache.items()}
     return cache
 
 
 class ShardedGrads:
     """What ZeRO-2 and ZeRO-3 share: each unit's gradient kept as this rank's shard only, reduce-
     scattered over `dp` (engine.zero_group: dp, or dp x cp) after every microbatch's backward of
-    its stage, and the AdamW moments of that shard."""
+    its stage, and the AdamW moments of that shard. `group_of(unit)` gives each unit its own group
+    instead (MoE runs, refpar/engine_moe_zero.py: dense units over the data ranks, experts' over dp)."""
 
-    def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of, grad_dtype=None):
+    def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of, grad_dtype=None,
+                 group_of=None):
         self.train, self.dp, self.ledger, self.t = train, dp, ledger, 0
         self.grad_dtype = grad_dtype  # None: the parameters' dtype; float32 with fp32_grads
         # unit_fn(names) -> {unit: names}: units_of, or engine_fsdp.fsdp_units (a unit per block)
         self.units = {(s, u): names for s, st in stages.items()
                       for u, names in unit_fn(st.param_names()).items()}
+        # group_of(unit) -> the ranks that unit is sharded over and its gradient summed across:
+        # `dp` for every unit, or per unit (MoE: dense units over the data ranks, experts' over dp)
+        self.groups = {key: dp if group_of is None else group_of(key[1]) for key in self.units}
         self.shapes = {n: params[n].shape for n in params}
         self.grads, self.m, self.v, self.own, self.counts = {}, {}, {}, {}, {}
         self.master = {}  # a 16-bit model's fp32 masters of this rank's [a, b) of each unit
@@ -106,8 +115,9 @@ class ShardedGrads:
             if key[1] == "wte" and any(k[1] == "wte" and k < key for k in self.units):
                 continue  # first and last stage on one rank (interleaved): one wte unit
             n = sum(int(np.prod(self.shapes[name])) for name in names)  # Ψ_u
-            self.counts[key] = shard_sizes(n, dp.size)
-            a, b = self.own[key] = shard_range(n, dp.size, dp.rank)
+            group = self.groups[key]
+            self.counts[key] = shard_sizes(n, group.size)
+            a, b = self.own[key] = shard_range(n, group.size, group.rank)
             tag = f"{key[0]}.{key[1]}"
             self.grads[key] = ledger.alloc(f"grads.shard.{tag}", zeros(b - a, grad_dtype or like.dtype),
                                            "grads")
@@ -149,7 +159,7 @@ class ShardedGrads:
             if self.grad_dtype is not None:  # fp32_grads: reduced and accumulated in float32
                 flat = xp.astype(flat, self.grad_dtype)
             self.ledger.alloc("grads.flat", flat, "grads")
-            shard = self.ledger.alloc("comm.grad_shard", self.dp.reduce_scatter(
+            shard = self.ledger.alloc("comm.grad_shard", self.groups[key].reduce_scatter(
                 flat, tag=f"s{stage}.{u}:grads"), "comm")  # (s_u,)
             self.grads[key] += shard
             self.ledger.free("comm.grad_shard")
@@ -207,8 +217,9 @@ class ShardedGrads:
 class ZeroThree(ShardedGrads):
     """ZeRO-3: also the parameters as this rank's unit shards, gathered over dp around each action."""
 
-    def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of, grad_dtype=None):
-        super().__init__(params, stages, train, dp, ledger, unit_fn, grad_dtype)
+    def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of, grad_dtype=None,
+                 group_of=None):
+        super().__init__(params, stages, train, dp, ledger, unit_fn, grad_dtype, group_of)
         self.shards = {}
         for key, (a, b) in self.own.items():
             xp = array_namespace(params[self.units[key][0]])
@@ -223,7 +234,7 @@ class ZeroThree(ShardedGrads):
             if s != stage or (units is not None and u not in units):
                 continue
             key = self.key(s, u)
-            flat = self.dp.all_gather(self.shards[key], tag=f"s{stage}.{u}:params:{phase}",
+            flat = self.groups[key].all_gather(self.shards[key], tag=f"s{stage}.{u}:params:{phase}",
                                       counts=self.counts[key])  # (Ψ_u,)
             bases[u] = self.ledger.alloc(f"params.gathered.{u}", flat, "params")
             start = 0
@@ -259,8 +270,9 @@ class ZeroTwo(ShardedGrads):
     all-gathered over dp into them. `gather` and `release` have ZeroThree's signature, so a stage
     written for per-unit gathers (engine_fsdp.UnitStage) runs on it: nothing moves."""
 
-    def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of, grad_dtype=None):
-        super().__init__(params, stages, train, dp, ledger, unit_fn, grad_dtype)
+    def __init__(self, params: dict, stages: dict, train, dp, ledger, unit_fn=units_of, grad_dtype=None,
+                 group_of=None):
+        super().__init__(params, stages, train, dp, ledger, unit_fn, grad_dtype, group_of)
         self.params = params  # the whole parameters, updated in place by `step`
 
     def gather(self, stage: int, phase: str, units=None) -> tuple[dict, dict]:
@@ -279,7 +291,7 @@ class ZeroTwo(ShardedGrads):
             p = xp.concat([xp.reshape(params[n], (-1,))[first:first + hi - lo]
                            for n, lo, hi, first in self.segments(key)])  # (s_u,), a copy
             self.update(key, p, inv_scale)
-            full = self.ledger.alloc("comm.params", self.dp.all_gather(
+            full = self.ledger.alloc("comm.params", self.groups[key].all_gather(
                 p, tag=f"s{key[0]}.{key[1]}:params:step", counts=self.counts[key]), "comm")  # (Ψ_u,)
             start = 0
             for n in names:

@@ -112,10 +112,14 @@ def test_train_cli_reports_routing_per_step_and_matches_one_device_with_closed_f
     (["--mesh", "ep=4", "--moe-experts", "2"], "moe_experts=2 is fewer than ep=4; use at least 4 experts"),
     (["--mesh", "ep=2"], "ep=2 spreads experts over ranks; add --moe-experts E with E >= 2"),
     (["--moe-experts", "4", "--zero", "1"],
-     "--zero does not combine with --moe-experts; MoE runs over pp, dp, ep, cp and tp only, so drop --zero"),
+     "--zero 1 shards each stage's weights over its dp x ep x cp ranks; give the mesh dp=2, ep=2 or cp=2 "
+     "or more"),
     (["--moe-experts", "4", "--cp-algo", "ulysses"],
-     "--cp-algo does not combine with --moe-experts; MoE runs over pp, dp, ep, cp and tp only, so drop "
-     "--cp-algo or add cp=2 or more to --mesh"),
+     "--cp-algo does not combine with --moe-experts; MoE runs over pp, dp, ep, cp and tp (with --zero "
+     "or --fsdp), so drop --cp-algo or add cp=2 or more to --mesh"),
+    (["--moe-experts", "4", "--sp"],
+     "--sp does not combine with --moe-experts; MoE runs over pp, dp, ep, cp and tp (with --zero or "
+     "--fsdp), so drop --sp or add tp=2 or more to --mesh"),
 ])
 def test_train_cli_refuses_a_bad_expert_setup_in_one_sentence(args, sentence):
     import subprocess

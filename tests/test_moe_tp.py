@@ -93,6 +93,7 @@ def test_expert_tp_slices_split_each_expert_like_the_dense_mlp_and_reassemble_it
     ({"ep": 2, "cp": 2, "tp": 2}, MoEPipelineOptions(), "drop tp=2 or cp=2"),
     ({"ep": 2}, MoEPipelineOptions(sp=True), "--sp shards along the sequence over tp ranks"),
     ({"ep": 2, "tp": 3}, MoEPipelineOptions(), "tp=3 does not divide n_head=4"),
+    ({"ep": 2, "tp": 2}, MoEPipelineOptions(zero=1), "--zero 1 shards whole MoE weights, not tp shards"),
 ])
 def test_bad_moe_tp_setup_is_one_sentence(sizes, opts, words):
     with pytest.raises(ConfigError) as err:
@@ -105,4 +106,5 @@ def test_sp_without_tp_in_a_moe_run_is_refused_in_one_sentence_before_any_run():
                           env=mpi_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().endswith("--sp does not combine with --moe-experts; MoE runs over pp, dp, "
-                                        "ep, cp and tp only, so drop --sp or add tp=2 or more to --mesh")
+                                        "ep, cp and tp (with --zero or --fsdp), so drop --sp or add tp=2 "
+                                        "or more to --mesh")

@@ -42,18 +42,30 @@ and the loss sum over D x c ranks, an expert's gradient over dp x c (axis `dp_cp
 messages are (b_j, Ta_j, C), and each microbatch adds the stages' ring K/V hops or Ulysses'
 all-to-alls over cp (analysis.intra_layer's closed forms).
 
-With tp (t ranks, refpar/parallel/expert_tensor_parallel.py; not with cp) a rank holds tp shards:
-the dense weights as tensor_parallel.tp_param_slices cuts them, each expert's c_fc and
-c_proj.weight divided by t (c_proj.bias whole), so every count of elements above (gradients, wte,
-memory) is of those shards. Routing, all-to-alls and the data ranks' sums are the same as without
-tp, among the ranks of one tp coordinate (each tp rank routes all its stage's tokens). On tp, per
-microbatch j and stage: the engine's tensor-parallel calls of attention, embedding and head over
-b_j rows (analysis.intra_layer; the dense MLP's calls left out of MoE blocks), and per MoE layer
-an all-reduce of the (Q, C) expert buffer forward and one backward (Q from `dispatch_rows`);
-under sp two all-gathers of (b_j, T, C) around the layer, activations on pp of (b_j, Tl, C), and
-one all-reduce per step of the sequence-sharded parameters' gradients. Activations: the dense
-terms are the engine's tp (sp) ones, an expert's hidden width this tp rank's columns H of 4C, and
-under sp the router keeps the gathered (b_j, T, C) instead of ln_2's (b_j, Tl, C) shard.
+Under ZeRO (refpar/engine_moe_zero.py) a dense unit is sharded over the stage's D (x c) data ranks
+(axis "data", rank d, d c + j with cp) and an expert unit over dp (axis "dp"; with cp dp x cp,
+"dp_cp"), each with shard_range shares s_u;
+the all-reduces of the gradients give way to, per step: ZeRO-1 a reduce-scatter of Ψ_d over data
+and of Ψ_e over dp, and the all-gathers of the updated shards; ZeRO-2 per microbatch and stage a
+reduce-scatter of each unit, per step an all-gather of each unit; ZeRO-3 per microbatch and stage
+two all-gathers and a reduce-scatter of each unit; FSDP the same with the ends' units (wte, root)
+gathered once on the first stage and twice on the last. The tied wte's all-reduce over pp moves
+its shard (ZeRO-2/3), fp16's overflow flag goes over pp and data. Memory: the shards of every unit
+(grads, AdamW's m and v, 16-bit masters), plus what is transient (`pipeline_state_bytes`).
+
+With tp (t ranks, refpar/parallel/expert_tensor_parallel.py; not with cp, not with ZeRO) a rank
+holds tp shards: the dense weights as tensor_parallel.tp_param_slices cuts them, each expert's
+c_fc and c_proj.weight divided by t (c_proj.bias whole), so every count of elements above
+(gradients, wte, memory) is of those shards. Routing, all-to-alls and the data ranks' sums are the
+same as without tp, among the ranks of one tp coordinate (each tp rank routes all its stage's
+tokens). On tp, per microbatch j and stage: the engine's tensor-parallel calls of attention,
+embedding and head over b_j rows (analysis.intra_layer; the dense MLP's calls left out of MoE
+blocks), and per MoE layer an all-reduce of the (Q, C) expert buffer forward and one backward (Q
+from `dispatch_rows`); under sp two all-gathers of (b_j, T, C) around the layer, activations on pp
+of (b_j, Tl, C), and one all-reduce per step of the sequence-sharded parameters' gradients.
+Activations: the dense terms are the engine's tp (sp) ones, an expert's hidden width this tp
+rank's columns H of 4C, and under sp the router keeps the gathered (b_j, T, C) instead of ln_2's
+(b_j, Tl, C) shard.
 """
 
 from __future__ import annotations
@@ -63,11 +75,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from refpar.analysis.engine import cp_tokens, microbatch_activation_bytes
+from refpar.analysis.engine import _gathers, _owned_units, cp_tokens, microbatch_activation_bytes
 from refpar.analysis.intra_layer import RankShape, _ring_calls, _tp_calls, _ulysses_calls
 from refpar.comm import cost
 from refpar.config import MESH_AXES
 from refpar.engine import EngineOptions
+from refpar.engine_fsdp import ENDS
+from refpar.engine_moe_zero import expert_unit, moe_fsdp_units, moe_units_of
 from refpar.model.gpt import param_shapes
 from refpar.model.moe import capacity, expert_param_shapes, expert_prefix
 from refpar.parallel.pipeline.schedules import build, layout, stored
@@ -250,28 +264,110 @@ def rank_param_numels(config, sizes: dict[str, int], coords: dict[str, int], chu
             if n in names and (".mlp.experts." not in n or n.startswith(mine))}
 
 
+def zero_group(sizes: dict[str, int], coords: dict[str, int], unit: str) -> tuple[str, int, int]:
+    """(axis, size, rank) of the ranks a unit is sharded over: dp (dp x cp, axis dp_cp, with cp) for
+    experts, the stage's data ranks (dp x ep x cp) for the rest."""
+    c, j = sizes.get("cp", 1), coords.get("cp", 0)
+    if expert_unit(unit):
+        return ("dp" if c == 1 else "dp_cp"), sizes.get("dp", 1) * c, coords["dp"] * c + j
+    d = coords["dp"] * sizes.get("ep", 1) + coords["ep"]
+    return "data", sizes.get("dp", 1) * sizes.get("ep", 1) * c, d * c + j
+
+
+def stage_units(config, sizes: dict[str, int], coords: dict[str, int], chunks: int, by_unit: bool
+                ) -> dict[int, dict[str, int]]:
+    """stage -> unit -> elements on this rank: engine_moe_zero.moe_fsdp_units (`by_unit`: ZeRO-2,
+    FSDP) or moe_units_of (ZeRO-3) over the weights the rank holds of each of its stages."""
+    p = sizes.get("pp", 1)
+    numels = rank_param_numels(config, sizes, coords, chunks)
+    unit_fn = moe_fsdp_units if by_unit else moe_units_of
+    out = {}
+    for s in (c * p + coords["pp"] for c in range(chunks)):
+        names = [n for n in stage_param_names(config, p * chunks, s) if n in numels]
+        out[s] = {u: sum(numels[n] for n in members) for u, members in unit_fn(names).items()}
+    return out
+
+
+def _shard(sizes, coords, unit: str, n: int) -> int:
+    _, size, rank = zero_group(sizes, coords, unit)
+    return shard_sizes(n, size)[rank]
+
+
 def pipeline_state_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
-                         optimizer: str, fp32_grads: bool = False) -> dict[str, int]:
+                         optimizer: str, fp32_grads: bool = False, zero: int = 0, fsdp: bool = False
+                         ) -> dict[str, int]:
     """Peak params, grads, master and optimizer bytes of a rank of a MoE pipeline: what it holds,
     once each (the executor counts each gradient's sum over microbatches), AdamW twice; a 16-bit
-    model's fp32 master weights and moments take 4 bytes per element."""
-    n = sum(rank_param_numels(config, sizes, coords, chunks).values())
+    model's fp32 master weights and moments take 4 bytes per element. ZeRO-1: masters and moments
+    of the data-rank share of the dense weights and the dp share of the experts. ZeRO-2/3, FSDP:
+    shards of every unit, plus the transient (module docstring, `_sharded_state_bytes`)."""
+    numels = rank_param_numels(config, sizes, coords, chunks)
+    n = sum(numels.values())
     e = np.dtype(config.dtype).itemsize
     state = 4 if e == 2 else e
-    return {"params": n * e, "grads": n * (4 if fp32_grads else e), "master": n * 4 if e == 2 else 0,
-            "optimizer": {"adamw": 2, "sgd": 0}[optimizer] * n * state}
+    out = {"params": n * e, "grads": n * (4 if fp32_grads else e), "master": n * 4 if e == 2 else 0,
+           "optimizer": {"adamw": 2, "sgd": 0}[optimizer] * n * state}
+    if zero == 1:  # engine.ZeroOne keeps m and v for either optimizer
+        dense = sum(k for name, k in numels.items() if ".mlp.experts." not in name)
+        share = _shard(sizes, coords, "rest", dense) + _shard(sizes, coords, "experts", n - dense)
+        return out | {"master": share * 4 if e == 2 else 0, "optimizer": 2 * share * state}
+    if zero >= 2:
+        return out | _sharded_state_bytes(config, sizes, coords, chunks, optimizer, fp32_grads, zero,
+                                          fsdp, numels)
+    return out
+
+
+def _sharded_state_bytes(config, sizes, coords, chunks, optimizer, fp32_grads, zero, fsdp, numels
+                         ) -> dict[str, int]:
+    """ZeRO-2, 3 and FSDP (engine_zero3.ShardedGrads): each owned unit's shard of the gradients (gi
+    bytes), AdamW's m and v and a 16-bit model's masters (4 bytes each, else e), plus, in "grads",
+    the largest transient: ZeRO-3 a stage's whole gradient (e) and one unit's flat copy (gi);
+    ZeRO-2 and FSDP a block's gradient (its dense and experts units) and the larger unit's copy, on a
+    stage that is first and last with the head's wte and ln_f gradients held, or the ends' gradients
+    and the larger one's copy. "params": ZeRO-2 the whole weights; ZeRO-3 the shards plus the largest
+    gathered piece (a stage; FSDP a block's two units or the ends)."""
+    e = np.dtype(config.dtype).itemsize
+    gi, state = 4 if fp32_grads else e, 4 if e == 2 else e
+    by_unit = zero == 2 or fsdp
+    stages = stage_units(config, sizes, coords, chunks, by_unit)
+    owned = sum(_shard(sizes, coords, u[1] if isinstance(u, tuple) else u, n)
+                for u, n in _owned_units(stages).items())
+    n_stages = sizes.get("pp", 1) * chunks
+    head = numels.get("wte.weight", 0) + numels.get("ln_f.weight", 0) + numels.get("ln_f.bias", 0)
+    transient, pieces = 0, []
+    for s, units in stages.items():
+        ends = [n for u, n in units.items() if u in ENDS]
+        if not by_unit:
+            transient = max(transient, sum(units.values()) * e + max(units.values()) * gi)
+            pieces.append(sum(units.values()))
+            continue
+        held = head * e if s == 0 and s == n_stages - 1 else 0
+        for block in {u.removesuffix(".experts") for u in units if u not in ENDS}:
+            parts = [units[u] for u in (block, f"{block}.experts") if u in units]
+            transient = max(transient, held + sum(parts) * e + max(parts) * gi)
+            pieces.append(sum(parts))
+        transient = max(transient, sum(ends) * e + max(ends, default=0) * gi)
+        pieces.append(sum(ends))
+    out = {"grads": owned * gi + transient, "master": owned * 4 if e == 2 else 0,
+           "optimizer": 2 * owned * state if optimizer == "adamw" else 0}
+    if zero == 3:
+        out["params"] = (owned + max(pieces)) * e
+    return out
 
 
 def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
                              rows: list[int], seq_len: int, kept_by_microbatch: list[list],
                              grad_itemsize: int | None = None, cp_algo: str | None = None,
-                             batch_size: int | None = None, sp: bool = False) -> dict:
+                             batch_size: int | None = None, zero: int = 0, fsdp: bool = False,
+                             sp: bool = False) -> dict:
     """{(axis, op): Bytes} of one step of a MoE pipeline on the rank at `coords`; `rows` its b_j,
     `kept_by_microbatch[j]` the (D c, E) kept counts of each MoE layer of its stages in microbatch j.
     Gradients move in their dtype (`grad_itemsize`, default the model's); fp16 adds the overflow
-    flag (one float32) over pp, ep and tp, the axes whose ranks hold different gradients. With cp
-    (`cp_algo`), `batch_size` B gives every data rank's rows, which set its runs' count; `sp`:
-    sequence parallelism over tp."""
+    flag (one float32) over pp, ep and tp, the axes whose ranks hold different gradients (under
+    ZeRO over pp and data). With cp (`cp_algo`), `batch_size` B gives every data rank's rows, which
+    set its runs' count. `zero`, `fsdp`: the ZeRO stage's collectives over data and dp (dp x cp)
+    instead of the gradients' all-reduces (module docstring), for a step that was not skipped.
+    `sp`: sequence parallelism over tp."""
     p, dp, ep, c = sizes.get("pp", 1), sizes.get("dp", 1), sizes.get("ep", 1), sizes.get("cp", 1)
     t = sizes.get("tp", 1)
     j_cp = coords.get("cp", 0)
@@ -308,20 +404,60 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
         add(("pp", "isend"), cost.Bytes(p2p, 0))
         add(("pp", "irecv"), cost.Bytes(0, p2p))
         if r in (0, p - 1):
-            add(("pp", "all_reduce"), cost.all_reduce_bytes(numels["wte.weight"], 2, int(r == p - 1), g))
+            tied = numels["wte.weight"] if zero < 2 else _shard(sizes, coords, "wte", numels["wte.weight"])
+            add(("pp", "all_reduce"), cost.all_reduce_bytes(tied, 2, int(r == p - 1), g))
         add(("pp", "all_reduce"), cost.all_reduce_bytes(3, p, r, 8))  # the losses
     dense = sum(n for name, n in numels.items() if ".mlp.experts." not in name)
     experts = sum(numels.values()) - dense
-    if n_data * c > 1:
-        add(("data", "all_reduce"), cost.all_reduce_bytes(dense, n_data * c, group, g))
-    if dp * c > 1 and experts:  # over the copies of this rank's experts: dp, or dp x cp
-        axis = "dp" if c == 1 else "dp_cp"
-        add((axis, "all_reduce"), cost.all_reduce_bytes(experts, dp * c, coords["dp"] * c + j_cp, g))
+    if zero == 0:
+        if n_data * c > 1:
+            add(("data", "all_reduce"), cost.all_reduce_bytes(dense, n_data * c, group, g))
+        if dp * c > 1 and experts:  # over the copies of this rank's experts: dp, or dp x cp
+            axis = "dp" if c == 1 else "dp_cp"
+            add((axis, "all_reduce"), cost.all_reduce_bytes(experts, dp * c, coords["dp"] * c + j_cp, g))
+    else:
+        for key, b in zero_step_comm_bytes(config, sizes, coords, chunks, len(rows), g, zero, fsdp,
+                                           dense, experts).items():
+            add(key, b)
     add(("data", "all_reduce"), cost.all_reduce_bytes(3, n_data * c, group, 8))  # the losses
     if config.dtype == "float16":  # the overflow flag
-        for axis, size in (("pp", p), ("ep", ep), ("tp", t)):
+        for axis, size, at in (("pp", p, r), ("ep", ep, coords["ep"]) if zero == 0 else
+                               ("data", n_data * c, group), ("tp", t, coords.get("tp", 0))):
             if size > 1:
-                add((axis, "all_reduce"), cost.all_reduce_bytes(1, size, coords[axis], 4))
+                add((axis, "all_reduce"), cost.all_reduce_bytes(1, size, at, 4))
+    return out
+
+
+def zero_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int, m: int,
+                         g: int, zero: int, fsdp: bool, dense: int, experts: int) -> dict:
+    """{(axis, op): Bytes} of ZeRO's collectives in one step of m microbatches (module docstring):
+    parameters gathered in the model's dtype, gradients reduced in theirs (g bytes)."""
+    e = np.dtype(config.dtype).itemsize
+    out = {}
+
+    def add(unit, op, n, times=1):
+        axis, size, rank = zero_group(sizes, coords, unit)
+        b = (cost.all_gather_bytes(shard_sizes(n, size), rank, e) if op == "all_gather"
+             else cost.reduce_scatter_bytes(n, size, rank, g))
+        old = out.get((axis, op), cost.Bytes(0, 0))
+        out[(axis, op)] = cost.Bytes(old.sent + times * b.sent, old.recv + times * b.recv)
+
+    if zero == 1:
+        for unit, n in (("rest", dense), ("experts", experts)):
+            if n:
+                add(unit, "reduce_scatter", n)
+                add(unit, "all_gather", n)
+        return out
+    stages = stage_units(config, sizes, coords, chunks, zero == 2 or fsdp)
+    n_stages = sizes.get("pp", 1) * chunks
+    for s, units in stages.items():
+        for u, n in units.items():
+            add(u, "reduce_scatter", n, m)  # after each microbatch's backward
+            if zero == 3:
+                add(u, "all_gather", n, m * _gathers(u, s, n_stages, fsdp))
+    if zero == 2:  # the updated shards, once per step
+        for u, n in _owned_units(stages).items():
+            add(u[1] if isinstance(u, tuple) else u, "all_gather", n)
     return out
 
 

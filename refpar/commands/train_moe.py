@@ -4,17 +4,21 @@
     mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --moe-topk 1 --dropless --json
     mpiexec -n 8 refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --microbatches 2 --check
     mpiexec -n 4 refpar train --mesh ep=2,cp=2 --cp-algo ulysses --moe-experts 4 --check
+    mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --zero 1 --check
     mpiexec -n 4 refpar train --mesh ep=2,tp=2 --sp --moe-experts 4 --check
 
 `refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`: over
-dp x ep to refpar/parallel/expert_parallel_run.py, with pp, cp (--cp-algo ring or ulysses) or tp
-(--sp) to refpar/engine_moe.py. Besides the usual report it prints, per step, the router losses,
-the dropped assignments and how many assignments each expert kept (with pp: the routing of every
-block after the run); `--json` adds them under "moe". With --microbatches M each microbatch routes
-on its own tokens (refpar/model/moe.py). Peak memory per rank is compared with the closed forms of
-refpar/analysis/moe.py: params, grads, masters and moments, and with pp, cp or tp the activations
-too (what each F's cache keeps, MoE blocks' routing and expert buffers included, replayed over the
-schedule).
+dp x ep to refpar/parallel/expert_parallel_run.py, with pp, with cp (--cp-algo ring or ulysses),
+with tp (--sp; each expert a tensor-parallel MLP, refpar/parallel/expert_tensor_parallel.py) or
+with --zero/--fsdp (the dense weights sharded over the stage's data ranks, the experts over dp;
+refpar/engine_moe_zero.py) to refpar/engine_moe.py, a one-stage pipeline when the mesh has no pp.
+Besides the usual report it prints, per step, the router losses, the dropped assignments and how
+many assignments each expert kept (with pp: the routing of every block after the run); `--json`
+adds them under "moe". With --microbatches M each microbatch routes on its own tokens
+(refpar/model/moe.py). Peak memory per rank is compared with the closed forms of
+refpar/analysis/moe.py: params, grads, masters and moments, and in engine_moe's runs the
+activations too (what each F's cache keeps, MoE blocks' routing and expert buffers included,
+replayed over the schedule).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ PIPELINE_KEYS = (*STATE_KEYS, "activations")  # engine_moe: the F caches' bytes 
 COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"), ("dp", "all_reduce"),
              ("pp", "isend"), ("pp", "irecv"), ("pp", "all_reduce"), ("ep", "all_reduce"),
              ("cp", "isend"), ("cp", "irecv"), ("cp", "all_to_all"), ("dp_cp", "all_reduce"),
+             ("data", "reduce_scatter"), ("dp", "reduce_scatter"), ("dp", "all_gather"),
+             ("dp_cp", "reduce_scatter"), ("dp_cp", "all_gather"),
              ("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"))
 
 
@@ -67,9 +73,9 @@ def model_overrides(args) -> dict:
 
 # Options of the other strategies' runners (their defaults mean "not asked for"): a MoE run takes
 # none of them, and says so rather than ignore one; --schedule and --chunks only with pp, --cp-algo
-# only with cp, --sp only with tp.
-OTHER_OPTIONS = {"zero": 0, "fsdp": False, "sp": False, "cp_algo": None, "schedule": None,
-                 "chunks": None, "overlap": False, "bucket_kb": None, "prefetch": False}
+# only with cp, --sp only with tp; --zero and --fsdp shard (refpar/engine_moe_zero.py).
+OTHER_OPTIONS = {"sp": False, "cp_algo": None, "schedule": None, "chunks": None, "overlap": False,
+                 "bucket_kb": None, "prefetch": False}
 
 
 def check_options(args, pipelined: bool = False, cp: bool = False, tp: bool = False) -> None:
@@ -84,7 +90,15 @@ def check_options(args, pipelined: bool = False, cp: bool = False, tp: bool = Fa
                     "cp_algo": " or add cp=2 or more to --mesh", "sp": " or add tp=2 or more to --mesh"
                     }.get(name, "")
             raise ConfigError(f"{flag} does not combine with --moe-experts; MoE runs over pp, dp, ep, "
-                              f"cp and tp only, so drop {flag}{hint}")
+                              f"cp and tp (with --zero or --fsdp), so drop {flag}{hint}")
+    if getattr(args, "fsdp", False) and getattr(args, "zero", 0):
+        raise ConfigError(f"--fsdp and --zero {args.zero} are two ways to shard; give one of them")
+
+
+def zero_stage(args) -> tuple[int, bool]:
+    """(ZeRO stage, FSDP) asked for: --fsdp is ZeRO-3 by FSDP's units."""
+    fsdp = bool(getattr(args, "fsdp", False))
+    return (3 if fsdp else getattr(args, "zero", 0)), fsdp
 
 
 def _rel(a, b) -> float:
@@ -124,15 +138,16 @@ def run_cli(model, train, sizes, args) -> int:
     from refpar.report import run_summary, summary_line
     from refpar.trainer import corpus_for
 
-    # pp, cp or tp: refpar/engine_moe.py (with cp or tp, pp = 1 is a one-stage pipeline)
+    # pp, cp, tp or ZeRO: refpar/engine_moe.py (without pp a one-stage pipeline)
     m, c, t = args.microbatches, sizes.get("cp", 1), sizes.get("tp", 1)
     check_options(args, sizes["pp"] > 1, c > 1, t > 1)
-    pipelined = sizes["pp"] > 1 or c > 1 or t > 1
+    zero, fsdp = zero_stage(args)
+    pipelined = sizes["pp"] > 1 or c > 1 or t > 1 or zero > 0
     opts = None
     if pipelined:
         kind = args.schedule or "1f1b"
         v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
-        opts = MoEPipelineOptions(kind, m, v, args.cp_algo, sp=bool(getattr(args, "sp", False)))
+        opts = MoEPipelineOptions(kind, m, v, args.cp_algo, zero, fsdp, sp=bool(getattr(args, "sp", False)))
         validate(model, train, sizes, opts)
     else:
         check_run(model, train, sizes, m)
@@ -155,14 +170,19 @@ def run_cli(model, train, sizes, args) -> int:
     say(f"GPT-2 {args.model} with {model.moe_experts} experts, top-{model.moe_top_k}, {limit}, in blocks "
         f"{','.join(map(str, blocks))}; {where}; experts per ep rank: "
         + " ".join(f"{list(owned_experts(model.moe_experts, ep, q))}" for q in range(ep)))
+    if zero:
+        cp_text = f" x cp = {sizes['dp'] * ep * c}" if c > 1 else f" = {sizes['dp'] * ep}"
+        say(f"{'FSDP' if fsdp else f'ZeRO-{zero}'}: dense weights sharded over each stage's dp x ep"
+            f"{cp_text} ranks, each expert's over dp{' x cp' if c > 1 else ''}={sizes['dp'] * c}")
+    if t > 1:
+        say(f"tensor parallelism over tp={t}{' with sp' if opts.sp else ''}: each expert's c_fc split by "
+            f"columns and c_proj by rows, routing replicated over tp")
     if pipelined:
-        cp_text = f", {opts.cp_algo or 'ring'} attention over cp={c}" if c > 1 else ""
-        if t > 1:
-            cp_text = (f", tensor parallelism over tp={t}{' with sp' if opts.sp else ''} (each expert's "
-                       f"c_fc split by columns and c_proj by rows, routing replicated over tp)")
-        say(f"pipeline: {opts.schedule} over pp={sizes['pp']} with {opts.chunks} chunk(s) per rank, "
-            f"{m} microbatches{cp_text}; each stage's dp x ep{' x cp' if c > 1 else ''} ranks route "
-            f"its MoE blocks")
+        if sizes["pp"] > 1 or c > 1:
+            cp_text = f", {opts.cp_algo or 'ring'} attention over cp={c}" if c > 1 else ""
+            say(f"pipeline: {opts.schedule} over pp={sizes['pp']} with {opts.chunks} chunk(s) per rank, "
+                f"{m} microbatches{cp_text}; each stage's dp x ep{' x cp' if c > 1 else ''} ranks route "
+                f"its MoE blocks")
         say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7}")
     else:
         say(f"{'step':>5} {'loss':>8} {'aux':>7} {'z':>7} {'dropped':>7}  tokens per expert "
@@ -210,7 +230,7 @@ def run_cli(model, train, sizes, args) -> int:
             step_bytes = moe_analysis.pipeline_step_comm_bytes(
                 model, mesh.sizes, mesh.coords, opts.chunks, run.rows, train.seq_len,
                 [list(k.values()) for k in s.microbatch_kept_counts], 4 if train.fp32_grads else None,
-                opts.cp_algo, train.batch_size, opts.sp)
+                opts.cp_algo, train.batch_size, zero, fsdp, opts.sp)
         else:
             step_bytes = moe_analysis.step_comm_bytes(
                 model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()],
@@ -222,7 +242,7 @@ def run_cli(model, train, sizes, args) -> int:
     every = comm.all_gather(mine[None, ...])  # (world, keys, 4)
     if pipelined:
         states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, opts.chunks,
-                                                   train.optimizer, train.fp32_grads)
+                                                   train.optimizer, train.fp32_grads, zero, fsdp)
         states["activations"] = moe_analysis.pipeline_activation_peak(
             model, train, mesh.sizes, mesh.coords, opts.schedule, m, opts.chunks, run.rows,
             [s.microbatch_kept_counts for s in run.steps], opts.cp_algo, opts.sp)
@@ -271,6 +291,7 @@ def run_cli(model, train, sizes, args) -> int:
     if pipelined:  # the step rows leave out the routing, which lives on the stages holding the blocks
         say("dropped assignments per block over the run: " + ", ".join(
             f"{i}: {sum(st['dropped'][i] for st in steps)}" for i in blocks))
+    if sizes["pp"] > 1:
         bubble = {"measured": run.measured.bubble_fraction, "simulated": run.simulated.bubble_fraction,
                   "simulated_unit_costs": simulate(run.executor.schedule).bubble_fraction}
         say(f"bubble of the last step: measured {bubble['measured']:.1%}, simulated with the measured "
@@ -290,7 +311,7 @@ def run_cli(model, train, sizes, args) -> int:
             "uniform_all_to_all_bytes_per_rank_step": uniform,
         }
         summary = run_summary(model, train, run.losses, mesh=mesh.sizes, world_size=comm.size,
-                              schedule=opts.schedule if pipelined else None, microbatches=m,
+                              schedule=opts.schedule if sizes["pp"] > 1 else None, microbatches=m, zero=zero,
                               comm_bytes=rows[0], expected_comm_bytes=rows[1],
                               memory_peak_bytes=memory_rows[0], expected_memory_peak_bytes=memory_rows[1],
                               bubble_fraction=bubble, step_time_s=run.step_time_s, loss_floor=floor,

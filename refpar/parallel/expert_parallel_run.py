@@ -154,17 +154,23 @@ def resume_from(path: str, model, train, params: dict, state: dict, coords: dict
     from refpar.parallel.intra_layer_runner import resumed_position
 
     manifest = checkpoint.open_training(path, model, train)
+    check_microbatches(manifest, microbatches)
+    pairs = arrays if arrays is not None else checkpoint_arrays(params, state, coords, saving=False)
+    for (_, a), loaded in zip(pairs, checkpoint.load(path, [p for p, _ in pairs], manifest), strict=True):
+        a[...] = loaded
+    step, state["t"] = resumed_position(manifest, scaler)
+    return step
+
+
+def check_microbatches(manifest: dict, microbatches: int) -> None:
+    """Refuses a checkpoint whose tokens were routed in another number of microbatches per step
+    (checkpoints without the record were written before MoE runs had microbatches: one)."""
     saved = int(manifest.get("moe_microbatches", 1))
     if saved != microbatches:
         raise checkpoint.CheckpointError(
             f"checkpoint {manifest['dir']} routed its tokens in {saved} microbatches per step and this "
             f"run in {microbatches}; resume with --microbatches {saved} (capacity and router losses "
             "are per microbatch)")
-    pairs = arrays if arrays is not None else checkpoint_arrays(params, state, coords, saving=False)
-    for (_, a), loaded in zip(pairs, checkpoint.load(path, [p for p, _ in pairs], manifest), strict=True):
-        a[...] = loaded
-    step, state["t"] = resumed_position(manifest, scaler)
-    return step
 
 
 def local_params(full: dict, model, ep: int, ep_rank: int) -> dict:

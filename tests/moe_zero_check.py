@@ -1,0 +1,152 @@
+"""ZeRO-1/2/3 and FSDP in MoE runs (refpar/engine_moe_zero.py), run under mpiexec -n 4 by
+tests/test_moe_zero.py.
+
+    mpiexec -n 4 python tests/moe_zero_check.py /tmp/checkpoints
+
+Prints one JSON line per run from rank 0. Training runs: the largest loss and parameter
+differences from the single device with the same microbatches, whether the routing is the
+reference's, whether every step's traced bytes per (axis, op) and the params/grads/master/optimizer
+peaks equal refpar/analysis/moe.py's closed forms, and the optimizer peak next to the unsharded
+run's. Checkpoint runs: 4 steps saved after step 2 under ZeRO, resumed from there under the same
+mesh and ZeRO stage (compared exactly) and under other meshes, stages and one process.
+"""
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from refpar.analysis import moe as moe_analysis
+from refpar.comm.communicator import abort_on_error, world
+from refpar.comm.trace import Tracer
+from refpar.config import parse_mesh
+from refpar.engine_moe import MoEPipelineOptions, run_moe_pipeline
+from refpar.mesh import DeviceMesh
+from refpar.parallel.expert_parallel_run import reference_run, train_expert_parallel
+from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, reassembles_exactly, rel
+
+# (mesh, zero, fsdp, schedule, chunks, precision[, cp_algo]): every run 2 microbatches
+RUNS = [
+    ("dp=2,ep=2", 1, False, "1f1b", 1, None),
+    ("dp=2,ep=2", 2, False, "1f1b", 1, None),
+    ("dp=2,ep=2", 3, False, "1f1b", 1, None),
+    ("dp=2,ep=2", 3, True, "1f1b", 1, None),
+    ("pp=2,ep=2", 3, True, "1f1b", 1, None),  # dp=1: each ep rank keeps its experts' state whole
+    ("pp=2,dp=2", 2, False, "interleaved-1f1b", 2, None),  # ep=1: data = dp; wte one unit per rank
+    # fp16 with fp32 gradients: 16-bit gathers, float32 reduce-scatters, the overflow flag over data
+    ("dp=2,ep=2", 2, False, "1f1b", 1, "float16"),
+    # cp: dense weights over dp x cp, experts over dp x cp (axis dp_cp), Ulysses attention
+    ("dp=2,cp=2", 3, False, "1f1b", 1, None, "ulysses"),
+]
+M = 2
+
+
+def traced_by_step(events, step) -> dict:
+    out = {}
+    for e in events:
+        if e.step == step:
+            sent, recv = out.get((e.axis, e.op), (0, 0))
+            out[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
+    return {k: v for k, v in out.items() if v != (0, 0)}  # a one-rank group's calls move nothing
+
+
+def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None) -> dict:
+    model = MODEL if dtype is None else replace(MODEL, dtype=dtype)
+    train_cfg = TRAIN if dtype is None else replace(TRAIN, fp32_grads=True)
+    comm.tracer.clear()
+    mesh = DeviceMesh(comm, parse_mesh(mesh_text))
+    opts = MoEPipelineOptions(schedule, M, chunks, cp_algo, zero=zero, fsdp=fsdp)
+    run = run_moe_pipeline(model, train_cfg, mesh, opts)
+    events = list(comm.tracer.events)
+    ref = reference_run(model, train_cfg, microbatches=M)
+    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in run.params.items())]),
+                                       op="max")[0])
+    routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
+                       for s, r in zip(run.steps, ref.steps, strict=True))
+    bytes_ok = True
+    for s in run.steps:
+        expected = moe_analysis.pipeline_step_comm_bytes(
+            model, mesh.sizes, mesh.coords, chunks, run.rows, TRAIN.seq_len,
+            [list(k.values()) for k in s.microbatch_kept_counts], 4 if dtype else None, cp_algo,
+            TRAIN.batch_size, zero=zero, fsdp=fsdp)
+        bytes_ok &= traced_by_step(events, s.step) == {
+            key: (b.sent, b.recv) for key, b in expected.items() if (b.sent, b.recv) != (0, 0)}
+    states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer,
+                                               dtype is not None, zero, fsdp)
+    unsharded = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer,
+                                                  dtype is not None)
+    axes = sorted({f"{e.axis}:{e.op}" for e in events if e.step is not None and e.bytes_sent})
+    return {
+        "run": f"{mesh_text} {'fsdp' if fsdp else f'zero {zero}'} {schedule} v={chunks} {model.dtype}"
+               + (f" {cp_algo}" if cp_algo else ""),
+        "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
+        "param_diff": param_diff,
+        "routing_same": all_ranks(comm, routing_same),
+        "bytes_ok": all_ranks(comm, bytes_ok),
+        "memory_ok": all_ranks(comm, {c: run.ledger.peak[c] for c in states} == states),
+        "master_peaks": comm.gather_object([run.ledger.peak["master"], unsharded["master"]]),
+        "optimizer_peaks": comm.gather_object([run.ledger.peak["optimizer"], unsharded["optimizer"]]),
+        "axes": comm.gather_object(axes),
+    }
+
+
+def train(mesh, spec: str, train_cfg, **saving):
+    """spec: "zero K", "fsdp" or "plain" (no ZeRO: the dp x ep runner without pp, else the pipeline)."""
+    if spec == "plain" and mesh.sizes["pp"] == 1:
+        return train_expert_parallel(MODEL, train_cfg, mesh, microbatches=M, **saving)
+    zero, fsdp = (3, True) if spec == "fsdp" else (0, False) if spec == "plain" else (int(spec[-1]), False)
+    opts = MoEPipelineOptions("1f1b", M, 1, zero=zero, fsdp=fsdp)
+    return run_moe_pipeline(MODEL, train_cfg, mesh, opts, **saving)
+
+
+def check_resumes(comm, saved_on: tuple, resumed_on: list, root: Path) -> list[dict]:
+    """Trains 4 steps on `saved_on` (mesh, spec), saving after steps 2 and 4; resumes from step 2
+    on each of `resumed_on` ("1": one process, rank 0 alone; "ep=2": ranks 0 and 1) up to step 4."""
+    train4 = replace(TRAIN, steps=4)
+    mesh_a, spec_a = saved_on
+    path = root / f"{mesh_a}_{spec_a}".replace(",", "_").replace(" ", "")
+    full = train(DeviceMesh(comm, parse_mesh(mesh_a)), spec_a, train4, save=str(path), save_every=2)
+    step2 = path / "step-00000002"
+    out = []
+    for mesh_b, spec_b in resumed_on:
+        sizes = parse_mesh(mesh_b) if mesh_b != "1" else {}
+        n = int(np.prod(list(sizes.values()))) if sizes else 1
+        group = comm if n == comm.size else comm.split(0 if comm.rank < n else None, key=comm.rank,
+                                                          axis="world")
+        if group is not None:
+            mesh = DeviceMesh(group, sizes)
+            # a run without ZeRO loads whole tensors: check them against the global ones
+            slices = spec_b != "plain" or reassembles_exactly(mesh, mesh.sizes["pp"] > 1, step2, train4)
+            resumed = train(mesh, spec_b, train4, resume=str(step2))
+            same = (mesh_b, spec_b) == saved_on and resumed.losses == full.losses[2:] and all(
+                np.array_equal(p, full.params[n]) for n, p in resumed.params.items())
+            out.append({"resume": f"{mesh_a} {spec_a} -> {mesh_b} {spec_b}", "first_step": resumed.first_step,
+                        "losses": resumed.losses, "uninterrupted": full.losses[2:],
+                        "exact": all_ranks(group, same), "reassembled": all_ranks(group, slices)})
+        comm.barrier()
+    return out
+
+
+def main():
+    comm = world(Tracer(rank=None))
+    for run in RUNS:
+        result = check_run(comm, *run)
+        if comm.rank == 0:
+            print(json.dumps(result), flush=True)
+    root = Path(sys.argv[1])  # an empty directory every rank sees
+    for saved_on, resumed_on in [
+        (("dp=2,ep=2", "zero 1"), [("dp=2,ep=2", "zero 1"), ("ep=2", "plain"), ("1", "plain")]),
+        (("pp=2,ep=2", "fsdp"), [("pp=2,ep=2", "fsdp"), ("dp=2,ep=2", "zero 2")]),
+        (("ep=2,cp=2", "zero 2"), [("ep=2,cp=2", "zero 2"), ("ep=2", "plain")]),
+    ]:
+        for result in check_resumes(comm, saved_on, resumed_on, root):
+            if comm.rank == 0:
+                print(json.dumps(result), flush=True)
+    comm.barrier()
+
+
+if __name__ == "__main__":
+    with abort_on_error():
+        main()
