@@ -128,9 +128,6 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipel
     if c > 1 and t > 1:
         raise ConfigError(f"MoE blocks run over cp or over tp, not both: the MoE layer would route runs "
                           f"of positions gathered over tp, which refpar does not do; drop tp={t} or cp={c}")
-    if t > 1 and opts.zero:
-        flag = "--fsdp" if opts.fsdp else f"--zero {opts.zero}"
-        raise ConfigError(f"{flag} shards whole MoE weights, not tp shards; drop {flag} or tp={t}")
     if opts.cp_algo is not None and c < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
     train.check_model(model)
@@ -245,6 +242,9 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     scaler = loss_scaler(model, train)  # fp16 only
     executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
     copies = zero_group(mesh)  # the ranks holding this rank's experts: dp, or dp x cp
+    # applied to this rank's part of the sequence only (the MoE blocks' experts are not); named
+    # before ZeRO-3 empties params
+    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
     zero = None
     if opts.zero:  # refpar/engine_moe_zero.py: dense weights sharded over data, experts over dp
         from refpar.engine_moe_zero import MoESharding
@@ -267,8 +267,6 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
                                  arrays=checkpoint_arrays(model, params, state, mesh, saving=False))
     elif resume is not None:
         start_step = resume_sharded(resume, model, train, mesh, params, zero, scaler, m)
-    # applied to this rank's part of the sequence only (the MoE blocks' experts are not)
-    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
@@ -290,7 +288,8 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
                 loss, grads = executor.step(params, mbs, step=step, seed=train.seed, normalizer=B * T,
                                             dloss=scale)
             if zero is not None:  # the sums and the update on the shards
-                params, skip = zero.step(params, grads, 1.0 / scale, None if scaler is None else differ)
+                params, skip = zero.step(params, grads, 1.0 / scale, None if scaler is None else differ,
+                                         mesh.tp, sp_names)
             else:
                 reduce_grads(grads, sp_names, mesh.tp, "sp.replicated_grads:bwd")
                 reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep x cp ranks

@@ -45,9 +45,10 @@ from __future__ import annotations
 from refpar import checkpoint
 from refpar.engine import ZeroOne, sharded_checkpoint_arrays
 from refpar.engine_fsdp import UnitStage, fsdp_units
-from refpar.engine_moe import MoEStage
+from refpar.engine_moe import MoEStage, checkpoint_arrays
 from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach, units_of
-from refpar.parallel import expert_parallel_run
+from refpar.parallel.expert_parallel_run import reduce_grads
+from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.precision import overflow_anywhere
 
 
@@ -156,10 +157,13 @@ class ZeroOneMoE:
             new |= z.update(params, g, inv_scale, skip)
         return {n: new[n] for n in params}, skip
 
-    def checkpoint_arrays(self, coords: dict, saving: bool) -> list:
+    def checkpoint_arrays(self, model, mesh, saving: bool) -> list:
         """(checkpoint.Piece, view) of the AdamW moments (and fp32 masters) of each group's range
-        [a, b) of its parameters laid end to end; the group's ranks' ranges partition them, so each
-        writes its own, except the tied wte of the last stage (pp rank 0 writes it)."""
+        [a, b) of its parameters laid end to end, as flat ranges of the tp shards they cut; the
+        group's ranks' ranges partition them, so each writes its own, except the tied wte of the
+        last stage (pp rank 0 writes it) and what every tp rank holds whole (tp rank 0 writes it)."""
+        coords = mesh.coords
+        slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
         out = []
         for z in self.parts:
             held = [("adamw.m", z.m), ("adamw.v", z.v)] if self.train.optimizer == "adamw" else []
@@ -167,9 +171,12 @@ class ZeroOneMoE:
             for prefix, buffer in held:
                 for i, n in enumerate(z.names):
                     lo, hi = max(z.a - z.starts[i], 0), min(z.b - z.starts[i], z.sizes[i])
-                    if lo < hi and not (saving and n == "wte.weight" and coords.get("pp", 0)):
+                    skip = saving and ((n == "wte.weight" and coords["pp"]) or (n not in slices and coords["tp"]))
+                    if lo < hi and not skip:
                         segment = buffer[z.starts[i] + lo - z.a:z.starts[i] + hi - z.a]
-                        out += checkpoint.shard_pieces(f"{prefix}/{n}", segment, z.shapes[n], lo)
+                        axis, index = slices.get(n, (None, None))
+                        out += checkpoint.shard_pieces(f"{prefix}/{n}", segment, z.shapes[n], lo, axis,
+                                                       index)
         return out
 
 
@@ -215,12 +222,18 @@ class MoESharding:
         if self.sharded is not None:
             self.sharded.begin_step()
 
-    def step(self, params: dict, grads: dict, inv_scale: float, differ: list | None) -> tuple[dict, bool]:
+    def step(self, params: dict, grads: dict, inv_scale: float, differ: list | None, tp,
+             sp_names: list) -> tuple[dict, bool]:
         """The gradients' sums and the update: (the new parameters, whether fp16 skipped the step).
-        ZeRO-1 takes the executor's whole gradients; ZeRO-2/3 hold theirs in the shards already."""
+        ZeRO-1 takes the executor's whole gradients; ZeRO-2/3 hold theirs in the shards already.
+        Under sp the gradients of `sp_names` cover this tp rank's tokens only and are summed over
+        `tp`: ZeRO-1's before its reduce-scatter, ZeRO-2/3's on the shards (the dense engine's)."""
         if self.one is not None:
+            reduce_grads(grads, sp_names, tp, "sp.replicated_grads:bwd")
             return self.one.step(params, grads, inv_scale, differ)
         self.sharded.sum_tied(self.tied)
+        if sp_names:
+            self.sharded.sum_sequence_parallel(tp, set(sp_names))
         skip = differ is not None and overflow_anywhere(self.sharded.grads, differ)
         if not skip and self.zero == 3:
             self.sharded.step(inv_scale)
@@ -235,7 +248,7 @@ class MoESharding:
     def checkpoint_arrays(self, model, mesh, params: dict, saving: bool) -> list:
         """(checkpoint.Piece, view) of everything this rank holds: its whole tensors as the MoE
         runners write them, and its shards' flat ranges (module docstring)."""
-        out = expert_parallel_run.checkpoint_arrays(params, {}, mesh.coords, saving)
+        out = checkpoint_arrays(model, params, {}, mesh, saving)  # tp slices of what it holds whole
         if self.one is not None:
-            return out + self.one.checkpoint_arrays(mesh.coords, saving)
+            return out + self.one.checkpoint_arrays(model, mesh, saving)
         return out + sharded_checkpoint_arrays(model, mesh, self.sharded, saving)
