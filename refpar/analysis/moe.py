@@ -396,7 +396,7 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
                 add(key, moved)
     if t > 1:
         for key, b in tensor_parallel_step_bytes(config, sizes, coords, chunks, rows, seq_len,
-                                                 kept_by_microbatch, g, sp).items():
+                                                 kept_by_microbatch, g, sp, zero, fsdp).items():
             add(key, b)
     if p > 1:
         Tl = shard_sizes(Ta, t)[coords.get("tp", 0)] if sp else Ta
@@ -583,10 +583,12 @@ def pipeline_activation_peak(model, train, sizes: dict, coords: dict, schedule: 
 
 def tensor_parallel_step_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
                                rows: list[int], seq_len: int, kept_by_microbatch: list[list],
-                               grad_itemsize: int, sp: bool = False) -> dict:
+                               grad_itemsize: int, sp: bool = False, zero: int = 0, fsdp: bool = False
+                               ) -> dict:
     """{(axis, op): Bytes} on tp of one step of a MoE run with tp (module docstring): the dense
     pieces as analysis.intra_layer counts them (every stage's blocks, the embedding on the first,
-    the head on the last), the MoE layers' expert buffers and sp gathers, sp's gradient sum."""
+    the head on the last), the MoE layers' expert buffers and sp gathers, sp's gradient sum (of
+    the whole gradients; under ZeRO-2/3 of this rank's shards, `sp_shard_numel`)."""
     p, ep, t, k = sizes.get("pp", 1), sizes.get("ep", 1), sizes["tp"], coords["tp"]
     S, C, e = p * chunks, config.n_embd, np.dtype(config.dtype).itemsize
     data_rank = coords["dp"] * ep + coords["ep"]
@@ -617,6 +619,31 @@ def tensor_parallel_step_bytes(config, sizes: dict[str, int], coords: dict[str, 
                 add(("tp", "all_gather"), cost.Bytes(2 * gather.sent, 2 * gather.recv))
     if sp:
         numels = rank_param_numels(config, sizes, coords, chunks)
-        n = sum(numels[name] for name in sequence_parallel_param_names(config) if name in numels)
-        add(("tp", "all_reduce"), cost.all_reduce_bytes(n, t, k, grad_itemsize))
+        n = (sp_shard_numel(config, sizes, coords, chunks, zero == 2 or fsdp) if zero >= 2 else
+             sum(numels[name] for name in sequence_parallel_param_names(config) if name in numels))
+        if n:  # engine_zero3.ShardedGrads.sum_sequence_parallel calls nothing for no segment
+            add(("tp", "all_reduce"), cost.all_reduce_bytes(n, t, k, grad_itemsize))
     return out
+
+
+def sp_shard_numel(config, sizes: dict[str, int], coords: dict[str, int], chunks: int, by_unit: bool
+                   ) -> int:
+    """Elements of the sequence-parallel parameters (sequence_parallel_param_names) in this rank's
+    ZeRO-2/3 shards, [a, b) of each unit's members laid end to end (engine_zero3.ShardedGrads'
+    segments): what sum_sequence_parallel all-reduces over tp."""
+    p = sizes.get("pp", 1)
+    numels = rank_param_numels(config, sizes, coords, chunks)
+    sp_names = set(sequence_parallel_param_names(config))
+    unit_fn = moe_fsdp_units if by_unit else moe_units_of
+    total = 0
+    for s in (c * p + coords["pp"] for c in range(chunks)):
+        names = [n for n in stage_param_names(config, p * chunks, s) if n in numels]
+        for unit, members in unit_fn(names).items():
+            _, size, rank = zero_group(sizes, coords, unit)
+            a, b = shard_range(sum(numels[n] for n in members), size, rank)
+            start = 0
+            for n in members:
+                if n in sp_names:
+                    total += max(0, min(start + numels[n], b) - max(start, a))
+                start += numels[n]
+    return total
