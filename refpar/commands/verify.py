@@ -61,6 +61,7 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
     ("zero-1 x dp x ep", 4, ("--mesh", "dp=2,ep=2", "--zero", "1", *MOE)),
     ("fsdp x pp x ep", 4, ("--mesh", "pp=2,ep=2", "--fsdp", "--microbatches", "2", *MOE)),
     ("zero-2 x ep x cp", 4, ("--mesh", "ep=2,cp=2", "--zero", "2", "--microbatches", "2", *MOE)),
+    ("zero-1 x ep x tp+sp", 4, ("--mesh", "ep=2,tp=2", "--zero", "1", "--sp", "--microbatches", "2", *MOE)),
     ("dp x pp", 4, ("--mesh", "dp=2,pp=2", "--microbatches", "2")),
     ("interleaved x tp", 4, ("--mesh", "tp=2,pp=2", "--schedule", "interleaved-1f1b",
                              "--microbatches", "4")),
