@@ -51,20 +51,21 @@ weights. One step composes the strategies' own pieces:
                MoE layer's, router and expert c_proj.bias, are the same on every tp rank already)
     ZeRO       --zero 1/2/3 and --fsdp (refpar/engine_moe_zero.py): the dense weights sharded over
                the stage's D x c ranks, an expert's over dp x cp (DeepSpeed-MoE's and
-               Megatron-Core's expert-data-parallel group); without pp the run is a one-stage
-               pipeline
+               Megatron-Core's expert-data-parallel group), of this rank's tp shards with tp
+               (each tp coordinate's data ranks shard their own); without pp the run is a
+               one-stage pipeline
     loss       the last stage's cross-entropy plus every stage's router-loss shares (each cp
                rank's over its tokens), summed over pp, then over the D x c ranks (every tp rank
                holds the whole loss)
 
 pp = 1 runs here too whenever the mesh has cp or tp or the run asks for ZeRO (one stage, the
-schedule's single-rank case). tp combines with neither cp (the MoE layer would route runs of
-positions gathered over tp) nor ZeRO (its units would shard tp shards) here.
+schedule's single-rank case). tp does not combine with cp here (the MoE layer would route runs of
+positions gathered over tp).
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
 the loss scale, and the pp, ep and tp ranks, whose gradients differ, agree on an overflow (under
-ZeRO the pp and data ranks, whose gradient shards differ). Under tp the pieces compute in fp32 and
+ZeRO the pp, data and tp ranks, whose gradient shards differ). Under tp the pieces compute in fp32 and
 round once, as the engine's (tensor_parallel.compute/rounded): the expert buffer's partial sums
 cross tp in 16 bits, as Megatron-LM sends them.
 """

@@ -3,6 +3,7 @@ groups as DeepSpeed-MoE and Megatron-Core shard an MoE model.
 
     mpiexec -n 4 python -m refpar train --mesh dp=2,ep=2 --moe-experts 4 --zero 1 --check
     mpiexec -n 4 python -m refpar train --mesh pp=2,ep=2 --moe-experts 4 --fsdp --microbatches 2 --check
+    mpiexec -n 4 python -m refpar train --mesh ep=2,tp=2 --sp --moe-experts 4 --zero 1 --check
 
 Legend: D = dp x ep data ranks of a stage (engine_moe's `data` communicator), Ψ_u elements of unit
 u on this rank, s_u its shard_range share over the unit's group.
@@ -14,6 +15,15 @@ Who holds the same weights decides who shards them:
     experts  an expert's weights are replicated over dp only (the expert-data-parallel group, the
              ranks with the same ep coordinate): ZeRO shards them, and their gradients, over dp;
              with dp=1 each ep rank keeps its experts' state whole
+
+With tp (and sp) the units are this rank's tp shards (expert tensor parallelism: each expert's
+c_fc columns and c_proj rows; the dense weights as tensor_parallel.tp_param_slices cuts them), and
+`data` and dp are the groups of this tp coordinate, so ZeRO shards each tp shard once more, as
+engine.py does; ZeRO-3's and FSDP's gathered units are tp shards. Under sp the sequence-sharded
+weights' gradients cover this tp rank's tokens: ZeRO-1 sums them over tp before its reduce-scatter,
+ZeRO-2/3 sum their shards' segments over tp once per step (ShardedGrads.sum_sequence_parallel; tp
+divides the heads, so every tp rank's units have the same layout). fp16's overflow is agreed over
+pp, data and tp.
 
 ZeRO-1 (`ZeroOneMoE`): two engine.ZeroOne, one over the dense weights laid end to end (axis
 "data"), one over this rank's experts (axis "dp"); both reduce-scatter first, the fp16 overflow is
@@ -37,7 +47,8 @@ once on the first stage and twice on the last (refpar/analysis/moe.py has the cl
 Checkpoints (`moe_checkpoint_arrays`): the whole tensors a rank holds as expert_parallel_run
 writes them, ZeRO-1's moments as flat ranges [a, b) of each group's parameters laid end to end,
 ZeRO-2/3's shards through engine.sharded_checkpoint_arrays; all cut into boxes of the global
-tensors, so any MoE mesh, with or without ZeRO, resumes any other's.
+tensors (tp shards cut by tp_param_slices, tp rank 0 writing what every tp rank holds whole), so
+any MoE mesh, with or without ZeRO or tp, resumes any other's.
 """
 
 from __future__ import annotations
@@ -171,7 +182,8 @@ class ZeroOneMoE:
             for prefix, buffer in held:
                 for i, n in enumerate(z.names):
                     lo, hi = max(z.a - z.starts[i], 0), min(z.b - z.starts[i], z.sizes[i])
-                    skip = saving and ((n == "wte.weight" and coords["pp"]) or (n not in slices and coords["tp"]))
+                    skip = saving and ((n == "wte.weight" and coords["pp"])
+                                       or (n not in slices and coords["tp"]))
                     if lo < hi and not skip:
                         segment = buffer[z.starts[i] + lo - z.a:z.starts[i] + hi - z.a]
                         axis, index = slices.get(n, (None, None))

@@ -50,10 +50,10 @@ and of Ψ_e over dp, and the all-gathers of the updated shards; ZeRO-2 per micro
 reduce-scatter of each unit, per step an all-gather of each unit; ZeRO-3 per microbatch and stage
 two all-gathers and a reduce-scatter of each unit; FSDP the same with the ends' units (wte, root)
 gathered once on the first stage and twice on the last. The tied wte's all-reduce over pp moves
-its shard (ZeRO-2/3), fp16's overflow flag goes over pp and data. Memory: the shards of every unit
+its shard (ZeRO-2/3), fp16's overflow flag goes over pp, data (and tp). Memory: the shards of every unit
 (grads, AdamW's m and v, 16-bit masters), plus what is transient (`pipeline_state_bytes`).
 
-With tp (t ranks, refpar/parallel/expert_tensor_parallel.py; not with cp, not with ZeRO) a rank
+With tp (t ranks, refpar/parallel/expert_tensor_parallel.py; not with cp) a rank
 holds tp shards: the dense weights as tensor_parallel.tp_param_slices cuts them, each expert's
 c_fc and c_proj.weight divided by t (c_proj.bias whole), so every count of elements above
 (gradients, wte, memory) is of those shards. Routing, all-to-alls and the data ranks' sums are the
@@ -62,7 +62,9 @@ tokens). On tp, per microbatch j and stage: the engine's tensor-parallel calls o
 embedding and head over b_j rows (analysis.intra_layer; the dense MLP's calls left out of MoE
 blocks), and per MoE layer an all-reduce of the (Q, C) expert buffer forward and one backward (Q
 from `dispatch_rows`); under sp two all-gathers of (b_j, T, C) around the layer, activations on pp
-of (b_j, Tl, C), and one all-reduce per step of the sequence-sharded parameters' gradients.
+of (b_j, Tl, C), and one all-reduce per step of the sequence-sharded parameters' gradients (under
+ZeRO-2/3 of their segments in this rank's shards, `sp_shard_numel`). ZeRO shards these tp shards:
+every unit's Ψ_u above is of tp shards.
 Activations: the dense terms are the engine's tp (sp) ones, an expert's hidden width this tp
 rank's columns H of 4C, and under sp the router keeps the gathered (b_j, T, C) instead of ln_2's
 (b_j, Tl, C) shard.
