@@ -102,7 +102,7 @@ from refpar.parallel.intra_layer_runner import saved_position
 from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline, build
 from refpar.parallel.pipeline.stage import stage_layers
-from refpar.parallel.sequence_parallel import check_sp, sequence_parallel_param_names
+from refpar.parallel.sequence_parallel import check_sp, check_sp_cp, sequence_parallel_param_names
 from refpar.parallel.tensor_parallel import check_tp, gather_params_tp, shard_params_tp, tp_param_slices
 from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
@@ -125,9 +125,6 @@ class MoEPipelineOptions:
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipelineOptions) -> None:
     """Every check of a MoE pipeline run, with no communication: each rank raises the same ConfigError."""
     c, t = sizes.get("cp", 1), sizes.get("tp", 1)
-    if c > 1 and t > 1:
-        raise ConfigError(f"MoE blocks run over cp or over tp, not both: the MoE layer would route runs "
-                          f"of positions gathered over tp, which refpar does not do; drop tp={t} or cp={c}")
     if t > 1 and opts.zero:
         flag = "--fsdp" if opts.fsdp else f"--zero {opts.zero}"
         raise ConfigError(f"{flag} shards whole MoE weights, not tp shards; drop {flag} or tp={t}")
@@ -135,11 +132,13 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipel
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
     train.check_model(model)
     check_run(model, train, sizes, opts.microbatches, allowed=("pp", "cp", "tp"))
-    if c > 1:
-        check_cp(model, train.seq_len, c, opts.cp_algo or "ring", 1)
     check_tp(model, t)
+    if c > 1:
+        check_cp(model, train.seq_len, c, opts.cp_algo or "ring", t)  # Ulysses: cp <= n_head / tp
     if opts.sp:
         check_sp(model, train.seq_len, t)  # "give the mesh tp=2 or more", seq_len >= tp
+        if c > 1:  # every cp rank's tokens split over tp
+            check_sp_cp(model, train.seq_len, t, c, opts.cp_algo or "ring")
     p = sizes.get("pp", 1)
     build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
     stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
@@ -222,7 +221,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     # whole blocks on cp's tokens, or the engine's tp (or sp) pieces
     lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)
     layer = (ExpertParallelMoE(data, mesh.ep, model, weight=1 / m, cp=c) if t == 1 else
-             TensorParallelExpertMoE(data, mesh.ep, model, lay, opts.sp, weight=1 / m))
+             TensorParallelExpertMoE(data, mesh.ep, model, lay, opts.sp, weight=1 / m, cp=c))
     ledger = MemoryLedger()
     routings: dict[tuple, dict] = {}  # sample ids of a microbatch -> layer -> routing
     B, T, n_data = train.batch_size, train.seq_len, data.size // c
@@ -339,15 +338,15 @@ def checkpoint_arrays(model: ModelConfig, params: dict, state: dict, mesh, savin
     """(checkpoint.Piece, view) of what this rank holds: expert_parallel_run's whole tensors without
     tp; with tp its tp shards as boxes of the global tensors (tp_param_slices, experts included),
     their AdamW moments and fp32 masters. Saving writes each element once: dense tensors from
-    dp = ep = 0 (wte from pp rank 0), experts from dp = 0, and what every tp rank holds whole from
-    tp rank 0."""
+    dp = ep = 0 (wte from pp rank 0), experts from dp = 0, all from cp rank 0, and what every tp
+    rank holds whole from tp rank 0."""
     co = mesh.coords
     if mesh.sizes["tp"] == 1:
         return expert_parallel_checkpoint_arrays(params, state, co, saving)
     slices = tp_param_slices(model, mesh.sizes["tp"], co["tp"])
 
     def writes(n: str) -> bool:
-        if n not in slices and co["tp"]:
+        if (n not in slices and co["tp"]) or co.get("cp", 0):  # cp ranks hold the same weights
             return False
         if ".mlp.experts." in n:
             return co["dp"] == 0

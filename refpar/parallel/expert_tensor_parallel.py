@@ -45,6 +45,7 @@ from refpar.parallel.tensor_parallel import (
     reduce_from_tp_backward,
     rounded,
 )
+from refpar.sharding import shard_range
 
 
 def tensor_parallel_experts_forward(xe, rows_per_expert, params, layer: int, experts, tp):
@@ -95,29 +96,32 @@ class TensorParallelExpertMoE(ExpertParallelMoE):
     `data` and `ep` are the communicators of this rank's tp coordinate."""
 
     def __init__(self, data, ep, config, lay, sp: bool = False, weight: float = 1.0,
-                 grad_scale: float = 1.0):
-        super().__init__(data, ep, config, weight, grad_scale)
+                 grad_scale: float = 1.0, cp: int = 1):
+        super().__init__(data, ep, config, weight, grad_scale, cp)
         self.lay, self.sp = lay, sp
+        # Ta, the region's tokens: T, or this cp rank's positions (sequence_parallel.sp_cp_layout)
+        self.Ta = len(lay.region_pos)
 
     def forward(self, x, params, layer, config):
         """x (B, Tl, C) -> (B, Tl, C)."""
         if self.sp:
-            x = gather_from_sp(x, self.lay.tp, f"h.{layer}.mlp.moe:fwd", self.lay.seq_len)  # (B, T, C)
-        out, cache = super().forward(x, params, layer, config)  # (B, T, C) under sp
+            x = gather_from_sp(x, self.lay.tp, f"h.{layer}.mlp.moe:fwd", self.Ta)  # (B, Ta, C)
+        out, cache = super().forward(x, params, layer, config)  # (B, Ta, C) under sp
         return self._mine(out), cache
 
     def backward(self, dout, cache):
-        if self.sp:  # the replicated backward needs the whole sequence's output gradient
+        if self.sp:  # the replicated backward needs the whole region's output gradient
             dout = gather_from_sp(dout, self.lay.tp, f"h.{cache['layer']}.mlp.moe:bwd",
-                                  self.lay.seq_len)  # (B, T, C)
-        dx, grads = super().backward(dout, cache)  # (B, T, C) under sp: whole on every tp rank
+                                  self.Ta)  # (B, Ta, C)
+        dx, grads = super().backward(dout, cache)  # (B, Ta, C) under sp: whole on every tp rank
         return self._mine(dx), grads
 
     def _mine(self, x):
-        """(B, T, C) -> (B, Tl, C): this rank's part of the sequence under sp; x itself otherwise."""
+        """(B, Ta, C) -> (B, Tl, C): this rank's part of the region's tokens under sp (the
+        all-gather's shard_range of Ta); x itself otherwise."""
         if not self.sp:
             return x
-        lo, hi = int(self.lay.resid_pos[0]), int(self.lay.resid_pos[-1]) + 1
+        lo, hi = shard_range(self.Ta, self.lay.tp.size, self.lay.tp.rank)
         return x[:, lo:hi, ...]
 
     def experts_forward(self, xe, rows_per_expert, params, layer):
