@@ -1,15 +1,15 @@
-"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep x cp, or pp x dp x ep x tp (and
---sp).
+"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep x cp x tp (and --sp).
 
     mpiexec -n 4 python -m refpar train --mesh pp=2,ep=2 --moe-experts 4 --microbatches 2 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --moe-topk 2 \
         --schedule 1f1b --microbatches 4 --check
     mpiexec -n 4 python -m refpar train --mesh ep=2,cp=2 --cp-algo ring --moe-experts 4 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,ep=2,tp=2 --sp --moe-experts 4 --microbatches 2 --check
+    mpiexec -n 8 python -m refpar train --mesh ep=2,cp=2,tp=2 --sp --cp-algo ulysses --moe-experts 4 --check
 
 Legend: B global batch, M microbatches, D = dp x ep data ranks of a stage, c cp size, b_j rows of
-this rank's part of microbatch j, T sequence, Ta this cp rank's positions, Tl the residual
-stream's (Ta, or shard_range(T, t, rank) under sp), C channels, E experts, t tp size.
+this rank's part of microbatch j, T sequence, Ta this cp rank's positions (T without cp), Tl the
+residual stream's (Ta, or its shard_range(Ta, t, rank) under sp), C channels, E experts, t tp size.
 
 Layout (Megatron-Core's): every pipeline stage's ranks form the expert-parallel runner's dp x ep
 grid of data ranks (data rank d = dp rank * ep + ep rank, in batch order; refpar/parallel/
@@ -31,9 +31,10 @@ weights. One step composes the strategies' own pieces:
     tp         attention, embedding and head are the engine's tensor-parallel pieces (f/g, or the
                sp pair); the MoE layer runs replicated over tp outside its experts, each expert a
                tensor-parallel MLP (refpar/parallel/expert_tensor_parallel.py: one all-reduce of
-               the expert buffer forward and one backward; under sp the layer all-gathers the
-               sequence around itself). Routing, all-to-alls and the data ranks' sums run among
-               the ranks of one tp coordinate
+               the expert buffer forward and one backward; under sp the layer all-gathers its Ta
+               tokens around itself, sequence_parallel.sp_cp_layout's sp inside cp). Routing,
+               all-to-alls and the data ranks' sums run among the ranks of one tp coordinate: each
+               tp rank routes the same tokens, so the same runs as cp alone
     ep         inside each MoE block, ExpertParallelMoE: the selection counts of each run of
                consecutive tokens (one per data rank without cp; with cp the runs of positions of
                each row, `expert_parallel.token_runs`) all-gathered over the stage's D x c ranks,
@@ -58,8 +59,7 @@ weights. One step composes the strategies' own pieces:
                holds the whole loss)
 
 pp = 1 runs here too whenever the mesh has cp or tp or the run asks for ZeRO (one stage, the
-schedule's single-rank case). tp combines with neither cp (the MoE layer would route runs of
-positions gathered over tp) nor ZeRO (its units would shard tp shards) here.
+schedule's single-rank case). tp does not combine with ZeRO (its units would shard tp shards) here.
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
@@ -211,7 +211,7 @@ class MoEPipelineRun(MoERun):
 def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipelineOptions,
                      on_step=None, *, save: str | None = None, save_every: int | None = None,
                      resume: str | None = None) -> MoEPipelineRun:
-    """Trains `train.steps` steps on `mesh` (pp, dp, ep, and cp or tp), or from the checkpoint
+    """Trains `train.steps` steps on `mesh` (pp, dp, ep, cp, tp), or from the checkpoint
     `resume` (any mesh's, MoE runs with and without pp, cp or tp alike); with `save`, checkpoints
     every `save_every` steps and after the last. `on_step(MoEStep)` after each step."""
     validate(model, train, mesh.sizes, opts)
@@ -219,7 +219,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     t = mesh.sizes["tp"]
     data = data_group(mesh)
     # whole blocks on cp's tokens, or the engine's tp (or sp) pieces
-    lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)
+    lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)  # sp inside cp with both
     layer = (ExpertParallelMoE(data, mesh.ep, model, weight=1 / m, cp=c) if t == 1 else
              TensorParallelExpertMoE(data, mesh.ep, model, lay, opts.sp, weight=1 / m, cp=c))
     ledger = MemoryLedger()

@@ -53,19 +53,21 @@ gathered once on the first stage and twice on the last. The tied wte's all-reduc
 its shard (ZeRO-2/3), fp16's overflow flag goes over pp and data. Memory: the shards of every unit
 (grads, AdamW's m and v, 16-bit masters), plus what is transient (`pipeline_state_bytes`).
 
-With tp (t ranks, refpar/parallel/expert_tensor_parallel.py; not with cp, not with ZeRO) a rank
-holds tp shards: the dense weights as tensor_parallel.tp_param_slices cuts them, each expert's
-c_fc and c_proj.weight divided by t (c_proj.bias whole), so every count of elements above
-(gradients, wte, memory) is of those shards. Routing, all-to-alls and the data ranks' sums are the
-same as without tp, among the ranks of one tp coordinate (each tp rank routes all its stage's
-tokens). On tp, per microbatch j and stage: the engine's tensor-parallel calls of attention,
-embedding and head over b_j rows (analysis.intra_layer; the dense MLP's calls left out of MoE
-blocks), and per MoE layer an all-reduce of the (Q, C) expert buffer forward and one backward (Q
-from `dispatch_rows`); under sp two all-gathers of (b_j, T, C) around the layer, activations on pp
-of (b_j, Tl, C), and one all-reduce per step of the sequence-sharded parameters' gradients.
-Activations: the dense terms are the engine's tp (sp) ones, an expert's hidden width this tp
-rank's columns H of 4C, and under sp the router keeps the gathered (b_j, T, C) instead of ln_2's
-(b_j, Tl, C) shard.
+With tp (t ranks, refpar/parallel/expert_tensor_parallel.py; not with ZeRO) a rank holds tp
+shards: the dense weights as tensor_parallel.tp_param_slices cuts them, each expert's c_fc and
+c_proj.weight divided by t (c_proj.bias whole), so every count of elements above (gradients, wte,
+memory) is of those shards. Routing, all-to-alls and the data ranks' sums are the same as without
+tp, among the ranks of one tp coordinate (each tp rank routes all its stage's tokens: with cp the
+cp rank's Ta_j tokens, the same runs as cp alone). On tp, per microbatch j and stage: the engine's
+tensor-parallel calls of attention, embedding and head over b_j rows of Ta_j tokens (T without
+cp; analysis.intra_layer; the dense MLP's calls left out of MoE blocks), and per MoE layer an
+all-reduce of the (Q, C) expert buffer forward and one backward (Q from `dispatch_rows`); under sp
+two all-gathers of (b_j, Ta_j, C) around the layer, activations on pp of (b_j, Tl, C), Tl this tp
+rank's shard of Ta_j, and one all-reduce per step of the sequence-sharded parameters' gradients.
+With cp the ring's K/V blocks and Ulysses' all-to-alls carry this tp rank's n_head / t heads.
+Activations: the dense terms are the engine's tp (sp) ones on Ta_j tokens, an expert's hidden
+width this tp rank's columns H of 4C, and under sp the router keeps the gathered (b_j, Ta_j, C)
+instead of ln_2's (b_j, Tl, C) shard.
 """
 
 from __future__ import annotations

@@ -4,16 +4,20 @@ layout, expert tp size = tp), the routing replicated over tp.
     mpiexec -n 4 python -m refpar train --mesh ep=2,tp=2 --moe-experts 4 --moe-topk 2 --check
     mpiexec -n 4 python -m refpar train --mesh ep=2,tp=2 --sp --moe-experts 4 --check
 
-Legend: B rows, T sequence, Tl this rank's residual tokens (T, or shard_range(T, t, rank) under
-sp), C channels, H = 4C an expert's hidden width, t tp size, Q rows this rank's experts receive.
+Legend: B rows, Ta the tokens of a row a tp region sees (T, or with cp this cp rank's positions),
+Tl this rank's residual tokens (Ta, or shard_range(Ta, t, rank) under sp), C channels, H = 4C an
+expert's hidden width, t tp size, Q rows this rank's experts receive.
 
 The MoE layer runs replicated over tp OUTSIDE the experts: the router, the routing exchange over
 the data ranks of this tp coordinate, dispatch, the ep all-to-alls (ranks of this tp coordinate)
 and combine see the same tokens on every tp rank, so they are one computation done t times and
 their gradients (the router's) are the same on every tp rank, with nothing to sum. Under plain tp
-the residual stream is already replicated; under sp the layer all-gathers the sequence over tp
+the residual stream is already replicated; under sp the layer all-gathers the Ta tokens over tp
 before the router and keeps this rank's part after combine; backward all-gathers dout and keeps
-its part of dx (the replicated backward computes the whole dx on every rank, so no sum).
+its part of dx (the replicated backward computes the whole dx on every rank, so no sum). With cp
+(refpar/engine_moe.py) the gathered tokens are the cp rank's (sequence_parallel.sp_cp_layout),
+so every tp rank routes the runs of positions cp alone routes (`cp`: the exchange group's cp
+ranks per data rank, as ExpertParallelMoE's).
 
 Inside, the expert buffer (Q, C) is a tensor-parallel region of its own, entered and left through
 Megatron's pair (refpar/parallel/tensor_parallel.py):
@@ -25,7 +29,7 @@ Megatron's pair (refpar/parallel/tensor_parallel.py):
        + c_proj.bias   whole, once
 
 So per MoE layer and microbatch: one all-reduce of (Q, C) forward (all local experts at once), one
-backward, and under sp two all-gathers of (B, T, C). c_fc's and c_proj.weight's gradients are this
+backward, and under sp two all-gathers of (B, Ta, C). c_fc's and c_proj.weight's gradients are this
 rank's shard (never summed over tp); c_proj.bias's is the same on every tp rank.
 """
 
