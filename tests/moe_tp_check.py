@@ -11,7 +11,8 @@ activation peaks equal the closed forms, and how many expert-buffer all-reduces 
 per MoE layer and microbatch. Checkpoint runs: 4 steps on ep=2,tp=2 --sp saved after step 2,
 resumed from there on the same mesh (compared exactly), on pp=2,tp=2, on ep=2 and on one process;
 4 steps on cp=2,tp=2 --sp (ring) resumed on the same mesh, on ep=2 and on one process (each
-rank's loaded tensors compared exactly with the global ones).
+rank's loaded tensors compared exactly with the global ones; the shards hold each element of
+every saved tensor once).
 """
 
 import json
@@ -147,6 +148,10 @@ def check_resumes(comm, root: Path, saved_on: str, algo: str | None, targets: li
     full = run_moe_pipeline(MODEL, train4, DeviceMesh(comm, parse_mesh(saved_on)),
                             MoEPipelineOptions("1f1b", 2, 1, algo, sp=True), save=str(path), save_every=2)
     saved = path / "step-00000002"
+    manifest = json.loads((saved / "manifest.json").read_text())
+    written = sum(int(np.prod([b - a for a, b in piece["box"]])) for f in manifest["files"]
+                  for piece in f["arrays"])
+    once = written == sum(int(np.prod(t["shape"])) for t in manifest["tensors"].values())
     out = []
     for mesh_b, sp in targets:
         n = {"ep=2": 2, "1": 1}.get(mesh_b, comm.size)
@@ -165,6 +170,7 @@ def check_resumes(comm, root: Path, saved_on: str, algo: str | None, targets: li
             out.append({"resume": f"{saved_on} --sp -> {mesh_b}{' --sp' if sp else ''}",
                         "first_step": resumed.first_step, "losses": resumed.losses,
                         "uninterrupted": full.losses[2:], "exact": all_ranks(group, same),
+                        "each_element_written_once": once,
                         "reassembled": all_ranks(group, exact_slices)})
         comm.barrier()
     return out

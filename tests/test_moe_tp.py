@@ -60,7 +60,7 @@ def test_moe_tp_checkpoints_resume_exactly_and_reshard_to_other_meshes(rows):
     losses and parameters bit for bit the uninterrupted run's. On pp=2,tp=2 (from ep=2,tp=2), ep=2
     (whole experts) and one process: every rank reassembles exactly its tp shards or whole tensors
     and AdamW moments, and the losses agree to float64's rounding (the other mesh sums in another
-    order)."""
+    order). The shards of either checkpoint hold each element once."""
     resumes = [r for r in rows if "resume" in r]
     assert [r["resume"] for r in resumes] == [
         "ep=2,tp=2 --sp -> ep=2,tp=2 --sp", "ep=2,tp=2 --sp -> pp=2,tp=2", "ep=2,tp=2 --sp -> ep=2",
@@ -68,6 +68,7 @@ def test_moe_tp_checkpoints_resume_exactly_and_reshard_to_other_meshes(rows):
         "cp=2,tp=2 --sp -> 1"]
     for r in resumes:
         assert r["first_step"] == 2 and len(r["losses"]) == 2 and r["reassembled"], r
+        assert r["each_element_written_once"], r  # cp ranks and tp ranks holding copies write nothing
         saved, resumed = r["resume"].split(" -> ")
         if saved == resumed:
             assert r["exact"] and r["losses"] == r["uninterrupted"], r
