@@ -40,6 +40,8 @@ RUNS = [
     ("ep=2,tp=2 sp", 4, ("--mesh", "ep=2,tp=2", "--sp")),
     ("ep=2,cp=2 ring", 4, ("--mesh", "ep=2,cp=2")),
     ("ep=2,cp=2 ulysses", 4, ("--mesh", "ep=2,cp=2", "--cp-algo", "ulysses")),
+    ("cp=2,tp=2 ring", 4, ("--mesh", "cp=2,tp=2")),
+    ("cp=2,tp=2 sp ulysses", 4, ("--mesh", "cp=2,tp=2", "--sp", "--cp-algo", "ulysses")),
 ]
 
 
