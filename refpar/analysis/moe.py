@@ -532,7 +532,7 @@ def moe_microbatch_activation_bytes(model, train, sizes: dict, coords: dict, sta
     MoEStep.microbatch_kept_counts[j]); `runs`: the runs every member of the exchange routes
     together (`exchange_runs`; default D, one per data rank). With tp (`sp`: and sequence
     parallelism) the dense terms are the engine's tensor-parallel ones and each expert's hidden
-    width is this tp rank's columns; under sp the MoE layer keeps the gathered (b, T, C) its router
+    width is this tp rank's columns; under sp the MoE layer keeps the gathered (b, Ta, C) its router
     read instead of ln_2's (b, Tl, C) shard, which the dense block's c_fc would keep."""
     sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
     coords = {a: coords.get(a, 0) for a in MESH_AXES}
