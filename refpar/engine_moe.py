@@ -1,15 +1,15 @@
-"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep x cp, or pp x dp x ep x tp (and
---sp).
+"""Mixture of Experts inside pipeline stages: the mesh pp x dp x ep x cp x tp (and --sp).
 
     mpiexec -n 4 python -m refpar train --mesh pp=2,ep=2 --moe-experts 4 --microbatches 2 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,dp=2,ep=2 --moe-experts 4 --moe-topk 2 \
         --schedule 1f1b --microbatches 4 --check
     mpiexec -n 4 python -m refpar train --mesh ep=2,cp=2 --cp-algo ring --moe-experts 4 --check
     mpiexec -n 8 python -m refpar train --mesh pp=2,ep=2,tp=2 --sp --moe-experts 4 --microbatches 2 --check
+    mpiexec -n 8 python -m refpar train --mesh ep=2,cp=2,tp=2 --sp --cp-algo ulysses --moe-experts 4 --check
 
 Legend: B global batch, M microbatches, D = dp x ep data ranks of a stage, c cp size, b_j rows of
-this rank's part of microbatch j, T sequence, Ta this cp rank's positions, Tl the residual
-stream's (Ta, or shard_range(T, t, rank) under sp), C channels, E experts, t tp size.
+this rank's part of microbatch j, T sequence, Ta this cp rank's positions (T without cp), Tl the
+residual stream's (Ta, or its shard_range(Ta, t, rank) under sp), C channels, E experts, t tp size.
 
 Layout (Megatron-Core's): every pipeline stage's ranks form the expert-parallel runner's dp x ep
 grid of data ranks (data rank d = dp rank * ep + ep rank, in batch order; refpar/parallel/
@@ -31,9 +31,10 @@ weights. One step composes the strategies' own pieces:
     tp         attention, embedding and head are the engine's tensor-parallel pieces (f/g, or the
                sp pair); the MoE layer runs replicated over tp outside its experts, each expert a
                tensor-parallel MLP (refpar/parallel/expert_tensor_parallel.py: one all-reduce of
-               the expert buffer forward and one backward; under sp the layer all-gathers the
-               sequence around itself). Routing, all-to-alls and the data ranks' sums run among
-               the ranks of one tp coordinate
+               the expert buffer forward and one backward; under sp the layer all-gathers its Ta
+               tokens around itself, sequence_parallel.sp_cp_layout's sp inside cp). Routing,
+               all-to-alls and the data ranks' sums run among the ranks of one tp coordinate: each
+               tp rank routes the same tokens, so the same runs as cp alone
     ep         inside each MoE block, ExpertParallelMoE: the selection counts of each run of
                consecutive tokens (one per data rank without cp; with cp the runs of positions of
                each row, `expert_parallel.token_runs`) all-gathered over the stage's D x c ranks,
@@ -59,8 +60,7 @@ weights. One step composes the strategies' own pieces:
                holds the whole loss)
 
 pp = 1 runs here too whenever the mesh has cp or tp or the run asks for ZeRO (one stage, the
-schedule's single-rank case). tp does not combine with cp here (the MoE layer would route runs of
-positions gathered over tp).
+schedule's single-rank case).
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
@@ -103,7 +103,7 @@ from refpar.parallel.intra_layer_runner import saved_position
 from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline, build
 from refpar.parallel.pipeline.stage import stage_layers
-from refpar.parallel.sequence_parallel import check_sp, sequence_parallel_param_names
+from refpar.parallel.sequence_parallel import check_sp, check_sp_cp, sequence_parallel_param_names
 from refpar.parallel.tensor_parallel import check_tp, gather_params_tp, shard_params_tp, tp_param_slices
 from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
@@ -126,18 +126,17 @@ class MoEPipelineOptions:
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipelineOptions) -> None:
     """Every check of a MoE pipeline run, with no communication: each rank raises the same ConfigError."""
     c, t = sizes.get("cp", 1), sizes.get("tp", 1)
-    if c > 1 and t > 1:
-        raise ConfigError(f"MoE blocks run over cp or over tp, not both: the MoE layer would route runs "
-                          f"of positions gathered over tp, which refpar does not do; drop tp={t} or cp={c}")
     if opts.cp_algo is not None and c < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
     train.check_model(model)
     check_run(model, train, sizes, opts.microbatches, allowed=("pp", "cp", "tp"))
-    if c > 1:
-        check_cp(model, train.seq_len, c, opts.cp_algo or "ring", 1)
     check_tp(model, t)
+    if c > 1:
+        check_cp(model, train.seq_len, c, opts.cp_algo or "ring", t)  # Ulysses: cp <= n_head / tp
     if opts.sp:
         check_sp(model, train.seq_len, t)  # "give the mesh tp=2 or more", seq_len >= tp
+        if c > 1:  # every cp rank's tokens split over tp
+            check_sp_cp(model, train.seq_len, t, c, opts.cp_algo or "ring")
     p = sizes.get("pp", 1)
     build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
     stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
@@ -210,7 +209,7 @@ class MoEPipelineRun(MoERun):
 def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipelineOptions,
                      on_step=None, *, save: str | None = None, save_every: int | None = None,
                      resume: str | None = None) -> MoEPipelineRun:
-    """Trains `train.steps` steps on `mesh` (pp, dp, ep, and cp or tp), or from the checkpoint
+    """Trains `train.steps` steps on `mesh` (pp, dp, ep, cp, tp), or from the checkpoint
     `resume` (any mesh's, MoE runs with and without pp, cp or tp alike); with `save`, checkpoints
     every `save_every` steps and after the last. `on_step(MoEStep)` after each step."""
     validate(model, train, mesh.sizes, opts)
@@ -218,9 +217,9 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     t = mesh.sizes["tp"]
     data = data_group(mesh)
     # whole blocks on cp's tokens, or the engine's tp (or sp) pieces
-    lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)
+    lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)  # sp inside cp with both
     layer = (ExpertParallelMoE(data, mesh.ep, model, weight=1 / m, cp=c) if t == 1 else
-             TensorParallelExpertMoE(data, mesh.ep, model, lay, opts.sp, weight=1 / m))
+             TensorParallelExpertMoE(data, mesh.ep, model, lay, opts.sp, weight=1 / m, cp=c))
     ledger = MemoryLedger()
     routings: dict[tuple, dict] = {}  # sample ids of a microbatch -> layer -> routing
     B, T, n_data = train.batch_size, train.seq_len, data.size // c
@@ -339,15 +338,15 @@ def checkpoint_arrays(model: ModelConfig, params: dict, state: dict, mesh, savin
     """(checkpoint.Piece, view) of what this rank holds: expert_parallel_run's whole tensors without
     tp; with tp its tp shards as boxes of the global tensors (tp_param_slices, experts included),
     their AdamW moments and fp32 masters. Saving writes each element once: dense tensors from
-    dp = ep = 0 (wte from pp rank 0), experts from dp = 0, and what every tp rank holds whole from
-    tp rank 0."""
+    dp = ep = 0 (wte from pp rank 0), experts from dp = 0, all from cp rank 0, and what every tp
+    rank holds whole from tp rank 0."""
     co = mesh.coords
     if mesh.sizes["tp"] == 1:
         return expert_parallel_checkpoint_arrays(params, state, co, saving)
     slices = tp_param_slices(model, mesh.sizes["tp"], co["tp"])
 
     def writes(n: str) -> bool:
-        if n not in slices and co["tp"]:
+        if (n not in slices and co["tp"]) or co.get("cp", 0):  # cp ranks hold the same weights
             return False
         if ".mlp.experts." in n:
             return co["dp"] == 0

@@ -1,4 +1,4 @@
-"""MoE with expert tensor parallelism (mesh pp x dp x ep x tp, and --sp), run under mpiexec by
+"""MoE with expert tensor parallelism (mesh pp x dp x ep x tp, and --sp; with cp too), run under mpiexec by
 tests/test_moe_tp.py.
 
     mpiexec -n 4 python tests/moe_tp_check.py /tmp/checkpoints
@@ -9,8 +9,10 @@ microbatches, whether the aux losses and the routing statistics are the referenc
 every step's traced bytes per (axis, op) and the params/grads/optimizer (bf16: and master) and
 activation peaks equal the closed forms, and how many expert-buffer all-reduces each rank made
 per MoE layer and microbatch. Checkpoint runs: 4 steps on ep=2,tp=2 --sp saved after step 2,
-resumed from there on the same mesh (compared exactly), on pp=2,tp=2, on ep=2 and on one process
-(each rank's loaded tensors compared exactly with the global ones).
+resumed from there on the same mesh (compared exactly), on pp=2,tp=2, on ep=2 and on one process;
+4 steps on cp=2,tp=2 --sp (ring) resumed on the same mesh, on ep=2 and on one process (each
+rank's loaded tensors compared exactly with the global ones; the shards hold each element of
+every saved tensor once).
 """
 
 import json
@@ -36,13 +38,17 @@ from refpar.parallel.tensor_parallel import shard_params_tp
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
 TRAIN = TrainConfig(steps=3, batch_size=8, seq_len=8, lr=1e-2, seed=11)
-# (mesh, sp, schedule, microbatches, model changes)
+# (mesh, sp, schedule, microbatches, model changes, cp algorithm)
 RUNS = [
-    ("ep=2,tp=2", False, "1f1b", 1, {}),
-    ("ep=2,tp=2", True, "1f1b", 2, {}),
-    ("pp=2,tp=2", True, "1f1b", 2, {"moe_top_k": 1}),
-    ("dp=2,tp=2", False, "1f1b", 2, {"moe_layers": (0, 3)}),
-    ("ep=2,tp=2", True, "1f1b", 2, {"dtype": "bfloat16"}),  # the same pieces in mixed precision
+    ("ep=2,tp=2", False, "1f1b", 1, {}, None),
+    ("ep=2,tp=2", True, "1f1b", 2, {}, None),
+    ("pp=2,tp=2", True, "1f1b", 2, {"moe_top_k": 1}, None),
+    ("dp=2,tp=2", False, "1f1b", 2, {"moe_layers": (0, 3)}, None),
+    ("ep=2,tp=2", True, "1f1b", 2, {"dtype": "bfloat16"}, None),  # the same pieces in mixed precision
+    # cp and tp together: routing over cp's runs on every tp rank (sp gathers them back over tp);
+    # Ulysses needs cp <= n_head / tp
+    ("cp=2,tp=2", False, "1f1b", 2, {}, "ring"),
+    ("cp=2,tp=2", True, "1f1b", 2, {"n_head": 4}, "ulysses"),
 ]
 
 
@@ -54,11 +60,11 @@ def all_ranks(comm, ok: bool) -> bool:
     return bool(comm.all_reduce(np.array([int(ok)]), op="min")[0])
 
 
-def check_run(comm, mesh_text, sp, schedule, m, changes) -> dict:
+def check_run(comm, mesh_text, sp, schedule, m, changes, algo) -> dict:
     model = replace(MODEL, **changes)
     comm.tracer.clear()
     mesh = DeviceMesh(comm, parse_mesh(mesh_text))
-    run = run_moe_pipeline(model, TRAIN, mesh, MoEPipelineOptions(schedule, m, 1, sp=sp))
+    run = run_moe_pipeline(model, TRAIN, mesh, MoEPipelineOptions(schedule, m, 1, algo, sp=sp))
     events = list(comm.tracer.events)
     ref = reference_run(model, TRAIN, microbatches=m)
     whole = full_params(run, model, mesh)
@@ -77,12 +83,13 @@ def check_run(comm, mesh_text, sp, schedule, m, changes) -> dict:
                 traced[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
         expected = moe_analysis.pipeline_step_comm_bytes(
             model, mesh.sizes, mesh.coords, 1, run.rows, TRAIN.seq_len,
-            [list(k.values()) for k in s.microbatch_kept_counts], sp=sp)
+            [list(k.values()) for k in s.microbatch_kept_counts], cp_algo=algo,
+            batch_size=TRAIN.batch_size, sp=sp)
         bytes_ok &= traced == {key: (b.sent, b.recv) for key, b in expected.items()}
     states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, 1, TRAIN.optimizer)
     states["activations"] = moe_analysis.pipeline_activation_peak(
         model, TRAIN, mesh.sizes, mesh.coords, schedule, m, 1, run.rows,
-        [s.microbatch_kept_counts for s in run.steps], sp=sp)
+        [s.microbatch_kept_counts for s in run.steps], cp_algo=algo, sp=sp)
     memory_ok = {c: run.ledger.peak[c] for c in states} == states
     # this rank's expert-buffer all-reduces and sp gathers per MoE layer it runs, microbatch and step
     layers = len(run.steps[0].kept_counts) * m * TRAIN.steps
@@ -90,7 +97,8 @@ def check_run(comm, mesh_text, sp, schedule, m, changes) -> dict:
                for t in ("c_proj:fwd", "c_fc:bwd")]
     gathers = sum(".mlp.moe:" in e.tag for e in events) / max(layers, 1)
     return {
-        "run": f"{mesh_text}{' --sp' if sp else ''} {schedule} m={m} {changes}", "dtype": model.dtype,
+        "run": f"{mesh_text}{' --sp' if sp else ''}{f' {algo}' if algo else ''} {schedule} m={m} {changes}",
+        "dtype": model.dtype,
         "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
         "param_diff": param_diff,
         "aux_diff": max(abs(a.aux_loss - b.aux_loss) / b.aux_loss
@@ -132,15 +140,20 @@ def reassembles_exactly(mesh, path: Path, train_cfg) -> bool:
                                                           strict=True) for n in params)
 
 
-def check_resumes(comm, root: Path) -> list[dict]:
+def check_resumes(comm, root: Path, saved_on: str, algo: str | None, targets: list) -> list[dict]:
+    """4 steps on `saved_on` with --sp (cp: `algo`), saved after 2, resumed on each (mesh, sp) of
+    `targets` from there (a target with cp uses `algo` too)."""
     train4 = replace(TRAIN, steps=4)
-    opts = MoEPipelineOptions("1f1b", 2, 1, sp=True)
-    path = root / "ep2_tp2_sp"
-    full = run_moe_pipeline(MODEL, train4, DeviceMesh(comm, parse_mesh("ep=2,tp=2")), opts,
-                            save=str(path), save_every=2)
+    path = root / saved_on.replace(",", "_").replace("=", "")
+    full = run_moe_pipeline(MODEL, train4, DeviceMesh(comm, parse_mesh(saved_on)),
+                            MoEPipelineOptions("1f1b", 2, 1, algo, sp=True), save=str(path), save_every=2)
     saved = path / "step-00000002"
+    manifest = json.loads((saved / "manifest.json").read_text())
+    written = sum(int(np.prod([b - a for a, b in piece["box"]])) for f in manifest["files"]
+                  for piece in f["arrays"])
+    once = written == sum(int(np.prod(t["shape"])) for t in manifest["tensors"].values())
     out = []
-    for mesh_b, sp in [("ep=2,tp=2", True), ("pp=2,tp=2", False), ("ep=2", False), ("1", False)]:
+    for mesh_b, sp in targets:
         n = {"ep=2": 2, "1": 1}.get(mesh_b, comm.size)
         group = comm if n == comm.size else comm.split(0 if comm.rank < n else None, key=comm.rank,
                                                        axis="world")
@@ -148,15 +161,16 @@ def check_resumes(comm, root: Path) -> list[dict]:
             mesh = DeviceMesh(group, parse_mesh(mesh_b) if mesh_b != "1" else {})
             exact_slices = reassembles_exactly(mesh, saved, train4)
             if mesh.sizes["tp"] > 1 or mesh.sizes["pp"] > 1:
-                resumed = run_moe_pipeline(MODEL, train4, mesh, MoEPipelineOptions("1f1b", 2, 1, sp=sp),
-                                           resume=str(saved))
+                resumed = run_moe_pipeline(MODEL, train4, mesh, MoEPipelineOptions(
+                    "1f1b", 2, 1, algo if mesh.sizes["cp"] > 1 else None, sp=sp), resume=str(saved))
             else:
                 resumed = train_expert_parallel(MODEL, train4, mesh, microbatches=2, resume=str(saved))
-            same = mesh_b == "ep=2,tp=2" and resumed.losses == full.losses[2:] and all(
+            same = mesh_b == saved_on and resumed.losses == full.losses[2:] and all(
                 np.array_equal(p, full.params[k]) for k, p in resumed.params.items())
-            out.append({"resume": f"ep=2,tp=2 --sp -> {mesh_b}{' --sp' if sp else ''}",
+            out.append({"resume": f"{saved_on} --sp -> {mesh_b}{' --sp' if sp else ''}",
                         "first_step": resumed.first_step, "losses": resumed.losses,
                         "uninterrupted": full.losses[2:], "exact": all_ranks(group, same),
+                        "each_element_written_once": once,
                         "reassembled": all_ranks(group, exact_slices)})
         comm.barrier()
     return out
@@ -168,7 +182,11 @@ def main():
         result = check_run(comm, *run)
         if comm.rank == 0:
             print(json.dumps(result), flush=True)
-    for result in check_resumes(comm, Path(sys.argv[1])):
+    resumes = check_resumes(comm, Path(sys.argv[1]), "ep=2,tp=2", None, [
+        ("ep=2,tp=2", True), ("pp=2,tp=2", False), ("ep=2", False), ("1", False)])
+    resumes += check_resumes(comm, Path(sys.argv[1]), "cp=2,tp=2", "ring", [
+        ("cp=2,tp=2", True), ("ep=2", False), ("1", False)])
+    for result in resumes:
         if comm.rank == 0:
             print(json.dumps(result), flush=True)
     comm.barrier()

@@ -67,7 +67,7 @@ def test_routing_runs_closed_form_counts_the_maximal_runs_of_each_cp_rank(algo, 
 
 
 @pytest.mark.parametrize("sizes, opts, words", [
-    ({"cp": 2, "tp": 2}, MoEPipelineOptions(), "drop tp=2"),
+    ({"cp": 2, "tp": 2}, MoEPipelineOptions(cp_algo="ulysses"), "use cp <= n_head/tp=1"),
     ({"ep": 2}, MoEPipelineOptions(cp_algo="ring"), "give the mesh cp=2 or more"),
     ({"cp": 4}, MoEPipelineOptions(cp_algo="ulysses"), "use cp <= n_head/tp=2"),
     ({"cp": 8}, MoEPipelineOptions(), "use --seq-len 16 or more"),

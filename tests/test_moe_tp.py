@@ -1,5 +1,6 @@
-"""MoE with expert tensor parallelism (mesh pp x dp x ep x tp, and --sp; refpar/engine_moe.py,
-refpar/parallel/expert_tensor_parallel.py) against the single device with the same microbatches."""
+"""MoE with expert tensor parallelism (mesh pp x dp x ep x tp, and --sp, with cp too;
+refpar/engine_moe.py, refpar/parallel/expert_tensor_parallel.py) against the single device with
+the same microbatches."""
 
 import json
 import subprocess
@@ -28,16 +29,17 @@ def rows(tmp_path_factory):
 
 
 def test_moe_with_expert_tp_and_sp_matches_one_device_with_closed_form_bytes_and_memory(rows):
-    """ep=2 x tp=2 (one and two microbatches, with and without sp), pp=2 x tp=2 with sp (top-1) and
-    dp=2 x tp=2: losses, parameters gathered over tp, aux losses and the routing of every block
-    are the single device's with capacities that drop; ep=2 x tp=2 with sp in bf16-mixed: the loss
+    """ep=2 x tp=2 (one and two microbatches, with and without sp), pp=2 x tp=2 with sp (top-1),
+    dp=2 x tp=2, cp=2 x tp=2 (ring) and cp=2 x tp=2 with sp (Ulysses): losses, parameters gathered
+    over tp, aux losses and the routing of every block are the single device's with capacities
+    that drop; ep=2 x tp=2 with sp in bf16-mixed: the loss
     within verify's MoE bound of the bf16 single device. Each step's traced bytes per (axis, op)
     and the params/grads/optimizer (bf16: master) and activation peaks equal the closed forms; every rank
     all-reduces its expert buffer once forward and once backward per MoE layer and microbatch, and
     under sp gathers the sequence twice; a rank holds 1/t of its experts' weights (c_proj.bias
     whole)."""
     runs = [r for r in rows if "run" in r]
-    assert len(runs) == 5
+    assert len(runs) == 7 and sum(r["run"].startswith("cp=2,tp=2") for r in runs) == 2
     C = 16
     whole, half = 2 * C * 4 * C + 4 * C + C, 2 * C * 2 * C + 2 * C + C  # one expert, and its tp shard
     for r in runs:
@@ -54,15 +56,21 @@ def test_moe_with_expert_tp_and_sp_matches_one_device_with_closed_form_bytes_and
 
 
 def test_moe_tp_checkpoints_resume_exactly_and_reshard_to_other_meshes(rows):
-    """Saved by ep=2,tp=2 --sp after 2 of 4 steps. On the same mesh: losses and parameters bit for
-    bit the uninterrupted run's. On pp=2,tp=2, ep=2 (whole experts) and one process: every rank
-    reassembles exactly its tp shards or whole tensors and AdamW moments, and the losses agree to
-    float64's rounding (the other mesh sums in another order)."""
+    """Saved by ep=2,tp=2 --sp and by cp=2,tp=2 --sp (ring) after 2 of 4 steps. On the same mesh:
+    losses and parameters bit for bit the uninterrupted run's. On pp=2,tp=2 (from ep=2,tp=2), ep=2
+    (whole experts) and one process: every rank reassembles exactly its tp shards or whole tensors
+    and AdamW moments, and the losses agree to float64's rounding (the other mesh sums in another
+    order). The shards of either checkpoint hold each element once."""
     resumes = [r for r in rows if "resume" in r]
-    assert [r["resume"].split(" -> ")[1] for r in resumes] == ["ep=2,tp=2 --sp", "pp=2,tp=2", "ep=2", "1"]
+    assert [r["resume"] for r in resumes] == [
+        "ep=2,tp=2 --sp -> ep=2,tp=2 --sp", "ep=2,tp=2 --sp -> pp=2,tp=2", "ep=2,tp=2 --sp -> ep=2",
+        "ep=2,tp=2 --sp -> 1", "cp=2,tp=2 --sp -> cp=2,tp=2 --sp", "cp=2,tp=2 --sp -> ep=2",
+        "cp=2,tp=2 --sp -> 1"]
     for r in resumes:
         assert r["first_step"] == 2 and len(r["losses"]) == 2 and r["reassembled"], r
-        if r["resume"].endswith("ep=2,tp=2 --sp"):
+        assert r["each_element_written_once"], r  # cp ranks and tp ranks holding copies write nothing
+        saved, resumed = r["resume"].split(" -> ")
+        if saved == resumed:
             assert r["exact"] and r["losses"] == r["uninterrupted"], r
         else:
             assert max(abs(x - y) / abs(y) for x, y in zip(r["losses"], r["uninterrupted"],
@@ -90,7 +98,8 @@ def test_expert_tp_slices_split_each_expert_like_the_dense_mlp_and_reassemble_it
 
 
 @pytest.mark.parametrize("sizes, opts, words", [
-    ({"ep": 2, "cp": 2, "tp": 2}, MoEPipelineOptions(), "drop tp=2 or cp=2"),
+    ({"ep": 2, "cp": 8, "tp": 4}, MoEPipelineOptions(sp=True), "fewer than tp=4 to shard them over"),
+    ({"cp": 2, "tp": 4}, MoEPipelineOptions(cp_algo="ulysses"), "use cp <= n_head/tp=1"),
     ({"ep": 2}, MoEPipelineOptions(sp=True), "--sp shards along the sequence over tp ranks"),
     ({"ep": 2, "tp": 3}, MoEPipelineOptions(), "tp=3 does not divide n_head=4"),
     # ZeRO shards each tp rank's shards over its data ranks: tp alone leaves nothing to shard over

@@ -53,21 +53,23 @@ gathered once on the first stage and twice on the last. The tied wte's all-reduc
 its shard (ZeRO-2/3), fp16's overflow flag goes over pp, data (and tp). Memory: the shards of every unit
 (grads, AdamW's m and v, 16-bit masters), plus what is transient (`pipeline_state_bytes`).
 
-With tp (t ranks, refpar/parallel/expert_tensor_parallel.py; not with cp) a rank
-holds tp shards: the dense weights as tensor_parallel.tp_param_slices cuts them, each expert's
-c_fc and c_proj.weight divided by t (c_proj.bias whole), so every count of elements above
-(gradients, wte, memory) is of those shards. Routing, all-to-alls and the data ranks' sums are the
-same as without tp, among the ranks of one tp coordinate (each tp rank routes all its stage's
-tokens). On tp, per microbatch j and stage: the engine's tensor-parallel calls of attention,
-embedding and head over b_j rows (analysis.intra_layer; the dense MLP's calls left out of MoE
-blocks), and per MoE layer an all-reduce of the (Q, C) expert buffer forward and one backward (Q
-from `dispatch_rows`); under sp two all-gathers of (b_j, T, C) around the layer, activations on pp
-of (b_j, Tl, C), and one all-reduce per step of the sequence-sharded parameters' gradients (under
-ZeRO-2/3 of their segments in this rank's shards, `sp_shard_numel`). ZeRO shards these tp shards:
-every unit's Ψ_u above is of tp shards.
-Activations: the dense terms are the engine's tp (sp) ones, an expert's hidden width this tp
-rank's columns H of 4C, and under sp the router keeps the gathered (b_j, T, C) instead of ln_2's
-(b_j, Tl, C) shard.
+With tp (t ranks, refpar/parallel/expert_tensor_parallel.py) a rank holds tp shards (ZeRO shards
+them once more: every unit's Ψ_u above is of tp shards): the dense weights as
+tensor_parallel.tp_param_slices cuts them, each expert's c_fc and c_proj.weight divided by t
+(c_proj.bias whole), so every count of elements above (gradients, wte, memory) is of those shards.
+Routing, all-to-alls and the data ranks' sums are the same as without tp, among the ranks of one tp
+coordinate (each tp rank routes all its stage's tokens: with cp the cp rank's Ta_j tokens, the same
+runs as cp alone). On tp, per microbatch j and stage: the engine's tensor-parallel calls of
+attention, embedding and head over b_j rows of Ta_j tokens (T without cp; analysis.intra_layer; the
+dense MLP's calls left out of MoE blocks), and per MoE layer an all-reduce of the (Q, C) expert
+buffer forward and one backward (Q from `dispatch_rows`); under sp two all-gathers of (b_j, Ta_j,
+C) around the layer, activations on pp of (b_j, Tl, C), Tl this tp rank's shard of Ta_j, and one
+all-reduce per step of the sequence-sharded parameters' gradients (under ZeRO-2/3 of their segments
+in this rank's shards, `sp_shard_numel`).
+With cp the ring's K/V blocks and Ulysses' all-to-alls carry this tp rank's n_head / t heads.
+Activations: the dense terms are the engine's tp (sp) ones on Ta_j tokens, an expert's hidden
+width this tp rank's columns H of 4C, and under sp the router keeps the gathered (b_j, Ta_j, C)
+instead of ln_2's (b_j, Tl, C) shard.
 """
 
 from __future__ import annotations
@@ -154,12 +156,13 @@ def routed_counts_all_gather_bytes(config, runs: list[int], rank: int) -> cost.B
 
 
 def cp_attention_bytes(config, n_layers: int, rows: int, seq_len: int, cp: int, cp_rank: int,
-                       cp_algo: str | None) -> dict:
+                       cp_algo: str | None, tp: int = 1) -> dict:
     """{(cp, op): Bytes} of ring attention's K/V hops or Ulysses' all-to-alls in `n_layers`
-    blocks for one microbatch of `rows` rows, forward and backward (analysis.intra_layer)."""
+    blocks for one microbatch of `rows` rows, forward and backward (analysis.intra_layer), on
+    this rank's n_head / tp heads."""
     tokens = cp_tokens(seq_len, cp, cp_algo)
-    shape = RankShape(B=rows, T=seq_len, Ta=tokens[cp_rank], Tl=tokens[cp_rank], t=1, c=cp,
-                      nh=config.n_head, V=config.vocab_size, e=np.dtype(config.dtype).itemsize,
+    shape = RankShape(B=rows, T=seq_len, Ta=tokens[cp_rank], Tl=tokens[cp_rank], t=tp, c=cp,
+                      nh=config.n_head // tp, V=config.vocab_size, e=np.dtype(config.dtype).itemsize,
                       cp_tokens=tuple(tokens), cp_rank=cp_rank)
     blocks = replace(config, n_layer=n_layers, moe_layers=None)
     out = {}
@@ -394,11 +397,12 @@ def pipeline_step_comm_bytes(config, sizes: dict[str, int], coords: dict[str, in
     if c > 1:
         n_layers = sum(len(stage_layers(config.n_layer, p * chunks, v * p + r)) for v in range(chunks))
         for b in rows:
-            for key, moved in cp_attention_bytes(config, n_layers, b, seq_len, c, j_cp, cp_algo).items():
+            for key, moved in cp_attention_bytes(config, n_layers, b, seq_len, c, j_cp, cp_algo,
+                                                 t).items():
                 add(key, moved)
     if t > 1:
         for key, b in tensor_parallel_step_bytes(config, sizes, coords, chunks, rows, seq_len,
-                                                 kept_by_microbatch, g, sp, zero, fsdp).items():
+                                                 kept_by_microbatch, g, sp, cp_algo, zero, fsdp).items():
             add(key, b)
     if p > 1:
         Tl = shard_sizes(Ta, t)[coords.get("tp", 0)] if sp else Ta
@@ -530,7 +534,7 @@ def moe_microbatch_activation_bytes(model, train, sizes: dict, coords: dict, sta
     MoEStep.microbatch_kept_counts[j]); `runs`: the runs every member of the exchange routes
     together (`exchange_runs`; default D, one per data rank). With tp (`sp`: and sequence
     parallelism) the dense terms are the engine's tensor-parallel ones and each expert's hidden
-    width is this tp rank's columns; under sp the MoE layer keeps the gathered (b, T, C) its router
+    width is this tp rank's columns; under sp the MoE layer keeps the gathered (b, Ta, C) its router
     read instead of ln_2's (b, Tl, C) shard, which the dense block's c_fc would keep."""
     sizes = {a: sizes.get(a, 1) for a in MESH_AXES}
     coords = {a: coords.get(a, 0) for a in MESH_AXES}
@@ -585,16 +589,19 @@ def pipeline_activation_peak(model, train, sizes: dict, coords: dict, schedule: 
 
 def tensor_parallel_step_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
                                rows: list[int], seq_len: int, kept_by_microbatch: list[list],
-                               grad_itemsize: int, sp: bool = False, zero: int = 0, fsdp: bool = False
-                               ) -> dict:
+                               grad_itemsize: int, sp: bool = False, cp_algo: str | None = None,
+                               zero: int = 0, fsdp: bool = False) -> dict:
     """{(axis, op): Bytes} on tp of one step of a MoE run with tp (module docstring): the dense
     pieces as analysis.intra_layer counts them (every stage's blocks, the embedding on the first,
     the head on the last), the MoE layers' expert buffers and sp gathers, sp's gradient sum (of
-    the whole gradients; under ZeRO-2/3 of this rank's shards, `sp_shard_numel`)."""
+    the whole gradients; under ZeRO-2/3 of this rank's shards, `sp_shard_numel`). With cp
+    (`cp_algo`) every piece works on this cp rank's Ta tokens (sp shards them over tp)."""
     p, ep, t, k = sizes.get("pp", 1), sizes.get("ep", 1), sizes["tp"], coords["tp"]
+    c, j_cp = sizes.get("cp", 1), coords.get("cp", 0)
     S, C, e = p * chunks, config.n_embd, np.dtype(config.dtype).itemsize
-    data_rank = coords["dp"] * ep + coords["ep"]
-    Tl = shard_sizes(seq_len, t)[k] if sp else seq_len
+    group = (coords["dp"] * ep + coords["ep"]) * c + j_cp  # rank in the stage's D x c ranks
+    Ta = cp_tokens(seq_len, c, cp_algo)[j_cp]
+    Tl = shard_sizes(Ta, t)[k] if sp else Ta
     out = {}
 
     def add(key, b):
@@ -606,18 +613,18 @@ def tensor_parallel_step_bytes(config, sizes: dict[str, int], coords: dict[str, 
         moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in config.moe_blocks)
         blocks = replace(config, n_layer=len(layers), moe_experts=0, moe_layers=None)
         for b in rows:
-            shape = RankShape(B=b, T=seq_len, Ta=seq_len, Tl=Tl, t=t, c=1, nh=config.n_head // t,
-                              V=shard_sizes(config.vocab_size, t)[k], e=e, cp_tokens=(seq_len,), cp_rank=0)
+            shape = RankShape(B=b, T=seq_len, Ta=Ta, Tl=Tl, t=t, c=1, nh=config.n_head // t,
+                              V=shard_sizes(config.vocab_size, t)[k], e=e, cp_tokens=(Ta,), cp_rank=0)
             for call in _tp_calls(blocks, shape, sp, k):
                 if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and s != 0)
                         or (call.tag.startswith("lm_head") and s != S - 1)):
                     add(("tp", call.op), cost.Bytes(call.bytes_sent, call.bytes_recv))
     for j, layers in enumerate(kept_by_microbatch):  # empty when this rank's stages hold no MoE block
         for kept in layers:
-            buffer = cost.all_reduce_bytes(dispatch_rows(kept, ep, data_rank)[1] * C, t, k, e)
+            buffer = cost.all_reduce_bytes(dispatch_rows(kept, ep, group, c)[1] * C, t, k, e)
             add(("tp", "all_reduce"), cost.Bytes(2 * buffer.sent, 2 * buffer.recv))  # g fwd, f bwd
-            if sp:  # the sequence gathered before the router, and its gradient before the backward
-                gather = cost.all_gather_bytes(shard_sizes(seq_len, t), k, e, rows[j] * C)
+            if sp:  # the region's tokens gathered before the router, and their gradient before the backward
+                gather = cost.all_gather_bytes(shard_sizes(Ta, t), k, e, rows[j] * C)
                 add(("tp", "all_gather"), cost.Bytes(2 * gather.sent, 2 * gather.recv))
     if sp:
         numels = rank_param_numels(config, sizes, coords, chunks)

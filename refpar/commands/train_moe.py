@@ -6,10 +6,12 @@
     mpiexec -n 4 refpar train --mesh ep=2,cp=2 --cp-algo ulysses --moe-experts 4 --check
     mpiexec -n 4 refpar train --mesh dp=2,ep=2 --moe-experts 4 --zero 1 --check
     mpiexec -n 4 refpar train --mesh ep=2,tp=2 --sp --moe-experts 4 --check
+    mpiexec -n 8 refpar train --mesh ep=2,cp=2,tp=2 --sp --moe-experts 4 --check
 
 `refpar/commands/train.py` adds these options and hands every run with experts to `run_cli`: over
 dp x ep to refpar/parallel/expert_parallel_run.py, with pp, with cp (--cp-algo ring or ulysses),
-with tp (--sp; each expert a tensor-parallel MLP, refpar/parallel/expert_tensor_parallel.py) or
+with tp (--sp; each expert a tensor-parallel MLP, refpar/parallel/expert_tensor_parallel.py; cp
+and tp together too) or
 with --zero/--fsdp (the dense weights sharded over the stage's data ranks, the experts over dp;
 refpar/engine_moe_zero.py) to refpar/engine_moe.py, a one-stage pipeline when the mesh has no pp.
 Besides the usual report it prints, per step, the router losses, the dropped assignments and how

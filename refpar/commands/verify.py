@@ -76,6 +76,9 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
     ("ep x ulysses x pp", 8, ("--mesh", "pp=2,ep=2,cp=2", "--cp-algo", "ulysses", "--microbatches", "2",
                               *MOE)),
     ("ep x tp+sp x pp", 8, ("--mesh", "pp=2,ep=2,tp=2", "--sp", "--microbatches", "2", *MOE)),
+    ("ep x cp x tp", 8, ("--mesh", "ep=2,cp=2,tp=2", "--microbatches", "2", *MOE)),
+    ("moe pp x cp x tp+sp", 8, ("--mesh", "pp=2,cp=2,tp=2", "--cp-algo", "ulysses", "--sp",
+                                "--microbatches", "2", *MOE)),
     ("zero-1 x ulysses x pp", 8, ("--mesh", "dp=2,cp=2,pp=2", "--zero", "1", "--cp-algo", "ulysses",
                                   "--microbatches", "2")),
     # ZeRO over dp x cp, ZeRO-2 with tp and pp, sp with ZeRO-2/3, sp inside cp, FSDP in stages

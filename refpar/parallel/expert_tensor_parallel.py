@@ -4,16 +4,20 @@ layout, expert tp size = tp), the routing replicated over tp.
     mpiexec -n 4 python -m refpar train --mesh ep=2,tp=2 --moe-experts 4 --moe-topk 2 --check
     mpiexec -n 4 python -m refpar train --mesh ep=2,tp=2 --sp --moe-experts 4 --check
 
-Legend: B rows, T sequence, Tl this rank's residual tokens (T, or shard_range(T, t, rank) under
-sp), C channels, H = 4C an expert's hidden width, t tp size, Q rows this rank's experts receive.
+Legend: B rows, Ta the tokens of a row a tp region sees (T, or with cp this cp rank's positions),
+Tl this rank's residual tokens (Ta, or shard_range(Ta, t, rank) under sp), C channels, H = 4C an
+expert's hidden width, t tp size, Q rows this rank's experts receive.
 
 The MoE layer runs replicated over tp OUTSIDE the experts: the router, the routing exchange over
 the data ranks of this tp coordinate, dispatch, the ep all-to-alls (ranks of this tp coordinate)
 and combine see the same tokens on every tp rank, so they are one computation done t times and
 their gradients (the router's) are the same on every tp rank, with nothing to sum. Under plain tp
-the residual stream is already replicated; under sp the layer all-gathers the sequence over tp
+the residual stream is already replicated; under sp the layer all-gathers the Ta tokens over tp
 before the router and keeps this rank's part after combine; backward all-gathers dout and keeps
-its part of dx (the replicated backward computes the whole dx on every rank, so no sum).
+its part of dx (the replicated backward computes the whole dx on every rank, so no sum). With cp
+(refpar/engine_moe.py) the gathered tokens are the cp rank's (sequence_parallel.sp_cp_layout),
+so every tp rank routes the runs of positions cp alone routes (`cp`: the exchange group's cp
+ranks per data rank, as ExpertParallelMoE's).
 
 Inside, the expert buffer (Q, C) is a tensor-parallel region of its own, entered and left through
 Megatron's pair (refpar/parallel/tensor_parallel.py):
@@ -25,7 +29,7 @@ Megatron's pair (refpar/parallel/tensor_parallel.py):
        + c_proj.bias   whole, once
 
 So per MoE layer and microbatch: one all-reduce of (Q, C) forward (all local experts at once), one
-backward, and under sp two all-gathers of (B, T, C). c_fc's and c_proj.weight's gradients are this
+backward, and under sp two all-gathers of (B, Ta, C). c_fc's and c_proj.weight's gradients are this
 rank's shard (never summed over tp); c_proj.bias's is the same on every tp rank.
 """
 
@@ -45,6 +49,7 @@ from refpar.parallel.tensor_parallel import (
     reduce_from_tp_backward,
     rounded,
 )
+from refpar.sharding import shard_range
 
 
 def tensor_parallel_experts_forward(xe, rows_per_expert, params, layer: int, experts, tp):
@@ -95,29 +100,32 @@ class TensorParallelExpertMoE(ExpertParallelMoE):
     `data` and `ep` are the communicators of this rank's tp coordinate."""
 
     def __init__(self, data, ep, config, lay, sp: bool = False, weight: float = 1.0,
-                 grad_scale: float = 1.0):
-        super().__init__(data, ep, config, weight, grad_scale)
+                 grad_scale: float = 1.0, cp: int = 1):
+        super().__init__(data, ep, config, weight, grad_scale, cp)
         self.lay, self.sp = lay, sp
+        # Ta, the region's tokens: T, or this cp rank's positions (sequence_parallel.sp_cp_layout)
+        self.Ta = len(lay.region_pos)
 
     def forward(self, x, params, layer, config):
         """x (B, Tl, C) -> (B, Tl, C)."""
         if self.sp:
-            x = gather_from_sp(x, self.lay.tp, f"h.{layer}.mlp.moe:fwd", self.lay.seq_len)  # (B, T, C)
-        out, cache = super().forward(x, params, layer, config)  # (B, T, C) under sp
+            x = gather_from_sp(x, self.lay.tp, f"h.{layer}.mlp.moe:fwd", self.Ta)  # (B, Ta, C)
+        out, cache = super().forward(x, params, layer, config)  # (B, Ta, C) under sp
         return self._mine(out), cache
 
     def backward(self, dout, cache):
-        if self.sp:  # the replicated backward needs the whole sequence's output gradient
+        if self.sp:  # the replicated backward needs the whole region's output gradient
             dout = gather_from_sp(dout, self.lay.tp, f"h.{cache['layer']}.mlp.moe:bwd",
-                                  self.lay.seq_len)  # (B, T, C)
-        dx, grads = super().backward(dout, cache)  # (B, T, C) under sp: whole on every tp rank
+                                  self.Ta)  # (B, Ta, C)
+        dx, grads = super().backward(dout, cache)  # (B, Ta, C) under sp: whole on every tp rank
         return self._mine(dx), grads
 
     def _mine(self, x):
-        """(B, T, C) -> (B, Tl, C): this rank's part of the sequence under sp; x itself otherwise."""
+        """(B, Ta, C) -> (B, Tl, C): this rank's part of the region's tokens under sp (the
+        all-gather's shard_range of Ta); x itself otherwise."""
         if not self.sp:
             return x
-        lo, hi = int(self.lay.resid_pos[0]), int(self.lay.resid_pos[-1]) + 1
+        lo, hi = shard_range(self.Ta, self.lay.tp.size, self.lay.tp.rank)
         return x[:, lo:hi, ...]
 
     def experts_forward(self, xe, rows_per_expert, params, layer):
