@@ -45,6 +45,7 @@ RUNS = [
     ("dp=2,tp=2", 2, False, "1f1b", 1, None),
     ("ep=2,tp=2", 3, False, "1f1b", 1, None, None, True),
     ("dp=2,tp=2", 3, True, "1f1b", 1, None),
+    ("cp=2,tp=2", 2, False, "1f1b", 1, None, "ring", True),  # sp inside each cp rank's tokens
 ]
 M = 2
 

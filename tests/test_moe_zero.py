@@ -26,12 +26,13 @@ def rows(tmp_path_factory):
 def test_moe_zero_1_2_3_and_fsdp_match_one_device_with_closed_form_bytes_and_memory(rows):
     """dp=2 x ep=2 under ZeRO-1, 2, 3 and FSDP, pp=2 x ep=2 under FSDP, pp=2 x dp=2 interleaved under
     ZeRO-2, dp=2 x cp=2 (Ulysses) under ZeRO-3, and with expert tp ep=2 x tp=2 --sp under ZeRO-1 and
-    ZeRO-3, dp=2 x tp=2 under ZeRO-2 and FSDP (tp shards sharded again), two microbatches each:
+    ZeRO-3, dp=2 x tp=2 under ZeRO-2 and FSDP, cp=2 x tp=2 --sp (ring) under ZeRO-2 (tp shards
+    sharded again), two microbatches each:
     losses, parameters (gathered over tp) and routing are the single device's; each step's traced
     bytes per (axis, op) and the params/grads/master/optimizer peaks of every rank equal the closed
     forms; the optimizer state is smaller than the unsharded run's on every rank."""
     runs = [r for r in rows if "run" in r and "float64" in r["run"]]
-    assert len(runs) == 11
+    assert len(runs) == 12
     for r in runs:
         assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
         assert r["routing_same"] and r["bytes_ok"] and r["memory_ok"], r
