@@ -46,6 +46,8 @@ RUNS = [
     ("ep=2,tp=2", 3, False, "1f1b", 1, None, None, True),
     ("dp=2,tp=2", 3, True, "1f1b", 1, None),
     ("cp=2,tp=2", 2, False, "1f1b", 1, None, "ring", True),  # sp inside each cp rank's tokens
+    # fp16 with tp: the overflow flag agreed over pp, data and tp (tp ranks hold different shards)
+    ("ep=2,tp=2", 2, False, "1f1b", 1, "float16", None, True),
 ]
 M = 2
 
