@@ -12,8 +12,9 @@
 dp x ep to refpar/parallel/expert_parallel_run.py, with pp, with cp (--cp-algo ring or ulysses),
 with tp (--sp; each expert a tensor-parallel MLP, refpar/parallel/expert_tensor_parallel.py; cp
 and tp together too) or
-with --zero/--fsdp (the dense weights sharded over the stage's data ranks, the experts over dp;
-refpar/engine_moe_zero.py) to refpar/engine_moe.py, a one-stage pipeline when the mesh has no pp.
+with --zero/--fsdp (the dense weights sharded over the stage's data ranks, the experts over dp,
+with tp of each tp rank's shards; refpar/engine_moe_zero.py) to refpar/engine_moe.py, a one-stage
+pipeline when the mesh has no pp.
 Besides the usual report it prints, per step, the router losses, the dropped assignments and how
 many assignments each expert kept (with pp: the routing of every block after the run); `--json`
 adds them under "moe". With --microbatches M each microbatch routes on its own tokens
@@ -175,7 +176,8 @@ def run_cli(model, train, sizes, args) -> int:
     if zero:
         cp_text = f" x cp = {sizes['dp'] * ep * c}" if c > 1 else f" = {sizes['dp'] * ep}"
         say(f"{'FSDP' if fsdp else f'ZeRO-{zero}'}: dense weights sharded over each stage's dp x ep"
-            f"{cp_text} ranks, each expert's over dp{' x cp' if c > 1 else ''}={sizes['dp'] * c}")
+            f"{cp_text} ranks, each expert's over dp{' x cp' if c > 1 else ''}={sizes['dp'] * c}"
+            + (f", of each tp rank's shards (tp={t})" if t > 1 else ""))
     if t > 1:
         say(f"tensor parallelism over tp={t}{' with sp' if opts.sp else ''}: each expert's c_fc split by "
             f"columns and c_proj by rows, routing replicated over tp")
