@@ -59,7 +59,9 @@ weights. One step composes the strategies' own pieces:
                holds the whole loss)
 
 pp = 1 runs here too whenever the mesh has cp or tp or the run asks for ZeRO (one stage, the
-schedule's single-rank case). tp does not combine with ZeRO (its units would shard tp shards) here.
+schedule's single-rank case). With tp, ZeRO shards each rank's tp shards once more (as the dense
+engine does); under sp the sequence-sharded gradients are summed over tp before ZeRO-1's
+reduce-scatter, on the shards under ZeRO-2/3.
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
@@ -125,9 +127,6 @@ class MoEPipelineOptions:
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: MoEPipelineOptions) -> None:
     """Every check of a MoE pipeline run, with no communication: each rank raises the same ConfigError."""
     c, t = sizes.get("cp", 1), sizes.get("tp", 1)
-    if t > 1 and opts.zero:
-        flag = "--fsdp" if opts.fsdp else f"--zero {opts.zero}"
-        raise ConfigError(f"{flag} shards whole MoE weights, not tp shards; drop {flag} or tp={t}")
     if opts.cp_algo is not None and c < 2:
         raise ConfigError("--cp-algo chooses how cp ranks share attention; give the mesh cp=2 or more")
     train.check_model(model)
@@ -267,7 +266,9 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     elif resume is not None:
         start_step = resume_sharded(resume, model, train, mesh, params, zero, scaler, m)
     # applied to this rank's part of the sequence only (the MoE blocks' experts are not)
-    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
+    # the executor's names: under ZeRO-3 `params` is empty (the stages gather what they need)
+    sp_names = ([n for n in sequence_parallel_param_names(model) if n in executor.param_names()]
+                if opts.sp else [])
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)
@@ -289,7 +290,8 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
                 loss, grads = executor.step(params, mbs, step=step, seed=train.seed, normalizer=B * T,
                                             dloss=scale)
             if zero is not None:  # the sums and the update on the shards
-                params, skip = zero.step(params, grads, 1.0 / scale, None if scaler is None else differ)
+                params, skip = zero.step(params, grads, 1.0 / scale, None if scaler is None else differ,
+                                         mesh.tp, sp_names)
             else:
                 reduce_grads(grads, sp_names, mesh.tp, "sp.replicated_grads:bwd")
                 reduce_grads(grads, dense, data, "dense:grad")  # over the stage's dp x ep x cp ranks

@@ -14,6 +14,11 @@ Who holds the same weights decides who shards them:
     experts  an expert's weights are replicated over dp only (the expert-data-parallel group, the
              ranks with the same ep coordinate): ZeRO shards them, and their gradients, over dp;
              with dp=1 each ep rank keeps its experts' state whole
+    cp, tp   with cp both groups grow by the cp ranks (they hold the same weights: data is
+             dp x ep x cp, an expert's copies dp x cp, axis dp_cp); with tp every group is one tp
+             coordinate's and ZeRO shards this rank's tp shards once more, as the dense engine does
+             (under sp the sequence-sharded region's gradients are summed over tp first: before
+             ZeRO-1's reduce-scatter, on the gradient shards under ZeRO-2/3)
 
 ZeRO-1 (`ZeroOneMoE`): two engine.ZeroOne, one over the dense weights laid end to end (axis
 "data"), one over this rank's experts (axis "dp"); both reduce-scatter first, the fp16 overflow is
@@ -34,20 +39,22 @@ engine's units move over its ZeRO group: ZeRO-1 one reduce-scatter and one all-g
 all-gathers and a reduce-scatter per microbatch and stage; FSDP the same, the ends' units gathered
 once on the first stage and twice on the last (refpar/analysis/moe.py has the closed forms).
 
-Checkpoints (`moe_checkpoint_arrays`): the whole tensors a rank holds as expert_parallel_run
-writes them, ZeRO-1's moments as flat ranges [a, b) of each group's parameters laid end to end,
+Checkpoints (`MoESharding.checkpoint_arrays`): the whole tensors (tp shards) a rank holds as
+engine_moe.checkpoint_arrays writes them, ZeRO-1's moments as flat ranges [a, b) of each group's
+parameters laid end to end (of tp shards: boxes of the global tensors through tp_param_slices),
 ZeRO-2/3's shards through engine.sharded_checkpoint_arrays; all cut into boxes of the global
 tensors, so any MoE mesh, with or without ZeRO, resumes any other's.
 """
 
 from __future__ import annotations
 
-from refpar import checkpoint
+from refpar import checkpoint, engine_moe
 from refpar.engine import ZeroOne, sharded_checkpoint_arrays
 from refpar.engine_fsdp import UnitStage, fsdp_units
 from refpar.engine_moe import MoEStage
 from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach, units_of
-from refpar.parallel import expert_parallel_run
+from refpar.parallel.expert_parallel_run import reduce_grads
+from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.precision import overflow_anywhere
 
 
@@ -156,10 +163,13 @@ class ZeroOneMoE:
             new |= z.update(params, g, inv_scale, skip)
         return {n: new[n] for n in params}, skip
 
-    def checkpoint_arrays(self, coords: dict, saving: bool) -> list:
+    def checkpoint_arrays(self, model, mesh, saving: bool) -> list:
         """(checkpoint.Piece, view) of the AdamW moments (and fp32 masters) of each group's range
-        [a, b) of its parameters laid end to end; the group's ranks' ranges partition them, so each
-        writes its own, except the tied wte of the last stage (pp rank 0 writes it)."""
+        [a, b) of its parameters (tp shards under tp) laid end to end, as boxes of the global tensors;
+        the group's ranks' ranges partition them, so each writes its own, except the tied wte of the
+        last stage (pp rank 0 writes it) and, under tp, what every tp rank holds whole (tp rank 0)."""
+        coords = mesh.coords
+        slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
         out = []
         for z in self.parts:
             held = [("adamw.m", z.m), ("adamw.v", z.v)] if self.train.optimizer == "adamw" else []
@@ -167,9 +177,13 @@ class ZeroOneMoE:
             for prefix, buffer in held:
                 for i, n in enumerate(z.names):
                     lo, hi = max(z.a - z.starts[i], 0), min(z.b - z.starts[i], z.sizes[i])
-                    if lo < hi and not (saving and n == "wte.weight" and coords.get("pp", 0)):
+                    skip = saving and ((n == "wte.weight" and coords.get("pp", 0))
+                                       or (n not in slices and coords["tp"]))
+                    if lo < hi and not skip:
                         segment = buffer[z.starts[i] + lo - z.a:z.starts[i] + hi - z.a]
-                        out += checkpoint.shard_pieces(f"{prefix}/{n}", segment, z.shapes[n], lo)
+                        axis, index = slices.get(n, (None, None))
+                        out += checkpoint.shard_pieces(f"{prefix}/{n}", segment, z.shapes[n], lo, axis,
+                                                       index)
         return out
 
 
@@ -215,12 +229,20 @@ class MoESharding:
         if self.sharded is not None:
             self.sharded.begin_step()
 
-    def step(self, params: dict, grads: dict, inv_scale: float, differ: list | None) -> tuple[dict, bool]:
+    def step(self, params: dict, grads: dict, inv_scale: float, differ: list | None, tp=None,
+             sp_names=()) -> tuple[dict, bool]:
         """The gradients' sums and the update: (the new parameters, whether fp16 skipped the step).
-        ZeRO-1 takes the executor's whole gradients; ZeRO-2/3 hold theirs in the shards already."""
+        ZeRO-1 takes the executor's whole gradients; ZeRO-2/3 hold theirs in the shards already.
+        `sp_names`: under sp, the sequence-sharded region's parameters, whose gradients cover this
+        tp rank's tokens only: summed over `tp` before ZeRO-1's reduce-scatter, on the shards after
+        ZeRO-2/3's (ShardedGrads.sum_sequence_parallel)."""
         if self.one is not None:
+            if sp_names:
+                reduce_grads(grads, list(sp_names), tp, "sp.replicated_grads:bwd")
             return self.one.step(params, grads, inv_scale, differ)
         self.sharded.sum_tied(self.tied)
+        if sp_names:
+            self.sharded.sum_sequence_parallel(tp, set(sp_names))
         skip = differ is not None and overflow_anywhere(self.sharded.grads, differ)
         if not skip and self.zero == 3:
             self.sharded.step(inv_scale)
@@ -235,7 +257,7 @@ class MoESharding:
     def checkpoint_arrays(self, model, mesh, params: dict, saving: bool) -> list:
         """(checkpoint.Piece, view) of everything this rank holds: its whole tensors as the MoE
         runners write them, and its shards' flat ranges (module docstring)."""
-        out = expert_parallel_run.checkpoint_arrays(params, {}, mesh.coords, saving)
+        out = engine_moe.checkpoint_arrays(model, params, {}, mesh, saving)
         if self.one is not None:
-            return out + self.one.checkpoint_arrays(mesh.coords, saving)
+            return out + self.one.checkpoint_arrays(model, mesh, saving)
         return out + sharded_checkpoint_arrays(model, mesh, self.sharded, saving)

@@ -22,12 +22,12 @@ from refpar.analysis import moe as moe_analysis
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import parse_mesh
-from refpar.engine_moe import MoEPipelineOptions, run_moe_pipeline
+from refpar.engine_moe import MoEPipelineOptions, full_params, run_moe_pipeline
 from refpar.mesh import DeviceMesh
 from refpar.parallel.expert_parallel_run import reference_run, train_expert_parallel
 from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, reassembles_exactly, rel
 
-# (mesh, zero, fsdp, schedule, chunks, precision[, cp_algo]): every run 2 microbatches
+# (mesh, zero, fsdp, schedule, chunks, precision[, cp_algo[, sp]]): every run 2 microbatches
 RUNS = [
     ("dp=2,ep=2", 1, False, "1f1b", 1, None),
     ("dp=2,ep=2", 2, False, "1f1b", 1, None),
@@ -39,6 +39,10 @@ RUNS = [
     ("dp=2,ep=2", 2, False, "1f1b", 1, "float16"),
     # cp: dense weights over dp x cp, experts over dp x cp (axis dp_cp), Ulysses attention
     ("dp=2,cp=2", 3, False, "1f1b", 1, None, "ulysses"),
+    # tp: ZeRO shards each rank's tp shards; under sp the sequence-sharded gradients summed over tp
+    # before ZeRO-1's reduce-scatter, on the shards under FSDP
+    ("ep=2,tp=2", 1, False, "1f1b", 1, None, None, True),
+    ("ep=2,tp=2", 3, True, "1f1b", 1, None, None, True),
 ]
 M = 2
 
@@ -52,16 +56,17 @@ def traced_by_step(events, step) -> dict:
     return {k: v for k, v in out.items() if v != (0, 0)}  # a one-rank group's calls move nothing
 
 
-def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None) -> dict:
+def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None, sp=False) -> dict:
     model = MODEL if dtype is None else replace(MODEL, dtype=dtype)
     train_cfg = TRAIN if dtype is None else replace(TRAIN, fp32_grads=True)
     comm.tracer.clear()
     mesh = DeviceMesh(comm, parse_mesh(mesh_text))
-    opts = MoEPipelineOptions(schedule, M, chunks, cp_algo, zero=zero, fsdp=fsdp)
+    opts = MoEPipelineOptions(schedule, M, chunks, cp_algo, zero=zero, fsdp=fsdp, sp=sp)
     run = run_moe_pipeline(model, train_cfg, mesh, opts)
     events = list(comm.tracer.events)
     ref = reference_run(model, train_cfg, microbatches=M)
-    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in run.params.items())]),
+    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in
+                                                    full_params(run, model, mesh).items())]),
                                        op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                        for s, r in zip(run.steps, ref.steps, strict=True))
@@ -70,7 +75,7 @@ def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None
         expected = moe_analysis.pipeline_step_comm_bytes(
             model, mesh.sizes, mesh.coords, chunks, run.rows, TRAIN.seq_len,
             [list(k.values()) for k in s.microbatch_kept_counts], 4 if dtype else None, cp_algo,
-            TRAIN.batch_size, zero=zero, fsdp=fsdp)
+            TRAIN.batch_size, zero=zero, fsdp=fsdp, sp=sp)
         bytes_ok &= traced_by_step(events, s.step) == {
             key: (b.sent, b.recv) for key, b in expected.items() if (b.sent, b.recv) != (0, 0)}
     states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer,
@@ -80,7 +85,7 @@ def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None
     axes = sorted({f"{e.axis}:{e.op}" for e in events if e.step is not None and e.bytes_sent})
     return {
         "run": f"{mesh_text} {'fsdp' if fsdp else f'zero {zero}'} {schedule} v={chunks} {model.dtype}"
-               + (f" {cp_algo}" if cp_algo else ""),
+               + (f" {cp_algo}" if cp_algo else "") + (" sp" if sp else ""),
         "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
         "param_diff": param_diff,
         "routing_same": all_ranks(comm, routing_same),
@@ -140,6 +145,7 @@ def main():
         (("dp=2,ep=2", "zero 1"), [("dp=2,ep=2", "zero 1"), ("ep=2", "plain"), ("1", "plain")]),
         (("pp=2,ep=2", "fsdp"), [("pp=2,ep=2", "fsdp"), ("dp=2,ep=2", "zero 2")]),
         (("ep=2,cp=2", "zero 2"), [("ep=2,cp=2", "zero 2"), ("ep=2", "plain")]),
+        (("ep=2,tp=2", "zero 1"), [("ep=2,tp=2", "zero 1"), ("ep=2", "plain")]),
     ]:
         for result in check_resumes(comm, saved_on, resumed_on, root):
             if comm.rank == 0:

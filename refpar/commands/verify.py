@@ -76,6 +76,8 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
                               *MOE)),
     ("ep x tp+sp x pp", 8, ("--mesh", "pp=2,ep=2,tp=2", "--sp", "--microbatches", "2", *MOE)),
     ("ep x cp x tp", 8, ("--mesh", "ep=2,cp=2,tp=2", "--microbatches", "2", *MOE)),
+    ("zero-1 x ep x tp+sp", 4, ("--mesh", "ep=2,tp=2", "--sp", "--zero", "1", "--microbatches", "2", *MOE)),
+    ("fsdp x moe pp x cp x tp", 8, ("--mesh", "pp=2,cp=2,tp=2", "--fsdp", "--microbatches", "2", *MOE)),
     ("moe pp x cp x tp+sp", 8, ("--mesh", "pp=2,cp=2,tp=2", "--cp-algo", "ulysses", "--sp",
                                 "--microbatches", "2", *MOE)),
     ("zero-1 x ulysses x pp", 8, ("--mesh", "dp=2,cp=2,pp=2", "--zero", "1", "--cp-algo", "ulysses",
