@@ -49,10 +49,10 @@ tensors, so any MoE mesh, with or without ZeRO, resumes any other's.
 from __future__ import annotations
 
 from refpar import checkpoint, engine_moe
-from refpar.engine import ZeroOne, sharded_checkpoint_arrays
+from refpar.engine import ZeroOne, ZeroThreeGather, sharded_checkpoint_arrays
 from refpar.engine_fsdp import UnitStage, fsdp_units
 from refpar.engine_moe import MoEStage
-from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach, units_of
+from refpar.engine_zero3 import ZeroThree, ZeroTwo, units_of
 from refpar.parallel.expert_parallel_run import reduce_grads
 from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.precision import overflow_anywhere
@@ -85,27 +85,13 @@ def moe_fsdp_units(names: list[str]) -> dict[str, list[str]]:
     return out
 
 
-class MoEZeroThreeStage(MoEStage):
+class MoEZeroThreeStage(ZeroThreeGather, MoEStage):
     """A MoE stage whose units ZeRO-3 gathers for each action and frees after (engine.ZeroThreeStage
     for MoE stages); MoEStage's arguments, then the ZeroThree."""
 
     def __init__(self, *args, zero: ZeroThree):
         super().__init__(*args)
         self.zero = zero
-
-    def forward(self, params, x, targets, drop, normalizer):
-        full, bases = self.zero.gather(self.stage, "fwd")
-        out, cache = super().forward(full, x, targets, drop, normalizer)
-        cache = detach(cache[:-1], bases)  # without the parameters: they are freed now
-        self.zero.release(bases)
-        return out, cache
-
-    def backward_input(self, dout, cache):
-        full, bases = self.zero.gather(self.stage, "bwd")
-        dx, grads = super().backward_input(dout, (*attach(cache, bases), full))
-        self.zero.release(bases)
-        self.zero.reduce(self.stage, grads)
-        return dx, {}  # the gradients are in the shards already
 
 
 class MoEUnitStage(UnitStage):
