@@ -215,12 +215,11 @@ class EngineExecutor(PipelineExecutor):
                 for a, src, dst, tag in self._messages() if dst == self.rank}
 
 
-class ZeroThreeStage(TensorParallelStage):
-    """A tensor-parallel stage whose parameters ZeRO-3 gathers for each action and frees after."""
+class ZeroThreeGather:
+    """Mixed in before a stage class (TensorParallelStage or engine_moe.MoEStage): ZeRO-3 (`zero`, a
+    ZeroThree) gathers the stage's units for each action and frees them after."""
 
-    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, zero: ZeroThree):
-        super().__init__(config, n_stages, stage, lay)
-        self.zero = zero
+    zero: ZeroThree
 
     def forward(self, params, x, targets, drop, normalizer):
         full, bases = self.zero.gather(self.stage, "fwd")
@@ -235,6 +234,14 @@ class ZeroThreeStage(TensorParallelStage):
         self.zero.release(bases)
         self.zero.reduce(self.stage, grads)
         return dx, {}  # the gradients are in the shards already
+
+
+class ZeroThreeStage(ZeroThreeGather, TensorParallelStage):
+    """A tensor-parallel stage whose parameters ZeRO-3 gathers for each action and frees after."""
+
+    def __init__(self, config: ModelConfig, n_stages: int, stage: int, lay, zero: ZeroThree):
+        super().__init__(config, n_stages, stage, lay)
+        self.zero = zero
 
 
 def zero_group(mesh):

@@ -52,20 +52,21 @@ weights. One step composes the strategies' own pieces:
                MoE layer's, router and expert c_proj.bias, are the same on every tp rank already)
     ZeRO       --zero 1/2/3 and --fsdp (refpar/engine_moe_zero.py): the dense weights sharded over
                the stage's D x c ranks, an expert's over dp x cp (DeepSpeed-MoE's and
-               Megatron-Core's expert-data-parallel group), of this rank's tp shards with tp
-               (each tp coordinate's data ranks shard their own); without pp the run is a
-               one-stage pipeline
+               Megatron-Core's expert-data-parallel group); without pp the run is a one-stage
+               pipeline
     loss       the last stage's cross-entropy plus every stage's router-loss shares (each cp
                rank's over its tokens), summed over pp, then over the D x c ranks (every tp rank
                holds the whole loss)
 
 pp = 1 runs here too whenever the mesh has cp or tp or the run asks for ZeRO (one stage, the
-schedule's single-rank case).
+schedule's single-rank case). With tp, ZeRO shards each rank's tp shards once more (as the dense
+engine does); under sp the sequence-sharded gradients are summed over tp before ZeRO-1's
+reduce-scatter, on the shards under ZeRO-2/3.
 
 Mixed precision: as the dp x ep runner (16-bit tokens and activations, gradients summed in their
 dtype, fp32 masters); fp16 starts the last stage's backward and the router losses' gradients from
 the loss scale, and the pp, ep and tp ranks, whose gradients differ, agree on an overflow (under
-ZeRO the pp, data and tp ranks, whose gradient shards differ). Under tp the pieces compute in fp32 and
+ZeRO the pp and data ranks, whose gradient shards differ). Under tp the pieces compute in fp32 and
 round once, as the engine's (tensor_parallel.compute/rounded): the expert buffer's partial sums
 cross tp in 16 bits, as Megatron-LM sends them.
 """
@@ -242,9 +243,6 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     scaler = loss_scaler(model, train)  # fp16 only
     executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
     copies = zero_group(mesh)  # the ranks holding this rank's experts: dp, or dp x cp
-    # applied to this rank's part of the sequence only (the MoE blocks' experts are not); named
-    # before ZeRO-3 empties params
-    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if opts.sp else []
     zero = None
     if opts.zero:  # refpar/engine_moe_zero.py: dense weights sharded over data, experts over dp
         from refpar.engine_moe_zero import MoESharding
@@ -267,6 +265,10 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
                                  arrays=checkpoint_arrays(model, params, state, mesh, saving=False))
     elif resume is not None:
         start_step = resume_sharded(resume, model, train, mesh, params, zero, scaler, m)
+    # applied to this rank's part of the sequence only (the MoE blocks' experts are not)
+    # the executor's names: under ZeRO-3 `params` is empty (the stages gather what they need)
+    sp_names = ([n for n in sequence_parallel_param_names(model) if n in executor.param_names()]
+                if opts.sp else [])
     dense = [n for n in params if ".mlp.experts." not in n]
     experts = [n for n in params if ".mlp.experts." in n]
     corpus = corpus_for(model, train)

@@ -3,7 +3,6 @@ groups as DeepSpeed-MoE and Megatron-Core shard an MoE model.
 
     mpiexec -n 4 python -m refpar train --mesh dp=2,ep=2 --moe-experts 4 --zero 1 --check
     mpiexec -n 4 python -m refpar train --mesh pp=2,ep=2 --moe-experts 4 --fsdp --microbatches 2 --check
-    mpiexec -n 4 python -m refpar train --mesh ep=2,tp=2 --sp --moe-experts 4 --zero 1 --check
 
 Legend: D = dp x ep data ranks of a stage (engine_moe's `data` communicator), Ψ_u elements of unit
 u on this rank, s_u its shard_range share over the unit's group.
@@ -15,15 +14,11 @@ Who holds the same weights decides who shards them:
     experts  an expert's weights are replicated over dp only (the expert-data-parallel group, the
              ranks with the same ep coordinate): ZeRO shards them, and their gradients, over dp;
              with dp=1 each ep rank keeps its experts' state whole
-
-With tp (and sp) the units are this rank's tp shards (expert tensor parallelism: each expert's
-c_fc columns and c_proj rows; the dense weights as tensor_parallel.tp_param_slices cuts them), and
-`data` and dp are the groups of this tp coordinate, so ZeRO shards each tp shard once more, as
-engine.py does; ZeRO-3's and FSDP's gathered units are tp shards. Under sp the sequence-sharded
-weights' gradients cover this tp rank's tokens: ZeRO-1 sums them over tp before its reduce-scatter,
-ZeRO-2/3 sum their shards' segments over tp once per step (ShardedGrads.sum_sequence_parallel; tp
-divides the heads, so every tp rank's units have the same layout). fp16's overflow is agreed over
-pp, data and tp.
+    cp, tp   with cp both groups grow by the cp ranks (they hold the same weights: data is
+             dp x ep x cp, an expert's copies dp x cp, axis dp_cp); with tp every group is one tp
+             coordinate's and ZeRO shards this rank's tp shards once more, as the dense engine does
+             (under sp the sequence-sharded region's gradients are summed over tp first: before
+             ZeRO-1's reduce-scatter, on the gradient shards under ZeRO-2/3)
 
 ZeRO-1 (`ZeroOneMoE`): two engine.ZeroOne, one over the dense weights laid end to end (axis
 "data"), one over this rank's experts (axis "dp"); both reduce-scatter first, the fp16 overflow is
@@ -44,20 +39,20 @@ engine's units move over its ZeRO group: ZeRO-1 one reduce-scatter and one all-g
 all-gathers and a reduce-scatter per microbatch and stage; FSDP the same, the ends' units gathered
 once on the first stage and twice on the last (refpar/analysis/moe.py has the closed forms).
 
-Checkpoints (`moe_checkpoint_arrays`): the whole tensors a rank holds as expert_parallel_run
-writes them, ZeRO-1's moments as flat ranges [a, b) of each group's parameters laid end to end,
+Checkpoints (`MoESharding.checkpoint_arrays`): the whole tensors (tp shards) a rank holds as
+engine_moe.checkpoint_arrays writes them, ZeRO-1's moments as flat ranges [a, b) of each group's
+parameters laid end to end (of tp shards: boxes of the global tensors through tp_param_slices),
 ZeRO-2/3's shards through engine.sharded_checkpoint_arrays; all cut into boxes of the global
-tensors (tp shards cut by tp_param_slices, tp rank 0 writing what every tp rank holds whole), so
-any MoE mesh, with or without ZeRO or tp, resumes any other's.
+tensors, so any MoE mesh, with or without ZeRO, resumes any other's.
 """
 
 from __future__ import annotations
 
-from refpar import checkpoint
-from refpar.engine import ZeroOne, sharded_checkpoint_arrays
+from refpar import checkpoint, engine_moe
+from refpar.engine import ZeroOne, ZeroThreeGather, sharded_checkpoint_arrays
 from refpar.engine_fsdp import UnitStage, fsdp_units
-from refpar.engine_moe import MoEStage, checkpoint_arrays
-from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach, units_of
+from refpar.engine_moe import MoEStage
+from refpar.engine_zero3 import ZeroThree, ZeroTwo, units_of
 from refpar.parallel.expert_parallel_run import reduce_grads
 from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.precision import overflow_anywhere
@@ -90,27 +85,13 @@ def moe_fsdp_units(names: list[str]) -> dict[str, list[str]]:
     return out
 
 
-class MoEZeroThreeStage(MoEStage):
+class MoEZeroThreeStage(ZeroThreeGather, MoEStage):
     """A MoE stage whose units ZeRO-3 gathers for each action and frees after (engine.ZeroThreeStage
     for MoE stages); MoEStage's arguments, then the ZeroThree."""
 
     def __init__(self, *args, zero: ZeroThree):
         super().__init__(*args)
         self.zero = zero
-
-    def forward(self, params, x, targets, drop, normalizer):
-        full, bases = self.zero.gather(self.stage, "fwd")
-        out, cache = super().forward(full, x, targets, drop, normalizer)
-        cache = detach(cache[:-1], bases)  # without the parameters: they are freed now
-        self.zero.release(bases)
-        return out, cache
-
-    def backward_input(self, dout, cache):
-        full, bases = self.zero.gather(self.stage, "bwd")
-        dx, grads = super().backward_input(dout, (*attach(cache, bases), full))
-        self.zero.release(bases)
-        self.zero.reduce(self.stage, grads)
-        return dx, {}  # the gradients are in the shards already
 
 
 class MoEUnitStage(UnitStage):
@@ -170,9 +151,9 @@ class ZeroOneMoE:
 
     def checkpoint_arrays(self, model, mesh, saving: bool) -> list:
         """(checkpoint.Piece, view) of the AdamW moments (and fp32 masters) of each group's range
-        [a, b) of its parameters laid end to end, as flat ranges of the tp shards they cut; the
-        group's ranks' ranges partition them, so each writes its own, except the tied wte of the
-        last stage (pp rank 0 writes it) and what every tp rank holds whole (tp rank 0 writes it)."""
+        [a, b) of its parameters (tp shards under tp) laid end to end, as boxes of the global tensors;
+        the group's ranks' ranges partition them, so each writes its own, except the tied wte of the
+        last stage (pp rank 0 writes it) and, under tp, what every tp rank holds whole (tp rank 0)."""
         coords = mesh.coords
         slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
         out = []
@@ -182,7 +163,7 @@ class ZeroOneMoE:
             for prefix, buffer in held:
                 for i, n in enumerate(z.names):
                     lo, hi = max(z.a - z.starts[i], 0), min(z.b - z.starts[i], z.sizes[i])
-                    skip = saving and ((n == "wte.weight" and coords["pp"])
+                    skip = saving and ((n == "wte.weight" and coords.get("pp", 0))
                                        or (n not in slices and coords["tp"]))
                     if lo < hi and not skip:
                         segment = buffer[z.starts[i] + lo - z.a:z.starts[i] + hi - z.a]
@@ -234,14 +215,16 @@ class MoESharding:
         if self.sharded is not None:
             self.sharded.begin_step()
 
-    def step(self, params: dict, grads: dict, inv_scale: float, differ: list | None, tp,
-             sp_names: list) -> tuple[dict, bool]:
+    def step(self, params: dict, grads: dict, inv_scale: float, differ: list | None, tp=None,
+             sp_names=()) -> tuple[dict, bool]:
         """The gradients' sums and the update: (the new parameters, whether fp16 skipped the step).
         ZeRO-1 takes the executor's whole gradients; ZeRO-2/3 hold theirs in the shards already.
-        Under sp the gradients of `sp_names` cover this tp rank's tokens only and are summed over
-        `tp`: ZeRO-1's before its reduce-scatter, ZeRO-2/3's on the shards (the dense engine's)."""
+        `sp_names`: under sp, the sequence-sharded region's parameters, whose gradients cover this
+        tp rank's tokens only: summed over `tp` before ZeRO-1's reduce-scatter, on the shards after
+        ZeRO-2/3's (ShardedGrads.sum_sequence_parallel)."""
         if self.one is not None:
-            reduce_grads(grads, sp_names, tp, "sp.replicated_grads:bwd")
+            if sp_names:
+                reduce_grads(grads, list(sp_names), tp, "sp.replicated_grads:bwd")
             return self.one.step(params, grads, inv_scale, differ)
         self.sharded.sum_tied(self.tied)
         if sp_names:
@@ -260,7 +243,7 @@ class MoESharding:
     def checkpoint_arrays(self, model, mesh, params: dict, saving: bool) -> list:
         """(checkpoint.Piece, view) of everything this rank holds: its whole tensors as the MoE
         runners write them, and its shards' flat ranges (module docstring)."""
-        out = checkpoint_arrays(model, params, {}, mesh, saving)  # tp slices of what it holds whole
+        out = engine_moe.checkpoint_arrays(model, params, {}, mesh, saving)
         if self.one is not None:
             return out + self.one.checkpoint_arrays(model, mesh, saving)
         return out + sharded_checkpoint_arrays(model, mesh, self.sharded, saving)

@@ -102,9 +102,7 @@ def test_expert_tp_slices_split_each_expert_like_the_dense_mlp_and_reassemble_it
     ({"cp": 2, "tp": 4}, MoEPipelineOptions(cp_algo="ulysses"), "use cp <= n_head/tp=1"),
     ({"ep": 2}, MoEPipelineOptions(sp=True), "--sp shards along the sequence over tp ranks"),
     ({"ep": 2, "tp": 3}, MoEPipelineOptions(), "tp=3 does not divide n_head=4"),
-    # ZeRO shards each tp rank's shards over its data ranks: tp alone leaves nothing to shard over
-    ({"tp": 2}, MoEPipelineOptions(zero=1),
-     "--zero 1 shards each stage's weights over its dp x ep x cp ranks"),
+    ({"tp": 2}, MoEPipelineOptions(zero=1), "--zero 1 shards each stage's weights over its dp x ep x cp"),
 ])
 def test_bad_moe_tp_setup_is_one_sentence(sizes, opts, words):
     with pytest.raises(ConfigError) as err:

@@ -50,22 +50,20 @@ and of Ψ_e over dp, and the all-gathers of the updated shards; ZeRO-2 per micro
 reduce-scatter of each unit, per step an all-gather of each unit; ZeRO-3 per microbatch and stage
 two all-gathers and a reduce-scatter of each unit; FSDP the same with the ends' units (wte, root)
 gathered once on the first stage and twice on the last. The tied wte's all-reduce over pp moves
-its shard (ZeRO-2/3), fp16's overflow flag goes over pp, data (and tp). Memory: the shards of every unit
+its shard (ZeRO-2/3), fp16's overflow flag goes over pp and data. Memory: the shards of every unit
 (grads, AdamW's m and v, 16-bit masters), plus what is transient (`pipeline_state_bytes`).
 
-With tp (t ranks, refpar/parallel/expert_tensor_parallel.py) a rank holds tp shards (ZeRO shards
-them once more: every unit's Ψ_u above is of tp shards): the dense weights as
-tensor_parallel.tp_param_slices cuts them, each expert's c_fc and c_proj.weight divided by t
-(c_proj.bias whole), so every count of elements above (gradients, wte, memory) is of those shards.
-Routing, all-to-alls and the data ranks' sums are the same as without tp, among the ranks of one tp
-coordinate (each tp rank routes all its stage's tokens: with cp the cp rank's Ta_j tokens, the same
-runs as cp alone). On tp, per microbatch j and stage: the engine's tensor-parallel calls of
-attention, embedding and head over b_j rows of Ta_j tokens (T without cp; analysis.intra_layer; the
-dense MLP's calls left out of MoE blocks), and per MoE layer an all-reduce of the (Q, C) expert
-buffer forward and one backward (Q from `dispatch_rows`); under sp two all-gathers of (b_j, Ta_j,
-C) around the layer, activations on pp of (b_j, Tl, C), Tl this tp rank's shard of Ta_j, and one
-all-reduce per step of the sequence-sharded parameters' gradients (under ZeRO-2/3 of their segments
-in this rank's shards, `sp_shard_numel`).
+With tp (t ranks, refpar/parallel/expert_tensor_parallel.py; under ZeRO sharded once more) a rank holds tp
+shards: the dense weights as tensor_parallel.tp_param_slices cuts them, each expert's c_fc and
+c_proj.weight divided by t (c_proj.bias whole), so every count of elements above (gradients, wte,
+memory) is of those shards. Routing, all-to-alls and the data ranks' sums are the same as without
+tp, among the ranks of one tp coordinate (each tp rank routes all its stage's tokens: with cp the
+cp rank's Ta_j tokens, the same runs as cp alone). On tp, per microbatch j and stage: the engine's
+tensor-parallel calls of attention, embedding and head over b_j rows of Ta_j tokens (T without
+cp; analysis.intra_layer; the dense MLP's calls left out of MoE blocks), and per MoE layer an
+all-reduce of the (Q, C) expert buffer forward and one backward (Q from `dispatch_rows`); under sp
+two all-gathers of (b_j, Ta_j, C) around the layer, activations on pp of (b_j, Tl, C), Tl this tp
+rank's shard of Ta_j, and one all-reduce per step of the sequence-sharded parameters' gradients.
 With cp the ring's K/V blocks and Ulysses' all-to-alls carry this tp rank's n_head / t heads.
 Activations: the dense terms are the engine's tp (sp) ones on Ta_j tokens, an expert's hidden
 width this tp rank's columns H of 4C, and under sp the router keeps the gathered (b_j, Ta_j, C)
@@ -587,15 +585,37 @@ def pipeline_activation_peak(model, train, sizes: dict, coords: dict, schedule: 
     return peak
 
 
+def sp_shard_numel(config, sizes: dict[str, int], coords: dict[str, int], chunks: int, by_unit: bool
+                   ) -> int:
+    """Elements of the sequence-sharded region's parameters inside this rank's ZeRO-2/3 gradient
+    shards (units `moe_fsdp_units` when `by_unit`, else `moe_units_of`, each over its group):
+    what ShardedGrads.sum_sequence_parallel all-reduces over tp."""
+    numels = rank_param_numels(config, sizes, coords, chunks)
+    region = set(sequence_parallel_param_names(config))
+    unit_fn = moe_fsdp_units if by_unit else moe_units_of
+    p, total = sizes.get("pp", 1), 0
+    for s in (c * p + coords["pp"] for c in range(chunks)):
+        names = [n for n in stage_param_names(config, p * chunks, s) if n in numels]
+        for unit, members in unit_fn(names).items():
+            _, size, rank = zero_group(sizes, coords, unit)
+            a, b = shard_range(sum(numels[n] for n in members), size, rank)
+            start = 0
+            for n in members:
+                if n in region:
+                    total += max(0, min(start + numels[n], b) - max(start, a))
+                start += numels[n]
+    return total
+
+
 def tensor_parallel_step_bytes(config, sizes: dict[str, int], coords: dict[str, int], chunks: int,
                                rows: list[int], seq_len: int, kept_by_microbatch: list[list],
                                grad_itemsize: int, sp: bool = False, cp_algo: str | None = None,
                                zero: int = 0, fsdp: bool = False) -> dict:
     """{(axis, op): Bytes} on tp of one step of a MoE run with tp (module docstring): the dense
     pieces as analysis.intra_layer counts them (every stage's blocks, the embedding on the first,
-    the head on the last), the MoE layers' expert buffers and sp gathers, sp's gradient sum (of
-    the whole gradients; under ZeRO-2/3 of this rank's shards, `sp_shard_numel`). With cp
-    (`cp_algo`) every piece works on this cp rank's Ta tokens (sp shards them over tp)."""
+    the head on the last), the MoE layers' expert buffers and sp gathers, sp's gradient sum (under
+    ZeRO-2/3, `zero`, of the gradient shards only). With cp (`cp_algo`) every piece works on this
+    cp rank's Ta tokens (sp shards them over tp)."""
     p, ep, t, k = sizes.get("pp", 1), sizes.get("ep", 1), sizes["tp"], coords["tp"]
     c, j_cp = sizes.get("cp", 1), coords.get("cp", 0)
     S, C, e = p * chunks, config.n_embd, np.dtype(config.dtype).itemsize
@@ -626,33 +646,11 @@ def tensor_parallel_step_bytes(config, sizes: dict[str, int], coords: dict[str, 
             if sp:  # the region's tokens gathered before the router, and their gradient before the backward
                 gather = cost.all_gather_bytes(shard_sizes(Ta, t), k, e, rows[j] * C)
                 add(("tp", "all_gather"), cost.Bytes(2 * gather.sent, 2 * gather.recv))
-    if sp:
+    if sp and zero >= 2:
+        n = sp_shard_numel(config, sizes, coords, chunks, zero == 2 or fsdp)
+        add(("tp", "all_reduce"), cost.all_reduce_bytes(n, t, k, grad_itemsize))
+    elif sp:
         numels = rank_param_numels(config, sizes, coords, chunks)
-        n = (sp_shard_numel(config, sizes, coords, chunks, zero == 2 or fsdp) if zero >= 2 else
-             sum(numels[name] for name in sequence_parallel_param_names(config) if name in numels))
-        if n:  # engine_zero3.ShardedGrads.sum_sequence_parallel calls nothing for no segment
-            add(("tp", "all_reduce"), cost.all_reduce_bytes(n, t, k, grad_itemsize))
+        n = sum(numels[name] for name in sequence_parallel_param_names(config) if name in numels)
+        add(("tp", "all_reduce"), cost.all_reduce_bytes(n, t, k, grad_itemsize))
     return out
-
-
-def sp_shard_numel(config, sizes: dict[str, int], coords: dict[str, int], chunks: int, by_unit: bool
-                   ) -> int:
-    """Elements of the sequence-parallel parameters (sequence_parallel_param_names) in this rank's
-    ZeRO-2/3 shards, [a, b) of each unit's members laid end to end (engine_zero3.ShardedGrads'
-    segments): what sum_sequence_parallel all-reduces over tp."""
-    p = sizes.get("pp", 1)
-    numels = rank_param_numels(config, sizes, coords, chunks)
-    sp_names = set(sequence_parallel_param_names(config))
-    unit_fn = moe_fsdp_units if by_unit else moe_units_of
-    total = 0
-    for s in (c * p + coords["pp"] for c in range(chunks)):
-        names = [n for n in stage_param_names(config, p * chunks, s) if n in numels]
-        for unit, members in unit_fn(names).items():
-            _, size, rank = zero_group(sizes, coords, unit)
-            a, b = shard_range(sum(numels[n] for n in members), size, rank)
-            start = 0
-            for n in members:
-                if n in sp_names:
-                    total += max(0, min(start + numels[n], b) - max(start, a))
-                start += numels[n]
-    return total
