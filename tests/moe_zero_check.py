@@ -43,6 +43,12 @@ RUNS = [
     # before ZeRO-1's reduce-scatter, on the shards under FSDP
     ("ep=2,tp=2", 1, False, "1f1b", 1, None, None, True),
     ("ep=2,tp=2", 3, True, "1f1b", 1, None, None, True),
+    # ZeRO-3's stage-wide gather (MoEZeroThreeStage) and ZeRO-2 of tp shards; ZeRO x cp x tp with sp
+    # inside each cp rank's tokens; fp16 with tp: the overflow flag agreed over tp too
+    ("dp=2,tp=2", 3, False, "1f1b", 1, None),
+    ("dp=2,tp=2", 2, False, "1f1b", 1, None),
+    ("cp=2,tp=2", 2, False, "1f1b", 1, None, "ring", True),
+    ("ep=2,tp=2", 2, False, "1f1b", 1, "float16", None, True),
 ]
 M = 2
 

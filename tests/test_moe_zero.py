@@ -25,13 +25,14 @@ def rows(tmp_path_factory):
 
 def test_moe_zero_1_2_3_and_fsdp_match_one_device_with_closed_form_bytes_and_memory(rows):
     """dp=2 x ep=2 under ZeRO-1, 2, 3 and FSDP, pp=2 x ep=2 under FSDP, pp=2 x dp=2 interleaved under
-    ZeRO-2, dp=2 x cp=2 (Ulysses) under ZeRO-3, ep=2 x tp=2 with sp under ZeRO-1 and FSDP (ZeRO
-    shards the tp shards), two microbatches each: losses, parameters (gathered over tp) and
+    ZeRO-2, dp=2 x cp=2 (Ulysses) under ZeRO-3, ep=2 x tp=2 with sp under ZeRO-1 and FSDP, dp=2 x
+    tp=2 under ZeRO-3 and ZeRO-2, cp=2 x tp=2 with sp (ring) under ZeRO-2 (ZeRO shards the tp
+    shards), two microbatches each: losses, parameters (gathered over tp) and
     routing are the single device's; each step's traced bytes per (axis, op) and the
     params/grads/master/optimizer peaks of every rank equal the closed forms; the optimizer state
     is smaller than the unsharded run's on every rank."""
     runs = [r for r in rows if "run" in r and "float64" in r["run"]]
-    assert len(runs) == 9
+    assert len(runs) == 12
     for r in runs:
         assert r["loss_diff"] <= TOLERANCE and r["param_diff"] <= TOLERANCE, r
         assert r["routing_same"] and r["bytes_ok"] and r["memory_ok"], r
@@ -48,11 +49,14 @@ def test_moe_zero_1_2_3_and_fsdp_match_one_device_with_closed_form_bytes_and_mem
 
 def test_moe_zero2_in_fp16_with_fp32_grads_has_the_closed_forms_and_sharded_masters(rows):
     """fp16-mixed, gradients accumulated and reduce-scattered in float32, parameters gathered in 16
-    bits, the overflow flag agreed over the data ranks: bytes and peaks (fp32 masters and moments of
-    the shards only) equal the closed forms; the loss stays within fp16's MoE bound of one device."""
-    (r,) = [r for r in rows if "run" in r and "float16" in r["run"]]
-    assert r["bytes_ok"] and r["memory_ok"] and r["loss_diff"] <= 2e-3, r
-    assert all(0 < master < unsharded for master, unsharded in r["master_peaks"]), r
+    bits, the overflow flag agreed over the data ranks (dp=2 x ep=2; ep=2 x tp=2 --sp over tp too):
+    bytes and peaks (fp32 masters and moments of the shards only) equal the closed forms; the loss
+    stays within fp16's MoE bound of one device."""
+    runs = [r for r in rows if "run" in r and "float16" in r["run"]]
+    assert len(runs) == 2
+    for r in runs:
+        assert r["bytes_ok"] and r["memory_ok"] and r["loss_diff"] <= 2e-3, r
+        assert all(0 < master < unsharded for master, unsharded in r["master_peaks"]), r
 
 
 def test_moe_zero_checkpoints_resume_exactly_on_their_mesh_and_reshard_to_others(rows):
