@@ -12,18 +12,15 @@ parameters compared exactly) and under dp=2,ep=2, a mesh without cp (each rank's
 compared exactly with the global ones, the losses compared).
 """
 
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-
-import numpy as np
 
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import parse_mesh
 from refpar.mesh import DeviceMesh
-from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, check_run, reassembles_exactly, train
+from tests.moe_pipeline_check import MODEL, TRAIN, check_run, emit, reassembles_exactly, resume_row, train
 
 # (mesh, schedule, microbatches, chunks, model changes, cp algorithm)
 RUNS = [
@@ -46,23 +43,15 @@ def check_resumes(comm, root: Path) -> list[dict]:
         mesh = DeviceMesh(comm, parse_mesh(mesh_b))
         exact_slices = reassembles_exactly(mesh, sched_b, path / "step-00000002", train4)
         resumed = train(MODEL, train4, mesh, sched_b, 2, 1, algo_b, resume=str(path / "step-00000002"))
-        same = mesh_b == mesh_a and resumed.losses == full.losses[2:] and all(
-            np.array_equal(p, full.params[n]) for n, p in resumed.params.items())
-        out.append({"resume": f"{mesh_a} -> {mesh_b}", "first_step": resumed.first_step,
-                    "losses": resumed.losses, "uninterrupted": full.losses[2:],
-                    "exact": all_ranks(comm, same), "reassembled": all_ranks(comm, exact_slices)})
+        out.append(resume_row(comm, f"{mesh_a} -> {mesh_b}", resumed, full, mesh_b == mesh_a,
+                              exact_slices))
     return out
 
 
 def main():
     comm = world(Tracer(rank=None))
-    for mesh_text, schedule, m, v, changes, algo in RUNS:
-        result = check_run(comm, mesh_text, schedule, m, v, changes, algo)
-        if comm.rank == 0:
-            print(json.dumps(result), flush=True)
-    for result in check_resumes(comm, Path(sys.argv[1])):
-        if comm.rank == 0:
-            print(json.dumps(result), flush=True)
+    emit(comm, [check_run(comm, *run) for run in RUNS])
+    emit(comm, check_resumes(comm, Path(sys.argv[1])))
     comm.barrier()
 
 

@@ -67,6 +67,24 @@ def all_ranks(comm, ok: bool) -> bool:
     return bool(comm.all_reduce(np.array([int(ok)]), op="min")[0])
 
 
+def resume_row(group, label: str, resumed, full, same_mesh: bool, slices: bool) -> dict:
+    """One resume's JSON row: its losses next to the uninterrupted run's (resumed after step 2),
+    whether it is that run bit for bit (only asked of a resume on the mesh it was saved on), and
+    whether every rank of `group` reassembled its tensors exactly."""
+    same = same_mesh and resumed.losses == full.losses[2:] and all(
+        np.array_equal(p, full.params[n]) for n, p in resumed.params.items())
+    return {"resume": label, "first_step": resumed.first_step, "losses": resumed.losses,
+            "uninterrupted": full.losses[2:], "exact": all_ranks(group, same),
+            "reassembled": all_ranks(group, slices)}
+
+
+def emit(comm, rows) -> None:
+    """Each row as one JSON line on rank 0's stdout, for the test to read."""
+    for row in rows:
+        if comm.rank == 0:
+            print(json.dumps(row), flush=True)
+
+
 def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
     model = replace(MODEL, **changes)
     comm.tracer.clear()
@@ -153,28 +171,20 @@ def check_resumes(comm, saved_on, resumed_on: list, root: Path) -> list[dict]:
             mesh = DeviceMesh(group, parse_mesh(mesh_b) if mesh_b != "1" else {})
             exact_slices = reassembles_exactly(mesh, sched_b, path / "step-00000002", train4)
             resumed = train(MODEL, train4, mesh, sched_b, 2, 1, resume=str(path / "step-00000002"))
-            same = mesh_b == mesh_a and resumed.losses == full.losses[2:] and all(
-                np.array_equal(p, full.params[n]) for n, p in resumed.params.items())
-            out.append({"resume": f"{mesh_a} -> {mesh_b}", "first_step": resumed.first_step,
-                        "losses": resumed.losses, "uninterrupted": full.losses[2:],
-                        "exact": all_ranks(group, same), "reassembled": all_ranks(group, exact_slices)})
+            out.append(resume_row(group, f"{mesh_a} -> {mesh_b}", resumed, full, mesh_b == mesh_a,
+                                  exact_slices))
         comm.barrier()
     return out
 
 
 def main():
     comm = world(Tracer(rank=None))
-    for run in RUNS:
-        result = check_run(comm, *run)
-        if comm.rank == 0:
-            print(json.dumps(result), flush=True)
+    emit(comm, [check_run(comm, *run) for run in RUNS])
     root = Path(sys.argv[1])  # an empty directory every rank sees
     for saved_on, resumed_on in [(("dp=2,ep=2", None), [("dp=2,ep=2", None), ("pp=2,ep=2", "1f1b")]),
                                  (("pp=2,ep=2", "1f1b"), [("pp=2,ep=2", "1f1b"), ("ep=4", None),
                                                           ("1", None)])]:
-        for result in check_resumes(comm, saved_on, resumed_on, root):
-            if comm.rank == 0:
-                print(json.dumps(result), flush=True)
+        emit(comm, check_resumes(comm, saved_on, resumed_on, root))
     comm.barrier()
 
 

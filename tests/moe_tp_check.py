@@ -34,6 +34,7 @@ from refpar.model.optim import optimizer_init
 from refpar.parallel.expert_parallel_run import local_params, reference_run, train_expert_parallel
 from refpar.parallel.pipeline.stage import stage_param_names
 from refpar.parallel.tensor_parallel import shard_params_tp
+from tests.moe_pipeline_check import emit, resume_row
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
@@ -165,30 +166,21 @@ def check_resumes(comm, root: Path, saved_on: str, algo: str | None, targets: li
                     "1f1b", 2, 1, algo if mesh.sizes["cp"] > 1 else None, sp=sp), resume=str(saved))
             else:
                 resumed = train_expert_parallel(MODEL, train4, mesh, microbatches=2, resume=str(saved))
-            same = mesh_b == saved_on and resumed.losses == full.losses[2:] and all(
-                np.array_equal(p, full.params[k]) for k, p in resumed.params.items())
-            out.append({"resume": f"{saved_on} --sp -> {mesh_b}{' --sp' if sp else ''}",
-                        "first_step": resumed.first_step, "losses": resumed.losses,
-                        "uninterrupted": full.losses[2:], "exact": all_ranks(group, same),
-                        "each_element_written_once": once,
-                        "reassembled": all_ranks(group, exact_slices)})
+            out.append(resume_row(group, f"{saved_on} --sp -> {mesh_b}{' --sp' if sp else ''}", resumed,
+                                  full, mesh_b == saved_on, exact_slices)
+                       | {"each_element_written_once": once})
         comm.barrier()
     return out
 
 
 def main():
     comm = world(Tracer(rank=None))
-    for run in RUNS:
-        result = check_run(comm, *run)
-        if comm.rank == 0:
-            print(json.dumps(result), flush=True)
+    emit(comm, [check_run(comm, *run) for run in RUNS])
     resumes = check_resumes(comm, Path(sys.argv[1]), "ep=2,tp=2", None, [
         ("ep=2,tp=2", True), ("pp=2,tp=2", False), ("ep=2", False), ("1", False)])
     resumes += check_resumes(comm, Path(sys.argv[1]), "cp=2,tp=2", "ring", [
         ("cp=2,tp=2", True), ("ep=2", False), ("1", False)])
-    for result in resumes:
-        if comm.rank == 0:
-            print(json.dumps(result), flush=True)
+    emit(comm, resumes)
     comm.barrier()
 
 

@@ -11,7 +11,6 @@ run's. Checkpoint runs: 4 steps saved after step 2 under ZeRO, resumed from ther
 mesh and ZeRO stage (compared exactly) and under other meshes, stages and one process.
 """
 
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from refpar.config import parse_mesh
 from refpar.engine_moe import MoEPipelineOptions, full_params, run_moe_pipeline
 from refpar.mesh import DeviceMesh
 from refpar.parallel.expert_parallel_run import reference_run, train_expert_parallel
-from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, reassembles_exactly, rel
+from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, rel, resume_row
 
 # (mesh, zero, fsdp, schedule, chunks, precision[, cp_algo[, sp]]): every run 2 microbatches
 RUNS = [
@@ -131,21 +130,15 @@ def check_resumes(comm, saved_on: tuple, resumed_on: list, root: Path) -> list[d
             # a run without ZeRO loads whole tensors: check them against the global ones
             slices = spec_b != "plain" or reassembles_exactly(mesh, mesh.sizes["pp"] > 1, step2, train4)
             resumed = train(mesh, spec_b, train4, resume=str(step2))
-            same = (mesh_b, spec_b) == saved_on and resumed.losses == full.losses[2:] and all(
-                np.array_equal(p, full.params[n]) for n, p in resumed.params.items())
-            out.append({"resume": f"{mesh_a} {spec_a} -> {mesh_b} {spec_b}", "first_step": resumed.first_step,
-                        "losses": resumed.losses, "uninterrupted": full.losses[2:],
-                        "exact": all_ranks(group, same), "reassembled": all_ranks(group, slices)})
+            out.append(resume_row(group, f"{mesh_a} {spec_a} -> {mesh_b} {spec_b}", resumed, full,
+                                  (mesh_b, spec_b) == saved_on, slices))
         comm.barrier()
     return out
 
 
 def main():
     comm = world(Tracer(rank=None))
-    for run in RUNS:
-        result = check_run(comm, *run)
-        if comm.rank == 0:
-            print(json.dumps(result), flush=True)
+    emit(comm, [check_run(comm, *run) for run in RUNS])
     root = Path(sys.argv[1])  # an empty directory every rank sees
     for saved_on, resumed_on in [
         (("dp=2,ep=2", "zero 1"), [("dp=2,ep=2", "zero 1"), ("ep=2", "plain"), ("1", "plain")]),
@@ -153,9 +146,7 @@ def main():
         (("ep=2,cp=2", "zero 2"), [("ep=2,cp=2", "zero 2"), ("ep=2", "plain")]),
         (("ep=2,tp=2", "zero 1"), [("ep=2,tp=2", "zero 1"), ("ep=2", "plain")]),
     ]:
-        for result in check_resumes(comm, saved_on, resumed_on, root):
-            if comm.rank == 0:
-                print(json.dumps(result), flush=True)
+        emit(comm, check_resumes(comm, saved_on, resumed_on, root))
     comm.barrier()
 
 

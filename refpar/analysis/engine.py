@@ -124,11 +124,17 @@ def sp_shard_numel(model: ModelConfig, sizes: dict, coords: dict, chunks: int, u
     for s in (c * p + coords["pp"] for c in range(chunks)):
         for names in unit_fn(Stage(model, p * chunks, s).param_names()).values():
             a, b = shard_range(sum(numels[n] for n in names), n_z, g)
-            start = 0
-            for n in names:
-                if n in region:
-                    total += max(0, min(start + numels[n], b) - max(start, a))
-                start += numels[n]
+            total += region_in_shard(names, numels, region, a, b)
+    return total
+
+
+def region_in_shard(names: list[str], numels: dict, region: set, a: int, b: int) -> int:
+    """Elements of the parameters in `region` inside [a, b) of a unit's `names` laid end to end."""
+    total, start = 0, 0
+    for n in names:
+        if n in region:
+            total += max(0, min(start + numels[n], b) - max(start, a))
+        start += numels[n]
     return total
 
 

@@ -77,7 +77,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from refpar.analysis.engine import _gathers, _owned_units, cp_tokens, microbatch_activation_bytes
+from refpar.analysis.engine import (
+    _gathers,
+    _owned_units,
+    cp_tokens,
+    microbatch_activation_bytes,
+    region_in_shard,
+)
 from refpar.analysis.intra_layer import RankShape, _ring_calls, _tp_calls, _ulysses_calls
 from refpar.comm import cost
 from refpar.config import MESH_AXES
@@ -599,11 +605,7 @@ def sp_shard_numel(config, sizes: dict[str, int], coords: dict[str, int], chunks
         for unit, members in unit_fn(names).items():
             _, size, rank = zero_group(sizes, coords, unit)
             a, b = shard_range(sum(numels[n] for n in members), size, rank)
-            start = 0
-            for n in members:
-                if n in region:
-                    total += max(0, min(start + numels[n], b) - max(start, a))
-                start += numels[n]
+            total += region_in_shard(members, numels, region, a, b)
     return total
 
 
