@@ -197,7 +197,7 @@ def run(args) -> int:
             from refpar.config import ConfigError
 
             raise ConfigError(f"unknown config {unknown[0]!r}; choose among: {', '.join(names)}")
-    print(f"{'config':<22} {'ranks':>5} {'max diff':>9} {'bytes':>6} {'memory':>6} {'time':>7}  result",
+    print(f"{'config':<24} {'ranks':>5} {'max diff':>9} {'bytes':>6} {'memory':>6} {'time':>7}  result",
           flush=True)
     failed, skipped, used = 0, 0, set()
     for name, ranks, cli in MATRIX:
@@ -208,14 +208,14 @@ def run(args) -> int:
         why = refused(precision, moe)
         if why is not None:
             skipped += 1
-            print(f"{name:<22} {ranks:>5} {'':>23} {'':>7}  skip ({why})", flush=True)
+            print(f"{name:<24} {ranks:>5} {'':>23} {'':>7}  skip ({why})", flush=True)
             continue
         used.add(precision)
         extra = () if "--precision" in cli or precision == "fp64" else ("--precision", precision)
         summary, seconds = launch(ranks, cli, args.steps, args.timeout, chosen + extra)
         if isinstance(summary, str):
             failed += 1
-            print(f"{name:<22} {ranks:>5} {'':>23} {seconds:>6.1f}s  FAIL {summary}", flush=True)
+            print(f"{name:<24} {ranks:>5} {'':>23} {seconds:>6.1f}s  FAIL {summary}", flush=True)
             continue
         j = judge(summary)
 
@@ -226,7 +226,7 @@ def run(args) -> int:
                 and j["bytes_ok"] is not False and j["memory_ok"] is not False)
         failed += not good
         diff = "-" if j["max_diff"] is None else f"{j['max_diff']:.1e}"
-        print(f"{name:<22} {ranks:>5} {diff:>9} {mark(j['bytes_ok']):>6} {mark(j['memory_ok']):>6} "
+        print(f"{name:<24} {ranks:>5} {diff:>9} {mark(j['bytes_ok']):>6} {mark(j['memory_ok']):>6} "
               f"{seconds:>6.1f}s  {'pass' if good else 'FAIL'}", flush=True)
     ran = len(wanted) - skipped
     bounds = "; ".join(f"{p}: {'loss and parameters' if p == 'fp64' else 'loss'} <= "
