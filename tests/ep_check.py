@@ -46,11 +46,7 @@ def check(mesh_text: str, case: str, comm) -> dict:
     param_diff = float(comm.all_reduce(np.array([param_diff]), op="max")[0])
     bytes_ok = True
     for s in run.steps:
-        traced = {}
-        for e in comm.tracer.events:
-            if e.step == s.step:
-                sent, recv = traced.get((e.axis, e.op), (0, 0))
-                traced[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
+        traced = comm.tracer.totals(step=s.step)
         expected = moe_analysis.step_comm_bytes(model, mesh.sizes, mesh.coords,
                                                 list(s.kept_counts.values()))
         bytes_ok &= traced == {key: (b.sent, b.recv) for key, b in expected.items()}

@@ -99,11 +99,7 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
                        for s, r in zip(run.steps, ref.steps, strict=True))
     bytes_ok = True
     for s in run.steps:
-        traced = {}
-        for e in events:
-            if e.step == s.step:
-                sent, recv = traced.get((e.axis, e.op), (0, 0))
-                traced[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
+        traced = comm.tracer.totals(step=s.step)
         if schedule is None:
             expected = moe_analysis.step_comm_bytes(
                 model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()])

@@ -77,11 +77,7 @@ def check_run(comm, mesh_text, sp, schedule, m, changes, algo) -> dict:
                        for s, r in zip(run.steps, ref.steps, strict=True))
     bytes_ok = True
     for s in run.steps:
-        traced = {}
-        for e in events:
-            if e.step == s.step:
-                sent, recv = traced.get((e.axis, e.op), (0, 0))
-                traced[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
+        traced = comm.tracer.totals(step=s.step)
         expected = moe_analysis.pipeline_step_comm_bytes(
             model, mesh.sizes, mesh.coords, 1, run.rows, TRAIN.seq_len,
             [list(k.values()) for k in s.microbatch_kept_counts], cp_algo=algo,

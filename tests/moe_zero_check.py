@@ -52,13 +52,9 @@ RUNS = [
 M = 2
 
 
-def traced_by_step(events, step) -> dict:
-    out = {}
-    for e in events:
-        if e.step == step:
-            sent, recv = out.get((e.axis, e.op), (0, 0))
-            out[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
-    return {k: v for k, v in out.items() if v != (0, 0)}  # a one-rank group's calls move nothing
+def traced_by_step(comm, step) -> dict:
+    return {k: v for k, v in comm.tracer.totals(step=step).items()
+            if v != (0, 0)}  # a one-rank group's calls move nothing
 
 
 def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None, sp=False) -> dict:
@@ -81,7 +77,7 @@ def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None
             model, mesh.sizes, mesh.coords, chunks, run.rows, TRAIN.seq_len,
             [list(k.values()) for k in s.microbatch_kept_counts], 4 if dtype else None, cp_algo,
             TRAIN.batch_size, zero=zero, fsdp=fsdp, sp=sp)
-        bytes_ok &= traced_by_step(events, s.step) == {
+        bytes_ok &= traced_by_step(comm, s.step) == {
             key: (b.sent, b.recv) for key, b in expected.items() if (b.sent, b.recv) != (0, 0)}
     states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer,
                                                dtype is not None, zero, fsdp)

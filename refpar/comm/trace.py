@@ -89,10 +89,13 @@ class Tracer:
                 recv += e.bytes_recv
         return sent, recv
 
-    def totals(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """{(axis, op): (bytes_sent, bytes_recv)} over all events, in first-seen order."""
+    def totals(self, step: int | None = None) -> dict[tuple[str, str], tuple[int, int]]:
+        """{(axis, op): (bytes_sent, bytes_recv)} over all events, or those of training step `step`
+        (recorded inside `context(step=step)`), in first-seen order."""
         out: dict[tuple[str, str], tuple[int, int]] = {}
         for e in self.events:
+            if step is not None and e.step != step:
+                continue
             sent, recv = out.get((e.axis, e.op), (0, 0))
             out[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
         return out
