@@ -119,11 +119,11 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
     """Every check of an engine run, with no communication: each rank raises the same ConfigError."""
     other = [f"{a}={s}" for a, s in sizes.items() if a not in AXES and s > 1]
     if other:
-        raise ConfigError(f"the engine composes pp, dp, cp and tp; run {other[0]} without pp "
-                          f"(its own runner combines it with dp)")
+        raise ConfigError(f"the dense engine composes pp, dp, cp and tp; {other[0]} spreads experts: "
+                          f"give the model --moe-experts (refpar/engine_moe.py runs it)")
     if model.moe_blocks:
-        raise ConfigError("the engine runs dense GPT-2 blocks; drop the MoE options or use "
-                          "--mesh dp=D,ep=E for experts")
+        raise ConfigError("the dense engine runs GPT-2 blocks without experts; MoE models run in "
+                          "refpar/engine_moe.py (refpar train picks it for --moe-experts)")
     if opts.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero {opts.zero} is not a ZeRO stage; use 0 (plain DP), 1, 2 or 3")
     if opts.fsdp and opts.zero != 3:
