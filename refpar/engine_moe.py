@@ -85,7 +85,7 @@ from refpar.engine import EngineExecutor, TensorParallelStage, layout_for, zero_
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params
 from refpar.model.optim import optimizer_init, optimizer_step
-from refpar.parallel.context_parallel import check_cp, contiguous_positions, zigzag_positions
+from refpar.parallel.context_parallel import check_cp, cp_positions
 from refpar.parallel.expert_parallel import ExpertParallelMoE, routing_runs, token_runs
 from refpar.parallel.expert_parallel_run import (
     MoERun,
@@ -172,13 +172,6 @@ class MoEStage(TensorParallelStage):
             if layer in self.config.moe_blocks:
                 self.routings.setdefault(drop.sample_ids, {})[layer] = self.moe.last_routing[layer]
         return out, cache
-
-
-def cp_positions(seq_len: int, cp: int, rank: int, algo: str | None) -> np.ndarray:
-    """(Ta,) the positions cp rank `rank` holds of every row: the layout's (engine.layout_for)."""
-    if cp == 1:
-        return np.arange(seq_len)
-    return (zigzag_positions if (algo or "ring") == "ring" else contiguous_positions)(seq_len, cp, rank)
 
 
 def resume_sharded(path: str, model: ModelConfig, train: TrainConfig, mesh, params: dict, zero,

@@ -7,7 +7,8 @@ import pytest
 
 from refpar.analysis.moe import routing_runs
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine_moe import MoEPipelineOptions, cp_positions, validate
+from refpar.engine_moe import MoEPipelineOptions, validate
+from refpar.parallel.context_parallel import cp_positions
 from refpar.parallel.expert_parallel import token_runs
 from tests.mpi import mpiexec
 

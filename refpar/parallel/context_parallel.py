@@ -61,6 +61,12 @@ def contiguous_positions(seq_len: int, cp: int, rank: int) -> np.ndarray:
     return np.arange(*shard_range(seq_len, cp, rank))
 
 
+def cp_positions(seq_len: int, cp: int, rank: int, algo: str | None) -> np.ndarray:
+    """(Ta,) the positions cp rank `rank` holds of every row: zig-zag chunks under ring attention
+    (the default), one contiguous chunk under Ulysses; the whole sequence when cp = 1."""
+    return (zigzag_positions if (algo or "ring") == "ring" else contiguous_positions)(seq_len, cp, rank)
+
+
 def causal_work(positions) -> int:
     """Visible (query, key) pairs of these query positions under the causal mask (key k <= query q,
     so q+1 each). Zig-zag gives every rank the same; contiguous chunks give the last rank the most."""
@@ -82,10 +88,8 @@ def cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm=Non
     t, tr = (1, 0) if tp_comm is None else (tp_comm.size, tp_comm.rank)
     check_tp(config, t)
     check_cp(config, seq_len, cp_comm.size, algo, t)
-    if algo == "ring":
-        pos, core = zigzag_positions(seq_len, cp_comm.size, cp_comm.rank), RingAttention(cp_comm)
-    else:
-        pos, core = contiguous_positions(seq_len, cp_comm.size, cp_comm.rank), UlyssesAttention(cp_comm)
+    pos = cp_positions(seq_len, cp_comm.size, cp_comm.rank, algo)
+    core = RingAttention(cp_comm) if algo == "ring" else UlyssesAttention(cp_comm)
     return Layout(config, seq_len, tp_comm, TP_PAIR if t > 1 else NO_PAIR,
                   shard_range(config.n_head, t, tr), shard_range(config.vocab_size, t, tr),
                   pos, pos, core)

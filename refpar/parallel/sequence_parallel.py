@@ -32,7 +32,7 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.parallel.context_parallel import contiguous_positions, cp_layout, zigzag_positions
+from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.tensor_parallel import Layout, LocalAttention, RegionPair, check_tp
 from refpar.sharding import shard_range, shard_sizes
 
@@ -98,8 +98,7 @@ def check_sp_cp(config: ModelConfig, seq_len: int, tp: int, cp: int, algo: str) 
     check_sp(config, seq_len, tp)
 
     def fewest(T):
-        positions = zigzag_positions if algo == "ring" else contiguous_positions
-        return min(len(positions(T, cp, r)) for r in range(cp))
+        return min(len(cp_positions(T, cp, r, algo)) for r in range(cp))
 
     if fewest(seq_len) < tp:
         need = next(T for T in range(seq_len, seq_len + 2 * cp * tp + 1) if fewest(T) >= tp)
