@@ -122,6 +122,7 @@ def run(args) -> int:
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
     check_checkpoint_args(sizes, args)
     check_precision_args(sizes, args)
+    check_schedule_args(args)
     from refpar import backend
 
     backend.use(args.backend, args.device)  # before any array exists: the runners draw through it
@@ -196,6 +197,19 @@ def run(args) -> int:
                                                                 result.skipped_steps))
         say(summary_line(summary))
     return 0
+
+
+def check_schedule_args(args) -> None:
+    """The executor runs the schedules whose stages follow one another on the ranks in a loop;
+    the V-shaped and bidirectional ones (refpar/parallel/pipeline/schedules_v.py) are schedules
+    as data: built, validated, simulated, drawn and exchanged with torch as CSV."""
+    from refpar.config import ConfigError
+
+    kind = getattr(args, "schedule", None)
+    if kind in ("zbv", "v-half", "v-min", "dualpipev", "dualpipe"):
+        loop = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2")
+        raise ConfigError(f"--schedule {kind} is built and simulated by `refpar schedule {kind}` but "
+                          f"not trained yet; train with one of {', '.join(loop)}")
 
 
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:
