@@ -131,6 +131,25 @@ def test_pipeline_page_compares_two_schedules_and_explains_bad_ones():
     assert any("more than 0" in e.value for e in at.error)
 
 
+def test_pipeline_page_draws_the_v_schedules_in_two_shades_with_their_published_bubble():
+    at = page("views/pipeline.py")
+    at.selectbox(key="kind").set_value("v-half")
+    gantt = charts(rerun(at))[0]  # p=4, m=8, F=B=W=1
+    names = {t["name"] for t in gantt["data"] if len(t["x"])}
+    assert {"F", "F (2nd chunk)", "B", "B (2nd chunk)", "W", "W (2nd chunk)", "idle"} <= names
+    timeline = simulate(build("v-half", 4, 8))
+    assert float(at.metric[0].value) == pytest.approx(timeline.bubble_fraction, abs=5e-5)
+    # Qi et al.'s expected bubble for the published peak: 6p - 1 - 3M = 23 - 18
+    assert at.metric[2].value == at.metric[3].value == "5"
+    at.selectbox(key="kind").set_value("dualpipe")
+    rerun(at)
+    at.radio(key="overlap").set_value("max")
+    gantt = charts(rerun(at))[0]
+    assert any(t["name"] == "F&B" and len(t["x"]) for t in gantt["data"])
+    # DualPipe README: (PP/2-1)(F&B + B - 3W) = (4/2-1)(max(1, 2) + 2 - 3) = 1 over the step
+    assert at.metric[2].value == at.metric[3].value == "1"
+
+
 def test_communication_page_bars_are_the_closed_forms():
     at = page("views/communication.py")
     figs = charts(at)  # default: tp=2 replicated over dp=2

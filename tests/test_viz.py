@@ -11,6 +11,7 @@ from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import (
     Costs,
     build,
+    layout,
     peak_inflight_microbatches,
     simulate,
 )
@@ -20,10 +21,19 @@ from refpar.sharding import shard_range
 from refpar.viz import comm as cv
 from refpar.viz import expected as ex
 from refpar.viz import sharding as sh
-from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
+from refpar.viz.pipeline import (
+    COLOURS,
+    SECOND,
+    SHADES,
+    gantt_figure,
+    grid_figure,
+    idle_total,
+    inflight_figure,
+)
 
 SCHEDULES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1), ("interleaved-1f1b", 2, 4, 2),
-             ("zb-h1", 4, 8, 1), ("zb-h2", 3, 6, 1), ("1f1b", 1, 1, 1)]
+             ("zb-h1", 4, 8, 1), ("zb-h2", 3, 6, 1), ("1f1b", 1, 1, 1), ("zbv", 3, 6, 2), ("v-half", 4, 8, 2),
+             ("v-min", 3, 5, 2), ("dualpipev", 2, 4, 2), ("dualpipe", 4, 8, 2)]
 
 
 @pytest.mark.parametrize("kind,p,m,v", SCHEDULES)
@@ -33,11 +43,11 @@ def test_gantt_idle_time_equals_the_simulated_bubble(kind, p, m, v):
     idle = idle_total(fig)
     assert idle == pytest.approx(sum(timeline.idle_time(r) for r in timeline.slots))
     assert idle / (p * timeline.makespan) == pytest.approx(timeline.bubble_fraction)
-    bars = {t.name: t for t in fig.data}
-    for kind_ in "FBW":
+    for kind_ in ("F", "B", "W", "F&B"):  # a kind's bars, the second stage of a rank's in a 2nd trace
         slots = [s for row in timeline.slots.values() for s in row if s.action.kind == kind_]
-        assert sorted(zip(bars[kind_].y, bars[kind_].base, bars[kind_].x, bars[kind_].text, strict=True)) == \
-            sorted((s.rank, s.start, s.end - s.start, str(s.action)) for s in slots)
+        drawn = [bar for t in fig.data if t.name in (kind_, kind_ + SECOND)
+                 for bar in zip(t.y, t.base, t.x, t.text, strict=True)]
+        assert sorted(drawn) == sorted((s.rank, s.start, s.end - s.start, str(s.action)) for s in slots)
     # The animation ends on the whole timeline, with fixed axes so frames do not jump.
     last = fig.frames[-1].data
     assert [list(t.x) for t in last] == [list(t.x) for t in fig.data]
@@ -65,6 +75,28 @@ def test_grid_cells_are_the_schedules_actions():
     for rank, row in schedule.items():
         assert heat.text[rank] == ["" if a is None else str(a) for a in row]
         assert list(heat.z[rank]) == [0 if a is None else " FBW".index(a.kind) for a in row]
+
+
+@pytest.mark.parametrize("kind, p, m", [("zbv", 3, 6), ("v-min", 4, 8), ("dualpipev", 3, 6),
+                                        ("dualpipe", 4, 8)])
+def test_a_ranks_two_stages_are_drawn_in_two_shades(kind, p, m):
+    # rank r holds stages r and 2p-1-r: r's actions in the kind's colour, 2p-1-r's lighter, in the
+    # Gantt and in the grid (an F&B pair takes its forward's stage)
+    schedule = build(kind, p, m)
+    lay = layout(schedule)
+    action = {str(a): a for row in schedule.values() for a in row if a is not None}
+    fig = gantt_figure(simulate(schedule))
+    for t in fig.data[:-1]:  # the last trace is idle time
+        second = t.name.endswith(SECOND)
+        assert t.marker.color == (SHADES if second else COLOURS)[t.name.removesuffix(SECOND)]
+        assert {lay.chunk(action[text].computations()[0].stage) for text in t.text} <= {int(second)}
+    assert {t.name for t in fig.data if len(t.x)} >= {"F", "F" + SECOND, "B", "B" + SECOND}
+    heat = grid_figure(schedule).data[0]
+    for rank, row in schedule.items():
+        for tick, a in enumerate(row):
+            if a is not None:
+                base = ("F", "B", "W", "F&B").index(a.kind) + 1
+                assert heat.z[rank][tick] == base + 4 * lay.chunk(a.computations()[0].stage)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])

@@ -718,6 +718,9 @@ def from_csv(text: str) -> Schedule:
             parts = tuple(a for a, _ in found)
             # a pair of other than two parts goes in as written, for layout() to name
             schedule[rank].append(Action(-1, OVERLAP, -1, parts) if pair else parts[0] if parts else None)
+    if not any(a is not None for row in schedule.values() for a in row):
+        raise ScheduleError("the CSV holds no action; write one row per rank, its cells the rank's "
+                            "actions in order, e.g. 0F0,0I0,0W0")
     for b, (kind, rank, tick) in sorted(backward.items(), key=lambda item: item[1][1:]):
         s, i = b.stage, b.microbatch
         if kind == "I" and b not in weight:
