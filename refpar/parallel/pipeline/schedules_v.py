@@ -123,8 +123,10 @@ def zbv(p: int, m: int) -> Schedule:
 def v_min_block(p: int, r: int) -> tuple[int, int, int, int]:
     """Every pass steps one tick per rank, the tightest V: F down reaches rank r at r, F up at
     2p-1-r, B up at 2p+r, B down at 4p-1-r. Where 3 divides p, B up would share its tick modulo 6
-    with F down (2p = 0 mod 6), so both backward passes start 2 ticks later. Lifespans sum to
-    about 4p ticks on every rank, two thirds of 2p/3 microbatches' 6: a third of 1F1B's p."""
+    with F down, and B down with F up (2p = 0 mod 6), so both backward passes start 2 ticks later.
+    A rank's two lifespans add up to about 4p ticks (4p-1-2r for its early stage, 2r+1 for its late
+    one); with a microbatch every 6 ticks it holds 4p/6 = 2p/3 stages' activations, p/3
+    microbatches of its two stages: a third of 1F1B's p."""
     gap = 2 if p % 3 == 0 else 0
     return r, 2 * p - 1 - r, 2 * p + gap + r, 4 * p - 1 + gap - r
 
@@ -133,8 +135,9 @@ def v_half_block(p: int, r: int) -> tuple[int, int, int, int]:
     """The passes going down step two ticks per rank and those going up one: F down at 2r, F up
     at 3p-2-r, B up at 3p-1+2r, B down at 6p-2-r, a tick later than it could, because at 6p-3-r it
     would share its tick modulo 6 with F down on odd ranks. Where p is even, F up and B down would
-    share theirs (3p = 0 mod 6), so both backward passes start 3 ticks later. Lifespans sum to about
-    6p ticks: p/2 microbatches, half of 1F1B's p."""
+    share theirs (3p = 0 mod 6), so both backward passes start 3 ticks later. A rank's lifespans add
+    up to about 6p ticks (6p-2-3r and 3r+1): p stages' activations, p/2 microbatches, half of
+    1F1B's p."""
     gap = 3 if p % 2 == 0 else 0
     return 2 * r, 3 * p - 2 - r, 3 * p - 1 + gap + 2 * r, 6 * p - 2 + gap - r
 
@@ -182,6 +185,8 @@ def from_block(p: int, m: int, block) -> Schedule:
     lay = Layout(stage_rank, m, frozenset((s, i) for s in stage_rank for i in range(m)))
     ticks: dict[int, dict[Action, int]] = {}
     for r in range(p):
+        if len({t % 6 for t in block(p, r)}) < 4:
+            raise ValueError(f"the block's ticks {block(p, r)} on rank {r} share a tick modulo 6")
         down, up = v_stages(p, r)
         passes = ((down, "F"), (up, "F"), (up, "B"), (down, "B"))
         ticks[r] = {Action(s, kind, j): t + 6 * j
@@ -321,7 +326,7 @@ def expected_v_bubble(p: int, M: int) -> int:
     idle ticks between a rank's first and last action, F = B = W = 1 tick,
     3p - 1 - 3M + max(3p, p - 1 + 2(1 + (M+1)//2)) (sail-sg/zero-bubble,
     megatron/core/pipeline_parallel/zerobubble/scheduler/v_auto_schedule.py, schedule()). For
-    M = 2p it is 0 (ZB-V); for M <= 4p/3 - 1 it is 6p - 1 - 3M, so M = p gives 3p - 1 and
+    M = 2p it is 0 (ZB-V); for M <= 2p - 2 it is 6p - 1 - 3M, so M = p gives 3p - 1 and
     M = 2p/3 gives 4p - 1: half and two thirds of 1F1B's 6(p-1) as p grows, the README's B/2 for
     V-Half and 2B/3 for V-Min."""
     return 3 * p - 1 - 3 * M + max(3 * p, p - 1 + 2 * (1 + (M + 1) // 2))
