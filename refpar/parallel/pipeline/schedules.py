@@ -706,7 +706,10 @@ def from_csv(text: str) -> Schedule:
     schedule: Schedule = {}
     backward: dict[Action, tuple[str, int, int]] = {}  # refpar's B -> (torch's I or B, rank, tick)
     weight: dict[Action, tuple[int, int]] = {}  # the B whose W it is -> (rank, tick)
-    for rank, row in enumerate(csv.reader(io.StringIO(text))):
+    rows = list(csv.reader(io.StringIO(text)))
+    while rows and not any(cell.strip() for cell in rows[-1]):  # blank lines at the end
+        rows.pop()
+    for rank, row in enumerate(rows):
         schedule[rank] = []
         for tick, cell in enumerate(row):
             pair, found = _read_cell(cell.strip(), rank, tick)
