@@ -13,12 +13,23 @@ after `synchronize`; `gpu_backend/` holds the CuPy and torch backends and the de
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 from array_api_compat import is_array_api_obj, is_cupy_array, is_numpy_array, is_torch_array
 
 from refpar.config import ConfigError
 
 BACKENDS = ("numpy", "torch", "cupy")
+# Accelerator backends live in gpu_backend/ and register themselves when their module is imported:
+# the core names the module (a string) and never imports it directly, so it does not depend on them.
+PLUGINS = {"torch": "gpu_backend.torch_backend", "cupy": "gpu_backend.cupy_backend"}
+_registered: dict[str, type] = {}
+
+
+def register(name: str, cls: type) -> None:
+    """Called by a plugin module as it is imported: `cls(device)` builds backend `name`."""
+    _registered[name] = cls
 
 
 class NumpyBackend:
@@ -68,14 +79,9 @@ def get(name: str, device: str | None = None):
             raise ConfigError(f"the numpy backend runs on the host, not on {device!r}; use "
                               "--backend torch or cupy for a GPU")
         return NumpyBackend()
-    if name == "torch":
-        from gpu_backend.torch_backend import TorchBackend
-
-        return TorchBackend(device or "cpu")
-    if name == "cupy":
-        from gpu_backend.cupy_backend import CupyBackend
-
-        return CupyBackend(device)
+    if name in PLUGINS:
+        importlib.import_module(PLUGINS[name])  # registers it
+        return _registered[name](device or "cpu") if name == "torch" else _registered[name](device)
     if name == "array-api-strict" and device in (None, "cpu"):
         return StrictBackend()
     raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or "

@@ -32,7 +32,7 @@ own pieces, nothing is written again:
                  --zero 3: parameters sharded too, gathered around every action (P_os+g+p)
                  --fsdp: ZeRO-3 by FSDP's units, a block gathered around each piece
                  (refpar/engine_fsdp.py)
-                 ZeRO's d ranks are `zero_group`: dp, or dp x cp when the mesh has cp (cp ranks
+                 ZeRO's d ranks are the mesh's dp_cp group: dp, or dp x cp when the mesh has cp (cp ranks
                  hold the same weights and see different tokens: Megatron-LM's dp-cp group)
     loss         the last stage's microbatch losses summed over pp, then over cp, then over dp
 
@@ -57,8 +57,9 @@ from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine_fsdp import UnitStage, fsdp_units
+from refpar.engine_fsdp import UnitStage
 from refpar.engine_zero3 import ZeroThree, ZeroTwo, attach, detach
+from refpar.holdings import fsdp_units, sequence_parallel_param_names, stage_layers
 from refpar.memory import MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import add_embedding_grads, init_params
@@ -77,14 +78,8 @@ from refpar.parallel.intra_layer_runner import resumed_position, saved_position
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.runner import microbatches
 from refpar.parallel.pipeline.schedules import Timeline, build
-from refpar.parallel.pipeline.stage import Stage, stage_layers
-from refpar.parallel.sequence_parallel import (
-    check_sp,
-    check_sp_cp,
-    sequence_parallel_param_names,
-    sp_cp_layout,
-    sp_layout,
-)
+from refpar.parallel.pipeline.stage import Stage
+from refpar.parallel.sequence_parallel import check_sp, check_sp_cp, sp_cp_layout, sp_layout
 from refpar.parallel.tensor_parallel import (
     check_tp,
     gather_params_tp,
@@ -205,8 +200,8 @@ class EngineExecutor(PipelineExecutor):
     `make_stage(config, n_stages, stage, lay)`: TensorParallelStage or a subclass (engine_moe)."""
 
     def __init__(self, schedule, config: ModelConfig, pp, lay, ledger: MemoryLedger,
-                 make_stage=TensorParallelStage):
-        super().__init__(schedule, config, pp, ledger, lambda c, n, s: make_stage(c, n, s, lay))
+                 make_stage=TensorParallelStage, embedding=None):
+        super().__init__(schedule, config, pp, ledger, lambda c, n, s: make_stage(c, n, s, lay), embedding)
         self.lay = lay
 
     def _post_receives(self, mbs, like):
@@ -244,23 +239,10 @@ class ZeroThreeStage(ZeroThreeGather, TensorParallelStage):
         self.zero = zero
 
 
-def zero_group(mesh):
-    """The ranks ZeRO shards over and sums gradients across: dp, or dp x cp when the mesh has cp.
-    cp ranks hold the same weights and see different tokens, so, as Megatron-LM's data-parallel
-    group with context parallelism, one reduce-scatter sums both axes' gradients and the optimizer
-    state splits d*c ways. Its rank is dp * c + cp; its traffic is traced as axis "dp_cp"."""
-    sizes, co = mesh.sizes, mesh.coords
-    if sizes["cp"] == 1:
-        return mesh.dp
-    others = (co["pp"], co["ep"], co["tp"])  # the dp x cp plane through this rank
-    color = int(np.ravel_multi_index(others, (sizes["pp"], sizes["ep"], sizes["tp"])))
-    return mesh.world.split(color, key=co["dp"] * sizes["cp"] + co["cp"], axis="dp_cp")
-
-
 class ZeroOne:
-    """ZeRO-1 over `dp` (zero_group: dp or dp x cp) of this rank's flat parameters: optimizer state
-    for its shard_range only. `label` names its ledger entries apart from another instance's on the
-    same ledger (a MoE run keeps one for the dense weights and one for the experts)."""
+    """ZeRO-1 over `dp` (the mesh's dp_cp group: dp or dp x cp) of this rank's flat parameters:
+    optimizer state for its shard_range only. `label` names its ledger entries apart from another
+    instance's on the same ledger (a MoE run keeps one for the dense weights and one for the experts)."""
 
     def __init__(self, params: dict, train: TrainConfig, dp, ledger: MemoryLedger, label: str = ""):
         self.names = list(params)
@@ -369,12 +351,12 @@ def checkpoint_arrays(model: ModelConfig, mesh, params: dict, state: dict | None
     and 3 (`sharded`) add their unit shards (`sharded_checkpoint_arrays`); ZeRO-3 holds no whole
     parameters, so `params` is empty."""
     from refpar import checkpoint
-    from refpar.parallel.tensor_parallel import tp_param_slices
+    from refpar.holdings import tp_param_slices
 
     coords, names, c = mesh.coords, list(params), mesh.sizes["cp"]
     slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
     starts = np.cumsum([0] + [params[n].size for n in names]).tolist()
-    # ZeRO-1's [a, b) over zero_group's dp x cp ranks (which hold the same parameters)
+    # ZeRO-1's [a, b) over the dp_cp group's ranks (which hold the same parameters)
     own = shard_range(starts[-1], mesh.sizes["dp"] * c, coords["dp"] * c + coords["cp"])
     every = own if saving else (0, starts[-1])
 
@@ -411,7 +393,7 @@ def sharded_checkpoint_arrays(model: ModelConfig, mesh, sharded, saving: bool) -
     shards they cut. The dp x cp ranks' shards are disjoint; saving, tp rank 0 writes what every
     tp rank holds whole and pp rank 0 the tied wte (the last stage's wte shard is the same)."""
     from refpar import checkpoint
-    from refpar.parallel.tensor_parallel import tp_param_slices
+    from refpar.holdings import tp_param_slices
 
     coords = mesh.coords
     slices = tp_param_slices(model, mesh.sizes["tp"], coords["tp"])
@@ -482,13 +464,13 @@ def run_engine(model: ModelConfig, train: TrainConfig, mesh, opts: EngineOptions
     lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)
     ledger = MemoryLedger()
     executor = EngineExecutor(build(opts.schedule, pp.size, opts.microbatches, opts.chunks), model,
-                              pp, lay, ledger)
+                              pp, lay, ledger, embedding=mesh.axis("embedding"))
     scaler = loss_scaler(model, train)  # fp16 only
     executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
     full = shard_params_tp(init_params(model, train.seed), model, t, mesh.coords["tp"])
     # Drawn whole on the host, sliced by tp, then by pp, then moved to the run's backend.
     params = backend.current().from_host({n: full[n] for n in executor.param_names()})
-    group = zero_group(mesh) if opts.zero else None  # dp, or dp x cp
+    group = mesh.axis("dp_cp") if opts.zero else None  # dp, or dp x cp
     # the axes over which this rank's gradients differ from others' (where an overflow is agreed)
     differ = [comm for comm in (tp, pp, group) if comm is not None and comm.size > 1]
     sharded, tied = sharded_grads(executor, params, train, group, ledger, lay, opts.zero, opts.fsdp)

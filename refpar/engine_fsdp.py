@@ -4,7 +4,7 @@ as PyTorch's fully_shard does it (Zhao et al. 2023), for stages of tensor-parall
     mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --fsdp --microbatches 2 --check
 
 Legend: Ψ_u elements of unit u on this rank (a tp shard), s_u its share over the d ranks of
-engine.zero_group (dp, or dp x cp).
+the mesh's dp_cp group (dp, or dp x cp).
 
 Units of a stage: the tied `wte` alone (as under ZeRO-3, so that the first and the last stage sum
 its gradient shard by shard), the stage's other root parameters (wpe on the first stage, ln_f on
@@ -32,6 +32,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from refpar.engine_zero3 import ZeroThree, attach, detach
+from refpar.holdings import ENDS
 from refpar.memory import nbytes_of
 from refpar.parallel.pipeline.stage import Stage
 from refpar.parallel.tensor_parallel import (
@@ -42,20 +43,6 @@ from refpar.parallel.tensor_parallel import (
     vocab_parallel_head_backward,
     vocab_parallel_head_forward,
 )
-
-ENDS = ("wte", "root")  # the units the embedding and the head read
-
-
-def fsdp_units(names: list[str]) -> dict[str, list[str]]:
-    """wte alone; the stage's other root parameters (wpe, ln_f) together; one unit per block."""
-    out = {"wte": ["wte.weight"]} if "wte.weight" in names else {}
-    root = [n for n in names if not n.startswith("h.") and n != "wte.weight"]
-    if root:
-        out["root"] = root
-    for n in names:
-        if n.startswith("h."):
-            out.setdefault(".".join(n.split(".")[:2]), []).append(n)  # "h.3"
-    return out
 
 
 class UnitStage(Stage):

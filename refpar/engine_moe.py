@@ -14,7 +14,7 @@ residual stream's (Ta, or its shard_range(Ta, t, rank) under sp), C channels, E 
 Layout (Megatron-Core's): every pipeline stage's ranks form the expert-parallel runner's dp x ep
 grid of data ranks (data rank d = dp rank * ep + ep rank, in batch order; refpar/parallel/
 expert_parallel.py), each split over c cp ranks by position (group rank d * c + cp rank: the mesh
-order pp, dp, ep, cp puts cp innermost), the ranks of one tp coordinate only (`data_group`). A rank
+order pp, dp, ep, cp puts cp innermost), the ranks of one tp coordinate only (the mesh's `data` group). A rank
 holds the tp shard (tensor_parallel.tp_param_slices; whole without tp) of its stages' dense
 weights and, of each MoE block in them, of the experts of its ep rank; cp ranks hold the same
 weights. One step composes the strategies' own pieces:
@@ -46,7 +46,7 @@ weights. One step composes the strategies' own pieces:
                same microbatches (expert_parallel_run.reference_run) is the reference
     tied wte   the executor's embedding group: first and last pp rank, per data rank
     dp, ep, cp dense gradients summed over the stage's D x c ranks, an expert's over dp x cp (the
-               ranks holding copies of it: engine.zero_group's dp x cp plane, axis dp_cp; dp alone
+               ranks holding copies of it: the mesh's dp_cp group, axis dp_cp; dp alone
                without cp)
     sp         the sequence-sharded LayerNorms' and attention biases' gradients summed over tp (the
                MoE layer's, router and expert c_proj.bias, are the same on every tp rank already)
@@ -81,7 +81,8 @@ import numpy as np
 
 from refpar import backend, checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine import EngineExecutor, TensorParallelStage, layout_for, zero_group
+from refpar.engine import EngineExecutor, TensorParallelStage, ZeroThreeGather, layout_for
+from refpar.holdings import sequence_parallel_param_names, stage_layers, tp_param_slices
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params
 from refpar.model.optim import optimizer_init, optimizer_step
@@ -103,9 +104,8 @@ from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.intra_layer_runner import saved_position
 from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline, build
-from refpar.parallel.pipeline.stage import stage_layers
-from refpar.parallel.sequence_parallel import check_sp, check_sp_cp, sequence_parallel_param_names
-from refpar.parallel.tensor_parallel import check_tp, gather_params_tp, shard_params_tp, tp_param_slices
+from refpar.parallel.sequence_parallel import check_sp, check_sp_cp
+from refpar.parallel.tensor_parallel import check_tp, gather_params_tp, shard_params_tp
 from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.trainer import corpus_for
@@ -174,6 +174,15 @@ class MoEStage(TensorParallelStage):
         return out, cache
 
 
+class MoEZeroThreeStage(ZeroThreeGather, MoEStage):
+    """A MoE stage whose units ZeRO-3 gathers for each action and frees after (engine.ZeroThreeStage
+    for MoE stages); MoEStage's arguments, then the ZeroThree."""
+
+    def __init__(self, *args, zero):
+        super().__init__(*args)
+        self.zero = zero
+
+
 def resume_sharded(path: str, model: ModelConfig, train: TrainConfig, mesh, params: dict, zero,
                    scaler, microbatches: int) -> int:
     """Loads this rank's whole tensors and ZeRO shards (engine_moe_zero.MoESharding) from the
@@ -182,7 +191,7 @@ def resume_sharded(path: str, model: ModelConfig, train: TrainConfig, mesh, para
 
     manifest = checkpoint.open_training(path, model, train)
     check_microbatches(manifest, microbatches)
-    pairs = zero.checkpoint_arrays(model, mesh, params, saving=False)
+    pairs = zero.checkpoint_arrays(model, mesh, checkpoint_arrays(model, params, {}, mesh, False), False)
     for (_, view), loaded in zip(pairs, checkpoint.load(path, [p for p, _ in pairs], manifest), strict=True):
         view[...] = loaded
     step, zero.t = resumed_position(manifest, scaler)
@@ -209,7 +218,7 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     validate(model, train, mesh.sizes, opts)
     m, pp, world, c = opts.microbatches, mesh.pp, mesh.world, mesh.sizes.get("cp", 1)
     t = mesh.sizes["tp"]
-    data = data_group(mesh)
+    data = mesh.axis("data")  # the stage's dp x ep x cp ranks of this tp coordinate, in batch order
     # whole blocks on cp's tokens, or the engine's tp (or sp) pieces
     lay = layout_for(model, train.seq_len, mesh, opts.sp, opts.cp_algo)  # sp inside cp with both
     layer = (ExpertParallelMoE(data, mesh.ep, model, weight=1 / m, cp=c) if t == 1 else
@@ -228,19 +237,21 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
         return cls(cfg, n, s, lay, layer, routings, runs, **kw)
 
     executor = EngineExecutor(build(opts.schedule, pp.size, m, opts.chunks), model, pp, lay, ledger,
-                              lambda cfg, n, s, lay: make(MoEStage, cfg, n, s))
+                              lambda cfg, n, s, lay: make(MoEStage, cfg, n, s),
+                              embedding=mesh.axis("embedding"))
     full = init_params(model, train.seed)  # drawn whole; this rank keeps its stages', experts', tp part
     mine = local_params({n: full[n] for n in executor.param_names()}, model, mesh.sizes["ep"],
                         mesh.coords["ep"])
     params = backend.current().from_host(shard_params_tp(mine, model, t, mesh.coords["tp"]))
     scaler = loss_scaler(model, train)  # fp16 only
     executor.grad_dtype = MASTER_DTYPE if train.fp32_grads else None
-    copies = zero_group(mesh)  # the ranks holding this rank's experts: dp, or dp x cp
+    copies = mesh.axis("dp_cp")  # the ranks holding this rank's experts: dp, or dp x cp
     zero = None
     if opts.zero:  # refpar/engine_moe_zero.py: dense weights sharded over data, experts over dp
         from refpar.engine_moe_zero import MoESharding
 
-        zero = MoESharding(executor, params, train, data, copies, ledger, opts.zero, opts.fsdp, make)
+        zero = MoESharding(executor, params, train, data, copies, ledger, opts.zero, opts.fsdp, make,
+                           MoEZeroThreeStage)
         params = zero.params  # {} under ZeRO-3
     for n, p in params.items():
         ledger.alloc(f"param:{n}", p, "params")
@@ -306,8 +317,8 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
         if on_step is not None:
             on_step(run.steps[-1])
         if save is not None and checkpoint.should_save(step + 1, train.steps, save_every):
-            arrays = (checkpoint_arrays(model, params, state, mesh, True) if zero is None
-                      else zero.checkpoint_arrays(model, mesh, params, True))
+            whole = checkpoint_arrays(model, params, state if zero is None else {}, mesh, True)
+            arrays = whole if zero is None else zero.checkpoint_arrays(model, mesh, whole, True)
             kind = "moe pipeline" + ("" if zero is None else " fsdp" if opts.fsdp else f" zero{opts.zero}")
             checkpoint.save_training(save, step + 1, arrays, model, train, mesh.sizes, kind, world,
                                      moe_microbatches=m, **saved_position(
@@ -319,14 +330,6 @@ def run_moe_pipeline(model: ModelConfig, train: TrainConfig, mesh, opts: MoEPipe
     run.measured = executor.measured_timeline()
     run.simulated = executor.simulated_timeline(run.measured)
     return run
-
-
-def data_group(mesh):
-    """This stage's dp x ep x cp ranks of this rank's tp coordinate, in batch order: world ranks are
-    laid (pp, dp, ep, cp, tp), so within one (pp, tp) pair the world rank order is d * c + cp rank,
-    d = dp rank * ep + ep rank. The routing exchange and the dense sums run over it."""
-    color = mesh.coords["pp"] * mesh.sizes["tp"] + mesh.coords["tp"]
-    return mesh.world.split(color, key=mesh.world.rank, axis="data")
 
 
 def checkpoint_arrays(model: ModelConfig, params: dict, state: dict, mesh, saving: bool) -> list:

@@ -48,50 +48,13 @@ tensors, so any MoE mesh, with or without ZeRO, resumes any other's.
 
 from __future__ import annotations
 
-from refpar import checkpoint, engine_moe
-from refpar.engine import ZeroOne, ZeroThreeGather, sharded_checkpoint_arrays
-from refpar.engine_fsdp import UnitStage, fsdp_units
-from refpar.engine_moe import MoEStage
-from refpar.engine_zero3 import ZeroThree, ZeroTwo, units_of
+from refpar import checkpoint
+from refpar.engine import ZeroOne, sharded_checkpoint_arrays
+from refpar.engine_fsdp import UnitStage
+from refpar.engine_zero3 import ZeroThree, ZeroTwo
+from refpar.holdings import expert_unit, is_expert, moe_fsdp_units, moe_units_of, tp_param_slices
 from refpar.parallel.expert_parallel_run import reduce_grads
-from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.precision import overflow_anywhere
-
-
-def is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
-
-
-def expert_unit(unit: str) -> bool:
-    """Whether a unit of `moe_units_of` or `moe_fsdp_units` holds experts (sharded over dp)."""
-    return unit == "experts" or unit.endswith(".experts")
-
-
-def moe_units_of(names: list[str]) -> dict[str, list[str]]:
-    """ZeRO-3's units of a MoE stage: engine_zero3.units_of over the dense weights (wte alone, the
-    rest), and the stage's experts as one more unit."""
-    experts = [n for n in names if is_expert(n)]
-    return units_of([n for n in names if not is_expert(n)]) | ({"experts": experts} if experts else {})
-
-
-def moe_fsdp_units(names: list[str]) -> dict[str, list[str]]:
-    """engine_fsdp.fsdp_units with each MoE block split in two: "h.3" its dense weights (router
-    included), "h.3.experts" its experts on this rank."""
-    out = {}
-    for unit, members in fsdp_units(names).items():
-        dense = [n for n in members if not is_expert(n)]
-        experts = [n for n in members if is_expert(n)]
-        out |= ({unit: dense} if dense else {}) | ({f"{unit}.experts": experts} if experts else {})
-    return out
-
-
-class MoEZeroThreeStage(ZeroThreeGather, MoEStage):
-    """A MoE stage whose units ZeRO-3 gathers for each action and frees after (engine.ZeroThreeStage
-    for MoE stages); MoEStage's arguments, then the ZeroThree."""
-
-    def __init__(self, *args, zero: ZeroThree):
-        super().__init__(*args)
-        self.zero = zero
 
 
 class MoEUnitStage(UnitStage):
@@ -177,10 +140,12 @@ class MoESharding:
     """The optimizer side of a MoE pipeline under ZeRO (`zero` 1, 2 or 3; `fsdp` with 3): the
     state, the stages that reduce (and gather) unit by unit, the step and the checkpoint pieces.
     `make(cls, config, n_stages, stage, **kw)` builds a stage of class `cls` (a MoEStage) the way
-    the run builds its own. After construction `params` is what the rank holds whole ({} under
-    ZeRO-3, whose stages gather what they need)."""
+    the run builds its own; `zero3_stage` is the MoE stage class ZeRO-3 gathers a stage for. After
+    construction `params` is what the rank holds whole ({} under ZeRO-3, whose stages gather what
+    they need)."""
 
-    def __init__(self, executor, params: dict, train, data, dp, ledger, zero: int, fsdp: bool, make):
+    def __init__(self, executor, params: dict, train, data, dp, ledger, zero: int, fsdp: bool, make,
+                 zero3_stage):
         self.zero, self.fsdp, self.one, self.sharded, self.tied = zero, fsdp, None, None, None
         self.params = params
         if zero == 1:
@@ -196,7 +161,7 @@ class MoESharding:
         self.sharded = kind(params, executor.stages, train, data, ledger,
                             lambda names: unit_fn([n for n in names if n in params]), executor.grad_dtype,
                             lambda unit: dp if expert_unit(unit) else data)
-        stage = MoEUnitStage if by_unit else MoEZeroThreeStage
+        stage = MoEUnitStage if by_unit else zero3_stage
         executor.stages = {s: make(stage, executor.config, n_stages, s, zero=self.sharded)
                            for s in executor.stages}
         if zero == 3:  # the step gets no parameters: receives take the shards' namespace and device
@@ -240,10 +205,11 @@ class MoESharding:
         """This rank's parameters whole, for the check (ZeRO-3 gathers them a unit at a time)."""
         return self.sharded.full_params() if self.zero == 3 else params
 
-    def checkpoint_arrays(self, model, mesh, params: dict, saving: bool) -> list:
+    def checkpoint_arrays(self, model, mesh, whole: list, saving: bool) -> list:
         """(checkpoint.Piece, view) of everything this rank holds: its whole tensors as the MoE
-        runners write them, and its shards' flat ranges (module docstring)."""
-        out = engine_moe.checkpoint_arrays(model, params, {}, mesh, saving)
+        runners write them (`whole`, engine_moe.checkpoint_arrays), and its shards' flat ranges
+        (module docstring)."""
+        out = list(whole)
         if self.one is not None:
             return out + self.one.checkpoint_arrays(model, mesh, saving)
         return out + sharded_checkpoint_arrays(model, mesh, self.sharded, saving)

@@ -5,7 +5,7 @@ more over the data-parallel ranks (Rajbhandari et al. 2020, P_os+g and P_os+g+p)
     mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --zero 2 --microbatches 2 --check
 
 Legend: Ψ_u elements of unit u on this rank (already a tp shard), s_u this rank's shard_range share
-of it over the d ranks of engine.zero_group (dp, or dp x cp when the mesh has cp).
+of it over the d ranks of the mesh's dp_cp group (dp, or dp x cp when the mesh has cp).
 
 ZeRO-3's units (`units_of`): per stage, the tied embedding `wte` alone (on the first and the last
 stage, so that both ends split it alike and the tied gradient is summed shard by shard) and
@@ -45,17 +45,12 @@ import numpy as np
 from array_api_compat import array_namespace, device
 
 from refpar import backend
+from refpar.holdings import units_of
 from refpar.memory import nbytes_of
 from refpar.model.optim import adamw_update, fp32, mixed_adamw_update, mixed_sgd_update, sgd_update
 from refpar.parallel.units import _ParamView, _position, _view_at
 from refpar.precision import MASTER_DTYPE, is_16bit
 from refpar.sharding import shard_range, shard_sizes
-
-
-def units_of(names: list[str]) -> dict[str, list[str]]:
-    """wte alone when the stage holds it; the rest of the stage as one unit."""
-    rest = [n for n in names if n != "wte.weight"]
-    return ({"wte": ["wte.weight"]} if "wte.weight" in names else {}) | ({"rest": rest} if rest else {})
 
 
 def detach(cache, bases: dict):
@@ -86,7 +81,7 @@ def attach(cache, bases: dict):
 
 class ShardedGrads:
     """What ZeRO-2 and ZeRO-3 share: each unit's gradient kept as this rank's shard only, reduce-
-    scattered over `dp` (engine.zero_group: dp, or dp x cp) after every microbatch's backward of
+    scattered over `dp` (the mesh's dp_cp group: dp, or dp x cp) after every microbatch's backward of
     its stage, and the AdamW moments of that shard. `group_of(unit)` gives each unit its own group
     instead (MoE runs, refpar/engine_moe_zero.py: dense units over the data ranks, experts' over dp)."""
 

@@ -23,12 +23,12 @@ from refpar.analysis.intra_layer import expected_calls
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
+from refpar.holdings import tp_param_slices
 from refpar.memory import MemoryLedger
 from refpar.mesh import DeviceMesh
 from refpar.model.data import MarkovCorpus
 from refpar.parallel.intra_layer import IntraLayerTrainer
 from refpar.parallel.intra_layer_runner import expected_memory
-from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.trainer import train_single_device
 
 STEPS = 3

@@ -26,6 +26,7 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh
 from refpar.engine_moe import MoEPipelineOptions, run_moe_pipeline
+from refpar.holdings import stage_param_names
 from refpar.mesh import DeviceMesh
 from refpar.model.gpt import param_shapes
 from refpar.model.optim import optimizer_init
@@ -35,7 +36,6 @@ from refpar.parallel.expert_parallel_run import (
     resume_from,
     train_expert_parallel,
 )
-from refpar.parallel.pipeline.stage import stage_param_names
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))

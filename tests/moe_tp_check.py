@@ -28,11 +28,11 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh
 from refpar.engine_moe import MoEPipelineOptions, checkpoint_arrays, full_params, run_moe_pipeline
+from refpar.holdings import stage_param_names
 from refpar.mesh import DeviceMesh
 from refpar.model.gpt import param_shapes
 from refpar.model.optim import optimizer_init
 from refpar.parallel.expert_parallel_run import local_params, reference_run, train_expert_parallel
-from refpar.parallel.pipeline.stage import stage_param_names
 from refpar.parallel.tensor_parallel import shard_params_tp
 from tests.moe_pipeline_check import emit, resume_row
 

@@ -12,8 +12,9 @@ import pytest
 from refpar.commands.verify import MOE_LOSS_TOLERANCES
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.engine_moe import MoEPipelineOptions, validate
+from refpar.holdings import tp_param_slices
 from refpar.model.gpt import init_params
-from refpar.parallel.tensor_parallel import shard_params_tp, tp_param_slices
+from refpar.parallel.tensor_parallel import shard_params_tp
 from tests.mpi import ROOT, mpi_env, mpiexec
 
 TOLERANCE = 1e-10  # float64 after 3 AdamW steps (DESIGN.md, "Numerics")

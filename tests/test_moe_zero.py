@@ -8,7 +8,7 @@ import pytest
 
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.engine_moe import MoEPipelineOptions, validate
-from refpar.engine_moe_zero import moe_fsdp_units, moe_units_of
+from refpar.holdings import moe_fsdp_units, moe_units_of
 from tests.mpi import mpiexec, refpar_json
 
 TOLERANCE = 1e-10  # float64 after 3 AdamW steps (DESIGN.md, "Numerics")

@@ -328,7 +328,7 @@ def test_mix_frames_show_zero3_gather_block0_over_dp_then_free_it_as_the_engine_
 
 
 def test_pp_tp_mix_puts_each_block_on_its_stage_ranks_cut_by_tp():
-    from refpar.parallel.pipeline.stage import stage_layers
+    from refpar.holdings import stage_layers
     from refpar.viz import mesh_sharding as ms
 
     tp_holders, starts = engine_holders(1, 2, 0)  # tp rank t holds what shard_params_tp gives it

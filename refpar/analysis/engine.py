@@ -62,14 +62,18 @@ from refpar.analysis.intra_layer import (
 )
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
-from refpar.engine_fsdp import ENDS, fsdp_units
-from refpar.engine_zero3 import units_of
+from refpar.holdings import (
+    ENDS,
+    fsdp_units,
+    sequence_parallel_param_names,
+    stage_layers,
+    stage_param_names,
+    tp_param_slices,
+    units_of,
+)
 from refpar.memory import CATEGORIES
 from refpar.model.gpt import param_shapes
 from refpar.parallel.pipeline.schedules import build, stored
-from refpar.parallel.pipeline.stage import Stage, stage_layers
-from refpar.parallel.sequence_parallel import sequence_parallel_param_names
-from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -83,7 +87,7 @@ def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, chunks: int
     """Elements of each parameter the rank holds: its stages' names, tp-sliced."""
     p, t = sizes["pp"], sizes["tp"]
     slices = tp_param_slices(model, t, coords["tp"])
-    names = {n for c in range(chunks) for n in Stage(model, p * chunks, c * p + coords["pp"]).param_names()}
+    names = {n for c in range(chunks) for n in stage_param_names(model, p * chunks, c * p + coords["pp"])}
     out = {}
     for name, shape in param_shapes(model).items():
         if name in names:
@@ -102,12 +106,12 @@ def zero3_units(model: ModelConfig, sizes: dict, coords: dict, chunks: int, unit
     numels = rank_param_numels(model, sizes, coords, chunks)
     p = sizes["pp"]
     return {s: {u: sum(numels[n] for n in names)
-                for u, names in unit_fn(Stage(model, p * chunks, s).param_names()).items()}
+                for u, names in unit_fn(stage_param_names(model, p * chunks, s)).items()}
             for s in (c * p + coords["pp"] for c in range(chunks))}
 
 
 def zero_shards(sizes: dict, coords: dict) -> tuple[str, int, int]:
-    """(axis, size, rank) of the ranks ZeRO shards over (engine.zero_group): dp, or dp x cp."""
+    """(axis, size, rank) of the ranks ZeRO shards over (the mesh's dp_cp group): dp, or dp x cp."""
     c = sizes.get("cp", 1)
     if c == 1:
         return "dp", sizes["dp"], coords["dp"]
@@ -122,7 +126,7 @@ def sp_shard_numel(model: ModelConfig, sizes: dict, coords: dict, chunks: int, u
     _, n_z, g = zero_shards(sizes, coords)
     p, total = sizes["pp"], 0
     for s in (c * p + coords["pp"] for c in range(chunks)):
-        for names in unit_fn(Stage(model, p * chunks, s).param_names()).values():
+        for names in unit_fn(stage_param_names(model, p * chunks, s)).values():
             a, b = shard_range(sum(numels[n] for n in names), n_z, g)
             total += region_in_shard(names, numels, region, a, b)
     return total
@@ -145,11 +149,12 @@ def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
     return zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
 
 
-def _shape(model: ModelConfig, sizes: dict, T: int, coords: dict, b: int, opts) -> RankShape:
+def _shape(model: ModelConfig, sizes: dict, T: int, coords: dict, b: int, sp: bool, cp_algo: str | None
+           ) -> RankShape:
     t, k, c = sizes["tp"], coords["tp"], sizes.get("cp", 1)
-    tokens = cp_tokens(T, c, opts.cp_algo)
+    tokens = cp_tokens(T, c, cp_algo)
     Ta = tokens[coords.get("cp", 0)]
-    return RankShape(B=b, T=T, Ta=Ta, Tl=shard_sizes(Ta, t)[k] if opts.sp else Ta, t=t, c=c,
+    return RankShape(B=b, T=T, Ta=Ta, Tl=shard_sizes(Ta, t)[k] if sp else Ta, t=t, c=c,
                      nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
                      e=np.dtype(model.dtype).itemsize, cp_tokens=tuple(tokens), cp_rank=coords.get("cp", 0))
 
@@ -181,7 +186,7 @@ def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts
         for s in (j * p + r for j in range(v)):
             blocks = replace(model, n_layer=len(stage_layers(model.n_layer, S, s)))
             for b in rows:
-                shape = _shape(model, sizes, T, co, b, opts)
+                shape = _shape(model, sizes, T, co, b, opts.sp, opts.cp_algo)
                 calls = _tp_calls(blocks, shape, opts.sp, k) if t > 1 else []
                 if c > 1:
                     ring = (opts.cp_algo or "ring") == "ring"
@@ -316,11 +321,12 @@ def _sharded_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, op
 
 
 def microbatch_activation_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict,
-                                stage: int, n_stages: int, b: int, opts) -> int:
+                                stage: int, n_stages: int, b: int, sp: bool = False,
+                                cp_algo: str | None = None) -> int:
     """What one microbatch of b rows keeps on the rank at `coords` of `stage` between its F and its B."""
-    r = _shape(model, sizes, train.seq_len, coords, b, opts)
+    r = _shape(model, sizes, train.seq_len, coords, b, sp, cp_algo)
     dropout = model.dropout > 0.0
-    attention = "local" if r.c == 1 else (opts.cp_algo or "ring")
+    attention = "local" if r.c == 1 else (cp_algo or "ring")
     per_layer = layer_bytes(model, r, attention, dropout)
     if attention == "ring" and r.nh == 1:
         # One head per rank: the merged heads c_proj keeps are a view of the ring's output, kept once.
@@ -345,7 +351,7 @@ def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, op
         r, q = co["pp"], co["dp"]
         rows = _rows_of(train, d, q, opts.microbatches)
         kept = stored(schedule, lambda a, co=co, rows=rows: microbatch_activation_bytes(
-            model, train, sizes, co, a.stage, S, rows[a.microbatch], opts), lambda a: 0)
+            model, train, sizes, co, a.stage, S, rows[a.microbatch], opts.sp, opts.cp_algo), lambda a: 0)
         held = sum(rank_param_numels(model, sizes, co, v).values())
         _, n_z, g = zero_shards(sizes, co)
         share = shard_sizes(held, n_z)[g] if opts.zero == 1 else held

@@ -87,15 +87,19 @@ from refpar.analysis.engine import (
 from refpar.analysis.intra_layer import RankShape, _ring_calls, _tp_calls, _ulysses_calls
 from refpar.comm import cost
 from refpar.config import MESH_AXES
-from refpar.engine import EngineOptions
-from refpar.engine_fsdp import ENDS
-from refpar.engine_moe_zero import expert_unit, moe_fsdp_units, moe_units_of
+from refpar.holdings import (
+    ENDS,
+    expert_unit,
+    moe_fsdp_units,
+    moe_units_of,
+    sequence_parallel_param_names,
+    stage_layers,
+    stage_param_names,
+    tp_param_slices,
+)
 from refpar.model.gpt import param_shapes
 from refpar.model.moe import capacity, expert_param_shapes, expert_prefix
 from refpar.parallel.pipeline.schedules import build, layout, stored
-from refpar.parallel.pipeline.stage import stage_layers, stage_param_names
-from refpar.parallel.sequence_parallel import sequence_parallel_param_names
-from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -544,8 +548,8 @@ def moe_microbatch_activation_bytes(model, train, sizes: dict, coords: dict, sta
     coords = {a: coords.get(a, 0) for a in MESH_AXES}
     c, t = sizes["cp"], sizes["tp"]
     # whole blocks or tp's pieces, on whole sequences or this cp rank's tokens
-    n = microbatch_activation_bytes(model, train, sizes, coords, stage, n_stages, b,
-                                    EngineOptions(sp=sp, cp_algo=cp_algo if c > 1 else None))
+    n = microbatch_activation_bytes(model, train, sizes, coords, stage, n_stages, b, sp,
+                                    cp_algo if c > 1 else None)
     ep, D = sizes["ep"], sizes["dp"] * sizes["ep"]
     El = len(_owned(model.moe_experts, ep, coords["ep"]))
     Ta = cp_tokens(train.seq_len, c, cp_algo)[coords["cp"]]

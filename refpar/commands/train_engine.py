@@ -27,10 +27,10 @@ from refpar.analysis.engine import (
 )
 from refpar.config import ConfigError
 from refpar.engine import EngineOptions, full_params, run_engine, validate
+from refpar.holdings import stage_layers
 from refpar.memory import CATEGORIES
 from refpar.parallel.intra_layer_runner import loss_scaling_line
 from refpar.parallel.pipeline.schedules import simulate
-from refpar.parallel.pipeline.stage import stage_layers
 from refpar.sharding import shard_range
 
 P2P = ("isend", "irecv")  # their time is spent waiting for the other side: idle, not transfer

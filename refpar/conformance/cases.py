@@ -183,12 +183,12 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
         parallelize_module,
     )
 
+    from refpar.holdings import tp_param_slices
     from refpar.mesh import DeviceMesh
     from refpar.model.gpt import DropoutContext
     from refpar.model.optim import optimizer_step
     from refpar.parallel.intra_layer import IntraLayerTrainer, loss_and_grads
     from refpar.parallel.sequence_parallel import all_reduce_sequence_parallel_grads
-    from refpar.parallel.tensor_parallel import tp_param_slices
 
     model, train = configs(dtype, batch_size=batch_size)
     N, r, B, T = comm.size, comm.rank, train.batch_size, train.seq_len

@@ -119,7 +119,8 @@ def pipelining(comm, name: str, dtype: str = "float64", convention: str = "globa
     full = init_params(model, train.seed)
 
     mesh = DeviceMesh(comm, {"pp": p})
-    executor = PipelineExecutor(build(kind, p, m, v), model, mesh.pp, MemoryLedger())
+    executor = PipelineExecutor(build(kind, p, m, v), model, mesh.pp, MemoryLedger(),
+                                embedding=mesh.axis("embedding"))
     ours = {n: full[n] for n in executor.param_names()}
     state = optimizer_init(ours, train)
 

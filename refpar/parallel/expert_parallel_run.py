@@ -262,7 +262,7 @@ def train_expert_parallel(model, train, mesh, on_step=None, microbatches: int = 
     check_run(model, train, mesh.sizes, microbatches)
     m = microbatches
     ep_comm = mesh.ep
-    data = mesh.world.split(0, key=mesh.world.rank, axis="data")  # dp x ep, in batch order
+    data = mesh.axis("data")  # dp x ep, in batch order
     layer = ExpertParallelMoE(data, ep_comm, model, weight=1 / m)
     # Drawn whole on the host, this rank's experts kept, then moved to the run's backend.
     params = backend.current().from_host(local_params(init_params(model, train.seed), model, ep_comm.size,

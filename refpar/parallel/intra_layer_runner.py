@@ -64,7 +64,7 @@ def checkpoint_arrays(trainer, saving: bool) -> list:
     of c_attn are three runs, of q, k and v, so three boxes). Loading writes through the views.
     Saving, only the ranks at dp = cp = 0 write, and a tensor every tp rank holds whole only tp rank
     0: each element is written once."""
-    from refpar.parallel.tensor_parallel import tp_param_slices
+    from refpar.holdings import tp_param_slices
 
     coords, sizes = trainer.mesh.coords, trainer.mesh.sizes
     if saving and (coords["dp"] or coords["cp"]):

@@ -32,6 +32,7 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import sequence_parallel_param_names
 from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.tensor_parallel import Layout, LocalAttention, RegionPair, check_tp
 from refpar.sharding import shard_range, shard_sizes
@@ -114,15 +115,6 @@ def sp_cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm)
     lay = cp_layout(config, seq_len, cp_comm, algo, tp_comm)
     Ta, t, r = len(lay.region_pos), tp_comm.size, tp_comm.rank
     return replace(lay, pair=sp_pair(Ta), resid_pos=lay.region_pos[slice(*shard_range(Ta, t, r))])
-
-
-def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
-    """Replicated parameters whose gradient each rank computes from its sequence shard only."""
-    names = ["wpe.weight", "ln_f.weight", "ln_f.bias"]
-    for i in range(config.n_layer):
-        names += [f"h.{i}.{n}" for n in ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias",
-                                          "ln_2.weight", "ln_2.bias", "mlp.c_proj.bias")]
-    return names
 
 
 def all_reduce_sequence_parallel_grads(grads: dict, config: ModelConfig, tp) -> None:

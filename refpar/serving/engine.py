@@ -29,10 +29,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import stage_layers
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import NO_DROPOUT
 from refpar.model.layers import layernorm_forward
-from refpar.parallel.pipeline.stage import stage_layers
 from refpar.parallel.tensor_parallel import (
     parallel_block_forward,
     shard_params_tp,

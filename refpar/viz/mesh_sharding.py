@@ -31,9 +31,8 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.engine_zero3 import units_of
+from refpar.holdings import stage_layers, units_of
 from refpar.model.gpt import param_shapes
-from refpar.parallel.pipeline.stage import stage_layers
 from refpar.parallel.sequence_parallel import check_sp
 from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
 from refpar.sharding import shard_range

@@ -21,12 +21,13 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import tp_param_slices
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
 from refpar.model.moe import router_forward, router_name
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.sequence_parallel import check_sp
-from refpar.parallel.tensor_parallel import check_tp, tp_param_slices
+from refpar.parallel.tensor_parallel import check_tp
 from refpar.parallel.units import FlatLayout
 from refpar.sharding import shard_range
 from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls

@@ -98,10 +98,11 @@ def _now() -> float:
 
 
 class PipelineExecutor:
-    """Runs `schedule[pp.rank]`; `pp` is the pipeline axis's Communicator (rank = pipeline rank)."""
+    """Runs `schedule[pp.rank]`; `pp` is the pipeline axis's Communicator (rank = pipeline rank),
+    `embedding` the mesh's embedding group (the first and the last pipeline rank; None elsewhere)."""
 
     def __init__(self, schedule: Schedule, config: ModelConfig, pp: Communicator,
-                 ledger: MemoryLedger | None = None, make_stage=Stage):
+                 ledger: MemoryLedger | None = None, make_stage=Stage, embedding=None):
         if len(schedule) != pp.size:
             raise ConfigError(f"the schedule has {len(schedule)} ranks but the pipeline axis has "
                               f"{pp.size}; build it with p={pp.size}")
@@ -118,9 +119,7 @@ class PipelineExecutor:
         self.like = None  # an array of the run's backend, for steps given no parameters
         self.slots: list[Slot] = []
         self._tags = self._check_tags()
-        first, last = self.layout.stage_rank[0], self.layout.stage_rank[n_stages - 1]
-        member = first != last and self.rank in (first, last)
-        self.embedding_group = pp.split(0 if member else None, key=self.rank, axis="pp")
+        self.embedding_group = embedding
 
     def param_names(self) -> list[str]:
         """The parameters this rank holds: those of its stages (wte on both ends)."""

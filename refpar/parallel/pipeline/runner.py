@@ -27,6 +27,7 @@ import numpy as np
 
 from refpar import backend, checkpoint
 from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.holdings import stage_layers
 from refpar.memory import CATEGORIES, MemoryLedger
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import DropoutContext, init_params, param_shapes
@@ -41,7 +42,7 @@ from refpar.parallel.pipeline.schedules import (
     simulate,
     stored,
 )
-from refpar.parallel.pipeline.stage import Stage, stage_layers
+from refpar.parallel.pipeline.stage import Stage
 from refpar.precision import MASTER_DTYPE, loss_scaler, overflow_anywhere
 from refpar.report import loss_scaling_summary
 from refpar.sharding import shard_range
@@ -118,7 +119,8 @@ def run_pipeline(model: ModelConfig, train: TrainConfig, mesh, kind: str, m: int
     train.check_model(model)
     pp, dp = mesh.pp, mesh.dp
     ledger = MemoryLedger()
-    executor = PipelineExecutor(build(kind, pp.size, m, v), model, pp, ledger)
+    executor = PipelineExecutor(build(kind, pp.size, m, v), model, pp, ledger,
+                                embedding=mesh.axis("embedding"))
     full = init_params(model, train.seed)  # drawn whole, then this rank keeps its stages' part
     params = backend.current().from_host({n: full[n] for n in executor.param_names()})
     for n, p in params.items():

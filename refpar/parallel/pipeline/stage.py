@@ -28,6 +28,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import stage_layers, stage_param_names
 from refpar.model.attention import attention_backward
 from refpar.model.gpt import (
     DropoutContext,
@@ -37,7 +38,6 @@ from refpar.model.gpt import (
     embed_forward,
     head_forward,
     merge_heads,
-    param_shapes,
     split_heads,
 )
 from refpar.model.layers import (
@@ -47,15 +47,6 @@ from refpar.model.layers import (
     layernorm_backward,
 )
 from refpar.precision import fp32_compute
-from refpar.sharding import shard_range
-
-
-def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
-    """The global indices of the blocks stage `stage` holds."""
-    if n_layer < n_stages:
-        raise ConfigError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model "
-                          f"has n_layer={n_layer}; use fewer stages (or chunks) or more layers")
-    return range(*shard_range(n_layer, n_stages, stage))
 
 
 @fp32_compute
@@ -74,26 +65,6 @@ def _linear_dw(x, dout):
     dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, out)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, in)
     return x2.T @ dout2, xp.sum(dout2, axis=0)  # (in, out), (out,)
-
-
-def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[str]:
-    """The parameters stage `stage` reads, in GPT-2's order (every expert of its MoE blocks); wte on
-    the first and the last."""
-    keep = {f"h.{i}." for i in stage_layers(config.n_layer, n_stages, stage)}
-    first, last = stage == 0, stage == n_stages - 1
-    names = []
-    for name in param_shapes(config):
-        if name.startswith("h."):
-            wanted = name[: name.index(".", 2) + 1] in keep
-        elif name == "wte.weight":
-            wanted = first or last
-        elif name == "wpe.weight":
-            wanted = first
-        else:  # ln_f
-            wanted = last
-        if wanted:
-            names.append(name)
-    return names
 
 
 class Stage:
