@@ -135,6 +135,23 @@ def owner(a):
     return a
 
 
+def dtype_like(like, dtype):
+    """The dtype `dtype` (a NumPy dtype or name, bfloat16 included) in the namespace of the array
+    `like`: what buffers created beside it (fp32 masters, gradients, 16-bit copies) are made of."""
+    if is_numpy_array(like):
+        return np.dtype(dtype)
+    from array_api_compat import array_namespace
+
+    return getattr(array_namespace(like), np.dtype(dtype).name)
+
+
+def zeros(like, n: int, dtype):
+    """(n,) zeros of `dtype` in the namespace and on the device of `like`."""
+    from array_api_compat import array_namespace, device
+
+    return array_namespace(like).zeros(n, dtype=dtype_like(like, dtype), device=device(like))
+
+
 def host_dtype(x) -> np.dtype:
     """The NumPy dtype `x`'s elements have on the host (what a receive buffer is made of)."""
     return to_host(x[:0] if x.ndim else x).dtype

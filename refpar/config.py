@@ -242,3 +242,38 @@ def parse_mesh(text: str) -> dict[str, int]:
     if not sizes:
         raise ConfigError("the mesh is empty; give it as e.g. --mesh dp=2,tp=2")
     return sizes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run does on its mesh beyond the mesh's sizes (the defaults: no strategy asked for)."""
+
+    schedule: str | None = None  # pipeline schedule (refpar/parallel/pipeline/schedules.py); 1f1b
+    microbatches: int = 1  # per step: pipeline microbatches, gradient accumulation, MoE routing
+    chunks: int | None = None  # v, model chunks per pipeline rank (interleaved-1f1b: 2)
+    sp: bool = False  # Megatron sequence parallelism over tp
+    cp_algo: str | None = None  # ring (default) or ulysses, when the mesh has cp
+    zero: int = 0  # ZeRO stage 0 (plain DP), 1, 2 or 3 over each unit's replica group
+    fsdp: bool = False  # ZeRO-3 by FSDP's policy (refpar/parallel/fsdp.py)
+    prefetch: bool = False  # FSDP: gather the next block one piece early
+    reshard_after_forward: bool = True  # FSDP: free a block's parameters after its forward
+    bucket_elems: int = 1 << 62  # DP: the gradient all-reduce bucket cap, in elements
+    overlap: bool = False  # DP: buckets all-reduced as ring rounds interleaved with the backward
+
+    @property
+    def kind(self) -> str:
+        return self.schedule or "1f1b"
+
+    @property
+    def v(self) -> int:
+        return self.chunks or (2 if self.kind == "interleaved-1f1b" else 1)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the plan runs (FSDP is stage 3)."""
+        return 3 if self.fsdp else self.zero
+
+    @property
+    def strategy(self) -> str:
+        """dp, zero1, zero2, zero3 or fsdp: how each unit's replicas are kept."""
+        return "fsdp" if self.fsdp else ("dp" if self.zero == 0 else f"zero{self.zero}")

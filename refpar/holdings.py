@@ -73,6 +73,31 @@ def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
     return names
 
 
+def microbatch_samples(model: ModelConfig, batch_size: int, m: int, sizes: dict, coords: dict,
+                       j: int) -> range:
+    """The global sample ids this rank runs in microbatch j of m. Dense: its dp rank's
+    `shard_range` of the batch, then microbatch j's share of that. MoE (routing per microbatch, as
+    Megatron-Core): the contiguous global slice shard_range(B, m, j), cut over the dp x ep data
+    ranks in batch order, so that the data ranks' parts of microbatch j are the single device's
+    microbatch j. cp ranks run the same rows (other positions)."""
+    if not model.moe_experts:
+        a, b = shard_range(batch_size, sizes["dp"], coords["dp"])
+        lo, hi = shard_range(b - a, m, j)
+        return range(a + lo, a + hi)
+    a, b = shard_range(batch_size, m, j)
+    lo, hi = shard_range(b - a, sizes["dp"] * sizes["ep"], coords["dp"] * sizes["ep"] + coords["ep"])
+    return range(a + lo, a + hi)
+
+
+def keeps_lowp(config: ModelConfig, sizes: dict) -> bool:
+    """With --fp32-grads, whether the 16-bit gradients backward writes stay beside the fp32
+    accumulator: on a data-parallel-only mesh, as DeepSpeed's BF16_Optimizer keeps each .grad (the
+    Ultra-Scale Playbook's 20 bytes per parameter); on every other mesh each backward piece's
+    16-bit gradients are added into the fp32 accumulator as they are handed over, as Megatron-LM's
+    main_grad (18)."""
+    return not config.moe_experts and all(n == 1 for a, n in sizes.items() if a != "dp")
+
+
 def is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
@@ -80,42 +105,30 @@ def is_expert(name: str) -> bool:
 ENDS = ("wte", "root")  # the units the embedding and the head read
 
 
-def units_of(names: list[str]) -> dict[str, list[str]]:
-    """ZeRO-3's units of a stage: wte alone when the stage holds it; the rest of the stage as one."""
-    rest = [n for n in names if n != "wte.weight"]
-    return ({"wte": ["wte.weight"]} if "wte.weight" in names else {}) | ({"rest": rest} if rest else {})
-
-
-def fsdp_units(names: list[str]) -> dict[str, list[str]]:
-    """wte alone; the stage's other root parameters (wpe, ln_f) together; one unit per block."""
+def units(names: list[str]) -> dict[str, list[str]]:
+    """The units of a pipeline stage holding `names` (in GPT-2's order): what ZeRO and FSDP shard,
+    gather and reduce one at a time, and DP's gradient buckets wait for. `wte` alone (the tied
+    embedding: the first and the last stage shard it alike, so its gradient sums shard by shard),
+    `root` the stage's other parameters outside the blocks (wpe on the first stage, ln_f on the
+    last), then per block `h.i` its dense parameters (the router included) and, in a MoE block,
+    `h.i.experts` the experts of it this rank holds."""
     out = {"wte": ["wte.weight"]} if "wte.weight" in names else {}
     root = [n for n in names if not n.startswith("h.") and n != "wte.weight"]
     if root:
         out["root"] = root
     for n in names:
         if n.startswith("h."):
-            out.setdefault(".".join(n.split(".")[:2]), []).append(n)  # "h.3"
-    return out
+            block = ".".join(n.split(".")[:2])  # "h.3"
+            out.setdefault(block + (".experts" if is_expert(n) else ""), []).append(n)
+    return {u: out[u] for u in sorted(out, key=_unit_order)}
+
+
+def _unit_order(unit: str) -> tuple:
+    """wte, root, then the blocks in order, each block's experts after its dense unit."""
+    if not unit.startswith("h."):
+        return (ENDS.index(unit),)
+    return (2, int(unit.split(".")[1]), unit.endswith(".experts"))
 
 
 def expert_unit(unit: str) -> bool:
-    """Whether a unit of `moe_units_of` or `moe_fsdp_units` holds experts (sharded over dp)."""
-    return unit == "experts" or unit.endswith(".experts")
-
-
-def moe_units_of(names: list[str]) -> dict[str, list[str]]:
-    """ZeRO-3's units of a MoE stage: `units_of` over the dense weights (wte alone, the rest), and
-    the stage's experts as one more unit."""
-    experts = [n for n in names if is_expert(n)]
-    return units_of([n for n in names if not is_expert(n)]) | ({"experts": experts} if experts else {})
-
-
-def moe_fsdp_units(names: list[str]) -> dict[str, list[str]]:
-    """`fsdp_units` with each MoE block split in two: "h.3" its dense weights (router included),
-    "h.3.experts" its experts on this rank."""
-    out = {}
-    for unit, members in fsdp_units(names).items():
-        dense = [n for n in members if not is_expert(n)]
-        experts = [n for n in members if is_expert(n)]
-        out |= ({unit: dense} if dense else {}) | ({f"{unit}.experts": experts} if experts else {})
-    return out
+    return unit.endswith(".experts")

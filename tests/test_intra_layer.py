@@ -138,7 +138,6 @@ def test_layer_bytes_with_the_papers_keep_list_are_korthikanti_eq_1_2_4(t, sp):
 
 def test_layouts_that_cannot_work_raise_one_sentence_config_errors():
     from refpar.parallel.context_parallel import check_cp
-    from refpar.parallel.intra_layer import check_mesh
     from refpar.parallel.tensor_parallel import check_tp
 
     tiny = model_preset("tiny")
@@ -147,8 +146,6 @@ def test_layouts_that_cannot_work_raise_one_sentence_config_errors():
         (lambda: check_cp(tiny, 7, 4, "ring", 1), "2*cp=8 zig-zag chunks"),
         (lambda: check_cp(tiny, 16, 8, "ulysses", 1), "cp <= n_head/tp=4"),
         (lambda: check_cp(tiny, 16, 2, "tree", 1), "unknown --cp-algo"),
-        (lambda: check_mesh({"tp": 2, "cp": 2}, True, "ring"), "drop --sp"),
-        (lambda: check_mesh({"tp": 2, "pp": 2}, False, None), "pp=2"),
     ]
     for call, words in cases:
         with pytest.raises(ConfigError, match=words) as err:

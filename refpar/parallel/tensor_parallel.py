@@ -299,8 +299,8 @@ def parallel_mlp_backward(dout, cache, layer: int, lay: Layout):
 
 def parallel_block_forward(x, params, layer: int, lay: Layout, drop, moe=None):
     """x (B, Tl, C) -> (B, Tl, C): GPT-2's pre-LayerNorm block with both sublayers tensor-parallel.
-    In the blocks of `config.moe_blocks` the MLP is `moe.forward` (refpar/engine_moe.py passes its
-    expert-parallel layer)."""
+    In the blocks of `config.moe_blocks` the MLP is `moe.forward` (the expert-parallel layer
+    refpar/engine/parallelize.py builds)."""
     P, eps = f"h.{layer}.", lay.config.layer_norm_eps
     a, ln_1 = layernorm_forward(x, params[P + "ln_1.weight"], params[P + "ln_1.bias"], eps)
     a, attn = parallel_attention_forward(a, params, layer, lay, drop)  # f ... g
