@@ -82,17 +82,6 @@ def whole(tensor: str, shape) -> Piece:
     return Piece(tensor, box=tuple((0, int(n)) for n in shape))
 
 
-def flat_unit_pieces(prefix: str, layout, unit: str, start: int, flat) -> list[tuple[Piece, np.ndarray]]:
-    """The pieces of `flat`, which holds [start, start + len(flat)) of `unit`'s flat buffer in a
-    `refpar.parallel.units.FlatLayout`: one flat range per parameter it overlaps, as views."""
-    out = []
-    for name, lo, hi in layout.segments(unit, start, start + flat.shape[0]):
-        _, offset, _ = layout.offsets[name]
-        out.append((Piece(f"{prefix}/{name}", flat=(lo - offset, hi - offset)),
-                    flat[lo - start:hi - start]))
-    return out
-
-
 def shard_pieces(tensor: str, flat, shape, lo: int, axis: int | None = None, index=None
                  ) -> list[tuple[Piece, np.ndarray]]:
     """(Piece, view of `flat`) for the elements [lo, lo + len(flat)) of the row-major flattening of

@@ -229,18 +229,6 @@ def expected_calls(model: ModelConfig, train: TrainConfig, sizes: dict, coords: 
     return calls
 
 
-def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict, rank: int,
-                       sp: bool = False, cp_algo: str | None = None) -> list[dict]:
-    """The `comm_bytes` rows of `refpar train --json` for `rank` after train.steps steps."""
-    totals: dict[tuple[str, str], list[int]] = {}
-    for call in expected_calls(model, train, sizes, coords, sp, cp_algo):
-        row = totals.setdefault((call.axis, call.op), [0, 0])
-        row[0] += call.bytes_sent * train.steps
-        row[1] += call.bytes_recv * train.steps
-    return [{"rank": rank, "axis": a, "op": o, "bytes_sent": s, "bytes_recv": r}
-            for (a, o), (s, r) in totals.items()]
-
-
 def paper_bytes_per_layer(kind: str, B: int, T: int, C: int, p: int, e: int) -> float:
     """Bytes one rank sends per transformer layer per step, as the papers write them (sizes that
     divide evenly; p the tp or cp size). `expected_calls` reduces to these (tests check it).

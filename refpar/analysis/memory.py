@@ -45,7 +45,6 @@ from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import units as stage_units
 from refpar.model.gpt import param_shapes
 from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit
-from refpar.sharding import shard_sizes
 
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 
@@ -65,11 +64,6 @@ def units(config: ModelConfig) -> dict[str, list[str]]:
 def unit_sizes(config: ModelConfig) -> dict[str, int]:
     shapes = param_shapes(config)
     return {u: sum(numel(shapes[n]) for n in names) for u, names in units(config).items()}
-
-
-def shard_elems(config: ModelConfig, n: int, rank: int) -> dict[str, int]:
-    """Elements of each unit that rank `rank` of `n` owns (uneven: `shard_range` per unit)."""
-    return {u: shard_sizes(size, n)[rank] for u, size in unit_sizes(config).items()}
 
 
 def optimizer_states(optimizer: str) -> int:

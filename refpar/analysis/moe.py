@@ -36,7 +36,6 @@ import math
 import numpy as np
 
 from refpar.comm import cost
-from refpar.model.gpt import param_shapes
 from refpar.model.moe import capacity, expert_param_shapes
 from refpar.sharding import shard_range, shard_sizes
 
@@ -64,12 +63,6 @@ def all_to_all_bytes(kept, ep: int, data_rank: int, n_embd: int, itemsize: int, 
     A, B = all_to_all_rows(kept, ep, data_rank, cp)
     both = 2 * (A + B) * n_embd * itemsize
     return cost.Bytes(both, both)
-
-
-def counts_all_gather_bytes(config, n_data: int, data_rank: int) -> cost.Bytes:
-    """The all-gather of every data rank's (k, E) int64 selection counts, one per MoE layer."""
-    per_rank = config.moe_top_k * config.moe_experts
-    return cost.all_gather_bytes([per_rank] * n_data, data_rank, 8)
 
 
 def routing_runs(rows: int, seq_len: int, cp: int, cp_rank: int, cp_algo: str | None) -> int:
@@ -126,11 +119,6 @@ def expert_param_bytes_per_rank(config, ep: int, ep_rank: int) -> int:
     """Bytes of those parameters in the model's dtype; AdamW adds twice this again for m and v,
     and the gradients once."""
     return expert_params_per_rank(config, ep, ep_rank) * np.dtype(config.dtype).itemsize
-
-
-def dense_params(config) -> int:
-    """Elements of every parameter that is not an expert's (routers included)."""
-    return sum(math.prod(s) for n, s in param_shapes(config).items() if ".mlp.experts." not in n)
 
 
 # ------------------------------------------------------------------- MoE in pipeline stages

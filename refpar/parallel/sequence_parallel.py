@@ -24,7 +24,6 @@ all-gather and reduce-scatter span the Ta tokens of this cp rank, not the whole 
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from functools import partial
 
@@ -32,7 +31,6 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.holdings import sequence_parallel_param_names
 from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.tensor_parallel import Layout, LocalAttention, RegionPair, check_tp
 from refpar.sharding import shard_range, shard_sizes
@@ -117,14 +115,3 @@ def sp_cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm)
     return replace(lay, pair=sp_pair(Ta), resid_pos=lay.region_pos[slice(*shard_range(Ta, t, r))])
 
 
-def all_reduce_sequence_parallel_grads(grads: dict, config: ModelConfig, tp) -> None:
-    """Sums those gradients over tp in place, coalesced into one all-reduce per step."""
-    names = sequence_parallel_param_names(config)
-    xp = array_namespace(grads[names[0]])
-    flat = xp.concat([xp.reshape(grads[n], (-1,)) for n in names])
-    flat = tp.all_reduce(flat, tag="sp.replicated_grads:bwd")
-    start = 0
-    for n in names:
-        size = math.prod(grads[n].shape)
-        grads[n] = xp.reshape(flat[start:start + size], grads[n].shape)
-        start += size
