@@ -122,6 +122,15 @@ def run(args) -> int:
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
     check_checkpoint_args(sizes, args)
     check_precision_args(sizes, args)
+    if args.microbatches < 1:  # every runner splits the batch into them; one device too
+        from refpar.config import ConfigError
+
+        raise ConfigError(f"a step needs at least one microbatch, got --microbatches {args.microbatches}; "
+                          "use 1 or more")
+    if args.trace is not None:
+        from refpar.config import check_output_path
+
+        check_output_path("--trace", args.trace)
     from refpar import backend
 
     backend.use(args.backend, args.device)  # before any array exists: the runners draw through it
@@ -130,7 +139,12 @@ def run(args) -> int:
         return train_moe.run_cli(model, train, sizes, args)
     from refpar.commands import train_engine
 
-    if train_engine.wants_engine(sizes, args):  # the N-D engine, refpar/engine.py (wants_engine says when)
+    engine = train_engine.wants_engine(sizes, args)
+    if not dp_runner.wants_data_parallel(sizes, args):
+        # the engine's FSDP refuses the other two itself (engine_options), saying why
+        own = ("--overlap", "--bucket-kb") if engine else tuple(dp_runner.OWN_OPTIONS)
+        dp_runner.refuse_own_options(args, own)
+    if engine:  # the N-D engine, refpar/engine.py (wants_engine says when)
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return train_engine.run_cli(model, train, sizes, args)
     if pipeline_runner.wants_pipeline(sizes, args):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py
@@ -201,10 +215,14 @@ def run(args) -> int:
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:
     """--save and --resume exist for one device, the dp/ZeRO/FSDP, tp/sp/cp, pipeline and MoE
     runners and the N-D engine (refpar/checkpoint.py)."""
-    from refpar.config import ConfigError
+    from refpar.config import ConfigError, check_output_path
 
     if args.save_every is not None and (args.save is None or args.save_every < 1):
         raise ConfigError("--save-every N needs --save DIR and N >= 1")
+    if args.save is not None:
+        check_output_path("--save", args.save, directory=True)
+    if args.resume == "":
+        raise ConfigError("--resume needs a directory written by --save")
     if (args.save or args.resume) and getattr(args, "backend", "numpy") != "numpy":
         raise ConfigError(f"--save and --resume read and write NumPy arrays; drop them or --backend "
                           f"{args.backend}")

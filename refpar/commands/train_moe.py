@@ -40,20 +40,27 @@ COMM_KEYS = (("data", "all_gather"), ("ep", "all_to_all"), ("data", "all_reduce"
              ("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"))
 
 
+# The options that shape the experts, with their defaults: without --moe-experts none applies.
+MOE_DEFAULTS = {"moe_topk": 1, "moe_layers": None, "capacity_factor": 1.25, "dropless": False,
+                "aux_loss_weight": 0.01, "z_loss_weight": 0.001}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = MOE_DEFAULTS
     group = parser.add_argument_group("Mixture of Experts (refpar/model/moe.py)")
     group.add_argument("--moe-experts", type=int, default=0,
                        help="experts per MoE block; 0 keeps GPT-2's MLP (default 0)")
-    group.add_argument("--moe-topk", type=int, default=1, help="experts per token: 1 Switch, 2 Mixtral")
-    group.add_argument("--moe-layers", default=None,
+    group.add_argument("--moe-topk", type=int, default=d["moe_topk"],
+                       help="experts per token: 1 Switch, 2 Mixtral")
+    group.add_argument("--moe-layers", default=d["moe_layers"],
                        help="blocks with experts, e.g. 1,3 (default: every block)")
     drop = group.add_mutually_exclusive_group()
-    drop.add_argument("--capacity-factor", type=float, default=1.25,
+    drop.add_argument("--capacity-factor", type=float, default=d["capacity_factor"],
                       help="capacity = ceil(tokens * k * factor / experts) per expert (default 1.25)")
     drop.add_argument("--dropless", action="store_true", help="no capacity: never drop a token")
-    group.add_argument("--aux-loss-weight", type=float, default=0.01,
+    group.add_argument("--aux-loss-weight", type=float, default=d["aux_loss_weight"],
                        help="alpha of the Switch load-balancing loss (default 0.01)")
-    group.add_argument("--z-loss-weight", type=float, default=0.001,
+    group.add_argument("--z-loss-weight", type=float, default=d["z_loss_weight"],
                        help="beta of the router z-loss (default 0.001)")
 
 
@@ -62,6 +69,11 @@ def model_overrides(args) -> dict:
     from refpar.config import ConfigError
 
     if not args.moe_experts:
+        given = [name for name, default in MOE_DEFAULTS.items() if getattr(args, name, default) != default]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{flag} shapes the experts of a Mixture of Experts; add --moe-experts E "
+                              f"or drop {flag}")
         return {}
     layers = None
     if args.moe_layers is not None:
@@ -78,7 +90,7 @@ def model_overrides(args) -> dict:
 # none of them, and says so rather than ignore one; --schedule and --chunks only with pp, --cp-algo
 # only with cp, --sp only with tp; --zero and --fsdp shard (refpar/engine_moe_zero.py).
 OTHER_OPTIONS = {"sp": False, "cp_algo": None, "schedule": None, "chunks": None, "overlap": False,
-                 "bucket_kb": None, "prefetch": False}
+                 "bucket_kb": None, "prefetch": False, "reshard_after_forward": True}
 
 
 def check_options(args, pipelined: bool = False, cp: bool = False, tp: bool = False) -> None:
@@ -88,7 +100,8 @@ def check_options(args, pipelined: bool = False, cp: bool = False, tp: bool = Fa
         value = getattr(args, name, default)
         if value != default and not (pipelined and name in ("schedule", "chunks")) \
                 and not (cp and name == "cp_algo") and not (tp and name == "sp"):
-            flag = "--" + name.replace("_", "-")
+            flag = "--no-reshard-after-forward" if name == "reshard_after_forward" else \
+                "--" + name.replace("_", "-")
             hint = {"schedule": " or add pp=2 or more to --mesh", "chunks": " or add pp=2 or more to --mesh",
                     "cp_algo": " or add cp=2 or more to --mesh", "sp": " or add tp=2 or more to --mesh"
                     }.get(name, "")

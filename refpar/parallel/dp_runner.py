@@ -11,6 +11,7 @@ memory by category next to the closed form (refpar.analysis.memory).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -241,6 +242,21 @@ def add_arguments(parser) -> None:
         help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
 
 
+# The options only this runner reads, with the values that mean "not asked for".
+OWN_OPTIONS = {"--overlap": ("overlap", False), "--bucket-kb": ("bucket_kb", None),
+               "--prefetch": ("prefetch", False),
+               "--no-reshard-after-forward": ("reshard_after_forward", True)}
+
+
+def refuse_own_options(args, flags=tuple(OWN_OPTIONS)) -> None:
+    """For a run another runner takes: the first of `flags` given is refused, not ignored."""
+    for flag in flags:
+        name, default = OWN_OPTIONS[flag]
+        if getattr(args, name, default) != default:
+            raise ConfigError(f"{flag} applies to data parallelism over a --mesh of dp alone (plain DP, "
+                              f"ZeRO or FSDP); drop it for this run")
+
+
 def wants_data_parallel(sizes: dict[str, int], args) -> bool:
     """A dp-only mesh with more than one rank, or ZeRO/FSDP asked for."""
     only_dp = all(size == 1 for axis, size in sizes.items() if axis != "dp")
@@ -262,6 +278,9 @@ def run_cli(model, train, sizes: dict[str, int], args) -> int:
     itemsize = fields.get("grad_itemsize") or fields["itemsize"]  # a bucket holds gradients
     if args.bucket_kb is not None and (args.zero or args.fsdp):
         raise ConfigError("--bucket-kb sizes plain DP's all-reduce buckets; drop it or use --zero 0")
+    if args.bucket_kb is not None and not 0 < args.bucket_kb < math.inf:  # nan too
+        raise ConfigError(f"--bucket-kb {args.bucket_kb:g} must be a positive finite size in KiB; give "
+                          "e.g. --bucket-kb 64")
     bucket = 1 << 62 if args.bucket_kb is None else int(args.bucket_kb * 1024 // itemsize)
     opts = options(strategy_name(args), model, train, args.microbatches, bucket, args.prefetch,
                    args.reshard_after_forward, args.overlap)
