@@ -357,10 +357,12 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
 
     ex = exercise(n)
     path = Path(path) if path else LESSONS / "exercises" / ex.file
-    if not path.exists():
+    if not path.is_file() or path.suffix != ".py":
         from refpar.config import ConfigError
 
-        raise ConfigError(f"{path} does not exist; give --file PATH to your copy of {ex.file}")
+        what = "is not a Python file (.py)" if path.is_file() else \
+            "is a directory" if path.is_dir() else "does not exist"
+        raise ConfigError(f"{path} {what}; give --file PATH to your copy of {ex.file}")
     if ex.ranks > 1 and not under_launcher():
         cmd = argv(f"mpiexec -n {ex.ranks} python -m refpar lesson check {n} --file {path.resolve()}")
         env = command_env()
