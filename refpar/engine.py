@@ -145,12 +145,12 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, opts: EngineOp
         check_cp(model, train.seq_len, c, opts.cp_algo or "ring", t)
         if opts.sp:
             check_sp_cp(model, train.seq_len, t, c, opts.cp_algo or "ring")
-    build(opts.schedule, p, opts.microbatches, opts.chunks)  # the schedule's own sentences
-    stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
     if train.batch_size // d < opts.microbatches:
         raise ConfigError(f"--batch-size {train.batch_size} over dp={d} leaves fewer sequences per "
                           f"pipeline than --microbatches {opts.microbatches}; use --batch-size "
                           f"{d * opts.microbatches} or more")
+    stage_layers(model.n_layer, p * opts.chunks, 0)  # "pp x chunks stages need as many blocks"
+    build(opts.schedule, p, opts.microbatches, opts.chunks)  # last: it costs p x m x v; its own sentences
 
 
 class TensorParallelStage(Stage):

@@ -79,10 +79,9 @@ def closed_form_rows(w: Workload) -> tuple[list[dict], list[dict]]:
 
         return expected_rows(_dp_options(w), w.model, w.train, w.sizes["dp"])
     if w.strategy == "pp":
-        from refpar.parallel.pipeline.runner import expected_comm_rows, expected_memory_rows
-        from refpar.parallel.pipeline.schedules import build
+        from refpar.parallel.pipeline.runner import expected_comm_rows, expected_memory_rows, validate
 
-        build(w.schedule, w.sizes["pp"], w.microbatches, w.chunks)  # a bad schedule says why here
+        validate(w.model, w.train, w.sizes, w.schedule, w.microbatches, w.chunks)  # a bad run says why
         return (expected_comm_rows(w.model, w.train, w.sizes, w.microbatches, w.chunks),
                 expected_memory_rows(w.model, w.train, w.sizes, w.schedule, w.microbatches, w.chunks))
     from refpar.analysis.intra_layer import expected_comm_rows

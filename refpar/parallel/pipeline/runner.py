@@ -194,6 +194,18 @@ def reference_diffs(model: ModelConfig, train: TrainConfig, run: PipelineRun, pl
             "max_param_rel_diff": param_diff}
 
 
+def validate(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], kind: str, m: int,
+             v: int) -> None:
+    """Every microbatch's sequences, the stages' blocks and the schedule, or a ConfigError; the
+    schedule last, since building it takes time and memory in proportion to p x m x v."""
+    if train.batch_size // sizes["dp"] < m:
+        raise ConfigError(f"--batch-size {train.batch_size} over dp={sizes['dp']} leaves fewer "
+                          f"sequences per pipeline than --microbatches {m}; use "
+                          f"--batch-size {sizes['dp'] * m} or more")
+    stage_layers(model.n_layer, sizes["pp"] * v, 0)
+    build(kind, sizes["pp"], m, v)
+
+
 def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args) -> int:
     if sizes["pp"] == 1:
         raise ConfigError("--schedule and --chunks need a pipeline; add pp=2 or more to --mesh")
@@ -203,13 +215,7 @@ def run_cli(model: ModelConfig, train: TrainConfig, sizes: dict[str, int], args)
         raise ConfigError(f"pipeline training combines with dp, tp and cp (the engine) only so far; "
                           f"drop {', '.join(other)}")
     v = args.chunks if args.chunks is not None else (2 if kind == "interleaved-1f1b" else 1)
-    # Every rank checks everything before the first message.
-    build(kind, sizes["pp"], args.microbatches, v)
-    stage_layers(model.n_layer, sizes["pp"] * v, 0)
-    if train.batch_size // sizes["dp"] < args.microbatches:
-        raise ConfigError(f"--batch-size {train.batch_size} over dp={sizes['dp']} leaves fewer "
-                          f"sequences per pipeline than --microbatches {args.microbatches}; use "
-                          f"--batch-size {sizes['dp'] * args.microbatches} or more")
+    validate(model, train, sizes, kind, args.microbatches, v)  # on every rank, before the first message
     from refpar.comm.communicator import abort_on_error, world  # starts MPI
     from refpar.comm.trace import Tracer
     from refpar.mesh import DeviceMesh
