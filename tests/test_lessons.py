@@ -90,6 +90,8 @@ def test_compare_masks_timings_and_holds_numbers_to_their_tolerance():
     assert "integers must be equal" in lessons.compare(shown, "loss 4.56, 1,023 bytes, 1 ms", tolerance=1e-2)
     marked = "<!-- varies: x -->\n<!-- tolerance: 2e-2 -->\n```console\n$ echo 1\n1\n```\n"
     assert [(b.tolerance, b.varies) for b in lessons.blocks(marked)] == [(2e-2, ["x"])]
+    reasoned = "<!-- tolerance: 5e-2; bf16's u = 3.9e-3 per rounding -->\n```console\n$ echo 1\n1\n```\n"
+    assert [b.tolerance for b in lessons.blocks(reasoned)] == [5e-2]  # the reason is not the number
 
 
 def test_the_app_shows_each_lesson_and_its_exercise():
