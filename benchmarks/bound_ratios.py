@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # "Zen" runs the Haswell kernels in this OpenBLAS, so it is not a family of its own).
 NEEDS = {"SkylakeX": {"avx512f", "avx512bw", "avx512dq", "avx512vl"}, "Haswell": {"avx2", "fma"},
          "Sandybridge": {"avx"}, "Prescott": {"sse3"}}
-SHOWN = "import threadpoolctl; print(threadpoolctl.threadpool_info()[0]['architecture'])"
+SHOWN = "import numpy, threadpoolctl; print(threadpoolctl.threadpool_info()[0]['architecture'])"
 
 
 def cpu_flags() -> set[str]:

@@ -30,7 +30,6 @@ CASES = {
 }
 
 
-
 def check(mesh_text: str, case: str, comm) -> dict:
     model = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=2, dropout=0.1,
                         moe_experts=4, moe_layers=(0, 1), **CASES[case])

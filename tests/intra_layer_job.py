@@ -35,7 +35,6 @@ from tests.numerics import rel_diff
 STEPS = 3
 
 
-
 def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     model = model_preset("tiny", **spec.get("model", {}))
     train = TrainConfig(steps=STEPS, batch_size=spec.get("batch_size", 4), seq_len=spec.get("seq_len", 16),

@@ -54,7 +54,6 @@ RUNS = [
 ]
 
 
-
 def train(model, train_cfg, mesh, schedule, m, v, cp_algo=None, **saving):
     if schedule is None:
         return train_expert_parallel(model, train_cfg, mesh, microbatches=m, **saving)

@@ -54,7 +54,6 @@ RUNS = [
 ]
 
 
-
 def all_ranks(comm, ok: bool) -> bool:
     return bool(comm.all_reduce(np.array([int(ok)]), op="min")[0])
 

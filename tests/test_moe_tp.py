@@ -48,7 +48,7 @@ def test_moe_with_expert_tp_and_sp_matches_one_device_with_closed_form_bytes_and
             # ranks: the float64 contract, as for the loss
             assert within(r["aux_diff"], CONTRACT) and r["routing_same"], r
         else:  # bf16: partial sums round where one device rounds once, so routing may flip later
-            assert r["loss_diff"] <= MOE_LOSS_TOLERANCES["bf16-mixed"], r
+            assert within(r["loss_diff"], MOE_LOSS_TOLERANCES["bf16-mixed"]), r
         assert r["bytes_ok"] and r["memory_ok"], r
         assert min(r["dropped"]) > 0, r
         assert r["buffer_all_reduces"] == [[1.0, 1.0]] * 4, r
@@ -74,8 +74,8 @@ def test_moe_tp_checkpoints_resume_exactly_and_reshard_to_other_meshes(rows):
         if saved == resumed:
             assert r["exact"] and r["losses"] == r["uninterrupted"], r
         else:
-            assert within(max(abs(x - y) / abs(y) for x, y in zip(r["losses"], r["uninterrupted"],
-                                                          strict=True)), CONTRACT), r
+            worst = max(abs(x - y) / abs(y) for x, y in zip(r["losses"], r["uninterrupted"], strict=True))
+            assert within(worst, CONTRACT), r
 
 
 def test_expert_tp_slices_split_each_expert_like_the_dense_mlp_and_reassemble_it():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from refpar.commands.verify import MOE_LOSS_TOLERANCES
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.engine_moe import MoEPipelineOptions, validate
 from refpar.engine_moe_zero import moe_fsdp_units, moe_units_of
@@ -54,7 +55,8 @@ def test_moe_zero2_in_fp16_with_fp32_grads_has_the_closed_forms_and_sharded_mast
     runs = [r for r in rows if "run" in r and "float16" in r["run"]]
     assert len(runs) == 2
     for r in runs:
-        assert r["bytes_ok"] and r["memory_ok"] and r["loss_diff"] <= 2e-3, r
+        assert r["bytes_ok"] and r["memory_ok"], r
+        assert within(r["loss_diff"], MOE_LOSS_TOLERANCES["fp16-mixed"]), r
         assert all(0 < master < unsharded for master, unsharded in r["master_peaks"]), r
 
 
@@ -78,8 +80,8 @@ def test_moe_zero_checkpoints_resume_exactly_on_their_mesh_and_reshard_to_others
         if a == b:
             assert r["exact"] and r["losses"] == r["uninterrupted"], r
         else:  # other meshes sum the gradients in another order: the contract
-            assert within(max(abs(x - y) / abs(y) for x, y in zip(r["losses"], r["uninterrupted"],
-                                                          strict=True)), CONTRACT), r
+            worst = max(abs(x - y) / abs(y) for x, y in zip(r["losses"], r["uninterrupted"], strict=True))
+            assert within(worst, CONTRACT), r
 
 
 def test_moe_zero3_cli_without_pp_runs_one_stage_and_reports_the_closed_forms():
