@@ -70,10 +70,13 @@ class RankWatch:
 
     def __init__(self):
         self.folder = Path(tempfile.mkdtemp(prefix="refpar-watch-"))
-        self.path = str(self.folder / "ranks.sock")
+        self.path: str | None = str(self.folder / "ranks.sock")
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._server.bind(self.path)
-        self._server.listen(1024)
+        try:
+            self._server.bind(self.path)
+            self._server.listen(1024)
+        except OSError:  # e.g. a temporary folder whose path is too long for a socket: no watching
+            self.path = None
         self._pids: dict[int, int] = {}
         self.first_gone: list[int] = []  # the ranks whose connection closed first without "end"
         self._thread: threading.Thread | None = None
@@ -81,7 +84,7 @@ class RankWatch:
 
     def env(self) -> dict[str, str]:
         """What the job's environment needs for its ranks to report to this watch."""
-        return {WATCH: self.path}
+        return {WATCH: self.path} if self.path else {}
 
     def pids(self) -> dict[int, int]:
         """rank -> pid, of the ranks that have started."""
@@ -89,6 +92,8 @@ class RankWatch:
 
     def follow(self, proc) -> None:
         """Watches the ranks' connections until `proc` (the mpiexec process) has ended."""
+        if self.path is None:
+            return
         self._thread = threading.Thread(target=self._watch, args=(proc,), daemon=True)
         self._thread.start()
 
