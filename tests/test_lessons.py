@@ -84,6 +84,10 @@ def test_compare_masks_timings_and_holds_numbers_to_their_tolerance():
     assert "integers must be equal" in lessons.compare(shown, "loss 4.567039131706693, 1,025 bytes, 1 ms")
     assert "tolerance" in lessons.compare(shown, "loss 4.567139131706693, 1,024 bytes, 12.5 ms")
     assert "line 1 differs" in lessons.compare(shown, "loss 4.567039131706693, 1,024 kB, 12.5 ms")
+    # a slower run's wider time shifts the padding of its column (refpar verify's table)
+    row = "zero-3        2   4.4e-05     ok     ok    1.1s  pass"
+    assert lessons.compare(row, "zero-3        2   4.4e-05     ok     ok   11.1s  pass") is None
+    assert "line 1 differs" in lessons.compare(row, "zero-3        2   4.4e-05     ok     ok   11.1s  FAIL")
     # a block marked <!-- tolerance: 1e-2 --> (16-bit runs) holds non-integers to 1e-2, bytes exactly
     assert lessons.compare(shown, "loss 4.56, 1,024 bytes, 1 ms", tolerance=1e-2) is None
     assert "tolerance 0.01" in lessons.compare(shown, "loss 4.4, 1,024 bytes, 1 ms", tolerance=1e-2)
