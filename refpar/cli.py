@@ -94,10 +94,14 @@ def _run_reporting_config_errors(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if under_launcher():
-        # Any other error on one rank must end every rank, not leave the others waiting in a
-        # collective.
+        from refpar import jobs
         from refpar.comm.communicator import abort_on_error
 
+        jobs.announce(launcher_rank())  # a launching process can then say which rank died, if one does
+        # Any other error on one rank must end every rank, not leave the others waiting in a
+        # collective.
         with abort_on_error():
-            return _run_reporting_config_errors(args)
+            status = _run_reporting_config_errors(args)
+        jobs.ended()
+        return status
     return _run_reporting_config_errors(args)

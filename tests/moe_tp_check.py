@@ -35,6 +35,7 @@ from refpar.parallel.expert_parallel_run import local_params, reference_run, tra
 from refpar.parallel.pipeline.stage import stage_param_names
 from refpar.parallel.tensor_parallel import shard_params_tp
 from tests.moe_pipeline_check import emit, resume_row
+from tests.numerics import rel_diff
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
@@ -53,10 +54,6 @@ RUNS = [
 ]
 
 
-def rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
-
-
 def all_ranks(comm, ok: bool) -> bool:
     return bool(comm.all_reduce(np.array([int(ok)]), op="min")[0])
 
@@ -69,7 +66,7 @@ def check_run(comm, mesh_text, sp, schedule, m, changes, algo) -> dict:
     events = list(comm.tracer.events)
     ref = reference_run(model, TRAIN, microbatches=m)
     whole = full_params(run, model, mesh)
-    param_diff = float(comm.all_reduce(np.array([max(rel(np.asarray(p, np.float64), np.asarray(
+    param_diff = float(comm.all_reduce(np.array([max(rel_diff(np.asarray(p, np.float64), np.asarray(
         ref.params[n], np.float64)) for n, p in whole.items())]),
                                        op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}

@@ -24,7 +24,8 @@ from refpar.config import parse_mesh
 from refpar.engine_moe import MoEPipelineOptions, full_params, run_moe_pipeline
 from refpar.mesh import DeviceMesh
 from refpar.parallel.expert_parallel_run import reference_run, train_expert_parallel
-from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, rel, resume_row
+from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, resume_row
+from tests.numerics import rel_diff
 
 # (mesh, zero, fsdp, schedule, chunks, precision[, cp_algo[, sp]]): every run 2 microbatches
 RUNS = [
@@ -66,7 +67,7 @@ def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None
     run = run_moe_pipeline(model, train_cfg, mesh, opts)
     events = list(comm.tracer.events)
     ref = reference_run(model, train_cfg, microbatches=M)
-    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in
+    param_diff = float(comm.all_reduce(np.array([max(rel_diff(p, ref.params[n]) for n, p in
                                                     full_params(run, model, mesh).items())]),
                                        op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
