@@ -26,10 +26,29 @@ The mesh also builds the groups that span several axes or part of one, and hands
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from refpar.comm.communicator import Communicator
 from refpar.config import MESH_AXES, ConfigError, ParallelConfig
+
+
+def check_job_size(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """All five axes of `sizes`, validated, when their product is the job's size; else the same
+    ConfigError on every rank, before any communication."""
+    full = ParallelConfig(dict(sizes)).sizes
+    product = math.prod(full[a] for a in MESH_AXES)  # Python ints: no int64 overflow
+    if product == 1 < world_size:
+        raise ConfigError(f"the job has {world_size} ranks but the mesh has one; give --mesh sizes that "
+                          f"multiply to {world_size} (e.g. --mesh dp={world_size}) or start a single process")
+    if product != world_size:
+        given = ",".join(f"{a}={full[a]}" for a in MESH_AXES if full[a] > 1)
+        raise ConfigError(
+            f"the mesh {given} has {product} ranks but the job has {world_size}; "
+            f"run mpiexec -n {product} or change the mesh so its sizes multiply to {world_size}"
+        )
+    return full
 
 
 class DeviceMesh:
@@ -42,15 +61,8 @@ class DeviceMesh:
     """
 
     def __init__(self, world: Communicator, sizes: dict[str, int]):
-        self.sizes = ParallelConfig(dict(sizes)).sizes  # all five axes, validated
+        self.sizes = check_job_size(sizes, world.size)  # all five axes, validated
         shape = tuple(self.sizes[a] for a in MESH_AXES)
-        product = int(np.prod(shape))
-        if product != world.size:
-            given = ",".join(f"{a}={self.sizes[a]}" for a in MESH_AXES if self.sizes[a] > 1) or "all 1"
-            raise ConfigError(
-                f"the mesh {given} has {product} ranks but the job has {world.size}; "
-                f"run mpiexec -n {product} or change the mesh so its sizes multiply to {world.size}"
-            )
         self.world = world
         self.rank = world.rank
         self.ranks = np.arange(world.size).reshape(shape)  # (pp, dp, ep, cp, tp)

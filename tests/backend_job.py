@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
-
 from refpar import backend
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
@@ -23,14 +21,11 @@ from refpar.engine import Plan, parallelize, train
 from refpar.engine.report import full_params
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
+from tests.numerics import rel_diff
 
 TRAIN = TrainConfig(steps=2, batch_size=4, seq_len=16)
 MESHES = {"zero3": {"dp": 2}, "tp_sp": {"tp": 2}, "cp_ulysses": {"cp": 2}, "pp_1f1b": {"pp": 2},
           "ep": {"ep": 2}, "3d": {"dp": 2, "tp": 2, "pp": 2}}
-
-
-def rel(a, b) -> float:
-    return float(np.max(np.abs(backend.to_host(a) - b)) / max(float(np.max(np.abs(b))), 1e-300))
 
 
 PLANS = {"zero3": Plan(zero=3), "tp_sp": Plan(sp=True), "cp_ulysses": Plan(cp_algo="ulysses"),
@@ -51,7 +46,7 @@ def check(name: str, comm, tracer: Tracer) -> dict:
     tracer.clear()
     losses, held, whole, ref_losses, ref_params = train_on(name, comm)
     return {"loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-            "param_rel_diff": max(rel(p, ref_params[n]) for n, p in whole.items()),
+            "param_rel_diff": max(rel_diff(backend.to_host(p), ref_params[n]) for n, p in whole.items()),
             # The module of the arrays the strategy holds: proof that the run computed on the backend.
             "namespaces": sorted({type(a).__module__.split(".")[0] for a in held.values()}),
             "staged": sorted({e.staged for e in tracer.events}), "events": len(tracer.events),

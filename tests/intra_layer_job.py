@@ -28,12 +28,9 @@ from refpar.engine.report import full_params
 from refpar.holdings import tp_param_slices
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
+from tests.numerics import rel_diff
 
 STEPS = 3
-
-
-def rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
 def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
@@ -64,7 +61,7 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
         references[key] = train_single_device(model, train)
     ref = references[key]
     out = {"loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses, strict=True)),
-           "param_rel_diff": max(rel(full[n], ref.params[n]) for n in ref.params)}
+           "param_rel_diff": max(rel_diff(full[n], ref.params[n]) for n in ref.params)}
 
     # Traced calls == closed form, call by call (op, tag, bytes), for every step and axis.
     want = [(c.axis, c.op, c.tag, c.bytes_sent, c.bytes_recv)

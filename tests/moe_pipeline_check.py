@@ -31,6 +31,7 @@ from refpar.engine.checkpoint import resume_from
 from refpar.engine.report import full_params
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
+from tests.numerics import rel_diff
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
@@ -46,10 +47,6 @@ RUNS = [
     # 16-bit activations, router losses kept in fp32: the closed forms in bf16, against a bf16 device
     ("pp=2,ep=2", "zb-h1", 2, 1, {"dtype": "bfloat16"}),
 ]
-
-
-def rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
 def plan_of(schedule, m, v, cp_algo=None, sp=False) -> Plan:
@@ -95,7 +92,7 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
     plan = par.plan
     events = [e for e in comm.tracer.events if e.step is not None]
     ref = train_single_device(model, TRAIN, microbatches=m)
-    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in params.items())]),
+    param_diff = float(comm.all_reduce(np.array([max(rel_diff(p, ref.params[n]) for n, p in params.items())]),
                                        op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                        and s.tokens_per_expert == {i: r.tokens_per_expert[i] for i in s.tokens_per_expert}

@@ -34,6 +34,7 @@ from refpar.model.gpt import param_shapes
 from refpar.parallel.tensor_parallel import shard_params_tp
 from refpar.trainer import train_single_device
 from tests.moe_pipeline_check import emit, plan_of, resume_row, train
+from tests.numerics import rel_diff
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
@@ -50,10 +51,6 @@ RUNS = [
     ("cp=2,tp=2", False, "1f1b", 2, {}, "ring"),
     ("cp=2,tp=2", True, "1f1b", 2, {"n_head": 4}, "ulysses"),
 ]
-
-
-def rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
 def all_ranks(comm, ok: bool) -> bool:
@@ -73,7 +70,7 @@ def check_run(comm, mesh_text, sp, schedule, m, changes, algo) -> dict:
     run, par, whole = train(model, TRAIN, mesh, schedule, m, 1, algo, sp)
     events = [e for e in comm.tracer.events if e.step is not None]
     ref = train_single_device(model, TRAIN, microbatches=m)
-    param_diff = float(comm.all_reduce(np.array([max(rel(np.asarray(p, np.float64), np.asarray(
+    param_diff = float(comm.all_reduce(np.array([max(rel_diff(np.asarray(p, np.float64), np.asarray(
         ref.params[n], np.float64)) for n, p in whole.items())]), op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                        and s.tokens_per_expert == {i: r.tokens_per_expert[i] for i in s.tokens_per_expert}

@@ -26,7 +26,8 @@ from refpar.engine import train as train_engine
 from refpar.engine.report import full_params
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
-from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, rel, resume_row
+from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, resume_row
+from tests.numerics import rel_diff
 
 # (mesh, zero, fsdp, schedule, chunks, precision[, cp_algo[, sp]]): every run 2 microbatches
 RUNS = [
@@ -75,7 +76,7 @@ def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None
     run = train_engine(par)
     events = list(comm.tracer.events)
     ref = train_single_device(model, train_cfg, microbatches=M)
-    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in
+    param_diff = float(comm.all_reduce(np.array([max(rel_diff(p, ref.params[n]) for n, p in
                                                     full_params(par).items())]), op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                        for s, r in zip(run.moe_steps, ref.moe_steps, strict=True))

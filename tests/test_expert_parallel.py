@@ -12,6 +12,7 @@ from refpar.engine import Plan, validate
 from refpar.memory import CATEGORIES
 from refpar.model.gpt import param_shapes
 from tests.mpi import mpiexec
+from tests.numerics import CONTRACT, within
 
 CASES = {"top1_drops", "top2_drops", "top1_dropless", "top2_dropless"}
 
@@ -27,8 +28,9 @@ def runs(n, *meshes):
 
 def assert_matches_single_device(rows):
     for r in rows:
-        assert r["loss_diff"] <= 1e-10 and r["param_diff"] <= 1e-10, r
-        assert r["same_dropped"] and r["same_tokens_per_expert"] and r["same_aux"] <= 1e-15, r
+        assert within(r["loss_diff"], CONTRACT) and within(r["param_diff"], CONTRACT), r
+        # aux losses from the other mesh's parameters, summed over ranks: the contract, relative
+        assert r["same_dropped"] and r["same_tokens_per_expert"] and within(r["same_aux"], CONTRACT), r
         assert r["bytes_match"], r  # traced bytes per (axis, op) and expert memory == closed forms
         assert (min(r["dropped"]) > 0) == r["case"].endswith("_drops"), r
 
@@ -87,7 +89,7 @@ def test_train_cli_reports_routing_per_step_and_matches_one_device_with_closed_f
                     "--capacity-factor", "0.9", "--moe-layers", "1,3", "--steps", "3", "--check")
     print({k: s[k] for k in ("losses", "max_loss_rel_diff", "max_param_rel_diff", "moe")})
     assert s["mesh"]["ep"] == 2 and s["world_size"] == 2
-    assert s["max_loss_rel_diff"] <= 1e-10 and s["max_param_rel_diff"] <= 1e-10
+    assert within(s["max_loss_rel_diff"], CONTRACT) and within(s["max_param_rel_diff"], CONTRACT)
     moe = s["moe"]
     assert moe["blocks"] == [1, 3] and moe["dropped"] == moe["reference_dropped"]
     assert all(sum(step) > 0 for step in moe["dropped"])

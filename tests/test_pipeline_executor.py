@@ -15,6 +15,7 @@ from refpar.parallel.pipeline.schedules import (
     peak_inflight_microbatches,
 )
 from tests.mpi import mpiexec, refpar_json
+from tests.numerics import CONTRACT, within
 
 CASES = {
     2: [["gpipe", 4, 1], ["1f1b", 3, 1], ["interleaved-1f1b", 4, 2], ["zb-h1", 4, 1],
@@ -41,8 +42,8 @@ def test_every_schedule_matches_single_device_after_3_adamw_steps_with_dropout(r
                                                                 strict=True))
         # float64, same weights, same keyed dropout masks: only the order in which microbatch
         # gradients are summed differs from one device.
-        assert loss_diff <= 1e-10, (p, r["kind"], loss_diff)
-        assert r["max_param_rel_diff"] <= 1e-10, (p, r["kind"], r["max_param_rel_diff"])
+        assert within(loss_diff, CONTRACT), (p, r["kind"], loss_diff)
+        assert within(r["max_param_rel_diff"], CONTRACT), (p, r["kind"], r["max_param_rel_diff"])
 
 
 def test_traced_bytes_equal_the_closed_form_per_rank_axis_and_op(results):
@@ -88,7 +89,7 @@ def test_train_command_matches_one_device_and_reports_bytes_bubbles_and_trace(tm
     out = refpar_json(4, "train", "--mesh", "pp=2,dp=2", "--schedule", "interleaved-1f1b",
                       "--microbatches", "4", "--steps", "2", "--check", "--trace", str(trace))
     assert (out["schedule"], out["microbatches"], out["mesh"]["pp"]) == ("interleaved-1f1b", 4, 2)
-    assert out["max_loss_rel_diff"] <= 1e-10 and out["max_param_rel_diff"] <= 1e-10
+    assert within(out["max_loss_rel_diff"], CONTRACT) and within(out["max_param_rel_diff"], CONTRACT)
     rows = {tuple(sorted(r.items())) for r in out["comm_bytes"]}
     assert rows == {tuple(sorted(r.items())) for r in out["expected_comm_bytes"]}
     # parameters, gradients, AdamW moments of each rank's stages; activations: the schedule's

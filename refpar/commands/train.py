@@ -12,6 +12,7 @@ rank before any communication, and refpar/engine/report.py trains and reports.
 from __future__ import annotations
 
 import argparse
+import math
 
 HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
 
@@ -86,20 +87,27 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
         help="blocks of the model, replacing the preset's (each pipeline stage needs at least one)")
 
 
+# The options that shape the experts, with their defaults: without --moe-experts none applies.
+MOE_DEFAULTS = {"moe_topk": 1, "moe_layers": None, "capacity_factor": 1.25, "dropless": False,
+                "aux_loss_weight": 0.01, "z_loss_weight": 0.001}
+
+
 def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    d = MOE_DEFAULTS
     group = parser.add_argument_group("Mixture of Experts (refpar/model/moe.py)")
     group.add_argument("--moe-experts", type=int, default=0,
                        help="experts per MoE block; 0 keeps GPT-2's MLP (default 0)")
-    group.add_argument("--moe-topk", type=int, default=1, help="experts per token: 1 Switch, 2 Mixtral")
-    group.add_argument("--moe-layers", default=None,
+    group.add_argument("--moe-topk", type=int, default=d["moe_topk"],
+                       help="experts per token: 1 Switch, 2 Mixtral")
+    group.add_argument("--moe-layers", default=d["moe_layers"],
                        help="blocks with experts, e.g. 1,3 (default: every block)")
     drop = group.add_mutually_exclusive_group()
-    drop.add_argument("--capacity-factor", type=float, default=1.25,
+    drop.add_argument("--capacity-factor", type=float, default=d["capacity_factor"],
                       help="capacity = ceil(tokens * k * factor / experts) per expert (default 1.25)")
     drop.add_argument("--dropless", action="store_true", help="no capacity: never drop a token")
-    group.add_argument("--aux-loss-weight", type=float, default=0.01,
+    group.add_argument("--aux-loss-weight", type=float, default=d["aux_loss_weight"],
                        help="alpha of the Switch load-balancing loss (default 0.01)")
-    group.add_argument("--z-loss-weight", type=float, default=0.001,
+    group.add_argument("--z-loss-weight", type=float, default=d["z_loss_weight"],
                        help="beta of the router z-loss (default 0.001)")
 
 
@@ -108,6 +116,11 @@ def model_overrides(args) -> dict:
     from refpar.config import ConfigError
 
     if not args.moe_experts:
+        given = [name for name, default in MOE_DEFAULTS.items() if getattr(args, name, default) != default]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{flag} shapes the experts of a Mixture of Experts; add --moe-experts E "
+                              f"or drop {flag}")
         return {}
     layers = None
     if args.moe_layers is not None:
@@ -177,6 +190,9 @@ def plan_of(args, sizes: dict[str, int], model):
         raise ConfigError(f"--fsdp and --zero {args.zero} are two ways to shard; give one of them")
     if args.bucket_kb is not None and (args.zero or args.fsdp):
         raise ConfigError("--bucket-kb sizes plain DP's all-reduce buckets; drop it or use --zero 0")
+    if args.bucket_kb is not None and not 0 < args.bucket_kb < math.inf:  # nan too
+        raise ConfigError(f"--bucket-kb {args.bucket_kb:g} must be a positive finite size in KiB; give "
+                          "e.g. --bucket-kb 64")
     bucket = 1 << 62
     if args.bucket_kb is not None:  # a bucket holds gradients
         bucket = int(args.bucket_kb * 1024 // (4 if args.fp32_grads else dtype_of(model.dtype).itemsize))
@@ -192,6 +208,10 @@ def run(args) -> int:
     model, train, sizes = configs(args)
     check_checkpoint_args(sizes, args)
     check_precision_args(sizes, args)
+    if args.trace is not None:
+        from refpar.config import check_output_path
+
+        check_output_path("--trace", args.trace)
     plan = plan_of(args, sizes, model)
     validate(model, train, sizes, plan)  # on every rank, before any communication
     backend.use(args.backend, args.device)  # before any array exists: the run draws through it
@@ -200,10 +220,14 @@ def run(args) -> int:
 
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:
     """--save and --resume exist for every mesh (refpar/checkpoint.py)."""
-    from refpar.config import ConfigError
+    from refpar.config import ConfigError, check_output_path
 
     if args.save_every is not None and (args.save is None or args.save_every < 1):
         raise ConfigError("--save-every N needs --save DIR and N >= 1")
+    if args.save is not None:
+        check_output_path("--save", args.save, directory=True)
+    if args.resume == "":
+        raise ConfigError("--resume needs a directory written by --save")
     if (args.save or args.resume) and getattr(args, "backend", "numpy") != "numpy":
         raise ConfigError(f"--save and --resume read and write NumPy arrays; drop them or --backend "
                           f"{args.backend}")

@@ -34,10 +34,10 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
             check_sp_cp(model, train.seq_len, t, c, plan.cp_algo or "ring")
     if (plan.schedule is not None or plan.chunks is not None) and p == 1:
         raise ConfigError("--schedule and --chunks need a pipeline; add pp=2 or more to --mesh")
-    build(plan.kind, p, plan.microbatches, plan.v)  # the schedule's own sentences
     stage_layers(model.n_layer, p * plan.v, 0)  # "pp x chunks stages need as many blocks"
     _check_batch(model, train, d, e, plan.microbatches)
     _check_data_parallel(model, d * e * c if model.moe_experts else d * c, plan)
+    build(plan.kind, p, plan.microbatches, plan.v)  # last: it costs p x m x v; its own sentences
 
 
 def _check_batch(model: ModelConfig, train: TrainConfig, d: int, e: int, m: int) -> None:
