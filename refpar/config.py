@@ -102,7 +102,7 @@ class ModelConfig:
             object.__setattr__(self, "moe_layers", tuple(sorted(layers)))
         if not (0 <= self.moe_aux_loss_weight < math.inf and 0 <= self.moe_z_loss_weight < math.inf):
             raise ConfigError(f"moe_aux_loss_weight={self.moe_aux_loss_weight} and moe_z_loss_weight="
-                              f"{self.moe_z_loss_weight} must each be 0 or a positive finite number")
+                              f"{self.moe_z_loss_weight} must be 0 or positive, and finite")
 
     @property
     def moe_blocks(self) -> tuple[int, ...]:
