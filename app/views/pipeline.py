@@ -70,10 +70,10 @@ def controls(key: str, default_kind: str) -> tuple:
         overlap = st.radio("an overlapped F&B costs", ("sum", "max"), horizontal=True, key=f"{key}overlap",
                            help="sum: F + B, the two run one after the other; max: max(F, B), each "
                                 "hides the other's communication (DualPipe's premise)")
-    return kind, int(p), int(m), int(v), float(F), float(B), float(W), overlap
+    return key, kind, int(p), int(m), int(v), float(F), float(B), float(W), overlap
 
 
-def show(kind, p, m, v, F, B, W, overlap="sum") -> None:
+def show(key, kind, p, m, v, F, B, W, overlap="sum") -> None:
     try:
         check(p, m, v, (F, B, W))
         out = figures(kind, p, m, v, F, B, W, overlap)
@@ -94,9 +94,10 @@ def show(kind, p, m, v, F, B, W, overlap="sum") -> None:
                  help=f"time units, {where}")
         b.metric("idle of the rank that idles most (published)", f"{published.idle:g}",
                  help=f"{published.source}; time units, {where}")
-    st.plotly_chart(out["gantt"], width="stretch")
-    st.plotly_chart(out["inflight"], width="stretch")
-    st.plotly_chart(out["grid"], width="stretch")
+    # keyed by side: two sides set alike draw the same figures, which need two element ids
+    st.plotly_chart(out["gantt"], width="stretch", key=f"{key}gantt")
+    st.plotly_chart(out["inflight"], width="stretch", key=f"{key}inflight")
+    st.plotly_chart(out["grid"], width="stretch", key=f"{key}grid")
     with st.expander("the grid as `refpar schedule` prints it"):
         st.code(out["text"], language=None)
 

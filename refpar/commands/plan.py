@@ -69,12 +69,14 @@ def run(args) -> int:
     from refpar.analysis.hardware import hardware
     from refpar.analysis.planner import plan
     from refpar.analysis.presets import preset
-    from refpar.config import ConfigError
+    from refpar.config import ConfigError, check_output_path
 
     if args.top < 1:
         raise ConfigError(f"--top {args.top} must be at least 1")
     if not 0 < args.efficiency <= 1:
         raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]")
+    if args.figure is not None:
+        check_output_path("--figure", args.figure)
     spec, hw = preset(args.model), hardware(args.hardware)
     start = time.perf_counter()
     result = plan(spec, hw, args.gpus, args.global_batch, args.seq, top=args.top,

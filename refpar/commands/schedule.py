@@ -12,14 +12,19 @@ Prints a pipeline schedule as a ranks x ticks grid and its simulated bubble, e.g
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from refpar.config import ConfigError
+from refpar.config import ConfigError, check_output_path
 from refpar.parallel.pipeline import schedules as S
 from refpar.parallel.pipeline import schedules_v as V
 
 HELP = ("print a pipeline schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, v-half, v-min, "
         "dualpipev, dualpipe, or one read from torch's CSV) and its bubble")
+# The largest schedule the command builds: its summary walks every (rank, tick) cell several times,
+# and 64 stages x 256 microbatches (p x m = 16,384; measured about 7 s for zb-h2 and 1f1b on this
+# project's 2-core machine) is already wider than a terminal can show.
+MAX_STAGES, MAX_CELLS = 256, 1 << 14
 
 
 def add_arguments(parser) -> None:
@@ -60,6 +65,7 @@ def describe(schedule: S.Schedule, costs: S.Costs, kind: str | None = None) -> d
     p, m = len(schedule), lay.n_microbatches
     v = lay.n_stages // p
     published = None if kind is None else V.published_idle(kind, p, m, costs)
+    peaks = S.peak_inflight_microbatches(schedule)  # {rank: count}, for every rank at once
     return {
         "kind": kind, "stages": p, "microbatches": m, "chunks": v,
         "costs": {"F": costs.F, "B": costs.B, "W": costs.W, "p2p": costs.p2p, "overlap": costs.overlap},
@@ -76,8 +82,7 @@ def describe(schedule: S.Schedule, costs: S.Costs, kind: str | None = None) -> d
         "published_bubble_fraction": None if kind is None else S.published_bubble_fraction(kind, p, m, v),
         "published_idle": None if published is None else
         {"idle": published.idle, "steady": published.steady, "source": published.source},
-        "peak_inflight_microbatches": [
-            S.peak_inflight_microbatches(schedule)[r] for r in sorted(schedule)],
+        "peak_inflight_microbatches": [peaks[r] for r in sorted(schedule)],
         "published_peak": None if kind is None else V.published_peak(kind, p),
     }
 
@@ -85,11 +90,18 @@ def describe(schedule: S.Schedule, costs: S.Costs, kind: str | None = None) -> d
 def _costs(args) -> S.Costs:
     costs = S.Costs(args.cost_f, args.cost_b, args.cost_w, args.cost_p2p, args.cost_overlap)
     for name, value in (("--cost-f", costs.F), ("--cost-b", costs.B), ("--cost-w", costs.W)):
-        if value <= 0:
-            raise ConfigError(f"{name} {value:g} must be positive; give a duration > 0")
-    if costs.p2p < 0:
-        raise ConfigError(f"--cost-p2p {costs.p2p:g} must not be negative; give 0 or more")
+        if not 0 < value < math.inf:  # nan too
+            raise ConfigError(f"{name} {value:g} must be positive and finite; give a duration, e.g. {name} 1")
+    if not 0 <= costs.p2p < math.inf:
+        raise ConfigError(f"--cost-p2p {costs.p2p:g} must be a finite duration of 0 or more")
     return costs
+
+
+def _check_size(p: int, m: int, v: int) -> None:
+    if p > MAX_STAGES or p * m * v > MAX_CELLS:
+        raise ConfigError(f"p={p} stages x m={m} microbatches x v={v} chunks "
+                          f"is more than a grid can show (simulating it takes minutes); keep p <= "
+                          f"{MAX_STAGES} and p x m x v <= {MAX_CELLS:,}, e.g. -p 64 -m 256")
 
 
 def _schedule(args) -> tuple[S.Schedule, str | None, str]:
@@ -102,19 +114,32 @@ def _schedule(args) -> tuple[S.Schedule, str | None, str]:
         path = Path(args.from_csv)
         if not path.is_file():
             raise ConfigError(f"--from-csv {path}: no such file; give the path of a schedule CSV")
-        return S.from_csv(path.read_text()), None, path.name
+        schedule = S.from_csv(path.read_text())
+        # one forward per stage and microbatch: p x m x v of them in a schedule of p ranks
+        forwards = sum(c.kind == "F" for row in schedule.values() for a in row if a is not None
+                       for c in a.computations())
+        _check_size(len(schedule), 1, forwards // max(len(schedule), 1))
+        return schedule, None, path.name
     if args.kind is None:
         raise ConfigError(f"give a schedule KIND ({', '.join(S.BUILDERS)}) or --from-csv FILE")
     if args.stages is None or args.microbatches is None:
         raise ConfigError(f"refpar schedule {args.kind} needs --stages P and --microbatches M, e.g. "
                           "-p 4 -m 8")
+    p, m = args.stages, args.microbatches
     v = args.chunks if args.chunks is not None else S.default_chunks(args.kind)
-    title = f"{args.kind}, p={args.stages}, m={args.microbatches}" + (f", v={v}" if v > 1 else "")
-    return S.build(args.kind, args.stages, args.microbatches, v), args.kind, title
+    # Only sizes the builders would take: a wrong kind, size or chunk count gets their own sentence.
+    buildable = args.kind in S.BUILDERS and min(p, m, v) >= 1 \
+        and (v == S.default_chunks(args.kind) or args.kind == "interleaved-1f1b")
+    if buildable:
+        _check_size(p, m, v)
+    title = f"{args.kind}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
+    return S.build(args.kind, p, m, v), args.kind, title
 
 
 def run(args) -> int:
     costs = _costs(args)
+    if args.figure is not None:
+        check_output_path("--figure", args.figure)
     schedule, kind, title = _schedule(args)
     try:
         out = describe(schedule, costs, kind)
