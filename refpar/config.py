@@ -268,6 +268,7 @@ class Plan:
     """What a run does on its mesh beyond the mesh's sizes (the defaults: no strategy asked for)."""
 
     schedule: str | None = None  # pipeline schedule (refpar/parallel/pipeline/schedules.py); 1f1b
+    schedule_csv: str | None = None  # or a schedule of one's own: the text of torch's schedule CSV
     microbatches: int = 1  # per step: pipeline microbatches, gradient accumulation, MoE routing
     chunks: int | None = None  # v, model chunks per pipeline rank (interleaved-1f1b: 2)
     sp: bool = False  # Megatron sequence parallelism over tp
@@ -281,11 +282,8 @@ class Plan:
 
     @property
     def kind(self) -> str:
-        return self.schedule or "1f1b"
-
-    @property
-    def v(self) -> int:
-        return self.chunks or (2 if self.kind == "interleaved-1f1b" else 1)
+        """The schedule's builder, "csv" for one read from a file."""
+        return "csv" if self.schedule_csv is not None else self.schedule or "1f1b"
 
     @property
     def stage(self) -> int:

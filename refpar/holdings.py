@@ -41,6 +41,12 @@ def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[st
     return names
 
 
+def stage_names(config: ModelConfig, lay, stage: int) -> list[str]:
+    """The parameters stage `stage` of a schedule with layout `lay` (schedules.Layout) reads: those
+    of its part of the model (DualPipe's two copies hold the same parts)."""
+    return stage_param_names(config, lay.stages_per_copy, lay.part(stage))
+
+
 def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
     """Which slice of each full parameter tp rank `rank` of `t` holds: (axis, global indices);
     absent = replicated (refpar/parallel/tensor_parallel.py has the table)."""
@@ -120,10 +126,10 @@ def units(names: list[str]) -> dict[str, list[str]]:
         if n.startswith("h."):
             block = ".".join(n.split(".")[:2])  # "h.3"
             out.setdefault(block + (".experts" if is_expert(n) else ""), []).append(n)
-    return {u: out[u] for u in sorted(out, key=_unit_order)}
+    return {u: out[u] for u in sorted(out, key=unit_order)}
 
 
-def _unit_order(unit: str) -> tuple:
+def unit_order(unit: str) -> tuple:
     """wte, root, then the blocks in order, each block's experts after its dense unit."""
     if not unit.startswith("h."):
         return (ENDS.index(unit),)

@@ -97,7 +97,7 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     out["memory"] = dict(par.ledger.peak)
     out["memory_expected"] = expected
     # the largest gradient dict a backward piece hands over: one block's (of this rank's shards)
-    numels = rank_param_numels(model, mesh.sizes, mesh.coords, 1)
+    numels = rank_param_numels(model, mesh.sizes, mesh.coords, plan)
     out["block_grad_elems"] = sum(n for name, n in numels.items() if name.startswith("h.0."))
     out["losses"], out["reference_losses"] = losses, ref.losses
     # fp16 loss scaling: what each rank skipped, and a digest of the parameters every tp rank holds

@@ -106,7 +106,7 @@ def runtime_units(config, n: int, rank: int) -> Units:
     from refpar.model.gpt import param_shapes
 
     shapes = param_shapes(config)
-    return Units({0: list(shapes)}, shapes, lambda expert: SimpleNamespace(size=n, rank=rank))
+    return Units({0: list(shapes)}, shapes, lambda expert: SimpleNamespace(size=n, rank=rank), {0: 1})
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
@@ -286,8 +286,8 @@ def engine_holders(dp: int, tp: int, zero: int) -> dict[int, set]:
             local = shard_params_tp(full, sh.DEMO_MODEL, tp, t)
             if zero == 3:
                 units = Units({0: list(local)}, {n: w.shape for n, w in local.items()},
-                              lambda expert, d=d: SimpleNamespace(size=dp, rank=d))
-                held = np.concatenate(list(Zero(units, sh.DEMO_MODEL, TrainConfig(), MemoryLedger(), local, 1,
+                              lambda expert, d=d: SimpleNamespace(size=dp, rank=d), {0: 1})
+                held = np.concatenate(list(Zero(units, sh.DEMO_MODEL, TrainConfig(), MemoryLedger(), local,
                                                 3).shards.values()))
             else:
                 held = np.concatenate([w.ravel() for w in local.values()])

@@ -83,13 +83,15 @@ class Precision:
 @dataclass
 class RankUnits:
     """What a rank holds and runs: its units in layout order, its stages, its schedule row (actions
-    or None), the (stage, microbatch) pairs whose backward is split into B and W, and m."""
+    or None), the (stage, microbatch) pairs whose backward is split into B and W, and per unit the
+    backwards in a step that complete it (m; 2m for a V's wte, which two stages hold; DualPipe's
+    blocks m/2, each stage running its copy's half of the microbatches)."""
 
     units: dict[str, Unit]
     stages: dict[int, StageUnits]
     row: list
     split: frozenset
-    microbatches: int
+    uses: dict[str, int]
     names: list  # (unit, parameter, elements) of every parameter, in layout order
     fused: bool = False  # tensor-parallel pieces: B computes the weight gradients too, W nothing
 
@@ -133,7 +135,7 @@ def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap:
     Bytes) in the order the rank calls them) for `strategy` (dp, zero1-3, fsdp); DP's
     `bucket_list` (`buckets`), `overlap`ped; FSDP's `prefetch` and `reshard` after forward;
     `stepped`: the optimizer stepped (ZeRO-1/2 gather only then)."""
-    U, m, stage3 = ru.units, ru.microbatches, strategy in ("zero3", "fsdp")
+    U, stage3 = ru.units, strategy in ("zero3", "fsdp")
     peak = {"params": 0, "grads": 0, "comm": 0}
     now = {"params": 0, "grads": 0, "comm": 0}
     moved: dict[tuple[str, str], list[int]] = {}
@@ -150,7 +152,7 @@ def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap:
         peak[cat] = max(peak[cat], now[cat])
 
     gathered, holders, rings = set(), {u: set() for u in U}, {}  # rings: unit -> [rounds left]
-    waiting = dict.fromkeys(U, m)
+    waiting = dict(ru.uses)
     unit_grads = set()
     flight, sent = [], set()  # DP overlap: [bytes of each round left] per bucket in flight
     single = any(s.first and s.last for s in ru.stages.values())  # one stage holds both ends
@@ -258,9 +260,7 @@ def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap:
     def overlap_rounds(n, unit):
         return _ring_rounds(shard_sizes(n, unit.n), unit.rank, True, pr.g)
 
-    for a in ru.row:
-        if a is None:
-            continue
+    for a in (c for x in ru.row if x is not None for c in x.computations()):  # an F&B: its F, then B
         s, key = ru.stages[a.stage], (a.stage, a.microbatch)
         blocks = list(s.blocks)
         if a.kind == "F":

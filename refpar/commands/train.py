@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
 
@@ -81,6 +82,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cp-algo", default=None, choices=("ring", "ulysses"),
         help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
     add("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
+    add("--schedule-csv", metavar="FILE", default=None,
+        help="a pipeline schedule of one's own in torch.distributed.pipelining's CSV (refpar schedule "
+             "KIND --csv writes one)")
     add("--chunks", type=int, default=None,
         help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
     add("--n-layer", type=int, default=None,
@@ -196,7 +200,15 @@ def plan_of(args, sizes: dict[str, int], model):
     bucket = 1 << 62
     if args.bucket_kb is not None:  # a bucket holds gradients
         bucket = int(args.bucket_kb * 1024 // (4 if args.fp32_grads else dtype_of(model.dtype).itemsize))
-    return Plan(schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks, sp=args.sp,
+    csv = None
+    if args.schedule_csv is not None:
+        path = Path(args.schedule_csv)
+        if not path.is_file():
+            raise ConfigError(f"--schedule-csv {path}: no such file; give the path of a schedule CSV "
+                              "(refpar schedule KIND --csv writes one)")
+        csv = path.read_text()
+    return Plan(schedule=args.schedule, schedule_csv=csv, microbatches=args.microbatches, chunks=args.chunks,
+                sp=args.sp,
                 cp_algo=args.cp_algo, zero=args.zero, fsdp=args.fsdp, prefetch=args.prefetch,
                 reshard_after_forward=args.reshard_after_forward, bucket_elems=bucket, overlap=args.overlap)
 
@@ -208,7 +220,6 @@ def run(args) -> int:
     model, train, sizes = configs(args)
     check_checkpoint_args(sizes, args)
     check_precision_args(sizes, args)
-    check_schedule_args(args)
     if args.trace is not None:
         from refpar.config import check_output_path
 
@@ -217,19 +228,6 @@ def run(args) -> int:
     validate(model, train, sizes, plan)  # on every rank, before any communication
     backend.use(args.backend, args.device)  # before any array exists: the run draws through it
     return report.run(model, train, sizes, plan, args)
-
-
-def check_schedule_args(args) -> None:
-    """The executor runs the schedules whose stages follow one another on the ranks in a loop;
-    the V-shaped and bidirectional ones (refpar/parallel/pipeline/schedules_v.py) are schedules
-    as data: built, validated, simulated, drawn and exchanged with torch as CSV."""
-    from refpar.config import ConfigError
-
-    kind = getattr(args, "schedule", None)
-    if kind in ("zbv", "v-half", "v-min", "dualpipev", "dualpipe"):
-        loop = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2")
-        raise ConfigError(f"--schedule {kind} is built and simulated by `refpar schedule {kind}` but "
-                          f"not trained yet; train with one of {', '.join(loop)}")
 
 
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:

@@ -20,9 +20,11 @@ ring's 2(N-1) rounds written out as isend/irecv, one round advanced each time an
 backward finishes, so the messages of bucket k are in flight while the backward of the next
 blocks computes (the trace shows bucket k's sends ending after bucket k+1's begin). Same bytes.
 
-After the backward two partial sums remain: the tied wte's two halves (the first and the last
-pipeline stage's, over the mesh's embedding group) and, under sequence parallelism, the gradients
-of the parameters applied in the sequence-sharded region (each tp rank saw its tokens only).
+After the backward the partial sums remain: the tied wte's two halves (the first and the last
+pipeline stage's, over the mesh's embedding group, where two ranks hold them), DualPipe's two
+copies of every part (over the mesh's mirror group, pipeline ranks r and p-1-r) and, under
+sequence parallelism, the gradients of the parameters applied in the sequence-sharded region (each
+tp rank saw its tokens only).
 
 Ledger: params Ψl, grads Ψl (+ the largest dict a backward piece returns, until it is folded in),
 optimizer 2Ψl (AdamW m, v), comm one bucket's all-reduce output (overlap: the send copy and
@@ -45,9 +47,9 @@ class DataParallel(Hooks):
     """This rank's replicas of its units; `params` the parameters it holds (drawn whole, tp-sliced).
     `bucket_elems` caps a bucket (a parameter is never split); `overlap` all-reduces by rings."""
 
-    def __init__(self, units_, config, train, ledger, params: dict, microbatches: int,
-                 bucket_elems: int = 1 << 62, overlap: bool = False, lowp: bool = True):
-        super().__init__(units_, config, train, ledger, microbatches, lowp)
+    def __init__(self, units_, config, train, ledger, params: dict, bucket_elems: int = 1 << 62,
+                 overlap: bool = False, lowp: bool = True):
+        super().__init__(units_, config, train, ledger, lowp)
         dt, u = self.dtypes, units_
         xp = array_namespace(next(iter(params.values())))
         self.params = ledger.alloc("params.flat", xp.concat([u.flatten(k, params) for k in u.names]),
@@ -116,8 +118,9 @@ class DataParallel(Hooks):
         self.sent = {i for i, (_, _, members) in enumerate(self.buckets)
                      if self.units.group[next(iter(members))].size == 1}  # nothing to sum
 
-    def finish(self, embedding=None, tp=None, sp_names=()) -> None:
-        """After the backward: the rings still in flight, then the partial sums (module docstring)."""
+    def finish(self, embedding=None, tp=None, sp_names=(), copies=None) -> None:
+        """After the backward: the rings still in flight, then the partial sums (module docstring);
+        `copies`: DualPipe's mirror rank, whose copy of the same parts has the other gradients."""
         while self.in_flight:
             for ring in self.in_flight:
                 ring.advance()
@@ -126,6 +129,8 @@ class DataParallel(Hooks):
         if embedding is not None and "wte" in u.names:
             wte = u.slice("wte", self.grads)
             wte[...] = embedding.all_reduce(wte, tag="wte.weight:tied-grad")
+        if copies is not None:
+            u.sum_copies(copies, lambda k: u.slice(k, self.grads))
         if sp_names:  # one coalesced all-reduce of the sequence-sharded region's gradients
             spans = [(u.start[k] + a, u.start[k] + b) for n in sp_names for k, a, b in [u.offsets[n]]]
             xp = array_namespace(self.grads)

@@ -24,8 +24,10 @@ keep optimizer state for it:
   its backward (its loss gradient starts there), so they too are gathered twice on a stage that
   also holds the embedding, and once where the pipeline's last stage holds only the head.
 
-After the backward two partial sums run on the shards: the tied wte's over the mesh's embedding
-group (the first and the last stage shard it alike), and under sequence parallelism the segments
+After the backward the partial sums run on the shards: the tied wte's over the mesh's embedding
+group (the first and the last stage shard it alike), DualPipe's two copies' over the mirror group
+(ranks r and p-1-r hold the same units, sharded alike over the same replicas), and under sequence
+parallelism the segments
 of the sequence-sharded region's parameters inside this rank's shards, over tp (tp divides the
 heads, so every tp rank's unit has the same layout and its [a, b) holds the same elements).
 
@@ -51,9 +53,9 @@ from refpar.parallel.units import Hooks, fold_grads
 class Zero(Hooks):
     """ZeRO stage 1, 2 or 3 over each unit's group; the hooks of refpar.parallel.pipeline.stage."""
 
-    def __init__(self, units_, config, train, ledger, params: dict, microbatches: int, stage: int,
+    def __init__(self, units_, config, train, ledger, params: dict, stage: int,
                  lowp: bool = True):
-        super().__init__(units_, config, train, ledger, microbatches, lowp)
+        super().__init__(units_, config, train, ledger, lowp)
         self.stage = stage
         u, dt = units_, self.dtypes
         full = {k: u.flatten(k, params) for k in u.names}  # drawn whole, then sliced
@@ -187,12 +189,15 @@ class Zero(Hooks):
         a, b = self.units.own[unit]
         return self.units.slice(unit, self.grads)[a:b] if self.stage == 1 else self.grad_shards[unit]
 
-    def finish(self, embedding=None, tp=None, sp_names=()) -> None:
-        """The partial sums on the shards (module docstring)."""
+    def finish(self, embedding=None, tp=None, sp_names=(), copies=None) -> None:
+        """The partial sums on the shards (module docstring); `copies`: DualPipe's mirror rank, whose
+        copy of the same parts (sharded alike over the same group) has the other gradients."""
         u = self.units
         if embedding is not None and "wte" in u.names:
             g = self.grad_shard("wte")
             g[...] = embedding.all_reduce(g, tag="wte.weight:tied-grad")
+        if copies is not None:
+            u.sum_copies(copies, self.grad_shard)
         names = set(sp_names)
         pieces = [(k, lo - a, hi - a) for k, (a, b) in u.own.items() for n, lo, hi in u.segments(k, a, b)
                   if n in names]

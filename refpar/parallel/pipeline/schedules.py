@@ -55,6 +55,7 @@ from functools import cached_property
 from refpar.config import ConfigError
 
 KINDS = ("F", "B", "W")
+ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb-h1", "zb-h2")  # the others hold 2 (or v) stages per rank
 OVERLAP = "F&B"  # a forward and a backward run as one action (DualPipe's overlapped chunk pair)
 
 
@@ -126,6 +127,17 @@ class Layout:
         share = self.n_microbatches // self.copies
         copy = stage // self.stages_per_copy
         return range(copy * share, (copy + 1) * share)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages `rank` runs, lowest first."""
+        return sorted(s for s, r in self.stage_rank.items() if r == rank)
+
+    @property
+    def tied_apart(self) -> bool:
+        """Whether the tied embedding's two ends, the first part's wte and the last part's head,
+        sit on two ranks whose gradients must be summed: in a loop (ranks 0 and p-1). Not in a V,
+        where rank 0 holds both, nor in DualPipe, whose copies' sum covers them."""
+        return self.copies == 1 and self.stage_rank[0] != self.stage_rank[self.n_stages - 1]
 
     def chunk(self, stage: int) -> int:
         """Which of its rank's stages `stage` is, counted from the lowest: 0 or 1 in a V."""
@@ -429,15 +441,18 @@ def critical_path_gap(timeline: Timeline, schedule: Schedule) -> float:
 
 def stored(schedule: Schedule, after_f: Callable[[Action], int] = lambda a: 1,
            after_b: Callable[[Action], int] = lambda a: 1) -> dict[int, list[int]]:
-    """Per rank, after each tick, what is stored for backward: `after_f(F)` from each F until its
+    """Per rank, the most stored for backward during each tick: `after_f(F)` from each F until its
     B, then `after_b(B)` until its W where the backward is split. With the defaults, the number of
-    (stage, microbatch) pairs in flight; with bytes, the activation memory a run must measure."""
+    (stage, microbatch) pairs in flight; with bytes, the activation memory a run must measure. An
+    overlapped F&B peaks between its parts: its forward's activations exist before its backward
+    frees the other microbatch's (the executor runs them in that order; DualPipe overlaps them)."""
     lay = layout(schedule)
     held: dict[tuple[int, int], int] = {}
     out = {}
     for rank, row in schedule.items():
         total, trace = 0, []
         for a in row:
+            most = total
             for c in () if a is None else a.computations():
                 key = (c.stage, c.microbatch)
                 total -= held.pop(key, 0)
@@ -446,7 +461,8 @@ def stored(schedule: Schedule, after_f: Callable[[Action], int] = lambda a: 1,
                 elif c.kind == "B" and key in lay.split:
                     held[key] = after_b(c)
                 total += held.get(key, 0)
-            trace.append(total)
+                most = max(most, total)
+            trace.append(most)
         out[rank] = trace
     return out
 
@@ -597,7 +613,21 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
 def default_chunks(kind: str) -> int:
     """Stages per rank when none is asked for: 2 for interleaved 1F1B (any v >= 2 works) and for
     the V-shaped and bidirectional schedules (always 2), 1 for the others."""
-    return 1 if kind in ("gpipe", "1f1b", "zb-h1", "zb-h2") else 2
+    return 1 if kind in ONE_STAGE_PER_RANK else 2
+
+
+def model_parts(kind: str, p: int, v: int | None = None) -> int:
+    """How many parts a schedule cuts the model into: its p x v stages, or DualPipe's p (each of
+    its two copies runs the whole model over the p ranks)."""
+    return p if kind == "dualpipe" else p * (default_chunks(kind) if v is None else v)
+
+
+def of_plan(plan, p: int) -> Schedule:
+    """The schedule a refpar.config.Plan runs on p pipeline ranks: read from its CSV (torch's
+    format, `from_csv`), or built by its kind."""
+    if plan.schedule_csv is not None:
+        return from_csv(plan.schedule_csv)
+    return build(plan.kind, p, plan.microbatches, plan.chunks)
 
 
 def build(kind: str, p: int, m: int, v: int | None = None) -> Schedule:
