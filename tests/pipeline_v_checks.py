@@ -6,7 +6,7 @@ are the closed forms (refpar/analysis/engine.py), and per world rank its pipelin
 measured activation and parameter peaks and the replay of its schedule list.
 
 CASES is a JSON list of {"mesh": {axis: size}, "schedule": KIND or null, "csv": PATH or null,
-"m": microbatches, "zero": stage}."""
+"m": microbatches, "zero": stage, "fsdp": bool}."""
 
 import json
 import sys
@@ -40,7 +40,7 @@ def main(cases) -> None:
         comm.tracer.clear()  # each case's bytes alone
         csv = Path(case["csv"]).read_text() if case.get("csv") else None
         plan = Plan(schedule=case.get("schedule"), schedule_csv=csv, microbatches=case["m"],
-                    zero=case.get("zero", 0))
+                    zero=case.get("zero", 0), fsdp=case.get("fsdp", False))
         par = parallelize(MODEL, TRAIN, mesh, plan)
         run = train(par)
         whole = full_params(par)  # whole over tp

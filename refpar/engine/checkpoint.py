@@ -8,7 +8,8 @@ parameters, fp32 masters or AdamW moments, and whether the unit's replica group 
 is a flat range of each parameter it overlaps, of this rank's tp shard of it; `checkpoint.shard_pieces`
 cuts that into boxes of the global tensor (a tp shard's columns of c_attn are three runs). Saving
 writes each element once: of what a group holds alike each rank its `shard_range`, of what every
-tp rank holds whole tp rank 0, of the tied wte pp rank 0 (the last stage's is the same).
+tp rank holds whole tp rank 0, of the tied wte pp rank 0 (the last stage's is the same), of DualPipe's two copies the
+mirror pair's first rank.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def pieces(par, saving: bool) -> list:
     units, coords = par.hooks.units, par.mesh.coords
     slices = par.tp_slices
     out = []
+    if saving and par.copies is not None and par.copies.rank > 0:  # its mirror writes the same
+        return out
     for prefix, unit, first, flat, replicated in par.hooks.held():
         lo, hi = first, first + flat.shape[0]
         if saving and replicated:  # each rank of the group writes its part

@@ -617,9 +617,11 @@ def default_chunks(kind: str) -> int:
 
 
 def model_parts(kind: str, p: int, v: int | None = None) -> int:
-    """How many parts a schedule cuts the model into: its p x v stages, or DualPipe's p (each of
-    its two copies runs the whole model over the p ranks)."""
-    return p if kind == "dualpipe" else p * (default_chunks(kind) if v is None else v)
+    """How many parts a schedule cuts the model into: its p x v stages (v free for interleaved
+    1F1B only), or DualPipe's p (each of its two copies runs the whole model over the p ranks)."""
+    if kind == "dualpipe":
+        return p
+    return p * (v if kind == "interleaved-1f1b" and v is not None else default_chunks(kind))
 
 
 def of_plan(plan, p: int) -> Schedule:
