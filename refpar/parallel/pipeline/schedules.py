@@ -768,8 +768,3 @@ def from_csv(text: str) -> Schedule:
                                 f"full backward {s}B{i} already computed; write {s}I{i} for the input "
                                 "gradient only", r, t)
     return schedule
-
-# The V-shaped and bidirectional builders (zbv, v-half, v-min, dualpipev, dualpipe) live in
-# schedules_v.py, built on the types above; importing it registers them in BUILDERS, whichever of
-# the two modules is imported first.
-from refpar.parallel.pipeline import schedules_v  # noqa: E402, F401
