@@ -8,8 +8,8 @@ parameters, fp32 masters or AdamW moments, and whether the unit's replica group 
 is a flat range of each parameter it overlaps, of this rank's tp shard of it; `checkpoint.shard_pieces`
 cuts that into boxes of the global tensor (a tp shard's columns of c_attn are three runs). Saving
 writes each element once: of what a group holds alike each rank its `shard_range`, of what every
-tp rank holds whole tp rank 0, of the tied wte pp rank 0 (the last stage's is the same), of DualPipe's two copies the
-mirror pair's first rank.
+tp rank holds whole tp rank 0, of the tied wte pp rank 0 (the last stage's is the same), of
+DualPipe's two copies the first rank of each mirror pair.
 """
 
 from __future__ import annotations
