@@ -190,7 +190,9 @@ def test_train_flags_proceed_or_refuse_in_one_sentence_alike_on_every_rank(place
         "--zero": pool("0", "1", "2", "3", "4", "-1"), "--fsdp": SWITCH, "--prefetch": SWITCH,
         "--no-reshard-after-forward": SWITCH, "--overlap": SWITCH, "--bucket-kb": pool(*FLOATS),
         "--sp": SWITCH, "--cp-algo": pool("ring", "ulysses", "x"),
-        "--schedule": pool("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "foo", ""),
+        "--schedule": pool("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-min", "dualpipe",
+                           "foo", ""),
+        "--schedule-csv": path_pool(places, "file", "python_file", "existing_dir", "no_parent", "empty"),
         "--chunks": pool(*INTS), "--n-layer": pool(*INTS), "--moe-experts": pool("4", "2", "8", *INTS),
         "--moe-topk": pool(*INTS), "--moe-layers": pool("0", "1,3", "9", "x", "", "1,1", "0,1,2,3"),
         "--capacity-factor": pool(*FLOATS), "--dropless": SWITCH, "--aux-loss-weight": pool(*FLOATS),
@@ -209,7 +211,8 @@ def test_schedule_flags_finish_or_refuse_in_one_sentence(places):
     flags = {"--chunks": pool(*INTS), "--cost-f": pool(*FLOATS), "--cost-b": pool(*FLOATS),
              "--cost-w": pool(*FLOATS), "--cost-p2p": pool("0", *FLOATS), "--json": SWITCH,
              "--figure": path_pool(places, "new_file", "existing_dir", "no_parent", "empty")}
-    kinds = pool("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-h2", "foo", "", "1F1B")
+    kinds = pool("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "dualpipev",
+                 "dualpipe", "foo", "", "1F1B")
     sizes = pool("1", "2", "4", "3", "8", "5", "0", "-1", "300", "1000000000000", "x")
 
     def case(data):

@@ -114,7 +114,11 @@ def _schedule(args) -> tuple[S.Schedule, str | None, str]:
         path = Path(args.from_csv)
         if not path.is_file():
             raise ConfigError(f"--from-csv {path}: no such file; give the path of a schedule CSV")
-        schedule = S.from_csv(path.read_text())
+        try:
+            schedule = S.from_csv(path.read_text())
+        except UnicodeDecodeError:
+            raise ConfigError(f"--from-csv {path} is not text; give a schedule CSV (refpar schedule KIND "
+                              "--csv writes one)") from None
         # one forward per stage and microbatch: p x m x v of them in a schedule of p ranks
         forwards = sum(c.kind == "F" for row in schedule.values() for a in row if a is not None
                        for c in a.computations())

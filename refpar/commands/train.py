@@ -206,7 +206,11 @@ def plan_of(args, sizes: dict[str, int], model):
         if not path.is_file():
             raise ConfigError(f"--schedule-csv {path}: no such file; give the path of a schedule CSV "
                               "(refpar schedule KIND --csv writes one)")
-        csv = path.read_text()
+        try:
+            csv = path.read_text()
+        except UnicodeDecodeError:
+            raise ConfigError(f"--schedule-csv {path} is not text; give a schedule CSV (refpar schedule "
+                              "KIND --csv writes one)") from None
     return Plan(schedule=args.schedule, schedule_csv=csv, microbatches=args.microbatches, chunks=args.chunks,
                 sp=args.sp,
                 cp_algo=args.cp_algo, zero=args.zero, fsdp=args.fsdp, prefetch=args.prefetch,

@@ -723,7 +723,8 @@ def _read_cell(cell: str, rank: int, tick: int) -> tuple[bool, list[tuple[Action
         if found is None:
             hint = (" (torch's compute_comms format: dump with format='compute_only')"
                     if _COMMS.fullmatch(name.strip()) else "")
-            raise ScheduleError(f"rank {rank} tick {tick}: {cell!r} is not a computation{hint}; a cell "
+            shown = repr(cell if len(cell) <= 40 else cell[:37] + "...")  # a file that is no CSV: its start
+            raise ScheduleError(f"rank {rank} tick {tick}: {shown} is not a computation{hint}; a cell "
                                 "holds an action such as 0F0 (kinds F, I, B, W), an overlapped pair "
                                 "such as (0F1;3B0)OVERLAP_F_B, or nothing for an idle tick", rank, tick)
         stage, kind, mb = int(found[1]), found[2], int(found[3])
