@@ -268,7 +268,6 @@ class Plan:
     """What a run does on its mesh beyond the mesh's sizes (the defaults: no strategy asked for)."""
 
     schedule: str | None = None  # pipeline schedule (refpar/parallel/pipeline/schedules.py); 1f1b
-    schedule_csv: str | None = None  # or a schedule of one's own: the text of torch's schedule CSV
     microbatches: int = 1  # per step: pipeline microbatches, gradient accumulation, MoE routing
     chunks: int | None = None  # v, model chunks per pipeline rank (interleaved-1f1b: 2)
     sp: bool = False  # Megatron sequence parallelism over tp
@@ -279,6 +278,7 @@ class Plan:
     reshard_after_forward: bool = True  # FSDP: free a block's parameters after its forward
     bucket_elems: int = 1 << 62  # DP: the gradient all-reduce bucket cap, in elements
     overlap: bool = False  # DP: buckets all-reduced as ring rounds interleaved with the backward
+    schedule_csv: str | None = None  # a schedule of one's own instead: the text of torch's schedule CSV
 
     @property
     def kind(self) -> str:
