@@ -184,3 +184,21 @@ def test_train_command_bad_schedule_csv_is_one_sentence_before_mpi(tmp_path, cap
     assert main(["train", "--mesh", "pp=2", "--schedule-csv", str(path), *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "\n" not in err, err
+
+
+def test_a_schedule_csv_whose_ends_or_copies_the_sums_cannot_pair_is_one_sentence(tmp_path, capsys):
+    # the tied wte is summed over ranks 0 and p-1, DualPipe's copies over the mirror ranks r, p-1-r
+    swapped = to_csv(build("1f1b", 3, 3)).splitlines()
+    swapped[0], swapped[1] = swapped[1], swapped[0]  # stage 0 on rank 1: the ends on ranks 1 and 2
+    mirrored = to_csv(build("dualpipe", 4, 8)).splitlines()
+    mirrored[0], mirrored[1] = mirrored[1], mirrored[0]  # copy 0's part 0 on rank 1, copy 1's still on 3
+    cases = [(3, "\n".join(swapped) + "\n", "on ranks [1, 2]; put them on ranks 0 and 2"),
+             (4, "\n".join(mirrored) + "\n", "on the mirror rank p-1-r")]
+    for p, text, words in cases:
+        path = tmp_path / f"p{p}.csv"
+        path.write_text(text)
+        argv = ["train", "--mesh", f"pp={p}", "--n-layer", "8", "--schedule-csv", str(path),
+                "--microbatches", str(p if p == 3 else 8)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and "\n" not in err, err

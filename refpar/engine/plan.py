@@ -74,6 +74,16 @@ def _check_csv(model: ModelConfig, p: int, plan: Plan):
         raise ConfigError(f"the --schedule-csv file runs {lay.n_microbatches} microbatches; give "
                           f"--microbatches {lay.n_microbatches}")
     stage_layers(model.n_layer, lay.stages_per_copy, 0)
+    ends = {lay.stage_rank[0], lay.stage_rank[lay.stages_per_copy - 1]}
+    if lay.tied_apart and ends != {0, p - 1}:  # the tied wte's gradient is summed over ranks 0, p-1
+        raise ConfigError(f"the --schedule-csv file puts the first and the last stage, which share the "
+                          f"tied embedding, on ranks {sorted(ends)}; put them on ranks 0 and {p - 1}, "
+                          "or both on one rank")
+    P = lay.stages_per_copy
+    if lay.copies == 2 and any(lay.stage_rank[P + k] != p - 1 - lay.stage_rank[k] for k in range(P)):
+        raise ConfigError("the --schedule-csv file holds two copies of the model; put each stage of the "
+                          "second copy on the mirror rank p-1-r of the same part's rank r in the first, "
+                          "as dualpipe does")
     return lay
 
 
