@@ -24,6 +24,7 @@ from refpar.parallel.tensor_parallel import gather_params_tp
 from refpar.report import run_summary, summary_line
 from refpar.trainer import corpus_for, train_single_device
 
+from .checkpoint import open_resume
 from .lines import header, progress, report
 from .parallelize import parallelize
 from .train import train
@@ -34,12 +35,25 @@ P2P = ("isend", "irecv")  # their time is spent waiting for the other side: idle
 
 def run(model, cfg, sizes: dict, plan, args) -> int:
     """Trains on this job's ranks as `plan` says and reports (module docstring)."""
-    from refpar.comm.communicator import world  # refpar.cli ends every rank on one's error
+    from refpar.comm.communicator import abort_on_error, world
     from refpar.comm.trace import Tracer
     from refpar.mesh import DeviceMesh
 
     comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
-    mesh = DeviceMesh(comm, sizes)
+    mesh = DeviceMesh(comm, sizes)  # its sentence comes from every rank alike, before any message
+    if args.resume is not None:
+        open_resume(args.resume, model, cfg, plan)  # so do a checkpoint's that this run cannot take
+    if comm.size == 1:
+        return _run(model, cfg, sizes, plan, args, mesh, plain)
+    # From here on ranks communicate: an error one rank meets alone (a full disk, say) must end
+    # every rank, not leave the others waiting in a collective (refpar.cli returns 2 from the rank
+    # that raised, which is right only for the checks every rank makes before any message).
+    with abort_on_error():
+        return _run(model, cfg, sizes, plan, args, mesh, plain)
+
+
+def _run(model, cfg, sizes: dict, plan, args, mesh, plain) -> int:
+    comm = mesh.world
     speak = comm.rank == 0
 
     def say(text=""):
