@@ -25,7 +25,8 @@ BF16_MOE_TOLERANCE = 5e-3  # relative loss, bf16-mixed with experts (refpar/comm
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    proc = mpiexec(4, "tests/moe_pipeline_check.py", str(tmp_path_factory.mktemp("moe_ckpt")), timeout=300)
+    proc = mpiexec(4, "tests/jobs/moe_pipeline_check.py", str(tmp_path_factory.mktemp("moe_ckpt")),
+                   timeout=300)
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in out:
         print(r)

@@ -1,6 +1,6 @@
 """MoE in pipeline stages and MoE checkpoints, run under mpiexec by tests/test_moe_pipeline.py.
 
-    mpiexec -n 4 python tests/moe_pipeline_check.py /tmp/checkpoints
+    mpiexec -n 4 python tests/jobs/moe_pipeline_check.py /tmp/checkpoints
 
 Prints one JSON line per run from rank 0. Training runs (pp x dp x ep meshes and schedules, and the
 dp x ep runner with microbatches): the largest loss and parameter differences from the
