@@ -19,6 +19,7 @@ import numpy as np
 from array_api_compat import is_array_api_obj, is_cupy_array, is_numpy_array, is_torch_array
 
 from refpar.config import ConfigError
+from refpar.precision import dtype_of
 
 BACKENDS = ("numpy", "torch", "cupy")
 # Accelerator backends live in gpu_backend/ and register themselves when their module is imported:
@@ -109,7 +110,12 @@ def to_host(x) -> np.ndarray:
     if is_numpy_array(x):
         return x
     if is_torch_array(x):
-        return x.detach().cpu().numpy()  # .cpu() waits for the CUDA stream
+        x = x.detach().cpu()  # .cpu() waits for the CUDA stream
+        if str(x.dtype) == "torch.bfloat16":  # NumPy's bfloat16 is ml_dtypes': the same bits
+            import torch
+
+            return x.view(torch.int16).numpy().view(dtype_of("bfloat16"))
+        return x.numpy()
     if is_cupy_array(x):
         return x.get()  # cupy's device-to-host copy synchronises its stream
     if is_array_api_obj(x):
@@ -118,6 +124,18 @@ def to_host(x) -> np.ndarray:
         except (TypeError, RuntimeError, BufferError):
             return np.asarray(x)
     return np.asarray(x)
+
+
+def as_like(a: np.ndarray, like):
+    """The NumPy array `a` in the namespace and on the device of the array `like`. A bfloat16 array
+    (ml_dtypes') goes to torch as its bit pattern: torch reads no ml_dtypes array, and both formats
+    are the top 16 bits of a float32, so the values are the same."""
+    from array_api_compat import array_namespace, device
+
+    xp = array_namespace(like)
+    if is_torch_array(like) and a.dtype == dtype_of("bfloat16"):
+        return xp.asarray(a.view(np.int16), device=device(like)).view(xp.bfloat16)
+    return xp.asarray(a, device=device(like))
 
 
 def is_array(x) -> bool:
