@@ -126,14 +126,14 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def as_like(a: np.ndarray, like):
-    """The NumPy array `a` in the namespace and on the device of the array `like`. A bfloat16 array
-    (ml_dtypes') goes to torch as its bit pattern: torch reads no ml_dtypes array, and both formats
-    are the top 16 bits of a float32, so the values are the same."""
+def as_like(a, like):
+    """`a` (a NumPy array from the host or a message, a list, ...) as an array of the namespace and
+    device of the array `like`. A NumPy bfloat16 array (ml_dtypes') goes to torch as its bit
+    pattern: torch reads no ml_dtypes array, and both formats are the top 16 bits of a float32."""
     from array_api_compat import array_namespace, device
 
     xp = array_namespace(like)
-    if is_torch_array(like) and a.dtype == dtype_of("bfloat16"):
+    if is_torch_array(like) and is_numpy_array(a) and a.dtype == dtype_of("bfloat16"):
         return xp.asarray(a.view(np.int16), device=device(like)).view(xp.bfloat16)
     return xp.asarray(a, device=device(like))
 
