@@ -9,6 +9,8 @@ arrays from nothing asks the backend: the initialisation, data batches and optim
 drawn on the host with refpar.rng (the same numbers whatever the backend) and moved with
 `from_host`. Communication stages device arrays through host buffers (refpar/comm/communicator.py)
 after `synchronize`; `gpu_backend/` holds the CuPy and torch backends and the device transport.
+Mixed precision's bfloat16 is ml_dtypes' on the host and torch's own on torch: an array crosses
+between them as its 16-bit pattern (`from_host`, `as_like`, `to_host`), the same values.
 """
 
 from __future__ import annotations

@@ -242,5 +242,5 @@ def check_precision_args(sizes: dict[str, int], args) -> None:
     if precision is None or not is_16bit(PRECISIONS[precision]):
         return
     if getattr(args, "backend", "numpy") == "cupy":
-        raise ConfigError(f"--precision {precision} runs on --backend numpy or torch (CuPy has no "
-                          f"bfloat16); drop --backend cupy")
+        raise ConfigError(f"--precision {precision} runs on --backend numpy or torch, not on CuPy "
+                          f"(which has no bfloat16); drop --backend cupy")
