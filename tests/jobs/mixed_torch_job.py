@@ -42,27 +42,28 @@ def arrays(tree):
             yield from arrays(v)
 
 
-def run_on(name: str, spec: dict, comm, plain, ref):
-    """The report's (summary, every rank's measurements) on backend `name`, every rank's held arrays
-    as (module, dtype) pairs (proof of the namespace the run computed in), and the configs."""
+def run_on(name: str, configs, comm, plain, ref):
+    """The report's (summary, every rank's measurements) on backend `name`, and every rank's held
+    arrays as (module, dtype) pairs: proof of the namespace the run computed in."""
+    model, train, sizes, plan = configs
     backend.use(name)
     comm.tracer.clear()
-    model = model_preset("tiny", dtype=spec.get("dtype", "bfloat16"), **spec.get("model", {}))
-    train = TrainConfig(steps=STEPS, batch_size=4, seq_len=16, **spec.get("train", {}))
-    plan = Plan(**spec.get("plan", {}))
-    summary, par, _, every = collect(model, train, DeviceMesh(comm, spec["mesh"]), plan, check=True, ref=ref,
+    summary, par, _, every = collect(model, train, DeviceMesh(comm, sizes), plan, check=True, ref=ref,
                                      plain=plain)
     held = sorted({(type(a).__module__.split(".")[0], str(a.dtype).rsplit(".", 1)[-1])
                    for a in arrays(vars(par.hooks))})
     backend.use("numpy")
-    return summary, every, plain.gather_object(held), (model, train)
+    return summary, every, plain.gather_object(held)
 
 
 def compare(spec: dict, comm, plain) -> dict | None:
-    numpy_summary, numpy_every, numpy_held, (model, train) = run_on("numpy", spec, comm, plain, None)
-    ref = train_single_device(model, train, microbatches=Plan(**spec.get("plan", {})).microbatches) \
-        if comm.rank == 0 else None
-    torch_summary, torch_every, torch_held, _ = run_on("torch", spec, comm, plain, ref)
+    model = model_preset("tiny", dtype=spec.get("dtype", "bfloat16"), **spec.get("model", {}))
+    train = TrainConfig(steps=STEPS, batch_size=4, seq_len=16, **spec.get("train", {}))
+    configs = (model, train, spec["mesh"], Plan(**spec.get("plan", {})))
+    # the single device, once for both runs (rank 0 compares)
+    ref = train_single_device(model, train, microbatches=configs[3].microbatches) if comm.rank == 0 else None
+    numpy_summary, numpy_every, numpy_held = run_on("numpy", configs, comm, plain, ref)
+    torch_summary, torch_every, torch_held = run_on("torch", configs, comm, plain, ref)
     if comm.rank != 0:
         return None
     param_diffs, same, total = [], 0, 0
