@@ -112,11 +112,11 @@ def to_host(x) -> np.ndarray:
     if is_numpy_array(x):
         return x
     if is_torch_array(x):
-        x = x.detach().cpu()  # .cpu() waits for the CUDA stream
-        if str(x.dtype) == "torch.bfloat16":  # NumPy's bfloat16 is ml_dtypes': the same bits
-            import torch
+        from array_api_compat import array_namespace
 
-            return x.view(torch.int16).numpy().view(dtype_of("bfloat16"))
+        x, xp = x.detach().cpu(), array_namespace(x)  # .cpu() waits for the CUDA stream
+        if x.dtype == xp.bfloat16:  # NumPy reads no torch bfloat16: its bits, as ml_dtypes'
+            return x.view(xp.int16).numpy().view(dtype_of("bfloat16"))
         return x.numpy()
     if is_cupy_array(x):
         return x.get()  # cupy's device-to-host copy synchronises its stream
