@@ -183,7 +183,7 @@ def test_bf16_pipeline_ep_and_3d_engine_agree_with_one_device_and_the_closed_for
 
 
 @pytest.mark.parametrize("args, sentence", [
-    (["--mesh", "tp=2", "--backend", "torch"], "runs on the NumPy backend"),
+    (["--mesh", "tp=2", "--backend", "cupy"], "runs on --backend numpy or torch, not on CuPy"),
 ])
 def test_mixed_precision_runs_it_cannot_do_are_refused_in_one_sentence(args, sentence):
     import subprocess

@@ -42,7 +42,7 @@ import zlib
 from contextlib import contextmanager
 
 import numpy as np
-from array_api_compat import array_namespace, device, is_array_api_obj
+from array_api_compat import is_array_api_obj
 from mpi4py import MPI
 
 from refpar import backend
@@ -106,7 +106,7 @@ def _to_host(x):
 
 def _from_host(a: np.ndarray, like):
     """`a` in the namespace and on the device of `like` (None: NumPy as it is)."""
-    return a if like is None else array_namespace(like).asarray(a, device=device(like))
+    return a if like is None else backend.as_like(a, like)
 
 
 def _staged(like) -> bool:

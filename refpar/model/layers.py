@@ -16,15 +16,10 @@ import math
 
 from array_api_compat import array_namespace, device
 
+from refpar.backend import as_like
 from refpar.precision import fp32_compute
 
 GELU_C = math.sqrt(2.0 / math.pi)  # tanh-GELU (Hendrycks & Gimpel 2016), as GPT-2 uses it
-
-
-def as_like(a, like):
-    """`a` (e.g. a NumPy mask or token batch) as an array of `like`'s namespace and device."""
-    xp = array_namespace(like)
-    return xp.asarray(a, device=device(like))
 
 
 def one_hot(idx, n: int, dtype):
