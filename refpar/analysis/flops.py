@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from refpar.analysis.presets import ModelSpec
 
-RECOMPUTE = ("none", "selective", "full")
-
 
 def _mlp_params(h: int, f: int, mlp: str, bias: bool) -> tuple[int, int]:
     """(column-parallel part, row-parallel bias) of one MLP: weights and the biases that split by t."""

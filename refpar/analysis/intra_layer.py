@@ -35,7 +35,6 @@ import numpy as np
 
 from refpar.comm import cost
 from refpar.config import ModelConfig, TrainConfig
-from refpar.precision import is_16bit
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -64,18 +63,6 @@ def compute_itemsize(e: int) -> int:
 def grad_itemsize(model: ModelConfig, train: TrainConfig) -> int:
     """Bytes per gradient element: the parameters' dtype, float32 with fp32_grads."""
     return 4 if train.fp32_grads else np.dtype(model.dtype).itemsize
-
-
-def state_bytes(numel: int, model, train) -> dict[str, int]:
-    """Bytes of the model states of `numel` parameters (ZeRO's categories): params and grads in the
-    model's dtype (grads float32 with fp32_grads), AdamW's two moments in the optimizer's dtype, and
-    the fp32 master weights of a 16-bit model (0 otherwise): 2 + 2 + 4 + 8 = 16 bytes per parameter
-    in bf16-mixed with AdamW."""
-    e = np.dtype(model.dtype).itemsize
-    sixteen = is_16bit(model.dtype)
-    moments = 2 * (4 if sixteen else e) if train.optimizer == "adamw" else 0
-    return {"params": numel * e, "grads": numel * (4 if train.fp32_grads else e),
-            "master": numel * 4 if sixteen else 0, "optimizer": numel * moments}
 
 
 def zigzag_lengths(T: int, c: int) -> list[int]:

@@ -33,8 +33,6 @@ from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
 
 EVERY, NOBODY = -1, -2
 MAX_RANKS = 8  # more colours than this cannot be told apart on screen
-STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp", "tp", "sp", "ep")
-CATEGORIES = ("params", "grads", "optimizer")
 RANK_COLOURS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
 
 # Small enough to draw every element, with 8 heads and 8 experts so tp and ep go up to 8.
