@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from refpar import holdings
 from refpar.comm import cost
 from refpar.sharding import shard_sizes
 
@@ -95,21 +96,9 @@ class RankUnits:
 
 
 def buckets(ru: RankUnits, bucket_elems: int) -> list[tuple[int, frozenset]]:
-    """DP's buckets as (elements, units) in the order backward completes them: whole parameters
-    from the end of each group's run of the rank's layout, a bucket closed when the next would
-    exceed `bucket_elems` (at least one each)."""
-    out, current, members, axis = [], 0, set(), None
-    for unit, _, n in reversed(ru.names):
-        same = axis is None or ru.units[unit].axis == axis
-        if current and (current + n > bucket_elems or not same):
-            out.append((current, frozenset(members)))
-            current, members = 0, set()
-        axis = ru.units[unit].axis
-        current += n
-        members.add(unit)
-    if current:
-        out.append((current, frozenset(members)))
-    return out
+    """DP's buckets as (elements, units) in the order backward completes them (holdings.buckets)."""
+    params = [(unit, n, ru.units[unit].axis) for unit, _, n in ru.names]
+    return [(b - a, members) for a, b, members in holdings.buckets(params, bucket_elems)]
 
 
 def _ring_rounds(counts, rank: int, reduce: bool, itemsize: int) -> list[int]:

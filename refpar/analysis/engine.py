@@ -29,7 +29,6 @@ statistics, ring attention's dK/dV) come from analysis/intra_layer.py.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -51,17 +50,16 @@ from refpar.holdings import (
     expert_unit,
     keeps_lowp,
     microbatch_samples,
+    rank_layout,
     sequence_parallel_param_names,
     stage_layers,
     stage_param_names,
-    tp_param_slices,
     units,
 )
+from refpar.holdings import held_numels as rank_param_numels
 from refpar.memory import CATEGORIES
-from refpar.model.gpt import param_shapes
-from refpar.model.moe import expert_prefix
 from refpar.parallel.pipeline.schedules import build, layout, stored
-from refpar.sharding import shard_range, shard_sizes
+from refpar.sharding import shard_sizes
 
 
 def rank_coords(sizes: dict, rank: int) -> dict:
@@ -73,22 +71,6 @@ def rank_coords(sizes: dict, rank: int) -> dict:
 def rank_stages(sizes: dict, coords: dict, chunks: int) -> list[int]:
     """The stages of pp rank r: chunk c holds stage c p + r."""
     return [c * sizes["pp"] + coords["pp"] for c in range(chunks)]
-
-
-def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> dict[str, int]:
-    """Elements of each parameter the rank holds: its stages' names, of a MoE block's experts those
-    of its ep rank, tp-sliced."""
-    S = sizes["pp"] * chunks
-    names = {n for s in rank_stages(sizes, coords, chunks) for n in stage_param_names(model, S, s)}
-    mine = tuple(expert_prefix(i, x) + "." for i in model.moe_blocks
-                 for x in range(*shard_range(model.moe_experts, sizes["ep"], coords["ep"])))
-    slices = tp_param_slices(model, sizes["tp"], coords["tp"])
-    out = {}
-    for n, shape in param_shapes(model).items():
-        if n in names and (".mlp.experts." not in n or n.startswith(mine)):
-            axis, index = slices.get(n, (None, None))
-            out[n] = math.prod(shape) if axis is None else math.prod(shape) // shape[axis] * len(index)
-    return out
 
 
 def samples(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, plan, j: int) -> range:
@@ -111,11 +93,9 @@ def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.
     S = sizes["pp"] * plan.v
     by_stage = {s: units([n for n in stage_param_names(model, S, s) if n in numels])
                 for s in rank_stages(sizes, coords, plan.v)}
-    order = list(dict.fromkeys([u for us in by_stage.values() for u in us if not expert_unit(u)]
-                               + [u for us in by_stage.values() for u in us if expert_unit(u)]))
-    members = {u: next(us[u] for us in by_stage.values() if u in us) for u in order}
+    members = rank_layout(by_stage)
     out = {}
-    for u in order:
+    for u in members:
         axis, n, r = _group(model, sizes, coords, expert_unit(u))
         size = sum(numels[x] for x in members[u])
         out[u] = dp_forms.Unit(size, tuple(shard_sizes(size, n)), r, axis)
@@ -129,7 +109,7 @@ def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.
                                         numels.get("wte.weight", 0) + numels.get("wpe.weight", 0))
     schedule = build(plan.kind, sizes["pp"], plan.microbatches, plan.v)
     return dp_forms.RankUnits(out, stages, schedule[coords["pp"]], layout(schedule).split, plan.microbatches,
-                              [(u, x, numels[x]) for u in order for x in members[u]],
+                              [(u, x, numels[x]) for u in members for x in members[u]],
                               fused=not plain(model, sizes, plan))
 
 

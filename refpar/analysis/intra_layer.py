@@ -29,12 +29,15 @@ tp (`found_inf.tp`), the axis whose ranks hold different gradients.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from refpar.comm import cost
 from refpar.config import ModelConfig, TrainConfig
+from refpar.holdings import held_numels, sequence_parallel_param_names
+from refpar.model.gpt import param_shapes
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -87,22 +90,6 @@ def rank_shape(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict
                      tuple(tokens), coords.get("cp", 0))
 
 
-def local_param_numel(model: ModelConfig, t: int, rank: int) -> int:
-    """Elements of the parameters a tp rank holds: the sharded ones divided, the rest whole."""
-    C, L = model.n_embd, model.n_layer
-    V = shard_sizes(model.vocab_size, t)[rank]
-    per_block = (2 * C  # ln_1
-                 + C * 3 * C // t + 3 * C // t + C // t * C + C  # c_attn (w, b), c_proj (w/t, b)
-                 + 2 * C  # ln_2
-                 + C * 4 * C // t + 4 * C // t + 4 * C // t * C + C)  # c_fc (w, b), c_proj (w/t, b)
-    return V * C + model.n_positions * C + L * per_block + 2 * C
-
-
-def sp_param_numel(model: ModelConfig) -> int:
-    """Elements of the parameters applied in the sequence-sharded region (sequence_parallel.py)."""
-    return model.n_positions * model.n_embd + 2 * model.n_embd + model.n_layer * 6 * model.n_embd
-
-
 @dataclass(frozen=True)
 class Call:
     axis: str
@@ -116,6 +103,8 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
               ) -> list[Call]:
     t, e, C, L = s.t, s.e, model.n_embd, model.n_layer
     act = s.B * s.Ta * C  # elements of a (B, Ta, C) activation
+    shapes = param_shapes(model)
+    sp_numel = sum(math.prod(shapes[n]) for n in sequence_parallel_param_names(model))
 
     def ar(tag, n, size=e):
         b = cost.all_reduce_bytes(n, t, tp_rank, size)
@@ -147,7 +136,7 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
         for sub, col in (("mlp", "c_fc"), ("attn", "c_attn")):
             calls += [ag(f"h.{i}.{sub}.c_proj:bwd"), ag(f"h.{i}.{sub}.{col}:regather"),
                       rs(f"h.{i}.{sub}.{col}:bwd")]
-    calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_param_numel(model), grad_e or e)]
+    calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_numel, grad_e or e)]
     return calls
 
 
@@ -202,7 +191,8 @@ def expected_calls(model: ModelConfig, train: TrainConfig, sizes: dict, coords: 
     calls = _tp_calls(model, s, sp, coords.get("tp", 0), ge) if s.t > 1 else []
     if s.c > 1:
         calls += _ring_calls(model, s) if (cp_algo or "ring") == "ring" else _ulysses_calls(model, s)
-    grads = local_param_numel(model, s.t, coords.get("tp", 0))
+    grads = sum(held_numels(model, {"pp": 1, "ep": 1, "tp": s.t},  # every parameter, tp-sliced
+                            {"pp": 0, "ep": 0, "tp": coords.get("tp", 0)}).values())
     c, d = sizes.get("cp", 1), sizes.get("dp", 1)
     if c * d > 1:  # the ranks holding the same weights: dp x cp (axis dp without cp)
         axis, rank = ("dp" if c == 1 else "dp_cp"), coords.get("dp", 0) * c + coords.get("cp", 0)

@@ -37,6 +37,7 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from refpar import backend
+from refpar.holdings import buckets
 from refpar.parallel.ring import Ring
 from refpar.parallel.units import Hooks, fold_grads
 
@@ -63,7 +64,8 @@ class DataParallel(Hooks):
         self.state = {k: ledger.alloc(f"optimizer.{k}", self.zeros(self.params, u.total, dt.state),
                                       "optimizer") for k in ("m", "v") if train.optimizer == "adamw"}
         self.overlap, self.in_flight, self.sent = overlap, [], set()
-        self.buckets = buckets(u, bucket_elems)  # [(start, stop, units)], in backward order
+        layout = [(k, b - a, u.group[k]) for k, a, b in u.offsets.values()]  # every parameter, in order
+        self.buckets = buckets(layout, bucket_elems)  # [(start, stop, units)], in backward order
 
     def buffers(self) -> list:
         """The arrays the parameters live in (a cache viewing them keeps no activation alive)."""
@@ -161,28 +163,3 @@ class DataParallel(Hooks):
         arrays |= {f"adamw.{k}": a for k, a in self.state.items()}
         return [(prefix, k, 0, self.units.slice(k, a), True) for prefix, a in arrays.items()
                 for k in self.units.names]
-
-
-def buckets(units_, bucket_elems: int) -> list[tuple[int, int, frozenset]]:
-    """DP's gradient buckets as [start, stop) of the rank's flat buffer with the units they touch,
-    in the order backward completes them: whole parameters taken from the end of each group's run
-    of units, a bucket closed when the next parameter would exceed `bucket_elems` (a bucket holds at
-    least one); the expert group's run (last in the buffer) first."""
-    out, stop, current, members = [], None, 0, set()
-    names = [n for k in units_.names for n in units_.names[k]]
-    group = None
-    for name in reversed(names):
-        k, a, b = units_.offsets[name]
-        start = units_.start[k] + a
-        same = group is None or units_.group[k] is group
-        if current and (current + b - a > bucket_elems or not same):
-            out.append((stop - current, stop, frozenset(members)))
-            current, members = 0, set()
-        if not current:
-            stop = start + b - a
-        group = units_.group[k]
-        current += b - a
-        members.add(k)
-    if current:
-        out.append((stop - current, stop, frozenset(members)))
-    return out

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.holdings import stage_layers
+from refpar.holdings import stage_layers, stage_param_names
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import NO_DROPOUT
 from refpar.model.layers import layernorm_forward
@@ -92,12 +92,8 @@ def check_serving(config: ModelConfig, sizes: dict, max_batch: int) -> None:
 
 def local_params(full: dict, config: ModelConfig, sm: ServeMesh) -> dict:
     """This rank's weights: its tp slice of the parameters its pipeline stage uses."""
-    tp = shard_params_tp(full, config, sm.sizes["tp"], sm.coords["tp"])
-    layers = stage_layers(config.n_layer, sm.sizes["pp"], sm.stage)
-    ends = (("wte.weight", "wpe.weight") if sm.stage == 0 else ()) + \
-        (("wte.weight", "ln_f.weight", "ln_f.bias") if sm.last_stage else ())
-    return {name: w for name, w in tp.items()
-            if name in ends or (name.startswith("h.") and int(name.split(".")[1]) in layers)}
+    names = stage_param_names(config, sm.sizes["pp"], sm.stage)
+    return shard_params_tp({n: full[n] for n in names}, config, sm.sizes["tp"], sm.coords["tp"])
 
 
 @dataclass
