@@ -36,14 +36,7 @@ import numpy as np
 from refpar.analysis import data_parallel as dp_forms
 from refpar.analysis import moe as moe_forms
 from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes, model_activation_bytes
-from refpar.analysis.intra_layer import (
-    RankShape,
-    _ring_calls,
-    _tp_calls,
-    _ulysses_calls,
-    grad_itemsize,
-    zigzag_lengths,
-)
+from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.holdings import (
@@ -126,22 +119,6 @@ def precision(model: ModelConfig, cfg: TrainConfig, sizes: dict) -> dp_forms.Pre
                               keeps_lowp(model, sizes))
 
 
-def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
-    """Tokens of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
-    if c == 1:
-        return [T]
-    return zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
-
-
-def _shape(model: ModelConfig, sizes: dict, T: int, coords: dict, b: int, sp: bool, cp_algo) -> RankShape:
-    t, k, c = sizes["tp"], coords["tp"], sizes["cp"]
-    tokens = cp_tokens(T, c, cp_algo)
-    Ta = tokens[coords["cp"]]
-    return RankShape(B=b, T=T, Ta=Ta, Tl=shard_sizes(Ta, t)[k] if sp else Ta, t=t, c=c,
-                     nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
-                     e=np.dtype(model.dtype).itemsize, cp_tokens=tuple(tokens), cp_rank=coords["cp"])
-
-
 def _rows(model, cfg, sizes, coords, plan) -> list[int]:
     return [len(samples(model, cfg, sizes, coords, plan, j)) for j in range(plan.microbatches)]
 
@@ -151,7 +128,7 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
                     kept: list | None = None, stepped: bool = True) -> dict:
     """{(axis, op): [sent, received]} of one step; `kept` (MoE): per microbatch, layer -> the
     (D c, E) kept counts of this rank's MoE blocks; `stepped`: the optimizer took the step."""
-    p, t, c, v, T = sizes["pp"], sizes["tp"], sizes["cp"], plan.v, cfg.seq_len
+    p, t, c, v = sizes["pp"], sizes["tp"], sizes["cp"], plan.v
     r, k = coords["pp"], coords["tp"]
     e, C, S = np.dtype(model.dtype).itemsize, model.n_embd, p * v
     pr, rows = precision(model, cfg, sizes), _rows(model, cfg, sizes, coords, plan)
@@ -166,7 +143,7 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
         moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in model.moe_blocks)
         blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None)
         for b in rows:
-            shape = _shape(model, sizes, T, coords, b, plan.sp, plan.cp_algo)
+            shape = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
             calls = _tp_calls(blocks, shape, plan.sp, k) if t > 1 else []
             if c > 1:
                 ring = (plan.cp_algo or "ring") == "ring"
@@ -176,12 +153,12 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
                         or (call.tag.startswith("lm_head") and s != S - 1)):
                     add(call.axis, call.op, (call.bytes_sent, call.bytes_recv))
     if model.moe_experts:
-        Ta = _shape(model, sizes, T, coords, 1, plan.sp, plan.cp_algo).Ta
+        Ta = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Ta
         for key, b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
                                                    kept or [], Ta, plan.cp_algo, plan.sp).items():
             add(*key, b)
     if p > 1:
-        Tl = _shape(model, sizes, T, coords, 1, plan.sp, plan.cp_algo).Tl
+        Tl = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Tl
         p2p = (2 * v - (r == 0) - (r == p - 1)) * sum(rows) * Tl * C * e
         add("pp", "isend", (p2p, 0))
         add("pp", "irecv", (0, p2p))
@@ -270,7 +247,7 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
         pieces = model_activation_bytes(model, b, cfg.seq_len)
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
-    r = _shape(model, sizes, cfg.seq_len, coords, b, plan.sp, plan.cp_algo)
+    r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
     dropout = model.dropout > 0.0
     attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
     per_layer = layer_bytes(model, r, attention, dropout)

@@ -74,20 +74,24 @@ def zigzag_lengths(T: int, c: int) -> list[int]:
     return [chunks[r] + chunks[2 * c - 1 - r] for r in range(c)]
 
 
+def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
+    """Tokens of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
+    if c == 1:
+        return [T]
+    return zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
+
+
 def rank_shape(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict, sp: bool,
-               cp_algo: str | None) -> RankShape:
-    t, c, d = sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("dp", 1)
-    T = train.seq_len
-    B = len(range(*shard_range(train.batch_size, d, coords.get("dp", 0))))
-    if c > 1:
-        tokens = zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
-        Ta = Tl = tokens[coords.get("cp", 0)]
-    else:
-        tokens = [T]
-        Ta, Tl = T, (shard_sizes(T, t)[coords.get("tp", 0)] if sp else T)
-    V = shard_sizes(model.vocab_size, t)[coords.get("tp", 0)]
-    return RankShape(B, T, Ta, Tl, t, c, model.n_head // t, V, np.dtype(model.dtype).itemsize,
-                     tuple(tokens), coords.get("cp", 0))
+               cp_algo: str | None, b: int | None = None) -> RankShape:
+    """The sizes of the rank at `coords` (missing axes are 1): `b` rows (default its dp share of the
+    batch), its cp rank's tokens, and under sp the residual stream's shard of them."""
+    t, k, c, q = sizes.get("tp", 1), coords.get("tp", 0), sizes.get("cp", 1), coords.get("cp", 0)
+    if b is None:
+        b = len(range(*shard_range(train.batch_size, sizes.get("dp", 1), coords.get("dp", 0))))
+    tokens = cp_tokens(train.seq_len, c, cp_algo)
+    return RankShape(B=b, T=train.seq_len, Ta=tokens[q], Tl=shard_sizes(tokens[q], t)[k] if sp else tokens[q],
+                     t=t, c=c, nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
+                     e=np.dtype(model.dtype).itemsize, cp_tokens=tuple(tokens), cp_rank=q)
 
 
 @dataclass(frozen=True)

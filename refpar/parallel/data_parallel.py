@@ -125,18 +125,9 @@ class DataParallel(Hooks):
                 ring.advance()
             self.in_flight = [ring for ring in self.in_flight if not ring.done]
         u = self.units
-        if embedding is not None and "wte" in u.names:
-            wte = u.slice("wte", self.grads)
-            wte[...] = embedding.all_reduce(wte, tag="wte.weight:tied-grad")
-        if sp_names:  # one coalesced all-reduce of the sequence-sharded region's gradients
-            spans = [(u.start[k] + a, u.start[k] + b) for n in sp_names for k, a, b in [u.offsets[n]]]
-            xp = array_namespace(self.grads)
-            summed = tp.all_reduce(xp.concat([self.grads[a:b] for a, b in spans]),
-                                   tag="sp.replicated_grads:bwd")
-            at = 0
-            for a, b in spans:
-                self.grads[a:b] = summed[at:at + b - a]
-                at += b - a
+        wte = u.slice("wte", self.grads) if "wte" in u.names else None
+        spans = [(self.grads, u.start[k] + a, u.start[k] + b) for k, a, b in map(u.offsets.get, sp_names)]
+        self.partial_sums(wte, spans, embedding, tp)
 
     def step(self, differ: list) -> bool:
         """The optimizer on every unit; returns whether fp16 found an overflow (and skipped it).

@@ -163,6 +163,22 @@ class Hooks:
             fold(u, {n: g for n, g in grads.items() if self.units.offsets[n][0] == u})
         self.ledger.free("grads.piece")
 
+    def partial_sums(self, wte, segments: list, embedding, tp) -> None:
+        """After the backward, the sums over the ranks that each hold a part of one gradient: the
+        tied wte's (`wte`: this rank's view of its gradient, or None) over the embedding group, and
+        the sequence-sharded region's (`segments`: (array, lo, hi) of each piece of its gradients
+        this rank keeps) coalesced into one all-reduce over tp."""
+        if embedding is not None and wte is not None:
+            wte[...] = embedding.all_reduce(wte, tag="wte.weight:tied-grad")
+        if segments:
+            xp = array_namespace(segments[0][0])
+            summed = tp.all_reduce(xp.concat([a[lo:hi] for a, lo, hi in segments]),
+                                   tag="sp.replicated_grads:bwd")  # (Σ segments,)
+            at = 0
+            for a, lo, hi in segments:
+                a[lo:hi] = summed[at:at + hi - lo]
+                at += hi - lo
+
     def overflowed(self, shards: list, comms: list) -> bool:
         """fp16 only (False otherwise, no message): whether any rank's gradients `shards` hold an
         inf or a nan, agreed over `comms`, the groups whose ranks hold different gradients; the

@@ -189,21 +189,12 @@ class Zero(Hooks):
 
     def finish(self, embedding=None, tp=None, sp_names=()) -> None:
         """The partial sums on the shards (module docstring)."""
-        u = self.units
-        if embedding is not None and "wte" in u.names:
-            g = self.grad_shard("wte")
-            g[...] = embedding.all_reduce(g, tag="wte.weight:tied-grad")
-        names = set(sp_names)
-        pieces = [(k, lo - a, hi - a) for k, (a, b) in u.own.items() for n, lo, hi in u.segments(k, a, b)
-                  if n in names]
-        if pieces:  # the same on every tp rank
-            xp = array_namespace(self.like)
-            flat = tp.all_reduce(xp.concat([self.grad_shard(k)[lo:hi] for k, lo, hi in pieces]),
-                                 tag="sp.replicated_grads:bwd")  # (Σ segments,)
-            at = 0
-            for k, lo, hi in pieces:
-                self.grad_shard(k)[lo:hi] = flat[at:at + hi - lo]
-                at += hi - lo
+        u, names = self.units, set(sp_names)
+        wte = self.grad_shard("wte") if "wte" in u.names else None
+        # the segments inside this rank's shards: the same on every tp rank
+        segments = [(self.grad_shard(k), lo - a, hi - a) for k, (a, b) in u.own.items()
+                    for n, lo, hi in u.segments(k, a, b) if n in names]
+        self.partial_sums(wte, segments, embedding, tp)
 
     # ------------------------------------------------------------------------------- optimizer
     def step(self, differ: list) -> bool:
