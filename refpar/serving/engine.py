@@ -33,13 +33,8 @@ from refpar.holdings import stage_layers, stage_param_names
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import NO_DROPOUT
 from refpar.model.layers import layernorm_forward
-from refpar.parallel.tensor_parallel import (
-    check_tp,
-    parallel_block_forward,
-    shard_params_tp,
-    tp_layout,
-    vocab_parallel_embedding_forward,
-)
+from refpar.parallel.tensor_parallel import check_tp, parallel_block_forward, shard_params_tp, tp_layout
+from refpar.parallel.vocab_parallel import vocab_parallel_embedding_forward
 from refpar.serving.kv_cache import CachedAttention, KVCache
 from refpar.serving.requests import Request, check_requests
 from refpar.serving.sampling import Sampling, sample_token
