@@ -115,23 +115,22 @@ def _ring_rounds(counts, rank: int, reduce: bool, itemsize: int) -> list[int]:
     return out
 
 
-def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap: bool = False,
-           prefetch: bool = False, reshard: bool = True, stepped: bool = True) -> tuple[dict, dict]:
+def replay(ru: RankUnits, plan, pr: Precision, stepped: bool = True) -> tuple[dict, dict, list]:
     """(transient peaks {"params", "grads", "comm"} in bytes above the persistent states,
-    collectives {(axis, op): [sent, recv]} of one step, and the same as a list of (axis, op, what,
-    Bytes) in the order the rank calls them) for `strategy` (dp, zero1-3, fsdp); DP's
-    `bucket_list` (`buckets`), `overlap`ped; FSDP's `prefetch` and `reshard` after forward;
-    `stepped`: the optimizer stepped (ZeRO-1/2 gather only then)."""
+    collectives {(axis, op): (sent, recv)} of one step, and the same as a list of (axis, op, what,
+    Bytes) in the order the rank calls them) for `plan.strategy` (dp, zero1-3, fsdp) with its
+    options (refpar.config.Plan's: DP's buckets, overlapped; FSDP's prefetch and reshard after
+    forward); `stepped`: the optimizer stepped (ZeRO-1/2 gather only then)."""
+    strategy, prefetch, reshard = plan.strategy, plan.prefetch, plan.reshard_after_forward
+    bucket_list = buckets(ru, plan.bucket_elems) if strategy == "dp" else ()
     U, m, stage3 = ru.units, ru.microbatches, strategy in ("zero3", "fsdp")
     peak = {"params": 0, "grads": 0, "comm": 0}
     now = {"params": 0, "grads": 0, "comm": 0}
-    moved: dict[tuple[str, str], list[int]] = {}
+    moved: dict[tuple[str, str], tuple[int, int]] = {}
     calls: list[tuple] = []
 
     def move(axis, op, b, what=""):
-        row = moved.setdefault((axis, op), [0, 0])
-        row[0] += b.sent
-        row[1] += b.recv
+        cost.add(moved, (axis, op), b)
         calls.append((axis, op, what, b))
 
     def hold(cat, n):  # n bytes allocated (negative: freed)
@@ -226,7 +225,7 @@ def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap:
                 if unit.n == 1:
                     continue
                 b = cost.all_reduce_bytes(n, unit.n, unit.rank, pr.g)
-                if overlap:
+                if plan.overlap:
                     move(unit.axis, "isend", cost.Bytes(b.sent, 0), f"bucket.{i}:grad")
                     move(unit.axis, "irecv", cost.Bytes(0, b.recv), f"bucket.{i}:grad")
                     rounds = overlap_rounds(n, unit)
@@ -307,3 +306,9 @@ def state_bytes(ru: RankUnits, strategy: str, pr: Precision) -> dict[str, int]:
             "grads": (pr.g + pr.b * pr.wide) * psi if stage < 2 else pr.g * s,
             "master": state if pr.mixed else 0,
             "optimizer": pr.moments * state}
+
+
+def peak_bytes(ru: RankUnits, plan, pr: Precision, stepped: bool = True) -> dict[str, int]:
+    """Peak bytes per category in a step: the persistent states plus the replay's transients."""
+    states, (transient, _, _) = state_bytes(ru, plan.strategy, pr), replay(ru, plan, pr, stepped)
+    return {c: states.get(c, 0) + transient.get(c, 0) for c in (*states, *transient)}

@@ -126,18 +126,13 @@ def _rows(model, cfg, sizes, coords, plan) -> list[int]:
 # -------------------------------------------------------------------------------------- bytes
 def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, plan,
                     kept: list | None = None, stepped: bool = True) -> dict:
-    """{(axis, op): [sent, received]} of one step; `kept` (MoE): per microbatch, layer -> the
+    """{(axis, op): (sent, received)} of one step; `kept` (MoE): per microbatch, layer -> the
     (D c, E) kept counts of this rank's MoE blocks; `stepped`: the optimizer took the step."""
     p, t, c, v = sizes["pp"], sizes["tp"], sizes["cp"], plan.v
     r, k = coords["pp"], coords["tp"]
     e, C, S = np.dtype(model.dtype).itemsize, model.n_embd, p * v
     pr, rows = precision(model, cfg, sizes), _rows(model, cfg, sizes, coords, plan)
-    totals: dict[tuple[str, str], list[int]] = {}
-
-    def add(axis, op, b, times=1):
-        row = totals.setdefault((axis, op), [0, 0])
-        row[0], row[1] = row[0] + times * b[0], row[1] + times * b[1]
-
+    totals: dict[tuple[str, str], tuple[int, int]] = {}
     for s in rank_stages(sizes, coords, v):
         layers = list(stage_layers(model.n_layer, S, s))
         moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in model.moe_blocks)
@@ -151,23 +146,23 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
             for call in calls:
                 if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and s != 0)
                         or (call.tag.startswith("lm_head") and s != S - 1)):
-                    add(call.axis, call.op, (call.bytes_sent, call.bytes_recv))
+                    cost.add(totals, (call.axis, call.op), (call.bytes_sent, call.bytes_recv))
     if model.moe_experts:
         Ta = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Ta
         for key, b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
                                                    kept or [], Ta, plan.cp_algo, plan.sp).items():
-            add(*key, b)
+            cost.add(totals, key, b)
     if p > 1:
         Tl = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Tl
         p2p = (2 * v - (r == 0) - (r == p - 1)) * sum(rows) * Tl * C * e
-        add("pp", "isend", (p2p, 0))
-        add("pp", "irecv", (0, p2p))
-        add("pp", "all_reduce", cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
+        cost.add(totals, ("pp", "isend"), (p2p, 0))
+        cost.add(totals, ("pp", "irecv"), (0, p2p))
+        cost.add(totals, ("pp", "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
     for key, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped)[0].items():
-        add(*key, b)
+        cost.add(totals, key, b)
     axis, n, q = _group(model, sizes, coords, False)
     if n > 1:  # the loss (and the router losses) over the ranks that saw different tokens
-        add(axis, "all_reduce", cost.all_reduce_bytes(3 if model.moe_experts else 1, n, q, 8))
+        cost.add(totals, (axis, "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, n, q, 8))
     return totals
 
 
@@ -175,14 +170,11 @@ def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True) ->
     """({(axis, op): (sent, received)}, the calls in order) of the replicas' collectives in a step
     (analysis/data_parallel.py), the partial sums and fp16's overflow flag."""
     ru = rank_units(model, sizes, coords, plan)
-    bucket_list = dp_forms.buckets(ru, plan.bucket_elems) if plan.strategy == "dp" else ()
-    _, moved, calls = dp_forms.replay(ru, plan.strategy, pr, bucket_list, plan.overlap, plan.prefetch,
-                                      plan.reshard_after_forward, stepped)
-    out = {k: tuple(b) for k, b in moved.items()}
+    _, moved, calls = dp_forms.replay(ru, plan, pr, stepped)
+    out = dict(moved)
 
     def add(key, b, what):
-        old = out.get(key, (0, 0))
-        out[key] = (old[0] + b[0], old[1] + b[1])
+        cost.add(out, key, b)
         calls.append((*key, what, b))
 
     p, t, r = sizes["pp"], sizes["tp"], coords["pp"]
@@ -230,8 +222,7 @@ def rank_comm_rows(model, cfg, sizes, coords, plan, steps: int, skipped=(), kept
         kept = kept_by_step[i] if kept_by_step else None
         step = rank_comm_bytes(model, cfg, sizes, coords, plan, kept, stepped=i not in skipped)
         for key, b in step.items():
-            row = totals.setdefault(key, [0, 0])
-            row[0], row[1] = row[0] + b[0], row[1] + b[1]
+            cost.add(totals, key, b)
     return [{"axis": a, "op": o, "bytes_sent": int(s), "bytes_recv": int(rv)}
             for (a, o), (s, rv) in sorted(totals.items()) if s or rv]
 
@@ -306,12 +297,7 @@ def model_state_bytes(model, cfg, sizes, coords, plan) -> int:
 
 def rank_memory_rows(model, cfg, sizes, coords, plan, kept_by_step=None, stepped: bool = True) -> list[dict]:
     """The rank's `expected_memory_peak_bytes` rows."""
-    ru, pr = rank_units(model, sizes, coords, plan), precision(model, cfg, sizes)
-    peaks = dp_forms.state_bytes(ru, plan.strategy, pr)
-    bucket_list = dp_forms.buckets(ru, plan.bucket_elems) if plan.strategy == "dp" else ()
-    transient, _, _ = dp_forms.replay(ru, plan.strategy, pr, bucket_list, plan.overlap, plan.prefetch,
-                                   plan.reshard_after_forward, stepped)
-    for cat, n in transient.items():
-        peaks[cat] = peaks.get(cat, 0) + n
+    peaks = dp_forms.peak_bytes(rank_units(model, sizes, coords, plan), plan, precision(model, cfg, sizes),
+                                stepped)
     peaks["activations"] = activation_peak(model, cfg, sizes, coords, plan, kept_by_step)
     return [{"category": cat, "bytes": int(peaks.get(cat, 0))} for cat in CATEGORIES]

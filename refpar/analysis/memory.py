@@ -37,6 +37,7 @@ for any mesh.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from refpar.analysis import data_parallel as dp_forms
@@ -49,21 +50,10 @@ from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 
 
-def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def units(config: ModelConfig) -> dict[str, list[str]]:
-    """Unit name -> its parameters, in flat-buffer order, on one rank holding the whole model."""
-    return stage_units(list(param_shapes(config)))
-
-
 def unit_sizes(config: ModelConfig) -> dict[str, int]:
+    """Elements of each unit (holdings.units) on one rank holding the whole model."""
     shapes = param_shapes(config)
-    return {u: sum(numel(shapes[n]) for n in names) for u, names in units(config).items()}
+    return {u: sum(math.prod(shapes[n]) for n in names) for u, names in stage_units(list(shapes)).items()}
 
 
 def optimizer_states(optimizer: str) -> int:
@@ -156,12 +146,7 @@ def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options, stepped: b
     """Peak bytes per category (params, grads, master, optimizer, comm) during a training step,
     exactly as refpar's implementation holds them. `stepped=False`: fp16 skipped every step, so
     ZeRO-1/2 never gathered parameters after one."""
-    ru = rank_units(config, n, rank, opts)
-    peaks = dp_forms.state_bytes(ru, opts.strategy, opts.precision)
-    bucket_list = dp_forms.buckets(ru, opts.bucket_elems) if opts.strategy == "dp" else ()
-    transient, _, _ = dp_forms.replay(ru, opts.strategy, opts.precision, bucket_list, opts.overlap,
-                                      opts.prefetch, opts.reshard_after_forward, stepped)
-    return peaks | {"comm": 0} | {c: peaks.get(c, 0) + b for c, b in transient.items()}
+    return dp_forms.peak_bytes(rank_units(config, n, rank, opts), opts, opts.precision, stepped)
 
 
 def bucket_sizes(config: ModelConfig, bucket_elems: int) -> list[int]:
