@@ -59,12 +59,10 @@ def layer_params(spec: ModelSpec, moe: bool) -> LayerParams:
     shared_split = spec.n_shared_experts * one_split
     shared_repl = spec.n_shared_experts * one_repl
     router = h * spec.n_experts  # the gate: (h, E), no bias (Mixtral, DeepSeekMoE)
-    return LayerParams(
-        attn_split + shared_split,
-        attn_repl + 2 * norm + shared_repl + router,
-        spec.n_experts * expert,
-        spec.top_k * expert,
-    )
+    return LayerParams(attn_split + shared_split,
+                       attn_repl + 2 * norm + shared_repl + router,
+                       spec.n_experts * expert,
+                       spec.top_k * expert)
 
 
 @dataclass(frozen=True)

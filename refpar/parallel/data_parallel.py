@@ -20,15 +20,11 @@ ring's 2(N-1) rounds written out as isend/irecv, one round advanced each time an
 backward finishes, so the messages of bucket k are in flight while the backward of the next
 blocks computes (the trace shows bucket k's sends ending after bucket k+1's begin). Same bytes.
 
-After the backward two partial sums remain: the tied wte's two halves (the first and the last
-pipeline stage's, over the mesh's embedding group) and, under sequence parallelism, the gradients
-of the parameters applied in the sequence-sharded region (each tp rank saw its tokens only).
-
-Ledger: params Ψl, grads Ψl (+ the largest dict a backward piece returns, until it is folded in),
-optimizer 2Ψl (AdamW m, v), comm one bucket's all-reduce output (overlap: the send copy and
-receive buffer of each round in flight). bf16/fp16-mixed: params 2Ψl bytes, grads 2Ψl (summed in 16
-bits), master 4Ψl, optimizer 8Ψl: the ZeRO paper's 16Ψ. --fp32-grads keeps the 16-bit gradient
-backward writes (2Ψl) beside an fp32 accumulator (4Ψl, summed in fp32): the Playbook's 20Ψ.
+After the backward the partial sums follow (`Hooks.partial_sums`: the tied wte, the
+sequence-sharded region). Ledger: params Ψl, grads Ψl (+ the largest dict a backward piece
+returns, until it is folded in), optimizer 2Ψl (AdamW m, v), comm one bucket's all-reduce output
+(overlap: the send copy and receive buffer of each round in flight); in mixed precision the ZeRO
+paper's 16Ψ, 20Ψ with --fp32-grads (analysis/memory.py counts each category).
 """
 
 from __future__ import annotations
