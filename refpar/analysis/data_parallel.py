@@ -258,33 +258,27 @@ def replay(ru: RankUnits, plan, pr: Precision, stepped: bool = True) -> tuple[di
                 acquire(units, phase, key, pieces[j + 1][0] if j + 1 < len(pieces) else ())
                 release(units, phase, key)
             continue
-        weights = []  # (units completed, gradient elements) of each piece, in backward order
+        # each piece's (units folded into, gradient elements, units it completes), in backward order;
+        # on a first stage the embedding completes the ends the head folded into
+        grads = ([(s.ends, s.head_grads, () if s.first else s.ends)] if s.last else []) + [
+            (b, sum(U[u].size for u in b), b) for b in reversed(blocks)] + (
+            [(s.ends, s.embed_grads, s.ends)] if s.first else [])
         if a.kind == "B":
             pieces = ([(s.ends, "head:bwd")] if s.last else []) + [(b, "bwd") for b in reversed(blocks)]
-            now_w = ru.fused or key not in ru.split
+            now_w = ru.fused or key not in ru.split  # else W folds them
             for j, (units, phase) in enumerate(pieces):
                 acquire(units, phase, key, pieces[j + 1][0] if j + 1 < len(pieces) else ())
                 release(units, phase, key)
-                piece = ((() if s.first else s.ends), s.head_grads, s.ends) if phase == "head:bwd" \
-                    else (units, sum(U[u].size for u in units), units)
                 if now_w:
-                    fold(piece[2], piece[1])
-                    done(piece[0])
-                else:
-                    weights.append(piece)
-            if s.first:
-                if now_w:
-                    fold(s.ends, s.embed_grads)
-                    done(s.ends)
+                    fold(*grads[j][:2])
+                    done(grads[j][2])
+            if s.first and now_w:
+                fold(*grads[-1][:2])
+                done(grads[-1][2])
         if a.kind == "W" and not ru.fused:
-            pieces = ([((() if s.first else s.ends), s.head_grads, s.ends)] if s.last else []) + [
-                (b, sum(U[u].size for u in b), b) for b in reversed(blocks)]
-            for completed, elems, units in pieces:
+            for units, elems, completed in grads:
                 fold(units, elems)
                 done(completed)
-            if s.first:
-                fold(s.ends, s.embed_grads)
-                done(s.ends)
     while flight:
         advance()
     if strategy in ("zero1", "zero2") and stepped:  # every updated unit gathered into the whole
