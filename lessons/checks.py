@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lessons.course import LESSONS, ROOT, argv, command_env
 from refpar.config import ConfigError
-from refpar.lessons import LESSONS, ROOT, argv, command_env
 from refpar.sharding import shard_range
 
 WAIT_S = 20  # seconds a rank of an exercise may wait for a message before it is told why

@@ -82,7 +82,8 @@ class Outcome:
 def _stops(size: int, rank: int, launched: bool):
     """Every stop of the module docstring in place, the environment of rank `rank` of `size`
     (or of no launcher), and the run's backend restored afterwards."""
-    from refpar import backend, lesson_checks, trainer
+    from lessons import checks as lesson_checks
+    from refpar import backend, trainer
     from refpar.comm import communicator
 
     def world(tracer=None, **_options):
