@@ -82,7 +82,8 @@ class Outcome:
 def _stops(size: int, rank: int, launched: bool):
     """Every stop of the module docstring in place, the environment of rank `rank` of `size`
     (or of no launcher), and the run's backend restored afterwards."""
-    from refpar import backend, lesson_checks, trainer
+    from lessons import checks as lesson_checks
+    from refpar import backend, trainer
     from refpar.comm import communicator
     from refpar.engine import report  # imported now, so that its own names for the trainer's are stopped too
 

@@ -347,7 +347,7 @@ def test_a_real_generate_draws_each_ranks_kv_cache_from_its_summary():
 
 
 def test_lessons_page_shows_every_lessons_title_in_order():
-    from refpar import lessons
+    from lessons import course as lessons
 
     at = page("views/lessons.py")
     files = lessons.lesson_files()
@@ -368,7 +368,7 @@ LESSON_OF = {"views/sharding.py": 3, "views/pipeline.py": 6, "views/communicatio
 
 
 def test_each_view_links_to_its_lesson_and_the_lessons_page_opens_on_it():
-    from refpar import lessons
+    from lessons import course as lessons
 
     if not lessons.lesson_files():
         pytest.skip("no lessons/ in this checkout")

@@ -46,11 +46,14 @@ class Hardware:
 
     def flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
-            raise ConfigError(
-                f"{self.name} has no {dtype} peak listed; choose one of {', '.join(self.peak_flops)}"
-            )
+            raise ConfigError(f"{self.name} has no {dtype} peak listed; choose one of "
+                              f"{', '.join(self.peak_flops)}")
         return self.peak_flops[dtype]
 
+
+# H100 and H200 SXM, dense (no 2:4 sparsity): the datasheets' comment beside the H100 below
+HOPPER_FLOPS = {"float64": 67 * TERA, "float32": 67 * TERA, "tf32": 494.5 * TERA, "bfloat16": 989.5 * TERA,
+                "float16": 989.5 * TERA, "fp8": 1979 * TERA}
 
 HARDWARE: dict[str, Hardware] = {
     hw.name: hw
@@ -59,36 +62,23 @@ HARDWARE: dict[str, Hardware] = {
         # FP32 19.5, TF32 156, BF16/FP16 312 TFLOP/s dense; 80 GB HBM2e at 2,039 GB/s; NVLink
         # 600 GB/s (both directions together, so 300 GB/s each way). DGX A100 user guide: eight
         # ConnectX-6 HDR InfiniBand adapters at 200 Gb/s = 25 GB/s per GPU each way.
-        Hardware(
-            "a100",
-            peak_flops={"float64": 19.5 * TERA, "float32": 19.5 * TERA, "tf32": 156 * TERA,
-                        "bfloat16": 312 * TERA, "float16": 312 * TERA},
-            memory_bytes=80 * GIGA, hbm_bandwidth=2039 * GIGA, gpus_per_node=8,
-            nvlink_bandwidth=300 * GIGA, ib_bandwidth=25 * GIGA,
-            source="NVIDIA A100 datasheet (SXM 80GB); DGX A100 user guide",
-        ),
+        Hardware("a100", peak_flops={"float64": 19.5 * TERA, "float32": 19.5 * TERA, "tf32": 156 * TERA,
+                                     "bfloat16": 312 * TERA, "float16": 312 * TERA},
+                 memory_bytes=80 * GIGA, hbm_bandwidth=2039 * GIGA, gpus_per_node=8,
+                 nvlink_bandwidth=300 * GIGA, ib_bandwidth=25 * GIGA,
+                 source="NVIDIA A100 datasheet (SXM 80GB); DGX A100 user guide"),
         # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: FP64 Tensor Core 67, FP32 67,
         # TF32 494.5, BF16/FP16 989.5, FP8 1,979 TFLOP/s dense (the datasheet's headline figures
         # are twice these, with sparsity); 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s (450 each way).
         # DGX H100 user guide: eight ConnectX-7 NDR adapters at 400 Gb/s = 50 GB/s per GPU each way.
-        Hardware(
-            "h100",
-            peak_flops={"float64": 67 * TERA, "float32": 67 * TERA, "tf32": 494.5 * TERA,
-                        "bfloat16": 989.5 * TERA, "float16": 989.5 * TERA, "fp8": 1979 * TERA},
-            memory_bytes=80 * GIGA, hbm_bandwidth=3350 * GIGA, gpus_per_node=8,
-            nvlink_bandwidth=450 * GIGA, ib_bandwidth=50 * GIGA,
-            source="NVIDIA H100 datasheet (SXM); DGX H100 user guide",
-        ),
+        Hardware("h100", peak_flops=HOPPER_FLOPS, memory_bytes=80 * GIGA, hbm_bandwidth=3350 * GIGA,
+                 gpus_per_node=8, nvlink_bandwidth=450 * GIGA, ib_bandwidth=50 * GIGA,
+                 source="NVIDIA H100 datasheet (SXM); DGX H100 user guide"),
         # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: the H100 SXM's compute, 141 GB
         # HBM3e at 4.8 TB/s, NVLink 900 GB/s. DGX H200: eight ConnectX-7 at 400 Gb/s per GPU.
-        Hardware(
-            "h200",
-            peak_flops={"float64": 67 * TERA, "float32": 67 * TERA, "tf32": 494.5 * TERA,
-                        "bfloat16": 989.5 * TERA, "float16": 989.5 * TERA, "fp8": 1979 * TERA},
-            memory_bytes=141 * GIGA, hbm_bandwidth=4800 * GIGA, gpus_per_node=8,
-            nvlink_bandwidth=450 * GIGA, ib_bandwidth=50 * GIGA,
-            source="NVIDIA H200 datasheet (SXM); DGX H200 user guide",
-        ),
+        Hardware("h200", peak_flops=HOPPER_FLOPS, memory_bytes=141 * GIGA, hbm_bandwidth=4800 * GIGA,
+                 gpus_per_node=8, nvlink_bandwidth=450 * GIGA, ib_bandwidth=50 * GIGA,
+                 source="NVIDIA H200 datasheet (SXM); DGX H200 user guide"),
     ]
 }
 

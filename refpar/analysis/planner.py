@@ -53,10 +53,8 @@ def check_gpus(gpus: int, hw: Hardware) -> None:
             lower, upper = 2 ** (gpus.bit_length() - 1), 2 ** gpus.bit_length()
         else:
             lower, upper = gpus - gpus % node, gpus - gpus % node + node
-        raise ConfigError(
-            f"--gpus {gpus} is neither a power of two up to {node} nor a whole number of "
-            f"{node}-GPU {hw.name} nodes; use e.g. {lower} or {upper}"
-        )
+        raise ConfigError(f"--gpus {gpus} is neither a power of two up to {node} nor a whole number of "
+                          f"{node}-GPU {hw.name} nodes; use e.g. {lower} or {upper}")
 
 
 def meshes(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int, seq: int) -> np.ndarray:
@@ -134,9 +132,7 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
     if global_batch < 1 or seq < 1:
         raise ConfigError(f"global batch {global_batch} and sequence {seq} must both be positive")
     if spec.learned_positions and seq > spec.seq_len:
-        raise ConfigError(
-            f"{spec.name} learns {spec.seq_len} positions; use --seq {spec.seq_len} or less"
-        )
+        raise ConfigError(f"{spec.name} learns {spec.seq_len} positions; use --seq {spec.seq_len} or less")
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     hw.flops(dtype)  # an unknown dtype is refused before any pricing

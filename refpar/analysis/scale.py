@@ -251,7 +251,3 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
         stage["comm"] = p2p + gathered
     use_first = sum(first.values()) >= sum(last.values())
     return {k: np.where(use_first, first[k], last[k]) for k in first}
-
-
-def total_bytes(memory: dict):
-    return sum(memory.values())

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from refpar import backend
 from refpar.config import ModelConfig, Plan, TrainConfig
 from refpar.holdings import (
+    held_param_names,
     keeps_lowp,
     microbatch_samples,
     sequence_parallel_param_names,
@@ -35,10 +36,9 @@ from refpar.holdings import (
 )
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params
-from refpar.model.moe import expert_prefix
 from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.data_parallel import DataParallel
-from refpar.parallel.expert_parallel import ExpertParallelMoE, owned_experts, routing_runs, token_runs
+from refpar.parallel.expert_parallel import ExpertParallelMoE, routing_runs, token_runs
 from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
 from refpar.parallel.pipeline.executor import PipelineExecutor
@@ -107,10 +107,8 @@ def held_params(model: ModelConfig, mesh, stages: list[int], n_stages: int, seed
     """This rank's parameters: of the initialisation drawn whole, its stages' (pp), its ep rank's
     experts (ep), its tp slices (tp), on the run's backend."""
     full = init_params(model, seed)
-    names = {n for s in stages for n in stage_param_names(model, n_stages, s)}
-    mine = tuple(expert_prefix(i, e) + "." for i in model.moe_blocks
-                 for e in owned_experts(model.moe_experts, mesh.sizes["ep"], mesh.coords["ep"]))
-    kept = {n: full[n] for n in full if n in names and (".mlp.experts." not in n or n.startswith(mine))}
+    names = held_param_names(model, n_stages, stages, mesh.sizes["ep"], mesh.coords["ep"])
+    kept = {n: full[n] for n in names}
     return backend.current().from_host(shard_params_tp(kept, model, mesh.sizes["tp"], mesh.coords["tp"]))
 
 

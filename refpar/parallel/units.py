@@ -33,7 +33,7 @@ import numpy as np
 from array_api_compat import array_namespace, is_cupy_array, is_torch_array
 
 from refpar import backend
-from refpar.holdings import expert_unit, units
+from refpar.holdings import expert_unit, rank_layout, units
 from refpar.memory import nbytes_of
 from refpar.model.optim import adamw_update, mixed_adamw_update, mixed_sgd_update, sgd_update
 from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit, loss_scaler, overflow_anywhere
@@ -76,11 +76,7 @@ class Units:
     def __init__(self, stages: dict[int, list[str]], shapes: dict, group_of):
         self.shapes = shapes
         by_stage = {s: units(names) for s, names in sorted(stages.items())}
-        self.stage = {u: s for s, us in reversed(by_stage.items()) for u in us}  # wte: its first stage
-        ordered = [u for us in by_stage.values() for u in us]
-        ordered = list(dict.fromkeys([u for u in ordered if not expert_unit(u)]
-                                     + [u for u in ordered if expert_unit(u)]))
-        self.names = {u: next(us[u] for us in by_stage.values() if u in us) for u in ordered}
+        self.names = rank_layout(by_stage)
         self.of_stage = {s: list(us) for s, us in by_stage.items()}
         self.offsets: dict[str, tuple[str, int, int]] = {}  # name -> (unit, start, stop) in the unit
         self.size, self.start, self.group, self.own, self.counts = {}, {}, {}, {}, {}
@@ -166,6 +162,22 @@ class Hooks:
         for u in self.units.of(grads):
             fold(u, {n: g for n, g in grads.items() if self.units.offsets[n][0] == u})
         self.ledger.free("grads.piece")
+
+    def partial_sums(self, wte, segments: list, embedding, tp) -> None:
+        """After the backward, the sums over the ranks that each hold a part of one gradient: the
+        tied wte's (`wte`: this rank's view of its gradient, or None) over the embedding group, and
+        the sequence-sharded region's (`segments`: (array, lo, hi) of each piece of its gradients
+        this rank keeps) coalesced into one all-reduce over tp."""
+        if embedding is not None and wte is not None:
+            wte[...] = embedding.all_reduce(wte, tag="wte.weight:tied-grad")
+        if segments:
+            xp = array_namespace(segments[0][0])
+            summed = tp.all_reduce(xp.concat([a[lo:hi] for a, lo, hi in segments]),
+                                   tag="sp.replicated_grads:bwd")  # (Σ segments,)
+            at = 0
+            for a, lo, hi in segments:
+                a[lo:hi] = summed[at:at + hi - lo]
+                at += hi - lo
 
     def overflowed(self, shards: list, comms: list) -> bool:
         """fp16 only (False otherwise, no message): whether any rank's gradients `shards` hold an
