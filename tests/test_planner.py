@@ -40,12 +40,16 @@ def test_one_trillion_parameters_on_4096_gpus_is_searched_in_under_two_seconds()
 
 def test_plans_fit_and_come_fastest_first_and_their_times_add_up():
     result = plan(PRESETS["llama3-70b"], HARDWARE["h100"], 256, top=10)
-    times = [p["step_time_s"] for p in result["plans"]]
-    assert times == sorted(times)
+    times = np.array([p["step_time_s"] for p in result["plans"]])
+    # Ranked in steps of 0.1% of the fastest (within a step the simpler plan goes first).
+    steps = np.floor(times / (times[0] * 1e-3))
+    assert np.all(np.diff(steps) >= 0), times
+    h100 = HARDWARE["h100"]
     for p in result["plans"]:
-        assert sum(p["memory_bytes"].values()) <= HARDWARE["h100"].memory_bytes
+        assert sum(p["memory_bytes"].values()) <= h100.memory_bytes
         assert sum(p["time_s"].values()) == pytest.approx(p["step_time_s"], rel=1e-12)
-        assert 0 < p["mfu"] <= 0.75  # never above the assumed matmul efficiency
+        # Never above the measured maximum achievable matmul rate over the peak.
+        assert 0 < p["mfu"] <= h100.matmul_rate("bfloat16") / h100.flops("bfloat16")
         mesh = p["mesh"]
         assert mesh["dp"] * mesh["tp"] * mesh["pp"] * mesh["cp"] * mesh["ep"] == 256
 
