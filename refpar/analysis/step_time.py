@@ -368,7 +368,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
             z3 = m * np.maximum(0, 2 * t_ag + t_rs - (t_f + t_back))
         else:
             z0, z2, z3 = once, m * t_rs + t_ag, m * (2 * t_ag + t_rs)
-        dp_time = dp_time + np.select([zero <= 1, zero == 2], [z0, z2], z3)
+        dp_time = dp_time + np.where(params > 0, np.select([zero <= 1, zero == 2], [z0, z2], z3), 0)
         dp_bytes = dp_bytes + np.select(
             [zero == 0, zero == 1, zero == 2],
             [collective_bytes("all_reduce", g, n),
