@@ -127,9 +127,18 @@ def test_cli_json_gives_the_ranked_plans(tmp_path):
                                                         "activations", "comm"}
 
 
-def test_each_collective_names_its_algorithm_and_their_bytes_add_up_per_axis():
-    result = plan(PRESETS["mixtral-8x7b"], HARDWARE["h100"], 64, top=3)
-    for p in result["plans"]:
+@pytest.mark.parametrize("software", ["modern", "megatron-2021", "llama3"])
+def test_each_collective_names_its_algorithm_and_their_bytes_add_up_per_axis(software):
+    # Every software's own exchanges (scatter/gather pipeline transfers, all-gather context
+    # parallelism) are collectives like the others, their bytes in their axis's total.
+    from refpar.analysis.efficiency import SOFTWARE
+    from refpar.analysis.planner import price
+
+    result = plan(PRESETS["mixtral-8x7b"], HARDWARE["h100"], 64, top=3, software=SOFTWARE[software])
+    given = price(PRESETS["llama3-8b"], HARDWARE["h100"], 64, {"dp": 1, "tp": 4, "pp": 8, "cp": 2, "ep": 1},
+                  schedule="interleaved-1f1b", chunks=2, recompute="selective", global_batch=64,
+                  software=SOFTWARE[software])
+    for p in [*result["plans"], given]:
         sent = dict.fromkeys(p["comm_bytes"], 0.0)
         for c in p["collectives"]:
             assert c["algo"] in ("ring", "tree", "pairwise", "p2p")

@@ -24,6 +24,7 @@ import numpy as np
 from refpar.analysis.efficiency import CALIBRATED, Efficiency
 from refpar.analysis.flops import model_flops, step_flops
 from refpar.analysis.hardware import HARDWARE
+from refpar.analysis.planner import plan
 from refpar.analysis.published_runs import METRICS, RUNS, Run
 from refpar.analysis.scale import PRECISIONS, memory_per_rank, stage_layers
 from refpar.analysis.step_time import step_time
@@ -166,8 +167,6 @@ def against_search(run: Run, eff: Efficiency = CALIBRATED) -> dict:
     """The published plan next to the search's fastest for the same model, batch, GPUs and
     software: each one's predicted step time by cause, their difference, and what the model may
     be missing where the search prefers a plan the run did not use."""
-    from refpar.analysis.planner import plan  # the planner imports nothing from here
-
     published = price(run, eff)
     result = plan(run.model, HARDWARE[run.hardware], run.gpus, global_batch=run.global_batch, seq=run.seq,
                   top=1, precision=run.precision, eff=eff, software=run.software,

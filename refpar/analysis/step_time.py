@@ -5,7 +5,12 @@ parallel sizes; b micro-batch size, s sequence, m micro-batches per step, v chun
 
 Ranks are laid out as refpar's DeviceMesh lays them (pp slowest, then dp, ep, cp, tp fastest,
 as Megatron does), so an axis's group lies inside one node when its stride times its size is at
-most the node's GPU count, and then runs over NVLink; otherwise over InfiniBand.
+most the node's GPU count, and then runs over NVLink; otherwise over InfiniBand. A collective gets
+`Efficiency.network` of its link's bandwidth (fitted: refpar/analysis/calibration.py).
+
+A block's compute is efficiency.block_seconds; this module adds its communication, says which of
+it is exposed (`Software`: what overlaps what), and composes the step: the heaviest pipeline
+stage's micro-batches, the bubble, the transfers, the data-parallel reduction and the optimizer.
 
 Collective costs: refpar.comm.cost's alpha-beta times (Thakur, Rabenseifner and Gropp 2005) for
 the ring (pairwise for all-to-all) with the link's bandwidth and per-step latency, plus NCCL's
@@ -329,16 +334,20 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     bw, lat = on_link("pp")
     split_send = sp | (software.scatter_gather & (tp > 1))
     p2p_size = e * n_tok * h / np.where(split_send, tp, 1)
-    p2p = np.where(pp > 1, collective_time("send", p2p_size, 2, bw, lat, cl), 0)
-    if software.scatter_gather:
+    send = np.where(pp > 1, collective_time("send", p2p_size, 2, bw, lat, cl), 0)
+    sends = np.where(pp > 1, m * (2 * chunks - 1), 0)
+    p2p = send
+    if software.scatter_gather:  # each of the 2v - 1 arrivals is all-gathered over the tp group
         gather_bw, gather_lat = on_link("tp")
         regather = collective_time("all_gather", act, tp, gather_bw, gather_lat, cl)
-        p2p = p2p + np.where((pp > 1) & ~sp & (tp > 1), regather, 0)
-    sends = np.where(pp > 1, m * (2 * chunks - 1), 0)
+        gathers = np.where((pp > 1) & ~sp & (tp > 1), sends, 0)
+        p2p = p2p + np.where(gathers > 0, regather, 0)
+        tp_bytes = tp_bytes + gathers * collective_bytes("all_gather", act, tp)
+        calls["tp.p2p_gather"] = ("tp", "all_gather", act, tp, gathers, regather, "ring")
     tied = np.where((pp > 1) & spec.tied_embeddings, spec.vocab_size * h / tp * precision.grad, 0)
     t_tied, tied_algo = collective_choice("all_reduce", tied, np.where(tied > 0, 2, 1), bw, lat, cl)
     pp_bytes = sends * p2p_size + collective_bytes("all_reduce", tied, 2)
-    calls["pp.send"] = ("pp", "send", p2p_size, pp, sends, p2p, "p2p")
+    calls["pp.send"] = ("pp", "send", p2p_size, pp, sends, send, "p2p")
     calls["pp.all_reduce"] = ("pp", "all_reduce", tied, 2, np.where(tied > 0, 1, 0), t_tied, tied_algo)
     work, bubble, pipe_comm = pipeline_time(schedule, pp, m, t_f, t_b, t_w, p2p, chunks)
 
