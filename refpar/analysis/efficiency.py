@@ -4,16 +4,17 @@ Legend as in refpar/analysis/scale.py: h = d_model, kv K/V width, f MLP width, a
 b micro-batch, s sequence, c context-parallel size, t tensor-parallel size, n = b s / c tokens on
 a rank, e bytes per activation element.
 
-One model prices every plan of a search and every published run of refpar/analysis/calibration.py.
+One model prices every plan of a search and every published run of refpar/analysis/published_runs.py
+(calibration.py holds them against it).
 Its ingredients, each with its source or measurement:
 
 - GEMMs run at the accelerator's measured maximum achievable matmul rate (`Hardware.matmul_rate`,
   the MAMF table) times `Efficiency.matmul`, the fraction of it a training job sustains (fitted).
   The shape enters twice. A GEMM's output is cut into 256 x 128 tiles (the typical cuBLAS tile,
   NVIDIA, "Matrix Multiplication Background User's Guide", DU-09799-001, Section 2.3) that the SMs
-  take in waves; the last wave is partly empty, half a wave on average (Section 3.2, "Wave
-  Quantization"). A GEMM whose operands take longer to move than its FLOPs to compute is memory
-  bound (the roofline, Williams et al. 2009).
+  take in waves, the last one partly empty (Section 3.2, "Wave Quantization"); the model charges
+  half a wave for it, its average over tile counts. A GEMM whose operands take longer to move than
+  its FLOPs to compute is memory bound (the roofline, Williams et al. 2009).
 - The attention core: fused (FlashAttention, Dao et al. 2022) it computes the causal half of the
   scores at `Hardware.flash_fraction` of the peak, backward 2.5 times the forward (five matmuls
   against two: FlashAttention-2, Dao 2023, Algorithm 2); unfused (Megatron-LM 2021-22:
