@@ -76,7 +76,8 @@ GPT_1T = PRESETS["megatron-1t"]
 
 M21_SOFTWARE = ("software megatron-2021: unfused attention with the fused scale-mask-softmax and "
                 "bias-dropout-add of §4.2, scatter/gather p2p of §4.1; data-parallel all-reduce "
-                "after the backward and unfused gradient accumulation assumed (not stated)")
+                "after the backward, unfused fp32 gradient accumulation and 16-bit weights with fp32 "
+                "master weights and Adam moments assumed (\"mixed precision\", §5)")
 K22_SOFTWARE = ("software megatron-2022: as megatron-2021, plus the backward's tensor-parallel "
                 "all-reduce overlapped with the weight-gradient GEMM (§6.2) and no overlap of the "
                 "data-parallel all-reduce (§6.3, stated)")
@@ -103,8 +104,8 @@ def _narayanan_table1() -> list[Run]:
 
 def _narayanan_table2() -> list[Run]:
     # Table 2, the PTD Parallelism rows: micro-batch 1; model-parallel size 96 for the 174.6B
-    # model (tensor 8 x pipeline 12, §5.1's rule of tensor parallelism inside the node) and 280
-    # (8 x 35, as in Table 1) for the 529.6B one.
+    # model (tensor 8 x pipeline 12: §3.2's takeaway #1, tensor parallelism up to the 8 GPUs of a
+    # node) and 280 (8 x 35, as in Table 1) for the 529.6B one.
     rows = [(GPT_175B, 12, 1536, 384, 153), (GPT_175B, 12, 1536, 768, 149), (GPT_175B, 12, 1536, 1536, 141),
             (GPT_530B, 35, 2240, 560, 171), (GPT_530B, 35, 2240, 1120, 167), (GPT_530B, 35, 2240, 2240, 159)]
     schedule = "the schedule is not named in §5.2: the best of 1F1B and interleaved; "
