@@ -15,7 +15,9 @@ import time
 from functools import cache
 from pathlib import Path
 
+from refpar.comm.trace import chrome_trace, read_trace
 from refpar.config import ConfigError
+from refpar.jobs import RankWatch, how_it_ended
 
 MAX_STEPS, TIME_LIMIT_S = 20, 300
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +36,8 @@ class Launcher:
         self.kind = "train"  # which command the last run ran: "train" or "generate"
         self.trace: str | None = None  # where the run writes its Chrome trace
         self.result: dict | None = None  # {"key", "label", "summary", "trace"} of the last good run
-        self.error: str | None = None  # the output tail of the last run that failed
+        self.error: str | None = None  # how the last run that failed ended, in one line, then its output tail
+        self.watch: RankWatch | None = None  # the ranks of the run: their pids, which one died, if one did
 
     def running(self) -> bool:
         """True until the run has ended and its output, result or error have been taken in."""
@@ -45,33 +48,39 @@ class Launcher:
         with self.lock:
             if self.running():
                 raise ConfigError("a run is already going; wait for it or stop it first")
-            env = {**os.environ, "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",
+            self.watch = RankWatch()
+            env = {**os.environ, "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", **self.watch.env(),
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
             # A list, never a shell; a session of its own so that Stop ends mpiexec and its ranks.
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True,
                                          cwd=ROOT, env=env, start_new_session=True)
+            self.watch.follow(self.proc)
             self.lines, self.started, self.error = [], time.monotonic(), None
             self.label, self.key, self.steps, self.trace, self.kind = label, key, steps, trace, kind
-            self.reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
+            self.reader = threading.Thread(target=self._read, args=(self.proc, self.watch), daemon=True)
             self.reader.start()
 
-    def _read(self, proc: subprocess.Popen) -> None:
+    def _read(self, proc: subprocess.Popen, watch: RankWatch) -> None:
         for line in proc.stdout:
             self.lines.append(line.rstrip("\n"))
         proc.wait()
+        watch.close()
         with self.lock:
             trace, events = (Path(self.trace) if self.trace else None), None
-            if proc.returncode == 0 and trace is not None and trace.exists():
-                events = json.loads(trace.read_text())
-            if trace is not None:
-                trace.unlink(missing_ok=True)  # a stopped run may have left half a file
+            if proc.returncode == 0 and trace is not None and trace.with_suffix(".jsonl").exists():
+                # every message of the run (the Chrome trace beside it holds the last step only)
+                events = chrome_trace(read_trace(trace.with_suffix(".jsonl")))
+            if trace is not None:  # a stopped run may have left half a file
+                trace.unlink(missing_ok=True)
+                trace.with_suffix(".jsonl").unlink(missing_ok=True)
             summary = next((json.loads(x) for x in reversed(self.lines) if x.startswith('{"mesh"')), None)
             if proc.returncode == 0 and summary is not None:
                 self.result = {"key": self.key, "label": self.label, "summary": summary, "trace": events}
             else:
+                how = how_it_ended(proc.returncode, "\n".join(self.lines), watch, self.steps)
                 tail = "\n".join(self.lines[-25:])
-                self.error = f"the run ended with exit status {proc.returncode}:\n{tail}"
+                self.error = f"{how}\n{tail}"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

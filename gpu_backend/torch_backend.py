@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from refpar.backend import NumpyBackend
+from refpar.backend import NumpyBackend, register
 from refpar.config import ConfigError
 
 
@@ -48,3 +48,6 @@ class TorchBackend(NumpyBackend):
     def synchronize(self) -> None:
         if self.device.startswith("cuda"):
             self.torch.cuda.synchronize(self.device)
+
+
+register("torch", TorchBackend)

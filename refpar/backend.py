@@ -13,12 +13,23 @@ after `synchronize`; `gpu_backend/` holds the CuPy and torch backends and the de
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 from array_api_compat import is_array_api_obj, is_cupy_array, is_numpy_array, is_torch_array
 
 from refpar.config import ConfigError
 
 BACKENDS = ("numpy", "torch", "cupy")
+# Accelerator backends live in gpu_backend/ and register themselves when their module is imported:
+# the core names the module (a string) and never imports it directly, so it does not depend on them.
+PLUGINS = {"torch": "gpu_backend.torch_backend", "cupy": "gpu_backend.cupy_backend"}
+_registered: dict[str, type] = {}
+
+
+def register(name: str, cls: type) -> None:
+    """Called by a plugin module as it is imported: `cls(device)` builds backend `name`."""
+    _registered[name] = cls
 
 
 class NumpyBackend:
@@ -68,14 +79,9 @@ def get(name: str, device: str | None = None):
             raise ConfigError(f"the numpy backend runs on the host, not on {device!r}; use "
                               "--backend torch or cupy for a GPU")
         return NumpyBackend()
-    if name == "torch":
-        from gpu_backend.torch_backend import TorchBackend
-
-        return TorchBackend(device or "cpu")
-    if name == "cupy":
-        from gpu_backend.cupy_backend import CupyBackend
-
-        return CupyBackend(device)
+    if name in PLUGINS:
+        importlib.import_module(PLUGINS[name])  # registers it
+        return _registered[name](device or "cpu") if name == "torch" else _registered[name](device)
     if name == "array-api-strict" and device in (None, "cpu"):
         return StrictBackend()
     raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or "
@@ -127,6 +133,23 @@ def owner(a):
     while getattr(a, "base", None) is not None and is_array(a.base):
         a = a.base
     return a
+
+
+def dtype_like(like, dtype):
+    """The dtype `dtype` (a NumPy dtype or name, bfloat16 included) in the namespace of the array
+    `like`: what buffers created beside it (fp32 masters, gradients, 16-bit copies) are made of."""
+    if is_numpy_array(like):
+        return np.dtype(dtype)
+    from array_api_compat import array_namespace
+
+    return getattr(array_namespace(like), np.dtype(dtype).name)
+
+
+def zeros(like, n: int, dtype):
+    """(n,) zeros of `dtype` in the namespace and on the device of `like`."""
+    from array_api_compat import array_namespace, device
+
+    return array_namespace(like).zeros(n, dtype=dtype_like(like, dtype), device=device(like))
 
 
 def host_dtype(x) -> np.dtype:

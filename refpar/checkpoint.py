@@ -15,7 +15,10 @@ overlap it, so a checkpoint written under one mesh loads under any other.
 
 Safety: every file is written under a temporary name, fsynced and renamed; the manifest is written
 only after every rank's file is in place (the gather of their descriptions is the barrier), so a
-directory without `manifest.json` is an unfinished save and is never loaded. Before reading
+directory without `manifest.json` is an unfinished save and is never loaded: a save killed at any
+point leaves the newest complete step for `--resume DIR` (tests/test_faults.py kills one at every
+file operation). A write that fails (a full disk) stops every rank with the same sentence naming
+the file, removes what that save wrote and leaves the earlier steps as they were. Before reading
 anything, every rank checks every file's size, sha256 and array headers (shape, dtype, no object
 arrays) against the manifest, so all ranks refuse a damaged checkpoint alike; loading never
 unpickles (`allow_pickle=False`). Any mismatch is one sentence naming the file.
@@ -28,6 +31,8 @@ state, so a resumed run continues bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -80,17 +85,6 @@ class Piece:
 
 def whole(tensor: str, shape) -> Piece:
     return Piece(tensor, box=tuple((0, int(n)) for n in shape))
-
-
-def flat_unit_pieces(prefix: str, layout, unit: str, start: int, flat) -> list[tuple[Piece, np.ndarray]]:
-    """The pieces of `flat`, which holds [start, start + len(flat)) of `unit`'s flat buffer in a
-    `refpar.parallel.units.FlatLayout`: one flat range per parameter it overlaps, as views."""
-    out = []
-    for name, lo, hi in layout.segments(unit, start, start + flat.shape[0]):
-        _, offset, _ = layout.offsets[name]
-        out.append((Piece(f"{prefix}/{name}", flat=(lo - offset, hi - offset)),
-                    flat[lo - start:hi - start]))
-    return out
 
 
 def shard_pieces(tensor: str, flat, shape, lo: int, axis: int | None = None, index=None
@@ -173,42 +167,87 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
     rank = 0 if comm is None else comm.world_rank
     leader = comm is None or comm.rank == 0
     manifest = path / MANIFEST
-    if leader:
-        path.mkdir(parents=True, exist_ok=True)
-        # Saving again into a finished checkpoint: its manifest goes first, so a crash from here on
-        # leaves a directory that is refused rather than a manifest over a mix of old and new files.
-        if manifest.exists():
-            manifest.unlink()
-            _fsync_dir(path)
-    if comm is not None:
-        comm.barrier(tag="checkpoint:begin")
     for p, a in arrays:
         if a.shape != p.shape:
             raise ValueError(f"array of shape {a.shape} saved as {p.tensor} {_where(p)}")
+    # A failed write (a full disk) on one rank must stop every rank with the same sentence, not
+    # leave the others waiting: each step says how it went, and rank 0 tells every rank in the
+    # exchange that also orders the steps (the others write only once the directory is ready, and
+    # go on only once the manifest is in place).
+    _agree(comm, _attempt(lambda: _prepare(path), path)[1] if leader else None)
     name = f"rank{rank:05d}.npz"
     named = {f"a{i}": np.ascontiguousarray(a).view(_stored(a.dtype)) for i, (_, a) in enumerate(arrays)}
-    _atomic_write(path / name, lambda f: np.savez(f, **named))
-    record = {"file": name, "sha256": _sha256(path / name), "bytes": (path / name).stat().st_size,
-              "arrays": [{"key": k, **p.to_json()} for k, (p, _) in zip(named, arrays, strict=True)]}
-    records = [record] if comm is None else comm.gather_object(record, root=0)
+
+    def write_shard() -> dict:
+        _atomic_write(path / name, lambda f: np.savez(f, **named))
+        return {"file": name, "sha256": _sha256(path / name), "bytes": (path / name).stat().st_size,
+                "arrays": [{"key": k, **p.to_json()} for k, (p, _) in zip(named, arrays, strict=True)]}
+
+    record, failure = _attempt(write_shard, path / name)
+    mine = failure or record  # a rank's record, or why it has none
+    records = [mine] if comm is None else comm.gather_object(mine, root=0)
     if leader:
-        doc = {"format": FORMAT, **info,
-               "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in tensors.items()},
-               "files": records}
-        text = json.dumps(doc, indent=1)
-        _atomic_write(manifest, lambda f: f.write(text.encode()))
-    if comm is not None:
-        comm.barrier(tag="checkpoint:done")  # nobody goes on (or exits) before the manifest exists
+        failure = next((r for r in records if isinstance(r, str)), None)  # the first failing rank's
+        if failure is None:
+            doc = {"format": FORMAT, **info,
+                   "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in tensors.items()},
+                   "files": records}
+            text = json.dumps(doc, indent=1)
+            _, failure = _attempt(lambda: _atomic_write(manifest, lambda f: f.write(text.encode())), manifest)
+    try:
+        _agree(comm, failure)
+    except CheckpointError:
+        with contextlib.suppress(OSError):
+            (path / name).unlink(missing_ok=True)  # give a full disk back what this save took
+        raise
     return path
 
 
+def _prepare(path: Path) -> None:
+    """Rank 0, before any rank writes: the directory, without the manifest of an earlier save into
+    it (so a crash from here on leaves a directory that is passed over, not a manifest over a mix of
+    old and new files) and without the temporary files a crashed save left."""
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / MANIFEST).exists():
+        (path / MANIFEST).unlink()
+        _fsync_dir(path)
+    for stale in path.glob(".*.tmp-*"):
+        stale.unlink(missing_ok=True)
+
+
+def _attempt(action, file: Path) -> tuple:
+    """(`action()`'s result, None), or (None, the sentence saying why writing `file` failed: a full
+    disk, a quota, a read-only or forbidden directory)."""
+    try:
+        return action(), None
+    except OSError as err:
+        reason = os.strerror(err.errno).lower() if err.errno else str(err)
+        advice = "free space or pass another --save DIR" if err.errno in (errno.ENOSPC, errno.EDQUOT) \
+            else "pass a --save DIR this user can write to"
+        return None, f"{reason} writing checkpoint {file}; {advice}"
+
+
+def _agree(comm, failure: str | None) -> None:
+    """Raises CheckpointError(rank 0's `failure`) on every rank, if rank 0 has one."""
+    failure = failure if comm is None else comm.broadcast_object(failure, root=0)
+    if failure is not None:
+        raise CheckpointError(failure)
+
+
 def _atomic_write(target: Path, write) -> None:
+    """`write(f)` into a temporary file beside `target`, fsynced, then renamed over `target`: a
+    reader sees the old file or the whole new one. A failed write removes its temporary file."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(target.parent)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
+import shlex
 import sys
 
 from refpar.config import ConfigError
@@ -36,11 +38,17 @@ def launcher_rank() -> int:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (what is wrong, and `--help`), exit status 2."""
+    """argparse whose errors are one line, `refpar <command>: error: <what is wrong>; see refpar
+    <command> --help` (no usage block), printed by rank 0 only, exit status 2: the same form as a
+    ConfigError's sentence."""
 
     def error(self, message: str):
+        flag = re.fullmatch(r"argument ([^/:]+)(?:/[^:]*)?: expected one argument", message)
+        if flag:  # e.g. `--lr -1e-3`: argparse takes a value that starts with '-' for a flag
+            message += f" (a value that starts with '-' is written {flag.group(1)}=VALUE)"
         if launcher_rank() == 0:
-            print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr, flush=True)
+            line = f"{self.prog}: error: {message}; see {self.prog} --help".replace("\n", " ")
+            print(line, file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -54,8 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(command)
-        command.set_defaults(_run=module.run)
+        command.set_defaults(_run=module.run, _parser=command)
     return parser
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; arguments no option takes are refused by the command's own parser,
+    so that the sentence points to `refpar <command> --help`."""
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        args._parser.error(f"unrecognized arguments: {shlex.join(extra)}")  # quoted: '' shows
+    return args
 
 
 def under_launcher() -> bool:
@@ -75,12 +92,16 @@ def _run_reporting_config_errors(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if under_launcher():
-        # Any other error on one rank must end every rank, not leave the others waiting in a
-        # collective.
+        from refpar import jobs
         from refpar.comm.communicator import abort_on_error
 
+        jobs.announce(launcher_rank())  # a launching process can then say which rank died, if one does
+        # Any other error on one rank must end every rank, not leave the others waiting in a
+        # collective.
         with abort_on_error():
-            return _run_reporting_config_errors(args)
+            status = _run_reporting_config_errors(args)
+        jobs.ended()
+        return status
     return _run_reporting_config_errors(args)

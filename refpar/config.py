@@ -6,11 +6,15 @@ learner can act on it. Checks run on every rank before any communication (DESIGN
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from refpar.precision import PRECISIONS
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")  # the last two: mixed precision
+MAX_RUN_BYTES = 1 << 40  # 1 TiB: no run of refpar's holds its parameters or a step's logits in more
 OPTIMIZERS = ("adamw", "sgd")
 
 
@@ -24,8 +28,9 @@ def _divisors(n: int) -> list[int]:
 
 def _require_positive(owner: str, **values: int | float) -> None:
     for name, value in values.items():
-        if value <= 0:
-            raise ConfigError(f"{owner}.{name} must be positive, got {value}; set it to a value > 0")
+        if not 0 < value < math.inf:  # False for nan too
+            raise ConfigError(f"{owner}.{name} must be positive and finite, got {value}; set it "
+                              "to a value > 0")
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,10 @@ class ModelConfig:
             raise ConfigError(
                 f"moe_top_k={self.moe_top_k} must be between 1 and moe_experts={self.moe_experts}"
             )
-        if not self.moe_dropless and self.moe_capacity_factor <= 0:
+        if not self.moe_dropless and not 0 < self.moe_capacity_factor < math.inf:
             raise ConfigError(
-                f"moe_capacity_factor={self.moe_capacity_factor} must be positive; use e.g. 1.25 "
-                "or dropless routing"
+                f"moe_capacity_factor={self.moe_capacity_factor} must be a positive finite number; use "
+                "e.g. 1.25, or dropless routing"
             )
         if self.moe_layers is not None:
             layers = tuple(self.moe_layers)
@@ -95,8 +100,9 @@ class ModelConfig:
                     f"moe_layers={layers} must list distinct block indices in 0..{self.n_layer - 1}"
                 )
             object.__setattr__(self, "moe_layers", tuple(sorted(layers)))
-        if self.moe_aux_loss_weight < 0 or self.moe_z_loss_weight < 0:
-            raise ConfigError("moe_aux_loss_weight and moe_z_loss_weight must be 0 or positive")
+        if not (0 <= self.moe_aux_loss_weight < math.inf and 0 <= self.moe_z_loss_weight < math.inf):
+            raise ConfigError(f"moe_aux_loss_weight={self.moe_aux_loss_weight} and moe_z_loss_weight="
+                              f"{self.moe_z_loss_weight} must be 0 or positive, and finite")
 
     @property
     def moe_blocks(self) -> tuple[int, ...]:
@@ -166,6 +172,19 @@ class TrainConfig:
             raise ConfigError(f"loss scaling applies to fp16-mixed only ({model.dtype} needs none: "
                               "bf16 has fp32's exponent range); drop --loss-scale and "
                               "--loss-scale-window or use --precision fp16-mixed")
+        # Every run holds all its parameters and a step's logits in host memory; beyond a tebibyte
+        # of them (float64) the sizes are a typo, refused here rather than a hang or MemoryError.
+        C, E = model.n_embd, max(1, model.moe_experts)
+        # the embeddings, attention's 4C^2 and each MLP's (or expert's) 8C^2 per block: biases aside
+        params = (model.vocab_size + model.n_positions) * C + model.n_layer * (4 + 8 * E) * C * C
+        logits = self.batch_size * self.seq_len * model.vocab_size
+        if 8 * params > MAX_RUN_BYTES:
+            experts = f" and {E} experts" if E > 1 else ""
+            raise ConfigError(f"{model.n_layer} blocks of {C} channels{experts} hold over {params:.1e} "
+                              f"parameters, {8 * params:.0e} bytes; use fewer layers or experts")
+        if 8 * logits > MAX_RUN_BYTES:
+            raise ConfigError(f"a batch of {self.batch_size} x {self.seq_len} tokens makes {logits:.1e} "
+                              f"logits a step, {8 * logits:.0e} bytes; use a smaller --batch-size")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -242,3 +261,65 @@ def parse_mesh(text: str) -> dict[str, int]:
     if not sizes:
         raise ConfigError("the mesh is empty; give it as e.g. --mesh dp=2,tp=2")
     return sizes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run does on its mesh beyond the mesh's sizes (the defaults: no strategy asked for)."""
+
+    schedule: str | None = None  # pipeline schedule (refpar/parallel/pipeline/schedules.py); 1f1b
+    microbatches: int = 1  # per step: pipeline microbatches, gradient accumulation, MoE routing
+    chunks: int | None = None  # v, model chunks per pipeline rank (interleaved-1f1b: 2)
+    sp: bool = False  # Megatron sequence parallelism over tp
+    cp_algo: str | None = None  # ring (default) or ulysses, when the mesh has cp
+    zero: int = 0  # ZeRO stage 0 (plain DP), 1, 2 or 3 over each unit's replica group
+    fsdp: bool = False  # ZeRO-3 by FSDP's policy (refpar/parallel/fsdp.py)
+    prefetch: bool = False  # FSDP: gather the next block one piece early
+    reshard_after_forward: bool = True  # FSDP: free a block's parameters after its forward
+    bucket_elems: int = 1 << 62  # DP: the gradient all-reduce bucket cap, in elements
+    overlap: bool = False  # DP: buckets all-reduced as ring rounds interleaved with the backward
+
+    @property
+    def kind(self) -> str:
+        return self.schedule or "1f1b"
+
+    @property
+    def v(self) -> int:
+        return self.chunks or (2 if self.kind == "interleaved-1f1b" else 1)
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the plan runs (FSDP is stage 3)."""
+        return 3 if self.fsdp else self.zero
+
+    @property
+    def strategy(self) -> str:
+        """dp, zero1, zero2, zero3 or fsdp: how each unit's replicas are kept."""
+        return "fsdp" if self.fsdp else ("dp" if self.zero == 0 else f"zero{self.zero}")
+
+
+def check_output_path(flag: str, path: str, directory: bool = False) -> None:
+    """Refuses, before a run starts, a `--figure PATH`, `--trace PATH` or (`directory`) `--save DIR`
+    that the run could not write at its end: a missing folder, a folder where a file goes, a file
+    where a folder goes. A directory is created with its parents, so only its nearest existing
+    ancestor must be a writable folder."""
+    if not path:
+        raise ConfigError(f"{flag} needs a path; give the {'directory' if directory else 'file'} to write")
+    target = Path(path)
+    if directory:
+        if target.exists() and not target.is_dir():
+            raise ConfigError(f"{flag} {path!r} is a file; give a directory (it is created if missing)")
+        where = next(p for p in (target, *target.parents) if p.exists())
+        if not where.is_dir():
+            raise ConfigError(f"{flag} {path!r} lies under the file {str(where)!r}; give a path in a "
+                              "directory")
+    else:
+        if target.is_dir():
+            raise ConfigError(f"{flag} {path!r} is a directory; give the path of a file to write in it")
+        where = target.parent
+        if not where.is_dir():
+            raise ConfigError(f"{flag} {path!r}: the directory {str(where)!r} does not exist; create it "
+                              "or give a file in an existing directory")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path!r}: {str(where)!r} is not writable; give a path in a directory "
+                          "you can write to")

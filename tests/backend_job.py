@@ -13,68 +13,40 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
-
 from refpar import backend
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
-from refpar.engine import EngineOptions, full_params, run_engine
-from refpar.memory import MemoryLedger
+from refpar.engine import Plan, parallelize, train
+from refpar.engine.report import full_params
 from refpar.mesh import DeviceMesh
-from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params
-from refpar.parallel import dp_runner
-from refpar.parallel.expert_parallel_run import reference_run, train_expert_parallel
-from refpar.parallel.intra_layer import IntraLayerTrainer
-from refpar.parallel.pipeline.runner import run_pipeline
-from refpar.parallel.units import train_step
 from refpar.trainer import train_single_device
+from tests.numerics import rel_diff
 
 TRAIN = TrainConfig(steps=2, batch_size=4, seq_len=16)
 MESHES = {"zero3": {"dp": 2}, "tp_sp": {"tp": 2}, "cp_ulysses": {"cp": 2}, "pp_1f1b": {"pp": 2},
           "ep": {"ep": 2}, "3d": {"dp": 2, "tp": 2, "pp": 2}}
 
 
-def rel(a, b) -> float:
-    return float(np.max(np.abs(backend.to_host(a) - b)) / max(float(np.max(np.abs(b))), 1e-300))
+PLANS = {"zero3": Plan(zero=3), "tp_sp": Plan(sp=True), "cp_ulysses": Plan(cp_algo="ulysses"),
+         "pp_1f1b": Plan(microbatches=2), "ep": Plan(), "3d": Plan(microbatches=2)}
 
 
-def train(name: str, comm):
+def train_on(name: str, comm):
     """(losses, arrays the run holds, this rank's parameters whole on the host, the reference's
     losses and parameters)."""
-    mesh = DeviceMesh(comm, MESHES[name])
-    if name == "ep":
-        model = model_preset("tiny", moe_experts=4)
-        run, ref = train_expert_parallel(model, TRAIN, mesh), reference_run(model, TRAIN)
-        return ([s.loss for s in run.steps], run.params, run.params, [s.loss for s in ref.steps],
-                ref.params)
-    model = model_preset("tiny")
-    ref = train_single_device(model, TRAIN)
-    corpus = MarkovCorpus(model.vocab_size, TRAIN.seed)
-    if name == "zero3":
-        params = backend.current().from_host(init_params(model, TRAIN.seed))
-        strategy = dp_runner.build(dp_runner.options("zero3", model, TRAIN), model, TRAIN, mesh.dp,
-                                   MemoryLedger(), params)
-        losses = [train_step(strategy, corpus, s, 1) for s in range(TRAIN.steps)]
-        return losses, strategy.shards, strategy.full_params(), ref.losses, ref.params
-    if name in ("tp_sp", "cp_ulysses"):
-        trainer = IntraLayerTrainer(model, TRAIN, mesh, MemoryLedger(), sp=name == "tp_sp",
-                                    cp_algo="ulysses" if name == "cp_ulysses" else None)
-        losses = [trainer.step(s, corpus) for s in range(TRAIN.steps)]
-        return losses, trainer.params, trainer.full_params(), ref.losses, ref.params
-    if name == "pp_1f1b":
-        run = run_pipeline(model, TRAIN, mesh, "1f1b", 2)
-        return run.losses, run.params, run.params, ref.losses, ref.params
-    run = run_engine(model, TRAIN, mesh, EngineOptions("1f1b", 2))
-    return run.losses, run.params, full_params(run, model, mesh), ref.losses, ref.params
+    model = model_preset("tiny", moe_experts=4 if name == "ep" else 0)
+    par = parallelize(model, TRAIN, DeviceMesh(comm, MESHES[name]), PLANS[name])
+    run, ref = train(par), train_single_device(model, TRAIN)
+    held = dict(enumerate(par.hooks.buffers()))
+    return run.losses, held, full_params(par), ref.losses, ref.params
 
 
 def check(name: str, comm, tracer: Tracer) -> dict:
     tracer.clear()
-    losses, held, whole, ref_losses, ref_params = train(name, comm)
+    losses, held, whole, ref_losses, ref_params = train_on(name, comm)
     return {"loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)),
-            "param_rel_diff": max(rel(p, ref_params[n]) for n, p in whole.items()),
+            "param_rel_diff": max(rel_diff(backend.to_host(p), ref_params[n]) for n, p in whole.items()),
             # The module of the arrays the strategy holds: proof that the run computed on the backend.
             "namespaces": sorted({type(a).__module__.split(".")[0] for a in held.values()}),
             "staged": sorted({e.staged for e in tracer.events}), "events": len(tracer.events),

@@ -17,25 +17,20 @@ from collections import Counter
 
 import numpy as np
 
-from refpar import precision
-from refpar.analysis.activations import activation_peak_bytes
+from refpar import backend, precision
+from refpar.analysis.engine import rank_memory_rows, rank_param_numels
 from refpar.analysis.intra_layer import expected_calls
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
-from refpar.memory import MemoryLedger
+from refpar.engine import Plan, parallelize, train
+from refpar.engine.report import full_params
+from refpar.holdings import tp_param_slices
 from refpar.mesh import DeviceMesh
-from refpar.model.data import MarkovCorpus
-from refpar.parallel.intra_layer import IntraLayerTrainer
-from refpar.parallel.intra_layer_runner import expected_memory
-from refpar.parallel.tensor_parallel import tp_param_slices
 from refpar.trainer import train_single_device
+from tests.numerics import rel_diff
 
 STEPS = 3
-
-
-def rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
 def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
@@ -44,34 +39,29 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
                         optimizer=spec.get("optimizer", "adamw"), **spec.get("train", {}))
     sp, cp_algo = spec.get("sp", False), spec.get("cp_algo")
     mesh = DeviceMesh(comm, spec["mesh"])
-    ledger = MemoryLedger()
-    to_backend = None
-    if spec.get("backend") == "torch":  # the array-API plug: the same code on torch CPU tensors
-        import torch
-
-        to_backend = torch.from_numpy
-    trainer = IntraLayerTrainer(model, train, mesh, ledger, sp=sp, cp_algo=cp_algo, to_backend=to_backend)
-    corpus = MarkovCorpus(model.vocab_size, train.seed)
+    plan = Plan(sp=sp, cp_algo=cp_algo)
     tracer.clear()
-    losses = []
     forced = spec.get("force_overflow")  # [world rank, step]: that rank alone finds an inf
     found = precision.has_overflow  # what overflow_anywhere asks
-    for step in range(STEPS):
-        if forced is not None:
-            hit = (comm.rank, step) == tuple(forced)
-            precision.has_overflow = (lambda grads: True) if hit else found
-        with tracer.context(step=step):
-            losses.append(trainer.step(step, corpus))
+    if forced is not None:
+        hit = comm.rank == forced[0]
+        precision.has_overflow = lambda grads: (hit and step_now[0] == forced[1]) or found(grads)
+    step_now = [0]
+    backend.use(spec.get("backend", "numpy"))  # torch: the array-API plug, the same code on torch CPU tensors
+    par = parallelize(model, train, mesh, plan)
+    run = train_model(par, step_now)
+    backend.use("numpy")
     precision.has_overflow = found
-    events = list(tracer.events)
-    full = trainer.full_params()
+    events = [e for e in tracer.events if e.step is not None]  # the training steps'
+    losses = run.losses
+    full = full_params(par)
 
     key = json.dumps([model.to_dict(), train.to_dict()])
     if key not in references:
         references[key] = train_single_device(model, train)
     ref = references[key]
     out = {"loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(losses, ref.losses, strict=True)),
-           "param_rel_diff": max(rel(full[n], ref.params[n]) for n in ref.params)}
+           "param_rel_diff": max(rel_diff(full[n], ref.params[n]) for n in ref.params)}
 
     # Traced calls == closed form, call by call (op, tag, bytes), for every step and axis.
     want = [(c.axis, c.op, c.tag, c.bytes_sent, c.bytes_recv)
@@ -79,7 +69,7 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     mismatches = []
     for step in range(STEPS):
         got = [(e.axis, e.op, e.tag, e.bytes_sent, e.bytes_recv) for e in events if e.step == step]
-        for axis in ("tp", "cp", "dp"):
+        for axis in ("tp", "cp", "dp", "dp_cp"):
             g, w = [c for c in got if c[0] == axis], [c for c in want if c[0] == axis]
             if g != w:
                 pairs = zip(g, w, strict=False)
@@ -100,20 +90,34 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
             block_bytes["sent"] += e.bytes_sent
     out["tp_block_bytes"] = block_bytes["sent"]
 
-    out["activation_peak"] = ledger.peak["activations"]
-    out["activation_expected"] = activation_peak_bytes(model, train, mesh.sizes, mesh.coords, sp, cp_algo)
-    out["memory"] = dict(ledger.peak)
-    out["memory_expected"] = expected_memory(model, train, mesh.sizes, comm.rank, sp, cp_algo)
+    expected = {r["category"]: r["bytes"]
+                for r in rank_memory_rows(model, train, mesh.sizes, mesh.coords, plan)}
+    out["activation_peak"] = par.ledger.peak["activations"]
+    out["activation_expected"] = expected["activations"]
+    out["memory"] = dict(par.ledger.peak)
+    out["memory_expected"] = expected
+    # the largest gradient dict a backward piece hands over: one block's (of this rank's shards)
+    numels = rank_param_numels(model, mesh.sizes, mesh.coords, 1)
+    out["block_grad_elems"] = sum(n for name, n in numels.items() if name.startswith("h.0."))
     out["losses"], out["reference_losses"] = losses, ref.losses
     # fp16 loss scaling: what each rank skipped, and a digest of the parameters every tp rank holds
     # whole (they stay equal only if all ranks skip the same steps)
     sharded = tp_param_slices(model, mesh.sizes["tp"], mesh.coords["tp"])
-    out["skipped_steps"], out["reference_skipped"] = trainer.skipped_steps, ref.skipped_steps
-    out["scales"] = trainer.scales
-    out["optimizer_t"] = trainer.state["t"]
+    scaling = run.loss_scaling or {"skipped_steps": [], "scales": []}
+    out["skipped_steps"], out["reference_skipped"] = scaling["skipped_steps"], ref.skipped_steps
+    out["scales"] = scaling["scales"]
+    out["optimizer_t"] = par.hooks.t
     out["replicated_digest"] = hashlib.sha256(b"".join(
         np.ascontiguousarray(full[n]).tobytes() for n in sorted(full) if n not in sharded)).hexdigest()
     return out
+
+
+def train_model(par, step_now):
+    """`train`, telling `step_now` which step runs (for a forced overflow)."""
+    def on_step(step, *_):
+        step_now[0] = step + 1
+
+    return train(par, on_step)
 
 
 def main() -> None:

@@ -32,7 +32,9 @@ from refpar.analysis.memory import unit_sizes
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
-from refpar.parallel.dp_runner import expected_rows, gather_rows, options, run_data_parallel
+from refpar.engine import Plan
+from refpar.engine.report import STATES, collect
+from refpar.mesh import DeviceMesh
 from refpar.sharding import shard_sizes
 from refpar.trainer import train_single_device
 
@@ -69,8 +71,13 @@ def paper_states(psi: int, s: int, stage: int, fp32_grads: bool) -> dict[str, in
             "master": 4 * (psi if stage == 0 else s), "optimizer": 8 * (psi if stage == 0 else s)}
 
 
+def plan_of(strategy: str, **knobs) -> Plan:
+    return Plan(zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
+                **knobs)
+
+
 def main() -> None:
-    w = world(Tracer())
+    w, plain = world(Tracer()), world()
     failures, checks, loss_diffs = [], 0, {}
 
     def expect(ok: bool, what: str) -> None:
@@ -93,17 +100,19 @@ def main() -> None:
             strategy = knobs["strategy"]
             what = f"{name} {knobs}"
             w.tracer.clear()
-            opts = options(model=model, train=train, **knobs)
-            run = run_data_parallel(opts, model, train, w)
+            summary, par, run, _ = collect(model, train, DeviceMesh(w, {"dp": w.size}),
+                                           plan_of(**knobs), plain=plain)
+            state = {c: par.ledger.current[c] for c in STATES}
             want = paper_states(psi, s, STAGE[strategy], train.fp32_grads)
-            expect(run.model_state == want, f"{what}: model states {run.model_state} != paper {want}")
+            expect(state == want, f"{what}: model states {state} != paper {want}")
             if strategy == "dp":
-                total = sum(run.model_state.values())
+                total = sum(state.values())
                 expect(total == (20 if train.fp32_grads else 16) * psi, f"{what}: DP holds {total} bytes")
-            for e in w.tracer.events:
+            steps = [e for e in w.tracer.events if e.step is not None]  # the training steps'
+            for e in steps:
                 if e.tag == "loss":
                     want_dtype = "float64"
-                elif e.tag == "found_inf":
+                elif e.tag.startswith("found_inf"):
                     want_dtype = "float32"
                     expect(e.shape == (1,) and e.op == "all_reduce", f"{what}: flag event {e}")
                 elif ":params" in e.tag:  # all-gathers, and FSDP's prefetch rings
@@ -111,30 +120,32 @@ def main() -> None:
                 else:
                     want_dtype = grad_dtype
                 expect(e.dtype == want_dtype, f"{what}: {e.op} {e.tag} moved {e.dtype}, not {want_dtype}")
-            flags = sum(e.tag == "found_inf" for e in w.tracer.events)
+            flags = sum(e.tag.startswith("found_inf") for e in steps)
             want_flags = train.steps if dtype == "float16" and strategy != "dp" else 0
             expect(flags == want_flags, f"{what}: {flags} overflow flags exchanged, want {want_flags}")
-            comm_rows, memory_rows = gather_rows(w, run)  # after the scan: it moves int64 rows
-            expected_comm, expected_memory = expected_rows(opts, model, train, w.size,
-                                                           len(run.skipped_steps))
-            expect(memory_rows == expected_memory,
-                   f"{what}: peaks {[r for r in memory_rows if r not in expected_memory][:3]} differ "
-                   f"from the closed form {[r for r in expected_memory if r not in memory_rows][:3]}")
-            key = itemgetter("rank", "op")
-            expect(sorted(comm_rows, key=key) == sorted(expected_comm, key=key),
-                   f"{what}: traced bytes {comm_rows} != closed form {expected_comm}")
+            if w.rank == 0:
+                memory_rows, expected_memory = (summary[k] for k in ("memory_peak_bytes",
+                                                                     "expected_memory_peak_bytes"))
+                expect(memory_rows == expected_memory,
+                       f"{what}: peaks {[r for r in memory_rows if r not in expected_memory][:3]} differ "
+                       f"from the closed form {[r for r in expected_memory if r not in memory_rows][:3]}")
+                key = itemgetter("rank", "op")
+                comm_rows, expected_comm = summary["comm_bytes"], summary["expected_comm_bytes"]
+                expect(sorted(comm_rows, key=key) == sorted(expected_comm, key=key),
+                       f"{what}: traced bytes {comm_rows} != closed form {expected_comm}")
             diff = max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True))
             loss_diffs[name][" ".join(f"{v}" for v in knobs.values())] = diff
             expect(diff <= tolerance, f"{what}: loss rel diff {diff:.2e} > {tolerance:.2e}")
-            every = w.gather_object(run.skipped_steps)
+            scaling = run.loss_scaling or {"skipped_steps": [], "scales": []}
+            every = plain.gather_object(scaling["skipped_steps"])
             if w.rank == 0:
                 expect(all(k == ref.skipped_steps for k in every),
                        f"{what}: skipped steps per rank {every} != single device {ref.skipped_steps}")
             if "overflow" in name:
                 expect(0 < len(ref.skipped_steps) < train.steps,
                        f"{what}: the forced overflow should skip some steps, not all: {ref.skipped_steps}")
-                expect(run.loss_scales == ref.loss_scales, f"{what}: scales {run.loss_scales}")
-    reports = w.gather_object((checks, failures))
+                expect(scaling["scales"] == ref.loss_scales, f"{what}: scales {scaling['scales']}")
+    reports = plain.gather_object((checks, failures))
     if w.rank == 0:
         print(json.dumps({"checks": sum(c for c, _ in reports),
                           "failures": [f for _, fs in reports for f in fs][:40],

@@ -1,4 +1,4 @@
-"""MoE with context parallelism (refpar/engine_moe.py on pp x dp x ep x cp), run under mpiexec by
+"""MoE with context parallelism (refpar/engine on pp x dp x ep x cp), run under mpiexec by
 tests/test_moe_cp.py.
 
     mpiexec -n 4 python tests/moe_cp_check.py /tmp/checkpoints

@@ -21,26 +21,22 @@ from pathlib import Path
 import numpy as np
 
 from refpar import checkpoint
-from refpar.analysis import moe as moe_analysis
+from refpar.analysis.engine import rank_comm_bytes, rank_memory_rows
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh
-from refpar.engine_moe import MoEPipelineOptions, run_moe_pipeline
+from refpar.engine import Plan, parallelize
+from refpar.engine import train as train_engine
+from refpar.engine.checkpoint import resume_from
+from refpar.engine.report import full_params
 from refpar.mesh import DeviceMesh
-from refpar.model.gpt import param_shapes
-from refpar.model.optim import optimizer_init
-from refpar.parallel.expert_parallel_run import (
-    local_params,
-    reference_run,
-    resume_from,
-    train_expert_parallel,
-)
-from refpar.parallel.pipeline.stage import stage_param_names
+from refpar.trainer import train_single_device
+from tests.numerics import rel_diff
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
 TRAIN = TrainConfig(steps=3, batch_size=8, seq_len=8, lr=1e-2, seed=11)
-# (mesh, schedule, microbatches, chunks, model changes); schedule None: the dp x ep runner
+# (mesh, schedule, microbatches, chunks, model changes); schedule None: a mesh without pp
 RUNS = [
     ("pp=2,ep=2", "1f1b", 2, 1, {}),
     ("pp=2,ep=2", "gpipe", 4, 1, {"moe_top_k": 1}),
@@ -53,14 +49,16 @@ RUNS = [
 ]
 
 
-def rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
+def plan_of(schedule, m, v, cp_algo=None, sp=False) -> Plan:
+    return Plan(schedule=schedule, microbatches=m, chunks=v if schedule else None, cp_algo=cp_algo, sp=sp)
 
 
-def train(model, train_cfg, mesh, schedule, m, v, cp_algo=None, **saving):
-    if schedule is None:
-        return train_expert_parallel(model, train_cfg, mesh, microbatches=m, **saving)
-    return run_moe_pipeline(model, train_cfg, mesh, MoEPipelineOptions(schedule, m, v, cp_algo), **saving)
+def train(model, train_cfg, mesh, schedule, m, v, cp_algo=None, sp=False, **saving):
+    """(the run, its Parallel, this rank's parameters whole after it)."""
+    schedule = schedule if mesh.sizes["pp"] > 1 else None
+    par = parallelize(model, train_cfg, mesh, plan_of(schedule, m, v, cp_algo, sp))
+    run = train_engine(par, **saving)
+    return run, par, full_params(par)
 
 
 def all_ranks(comm, ok: bool) -> bool:
@@ -71,10 +69,11 @@ def resume_row(group, label: str, resumed, full, same_mesh: bool, slices: bool) 
     """One resume's JSON row: its losses next to the uninterrupted run's (resumed after step 2),
     whether it is that run bit for bit (only asked of a resume on the mesh it was saved on), and
     whether every rank of `group` reassembled its tensors exactly."""
-    same = same_mesh and resumed.losses == full.losses[2:] and all(
-        np.array_equal(p, full.params[n]) for n, p in resumed.params.items())
-    return {"resume": label, "first_step": resumed.first_step, "losses": resumed.losses,
-            "uninterrupted": full.losses[2:], "exact": all_ranks(group, same),
+    (run, _, params), (full_run, _, full_params) = resumed, full
+    same = same_mesh and run.losses == full_run.losses[2:] and all(
+        np.array_equal(p, full_params[n]) for n, p in params.items())
+    return {"resume": label, "first_step": run.first_step, "losses": run.losses,
+            "uninterrupted": full_run.losses[2:], "exact": all_ranks(group, same),
             "reassembled": all_ranks(group, slices)}
 
 
@@ -89,67 +88,53 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
     model = replace(MODEL, **changes)
     comm.tracer.clear()
     mesh = DeviceMesh(comm, parse_mesh(mesh_text))
-    run = train(model, TRAIN, mesh, schedule, m, v, cp_algo)
-    events = list(comm.tracer.events)
-    ref = reference_run(model, TRAIN, microbatches=m)
-    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in run.params.items())]),
+    run, par, params = train(model, TRAIN, mesh, schedule, m, v, cp_algo)
+    plan = par.plan
+    events = [e for e in comm.tracer.events if e.step is not None]
+    ref = train_single_device(model, TRAIN, microbatches=m)
+    param_diff = float(comm.all_reduce(np.array([max(rel_diff(p, ref.params[n]) for n, p in params.items())]),
                                        op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                        and s.tokens_per_expert == {i: r.tokens_per_expert[i] for i in s.tokens_per_expert}
-                       for s, r in zip(run.steps, ref.steps, strict=True))
+                       for s, r in zip(run.moe_steps, ref.moe_steps, strict=True))
     bytes_ok = True
-    for s in run.steps:
-        traced = comm.tracer.totals(step=s.step)
-        if schedule is None:
-            expected = moe_analysis.step_comm_bytes(
-                model, mesh.sizes, mesh.coords, [k for mb in s.microbatch_kept_counts for k in mb.values()])
-        else:
-            expected = moe_analysis.pipeline_step_comm_bytes(
-                model, mesh.sizes, mesh.coords, v, run.rows, TRAIN.seq_len,
-                [list(k.values()) for k in s.microbatch_kept_counts], cp_algo=cp_algo,
-                batch_size=TRAIN.batch_size)
-        bytes_ok &= traced == {key: (b.sent, b.recv) for key, b in expected.items()}
-    if schedule is None:
-        states = moe_analysis.model_state_bytes(model, mesh.sizes["ep"], mesh.coords["ep"],
-                                                TRAIN.optimizer, m)
-    else:
-        states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, v, TRAIN.optimizer)
-    if schedule is not None:  # what the F's caches keep until their B, replayed over the schedule
-        states["activations"] = moe_analysis.pipeline_activation_peak(
-            model, TRAIN, mesh.sizes, mesh.coords, schedule, m, v, run.rows,
-            [s.microbatch_kept_counts for s in run.steps], cp_algo)
-    memory_ok = {c: run.ledger.peak[c] for c in states} == states
+    for s in run.moe_steps:
+        traced = {k: b for k, b in comm.tracer.totals(step=s.step).items() if b != (0, 0)}
+        expected = rank_comm_bytes(model, TRAIN, mesh.sizes, mesh.coords, plan, s.microbatch_kept_counts)
+        bytes_ok &= traced == {key: tuple(b) for key, b in expected.items() if tuple(b) != (0, 0)}
+    # what the F's caches keep until their B, replayed over the schedule, among the rest
+    states = {r["category"]: r["bytes"] for r in rank_memory_rows(
+        model, TRAIN, mesh.sizes, mesh.coords, plan, [s.microbatch_kept_counts for s in run.moe_steps])}
+    memory_ok = dict(par.ledger.peak) == states
     a2a = sum(e.bytes_sent for e in events if e.op == "all_to_all")
     return {
-        "run": f"{mesh_text} {schedule or 'dp x ep runner'} m={m} v={v} {changes}"
+        "run": f"{mesh_text} {schedule or 'without pp'} m={m} v={v} {changes}"
                + (f" {cp_algo}" if cp_algo else ""),
         "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
         "param_diff": param_diff,
         "aux_diff": max(abs(a.aux_loss - b.aux_loss) / b.aux_loss
-                        for a, b in zip(run.steps, ref.steps, strict=True)),
+                        for a, b in zip(run.moe_steps, ref.moe_steps, strict=True)),
         "routing_same": all_ranks(comm, routing_same),
-        "dropped": [sum(s.dropped.values()) for s in ref.steps],
+        "dropped": [sum(s.dropped.values()) for s in ref.moe_steps],
         "bytes_ok": all_ranks(comm, bytes_ok),
         "memory_ok": all_ranks(comm, memory_ok),
-        "activation_peaks": comm.all_gather(np.array([[run.ledger.peak["activations"],
-                                                        states.get("activations", 0)]])).tolist(),
+        "activation_peaks": comm.all_gather(np.array([[par.ledger.peak["activations"],
+                                                        states["activations"]]])).tolist(),
         "all_to_all_bytes": float(comm.all_reduce(np.array([float(a2a)]))[0]),
     }
 
 
 def reassembles_exactly(mesh, schedule, path: Path, train_cfg) -> bool:
-    """Whether `resume_from` gives this rank of `mesh` exactly its slices of the checkpoint's
-    global tensors (read whole on one process): parameters and AdamW's m and v."""
-    p = mesh.sizes["pp"]
-    names = stage_param_names(MODEL, p, mesh.coords["pp"]) if schedule else list(param_shapes(MODEL))
-    shapes = param_shapes(MODEL)
-    params = local_params({n: np.zeros(shapes[n]) for n in names}, MODEL, mesh.sizes["ep"],
-                          mesh.coords["ep"])
-    state = optimizer_init(params, train_cfg)
-    resume_from(str(path), MODEL, train_cfg, params, state, mesh.coords, microbatches=2)  # as saved
+    """Whether loading gives this rank of `mesh` (plain DP, as every run here) exactly its slices of
+    the checkpoint's global tensors (read whole on one process): parameters and AdamW's m and v."""
+    par = parallelize(MODEL, train_cfg, mesh, plan_of(schedule if mesh.sizes["pp"] > 1 else None, 2, 1))
+    resume_from(par, str(path))
+    hooks, u = par.hooks, par.hooks.units
     _, whole, moments = checkpoint.load_whole(str(path), MODEL, train_cfg)
-    return all(np.array_equal(params[n], whole[n]) and np.array_equal(state["m"][n], moments["m"][n])
-               and np.array_equal(state["v"][n], moments["v"][n]) for n in params)
+    held = {"params": whole, "m": moments["m"], "v": moments["v"]}
+    mine = {"params": hooks.params, "m": hooks.state["m"], "v": hooks.state["v"]}
+    return all(np.array_equal(v, held[kind][n]) for kind, flat in mine.items() for k in u.names
+               for n, v in u.views(k, u.slice(k, flat)).items())
 
 
 def check_resumes(comm, saved_on, resumed_on: list, root: Path) -> list[dict]:
@@ -158,13 +143,15 @@ def check_resumes(comm, saved_on, resumed_on: list, root: Path) -> list[dict]:
     train4 = replace(TRAIN, steps=4)
     mesh_a, sched_a = saved_on
     path = root / mesh_a.replace(",", "_")
-    full = train(MODEL, train4, DeviceMesh(comm, parse_mesh(mesh_a)), sched_a, 2, 1, save=str(path),
+    mesh = DeviceMesh(comm, parse_mesh(mesh_a))
+    full = train(MODEL, train4, mesh, sched_a if mesh.sizes["pp"] > 1 else None, 2, 1, save=str(path),
                  save_every=2)
     out = []
     for mesh_b, sched_b in resumed_on:
         group = comm if mesh_b != "1" else comm.split(0 if comm.rank == 0 else None, key=0, axis="world")
         if group is not None:
             mesh = DeviceMesh(group, parse_mesh(mesh_b) if mesh_b != "1" else {})
+            sched_b = sched_b if mesh.sizes["pp"] > 1 else None
             exact_slices = reassembles_exactly(mesh, sched_b, path / "step-00000002", train4)
             resumed = train(MODEL, train4, mesh, sched_b, 2, 1, resume=str(path / "step-00000002"))
             out.append(resume_row(group, f"{mesh_a} -> {mesh_b}", resumed, full, mesh_b == mesh_a,

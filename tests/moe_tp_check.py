@@ -23,18 +23,18 @@ from pathlib import Path
 import numpy as np
 
 from refpar import checkpoint
-from refpar.analysis import moe as moe_analysis
+from refpar.analysis.engine import rank_comm_bytes, rank_memory_rows
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh
-from refpar.engine_moe import MoEPipelineOptions, checkpoint_arrays, full_params, run_moe_pipeline
+from refpar.engine import parallelize
+from refpar.engine.checkpoint import resume_from
 from refpar.mesh import DeviceMesh
 from refpar.model.gpt import param_shapes
-from refpar.model.optim import optimizer_init
-from refpar.parallel.expert_parallel_run import local_params, reference_run, train_expert_parallel
-from refpar.parallel.pipeline.stage import stage_param_names
 from refpar.parallel.tensor_parallel import shard_params_tp
-from tests.moe_pipeline_check import emit, resume_row
+from refpar.trainer import train_single_device
+from tests.moe_pipeline_check import emit, plan_of, resume_row, train
+from tests.numerics import rel_diff
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
@@ -53,43 +53,38 @@ RUNS = [
 ]
 
 
-def rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
-
-
 def all_ranks(comm, ok: bool) -> bool:
     return bool(comm.all_reduce(np.array([int(ok)]), op="min")[0])
+
+
+def local(par) -> dict:
+    """The parameters this rank holds (its tp shards), by name (plain DP keeps them whole)."""
+    u = par.hooks.units
+    return {n: v for k in u.names for n, v in u.views(k, u.slice(k, par.hooks.params)).items()}
 
 
 def check_run(comm, mesh_text, sp, schedule, m, changes, algo) -> dict:
     model = replace(MODEL, **changes)
     comm.tracer.clear()
     mesh = DeviceMesh(comm, parse_mesh(mesh_text))
-    run = run_moe_pipeline(model, TRAIN, mesh, MoEPipelineOptions(schedule, m, 1, algo, sp=sp))
-    events = list(comm.tracer.events)
-    ref = reference_run(model, TRAIN, microbatches=m)
-    whole = full_params(run, model, mesh)
-    param_diff = float(comm.all_reduce(np.array([max(rel(np.asarray(p, np.float64), np.asarray(
-        ref.params[n], np.float64)) for n, p in whole.items())]),
-                                       op="max")[0])
+    run, par, whole = train(model, TRAIN, mesh, schedule, m, 1, algo, sp)
+    events = [e for e in comm.tracer.events if e.step is not None]
+    ref = train_single_device(model, TRAIN, microbatches=m)
+    param_diff = float(comm.all_reduce(np.array([max(rel_diff(np.asarray(p, np.float64), np.asarray(
+        ref.params[n], np.float64)) for n, p in whole.items())]), op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                        and s.tokens_per_expert == {i: r.tokens_per_expert[i] for i in s.tokens_per_expert}
-                       for s, r in zip(run.steps, ref.steps, strict=True))
+                       for s, r in zip(run.moe_steps, ref.moe_steps, strict=True))
     bytes_ok = True
-    for s in run.steps:
-        traced = comm.tracer.totals(step=s.step)
-        expected = moe_analysis.pipeline_step_comm_bytes(
-            model, mesh.sizes, mesh.coords, 1, run.rows, TRAIN.seq_len,
-            [list(k.values()) for k in s.microbatch_kept_counts], cp_algo=algo,
-            batch_size=TRAIN.batch_size, sp=sp)
-        bytes_ok &= traced == {key: (b.sent, b.recv) for key, b in expected.items()}
-    states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, 1, TRAIN.optimizer)
-    states["activations"] = moe_analysis.pipeline_activation_peak(
-        model, TRAIN, mesh.sizes, mesh.coords, schedule, m, 1, run.rows,
-        [s.microbatch_kept_counts for s in run.steps], cp_algo=algo, sp=sp)
-    memory_ok = {c: run.ledger.peak[c] for c in states} == states
+    for s in run.moe_steps:
+        traced = {k: b for k, b in comm.tracer.totals(step=s.step).items() if b != (0, 0)}
+        expected = rank_comm_bytes(model, TRAIN, mesh.sizes, mesh.coords, par.plan, s.microbatch_kept_counts)
+        bytes_ok &= traced == {key: tuple(b) for key, b in expected.items() if tuple(b) != (0, 0)}
+    states = {r["category"]: r["bytes"] for r in rank_memory_rows(
+        model, TRAIN, mesh.sizes, mesh.coords, par.plan, [s.microbatch_kept_counts for s in run.moe_steps])}
+    memory_ok = dict(par.ledger.peak) == states
     # this rank's expert-buffer all-reduces and sp gathers per MoE layer it runs, microbatch and step
-    layers = len(run.steps[0].kept_counts) * m * TRAIN.steps
+    layers = len(run.moe_steps[0].kept_counts) * m * TRAIN.steps
     buffers = [sum(e.tag.endswith(f"experts.{t}") for e in events) / max(layers, 1)
                for t in ("c_proj:fwd", "c_fc:bwd")]
     gathers = sum(".mlp.moe:" in e.tag for e in events) / max(layers, 1)
@@ -99,14 +94,14 @@ def check_run(comm, mesh_text, sp, schedule, m, changes, algo) -> dict:
         "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
         "param_diff": param_diff,
         "aux_diff": max(abs(a.aux_loss - b.aux_loss) / b.aux_loss
-                        for a, b in zip(run.steps, ref.steps, strict=True)),
+                        for a, b in zip(run.moe_steps, ref.moe_steps, strict=True)),
         "routing_same": all_ranks(comm, routing_same),
-        "dropped": [sum(s.dropped.values()) for s in ref.steps],
+        "dropped": [sum(s.dropped.values()) for s in ref.moe_steps],
         "bytes_ok": all_ranks(comm, bytes_ok),
         "memory_ok": all_ranks(comm, memory_ok),
         "buffer_all_reduces": comm.all_gather(np.array([buffers])).tolist(),
         "sp_gathers": comm.all_gather(np.array([gathers])).tolist(),
-        "expert_param_ratio": expert_ratio(run.params, model),
+        "expert_param_ratio": expert_ratio(local(par), model),
     }
 
 
@@ -122,19 +117,20 @@ def expert_ratio(params: dict, model) -> float:
 def reassembles_exactly(mesh, path: Path, train_cfg) -> bool:
     """Whether loading the checkpoint gives this rank of `mesh` exactly its slices of the saved
     global tensors (read whole on one process): parameters and AdamW's m and v."""
-    names = stage_param_names(MODEL, mesh.sizes["pp"], mesh.coords["pp"])
-    shapes = param_shapes(MODEL)
-    mine = local_params({n: np.zeros(shapes[n]) for n in names}, MODEL, mesh.sizes["ep"], mesh.coords["ep"])
-    params = shard_params_tp(mine, MODEL, mesh.sizes["tp"], mesh.coords["tp"])
-    state = optimizer_init(params, train_cfg)
-    pairs = checkpoint_arrays(MODEL, params, state, mesh, saving=False)
-    for (_, view), loaded in zip(pairs, checkpoint.load(str(path), [p for p, _ in pairs]), strict=True):
-        view[...] = loaded
+    par = parallelize(MODEL, train_cfg, mesh, plan_of(None, 2, 1))
+    resume_from(par, str(path))
+    hooks, u = par.hooks, par.hooks.units
     _, whole, moments = checkpoint.load_whole(str(path), MODEL, train_cfg)
-    cut = [shard_params_tp({n: whole_[n] for n in params}, MODEL, mesh.sizes["tp"], mesh.coords["tp"])
-           for whole_ in (whole, moments["m"], moments["v"])]
-    return all(np.array_equal(a[n], b[n]) for a, b in zip((params, state["m"], state["v"]), cut,
-                                                          strict=True) for n in params)
+    mine = {"params": hooks.params, "m": hooks.state["m"], "v": hooks.state["v"]}
+    held = {"params": whole, "m": moments["m"], "v": moments["v"]}
+    ok = True
+    for kind, flat in mine.items():
+        for k in u.names:
+            views = u.views(k, u.slice(k, flat))
+            cut = shard_params_tp({n: held[kind][n] for n in views}, MODEL, mesh.sizes["tp"],
+                                  mesh.coords["tp"])
+            ok &= all(np.array_equal(v, cut[n]) for n, v in views.items())
+    return ok
 
 
 def check_resumes(comm, root: Path, saved_on: str, algo: str | None, targets: list) -> list[dict]:
@@ -142,8 +138,8 @@ def check_resumes(comm, root: Path, saved_on: str, algo: str | None, targets: li
     `targets` from there (a target with cp uses `algo` too)."""
     train4 = replace(TRAIN, steps=4)
     path = root / saved_on.replace(",", "_").replace("=", "")
-    full = run_moe_pipeline(MODEL, train4, DeviceMesh(comm, parse_mesh(saved_on)),
-                            MoEPipelineOptions("1f1b", 2, 1, algo, sp=True), save=str(path), save_every=2)
+    full = train(MODEL, train4, DeviceMesh(comm, parse_mesh(saved_on)), "1f1b", 2, 1, algo, True,
+                 save=str(path), save_every=2)
     saved = path / "step-00000002"
     manifest = json.loads((saved / "manifest.json").read_text())
     written = sum(int(np.prod([b - a for a, b in piece["box"]])) for f in manifest["files"]
@@ -157,11 +153,8 @@ def check_resumes(comm, root: Path, saved_on: str, algo: str | None, targets: li
         if group is not None:
             mesh = DeviceMesh(group, parse_mesh(mesh_b) if mesh_b != "1" else {})
             exact_slices = reassembles_exactly(mesh, saved, train4)
-            if mesh.sizes["tp"] > 1 or mesh.sizes["pp"] > 1:
-                resumed = run_moe_pipeline(MODEL, train4, mesh, MoEPipelineOptions(
-                    "1f1b", 2, 1, algo if mesh.sizes["cp"] > 1 else None, sp=sp), resume=str(saved))
-            else:
-                resumed = train_expert_parallel(MODEL, train4, mesh, microbatches=2, resume=str(saved))
+            resumed = train(MODEL, train4, mesh, "1f1b", 2, 1, algo if mesh.sizes["cp"] > 1 else None, sp,
+                            resume=str(saved))
             out.append(resume_row(group, f"{saved_on} --sp -> {mesh_b}{' --sp' if sp else ''}", resumed,
                                   full, mesh_b == saved_on, exact_slices)
                        | {"each_element_written_once": once})

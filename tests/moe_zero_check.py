@@ -1,14 +1,14 @@
-"""ZeRO-1/2/3 and FSDP in MoE runs (refpar/engine_moe_zero.py), run under mpiexec -n 4 by
-tests/test_moe_zero.py.
+"""ZeRO-1/2/3 and FSDP in MoE runs (refpar/parallel/zero.py and fsdp.py over each unit's replica
+group), run under mpiexec -n 4 by tests/test_moe_zero.py.
 
     mpiexec -n 4 python tests/moe_zero_check.py /tmp/checkpoints
 
 Prints one JSON line per run from rank 0. Training runs: the largest loss and parameter
 differences from the single device with the same microbatches, whether the routing is the
-reference's, whether every step's traced bytes per (axis, op) and the params/grads/master/optimizer
-peaks equal refpar/analysis/moe.py's closed forms, and the optimizer peak next to the unsharded
-run's. Checkpoint runs: 4 steps saved after step 2 under ZeRO, resumed from there under the same
-mesh and ZeRO stage (compared exactly) and under other meshes, stages and one process.
+reference's, whether every step's traced bytes per (axis, op) and every memory peak equal
+refpar/analysis/engine.py's closed forms, and the optimizer peak next to the unsharded run's.
+Checkpoint runs: 4 steps saved after step 2 under ZeRO, resumed from there under the same mesh and
+ZeRO stage (compared exactly) and under other meshes, stages and one process.
 """
 
 import sys
@@ -17,14 +17,17 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar.analysis import moe as moe_analysis
+from refpar.analysis.engine import rank_comm_bytes, rank_memory_rows
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import parse_mesh
-from refpar.engine_moe import MoEPipelineOptions, full_params, run_moe_pipeline
+from refpar.engine import Plan, parallelize
+from refpar.engine import train as train_engine
+from refpar.engine.report import full_params
 from refpar.mesh import DeviceMesh
-from refpar.parallel.expert_parallel_run import reference_run, train_expert_parallel
-from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, rel, resume_row
+from refpar.trainer import train_single_device
+from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, resume_row
+from tests.numerics import rel_diff
 
 # (mesh, zero, fsdp, schedule, chunks, precision[, cp_algo[, sp]]): every run 2 microbatches
 RUNS = [
@@ -57,32 +60,38 @@ def traced_by_step(comm, step) -> dict:
             if v != (0, 0)}  # a one-rank group's calls move nothing
 
 
+def plan_of(mesh, zero, fsdp, schedule="1f1b", chunks=1, cp_algo=None, sp=False) -> Plan:
+    piped = mesh.sizes["pp"] > 1
+    return Plan(schedule=schedule if piped else None, microbatches=M, chunks=chunks if piped else None,
+                cp_algo=cp_algo, zero=0 if fsdp else zero, fsdp=fsdp, sp=sp)
+
+
 def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None, sp=False) -> dict:
     model = MODEL if dtype is None else replace(MODEL, dtype=dtype)
     train_cfg = TRAIN if dtype is None else replace(TRAIN, fp32_grads=True)
     comm.tracer.clear()
     mesh = DeviceMesh(comm, parse_mesh(mesh_text))
-    opts = MoEPipelineOptions(schedule, M, chunks, cp_algo, zero=zero, fsdp=fsdp, sp=sp)
-    run = run_moe_pipeline(model, train_cfg, mesh, opts)
+    plan = plan_of(mesh, zero, fsdp, schedule, chunks, cp_algo, sp)
+    par = parallelize(model, train_cfg, mesh, plan)
+    run = train_engine(par)
     events = list(comm.tracer.events)
-    ref = reference_run(model, train_cfg, microbatches=M)
-    param_diff = float(comm.all_reduce(np.array([max(rel(p, ref.params[n]) for n, p in
-                                                    full_params(run, model, mesh).items())]),
-                                       op="max")[0])
+    ref = train_single_device(model, train_cfg, microbatches=M)
+    param_diff = float(comm.all_reduce(np.array([max(rel_diff(p, ref.params[n]) for n, p in
+                                                    full_params(par).items())]), op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
-                       for s, r in zip(run.steps, ref.steps, strict=True))
+                       for s, r in zip(run.moe_steps, ref.moe_steps, strict=True))
     bytes_ok = True
-    for s in run.steps:
-        expected = moe_analysis.pipeline_step_comm_bytes(
-            model, mesh.sizes, mesh.coords, chunks, run.rows, TRAIN.seq_len,
-            [list(k.values()) for k in s.microbatch_kept_counts], 4 if dtype else None, cp_algo,
-            TRAIN.batch_size, zero=zero, fsdp=fsdp, sp=sp)
+    for s in run.moe_steps:
+        expected = rank_comm_bytes(model, train_cfg, mesh.sizes, mesh.coords, plan, s.microbatch_kept_counts)
         bytes_ok &= traced_by_step(comm, s.step) == {
-            key: (b.sent, b.recv) for key, b in expected.items() if (b.sent, b.recv) != (0, 0)}
-    states = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer,
-                                               dtype is not None, zero, fsdp)
-    unsharded = moe_analysis.pipeline_state_bytes(model, mesh.sizes, mesh.coords, chunks, TRAIN.optimizer,
-                                                  dtype is not None)
+            key: tuple(b) for key, b in expected.items() if tuple(b) != (0, 0)}
+    kept = [s.microbatch_kept_counts for s in run.moe_steps]
+
+    def peaks(p):
+        return {r["category"]: r["bytes"]
+                for r in rank_memory_rows(model, train_cfg, mesh.sizes, mesh.coords, p, kept)}
+
+    states, unsharded = peaks(plan), peaks(plan_of(mesh, 0, False, schedule, chunks, cp_algo, sp))
     axes = sorted({f"{e.axis}:{e.op}" for e in events if e.step is not None and e.bytes_sent})
     return {
         "run": f"{mesh_text} {'fsdp' if fsdp else f'zero {zero}'} {schedule} v={chunks} {model.dtype}"
@@ -91,20 +100,19 @@ def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None
         "param_diff": param_diff,
         "routing_same": all_ranks(comm, routing_same),
         "bytes_ok": all_ranks(comm, bytes_ok),
-        "memory_ok": all_ranks(comm, {c: run.ledger.peak[c] for c in states} == states),
-        "master_peaks": comm.gather_object([run.ledger.peak["master"], unsharded["master"]]),
-        "optimizer_peaks": comm.gather_object([run.ledger.peak["optimizer"], unsharded["optimizer"]]),
+        "memory_ok": all_ranks(comm, dict(par.ledger.peak) == states),
+        "master_peaks": comm.gather_object([par.ledger.peak["master"], unsharded["master"]]),
+        "optimizer_peaks": comm.gather_object([par.ledger.peak["optimizer"], unsharded["optimizer"]]),
         "axes": comm.gather_object(axes),
     }
 
 
 def train(mesh, spec: str, train_cfg, **saving):
-    """spec: "zero K", "fsdp" or "plain" (no ZeRO: the dp x ep runner without pp, else the pipeline)."""
-    if spec == "plain" and mesh.sizes["pp"] == 1:
-        return train_expert_parallel(MODEL, train_cfg, mesh, microbatches=M, **saving)
+    """spec: "zero K", "fsdp" or "plain" (no ZeRO); (the run, its Parallel, its parameters whole)."""
     zero, fsdp = (3, True) if spec == "fsdp" else (0, False) if spec == "plain" else (int(spec[-1]), False)
-    opts = MoEPipelineOptions("1f1b", M, 1, zero=zero, fsdp=fsdp)
-    return run_moe_pipeline(MODEL, train_cfg, mesh, opts, **saving)
+    par = parallelize(MODEL, train_cfg, mesh, plan_of(mesh, zero, fsdp))
+    run = train_engine(par, **saving)
+    return run, par, full_params(par)
 
 
 def check_resumes(comm, saved_on: tuple, resumed_on: list, root: Path) -> list[dict]:
@@ -124,7 +132,7 @@ def check_resumes(comm, saved_on: tuple, resumed_on: list, root: Path) -> list[d
         if group is not None:
             mesh = DeviceMesh(group, sizes)
             # a run without ZeRO loads whole tensors: check them against the global ones
-            slices = spec_b != "plain" or reassembles_exactly(mesh, mesh.sizes["pp"] > 1, step2, train4)
+            slices = spec_b != "plain" or reassembles_exactly(mesh, "1f1b", step2, train4)
             resumed = train(mesh, spec_b, train4, resume=str(step2))
             out.append(resume_row(group, f"{mesh_a} {spec_a} -> {mesh_b} {spec_b}", resumed, full,
                                   (mesh_b, spec_b) == saved_on, slices))

@@ -1,7 +1,8 @@
 """Run by tests/test_pipeline_executor.py under `mpiexec -n P python tests/pipeline_checks.py CASES`:
 trains with every schedule in CASES on a pp=P mesh and prints, on rank 0, one JSON line per case
-with the differences from the single-device run, the activation peaks next to the replay of the
-schedule, and the measured, simulated and bounding times of the last step.
+with the differences from the single-device run, the activation peaks next to the closed form (the
+replay of the schedule, refpar/analysis/engine.py), and the measured, simulated and bounding times
+of the last step.
 
 CASES is a JSON list of [kind, microbatches, chunks]."""
 
@@ -10,21 +11,15 @@ import sys
 
 import numpy as np
 
+from refpar.analysis.engine import activation_peak, microbatch_activation_bytes, rank_comm_rows
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig
+from refpar.engine import Plan, parallelize, train
 from refpar.mesh import DeviceMesh
-from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params
-from refpar.parallel.pipeline.runner import (
-    expected_comm_rows,
-    microbatch_bytes,
-    microbatches,
-    run_pipeline,
-)
-from refpar.parallel.pipeline.schedules import critical_path_gap, stored
-from refpar.parallel.pipeline.stage import Stage
+from refpar.parallel.pipeline.schedules import critical_path_gap
 from refpar.trainer import train_single_device
+from tests.numerics import rel_diff
 
 # 8 blocks so that p=4 ranks x v=2 chunks get one block per stage; dropout on, so every mask must
 # be drawn by global sample id and global layer to match.
@@ -36,30 +31,25 @@ def main(cases) -> None:
     comm = world(Tracer())
     mesh = DeviceMesh(comm, {"pp": comm.size})
     reference = train_single_device(MODEL, TRAIN)
-    params0 = init_params(MODEL, TRAIN.seed)
-    corpus = MarkovCorpus(MODEL.vocab_size, TRAIN.seed)
-    tokens, targets = corpus.batch(0, range(TRAIN.batch_size), TRAIN.seq_len)
     for kind, m, v in cases:
         comm.tracer.clear()  # each case's bytes alone
-        run = run_pipeline(MODEL, TRAIN, mesh, kind, m, v)
-        diff = max(float(np.max(np.abs(p - reference.params[n])) / np.max(np.abs(reference.params[n])))
-                   for n, p in run.params.items())
-        mbs = microbatches(tokens, targets, 0, m)
-        ex = run.executor
-        n_stages = ex.layout.n_stages
-        # measured apart from the run: one stage on one microbatch of zeros, here
-        sizes = {(s, i): microbatch_bytes(Stage(MODEL, n_stages, s), len(mbs[i].sample_ids), MODEL,
-                                          TRAIN, params0)
-                 for s in range(n_stages) for i in range(m)}
-        replay = stored(ex.schedule, lambda a, sizes=sizes: sizes[a.stage, a.microbatch][0],
-                        lambda a, sizes=sizes: sizes[a.stage, a.microbatch][1])[ex.rank]
-        mine = np.array([[diff, run.ledger.peak["activations"], max(replay),
-                          sizes[min(ex.stages), 0][0]]])
+        plan = Plan(schedule=kind, microbatches=m, chunks=v)
+        par = parallelize(MODEL, TRAIN, mesh, plan)
+        run = train(par)
+        whole = par.hooks.full_params()
+        diff = max(rel_diff(p, reference.params[n]) for n, p in whole.items())
+        ex = par.executor
+        first = min(ex.stages)
+        # the closed forms: what one microbatch of the rank's first stage keeps after F, and the
+        # schedule's replay of every microbatch's
+        per_mb = microbatch_activation_bytes(MODEL, TRAIN, mesh.sizes, mesh.coords, first, ex.layout.n_stages,
+                                             len(par.samples[0]), plan)
+        mine = np.array([[diff, par.ledger.peak["activations"],
+                          activation_peak(MODEL, TRAIN, mesh.sizes, mesh.coords, plan), per_mb]])
         every = comm.all_gather(mine)
         expected = {(e["axis"], e["op"]): (e["bytes_sent"], e["bytes_recv"])
-                    for e in expected_comm_rows(MODEL, TRAIN, {"pp": comm.size, "dp": 1}, m, v)
-                    if e["rank"] == comm.rank}
-        traced = {key: run.tracer.totals().get(key) for key in expected}
+                    for e in rank_comm_rows(MODEL, TRAIN, mesh.sizes, mesh.coords, plan, TRAIN.steps)}
+        traced = {key: b for key, b in run.totals.items() if b != (0, 0)}
         bytes_ok = comm.all_reduce(np.array([float(traced == expected)]), op="min")[0] == 1.0
         if comm.rank == 0:
             print(json.dumps({

@@ -17,8 +17,7 @@ import pytest
 from refpar import backend
 from refpar.config import ConfigError
 from tests.mpi import ROOT, mpi_env, mpiexec
-
-TOL = 1e-10
+from tests.numerics import CONTRACT, within
 
 
 def test_unknown_or_unavailable_backends_are_refused_with_one_sentence():
@@ -86,7 +85,7 @@ def test_every_strategy_and_the_3d_engine_match_the_numpy_single_device_on_torch
         loss = max(x["loss_rel_diff"] for x in r["ranks"])
         param = max(x["param_rel_diff"] for x in r["ranks"])
         print(f"{r['backend']:17s} {r['strategy']:10s} loss rel diff {loss:.1e}  param rel diff {param:.1e}")
-        assert loss <= TOL and param <= TOL, (r["backend"], r["strategy"])
+        assert within(loss, CONTRACT) and within(param, CONTRACT), (r["backend"], r["strategy"])
         module = r["backend"].replace("-", "_")
         for x in r["ranks"]:
             assert x["namespaces"] == [module], r  # the strategy really held the backend's arrays
@@ -114,7 +113,7 @@ def test_torch_distributed_transport_gives_the_same_numbers_and_says_so_in_the_t
     assert [g["strategy"] for g in got] == ["zero3", "tp_sp"]
     for r in got:
         for x in r["ranks"]:
-            assert x["loss_rel_diff"] <= TOL and x["param_rel_diff"] <= TOL, r
+            assert within(x["loss_rel_diff"], CONTRACT) and within(x["param_rel_diff"], CONTRACT), r
             assert "gloo" in x["algos"] and x["staged"] == [False], r
 
 

@@ -84,12 +84,18 @@ def test_compare_masks_timings_and_holds_numbers_to_their_tolerance():
     assert "integers must be equal" in lessons.compare(shown, "loss 4.567039131706693, 1,025 bytes, 1 ms")
     assert "tolerance" in lessons.compare(shown, "loss 4.567139131706693, 1,024 bytes, 12.5 ms")
     assert "line 1 differs" in lessons.compare(shown, "loss 4.567039131706693, 1,024 kB, 12.5 ms")
+    # a slower run's wider time shifts the padding of its column (refpar verify's table)
+    row = "zero-3        2   4.4e-05     ok     ok    1.1s  pass"
+    assert lessons.compare(row, "zero-3        2   4.4e-05     ok     ok   11.1s  pass") is None
+    assert "line 1 differs" in lessons.compare(row, "zero-3        2   4.4e-05     ok     ok   11.1s  FAIL")
     # a block marked <!-- tolerance: 1e-2 --> (16-bit runs) holds non-integers to 1e-2, bytes exactly
     assert lessons.compare(shown, "loss 4.56, 1,024 bytes, 1 ms", tolerance=1e-2) is None
     assert "tolerance 0.01" in lessons.compare(shown, "loss 4.4, 1,024 bytes, 1 ms", tolerance=1e-2)
     assert "integers must be equal" in lessons.compare(shown, "loss 4.56, 1,023 bytes, 1 ms", tolerance=1e-2)
     marked = "<!-- varies: x -->\n<!-- tolerance: 2e-2 -->\n```console\n$ echo 1\n1\n```\n"
     assert [(b.tolerance, b.varies) for b in lessons.blocks(marked)] == [(2e-2, ["x"])]
+    reasoned = "<!-- tolerance: 5e-2; bf16's u = 3.9e-3 per rounding -->\n```console\n$ echo 1\n1\n```\n"
+    assert [b.tolerance for b in lessons.blocks(reasoned)] == [5e-2]  # the reason is not the number
 
 
 def test_the_app_shows_each_lesson_and_its_exercise():

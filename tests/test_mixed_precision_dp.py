@@ -64,14 +64,14 @@ def test_fp32_gradient_partitions_keep_both_gradients_whole_until_zero2_shards_t
 
 def test_the_fp32_gradient_peak_of_zero2_adds_a_units_16bit_gradient_to_its_fp32_buffer():
     """From a unit's first backward piece to its reduce-scatter ZeRO-2 holds the unit's 16-bit
-    gradient and its fp32 accumulator: (2 + 4)Ψ_u more than the 4-byte gradient alone, the root's
-    (filled by the head, reduced after the embedding) plus a block's with its piece."""
+    gradient and its fp32 accumulator: (2 + 4)Ψ_u more than the 4-byte gradient alone, the ends'
+    (wte and the root: filled by the head, reduced after the embedding) plus a block's with its piece."""
     n, sizes = 3, unit_sizes(TINY)
     fp32 = Options("zero2", **precision_options("bfloat16", fp32_grads=True))
     for r in range(n):
         share = sum(shard_sizes(size, n)[r] for size in sizes.values())
         grads = peak_bytes(TINY, n, r, fp32)["grads"]
-        assert grads == 4 * share + 6 * sizes["root"] + (6 + 2) * sizes["h.0"]
+        assert grads == 4 * share + 6 * (sizes["wte"] + sizes["root"]) + (6 + 2) * sizes["h.0"]
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])

@@ -2,7 +2,8 @@
 
 array-api-strict refuses anything outside the standard (NumPy-only functions, integer-array
 indexing, ...), so passing here keeps the GPU backends honest; torch CPU tensors stand in for the
-torch CUDA backend. Float64 throughout: only summation order may differ, hence 1e-12.
+torch CUDA backend. Float64 throughout: only summation order may differ, hence the float64
+contract (tests/numerics.py).
 """
 
 import numpy as np
@@ -12,6 +13,7 @@ from refpar.config import TrainConfig, model_preset
 from refpar.model import gpt
 from refpar.model.data import MarkovCorpus
 from refpar.model.optim import optimizer_init, optimizer_step
+from tests.numerics import CONTRACT, rel_diff, within
 
 
 def namespaces():
@@ -37,10 +39,6 @@ def to_numpy(a):
     return np.asarray(a.numpy() if hasattr(a, "numpy") else np.from_dlpack(a))
 
 
-def rel_diff(a, b):
-    return float(np.max(np.abs(to_numpy(a) - b)) / np.max(np.abs(b)))
-
-
 @pytest.mark.parametrize("xp", namespaces())
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_forward_backward_and_optimizer_step_give_the_numpy_numbers(xp, optimizer):
@@ -61,9 +59,9 @@ def test_forward_backward_and_optimizer_step_give_the_numpy_numbers(xp, optimize
     other_new, _ = optimizer_step(other, same_grads, optimizer_init(other, train), train)
     other_logits = gpt.forward(other, xp.asarray(tokens), config)
 
-    assert abs(other_loss - loss) / loss < 1e-12
-    assert rel_diff(other_logits, logits) < 1e-12
+    assert within(rel_diff(other_loss, loss), CONTRACT)
+    assert within(rel_diff(to_numpy(other_logits), logits), CONTRACT)
     for name in params:
         assert type(other_grads[name]) is type(other[name])
-        assert rel_diff(other_grads[name], grads[name]) < 1e-12, name
-        assert rel_diff(other_new[name], new[name]) < 1e-12, name
+        assert within(rel_diff(to_numpy(other_grads[name]), grads[name]), CONTRACT), name
+        assert within(rel_diff(to_numpy(other_new[name]), new[name]), CONTRACT), name

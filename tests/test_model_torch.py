@@ -10,12 +10,8 @@ from refpar.model.data import MarkovCorpus
 from refpar.model.dropout import SITES, keep_mask
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install 'refpar[torch]'")
+from tests.numerics import CONTRACT, rel_diff, within  # noqa: E402
 from tests.torch_gpt2 import GPT2LMHead  # noqa: E402
-
-
-def rel_diff(a, b):
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
 def torch_model_with(params, config):
@@ -55,7 +51,7 @@ def test_loss_and_every_gradient_match_torch_autograd_in_float64_with_dropout():
     diffs.update({name: rel_diff(grads[name], torch_grads[name]) for name in params})
     worst = max(diffs, key=diffs.get)
     print(f"max relative difference {diffs[worst]:.1e} ({worst})")
-    assert diffs[worst] < 1e-10, f"{worst}: relative difference {diffs[worst]:.2e}"
+    assert within(diffs[worst], CONTRACT), f"{worst}: relative difference {diffs[worst]:.2e}"
 
 
 def test_gpt2_state_dict_round_trip_is_exact_with_or_without_transformer_prefix():
@@ -85,7 +81,7 @@ def test_loads_the_state_dict_of_an_independent_torch_gpt2_and_gives_its_logits(
     tokens, _ = MarkovCorpus(config.vocab_size, 0).batch(0, range(3), 12)
     expected = model(torch.from_numpy(tokens)).detach().numpy()
     got = gpt.forward(params, tokens, config)
-    assert rel_diff(got, expected) < 1e-12
+    assert within(rel_diff(got, expected), CONTRACT)  # torch's kernels sum in their own order
 
 
 @pytest.mark.parametrize(

@@ -21,13 +21,9 @@ from refpar.serving.engine import serve
 from refpar.serving.requests import Request, check_requests, make_requests, reference_generate
 from refpar.serving.sampling import Sampling, parse_sampling, sample_token
 from tests.mpi import ROOT, mpi_env, mpiexec
+from tests.numerics import CONTRACT, rel_diff, within
 
 CONFIG = model_preset("tiny")
-TOL = 1e-10
-
-
-def _rel(a, b) -> float:
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "temperature=0.7,top_k=8"])
@@ -41,8 +37,8 @@ def test_kv_cache_decoding_with_continuous_batching_matches_full_recompute(sampl
     for r in requests:
         tokens, logits = reference_generate(params, CONFIG, r, smp)
         assert out.tokens[r.rid] == tokens, f"request {r.rid}"
-        worst = max(worst, *(_rel(a, b) for a, b in zip(out.logits[r.rid], logits, strict=True)))
-    assert worst <= TOL, f"max logit rel diff {worst:.2e}"
+        worst = max(worst, *(rel_diff(a, b) for a, b in zip(out.logits[r.rid], logits, strict=True)))
+    assert within(worst, CONTRACT), f"max logit rel diff {worst:.2e}"
     one = {"tp": 1, "cp": 1, "pp": 1}
     expected = [kv_bytes_per_rank(CONFIG, c.values(), one, {"tp": 0, "cp": 0, "pp": 0}) for c in out.cached]
     assert out.kv_bytes == expected
@@ -61,7 +57,7 @@ def parallel_runs():
 def test_every_parallel_decoding_mode_gives_the_single_device_tokens_and_logits(parallel_runs):
     for run in parallel_runs:
         assert run["tokens_match_reference"], run["mesh"]
-        assert run["max_logit_rel_diff"] <= TOL, f"{run['mesh']}: {run['max_logit_rel_diff']:.2e}"
+        assert within(run["max_logit_rel_diff"], CONTRACT), f"{run['mesh']}: {run['max_logit_rel_diff']:.2e}"
         assert run["tokens_generated"] == 5 + 8 + 3 + 6 + 2
 
 
@@ -135,7 +131,7 @@ def test_generate_command_reports_and_checks_on_one_device():
                           env=mpi_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["tokens_match_reference"] and summary["max_logit_rel_diff"] <= TOL
+    assert summary["tokens_match_reference"] and within(summary["max_logit_rel_diff"], CONTRACT)
     assert summary["kv_cache"][0]["peak_bytes"] == summary["kv_closed_form_at_peak"]
     assert "ms per token" in proc.stdout and "llama2-70b" in proc.stdout
 

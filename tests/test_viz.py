@@ -15,7 +15,7 @@ from refpar.parallel.pipeline.schedules import (
     simulate,
 )
 from refpar.parallel.tensor_parallel import shard_params_tp
-from refpar.parallel.units import FlatLayout
+from refpar.parallel.units import Units
 from refpar.sharding import shard_range
 from refpar.viz import comm as cv
 from refpar.viz import expected as ex
@@ -67,15 +67,25 @@ def test_grid_cells_are_the_schedules_actions():
         assert list(heat.z[rank]) == [0 if a is None else " FBW".index(a.kind) for a in row]
 
 
+def runtime_units(config, n: int, rank: int) -> Units:
+    """The units ZeRO shards on dp rank `rank` of n holding the whole model (refpar/parallel/units.py)."""
+    from types import SimpleNamespace
+
+    from refpar.model.gpt import param_shapes
+
+    shapes = param_shapes(config)
+    return Units({0: list(shapes)}, shapes, lambda expert: SimpleNamespace(size=n, rank=rank))
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
-def test_zero_grids_are_flat_layout_shards(n):
+def test_zero_grids_are_the_runtimes_unit_shards(n):
     config = sh.DEMO_MODEL
-    lay = FlatLayout(config)
+    lay = runtime_units(config, n, 0)
     for name in sh.block_weights(0):
         grid = sh.flat_owner_grid(config, n, name).ravel()
         unit, start, _ = lay.offsets[name]
         for rank in range(n):
-            a, b = lay.shard(unit, n, rank)
+            a, b = runtime_units(config, n, rank).own[unit]
             held = np.flatnonzero(grid == rank) + start  # positions in the unit's flat buffer
             assert set(held) == set(range(a, b)) & set(range(start, start + grid.size))
 
@@ -227,12 +237,12 @@ def test_trace_figure_draws_every_traced_call():
 
 def engine_holders(dp: int, tp: int, zero: int) -> dict[int, set]:
     """Element id (unique over the whole model) -> the ranks whose parameters hold it, read off the
-    engine's own placement: shard_params_tp of the full model, then ZeroThree's dp shards."""
+    engine's own placement: shard_params_tp of the full model, then ZeRO-3's dp shards of its units."""
     from types import SimpleNamespace
 
-    from refpar.engine_zero3 import ZeroThree
     from refpar.memory import MemoryLedger
     from refpar.model.gpt import param_shapes
+    from refpar.parallel.zero import Zero
 
     shapes = param_shapes(sh.DEMO_MODEL)
     starts = np.cumsum([0] + [int(np.prod(s)) for s in shapes.values()])
@@ -243,9 +253,10 @@ def engine_holders(dp: int, tp: int, zero: int) -> dict[int, set]:
         for t in range(tp):
             local = shard_params_tp(full, sh.DEMO_MODEL, tp, t)
             if zero == 3:
-                stage = SimpleNamespace(param_names=lambda local=local: list(local))
-                held = np.concatenate(list(ZeroThree(local, {0: stage}, TrainConfig(), SimpleNamespace(
-                    size=dp, rank=d), MemoryLedger()).shards.values()))
+                units = Units({0: list(local)}, {n: w.shape for n, w in local.items()},
+                              lambda expert, d=d: SimpleNamespace(size=dp, rank=d))
+                held = np.concatenate(list(Zero(units, sh.DEMO_MODEL, TrainConfig(), MemoryLedger(), local, 1,
+                                                3).shards.values()))
             else:
                 held = np.concatenate([w.ravel() for w in local.values()])
             for i in held.astype(int):
@@ -282,7 +293,8 @@ def test_mix_sp_rows_are_shard_ranges_and_bad_mixes_are_one_sentence():
 
 def test_ep_traffic_matrix_rows_and_columns_are_the_closed_form_bytes():
     from refpar.analysis import moe as closed
-    from refpar.config import ParallelConfig
+    from refpar.analysis.engine import rank_comm_bytes
+    from refpar.config import ParallelConfig, Plan
     from refpar.viz import moe as mv
 
     config = model_preset("tiny", moe_experts=8)
@@ -298,8 +310,10 @@ def test_ep_traffic_matrix_rows_and_columns_are_the_closed_form_bytes():
     rows = mv.step_rows(config, sizes, kept)
     matrix = mv.traffic_matrix(config, sizes, kept)
     for d in range(8):
-        per_op = closed.step_comm_bytes(config, sizes, {"dp": d // 4, "ep": d % 4}, kept)
-        assert matrix[d].sum() == sum(b.sent for b in per_op.values())
+        coords = {"pp": 0, "dp": d // 4, "ep": d % 4, "cp": 0, "tp": 0}
+        per_op = rank_comm_bytes(config, TrainConfig(batch_size=8), sizes, coords, Plan(),
+                                 [dict(zip(config.moe_blocks, kept, strict=True))])
+        assert matrix[d].sum() == sum(b[0] for b in per_op.values())
         assert sum(r["bytes_sent"] for r in rows if r["rank"] == d) == matrix[d].sum()
 
 
@@ -328,7 +342,7 @@ def test_mix_frames_show_zero3_gather_block0_over_dp_then_free_it_as_the_engine_
 
 
 def test_pp_tp_mix_puts_each_block_on_its_stage_ranks_cut_by_tp():
-    from refpar.parallel.pipeline.stage import stage_layers
+    from refpar.holdings import stage_layers
     from refpar.viz import mesh_sharding as ms
 
     tp_holders, starts = engine_holders(1, 2, 0)  # tp rank t holds what shard_params_tp gives it

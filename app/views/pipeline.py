@@ -52,10 +52,10 @@ def controls(key: str, default_kind: str) -> tuple:
     F = a.number_input("F cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}F")
     B = b.number_input("B cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}B")
     W = c.number_input("W cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}W")
-    return kind, int(p), int(m), int(v), float(F), float(B), float(W)
+    return key, kind, int(p), int(m), int(v), float(F), float(B), float(W)
 
 
-def show(kind, p, m, v, F, B, W) -> None:
+def show(key, kind, p, m, v, F, B, W) -> None:
     try:
         check(p, m, v, (F, B, W))
         out = figures(kind, p, m, v, F, B, W)
@@ -68,9 +68,10 @@ def show(kind, p, m, v, F, B, W) -> None:
                   f"{out['makespan']:g}")
     b.metric("bubble (closed form)", "n/a" if out["closed"] is None else f"{out['closed']:.4f}",
              help="the published form with F = B = W = 1; n/a for other costs or where none is published")
-    st.plotly_chart(out["gantt"], width="stretch")
-    st.plotly_chart(out["inflight"], width="stretch")
-    st.plotly_chart(out["grid"], width="stretch")
+    # keyed by side: two sides set alike draw the same figures, which need two element ids
+    st.plotly_chart(out["gantt"], width="stretch", key=f"{key}gantt")
+    st.plotly_chart(out["inflight"], width="stretch", key=f"{key}inflight")
+    st.plotly_chart(out["grid"], width="stretch", key=f"{key}grid")
     with st.expander("the grid as `refpar schedule` prints it"):
         st.code(out["text"], language=None)
 

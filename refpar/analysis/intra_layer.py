@@ -17,7 +17,8 @@ trace call by call; each call's bytes come from refpar.comm.cost):
   blocks of their gradients; each an isend on this rank and an irecv from the previous one.
 - Ulysses (Jacobs et al. 2023): per layer one all-to-all of q, k, v and one of the output forward,
   the same two backward.
-- cp and dp: one all-reduce of every gradient this rank holds, and one of the loss (1 float64).
+- dp x cp (the ranks holding the same weights): one all-reduce of every gradient this rank holds
+  (DP's one bucket), and one of the loss (1 float64).
 
 Mixed precision (e = 2): activations, their gradients, K/V blocks and all-to-alls move in 16 bits;
 what is computed in float32 moves in float32 (4 bytes, `compute_itemsize`): the cross-entropy's
@@ -215,29 +216,17 @@ def expected_calls(model: ModelConfig, train: TrainConfig, sizes: dict, coords: 
     if s.c > 1:
         calls += _ring_calls(model, s) if (cp_algo or "ring") == "ring" else _ulysses_calls(model, s)
     grads = local_param_numel(model, s.t, coords.get("tp", 0))
-    for axis in ("cp", "dp"):
-        p = sizes.get(axis, 1)
-        if p > 1:
-            # The loss travels as a float64 whatever the model's dtype (it is a Python float).
-            for tag, n, e in ((f"grads.{axis}:bwd", grads, ge), (f"loss.{axis}:report", 1, 8)):
-                b = cost.all_reduce_bytes(n, p, coords.get(axis, 0), e)
-                calls.append(Call(axis, "all_reduce", tag, b.sent, b.recv))
+    c, d = sizes.get("cp", 1), sizes.get("dp", 1)
+    if c * d > 1:  # the ranks holding the same weights: dp x cp (axis dp without cp)
+        axis, rank = ("dp" if c == 1 else "dp_cp"), coords.get("dp", 0) * c + coords.get("cp", 0)
+        # every gradient in one bucket, then the loss, a float64 whatever the model's dtype
+        for tag, n, e in (("bucket.0:grad", grads, ge), ("loss", 1, 8)):
+            b = cost.all_reduce_bytes(n, c * d, rank, e)
+            calls.append(Call(axis, "all_reduce", tag, b.sent, b.recv))
     if model.dtype == "float16" and s.t > 1:  # the tp ranks agree on an overflow
         b = cost.all_reduce_bytes(1, s.t, coords.get("tp", 0), 4)
         calls.append(Call("tp", "all_reduce", "found_inf.tp", b.sent, b.recv))
     return calls
-
-
-def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict, rank: int,
-                       sp: bool = False, cp_algo: str | None = None) -> list[dict]:
-    """The `comm_bytes` rows of `refpar train --json` for `rank` after train.steps steps."""
-    totals: dict[tuple[str, str], list[int]] = {}
-    for call in expected_calls(model, train, sizes, coords, sp, cp_algo):
-        row = totals.setdefault((call.axis, call.op), [0, 0])
-        row[0] += call.bytes_sent * train.steps
-        row[1] += call.bytes_recv * train.steps
-    return [{"rank": rank, "axis": a, "op": o, "bytes_sent": s, "bytes_recv": r}
-            for (a, o), (s, r) in totals.items()]
 
 
 def paper_bytes_per_layer(kind: str, B: int, T: int, C: int, p: int, e: int) -> float:

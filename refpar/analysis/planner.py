@@ -40,7 +40,10 @@ TIME_KEYS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """In ascending order; pairs d, n // d up to sqrt(n), so that --gpus 10**12 takes a second, not
+    days."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*low, *(n // d for d in low)})
 
 
 def check_gpus(gpus: int, hw: Hardware) -> None:

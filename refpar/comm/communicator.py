@@ -20,7 +20,12 @@ Switches (constructor arguments; None reads the environment):
 - `debug` (`REFPAR_DEBUG_COLLECTIVES=1`): before each collective the ranks of the group exchange
   (op, algo, shape, dtype, tag) and raise `CollectiveMismatch` naming the ranks that differ.
 - `timeout` (`REFPAR_COLLECTIVE_TIMEOUT=seconds`): every wait polls non-blocking requests and
-  raises `CollectiveTimeout` naming this rank's op, axis and tag when it takes longer.
+  raises `CollectiveTimeout` when it takes longer, in one sentence naming this rank's op, axis and
+  tag and whom it waits for: before each collective the ranks of the group tell each other that
+  they have reached it (an empty message to each peer, on the private duplicate, never traced), so
+  the sentence names the ranks that have not (stuck in a computation, or waiting elsewhere); a
+  point-to-point wait names the peer and the tag of the message (`world rank 2's 'pp:act:s0:mb1'`).
+  Unset, every call is MPI's blocking one and no extra message is sent.
 Wrap a program's main in `abort_on_error()` so that an error on one rank ends the whole job.
 """
 
@@ -56,6 +61,10 @@ REDUCE_OPS = {
 }
 
 _SIGNATURE_BYTES = 1024  # room for one rank's (op, algo, shape, dtype, tag) in debug mode
+# With a timeout, "I have reached this collective": an empty message on the private duplicate,
+# under a tag of its own (the written-out algorithms' messages there use tag 0).
+_ARRIVAL_TAG = 1
+_NOTHING = np.empty(0, dtype=np.uint8)
 
 
 class CollectiveError(RuntimeError):
@@ -142,6 +151,20 @@ class _Link:
         return cost.Bytes(self.sent, self.recv)
 
 
+class _Arrivals:
+    """One collective's arrival messages (`Communicator._arrive`): an empty message from this rank
+    to every other rank of the group, and one expected from each."""
+
+    def __init__(self, private, rank: int, size: int):
+        self.peers = [r for r in range(size) if r != rank]
+        self.received = [private.Irecv(_NOTHING, r, _ARRIVAL_TAG) for r in self.peers]
+        self.requests = self.received + [private.Isend(_NOTHING, r, _ARRIVAL_TAG) for r in self.peers]
+
+    def missing(self) -> list[int]:
+        """The group ranks whose arrival has not come."""
+        return [r for r, got in zip(self.peers, self.received, strict=True) if not got.Test()]
+
+
 class Request:
     """A pending `isend`/`irecv`. `wait()` completes it, records its event (from the post to the
     completion) and returns the received array (irecv) or None (isend); a second wait() returns
@@ -155,8 +178,8 @@ class Request:
 
     def wait(self):
         if not self._done:
-            self._comm._doing = (self._op, self._tag)
-            self._comm._wait([self._request])
+            self._comm._wait([self._request], late=lambda: self._comm._late_message(
+                self._op, self._peer, self._tag))
             self._done = True
             if self._comm.tracer is not None:
                 n = self._buf.nbytes
@@ -197,6 +220,7 @@ class Communicator:
         # messages can never be taken by a user's recv on the same communicator.
         self._private = mpi_comm.Dup()
         self._doing = ("", "")  # (op, tag) of the call in progress, for the timeout's message
+        self._arrivals: _Arrivals | None = None  # with a timeout: the group's word that it reached it
         self._tag_names: dict[int, str] = {}  # MPI tag -> the refpar tag that first used it
 
     def __repr__(self) -> str:
@@ -384,6 +408,7 @@ class Communicator:
         self._doing = ("gather_object", "")
         if self.timeout is None:
             return self._private.gather(obj, root)
+        self._arrive()
         # No non-blocking pickled gather in MPI: send the pickle's length, then its bytes.
         data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
         lengths = self._counts(data.size)
@@ -394,6 +419,24 @@ class Communicator:
             return None
         bounds = np.cumsum([0, *lengths])
         return [pickle.loads(spec[0][bounds[i]:bounds[i + 1]].tobytes()) for i in range(self.size)]
+
+    def broadcast_object(self, obj, root: int = 0):
+        """Rank `root`'s small Python object on every rank (the others' `obj` is ignored). Pickled
+        and untraced, like gather_object: for bookkeeping (whether a checkpoint was written), never
+        for a run's tensors."""
+        self._check_peer(root, "root")
+        self._doing = ("broadcast_object", "")
+        if self.timeout is None:
+            return self._private.bcast(obj, root)
+        self._arrive()
+        # No non-blocking pickled broadcast in MPI: broadcast the pickle's length, then its bytes.
+        data = np.frombuffer(bytearray(pickle.dumps(obj)), dtype=np.uint8) if self.rank == root else None
+        length = np.array([0 if data is None else data.size], dtype=np.int64)
+        self._wait([self._private.Ibcast(length, root)])
+        if data is None:
+            data = np.empty(int(length[0]), dtype=np.uint8)
+        self._wait([self._private.Ibcast(data, root)])
+        return pickle.loads(data.tobytes())
 
     # --- point to point ----------------------------------------------------------------------
 
@@ -413,11 +456,12 @@ class Communicator:
         """Sends x to group rank `dest`; the matching recv names the same tag."""
         a, like = _to_host(x)
         self._check_peer(dest, "dest")
-        self._doing, t0 = ("send", tag), now()
+        t0 = now()
         if self.timeout is None:
             self.comm.Send(_wire(a), dest, self._tag(tag))
         else:
-            self._wait([self.comm.Isend(_wire(a), dest, self._tag(tag))])
+            self._wait([self.comm.Isend(_wire(a), dest, self._tag(tag))],
+                       late=lambda: self._late_message("send", dest, tag))
         if self.tracer is not None:
             self._record("send", "p2p", self.group[dest], a.shape, a.dtype, cost.Bytes(a.nbytes, 0), tag, t0,
                          like)
@@ -427,11 +471,12 @@ class Communicator:
         `like`'s namespace and on its device when given (else NumPy)."""
         self._check_peer(source, "source")
         out = np.empty(shape, dtype=dtype)
-        self._doing, t0 = ("recv", tag), now()
+        t0 = now()
         if self.timeout is None:
             self.comm.Recv(_wire(out), source, self._tag(tag))
         else:
-            self._wait([self.comm.Irecv(_wire(out), source, self._tag(tag))])
+            self._wait([self.comm.Irecv(_wire(out), source, self._tag(tag))],
+                       late=lambda: self._late_message("recv", source, tag))
         if self.tracer is not None:
             self._record("recv", "p2p", self.group[source], out.shape, out.dtype, cost.Bytes(0, out.nbytes),
                          tag, t0, like)
@@ -464,6 +509,8 @@ class Communicator:
         """Runs `call` on the transport, traced like a native call: the ring's bytes, not staged."""
         dtype, shape = backend.host_dtype(x), tuple(x.shape)
         t0 = self._begin(op, "native", shape, dtype, tag, **extra)
+        if self.timeout is not None:
+            self._wait([])  # the transport's calls cannot be polled: wait for the arrivals first
         out = call()
         if self.tracer is not None:
             bytes_moved = moved(dtype.itemsize)
@@ -472,10 +519,13 @@ class Communicator:
         return out
 
     def _begin(self, op: str, algo: str, shape, dtype, tag: str, **extra) -> float:
-        """Checks the algo name, runs the debug check, notes the op for timeouts; returns t_start."""
+        """Checks the algo name, notes the op for timeouts (and with one, tells the group this rank
+        has reached it: `_arrive`), runs the debug check; returns t_start."""
         if algo != "native":
             cost.resolve_algo(op, algo)
         self._doing = (op, tag)
+        if self.timeout is not None:
+            self._arrive()
         if self.debug:
             self._check_same(op, algo, shape, np.dtype(dtype).name, tag, extra)
         return now()
@@ -486,24 +536,65 @@ class Communicator:
         else:
             self._wait([nonblocking()])
 
-    def _wait(self, requests) -> None:
-        """Waits for all requests; with a timeout, polls and raises CollectiveTimeout when late."""
+    def _wait(self, requests, late=None) -> None:
+        """Waits for all requests; with a timeout, polls them together with the arrivals of the
+        collective in progress (`_arrive`) and raises CollectiveTimeout when late: naming the ranks
+        that have not arrived if there are any, else in the sentence `late()` gives (default: the
+        collective in progress)."""
         if self.timeout is None:
             MPI.Request.Waitall(requests)
             return
+        arrivals, self._arrivals = self._arrivals, None
+        pending = requests + (arrivals.requests if arrivals is not None else [])
         deadline = time.monotonic() + self.timeout
         polls = 0
-        while not MPI.Request.Testall(requests):
+        while not MPI.Request.Testall(pending):
             if time.monotonic() > deadline:
-                op, tag = self._doing
-                raise CollectiveTimeout(
-                    f"world rank {self.world_rank} ({self.axis} rank {self.rank} of {self.size}, "
-                    f"group {list(self.group)}) waited more than {self.timeout:g} s in {op} on axis "
-                    f"{self.axis} with tag {tag!r}: another rank of the group is in a different "
-                    "call or has stopped")
+                missing = arrivals.missing() if arrivals is not None else []
+                raise CollectiveTimeout(self._not_arrived(missing) if missing
+                                        else late() if late is not None else self._late_message())
             polls += 1
             if polls > 1000:  # after a short spin, yield the core to the other ranks
                 time.sleep(1e-4 if polls < 10000 else 1e-3)
+
+    def _arrive(self) -> None:
+        """Tells every other rank of the group that this one has reached its next collective and
+        starts receiving their word of the same; the collective's first wait completes both, so that
+        a timeout can name the ranks that have not arrived (a non-blocking collective cannot say
+        whom it still waits for), at no extra round trip. MPI keeps the messages from one rank to
+        another in order, so the k-th arrival received from a peer is its k-th collective on this
+        communicator, whatever the op."""
+        self._arrivals = _Arrivals(self._private, self.rank, self.size)
+
+    def _not_arrived(self, missing: list[int]) -> str:
+        op, tag = self._doing
+        ranks = [self.group[r] for r in missing]
+        who = (f"world rank {ranks[0]}, which has" if len(ranks) == 1
+               else f"world ranks {', '.join(map(str, ranks))}, which have")
+        return (f"{self._waiter()} waited more than {self.timeout:g} s in {op} on axis {self.axis} "
+                f"with tag {tag!r} for {who} not reached it (still computing, stuck, or waiting in "
+                "another call)")
+
+    def _waiter(self) -> str:
+        return (f"world rank {self.world_rank} ({self.axis} rank {self.rank} of {self.size}, "
+                f"group {list(self.group)})")
+
+    def _late_message(self, p2p_op: str | None = None, peer: int = 0, tag: str = "") -> str:
+        """The timeout's sentence: a point-to-point wait names its peer and tag; a collective whose
+        ranks have all arrived (`_arrive`) says what else can keep it from completing."""
+        if p2p_op in ("recv", "irecv"):
+            return (f"{self._waiter()} waited more than {self.timeout:g} s for world rank "
+                    f"{self.group[peer]}'s {tag!r} ({p2p_op} on axis {self.axis}), which that rank has "
+                    "not sent (still computing, stuck, or waiting elsewhere)")
+        if p2p_op in ("send", "isend"):
+            return (f"{self._waiter()} waited more than {self.timeout:g} s for world rank "
+                    f"{self.group[peer]} to receive {tag!r} ({p2p_op} on axis {self.axis}), which that "
+                    "rank has not asked for (still computing, stuck, or waiting elsewhere)")
+        op, tag = self._doing
+        return (f"{self._waiter()} waited more than {self.timeout:g} s in {op} on axis {self.axis} "
+                f"with tag {tag!r} after every rank of the group reached its next collective: they "
+                "call different ones (REFPAR_DEBUG_COLLECTIVES=1 names them), one stopped inside it, "
+                "or it takes longer than the timeout")
 
     def _counts(self, n: int) -> list[int]:
         mine = np.array([n], dtype=np.int64)

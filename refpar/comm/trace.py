@@ -134,4 +134,15 @@ def write_trace(path, events: list[CommEvent]) -> None:
             json.dump(chrome_trace(events), f)
 
 
+def event_of(d: dict) -> CommEvent:
+    """A CommEvent from its `to_dict()` (a JSON line of `write_trace` or `refpar train --trace`)."""
+    return CommEvent(**{**d, "group": tuple(d["group"]), "shape": tuple(d["shape"])})
+
+
+def read_trace(path) -> list[CommEvent]:
+    """The events of a JSON-lines trace (PATH.jsonl: every message of a `refpar train` run)."""
+    with open(path) as f:
+        return [event_of(json.loads(line)) for line in f if line.strip()]
+
+
 now = time.perf_counter  # the clock of every event (CLOCK_MONOTONIC on Linux)

@@ -25,6 +25,12 @@ def run(args) -> int:
     if not lessons.LESSONS.is_dir():
         raise ConfigError(f"no lessons/ folder at {lessons.LESSONS}; the course comes with a clone of "
                           "the repository (pip install -e . there)")
+    if args.action == "list" and args.number is not None:
+        raise ConfigError("refpar lesson list takes no number; drop it, or show one lesson with refpar "
+                          f"lesson show {args.number}")
+    if args.file is not None and args.action != "check":
+        raise ConfigError(f"--file names your answer for refpar lesson check; drop it from refpar lesson "
+                          f"{args.action}")
     if args.action == "list":
         from refpar.lesson_checks import EXERCISES
 

@@ -145,7 +145,7 @@ def run(args) -> int:
     from refpar.analysis.hardware import hardware
     from refpar.analysis.planner import parse_mesh, plan, price
     from refpar.analysis.presets import parse_model_spec, preset
-    from refpar.config import ConfigError
+    from refpar.config import ConfigError, check_output_path
 
     if args.validate:
         from refpar.analysis.calibration import validate
@@ -161,6 +161,8 @@ def run(args) -> int:
         raise ConfigError(f"--top {args.top} must be at least 1")
     if args.software not in SOFTWARE:
         raise ConfigError(f"unknown --software {args.software!r}; choose one of {', '.join(SOFTWARE)}")
+    if args.figure is not None:
+        check_output_path("--figure", args.figure)
     spec = preset(args.model) if args.model else parse_model_spec(args.model_spec)
     hw, software = hardware(args.hardware), SOFTWARE[args.software]
     common = dict(global_batch=args.global_batch, seq=args.seq, precision=args.precision,

@@ -9,11 +9,16 @@ Prints a pipeline schedule as a ranks x ticks grid and its simulated bubble, e.g
 from __future__ import annotations
 
 import json
+import math
 
-from refpar.config import ConfigError
+from refpar.config import ConfigError, check_output_path
 from refpar.parallel.pipeline import schedules as S
 
 HELP = "print a pipeline schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2) and its bubble"
+# The largest schedule the command builds: its summary walks every (rank, tick) cell several times,
+# and 64 stages x 256 microbatches (p x m = 16,384; measured about 7 s for zb-h2 and 1f1b on this
+# project's 2-core machine) is already wider than a terminal can show.
+MAX_STAGES, MAX_CELLS = 256, 1 << 14
 
 
 def add_arguments(parser) -> None:
@@ -36,6 +41,7 @@ def summary(kind: str, p: int, m: int, v: int, costs: S.Costs) -> dict:
     """Everything the command prints, as data (the app uses it too)."""
     schedule = S.build(kind, p, m, v)
     timeline = S.simulate(schedule, costs)
+    peaks = S.peak_inflight_microbatches(schedule)  # {rank: count}, for every rank at once
     return {
         "kind": kind, "stages": p, "microbatches": m, "chunks": v,
         "costs": {"F": costs.F, "B": costs.B, "W": costs.W, "p2p": costs.p2p},
@@ -47,19 +53,27 @@ def summary(kind: str, p: int, m: int, v: int, costs: S.Costs) -> dict:
         "steady_bubble_fraction": sum(map(timeline.inner_idle_time, schedule))
         / (len(schedule) * timeline.makespan),
         "published_bubble_fraction": S.published_bubble_fraction(kind, p, m, v),
-        "peak_inflight_microbatches": [
-            S.peak_inflight_microbatches(schedule)[r] for r in sorted(schedule)],
+        "peak_inflight_microbatches": [peaks[r] for r in sorted(schedule)],
     }
 
 
 def run(args) -> int:
     costs = S.Costs(args.cost_f, args.cost_b, args.cost_w, args.cost_p2p)
     for name, value in (("--cost-f", costs.F), ("--cost-b", costs.B), ("--cost-w", costs.W)):
-        if value <= 0:
-            raise ConfigError(f"{name} {value:g} must be positive; give a duration > 0")
-    if costs.p2p < 0:
-        raise ConfigError(f"--cost-p2p {costs.p2p:g} must not be negative; give 0 or more")
+        if not 0 < value < math.inf:  # nan too
+            raise ConfigError(f"{name} {value:g} must be positive and finite; give a duration, e.g. {name} 1")
+    if not 0 <= costs.p2p < math.inf:
+        raise ConfigError(f"--cost-p2p {costs.p2p:g} must be a finite duration of 0 or more")
     v = args.chunks if args.chunks is not None else (2 if args.kind == "interleaved-1f1b" else 1)
+    p, m = args.stages, args.microbatches
+    # Only sizes the builders would take: a wrong kind, size or chunk count gets their own sentence.
+    buildable = args.kind in S.BUILDERS and min(p, m, v) >= 1 and (v == 1 or args.kind == "interleaved-1f1b")
+    if buildable and (p > MAX_STAGES or p * m * v > MAX_CELLS):
+        raise ConfigError(f"p={p} stages x m={m} microbatches x v={v} chunks "
+                          f"is more than a grid can show (simulating it takes minutes); keep p <= "
+                          f"{MAX_STAGES} and p x m x v <= {MAX_CELLS:,}, e.g. -p 64 -m 256")
+    if args.figure is not None:
+        check_output_path("--figure", args.figure)
     out = summary(args.kind, args.stages, args.microbatches, v, costs)
     if args.figure:
         from refpar.viz.pipeline import gantt_figure

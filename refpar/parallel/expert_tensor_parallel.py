@@ -15,7 +15,7 @@ their gradients (the router's) are the same on every tp rank, with nothing to su
 the residual stream is already replicated; under sp the layer all-gathers the Ta tokens over tp
 before the router and keeps this rank's part after combine; backward all-gathers dout and keeps
 its part of dx (the replicated backward computes the whole dx on every rank, so no sum). With cp
-(refpar/engine_moe.py) the gathered tokens are the cp rank's (sequence_parallel.sp_cp_layout),
+the gathered tokens are the cp rank's (sequence_parallel.sp_cp_layout),
 so every tp rank routes the runs of positions cp alone routes (`cp`: the exchange group's cp
 ranks per data rank, as ExpertParallelMoE's).
 

@@ -48,6 +48,7 @@ from array_api_compat import array_namespace
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import tp_param_slices
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.layers import (
     as_like,
@@ -149,27 +150,6 @@ def tp_layout(config: ModelConfig, seq_len: int, tp_comm) -> Layout:
     return Layout(config, seq_len, tp_comm, TP_PAIR if t > 1 else NO_PAIR,
                   shard_range(config.n_head, t, r), shard_range(config.vocab_size, t, r),
                   pos, pos, LocalAttention())
-
-
-# Which slice of each full parameter a tp rank holds: (axis, global indices), absent = replicated.
-def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
-    C, hs = config.n_embd, config.head_size
-    h0, h1 = shard_range(config.n_head, t, rank)
-    head_cols = np.arange(h0 * hs, h1 * hs)  # this rank's heads within q, within k, within v
-    qkv_cols = np.concatenate([head_cols, C + head_cols, 2 * C + head_cols])
-    fc = np.arange(*shard_range(4 * C, t, rank))
-    slices = {"wte.weight": (0, np.arange(*shard_range(config.vocab_size, t, rank)))}
-    for i in range(config.n_layer):
-        slices |= {
-            f"h.{i}.attn.c_attn.weight": (1, qkv_cols), f"h.{i}.attn.c_attn.bias": (0, qkv_cols),
-            f"h.{i}.attn.c_proj.weight": (0, head_cols),
-        }
-        # an MoE block's MLP is its experts, each split like the dense MLP
-        mlps = ([f"h.{i}.mlp.experts.{e}." for e in range(config.moe_experts)]
-                if i in config.moe_blocks else [f"h.{i}.mlp."])
-        for p in mlps:
-            slices |= {p + "c_fc.weight": (1, fc), p + "c_fc.bias": (0, fc), p + "c_proj.weight": (0, fc)}
-    return slices
 
 
 def shard_params_tp(full: dict, config: ModelConfig, t: int, rank: int) -> dict:
@@ -319,8 +299,8 @@ def parallel_mlp_backward(dout, cache, layer: int, lay: Layout):
 
 def parallel_block_forward(x, params, layer: int, lay: Layout, drop, moe=None):
     """x (B, Tl, C) -> (B, Tl, C): GPT-2's pre-LayerNorm block with both sublayers tensor-parallel.
-    In the blocks of `config.moe_blocks` the MLP is `moe.forward` (refpar/engine_moe.py passes its
-    expert-parallel layer)."""
+    In the blocks of `config.moe_blocks` the MLP is `moe.forward` (the expert-parallel layer
+    refpar/engine/parallelize.py builds)."""
     P, eps = f"h.{layer}.", lay.config.layer_norm_eps
     a, ln_1 = layernorm_forward(x, params[P + "ln_1.weight"], params[P + "ln_1.bias"], eps)
     a, attn = parallel_attention_forward(a, params, layer, lay, drop)  # f ... g

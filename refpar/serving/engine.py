@@ -29,11 +29,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import stage_layers
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import NO_DROPOUT
 from refpar.model.layers import layernorm_forward
-from refpar.parallel.pipeline.stage import stage_layers
 from refpar.parallel.tensor_parallel import (
+    check_tp,
     parallel_block_forward,
     shard_params_tp,
     tp_layout,
@@ -57,10 +58,7 @@ class ServeMesh:
 
     @staticmethod
     def from_mesh(mesh) -> ServeMesh:
-        for axis in ("dp", "ep"):
-            if mesh.sizes[axis] > 1:
-                raise ConfigError(f"serving splits a model over tp, cp and pp; {axis}={mesh.sizes[axis]} "
-                                  "would be independent replicas, so leave it out of --mesh")
+        """The tp, cp and pp communicators of a mesh that passed `check_serving` (dp = ep = 1)."""
         sizes = {a: mesh.sizes[a] for a in ("tp", "cp", "pp")}
         comms = {a: (mesh.axis(a) if sizes[a] > 1 else None) for a in sizes}
         return ServeMesh(sizes, {a: mesh.coords[a] for a in sizes}, **comms)
@@ -77,10 +75,19 @@ class ServeMesh:
 SINGLE = ServeMesh({"tp": 1, "cp": 1, "pp": 1}, {"tp": 0, "cp": 0, "pp": 0})
 
 
-def check_mesh(config: ModelConfig, sm: ServeMesh) -> None:
+def check_serving(config: ModelConfig, sizes: dict, max_batch: int) -> None:
+    """What serving needs of the model, the mesh (any of its axes; missing ones are 1) and the batch,
+    checked from the sizes alone: on every rank, before any communication."""
+    for axis in ("dp", "ep"):
+        if sizes.get(axis, 1) > 1:
+            raise ConfigError(f"serving splits a model over tp, cp and pp; {axis}={sizes[axis]} "
+                              "would be independent replicas, so leave it out of --mesh")
     if config.moe_experts:
         raise ConfigError("refpar generate serves dense GPT-2; leave out the MoE options")
-    stage_layers(config.n_layer, sm.sizes["pp"], 0)  # enough blocks for the stages
+    stage_layers(config.n_layer, sizes.get("pp", 1), 0)  # enough blocks for the stages
+    check_tp(config, sizes.get("tp", 1))  # whole heads and vocabulary rows on every tp rank
+    if max_batch < 1:
+        raise ConfigError(f"max_batch={max_batch} must be at least 1; give --max-batch 1 or more")
 
 
 def local_params(full: dict, config: ModelConfig, sm: ServeMesh) -> dict:
@@ -135,9 +142,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
           tracer=None) -> ServeResult:
     """Generates every request's tokens; see the module docstring for the step."""
     check_requests(config, requests)
-    check_mesh(config, sm)
-    if max_batch < 1:
-        raise ConfigError(f"max_batch={max_batch} must be at least 1")
+    check_serving(config, sm.sizes, max_batch)
     ledger = MemoryLedger(record_events=True) if ledger is None else ledger
     params = local_params(full_params, config, sm)
     for name, w in params.items():

@@ -17,10 +17,10 @@ from refpar.analysis.serving import kv_bytes_per_rank, kv_cache_bytes, pass_comm
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig
 from refpar.memory import MemoryLedger
-from refpar.mesh import DeviceMesh
+from refpar.mesh import DeviceMesh, check_job_size
 from refpar.model import gpt
-from refpar.serving.engine import ServeMesh, serve
-from refpar.serving.requests import Request, reference_generate
+from refpar.serving.engine import ServeMesh, check_serving, serve
+from refpar.serving.requests import Request, check_requests, reference_generate
 from refpar.serving.sampling import Sampling
 
 
@@ -38,6 +38,9 @@ def rel_diff(a, b) -> float:
 def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request], sampling: Sampling,
                 opts: ServeOptions) -> dict | None:
     """Serves `requests` on the mesh `sizes` over `world`; the summary on world rank 0, else None."""
+    check_requests(config, requests)
+    check_serving(config, sizes, opts.max_batch)  # on every rank, before any communication
+    check_job_size(sizes, world.size)
     tracer = Tracer()
     world = world.split(0, world.rank)  # this run's own communicator, traced by its own tracer
     world.tracer, tracer.rank = tracer, world.world_rank

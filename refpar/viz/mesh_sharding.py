@@ -4,9 +4,9 @@
 The placement is composed from refpar's own functions, in the order the engine applies them:
 
     tp split    shard_params_tp(full, config, tp, tp_rank) (refpar/parallel/tensor_parallel.py)
-    dp split    ZeRO-1: shard_range(Ψl, dp, dp_rank) of the rank's tp shards laid end to end
-                (engine.ZeroOne); ZeRO-3: shard_range(Ψ_u, dp, dp_rank) of each unit,
-                engine_zero3.units_of (wte alone, the rest together); ZeRO-0: nothing split
+    dp split    ZeRO-1 and ZeRO-3: shard_range(Ψ_u, dp, dp_rank) of each unit of the rank's tp
+                shards (holdings.units: wte alone, the root, one per block; refpar/parallel/
+                zero.py); ZeRO-0: nothing split
     sp rows     shard_range(T, tp, tp_rank) of the residual stream (sp_layout's resid_pos)
     ranks       arange(dp * tp).reshape(dp, tp): refpar/mesh.py's order with pp = ep = cp = 1
 
@@ -31,9 +31,8 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.engine_zero3 import units_of
+from refpar.holdings import stage_layers, units
 from refpar.model.gpt import param_shapes
-from refpar.parallel.pipeline.stage import stage_layers
 from refpar.parallel.sequence_parallel import check_sp
 from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
 from refpar.sharding import shard_range
@@ -66,9 +65,8 @@ def ids_held(config: ModelConfig, dp: int, tp: int, zero: int, dp_rank: int, tp_
     local = shard_params_tp(ids, config, tp, tp_rank)  # (the ids of) this rank's tp shards
     if not (split_over_dp and zero > 0):
         return {n: w.ravel() for n, w in local.items()}
-    units = units_of(list(local)) if zero == 3 else {"all": list(local)}
     held = {}
-    for names in units.values():
+    for names in units(list(local)).values():
         start, stop = shard_range(sum(local[n].size for n in names), dp, dp_rank)
         offset = 0
         for n in names:

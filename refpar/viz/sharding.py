@@ -3,8 +3,8 @@
 Every grid here is computed with the function the strategy itself uses to place data, so the
 colours are refpar's layout, not a drawing of it:
 
-    DP, ZeRO-1/2/3, FSDP   `FlatLayout(config).shard(unit, n, rank)` (refpar/parallel/units.py)
-    TP                     `tp_param_slices(config, t, rank)` (refpar/parallel/tensor_parallel.py)
+    DP, ZeRO-1/2/3, FSDP   the parameter's unit (`holdings.units`) cut by `shard_range(Ψ_u, n, rank)`
+    TP                     `tp_param_slices(config, t, rank)` (refpar/holdings.py)
     SP                     `sp_layout`'s residual rows: `shard_range(T, t, rank)`
     EP                     `owned_experts(E, ep, rank)` and the model's own `router_forward`
 
@@ -21,13 +21,13 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import tp_param_slices, units
 from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params
+from refpar.model.gpt import init_params, param_shapes
 from refpar.model.moe import router_forward, router_name
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.sequence_parallel import check_sp
-from refpar.parallel.tensor_parallel import check_tp, tp_param_slices
-from refpar.parallel.units import FlatLayout
+from refpar.parallel.tensor_parallel import check_tp
 from refpar.sharding import shard_range
 from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
 
@@ -51,17 +51,18 @@ def block_weights(layer: int = 0) -> list[str]:
 
 def flat_owner_grid(config: ModelConfig, n: int, name: str) -> np.ndarray:
     """The dp rank whose flat shard of the parameter's unit holds each element (ZeRO and FSDP)."""
-    lay = FlatLayout(config)
-    unit, start, stop = lay.offsets[name]
-    bounds = [lay.shard(unit, n, r)[1] for r in range(n)]  # shard r is [bounds[r-1], bounds[r])
-    owners = np.searchsorted(bounds, np.arange(start, stop), side="right")
-    return owners.reshape(lay.shapes[name])
+    shapes = param_shapes(config)
+    names = next(names for names in units(list(shapes)).values() if name in names)
+    start = sum(int(np.prod(shapes[n])) for n in names[:names.index(name)])  # where it sits in the unit
+    size = sum(int(np.prod(shapes[n])) for n in names)
+    bounds = [shard_range(size, n, r)[1] for r in range(n)]  # shard r is [bounds[r-1], bounds[r])
+    owners = np.searchsorted(bounds, np.arange(start, start + int(np.prod(shapes[name]))), side="right")
+    return owners.reshape(shapes[name])
 
 
 def tp_owner_grid(config: ModelConfig, t: int, name: str) -> np.ndarray:
     """The tp rank holding each element of the full parameter; EVERY where it is replicated."""
-    shape = FlatLayout(config).shapes[name]
-    grid = np.full(shape, EVERY)
+    grid = np.full(param_shapes(config)[name], EVERY)
     for rank in range(t):
         slices = tp_param_slices(config, t, rank)
         if name in slices:

@@ -1,0 +1,134 @@
+"""Which parameters a rank holds: its pipeline stages' names, its tp slices, the sequence-parallel
+region's names and the units ZeRO and FSDP shard. Facts of the configuration only (no arrays, no
+communication), so the runtime (refpar/parallel, refpar/engine) and the closed forms
+(refpar/analysis) read the same definitions without importing each other.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refpar.config import ConfigError, ModelConfig
+from refpar.model.gpt import param_shapes
+from refpar.sharding import shard_range
+
+
+def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
+    """The global indices of the blocks stage `stage` holds."""
+    if n_layer < n_stages:
+        raise ConfigError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model "
+                          f"has n_layer={n_layer}; use fewer stages (or chunks) or more layers")
+    return range(*shard_range(n_layer, n_stages, stage))
+
+
+def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[str]:
+    """The parameters stage `stage` reads, in GPT-2's order (every expert of its MoE blocks); wte on
+    the first and the last."""
+    keep = {f"h.{i}." for i in stage_layers(config.n_layer, n_stages, stage)}
+    first, last = stage == 0, stage == n_stages - 1
+    names = []
+    for name in param_shapes(config):
+        if name.startswith("h."):
+            wanted = name[: name.index(".", 2) + 1] in keep
+        elif name == "wte.weight":
+            wanted = first or last
+        elif name == "wpe.weight":
+            wanted = first
+        else:  # ln_f
+            wanted = last
+        if wanted:
+            names.append(name)
+    return names
+
+
+def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
+    """Which slice of each full parameter tp rank `rank` of `t` holds: (axis, global indices);
+    absent = replicated (refpar/parallel/tensor_parallel.py has the table)."""
+    C, hs = config.n_embd, config.head_size
+    h0, h1 = shard_range(config.n_head, t, rank)
+    head_cols = np.arange(h0 * hs, h1 * hs)  # this rank's heads within q, within k, within v
+    qkv_cols = np.concatenate([head_cols, C + head_cols, 2 * C + head_cols])
+    fc = np.arange(*shard_range(4 * C, t, rank))
+    slices = {"wte.weight": (0, np.arange(*shard_range(config.vocab_size, t, rank)))}
+    for i in range(config.n_layer):
+        slices |= {
+            f"h.{i}.attn.c_attn.weight": (1, qkv_cols), f"h.{i}.attn.c_attn.bias": (0, qkv_cols),
+            f"h.{i}.attn.c_proj.weight": (0, head_cols),
+        }
+        # an MoE block's MLP is its experts, each split like the dense MLP
+        mlps = ([f"h.{i}.mlp.experts.{e}." for e in range(config.moe_experts)]
+                if i in config.moe_blocks else [f"h.{i}.mlp."])
+        for p in mlps:
+            slices |= {p + "c_fc.weight": (1, fc), p + "c_fc.bias": (0, fc), p + "c_proj.weight": (0, fc)}
+    return slices
+
+
+def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
+    """Replicated parameters applied in the sequence-sharded region (refpar/parallel/
+    sequence_parallel.py): each tp rank computes their gradient from its sequence shard only."""
+    names = ["wpe.weight", "ln_f.weight", "ln_f.bias"]
+    for i in range(config.n_layer):
+        names += [f"h.{i}.{n}" for n in ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias",
+                                          "ln_2.weight", "ln_2.bias", "mlp.c_proj.bias")]
+    return names
+
+
+def microbatch_samples(model: ModelConfig, batch_size: int, m: int, sizes: dict, coords: dict,
+                       j: int) -> range:
+    """The global sample ids this rank runs in microbatch j of m. Dense: its dp rank's
+    `shard_range` of the batch, then microbatch j's share of that. MoE (routing per microbatch, as
+    Megatron-Core): the contiguous global slice shard_range(B, m, j), cut over the dp x ep data
+    ranks in batch order, so that the data ranks' parts of microbatch j are the single device's
+    microbatch j. cp ranks run the same rows (other positions)."""
+    if not model.moe_experts:
+        a, b = shard_range(batch_size, sizes["dp"], coords["dp"])
+        lo, hi = shard_range(b - a, m, j)
+        return range(a + lo, a + hi)
+    a, b = shard_range(batch_size, m, j)
+    lo, hi = shard_range(b - a, sizes["dp"] * sizes["ep"], coords["dp"] * sizes["ep"] + coords["ep"])
+    return range(a + lo, a + hi)
+
+
+def keeps_lowp(config: ModelConfig, sizes: dict) -> bool:
+    """With --fp32-grads, whether the 16-bit gradients backward writes stay beside the fp32
+    accumulator: on a data-parallel-only mesh, as DeepSpeed's BF16_Optimizer keeps each .grad (the
+    Ultra-Scale Playbook's 20 bytes per parameter); on every other mesh each backward piece's
+    16-bit gradients are added into the fp32 accumulator as they are handed over, as Megatron-LM's
+    main_grad (18)."""
+    return not config.moe_experts and all(n == 1 for a, n in sizes.items() if a != "dp")
+
+
+def is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+ENDS = ("wte", "root")  # the units the embedding and the head read
+
+
+def units(names: list[str]) -> dict[str, list[str]]:
+    """The units of a pipeline stage holding `names` (in GPT-2's order): what ZeRO and FSDP shard,
+    gather and reduce one at a time, and DP's gradient buckets wait for. `wte` alone (the tied
+    embedding: the first and the last stage shard it alike, so its gradient sums shard by shard),
+    `root` the stage's other parameters outside the blocks (wpe on the first stage, ln_f on the
+    last), then per block `h.i` its dense parameters (the router included) and, in a MoE block,
+    `h.i.experts` the experts of it this rank holds."""
+    out = {"wte": ["wte.weight"]} if "wte.weight" in names else {}
+    root = [n for n in names if not n.startswith("h.") and n != "wte.weight"]
+    if root:
+        out["root"] = root
+    for n in names:
+        if n.startswith("h."):
+            block = ".".join(n.split(".")[:2])  # "h.3"
+            out.setdefault(block + (".experts" if is_expert(n) else ""), []).append(n)
+    return {u: out[u] for u in sorted(out, key=_unit_order)}
+
+
+def _unit_order(unit: str) -> tuple:
+    """wte, root, then the blocks in order, each block's experts after its dense unit."""
+    if not unit.startswith("h."):
+        return (ENDS.index(unit),)
+    return (2, int(unit.split(".")[1]), unit.endswith(".experts"))
+
+
+def expert_unit(unit: str) -> bool:
+    return unit.endswith(".experts")
