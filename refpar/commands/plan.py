@@ -163,7 +163,7 @@ def run(args) -> int:
         raise ConfigError(f"unknown --software {args.software!r}; choose one of {', '.join(SOFTWARE)}")
     if args.figure is not None:
         check_output_path("--figure", args.figure)
-    spec = preset(args.model) if args.model else parse_model_spec(args.model_spec)
+    spec = preset(args.model) if args.model is not None else parse_model_spec(args.model_spec)
     hw, software = hardware(args.hardware), SOFTWARE[args.software]
     common = dict(global_batch=args.global_batch, seq=args.seq, precision=args.precision,
                   dtype=args.dtype, software=software)
