@@ -96,7 +96,6 @@ class DeviceMesh:
         color = int(np.ravel_multi_index([self.coords[a] for a in rest], [self.sizes[a] for a in rest]))
         return self.world.split(color, key=key, axis=name)
 
-
     def axis(self, name: str) -> Communicator | None:
         """The Communicator of an axis, or of a derived group (module docstring: "dp_cp", "data",
         "embedding", "mirror"; those two are None on the ranks outside them)."""
@@ -144,7 +143,6 @@ class DeviceMesh:
     def ring_prev(self, name: str) -> int:
         """The left neighbour on axis `name`'s ring, wrapping around."""
         return (self.coords[name] - 1) % self.sizes[name]
-
 
     def group(self, name: str) -> tuple[int, ...]:
         """World ranks of this rank's group on axis `name`, in axis order."""

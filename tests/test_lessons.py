@@ -1,5 +1,5 @@
 """The course in lessons/ runs as written: every command of every lesson prints what the lesson
-shows (timings masked, non-integers to 1e-10, integers such as bytes exactly; refpar/lessons.py),
+shows (timings masked, non-integers to 1e-10, integers such as bytes exactly; lessons/course.py),
 every reference solution passes its checker and every untouched exercise fails it, saying so."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from refpar import lessons
-from refpar.lesson_checks import EXERCISES, check
+from lessons import course as lessons
+from lessons.checks import EXERCISES, check
 from tests.mpi import ROOT, mpi_env
 
 LESSON_FILES = lessons.lesson_files()

@@ -42,7 +42,7 @@ def results(tmp_path_factory):
                 (folder / f"{name}.csv").write_text(dump(name, 4, 8))
         cases += [{"mesh": {"pp": 4}, "csv": str(folder / f"{name}.csv"), "m": 8, "torch": name}
                   for name in TORCH_CSV]
-    proc = mpiexec(4, "tests/pipeline_v_checks.py", json.dumps(cases), timeout=400)
+    proc = mpiexec(4, "tests/jobs/pipeline_v_checks.py", json.dumps(cases), timeout=400)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == len(cases)
     return rows

@@ -38,14 +38,7 @@ import numpy as np
 from refpar.analysis import data_parallel as dp_forms
 from refpar.analysis import moe as moe_forms
 from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes, model_activation_bytes
-from refpar.analysis.intra_layer import (
-    RankShape,
-    _ring_calls,
-    _tp_calls,
-    _ulysses_calls,
-    grad_itemsize,
-    zigzag_lengths,
-)
+from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.holdings import (
@@ -123,7 +116,7 @@ def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.
     # the microbatches whose backward completes each unit: every stage holding it runs its copy's
     uses = {u: sum(len(lay.microbatches(s)) for s, us in by_stage.items() if u in us) for u in order}
     out = {}
-    for u in order:
+    for u in members:
         axis, n, r = _group(model, sizes, coords, expert_unit(u))
         size = sum(numels[x] for x in members[u])
         out[u] = dp_forms.Unit(size, tuple(shard_sizes(size, n)), r, axis)
@@ -153,22 +146,6 @@ def precision(model: ModelConfig, cfg: TrainConfig, sizes: dict) -> dp_forms.Pre
                               keeps_lowp(model, sizes))
 
 
-def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
-    """Tokens of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
-    if c == 1:
-        return [T]
-    return zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
-
-
-def _shape(model: ModelConfig, sizes: dict, T: int, coords: dict, b: int, sp: bool, cp_algo) -> RankShape:
-    t, k, c = sizes["tp"], coords["tp"], sizes["cp"]
-    tokens = cp_tokens(T, c, cp_algo)
-    Ta = tokens[coords["cp"]]
-    return RankShape(B=b, T=T, Ta=Ta, Tl=shard_sizes(Ta, t)[k] if sp else Ta, t=t, c=c,
-                     nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
-                     e=np.dtype(model.dtype).itemsize, cp_tokens=tuple(tokens), cp_rank=coords["cp"])
-
-
 def _rows(model, cfg, sizes, coords, plan) -> list[int]:
     return [len(samples(model, cfg, sizes, coords, plan, j)) for j in range(plan.microbatches)]
 
@@ -176,26 +153,21 @@ def _rows(model, cfg, sizes, coords, plan) -> list[int]:
 # -------------------------------------------------------------------------------------- bytes
 def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, plan,
                     kept: list | None = None, stepped: bool = True) -> dict:
-    """{(axis, op): [sent, received]} of one step; `kept` (MoE): per microbatch, layer -> the
+    """{(axis, op): (sent, received)} of one step; `kept` (MoE): per microbatch, layer -> the
     (D c, E) kept counts of this rank's MoE blocks; `stepped`: the optimizer took the step."""
-    p, t, c, T = sizes["pp"], sizes["tp"], sizes["cp"], cfg.seq_len
+    p, t, c = sizes["pp"], sizes["tp"], sizes["cp"]
     r, k = coords["pp"], coords["tp"]
     e, C = np.dtype(model.dtype).itemsize, model.n_embd
     lay = pipeline(sizes, plan)[1]
     P = lay.stages_per_copy
     pr, rows = precision(model, cfg, sizes), _rows(model, cfg, sizes, coords, plan)
-    totals: dict[tuple[str, str], list[int]] = {}
-
-    def add(axis, op, b, times=1):
-        row = totals.setdefault((axis, op), [0, 0])
-        row[0], row[1] = row[0] + times * b[0], row[1] + times * b[1]
-
+    totals: dict[tuple[str, str], tuple[int, int]] = {}
     for s in lay.stages_of(r):
         layers = list(stage_layers(model.n_layer, P, lay.part(s)))
         moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in model.moe_blocks)
         blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None)
         for b in (rows[j] for j in lay.microbatches(s)):
-            shape = _shape(model, sizes, T, coords, b, plan.sp, plan.cp_algo)
+            shape = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
             calls = _tp_calls(blocks, shape, plan.sp, k) if t > 1 else []
             if c > 1:
                 ring = (plan.cp_algo or "ring") == "ring"
@@ -204,29 +176,29 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
                 first, last = lay.part(s) == 0, lay.part(s) == P - 1
                 if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and not first)
                         or (call.tag.startswith("lm_head") and not last)):
-                    add(call.axis, call.op, (call.bytes_sent, call.bytes_recv))
+                    cost.add(totals, (call.axis, call.op), (call.bytes_sent, call.bytes_recv))
     if model.moe_experts:
-        Ta = _shape(model, sizes, T, coords, 1, plan.sp, plan.cp_algo).Ta
+        Ta = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Ta
         for key, b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
                                                    kept or [], Ta, plan.cp_algo, plan.sp).items():
-            add(*key, b)
+            cost.add(totals, key, b)
     if p > 1:
         # each stage's activation out and input gradient back, of each microbatch of its copy, where
         # the neighbouring stage sits on another rank: 2v - [r = 0] - [r = p-1] per microbatch in a
         # loop; in a V 2 on rank 0 (the ends) and on rank p-1 (the turn from stage p-1 to p stays on
         # it), 4 on the others. As many arrive as leave (the same pairs of neighbours).
-        Tl = _shape(model, sizes, T, coords, 1, plan.sp, plan.cp_algo).Tl
+        Tl = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Tl
         apart = [(s, j) for s in lay.stages_of(r) for j in lay.microbatches(s)
                  for n in (s - 1, s + 1) if 0 <= lay.part(s) + n - s < P and lay.stage_rank[n] != r]
         p2p = sum(rows[j] for _, j in apart) * Tl * C * e
-        add("pp", "isend", (p2p, 0))
-        add("pp", "irecv", (0, p2p))
-        add("pp", "all_reduce", cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
+        cost.add(totals, ("pp", "isend"), (p2p, 0))
+        cost.add(totals, ("pp", "irecv"), (0, p2p))
+        cost.add(totals, ("pp", "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
     for key, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped)[0].items():
-        add(*key, b)
+        cost.add(totals, key, b)
     axis, n, q = _group(model, sizes, coords, False)
     if n > 1:  # the loss (and the router losses) over the ranks that saw different tokens
-        add(axis, "all_reduce", cost.all_reduce_bytes(3 if model.moe_experts else 1, n, q, 8))
+        cost.add(totals, (axis, "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, n, q, 8))
     return totals
 
 
@@ -234,14 +206,11 @@ def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True) ->
     """({(axis, op): (sent, received)}, the calls in order) of the replicas' collectives in a step
     (analysis/data_parallel.py), the partial sums and fp16's overflow flag."""
     ru = rank_units(model, sizes, coords, plan)
-    bucket_list = dp_forms.buckets(ru, plan.bucket_elems) if plan.strategy == "dp" else ()
-    _, moved, calls = dp_forms.replay(ru, plan.strategy, pr, bucket_list, plan.overlap, plan.prefetch,
-                                      plan.reshard_after_forward, stepped)
-    out = {k: tuple(b) for k, b in moved.items()}
+    _, moved, calls = dp_forms.replay(ru, plan, pr, stepped)
+    out = dict(moved)
 
     def add(key, b, what):
-        old = out.get(key, (0, 0))
-        out[key] = (old[0] + b[0], old[1] + b[1])
+        cost.add(out, key, b)
         calls.append((*key, what, b))
 
     p, t, r = sizes["pp"], sizes["tp"], coords["pp"]
@@ -293,8 +262,7 @@ def rank_comm_rows(model, cfg, sizes, coords, plan, steps: int, skipped=(), kept
         kept = kept_by_step[i] if kept_by_step else None
         step = rank_comm_bytes(model, cfg, sizes, coords, plan, kept, stepped=i not in skipped)
         for key, b in step.items():
-            row = totals.setdefault(key, [0, 0])
-            row[0], row[1] = row[0] + b[0], row[1] + b[1]
+            cost.add(totals, key, b)
     return [{"axis": a, "op": o, "bytes_sent": int(s), "bytes_recv": int(rv)}
             for (a, o), (s, rv) in sorted(totals.items()) if s or rv]
 
@@ -310,7 +278,7 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
         pieces = model_activation_bytes(model, b, cfg.seq_len)
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
-    r = _shape(model, sizes, cfg.seq_len, coords, b, plan.sp, plan.cp_algo)
+    r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
     dropout = model.dropout > 0.0
     attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
     per_layer = layer_bytes(model, r, attention, dropout)
@@ -372,12 +340,7 @@ def model_state_bytes(model, cfg, sizes, coords, plan) -> int:
 
 def rank_memory_rows(model, cfg, sizes, coords, plan, kept_by_step=None, stepped: bool = True) -> list[dict]:
     """The rank's `expected_memory_peak_bytes` rows."""
-    ru, pr = rank_units(model, sizes, coords, plan), precision(model, cfg, sizes)
-    peaks = dp_forms.state_bytes(ru, plan.strategy, pr)
-    bucket_list = dp_forms.buckets(ru, plan.bucket_elems) if plan.strategy == "dp" else ()
-    transient, _, _ = dp_forms.replay(ru, plan.strategy, pr, bucket_list, plan.overlap, plan.prefetch,
-                                   plan.reshard_after_forward, stepped)
-    for cat, n in transient.items():
-        peaks[cat] = peaks.get(cat, 0) + n
+    peaks = dp_forms.peak_bytes(rank_units(model, sizes, coords, plan), plan, precision(model, cfg, sizes),
+                                stepped)
     peaks["activations"] = activation_peak(model, cfg, sizes, coords, plan, kept_by_step)
     return [{"category": cat, "bytes": int(peaks.get(cat, 0))} for cat in CATEGORIES]

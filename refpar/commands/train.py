@@ -250,13 +250,13 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
 
 
 def check_precision_args(sizes: dict[str, int], args) -> None:
-    """Mixed precision runs on every mesh and backend NumPy."""
+    """Mixed precision runs on every mesh, on NumPy and on torch."""
     from refpar.config import ConfigError
     from refpar.precision import PRECISIONS, is_16bit
 
     precision = getattr(args, "precision", None)
     if precision is None or not is_16bit(PRECISIONS[precision]):
         return
-    if getattr(args, "backend", "numpy") != "numpy":
-        raise ConfigError(f"--precision {precision} runs on the NumPy backend (its 16-bit arrays are "
-                          f"NumPy's and ml_dtypes'); drop --backend {args.backend}")
+    if getattr(args, "backend", "numpy") == "cupy":
+        raise ConfigError(f"--precision {precision} runs on --backend numpy or torch, not on CuPy "
+                          f"(which has no bfloat16); drop --backend cupy")

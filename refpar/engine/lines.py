@@ -15,10 +15,11 @@ import numpy as np
 from refpar.analysis import engine as closed
 from refpar.config import MESH_AXES
 from refpar.holdings import stage_layers
+from refpar.model.gpt import param_shapes
 from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import critical_path_gap
-from refpar.precision import precision_of
+from refpar.precision import is_16bit, precision_of
 from refpar.sharding import shard_range
 
 LABEL = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
@@ -26,7 +27,7 @@ LABEL = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "f
 
 def header(model, cfg, sizes, plan, preset: str, floor: float) -> list[str]:
     """What runs where: the model, the data, and on more than one rank the strategies and who holds what."""
-    n_params = sum(int(np.prod(s)) for s in _param_shapes(model).values())
+    n_params = sum(int(np.prod(s)) for s in param_shapes(model).values())
     world = int(np.prod(list(sizes.values())))
     mesh = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes[a] > 1)
     lines = [f"GPT-2 {preset}: {model.n_layer} layers, {model.n_embd} channels, {model.n_head} heads, "
@@ -246,14 +247,6 @@ def _grouped(lines_of: dict[int, tuple[str, ...]]) -> list[tuple[str, tuple[str,
 
 
 def _precision(dtype: str) -> str:
-    from refpar.precision import is_16bit
-
     if not is_16bit(dtype):
         return dtype
     return f"{precision_of(dtype)} ({dtype} weights and activations, fp32 master weights)"
-
-
-def _param_shapes(model):
-    from refpar.model.gpt import param_shapes
-
-    return param_shapes(model)

@@ -33,7 +33,7 @@ import numpy as np
 from array_api_compat import array_namespace, is_cupy_array, is_torch_array
 
 from refpar import backend
-from refpar.holdings import expert_unit, unit_order, units
+from refpar.holdings import expert_unit, rank_layout, unit_order, units
 from refpar.memory import nbytes_of
 from refpar.model.optim import adamw_update, mixed_adamw_update, mixed_sgd_update, sgd_update
 from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit, loss_scaler, overflow_anywhere
@@ -81,12 +81,8 @@ class Units:
     def __init__(self, stages: dict[int, list[str]], shapes: dict, group_of, uses: dict[int, int]):
         self.shapes = shapes
         by_stage = {s: units(names) for s, names in sorted(stages.items())}
-        ordered = [u for us in by_stage.values() for u in us]
-        ordered = list(dict.fromkeys([u for u in ordered if not expert_unit(u)]
-                                     + [u for u in ordered if expert_unit(u)]))
-        self.names = {u: [n for n in shapes if any(n in us.get(u, ()) for us in by_stage.values())]
-                      for u in ordered}
-        self.backwards = {u: sum(uses[s] for s, us in by_stage.items() if u in us) for u in ordered}
+        self.names = rank_layout(by_stage)
+        self.backwards = {u: sum(uses[s] for s, us in by_stage.items() if u in us) for u in self.names}
         self.of_stage = {s: list(us) for s, us in by_stage.items()}
         self.offsets: dict[str, tuple[str, int, int]] = {}  # name -> (unit, start, stop) in the unit
         self.size, self.start, self.group, self.own, self.counts = {}, {}, {}, {}, {}
@@ -185,6 +181,25 @@ class Hooks:
         for u in self.units.of(grads):
             fold(u, {n: g for n, g in grads.items() if self.units.offsets[n][0] == u})
         self.ledger.free("grads.piece")
+
+    def partial_sums(self, wte, segments: list, embedding, tp, copies=None, grads=None) -> None:
+        """After the backward, the sums over the ranks that each hold a part of one gradient: the
+        tied wte's (`wte`: this rank's view of its gradient, or None) over the embedding group,
+        DualPipe's two copies' over `copies` (`sum_copies`, each unit's gradient `grads(unit)`), and
+        the sequence-sharded region's (`segments`: (array, lo, hi) of each piece of its gradients
+        this rank keeps) coalesced into one all-reduce over tp."""
+        if embedding is not None and wte is not None:
+            wte[...] = embedding.all_reduce(wte, tag="wte.weight:tied-grad")
+        if copies is not None:
+            self.units.sum_copies(copies, grads)
+        if segments:
+            xp = array_namespace(segments[0][0])
+            summed = tp.all_reduce(xp.concat([a[lo:hi] for a, lo, hi in segments]),
+                                   tag="sp.replicated_grads:bwd")  # (Σ segments,)
+            at = 0
+            for a, lo, hi in segments:
+                a[lo:hi] = summed[at:at + hi - lo]
+                at += hi - lo
 
     def overflowed(self, shards: list, comms: list) -> bool:
         """fp16 only (False otherwise, no message): whether any rank's gradients `shards` hold an

@@ -63,11 +63,6 @@ class Microbatch:
     sample_ids: tuple[int, ...]  # global ids of the b rows: they key the dropout masks
 
 
-def _root(a):
-    """The array that owns the buffer `a` views (NumPy, torch or CuPy)."""
-    return backend.owner(a)
-
-
 def held_bytes(obj, params) -> int:
     """Bytes of the distinct buffers a cache keeps alive: every array is traced to the buffer it
     views, each buffer counts once, and parameters never (`params`: the parameters, a dict, or the
@@ -77,7 +72,7 @@ def held_bytes(obj, params) -> int:
     parameter's own buffer (a linear layer's cache holds its weight) does not count either."""
     arrays = list(params.values()) if isinstance(params, dict) else list(params)
     names = set(params) if isinstance(params, dict) else set()  # a dict of them is not looked into
-    exclude = {id(_root(p)) for p in arrays}
+    exclude = {id(backend.owner(p)) for p in arrays}
     roots: dict[int, int] = {}
     stack = [obj]
     while stack:
@@ -88,7 +83,7 @@ def held_bytes(obj, params) -> int:
             if not (names and item.keys() <= names):
                 stack.extend(item.values())
         elif backend.is_array(item):
-            root = _root(item)
+            root = backend.owner(item)
             if id(root) not in exclude:
                 roots[id(root)] = nbytes_of(root)
     return sum(roots.values())

@@ -54,15 +54,14 @@ from refpar.model.gpt import (
     split_heads,
 )
 from refpar.model.layers import cross_entropy_backward, dropout_backward, gelu_backward, layernorm_backward
-from refpar.parallel.tensor_parallel import (
-    parallel_block_backward,
-    parallel_block_forward,
+from refpar.parallel.tensor_parallel import parallel_block_backward, parallel_block_forward
+from refpar.parallel.units import attach, detach
+from refpar.parallel.vocab_parallel import (
     vocab_parallel_embedding_backward,
     vocab_parallel_embedding_forward,
     vocab_parallel_head_backward,
     vocab_parallel_head_forward,
 )
-from refpar.parallel.units import attach, detach
 from refpar.precision import fp32_compute
 
 

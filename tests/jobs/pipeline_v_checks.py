@@ -1,4 +1,4 @@
-"""Run by tests/test_pipeline_v.py under `mpiexec -n 4 python tests/pipeline_v_checks.py CASES`: trains
+"""Run by tests/test_pipeline_v.py under `mpiexec -n 4 python tests/jobs/pipeline_v_checks.py CASES`: trains
 the V-shaped and bidirectional schedules (and schedules read from torch's CSV) on meshes of the 4
 ranks and prints, on rank 0, one JSON line per case: the losses next to the single-device run's,
 the largest parameter difference, whether every rank's traced bytes and peak memory per category

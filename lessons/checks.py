@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar.lessons import LESSONS, ROOT, argv, command_env
+from lessons.course import LESSONS, ROOT, argv, command_env
+from refpar.config import ConfigError
 from refpar.sharding import shard_range
 
 WAIT_S = 20  # seconds a rank of an exercise may wait for a message before it is told why
@@ -362,8 +363,6 @@ EXERCISES = {e.number: e for e in (
 
 def exercise(n: int) -> Exercise:
     if n not in EXERCISES:
-        from refpar.config import ConfigError
-
         raise ConfigError(f"lesson {n} has no exercise; exercises: {', '.join(map(str, EXERCISES))}")
     return EXERCISES[n]
 
@@ -405,8 +404,6 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
     ex = exercise(n)
     path = Path(path) if path else LESSONS / "exercises" / ex.file
     if not path.is_file() or path.suffix != ".py":
-        from refpar.config import ConfigError
-
         what = "is not a Python file (.py)" if path.is_file() else \
             "is a directory" if path.is_dir() else "does not exist"
         raise ConfigError(f"{path} {what}; give --file PATH to your copy of {ex.file}")
@@ -432,8 +429,6 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
 
         comm = world()
         if comm.size != ex.ranks:
-            from refpar.config import ConfigError
-
             raise ConfigError(f"lesson {n}'s exercise runs on {ex.ranks} ranks, not {comm.size}; "
                               f"run refpar lesson check {n} without mpiexec")
     ok, sentence = _verdict(ex, path, comm)
