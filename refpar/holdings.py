@@ -190,7 +190,7 @@ def rank_layout(by_stage: dict[int, dict[str, list[str]]]) -> dict[str, list[str
     (the tied wte) once. Unit -> its parameters."""
     ordered = [u for us in by_stage.values() for u in us]
     ordered = [u for u in ordered if not expert_unit(u)] + [u for u in ordered if expert_unit(u)]
-    # a unit two stages hold has each stage's parameters: a V's rank 0 holds wpe (stage 0) and ln_f
-    # (stage 2p-1) as one root; the tied wte, and DualPipe's two copies of a part, the same ones
+    # a unit two stages hold has each stage's parameters (in stage order): a V's rank 0 holds wpe
+    # (stage 0) and ln_f (stage 2p-1) as one root; the tied wte, and DualPipe's copies, the same ones
     return {u: list(dict.fromkeys(n for us in by_stage.values() for n in us.get(u, ())))
             for u in dict.fromkeys(ordered)}

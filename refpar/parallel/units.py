@@ -81,7 +81,9 @@ class Units:
     def __init__(self, stages: dict[int, list[str]], shapes: dict, group_of, uses: dict[int, int]):
         self.shapes = shapes
         by_stage = {s: units(names) for s, names in sorted(stages.items())}
-        self.names = rank_layout(by_stage)
+        # in GPT-2's order inside a unit: DualPipe's mirror ranks hold a root of wpe and ln_f from
+        # stages in the other order, and sum_copies adds their buffers element by element
+        self.names = {u: [n for n in shapes if n in names] for u, names in rank_layout(by_stage).items()}
         self.backwards = {u: sum(uses[s] for s, us in by_stage.items() if u in us) for u in self.names}
         self.of_stage = {s: list(us) for s, us in by_stage.items()}
         self.offsets: dict[str, tuple[str, int, int]] = {}  # name -> (unit, start, stop) in the unit
