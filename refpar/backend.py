@@ -142,7 +142,7 @@ def as_like(a, like):
 
 def is_array(x) -> bool:
     """True for an array of any namespace refpar computes with."""
-    return is_numpy_array(x) or is_torch_array(x) or is_cupy_array(x) or is_array_api_obj(x)
+    return type(x) is np.ndarray or is_numpy_array(x) or is_torch_array(x) or is_cupy_array(x) or is_array_api_obj(x)
 
 
 def owner(a):

@@ -25,6 +25,7 @@ MASTER_DTYPE = np.dtype(np.float32)  # master weights, moments, and what 16-bit 
 _DTYPES = {"float64": np.dtype(np.float64), "float32": np.dtype(np.float32),
            "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 _SIXTEEN_BIT = ("bfloat16", "float16")
+_NUMPY_SIXTEEN_BIT = frozenset(_DTYPES[name] for name in _SIXTEEN_BIT)
 
 
 def dtype_of(name_or_dtype) -> np.dtype:
@@ -63,6 +64,10 @@ def _is_array(a) -> bool:
 def _first_16bit(values):
     """The 16-bit dtype of the first 16-bit array found in nested tuples, lists and dicts, or None."""
     for a in values:
+        if type(a) is np.ndarray:  # the common case, first: this runs around every op of every step
+            if a.dtype in _NUMPY_SIXTEEN_BIT:
+                return a.dtype
+            continue
         if isinstance(a, tuple | list):
             found = _first_16bit(a)
         elif isinstance(a, dict):

@@ -78,11 +78,13 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
         start = time.perf_counter()
         par.routings.clear()
         with tracer.context(step=step) if tracer else nullcontext():
-            mbs = []
-            for ids in par.samples:
-                tokens, targets = corpus.batch(step, ids, cfg.seq_len)  # (b, T) each
-                # copies: a microbatch owns its rows, so a cache that keeps its tokens holds (b, T)
-                mbs.append(Microbatch(np.array(tokens), np.array(targets), ids))
+            # the rank's samples drawn at once (the corpus walks every sequence a token at a time),
+            # then cut into microbatches; copies, so a microbatch owns its rows and a cache that
+            # keeps its tokens holds (b, T)
+            tokens, targets = corpus.batch(step, [i for ids in par.samples for i in ids], cfg.seq_len)
+            starts = np.cumsum([0, *map(len, par.samples)])
+            mbs = [Microbatch(np.array(tokens[a:b]), np.array(targets[a:b]), ids)  # (b, T) each
+                   for ids, a, b in zip(par.samples, starts[:-1], starts[1:])]
             scale = hooks.dtypes.dloss
             if par.moe is not None:
                 par.moe.grad_scale = scale  # the router losses' gradients scale with the rest

@@ -58,6 +58,11 @@ class DataParallel(Hooks):
         # fp32 master weights: the 16-bit parameters upcast, exactly (mixed precision only)
         self.master = ledger.alloc("master.flat", xp.astype(self.params, backend.dtype_like(
             self.params, dt.state)), "master") if dt.mixed else None  # (Ψl,)
+        # each unit's parameters and gradients as views of the buffers above, made once: the buffers
+        # live as long as the hooks, and every microbatch's acquire and fold reads them
+        self.param_views = {k: u.views(k, u.slice(k, self.params)) for k in u.names}
+        self.grad_views = {k: u.views(k, u.slice(k, self.grads)) for k in u.names}
+        self.lowp_views = None if self.lowp is None else {k: u.views(k, u.slice(k, self.lowp)) for k in u.names}
         self.state = {k: ledger.alloc(f"optimizer.{k}", self.zeros(self.params, u.total, dt.state),
                                       "optimizer") for k in ("m", "v") if train.optimizer == "adamw"}
         self.overlap, self.in_flight, self.sent = overlap, [], set()
@@ -70,18 +75,14 @@ class DataParallel(Hooks):
 
     def acquire(self, keys, phase: str, hold=None, following=()):
         """The units' parameters, views of the flat buffer every rank keeps whole; nothing moves."""
-        u = self.units
-        return {n: v for k in keys for n, v in u.views(k, u.slice(k, self.params)).items()}, {}
+        return {n: v for k in keys for n, v in self.param_views[k].items()}, {}
 
     def release(self, keys, phase: str, hold=None) -> None:
         """Every rank keeps its whole replica: nothing to free."""
 
     def fold(self, grads: dict) -> None:
-        u = self.units
-
         def add(unit, g):
-            lowp = None if self.lowp is None else u.views(unit, u.slice(unit, self.lowp))
-            fold_grads(u.views(unit, u.slice(unit, self.grads)), g, lowp)
+            fold_grads(self.grad_views[unit], g, None if self.lowp is None else self.lowp_views[unit])
 
         self.piece(grads, add)
 
