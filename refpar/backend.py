@@ -142,7 +142,9 @@ def as_like(a, like):
 
 def is_array(x) -> bool:
     """True for an array of any namespace refpar computes with."""
-    return type(x) is np.ndarray or is_numpy_array(x) or is_torch_array(x) or is_cupy_array(x) or is_array_api_obj(x)
+    if type(x) is np.ndarray:  # the common case, first: caches are walked for this every action
+        return True
+    return is_numpy_array(x) or is_torch_array(x) or is_cupy_array(x) or is_array_api_obj(x)
 
 
 def owner(a):

@@ -62,6 +62,16 @@ def test_streams_depend_on_every_key_part_and_only_on_it():
         assert not np.array_equal(base, other)
 
 
+def test_a_stream_is_philox_keyed_by_the_seed_sequence_of_its_key_words():
+    # The documented key (rng.py): Philox's 128-bit key = SeedSequence([seed, purpose number, count
+    # of ids, *ids]).generate_state(2, uint64). Written out here, so a faster construction that
+    # changed a stream (and every recorded loss of the course) would fail.
+    words = [7, rng.PURPOSES["dropout"], 3, 3, 1, 2]
+    key = np.random.SeedSequence(words).generate_state(2, dtype=np.uint64)
+    expected = np.random.Generator(np.random.Philox(key=key)).random((16, 12))
+    np.testing.assert_array_equal(rng.uniform(7, "dropout", 3, 1, 2, shape=(16, 12)), expected)
+
+
 def test_ledger_tracks_current_and_peak_per_category():
     ledger = MemoryLedger(record_events=True)
     ledger.alloc("w", np.zeros(10), "params")  # 80 bytes

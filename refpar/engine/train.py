@@ -84,7 +84,7 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
             tokens, targets = corpus.batch(step, [i for ids in par.samples for i in ids], cfg.seq_len)
             starts = np.cumsum([0, *map(len, par.samples)])
             mbs = [Microbatch(np.array(tokens[a:b]), np.array(targets[a:b]), ids)  # (b, T) each
-                   for ids, a, b in zip(par.samples, starts[:-1], starts[1:])]
+                   for ids, a, b in zip(par.samples, starts[:-1], starts[1:], strict=True)]
             scale = hooks.dtypes.dloss
             if par.moe is not None:
                 par.moe.grad_scale = scale  # the router losses' gradients scale with the rest

@@ -62,7 +62,8 @@ class DataParallel(Hooks):
         # live as long as the hooks, and every microbatch's acquire and fold reads them
         self.param_views = {k: u.views(k, u.slice(k, self.params)) for k in u.names}
         self.grad_views = {k: u.views(k, u.slice(k, self.grads)) for k in u.names}
-        self.lowp_views = None if self.lowp is None else {k: u.views(k, u.slice(k, self.lowp)) for k in u.names}
+        self.lowp_views = None if self.lowp is None else {
+            k: u.views(k, u.slice(k, self.lowp)) for k in u.names}
         self.state = {k: ledger.alloc(f"optimizer.{k}", self.zeros(self.params, u.total, dt.state),
                                       "optimizer") for k in ("m", "v") if train.optimizer == "adamw"}
         self.overlap, self.in_flight, self.sent = overlap, [], set()
