@@ -16,7 +16,10 @@ Per step, the rank at mesh coordinates `coords`:
 - DP, ZeRO, FSDP over each unit's replica group (analysis/data_parallel.py): the buckets, reduce-
   scatters and gathers of the rank's units; the tied wte over the first and last pp rank and the
   sequence-sharded region over tp, on what the rank keeps of them; fp16's overflow flag over each
-  group whose ranks hold different gradients; the loss over the ranks that saw different tokens.
+  group whose ranks hold different gradients; with clipping, the sum of squares (one element of
+  the optimizer's dtype) over the replica group under ZeRO, ep under DP with experts, tp and pp
+  (refpar/parallel/clipping.py), on the steps the optimizer takes; the loss over the ranks that saw
+  different tokens.
 Memory: the data-parallel strategy's states and transients (analysis/data_parallel.py), and the
 activations: the schedule's replay (schedules.stored) of what each F keeps until its B (and, where
 the backward is split, what B keeps until W), from analysis/activations.py's terms (the model's
@@ -206,7 +209,8 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
         add("pp", "isend", (p2p, 0))
         add("pp", "irecv", (0, p2p))
         add("pp", "all_reduce", cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
-    for key, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped)[0].items():
+    clip = cfg.clip_grad_norm > 0
+    for key, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped, clip)[0].items():
         add(*key, b)
     axis, n, q = _group(model, sizes, coords, False)
     if n > 1:  # the loss (and the router losses) over the ranks that saw different tokens
@@ -214,9 +218,11 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
     return totals
 
 
-def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True) -> tuple[dict, list]:
+def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True,
+                        clip: bool = False) -> tuple[dict, list]:
     """({(axis, op): (sent, received)}, the calls in order) of the replicas' collectives in a step
-    (analysis/data_parallel.py), the partial sums and fp16's overflow flag."""
+    (analysis/data_parallel.py), the partial sums, fp16's overflow flag and (`clip`) the global
+    gradient norm's sums."""
     ru = rank_units(model, sizes, coords, plan)
     bucket_list = dp_forms.buckets(ru, plan.bucket_elems) if plan.strategy == "dp" else ()
     _, moved, calls = dp_forms.replay(ru, plan.strategy, pr, bucket_list, plan.overlap, plan.prefetch,
@@ -247,6 +253,13 @@ def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True) ->
         for axis, n, q in flags:
             if n > 1:
                 add((axis, "all_reduce"), cost.all_reduce_bytes(1, n, q, 4), f"found_inf.{axis}")
+    if clip and stepped:  # the sum of squares: ZeRO's shards, DP's experts over ep, tp, pp
+        sums = [_group(model, sizes, coords, False) if plan.stage else None,
+                ("ep", sizes["ep"], coords["ep"]) if model.moe_experts and not plan.stage else None,
+                ("tp", t, coords["tp"]), ("pp", p, r)]
+        for axis, n, q in filter(None, sums):
+            if n > 1:
+                add((axis, "all_reduce"), cost.all_reduce_bytes(1, n, q, pr.state), f"grad_norm.{axis}")
     return out, calls
 
 

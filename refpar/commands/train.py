@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per sequence (default {d.seq_len})")
     parser.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
     parser.add_argument("--optimizer", default=d.optimizer, help="adamw or sgd (default adamw)")
+    add_schedule_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
     add_precision_arguments(parser)
     parser.add_argument("--seed", type=int, default=d.seed,
@@ -60,6 +61,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for engine runs, PATH.jsonl")
     add_strategy_arguments(parser)
     add_moe_arguments(parser)
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """Clipping, the learning-rate schedule and the weight-decay rule (refpar/model/optim.py)."""
+    from refpar.config import LR_SCHEDULES
+
+    add = parser.add_argument
+    add("--clip-grad-norm", type=float, default=0.0, metavar="X",
+        help="clip the gradients to global L2 norm X, as torch's clip_grad_norm_ (default 0: no clipping)")
+    add("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+        help="learning rate over the steps: constant, or cosine, linear, wsd decay to --min-lr "
+             "(Megatron-LM's and nanoGPT's definitions; default constant)")
+    add("--warmup-steps", type=int, default=0, metavar="N", help="steps of linear warmup to --lr (default 0)")
+    add("--min-lr", type=float, default=0.0, metavar="X",
+        help="the learning rate a decaying schedule ends at, on the last step (default 0)")
+    add("--wsd-decay-steps", type=int, default=None, metavar="N",
+        help="wsd: steps of its final decay (default: a fifth of the steps after the warmup)")
+    add("--decay-all", action="store_true",
+        help="weight decay on every tensor (default: matrices and embeddings, not biases or norm gains)")
 
 
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -175,7 +195,10 @@ def configs(args):
                         optimizer=args.optimizer, seed=args.seed,
                         fp32_grads=getattr(args, "fp32_grads", False),
                         loss_scale=getattr(args, "loss_scale", None),
-                        loss_scale_window=getattr(args, "loss_scale_window", None))
+                        loss_scale_window=getattr(args, "loss_scale_window", None),
+                        clip_grad_norm=args.clip_grad_norm, lr_schedule=args.lr_schedule,
+                        warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+                        wsd_decay_steps=args.wsd_decay_steps, decay_all=args.decay_all)
     train.check_model(model)
     return model, train, sizes
 

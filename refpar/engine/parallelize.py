@@ -17,7 +17,8 @@ before it:
                 tp (tensor_parallel's slices), moved to the run's backend
  5. data        each unit's replica group (dp x cp; a MoE model's dense weights dp x ep x cp)
     parallel    keeps it by plain DP (bucketed all-reduce), ZeRO-1/2/3 or FSDP: the stages' hooks
- 6. optimizer   the state that strategy holds (whole, or this rank's shards); fp16's loss scaler
+ 6. optimizer   the state that strategy holds (whole, or this rank's shards); fp16's loss scaler;
+                clipping by the global norm: what this rank counts, the axes its sums go over
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from refpar.holdings import (
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params
 from refpar.model.moe import expert_prefix
+from refpar.parallel.clipping import clip_for
 from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.data_parallel import DataParallel
 from refpar.parallel.expert_parallel import ExpertParallelMoE, owned_experts, routing_runs, token_runs
@@ -68,6 +70,7 @@ class Parallel:
     moe: object = None  # the MoE blocks' layer
     routings: dict = field(default_factory=dict)  # sample ids of a microbatch -> layer -> routing
     sp_names: list[str] = field(default_factory=list)  # held parameters of the sequence-sharded region
+    clip: object = None  # clipping.GlobalNormClip with --clip-grad-norm
 
     @property
     def data(self):
@@ -166,5 +169,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     like = next(iter(params.values()))
     executor = PipelineExecutor(schedule, model, mesh.pp, make_stage, tokens, like, hooks.buffers(), ledger)
     sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if plan.sp else []
-    return Parallel(model, train, mesh, plan, lay, hooks, executor, ledger, samples, moe, routings, sp_names)
+    clip = clip_for(model, train, mesh, plan, stages, dense)
+    return Parallel(model, train, mesh, plan, lay, hooks, executor, ledger, samples, moe, routings, sp_names,
+                    clip)
 

@@ -108,10 +108,15 @@ def summarize(model, cfg, sizes, plan, par, out, every, ref, floor) -> dict:
                    for r, e in enumerate(every) for c in CATEGORIES]
     expected_comm = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_comm"]]
     expected_memory = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_memory"]]
-    fields = {}
+    fields = {"lrs": out.lrs, "grad_norms": out.grad_norms if par.clip is not None else None}
     if ref is not None:
         ref_losses = ref.losses[out.first_step:]  # a resumed run has only the steps after its checkpoint
-        fields = {"reference_losses": ref_losses,
+        if par.clip is not None:
+            ref_norms = ref.grad_norms[out.first_step:]
+            fields |= {"reference_grad_norms": ref_norms, "max_grad_norm_rel_diff": max(
+                (abs(a - b) / abs(b) for a, b in zip(out.grad_norms, ref_norms, strict=True)
+                 if a is not None and b is not None), default=None)}
+        fields |= {"reference_losses": ref_losses,
                   "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(out.losses, ref_losses,
                                                                                 strict=True)),
                   "max_param_rel_diff": max(_rel(p, ref.params[n]) for e in every
