@@ -226,8 +226,9 @@ def run(args) -> int:
             from refpar.config import ConfigError
 
             raise ConfigError(f"unknown config {unknown[0]!r}; choose among: {', '.join(names)}")
-    print(f"{'config':<24} {'ranks':>5} {'max diff':>9} {'bytes':>6} {'memory':>6} {'time':>7}  result",
-          flush=True)
+    clipping = args.clip_grad_norm > 0  # a column of the steps each run clipped
+    print(f"{'config':<24} {'ranks':>5} {'max diff':>9} {'bytes':>6} {'memory':>6} {'time':>7}"
+          + (f" {'clipped':>7}" if clipping else "") + "  result", flush=True)
     failed, skipped, used = 0, 0, set()
     for name, ranks, cli in MATRIX:
         if name not in wanted:
@@ -255,8 +256,15 @@ def run(args) -> int:
                 and j["bytes_ok"] is not False and j["memory_ok"] is not False)
         failed += not good
         diff = "-" if j["max_diff"] is None else f"{j['max_diff']:.1e}"
+        clipped = ""
+        if clipping:
+            from refpar.model.optim import clipped_steps
+
+            norms = [n for n in summary["grad_norms"] or () if n is not None]
+            fraction = f"{clipped_steps(norms, args.clip_grad_norm)}/{len(summary['losses'])}"
+            clipped = f" {fraction:>7}"
         print(f"{name:<24} {ranks:>5} {diff:>9} {mark(j['bytes_ok']):>6} {mark(j['memory_ok']):>6} "
-              f"{seconds:>6.1f}s  {'pass' if good else 'FAIL'}", flush=True)
+              f"{seconds:>6.1f}s{clipped}  {'pass' if good else 'FAIL'}", flush=True)
     ran = len(wanted) - skipped
     exact = "loss, parameters and gradient norms" if args.clip_grad_norm else "loss and parameters"
     bounds = "; ".join(f"{p}: {exact if p == 'fp64' else 'loss'} <= "

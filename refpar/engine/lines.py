@@ -15,7 +15,7 @@ import numpy as np
 from refpar.analysis import engine as closed
 from refpar.config import MESH_AXES
 from refpar.holdings import stage_layers
-from refpar.model.optim import CLIP_EPS, decay_rule, wsd_decay_steps
+from refpar.model.optim import clipped_steps, decay_rule, wsd_decay_steps
 from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import critical_path_gap
@@ -155,7 +155,7 @@ def report(say, model, cfg, sizes, plan, par, out, every, s) -> None:
             f"{s['max_param_rel_diff']:.1e} after {cfg.steps} steps")
     norms = [n for n in s["grad_norms"] or () if n is not None]  # none on the steps fp16 skipped
     if norms:
-        clipped = sum(n + CLIP_EPS > cfg.clip_grad_norm for n in norms)  # clip_coefficient < 1
+        clipped = clipped_steps(norms, cfg.clip_grad_norm)
         say(f"global gradient norm before clipping: {norms[0]:.4g} at the first step, {norms[-1]:.4g} at the "
             f"last; clipped to {cfg.clip_grad_norm:g} on {clipped} of {len(norms)} steps"
             + ("" if s["max_grad_norm_rel_diff"] is None else

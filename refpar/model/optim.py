@@ -109,6 +109,11 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + CLIP_EPS))
 
 
+def clipped_steps(norms, max_norm: float) -> int:
+    """How many of the global `norms` clipping to `max_norm` scales down (clip_coefficient < 1)."""
+    return sum(n + CLIP_EPS > max_norm for n in norms)
+
+
 def _decay_factor(p, cfg, decay, lr: float):
     """1 - lr * wd where decay applies, 1 elsewhere; a Python float or an array of p's dtype."""
     if isinstance(decay, bool):
