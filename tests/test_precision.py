@@ -278,8 +278,8 @@ def test_fp16_progress_line_and_json_show_the_precision_scale_and_skipped_steps(
     assert main(["train", "--precision", "fp16-mixed", "--steps", "3", "--batch-size", "2",
                  "--seq-len", "4", "--loss-scale", "1e30", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert "fp16-mixed" in out[0] and "loss scale" in out[2] and "skipped" in out[2]
-    assert out[3].split()[-2:] == ["1e+30", "1"]
+    assert "fp16-mixed" in out[0] and "loss scale" in out[3] and "skipped" in out[3]
+    assert out[4].split()[-2:] == ["1e+30", "1"]
     summary = json.loads(out[-1])
     assert summary["precision"] == "fp16-mixed" and summary["dtype"] == "float16"
     assert summary["loss_scaling"] == {"scales": [1e30, 5e29, 2.5e29], "final_scale": 2.5e29,
