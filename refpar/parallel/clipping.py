@@ -17,9 +17,9 @@ the model is counted by exactly one rank of the groups the sums are then all-red
     replicas    DP: the same summed gradient (copies)           every rank            no (DP)
     (dp x cp,   ZeRO-1/2/3, FSDP: disjoint shards of each unit  its shard             yes (ZeRO)
     dp x ep x cp)
-    ep          other experts; a MoE model's dense weights      dense on ep rank 0    yes (DP: the
-                (copies under DP, shards of the data group      under DP              data group
-                under ZeRO)                                                           covers it)
+    ep          other experts; a MoE model's dense weights      dense on ep rank 0    DP: yes; ZeRO:
+                (copies under DP, shards of the data group      under DP              inside the data
+                under ZeRO)                                                           group's sum
 
 This is Megatron-LM's rule (megatron/core/optimizer/clip_grads.py: `param_is_not_shared` and
 `param_is_not_tensor_parallel_duplicate` filter what a rank counts, then one sum over the model-
