@@ -9,6 +9,8 @@ arrays from nothing asks the backend: the initialisation, data batches and optim
 drawn on the host with refpar.rng (the same numbers whatever the backend) and moved with
 `from_host`. Communication stages device arrays through host buffers (refpar/comm/communicator.py)
 after `synchronize`; `gpu_backend/` holds the CuPy and torch backends and the device transport.
+Mixed precision's bfloat16 is ml_dtypes' on the host and torch's own on torch: an array crosses
+between them as its 16-bit pattern (`from_host`, `as_like`, `to_host`), the same values.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from array_api_compat import is_array_api_obj, is_cupy_array, is_numpy_array, is_torch_array
 
 from refpar.config import ConfigError
+from refpar.precision import dtype_of
 
 BACKENDS = ("numpy", "torch", "cupy")
 # Accelerator backends live in gpu_backend/ and register themselves when their module is imported:
@@ -109,7 +112,12 @@ def to_host(x) -> np.ndarray:
     if is_numpy_array(x):
         return x
     if is_torch_array(x):
-        return x.detach().cpu().numpy()  # .cpu() waits for the CUDA stream
+        from array_api_compat import array_namespace
+
+        x, xp = x.detach().cpu(), array_namespace(x)  # .cpu() waits for the CUDA stream
+        if x.dtype == xp.bfloat16:  # NumPy reads no torch bfloat16: its bits, as ml_dtypes'
+            return x.view(xp.int16).numpy().view(dtype_of("bfloat16"))
+        return x.numpy()
     if is_cupy_array(x):
         return x.get()  # cupy's device-to-host copy synchronises its stream
     if is_array_api_obj(x):
@@ -118,6 +126,18 @@ def to_host(x) -> np.ndarray:
         except (TypeError, RuntimeError, BufferError):
             return np.asarray(x)
     return np.asarray(x)
+
+
+def as_like(a, like):
+    """`a` (a NumPy array from the host or a message, a list, ...) as an array of the namespace and
+    device of the array `like`. A NumPy bfloat16 array (ml_dtypes') goes to torch as its bit
+    pattern: torch reads no ml_dtypes array, and both formats are the top 16 bits of a float32."""
+    from array_api_compat import array_namespace, device
+
+    xp = array_namespace(like)
+    if is_torch_array(like) and is_numpy_array(a) and a.dtype == dtype_of("bfloat16"):
+        return xp.asarray(a.view(np.int16), device=device(like)).view(xp.bfloat16)
+    return xp.asarray(a, device=device(like))
 
 
 def is_array(x) -> bool:

@@ -53,10 +53,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="refpar",
-        description="Parallel training strategies in plain NumPy on real MPI ranks.",
-    )
+    parser = OneLineParser(prog="refpar",
+                           description="Parallel training strategies in plain NumPy on real MPI ranks.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)

@@ -57,20 +57,12 @@ class ModelConfig:
     moe_z_loss_weight: float = 0.001  # beta of the ST-MoE router z-loss
 
     def __post_init__(self) -> None:
-        _require_positive(
-            "ModelConfig",
-            vocab_size=self.vocab_size,
-            n_positions=self.n_positions,
-            n_embd=self.n_embd,
-            n_head=self.n_head,
-            n_layer=self.n_layer,
-        )
+        _require_positive("ModelConfig", vocab_size=self.vocab_size, n_positions=self.n_positions,
+                          n_embd=self.n_embd, n_head=self.n_head, n_layer=self.n_layer)
         if self.n_embd % self.n_head != 0:
             choices = [h for h in _divisors(self.n_embd) if h <= 64]
-            raise ConfigError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"choose n_head in {choices}"
-            )
+            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                              f"choose n_head in {choices}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1); use e.g. 0.0 or 0.1")
         if self.dtype not in DTYPES:
@@ -84,22 +76,17 @@ class ModelConfig:
         if self.moe_experts == 0:
             return
         if not 1 <= self.moe_top_k <= self.moe_experts:
-            raise ConfigError(
-                f"moe_top_k={self.moe_top_k} must be between 1 and moe_experts={self.moe_experts}"
-            )
+            raise ConfigError(f"moe_top_k={self.moe_top_k} must be between 1 and "
+                              f"moe_experts={self.moe_experts}")
         if not self.moe_dropless and not 0 < self.moe_capacity_factor < math.inf:
-            raise ConfigError(
-                f"moe_capacity_factor={self.moe_capacity_factor} must be a positive finite number; use "
-                "e.g. 1.25, or dropless routing"
-            )
+            raise ConfigError(f"moe_capacity_factor={self.moe_capacity_factor} must be a positive finite "
+                              "number; use e.g. 1.25, or dropless routing")
         if self.moe_layers is not None:
             layers = tuple(self.moe_layers)
-            if not layers or len(set(layers)) != len(layers) or not all(
-                isinstance(i, int) and 0 <= i < self.n_layer for i in layers
-            ):
-                raise ConfigError(
-                    f"moe_layers={layers} must list distinct block indices in 0..{self.n_layer - 1}"
-                )
+            in_range = all(isinstance(i, int) and 0 <= i < self.n_layer for i in layers)
+            if not layers or len(set(layers)) != len(layers) or not in_range:
+                raise ConfigError(f"moe_layers={layers} must list distinct block indices in "
+                                  f"0..{self.n_layer - 1}")
             object.__setattr__(self, "moe_layers", tuple(sorted(layers)))
         if not (0 <= self.moe_aux_loss_weight < math.inf and 0 <= self.moe_z_loss_weight < math.inf):
             raise ConfigError(f"moe_aux_loss_weight={self.moe_aux_loss_weight} and moe_z_loss_weight="
@@ -147,10 +134,8 @@ class TrainConfig:
     decay_all: bool = False  # weight decay on every tensor, not only matrices and embeddings
 
     def __post_init__(self) -> None:
-        _require_positive(
-            "TrainConfig", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
-            lr=self.lr,
-        )
+        _require_positive("TrainConfig", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
+                          lr=self.lr)
         if self.loss_scale is not None and not 0 < self.loss_scale < float("inf"):
             raise ConfigError(f"loss_scale={self.loss_scale} must be a positive finite number; "
                               "use e.g. --loss-scale 65536")
@@ -159,9 +144,7 @@ class TrainConfig:
             raise ConfigError(f"loss_scale_window={self.loss_scale_window} must be a whole number "
                               ">= 1; use e.g. --loss-scale-window 1000")
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(
-                f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"
-            )
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed} must be a non-negative integer")
         self._check_schedule()
@@ -194,10 +177,8 @@ class TrainConfig:
     def check_model(self, model: ModelConfig) -> None:
         """Checks that need both configs."""
         if self.seq_len > model.n_positions:
-            raise ConfigError(
-                f"seq_len={self.seq_len} is longer than n_positions={model.n_positions}; "
-                f"use --seq-len {model.n_positions} or less"
-            )
+            raise ConfigError(f"seq_len={self.seq_len} is longer than n_positions={model.n_positions}; "
+                              f"use --seq-len {model.n_positions} or less")
         if self.fp32_grads and model.dtype not in ("bfloat16", "float16"):
             raise ConfigError(f"--fp32-grads applies to bf16-mixed and fp16-mixed; {model.dtype} "
                               "gradients already have the parameters' precision, so drop it")
@@ -228,18 +209,14 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     # A step takes milliseconds on one core: the model of every test and of the demo.
     "tiny": ModelConfig(),
     # Large enough that matmuls dominate: the benchmark preset.
-    "small": ModelConfig(
-        vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_layer=4, dtype="float32"
-    ),
+    "small": ModelConfig(vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_layer=4, dtype="float32"),
 }
 
 
 def model_preset(name: str, **overrides) -> ModelConfig:
     """A named preset with fields replaced, e.g. `model_preset("tiny", dtype="float32")`."""
     if name not in MODEL_PRESETS:
-        raise ConfigError(
-            f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}"
-        )
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}")
     return replace(MODEL_PRESETS[name], **overrides)
 
 
@@ -255,9 +232,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sizes) - set(MESH_AXES))
         if unknown:
-            raise ConfigError(
-                f"unknown mesh axis {unknown[0]!r}; axes are {', '.join(MESH_AXES)}"
-            )
+            raise ConfigError(f"unknown mesh axis {unknown[0]!r}; axes are {', '.join(MESH_AXES)}")
         for axis, size in self.sizes.items():
             if not isinstance(size, int) or size < 1:
                 raise ConfigError(f"mesh axis {axis}={size} must be a positive integer")
@@ -267,10 +242,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        product = 1
-        for size in self.sizes.values():
-            product *= size
-        return product
+        return math.prod(self.sizes.values())
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -312,14 +284,12 @@ class Plan:
     reshard_after_forward: bool = True  # FSDP: free a block's parameters after its forward
     bucket_elems: int = 1 << 62  # DP: the gradient all-reduce bucket cap, in elements
     overlap: bool = False  # DP: buckets all-reduced as ring rounds interleaved with the backward
+    schedule_csv: str | None = None  # a schedule of one's own instead: the text of torch's schedule CSV
 
     @property
     def kind(self) -> str:
-        return self.schedule or "1f1b"
-
-    @property
-    def v(self) -> int:
-        return self.chunks or (2 if self.kind == "interleaved-1f1b" else 1)
+        """The schedule's builder, "csv" for one read from a file."""
+        return "csv" if self.schedule_csv is not None else self.schedule or "1f1b"
 
     @property
     def stage(self) -> int:

@@ -6,6 +6,8 @@ communication), so the runtime (refpar/parallel, refpar/engine) and the closed f
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from refpar.config import ConfigError, ModelConfig
@@ -39,6 +41,36 @@ def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[st
         if wanted:
             names.append(name)
     return names
+
+
+def stage_names(config: ModelConfig, lay, stage: int) -> list[str]:
+    """The parameters stage `stage` of a schedule with layout `lay` (schedules.Layout) reads: those
+    of its part of the model (DualPipe's two copies hold the same parts)."""
+    return stage_param_names(config, lay.stages_per_copy, lay.part(stage))
+
+
+def held_param_names(config: ModelConfig, n_stages: int, stages, ep: int = 1, ep_rank: int = 0) -> list[str]:
+    """The parameters a rank holds, in GPT-2's order: those of its pipeline stages `stages` (of
+    `n_stages`), of a MoE block's experts only its ep rank's `shard_range` of them."""
+    names = {n for s in stages for n in stage_param_names(config, n_stages, s)}
+    mine = range(*shard_range(config.moe_experts, ep, ep_rank))
+    return [n for n in param_shapes(config)
+            if n in names and (not is_expert(n) or int(n.split(".")[4]) in mine)]  # h.i.mlp.experts.e.
+
+
+def held_numels(config: ModelConfig, sizes: dict, coords: dict, chunks: int = 1) -> dict[str, int]:
+    """Elements of each parameter the rank at mesh `coords` holds (`held_param_names` of its
+    stages, chunk c holding stage c p + r), tp-sliced."""
+    p = sizes["pp"]
+    stages = [c * p + coords["pp"] for c in range(chunks)]
+    slices = tp_param_slices(config, sizes["tp"], coords["tp"])
+    shapes = param_shapes(config)
+    out = {}
+    for n in held_param_names(config, p * chunks, stages, sizes["ep"], coords["ep"]):
+        axis, index = slices.get(n, (None, None))
+        whole = math.prod(shapes[n])
+        out[n] = whole if axis is None else whole // shapes[n][axis] * len(index)
+    return out
 
 
 def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
@@ -120,10 +152,10 @@ def units(names: list[str]) -> dict[str, list[str]]:
         if n.startswith("h."):
             block = ".".join(n.split(".")[:2])  # "h.3"
             out.setdefault(block + (".experts" if is_expert(n) else ""), []).append(n)
-    return {u: out[u] for u in sorted(out, key=_unit_order)}
+    return {u: out[u] for u in sorted(out, key=unit_order)}
 
 
-def _unit_order(unit: str) -> tuple:
+def unit_order(unit: str) -> tuple:
     """wte, root, then the blocks in order, each block's experts after its dense unit."""
     if not unit.startswith("h."):
         return (ENDS.index(unit),)
@@ -132,3 +164,33 @@ def _unit_order(unit: str) -> tuple:
 
 def expert_unit(unit: str) -> bool:
     return unit.endswith(".experts")
+
+
+def buckets(params: list[tuple[str, int, object]], bucket_elems: int) -> list[tuple[int, int, frozenset]]:
+    """DP's gradient buckets over a rank's flat buffer of `params` ((unit, elements, replica group)
+    of each parameter, in layout order), in the order backward completes them: [start, stop) and
+    the units a bucket touches. Whole parameters taken from the end of each group's run, a bucket
+    closed when the next parameter would exceed `bucket_elems` (a bucket holds at least one)."""
+    out, members, group = [], set(), None
+    start = stop = sum(n for _, n, _ in params)  # the bucket [start, stop) grows backwards
+    for unit, n, g in reversed(params):
+        if start < stop and (stop - start + n > bucket_elems or g != group):
+            out.append((start, stop, frozenset(members)))
+            stop, members = start, set()
+        start, group = start - n, g
+        members.add(unit)
+    if start < stop:
+        out.append((start, stop, frozenset(members)))
+    return out
+
+
+def rank_layout(by_stage: dict[int, dict[str, list[str]]]) -> dict[str, list[str]]:
+    """A rank's units end to end, as its flat buffers lay them out (`by_stage`: each stage's
+    `units`): the dense units first, then the experts', each in stage order; a unit two stages hold
+    (the tied wte) once. Unit -> its parameters."""
+    ordered = [u for us in by_stage.values() for u in us]
+    ordered = [u for u in ordered if not expert_unit(u)] + [u for u in ordered if expert_unit(u)]
+    # a unit two stages hold has each stage's parameters (in stage order): a V's rank 0 holds wpe
+    # (stage 0) and ln_f (stage 2p-1) as one root; the tied wte, and DualPipe's copies, the same ones
+    return {u: list(dict.fromkeys(n for us in by_stage.values() for n in us.get(u, ())))
+            for u in dict.fromkeys(ordered)}

@@ -18,6 +18,9 @@ The mesh also builds the groups that span several axes or part of one, and hands
                weights are replicated over them (its experts over dp_cp), axis "data"
     embedding  the first and the last pipeline rank, which both hold the tied wte (Megatron's
                embedding group), axis "pp"; None on the other pp ranks and without pp
+    mirror     pipeline ranks r and p-1-r, which hold the same parts of the model under DualPipe
+               (its two copies; their gradients are summed), axis "pp"; None on a rank that is its
+               own mirror (the middle of an odd pipeline) and without pp
 
     mesh = DeviceMesh(world(), {"pp": 2, "dp": 2, "tp": 2})   # mpiexec -n 8
     mesh.tp.all_reduce(x, tag="h.3.mlp.c_proj:fwd")          # the 2 ranks of this tp group
@@ -83,6 +86,9 @@ class DeviceMesh:
         others = int(np.ravel_multi_index([c for a, c in co.items() if a != "pp"],
                                           [n for a, n in sz.items() if a != "pp"]))
         self._groups["embedding"] = world.split(others if ends else None, key=co["pp"], axis="pp")
+        r, p = co["pp"], sz["pp"]
+        self._groups["mirror"] = world.split(others * p + min(r, p - 1 - r) if r != p - 1 - r else None,
+                                             key=r, axis="pp")
 
     def _plane(self, axes: tuple[str, ...], key: int, name: str) -> Communicator:
         """The ranks that share this rank's coordinates on every axis but `axes`."""
@@ -90,10 +96,9 @@ class DeviceMesh:
         color = int(np.ravel_multi_index([self.coords[a] for a in rest], [self.sizes[a] for a in rest]))
         return self.world.split(color, key=key, axis=name)
 
-
     def axis(self, name: str) -> Communicator | None:
         """The Communicator of an axis, or of a derived group (module docstring: "dp_cp", "data",
-        "embedding"; the embedding group is None on the ranks outside it)."""
+        "embedding", "mirror"; those two are None on the ranks outside them)."""
         if name in self._groups:
             return self._groups[name]
         if name not in self._comms:
@@ -138,7 +143,6 @@ class DeviceMesh:
     def ring_prev(self, name: str) -> int:
         """The left neighbour on axis `name`'s ring, wrapping around."""
         return (self.coords[name] - 1) % self.sizes[name]
-
 
     def group(self, name: str) -> tuple[int, ...]:
         """World ranks of this rank's group on axis `name`, in axis order."""

@@ -82,8 +82,10 @@ class Outcome:
 def _stops(size: int, rank: int, launched: bool):
     """Every stop of the module docstring in place, the environment of rank `rank` of `size`
     (or of no launcher), and the run's backend restored afterwards."""
-    from refpar import backend, lesson_checks, trainer
+    from lessons import checks as lesson_checks
+    from refpar import backend, trainer
     from refpar.comm import communicator
+    from refpar.engine import report  # imported now, so that its own names for the trainer's are stopped too
 
     def world(tracer=None, **_options):
         return CommunicatorStub(size, rank, tracer)
@@ -111,6 +113,8 @@ def _stops(size: int, rank: int, launched: bool):
         mp.setattr(communicator, "abort_on_error", pass_through)
         mp.setattr(trainer, "corpus_for", trains)
         mp.setattr(trainer, "train_single_device", trains)
+        mp.setattr(report, "corpus_for", trains)
+        mp.setattr(report, "train_single_device", trains)
         mp.setattr(lesson_checks, "_load", runs_exercise)
         mp.setattr(lesson_checks, "subprocess",
                    SimpleNamespace(run=launches, TimeoutExpired=TimeoutError))

@@ -1,6 +1,6 @@
 """Clipping by the global norm on a mesh (refpar/parallel/clipping.py) against the single device:
 the engine's norm is one device's on every rank and step, and each classic bug, computed from the
-same gradients, is not (tests/clip_check.py). Every combination of the quick matrix clipping at
+same gradients, is not (tests/jobs/clip_check.py). Every combination of the quick matrix clipping at
 every step: tests/test_engine.py; one device's definitions: tests/test_train_options.py."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from tests.numerics import CONTRACT, within
 
 
 def test_the_global_norm_is_one_devices_and_each_classic_bug_is_not():
-    proc = mpiexec(8, "tests/clip_check.py", timeout=240)
+    proc = mpiexec(8, "tests/jobs/clip_check.py", timeout=240)
     meshes = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [m["sizes"] for m in meshes] == [{"pp": 2, "dp": 2, "tp": 2}, {"dp": 2, "ep": 2, "tp": 2}]
+    assert [m["sizes"] for m in meshes] == [{"pp": 2, "dp": 2, "tp": 2}] * 2 + [{"dp": 2, "ep": 2, "tp": 2}]
     bugs = set()
     for m in meshes:
         ref = m["reference"]
@@ -32,4 +32,5 @@ def test_the_global_norm_is_one_devices_and_each_classic_bug_is_not():
             bugs.add(name)
     assert bugs == {"local pipeline stage only", "tp copies counted on every tp rank",
                     "tied wte counted on both ends", "ZeRO shards not summed over dp",
-                    "experts not summed over ep", "dense copies counted on every ep rank"}
+                    "experts not summed over ep", "dense copies counted on every ep rank",
+                    "DualPipe copies counted on both mirror ranks"}

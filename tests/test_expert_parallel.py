@@ -18,7 +18,7 @@ CASES = {"top1_drops", "top2_drops", "top1_dropless", "top2_dropless"}
 
 
 def runs(n, *meshes):
-    proc = mpiexec(n, "tests/ep_check.py", *meshes, timeout=240)
+    proc = mpiexec(n, "tests/jobs/ep_check.py", *meshes, timeout=240)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for row in rows:
         print(row)

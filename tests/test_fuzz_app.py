@@ -116,7 +116,9 @@ def test_fuzzed_widget_values_never_raise_and_bad_ones_get_one_sentence(path):
         assert_page_is_sound(at, f"with {values}")
         drawn = bool(at.get("plotly_chart") or at.get("metric") or at.code)
         assert drawn or at.error, f"with {values}: neither a figure nor a sentence"
-        tally["refused" if at.error else "drawn"] += 1
+        # drawn: the page reached its figures (a section may still refuse its own inputs, as the
+        # plan page's "price your own plan" does for a mesh that does not divide the GPUs)
+        tally["drawn" if drawn else "refused"] += 1
 
     one_case()
     print(f"{path}: {sum(tally.values())} cases, {dict(tally)}")

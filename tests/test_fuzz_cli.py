@@ -190,7 +190,9 @@ def test_train_flags_proceed_or_refuse_in_one_sentence_alike_on_every_rank(place
         "--zero": pool("0", "1", "2", "3", "4", "-1"), "--fsdp": SWITCH, "--prefetch": SWITCH,
         "--no-reshard-after-forward": SWITCH, "--overlap": SWITCH, "--bucket-kb": pool(*FLOATS),
         "--sp": SWITCH, "--cp-algo": pool("ring", "ulysses", "x"),
-        "--schedule": pool("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "foo", ""),
+        "--schedule": pool("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-min", "dualpipe",
+                           "foo", ""),
+        "--schedule-csv": path_pool(places, "file", "python_file", "existing_dir", "no_parent", "empty"),
         "--chunks": pool(*INTS), "--n-layer": pool(*INTS), "--moe-experts": pool("4", "2", "8", *INTS),
         "--moe-topk": pool(*INTS), "--moe-layers": pool("0", "1,3", "9", "x", "", "1,1", "0,1,2,3"),
         "--capacity-factor": pool(*FLOATS), "--dropless": SWITCH, "--aux-loss-weight": pool(*FLOATS),
@@ -209,7 +211,8 @@ def test_schedule_flags_finish_or_refuse_in_one_sentence(places):
     flags = {"--chunks": pool(*INTS), "--cost-f": pool(*FLOATS), "--cost-b": pool(*FLOATS),
              "--cost-w": pool(*FLOATS), "--cost-p2p": pool("0", *FLOATS), "--json": SWITCH,
              "--figure": path_pool(places, "new_file", "existing_dir", "no_parent", "empty")}
-    kinds = pool("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-h2", "foo", "", "1F1B")
+    kinds = pool("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "dualpipev",
+                 "dualpipe", "foo", "", "1F1B")
     sizes = pool("1", "2", "4", "3", "8", "5", "0", "-1", "300", "1000000000000", "x")
 
     def case(data):
@@ -230,14 +233,25 @@ def test_plan_flags_finish_or_refuse_in_one_sentence(places):
              "--top": pool("1", "3", "0", "-1", "x"),
              "--precision": pool("bf16", "bf16-fp32-accum", "float64", "fp8"),
              "--dtype": pool("bfloat16", "float16", "float64", "int8"),
-             "--efficiency": pool("0.5", "1", "0", "1.5", "nan", "-0.5"), "--json": SWITCH,
+             "--software": pool("modern", "megatron-2021", "llama3", "x"),
+             "--mesh": pool("tp=8,pp=8", "tp=2,dp=4", "dp=8", "tp=3", "pp=0", "nan", "x"),
+             "--zero": pool("0", "1", "3", "4", "-1"), "--schedule": pool("1f1b", "zb-h2", "x"),
+             "--micro-batch": pool("1", "4", "0", "nan"), "--recompute": pool("none", "selective", "x"),
+             "--sp": SWITCH, "--json": SWITCH,
              "--figure": path_pool(places, "new_file", "existing_dir", "no_parent")}
     models = st.sampled_from([*PRESETS, "foo", ""])
     gpus = pool("8", "1", "2", "16", "64", "3", "7", "0", "-8", "1000000000000", "x")
+    specs = st.sampled_from(["layers=4,hidden=512,heads=8,vocab=32000,seq=1024",
+                             "layers=2,hidden=256,heads=4,vocab=1000,seq=512,kv_heads=2,arch=llama",
+                             "layers=0,hidden=512,heads=8,vocab=32000,seq=1024", "layers=4", "x", ""])
 
     def case(data):
         argv = command_line(data, "plan", flags, max_flags=3)
-        argv += ["--model", data.draw(models), f"--gpus={data.draw(gpus)}"]
+        if data.draw(st.integers(0, 4)):  # a preset, now and then a spec without one
+            argv += ["--model", data.draw(models)]
+        else:
+            argv += ["--model-spec", data.draw(specs)]
+        argv += [f"--gpus={data.draw(gpus)}"]
         return argv, 1, False
 
     tally = fuzz_command("plan", case, examples=80)

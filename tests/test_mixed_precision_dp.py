@@ -1,6 +1,6 @@
 """DP, ZeRO-1/2/3 and FSDP in bf16-mixed and fp16-mixed: the ZeRO paper's 16Ψ, measured to the byte.
 
-The closed forms first (no MPI), then one 3-rank MPI job (tests/mixed_dp_job.py) that trains every
+The closed forms first (no MPI), then one 3-rank MPI job (tests/jobs/mixed_dp_job.py) that trains every
 strategy in bf16-mixed, bf16-mixed with fp32 gradients, fp16-mixed and fp16-mixed with a forced
 overflow, and checks measured memory, traced bytes, dtypes on the wire and losses.
 """
@@ -139,7 +139,7 @@ def test_every_strategy_in_mixed_precision_matches_the_papers_memory_the_traced_
     run whose loss is itself unstable amplifies them like any other (benchmarks/precision.py's
     small preset jumps from 7.59 to 8.16 at step 4 in fp64, and there bf16 and fp16 DP sit 0.25%
     and 0.3% from their single-device runs)."""
-    proc = mpiexec(3, "tests/mixed_dp_job.py", timeout=240)
+    proc = mpiexec(3, "tests/jobs/mixed_dp_job.py", timeout=240)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(report["max_loss_rel_diff"], indent=1))
     assert report["failures"] == [], "\n".join(report["failures"])
@@ -161,12 +161,12 @@ def test_refpar_train_runs_zero3_in_bf16_mixed_and_reports_the_master_weights_ne
 
 
 def test_mixed_checkpoints_resume_bit_for_bit_on_the_same_mesh_and_within_tolerance_elsewhere(tmp_path):
-    """One 3-rank job (tests/mixed_resume_job.py): bf16 ZeRO-3, fp16 ZeRO-1 with skipped steps and a
+    """One 3-rank job (tests/jobs/mixed_resume_job.py): bf16 ZeRO-3, fp16 ZeRO-1 with skipped steps and a
     moving loss scale, bf16 DP with fp32 gradients, each saved after step 2 and resumed on the same
     mesh (bit for bit: losses, scales, skipped steps, parameter bits), under another strategy on 2
     ranks and on one process (losses within 2^-8 for bf16, 2^-11 for fp16, as against the single
     device in the test above: only reduction order and 16-bit rounding points differ)."""
-    proc = mpiexec(3, "tests/mixed_resume_job.py", str(tmp_path), timeout=180)
+    proc = mpiexec(3, "tests/jobs/mixed_resume_job.py", str(tmp_path), timeout=180)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["failures"] == [], "\n".join(report["failures"])
     assert report["checks"] == 3 * 31

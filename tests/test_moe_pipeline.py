@@ -25,7 +25,8 @@ BF16_MOE_TOLERANCE = 5e-3  # relative loss, bf16-mixed with experts (refpar/comm
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    proc = mpiexec(4, "tests/moe_pipeline_check.py", str(tmp_path_factory.mktemp("moe_ckpt")), timeout=300)
+    proc = mpiexec(4, "tests/jobs/moe_pipeline_check.py", str(tmp_path_factory.mktemp("moe_ckpt")),
+                   timeout=300)
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in out:
         print(r)
@@ -59,7 +60,7 @@ def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_
 
 
 def test_moe_checkpoints_resume_exactly_on_their_mesh_and_reshard_to_others(rows):
-    """Saved by the dp x ep runner and by a pp x ep pipeline after 2 of 4 steps. Resumed on the
+    """Saved by a dp x ep mesh (no pipeline) and by a pp x ep pipeline after 2 of 4 steps. Resumed on the
     same mesh: losses and parameters bit for bit the uninterrupted run's. Resumed on another mesh
     (pipeline <-> no pipeline, ep=2 -> ep=4, one process): every rank reassembles exactly its
     tensors and moments from the other layout, and the losses agree to float64's rounding."""

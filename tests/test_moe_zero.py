@@ -17,7 +17,7 @@ from tests.numerics import CONTRACT, within
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    proc = mpiexec(4, "tests/moe_zero_check.py", str(tmp_path_factory.mktemp("moe_zero")), timeout=300)
+    proc = mpiexec(4, "tests/jobs/moe_zero_check.py", str(tmp_path_factory.mktemp("moe_zero")), timeout=300)
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in out:
         print(r)

@@ -30,7 +30,7 @@ CASES = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def results(request):
     p = request.param
-    proc = mpiexec(p, "tests/pipeline_checks.py", json.dumps(CASES[p]), timeout=240)
+    proc = mpiexec(p, "tests/jobs/pipeline_checks.py", json.dumps(CASES[p]), timeout=240)
     return p, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 

@@ -11,6 +11,7 @@ from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import (
     Costs,
     build,
+    layout,
     peak_inflight_microbatches,
     simulate,
 )
@@ -20,10 +21,19 @@ from refpar.sharding import shard_range
 from refpar.viz import comm as cv
 from refpar.viz import expected as ex
 from refpar.viz import sharding as sh
-from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
+from refpar.viz.pipeline import (
+    COLOURS,
+    SECOND,
+    SHADES,
+    gantt_figure,
+    grid_figure,
+    idle_total,
+    inflight_figure,
+)
 
 SCHEDULES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1), ("interleaved-1f1b", 2, 4, 2),
-             ("zb-h1", 4, 8, 1), ("zb-h2", 3, 6, 1), ("1f1b", 1, 1, 1)]
+             ("zb-h1", 4, 8, 1), ("zb-h2", 3, 6, 1), ("1f1b", 1, 1, 1), ("zbv", 3, 6, 2), ("v-half", 4, 8, 2),
+             ("v-min", 3, 5, 2), ("dualpipev", 2, 4, 2), ("dualpipe", 4, 8, 2)]
 
 
 @pytest.mark.parametrize("kind,p,m,v", SCHEDULES)
@@ -33,11 +43,11 @@ def test_gantt_idle_time_equals_the_simulated_bubble(kind, p, m, v):
     idle = idle_total(fig)
     assert idle == pytest.approx(sum(timeline.idle_time(r) for r in timeline.slots))
     assert idle / (p * timeline.makespan) == pytest.approx(timeline.bubble_fraction)
-    bars = {t.name: t for t in fig.data}
-    for kind_ in "FBW":
+    for kind_ in ("F", "B", "W", "F&B"):  # a kind's bars, the second stage of a rank's in a 2nd trace
         slots = [s for row in timeline.slots.values() for s in row if s.action.kind == kind_]
-        assert sorted(zip(bars[kind_].y, bars[kind_].base, bars[kind_].x, bars[kind_].text, strict=True)) == \
-            sorted((s.rank, s.start, s.end - s.start, str(s.action)) for s in slots)
+        drawn = [bar for t in fig.data if t.name in (kind_, kind_ + SECOND)
+                 for bar in zip(t.y, t.base, t.x, t.text, strict=True)]
+        assert sorted(drawn) == sorted((s.rank, s.start, s.end - s.start, str(s.action)) for s in slots)
     # The animation ends on the whole timeline, with fixed axes so frames do not jump.
     last = fig.frames[-1].data
     assert [list(t.x) for t in last] == [list(t.x) for t in fig.data]
@@ -67,6 +77,28 @@ def test_grid_cells_are_the_schedules_actions():
         assert list(heat.z[rank]) == [0 if a is None else " FBW".index(a.kind) for a in row]
 
 
+@pytest.mark.parametrize("kind, p, m", [("zbv", 3, 6), ("v-min", 4, 8), ("dualpipev", 3, 6),
+                                        ("dualpipe", 4, 8)])
+def test_a_ranks_two_stages_are_drawn_in_two_shades(kind, p, m):
+    # rank r holds stages r and 2p-1-r: r's actions in the kind's colour, 2p-1-r's lighter, in the
+    # Gantt and in the grid (an F&B pair takes its forward's stage)
+    schedule = build(kind, p, m)
+    lay = layout(schedule)
+    action = {str(a): a for row in schedule.values() for a in row if a is not None}
+    fig = gantt_figure(simulate(schedule))
+    for t in fig.data[:-1]:  # the last trace is idle time
+        second = t.name.endswith(SECOND)
+        assert t.marker.color == (SHADES if second else COLOURS)[t.name.removesuffix(SECOND)]
+        assert {lay.chunk(action[text].computations()[0].stage) for text in t.text} <= {int(second)}
+    assert {t.name for t in fig.data if len(t.x)} >= {"F", "F" + SECOND, "B", "B" + SECOND}
+    heat = grid_figure(schedule).data[0]
+    for rank, row in schedule.items():
+        for tick, a in enumerate(row):
+            if a is not None:
+                base = ("F", "B", "W", "F&B").index(a.kind) + 1
+                assert heat.z[rank][tick] == base + 4 * lay.chunk(a.computations()[0].stage)
+
+
 def runtime_units(config, n: int, rank: int) -> Units:
     """The units ZeRO shards on dp rank `rank` of n holding the whole model (refpar/parallel/units.py)."""
     from types import SimpleNamespace
@@ -74,7 +106,7 @@ def runtime_units(config, n: int, rank: int) -> Units:
     from refpar.model.gpt import param_shapes
 
     shapes = param_shapes(config)
-    return Units({0: list(shapes)}, shapes, lambda expert: SimpleNamespace(size=n, rank=rank))
+    return Units({0: list(shapes)}, shapes, lambda expert: SimpleNamespace(size=n, rank=rank), {0: 1})
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
@@ -254,8 +286,8 @@ def engine_holders(dp: int, tp: int, zero: int) -> dict[int, set]:
             local = shard_params_tp(full, sh.DEMO_MODEL, tp, t)
             if zero == 3:
                 units = Units({0: list(local)}, {n: w.shape for n, w in local.items()},
-                              lambda expert, d=d: SimpleNamespace(size=dp, rank=d))
-                held = np.concatenate(list(Zero(units, sh.DEMO_MODEL, TrainConfig(), MemoryLedger(), local, 1,
+                              lambda expert, d=d: SimpleNamespace(size=dp, rank=d), {0: 1})
+                held = np.concatenate(list(Zero(units, sh.DEMO_MODEL, TrainConfig(), MemoryLedger(), local,
                                                 3).shards.values()))
             else:
                 held = np.concatenate([w.ravel() for w in local.values()])

@@ -47,9 +47,8 @@ def step_bytes(config, n: int, rank: int, opts: Options, steps: int = 1,
     states' traffic only). The written-out rings move the bytes of the ring collective they replace,
     traced as isend (sent) and irecv (received). `skipped` of the steps overflowed in fp16: ZeRO-1/2
     gather no parameters after them (none changed)."""
-    out: dict[str, list[int]] = {}
+    out: dict[str, tuple[int, int]] = {}
     for stepped, times in ((True, steps - skipped), (False, skipped)):
         for _, op, _, b in step_calls(config, n, rank, opts, loss, stepped) if times else ():
-            row = out.setdefault(op, [0, 0])
-            row[0], row[1] = row[0] + times * b.sent, row[1] + times * b.recv
+            cost.add(out, op, b, times)
     return {op: cost.Bytes(s, r) for op, (s, r) in out.items()}

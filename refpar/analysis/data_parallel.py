@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from refpar import holdings
 from refpar.comm import cost
 from refpar.sharding import shard_sizes
 
@@ -83,33 +84,23 @@ class Precision:
 @dataclass
 class RankUnits:
     """What a rank holds and runs: its units in layout order, its stages, its schedule row (actions
-    or None), the (stage, microbatch) pairs whose backward is split into B and W, and m."""
+    or None), the (stage, microbatch) pairs whose backward is split into B and W, and per unit the
+    backwards in a step that complete it (m; 2m for a V's wte, which two stages hold; DualPipe's
+    blocks m/2, each stage running its copy's half of the microbatches)."""
 
     units: dict[str, Unit]
     stages: dict[int, StageUnits]
     row: list
     split: frozenset
-    microbatches: int
+    uses: dict[str, int]
     names: list  # (unit, parameter, elements) of every parameter, in layout order
     fused: bool = False  # tensor-parallel pieces: B computes the weight gradients too, W nothing
 
 
 def buckets(ru: RankUnits, bucket_elems: int) -> list[tuple[int, frozenset]]:
-    """DP's buckets as (elements, units) in the order backward completes them: whole parameters
-    from the end of each group's run of the rank's layout, a bucket closed when the next would
-    exceed `bucket_elems` (at least one each)."""
-    out, current, members, axis = [], 0, set(), None
-    for unit, _, n in reversed(ru.names):
-        same = axis is None or ru.units[unit].axis == axis
-        if current and (current + n > bucket_elems or not same):
-            out.append((current, frozenset(members)))
-            current, members = 0, set()
-        axis = ru.units[unit].axis
-        current += n
-        members.add(unit)
-    if current:
-        out.append((current, frozenset(members)))
-    return out
+    """DP's buckets as (elements, units) in the order backward completes them (holdings.buckets)."""
+    params = [(unit, n, ru.units[unit].axis) for unit, _, n in ru.names]
+    return [(b - a, members) for a, b, members in holdings.buckets(params, bucket_elems)]
 
 
 def _ring_rounds(counts, rank: int, reduce: bool, itemsize: int) -> list[int]:
@@ -126,23 +117,22 @@ def _ring_rounds(counts, rank: int, reduce: bool, itemsize: int) -> list[int]:
     return out
 
 
-def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap: bool = False,
-           prefetch: bool = False, reshard: bool = True, stepped: bool = True) -> tuple[dict, dict]:
+def replay(ru: RankUnits, plan, pr: Precision, stepped: bool = True) -> tuple[dict, dict, list]:
     """(transient peaks {"params", "grads", "comm"} in bytes above the persistent states,
-    collectives {(axis, op): [sent, recv]} of one step, and the same as a list of (axis, op, what,
-    Bytes) in the order the rank calls them) for `strategy` (dp, zero1-3, fsdp); DP's
-    `bucket_list` (`buckets`), `overlap`ped; FSDP's `prefetch` and `reshard` after forward;
-    `stepped`: the optimizer stepped (ZeRO-1/2 gather only then)."""
-    U, m, stage3 = ru.units, ru.microbatches, strategy in ("zero3", "fsdp")
+    collectives {(axis, op): (sent, recv)} of one step, and the same as a list of (axis, op, what,
+    Bytes) in the order the rank calls them) for `plan.strategy` (dp, zero1-3, fsdp) with its
+    options (refpar.config.Plan's: DP's buckets, overlapped; FSDP's prefetch and reshard after
+    forward); `stepped`: the optimizer stepped (ZeRO-1/2 gather only then)."""
+    strategy, prefetch, reshard = plan.strategy, plan.prefetch, plan.reshard_after_forward
+    bucket_list = buckets(ru, plan.bucket_elems) if strategy == "dp" else ()
+    U, stage3 = ru.units, strategy in ("zero3", "fsdp")
     peak = {"params": 0, "grads": 0, "comm": 0}
     now = {"params": 0, "grads": 0, "comm": 0}
-    moved: dict[tuple[str, str], list[int]] = {}
+    moved: dict[tuple[str, str], tuple[int, int]] = {}
     calls: list[tuple] = []
 
     def move(axis, op, b, what=""):
-        row = moved.setdefault((axis, op), [0, 0])
-        row[0] += b.sent
-        row[1] += b.recv
+        cost.add(moved, (axis, op), b)
         calls.append((axis, op, what, b))
 
     def hold(cat, n):  # n bytes allocated (negative: freed)
@@ -150,7 +140,7 @@ def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap:
         peak[cat] = max(peak[cat], now[cat])
 
     gathered, holders, rings = set(), {u: set() for u in U}, {}  # rings: unit -> [rounds left]
-    waiting = dict.fromkeys(U, m)
+    waiting = dict(ru.uses)
     unit_grads = set()
     flight, sent = [], set()  # DP overlap: [bytes of each round left] per bucket in flight
     single = any(s.first and s.last for s in ru.stages.values())  # one stage holds both ends
@@ -237,7 +227,7 @@ def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap:
                 if unit.n == 1:
                     continue
                 b = cost.all_reduce_bytes(n, unit.n, unit.rank, pr.g)
-                if overlap:
+                if plan.overlap:
                     move(unit.axis, "isend", cost.Bytes(b.sent, 0), f"bucket.{i}:grad")
                     move(unit.axis, "irecv", cost.Bytes(0, b.recv), f"bucket.{i}:grad")
                     rounds = overlap_rounds(n, unit)
@@ -258,9 +248,7 @@ def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap:
     def overlap_rounds(n, unit):
         return _ring_rounds(shard_sizes(n, unit.n), unit.rank, True, pr.g)
 
-    for a in ru.row:
-        if a is None:
-            continue
+    for a in (c for x in ru.row if x is not None for c in x.computations()):  # an F&B: its F, then B
         s, key = ru.stages[a.stage], (a.stage, a.microbatch)
         blocks = list(s.blocks)
         if a.kind == "F":
@@ -270,33 +258,27 @@ def replay(ru: RankUnits, strategy: str, pr: Precision, bucket_list=(), overlap:
                 acquire(units, phase, key, pieces[j + 1][0] if j + 1 < len(pieces) else ())
                 release(units, phase, key)
             continue
-        weights = []  # (units completed, gradient elements) of each piece, in backward order
+        # each piece's (units folded into, gradient elements, units it completes), in backward order;
+        # on a first stage the embedding completes the ends the head folded into
+        grads = ([(s.ends, s.head_grads, () if s.first else s.ends)] if s.last else []) + [
+            (b, sum(U[u].size for u in b), b) for b in reversed(blocks)] + (
+            [(s.ends, s.embed_grads, s.ends)] if s.first else [])
         if a.kind == "B":
             pieces = ([(s.ends, "head:bwd")] if s.last else []) + [(b, "bwd") for b in reversed(blocks)]
-            now_w = ru.fused or key not in ru.split
+            now_w = ru.fused or key not in ru.split  # else W folds them
             for j, (units, phase) in enumerate(pieces):
                 acquire(units, phase, key, pieces[j + 1][0] if j + 1 < len(pieces) else ())
                 release(units, phase, key)
-                piece = ((() if s.first else s.ends), s.head_grads, s.ends) if phase == "head:bwd" \
-                    else (units, sum(U[u].size for u in units), units)
                 if now_w:
-                    fold(piece[2], piece[1])
-                    done(piece[0])
-                else:
-                    weights.append(piece)
-            if s.first:
-                if now_w:
-                    fold(s.ends, s.embed_grads)
-                    done(s.ends)
+                    fold(*grads[j][:2])
+                    done(grads[j][2])
+            if s.first and now_w:
+                fold(*grads[-1][:2])
+                done(grads[-1][2])
         if a.kind == "W" and not ru.fused:
-            pieces = ([((() if s.first else s.ends), s.head_grads, s.ends)] if s.last else []) + [
-                (b, sum(U[u].size for u in b), b) for b in reversed(blocks)]
-            for completed, elems, units in pieces:
+            for units, elems, completed in grads:
                 fold(units, elems)
                 done(completed)
-            if s.first:
-                fold(s.ends, s.embed_grads)
-                done(s.ends)
     while flight:
         advance()
     if strategy in ("zero1", "zero2") and stepped:  # every updated unit gathered into the whole
@@ -318,3 +300,9 @@ def state_bytes(ru: RankUnits, strategy: str, pr: Precision) -> dict[str, int]:
             "grads": (pr.g + pr.b * pr.wide) * psi if stage < 2 else pr.g * s,
             "master": state if pr.mixed else 0,
             "optimizer": pr.moments * state}
+
+
+def peak_bytes(ru: RankUnits, plan, pr: Precision, stepped: bool = True) -> dict[str, int]:
+    """Peak bytes per category in a step: the persistent states plus the replay's transients."""
+    states, (transient, _, _) = state_bytes(ru, plan.strategy, pr), replay(ru, plan, pr, stepped)
+    return {c: states.get(c, 0) + transient.get(c, 0) for c in (*states, *transient)}

@@ -11,8 +11,9 @@ Per step, the rank at mesh coordinates `coords`:
   expert buffer's all-reduces and sp's gathers instead of the MLP's (analysis/moe.py).
 - ep, data: per MoE layer of its stages and microbatch, the routing counts' all-gather over the
   data ranks and the all-to-alls from the kept counts (analysis/moe.py).
-- pp: (2v - [r = 0] - [r = p-1]) activations or input gradients of (b_j, Tl, C) each way; the loss
-  (one float64, three with experts) over pp.
+- pp: the activations and input gradients of (b_j, Tl, C) between neighbouring stages on two ranks
+  ((2v - [r = 0] - [r = p-1]) each way in a loop); the loss (one float64, three with experts) over
+  pp; DualPipe's copies' gradient sum over the mirror ranks r and p-1-r.
 - DP, ZeRO, FSDP over each unit's replica group (analysis/data_parallel.py): the buckets, reduce-
   scatters and gathers of the rank's units; the tied wte over the first and last pp rank and the
   sequence-sharded region over tp, on what the rank keeps of them; fp16's overflow flag over each
@@ -40,14 +41,7 @@ import numpy as np
 from refpar.analysis import data_parallel as dp_forms
 from refpar.analysis import moe as moe_forms
 from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes, model_activation_bytes
-from refpar.analysis.intra_layer import (
-    RankShape,
-    _ring_calls,
-    _tp_calls,
-    _ulysses_calls,
-    grad_itemsize,
-    zigzag_lengths,
-)
+from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.holdings import (
@@ -56,14 +50,14 @@ from refpar.holdings import (
     microbatch_samples,
     sequence_parallel_param_names,
     stage_layers,
-    stage_param_names,
+    stage_names,
     tp_param_slices,
     units,
 )
 from refpar.memory import CATEGORIES
 from refpar.model.gpt import param_shapes
 from refpar.model.moe import expert_prefix
-from refpar.parallel.pipeline.schedules import build, layout, stored
+from refpar.parallel.pipeline.schedules import Layout, Schedule, layout, of_plan, stored
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -73,16 +67,19 @@ def rank_coords(sizes: dict, rank: int) -> dict:
     return {a: int(c) for a, c in zip(MESH_AXES, position, strict=True)}
 
 
-def rank_stages(sizes: dict, coords: dict, chunks: int) -> list[int]:
-    """The stages of pp rank r: chunk c holds stage c p + r."""
-    return [c * sizes["pp"] + coords["pp"] for c in range(chunks)]
+def pipeline(sizes: dict, plan) -> tuple[Schedule, Layout]:
+    """The schedule `plan` runs on the mesh's pp ranks and its layout: which rank runs each stage
+    (chunk c of rank r is stage c p + r in a loop; stages r and 2p-1-r in a V) and which part of
+    the model each stage is."""
+    schedule = of_plan(plan, sizes["pp"])
+    return schedule, layout(schedule)
 
 
-def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> dict[str, int]:
+def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, plan) -> dict[str, int]:
     """Elements of each parameter the rank holds: its stages' names, of a MoE block's experts those
     of its ep rank, tp-sliced."""
-    S = sizes["pp"] * chunks
-    names = {n for s in rank_stages(sizes, coords, chunks) for n in stage_param_names(model, S, s)}
+    lay = pipeline(sizes, plan)[1]
+    names = {n for s in lay.stages_of(coords["pp"]) for n in stage_names(model, lay, s)}
     mine = tuple(expert_prefix(i, x) + "." for i in model.moe_blocks
                  for x in range(*shard_range(model.moe_experts, sizes["ep"], coords["ep"])))
     slices = tp_param_slices(model, sizes["tp"], coords["tp"])
@@ -110,15 +107,19 @@ def _group(model, sizes: dict, coords: dict, expert: bool) -> tuple[str, int, in
 
 def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.RankUnits:
     """The rank's units (holdings.units per stage, dense first) and its schedule row."""
-    numels = rank_param_numels(model, sizes, coords, plan.v)
-    S = sizes["pp"] * plan.v
-    by_stage = {s: units([n for n in stage_param_names(model, S, s) if n in numels])
-                for s in rank_stages(sizes, coords, plan.v)}
+    numels = rank_param_numels(model, sizes, coords, plan)
+    schedule, lay = pipeline(sizes, plan)
+    P = lay.stages_per_copy
+    by_stage = {s: units([n for n in stage_names(model, lay, s) if n in numels])
+                for s in lay.stages_of(coords["pp"])}
     order = list(dict.fromkeys([u for us in by_stage.values() for u in us if not expert_unit(u)]
                                + [u for us in by_stage.values() for u in us if expert_unit(u)]))
-    members = {u: next(us[u] for us in by_stage.values() if u in us) for u in order}
+    # a unit two stages hold (a V's rank 0: wte, and wpe and ln_f in its root) is one, in GPT-2's order
+    members = {u: [n for n in numels if any(n in us.get(u, ()) for us in by_stage.values())] for u in order}
+    # the microbatches whose backward completes each unit: every stage holding it runs its copy's
+    uses = {u: sum(len(lay.microbatches(s)) for s, us in by_stage.items() if u in us) for u in order}
     out = {}
-    for u in order:
+    for u in members:
         axis, n, r = _group(model, sizes, coords, expert_unit(u))
         size = sum(numels[x] for x in members[u])
         out[u] = dp_forms.Unit(size, tuple(shard_sizes(size, n)), r, axis)
@@ -126,12 +127,11 @@ def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.
     for s, us in by_stage.items():
         ends = tuple(u for u in ("wte", "root") if u in us)
         blocks = tuple(tuple(u for u in (f"h.{i}", f"h.{i}.experts") if u in us)
-                       for i in stage_layers(model.n_layer, S, s))
+                       for i in stage_layers(model.n_layer, P, lay.part(s)))
         head = numels.get("wte.weight", 0) + 2 * model.n_embd
-        stages[s] = dp_forms.StageUnits(s == 0, s == S - 1, ends, blocks, head,
+        stages[s] = dp_forms.StageUnits(lay.part(s) == 0, lay.part(s) == P - 1, ends, blocks, head,
                                         numels.get("wte.weight", 0) + numels.get("wpe.weight", 0))
-    schedule = build(plan.kind, sizes["pp"], plan.microbatches, plan.v)
-    return dp_forms.RankUnits(out, stages, schedule[coords["pp"]], layout(schedule).split, plan.microbatches,
+    return dp_forms.RankUnits(out, stages, schedule[coords["pp"]], lay.split, uses,
                               [(u, x, numels[x]) for u in order for x in members[u]],
                               fused=not plain(model, sizes, plan))
 
@@ -149,22 +149,6 @@ def precision(model: ModelConfig, cfg: TrainConfig, sizes: dict) -> dp_forms.Pre
                               keeps_lowp(model, sizes))
 
 
-def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
-    """Tokens of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
-    if c == 1:
-        return [T]
-    return zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
-
-
-def _shape(model: ModelConfig, sizes: dict, T: int, coords: dict, b: int, sp: bool, cp_algo) -> RankShape:
-    t, k, c = sizes["tp"], coords["tp"], sizes["cp"]
-    tokens = cp_tokens(T, c, cp_algo)
-    Ta = tokens[coords["cp"]]
-    return RankShape(B=b, T=T, Ta=Ta, Tl=shard_sizes(Ta, t)[k] if sp else Ta, t=t, c=c,
-                     nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
-                     e=np.dtype(model.dtype).itemsize, cp_tokens=tuple(tokens), cp_rank=coords["cp"])
-
-
 def _rows(model, cfg, sizes, coords, plan) -> list[int]:
     return [len(samples(model, cfg, sizes, coords, plan, j)) for j in range(plan.microbatches)]
 
@@ -172,49 +156,53 @@ def _rows(model, cfg, sizes, coords, plan) -> list[int]:
 # -------------------------------------------------------------------------------------- bytes
 def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, plan,
                     kept: list | None = None, stepped: bool = True) -> dict:
-    """{(axis, op): [sent, received]} of one step; `kept` (MoE): per microbatch, layer -> the
+    """{(axis, op): (sent, received)} of one step; `kept` (MoE): per microbatch, layer -> the
     (D c, E) kept counts of this rank's MoE blocks; `stepped`: the optimizer took the step."""
-    p, t, c, v, T = sizes["pp"], sizes["tp"], sizes["cp"], plan.v, cfg.seq_len
+    p, t, c = sizes["pp"], sizes["tp"], sizes["cp"]
     r, k = coords["pp"], coords["tp"]
-    e, C, S = np.dtype(model.dtype).itemsize, model.n_embd, p * v
+    e, C = np.dtype(model.dtype).itemsize, model.n_embd
+    lay = pipeline(sizes, plan)[1]
+    P = lay.stages_per_copy
     pr, rows = precision(model, cfg, sizes), _rows(model, cfg, sizes, coords, plan)
-    totals: dict[tuple[str, str], list[int]] = {}
-
-    def add(axis, op, b, times=1):
-        row = totals.setdefault((axis, op), [0, 0])
-        row[0], row[1] = row[0] + times * b[0], row[1] + times * b[1]
-
-    for s in rank_stages(sizes, coords, v):
-        layers = list(stage_layers(model.n_layer, S, s))
+    totals: dict[tuple[str, str], tuple[int, int]] = {}
+    for s in lay.stages_of(r):
+        layers = list(stage_layers(model.n_layer, P, lay.part(s)))
         moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in model.moe_blocks)
         blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None)
-        for b in rows:
-            shape = _shape(model, sizes, T, coords, b, plan.sp, plan.cp_algo)
+        for b in (rows[j] for j in lay.microbatches(s)):
+            shape = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
             calls = _tp_calls(blocks, shape, plan.sp, k) if t > 1 else []
             if c > 1:
                 ring = (plan.cp_algo or "ring") == "ring"
                 calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape)
             for call in calls:
-                if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and s != 0)
-                        or (call.tag.startswith("lm_head") and s != S - 1)):
-                    add(call.axis, call.op, (call.bytes_sent, call.bytes_recv))
+                first, last = lay.part(s) == 0, lay.part(s) == P - 1
+                if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and not first)
+                        or (call.tag.startswith("lm_head") and not last)):
+                    cost.add(totals, (call.axis, call.op), (call.bytes_sent, call.bytes_recv))
     if model.moe_experts:
-        Ta = _shape(model, sizes, T, coords, 1, plan.sp, plan.cp_algo).Ta
+        Ta = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Ta
         for key, b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
                                                    kept or [], Ta, plan.cp_algo, plan.sp).items():
-            add(*key, b)
+            cost.add(totals, key, b)
     if p > 1:
-        Tl = _shape(model, sizes, T, coords, 1, plan.sp, plan.cp_algo).Tl
-        p2p = (2 * v - (r == 0) - (r == p - 1)) * sum(rows) * Tl * C * e
-        add("pp", "isend", (p2p, 0))
-        add("pp", "irecv", (0, p2p))
-        add("pp", "all_reduce", cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
+        # each stage's activation out and input gradient back, of each microbatch of its copy, where
+        # the neighbouring stage sits on another rank: 2v - [r = 0] - [r = p-1] per microbatch in a
+        # loop; in a V 2 on rank 0 (the ends) and on rank p-1 (the turn from stage p-1 to p stays on
+        # it), 4 on the others. As many arrive as leave (the same pairs of neighbours).
+        Tl = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Tl
+        apart = [(s, j) for s in lay.stages_of(r) for j in lay.microbatches(s)
+                 for n in (s - 1, s + 1) if 0 <= lay.part(s) + n - s < P and lay.stage_rank[n] != r]
+        p2p = sum(rows[j] for _, j in apart) * Tl * C * e
+        cost.add(totals, ("pp", "isend"), (p2p, 0))
+        cost.add(totals, ("pp", "irecv"), (0, p2p))
+        cost.add(totals, ("pp", "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
     clip = cfg.clip_grad_norm > 0
     for key, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped, clip)[0].items():
-        add(*key, b)
+        cost.add(totals, key, b)
     axis, n, q = _group(model, sizes, coords, False)
     if n > 1:  # the loss (and the router losses) over the ranks that saw different tokens
-        add(axis, "all_reduce", cost.all_reduce_bytes(3 if model.moe_experts else 1, n, q, 8))
+        cost.add(totals, (axis, "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, n, q, 8))
     return totals
 
 
@@ -224,23 +212,24 @@ def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True,
     (analysis/data_parallel.py), the partial sums, fp16's overflow flag and (`clip`) the global
     gradient norm's sums."""
     ru = rank_units(model, sizes, coords, plan)
-    bucket_list = dp_forms.buckets(ru, plan.bucket_elems) if plan.strategy == "dp" else ()
-    _, moved, calls = dp_forms.replay(ru, plan.strategy, pr, bucket_list, plan.overlap, plan.prefetch,
-                                      plan.reshard_after_forward, stepped)
-    out = {k: tuple(b) for k, b in moved.items()}
+    _, moved, calls = dp_forms.replay(ru, plan, pr, stepped)
+    out = dict(moved)
 
     def add(key, b, what):
-        old = out.get(key, (0, 0))
-        out[key] = (old[0] + b[0], old[1] + b[1])
+        cost.add(out, key, b)
         calls.append((*key, what, b))
 
     p, t, r = sizes["pp"], sizes["tp"], coords["pp"]
-    numels = rank_param_numels(model, sizes, coords, plan.v)
+    numels = rank_param_numels(model, sizes, coords, plan)
     whole = plan.strategy == "dp"
-    if p > 1 and r in (0, p - 1):  # the tied wte, whole or this rank's shard, over the embedding group
+    lay = pipeline(sizes, plan)[1]
+    if lay.tied_apart and r in (0, p - 1):  # the tied wte, whole or its shard, over the embedding group
         u = ru.units["wte"]
         tied = cost.all_reduce_bytes(u.size if whole else u.shard, 2, int(r == p - 1), pr.g)
         add(("pp", "all_reduce"), tied, "wte.weight:tied-grad")
+    if lay.copies == 2:  # DualPipe: the two copies' gradients, every unit whole or its shard, over r, p-1-r
+        n = sum(u.size if whole else u.shard for u in ru.units.values())
+        add(("pp", "all_reduce"), cost.all_reduce_bytes(n, 2, int(r > p - 1 - r), pr.g), "copies:grads")
     if plan.sp:
         region = set(sequence_parallel_param_names(model))
         n = (sum(numels[x] for x in region if x in numels) if whole else
@@ -286,8 +275,7 @@ def rank_comm_rows(model, cfg, sizes, coords, plan, steps: int, skipped=(), kept
         kept = kept_by_step[i] if kept_by_step else None
         step = rank_comm_bytes(model, cfg, sizes, coords, plan, kept, stepped=i not in skipped)
         for key, b in step.items():
-            row = totals.setdefault(key, [0, 0])
-            row[0], row[1] = row[0] + b[0], row[1] + b[1]
+            cost.add(totals, key, b)
     return [{"axis": a, "op": o, "bytes_sent": int(s), "bytes_recv": int(rv)}
             for (a, o), (s, rv) in sorted(totals.items()) if s or rv]
 
@@ -296,14 +284,14 @@ def rank_comm_rows(model, cfg, sizes, coords, plan, steps: int, skipped=(), kept
 def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict,
                                 stage: int, n_stages: int, b: int, plan, kept: dict | None = None,
                                 j: int = 0) -> int:
-    """What microbatch j (b rows) keeps on the rank at `coords` of `stage` between its F and B;
-    `kept` (MoE): layer -> its (D c, E) kept counts."""
+    """What microbatch j (b rows) keeps on the rank at `coords` of part `stage` of the model cut in
+    `n_stages` (Layout.part) between its F and B; `kept` (MoE): layer -> its (D c, E) kept counts."""
     layers = stage_layers(model.n_layer, n_stages, stage)
     if plain(model, sizes, plan):
         pieces = model_activation_bytes(model, b, cfg.seq_len)
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
-    r = _shape(model, sizes, cfg.seq_len, coords, b, plan.sp, plan.cp_algo)
+    r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
     dropout = model.dropout > 0.0
     attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
     per_layer = layer_bytes(model, r, attention, dropout)
@@ -335,8 +323,8 @@ def weight_activation_bytes(model: ModelConfig, cfg: TrainConfig, stage: int, n_
 def activation_peak(model, cfg, sizes, coords, plan, kept_by_step=None) -> int:
     """The schedule's replay of what each microbatch keeps (the largest over the steps: MoE routing
     changes what a block keeps)."""
-    schedule = build(plan.kind, sizes["pp"], plan.microbatches, plan.v)
-    where, S = layout(schedule).stage_rank, sizes["pp"] * plan.v
+    schedule, lay = pipeline(sizes, plan)
+    where, P = lay.stage_rank, lay.stages_per_copy
     rows, r = _rows(model, cfg, sizes, coords, plan), coords["pp"]
     split_w = plain(model, sizes, plan)
     peak = 0
@@ -344,11 +332,14 @@ def activation_peak(model, cfg, sizes, coords, plan, kept_by_step=None) -> int:
         def after_f(a, kept=kept):
             if where[a.stage] != r:
                 return 0
-            return microbatch_activation_bytes(model, cfg, sizes, coords, a.stage, S, rows[a.microbatch],
-                                               plan, kept[a.microbatch] if kept else None, a.microbatch)
+            return microbatch_activation_bytes(model, cfg, sizes, coords, lay.part(a.stage), P,
+                                               rows[a.microbatch], plan, kept[a.microbatch] if kept else None,
+                                               a.microbatch)
 
         def after_b(a):
-            return weight_activation_bytes(model, cfg, a.stage, S, rows[a.microbatch]) if split_w else 0
+            if not split_w:
+                return 0
+            return weight_activation_bytes(model, cfg, lay.part(a.stage), P, rows[a.microbatch])
 
         peak = max(peak, max(stored(schedule, after_f, after_b)[r], default=0))
     return peak
@@ -362,12 +353,7 @@ def model_state_bytes(model, cfg, sizes, coords, plan) -> int:
 
 def rank_memory_rows(model, cfg, sizes, coords, plan, kept_by_step=None, stepped: bool = True) -> list[dict]:
     """The rank's `expected_memory_peak_bytes` rows."""
-    ru, pr = rank_units(model, sizes, coords, plan), precision(model, cfg, sizes)
-    peaks = dp_forms.state_bytes(ru, plan.strategy, pr)
-    bucket_list = dp_forms.buckets(ru, plan.bucket_elems) if plan.strategy == "dp" else ()
-    transient, _, _ = dp_forms.replay(ru, plan.strategy, pr, bucket_list, plan.overlap, plan.prefetch,
-                                   plan.reshard_after_forward, stepped)
-    for cat, n in transient.items():
-        peaks[cat] = peaks.get(cat, 0) + n
+    peaks = dp_forms.peak_bytes(rank_units(model, sizes, coords, plan), plan, precision(model, cfg, sizes),
+                                stepped)
     peaks["activations"] = activation_peak(model, cfg, sizes, coords, plan, kept_by_step)
     return [{"category": cat, "bytes": int(peaks.get(cat, 0))} for cat in CATEGORIES]

@@ -13,7 +13,7 @@ Two levels:
   unit per transformer block), each unit split over ranks with `shard_range`, so a rank's share
   s = Σ_u s_u is the sum of its uneven unit shards, not Ψ/N.
 
-fp32 gradient accumulation (--fp32-grads, `Options.wide_grads`) is the Ultra-Scale Playbook's 20Ψ:
+fp32 gradient accumulation (--fp32-grads) is the Ultra-Scale Playbook's 20Ψ:
 2Ψ bf16 parameters + 2Ψ bf16 gradients + 4Ψ fp32 gradients + 4Ψ master + 8Ψ moments. The 16-bit
 gradient is what backward writes (the framework's param.grad); the fp32 one accumulates it.
 Per stage, following DeepSpeed (counted in "grads", both kinds):
@@ -37,6 +37,7 @@ for any mesh.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from refpar.analysis import data_parallel as dp_forms
@@ -49,21 +50,10 @@ from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit
 STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 
 
-def numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def units(config: ModelConfig) -> dict[str, list[str]]:
-    """Unit name -> its parameters, in flat-buffer order, on one rank holding the whole model."""
-    return stage_units(list(param_shapes(config)))
-
-
 def unit_sizes(config: ModelConfig) -> dict[str, int]:
+    """Elements of each unit (holdings.units) on one rank holding the whole model."""
     shapes = param_shapes(config)
-    return {u: sum(numel(shapes[n]) for n in names) for u, names in units(config).items()}
+    return {u: sum(math.prod(shapes[n]) for n in names) for u, names in stage_units(list(shapes)).items()}
 
 
 def optimizer_states(optimizer: str) -> int:
@@ -111,7 +101,7 @@ class Options:
         return self.state_itemsize or self.itemsize
 
     # the fields of a Plan (refpar/engine/plan.py) a data-parallel mesh leaves at their defaults
-    kind, v, sp, cp_algo = "1f1b", 1, False, None
+    kind, chunks, schedule_csv, sp, cp_algo = "1f1b", None, None, False, None
 
     @property
     def stage(self) -> int:
@@ -121,12 +111,6 @@ class Options:
     def precision(self) -> dp_forms.Precision:
         return dp_forms.Precision(self.itemsize, self.grad_bytes, self.state_bytes, self.master,
                                   optimizer_states(self.optimizer), self.loss_scaling)
-
-    @property
-    def wide_grads(self) -> bool:
-        """Gradients accumulated wider than the parameters (--fp32-grads): backward still writes
-        a 16-bit gradient, which then sits beside the fp32 accumulator."""
-        return self.grad_bytes != self.itemsize
 
 
 def precision_options(dtype, fp32_grads: bool = False) -> dict:
@@ -153,7 +137,7 @@ def model_state_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> 
     """Persistent bytes per category on `rank` of `n` between steps: the paper's forms, exact.
     bf16-mixed with AdamW: 2Ψ + 2Ψ + 4Ψ + 8Ψ (DP), the master and moments over N (P_os), the
     gradients too (P_os+g), the parameters too (P_os+g+p), each /N an uneven Σ s_u. With
-    `wide_grads` DP and ZeRO-1 also keep the 16-bit gradient beside the fp32 one (20Ψ for DP);
+    --fp32-grads DP and ZeRO-1 also keep the 16-bit gradient beside the fp32 one (20Ψ for DP);
     from ZeRO-2 on only the fp32 shard stays (the module docstring's per-stage layout)."""
     return dp_forms.state_bytes(rank_units(config, n, rank, opts), opts.strategy, opts.precision)
 
@@ -162,12 +146,7 @@ def peak_bytes(config: ModelConfig, n: int, rank: int, opts: Options, stepped: b
     """Peak bytes per category (params, grads, master, optimizer, comm) during a training step,
     exactly as refpar's implementation holds them. `stepped=False`: fp16 skipped every step, so
     ZeRO-1/2 never gathered parameters after one."""
-    ru = rank_units(config, n, rank, opts)
-    peaks = dp_forms.state_bytes(ru, opts.strategy, opts.precision)
-    bucket_list = dp_forms.buckets(ru, opts.bucket_elems) if opts.strategy == "dp" else ()
-    transient, _, _ = dp_forms.replay(ru, opts.strategy, opts.precision, bucket_list, opts.overlap,
-                                      opts.prefetch, opts.reshard_after_forward, stepped)
-    return peaks | {"comm": 0} | {c: peaks.get(c, 0) + b for c, b in transient.items()}
+    return dp_forms.peak_bytes(rank_units(config, n, rank, opts), opts, opts.precision, stepped)
 
 
 def bucket_sizes(config: ModelConfig, bucket_elems: int) -> list[int]:

@@ -48,14 +48,10 @@ def all_to_all_rows(kept, ep: int, data_rank: int, cp: int = 1) -> tuple[int, in
     """(A, B): rows data rank `data_rank` sends to and receives from the other ranks of its ep
     group in one all-to-all pass (dispatch), from the (D, E) kept counts of one MoE layer. With
     cp > 1, `data_rank` is the group rank d c + j and kept is (D c, E); the group's members are
-    the ranks of the same cp rank j."""
-    kept = np.asarray(kept)
-    q = (data_rank // cp) % ep
-    members = [data_rank + (s - q) * cp for s in range(ep)]
-    mine = _owned(kept.shape[1], ep, q)
-    sent = int(kept[data_rank].sum() - kept[data_rank, mine].sum())
-    received = int(sum(kept[members[s], mine].sum() for s in range(ep) if s != q))
-    return sent, received
+    the ranks of the same cp rank j. `dispatch_rows`' (R, Q) less the rows kept for its own experts."""
+    R, Q = dispatch_rows(kept, ep, data_rank, cp)
+    home = int(np.asarray(kept)[data_rank, _owned(np.shape(kept)[1], ep, (data_rank // cp) % ep)].sum())
+    return R - home, Q - home
 
 
 def all_to_all_bytes(kept, ep: int, data_rank: int, n_embd: int, itemsize: int, cp: int = 1) -> cost.Bytes:
@@ -121,7 +117,6 @@ def expert_param_bytes_per_rank(config, ep: int, ep_rank: int) -> int:
     return expert_params_per_rank(config, ep, ep_rank) * np.dtype(config.dtype).itemsize
 
 
-# ------------------------------------------------------------------- MoE in pipeline stages
 # --------------------------------------------------------- activations of MoE in pipeline stages
 INDEX_BYTES = 8  # routing's indices and counts: int64, argsort's and the counts' dtype
 
@@ -215,19 +210,15 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
     D, e, C = sizes["dp"] * ep, np.dtype(model.dtype).itemsize, model.n_embd
     group = (coords["dp"] * ep + coords["ep"]) * c + coords["cp"]
     out: dict = {}
-
-    def add(key, b, times=1):
-        old = out.get(key, (0, 0))
-        out[key] = (old[0] + times * b[0], old[1] + times * b[1])
-
     for j, layers in enumerate(kept):
         runs = exchange_runs(cfg.batch_size, m, j, D, cfg.seq_len, c, cp_algo)
         for counts in layers.values():
-            add(("data", "all_gather"), routed_counts_all_gather_bytes(model, runs, group))
-            add(("ep", "all_to_all"), all_to_all_bytes(counts, ep, group, C, e, c))
+            cost.add(out, ("data", "all_gather"), routed_counts_all_gather_bytes(model, runs, group))
+            cost.add(out, ("ep", "all_to_all"), all_to_all_bytes(counts, ep, group, C, e, c))
             if t > 1:  # g forward and f backward around the local experts' (Q, C) buffer
                 Q = dispatch_rows(counts, ep, group, c)[1]  # the rows this rank's experts receive
-                add(("tp", "all_reduce"), cost.all_reduce_bytes(Q * C, t, k, e), 2)
+                cost.add(out, ("tp", "all_reduce"), cost.all_reduce_bytes(Q * C, t, k, e), 2)
                 if sp:
-                    add(("tp", "all_gather"), cost.all_gather_bytes(shard_sizes(Ta, t), k, e, rows[j] * C), 2)
+                    gather = cost.all_gather_bytes(shard_sizes(Ta, t), k, e, rows[j] * C)
+                    cost.add(out, ("tp", "all_gather"), gather, 2)
     return out

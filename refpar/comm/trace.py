@@ -100,11 +100,6 @@ class Tracer:
             out[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
         return out
 
-    def summary_rows(self) -> list[dict]:
-        """The `comm_bytes` rows of `refpar train --json` for this rank."""
-        return [{"rank": self.rank, "axis": axis, "op": op, "bytes_sent": s, "bytes_recv": r}
-                for (axis, op), (s, r) in self.totals().items()]
-
 
 def chrome_trace(events: list[CommEvent], t0: float | None = None) -> dict:
     """Chrome trace JSON (the "Trace Event Format") for events of any number of ranks: one process

@@ -43,18 +43,7 @@ import numpy as np
 from refpar.commands.check_dump import CheckError, Dump, load, shapes_of
 from refpar.config import ModelConfig
 from refpar.model.dropout import keep_mask
-from refpar.model.gpt import (
-    DropoutContext,
-    add_embedding_grads,
-    block_backward,
-    block_forward,
-    embed_backward,
-    embed_forward,
-    head_backward,
-    head_forward,
-    loss_and_grads,
-    param_shapes,
-)
+from refpar.model.gpt import DropoutContext, loss_and_grads, param_shapes
 
 HELP = "Check a dump of a parallel run (per rank .npz + layout.json) against refpar's GPT-2."
 # Relative differences that summation in another order can produce after one step, per dtype:
@@ -196,24 +185,8 @@ def reference(config, params, tokens, targets, layout, normalizer=None, masks=No
     own dropout masks instead of refpar's keyed ones."""
     ids = tuple(range(tokens.shape[0]))
     drop = DropoutContext(layout.get("seed", 0), layout.get("step", 0), ids, config.dropout)
-    if masks is None:
-        return loss_and_grads(params, tokens, targets, config, seed=drop.seed, step=drop.step,
-                              normalizer=normalizer)
-    drop = GivenMasks(masks, drop)
-    normalizer = tokens.size if normalizer is None else normalizer
-    x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
-    caches = []
-    for layer in range(config.n_layer):
-        x, c = block_forward(x, params, layer, config, drop)  # (B, T, C)
-        caches.append(c)
-    loss, c_head = head_forward(x, params, targets, config, normalizer)
-    dx, grads = head_backward(c_head)  # (B, T, C)
-    for c in reversed(caches):
-        dx, g = block_backward(dx, c)  # (B, T, C)
-        grads.update(g)
-    g = embed_backward(dx, c_embed)
-    add_embedding_grads(grads, g)  # tied
-    return float(loss), grads
+    return loss_and_grads(params, tokens, targets, config, seed=drop.seed, step=drop.step,
+                          normalizer=normalizer, drop=None if masks is None else GivenMasks(masks, drop))
 
 
 # ------------------------------------------------------------------------------------- causes

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
 
@@ -101,6 +102,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cp-algo", default=None, choices=("ring", "ulysses"),
         help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
     add("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
+    add("--schedule-csv", metavar="FILE", default=None,
+        help="a pipeline schedule of one's own in torch.distributed.pipelining's CSV (refpar schedule "
+             "KIND --csv writes one)")
     add("--chunks", type=int, default=None,
         help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
     add("--n-layer", type=int, default=None,
@@ -219,7 +223,19 @@ def plan_of(args, sizes: dict[str, int], model):
     bucket = 1 << 62
     if args.bucket_kb is not None:  # a bucket holds gradients
         bucket = int(args.bucket_kb * 1024 // (4 if args.fp32_grads else dtype_of(model.dtype).itemsize))
-    return Plan(schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks, sp=args.sp,
+    csv = None
+    if args.schedule_csv is not None:
+        path = Path(args.schedule_csv)
+        if not path.is_file():
+            raise ConfigError(f"--schedule-csv {path}: no such file; give the path of a schedule CSV "
+                              "(refpar schedule KIND --csv writes one)")
+        try:
+            csv = path.read_text()
+        except UnicodeDecodeError:
+            raise ConfigError(f"--schedule-csv {path} is not text; give a schedule CSV (refpar schedule "
+                              "KIND --csv writes one)") from None
+    return Plan(schedule=args.schedule, schedule_csv=csv, microbatches=args.microbatches, chunks=args.chunks,
+                sp=args.sp,
                 cp_algo=args.cp_algo, zero=args.zero, fsdp=args.fsdp, prefetch=args.prefetch,
                 reshard_after_forward=args.reshard_after_forward, bucket_elems=bucket, overlap=args.overlap)
 
@@ -257,13 +273,13 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
 
 
 def check_precision_args(sizes: dict[str, int], args) -> None:
-    """Mixed precision runs on every mesh and backend NumPy."""
+    """Mixed precision runs on every mesh, on NumPy and on torch."""
     from refpar.config import ConfigError
     from refpar.precision import PRECISIONS, is_16bit
 
     precision = getattr(args, "precision", None)
     if precision is None or not is_16bit(PRECISIONS[precision]):
         return
-    if getattr(args, "backend", "numpy") != "numpy":
-        raise ConfigError(f"--precision {precision} runs on the NumPy backend (its 16-bit arrays are "
-                          f"NumPy's and ml_dtypes'); drop --backend {args.backend}")
+    if getattr(args, "backend", "numpy") == "cupy":
+        raise ConfigError(f"--precision {precision} runs on --backend numpy or torch, not on CuPy "
+                          f"(which has no bfloat16); drop --backend cupy")

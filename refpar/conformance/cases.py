@@ -27,8 +27,6 @@ from refpar.mesh import DeviceMesh
 from refpar.model.gpt import init_params
 from refpar.trainer import corpus_for
 
-CONVENTIONS = ("global", "mean")
-
 
 def configs(dtype: str, n_layer: int = 2, batch_size: int = 8, steps: int = 3):
     """Dropout 0 on both sides: the torch model draws no masks (torch_model.py)."""

@@ -8,7 +8,8 @@ parameters, fp32 masters or AdamW moments, and whether the unit's replica group 
 is a flat range of each parameter it overlaps, of this rank's tp shard of it; `checkpoint.shard_pieces`
 cuts that into boxes of the global tensor (a tp shard's columns of c_attn are three runs). Saving
 writes each element once: of what a group holds alike each rank its `shard_range`, of what every
-tp rank holds whole tp rank 0, of the tied wte pp rank 0 (the last stage's is the same).
+tp rank holds whole tp rank 0, of the tied wte pp rank 0 (the last stage's is the same), of
+DualPipe's two copies the first rank of each mirror pair.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def pieces(par, saving: bool) -> list:
     units, coords = par.hooks.units, par.mesh.coords
     slices = par.tp_slices
     out = []
+    if saving and par.copies is not None and par.copies.rank > 0:  # its mirror writes the same
+        return out
     for prefix, unit, first, flat, replicated in par.hooks.held():
         lo, hi = first, first + flat.shape[0]
         if saving and replicated:  # each rank of the group writes its part
@@ -44,18 +47,25 @@ def saved_position(t: int, scaler) -> dict:
     return {"optimizer_t": t, "loss_scaler": None if scaler is None else scaler.state_dict()}
 
 
-def resume_from(par, path: str) -> int:
-    """Loads this rank's holdings from the checkpoint `path` (any mesh's) and the optimizer's and
-    fp16 loss scaler's position; returns the steps done."""
-    model, cfg, hooks = par.model, par.train, par.hooks
+def open_resume(path: str, model, cfg, plan) -> dict:
+    """The manifest of the checkpoint `path` if this run can resume from it, else a CheckpointError:
+    every rank reads the same manifest, so every rank refuses alike, before any message."""
     manifest = checkpoint.open_training(path, model, cfg)
     if model.moe_experts:
         saved = int(manifest.get("moe_microbatches", 1))
-        if saved != par.plan.microbatches:
+        if saved != plan.microbatches:
             raise checkpoint.CheckpointError(
                 f"checkpoint {manifest['dir']} routed its tokens in {saved} microbatches per step and "
-                f"this run in {par.plan.microbatches}; resume with --microbatches {saved} (capacity and "
+                f"this run in {plan.microbatches}; resume with --microbatches {saved} (capacity and "
                 "router losses are per microbatch)")
+    return manifest
+
+
+def resume_from(par, path: str) -> int:
+    """Loads this rank's holdings from the checkpoint `path` (any mesh's) and the optimizer's and
+    fp16 loss scaler's position; returns the steps done."""
+    hooks = par.hooks
+    manifest = open_resume(path, par.model, par.train, par.plan)
     wanted = pieces(par, saving=False)
     for (_, view), loaded in zip(wanted, checkpoint.load(path, [p for p, _ in wanted], manifest),
                                  strict=True):

@@ -15,11 +15,12 @@ import numpy as np
 from refpar.analysis import engine as closed
 from refpar.config import MESH_AXES
 from refpar.holdings import stage_layers
+from refpar.model.gpt import param_shapes
 from refpar.model.optim import clipped_steps, decay_rule, wsd_decay_steps
 from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import critical_path_gap
-from refpar.precision import precision_of
+from refpar.precision import is_16bit, precision_of
 from refpar.sharding import shard_range
 
 LABEL = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
@@ -27,7 +28,7 @@ LABEL = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "f
 
 def header(model, cfg, sizes, plan, preset: str, floor: float) -> list[str]:
     """What runs where: the model, the data, and on more than one rank the strategies and who holds what."""
-    n_params = sum(int(np.prod(s)) for s in _param_shapes(model).values())
+    n_params = sum(int(np.prod(s)) for s in param_shapes(model).values())
     world = int(np.prod(list(sizes.values())))
     mesh = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes[a] > 1)
     lines = [f"GPT-2 {preset}: {model.n_layer} layers, {model.n_embd} channels, {model.n_head} heads, "
@@ -69,7 +70,8 @@ def _strategies(model, sizes, plan) -> str:
         parts[-1] += (f" (buckets of {plan.bucket_elems:,} elements" if plan.bucket_elems < 1 << 62
                       else " (one bucket") + (", overlapped)" if plan.overlap else ")")
     if sizes["pp"] > 1:
-        parts.append(f"schedule {plan.kind} over pp={sizes['pp']} (v={plan.v})")
+        v = closed.pipeline(sizes, plan)[1].n_stages // sizes["pp"]
+        parts.append(f"schedule {plan.kind} over pp={sizes['pp']} (v={v})")
     if sizes["tp"] > 1:
         parts.append(f"tensor parallel over tp={sizes['tp']}" + (" with sp" if plan.sp else ""))
     if sizes["cp"] > 1:
@@ -82,16 +84,19 @@ def _strategies(model, sizes, plan) -> str:
 
 def holdings(model, cfg, sizes, plan) -> list[str]:
     """One line per rank: coordinates, stages and blocks, heads, vocabulary rows, samples, parameters."""
-    p, t, S = sizes["pp"], sizes["tp"], sizes["pp"] * plan.v
+    t, lay = sizes["tp"], closed.pipeline(sizes, plan)[1]
+    P = lay.stages_per_copy
     out = []
     for rank in range(int(np.prod(list(sizes.values())))):
         co = closed.rank_coords(sizes, rank)
         parts = []
-        for s in (c * p + co["pp"] for c in range(plan.v)):
-            blocks = stage_layers(model.n_layer, S, s)
+        for s in lay.stages_of(co["pp"]):
+            k = lay.part(s)
+            blocks = stage_layers(model.n_layer, P, k)
             held = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
-            parts.append(f"stage {s} ({'embedding + ' if s == 0 else ''}{held}"
-                         f"{' + head' if s == S - 1 else ''})")
+            copy = f" of copy {s // P}" if lay.copies > 1 else ""
+            parts.append(f"stage {s}{copy} ({'embedding + ' if k == 0 else ''}{held}"
+                         f"{' + head' if k == P - 1 else ''})")
         h0, h1 = shard_range(model.n_head, t, co["tp"])
         v0, v1 = shard_range(model.vocab_size, t, co["tp"])
         ids = [i for j in range(plan.microbatches) for i in closed.samples(model, cfg, sizes, co, plan, j)]
@@ -100,7 +105,7 @@ def holdings(model, cfg, sizes, plan) -> list[str]:
         coords = " ".join(f"{a}={co[a]}" for a in MESH_AXES if sizes[a] > 1)
         out.append(f"  rank {rank} {coords}: {', '.join(parts)}; heads {h0}-{h1 - 1}, vocab rows "
                    f"{v0}-{v1 - 1}{experts}, samples {min(ids)}-{max(ids)}; "
-                   f"{sum(closed.rank_param_numels(model, sizes, co, plan.v).values()):,} parameters")
+                   f"{sum(closed.rank_param_numels(model, sizes, co, plan).values()):,} parameters")
     return out
 
 
@@ -267,14 +272,6 @@ def _grouped(lines_of: dict[int, tuple[str, ...]]) -> list[tuple[str, tuple[str,
 
 
 def _precision(dtype: str) -> str:
-    from refpar.precision import is_16bit
-
     if not is_16bit(dtype):
         return dtype
     return f"{precision_of(dtype)} ({dtype} weights and activations, fp32 master weights)"
-
-
-def _param_shapes(model):
-    from refpar.model.gpt import param_shapes
-
-    return param_shapes(model)

@@ -31,7 +31,7 @@ from refpar.holdings import (
     keeps_lowp,
     microbatch_samples,
     sequence_parallel_param_names,
-    stage_param_names,
+    stage_names,
     tp_param_slices,
 )
 from refpar.memory import MemoryLedger
@@ -44,7 +44,7 @@ from refpar.parallel.expert_parallel import ExpertParallelMoE, owned_experts, ro
 from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
 from refpar.parallel.pipeline.executor import PipelineExecutor
-from refpar.parallel.pipeline.schedules import build, layout
+from refpar.parallel.pipeline.schedules import layout, of_plan
 from refpar.parallel.pipeline.stage import Stage
 from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
 from refpar.parallel.tensor_parallel import shard_params_tp, tp_layout
@@ -70,6 +70,8 @@ class Parallel:
     moe: object = None  # the MoE blocks' layer
     routings: dict = field(default_factory=dict)  # sample ids of a microbatch -> layer -> routing
     sp_names: list[str] = field(default_factory=list)  # held parameters of the sequence-sharded region
+    embedding: object = None  # the group summing the tied wte's two ends (mesh's "embedding"), or None
+    copies: object = None  # DualPipe: the mirror rank's group summing the two copies' gradients
     clip: object = None  # clipping.GlobalNormClip with --clip-grad-norm
 
     @property
@@ -106,11 +108,10 @@ def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo
     return tp_layout(model, seq_len, tp) if tp is not None or model.moe_experts else None
 
 
-def held_params(model: ModelConfig, mesh, stages: list[int], n_stages: int, seed: int) -> dict:
-    """This rank's parameters: of the initialisation drawn whole, its stages' (pp), its ep rank's
-    experts (ep), its tp slices (tp), on the run's backend."""
+def held_params(model: ModelConfig, mesh, names: set[str], seed: int) -> dict:
+    """This rank's parameters: of the initialisation drawn whole, its stages' `names` (pp), its ep
+    rank's experts (ep), its tp slices (tp), in GPT-2's order, on the run's backend."""
     full = init_params(model, seed)
-    names = {n for s in stages for n in stage_param_names(model, n_stages, s)}
     mine = tuple(expert_prefix(i, e) + "." for i in model.moe_blocks
                  for e in owned_experts(model.moe_experts, mesh.sizes["ep"], mesh.coords["ep"]))
     kept = {n: full[n] for n in full if n in names and (".mlp.experts." not in n or n.startswith(mine))}
@@ -140,36 +141,41 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
             every = [token_runs(rows[g // c], held[g % c], train.seq_len) for g in range(data.size)]
             runs[samples[j]] = routing_runs(every, data.rank)
     # 3. pipeline
-    schedule = build(plan.kind, sizes["pp"], m, plan.v)
-    where = layout(schedule).stage_rank
-    n_stages = len(where)
-    stages = [s for s, r in sorted(where.items()) if r == coords["pp"]]
+    schedule = of_plan(plan, sizes["pp"])
+    pipe = layout(schedule)
+    stages = pipe.stages_of(coords["pp"])
     # 4. parameters
-    params = held_params(model, mesh, stages, n_stages, train.seed)
+    params = held_params(model, mesh, {n for s in stages for n in stage_names(model, pipe, s)}, train.seed)
     # 5. data parallelism over each unit's replica group
     dense = mesh.axis("data") if model.moe_experts else mesh.axis("dp_cp")
-    held = {s: [n for n in stage_param_names(model, n_stages, s) if n in params] for s in stages}
+    held = {s: [n for n in stage_names(model, pipe, s) if n in params] for s in stages}
     units = Units(held, {n: p.shape for n, p in params.items()},
-                  lambda expert: mesh.axis("dp_cp") if expert else dense)
+                  lambda expert: mesh.axis("dp_cp") if expert else dense,
+                  {s: len(pipe.microbatches(s)) for s in stages})
     # 6. optimizer state: created by the strategy, which knows what it keeps
     lowp = keeps_lowp(model, mesh.sizes)
     if plan.fsdp:
-        hooks = FSDP(units, model, train, ledger, params, m, plan.prefetch, plan.reshard_after_forward,
-                     both_ends=n_stages == 1, lowp=lowp)
+        hooks = FSDP(units, model, train, ledger, params, plan.prefetch, plan.reshard_after_forward,
+                     both_ends=pipe.n_stages == 1, lowp=lowp)
     elif plan.zero:
-        hooks = Zero(units, model, train, ledger, params, m, plan.zero, lowp)
+        hooks = Zero(units, model, train, ledger, params, plan.zero, lowp)
     else:
-        hooks = DataParallel(units, model, train, ledger, params, m, plan.bucket_elems, plan.overlap, lowp)
+        hooks = DataParallel(units, model, train, ledger, params, plan.bucket_elems, plan.overlap, lowp)
     routings: dict = {}
 
-    def make_stage(s: int, n: int) -> Stage:
-        return Stage(model, n, s, units.of_stage[s], hooks, lay, moe, runs, routings)
+    def make_stage(s: int, pipe) -> Stage:
+        return Stage(model, pipe.stages_per_copy, pipe.part(s), units.of_stage[s], hooks, lay, moe, runs,
+                     routings)
 
     tokens = train.seq_len if lay is None else len(lay.resid_pos)
     like = next(iter(params.values()))
     executor = PipelineExecutor(schedule, model, mesh.pp, make_stage, tokens, like, hooks.buffers(), ledger)
     sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if plan.sp else []
-    clip = clip_for(model, train, mesh, plan, stages, dense)
+    # the partial sums between pipeline ranks: the tied wte's two ends where two ranks hold them,
+    # DualPipe's two copies of every part
+    embedding = mesh.axis("embedding") if pipe.tied_apart else None
+    copies = mesh.axis("mirror") if pipe.copies == 2 else None
+    clip = clip_for(model, train, mesh, plan, stages, dense, copies)
     return Parallel(model, train, mesh, plan, lay, hooks, executor, ledger, samples, moe, routings, sp_names,
-                    clip)
+                    embedding, copies, clip)
 

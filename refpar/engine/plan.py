@@ -13,7 +13,8 @@ from refpar.config import ConfigError, ModelConfig, Plan, TrainConfig
 from refpar.holdings import stage_layers
 from refpar.parallel.context_parallel import check_cp
 from refpar.parallel.expert_parallel import check_expert_parallel
-from refpar.parallel.pipeline.schedules import build
+from refpar.parallel.pipeline.schedules import BUILDERS, build, layout, model_parts, of_plan
+from refpar.parallel.pipeline.schedules import validate as validate_schedule
 from refpar.parallel.sequence_parallel import check_sp, check_sp_cp
 from refpar.parallel.tensor_parallel import check_tp
 
@@ -32,12 +33,58 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
         check_cp(model, train.seq_len, c, plan.cp_algo or "ring", t)
         if plan.sp:  # every cp rank's tokens split over tp
             check_sp_cp(model, train.seq_len, t, c, plan.cp_algo or "ring")
-    if (plan.schedule is not None or plan.chunks is not None) and p == 1:
-        raise ConfigError("--schedule and --chunks need a pipeline; add pp=2 or more to --mesh")
-    stage_layers(model.n_layer, p * plan.v, 0)  # "pp x chunks stages need as many blocks"
+    if (plan.schedule is not None or plan.chunks is not None or plan.schedule_csv is not None) and p == 1:
+        raise ConfigError("--schedule, --schedule-csv and --chunks need a pipeline; add pp=2 or more to "
+                          "--mesh")
+    if plan.schedule is not None and plan.schedule_csv is not None:
+        raise ConfigError("--schedule KIND and --schedule-csv FILE each give the schedule; drop one")
+    if plan.schedule_csv is None and plan.kind in BUILDERS:  # "pp x chunks stages need as many blocks"
+        stage_layers(model.n_layer, model_parts(plan.kind, p, plan.chunks), 0)
     _check_batch(model, train, d, e, plan.microbatches)
     _check_data_parallel(model, d * e * c if model.moe_experts else d * c, plan)
-    build(plan.kind, p, plan.microbatches, plan.v)  # last: it costs p x m x v; its own sentences
+    _check_schedule(model, p, plan)  # last: building costs p x m x v; its own sentences
+
+
+def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:
+    """The schedule builds, or its CSV reads and runs (`schedules.validate` names the first action
+    that cannot), on p ranks with the plan's microbatches and enough blocks for its stages."""
+    if plan.schedule_csv is None:
+        lay = layout(build(plan.kind, p, plan.microbatches, plan.chunks))
+    else:
+        lay = _check_csv(model, p, plan)
+    if lay.copies == 2 and model.moe_experts:
+        # a rank's two copies route different microbatches through different blocks, which the
+        # MoE report's per-microbatch routing of the rank's blocks does not describe
+        raise ConfigError("a schedule with two copies of the model (dualpipe) sends each microbatch "
+                          "through one copy only; train a MoE model with dualpipev or another schedule")
+
+
+def _check_csv(model: ModelConfig, p: int, plan: Plan):
+    """A schedule read from torch's CSV: a row per pp rank, the plan's microbatches, a block for each
+    stage, and every action able to run; returns its schedules.Layout."""
+    if plan.chunks is not None:
+        raise ConfigError("--chunks sets the stages per rank of a built schedule, and a --schedule-csv "
+                          "file places its own; drop --chunks")
+    schedule = of_plan(plan, p)
+    if len(schedule) != p:
+        raise ConfigError(f"the --schedule-csv file has {len(schedule)} ranks but the mesh has pp={p}; "
+                          f"give --mesh pp={len(schedule)} or a schedule of {p} rows")
+    lay = validate_schedule(schedule)
+    if lay.n_microbatches != plan.microbatches:
+        raise ConfigError(f"the --schedule-csv file runs {lay.n_microbatches} microbatches; give "
+                          f"--microbatches {lay.n_microbatches}")
+    stage_layers(model.n_layer, lay.stages_per_copy, 0)
+    ends = {lay.stage_rank[0], lay.stage_rank[lay.stages_per_copy - 1]}
+    if lay.tied_apart and ends != {0, p - 1}:  # the tied wte's gradient is summed over ranks 0, p-1
+        raise ConfigError(f"the --schedule-csv file puts the first and the last stage, which share the "
+                          f"tied embedding, on ranks {sorted(ends)}; put them on ranks 0 and {p - 1}, "
+                          "or both on one rank")
+    P = lay.stages_per_copy
+    if lay.copies == 2 and any(lay.stage_rank[P + k] != p - 1 - lay.stage_rank[k] for k in range(P)):
+        raise ConfigError("the --schedule-csv file holds two copies of the model; put each stage of the "
+                          "second copy on the mirror rank p-1-r of the same part's rank r in the first, "
+                          "as dualpipe does")
+    return lay
 
 
 def _check_batch(model: ModelConfig, train: TrainConfig, d: int, e: int, m: int) -> None:

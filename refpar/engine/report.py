@@ -16,14 +16,15 @@ import numpy as np
 
 from refpar.analysis import engine as closed
 from refpar.analysis.moe import expected_all_to_all_bytes, expert_param_bytes_per_rank
+from refpar.holdings import tp_param_slices
 from refpar.memory import CATEGORIES
 from refpar.model.moe import capacity
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import simulate
-from refpar.parallel.tensor_parallel import gather_params_tp
 from refpar.report import run_summary, summary_line
 from refpar.trainer import corpus_for, train_single_device
 
+from .checkpoint import open_resume
 from .lines import header, progress, report
 from .parallelize import parallelize
 from .train import train
@@ -34,12 +35,25 @@ P2P = ("isend", "irecv")  # their time is spent waiting for the other side: idle
 
 def run(model, cfg, sizes: dict, plan, args) -> int:
     """Trains on this job's ranks as `plan` says and reports (module docstring)."""
-    from refpar.comm.communicator import world  # refpar.cli ends every rank on one's error
+    from refpar.comm.communicator import abort_on_error, world
     from refpar.comm.trace import Tracer
     from refpar.mesh import DeviceMesh
 
     comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
-    mesh = DeviceMesh(comm, sizes)
+    mesh = DeviceMesh(comm, sizes)  # its sentence comes from every rank alike, before any message
+    if args.resume is not None:
+        open_resume(args.resume, model, cfg, plan)  # so do a checkpoint's that this run cannot take
+    if comm.size == 1:
+        return _run(model, cfg, sizes, plan, args, mesh, plain)
+    # From here on ranks communicate: an error one rank meets alone (a full disk, say) must end
+    # every rank, not leave the others waiting in a collective (refpar.cli returns 2 from the rank
+    # that raised, which is right only for the checks every rank makes before any message).
+    with abort_on_error():
+        return _run(model, cfg, sizes, plan, args, mesh, plain)
+
+
+def _run(model, cfg, sizes: dict, plan, args, mesh, plain) -> int:
+    comm = mesh.world
     speak = comm.rank == 0
 
     def say(text=""):
@@ -209,9 +223,24 @@ def write_traces(path, plain, par, events, step: int) -> None:
 
 
 def full_params(par) -> dict:
-    """This rank's parameters whole over tp, as NumPy, for the comparison with one device."""
-    whole = par.hooks.full_params()
-    return gather_params_tp(whole, par.model, par.mesh.tp if par.mesh.sizes["tp"] > 1 else None)
+    """This rank's parameters whole over tp, as NumPy, on every tp rank (for the comparison with one
+    device, not for training): each tp-sliced one all-gathered along its split axis and its global
+    indices (holdings.tp_param_slices) put back in order."""
+    local, tp = par.hooks.full_params(), par.mesh.tp
+    if tp.size == 1:
+        return local
+    every = [tp_param_slices(par.model, tp.size, r) for r in range(tp.size)]
+    full = {}
+    for name, w in local.items():
+        if name not in every[tp.rank]:
+            full[name] = w
+            continue
+        axis = every[tp.rank][name][0]
+        pieces = tp.all_gather(np.ascontiguousarray(np.moveaxis(w, axis, 0)), tag=f"{name}:check")
+        moved = np.empty_like(pieces)
+        moved[np.concatenate([s[name][1] for s in every])] = pieces
+        full[name] = np.moveaxis(moved, 0, axis)
+    return full
 
 
 def _rel(a, ref) -> float:

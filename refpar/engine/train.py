@@ -78,7 +78,6 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
     corpus = MarkovCorpus(model.vocab_size, cfg.seed)
     normalizer = cfg.batch_size * cfg.seq_len  # global tokens: the losses add up to the mean
     tracer = mesh.world.tracer
-    embedding = mesh.axis("embedding")
     scales, skipped_steps = [], []
     for step in range(run.first_step, cfg.steps):
         start = time.perf_counter()
@@ -95,7 +94,7 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
             hooks.begin_step()
             with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
                 loss = executor.step(mbs, step=step, seed=cfg.seed, normalizer=normalizer, dloss=scale)
-            hooks.finish(embedding, mesh.tp, par.sp_names)
+            hooks.finish(par.embedding, mesh.tp, par.sp_names, par.copies)
             run.lrs.append(learning_rate(cfg, step))
             skipped = hooks.step(par.differ, run.lrs[-1], par.clip)
             if par.clip is not None:

@@ -14,6 +14,9 @@ the model is counted by exactly one rank of the groups the sums are then all-red
                 (LayerNorms, row-parallel biases, wpe, router)
     pp          other stages' tensors; the tied wte on the      wte on the rank of    yes
                 first and the last stage (summed, the same)     stage 0 only
+                (a V: both on rank 0, one unit); DualPipe:      on the lower rank r
+                ranks r and p-1-r hold the same parts, their    of the pair only
+                copies' gradients summed (the same)
     replicas    DP: the same summed gradient (copies)           every rank            no (DP)
     (dp x cp,   ZeRO-1/2/3, FSDP: disjoint shards of each unit  its shard             yes (ZeRO)
     dp x ep x cp)
@@ -69,19 +72,20 @@ class GlobalNormClip:
         return clip_coefficient(self.norm, self.max_norm)
 
 
-def clip_for(model, train, mesh, plan, stages: list[int], data) -> GlobalNormClip | None:
+def clip_for(model, train, mesh, plan, stages: list[int], data, copies=None) -> GlobalNormClip | None:
     """The run's clipping (None without --clip-grad-norm): what this rank counts (module docstring)
     and the axes its sums go over; `stages` the pipeline stages it runs, `data` its replica group
-    of dense weights (dp x cp, or dp x ep x cp with experts)."""
+    of dense weights (dp x cp, or dp x ep x cp with experts), `copies` DualPipe's mirror group."""
     if not train.clip_grad_norm:
         return None
     t, sharded = mesh.sizes["tp"], plan.stage > 0
     split = set(tp_param_slices(model, t, mesh.coords["tp"])) if t > 1 else set()
     first_tp, first_ep = mesh.coords["tp"] == 0, mesh.coords["ep"] == 0
     holds_stage_0 = 0 in stages
+    mirrored = copies is not None and copies.rank > 0  # DualPipe: the lower rank of the pair counts
 
     def counted(name: str) -> bool:
-        if name == "wte.weight" and not holds_stage_0:
+        if mirrored or (name == "wte.weight" and not holds_stage_0):
             return False
         if model.moe_experts and not sharded and not is_expert(name) and not first_ep:
             return False

@@ -20,15 +20,12 @@ ring's 2(N-1) rounds written out as isend/irecv, one round advanced each time an
 backward finishes, so the messages of bucket k are in flight while the backward of the next
 blocks computes (the trace shows bucket k's sends ending after bucket k+1's begin). Same bytes.
 
-After the backward two partial sums remain: the tied wte's two halves (the first and the last
-pipeline stage's, over the mesh's embedding group) and, under sequence parallelism, the gradients
-of the parameters applied in the sequence-sharded region (each tp rank saw its tokens only).
-
-Ledger: params Ψl, grads Ψl (+ the largest dict a backward piece returns, until it is folded in),
-optimizer 2Ψl (AdamW m, v), comm one bucket's all-reduce output (overlap: the send copy and
-receive buffer of each round in flight). bf16/fp16-mixed: params 2Ψl bytes, grads 2Ψl (summed in 16
-bits), master 4Ψl, optimizer 8Ψl: the ZeRO paper's 16Ψ. --fp32-grads keeps the 16-bit gradient
-backward writes (2Ψl) beside an fp32 accumulator (4Ψl, summed in fp32): the Playbook's 20Ψ.
+After the backward the partial sums follow (`Hooks.partial_sums`: the tied wte, DualPipe's two
+copies of every part over the mesh's mirror group, pipeline ranks r and p-1-r, the
+sequence-sharded region). Ledger: params Ψl, grads Ψl (+ the largest dict a backward piece
+returns, until it is folded in), optimizer 2Ψl (AdamW m, v), comm one bucket's all-reduce output
+(overlap: the send copy and receive buffer of each round in flight); in mixed precision the ZeRO
+paper's 16Ψ, 20Ψ with --fp32-grads (analysis/memory.py counts each category).
 """
 
 from __future__ import annotations
@@ -37,6 +34,7 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from refpar import backend
+from refpar.holdings import buckets
 from refpar.parallel.ring import Ring
 from refpar.parallel.units import Hooks, fold_grads
 
@@ -45,9 +43,9 @@ class DataParallel(Hooks):
     """This rank's replicas of its units; `params` the parameters it holds (drawn whole, tp-sliced).
     `bucket_elems` caps a bucket (a parameter is never split); `overlap` all-reduces by rings."""
 
-    def __init__(self, units_, config, train, ledger, params: dict, microbatches: int,
-                 bucket_elems: int = 1 << 62, overlap: bool = False, lowp: bool = True):
-        super().__init__(units_, config, train, ledger, microbatches, lowp)
+    def __init__(self, units_, config, train, ledger, params: dict, bucket_elems: int = 1 << 62,
+                 overlap: bool = False, lowp: bool = True):
+        super().__init__(units_, config, train, ledger, lowp)
         dt, u = self.dtypes, units_
         xp = array_namespace(next(iter(params.values())))
         self.params = ledger.alloc("params.flat", xp.concat([u.flatten(k, params) for k in u.names]),
@@ -63,7 +61,8 @@ class DataParallel(Hooks):
         self.state = {k: ledger.alloc(f"optimizer.{k}", self.zeros(self.params, u.total, dt.state),
                                       "optimizer") for k in ("m", "v") if train.optimizer == "adamw"}
         self.overlap, self.in_flight, self.sent = overlap, [], set()
-        self.buckets = buckets(u, bucket_elems)  # [(start, stop, units)], in backward order
+        layout = [(k, b - a, u.group[k]) for k, a, b in u.offsets.values()]  # every parameter, in order
+        self.buckets = buckets(layout, bucket_elems)  # [(start, stop, units)], in backward order
 
     def buffers(self) -> list:
         """The arrays the parameters live in (a cache viewing them keeps no activation alive)."""
@@ -116,25 +115,17 @@ class DataParallel(Hooks):
         self.sent = {i for i, (_, _, members) in enumerate(self.buckets)
                      if self.units.group[next(iter(members))].size == 1}  # nothing to sum
 
-    def finish(self, embedding=None, tp=None, sp_names=()) -> None:
-        """After the backward: the rings still in flight, then the partial sums (module docstring)."""
+    def finish(self, embedding=None, tp=None, sp_names=(), copies=None) -> None:
+        """After the backward: the rings still in flight, then the partial sums (module docstring);
+        `copies`: DualPipe's mirror rank, whose copy of the same parts has the other gradients."""
         while self.in_flight:
             for ring in self.in_flight:
                 ring.advance()
             self.in_flight = [ring for ring in self.in_flight if not ring.done]
         u = self.units
-        if embedding is not None and "wte" in u.names:
-            wte = u.slice("wte", self.grads)
-            wte[...] = embedding.all_reduce(wte, tag="wte.weight:tied-grad")
-        if sp_names:  # one coalesced all-reduce of the sequence-sharded region's gradients
-            spans = [(u.start[k] + a, u.start[k] + b) for n in sp_names for k, a, b in [u.offsets[n]]]
-            xp = array_namespace(self.grads)
-            summed = tp.all_reduce(xp.concat([self.grads[a:b] for a, b in spans]),
-                                   tag="sp.replicated_grads:bwd")
-            at = 0
-            for a, b in spans:
-                self.grads[a:b] = summed[at:at + b - a]
-                at += b - a
+        wte = u.slice("wte", self.grads) if "wte" in u.names else None
+        spans = [(self.grads, u.start[k] + a, u.start[k] + b) for k, a, b in map(u.offsets.get, sp_names)]
+        self.partial_sums(wte, spans, embedding, tp, copies, lambda k: u.slice(k, self.grads))
 
     def held_grads(self) -> list:
         return [(k, 0, self.units.slice(k, self.grads)) for k in self.units.names]
@@ -165,28 +156,3 @@ class DataParallel(Hooks):
         arrays |= {f"adamw.{k}": a for k, a in self.state.items()}
         return [(prefix, k, 0, self.units.slice(k, a), True) for prefix, a in arrays.items()
                 for k in self.units.names]
-
-
-def buckets(units_, bucket_elems: int) -> list[tuple[int, int, frozenset]]:
-    """DP's gradient buckets as [start, stop) of the rank's flat buffer with the units they touch,
-    in the order backward completes them: whole parameters taken from the end of each group's run
-    of units, a bucket closed when the next parameter would exceed `bucket_elems` (a bucket holds at
-    least one); the expert group's run (last in the buffer) first."""
-    out, stop, current, members = [], None, 0, set()
-    names = [n for k in units_.names for n in units_.names[k]]
-    group = None
-    for name in reversed(names):
-        k, a, b = units_.offsets[name]
-        start = units_.start[k] + a
-        same = group is None or units_.group[k] is group
-        if current and (current + b - a > bucket_elems or not same):
-            out.append((stop - current, stop, frozenset(members)))
-            current, members = 0, set()
-        if not current:
-            stop = start + b - a
-        group = units_.group[k]
-        current += b - a
-        members.add(k)
-    if current:
-        out.append((stop - current, stop, frozenset(members)))
-    return out

@@ -38,16 +38,14 @@ from __future__ import annotations
 from array_api_compat import array_namespace
 
 from refpar.model import moe
-from refpar.model.layers import gelu_backward, gelu_forward, linear_backward, linear_forward
+from refpar.model.layers import compute, gelu_backward, gelu_forward, linear_backward, linear_forward, rounded
 from refpar.parallel.expert_parallel import ExpertParallelMoE
 from refpar.parallel.sequence_parallel import gather_from_sp
 from refpar.parallel.tensor_parallel import (
-    compute,
     copy_to_tp,
     copy_to_tp_backward,
     reduce_from_tp,
     reduce_from_tp_backward,
-    rounded,
 )
 from refpar.sharding import shard_range
 

@@ -34,10 +34,10 @@ from refpar.parallel.zero import Zero
 
 
 class FSDP(Zero):
-    def __init__(self, units_, config, train, ledger, params: dict, microbatches: int,
+    def __init__(self, units_, config, train, ledger, params: dict,
                  prefetch: bool = False, reshard_after_forward: bool = True, both_ends: bool = False,
                  lowp: bool = True):
-        super().__init__(units_, config, train, ledger, params, microbatches, stage=3, lowp=lowp)
+        super().__init__(units_, config, train, ledger, params, stage=3, lowp=lowp)
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.both_ends = both_ends  # a stage of this rank holds the embedding and the head
         self.pending: dict[str, Ring] = {}  # unit -> its all-gather still in flight

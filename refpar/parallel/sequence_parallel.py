@@ -32,7 +32,7 @@ from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
 from refpar.parallel.context_parallel import cp_layout, cp_positions
-from refpar.parallel.tensor_parallel import Layout, LocalAttention, RegionPair, check_tp
+from refpar.parallel.tensor_parallel import Layout, RegionPair, check_tp, tp_layout
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -85,11 +85,9 @@ def check_sp(config: ModelConfig, seq_len: int, tp: int) -> None:
 
 def sp_layout(config: ModelConfig, seq_len: int, tp_comm) -> Layout:
     """Regions see the whole sequence; the residual stream holds shard_range(T, t, rank)."""
-    t, r = tp_comm.size, tp_comm.rank
-    check_sp(config, seq_len, t)
-    return Layout(config, seq_len, tp_comm, sp_pair(seq_len),
-                  shard_range(config.n_head, t, r), shard_range(config.vocab_size, t, r),
-                  np.arange(seq_len), np.arange(*shard_range(seq_len, t, r)), LocalAttention())
+    check_sp(config, seq_len, tp_comm.size)
+    return replace(tp_layout(config, seq_len, tp_comm), pair=sp_pair(seq_len),
+                   resid_pos=np.arange(*shard_range(seq_len, tp_comm.size, tp_comm.rank)))
 
 
 def check_sp_cp(config: ModelConfig, seq_len: int, tp: int, cp: int, algo: str) -> None:

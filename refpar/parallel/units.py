@@ -33,7 +33,7 @@ import numpy as np
 from array_api_compat import array_namespace, is_cupy_array, is_torch_array
 
 from refpar import backend
-from refpar.holdings import expert_unit, units
+from refpar.holdings import expert_unit, rank_layout, unit_order, units
 from refpar.memory import nbytes_of
 from refpar.model.optim import adamw_update, decays, mixed_adamw_update, mixed_sgd_update, sgd_update
 from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit, loss_scaler, overflow_anywhere
@@ -69,18 +69,22 @@ class StateDtypes:
 
 class Units:
     """This rank's units: `stages` maps each of its pipeline stages to the names it holds there,
-    `shapes` every held parameter's (tp-shard) shape, `group_of(expert: bool)` the replica group of
-    dense or expert units. `names[u]`, `size[u]` (Ψ_u), `group[u]`, `own[u]` ([a, b) of this rank),
-    `counts[u]` (every group rank's s_u), `start[u]` (where u begins in the rank's flat buffer of Ψl)."""
+    `shapes` every held parameter's (tp-shard) shape (in GPT-2's order), `group_of(expert: bool)`
+    the replica group of dense or expert units, `uses[s]` how many microbatches stage s runs.
+    `names[u]`, `size[u]` (Ψ_u), `group[u]`, `own[u]` ([a, b) of this rank), `counts[u]` (every
+    group rank's s_u), `start[u]` (where u begins in the rank's flat buffer of Ψl), `backwards[u]`
+    how many backward pieces complete u in a step (m; more where two stages hold it).
 
-    def __init__(self, stages: dict[int, list[str]], shapes: dict, group_of):
+    A unit two stages of the rank hold is one: a V's rank 0 runs the embedding (stage 0) and the
+    tied head (stage 2p-1), so its wte sums both ends' gradients, and its root is wpe and ln_f."""
+
+    def __init__(self, stages: dict[int, list[str]], shapes: dict, group_of, uses: dict[int, int]):
         self.shapes = shapes
         by_stage = {s: units(names) for s, names in sorted(stages.items())}
-        self.stage = {u: s for s, us in reversed(by_stage.items()) for u in us}  # wte: its first stage
-        ordered = [u for us in by_stage.values() for u in us]
-        ordered = list(dict.fromkeys([u for u in ordered if not expert_unit(u)]
-                                     + [u for u in ordered if expert_unit(u)]))
-        self.names = {u: next(us[u] for us in by_stage.values() if u in us) for u in ordered}
+        # in GPT-2's order inside a unit: DualPipe's mirror ranks hold a root of wpe and ln_f from
+        # stages in the other order, and sum_copies adds their buffers element by element
+        self.names = {u: [n for n in shapes if n in names] for u, names in rank_layout(by_stage).items()}
+        self.backwards = {u: sum(uses[s] for s, us in by_stage.items() if u in us) for u in self.names}
         self.of_stage = {s: list(us) for s, us in by_stage.items()}
         self.offsets: dict[str, tuple[str, int, int]] = {}  # name -> (unit, start, stop) in the unit
         self.size, self.start, self.group, self.own, self.counts = {}, {}, {}, {}, {}
@@ -95,6 +99,19 @@ class Units:
             g = self.group[u] = group_of(expert_unit(u))
             self.own[u], self.counts[u] = shard_range(at, g.size, g.rank), shard_sizes(at, g.size)
         self.total = total  # Ψl
+
+    def sum_copies(self, copies, grads) -> None:
+        """DualPipe's other copy: every unit's gradient (`grads(unit)`, whole or this rank's shard)
+        summed over `copies`, the mirror rank holding the same parts, in one all-reduce. The two
+        lay their units out in other orders (each its own stages first), so in GPT-2's order here."""
+        order = sorted(self.names, key=unit_order)
+        xp = array_namespace(grads(order[0]))
+        summed = copies.all_reduce(xp.concat([grads(k) for k in order]), tag="copies:grads")  # (Σ,)
+        at = 0
+        for k in order:
+            g = grads(k)
+            g[...] = summed[at:at + g.shape[0]]
+            at += g.shape[0]
 
     def of(self, names) -> list[str]:
         """The units the parameters `names` belong to, in layout order."""
@@ -140,23 +157,23 @@ def fold_grads(views: dict, grads: dict, lowp: dict | None) -> None:
 
 class Hooks:
     """What DP, ZeRO and FSDP share: the unit layout, the dtypes, the optimizer's step count, the
-    microbatches a unit's gradient still waits for, and the optimizer update on flat segments."""
+    backward pieces a unit's gradient still waits for, and the optimizer update on flat segments."""
 
-    def __init__(self, units_: Units, config, train, ledger, microbatches: int, lowp: bool = True):
+    def __init__(self, units_: Units, config, train, ledger, lowp: bool = True):
         self.units, self.config, self.train, self.ledger = units_, config, train, ledger
         self.dtypes = StateDtypes(config, train, lowp)
-        self.m, self.t = microbatches, 0
-        self.waiting: dict[str, int] = {}  # unit -> microbatches whose gradient is still to come
+        self.t = 0
+        self.waiting: dict[str, int] = {}  # unit -> backward pieces whose gradient is still to come
 
     def begin_step(self) -> None:
-        self.waiting = dict.fromkeys(self.units.names, self.m)
+        self.waiting = dict(self.units.backwards)
 
     def zeros(self, like, n: int, dtype=None):
         """(n,) zeros of `dtype` (default the gradients') in `like`'s namespace and device."""
         return backend.zeros(like, n, self.dtypes.grad if dtype is None else dtype)
 
     def last(self, unit: str) -> bool:
-        """Counts one microbatch of `unit` done; whether it was the step's last."""
+        """Counts one backward piece of `unit` done; whether it was the step's last."""
         self.waiting[unit] -= 1
         return self.waiting[unit] == 0
 
@@ -171,6 +188,25 @@ class Hooks:
         """(unit, first element, flat array) of the reduced gradient this rank keeps of each unit
         after `finish`: what the optimizer reads (DataParallel: whole units; Zero: its shards)."""
         raise NotImplementedError
+
+    def partial_sums(self, wte, segments: list, embedding, tp, copies=None, grads=None) -> None:
+        """After the backward, the sums over the ranks that each hold a part of one gradient: the
+        tied wte's (`wte`: this rank's view of its gradient, or None) over the embedding group,
+        DualPipe's two copies' over `copies` (`sum_copies`, each unit's gradient `grads(unit)`), and
+        the sequence-sharded region's (`segments`: (array, lo, hi) of each piece of its gradients
+        this rank keeps) coalesced into one all-reduce over tp."""
+        if embedding is not None and wte is not None:
+            wte[...] = embedding.all_reduce(wte, tag="wte.weight:tied-grad")
+        if copies is not None:
+            self.units.sum_copies(copies, grads)
+        if segments:
+            xp = array_namespace(segments[0][0])
+            summed = tp.all_reduce(xp.concat([a[lo:hi] for a, lo, hi in segments]),
+                                   tag="sp.replicated_grads:bwd")  # (Σ segments,)
+            at = 0
+            for a, lo, hi in segments:
+                a[lo:hi] = summed[at:at + hi - lo]
+                at += hi - lo
 
     def overflowed(self, comms: list) -> bool:
         """fp16 only (False otherwise, no message): whether any rank's gradients hold an inf or a

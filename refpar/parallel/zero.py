@@ -24,19 +24,17 @@ keep optimizer state for it:
   its backward (its loss gradient starts there), so they too are gathered twice on a stage that
   also holds the embedding, and once where the pipeline's last stage holds only the head.
 
-After the backward two partial sums run on the shards: the tied wte's over the mesh's embedding
-group (the first and the last stage shard it alike), and under sequence parallelism the segments
-of the sequence-sharded region's parameters inside this rank's shards, over tp (tp divides the
-heads, so every tp rank's unit has the same layout and its [a, b) holds the same elements).
+After the backward the partial sums run on the shards (`Hooks.partial_sums`): the tied wte's (the
+first and the last stage shard it alike), DualPipe's two copies' over the mirror group (ranks r
+and p-1-r hold the same units, sharded alike over the same replicas) and the sequence-sharded
+region's segments inside this rank's shards (tp divides the heads, so every tp rank's unit has the
+same layout).
 
-Mixed precision (bf16/fp16): the paper's own setting. The 16-bit parameters and gradients are what
-moves: gradients are reduce-scattered in their dtype, parameters all-gathered in 16 bits. Only the
-owner of a shard keeps its fp32 master weights (4Σs_u, "master") and moments (8Σs_u, "optimizer").
-With fp16 the ranks hold different gradient shards, so they agree on an overflow with one max
-all-reduce of a float32 flag, and all skip the step together. --fp32-grads (the Playbook's 20Ψ,
-partitioned as DeepSpeed does): stage 1 keeps the 16-bit and the fp32 gradients whole
-(BF16_Optimizer); from stage 2 a unit's 16-bit gradient lives from its backward to its
-reduce-scatter and only the fp32 shard stays.
+Mixed precision (bf16/fp16): the paper's own setting. Gradients are reduce-scattered in their
+dtype, parameters all-gathered in 16 bits; only the owner of a shard keeps its fp32 master weights
+and moments. With fp16 the ranks hold different gradient shards, so they agree on an overflow with
+one max all-reduce of a float32 flag and all skip the step together. --fp32-grads is partitioned
+as DeepSpeed does (analysis/memory.py gives each stage's bytes).
 """
 
 from __future__ import annotations
@@ -51,9 +49,9 @@ from refpar.parallel.units import Hooks, fold_grads
 class Zero(Hooks):
     """ZeRO stage 1, 2 or 3 over each unit's group; the hooks of refpar.parallel.pipeline.stage."""
 
-    def __init__(self, units_, config, train, ledger, params: dict, microbatches: int, stage: int,
+    def __init__(self, units_, config, train, ledger, params: dict, stage: int,
                  lowp: bool = True):
-        super().__init__(units_, config, train, ledger, microbatches, lowp)
+        super().__init__(units_, config, train, ledger, lowp)
         self.stage = stage
         u, dt = units_, self.dtypes
         full = {k: u.flatten(k, params) for k in u.names}  # drawn whole, then sliced
@@ -187,23 +185,15 @@ class Zero(Hooks):
         a, b = self.units.own[unit]
         return self.units.slice(unit, self.grads)[a:b] if self.stage == 1 else self.grad_shards[unit]
 
-    def finish(self, embedding=None, tp=None, sp_names=()) -> None:
-        """The partial sums on the shards (module docstring)."""
-        u = self.units
-        if embedding is not None and "wte" in u.names:
-            g = self.grad_shard("wte")
-            g[...] = embedding.all_reduce(g, tag="wte.weight:tied-grad")
-        names = set(sp_names)
-        pieces = [(k, lo - a, hi - a) for k, (a, b) in u.own.items() for n, lo, hi in u.segments(k, a, b)
-                  if n in names]
-        if pieces:  # the same on every tp rank
-            xp = array_namespace(self.like)
-            flat = tp.all_reduce(xp.concat([self.grad_shard(k)[lo:hi] for k, lo, hi in pieces]),
-                                 tag="sp.replicated_grads:bwd")  # (Σ segments,)
-            at = 0
-            for k, lo, hi in pieces:
-                self.grad_shard(k)[lo:hi] = flat[at:at + hi - lo]
-                at += hi - lo
+    def finish(self, embedding=None, tp=None, sp_names=(), copies=None) -> None:
+        """The partial sums on the shards (module docstring); `copies`: DualPipe's mirror rank, whose
+        copy of the same parts (sharded alike over the same group) has the other gradients."""
+        u, names = self.units, set(sp_names)
+        wte = self.grad_shard("wte") if "wte" in u.names else None
+        # the segments inside this rank's shards: the same on every tp rank
+        segments = [(self.grad_shard(k), lo - a, hi - a) for k, (a, b) in u.own.items()
+                    for n, lo, hi in u.segments(k, a, b) if n in names]
+        self.partial_sums(wte, segments, embedding, tp, copies, self.grad_shard)
 
     # ------------------------------------------------------------------------------- optimizer
     def held_grads(self) -> list:

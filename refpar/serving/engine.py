@@ -29,17 +29,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.holdings import stage_layers
+from refpar.holdings import stage_layers, stage_param_names
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import NO_DROPOUT
 from refpar.model.layers import layernorm_forward
-from refpar.parallel.tensor_parallel import (
-    check_tp,
-    parallel_block_forward,
-    shard_params_tp,
-    tp_layout,
-    vocab_parallel_embedding_forward,
-)
+from refpar.parallel.tensor_parallel import check_tp, parallel_block_forward, shard_params_tp, tp_layout
+from refpar.parallel.vocab_parallel import vocab_parallel_embedding_forward
 from refpar.serving.kv_cache import CachedAttention, KVCache
 from refpar.serving.requests import Request, check_requests
 from refpar.serving.sampling import Sampling, sample_token
@@ -92,12 +87,8 @@ def check_serving(config: ModelConfig, sizes: dict, max_batch: int) -> None:
 
 def local_params(full: dict, config: ModelConfig, sm: ServeMesh) -> dict:
     """This rank's weights: its tp slice of the parameters its pipeline stage uses."""
-    tp = shard_params_tp(full, config, sm.sizes["tp"], sm.coords["tp"])
-    layers = stage_layers(config.n_layer, sm.sizes["pp"], sm.stage)
-    ends = (("wte.weight", "wpe.weight") if sm.stage == 0 else ()) + \
-        (("wte.weight", "ln_f.weight", "ln_f.bias") if sm.last_stage else ())
-    return {name: w for name, w in tp.items()
-            if name in ends or (name.startswith("h.") and int(name.split(".")[1]) in layers)}
+    names = stage_param_names(config, sm.sizes["pp"], sm.stage)
+    return shard_params_tp({n: full[n] for n in names}, config, sm.sizes["tp"], sm.coords["tp"])
 
 
 @dataclass

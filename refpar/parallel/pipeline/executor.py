@@ -10,6 +10,12 @@ Each rank walks `schedule[rank]` in order and does what each action says:
              half of the backward, free the forward cache, isend dx to stage s-1; without a W for
              (s, i) it also runs the weight half
     W(s, i)  the weight half: weight gradients from what B kept, then free that
+    F&B      DualPipe's overlapped pair (schedules.overlapped): its F, then its B, one after the
+             other (overlapping them is the simulator's `Costs.overlap="max"`, not done here)
+
+"Stage s+1" and "s-1" are the neighbours within s's copy of the model (schedules.Layout.part): in a
+V the stage after p-1 is p on the same rank, whose output is handed over without a message; in
+DualPipe stage p-1 ends copy 0 and stage p starts copy 1.
 
 Every receive is posted (irecv) when the step starts, every send is an isend, so transfers overlap
 compute; a message's tag names what moves, e.g. "pp:act:s1:mb3" (stage 1's output of microbatch 3)
@@ -57,11 +63,6 @@ class Microbatch:
     sample_ids: tuple[int, ...]  # global ids of the b rows: they key the dropout masks
 
 
-def _root(a):
-    """The array that owns the buffer `a` views (NumPy, torch or CuPy)."""
-    return backend.owner(a)
-
-
 def held_bytes(obj, params) -> int:
     """Bytes of the distinct buffers a cache keeps alive: every array is traced to the buffer it
     views, each buffer counts once, and parameters never (`params`: the parameters, a dict, or the
@@ -71,7 +72,7 @@ def held_bytes(obj, params) -> int:
     parameter's own buffer (a linear layer's cache holds its weight) does not count either."""
     arrays = list(params.values()) if isinstance(params, dict) else list(params)
     names = set(params) if isinstance(params, dict) else set()  # a dict of them is not looked into
-    exclude = {id(_root(p)) for p in arrays}
+    exclude = {id(backend.owner(p)) for p in arrays}
     roots: dict[int, int] = {}
     stack = [obj]
     while stack:
@@ -82,7 +83,7 @@ def held_bytes(obj, params) -> int:
             if not (names and item.keys() <= names):
                 stack.extend(item.values())
         elif backend.is_array(item):
-            root = _root(item)
+            root = backend.owner(item)
             if id(root) not in exclude:
                 roots[id(root)] = nbytes_of(root)
     return sum(roots.values())
@@ -96,7 +97,7 @@ def _now() -> float:
 
 class PipelineExecutor:
     """Runs `schedule[pp.rank]`; `pp` is the pipeline axis's Communicator (rank = pipeline rank).
-    `make_stage(stage, n_stages)` builds each stage this rank holds (pipeline/stage.py); `tokens`
+    `make_stage(stage, layout)` builds each stage this rank holds (pipeline/stage.py); `tokens`
     is the residual stream's tokens per row on this rank (Tl), the length of what arrives; `like`
     an array of the run's backend and dtype (receives arrive in its namespace, on its device);
     `buffers` the arrays the parameters live in (no activation)."""
@@ -110,9 +111,7 @@ class PipelineExecutor:
         self.layout = validate(schedule)
         self.rank = pp.rank
         self.row = schedule[self.rank]
-        n_stages = self.layout.n_stages
-        self.stages = {s: make_stage(s, n_stages) for s, r in self.layout.stage_rank.items()
-                       if r == self.rank}
+        self.stages = {s: make_stage(s, self.layout) for s in self.layout.stages_of(self.rank)}
         self.tokens, self.like, self.buffers = tokens, like, buffers
         self.ledger = ledger if ledger is not None else MemoryLedger()
         self.slots: list[Slot] = []
@@ -122,16 +121,15 @@ class PipelineExecutor:
 
     def _messages(self) -> list[tuple[Action, int, int, str]]:
         """Every transfer of a step as (producing action, src rank, dst rank, tag)."""
-        where = self.layout.stage_rank
+        lay = self.layout
+        where, last = lay.stage_rank, lay.stages_per_copy - 1
         out = []
         for row in self.schedule.values():
-            for a in row:
-                if a is None:
-                    continue
-                if a.kind == "F" and a.stage + 1 < self.layout.n_stages:
+            for a in (c for x in row if x is not None for c in x.computations()):
+                if a.kind == "F" and lay.part(a.stage) < last:
                     out.append((a, where[a.stage], where[a.stage + 1],
                                 f"pp:act:s{a.stage}:mb{a.microbatch}"))
-                elif a.kind == "B" and a.stage > 0:
+                elif a.kind == "B" and lay.part(a.stage) > 0:
                     out.append((a, where[a.stage], where[a.stage - 1],
                                 f"pp:grad:s{a.stage}:mb{a.microbatch}"))
         return [msg for msg in out if msg[1] != msg[2]]
@@ -189,9 +187,9 @@ class PipelineExecutor:
             else:
                 sends.append(self.pp.isend(out, where[to_stage], self._tags[a]))
 
-        for tick, a in enumerate(self.row):
-            if a is None:
-                continue
+        def run(a: Action) -> tuple[float, float]:
+            """One F, B or W; its compute's start and end."""
+            nonlocal loss
             stage, i, mb = self.stages[a.stage], a.microbatch, microbatches[a.microbatch]
             key = f"{a.stage}:{i}"
             phase = {"F": "fwd", "B": "bwd", "W": "wgrad"}[a.kind]
@@ -225,7 +223,13 @@ class PipelineExecutor:
                     stage.backward_weight(saved.pop(key))
                     end = _now()
                     self.ledger.free(f"wact:{key}")
-            self.slots.append(Slot(self.rank, tick, a, start, end))
+            return start, end
+
+        for tick, a in enumerate(self.row):
+            if a is None:
+                continue
+            times = [run(c) for c in a.computations()]  # an F&B: its F, then its B
+            self.slots.append(Slot(self.rank, tick, a, times[0][0], times[-1][1]))
         for request in sends:
             request.wait()
         return loss

@@ -3,8 +3,10 @@ the first stage and ln_f plus the tied LM head on the last. No communication of 
 is the pieces' (tensor, sequence, context and expert parallelism) and the hooks'.
 
 Legend: B microbatch rows, T sequence, Tl this rank's tokens of the residual stream (T, or its cp
-and sp share), C channels, V vocab. S stages in all (p ranks x v chunks); stage s holds blocks
-shard_range(L, S, s), so stage = chunk * p + rank holds layers that follow the previous stage's.
+and sp share), C channels, V vocab. The schedule cuts the model into P parts (its p x v stages;
+DualPipe's p, twice: schedules.Layout.part); part k holds blocks shard_range(L, P, k), so a loop's
+stage = chunk * p + rank, and a V's stages r and 2p-1-r, hold layers that follow the previous
+stage's.
 
 Each stage runs the three actions of a schedule:
 
@@ -52,15 +54,14 @@ from refpar.model.gpt import (
     split_heads,
 )
 from refpar.model.layers import cross_entropy_backward, dropout_backward, gelu_backward, layernorm_backward
-from refpar.parallel.tensor_parallel import (
-    parallel_block_backward,
-    parallel_block_forward,
+from refpar.parallel.tensor_parallel import parallel_block_backward, parallel_block_forward
+from refpar.parallel.units import attach, detach
+from refpar.parallel.vocab_parallel import (
     vocab_parallel_embedding_backward,
     vocab_parallel_embedding_forward,
     vocab_parallel_head_backward,
     vocab_parallel_head_forward,
 )
-from refpar.parallel.units import attach, detach
 from refpar.precision import fp32_compute
 
 
@@ -83,19 +84,20 @@ def _linear_dw(x, dout):
 
 
 class Stage:
-    """Stage `stage` of `n_stages` of the model `config`; `units` the unit keys this rank holds of
-    it (refpar/holdings.py), `hooks` its data-parallel strategy, `lay` its tensor_parallel.Layout
+    """Part `part` of the model `config` cut in `n_parts` (the stage's schedules.Layout.part); `units`
+    the unit keys this rank holds of it (refpar/holdings.py), `hooks` its data-parallel strategy,
+    `lay` its tensor_parallel.Layout
     (None: the model's own layers), `moe` the expert-parallel layer of its MoE blocks. A MoE stage
     routes each microbatch with `runs[sample ids]` (expert_parallel.RoutingRuns) and files its
     blocks' routing under the microbatch's sample ids in `routings` (shared by the rank's stages)."""
 
-    def __init__(self, config, n_stages: int, stage: int, units: list[str], hooks, lay=None, moe=None,
+    def __init__(self, config, n_parts: int, part: int, units: list[str], hooks, lay=None, moe=None,
                  runs=None, routings=None):
-        self.config, self.n_stages, self.stage, self.hooks, self.lay = config, n_stages, stage, hooks, lay
+        self.config, self.part, self.hooks, self.lay = config, part, hooks, lay
         self.moe, self.runs, self.routings = moe, runs, routings
         self.dloss = 1.0  # where the last stage's backward starts: 1, or an fp16 run's loss scale
-        self.layers = stage_layers(config.n_layer, n_stages, stage)
-        self.first, self.last = stage == 0, stage == n_stages - 1
+        self.layers = stage_layers(config.n_layer, n_parts, part)
+        self.first, self.last = part == 0, part == n_parts - 1
         self.ends = tuple(u for u in ENDS if u in units)
         self.blocks = {i: tuple(u for u in (f"h.{i}", f"h.{i}.experts") if u in units) for i in self.layers}
 
@@ -108,7 +110,7 @@ class Stage:
 
     def _acquire(self, j: int, pieces: list, phase: str, mb: int):
         following = pieces[j + 1] if j + 1 < len(pieces) else ()
-        return self.hooks.acquire(pieces[j], phase, (self.stage, mb), following)
+        return self.hooks.acquire(pieces[j], phase, (self.part, mb), following)
 
     # -- F --------------------------------------------------------------------------------------
     def forward(self, x, targets, drop: DropoutContext, normalizer, mb: int = 0):
@@ -125,7 +127,7 @@ class Stage:
                           vocab_parallel_embedding_forward(x[:, lay.region_pos], p, lay, drop))  # (B, Tl, C)
             c_embed = detach(c_embed, bases)
             del p, bases  # no reference left, so a gathered unit is really freed
-            hooks.release(self.ends, "embed:fwd", (self.stage, mb))
+            hooks.release(self.ends, "embed:fwd", (self.part, mb))
             j += 1
         c_blocks = []
         for layer in self.layers:
@@ -134,7 +136,7 @@ class Stage:
                     parallel_block_forward(x, p, layer, lay, drop, self.moe))  # (B, Tl, C)
             c_blocks.append(detach(c, bases))
             del p, bases, c
-            hooks.release(self.blocks[layer], "fwd", (self.stage, mb))
+            hooks.release(self.blocks[layer], "fwd", (self.part, mb))
             j += 1
         if self.last:
             p, bases = self._acquire(j, pieces, "head:fwd", mb)
@@ -142,7 +144,7 @@ class Stage:
                          vocab_parallel_head_forward(x, p, targets[:, lay.region_pos], lay, normalizer))
             c_head = detach(c_head, bases)
             del p, bases
-            hooks.release(self.ends, "head:fwd", (self.stage, mb))
+            hooks.release(self.ends, "head:fwd", (self.part, mb))
         if self.moe is not None:
             for layer in self.layers:
                 if layer in self.config.moe_blocks:
@@ -155,7 +157,7 @@ class Stage:
         loss starts it). Returns dx (B, Tl, C), None on the first stage, and what W needs (nothing
         with `weight`, or with tensor-parallel pieces: their weight gradients are given already)."""
         c_embed, c_blocks, c_head = cache
-        hooks, pieces, hold = self.hooks, self._pieces(False), (self.stage, mb)
+        hooks, pieces, hold = self.hooks, self._pieces(False), (self.part, mb)
         now = weight or self.lay is not None
         saved = []  # (units it completes, what the weight half needs), in backward order
 

@@ -1,6 +1,6 @@
 """Every collective and algorithm against NumPy, and every traced byte against refpar.comm.cost.
 
-    mpiexec -n 4 python tests/comm_checks.py [hypothesis_examples]
+    mpiexec -n 4 python tests/jobs/comm_checks.py [hypothesis_examples]
 
 Run by tests/test_comm.py with 2, 3, 4, 5 and 8 ranks. Each rank builds every rank's input from
 (case, rank), so it computes the expected result itself with NumPy; the collective under test is

@@ -1,6 +1,6 @@
 """Expert parallelism against the single device, run under mpiexec by tests/test_expert_parallel.py.
 
-    mpiexec -n 4 python tests/ep_check.py "ep=4" "dp=2,ep=2"
+    mpiexec -n 4 python tests/jobs/ep_check.py "ep=4" "dp=2,ep=2"
 
 For every mesh given and every routing case below: train a few AdamW steps with expert parallelism
 and on one device (float64), and print one JSON line per run from rank 0 with the largest loss and

@@ -13,7 +13,7 @@ Comparison (`compare`): the text between numbers must be equal; integers (bytes,
 must be equal; other numbers must agree to `REL_TOL` relative (or `ABS_TOL` absolute, so rounding
 noise like 1e-16 vs 2e-16 passes): float64 losses, printed to 4 or more digits, to 1e-10, the
 float64 contract (DESIGN.md, "Numerics"): another CPU's BLAS kernel sums in another order.
-Exercises and their checkers: refpar/lesson_checks.py.
+Exercises and their checkers: lessons/checks.py.
 """
 
 from __future__ import annotations

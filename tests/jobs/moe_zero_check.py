@@ -1,7 +1,7 @@
 """ZeRO-1/2/3 and FSDP in MoE runs (refpar/parallel/zero.py and fsdp.py over each unit's replica
 group), run under mpiexec -n 4 by tests/test_moe_zero.py.
 
-    mpiexec -n 4 python tests/moe_zero_check.py /tmp/checkpoints
+    mpiexec -n 4 python tests/jobs/moe_zero_check.py /tmp/checkpoints
 
 Prints one JSON line per run from rank 0. Training runs: the largest loss and parameter
 differences from the single device with the same microbatches, whether the routing is the
@@ -26,7 +26,7 @@ from refpar.engine import train as train_engine
 from refpar.engine.report import full_params
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
-from tests.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, resume_row
+from tests.jobs.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, resume_row
 from tests.numerics import rel_diff
 
 # (mesh, zero, fsdp, schedule, chunks, precision[, cp_algo[, sp]]): every run 2 microbatches

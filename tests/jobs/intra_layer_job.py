@@ -1,7 +1,7 @@
 """One MPI job that trains several tp / sp / cp / dp layouts and checks each against the single
 device and the closed forms; rank 0 prints one JSON line per layout. Run by tests/test_intra_layer.py:
 
-    mpiexec -n 2 python tests/intra_layer_job.py '[{"mesh": {"tp": 2}, "sp": true, "seq_len": 15}]'
+    mpiexec -n 2 python tests/jobs/intra_layer_job.py '[{"mesh": {"tp": 2}, "sp": true, "seq_len": 15}]'
 
 A spec may set "model": {"dtype": "bfloat16"} (mixed precision: compared with the single-device
 bfloat16 run) and "force_overflow": [world rank, step], which makes that rank alone find an inf in
@@ -97,7 +97,7 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     out["memory"] = dict(par.ledger.peak)
     out["memory_expected"] = expected
     # the largest gradient dict a backward piece hands over: one block's (of this rank's shards)
-    numels = rank_param_numels(model, mesh.sizes, mesh.coords, 1)
+    numels = rank_param_numels(model, mesh.sizes, mesh.coords, plan)
     out["block_grad_elems"] = sum(n for name, n in numels.items() if name.startswith("h.0."))
     out["losses"], out["reference_losses"] = losses, ref.losses
     # fp16 loss scaling: what each rank skipped, and a digest of the parameters every tp rank holds

@@ -1,7 +1,7 @@
 """MoE with expert tensor parallelism (mesh pp x dp x ep x tp, and --sp; with cp too), run under mpiexec by
 tests/test_moe_tp.py.
 
-    mpiexec -n 4 python tests/moe_tp_check.py /tmp/checkpoints
+    mpiexec -n 4 python tests/jobs/moe_tp_check.py /tmp/checkpoints
 
 Prints one JSON line per run from rank 0. Training runs: the largest loss and parameter (gathered
 over tp) differences from the single-device reference of the same precision with the same
@@ -33,7 +33,7 @@ from refpar.mesh import DeviceMesh
 from refpar.model.gpt import param_shapes
 from refpar.parallel.tensor_parallel import shard_params_tp
 from refpar.trainer import train_single_device
-from tests.moe_pipeline_check import emit, plan_of, resume_row, train
+from tests.jobs.moe_pipeline_check import emit, plan_of, resume_row, train
 from tests.numerics import rel_diff
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,

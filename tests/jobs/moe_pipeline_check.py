@@ -1,9 +1,9 @@
 """MoE in pipeline stages and MoE checkpoints, run under mpiexec by tests/test_moe_pipeline.py.
 
-    mpiexec -n 4 python tests/moe_pipeline_check.py /tmp/checkpoints
+    mpiexec -n 4 python tests/jobs/moe_pipeline_check.py /tmp/checkpoints
 
-Prints one JSON line per run from rank 0. Training runs (pp x dp x ep meshes and schedules, and the
-dp x ep runner with microbatches): the largest loss and parameter differences from the
+Prints one JSON line per run from rank 0. Training runs (pp x dp x ep meshes and schedules, and a
+dp x ep mesh without a pipeline, with microbatches): the largest loss and parameter differences from the
 single-device reference with the same microbatches, whether the routing statistics (dropped
 assignments, tokens per expert, per block) and the aux losses are the reference's, whether every
 step's traced bytes per (axis, op) and the params/grads/optimizer peaks (and in the pipelines the

@@ -1,9 +1,9 @@
 """One MPI job that trains several strategies on a chosen backend and compares each with the NumPy
 single-device run; rank 0 prints one JSON line per strategy. Run by tests/test_backends.py:
 
-    mpiexec -n 2 python tests/backend_job.py torch,array-api-strict '["zero3", "tp_sp", "pp_1f1b", "ep"]'
-    mpiexec -n 8 python tests/backend_job.py torch '["3d"]'
-    mpiexec -n 2 python tests/backend_job.py torch '["tp_sp"]' torch.distributed   # the transport
+    mpiexec -n 2 python tests/jobs/backend_job.py torch,array-api-strict '["zero3", "tp_sp", "pp_1f1b", "ep"]'
+    mpiexec -n 8 python tests/jobs/backend_job.py torch '["3d"]'
+    mpiexec -n 2 python tests/jobs/backend_job.py torch '["tp_sp"]' torch.distributed   # the transport
 
 On a GPU machine benchmarks/gpu_check.py runs it with `torch:cuda` and `cupy`.
 """

@@ -1,4 +1,4 @@
-"""Run by tests/test_pipeline_executor.py under `mpiexec -n P python tests/pipeline_checks.py CASES`:
+"""Run by tests/test_pipeline_executor.py under `mpiexec -n P python tests/jobs/pipeline_checks.py CASES`:
 trains with every schedule in CASES on a pp=P mesh and prints, on rank 0, one JSON line per case
 with the differences from the single-device run, the activation peaks next to the closed form (the
 replay of the schedule, refpar/analysis/engine.py), and the measured, simulated and bounding times

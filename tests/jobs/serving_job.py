@@ -1,6 +1,6 @@
 """Serving on 4 ranks under several meshes, one MPI job (tests/test_serving.py runs it):
 
-    mpiexec -n 4 python tests/serving_job.py
+    mpiexec -n 4 python tests/jobs/serving_job.py
 
 Rank 0 prints one JSON line per mesh with what the test asserts."""
 

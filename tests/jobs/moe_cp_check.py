@@ -1,10 +1,10 @@
 """MoE with context parallelism (refpar/engine on pp x dp x ep x cp), run under mpiexec by
 tests/test_moe_cp.py.
 
-    mpiexec -n 4 python tests/moe_cp_check.py /tmp/checkpoints
+    mpiexec -n 4 python tests/jobs/moe_cp_check.py /tmp/checkpoints
 
 Prints one JSON line per run from rank 0. Training runs (ep x cp ring, dp x cp Ulysses, pp x cp
-ring, each with 2 microbatches): tests/moe_pipeline_check.check_run's comparison with the
+ring, each with 2 microbatches): tests/jobs/moe_pipeline_check.check_run's comparison with the
 single device (losses, parameters, aux losses, the routing of every block) and its closed-form
 checks of every step's bytes and the params/grads/optimizer peaks. Checkpoint runs: 4 steps under
 ep=2,cp=2 (ring), saved after step 2; resumed from there under the same mesh (losses and
@@ -20,7 +20,15 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import parse_mesh
 from refpar.mesh import DeviceMesh
-from tests.moe_pipeline_check import MODEL, TRAIN, check_run, emit, reassembles_exactly, resume_row, train
+from tests.jobs.moe_pipeline_check import (
+    MODEL,
+    TRAIN,
+    check_run,
+    emit,
+    reassembles_exactly,
+    resume_row,
+    train,
+)
 
 # (mesh, schedule, microbatches, chunks, model changes, cp algorithm)
 RUNS = [

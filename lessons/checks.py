@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar.lessons import LESSONS, ROOT, argv, command_env
+from lessons.course import LESSONS, ROOT, argv, command_env
+from refpar.config import ConfigError
 from refpar.sharding import shard_range
 
 WAIT_S = 20  # seconds a rank of an exercise may wait for a message before it is told why
@@ -195,6 +196,10 @@ def check_05(mod, comm) -> str:
 
 
 # ------------------------------------------------------------------------------------- 06
+V_CSV = "06_v_schedule.csv"  # part 2 of exercise 6, next to the Python file
+V_RANKS, V_MICROBATCHES = 2, 4
+
+
 def check_06(mod, comm) -> str:
     from refpar.parallel.pipeline import schedules as S
 
@@ -210,7 +215,45 @@ def check_06(mod, comm) -> str:
                 raise Wrong(f"one_f_one_b_peak({p}, {m}, rank={rank}) = "
                             f"{mod.one_f_one_b_peak(p, m, rank)}, but rank {rank} of a 1F1B "
                             f"schedule holds at most {peaks[rank]} microbatches' activations")
-    return "gpipe_bubble and one_f_one_b_peak agree with refpar's simulated schedules"
+    return ("gpipe_bubble and one_f_one_b_peak agree with refpar's simulated schedules; "
+            + _check_v_schedule(Path(mod.__file__).with_name(V_CSV)))
+
+
+def _check_v_schedule(path: Path) -> str:
+    """Part 2: a zero-bubble V schedule for p = 2, m = 4, written by hand in torch's CSV."""
+    from refpar.parallel.pipeline import schedules as S
+    from refpar.parallel.pipeline.schedules_v import v_placement
+
+    p, m = V_RANKS, V_MICROBATCHES
+    shown = _shown(path)
+    if not path.exists():
+        raise Wrong(f"part 2 goes in {shown}, next to your Python file: a V schedule as a CSV")
+    text = path.read_text()
+    if not text.strip():
+        raise NotImplementedError(f"write part 2, {shown} (a V schedule for p={p} ranks and m={m} "
+                                  "microbatches as torch's CSV, one row per rank), next to part 1")
+    try:
+        schedule = S.from_csv(text)
+        lay = S.validate(schedule)
+    except S.ScheduleError as err:
+        raise Wrong(f"{err} (refpar schedule --from-csv {shown} marks it in the grid)") from None
+    if len(schedule) != p or lay.stage_rank != v_placement(p) or lay.n_microbatches != m:
+        where = ", ".join(f"stage {s} on rank {r}" for s, r in sorted(lay.stage_rank.items()))
+        raise Wrong(f"{shown} has {where} and {lay.n_microbatches} microbatches; the V puts stages 0 "
+                    f"and 3 on rank 0, 1 and 2 on rank 1, and runs m={m} microbatches")
+    timeline = S.simulate(schedule, S.Costs(1, 1, 1))
+    for rank in range(p):
+        idle = timeline.inner_idle_time(rank)
+        if idle:
+            raise Wrong(f"rank {rank} idles {idle:g} tick{'s' * (idle != 1)} between its first and its "
+                        "last action (every pass 1 tick); split each backward into I and W and put a W "
+                        "where the rank would wait")
+    peak = max(S.peak_inflight_microbatches(schedule).values())
+    if peak > 2 * p:
+        raise Wrong(f"a rank holds {peak} stage-microbatches at once; 1F1B's memory is {2 * p} of these "
+                    "half stages: run a microbatch's B and W sooner")
+    return (f"your V schedule validates, holds at most {peak} stage-microbatches per rank and never "
+            "idles between a rank's first and last action")
 
 
 # ------------------------------------------------------------------------------------- 07
@@ -320,8 +363,6 @@ EXERCISES = {e.number: e for e in (
 
 def exercise(n: int) -> Exercise:
     if n not in EXERCISES:
-        from refpar.config import ConfigError
-
         raise ConfigError(f"lesson {n} has no exercise; exercises: {', '.join(map(str, EXERCISES))}")
     return EXERCISES[n]
 
@@ -363,8 +404,6 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
     ex = exercise(n)
     path = Path(path) if path else LESSONS / "exercises" / ex.file
     if not path.is_file() or path.suffix != ".py":
-        from refpar.config import ConfigError
-
         what = "is not a Python file (.py)" if path.is_file() else \
             "is a directory" if path.is_dir() else "does not exist"
         raise ConfigError(f"{path} {what}; give --file PATH to your copy of {ex.file}")
@@ -390,8 +429,6 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
 
         comm = world()
         if comm.size != ex.ranks:
-            from refpar.config import ConfigError
-
             raise ConfigError(f"lesson {n}'s exercise runs on {ex.ranks} ranks, not {comm.size}; "
                               f"run refpar lesson check {n} without mpiexec")
     ok, sentence = _verdict(ex, path, comm)

@@ -1,7 +1,7 @@
 """Checkpoints of mixed-precision DP, ZeRO and FSDP runs, resumed on the same mesh, another dp size
 and one process.
 
-    mpiexec -n 3 python tests/mixed_resume_job.py DIR
+    mpiexec -n 3 python tests/jobs/mixed_resume_job.py DIR
 
 Run by tests/test_mixed_precision_dp.py on 3 ranks. For each case (bf16-mixed ZeRO-3; fp16-mixed
 ZeRO-1 whose loss scale starts too high, so steps are skipped and the scale moves across the save;

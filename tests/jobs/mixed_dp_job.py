@@ -1,6 +1,6 @@
 """DP, ZeRO-1/2/3 and FSDP in mixed precision against the ZeRO paper's forms and one device.
 
-    mpiexec -n 3 python tests/mixed_dp_job.py
+    mpiexec -n 3 python tests/jobs/mixed_dp_job.py
 
 Run by tests/test_mixed_precision_dp.py on 3 ranks, so every unit splits unevenly. For each run
 (bf16-mixed, bf16-mixed with fp32 gradients, fp16-mixed; an fp16 run whose loss scale starts too
