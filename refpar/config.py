@@ -17,6 +17,7 @@ DTYPES = ("float64", "float32", "bfloat16", "float16")  # the last two: mixed pr
 MAX_RUN_BYTES = 1 << 40  # 1 TiB: no run of refpar's holds its parameters or a step's logits in more
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")  # refpar/model/optim.py learning_rate
+RECOMPUTE = ("none", "selective", "full")  # refpar/parallel/recompute.py; the planner prices each
 
 
 class ConfigError(ValueError):
@@ -285,6 +286,7 @@ class Plan:
     bucket_elems: int = 1 << 62  # DP: the gradient all-reduce bucket cap, in elements
     overlap: bool = False  # DP: buckets all-reduced as ring rounds interleaved with the backward
     schedule_csv: str | None = None  # a schedule of one's own instead: the text of torch's schedule CSV
+    recompute: str = "none"  # none, selective or full: what a block reruns (refpar/parallel/recompute.py)
 
     @property
     def kind(self) -> str:

@@ -85,6 +85,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     """The strategies' options beyond the mesh: data parallelism, tp/sp/cp and the pipeline."""
+    from refpar.config import RECOMPUTE
     from refpar.parallel.pipeline.schedules import BUILDERS
 
     add = parser.add_argument
@@ -99,6 +100,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     add("--bucket-kb", type=float, default=None,
         help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
     add("--sp", action="store_true", help="TP: Megatron sequence parallelism over the tp axis")
+    add("--recompute", default="none", choices=RECOMPUTE,
+        help="activations rebuilt in the backward: selective (the attention core) or full (each block "
+             "from its input); default none")
     add("--cp-algo", default=None, choices=("ring", "ulysses"),
         help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
     add("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
@@ -237,7 +241,8 @@ def plan_of(args, sizes: dict[str, int], model):
     return Plan(schedule=args.schedule, schedule_csv=csv, microbatches=args.microbatches, chunks=args.chunks,
                 sp=args.sp,
                 cp_algo=args.cp_algo, zero=args.zero, fsdp=args.fsdp, prefetch=args.prefetch,
-                reshard_after_forward=args.reshard_after_forward, bucket_elems=bucket, overlap=args.overlap)
+                reshard_after_forward=args.reshard_after_forward, bucket_elems=bucket, overlap=args.overlap,
+                recompute=args.recompute)
 
 
 def run(args) -> int:

@@ -12,7 +12,9 @@ before it:
                 without any of them: the model's own layers, backward split for zero-bubble schedules
  2. MoE layer   expert parallelism over ep (its routing over the mesh's `data` group) and expert
                 tensor parallelism over tp, in the MoE blocks; each microbatch's token runs
- 3. pipeline    the schedule as data, the stages this pp rank runs (one Stage class)
+ 3. pipeline    the schedule as data, the stages this pp rank runs (one Stage class), what their
+                blocks keep for the backward and rerun in it (--recompute; the attention core
+                under "selective" wraps the layout's)
  4. parameters  drawn whole on the host, sliced by pp (the stages'), ep (this rank's experts) and
                 tp (tensor_parallel's slices), moved to the run's backend
  5. data        each unit's replica group (dp x cp; a MoE model's dense weights dp x ep x cp)
@@ -23,7 +25,7 @@ before it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from refpar import backend
 from refpar.config import ModelConfig, Plan, TrainConfig
@@ -46,6 +48,7 @@ from refpar.parallel.fsdp import FSDP
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.schedules import layout, of_plan
 from refpar.parallel.pipeline.stage import Stage
+from refpar.parallel.recompute import Recompute, SelectiveAttention
 from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
 from refpar.parallel.tensor_parallel import shard_params_tp, tp_layout
 from refpar.parallel.units import Units
@@ -162,10 +165,15 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     else:
         hooks = DataParallel(units, model, train, ledger, params, plan.bucket_elems, plan.overlap, lowp)
     routings: dict = {}
+    # recomputation: what a block keeps and reruns (refpar/parallel/recompute.py)
+    recompute = (None if plan.recompute == "none" else
+                 Recompute(plan.recompute, ledger, hooks.buffers(), mesh.world.tracer))
+    if recompute is not None and recompute.mode == "selective" and lay is not None:
+        lay = replace(lay, attention=SelectiveAttention(lay.attention, recompute))
 
     def make_stage(s: int, pipe) -> Stage:
         return Stage(model, pipe.stages_per_copy, pipe.part(s), units.of_stage[s], hooks, lay, moe, runs,
-                     routings)
+                     routings, recompute)
 
     tokens = train.seq_len if lay is None else len(lay.resid_pos)
     like = next(iter(params.values()))
