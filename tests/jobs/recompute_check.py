@@ -15,9 +15,9 @@ import json
 import numpy as np
 
 from refpar.analysis.engine import activation_peak
-from refpar.commands.verify import judge
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
+from refpar.commands.verify import judge
 from refpar.config import RECOMPUTE, TrainConfig, model_preset
 from refpar.engine import Plan
 from refpar.engine.report import _kept, collect, full_params
@@ -45,7 +45,8 @@ def main() -> None:
     comm = world(Tracer())
     for case in CASES:
         model = model_preset("tiny", **({"moe_experts": 4, "moe_top_k": 2} if case["moe"] else {}))
-        ref = train_single_device(model, TRAIN, microbatches=case["plan"]["microbatches"]) if comm.rank == 0 else None
+        m = case["plan"]["microbatches"]
+        ref = train_single_device(model, TRAIN, microbatches=m) if comm.rank == 0 else None
         base = None
         for mode in RECOMPUTE:
             comm.tracer.clear()
