@@ -119,7 +119,7 @@ def step_seconds(torch, model, params, batch: int, seq: int, steps: int, dtype) 
         torch.cuda.synchronize()
         start = time.perf_counter()
         _, grads = loss_and_grads(params, tokens, targets, model, step=step, training=False)
-        params, state = optimizer_step(params, grads, state, train)
+        params, state = optimizer_step(params, grads, state, train, lr=train.lr)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return sorted(times[1:])[len(times[1:]) // 2]

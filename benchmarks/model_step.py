@@ -59,7 +59,8 @@ def refpar_step_time(config, train, tokens, targets):
 
     def step():
         _, grads = loss_and_grads(state["params"], tokens, targets, config, seed=train.seed)
-        state["params"], state["opt"] = optimizer_step(state["params"], grads, state["opt"], train)
+        state["params"], state["opt"] = optimizer_step(state["params"], grads, state["opt"], train,
+                                                       lr=train.lr)
 
     return median_time(step, ARGS.repeats)
 

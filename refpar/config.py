@@ -16,6 +16,8 @@ from refpar.precision import PRECISIONS
 DTYPES = ("float64", "float32", "bfloat16", "float16")  # the last two: mixed precision
 MAX_RUN_BYTES = 1 << 40  # 1 TiB: no run of refpar's holds its parameters or a step's logits in more
 OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")  # refpar/model/optim.py learning_rate
+RECOMPUTE = ("none", "selective", "full")  # refpar/parallel/recompute.py; the planner prices each
 
 
 class ConfigError(ValueError):
@@ -124,6 +126,13 @@ class TrainConfig:
     fp32_grads: bool = False  # accumulate gradients in fp32 instead of the 16-bit dtype
     loss_scale: float | None = None  # fp16: the initial dynamic loss scale (None: 2^16)
     loss_scale_window: int | None = None  # fp16: good steps before the scale doubles (None: 1000)
+    # Production training (refpar/model/optim.py):
+    clip_grad_norm: float = 0.0  # clip the gradients to this global L2 norm; 0: no clipping
+    lr_schedule: str = "constant"  # constant, cosine, linear or wsd (optim.learning_rate)
+    warmup_steps: int = 0  # steps of linear warmup to lr
+    min_lr: float = 0.0  # where cosine, linear and wsd decay to, at the last step
+    wsd_decay_steps: int | None = None  # wsd: steps of its final decay (None: a fifth after warmup)
+    decay_all: bool = False  # weight decay on every tensor, not only matrices and embeddings
 
     def __post_init__(self) -> None:
         _require_positive("TrainConfig", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
@@ -139,6 +148,32 @@ class TrainConfig:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed} must be a non-negative integer")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """--clip-grad-norm, --lr-schedule, --warmup-steps, --min-lr and --wsd-decay-steps."""
+        if not 0 <= self.clip_grad_norm < math.inf:  # nan too
+            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm} must be 0 (no clipping) or a positive "
+                              "finite norm; use e.g. --clip-grad-norm 1.0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"unknown learning-rate schedule {self.lr_schedule!r}; choose one of "
+                              f"{', '.join(LR_SCHEDULES)}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} must be a whole number >= 0; use e.g. "
+                              "--warmup-steps 2")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"min_lr={self.min_lr} must lie between 0 and lr={self.lr}; the schedule "
+                              "decays from lr down to it")
+        if self.min_lr and self.lr_schedule == "constant":
+            raise ConfigError("--min-lr is where a decaying schedule ends; add --lr-schedule cosine, "
+                              "linear or wsd, or drop --min-lr")
+        if self.wsd_decay_steps is not None and self.lr_schedule != "wsd":
+            raise ConfigError("--wsd-decay-steps sets the decay of --lr-schedule wsd; add --lr-schedule wsd "
+                              "or drop it")
+        if self.wsd_decay_steps is not None and (not isinstance(self.wsd_decay_steps, int)
+                                                 or not 1 <= self.wsd_decay_steps <= self.steps):
+            raise ConfigError(f"wsd_decay_steps={self.wsd_decay_steps} must be a whole number from 1 to "
+                              f"--steps {self.steps}")
 
     def check_model(self, model: ModelConfig) -> None:
         """Checks that need both configs."""
@@ -251,6 +286,7 @@ class Plan:
     bucket_elems: int = 1 << 62  # DP: the gradient all-reduce bucket cap, in elements
     overlap: bool = False  # DP: buckets all-reduced as ring rounds interleaved with the backward
     schedule_csv: str | None = None  # a schedule of one's own instead: the text of torch's schedule CSV
+    recompute: str = "none"  # none, selective or full: what a block reruns (refpar/parallel/recompute.py)
 
     @property
     def kind(self) -> str:

@@ -39,6 +39,10 @@ SUMMARY_FIELDS = (
     "backend",  # {"name", "device"}: the array library the run computed with (refpar/backend.py)
     "precision",  # fp64, fp32, bf16-mixed or fp16-mixed (refpar/precision.py)
     "loss_scaling",  # fp16-mixed: {"scales": per step, "final_scale", "skipped_steps": 0-based}
+    "grad_norms",  # --clip-grad-norm: the global norm of each step, before clipping (skipped: null)
+    "reference_grad_norms",  # --clip-grad-norm --check: the single device's
+    "max_grad_norm_rel_diff",  # --clip-grad-norm --check
+    "lrs",  # the learning rate of each step
 )
 
 

@@ -7,6 +7,11 @@ the same keys reproduces these losses and parameters.
 Mixed precision (refpar/precision.py): a 16-bit model trains with fp32 master weights in the
 optimizer state; fp16 runs scale the loss (`LossScaler`) and skip the steps whose gradients overflow.
 
+Each step trains at `learning_rate(train, step)`; with `train.clip_grad_norm` the gradients are
+multiplied by `clip_coefficient` of their global L2 norm (of the unscaled gradients, in fp32 under
+mixed precision; none on a step fp16 skips), the definition every mesh reproduces
+(refpar/parallel/clipping.py).
+
 MoE models (`microbatches` M): routing statistics are per microbatch, as in Megatron-Core: global
 microbatch j is the contiguous slice shard_range(B, M, j) of the batch, routed on its own tokens
 (capacity from its token count, its own drop order), each contributing 1/M of its router losses, and
@@ -30,7 +35,7 @@ from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params, loss_and_grads
 from refpar.model.moe import MoELayer, kept_counts
-from refpar.model.optim import optimizer_init, optimizer_step
+from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
 from refpar.sharding import shard_range
 
@@ -95,6 +100,8 @@ class RunResult:
     loss_scales: list[float] = field(default_factory=list)  # fp16-mixed: the scale of each step
     skipped_steps: list[int] = field(default_factory=list)  # fp16-mixed: 0-based steps skipped
     moe_steps: list[MoEStep] = field(default_factory=list)  # MoE models: each step's routing
+    lrs: list[float] = field(default_factory=list)  # the learning rate of each step
+    grad_norms: list[float | None] = field(default_factory=list)  # clipping: each step's global norm
 
     @property
     def step_time_s(self) -> float:
@@ -149,7 +156,14 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
         if model.moe_experts:
             result.moe_steps.append(step_record(step, loss, routings, start))
         skip = scaler is not None and has_overflow(grads)
-        params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / dloss, skip=skip)
+        factor = 1.0 / dloss  # the loss scale undone
+        if train.clip_grad_norm:
+            norm = None if skip else float(sum_of_squares(grads.values())[0]) ** 0.5 * factor
+            result.grad_norms.append(norm)
+            factor *= 1.0 if skip else clip_coefficient(norm, train.clip_grad_norm)
+        result.lrs.append(learning_rate(train, step))
+        params, state = optimizer_step(params, grads, state, train, lr=result.lrs[-1], grad_factor=factor,
+                                       skip=skip)
         if scaler is not None:
             scaler.update(skip)
             result.loss_scales.append(dloss)

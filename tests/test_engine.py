@@ -39,15 +39,23 @@ def test_dp2_tp2_pp2_1f1b_matches_one_device_with_closed_form_bytes_memory_and_a
     assert {e["axis"] for e in lines} >= {"tp", "pp", "dp"} and {e["rank"] for e in lines} == set(range(8))
 
 
-def test_verify_quick_matrix_passes_every_strategy_combination():
-    # verify launches its own mpiexec jobs, so it runs as a plain process, not under one
-    proc = subprocess.run([sys.executable, "-m", "refpar", "verify", "--quick"], cwd=ROOT,
-                          env=mpi_env(), capture_output=True, text=True, timeout=840)
+def test_verify_quick_matrix_passes_every_strategy_combination_clipping_every_step_on_a_cosine_schedule():
+    # verify launches its own mpiexec jobs, so it runs as a plain process, not under one. Every run
+    # clips at every step (the tiny model's norms are 0.5 to 2, far above 0.05) and warms up over
+    # two steps, then decays (cosine) to min_lr at step 5: each step its own learning rate, one
+    # device's losses, parameters and global norms, and bytes and memory equal to the closed forms.
+    proc = subprocess.run([sys.executable, "-m", "refpar", "verify", "--quick", "--steps", "5",
+                           "--clip-grad-norm", "0.05", "--lr-schedule", "cosine", "--warmup-steps", "2",
+                           "--min-lr", "1e-3"], cwd=ROOT, env=mpi_env(), capture_output=True, text=True,
+                          timeout=840)
     print(proc.stdout, proc.stderr[-2000:])
     assert proc.returncode == 0 and "FAIL" not in proc.stdout
     lines = proc.stdout.splitlines()
+    rows = lines[1:-2]
+    assert len(rows) == 11 and all(line.split()[-2] == "5/5" for line in rows)  # clipped every step
     assert lines[-2].startswith("all 11 passed")  # one of them, tp+sp, in bf16-mixed
-    assert "fp64: loss and parameters <= 1e-10" in lines[-1] and "bf16-mixed: loss <= 0.002" in lines[-1]
+    assert "fp64: loss, parameters and gradient norms <= 1e-10" in lines[-1]
+    assert "bf16-mixed: loss <= 0.002" in lines[-1]
 
 
 @pytest.mark.parametrize(

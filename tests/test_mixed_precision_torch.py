@@ -130,9 +130,9 @@ def test_a_mixed_adamw_step_on_torch_keeps_numpys_moments_bit_for_bit_and_its_ma
     v = (rng.standard_normal(n) ** 2 * 1e-7).astype(np.float32)
     decay = np.arange(n) % 3 > 0  # a flat shard's per-element decay mask
     t = 3
-    ours = mixed_adamw_update(p16, g, master, m, v, t, cfg, decay)
+    ours = mixed_adamw_update(p16, g, master, m, v, t, cfg, decay, cfg.lr)
     theirs = [backend.to_host(a) for a in mixed_adamw_update(*map(tb.from_host, (p16, g, master, m, v)), t,
-                                                             cfg, tb.from_host(decay))]
+                                                             cfg, tb.from_host(decay), cfg.lr)]
     for k in (2, 3):  # m, v
         assert np.array_equal(_bits(theirs[k]), _bits(ours[k]))
     m1, v1 = (a.astype(np.float64) for a in ours[2:])

@@ -48,7 +48,7 @@ def test_forward_backward_and_optimizer_step_give_the_numpy_numbers(xp, optimize
     tokens, targets = MarkovCorpus(config.vocab_size, 0).batch(2, range(3), 10)
     kw = dict(seed=4, step=2, sample_ids=[0, 1, 2])
     loss, grads = gpt.loss_and_grads(params, tokens, targets, config, **kw)
-    new, _ = optimizer_step(params, grads, optimizer_init(params, train), train)
+    new, _ = optimizer_step(params, grads, optimizer_init(params, train), train, lr=train.lr)
     logits = gpt.forward(params, tokens, config)
 
     other = {n: xp.asarray(p) for n, p in params.items()}
@@ -56,7 +56,7 @@ def test_forward_backward_and_optimizer_step_give_the_numpy_numbers(xp, optimize
     # The optimizer from the same gradients: Adam's first step is ~sign(g), which would magnify
     # the 1e-16 differences of near-zero gradients and say nothing about the optimizer code.
     same_grads = {n: xp.asarray(g) for n, g in grads.items()}
-    other_new, _ = optimizer_step(other, same_grads, optimizer_init(other, train), train)
+    other_new, _ = optimizer_step(other, same_grads, optimizer_init(other, train), train, lr=train.lr)
     other_logits = gpt.forward(other, xp.asarray(tokens), config)
 
     assert within(rel_diff(other_loss, loss), CONTRACT)

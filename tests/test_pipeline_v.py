@@ -16,14 +16,15 @@ from tests.numerics import CONTRACT, within
 P4 = [{"mesh": {"pp": 4}, "schedule": k, "m": 8} for k in ("1f1b", "zbv", "v-half", "v-min", "dualpipev",
                                                           "dualpipe")]
 # p = 2 pipelines, two of them over dp (each takes 4 of the 8 sequences, one per microbatch), each
-# schedule with another way of keeping the replicas; and two tp=2 pipelines
-P2 = [{"mesh": {"pp": 2, "dp": 2}, "schedule": "zbv", "m": 4, "zero": 1},
+# schedule with another way of keeping the replicas; and two tp=2 pipelines. Three clip to a global
+# norm of 0.05 (CLIPPED): the V's wte on rank 0 alone, DualPipe's copies on both mirror ranks
+P2 = [{"mesh": {"pp": 2, "dp": 2}, "schedule": "zbv", "m": 4, "zero": 1, "clip": 0.05},
       {"mesh": {"pp": 2, "dp": 2}, "schedule": "v-half", "m": 4},
       {"mesh": {"pp": 2, "dp": 2}, "schedule": "v-min", "m": 4, "zero": 2},
       {"mesh": {"pp": 2, "dp": 2}, "schedule": "dualpipev", "m": 4, "fsdp": True},
-      {"mesh": {"pp": 2, "dp": 2}, "schedule": "dualpipe", "m": 4, "zero": 3},
+      {"mesh": {"pp": 2, "dp": 2}, "schedule": "dualpipe", "m": 4, "zero": 3, "clip": 0.05},
       {"mesh": {"pp": 2, "tp": 2}, "schedule": "dualpipev", "m": 4},
-      {"mesh": {"pp": 2, "tp": 2}, "schedule": "dualpipe", "m": 4}]
+      {"mesh": {"pp": 2, "tp": 2}, "schedule": "dualpipe", "m": 4, "clip": 0.05}]
 # torch's own schedule classes, dumped by torch (refpar/conformance/schedule_csv.py) at p=4, m=8
 TORCH_CSV = {"ZBVZeroBubble": "zbv", "DualPipeV": "dualpipev", "InterleavedZeroBubble": None}
 
@@ -59,6 +60,20 @@ def test_every_schedule_matches_one_device_after_2_adamw_steps_with_dropout(resu
         # microbatches' gradients (and DualPipe's two copies') are summed differs from one device
         assert within(loss_diff, CONTRACT), r
         assert within(r["max_param_rel_diff"], CONTRACT), r
+
+
+def test_clipping_takes_one_devices_global_norm_on_every_rank_counting_each_copy_once(results):
+    # DualPipe holds every part on two ranks whose summed gradients are the same: counted on the
+    # lower of the pair only (refpar/parallel/clipping.py); a V holds both ends of the tied wte on
+    # rank 0, in one unit. The same gradients up to the order of the microbatch sums: CONTRACT.
+    clipped = [r for r in results if r.get("clip")]
+    assert len(clipped) == 3
+    for r in clipped:
+        ref = r["reference_grad_norms"]
+        assert min(ref) > 10 * r["clip"]  # every step clips
+        for rank_norms in r["grad_norms"]:
+            diffs = [abs(a - b) / b for a, b in zip(rank_norms, ref, strict=True)]
+            assert within(max(diffs), CONTRACT), (r["mesh"], r["schedule"], diffs)
 
 
 def test_traced_bytes_and_peak_memory_per_category_are_the_closed_forms(results):

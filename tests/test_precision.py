@@ -213,12 +213,12 @@ def test_optimizer_keeps_16bit_params_equal_to_the_rounded_fp32_master_and_skips
     master0 = {n: a.copy() for n, a in state["master"].items()}
     for step in range(3):
         grads = {n: rng.standard_normal(p.shape).astype(p.dtype) for n, p in params.items()}
-        new, new_state = optimizer_step(params, grads, state, cfg, inv_scale=0.5)
+        new, new_state = optimizer_step(params, grads, state, cfg, lr=cfg.lr, grad_factor=0.5)
         for n, p in new.items():
             assert p.dtype == params[n].dtype and new_state["master"][n].dtype == MASTER_DTYPE
             assert np.array_equal(p, new_state["master"][n].astype(p.dtype)), (step, n)
         assert new_state["t"] == state["t"] + 1
-        same, same_state = optimizer_step(new, grads, new_state, cfg, skip=True)
+        same, same_state = optimizer_step(new, grads, new_state, cfg, lr=cfg.lr, skip=True)
         assert same is new and same_state is new_state
         params, state = new, new_state
     for n, p in params.items():  # steps of ~1e-4 against bf16's half ulp of 2^-9 near 1:
@@ -234,9 +234,9 @@ def test_mixed_adamw_update_on_a_flat_shard_equals_the_dict_step():
     p = rng.standard_normal((6, 5)).astype(dtype_of("bfloat16"))
     g = rng.standard_normal((6, 5)).astype(p.dtype)
     state = optimizer_init({"w": p}, cfg)
-    whole, whole_state = optimizer_step({"w": p}, {"w": g}, state, cfg, inv_scale=0.25)
+    whole, whole_state = optimizer_step({"w": p}, {"w": g}, state, cfg, lr=cfg.lr, grad_factor=0.25)
     flat = [a.reshape(-1) for a in (p, g, state["master"]["w"], state["m"]["w"], state["v"]["w"])]
-    parts = [mixed_adamw_update(*(a[s] for a in flat), 1, cfg, True, inv_scale=0.25)
+    parts = [mixed_adamw_update(*(a[s] for a in flat), 1, cfg, True, cfg.lr, grad_factor=0.25)
              for s in (slice(0, 13), slice(13, 30))]
     for i, key in enumerate(["p16", "master", "m", "v"]):
         joined = np.concatenate([part[i] for part in parts])
@@ -278,8 +278,8 @@ def test_fp16_progress_line_and_json_show_the_precision_scale_and_skipped_steps(
     assert main(["train", "--precision", "fp16-mixed", "--steps", "3", "--batch-size", "2",
                  "--seq-len", "4", "--loss-scale", "1e30", "--json"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert "fp16-mixed" in out[0] and "loss scale" in out[2] and "skipped" in out[2]
-    assert out[3].split()[-2:] == ["1e+30", "1"]
+    assert "fp16-mixed" in out[0] and "loss scale" in out[3] and "skipped" in out[3]
+    assert out[4].split()[-2:] == ["1e+30", "1"]
     summary = json.loads(out[-1])
     assert summary["precision"] == "fp16-mixed" and summary["dtype"] == "float16"
     assert summary["loss_scaling"] == {"scales": [1e30, 5e29, 2.5e29], "final_scale": 2.5e29,

@@ -57,7 +57,9 @@ def test_train_json_summary_is_the_last_line_with_every_summary_field_and_the_re
     assert summary["schedule"] is None and summary["reference_losses"] is None
     assert summary["config"]["train"]["seed"] == 3 and summary["dtype"] == "float64"
     assert 0 < summary["loss_floor"] < summary["losses"][0]
-    assert lines[2].split() == ["step", "loss", "floor", "tokens/s"]
+    assert lines[2] == ("optimizer: AdamW lr 0.01, weight decay 0.01 on matrices and embeddings, not biases "
+                        "or norm gains")  # the start-up summary states the decay rule
+    assert lines[3].split() == ["step", "loss", "floor", "tokens/s"]
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,12 @@ scale array of the activation dtype (e bytes, not 1), LayerNorm keeps rstd (one 
 and the tanh-GELU keeps its tanh (4h per token) beside its input. `PAPER` switches those
 off, and then `layer_bytes` with e = 2 is the paper's equation (tests check this). Context
 parallelism and the embedding and head are not in the paper; their terms follow the same rules.
+
+Recomputation (refpar/parallel/recompute.py; the paper's section 5): "selective" keeps the attention
+core's inputs q, k, v but not `core_bytes`, which the backward makes again for one block at a time;
+"full" keeps a block's input alone, e B Tl C (the paper's 2sbh at e = 2, /t under sp), and the
+backward makes one block's `layer_bytes` again. TP + SP + selective at the paper's 2-byte
+activations and 1-byte masks: sbh/t 34 per layer, eq. 4 without its 5as/h.
 """
 
 from __future__ import annotations
@@ -49,11 +55,29 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
+def core_bytes(model: ModelConfig, r: RankShape, attention: str = "local", dropout: bool = True,
+               keep: Keep = REFPAR) -> int:
+    """What one block's attention core keeps beyond its inputs q, k, v: what selective recomputation
+    drops and the backward makes again."""
+    e, B, nh, hs = r.e, r.B, r.nh, model.head_size
+    mask = (e if keep.mask_bytes is None else keep.mask_bytes) if dropout else 0
+    if attention == "local":  # softmax output, its mask, its dropout output
+        return B * nh * r.Ta * r.Ta * (e + (mask + e if dropout else 0))
+    if attention == "ring":  # out and lse for the backward's softmax; the bool mask rows
+        # lse is a float32 statistic when the activations are 16-bit
+        return B * nh * r.Ta * (e * hs + (4 if e == 2 else e)) + (B * nh * r.Ta * r.T if dropout else 0)
+    # Ulysses: the head-sharded q, k, v and local attention's arrays over all T
+    nh_c = shard_sizes(nh, r.c)[r.cp_rank]
+    return 3 * B * nh_c * r.T * hs * e + B * nh_c * r.T * r.T * (e + (mask + e if dropout else 0))
+
+
 def layer_bytes(model: ModelConfig, r: RankShape, attention: str = "local", dropout: bool = True,
-                keep: Keep = REFPAR) -> int:
+                keep: Keep = REFPAR, recompute: str = "none") -> int:
     """One block on one rank: residual-stream terms over Tl tokens, region terms over Ta tokens
-    and this rank's heads and columns."""
-    e, B, C, nh, hs = r.e, r.B, model.n_embd, r.nh, model.head_size
+    and this rank's heads and columns; with `recompute` (module docstring) what it keeps then."""
+    e, B, C = r.e, r.B, model.n_embd
+    if recompute == "full":  # the block's input
+        return e * B * r.Tl * C
     mask = (e if keep.mask_bytes is None else keep.mask_bytes) if dropout else 0
     Cl = C // r.t  # this rank's channels of the region (its heads' columns)
     resid = B * r.Tl * (2 * e * C  # the inputs of ln_1 and ln_2 (refpar keeps x-hat, the same size)
@@ -63,16 +87,10 @@ def layer_bytes(model: ModelConfig, r: RankShape, attention: str = "local", drop
     region = B * r.Ta * e * (Cl  # c_proj's input (the merged heads)
                              + 4 * Cl + 4 * Cl  # GeLU's input, the second linear's input
                              + (4 * Cl if keep.gelu_tanh else 0))
-    if attention == "local":  # q, k, v; softmax output, its mask, its dropout output
+    if attention != "ulysses" or recompute == "selective":  # the core's inputs q, k, v (one buffer)
         region += B * r.Ta * e * 3 * Cl
-        region += B * nh * r.Ta * r.Ta * (e + (mask + e if dropout else 0))
-    elif attention == "ring":  # q, k, v; out and lse for the backward's softmax; the bool mask rows
-        region += B * r.Ta * e * 3 * Cl  # lse is a float32 statistic when the activations are 16-bit
-        region += B * nh * r.Ta * (e * hs + (4 if e == 2 else e)) + (B * nh * r.Ta * r.T if dropout else 0)
-    else:  # Ulysses keeps the head-sharded q, k, v and local attention's arrays over all T
-        nh_c = shard_sizes(nh, r.c)[r.cp_rank]
-        region += 3 * B * nh_c * r.T * hs * e
-        region += B * nh_c * r.T * r.T * (e + (mask + e if dropout else 0))
+    if recompute != "selective":
+        region += core_bytes(model, r, attention, dropout, keep)
     return resid + region
 
 
@@ -89,14 +107,16 @@ def head_bytes(model: ModelConfig, r: RankShape) -> int:
     return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * r.e * 2 * r.V
 
 
-def model_activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:
+def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str = "none") -> dict[str, int]:
     """Bytes each piece of the model's own layers (a stage without tp, cp, sp or experts) keeps for
     the backward of a microbatch of b sequences of T tokens
     (an array several caches share counts once, parameters not at all). A block keeps what
     `layer_bytes` counts for one rank without tensor, sequence or
     context parallelism (Korthikanti et al. 2022's terms as refpar keeps them). The model's own
     embedding keeps the int64 tokens and positions and, with dropout, its mask; its head keeps
-    ln_f's x̂, 1/σ and output, the softmax probabilities (b, T, V) and the int64 targets."""
+    ln_f's x̂, 1/σ and output, the softmax probabilities (b, T, V) and the int64 targets. With
+    `recompute` a block keeps what `layer_bytes` says then; "core" is its attention core's
+    `core_bytes`."""
     e = dtype_of(config.dtype).itemsize
     rank = RankShape(B=b, T=T, Ta=T, Tl=T, t=1, c=1, nh=config.n_head, V=config.vocab_size, e=e,
                      cp_tokens=(T,), cp_rank=0)
@@ -104,6 +124,7 @@ def model_activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int
     tokens, C, V = b * T, config.n_embd, config.vocab_size
     return {
         "embed": 8 * tokens + 8 * T + (e * tokens * C if dropout else 0),
-        "block": layer_bytes(config, rank, "local", dropout),
+        "block": layer_bytes(config, rank, "local", dropout, recompute=recompute),
+        "core": core_bytes(config, rank, "local", dropout),
         "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens,
     }

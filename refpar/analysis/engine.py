@@ -17,7 +17,10 @@ Per step, the rank at mesh coordinates `coords`:
 - DP, ZeRO, FSDP over each unit's replica group (analysis/data_parallel.py): the buckets, reduce-
   scatters and gathers of the rank's units; the tied wte over the first and last pp rank and the
   sequence-sharded region over tp, on what the rank keeps of them; fp16's overflow flag over each
-  group whose ranks hold different gradients; the loss over the ranks that saw different tokens.
+  group whose ranks hold different gradients; with clipping, the sum of squares (one element of
+  the optimizer's dtype) over the replica group under ZeRO, ep under DP with experts, tp and pp
+  (refpar/parallel/clipping.py), on the steps the optimizer takes; the loss over the ranks that saw
+  different tokens.
 Memory: the data-parallel strategy's states and transients (analysis/data_parallel.py), and the
 activations: the schedule's replay (schedules.stored) of what each F keeps until its B (and, where
 the backward is split, what B keeps until W), from analysis/activations.py's terms (the model's
@@ -37,7 +40,13 @@ import numpy as np
 
 from refpar.analysis import data_parallel as dp_forms
 from refpar.analysis import moe as moe_forms
-from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes, model_activation_bytes
+from refpar.analysis.activations import (
+    core_bytes,
+    embed_bytes,
+    head_bytes,
+    layer_bytes,
+    model_activation_bytes,
+)
 from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
@@ -176,11 +185,13 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
                 first, last = lay.part(s) == 0, lay.part(s) == P - 1
                 if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and not first)
                         or (call.tag.startswith("lm_head") and not last)):
-                    cost.add(totals, (call.axis, call.op), (call.bytes_sent, call.bytes_recv))
+                    cost.add(totals, (call.axis, call.op), (call.bytes_sent, call.bytes_recv),
+                             1 + _rerun(call.tag, plan.recompute))
     if model.moe_experts:
         Ta = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Ta
         for key, b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
-                                                   kept or [], Ta, plan.cp_algo, plan.sp).items():
+                                                   kept or [], Ta, plan.cp_algo, plan.sp,
+                                                   plan.recompute == "full").items():
             cost.add(totals, key, b)
     if p > 1:
         # each stage's activation out and input gradient back, of each microbatch of its copy, where
@@ -194,7 +205,8 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
         cost.add(totals, ("pp", "isend"), (p2p, 0))
         cost.add(totals, ("pp", "irecv"), (0, p2p))
         cost.add(totals, ("pp", "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
-    for key, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped)[0].items():
+    clip = cfg.clip_grad_norm > 0
+    for key, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped, clip)[0].items():
         cost.add(totals, key, b)
     axis, n, q = _group(model, sizes, coords, False)
     if n > 1:  # the loss (and the router losses) over the ranks that saw different tokens
@@ -202,9 +214,21 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
     return totals
 
 
-def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True) -> tuple[dict, list]:
+def _rerun(tag: str, recompute: str) -> bool:
+    """Whether the block call `tag` moves again in the backward (refpar/parallel/recompute.py): every
+    forward call of a block under full recomputation, the attention core's (cp's ring or Ulysses
+    exchanges) under selective."""
+    forward = tag.startswith("h.") and tag.endswith(":fwd")
+    if recompute == "full":
+        return forward
+    return recompute == "selective" and forward and (".attn.ring_kv" in tag or ".attn.ulysses_" in tag)
+
+
+def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True,
+                        clip: bool = False) -> tuple[dict, list]:
     """({(axis, op): (sent, received)}, the calls in order) of the replicas' collectives in a step
-    (analysis/data_parallel.py), the partial sums and fp16's overflow flag."""
+    (analysis/data_parallel.py), the partial sums, fp16's overflow flag and (`clip`) the global
+    gradient norm's sums."""
     ru = rank_units(model, sizes, coords, plan)
     _, moved, calls = dp_forms.replay(ru, plan, pr, stepped)
     out = dict(moved)
@@ -236,6 +260,13 @@ def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True) ->
         for axis, n, q in flags:
             if n > 1:
                 add((axis, "all_reduce"), cost.all_reduce_bytes(1, n, q, 4), f"found_inf.{axis}")
+    if clip and stepped:  # the sum of squares: ZeRO's shards, DP's experts over ep, tp, pp
+        sums = [_group(model, sizes, coords, False) if plan.stage else None,
+                ("ep", sizes["ep"], coords["ep"]) if model.moe_experts and not plan.stage else None,
+                ("tp", t, coords["tp"]), ("pp", p, r)]
+        for axis, n, q in filter(None, sums):
+            if n > 1:
+                add((axis, "all_reduce"), cost.all_reduce_bytes(1, n, q, pr.state), f"grad_norm.{axis}")
     return out, calls
 
 
@@ -275,22 +306,46 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
     `n_stages` (Layout.part) between its F and B; `kept` (MoE): layer -> its (D c, E) kept counts."""
     layers = stage_layers(model.n_layer, n_stages, stage)
     if plain(model, sizes, plan):
-        pieces = model_activation_bytes(model, b, cfg.seq_len)
+        pieces = model_activation_bytes(model, b, cfg.seq_len, plan.recompute)
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
     dropout = model.dropout > 0.0
-    attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
-    per_layer = layer_bytes(model, r, attention, dropout)
-    if attention == "ring" and r.nh == 1:
-        # One head per rank: the merged heads c_proj keeps are a view of the ring's output, kept once.
-        per_layer -= r.B * r.Ta * r.e * model.head_size
-    n = len(layers) * per_layer + embed_bytes(model, r, dropout) * (stage == 0) + head_bytes(model, r) * (
-        stage == n_stages - 1)
-    if model.moe_experts:
+    n = len(layers) * _block_bytes(model, r, plan, plan.recompute) + embed_bytes(model, r, dropout) * (
+        stage == 0) + head_bytes(model, r) * (stage == n_stages - 1)
+    if model.moe_experts and plan.recompute != "full":  # under full a MoE block keeps its input alone
         n += moe_forms.moe_activation_delta(model, cfg, sizes, coords, layers, b, r.Ta, kept or {},
                                             plan.microbatches, j, plan.cp_algo, plan.sp)
     return n
+
+
+def _block_bytes(model: ModelConfig, r, plan, recompute: str) -> int:
+    """What one dense block keeps on a rank of shape `r` (a tensor_parallel.Layout's pieces)."""
+    attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
+    n = layer_bytes(model, r, attention, model.dropout > 0.0, recompute=recompute)
+    if attention == "ring" and r.nh == 1 and recompute == "none":
+        # One head per rank: the merged heads c_proj keeps are a view of the ring's output, kept once.
+        n -= r.B * r.Ta * r.e * model.head_size
+    return n
+
+
+def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, stage: int,
+                            n_stages: int, b: int, plan, kept: dict | None = None, j: int = 0) -> int:
+    """What the backward of microbatch j (b rows) on part `stage` makes again and holds at once
+    (refpar/parallel/recompute.py): one attention core's `core_bytes` (selective), or the largest
+    block's cache of the stage (full; a MoE block's from its kept counts `kept`); 0 without."""
+    if plan.recompute == "none":
+        return 0
+    if plain(model, sizes, plan):
+        return model_activation_bytes(model, b, cfg.seq_len)["block" if plan.recompute == "full" else "core"]
+    r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
+    if plan.recompute == "selective":
+        return core_bytes(model, r, "local" if r.c == 1 else (plan.cp_algo or "ring"), model.dropout > 0.0)
+    dense = _block_bytes(model, r, plan, "none")
+    return max(dense + (moe_forms.moe_activation_delta(model, cfg, sizes, coords, [i], b, r.Ta, kept or {},
+                                                       plan.microbatches, j, plan.cp_algo, plan.sp)
+                        if i in model.moe_blocks else 0)
+               for i in stage_layers(model.n_layer, n_stages, stage))
 
 
 def weight_activation_bytes(model: ModelConfig, cfg: TrainConfig, stage: int, n_stages: int, b: int) -> int:
@@ -328,7 +383,14 @@ def activation_peak(model, cfg, sizes, coords, plan, kept_by_step=None) -> int:
                 return 0
             return weight_activation_bytes(model, cfg, lay.part(a.stage), P, rows[a.microbatch])
 
-        peak = max(peak, max(stored(schedule, after_f, after_b)[r], default=0))
+        def during_b(a, kept=kept):
+            if where[a.stage] != r:
+                return 0
+            return recompute_working_bytes(model, cfg, sizes, coords, lay.part(a.stage), P,
+                                           rows[a.microbatch], plan, kept[a.microbatch] if kept else None,
+                                           a.microbatch)
+
+        peak = max(peak, max(stored(schedule, after_f, after_b, during_b)[r], default=0))
     return peak
 
 

@@ -200,12 +200,14 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
 
 
 def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list[int], kept: list[dict],
-                       Ta: int, cp_algo: str | None = None, sp: bool = False) -> dict:
+                       Ta: int, cp_algo: str | None = None, sp: bool = False, rerun: bool = False) -> dict:
     """{(axis, op): (sent, received)} of one step's MoE layers on the rank at `coords` (module
     docstring): per microbatch j (b_j rows of Ta tokens) and MoE layer of its stages (`kept[j]`:
     layer -> (D c, E) kept counts), the counts' all-gather over the data ranks and the all-to-alls
     over ep; with tp the expert buffer's all-reduce forward and backward and, under sp, the gathers
-    of the layer's tokens before it and of their gradient before its backward."""
+    of the layer's tokens before it and of their gradient before its backward. `rerun` (full
+    recomputation, refpar/parallel/recompute.py): each layer's forward runs once more in the backward,
+    its counts, dispatch and combine, g and gather with it."""
     ep, c, t, k = sizes["ep"], sizes["cp"], sizes["tp"], coords["tp"]
     D, e, C = sizes["dp"] * ep, np.dtype(model.dtype).itemsize, model.n_embd
     group = (coords["dp"] * ep + coords["ep"]) * c + coords["cp"]
@@ -213,12 +215,14 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
     for j, layers in enumerate(kept):
         runs = exchange_runs(cfg.batch_size, m, j, D, cfg.seq_len, c, cp_algo)
         for counts in layers.values():
-            cost.add(out, ("data", "all_gather"), routed_counts_all_gather_bytes(model, runs, group))
-            cost.add(out, ("ep", "all_to_all"), all_to_all_bytes(counts, ep, group, C, e, c))
+            counted = routed_counts_all_gather_bytes(model, runs, group)
+            cost.add(out, ("data", "all_gather"), counted, 1 + rerun)
+            both = all_to_all_bytes(counts, ep, group, C, e, c)  # forward and backward: halves alike
+            cost.add(out, ("ep", "all_to_all"), (both[0] * (2 + rerun) // 2, both[1] * (2 + rerun) // 2))
             if t > 1:  # g forward and f backward around the local experts' (Q, C) buffer
                 Q = dispatch_rows(counts, ep, group, c)[1]  # the rows this rank's experts receive
-                cost.add(out, ("tp", "all_reduce"), cost.all_reduce_bytes(Q * C, t, k, e), 2)
+                cost.add(out, ("tp", "all_reduce"), cost.all_reduce_bytes(Q * C, t, k, e), 2 + rerun)
                 if sp:
                     gather = cost.all_gather_bytes(shard_sizes(Ta, t), k, e, rows[j] * C)
-                    cost.add(out, ("tp", "all_gather"), gather, 2)
+                    cost.add(out, ("tp", "all_gather"), gather, 2 + rerun)
     return out

@@ -27,10 +27,9 @@ from refpar.analysis.hardware import Hardware
 from refpar.analysis.presets import ModelSpec
 from refpar.analysis.scale import PRECISIONS, memory_per_rank, stage_layers
 from refpar.analysis.step_time import step_time, throughput
-from refpar.config import ConfigError
+from refpar.config import RECOMPUTE, ConfigError
 
 ZERO_STAGES = (0, 1, 2, 3)
-RECOMPUTE = ("none", "selective", "full")
 # (schedule, chunks per stage); with one stage there is no schedule to choose ("none").
 SCHEDULE_CHOICES = (("none", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
                     ("interleaved-1f1b", 4), ("zb-h1", 1), ("zb-h2", 1))

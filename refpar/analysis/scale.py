@@ -242,11 +242,14 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
     mk = pr.mask if spec.dropout else 0
     embed_act = mk * n * h / sp_div
     head_act = 2 * pr.activation * n * h / sp_div + 4 * n * V / tp
-    # Full recomputation rebuilds one block's activations during its backward: a working set.
+    # Recomputation rebuilds, during a block's backward, a working set: its activations (full) or
+    # its attention core's (selective), beside what the schedule keeps (refpar/parallel/recompute.py).
     working = 0
-    if recompute == "full":
-        working = layer_activation_bytes(spec, micro_batch, seq, recompute="none",
-                                         moe=spec.is_moe, **act_kw)
+    if recompute != "none":
+        working = layer_activation_bytes(spec, micro_batch, seq, recompute="none", moe=spec.is_moe, **act_kw)
+    if recompute == "selective":
+        working = working - layer_activation_bytes(spec, micro_batch, seq, recompute="selective",
+                                                   moe=spec.is_moe, **act_kw)
 
     def activations(nd, nm, hold, extra):
         return (nd * per_layer[False] + nm * per_layer[True]) * hold + extra + working

@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per sequence (default {d.seq_len})")
     parser.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
     parser.add_argument("--optimizer", default=d.optimizer, help="adamw or sgd (default adamw)")
+    add_schedule_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
     add_precision_arguments(parser)
     parser.add_argument("--seed", type=int, default=d.seed,
@@ -63,8 +64,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_moe_arguments(parser)
 
 
+def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """Clipping, the learning-rate schedule and the weight-decay rule (refpar/model/optim.py)."""
+    from refpar.config import LR_SCHEDULES
+
+    add = parser.add_argument
+    add("--clip-grad-norm", type=float, default=0.0, metavar="X",
+        help="clip the gradients to global L2 norm X, as torch's clip_grad_norm_ (default 0: no clipping)")
+    add("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+        help="learning rate over the steps: constant, or cosine, linear, wsd decay to --min-lr "
+             "(Megatron-LM's and nanoGPT's definitions; default constant)")
+    add("--warmup-steps", type=int, default=0, metavar="N", help="steps of linear warmup to --lr (default 0)")
+    add("--min-lr", type=float, default=0.0, metavar="X",
+        help="the learning rate a decaying schedule ends at, on the last step (default 0)")
+    add("--wsd-decay-steps", type=int, default=None, metavar="N",
+        help="wsd: steps of its final decay (default: a fifth of the steps after the warmup)")
+    add("--decay-all", action="store_true",
+        help="weight decay on every tensor (default: matrices and embeddings, not biases or norm gains)")
+
+
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     """The strategies' options beyond the mesh: data parallelism, tp/sp/cp and the pipeline."""
+    from refpar.config import RECOMPUTE
     from refpar.parallel.pipeline.schedules import BUILDERS
 
     add = parser.add_argument
@@ -79,6 +100,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     add("--bucket-kb", type=float, default=None,
         help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
     add("--sp", action="store_true", help="TP: Megatron sequence parallelism over the tp axis")
+    add("--recompute", default="none", choices=RECOMPUTE,
+        help="activations rebuilt in the backward: selective (the attention core) or full (each block "
+             "from its input); default none")
     add("--cp-algo", default=None, choices=("ring", "ulysses"),
         help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
     add("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
@@ -179,7 +203,10 @@ def configs(args):
                         optimizer=args.optimizer, seed=args.seed,
                         fp32_grads=getattr(args, "fp32_grads", False),
                         loss_scale=getattr(args, "loss_scale", None),
-                        loss_scale_window=getattr(args, "loss_scale_window", None))
+                        loss_scale_window=getattr(args, "loss_scale_window", None),
+                        clip_grad_norm=args.clip_grad_norm, lr_schedule=args.lr_schedule,
+                        warmup_steps=args.warmup_steps, min_lr=args.min_lr,
+                        wsd_decay_steps=args.wsd_decay_steps, decay_all=args.decay_all)
     train.check_model(model)
     return model, train, sizes
 
@@ -214,7 +241,8 @@ def plan_of(args, sizes: dict[str, int], model):
     return Plan(schedule=args.schedule, schedule_csv=csv, microbatches=args.microbatches, chunks=args.chunks,
                 sp=args.sp,
                 cp_algo=args.cp_algo, zero=args.zero, fsdp=args.fsdp, prefetch=args.prefetch,
-                reshard_after_forward=args.reshard_after_forward, bucket_elems=bucket, overlap=args.overlap)
+                reshard_after_forward=args.reshard_after_forward, bucket_elems=bucket, overlap=args.overlap,
+                recompute=args.recompute)
 
 
 def run(args) -> int:

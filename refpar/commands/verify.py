@@ -3,11 +3,14 @@ job, against the single-device run of the same precision and the closed forms.
 
     refpar verify --quick
     refpar verify --precision bf16-mixed
+    refpar verify --clip-grad-norm 0.05 --lr-schedule cosine --warmup-steps 2
 
 Each row launches `mpiexec -n N python -m refpar train ... --check --json` as a subprocess with a
 timeout and reads its JSON summary: the largest relative difference from one device, whether the
 traced bytes per rank, axis and op equal the closed forms, and whether the peak memory per rank
 and category equals them ("-" where the run models none). Exit status 1 if any row fails.
+--clip-grad-norm, --lr-schedule, --warmup-steps and --min-lr go to every run; with clipping a float64 run is
+judged on its global gradient norms too.
 
 What "agrees with one device" means depends on the precision (`tolerance`): float64 runs match
 loss and parameters to 1e-10; float32, bf16-mixed and fp16-mixed runs compare losses only, within
@@ -112,6 +115,8 @@ QUICK = ("zero-3", "tp+sp", "dp x cp", "dp x ep", "pp zb-h1", "interleaved x tp"
 
 
 def add_arguments(parser) -> None:
+    from refpar.config import LR_SCHEDULES
+
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} runs: {', '.join(QUICK)}")
     parser.add_argument("--steps", type=int, default=3, help="AdamW steps per run (default 3)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run (default 300)")
@@ -122,6 +127,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", default="fp64", choices=tuple(LOSS_TOLERANCES),
                         help="precision of every run and of its single-device reference (default "
                              "fp64); tolerances per precision in the table's footnote")
+    parser.add_argument("--clip-grad-norm", type=float, default=0.0, metavar="X",
+                        help="every run clips its gradients to global norm X (default 0: none)")
+    parser.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+                        help="every run's learning-rate schedule (default constant)")
+    parser.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                        help="every run's warmup steps (default 0)")
+    parser.add_argument("--min-lr", type=float, default=0.0, metavar="X",
+                        help="where every run's decaying schedule ends (default 0)")
 
 
 def _rows(rows, key) -> dict | None:
@@ -159,7 +172,8 @@ def judge(summary: dict) -> dict:
     are judged on loss and parameters, the others on the loss (module docstring). Memory is
     compared in the categories the run's closed forms cover (the dp runner's leave activations out)."""
     exact = summary.get("precision", "fp64") == "fp64"
-    diffs = [summary.get("max_loss_rel_diff")] + ([summary.get("max_param_rel_diff")] if exact else [])
+    diffs = [summary.get("max_loss_rel_diff")] + ([summary.get("max_param_rel_diff"),
+                                                   summary.get("max_grad_norm_rel_diff")] if exact else [])
     diff = max(d for d in diffs if d is not None) if any(d is not None for d in diffs) else None
     comm_key, mem_key = ("rank", "axis", "op"), ("rank", "category")
     expected_comm = _rows(summary.get("expected_comm_bytes"), comm_key)
@@ -209,6 +223,8 @@ def run(args) -> int:
 
     backend.get(args.backend, args.device)  # a backend that cannot run here: one sentence, no jobs
     chosen = ("--backend", args.backend) + (("--device", args.device) if args.device else ())
+    chosen += ("--clip-grad-norm", str(args.clip_grad_norm), "--lr-schedule", args.lr_schedule,
+               "--warmup-steps", str(args.warmup_steps), "--min-lr", str(args.min_lr))
     names = [n for n, _, _ in MATRIX]
     wanted = QUICK if args.quick else tuple(names)
     if args.only:
@@ -218,8 +234,9 @@ def run(args) -> int:
             from refpar.config import ConfigError
 
             raise ConfigError(f"unknown config {unknown[0]!r}; choose among: {', '.join(names)}")
-    print(f"{'config':<24} {'ranks':>5} {'max diff':>9} {'bytes':>6} {'memory':>6} {'time':>7}  result",
-          flush=True)
+    clipping = args.clip_grad_norm > 0  # a column of the steps each run clipped
+    print(f"{'config':<24} {'ranks':>5} {'max diff':>9} {'bytes':>6} {'memory':>6} {'time':>7}"
+          + (f" {'clipped':>7}" if clipping else "") + "  result", flush=True)
     failed, skipped, used = 0, 0, set()
     for name, ranks, cli in MATRIX:
         if name not in wanted:
@@ -247,10 +264,18 @@ def run(args) -> int:
                 and j["bytes_ok"] is not False and j["memory_ok"] is not False)
         failed += not good
         diff = "-" if j["max_diff"] is None else f"{j['max_diff']:.1e}"
+        clipped = ""
+        if clipping:
+            from refpar.model.optim import clipped_steps
+
+            norms = [n for n in summary["grad_norms"] or () if n is not None]
+            fraction = f"{clipped_steps(norms, args.clip_grad_norm)}/{len(summary['losses'])}"
+            clipped = f" {fraction:>7}"
         print(f"{name:<24} {ranks:>5} {diff:>9} {mark(j['bytes_ok']):>6} {mark(j['memory_ok']):>6} "
-              f"{seconds:>6.1f}s  {'pass' if good else 'FAIL'}", flush=True)
+              f"{seconds:>6.1f}s{clipped}  {'pass' if good else 'FAIL'}", flush=True)
     ran = len(wanted) - skipped
-    bounds = "; ".join(f"{p}: {'loss and parameters' if p == 'fp64' else 'loss'} <= "
+    exact = "loss, parameters and gradient norms" if args.clip_grad_norm else "loss and parameters"
+    bounds = "; ".join(f"{p}: {exact if p == 'fp64' else 'loss'} <= "
                        f"{LOSS_TOLERANCES[p]:g}" + (f" ({MOE_LOSS_TOLERANCES[p]:g} with experts)"
                                                     if p in MOE_LOSS_TOLERANCES else "")
                        for p in LOSS_TOLERANCES if p in used)

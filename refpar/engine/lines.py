@@ -16,6 +16,7 @@ from refpar.analysis import engine as closed
 from refpar.config import MESH_AXES
 from refpar.holdings import stage_layers
 from refpar.model.gpt import param_shapes
+from refpar.model.optim import clipped_steps, decay_rule, wsd_decay_steps
 from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import critical_path_gap
@@ -35,11 +36,28 @@ def header(model, cfg, sizes, plan, preset: str, floor: float) -> list[str]:
              + (f"; mesh {mesh} on {world} ranks" if world > 1 else ", 1 device"),
              f"data: Markov chain over {model.vocab_size} tokens, batch {cfg.batch_size} x {cfg.seq_len} "
              f"tokens" + (f" in {plan.microbatches} microbatches" if plan.microbatches > 1 else "")
-             + f"; loss floor (entropy rate) {floor:.4f}"]
+             + f"; loss floor (entropy rate) {floor:.4f}", optimizer_line(cfg)]
     if world == 1:
         return lines
     lines.append(_strategies(model, sizes, plan))
     return lines + holdings(model, cfg, sizes, plan)
+
+
+def optimizer_line(cfg) -> str:
+    """The optimizer, its learning-rate schedule, the weight-decay rule and clipping (optim.py)."""
+    name = {"adamw": "AdamW", "sgd": "SGD"}[cfg.optimizer]
+    line = f"optimizer: {name} lr {cfg.lr:g}"
+    if cfg.lr_schedule != "constant" or cfg.warmup_steps:
+        line += (f" ({cfg.warmup_steps} warmup steps" if cfg.warmup_steps else " (")
+        if cfg.lr_schedule != "constant":
+            decay = f"{cfg.lr_schedule} decay" + (f" over the last {wsd_decay_steps(cfg)} steps"
+                                                  if cfg.lr_schedule == "wsd" else "")
+            line += ("; " if cfg.warmup_steps else "") + f"{decay} to {cfg.min_lr:g} at step {cfg.steps}"
+        line += ")"
+    line += f", {decay_rule(cfg)}"
+    if cfg.clip_grad_norm:
+        line += f"; gradients clipped to global norm {cfg.clip_grad_norm:g}"
+    return line
 
 
 def _strategies(model, sizes, plan) -> str:
@@ -140,6 +158,13 @@ def report(say, model, cfg, sizes, plan, par, out, every, s) -> None:
     if s["max_loss_rel_diff"] is not None:
         say(f"largest relative difference from one device: loss {s['max_loss_rel_diff']:.1e}, parameters "
             f"{s['max_param_rel_diff']:.1e} after {cfg.steps} steps")
+    norms = [n for n in s["grad_norms"] or () if n is not None]  # none on the steps fp16 skipped
+    if norms:
+        clipped = clipped_steps(norms, cfg.clip_grad_norm)
+        say(f"global gradient norm before clipping: {norms[0]:.4g} at the first step, {norms[-1]:.4g} at the "
+            f"last; clipped to {cfg.clip_grad_norm:g} on {clipped} of {len(norms)} steps"
+            + ("" if s["max_grad_norm_rel_diff"] is None else
+               f"; largest relative difference from one device {s['max_grad_norm_rel_diff']:.1e}"))
     if out.loss_scaling:
         skipped = [k + 1 for k in out.loss_scaling["skipped_steps"]]
         say(f"fp16 loss scale {out.loss_scaling['scales'][0]:g} -> {out.loss_scaling['final_scale']:g}; "

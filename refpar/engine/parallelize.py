@@ -12,17 +12,20 @@ before it:
                 without any of them: the model's own layers, backward split for zero-bubble schedules
  2. MoE layer   expert parallelism over ep (its routing over the mesh's `data` group) and expert
                 tensor parallelism over tp, in the MoE blocks; each microbatch's token runs
- 3. pipeline    the schedule as data, the stages this pp rank runs (one Stage class)
+ 3. pipeline    the schedule as data, the stages this pp rank runs (one Stage class), what their
+                blocks keep for the backward and rerun in it (--recompute; the attention core
+                under "selective" wraps the layout's)
  4. parameters  drawn whole on the host, sliced by pp (the stages'), ep (this rank's experts) and
                 tp (tensor_parallel's slices), moved to the run's backend
  5. data        each unit's replica group (dp x cp; a MoE model's dense weights dp x ep x cp)
     parallel    keeps it by plain DP (bucketed all-reduce), ZeRO-1/2/3 or FSDP: the stages' hooks
- 6. optimizer   the state that strategy holds (whole, or this rank's shards); fp16's loss scaler
+ 6. optimizer   the state that strategy holds (whole, or this rank's shards); fp16's loss scaler;
+                clipping by the global norm: what this rank counts, the axes its sums go over
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from refpar import backend
 from refpar.config import ModelConfig, Plan, TrainConfig
@@ -36,6 +39,7 @@ from refpar.holdings import (
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import init_params
 from refpar.model.moe import expert_prefix
+from refpar.parallel.clipping import clip_for
 from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.data_parallel import DataParallel
 from refpar.parallel.expert_parallel import ExpertParallelMoE, owned_experts, routing_runs, token_runs
@@ -44,6 +48,7 @@ from refpar.parallel.fsdp import FSDP
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.schedules import layout, of_plan
 from refpar.parallel.pipeline.stage import Stage
+from refpar.parallel.recompute import Recompute, SelectiveAttention
 from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
 from refpar.parallel.tensor_parallel import shard_params_tp, tp_layout
 from refpar.parallel.units import Units
@@ -70,6 +75,7 @@ class Parallel:
     sp_names: list[str] = field(default_factory=list)  # held parameters of the sequence-sharded region
     embedding: object = None  # the group summing the tied wte's two ends (mesh's "embedding"), or None
     copies: object = None  # DualPipe: the mirror rank's group summing the two copies' gradients
+    clip: object = None  # clipping.GlobalNormClip with --clip-grad-norm
 
     @property
     def data(self):
@@ -159,10 +165,15 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     else:
         hooks = DataParallel(units, model, train, ledger, params, plan.bucket_elems, plan.overlap, lowp)
     routings: dict = {}
+    # recomputation: what a block keeps and reruns (refpar/parallel/recompute.py)
+    recompute = (None if plan.recompute == "none" else
+                 Recompute(plan.recompute, ledger, hooks.buffers(), mesh.world.tracer))
+    if recompute is not None and recompute.mode == "selective" and lay is not None:
+        lay = replace(lay, attention=SelectiveAttention(lay.attention, recompute))
 
     def make_stage(s: int, pipe) -> Stage:
         return Stage(model, pipe.stages_per_copy, pipe.part(s), units.of_stage[s], hooks, lay, moe, runs,
-                     routings)
+                     routings, recompute)
 
     tokens = train.seq_len if lay is None else len(lay.resid_pos)
     like = next(iter(params.values()))
@@ -172,6 +183,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     # DualPipe's two copies of every part
     embedding = mesh.axis("embedding") if pipe.tied_apart else None
     copies = mesh.axis("mirror") if pipe.copies == 2 else None
+    clip = clip_for(model, train, mesh, plan, stages, dense, copies)
     return Parallel(model, train, mesh, plan, lay, hooks, executor, ledger, samples, moe, routings, sp_names,
-                    embedding, copies)
+                    embedding, copies, clip)
 

@@ -9,7 +9,7 @@ what to change, before the first message.
 
 from __future__ import annotations
 
-from refpar.config import ConfigError, ModelConfig, Plan, TrainConfig
+from refpar.config import RECOMPUTE, ConfigError, ModelConfig, Plan, TrainConfig
 from refpar.holdings import stage_layers
 from refpar.parallel.context_parallel import check_cp
 from refpar.parallel.expert_parallel import check_expert_parallel
@@ -40,6 +40,8 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
         raise ConfigError("--schedule KIND and --schedule-csv FILE each give the schedule; drop one")
     if plan.schedule_csv is None and plan.kind in BUILDERS:  # "pp x chunks stages need as many blocks"
         stage_layers(model.n_layer, model_parts(plan.kind, p, plan.chunks), 0)
+    if plan.recompute not in RECOMPUTE:
+        raise ConfigError(f"unknown --recompute {plan.recompute!r}; choose one of {', '.join(RECOMPUTE)}")
     _check_batch(model, train, d, e, plan.microbatches)
     _check_data_parallel(model, d * e * c if model.moe_experts else d * c, plan)
     _check_schedule(model, p, plan)  # last: building costs p x m x v; its own sentences

@@ -122,10 +122,15 @@ def summarize(model, cfg, sizes, plan, par, out, every, ref, floor) -> dict:
                    for r, e in enumerate(every) for c in CATEGORIES]
     expected_comm = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_comm"]]
     expected_memory = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_memory"]]
-    fields = {}
+    fields = {"lrs": out.lrs, "grad_norms": out.grad_norms if par.clip is not None else None}
     if ref is not None:
         ref_losses = ref.losses[out.first_step:]  # a resumed run has only the steps after its checkpoint
-        fields = {"reference_losses": ref_losses,
+        if par.clip is not None:
+            ref_norms = ref.grad_norms[out.first_step:]
+            fields |= {"reference_grad_norms": ref_norms, "max_grad_norm_rel_diff": max(
+                (abs(a - b) / abs(b) for a, b in zip(out.grad_norms, ref_norms, strict=True)
+                 if a is not None and b is not None), default=None)}
+        fields |= {"reference_losses": ref_losses,
                   "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(out.losses, ref_losses,
                                                                                 strict=True)),
                   "max_param_rel_diff": max(_rel(p, ref.params[n]) for e in every
@@ -190,13 +195,18 @@ def time_split(slots, events, window) -> dict[str, float]:
 def write_traces(path, plain, par, events, step: int) -> None:
     """Rank 0 writes one Chrome trace of step `step` (per rank its messages on track 0 and, in a
     pipeline, its actions as compute slices named like "1F0" on track 1, on the one clock of the
-    machine) and every event of the run as JSON lines beside it (PATH.jsonl)."""
+    machine; with --recompute each rerun forward too, named like "recompute h.3") and every event
+    of the run as JSON lines beside it (PATH.jsonl)."""
     from refpar.comm.trace import chrome_trace, event_of
 
     piped = par.mesh.sizes["pp"] > 1
+    reruns = {id(st.recompute): st.recompute for st in par.executor.stages.values() if st.recompute}
     mine = {"events": [e.to_dict() for e in events if e.step == step],
             "slots": [{"action": str(s.action), "tick": s.tick, "start": s.start, "end": s.end}
                       for s in par.executor.slots] if piped else [], "all": [e.to_dict() for e in events]}
+    # --recompute: each forward run again inside a backward, a compute slice of its own
+    mine["slots"] += [{"action": f"recompute {piece}", "tick": None, "start": a, "end": b}
+                      for rc in reruns.values() for piece, a, b in rc.spans]
     every = plain.gather_object(mine)
     if plain.rank != 0:
         return

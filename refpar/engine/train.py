@@ -11,8 +11,10 @@ One step on every rank:
                gradients into them (DP's buckets and ZeRO's reduce-scatters start as units complete)
     sums       hooks.finish: DP's rings still in flight, the tied wte over the embedding group, the
                sequence-sharded region over tp (on ZeRO's shards)
-    optimizer  hooks.step: fp16 agrees on an overflow over the groups whose gradients differ, then
-               AdamW on what this rank keeps (ZeRO-1/2 then all-gather the updated units)
+    optimizer  hooks.step: fp16 agrees on an overflow over the groups whose gradients differ, the
+               global norm is summed over the axes that shard it (refpar/parallel/clipping.py),
+               then AdamW at the step's learning rate (optim.learning_rate) on what this rank keeps,
+               gradients clipped (ZeRO-1/2 then all-gather the updated units)
     loss       the microbatch losses (and a MoE model's router losses) summed over pp, then over
                the ranks that saw different tokens
 
@@ -29,6 +31,7 @@ import numpy as np
 
 from refpar import checkpoint
 from refpar.model.data import MarkovCorpus
+from refpar.model.optim import learning_rate
 from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline
 from refpar.report import loss_scaling_summary
@@ -51,6 +54,8 @@ class Run:
     simulated: Timeline | None = None  # the schedule simulated with their measured durations
     loss_scaling: dict | None = None  # fp16: report.loss_scaling_summary (scales, skipped steps)
     moe_steps: list[MoEStep] = field(default_factory=list)  # MoE: the routing of this rank's blocks
+    lrs: list[float] = field(default_factory=list)  # the learning rate of each step
+    grad_norms: list[float | None] = field(default_factory=list)  # clipping: the global norm (skipped: None)
 
     @property
     def step_time_s(self) -> float:
@@ -92,7 +97,10 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
             with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
                 loss = executor.step(mbs, step=step, seed=cfg.seed, normalizer=normalizer, dloss=scale)
             hooks.finish(par.embedding, mesh.tp, par.sp_names, par.copies)
-            skipped = hooks.step(par.differ)
+            run.lrs.append(learning_rate(cfg, step))
+            skipped = hooks.step(par.differ, run.lrs[-1], par.clip)
+            if par.clip is not None:
+                run.grad_norms.append(None if skipped else par.clip.norm)
             if scaler is not None:
                 scales.append(scale)
                 skipped_steps += [step] * skipped

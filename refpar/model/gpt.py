@@ -172,6 +172,15 @@ def merge_heads(t):
     return xp.reshape(xp.permute_dims(t, (0, 2, 1, 3)), (B, T, nh * hs))
 
 
+def attention_core(q, k, v, layer: int, n_head: int, drop: DropoutContext = NO_DROPOUT, positions=None):
+    """q, k, v (B, nh, T, hs) -> (out (B, nh, T, hs), cache): causal attention with the dropout
+    of its probabilities, the piece selective recomputation runs again (refpar/parallel/recompute.py)."""
+    T = q.shape[2]
+    positions = _positions(q, T, None, drop) if positions is None else positions  # (T,): the caller's
+    keep = drop.keep(layer, "attn", (n_head, T, T), q)  # (B, nh, T, T) or None
+    return attention_forward(q, k, v, positions, positions, keep, drop.p)
+
+
 def block_forward(x, params, layer: int, config: ModelConfig, drop: DropoutContext = NO_DROPOUT,
                   positions=None, moe=None):
     """x (B, T, C) -> y (B, T, C): x + attn(ln_1(x)), then + mlp(ln_2(.)). `positions` (T,) are the
@@ -188,8 +197,7 @@ def block_forward(x, params, layer: int, config: ModelConfig, drop: DropoutConte
     q = split_heads(qkv[..., :C], config.n_head)  # (B, nh, T, hs)
     k = split_heads(qkv[..., C:2 * C], config.n_head)  # (B, nh, T, hs)
     v = split_heads(qkv[..., 2 * C:], config.n_head)  # (B, nh, T, hs)
-    keep = drop.keep(layer, "attn", (config.n_head, T, T), x)  # (B, nh, T, T) or None
-    o, c_sdpa = attention_forward(q, k, v, positions, positions, keep, drop.p)  # (B, nh, T, hs)
+    o, c_sdpa = attention_core(q, k, v, layer, config.n_head, drop, positions)  # (B, nh, T, hs)
     o = merge_heads(o)  # (B, T, C)
     o, c_proj = linear_forward(o, P[h + "attn.c_proj.weight"], P[h + "attn.c_proj.bias"])  # (B, T, C)
     o, c_drop1 = dropout_forward(o, drop.keep(layer, "attn_resid", (T, C), x), drop.p)  # (B, T, C)

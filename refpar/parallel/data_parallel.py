@@ -129,17 +129,21 @@ class DataParallel(Hooks):
         spans = [(self.grads, u.start[k] + a, u.start[k] + b) for k, a, b in map(u.offsets.get, sp_names)]
         self.partial_sums(wte, spans, embedding, tp, copies, lambda k: u.slice(k, self.grads))
 
-    def step(self, differ: list) -> bool:
-        """The optimizer on every unit; returns whether fp16 found an overflow (and skipped it).
-        `differ`: the groups whose ranks hold different gradients (where it is agreed)."""
-        if self.overflowed([self.grads], differ):
+    def held_grads(self) -> list:
+        return [(k, 0, self.units.slice(k, self.grads)) for k in self.units.names]
+
+    def step(self, differ: list, lr: float, clip=None) -> bool:
+        """The optimizer at learning rate `lr` on every unit, gradients clipped by `clip`; returns
+        whether fp16 found an overflow (and skipped it). `differ`: the groups whose ranks hold
+        different gradients (where it is agreed)."""
+        factor = self.begin_update(differ, clip)
+        if factor is None:
             return True
-        self.t += 1
         u = self.units
         for k in u.names:
             master = None if self.master is None else u.slice(k, self.master)
             self.update(k, u.slice(k, self.params), u.slice(k, self.grads),
-                        {s: u.slice(k, a) for s, a in self.state.items()}, 0, master)
+                        {s: u.slice(k, a) for s, a in self.state.items()}, 0, master, lr, factor)
         return False
 
     def full_params(self) -> dict:

@@ -35,7 +35,7 @@ from array_api_compat import array_namespace, is_cupy_array, is_torch_array
 from refpar import backend
 from refpar.holdings import expert_unit, rank_layout, unit_order, units
 from refpar.memory import nbytes_of
-from refpar.model.optim import adamw_update, mixed_adamw_update, mixed_sgd_update, sgd_update
+from refpar.model.optim import adamw_update, decays, mixed_adamw_update, mixed_sgd_update, sgd_update
 from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit, loss_scaler, overflow_anywhere
 from refpar.sharding import shard_range, shard_sizes
 
@@ -184,6 +184,11 @@ class Hooks:
             fold(u, {n: g for n, g in grads.items() if self.units.offsets[n][0] == u})
         self.ledger.free("grads.piece")
 
+    def held_grads(self) -> list:
+        """(unit, first element, flat array) of the reduced gradient this rank keeps of each unit
+        after `finish`: what the optimizer reads (DataParallel: whole units; Zero: its shards)."""
+        raise NotImplementedError
+
     def partial_sums(self, wte, segments: list, embedding, tp, copies=None, grads=None) -> None:
         """After the backward, the sums over the ranks that each hold a part of one gradient: the
         tied wte's (`wte`: this rank's view of its gradient, or None) over the embedding group,
@@ -203,37 +208,49 @@ class Hooks:
                 a[lo:hi] = summed[at:at + hi - lo]
                 at += hi - lo
 
-    def overflowed(self, shards: list, comms: list) -> bool:
-        """fp16 only (False otherwise, no message): whether any rank's gradients `shards` hold an
-        inf or a nan, agreed over `comms`, the groups whose ranks hold different gradients; the
-        loss scale backs off or grows."""
+    def overflowed(self, comms: list) -> bool:
+        """fp16 only (False otherwise, no message): whether any rank's gradients hold an inf or a
+        nan, agreed over `comms`, the groups whose ranks hold different gradients; the loss scale
+        backs off or grows."""
         scaler = self.dtypes.scaler
         if scaler is None:
             return False
-        found = overflow_anywhere(shards, comms)
+        found = overflow_anywhere([g for _, _, g in self.held_grads()], comms)
         scaler.update(found)
         return found
 
-    def update(self, unit: str, p, g, state: dict, start: int, master=None) -> None:
-        """One optimizer step, in place, on flat arrays covering [start, start + len(p)) of `unit`.
-        The update is elementwise, so a shard gets the single device's numbers; it runs one
-        parameter segment at a time so weight decay follows each parameter's full shape (matrices
-        only). With `master` (mixed precision) master and moments update in fp32 and p becomes
-        master in 16 bits."""
-        cfg, inv_scale = self.train, self.dtypes.inv_scale
+    def begin_update(self, differ: list, clip=None) -> float | None:
+        """What the optimizer multiplies this step's gradients by: 1/loss scale (of the scale this
+        step's backward used, taken before the overflow check moves it), times the clipping
+        coefficient of `clip` (refpar/parallel/clipping.py) if given. None when fp16 found an
+        overflow: every rank skips the step before clipping, t not advanced."""
+        factor = self.dtypes.inv_scale
+        if self.overflowed(differ):
+            return None
+        self.t += 1
+        return factor if clip is None else factor * clip.coefficient(self, factor)
+
+    def update(self, unit: str, p, g, state: dict, start: int, master, lr: float, factor: float) -> None:
+        """One optimizer step at learning rate `lr`, in place, on flat arrays covering [start,
+        start + len(p)) of `unit`, the gradient multiplied by `factor` (`begin_update`). The
+        update is elementwise, so a shard gets the single device's numbers; it runs one parameter
+        segment at a time so weight decay follows each parameter's full shape (optim.decays).
+        With `master` (mixed precision) master and moments update in fp32 and p becomes master in
+        16 bits."""
+        cfg = self.train
         for name, lo, hi in self.units.segments(unit, start, start + p.shape[0]):
             s = slice(lo - start, hi - start)
-            decay = len(self.units.shapes[name]) >= 2  # refpar.model.optim.decays on the full parameter
+            decay = decays(self.units.shapes[name], cfg)  # a tp shard has its parameter's dimensions
             if master is not None and cfg.optimizer == "adamw":
                 p[s], master[s], state["m"][s], state["v"][s] = mixed_adamw_update(
-                    p[s], g[s], master[s], state["m"][s], state["v"][s], self.t, cfg, decay, inv_scale)
+                    p[s], g[s], master[s], state["m"][s], state["v"][s], self.t, cfg, decay, lr, factor)
             elif master is not None:
-                p[s], master[s] = mixed_sgd_update(p[s], g[s], master[s], cfg, decay, inv_scale)
+                p[s], master[s] = mixed_sgd_update(p[s], g[s], master[s], cfg, decay, lr, factor)
             elif cfg.optimizer == "adamw":
                 p[s], state["m"][s], state["v"][s] = adamw_update(
-                    p[s], g[s], state["m"][s], state["v"][s], self.t, cfg, decay)
+                    p[s], g[s], state["m"][s], state["v"][s], self.t, cfg, decay, lr, factor)
             else:
-                p[s] = sgd_update(p[s], g[s], cfg, decay)
+                p[s] = sgd_update(p[s], g[s], cfg, decay, lr, factor)
 
 
 class _ParamView:

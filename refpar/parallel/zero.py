@@ -196,18 +196,21 @@ class Zero(Hooks):
         self.partial_sums(wte, segments, embedding, tp, copies, self.grad_shard)
 
     # ------------------------------------------------------------------------------- optimizer
-    def step(self, differ: list) -> bool:
-        """The optimizer on this rank's shards, then (stages 1, 2) every unit all-gathered into the
-        whole parameters; returns whether fp16 found an overflow (every rank then skips the step
-        and the all-gathers: no parameter changed)."""
+    def held_grads(self) -> list:
+        return [(k, a, self.grad_shard(k)) for k, (a, _) in self.units.own.items()]
+
+    def step(self, differ: list, lr: float, clip=None) -> bool:
+        """The optimizer at learning rate `lr` on this rank's shards, gradients clipped by `clip`,
+        then (stages 1, 2) every unit all-gathered into the whole parameters; returns whether fp16
+        found an overflow (every rank then skips the step and the all-gathers: no parameter changed)."""
         u = self.units
-        if self.overflowed([self.grad_shard(k) for k in u.own], differ):
+        factor = self.begin_update(differ, clip)
+        if factor is None:
             return True
-        self.t += 1
         for k, (a, b) in u.own.items():
             p = u.slice(k, self.params)[a:b] if self.stage < 3 else self.shards[k]
             master = None if self.master is None else self.master[k]
-            self.update(k, p, self.grad_shard(k), self.state[k], a, master)
+            self.update(k, p, self.grad_shard(k), self.state[k], a, master, lr, factor)
         if self.stage < 3:
             for k, (a, b) in u.own.items():
                 full = u.slice(k, self.params)

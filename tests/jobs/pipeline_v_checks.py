@@ -6,10 +6,12 @@ are the closed forms (refpar/analysis/engine.py), and per world rank its pipelin
 measured activation and parameter peaks and the replay of its schedule list.
 
 CASES is a JSON list of {"mesh": {axis: size}, "schedule": KIND or null, "csv": PATH or null,
-"m": microbatches, "zero": stage, "fsdp": bool}."""
+"m": microbatches, "zero": stage, "fsdp": bool, "clip": max norm or absent}: a case with "clip" clips
+its gradients to that global norm on a cosine schedule, and prints its norms beside one device's."""
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,25 +36,31 @@ TRAIN = TrainConfig(steps=2, batch_size=8, seq_len=8, seed=7)
 
 def main(cases) -> None:
     comm = world(Tracer())
-    reference = train_single_device(MODEL, TRAIN)
+    references = {}  # max norm (0: none) -> the single device's run
     for case in cases:
+        cfg = replace(TRAIN, clip_grad_norm=case.get("clip", 0.0),
+                      **({"lr_schedule": "cosine", "warmup_steps": 1} if case.get("clip") else {}))
+        if cfg.clip_grad_norm not in references:
+            references[cfg.clip_grad_norm] = train_single_device(MODEL, cfg)
+        reference = references[cfg.clip_grad_norm]
         mesh = DeviceMesh(comm, case["mesh"])
         comm.tracer.clear()  # each case's bytes alone
         csv = Path(case["csv"]).read_text() if case.get("csv") else None
         plan = Plan(schedule=case.get("schedule"), schedule_csv=csv, microbatches=case["m"],
                     zero=case.get("zero", 0), fsdp=case.get("fsdp", False))
-        par = parallelize(MODEL, TRAIN, mesh, plan)
+        par = parallelize(MODEL, cfg, mesh, plan)
         run = train(par)
         whole = full_params(par)  # whole over tp
         diff = max(rel_diff(p, reference.params[n]) for n, p in whole.items())
         sizes, coords = mesh.sizes, mesh.coords
         expected = {(e["axis"], e["op"]): (e["bytes_sent"], e["bytes_recv"])
-                    for e in rank_comm_rows(MODEL, TRAIN, sizes, coords, plan, TRAIN.steps)}
+                    for e in rank_comm_rows(MODEL, cfg, sizes, coords, plan, cfg.steps)}
         traced = {key: b for key, b in run.totals.items() if b != (0, 0)}
-        memory = {r["category"]: r["bytes"] for r in rank_memory_rows(MODEL, TRAIN, sizes, coords, plan)}
+        memory = {r["category"]: r["bytes"] for r in rank_memory_rows(MODEL, cfg, sizes, coords, plan)}
         mine = np.array([[diff, float(traced == expected), float(memory == dict(par.ledger.peak)),
                           coords["pp"], par.ledger.peak["activations"],
-                          activation_peak(MODEL, TRAIN, sizes, coords, plan), par.ledger.peak["params"]]])
+                          activation_peak(MODEL, cfg, sizes, coords, plan), par.ledger.peak["params"]]])
+        norms = comm.all_gather(np.array([run.grad_norms or [0.0] * cfg.steps]))  # (world, steps)
         every = comm.all_gather(mine)  # (world, 7)
         if comm.rank == 0:
             print(json.dumps({
@@ -65,6 +73,7 @@ def main(cases) -> None:
                 "replayed_peak": every[:, 5].astype(int).tolist(),
                 "params": every[:, 6].astype(int).tolist(),
                 "params_digest": [float(np.sum(p)) for _, p in sorted(whole.items())],
+                "grad_norms": norms.tolist(), "reference_grad_norms": reference.grad_norms,
             }), flush=True)
 
 

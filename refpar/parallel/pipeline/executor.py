@@ -166,6 +166,8 @@ class PipelineExecutor:
         hooks. `dloss`: the fp16 loss scale."""
         for stage in self.stages.values():
             stage.dloss = dloss
+            if stage.recompute is not None:
+                stage.recompute.spans.clear()  # the last step's reruns only, as `slots`
         m = self.layout.n_microbatches
         if len(microbatches) != m:
             raise ConfigError(f"the schedule has {m} microbatches but the step got "

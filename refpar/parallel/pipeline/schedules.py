@@ -440,9 +440,11 @@ def critical_path_gap(timeline: Timeline, schedule: Schedule) -> float:
 
 
 def stored(schedule: Schedule, after_f: Callable[[Action], int] = lambda a: 1,
-           after_b: Callable[[Action], int] = lambda a: 1) -> dict[int, list[int]]:
+           after_b: Callable[[Action], int] = lambda a: 1,
+           during_b: Callable[[Action], int] = lambda a: 0) -> dict[int, list[int]]:
     """Per rank, the most stored for backward during each tick: `after_f(F)` from each F until its
-    B, then `after_b(B)` until its W where the backward is split. With the defaults, the number of
+    B, then `after_b(B)` until its W where the backward is split, and `during_b(B)` while a B runs
+    beside what it consumes (recomputation's working set). With the defaults, the number of
     (stage, microbatch) pairs in flight; with bytes, the activation memory a run must measure. An
     overlapped F&B peaks between its parts: its forward's activations exist before its backward
     frees the other microbatch's (the executor runs them in that order; DualPipe overlaps them)."""
@@ -455,6 +457,8 @@ def stored(schedule: Schedule, after_f: Callable[[Action], int] = lambda a: 1,
             most = total
             for c in () if a is None else a.computations():
                 key = (c.stage, c.microbatch)
+                if c.kind == "B":
+                    most = max(most, total + during_b(c))
                 total -= held.pop(key, 0)
                 if c.kind == "F":
                     held[key] = after_f(c)

@@ -34,11 +34,18 @@ Two kinds of pieces, one class:
   blocks). They compute input and weight gradients together, so B is the whole backward and W
   has nothing left to do: schedules that split B from W run, but gain nothing.
 
+Recomputation (refpar/parallel/recompute.py, `recompute`): under "full" a block keeps only its
+input and its backward runs `_block` again first; under "selective" the attention core keeps only
+q, k, v (the Layout's core is a recompute.SelectiveAttention; the model's own block swaps its core's
+cache for them here) and the core's backward runs its forward again.
+
 Mixed precision: the pieces run under `fp32_compute` (16-bit in, fp32 GEMMs, 16-bit out); `dloss`
 (the fp16 loss scale, set by the executor for a step) starts the last stage's backward.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 from array_api_compat import array_namespace, device
 
@@ -46,6 +53,7 @@ from refpar.holdings import ENDS, stage_layers
 from refpar.model.attention import attention_backward
 from refpar.model.gpt import (
     DropoutContext,
+    attention_core,
     block_forward,
     embed_backward,
     embed_forward,
@@ -89,11 +97,15 @@ class Stage:
     `lay` its tensor_parallel.Layout
     (None: the model's own layers), `moe` the expert-parallel layer of its MoE blocks. A MoE stage
     routes each microbatch with `runs[sample ids]` (expert_parallel.RoutingRuns) and files its
-    blocks' routing under the microbatch's sample ids in `routings` (shared by the rank's stages)."""
+    blocks' routing under the microbatch's sample ids in `routings` (shared by the rank's stages).
+    `recompute`: the rank's recompute.Recompute, or None (nothing recomputed)."""
 
     def __init__(self, config, n_parts: int, part: int, units: list[str], hooks, lay=None, moe=None,
-                 runs=None, routings=None):
+                 runs=None, routings=None, recompute=None):
         self.config, self.part, self.hooks, self.lay = config, part, hooks, lay
+        self.recompute = recompute
+        mode = "none" if recompute is None else recompute.mode
+        self.full, self.selective = mode == "full", mode == "selective" and lay is None
         self.moe, self.runs, self.routings = moe, runs, routings
         self.dloss = 1.0  # where the last stage's backward starts: 1, or an fp16 run's loss scale
         self.layers = stage_layers(config.n_layer, n_parts, part)
@@ -132,10 +144,14 @@ class Stage:
         c_blocks = []
         for layer in self.layers:
             p, bases = self._acquire(j, pieces, "fwd", mb)
-            x, c = (block_forward(x, p, layer, self.config, drop) if lay is None else
-                    parallel_block_forward(x, p, layer, lay, drop, self.moe))  # (B, Tl, C)
+            x_in = x
+            x, c = self._block(x_in, p, layer, drop)  # (B, Tl, C)
+            if self.full:  # the input alone; the backward runs the block again
+                c = (x_in, drop)
+            elif self.selective:  # the model's attention core keeps its inputs q, k, v alone
+                c = (*c[:4], (*c[4][:3], drop), *c[5:])
             c_blocks.append(detach(c, bases))
-            del p, bases, c
+            del p, bases, c, x_in
             hooks.release(self.blocks[layer], "fwd", (self.part, mb))
             j += 1
         if self.last:
@@ -181,13 +197,24 @@ class Stage:
             weights(() if self.first else self.ends, w)  # on a first stage the embedding completes them
             j += 1
         for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
-            bases = self._acquire(j, pieces, "bwd", mb)[1]
-            if self.lay is None:
-                d, w = self._block_input(d, attach(c, bases))  # (B, T, C)
+            p, bases = self._acquire(j, pieces, "bwd", mb)
+            if self.full:  # the block's forward again, on its kept input and the acquired weights
+                x_in, drop = c
+                if self.moe is not None:
+                    self.moe.runs = self.runs[drop.sample_ids]
+                c = self.recompute.rerun(f"h.{layer}", partial(self._block, x_in, p, layer, drop),
+                                         (x_in, *bases.values()))
+                del x_in
             else:
-                d, grads = parallel_block_backward(d, attach(c, bases), layer, self.lay)  # (B, Tl, C)
+                c = attach(c, bases)
+            if self.lay is None:
+                d, w = self._block_input(d, c)  # (B, T, C)
+            else:
+                d, grads = parallel_block_backward(d, c, layer, self.lay)  # (B, Tl, C)
                 w = ("grads", grads)
-            del c, bases
+            if self.full:
+                self.recompute.done()
+            del c, p, bases
             hooks.release(self.blocks[layer], "bwd", hold)
             weights(self.blocks[layer], w)
             j += 1
@@ -205,6 +232,12 @@ class Stage:
         for done, (kind, arrays) in saved:
             self.hooks.fold(arrays if kind == "grads" else self._weight_grads(kind, arrays))
             self.hooks.done(done)
+
+    def _block(self, x, p, layer: int, drop):
+        """Block `layer`'s forward: (out (B, Tl, C), cache)."""
+        if self.lay is None:
+            return block_forward(x, p, layer, self.config, drop)
+        return parallel_block_forward(x, p, layer, self.lay, drop, self.moe)
 
     def _row_counts(self, like) -> dict:
         """Stand-ins for wte and wpe: the vocab-parallel embedding's backward reads only their
@@ -252,7 +285,13 @@ class Stage:
         do = dropout_backward(dx1, c_drop1)  # (B, T, C)
         kept.append((h + "attn.c_proj", "linear", (c_proj[0], do)))
         do = _linear_dx(do, c_proj)  # (B, T, C)
+        if self.selective:  # the core's forward again, from its kept q, k, v and the keyed masks
+            q, k, v, drop = c_sdpa
+            c_sdpa = self.recompute.rerun(f"h.{layer}.attn.core",
+                                          partial(attention_core, q, k, v, layer, n_head, drop), (q, k, v))
         dq, dk, dv = attention_backward(split_heads(do, n_head), c_sdpa)  # (B, nh, T, hs) each
+        if self.selective:
+            self.recompute.done()
         dqkv = xp.concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)  # (B, T, 3C)
         kept.append((h + "attn.c_attn", "linear", (c_attn[0], dqkv)))
         da, dw, db = layernorm_backward(_linear_dx(dqkv, c_attn), c_ln1)  # (B, T, C)
