@@ -525,7 +525,7 @@ def save_training(root, step: int, arrays: list[tuple[Piece, np.ndarray]], model
     fp16 `LossScaler.state_dict()`, the configs and the mesh it was written under; MoE runs also
     keep `moe_microbatches`, the M their tokens were routed in (capacity and router losses are per
     microbatch, so a resume with another M would not continue the same run)."""
-    from refpar.model.gpt import param_shapes
+    from refpar.model import param_shapes
 
     tensors = training_tensors(param_shapes(model), model.dtype, train.optimizer)
     info = {"step": step, "optimizer_t": step if optimizer_t is None else optimizer_t,
@@ -541,7 +541,7 @@ def open_training(path, model, train) -> dict:
     """The manifest of the checkpoint `path` names, checked against this run's configs: everything
     but the number of steps must match, or the run would not continue the one that was saved."""
     from refpar.config import ModelConfig, TrainConfig
-    from refpar.model.gpt import param_shapes
+    from refpar.model import param_shapes
 
     man = read_manifest(path)
     where = f"checkpoint {man['dir']}"

@@ -143,7 +143,7 @@ def run(args) -> int:
         model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
         return dp_runner.run_cli(model, train, sizes, args)
     from refpar.cli import launcher_rank
-    from refpar.model.gpt import param_shapes
+    from refpar.model import param_shapes
     from refpar.report import loss_scaling_summary, run_summary, summary_line
     from refpar.trainer import corpus_for, train_single_device
 
@@ -164,7 +164,8 @@ def run(args) -> int:
         if speak:
             print(text, flush=True)
 
-    say(f"GPT-2 {args.model}: {model.n_layer} layers, {model.n_embd} channels, {model.n_head} heads, "
+    say(f"{'Llama' if model.arch == 'llama' else 'GPT-2'} {args.model}: {model.n_layer} layers, "
+        f"{model.n_embd} channels, {model.n_head} heads, "
         f"{n_params:,} parameters, {precision_label(model.dtype)}, dropout {model.dropout}, 1 device")
     say(f"data: Markov chain over {model.vocab_size} tokens, batch {train.batch_size} x {train.seq_len} "
         f"tokens; loss floor (entropy rate) {floor:.4f}")
