@@ -15,6 +15,7 @@ import time
 from functools import cache
 from pathlib import Path
 
+from refpar.comm.trace import chrome_trace, read_trace
 from refpar.config import ConfigError
 from refpar.jobs import RankWatch, how_it_ended
 
@@ -67,10 +68,12 @@ class Launcher:
         watch.close()
         with self.lock:
             trace, events = (Path(self.trace) if self.trace else None), None
-            if proc.returncode == 0 and trace is not None and trace.exists():
-                events = json.loads(trace.read_text())
-            if trace is not None:
-                trace.unlink(missing_ok=True)  # a stopped run may have left half a file
+            if proc.returncode == 0 and trace is not None and trace.with_suffix(".jsonl").exists():
+                # every message of the run (the Chrome trace beside it holds the last step only)
+                events = chrome_trace(read_trace(trace.with_suffix(".jsonl")))
+            if trace is not None:  # a stopped run may have left half a file
+                trace.unlink(missing_ok=True)
+                trace.with_suffix(".jsonl").unlink(missing_ok=True)
             summary = next((json.loads(x) for x in reversed(self.lines) if x.startswith('{"mesh"')), None)
             if proc.returncode == 0 and summary is not None:
                 self.result = {"key": self.key, "label": self.label, "summary": summary, "trace": events}

@@ -2,7 +2,7 @@
 
 import streamlit as st
 
-from refpar import lessons
+from lessons import course as lessons
 
 LESSONS_PAGE = "views/lessons.py"
 PARAM = "lesson"  # the query parameter the Lessons page reads to choose its lesson

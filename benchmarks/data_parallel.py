@@ -71,7 +71,10 @@ def worker(args) -> None:
     from refpar.analysis.memory import bucket_sizes
     from refpar.comm.communicator import world
     from refpar.comm.trace import Tracer
-    from refpar.parallel.dp_runner import options, run_data_parallel
+    from refpar.config import Plan
+    from refpar.engine import parallelize
+    from refpar.engine import train as train_engine
+    from refpar.mesh import DeviceMesh
 
     model, train = configs(args)
     strategy, extra = STRATEGIES[args.worker]
@@ -81,9 +84,10 @@ def worker(args) -> None:
         total = sum(bucket_sizes(model, 1 << 62))
         bucket = -(-total // extra.pop("buckets"))
     comm = world(Tracer())
-    opts = options(strategy, model, train, bucket_elems=bucket, **extra)
+    plan = Plan(zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
+                bucket_elems=bucket, **extra)
     start = time.perf_counter()
-    run = run_data_parallel(opts, model, train, comm)
+    run = train_engine(parallelize(model, train, DeviceMesh(comm, {"dp": comm.size}), plan))
     elapsed = time.perf_counter() - start
     # Each timed step's communication time, its events' intervals merged on rank 0 (overlapping
     # messages of several buckets count once); the fastest step is reported, the one least
@@ -95,8 +99,8 @@ def worker(args) -> None:
         for a, b in spans:
             busy += max(0.0, b - max(a, end))
             end = max(end, b)
-        if best is None or run.step_times_s[step] < best[0]:
-            best = (run.step_times_s[step], busy)
+        if best is None or run.step_times[step] < best[0]:
+            best = (run.step_times[step], busy)
     if comm.rank == 0:
         print(json.dumps({"step_time_s": best[0], "comm_s_per_step": best[1], "wall_s": elapsed}),
               flush=True)

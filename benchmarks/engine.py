@@ -3,10 +3,10 @@ several meshes, with each step's share of compute, communication and idle from t
 
     python benchmarks/engine.py [--models tiny,small] [--steps 3] [--seq-len 64] [--timeout 600]
 
-Each mesh runs as `mpiexec -n N python <this file> --worker MESH MODEL ...`: refpar/engine.py on
+Each mesh runs as `mpiexec -n N python <this file> --worker MESH MODEL ...`: refpar/engine on
 the same global batch (8 sequences in 4 microbatches; a mesh without pp accumulates them), one
 BLAS thread per rank. Times are the mean of the steps after the first; the shares are the mean
-over ranks of the last step's split (refpar.commands.train_engine.time_split): compute = pipeline
+over ranks of the last step's split (refpar.engine.report.time_split): compute = pipeline
 actions minus the collectives inside them, communication = blocking collectives (including the
 wait for the group's slowest rank), idle = the rest (pipeline waits, optimizer, bookkeeping).
 Prints a table, not pass/fail.
@@ -35,24 +35,25 @@ MESHES = ["pp=1", "dp=2", "tp=2", "pp=2", "dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2",
 def worker(mesh_text: str, model_name: str, steps: int, seq_len: int) -> None:
     from refpar.comm.communicator import abort_on_error, world
     from refpar.comm.trace import Tracer
-    from refpar.commands.train_engine import time_split
-    from refpar.config import ParallelConfig, TrainConfig, model_preset, parse_mesh
-    from refpar.engine import EngineOptions, run_engine
+    from refpar.config import ParallelConfig, Plan, TrainConfig, model_preset, parse_mesh
+    from refpar.engine import parallelize, train
+    from refpar.engine.report import time_split
     from refpar.mesh import DeviceMesh
 
     with abort_on_error():
         sizes = ParallelConfig(parse_mesh(mesh_text)).sizes
         model = model_preset(model_name)
-        train = TrainConfig(steps=steps, batch_size=8, seq_len=min(seq_len, model.n_positions))
+        config = TrainConfig(steps=steps, batch_size=8, seq_len=min(seq_len, model.n_positions))
         comm, plain = world(Tracer()), world()
-        run = run_engine(model, train, DeviceMesh(comm, sizes), EngineOptions(microbatches=4))
+        par = parallelize(model, config, DeviceMesh(comm, sizes), Plan(microbatches=4))
+        run = train(par)
         last = [e for e in comm.tracer.events if e.step == steps - 1]
-        split = plain.gather_object(time_split(run.executor.slots, last, run.windows[-1]))
+        split = plain.gather_object(time_split(par.executor.slots, last, run.windows[-1]))
         if plain.rank == 0:
             shares = {k: float(np.mean([s[k] / s["wall"] for s in split]))
                       for k in ("compute", "communication", "idle")}
             print(json.dumps({"step_s": float(np.mean(run.step_times[1:] or run.step_times)),
-                              "tokens": train.batch_size * train.seq_len, **shares}), flush=True)
+                              "tokens": config.batch_size * config.seq_len, **shares}), flush=True)
 
 
 def main() -> None:

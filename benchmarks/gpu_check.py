@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py [--ranks 2] [--batch-size 8] [--seq-len 1024] [--steps 5]
 
-1. The equivalence matrix (tests/backend_job.py): ZeRO-3, tp+sp, the 1F1B pipeline and expert
+1. The equivalence matrix (tests/jobs/backend_job.py): ZeRO-3, tp+sp, the 1F1B pipeline and expert
    parallelism on 2 ranks, the dp=2, tp=2, pp=2 engine on 8, all sharing the one GPU, with
    `--backend torch --device cuda` and `--backend cupy` (when CuPy is installed); float64, each
    against the NumPy single-device run (<= 1e-10). Communication is staged through host buffers,
@@ -67,7 +67,7 @@ def equivalence(spec: str, transport: str = "mpi", matrix=MATRIX) -> bool:
     env = dict(os.environ, PYTHONPATH=str(ROOT), MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1")
     ok = True
     for n, names in matrix:
-        proc = subprocess.run([str(mpiexec), "-n", str(n), sys.executable, "tests/backend_job.py", spec,
+        proc = subprocess.run([str(mpiexec), "-n", str(n), sys.executable, "tests/jobs/backend_job.py", spec,
                                json.dumps(names), transport], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=600)
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

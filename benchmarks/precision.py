@@ -27,11 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from refpar.comm.communicator import abort_on_error, world  # noqa: E402
 from refpar.comm.trace import Tracer  # noqa: E402
-from refpar.config import TrainConfig, model_preset  # noqa: E402
-from refpar.parallel.dp_runner import STATES, options, run_data_parallel  # noqa: E402
+from refpar.config import Plan, TrainConfig, model_preset  # noqa: E402
+from refpar.engine import parallelize, train  # noqa: E402
+from refpar.engine.report import STATES  # noqa: E402
+from refpar.mesh import DeviceMesh  # noqa: E402
 from refpar.precision import PRECISIONS  # noqa: E402
 
-STRATEGIES = {"DP": "dp", "ZeRO-3": "zero3"}
+STRATEGIES = {"DP": Plan(), "ZeRO-3": Plan(zero=3)}
 
 
 def parse_args():
@@ -49,13 +51,14 @@ def main() -> None:
     rows = []
     for precision, dtype in PRECISIONS.items():
         model = model_preset(args.model, dtype=dtype)
-        train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
-        for label, strategy in STRATEGIES.items():
+        config = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len)
+        for label, plan in STRATEGIES.items():
             comm.tracer.clear()
-            run = run_data_parallel(options(strategy, model, train), model, train, comm)
+            par = parallelize(model, config, DeviceMesh(comm, {"dp": comm.size}), plan)
+            run = train(par)
             sent = sum(e.bytes_sent for e in comm.tracer.events if e.step == 1)
-            rows.append((label, precision, min(run.step_times_s[1:]), sent,
-                         {c: run.model_state[c] for c in STATES}, run.losses[-1]))
+            rows.append((label, precision, min(run.step_times[1:]), sent,
+                         {c: par.ledger.current[c] for c in STATES}, run.losses[-1]))
     if comm.rank != 0:
         return
     print(f"GPT-2 {args.model}, dp={comm.size}, batch {args.batch_size} x {args.seq_len}, "

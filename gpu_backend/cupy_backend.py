@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpu_backend.torch_backend import local_rank
-from refpar.backend import NumpyBackend
+from refpar.backend import NumpyBackend, register
 from refpar.config import ConfigError
 
 
@@ -29,3 +29,6 @@ class CupyBackend(NumpyBackend):
 
     def synchronize(self) -> None:
         self.cupy.cuda.get_current_stream().synchronize()
+
+
+register("cupy", CupyBackend)

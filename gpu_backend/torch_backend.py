@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 
-from refpar.backend import NumpyBackend
+import numpy as np
+
+from refpar.backend import NumpyBackend, register
 from refpar.config import ConfigError
+from refpar.precision import dtype_of
 
 
 def local_rank() -> int:
@@ -43,8 +46,13 @@ class TorchBackend(NumpyBackend):
 
     def _move(self, a):
         # A copy: the run updates its parameters in place, the host array stays the initial one.
+        if a.dtype == dtype_of("bfloat16"):  # ml_dtypes' bfloat16, which torch cannot read: its bits
+            return self._move(a.view(np.int16)).view(self.torch.bfloat16)
         return self.torch.asarray(a, device=self.device, copy=True)
 
     def synchronize(self) -> None:
         if self.device.startswith("cuda"):
             self.torch.cuda.synchronize(self.device)
+
+
+register("torch", TorchBackend)

@@ -5,7 +5,7 @@
 
 Each ```console block of lessons/NN-name.md holds `$ command` lines, each followed by its output;
 this script replaces the outputs, so they never go stale. tests/test_lessons.py reruns the same
-commands and compares (refpar/lessons.py says how: masks for timings, tolerances for numbers).
+commands and compares (lessons/course.py says how: masks for timings, tolerances for numbers).
 """
 
 import sys
@@ -13,14 +13,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from refpar import lessons  # noqa: E402
+from lessons import course  # noqa: E402
 
 
 def main(numbers: list[int]) -> None:
-    for path in lessons.lesson_files():
+    for path in course.lesson_files():
         if not numbers or int(path.name[:2]) in numbers:
             print(f"regenerating {path.name}", flush=True)
-            lessons.regenerate(path)
+            course.regenerate(path)
 
 
 if __name__ == "__main__":

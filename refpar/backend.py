@@ -9,16 +9,30 @@ arrays from nothing asks the backend: the initialisation, data batches and optim
 drawn on the host with refpar.rng (the same numbers whatever the backend) and moved with
 `from_host`. Communication stages device arrays through host buffers (refpar/comm/communicator.py)
 after `synchronize`; `gpu_backend/` holds the CuPy and torch backends and the device transport.
+Mixed precision's bfloat16 is ml_dtypes' on the host and torch's own on torch: an array crosses
+between them as its 16-bit pattern (`from_host`, `as_like`, `to_host`), the same values.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import numpy as np
 from array_api_compat import is_array_api_obj, is_cupy_array, is_numpy_array, is_torch_array
 
 from refpar.config import ConfigError
+from refpar.precision import dtype_of
 
 BACKENDS = ("numpy", "torch", "cupy")
+# Accelerator backends live in gpu_backend/ and register themselves when their module is imported:
+# the core names the module (a string) and never imports it directly, so it does not depend on them.
+PLUGINS = {"torch": "gpu_backend.torch_backend", "cupy": "gpu_backend.cupy_backend"}
+_registered: dict[str, type] = {}
+
+
+def register(name: str, cls: type) -> None:
+    """Called by a plugin module as it is imported: `cls(device)` builds backend `name`."""
+    _registered[name] = cls
 
 
 class NumpyBackend:
@@ -68,14 +82,9 @@ def get(name: str, device: str | None = None):
             raise ConfigError(f"the numpy backend runs on the host, not on {device!r}; use "
                               "--backend torch or cupy for a GPU")
         return NumpyBackend()
-    if name == "torch":
-        from gpu_backend.torch_backend import TorchBackend
-
-        return TorchBackend(device or "cpu")
-    if name == "cupy":
-        from gpu_backend.cupy_backend import CupyBackend
-
-        return CupyBackend(device)
+    if name in PLUGINS:
+        importlib.import_module(PLUGINS[name])  # registers it
+        return _registered[name](device or "cpu") if name == "torch" else _registered[name](device)
     if name == "array-api-strict" and device in (None, "cpu"):
         return StrictBackend()
     raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or "
@@ -103,7 +112,12 @@ def to_host(x) -> np.ndarray:
     if is_numpy_array(x):
         return x
     if is_torch_array(x):
-        return x.detach().cpu().numpy()  # .cpu() waits for the CUDA stream
+        from array_api_compat import array_namespace
+
+        x, xp = x.detach().cpu(), array_namespace(x)  # .cpu() waits for the CUDA stream
+        if x.dtype == xp.bfloat16:  # NumPy reads no torch bfloat16: its bits, as ml_dtypes'
+            return x.view(xp.int16).numpy().view(dtype_of("bfloat16"))
+        return x.numpy()
     if is_cupy_array(x):
         return x.get()  # cupy's device-to-host copy synchronises its stream
     if is_array_api_obj(x):
@@ -112,6 +126,18 @@ def to_host(x) -> np.ndarray:
         except (TypeError, RuntimeError, BufferError):
             return np.asarray(x)
     return np.asarray(x)
+
+
+def as_like(a, like):
+    """`a` (a NumPy array from the host or a message, a list, ...) as an array of the namespace and
+    device of the array `like`. A NumPy bfloat16 array (ml_dtypes') goes to torch as its bit
+    pattern: torch reads no ml_dtypes array, and both formats are the top 16 bits of a float32."""
+    from array_api_compat import array_namespace, device
+
+    xp = array_namespace(like)
+    if is_torch_array(like) and is_numpy_array(a) and a.dtype == dtype_of("bfloat16"):
+        return xp.asarray(a.view(np.int16), device=device(like)).view(xp.bfloat16)
+    return xp.asarray(a, device=device(like))
 
 
 def is_array(x) -> bool:
@@ -127,6 +153,23 @@ def owner(a):
     while getattr(a, "base", None) is not None and is_array(a.base):
         a = a.base
     return a
+
+
+def dtype_like(like, dtype):
+    """The dtype `dtype` (a NumPy dtype or name, bfloat16 included) in the namespace of the array
+    `like`: what buffers created beside it (fp32 masters, gradients, 16-bit copies) are made of."""
+    if is_numpy_array(like):
+        return np.dtype(dtype)
+    from array_api_compat import array_namespace
+
+    return getattr(array_namespace(like), np.dtype(dtype).name)
+
+
+def zeros(like, n: int, dtype):
+    """(n,) zeros of `dtype` in the namespace and on the device of `like`."""
+    from array_api_compat import array_namespace, device
+
+    return array_namespace(like).zeros(n, dtype=dtype_like(like, dtype), device=device(like))
 
 
 def host_dtype(x) -> np.dtype:

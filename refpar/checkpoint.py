@@ -43,7 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar.config import ConfigError
+from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.model import param_shapes
 from refpar.precision import MASTER_DTYPE, is_16bit
 
 FORMAT = "refpar-checkpoint/1"
@@ -85,17 +86,6 @@ class Piece:
 
 def whole(tensor: str, shape) -> Piece:
     return Piece(tensor, box=tuple((0, int(n)) for n in shape))
-
-
-def flat_unit_pieces(prefix: str, layout, unit: str, start: int, flat) -> list[tuple[Piece, np.ndarray]]:
-    """The pieces of `flat`, which holds [start, start + len(flat)) of `unit`'s flat buffer in a
-    `refpar.parallel.units.FlatLayout`: one flat range per parameter it overlaps, as views."""
-    out = []
-    for name, lo, hi in layout.segments(unit, start, start + flat.shape[0]):
-        _, offset, _ = layout.offsets[name]
-        out.append((Piece(f"{prefix}/{name}", flat=(lo - offset, hi - offset)),
-                    flat[lo - start:hi - start]))
-    return out
 
 
 def shard_pieces(tensor: str, flat, shape, lo: int, axis: int | None = None, index=None
@@ -149,14 +139,15 @@ def _contiguous_boxes(shape: tuple, lo: int, hi: int) -> list[tuple]:
     return out
 
 
-def training_tensors(param_shapes: dict, dtype, optimizer: str) -> dict[str, tuple[tuple, str]]:
+def training_tensors(model: ModelConfig, optimizer: str) -> dict[str, tuple[tuple, str]]:
     """Every global tensor a training checkpoint holds: the parameters, and AdamW's m and v; for
     16-bit parameters also the fp32 master weights, and m and v are fp32."""
+    dtype = model.dtype
     mixed = is_16bit(np.dtype(dtype))
     state = MASTER_DTYPE.name if mixed else np.dtype(dtype).name
     prefixes = {"params": np.dtype(dtype).name, **dict.fromkeys(["master"] if mixed else [], state),
                 **dict.fromkeys(["adamw.m", "adamw.v"] if optimizer == "adamw" else [], state)}
-    return {f"{p}/{n}": (tuple(s), d) for p, d in prefixes.items() for n, s in param_shapes.items()}
+    return {f"{p}/{n}": (tuple(s), d) for p, d in prefixes.items() for n, s in param_shapes(model).items()}
 
 
 def _stored(dtype: np.dtype) -> np.dtype:
@@ -525,9 +516,7 @@ def save_training(root, step: int, arrays: list[tuple[Piece, np.ndarray]], model
     fp16 `LossScaler.state_dict()`, the configs and the mesh it was written under; MoE runs also
     keep `moe_microbatches`, the M their tokens were routed in (capacity and router losses are per
     microbatch, so a resume with another M would not continue the same run)."""
-    from refpar.model import param_shapes
-
-    tensors = training_tensors(param_shapes(model), model.dtype, train.optimizer)
+    tensors = training_tensors(model, train.optimizer)
     info = {"step": step, "optimizer_t": step if optimizer_t is None else optimizer_t,
             "loss_scaler": loss_scaler, "mesh": dict(mesh), "strategy": strategy,
             "world_size": 1 if comm is None else comm.size,
@@ -540,9 +529,6 @@ def save_training(root, step: int, arrays: list[tuple[Piece, np.ndarray]], model
 def open_training(path, model, train) -> dict:
     """The manifest of the checkpoint `path` names, checked against this run's configs: everything
     but the number of steps must match, or the run would not continue the one that was saved."""
-    from refpar.config import ModelConfig, TrainConfig
-    from refpar.model import param_shapes
-
     man = read_manifest(path)
     where = f"checkpoint {man['dir']}"
     for kind, mine, default in (("model", model.to_dict(), ModelConfig().to_dict()),
@@ -557,7 +543,7 @@ def open_training(path, model, train) -> dict:
                 raise CheckpointError(f"{where} was written with {kind} {key}={theirs.get(key)!r} but "
                                       f"this run has {value!r}; resume with the settings it was "
                                       f"written with")
-    expected = training_tensors(param_shapes(model), model.dtype, train.optimizer)
+    expected = training_tensors(model, train.optimizer)
     if man["tensors"] != expected:
         raise CheckpointError(f"{where} holds other tensors than this model and optimizer have; "
                               f"resume with the model it was written for")

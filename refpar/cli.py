@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
+import shlex
 import sys
 
 from refpar.config import ConfigError
@@ -36,26 +38,39 @@ def launcher_rank() -> int:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (what is wrong, and `--help`), exit status 2."""
+    """argparse whose errors are one line, `refpar <command>: error: <what is wrong>; see refpar
+    <command> --help` (no usage block), printed by rank 0 only, exit status 2: the same form as a
+    ConfigError's sentence."""
 
     def error(self, message: str):
+        flag = re.fullmatch(r"argument ([^/:]+)(?:/[^:]*)?: expected one argument", message)
+        if flag:  # e.g. `--lr -1e-3`: argparse takes a value that starts with '-' for a flag
+            message += f" (a value that starts with '-' is written {flag.group(1)}=VALUE)"
         if launcher_rank() == 0:
-            print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr, flush=True)
+            line = f"{self.prog}: error: {message}; see {self.prog} --help".replace("\n", " ")
+            print(line, file=sys.stderr, flush=True)
         sys.exit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="refpar",
-        description="Parallel training strategies in plain NumPy on real MPI ranks.",
-    )
+    parser = OneLineParser(prog="refpar",
+                           description="Parallel training strategies in plain NumPy on real MPI ranks.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(command)
-        command.set_defaults(_run=module.run)
+        command.set_defaults(_run=module.run, _parser=command)
     return parser
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; arguments no option takes are refused by the command's own parser,
+    so that the sentence points to `refpar <command> --help`."""
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        args._parser.error(f"unrecognized arguments: {shlex.join(extra)}")  # quoted: '' shows
+    return args
 
 
 def under_launcher() -> bool:
@@ -75,7 +90,7 @@ def _run_reporting_config_errors(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if under_launcher():
         from refpar import jobs
         from refpar.comm.communicator import abort_on_error

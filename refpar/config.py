@@ -6,11 +6,15 @@ learner can act on it. Checks run on every rank before any communication (DESIGN
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from refpar.precision import PRECISIONS
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")  # the last two: mixed precision
+MAX_RUN_BYTES = 1 << 40  # 1 TiB: no run of refpar's holds its parameters or a step's logits in more
 ARCHS = ("gpt2", "llama")  # refpar/model/gpt.py, refpar/model/llama.py
 LLAMA_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "norm_eps", "tie_embeddings")
 OPTIMIZERS = ("adamw", "sgd")
@@ -26,8 +30,9 @@ def _divisors(n: int) -> list[int]:
 
 def _require_positive(owner: str, **values: int | float) -> None:
     for name, value in values.items():
-        if value <= 0:
-            raise ConfigError(f"{owner}.{name} must be positive, got {value}; set it to a value > 0")
+        if not 0 < value < math.inf:  # False for nan too
+            raise ConfigError(f"{owner}.{name} must be positive and finite, got {value}; set it "
+                              "to a value > 0")
 
 
 @dataclass(frozen=True)
@@ -64,20 +69,12 @@ class ModelConfig:
     tie_embeddings: bool | None = None  # the head reuses model.embed_tokens (Llama 3.2 1B); None: False
 
     def __post_init__(self) -> None:
-        _require_positive(
-            "ModelConfig",
-            vocab_size=self.vocab_size,
-            n_positions=self.n_positions,
-            n_embd=self.n_embd,
-            n_head=self.n_head,
-            n_layer=self.n_layer,
-        )
+        _require_positive("ModelConfig", vocab_size=self.vocab_size, n_positions=self.n_positions,
+                          n_embd=self.n_embd, n_head=self.n_head, n_layer=self.n_layer)
         if self.n_embd % self.n_head != 0:
             choices = [h for h in _divisors(self.n_embd) if h <= 64]
-            raise ConfigError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"choose n_head in {choices}"
-            )
+            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                              f"choose n_head in {choices}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1); use e.g. 0.0 or 0.1")
         if self.dtype not in DTYPES:
@@ -132,25 +129,21 @@ class ModelConfig:
         if self.moe_experts == 0:
             return
         if not 1 <= self.moe_top_k <= self.moe_experts:
-            raise ConfigError(
-                f"moe_top_k={self.moe_top_k} must be between 1 and moe_experts={self.moe_experts}"
-            )
-        if not self.moe_dropless and self.moe_capacity_factor <= 0:
-            raise ConfigError(
-                f"moe_capacity_factor={self.moe_capacity_factor} must be positive; use e.g. 1.25 "
-                "or dropless routing"
-            )
+            raise ConfigError(f"moe_top_k={self.moe_top_k} must be between 1 and "
+                              f"moe_experts={self.moe_experts}")
+        if not self.moe_dropless and not 0 < self.moe_capacity_factor < math.inf:
+            raise ConfigError(f"moe_capacity_factor={self.moe_capacity_factor} must be a positive finite "
+                              "number; use e.g. 1.25, or dropless routing")
         if self.moe_layers is not None:
             layers = tuple(self.moe_layers)
-            if not layers or len(set(layers)) != len(layers) or not all(
-                isinstance(i, int) and 0 <= i < self.n_layer for i in layers
-            ):
-                raise ConfigError(
-                    f"moe_layers={layers} must list distinct block indices in 0..{self.n_layer - 1}"
-                )
+            in_range = all(isinstance(i, int) and 0 <= i < self.n_layer for i in layers)
+            if not layers or len(set(layers)) != len(layers) or not in_range:
+                raise ConfigError(f"moe_layers={layers} must list distinct block indices in "
+                                  f"0..{self.n_layer - 1}")
             object.__setattr__(self, "moe_layers", tuple(sorted(layers)))
-        if self.moe_aux_loss_weight < 0 or self.moe_z_loss_weight < 0:
-            raise ConfigError("moe_aux_loss_weight and moe_z_loss_weight must be 0 or positive")
+        if not (0 <= self.moe_aux_loss_weight < math.inf and 0 <= self.moe_z_loss_weight < math.inf):
+            raise ConfigError(f"moe_aux_loss_weight={self.moe_aux_loss_weight} and moe_z_loss_weight="
+                              f"{self.moe_z_loss_weight} must be 0 or positive, and finite")
 
     @property
     def moe_blocks(self) -> tuple[int, ...]:
@@ -187,10 +180,8 @@ class TrainConfig:
     loss_scale_window: int | None = None  # fp16: good steps before the scale doubles (None: 1000)
 
     def __post_init__(self) -> None:
-        _require_positive(
-            "TrainConfig", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
-            lr=self.lr,
-        )
+        _require_positive("TrainConfig", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
+                          lr=self.lr)
         if self.loss_scale is not None and not 0 < self.loss_scale < float("inf"):
             raise ConfigError(f"loss_scale={self.loss_scale} must be a positive finite number; "
                               "use e.g. --loss-scale 65536")
@@ -199,19 +190,15 @@ class TrainConfig:
             raise ConfigError(f"loss_scale_window={self.loss_scale_window} must be a whole number "
                               ">= 1; use e.g. --loss-scale-window 1000")
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(
-                f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}"
-            )
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed} must be a non-negative integer")
 
     def check_model(self, model: ModelConfig) -> None:
         """Checks that need both configs."""
         if self.seq_len > model.n_positions:
-            raise ConfigError(
-                f"seq_len={self.seq_len} is longer than n_positions={model.n_positions}; "
-                f"use --seq-len {model.n_positions} or less"
-            )
+            raise ConfigError(f"seq_len={self.seq_len} is longer than n_positions={model.n_positions}; "
+                              f"use --seq-len {model.n_positions} or less")
         if self.fp32_grads and model.dtype not in ("bfloat16", "float16"):
             raise ConfigError(f"--fp32-grads applies to bf16-mixed and fp16-mixed; {model.dtype} "
                               "gradients already have the parameters' precision, so drop it")
@@ -220,6 +207,19 @@ class TrainConfig:
             raise ConfigError(f"loss scaling applies to fp16-mixed only ({model.dtype} needs none: "
                               "bf16 has fp32's exponent range); drop --loss-scale and "
                               "--loss-scale-window or use --precision fp16-mixed")
+        # Every run holds all its parameters and a step's logits in host memory; beyond a tebibyte
+        # of them (float64) the sizes are a typo, refused here rather than a hang or MemoryError.
+        C, E = model.n_embd, max(1, model.moe_experts)
+        # the embeddings, attention's 4C^2 and each MLP's (or expert's) 8C^2 per block: biases aside
+        params = (model.vocab_size + model.n_positions) * C + model.n_layer * (4 + 8 * E) * C * C
+        logits = self.batch_size * self.seq_len * model.vocab_size
+        if 8 * params > MAX_RUN_BYTES:
+            experts = f" and {E} experts" if E > 1 else ""
+            raise ConfigError(f"{model.n_layer} blocks of {C} channels{experts} hold over {params:.1e} "
+                              f"parameters, {8 * params:.0e} bytes; use fewer layers or experts")
+        if 8 * logits > MAX_RUN_BYTES:
+            raise ConfigError(f"a batch of {self.batch_size} x {self.seq_len} tokens makes {logits:.1e} "
+                              f"logits a step, {8 * logits:.0e} bytes; use a smaller --batch-size")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -229,9 +229,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     # A step takes milliseconds on one core: the model of every test and of the demo.
     "tiny": ModelConfig(),
     # Large enough that matmuls dominate: the benchmark preset.
-    "small": ModelConfig(
-        vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_layer=4, dtype="float32"
-    ),
+    "small": ModelConfig(vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_layer=4, dtype="float32"),
     # Llama's tiny twin: 4 query heads share 2 kv heads, so tensor parallelism over 4 ranks must
     # replicate each kv head on 2 of them. F = 176 is 8C/3 rounded up to a multiple of 16.
     "llama-tiny": ModelConfig(
@@ -249,9 +247,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
 def model_preset(name: str, **overrides) -> ModelConfig:
     """A named preset with fields replaced, e.g. `model_preset("tiny", dtype="float32")`."""
     if name not in MODEL_PRESETS:
-        raise ConfigError(
-            f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}"
-        )
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(sorted(MODEL_PRESETS))}")
     return replace(MODEL_PRESETS[name], **overrides)
 
 
@@ -267,9 +263,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         unknown = sorted(set(self.sizes) - set(MESH_AXES))
         if unknown:
-            raise ConfigError(
-                f"unknown mesh axis {unknown[0]!r}; axes are {', '.join(MESH_AXES)}"
-            )
+            raise ConfigError(f"unknown mesh axis {unknown[0]!r}; axes are {', '.join(MESH_AXES)}")
         for axis, size in self.sizes.items():
             if not isinstance(size, int) or size < 1:
                 raise ConfigError(f"mesh axis {axis}={size} must be a positive integer")
@@ -279,10 +273,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        product = 1
-        for size in self.sizes.values():
-            product *= size
-        return product
+        return math.prod(self.sizes.values())
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -307,3 +298,63 @@ def parse_mesh(text: str) -> dict[str, int]:
     if not sizes:
         raise ConfigError("the mesh is empty; give it as e.g. --mesh dp=2,tp=2")
     return sizes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run does on its mesh beyond the mesh's sizes (the defaults: no strategy asked for)."""
+
+    schedule: str | None = None  # pipeline schedule (refpar/parallel/pipeline/schedules.py); 1f1b
+    microbatches: int = 1  # per step: pipeline microbatches, gradient accumulation, MoE routing
+    chunks: int | None = None  # v, model chunks per pipeline rank (interleaved-1f1b: 2)
+    sp: bool = False  # Megatron sequence parallelism over tp
+    cp_algo: str | None = None  # ring (default) or ulysses, when the mesh has cp
+    zero: int = 0  # ZeRO stage 0 (plain DP), 1, 2 or 3 over each unit's replica group
+    fsdp: bool = False  # ZeRO-3 by FSDP's policy (refpar/parallel/fsdp.py)
+    prefetch: bool = False  # FSDP: gather the next block one piece early
+    reshard_after_forward: bool = True  # FSDP: free a block's parameters after its forward
+    bucket_elems: int = 1 << 62  # DP: the gradient all-reduce bucket cap, in elements
+    overlap: bool = False  # DP: buckets all-reduced as ring rounds interleaved with the backward
+    schedule_csv: str | None = None  # a schedule of one's own instead: the text of torch's schedule CSV
+
+    @property
+    def kind(self) -> str:
+        """The schedule's builder, "csv" for one read from a file."""
+        return "csv" if self.schedule_csv is not None else self.schedule or "1f1b"
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage the plan runs (FSDP is stage 3)."""
+        return 3 if self.fsdp else self.zero
+
+    @property
+    def strategy(self) -> str:
+        """dp, zero1, zero2, zero3 or fsdp: how each unit's replicas are kept."""
+        return "fsdp" if self.fsdp else ("dp" if self.zero == 0 else f"zero{self.zero}")
+
+
+def check_output_path(flag: str, path: str, directory: bool = False) -> None:
+    """Refuses, before a run starts, a `--figure PATH`, `--trace PATH` or (`directory`) `--save DIR`
+    that the run could not write at its end: a missing folder, a folder where a file goes, a file
+    where a folder goes. A directory is created with its parents, so only its nearest existing
+    ancestor must be a writable folder."""
+    if not path:
+        raise ConfigError(f"{flag} needs a path; give the {'directory' if directory else 'file'} to write")
+    target = Path(path)
+    if directory:
+        if target.exists() and not target.is_dir():
+            raise ConfigError(f"{flag} {path!r} is a file; give a directory (it is created if missing)")
+        where = next(p for p in (target, *target.parents) if p.exists())
+        if not where.is_dir():
+            raise ConfigError(f"{flag} {path!r} lies under the file {str(where)!r}; give a path in a "
+                              "directory")
+    else:
+        if target.is_dir():
+            raise ConfigError(f"{flag} {path!r} is a directory; give the path of a file to write in it")
+        where = target.parent
+        if not where.is_dir():
+            raise ConfigError(f"{flag} {path!r}: the directory {str(where)!r} does not exist; create it "
+                              "or give a file in an existing directory")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path!r}: {str(where)!r} is not writable; give a path in a directory "
+                          "you can write to")

@@ -98,11 +98,6 @@ class MemoryLedger:
         """Names and bytes of what is held now, optionally of one category."""
         return {n: b for n, (c, b) in self._live.items() if category in (None, c)}
 
-    def reset_peaks(self) -> None:
-        """Peaks restart from what is held now (e.g. to measure one step after warm-up)."""
-        self.peak = dict(self.current)
-        self.peak_total = self.total
-
     def _record(self, name: str, category: str, delta: int) -> None:
         if self.events is not None:
             self.events.append(MemoryEvent(self._seq, name, category, delta, self.total))

@@ -8,6 +8,20 @@ so the ranks of one tp group are neighbours (on a real machine, the GPUs of one 
 of an axis is the line through this rank's grid position along that axis; it is built with
 MPI's Split (color = the other coordinates, key = the coordinate on the axis).
 
+The mesh also builds the groups that span several axes or part of one, and hands each out by name
+(`mesh.axis(name)`), so that no strategy splits a communicator of its own:
+
+    dp_cp      dp x cp: the ranks holding the same weights of a dense model (cp ranks see other
+               tokens of the same sequences): rank dp * c + cp, axis "dp_cp"; mesh.dp when cp = 1
+    data       dp x ep x cp: every rank of a pipeline stage and tp coordinate, in batch order (rank
+               (dp * e + ep) * c + cp): the ranks that see different tokens; a MoE model's dense
+               weights are replicated over them (its experts over dp_cp), axis "data"
+    embedding  the first and the last pipeline rank, which both hold the tied wte (Megatron's
+               embedding group), axis "pp"; None on the other pp ranks and without pp
+    mirror     pipeline ranks r and p-1-r, which hold the same parts of the model under DualPipe
+               (its two copies; their gradients are summed), axis "pp"; None on a rank that is its
+               own mirror (the middle of an odd pipeline) and without pp
+
     mesh = DeviceMesh(world(), {"pp": 2, "dp": 2, "tp": 2})   # mpiexec -n 8
     mesh.tp.all_reduce(x, tag="h.3.mlp.c_proj:fwd")          # the 2 ranks of this tp group
     str(mesh)  # "PP(2)-DP(2)-TP(2)-Rank(5)" on world rank 5
@@ -15,10 +29,29 @@ MPI's Split (color = the other coordinates, key = the coordinate on the axis).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from refpar.comm.communicator import Communicator
 from refpar.config import MESH_AXES, ConfigError, ParallelConfig
+
+
+def check_job_size(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """All five axes of `sizes`, validated, when their product is the job's size; else the same
+    ConfigError on every rank, before any communication."""
+    full = ParallelConfig(dict(sizes)).sizes
+    product = math.prod(full[a] for a in MESH_AXES)  # Python ints: no int64 overflow
+    if product == 1 < world_size:
+        raise ConfigError(f"the job has {world_size} ranks but the mesh has one; give --mesh sizes that "
+                          f"multiply to {world_size} (e.g. --mesh dp={world_size}) or start a single process")
+    if product != world_size:
+        given = ",".join(f"{a}={full[a]}" for a in MESH_AXES if full[a] > 1)
+        raise ConfigError(
+            f"the mesh {given} has {product} ranks but the job has {world_size}; "
+            f"run mpiexec -n {product} or change the mesh so its sizes multiply to {world_size}"
+        )
+    return full
 
 
 class DeviceMesh:
@@ -31,15 +64,8 @@ class DeviceMesh:
     """
 
     def __init__(self, world: Communicator, sizes: dict[str, int]):
-        self.sizes = ParallelConfig(dict(sizes)).sizes  # all five axes, validated
+        self.sizes = check_job_size(sizes, world.size)  # all five axes, validated
         shape = tuple(self.sizes[a] for a in MESH_AXES)
-        product = int(np.prod(shape))
-        if product != world.size:
-            given = ",".join(f"{a}={self.sizes[a]}" for a in MESH_AXES if self.sizes[a] > 1) or "all 1"
-            raise ConfigError(
-                f"the mesh {given} has {product} ranks but the job has {world.size}; "
-                f"run mpiexec -n {product} or change the mesh so its sizes multiply to {world.size}"
-            )
         self.world = world
         self.rank = world.rank
         self.ranks = np.arange(world.size).reshape(shape)  # (pp, dp, ep, cp, tp)
@@ -50,10 +76,34 @@ class DeviceMesh:
             others = tuple(c for j, c in enumerate(position) if j != i)
             color = int(np.ravel_multi_index(others, shape[:i] + shape[i + 1:])) if others else 0
             self._comms[a] = world.split(color, key=self.coords[a], axis=a)
+        co, sz = self.coords, self.sizes
+        self._groups = {
+            "dp_cp": self._plane(("dp", "cp"), co["dp"] * sz["cp"] + co["cp"], "dp_cp")
+            if sz["cp"] > 1 else self._comms["dp"],
+            "data": self._plane(("dp", "ep", "cp"), world.rank, "data"),
+        }
+        ends = sz["pp"] > 1 and co["pp"] in (0, sz["pp"] - 1)
+        others = int(np.ravel_multi_index([c for a, c in co.items() if a != "pp"],
+                                          [n for a, n in sz.items() if a != "pp"]))
+        self._groups["embedding"] = world.split(others if ends else None, key=co["pp"], axis="pp")
+        r, p = co["pp"], sz["pp"]
+        self._groups["mirror"] = world.split(others * p + min(r, p - 1 - r) if r != p - 1 - r else None,
+                                             key=r, axis="pp")
 
-    def axis(self, name: str) -> Communicator:
+    def _plane(self, axes: tuple[str, ...], key: int, name: str) -> Communicator:
+        """The ranks that share this rank's coordinates on every axis but `axes`."""
+        rest = [a for a in MESH_AXES if a not in axes]
+        color = int(np.ravel_multi_index([self.coords[a] for a in rest], [self.sizes[a] for a in rest]))
+        return self.world.split(color, key=key, axis=name)
+
+    def axis(self, name: str) -> Communicator | None:
+        """The Communicator of an axis, or of a derived group (module docstring: "dp_cp", "data",
+        "embedding", "mirror"; those two are None on the ranks outside them)."""
+        if name in self._groups:
+            return self._groups[name]
         if name not in self._comms:
-            raise ConfigError(f"unknown mesh axis {name!r}; axes are {', '.join(MESH_AXES)}")
+            raise ConfigError(f"unknown mesh axis {name!r}; axes are {', '.join(MESH_AXES)} and the "
+                              f"groups {', '.join(self._groups)}")
         return self._comms[name]
 
     @property

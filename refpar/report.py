@@ -34,8 +34,8 @@ SUMMARY_FIELDS = (
     "step_time_s",
     "config",  # {"model": ..., "train": ...}: everything needed to rerun
     "loss_floor",  # the corpus's entropy rate: the best mean loss possible
-    "moe",  # MoE runs: per step tokens per expert, dropped assignments, router losses (train_moe.py)
-    "data_parallel",  # DP/ZeRO/FSDP runs: {"strategy", "model_state_bytes": per rank, options} (dp_runner.py)
+    "moe",  # MoE runs: per step tokens per expert, dropped assignments, router losses
+    "data_parallel",  # DP/ZeRO/FSDP runs: {"strategy", "model_state_bytes": per rank, options}
     "backend",  # {"name", "device"}: the array library the run computed with (refpar/backend.py)
     "precision",  # fp64, fp32, bf16-mixed or fp16-mixed (refpar/precision.py)
     "loss_scaling",  # fp16-mixed: {"scales": per step, "final_scale", "skipped_steps": 0-based}

@@ -50,8 +50,3 @@ def uniform(seed: int, purpose: str, *ids: int, shape, index=None) -> np.ndarray
 def normal(seed: int, purpose: str, *ids: int, shape, index=None) -> np.ndarray:
     """Standard normal float64 for the whole keyed tensor of `shape`, then `[index]` if given."""
     return _draw("normal", seed, purpose, ids, shape, index)
-
-
-def integers(seed: int, purpose: str, *ids: int, high: int, shape) -> np.ndarray:
-    """Int64 in [0, high) for one key."""
-    return generator(seed, purpose, *ids).integers(0, high, size=shape, dtype=np.int64)

@@ -7,6 +7,14 @@ the same keys reproduces these losses and parameters.
 
 Mixed precision (refpar/precision.py): a 16-bit model trains with fp32 master weights in the
 optimizer state; fp16 runs scale the loss (`LossScaler`) and skip the steps whose gradients overflow.
+
+MoE models (`microbatches` M): routing statistics are per microbatch, as in Megatron-Core: global
+microbatch j is the contiguous slice shard_range(B, M, j) of the batch, routed on its own tokens
+(capacity from its token count, its own drop order), each contributing 1/M of its router losses, and
+the gradients accumulate over the M slices; every step's routing is kept (`MoEStep`). A parallel run
+with M microbatches routes the same token sets in the same queue order. Routing is a discrete
+choice: once two runs' parameters differ in the last bit, a token near a tie or at the capacity edge
+can go elsewhere, so a 16-bit run agrees with one device in its losses within a tolerance.
 """
 
 from __future__ import annotations
@@ -18,12 +26,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refpar import checkpoint
+from refpar import backend, checkpoint
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model import init_params, loss_and_grads
 from refpar.model.data import MarkovCorpus
+from refpar.model.moe import MoELayer, kept_counts
 from refpar.model.optim import optimizer_init, optimizer_step
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
+from refpar.sharding import shard_range
 
 
 @dataclass
@@ -37,6 +47,46 @@ class StepResult:
 
 
 @dataclass
+class MoEStep:
+    """One step's routing as the whole run saw it: every number is global (the same on every rank)."""
+
+    step: int
+    loss: float  # cross-entropy + router losses, the single device's loss
+    aux_loss: float  # sum over MoE blocks of the load-balancing losses
+    z_loss: float  # sum over MoE blocks of the router z-losses
+    tokens_per_expert: dict[int, list[int]]  # layer -> assignments each expert kept
+    dropped: dict[int, int]  # layer -> assignments dropped by the capacity
+    kept_counts: dict[int, np.ndarray]  # layer -> (D, E) kept per data rank (x cp rank) and expert
+    time_s: float
+    # one dict per microbatch: layer -> (D, E) kept in that microbatch (they add up to kept_counts)
+    microbatch_kept_counts: list[dict[int, np.ndarray]] = field(default_factory=list)
+
+
+def router_shares(routings: list[dict]) -> tuple[float, float]:
+    """(aux, z) of this process: the sum over microbatches and MoE layers of its shares."""
+    return (sum(float(r["aux_loss"]) for rs in routings for r in rs.values()),
+            sum(float(r["z_loss"]) for rs in routings for r in rs.values()))
+
+
+def step_record(step, loss, routings: list[dict], start, totals=None) -> MoEStep:
+    """A step's record from the routing of every MoE layer in each microbatch (one dict layer ->
+    routing per microbatch); `totals` the (loss, aux, z) summed over ranks, else this process ran
+    the whole batch."""
+    if totals is None:
+        totals = (loss, *router_shares(routings))
+    kept = [{i: backend.to_host(kept_counts(r["selections"], r["capacity"], r["owners"]))
+             for i, r in rs.items()} for rs in routings]
+    layers = list(routings[0]) if routings else []  # a pipeline stage may hold no MoE block
+    return MoEStep(
+        step=step, loss=float(totals[0]), aux_loss=float(totals[1]), z_loss=float(totals[2]),
+        tokens_per_expert={i: [int(c) for c in sum(backend.to_host(rs[i]["tokens_per_expert"])
+                                                   for rs in routings)] for i in layers},
+        dropped={i: sum(int(rs[i]["dropped"]) for rs in routings) for i in layers},
+        kept_counts={i: sum(k[i] for k in kept) for i in layers},
+        time_s=time.perf_counter() - start, microbatch_kept_counts=kept)
+
+
+@dataclass
 class RunResult:
     losses: list[float] = field(default_factory=list)
     step_times_s: list[float] = field(default_factory=list)
@@ -45,6 +95,7 @@ class RunResult:
     loss_floor: float = 0.0  # the corpus's entropy rate in nats
     loss_scales: list[float] = field(default_factory=list)  # fp16-mixed: the scale of each step
     skipped_steps: list[int] = field(default_factory=list)  # fp16-mixed: 0-based steps skipped
+    moe_steps: list[MoEStep] = field(default_factory=list)  # MoE models: each step's routing
 
     @property
     def step_time_s(self) -> float:
@@ -58,12 +109,14 @@ def corpus_for(model: ModelConfig, train: TrainConfig) -> MarkovCorpus:
 
 
 def train_single_device(model: ModelConfig, train: TrainConfig,
-                        on_step: Callable[[StepResult], None] | None = None, *,
+                        on_step: Callable[[StepResult], None] | None = None, *, microbatches: int = 1,
                         save: str | None = None, save_every: int | None = None,
                         resume: str | None = None) -> RunResult:
     """Trains from `init_params(model, train.seed)` for `train.steps` steps on one process, or from
     the checkpoint `resume` (any mesh's) up to `train.steps`; with `save`, writes a checkpoint under
-    that directory every `save_every` steps and after the last (refpar/checkpoint.py)."""
+    that directory every `save_every` steps and after the last (refpar/checkpoint.py). A MoE model
+    routes each step in `microbatches` slices (module docstring); a dense model's numbers do not
+    depend on them but for the order of sums, so it takes the batch at once."""
     train.check_model(model)
     corpus = corpus_for(model, train)
     params = init_params(model, train.seed) if resume is None else {}
@@ -76,14 +129,26 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
         result.first_step, params, state = checkpoint.load_whole(resume, model, train)
         if scaler is not None:
             scaler.load_state_dict(state.pop("loss_scaler"))
+    m = microbatches if model.moe_experts else 1
     for step in range(result.first_step, train.steps):
         start = time.perf_counter()
-        tokens, targets = corpus.batch(step, sample_ids, train.seq_len)  # (B, T) each
         dloss = 1.0 if scaler is None else scaler.scale
-        # fp16 loss scaling expects overflow to inf now and then, and checks for it: no warnings.
-        with np.errstate(over="ignore", invalid="ignore") if scaler else contextlib.nullcontext():
-            loss, grads = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
-                                         sample_ids=sample_ids, dloss=dloss, grad_dtype=grad_dtype)
+        loss, grads, routings = 0.0, None, []
+        for j in range(m):
+            ids = range(*shard_range(train.batch_size, m, j)) if m > 1 else sample_ids
+            tokens, targets = corpus.batch(step, ids, train.seq_len)  # (B/M, T) each
+            layer = MoELayer(weight=1 / m, grad_scale=dloss) if model.moe_experts else None
+            # fp16 loss scaling expects overflow to inf now and then, and checks for it: no warnings.
+            with np.errstate(over="ignore", invalid="ignore") if scaler else contextlib.nullcontext():
+                part, g = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
+                                         sample_ids=ids, normalizer=train.batch_size * train.seq_len,
+                                         moe=layer, dloss=dloss, grad_dtype=grad_dtype)
+            loss += part
+            grads = g if grads is None else {n: grads[n] + g[n] for n in grads}
+            if layer is not None:
+                routings.append(layer.last_routing)
+        if model.moe_experts:
+            result.moe_steps.append(step_record(step, loss, routings, start))
         skip = scaler is not None and has_overflow(grads)
         params, state = optimizer_step(params, grads, state, train, inv_scale=1.0 / dloss, skip=skip)
         if scaler is not None:
@@ -101,6 +166,7 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
             checkpoint.save_training(save, step + 1, checkpoint.whole_arrays(params, state), model,
                                      train, dict.fromkeys(MESH_AXES, 1), "single",
                                      optimizer_t=state["t"],
-                                     loss_scaler=None if scaler is None else scaler.state_dict())
+                                     loss_scaler=None if scaler is None else scaler.state_dict(),
+                                     moe_microbatches=m if model.moe_experts else None)
     result.params = params
     return result

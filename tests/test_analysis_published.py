@@ -215,28 +215,6 @@ MEGATRON_TABLE1_RUNS = [
 ]
 
 
-@pytest.mark.parametrize("name, t, p, gpus, batch, published", MEGATRON_TABLE1_RUNS)
-def test_step_time_model_bounds_megatron_table1_throughput(name, t, p, gpus, batch, published):
-    # Narayanan et al. 2021, Table 1, on A100s with full recomputation (their eq. 3 FLOPs). The
-    # model leaves out kernel launches and assumes 75% matmul efficiency and perfect overlap, so it
-    # may only be optimistic, and by at most 30%, on every row, at their own mesh.
-    from refpar.analysis.hardware import HARDWARE
-    from refpar.analysis.step_time import step_time
-
-    spec, d = PRESETS[name], gpus // (t * p)
-    best = 0.0
-    for micro in (1, 2, 4, 8):
-        m = batch // (d * micro)
-        for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
-            if batch % (d * micro) or (v > 1 and (spec.n_layer % (p * v) or m % p or p == 1)):
-                continue
-            times, _, _ = step_time(spec, HARDWARE["a100"], global_batch=batch, micro_batch=micro,
-                                 seq=2048, tp=t, pp=p, dp=d, schedule=schedule, chunks=v,
-                                 recompute="full")
-            best = max(best, step_flops(spec, batch, 2048, "full") / times["total"] / gpus / 1e12)
-    assert published <= best <= 1.3 * published, f"predicted {best:.0f} TFLOP/s"
-
-
 @pytest.mark.parametrize("overrides", [{}, {"moe_experts": 4, "moe_top_k": 2},
                                        {"moe_experts": 4, "moe_top_k": 1, "moe_layers": (2, 3)},
                                        {"tie_embeddings": True, "moe_experts": 3, "moe_top_k": 2,

@@ -131,6 +131,25 @@ def test_pipeline_page_compares_two_schedules_and_explains_bad_ones():
     assert any("more than 0" in e.value for e in at.error)
 
 
+def test_pipeline_page_draws_the_v_schedules_in_two_shades_with_their_published_bubble():
+    at = page("views/pipeline.py")
+    at.selectbox(key="kind").set_value("v-half")
+    gantt = charts(rerun(at))[0]  # p=4, m=8, F=B=W=1
+    names = {t["name"] for t in gantt["data"] if len(t["x"])}
+    assert {"F", "F (2nd chunk)", "B", "B (2nd chunk)", "W", "W (2nd chunk)", "idle"} <= names
+    timeline = simulate(build("v-half", 4, 8))
+    assert float(at.metric[0].value) == pytest.approx(timeline.bubble_fraction, abs=5e-5)
+    # Qi et al.'s expected bubble for the published peak: 6p - 1 - 3M = 23 - 18
+    assert at.metric[2].value == at.metric[3].value == "5"
+    at.selectbox(key="kind").set_value("dualpipe")
+    rerun(at)
+    at.radio(key="overlap").set_value("max")
+    gantt = charts(rerun(at))[0]
+    assert any(t["name"] == "F&B" and len(t["x"]) for t in gantt["data"])
+    # DualPipe README: (PP/2-1)(F&B + B - 3W) = (4/2-1)(max(1, 2) + 2 - 3) = 1 over the step
+    assert at.metric[2].value == at.metric[3].value == "1"
+
+
 def test_communication_page_bars_are_the_closed_forms():
     at = page("views/communication.py")
     figs = charts(at)  # default: tp=2 replicated over dp=2
@@ -181,6 +200,46 @@ def test_plan_page_renders_the_planners_plans():
     at.number_input[0].set_value(1)
     rerun(at)
     assert at.error and "fits on no mesh" in at.error[0].value
+
+
+def test_plan_page_prices_the_users_plan_as_the_planner_does_and_ranks_it():
+    from refpar.analysis.hardware import HARDWARE
+    from refpar.analysis.planner import plan, price
+    from refpar.analysis.presets import PRESETS
+
+    at = page("views/plan.py")
+    # The default: gpt3-175b on 1,024 H100s, tp=8, pp=8 (dp the other 16), 1F1B, selective + sp.
+    spec, h100 = PRESETS["gpt3-175b"], HARDWARE["h100"]
+    mesh = {"dp": 16, "tp": 8, "pp": 8, "cp": 1, "ep": 1}
+    want = price(spec, h100, 1024, mesh, schedule="1f1b", recompute="selective", sp=True)
+    rank = plan(spec, h100, 1024, top=1, priced=want)["rank"]
+    shown = [m.value for m in at.markdown if "rank" in m.value and "MFU" in m.value]
+    assert shown and f"step {want['step_time_s']:.3f} s" in shown[0] and f"rank {rank} of" in shown[0]
+    priced_figure = charts(at)[1]
+    times = [t for t in priced_figure["data"] if t["legendgroup"] == "time"]
+    assert sum(t["x"][0] for t in times) == pytest.approx(want["step_time_s"])
+    # A mesh that does not divide the GPUs, then one that does not fit, each in one sentence.
+    at.number_input[3].set_value(3)  # pp
+    rerun(at)
+    assert any("does not divide 1024 GPUs" in e.value for e in at.error)
+    at.number_input[3].set_value(1)
+    at.selectbox[4].set_value("none")  # no pipeline: all of GPT-3 on each tp group
+    rerun(at)
+    assert any("does not fit" in e.value and "GB over" in e.value for e in at.error)
+
+
+def test_plan_page_shows_every_published_run_against_its_prediction():
+    from refpar.analysis.calibration import validate
+
+    at = page("views/plan.py")
+    checked = validate()
+    table = at.dataframe[-1].value
+    assert list(table["run"]) == [r["name"] for r in checked["rows"]]
+    assert list(table["error %"]) == [round(100 * r["relative_error"], 1) for r in checked["rows"]]
+    figure = charts(at)[-1]
+    assert sum(len(t["y"]) for t in figure["data"]) == len(checked["rows"])
+    notes = [f"{r['name']}: {r['outside']}" for r in checked["rows"] if r["outside"]]
+    assert notes and [i.value for i in at.info] == notes
 
 
 def test_run_page_refuses_bad_runs_before_launching():
@@ -347,7 +406,7 @@ def test_a_real_generate_draws_each_ranks_kv_cache_from_its_summary():
 
 
 def test_lessons_page_shows_every_lessons_title_in_order():
-    from refpar import lessons
+    from lessons import course as lessons
 
     at = page("views/lessons.py")
     files = lessons.lesson_files()
@@ -368,7 +427,7 @@ LESSON_OF = {"views/sharding.py": 3, "views/pipeline.py": 6, "views/communicatio
 
 
 def test_each_view_links_to_its_lesson_and_the_lessons_page_opens_on_it():
-    from refpar import lessons
+    from lessons import course as lessons
 
     if not lessons.lesson_files():
         pytest.skip("no lessons/ in this checkout")

@@ -2,7 +2,7 @@
 NumPy single-device numbers on torch CPU tensors, and a backend that cannot run here is refused
 with one sentence. Float64 throughout: only summation order differs, hence 1e-10.
 
-Strategies are trained in two MPI jobs (tests/backend_job.py): 2 ranks for ZeRO-3, tp+sp, Ulysses
+Strategies are trained in two MPI jobs (tests/jobs/backend_job.py): 2 ranks for ZeRO-3, tp+sp, Ulysses
 cp, the 1F1B pipeline and expert parallelism (torch, then array-api-strict), 8 ranks for the
 dp=2, tp=2, pp=2 engine (torch).
 """
@@ -69,7 +69,7 @@ TWO_RANKS = ["zero3", "tp_sp", "cp_ulysses", "pp_1f1b", "ep"]
 
 
 def _jobs(spec: str, n: int, names: list[str]) -> list[dict]:
-    proc = mpiexec(n, "tests/backend_job.py", spec, json.dumps(names), timeout=300)
+    proc = mpiexec(n, "tests/jobs/backend_job.py", spec, json.dumps(names), timeout=300)
     got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [(g["backend"], g["strategy"]) for g in got] == [(b, x) for b in spec.split(",") for x in names]
     return got
@@ -107,8 +107,8 @@ def test_torch_distributed_transport_gives_the_same_numbers_and_says_so_in_the_t
     """The device-aware transport's code on CPU tensors (gloo stands in for NCCL): the collectives
     it takes are traced as "gloo", the rest still go through MPI, and the runs stay exact."""
     pytest.importorskip("torch")
-    proc = mpiexec(2, "tests/backend_job.py", "torch", json.dumps(["zero3", "tp_sp"]), "torch.distributed",
-                   timeout=240)
+    proc = mpiexec(2, "tests/jobs/backend_job.py", "torch", json.dumps(["zero3", "tp_sp"]),
+                   "torch.distributed", timeout=240)
     got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [g["strategy"] for g in got] == ["zero3", "tp_sp"]
     for r in got:

@@ -23,7 +23,7 @@ CHECKED = {"REFPAR_DEBUG_COLLECTIVES": "1", "REFPAR_COLLECTIVE_TIMEOUT": "120"}
 @pytest.mark.parametrize("ranks,env", [(2, None), (3, CHECKED), (4, None), (5, None), (8, None)],
                          ids=["2", "3-debug-timeout", "4", "5", "8"])
 def test_every_collective_matches_numpy_and_traced_bytes_equal_cost(ranks, env):
-    proc = mpiexec(ranks, "tests/comm_checks.py", str(HYPOTHESIS_EXAMPLES), timeout=240, env=env)
+    proc = mpiexec(ranks, "tests/jobs/comm_checks.py", str(HYPOTHESIS_EXAMPLES), timeout=240, env=env)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["failures"] == [], "\n".join(report["failures"])
     assert report["group_sizes"] == list(range(1, ranks + 1))  # the splits cover every smaller group

@@ -22,8 +22,9 @@ import weakref
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
-from refpar.parallel.dp_runner import (expected_rows, gather_rows, options, reference_diffs,
-                                       run_data_parallel)
+from refpar.engine import Plan
+from refpar.engine.report import STATES, collect
+from refpar.mesh import DeviceMesh
 from refpar.parallel.zero import Zero
 
 CONFIGS = [
@@ -70,19 +71,24 @@ def bucket_intervals(events):
     return [spans[k] for k in sorted(spans)]
 
 
+def plan_of(strategy, kwargs):
+    return Plan(zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
+                **kwargs)
+
+
 with abort_on_error():
     for strategy, kwargs in CONFIGS:
         comm = world(Tracer())
-        opts = options(strategy, model, train, **kwargs)
-        run = run_data_parallel(opts, model, train, comm, gather_params=True)
-        comm_rows, memory_rows = gather_rows(comm, run)
+        s, par, run, _ = collect(model, train, DeviceMesh(comm, {"dp": comm.size}), plan_of(strategy, kwargs),
+                                 check=True, plain=world())
         if comm.rank == 0:
-            expected_comm, expected_memory = expected_rows(opts, model, train, comm.size)
-            report.append(dict(strategy=strategy, options=kwargs, comm=comm_rows,
-                               expected_comm=expected_comm, memory=memory_rows,
-                               expected_memory=expected_memory, model_state=run.model_state,
+            report.append(dict(strategy=strategy, options=kwargs, comm=s["comm_bytes"],
+                               expected_comm=s["expected_comm_bytes"], memory=s["memory_peak_bytes"],
+                               expected_memory=s["expected_memory_peak_bytes"],
+                               model_state={c: par.ledger.current[c] for c in STATES},
                                buckets=bucket_intervals(comm.tracer.events), released_alive=alive[0],
-                               **reference_diffs(model, train, run)))
+                               max_loss_rel_diff=s["max_loss_rel_diff"],
+                               max_param_rel_diff=s["max_param_rel_diff"]))
     if comm.rank == 0:
         print(json.dumps(report), flush=True)
 """
@@ -185,7 +191,8 @@ def test_cli_prints_losses_against_the_single_device_and_a_json_summary_with_the
 
 @pytest.mark.parametrize("args, words", [
     (["--zero", "2", "--fsdp"], "--fsdp and --zero 2 are two ways to shard; give one of them"),
-    (["--zero", "1", "--microbatches", "9"], "cannot give each of dp=1 ranks 9 micro-batches"),
+    (["--zero", "1", "--microbatches", "9"], "--batch-size 8 over dp=1 leaves fewer sequences per "
+                                             "data-parallel rank than --microbatches 9"),
     (["--zero", "4"], "invalid choice: 4"),
     (["--zero", "3", "--prefetch"], "--prefetch and --no-reshard-after-forward are FSDP options"),
     (["--fsdp", "--bucket-kb", "64"], "--bucket-kb sizes plain DP's all-reduce buckets"),
@@ -217,8 +224,9 @@ import json
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig
-from refpar.parallel.dp_runner import (expected_rows, gather_rows, options, reference_diffs,
-                                       run_data_parallel)
+from refpar.engine import Plan
+from refpar.engine.report import collect
+from refpar.mesh import DeviceMesh
 
 SHAPES = [  # (model, train, microbatches): one block with the embedding the largest unit; and
     # two blocks of 24 channels and 3 heads with a small vocabulary; batches that do not divide
@@ -234,16 +242,17 @@ with abort_on_error():
     for model, train, microbatches in SHAPES:
         for strategy, kwargs in STRATEGIES:
             comm = world(Tracer())
-            opts = options(strategy, model, train, microbatches=microbatches, **kwargs)
-            run = run_data_parallel(opts, model, train, comm, gather_params=True)
-            measured = gather_rows(comm, run)
+            plan = Plan(zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
+                        microbatches=microbatches, **kwargs)
+            s, _, _, _ = collect(model, train, DeviceMesh(comm, {"dp": comm.size}), plan, check=True,
+                                 plain=world())
             if comm.rank == 0:
-                expected = expected_rows(opts, model, train, comm.size)
-                diffs = reference_diffs(model, train, run)
                 out.append(dict(case=f"L={model.n_layer} {strategy} {kwargs}",
-                                same_comm=sorted(map(str, measured[0])) == sorted(map(str, expected[0])),
-                                same_memory=sorted(map(str, measured[1])) == sorted(map(str, expected[1])),
-                                loss=diffs["max_loss_rel_diff"], param=diffs["max_param_rel_diff"]))
+                                same_comm=sorted(map(str, s["comm_bytes"])) ==
+                                sorted(map(str, s["expected_comm_bytes"])),
+                                same_memory=sorted(map(str, s["memory_peak_bytes"])) ==
+                                sorted(map(str, s["expected_memory_peak_bytes"])),
+                                loss=s["max_loss_rel_diff"], param=s["max_param_rel_diff"]))
     if comm.rank == 0:
         print(json.dumps(out), flush=True)
 """

@@ -1,5 +1,5 @@
-"""The N-D engine (refpar/engine.py) against the single device and its closed forms, its bad input,
-and a rank that fails mid-step. Every MPI job is a subprocess with a timeout (tests/mpi.py)."""
+"""The engine (refpar/engine) on an N-D mesh against the single device and its closed forms, its bad
+input, and a rank that fails mid-step. Every MPI job is a subprocess with a timeout (tests/mpi.py)."""
 
 from __future__ import annotations
 
@@ -72,21 +72,22 @@ FAILING_RANK = """
 import sys
 from refpar.comm.communicator import abort_on_error, world
 from refpar.config import TrainConfig, model_preset
-from refpar.engine import EngineOptions, TensorParallelStage, run_engine
+from refpar.engine import Plan, parallelize, train
 from refpar.mesh import DeviceMesh
+from refpar.parallel.pipeline.stage import Stage
 
 comm = world()
-backward = TensorParallelStage.backward_input
+backward = Stage.backward_input
 
-def broken(self, dout, cache):
+def broken(self, dout, cache, mb, weight=True):
     if comm.rank == 3:
         raise RuntimeError("injected failure in a backward")
-    return backward(self, dout, cache)
+    return backward(self, dout, cache, mb, weight)
 
-TensorParallelStage.backward_input = broken
+Stage.backward_input = broken
 with abort_on_error():
     mesh = DeviceMesh(comm, {"pp": 2, "dp": 1, "ep": 1, "cp": 1, "tp": 2})
-    run_engine(model_preset("tiny"), TrainConfig(steps=3), mesh, EngineOptions(microbatches=2))
+    train(parallelize(model_preset("tiny"), TrainConfig(steps=3), mesh, Plan(microbatches=2)))
 """
 
 

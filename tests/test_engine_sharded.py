@@ -1,14 +1,18 @@
-"""The engine's sharded combinations (refpar/engine.py, refpar/engine_zero3.py): ZeRO-1/2/3 over the
-dp x cp group, ZeRO-2 with tp and pp, sp with ZeRO-2/3, sp inside cp. Each MPI job trains 3 AdamW
-steps in float64 with dropout and several microbatches, and is checked at once against the single
-device (<= 1e-10) and against the closed forms of refpar/analysis/engine.py (bytes per rank, axis
-and op, and peak memory per rank and category, exactly)."""
+"""The engine's sharded combinations (refpar/engine, refpar/parallel/zero.py and fsdp.py): ZeRO-1/2/3
+over the dp x cp group, ZeRO-2 with tp and pp, sp with ZeRO-2/3, sp inside cp, FSDP's prefetch and
+no-reshard with pp and tp. Each MPI job trains 3 AdamW steps in float64 with dropout and several
+microbatches, and is checked at once against the single device (<= 1e-10) and against the closed
+forms of refpar/analysis/engine.py (bytes per rank, axis and op, and peak memory per rank and
+category, exactly)."""
 
 from __future__ import annotations
 
 import pytest
 
+from refpar.analysis.engine import rank_coords, rank_units
+from refpar.comm import cost
 from refpar.config import TrainConfig, model_preset
+from refpar.engine import Plan
 from refpar.trainer import train_single_device
 from tests.mpi import mpiexec, refpar_json
 from tests.numerics import CONTRACT, within
@@ -35,10 +39,14 @@ def _sent(s, axis, op):
 
 def test_zero3_over_dp_x_cp_with_a_pipeline_matches_one_device_and_the_closed_forms():
     s = run_and_check(8, "--mesh", "dp=2,cp=2,pp=2", "--zero", "3", "--microbatches", "2")
-    # gathered and reduced over the 4 ranks of dp x cp; cp itself carries only ring attention and
-    # the loss (3 steps x one float64), no gradient all-reduce
+    # gathered and reduced over the 4 ranks of dp x cp, which the loss is summed over too (3 steps x
+    # one float64); cp itself carries only ring attention, no gradient or loss all-reduce
     assert set(_sent(s, "dp_cp", "all_gather")) == set(_sent(s, "dp_cp", "reduce_scatter")) == set(range(8))
-    assert set(_sent(s, "cp", "all_reduce").values()) == {3 * 8}
+    sizes = s["mesh"]
+    for rank, sent in _sent(s, "dp_cp", "all_reduce").items():
+        co = rank_coords(sizes, rank)
+        assert sent == 3 * cost.all_reduce_bytes(1, 4, co["dp"] * 2 + co["cp"], 8).sent
+    assert not _sent(s, "cp", "all_reduce")
     assert not _sent(s, "dp", "reduce_scatter") and not _sent(s, "dp", "all_gather")
 
 
@@ -46,7 +54,7 @@ def test_zero2_with_tp_sp_and_a_pipeline_reduces_every_microbatch_and_gathers_on
     m = 3
     s = run_and_check(8, "--mesh", "dp=2,tp=2,pp=2", "--zero", "2", "--sp", "--microbatches", str(m),
                       "--batch-size", "6")
-    # per step, each unit (wte, root, a block) reduce-scattered in each of the m microbatches,
+    # per step, each unit (wte, the root, a block) reduce-scattered in each of the m microbatches,
     # gathered once after the update: with dp=2 each is (d-1)/d of the unit, a factor m apart
     rs, ag = _sent(s, "dp", "reduce_scatter"), _sent(s, "dp", "all_gather")
     assert set(rs) == set(range(8))
@@ -89,19 +97,29 @@ def test_zero3_checkpoint_resumes_under_zero2_over_dp_x_cp_and_on_one_process(tm
 def test_fsdp_with_tp_and_a_pipeline_gathers_block_by_block_and_its_checkpoint_resumes(tmp_path):
     s = run_and_check(8, "--mesh", "dp=2,tp=2,pp=2", "--fsdp", "--microbatches", "2", "--batch-size", "4",
                       "--seq-len", "8", "--save", str(tmp_path), "--save-every", "2")
-    # one block (or the ends) gathered at a time: every rank's parameter peak is below what the
-    # engine's ZeRO-3, which gathers a whole stage for each action, holds on the same mesh
-    from refpar.analysis.engine import expected_memory_rows
-    from refpar.engine import EngineOptions
-
-    sizes = {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2}
-    zero3 = expected_memory_rows(model_preset("tiny"), TrainConfig(steps=3, batch_size=4, seq_len=8),
-                                 sizes, EngineOptions(microbatches=2, zero=3))
+    # one block (or the ends) gathered at a time: every rank's parameter peak is below its shards
+    # plus its whole stage gathered at once
+    sizes = s["mesh"]
     peak = {r["rank"]: r["bytes"] for r in s["memory_peak_bytes"] if r["category"] == "params"}
-    assert all(peak[r["rank"]] < r["bytes"] for r in zero3 if r["category"] == "params")
+    for rank, held in peak.items():
+        units = rank_units(model_preset("tiny"), sizes, rank_coords(sizes, rank), Plan(microbatches=2)).units
+        assert held < 8 * sum(u.shard + u.size for u in units.values()), rank
     one = train_single_device(model_preset("tiny"), TrainConfig(steps=3, batch_size=4, seq_len=8),
                               resume=str(tmp_path / "step-00000002")).losses
     assert within(abs(one[0] - s["losses"][2]) / abs(s["losses"][2]), CONTRACT)
+
+
+def test_fsdp_prefetch_and_no_reshard_work_in_a_pipeline_and_with_tp():
+    # prefetch: each next block's all-gather written out as a ring on every rank that has one
+    s = run_and_check(4, "--mesh", "dp=2,pp=2", "--fsdp", "--prefetch", "--microbatches", "2")
+    assert set(_sent(s, "dp", "isend")) == set(range(4))
+    # no reshard after forward: a block stays gathered from its forward to its backward, so it
+    # gathers less than with resharding
+    kept = run_and_check(4, "--mesh", "dp=2,tp=2", "--fsdp", "--no-reshard-after-forward",
+                         "--microbatches", "2")
+    resharded = run_and_check(4, "--mesh", "dp=2,tp=2", "--fsdp", "--microbatches", "2")
+    for rank, sent in _sent(kept, "dp", "all_gather").items():
+        assert sent < _sent(resharded, "dp", "all_gather")[rank], rank
 
 
 @pytest.mark.parametrize(
@@ -109,7 +127,6 @@ def test_fsdp_with_tp_and_a_pipeline_gathers_block_by_block_and_its_checkpoint_r
     [
         (4, ["--mesh", "cp=2,tp=2", "--sp", "--cp-algo", "ulysses", "--seq-len", "3"],
          "fewer than tp=2 to shard them over with --sp; use --seq-len 4 or more"),
-        (4, ["--mesh", "dp=2,pp=2", "--fsdp", "--prefetch"], "the engine's FSDP gathers each unit"),
         (4, ["--mesh", "dp=2,tp=2", "--fsdp", "--zero", "1"], "are two ways to shard"),
     ],
 )

@@ -1,7 +1,7 @@
 """Tensor, sequence and context parallelism against the single device and the closed forms.
 
 Two MPI jobs (2 and 4 ranks) each train several layouts for 3 AdamW steps with dropout on
-(tests/intra_layer_job.py) and report, per rank: the loss and parameter differences from the single
+(tests/jobs/intra_layer_job.py) and report, per rank: the loss and parameter differences from the single
 device, the trace compared call by call with refpar.analysis.intra_layer, the collectives of one
 block, and the peak of activation bytes next to refpar.analysis.activations.
 """
@@ -68,7 +68,7 @@ def _name(spec: dict) -> str:
 def results() -> list[dict]:
     out = []
     for n, layouts in LAYOUTS.items():
-        proc = mpiexec(n, "tests/intra_layer_job.py", json.dumps(layouts), timeout=240)
+        proc = mpiexec(n, "tests/jobs/intra_layer_job.py", json.dumps(layouts), timeout=240)
         out += [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(out) == sum(len(v) for v in LAYOUTS.values())
     return out
@@ -77,7 +77,7 @@ def results() -> list[dict]:
 def test_tp_sp_ring_and_ulysses_run_unchanged_on_torch_tensors():
     pytest.importorskip("torch")
     layouts = [{**spec, "backend": "torch"} for spec in LAYOUTS[2][1:4]]  # tp+sp, ring, Ulysses
-    proc = mpiexec(2, "tests/intra_layer_job.py", json.dumps(layouts), timeout=240)
+    proc = mpiexec(2, "tests/jobs/intra_layer_job.py", json.dumps(layouts), timeout=240)
     got = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(got) == len(layouts)
     for r in got:
@@ -139,7 +139,6 @@ def test_layer_bytes_with_the_papers_keep_list_are_korthikanti_eq_1_2_4(t, sp):
 
 def test_layouts_that_cannot_work_raise_one_sentence_config_errors():
     from refpar.parallel.context_parallel import check_cp
-    from refpar.parallel.intra_layer import check_mesh
     from refpar.parallel.tensor_parallel import check_tp
 
     tiny = model_preset("tiny")
@@ -148,8 +147,6 @@ def test_layouts_that_cannot_work_raise_one_sentence_config_errors():
         (lambda: check_cp(tiny, 7, 4, "ring", 1), "2*cp=8 zig-zag chunks"),
         (lambda: check_cp(tiny, 16, 8, "ulysses", 1), "cp <= n_head/tp=4"),
         (lambda: check_cp(tiny, 16, 2, "tree", 1), "unknown --cp-algo"),
-        (lambda: check_mesh({"tp": 2, "cp": 2}, True, "ring"), "drop --sp"),
-        (lambda: check_mesh({"tp": 2, "pp": 2}, False, None), "pp=2"),
     ]
     for call, words in cases:
         with pytest.raises(ConfigError, match=words) as err:

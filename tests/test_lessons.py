@@ -1,5 +1,5 @@
 """The course in lessons/ runs as written: every command of every lesson prints what the lesson
-shows (timings masked, non-integers to 1e-10, integers such as bytes exactly; refpar/lessons.py),
+shows (timings masked, non-integers to 1e-10, integers such as bytes exactly; lessons/course.py),
 every reference solution passes its checker and every untouched exercise fails it, saying so."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from refpar import lessons
-from refpar.lesson_checks import EXERCISES, check
+from lessons import course as lessons
+from lessons.checks import EXERCISES, check
 from tests.mpi import ROOT, mpi_env
 
 LESSON_FILES = lessons.lesson_files()
@@ -61,6 +61,27 @@ def test_a_wrong_answer_is_told_what_is_wrong(tmp_path, capsys):
     assert check(9, wrong) == 1
     out = capsys.readouterr().out
     assert "lesson 9: not yet: global_mean_loss = " in out and "mean of the microbatches' means" in out
+
+
+def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path, capsys):
+    # part 1 done; part 2, the CSV next to it: blank, then a 1F1B-like V that idles, then broken
+    answer = tmp_path / EXERCISES[6].file
+    answer.write_text((lessons.LESSONS / "solutions" / EXERCISES[6].file).read_text())
+    schedule = tmp_path / "06_v_schedule.csv"
+    schedule.write_text("")
+    assert check(6, answer) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("lesson 6: not yet: the exercise is still blank: write part 2, "), out
+    from refpar.parallel.pipeline.schedules import build, to_csv
+
+    schedule.write_text(to_csv(build("v-half", 2, 4)))  # valid, but it idles a tick
+    assert check(6, answer) == 1
+    assert "rank 0 idles 1 tick between its first and its last action" in capsys.readouterr().out
+    schedule.write_text("0F0,3F0,3B0,0B0\r\n1F0,2F0,1B0,2B0\r\n")  # 1B0 before 2B0 on rank 1
+    assert check(6, answer) == 1
+    out = capsys.readouterr().out
+    assert "rank 1 tick 2: 1B0 needs 2B0, which rank 1 runs later at tick 3" in out
+    assert "refpar schedule --from-csv" in out
 
 
 def test_the_paper_formula_with_even_shards_is_told_about_uneven_units(tmp_path, capsys):

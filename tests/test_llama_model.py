@@ -111,7 +111,7 @@ def test_one_api_dispatches_gpt2_to_gpt_py_unchanged():
 
 
 def test_gpt2_paths_refuse_a_llama_config_in_one_sentence_and_checkpoints_keep_the_family(tmp_path):
-    with pytest.raises(ConfigError, match="this path runs GPT-2 .* arch='llama', which runs on one device"):
+    with pytest.raises(ConfigError, match="this path runs GPT-2 .* arch='llama': use refpar.model's"):
         gpt.init_params(model_preset("llama-tiny"), seed=0)
     train = TrainConfig(steps=1, batch_size=2, seq_len=4)
     train_single_device(model_preset("tiny", n_layer=1), train, save=str(tmp_path))
@@ -156,7 +156,8 @@ def test_refpar_train_llama_tiny_runs_the_single_device_reference_and_refuses_dr
     proc = refpar("train", "--model", "llama-tiny", "--steps", "3", "--seed", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0].startswith("Llama llama-tiny: 4 layers, 64 channels, 4 heads, 197,184 parameters")
+    assert lines[0].startswith("Llama llama-tiny: 4 layers, 64 channels, 4 heads over 2 kv heads, 197,184 "
+                              "parameters")
     summary = json.loads(lines[-1])
     assert list(summary) == list(SUMMARY_FIELDS) and summary["model"]["arch"] == "llama"
     expected = train_single_device(model_preset("llama-tiny"), TrainConfig(steps=3, seed=3)).losses

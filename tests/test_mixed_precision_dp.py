@@ -1,6 +1,6 @@
 """DP, ZeRO-1/2/3 and FSDP in bf16-mixed and fp16-mixed: the ZeRO paper's 16Ψ, measured to the byte.
 
-The closed forms first (no MPI), then one 3-rank MPI job (tests/mixed_dp_job.py) that trains every
+The closed forms first (no MPI), then one 3-rank MPI job (tests/jobs/mixed_dp_job.py) that trains every
 strategy in bf16-mixed, bf16-mixed with fp32 gradients, fp16-mixed and fp16-mixed with a forced
 overflow, and checks measured memory, traced bytes, dtypes on the wire and losses.
 """
@@ -64,14 +64,14 @@ def test_fp32_gradient_partitions_keep_both_gradients_whole_until_zero2_shards_t
 
 def test_the_fp32_gradient_peak_of_zero2_adds_a_units_16bit_gradient_to_its_fp32_buffer():
     """From a unit's first backward piece to its reduce-scatter ZeRO-2 holds the unit's 16-bit
-    gradient and its fp32 accumulator: (2 + 4)Ψ_u more than the 4-byte gradient alone, the root's
-    (filled by the head, reduced after the embedding) plus a block's with its piece."""
+    gradient and its fp32 accumulator: (2 + 4)Ψ_u more than the 4-byte gradient alone, the ends'
+    (wte and the root: filled by the head, reduced after the embedding) plus a block's with its piece."""
     n, sizes = 3, unit_sizes(TINY)
     fp32 = Options("zero2", **precision_options("bfloat16", fp32_grads=True))
     for r in range(n):
         share = sum(shard_sizes(size, n)[r] for size in sizes.values())
         grads = peak_bytes(TINY, n, r, fp32)["grads"]
-        assert grads == 4 * share + 6 * sizes["root"] + (6 + 2) * sizes["h.0"]
+        assert grads == 4 * share + 6 * (sizes["wte"] + sizes["root"]) + (6 + 2) * sizes["h.0"]
 
 
 @pytest.mark.parametrize("n", [2, 3, 5, 8])
@@ -139,7 +139,7 @@ def test_every_strategy_in_mixed_precision_matches_the_papers_memory_the_traced_
     run whose loss is itself unstable amplifies them like any other (benchmarks/precision.py's
     small preset jumps from 7.59 to 8.16 at step 4 in fp64, and there bf16 and fp16 DP sit 0.25%
     and 0.3% from their single-device runs)."""
-    proc = mpiexec(3, "tests/mixed_dp_job.py", timeout=240)
+    proc = mpiexec(3, "tests/jobs/mixed_dp_job.py", timeout=240)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     print(json.dumps(report["max_loss_rel_diff"], indent=1))
     assert report["failures"] == [], "\n".join(report["failures"])
@@ -161,12 +161,12 @@ def test_refpar_train_runs_zero3_in_bf16_mixed_and_reports_the_master_weights_ne
 
 
 def test_mixed_checkpoints_resume_bit_for_bit_on_the_same_mesh_and_within_tolerance_elsewhere(tmp_path):
-    """One 3-rank job (tests/mixed_resume_job.py): bf16 ZeRO-3, fp16 ZeRO-1 with skipped steps and a
+    """One 3-rank job (tests/jobs/mixed_resume_job.py): bf16 ZeRO-3, fp16 ZeRO-1 with skipped steps and a
     moving loss scale, bf16 DP with fp32 gradients, each saved after step 2 and resumed on the same
     mesh (bit for bit: losses, scales, skipped steps, parameter bits), under another strategy on 2
     ranks and on one process (losses within 2^-8 for bf16, 2^-11 for fp16, as against the single
     device in the test above: only reduction order and 16-bit rounding points differ)."""
-    proc = mpiexec(3, "tests/mixed_resume_job.py", str(tmp_path), timeout=180)
+    proc = mpiexec(3, "tests/jobs/mixed_resume_job.py", str(tmp_path), timeout=180)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["failures"] == [], "\n".join(report["failures"])
     assert report["checks"] == 3 * 31

@@ -1,4 +1,4 @@
-"""MoE with context parallelism (refpar/engine_moe.py on pp x dp x ep x cp, ring or Ulysses)
+"""MoE with context parallelism (refpar/engine on pp x dp x ep x cp, ring or Ulysses)
 against the single device with the same microbatches, its closed forms, and its checkpoints."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from refpar.analysis.moe import routing_runs
-from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine_moe import MoEPipelineOptions, validate
+from refpar.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from refpar.engine import Plan, validate
 from refpar.parallel.context_parallel import cp_positions
 from refpar.parallel.expert_parallel import token_runs
 from tests.mpi import mpiexec
@@ -16,7 +16,7 @@ from tests.numerics import CONTRACT, within
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    proc = mpiexec(4, "tests/moe_cp_check.py", str(tmp_path_factory.mktemp("moe_cp_ckpt")), timeout=240)
+    proc = mpiexec(4, "tests/jobs/moe_cp_check.py", str(tmp_path_factory.mktemp("moe_cp_ckpt")), timeout=240)
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in out:
         print(r)
@@ -69,13 +69,13 @@ def test_routing_runs_closed_form_counts_the_maximal_runs_of_each_cp_rank(algo, 
 
 
 @pytest.mark.parametrize("sizes, opts, words", [
-    ({"cp": 2, "tp": 2}, MoEPipelineOptions(cp_algo="ulysses"), "use cp <= n_head/tp=1"),
-    ({"ep": 2}, MoEPipelineOptions(cp_algo="ring"), "give the mesh cp=2 or more"),
-    ({"cp": 4}, MoEPipelineOptions(cp_algo="ulysses"), "use cp <= n_head/tp=2"),
-    ({"cp": 8}, MoEPipelineOptions(), "use --seq-len 16 or more"),
+    ({"cp": 2, "tp": 2}, Plan(cp_algo="ulysses"), "use cp <= n_head/tp=1"),
+    ({"ep": 2}, Plan(cp_algo="ring"), "give the mesh cp=2 or more"),
+    ({"cp": 4}, Plan(cp_algo="ulysses"), "use cp <= n_head/tp=2"),
+    ({"cp": 8}, Plan(), "use --seq-len 16 or more"),
 ])
 def test_bad_moe_cp_setup_is_one_sentence(sizes, opts, words):
     model = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=2, moe_experts=4)
     with pytest.raises(ConfigError) as err:
-        validate(model, TrainConfig(batch_size=8, seq_len=8), sizes, opts)
+        validate(model, TrainConfig(batch_size=8, seq_len=8), ParallelConfig(sizes).sizes, opts)
     assert words in str(err.value) and "\n" not in str(err.value), str(err.value)

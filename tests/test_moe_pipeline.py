@@ -1,4 +1,4 @@
-"""MoE inside pipeline stages (pp x dp x ep, refpar/engine_moe.py), MoE microbatches (routing per
+"""MoE inside pipeline stages (pp x dp x ep, refpar/engine), MoE microbatches (routing per
 microbatch) and MoE checkpoints, against the single device with the same microbatches."""
 
 import json
@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from refpar.analysis.moe import moe_cache_bytes
-from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine_moe import MoEPipelineOptions, validate
+from refpar.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from refpar.engine import Plan, validate
+from refpar.holdings import microbatch_samples
 from refpar.model import moe
 from refpar.model.gpt import dtype_of, init_params
-from refpar.parallel.expert_parallel_run import check_run, microbatch_samples, reference_run
 from refpar.parallel.pipeline.executor import held_bytes
+from refpar.trainer import train_single_device
 from tests.mpi import MPIEXEC, ROOT, mpi_env, mpiexec, refpar_json
 from tests.numerics import CONTRACT, rel_diff, within
 
@@ -24,7 +25,8 @@ BF16_MOE_TOLERANCE = 5e-3  # relative loss, bf16-mixed with experts (refpar/comm
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    proc = mpiexec(4, "tests/moe_pipeline_check.py", str(tmp_path_factory.mktemp("moe_ckpt")), timeout=300)
+    proc = mpiexec(4, "tests/jobs/moe_pipeline_check.py", str(tmp_path_factory.mktemp("moe_ckpt")),
+                   timeout=300)
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in out:
         print(r)
@@ -33,13 +35,13 @@ def rows(tmp_path_factory):
 
 def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_bytes_and_memory(rows):
     """pp=2 x ep=2 under 1f1b, gpipe (top-1) and interleaved (dropless), pp=2 x dp=2 under zb-h1,
-    pp=4 with MoE in the last two blocks only, the dp x ep runner, each with 2 or 4 microbatches,
-    and pp=2 x ep=2 under zb-h1 in bf16 (its loss within bf16's MoE bound, the rest as follows):
-    losses, parameters, aux losses and the routing of every block are the single device's with the
-    same microbatches; each step's traced bytes per (axis, op) and the params/grads/optimizer peaks
-    equal the closed forms from the routing counts, and in the pipelines so does every rank's
-    activation peak, to the byte: the MoE blocks' routing, router, expert buffers and caches from
-    the counts of each microbatch, replayed over the schedule."""
+    pp=4 with MoE in the last two blocks only, dp x ep without a pipeline, each with 2 or 4
+    microbatches, and pp=2 x ep=2 under zb-h1 in bf16 (its loss within bf16's MoE bound, the rest as
+    follows): losses, parameters, aux losses and the routing of every block are the single device's
+    with the same microbatches; each step's traced bytes per (axis, op) and every memory peak equal
+    the closed forms from the routing counts, and so does every rank's activation peak, to the
+    byte: the MoE blocks' routing, router, expert buffers and caches from the counts of each
+    microbatch, replayed over the schedule."""
     runs = [r for r in rows if "run" in r]
     assert len(runs) == 7
     for r in runs:
@@ -53,13 +55,12 @@ def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_
         assert r["bytes_ok"] and r["memory_ok"], r
         assert (min(r["dropped"]) > 0) != ("moe_dropless" in r["run"]), r  # capacities that bite
         assert (r["all_to_all_bytes"] > 0) == ("ep=2" in r["run"]), r
-        if "runner" not in r["run"]:
-            measured, closed = zip(*r["activation_peaks"], strict=True)  # one pair per rank
-            assert measured == closed and min(measured) > 0, r
+        measured, closed = zip(*r["activation_peaks"], strict=True)  # one pair per rank
+        assert measured == closed and min(measured) > 0, r
 
 
 def test_moe_checkpoints_resume_exactly_on_their_mesh_and_reshard_to_others(rows):
-    """Saved by the dp x ep runner and by a pp x ep pipeline after 2 of 4 steps. Resumed on the
+    """Saved by a dp x ep mesh (no pipeline) and by a pp x ep pipeline after 2 of 4 steps. Resumed on the
     same mesh: losses and parameters bit for bit the uninterrupted run's. Resumed on another mesh
     (pipeline <-> no pipeline, ep=2 -> ep=4, one process): every rank reassembles exactly its
     tensors and moments from the other layout, and the losses agree to float64's rounding."""
@@ -133,45 +134,48 @@ def test_one_microbatch_is_the_global_batch_and_dropless_unweighted_microbatches
     batch order. Without capacity and router losses, routing per microbatch changes nothing but the
     order of sums: M = 2 gives the M = 1 run to rounding; with a capacity and the Switch losses it
     does not (each microbatch is routed, dropped and balanced on its own tokens)."""
+    moe_model = ModelConfig(moe_experts=4)
     for n_data in (1, 2, 3):
         for m in (1, 2, 4):
-            parts = [list(microbatch_samples(12, m, n_data, d, j)) for j in range(m) for d in range(n_data)]
+            parts = [list(microbatch_samples(moe_model, 12, m, {"dp": n_data, "ep": 1}, {"dp": d, "ep": 0},
+                                             j)) for j in range(m) for d in range(n_data)]
             assert sum(parts, []) == list(range(12))  # microbatch-major, data ranks in batch order
     model = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=2, dropout=0.1,
                         moe_experts=4, moe_top_k=2, moe_dropless=True, moe_aux_loss_weight=0.0,
                         moe_z_loss_weight=0.0)
     train = TrainConfig(steps=2, batch_size=4, seq_len=8, lr=1e-2, seed=3)
-    one, two = reference_run(model, train), reference_run(model, train, microbatches=2)
+    one, two = train_single_device(model, train), train_single_device(model, train, microbatches=2)
     # the two microbatches' gradients are summed where one batch sums in one GEMM: the contract
     assert within(max(abs(a - b) / b for a, b in zip(one.losses, two.losses, strict=True)), CONTRACT)
     assert within(max(rel_diff(one.params[n], p) for n, p in two.params.items()), CONTRACT)
     capped = replace(model, moe_dropless=False, moe_capacity_factor=0.8, moe_aux_loss_weight=0.01)
-    one, two = reference_run(capped, train), reference_run(capped, train, microbatches=2)
+    one, two = train_single_device(capped, train), train_single_device(capped, train, microbatches=2)
     assert abs(one.losses[0] - two.losses[0]) > 1e-6  # 10^4 times the contract's rounding
-    assert [len(s.microbatch_kept_counts) for s in two.steps] == [2, 2]
+    assert [len(s.microbatch_kept_counts) for s in two.moe_steps] == [2, 2]
 
 
-@pytest.mark.parametrize("sizes, opts, changes, words", [
-    ({"pp": 4}, MoEPipelineOptions("1f1b", 4), {"n_layer": 2},
+@pytest.mark.parametrize("sizes, plan, changes, words", [
+    ({"pp": 4}, Plan("1f1b", 4), {"n_layer": 2},
      "4 pipeline stages need at least 4 blocks, the model has n_layer=2"),
-    ({"pp": 2, "ep": 2}, MoEPipelineOptions("1f1b", 3), {},
+    ({"pp": 2, "ep": 2}, Plan("1f1b", 3), {},
      "--microbatches 3 does not divide --batch-size 8"),
-    ({"pp": 2, "dp": 2, "ep": 2}, MoEPipelineOptions("1f1b", 4), {},
+    ({"pp": 2, "dp": 2, "ep": 2}, Plan("1f1b", 4), {},
      "--batch-size 8 in 4 microbatches leaves 2 sequences per microbatch for dp x ep = 4 ranks"),
-    ({"pp": 2, "tp": 3}, MoEPipelineOptions(), {}, "tp=3 does not divide n_head=4"),
-    ({"pp": 2, "ep": 8}, MoEPipelineOptions(), {}, "moe_experts=4 is fewer than ep=8"),
-    ({"pp": 2}, MoEPipelineOptions("1f1b", 1, 2), {}, "chunks"),
+    ({"pp": 2, "tp": 3}, Plan(), {}, "tp=3 does not divide n_head=4"),
+    ({"pp": 2, "ep": 8}, Plan(), {}, "moe_experts=4 is fewer than ep=8"),
+    ({"pp": 2}, Plan("1f1b", 1, 2), {}, "chunks"),
 ])
-def test_bad_moe_pipeline_setup_is_one_sentence(sizes, opts, changes, words):
+def test_bad_moe_pipeline_setup_is_one_sentence(sizes, plan, changes, words):
     model = ModelConfig(moe_experts=4, **changes)
     with pytest.raises(ConfigError) as err:
-        validate(model, TrainConfig(), sizes, opts)
+        validate(model, TrainConfig(), ParallelConfig(sizes).sizes, plan)
     assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_dp_ep_runner_refuses_microbatches_that_do_not_divide_the_batch():
+def test_moe_microbatches_that_do_not_divide_the_batch_are_refused():
     with pytest.raises(ConfigError, match="--microbatches 3 does not divide --batch-size 8"):
-        check_run(ModelConfig(moe_experts=4), TrainConfig(), {"ep": 2}, 3)
+        validate(ModelConfig(moe_experts=4), TrainConfig(), ParallelConfig({"ep": 2}).sizes,
+                 Plan(microbatches=3))
 
 
 def test_a_bad_moe_pipeline_fails_on_every_rank_before_communication_with_one_line():

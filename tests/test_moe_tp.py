@@ -1,5 +1,5 @@
 """MoE with expert tensor parallelism (mesh pp x dp x ep x tp, and --sp, with cp too;
-refpar/engine_moe.py, refpar/parallel/expert_tensor_parallel.py) against the single device with
+refpar/engine, refpar/parallel/expert_tensor_parallel.py) against the single device with
 the same microbatches."""
 
 import json
@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 
 from refpar.commands.verify import MOE_LOSS_TOLERANCES
-from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine_moe import MoEPipelineOptions, validate
+from refpar.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from refpar.engine import Plan, validate
+from refpar.holdings import tp_param_slices
 from refpar.model.gpt import init_params
-from refpar.parallel.tensor_parallel import shard_params_tp, tp_param_slices
+from refpar.parallel.tensor_parallel import shard_params_tp
 from tests.mpi import ROOT, mpi_env, mpiexec
 from tests.numerics import CONTRACT, within
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    proc = mpiexec(4, "tests/moe_tp_check.py", str(tmp_path_factory.mktemp("moe_tp_ckpt")), timeout=300)
+    proc = mpiexec(4, "tests/jobs/moe_tp_check.py", str(tmp_path_factory.mktemp("moe_tp_ckpt")), timeout=300)
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in out:
         print(r)
@@ -99,15 +100,15 @@ def test_expert_tp_slices_split_each_expert_like_the_dense_mlp_and_reassemble_it
 
 
 @pytest.mark.parametrize("sizes, opts, words", [
-    ({"ep": 2, "cp": 8, "tp": 4}, MoEPipelineOptions(sp=True), "fewer than tp=4 to shard them over"),
-    ({"cp": 2, "tp": 4}, MoEPipelineOptions(cp_algo="ulysses"), "use cp <= n_head/tp=1"),
-    ({"ep": 2}, MoEPipelineOptions(sp=True), "--sp shards along the sequence over tp ranks"),
-    ({"ep": 2, "tp": 3}, MoEPipelineOptions(), "tp=3 does not divide n_head=4"),
-    ({"tp": 2}, MoEPipelineOptions(zero=1), "--zero 1 shards each stage's weights over its dp x ep x cp"),
+    ({"ep": 2, "cp": 8, "tp": 4}, Plan(sp=True), "fewer than tp=4 to shard them over"),
+    ({"cp": 2, "tp": 4}, Plan(cp_algo="ulysses"), "use cp <= n_head/tp=1"),
+    ({"ep": 2}, Plan(sp=True), "--sp shards along the sequence over tp ranks"),
+    ({"ep": 2, "tp": 3}, Plan(), "tp=3 does not divide n_head=4"),
+    ({"tp": 2}, Plan(zero=1), "--zero 1 shards each stage's weights over its dp x ep x cp"),
 ])
 def test_bad_moe_tp_setup_is_one_sentence(sizes, opts, words):
     with pytest.raises(ConfigError) as err:
-        validate(ModelConfig(moe_experts=4), TrainConfig(), sizes, opts)
+        validate(ModelConfig(moe_experts=4), TrainConfig(), ParallelConfig(sizes).sizes, opts)
     assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
@@ -115,6 +116,5 @@ def test_sp_without_tp_in_a_moe_run_is_refused_in_one_sentence_before_any_run():
     proc = subprocess.run([sys.executable, "-m", "refpar", "train", "--moe-experts", "4", "--sp"], cwd=ROOT,
                           env=mpi_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.strip().endswith("--sp does not combine with --moe-experts; MoE runs over pp, dp, "
-                                        "ep, cp and tp (with --zero or --fsdp), so drop --sp or add tp=2 "
-                                        "or more to --mesh")
+    assert proc.stderr.strip().endswith("--sp shards along the sequence over tp ranks; give the mesh tp=2 or "
+                                        "more")

@@ -1,22 +1,23 @@
-"""ZeRO-1/2/3 and FSDP for MoE runs (refpar/engine_moe_zero.py): the dense weights sharded over each
-stage's dp x ep data ranks, the experts over dp, against the single device with the same
-microbatches, refpar/analysis/moe.py's closed forms, and checkpoints that reshard."""
+"""ZeRO-1/2/3 and FSDP for MoE runs (refpar/parallel/zero.py over each unit's replica group): the
+dense weights sharded over each stage's dp x ep data ranks, the experts over dp, against the single
+device with the same microbatches, refpar/analysis/engine.py's closed forms, and checkpoints that
+reshard."""
 
 import json
 
 import pytest
 
 from refpar.commands.verify import MOE_LOSS_TOLERANCES
-from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.engine_moe import MoEPipelineOptions, validate
-from refpar.engine_moe_zero import moe_fsdp_units, moe_units_of
+from refpar.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from refpar.engine import Plan, validate
+from refpar.holdings import units
 from tests.mpi import mpiexec, refpar_json
 from tests.numerics import CONTRACT, within
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    proc = mpiexec(4, "tests/moe_zero_check.py", str(tmp_path_factory.mktemp("moe_zero")), timeout=300)
+    proc = mpiexec(4, "tests/jobs/moe_zero_check.py", str(tmp_path_factory.mktemp("moe_zero")), timeout=300)
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     for r in out:
         print(r)
@@ -100,26 +101,21 @@ def test_units_never_mix_dense_weights_with_experts():
     names = ["wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.0.mlp.router.weight",
              "h.0.mlp.experts.1.c_fc.weight", "h.0.mlp.experts.1.c_fc.bias", "h.1.ln_1.weight",
              "h.1.mlp.c_fc.weight", "ln_f.weight"]
-    assert moe_units_of(names) == {
-        "wte": ["wte.weight"],
-        "rest": ["wpe.weight", "h.0.ln_1.weight", "h.0.mlp.router.weight", "h.1.ln_1.weight",
-                 "h.1.mlp.c_fc.weight", "ln_f.weight"],
-        "experts": ["h.0.mlp.experts.1.c_fc.weight", "h.0.mlp.experts.1.c_fc.bias"]}
-    assert moe_fsdp_units(names) == {
+    assert units(names) == {
         "wte": ["wte.weight"], "root": ["wpe.weight", "ln_f.weight"],
         "h.0": ["h.0.ln_1.weight", "h.0.mlp.router.weight"],
         "h.0.experts": ["h.0.mlp.experts.1.c_fc.weight", "h.0.mlp.experts.1.c_fc.bias"],
         "h.1": ["h.1.ln_1.weight", "h.1.mlp.c_fc.weight"]}
 
 
-@pytest.mark.parametrize("sizes, opts, words", [
-    ({"pp": 2}, MoEPipelineOptions("1f1b", 2, 1, zero=1),
+@pytest.mark.parametrize("sizes, plan, words", [
+    ({"pp": 2}, Plan("1f1b", 2, zero=1),
      "--zero 1 shards each stage's weights over its dp x ep x cp ranks; give the mesh dp=2, ep=2 or cp=2 "
      "or more"),
-    ({"ep": 2}, MoEPipelineOptions("1f1b", 1, 1, zero=2, fsdp=True), "run it as zero 3"),
-    ({"ep": 2}, MoEPipelineOptions("1f1b", 1, 1, zero=4), "--zero 4 is not a ZeRO stage"),
+    ({"ep": 2}, Plan(zero=2, fsdp=True), "--fsdp and --zero 2 are two ways to shard"),
+    ({"ep": 2}, Plan(zero=4), "--zero 4 is not a ZeRO stage"),
 ])
-def test_bad_moe_zero_setup_is_one_sentence(sizes, opts, words):
+def test_bad_moe_zero_setup_is_one_sentence(sizes, plan, words):
     with pytest.raises(ConfigError) as err:
-        validate(ModelConfig(moe_experts=4), TrainConfig(), sizes, opts)
+        validate(ModelConfig(moe_experts=4), TrainConfig(), ParallelConfig(sizes).sizes, plan)
     assert words in str(err.value) and "\n" not in str(err.value), str(err.value)

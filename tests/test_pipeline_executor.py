@@ -30,7 +30,7 @@ CASES = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def results(request):
     p = request.param
-    proc = mpiexec(p, "tests/pipeline_checks.py", json.dumps(CASES[p]), timeout=240)
+    proc = mpiexec(p, "tests/jobs/pipeline_checks.py", json.dumps(CASES[p]), timeout=240)
     return p, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
@@ -48,7 +48,7 @@ def test_every_schedule_matches_single_device_after_3_adamw_steps_with_dropout(r
 
 def test_traced_bytes_equal_the_closed_form_per_rank_axis_and_op(results):
     # activations and input gradients over pp, wte's gradient in the embedding group, the loss
-    # over the world: refpar.parallel.pipeline.runner.expected_comm_rows, exactly, on every rank.
+    # over pp: refpar.analysis.engine's closed forms, exactly, on every rank.
     p, rows = results
     assert all(r["traced_bytes_equal_closed_form"] for r in rows), [r["kind"] for r in rows]
 
@@ -57,7 +57,7 @@ def test_measured_activation_peak_is_the_schedules_in_flight_bytes(results):
     p, rows = results
     for r in rows:
         # Each rank's ledger peak equals the replay of its list with the bytes one microbatch
-        # keeps after F (and after B, until W, for split backwards), measured apart from the run.
+        # keeps after F (and after B, until W, for split backwards), from the closed forms.
         assert r["activation_peak"] == r["replayed_peak"], (p, r["kind"])
         if r["kind"] in ("gpipe", "1f1b") and 8 % r["m"] == 0:
             # Equal microbatches: peak = in-flight count x one microbatch's activations
@@ -111,8 +111,8 @@ def test_train_command_matches_one_device_and_reports_bytes_bubbles_and_trace(tm
 
 @pytest.mark.parametrize("argv, words", [
     (["--schedule", "zb-h3"], "unknown schedule 'zb-h3'"),
-    (["--mesh", "pp=2,ep=2"], "combines with dp, tp and cp (the engine) only so far; drop ep=2"),
-    (["--microbatches", "16"], "fewer sequences per pipeline than --microbatches 16"),
+    (["--mesh", "pp=2,ep=2"], "ep=2 spreads experts over ranks; add --moe-experts E with E >= 2"),
+    (["--microbatches", "16"], "fewer sequences per data-parallel rank than --microbatches 16"),
     (["--mesh", "pp=4", "--schedule", "interleaved-1f1b", "--microbatches", "4"],
      "8 pipeline stages need at least 8 blocks"),
     (["--mesh", "dp=2", "--schedule", "1f1b"], "need a pipeline; add pp=2 or more to --mesh"),

@@ -52,8 +52,9 @@ def test_interleaved_idle_is_p_minus_1_over_v_m_of_ideal(p, m, v):
 @pytest.mark.parametrize("p, m", [(2, 2), (3, 3), (3, 7), (4, 8), (5, 10)])
 def test_zb_h1_idle_is_a_third_of_1f1b_when_f_b_w_are_equal(p, m):
     # Qi et al. 2023, Table 2, per-rank bubble: 1F1B (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W). With
-    # F = B = W that is 3(p-1) against (p-1): a third. Holds for m >= p (ZB-H1 needs p microbatches
-    # to fill its cool-down with W passes).
+    # F = B = W that is 3(p-1) against (p-1): a third, the zero-bubble README's "ZB1P B/3" (a
+    # share of the bubble time; as a rate of the step, (p-1)/(3m+p-1), it is B/3 for large m).
+    # Holds for m >= p (ZB-H1 needs p microbatches to fill its cool-down with W passes).
     unit = Costs(1, 1, 1)
     ours, theirs = simulate(zb_h1(p, m), unit), simulate(one_f_one_b(p, m), unit)
     for rank in range(p):

@@ -40,12 +40,16 @@ def test_one_trillion_parameters_on_4096_gpus_is_searched_in_under_two_seconds()
 
 def test_plans_fit_and_come_fastest_first_and_their_times_add_up():
     result = plan(PRESETS["llama3-70b"], HARDWARE["h100"], 256, top=10)
-    times = [p["step_time_s"] for p in result["plans"]]
-    assert times == sorted(times)
+    times = np.array([p["step_time_s"] for p in result["plans"]])
+    # Ranked in steps of 0.1% of the fastest (within a step the simpler plan goes first).
+    steps = np.floor(times / (times[0] * 1e-3))
+    assert np.all(np.diff(steps) >= 0), times
+    h100 = HARDWARE["h100"]
     for p in result["plans"]:
-        assert sum(p["memory_bytes"].values()) <= HARDWARE["h100"].memory_bytes
+        assert sum(p["memory_bytes"].values()) <= h100.memory_bytes
         assert sum(p["time_s"].values()) == pytest.approx(p["step_time_s"], rel=1e-12)
-        assert 0 < p["mfu"] <= 0.75  # never above the assumed matmul efficiency
+        # Never above the measured maximum achievable matmul rate over the peak.
+        assert 0 < p["mfu"] <= h100.matmul_rate("bfloat16") / h100.flops("bfloat16")
         mesh = p["mesh"]
         assert mesh["dp"] * mesh["tp"] * mesh["pp"] * mesh["cp"] * mesh["ep"] == 256
 
@@ -123,9 +127,18 @@ def test_cli_json_gives_the_ranked_plans(tmp_path):
                                                         "activations", "comm"}
 
 
-def test_each_collective_names_its_algorithm_and_their_bytes_add_up_per_axis():
-    result = plan(PRESETS["mixtral-8x7b"], HARDWARE["h100"], 64, top=3)
-    for p in result["plans"]:
+@pytest.mark.parametrize("software", ["modern", "megatron-2021", "llama3"])
+def test_each_collective_names_its_algorithm_and_their_bytes_add_up_per_axis(software):
+    # Every software's own exchanges (scatter/gather pipeline transfers, all-gather context
+    # parallelism) are collectives like the others, their bytes in their axis's total.
+    from refpar.analysis.efficiency import SOFTWARE
+    from refpar.analysis.planner import price
+
+    result = plan(PRESETS["mixtral-8x7b"], HARDWARE["h100"], 64, top=3, software=SOFTWARE[software])
+    given = price(PRESETS["llama3-8b"], HARDWARE["h100"], 64, {"dp": 1, "tp": 4, "pp": 8, "cp": 2, "ep": 1},
+                  schedule="interleaved-1f1b", chunks=2, recompute="selective", global_batch=64,
+                  software=SOFTWARE[software])
+    for p in [*result["plans"], given]:
         sent = dict.fromkeys(p["comm_bytes"], 0.0)
         for c in p["collectives"]:
             assert c["algo"] in ("ring", "tree", "pairwise", "p2p")
@@ -175,3 +188,121 @@ def test_plan_figure_stacks_each_plans_memory_and_time():
     for i, p in enumerate(result["plans"]):
         assert sum(t.x[i] for t in memory) == pytest.approx(sum(p["memory_bytes"].values()) / 1e9)
         assert sum(t.x[i] for t in times) == pytest.approx(p["step_time_s"])
+
+
+def _same_plan(a: dict, b: dict) -> None:
+    for key in ("mesh", "zero", "micro_batch", "microbatches", "schedule", "chunks", "recompute"):
+        assert a[key] == b[key], key
+    for key in ("memory_bytes", "time_s", "comm_bytes", "stage_costs_s"):
+        for k, v in a[key].items():
+            assert b[key][k] == pytest.approx(v, rel=1e-9, abs=1e-15), (key, k)
+    assert b["step_time_s"] == pytest.approx(a["step_time_s"], rel=1e-12)
+
+
+@pytest.mark.parametrize("name, gpus", [("megatron-1t", 4096), ("llama3-70b", 256), ("mixtral-8x7b", 64)])
+def test_pricing_the_searchs_best_plan_gives_its_own_row_and_rank_one(name, gpus):
+    from refpar.analysis.planner import price
+
+    spec, hw = PRESETS[name], HARDWARE["h100"]
+    best = plan(spec, hw, gpus, top=1)["plans"][0]
+    priced = price(spec, hw, gpus, best["mesh"], zero=best["zero"], schedule=best["schedule"],
+                   chunks=best["chunks"], micro_batch=best["micro_batch"], recompute=best["recompute"],
+                   sp=best["mesh"]["tp"] > 1)
+    _same_plan(best, priced)
+    assert {(c["name"], c["calls_per_step"]) for c in priced["collectives"]} == {
+        (c["name"], c["calls_per_step"]) for c in best["collectives"]}
+    assert plan(spec, hw, gpus, top=1, priced=priced)["rank"] == 1
+
+
+def test_a_plan_that_does_not_fit_is_refused_naming_the_category_and_the_excess():
+    from refpar.analysis.planner import parse_mesh, price
+    from refpar.analysis.scale import memory_per_rank
+
+    spec, hw = PRESETS["megatron-1t"], HARDWARE["a100"]
+    mesh = parse_mesh("tp=8,pp=64", 3072)
+    assert mesh == {"dp": 6, "tp": 8, "pp": 64, "cp": 1, "ep": 1}
+    with pytest.raises(ConfigError) as err:
+        price(spec, hw, 3072, mesh)  # no recomputation: 64 micro-batches of 2 blocks in flight
+    # The excess, recomputed from the memory model itself.
+    memory = memory_per_rank(spec, micro_batch=1, seq=2048, tp=8, pp=64, dp=6, microbatches=512,
+                             schedule="1f1b", sp=False)
+    over = (sum(memory.values()) - hw.memory_bytes) / 1e9
+    text = str(err.value)
+    assert "\n" not in text and f"{over:.1f} GB over" in text
+    assert f"activations take the most ({memory['activations'] / 1e9:.1f} GB)" in text
+
+
+@pytest.mark.parametrize("mesh, kw, words", [
+    ("tp=8,pp=64,dp=7", {}, "has 3584 GPUs but --gpus is 3072"),
+    ("tp=8,pp=7", {}, "does not divide --gpus 3072"),
+    ("tp=3,pp=64", {}, "tp=3 does not divide megatron-1t's 160 key/value heads"),
+    ("tp=8,pp=64,zz=2", {}, "axis one of dp, tp, pp, cp, ep"),
+    ("tp=8,pp=64", {"schedule": "interleaved-1f1b", "chunks": 3}, "--chunks >= 2 dividing the 2 blocks"),
+    ("pp=64,dp=48", {"sp": True}, "needs tp > 1"),
+    ("tp=8,pp=64", {"schedule": "none"}, "needs pp = 1"),
+    ("tp=8,pp=64", {"micro_batch": 5}, "does not split into micro-batches of 5"),
+])
+def test_a_given_plan_that_is_not_a_plan_is_refused_in_one_sentence(mesh, kw, words):
+    from refpar.analysis.planner import parse_mesh, price
+
+    with pytest.raises(ConfigError) as err:
+        price(PRESETS["megatron-1t"], HARDWARE["a100"], 3072, parse_mesh(mesh, 3072), recompute="full", **kw)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_model_spec_with_a_presets_shape_is_the_preset():
+    from refpar.analysis.flops import param_counts
+    from refpar.analysis.presets import parse_model_spec
+
+    # Llama 2 70B's shape (Touvron et al. 2023; its config.json) and Mixtral's, with the released
+    # checkpoints' parameter counts as the independent check.
+    llama = parse_model_spec("layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=32000,seq=4096,"
+                             "arch=llama")
+    assert param_counts(llama).total == param_counts(PRESETS["llama2-70b"]).total
+    mixtral = parse_model_spec("layers=32,hidden=4096,heads=32,kv_heads=8,ffn=14336,vocab=32000,seq=4096,"
+                               "experts=8,topk=2,arch=llama")
+    assert param_counts(mixtral).total == 46_702_792_704
+    # Llama's own rule for ffn when it is not given: 8h/3 up to a multiple of 256 (Llama 2 7B: 11008).
+    assert parse_model_spec("layers=32,hidden=4096,heads=32,vocab=32000,seq=4096,arch=llama").d_ff == 11008
+    # Priced like the preset, at the preset's batch.
+    preset = plan(PRESETS["llama2-70b"], HARDWARE["h100"], 64, top=1)["plans"][0]
+    custom = plan(llama, HARDWARE["h100"], 64, global_batch=PRESETS["llama2-70b"].global_batch,
+                  top=1)["plans"][0]
+    _same_plan(preset, custom)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("layers=2,hidden=64", "needs heads, vocab, seq too"),
+    ("layers=2,hidden=64,heads=4,vocab=100,seq=32,depth=3", "has no key 'depth'"),
+    ("layers=2,hidden=64,heads=4,vocab=100,seq=32,arch=t5", "arch=t5 is unknown"),
+    ("layers=2,hidden=64,heads=4,vocab=100,seq=32,experts=4", "experts and topk go together"),
+    ("layers=two,hidden=64,heads=4,vocab=100,seq=32", "layers=two must be a positive whole number"),
+])
+def test_bad_model_specs_are_refused_in_one_sentence(spec, words):
+    from refpar.analysis.presets import parse_model_spec
+
+    with pytest.raises(ConfigError) as err:
+        parse_model_spec(spec)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_cli_prices_a_given_plan_and_ranks_it_among_the_searched():
+    done = _cli("--model", "megatron-1t", "--gpus", "3072", "--hardware", "a100", "--mesh", "tp=8,pp=64,dp=6",
+                "--schedule", "interleaved-1f1b", "--chunks", "2", "--recompute", "full", "--software",
+                "megatron-2021", "--precision", "bf16-fp32-accum", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["plan"]["mesh"] == {"dp": 6, "tp": 8, "pp": 64, "cp": 1, "ep": 1}
+    assert result["plan"]["step_time_s"] >= result["fastest"]["step_time_s"]
+    assert 1 < result["rank"] <= result["fitting"]
+    refused = _cli("--model", "megatron-1t", "--gpus", "3072", "--hardware", "a100", "--mesh", "tp=8,pp=64")
+    assert refused.returncode != 0 and "does not fit" in refused.stderr
+    assert "Traceback" not in refused.stderr and refused.stderr.count("\n") == 1
+
+
+def test_cli_searches_a_model_given_by_its_shape():
+    done = _cli("--model-spec", "layers=70,hidden=14336,heads=112,vocab=250680,seq=2048", "--gpus", "384",
+                "--hardware", "a100", "--top", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["model"] == "custom" and result["global_batch"] == 2048 and len(result["plans"]) == 1

@@ -307,7 +307,7 @@ def test_bad_precision_flags_are_one_sentence(capsys, args, words):
 
 
 def test_a_bad_dtype_is_a_config_error():
-    # (fp16 with experts runs: refpar/parallel/expert_parallel_run.py scales the router losses)
+    # (fp16 with experts runs: refpar/parallel/expert_parallel.py scales the router losses)
     TrainConfig().check_model(model_preset("tiny", dtype="float16", moe_experts=2))
     with pytest.raises(ConfigError, match="unknown dtype 'float8'"):
         model_preset("tiny", dtype="float8")

@@ -48,7 +48,7 @@ def test_kv_cache_decoding_with_continuous_batching_matches_full_recompute(sampl
 
 @pytest.fixture(scope="module")
 def parallel_runs():
-    proc = mpiexec(4, "tests/serving_job.py", timeout=240)
+    proc = mpiexec(4, "tests/jobs/serving_job.py", timeout=240)
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(runs) == 4, proc.stdout[-2000:]
     return runs

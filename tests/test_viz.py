@@ -11,19 +11,29 @@ from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import (
     Costs,
     build,
+    layout,
     peak_inflight_microbatches,
     simulate,
 )
 from refpar.parallel.tensor_parallel import shard_params_tp
-from refpar.parallel.units import FlatLayout
+from refpar.parallel.units import Units
 from refpar.sharding import shard_range
 from refpar.viz import comm as cv
 from refpar.viz import expected as ex
 from refpar.viz import sharding as sh
-from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
+from refpar.viz.pipeline import (
+    COLOURS,
+    SECOND,
+    SHADES,
+    gantt_figure,
+    grid_figure,
+    idle_total,
+    inflight_figure,
+)
 
 SCHEDULES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 3, 2, 1), ("interleaved-1f1b", 2, 4, 2),
-             ("zb-h1", 4, 8, 1), ("zb-h2", 3, 6, 1), ("1f1b", 1, 1, 1)]
+             ("zb-h1", 4, 8, 1), ("zb-h2", 3, 6, 1), ("1f1b", 1, 1, 1), ("zbv", 3, 6, 2), ("v-half", 4, 8, 2),
+             ("v-min", 3, 5, 2), ("dualpipev", 2, 4, 2), ("dualpipe", 4, 8, 2)]
 
 
 @pytest.mark.parametrize("kind,p,m,v", SCHEDULES)
@@ -33,11 +43,11 @@ def test_gantt_idle_time_equals_the_simulated_bubble(kind, p, m, v):
     idle = idle_total(fig)
     assert idle == pytest.approx(sum(timeline.idle_time(r) for r in timeline.slots))
     assert idle / (p * timeline.makespan) == pytest.approx(timeline.bubble_fraction)
-    bars = {t.name: t for t in fig.data}
-    for kind_ in "FBW":
+    for kind_ in ("F", "B", "W", "F&B"):  # a kind's bars, the second stage of a rank's in a 2nd trace
         slots = [s for row in timeline.slots.values() for s in row if s.action.kind == kind_]
-        assert sorted(zip(bars[kind_].y, bars[kind_].base, bars[kind_].x, bars[kind_].text, strict=True)) == \
-            sorted((s.rank, s.start, s.end - s.start, str(s.action)) for s in slots)
+        drawn = [bar for t in fig.data if t.name in (kind_, kind_ + SECOND)
+                 for bar in zip(t.y, t.base, t.x, t.text, strict=True)]
+        assert sorted(drawn) == sorted((s.rank, s.start, s.end - s.start, str(s.action)) for s in slots)
     # The animation ends on the whole timeline, with fixed axes so frames do not jump.
     last = fig.frames[-1].data
     assert [list(t.x) for t in last] == [list(t.x) for t in fig.data]
@@ -67,15 +77,47 @@ def test_grid_cells_are_the_schedules_actions():
         assert list(heat.z[rank]) == [0 if a is None else " FBW".index(a.kind) for a in row]
 
 
+@pytest.mark.parametrize("kind, p, m", [("zbv", 3, 6), ("v-min", 4, 8), ("dualpipev", 3, 6),
+                                        ("dualpipe", 4, 8)])
+def test_a_ranks_two_stages_are_drawn_in_two_shades(kind, p, m):
+    # rank r holds stages r and 2p-1-r: r's actions in the kind's colour, 2p-1-r's lighter, in the
+    # Gantt and in the grid (an F&B pair takes its forward's stage)
+    schedule = build(kind, p, m)
+    lay = layout(schedule)
+    action = {str(a): a for row in schedule.values() for a in row if a is not None}
+    fig = gantt_figure(simulate(schedule))
+    for t in fig.data[:-1]:  # the last trace is idle time
+        second = t.name.endswith(SECOND)
+        assert t.marker.color == (SHADES if second else COLOURS)[t.name.removesuffix(SECOND)]
+        assert {lay.chunk(action[text].computations()[0].stage) for text in t.text} <= {int(second)}
+    assert {t.name for t in fig.data if len(t.x)} >= {"F", "F" + SECOND, "B", "B" + SECOND}
+    heat = grid_figure(schedule).data[0]
+    for rank, row in schedule.items():
+        for tick, a in enumerate(row):
+            if a is not None:
+                base = ("F", "B", "W", "F&B").index(a.kind) + 1
+                assert heat.z[rank][tick] == base + 4 * lay.chunk(a.computations()[0].stage)
+
+
+def runtime_units(config, n: int, rank: int) -> Units:
+    """The units ZeRO shards on dp rank `rank` of n holding the whole model (refpar/parallel/units.py)."""
+    from types import SimpleNamespace
+
+    from refpar.model.gpt import param_shapes
+
+    shapes = param_shapes(config)
+    return Units({0: list(shapes)}, shapes, lambda expert: SimpleNamespace(size=n, rank=rank), {0: 1})
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
-def test_zero_grids_are_flat_layout_shards(n):
+def test_zero_grids_are_the_runtimes_unit_shards(n):
     config = sh.DEMO_MODEL
-    lay = FlatLayout(config)
+    lay = runtime_units(config, n, 0)
     for name in sh.block_weights(0):
         grid = sh.flat_owner_grid(config, n, name).ravel()
         unit, start, _ = lay.offsets[name]
         for rank in range(n):
-            a, b = lay.shard(unit, n, rank)
+            a, b = runtime_units(config, n, rank).own[unit]
             held = np.flatnonzero(grid == rank) + start  # positions in the unit's flat buffer
             assert set(held) == set(range(a, b)) & set(range(start, start + grid.size))
 
@@ -227,12 +269,12 @@ def test_trace_figure_draws_every_traced_call():
 
 def engine_holders(dp: int, tp: int, zero: int) -> dict[int, set]:
     """Element id (unique over the whole model) -> the ranks whose parameters hold it, read off the
-    engine's own placement: shard_params_tp of the full model, then ZeroThree's dp shards."""
+    engine's own placement: shard_params_tp of the full model, then ZeRO-3's dp shards of its units."""
     from types import SimpleNamespace
 
-    from refpar.engine_zero3 import ZeroThree
     from refpar.memory import MemoryLedger
     from refpar.model.gpt import param_shapes
+    from refpar.parallel.zero import Zero
 
     shapes = param_shapes(sh.DEMO_MODEL)
     starts = np.cumsum([0] + [int(np.prod(s)) for s in shapes.values()])
@@ -243,9 +285,10 @@ def engine_holders(dp: int, tp: int, zero: int) -> dict[int, set]:
         for t in range(tp):
             local = shard_params_tp(full, sh.DEMO_MODEL, tp, t)
             if zero == 3:
-                stage = SimpleNamespace(param_names=lambda local=local: list(local))
-                held = np.concatenate(list(ZeroThree(local, {0: stage}, TrainConfig(), SimpleNamespace(
-                    size=dp, rank=d), MemoryLedger()).shards.values()))
+                units = Units({0: list(local)}, {n: w.shape for n, w in local.items()},
+                              lambda expert, d=d: SimpleNamespace(size=dp, rank=d), {0: 1})
+                held = np.concatenate(list(Zero(units, sh.DEMO_MODEL, TrainConfig(), MemoryLedger(), local,
+                                                3).shards.values()))
             else:
                 held = np.concatenate([w.ravel() for w in local.values()])
             for i in held.astype(int):
@@ -282,7 +325,8 @@ def test_mix_sp_rows_are_shard_ranges_and_bad_mixes_are_one_sentence():
 
 def test_ep_traffic_matrix_rows_and_columns_are_the_closed_form_bytes():
     from refpar.analysis import moe as closed
-    from refpar.config import ParallelConfig
+    from refpar.analysis.engine import rank_comm_bytes
+    from refpar.config import ParallelConfig, Plan
     from refpar.viz import moe as mv
 
     config = model_preset("tiny", moe_experts=8)
@@ -298,8 +342,10 @@ def test_ep_traffic_matrix_rows_and_columns_are_the_closed_form_bytes():
     rows = mv.step_rows(config, sizes, kept)
     matrix = mv.traffic_matrix(config, sizes, kept)
     for d in range(8):
-        per_op = closed.step_comm_bytes(config, sizes, {"dp": d // 4, "ep": d % 4}, kept)
-        assert matrix[d].sum() == sum(b.sent for b in per_op.values())
+        coords = {"pp": 0, "dp": d // 4, "ep": d % 4, "cp": 0, "tp": 0}
+        per_op = rank_comm_bytes(config, TrainConfig(batch_size=8), sizes, coords, Plan(),
+                                 [dict(zip(config.moe_blocks, kept, strict=True))])
+        assert matrix[d].sum() == sum(b[0] for b in per_op.values())
         assert sum(r["bytes_sent"] for r in rows if r["rank"] == d) == matrix[d].sum()
 
 
@@ -328,7 +374,7 @@ def test_mix_frames_show_zero3_gather_block0_over_dp_then_free_it_as_the_engine_
 
 
 def test_pp_tp_mix_puts_each_block_on_its_stage_ranks_cut_by_tp():
-    from refpar.parallel.pipeline.stage import stage_layers
+    from refpar.holdings import stage_layers
     from refpar.viz import mesh_sharding as ms
 
     tp_holders, starts = engine_holders(1, 2, 0)  # tp rank t holds what shard_params_tp gives it

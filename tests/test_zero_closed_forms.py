@@ -66,8 +66,9 @@ def test_traced_volume_forms_equal_the_paper_when_n_divides_every_unit(n):
     for strategy, stage, factor in (("dp", 0, 2), ("zero1", 1, 2), ("zero2", 2, 2), ("zero3", 3, 3)):
         assert paper_step_elems(PSI, n, stage) == factor * (n - 1) / n * PSI
         assert sent(Options(strategy)) == [8 * paper_step_elems(PSI, n, stage)] * n
-    # FSDP keeps the root (wte, wpe, ln_f) gathered from the embedding to the head: one gather less.
-    root = unit_sizes(TINY)["root"]
+    # FSDP keeps the ends (wte, and the root of wpe and ln_f) gathered from the embedding to the
+    # head: one gather less of each.
+    root = unit_sizes(TINY)["wte"] + unit_sizes(TINY)["root"]
     assert sent(Options("fsdp")) == [8 * (paper_step_elems(PSI, n, 3) - (n - 1) / n * root)] * n
     # Without resharding after forward, every unit is gathered once: ZeRO-2's volume.
     assert sent(Options("fsdp", reshard_after_forward=False)) == [8 * paper_step_elems(PSI, n, 2)] * n

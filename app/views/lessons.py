@@ -5,8 +5,8 @@ lessons/regenerate.py, so what this page shows is what the commands print."""
 import streamlit as st
 from lesson_link import PARAM
 
-from refpar import lessons
-from refpar.lesson_checks import EXERCISES
+from lessons import course as lessons
+from lessons.checks import EXERCISES
 
 st.title("Lessons")
 st.markdown(

@@ -39,7 +39,9 @@ st.markdown(
 lesson_link(3)
 a, b = st.columns(2)
 n = a.number_input("ranks on the strategy's axis", min_value=1, max_value=expected.MAX_WORLD, value=4)
-m = b.number_input("microbatches (pp)", min_value=1, max_value=64, value=4)
+BATCH = TrainConfig().batch_size  # a pipeline's microbatches each hold one sequence or more
+m = b.number_input("microbatches (pp)", min_value=1, max_value=BATCH, value=4,
+                   help=f"at most the batch of {BATCH} sequences")
 precision = st.radio("precision", ("fp64", "bf16-mixed"), horizontal=True)
 if precision != "fp64":
     lesson_link(10)  # where the 2 + 2 + 4 + 8 bytes come from, measured

@@ -6,11 +6,15 @@ from refpar.parallel.pipeline.schedules import (
     BUILDERS,
     Costs,
     build,
+    default_chunks,
     format_grid,
     published_bubble_fraction,
     simulate,
 )
+from refpar.parallel.pipeline.schedules_v import published_idle
 from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
+
+OVERLAPPED = ("dualpipev", "dualpipe")  # the schedules with overlapped F&B pairs
 
 MAX_P, MAX_M, MAX_V, MAX_COST = 16, 64, 4, 100.0
 
@@ -28,15 +32,22 @@ def check(p: int, m: int, v: int, costs: tuple[float, float, float]) -> None:
 
 
 @st.cache_data(max_entries=64)
-def figures(kind: str, p: int, m: int, v: int, F: float, B: float, W: float):
+def figures(kind: str, p: int, m: int, v: int, F: float, B: float, W: float, overlap: str = "sum"):
     schedule = build(kind, p, m, v)
-    timeline = simulate(schedule, Costs(F=F, B=B, W=W))
+    costs = Costs(F=F, B=B, W=W, overlap=overlap)
+    timeline = simulate(schedule, costs)
     label = f"{kind}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
     gantt = gantt_figure(timeline, label)
+    published = published_idle(kind, p, m, costs)
+    busiest = None
+    if published is not None:  # the rank that idles most, as the published figure counts idle time
+        count = timeline.inner_idle_time if published.steady else timeline.idle_time
+        busiest = max(map(count, timeline.slots))
     return {"gantt": gantt, "inflight": inflight_figure(schedule, timeline, "held for backward"),
             "grid": grid_figure(schedule, "unit-cost grid"), "text": format_grid(schedule),
             "bubble": timeline.bubble_fraction, "idle": idle_total(gantt), "makespan": timeline.makespan,
-            "closed": published_bubble_fraction(kind, p, m, v) if (F, B, W) == (1, 1, 1) else None}
+            "closed": published_bubble_fraction(kind, p, m, v) if (F, B, W) == (1, 1, 1) else None,
+            "published": published, "busiest": busiest}
 
 
 def controls(key: str, default_kind: str) -> tuple:
@@ -45,20 +56,27 @@ def controls(key: str, default_kind: str) -> tuple:
     a, b, c = st.columns(3)
     p = a.number_input("p (stages)", min_value=1, value=4, key=f"{key}p")
     m = b.number_input("m (microbatches)", min_value=1, value=8, key=f"{key}m")
-    v = 1  # chunks per rank: the other schedules have one
+    v = default_chunks(kind)  # 1, or the 2 stages per rank of the V-shaped and bidirectional ones
     if kind == "interleaved-1f1b":
         v = c.number_input("v (chunks per rank)", min_value=1, value=2, key=f"{key}v")
+    elif v == 2:
+        c.caption("two stages per rank: the first in the kind's colour, the second lighter")
     a, b, c = st.columns(3)
     F = a.number_input("F cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}F")
     B = b.number_input("B cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}B")
     W = c.number_input("W cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}W")
-    return kind, int(p), int(m), int(v), float(F), float(B), float(W)
+    overlap = "sum"
+    if kind in OVERLAPPED:
+        overlap = st.radio("an overlapped F&B costs", ("sum", "max"), horizontal=True, key=f"{key}overlap",
+                           help="sum: F + B, the two run one after the other; max: max(F, B), each "
+                                "hides the other's communication (DualPipe's premise)")
+    return key, kind, int(p), int(m), int(v), float(F), float(B), float(W), overlap
 
 
-def show(kind, p, m, v, F, B, W) -> None:
+def show(key, kind, p, m, v, F, B, W, overlap="sum") -> None:
     try:
         check(p, m, v, (F, B, W))
-        out = figures(kind, p, m, v, F, B, W)
+        out = figures(kind, p, m, v, F, B, W, overlap)
     except ConfigError as err:
         st.error(str(err))
         return
@@ -68,9 +86,18 @@ def show(kind, p, m, v, F, B, W) -> None:
                   f"{out['makespan']:g}")
     b.metric("bubble (closed form)", "n/a" if out["closed"] is None else f"{out['closed']:.4f}",
              help="the published form with F = B = W = 1; n/a for other costs or where none is published")
-    st.plotly_chart(out["gantt"], width="stretch")
-    st.plotly_chart(out["inflight"], width="stretch")
-    st.plotly_chart(out["grid"], width="stretch")
+    published = out["published"]
+    if published is not None:
+        where = "between its first and last action" if published.steady else "over the step"
+        a, b = st.columns(2)
+        a.metric("idle of the rank that idles most (simulated)", f"{out['busiest']:g}",
+                 help=f"time units, {where}")
+        b.metric("idle of the rank that idles most (published)", f"{published.idle:g}",
+                 help=f"{published.source}; time units, {where}")
+    # keyed by side: two sides set alike draw the same figures, which need two element ids
+    st.plotly_chart(out["gantt"], width="stretch", key=f"{key}gantt")
+    st.plotly_chart(out["inflight"], width="stretch", key=f"{key}inflight")
+    st.plotly_chart(out["grid"], width="stretch", key=f"{key}grid")
     with st.expander("the grid as `refpar schedule` prints it"):
         st.code(out["text"], language=None)
 
@@ -80,7 +107,9 @@ st.markdown(
     "Each bar is one action (`1F0`: stage 1's forward of microbatch 0) at the time the simulator "
     "runs it; red shading is idle time, and its share of all rank-time is the bubble, shown next "
     "to the published formula. Press Play to watch the schedule tick by tick, and compare how many "
-    "microbatches each stage holds for backward: GPipe holds all m, 1F1B at most p."
+    "microbatches each stage holds for backward: GPipe holds all m, 1F1B at most p. The V-shaped "
+    "schedules (zbv, v-half, v-min, dualpipev) put stages r and 2p-1-r on rank r, dualpipe two "
+    "copies of the model fed from both ends: a rank's second stage is drawn lighter."
 )
 lesson_link(6)
 if st.toggle("compare two schedules side by side"):

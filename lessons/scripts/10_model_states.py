@@ -16,8 +16,11 @@ import numpy as np
 from refpar.analysis.memory import paper_model_state_bytes, unit_sizes
 from refpar.comm.communicator import world
 from refpar.comm.trace import Tracer
-from refpar.config import TrainConfig, model_preset
-from refpar.parallel.dp_runner import STATES, options, run_data_parallel
+from refpar.config import Plan, TrainConfig, model_preset
+from refpar.engine import parallelize, train
+from refpar.mesh import DeviceMesh
+
+STATES = ("params", "grads", "master", "optimizer")  # the model states: the ZeRO paper's categories
 
 comm = world(Tracer())
 n = comm.size
@@ -29,16 +32,16 @@ ROWS = (  # label, --precision, --zero, --fp32-grads, the paper's stage (None: n
     ("ZeRO-3 (Pos+g+p)", "bfloat16", 3, False, 3),
     ("DP --fp32-grads", "bfloat16", 0, True, None),
 )
-train = TrainConfig(steps=1)
+config = TrainConfig(steps=1)
 lines = []
 for label, dtype, zero, fp32_grads, stage in ROWS:
     model = model_preset("tiny", dtype=dtype)
-    run_train = replace(train, fp32_grads=fp32_grads)
     first = len(comm.tracer.events)
-    run = run_data_parallel(options("dp" if zero == 0 else f"zero{zero}", model, run_train), model,
-                            run_train, comm)
+    par = parallelize(model, replace(config, fp32_grads=fp32_grads), DeviceMesh(comm, {"dp": n}),
+                      Plan(zero=zero))
+    train(par)
     sent = sum(e.bytes_sent for e in comm.tracer.events[first:])
-    states = comm.gather_object([run.model_state[c] for c in STATES] + [sent])
+    states = comm.gather_object([par.ledger.current[c] for c in STATES] + [sent])
     if comm.rank == 0:
         psi = sum(unit_sizes(model).values())
         ranks = np.array(states)  # (n, 5): params, grads, master, optimizer, sent per rank

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refpar.analysis.intra_layer import RankShape, rank_shape
-from refpar.config import ModelConfig, TrainConfig
+from refpar.analysis.intra_layer import RankShape
+from refpar.config import ModelConfig
+from refpar.precision import dtype_of
 from refpar.sharding import shard_sizes
 
 
@@ -88,14 +89,51 @@ def head_bytes(model: ModelConfig, r: RankShape) -> int:
     return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * r.e * 2 * r.V
 
 
-def activation_peak_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict,
-                          sp: bool = False, cp_algo: str | None = None) -> int:
-    """Everything kept at the end of the forward pass, the peak of a step, on the rank at `coords`."""
-    r = rank_shape(model, train, sizes, coords, sp, cp_algo)
-    attention = "local" if r.c == 1 else (cp_algo or "ring")
-    dropout = model.dropout > 0.0
-    per_layer = layer_bytes(model, r, attention, dropout)
-    if attention == "ring" and r.nh == 1:
-        # One head per rank: the merged heads c_proj keeps are a view of the ring's output, kept once.
-        per_layer -= r.B * r.Ta * r.e * model.head_size
-    return embed_bytes(model, r, dropout) + model.n_layer * per_layer + head_bytes(model, r)
+def model_activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:
+    """Bytes each piece of the model's own layers (a stage without tp, cp, sp or experts) keeps for
+    the backward of a microbatch of b sequences of T tokens
+    (an array several caches share counts once, parameters not at all). A block keeps what
+    `layer_bytes` counts for one rank without tensor, sequence or
+    context parallelism (Korthikanti et al. 2022's terms as refpar keeps them). The model's own
+    embedding keeps the int64 tokens and positions and, with dropout, its mask; its head keeps
+    ln_f's x̂, 1/σ and output, the softmax probabilities (b, T, V) and the int64 targets."""
+    if config.arch == "llama":
+        return llama_activation_bytes(config, b, T)
+    e = dtype_of(config.dtype).itemsize
+    rank = RankShape(B=b, T=T, Ta=T, Tl=T, t=1, c=1, nh=config.n_head, V=config.vocab_size, e=e,
+                     cp_tokens=(T,), cp_rank=0)
+    dropout = config.dropout > 0.0
+    tokens, C, V = b * T, config.n_embd, config.vocab_size
+    return {
+        "embed": 8 * tokens + 8 * T + (e * tokens * C if dropout else 0),
+        "block": layer_bytes(config, rank, "local", dropout),
+        "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens,
+    }
+
+
+def llama_layer_bytes(config: ModelConfig, b: int, T: int, keep_refpar: bool = True) -> int:
+    """One Llama block's kept bytes (refpar/model/llama.py's caches, each buffer once), for b
+    sequences of T tokens, N = b T, kv = n_kv_head * head_size:
+
+        outside  4 e N C: the inputs of both RMSNorms (refpar keeps x-hat, the same size) and their
+                 outputs, which q, k, v and gate, up read
+        inside   e N (C + kv + kv + C + 3F): the rotated q and k, v, o_proj's input (the merged
+                 heads), gate's and up's outputs and down's input
+        scores   e nh T^2 b: the softmax probabilities (no dropout)
+
+    which is the planner's analysis/scale.layer_activation_bytes for a SwiGLU, GQA, dropout-free
+    block (tests show it); `keep_refpar` adds what refpar keeps beyond it: each RMSNorm's 1/rms
+    per token (2 e N) and the block's RoPE cos and sin tables (2 e T hs)."""
+    e, C, F = dtype_of(config.dtype).itemsize, config.n_embd, config.intermediate_size
+    N, kv, hs = b * T, config.n_kv_head * config.head_size, config.head_size
+    n = 4 * e * N * C + e * N * (C + kv + kv + C + 3 * F) + e * config.n_head * T * T * b
+    return n + (2 * e * N + 2 * e * T * hs if keep_refpar else 0)
+
+
+def llama_activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:
+    """`model_activation_bytes` of Llama's own layers: the embedding keeps the int64 tokens (no
+    position table, no dropout), a block `llama_layer_bytes`, the head the final norm's x-hat, 1/rms
+    and output, the softmax probabilities (b, T, V) and the int64 targets."""
+    e, tokens, C, V = dtype_of(config.dtype).itemsize, b * T, config.n_embd, config.vocab_size
+    return {"embed": 8 * tokens, "block": llama_layer_bytes(config, b, T),
+            "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens}

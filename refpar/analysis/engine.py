@@ -1,75 +1,63 @@
-"""Closed forms of an engine run (refpar/engine.py): bytes per rank by axis and op, and peak memory
-per rank by category, composed from the strategies' own closed forms.
+"""The closed forms of a run on any mesh, composed in one place from each strategy's own: bytes per
+rank by axis and op, and peak memory per rank by category (refpar/engine runs what they predict).
 
-Legend: p pp size, d dp size, t tp size, v chunks, b_i rows of microbatch i, B_d = sum b_i the
-rows of this pipeline, T sequence, c cp size, Ta the cp rank's tokens (`cp_tokens`; T without cp),
-Tl residual tokens (Ta, or Ta/t under sp), C channels, e bytes per element, Ψl elements of the
-parameters a rank holds (its stages' tp shards), n the ranks ZeRO shards over (`zero_shards`: d,
-or d c over the "dp_cp" axis when the mesh has cp), Ψ_u a unit (ZeRO-3: engine_zero3.units_of,
-wte and the rest of a stage; ZeRO-2 and FSDP: engine_fsdp.fsdp_units, wte, root and each block),
-s_u this rank's share of it.
+Legend: p pp size, v chunks, t tp size, c cp size, e ep size, b_j this rank's rows of microbatch j,
+T sequence, Ta this cp rank's tokens, Tl the residual stream's (Ta, or its sp shard), C channels.
 
-Per step, the rank at (pp r, dp q, cp j, tp k):
-- tp: for each microbatch and each of its stages, the calls of tensor parallelism over the stage's
-  blocks (analysis.intra_layer; the embedding's calls on the first stage, the head's on the last),
-  with B = b_i (under sp the pair spans Ta tokens); under sp one all-reduce of the sequence-sharded
-  region's gradients (ZeRO-2/3: only their segments inside this rank's gradient shards).
-- pp: (2v - [r = 0] - [r = p-1]) activations or input gradients of (B_d, Tl, C) each way (see
-  pipeline/runner.expected_comm_rows); wte's shard (V/t, C) all-reduced by the first and last
-  rank; the loss (one float64) over pp.
-- cp: for each microbatch and each of its stages, ring attention's K/V hops or Ulysses'
-  all-to-alls over the stage's blocks (analysis.intra_layer, B = b_i, this rank's tokens); the
-  loss, and under --zero 0 one all-reduce of Ψl.
-- dp (ZeRO: over n ranks): --zero 0: one all-reduce of Ψl; --zero 1: a reduce-scatter and an
-  all-gather of Ψl (ZeRO's 2Ψ); --zero 2: per microbatch and stage a reduce-scatter of each unit,
-  per step an all-gather of each unit; --zero 3: per microbatch and stage two all-gathers and a
-  reduce-scatter of each unit (3Ψ); --fsdp: the same but the ends' units gathered once on the
-  first stage and twice on the last (`_gathers`); the loss over dp.
-Memory: params and grads Ψl e; AdamW 2Ψl e (zero 1: 2 e times this rank's shard_range share);
-activations: the schedule's replay (schedules.stored) with the bytes a microbatch keeps after F
-(analysis.activations: embedding, blocks with local, ring or Ulysses attention, head, for b_i
-rows and this rank's tokens); comm (zero 1): the flat gradient and the reduced shard,
-(Ψl + Ψl/n) e. ZeRO-2, 3 and FSDP (`_sharded_peaks`): grads Σ s_u plus the transient ones (ZeRO-3:
-a stage's whole gradient and one unit's flat copy; ZeRO-2 and FSDP `_unit_grads`: one block's and
-its copy, or the ends'); AdamW 2 Σ s_u; ZeRO-3 params Σ s_u plus the largest stage gathered, FSDP
-plus the largest piece's units; comm the largest s_u; ZeRO-2 params Ψl, comm the largest Ψ_u
-(gathered after the step).
+Per step, the rank at mesh coordinates `coords`:
+- tp, cp: for each microbatch and each of its stages, tensor parallelism's calls over the stage's
+  blocks (the embedding's on the first stage, the head's on the last; analysis/intra_layer.py) and
+  ring attention's hops or Ulysses' all-to-alls (B = b_j, this rank's tokens); in MoE blocks the
+  expert buffer's all-reduces and sp's gathers instead of the MLP's (analysis/moe.py).
+- ep, data: per MoE layer of its stages and microbatch, the routing counts' all-gather over the
+  data ranks and the all-to-alls from the kept counts (analysis/moe.py).
+- pp: the activations and input gradients of (b_j, Tl, C) between neighbouring stages on two ranks
+  ((2v - [r = 0] - [r = p-1]) each way in a loop); the loss (one float64, three with experts) over
+  pp; DualPipe's copies' gradient sum over the mirror ranks r and p-1-r.
+- DP, ZeRO, FSDP over each unit's replica group (analysis/data_parallel.py): the buckets, reduce-
+  scatters and gathers of the rank's units; the tied wte over the first and last pp rank and the
+  sequence-sharded region over tp, on what the rank keeps of them; fp16's overflow flag over each
+  group whose ranks hold different gradients; the loss over the ranks that saw different tokens.
+Memory: the data-parallel strategy's states and transients (analysis/data_parallel.py), and the
+activations: the schedule's replay (schedules.stored) of what each F keeps until its B (and, where
+the backward is split, what B keeps until W), from analysis/activations.py's terms (the model's
+own layers without tp, cp, sp or experts: analysis/activations.model_activation_bytes).
 
 Mixed precision: e = 2 for activations, p2p messages and parameter all-gathers; gradient sums
-(cp, dp, ZeRO's reduce-scatters, the tied wte, sp's region) move gi bytes per element
-(`analysis.intra_layer.grad_itemsize`: 2, or 4 with fp32_grads); the strategies' float32 pieces
-(cross-entropy statistics, ring attention's dK/dV) come from analysis.intra_layer; fp16 adds an
-all-reduce of one float32 overflow flag over each axis whose ranks hold different gradients (tp,
-pp, and ZeRO's group), and ZeRO-1 and 2 gather no parameters in a skipped step. Memory adds "master",
-4 bytes per parameter this rank updates (all it holds, or its ZeRO shard), and AdamW's moments take
-4 bytes each; gradients held whole after backward are e bytes, gradient shards and buffers gi.
+move gi bytes per element (2, or 4 with fp32_grads); the strategies' float32 pieces (cross-entropy
+statistics, ring attention's dK/dV) come from analysis/intra_layer.py.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
 
-from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes
-from refpar.analysis.intra_layer import (
-    RankShape,
-    _ring_calls,
-    _tp_calls,
-    _ulysses_calls,
-    grad_itemsize,
-    zigzag_lengths,
-)
+from refpar.analysis import data_parallel as dp_forms
+from refpar.analysis import moe as moe_forms
+from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes, model_activation_bytes
+from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
-from refpar.engine_fsdp import ENDS, fsdp_units
-from refpar.engine_zero3 import units_of
+from refpar.holdings import (
+    embed_param_names,
+    expert_unit,
+    head_param_names,
+    keeps_lowp,
+    microbatch_samples,
+    sequence_parallel_param_names,
+    stage_layers,
+    stage_names,
+    tied_embedding,
+    tp_param_slices,
+    units,
+)
 from refpar.memory import CATEGORIES
-from refpar.model.gpt import param_shapes
-from refpar.parallel.pipeline.schedules import build, stored
-from refpar.parallel.pipeline.stage import Stage, stage_layers
-from refpar.parallel.sequence_parallel import sequence_parallel_param_names
-from refpar.parallel.tensor_parallel import tp_param_slices
+from refpar.model import param_shapes
+from refpar.model.moe import expert_prefix
+from refpar.parallel.pipeline.schedules import Layout, Schedule, layout, of_plan, stored
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -79,285 +67,288 @@ def rank_coords(sizes: dict, rank: int) -> dict:
     return {a: int(c) for a, c in zip(MESH_AXES, position, strict=True)}
 
 
-def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, chunks: int) -> dict[str, int]:
-    """Elements of each parameter the rank holds: its stages' names, tp-sliced."""
-    p, t = sizes["pp"], sizes["tp"]
-    slices = tp_param_slices(model, t, coords["tp"])
-    names = {n for c in range(chunks) for n in Stage(model, p * chunks, c * p + coords["pp"]).param_names()}
+def pipeline(sizes: dict, plan) -> tuple[Schedule, Layout]:
+    """The schedule `plan` runs on the mesh's pp ranks and its layout: which rank runs each stage
+    (chunk c of rank r is stage c p + r in a loop; stages r and 2p-1-r in a V) and which part of
+    the model each stage is."""
+    schedule = of_plan(plan, sizes["pp"])
+    return schedule, layout(schedule)
+
+
+def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, plan) -> dict[str, int]:
+    """Elements of each parameter the rank holds: its stages' names, of a MoE block's experts those
+    of its ep rank, tp-sliced."""
+    lay = pipeline(sizes, plan)[1]
+    names = {n for s in lay.stages_of(coords["pp"]) for n in stage_names(model, lay, s)}
+    mine = tuple(expert_prefix(i, x) + "." for i in model.moe_blocks
+                 for x in range(*shard_range(model.moe_experts, sizes["ep"], coords["ep"])))
+    slices = tp_param_slices(model, sizes["tp"], coords["tp"])
     out = {}
-    for name, shape in param_shapes(model).items():
-        if name in names:
-            shape = list(shape)
-            if name in slices:
-                axis, index = slices[name]
-                shape[axis] = len(index)
-            out[name] = int(np.prod(shape))
+    for n, shape in param_shapes(model).items():
+        if n in names and (".mlp.experts." not in n or n.startswith(mine)):
+            axis, index = slices.get(n, (None, None))
+            out[n] = math.prod(shape) if axis is None else math.prod(shape) // shape[axis] * len(index)
     return out
 
 
-def zero3_units(model: ModelConfig, sizes: dict, coords: dict, chunks: int, unit_fn=units_of
-                ) -> dict[int, dict[str, int]]:
-    """stage -> unit -> elements (engine_zero3.units_of, or engine_fsdp.fsdp_units, over the rank's
-    tp shards)."""
-    numels = rank_param_numels(model, sizes, coords, chunks)
-    p = sizes["pp"]
-    return {s: {u: sum(numels[n] for n in names)
-                for u, names in unit_fn(Stage(model, p * chunks, s).param_names()).items()}
-            for s in (c * p + coords["pp"] for c in range(chunks))}
+def samples(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, plan, j: int) -> range:
+    return microbatch_samples(model, cfg.batch_size, plan.microbatches, sizes, coords, j)
 
 
-def zero_shards(sizes: dict, coords: dict) -> tuple[str, int, int]:
-    """(axis, size, rank) of the ranks ZeRO shards over (engine.zero_group): dp, or dp x cp."""
-    c = sizes.get("cp", 1)
-    if c == 1:
-        return "dp", sizes["dp"], coords["dp"]
-    return "dp_cp", sizes["dp"] * c, coords["dp"] * c + coords["cp"]
+def _group(model, sizes: dict, coords: dict, expert: bool) -> tuple[str, int, int]:
+    """(axis, size, rank) of a unit's replica group: dp x cp (the mesh's dp_cp: dp when c = 1), or
+    for a MoE model's dense weights its data ranks dp x ep x cp."""
+    c, q = sizes["cp"], coords["cp"]
+    if model.moe_experts and not expert:
+        d = coords["dp"] * sizes["ep"] + coords["ep"]
+        return "data", sizes["dp"] * sizes["ep"] * c, d * c + q
+    return ("dp" if c == 1 else "dp_cp"), sizes["dp"] * c, coords["dp"] * c + q
 
 
-def sp_shard_numel(model: ModelConfig, sizes: dict, coords: dict, chunks: int, unit_fn=units_of) -> int:
-    """Elements of the sequence-sharded region's parameters inside this rank's ZeRO-2/3 gradient
-    shards: what ShardedGrads.sum_sequence_parallel all-reduces over tp."""
-    numels = rank_param_numels(model, sizes, coords, chunks)
-    region = set(sequence_parallel_param_names(model))
-    _, n_z, g = zero_shards(sizes, coords)
-    p, total = sizes["pp"], 0
-    for s in (c * p + coords["pp"] for c in range(chunks)):
-        for names in unit_fn(Stage(model, p * chunks, s).param_names()).values():
-            a, b = shard_range(sum(numels[n] for n in names), n_z, g)
-            total += region_in_shard(names, numels, region, a, b)
-    return total
+def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.RankUnits:
+    """The rank's units (holdings.units per stage, dense first) and its schedule row."""
+    numels = rank_param_numels(model, sizes, coords, plan)
+    schedule, lay = pipeline(sizes, plan)
+    P = lay.stages_per_copy
+    by_stage = {s: units([n for n in stage_names(model, lay, s) if n in numels], tied_embedding(model))
+                for s in lay.stages_of(coords["pp"])}
+    order = list(dict.fromkeys([u for us in by_stage.values() for u in us if not expert_unit(u)]
+                               + [u for us in by_stage.values() for u in us if expert_unit(u)]))
+    # a unit two stages hold (a V's rank 0: wte, and wpe and ln_f in its root) is one, in GPT-2's order
+    members = {u: [n for n in numels if any(n in us.get(u, ()) for us in by_stage.values())] for u in order}
+    # the microbatches whose backward completes each unit: every stage holding it runs its copy's
+    uses = {u: sum(len(lay.microbatches(s)) for s, us in by_stage.items() if u in us) for u in order}
+    out = {}
+    for u in members:
+        axis, n, r = _group(model, sizes, coords, expert_unit(u))
+        size = sum(numels[x] for x in members[u])
+        out[u] = dp_forms.Unit(size, tuple(shard_sizes(size, n)), r, axis)
+    stages = {}
+    for s, us in by_stage.items():
+        ends = tuple(u for u in ("wte", "root") if u in us)
+        blocks = tuple(tuple(u for u in (f"h.{i}", f"h.{i}.experts") if u in us)
+                       for i in stage_layers(model.n_layer, P, lay.part(s)))
+        head = sum(numels.get(n, 0) for n in head_param_names(model))
+        embed = sum(numels.get(n, 0) for n in embed_param_names(model))
+        stages[s] = dp_forms.StageUnits(lay.part(s) == 0, lay.part(s) == P - 1, ends, blocks, head, embed)
+    return dp_forms.RankUnits(out, stages, schedule[coords["pp"]], lay.split, uses,
+                              [(u, x, numels[x]) for u in order for x in members[u]],
+                              fused=not split_backward(model, sizes, plan))
 
 
-def region_in_shard(names: list[str], numels: dict, region: set, a: int, b: int) -> int:
-    """Elements of the parameters in `region` inside [a, b) of a unit's `names` laid end to end."""
+def plain(model, sizes: dict, plan) -> bool:
+    """Whether the blocks are the model's own (no tp, cp, sp or experts; refpar/engine/parallelize)."""
+    return sizes["tp"] == 1 and sizes["cp"] == 1 and not plan.sp and not model.moe_experts
+
+
+def split_backward(model, sizes: dict, plan) -> bool:
+    """Whether a stage's backward is split into B and W (GPT-2's own layers; Llama's fuse them)."""
+    return plain(model, sizes, plan) and model.arch == "gpt2"
+
+
+def precision(model: ModelConfig, cfg: TrainConfig, sizes: dict) -> dp_forms.Precision:
+    e = np.dtype(model.dtype).itemsize
+    mixed = e == 2
+    return dp_forms.Precision(e, grad_itemsize(model, cfg), 4 if mixed else e, mixed,
+                              2 if cfg.optimizer == "adamw" else 0, model.dtype == "float16",
+                              keeps_lowp(model, sizes))
+
+
+def _rows(model, cfg, sizes, coords, plan) -> list[int]:
+    return [len(samples(model, cfg, sizes, coords, plan, j)) for j in range(plan.microbatches)]
+
+
+# -------------------------------------------------------------------------------------- bytes
+def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, plan,
+                    kept: list | None = None, stepped: bool = True) -> dict:
+    """{(axis, op): (sent, received)} of one step; `kept` (MoE): per microbatch, layer -> the
+    (D c, E) kept counts of this rank's MoE blocks; `stepped`: the optimizer took the step."""
+    p, t, c = sizes["pp"], sizes["tp"], sizes["cp"]
+    r, k = coords["pp"], coords["tp"]
+    e, C = np.dtype(model.dtype).itemsize, model.n_embd
+    lay = pipeline(sizes, plan)[1]
+    P = lay.stages_per_copy
+    pr, rows = precision(model, cfg, sizes), _rows(model, cfg, sizes, coords, plan)
+    totals: dict[tuple[str, str], tuple[int, int]] = {}
+    for s in lay.stages_of(r):
+        layers = list(stage_layers(model.n_layer, P, lay.part(s)))
+        moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in model.moe_blocks)
+        blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None)
+        for b in (rows[j] for j in lay.microbatches(s)):
+            shape = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
+            calls = _tp_calls(blocks, shape, plan.sp, k) if t > 1 else []
+            if c > 1:
+                ring = (plan.cp_algo or "ring") == "ring"
+                calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape)
+            for call in calls:
+                first, last = lay.part(s) == 0, lay.part(s) == P - 1
+                if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and not first)
+                        or (call.tag.startswith("lm_head") and not last)):
+                    cost.add(totals, (call.axis, call.op), (call.bytes_sent, call.bytes_recv))
+    if model.moe_experts:
+        Ta = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Ta
+        for key, b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
+                                                   kept or [], Ta, plan.cp_algo, plan.sp).items():
+            cost.add(totals, key, b)
+    if p > 1:
+        # each stage's activation out and input gradient back, of each microbatch of its copy, where
+        # the neighbouring stage sits on another rank: 2v - [r = 0] - [r = p-1] per microbatch in a
+        # loop; in a V 2 on rank 0 (the ends) and on rank p-1 (the turn from stage p-1 to p stays on
+        # it), 4 on the others. As many arrive as leave (the same pairs of neighbours).
+        Tl = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Tl
+        apart = [(s, j) for s in lay.stages_of(r) for j in lay.microbatches(s)
+                 for n in (s - 1, s + 1) if 0 <= lay.part(s) + n - s < P and lay.stage_rank[n] != r]
+        p2p = sum(rows[j] for _, j in apart) * Tl * C * e
+        cost.add(totals, ("pp", "isend"), (p2p, 0))
+        cost.add(totals, ("pp", "irecv"), (0, p2p))
+        cost.add(totals, ("pp", "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
+    for key, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped)[0].items():
+        cost.add(totals, key, b)
+    axis, n, q = _group(model, sizes, coords, False)
+    if n > 1:  # the loss (and the router losses) over the ranks that saw different tokens
+        cost.add(totals, (axis, "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, n, q, 8))
+    return totals
+
+
+def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True) -> tuple[dict, list]:
+    """({(axis, op): (sent, received)}, the calls in order) of the replicas' collectives in a step
+    (analysis/data_parallel.py), the partial sums and fp16's overflow flag."""
+    ru = rank_units(model, sizes, coords, plan)
+    _, moved, calls = dp_forms.replay(ru, plan, pr, stepped)
+    out = dict(moved)
+
+    def add(key, b, what):
+        cost.add(out, key, b)
+        calls.append((*key, what, b))
+
+    p, t, r = sizes["pp"], sizes["tp"], coords["pp"]
+    numels = rank_param_numels(model, sizes, coords, plan)
+    whole = plan.strategy == "dp"
+    lay = pipeline(sizes, plan)[1]
+    if lay.tied_apart and tied_embedding(model) and r in (0, p - 1):  # the tied wte, whole or its shard
+        u = ru.units["wte"]
+        tied = cost.all_reduce_bytes(u.size if whole else u.shard, 2, int(r == p - 1), pr.g)
+        add(("pp", "all_reduce"), tied, "wte.weight:tied-grad")
+    if lay.copies == 2:  # DualPipe: the two copies' gradients, every unit whole or its shard, over r, p-1-r
+        n = sum(u.size if whole else u.shard for u in ru.units.values())
+        add(("pp", "all_reduce"), cost.all_reduce_bytes(n, 2, int(r > p - 1 - r), pr.g), "copies:grads")
+    if plan.sp:
+        region = set(sequence_parallel_param_names(model))
+        n = (sum(numels[x] for x in region if x in numels) if whole else
+             sum(_in_shard(ru, u, region) for u in ru.units))
+        add(("tp", "all_reduce"), cost.all_reduce_bytes(n, t, coords["tp"], pr.g), "sp.replicated_grads:bwd")
+    if pr.loss_scaling:  # the overflow flag over each group whose ranks hold different gradients
+        replicas = _group(model, sizes, coords, False)
+        flags = [("tp", t, coords["tp"]), ("pp", p, r)]
+        flags.append(replicas if plan.stage else ("ep", sizes["ep"], coords["ep"]))
+        for axis, n, q in flags:
+            if n > 1:
+                add((axis, "all_reduce"), cost.all_reduce_bytes(1, n, q, 4), f"found_inf.{axis}")
+    return out, calls
+
+
+def _in_shard(ru, unit: str, region: set) -> int:
+    """Elements of the parameters in `region` inside this rank's [a, b) of `unit`."""
+    u = ru.units[unit]
+    a = sum(u.counts[:u.rank])
+    b = a + u.shard
     total, start = 0, 0
-    for n in names:
-        if n in region:
-            total += max(0, min(start + numels[n], b) - max(start, a))
-        start += numels[n]
+    for owner, name, n in ru.names:
+        if owner != unit:
+            continue
+        if name in region:
+            total += max(0, min(start + n, b) - max(start, a))
+        start += n
     return total
 
 
-def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
-    """Tokens of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
-    if c == 1:
-        return [T]
-    return zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
+def rank_comm_rows(model, cfg, sizes, coords, plan, steps: int, skipped=(), kept_by_step=None) -> list[dict]:
+    """The rank's `expected_comm_bytes` rows over `steps` steps, of which fp16 skipped those in
+    `skipped` (0-based, from the first); `kept_by_step` (MoE): per step, `rank_comm_bytes`'s `kept`."""
+    totals: dict = {}
+    for i in range(steps):
+        kept = kept_by_step[i] if kept_by_step else None
+        step = rank_comm_bytes(model, cfg, sizes, coords, plan, kept, stepped=i not in skipped)
+        for key, b in step.items():
+            cost.add(totals, key, b)
+    return [{"axis": a, "op": o, "bytes_sent": int(s), "bytes_recv": int(rv)}
+            for (a, o), (s, rv) in sorted(totals.items()) if s or rv]
 
 
-def _shape(model: ModelConfig, sizes: dict, T: int, coords: dict, b: int, opts) -> RankShape:
-    t, k, c = sizes["tp"], coords["tp"], sizes.get("cp", 1)
-    tokens = cp_tokens(T, c, opts.cp_algo)
-    Ta = tokens[coords.get("cp", 0)]
-    return RankShape(B=b, T=T, Ta=Ta, Tl=shard_sizes(Ta, t)[k] if opts.sp else Ta, t=t, c=c,
-                     nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
-                     e=np.dtype(model.dtype).itemsize, cp_tokens=tuple(tokens), cp_rank=coords.get("cp", 0))
-
-
-def _rows_of(train: TrainConfig, d: int, q: int, m: int) -> list[int]:
-    first, stop = shard_range(train.batch_size, d, q)
-    return [b - a for a, b in (shard_range(stop - first, m, i) for i in range(m))]
-
-
-def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts, skipped: int = 0
-                       ) -> list[dict]:
-    """Every rank's bytes over the run, rows as refpar train's `comm_bytes`; `skipped`: steps an
-    fp16 overflow skipped, in which ZeRO-1 and ZeRO-2 gather no updated parameters."""
-    p, d, t, v, T = sizes["pp"], sizes["dp"], sizes["tp"], opts.chunks, train.seq_len
-    c = sizes.get("cp", 1)
-    e, C, S = np.dtype(model.dtype).itemsize, model.n_embd, sizes["pp"] * opts.chunks
-    gi = grad_itemsize(model, train)
-    out = []
-    for rank in range(int(np.prod(list(sizes.values())))):
-        co = rank_coords(sizes, rank)
-        r, q, k = co["pp"], co["dp"], co["tp"]
-        rows = _rows_of(train, d, q, opts.microbatches)
-        totals: dict[tuple[str, str], list[int]] = {}
-
-        def add(axis, op, sent, recv, totals=totals):
-            row = totals.setdefault((axis, op), [0, 0])
-            row[0], row[1] = row[0] + sent, row[1] + recv
-
-        for s in (j * p + r for j in range(v)):
-            blocks = replace(model, n_layer=len(stage_layers(model.n_layer, S, s)))
-            for b in rows:
-                shape = _shape(model, sizes, T, co, b, opts)
-                calls = _tp_calls(blocks, shape, opts.sp, k) if t > 1 else []
-                if c > 1:
-                    ring = (opts.cp_algo or "ring") == "ring"
-                    calls += _ring_calls(blocks, shape) if ring else _ulysses_calls(blocks, shape)
-                for call in calls:
-                    if (call.tag.startswith("sp.") or (call.tag.startswith("wte") and s != 0)
-                            or (call.tag.startswith("lm_head") and s != S - 1)):
-                        continue
-                    add(call.axis, call.op, call.bytes_sent, call.bytes_recv)
-        numels = rank_param_numels(model, sizes, co, v)
-        axis, n_z, g = zero_shards(sizes, co)  # ZeRO's group
-        unit_fn = fsdp_units if opts.fsdp or opts.zero == 2 else units_of  # engine.sharded_grads
-        if opts.sp:
-            n = (sp_shard_numel(model, sizes, co, v, unit_fn) if opts.zero >= 2 else
-                 sum(numels[nm] for nm in sequence_parallel_param_names(model) if nm in numels))
-            ar = cost.all_reduce_bytes(n, t, k, gi)
-            add("tp", "all_reduce", ar.sent, ar.recv)
-        if model.dtype == "float16":  # the overflow flag, over the axes whose gradients differ
-            for flag_axis, size, at in (("tp", t, k), ("pp", p, r), (axis, n_z if opts.zero else 1, g)):
-                if size > 1:
-                    ar = cost.all_reduce_bytes(1, size, at, 4)
-                    add(flag_axis, "all_reduce", ar.sent, ar.recv)
-        if p > 1:
-            Ta = cp_tokens(T, c, opts.cp_algo)[co["cp"]]
-            Tl = shard_sizes(Ta, t)[k] if opts.sp else Ta
-            p2p = (2 * v - (r == 0) - (r == p - 1)) * sum(rows) * Tl * C * e
-            add("pp", "isend", p2p, 0)
-            add("pp", "irecv", 0, p2p)
-            if r in (0, p - 1):
-                tied = numels["wte.weight"] if opts.zero < 2 else shard_sizes(numels["wte.weight"], n_z)[g]
-                ar = cost.all_reduce_bytes(tied, 2, int(r == p - 1), gi)
-                add("pp", "all_reduce", ar.sent, ar.recv)
-            ar = cost.all_reduce_bytes(1, p, r, 8)
-            add("pp", "all_reduce", ar.sent, ar.recv)
-        total = sum(numels.values())
-        if c > 1:  # every gradient (unless ZeRO sums them over dp x cp), then the loss, over cp
-            for n, size in ((0 if opts.zero else total, gi), (1, 8)):
-                ar = cost.all_reduce_bytes(n, c, co["cp"], size)
-                add("cp", "all_reduce", ar.sent, ar.recv)
-        if opts.zero == 3:  # per microbatch and stage: gathered for F and for B, reduced after B
-            for s, units in zero3_units(model, sizes, co, v, unit_fn).items():
-                for u, n in units.items():
-                    ag = cost.all_gather_bytes(shard_sizes(n, n_z), g, e)
-                    rs = cost.reduce_scatter_bytes(n, n_z, g, gi)
-                    k = len(rows) * _gathers(u, s, S, opts.fsdp)
-                    add(axis, "all_gather", k * ag.sent, k * ag.recv)
-                    add(axis, "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
-        elif opts.zero == 2:  # per microbatch and stage each unit reduced after B; gathered once
-            for units in zero3_units(model, sizes, co, v, unit_fn).values():
-                for n in units.values():
-                    rs = cost.reduce_scatter_bytes(n, n_z, g, gi)
-                    add(axis, "reduce_scatter", rs.sent * len(rows), rs.recv * len(rows))
-            taken = (train.steps - skipped) / train.steps  # a skipped step gathers nothing
-            for n in _owned_units(zero3_units(model, sizes, co, v, unit_fn)).values():
-                ag = cost.all_gather_bytes(shard_sizes(n, n_z), g, e)
-                add(axis, "all_gather", ag.sent * taken, ag.recv * taken)
-        elif opts.zero == 1:
-            rs = cost.reduce_scatter_bytes(total, n_z, g, gi)
-            ag = cost.all_gather_bytes(shard_sizes(total, n_z), g, e)
-            taken = (train.steps - skipped) / train.steps  # the steps that gathered parameters
-            add(axis, "reduce_scatter", rs.sent, rs.recv)
-            add(axis, "all_gather", ag.sent * taken, ag.recv * taken)
-        elif d > 1:
-            ar = cost.all_reduce_bytes(total, d, q, gi)
-            add("dp", "all_reduce", ar.sent, ar.recv)
-        if d > 1:
-            ar = cost.all_reduce_bytes(1, d, q, 8)
-            add("dp", "all_reduce", ar.sent, ar.recv)
-        out += [{"rank": rank, "axis": a, "op": o, "bytes_sent": round(sb * train.steps),
-                 "bytes_recv": round(rb * train.steps)}
-                for (a, o), (sb, rb) in totals.items() if sb or rb]
-    return out
-
-
-def _gathers(unit: str, stage: int, n_stages: int, fsdp: bool) -> int:
-    """All-gathers of a unit per microbatch: ZeRO-3 gathers the stage for F and for B; FSDP gathers
-    a block for F and for B, the ends' units (wte, root) for the embedding's F and the head's F and B
-    (engine_fsdp.UnitStage)."""
-    if not fsdp or unit not in ENDS:
-        return 2
-    return (stage == 0) + 2 * (stage == n_stages - 1)
-
-
-def _unit_grads(stages: dict[int, dict[str, int]], numels: dict, n_stages: int, e: int, gi: int) -> int:
-    """The transient gradients (bytes) of a stage that reduces unit by unit (ZeRO-2 and FSDP,
-    engine_fsdp.UnitStage): while a block is reduced, its gradient (e bytes each, as backward leaves
-    it) and flat copy (gi, the dtype it is reduced in), and on a stage that is both first and last
-    the head's gradients of wte and ln_f, kept until the embedding's backward; while the ends'
-    gradients (wte, root) are reduced, they and the larger one's flat copy."""
-    head = numels.get("wte.weight", 0) + numels.get("ln_f.weight", 0) + numels.get("ln_f.bias", 0)
-    most = 0
-    for s, units in stages.items():
-        blocks = [n for u, n in units.items() if u not in ENDS]
-        ends = [n for u, n in units.items() if u in ENDS]
-        most = max(most, (head if s == n_stages - 1 and s == 0 else 0) * e + max(blocks) * (e + gi),
-                   sum(ends) * e + max(ends, default=0) * gi)
-    return most
-
-
-def _owned_units(stages: dict[int, dict[str, int]]) -> dict:
-    """unit -> elements, wte once when the first and the last stage are on one rank."""
-    return {("wte" if u == "wte" else (s, u)): n for s, us in stages.items() for u, n in us.items()}
-
-
-def _sharded_peaks(stages: dict[int, dict[str, int]], d: int, q: int, e: int, optimizer: str,
-                   zero: int, unit_grads: int | None = None, gi: int | None = None) -> dict:
-    """ZeRO-2, 3 and FSDP: shards of every unit's gradient and AdamW moments, plus the transient
-    gradients: `unit_grads` when the stage reduces unit by unit (ZeRO-2, FSDP: engine_fsdp.UnitStage),
-    else, while a microbatch's gradients are reduced, the stage's whole gradient and one unit's flat
-    copy. ZeRO-2: the parameters stay whole (the caller's), the largest unit is all-gathered after
-    the step (comm). ZeRO-3: the parameter shards plus the largest stage gathered; FSDP: plus the
-    largest set of units one piece gathers (the ends' wte and root together, or one block); both:
-    the largest reduced shard (comm). Bytes: parameters e, gradient shards and flat copies gi (the
-    gradients' dtype), a 16-bit model's master shards 4 and its moments 4 (else e)."""
-    gi = e if gi is None else gi
-    s = 4 if e == 2 else e
-    units = _owned_units(stages)
-    shards = {k: shard_sizes(n, d)[q] for k, n in units.items()}
-    owned = sum(shards.values())
-    transient = unit_grads if unit_grads is not None else max(
-        sum(us.values()) * e + max(us.values()) * gi for us in stages.values())
-    peaks = {"grads": owned * gi + transient, "master": owned * 4 if e == 2 else 0,
-             "optimizer": 2 * owned * s if optimizer == "adamw" else 0}
-    if zero == 2:
-        return peaks | {"comm": max(max(units.values()) * e, max(shards.values()) * gi)}
-    if unit_grads is not None:  # FSDP
-        pieces = [n for us in stages.values() for u, n in us.items() if u not in ENDS]
-        pieces += [sum(n for u, n in us.items() if u in ENDS) for us in stages.values()]
-    else:
-        pieces = [sum(us.values()) for us in stages.values()]
-    return peaks | {"params": (owned + max(pieces)) * e, "comm": max(shards.values()) * gi}
-
-
-def microbatch_activation_bytes(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict,
-                                stage: int, n_stages: int, b: int, opts) -> int:
-    """What one microbatch of b rows keeps on the rank at `coords` of `stage` between its F and its B."""
-    r = _shape(model, sizes, train.seq_len, coords, b, opts)
+# ------------------------------------------------------------------------------------- memory
+def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict,
+                                stage: int, n_stages: int, b: int, plan, kept: dict | None = None,
+                                j: int = 0) -> int:
+    """What microbatch j (b rows) keeps on the rank at `coords` of part `stage` of the model cut in
+    `n_stages` (Layout.part) between its F and B; `kept` (MoE): layer -> its (D c, E) kept counts."""
+    layers = stage_layers(model.n_layer, n_stages, stage)
+    if plain(model, sizes, plan):
+        pieces = model_activation_bytes(model, b, cfg.seq_len)
+        return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
+                + pieces["head"] * (stage == n_stages - 1))
+    r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
     dropout = model.dropout > 0.0
-    attention = "local" if r.c == 1 else (opts.cp_algo or "ring")
+    attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
     per_layer = layer_bytes(model, r, attention, dropout)
     if attention == "ring" and r.nh == 1:
         # One head per rank: the merged heads c_proj keeps are a view of the ring's output, kept once.
         per_layer -= r.B * r.Ta * r.e * model.head_size
-    n = len(stage_layers(model.n_layer, n_stages, stage)) * per_layer
-    if stage == 0:
-        n += embed_bytes(model, r, dropout)
-    if stage == n_stages - 1:
-        n += head_bytes(model, r)
+    n = len(layers) * per_layer + embed_bytes(model, r, dropout) * (stage == 0) + head_bytes(model, r) * (
+        stage == n_stages - 1)
+    if model.moe_experts:
+        n += moe_forms.moe_activation_delta(model, cfg, sizes, coords, layers, b, r.Ta, kept or {},
+                                            plan.microbatches, j, plan.cp_algo, plan.sp)
     return n
 
 
-def expected_memory_rows(model: ModelConfig, train: TrainConfig, sizes: dict, opts) -> list[dict]:
-    """Every rank's peak bytes by category, rows as refpar train's `memory_peak_bytes`."""
-    p, d, v = sizes["pp"], sizes["dp"], opts.chunks
-    e, S = np.dtype(model.dtype).itemsize, p * v
-    gi, s = grad_itemsize(model, train), (4 if e == 2 else e)  # gradients; moments and masters
-    schedule = build(opts.schedule, p, opts.microbatches, v)
-    out = []
-    for rank in range(int(np.prod(list(sizes.values())))):
-        co = rank_coords(sizes, rank)
-        r, q = co["pp"], co["dp"]
-        rows = _rows_of(train, d, q, opts.microbatches)
-        kept = stored(schedule, lambda a, co=co, rows=rows: microbatch_activation_bytes(
-            model, train, sizes, co, a.stage, S, rows[a.microbatch], opts), lambda a: 0)
-        held = sum(rank_param_numels(model, sizes, co, v).values())
-        _, n_z, g = zero_shards(sizes, co)
-        share = shard_sizes(held, n_z)[g] if opts.zero == 1 else held
-        peaks = {"params": held * e, "grads": held * gi, "master": share * 4 if e == 2 else 0,
-                 "optimizer": 2 * share * s if train.optimizer == "adamw" else 0,
-                 "activations": max(kept[r], default=0),
-                 "comm": (held + share) * gi if opts.zero == 1 else 0}
-        if opts.zero >= 2:
-            by_unit = opts.fsdp or opts.zero == 2  # engine_fsdp.UnitStage
-            units = zero3_units(model, sizes, co, v, fsdp_units if by_unit else units_of)
-            transient = (_unit_grads(units, rank_param_numels(model, sizes, co, v), S, e, gi) if by_unit
-                         else None)
-            peaks |= _sharded_peaks(units, n_z, g, e, train.optimizer, opts.zero, transient, gi)
-        out += [{"rank": rank, "category": c, "bytes": int(peaks[c])} for c in CATEGORIES]
-    return out
+def weight_activation_bytes(model: ModelConfig, cfg: TrainConfig, stage: int, n_stages: int, b: int) -> int:
+    """What B keeps for W where a schedule splits them (the model's own layers): per linear layer its
+    input (from F's cache) and its output gradient, per LayerNorm its two gains' gradients; the
+    head's ln_f output and logits' gradient; the first stage's input gradient and embedding cache."""
+    e, C, V, N = np.dtype(model.dtype).itemsize, model.n_embd, model.vocab_size, b * cfg.seq_len
+    block = e * (N * (4 * C + C + C + C) + N * (C + 4 * C + C + 3 * C) + 4 * C)
+    n = len(stage_layers(model.n_layer, n_stages, stage)) * block
+    if stage == n_stages - 1:
+        n += e * (N * (C + V) + 2 * C)
+    if stage == 0:
+        n += e * N * C + model_activation_bytes(model, b, cfg.seq_len)["embed"]
+    return n
+
+
+def activation_peak(model, cfg, sizes, coords, plan, kept_by_step=None) -> int:
+    """The schedule's replay of what each microbatch keeps (the largest over the steps: MoE routing
+    changes what a block keeps)."""
+    schedule, lay = pipeline(sizes, plan)
+    where, P = lay.stage_rank, lay.stages_per_copy
+    rows, r = _rows(model, cfg, sizes, coords, plan), coords["pp"]
+    split_w = split_backward(model, sizes, plan)
+    peak = 0
+    for kept in (kept_by_step or [None]):
+        def after_f(a, kept=kept):
+            if where[a.stage] != r:
+                return 0
+            return microbatch_activation_bytes(model, cfg, sizes, coords, lay.part(a.stage), P,
+                                               rows[a.microbatch], plan, kept[a.microbatch] if kept else None,
+                                               a.microbatch)
+
+        def after_b(a):
+            if not split_w:
+                return 0
+            return weight_activation_bytes(model, cfg, lay.part(a.stage), P, rows[a.microbatch])
+
+        peak = max(peak, max(stored(schedule, after_f, after_b)[r], default=0))
+    return peak
+
+
+def model_state_bytes(model, cfg, sizes, coords, plan) -> int:
+    """The model states (params, grads, masters, moments) the rank holds between steps."""
+    return sum(dp_forms.state_bytes(rank_units(model, sizes, coords, plan), plan.strategy,
+                                    precision(model, cfg, sizes)).values())
+
+
+def rank_memory_rows(model, cfg, sizes, coords, plan, kept_by_step=None, stepped: bool = True) -> list[dict]:
+    """The rank's `expected_memory_peak_bytes` rows."""
+    peaks = dp_forms.peak_bytes(rank_units(model, sizes, coords, plan), plan, precision(model, cfg, sizes),
+                                stepped)
+    peaks["activations"] = activation_peak(model, cfg, sizes, coords, plan, kept_by_step)
+    return [{"category": cat, "bytes": int(peaks.get(cat, 0))} for cat in CATEGORIES]

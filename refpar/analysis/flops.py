@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from refpar.analysis.presets import ModelSpec
 
-RECOMPUTE = ("none", "selective", "full")
-
 
 def _mlp_params(h: int, f: int, mlp: str, bias: bool) -> tuple[int, int]:
     """(column-parallel part, row-parallel bias) of one MLP: weights and the biases that split by t."""
@@ -61,12 +59,10 @@ def layer_params(spec: ModelSpec, moe: bool) -> LayerParams:
     shared_split = spec.n_shared_experts * one_split
     shared_repl = spec.n_shared_experts * one_repl
     router = h * spec.n_experts  # the gate: (h, E), no bias (Mixtral, DeepSeekMoE)
-    return LayerParams(
-        attn_split + shared_split,
-        attn_repl + 2 * norm + shared_repl + router,
-        spec.n_experts * expert,
-        spec.top_k * expert,
-    )
+    return LayerParams(attn_split + shared_split,
+                       attn_repl + 2 * norm + shared_repl + router,
+                       spec.n_experts * expert,
+                       spec.top_k * expert)
 
 
 @dataclass(frozen=True)

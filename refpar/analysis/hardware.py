@@ -8,6 +8,16 @@ Every GPU of a node reaches the others over NVLink through NVSwitch, and owns on
 adapter for traffic between nodes (DGX A100/H100/H200 user guides: eight compute NICs per eight
 GPUs), so a collective whose group spans nodes runs at the per-GPU InfiniBand bandwidth.
 
+What the accelerator reaches in practice is measured, not read off the datasheet: `matmul_flops` is
+the Maximum Achievable Matmul FLOPS (MAMF) of a brute-force search over GEMM shapes, mean of 100
+iterations after 50 warm-up ones (S. Bekman, Machine Learning Engineering, "Maximum Achievable Matmul
+FLOPS comparison table", github.com/stas00/ml-engineering, compute/accelerator/README.md), and
+`flash_fraction` is the fraction of the dense peak FlashAttention-2 reaches (Dao 2023, arXiv:2307.08691,
+abstract: "50-73% of the theoretical maximum FLOPs/s on A100"; Shah et al. 2024, FlashAttention-3,
+arXiv:2407.08608, abstract: "FlashAttention-2 achieving only 35% utilization on the H100 GPU").
+`sm_count` (the GPU's streaming multiprocessors) sets how many GEMM tiles run at once (analysis/
+efficiency.py).
+
 Latencies are the per-step ring latencies of NCCL's own cost model (src/graph/tuning.cc, `hwLat`,
 Ring/Simple: 5.7 us over NVLink, 6.6 us over the network) and its per-call base latency
 (`baseLat`, Ring/Simple: 8.4 us), as in NCCL 2.x releases whose tables have these entries (they
@@ -39,6 +49,9 @@ class Hardware:
     gpus_per_node: int
     nvlink_bandwidth: float  # bytes/s per GPU per direction
     ib_bandwidth: float  # bytes/s per GPU per direction
+    sm_count: int
+    matmul_flops: dict[str, float]  # measured MAMF per dtype; bfloat16 at least
+    flash_fraction: float  # of the dense peak, reached by FlashAttention-2
     nvlink_latency: float = NVLINK_STEP_LATENCY
     ib_latency: float = NET_STEP_LATENCY
     call_latency: float = CALL_LATENCY
@@ -46,11 +59,21 @@ class Hardware:
 
     def flops(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
-            raise ConfigError(
-                f"{self.name} has no {dtype} peak listed; choose one of {', '.join(self.peak_flops)}"
-            )
+            raise ConfigError(f"{self.name} has no {dtype} peak listed; choose one of "
+                              f"{', '.join(self.peak_flops)}")
         return self.peak_flops[dtype]
 
+    def matmul_rate(self, dtype: str) -> float:
+        """The measured maximum achievable matmul FLOP/s; for a dtype nobody measured, the peak
+        scaled by the bfloat16 measurement's fraction of its peak."""
+        if dtype in self.matmul_flops:
+            return self.matmul_flops[dtype]
+        return self.flops(dtype) * self.matmul_flops["bfloat16"] / self.peak_flops["bfloat16"]
+
+
+# H100 and H200 SXM, dense (no 2:4 sparsity): the datasheets' comment beside the H100 below
+HOPPER_FLOPS = {"float64": 67 * TERA, "float32": 67 * TERA, "tf32": 494.5 * TERA, "bfloat16": 989.5 * TERA,
+                "float16": 989.5 * TERA, "fp8": 1979 * TERA}
 
 HARDWARE: dict[str, Hardware] = {
     hw.name: hw
@@ -65,7 +88,11 @@ HARDWARE: dict[str, Hardware] = {
                         "bfloat16": 312 * TERA, "float16": 312 * TERA},
             memory_bytes=80 * GIGA, hbm_bandwidth=2039 * GIGA, gpus_per_node=8,
             nvlink_bandwidth=300 * GIGA, ib_bandwidth=25 * GIGA,
-            source="NVIDIA A100 datasheet (SXM 80GB); DGX A100 user guide",
+            # NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs. MAMF: 271.2 TFLOP/s bf16
+            # (torch 2.6.0+cu126, best shape 1024x10240x5120).
+            sm_count=108, matmul_flops={"bfloat16": 271.2 * TERA, "float16": 271.2 * TERA},
+            flash_fraction=0.50,
+            source="NVIDIA A100 datasheet (SXM 80GB); DGX A100 user guide; MAMF table (Bekman)",
         ),
         # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column: FP64 Tensor Core 67, FP32 67,
         # TF32 494.5, BF16/FP16 989.5, FP8 1,979 TFLOP/s dense (the datasheet's headline figures
@@ -73,21 +100,29 @@ HARDWARE: dict[str, Hardware] = {
         # DGX H100 user guide: eight ConnectX-7 NDR adapters at 400 Gb/s = 50 GB/s per GPU each way.
         Hardware(
             "h100",
-            peak_flops={"float64": 67 * TERA, "float32": 67 * TERA, "tf32": 494.5 * TERA,
-                        "bfloat16": 989.5 * TERA, "float16": 989.5 * TERA, "fp8": 1979 * TERA},
+            peak_flops=HOPPER_FLOPS,
             memory_bytes=80 * GIGA, hbm_bandwidth=3350 * GIGA, gpus_per_node=8,
             nvlink_bandwidth=450 * GIGA, ib_bandwidth=50 * GIGA,
-            source="NVIDIA H100 datasheet (SXM); DGX H100 user guide",
+            # NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs on the SXM5 part. MAMF:
+            # 794.5 TFLOP/s bf16 (torch 2.7.0+cu126), 1402.6 fp8.
+            sm_count=132, matmul_flops={"bfloat16": 794.5 * TERA, "float16": 794.5 * TERA,
+                                        "fp8": 1402.6 * TERA},
+            flash_fraction=0.35,
+            source="NVIDIA H100 datasheet (SXM); DGX H100 user guide; MAMF table (Bekman)",
         ),
         # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: the H100 SXM's compute, 141 GB
         # HBM3e at 4.8 TB/s, NVLink 900 GB/s. DGX H200: eight ConnectX-7 at 400 Gb/s per GPU.
         Hardware(
             "h200",
-            peak_flops={"float64": 67 * TERA, "float32": 67 * TERA, "tf32": 494.5 * TERA,
-                        "bfloat16": 989.5 * TERA, "float16": 989.5 * TERA, "fp8": 1979 * TERA},
+            peak_flops=HOPPER_FLOPS,
             memory_bytes=141 * GIGA, hbm_bandwidth=4800 * GIGA, gpus_per_node=8,
             nvlink_bandwidth=450 * GIGA, ib_bandwidth=50 * GIGA,
-            source="NVIDIA H200 datasheet (SXM); DGX H200 user guide",
+            # The H100's 132 SMs; the MAMF table lists bf16 for the H100 with "H200 is the same", and
+            # 1453.4 TFLOP/s fp8 for the H200 itself.
+            sm_count=132, matmul_flops={"bfloat16": 794.5 * TERA, "float16": 794.5 * TERA,
+                                        "fp8": 1453.4 * TERA},
+            flash_fraction=0.35,
+            source="NVIDIA H200 datasheet (SXM); DGX H200 user guide; MAMF table (Bekman)",
         ),
     ]
 }

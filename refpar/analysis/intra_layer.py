@@ -17,7 +17,8 @@ trace call by call; each call's bytes come from refpar.comm.cost):
   blocks of their gradients; each an isend on this rank and an irecv from the previous one.
 - Ulysses (Jacobs et al. 2023): per layer one all-to-all of q, k, v and one of the output forward,
   the same two backward.
-- cp and dp: one all-reduce of every gradient this rank holds, and one of the loss (1 float64).
+- dp x cp (the ranks holding the same weights): one all-reduce of every gradient this rank holds
+  (DP's one bucket), and one of the loss (1 float64).
 
 Mixed precision (e = 2): activations, their gradients, K/V blocks and all-to-alls move in 16 bits;
 what is computed in float32 moves in float32 (4 bytes, `compute_itemsize`): the cross-entropy's
@@ -28,13 +29,15 @@ tp (`found_inf.tp`), the axis whose ranks hold different gradients.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from refpar.comm import cost
 from refpar.config import ModelConfig, TrainConfig
-from refpar.precision import is_16bit
+from refpar.holdings import held_numels, sequence_parallel_param_names
+from refpar.model.gpt import param_shapes
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -65,54 +68,30 @@ def grad_itemsize(model: ModelConfig, train: TrainConfig) -> int:
     return 4 if train.fp32_grads else np.dtype(model.dtype).itemsize
 
 
-def state_bytes(numel: int, model, train) -> dict[str, int]:
-    """Bytes of the model states of `numel` parameters (ZeRO's categories): params and grads in the
-    model's dtype (grads float32 with fp32_grads), AdamW's two moments in the optimizer's dtype, and
-    the fp32 master weights of a 16-bit model (0 otherwise): 2 + 2 + 4 + 8 = 16 bytes per parameter
-    in bf16-mixed with AdamW."""
-    e = np.dtype(model.dtype).itemsize
-    sixteen = is_16bit(model.dtype)
-    moments = 2 * (4 if sixteen else e) if train.optimizer == "adamw" else 0
-    return {"params": numel * e, "grads": numel * (4 if train.fp32_grads else e),
-            "master": numel * 4 if sixteen else 0, "optimizer": numel * moments}
-
-
 def zigzag_lengths(T: int, c: int) -> list[int]:
     """Tokens of each cp rank when rank r holds chunks r and 2c-1-r of 2c (ring attention)."""
     chunks = shard_sizes(T, 2 * c)
     return [chunks[r] + chunks[2 * c - 1 - r] for r in range(c)]
 
 
+def cp_tokens(T: int, c: int, cp_algo: str | None) -> list[int]:
+    """Tokens of each cp rank: zig-zag chunks under ring attention, contiguous under Ulysses."""
+    if c == 1:
+        return [T]
+    return zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
+
+
 def rank_shape(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict, sp: bool,
-               cp_algo: str | None) -> RankShape:
-    t, c, d = sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("dp", 1)
-    T = train.seq_len
-    B = len(range(*shard_range(train.batch_size, d, coords.get("dp", 0))))
-    if c > 1:
-        tokens = zigzag_lengths(T, c) if (cp_algo or "ring") == "ring" else shard_sizes(T, c)
-        Ta = Tl = tokens[coords.get("cp", 0)]
-    else:
-        tokens = [T]
-        Ta, Tl = T, (shard_sizes(T, t)[coords.get("tp", 0)] if sp else T)
-    V = shard_sizes(model.vocab_size, t)[coords.get("tp", 0)]
-    return RankShape(B, T, Ta, Tl, t, c, model.n_head // t, V, np.dtype(model.dtype).itemsize,
-                     tuple(tokens), coords.get("cp", 0))
-
-
-def local_param_numel(model: ModelConfig, t: int, rank: int) -> int:
-    """Elements of the parameters a tp rank holds: the sharded ones divided, the rest whole."""
-    C, L = model.n_embd, model.n_layer
-    V = shard_sizes(model.vocab_size, t)[rank]
-    per_block = (2 * C  # ln_1
-                 + C * 3 * C // t + 3 * C // t + C // t * C + C  # c_attn (w, b), c_proj (w/t, b)
-                 + 2 * C  # ln_2
-                 + C * 4 * C // t + 4 * C // t + 4 * C // t * C + C)  # c_fc (w, b), c_proj (w/t, b)
-    return V * C + model.n_positions * C + L * per_block + 2 * C
-
-
-def sp_param_numel(model: ModelConfig) -> int:
-    """Elements of the parameters applied in the sequence-sharded region (sequence_parallel.py)."""
-    return model.n_positions * model.n_embd + 2 * model.n_embd + model.n_layer * 6 * model.n_embd
+               cp_algo: str | None, b: int | None = None) -> RankShape:
+    """The sizes of the rank at `coords` (missing axes are 1): `b` rows (default its dp share of the
+    batch), its cp rank's tokens, and under sp the residual stream's shard of them."""
+    t, k, c, q = sizes.get("tp", 1), coords.get("tp", 0), sizes.get("cp", 1), coords.get("cp", 0)
+    if b is None:
+        b = len(range(*shard_range(train.batch_size, sizes.get("dp", 1), coords.get("dp", 0))))
+    tokens = cp_tokens(train.seq_len, c, cp_algo)
+    return RankShape(B=b, T=train.seq_len, Ta=tokens[q], Tl=shard_sizes(tokens[q], t)[k] if sp else tokens[q],
+                     t=t, c=c, nh=model.n_head // t, V=shard_sizes(model.vocab_size, t)[k],
+                     e=np.dtype(model.dtype).itemsize, cp_tokens=tuple(tokens), cp_rank=q)
 
 
 @dataclass(frozen=True)
@@ -128,6 +107,8 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
               ) -> list[Call]:
     t, e, C, L = s.t, s.e, model.n_embd, model.n_layer
     act = s.B * s.Ta * C  # elements of a (B, Ta, C) activation
+    shapes = param_shapes(model)
+    sp_numel = sum(math.prod(shapes[n]) for n in sequence_parallel_param_names(model))
 
     def ar(tag, n, size=e):
         b = cost.all_reduce_bytes(n, t, tp_rank, size)
@@ -159,7 +140,7 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
         for sub, col in (("mlp", "c_fc"), ("attn", "c_attn")):
             calls += [ag(f"h.{i}.{sub}.c_proj:bwd"), ag(f"h.{i}.{sub}.{col}:regather"),
                       rs(f"h.{i}.{sub}.{col}:bwd")]
-    calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_param_numel(model), grad_e or e)]
+    calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_numel, grad_e or e)]
     return calls
 
 
@@ -214,30 +195,19 @@ def expected_calls(model: ModelConfig, train: TrainConfig, sizes: dict, coords: 
     calls = _tp_calls(model, s, sp, coords.get("tp", 0), ge) if s.t > 1 else []
     if s.c > 1:
         calls += _ring_calls(model, s) if (cp_algo or "ring") == "ring" else _ulysses_calls(model, s)
-    grads = local_param_numel(model, s.t, coords.get("tp", 0))
-    for axis in ("cp", "dp"):
-        p = sizes.get(axis, 1)
-        if p > 1:
-            # The loss travels as a float64 whatever the model's dtype (it is a Python float).
-            for tag, n, e in ((f"grads.{axis}:bwd", grads, ge), (f"loss.{axis}:report", 1, 8)):
-                b = cost.all_reduce_bytes(n, p, coords.get(axis, 0), e)
-                calls.append(Call(axis, "all_reduce", tag, b.sent, b.recv))
+    grads = sum(held_numels(model, {"pp": 1, "ep": 1, "tp": s.t},  # every parameter, tp-sliced
+                            {"pp": 0, "ep": 0, "tp": coords.get("tp", 0)}).values())
+    c, d = sizes.get("cp", 1), sizes.get("dp", 1)
+    if c * d > 1:  # the ranks holding the same weights: dp x cp (axis dp without cp)
+        axis, rank = ("dp" if c == 1 else "dp_cp"), coords.get("dp", 0) * c + coords.get("cp", 0)
+        # every gradient in one bucket, then the loss, a float64 whatever the model's dtype
+        for tag, n, e in (("bucket.0:grad", grads, ge), ("loss", 1, 8)):
+            b = cost.all_reduce_bytes(n, c * d, rank, e)
+            calls.append(Call(axis, "all_reduce", tag, b.sent, b.recv))
     if model.dtype == "float16" and s.t > 1:  # the tp ranks agree on an overflow
         b = cost.all_reduce_bytes(1, s.t, coords.get("tp", 0), 4)
         calls.append(Call("tp", "all_reduce", "found_inf.tp", b.sent, b.recv))
     return calls
-
-
-def expected_comm_rows(model: ModelConfig, train: TrainConfig, sizes: dict, coords: dict, rank: int,
-                       sp: bool = False, cp_algo: str | None = None) -> list[dict]:
-    """The `comm_bytes` rows of `refpar train --json` for `rank` after train.steps steps."""
-    totals: dict[tuple[str, str], list[int]] = {}
-    for call in expected_calls(model, train, sizes, coords, sp, cp_algo):
-        row = totals.setdefault((call.axis, call.op), [0, 0])
-        row[0] += call.bytes_sent * train.steps
-        row[1] += call.bytes_recv * train.steps
-    return [{"rank": rank, "axis": a, "op": o, "bytes_sent": s, "bytes_recv": r}
-            for (a, o), (s, r) in totals.items()]
 
 
 def paper_bytes_per_layer(kind: str, B: int, T: int, C: int, p: int, e: int) -> float:

@@ -7,8 +7,10 @@ hundred meshes), the options as NumPy arrays: for each (schedule, recompute) pai
 scale.memory_per_rank prices every candidate's memory, and one call of step_time.step_time the
 time of those that fit.
 
-Validity (what Megatron-LM accepts): tp within a node and dividing the KV heads; pp dividing the
-layers (v * pp for interleaving, whose micro-batches must also be a multiple of pp); cp dividing
+Validity (what Megatron-LM accepts): tp within a node and dividing the KV heads; pp at most the
+layers, which pp need not divide (scale.stage_layers: the first and the last stage take a block
+less, as Llama 3 does); for interleaving v dividing a stage's blocks and micro-batches in
+multiples of pp; cp dividing
 s / 2 (the load-balanced causal split cuts the sequence into 2c chunks); ep dividing the experts;
 dp * ep dividing the global batch, and the micro-batch size dividing each replica's share.
 """
@@ -20,9 +22,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refpar.analysis.efficiency import CALIBRATED, MODERN, Efficiency, Software
 from refpar.analysis.hardware import Hardware
 from refpar.analysis.presets import ModelSpec
-from refpar.analysis.scale import PRECISIONS, memory_per_rank
+from refpar.analysis.scale import PRECISIONS, memory_per_rank, stage_layers
 from refpar.analysis.step_time import step_time, throughput
 from refpar.config import ConfigError
 
@@ -37,7 +40,10 @@ TIME_KEYS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """In ascending order; pairs d, n // d up to sqrt(n), so that --gpus 10**12 takes a second, not
+    days."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*low, *(n // d for d in low)})
 
 
 def check_gpus(gpus: int, hw: Hardware) -> None:
@@ -50,10 +56,8 @@ def check_gpus(gpus: int, hw: Hardware) -> None:
             lower, upper = 2 ** (gpus.bit_length() - 1), 2 ** gpus.bit_length()
         else:
             lower, upper = gpus - gpus % node, gpus - gpus % node + node
-        raise ConfigError(
-            f"--gpus {gpus} is neither a power of two up to {node} nor a whole number of "
-            f"{node}-GPU {hw.name} nodes; use e.g. {lower} or {upper}"
-        )
+        raise ConfigError(f"--gpus {gpus} is neither a power of two up to {node} nor a whole number of "
+                          f"{node}-GPU {hw.name} nodes; use e.g. {lower} or {upper}")
 
 
 def meshes(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int, seq: int) -> np.ndarray:
@@ -68,7 +72,7 @@ def meshes(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int, seq: int
         if tp > hw.gpus_per_node or spec.n_kv_head % tp:
             continue
         for pp in dividing(gpus // tp):
-            if spec.n_layer % pp:
+            if pp > spec.n_layer:
                 continue
             for cp in dividing(gpus // (tp * pp)):
                 if seq % (2 * cp) and cp > 1:
@@ -80,6 +84,17 @@ def meshes(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int, seq: int
                     if global_batch % (dp * ep) == 0:
                         rows.append((dp, tp, pp, cp, ep))
     return np.array(rows, dtype=np.int64).reshape(-1, 5)
+
+
+def collectives(calls: dict, at) -> list[dict]:
+    """The collectives of step_time's `calls` that run, `at` picking one plan's value of each."""
+    out = []
+    for name, (axis, op, nbytes, ranks, count, seconds, algo) in calls.items():
+        if at(count) > 0 and at(ranks) > 1 and at(nbytes) > 0:
+            out.append({"name": name, "axis": axis, "op": op, "bytes": float(at(nbytes)),
+                        "ranks": int(at(ranks)), "calls_per_step": float(at(count)),
+                        "seconds_per_call": float(at(seconds)), "algo": str(at(algo))})
+    return out
 
 
 @dataclass
@@ -101,27 +116,16 @@ class Candidates:
 
     def collectives(self, i: int) -> list[dict]:
         """Candidate i's collectives that run, each with its algorithm and alpha-beta time."""
-        group, j = self.calls[self.part[i]], self.local[i]
         size = int(np.sum(self.part == self.part[i]))
-
-        def at(x):
-            return np.broadcast_to(x, (size,))[j]
-
-        out = []
-        for name, (axis, op, nbytes, ranks, calls, seconds, algo) in group.items():
-            if at(calls) > 0 and at(ranks) > 1 and at(nbytes) > 0:
-                out.append({"name": name, "axis": axis, "op": op, "bytes": float(at(nbytes)),
-                            "ranks": int(at(ranks)), "calls_per_step": float(at(calls)),
-                            "seconds_per_call": float(at(seconds)), "algo": str(at(algo))})
-        return out
+        return collectives(self.calls[self.part[i]], lambda x: np.broadcast_to(x, (size,))[self.local[i]])
 
     def __len__(self) -> int:
         return len(self.schedule)
 
 
 def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, seq: int,
-                    precision: str = "bf16", dtype: str = "bfloat16", efficiency: float = 0.75,
-                    budget: float = np.inf) -> Candidates:
+                    precision: str = "bf16", dtype: str = "bfloat16", eff: Efficiency = CALIBRATED,
+                    software: Software = MODERN, budget: float = np.inf) -> Candidates:
     """Every candidate plan with its memory; the time of those within `budget` bytes per GPU.
 
     Memory is priced first and the step time only for the plans that fit: the pruning that keeps
@@ -131,9 +135,7 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
     if global_batch < 1 or seq < 1:
         raise ConfigError(f"global batch {global_batch} and sequence {seq} must both be positive")
     if spec.learned_positions and seq > spec.seq_len:
-        raise ConfigError(
-            f"{spec.name} learns {spec.seq_len} positions; use --seq {spec.seq_len} or less"
-        )
+        raise ConfigError(f"{spec.name} learns {spec.seq_len} positions; use --seq {spec.seq_len} or less")
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     hw.flops(dtype)  # an unknown dtype is refused before any pricing
@@ -161,7 +163,7 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
         schedule = "1f1b" if label == "none" else label
         ok = pp == 1 if label == "none" else pp > 1
         if schedule == "interleaved-1f1b":
-            ok &= (spec.n_layer % (pp * chunks) == 0) & (m % pp == 0)
+            ok &= (stage_layers(spec.n_layer, pp)[1] % chunks == 0) & (m % pp == 0)
         if schedule == "zb-h1":
             ok &= m >= pp
         if schedule == "zb-h2":
@@ -181,7 +183,7 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
                 continue
             index = rows_ok[keep]
             times, comm, calls = step_time(spec, hw, global_batch=global_batch, dtype=dtype,
-                                           efficiency=efficiency, **options,
+                                           eff=eff, software=software, **options,
                                            **{k: v[keep] for k, v in sizes.items()})
             memory = {k: np.broadcast_to(v, total.shape)[keep] for k, v in memory.items()}
             parts.append((index, code, rc, memory, times, comm, calls))
@@ -210,11 +212,12 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
 
 def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = None,
          seq: int | None = None, top: int = 5, precision: str = "bf16", dtype: str = "bfloat16",
-         efficiency: float = 0.75) -> dict:
-    """The `top` fastest plans that fit, best first, as plain dicts (the --json output)."""
+         eff: Efficiency = CALIBRATED, software: Software = MODERN, priced: dict | None = None) -> dict:
+    """The `top` fastest plans that fit, best first, as plain dicts (the --json output); with a
+    `priced` plan (price()), also its "rank" among them (1: none is faster)."""
     global_batch = spec.global_batch if global_batch is None else global_batch
     seq = spec.seq_len if seq is None else seq
-    c = enumerate_plans(spec, hw, gpus, global_batch, seq, precision, dtype, efficiency,
+    c = enumerate_plans(spec, hw, gpus, global_batch, seq, precision, dtype, eff, software,
                         budget=hw.memory_bytes)
     if len(c) == 0:
         raise ConfigError(
@@ -230,30 +233,151 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
     bucket = np.floor(seconds / (seconds.min() * 1e-3))
     axes = sum((c.columns[k] > 1).astype(int) for k in ("tp", "pp", "cp", "ep"))
     order = np.lexsort((total_memory, c.columns["zero"], axes, bucket))[:top]
-    plans = []
-    for i in order:
-        step = float(c.times["total"][i])
-        mfu, tokens = throughput(spec, hw, step, global_batch=global_batch, seq=seq, gpus=gpus,
-                                 dtype=dtype)
-        plans.append({
-            "mesh": {k: int(c.columns[k][i]) for k in ("dp", "tp", "pp", "cp", "ep")},
-            "zero": int(c.columns["zero"][i]),
-            "micro_batch": int(c.columns["micro_batch"][i]),
-            "microbatches": int(c.columns["microbatches"][i]),
-            "schedule": SCHEDULE_CHOICES[c.schedule[i]][0],
-            "chunks": SCHEDULE_CHOICES[c.schedule[i]][1],
-            "recompute": RECOMPUTE[c.recompute[i]],
-            "memory_bytes": {k: float(c.memory[k][i]) for k in MEMORY_KEYS},
-            "time_s": {k: float(c.times[k][i]) for k in TIME_KEYS},
-            "comm_bytes": {k: float(v[i]) for k, v in c.comm_bytes.items()},
-            "collectives": c.collectives(i),
-            "stage_costs_s": {k: float(v[i]) for k, v in c.stage.items()},
-            "step_time_s": step,
-            "mfu": float(mfu),
-            "tokens_per_s": float(tokens),
-        })
-    return {
+    plans = [_row(spec, hw, gpus, global_batch, seq, dtype,
+                  mesh={k: int(c.columns[k][i]) for k in ("dp", "tp", "pp", "cp", "ep")},
+                  zero=int(c.columns["zero"][i]), micro_batch=int(c.columns["micro_batch"][i]),
+                  schedule=SCHEDULE_CHOICES[c.schedule[i]][0], chunks=SCHEDULE_CHOICES[c.schedule[i]][1],
+                  recompute=RECOMPUTE[c.recompute[i]], sp=bool(c.columns["tp"][i] > 1),
+                  memory={k: c.memory[k][i] for k in MEMORY_KEYS},
+                  times={k: c.times[k][i] for k in TIME_KEYS},
+                  comm={k: v[i] for k, v in c.comm_bytes.items()}, calls=c.collectives(i),
+                  stage={k: v[i] for k, v in c.stage.items()})
+             for i in order]
+    result = {
         "model": spec.name, "hardware": hw.name, "gpus": gpus, "global_batch": global_batch,
         "seq": seq, "candidates": c.priced, "fitting": len(c),
         "memory_capacity_bytes": hw.memory_bytes, "plans": plans,
     }
+    if priced is not None:
+        result["rank"] = 1 + int(np.sum(seconds < priced["step_time_s"] * (1 - 1e-12)))
+    return result
+
+
+def _row(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, seq: int, dtype: str, *, mesh: dict,
+         zero: int, micro_batch: int, schedule: str, chunks: int, recompute: str, sp: bool, memory: dict,
+         times: dict, comm: dict, calls: list[dict], stage: dict) -> dict:
+    """One plan as the --json output lists it (a search row and a priced plan alike)."""
+    step = float(sum(times[k] for k in TIME_KEYS))
+    mfu, tokens = throughput(spec, hw, step, global_batch=global_batch, seq=seq, gpus=gpus, dtype=dtype)
+    return {
+        "mesh": mesh, "zero": zero, "micro_batch": micro_batch,
+        "microbatches": global_batch // (mesh["dp"] * mesh["ep"] * micro_batch),
+        "schedule": schedule, "chunks": chunks, "recompute": recompute, "sp": sp,
+        "memory_bytes": {k: float(memory[k]) for k in MEMORY_KEYS},
+        "time_s": {k: float(times[k]) for k in TIME_KEYS},
+        "comm_bytes": {k: float(v) for k, v in comm.items()},
+        "collectives": calls,
+        "stage_costs_s": {k: float(v) for k, v in stage.items()},
+        "step_time_s": step, "mfu": float(mfu), "tokens_per_s": float(tokens),
+    }
+
+
+AXES = ("dp", "tp", "pp", "cp", "ep")
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2")
+# What to change when a category does not fit.
+RELIEF = {"activations": "recompute (--recompute selective or full), use a smaller --micro-batch, or more "
+                         "tp or pp",
+          "params": "shard the weights (--zero 3) or use more tp or pp",
+          "grads": "shard the gradients (--zero 2) or use more tp or pp",
+          "master": "shard the optimizer state (--zero 1) or use more tp or pp",
+          "optimizer": "shard the optimizer state (--zero 1) or use more tp or pp",
+          "comm": "a smaller --micro-batch or a lower --zero stage"}
+
+
+def parse_mesh(text: str, gpus: int) -> dict:
+    """`tp=8,pp=64,dp=6` as {dp, tp, pp, cp, ep}: missing axes are 1, a missing dp takes the GPUs
+    the others leave; the product must be the GPU count."""
+    sizes: dict[str, int] = {}
+    for item in text.split(","):
+        axis, sep, value = item.strip().partition("=")
+        if not sep or axis not in AXES or not value.strip().isdigit() or int(value) < 1:
+            raise ConfigError(f"--mesh item {item.strip()!r} must be axis=size with axis one of "
+                              f"{', '.join(AXES)} and size a positive whole number, e.g. tp=8,pp=64,dp=6")
+        if axis in sizes:
+            raise ConfigError(f"--mesh gives {axis} twice; give it once")
+        sizes[axis] = int(value)
+    rest = math.prod(v for k, v in sizes.items() if k != "dp")
+    if "dp" not in sizes:
+        if gpus % rest:
+            raise ConfigError(f"--mesh {text} uses {rest} GPUs per replica, which does not divide "
+                              f"--gpus {gpus}; give sizes whose product divides it")
+        sizes["dp"] = gpus // rest
+    mesh = {axis: sizes.get(axis, 1) for axis in AXES}
+    if math.prod(mesh.values()) != gpus:
+        raise ConfigError(f"--mesh {text} has {math.prod(mesh.values())} GPUs but --gpus is {gpus}; "
+                          f"make the product of the sizes {gpus}")
+    return mesh
+
+
+def price(spec: ModelSpec, hw: Hardware, gpus: int, mesh: dict, *, zero: int = 0,
+          schedule: str | None = None, chunks: int = 1, micro_batch: int = 1, recompute: str = "none",
+          sp: bool = False, global_batch: int | None = None, seq: int | None = None,
+          precision: str = "bf16", dtype: str = "bfloat16", eff: Efficiency = CALIBRATED,
+          software: Software = MODERN) -> dict:
+    """One given plan, priced as a search row is; refused in one sentence if it is not a plan for
+    this model or does not fit in memory (naming the category that takes the most, by how much)."""
+    global_batch = spec.global_batch if global_batch is None else global_batch
+    seq = spec.seq_len if seq is None else seq
+    check_gpus(gpus, hw)
+    dp, tp, pp, cp, ep = (mesh[k] for k in AXES)
+    schedule = ("none" if pp == 1 else "1f1b") if schedule is None else schedule
+    label = ",".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "one GPU"
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    hw.flops(dtype)
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"unknown recompute {recompute!r}; choose one of {', '.join(RECOMPUTE)}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if (schedule == "none") != (pp == 1):
+        raise ConfigError(f"schedule {schedule} needs pp {'= 1' if schedule == 'none' else '> 1'}; "
+                          f"use {'--schedule none' if pp == 1 else 'a pipeline schedule such as 1f1b'}")
+    if zero not in ZERO_STAGES:
+        raise ConfigError(f"--zero {zero} must be one of {', '.join(map(str, ZERO_STAGES))}")
+    if spec.n_kv_head % tp:
+        raise ConfigError(f"tp={tp} does not divide {spec.name}'s {spec.n_kv_head} key/value heads; "
+                          f"choose tp in {{{', '.join(str(d) for d in _divisors(spec.n_kv_head))}}}")
+    if pp > spec.n_layer:
+        raise ConfigError(f"pp={pp} is more stages than {spec.name}'s {spec.n_layer} blocks; use pp <= "
+                          f"{spec.n_layer}")
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError(f"cp={cp} does not split the {seq}-token sequence into 2 x {cp} equal chunks; "
+                          f"choose cp with {seq} divisible by 2 cp")
+    if ep > 1 and (spec.n_experts or 1) % ep:
+        raise ConfigError(f"ep={ep} does not divide {spec.name}'s {spec.n_experts or 'no'} experts; use ep=1"
+                          + ("" if not spec.is_moe else " or a divisor of the experts"))
+    if sp and tp == 1:
+        raise ConfigError("--sp splits the sequence over the tensor-parallel ranks: it needs tp > 1")
+    replicas = dp * ep
+    if global_batch % (replicas * micro_batch):
+        raise ConfigError(f"the global batch {global_batch} does not split into micro-batches of "
+                          f"{micro_batch} over the {replicas} data-parallel replicas; choose a "
+                          f"--micro-batch and dp with dp x micro-batch dividing {global_batch}")
+    m = global_batch // (replicas * micro_batch)
+    per_stage = -(-spec.n_layer // pp)
+    chunks = chunks if schedule == "interleaved-1f1b" else 1
+    if schedule == "interleaved-1f1b" and (chunks < 2 or per_stage % chunks or m % pp):
+        raise ConfigError(f"interleaved-1f1b needs --chunks >= 2 dividing the {per_stage} blocks of a "
+                          f"stage and micro-batches ({m}) in multiples of pp={pp}")
+    if schedule in ("zb-h1", "zb-h2") and m < (pp if schedule == "zb-h1" else 2 * pp - 1):
+        raise ConfigError(f"{schedule} needs at least {pp if schedule == 'zb-h1' else 2 * pp - 1} "
+                          f"micro-batches; this plan has {m}: use a smaller --micro-batch or dp")
+    kind = "1f1b" if schedule == "none" else schedule
+    options = dict(micro_batch=micro_batch, seq=seq, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=zero,
+                   schedule=kind, chunks=chunks, recompute=recompute, sp=sp, precision=PRECISIONS[precision])
+    memory = memory_per_rank(spec, microbatches=m, **options)
+    needed = float(sum(memory.values()))
+    if needed > hw.memory_bytes:
+        worst = max(MEMORY_KEYS, key=lambda k: float(memory[k]))
+        raise ConfigError(
+            f"{label} does not fit: it needs {needed / 1e9:.1f} GB per GPU, "
+            f"{(needed - hw.memory_bytes) / 1e9:.1f} GB over the {hw.name}'s "
+            f"{hw.memory_bytes / 1e9:.0f} GB, and {worst} take the most "
+            f"({float(memory[worst]) / 1e9:.1f} GB): {RELIEF[worst]}")
+    times, comm, calls = step_time(spec, hw, global_batch=global_batch, dtype=dtype, eff=eff,
+                                   software=software, **options)
+    return _row(spec, hw, gpus, global_batch, seq, dtype, mesh=dict(mesh), zero=zero, micro_batch=micro_batch,
+                schedule=schedule, chunks=chunks, recompute=recompute, sp=sp, memory=memory,
+                times=times, comm=comm, calls=collectives(calls, lambda x: np.asarray(x).item()
+                                                           if np.ndim(x) == 0 else x), stage=times["stage"])
+

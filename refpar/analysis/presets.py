@@ -20,6 +20,7 @@ Legend: L layers, h = d_model, a heads, s sequence, V vocabulary, f MLP width.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from refpar.config import ConfigError, ModelConfig
@@ -192,3 +193,59 @@ def preset(name: str) -> ModelSpec:
     if name not in PRESETS:
         raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+# `refpar plan --model-spec` keys (a contract): what each sets, and which are required.
+MODEL_SPEC_KEYS = {"layers": "n_layer", "hidden": "d_model", "heads": "n_head", "vocab": "vocab_size",
+                   "seq": "seq_len", "kv_heads": "n_kv_head", "ffn": "d_ff", "experts": "n_experts",
+                   "topk": "top_k", "arch": None}
+REQUIRED_SPEC_KEYS = ("layers", "hidden", "heads", "vocab", "seq")
+ARCHS = ("gpt2", "llama")
+BATCH_TOKENS = 4 * 2 ** 20  # a model without a published batch: about 4M tokens a step, as Llama 2
+
+
+def parse_model_spec(text: str) -> ModelSpec:
+    """`layers=70,hidden=14336,heads=112,vocab=250680,seq=2048[,kv_heads=K][,ffn=F]
+    [,experts=E,topk=k][,arch=gpt2|llama]` as a ModelSpec, or one sentence saying what to change.
+
+    arch=gpt2 (the default) is GPT-2's block: GELU MLP of width 4h, LayerNorm, biases, learned
+    positions, tied head, dropout. arch=llama is Llama's: SwiGLU of width 8h/3 rounded up to a
+    multiple of 256 (Llama's `multiple_of`), RMSNorm, no biases, rotary positions, untied head, no
+    dropout. experts=E,topk=k makes every block's MLP E experts of width ffn, k per token. The
+    global batch is about 4M tokens (a power of two sequences) unless --global-batch says otherwise.
+    """
+    fields: dict[str, str] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or not key or not value:
+            raise ConfigError(f"--model-spec item {item.strip()!r} is not key=value; write e.g. "
+                              f"layers=32,hidden=4096,heads=32,vocab=32000,seq=4096")
+        if key not in MODEL_SPEC_KEYS:
+            raise ConfigError(f"--model-spec has no key {key!r}; choose from {', '.join(MODEL_SPEC_KEYS)}")
+        if key in fields:
+            raise ConfigError(f"--model-spec gives {key} twice; give it once")
+        fields[key] = value.strip()
+    missing = [k for k in REQUIRED_SPEC_KEYS if k not in fields]
+    if missing:
+        raise ConfigError(f"--model-spec needs {', '.join(missing)} too (required: "
+                          f"{', '.join(REQUIRED_SPEC_KEYS)})")
+    arch = fields.pop("arch", "gpt2")
+    if arch not in ARCHS:
+        raise ConfigError(f"--model-spec arch={arch} is unknown; choose one of {', '.join(ARCHS)}")
+    numbers = {}
+    for key, value in fields.items():
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--model-spec {key}={value} must be a positive whole number")
+        numbers[MODEL_SPEC_KEYS[key]] = int(value)
+    if ("n_experts" in numbers) != ("top_k" in numbers):
+        raise ConfigError("--model-spec experts and topk go together; give both or neither")
+    h, seq = numbers["d_model"], numbers["seq_len"]
+    batch = 2 ** max(0, round(math.log2(BATCH_TOKENS / seq)))
+    if arch == "llama":
+        numbers.setdefault("d_ff", 256 * -(-(8 * h // 3) // 256))
+        spec = ModelSpec("custom", global_batch=batch, mlp="swiglu", norm="rmsnorm", bias=False,
+                         tied_embeddings=False, learned_positions=False, dropout=False,
+                         source="--model-spec", **numbers)
+    else:
+        spec = ModelSpec("custom", global_batch=batch, source="--model-spec", **numbers)
+    return replace(spec, moe_d_ff=spec.d_ff) if spec.is_moe else spec

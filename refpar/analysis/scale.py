@@ -155,13 +155,26 @@ def model_states(params, zero, group, precision: Precision = PRECISIONS["bf16"],
     }
 
 
+def stage_layers(n_layer: int, pp):
+    """(first, middle, last) stage's blocks when pp stages share n_layer: ceil(L / p) each, with
+    what is missing to p ceil(L / p) taken from the last stage and then the first, whose embedding
+    and head make them the heavier ones otherwise (Llama 3, Section 3.3.2: "we reduce one
+    Transformer layer each from the first and the last stages"); the middle stages take any further
+    shortfall and the heaviest of them holds ceil(L / p). Where p divides L all hold L / p."""
+    pp = np.asarray(pp)
+    k = -(-n_layer // pp)
+    short = pp * k - n_layer
+    first = np.where(pp == 1, n_layer, k - (short >= 2))
+    return first, k, np.where(pp == 1, n_layer, k - (short >= 1))
+
+
 def _stage_layers(spec: ModelSpec, pp):
     """(dense, moe) layer counts on the first and on the last stage: the dense layers come first."""
-    per_stage = spec.n_layer / np.asarray(pp)
+    first, _, last = stage_layers(spec.n_layer, pp)
     n_dense = spec.n_layer - spec.n_moe_layers
-    first_dense = np.minimum(n_dense, per_stage)
-    last_dense = np.clip(n_dense - (spec.n_layer - per_stage), 0, per_stage)
-    return (first_dense, per_stage - first_dense), (last_dense, per_stage - last_dense)
+    first_dense = np.minimum(n_dense, first)
+    last_dense = np.clip(n_dense - (spec.n_layer - last), 0, last)
+    return (first_dense, first - first_dense), (last_dense, last - last_dense)
 
 
 def stage_params(spec: ModelSpec, tp, pp, ep):
@@ -242,7 +255,11 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
     biggest_block = np.maximum(dense.split / tp, (moe.split + moe.experts / ep) / tp)
     gathered = np.where(zero >= 3, 2 * pr.param * biggest_block, 0)
     first = states(first_shared, first_expert)
-    first["activations"] = activations(fd, fm, first_hold, first_hold * embed_act
+    # Activations are priced on ceil(L / p) blocks: where p does not divide L the first stage holds
+    # a block less, but the second, holding one micro-batch less of the full count, may hold more.
+    full = stage_layers(spec.n_layer, pp)[1]
+    act_dense = np.minimum(spec.n_layer - spec.n_moe_layers, full)
+    first["activations"] = activations(act_dense, full - act_dense, first_hold, first_hold * embed_act
                                        + np.where(pp == 1, head_act, 0))
     last = states(last_shared, last_expert)
     last["activations"] = activations(ld, lm, last_hold, head_act
@@ -251,7 +268,3 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
         stage["comm"] = p2p + gathered
     use_first = sum(first.values()) >= sum(last.values())
     return {k: np.where(use_first, first[k], last[k]) for k in first}
-
-
-def total_bytes(memory: dict):
-    return sum(memory.values())

@@ -18,8 +18,6 @@ latency. Once the tp group spans nodes its 2L all-reduces per token run over Inf
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from refpar.analysis.flops import param_counts
 from refpar.analysis.hardware import Hardware
 from refpar.analysis.presets import ModelSpec
@@ -62,11 +60,10 @@ def pass_comm_bytes(config: ModelConfig, sizes: dict, coords: dict, groups) -> d
     b, C, hs = _itemsize(config), config.n_embd, config.head_size
     layers = len(range(*shard_range(config.n_layer, p, s)))
     heads = len(range(*shard_range(config.n_head, t, tr)))
-    out: dict = defaultdict(lambda: cost.Bytes(0, 0))
+    out: dict = {}
 
     def add(axis, op, moved, times=1):
-        was = out[(axis, op)]
-        out[(axis, op)] = cost.Bytes(was.sent + times * moved.sent, was.recv + times * moved.recv)
+        cost.add(out, (axis, op), moved, times)
 
     for n, r in groups:
         if t > 1:
@@ -83,7 +80,7 @@ def pass_comm_bytes(config: ModelConfig, sizes: dict, coords: dict, groups) -> d
     if p > 1:
         rows = sum(r for _, r in groups)
         add("pp", "broadcast", cost.broadcast_bytes(rows, p, s, p - 1, TOKEN_ITEMSIZE))
-    return dict(out)
+    return {key: cost.Bytes(*moved) for key, moved in out.items()}
 
 
 def _itemsize(config: ModelConfig) -> int:

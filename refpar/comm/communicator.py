@@ -42,7 +42,7 @@ import zlib
 from contextlib import contextmanager
 
 import numpy as np
-from array_api_compat import array_namespace, device, is_array_api_obj
+from array_api_compat import is_array_api_obj
 from mpi4py import MPI
 
 from refpar import backend
@@ -106,7 +106,7 @@ def _to_host(x):
 
 def _from_host(a: np.ndarray, like):
     """`a` in the namespace and on the device of `like` (None: NumPy as it is)."""
-    return a if like is None else array_namespace(like).asarray(a, device=device(like))
+    return a if like is None else backend.as_like(a, like)
 
 
 def _staged(like) -> bool:
@@ -457,11 +457,9 @@ class Communicator:
         a, like = _to_host(x)
         self._check_peer(dest, "dest")
         t0 = now()
-        if self.timeout is None:
-            self.comm.Send(_wire(a), dest, self._tag(tag))
-        else:
-            self._wait([self.comm.Isend(_wire(a), dest, self._tag(tag))],
-                       late=lambda: self._late_message("send", dest, tag))
+        self._native(lambda: self.comm.Isend(_wire(a), dest, self._tag(tag)),
+                     lambda: self.comm.Send(_wire(a), dest, self._tag(tag)),
+                     late=lambda: self._late_message("send", dest, tag))
         if self.tracer is not None:
             self._record("send", "p2p", self.group[dest], a.shape, a.dtype, cost.Bytes(a.nbytes, 0), tag, t0,
                          like)
@@ -472,11 +470,9 @@ class Communicator:
         self._check_peer(source, "source")
         out = np.empty(shape, dtype=dtype)
         t0 = now()
-        if self.timeout is None:
-            self.comm.Recv(_wire(out), source, self._tag(tag))
-        else:
-            self._wait([self.comm.Irecv(_wire(out), source, self._tag(tag))],
-                       late=lambda: self._late_message("recv", source, tag))
+        self._native(lambda: self.comm.Irecv(_wire(out), source, self._tag(tag)),
+                     lambda: self.comm.Recv(_wire(out), source, self._tag(tag)),
+                     late=lambda: self._late_message("recv", source, tag))
         if self.tracer is not None:
             self._record("recv", "p2p", self.group[source], out.shape, out.dtype, cost.Bytes(0, out.nbytes),
                          tag, t0, like)
@@ -530,11 +526,12 @@ class Communicator:
             self._check_same(op, algo, shape, np.dtype(dtype).name, tag, extra)
         return now()
 
-    def _native(self, nonblocking, blocking) -> None:
+    def _native(self, nonblocking, blocking, late=None) -> None:
+        """MPI's blocking call, or with a timeout its non-blocking twin, waited for (`_wait`)."""
         if self.timeout is None:
             blocking()
         else:
-            self._wait([nonblocking()])
+            self._wait([nonblocking()], late)
 
     def _wait(self, requests, late=None) -> None:
         """Waits for all requests; with a timeout, polls them together with the arrivals of the
@@ -600,14 +597,14 @@ class Communicator:
         mine = np.array([n], dtype=np.int64)
         every = np.empty(self.size, dtype=np.int64)
         self._native(lambda: self._private.Iallgather(mine, every),
-                             lambda: self._private.Allgather(mine, every))
+                     lambda: self._private.Allgather(mine, every))
         return [int(c) for c in every]
 
     def _exchange_all_to_all(self, send_counts: list[int]) -> list[int]:
         mine = np.array(send_counts, dtype=np.int64)
         theirs = np.empty(self.size, dtype=np.int64)
         self._native(lambda: self._private.Ialltoall(mine, theirs),
-                             lambda: self._private.Alltoall(mine, theirs))
+                     lambda: self._private.Alltoall(mine, theirs))
         return [int(c) for c in theirs]
 
     def _check_same(self, op, algo, shape, dtype, tag, extra) -> None:

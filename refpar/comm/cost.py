@@ -55,6 +55,11 @@ def resolve_algo(op: str, algo: str) -> str:
     return name
 
 
+def add(totals: dict, key, moved, times: int = 1) -> None:
+    """totals[key] += times x moved, as (sent, received): the running sums of traces and closed forms."""
+    sent, recv = totals.get(key, (0, 0))
+    totals[key] = (sent + times * moved[0], recv + times * moved[1])
+
 
 def chunk(n: int, p: int, i: int) -> int:
     """c_i: the length of chunk i of n split p ways, as `shard_range` splits (the first n % p one

@@ -100,11 +100,6 @@ class Tracer:
             out[(e.axis, e.op)] = (sent + e.bytes_sent, recv + e.bytes_recv)
         return out
 
-    def summary_rows(self) -> list[dict]:
-        """The `comm_bytes` rows of `refpar train --json` for this rank."""
-        return [{"rank": self.rank, "axis": axis, "op": op, "bytes_sent": s, "bytes_recv": r}
-                for (axis, op), (s, r) in self.totals().items()]
-
 
 def chrome_trace(events: list[CommEvent], t0: float | None = None) -> dict:
     """Chrome trace JSON (the "Trace Event Format") for events of any number of ranks: one process
@@ -132,6 +127,17 @@ def write_trace(path, events: list[CommEvent]) -> None:
             f.writelines(json.dumps(e.to_dict()) + "\n" for e in events)
         else:
             json.dump(chrome_trace(events), f)
+
+
+def event_of(d: dict) -> CommEvent:
+    """A CommEvent from its `to_dict()` (a JSON line of `write_trace` or `refpar train --trace`)."""
+    return CommEvent(**{**d, "group": tuple(d["group"]), "shape": tuple(d["shape"])})
+
+
+def read_trace(path) -> list[CommEvent]:
+    """The events of a JSON-lines trace (PATH.jsonl: every message of a `refpar train` run)."""
+    with open(path) as f:
+        return [event_of(json.loads(line)) for line in f if line.strip()]
 
 
 now = time.perf_counter  # the clock of every event (CLOCK_MONOTONIC on Linux)

@@ -29,109 +29,26 @@ A mismatch is explained by re-running the reference under each common bug and na
 under which the user's numbers agree: vocabulary padding left in the softmax, the loss normalised
 per rank instead of by the global token count, sequence-parallel LayerNorm gradients not
 all-reduced over the ranks, a different dropout RNG.
+
+Reading and checking a dump before any of this: refpar/commands/check_dump.py.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 
-from refpar.config import ConfigError, ModelConfig
+from refpar.commands.check_dump import CheckError, Dump, load, shapes_of
+from refpar.config import ModelConfig
 from refpar.model.dropout import keep_mask
-from refpar.model.gpt import (
-    DropoutContext,
-    add_embedding_grads,
-    block_backward,
-    block_forward,
-    embed_backward,
-    embed_forward,
-    head_backward,
-    head_forward,
-    loss_and_grads,
-    param_shapes,
-)
+from refpar.model.gpt import DropoutContext, loss_and_grads, param_shapes
 
 HELP = "Check a dump of a parallel run (per rank .npz + layout.json) against refpar's GPT-2."
 # Relative differences that summation in another order can produce after one step, per dtype:
 # float64 the project's tolerance (DESIGN.md); float32 about 1e3 epsilons (sums of ~1e3 terms).
 NOISE = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
-SPLITS = ("replicate", "column", "row")
-# The ranks of a dump lie on one mesh axis; which one names how its tensors were split.
-AXES = ("world", "dp", "tp", "sp", "cp", "pp", "ep")
-MODEL_KEYS = ("vocab_size", "n_positions", "n_embd", "n_head", "n_layer", "dropout", "layer_norm_eps")
-
-
-class CheckError(ConfigError):
-    """A dump refpar cannot read: the message is one sentence saying what is wrong."""
-
-
-# ------------------------------------------------------------------------------------- loading
-@dataclass
-class Dump:
-    layout: dict
-    config: ModelConfig
-    ranks: list[dict]  # per rank: key -> array
-    dtype: str
-
-
-def _load_rank(path: Path) -> dict:
-    st = path.with_suffix(".safetensors")
-    if not path.exists() and st.exists():
-        try:
-            from safetensors.numpy import load_file
-        except ImportError as err:
-            raise CheckError(f"{st.name} needs the safetensors package, which is not installed") from err
-        return dict(load_file(str(st)))
-    if not path.exists():
-        raise CheckError(f"the dump lacks {path.name}")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except ValueError as err:
-        raise CheckError(f"{path.name} holds pickled objects, which refpar never loads") from err
-    except Exception as err:  # a truncated or foreign file: zipfile, OSError, EOFError
-        raise CheckError(f"{path.name} is not a readable .npz file ({type(err).__name__})") from err
-
-
-def load(directory: str) -> Dump:
-    root = Path(directory)
-    if not root.is_dir():
-        raise CheckError(f"{directory} is not a directory holding layout.json and rank*.npz")
-    try:
-        layout = json.loads((root / "layout.json").read_text())
-    except FileNotFoundError as err:
-        raise CheckError(f"{directory} has no layout.json") from err
-    except json.JSONDecodeError as err:
-        raise CheckError(f"layout.json is not valid JSON (line {err.lineno}: {err.msg})") from err
-    if not isinstance(layout, dict) or not isinstance(layout.get("model"), dict):
-        raise CheckError('layout.json needs a "model" object with the GPT-2 sizes')
-    unknown = sorted(set(layout["model"]) - set(MODEL_KEYS))
-    if unknown:
-        raise CheckError(f'layout.json\'s model has {unknown[0]!r}; known fields are {", ".join(MODEL_KEYS)}')
-    try:
-        config = ModelConfig(**layout["model"], dtype="float64")
-    except (TypeError, ConfigError) as err:
-        raise CheckError(f"layout.json's model is not a valid GPT-2: {err}") from err
-    if layout.get("axis", "world") not in AXES:
-        raise CheckError(f"layout.json's axis {layout['axis']!r} is not one of {', '.join(AXES)}")
-    n = layout.get("ranks")
-    if not isinstance(n, int) or n < 1:
-        raise CheckError('layout.json needs "ranks", a positive integer')
-    for name, spec in layout.get("tensors", {}).items():
-        if spec.get("split", "replicate") not in SPLITS:
-            raise CheckError(f"{name}'s split {spec.get('split')!r} is not one of {', '.join(SPLITS)}")
-    ranks = [_load_rank(root / f"rank{r}.npz") for r in range(n)]
-    for r, arrays in enumerate(ranks):
-        for key in ("tokens", "targets", "loss"):
-            if key not in arrays:
-                raise CheckError(f"rank{r} lacks {key!r}")
-    dtypes = {str(a.dtype) for arrays in ranks for k, a in arrays.items() if k.startswith("grads.")}
-    if len(dtypes) != 1:
-        raise CheckError(f"the gradients must share one floating dtype, found {sorted(dtypes) or 'none'}")
-    return Dump(layout, config, ranks, dtypes.pop())
 
 
 # ---------------------------------------------------------------------------------- reassembly
@@ -153,7 +70,7 @@ def reassemble(dump: Dump, kind: str) -> tuple[dict, dict]:
         if not all(held):
             raise CheckError(f"{key} is on some ranks but not on rank {held.index(False)}")
         flat = np.concatenate([np.ravel(arrays[key]) for arrays in dump.ranks])
-        shapes = _shapes(dump, names)
+        shapes = shapes_of(dump.config, names)
         sizes = [int(np.prod(s)) for s in shapes]
         if sum(sizes) != flat.size:
             raise CheckError(f"flat group {group!r} holds {flat.size} elements; its names need {sum(sizes)}")
@@ -169,23 +86,19 @@ def reassemble(dump: Dump, kind: str) -> tuple[dict, dict]:
         spec = lay.get("tensors", {}).get(name, {})
         split = spec.get("split", "replicate")
         if split == "replicate":
+            if any(q.shape != parts[0].shape for q in parts):
+                raise CheckError(f"{prefix + name} is replicated but its shape differs over the ranks: "
+                                 f"{', '.join(str(q.shape) for q in parts)}")
             whole[name], copies[name] = parts[0], parts
             continue
         axis = -1 if split == "column" else 0
         try:
             w = np.concatenate(parts, axis=axis)
+            whole[name] = _uninterleave(w, n, axis) if spec.get("qkv") == "interleaved" else w
         except ValueError as err:
-            raise CheckError(f"{prefix + name}'s pieces do not join along the {split} axis") from err
-        whole[name] = _uninterleave(w, n, axis) if spec.get("qkv") == "interleaved" else w
+            what = "join" if spec.get("qkv") != "interleaved" else "join into q, k and v pieces"
+            raise CheckError(f"{prefix + name}'s pieces do not {what} along the {split} axis") from err
     return whole, copies
-
-
-def _shapes(dump: Dump, names) -> list[tuple]:
-    shapes = param_shapes(dump.config)
-    unknown = [m for m in names if m not in shapes]
-    if unknown:
-        raise CheckError(f"{unknown[0]} is not a parameter of GPT-2 with this model")
-    return [shapes[m] for m in names]
 
 
 def inputs(dump: Dump) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
@@ -195,8 +108,6 @@ def inputs(dump: Dump) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     tgt = [np.asarray(a["targets"]) for a in dump.ranks]
     if how == "replicate":
         return tok[0], tgt[0], [np.arange(tok[0].shape[0])]
-    if how != "batch":
-        raise CheckError(f'inputs {how!r} is not "replicate" or "batch"')
     bounds = np.cumsum([0] + [t.shape[0] for t in tok])
     rows = [np.arange(bounds[r], bounds[r + 1]) for r in range(len(tok))]
     return np.concatenate(tok), np.concatenate(tgt), rows
@@ -245,14 +156,27 @@ class GivenMasks(DropoutContext):
         return super().keep(layer, site, shape, like, index) if mask is None else mask
 
 
-def dump_masks(dump: Dump) -> dict:
+def site_shape(site: str, config: ModelConfig, T: int) -> tuple[int, ...]:
+    """One sample's dropout mask at `site` (refpar/model/dropout.py)."""
+    return (config.n_head, T, T) if site == "attn" else (T, config.n_embd)
+
+
+def dump_masks(dump: Dump, tokens) -> dict:
+    """{(layer, site): the keep mask of the whole batch}, each (B, *site_shape)."""
     out = {}
     for key in dump.ranks[0]:
         if key.startswith("masks."):
             _, layer, site = key.split(".", 2)
-            parts = [a[key] for a in dump.ranks]
+            parts = [a.get(key) for a in dump.ranks]
             batch = dump.layout.get("inputs", "replicate") == "batch"
-            out[(int(layer), site)] = np.concatenate(parts) if batch else parts[0]
+            want = (tokens.shape[0], *site_shape(site, dump.config, tokens.shape[1]))
+            if batch and any(q is None or q.shape[1:] != want[1:] for q in parts):
+                raise CheckError(f"{key} must be on every rank, each shaped (its rows, "
+                                 f"{', '.join(map(str, want[1:]))})")
+            mask = np.concatenate(parts) if batch else parts[0]
+            if mask.shape != want:
+                raise CheckError(f"{key} has shape {mask.shape}; the batch's keep mask there is {want}")
+            out[(int(layer), site)] = mask
     return out
 
 
@@ -261,24 +185,8 @@ def reference(config, params, tokens, targets, layout, normalizer=None, masks=No
     own dropout masks instead of refpar's keyed ones."""
     ids = tuple(range(tokens.shape[0]))
     drop = DropoutContext(layout.get("seed", 0), layout.get("step", 0), ids, config.dropout)
-    if masks is None:
-        return loss_and_grads(params, tokens, targets, config, seed=drop.seed, step=drop.step,
-                              normalizer=normalizer)
-    drop = GivenMasks(masks, drop)
-    normalizer = tokens.size if normalizer is None else normalizer
-    x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
-    caches = []
-    for layer in range(config.n_layer):
-        x, c = block_forward(x, params, layer, config, drop)  # (B, T, C)
-        caches.append(c)
-    loss, c_head = head_forward(x, params, targets, config, normalizer)
-    dx, grads = head_backward(c_head)  # (B, T, C)
-    for c in reversed(caches):
-        dx, g = block_backward(dx, c)  # (B, T, C)
-        grads.update(g)
-    g = embed_backward(dx, c_embed)
-    add_embedding_grads(grads, g)  # tied
-    return float(loss), grads
+    return loss_and_grads(params, tokens, targets, config, seed=drop.seed, step=drop.step,
+                          normalizer=normalizer, drop=None if masks is None else GivenMasks(masks, drop))
 
 
 # ------------------------------------------------------------------------------------- causes
@@ -321,7 +229,7 @@ def explain(dump: Dump, params, grads, loss, tokens, targets, rows) -> dict:
         ref_grads = {k: sum(x[1][k] for x in per_rank) / len(rows) for k in per_rank[0][1]}
         claim(ref_loss, ref_grads, CAUSES["per-rank-loss"])
     if cfg.dropout > 0:
-        masks = dump_masks(dump)
+        masks = dump_masks(dump, tokens)
         if masks:
             ids = tuple(range(tokens.shape[0]))
             differ = [float(np.mean(m != keep_mask(lay.get("seed", 0), lay.get("step", 0), layer, site, ids,
@@ -349,8 +257,9 @@ def sp_layernorm_causes(dump: Dump, copies, ref_grads) -> dict:
     for name, parts in copies.items():
         if ".ln_" not in f".{name}" or name not in ref_grads:
             continue
-        if all(np.array_equal(parts[0], q) for q in parts[1:]):
-            continue
+        same = all(np.array_equal(parts[0], q) for q in parts[1:])
+        if same or not all(np.isfinite(q).all() for q in parts):
+            continue  # the same on every rank, or NaN/inf that no missing all-reduce explains
         if _agrees(sum(np.asarray(q, np.float64) for q in parts), ref_grads[name], dump.dtype):
             out[name] = CAUSES["sp-layernorm"].format(n=len(parts))
     return out
@@ -365,18 +274,23 @@ def check(directory: str) -> dict:
     missing = [k for k in param_shapes(cfg) if k not in params]
     if missing:
         raise CheckError(f"the dump has no weights for {missing[0]} (and {len(missing) - 1} more)")
+    for name, shape in param_shapes(cfg).items():
+        got = params[name].shape
+        padded = name == "wte.weight" and len(got) == 2 and got[0] >= shape[0] and got[1] == shape[1]
+        if got != shape and not padded:
+            raise CheckError(f"weights.{name} has shape {got}, but in this GPT-2 it is {shape}; check the "
+                             "model in layout.json and the tensor's split")
     params = {k: np.asarray(v, np.float64) for k, v in params.items()}
     tokens, targets, rows = inputs(dump)
     losses = [float(a["loss"]) for a in dump.ranks]
-    loss = losses[0] if lay.get("inputs", "replicate") == "replicate" else float(np.mean(losses))
+    # Python floats: one rank's inf loss beside another's -inf is a NaN mismatch, not a NumPy warning
+    loss = losses[0] if lay.get("inputs", "replicate") == "replicate" else sum(losses) / len(losses)
     ref_loss, ref_grads = reference(cfg, _strip(params, cfg), tokens, targets, lay)
 
     results = {"loss": measure(np.asarray(loss, dtype), ref_loss, dtype)}
-    for name, g in grads.items():
-        if name not in ref_grads:
-            raise CheckError(f"grads.{name} is not a parameter of GPT-2 with this model")
+    for name, g in grads.items():  # every name is a parameter's (load checked them)
         want = ref_grads[name]
-        if g.shape[0] > want.shape[0] and name == "wte.weight":  # padded rows: compare the real ones
+        if name == "wte.weight" and g.ndim == 2 and g.shape[0] > want.shape[0]:  # padded rows: the real ones
             g = g[:want.shape[0]]
         results[name] = measure(g, want, dtype)
     if any(r["verdict"] == "mismatch" for r in results.values()):

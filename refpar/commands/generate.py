@@ -60,21 +60,25 @@ def run(args) -> int:
     from refpar.analysis.presets import preset
     from refpar.analysis.serving import serving_table
     from refpar.comm.communicator import world
-    from refpar.config import ConfigError, ParallelConfig, model_preset, parse_mesh
+    from refpar.config import ConfigError, ParallelConfig, check_output_path, model_preset, parse_mesh
+    from refpar.serving.engine import check_serving
     from refpar.serving.requests import make_requests
     from refpar.serving.runner import ServeOptions, run_serving
     from refpar.serving.sampling import parse_sampling
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
-    config = model_preset(args.model, **({"dtype": args.dtype} if args.dtype else {}))
+    config = model_preset(args.model, **({"dtype": args.dtype} if args.dtype is not None else {}))
+    check_serving(config, sizes, args.max_batch)
+    sampling = parse_sampling(args.sampling, args.seed)  # first: it checks the seed the prompts use
     requests = make_requests(config, int_list(args.prompt_lens, "--prompt-lens"),
                              int_list(args.new_tokens, "--new-tokens"),
                              int_list(args.arrivals, "--arrivals"), args.seed)
-    sampling = parse_sampling(args.sampling, args.seed)
     spec, hw = preset(args.scale_model), hardware(args.hardware)
     for name in ("scale_gpus", "scale_batch", "scale_context"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.figure is not None:
+        check_output_path("--figure", args.figure)
     scale = serving_table(spec, hw, gpus=args.scale_gpus, batch=args.scale_batch,
                           context=args.scale_context)
     summary = run_serving(world(), sizes, config, requests, sampling,

@@ -19,26 +19,32 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from refpar import lessons
     from refpar.config import ConfigError
 
-    if not lessons.LESSONS.is_dir():
-        raise ConfigError(f"no lessons/ folder at {lessons.LESSONS}; the course comes with a clone of "
-                          "the repository (pip install -e . there)")
+    try:  # the course lives in the repository's lessons/ (lessons/course.py, lessons/checks.py)
+        from lessons import checks, course
+    except ModuleNotFoundError as err:
+        if err.name != "lessons":
+            raise
+        raise ConfigError("no lessons/ folder beside refpar/; the course comes with a clone of the "
+                          "repository (pip install -e . there)") from None
+    if args.action == "list" and args.number is not None:
+        raise ConfigError("refpar lesson list takes no number; drop it, or show one lesson with refpar "
+                          f"lesson show {args.number}")
+    if args.file is not None and args.action != "check":
+        raise ConfigError(f"--file names your answer for refpar lesson check; drop it from refpar lesson "
+                          f"{args.action}")
     if args.action == "list":
-        from refpar.lesson_checks import EXERCISES
-
-        for path in lessons.lesson_files():
+        exercises = checks.EXERCISES
+        for path in course.lesson_files():
             n = int(path.name[:2])
-            exercise = f"  (exercise: lessons/exercises/{EXERCISES[n].file})" if n in EXERCISES else ""
-            print(f"{n:2d}  {lessons.title(path)}{exercise}", flush=True)
+            exercise = f"  (exercise: lessons/exercises/{exercises[n].file})" if n in exercises else ""
+            print(f"{n:2d}  {course.title(path)}{exercise}", flush=True)
         return 0
     if args.number is None:
         raise ConfigError(f"refpar lesson {args.action} needs the lesson's number, e.g. "
                           f"refpar lesson {args.action} 1")
     if args.action == "show":
-        print(lessons.lesson_path(args.number).read_text(), end="", flush=True)
+        print(course.lesson_path(args.number).read_text(), end="", flush=True)
         return 0
-    from refpar.lesson_checks import check
-
-    return check(args.number, args.file)
+    return checks.check(args.number, args.file)

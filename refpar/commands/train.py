@@ -1,14 +1,19 @@
-"""`refpar train`: train GPT-2 on the synthetic Markov corpus and print the loss next to its floor.
+"""`refpar train`: train GPT-2 on the synthetic Markov corpus, on any mesh, and print the loss next
+to its floor (and, with --check, next to the single device's).
 
     refpar train --model tiny --steps 200
     refpar train --model tiny --steps 5 --json     # last line: the JSON summary (refpar.report)
+    mpiexec -n 8 refpar train --mesh dp=2,tp=2,pp=2 --zero 1 --microbatches 4 --check
+
+Every mesh takes one path: the options become a `Plan` (refpar/engine/plan.py), checked on every
+rank before any communication, and refpar/engine/report.py trains and reports.
 """
 
 from __future__ import annotations
 
 import argparse
-
-from refpar.commands import train_moe
+import math
+from pathlib import Path
 
 HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
 
@@ -54,13 +59,82 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, metavar="PATH",
                         help="write communication events as a Chrome trace (open in Perfetto) and, "
                              "for engine runs, PATH.jsonl")
-    from refpar.parallel import dp_runner, intra_layer_runner
-    from refpar.parallel.pipeline import runner as pipeline_runner
+    add_strategy_arguments(parser)
+    add_moe_arguments(parser)
 
-    dp_runner.add_arguments(parser)
-    intra_layer_runner.add_arguments(parser)
-    pipeline_runner.add_arguments(parser)
-    train_moe.add_arguments(parser)
+
+def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The strategies' options beyond the mesh: data parallelism, tp/sp/cp and the pipeline."""
+    from refpar.parallel.pipeline.schedules import BUILDERS
+
+    add = parser.add_argument
+    add("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+        help="ZeRO stage over each unit's replicas: 0 plain DP, 1 optimizer, 2 +gradients, 3 +parameters")
+    add("--fsdp", action="store_true", help="FSDP over each unit's replicas (ZeRO-3 by units)")
+    add("--prefetch", action="store_true", help="FSDP: gather the next block one piece early")
+    add("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+        help="FSDP: keep each block gathered from its forward to its backward")
+    add("--overlap", action="store_true",
+        help="DP: all-reduce each bucket as ring rounds interleaved with the rest of the backward")
+    add("--bucket-kb", type=float, default=None,
+        help="DP: gradient all-reduce bucket size in KiB (default: one bucket)")
+    add("--sp", action="store_true", help="TP: Megatron sequence parallelism over the tp axis")
+    add("--cp-algo", default=None, choices=("ring", "ulysses"),
+        help="how cp ranks share attention: ring (zig-zag ring attention, default) or ulysses")
+    add("--schedule", default=None, help=f"pipeline schedule: {', '.join(BUILDERS)} (default 1f1b)")
+    add("--schedule-csv", metavar="FILE", default=None,
+        help="a pipeline schedule of one's own in torch.distributed.pipelining's CSV (refpar schedule "
+             "KIND --csv writes one)")
+    add("--chunks", type=int, default=None,
+        help="model chunks per pipeline rank for interleaved-1f1b (default 2)")
+    add("--n-layer", type=int, default=None,
+        help="blocks of the model, replacing the preset's (each pipeline stage needs at least one)")
+
+
+# The options that shape the experts, with their defaults: without --moe-experts none applies.
+MOE_DEFAULTS = {"moe_topk": 1, "moe_layers": None, "capacity_factor": 1.25, "dropless": False,
+                "aux_loss_weight": 0.01, "z_loss_weight": 0.001}
+
+
+def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    d = MOE_DEFAULTS
+    group = parser.add_argument_group("Mixture of Experts (refpar/model/moe.py)")
+    group.add_argument("--moe-experts", type=int, default=0,
+                       help="experts per MoE block; 0 keeps GPT-2's MLP (default 0)")
+    group.add_argument("--moe-topk", type=int, default=d["moe_topk"],
+                       help="experts per token: 1 Switch, 2 Mixtral")
+    group.add_argument("--moe-layers", default=d["moe_layers"],
+                       help="blocks with experts, e.g. 1,3 (default: every block)")
+    drop = group.add_mutually_exclusive_group()
+    drop.add_argument("--capacity-factor", type=float, default=d["capacity_factor"],
+                      help="capacity = ceil(tokens * k * factor / experts) per expert (default 1.25)")
+    drop.add_argument("--dropless", action="store_true", help="no capacity: never drop a token")
+    group.add_argument("--aux-loss-weight", type=float, default=d["aux_loss_weight"],
+                       help="alpha of the Switch load-balancing loss (default 0.01)")
+    group.add_argument("--z-loss-weight", type=float, default=d["z_loss_weight"],
+                       help="beta of the router z-loss (default 0.001)")
+
+
+def model_overrides(args) -> dict:
+    """ModelConfig fields from the MoE options (empty without --moe-experts)."""
+    from refpar.config import ConfigError
+
+    if not args.moe_experts:
+        given = [name for name, default in MOE_DEFAULTS.items() if getattr(args, name, default) != default]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise ConfigError(f"{flag} shapes the experts of a Mixture of Experts; add --moe-experts E "
+                              f"or drop {flag}")
+        return {}
+    layers = None
+    if args.moe_layers is not None:
+        try:
+            layers = tuple(int(i) for i in args.moe_layers.split(",") if i.strip())
+        except ValueError:
+            raise ConfigError(f"--moe-layers {args.moe_layers!r} needs block numbers like 1,3") from None
+    return {"moe_experts": args.moe_experts, "moe_top_k": args.moe_topk, "moe_layers": layers,
+            "moe_capacity_factor": args.capacity_factor, "moe_dropless": args.dropless,
+            "moe_aux_loss_weight": args.aux_loss_weight, "moe_z_loss_weight": args.z_loss_weight}
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,13 +172,9 @@ def configs(args):
     if sizes["ep"] > 1 and not args.moe_experts:
         raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
                           f"E >= {sizes['ep']}")
-    for axis, size in sizes.items():
-        if size > 1:
-            raise ConfigError(f"mesh axis {axis}={size} is not implemented yet; run without --mesh "
-                              f"(or with {axis}=1) for the single-device reference")
     overrides = {k: v for k, v in (("dtype", precision_dtype(args)), ("dropout", args.dropout),
                                    ("n_layer", args.n_layer)) if v is not None}
-    model = model_preset(args.model, **overrides, **train_moe.model_overrides(args))
+    model = model_preset(args.model, **overrides, **model_overrides(args))
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         optimizer=args.optimizer, seed=args.seed,
                         fp32_grads=getattr(args, "fp32_grads", False),
@@ -114,128 +184,79 @@ def configs(args):
     return model, train, sizes
 
 
+def plan_of(args, sizes: dict[str, int], model):
+    """The Plan the options ask for (refpar/engine/plan.py checks it with the configs)."""
+    from refpar.config import ConfigError
+    from refpar.engine import Plan
+    from refpar.precision import dtype_of
+
+    if args.fsdp and args.zero:
+        raise ConfigError(f"--fsdp and --zero {args.zero} are two ways to shard; give one of them")
+    if args.bucket_kb is not None and (args.zero or args.fsdp):
+        raise ConfigError("--bucket-kb sizes plain DP's all-reduce buckets; drop it or use --zero 0")
+    if args.bucket_kb is not None and not 0 < args.bucket_kb < math.inf:  # nan too
+        raise ConfigError(f"--bucket-kb {args.bucket_kb:g} must be a positive finite size in KiB; give "
+                          "e.g. --bucket-kb 64")
+    bucket = 1 << 62
+    if args.bucket_kb is not None:  # a bucket holds gradients
+        bucket = int(args.bucket_kb * 1024 // (4 if args.fp32_grads else dtype_of(model.dtype).itemsize))
+    csv = None
+    if args.schedule_csv is not None:
+        path = Path(args.schedule_csv)
+        if not path.is_file():
+            raise ConfigError(f"--schedule-csv {path}: no such file; give the path of a schedule CSV "
+                              "(refpar schedule KIND --csv writes one)")
+        try:
+            csv = path.read_text()
+        except UnicodeDecodeError:
+            raise ConfigError(f"--schedule-csv {path} is not text; give a schedule CSV (refpar schedule "
+                              "KIND --csv writes one)") from None
+    return Plan(schedule=args.schedule, schedule_csv=csv, microbatches=args.microbatches, chunks=args.chunks,
+                sp=args.sp,
+                cp_algo=args.cp_algo, zero=args.zero, fsdp=args.fsdp, prefetch=args.prefetch,
+                reshard_after_forward=args.reshard_after_forward, bucket_elems=bucket, overlap=args.overlap)
+
+
 def run(args) -> int:
-    from refpar.config import ParallelConfig, parse_mesh
-    from refpar.parallel import dp_runner, intra_layer_runner
-    from refpar.parallel.pipeline import runner as pipeline_runner
-
-    sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
-    check_checkpoint_args(sizes, args)
-    check_precision_args(sizes, args)
     from refpar import backend
-
-    backend.use(args.backend, args.device)  # before any array exists: the runners draw through it
-    if args.moe_experts:  # MoE on one device or over dp x ep: refpar/commands/train_moe.py
-        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
-        return train_moe.run_cli(model, train, sizes, args)
-    from refpar.commands import train_engine
-
-    if train_engine.wants_engine(sizes, args):  # the N-D engine, refpar/engine.py (wants_engine says when)
-        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
-        return train_engine.run_cli(model, train, sizes, args)
-    if pipeline_runner.wants_pipeline(sizes, args):  # pp > 1 (with dp): refpar/parallel/pipeline/runner.py
-        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
-        return pipeline_runner.run_cli(model, train, sizes, args)
-    if intra_layer_runner.wants_intra_layer(sizes, args):  # TP, SP, CP (with dp): intra_layer_runner.py
-        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
-        return intra_layer_runner.run_cli(model, train, sizes, args)
-    if dp_runner.wants_data_parallel(sizes, args):  # DP, ZeRO and FSDP: refpar/parallel/dp_runner.py
-        model, train, _ = configs(argparse.Namespace(**{**vars(args), "mesh": None}))
-        return dp_runner.run_cli(model, train, sizes, args)
-    from refpar.cli import launcher_rank
-    from refpar.model import param_shapes
-    from refpar.report import loss_scaling_summary, run_summary, summary_line
-    from refpar.trainer import corpus_for, train_single_device
+    from refpar.engine import report, validate
 
     model, train, sizes = configs(args)
-    if args.backend != "numpy":
-        from refpar.config import ConfigError
+    check_checkpoint_args(sizes, args)
+    check_precision_args(sizes, args)
+    if args.trace is not None:
+        from refpar.config import check_output_path
 
-        raise ConfigError(f"--backend {args.backend} runs the parallel strategies (give --mesh); the "
-                          "single-device run is the NumPy reference every check compares with")
-    speak = launcher_rank() == 0
-    n_params = sum(_numel(shape) for shape in param_shapes(model).values())
-    floor = corpus_for(model, train).entropy_rate()
-    tokens_per_step = train.batch_size * train.seq_len
-    # About a dozen table rows whatever the length of the run, plus the first and the last step.
-    every = max(1, train.steps // 12)
-
-    def say(text: str) -> None:
-        if speak:
-            print(text, flush=True)
-
-    say(f"{'Llama' if model.arch == 'llama' else 'GPT-2'} {args.model}: {model.n_layer} layers, "
-        f"{model.n_embd} channels, {model.n_head} heads, "
-        f"{n_params:,} parameters, {precision_label(model.dtype)}, dropout {model.dropout}, 1 device")
-    say(f"data: Markov chain over {model.vocab_size} tokens, batch {train.batch_size} x {train.seq_len} "
-        f"tokens; loss floor (entropy rate) {floor:.4f}")
-    scaled = model.dtype == "float16"  # fp16-mixed: show the loss scale and the skipped steps
-    say(f"{'step':>6} {'loss':>9} {'floor':>9} {'tokens/s':>10}"
-        + (f" {'loss scale':>11} {'skipped':>8}" if scaled else ""))
-
-    shown: list[int] = []
-
-    def row(r) -> None:
-        if not shown or (r.step + 1) % every == 0 or r.step == train.steps - 1 or r.skipped:
-            say(f"{r.step + 1:>6} {r.loss:>9.4f} {floor:>9.4f} {tokens_per_step / r.time_s:>10,.0f}"
-                + (f" {r.loss_scale:>11g} {r.skipped_total:>8}" if scaled else ""))
-            shown.append(r.step)
-
-    result = train_single_device(model, train, on_step=row, save=args.save,
-                                 save_every=args.save_every, resume=args.resume)
-    # The mean of the last ten steps, since one batch's loss is noisy.
-    tail = result.losses[-10:]
-    first, last = result.losses[0], sum(tail) / len(tail)
-    gap = first - floor
-    progress = f", {100 * (first - last) / gap:.0f}% of the way to the floor" if gap > 0 else ""
-    say(f"loss {first:.4f} at step {result.first_step + 1}, {last:.4f} over the last {len(tail)} "
-        f"steps{progress}; {result.step_time_s * 1e3:.1f} ms per step")
-    if args.json:
-        summary = run_summary(model, train, result.losses, mesh=sizes, world_size=1,
-                              step_time_s=result.step_time_s, loss_floor=floor,
-                              loss_scaling=loss_scaling_summary(result.loss_scales,
-                                                                result.skipped_steps))
-        say(summary_line(summary))
-    return 0
+        check_output_path("--trace", args.trace)
+    plan = plan_of(args, sizes, model)
+    validate(model, train, sizes, plan)  # on every rank, before any communication
+    backend.use(args.backend, args.device)  # before any array exists: the run draws through it
+    return report.run(model, train, sizes, plan, args)
 
 
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:
-    """--save and --resume exist for one device, the dp/ZeRO/FSDP, tp/sp/cp, pipeline and MoE
-    runners and the N-D engine (refpar/checkpoint.py)."""
-    from refpar.config import ConfigError
+    """--save and --resume exist for every mesh (refpar/checkpoint.py)."""
+    from refpar.config import ConfigError, check_output_path
 
     if args.save_every is not None and (args.save is None or args.save_every < 1):
         raise ConfigError("--save-every N needs --save DIR and N >= 1")
+    if args.save is not None:
+        check_output_path("--save", args.save, directory=True)
+    if args.resume == "":
+        raise ConfigError("--resume needs a directory written by --save")
     if (args.save or args.resume) and getattr(args, "backend", "numpy") != "numpy":
         raise ConfigError(f"--save and --resume read and write NumPy arrays; drop them or --backend "
                           f"{args.backend}")
 
 
-def precision_label(dtype: str) -> str:
-    """"float64", or for mixed runs e.g. "bf16-mixed (bfloat16 weights and activations, fp32 master
-    weights)", for the header line of a run."""
-    from refpar.precision import is_16bit, precision_of
-
-    if not is_16bit(dtype):
-        return dtype
-    return f"{precision_of(dtype)} ({dtype} weights and activations, fp32 master weights)"
-
-
 def check_precision_args(sizes: dict[str, int], args) -> None:
-    """Mixed precision runs on every mesh and backend NumPy."""
+    """Mixed precision runs on every mesh, on NumPy and on torch."""
     from refpar.config import ConfigError
     from refpar.precision import PRECISIONS, is_16bit
 
     precision = getattr(args, "precision", None)
     if precision is None or not is_16bit(PRECISIONS[precision]):
         return
-    if getattr(args, "backend", "numpy") != "numpy":
-        raise ConfigError(f"--precision {precision} runs on the NumPy backend (its 16-bit arrays are "
-                          f"NumPy's and ml_dtypes'); drop --backend {args.backend}")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    if getattr(args, "backend", "numpy") == "cupy":
+        raise ConfigError(f"--precision {precision} runs on --backend numpy or torch, not on CuPy "
+                          f"(which has no bfloat16); drop --backend cupy")

@@ -95,6 +95,14 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
     ("fsdp x tp x pp", 8, ("--mesh", "dp=2,tp=2,pp=2", "--fsdp", "--microbatches", "2")),
     ("zero-3 x tp+sp x cp", 4, ("--mesh", "cp=2,tp=2", "--sp", "--zero", "3", "--cp-algo", "ulysses",
                                 "--microbatches", "2")),
+    # the V-shaped and bidirectional schedules: two stages per rank, an overlapped F&B, two copies
+    ("pp zbv", 2, ("--mesh", "pp=2", "--schedule", "zbv", "--microbatches", "4")),
+    ("zero-1 x v-half", 4, ("--mesh", "dp=2,pp=2", "--zero", "1", "--schedule", "v-half",
+                            "--microbatches", "4")),
+    ("tp x v-min", 4, ("--mesh", "tp=2,pp=2", "--schedule", "v-min", "--microbatches", "4")),
+    ("pp dualpipev", 2, ("--mesh", "pp=2", "--schedule", "dualpipev", "--microbatches", "4")),
+    ("zero-3 x dualpipe", 4, ("--mesh", "dp=2,pp=2", "--zero", "3", "--schedule", "dualpipe",
+                              "--microbatches", "4")),
     # One mixed-precision row in every matrix (its own precision whatever --precision says).
     ("tp+sp bf16", 2, ("--mesh", "tp=2", "--sp", "--precision", "bf16-mixed")),
 ]

@@ -18,15 +18,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from refpar.config import ModelConfig, TrainConfig
+from refpar.config import ModelConfig, Plan, TrainConfig
 from refpar.conformance.compare import step_row, worst
 from refpar.conformance.torch_model import build, qkv_row_order, to_gpt2_layout, to_torch_layout
-from refpar.memory import MemoryLedger
+from refpar.engine import parallelize, train
+from refpar.holdings import microbatch_samples
+from refpar.mesh import DeviceMesh
 from refpar.model.gpt import init_params
-from refpar.parallel.units import microbatch_ids, train_step
 from refpar.trainer import corpus_for
-
-CONVENTIONS = ("global", "mean")
 
 
 def configs(dtype: str, n_layer: int = 2, batch_size: int = 8, steps: int = 3):
@@ -56,10 +55,25 @@ def gpt2(name: str, t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(to_gpt2_layout(name, t.detach().numpy()))
 
 
+def run_steps(model, train_cfg, comm, sizes: dict, plan: Plan, each) -> list[dict]:
+    """Trains refpar's side with the engine on `comm` as `sizes` and `plan` say; after each of its
+    steps, `each(par, step, loss)` runs the torch side's step and returns the comparison row."""
+    par = parallelize(model, train_cfg, DeviceMesh(comm, sizes), plan)
+    rows = []
+    train(par, lambda step, loss, *_: rows.append(each(par, step, loss)))
+    return rows
+
+
+def held_grads(par) -> dict:
+    """This rank's summed gradients by name (plain DP's flat buffer; tp shards under tp)."""
+    u, g = par.hooks.units, par.hooks.grads
+    return {n: np.array(v) for k in u.names for n, v in u.views(k, u.slice(k, g)).items()}
+
+
 # ------------------------------------------------------------------------------------------- DDP
 def ddp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8,
         microbatches: int = 1) -> list[dict]:
-    """torch DDP against refpar.parallel.data_parallel.DataParallel on dp = world, accumulating
+    """torch DDP against refpar's DP (refpar/parallel/data_parallel.py) on dp = world, accumulating
     `microbatches` per step (DDP's `no_sync` until the last). refpar normalises every microbatch
     by B*T and sums; the "mean" convention takes each microbatch's own mean and does not divide by
     the number of microbatches, the usual accumulation bug: gradients about that many times too
@@ -68,25 +82,21 @@ def ddp(comm, dtype: str = "float64", convention: str = "global", batch_size: in
 
     from torch.nn.parallel import DistributedDataParallel
 
-    from refpar.parallel.data_parallel import DataParallel
-
-    model, train = configs(dtype, batch_size=batch_size)
-    N, r, B, T = comm.size, comm.rank, train.batch_size, train.seq_len
-    full = init_params(model, train.seed)
-    ours = DataParallel(model, train, comm, MemoryLedger(), full)
+    model, train_cfg = configs(dtype, batch_size=batch_size)
+    N, r, B, T = comm.size, comm.rank, train_cfg.batch_size, train_cfg.seq_len
+    full = init_params(model, train_cfg.seed)
     net = DistributedDataParallel(build(model, full, getattr(torch, dtype)))
-    opt = adamw(net, train)
-    corpus = corpus_for(model, train)
-    rows = []
-    for step in range(train.steps):
-        loss = train_step(ours, corpus, step, microbatches)
-        grads = {n: v.copy() for u in ours.layout.units
-                 for n, v in ours.layout.views(u, ours.unit_flat(u, ours.grads)).items()}
+    opt = adamw(net, train_cfg)
+    corpus = corpus_for(model, train_cfg)
+    sizes = {"dp": N, "pp": 1, "ep": 1, "cp": 1, "tp": 1}
 
+    def each(par, step, loss):
+        grads = held_grads(par)
         opt.zero_grad()
         reported = torch.zeros((), dtype=getattr(torch, dtype))
         for m in range(microbatches):
-            tokens, targets = corpus.batch(step, microbatch_ids(B, N, r, microbatches, m), T)
+            ids = microbatch_samples(model, B, microbatches, sizes, {"dp": r}, m)
+            tokens, targets = corpus.batch(step, ids, T)
             with net.no_sync() if m < microbatches - 1 else nullcontext():
                 out = token_loss(net(torch.from_numpy(tokens)), torch.from_numpy(targets), tokens.size,
                                  N, B, T, convention)
@@ -96,9 +106,10 @@ def ddp(comm, dtype: str = "float64", convention: str = "global", batch_size: in
         dist.all_reduce(reported)  # DDP averages gradients, so the loss it optimises is the average
         theirs = {n: gpt2(n, p.grad) for n, p in net.module.named_parameters()}
         params = {n: gpt2(n, p) for n, p in net.module.named_parameters()}
-        rows.append(step_row(loss, float(reported) / N, worst(theirs, grads),
-                             worst(params, ours.full_params())))
-    return rows
+        return step_row(loss, float(reported) / N, worst(theirs, grads),
+                        worst(params, par.hooks.full_params()))
+
+    return run_steps(model, train_cfg, comm, sizes, Plan(microbatches=microbatches), each)
 
 
 # ----------------------------------------------------------------------------------------- FSDP2
@@ -106,35 +117,31 @@ def fsdp2(comm, dtype: str = "float64", convention: str = "global", batch_size: 
     """FSDP2 (`fully_shard` on every block, then the root) against refpar's FSDP (ZeRO-3 units).
 
     The two shard differently: FSDP2 splits every parameter on dim 0 (torch.chunk: ceil-sized
-    pieces, the last ones shorter or empty); refpar splits each unit's flat buffer (root: wte, wpe,
-    ln_f; one per block) with shard_range. Each rank compares both of its shards: FSDP2's against
+    pieces, the last ones shorter or empty); refpar splits each unit's flat buffer (wte; the root of
+    wpe and ln_f; one per block) with shard_range. Each rank compares both of its shards: FSDP2's against
     the same rows of refpar's reassembled gradient, refpar's against the same elements of FSDP2's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from refpar.parallel.fsdp import FSDP
-
-    model, train = configs(dtype, batch_size=batch_size)
-    N, r, B, T = comm.size, comm.rank, train.batch_size, train.seq_len
-    full = init_params(model, train.seed)
-    ours = FSDP(model, train, comm, MemoryLedger(), full)
-    lay = ours.layout
+    model, train_cfg = configs(dtype, batch_size=batch_size)
+    N, r, B, T = comm.size, comm.rank, train_cfg.batch_size, train_cfg.seq_len
+    full = init_params(model, train_cfg.seed)
     net = build(model, full, getattr(torch, dtype))
     mesh = init_device_mesh("cpu", (N,))
     for block in net.h:
         fully_shard(block, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    opt = adamw(net, train)
-    corpus = corpus_for(model, train)
-    rows = []
-    for step in range(train.steps):
-        loss = train_step(ours, corpus, step, 1)
-        whole = {}
-        for u in lay.units:
-            flat = comm.all_gather(ours.grad_shards[u], tag=f"{u}:grads:check", counts=ours.counts[u])
-            whole.update({n: v.copy() for n, v in lay.views(u, flat).items()})
+    opt = adamw(net, train_cfg)
+    corpus = corpus_for(model, train_cfg)
+    sizes = {"dp": N, "pp": 1, "ep": 1, "cp": 1, "tp": 1}
 
-        tokens, targets = corpus.batch(step, microbatch_ids(B, N, r, 1, 0), T)
+    def each(par, step, loss):
+        ours, lay = par.hooks, par.hooks.units
+        whole = {}
+        for u in lay.names:
+            flat = comm.all_gather(ours.grad_shards[u], tag=f"{u}:grads:check", counts=lay.counts[u])
+            whole.update({n: v.copy() for n, v in lay.views(u, flat).items()})
+        tokens, targets = corpus.batch(step, microbatch_samples(model, B, 1, sizes, {"dp": r}, 0), T)
         opt.zero_grad()
         out = token_loss(net(torch.from_numpy(tokens)), torch.from_numpy(targets), tokens.size, N, B, T,
                          convention)
@@ -151,12 +158,12 @@ def fsdp2(comm, dtype: str = "float64", convention: str = "global", batch_size: 
             theirs_rows[n] = local.detach().numpy()
             want_rows[n] = to_torch_layout(n, whole[n])[lo:lo + local.shape[0]]
         g_fsdp = worst(theirs_rows, want_rows)
-        g_ours = worst({u: lay.flatten(u, theirs_full)[slice(*ours.own[u])] for u in lay.units},
-                       {u: ours.grad_shards[u] for u in lay.units})
+        g_ours = worst({u: lay.flatten(u, theirs_full)[slice(*lay.own[u])] for u in lay.names},
+                       {u: ours.grad_shards[u] for u in lay.names})
         params = {n: gpt2(n, p.full_tensor()) for n, p in net.named_parameters()}
-        rows.append(step_row(loss, float(reported) / N, max(g_fsdp, g_ours),
-                             worst(params, ours.full_params())))
-    return rows
+        return step_row(loss, float(reported) / N, max(g_fsdp, g_ours), worst(params, ours.full_params()))
+
+    return run_steps(model, train_cfg, comm, sizes, Plan(fsdp=True), each)
 
 
 # ------------------------------------------------------------------------------------ DTensor TP
@@ -183,17 +190,12 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
         parallelize_module,
     )
 
-    from refpar.mesh import DeviceMesh
-    from refpar.model.gpt import DropoutContext
-    from refpar.model.optim import optimizer_step
-    from refpar.parallel.intra_layer import IntraLayerTrainer, loss_and_grads
-    from refpar.parallel.sequence_parallel import all_reduce_sequence_parallel_grads
-    from refpar.parallel.tensor_parallel import tp_param_slices
+    from refpar.engine.report import full_params
+    from refpar.holdings import tp_param_slices
 
-    model, train = configs(dtype, batch_size=batch_size)
-    N, r, B, T = comm.size, comm.rank, train.batch_size, train.seq_len
-    full = init_params(model, train.seed)
-    ours = IntraLayerTrainer(model, train, DeviceMesh(comm, {"tp": N}), MemoryLedger(), sp=sp)
+    model, train_cfg = configs(dtype, batch_size=batch_size)
+    N, r, B, T = comm.size, comm.rank, train_cfg.batch_size, train_cfg.seq_len
+    full = init_params(model, train_cfg.seed)
     slices = tp_param_slices(model, N, r)
 
     order = qkv_row_order(model.n_embd, model.head_size, N)
@@ -216,7 +218,7 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
                  "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))}
     for block in net.h:
         parallelize_module(block, mesh, plan)
-    opt = adamw(net, train)
+    opt = adamw(net, train_cfg)
 
     def forward(tokens):
         if not sp:
@@ -229,20 +231,14 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
         x = DTensor.from_local(x, mesh, [Shard(1)]).redistribute(mesh, [Replicate()])
         x = x.to_local()  # (B, T, C)
         return net.ln_f(x) @ net.wte.weight.t()  # (B, T, V)
-    corpus = corpus_for(model, train)
+    corpus = corpus_for(model, train_cfg)
 
     def unpermute(n, a):  # GPT-2 layout, c_attn back in q, k, v order
         return a[..., undo] if ".attn.c_attn." in n else a
 
-    rows = []
-    for step in range(train.steps):
-        tokens, targets = corpus.batch(step, ours.sample_ids, T)
-        drop = DropoutContext(train.seed, step, ours.sample_ids, model.dropout, True)
-        loss, grads = loss_and_grads(ours.params, tokens, targets, ours.lay, drop, B * T, ours.acts)
-        if sp:
-            all_reduce_sequence_parallel_grads(grads, model, ours.mesh.tp)
-        ours.params, ours.state = optimizer_step(ours.params, grads, ours.state, train)
-
+    def each(par, step, loss):
+        grads = held_grads(par)  # this rank's shards, the sequence-sharded region summed over tp
+        tokens, targets = corpus.batch(step, range(B), T)
         opt.zero_grad()
         logits = forward(torch.from_numpy(tokens))  # (B, T, V)
         out = torch.nn.functional.cross_entropy(logits.reshape(-1, model.vocab_size),
@@ -264,7 +260,7 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
                 theirs[n] = gpt2(n, p.grad)
         params = {n: unpermute(n, gpt2(n, p.full_tensor() if isinstance(p, DTensor) else p))
                   for n, p in net.named_parameters()}
-        want = {n: np.asarray(g) for n, g in grads.items()}
-        rows.append(step_row(loss, float(out.detach()), worst(theirs, want),
-                             worst(params, ours.full_params())))
-    return rows
+        return step_row(loss, float(out.detach()), worst(theirs, grads), worst(params, full_params(par)))
+
+    sizes = {"tp": N, "pp": 1, "dp": 1, "ep": 1, "cp": 1}
+    return run_steps(model, train_cfg, comm, sizes, Plan(sp=sp), each)

@@ -30,9 +30,9 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.conformance.cases import configs, gpt2
 from refpar.conformance.dist import process_group
 from refpar.conformance.torch_model import build, qkv_row_order
+from refpar.holdings import microbatch_samples
 from refpar.model.dropout import keep_mask
 from refpar.model.gpt import init_params, param_shapes
-from refpar.parallel.units import microbatch_ids
 from refpar.sharding import shard_range
 from refpar.trainer import corpus_for
 
@@ -140,7 +140,7 @@ def ddp_scenarios(comm, root: Path) -> None:
         model, train = configs("float64", batch_size=2 * N + 1)  # uneven: 3 and 2 on 2 ranks
         model = replace(model, dropout=dropout)
         B, T = train.batch_size, train.seq_len
-        ids = microbatch_ids(B, N, r, 1, 0)
+        ids = microbatch_samples(model, B, 1, {"dp": N, "ep": 1}, {"dp": r}, 0)
         tokens, targets = corpus_for(model, train).batch(STEP, ids, T)
         layout = {"model": model_fields(model), "ranks": N, "axis": "dp", "inputs": "batch",
                   "seed": train.seed, "step": STEP}

@@ -14,8 +14,8 @@ torch's schedules divide the gradients by the number of microbatches after backw
 microbatches are equal; here the torch side takes refpar's ("global": loss_fn = token sum / (B*T),
 scale_grads=False), and "mean" takes torch's default.
 
-The tied wte sits on the first and the last stage; as in Megatron (and refpar's executor) its two
-gradients are summed after the backward, so both copies take the same update.
+The tied wte sits on the first and the last stage; as in Megatron (and refpar's data-parallel hooks)
+its two gradients are summed after the backward, so both copies take the same update.
 """
 
 from __future__ import annotations
@@ -26,16 +26,11 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipe
 from torch import nn
 
-from refpar.config import ModelConfig, TrainConfig
-from refpar.conformance.cases import adamw
+from refpar.config import ModelConfig, Plan, TrainConfig
+from refpar.conformance.cases import adamw, held_grads, run_steps
 from refpar.conformance.compare import step_row, worst
 from refpar.conformance.torch_model import Block, to_gpt2_layout, to_torch_layout
-from refpar.memory import MemoryLedger
-from refpar.mesh import DeviceMesh
 from refpar.model.gpt import init_params
-from refpar.model.optim import optimizer_init, optimizer_step
-from refpar.parallel.pipeline.executor import PipelineExecutor
-from refpar.parallel.pipeline.runner import microbatches as split
 from refpar.parallel.pipeline.schedules import build
 from refpar.sharding import shard_range
 from refpar.trainer import corpus_for
@@ -118,11 +113,6 @@ def pipelining(comm, name: str, dtype: str = "float64", convention: str = "globa
     B, T = train.batch_size, train.seq_len
     full = init_params(model, train.seed)
 
-    mesh = DeviceMesh(comm, {"pp": p})
-    executor = PipelineExecutor(build(kind, p, m, v), model, mesh.pp, MemoryLedger())
-    ours = {n: full[n] for n in executor.param_names()}
-    state = optimizer_init(ours, train)
-
     tdtype = getattr(torch, dtype)
     modules, stages = [], []
     for s in stage_indices(placement, p, v, r):
@@ -144,14 +134,10 @@ def pipelining(comm, name: str, dtype: str = "float64", convention: str = "globa
              else cls(stages, m, loss_fn=loss_fn, scale_grads=scale))
     opt = adamw(nn.ModuleList(modules), train)
     corpus = corpus_for(model, train)
-    rows = []
-    for step in range(train.steps):
-        tokens, targets = corpus.batch(step, range(B), T)
-        loss, grads = executor.step(ours, split(tokens, targets, 0, m), step=step, seed=train.seed,
-                                    normalizer=B * T)
-        ours, state = optimizer_step(ours, grads, state, train)
-        loss = float(mesh.world.all_reduce(np.array([loss]), tag="loss")[0])
 
+    def each(par, step, loss):
+        grads, ours = held_grads(par), par.hooks.full_params()
+        tokens, targets = corpus.batch(step, range(B), T)
         opt.zero_grad()
         losses = []
         has_first = any(st.is_first for st in stages)
@@ -176,11 +162,12 @@ def pipelining(comm, name: str, dtype: str = "float64", convention: str = "globa
         mine_p = {n: to_gpt2_layout(n, w.detach().numpy()) for mod in modules
                   for n, w in mod.named_parameters()}
         every = comm.gather_object((mine_g, mine_p, grads, ours))
-        if r == 0:
-            merged = [{k: v for part in every for k, v in part[i].items()} for i in range(4)]
-            rows.append(step_row(loss, float(torch_loss[0]), worst(merged[0], merged[2]),
-                                 worst(merged[1], merged[3])))
-        else:
-            rows.append(step_row(1.0, 1.0, (0.0, ""), (0.0, "")))
+        if r != 0:
+            return step_row(1.0, 1.0, (0.0, ""), (0.0, ""))
+        merged = [{k: v for part in every for k, v in part[i].items()} for i in range(4)]
+        return step_row(loss, float(torch_loss[0]), worst(merged[0], merged[2]), worst(merged[1], merged[3]))
+
+    rows = run_steps(model, train, comm, {"pp": p, "dp": 1, "ep": 1, "cp": 1, "tp": 1},
+                     Plan(schedule=kind, microbatches=m, chunks=v), each)
     orders = {"torch": torch_order(sched), "refpar": refpar_order(same_idea, p, m, v) if same_idea else None}
     return rows, orders

@@ -50,8 +50,8 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     (the strategies, serving) starts here, so a Llama config is refused here."""
     if config.arch != "gpt2":
         raise ConfigError(f"this path runs GPT-2 (refpar/model/gpt.py) but the model is "
-                          f"arch={config.arch!r}, which runs on one device so far: use refpar.model, "
-                          "or `refpar train` without --mesh or --moe-experts")
+                          f"arch={config.arch!r}: use refpar.model's functions, which dispatch by arch, "
+                          "or `refpar train`, whose engine runs both families")
     V, P, C = config.vocab_size, config.n_positions, config.n_embd
     shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, C), "wpe.weight": (P, C)}
     for i in range(config.n_layer):
@@ -289,11 +289,12 @@ def forward(params, tokens, config: ModelConfig):
 
 
 def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step=0, sample_ids=None,
-                   normalizer=None, training=True, moe=None, dloss=1.0, grad_dtype=None):
+                   normalizer=None, training=True, moe=None, dloss=1.0, grad_dtype=None, drop=None):
     """Mean cross-entropy over the batch (sum / normalizer, default B*T), plus the router losses of
     the MoE blocks (`moe`: their layer object, default the single-device one), and every parameter's
     gradient. Dropout masks are keyed by (seed, step, layer, site, sample id): `sample_ids` are the
-    batch rows' global ids (default 0..B-1), so a data-parallel shard drops what one device drops.
+    batch rows' global ids (default 0..B-1), so a data-parallel shard drops what one device drops;
+    `drop` replaces that DropoutContext (refpar check replays the masks a dump applied).
     Mixed precision: backward starts from `dloss` (the fp16 loss scale; the gradients come out
     multiplied by it, the returned loss does not; a `moe` layer given must carry the same
     `grad_scale` for its router losses); gradients leave each op in the parameters' dtype
@@ -303,7 +304,7 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step
     B, T = tokens.shape
     sample_ids = tuple(range(B)) if sample_ids is None else tuple(int(s) for s in sample_ids)
     normalizer = B * T if normalizer is None else normalizer
-    drop = DropoutContext(seed, step, sample_ids, config.dropout, training)
+    drop = DropoutContext(seed, step, sample_ids, config.dropout, training) if drop is None else drop
     if moe is None and dloss != 1.0 and config.moe_blocks:
         moe = MoELayer(grad_scale=dloss)  # the router losses' gradients scale with the rest
 

@@ -16,15 +16,25 @@ import math
 
 from array_api_compat import array_namespace, device
 
-from refpar.precision import fp32_compute
+from refpar.backend import as_like
+from refpar.precision import fp32_compute, is_16bit
 
 GELU_C = math.sqrt(2.0 / math.pi)  # tanh-GELU (Hendrycks & Gimpel 2016), as GPT-2 uses it
 
 
-def as_like(a, like):
-    """`a` (e.g. a NumPy mask or token batch) as an array of `like`'s namespace and device."""
-    xp = array_namespace(like)
-    return xp.asarray(a, device=device(like))
+def compute(x):
+    """x in float32 when it is 16-bit (an op reads 16-bit inputs and computes in float32, as a
+    tensor-core GEMM accumulates), else x itself: `fp32_compute` by hand, for the strategies' pieces
+    that communicate between their ops."""
+    if x is None or not is_16bit(x.dtype):
+        return x
+    xp = array_namespace(x)
+    return xp.astype(x, xp.float32)
+
+
+def rounded(x, dtype):
+    """An op's float32 result rounded once to the activation dtype (x itself when it has it)."""
+    return x if x.dtype == dtype else array_namespace(x).astype(x, dtype)
 
 
 def one_hot(idx, n: int, dtype):

@@ -102,8 +102,9 @@ def init_params(config: ModelConfig, seed: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- embed
-def embed_forward(tokens, params):
-    """tokens (B, T) -> x (B, T, C)."""
+def embed_forward(tokens, params, drop=None):
+    """tokens (B, T) -> x (B, T, C). `drop`, GPT-2's dropout context, is accepted so that a pipeline
+    stage calls either family's pieces alike; Llama has no dropout."""
     return token_embedding_forward(tokens, params[EMBED])
 
 
@@ -127,11 +128,11 @@ def _positions(x, T, positions):
     return positions
 
 
-def block_forward(x, params, layer: int, config: ModelConfig, positions=None, moe=None):
+def block_forward(x, params, layer: int, config: ModelConfig, drop=None, positions=None, moe=None):
     """x (B, T, C) -> y (B, T, C): x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm(.)).
     `positions` (T,) are the global positions of x's rows (default 0..T-1): they set both RoPE's
     angles and the causal mask. In the blocks of `config.moe_blocks` the MLP is `moe.forward`
-    (default the single-device `MixtralMoELayer`)."""
+    (default the single-device `MixtralMoELayer`). `drop` as in `embed_forward`."""
     p = f"model.layers.{layer}."
     P = params
     T = x.shape[1]

@@ -61,8 +61,6 @@ from refpar.model.layers import (
 )
 from refpar.precision import fp32_compute
 
-EXPERT_LINEARS = ("c_fc", "c_proj")
-
 
 def router_name(layer: int) -> str:
     return f"h.{layer}.mlp.router.weight"

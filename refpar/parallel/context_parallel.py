@@ -36,6 +36,7 @@ over c blocks that rounded at every hop would add c roundings), rounded once at 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 from array_api_compat import array_namespace, device
@@ -43,8 +44,8 @@ from array_api_compat import array_namespace, device
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
-from refpar.model.layers import as_like
-from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp, compute, rounded
+from refpar.model.layers import as_like, compute, rounded
+from refpar.parallel.tensor_parallel import Layout, tp_layout
 from refpar.sharding import shard_range, shard_sizes
 
 CP_ALGOS = ("ring", "ulysses")
@@ -85,14 +86,12 @@ def check_cp(config: ModelConfig, seq_len: int, cp: int, algo: str, tp: int) -> 
 
 
 def cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm=None) -> Layout:
-    t, tr = (1, 0) if tp_comm is None else (tp_comm.size, tp_comm.rank)
-    check_tp(config, t)
-    check_cp(config, seq_len, cp_comm.size, algo, t)
+    """tp's layout (its heads and vocabulary rows) on this cp rank's positions, attention by `algo`."""
+    lay = tp_layout(config, seq_len, tp_comm)
+    check_cp(config, seq_len, cp_comm.size, algo, 1 if tp_comm is None else tp_comm.size)
     pos = cp_positions(seq_len, cp_comm.size, cp_comm.rank, algo)
     core = RingAttention(cp_comm) if algo == "ring" else UlyssesAttention(cp_comm)
-    return Layout(config, seq_len, tp_comm, TP_PAIR if t > 1 else NO_PAIR,
-                  shard_range(config.n_head, t, tr), shard_range(config.vocab_size, t, tr),
-                  pos, pos, core)
+    return replace(lay, region_pos=pos, resid_pos=pos, attention=core)
 
 
 def _scores(q, k, q_pos, k_pos):

@@ -1,29 +1,31 @@
-"""Data parallelism: every rank holds the whole model and a slice of the global batch.
+"""Data parallelism: the replicas of a unit each see a slice of the batch; their gradients are summed.
 
     mpiexec -n 2 python -m refpar train --mesh dp=2 --check
+    mpiexec -n 4 python -m refpar train --mesh dp=4 --bucket-kb 24 --overlap --check
 
-Each dp rank takes its `shard_range` of the global batch's sample ids, runs forward and backward
-on it (in micro-batches, gradients accumulating in one flat buffer), and the ranks all-reduce
-(sum) the gradients. The loss is normalised by the *global* token count B*T on every rank, so
-the sum over ranks is the single device's mean and the summed gradients are its gradients; no
-rank ever divides by its own batch size.
+Legend: Ψl the elements this rank holds, laid end to end as its units (refpar/parallel/units.py).
 
-The all-reduce is done in buckets, as PyTorch DDP does: whole parameters taken from the end of
-the flat buffer (the last block's gradients are complete first), a bucket sent as soon as the
-backward of every parameter in it is finished, during the last micro-batch only (earlier ones
-just accumulate). Per rank per step that is 2(N-1)/N·Ψ elements for a ring all-reduce.
+Each unit's replica group (dp, or dp x cp, or a MoE model's dp x ep x cp for its dense weights)
+holds the same weights and sees different tokens. The loss is normalised by the *global* token
+count B*T on every rank, so the sum over a group of its ranks' gradients is the single device's
+gradient; no rank ever divides by its own batch size.
 
-With overlap=True a bucket is not all-reduced by one blocking call but by a `Ring` (ring.py): the
-ring's 2(N-1) rounds written out as isend/irecv, one round advanced each time another unit's
+The sum is done in buckets, as PyTorch DDP does: whole parameters taken from the end of each
+group's run of the flat buffer (the last block's gradients are complete first), a bucket sent as
+soon as every unit in it has its gradient complete, in the step's last microbatch (earlier ones
+just accumulate). Per rank and step that is 2(N-1)/N·Ψl elements for a ring all-reduce.
+
+With `overlap` a bucket is not all-reduced by one blocking call but by a `Ring` (ring.py): the
+ring's 2(N-1) rounds written out as isend/irecv, one round advanced each time another piece's
 backward finishes, so the messages of bucket k are in flight while the backward of the next
 blocks computes (the trace shows bucket k's sends ending after bucket k+1's begin). Same bytes.
 
-Ledger: params 8Ψ, grads 8Ψ (+ the largest dict a backward piece returns, until it is folded
-in), optimizer 16Ψ (AdamW m, v), comm one bucket's all-reduce output (overlap: the send copy and
-receive buffer of each round in flight). bf16/fp16-mixed: params 2Ψ, grads 2Ψ (all-reduced in 16
-bits), master 4Ψ, optimizer 8Ψ: the ZeRO paper's 16Ψ. --fp32-grads keeps the 16-bit gradient
-backward writes (2Ψ) beside an fp32 accumulator (4Ψ, all-reduced in fp32): the Playbook's 20Ψ. With fp16
-every rank checks its all-reduced (identical) gradients for overflow, so no flag is exchanged.
+After the backward the partial sums follow (`Hooks.partial_sums`: the tied wte, DualPipe's two
+copies of every part over the mesh's mirror group, pipeline ranks r and p-1-r, the
+sequence-sharded region). Ledger: params Ψl, grads Ψl (+ the largest dict a backward piece
+returns, until it is folded in), optimizer 2Ψl (AdamW m, v), comm one bucket's all-reduce output
+(overlap: the send copy and receive buffer of each round in flight); in mixed precision the ZeRO
+paper's 16Ψ, 20Ψ with --fp32-grads (analysis/memory.py counts each category).
 """
 
 from __future__ import annotations
@@ -32,96 +34,121 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from refpar import backend
-from refpar.analysis.memory import bucket_sizes
-from refpar.memory import nbytes_of
+from refpar.holdings import buckets
 from refpar.parallel.ring import Ring
-from refpar.parallel.units import FlatLayout, StateDtypes, fold_grads, optimizer_update, overflowed
+from refpar.parallel.units import Hooks, fold_grads
 
 
-class DataParallel:
-    """One replica of the model on a dp rank; the hooks of refpar.parallel.units.forward_backward."""
+class DataParallel(Hooks):
+    """This rank's replicas of its units; `params` the parameters it holds (drawn whole, tp-sliced).
+    `bucket_elems` caps a bucket (a parameter is never split); `overlap` all-reduces by rings."""
 
-    def __init__(self, config, train, dp, ledger, params: dict, bucket_elems: int = 1 << 62,
-                 overlap: bool = False):
-        self.config, self.train, self.dp, self.ledger = config, train, dp, ledger
-        self.overlap, self.in_flight = overlap, []
-        self.layout = lay = FlatLayout(config)
-        self.dtypes = dt = StateDtypes(config, train)
-        xp = array_namespace(params["wte.weight"])
-        self.params = ledger.alloc("params.flat", xp.concat(
-            [lay.flatten(u, params) for u in lay.units]), "params")  # (Ψ,)
-        self.grads = ledger.alloc("grads.flat", dt.zeros(self.params, lay.total, dt.grad), "grads")  # (Ψ,)
+    def __init__(self, units_, config, train, ledger, params: dict, bucket_elems: int = 1 << 62,
+                 overlap: bool = False, lowp: bool = True):
+        super().__init__(units_, config, train, ledger, lowp)
+        dt, u = self.dtypes, units_
+        xp = array_namespace(next(iter(params.values())))
+        self.params = ledger.alloc("params.flat", xp.concat([u.flatten(k, params) for k in u.names]),
+                                   "params")  # (Ψl,)
+        self.grads = ledger.alloc("grads.flat", self.zeros(self.params, u.total), "grads")  # (Ψl,)
         # --fp32-grads: the 16-bit gradient backward writes (every parameter's .grad) stays beside
         # the fp32 accumulator, as in DeepSpeed's BF16_Optimizer: the Playbook's 20Ψ
-        self.lowp = ledger.alloc("grads.lowp", dt.zeros(self.params, lay.total, dt.param), "grads") \
-            if dt.wide else None  # (Ψ,)
+        self.lowp = ledger.alloc("grads.lowp", self.zeros(self.params, u.total, dt.param), "grads") \
+            if dt.lowp else None  # (Ψl,)
         # fp32 master weights: the 16-bit parameters upcast, exactly (mixed precision only)
-        self.master = ledger.alloc("master.flat", xp.astype(self.params, dt.state), "master") \
-            if dt.mixed else None  # (Ψ,)
-        self.state = {}
-        if train.optimizer == "adamw":
-            for k in ("m", "v"):
-                self.state[k] = ledger.alloc(f"optimizer.{k}", dt.zeros(self.params, lay.total, dt.state),
-                                             "optimizer")  # (Ψ,)
-        self.t = 0
-        # Buckets as [start, stop) of the flat buffer, in the order backward completes them, each
-        # with the unit whose backward completes it (the unit of its lowest parameter).
-        self.buckets = []
-        stop = lay.total
-        for size in bucket_sizes(config, bucket_elems):
-            start = stop - size
-            unit = next(u for u in reversed(list(lay.units)) if lay.starts[u] <= start)
-            self.buckets.append((start, stop, unit))
-            stop = start
+        self.master = ledger.alloc("master.flat", xp.astype(self.params, backend.dtype_like(
+            self.params, dt.state)), "master") if dt.mixed else None  # (Ψl,)
+        self.state = {k: ledger.alloc(f"optimizer.{k}", self.zeros(self.params, u.total, dt.state),
+                                      "optimizer") for k in ("m", "v") if train.optimizer == "adamw"}
+        self.overlap, self.in_flight, self.sent = overlap, [], set()
+        layout = [(k, b - a, u.group[k]) for k, a, b in u.offsets.values()]  # every parameter, in order
+        self.buckets = buckets(layout, bucket_elems)  # [(start, stop, units)], in backward order
 
-    def unit_flat(self, unit: str, flat):
-        a = self.layout.starts[unit]
-        return flat[a:a + self.layout.sizes[unit]]  # (Ψ_u,)
+    def buffers(self) -> list:
+        """The arrays the parameters live in (a cache viewing them keeps no activation alive)."""
+        return [self.params]
 
-    def begin_step(self) -> None:
-        self.grads[...] = 0.0
+    def acquire(self, keys, phase: str, hold=None, following=()):
+        """The units' parameters, views of the flat buffer every rank keeps whole; nothing moves."""
+        u = self.units
+        return {n: v for k in keys for n, v in u.views(k, u.slice(k, self.params)).items()}, {}
 
-    def acquire(self, unit: str, phase: str):
-        return self.layout.views(unit, self.unit_flat(unit, self.params)), self.params
+    def release(self, keys, phase: str, hold=None) -> None:
+        """Every rank keeps its whole replica: nothing to free."""
 
-    def release(self, unit: str, phase: str) -> None:
-        """Every rank keeps the whole model: nothing to free."""
+    def fold(self, grads: dict) -> None:
+        u = self.units
 
-    def fold(self, unit: str, grads: dict) -> None:
-        self.ledger.alloc("grads.piece", sum(nbytes_of(g) for g in grads.values()), "grads")
-        lowp = None if self.lowp is None else self.layout.views(unit, self.unit_flat(unit, self.lowp))
-        fold_grads(self.layout.views(unit, self.unit_flat(unit, self.grads)), grads, lowp)
-        self.ledger.free("grads.piece")
+        def add(unit, g):
+            lowp = None if self.lowp is None else u.views(unit, u.slice(unit, self.lowp))
+            fold_grads(u.views(unit, u.slice(unit, self.grads)), g, lowp)
 
-    def unit_done(self, unit: str, last: bool) -> None:
-        if not last:
+        self.piece(grads, add)
+
+    def done(self, keys) -> None:
+        """In the step's last microbatch: one round further for every bucket already on its way,
+        then every bucket whose units are all complete is sent."""
+        complete = [k for k in keys if self.last(k)]
+        if not complete:
             return
-        for ring in self.in_flight:  # one round further for every bucket already on its way
+        for ring in self.in_flight:
             ring.advance()
         self.in_flight = [ring for ring in self.in_flight if not ring.done]
-        for k, (start, stop, ready_after) in enumerate(self.buckets):
-            if ready_after == unit and self.overlap:
-                ring = Ring(self.dp, self.grads[start:stop], f"bucket.{k}:grad", self.ledger, reduce=True)
+        finished = {k for k, left in self.waiting.items() if left == 0}
+        for i, (start, stop, members) in enumerate(self.buckets):
+            if i in self.sent or not members <= finished:
+                continue
+            self.sent.add(i)
+            group = self.units.group[next(iter(members))]
+            if self.overlap:
+                ring = Ring(group, self.grads[start:stop], f"bucket.{i}:grad", self.ledger, reduce=True)
                 self.in_flight += [] if ring.done else [ring]
-            elif ready_after == unit:
-                summed = self.dp.all_reduce(self.grads[start:stop], tag=f"bucket.{k}:grad")
-                self.ledger.alloc("comm.bucket", summed, "comm")
+            else:
+                summed = self.ledger.alloc("comm.bucket", group.all_reduce(
+                    self.grads[start:stop], tag=f"bucket.{i}:grad"), "comm")
                 self.grads[start:stop] = summed
                 self.ledger.free("comm.bucket")
 
-    def optimizer_step(self) -> None:
-        while self.in_flight:  # the backward is over: finish the buckets still in flight
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.grads[...] = 0.0
+        self.sent = {i for i, (_, _, members) in enumerate(self.buckets)
+                     if self.units.group[next(iter(members))].size == 1}  # nothing to sum
+
+    def finish(self, embedding=None, tp=None, sp_names=(), copies=None) -> None:
+        """After the backward: the rings still in flight, then the partial sums (module docstring);
+        `copies`: DualPipe's mirror rank, whose copy of the same parts has the other gradients."""
+        while self.in_flight:
             for ring in self.in_flight:
                 ring.advance()
             self.in_flight = [ring for ring in self.in_flight if not ring.done]
-        if overflowed(self, [self.grads], agree=False):
-            return  # fp16: skip the step, t not advanced
+        u = self.units
+        wte = u.slice("wte", self.grads) if "wte" in u.names else None
+        spans = [(self.grads, u.start[k] + a, u.start[k] + b) for k, a, b in map(u.offsets.get, sp_names)]
+        self.partial_sums(wte, spans, embedding, tp, copies, lambda k: u.slice(k, self.grads))
+
+    def step(self, differ: list) -> bool:
+        """The optimizer on every unit; returns whether fp16 found an overflow (and skipped it).
+        `differ`: the groups whose ranks hold different gradients (where it is agreed)."""
+        if self.overflowed([self.grads], differ):
+            return True
         self.t += 1
-        for u in self.layout.units:
-            master = None if self.master is None else self.unit_flat(u, self.master)
-            optimizer_update(self, u, self.unit_flat(u, self.params), self.unit_flat(u, self.grads),
-                             {k: self.unit_flat(u, s) for k, s in self.state.items()}, 0, master)
+        u = self.units
+        for k in u.names:
+            master = None if self.master is None else u.slice(k, self.master)
+            self.update(k, u.slice(k, self.params), u.slice(k, self.grads),
+                        {s: u.slice(k, a) for s, a in self.state.items()}, 0, master)
+        return False
 
     def full_params(self) -> dict:
-        return {n: np.array(backend.to_host(v)) for u in self.layout.units
-                for n, v in self.layout.views(u, self.unit_flat(u, self.params)).items()}
+        u = self.units
+        return {n: np.array(backend.to_host(v)) for k in u.names
+                for n, v in u.views(k, u.slice(k, self.params)).items()}
+
+    def held(self) -> list:
+        """(prefix, unit, first element, flat array) of everything this rank holds: every unit whole,
+        the same on each rank of its group (the checkpoint writes each element once)."""
+        arrays = {"params": self.params} | ({"master": self.master} if self.master is not None else {})
+        arrays |= {f"adamw.{k}": a for k, a in self.state.items()}
+        return [(prefix, k, 0, self.units.slice(k, a), True) for prefix, a in arrays.items()
+                for k in self.units.names]

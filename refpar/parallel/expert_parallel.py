@@ -18,7 +18,7 @@ Why this layout: ep ranks that also split the batch do no redundant dense work. 
 one batch part would compute every attention layer ep times over.
 
 Capacity is global over the global microbatch (the whole batch with one microbatch; see
-expert_parallel_run.microbatch_samples for which tokens form microbatch j). Before dispatch every
+holdings.microbatch_samples for which tokens form microbatch j). Before dispatch every
 rank all-gathers the (k, E) selection counts of every data rank (`moe.route`'s exchange); from them
 it knows the global token count, its place in each expert's queue, and how many rows every rank
 sends to every expert (`moe.kept_counts`), so it drops exactly what one device drops and knows each
@@ -27,7 +27,7 @@ all-to-all's receive sizes before it starts.
 Per MoE layer and step: one all-gather of counts (data axis), four all-to-alls on ep (dispatch and
 combine forward, and the same two backward), shown by the tags `h.{i}.mlp.experts:dispatch` etc.
 
-With context parallelism (refpar/engine_moe.py) each data rank's rows are split over c cp ranks
+With context parallelism each data rank's rows are split over c cp ranks
 by position, so the exchange group is the dp x ep x cp ranks (group rank d * c + cp rank, cp
 innermost) and a rank's tokens are no longer one contiguous block of the global order: of each
 of its rows it holds runs of positions (two zig-zag chunks under ring attention, one chunk under

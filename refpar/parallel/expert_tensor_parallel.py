@@ -15,7 +15,7 @@ their gradients (the router's) are the same on every tp rank, with nothing to su
 the residual stream is already replicated; under sp the layer all-gathers the Ta tokens over tp
 before the router and keeps this rank's part after combine; backward all-gathers dout and keeps
 its part of dx (the replicated backward computes the whole dx on every rank, so no sum). With cp
-(refpar/engine_moe.py) the gathered tokens are the cp rank's (sequence_parallel.sp_cp_layout),
+the gathered tokens are the cp rank's (sequence_parallel.sp_cp_layout),
 so every tp rank routes the runs of positions cp alone routes (`cp`: the exchange group's cp
 ranks per data rank, as ExpertParallelMoE's).
 
@@ -38,16 +38,14 @@ from __future__ import annotations
 from array_api_compat import array_namespace
 
 from refpar.model import moe
-from refpar.model.layers import gelu_backward, gelu_forward, linear_backward, linear_forward
+from refpar.model.layers import compute, gelu_backward, gelu_forward, linear_backward, linear_forward, rounded
 from refpar.parallel.expert_parallel import ExpertParallelMoE
 from refpar.parallel.sequence_parallel import gather_from_sp
 from refpar.parallel.tensor_parallel import (
-    compute,
     copy_to_tp,
     copy_to_tp_backward,
     reduce_from_tp,
     reduce_from_tp_backward,
-    rounded,
 )
 from refpar.sharding import shard_range
 

@@ -1,73 +1,70 @@
 """FSDP (Zhao et al. 2023): ZeRO-3 organised by units, as PyTorch's fully_shard does it.
 
     mpiexec -n 4 python -m refpar train --mesh dp=4 --fsdp --check
+    mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --fsdp --prefetch --microbatches 2 --check
 
-Legend: Ψ_root the root unit (wte, wpe, ln_f), Ψ_b one block's unit, L blocks, N ranks.
+Legend: Ψ_root the ends' units (wte and the root: wpe, ln_f), Ψ_b one block's unit, N ranks.
 
 The parameters, gradients and optimizer state of every unit are sharded exactly as in ZeRO-3
 (refpar/parallel/zero.py: one flat buffer per unit split with `shard_range`, a reduce-scatter of
-the unit's gradient after its backward). What FSDP adds is a policy for *when* a unit is gathered:
+the unit's gradient once its backward is done). What FSDP adds is a policy for *when* a unit is
+gathered, the same in every pipeline stage:
 
-- The root is gathered once per micro-batch, before the embedding, and kept until the tied head's
-  backward is done: PyTorch does not reshard the root after forward because its backward follows
-  at once. (ZeRO-3 gathers it twice: for the embedding and again for the head.)
+- On a stage that holds both the embedding and the head, the ends' units are gathered once per
+  microbatch, before the embedding, and kept until the tied head's backward is done: PyTorch does
+  not reshard the root after forward because its backward follows at once. (ZeRO-3 gathers them
+  twice: for the embedding and again for the head.) Elsewhere they are gathered as in ZeRO-3.
 - reshard_after_forward=True: a block is freed after its forward and gathered again for its
   backward (2 all-gathers per block); False: it stays gathered until its backward (1 all-gather,
-  but at the head all L blocks are held, as much as DP).
-- prefetch=True: when a unit is acquired, the all-gather of the next unit in execution order is
-  started as a written-out ring (refpar/parallel/ring.py): its first round is in flight while this
-  unit computes, the rest completes when the next unit is acquired. Two blocks are held at a
-  time, and the trace shows the next block's messages spanning this block's compute.
+  but a stage holds its blocks' parameters while the microbatch is in flight, as much as DP).
+- prefetch=True: when a piece acquires its units, the all-gather of the next block of the same
+  action (the stage's forward, or its backward) is started as a written-out ring (refpar/parallel/
+  ring.py): its first round is in flight while this piece computes, the rest completes when that
+  block is acquired. Two blocks are held at a time, and the trace shows the next block's messages
+  spanning this block's compute. The first block of an action that no piece precedes is gathered
+  at once.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from refpar.analysis.memory import ROOT
+from refpar import backend
+from refpar.holdings import ENDS
 from refpar.parallel.ring import Ring
 from refpar.parallel.zero import Zero
 
 
 class FSDP(Zero):
-    def __init__(self, config, train, dp, ledger, params: dict, prefetch: bool = False,
-                 reshard_after_forward: bool = True):
-        super().__init__(config, train, dp, ledger, params, stage=3)
+    def __init__(self, units_, config, train, ledger, params: dict,
+                 prefetch: bool = False, reshard_after_forward: bool = True, both_ends: bool = False,
+                 lowp: bool = True):
+        super().__init__(units_, config, train, ledger, params, stage=3, lowp=lowp)
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        self.both_ends = both_ends  # a stage of this rank holds the embedding and the head
         self.pending: dict[str, Ring] = {}  # unit -> its all-gather still in flight
-        L = config.n_layer
-        # Every piece that reads parameters, in execution order; the embedding's backward reads
-        # none (refpar/parallel/units.py), so the order ends with block 0's backward.
-        self.uses = ([(ROOT, "embed:fwd")] + [(f"h.{i}", "fwd") for i in range(L)] + [(ROOT, "head")]
-                     + [(f"h.{i}", "bwd") for i in reversed(range(L))])
 
-    def acquire(self, unit: str, phase: str):
-        if unit in self.pending:
-            self.pending.pop(unit).finish()
-        if unit not in self.gathered:
-            self.gather(unit, phase)
+    def holds(self, unit: str, phase: str) -> bool:
+        if unit in ENDS:
+            return phase == "head:fwd" or (phase == "embed:fwd" and self.both_ends)
+        return phase == "fwd" and not self.reshard_after_forward
+
+    def acquire(self, keys, phase: str, hold=None, following=()):
+        for k in keys:
+            if k in self.pending:
+                self.pending.pop(k).finish()
+        out = super().acquire(keys, phase, hold)
         if self.prefetch:
-            k = self.uses.index((unit, phase))
-            if k + 1 < len(self.uses):
-                nxt, nxt_phase = self.uses[k + 1]
-                if nxt not in self.gathered:
-                    self.start_gather(nxt, nxt_phase)
-        return self.layout.views(unit, self.gathered[unit]), self.gathered[unit]
+            for k in following:
+                if k not in ENDS and k not in self.gathered:
+                    self.start_gather(k, phase)
+        return out
 
     def start_gather(self, unit: str, phase: str) -> None:
         """Allocates the unit's full buffer with this rank's shard in place and posts the ring's
         first round; `acquire` completes it."""
-        a, b = self.own[unit]
-        full = np.empty(self.layout.sizes[unit], self.shards[unit].dtype)  # (Ψ_u,)
-        full[a:b] = self.shards[unit]
+        a, b = self.units.own[unit]
+        full = backend.zeros(self.shards[unit], self.units.size[unit], backend.host_dtype(self.shards[unit]))
+        full[a:b] = self.shards[unit]  # (Ψ_u,)
         self.gathered[unit] = self.ledger.alloc(f"params.gathered.{unit}", full, "params")
-        ring = Ring(self.dp, full, f"{unit}:params:{phase}", self.ledger, reduce=False)
+        ring = Ring(self.units.group[unit], full, f"{unit}:params:{phase}", self.ledger, reduce=False)
         if not ring.done:
             self.pending[unit] = ring
-
-    def release(self, unit: str, phase: str) -> None:
-        if unit == ROOT:
-            if phase == "head":
-                self.drop(unit)
-        elif phase == "bwd" or self.reshard_after_forward:
-            self.drop(unit)

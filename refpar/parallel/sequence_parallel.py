@@ -24,7 +24,6 @@ all-gather and reduce-scatter span the Ta tokens of this cp rank, not the whole 
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from functools import partial
 
@@ -33,7 +32,7 @@ from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
 from refpar.parallel.context_parallel import cp_layout, cp_positions
-from refpar.parallel.tensor_parallel import Layout, LocalAttention, RegionPair, check_tp
+from refpar.parallel.tensor_parallel import Layout, RegionPair, check_tp, tp_layout
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -86,11 +85,9 @@ def check_sp(config: ModelConfig, seq_len: int, tp: int) -> None:
 
 def sp_layout(config: ModelConfig, seq_len: int, tp_comm) -> Layout:
     """Regions see the whole sequence; the residual stream holds shard_range(T, t, rank)."""
-    t, r = tp_comm.size, tp_comm.rank
-    check_sp(config, seq_len, t)
-    return Layout(config, seq_len, tp_comm, sp_pair(seq_len),
-                  shard_range(config.n_head, t, r), shard_range(config.vocab_size, t, r),
-                  np.arange(seq_len), np.arange(*shard_range(seq_len, t, r)), LocalAttention())
+    check_sp(config, seq_len, tp_comm.size)
+    return replace(tp_layout(config, seq_len, tp_comm), pair=sp_pair(seq_len),
+                   resid_pos=np.arange(*shard_range(seq_len, tp_comm.size, tp_comm.rank)))
 
 
 def check_sp_cp(config: ModelConfig, seq_len: int, tp: int, cp: int, algo: str) -> None:
@@ -116,23 +113,3 @@ def sp_cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm)
     return replace(lay, pair=sp_pair(Ta), resid_pos=lay.region_pos[slice(*shard_range(Ta, t, r))])
 
 
-def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
-    """Replicated parameters whose gradient each rank computes from its sequence shard only."""
-    names = ["wpe.weight", "ln_f.weight", "ln_f.bias"]
-    for i in range(config.n_layer):
-        names += [f"h.{i}.{n}" for n in ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias",
-                                          "ln_2.weight", "ln_2.bias", "mlp.c_proj.bias")]
-    return names
-
-
-def all_reduce_sequence_parallel_grads(grads: dict, config: ModelConfig, tp) -> None:
-    """Sums those gradients over tp in place, coalesced into one all-reduce per step."""
-    names = sequence_parallel_param_names(config)
-    xp = array_namespace(grads[names[0]])
-    flat = xp.concat([xp.reshape(grads[n], (-1,)) for n in names])
-    flat = tp.all_reduce(flat, tag="sp.replicated_grads:bwd")
-    start = 0
-    for n in names:
-        size = math.prod(grads[n].shape)
-        grads[n] = xp.reshape(flat[start:start + size], grads[n].shape)
-        start += size

@@ -25,16 +25,13 @@ Weights a rank holds (GPT-2 Conv1D layout weight[in, out]); all others are repli
     h.i.mlp.c_proj.w      rows shard_range(4C, t, rank)             (4C/t, C)
 In MoE blocks each expert is such an MLP (Megatron-LM's expert tensor parallelism, expert tp size
 = t): h.i.mlp.experts.e.c_fc by columns, its c_proj.weight by rows, c_proj.bias whole
-(refpar/parallel/expert_tensor_parallel.py); the router stays whole.
-The vocabulary is split unevenly with shard_range rather than padded: every logit a rank computes is
-a real vocabulary entry, so the max, the sum of exponentials and the target logit reduce over exactly
-the single device's V entries and there is nothing to mask.
+(refpar/parallel/expert_tensor_parallel.py); the router stays whole. The embedding and the LM head
+over the vocabulary rows: refpar/parallel/vocab_parallel.py.
 
 Mixed precision (bf16 / fp16 activations, refpar/precision.py): every piece reads 16-bit arrays,
 computes in float32 (`compute`) and rounds its output once (`rounded`), as the model's layers do.
 What crosses tp is what Megatron-LM sends: the row-parallel partial sums and the f/g activation
-gradients in 16 bits (so a sum over ranks rounds where one device's GEMM does not), the
-cross-entropy's three all-reduces in float32 (they are softmax statistics). For float64 and
+gradients in 16 bits (so a sum over ranks rounds where one device's GEMM does not). For float64 and
 float32 models both helpers return their input: the numbers are unchanged, bit for bit.
 """
 
@@ -46,35 +43,21 @@ from dataclasses import dataclass
 import numpy as np
 from array_api_compat import array_namespace
 
-from refpar import backend
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import tp_param_slices
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.layers import (
     as_like,
+    compute,
     dropout_backward,
     dropout_forward,
     gelu_backward,
     gelu_forward,
     layernorm_backward,
     layernorm_forward,
-    one_hot,
+    rounded,
 )
-from refpar.precision import is_16bit
 from refpar.sharding import shard_range
-
-
-def compute(x):
-    """x in float32 when it is 16-bit (an op reads 16-bit inputs and computes in float32, as a
-    tensor-core GEMM accumulates), else x itself."""
-    if x is None or not is_16bit(x.dtype):
-        return x
-    xp = array_namespace(x)
-    return xp.astype(x, xp.float32)
-
-
-def rounded(x, dtype):
-    """An op's float32 result rounded once to the activation dtype (x itself when it has it)."""
-    return x if x.dtype == dtype else array_namespace(x).astype(x, dtype)
 
 
 # f and g, each with its backward next to it. `tp` is the tp Communicator.
@@ -134,9 +117,7 @@ class Layout:
 def check_tp(config: ModelConfig, tp: int) -> None:
     if config.n_head % tp != 0:
         choices = [d for d in range(1, config.n_head + 1) if config.n_head % d == 0]
-        raise ConfigError(
-            f"tp={tp} does not divide n_head={config.n_head}; choose tp in {set(choices)}"
-        )
+        raise ConfigError(f"tp={tp} does not divide n_head={config.n_head}; choose tp in {set(choices)}")
     if config.vocab_size < tp:
         raise ConfigError(f"tp={tp} is larger than vocab_size={config.vocab_size}; use tp <= vocab_size")
 
@@ -151,56 +132,11 @@ def tp_layout(config: ModelConfig, seq_len: int, tp_comm) -> Layout:
                   pos, pos, LocalAttention())
 
 
-# Which slice of each full parameter a tp rank holds: (axis, global indices), absent = replicated.
-def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
-    C, hs = config.n_embd, config.head_size
-    h0, h1 = shard_range(config.n_head, t, rank)
-    head_cols = np.arange(h0 * hs, h1 * hs)  # this rank's heads within q, within k, within v
-    qkv_cols = np.concatenate([head_cols, C + head_cols, 2 * C + head_cols])
-    fc = np.arange(*shard_range(4 * C, t, rank))
-    slices = {"wte.weight": (0, np.arange(*shard_range(config.vocab_size, t, rank)))}
-    for i in range(config.n_layer):
-        slices |= {
-            f"h.{i}.attn.c_attn.weight": (1, qkv_cols), f"h.{i}.attn.c_attn.bias": (0, qkv_cols),
-            f"h.{i}.attn.c_proj.weight": (0, head_cols),
-        }
-        # an MoE block's MLP is its experts, each split like the dense MLP
-        mlps = ([f"h.{i}.mlp.experts.{e}." for e in range(config.moe_experts)]
-                if i in config.moe_blocks else [f"h.{i}.mlp."])
-        for p in mlps:
-            slices |= {p + "c_fc.weight": (1, fc), p + "c_fc.bias": (0, fc), p + "c_proj.weight": (0, fc)}
-    return slices
-
-
 def shard_params_tp(full: dict, config: ModelConfig, t: int, rank: int) -> dict:
     """This rank's parameters: a slice of the full initialisation, so any t starts from the same model."""
     slices = tp_param_slices(config, t, rank)
     return {name: (np.take(w, slices[name][1], axis=slices[name][0]) if name in slices else w.copy())
             for name, w in full.items()}
-
-
-def gather_params_tp(local: dict, config: ModelConfig, tp) -> dict:
-    """The full parameters on every tp rank (for checks against the single device, not for training)."""
-    if tp is None:
-        return dict(local)
-    mine = tp_param_slices(config, tp.size, tp.rank)
-    every = [tp_param_slices(config, tp.size, r) for r in range(tp.size)]
-    full = {}
-    for name, w in local.items():
-        if name not in mine:
-            full[name] = w
-            continue
-        axis = mine[name][0]
-        pieces = tp.all_gather(np.ascontiguousarray(np.moveaxis(backend.to_host(w), axis, 0)),
-                               tag=f"{name}:check")
-        moved = np.empty_like(pieces)
-        moved[np.concatenate([s[name][1] for s in every])] = pieces
-        full[name] = np.moveaxis(moved, 0, axis)
-    return full
-
-
-def tp_all_reduce(x, lay: Layout, tag: str, op: str = "sum"):
-    return x if lay.tp is None else lay.tp.all_reduce(x, op=op, tag=tag)
 
 
 # Dropout keyed by global indices (DropoutContext.keep draws a site's mask whole per sample and then
@@ -319,8 +255,8 @@ def parallel_mlp_backward(dout, cache, layer: int, lay: Layout):
 
 def parallel_block_forward(x, params, layer: int, lay: Layout, drop, moe=None):
     """x (B, Tl, C) -> (B, Tl, C): GPT-2's pre-LayerNorm block with both sublayers tensor-parallel.
-    In the blocks of `config.moe_blocks` the MLP is `moe.forward` (refpar/engine_moe.py passes its
-    expert-parallel layer)."""
+    In the blocks of `config.moe_blocks` the MLP is `moe.forward` (the expert-parallel layer
+    refpar/engine/parallelize.py builds)."""
     P, eps = f"h.{layer}.", lay.config.layer_norm_eps
     a, ln_1 = layernorm_forward(x, params[P + "ln_1.weight"], params[P + "ln_1.bias"], eps)
     a, attn = parallel_attention_forward(a, params, layer, lay, drop)  # f ... g
@@ -350,78 +286,3 @@ def parallel_block_backward(dy, cache, layer: int, lay: Layout):
     grads |= attn_grads
     dx0, grads[P + "ln_1.weight"], grads[P + "ln_1.bias"] = layernorm_backward(da, ln_1)
     return dx + dx0, grads
-
-
-# Vocab-parallel embedding: each rank looks up only the tokens in its rows; g sums the lookups.
-def vocab_parallel_embedding_forward(tokens, params, lay: Layout, drop):
-    """tokens (B, Ta) global ids at lay.region_pos -> x (B, Tl, C)."""
-    wte, wpe = params["wte.weight"], params["wpe.weight"]
-    xp, v0, v1 = array_namespace(wte), *lay.vocab
-    tokens = as_like(tokens, wte)
-    B, Ta = tokens.shape
-    mine = (tokens >= v0) & (tokens < v1)  # (B, Ta)
-    rows = xp.where(mine, tokens - v0, xp.zeros_like(tokens))  # (B, Ta)
-    partial = xp.reshape(xp.take(wte, xp.reshape(rows, (-1,)), axis=0), (B, Ta, wte.shape[1]))
-    partial = partial * xp.expand_dims(xp.astype(mine, wte.dtype), axis=-1)  # (B, Ta, C), 0 if not mine
-    x = lay.pair.leave(partial, lay.tp, "wte:fwd")  # (B, Tl, C)
-    x = x + xp.take(wpe, as_like(lay.resid_pos, wpe), axis=0)  # (B, Tl, C)
-    x, drop_e = resid_dropout_forward(x, drop, 0, "embd", lay)
-    return x, (rows, mine, drop_e)
-
-
-def vocab_parallel_embedding_backward(dx, cache, lay: Layout, params) -> dict:
-    rows, mine, drop_e = cache
-    wte, wpe = params["wte.weight"], params["wpe.weight"]
-    xp = array_namespace(dx)
-    dx = resid_dropout_backward(dx, drop_e)  # (B, Tl, C)
-    dc = compute(dx)  # (B, Tl, C)
-    # Scatter-adds as one-hot products (the array API has no scatter-add): repeats accumulate.
-    dwpe = one_hot(as_like(lay.resid_pos, dx), wpe.shape[0], dc.dtype).T @ xp.sum(dc, axis=0)  # (P, C)
-    dpartial = compute(lay.pair.leave_backward(dx, lay.tp, "wte:bwd"))  # (B, Ta, C)
-    hot = one_hot(xp.reshape(rows, (-1,)), wte.shape[0], dc.dtype)  # (B*Ta, V/t)
-    hot = hot * xp.reshape(xp.astype(mine, dc.dtype), (-1, 1))  # rows of other ranks' tokens are 0
-    dwte = hot.T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (V/t, C)
-    return {"wte.weight": rounded(dwte, wte.dtype), "wpe.weight": rounded(dwpe, wpe.dtype)}
-
-
-# Vocab-parallel cross-entropy: the (B, Ta, V) logits are never gathered; three all-reduces of (B, Ta)
-# (max, sum of exponentials, target logit) give every rank the exact loss (Megatron-LM).
-def vocab_parallel_cross_entropy_forward(logits, targets, lay: Layout, normalizer):
-    """logits (B, Ta, V/t), targets (B, Ta) global ids -> the sum of token losses / normalizer."""
-    xp, v0, v1, dt = array_namespace(logits), *lay.vocab, logits.dtype
-    targets = as_like(targets, logits)
-    logits = compute(logits)  # (B, Ta, V/t): the softmax and its all-reduces run in float32
-    m = tp_all_reduce(xp.max(logits, axis=-1), lay, "lm_head.ce.max:fwd", op="max")  # (B, Ta)
-    e = xp.exp(logits - xp.expand_dims(m, axis=-1))  # (B, Ta, V/t)
-    s = tp_all_reduce(xp.sum(e, axis=-1), lay, "lm_head.ce.sumexp:fwd")  # (B, Ta)
-    mine = (targets >= v0) & (targets < v1)  # (B, Ta)
-    hot = one_hot(xp.where(mine, targets - v0, xp.zeros_like(targets)), logits.shape[-1], logits.dtype)
-    hot = hot * xp.expand_dims(xp.astype(mine, logits.dtype), axis=-1)  # (B, Ta, V/t), 0 if not mine
-    z = tp_all_reduce(xp.sum(logits * hot, axis=-1), lay, "lm_head.ce.target:fwd")  # (B, Ta) target logit
-    loss = float(xp.sum(xp.log(s) + m - z)) / normalizer
-    # kept for backward in the activation dtype: probabilities and one-hot targets (B, Ta, V/t)
-    return loss, (rounded(e / xp.expand_dims(s, axis=-1), dt), rounded(hot, dt), normalizer)
-
-
-def vocab_parallel_cross_entropy_backward(dloss, cache):
-    """dloss: 1, or the loss scale of an fp16 run (its gradients are scaled by it)."""
-    probs, hot, normalizer = cache
-    return rounded((compute(probs) - compute(hot)) * (dloss / normalizer), probs.dtype)  # (B, Ta, V/t)
-
-
-def vocab_parallel_head_forward(x, params, targets, lay: Layout, normalizer):
-    """x (B, Tl, C) -> loss: ln_f, logits of this rank's vocabulary rows (tied to wte), cross-entropy."""
-    eps = lay.config.layer_norm_eps
-    h, ln_f = layernorm_forward(x, params["ln_f.weight"], params["ln_f.bias"], eps)  # (B, Tl, C)
-    logits, lm = column_parallel_linear_forward(h, params["wte.weight"].T, None, lay, "lm_head")
-    loss, ce = vocab_parallel_cross_entropy_forward(logits, targets, lay, normalizer)  # (B, Ta, V/t) in
-    return loss, (ln_f, lm, ce)
-
-
-def vocab_parallel_head_backward(cache, lay: Layout, dloss: float = 1.0) -> tuple:
-    """dloss: where backward starts, 1 or an fp16 run's loss scale."""
-    ln_f, lm, ce = cache
-    dlogits = vocab_parallel_cross_entropy_backward(dloss, ce)  # (B, Ta, V/t)
-    dh, dw, _ = column_parallel_linear_backward(dlogits, lm, lay)  # dw (C, V/t)
-    dx, dln_w, dln_b = layernorm_backward(dh, ln_f)
-    return dx, {"wte.weight": dw.T, "ln_f.weight": dln_w, "ln_f.bias": dln_b}

@@ -1,66 +1,61 @@
-"""Flat parameter units and the piecewise training step that DP, ZeRO and FSDP share.
+"""A rank's parameters as flat units: what DP, ZeRO and FSDP (data_parallel.py, zero.py, fsdp.py)
+share, and the hooks a pipeline stage (pipeline/stage.py) calls them through.
 
-Legend: B batch, T sequence, C channels, L layers, Ψ parameters, N data-parallel ranks.
+Legend: Ψ_u elements of unit u on this rank (of its tp shards), Ψl = Σ Ψ_u, s_u this rank's
+`shard_range` share of u over the unit's group.
 
-A *unit* is one flat buffer of parameters: the root (wte, wpe, ln_f: used by the embedding and by
-the tied head) and one per transformer block (`refpar.analysis.memory.units`). A strategy decides
-where each unit's parameters, gradients and optimizer state live; the step below runs the model
-piece by piece (embed, blocks, head; then head, blocks reversed, embed) and asks the strategy for
-a unit's parameters just before a piece needs them, so ZeRO-3 and FSDP can gather just in time.
+A unit (refpar/holdings.py: `wte`, `root`, `h.i`, `h.i.experts`) is one flat buffer of parameters.
+Each has a replica group, the ranks holding the same weights, over which DP sums its gradient and
+ZeRO shards it: the mesh's `dp_cp` group for a dense model's weights and a MoE model's experts, its
+`data` group (dp x ep x cp) for a MoE model's dense weights. The rank lays its units end to end,
+the dense group's first, each group's in stage order (`Units`): DP's buckets are runs of it.
 
-Mixed precision (refpar/precision.py): parameters in bf16/fp16, gradients in the same dtype (fp32
-with TrainConfig.fp32_grads), fp32 master weights and moments on the ranks that own them
-(`StateDtypes`); the optimizer runs `mixed_adamw_update` on flat shards. fp16 scales the loss
-(`dloss` = the scale) and skips a step whose gradients overflowed on any rank (`overflowed`).
+A stage runs its pieces (embedding, blocks, head) and asks the strategy around each one:
 
-A piece's cache may hold views of the parameters it read. `detach` swaps those views for their
-place in the unit's flat buffer, so releasing a gathered unit after the forward really drops it,
-and `attach` points the cache at the buffer gathered again for the backward.
+    params, bases = hooks.acquire(keys, phase, hold)  # the units' parameters (ZeRO-3 gathers)
+    hooks.release(keys, phase, hold)                   # (ZeRO-3 frees, unless still held)
+    hooks.fold(grads)                                  # a piece's gradients into the accumulator
+    hooks.done(keys)                                   # these units' gradients are complete
+
+`hold` keeps units acquired across pieces (the head's from its forward to its backward; FSDP's root
+from the embedding on): a unit is released when its last hold is. `bases` are the flat buffers the
+parameters view; `detach` swaps a cache's views of them for positions, so releasing a gathered unit
+really drops it, and `attach` points the cache at the buffer gathered again for the backward.
+
+Mixed precision: parameters in bf16/fp16, gradients in that dtype (fp32 with fp32_grads), fp32
+master weights and moments on the ranks that own them (`StateDtypes`), every buffer made in the
+backend's namespace (`backend.zeros`); the optimizer runs `mixed_adamw_update` on flat segments.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
-from array_api_compat import array_namespace, device, is_cupy_array, is_torch_array
+from array_api_compat import array_namespace, is_cupy_array, is_torch_array
 
 from refpar import backend
-from refpar.analysis.memory import ROOT, numel, param_shapes, units
+from refpar.holdings import expert_unit, rank_layout, unit_order, units
 from refpar.memory import nbytes_of
-from refpar.model.gpt import (
-    DropoutContext,
-    block_backward,
-    block_forward,
-    embed_backward,
-    embed_forward,
-    head_backward,
-    head_forward,
-)
 from refpar.model.optim import adamw_update, mixed_adamw_update, mixed_sgd_update, sgd_update
 from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit, loss_scaler, overflow_anywhere
-from refpar.sharding import shard_range
+from refpar.sharding import shard_range, shard_sizes
 
 
 class StateDtypes:
     """The dtypes a data-parallel strategy keeps: `param` (the model's), `grad` (the param dtype, or
     fp32 with fp32_grads), `state` (master weights and moments: fp32 when mixed, else the param
     dtype); `mixed` says whether fp32 master weights exist; `wide` whether gradients accumulate
-    wider than backward writes them (fp32_grads). `scaler` is fp16's LossScaler or None."""
+    wider than backward writes them (fp32_grads); `lowp` whether the 16-bit gradients backward
+    writes then stay beside the fp32 accumulator (holdings.keeps_lowp). `scaler` is fp16's
+    LossScaler or None."""
 
-    def __init__(self, config, train):
+    def __init__(self, config, train, lowp: bool = True):
         self.param = dtype_of(config.dtype)
         self.mixed = is_16bit(self.param)
         self.grad = MASTER_DTYPE if self.mixed and train.fp32_grads else self.param
         self.state = MASTER_DTYPE if self.mixed else self.param
         self.wide = self.grad != self.param
+        self.lowp = self.wide and lowp
         self.scaler = loss_scaler(config, train)
-
-    def zeros(self, like, n: int, dtype):
-        """(n,) zeros of `dtype` in the namespace and on the device of `like` (a parameter array):
-        in `like`'s own dtype when `dtype` is the parameters' (every backend), else NumPy's fp32."""
-        xp = array_namespace(like)
-        return xp.zeros(n, dtype=like.dtype if dtype == self.param else dtype, device=device(like))
 
     @property
     def dloss(self) -> float:
@@ -70,6 +65,84 @@ class StateDtypes:
     @property
     def inv_scale(self) -> float:
         return 1.0 if self.scaler is None else 1.0 / self.scaler.scale
+
+
+class Units:
+    """This rank's units: `stages` maps each of its pipeline stages to the names it holds there,
+    `shapes` every held parameter's (tp-shard) shape (in the family's order), `group_of(expert: bool)`
+    the replica group of dense or expert units, `uses[s]` how many microbatches stage s runs,
+    `tied` the model's holdings.tied_embedding (the `wte` unit; None: no unit is tied).
+    `names[u]`, `size[u]` (Ψ_u), `group[u]`, `own[u]` ([a, b) of this rank), `counts[u]` (every
+    group rank's s_u), `start[u]` (where u begins in the rank's flat buffer of Ψl), `backwards[u]`
+    how many backward pieces complete u in a step (m; more where two stages hold it).
+
+    A unit two stages of the rank hold is one: a V's rank 0 runs the embedding (stage 0) and the
+    tied head (stage 2p-1), so its wte sums both ends' gradients, and its root is wpe and ln_f."""
+
+    def __init__(self, stages: dict[int, list[str]], shapes: dict, group_of, uses: dict[int, int],
+                 tied: str | None = "wte.weight"):
+        self.shapes = shapes
+        by_stage = {s: units(names, tied) for s, names in sorted(stages.items())}
+        # in GPT-2's order inside a unit: DualPipe's mirror ranks hold a root of wpe and ln_f from
+        # stages in the other order, and sum_copies adds their buffers element by element
+        self.names = {u: [n for n in shapes if n in names] for u, names in rank_layout(by_stage).items()}
+        self.backwards = {u: sum(uses[s] for s, us in by_stage.items() if u in us) for u in self.names}
+        self.of_stage = {s: list(us) for s, us in by_stage.items()}
+        self.offsets: dict[str, tuple[str, int, int]] = {}  # name -> (unit, start, stop) in the unit
+        self.size, self.start, self.group, self.own, self.counts = {}, {}, {}, {}, {}
+        total = 0
+        for u, names in self.names.items():
+            at = 0
+            for n in names:
+                self.offsets[n] = (u, at, at + int(np.prod(shapes[n])))
+                at += int(np.prod(shapes[n]))
+            self.size[u], self.start[u] = at, total
+            total += at
+            g = self.group[u] = group_of(expert_unit(u))
+            self.own[u], self.counts[u] = shard_range(at, g.size, g.rank), shard_sizes(at, g.size)
+        self.total = total  # Ψl
+
+    def sum_copies(self, copies, grads) -> None:
+        """DualPipe's other copy: every unit's gradient (`grads(unit)`, whole or this rank's shard)
+        summed over `copies`, the mirror rank holding the same parts, in one all-reduce. The two
+        lay their units out in other orders (each its own stages first), so in GPT-2's order here."""
+        order = sorted(self.names, key=unit_order)
+        xp = array_namespace(grads(order[0]))
+        summed = copies.all_reduce(xp.concat([grads(k) for k in order]), tag="copies:grads")  # (Σ,)
+        at = 0
+        for k in order:
+            g = grads(k)
+            g[...] = summed[at:at + g.shape[0]]
+            at += g.shape[0]
+
+    def of(self, names) -> list[str]:
+        """The units the parameters `names` belong to, in layout order."""
+        held = {self.offsets[n][0] for n in names}
+        return [u for u in self.names if u in held]
+
+    def flatten(self, unit: str, arrays: dict):
+        xp = array_namespace(arrays[self.names[unit][0]])
+        return xp.concat([xp.reshape(arrays[n], (-1,)) for n in self.names[unit]])  # (Ψ_u,)
+
+    def slice(self, unit: str, flat):
+        """The unit's (Ψ_u,) part of a (Ψl,) buffer laid out as the rank's units."""
+        return flat[self.start[unit]:self.start[unit] + self.size[unit]]
+
+    def views(self, unit: str, flat) -> dict:
+        """The unit's parameters as reshaped views of its flat buffer (writes go through)."""
+        xp = array_namespace(flat)
+        return {n: xp.reshape(flat[a:b], self.shapes[n]) for n in self.names[unit]
+                for _, a, b in [self.offsets[n]]}
+
+    def segments(self, unit: str, start: int, stop: int):
+        """(name, lo, hi) of every parameter overlapping [start, stop) of the unit, in unit
+        coordinates: a flat shard is updated one parameter segment at a time so that weight decay
+        follows each parameter's shape, as on one device."""
+        for n in self.names[unit]:
+            _, a, b = self.offsets[n]
+            lo, hi = max(a, start), min(b, stop)
+            if lo < hi:
+                yield n, lo, hi
 
 
 def fold_grads(views: dict, grads: dict, lowp: dict | None) -> None:
@@ -84,63 +157,85 @@ def fold_grads(views: dict, grads: dict, lowp: dict | None) -> None:
         views[name] += g
 
 
-def overflowed(strategy, shards, agree: bool) -> bool:
-    """fp16 only (False otherwise, no communication): whether the reduced gradients `shards` (a
-    list of arrays) hold an inf or a nan on any rank. With `agree` the ranks hold different shards
-    and take the max of a float32 flag over dp (traced, 4 bytes); plain DP's all-reduced gradients
-    are the same everywhere and need no message. The scaler backs off or grows."""
-    scaler = strategy.dtypes.scaler
-    if scaler is None:
-        return False
-    found = overflow_anywhere(shards, [strategy.dp] if agree else [], tag="found_inf")
-    scaler.update(found)
-    return found
+class Hooks:
+    """What DP, ZeRO and FSDP share: the unit layout, the dtypes, the optimizer's step count, the
+    backward pieces a unit's gradient still waits for, and the optimizer update on flat segments."""
 
+    def __init__(self, units_: Units, config, train, ledger, lowp: bool = True):
+        self.units, self.config, self.train, self.ledger = units_, config, train, ledger
+        self.dtypes = StateDtypes(config, train, lowp)
+        self.t = 0
+        self.waiting: dict[str, int] = {}  # unit -> backward pieces whose gradient is still to come
 
-class FlatLayout:
-    """Where each parameter sits inside its unit's flat buffer, and units inside the whole model."""
+    def begin_step(self) -> None:
+        self.waiting = dict(self.units.backwards)
 
-    def __init__(self, config):
-        self.config = config
-        self.shapes = param_shapes(config)
-        self.units = units(config)
-        self.offsets: dict[str, tuple[str, int, int]] = {}  # name -> (unit, start, stop) in the unit
-        self.sizes: dict[str, int] = {}
-        self.starts: dict[str, int] = {}  # unit -> start in the whole model's flat buffer
-        total = 0
-        for u, names in self.units.items():
-            start = 0
-            for n in names:
-                self.offsets[n] = (u, start, start + numel(self.shapes[n]))
-                start += numel(self.shapes[n])
-            self.sizes[u], self.starts[u] = start, total
-            total += start
-        self.total = total  # Ψ
+    def zeros(self, like, n: int, dtype=None):
+        """(n,) zeros of `dtype` (default the gradients') in `like`'s namespace and device."""
+        return backend.zeros(like, n, self.dtypes.grad if dtype is None else dtype)
 
-    def flatten(self, unit: str, arrays: dict):
-        xp = array_namespace(arrays[self.units[unit][0]])
-        return xp.concat([xp.reshape(arrays[n], (-1,)) for n in self.units[unit]])  # (Ψ_u,)
+    def last(self, unit: str) -> bool:
+        """Counts one backward piece of `unit` done; whether it was the step's last."""
+        self.waiting[unit] -= 1
+        return self.waiting[unit] == 0
 
-    def views(self, unit: str, flat) -> dict:
-        """The unit's parameters as reshaped views of its flat buffer (writes go through)."""
-        xp, out = array_namespace(flat), {}
-        for n in self.units[unit]:
-            _, a, b = self.offsets[n]
-            out[n] = xp.reshape(flat[a:b], self.shapes[n])
-        return out
+    def piece(self, grads: dict, fold) -> None:
+        """A piece's gradient dict, held while `fold(name, g)` adds each into its buffer."""
+        self.ledger.alloc("grads.piece", sum(nbytes_of(g) for g in grads.values()), "grads")
+        for u in self.units.of(grads):
+            fold(u, {n: g for n, g in grads.items() if self.units.offsets[n][0] == u})
+        self.ledger.free("grads.piece")
 
-    def shard(self, unit: str, n: int, rank: int) -> tuple[int, int]:
-        return shard_range(self.sizes[unit], n, rank)
+    def partial_sums(self, wte, segments: list, embedding, tp, copies=None, grads=None) -> None:
+        """After the backward, the sums over the ranks that each hold a part of one gradient: the
+        tied wte's (`wte`: this rank's view of its gradient, or None) over the embedding group,
+        DualPipe's two copies' over `copies` (`sum_copies`, each unit's gradient `grads(unit)`), and
+        the sequence-sharded region's (`segments`: (array, lo, hi) of each piece of its gradients
+        this rank keeps) coalesced into one all-reduce over tp."""
+        if embedding is not None and wte is not None:
+            wte[...] = embedding.all_reduce(wte, tag="wte.weight:tied-grad")
+        if copies is not None:
+            self.units.sum_copies(copies, grads)
+        if segments:
+            xp = array_namespace(segments[0][0])
+            summed = tp.all_reduce(xp.concat([a[lo:hi] for a, lo, hi in segments]),
+                                   tag="sp.replicated_grads:bwd")  # (Σ segments,)
+            at = 0
+            for a, lo, hi in segments:
+                a[lo:hi] = summed[at:at + hi - lo]
+                at += hi - lo
 
-    def segments(self, unit: str, start: int, stop: int):
-        """(name, lo, hi) of every parameter overlapping [start, stop) of the unit, in unit
-        coordinates: a flat shard is updated one parameter segment at a time so that weight decay
-        follows each parameter's shape, as on one device."""
-        for n in self.units[unit]:
-            _, a, b = self.offsets[n]
-            lo, hi = max(a, start), min(b, stop)
-            if lo < hi:
-                yield n, lo, hi
+    def overflowed(self, shards: list, comms: list) -> bool:
+        """fp16 only (False otherwise, no message): whether any rank's gradients `shards` hold an
+        inf or a nan, agreed over `comms`, the groups whose ranks hold different gradients; the
+        loss scale backs off or grows."""
+        scaler = self.dtypes.scaler
+        if scaler is None:
+            return False
+        found = overflow_anywhere(shards, comms)
+        scaler.update(found)
+        return found
+
+    def update(self, unit: str, p, g, state: dict, start: int, master=None) -> None:
+        """One optimizer step, in place, on flat arrays covering [start, start + len(p)) of `unit`.
+        The update is elementwise, so a shard gets the single device's numbers; it runs one
+        parameter segment at a time so weight decay follows each parameter's full shape (matrices
+        only). With `master` (mixed precision) master and moments update in fp32 and p becomes
+        master in 16 bits."""
+        cfg, inv_scale = self.train, self.dtypes.inv_scale
+        for name, lo, hi in self.units.segments(unit, start, start + p.shape[0]):
+            s = slice(lo - start, hi - start)
+            decay = len(self.units.shapes[name]) >= 2  # refpar.model.optim.decays on the full parameter
+            if master is not None and cfg.optimizer == "adamw":
+                p[s], master[s], state["m"][s], state["v"][s] = mixed_adamw_update(
+                    p[s], g[s], master[s], state["m"][s], state["v"][s], self.t, cfg, decay, inv_scale)
+            elif master is not None:
+                p[s], master[s] = mixed_sgd_update(p[s], g[s], master[s], cfg, decay, inv_scale)
+            elif cfg.optimizer == "adamw":
+                p[s], state["m"][s], state["v"][s] = adamw_update(
+                    p[s], g[s], state["m"][s], state["v"][s], self.t, cfg, decay)
+            else:
+                p[s] = sgd_update(p[s], g[s], cfg, decay)
 
 
 class _ParamView:
@@ -180,167 +275,27 @@ def _view_at(base, view: _ParamView):
     return np.lib.stride_tricks.as_strided(base[view.offset:], view.shape, strides, writeable=False)
 
 
-def detach(cache, base):
-    """`cache` with every array viewing `base`'s memory replaced by its position in `base`."""
+def detach(cache, bases: dict):
+    """`cache` with every array viewing one of `bases` (unit -> flat buffer) replaced by (unit, its
+    position in that buffer), so the cache does not keep the buffer alive."""
     if backend.is_array(cache):
-        if base is not None and backend.owner(cache) is backend.owner(base):
-            return _position(cache, base)
+        for unit, base in bases.items():
+            if backend.owner(cache) is backend.owner(base):
+                return unit, _position(cache, base)
         return cache
     if isinstance(cache, tuple | list):
-        return type(cache)(detach(c, base) for c in cache)
+        return type(cache)(detach(c, bases) for c in cache)
+    if isinstance(cache, dict):  # a MoE block's cache (its experts' linear caches hold weights)
+        return {k: detach(c, bases) for k, c in cache.items()}
     return cache
 
 
-def attach(cache, base):
-    """Inverse of `detach` on a (possibly newly gathered) buffer with the same layout."""
-    if isinstance(cache, _ParamView):
-        if base is None:
-            raise RuntimeError("a cached parameter view needs its unit's parameters in backward")
-        return _view_at(base, cache)
+def attach(cache, bases: dict):
+    """Inverse of `detach` on buffers of the same layout (gathered again, or the same ones)."""
+    if isinstance(cache, tuple) and len(cache) == 2 and isinstance(cache[1], _ParamView):
+        return _view_at(bases[cache[0]], cache[1])
     if isinstance(cache, tuple | list):
-        return type(cache)(attach(c, base) for c in cache)
+        return type(cache)(attach(c, bases) for c in cache)
+    if isinstance(cache, dict):
+        return {k: attach(c, bases) for k, c in cache.items()}
     return cache
-
-
-def cached_arrays(cache, out: dict):
-    """id -> owning array of every array a cache keeps alive (views count their base once)."""
-    if backend.is_array(cache):
-        owner = backend.owner(cache)
-        out[id(owner)] = owner
-    elif isinstance(cache, tuple | list):
-        for c in cache:
-            cached_arrays(c, out)
-    return out
-
-
-class Activations:
-    """Registers, per piece, the bytes of arrays its cache keeps that no earlier piece kept."""
-
-    def __init__(self, ledger):
-        self.ledger, self.seen = ledger, {}
-
-    def keep(self, piece: str, cache) -> None:
-        new = {k: a for k, a in cached_arrays(cache, {}).items() if k not in self.seen}
-        self.seen.update(new)
-        self.ledger.alloc(f"activations.{piece}", sum(nbytes_of(a) for a in new.values()),
-                          "activations")
-
-    def drop(self, piece: str) -> None:
-        self.ledger.free(f"activations.{piece}")
-
-    def reset(self) -> None:
-        self.seen = {}
-
-
-def microbatch_ids(batch_size: int, dp: int, rank: int, microbatches: int, m: int) -> list[int]:
-    """Global sample ids of micro-batch m on data-parallel rank `rank`: the rank's `shard_range` of
-    the global batch 0..B-1, then micro-batch m's `shard_range` of that."""
-    a, b = shard_range(batch_size, dp, rank)
-    lo, hi = shard_range(b - a, microbatches, m)
-    return list(range(a + lo, a + hi))
-
-
-def forward_backward(strategy, tokens, targets, config, drop: DropoutContext, normalizer,
-                     last: bool, acts: Activations) -> float:
-    """One micro-batch through the pieces; returns its share of the global mean loss. The strategy
-    supplies parameters (`acquire`/`release`) and takes gradients (`fold`, `unit_done`)."""
-    L = config.n_layer
-    params, base = strategy.acquire(ROOT, "embed:fwd")
-    x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
-    c_embed = detach(c_embed, base)
-    # Drop every reference to the unit before releasing it, so a gathered unit is really freed.
-    del params, base
-    strategy.release(ROOT, "embed:fwd")
-    acts.keep("embed", c_embed)
-    c_blocks = []
-    for i in range(L):
-        params, base = strategy.acquire(f"h.{i}", "fwd")
-        x, c = block_forward(x, params, i, config, drop)  # (B, T, C)
-        c_blocks.append(detach(c, base))
-        del params, base, c
-        strategy.release(f"h.{i}", "fwd")
-        acts.keep(f"h.{i}", c_blocks[-1])
-
-    params, base = strategy.acquire(ROOT, "head")
-    loss, c_head = head_forward(x, params, targets, config, normalizer)  # ()
-    acts.keep("head", detach(c_head, base))  # the parameters it views are not activations
-    dx, grads = head_backward(c_head, strategy.dtypes.dloss)  # (B, T, C)
-    del c_head, params, base
-    acts.drop("head")
-    strategy.fold(ROOT, grads)
-    strategy.release(ROOT, "head")
-
-    for i in reversed(range(L)):
-        base = strategy.acquire(f"h.{i}", "bwd")[1]  # the cache holds what backward reads
-        dx, grads = block_backward(dx, attach(c_blocks.pop(), base))  # (B, T, C)
-        del base
-        acts.drop(f"h.{i}")
-        strategy.fold(f"h.{i}", grads)
-        strategy.release(f"h.{i}", "bwd")
-        strategy.unit_done(f"h.{i}", last)
-    # The embedding's backward scatters dx into rows of wte and wpe without reading their values,
-    # so no strategy needs the root's parameters here (ZeRO-3 and FSDP gather nothing for it).
-    grads = embed_backward(dx, attach(c_embed, None))
-    acts.drop("embed")
-    strategy.fold(ROOT, grads)
-    strategy.unit_done(ROOT, last)
-    acts.reset()
-    return float(loss)
-
-
-def optimizer_update(strategy, unit: str, p, g, state: dict, start: int, master=None) -> None:
-    """One optimizer step, in place, on flat arrays covering [start, start + len(p)) of `unit`.
-    The update is elementwise, so a shard gets the single device's numbers; it runs one parameter
-    segment at a time so weight decay follows each parameter's full shape (matrices only). With
-    `master` (mixed precision) master and moments update in fp32 and p becomes master in 16 bits."""
-    cfg, layout = strategy.train, strategy.layout
-    inv_scale = strategy.dtypes.inv_scale
-    for name, lo, hi in layout.segments(unit, start, start + p.shape[0]):
-        s = slice(lo - start, hi - start)
-        decay = len(layout.shapes[name]) >= 2  # refpar.model.optim.decays on the full parameter
-        if master is not None and cfg.optimizer == "adamw":
-            p[s], master[s], state["m"][s], state["v"][s] = mixed_adamw_update(
-                p[s], g[s], master[s], state["m"][s], state["v"][s], strategy.t, cfg, decay, inv_scale)
-        elif master is not None:
-            p[s], master[s] = mixed_sgd_update(p[s], g[s], master[s], cfg, decay, inv_scale)
-        elif cfg.optimizer == "adamw":
-            p[s], state["m"][s], state["v"][s] = adamw_update(
-                p[s], g[s], state["m"][s], state["v"][s], strategy.t, cfg, decay)
-        else:
-            p[s] = sgd_update(p[s], g[s], cfg, decay)
-
-
-def train_step(strategy, corpus, step: int, microbatches: int, tracer=None) -> float:
-    """One optimizer step on the global batch 0..B-1; returns the global mean loss (all ranks)."""
-    s = strategy
-    s.begin_step()
-    # fp16 loss scaling expects an overflow to inf now and then, and checks for it: no warnings.
-    quiet = np.errstate(over="ignore", invalid="ignore") if s.dtypes.scaler else contextlib.nullcontext()
-    with quiet:
-        loss = _microbatches(s, corpus, step, microbatches, tracer)
-    with _context(tracer, step=step, microbatch=None):
-        s.optimizer_step()
-        # Each rank's loss is its share of the global mean (normalised by B*T): their sum is it.
-        return float(s.dp.all_reduce(np.array([loss]), tag="loss")[0])
-
-
-def _microbatches(s, corpus, step: int, microbatches: int, tracer) -> float:
-    """Forward and backward of this rank's micro-batches; returns its share of the loss."""
-    train, acts = s.train, Activations(s.ledger)
-    B, T = train.batch_size, train.seq_len
-    loss = 0.0
-    for m in range(microbatches):
-        ids = microbatch_ids(B, s.dp.size, s.dp.rank, microbatches, m)
-        tokens, targets = corpus.batch(step, ids, T)  # (b, T) each
-        # Owned (b, T): for one sequence the loader's rows view a (1, T+1) buffer, which the
-        # embedding's and the head's caches would otherwise keep alive whole.
-        tokens, targets = np.array(tokens), np.array(targets)  # (b, T) each
-        drop = DropoutContext(train.seed, step, tuple(ids), s.config.dropout, True)
-        with _context(tracer, step=step, microbatch=m):
-            loss += forward_backward(s, tokens, targets, s.config, drop, B * T,
-                                     m == microbatches - 1, acts)
-    return loss
-
-
-def _context(tracer, **fields):
-    return contextlib.nullcontext() if tracer is None else tracer.context(**fields)

@@ -29,16 +29,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import stage_layers, stage_param_names
 from refpar.memory import MemoryLedger
 from refpar.model.gpt import NO_DROPOUT
 from refpar.model.layers import layernorm_forward
-from refpar.parallel.pipeline.stage import stage_layers
-from refpar.parallel.tensor_parallel import (
-    parallel_block_forward,
-    shard_params_tp,
-    tp_layout,
-    vocab_parallel_embedding_forward,
-)
+from refpar.parallel.tensor_parallel import check_tp, parallel_block_forward, shard_params_tp, tp_layout
+from refpar.parallel.vocab_parallel import vocab_parallel_embedding_forward
 from refpar.serving.kv_cache import CachedAttention, KVCache
 from refpar.serving.requests import Request, check_requests
 from refpar.serving.sampling import Sampling, sample_token
@@ -57,10 +53,7 @@ class ServeMesh:
 
     @staticmethod
     def from_mesh(mesh) -> ServeMesh:
-        for axis in ("dp", "ep"):
-            if mesh.sizes[axis] > 1:
-                raise ConfigError(f"serving splits a model over tp, cp and pp; {axis}={mesh.sizes[axis]} "
-                                  "would be independent replicas, so leave it out of --mesh")
+        """The tp, cp and pp communicators of a mesh that passed `check_serving` (dp = ep = 1)."""
         sizes = {a: mesh.sizes[a] for a in ("tp", "cp", "pp")}
         comms = {a: (mesh.axis(a) if sizes[a] > 1 else None) for a in sizes}
         return ServeMesh(sizes, {a: mesh.coords[a] for a in sizes}, **comms)
@@ -77,20 +70,25 @@ class ServeMesh:
 SINGLE = ServeMesh({"tp": 1, "cp": 1, "pp": 1}, {"tp": 0, "cp": 0, "pp": 0})
 
 
-def check_mesh(config: ModelConfig, sm: ServeMesh) -> None:
+def check_serving(config: ModelConfig, sizes: dict, max_batch: int) -> None:
+    """What serving needs of the model, the mesh (any of its axes; missing ones are 1) and the batch,
+    checked from the sizes alone: on every rank, before any communication."""
+    for axis in ("dp", "ep"):
+        if sizes.get(axis, 1) > 1:
+            raise ConfigError(f"serving splits a model over tp, cp and pp; {axis}={sizes[axis]} "
+                              "would be independent replicas, so leave it out of --mesh")
     if config.moe_experts:
         raise ConfigError("refpar generate serves dense GPT-2; leave out the MoE options")
-    stage_layers(config.n_layer, sm.sizes["pp"], 0)  # enough blocks for the stages
+    stage_layers(config.n_layer, sizes.get("pp", 1), 0)  # enough blocks for the stages
+    check_tp(config, sizes.get("tp", 1))  # whole heads and vocabulary rows on every tp rank
+    if max_batch < 1:
+        raise ConfigError(f"max_batch={max_batch} must be at least 1; give --max-batch 1 or more")
 
 
 def local_params(full: dict, config: ModelConfig, sm: ServeMesh) -> dict:
     """This rank's weights: its tp slice of the parameters its pipeline stage uses."""
-    tp = shard_params_tp(full, config, sm.sizes["tp"], sm.coords["tp"])
-    layers = stage_layers(config.n_layer, sm.sizes["pp"], sm.stage)
-    ends = (("wte.weight", "wpe.weight") if sm.stage == 0 else ()) + \
-        (("wte.weight", "ln_f.weight", "ln_f.bias") if sm.last_stage else ())
-    return {name: w for name, w in tp.items()
-            if name in ends or (name.startswith("h.") and int(name.split(".")[1]) in layers)}
+    names = stage_param_names(config, sm.sizes["pp"], sm.stage)
+    return shard_params_tp({n: full[n] for n in names}, config, sm.sizes["tp"], sm.coords["tp"])
 
 
 @dataclass
@@ -135,9 +133,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
           tracer=None) -> ServeResult:
     """Generates every request's tokens; see the module docstring for the step."""
     check_requests(config, requests)
-    check_mesh(config, sm)
-    if max_batch < 1:
-        raise ConfigError(f"max_batch={max_batch} must be at least 1")
+    check_serving(config, sm.sizes, max_batch)
     ledger = MemoryLedger(record_events=True) if ledger is None else ledger
     params = local_params(full_params, config, sm)
     for name, w in params.items():

@@ -70,9 +70,6 @@ class KVCache:
         for key in [key for key in self.k if key[0] == rid]:
             del self.k[key], self.v[key], self.pos[key]
 
-    def held_tokens(self, rid: int, layer: int) -> int:
-        return 0 if (rid, layer) not in self.pos else len(self.pos[(rid, layer)])
-
 
 def partial_attention(q, k, v, q_pos, k_pos):
     """q (nh, n, hs) against the keys in hand k, v (nh, Tr, hs) -> (out (nh, n, hs), lse (nh, n, 1)),

@@ -54,9 +54,10 @@ def check_requests(config: ModelConfig, requests: list[Request]) -> None:
 def make_requests(config: ModelConfig, prompt_lens, new_tokens, arrivals, seed: int) -> list[Request]:
     """Prompts drawn from the Markov corpus refpar trains on (request i is sample i of step 0)."""
     n = len(prompt_lens)
-    for name, values in (("new tokens", new_tokens), ("arrivals", arrivals)):
+    for flag, values in (("--new-tokens", new_tokens), ("--arrivals", arrivals)):
         if len(values) not in (1, n):
-            raise ConfigError(f"give one value of {name} or one per prompt ({n}), not {len(values)}")
+            raise ConfigError(f"{flag} has {len(values)} values for {n} prompt length{'s' * (n != 1)}; "
+                              f"give one value, or one per prompt")
     new_tokens = list(new_tokens) * n if len(new_tokens) == 1 else list(new_tokens)
     arrivals = list(arrivals) * n if len(arrivals) == 1 else list(arrivals)
     if min(prompt_lens) < 1:

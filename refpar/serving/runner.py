@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from refpar.analysis.serving import kv_bytes_per_rank, kv_cache_bytes, pass_comm_bytes
+from refpar.comm import cost
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig
 from refpar.memory import MemoryLedger
-from refpar.mesh import DeviceMesh
+from refpar.mesh import DeviceMesh, check_job_size
 from refpar.model import gpt
-from refpar.serving.engine import ServeMesh, serve
-from refpar.serving.requests import Request, reference_generate
+from refpar.serving.engine import ServeMesh, check_serving, serve
+from refpar.serving.requests import Request, check_requests, reference_generate
 from refpar.serving.sampling import Sampling
 
 
@@ -38,6 +39,9 @@ def rel_diff(a, b) -> float:
 def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request], sampling: Sampling,
                 opts: ServeOptions) -> dict | None:
     """Serves `requests` on the mesh `sizes` over `world`; the summary on world rank 0, else None."""
+    check_requests(config, requests)
+    check_serving(config, sizes, opts.max_batch)  # on every rank, before any communication
+    check_job_size(sizes, world.size)
     tracer = Tracer()
     world = world.split(0, world.rank)  # this run's own communicator, traced by its own tracer
     world.tracer, tracer.rank = tracer, world.world_rank
@@ -52,12 +56,10 @@ def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request]
     expected: dict = {}
     for p in result.passes:
         for key, moved in pass_comm_bytes(config, sm.sizes, sm.coords, p.groups).items():
-            was = expected.get((p.phase, *key), (0, 0))
-            expected[(p.phase, *key)] = (was[0] + moved.sent, was[1] + moved.recv)
+            cost.add(expected, (p.phase, *key), moved)
     measured: dict = {}
     for e in tracer.events:
-        was = measured.get((e.phase, e.axis, e.op), (0, 0))
-        measured[(e.phase, e.axis, e.op)] = (was[0] + e.bytes_sent, was[1] + e.bytes_recv)
+        cost.add(measured, (e.phase, e.axis, e.op), (e.bytes_sent, e.bytes_recv))
     diffs, same = [], True
     if opts.check and result.logits:
         for r in requests:

@@ -12,6 +12,7 @@ that computed its logits (refpar.rng, "sharding-invariant randomness").
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +32,9 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise ConfigError(f"temperature={self.temperature} must be 0 (greedy) or positive")
+        if not 0.0 <= self.temperature < math.inf:  # nan too
+            raise ConfigError(f"temperature={self.temperature} must be 0 (greedy) or a positive finite "
+                              "number")
         if self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k} must be 0 (the whole vocabulary) or positive")
         if self.seed < 0:
@@ -58,6 +60,8 @@ def parse_sampling(text: str, seed: int = 0) -> Sampling:
         if name not in OPTIONS or not sep:
             raise ConfigError(f"unknown sampling option {part!r}; use greedy or "
                               f"temperature=T,top_k=K (options: {', '.join(OPTIONS)})")
+        if name in values:
+            raise ConfigError(f"sampling option {name} is given twice; give each option once")
         try:
             values[name] = int(value) if name == "top_k" else float(value)
         except ValueError:

@@ -25,15 +25,21 @@ CATEGORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "master": "#9d755d"
                     "activations": "#e45756", "comm": "#72b7b2"}
 
 
+# The mesh's groups over several axes (refpar/mesh.py), in world-rank order
+SPANS = {"dp_cp": ("dp", "cp"), "data": ("dp", "ep", "cp")}
+
+
 def axis_group(sizes: dict[str, int], rank: int, axis: str) -> list[int]:
-    """World ranks of `rank`'s group on `axis`, in axis order (DeviceMesh's layout, tp fastest)."""
+    """World ranks of `rank`'s group on `axis` (or one of the mesh's groups over several axes), in
+    axis order (DeviceMesh's layout, tp fastest)."""
     shape = tuple(sizes[a] for a in MESH_AXES)
     ranks = np.arange(int(np.prod(shape))).reshape(shape)  # (pp, dp, ep, cp, tp)
     if axis == "world":
         return list(range(ranks.size))
     position = list(np.unravel_index(rank, shape))
-    position[MESH_AXES.index(axis)] = slice(None)
-    return [int(r) for r in ranks[tuple(position)]]
+    for a in SPANS.get(axis, (axis,)):
+        position[MESH_AXES.index(a)] = slice(None)
+    return [int(r) for r in np.ravel(ranks[tuple(position)])]
 
 
 def destinations(sizes: dict[str, int], rank: int, axis: str, op: str) -> list[tuple[int, float]]:
@@ -167,7 +173,7 @@ def trace_figure(trace: dict, title: str = "") -> go.Figure:
     """A real run's communication events (the Chrome trace `refpar train --trace` writes, as
     `refpar.comm.trace.chrome_trace` builds it): one bar per call, rank by rank over time,
     coloured by axis; hovering names the op, the tag and the bytes."""
-    calls = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    calls = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] != "compute"]  # no F/B
     fig = go.Figure()
     for axis in dict.fromkeys(e["cat"] for e in calls):
         mine = [e for e in calls if e["cat"] == axis]

@@ -1,16 +1,14 @@
-"""What a run on a given mesh must move and hold, from each strategy's own closed forms.
+"""What a run on a given mesh must move and hold, from the closed forms.
 
 The rows are exactly the `expected_comm_bytes` and `expected_memory_peak_bytes` rows `refpar train
---json` prints (DESIGN.md, "Command line"), taken from the same functions the runners call, so a
-figure drawn from them can be laid next to a real run's measured rows:
-
-    dp, zero1-3, fsdp   refpar.parallel.dp_runner.expected_rows
-    tp, sp, cp          refpar.analysis.intra_layer.expected_comm_rows, intra_layer_runner.expected_memory
-    pp (with dp)        refpar.parallel.pipeline.runner.expected_comm_rows / expected_memory_rows
+--json` prints (DESIGN.md, "Command line"), from refpar.analysis.engine, which composes every
+strategy's closed forms for a mesh, so a figure drawn from them can be laid next to a real run's
+measured rows.
 
 `calls` lists each collective of one step in program order with every rank's bytes, for the
-step-by-step views (dp and intra-layer strategies; the pipeline's messages are per microbatch and
-are drawn by the Pipeline page instead).
+step-by-step views (dp strategies: refpar.analysis.comm_volume.step_calls; intra-layer ones:
+refpar.analysis.intra_layer.expected_calls; the pipeline's messages are per microbatch and are
+drawn by the Pipeline page instead).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, Plan, TrainConfig
 
 DP_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 STRATEGIES = (*DP_STRATEGIES, "tp", "sp", "cp-ring", "cp-ulysses", "pp")
@@ -60,42 +58,36 @@ def workload(strategy: str, n: int, model: ModelConfig, train: TrainConfig, dp: 
     return w
 
 
-def _intra_options(w: Workload) -> tuple[bool, str | None]:
-    return w.strategy == "sp", {"cp-ring": "ring", "cp-ulysses": "ulysses"}.get(w.strategy)
+def plan_of(w: Workload) -> Plan:
+    """The Plan the workload's strategy runs (refpar train's options for it): microbatches for pp
+    (per step) and the dp family (gradient accumulation); tp, sp and cp take the batch at once."""
+    piped = w.strategy == "pp"
+    m = w.microbatches if piped or AXIS[w.strategy] == "dp" else 1
+    return Plan(schedule=w.schedule if piped else None, microbatches=m,
+                chunks=w.chunks if piped and w.schedule == "interleaved-1f1b" else None,
+                sp=w.strategy == "sp", cp_algo={"cp-ring": "ring", "cp-ulysses": "ulysses"}.get(w.strategy),
+                zero=int(w.strategy[-1]) if w.strategy.startswith("zero") else 0, fsdp=w.strategy == "fsdp")
 
 
-def _dp_options(w: Workload):
-    from refpar.parallel.dp_runner import check_options, options
+def _checked(w: Workload) -> Plan:
+    """The workload's plan, checked as refpar train checks it (ConfigError with the fix)."""
+    from refpar.engine.plan import validate
 
-    opts = options(w.strategy, w.model, w.train, microbatches=w.microbatches)
-    check_options(opts, w.train, w.sizes["dp"])
-    return opts
+    plan = plan_of(w)
+    validate(w.model, w.train, w.sizes, plan)
+    return plan
 
 
 def closed_form_rows(w: Workload) -> tuple[list[dict], list[dict]]:
     """(comm rows, memory rows) of every rank, as `refpar train --json` prints them expected."""
-    if w.strategy in DP_STRATEGIES:
-        from refpar.parallel.dp_runner import expected_rows
+    from refpar.analysis.engine import rank_comm_rows, rank_coords, rank_memory_rows
 
-        return expected_rows(_dp_options(w), w.model, w.train, w.sizes["dp"])
-    if w.strategy == "pp":
-        from refpar.parallel.pipeline.runner import expected_comm_rows, expected_memory_rows
-        from refpar.parallel.pipeline.schedules import build
-
-        build(w.schedule, w.sizes["pp"], w.microbatches, w.chunks)  # a bad schedule says why here
-        return (expected_comm_rows(w.model, w.train, w.sizes, w.microbatches, w.chunks),
-                expected_memory_rows(w.model, w.train, w.sizes, w.schedule, w.microbatches, w.chunks))
-    from refpar.analysis.intra_layer import expected_comm_rows
-    from refpar.parallel.intra_layer import validate
-    from refpar.parallel.intra_layer_runner import expected_memory, rank_coords
-
-    sp, cp_algo = _intra_options(w)
-    validate(w.model, w.train, w.sizes, sp, cp_algo)
-    comm, memory = [], []
+    plan, comm, memory = _checked(w), [], []
     for rank in range(w.world):
-        comm += expected_comm_rows(w.model, w.train, w.sizes, rank_coords(w.sizes, rank), rank, sp, cp_algo)
-        memory += [{"rank": rank, "category": c, "bytes": b}
-                   for c, b in expected_memory(w.model, w.train, w.sizes, rank, sp, cp_algo).items()]
+        co = rank_coords(w.sizes, rank)
+        comm += [{"rank": rank, **r}
+                 for r in rank_comm_rows(w.model, w.train, w.sizes, co, plan, w.train.steps)]
+        memory += [{"rank": rank, **r} for r in rank_memory_rows(w.model, w.train, w.sizes, co, plan)]
     return comm, memory
 
 
@@ -104,24 +96,21 @@ def calls(w: Workload) -> list[dict]:
     Empty for pp (see the module docstring)."""
     if w.strategy == "pp":
         return []
+    plan = _checked(w)
     if w.strategy in DP_STRATEGIES:
-        from refpar.analysis.comm_volume import FOUND_INF, LOSS, collective_bytes, itemsize, step_collectives
+        from refpar.analysis.comm_volume import step_calls
+        from refpar.analysis.memory import Options, precision_options
 
-        opts, n = _dp_options(w), w.sizes["dp"]
-        out = []
-        for call in step_collectives(w.model, n, opts):
-            op, elems, repeat = call
-            sent = [collective_bytes(op, elems, n, r, itemsize(call, opts)).sent for r in range(n)]
-            tag = "loss" if call is LOSS else "found_inf" if call is FOUND_INF else f"{elems:,} elements"
-            out += [{"axis": "dp", "op": op, "tag": tag, "bytes_sent": sent}] * repeat
-        return out
+        opts = Options(w.strategy, **precision_options(w.model.dtype, w.train.fp32_grads),
+                       optimizer=w.train.optimizer, microbatches=w.microbatches)
+        n = w.sizes["dp"]
+        per_rank = [step_calls(w.model, n, r, opts) for r in range(n)]
+        return [{"axis": row[0][0], "op": row[0][1], "tag": row[0][2], "bytes_sent": [c[3].sent for c in row]}
+                for row in zip(*per_rank, strict=True)]
+    from refpar.analysis.engine import rank_coords
     from refpar.analysis.intra_layer import expected_calls
-    from refpar.parallel.intra_layer import validate
-    from refpar.parallel.intra_layer_runner import rank_coords
 
-    sp, cp_algo = _intra_options(w)
-    validate(w.model, w.train, w.sizes, sp, cp_algo)
-    per_rank = [expected_calls(w.model, w.train, w.sizes, rank_coords(w.sizes, r), sp, cp_algo)
+    per_rank = [expected_calls(w.model, w.train, w.sizes, rank_coords(w.sizes, r), plan.sp, plan.cp_algo)
                 for r in range(w.world)]
     # Every rank runs the same calls in the same order (each group's members call together).
     return [{"axis": row[0].axis, "op": row[0].op, "tag": row[0].tag,

@@ -4,9 +4,9 @@
 The placement is composed from refpar's own functions, in the order the engine applies them:
 
     tp split    shard_params_tp(full, config, tp, tp_rank) (refpar/parallel/tensor_parallel.py)
-    dp split    ZeRO-1: shard_range(Ψl, dp, dp_rank) of the rank's tp shards laid end to end
-                (engine.ZeroOne); ZeRO-3: shard_range(Ψ_u, dp, dp_rank) of each unit,
-                engine_zero3.units_of (wte alone, the rest together); ZeRO-0: nothing split
+    dp split    ZeRO-1 and ZeRO-3: shard_range(Ψ_u, dp, dp_rank) of each unit of the rank's tp
+                shards (holdings.units: wte alone, the root, one per block; refpar/parallel/
+                zero.py); ZeRO-0: nothing split
     sp rows     shard_range(T, tp, tp_rank) of the residual stream (sp_layout's resid_pos)
     ranks       arange(dp * tp).reshape(dp, tp): refpar/mesh.py's order with pp = ep = cp = 1
 
@@ -28,17 +28,22 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 from plotly.colors import qualitative
-from plotly.subplots import make_subplots
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.engine_zero3 import units_of
+from refpar.holdings import stage_layers, units
 from refpar.model.gpt import param_shapes
-from refpar.parallel.pipeline.stage import stage_layers
 from refpar.parallel.sequence_parallel import check_sp
 from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
 from refpar.sharding import shard_range
-from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
-from refpar.viz.sharding import DEMO_MODEL, DEMO_SEQ, MAX_RANKS, RANK_COLOURS, Step, block_weights
+from refpar.viz.sharding import (
+    DEMO_MODEL,
+    DEMO_SEQ,
+    MAX_RANKS,
+    RANK_COLOURS,
+    Step,
+    block_weights,
+    panels_figure,
+)
 
 ZERO_STAGES = (0, 1, 3)
 GROUP_COLOURS = qualitative.Pastel1  # sets of two or more ranks, paler; one rank keeps its RANK_COLOURS
@@ -66,9 +71,8 @@ def ids_held(config: ModelConfig, dp: int, tp: int, zero: int, dp_rank: int, tp_
     local = shard_params_tp(ids, config, tp, tp_rank)  # (the ids of) this rank's tp shards
     if not (split_over_dp and zero > 0):
         return {n: w.ravel() for n, w in local.items()}
-    units = units_of(list(local)) if zero == 3 else {"all": list(local)}
     held = {}
-    for names in units.values():
+    for names in units(list(local)).values():
         start, stop = shard_range(sum(local[n].size for n in names), dp, dp_rank)
         offset = 0
         for n in names:
@@ -215,31 +219,6 @@ def mix_figure(steps: list[Step], title: str = "") -> go.Figure:
     colours = [_colour(s, multi.get(s, 0)) for s in sets]
     k = len(sets)
     scale = [[edge, c] for i, c in enumerate(colours) for edge in (i / k, (i + 1) / k)]
-    grids = steps[-1].grids
-    rows = list(grids)
-    cols = max(len(r) for r in grids.values())
-    titles = [f"{row}: {'.'.join(n.split('.')[2:]) if n.startswith('h.') else n}"
-              for row in rows for n in grids[row]]
-    tall = [max(g.shape[0] for g in grids[row].values()) for row in rows]
-    fig = make_subplots(rows=len(rows), cols=cols, subplot_titles=titles,
-                        horizontal_spacing=0.04, vertical_spacing=0.08,
-                        row_heights=[max(h, max(tall) / 4) for h in tall])
-    cells = [(r, c, grid) for r, row in enumerate(rows) for c, grid in enumerate(grids[row].values())]
-    for (r, c, grid), trace in zip(cells, _heatmaps(grids, index, scale), strict=True):
-        fig.add_trace(trace, row=r + 1, col=c + 1)
-        axis = "" if r == c == 0 else str(r * cols + c + 1)
-        fig.layout[f"xaxis{axis}"].update(range=[-0.5, grid.shape[1] - 0.5], autorange=False,
-                                          showticklabels=False)
-        fig.layout[f"yaxis{axis}"].update(range=[grid.shape[0] - 0.5, -0.5], autorange=False,
-                                          showticklabels=False)
-    fig.frames = [go.Frame(name=s.label, data=_heatmaps(s.grids, index, scale),
-                           traces=list(range(len(cells))),
-                           layout={"title": {"text": f"{title}{s.label}: {s.moves}"}}) for s in steps]
-    for s, colour in zip(sets, colours, strict=True):
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=_label(s), showlegend=True,
-                                 marker={"symbol": "square", "size": 12, "color": colour,
-                                         "line": {"color": "#666", "width": 1}}), row=1, col=1)
-    fig.update_layout(title=f"{title}{steps[-1].label}: {steps[-1].moves}", height=240 * len(rows) + 160,
-                      margin={"b": CONTROLS_MARGIN, "t": 110}, meta={"holders": [list(s) for s in sets]},
-                      **play_controls([s.label for s in steps], ""))
-    return fig
+    legend = [(_label(s), colour) for s, colour in zip(sets, colours, strict=True)]
+    return panels_figure(steps, lambda s: _heatmaps(s.grids, index, scale), legend, title, 0.08, (240, 160),
+                       meta={"holders": [list(s) for s in sets]})

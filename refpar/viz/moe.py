@@ -1,9 +1,9 @@
 """Figures of a Mixture-of-Experts run: what the router chose, what the capacity dropped, and what
 the all-to-all carried.
 
-Data in (the "moe" object of `refpar train --json`, refpar/commands/train_moe.py), a Plotly figure
+Data in (the "moe" object of `refpar train --json`, refpar/engine/report.py), a Plotly figure
 out. For the Communication page, `drawn_kept` draws one step's routing with refpar's own router and
-`step_rows` / `traffic_matrix` give what a dp x ep step moves, from refpar.analysis.moe's exact
+`step_rows` / `traffic_matrix` give what a dp x ep step moves, from refpar.analysis.engine's exact
 closed forms (which take the routing counts).
 """
 
@@ -13,7 +13,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from refpar.analysis import moe as closed
+from refpar.analysis import engine as closed
+from refpar.config import Plan, TrainConfig
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
 from refpar.model.moe import capacity, kept_counts, router_forward, router_name, selection_counts
@@ -71,14 +72,17 @@ def drawn_kept(config, n_data: int, tokens_per_rank: int, seed: int = 0) -> list
 
 
 def step_rows(config, sizes: dict[str, int], kept_by_layer) -> list[dict]:
-    """`comm_bytes` rows of one training step on every rank of a dp x ep mesh
-    (`refpar.analysis.moe.step_comm_bytes`); the axis `data` is all dp x ep ranks."""
-    dp, ep = sizes.get("dp", 1), sizes.get("ep", 1)
+    """`comm_bytes` rows of one training step on every rank of a dp x ep mesh (`sizes`: every axis)
+    whose MoE blocks kept `kept_by_layer` (refpar.analysis.engine.rank_comm_bytes); the axis `data`
+    is all dp x ep ranks."""
+    dp, ep = sizes["dp"], sizes["ep"]
+    kept = [dict(zip(config.moe_blocks, kept_by_layer, strict=True))]  # one microbatch
     rows = []
     for rank in range(dp * ep):  # world rank = data rank: dp is the slower axis
-        coords = {"dp": rank // ep, "ep": rank % ep}
-        for (axis, op), b in closed.step_comm_bytes(config, sizes, coords, kept_by_layer).items():
-            rows.append({"rank": rank, "axis": axis, "op": op, "bytes_sent": b.sent, "bytes_recv": b.recv})
+        coords = closed.rank_coords(sizes, rank)
+        for (axis, op), b in closed.rank_comm_bytes(config, TrainConfig(batch_size=dp * ep), sizes, coords,
+                                                    Plan(), kept).items():
+            rows.append({"rank": rank, "axis": axis, "op": op, "bytes_sent": b[0], "bytes_recv": b[1]})
     return rows
 
 

@@ -3,7 +3,10 @@ backward over time, and the ranks x ticks grid.
 
 Data in (a `Schedule` and the `Timeline` that `refpar.parallel.pipeline.schedules.simulate` gives),
 a Plotly figure out; the app's Pipeline page lays these out. Ranks run down the y axis (rank 0 on
-top, as `format_grid` prints them), time runs right.
+top, as `format_grid` prints them), time runs right. Where a rank holds more than one stage (the
+interleaved, V-shaped and bidirectional schedules), its first stage's actions are drawn in the
+kind's colour and its second stage's in a lighter shade (chunks 0, 2, ... and 1, 3, ... for v > 2);
+an overlapped F&B takes the shade of its forward's stage.
 """
 
 from __future__ import annotations
@@ -11,32 +14,55 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from refpar.parallel.pipeline.schedules import KINDS, Schedule, Timeline, stored
+from refpar.parallel.pipeline.schedules import KINDS, OVERLAP, Action, Schedule, Timeline, stored
 
-COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "idle": "#d62728"}
+COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", OVERLAP: "#b279a2", "idle": "#d62728"}
+SHADES = {"F": "#9ecae9", "B": "#ffbf79", "W": "#88d27a", OVERLAP: "#d6a5c9"}  # a rank's 2nd stage
+DRAWN = (*KINDS, OVERLAP)
+SECOND = " (2nd chunk)"  # the name of a kind's trace for the second stage of each rank
 IDLE_OPACITY = 0.25
 MAX_FRAMES = 120  # a longer animation only slows the browser; frames are then spread evenly
 BAR_BUDGET = 60_000  # bars over all frames: each frame repeats the bars before it
 
 
+def chunk_of(actions) -> dict[int, int]:
+    """Stage -> which of its rank's stages it is (0 the lowest-numbered), from (rank, action) pairs."""
+    held: dict[int, set[int]] = {}
+    for rank, a in actions:
+        for c in a.computations():
+            held.setdefault(rank, set()).add(c.stage)
+    return {s: i for stages in held.values() for i, s in enumerate(sorted(stages))}
+
+
+def _shade(a: Action, chunk: dict[int, int]) -> int:
+    """0 for a rank's first stage (and third, ...), 1 for its second (and fourth, ...)."""
+    return chunk[a.computations()[0].stage] % 2
+
+
 def _bars(timeline: Timeline, until: float) -> list[go.Bar]:
-    """One bar trace per kind and one for idle time, everything cut off at time `until`. Columns
-    go in as NumPy arrays: Plotly validates those at once, lists element by element (minutes for
-    a long schedule's frames)."""
+    """One bar trace per kind (and per shade, where ranks hold two or more stages) and one for
+    idle time, everything cut off at time `until`. Columns go in as NumPy arrays: Plotly
+    validates those at once, lists element by element (minutes for a long schedule's frames)."""
+    every = [s for row in timeline.slots.values() for s in row]
+    chunk = chunk_of((s.rank, s.action) for s in every)
+    shades = (0, 1) if max(chunk.values(), default=0) > 0 else (0,)
     traces = []
-    for kind in KINDS:
-        shown = [s for row in timeline.slots.values() for s in row
-                 if s.action.kind == kind and s.start < until]
-        start = np.array([s.start for s in shown], dtype=float)
-        end = np.array([s.end for s in shown], dtype=float)
-        traces.append(go.Bar(
-            name=kind, orientation="h", marker_color=COLOURS[kind],
-            y=np.array([s.rank for s in shown], dtype=int), base=start, x=np.minimum(end, until) - start,
-            text=np.array([str(s.action) for s in shown], dtype=object),
-            textposition="inside", insidetextanchor="middle",
-            hovertemplate="%{text}: %{base} to %{customdata}<extra></extra>",
-            customdata=end, marker_line={"color": "white", "width": 1},
-        ))
+    for shade in shades:
+        for kind in DRAWN:
+            shown = [s for s in every if s.action.kind == kind and s.start < until
+                     and _shade(s.action, chunk) == shade]
+            start = np.array([s.start for s in shown], dtype=float)
+            end = np.array([s.end for s in shown], dtype=float)
+            traces.append(go.Bar(
+                name=kind + (SECOND if shade else ""), orientation="h",
+                marker_color=(SHADES if shade else COLOURS)[kind],
+                y=np.array([s.rank for s in shown], dtype=int), base=start,
+                x=np.minimum(end, until) - start,
+                text=np.array([str(s.action) for s in shown], dtype=object),
+                textposition="inside", insidetextanchor="middle",
+                hovertemplate="%{text}: %{base} to %{customdata}<extra></extra>",
+                customdata=end, marker_line={"color": "white", "width": 1},
+            ))
     gaps = np.array([(r, a, b) for r, row in timeline.idle.items() for a, b in row if a < until],
                     dtype=float).reshape(-1, 3)
     traces.append(go.Bar(
@@ -87,8 +113,9 @@ def play_controls(names: list[str], prefix: str, labels: list[str] | None = None
 
 
 def gantt_figure(timeline: Timeline, title: str = "") -> go.Figure:
-    """Ranks x time: F, B and W bars labelled like `format_grid` ("1F0"), idle time shaded red.
-    Animated: each frame shows the timeline up to the end of one more action."""
+    """Ranks x time: F, B, W (and F&B) bars labelled like `format_grid` ("1F0"), a rank's second
+    stage lighter, idle time shaded red. Animated: each frame shows the timeline up to the end of
+    one more action."""
     p = len(timeline.slots)
     times = frame_times(timeline)
     labels = [f"{t:g}" for t in times]
@@ -127,26 +154,33 @@ def inflight_figure(schedule: Schedule, timeline: Timeline, title: str = "") -> 
             y=[0] + [counts[rank][s.tick] for s in ordered] + [counts[rank][-1] if counts[rank] else 0],
         ))
     fig.update_layout(title=title, xaxis_title="time (F = 1 unit)",
-                      yaxis_title="microbatches held for backward", height=320)
+                      yaxis_title="stage-microbatches held", height=320)
     return fig
 
 
-GRID_CODES = {None: 0, "F": 1, "B": 2, "W": 3}
+def grid_code(a: Action | None, chunk: dict[int, int]) -> int:
+    """A grid cell's colour: 0 idle; 1, 2, 3, 4 for F, B, W, F&B on a rank's first stage; 5 to 8
+    on its second."""
+    if a is None:
+        return 0
+    return 1 + DRAWN.index(a.kind) + len(DRAWN) * _shade(a, chunk)
 
 
 def grid_figure(schedule: Schedule, title: str = "") -> go.Figure:
     """The ranks x ticks grid of `format_grid` as coloured cells, each labelled with its action."""
     n_ticks = max(len(row) for row in schedule.values())
     ranks = sorted(schedule)
+    chunk = chunk_of((r, a) for r, row in schedule.items() for a in row if a is not None)
     z = np.zeros((len(ranks), n_ticks), dtype=int)
     text = [[""] * n_ticks for _ in ranks]
     for i, rank in enumerate(ranks):
         for tick, a in enumerate(schedule[rank]):
-            z[i, tick] = GRID_CODES[None if a is None else a.kind]
+            z[i, tick] = grid_code(a, chunk)
             text[i][tick] = "" if a is None else str(a)
-    scale = ["#f0f0f0", COLOURS["F"], COLOURS["B"], COLOURS["W"]]
-    colorscale = [[edge, c] for k, c in enumerate(scale) for edge in (k / 4, (k + 1) / 4)]
-    fig = go.Figure(go.Heatmap(z=z, text=text, texttemplate="%{text}", zmin=-0.5, zmax=3.5,
+    scale = ["#f0f0f0", *(COLOURS[k] for k in DRAWN), *(SHADES[k] for k in DRAWN)]
+    n = len(scale)
+    colorscale = [[edge, c] for k, c in enumerate(scale) for edge in (k / n, (k + 1) / n)]
+    fig = go.Figure(go.Heatmap(z=z, text=text, texttemplate="%{text}", zmin=-0.5, zmax=n - 0.5,
                                colorscale=colorscale, showscale=False, xgap=1, ygap=1,
                                hovertemplate="rank %{y} tick %{x}: %{text}<extra></extra>"))
     fig.update_layout(title=title, height=100 + 35 * len(ranks),

@@ -39,3 +39,25 @@ def plan_figure(result: dict) -> go.Figure:
         yaxis={"autorange": "reversed"},
     )
     return fig
+
+
+def validation_figure(result: dict) -> go.Figure:
+    """Each published run's signed relative error (predicted / published - 1, in %), the fit rows
+    and the held-out ones apart, with the +-10% band (the `refpar plan --validate --json` object in)."""
+    fig = go.Figure()
+    for held_out, name in ((False, "fit"), (True, "held out")):
+        rows = [r for r in result["rows"] if r["held_out"] == held_out]
+        fig.add_trace(go.Bar(y=[r["name"] for r in rows], x=[100 * r["relative_error"] for r in rows],
+                             name=name, orientation="h",
+                             customdata=[[r["predicted"], r["published"], r["source"]] for r in rows],
+                             hovertemplate="%{y}: %{x:+.1f}%<br>predicted %{customdata[0]:.4g}, "
+                                           "published %{customdata[1]:.4g}<br>%{customdata[2]}"
+                                           "<extra></extra>"))
+    for edge in (-10, 10):
+        fig.add_vline(x=edge, line_dash="dash")
+    fig.update_layout(title=f"predicted against published: largest error "
+                            f"{100 * result['largest_error']:.1f}% (held out "
+                            f"{100 * result['largest_held_out_error']:.1f}%)",
+                      xaxis_title="predicted / published - 1 (%)", yaxis={"autorange": "reversed"},
+                      barmode="overlay", height=max(400, 22 * len(result["rows"])))
+    return fig

@@ -3,8 +3,8 @@
 Every grid here is computed with the function the strategy itself uses to place data, so the
 colours are refpar's layout, not a drawing of it:
 
-    DP, ZeRO-1/2/3, FSDP   `FlatLayout(config).shard(unit, n, rank)` (refpar/parallel/units.py)
-    TP                     `tp_param_slices(config, t, rank)` (refpar/parallel/tensor_parallel.py)
+    DP, ZeRO-1/2/3, FSDP   the parameter's unit (`holdings.units`) cut by `shard_range(Ψ_u, n, rank)`
+    TP                     `tp_param_slices(config, t, rank)` (refpar/holdings.py)
     SP                     `sp_layout`'s residual rows: `shard_range(T, t, rank)`
     EP                     `owned_experts(E, ep, rank)` and the model's own `router_forward`
 
@@ -21,20 +21,18 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import tp_param_slices, units
 from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params
+from refpar.model.gpt import init_params, param_shapes
 from refpar.model.moe import router_forward, router_name
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.sequence_parallel import check_sp
-from refpar.parallel.tensor_parallel import check_tp, tp_param_slices
-from refpar.parallel.units import FlatLayout
+from refpar.parallel.tensor_parallel import check_tp
 from refpar.sharding import shard_range
 from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
 
 EVERY, NOBODY = -1, -2
 MAX_RANKS = 8  # more colours than this cannot be told apart on screen
-STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp", "tp", "sp", "ep")
-CATEGORIES = ("params", "grads", "optimizer")
 RANK_COLOURS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
 
 # Small enough to draw every element, with 8 heads and 8 experts so tp and ep go up to 8.
@@ -51,17 +49,18 @@ def block_weights(layer: int = 0) -> list[str]:
 
 def flat_owner_grid(config: ModelConfig, n: int, name: str) -> np.ndarray:
     """The dp rank whose flat shard of the parameter's unit holds each element (ZeRO and FSDP)."""
-    lay = FlatLayout(config)
-    unit, start, stop = lay.offsets[name]
-    bounds = [lay.shard(unit, n, r)[1] for r in range(n)]  # shard r is [bounds[r-1], bounds[r])
-    owners = np.searchsorted(bounds, np.arange(start, stop), side="right")
-    return owners.reshape(lay.shapes[name])
+    shapes = param_shapes(config)
+    names = next(names for names in units(list(shapes)).values() if name in names)
+    start = sum(int(np.prod(shapes[n])) for n in names[:names.index(name)])  # where it sits in the unit
+    size = sum(int(np.prod(shapes[n])) for n in names)
+    bounds = [shard_range(size, n, r)[1] for r in range(n)]  # shard r is [bounds[r-1], bounds[r])
+    owners = np.searchsorted(bounds, np.arange(start, start + int(np.prod(shapes[name]))), side="right")
+    return owners.reshape(shapes[name])
 
 
 def tp_owner_grid(config: ModelConfig, t: int, name: str) -> np.ndarray:
     """The tp rank holding each element of the full parameter; EVERY where it is replicated."""
-    shape = FlatLayout(config).shapes[name]
-    grid = np.full(shape, EVERY)
+    grid = np.full(param_shapes(config)[name], EVERY)
     for rank in range(t):
         slices = tp_param_slices(config, t, rank)
         if name in slices:
@@ -233,33 +232,41 @@ def _heatmaps(step: Step, n: int) -> list[go.Heatmap]:
     return traces
 
 
-def sharding_figure(steps: list[Step], n: int, title: str = "") -> go.Figure:
-    """One heatmap per (panel row, tensor), animated over the steps with a slider. Colour = the
-    rank that holds the element; grey = every rank holds a copy; white = nobody holds it now."""
-    rows = list(steps[0].grids)
-    cols = max(len(v) for v in steps[0].grids.values())
-    titles = [f"{row}: {'.'.join(name.split('.')[2:]) if name.startswith('h.') else name}"
-              for row in rows for name in steps[0].grids[row]]
+def panels_figure(steps: list[Step], heatmaps, legend: list[tuple[str, str]], title: str, spacing: float,
+                height: tuple[int, int], **layout) -> go.Figure:
+    """One heatmap per (panel row, tensor) of the last step, a frame per step with a slider and Play;
+    `heatmaps(step)` gives a step's traces in panel order, `legend` the (label, colour) squares,
+    `height` the pixels per panel row and around them."""
+    grids = steps[-1].grids
+    rows = list(grids)
+    cols = max(len(r) for r in grids.values())
+    titles = [f"{row}: {'.'.join(n.split('.')[2:]) if n.startswith('h.') else n}"
+              for row in rows for n in grids[row]]
     # Rows as tall as their tallest tensor (at least a quarter of the tallest row) so cells stay square-ish.
-    tall = [max(np.shape(g)[0] for g in steps[0].grids[row].values()) for row in rows]
-    heights = [max(h, max(tall) / 4) for h in tall]
+    tall = [max(np.shape(g)[0] for g in grids[row].values()) for row in rows]
     fig = make_subplots(rows=len(rows), cols=cols, subplot_titles=titles, horizontal_spacing=0.04,
-                        vertical_spacing=0.12, row_heights=heights)
-    for i, trace in enumerate(_heatmaps(steps[-1], n)):
-        fig.add_trace(trace, row=i // cols + 1, col=i % cols + 1)
-    fig.frames = [go.Frame(name=s.label, data=_heatmaps(s, n), traces=list(range(len(fig.data))),
-                           layout={"title": {"text": f"{title}{s.label}: {s.moves}"}}) for s in steps]
-    for i in range(len(fig.data)):
-        shape = np.shape(steps[0].grids[rows[i // cols]][list(steps[0].grids[rows[i // cols]])[i % cols]])
-        axis = "" if i == 0 else str(i + 1)
+                        vertical_spacing=spacing, row_heights=[max(h, max(tall) / 4) for h in tall])
+    cells = [(r, c, np.shape(g)) for r, row in enumerate(rows) for c, g in enumerate(grids[row].values())]
+    for (r, c, shape), trace in zip(cells, heatmaps(steps[-1]), strict=True):
+        fig.add_trace(trace, row=r + 1, col=c + 1)
+        axis = "" if r == c == 0 else str(r * cols + c + 1)
         fig.layout[f"xaxis{axis}"].update(range=[-0.5, shape[1] - 0.5], autorange=False, showticklabels=False)
         fig.layout[f"yaxis{axis}"].update(range=[shape[0] - 0.5, -0.5], autorange=False, showticklabels=False)
-    fig.update_layout(title=f"{title}{steps[-1].label}: {steps[-1].moves}", height=260 * len(rows) + 120,
-                      margin={"b": CONTROLS_MARGIN, "t": 110},
-                      **play_controls([s.label for s in steps], ""))
-    legend = ["nobody", "every rank"] + [f"rank {r}" for r in range(n)]
-    for colour, label in zip(["#ffffff", "#9e9e9e"] + RANK_COLOURS[:n], legend, strict=True):
+    fig.frames = [go.Frame(name=s.label, data=heatmaps(s), traces=list(range(len(cells))),
+                           layout={"title": {"text": f"{title}{s.label}: {s.moves}"}}) for s in steps]
+    for label, colour in legend:
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label, showlegend=True,
                                  marker={"symbol": "square", "size": 12, "color": colour,
                                          "line": {"color": "#666", "width": 1}}), row=1, col=1)
+    fig.update_layout(title=f"{title}{steps[-1].label}: {steps[-1].moves}",
+                      height=height[0] * len(rows) + height[1], margin={"b": CONTROLS_MARGIN, "t": 110},
+                      **play_controls([s.label for s in steps], ""), **layout)
     return fig
+
+
+def sharding_figure(steps: list[Step], n: int, title: str = "") -> go.Figure:
+    """Colour = the rank that holds the element; grey = every rank holds a copy; white = nobody
+    holds it now."""
+    legend = zip(["nobody", "every rank"] + [f"rank {r}" for r in range(n)],
+                 ["#ffffff", "#9e9e9e"] + RANK_COLOURS[:n], strict=True)
+    return panels_figure(steps, lambda s: _heatmaps(s, n), list(legend), title, 0.12, (260, 120))

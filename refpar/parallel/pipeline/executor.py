@@ -10,6 +10,12 @@ Each rank walks `schedule[rank]` in order and does what each action says:
              half of the backward, free the forward cache, isend dx to stage s-1; without a W for
              (s, i) it also runs the weight half
     W(s, i)  the weight half: weight gradients from what B kept, then free that
+    F&B      DualPipe's overlapped pair (schedules.overlapped): its F, then its B, one after the
+             other (overlapping them is the simulator's `Costs.overlap="max"`, not done here)
+
+"Stage s+1" and "s-1" are the neighbours within s's copy of the model (schedules.Layout.part): in a
+V the stage after p-1 is p on the same rank, whose output is handed over without a message; in
+DualPipe stage p-1 ends copy 0 and stage p starts copy 1.
 
 Every receive is posted (irecv) when the step starts, every send is an isend, so transfers overlap
 compute; a message's tag names what moves, e.g. "pp:act:s1:mb3" (stage 1's output of microbatch 3)
@@ -24,13 +30,11 @@ GPipe and 1F1B, the peak in-flight count times the bytes of one microbatch.
 
 The loss of each microbatch is its token losses over the *global* token count, so the losses add
 up to the single device's mean; dropout masks are keyed by global sample ids and global layer
-indices, so every stage drops what the single device drops. The tied embedding (wte) lives on the
-first and the last stage; after the step its two gradient halves are summed by an all-reduce
-between those two ranks, Megatron's "embedding group".
+indices, so every stage drops what the single device drops. The stages give their gradients to
+their data-parallel hooks piece by piece (pipeline/stage.py), which accumulate them over the
+microbatches and sum them where the strategy says.
 
-Mixed precision: activations and their gradients travel in the model's 16-bit dtype; microbatch
-gradients accumulate in the gradients' dtype (16-bit, or a float32 buffer with `grad_dtype`, the
-Ultra-Scale Playbook's fp32 accumulation), and the tied sum runs in it too.
+Mixed precision: activations and their gradients travel in the model's 16-bit dtype.
 """
 
 from __future__ import annotations
@@ -41,14 +45,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from array_api_compat import array_namespace
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig
 from refpar.memory import MemoryLedger, nbytes_of
 from refpar.model.gpt import DropoutContext
 from refpar.parallel.pipeline.schedules import Action, Schedule, Slot, Timeline, simulate, validate
-from refpar.parallel.pipeline.stage import Stage
 
 if TYPE_CHECKING:  # the communicator module starts MPI when imported; `--help` must not
     from refpar.comm.communicator import Communicator
@@ -61,20 +63,16 @@ class Microbatch:
     sample_ids: tuple[int, ...]  # global ids of the b rows: they key the dropout masks
 
 
-def _root(a):
-    """The array that owns the buffer `a` views (NumPy, torch or CuPy)."""
-    return backend.owner(a)
-
-
-def held_bytes(obj, params: dict) -> int:
+def held_bytes(obj, params) -> int:
     """Bytes of the distinct buffers a cache keeps alive: every array is traced to the buffer it
-    views, each buffer counts once, and parameters never. Tuples, lists and dicts are looked into
-    (an MoE block's cache is a dict of routing arrays, router and expert caches), except a dict
-    keyed by parameter names: that is the parameters themselves (the engine's stages carry theirs
-    for the embedding's backward) or their gradients (a fused B hands them to W), which the ledger
-    counts as params and grads. A parameter's own buffer (a linear layer's cache holds its weight)
-    does not count either."""
-    exclude = {id(_root(p)) for p in params.values()}
+    views, each buffer counts once, and parameters never (`params`: the parameters, a dict, or the
+    buffers they live in). Tuples, lists and dicts are looked into (an MoE block's cache is a dict of
+    routing arrays, router and expert caches), except a dict keyed by parameter names: that is the
+    parameters themselves or their gradients, which the ledger counts as params and grads. A
+    parameter's own buffer (a linear layer's cache holds its weight) does not count either."""
+    arrays = list(params.values()) if isinstance(params, dict) else list(params)
+    names = set(params) if isinstance(params, dict) else set()  # a dict of them is not looked into
+    exclude = {id(backend.owner(p)) for p in arrays}
     roots: dict[int, int] = {}
     stack = [obj]
     while stack:
@@ -82,10 +80,10 @@ def held_bytes(obj, params: dict) -> int:
         if isinstance(item, tuple | list):
             stack.extend(item)
         elif isinstance(item, dict):
-            if not item.keys() <= params.keys():
+            if not (names and item.keys() <= names):
                 stack.extend(item.values())
         elif backend.is_array(item):
-            root = _root(item)
+            root = backend.owner(item)
             if id(root) not in exclude:
                 roots[id(root)] = nbytes_of(root)
     return sum(roots.values())
@@ -98,10 +96,14 @@ def _now() -> float:
 
 
 class PipelineExecutor:
-    """Runs `schedule[pp.rank]`; `pp` is the pipeline axis's Communicator (rank = pipeline rank)."""
+    """Runs `schedule[pp.rank]`; `pp` is the pipeline axis's Communicator (rank = pipeline rank).
+    `make_stage(stage, layout)` builds each stage this rank holds (pipeline/stage.py); `tokens`
+    is the residual stream's tokens per row on this rank (Tl), the length of what arrives; `like`
+    an array of the run's backend and dtype (receives arrive in its namespace, on its device);
+    `buffers` the arrays the parameters live in (no activation)."""
 
-    def __init__(self, schedule: Schedule, config: ModelConfig, pp: Communicator,
-                 ledger: MemoryLedger | None = None, make_stage=Stage):
+    def __init__(self, schedule: Schedule, config: ModelConfig, pp: Communicator, make_stage, tokens: int,
+                 like, buffers, ledger: MemoryLedger | None = None):
         if len(schedule) != pp.size:
             raise ConfigError(f"the schedule has {len(schedule)} ranks but the pipeline axis has "
                               f"{pp.size}; build it with p={pp.size}")
@@ -109,38 +111,25 @@ class PipelineExecutor:
         self.layout = validate(schedule)
         self.rank = pp.rank
         self.row = schedule[self.rank]
-        n_stages = self.layout.n_stages
-        # make_stage(config, n_stages, stage): Stage, or a subclass with other blocks (engine_moe)
-        self.stages = {s: make_stage(config, n_stages, s) for s, r in self.layout.stage_rank.items()
-                       if r == self.rank}
+        self.stages = {s: make_stage(s, self.layout) for s in self.layout.stages_of(self.rank)}
+        self.tokens, self.like, self.buffers = tokens, like, buffers
         self.ledger = ledger if ledger is not None else MemoryLedger()
-        self.grad_dtype = None  # float32 to accumulate 16-bit gradients in fp32 (fp32_grads)
-        self.like = None  # an array of the run's backend, for steps given no parameters
         self.slots: list[Slot] = []
         self._tags = self._check_tags()
-        first, last = self.layout.stage_rank[0], self.layout.stage_rank[n_stages - 1]
-        member = first != last and self.rank in (first, last)
-        self.embedding_group = pp.split(0 if member else None, key=self.rank, axis="pp")
-
-    def param_names(self) -> list[str]:
-        """The parameters this rank holds: those of its stages (wte on both ends)."""
-        names = [n for st in self.stages.values() for n in st.param_names()]
-        return list(dict.fromkeys(names))
 
     # -- messages ----------------------------------------------------------------------------------
 
     def _messages(self) -> list[tuple[Action, int, int, str]]:
         """Every transfer of a step as (producing action, src rank, dst rank, tag)."""
-        where = self.layout.stage_rank
+        lay = self.layout
+        where, last = lay.stage_rank, lay.stages_per_copy - 1
         out = []
         for row in self.schedule.values():
-            for a in row:
-                if a is None:
-                    continue
-                if a.kind == "F" and a.stage + 1 < self.layout.n_stages:
+            for a in (c for x in row if x is not None for c in x.computations()):
+                if a.kind == "F" and lay.part(a.stage) < last:
                     out.append((a, where[a.stage], where[a.stage + 1],
                                 f"pp:act:s{a.stage}:mb{a.microbatch}"))
-                elif a.kind == "B" and a.stage > 0:
+                elif a.kind == "B" and lay.part(a.stage) > 0:
                     out.append((a, where[a.stage], where[a.stage - 1],
                                 f"pp:grad:s{a.stage}:mb{a.microbatch}"))
         return [msg for msg in out if msg[1] != msg[2]]
@@ -161,24 +150,20 @@ class PipelineExecutor:
             tags[a] = tag
         return tags
 
-    def _post_receives(self, microbatches: list[Microbatch], like) -> dict[Action, object]:
-        """irecv of every message this rank gets in a step; arrays arrive in `like`'s namespace."""
-        C = self.config.n_embd
-        dtype = np.dtype(self.config.dtype)
-        requests = {}
-        for a, src, dst, tag in self._messages():
-            if dst == self.rank:
-                shape = (len(microbatches[a.microbatch].sample_ids), microbatches[0].tokens.shape[1], C)
-                requests[a] = self.pp.irecv(shape, dtype, src, tag, like=like)
-        return requests
+    def _post_receives(self, microbatches: list[Microbatch]) -> dict[Action, object]:
+        """irecv of every message this rank gets in a step: (b, Tl, C) of the model's dtype."""
+        dtype, C = np.dtype(self.config.dtype), self.config.n_embd
+        return {a: self.pp.irecv((len(microbatches[a.microbatch].sample_ids), self.tokens, C), dtype, src,
+                                 tag, like=self.like)
+                for a, src, dst, tag in self._messages() if dst == self.rank}
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def step(self, params: dict, microbatches: list[Microbatch], *, step: int, seed: int,
-             normalizer: int, dloss: float = 1.0) -> tuple[float, dict]:
-        """Runs this rank's actions for one optimizer step. Returns the sum of the microbatch losses
-        computed here (0.0 on ranks without the last stage) and this rank's parameter gradients
-        (wte's already summed over the embedding group). `dloss`: the fp16 loss scale."""
+    def step(self, microbatches: list[Microbatch], *, step: int, seed: int, normalizer: int,
+             dloss: float = 1.0) -> float:
+        """Runs this rank's actions for one optimizer step; returns the sum of the microbatch losses
+        computed here (0.0 on ranks without the last stage). The gradients are in the stages'
+        hooks. `dloss`: the fp16 loss scale."""
         for stage in self.stages.values():
             stage.dloss = dloss
         m = self.layout.n_microbatches
@@ -186,13 +171,10 @@ class PipelineExecutor:
             raise ConfigError(f"the schedule has {m} microbatches but the step got "
                               f"{len(microbatches)}; split the batch into {m}")
         where = self.layout.stage_rank
-        self.ledger.free_prefix("grad:")
         self.slots = []  # the last step's actions only
-        # Activations arrive in the namespace and on the device of the parameters (or of `like`
-        # when the stages gather their own, as the engine's ZeRO-3 does).
-        received = self._post_receives(microbatches, like=next(iter(params.values()), self.like))
+        received = self._post_receives(microbatches)
         local: dict[Action, np.ndarray] = {}  # outputs handed to a stage on this same rank
-        sends, caches, saved, grads = [], {}, {}, {}
+        sends, caches, saved = [], {}, {}
         loss = 0.0
         tracer = self.pp.tracer
 
@@ -205,9 +187,9 @@ class PipelineExecutor:
             else:
                 sends.append(self.pp.isend(out, where[to_stage], self._tags[a]))
 
-        for tick, a in enumerate(self.row):
-            if a is None:
-                continue
+        def run(a: Action) -> tuple[float, float]:
+            """One F, B or W; its compute's start and end."""
+            nonlocal loss
             stage, i, mb = self.stages[a.stage], a.microbatch, microbatches[a.microbatch]
             key = f"{a.stage}:{i}"
             phase = {"F": "fwd", "B": "bwd", "W": "wgrad"}[a.kind]
@@ -217,9 +199,9 @@ class PipelineExecutor:
                     x = mb.tokens if stage.first else take(Action(a.stage - 1, "F", i))
                     start = _now()
                     drop = DropoutContext(seed, step, mb.sample_ids, self.config.dropout, True)
-                    out, caches[key] = stage.forward(params, x, mb.targets, drop, normalizer)
+                    out, caches[key] = stage.forward(x, mb.targets, drop, normalizer, i)
                     end = _now()
-                    self.ledger.alloc(f"act:{key}", held_bytes(caches[key], params), "activations")
+                    self.ledger.alloc(f"act:{key}", held_bytes(caches[key], self.buffers), "activations")
                     if stage.last:
                         loss += float(out)
                     else:
@@ -227,42 +209,30 @@ class PipelineExecutor:
                 elif a.kind == "B":
                     dout = None if stage.last else take(Action(a.stage + 1, "B", i))
                     start = _now()
-                    dx, saved[key] = stage.backward_input(dout, caches.pop(key))
-                    if (a.stage, i) not in self.layout.split:
-                        new = stage.backward_weight(saved.pop(key))
+                    split = (a.stage, i) in self.layout.split
+                    dx, saved[key] = stage.backward_input(dout, caches.pop(key), i, weight=not split)
                     end = _now()
                     self.ledger.free(f"act:{key}")
-                    if (a.stage, i) in self.layout.split:
-                        self.ledger.alloc(f"wact:{key}", held_bytes(saved[key], params),
+                    if split:
+                        self.ledger.alloc(f"wact:{key}", held_bytes(saved[key], self.buffers),
                                           "activations")
-                    else:
-                        self._accumulate(grads, new)
                     if dx is not None:
                         give(a, dx, a.stage - 1)
                 else:
                     start = _now()
-                    new = stage.backward_weight(saved.pop(key))
+                    stage.backward_weight(saved.pop(key))
                     end = _now()
                     self.ledger.free(f"wact:{key}")
-                    self._accumulate(grads, new)
-            self.slots.append(Slot(self.rank, tick, a, start, end))
+            return start, end
+
+        for tick, a in enumerate(self.row):
+            if a is None:
+                continue
+            times = [run(c) for c in a.computations()]  # an F&B: its F, then its B
+            self.slots.append(Slot(self.rank, tick, a, times[0][0], times[-1][1]))
         for request in sends:
             request.wait()
-        if self.embedding_group is not None:
-            grads["wte.weight"] = self.embedding_group.all_reduce(
-                grads["wte.weight"], tag="wte.weight:tied-grad")
-        return loss, grads
-
-    def _accumulate(self, grads: dict, new: dict) -> None:
-        """Adds a microbatch's gradients; a gradient is in the ledger from its first microbatch
-        until the next step starts."""
-        for name, g in new.items():
-            if name in grads:
-                grads[name] += g
-            else:
-                if self.grad_dtype is not None:  # a float32 buffer the 16-bit gradients add into
-                    g = array_namespace(g).astype(g, self.grad_dtype)
-                grads[name] = self.ledger.alloc(f"grad:{name}", g, "grads")
+        return loss
 
     # -- the executed timeline ---------------------------------------------------------------------
 

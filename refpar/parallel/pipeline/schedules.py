@@ -1,12 +1,14 @@
 """Pipeline schedules as data: who runs which forward and backward, in what order.
 
     p  ranks (pipeline stages per model copy)      m  microbatches per optimizer step
-    v  model chunks per rank (interleaved only)    S  stages in all: S = p * v, stage = chunk*p + rank
+    v  model chunks per rank (interleaved: any; V-shaped and bidirectional: 2)
+    S  stages in all, S = p * v: stage = chunk*p + rank in a loop, stages r and 2p-1-r on rank r in a V
 
 An `Action(stage, kind, microbatch)` prints as `"1F0"`: stage 1 runs the forward of microbatch 0.
 Kinds: `F` forward; `B` backward for the input gradient, or the full backward (input and weight
 gradients) where the schedule has no `W` for that stage and microbatch; `W` the weight gradient
-(zero-bubble schedules split B from W because W is needed by nobody downstream).
+(zero-bubble schedules split B from W because W is needed by nobody downstream). An overlapped
+`F&B` action (DualPipe) runs one forward and one backward, its `parts`, as one slot: "0F5&7B2".
 
 A schedule is `dict[rank, list[Action | None]]`: one list per rank, `None` an idle tick. The
 builders return *grids*: each action sits at the tick where it can start when every action takes
@@ -17,11 +19,13 @@ one tick and transfers are free, so `format_grid` draws the unit-cost picture of
                                 then one forward, one backward.
     interleaved_1f1b(p, m, v)   Narayanan et al. 2021: v chunks per rank, Megatron-LM's order.
     zb_h1(p, m), zb_h2(p, m)    Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.
+    zbv, v-half, v-min, dualpipev, dualpipe   two stages per rank: schedules_v.py.
 
 Dependencies (what "the input is ready" means):
     F(s, i) needs F(s-1, i)                     (the activation from the previous stage)
     B(s, i) needs F(s, i) and B(s+1, i)         (its own stored activations, the output gradient)
     W(s, i) needs B(s, i)                       (the output gradients B computed)
+within one copy of the model: DualPipe's stages 0..p-1 and p..2p-1 are two (`Layout.copies`).
 
 `validate(schedule)` runs every rank's list in order (the executor's semantics) and raises a
 `ScheduleError` naming the first action that can never run: its input comes later on its own rank,
@@ -29,7 +33,8 @@ or every rank waits on another (a deadlock). `validate(schedule, ticks=True)` al
 each action's inputs finish at an earlier tick. `simulate(schedule, costs)` times the schedule with
 F, B, W and transfer costs and returns a `Timeline` (slots per rank, idle intervals, makespan).
 `stored` replays what each rank keeps for backward (counts, or bytes), `critical_path_gap` bounds
-how far an executed timeline may be from its simulation. `refpar schedule 1f1b -p 3 -m 4` prints:
+how far an executed timeline may be from its simulation. `to_csv` and `from_csv` write and read
+torch.distributed.pipelining's schedule CSV. `refpar schedule 1f1b -p 3 -m 4` prints:
 
     tick    0   1   2   3   4   5   6   7   8   9   10  11
     rank 0  0F0 0F1 0F2 .   .   0B0 0F3 0B1 .   0B2 .   0B3
@@ -39,22 +44,43 @@ how far an executed timeline may be from its simulation. `refpar schedule 1f1b -
 
 from __future__ import annotations
 
+import csv
+import io
+import re
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from refpar.config import ConfigError
 
 KINDS = ("F", "B", "W")
+ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb-h1", "zb-h2")  # the others hold 2 (or v) stages per rank
+OVERLAP = "F&B"  # a forward and a backward run as one action (DualPipe's overlapped chunk pair)
 
 
 @dataclass(frozen=True, order=True)
 class Action:
     stage: int
-    kind: str  # "F", "B" or "W"
+    kind: str  # "F", "B", "W", or OVERLAP: then `parts` holds the two and stage, microbatch are -1
     microbatch: int
+    parts: tuple[Action, ...] = ()  # OVERLAP only: the forward, then the backward, run in that order
 
     def __str__(self) -> str:
+        if self.parts:
+            return "&".join(map(str, self.parts))  # "0F5&7B2", DualPipe's F&B
         return f"{self.stage}{self.kind}{self.microbatch}"
+
+    def computations(self) -> tuple[Action, ...]:
+        """The F, B and W this action runs: itself, or an overlapped action's two parts."""
+        return self.parts or (self,)
+
+
+def overlapped(forward: Action, backward: Action) -> Action:
+    """DualPipe's F&B: the forward of one microbatch and the backward of another as one action.
+    The executor runs the forward and then the backward; the simulator charges one slot of
+    max(F, B) or F + B (`Costs.overlap`)."""
+    return Action(-1, OVERLAP, -1, (forward, backward))
 
 
 Schedule = dict[int, list[Action | None]]
@@ -73,21 +99,59 @@ class ScheduleError(ConfigError):
 @dataclass(frozen=True)
 class Layout:
     """What a schedule implies: which rank owns each stage, how many microbatches, which
-    (stage, microbatch) pairs split their backward into B and W."""
+    (stage, microbatch) pairs split their backward into B and W, and how many copies of the model
+    the stages hold (DualPipe's 2: stages 0..S/2-1 are one copy and take the first half of the
+    microbatches, S/2..S-1 the other copy and the second half; 1 for every other schedule)."""
 
     stage_rank: dict[int, int]
     n_microbatches: int
     split: frozenset[tuple[int, int]]
+    copies: int = 1
 
     @property
     def n_stages(self) -> int:
         return len(self.stage_rank)
 
+    @cached_property
+    def stages_per_copy(self) -> int:
+        """The model's parts: each copy cuts the model into this many stages."""
+        return self.n_stages // self.copies
+
+    def part(self, stage: int) -> int:
+        """Which part of the model (which blocks) `stage` runs: 0 holds the embedding, the last
+        part the head."""
+        return stage % self.stages_per_copy
+
+    def microbatches(self, stage: int) -> range:
+        """The microbatches that go through `stage`: all of them, or its copy's share."""
+        share = self.n_microbatches // self.copies
+        copy = stage // self.stages_per_copy
+        return range(copy * share, (copy + 1) * share)
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages `rank` runs, lowest first."""
+        return sorted(s for s, r in self.stage_rank.items() if r == rank)
+
+    @property
+    def tied_apart(self) -> bool:
+        """Whether the tied embedding's two ends, the first part's wte and the last part's head,
+        sit on two ranks whose gradients must be summed: in a loop (ranks 0 and p-1). Not in a V,
+        where rank 0 holds both, nor in DualPipe, whose copies' sum covers them."""
+        return self.copies == 1 and self.stage_rank[0] != self.stage_rank[self.n_stages - 1]
+
+    def chunk(self, stage: int) -> int:
+        """Which of its rank's stages `stage` is, counted from the lowest: 0 or 1 in a V."""
+        rank = self.stage_rank[stage]
+        return sorted(s for s, r in self.stage_rank.items() if r == rank).index(stage)
+
     def inputs(self, a: Action) -> list[Action]:
+        if a.parts:  # an overlapped pair waits for what either part waits for
+            return [n for part in a.parts for n in self.inputs(part) if n not in a.parts]
         if a.kind == "F":
-            return [Action(a.stage - 1, "F", a.microbatch)] if a.stage > 0 else []
+            return [Action(a.stage - 1, "F", a.microbatch)] if self.part(a.stage) > 0 else []
         if a.kind == "B":
-            later = [Action(a.stage + 1, "B", a.microbatch)] if a.stage < self.n_stages - 1 else []
+            later = ([Action(a.stage + 1, "B", a.microbatch)]
+                     if self.part(a.stage) < self.stages_per_copy - 1 else [])
             return [Action(a.stage, "F", a.microbatch), *later]
         return [Action(a.stage, "B", a.microbatch)]
 
@@ -104,28 +168,53 @@ def layout(schedule: Schedule) -> Layout:
             if a is None:
                 continue
             where = f"rank {rank} tick {tick}: {a}"
-            if a.kind not in KINDS or a.stage < 0 or a.microbatch < 0:
-                raise ScheduleError(f"{where} is not an action; use kinds F, B, W and indices >= 0",
-                                    rank, tick)
-            if stage_rank.setdefault(a.stage, rank) != rank:
-                raise ScheduleError(f"{where} puts stage {a.stage} on rank {rank}, but rank "
-                                    f"{stage_rank[a.stage]} runs it too; a stage lives on one rank",
-                                    rank, tick)
-            if a in seen:
-                raise ScheduleError(f"{where} appears twice; run each action once", rank, tick)
-            seen.add(a)
+            if a.kind == OVERLAP and [part.kind for part in a.parts] != ["F", "B"]:
+                raise ScheduleError(f"{where} overlaps {len(a.parts)} actions; an overlapped action "
+                                    "is one F and then one B", rank, tick)
+            for c in a.computations():
+                if c.kind not in KINDS or c.stage < 0 or c.microbatch < 0:
+                    raise ScheduleError(f"{where} is not an action; use kinds F, B, W and indices >= 0",
+                                        rank, tick)
+                if stage_rank.setdefault(c.stage, rank) != rank:
+                    raise ScheduleError(f"{where} puts stage {c.stage} on rank {rank}, but rank "
+                                        f"{stage_rank[c.stage]} runs it too; a stage lives on one rank",
+                                        rank, tick)
+                if c in seen:
+                    raise ScheduleError(f"rank {rank} tick {tick}: {c} appears twice; run each action "
+                                        "once", rank, tick)
+                seen.add(c)
     if not seen:
         raise ScheduleError("the schedule has no actions")
     n_stages = max(stage_rank) + 1
     m = max(a.microbatch for a in seen) + 1
+    split = frozenset((a.stage, a.microbatch) for a in seen if a.kind == "W")
+    lay = Layout(stage_rank, m, split, _copies(seen, n_stages, m))
     for s in range(n_stages):
-        for i in range(m):
+        for i in lay.microbatches(s):
             for kind in "FB":
                 if Action(s, kind, i) not in seen:
                     raise ScheduleError(f"the schedule never runs {Action(s, kind, i)}; every stage "
                                         f"needs an F and a B for each of the {m} microbatches")
-    split = frozenset((a.stage, a.microbatch) for a in seen if a.kind == "W")
-    return Layout(stage_rank, m, split)
+    stray = [a for a in seen if a.microbatch not in lay.microbatches(a.stage)]
+    if stray:
+        a = min(stray)
+        share = lay.microbatches(a.stage)
+        raise ScheduleError(f"the schedule runs {a}, but stage {a.stage} belongs to the copy of the "
+                            f"model that takes microbatches {share.start}..{share.stop - 1}")
+    return lay
+
+
+def _copies(seen: set[Action], n_stages: int, m: int) -> int:
+    """2 where stage 0 runs the first half of the microbatches and stage S/2 the second half (the
+    two copies of DualPipe), else 1: then every stage must run every microbatch."""
+    def forwards(stage: int) -> set[int]:
+        return {a.microbatch for a in seen if a.stage == stage and a.kind == "F"}
+
+    half = m // 2
+    if m % 2 == 0 and n_stages % 2 == 0 and forwards(0) == set(range(half)) \
+            and forwards(n_stages // 2) == set(range(half, m)):
+        return 2
+    return 1
 
 
 # ---------------------------------------------------------------- running the lists in order
@@ -201,7 +290,7 @@ def _run(schedule: Schedule, lay: Layout, duration: Callable[[int, int, Action],
     """Runs each rank's list in order, each action as soon as its rank is free and its inputs
     have arrived; raises ScheduleError naming the first action that can never run."""
     for rank, row in schedule.items():
-        position = {a: t for t, a in enumerate(row) if a is not None}
+        position = {c: t for t, a in enumerate(row) if a is not None for c in a.computations()}
         for tick, a in enumerate(row):
             for need in ([] if a is None else lay.inputs(a)):
                 if lay.stage_rank.get(need.stage) == rank and position.get(need, -1) > tick:
@@ -211,29 +300,35 @@ def _run(schedule: Schedule, lay: Layout, duration: Callable[[int, int, Action],
     slots: dict[int, list[Slot]] = {r: [] for r in schedule}
     transfers: list[Transfer] = []
     pos, free = dict.fromkeys(schedule, 0), dict.fromkeys(schedule, 0.0)
-    progress = True
-    while progress:
-        progress = False
-        for rank, row in schedule.items():
-            while pos[rank] < len(row):
-                a = row[pos[rank]]
-                if a is not None:
-                    needs = lay.inputs(a)
-                    if any(n not in done for n in needs):
-                        break
-                    start = free[rank]
-                    for n in needs:
-                        src = done[n].rank
-                        arrive = done[n].end + (p2p if src != rank else 0.0)
-                        if src != rank:
-                            transfers.append(Transfer(n, src, rank, done[n].end, arrive))
-                        start = max(start, arrive)
-                    slot = Slot(rank, pos[rank], a, start, start + duration(rank, pos[rank], a))
-                    done[a] = slot
-                    slots[rank].append(slot)
-                    free[rank] = slot.end
-                pos[rank] += 1
-                progress = True
+    # A rank runs down its list until an input is missing, then waits on that input; finishing an
+    # action wakes the ranks waiting on it. (The times do not depend on which rank goes first.)
+    waiting: dict[Action, list[int]] = {}
+    awake = deque(schedule)
+    while awake:
+        rank = awake.popleft()
+        row = schedule[rank]
+        while pos[rank] < len(row):
+            a = row[pos[rank]]
+            if a is not None:
+                needs = lay.inputs(a)
+                missing = next((n for n in needs if n not in done), None)
+                if missing is not None:
+                    waiting.setdefault(missing, []).append(rank)
+                    break
+                start = free[rank]
+                for n in needs:
+                    src = done[n].rank
+                    arrive = done[n].end + (p2p if src != rank else 0.0)
+                    if src != rank:
+                        transfers.append(Transfer(n, src, rank, done[n].end, arrive))
+                    start = max(start, arrive)
+                slot = Slot(rank, pos[rank], a, start, start + duration(rank, pos[rank], a))
+                done.update(dict.fromkeys(a.computations(), slot))
+                slots[rank].append(slot)
+                free[rank] = slot.end
+                for c in a.computations():
+                    awake.extend(waiting.pop(c, ()))
+            pos[rank] += 1
     stuck = [(pos[r], r) for r in schedule if pos[r] < len(schedule[r])]
     if stuck:
         tick, rank = min(stuck)
@@ -258,7 +353,8 @@ def validate(schedule: Schedule, ticks: bool = False) -> Layout:
     lay = layout(schedule)
     _run(schedule, lay, _unit, 0.0)
     if ticks:
-        tick_of = {a: t for row in schedule.values() for t, a in enumerate(row) if a is not None}
+        tick_of = {c: t for row in schedule.values() for t, a in enumerate(row) if a is not None
+                   for c in a.computations()}
         late = [(tick_of[n], t, r, a, n) for r, row in schedule.items() for t, a in enumerate(row)
                 if a is not None for n in lay.inputs(a) if tick_of[n] >= t]
         if late:
@@ -269,15 +365,30 @@ def validate(schedule: Schedule, ticks: bool = False) -> Layout:
     return lay
 
 
+OVERLAP_COSTS = ("sum", "max")
+
+
 @dataclass(frozen=True)
 class Costs:
     """Duration of each action kind and of one transfer. A full backward (B where the schedule
-    has no W) costs B + W. Qi et al. take F = B = W; Narayanan et al. take B = 2F."""
+    has no W) costs B + W. Qi et al. take F = B = W; Narayanan et al. take B = 2F.
+
+    `overlap` prices an overlapped F&B: "sum" charges F + B, what a device that runs the two one
+    after the other takes (refpar's executor does); "max" charges max(F, B), DualPipe's premise
+    that one chunk's computation hides the other's communication, so that at best the pair costs
+    its longer part (DeepSeek-V3 report, section 3.2.1). B here is the part's own backward: B + W
+    where it is a full backward."""
 
     F: float = 1.0
     B: float = 1.0
     W: float = 1.0
     p2p: float = 0.0
+    overlap: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.overlap not in OVERLAP_COSTS:
+            raise ConfigError(f"overlap cost {self.overlap!r} is not one of {', '.join(OVERLAP_COSTS)}; "
+                              "choose sum (F + B) or max (max(F, B))")
 
 
 def simulate(schedule: Schedule, costs: Costs | None = None,
@@ -287,12 +398,17 @@ def simulate(schedule: Schedule, costs: Costs | None = None,
     costs = costs or Costs()
     lay = layout(schedule)
 
-    def duration(rank: int, tick: int, a: Action) -> float:
-        if durations is not None:
-            return durations[rank, tick]
+    def compute(a: Action) -> float:
         if a.kind == "B" and (a.stage, a.microbatch) not in lay.split:
             return costs.B + costs.W
         return getattr(costs, a.kind)
+
+    def duration(rank: int, tick: int, a: Action) -> float:
+        if durations is not None:
+            return durations[rank, tick]
+        if a.parts:
+            return (max if costs.overlap == "max" else sum)(map(compute, a.parts))
+        return compute(a)
 
     return _run(schedule, lay, duration, costs.p2p)
 
@@ -306,12 +422,12 @@ def critical_path_gap(timeline: Timeline, schedule: Schedule) -> float:
     and nothing runs earlier than the simulation allows, so
         0 <= measured makespan - simulated makespan <= critical_path_gap(measured)."""
     lay = layout(schedule)
-    slot_of = {s.action: s for row in timeline.slots.values() for s in row}
+    slot_of = {c: s for row in timeline.slots.values() for s in row for c in s.action.computations()}
     before: dict[Action, Slot] = {}
     for row in timeline.slots.values():
         ordered = sorted(row, key=lambda s: s.tick)
         before.update({b.action: a for a, b in zip(ordered, ordered[1:], strict=False)})
-    current = max(slot_of.values(), key=lambda s: s.end)
+    current = max((s for row in timeline.slots.values() for s in row), key=lambda s: s.end)
     gap = timeline.makespan - current.end
     while True:
         waited = [slot_of[n] for n in lay.inputs(current.action)]
@@ -325,24 +441,28 @@ def critical_path_gap(timeline: Timeline, schedule: Schedule) -> float:
 
 def stored(schedule: Schedule, after_f: Callable[[Action], int] = lambda a: 1,
            after_b: Callable[[Action], int] = lambda a: 1) -> dict[int, list[int]]:
-    """Per rank, after each tick, what is stored for backward: `after_f(F)` from each F until its
+    """Per rank, the most stored for backward during each tick: `after_f(F)` from each F until its
     B, then `after_b(B)` until its W where the backward is split. With the defaults, the number of
-    (stage, microbatch) pairs in flight; with bytes, the activation memory a run must measure."""
+    (stage, microbatch) pairs in flight; with bytes, the activation memory a run must measure. An
+    overlapped F&B peaks between its parts: its forward's activations exist before its backward
+    frees the other microbatch's (the executor runs them in that order; DualPipe overlaps them)."""
     lay = layout(schedule)
     held: dict[tuple[int, int], int] = {}
     out = {}
     for rank, row in schedule.items():
         total, trace = 0, []
         for a in row:
-            if a is not None:
-                key = (a.stage, a.microbatch)
+            most = total
+            for c in () if a is None else a.computations():
+                key = (c.stage, c.microbatch)
                 total -= held.pop(key, 0)
-                if a.kind == "F":
-                    held[key] = after_f(a)
-                elif a.kind == "B" and key in lay.split:
-                    held[key] = after_b(a)
+                if c.kind == "F":
+                    held[key] = after_f(c)
+                elif c.kind == "B" and key in lay.split:
+                    held[key] = after_b(c)
                 total += held.get(key, 0)
-            trace.append(total)
+                most = max(most, total)
+            trace.append(most)
         out[rank] = trace
     return out
 
@@ -490,14 +610,41 @@ BUILDERS: dict[str, Callable[..., Schedule]] = {
 }
 
 
-def build(kind: str, p: int, m: int, v: int = 1) -> Schedule:
-    """`build("1f1b", 4, 8)`; `v` is used by interleaved-1f1b only (and must be 1 elsewhere)."""
+def default_chunks(kind: str) -> int:
+    """Stages per rank when none is asked for: 2 for interleaved 1F1B (any v >= 2 works) and for
+    the V-shaped and bidirectional schedules (always 2), 1 for the others."""
+    return 1 if kind in ONE_STAGE_PER_RANK else 2
+
+
+def model_parts(kind: str, p: int, v: int | None = None) -> int:
+    """How many parts a schedule cuts the model into: its p x v stages (v free for interleaved
+    1F1B only), or DualPipe's p (each of its two copies runs the whole model over the p ranks)."""
+    if kind == "dualpipe":
+        return p
+    return p * (v if kind == "interleaved-1f1b" and v is not None else default_chunks(kind))
+
+
+def of_plan(plan, p: int) -> Schedule:
+    """The schedule a refpar.config.Plan runs on p pipeline ranks: read from its CSV (torch's
+    format, `from_csv`), or built by its kind."""
+    if plan.schedule_csv is not None:
+        return from_csv(plan.schedule_csv)
+    return build(plan.kind, p, plan.microbatches, plan.chunks)
+
+
+def build(kind: str, p: int, m: int, v: int | None = None) -> Schedule:
+    """`build("1f1b", 4, 8)`; `v`, the stages per rank, is free for interleaved-1f1b only (default
+    2); the others have default_chunks(kind)."""
     if kind not in BUILDERS:
         raise ConfigError(f"unknown schedule {kind!r}; choose one of {', '.join(BUILDERS)}")
+    v = default_chunks(kind) if v is None else v
     if kind == "interleaved-1f1b":
         return interleaved_1f1b(p, m, v)
-    if v != 1:
-        raise ConfigError(f"--chunks {v} applies to interleaved-1f1b only; drop it for {kind}")
+    if v != default_chunks(kind):
+        if default_chunks(kind) == 1:
+            raise ConfigError(f"--chunks {v} applies to interleaved-1f1b only; drop it for {kind}")
+        raise ConfigError(f"{kind} places two stages on every rank (stages r and 2p-1-r), not {v}; "
+                          "drop --chunks or give --chunks 2")
     return BUILDERS[kind](p, m)
 
 
@@ -507,6 +654,7 @@ def format_grid(schedule: Schedule, error: ScheduleError | None = None) -> str:
     """Ranks x ticks, `.` for idle; the action an error names is marked `!`, and the error
     follows the grid."""
     width = max([len(str(a)) for row in schedule.values() for a in row if a is not None] + [3]) + 1
+    width += error is not None  # room for the mark
     n_ticks = max((len(row) for row in schedule.values()), default=0)
     lines = ["tick    " + "".join(f"{t:<{width}}" for t in range(n_ticks)).rstrip()]
     for rank, row in sorted(schedule.items()):
@@ -534,3 +682,90 @@ def published_bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float | 
         return (p - 1) / (3 * m + p - 1)
     return None
 
+
+# ---------------------------------------------------------------- torch.distributed.pipelining's CSV
+
+# torch's PipelineScheduleMulti._dump_csv(path, format="compute_only") writes one row per rank with
+# csv.writer, a cell per list entry: an _Action's repr ("0F0"), empty for an idle tick (None). Its
+# kinds: F; I, the backward for the input only (refpar's B where a W follows); B, the full backward
+# (refpar's B with no W); W; and OVERLAP_F_B, a forward and a backward as one action, written
+# "(0F5;7B2)OVERLAP_F_B". _load_csv reads the rows back, row k being rank k.
+_CELL = re.compile(r"(\d+)([FIBW])(\d+)")
+_PAIR = re.compile(r"\((.*)\)OVERLAP_F_B")
+_COMMS = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*")
+
+
+def _torch_name(a: Action, lay: Layout) -> str:
+    if a.parts:
+        return f"({';'.join(_torch_name(part, lay) for part in a.parts)})OVERLAP_F_B"
+    kind = "I" if a.kind == "B" and (a.stage, a.microbatch) in lay.split else a.kind
+    return f"{a.stage}{kind}{a.microbatch}"
+
+
+def to_csv(schedule: Schedule) -> str:
+    """The schedule as torch.distributed.pipelining writes a compute-only schedule: what
+    `refpar schedule KIND --csv` prints and torch's _load_csv reads."""
+    lay = layout(schedule)
+    out = io.StringIO()
+    writer = csv.writer(out)
+    for rank in sorted(schedule):
+        writer.writerow(["" if a is None else _torch_name(a, lay) for a in schedule[rank]])
+    return out.getvalue()
+
+
+def _read_cell(cell: str, rank: int, tick: int) -> tuple[bool, list[tuple[Action, str]]]:
+    """Whether the cell is an overlapped pair, and its computations with the kind torch wrote
+    (I or B for refpar's B)."""
+    pair = _PAIR.fullmatch(cell)
+    out = []
+    for name in (pair.group(1).split(";") if pair else [cell] if cell else []):
+        found = _CELL.fullmatch(name.strip())
+        if found is None:
+            hint = (" (torch's compute_comms format: dump with format='compute_only')"
+                    if _COMMS.fullmatch(name.strip()) else "")
+            shown = repr(cell if len(cell) <= 40 else cell[:37] + "...")  # a file that is no CSV: its start
+            raise ScheduleError(f"rank {rank} tick {tick}: {shown} is not a computation{hint}; a cell "
+                                "holds an action such as 0F0 (kinds F, I, B, W), an overlapped pair "
+                                "such as (0F1;3B0)OVERLAP_F_B, or nothing for an idle tick", rank, tick)
+        stage, kind, mb = int(found[1]), found[2], int(found[3])
+        out.append((Action(stage, "B" if kind == "I" else kind, mb), kind))
+    return pair is not None, out
+
+
+def from_csv(text: str) -> Schedule:
+    """A schedule from torch's compute-only CSV: row k is rank k, an empty cell an idle tick.
+    Raises ScheduleError naming the first cell that is not a computation, an I with no W, or a W
+    after a full backward B."""
+    schedule: Schedule = {}
+    backward: dict[Action, tuple[str, int, int]] = {}  # refpar's B -> (torch's I or B, rank, tick)
+    weight: dict[Action, tuple[int, int]] = {}  # the B whose W it is -> (rank, tick)
+    rows = list(csv.reader(io.StringIO(text)))
+    while rows and not any(cell.strip() for cell in rows[-1]):  # blank lines at the end
+        rows.pop()
+    for rank, row in enumerate(rows):
+        schedule[rank] = []
+        for tick, cell in enumerate(row):
+            pair, found = _read_cell(cell.strip(), rank, tick)
+            for a, kind in found:
+                if a.kind == "B":
+                    backward[a] = (kind, rank, tick)
+                elif a.kind == "W":
+                    weight[Action(a.stage, "B", a.microbatch)] = (rank, tick)
+            parts = tuple(a for a, _ in found)
+            # a pair of other than two parts goes in as written, for layout() to name
+            schedule[rank].append(Action(-1, OVERLAP, -1, parts) if pair else parts[0] if parts else None)
+    if not any(a is not None for row in schedule.values() for a in row):
+        raise ScheduleError("the CSV holds no action; write one row per rank, its cells the rank's "
+                            "actions in order, e.g. 0F0,0I0,0W0")
+    for b, (kind, rank, tick) in sorted(backward.items(), key=lambda item: item[1][1:]):
+        s, i = b.stage, b.microbatch
+        if kind == "I" and b not in weight:
+            raise ScheduleError(f"rank {rank} tick {tick}: {s}I{i} computes the input gradient only, "
+                                f"and no {s}W{i} computes the weights'; add {s}W{i} or write {s}B{i}, "
+                                "the full backward", rank, tick)
+        if kind == "B" and b in weight:
+            r, t = weight[b]
+            raise ScheduleError(f"rank {r} tick {t}: {s}W{i} computes the weight gradient that the "
+                                f"full backward {s}B{i} already computed; write {s}I{i} for the input "
+                                "gradient only", r, t)
+    return schedule

@@ -1,61 +1,65 @@
-"""One pipeline stage of GPT-2: a contiguous run of blocks, with the embeddings on the first stage
-and ln_f plus the tied LM head on the last. Pure numerics: no communication here.
+"""One pipeline stage of either model family, for every mesh: a contiguous run of blocks, with the
+embedding on the first stage and the final norm plus the LM head on the last (GPT-2's tied to
+wte). No communication of its own: what moves is the pieces' (tensor, sequence, context and expert
+parallelism) and the hooks'.
 
-Legend: B microbatch rows, T sequence, C channels, V vocab. S stages in all (p ranks x v chunks);
-stage s holds blocks shard_range(L, S, s), so stage = chunk * p + rank holds layers that follow
-the previous stage's.
+Legend: B microbatch rows, T sequence, Tl this rank's tokens of the residual stream (T, or its cp
+and sp share), C channels, V vocab. The schedule cuts the model into P parts (its p x v stages;
+DualPipe's p, twice: schedules.Layout.part); part k holds blocks shard_range(L, P, k), so a loop's
+stage = chunk * p + rank, and a V's stages r and 2p-1-r, hold layers that follow the previous
+stage's.
 
 Each stage runs the three actions of a schedule:
 
-    out, cache = stage.forward(params, x, targets, drop, normalizer)   # F: x (B, T, C) or tokens
-    dx, wcache = stage.backward_input(dout, cache)                     # B: input gradient only
-    grads      = stage.backward_weight(wcache)                         # W: weight gradients
+    out, cache = stage.forward(x, targets, drop, normalizer, mb)      # F: x (B, Tl, C) or tokens
+    dx, saved  = stage.backward_input(dout, cache, mb, weight=True)    # B: the input gradient
+    stage.backward_weight(saved)                                       # W: weight gradients
 
-B computes what the previous stage waits for (dx) and keeps, for W, the inputs and output
-gradients of every linear layer; W turns them into weight gradients (x.T @ dout), which nobody
-downstream waits for: that is the split that zero-bubble schedules exploit (Qi et al. 2023,
-section 2). A schedule without W runs both halves inside its B. The formulas are the model's
-(`linear_backward`, `layernorm_backward`, `embed_backward`), so the gradients are the single
-device's up to the order of summation over microbatches.
+and every piece inside them (the embedding, each block, the head) asks the stage's `hooks` (the
+data-parallel strategy, refpar/parallel/units.py) for its units' parameters just before it runs and
+hands them back right after (`acquire` / `release`: ZeRO-3 and FSDP gather and free them there),
+then gives its gradients to the hooks (`fold`) and says which units are complete (`done`: DP's
+buckets and ZeRO's reduce-scatters start there). So ZeRO-3, FSDP and DP plug into this one class.
 
-Mixed precision: the halves run under `fp32_compute` as the model's layers do (16-bit in, fp32
-GEMMs, 16-bit out), so a 16-bit stage computes each microbatch's numbers exactly as one device
-would; `dloss` (the fp16 loss scale, set by the executor for a step) starts the last stage's backward.
+Two kinds of pieces, one class:
+- `lay` None (no tp, cp, sp or experts: a dp, pp or single-device mesh): the model's own layers
+  (`block_forward`, `embed_forward`, `head_forward` of refpar/model/gpt.py or llama.py, chosen by
+  `config.arch`). GPT-2's have the backward split in two as zero-bubble
+  schedules need (Qi et al. 2023, section 2). B computes what the previous stage waits for (dx) and
+  keeps, for W, the inputs and output gradients of every linear layer; W turns them into weight
+  gradients (x.T @ dout), which nobody downstream waits for. With `weight` (a schedule without W
+  for this microbatch) each piece's weight half runs right after its input half. The formulas are
+  the model's (`linear_backward`, `layernorm_backward`, `embed_backward`), in the same order, so a
+  stage computes the single device's gradients bit for bit. Llama's pieces run the model's own
+  fused backward (`llama.block_backward`, `head_backward`, `embed_backward`), so B is its whole
+  backward, as with the tensor-parallel pieces below.
+- a tensor_parallel.Layout: tensor parallelism's pieces (vocab-parallel embedding and head, the
+  f/g or sp pairs, ring or Ulysses attention under cp, the expert-parallel layer `moe` in MoE
+  blocks). They compute input and weight gradients together, so B is the whole backward and W
+  has nothing left to do: schedules that split B from W run, but gain nothing.
+
+Mixed precision: the pieces run under `fp32_compute` (16-bit in, fp32 GEMMs, 16-bit out); `dloss`
+(the fp16 loss scale, set by the executor for a step) starts the last stage's backward.
 """
 
 from __future__ import annotations
 
-from array_api_compat import array_namespace
+from array_api_compat import array_namespace, device
 
-from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import ENDS, stage_layers
+from refpar.model import gpt, llama
 from refpar.model.attention import attention_backward
-from refpar.model.gpt import (
-    DropoutContext,
-    add_embedding_grads,
-    block_forward,
-    embed_backward,
-    embed_forward,
-    head_forward,
-    merge_heads,
-    param_shapes,
-    split_heads,
-)
-from refpar.model.layers import (
-    cross_entropy_backward,
-    dropout_backward,
-    gelu_backward,
-    layernorm_backward,
+from refpar.model.gpt import DropoutContext, embed_backward, merge_heads, split_heads
+from refpar.model.layers import cross_entropy_backward, dropout_backward, gelu_backward, layernorm_backward
+from refpar.parallel.tensor_parallel import parallel_block_backward, parallel_block_forward
+from refpar.parallel.units import attach, detach
+from refpar.parallel.vocab_parallel import (
+    vocab_parallel_embedding_backward,
+    vocab_parallel_embedding_forward,
+    vocab_parallel_head_backward,
+    vocab_parallel_head_forward,
 )
 from refpar.precision import fp32_compute
-from refpar.sharding import shard_range
-
-
-def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
-    """The global indices of the blocks stage `stage` holds."""
-    if n_layer < n_stages:
-        raise ConfigError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model "
-                          f"has n_layer={n_layer}; use fewer stages (or chunks) or more layers")
-    return range(*shard_range(n_layer, n_stages, stage))
 
 
 @fp32_compute
@@ -76,124 +80,189 @@ def _linear_dw(x, dout):
     return x2.T @ dout2, xp.sum(dout2, axis=0)  # (in, out), (out,)
 
 
-def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[str]:
-    """The parameters stage `stage` reads, in GPT-2's order (every expert of its MoE blocks); wte on
-    the first and the last."""
-    keep = {f"h.{i}." for i in stage_layers(config.n_layer, n_stages, stage)}
-    first, last = stage == 0, stage == n_stages - 1
-    names = []
-    for name in param_shapes(config):
-        if name.startswith("h."):
-            wanted = name[: name.index(".", 2) + 1] in keep
-        elif name == "wte.weight":
-            wanted = first or last
-        elif name == "wpe.weight":
-            wanted = first
-        else:  # ln_f
-            wanted = last
-        if wanted:
-            names.append(name)
-    return names
-
-
 class Stage:
-    """Stage `stage` of `n_stages` of the GPT-2 described by `config`."""
+    """Part `part` of the model `config` cut in `n_parts` (the stage's schedules.Layout.part); `units`
+    the unit keys this rank holds of it (refpar/holdings.py), `hooks` its data-parallel strategy,
+    `lay` its tensor_parallel.Layout
+    (None: the model's own layers), `moe` the expert-parallel layer of its MoE blocks. A MoE stage
+    routes each microbatch with `runs[sample ids]` (expert_parallel.RoutingRuns) and files its
+    blocks' routing under the microbatch's sample ids in `routings` (shared by the rank's stages)."""
 
-    # B and W below split GPT-2's MLP; a stage of MoE blocks (refpar/engine_moe.py) overrides both
-    dense_only = True
-
-    def __init__(self, config: ModelConfig, n_stages: int, stage: int):
-        self.config, self.n_stages, self.stage = config, n_stages, stage
+    def __init__(self, config, n_parts: int, part: int, units: list[str], hooks, lay=None, moe=None,
+                 runs=None, routings=None):
+        self.config, self.part, self.hooks, self.lay = config, part, hooks, lay
+        self.moe, self.runs, self.routings = moe, runs, routings
         self.dloss = 1.0  # where the last stage's backward starts: 1, or an fp16 run's loss scale
-        self.layers = stage_layers(config.n_layer, n_stages, stage)
-        if config.moe_blocks and self.dense_only:
-            raise ConfigError("these pipeline stages run dense GPT-2 blocks; MoE models run in "
-                              "pipeline stages over --mesh pp=P[,dp=D][,ep=E] (refpar/engine_moe.py)")
-        self.first, self.last = stage == 0, stage == n_stages - 1
+        # the model's own layers: GPT-2's (backward split for W) or Llama's (fused)
+        self.own = llama if config.arch == "llama" else gpt
+        self.fused = lay is not None or self.own is llama  # B computes the weight gradients too
+        self.layers = stage_layers(config.n_layer, n_parts, part)
+        self.first, self.last = part == 0, part == n_parts - 1
+        self.ends = tuple(u for u in ENDS if u in units)
+        self.blocks = {i: tuple(u for u in (f"h.{i}", f"h.{i}.experts") if u in units) for i in self.layers}
 
-    def param_names(self) -> list[str]:
-        """The parameters this stage reads (`stage_param_names`)."""
-        return stage_param_names(self.config, self.n_stages, self.stage)
+    def _pieces(self, forward: bool) -> list[tuple]:
+        """The units of each piece of an action, in the order it runs them."""
+        pieces = [self.blocks[i] for i in self.layers]
+        if forward:
+            return ([self.ends] if self.first else []) + pieces + ([self.ends] if self.last else [])
+        return ([self.ends] if self.last else []) + pieces[::-1]
 
-    def forward(self, params, x, targets, drop: DropoutContext, normalizer):
-        """F. x is tokens (B, T) on the first stage, the previous stage's output (B, T, C) after.
-        Returns the output (B, T, C), or the loss (a 0-d array) on the last stage, and the cache."""
+    def _acquire(self, j: int, pieces: list, phase: str, mb: int):
+        following = pieces[j + 1] if j + 1 < len(pieces) else ()
+        return self.hooks.acquire(pieces[j], phase, (self.part, mb), following)
+
+    # -- F --------------------------------------------------------------------------------------
+    def forward(self, x, targets, drop: DropoutContext, normalizer, mb: int = 0):
+        """F. x is tokens (B, T) on the first stage, the previous stage's output (B, Tl, C) after.
+        Returns the output (B, Tl, C), or the loss (a 0-d array) on the last stage, and the cache."""
+        lay, hooks, pieces = self.lay, self.hooks, self._pieces(True)
+        if self.moe is not None:
+            self.moe.runs = self.runs[drop.sample_ids]  # this microbatch's token runs
         c_embed = c_head = None
+        j = 0
         if self.first:
-            x, c_embed = embed_forward(x, params, drop)  # (B, T, C)
+            p, bases = self._acquire(j, pieces, "embed:fwd", mb)
+            x, c_embed = (self.own.embed_forward(x, p, drop) if lay is None else
+                          vocab_parallel_embedding_forward(x[:, lay.region_pos], p, lay, drop))  # (B, Tl, C)
+            c_embed = detach(c_embed, bases)
+            del p, bases  # no reference left, so a gathered unit is really freed
+            hooks.release(self.ends, "embed:fwd", (self.part, mb))
+            j += 1
         c_blocks = []
         for layer in self.layers:
-            x, c = block_forward(x, params, layer, self.config, drop)  # (B, T, C)
-            c_blocks.append(c)
+            p, bases = self._acquire(j, pieces, "fwd", mb)
+            x, c = (self.own.block_forward(x, p, layer, self.config, drop) if lay is None else
+                    parallel_block_forward(x, p, layer, lay, drop, self.moe))  # (B, Tl, C)
+            c_blocks.append(detach(c, bases))
+            del p, bases, c
+            hooks.release(self.blocks[layer], "fwd", (self.part, mb))
+            j += 1
         if self.last:
-            x, c_head = head_forward(x, params, targets, self.config, normalizer)  # ()
+            p, bases = self._acquire(j, pieces, "head:fwd", mb)
+            x, c_head = (self.own.head_forward(x, p, targets, self.config, normalizer) if lay is None else
+                         vocab_parallel_head_forward(x, p, targets[:, lay.region_pos], lay, normalizer))
+            c_head = detach(c_head, bases)
+            del p, bases
+            hooks.release(self.ends, "head:fwd", (self.part, mb))
+        if self.moe is not None:
+            for layer in self.layers:
+                if layer in self.config.moe_blocks:
+                    self.routings.setdefault(drop.sample_ids, {})[layer] = self.moe.last_routing[layer]
         return x, (c_embed, c_blocks, c_head)
 
-    def backward_input(self, dout, cache):
-        """B. dout (B, T, C) is the next stage's input gradient (None on the last stage, where the
-        loss starts it). Returns dx (B, T, C), None on the first stage, and what W needs."""
+    # -- B --------------------------------------------------------------------------------------
+    def backward_input(self, dout, cache, mb: int = 0, weight: bool = True):
+        """B. dout (B, Tl, C) is the next stage's input gradient (None on the last stage, where the
+        loss starts it). Returns dx (B, Tl, C), None on the first stage, and what W needs (nothing
+        with `weight`, or with tensor-parallel pieces: their weight gradients are given already)."""
         c_embed, c_blocks, c_head = cache
-        saved = []  # (parameter name prefix, kind, arrays) for W, in backward order
-        d = dout
+        hooks, pieces, hold = self.hooks, self._pieces(False), (self.part, mb)
+        now = weight or self.fused
+        saved = []  # (units it completes, what the weight half needs), in backward order
+
+        def weights(done, w):  # each piece's weight half right away, or kept for W
+            if now:
+                self.backward_weight([(done, w)])
+            else:
+                saved.append((done, w))
+
+        d, j = dout, 0
         if self.last:
-            d = self._head_input(c_head, saved)  # (B, T, C)
-        for c in reversed(c_blocks):
-            d = self._block_input(d, c, saved)  # (B, T, C)
+            bases = self._acquire(j, pieces, "head:bwd", mb)[1]  # the cache holds what it reads
+            c_head = attach(c_head, bases)
+            if self.own is llama and self.lay is None:
+                d, grads = llama.head_backward(c_head, self.dloss)  # (B, T, C)
+                w = ("grads", grads)
+            elif self.lay is None:
+                d, w = self._head_input(c_head)  # (B, T, C)
+            else:
+                d, grads = vocab_parallel_head_backward(c_head, self.lay, self.dloss)  # (B, Tl, C)
+                w = ("grads", grads)
+            del c_head, bases
+            hooks.release(self.ends, "head:bwd", hold)
+            weights(() if self.first else self.ends, w)  # on a first stage the embedding completes them
+            j += 1
+        for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
+            bases = self._acquire(j, pieces, "bwd", mb)[1]
+            if self.own is llama and self.lay is None:
+                d, grads = llama.block_backward(d, attach(c, bases))  # (B, T, C)
+                w = ("grads", grads)
+            elif self.lay is None:
+                d, w = self._block_input(d, attach(c, bases))  # (B, T, C)
+            else:
+                d, grads = parallel_block_backward(d, attach(c, bases), layer, self.lay)  # (B, Tl, C)
+                w = ("grads", grads)
+            del c, bases
+            hooks.release(self.blocks[layer], "bwd", hold)
+            weights(self.blocks[layer], w)
+            j += 1
         if self.first:
-            saved.append(("", "embed", (d, c_embed)))
+            if self.own is llama and self.lay is None:
+                weights(self.ends, ("grads", llama.embed_backward(d, c_embed)))
+            elif self.lay is None:  # embed_backward reads no parameter (it scatters rows)
+                weights(self.ends, ("embed", (d, c_embed)))
+            else:
+                weights(self.ends, ("grads", vocab_parallel_embedding_backward(d, c_embed, self.lay,
+                                                                              self._row_counts(d))))
             d = None
         return d, saved
 
-    def backward_weight(self, saved) -> dict:
-        """W: every weight gradient of this stage from what B saved."""
+    def backward_weight(self, saved) -> None:
+        """W: each piece's weight gradients from what B saved, given to the hooks piece by piece."""
+        for done, (kind, arrays) in saved:
+            self.hooks.fold(arrays if kind == "grads" else self._weight_grads(kind, arrays))
+            self.hooks.done(done)
+
+    def _row_counts(self, like) -> dict:
+        """Stand-ins for wte and wpe: the vocab-parallel embedding's backward reads only their
+        numbers of rows (V/t and n_positions), so zero-width arrays spare gathering them."""
+        xp, lay = array_namespace(like), self.lay
+        rows = {"wte.weight": lay.vocab[1] - lay.vocab[0], "wpe.weight": self.config.n_positions}
+        return {n: xp.zeros((r, 0), dtype=like.dtype, device=device(like)) for n, r in rows.items()}
+
+    # -- the model's layers, split in halves, mirroring gpt.head_backward and gpt.block_backward --
+
+    def _weight_grads(self, kind: str, arrays) -> dict:
+        """The weight half of a piece: its gradients from what its input half kept."""
+        if kind == "embed":  # the first stage's input gradient scattered into wte and wpe
+            return embed_backward(*arrays)
         grads = {}
-        for prefix, kind, arrays in saved:
-            if kind == "linear":
-                x, dout = arrays
-                grads[prefix + ".weight"], grads[prefix + ".bias"] = _linear_dw(x, dout)
-            elif kind == "done":  # LayerNorm gains: two reductions B computed on the way
-                dw, db = arrays
-                grads[prefix + ".weight"], grads[prefix + ".bias"] = dw, db
-            elif kind == "tied_head":  # logits = xf @ wte.T, so dwte = (xf.T @ dlogits).T
-                dwte_t, _ = _linear_dw(*arrays)  # (C, V)
-                grads["wte.weight"] = dwte_t.T  # (V, C); the head comes first in backward order
-            else:  # embed: the first stage's input gradient scattered into wte and wpe
-                dx, c_embed = arrays
-                g = embed_backward(dx, c_embed)
-                # on a single stage holding both ends, head + embedding as gpt.loss_and_grads adds
-                add_embedding_grads(grads, g)
+        for prefix, how, pair in arrays:
+            if how == "linear":
+                grads[prefix + ".weight"], grads[prefix + ".bias"] = _linear_dw(*pair)
+            elif how == "done":  # LayerNorm gains: two reductions the input half computed on the way
+                grads[prefix + ".weight"], grads[prefix + ".bias"] = pair
+            else:  # the tied head: logits = xf @ wte.T, so dwte = (xf.T @ dlogits).T
+                grads["wte.weight"] = _linear_dw(*pair)[0].T  # (V, C)
         return grads
 
-    # -- the input-gradient halves, mirroring gpt.head_backward and gpt.block_backward ------------
-
-    def _head_input(self, c_head, saved):
+    def _head_input(self, c_head):
         (c_lnf, c_lin), c_ce = c_head
         dlogits = cross_entropy_backward(self.dloss, c_ce)  # (B, T, V)
-        saved.append(("", "tied_head", (c_lin[0], dlogits)))
         dxf = _linear_dx(dlogits, c_lin)  # (B, T, C)
         dx, dw, db = layernorm_backward(dxf, c_lnf)  # (B, T, C)
-        saved.append(("ln_f", "done", (dw, db)))
-        return dx
+        return dx, ("pieces", [("", "tied_head", (c_lin[0], dlogits)), ("ln_f", "done", (dw, db))])
 
-    def _block_input(self, dy, cache, saved):
+    def _block_input(self, dy, cache):
         (layer, n_head, c_ln1, c_attn, c_sdpa, c_proj, c_drop1, c_ln2, c_fc, c_gelu, c_mproj,
          c_drop2) = cache
         xp = array_namespace(dy)
-        h = f"h.{layer}."
+        h, kept = f"h.{layer}.", []
         dm = dropout_backward(dy, c_drop2)  # (B, T, C)
-        saved.append((h + "mlp.c_proj", "linear", (c_mproj[0], dm)))
+        kept.append((h + "mlp.c_proj", "linear", (c_mproj[0], dm)))
         dm = gelu_backward(_linear_dx(dm, c_mproj), c_gelu)  # (B, T, 4C)
-        saved.append((h + "mlp.c_fc", "linear", (c_fc[0], dm)))
+        kept.append((h + "mlp.c_fc", "linear", (c_fc[0], dm)))
         dm, dw, db = layernorm_backward(_linear_dx(dm, c_fc), c_ln2)  # (B, T, C)
-        saved.append((h + "ln_2", "done", (dw, db)))
+        kept.append((h + "ln_2", "done", (dw, db)))
         dx1 = dy + dm  # (B, T, C)
 
         do = dropout_backward(dx1, c_drop1)  # (B, T, C)
-        saved.append((h + "attn.c_proj", "linear", (c_proj[0], do)))
+        kept.append((h + "attn.c_proj", "linear", (c_proj[0], do)))
         do = _linear_dx(do, c_proj)  # (B, T, C)
         dq, dk, dv = attention_backward(split_heads(do, n_head), c_sdpa)  # (B, nh, T, hs) each
         dqkv = xp.concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)  # (B, T, 3C)
-        saved.append((h + "attn.c_attn", "linear", (c_attn[0], dqkv)))
+        kept.append((h + "attn.c_attn", "linear", (c_attn[0], dqkv)))
         da, dw, db = layernorm_backward(_linear_dx(dqkv, c_attn), c_ln1)  # (B, T, C)
-        saved.append((h + "ln_1", "done", (dw, db)))
-        return dx1 + da  # (B, T, C)
+        kept.append((h + "ln_1", "done", (dw, db)))
+        return dx1 + da, ("pieces", kept)  # (B, T, C)

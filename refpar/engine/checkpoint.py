@@ -1,0 +1,79 @@
+"""What a rank holds, as pieces of the global tensors: the one mechanism every mesh saves and
+resumes through (refpar/checkpoint.py keeps the file format and reassembles any piece from any
+other mesh's).
+
+Each data-parallel strategy lists what it holds (`hooks.held()`): per unit, a flat range of its
+parameters, fp32 masters or AdamW moments, and whether the unit's replica group holds the same
+(DP's whole units, ZeRO-1/2's parameters) or its own shard (ZeRO's state). A flat range of a unit
+is a flat range of each parameter it overlaps, of this rank's tp shard of it; `checkpoint.shard_pieces`
+cuts that into boxes of the global tensor (a tp shard's columns of c_attn are three runs). Saving
+writes each element once: of what a group holds alike each rank its `shard_range`, of what every
+tp rank holds whole tp rank 0, of the tied embedding pp rank 0 (the last stage's is the same), of
+DualPipe's two copies the first rank of each mirror pair.
+"""
+
+from __future__ import annotations
+
+from refpar import checkpoint
+from refpar.holdings import tied_embedding
+from refpar.sharding import shard_range
+
+
+def pieces(par, saving: bool) -> list:
+    """(checkpoint.Piece, view) of everything this rank holds; loading writes through the views."""
+    units, coords = par.hooks.units, par.mesh.coords
+    slices = par.tp_slices
+    tied = tied_embedding(par.model)
+    out = []
+    if saving and par.copies is not None and par.copies.rank > 0:  # its mirror writes the same
+        return out
+    for prefix, unit, first, flat, replicated in par.hooks.held():
+        lo, hi = first, first + flat.shape[0]
+        if saving and replicated:  # each rank of the group writes its part
+            group = units.group[unit]
+            a, b = shard_range(units.size[unit], group.size, group.rank)
+            lo, hi = max(lo, a), min(hi, b)
+        for name, a, b in units.segments(unit, lo, hi):
+            if saving and ((name not in slices and coords["tp"]) or (name == tied and coords["pp"])):
+                continue
+            axis, index = slices.get(name, (None, None))
+            offset = units.offsets[name][1]
+            out += checkpoint.shard_pieces(f"{prefix}/{name}", flat[a - first:b - first],
+                                           units.shapes[name], a - offset, axis, index)
+    return out
+
+
+def saved_position(t: int, scaler) -> dict:
+    """What `checkpoint.save_training` keeps beside the arrays so that a resumed run goes on bit for
+    bit: AdamW's step count (behind the step when fp16 skipped steps) and the loss scaler's state."""
+    return {"optimizer_t": t, "loss_scaler": None if scaler is None else scaler.state_dict()}
+
+
+def open_resume(path: str, model, cfg, plan) -> dict:
+    """The manifest of the checkpoint `path` if this run can resume from it, else a CheckpointError:
+    every rank reads the same manifest, so every rank refuses alike, before any message."""
+    manifest = checkpoint.open_training(path, model, cfg)
+    if model.moe_experts:
+        saved = int(manifest.get("moe_microbatches", 1))
+        if saved != plan.microbatches:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {manifest['dir']} routed its tokens in {saved} microbatches per step and "
+                f"this run in {plan.microbatches}; resume with --microbatches {saved} (capacity and "
+                "router losses are per microbatch)")
+    return manifest
+
+
+def resume_from(par, path: str) -> int:
+    """Loads this rank's holdings from the checkpoint `path` (any mesh's) and the optimizer's and
+    fp16 loss scaler's position; returns the steps done."""
+    hooks = par.hooks
+    manifest = open_resume(path, par.model, par.train, par.plan)
+    wanted = pieces(par, saving=False)
+    for (_, view), loaded in zip(wanted, checkpoint.load(path, [p for p, _ in wanted], manifest),
+                                 strict=True):
+        view[...] = loaded
+    step = int(manifest["step"])
+    hooks.t = int(manifest.get("optimizer_t", step))
+    if hooks.dtypes.scaler is not None and manifest.get("loss_scaler") is not None:
+        hooks.dtypes.scaler.load_state_dict(manifest["loss_scaler"])
+    return step

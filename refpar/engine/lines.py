@@ -1,0 +1,254 @@
+"""What rank 0 prints of a run (refpar/engine/report.py gathers it): the header (the model, the
+data, the strategies, who holds what), the step table, and the closing lines: the losses' progress
+and difference from one device, the bytes per rank, axis and op and the peak memory per rank and
+category next to their closed forms, the model states, the pipeline's bubble and time split, the
+routing of a MoE model, the tp collectives of block 0 and ring attention's balance.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+
+from refpar.analysis import engine as closed
+from refpar.config import MESH_AXES
+from refpar.holdings import stage_layers
+from refpar.model import param_shapes
+from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
+from refpar.parallel.expert_parallel import owned_experts
+from refpar.parallel.pipeline.schedules import critical_path_gap
+from refpar.precision import is_16bit, precision_of
+from refpar.sharding import shard_range
+
+LABEL = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
+
+
+def header(model, cfg, sizes, plan, preset: str, floor: float) -> list[str]:
+    """What runs where: the model, the data, and on more than one rank the strategies and who holds what."""
+    n_params = sum(int(np.prod(s)) for s in param_shapes(model).values())
+    world = int(np.prod(list(sizes.values())))
+    mesh = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes[a] > 1)
+    family = "Llama" if model.arch == "llama" else "GPT-2"
+    heads = f"{model.n_head} heads" + (f" over {model.n_kv_head} kv heads" if model.arch == "llama" else "")
+    lines = [f"{family} {preset}: {model.n_layer} layers, {model.n_embd} channels, {heads}, "
+             f"{n_params:,} parameters, {_precision(model.dtype)}, dropout {model.dropout}"
+             + (f"; mesh {mesh} on {world} ranks" if world > 1 else ", 1 device"),
+             f"data: Markov chain over {model.vocab_size} tokens, batch {cfg.batch_size} x {cfg.seq_len} "
+             f"tokens" + (f" in {plan.microbatches} microbatches" if plan.microbatches > 1 else "")
+             + f"; loss floor (entropy rate) {floor:.4f}"]
+    if world == 1:
+        return lines
+    lines.append(_strategies(model, sizes, plan))
+    return lines + holdings(model, cfg, sizes, plan)
+
+
+def _strategies(model, sizes, plan) -> str:
+    replicas = sizes["dp"] * sizes["cp"] * (sizes["ep"] if model.moe_experts else 1) > 1
+    parts = [f"{LABEL[plan.strategy]} over each unit's replicas" if replicas or plan.strategy != "dp" else ""]
+    if plan.prefetch or not plan.reshard_after_forward:
+        parts[-1] += " (" + ", ".join(["prefetch"] * plan.prefetch + ["no reshard after forward"]
+                                      * (not plan.reshard_after_forward)) + ")"
+    if plan.overlap or plan.bucket_elems < 1 << 62:
+        parts[-1] += (f" (buckets of {plan.bucket_elems:,} elements" if plan.bucket_elems < 1 << 62
+                      else " (one bucket") + (", overlapped)" if plan.overlap else ")")
+    if sizes["pp"] > 1:
+        v = closed.pipeline(sizes, plan)[1].n_stages // sizes["pp"]
+        parts.append(f"schedule {plan.kind} over pp={sizes['pp']} (v={v})")
+    if sizes["tp"] > 1:
+        parts.append(f"tensor parallel over tp={sizes['tp']}" + (" with sp" if plan.sp else ""))
+    if sizes["cp"] > 1:
+        parts.append(f"{plan.cp_algo or 'ring'} attention over cp={sizes['cp']}")
+    if model.moe_experts:
+        parts.append(f"{model.moe_experts} experts top-{model.moe_top_k} in blocks "
+                     f"{','.join(map(str, model.moe_blocks))}, over ep={sizes['ep']}")
+    return "; ".join(p for p in parts if p) or "no data parallelism"
+
+
+def holdings(model, cfg, sizes, plan) -> list[str]:
+    """One line per rank: coordinates, stages and blocks, heads, vocabulary rows, samples, parameters."""
+    t, lay = sizes["tp"], closed.pipeline(sizes, plan)[1]
+    P = lay.stages_per_copy
+    out = []
+    for rank in range(int(np.prod(list(sizes.values())))):
+        co = closed.rank_coords(sizes, rank)
+        parts = []
+        for s in lay.stages_of(co["pp"]):
+            k = lay.part(s)
+            blocks = stage_layers(model.n_layer, P, k)
+            held = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
+            copy = f" of copy {s // P}" if lay.copies > 1 else ""
+            parts.append(f"stage {s}{copy} ({'embedding + ' if k == 0 else ''}{held}"
+                         f"{' + head' if k == P - 1 else ''})")
+        h0, h1 = shard_range(model.n_head, t, co["tp"])
+        v0, v1 = shard_range(model.vocab_size, t, co["tp"])
+        ids = [i for j in range(plan.microbatches) for i in closed.samples(model, cfg, sizes, co, plan, j)]
+        experts = (f", experts {list(owned_experts(model.moe_experts, sizes['ep'], co['ep']))}"
+                   if model.moe_experts else "")
+        coords = " ".join(f"{a}={co[a]}" for a in MESH_AXES if sizes[a] > 1)
+        out.append(f"  rank {rank} {coords}: {', '.join(parts)}; heads {h0}-{h1 - 1}, vocab rows "
+                   f"{v0}-{v1 - 1}{experts}, samples {min(ids)}-{max(ids)}; "
+                   f"{sum(closed.rank_param_numels(model, sizes, co, plan).values()):,} parameters")
+    return out
+
+
+def progress(say, model, cfg, ref, floor, moves: bool, pp: int = 1):
+    """The step table: about a dozen rows whatever the length of the run, plus the first and last;
+    `moves`: with what rank 0 sent in the step, by axis. Without a pipeline rank 0 routes every MoE
+    block, and shows the assignments dropped in all of them and the first one's experts' loads."""
+    whole = model.moe_experts and pp == 1
+    every = max(1, cfg.steps // 12)
+    say(f"{'step':>6} {'loss':>9} {'floor':>9} {'tokens/s':>10}"
+        + (f" {'single device':>14} {'rel diff':>8}" if ref else "")
+        + (f" {'aux':>7} {'z':>7}" if model.moe_experts else "")
+        + (f" {'dropped':>7}  tokens per expert (block {model.moe_blocks[0]})" if whole else "")
+        + (f" {'loss scale':>11} {'skipped':>8}" if model.dtype == "float16" else "")
+        + ("  rank 0 sent this step" if moves else ""))
+    sent_before: dict[str, int] = {}
+
+    def row(step, loss, seconds, totals, moe_step, scaling=None):
+        by_axis: dict[str, int] = {}
+        for (axis, _), (s, _) in totals.items():
+            by_axis[axis] = by_axis.get(axis, 0) + s
+        moved = ", ".join(f"{a} {by_axis[a] - sent_before.get(a, 0):,} B" for a in sorted(by_axis)
+                          if by_axis[a] > sent_before.get(a, 0))
+        sent_before.update(by_axis)
+        if (step + 1) % every and step not in (0, cfg.steps - 1) and not (scaling and scaling[1]):
+            return
+        tail = (f" {ref.losses[step]:>14.10f} {abs(loss - ref.losses[step]) / abs(ref.losses[step]):>8.1e}"
+                if ref else "")
+        if moe_step is not None:
+            tail += f" {moe_step.aux_loss:>7.4f} {moe_step.z_loss:>7.4f}"
+            if whole:
+                loads = moe_step.tokens_per_expert[model.moe_blocks[0]]
+                tail += f" {sum(moe_step.dropped.values()):>7}  {loads}"
+        if scaling is not None:
+            tail += f" {scaling[0]:>11g} {scaling[2]:>8}"
+        say(f"{step + 1:>6} {loss:>9.4f} {floor:>9.4f} {cfg.batch_size * cfg.seq_len / seconds:>10,.0f}"
+            f"{tail}" + (f"  {moved or '-'}" if moves else ""))
+
+    return row
+
+
+def report(say, model, cfg, sizes, plan, par, out, every, s) -> None:
+    """The closing lines, on rank 0 (module docstring)."""
+    tail = out.losses[-10:]
+    first, last, floor = out.losses[0], sum(tail) / len(tail), s["loss_floor"]
+    gap = first - floor
+    say(f"loss {first:.4f} at step {out.first_step + 1}, {last:.4f} over the last {len(tail)} steps"
+        + (f", {100 * (first - last) / gap:.0f}% of the way to the floor" if gap > 0 else "")
+        + f"; {out.step_time_s * 1e3:.1f} ms per step")
+    if s["max_loss_rel_diff"] is not None:
+        say(f"largest relative difference from one device: loss {s['max_loss_rel_diff']:.1e}, parameters "
+            f"{s['max_param_rel_diff']:.1e} after {cfg.steps} steps")
+    if out.loss_scaling:
+        skipped = [k + 1 for k in out.loss_scaling["skipped_steps"]]
+        say(f"fp16 loss scale {out.loss_scaling['scales'][0]:g} -> {out.loss_scaling['final_scale']:g}; "
+            f"steps skipped on every rank (gradients overflowed): {', '.join(map(str, skipped)) or 'none'}")
+    if len(every) == 1:
+        return
+    _table(say, s)
+    states = s["data_parallel"]["model_state_bytes"]
+    replicas = sizes["dp"] * sizes["cp"] * (sizes["ep"] if model.moe_experts else 1) > 1
+    line = ("model states (params+grads+master+optimizer) per rank: "
+            + (f"{LABEL[plan.strategy]} " if replicas or plan.strategy != "dp" else "") + "measured "
+            + ", ".join(f"{b:,}" for b in states))
+    if replicas:
+        def most(zero):  # the largest over the ranks, from the closed forms
+            variant = replace(plan, zero=zero, fsdp=False, prefetch=False, reshard_after_forward=True)
+            return max(closed.model_state_bytes(model, cfg, sizes, closed.rank_coords(sizes, r), variant)
+                       for r in range(len(every)))
+
+        dp, z3 = most(0), most(3)
+        line += (f"; closed forms on this mesh: DP {dp:,}, ZeRO-3 {z3:,} (DP / ZeRO-3 = {dp / z3:.2f}, falls "
+                 f"as 1/N)")
+    say(line)
+    if s["bubble_fraction"] is not None:
+        b = s["bubble_fraction"]
+        say(f"bubble of the last step: measured {b['measured']:.1%} of rank-time, simulated with the "
+            f"measured action times {b['simulated']:.1%}, with unit costs {b['simulated_unit_costs']:.1%}")
+        say(f"  measured makespan {out.measured.makespan * 1e3:.2f} ms, simulated "
+            f"{out.simulated.makespan * 1e3:.2f} ms; time on the executed critical path outside actions "
+            f"(messages, bookkeeping): "
+            f"{critical_path_gap(out.measured, par.executor.schedule) * 1e3:.2f} ms")
+        say("last step per rank, ms: compute | communication (collectives) | idle (pipeline waits, "
+            "optimizer, bookkeeping)")
+        for r, e in enumerate(every):
+            t = e["split"]
+            say(f"  rank {r}: {t['compute'] * 1e3:8.2f} | {t['communication'] * 1e3:8.2f} | "
+                f"{t['idle'] * 1e3:8.2f}  of {t['wall'] * 1e3:.2f}")
+    if s["moe"] is not None:
+        m = s["moe"]
+        say("dropped assignments per block over the run: " + ", ".join(
+            f"{i}: {sum(st[k] for st in m['dropped'])}" for k, i in enumerate(m["blocks"]))
+            + ("" if m["reference_dropped"] is None else "; one device's: " + (
+                "the same" if m["reference_dropped"] == m["dropped"] else str(m["reference_dropped"]))))
+        sent = [r["bytes_sent"] for r in s["comm_bytes"] if (r["axis"], r["op"]) == ("ep", "all_to_all")]
+        # the data ranks of one stage between them run its blocks once (every tp rank of them
+        # sends the same rows again)
+        measured = sum(sent) / (len(out.losses) * sizes["dp"] * sizes["ep"] * sizes["tp"])
+        say(f"ep all-to-all per data rank and step, every MoE block: {measured:,.0f} bytes; uniform "
+            f"routing would send {m['uniform_all_to_all_bytes_per_rank_step']:,.0f}")
+    tracer = par.mesh.world.tracer
+    block = Counter(e.op + (" (re-gather)" if e.tag.endswith(":regather") else "") for e in
+                    (tracer.events if tracer else ()) if e.axis == "tp" and e.step == out.first_step
+                    and e.tag.startswith("h.0."))  # rank 0 holds stage 0, which holds block 0
+    if block:
+        say("tp collectives of block 0 in one step, from rank 0's trace: "
+            + ", ".join(f"{n} {op}" for op, n in block.items()))
+    if sizes["cp"] > 1 and (plan.cp_algo or "ring") == "ring":
+        c, T = sizes["cp"], cfg.seq_len
+        zigzag = [causal_work(zigzag_positions(T, c, r)) for r in range(c)]
+        contiguous = [causal_work(contiguous_positions(T, c, r)) for r in range(c)]
+        say(f"ring attention's causal (query, key) pairs per cp rank: {zigzag} with zig-zag chunks "
+            f"(contiguous chunks would give {contiguous})")
+
+
+def _table(say, s) -> None:
+    """Bytes per rank, axis and op, and peak memory per rank and category, each next to its closed
+    form; ranks that move and hold the same are printed once."""
+    closed_rows = {(r["rank"], r["axis"], r["op"]): (r["bytes_sent"], r["bytes_recv"])
+                   for r in s["expected_comm_bytes"]}
+    measured = {(r["rank"], r["axis"], r["op"]): (r["bytes_sent"], r["bytes_recv"]) for r in s["comm_bytes"]}
+    lines: dict[int, tuple[str, ...]] = {}
+    for key in sorted(set(closed_rows) | set(measured)):
+        m, c = measured.get(key, (0, 0)), closed_rows.get(key, (0, 0))
+        lines[key[0]] = (*lines.get(key[0], ()), f"{key[1]:<5} {key[2]:<14} {m[0]:>11,} ({m[1]:,}) | "
+                         f"{c[0]:,} ({c[1]:,}){'' if m == c else '  MISMATCH'}")
+    say(f"bytes sent (received) per rank over {len(s['losses'])} steps, measured | closed form:")
+    for who, rows in _grouped(lines):
+        say(f"  {who}:")
+        for row in rows:
+            say(f"    {row}")
+    want = {(r["rank"], r["category"]): r["bytes"] for r in s["expected_memory_peak_bytes"]}
+    say("peak memory per rank in bytes, measured | closed form:")
+    mem = {rank: (", ".join(f"{r['category']} {r['bytes']:,} | {want[rank, r['category']]:,}"
+                            + ("" if r["bytes"] == want[rank, r["category"]] else " MISMATCH")
+                            for r in s["memory_peak_bytes"] if r["rank"] == rank),)
+           for rank in sorted({r["rank"] for r in s["memory_peak_bytes"]})}
+    for who, (row,) in _grouped(mem):
+        say(f"  {who}: {row}")
+
+
+def _grouped(lines_of: dict[int, tuple[str, ...]]) -> list[tuple[str, tuple[str, ...]]]:
+    """Ranks with the same lines printed once (a mesh's replicas move and hold the same bytes)."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for rank, lines in sorted(lines_of.items()):
+        groups.setdefault(lines, []).append(rank)
+    out = []
+    for lines, ranks in groups.items():
+        if len(ranks) == 1:
+            who = f"rank {ranks[0]}"
+        elif ranks == list(range(ranks[0], ranks[-1] + 1)):
+            who = f"ranks {ranks[0]}-{ranks[-1]}"
+        else:
+            who = "ranks " + ",".join(map(str, ranks))
+        out.append((who, lines))
+    return out
+
+
+def _precision(dtype: str) -> str:
+    if not is_16bit(dtype):
+        return dtype
+    return f"{precision_of(dtype)} ({dtype} weights and activations, fp32 master weights)"

@@ -1,0 +1,179 @@
+"""`parallelize`: the strategies applied to a model (GPT-2, or Llama on its own layers: plan.validate
+says where) on a mesh, in one fixed order, for every mesh.
+
+    par = parallelize(model, train, mesh, Plan(microbatches=4, zero=1))
+    run = train(par)                                                   # refpar/engine/train.py
+
+The order (torchtitan's parallelize_llama, picotron's train.py), each step reading only the ones
+before it:
+
+ 1. layout      which tokens and weights of a block this rank computes: tensor parallelism's heads
+                and vocabulary rows (tp), sequence parallelism's residual shard (sp), context
+                parallelism's positions with ring or Ulysses attention (cp) (`layout_for`); None
+                without any of them: the model's own layers, backward split for zero-bubble schedules
+ 2. MoE layer   expert parallelism over ep (its routing over the mesh's `data` group) and expert
+                tensor parallelism over tp, in the MoE blocks; each microbatch's token runs
+ 3. pipeline    the schedule as data, the stages this pp rank runs (one Stage class)
+ 4. parameters  drawn whole on the host, sliced by pp (the stages'), ep (this rank's experts) and
+                tp (tensor_parallel's slices), moved to the run's backend
+ 5. data        each unit's replica group (dp x cp; a MoE model's dense weights dp x ep x cp)
+    parallel    keeps it by plain DP (bucketed all-reduce), ZeRO-1/2/3 or FSDP: the stages' hooks
+ 6. optimizer   the state that strategy holds (whole, or this rank's shards); fp16's loss scaler
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from refpar import backend
+from refpar.config import ModelConfig, Plan, TrainConfig
+from refpar.holdings import (
+    keeps_lowp,
+    microbatch_samples,
+    sequence_parallel_param_names,
+    stage_names,
+    tied_embedding,
+    tp_param_slices,
+)
+from refpar.memory import MemoryLedger
+from refpar.model import init_params
+from refpar.model.moe import expert_prefix
+from refpar.parallel.context_parallel import cp_layout, cp_positions
+from refpar.parallel.data_parallel import DataParallel
+from refpar.parallel.expert_parallel import ExpertParallelMoE, owned_experts, routing_runs, token_runs
+from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
+from refpar.parallel.fsdp import FSDP
+from refpar.parallel.pipeline.executor import PipelineExecutor
+from refpar.parallel.pipeline.schedules import layout, of_plan
+from refpar.parallel.pipeline.stage import Stage
+from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
+from refpar.parallel.tensor_parallel import shard_params_tp, tp_layout
+from refpar.parallel.units import Units
+from refpar.parallel.zero import Zero
+
+from .plan import validate
+
+
+@dataclass
+class Parallel:
+    """The model parallelized on one rank of `mesh`: what `train` runs."""
+
+    model: ModelConfig
+    train: TrainConfig
+    mesh: object
+    plan: Plan
+    lay: object  # tensor_parallel.Layout, or None: the model's own layers
+    hooks: object  # DataParallel, Zero or FSDP
+    executor: PipelineExecutor
+    ledger: MemoryLedger
+    samples: list[tuple[int, ...]]  # this rank's sample ids of each microbatch
+    moe: object = None  # the MoE blocks' layer
+    routings: dict = field(default_factory=dict)  # sample ids of a microbatch -> layer -> routing
+    sp_names: list[str] = field(default_factory=list)  # held parameters of the sequence-sharded region
+    embedding: object = None  # the group summing the tied wte's two ends (mesh's "embedding"), or None
+    copies: object = None  # DualPipe: the mirror rank's group summing the two copies' gradients
+
+    @property
+    def data(self):
+        """The ranks that see different tokens (their losses and routing add up): dp x cp, and ep too
+        in a MoE model, of this stage and tp coordinate."""
+        return self.mesh.axis("data" if self.model.moe_experts else "dp_cp")
+
+    @property
+    def tp_slices(self) -> dict:
+        """Which slice of each global parameter this rank's tp shards are (holdings.tp_param_slices)."""
+        return tp_param_slices(self.model, self.mesh.sizes["tp"], self.mesh.coords["tp"])
+
+    @property
+    def differ(self) -> list:
+        """The groups whose ranks hold different gradients, where an fp16 overflow is agreed: tp
+        shards, pipeline stages, and each unit's shard under ZeRO (else a MoE model's experts)."""
+        m, sharded = self.mesh, self.plan.stage > 0
+        replicas = self.data if self.model.moe_experts else m.axis("dp_cp")
+        return [g for g in (m.tp, m.pp, replicas if sharded else m.ep) if g.size > 1]
+
+
+def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None):
+    """The tensor_parallel.Layout of this rank's tokens and weights on `mesh` (its tp and cp axes),
+    or None where a block is the model's own (no tp, cp, sp or experts)."""
+    t, c = mesh.sizes["tp"], mesh.sizes["cp"]
+    tp, cp = (mesh.tp if t > 1 else None), (mesh.cp if c > 1 else None)
+    if cp is not None and sp:  # sp inside each cp rank's tokens
+        return sp_cp_layout(model, seq_len, cp, cp_algo or "ring", mesh.tp)
+    if cp is not None:  # each cp rank runs its zig-zag (ring) or contiguous (ulysses) tokens
+        return cp_layout(model, seq_len, cp, cp_algo or "ring", tp)
+    if sp:
+        return sp_layout(model, seq_len, mesh.tp)
+    return tp_layout(model, seq_len, tp) if tp is not None or model.moe_experts else None
+
+
+def held_params(model: ModelConfig, mesh, names: set[str], seed: int) -> dict:
+    """This rank's parameters: of the initialisation drawn whole, its stages' `names` (pp), its ep
+    rank's experts (ep), its tp slices (tp), in the family's order, on the run's backend."""
+    full = init_params(model, seed)
+    mine = tuple(expert_prefix(i, e) + "." for i in model.moe_blocks
+                 for e in owned_experts(model.moe_experts, mesh.sizes["ep"], mesh.coords["ep"]))
+    kept = {n: full[n] for n in full if n in names and (".mlp.experts." not in n or n.startswith(mine))}
+    return backend.current().from_host(shard_params_tp(kept, model, mesh.sizes["tp"], mesh.coords["tp"]))
+
+
+def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Parallel:
+    """The model on this rank of `mesh` as `plan` says (module docstring); every check first."""
+    validate(model, train, mesh.sizes, plan)
+    sizes, coords, m = mesh.sizes, mesh.coords, plan.microbatches
+    ledger = MemoryLedger()
+    # 1. layout
+    lay = layout_for(model, train.seq_len, mesh, plan.sp, plan.cp_algo)
+    # 2. MoE layer
+    samples = [tuple(microbatch_samples(model, train.batch_size, m, sizes, coords, j)) for j in range(m)]
+    moe, runs = None, {}
+    if model.moe_experts:
+        data, c = mesh.axis("data"), sizes["cp"]
+        moe = (TensorParallelExpertMoE(data, mesh.ep, model, lay, plan.sp, weight=1 / m, cp=c)
+               if sizes["tp"] > 1 else ExpertParallelMoE(data, mesh.ep, model, weight=1 / m, cp=c))
+        held = [cp_positions(train.seq_len, c, r, plan.cp_algo) for r in range(c)]  # (Ta,) each
+        n_data = sizes["dp"] * sizes["ep"]
+        for j in range(m):  # every member's token runs, for the routing's global order
+            rows = [microbatch_samples(model, train.batch_size, m, sizes, {"dp": d // sizes["ep"],
+                                                                           "ep": d % sizes["ep"]}, j)
+                    for d in range(n_data)]
+            every = [token_runs(rows[g // c], held[g % c], train.seq_len) for g in range(data.size)]
+            runs[samples[j]] = routing_runs(every, data.rank)
+    # 3. pipeline
+    schedule = of_plan(plan, sizes["pp"])
+    pipe = layout(schedule)
+    stages = pipe.stages_of(coords["pp"])
+    # 4. parameters
+    params = held_params(model, mesh, {n for s in stages for n in stage_names(model, pipe, s)}, train.seed)
+    # 5. data parallelism over each unit's replica group
+    dense = mesh.axis("data") if model.moe_experts else mesh.axis("dp_cp")
+    held = {s: [n for n in stage_names(model, pipe, s) if n in params] for s in stages}
+    units = Units(held, {n: p.shape for n, p in params.items()},
+                  lambda expert: mesh.axis("dp_cp") if expert else dense,
+                  {s: len(pipe.microbatches(s)) for s in stages}, tied_embedding(model))
+    # 6. optimizer state: created by the strategy, which knows what it keeps
+    lowp = keeps_lowp(model, mesh.sizes)
+    if plan.fsdp:
+        hooks = FSDP(units, model, train, ledger, params, plan.prefetch, plan.reshard_after_forward,
+                     both_ends=pipe.n_stages == 1, lowp=lowp)
+    elif plan.zero:
+        hooks = Zero(units, model, train, ledger, params, plan.zero, lowp)
+    else:
+        hooks = DataParallel(units, model, train, ledger, params, plan.bucket_elems, plan.overlap, lowp)
+    routings: dict = {}
+
+    def make_stage(s: int, pipe) -> Stage:
+        return Stage(model, pipe.stages_per_copy, pipe.part(s), units.of_stage[s], hooks, lay, moe, runs,
+                     routings)
+
+    tokens = train.seq_len if lay is None else len(lay.resid_pos)
+    like = next(iter(params.values()))
+    executor = PipelineExecutor(schedule, model, mesh.pp, make_stage, tokens, like, hooks.buffers(), ledger)
+    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if plan.sp else []
+    # the partial sums between pipeline ranks: the tied wte's two ends where two ranks hold them,
+    # DualPipe's two copies of every part
+    embedding = mesh.axis("embedding") if pipe.tied_apart and tied_embedding(model) else None
+    copies = mesh.axis("mirror") if pipe.copies == 2 else None
+    return Parallel(model, train, mesh, plan, lay, hooks, executor, ledger, samples, moe, routings, sp_names,
+                    embedding, copies)
+

@@ -1,0 +1,257 @@
+"""One report for every run of `refpar train`, printed by rank 0 and, with --json, as the one-line
+summary (refpar/report.py; DESIGN.md "Command line"): the losses next to the single device's
+(--check), the bytes each rank sent by axis and op next to the closed forms (refpar.analysis.engine),
+the peak memory per rank by category next to the closed forms, and what the run's strategies add:
+the data-parallel model states, the pipeline's bubble, the routing of a MoE model.
+
+    mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --steps 3 --check
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from refpar.analysis import engine as closed
+from refpar.analysis.moe import expected_all_to_all_bytes, expert_param_bytes_per_rank
+from refpar.holdings import tp_param_slices
+from refpar.memory import CATEGORIES
+from refpar.model.moe import capacity
+from refpar.parallel.expert_parallel import owned_experts
+from refpar.parallel.pipeline.schedules import simulate
+from refpar.report import run_summary, summary_line
+from refpar.trainer import corpus_for, train_single_device
+
+from .checkpoint import open_resume
+from .lines import header, progress, report
+from .parallelize import parallelize
+from .train import train
+
+STATES = ("params", "grads", "master", "optimizer")  # the model states: the ZeRO paper's categories
+P2P = ("isend", "irecv")  # their time is spent waiting for the other side: idle, not transfer
+
+
+def run(model, cfg, sizes: dict, plan, args) -> int:
+    """Trains on this job's ranks as `plan` says and reports (module docstring)."""
+    from refpar.comm.communicator import abort_on_error, world
+    from refpar.comm.trace import Tracer
+    from refpar.mesh import DeviceMesh
+
+    comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
+    mesh = DeviceMesh(comm, sizes)  # its sentence comes from every rank alike, before any message
+    if args.resume is not None:
+        open_resume(args.resume, model, cfg, plan)  # so do a checkpoint's that this run cannot take
+    if comm.size == 1:
+        return _run(model, cfg, sizes, plan, args, mesh, plain)
+    # From here on ranks communicate: an error one rank meets alone (a full disk, say) must end
+    # every rank, not leave the others waiting in a collective (refpar.cli returns 2 from the rank
+    # that raised, which is right only for the checks every rank makes before any message).
+    with abort_on_error():
+        return _run(model, cfg, sizes, plan, args, mesh, plain)
+
+
+def _run(model, cfg, sizes: dict, plan, args, mesh, plain) -> int:
+    comm = mesh.world
+    speak = comm.rank == 0
+
+    def say(text=""):
+        if speak:
+            print(text, flush=True)
+
+    check = args.check and speak
+    ref = train_single_device(model, cfg, microbatches=plan.microbatches) if check else None
+    floor = corpus_for(model, cfg).entropy_rate()
+    for line in header(model, cfg, sizes, plan, args.model, floor):
+        say(line)
+    summary, par, out, every = collect(
+        model, cfg, mesh, plan, check=args.check, ref=ref, plain=plain, trace=args.trace,
+        on_step=progress(say, model, cfg, ref, floor, comm.size > 1, sizes["pp"]),
+        save=args.save, save_every=args.save_every, resume=args.resume)
+    if not speak:
+        return 0
+    report(say, model, cfg, sizes, plan, par, out, every, summary)
+    if args.trace:
+        say(f"trace: {args.trace} (open in https://ui.perfetto.dev), "
+            f"{Path(args.trace).with_suffix('.jsonl')} (JSON lines)")
+    if args.json:
+        say(summary_line(summary))
+    return 0
+
+
+def collect(model, cfg, mesh, plan, *, check: bool = False, ref=None, plain=None, trace=None, on_step=None,
+            save=None, save_every=None, resume=None):
+    """Trains on `mesh` and gathers every rank's measurements next to its closed forms: (the JSON
+    summary, the Parallel, the Run, every rank's measurements) on rank 0, (None, ...) elsewhere.
+    `check`: compare with the single-device run (`ref`, computed here on rank 0 if not given);
+    `plain`: an untraced communicator for the gathers (default the mesh's world); `trace`: write
+    the Chrome trace and JSON lines there."""
+    comm = mesh.world
+    plain = plain or comm
+    par = parallelize(model, cfg, mesh, plan)
+    out = train(par, on_step, save=save, save_every=save_every, resume=resume)
+    sizes, last = mesh.sizes, cfg.steps - 1
+    skipped = {k - out.first_step for k in _skipped_list(out)}
+    mine = {"totals": out.totals, "peak": dict(par.ledger.peak),
+            "state": sum(par.ledger.current[c] for c in STATES), "held": par.hooks.units.total,
+            "expected_comm": closed.rank_comm_rows(model, cfg, sizes, mesh.coords, plan, len(out.losses),
+                                                   skipped, _kept(out)),
+            "expected_memory": closed.rank_memory_rows(model, cfg, sizes, mesh.coords, plan, _kept(out),
+                                                       stepped=len(skipped) < len(out.losses)),
+            "full": full_params(par) if check else {},
+            "split": time_split(par.executor.slots, [e for e in comm.tracer.events if e.step == last]
+                                if comm.tracer else [], out.windows[-1]),
+            "moe": [(s.tokens_per_expert, s.dropped, s.kept_counts) for s in out.moe_steps]}
+    if trace:
+        write_traces(trace, plain, par, comm.tracer.events, last)
+    every = plain.gather_object(mine)
+    if plain.rank != 0:
+        return None, par, out, None
+    if check and ref is None:
+        ref = train_single_device(model, cfg, microbatches=plan.microbatches)
+    floor = corpus_for(model, cfg).entropy_rate()
+    return summarize(model, cfg, sizes, plan, par, out, every, ref, floor), par, out, every
+
+
+def summarize(model, cfg, sizes, plan, par, out, every, ref, floor) -> dict:
+    """The JSON summary's fields from every rank's measurements (on rank 0)."""
+    comm_rows = [{"rank": r, "axis": a, "op": o, "bytes_sent": int(s), "bytes_recv": int(rv)}
+                 for r, e in enumerate(every) for (a, o), (s, rv) in sorted(e["totals"].items()) if s or rv]
+    memory_rows = [{"rank": r, "category": c, "bytes": int(e["peak"][c])}
+                   for r, e in enumerate(every) for c in CATEGORIES]
+    expected_comm = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_comm"]]
+    expected_memory = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_memory"]]
+    fields = {}
+    if ref is not None:
+        ref_losses = ref.losses[out.first_step:]  # a resumed run has only the steps after its checkpoint
+        fields = {"reference_losses": ref_losses,
+                  "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(out.losses, ref_losses,
+                                                                                strict=True)),
+                  "max_param_rel_diff": max(_rel(p, ref.params[n]) for e in every
+                                            for n, p in e["full"].items())}
+    bubble = None
+    if sizes["pp"] > 1:
+        bubble = {"measured": out.measured.bubble_fraction, "simulated": out.simulated.bubble_fraction,
+                  "simulated_unit_costs": simulate(par.executor.schedule).bubble_fraction}
+    moe = _moe_fields(model, cfg, sizes, plan, out, every, ref) if model.moe_experts else None
+    return run_summary(
+        model, cfg, out.losses, mesh=dict(sizes), world_size=len(every), zero=plan.stage,
+        schedule=plan.kind if sizes["pp"] > 1 else None, microbatches=plan.microbatches,
+        comm_bytes=comm_rows, expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
+        expected_memory_peak_bytes=expected_memory, bubble_fraction=bubble, step_time_s=out.step_time_s,
+        loss_floor=floor, moe=moe, loss_scaling=out.loss_scaling,
+        data_parallel={"strategy": plan.strategy, "model_state_bytes": [e["state"] for e in every],
+                       "bucket_elems": min(plan.bucket_elems, max(e["held"] for e in every)),
+                       "overlap": plan.overlap, "prefetch": plan.prefetch,
+                       "reshard_after_forward": plan.reshard_after_forward}, **fields)
+
+
+def _moe_fields(model, cfg, sizes, plan, out, every, ref) -> dict:
+    """The "moe" summary field: every block's routing per step, gathered from the ranks holding it."""
+    blocks, ep = list(model.moe_blocks), sizes["ep"]
+    steps = []
+    for i in range(len(out.losses)):
+        step = {"tokens_per_expert": {}, "dropped": {}, "kept_counts": {}}
+        for e in every:
+            for key, part in zip(step, e["moe"][i], strict=True):
+                step[key].update(part)
+        steps.append(step)
+    tokens = cfg.batch_size * cfg.seq_len // plan.microbatches  # routed together: one global microbatch
+    n_data = sizes["dp"] * ep
+    return {
+        "blocks": blocks,
+        "tokens_per_expert": [[st["tokens_per_expert"][i] for i in blocks] for st in steps],
+        "dropped": [[st["dropped"][i] for i in blocks] for st in steps],
+        "capacity": capacity(tokens, model),
+        "kept_counts": [[np.asarray(st["kept_counts"][i]).tolist() for i in blocks] for st in steps],
+        "experts_per_ep_rank": [list(owned_experts(model.moe_experts, ep, q)) for q in range(ep)],
+        "aux_loss": [s.aux_loss for s in out.moe_steps], "z_loss": [s.z_loss for s in out.moe_steps],
+        "expert_param_bytes_per_ep_rank": [expert_param_bytes_per_rank(model, ep, q) for q in range(ep)],
+        "reference_dropped": None if ref is None else [[s.dropped[i] for i in blocks]
+                                                       for s in ref.moe_steps[out.first_step:]],
+        "uniform_all_to_all_bytes_per_rank_step": len(blocks) * plan.microbatches * expected_all_to_all_bytes(
+            model, tokens // n_data, n_data, ep, np.dtype(model.dtype).itemsize),
+    }
+
+
+def time_split(slots, events, window) -> dict[str, float]:
+    """One rank's step in seconds: compute = its actions minus the collectives inside them,
+    communication = every blocking collective, idle = the rest (waiting for pipeline messages,
+    the optimizer update, bookkeeping)."""
+    spans = [(e.t_start, e.t_end) for e in events if e.op not in P2P]
+    inside = sum(max(0.0, min(b, s.end) - max(a, s.start)) for a, b in spans for s in slots)
+    compute = sum(s.end - s.start for s in slots) - inside
+    comm = sum(b - a for a, b in spans)
+    wall = window[1] - window[0]
+    return {"compute": compute, "communication": comm, "idle": max(0.0, wall - compute - comm), "wall": wall}
+
+
+def write_traces(path, plain, par, events, step: int) -> None:
+    """Rank 0 writes one Chrome trace of step `step` (per rank its messages on track 0 and, in a
+    pipeline, its actions as compute slices named like "1F0" on track 1, on the one clock of the
+    machine) and every event of the run as JSON lines beside it (PATH.jsonl)."""
+    from refpar.comm.trace import chrome_trace, event_of
+
+    piped = par.mesh.sizes["pp"] > 1
+    mine = {"events": [e.to_dict() for e in events if e.step == step],
+            "slots": [{"action": str(s.action), "tick": s.tick, "start": s.start, "end": s.end}
+                      for s in par.executor.slots] if piped else [], "all": [e.to_dict() for e in events]}
+    every = plain.gather_object(mine)
+    if plain.rank != 0:
+        return
+    parts = [event_of(e) for part in every for e in part["events"]]
+    slots = [{**sl, "rank": rank} for rank, part in enumerate(every) for sl in part["slots"]]
+    t0 = min([e.t_start for e in parts] + [sl["start"] for sl in slots])
+    trace = chrome_trace(parts, t0)
+    for rank in sorted({sl["rank"] for sl in slots}):
+        trace["traceEvents"] += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                                  "args": {"name": name}} for tid, name in ((0, "messages"), (1, "compute"))]
+    trace["traceEvents"] += [
+        {"name": sl["action"], "cat": "compute", "ph": "X", "pid": sl["rank"], "tid": 1,
+         "ts": (sl["start"] - t0) * 1e6, "dur": (sl["end"] - sl["start"]) * 1e6,
+         "args": {"tick": sl["tick"], "step": step}} for sl in slots]
+    with open(path, "w") as f:
+        json.dump(trace, f)
+    with open(Path(path).with_suffix(".jsonl"), "w") as f:
+        f.writelines(json.dumps(e) + "\n" for part in every for e in part["all"])
+
+
+def full_params(par) -> dict:
+    """This rank's parameters whole over tp, as NumPy, on every tp rank (for the comparison with one
+    device, not for training): each tp-sliced one all-gathered along its split axis and its global
+    indices (holdings.tp_param_slices) put back in order."""
+    local, tp = par.hooks.full_params(), par.mesh.tp
+    if tp.size == 1:
+        return local
+    every = [tp_param_slices(par.model, tp.size, r) for r in range(tp.size)]
+    full = {}
+    for name, w in local.items():
+        if name not in every[tp.rank]:
+            full[name] = w
+            continue
+        axis = every[tp.rank][name][0]
+        pieces = tp.all_gather(np.ascontiguousarray(np.moveaxis(w, axis, 0)), tag=f"{name}:check")
+        moved = np.empty_like(pieces)
+        moved[np.concatenate([s[name][1] for s in every])] = pieces
+        full[name] = np.moveaxis(moved, 0, axis)
+    return full
+
+
+def _rel(a, ref) -> float:
+    """max |a - ref| / max |ref| (the plain max difference for an all-zero reference: a bias no
+    step has changed yet, as when fp16 skips every step)."""
+    diff = float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(ref, np.float64))))
+    scale = float(np.max(np.abs(np.asarray(ref, np.float64))))
+    return diff / scale if scale else diff
+
+
+def _skipped_list(out) -> list[int]:
+    return out.loss_scaling["skipped_steps"] if out.loss_scaling else []
+
+
+def _kept(out) -> list:
+    """MoE: per step, per microbatch, layer -> (D, E) kept counts of this rank's blocks."""
+    return [s.microbatch_kept_counts for s in out.moe_steps]
+
+

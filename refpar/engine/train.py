@@ -1,0 +1,123 @@
+"""`train`: THE training loop, for every mesh (the all-ones mesh included) and every plan.
+
+    run = train(parallelize(model, train_config, mesh, plan), on_step=print_row)
+
+One step on every rank:
+
+    batch      this rank's rows of each microbatch (engine/parallelize.microbatch_samples), the
+               tokens and targets of the global step, dropout keyed by global sample ids
+    pipeline   executor.step walks this rank's list of the schedule: each stage's F and B run their
+               pieces, which acquire their units' parameters from the hooks and fold their
+               gradients into them (DP's buckets and ZeRO's reduce-scatters start as units complete)
+    sums       hooks.finish: DP's rings still in flight, the tied wte over the embedding group, the
+               sequence-sharded region over tp (on ZeRO's shards)
+    optimizer  hooks.step: fp16 agrees on an overflow over the groups whose gradients differ, then
+               AdamW on what this rank keeps (ZeRO-1/2 then all-gather the updated units)
+    loss       the microbatch losses (and a MoE model's router losses) summed over pp, then over
+               the ranks that saw different tokens
+
+There is no other branch: the pipeline of one stage on one rank is the single device's step.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refpar import checkpoint
+from refpar.model.data import MarkovCorpus
+from refpar.parallel.pipeline.executor import Microbatch
+from refpar.parallel.pipeline.schedules import Timeline
+from refpar.report import loss_scaling_summary
+from refpar.trainer import MoEStep, router_shares, step_record
+
+from .checkpoint import pieces, resume_from, saved_position
+from .parallelize import Parallel
+
+
+@dataclass
+class Run:
+    """One rank's view of a finished run."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    windows: list[tuple[float, float]] = field(default_factory=list)  # each step on the tracer's clock
+    first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
+    totals: dict = field(default_factory=dict)  # traced (axis, op) -> (sent, received) of the steps
+    measured: Timeline | None = None  # the last step's executed actions, every pipeline rank
+    simulated: Timeline | None = None  # the schedule simulated with their measured durations
+    loss_scaling: dict | None = None  # fp16: report.loss_scaling_summary (scales, skipped steps)
+    moe_steps: list[MoEStep] = field(default_factory=list)  # MoE: the routing of this rank's blocks
+
+    @property
+    def step_time_s(self) -> float:
+        """Mean step time, leaving out the first step (warm-up) when there are others."""
+        times = self.step_times[1:] or self.step_times
+        return float(np.mean(times))
+
+
+def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: int | None = None,
+          resume: str | None = None) -> Run:
+    """Trains `par.train.steps` steps, or from the checkpoint `resume` (any mesh's) up to them;
+    with `save`, checkpoints every `save_every` steps and after the last (refpar/checkpoint.py).
+    `on_step(step, loss, seconds, totals, moe_step, scaling)` after each step (moe_step None without
+    experts; scaling, fp16 only: the step's loss scale, whether it was skipped, the skips so far)."""
+    model, cfg, mesh, hooks, executor = par.model, par.train, par.mesh, par.hooks, par.executor
+    scaler = hooks.dtypes.scaler  # fp16 only
+    run = Run()
+    if resume is not None:
+        run.first_step = resume_from(par, resume)
+    corpus = MarkovCorpus(model.vocab_size, cfg.seed)
+    normalizer = cfg.batch_size * cfg.seq_len  # global tokens: the losses add up to the mean
+    tracer = mesh.world.tracer
+    scales, skipped_steps = [], []
+    for step in range(run.first_step, cfg.steps):
+        start = time.perf_counter()
+        par.routings.clear()
+        with tracer.context(step=step) if tracer else nullcontext():
+            mbs = []
+            for ids in par.samples:
+                tokens, targets = corpus.batch(step, ids, cfg.seq_len)  # (b, T) each
+                # copies: a microbatch owns its rows, so a cache that keeps its tokens holds (b, T)
+                mbs.append(Microbatch(np.array(tokens), np.array(targets), ids))
+            scale = hooks.dtypes.dloss
+            if par.moe is not None:
+                par.moe.grad_scale = scale  # the router losses' gradients scale with the rest
+            hooks.begin_step()
+            with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
+                loss = executor.step(mbs, step=step, seed=cfg.seed, normalizer=normalizer, dloss=scale)
+            hooks.finish(par.embedding, mesh.tp, par.sp_names, par.copies)
+            skipped = hooks.step(par.differ)
+            if scaler is not None:
+                scales.append(scale)
+                skipped_steps += [step] * skipped
+            routed = [par.routings[ids] for ids in par.samples if ids in par.routings]  # this rank's blocks
+            shares = np.array([loss, *router_shares(routed)]) if par.moe is not None else np.array([loss])
+            if par.moe is not None:
+                shares[0] += shares[1] + shares[2]  # the router losses are part of the loss
+            if mesh.sizes["pp"] > 1:  # only the last stage's cross-entropy is not 0
+                shares = mesh.pp.all_reduce(shares, tag="loss.pp:report")
+            if par.data.size > 1:  # each rank's loss is over its tokens
+                shares = par.data.all_reduce(shares, tag="loss")
+        run.windows.append((start, time.perf_counter()))
+        run.step_times.append(run.windows[-1][1] - start)
+        run.losses.append(float(shares[0]))
+        record = step_record(step, loss, routed, start, shares) if par.moe is not None else None
+        if record is not None:
+            run.moe_steps.append(record)
+        if on_step is not None:
+            on_step(step, run.losses[-1], run.step_times[-1], tracer.totals() if tracer else {}, record,
+                    None if scaler is None else (scale, skipped, len(skipped_steps)))
+        if save is not None and checkpoint.should_save(step + 1, cfg.steps, save_every):
+            checkpoint.save_training(save, step + 1, pieces(par, saving=True), model, cfg, mesh.sizes,
+                                     f"engine {par.plan.strategy}", mesh.world,
+                                     moe_microbatches=par.plan.microbatches if model.moe_experts else None,
+                                     **saved_position(hooks.t, scaler))
+    run.totals = tracer.totals() if tracer else {}  # before the timeline's gather adds its own
+    run.loss_scaling = loss_scaling_summary(scales, skipped_steps)
+    run.measured = executor.measured_timeline()
+    run.simulated = executor.simulated_timeline(run.measured)
+    return run

@@ -1,0 +1,238 @@
+"""Which parameters a rank holds: its pipeline stages' names, its tp slices, the sequence-parallel
+region's names and the units ZeRO and FSDP shard. Facts of the configuration only (no arrays, no
+communication), so the runtime (refpar/parallel, refpar/engine) and the closed forms
+(refpar/analysis) read the same definitions without importing each other.
+
+Both families (refpar.model: GPT-2's names `h.{i}.`, `wte`, `wpe`, `ln_f`; Llama's Hugging Face
+names `model.layers.{i}.`, `model.embed_tokens`, `model.norm`, `lm_head`) go through the same
+functions: `block_of` says which block a name is in, `tied_embedding` which (V, C) matrix both ends
+read. Unit keys are refpar's own and the same for both (`wte` the tied embedding, `root`, `h.i`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from refpar.config import ConfigError, ModelConfig
+from refpar.model import param_shapes
+from refpar.sharding import shard_range
+
+
+def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
+    """The global indices of the blocks stage `stage` holds."""
+    if n_layer < n_stages:
+        raise ConfigError(f"{n_stages} pipeline stages need at least {n_stages} blocks, the model "
+                          f"has n_layer={n_layer}; use fewer stages (or chunks) or more layers")
+    return range(*shard_range(n_layer, n_stages, stage))
+
+
+BLOCK_PREFIX = {"gpt2": "h.", "llama": "model.layers."}  # a block's names start with this and "{i}."
+FIRST_ONLY = {"wpe.weight", "model.embed_tokens.weight"}  # read by the embedding (unless tied)
+
+
+def block_of(name: str) -> int | None:
+    """The index of the block parameter `name` belongs to (either family), None outside the blocks."""
+    for prefix in BLOCK_PREFIX.values():
+        if name.startswith(prefix):
+            return int(name[len(prefix):name.index(".", len(prefix))])
+    return None
+
+
+def tied_embedding(config: ModelConfig) -> str | None:
+    """The embedding the head also reads, which the first and the last stage hold alike (their
+    gradients sum over the embedding group): GPT-2's wte; Llama's embed_tokens if tie_embeddings."""
+    if config.arch == "gpt2":
+        return "wte.weight"
+    return "model.embed_tokens.weight" if config.tie_embeddings else None
+
+
+def embed_param_names(config: ModelConfig) -> tuple[str, ...]:
+    """The parameters whose gradients the embedding's backward returns."""
+    return ("wte.weight", "wpe.weight") if config.arch == "gpt2" else ("model.embed_tokens.weight",)
+
+
+def head_param_names(config: ModelConfig) -> tuple[str, ...]:
+    """The parameters whose gradients the head's backward returns: the (V, C) matrix and the final norm."""
+    if config.arch == "gpt2":
+        return ("wte.weight", "ln_f.weight", "ln_f.bias")
+    return (tied_embedding(config) or "lm_head.weight", "model.norm.weight")
+
+
+def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[str]:
+    """The parameters stage `stage` reads, in the family's order (every expert of its MoE blocks):
+    its blocks'; the embedding's on the first stage, the final norm's and the head's on the last
+    (the tied embedding on both)."""
+    keep = set(stage_layers(config.n_layer, n_stages, stage))
+    first, last = stage == 0, stage == n_stages - 1
+    tied = tied_embedding(config)
+    names = []
+    for name in param_shapes(config):
+        block = block_of(name)
+        if block is not None:
+            wanted = block in keep
+        elif name == tied:
+            wanted = first or last
+        elif name in FIRST_ONLY:
+            wanted = first
+        else:  # the final norm, Llama's untied lm_head
+            wanted = last
+        if wanted:
+            names.append(name)
+    return names
+
+
+def stage_names(config: ModelConfig, lay, stage: int) -> list[str]:
+    """The parameters stage `stage` of a schedule with layout `lay` (schedules.Layout) reads: those
+    of its part of the model (DualPipe's two copies hold the same parts)."""
+    return stage_param_names(config, lay.stages_per_copy, lay.part(stage))
+
+
+def held_param_names(config: ModelConfig, n_stages: int, stages, ep: int = 1, ep_rank: int = 0) -> list[str]:
+    """The parameters a rank holds, in the family's order: those of its pipeline stages `stages` (of
+    `n_stages`), of a MoE block's experts only its ep rank's `shard_range` of them."""
+    names = {n for s in stages for n in stage_param_names(config, n_stages, s)}
+    mine = range(*shard_range(config.moe_experts, ep, ep_rank))
+    return [n for n in param_shapes(config)
+            if n in names and (not is_expert(n) or int(n.split(".")[4]) in mine)]  # h.i.mlp.experts.e.
+
+
+def held_numels(config: ModelConfig, sizes: dict, coords: dict, chunks: int = 1) -> dict[str, int]:
+    """Elements of each parameter the rank at mesh `coords` holds (`held_param_names` of its
+    stages, chunk c holding stage c p + r), tp-sliced."""
+    p = sizes["pp"]
+    stages = [c * p + coords["pp"] for c in range(chunks)]
+    slices = tp_param_slices(config, sizes["tp"], coords["tp"])
+    shapes = param_shapes(config)
+    out = {}
+    for n in held_param_names(config, p * chunks, stages, sizes["ep"], coords["ep"]):
+        axis, index = slices.get(n, (None, None))
+        whole = math.prod(shapes[n])
+        out[n] = whole if axis is None else whole // shapes[n][axis] * len(index)
+    return out
+
+
+def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
+    """Which slice of each full parameter tp rank `rank` of `t` holds: (axis, global indices);
+    absent = replicated (refpar/parallel/tensor_parallel.py has the table)."""
+    C, hs = config.n_embd, config.head_size
+    h0, h1 = shard_range(config.n_head, t, rank)
+    head_cols = np.arange(h0 * hs, h1 * hs)  # this rank's heads within q, within k, within v
+    qkv_cols = np.concatenate([head_cols, C + head_cols, 2 * C + head_cols])
+    fc = np.arange(*shard_range(4 * C, t, rank))
+    slices = {"wte.weight": (0, np.arange(*shard_range(config.vocab_size, t, rank)))}
+    for i in range(config.n_layer):
+        slices |= {
+            f"h.{i}.attn.c_attn.weight": (1, qkv_cols), f"h.{i}.attn.c_attn.bias": (0, qkv_cols),
+            f"h.{i}.attn.c_proj.weight": (0, head_cols),
+        }
+        # an MoE block's MLP is its experts, each split like the dense MLP
+        mlps = ([f"h.{i}.mlp.experts.{e}." for e in range(config.moe_experts)]
+                if i in config.moe_blocks else [f"h.{i}.mlp."])
+        for p in mlps:
+            slices |= {p + "c_fc.weight": (1, fc), p + "c_fc.bias": (0, fc), p + "c_proj.weight": (0, fc)}
+    return slices
+
+
+def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
+    """Replicated parameters applied in the sequence-sharded region (refpar/parallel/
+    sequence_parallel.py): each tp rank computes their gradient from its sequence shard only."""
+    names = ["wpe.weight", "ln_f.weight", "ln_f.bias"]
+    for i in range(config.n_layer):
+        names += [f"h.{i}.{n}" for n in ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias",
+                                          "ln_2.weight", "ln_2.bias", "mlp.c_proj.bias")]
+    return names
+
+
+def microbatch_samples(model: ModelConfig, batch_size: int, m: int, sizes: dict, coords: dict,
+                       j: int) -> range:
+    """The global sample ids this rank runs in microbatch j of m. Dense: its dp rank's
+    `shard_range` of the batch, then microbatch j's share of that. MoE (routing per microbatch, as
+    Megatron-Core): the contiguous global slice shard_range(B, m, j), cut over the dp x ep data
+    ranks in batch order, so that the data ranks' parts of microbatch j are the single device's
+    microbatch j. cp ranks run the same rows (other positions)."""
+    if not model.moe_experts:
+        a, b = shard_range(batch_size, sizes["dp"], coords["dp"])
+        lo, hi = shard_range(b - a, m, j)
+        return range(a + lo, a + hi)
+    a, b = shard_range(batch_size, m, j)
+    lo, hi = shard_range(b - a, sizes["dp"] * sizes["ep"], coords["dp"] * sizes["ep"] + coords["ep"])
+    return range(a + lo, a + hi)
+
+
+def keeps_lowp(config: ModelConfig, sizes: dict) -> bool:
+    """With --fp32-grads, whether the 16-bit gradients backward writes stay beside the fp32
+    accumulator: on a data-parallel-only mesh, as DeepSpeed's BF16_Optimizer keeps each .grad (the
+    Ultra-Scale Playbook's 20 bytes per parameter); on every other mesh each backward piece's
+    16-bit gradients are added into the fp32 accumulator as they are handed over, as Megatron-LM's
+    main_grad (18)."""
+    return not config.moe_experts and all(n == 1 for a, n in sizes.items() if a != "dp")
+
+
+def is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+ENDS = ("wte", "root")  # the units the embedding and the head read
+
+
+def units(names: list[str], tied: str | None = "wte.weight") -> dict[str, list[str]]:
+    """The units of a pipeline stage holding `names` (in the family's order): what ZeRO and FSDP
+    shard, gather and reduce one at a time, and DP's gradient buckets wait for. `wte` alone (the
+    tied embedding, GPT-2's wte or a tied Llama's embed_tokens: the first and the last stage shard
+    it alike, so its gradient sums shard by shard), `root` the stage's other parameters outside the
+    blocks (wpe, or Llama's untied embed_tokens, on the first stage; the final norm and Llama's
+    lm_head on the last), then per block `h.i` its dense parameters (the router included) and, in a
+    MoE block, `h.i.experts` the experts of it this rank holds. `tied`: the model's
+    `tied_embedding` (GPT-2's wte by default)."""
+    out = {"wte": [tied]} if tied in names else {}
+    root = [n for n in names if block_of(n) is None and n != tied]
+    if root:
+        out["root"] = root
+    for n in names:
+        block = block_of(n)
+        if block is not None:
+            out.setdefault(f"h.{block}" + (".experts" if is_expert(n) else ""), []).append(n)
+    return {u: out[u] for u in sorted(out, key=unit_order)}
+
+
+def unit_order(unit: str) -> tuple:
+    """wte, root, then the blocks in order, each block's experts after its dense unit."""
+    if not unit.startswith("h."):
+        return (ENDS.index(unit),)
+    return (2, int(unit.split(".")[1]), unit.endswith(".experts"))
+
+
+def expert_unit(unit: str) -> bool:
+    return unit.endswith(".experts")
+
+
+def buckets(params: list[tuple[str, int, object]], bucket_elems: int) -> list[tuple[int, int, frozenset]]:
+    """DP's gradient buckets over a rank's flat buffer of `params` ((unit, elements, replica group)
+    of each parameter, in layout order), in the order backward completes them: [start, stop) and
+    the units a bucket touches. Whole parameters taken from the end of each group's run, a bucket
+    closed when the next parameter would exceed `bucket_elems` (a bucket holds at least one)."""
+    out, members, group = [], set(), None
+    start = stop = sum(n for _, n, _ in params)  # the bucket [start, stop) grows backwards
+    for unit, n, g in reversed(params):
+        if start < stop and (stop - start + n > bucket_elems or g != group):
+            out.append((start, stop, frozenset(members)))
+            stop, members = start, set()
+        start, group = start - n, g
+        members.add(unit)
+    if start < stop:
+        out.append((start, stop, frozenset(members)))
+    return out
+
+
+def rank_layout(by_stage: dict[int, dict[str, list[str]]]) -> dict[str, list[str]]:
+    """A rank's units end to end, as its flat buffers lay them out (`by_stage`: each stage's
+    `units`): the dense units first, then the experts', each in stage order; a unit two stages hold
+    (the tied wte) once. Unit -> its parameters."""
+    ordered = [u for us in by_stage.values() for u in us]
+    ordered = [u for u in ordered if not expert_unit(u)] + [u for u in ordered if expert_unit(u)]
+    # a unit two stages hold has each stage's parameters (in stage order): a V's rank 0 holds wpe
+    # (stage 0) and ln_f (stage 2p-1) as one root; the tied wte, and DualPipe's copies, the same ones
+    return {u: list(dict.fromkeys(n for us in by_stage.values() for n in us.get(u, ())))
+            for u in dict.fromkeys(ordered)}

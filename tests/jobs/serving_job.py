@@ -1,0 +1,39 @@
+"""Serving on 4 ranks under several meshes, one MPI job (tests/test_serving.py runs it):
+
+    mpiexec -n 4 python tests/jobs/serving_job.py
+
+Rank 0 prints one JSON line per mesh with what the test asserts."""
+
+from __future__ import annotations
+
+import json
+
+from refpar.comm.communicator import abort_on_error, world
+from refpar.config import model_preset
+from refpar.serving.requests import make_requests
+from refpar.serving.runner import ServeOptions, run_serving
+from refpar.serving.sampling import parse_sampling
+
+RUNS = [  # mesh, sampling: every axis, alone and combined, greedy and sampled
+    ({"tp": 2, "cp": 2}, "greedy"),
+    ({"pp": 2, "tp": 2}, "temperature=0.8,top_k=12"),
+    ({"cp": 4}, "temperature=1.3"),
+    ({"pp": 4}, "greedy"),
+]
+
+
+def main() -> None:
+    comm = world()
+    config = model_preset("tiny")
+    # Different lengths arriving at different steps, more requests than slots: continuous batching.
+    requests = make_requests(config, [13, 4, 22, 7, 9], [5, 8, 3, 6, 2], [0, 0, 1, 2, 4], seed=5)
+    for sizes, sampling in RUNS:
+        s = run_serving(comm, sizes, config, requests, parse_sampling(sampling, seed=11),
+                        ServeOptions(max_batch=3, seed=3, check=True))
+        if s is not None:
+            print(json.dumps(s), flush=True)
+
+
+if __name__ == "__main__":
+    with abort_on_error():
+        main()
