@@ -37,7 +37,9 @@ def test_llama_on_the_all_ones_mesh_is_the_single_device_bit_for_bit():
     ["--mesh", "dp=2", "--zero", "3"],
     ["--mesh", "dp=2", "--fsdp", "--prefetch"],
     ["--mesh", "pp=2", "--microbatches", "2", "--schedule", "1f1b"],
-], ids=["zero3", "fsdp-prefetch", "pp-1f1b"])
+    ["--mesh", "pp=2", "--microbatches", "4", "--schedule", "interleaved-1f1b", "--chunks", "2"],
+    ["--mesh", "pp=2", "--microbatches", "4", "--schedule", "dualpipev"],
+], ids=["zero3", "fsdp-prefetch", "pp-1f1b", "pp-interleaved", "pp-dualpipev"])
 def test_llama_on_two_ranks_matches_one_device_with_closed_form_bytes_and_memory(args):
     s = refpar_json(2, "train", "--model", "llama-tiny", "--steps", "2", "--check", *args, timeout=240)
     assert_matches_one_device_and_closed_forms(s)
