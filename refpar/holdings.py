@@ -113,9 +113,49 @@ def held_numels(config: ModelConfig, sizes: dict, coords: dict, chunks: int = 1)
     return out
 
 
+def kv_replicas(config: ModelConfig, t: int) -> int:
+    """How many tp ranks hold each kv head: t / n_kv_head when t > n_kv_head (grouped-query
+    attention with fewer kv heads than ranks replicates each), else 1 (GPT-2: 1)."""
+    if config.arch != "llama" or t <= config.n_kv_head:
+        return 1
+    return t // config.n_kv_head
+
+
+def kv_heads(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
+    """The kv heads [k0, k1) tp rank `rank` of `t` holds: its shard_range of them, or, replicated,
+    the one its query heads read (query head h reads kv head h // (n_head / n_kv_head))."""
+    b = kv_replicas(config, t)
+    if b > 1:
+        return rank // b, rank // b + 1
+    return shard_range(config.n_kv_head, t, rank)
+
+
+def _llama_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
+    """Llama's table (refpar/parallel/llama_tensor_parallel.py), weights in HF's [out, in] layout."""
+    hs, F = config.head_size, config.intermediate_size
+    h0, h1 = shard_range(config.n_head, t, rank)
+    k0, k1 = kv_heads(config, t, rank)
+    heads, kv = np.arange(h0 * hs, h1 * hs), np.arange(k0 * hs, k1 * hs)
+    ff = np.arange(*shard_range(F, t, rank))
+    vocab = (0, np.arange(*shard_range(config.vocab_size, t, rank)))
+    slices = {"model.embed_tokens.weight": vocab}
+    if not config.tie_embeddings:
+        slices["lm_head.weight"] = vocab
+    for i in range(config.n_layer):
+        p = f"model.layers.{i}."
+        slices |= {p + "self_attn.q_proj.weight": (0, heads), p + "self_attn.k_proj.weight": (0, kv),
+                   p + "self_attn.v_proj.weight": (0, kv), p + "self_attn.o_proj.weight": (1, heads),
+                   p + "mlp.gate_proj.weight": (0, ff), p + "mlp.up_proj.weight": (0, ff),
+                   p + "mlp.down_proj.weight": (1, ff)}
+    return slices
+
+
 def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
     """Which slice of each full parameter tp rank `rank` of `t` holds: (axis, global indices);
-    absent = replicated (refpar/parallel/tensor_parallel.py has the table)."""
+    absent = replicated (refpar/parallel/tensor_parallel.py has the table, and
+    llama_tensor_parallel.py Llama's)."""
+    if config.arch == "llama":
+        return _llama_tp_slices(config, t, rank)
     C, hs = config.n_embd, config.head_size
     h0, h1 = shard_range(config.n_head, t, rank)
     head_cols = np.arange(h0 * hs, h1 * hs)  # this rank's heads within q, within k, within v

@@ -9,7 +9,9 @@ import pytest
 from refpar.analysis.activations import llama_layer_bytes
 from refpar.analysis.presets import from_model_config
 from refpar.analysis.scale import PRECISIONS, layer_activation_bytes
-from refpar.config import model_preset
+from refpar.config import ConfigError, model_preset
+from refpar.holdings import kv_heads, kv_replicas, tp_param_slices
+from refpar.parallel.tensor_parallel import check_tp
 from tests.mpi import mpiexec, refpar_json
 from tests.numerics import CONTRACT, within
 
@@ -46,10 +48,36 @@ def test_llama_on_two_ranks_matches_one_device_with_closed_form_bytes_and_memory
     assert {r["axis"] for r in s["comm_bytes"]} == {"pp" if "pp=2" in args else "dp"}
 
 
+@pytest.mark.parametrize("args", [
+    ["--mesh", "tp=4"],
+    ["--mesh", "dp=2,tp=2", "--zero", "3"],
+], ids=["tp4-kv-replicas", "dp2-tp2-zero3"])
+def test_llama_tensor_parallel_on_four_ranks_matches_one_device_with_closed_form_bytes_and_memory(args):
+    # tp=4 over llama-tiny's 2 kv heads: each kv head on 2 ranks, its k and v gradients summed over them
+    s = refpar_json(4, "train", "--model", "llama-tiny", "--steps", "2", "--check", *args, timeout=300)
+    assert_matches_one_device_and_closed_forms(s)
+    assert ("tp", "all_reduce") in {(r["axis"], r["op"]) for r in s["comm_bytes"]}
+
+
+def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
+    config = model_preset("llama-tiny")  # 4 query heads over 2 kv heads, hs = 16
+    assert [kv_heads(config, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [kv_heads(config, 2, r) for r in range(2)] == [(0, 1), (1, 2)]
+    assert kv_replicas(config, 4) == 2 and kv_replicas(config, 2) == 1
+    k = "model.layers.0.self_attn.k_proj.weight"
+    # rank 1's query head 1 reads kv head 1 // 2 = 0: rows 0..15 of k_proj, as rank 0's
+    for r, rows in enumerate([range(0, 16), range(0, 16), range(16, 32), range(16, 32)]):
+        axis, index = tp_param_slices(config, 4, r)[k]
+        assert axis == 0 and list(index) == list(rows)
+    with pytest.raises(ConfigError, match="tp=3 does not divide n_head=4"):
+        check_tp(config, 3)
+    with pytest.raises(ConfigError, match="tp=4 neither divides n_kv_head=3 nor is a multiple of it"):
+        check_tp(model_preset("llama-tiny", n_head=12, n_kv_head=3, n_embd=96), 4)
+
+
 @pytest.mark.parametrize(("args", "words"), [
-    (["--mesh", "tp=2"], "Llama runs on dp, pp, ZeRO and FSDP meshes so far, not with tp=2;"),
-    (["--mesh", "cp=2"], "not with cp=2;"),
-    (["--mesh", "tp=2", "--sp"], "not with tp=2, --sp;"),
+    (["--mesh", "cp=2"], "Llama runs on dp, pp, tp, ZeRO and FSDP meshes so far, not with cp=2;"),
+    (["--mesh", "tp=2", "--sp"], "not with --sp;"),
     (["--mesh", "dp=2", "--moe-experts", "4", "--moe-topk", "2"],
      "Mixtral's experts (arch='llama' with --moe-experts) run on one device"),
 ])

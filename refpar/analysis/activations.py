@@ -111,9 +111,12 @@ def model_activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int
     }
 
 
-def llama_layer_bytes(config: ModelConfig, b: int, T: int, keep_refpar: bool = True) -> int:
+def llama_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = None,
+                      kv_heads: int | None = None, ff: int | None = None, keep_refpar: bool = True) -> int:
     """One Llama block's kept bytes (refpar/model/llama.py's caches, each buffer once), for b
-    sequences of T tokens, N = b T, kv = n_kv_head * head_size:
+    sequences of T tokens, N = b T, kv = n_kv_head * head_size; on a tp rank (llama_tensor_parallel)
+    of its `heads` query heads, `kv_heads` kv heads and `ff` SwiGLU columns, where C in the inside
+    terms is its heads' columns (the RMSNorms and their outputs stay whole):
 
         outside  4 e N C: the inputs of both RMSNorms (refpar keeps x-hat, the same size) and their
                  outputs, which q, k, v and gate, up read
@@ -124,9 +127,12 @@ def llama_layer_bytes(config: ModelConfig, b: int, T: int, keep_refpar: bool = T
     which is the planner's analysis/scale.layer_activation_bytes for a SwiGLU, GQA, dropout-free
     block (tests show it); `keep_refpar` adds what refpar keeps beyond it: each RMSNorm's 1/rms
     per token (2 e N) and the block's RoPE cos and sin tables (2 e T hs)."""
-    e, C, F = dtype_of(config.dtype).itemsize, config.n_embd, config.intermediate_size
-    N, kv, hs = b * T, config.n_kv_head * config.head_size, config.head_size
-    n = 4 * e * N * C + e * N * (C + kv + kv + C + 3 * F) + e * config.n_head * T * T * b
+    hs, e, C = config.head_size, dtype_of(config.dtype).itemsize, config.n_embd
+    nh = config.n_head if heads is None else heads
+    kv = hs * (config.n_kv_head if kv_heads is None else kv_heads)
+    F = config.intermediate_size if ff is None else ff
+    N, Ch = b * T, nh * hs  # tokens; the query heads' columns
+    n = 4 * e * N * C + e * N * (Ch + kv + kv + Ch + 3 * F) + e * nh * T * T * b
     return n + (2 * e * N + 2 * e * T * hs if keep_refpar else 0)
 
 

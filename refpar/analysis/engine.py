@@ -37,7 +37,13 @@ import numpy as np
 
 from refpar.analysis import data_parallel as dp_forms
 from refpar.analysis import moe as moe_forms
-from refpar.analysis.activations import embed_bytes, head_bytes, layer_bytes, model_activation_bytes
+from refpar.analysis.activations import (
+    embed_bytes,
+    head_bytes,
+    layer_bytes,
+    llama_layer_bytes,
+    model_activation_bytes,
+)
 from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
@@ -46,6 +52,8 @@ from refpar.holdings import (
     expert_unit,
     head_param_names,
     keeps_lowp,
+    kv_heads,
+    kv_replicas,
     microbatch_samples,
     sequence_parallel_param_names,
     stage_layers,
@@ -182,9 +190,16 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
                 calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape)
             for call in calls:
                 first, last = lay.part(s) == 0, lay.part(s) == P - 1
-                if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and not first)
+                embedding = call.tag.startswith(("wte", "model.embed_tokens"))
+                if not (call.tag.startswith(("sp.", *moe_tags)) or (embedding and not first)
                         or (call.tag.startswith("lm_head") and not last)):
                     cost.add(totals, (call.axis, call.op), (call.bytes_sent, call.bytes_recv))
+    kv = kv_replicas(model, t)
+    if kv > 1:  # each block's k_proj and v_proj gradients over the replicas of its kv head, per microbatch
+        n = 2 * model.head_size * C
+        blocks = sum(len(stage_layers(model.n_layer, P, lay.part(s))) * len(lay.microbatches(s))
+                     for s in lay.stages_of(r))
+        cost.add(totals, ("tp", "all_reduce"), cost.all_reduce_bytes(n, kv, k % kv, e), times=blocks)
     if model.moe_experts:
         Ta = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Ta
         for key, b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
@@ -287,6 +302,12 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
+    if model.arch == "llama":  # tp only, so far (plan._check_family)
+        k0, k1 = kv_heads(model, r.t, coords["tp"])
+        block = llama_layer_bytes(model, b, cfg.seq_len, r.nh, k1 - k0,
+                                  shard_sizes(model.intermediate_size, r.t)[coords["tp"]])
+        return (len(layers) * block + embed_bytes(model, r, False) * (stage == 0)
+                + head_bytes(model, r) * (stage == n_stages - 1))
     dropout = model.dropout > 0.0
     attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
     per_layer = layer_bytes(model, r, attention, dropout)

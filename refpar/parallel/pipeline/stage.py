@@ -51,9 +51,14 @@ from refpar.model import gpt, llama
 from refpar.model.attention import attention_backward
 from refpar.model.gpt import DropoutContext, embed_backward, merge_heads, split_heads
 from refpar.model.layers import cross_entropy_backward, dropout_backward, gelu_backward, layernorm_backward
+from refpar.parallel.llama_tensor_parallel import llama_parallel_block_backward, llama_parallel_block_forward
 from refpar.parallel.tensor_parallel import parallel_block_backward, parallel_block_forward
 from refpar.parallel.units import attach, detach
 from refpar.parallel.vocab_parallel import (
+    llama_vocab_parallel_embedding_backward,
+    llama_vocab_parallel_embedding_forward,
+    llama_vocab_parallel_head_backward,
+    llama_vocab_parallel_head_forward,
     vocab_parallel_embedding_backward,
     vocab_parallel_embedding_forward,
     vocab_parallel_head_backward,
@@ -86,11 +91,12 @@ class Stage:
     `lay` its tensor_parallel.Layout
     (None: the model's own layers), `moe` the expert-parallel layer of its MoE blocks. A MoE stage
     routes each microbatch with `runs[sample ids]` (expert_parallel.RoutingRuns) and files its
-    blocks' routing under the microbatch's sample ids in `routings` (shared by the rank's stages)."""
+    blocks' routing under the microbatch's sample ids in `routings` (shared by the rank's stages).
+    `kv`: the mesh's "kv" group, where Llama's tp ranks replicate kv heads (else None)."""
 
     def __init__(self, config, n_parts: int, part: int, units: list[str], hooks, lay=None, moe=None,
-                 runs=None, routings=None):
-        self.config, self.part, self.hooks, self.lay = config, part, hooks, lay
+                 runs=None, routings=None, kv=None):
+        self.config, self.part, self.hooks, self.lay, self.kv = config, part, hooks, lay, kv
         self.moe, self.runs, self.routings = moe, runs, routings
         self.dloss = 1.0  # where the last stage's backward starts: 1, or an fp16 run's loss scale
         # the model's own layers: GPT-2's (backward split for W) or Llama's (fused)
@@ -116,15 +122,14 @@ class Stage:
     def forward(self, x, targets, drop: DropoutContext, normalizer, mb: int = 0):
         """F. x is tokens (B, T) on the first stage, the previous stage's output (B, Tl, C) after.
         Returns the output (B, Tl, C), or the loss (a 0-d array) on the last stage, and the cache."""
-        lay, hooks, pieces = self.lay, self.hooks, self._pieces(True)
+        hooks, pieces = self.hooks, self._pieces(True)
         if self.moe is not None:
             self.moe.runs = self.runs[drop.sample_ids]  # this microbatch's token runs
         c_embed = c_head = None
         j = 0
         if self.first:
             p, bases = self._acquire(j, pieces, "embed:fwd", mb)
-            x, c_embed = (self.own.embed_forward(x, p, drop) if lay is None else
-                          vocab_parallel_embedding_forward(x[:, lay.region_pos], p, lay, drop))  # (B, Tl, C)
+            x, c_embed = self._embed(x, p, drop)  # (B, Tl, C)
             c_embed = detach(c_embed, bases)
             del p, bases  # no reference left, so a gathered unit is really freed
             hooks.release(self.ends, "embed:fwd", (self.part, mb))
@@ -132,16 +137,14 @@ class Stage:
         c_blocks = []
         for layer in self.layers:
             p, bases = self._acquire(j, pieces, "fwd", mb)
-            x, c = (self.own.block_forward(x, p, layer, self.config, drop) if lay is None else
-                    parallel_block_forward(x, p, layer, lay, drop, self.moe))  # (B, Tl, C)
+            x, c = self._block(x, p, layer, drop)  # (B, Tl, C)
             c_blocks.append(detach(c, bases))
             del p, bases, c
             hooks.release(self.blocks[layer], "fwd", (self.part, mb))
             j += 1
         if self.last:
             p, bases = self._acquire(j, pieces, "head:fwd", mb)
-            x, c_head = (self.own.head_forward(x, p, targets, self.config, normalizer) if lay is None else
-                         vocab_parallel_head_forward(x, p, targets[:, lay.region_pos], lay, normalizer))
+            x, c_head = self._head(x, p, targets, normalizer)  # a 0-d array
             c_head = detach(c_head, bases)
             del p, bases
             hooks.release(self.ends, "head:fwd", (self.part, mb))
@@ -170,43 +173,79 @@ class Stage:
         d, j = dout, 0
         if self.last:
             bases = self._acquire(j, pieces, "head:bwd", mb)[1]  # the cache holds what it reads
-            c_head = attach(c_head, bases)
-            if self.own is llama and self.lay is None:
-                d, grads = llama.head_backward(c_head, self.dloss)  # (B, T, C)
-                w = ("grads", grads)
-            elif self.lay is None:
-                d, w = self._head_input(c_head)  # (B, T, C)
-            else:
-                d, grads = vocab_parallel_head_backward(c_head, self.lay, self.dloss)  # (B, Tl, C)
-                w = ("grads", grads)
+            d, w = self._head_backward(attach(c_head, bases))  # (B, Tl, C)
             del c_head, bases
             hooks.release(self.ends, "head:bwd", hold)
             weights(() if self.first else self.ends, w)  # on a first stage the embedding completes them
             j += 1
         for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
             bases = self._acquire(j, pieces, "bwd", mb)[1]
-            if self.own is llama and self.lay is None:
-                d, grads = llama.block_backward(d, attach(c, bases))  # (B, T, C)
-                w = ("grads", grads)
-            elif self.lay is None:
-                d, w = self._block_input(d, attach(c, bases))  # (B, T, C)
-            else:
-                d, grads = parallel_block_backward(d, attach(c, bases), layer, self.lay)  # (B, Tl, C)
-                w = ("grads", grads)
+            d, w = self._block_backward(d, attach(c, bases), layer)  # (B, Tl, C)
             del c, bases
             hooks.release(self.blocks[layer], "bwd", hold)
             weights(self.blocks[layer], w)
             j += 1
         if self.first:
-            if self.own is llama and self.lay is None:
-                weights(self.ends, ("grads", llama.embed_backward(d, c_embed)))
-            elif self.lay is None:  # embed_backward reads no parameter (it scatters rows)
-                weights(self.ends, ("embed", (d, c_embed)))
-            else:
-                weights(self.ends, ("grads", vocab_parallel_embedding_backward(d, c_embed, self.lay,
-                                                                              self._row_counts(d))))
+            weights(self.ends, self._embed_backward(d, c_embed))
             d = None
         return d, saved
+
+    # -- the pieces: the model's own layers (GPT-2's or Llama's) or tensor parallelism's -------
+    def _embed(self, tokens, p, drop):
+        lay = self.lay
+        if lay is None:
+            return self.own.embed_forward(tokens, p, drop)
+        if self.own is llama:
+            return llama_vocab_parallel_embedding_forward(tokens[:, lay.region_pos], p, lay)
+        return vocab_parallel_embedding_forward(tokens[:, lay.region_pos], p, lay, drop)
+
+    def _block(self, x, p, layer: int, drop):
+        lay = self.lay
+        if lay is None:
+            return self.own.block_forward(x, p, layer, self.config, drop)
+        if self.own is llama:
+            return llama_parallel_block_forward(x, p, layer, lay, self.kv)
+        return parallel_block_forward(x, p, layer, lay, drop, self.moe)
+
+    def _head(self, x, p, targets, normalizer):
+        lay = self.lay
+        if lay is None:
+            return self.own.head_forward(x, p, targets, self.config, normalizer)
+        head = llama_vocab_parallel_head_forward if self.own is llama else vocab_parallel_head_forward
+        return head(x, p, targets[:, lay.region_pos], lay, normalizer)
+
+    def _head_backward(self, c_head):
+        """-> (dx, what the weight half needs): GPT-2's own head split for W, the others fused."""
+        lay = self.lay
+        if lay is None and self.own is gpt:
+            return self._head_input(c_head)
+        if lay is None:
+            d, grads = llama.head_backward(c_head, self.dloss)
+        else:
+            head = llama_vocab_parallel_head_backward if self.own is llama else vocab_parallel_head_backward
+            d, grads = head(c_head, lay, self.dloss)
+        return d, ("grads", grads)
+
+    def _block_backward(self, d, c, layer: int):
+        lay = self.lay
+        if lay is None and self.own is gpt:
+            return self._block_input(d, c)
+        if lay is None:
+            d, grads = llama.block_backward(d, c)
+            return d, ("grads", grads)
+        block = llama_parallel_block_backward if self.own is llama else parallel_block_backward
+        d, grads = block(d, c, layer, lay)
+        return d, ("grads", grads)
+
+    def _embed_backward(self, d, c_embed):
+        lay = self.lay
+        if lay is None and self.own is gpt:  # embed_backward reads no parameter (it scatters rows)
+            return ("embed", (d, c_embed))
+        if lay is None:
+            return ("grads", llama.embed_backward(d, c_embed))
+        embed = (llama_vocab_parallel_embedding_backward if self.own is llama else
+                 vocab_parallel_embedding_backward)
+        return ("grads", embed(d, c_embed, lay, self._row_counts(d)))
 
     def backward_weight(self, saved) -> None:
         """W: each piece's weight gradients from what B saved, given to the hooks piece by piece."""
@@ -215,10 +254,12 @@ class Stage:
             self.hooks.done(done)
 
     def _row_counts(self, like) -> dict:
-        """Stand-ins for wte and wpe: the vocab-parallel embedding's backward reads only their
-        numbers of rows (V/t and n_positions), so zero-width arrays spare gathering them."""
+        """Stand-ins for the embedding's tables (GPT-2's wte and wpe, Llama's embed_tokens): the
+        vocab-parallel embedding's backward reads only their numbers of rows (V/t and n_positions),
+        so zero-width arrays spare gathering them."""
         xp, lay = array_namespace(like), self.lay
-        rows = {"wte.weight": lay.vocab[1] - lay.vocab[0], "wpe.weight": self.config.n_positions}
+        rows = ({"model.embed_tokens.weight": lay.vocab[1] - lay.vocab[0]} if self.own is llama else
+                {"wte.weight": lay.vocab[1] - lay.vocab[0], "wpe.weight": self.config.n_positions})
         return {n: xp.zeros((r, 0), dtype=like.dtype, device=device(like)) for n, r in rows.items()}
 
     # -- the model's layers, split in halves, mirroring gpt.head_backward and gpt.block_backward --
