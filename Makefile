@@ -34,11 +34,13 @@ test: $(STAMP) lint
 # bound that holds on one machine only is caught here (tests/numerics.py). The files: the layers and
 # the whole model against finite differences (test_model_gradients), the MoE layer and MoE model
 # (test_moe, test_moe_model), mixed precision (test_precision), the model on other array namespaces
-# and against PyTorch (test_model_backends, test_model_torch), the MoE single-device reference's
+# and against PyTorch (test_model_backends, test_model_torch), Llama's layers and model against finite
+# differences, torch and Hugging Face (test_llama_layers, test_llama_hf), the MoE single-device reference's
 # microbatches and the Markov corpus. The lessons' printed numbers are left out: their commands run
 # MPI jobs, ~6 minutes per family on 2 cores (they passed under Haswell when the bounds were set).
 KERNEL_TESTS := tests/test_model_gradients.py tests/test_moe.py tests/test_moe_model.py \
 	tests/test_precision.py tests/test_model_backends.py tests/test_model_torch.py \
+	tests/test_llama_layers.py tests/test_llama_hf.py \
 	tests/test_moe_pipeline.py::test_one_microbatch_is_the_global_batch_and_dropless_unweighted_microbatches_only_accumulate \
 	tests/test_train.py::test_markov_floor_is_the_empirical_mean_negative_log_likelihood_of_the_chain
 test-kernels: $(STAMP)

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from refpar.config import ConfigError, ModelConfig, TrainConfig
-from refpar.model.gpt import param_shapes
+from refpar.model import param_shapes
 from refpar.precision import MASTER_DTYPE, is_16bit
 
 FORMAT = "refpar-checkpoint/1"

@@ -15,6 +15,8 @@ from refpar.precision import PRECISIONS
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")  # the last two: mixed precision
 MAX_RUN_BYTES = 1 << 40  # 1 TiB: no run of refpar's holds its parameters or a step's logits in more
+ARCHS = ("gpt2", "llama")  # refpar/model/gpt.py, refpar/model/llama.py
+LLAMA_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "norm_eps", "tie_embeddings")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")  # refpar/model/optim.py learning_rate
 RECOMPUTE = ("none", "selective", "full")  # refpar/parallel/recompute.py; the planner prices each
@@ -37,7 +39,11 @@ def _require_positive(owner: str, **values: int | float) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """GPT-2's shape (Radford et al. 2019): pre-LayerNorm blocks, learned positions, tied head."""
+    """The model's shape. arch="gpt2" (Radford et al. 2019): pre-LayerNorm blocks, learned positions,
+    tanh-GELU MLP of width 4C, LayerNorm, tied head. arch="llama" (Touvron et al. 2023, as Hugging
+    Face's LlamaForCausalLM): RMSNorm, rotary positions, SwiGLU MLP of width intermediate_size,
+    grouped-query attention, no biases, no dropout, untied head unless tie_embeddings; with
+    moe_experts, Mixtral's experts (Jiang et al. 2024). The Llama fields stay None for GPT-2."""
 
     vocab_size: int = 96  # V
     n_positions: int = 32  # longest sequence the position table holds
@@ -56,6 +62,13 @@ class ModelConfig:
     moe_layers: tuple[int, ...] | None = None  # blocks whose MLP becomes MoE; None: all blocks
     moe_aux_loss_weight: float = 0.01  # alpha of the Switch load-balancing loss
     moe_z_loss_weight: float = 0.001  # beta of the ST-MoE router z-loss
+    arch: str = "gpt2"  # one of ARCHS
+    # Llama only: None for GPT-2; for Llama, None takes the default given as "None:" on each line.
+    n_kv_head: int | None = None  # kv heads, grouped-query attention (Ainslie et al. 2023); None: n_head
+    intermediate_size: int | None = None  # F, the SwiGLU width (Llama's is ~8C/3); no default
+    rope_theta: float | None = None  # the RoPE base (Su et al. 2021); None: 10000.0, Llama 2's
+    norm_eps: float | None = None  # RMSNorm's epsilon (HF's rms_norm_eps); None: 1e-6, HF's
+    tie_embeddings: bool | None = None  # the head reuses model.embed_tokens (Llama 3.2 1B); None: False
 
     def __post_init__(self) -> None:
         _require_positive("ModelConfig", vocab_size=self.vocab_size, n_positions=self.n_positions,
@@ -69,7 +82,48 @@ class ModelConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)} "
                               f"(or --precision {'|'.join(PRECISIONS)})")
+        if self.arch not in ARCHS:
+            raise ConfigError(f"unknown arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
+        if self.arch == "llama":
+            self._check_llama()
+        else:
+            given = [name for name in LLAMA_FIELDS if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"{given[0]} is a Llama field but arch={self.arch!r} (GPT-2 has "
+                                  "multi-head attention, a 4C GELU MLP, learned positions and a tied "
+                                  f"head); leave {given[0]} unset or set arch='llama'")
         self._check_moe()
+
+    def _check_llama(self) -> None:
+        """Llama's fields: None becomes Llama's default, then each is checked in one sentence."""
+        defaults = {"n_kv_head": self.n_head, "rope_theta": 10000.0, "norm_eps": 1e-6,
+                    "tie_embeddings": False}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            raise ConfigError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (each kv "
+                              "head serves the same number of query heads); choose n_kv_head in "
+                              f"{_divisors(self.n_head)}")
+        if self.head_size % 2:
+            raise ConfigError(f"the head size n_embd / n_head = {self.head_size} must be even (RoPE "
+                              "rotates pairs of channels); choose n_head so that n_embd / n_head is even")
+        if self.intermediate_size is None or self.intermediate_size < 1:
+            raise ConfigError(f"arch='llama' needs a positive intermediate_size, the SwiGLU width (Llama "
+                              f"uses about 8/3 n_embd, e.g. {16 * -(-8 * self.n_embd // 48)} for "
+                              f"n_embd={self.n_embd})")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta={self.rope_theta} must be positive; Llama 2 uses 10000.0, "
+                              "Llama 3 500000.0")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps={self.norm_eps} must be positive; Llama uses 1e-5 or 1e-6")
+        if self.dropout != 0.0:
+            raise ConfigError(f"Llama trains without dropout but dropout={self.dropout}; set dropout=0.0 "
+                              "(--dropout 0)")
+        if self.moe_experts and self.moe_top_k == 1:
+            raise ConfigError("Mixtral's router renormalises the top-k gates to sum to 1, which with "
+                              "moe_top_k=1 makes every gate 1 and cuts the router off from the loss; "
+                              "use moe_top_k=2 (--moe-topk 2)")
 
     def _check_moe(self) -> None:
         if self.moe_experts < 0:
@@ -211,6 +265,17 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),
     # Large enough that matmuls dominate: the benchmark preset.
     "small": ModelConfig(vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_layer=4, dtype="float32"),
+    # Llama's tiny twin: 4 query heads share 2 kv heads, so tensor parallelism over 4 ranks must
+    # replicate each kv head on 2 of them. F = 176 is 8C/3 rounded up to a multiple of 16.
+    "llama-tiny": ModelConfig(
+        arch="llama", vocab_size=96, n_positions=32, n_embd=64, n_head=4, n_kv_head=2, n_layer=4,
+        intermediate_size=176, dropout=0.0
+    ),
+    # The benchmark size of "small" with Llama's blocks: 8 query heads over 2 kv heads.
+    "llama-small": ModelConfig(
+        arch="llama", vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_kv_head=2, n_layer=4,
+        intermediate_size=688, dropout=0.0, dtype="float32"
+    ),
 }
 
 

@@ -2,6 +2,11 @@
 region's names and the units ZeRO and FSDP shard. Facts of the configuration only (no arrays, no
 communication), so the runtime (refpar/parallel, refpar/engine) and the closed forms
 (refpar/analysis) read the same definitions without importing each other.
+
+Both families (refpar.model: GPT-2's names `h.{i}.`, `wte`, `wpe`, `ln_f`; Llama's Hugging Face
+names `model.layers.{i}.`, `model.embed_tokens`, `model.norm`, `lm_head`) go through the same
+functions: `block_of` says which block a name is in, `tied_embedding` which (V, C) matrix both ends
+read. Unit keys are refpar's own and the same for both (`wte` the tied embedding, `root`, `h.i`).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import math
 import numpy as np
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.model.gpt import param_shapes
+from refpar.model import param_shapes
 from refpar.sharding import shard_range
 
 
@@ -23,20 +28,55 @@ def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
     return range(*shard_range(n_layer, n_stages, stage))
 
 
+BLOCK_PREFIX = {"gpt2": "h.", "llama": "model.layers."}  # a block's names start with this and "{i}."
+FIRST_ONLY = {"wpe.weight", "model.embed_tokens.weight"}  # read by the embedding (unless tied)
+
+
+def block_of(name: str) -> int | None:
+    """The index of the block parameter `name` belongs to (either family), None outside the blocks."""
+    for prefix in BLOCK_PREFIX.values():
+        if name.startswith(prefix):
+            return int(name[len(prefix):name.index(".", len(prefix))])
+    return None
+
+
+def tied_embedding(config: ModelConfig) -> str | None:
+    """The embedding the head also reads, which the first and the last stage hold alike (their
+    gradients sum over the embedding group): GPT-2's wte; Llama's embed_tokens if tie_embeddings."""
+    if config.arch == "gpt2":
+        return "wte.weight"
+    return "model.embed_tokens.weight" if config.tie_embeddings else None
+
+
+def embed_param_names(config: ModelConfig) -> tuple[str, ...]:
+    """The parameters whose gradients the embedding's backward returns."""
+    return ("wte.weight", "wpe.weight") if config.arch == "gpt2" else ("model.embed_tokens.weight",)
+
+
+def head_param_names(config: ModelConfig) -> tuple[str, ...]:
+    """The parameters whose gradients the head's backward returns: the (V, C) matrix and the final norm."""
+    if config.arch == "gpt2":
+        return ("wte.weight", "ln_f.weight", "ln_f.bias")
+    return (tied_embedding(config) or "lm_head.weight", "model.norm.weight")
+
+
 def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[str]:
-    """The parameters stage `stage` reads, in GPT-2's order (every expert of its MoE blocks); wte on
-    the first and the last."""
-    keep = {f"h.{i}." for i in stage_layers(config.n_layer, n_stages, stage)}
+    """The parameters stage `stage` reads, in the family's order (every expert of its MoE blocks):
+    its blocks'; the embedding's on the first stage, the final norm's and the head's on the last
+    (the tied embedding on both)."""
+    keep = set(stage_layers(config.n_layer, n_stages, stage))
     first, last = stage == 0, stage == n_stages - 1
+    tied = tied_embedding(config)
     names = []
     for name in param_shapes(config):
-        if name.startswith("h."):
-            wanted = name[: name.index(".", 2) + 1] in keep
-        elif name == "wte.weight":
+        block = block_of(name)
+        if block is not None:
+            wanted = block in keep
+        elif name == tied:
             wanted = first or last
-        elif name == "wpe.weight":
+        elif name in FIRST_ONLY:
             wanted = first
-        else:  # ln_f
+        else:  # the final norm, Llama's untied lm_head
             wanted = last
         if wanted:
             names.append(name)
@@ -50,7 +90,7 @@ def stage_names(config: ModelConfig, lay, stage: int) -> list[str]:
 
 
 def held_param_names(config: ModelConfig, n_stages: int, stages, ep: int = 1, ep_rank: int = 0) -> list[str]:
-    """The parameters a rank holds, in GPT-2's order: those of its pipeline stages `stages` (of
+    """The parameters a rank holds, in the family's order: those of its pipeline stages `stages` (of
     `n_stages`), of a MoE block's experts only its ep rank's `shard_range` of them."""
     names = {n for s in stages for n in stage_param_names(config, n_stages, s)}
     mine = range(*shard_range(config.moe_experts, ep, ep_rank))
@@ -73,9 +113,49 @@ def held_numels(config: ModelConfig, sizes: dict, coords: dict, chunks: int = 1)
     return out
 
 
+def kv_replicas(config: ModelConfig, t: int) -> int:
+    """How many tp ranks hold each kv head: t / n_kv_head when t > n_kv_head (grouped-query
+    attention with fewer kv heads than ranks replicates each), else 1 (GPT-2: 1)."""
+    if config.arch != "llama" or t <= config.n_kv_head:
+        return 1
+    return t // config.n_kv_head
+
+
+def kv_heads(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
+    """The kv heads [k0, k1) tp rank `rank` of `t` holds: its shard_range of them, or, replicated,
+    the one its query heads read (query head h reads kv head h // (n_head / n_kv_head))."""
+    b = kv_replicas(config, t)
+    if b > 1:
+        return rank // b, rank // b + 1
+    return shard_range(config.n_kv_head, t, rank)
+
+
+def _llama_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
+    """Llama's table (refpar/parallel/llama_tensor_parallel.py), weights in HF's [out, in] layout."""
+    hs, F = config.head_size, config.intermediate_size
+    h0, h1 = shard_range(config.n_head, t, rank)
+    k0, k1 = kv_heads(config, t, rank)
+    heads, kv = np.arange(h0 * hs, h1 * hs), np.arange(k0 * hs, k1 * hs)
+    ff = np.arange(*shard_range(F, t, rank))
+    vocab = (0, np.arange(*shard_range(config.vocab_size, t, rank)))
+    slices = {"model.embed_tokens.weight": vocab}
+    if not config.tie_embeddings:
+        slices["lm_head.weight"] = vocab
+    for i in range(config.n_layer):
+        p = f"model.layers.{i}."
+        slices |= {p + "self_attn.q_proj.weight": (0, heads), p + "self_attn.k_proj.weight": (0, kv),
+                   p + "self_attn.v_proj.weight": (0, kv), p + "self_attn.o_proj.weight": (1, heads),
+                   p + "mlp.gate_proj.weight": (0, ff), p + "mlp.up_proj.weight": (0, ff),
+                   p + "mlp.down_proj.weight": (1, ff)}
+    return slices
+
+
 def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
     """Which slice of each full parameter tp rank `rank` of `t` holds: (axis, global indices);
-    absent = replicated (refpar/parallel/tensor_parallel.py has the table)."""
+    absent = replicated (refpar/parallel/tensor_parallel.py has the table, and
+    llama_tensor_parallel.py Llama's)."""
+    if config.arch == "llama":
+        return _llama_tp_slices(config, t, rank)
     C, hs = config.n_embd, config.head_size
     h0, h1 = shard_range(config.n_head, t, rank)
     head_cols = np.arange(h0 * hs, h1 * hs)  # this rank's heads within q, within k, within v
@@ -137,21 +217,23 @@ def is_expert(name: str) -> bool:
 ENDS = ("wte", "root")  # the units the embedding and the head read
 
 
-def units(names: list[str]) -> dict[str, list[str]]:
-    """The units of a pipeline stage holding `names` (in GPT-2's order): what ZeRO and FSDP shard,
-    gather and reduce one at a time, and DP's gradient buckets wait for. `wte` alone (the tied
-    embedding: the first and the last stage shard it alike, so its gradient sums shard by shard),
-    `root` the stage's other parameters outside the blocks (wpe on the first stage, ln_f on the
-    last), then per block `h.i` its dense parameters (the router included) and, in a MoE block,
-    `h.i.experts` the experts of it this rank holds."""
-    out = {"wte": ["wte.weight"]} if "wte.weight" in names else {}
-    root = [n for n in names if not n.startswith("h.") and n != "wte.weight"]
+def units(names: list[str], tied: str | None = "wte.weight") -> dict[str, list[str]]:
+    """The units of a pipeline stage holding `names` (in the family's order): what ZeRO and FSDP
+    shard, gather and reduce one at a time, and DP's gradient buckets wait for. `wte` alone (the
+    tied embedding, GPT-2's wte or a tied Llama's embed_tokens: the first and the last stage shard
+    it alike, so its gradient sums shard by shard), `root` the stage's other parameters outside the
+    blocks (wpe, or Llama's untied embed_tokens, on the first stage; the final norm and Llama's
+    lm_head on the last), then per block `h.i` its dense parameters (the router included) and, in a
+    MoE block, `h.i.experts` the experts of it this rank holds. `tied`: the model's
+    `tied_embedding` (GPT-2's wte by default)."""
+    out = {"wte": [tied]} if tied in names else {}
+    root = [n for n in names if block_of(n) is None and n != tied]
     if root:
         out["root"] = root
     for n in names:
-        if n.startswith("h."):
-            block = ".".join(n.split(".")[:2])  # "h.3"
-            out.setdefault(block + (".experts" if is_expert(n) else ""), []).append(n)
+        block = block_of(n)
+        if block is not None:
+            out.setdefault(f"h.{block}" + (".experts" if is_expert(n) else ""), []).append(n)
     return {u: out[u] for u in sorted(out, key=unit_order)}
 
 

@@ -63,7 +63,7 @@ class DeviceMesh:
     ranks, shaped (pp, dp, ep, cp, tp).
     """
 
-    def __init__(self, world: Communicator, sizes: dict[str, int]):
+    def __init__(self, world: Communicator, sizes: dict[str, int], kv_replicas: int = 1):
         self.sizes = check_job_size(sizes, world.size)  # all five axes, validated
         shape = tuple(self.sizes[a] for a in MESH_AXES)
         self.world = world
@@ -89,6 +89,11 @@ class DeviceMesh:
         r, p = co["pp"], sz["pp"]
         self._groups["mirror"] = world.split(others * p + min(r, p - 1 - r) if r != p - 1 - r else None,
                                              key=r, axis="pp")
+        self._groups["kv"] = None
+        if kv_replicas > 1:  # every rank of the tp group splits alike: tp ranks k b .. k b + b - 1
+            tp_color = world.rank - co["tp"]  # the first world rank of this tp group: one per group
+            self._groups["kv"] = world.split(tp_color * sz["tp"] + co["tp"] // kv_replicas, key=co["tp"],
+                                             axis="tp")
 
     def _plane(self, axes: tuple[str, ...], key: int, name: str) -> Communicator:
         """The ranks that share this rank's coordinates on every axis but `axes`."""
@@ -98,7 +103,7 @@ class DeviceMesh:
 
     def axis(self, name: str) -> Communicator | None:
         """The Communicator of an axis, or of a derived group (module docstring: "dp_cp", "data",
-        "embedding", "mirror"; those two are None on the ranks outside them)."""
+        "embedding", "mirror", "kv"; those three are None on the ranks outside them)."""
         if name in self._groups:
             return self._groups[name]
         if name not in self._comms:

@@ -1,4 +1,5 @@
-"""The single-device training loop: the reference run that every strategy's losses are compared with.
+"""The single-device training loop: the reference run that every strategy's losses are compared with,
+for either model family (refpar.model dispatches by ModelConfig.arch).
 
 Step s trains on the global batch of sample ids 0..B-1 of `MarkovCorpus.batch(s, ...)`, with
 dropout keyed by (seed, s, layer, site, sample id): a parallel run that splits the same batch and
@@ -32,8 +33,8 @@ import numpy as np
 
 from refpar import backend, checkpoint
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
+from refpar.model import init_params, loss_and_grads
 from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params, loss_and_grads
 from refpar.model.moe import MoELayer, kept_counts
 from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler

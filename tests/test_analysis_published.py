@@ -216,20 +216,49 @@ MEGATRON_TABLE1_RUNS = [
 
 
 @pytest.mark.parametrize("overrides", [{}, {"moe_experts": 4, "moe_top_k": 2},
-                                       {"moe_experts": 4, "moe_top_k": 1, "moe_layers": (2, 3)}])
+                                       {"moe_experts": 4, "moe_top_k": 1, "moe_layers": (2, 3)},
+                                       {"tie_embeddings": True, "moe_experts": 3, "moe_top_k": 2,
+                                        "moe_layers": (3,)}])
 def test_refpar_models_are_counted_as_their_parameter_table(overrides):
-    # The model's own parameter table (refpar.model.gpt.param_shapes, docs/internals.md), dense and
-    # with MoE blocks (experts and routers), against the planner's count from the shapes alone.
+    # The model's own parameter table (refpar.model.param_shapes, GPT-2's or Llama's; docs/internals.md),
+    # dense and with MoE blocks (experts and routers), against the planner's count from the shapes
+    # alone. Each preset takes the overrides its family has (Llama: a tied head; Mixtral's top-2).
     import math
 
     from refpar.analysis.presets import from_model_config
-    from refpar.config import MODEL_PRESETS, model_preset
-    from refpar.model.gpt import param_shapes
+    from refpar.config import MODEL_PRESETS, ConfigError, model_preset
+    from refpar.model import param_shapes
 
+    counted = 0
     for name in MODEL_PRESETS:
-        config = model_preset(name, **overrides)
+        try:
+            config = model_preset(name, **overrides)
+        except ConfigError:
+            continue
         table = sum(math.prod(shape) for shape in param_shapes(config).values())
-        assert param_counts(from_model_config(config)).total == table
+        assert param_counts(from_model_config(config)).total == table, name
+        counted += 1
+    assert counted >= 2  # a family of presets at least
+
+
+@pytest.mark.parametrize("name, released", [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248),
+                                            ("llama3-70b", 70_553_706_496),
+                                            ("mixtral-8x7b", 46_702_792_704)])
+def test_refpar_llama_built_as_a_released_model_has_its_parameter_count(name, released):
+    # refpar's Llama (refpar.model.llama.param_shapes: shapes only, nothing allocated) in the
+    # released model's shape has the released checkpoint's parameter count, as the planner's preset.
+    import math
+
+    from refpar.config import ModelConfig
+    from refpar.model import param_shapes
+
+    spec = PRESETS[name]
+    config = ModelConfig(arch="llama", vocab_size=spec.vocab_size, n_positions=spec.seq_len,
+                         n_embd=spec.d_model, n_head=spec.n_head, n_kv_head=spec.n_kv_head,
+                         n_layer=spec.n_layer, intermediate_size=spec.d_ff, dropout=0.0,
+                         moe_experts=spec.n_experts, moe_top_k=spec.top_k or 1)
+    table = sum(math.prod(shape) for shape in param_shapes(config).values())
+    assert table == released == param_counts(spec).total
 
 
 @pytest.mark.parametrize("name, t, p, gpus, batch, published", MEGATRON_TABLE1_RUNS)

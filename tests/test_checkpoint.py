@@ -116,8 +116,9 @@ def test_shard_pieces_name_the_global_slice_of_any_flat_range_of_a_tp_shard(data
         assert np.array_equal(view, _take(tensor, piece)) and np.shares_memory(view, flat), piece
 
 
-def test_single_device_resume_continues_the_uninterrupted_run_bit_for_bit(tmp_path):
-    model, train = model_preset("tiny", n_layer=2), TrainConfig(steps=4, batch_size=4, seq_len=8)
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_single_device_resume_continues_the_uninterrupted_run_bit_for_bit(tmp_path, preset):
+    model, train = model_preset(preset, n_layer=2), TrainConfig(steps=4, batch_size=4, seq_len=8)
     full = train_single_device(model, train, save=str(tmp_path), save_every=2)
     resumed = train_single_device(model, train, resume=str(tmp_path / "step-00000002"))
     # Same process, same operations on the same bytes: the checkpoint only stores and restores them.

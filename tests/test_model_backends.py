@@ -9,8 +9,8 @@ contract (tests/numerics.py).
 import numpy as np
 import pytest
 
+import refpar.model as M
 from refpar.config import TrainConfig, model_preset
-from refpar.model import gpt
 from refpar.model.data import MarkovCorpus
 from refpar.model.optim import optimizer_init, optimizer_step
 from tests.numerics import CONTRACT, rel_diff, within
@@ -39,25 +39,35 @@ def to_numpy(a):
     return np.asarray(a.numpy() if hasattr(a, "numpy") else np.from_dlpack(a))
 
 
+MODELS = {
+    "gpt2": model_preset("tiny", dropout=0.1),
+    "llama": model_preset("llama-tiny"),
+    # Mixtral's experts with a capacity that drops some assignments, and a tied head
+    "mixtral": model_preset("llama-tiny", moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8,
+                            tie_embeddings=True),
+}
+
+
 @pytest.mark.parametrize("xp", namespaces())
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_forward_backward_and_optimizer_step_give_the_numpy_numbers(xp, optimizer):
-    config = model_preset("tiny", dropout=0.1)
+@pytest.mark.parametrize("model, optimizer", [("gpt2", "adamw"), ("gpt2", "sgd"), ("llama", "adamw"),
+                                              ("mixtral", "adamw")])
+def test_forward_backward_and_optimizer_step_give_the_numpy_numbers(xp, model, optimizer):
+    config = MODELS[model]
     train = TrainConfig(optimizer=optimizer)
-    params = gpt.init_params(config, seed=0)
+    params = M.init_params(config, seed=0)
     tokens, targets = MarkovCorpus(config.vocab_size, 0).batch(2, range(3), 10)
     kw = dict(seed=4, step=2, sample_ids=[0, 1, 2])
-    loss, grads = gpt.loss_and_grads(params, tokens, targets, config, **kw)
+    loss, grads = M.loss_and_grads(params, tokens, targets, config, **kw)
     new, _ = optimizer_step(params, grads, optimizer_init(params, train), train, lr=train.lr)
-    logits = gpt.forward(params, tokens, config)
+    logits = M.forward(params, tokens, config)
 
     other = {n: xp.asarray(p) for n, p in params.items()}
-    other_loss, other_grads = gpt.loss_and_grads(other, xp.asarray(tokens), xp.asarray(targets), config, **kw)
+    other_loss, other_grads = M.loss_and_grads(other, xp.asarray(tokens), xp.asarray(targets), config, **kw)
     # The optimizer from the same gradients: Adam's first step is ~sign(g), which would magnify
     # the 1e-16 differences of near-zero gradients and say nothing about the optimizer code.
     same_grads = {n: xp.asarray(g) for n, g in grads.items()}
     other_new, _ = optimizer_step(other, same_grads, optimizer_init(other, train), train, lr=train.lr)
-    other_logits = gpt.forward(other, xp.asarray(tokens), config)
+    other_logits = M.forward(other, xp.asarray(tokens), config)
 
     assert within(rel_diff(other_loss, loss), CONTRACT)
     assert within(rel_diff(to_numpy(other_logits), logits), CONTRACT)

@@ -117,6 +117,8 @@ def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str =
     ln_f's x̂, 1/σ and output, the softmax probabilities (b, T, V) and the int64 targets. With
     `recompute` a block keeps what `layer_bytes` says then; "core" is its attention core's
     `core_bytes`."""
+    if config.arch == "llama":
+        return llama_activation_bytes(config, b, T)
     e = dtype_of(config.dtype).itemsize
     rank = RankShape(B=b, T=T, Ta=T, Tl=T, t=1, c=1, nh=config.n_head, V=config.vocab_size, e=e,
                      cp_tokens=(T,), cp_rank=0)
@@ -128,3 +130,37 @@ def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str =
         "core": core_bytes(config, rank, "local", dropout),
         "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens,
     }
+
+
+def llama_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = None,
+                      kv_heads: int | None = None, ff: int | None = None, keep_refpar: bool = True) -> int:
+    """One Llama block's kept bytes (refpar/model/llama.py's caches, each buffer once), for b
+    sequences of T tokens, N = b T, kv = n_kv_head * head_size; on a tp rank (llama_tensor_parallel)
+    of its `heads` query heads, `kv_heads` kv heads and `ff` SwiGLU columns, where C in the inside
+    terms is its heads' columns (the RMSNorms and their outputs stay whole):
+
+        outside  4 e N C: the inputs of both RMSNorms (refpar keeps x-hat, the same size) and their
+                 outputs, which q, k, v and gate, up read
+        inside   e N (C + kv + kv + C + 3F): the rotated q and k, v, o_proj's input (the merged
+                 heads), gate's and up's outputs and down's input
+        scores   e nh T^2 b: the softmax probabilities (no dropout)
+
+    which is the planner's analysis/scale.layer_activation_bytes for a SwiGLU, GQA, dropout-free
+    block (tests show it); `keep_refpar` adds what refpar keeps beyond it: each RMSNorm's 1/rms
+    per token (2 e N) and the block's RoPE cos and sin tables (2 e T hs)."""
+    hs, e, C = config.head_size, dtype_of(config.dtype).itemsize, config.n_embd
+    nh = config.n_head if heads is None else heads
+    kv = hs * (config.n_kv_head if kv_heads is None else kv_heads)
+    F = config.intermediate_size if ff is None else ff
+    N, Ch = b * T, nh * hs  # tokens; the query heads' columns
+    n = 4 * e * N * C + e * N * (Ch + kv + kv + Ch + 3 * F) + e * nh * T * T * b
+    return n + (2 * e * N + 2 * e * T * hs if keep_refpar else 0)
+
+
+def llama_activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:
+    """`model_activation_bytes` of Llama's own layers: the embedding keeps the int64 tokens (no
+    position table, no dropout), a block `llama_layer_bytes`, the head the final norm's x-hat, 1/rms
+    and output, the softmax probabilities (b, T, V) and the int64 targets."""
+    e, tokens, C, V = dtype_of(config.dtype).itemsize, b * T, config.n_embd, config.vocab_size
+    return {"embed": 8 * tokens, "block": llama_layer_bytes(config, b, T),
+            "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens}

@@ -45,23 +45,29 @@ from refpar.analysis.activations import (
     embed_bytes,
     head_bytes,
     layer_bytes,
+    llama_layer_bytes,
     model_activation_bytes,
 )
 from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.holdings import (
+    embed_param_names,
     expert_unit,
+    head_param_names,
     keeps_lowp,
+    kv_heads,
+    kv_replicas,
     microbatch_samples,
     sequence_parallel_param_names,
     stage_layers,
     stage_names,
+    tied_embedding,
     tp_param_slices,
     units,
 )
 from refpar.memory import CATEGORIES
-from refpar.model.gpt import param_shapes
+from refpar.model import param_shapes
 from refpar.model.moe import expert_prefix
 from refpar.parallel.pipeline.schedules import Layout, Schedule, layout, of_plan, stored
 from refpar.sharding import shard_range, shard_sizes
@@ -116,7 +122,7 @@ def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.
     numels = rank_param_numels(model, sizes, coords, plan)
     schedule, lay = pipeline(sizes, plan)
     P = lay.stages_per_copy
-    by_stage = {s: units([n for n in stage_names(model, lay, s) if n in numels])
+    by_stage = {s: units([n for n in stage_names(model, lay, s) if n in numels], tied_embedding(model))
                 for s in lay.stages_of(coords["pp"])}
     order = list(dict.fromkeys([u for us in by_stage.values() for u in us if not expert_unit(u)]
                                + [u for us in by_stage.values() for u in us if expert_unit(u)]))
@@ -134,17 +140,22 @@ def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.
         ends = tuple(u for u in ("wte", "root") if u in us)
         blocks = tuple(tuple(u for u in (f"h.{i}", f"h.{i}.experts") if u in us)
                        for i in stage_layers(model.n_layer, P, lay.part(s)))
-        head = numels.get("wte.weight", 0) + 2 * model.n_embd
-        stages[s] = dp_forms.StageUnits(lay.part(s) == 0, lay.part(s) == P - 1, ends, blocks, head,
-                                        numels.get("wte.weight", 0) + numels.get("wpe.weight", 0))
+        head = sum(numels.get(n, 0) for n in head_param_names(model))
+        embed = sum(numels.get(n, 0) for n in embed_param_names(model))
+        stages[s] = dp_forms.StageUnits(lay.part(s) == 0, lay.part(s) == P - 1, ends, blocks, head, embed)
     return dp_forms.RankUnits(out, stages, schedule[coords["pp"]], lay.split, uses,
                               [(u, x, numels[x]) for u in order for x in members[u]],
-                              fused=not plain(model, sizes, plan))
+                              fused=not split_backward(model, sizes, plan))
 
 
 def plain(model, sizes: dict, plan) -> bool:
     """Whether the blocks are the model's own (no tp, cp, sp or experts; refpar/engine/parallelize)."""
     return sizes["tp"] == 1 and sizes["cp"] == 1 and not plan.sp and not model.moe_experts
+
+
+def split_backward(model, sizes: dict, plan) -> bool:
+    """Whether a stage's backward is split into B and W (GPT-2's own layers; Llama's fuse them)."""
+    return plain(model, sizes, plan) and model.arch == "gpt2"
 
 
 def precision(model: ModelConfig, cfg: TrainConfig, sizes: dict) -> dp_forms.Precision:
@@ -183,10 +194,17 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
                 calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape)
             for call in calls:
                 first, last = lay.part(s) == 0, lay.part(s) == P - 1
-                if not (call.tag.startswith(("sp.", *moe_tags)) or (call.tag.startswith("wte") and not first)
+                embedding = call.tag.startswith(("wte", "model.embed_tokens"))
+                if not (call.tag.startswith(("sp.", *moe_tags)) or (embedding and not first)
                         or (call.tag.startswith("lm_head") and not last)):
                     cost.add(totals, (call.axis, call.op), (call.bytes_sent, call.bytes_recv),
                              1 + _rerun(call.tag, plan.recompute))
+    kv = kv_replicas(model, t)
+    if kv > 1:  # each block's k_proj and v_proj gradients over the replicas of its kv head, per microbatch
+        n = 2 * model.head_size * C
+        blocks = sum(len(stage_layers(model.n_layer, P, lay.part(s))) * len(lay.microbatches(s))
+                     for s in lay.stages_of(r))
+        cost.add(totals, ("tp", "all_reduce"), cost.all_reduce_bytes(n, kv, k % kv, e), times=blocks)
     if model.moe_experts:
         Ta = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Ta
         for key, b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
@@ -241,7 +259,7 @@ def data_parallel_bytes(model, sizes, coords, plan, pr, stepped: bool = True,
     numels = rank_param_numels(model, sizes, coords, plan)
     whole = plan.strategy == "dp"
     lay = pipeline(sizes, plan)[1]
-    if lay.tied_apart and r in (0, p - 1):  # the tied wte, whole or its shard, over the embedding group
+    if lay.tied_apart and tied_embedding(model) and r in (0, p - 1):  # the tied wte, whole or its shard
         u = ru.units["wte"]
         tied = cost.all_reduce_bytes(u.size if whole else u.shard, 2, int(r == p - 1), pr.g)
         add(("pp", "all_reduce"), tied, "wte.weight:tied-grad")
@@ -310,6 +328,12 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
+    if model.arch == "llama":  # tp only, so far (plan._check_family)
+        k0, k1 = kv_heads(model, r.t, coords["tp"])
+        block = llama_layer_bytes(model, b, cfg.seq_len, r.nh, k1 - k0,
+                                  shard_sizes(model.intermediate_size, r.t)[coords["tp"]])
+        return (len(layers) * block + embed_bytes(model, r, False) * (stage == 0)
+                + head_bytes(model, r) * (stage == n_stages - 1))
     dropout = model.dropout > 0.0
     n = len(layers) * _block_bytes(model, r, plan, plan.recompute) + embed_bytes(model, r, dropout) * (
         stage == 0) + head_bytes(model, r) * (stage == n_stages - 1)
@@ -368,7 +392,7 @@ def activation_peak(model, cfg, sizes, coords, plan, kept_by_step=None) -> int:
     schedule, lay = pipeline(sizes, plan)
     where, P = lay.stage_rank, lay.stages_per_copy
     rows, r = _rows(model, cfg, sizes, coords, plan), coords["pp"]
-    split_w = plain(model, sizes, plan)
+    split_w = split_backward(model, sizes, plan)
     peak = 0
     for kept in (kept_by_step or [None]):
         def after_f(a, kept=kept):

@@ -37,7 +37,7 @@ import numpy as np
 from refpar.comm import cost
 from refpar.config import ModelConfig, TrainConfig
 from refpar.holdings import held_numels, sequence_parallel_param_names
-from refpar.model.gpt import param_shapes
+from refpar.model import param_shapes
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -107,8 +107,6 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
               ) -> list[Call]:
     t, e, C, L = s.t, s.e, model.n_embd, model.n_layer
     act = s.B * s.Ta * C  # elements of a (B, Ta, C) activation
-    shapes = param_shapes(model)
-    sp_numel = sum(math.prod(shapes[n]) for n in sequence_parallel_param_names(model))
 
     def ar(tag, n, size=e):
         b = cost.all_reduce_bytes(n, t, tp_rank, size)
@@ -123,8 +121,8 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
         return Call("tp", "reduce_scatter", tag, b.sent, b.recv)
 
     ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta, compute_itemsize(e)) for k in ("max", "sumexp", "target")]
-    if not sp:
-        calls = [ar("wte:fwd", act)]
+    if not sp:  # Llama's blocks move what GPT-2's do (llama_tensor_parallel.py), under other tags
+        calls = [ar("wte:fwd" if model.arch == "gpt2" else "model.embed_tokens:fwd", act)]
         for i in range(L):
             calls += [ar(f"h.{i}.attn.c_proj:fwd", act), ar(f"h.{i}.mlp.c_proj:fwd", act)]
         calls += ce + [ar("lm_head:bwd", act)]
@@ -140,6 +138,8 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
         for sub, col in (("mlp", "c_fc"), ("attn", "c_attn")):
             calls += [ag(f"h.{i}.{sub}.c_proj:bwd"), ag(f"h.{i}.{sub}.{col}:regather"),
                       rs(f"h.{i}.{sub}.{col}:bwd")]
+    shapes = param_shapes(model)
+    sp_numel = sum(math.prod(shapes[n]) for n in sequence_parallel_param_names(model))
     calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_numel, grad_e or e)]
     return calls
 

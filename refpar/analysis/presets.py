@@ -1,6 +1,6 @@
 """Model presets for planning at scale: the shapes of published models, as the formulas read them.
 
-refpar trains GPT-2-shaped models (refpar.config.ModelConfig). The planner also needs the models
+refpar trains GPT-2 and Llama models (refpar.config.ModelConfig). The planner also needs the models
 people actually train at scale, which differ from GPT-2 in ways the memory and FLOP formulas must
 see. Each difference is a field of `ModelSpec`, not a separate code path:
 
@@ -105,11 +105,12 @@ def _megatron(name: str, n_head: int, d_model: int, n_layer: int, batch: int) ->
 
 
 def _llama(name: str, n_layer: int, d_model: int, n_head: int, n_kv_head: int, d_ff: int,
-           vocab: int, seq: int, batch: int, source: str) -> ModelSpec:
+           vocab: int, seq: int, batch: int, source: str, **fields) -> ModelSpec:
+    """Llama's shape; `fields` sets other ModelSpec fields (experts, a tied head)."""
+    shape = {"mlp": "swiglu", "norm": "rmsnorm", "bias": False, "tied_embeddings": False,
+             "learned_positions": False, "dropout": False, **fields}
     return ModelSpec(name, n_layer, d_model, n_head, vocab_size=vocab, seq_len=seq,
-                     global_batch=batch, d_ff=d_ff, n_kv_head=n_kv_head, mlp="swiglu",
-                     norm="rmsnorm", bias=False, tied_embeddings=False, learned_positions=False,
-                     dropout=False, source=source)
+                     global_batch=batch, d_ff=d_ff, n_kv_head=n_kv_head, source=source, **shape)
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -165,19 +166,26 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def from_model_config(config: ModelConfig, global_batch: int = 1) -> ModelSpec:
-    """The spec of a model refpar trains (GPT-2's shape, refpar.config.ModelConfig), so a small
+    """The spec of a model refpar trains (refpar.config.ModelConfig, GPT-2 or Llama), so a small
     run's ledger and trace can be set against the same formulas the planner uses.
 
-    refpar's MoE blocks (refpar/model/moe.py) are GPT-2 MLPs of width 4C behind a (C, E) router,
-    without shared experts. The spec counts its MoE blocks and puts its dense ones first, so
-    per-stage splits (pp > 1) are refpar's own when the MoE blocks are the last ones.
+    refpar's MoE blocks are MLPs of the family's kind behind a router without bias, with no shared
+    experts: GPT-2 MLPs of width 4C (refpar/model/moe.py), or Mixtral's SwiGLU experts of width
+    intermediate_size (refpar/model/mixtral.py). The spec counts its MoE blocks and puts its dense
+    ones first, so per-stage splits (pp > 1) are refpar's own when the MoE blocks are the last ones.
     """
     moe = len(config.moe_blocks)
+    experts = dict(n_experts=config.moe_experts if moe else 0, top_k=config.moe_top_k if moe else 0,
+                   n_dense_layers=config.n_layer - moe)
+    if config.arch == "llama":
+        F = config.intermediate_size
+        return _llama("refpar", config.n_layer, config.n_embd, config.n_head, config.n_kv_head, F,
+                      config.vocab_size, config.n_positions, global_batch, "refpar.config.ModelConfig",
+                      tied_embeddings=config.tie_embeddings, moe_d_ff=F if moe else 0, **experts)
     return ModelSpec("refpar", config.n_layer, config.n_embd, config.n_head,
                      vocab_size=config.vocab_size, seq_len=config.n_positions,
                      global_batch=global_batch, dropout=config.dropout > 0,
-                     n_experts=config.moe_experts if moe else 0, top_k=config.moe_top_k if moe else 0,
-                     moe_d_ff=4 * config.n_embd if moe else 0, n_dense_layers=config.n_layer - moe)
+                     moe_d_ff=4 * config.n_embd if moe else 0, **experts)
 
 
 def preset(name: str) -> ModelSpec:

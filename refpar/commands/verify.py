@@ -108,6 +108,12 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
                               "--microbatches", "4")),
     # One mixed-precision row in every matrix (its own precision whatever --precision says).
     ("tp+sp bf16", 2, ("--mesh", "tp=2", "--sp", "--precision", "bf16-mixed")),
+    # Llama (llama-tiny: 4 query heads over 2 kv heads): tp=4 replicates each kv head on 2 ranks
+    ("llama tp=4 gqa", 4, ("--model", "llama-tiny", "--mesh", "tp=4")),
+    ("llama zero-3", 2, ("--model", "llama-tiny", "--mesh", "dp=2", "--zero", "3")),
+    ("llama dp x tp x pp", 8, ("--model", "llama-tiny", "--mesh", "dp=2,tp=2,pp=2", "--microbatches", "4")),
+    ("llama fsdp x interleaved", 4, ("--model", "llama-tiny", "--mesh", "dp=2,pp=2", "--fsdp",
+                                     "--schedule", "interleaved-1f1b", "--microbatches", "4")),
 ]
 # About 10 runs that touch every building block once: `make test` runs these.
 QUICK = ("zero-3", "tp+sp", "dp x cp", "dp x ep", "pp zb-h1", "interleaved x tp", "zero-1 x tp+sp x pp",

@@ -8,13 +8,14 @@ parameters, fp32 masters or AdamW moments, and whether the unit's replica group 
 is a flat range of each parameter it overlaps, of this rank's tp shard of it; `checkpoint.shard_pieces`
 cuts that into boxes of the global tensor (a tp shard's columns of c_attn are three runs). Saving
 writes each element once: of what a group holds alike each rank its `shard_range`, of what every
-tp rank holds whole tp rank 0, of the tied wte pp rank 0 (the last stage's is the same), of
+tp rank holds whole tp rank 0, of the tied embedding pp rank 0 (the last stage's is the same), of
 DualPipe's two copies the first rank of each mirror pair.
 """
 
 from __future__ import annotations
 
 from refpar import checkpoint
+from refpar.holdings import tied_embedding
 from refpar.sharding import shard_range
 
 
@@ -22,6 +23,7 @@ def pieces(par, saving: bool) -> list:
     """(checkpoint.Piece, view) of everything this rank holds; loading writes through the views."""
     units, coords = par.hooks.units, par.mesh.coords
     slices = par.tp_slices
+    tied = tied_embedding(par.model)
     out = []
     if saving and par.copies is not None and par.copies.rank > 0:  # its mirror writes the same
         return out
@@ -32,7 +34,7 @@ def pieces(par, saving: bool) -> list:
             a, b = shard_range(units.size[unit], group.size, group.rank)
             lo, hi = max(lo, a), min(hi, b)
         for name, a, b in units.segments(unit, lo, hi):
-            if saving and ((name not in slices and coords["tp"]) or (name == "wte.weight" and coords["pp"])):
+            if saving and ((name not in slices and coords["tp"]) or (name == tied and coords["pp"])):
                 continue
             axis, index = slices.get(name, (None, None))
             offset = units.offsets[name][1]

@@ -1,4 +1,5 @@
-"""`parallelize`: the strategies applied to GPT-2 on a mesh, in one fixed order, for every mesh.
+"""`parallelize`: the strategies applied to a model (GPT-2, or Llama on its own layers: plan.validate
+says where) on a mesh, in one fixed order, for every mesh.
 
     par = parallelize(model, train, mesh, Plan(microbatches=4, zero=1))
     run = train(par)                                                   # refpar/engine/train.py
@@ -34,10 +35,11 @@ from refpar.holdings import (
     microbatch_samples,
     sequence_parallel_param_names,
     stage_names,
+    tied_embedding,
     tp_param_slices,
 )
 from refpar.memory import MemoryLedger
-from refpar.model.gpt import init_params
+from refpar.model import init_params
 from refpar.model.moe import expert_prefix
 from refpar.parallel.clipping import clip_for
 from refpar.parallel.context_parallel import cp_layout, cp_positions
@@ -59,7 +61,7 @@ from .plan import validate
 
 @dataclass
 class Parallel:
-    """GPT-2 parallelized on one rank of `mesh`: what `train` runs."""
+    """The model parallelized on one rank of `mesh`: what `train` runs."""
 
     model: ModelConfig
     train: TrainConfig
@@ -113,7 +115,7 @@ def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo
 
 def held_params(model: ModelConfig, mesh, names: set[str], seed: int) -> dict:
     """This rank's parameters: of the initialisation drawn whole, its stages' `names` (pp), its ep
-    rank's experts (ep), its tp slices (tp), in GPT-2's order, on the run's backend."""
+    rank's experts (ep), its tp slices (tp), in the family's order, on the run's backend."""
     full = init_params(model, seed)
     mine = tuple(expert_prefix(i, e) + "." for i in model.moe_blocks
                  for e in owned_experts(model.moe_experts, mesh.sizes["ep"], mesh.coords["ep"]))
@@ -122,7 +124,7 @@ def held_params(model: ModelConfig, mesh, names: set[str], seed: int) -> dict:
 
 
 def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Parallel:
-    """GPT-2 on this rank of `mesh` as `plan` says (module docstring); every check first."""
+    """The model on this rank of `mesh` as `plan` says (module docstring); every check first."""
     validate(model, train, mesh.sizes, plan)
     sizes, coords, m = mesh.sizes, mesh.coords, plan.microbatches
     ledger = MemoryLedger()
@@ -154,7 +156,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     held = {s: [n for n in stage_names(model, pipe, s) if n in params] for s in stages}
     units = Units(held, {n: p.shape for n, p in params.items()},
                   lambda expert: mesh.axis("dp_cp") if expert else dense,
-                  {s: len(pipe.microbatches(s)) for s in stages})
+                  {s: len(pipe.microbatches(s)) for s in stages}, tied_embedding(model))
     # 6. optimizer state: created by the strategy, which knows what it keeps
     lowp = keeps_lowp(model, mesh.sizes)
     if plan.fsdp:
@@ -173,7 +175,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
 
     def make_stage(s: int, pipe) -> Stage:
         return Stage(model, pipe.stages_per_copy, pipe.part(s), units.of_stage[s], hooks, lay, moe, runs,
-                     routings, recompute)
+                     routings, mesh.axis("kv"), recompute)
 
     tokens = train.seq_len if lay is None else len(lay.resid_pos)
     like = next(iter(params.values()))
@@ -181,7 +183,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if plan.sp else []
     # the partial sums between pipeline ranks: the tied wte's two ends where two ranks hold them,
     # DualPipe's two copies of every part
-    embedding = mesh.axis("embedding") if pipe.tied_apart else None
+    embedding = mesh.axis("embedding") if pipe.tied_apart and tied_embedding(model) else None
     copies = mesh.axis("mirror") if pipe.copies == 2 else None
     clip = clip_for(model, train, mesh, plan, stages, dense, copies)
     return Parallel(model, train, mesh, plan, lay, hooks, executor, ledger, samples, moe, routings, sp_names,

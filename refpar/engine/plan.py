@@ -10,7 +10,7 @@ what to change, before the first message.
 from __future__ import annotations
 
 from refpar.config import RECOMPUTE, ConfigError, ModelConfig, Plan, TrainConfig
-from refpar.holdings import stage_layers
+from refpar.holdings import stage_layers, tied_embedding
 from refpar.parallel.context_parallel import check_cp
 from refpar.parallel.expert_parallel import check_expert_parallel
 from refpar.parallel.pipeline.schedules import BUILDERS, build, layout, model_parts, of_plan
@@ -23,6 +23,7 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
     """Every check of a run on a mesh of `sizes` (every axis), with no communication."""
     p, d, e, c, t = (sizes.get(a, 1) for a in ("pp", "dp", "ep", "cp", "tp"))
     train.check_model(model)
+    _check_family(model, sizes, plan)
     check_expert_parallel(model, e)
     check_tp(model, t)
     if plan.sp:
@@ -45,6 +46,21 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
     _check_batch(model, train, d, e, plan.microbatches)
     _check_data_parallel(model, d * e * c if model.moe_experts else d * c, plan)
     _check_schedule(model, p, plan)  # last: building costs p x m x v; its own sentences
+
+
+def _check_family(model: ModelConfig, sizes: dict, plan: Plan) -> None:
+    """What the engine runs Llama with so far: dp, ZeRO, FSDP, pp and tp; sequence, context and
+    expert parallelism, recomputation and Mixtral's experts run GPT-2 only."""
+    if model.arch != "llama":
+        return
+    if model.moe_experts:
+        raise ConfigError("Mixtral's experts (arch='llama' with --moe-experts) run on one device through "
+                          "refpar.model so far; drop --moe-experts, or train GPT-2's MoE")
+    apart = [f"{a}={sizes[a]}" for a in ("cp", "ep") if sizes.get(a, 1) > 1] + ["--sp"] * plan.sp + (
+        [f"--recompute {plan.recompute}"] if plan.recompute not in (None, "none") else [])
+    if apart:
+        raise ConfigError(f"Llama runs on dp, pp, tp, ZeRO and FSDP meshes so far, not with "
+                          f"{', '.join(apart)}; drop them (or use a GPT-2 preset)")
 
 
 def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:
@@ -77,7 +93,8 @@ def _check_csv(model: ModelConfig, p: int, plan: Plan):
                           f"--microbatches {lay.n_microbatches}")
     stage_layers(model.n_layer, lay.stages_per_copy, 0)
     ends = {lay.stage_rank[0], lay.stage_rank[lay.stages_per_copy - 1]}
-    if lay.tied_apart and ends != {0, p - 1}:  # the tied wte's gradient is summed over ranks 0, p-1
+    # the tied embedding's gradient is summed over ranks 0 and p-1
+    if lay.tied_apart and tied_embedding(model) and ends != {0, p - 1}:
         raise ConfigError(f"the --schedule-csv file puts the first and the last stage, which share the "
                           f"tied embedding, on ranks {sorted(ends)}; put them on ranks 0 and {p - 1}, "
                           "or both on one rank")

@@ -16,7 +16,7 @@ import numpy as np
 
 from refpar.analysis import engine as closed
 from refpar.analysis.moe import expected_all_to_all_bytes, expert_param_bytes_per_rank
-from refpar.holdings import tp_param_slices
+from refpar.holdings import kv_replicas, tp_param_slices
 from refpar.memory import CATEGORIES
 from refpar.model.moe import capacity
 from refpar.parallel.expert_parallel import owned_experts
@@ -40,7 +40,8 @@ def run(model, cfg, sizes: dict, plan, args) -> int:
     from refpar.mesh import DeviceMesh
 
     comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
-    mesh = DeviceMesh(comm, sizes)  # its sentence comes from every rank alike, before any message
+    # its sentence comes from every rank alike, before any message
+    mesh = DeviceMesh(comm, sizes, kv_replicas(model, sizes["tp"]))
     if args.resume is not None:
         open_resume(args.resume, model, cfg, plan)  # so do a checkpoint's that this run cannot take
     if comm.size == 1:
@@ -230,7 +231,8 @@ def write_traces(path, plain, par, events, step: int) -> None:
 def full_params(par) -> dict:
     """This rank's parameters whole over tp, as NumPy, on every tp rank (for the comparison with one
     device, not for training): each tp-sliced one all-gathered along its split axis and its global
-    indices (holdings.tp_param_slices) put back in order."""
+    indices (holdings.tp_param_slices) put back in order; a replicated kv head must be the same on
+    each of its ranks (else it is infinitely far from one device)."""
     local, tp = par.hooks.full_params(), par.mesh.tp
     if tp.size == 1:
         return local
@@ -242,8 +244,11 @@ def full_params(par) -> dict:
             continue
         axis = every[tp.rank][name][0]
         pieces = tp.all_gather(np.ascontiguousarray(np.moveaxis(w, axis, 0)), tag=f"{name}:check")
-        moved = np.empty_like(pieces)
-        moved[np.concatenate([s[name][1] for s in every])] = pieces
+        index = np.concatenate([s[name][1] for s in every])  # Llama's replicated kv heads repeat
+        moved = np.empty((len(np.unique(index)), *pieces.shape[1:]), pieces.dtype)
+        moved[index] = pieces
+        if not np.array_equal(moved[index], pieces):  # replicas that differ match no single device
+            moved[...] = np.inf
         full[name] = np.moveaxis(moved, 0, axis)
     return full
 

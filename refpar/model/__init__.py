@@ -1,0 +1,60 @@
+"""The single-device reference model, one API for both families, chosen by `ModelConfig.arch`:
+GPT-2 (refpar/model/gpt.py) and Llama (refpar/model/llama.py, with Mixtral's experts in mixtral.py).
+
+    params = init_params(config, seed)                     # or from_hf_state_dict(hf_state, config)
+    logits = forward(params, tokens, config)                # (B, T, V)
+    loss, grads = loss_and_grads(params, tokens, targets, config)
+    hf_state = to_hf_state_dict(params_or_grads, config)    # Hugging Face's own keys
+
+The Hugging Face keys are those of the family's checkpoint files: GPT2LMHeadModel's
+(`transformer.wte.weight`, ..., GPT-2's Conv1D layout weight[in, out]; no lm_head.weight, which is
+tied to wte) and LlamaForCausalLM's or MixtralForCausalLM's (`model.embed_tokens.weight`, ...,
+weight[out, in]). `from_hf_state_dict` also takes what an HF model's `state_dict()` returns.
+"""
+
+from __future__ import annotations
+
+from refpar.config import ModelConfig
+from refpar.model import gpt, llama
+
+FAMILIES = {"gpt2": gpt, "llama": llama}
+
+
+def family(config: ModelConfig):
+    """The module that implements `config.arch`."""
+    return FAMILIES[config.arch]
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and full shape, in the family's state-dict order."""
+    return family(config).param_shapes(config)
+
+
+def init_params(config: ModelConfig, seed: int) -> dict:
+    """Every weight drawn full from one RNG key per parameter name (a shard is a slice of this)."""
+    return family(config).init_params(config, seed)
+
+
+def forward(params, tokens, config: ModelConfig):
+    """tokens (B, T) -> logits (B, T, V), evaluation mode."""
+    return family(config).forward(params, tokens, config)
+
+
+def loss_and_grads(params, tokens, targets, config: ModelConfig, **options):
+    """(mean loss, {name: gradient}); `options` as gpt.loss_and_grads takes them (seed, step,
+    sample_ids, normalizer, training, moe, dloss, grad_dtype)."""
+    return family(config).loss_and_grads(params, tokens, targets, config, **options)
+
+
+def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:
+    """Parameters (or gradients) under Hugging Face's checkpoint keys, the same arrays."""
+    if config.arch == "gpt2":  # refpar's GPT-2 names are GPT2Model's; GPT2LMHeadModel prefixes them
+        return {"transformer." + k: v for k, v in gpt.to_gpt2_state_dict(params_or_grads).items()}
+    return llama.to_hf_state_dict(params_or_grads, config)
+
+
+def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
+    """refpar's parameters, in config.dtype, from an HF checkpoint's or model's state dict."""
+    if config.arch == "gpt2":
+        return gpt.from_gpt2_state_dict(state_dict, config)
+    return llama.from_hf_state_dict(state_dict, config)

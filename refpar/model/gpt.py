@@ -22,7 +22,7 @@ import numpy as np
 from array_api_compat import array_namespace, device
 
 from refpar import rng
-from refpar.config import ModelConfig
+from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.dropout import keep_mask
 from refpar.model.layers import (
@@ -46,7 +46,12 @@ from refpar.precision import dtype_of
 
 # ------------------------------------------------------------------------------------ parameters
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's name and full shape, in GPT-2's state-dict order."""
+    """Every parameter's name and full shape, in GPT-2's state-dict order. Every GPT-2-only path
+    (the strategies, serving) starts here, so a Llama config is refused here."""
+    if config.arch != "gpt2":
+        raise ConfigError(f"this path runs GPT-2 (refpar/model/gpt.py) but the model is "
+                          f"arch={config.arch!r}: use refpar.model's functions, which dispatch by arch, "
+                          "or `refpar train`, whose engine runs both families")
     V, P, C = config.vocab_size, config.n_positions, config.n_embd
     shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, C), "wpe.weight": (P, C)}
     for i in range(config.n_layer):

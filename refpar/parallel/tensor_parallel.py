@@ -120,6 +120,12 @@ def check_tp(config: ModelConfig, tp: int) -> None:
         raise ConfigError(f"tp={tp} does not divide n_head={config.n_head}; choose tp in {set(choices)}")
     if config.vocab_size < tp:
         raise ConfigError(f"tp={tp} is larger than vocab_size={config.vocab_size}; use tp <= vocab_size")
+    kv = config.n_kv_head
+    if config.arch == "llama" and kv % tp and tp % kv:
+        choices = sorted({d for d in range(1, config.n_head + 1) if config.n_head % d == 0 and (kv % d == 0
+                                                                                          or d % kv == 0)})
+        raise ConfigError(f"tp={tp} neither divides n_kv_head={kv} nor is a multiple of it, so a rank's "
+                          f"query heads would read two kv heads; choose tp in {set(choices)}")
 
 
 def tp_layout(config: ModelConfig, seq_len: int, tp_comm) -> Layout:

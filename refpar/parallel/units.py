@@ -69,8 +69,9 @@ class StateDtypes:
 
 class Units:
     """This rank's units: `stages` maps each of its pipeline stages to the names it holds there,
-    `shapes` every held parameter's (tp-shard) shape (in GPT-2's order), `group_of(expert: bool)`
-    the replica group of dense or expert units, `uses[s]` how many microbatches stage s runs.
+    `shapes` every held parameter's (tp-shard) shape (in the family's order), `group_of(expert: bool)`
+    the replica group of dense or expert units, `uses[s]` how many microbatches stage s runs,
+    `tied` the model's holdings.tied_embedding (the `wte` unit; None: no unit is tied).
     `names[u]`, `size[u]` (Ψ_u), `group[u]`, `own[u]` ([a, b) of this rank), `counts[u]` (every
     group rank's s_u), `start[u]` (where u begins in the rank's flat buffer of Ψl), `backwards[u]`
     how many backward pieces complete u in a step (m; more where two stages hold it).
@@ -78,9 +79,10 @@ class Units:
     A unit two stages of the rank hold is one: a V's rank 0 runs the embedding (stage 0) and the
     tied head (stage 2p-1), so its wte sums both ends' gradients, and its root is wpe and ln_f."""
 
-    def __init__(self, stages: dict[int, list[str]], shapes: dict, group_of, uses: dict[int, int]):
+    def __init__(self, stages: dict[int, list[str]], shapes: dict, group_of, uses: dict[int, int],
+                 tied: str | None = "wte.weight"):
         self.shapes = shapes
-        by_stage = {s: units(names) for s, names in sorted(stages.items())}
+        by_stage = {s: units(names, tied) for s, names in sorted(stages.items())}
         # in GPT-2's order inside a unit: DualPipe's mirror ranks hold a root of wpe and ln_f from
         # stages in the other order, and sum_copies adds their buffers element by element
         self.names = {u: [n for n in shapes if n in names] for u, names in rank_layout(by_stage).items()}

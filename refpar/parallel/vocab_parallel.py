@@ -19,6 +19,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace
 
 from refpar.model.layers import as_like, compute, layernorm_backward, layernorm_forward, one_hot, rounded
+from refpar.model.llama_layers import rmsnorm_backward, rmsnorm_forward
 from refpar.parallel.tensor_parallel import (
     Layout,
     column_parallel_linear_backward,
@@ -33,17 +34,35 @@ def tp_all_reduce(x, lay: Layout, tag: str, op: str = "sum"):
 
 
 # Vocab-parallel embedding: each rank looks up only the tokens in its rows; g sums the lookups.
-def vocab_parallel_embedding_forward(tokens, params, lay: Layout, drop):
-    """tokens (B, Ta) global ids at lay.region_pos -> x (B, Tl, C)."""
-    wte, wpe = params["wte.weight"], params["wpe.weight"]
-    xp, v0, v1 = array_namespace(wte), *lay.vocab
-    tokens = as_like(tokens, wte)
+def vocab_rows_forward(tokens, w, lay: Layout, tag: str):
+    """tokens (B, Ta) global ids -> the lookups in this rank's rows of `w` (V/t, C), summed over tp
+    (g): x (B, Tl, C), and the cache (rows, mine)."""
+    xp, v0, v1 = array_namespace(w), *lay.vocab
+    tokens = as_like(tokens, w)
     B, Ta = tokens.shape
     mine = (tokens >= v0) & (tokens < v1)  # (B, Ta)
     rows = xp.where(mine, tokens - v0, xp.zeros_like(tokens))  # (B, Ta)
-    partial = xp.reshape(xp.take(wte, xp.reshape(rows, (-1,)), axis=0), (B, Ta, wte.shape[1]))
-    partial = partial * xp.expand_dims(xp.astype(mine, wte.dtype), axis=-1)  # (B, Ta, C), 0 if not mine
-    x = lay.pair.leave(partial, lay.tp, "wte:fwd")  # (B, Tl, C)
+    partial = xp.reshape(xp.take(w, xp.reshape(rows, (-1,)), axis=0), (B, Ta, w.shape[1]))
+    partial = partial * xp.expand_dims(xp.astype(mine, w.dtype), axis=-1)  # (B, Ta, C), 0 if not mine
+    return lay.pair.leave(partial, lay.tp, f"{tag}:fwd"), (rows, mine)  # (B, Tl, C)
+
+
+def vocab_rows_backward(dx, cache, lay: Layout, w, tag: str):
+    """dx (B, Tl, C) -> the gradient of this rank's rows (V/t, C) (`w` gives their number and dtype)."""
+    rows, mine = cache
+    xp = array_namespace(dx)
+    dpartial = compute(lay.pair.leave_backward(dx, lay.tp, f"{tag}:bwd"))  # (B, Ta, C)
+    # Scatter-adds as one-hot products (the array API has no scatter-add): repeats accumulate.
+    hot = one_hot(xp.reshape(rows, (-1,)), w.shape[0], dpartial.dtype)  # (B*Ta, V/t)
+    hot = hot * xp.reshape(xp.astype(mine, dpartial.dtype), (-1, 1))  # rows of other ranks' tokens are 0
+    return rounded(hot.T @ xp.reshape(dpartial, (-1, dpartial.shape[-1])), w.dtype)  # (V/t, C)
+
+
+def vocab_parallel_embedding_forward(tokens, params, lay: Layout, drop):
+    """tokens (B, Ta) global ids at lay.region_pos -> x (B, Tl, C)."""
+    wte, wpe = params["wte.weight"], params["wpe.weight"]
+    xp = array_namespace(wte)
+    x, (rows, mine) = vocab_rows_forward(tokens, wte, lay, "wte")  # (B, Tl, C)
     x = x + xp.take(wpe, as_like(lay.resid_pos, wpe), axis=0)  # (B, Tl, C)
     x, drop_e = resid_dropout_forward(x, drop, 0, "embd", lay)
     return x, (rows, mine, drop_e)
@@ -55,13 +74,9 @@ def vocab_parallel_embedding_backward(dx, cache, lay: Layout, params) -> dict:
     xp = array_namespace(dx)
     dx = resid_dropout_backward(dx, drop_e)  # (B, Tl, C)
     dc = compute(dx)  # (B, Tl, C)
-    # Scatter-adds as one-hot products (the array API has no scatter-add): repeats accumulate.
     dwpe = one_hot(as_like(lay.resid_pos, dx), wpe.shape[0], dc.dtype).T @ xp.sum(dc, axis=0)  # (P, C)
-    dpartial = compute(lay.pair.leave_backward(dx, lay.tp, "wte:bwd"))  # (B, Ta, C)
-    hot = one_hot(xp.reshape(rows, (-1,)), wte.shape[0], dc.dtype)  # (B*Ta, V/t)
-    hot = hot * xp.reshape(xp.astype(mine, dc.dtype), (-1, 1))  # rows of other ranks' tokens are 0
-    dwte = hot.T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (V/t, C)
-    return {"wte.weight": rounded(dwte, wte.dtype), "wpe.weight": rounded(dwpe, wpe.dtype)}
+    return {"wte.weight": vocab_rows_backward(dx, (rows, mine), lay, wte, "wte"),
+            "wpe.weight": rounded(dwpe, wpe.dtype)}
 
 
 # Vocab-parallel cross-entropy: the (B, Ta, V) logits are never gathered; three all-reduces of (B, Ta)
@@ -105,3 +120,34 @@ def vocab_parallel_head_backward(cache, lay: Layout, dloss: float = 1.0) -> tupl
     dh, dw, _ = column_parallel_linear_backward(dlogits, lm, lay)  # dw (C, V/t)
     dx, dln_w, dln_b = layernorm_backward(dh, ln_f)
     return dx, {"wte.weight": dw.T, "ln_f.weight": dln_w, "ln_f.bias": dln_b}
+
+
+# Llama's: no position table and no dropout; the head is RMSNorm and lm_head (or the tied embedding).
+LLAMA_EMBED = "model.embed_tokens.weight"
+
+
+def llama_vocab_parallel_embedding_forward(tokens, params, lay: Layout):
+    """tokens (B, Ta) -> x (B, Tl, C)."""
+    return vocab_rows_forward(tokens, params[LLAMA_EMBED], lay, "model.embed_tokens")
+
+
+def llama_vocab_parallel_embedding_backward(dx, cache, lay: Layout, params) -> dict:
+    return {LLAMA_EMBED: vocab_rows_backward(dx, cache, lay, params[LLAMA_EMBED], "model.embed_tokens")}
+
+
+def llama_vocab_parallel_head_forward(x, params, targets, lay: Layout, normalizer):
+    """x (B, Tl, C) -> loss: model.norm, logits of this rank's vocabulary rows, cross-entropy."""
+    cfg = lay.config
+    head = LLAMA_EMBED if cfg.tie_embeddings else "lm_head.weight"
+    h, c_norm = rmsnorm_forward(x, params["model.norm.weight"], cfg.norm_eps)  # (B, Tl, C)
+    logits, lm = column_parallel_linear_forward(h, params[head].T, None, lay, "lm_head")  # (B, Ta, V/t)
+    loss, ce = vocab_parallel_cross_entropy_forward(logits, targets, lay, normalizer)
+    return loss, (c_norm, lm, ce, head)
+
+
+def llama_vocab_parallel_head_backward(cache, lay: Layout, dloss: float = 1.0) -> tuple:
+    c_norm, lm, ce, head = cache
+    dlogits = vocab_parallel_cross_entropy_backward(dloss, ce)  # (B, Ta, V/t)
+    dh, dw, _ = column_parallel_linear_backward(dlogits, lm, lay)  # dw (C, V/t)
+    dx, dnorm = rmsnorm_backward(dh, c_norm)  # (B, Tl, C)
+    return dx, {head: dw.T, "model.norm.weight": dnorm}

@@ -1,6 +1,7 @@
-"""One pipeline stage of GPT-2, for every mesh: a contiguous run of blocks, with the embeddings on
-the first stage and ln_f plus the tied LM head on the last. No communication of its own: what moves
-is the pieces' (tensor, sequence, context and expert parallelism) and the hooks'.
+"""One pipeline stage of either model family, for every mesh: a contiguous run of blocks, with the
+embedding on the first stage and the final norm plus the LM head on the last (GPT-2's tied to
+wte). No communication of its own: what moves is the pieces' (tensor, sequence, context and expert
+parallelism) and the hooks'.
 
 Legend: B microbatch rows, T sequence, Tl this rank's tokens of the residual stream (T, or its cp
 and sp share), C channels, V vocab. The schedule cuts the model into P parts (its p x v stages;
@@ -22,13 +23,16 @@ buckets and ZeRO's reduce-scatters start there). So ZeRO-3, FSDP and DP plug int
 
 Two kinds of pieces, one class:
 - `lay` None (no tp, cp, sp or experts: a dp, pp or single-device mesh): the model's own layers
-  (`block_forward`, `embed_forward`, `head_forward`), with the backward split in two as zero-bubble
+  (`block_forward`, `embed_forward`, `head_forward` of refpar/model/gpt.py or llama.py, chosen by
+  `config.arch`). GPT-2's have the backward split in two as zero-bubble
   schedules need (Qi et al. 2023, section 2). B computes what the previous stage waits for (dx) and
   keeps, for W, the inputs and output gradients of every linear layer; W turns them into weight
   gradients (x.T @ dout), which nobody downstream waits for. With `weight` (a schedule without W
   for this microbatch) each piece's weight half runs right after its input half. The formulas are
   the model's (`linear_backward`, `layernorm_backward`, `embed_backward`), in the same order, so a
-  stage computes the single device's gradients bit for bit.
+  stage computes the single device's gradients bit for bit. Llama's pieces run the model's own
+  fused backward (`llama.block_backward`, `head_backward`, `embed_backward`), so B is its whole
+  backward, as with the tensor-parallel pieces below.
 - a tensor_parallel.Layout: tensor parallelism's pieces (vocab-parallel embedding and head, the
   f/g or sp pairs, ring or Ulysses attention under cp, the expert-parallel layer `moe` in MoE
   blocks). They compute input and weight gradients together, so B is the whole backward and W
@@ -50,21 +54,18 @@ from functools import partial
 from array_api_compat import array_namespace, device
 
 from refpar.holdings import ENDS, stage_layers
+from refpar.model import gpt, llama
 from refpar.model.attention import attention_backward
-from refpar.model.gpt import (
-    DropoutContext,
-    attention_core,
-    block_forward,
-    embed_backward,
-    embed_forward,
-    head_forward,
-    merge_heads,
-    split_heads,
-)
+from refpar.model.gpt import DropoutContext, attention_core, embed_backward, merge_heads, split_heads
 from refpar.model.layers import cross_entropy_backward, dropout_backward, gelu_backward, layernorm_backward
+from refpar.parallel.llama_tensor_parallel import llama_parallel_block_backward, llama_parallel_block_forward
 from refpar.parallel.tensor_parallel import parallel_block_backward, parallel_block_forward
 from refpar.parallel.units import attach, detach
 from refpar.parallel.vocab_parallel import (
+    llama_vocab_parallel_embedding_backward,
+    llama_vocab_parallel_embedding_forward,
+    llama_vocab_parallel_head_backward,
+    llama_vocab_parallel_head_forward,
     vocab_parallel_embedding_backward,
     vocab_parallel_embedding_forward,
     vocab_parallel_head_backward,
@@ -98,16 +99,20 @@ class Stage:
     (None: the model's own layers), `moe` the expert-parallel layer of its MoE blocks. A MoE stage
     routes each microbatch with `runs[sample ids]` (expert_parallel.RoutingRuns) and files its
     blocks' routing under the microbatch's sample ids in `routings` (shared by the rank's stages).
+    `kv`: the mesh's "kv" group, where Llama's tp ranks replicate kv heads (else None).
     `recompute`: the rank's recompute.Recompute, or None (nothing recomputed)."""
 
     def __init__(self, config, n_parts: int, part: int, units: list[str], hooks, lay=None, moe=None,
-                 runs=None, routings=None, recompute=None):
-        self.config, self.part, self.hooks, self.lay = config, part, hooks, lay
+                 runs=None, routings=None, kv=None, recompute=None):
+        self.config, self.part, self.hooks, self.lay, self.kv = config, part, hooks, lay, kv
         self.recompute = recompute
         mode = "none" if recompute is None else recompute.mode
         self.full, self.selective = mode == "full", mode == "selective" and lay is None
         self.moe, self.runs, self.routings = moe, runs, routings
         self.dloss = 1.0  # where the last stage's backward starts: 1, or an fp16 run's loss scale
+        # the model's own layers: GPT-2's (backward split for W) or Llama's (fused)
+        self.own = llama if config.arch == "llama" else gpt
+        self.fused = lay is not None or self.own is llama  # B computes the weight gradients too
         self.layers = stage_layers(config.n_layer, n_parts, part)
         self.first, self.last = part == 0, part == n_parts - 1
         self.ends = tuple(u for u in ENDS if u in units)
@@ -128,15 +133,14 @@ class Stage:
     def forward(self, x, targets, drop: DropoutContext, normalizer, mb: int = 0):
         """F. x is tokens (B, T) on the first stage, the previous stage's output (B, Tl, C) after.
         Returns the output (B, Tl, C), or the loss (a 0-d array) on the last stage, and the cache."""
-        lay, hooks, pieces = self.lay, self.hooks, self._pieces(True)
+        hooks, pieces = self.hooks, self._pieces(True)
         if self.moe is not None:
             self.moe.runs = self.runs[drop.sample_ids]  # this microbatch's token runs
         c_embed = c_head = None
         j = 0
         if self.first:
             p, bases = self._acquire(j, pieces, "embed:fwd", mb)
-            x, c_embed = (embed_forward(x, p, drop) if lay is None else
-                          vocab_parallel_embedding_forward(x[:, lay.region_pos], p, lay, drop))  # (B, Tl, C)
+            x, c_embed = self._embed(x, p, drop)  # (B, Tl, C)
             c_embed = detach(c_embed, bases)
             del p, bases  # no reference left, so a gathered unit is really freed
             hooks.release(self.ends, "embed:fwd", (self.part, mb))
@@ -156,8 +160,7 @@ class Stage:
             j += 1
         if self.last:
             p, bases = self._acquire(j, pieces, "head:fwd", mb)
-            x, c_head = (head_forward(x, p, targets, self.config, normalizer) if lay is None else
-                         vocab_parallel_head_forward(x, p, targets[:, lay.region_pos], lay, normalizer))
+            x, c_head = self._head(x, p, targets, normalizer)  # a 0-d array
             c_head = detach(c_head, bases)
             del p, bases
             hooks.release(self.ends, "head:fwd", (self.part, mb))
@@ -174,7 +177,7 @@ class Stage:
         with `weight`, or with tensor-parallel pieces: their weight gradients are given already)."""
         c_embed, c_blocks, c_head = cache
         hooks, pieces, hold = self.hooks, self._pieces(False), (self.part, mb)
-        now = weight or self.lay is not None
+        now = weight or self.fused
         saved = []  # (units it completes, what the weight half needs), in backward order
 
         def weights(done, w):  # each piece's weight half right away, or kept for W
@@ -186,12 +189,7 @@ class Stage:
         d, j = dout, 0
         if self.last:
             bases = self._acquire(j, pieces, "head:bwd", mb)[1]  # the cache holds what it reads
-            c_head = attach(c_head, bases)
-            if self.lay is None:
-                d, w = self._head_input(c_head)  # (B, T, C)
-            else:
-                d, grads = vocab_parallel_head_backward(c_head, self.lay, self.dloss)  # (B, Tl, C)
-                w = ("grads", grads)
+            d, w = self._head_backward(attach(c_head, bases))  # (B, Tl, C)
             del c_head, bases
             hooks.release(self.ends, "head:bwd", hold)
             weights(() if self.first else self.ends, w)  # on a first stage the embedding completes them
@@ -207,11 +205,7 @@ class Stage:
                 del x_in
             else:
                 c = attach(c, bases)
-            if self.lay is None:
-                d, w = self._block_input(d, c)  # (B, T, C)
-            else:
-                d, grads = parallel_block_backward(d, c, layer, self.lay)  # (B, Tl, C)
-                w = ("grads", grads)
+            d, w = self._block_backward(d, c, layer)  # (B, Tl, C)
             if self.full:
                 self.recompute.done()
             del c, p, bases
@@ -219,13 +213,67 @@ class Stage:
             weights(self.blocks[layer], w)
             j += 1
         if self.first:
-            if self.lay is None:  # embed_backward reads no parameter (it scatters rows)
-                weights(self.ends, ("embed", (d, c_embed)))
-            else:
-                weights(self.ends, ("grads", vocab_parallel_embedding_backward(d, c_embed, self.lay,
-                                                                              self._row_counts(d))))
+            weights(self.ends, self._embed_backward(d, c_embed))
             d = None
         return d, saved
+
+    # -- the pieces: the model's own layers (GPT-2's or Llama's) or tensor parallelism's -------
+    def _embed(self, tokens, p, drop):
+        lay = self.lay
+        if lay is None:
+            return self.own.embed_forward(tokens, p, drop)
+        if self.own is llama:
+            return llama_vocab_parallel_embedding_forward(tokens[:, lay.region_pos], p, lay)
+        return vocab_parallel_embedding_forward(tokens[:, lay.region_pos], p, lay, drop)
+
+    def _block(self, x, p, layer: int, drop):
+        """Block `layer`'s forward: (out (B, Tl, C), cache)."""
+        lay = self.lay
+        if lay is None:
+            return self.own.block_forward(x, p, layer, self.config, drop)
+        if self.own is llama:
+            return llama_parallel_block_forward(x, p, layer, lay, self.kv)
+        return parallel_block_forward(x, p, layer, lay, drop, self.moe)
+
+    def _head(self, x, p, targets, normalizer):
+        lay = self.lay
+        if lay is None:
+            return self.own.head_forward(x, p, targets, self.config, normalizer)
+        head = llama_vocab_parallel_head_forward if self.own is llama else vocab_parallel_head_forward
+        return head(x, p, targets[:, lay.region_pos], lay, normalizer)
+
+    def _head_backward(self, c_head):
+        """-> (dx, what the weight half needs): GPT-2's own head split for W, the others fused."""
+        lay = self.lay
+        if lay is None and self.own is gpt:
+            return self._head_input(c_head)
+        if lay is None:
+            d, grads = llama.head_backward(c_head, self.dloss)
+        else:
+            head = llama_vocab_parallel_head_backward if self.own is llama else vocab_parallel_head_backward
+            d, grads = head(c_head, lay, self.dloss)
+        return d, ("grads", grads)
+
+    def _block_backward(self, d, c, layer: int):
+        lay = self.lay
+        if lay is None and self.own is gpt:
+            return self._block_input(d, c)
+        if lay is None:
+            d, grads = llama.block_backward(d, c)
+            return d, ("grads", grads)
+        block = llama_parallel_block_backward if self.own is llama else parallel_block_backward
+        d, grads = block(d, c, layer, lay)
+        return d, ("grads", grads)
+
+    def _embed_backward(self, d, c_embed):
+        lay = self.lay
+        if lay is None and self.own is gpt:  # embed_backward reads no parameter (it scatters rows)
+            return ("embed", (d, c_embed))
+        if lay is None:
+            return ("grads", llama.embed_backward(d, c_embed))
+        embed = (llama_vocab_parallel_embedding_backward if self.own is llama else
+                 vocab_parallel_embedding_backward)
+        return ("grads", embed(d, c_embed, lay, self._row_counts(d)))
 
     def backward_weight(self, saved) -> None:
         """W: each piece's weight gradients from what B saved, given to the hooks piece by piece."""
@@ -233,17 +281,13 @@ class Stage:
             self.hooks.fold(arrays if kind == "grads" else self._weight_grads(kind, arrays))
             self.hooks.done(done)
 
-    def _block(self, x, p, layer: int, drop):
-        """Block `layer`'s forward: (out (B, Tl, C), cache)."""
-        if self.lay is None:
-            return block_forward(x, p, layer, self.config, drop)
-        return parallel_block_forward(x, p, layer, self.lay, drop, self.moe)
-
     def _row_counts(self, like) -> dict:
-        """Stand-ins for wte and wpe: the vocab-parallel embedding's backward reads only their
-        numbers of rows (V/t and n_positions), so zero-width arrays spare gathering them."""
+        """Stand-ins for the embedding's tables (GPT-2's wte and wpe, Llama's embed_tokens): the
+        vocab-parallel embedding's backward reads only their numbers of rows (V/t and n_positions),
+        so zero-width arrays spare gathering them."""
         xp, lay = array_namespace(like), self.lay
-        rows = {"wte.weight": lay.vocab[1] - lay.vocab[0], "wpe.weight": self.config.n_positions}
+        rows = ({"model.embed_tokens.weight": lay.vocab[1] - lay.vocab[0]} if self.own is llama else
+                {"wte.weight": lay.vocab[1] - lay.vocab[0], "wpe.weight": self.config.n_positions})
         return {n: xp.zeros((r, 0), dtype=like.dtype, device=device(like)) for n, r in rows.items()}
 
     # -- the model's layers, split in halves, mirroring gpt.head_backward and gpt.block_backward --

@@ -1,0 +1,99 @@
+"""Llama on the one engine (refpar/engine): each mesh it runs on against the single device, with
+traced bytes and peak memory equal to the closed forms; the meshes it does not run on yet refused in
+one sentence before any communication; its activation closed form against the planner's."""
+
+from __future__ import annotations
+
+import pytest
+
+from refpar.analysis.activations import llama_layer_bytes
+from refpar.analysis.presets import from_model_config
+from refpar.analysis.scale import PRECISIONS, layer_activation_bytes
+from refpar.config import ConfigError, model_preset
+from refpar.holdings import kv_heads, kv_replicas, tp_param_slices
+from refpar.parallel.tensor_parallel import check_tp
+from tests.mpi import mpiexec, refpar_json
+from tests.numerics import CONTRACT, within
+
+
+def _by_key(rows, key):
+    return {tuple(r[k] for k in key): r for r in rows}
+
+
+def assert_matches_one_device_and_closed_forms(s: dict) -> None:
+    assert s["model"]["arch"] == "llama" and s["model"]["dtype"] == "float64"
+    assert within(s["max_loss_rel_diff"], CONTRACT) and within(s["max_param_rel_diff"], CONTRACT)
+    comm_key, mem_key = ("rank", "axis", "op"), ("rank", "category")
+    assert _by_key(s["comm_bytes"], comm_key) == _by_key(s["expected_comm_bytes"], comm_key)
+    assert _by_key(s["memory_peak_bytes"], mem_key) == _by_key(s["expected_memory_peak_bytes"], mem_key)
+
+
+def test_llama_on_the_all_ones_mesh_is_the_single_device_bit_for_bit():
+    s = refpar_json(1, "train", "--model", "llama-tiny", "--steps", "2", "--check")
+    # the same pieces in the same order as trainer.train_single_device: bitwise
+    assert s["max_loss_rel_diff"] == 0.0 and s["max_param_rel_diff"] == 0.0
+    assert_matches_one_device_and_closed_forms(s)
+
+
+@pytest.mark.parametrize("args", [
+    ["--mesh", "dp=2", "--zero", "3"],
+    ["--mesh", "dp=2", "--fsdp", "--prefetch"],
+    ["--mesh", "pp=2", "--microbatches", "2", "--schedule", "1f1b"],
+    ["--mesh", "pp=2", "--microbatches", "4", "--schedule", "interleaved-1f1b", "--chunks", "2"],
+    ["--mesh", "pp=2", "--microbatches", "4", "--schedule", "dualpipev"],
+], ids=["zero3", "fsdp-prefetch", "pp-1f1b", "pp-interleaved", "pp-dualpipev"])
+def test_llama_on_two_ranks_matches_one_device_with_closed_form_bytes_and_memory(args):
+    s = refpar_json(2, "train", "--model", "llama-tiny", "--steps", "2", "--check", *args, timeout=240)
+    assert_matches_one_device_and_closed_forms(s)
+    assert {r["axis"] for r in s["comm_bytes"]} == {"pp" if "pp=2" in args else "dp"}
+
+
+@pytest.mark.parametrize("args", [
+    ["--mesh", "tp=4"],
+    ["--mesh", "dp=2,tp=2", "--zero", "3"],
+], ids=["tp4-kv-replicas", "dp2-tp2-zero3"])
+def test_llama_tensor_parallel_on_four_ranks_matches_one_device_with_closed_form_bytes_and_memory(args):
+    # tp=4 over llama-tiny's 2 kv heads: each kv head on 2 ranks, its k and v gradients summed over them
+    s = refpar_json(4, "train", "--model", "llama-tiny", "--steps", "2", "--check", *args, timeout=300)
+    assert_matches_one_device_and_closed_forms(s)
+    assert ("tp", "all_reduce") in {(r["axis"], r["op"]) for r in s["comm_bytes"]}
+
+
+def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
+    config = model_preset("llama-tiny")  # 4 query heads over 2 kv heads, hs = 16
+    assert [kv_heads(config, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [kv_heads(config, 2, r) for r in range(2)] == [(0, 1), (1, 2)]
+    assert kv_replicas(config, 4) == 2 and kv_replicas(config, 2) == 1
+    k = "model.layers.0.self_attn.k_proj.weight"
+    # rank 1's query head 1 reads kv head 1 // 2 = 0: rows 0..15 of k_proj, as rank 0's
+    for r, rows in enumerate([range(0, 16), range(0, 16), range(16, 32), range(16, 32)]):
+        axis, index = tp_param_slices(config, 4, r)[k]
+        assert axis == 0 and list(index) == list(rows)
+    with pytest.raises(ConfigError, match="tp=3 does not divide n_head=4"):
+        check_tp(config, 3)
+    with pytest.raises(ConfigError, match="tp=4 neither divides n_kv_head=3 nor is a multiple of it"):
+        check_tp(model_preset("llama-tiny", n_head=12, n_kv_head=3, n_embd=96), 4)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--mesh", "cp=2"], "Llama runs on dp, pp, tp, ZeRO and FSDP meshes so far, not with cp=2;"),
+    (["--mesh", "tp=2", "--sp"], "not with --sp;"),
+    (["--mesh", "dp=2", "--recompute", "full"], "not with --recompute full;"),
+    (["--mesh", "dp=2", "--moe-experts", "4", "--moe-topk", "2"],
+     "Mixtral's experts (arch='llama' with --moe-experts) run on one device"),
+])
+def test_llama_on_a_mesh_the_engine_cannot_run_it_on_is_one_sentence_on_every_rank(args, words):
+    proc = mpiexec(2, "-m", "refpar", "train", "--model", "llama-tiny", *args, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert words in proc.stderr, proc.stderr  # every rank refuses; rank 0 says it (refpar.cli)
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_llama_block_activation_closed_form_is_the_planners_plus_what_refpar_keeps_beyond_it():
+    config = model_preset("llama-tiny")
+    b, T = 3, 16
+    e = 8  # float64 activations, the planner's "float64" precision
+    planner = layer_activation_bytes(from_model_config(config), b, T, precision=PRECISIONS["float64"])
+    assert llama_layer_bytes(config, b, T, keep_refpar=False) == planner
+    # beyond it: 1/rms of both RMSNorms per token, and the block's RoPE cos and sin tables (T, hs)
+    assert llama_layer_bytes(config, b, T) - planner == 2 * e * b * T + 2 * e * T * config.head_size
