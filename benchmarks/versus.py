@@ -30,8 +30,9 @@ def rows(output: str) -> dict[str, float]:
     found = {}
     for line in output.splitlines():
         words = line.split()
-        first = next((i for i, w in enumerate(words) if NUMBER.match(w)), None)
-        if not first:  # no number, or no label before it
+        # the label's first word may be a number ("1 process"): the figures start after it
+        first = next((i for i, w in enumerate(words) if i > 0 and NUMBER.match(w)), None)
+        if first is None:
             continue
         label = " ".join(words[:first])
         timed = next((w for w in words[first:] if NUMBER.match(w) and "." in w and not w.endswith("x")), None)
