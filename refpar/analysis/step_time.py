@@ -330,7 +330,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     # NVLink on arrival). Bytes are the first stage's: stage s lives on rank s mod p, so rank 0
     # sends 2v - 1 copies per micro-batch (no gradient leaves the first stage), and with a tied
     # head it all-reduces the embedding's gradient with the last stage (Megatron's embedding
-    # group; refpar's pipeline runner counts the same).
+    # group; refpar's engine counts the same).
     bw, lat = on_link("pp")
     split_send = sp | (software.scatter_gather & (tp > 1))
     p2p_size = e * n_tok * h / np.where(split_send, tp, 1)

@@ -52,14 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="DIR", default=None,
                         help="continue from a checkpoint (DIR/step-N, or DIR: its newest complete "
                              "step), whatever mesh wrote it; --steps counts from the start")
-    # Flags every strategy reads; each runner adds only its own after these.
+    # Flags every strategy reads; add_strategy_arguments and add_moe_arguments add the strategies'.
     parser.add_argument("--microbatches", type=int, default=1,
                         help="micro-batches per step (gradient accumulation; pipeline microbatches)")
     parser.add_argument("--check", action="store_true",
                         help="also run the single-device reference and compare")
     parser.add_argument("--trace", default=None, metavar="PATH",
                         help="write communication events as a Chrome trace (open in Perfetto) and, "
-                             "for engine runs, PATH.jsonl")
+                             "PATH.jsonl")
     add_strategy_arguments(parser)
     add_moe_arguments(parser)
 

@@ -176,7 +176,7 @@ def tolerance(precision: str, moe: bool) -> float:
 def judge(summary: dict) -> dict:
     """max diff, bytes ok and memory ok of one run's JSON summary (None: not modelled). float64 runs
     are judged on loss and parameters, the others on the loss (module docstring). Memory is
-    compared in the categories the run's closed forms cover (the dp runner's leave activations out)."""
+    compared in the categories the run's closed forms give."""
     exact = summary.get("precision", "fp64") == "fp64"
     diffs = [summary.get("max_loss_rel_diff")] + ([summary.get("max_param_rel_diff"),
                                                    summary.get("max_grad_norm_rel_diff")] if exact else [])
