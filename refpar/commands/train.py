@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="also run the single-device reference and compare")
     parser.add_argument("--trace", default=None, metavar="PATH",
-                        help="write communication events as a Chrome trace (open in Perfetto) and, "
+                        help="write communication events as a Chrome trace (open in Perfetto) and "
                              "PATH.jsonl")
     add_strategy_arguments(parser)
     add_moe_arguments(parser)
