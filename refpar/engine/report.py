@@ -127,8 +127,9 @@ def summarize(model, cfg, sizes, plan, par, out, every, ref, floor) -> dict:
     expected_comm = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_comm"]]
     expected_memory = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_memory"]]
     fields = {"lrs": out.lrs, "grad_norms": out.grad_norms if par.clip is not None else None,
-              # per rank, per step: the GEMM FLOPs it ran (refpar/model/gemm.py); their sum over the
-              # ranks is what the planner prices for a step (refpar/analysis/flops.step_flops)
+              # per rank, per step: the GEMM FLOPs it ran (refpar/model/gemm.py); on a dense model their
+              # sum over the ranks is what the planner prices for a step (refpar/analysis/flops.step_flops),
+              # unless Llama's tp ranks replicate kv heads (each computes their K and V projections)
               "flops_per_step": [e["flops"] for e in every],
               "planned_flops_per_step": int(step_flops(
                   from_model_config(model), cfg.batch_size, cfg.seq_len, plan.recompute,

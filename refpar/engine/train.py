@@ -83,7 +83,7 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
     scales, skipped_steps = [], []
     for step in range(run.first_step, cfg.steps):
         start = time.perf_counter()
-        gemm.take()  # from 0: what ran before this step (the single device's run for --check) is not its
+        gemm.take()  # the tally from 0: GEMMs run before this step (--check's single device) are not its
         par.routings.clear()
         with tracer.context(step=step) if tracer else nullcontext():
             # the rank's samples drawn at once (the corpus walks every sequence a token at a time),
