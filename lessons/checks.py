@@ -346,6 +346,29 @@ def check_10(mod, comm) -> str:
             "bf16-mixed, uneven shards and fp32 gradients included")
 
 
+# ------------------------------------------------------------------------------------- 11
+def check_11(mod, comm) -> str:
+    from refpar.analysis.flops import step_flops
+    from refpar.analysis.presets import from_model_config
+    from refpar.config import RECOMPUTE, model_preset
+
+    why = {"none": "forward 24 B s h^2 (linear layers) + 4 B s^2 h (QK^T, scores @ V) per block and "
+                   "2 B s h V for the head; backward twice that: 72 B s L h^2 (1 + s/6h + V/12Lh)",
+           "selective": "none's, plus each block's attention core once more: 4 B s^2 h per block",
+           "full": "none's, plus each block's forward once more (24 B s h^2 + 4 B s^2 h), not the head's"}
+    for (B, s), model in (((8, 16), model_preset("tiny")), ((8, 256), model_preset("small")),
+                          ((2, 1024), model_preset("tiny", n_layer=12, n_embd=768, n_head=12,
+                                                   vocab_size=50257, n_positions=1024))):
+        L, h, V = model.n_layer, model.n_embd, model.vocab_size
+        for mode in RECOMPUTE:  # none first: its terms are in the other two
+            want = int(step_flops(from_model_config(model), B, s, mode))
+            got = mod.step_flops(B, s, L, h, V, mode)
+            if got != want:
+                raise Wrong(f"step_flops(B={B}, s={s}, L={L}, h={h}, V={V}, {mode!r}) = {got}; refpar's "
+                            f"ranks run {want} together: {why[mode]}")
+    return "step_flops counts what refpar's GEMMs run, with and without recomputation, for three GPT-2 sizes"
+
+
 EXERCISES = {e.number: e for e in (
     Exercise(0, "00_first_mpiexec.py", 3, check_00),
     Exercise(1, "01_ring_all_reduce.py", 4, check_01),
@@ -358,6 +381,7 @@ EXERCISES = {e.number: e for e in (
     Exercise(8, "08_mesh_coords.py", 1, check_08),
     Exercise(9, "09_loss_normalisation.py", 1, check_09),
     Exercise(10, "10_mixed_precision_memory.py", 1, check_10),
+    Exercise(11, "11_step_flops.py", 1, check_11),
 )}
 
 

@@ -43,6 +43,8 @@ SUMMARY_FIELDS = (
     "reference_grad_norms",  # --clip-grad-norm --check: the single device's
     "max_grad_norm_rel_diff",  # --clip-grad-norm --check
     "lrs",  # the learning rate of each step
+    "flops_per_step",  # per rank, one per step: the GEMM FLOPs it ran, recomputed forwards included
+    "planned_flops_per_step",  # the planner's FLOPs of one step, all ranks (analysis/flops.step_flops)
 )
 
 

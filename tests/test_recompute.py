@@ -2,7 +2,8 @@
 and full reproduce one device and are bit for bit the run without recomputation; every rank's
 activation peak is its closed form (refpar/analysis/engine.py: the schedule's replay with the
 rerun's working set); the reruns' collectives are traced under their own phase and counted in the
-closed form of bytes; the paper's per-layer forms; the planner's pricing of what selective saves."""
+closed form of bytes; the GEMM FLOPs the ranks run are the planner's; the paper's per-layer forms;
+the planner's pricing of what selective saves."""
 
 from __future__ import annotations
 
@@ -57,6 +58,22 @@ def test_each_recomputation_keeps_less_on_every_rank(results):
         peaks = [[rank["activations"] for rank in r["ranks"]] for mode in RECOMPUTE
                  for r in results if r["case"] == case and r["recompute"] == mode]
         assert all(a > b > c for a, b, c in zip(*peaks, strict=True)), (case, peaks)
+
+
+def test_the_ranks_run_together_the_gemm_flops_the_planner_prices_for_each_recomputation(results):
+    # Every GEMM a rank runs is counted (refpar/model/gemm.py), recomputed forwards included; on
+    # dense meshes nothing is computed twice, so the ranks' counts of a step add up to the planner's
+    # closed form (analysis/flops.step_flops: Korthikanti et al.'s 72 B s L h^2 (1 + s/6h + V/12Lh)
+    # and what selective, full and the ring's second QK^T add). MoE blocks compute what routing
+    # kept (fewer where capacity drops tokens), so their case is left out.
+    dense = [r for r in results if "MoE" not in r["case"]]
+    assert {r["case"] for r in dense} >= {"dp x tp+sp x pp"}
+    for r in dense:
+        assert all(sum(step) == r["planned_flops"] for step in zip(*r["flops"], strict=True)), r["case"]
+    for case in {r["case"] for r in dense}:
+        planned = [r["planned_flops"] for mode in RECOMPUTE for r in dense
+                   if r["case"] == case and r["recompute"] == mode]
+        assert planned[0] < planned[1] < planned[2], case  # none, selective, full: more work rerun
 
 
 def test_per_layer_forms_are_korthikantis_at_two_byte_activations():

@@ -114,20 +114,33 @@ def forward_flops(spec: ModelSpec, batch, seq):
     return layers, core, logits
 
 
-def step_flops(spec: ModelSpec, batch, seq, recompute: str = "full"):
+def step_flops(spec: ModelSpec, batch, seq, recompute: str = "full", scores_again: bool = False):
     """FLOPs of one training step (forward + backward) on `batch` sequences of `seq` tokens.
 
     recompute="full" is Narayanan et al. 2021 eq. 3 (for GPT shapes exactly
     96 B s L h^2 (1 + s/6h + V/16Lh)): the blocks run forward twice, the logit layer once.
     recompute="none" is the model's own work, 72 B s L h^2 (1 + s/6h + V/12Lh): what MFU counts.
     recompute="selective" reruns only the attention core (Korthikanti et al. 2022, Section 5).
+    `scores_again`: the attention keeps its softmax statistics instead of its probabilities and
+    computes QK^T once more in its backward (FlashAttention, Dao et al. 2022; refpar's ring attention
+    under cp): half a core more per layer, work MFU does not count.
+
+    For the dense models refpar trains this is exactly the GEMM FLOPs its ranks run together
+    (refpar/model/gemm.py counts them; tests/test_recompute.py): for GPT-2, 72 B s L h^2 is 3 x 24 h^2
+    per token and layer for c_attn (h x 3h), c_proj (h x h), c_fc (h x 4h) and the MLP's c_proj
+    (4h x h), forward, dx and dw; s/6h is QK^T and scores @ V over the full s x s square (refpar masks
+    them, it does not skip the upper triangle) and their four backward products; V/12Lh the tied head
+    and its two backward products. Under full recomputation the head is not run again: eq. 3's
+    "4 forward passes" of the blocks, 3 of the head. MoE blocks are priced as if no token were
+    dropped: a run with capacity drops computes less.
     """
     layers, core, logits = forward_flops(spec, batch, seq)
+    again = core / 2 if scores_again else 0
     if recompute == "full":
-        return 4 * (layers + core) + 3 * logits
+        return 4 * (layers + core) + 3 * logits + again
     if recompute == "selective":
-        return 3 * (layers + core) + core + 3 * logits
-    return 3 * (layers + core + logits)
+        return 3 * (layers + core) + core + 3 * logits + again
+    return 3 * (layers + core + logits) + again
 
 
 def model_flops(spec: ModelSpec, batch, seq):

@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from refpar.analysis import engine as closed
+from refpar.analysis.flops import step_flops
 from refpar.analysis.moe import expected_all_to_all_bytes, expert_param_bytes_per_rank
+from refpar.analysis.presets import from_model_config
 from refpar.holdings import kv_replicas, tp_param_slices
 from refpar.memory import CATEGORIES
 from refpar.model.moe import capacity
@@ -103,7 +105,8 @@ def collect(model, cfg, mesh, plan, *, check: bool = False, ref=None, plain=None
             "full": full_params(par) if check else {},
             "split": time_split(par.executor.slots, [e for e in comm.tracer.events if e.step == last]
                                 if comm.tracer else [], out.windows[-1]),
-            "moe": [(s.tokens_per_expert, s.dropped, s.kept_counts) for s in out.moe_steps]}
+            "moe": [(s.tokens_per_expert, s.dropped, s.kept_counts) for s in out.moe_steps],
+            "flops": out.flops}
     if trace:
         write_traces(trace, plain, par, comm.tracer.events, last)
     every = plain.gather_object(mine)
@@ -123,7 +126,14 @@ def summarize(model, cfg, sizes, plan, par, out, every, ref, floor) -> dict:
                    for r, e in enumerate(every) for c in CATEGORIES]
     expected_comm = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_comm"]]
     expected_memory = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_memory"]]
-    fields = {"lrs": out.lrs, "grad_norms": out.grad_norms if par.clip is not None else None}
+    fields = {"lrs": out.lrs, "grad_norms": out.grad_norms if par.clip is not None else None,
+              # per rank, per step: the GEMM FLOPs it ran (refpar/model/gemm.py); on a dense model their
+              # sum over the ranks is what the planner prices for a step (refpar/analysis/flops.step_flops),
+              # unless Llama's tp ranks replicate kv heads (each computes their K and V projections)
+              "flops_per_step": [e["flops"] for e in every],
+              "planned_flops_per_step": int(step_flops(
+                  from_model_config(model), cfg.batch_size, cfg.seq_len, plan.recompute,
+                  scores_again=sizes["cp"] > 1 and (plan.cp_algo or "ring") == "ring"))}
     if ref is not None:
         ref_losses = ref.losses[out.first_step:]  # a resumed run has only the steps after its checkpoint
         if par.clip is not None:

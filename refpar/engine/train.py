@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refpar import checkpoint
+from refpar.model import gemm
 from refpar.model.data import MarkovCorpus
 from refpar.model.optim import learning_rate
 from refpar.parallel.pipeline.executor import Microbatch
@@ -56,6 +57,7 @@ class Run:
     moe_steps: list[MoEStep] = field(default_factory=list)  # MoE: the routing of this rank's blocks
     lrs: list[float] = field(default_factory=list)  # the learning rate of each step
     grad_norms: list[float | None] = field(default_factory=list)  # clipping: the global norm (skipped: None)
+    flops: list[int] = field(default_factory=list)  # the GEMM FLOPs this rank ran each step (model/gemm.py)
 
     @property
     def step_time_s(self) -> float:
@@ -81,6 +83,7 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
     scales, skipped_steps = [], []
     for step in range(run.first_step, cfg.steps):
         start = time.perf_counter()
+        gemm.take()  # the tally from 0: GEMMs run before this step (--check's single device) are not its
         par.routings.clear()
         with tracer.context(step=step) if tracer else nullcontext():
             # the rank's samples drawn at once (the corpus walks every sequence a token at a time),
@@ -99,6 +102,7 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
             hooks.finish(par.embedding, mesh.tp, par.sp_names, par.copies)
             run.lrs.append(learning_rate(cfg, step))
             skipped = hooks.step(par.differ, run.lrs[-1], par.clip)
+            run.flops.append(gemm.take())  # the step's forwards, backwards and recomputed forwards
             if par.clip is not None:
                 run.grad_norms.append(None if skipped else par.clip.norm)
             if scaler is not None:

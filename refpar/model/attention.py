@@ -13,6 +13,7 @@ import math
 
 from array_api_compat import array_namespace
 
+from refpar.model.gemm import matmul
 from refpar.model.layers import dropout_forward
 from refpar.precision import fp32_compute
 
@@ -25,14 +26,14 @@ def attention_forward(q, k, v, q_pos, k_pos, keep=None, p=0.0):
     scale = 1.0 / math.sqrt(q.shape[-1])
     visible = xp.reshape(k_pos, (1, -1)) <= xp.reshape(q_pos, (-1, 1))  # (Tq, Tk)
     # In-place updates of fresh arrays: the (B, nh, Tq, Tk) tensors dominate this layer's time.
-    scores = q @ xp.matrix_transpose(k)  # (B, nh, Tq, Tk)
+    scores = matmul(q, xp.matrix_transpose(k))  # (B, nh, Tq, Tk)
     scores *= scale
     scores = xp.where(visible, scores, -math.inf)  # (B, nh, Tq, Tk)
     scores -= xp.max(scores, axis=-1, keepdims=True)  # max 0 per row: exp cannot overflow
     att = xp.exp(scores)  # (B, nh, Tq, Tk)
     att /= xp.sum(att, axis=-1, keepdims=True)  # softmax
     att_drop, drop_cache = dropout_forward(att, keep, p)  # (B, nh, Tq, Tk)
-    out = att_drop @ v  # (B, nh, Tq, hs)
+    out = matmul(att_drop, v)  # (B, nh, Tq, hs)
     return out, (q, k, v, att, att_drop, drop_cache, scale)
 
 
@@ -40,8 +41,8 @@ def attention_forward(q, k, v, q_pos, k_pos, keep=None, p=0.0):
 def attention_backward(dout, cache):
     q, k, v, att, att_drop, drop_cache, scale = cache
     xp = array_namespace(dout, q)
-    dv = xp.matrix_transpose(att_drop) @ dout  # (B, nh, Tk, hs)
-    datt = dout @ xp.matrix_transpose(v)  # (B, nh, Tq, Tk), fresh: updated in place below
+    dv = matmul(xp.matrix_transpose(att_drop), dout)  # (B, nh, Tk, hs)
+    datt = matmul(dout, xp.matrix_transpose(v))  # (B, nh, Tq, Tk), fresh: updated in place below
     if drop_cache is not None:
         datt *= drop_cache  # dropout backward
     # softmax backward: dscores = att * (datt - sum(datt * att)); masked entries have att = 0.
@@ -49,6 +50,6 @@ def attention_backward(dout, cache):
     datt *= att
     datt *= scale
     dscores = datt  # (B, nh, Tq, Tk)
-    dq = dscores @ k  # (B, nh, Tq, hs)
-    dk = xp.matrix_transpose(dscores) @ q  # (B, nh, Tk, hs)
+    dq = matmul(dscores, k)  # (B, nh, Tq, hs)
+    dk = matmul(xp.matrix_transpose(dscores), q)  # (B, nh, Tk, hs)
     return dq, dk, dv

@@ -17,6 +17,7 @@ import math
 from array_api_compat import array_namespace, device
 
 from refpar.backend import as_like
+from refpar.model.gemm import matmul
 from refpar.precision import fp32_compute, is_16bit
 
 GELU_C = math.sqrt(2.0 / math.pi)  # tanh-GELU (Hendrycks & Gimpel 2016), as GPT-2 uses it
@@ -51,7 +52,7 @@ def linear_forward(x, w, b):
     """Conv1D layout: out = x @ w + b with w (in, out). b may be None."""
     xp = array_namespace(x, w)
     lead = x.shape[:-1]
-    out = xp.reshape(x, (-1, x.shape[-1])) @ w  # (N, out): one GEMM over all tokens
+    out = matmul(xp.reshape(x, (-1, x.shape[-1])), w)  # (N, out): one GEMM over all tokens
     if b is not None:
         out += b
     return xp.reshape(out, (*lead, w.shape[1])), (x, w, b is not None)
@@ -63,8 +64,8 @@ def linear_backward(dout, cache):
     xp = array_namespace(dout, w)
     dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, out)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, in)
-    dx = xp.reshape(dout2 @ w.T, x.shape)  # (..., in)
-    dw = x2.T @ dout2  # (in, out)
+    dx = xp.reshape(matmul(dout2, w.T), x.shape)  # (..., in)
+    dw = matmul(x2.T, dout2)  # (in, out)
     db = xp.sum(dout2, axis=0) if has_bias else None  # (out,)
     return dx, dw, db
 

@@ -44,6 +44,7 @@ from array_api_compat import array_namespace, device
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
+from refpar.model.gemm import matmul
 from refpar.model.layers import as_like, compute, rounded
 from refpar.parallel.tensor_parallel import Layout, tp_layout
 from refpar.sharding import shard_range, shard_sizes
@@ -97,7 +98,7 @@ def cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm=Non
 def _scores(q, k, q_pos, k_pos):
     """(B, nh, Tq, hs) x (B, nh, Tk, hs) -> (B, nh, Tq, Tk) scaled, -inf where causality forbids."""
     xp = array_namespace(q)
-    s = (q @ xp.matrix_transpose(k)) * (1.0 / math.sqrt(q.shape[-1]))
+    s = matmul(q, xp.matrix_transpose(k)) * (1.0 / math.sqrt(q.shape[-1]))
     visible = np.reshape(k_pos, (1, -1)) <= np.reshape(q_pos, (-1, 1))  # (Tq, Tk), host
     return xp.where(as_like(visible, s), s, -math.inf)
 
@@ -155,7 +156,7 @@ class RingAttention:
                          zigzag_positions(T, c, self._source(step)), scale)
             lse_b = xp.where(seen, m + xp.log(xp.where(seen, z, xp.ones_like(z))), -math.inf)
             new = xp.logaddexp(lse, lse_b)  # finite from step 0 on: each query sees itself
-            out = out * xp.exp(lse - new) + (p @ kc[1]) * xp.exp(lse_b - new)
+            out = out * xp.exp(lse - new) + matmul(p, kc[1]) * xp.exp(lse_b - new)
             lse = new
             if step < c - 1:
                 send.wait()
@@ -179,10 +180,10 @@ class RingAttention:
             kc = compute(kv)  # (2, B, nh, Tk, hs)
             p = xp.exp(_scores(qc, kc[0], pos, k_pos) - lse)  # (B, nh, Tl, Tk), the global softmax
             pd = _dropped(p, keep, k_pos, scale)
-            dp = _dropped(dc @ xp.matrix_transpose(kc[1]), keep, k_pos, scale)  # (B, nh, Tl, Tk)
+            dp = _dropped(matmul(dc, xp.matrix_transpose(kc[1])), keep, k_pos, scale)  # (B, nh, Tl, Tk)
             ds = p * (dp - D) * (1.0 / math.sqrt(q.shape[-1]))
-            dq = dq + ds @ kc[0]
-            dkv = dkv + xp.stack([xp.matrix_transpose(ds) @ qc, xp.matrix_transpose(pd) @ dc])
+            dq = dq + matmul(ds, kc[0])
+            dkv = dkv + xp.stack([matmul(xp.matrix_transpose(ds), qc), matmul(xp.matrix_transpose(pd), dc)])
             send_d, recv_d = self._pass(dkv, step, lay, f"h.{layer}.attn.ring_dkv:bwd")
             if step < c - 1:
                 send_kv.wait()

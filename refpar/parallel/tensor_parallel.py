@@ -46,6 +46,7 @@ from array_api_compat import array_namespace
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import tp_param_slices
 from refpar.model.attention import attention_backward, attention_forward
+from refpar.model.gemm import matmul
 from refpar.model.layers import (
     as_like,
     compute,
@@ -162,7 +163,7 @@ def column_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
     free under TP (f is the identity), an all-gather under SP, which keeps only the sequence shard
     (Korthikanti et al. 2022 §4.2.2)."""
     xa = lay.pair.enter(x, lay.tp, f"{tag}:fwd")  # (B, Ta, C)
-    out = compute(xa) @ compute(w)  # (B, Ta, out/t)
+    out = matmul(compute(xa), compute(w))  # (B, Ta, out/t)
     if b is not None:
         out = out + compute(b)
     return rounded(out, x.dtype), (x, w, b is not None, tag)
@@ -172,16 +173,16 @@ def column_parallel_linear_backward(dout, cache, lay: Layout):
     x, w, has_bias, tag = cache
     xa = compute(lay.pair.enter(x, lay.tp, f"{tag}:regather"))  # (B, Ta, C)
     xp, dt, dc = array_namespace(dout), dout.dtype, compute(dout)
-    dw = xp.reshape(xa, (-1, xa.shape[-1])).T @ xp.reshape(dc, (-1, dc.shape[-1]))  # (C, out/t)
+    dw = matmul(xp.reshape(xa, (-1, xa.shape[-1])).T, xp.reshape(dc, (-1, dc.shape[-1])))  # (C, out/t)
     db = rounded(xp.sum(dc, axis=(0, 1)), w.dtype) if has_bias else None  # (out/t,)
-    dx = lay.pair.enter_backward(rounded(dc @ compute(w).T, dt), lay.tp, f"{tag}:bwd")  # (B, Tl, C)
+    dx = lay.pair.enter_backward(rounded(matmul(dc, compute(w).T), dt), lay.tp, f"{tag}:bwd")  # (B, Tl, C)
     return dx, rounded(dw, w.dtype), db
 
 
 def row_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
     """x (B, Ta, in/t) -> (B, Tl, C): each rank's rows give a partial sum; g adds them, then the bias
     is added once."""
-    partial = rounded(compute(x) @ compute(w), x.dtype)  # (B, Ta, C), partial over t
+    partial = rounded(matmul(compute(x), compute(w)), x.dtype)  # (B, Ta, C), partial over t
     out = lay.pair.leave(partial, lay.tp, f"{tag}:fwd")  # (B, Tl, C)
     return rounded(compute(out) + compute(b), x.dtype), (x, w, tag)
 
@@ -192,8 +193,9 @@ def row_parallel_linear_backward(dout, cache, lay: Layout):
     db = rounded(xp.sum(compute(dout), axis=(0, 1)), w.dtype)  # (C,): over this rank's residual tokens
     dpartial = compute(lay.pair.leave_backward(dout, lay.tp, f"{tag}:bwd"))  # (B, Ta, C)
     xc = compute(x)
-    dw = xp.reshape(xc, (-1, xc.shape[-1])).T @ xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (in/t, C)
-    return rounded(dpartial @ compute(w).T, dt), rounded(dw, w.dtype), db  # dx (B, Ta, in/t)
+    dpartial2 = xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (B*Ta, C)
+    dw = matmul(xp.reshape(xc, (-1, xc.shape[-1])).T, dpartial2)  # (in/t, C)
+    return rounded(matmul(dpartial, compute(w).T), dt), rounded(dw, w.dtype), db  # dx (B, Ta, in/t)
 
 
 class LocalAttention:

@@ -3,7 +3,8 @@ and prints, on rank 0, one JSON line per (case, recompute): the judgement agains
 (commands/verify.judge: float64 loss and parameters, traced bytes and peak memory per rank and
 category against the closed forms), whether every rank's parameters are bit for bit those of the
 run without recomputation, every rank's activation peak next to its closed form, and how many
-collectives each rank ran under the trace phase "recompute". Run by tests/test_recompute.py:
+collectives each rank ran under the trace phase "recompute", the GEMM FLOPs each rank ran per step
+next to the planner's FLOPs of a step (refpar/analysis/flops.step_flops). Run by tests/test_recompute.py:
 
     mpiexec -n 8 python tests/jobs/recompute_check.py
 """
@@ -62,7 +63,9 @@ def main() -> None:
             every = comm.gather_object(mine)
             if comm.rank == 0:
                 print(json.dumps({"case": case["name"], "recompute": mode, **judge(summary),
-                                  "losses": summary["losses"], "ranks": every}), flush=True)
+                                  "losses": summary["losses"], "ranks": every,
+                                  "flops": summary["flops_per_step"],
+                                  "planned_flops": summary["planned_flops_per_step"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ from array_api_compat import array_namespace, device
 from refpar.holdings import ENDS, stage_layers
 from refpar.model import gpt, llama
 from refpar.model.attention import attention_backward
+from refpar.model.gemm import matmul
 from refpar.model.gpt import DropoutContext, attention_core, embed_backward, merge_heads, split_heads
 from refpar.model.layers import cross_entropy_backward, dropout_backward, gelu_backward, layernorm_backward
 from refpar.parallel.llama_tensor_parallel import llama_parallel_block_backward, llama_parallel_block_forward
@@ -80,7 +81,7 @@ def _linear_dx(dout, cache):
     x, w, _ = cache
     xp = array_namespace(dout, w)
     dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, out)
-    return xp.reshape(dout2 @ w.T, x.shape)  # (..., in)
+    return xp.reshape(matmul(dout2, w.T), x.shape)  # (..., in)
 
 
 @fp32_compute
@@ -89,7 +90,7 @@ def _linear_dw(x, dout):
     xp = array_namespace(dout, x)
     dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, out)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, in)
-    return x2.T @ dout2, xp.sum(dout2, axis=0)  # (in, out), (out,)
+    return matmul(x2.T, dout2), xp.sum(dout2, axis=0)  # (in, out), (out,)
 
 
 class Stage:
