@@ -81,6 +81,11 @@ def main(argv=None) -> None:
         if name not in CASES and name not in PIPELINES and name not in DEEPSPEED and name not in MEGATRON \
                 or dtype not in ("", "float64", "float32"):
             parser.error(f"unknown case {spec!r}")
+        if name in DEEPSPEED and DEEPSPEED[name][0] == 3:  # DeepSpeed's ZeRO-3 refuses float64
+            if dtype == "float64":
+                parser.error(f"{spec}: DeepSpeed's ZeRO-3 refuses float64 (partition_parameters.py); "
+                             f"use {name}@float32 or just {name}")
+            dtype = "float32"
         runs.append((spec, name, dtype or args.dtype))
     with abort_on_error():
         comm = world()

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from refpar.config import Plan
+from refpar.config import ConfigError, Plan
 from refpar.conformance import partitions
 from refpar.conformance.cases import configs, token_loss
 from refpar.conformance.compare import worst_key
@@ -178,9 +178,6 @@ def zero(comm, dtype: str = "float32", batch_size: int = 8, stage: int = 1, clip
 
     from refpar.conformance.cases import run_steps
 
-    if stage == 3 and dtype == "float64":
-        raise SystemExit("deepspeed-zero3 runs in float32 only: DeepSpeed's ZeRO-3 refuses float64 "
-                         "(partition_parameters.py); use deepspeed-zero3@float32")
     model, train_cfg = configs(dtype, batch_size=batch_size)
     train_cfg = replace(train_cfg, clip_grad_norm=1.0 if clip == "both" else 0.0)
     N, r, B, T = comm.size, comm.rank, train_cfg.batch_size, train_cfg.seq_len
@@ -191,8 +188,8 @@ def zero(comm, dtype: str = "float32", batch_size: int = 8, stage: int = 1, clip
     sizes = {"dp": N, "pp": 1, "ep": 1, "cp": 1, "tp": 1}
     ids = [microbatch_samples(model, B, 1, sizes, {"dp": k}, 0) for k in range(N)]
     if len({len(i) for i in ids}) > 1:
-        raise SystemExit(f"--batch-size {B} must be a multiple of the {N} ranks: DeepSpeed takes one "
-                         "micro-batch size for every rank")
+        raise ConfigError(f"--batch-size {B} must be a multiple of the {N} ranks: DeepSpeed takes one "
+                          "micro-batch size for every rank")
     with patched(dtype):
         engine = initialize(build(model, full, getattr(torch, dtype)), train_cfg, len(ids[r]), stage,
                             dtype, {"both": None, "none": 0.0, "default": None}[clip])
