@@ -26,6 +26,7 @@ default next to refpar without: the convention mismatch, measured.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from contextlib import contextmanager
@@ -42,6 +43,9 @@ from refpar.conformance.torch_model import build, to_gpt2_layout, to_torch_layou
 from refpar.holdings import microbatch_samples
 from refpar.model.gpt import init_params
 from refpar.trainer import corpus_for
+
+# DeepSpeed picks its accelerator at first import and says so on stdout unless told: the CPU here
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @contextmanager
@@ -92,7 +96,9 @@ def ds_config(train, batch_per_rank: int, stage: int, dtype: str, clip: float | 
 def initialize(net, train, batch_per_rank: int, stage: int, dtype: str, clip: float | None):
     """deepspeed.initialize on the process group already started (dist.py), refpar's decay groups."""
     import deepspeed
+    from deepspeed.utils import logger
 
+    logger.setLevel(logging.WARNING)  # its INFO lines go to stdout, between the cases' own
     # DeepSpeed asserts its launcher's variables; mpiexec sets MPICH's. One host: local rank = rank.
     for key, value in (("LOCAL_RANK", dist.get_rank()), ("RANK", dist.get_rank()),
                        ("WORLD_SIZE", dist.get_world_size())):
