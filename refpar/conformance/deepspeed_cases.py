@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 from refpar.config import ConfigError, Plan
 from refpar.conformance import partitions
-from refpar.conformance.cases import configs, token_loss
+from refpar.conformance.cases import configs, run_steps, token_loss
 from refpar.conformance.compare import worst_key
 from refpar.conformance.torch_model import build, to_gpt2_layout, to_torch_layout
 from refpar.holdings import microbatch_samples
@@ -180,10 +181,6 @@ def relayout(part: dict, to) -> dict:
 def zero(comm, dtype: str = "float32", batch_size: int = 8, stage: int = 1, clip: str = "both") -> list[dict]:
     """`clip`: "both" (DeepSpeed's default 1.0, refpar --clip-grad-norm 1.0), "none" (DeepSpeed 0.0,
     refpar none) or "default" (DeepSpeed's default, refpar none: the convention mismatch)."""
-    from dataclasses import replace
-
-    from refpar.conformance.cases import run_steps
-
     model, train_cfg = configs(dtype, batch_size=batch_size)
     train_cfg = replace(train_cfg, clip_grad_norm=1.0 if clip == "both" else 0.0)
     N, r, B, T = comm.size, comm.rank, train_cfg.batch_size, train_cfg.seq_len

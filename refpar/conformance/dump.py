@@ -267,8 +267,11 @@ def from_megatron(model, out, tokens, targets, loss, loaded: dict | None = None,
         ti, oi = index[name]
         by_index = np.empty(int(np.prod(shapes[name])), local.dtype)
         by_index[ti] = local.ravel()
-        axis, idx = slices.get(name, (0, np.arange(shapes[name][0])))
-        return by_index[oi].reshape(np.take(np.empty(shapes[name]), idx, axis=axis).shape)
+        shape = list(shapes[name])
+        if name in slices:
+            axis, idx = slices[name]
+            shape[axis] = len(idx)
+        return by_index[oi].reshape(shape)
 
     for name, mname in layout.names(cfg.n_layer).items():
         p = theirs[mname]
@@ -277,8 +280,8 @@ def from_megatron(model, out, tokens, targets, loss, loaded: dict | None = None,
         if loaded is None:
             arrays[f"weights.{name}"] = as_slice(name, p.detach().numpy())
         else:
-            axis, idx = slices.get(name, (0, np.arange(shapes[name][0])))
-            arrays[f"weights.{name}"] = np.take(loaded[name], idx, axis=axis)
+            axis, idx = slices.get(name, (0, slice(None)))
+            arrays[f"weights.{name}"] = loaded[name][(slice(None),) * axis + (idx,)]
     split = {}
     for name, (axis, _) in slices.items():
         split[name] = {"split": "column" if axis == 1 or name.endswith(".bias") else "row"}

@@ -50,7 +50,7 @@ from refpar.conformance import megatron_layout as layout
 from refpar.conformance.cases import configs, held_grads, run_steps
 from refpar.conformance.compare import worst_key
 from refpar.holdings import tp_param_slices
-from refpar.model.gpt import init_params
+from refpar.model.gpt import init_params, param_shapes
 from refpar.trainer import corpus_for
 
 
@@ -160,18 +160,12 @@ def gpt2_indices(model, tp: int, rank: int) -> dict:
     C, hs = model.n_embd, model.head_size
     slices, out = tp_param_slices(model, tp, rank), {}
     for name, mname in layout.names(model.n_layer).items():
-        shape = init_shapes(model)[name]
+        shape = param_shapes(model)[name]
         ids = np.arange(int(np.prod(shape))).reshape(shape)
         theirs = layout.shard(mname, layout.to_megatron(name, ids, C, hs), tp, rank)
         ours = np.take(ids, slices[name][1], axis=slices[name][0]) if name in slices else ids
         out[name] = (theirs.ravel(), ours.ravel())
     return out
-
-
-def init_shapes(model) -> dict:
-    from refpar.model.gpt import param_shapes
-
-    return param_shapes(model)
 
 
 def element_diff(theirs: dict, ours: dict, index: dict) -> tuple[float, str]:
