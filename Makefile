@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # MPICH busy-polls; with more ranks than cores this halves the run time (ENVIRONMENT.md).
 export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
 
-.PHONY: demo test test-kernels lint bench app clean
+.PHONY: demo test test-kernels conformance lint bench app clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -45,6 +45,18 @@ KERNEL_TESTS := tests/test_model_gradients.py tests/test_moe.py tests/test_moe_m
 	tests/test_train.py::test_markov_floor_is_the_empirical_mean_negative_log_likelihood_of_the_chain
 test-kernels: $(STAMP)
 	$(PY) benchmarks/bound_ratios.py $(KERNEL_TESTS)
+
+# Megatron-Core's GPTModel and DeepSpeed's ZeRO against refpar (tests/frameworks/, refpar/conformance/
+# megatron_cases.py and deepspeed_cases.py): their extras installed once (DS_BUILD_OPS=0: no compiled
+# DeepSpeed ops, the cases use torch's AdamW), then the 2-rank jobs. Kept out of `make test`, which
+# must stay within 15 minutes on 2 cores.
+CONFORMANCE_STAMP := $(VENV)/.conformance-installed
+$(CONFORMANCE_STAMP): $(STAMP)
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[all,megatron,deepspeed]'
+	touch $(CONFORMANCE_STAMP)
+
+conformance: $(CONFORMANCE_STAMP)
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q tests/frameworks
 
 app: $(STAMP)
 	$(PY) -m refpar app

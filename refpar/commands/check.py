@@ -26,9 +26,10 @@ The weights are reassembled, the step is recomputed in float64 with refpar.model
 gradient and the loss get: max abs and rel difference, ULP distance in the dump's dtype, and a
 verdict: exact (bitwise), noise (within reduction-order noise for the dtype, NOISE), or mismatch.
 A mismatch is explained by re-running the reference under each common bug and naming the one
-under which the user's numbers agree: vocabulary padding left in the softmax, the loss normalised
-per rank instead of by the global token count, sequence-parallel LayerNorm gradients not
-all-reduced over the ranks, a different dropout RNG.
+under which the user's numbers agree: vocabulary padding left in the softmax, a fused QKV copied in
+GPT-2's order into Megatron-Core's per-head layout, gradients clipped by their global norm
+(DeepSpeed's default), the loss normalised per rank instead of by the global token count,
+sequence-parallel LayerNorm gradients not all-reduced over the ranks, a different dropout RNG.
 
 Reading and checking a dump before any of this: refpar/commands/check_dump.py.
 """
@@ -42,6 +43,7 @@ import numpy as np
 
 from refpar.commands.check_dump import CheckError, Dump, load, shapes_of
 from refpar.config import ModelConfig
+from refpar.conformance import megatron_layout
 from refpar.model.dropout import keep_mask
 from refpar.model.gpt import DropoutContext, loss_and_grads, param_shapes
 
@@ -199,6 +201,12 @@ CAUSES = {
                     "each rank holds only its sequence shard's part, whose sum is the reference",
     "dropout-rng": "a different dropout RNG: {what}; refpar keys masks by (seed, step, layer, site, "
                    "sample); with dropout 0 or refpar's masks the run would agree",
+    "qkv-layout": "fused QKV in the wrong layout: the run computes with c_attn copied in GPT-2's "
+                  "[q | k | v] order into a layout of [q_h k_h v_h] per head (Megatron-Core's "
+                  "linear_qkv); reorder its rows (refpar/conformance/megatron_layout.py, qkv_order)",
+    "clipped": "the gradients are the reference's times {s:.6g}: clipped by their global norm, "
+               "{norm:.6g} -> {to:.6g} (DeepSpeed clips to 1.0 unless gradient_clipping is 0.0); "
+               "turn clipping off for the dump, or compare with a reference clipped alike",
 }
 
 
@@ -211,8 +219,8 @@ def explain(dump: Dump, params, grads, loss, tokens, targets, rows) -> dict:
     cfg, lay, dtype = dump.config, dump.layout, dump.dtype
     out = {}
 
-    def claim(ref_loss, ref_grads, text):
-        if "loss" not in out and _agrees(loss, ref_loss, dtype):
+    def claim(ref_loss, ref_grads, text):  # ref_loss None: the cause leaves the loss alone
+        if "loss" not in out and ref_loss is not None and _agrees(loss, ref_loss, dtype):
             out["loss"] = text
         for name, g in grads.items():
             if name not in out and name in ref_grads and _agrees(g, ref_grads[name], dtype):
@@ -223,6 +231,21 @@ def explain(dump: Dump, params, grads, loss, tokens, targets, rows) -> dict:
         padded = replace(cfg, vocab_size=vp)
         ref_loss, ref_grads = reference(padded, params, tokens, targets, lay)
         claim(ref_loss, ref_grads, CAUSES["vocab-padding"].format(vp=vp, v=cfg.vocab_size))
+    stripped = _strip(params, cfg)
+    if cfg.n_head > 1:  # a fused QKV copied in GPT-2's order into a per-head layout
+        wrong = megatron_layout.wrong_qkv_model(stripped, cfg.n_embd, cfg.head_size)
+        ref_loss, ref_grads = reference(cfg, wrong, tokens, targets, lay)
+        claim(ref_loss, ref_grads, CAUSES["qkv-layout"])
+    ref_loss, ref_grads = reference(cfg, stripped, tokens, targets, lay)
+    common = [k for k in grads if k in ref_grads and np.shape(grads[k]) == np.shape(ref_grads[k])]
+    if common:  # every gradient the reference's times one s < 1: clipping by the global norm
+        dot = sum(float(np.vdot(np.asarray(grads[k], np.float64), ref_grads[k])) for k in common)
+        sq = sum(float(np.vdot(ref_grads[k], ref_grads[k])) for k in common)
+        s = dot / sq if sq > 0 else 1.0
+        if 0 < s < 1 - NOISE.get(dtype, 1e-4):
+            norm = float(np.sqrt(sum(float(np.vdot(v, v)) for v in ref_grads.values())))
+            claim(None, {k: s * ref_grads[k] for k in common},
+                  CAUSES["clipped"].format(s=s, norm=norm, to=s * norm))
     if len(rows) > 1 and len({r.size for r in rows}) > 1:
         per_rank = [reference(cfg, _strip(params, cfg), tokens[r], targets[r], lay) for r in rows]
         ref_loss = sum(x[0] for x in per_rank) / len(rows)

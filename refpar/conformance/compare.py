@@ -28,12 +28,27 @@ def step_row(loss_refpar: float, loss_torch: float, grads: tuple[float, str],
             "grads": grads[0], "grad_worst": grads[1], "params": params[0], "param_worst": params[1]}
 
 
+WORST = {"grads": "grad_worst", "params": "param_worst"}  # the torch cases' names of the worst tensor
+
+
+def worst_key(key: str) -> str:
+    """The row's key naming the tensor where difference `key` is largest."""
+    return WORST.get(key, f"{key}_worst")
+
+
+def diff_keys(row: dict) -> list[str]:
+    """The differences a row holds: the loss and each compared quantity named with its worst tensor
+    (grads and params; the DeepSpeed cases' m and v; ...)."""
+    return ["loss"] + [k for k in row if worst_key(k) in row]
+
+
 def merge_ranks(rows_per_rank: list[list[dict]]) -> list[dict]:
     """Per step, the worst rank's differences (every rank compares its own shards)."""
     out = []
     for rows in zip(*rows_per_rank, strict=True):
         row = dict(rows[0])
-        for key, name in (("grads", "grad_worst"), ("params", "param_worst"), ("loss", None)):
+        for key in diff_keys(row):
+            name = None if key == "loss" else worst_key(key)
             top = max(rows, key=lambda r, k=key: r[k])
             row[key] = top[key]
             if name:
