@@ -177,7 +177,11 @@ def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[i
 
 def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
     """Replicated parameters applied in the sequence-sharded region (refpar/parallel/
-    sequence_parallel.py): each tp rank computes their gradient from its sequence shard only."""
+    sequence_parallel.py): each tp rank computes their gradient from its sequence shard only. Llama's
+    are its RMSNorm gains (no biases, no position table)."""
+    if config.arch == "llama":
+        return ["model.norm.weight"] + [f"model.layers.{i}.{n}_layernorm.weight"
+                                        for i in range(config.n_layer) for n in ("input", "post_attention")]
     names = ["wpe.weight", "ln_f.weight", "ln_f.bias"]
     for i in range(config.n_layer):
         names += [f"h.{i}.{n}" for n in ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias",

@@ -59,6 +59,27 @@ def test_llama_tensor_parallel_on_four_ranks_matches_one_device_with_closed_form
     assert ("tp", "all_reduce") in {(r["axis"], r["op"]) for r in s["comm_bytes"]}
 
 
+@pytest.mark.parametrize(("n", "mesh"), [(2, "tp=2"), (4, "pp=2,tp=2")], ids=["tp2", "pp2-tp2"])
+def test_llama_sequence_parallel_matches_one_device_with_closed_form_bytes_and_memory(n, mesh):
+    # the RMSNorms on each rank's sequence shard: their gains' gradients summed over tp, the
+    # regions entered by all-gathers and left by reduce-scatters, q/k/v and gate/up regathered
+    s = refpar_json(n, "train", "--model", "llama-tiny", "--steps", "2", "--check", "--mesh", mesh, "--sp",
+                    "--microbatches", "2", timeout=240)
+    assert_matches_one_device_and_closed_forms(s)
+    ops = {(r["axis"], r["op"]) for r in s["comm_bytes"]}
+    assert {("tp", "all_gather"), ("tp", "reduce_scatter")} <= ops
+
+
+def test_llama_sequence_parallel_block_closed_form_is_the_planners():
+    config = model_preset("llama-tiny")
+    b, T, t = 2, 16, 2
+    planner = layer_activation_bytes(from_model_config(config), b, T, tp=t, sp=True,
+                                     precision=PRECISIONS["float64"])
+    rank = llama_layer_bytes(config, b, T, config.n_head // t, config.n_kv_head // t,
+                             config.intermediate_size // t, keep_refpar=False, Tl=T // t)
+    assert rank == planner
+
+
 def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
     config = model_preset("llama-tiny")  # 4 query heads over 2 kv heads, hs = 16
     assert [kv_heads(config, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
@@ -76,8 +97,7 @@ def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--mesh", "cp=2"], "Llama runs on dp, pp, tp, ZeRO and FSDP meshes so far, not with cp=2;"),
-    (["--mesh", "tp=2", "--sp"], "not with --sp;"),
+    (["--mesh", "cp=2"], "Llama runs on dp, pp, tp (with --sp), ZeRO and FSDP meshes so far, not with cp=2;"),
     (["--mesh", "dp=2", "--recompute", "full"], "not with --recompute full;"),
     (["--mesh", "dp=2", "--moe-experts", "4", "--moe-topk", "2"],
      "Mixtral's experts (arch='llama' with --moe-experts) run on one device"),

@@ -133,28 +133,30 @@ def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str =
 
 
 def llama_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = None,
-                      kv_heads: int | None = None, ff: int | None = None, keep_refpar: bool = True) -> int:
+                      kv_heads: int | None = None, ff: int | None = None, keep_refpar: bool = True,
+                      Tl: int | None = None) -> int:
     """One Llama block's kept bytes (refpar/model/llama.py's caches, each buffer once), for b
-    sequences of T tokens, N = b T, kv = n_kv_head * head_size; on a tp rank (llama_tensor_parallel)
-    of its `heads` query heads, `kv_heads` kv heads and `ff` SwiGLU columns, where C in the inside
-    terms is its heads' columns (the RMSNorms and their outputs stay whole):
+    sequences of T tokens, kv = n_kv_head * head_size; on a tp rank (llama_tensor_parallel) of its
+    `heads` query heads, `kv_heads` kv heads and `ff` SwiGLU columns, where C in the inside terms is
+    its heads' columns (the RMSNorms and their outputs stay whole), and under sp of the `Tl` tokens
+    of its sequence shard (default T), Nl = b Tl and N = b T:
 
-        outside  4 e N C: the inputs of both RMSNorms (refpar keeps x-hat, the same size) and their
-                 outputs, which q, k, v and gate, up read
+        outside  4 e Nl C: the inputs of both RMSNorms (refpar keeps x-hat, the same size) and their
+                 outputs, which q, k, v and gate, up keep (the shard: the backward gathers it again)
         inside   e N (C + kv + kv + C + 3F): the rotated q and k, v, o_proj's input (the merged
                  heads), gate's and up's outputs and down's input
         scores   e nh T^2 b: the softmax probabilities (no dropout)
 
     which is the planner's analysis/scale.layer_activation_bytes for a SwiGLU, GQA, dropout-free
-    block (tests show it); `keep_refpar` adds what refpar keeps beyond it: each RMSNorm's 1/rms
-    per token (2 e N) and the block's RoPE cos and sin tables (2 e T hs)."""
+    block, its sp division included (tests show it); `keep_refpar` adds what refpar keeps beyond
+    it: each RMSNorm's 1/rms per token (2 e Nl) and the block's RoPE cos and sin tables (2 e T hs)."""
     hs, e, C = config.head_size, dtype_of(config.dtype).itemsize, config.n_embd
     nh = config.n_head if heads is None else heads
     kv = hs * (config.n_kv_head if kv_heads is None else kv_heads)
     F = config.intermediate_size if ff is None else ff
-    N, Ch = b * T, nh * hs  # tokens; the query heads' columns
-    n = 4 * e * N * C + e * N * (Ch + kv + kv + Ch + 3 * F) + e * nh * T * T * b
-    return n + (2 * e * N + 2 * e * T * hs if keep_refpar else 0)
+    N, Nl, Ch = b * T, b * (T if Tl is None else Tl), nh * hs  # tokens; the shard's; the heads' columns
+    n = 4 * e * Nl * C + e * N * (Ch + kv + kv + Ch + 3 * F) + e * nh * T * T * b
+    return n + (2 * e * Nl + 2 * e * T * hs if keep_refpar else 0)
 
 
 def llama_activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:

@@ -121,15 +121,17 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
         return Call("tp", "reduce_scatter", tag, b.sent, b.recv)
 
     ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta, compute_itemsize(e)) for k in ("max", "sumexp", "target")]
-    if not sp:  # Llama's blocks move what GPT-2's do (llama_tensor_parallel.py), under other tags
-        calls = [ar("wte:fwd" if model.arch == "gpt2" else "model.embed_tokens:fwd", act)]
+    # Llama's blocks move what GPT-2's do (llama_tensor_parallel.py), under other tags
+    embed = "wte" if model.arch == "gpt2" else "model.embed_tokens"
+    if not sp:
+        calls = [ar(f"{embed}:fwd", act)]
         for i in range(L):
             calls += [ar(f"h.{i}.attn.c_proj:fwd", act), ar(f"h.{i}.mlp.c_proj:fwd", act)]
         calls += ce + [ar("lm_head:bwd", act)]
         for i in reversed(range(L)):
             calls += [ar(f"h.{i}.mlp.c_fc:bwd", act), ar(f"h.{i}.attn.c_attn:bwd", act)]
         return calls
-    calls = [rs("wte:fwd")]
+    calls = [rs(f"{embed}:fwd")]
     for i in range(L):
         calls += [ag(f"h.{i}.attn.c_attn:fwd"), rs(f"h.{i}.attn.c_proj:fwd"),
                   ag(f"h.{i}.mlp.c_fc:fwd"), rs(f"h.{i}.mlp.c_proj:fwd")]
@@ -140,7 +142,7 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
                       rs(f"h.{i}.{sub}.{col}:bwd")]
     shapes = param_shapes(model)
     sp_numel = sum(math.prod(shapes[n]) for n in sequence_parallel_param_names(model))
-    calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_numel, grad_e or e)]
+    calls += [ag(f"{embed}:bwd"), ar("sp.replicated_grads:bwd", sp_numel, grad_e or e)]
     return calls
 
 

@@ -16,6 +16,13 @@ gains are replicated:
     mlp.gate_proj, up_proj      rows shard_range(F, t, rank)             (F/t, C)
     mlp.down_proj               columns shard_range(F, t, rank)          (C, F/t)
 
+Sequence parallelism (--sp, sequence_parallel.py's pair): the RMSNorms and the residual stream run on
+this rank's sequence shard (B, Tl, C); each region is entered by an all-gather and left by a
+reduce-scatter. q, k, v (and gate, up) keep the norm's sharded output, not the gathered one, and
+the backward gathers it again once per region (":regather"), as GPT-2's column-parallel linear
+does: what Korthikanti's eq. 4 divides by t. The RMSNorm gains see only this rank's tokens, so
+their gradients are summed over tp once per step (holdings.sequence_parallel_param_names).
+
 Attention runs on whole heads: a rank's query heads and the kv heads they read (holdings.kv_heads).
 With t > nkv each kv head is on b ranks (GQA's replicas, as Megatron-LM and vLLM replicate it);
 each rank's dK and dV come from its own query heads only, so its k_proj and v_proj gradients are a
@@ -52,11 +59,12 @@ def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group):
     cfg, P = lay.config, f"model.layers.{layer}."
     pos = as_like(lay.region_pos, x)  # (T,) global positions: RoPE's angles and the causal mask
     cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta, x)  # (T, hs) each
-    a, c_ln1 = rmsnorm_forward(x, params[P + "input_layernorm.weight"], cfg.norm_eps)  # (B, T, C)
-    xa = lay.pair.enter(a, lay.tp, P + "self_attn:fwd")  # (B, T, C)
-    q, c_q = linear_t_forward(xa, params[P + "self_attn.q_proj.weight"])  # (B, T, C/t)
-    k, c_k = linear_t_forward(xa, params[P + "self_attn.k_proj.weight"])  # (B, T, nkv_l hs)
-    v, c_v = linear_t_forward(xa, params[P + "self_attn.v_proj.weight"])  # (B, T, nkv_l hs)
+    a, c_ln1 = rmsnorm_forward(x, params[P + "input_layernorm.weight"], cfg.norm_eps)  # (B, Tl, C)
+    xa = lay.pair.enter(a, lay.tp, P + "self_attn:fwd")  # (B, Ta, C)
+    q, c_q = _kept_as(a, linear_t_forward(xa, params[P + "self_attn.q_proj.weight"]))  # (B, Ta, C/t)
+    k, c_k = _kept_as(a, linear_t_forward(xa, params[P + "self_attn.k_proj.weight"]))  # (B, Ta, nkv_l hs)
+    v, c_v = _kept_as(a, linear_t_forward(xa, params[P + "self_attn.v_proj.weight"]))  # (B, Ta, nkv_l hs)
+    del xa  # under sp the backward gathers `a` again
     hs = cfg.head_size
     q, c_rq = rope_forward(split_heads(q, q.shape[-1] // hs), cos, sin)  # (B, nh/t, T, hs)
     k, c_rk = rope_forward(split_heads(k, k.shape[-1] // hs), cos, sin)  # (B, nkv_l, T, hs)
@@ -66,9 +74,10 @@ def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group):
     x1 = x + lay.pair.leave(o, lay.tp, P + "self_attn.o_proj:fwd")  # (B, T, C)
 
     m, c_ln2 = rmsnorm_forward(x1, params[P + "post_attention_layernorm.weight"], cfg.norm_eps)
-    ma = lay.pair.enter(m, lay.tp, P + "mlp:fwd")  # (B, T, C)
-    g, c_gate = linear_t_forward(ma, params[P + "mlp.gate_proj.weight"])  # (B, T, F/t)
-    u, c_up = linear_t_forward(ma, params[P + "mlp.up_proj.weight"])  # (B, T, F/t)
+    ma = lay.pair.enter(m, lay.tp, P + "mlp:fwd")  # (B, Ta, C)
+    g, c_gate = _kept_as(m, linear_t_forward(ma, params[P + "mlp.gate_proj.weight"]))  # (B, Ta, F/t)
+    u, c_up = _kept_as(m, linear_t_forward(ma, params[P + "mlp.up_proj.weight"]))  # (B, Ta, F/t)
+    del ma
     h, c_act = swiglu_forward(g, u)  # (B, T, F/t)
     d, c_down = linear_t_forward(h, params[P + "mlp.down_proj.weight"])  # (B, T, C) partial
     y = x1 + lay.pair.leave(d, lay.tp, P + "mlp.down_proj:fwd")  # (B, T, C)
@@ -84,8 +93,9 @@ def llama_parallel_block_backward(dy, cache, layer: int, lay: Layout):
     dd = lay.pair.leave_backward(dy, lay.tp, P + "mlp.down_proj:bwd")  # (B, T, C)
     dh, g[P + "mlp.down_proj.weight"] = linear_t_backward(dd, c_down)  # (B, T, F/t)
     dgate, dup = swiglu_backward(dh, c_act)  # (B, T, F/t) each
-    dma, g[P + "mlp.gate_proj.weight"] = linear_t_backward(dgate, c_gate)  # (B, T, C)
-    dma_up, g[P + "mlp.up_proj.weight"] = linear_t_backward(dup, c_up)  # (B, T, C)
+    c_gate, c_up = _regathered(lay, P + "mlp:regather", c_gate, c_up)
+    dma, g[P + "mlp.gate_proj.weight"] = linear_t_backward(dgate, c_gate)  # (B, Ta, C)
+    dma_up, g[P + "mlp.up_proj.weight"] = linear_t_backward(dup, c_up)  # (B, Ta, C)
     dm = lay.pair.enter_backward(dma + dma_up, lay.tp, P + "mlp:bwd")  # (B, T, C)
     dm, g[P + "post_attention_layernorm.weight"] = rmsnorm_backward(dm, c_ln2)  # (B, T, C)
     dx1 = dy + dm  # (B, T, C)
@@ -95,6 +105,7 @@ def llama_parallel_block_backward(dy, cache, layer: int, lay: Layout):
     dq, dk, dv = gqa_attention_backward(split_heads(do, do.shape[-1] // lay.config.head_size), c_sdpa)
     dq = merge_heads(rope_backward(dq, c_rq))  # (B, T, C/t)
     dk = merge_heads(rope_backward(dk, c_rk))  # (B, T, nkv_l hs)
+    c_q, c_k, c_v = _regathered(lay, P + "self_attn:regather", c_q, c_k, c_v)
     dxa, g[P + "self_attn.q_proj.weight"] = linear_t_backward(dq, c_q)  # (B, T, C)
     dxa_k, dwk = linear_t_backward(dk, c_k)  # (B, T, C), (nkv_l hs, C)
     dxa_v, dwv = linear_t_backward(merge_heads(dv), c_v)  # (B, T, C), (nkv_l hs, C)
@@ -106,3 +117,18 @@ def llama_parallel_block_backward(dy, cache, layer: int, lay: Layout):
     da = lay.pair.enter_backward(dxa + dxa_k + dxa_v, lay.tp, P + "self_attn:bwd")  # (B, T, C)
     da, g[P + "input_layernorm.weight"] = rmsnorm_backward(da, c_ln1)  # (B, T, C)
     return dx1 + da, g
+
+
+def _kept_as(x, out_cache):
+    """A linear's (out, cache) with the cache keeping `x`, the region's input before it was
+    entered: the gathered input itself under plain TP (f is the identity), the sequence shard
+    under sp."""
+    out, (_, w, has_bias) = out_cache
+    return out, (x, w, has_bias)
+
+
+def _regathered(lay: Layout, tag: str, *caches):
+    """The caches of the linears that read one region input, with that input entered again (one
+    all-gather under sp, nothing under plain TP)."""
+    xa = lay.pair.enter(caches[0][0], lay.tp, tag)  # (B, Ta, C)
+    return [(xa, *c[1:]) for c in caches]
