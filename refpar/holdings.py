@@ -121,6 +121,14 @@ def kv_replicas(config: ModelConfig, t: int) -> int:
     return t // config.n_kv_head
 
 
+def kv_heads_per_rank(config: ModelConfig, t: int) -> int:
+    """How many kv heads each tp rank holds: n_kv_head / t, one when replicated; GPT-2's are its
+    query heads, n_head / t."""
+    if config.arch != "llama":
+        return config.n_head // t
+    return max(config.n_kv_head // t, 1)
+
+
 def kv_heads(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
     """The kv heads [k0, k1) tp rank `rank` of `t` holds: its shard_range of them, or, replicated,
     the one its query heads read (query head h reads kv head h // (n_head / n_kv_head))."""

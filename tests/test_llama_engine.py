@@ -80,6 +80,42 @@ def test_llama_sequence_parallel_block_closed_form_is_the_planners():
     assert rank == planner
 
 
+@pytest.mark.parametrize(("n", "args"), [
+    (2, ["--mesh", "cp=2", "--cp-algo", "ring"]),
+    (2, ["--mesh", "cp=2", "--cp-algo", "ulysses"]),
+    (4, ["--mesh", "cp=2,tp=2", "--cp-algo", "ring", "--sp"]),
+], ids=["ring", "ulysses", "ring-tp2-sp"])
+def test_llama_context_parallel_matches_one_device_with_closed_form_bytes_and_memory(n, args):
+    # RoPE rotates each rank's tokens by their global positions (zig-zag chunks under ring); ring
+    # passes the 2 kv heads alone, Ulysses gives each cp rank one query-head pair and its kv head
+    s = refpar_json(n, "train", "--model", "llama-tiny", "--steps", "2", "--check", *args, timeout=240)
+    assert_matches_one_device_and_closed_forms(s)
+    assert "cp" in {r["axis"] for r in s["comm_bytes"]}
+
+
+def test_llama_context_parallel_block_closed_forms_are_the_planners():
+    config = model_preset("llama-tiny")
+    b, T, c, e = 2, 16, 2, 8
+    spec, f64 = from_model_config(config), PRECISIONS["float64"]
+    planner = layer_activation_bytes(spec, b, T, cp=c, precision=f64)
+    ulysses = [llama_layer_bytes(config, b, T, keep_refpar=False, Ta=T // c, attention="ulysses", cp=c,
+                                 cp_rank=r) for r in range(c)]
+    assert ulysses == [planner] * c  # the same numbers, split by heads over all T
+    # ring keeps, instead of the (b, nh, Ta, T) scores, its output and the log-sum-exp
+    ring = llama_layer_bytes(config, b, T, keep_refpar=False, Ta=T // c, attention="ring", cp=c)
+    nh, Na = config.n_head, b * T // c
+    assert ring == planner - e * nh * Na * T + e * Na * config.n_embd + e * nh * Na
+
+
+def test_llama_ulysses_needs_each_tp_ranks_kv_heads_split_over_cp_in_one_sentence():
+    proc = mpiexec(4, "-m", "refpar", "train", "--model", "llama-tiny", "--mesh", "cp=2,tp=2", "--cp-algo",
+                   "ulysses", timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    words = "a rank of tp=2 holds 1 of n_kv_head=2, which cp=2 does not divide; use --cp-algo ring"
+    assert words in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
     config = model_preset("llama-tiny")  # 4 query heads over 2 kv heads, hs = 16
     assert [kv_heads(config, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
@@ -97,8 +133,8 @@ def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--mesh", "cp=2"], "Llama runs on dp, pp, tp (with --sp), ZeRO and FSDP meshes so far, not with cp=2;"),
-    (["--mesh", "dp=2", "--recompute", "full"], "not with --recompute full;"),
+    (["--mesh", "dp=2", "--recompute", "full"],
+     "Llama runs on dp, pp, tp (with --sp), cp, ZeRO and FSDP meshes so far, not with --recompute full;"),
     (["--mesh", "dp=2", "--moe-experts", "4", "--moe-topk", "2"],
      "Mixtral's experts (arch='llama' with --moe-experts) run on one device"),
 ])

@@ -134,29 +134,47 @@ def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str =
 
 def llama_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = None,
                       kv_heads: int | None = None, ff: int | None = None, keep_refpar: bool = True,
-                      Tl: int | None = None) -> int:
+                      Tl: int | None = None, Ta: int | None = None, attention: str = "local",
+                      cp: int = 1, cp_rank: int = 0) -> int:
     """One Llama block's kept bytes (refpar/model/llama.py's caches, each buffer once), for b
     sequences of T tokens, kv = n_kv_head * head_size; on a tp rank (llama_tensor_parallel) of its
     `heads` query heads, `kv_heads` kv heads and `ff` SwiGLU columns, where C in the inside terms is
-    its heads' columns (the RMSNorms and their outputs stay whole), and under sp of the `Tl` tokens
-    of its sequence shard (default T), Nl = b Tl and N = b T:
+    its heads' columns (the RMSNorms and their outputs stay whole); on a cp rank of cp ranks holding
+    `Ta` of the tokens (default T), attention "ring" or "ulysses"; under sp of the `Tl` tokens of its
+    sequence shard (default Ta). Nl = b Tl, Na = b Ta:
 
         outside  4 e Nl C: the inputs of both RMSNorms (refpar keeps x-hat, the same size) and their
                  outputs, which q, k, v and gate, up keep (the shard: the backward gathers it again)
-        inside   e N (C + kv + kv + C + 3F): the rotated q and k, v, o_proj's input (the merged
+        inside   e Na (C + kv + kv + C + 3F): the rotated q and k, v, o_proj's input (the merged
                  heads), gate's and up's outputs and down's input
-        scores   e nh T^2 b: the softmax probabilities (no dropout)
+        scores   e nh Ta T b: the softmax probabilities (no dropout) of the rank's queries
 
     which is the planner's analysis/scale.layer_activation_bytes for a SwiGLU, GQA, dropout-free
-    block, its sp division included (tests show it); `keep_refpar` adds what refpar keeps beyond
-    it: each RMSNorm's 1/rms per token (2 e Nl) and the block's RoPE cos and sin tables (2 e T hs)."""
+    block, its sp and cp divisions included (tests show it). Ulysses keeps the same numbers split
+    by heads: q, k, v and the scores of its heads nh_c, nkv_c (shard_range over cp) over all T
+    instead of the sequence-sharded q, k, v. Ring attention keeps no scores (context_parallel.py:
+    the backward makes each block's again from the log-sum-exp) but its output (e Na C, a view of
+    the merged heads when the rank has one head) and the log-sum-exp (b nh Ta, float32 under 16
+    bits). `keep_refpar` adds what refpar keeps beyond the planner: each RMSNorm's 1/rms per token
+    (2 e Nl) and the block's RoPE cos and sin tables of its positions (2 e Ta hs)."""
     hs, e, C = config.head_size, dtype_of(config.dtype).itemsize, config.n_embd
     nh = config.n_head if heads is None else heads
-    kv = hs * (config.n_kv_head if kv_heads is None else kv_heads)
+    nkv = config.n_kv_head if kv_heads is None else kv_heads
     F = config.intermediate_size if ff is None else ff
-    N, Nl, Ch = b * T, b * (T if Tl is None else Tl), nh * hs  # tokens; the shard's; the heads' columns
-    n = 4 * e * Nl * C + e * N * (Ch + kv + kv + Ch + 3 * F) + e * nh * T * T * b
-    return n + (2 * e * Nl + 2 * e * T * hs if keep_refpar else 0)
+    Ta = T if Ta is None else Ta
+    Tl = Ta if Tl is None else Tl
+    Na, Nl, Ch, kv = b * Ta, b * Tl, nh * hs, nkv * hs  # tokens; the shard's; the heads' columns
+    n = 4 * e * Nl * C + e * Na * (Ch + 3 * F)  # the norms; o_proj's input, gate's and up's outputs, down's
+    if attention == "ulysses":
+        nh_c, nkv_c = shard_sizes(nh, cp)[cp_rank], shard_sizes(nkv, cp)[cp_rank]
+        n += e * b * T * hs * (nh_c + 2 * nkv_c) + e * nh_c * b * T * T
+    else:
+        n += e * Na * (Ch + 2 * kv)  # q, k, v
+        if attention == "ring":
+            n += (e * Na * Ch if nh > 1 else 0) + b * nh * Ta * (4 if e == 2 else e)
+        else:
+            n += e * nh * Ta * T * b
+    return n + (2 * e * Nl + 2 * e * Ta * hs if keep_refpar else 0)
 
 
 def llama_activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:

@@ -328,10 +328,12 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
-    if model.arch == "llama":  # tp and sp, so far (plan._check_family)
+    if model.arch == "llama":  # tp, sp and cp, so far (plan._check_family)
         k0, k1 = kv_heads(model, r.t, coords["tp"])
         block = llama_layer_bytes(model, b, cfg.seq_len, r.nh, k1 - k0,
-                                  shard_sizes(model.intermediate_size, r.t)[coords["tp"]], Tl=r.Tl)
+                                  shard_sizes(model.intermediate_size, r.t)[coords["tp"]], Tl=r.Tl, Ta=r.Ta,
+                                  attention="local" if r.c == 1 else (plan.cp_algo or "ring"), cp=r.c,
+                                  cp_rank=r.cp_rank)
         return (len(layers) * block + embed_bytes(model, r, False) * (stage == 0)
                 + head_bytes(model, r) * (stage == n_stages - 1))
     dropout = model.dropout > 0.0

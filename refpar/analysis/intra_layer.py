@@ -36,7 +36,7 @@ import numpy as np
 
 from refpar.comm import cost
 from refpar.config import ModelConfig, TrainConfig
-from refpar.holdings import held_numels, sequence_parallel_param_names
+from refpar.holdings import held_numels, kv_heads_per_rank, sequence_parallel_param_names
 from refpar.model import param_shapes
 from refpar.sharding import shard_range, shard_sizes
 
@@ -148,7 +148,8 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
 
 def _ring_calls(model: ModelConfig, s: RankShape) -> list[Call]:
     c, r, hs = s.c, s.cp_rank, model.head_size
-    block = [2 * s.B * s.nh * n * hs for n in s.cp_tokens]  # elements of each rank's K/V block
+    kv = kv_heads_per_rank(model, s.t)  # Llama's K/V blocks carry its kv heads alone
+    block = [2 * s.B * kv * n * hs for n in s.cp_tokens]  # elements of each rank's K/V block
 
     def hop(tag, step, e=s.e):  # the block held at `step` goes to rank+1; rank-1's arrives
         return [Call("cp", "isend", tag, block[(r - step) % c] * e, 0),
@@ -168,23 +169,25 @@ def _ring_calls(model: ModelConfig, s: RankShape) -> list[Call]:
 
 def _ulysses_calls(model: ModelConfig, s: RankShape) -> list[Call]:
     c, r, hs = s.c, s.cp_rank, model.head_size
-    heads, seqs = shard_sizes(s.nh, c), list(s.cp_tokens)
+    seqs, kv = list(s.cp_tokens), kv_heads_per_rank(model, s.t)  # Llama's k and v: its kv heads
 
-    def a2a(tag, n, to_heads):
+    def a2a(tag, arrays, to_heads):  # `arrays`: the head counts of q, k, v or of the output
+        heads = [sum(shard_sizes(n, c)[d] for n in arrays) for d in range(c)]  # of each rank's share
         if to_heads:  # my tokens of each rank's heads out, my heads of each rank's tokens in
-            send = [n * s.B * heads[d] * seqs[r] * hs for d in range(c)]
-            recv = [n * s.B * heads[r] * seqs[q] * hs for q in range(c)]
+            send = [s.B * heads[d] * seqs[r] * hs for d in range(c)]
+            recv = [s.B * heads[r] * seqs[q] * hs for q in range(c)]
         else:
-            send = [n * s.B * heads[r] * seqs[d] * hs for d in range(c)]
-            recv = [n * s.B * heads[q] * seqs[r] * hs for q in range(c)]
+            send = [s.B * heads[r] * seqs[d] * hs for d in range(c)]
+            recv = [s.B * heads[q] * seqs[r] * hs for q in range(c)]
         b = cost.all_to_all_bytes(send, recv, r, s.e)
         return Call("cp", "all_to_all", tag, b.sent, b.recv)
 
+    qkv, y = (s.nh, kv, kv), (s.nh,)
     calls = []
     for i in range(model.n_layer):
-        calls += [a2a(f"h.{i}.attn.ulysses_qkv:fwd", 3, True), a2a(f"h.{i}.attn.ulysses_out:fwd", 1, False)]
+        calls += [a2a(f"h.{i}.attn.ulysses_qkv:fwd", qkv, True), a2a(f"h.{i}.attn.ulysses_out:fwd", y, False)]
     for i in reversed(range(model.n_layer)):
-        calls += [a2a(f"h.{i}.attn.ulysses_out:bwd", 1, True), a2a(f"h.{i}.attn.ulysses_qkv:bwd", 3, False)]
+        calls += [a2a(f"h.{i}.attn.ulysses_out:bwd", y, True), a2a(f"h.{i}.attn.ulysses_qkv:bwd", qkv, False)]
     return calls
 
 

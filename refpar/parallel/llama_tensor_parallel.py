@@ -36,11 +36,9 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
-from refpar.model.gpt import merge_heads, split_heads
+from refpar.model.gpt import NO_DROPOUT, merge_heads, split_heads
 from refpar.model.layers import as_like
 from refpar.model.llama_layers import (
-    gqa_attention_backward,
-    gqa_attention_forward,
     linear_t_backward,
     linear_t_forward,
     rmsnorm_backward,
@@ -57,7 +55,7 @@ from refpar.parallel.tensor_parallel import Layout
 def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group):
     """x (B, T, C) -> (B, T, C): Llama's block with attention and the MLP tensor-parallel."""
     cfg, P = lay.config, f"model.layers.{layer}."
-    pos = as_like(lay.region_pos, x)  # (T,) global positions: RoPE's angles and the causal mask
+    pos = as_like(lay.region_pos, x)  # (Ta,) global positions (zig-zag chunks under ring cp): RoPE's angles
     cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta, x)  # (T, hs) each
     a, c_ln1 = rmsnorm_forward(x, params[P + "input_layernorm.weight"], cfg.norm_eps)  # (B, Tl, C)
     xa = lay.pair.enter(a, lay.tp, P + "self_attn:fwd")  # (B, Ta, C)
@@ -69,7 +67,7 @@ def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group):
     q, c_rq = rope_forward(split_heads(q, q.shape[-1] // hs), cos, sin)  # (B, nh/t, T, hs)
     k, c_rk = rope_forward(split_heads(k, k.shape[-1] // hs), cos, sin)  # (B, nkv_l, T, hs)
     v = split_heads(v, v.shape[-1] // hs)  # (B, nkv_l, T, hs)
-    o, c_sdpa = gqa_attention_forward(q, k, v, pos, pos)  # (B, nh/t, T, hs)
+    o, c_sdpa = lay.attention.forward(q, k, v, layer, lay, NO_DROPOUT)  # (B, nh/t, Ta, hs)
     o, c_o = linear_t_forward(merge_heads(o), params[P + "self_attn.o_proj.weight"])  # (B, T, C) partial
     x1 = x + lay.pair.leave(o, lay.tp, P + "self_attn.o_proj:fwd")  # (B, T, C)
 
@@ -102,7 +100,7 @@ def llama_parallel_block_backward(dy, cache, layer: int, lay: Layout):
 
     do = lay.pair.leave_backward(dx1, lay.tp, P + "self_attn.o_proj:bwd")  # (B, T, C)
     do, g[P + "self_attn.o_proj.weight"] = linear_t_backward(do, c_o)  # (B, T, C/t)
-    dq, dk, dv = gqa_attention_backward(split_heads(do, do.shape[-1] // lay.config.head_size), c_sdpa)
+    dq, dk, dv = lay.attention.backward(split_heads(do, do.shape[-1] // lay.config.head_size), c_sdpa, lay)
     dq = merge_heads(rope_backward(dq, c_rq))  # (B, T, C/t)
     dk = merge_heads(rope_backward(dk, c_rk))  # (B, T, nkv_l hs)
     c_q, c_k, c_v = _regathered(lay, P + "self_attn:regather", c_q, c_k, c_v)
