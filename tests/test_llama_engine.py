@@ -116,6 +116,25 @@ def test_llama_ulysses_needs_each_tp_ranks_kv_heads_split_over_cp_in_one_sentenc
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.parametrize(("args", "mode"), [
+    (["--mesh", "pp=2", "--microbatches", "2"], "full"),
+    (["--mesh", "cp=2", "--cp-algo", "ring"], "selective"),
+], ids=["pp2-full", "cp2-ring-selective"])
+def test_llama_recomputation_matches_the_run_without_and_keeps_less(args, mode):
+    # full: a block keeps its input and runs its forward again in the backward (the Stage's, for
+    # either family); selective: the attention core (here ring attention) keeps q, k, v only
+    base = ("train", "--model", "llama-tiny", "--steps", "2", "--check", *args)
+    without = refpar_json(2, *base, timeout=240)
+    s = refpar_json(2, *base, "--recompute", mode, timeout=240)
+    assert_matches_one_device_and_closed_forms(s)
+    # the same function on the same arrays in the same order: the same numbers as without
+    assert s["max_param_rel_diff"] == without["max_param_rel_diff"]
+    assert s["max_loss_rel_diff"] == without["max_loss_rel_diff"]
+    acts = [{r["rank"]: r["bytes"] for r in run["memory_peak_bytes"] if r["category"] == "activations"}
+            for run in (without, s)]
+    assert all(acts[1][r] < acts[0][r] for r in acts[0]), acts
+
+
 def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
     config = model_preset("llama-tiny")  # 4 query heads over 2 kv heads, hs = 16
     assert [kv_heads(config, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
@@ -133,8 +152,6 @@ def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
 
 
 @pytest.mark.parametrize(("args", "words"), [
-    (["--mesh", "dp=2", "--recompute", "full"],
-     "Llama runs on dp, pp, tp (with --sp), cp, ZeRO and FSDP meshes so far, not with --recompute full;"),
     (["--mesh", "dp=2", "--moe-experts", "4", "--moe-topk", "2"],
      "Mixtral's experts (arch='llama' with --moe-experts) run on one device"),
 ])

@@ -45,6 +45,7 @@ from refpar.analysis.activations import (
     embed_bytes,
     head_bytes,
     layer_bytes,
+    llama_core_bytes,
     llama_layer_bytes,
     model_activation_bytes,
 )
@@ -59,6 +60,7 @@ from refpar.holdings import (
     kv_heads,
     kv_replicas,
     microbatch_samples,
+    own_layers,
     sequence_parallel_param_names,
     stage_layers,
     stage_names,
@@ -149,8 +151,8 @@ def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.
 
 
 def plain(model, sizes: dict, plan) -> bool:
-    """Whether the blocks are the model's own (no tp, cp, sp or experts; refpar/engine/parallelize)."""
-    return sizes["tp"] == 1 and sizes["cp"] == 1 and not plan.sp and not model.moe_experts
+    """Whether the blocks are the model's own (holdings.own_layers; refpar/engine/parallelize)."""
+    return own_layers(model, sizes, plan.sp, plan.recompute)
 
 
 def split_backward(model, sizes: dict, plan) -> bool:
@@ -328,12 +330,8 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
-    if model.arch == "llama":  # tp, sp and cp, so far (plan._check_family)
-        k0, k1 = kv_heads(model, r.t, coords["tp"])
-        block = llama_layer_bytes(model, b, cfg.seq_len, r.nh, k1 - k0,
-                                  shard_sizes(model.intermediate_size, r.t)[coords["tp"]], Tl=r.Tl, Ta=r.Ta,
-                                  attention="local" if r.c == 1 else (plan.cp_algo or "ring"), cp=r.c,
-                                  cp_rank=r.cp_rank)
+    if model.arch == "llama":
+        block = _llama_block_bytes(model, cfg, coords, r, plan, plan.recompute)
         return (len(layers) * block + embed_bytes(model, r, False) * (stage == 0)
                 + head_bytes(model, r) * (stage == n_stages - 1))
     dropout = model.dropout > 0.0
@@ -355,6 +353,18 @@ def _block_bytes(model: ModelConfig, r, plan, recompute: str) -> int:
     return n
 
 
+def _llama_block_bytes(model, cfg, coords, r, plan, recompute: str, core: bool = False) -> int:
+    """What one Llama block keeps on the rank of shape `r` (llama_layer_bytes); `core`: what its
+    attention core makes again under selective recomputation (llama_core_bytes) instead."""
+    k0, k1 = kv_heads(model, r.t, coords["tp"])
+    attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
+    shape = dict(heads=r.nh, kv_heads=k1 - k0, Ta=r.Ta, attention=attention, cp=r.c, cp_rank=r.cp_rank)
+    if core:
+        return llama_core_bytes(model, r.B, cfg.seq_len, **shape)
+    ff = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+    return llama_layer_bytes(model, r.B, cfg.seq_len, ff=ff, Tl=r.Tl, recompute=recompute, **shape)
+
+
 def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, stage: int,
                             n_stages: int, b: int, plan, kept: dict | None = None, j: int = 0) -> int:
     """What the backward of microbatch j (b rows) on part `stage` makes again and holds at once
@@ -365,6 +375,8 @@ def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
     if plain(model, sizes, plan):
         return model_activation_bytes(model, b, cfg.seq_len)["block" if plan.recompute == "full" else "core"]
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
+    if model.arch == "llama":  # Llama's blocks are dense (plan._check_family)
+        return _llama_block_bytes(model, cfg, coords, r, plan, "none", core=plan.recompute == "selective")
     if plan.recompute == "selective":
         return core_bytes(model, r, "local" if r.c == 1 else (plan.cp_algo or "ring"), model.dropout > 0.0)
     dense = _block_bytes(model, r, plan, "none")

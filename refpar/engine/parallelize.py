@@ -33,6 +33,7 @@ from refpar.config import ModelConfig, Plan, TrainConfig
 from refpar.holdings import (
     keeps_lowp,
     microbatch_samples,
+    own_layers,
     sequence_parallel_param_names,
     stage_names,
     tied_embedding,
@@ -99,9 +100,10 @@ class Parallel:
         return [g for g in (m.tp, m.pp, replicas if sharded else m.ep) if g.size > 1]
 
 
-def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None):
+def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None,
+               recompute: str = "none"):
     """The tensor_parallel.Layout of this rank's tokens and weights on `mesh` (its tp and cp axes),
-    or None where a block is the model's own (no tp, cp, sp or experts)."""
+    or None where a block is the model's own (holdings.own_layers)."""
     t, c = mesh.sizes["tp"], mesh.sizes["cp"]
     tp, cp = (mesh.tp if t > 1 else None), (mesh.cp if c > 1 else None)
     if cp is not None and sp:  # sp inside each cp rank's tokens
@@ -110,7 +112,7 @@ def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo
         return cp_layout(model, seq_len, cp, cp_algo or "ring", tp)
     if sp:
         return sp_layout(model, seq_len, mesh.tp)
-    return tp_layout(model, seq_len, tp) if tp is not None or model.moe_experts else None
+    return None if own_layers(model, mesh.sizes, sp, recompute) else tp_layout(model, seq_len, tp)
 
 
 def held_params(model: ModelConfig, mesh, names: set[str], seed: int) -> dict:
@@ -129,7 +131,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     sizes, coords, m = mesh.sizes, mesh.coords, plan.microbatches
     ledger = MemoryLedger()
     # 1. layout
-    lay = layout_for(model, train.seq_len, mesh, plan.sp, plan.cp_algo)
+    lay = layout_for(model, train.seq_len, mesh, plan.sp, plan.cp_algo, plan.recompute)
     # 2. MoE layer
     samples = [tuple(microbatch_samples(model, train.batch_size, m, sizes, coords, j)) for j in range(m)]
     moe, runs = None, {}

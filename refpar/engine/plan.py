@@ -49,18 +49,13 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
 
 
 def _check_family(model: ModelConfig, sizes: dict, plan: Plan) -> None:
-    """What the engine runs Llama with so far: dp, ZeRO, FSDP, pp, tp, sp and cp; expert
-    parallelism, recomputation and Mixtral's experts run GPT-2 only."""
+    """What the engine runs Llama with so far: every strategy but expert parallelism, whose
+    Mixtral experts run on one device only."""
     if model.arch != "llama":
         return
     if model.moe_experts:
         raise ConfigError("Mixtral's experts (arch='llama' with --moe-experts) run on one device through "
                           "refpar.model so far; drop --moe-experts, or train GPT-2's MoE")
-    apart = [f"ep={sizes['ep']}"] * (sizes.get("ep", 1) > 1) + (
-        [f"--recompute {plan.recompute}"] if plan.recompute not in (None, "none") else [])
-    if apart:
-        raise ConfigError(f"Llama runs on dp, pp, tp (with --sp), cp, ZeRO and FSDP meshes so far, not with "
-                          f"{', '.join(apart)}; drop them (or use a GPT-2 preset)")
 
 
 def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:
