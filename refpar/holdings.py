@@ -95,7 +95,7 @@ def held_param_names(config: ModelConfig, n_stages: int, stages, ep: int = 1, ep
     names = {n for s in stages for n in stage_param_names(config, n_stages, s)}
     mine = range(*shard_range(config.moe_experts, ep, ep_rank))
     return [n for n in param_shapes(config)
-            if n in names and (not is_expert(n) or int(n.split(".")[4]) in mine)]  # h.i.mlp.experts.e.
+            if n in names and (not is_expert(n) or expert_of(n) in mine)]
 
 
 def held_numels(config: ModelConfig, sizes: dict, coords: dict, chunks: int = 1) -> dict[str, int]:
@@ -230,8 +230,26 @@ def keeps_lowp(config: ModelConfig, sizes: dict) -> bool:
     return not config.moe_experts and all(n == 1 for a, n in sizes.items() if a != "dp")
 
 
+EXPERTS = (".mlp.experts.", ".block_sparse_moe.experts.")  # GPT-2's h.i.mlp.experts.e., Mixtral's
+
+
 def is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
+    return any(m in name for m in EXPERTS)
+
+
+def expert_of(name: str) -> int | None:
+    """The expert a parameter belongs to (either family), None outside the experts."""
+    for marker in EXPERTS:
+        if marker in name:
+            rest = name[name.index(marker) + len(marker):]
+            return int(rest[:rest.index(".")])
+    return None
+
+
+def held_expert(config: ModelConfig, name: str, ep: int, ep_rank: int) -> bool:
+    """Whether ep rank `ep_rank` of `ep` holds parameter `name`: every non-expert one, and of the
+    experts its `shard_range` of them."""
+    return not is_expert(name) or expert_of(name) in range(*shard_range(config.moe_experts, ep, ep_rank))
 
 
 ENDS = ("wte", "root")  # the units the embedding and the head read

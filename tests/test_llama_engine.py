@@ -151,15 +151,25 @@ def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
         check_tp(model_preset("llama-tiny", n_head=12, n_kv_head=3, n_embd=96), 4)
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (["--mesh", "dp=2", "--moe-experts", "4", "--moe-topk", "2"],
-     "Mixtral's experts (arch='llama' with --moe-experts) run on one device"),
-])
-def test_llama_on_a_mesh_the_engine_cannot_run_it_on_is_one_sentence_on_every_rank(args, words):
-    proc = mpiexec(2, "-m", "refpar", "train", "--model", "llama-tiny", *args, timeout=120, check=False)
+def test_mixtral_experts_split_over_tp_are_refused_in_one_sentence_on_every_rank():
+    proc = mpiexec(4, "-m", "refpar", "train", "--model", "llama-tiny", "--mesh", "ep=2,tp=2",
+                   "--moe-experts", "4", "--moe-topk", "2", timeout=120, check=False)
     assert proc.returncode == 2, proc.stderr
-    assert words in proc.stderr, proc.stderr  # every rank refuses; rank 0 says it (refpar.cli)
+    # every rank refuses; rank 0 says it (refpar.cli)
+    assert "Mixtral's experts run over ep, dp, cp and pp, not split over tp=2" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize(("n", "mesh"), [(2, "ep=2"), (4, "dp=2,ep=2")], ids=["ep2", "dp2-ep2"])
+def test_llama_with_mixtral_experts_over_ep_matches_one_device_with_closed_form_bytes_and_memory(n, mesh):
+    # HF's MixtralSparseMoeBlock routing (softmax, top-2, renormalised, dropless): SwiGLU experts
+    # spread over ep, tokens dispatched and combined by all-to-all, the router and the dense weights
+    # summed over dp x ep, each expert over dp
+    s = refpar_json(n, "train", "--model", "llama-tiny", "--steps", "2", "--check", "--mesh", mesh,
+                    "--moe-experts", "4", "--moe-topk", "2", "--dropless", "--microbatches", "2", timeout=240)
+    assert_matches_one_device_and_closed_forms(s)
+    assert s["moe"]["blocks"] == [0, 1, 2, 3] and s["moe"]["capacity"] is None
+    assert {("ep", "all_to_all"), ("data", "all_gather")} <= {(r["axis"], r["op"]) for r in s["comm_bytes"]}
 
 
 def test_llama_block_activation_closed_form_is_the_planners_plus_what_refpar_keeps_beyond_it():

@@ -56,6 +56,7 @@ from refpar.holdings import (
     embed_param_names,
     expert_unit,
     head_param_names,
+    held_expert,
     keeps_lowp,
     kv_heads,
     kv_replicas,
@@ -70,9 +71,8 @@ from refpar.holdings import (
 )
 from refpar.memory import CATEGORIES
 from refpar.model import param_shapes
-from refpar.model.moe import expert_prefix
 from refpar.parallel.pipeline.schedules import Layout, Schedule, layout, of_plan, stored
-from refpar.sharding import shard_range, shard_sizes
+from refpar.sharding import shard_sizes
 
 
 def rank_coords(sizes: dict, rank: int) -> dict:
@@ -94,12 +94,10 @@ def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, plan) -> di
     of its ep rank, tp-sliced."""
     lay = pipeline(sizes, plan)[1]
     names = {n for s in lay.stages_of(coords["pp"]) for n in stage_names(model, lay, s)}
-    mine = tuple(expert_prefix(i, x) + "." for i in model.moe_blocks
-                 for x in range(*shard_range(model.moe_experts, sizes["ep"], coords["ep"])))
     slices = tp_param_slices(model, sizes["tp"], coords["tp"])
     out = {}
     for n, shape in param_shapes(model).items():
-        if n in names and (".mlp.experts." not in n or n.startswith(mine)):
+        if n in names and held_expert(model, n, sizes["ep"], coords["ep"]):
             axis, index = slices.get(n, (None, None))
             out[n] = math.prod(shape) if axis is None else math.prod(shape) // shape[axis] * len(index)
     return out
@@ -330,13 +328,11 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
-    if model.arch == "llama":
-        block = _llama_block_bytes(model, cfg, coords, r, plan, plan.recompute)
-        return (len(layers) * block + embed_bytes(model, r, False) * (stage == 0)
-                + head_bytes(model, r) * (stage == n_stages - 1))
     dropout = model.dropout > 0.0
-    n = len(layers) * _block_bytes(model, r, plan, plan.recompute) + embed_bytes(model, r, dropout) * (
-        stage == 0) + head_bytes(model, r) * (stage == n_stages - 1)
+    block = (_llama_block_bytes(model, cfg, coords, r, plan, plan.recompute) if model.arch == "llama" else
+             _block_bytes(model, r, plan, plan.recompute))
+    n = len(layers) * block + embed_bytes(model, r, dropout) * (stage == 0) + head_bytes(model, r) * (
+        stage == n_stages - 1)
     if model.moe_experts and plan.recompute != "full":  # under full a MoE block keeps its input alone
         n += moe_forms.moe_activation_delta(model, cfg, sizes, coords, layers, b, r.Ta, kept or {},
                                             plan.microbatches, j, plan.cp_algo, plan.sp)
@@ -375,11 +371,13 @@ def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
     if plain(model, sizes, plan):
         return model_activation_bytes(model, b, cfg.seq_len)["block" if plan.recompute == "full" else "core"]
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
-    if model.arch == "llama":  # Llama's blocks are dense (plan._check_family)
-        return _llama_block_bytes(model, cfg, coords, r, plan, "none", core=plan.recompute == "selective")
+    llama = model.arch == "llama"
     if plan.recompute == "selective":
+        if llama:
+            return _llama_block_bytes(model, cfg, coords, r, plan, "none", core=True)
         return core_bytes(model, r, "local" if r.c == 1 else (plan.cp_algo or "ring"), model.dropout > 0.0)
-    dense = _block_bytes(model, r, plan, "none")
+    dense = _llama_block_bytes(model, cfg, coords, r, plan, "none") if llama else _block_bytes(model, r, plan,
+                                                                                                "none")
     return max(dense + (moe_forms.moe_activation_delta(model, cfg, sizes, coords, [i], b, r.Ta, kept or {},
                                                        plan.microbatches, j, plan.cp_algo, plan.sp)
                         if i in model.moe_blocks else 0)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from refpar import backend
 from refpar.config import ModelConfig, Plan, TrainConfig
 from refpar.holdings import (
+    held_expert,
     keeps_lowp,
     microbatch_samples,
     own_layers,
@@ -41,11 +42,10 @@ from refpar.holdings import (
 )
 from refpar.memory import MemoryLedger
 from refpar.model import init_params
-from refpar.model.moe import expert_prefix
 from refpar.parallel.clipping import clip_for
 from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.data_parallel import DataParallel
-from refpar.parallel.expert_parallel import ExpertParallelMoE, owned_experts, routing_runs, token_runs
+from refpar.parallel.expert_parallel import ExpertParallelMoE, routing_runs, token_runs
 from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
 from refpar.parallel.pipeline.executor import PipelineExecutor
@@ -119,9 +119,8 @@ def held_params(model: ModelConfig, mesh, names: set[str], seed: int) -> dict:
     """This rank's parameters: of the initialisation drawn whole, its stages' `names` (pp), its ep
     rank's experts (ep), its tp slices (tp), in the family's order, on the run's backend."""
     full = init_params(model, seed)
-    mine = tuple(expert_prefix(i, e) + "." for i in model.moe_blocks
-                 for e in owned_experts(model.moe_experts, mesh.sizes["ep"], mesh.coords["ep"]))
-    kept = {n: full[n] for n in full if n in names and (".mlp.experts." not in n or n.startswith(mine))}
+    ep, q = mesh.sizes["ep"], mesh.coords["ep"]
+    kept = {n: full[n] for n in full if n in names and held_expert(model, n, ep, q)}
     return backend.current().from_host(shard_params_tp(kept, model, mesh.sizes["tp"], mesh.coords["tp"]))
 
 

@@ -49,13 +49,11 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
 
 
 def _check_family(model: ModelConfig, sizes: dict, plan: Plan) -> None:
-    """What the engine runs Llama with so far: every strategy but expert parallelism, whose
-    Mixtral experts run on one device only."""
-    if model.arch != "llama":
-        return
-    if model.moe_experts:
-        raise ConfigError("Mixtral's experts (arch='llama' with --moe-experts) run on one device through "
-                          "refpar.model so far; drop --moe-experts, or train GPT-2's MoE")
+    """What the engine runs Llama with so far: every strategy; Mixtral's experts without expert
+    tensor parallelism (refpar/parallel/expert_tensor_parallel.py splits GPT-2's experts only)."""
+    if model.arch == "llama" and model.moe_experts and sizes.get("tp", 1) > 1:
+        raise ConfigError(f"Mixtral's experts run over ep, dp, cp and pp, not split over tp={sizes['tp']} "
+                          "(expert tensor parallelism is GPT-2's so far); drop tp from --mesh")
 
 
 def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:

@@ -52,8 +52,9 @@ from refpar.model.llama_layers import (
 from refpar.parallel.tensor_parallel import Layout
 
 
-def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group):
-    """x (B, T, C) -> (B, T, C): Llama's block with attention and the MLP tensor-parallel."""
+def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group, moe=None):
+    """x (B, T, C) -> (B, T, C): Llama's block with attention and the MLP tensor-parallel; in the
+    blocks of `config.moe_blocks` the MLP is `moe.forward` (the expert-parallel layer)."""
     cfg, P = lay.config, f"model.layers.{layer}."
     pos = as_like(lay.region_pos, x)  # (Ta,) global positions (zig-zag chunks under ring cp): RoPE's angles
     cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta, x)  # (T, hs) each
@@ -72,6 +73,10 @@ def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group):
     x1 = x + lay.pair.leave(o, lay.tp, P + "self_attn.o_proj:fwd")  # (B, T, C)
 
     m, c_ln2 = rmsnorm_forward(x1, params[P + "post_attention_layernorm.weight"], cfg.norm_eps)
+    if layer in cfg.moe_blocks:  # Mixtral's experts over ep (expert_parallel.ExpertParallelMoE)
+        d, c_moe = moe.forward(m, params, layer, cfg)  # (B, Tl, C)
+        cache = (c_ln1, c_q, c_k, c_v, c_rq, c_rk, c_sdpa, c_o, c_ln2, (moe, c_moe))
+        return x1 + d, (cache, kv_group)
     ma = lay.pair.enter(m, lay.tp, P + "mlp:fwd")  # (B, Ta, C)
     g, c_gate = _kept_as(m, linear_t_forward(ma, params[P + "mlp.gate_proj.weight"]))  # (B, Ta, F/t)
     u, c_up = _kept_as(m, linear_t_forward(ma, params[P + "mlp.up_proj.weight"]))  # (B, Ta, F/t)
@@ -79,22 +84,19 @@ def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group):
     h, c_act = swiglu_forward(g, u)  # (B, T, F/t)
     d, c_down = linear_t_forward(h, params[P + "mlp.down_proj.weight"])  # (B, T, C) partial
     y = x1 + lay.pair.leave(d, lay.tp, P + "mlp.down_proj:fwd")  # (B, T, C)
-    cache = (c_ln1, c_q, c_k, c_v, c_rq, c_rk, c_sdpa, c_o, c_ln2, c_gate, c_up, c_act, c_down)
+    cache = (c_ln1, c_q, c_k, c_v, c_rq, c_rk, c_sdpa, c_o, c_ln2, (None, (c_gate, c_up, c_act, c_down)))
     return y, (cache, kv_group)
 
 
 def llama_parallel_block_backward(dy, cache, layer: int, lay: Layout):
     """dy (B, T, C) -> (dx (B, T, C), this rank's gradients of the block, k and v summed over their
     replicas)."""
-    (c_ln1, c_q, c_k, c_v, c_rq, c_rk, c_sdpa, c_o, c_ln2, c_gate, c_up, c_act, c_down), kv_group = cache
-    P, g = f"model.layers.{layer}.", {}
-    dd = lay.pair.leave_backward(dy, lay.tp, P + "mlp.down_proj:bwd")  # (B, T, C)
-    dh, g[P + "mlp.down_proj.weight"] = linear_t_backward(dd, c_down)  # (B, T, F/t)
-    dgate, dup = swiglu_backward(dh, c_act)  # (B, T, F/t) each
-    c_gate, c_up = _regathered(lay, P + "mlp:regather", c_gate, c_up)
-    dma, g[P + "mlp.gate_proj.weight"] = linear_t_backward(dgate, c_gate)  # (B, Ta, C)
-    dma_up, g[P + "mlp.up_proj.weight"] = linear_t_backward(dup, c_up)  # (B, Ta, C)
-    dm = lay.pair.enter_backward(dma + dma_up, lay.tp, P + "mlp:bwd")  # (B, T, C)
+    (c_ln1, c_q, c_k, c_v, c_rq, c_rk, c_sdpa, c_o, c_ln2, (moe, c_mlp)), kv_group = cache
+    P = f"model.layers.{layer}."
+    if moe is not None:  # Mixtral's experts
+        dm, g = moe.backward(dy, c_mlp)  # (B, Tl, C)
+    else:
+        dm, g = _mlp_backward(dy, c_mlp, P, lay)  # (B, Tl, C)
     dm, g[P + "post_attention_layernorm.weight"] = rmsnorm_backward(dm, c_ln2)  # (B, T, C)
     dx1 = dy + dm  # (B, T, C)
 
@@ -115,6 +117,19 @@ def llama_parallel_block_backward(dy, cache, layer: int, lay: Layout):
     da = lay.pair.enter_backward(dxa + dxa_k + dxa_v, lay.tp, P + "self_attn:bwd")  # (B, T, C)
     da, g[P + "input_layernorm.weight"] = rmsnorm_backward(da, c_ln1)  # (B, T, C)
     return dx1 + da, g
+
+
+def _mlp_backward(dy, cache, P: str, lay: Layout):
+    """The SwiGLU MLP's backward: dy (B, Tl, C) -> (dm (B, Tl, C), its weights' gradients)."""
+    c_gate, c_up, c_act, c_down = cache
+    g = {}
+    dd = lay.pair.leave_backward(dy, lay.tp, P + "mlp.down_proj:bwd")  # (B, Ta, C)
+    dh, g[P + "mlp.down_proj.weight"] = linear_t_backward(dd, c_down)  # (B, Ta, F/t)
+    dgate, dup = swiglu_backward(dh, c_act)  # (B, Ta, F/t) each
+    c_gate, c_up = _regathered(lay, P + "mlp:regather", c_gate, c_up)
+    dma, g[P + "mlp.gate_proj.weight"] = linear_t_backward(dgate, c_gate)  # (B, Ta, C)
+    dma_up, g[P + "mlp.up_proj.weight"] = linear_t_backward(dup, c_up)  # (B, Ta, C)
+    return lay.pair.enter_backward(dma + dma_up, lay.tp, P + "mlp:bwd"), g  # (B, Tl, C)
 
 
 def _kept_as(x, out_cache):
