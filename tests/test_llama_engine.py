@@ -4,17 +4,22 @@ one sentence before any communication; its activation closed form against the pl
 
 from __future__ import annotations
 
+import json
+import math
+
+import numpy as np
 import pytest
 
+from refpar import checkpoint
 from refpar.analysis.activations import llama_layer_bytes
 from refpar.analysis.presets import from_model_config
 from refpar.analysis.scale import PRECISIONS, layer_activation_bytes
 from refpar.commands.verify import judge
-from refpar.config import ConfigError, model_preset
+from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.holdings import kv_heads, kv_replicas, tp_param_slices
 from refpar.parallel.tensor_parallel import check_tp
 from tests.mpi import mpiexec, refpar_json
-from tests.numerics import CONTRACT, within
+from tests.numerics import CONTRACT, rel_diff, within
 from tests.test_mixed_precision_strategies import BF16
 
 
@@ -152,6 +157,36 @@ def test_llama_bf16_mixed_tp_sp_agrees_with_one_bf16_device_and_the_closed_forms
     peak = {(r["rank"], r["category"]): r["bytes"] for r in s["memory_peak_bytes"]}
     for rank in range(2):  # float32 master weights beside the bf16 ones
         assert peak[rank, "master"] == 2 * peak[rank, "params"] > 0
+
+
+def test_llama_checkpoint_saved_on_tp4_with_kv_replicas_resumes_on_tp4_pp2_and_dp2(tmp_path):
+    """Saved by tp=4 (each of llama-tiny's 2 kv heads on 2 ranks) after 2 of 4 steps, each element
+    once; resumed on tp=4 (bit for bit the uninterrupted run), on a 2-stage pipeline and on dp=2."""
+    common = ("train", "--model", "llama-tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "8")
+    full = refpar_json(4, *common, "--mesh", "tp=4", "--save", str(tmp_path / "full"), "--save-every", "2",
+                       timeout=240)["losses"]
+    step2 = tmp_path / "full" / "step-00000002"
+    manifest = json.loads((step2 / "manifest.json").read_text())
+    written: dict = {}
+    for f in manifest["files"]:
+        for a in f["arrays"]:
+            written[a["tensor"]] = written.get(a["tensor"], 0) + math.prod(hi - lo for lo, hi in a["box"])
+    # every element once: the second replica of a kv head writes nothing
+    assert written == {name: math.prod(t["shape"]) for name, t in manifest["tensors"].items()}
+    # read as a run that would go on (a checkpoint at its last step is refused as a resume)
+    model, train = model_preset("llama-tiny"), TrainConfig(steps=5, batch_size=4, seq_len=8)
+    uninterrupted = checkpoint.load_whole(tmp_path / "full" / "step-00000004", model, train)[1]
+    for n, mesh in ((4, ("tp=4",)), (2, ("pp=2", "--microbatches", "2")), (2, ("dp=2",))):
+        out = tmp_path / mesh[0]
+        resumed = refpar_json(n, *common, "--mesh", *mesh, "--resume", str(step2), "--save", str(out),
+                              timeout=240)["losses"]
+        params = checkpoint.load_whole(out / "step-00000004", model, train)[1]
+        if mesh[0] == "tp=4":  # the same operations in the same order as the uninterrupted run
+            assert resumed == full[2:]
+            assert all(np.array_equal(params[k], v) for k, v in uninterrupted.items())
+        else:  # another mesh sums in another order: the float64 contract
+            assert within(rel_diff(resumed, full[2:]), CONTRACT), (mesh, resumed, full[2:])
+            assert all(within(rel_diff(params[k], v), CONTRACT) for k, v in uninterrupted.items()), mesh
 
 
 def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
