@@ -1,6 +1,8 @@
-"""Llama on the one engine (refpar/engine): each mesh it runs on against the single device, with
-traced bytes and peak memory equal to the closed forms; the meshes it does not run on yet refused in
-one sentence before any communication; its activation closed form against the planner's."""
+"""Llama on the one engine (refpar/engine): each mesh it runs on (dp, ZeRO, FSDP, pp, tp with GQA,
+sp, cp ring and Ulysses, recomputation, Mixtral's experts over ep, bf16-mixed) against the single
+device, with traced bytes and peak memory equal to the closed forms; resharding checkpoints; the
+meshes it does not run on refused in one sentence before any communication; its activation closed
+forms against the planner's."""
 
 from __future__ import annotations
 
