@@ -93,9 +93,7 @@ def held_param_names(config: ModelConfig, n_stages: int, stages, ep: int = 1, ep
     """The parameters a rank holds, in the family's order: those of its pipeline stages `stages` (of
     `n_stages`), of a MoE block's experts only its ep rank's `shard_range` of them."""
     names = {n for s in stages for n in stage_param_names(config, n_stages, s)}
-    mine = range(*shard_range(config.moe_experts, ep, ep_rank))
-    return [n for n in param_shapes(config)
-            if n in names and (not is_expert(n) or expert_of(n) in mine)]
+    return [n for n in param_shapes(config) if n in names and held_expert(config, n, ep, ep_rank)]
 
 
 def held_numels(config: ModelConfig, sizes: dict, coords: dict, chunks: int = 1) -> dict[str, int]:

@@ -79,13 +79,14 @@ def test_llama_sequence_parallel_matches_one_device_with_closed_form_bytes_and_m
     assert {("tp", "all_gather"), ("tp", "reduce_scatter")} <= ops
 
 
-def test_llama_sequence_parallel_block_closed_form_is_the_planners():
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_llama_sequence_parallel_block_closed_form_is_the_planners(recompute):
     config = model_preset("llama-tiny")
     b, T, t = 2, 16, 2
-    planner = layer_activation_bytes(from_model_config(config), b, T, tp=t, sp=True,
+    planner = layer_activation_bytes(from_model_config(config), b, T, tp=t, sp=True, recompute=recompute,
                                      precision=PRECISIONS["float64"])
     rank = llama_layer_bytes(config, b, T, config.n_head // t, config.n_kv_head // t,
-                             config.intermediate_size // t, keep_refpar=False, Tl=T // t)
+                             config.intermediate_size // t, keep_refpar=False, Tl=T // t, recompute=recompute)
     assert rank == planner
 
 
@@ -225,6 +226,10 @@ def test_llama_with_mixtral_experts_over_ep_matches_one_device_with_closed_form_
                     "--moe-experts", "4", "--moe-topk", "2", "--dropless", "--microbatches", "2", timeout=240)
     assert_matches_one_device_and_closed_forms(s)
     assert s["moe"]["blocks"] == [0, 1, 2, 3] and s["moe"]["capacity"] is None
+    # each ep rank holds 2 of the 4 SwiGLU experts (w1, w3 (F, C), w2 (C, F)) of every block
+    config = model_preset("llama-tiny")
+    per_rank = 8 * 3 * config.intermediate_size * config.n_embd * 2 * config.n_layer
+    assert s["moe"]["expert_param_bytes_per_ep_rank"] == [per_rank, per_rank]
     assert {("ep", "all_to_all"), ("data", "all_gather")} <= {(r["axis"], r["op"]) for r in s["comm_bytes"]}
 
 

@@ -36,7 +36,9 @@ import math
 import numpy as np
 
 from refpar.comm import cost
-from refpar.model.moe import capacity, expert_param_shapes
+from refpar.holdings import expert_of
+from refpar.model import param_shapes
+from refpar.model.moe import capacity
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -106,9 +108,10 @@ def expected_all_to_all_bytes(config, tokens_per_rank: int, n_data: int, ep: int
 
 
 def expert_params_per_rank(config, ep: int, ep_rank: int) -> int:
-    """Expert parameters (elements) that ep rank `ep_rank` holds, over all MoE blocks."""
-    per_expert = sum(math.prod(s) for s in expert_param_shapes(config).values())
-    return len(_owned(config.moe_experts, ep, ep_rank)) * per_expert * len(config.moe_blocks)
+    """Expert parameters (elements) that ep rank `ep_rank` holds, over all MoE blocks (GPT-2's
+    GELU experts or Mixtral's SwiGLU ones, by the family's parameter shapes)."""
+    mine = _owned(config.moe_experts, ep, ep_rank)
+    return sum(math.prod(s) for n, s in param_shapes(config).items() if expert_of(n) in mine)
 
 
 def expert_param_bytes_per_rank(config, ep: int, ep_rank: int) -> int:

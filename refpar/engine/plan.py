@@ -23,7 +23,7 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
     """Every check of a run on a mesh of `sizes` (every axis), with no communication."""
     p, d, e, c, t = (sizes.get(a, 1) for a in ("pp", "dp", "ep", "cp", "tp"))
     train.check_model(model)
-    _check_family(model, sizes, plan)
+    _check_family(model, sizes)
     check_expert_parallel(model, e)
     check_tp(model, t)
     if plan.sp:
@@ -48,7 +48,7 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
     _check_schedule(model, p, plan)  # last: building costs p x m x v; its own sentences
 
 
-def _check_family(model: ModelConfig, sizes: dict, plan: Plan) -> None:
+def _check_family(model: ModelConfig, sizes: dict) -> None:
     """What the engine runs Llama with so far: every strategy; Mixtral's experts without expert
     tensor parallelism (refpar/parallel/expert_tensor_parallel.py splits GPT-2's experts only)."""
     if model.arch == "llama" and model.moe_experts and sizes.get("tp", 1) > 1:

@@ -150,7 +150,7 @@ class RingAttention:
     def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs); k, v (B, nkv, Tl, hs)
         xp = array_namespace(q)
         nh, nkv = q.shape[1], k.shape[1]
-        if nkv < nh:  # GQA: kv head h's g query heads as one more batch axis, k and v broadcast
+        if nkv < nh:  # GQA (Llama: no dropout, keep is None): each kv head's g query heads a batch axis
             q = xp.reshape(q, (q.shape[0], nkv, nh // nkv, *q.shape[2:]))  # (B, nkv, g, Tl, hs)
             k, v = xp.expand_dims(k, axis=2), xp.expand_dims(v, axis=2)  # (B, nkv, 1, Tl, hs)
         cfg, T, c, pos = lay.config, lay.seq_len, self.cp.size, lay.region_pos
