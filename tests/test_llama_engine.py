@@ -162,9 +162,10 @@ def test_llama_bf16_mixed_tp_sp_agrees_with_one_bf16_device_and_the_closed_forms
         assert peak[rank, "master"] == 2 * peak[rank, "params"] > 0
 
 
-def test_llama_checkpoint_saved_on_tp4_with_kv_replicas_resumes_on_tp4_pp2_and_dp2(tmp_path):
+def test_llama_checkpoint_saved_on_tp4_with_kv_replicas_resumes_on_tp4_and_on_a_pipeline(tmp_path):
     """Saved by tp=4 (each of llama-tiny's 2 kv heads on 2 ranks) after 2 of 4 steps, each element
-    once; resumed on tp=4 (bit for bit the uninterrupted run), on a 2-stage pipeline and on dp=2."""
+    once; resumed on tp=4 (bit for bit the uninterrupted run) and on a 2-stage pipeline (whole
+    tensors from the tp shards)."""
     common = ("train", "--model", "llama-tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "8")
     full = refpar_json(4, *common, "--mesh", "tp=4", "--save", str(tmp_path / "full"), "--save-every", "2",
                        timeout=240)["losses"]
@@ -179,7 +180,7 @@ def test_llama_checkpoint_saved_on_tp4_with_kv_replicas_resumes_on_tp4_pp2_and_d
     # read as a run that would go on (a checkpoint at its last step is refused as a resume)
     model, train = model_preset("llama-tiny"), TrainConfig(steps=5, batch_size=4, seq_len=8)
     uninterrupted = checkpoint.load_whole(tmp_path / "full" / "step-00000004", model, train)[1]
-    for n, mesh in ((4, ("tp=4",)), (2, ("pp=2", "--microbatches", "2")), (2, ("dp=2",))):
+    for n, mesh in ((4, ("tp=4",)), (2, ("pp=2", "--microbatches", "2"))):
         out = tmp_path / mesh[0]
         resumed = refpar_json(n, *common, "--mesh", *mesh, "--resume", str(step2), "--save", str(out),
                               timeout=240)["losses"]
