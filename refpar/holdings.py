@@ -93,9 +93,7 @@ def held_param_names(config: ModelConfig, n_stages: int, stages, ep: int = 1, ep
     """The parameters a rank holds, in the family's order: those of its pipeline stages `stages` (of
     `n_stages`), of a MoE block's experts only its ep rank's `shard_range` of them."""
     names = {n for s in stages for n in stage_param_names(config, n_stages, s)}
-    mine = range(*shard_range(config.moe_experts, ep, ep_rank))
-    return [n for n in param_shapes(config)
-            if n in names and (not is_expert(n) or int(n.split(".")[4]) in mine)]  # h.i.mlp.experts.e.
+    return [n for n in param_shapes(config) if n in names and held_expert(config, n, ep, ep_rank)]
 
 
 def held_numels(config: ModelConfig, sizes: dict, coords: dict, chunks: int = 1) -> dict[str, int]:
@@ -119,6 +117,22 @@ def kv_replicas(config: ModelConfig, t: int) -> int:
     if config.arch != "llama" or t <= config.n_kv_head:
         return 1
     return t // config.n_kv_head
+
+
+def own_layers(config: ModelConfig, sizes: dict, sp: bool, recompute: str = "none") -> bool:
+    """Whether a stage runs the model's own layers (refpar/model) rather than tensor parallelism's
+    pieces: no tp, cp, sp or experts, and for Llama no selective recomputation, whose attention core
+    swap (recompute.SelectiveAttention) is the pieces' (on a tp=1 layout then)."""
+    return (sizes.get("tp", 1) == 1 and sizes.get("cp", 1) == 1 and not sp and not config.moe_experts
+            and not (config.arch == "llama" and recompute == "selective"))
+
+
+def kv_heads_per_rank(config: ModelConfig, t: int) -> int:
+    """How many kv heads each tp rank holds: n_kv_head / t, one when replicated; GPT-2's are its
+    query heads, n_head / t."""
+    if config.arch != "llama":
+        return config.n_head // t
+    return max(config.n_kv_head // t, 1)
 
 
 def kv_heads(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
@@ -177,7 +191,11 @@ def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[i
 
 def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
     """Replicated parameters applied in the sequence-sharded region (refpar/parallel/
-    sequence_parallel.py): each tp rank computes their gradient from its sequence shard only."""
+    sequence_parallel.py): each tp rank computes their gradient from its sequence shard only. Llama's
+    are its RMSNorm gains (no biases, no position table)."""
+    if config.arch == "llama":
+        return ["model.norm.weight"] + [f"model.layers.{i}.{n}_layernorm.weight"
+                                        for i in range(config.n_layer) for n in ("input", "post_attention")]
     names = ["wpe.weight", "ln_f.weight", "ln_f.bias"]
     for i in range(config.n_layer):
         names += [f"h.{i}.{n}" for n in ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias",
@@ -210,8 +228,26 @@ def keeps_lowp(config: ModelConfig, sizes: dict) -> bool:
     return not config.moe_experts and all(n == 1 for a, n in sizes.items() if a != "dp")
 
 
+EXPERTS = (".mlp.experts.", ".block_sparse_moe.experts.")  # GPT-2's h.i.mlp.experts.e., Mixtral's
+
+
 def is_expert(name: str) -> bool:
-    return ".mlp.experts." in name
+    return any(m in name for m in EXPERTS)
+
+
+def expert_of(name: str) -> int | None:
+    """The expert a parameter belongs to (either family), None outside the experts."""
+    for marker in EXPERTS:
+        if marker in name:
+            rest = name[name.index(marker) + len(marker):]
+            return int(rest[:rest.index(".")])
+    return None
+
+
+def held_expert(config: ModelConfig, name: str, ep: int, ep_rank: int) -> bool:
+    """Whether ep rank `ep_rank` of `ep` holds parameter `name`: every non-expert one, and of the
+    experts its `shard_range` of them."""
+    return not is_expert(name) or expert_of(name) in range(*shard_range(config.moe_experts, ep, ep_rank))
 
 
 ENDS = ("wte", "root")  # the units the embedding and the head read

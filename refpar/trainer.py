@@ -33,9 +33,9 @@ import numpy as np
 
 from refpar import backend, checkpoint
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
-from refpar.model import init_params, loss_and_grads
+from refpar.model import init_params, loss_and_grads, moe_layer
 from refpar.model.data import MarkovCorpus
-from refpar.model.moe import MoELayer, kept_counts
+from refpar.model.moe import kept_counts
 from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
 from refpar.sharding import shard_range
@@ -144,7 +144,7 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
         for j in range(m):
             ids = range(*shard_range(train.batch_size, m, j)) if m > 1 else sample_ids
             tokens, targets = corpus.batch(step, ids, train.seq_len)  # (B/M, T) each
-            layer = MoELayer(weight=1 / m, grad_scale=dloss) if model.moe_experts else None
+            layer = moe_layer(model, weight=1 / m, grad_scale=dloss) if model.moe_experts else None
             # fp16 loss scaling expects overflow to inf now and then, and checks for it: no warnings.
             with np.errstate(over="ignore", invalid="ignore") if scaler else contextlib.nullcontext():
                 part, g = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,

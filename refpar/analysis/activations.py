@@ -118,7 +118,7 @@ def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str =
     `recompute` a block keeps what `layer_bytes` says then; "core" is its attention core's
     `core_bytes`."""
     if config.arch == "llama":
-        return llama_activation_bytes(config, b, T)
+        return llama_activation_bytes(config, b, T, recompute)
     e = dtype_of(config.dtype).itemsize
     rank = RankShape(B=b, T=T, Ta=T, Tl=T, t=1, c=1, nh=config.n_head, V=config.vocab_size, e=e,
                      cp_tokens=(T,), cp_rank=0)
@@ -133,34 +133,69 @@ def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str =
 
 
 def llama_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = None,
-                      kv_heads: int | None = None, ff: int | None = None, keep_refpar: bool = True) -> int:
+                      kv_heads: int | None = None, ff: int | None = None, keep_refpar: bool = True,
+                      Tl: int | None = None, Ta: int | None = None, attention: str = "local",
+                      cp: int = 1, cp_rank: int = 0, recompute: str = "none") -> int:
     """One Llama block's kept bytes (refpar/model/llama.py's caches, each buffer once), for b
-    sequences of T tokens, N = b T, kv = n_kv_head * head_size; on a tp rank (llama_tensor_parallel)
-    of its `heads` query heads, `kv_heads` kv heads and `ff` SwiGLU columns, where C in the inside
-    terms is its heads' columns (the RMSNorms and their outputs stay whole):
+    sequences of T tokens, kv = n_kv_head * head_size; on a tp rank (llama_tensor_parallel) of its
+    `heads` query heads, `kv_heads` kv heads and `ff` SwiGLU columns, where C in the inside terms is
+    its heads' columns (the RMSNorms and their outputs stay whole); on a cp rank of cp ranks holding
+    `Ta` of the tokens (default T), attention "ring" or "ulysses"; under sp of the `Tl` tokens of its
+    sequence shard (default Ta). Nl = b Tl, Na = b Ta:
 
-        outside  4 e N C: the inputs of both RMSNorms (refpar keeps x-hat, the same size) and their
-                 outputs, which q, k, v and gate, up read
-        inside   e N (C + kv + kv + C + 3F): the rotated q and k, v, o_proj's input (the merged
+        outside  4 e Nl C: the inputs of both RMSNorms (refpar keeps x-hat, the same size) and their
+                 outputs, which q, k, v and gate, up keep (the shard: the backward gathers it again)
+        inside   e Na (C + kv + kv + C + 3F): the rotated q and k, v, o_proj's input (the merged
                  heads), gate's and up's outputs and down's input
-        scores   e nh T^2 b: the softmax probabilities (no dropout)
+        scores   e nh Ta T b: the softmax probabilities (no dropout) of the rank's queries
 
     which is the planner's analysis/scale.layer_activation_bytes for a SwiGLU, GQA, dropout-free
-    block (tests show it); `keep_refpar` adds what refpar keeps beyond it: each RMSNorm's 1/rms
-    per token (2 e N) and the block's RoPE cos and sin tables (2 e T hs)."""
+    block, its sp and cp divisions and its recompute modes included (tests show it): the attention
+    core beyond q, k, v is `llama_core_bytes`, which "selective" drops (keeping q, k, v, the core's
+    inputs); "full" keeps the block's input alone, e Nl C. Ulysses keeps its core's q, k, v (head-
+    sharded) instead of the sequence-sharded ones. `keep_refpar` adds what refpar keeps beyond the
+    planner: each RMSNorm's 1/rms per token (2 e Nl) and the block's RoPE cos and sin tables of its
+    positions (2 e Ta hs)."""
     hs, e, C = config.head_size, dtype_of(config.dtype).itemsize, config.n_embd
     nh = config.n_head if heads is None else heads
-    kv = hs * (config.n_kv_head if kv_heads is None else kv_heads)
+    nkv = config.n_kv_head if kv_heads is None else kv_heads
     F = config.intermediate_size if ff is None else ff
-    N, Ch = b * T, nh * hs  # tokens; the query heads' columns
-    n = 4 * e * N * C + e * N * (Ch + kv + kv + Ch + 3 * F) + e * nh * T * T * b
-    return n + (2 * e * N + 2 * e * T * hs if keep_refpar else 0)
+    Ta = T if Ta is None else Ta
+    Tl = Ta if Tl is None else Tl
+    Na, Nl, Ch, kv = b * Ta, b * Tl, nh * hs, nkv * hs  # tokens; the shard's; the heads' columns
+    if recompute == "full":
+        return e * Nl * C
+    n = 4 * e * Nl * C + e * Na * (Ch + 3 * F)  # the norms; o_proj's input, gate's and up's outputs, down's
+    if attention != "ulysses" or recompute == "selective":
+        n += e * Na * (Ch + 2 * kv)  # q, k, v
+    if recompute != "selective":
+        n += llama_core_bytes(config, b, T, nh, nkv, Ta, attention, cp, cp_rank)
+        if attention == "ring" and nh == 1:  # the merged heads o_proj keeps are a view of the output
+            n -= e * Na * Ch
+    return n + (2 * e * Nl + 2 * e * Ta * hs if keep_refpar else 0)
 
 
-def llama_activation_bytes(config: ModelConfig, b: int, T: int) -> dict[str, int]:
+def llama_core_bytes(config: ModelConfig, b: int, T: int, heads: int, kv_heads: int, Ta: int,
+                     attention: str = "local", cp: int = 1, cp_rank: int = 0) -> int:
+    """What a Llama block's attention core keeps beyond its inputs q, k, v (`llama_layer_bytes`'
+    legend): the scores e nh Ta T b; under Ulysses the head-sharded q, k, v and scores of its heads
+    nh_c, nkv_c (shard_range over cp) over all T, the planner's numbers split by heads; under ring
+    attention no scores (context_parallel.py: the backward makes each block's again from the
+    log-sum-exp) but its output e Na C and the log-sum-exp b nh Ta (float32 under 16 bits)."""
+    hs, e = config.head_size, dtype_of(config.dtype).itemsize
+    if attention == "ulysses":
+        nh_c, nkv_c = shard_sizes(heads, cp)[cp_rank], shard_sizes(kv_heads, cp)[cp_rank]
+        return e * b * T * hs * (nh_c + 2 * nkv_c) + e * nh_c * b * T * T
+    if attention == "ring":
+        return e * b * Ta * heads * hs + b * heads * Ta * (4 if e == 2 else e)
+    return e * heads * Ta * T * b
+
+
+def llama_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str = "none") -> dict[str, int]:
     """`model_activation_bytes` of Llama's own layers: the embedding keeps the int64 tokens (no
-    position table, no dropout), a block `llama_layer_bytes`, the head the final norm's x-hat, 1/rms
-    and output, the softmax probabilities (b, T, V) and the int64 targets."""
+    position table, no dropout), a block `llama_layer_bytes` (under `recompute` "full" its input;
+    "selective" runs on tensor parallelism's pieces, holdings.own_layers), the head the final norm's
+    x-hat, 1/rms and output, the softmax probabilities (b, T, V) and the int64 targets."""
     e, tokens, C, V = dtype_of(config.dtype).itemsize, b * T, config.n_embd, config.vocab_size
-    return {"embed": 8 * tokens, "block": llama_layer_bytes(config, b, T),
+    return {"embed": 8 * tokens, "block": llama_layer_bytes(config, b, T, recompute=recompute),
             "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens}

@@ -45,6 +45,7 @@ from refpar.analysis.activations import (
     embed_bytes,
     head_bytes,
     layer_bytes,
+    llama_core_bytes,
     llama_layer_bytes,
     model_activation_bytes,
 )
@@ -55,10 +56,12 @@ from refpar.holdings import (
     embed_param_names,
     expert_unit,
     head_param_names,
+    held_expert,
     keeps_lowp,
     kv_heads,
     kv_replicas,
     microbatch_samples,
+    own_layers,
     sequence_parallel_param_names,
     stage_layers,
     stage_names,
@@ -68,9 +71,8 @@ from refpar.holdings import (
 )
 from refpar.memory import CATEGORIES
 from refpar.model import param_shapes
-from refpar.model.moe import expert_prefix
 from refpar.parallel.pipeline.schedules import Layout, Schedule, layout, of_plan, stored
-from refpar.sharding import shard_range, shard_sizes
+from refpar.sharding import shard_sizes
 
 
 def rank_coords(sizes: dict, rank: int) -> dict:
@@ -92,12 +94,10 @@ def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, plan) -> di
     of its ep rank, tp-sliced."""
     lay = pipeline(sizes, plan)[1]
     names = {n for s in lay.stages_of(coords["pp"]) for n in stage_names(model, lay, s)}
-    mine = tuple(expert_prefix(i, x) + "." for i in model.moe_blocks
-                 for x in range(*shard_range(model.moe_experts, sizes["ep"], coords["ep"])))
     slices = tp_param_slices(model, sizes["tp"], coords["tp"])
     out = {}
     for n, shape in param_shapes(model).items():
-        if n in names and (".mlp.experts." not in n or n.startswith(mine)):
+        if n in names and held_expert(model, n, sizes["ep"], coords["ep"]):
             axis, index = slices.get(n, (None, None))
             out[n] = math.prod(shape) if axis is None else math.prod(shape) // shape[axis] * len(index)
     return out
@@ -149,8 +149,8 @@ def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.
 
 
 def plain(model, sizes: dict, plan) -> bool:
-    """Whether the blocks are the model's own (no tp, cp, sp or experts; refpar/engine/parallelize)."""
-    return sizes["tp"] == 1 and sizes["cp"] == 1 and not plan.sp and not model.moe_experts
+    """Whether the blocks are the model's own (holdings.own_layers; refpar/engine/parallelize)."""
+    return own_layers(model, sizes, plan.sp, plan.recompute)
 
 
 def split_backward(model, sizes: dict, plan) -> bool:
@@ -328,15 +328,11 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
         return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
                 + pieces["head"] * (stage == n_stages - 1))
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
-    if model.arch == "llama":  # tp only, so far (plan._check_family)
-        k0, k1 = kv_heads(model, r.t, coords["tp"])
-        block = llama_layer_bytes(model, b, cfg.seq_len, r.nh, k1 - k0,
-                                  shard_sizes(model.intermediate_size, r.t)[coords["tp"]])
-        return (len(layers) * block + embed_bytes(model, r, False) * (stage == 0)
-                + head_bytes(model, r) * (stage == n_stages - 1))
     dropout = model.dropout > 0.0
-    n = len(layers) * _block_bytes(model, r, plan, plan.recompute) + embed_bytes(model, r, dropout) * (
-        stage == 0) + head_bytes(model, r) * (stage == n_stages - 1)
+    block = (_llama_block_bytes(model, cfg, coords, r, plan, plan.recompute) if model.arch == "llama" else
+             _block_bytes(model, r, plan, plan.recompute))
+    n = len(layers) * block + embed_bytes(model, r, dropout) * (stage == 0) + head_bytes(model, r) * (
+        stage == n_stages - 1)
     if model.moe_experts and plan.recompute != "full":  # under full a MoE block keeps its input alone
         n += moe_forms.moe_activation_delta(model, cfg, sizes, coords, layers, b, r.Ta, kept or {},
                                             plan.microbatches, j, plan.cp_algo, plan.sp)
@@ -353,6 +349,18 @@ def _block_bytes(model: ModelConfig, r, plan, recompute: str) -> int:
     return n
 
 
+def _llama_block_bytes(model, cfg, coords, r, plan, recompute: str, core: bool = False) -> int:
+    """What one Llama block keeps on the rank of shape `r` (llama_layer_bytes); `core`: what its
+    attention core makes again under selective recomputation (llama_core_bytes) instead."""
+    k0, k1 = kv_heads(model, r.t, coords["tp"])
+    attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
+    shape = dict(heads=r.nh, kv_heads=k1 - k0, Ta=r.Ta, attention=attention, cp=r.c, cp_rank=r.cp_rank)
+    if core:
+        return llama_core_bytes(model, r.B, cfg.seq_len, **shape)
+    ff = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+    return llama_layer_bytes(model, r.B, cfg.seq_len, ff=ff, Tl=r.Tl, recompute=recompute, **shape)
+
+
 def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, stage: int,
                             n_stages: int, b: int, plan, kept: dict | None = None, j: int = 0) -> int:
     """What the backward of microbatch j (b rows) on part `stage` makes again and holds at once
@@ -363,9 +371,13 @@ def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
     if plain(model, sizes, plan):
         return model_activation_bytes(model, b, cfg.seq_len)["block" if plan.recompute == "full" else "core"]
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
+    llama = model.arch == "llama"
     if plan.recompute == "selective":
+        if llama:
+            return _llama_block_bytes(model, cfg, coords, r, plan, "none", core=True)
         return core_bytes(model, r, "local" if r.c == 1 else (plan.cp_algo or "ring"), model.dropout > 0.0)
-    dense = _block_bytes(model, r, plan, "none")
+    dense = _llama_block_bytes(model, cfg, coords, r, plan, "none") if llama else _block_bytes(model, r, plan,
+                                                                                                "none")
     return max(dense + (moe_forms.moe_activation_delta(model, cfg, sizes, coords, [i], b, r.Ta, kept or {},
                                                        plan.microbatches, j, plan.cp_algo, plan.sp)
                         if i in model.moe_blocks else 0)

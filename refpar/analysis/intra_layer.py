@@ -36,7 +36,7 @@ import numpy as np
 
 from refpar.comm import cost
 from refpar.config import ModelConfig, TrainConfig
-from refpar.holdings import held_numels, sequence_parallel_param_names
+from refpar.holdings import held_numels, kv_heads_per_rank, sequence_parallel_param_names
 from refpar.model import param_shapes
 from refpar.sharding import shard_range, shard_sizes
 
@@ -121,15 +121,17 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
         return Call("tp", "reduce_scatter", tag, b.sent, b.recv)
 
     ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta, compute_itemsize(e)) for k in ("max", "sumexp", "target")]
-    if not sp:  # Llama's blocks move what GPT-2's do (llama_tensor_parallel.py), under other tags
-        calls = [ar("wte:fwd" if model.arch == "gpt2" else "model.embed_tokens:fwd", act)]
+    # Llama's blocks move what GPT-2's do (llama_tensor_parallel.py), under other tags
+    embed = "wte" if model.arch == "gpt2" else "model.embed_tokens"
+    if not sp:
+        calls = [ar(f"{embed}:fwd", act)]
         for i in range(L):
             calls += [ar(f"h.{i}.attn.c_proj:fwd", act), ar(f"h.{i}.mlp.c_proj:fwd", act)]
         calls += ce + [ar("lm_head:bwd", act)]
         for i in reversed(range(L)):
             calls += [ar(f"h.{i}.mlp.c_fc:bwd", act), ar(f"h.{i}.attn.c_attn:bwd", act)]
         return calls
-    calls = [rs("wte:fwd")]
+    calls = [rs(f"{embed}:fwd")]
     for i in range(L):
         calls += [ag(f"h.{i}.attn.c_attn:fwd"), rs(f"h.{i}.attn.c_proj:fwd"),
                   ag(f"h.{i}.mlp.c_fc:fwd"), rs(f"h.{i}.mlp.c_proj:fwd")]
@@ -140,13 +142,14 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
                       rs(f"h.{i}.{sub}.{col}:bwd")]
     shapes = param_shapes(model)
     sp_numel = sum(math.prod(shapes[n]) for n in sequence_parallel_param_names(model))
-    calls += [ag("wte:bwd"), ar("sp.replicated_grads:bwd", sp_numel, grad_e or e)]
+    calls += [ag(f"{embed}:bwd"), ar("sp.replicated_grads:bwd", sp_numel, grad_e or e)]
     return calls
 
 
 def _ring_calls(model: ModelConfig, s: RankShape) -> list[Call]:
     c, r, hs = s.c, s.cp_rank, model.head_size
-    block = [2 * s.B * s.nh * n * hs for n in s.cp_tokens]  # elements of each rank's K/V block
+    kv = kv_heads_per_rank(model, s.t)  # Llama's K/V blocks carry its kv heads alone
+    block = [2 * s.B * kv * n * hs for n in s.cp_tokens]  # elements of each rank's K/V block
 
     def hop(tag, step, e=s.e):  # the block held at `step` goes to rank+1; rank-1's arrives
         return [Call("cp", "isend", tag, block[(r - step) % c] * e, 0),
@@ -166,23 +169,25 @@ def _ring_calls(model: ModelConfig, s: RankShape) -> list[Call]:
 
 def _ulysses_calls(model: ModelConfig, s: RankShape) -> list[Call]:
     c, r, hs = s.c, s.cp_rank, model.head_size
-    heads, seqs = shard_sizes(s.nh, c), list(s.cp_tokens)
+    seqs, kv = list(s.cp_tokens), kv_heads_per_rank(model, s.t)  # Llama's k and v: its kv heads
 
-    def a2a(tag, n, to_heads):
+    def a2a(tag, arrays, to_heads):  # `arrays`: the head counts of q, k, v or of the output
+        heads = [sum(shard_sizes(n, c)[d] for n in arrays) for d in range(c)]  # of each rank's share
         if to_heads:  # my tokens of each rank's heads out, my heads of each rank's tokens in
-            send = [n * s.B * heads[d] * seqs[r] * hs for d in range(c)]
-            recv = [n * s.B * heads[r] * seqs[q] * hs for q in range(c)]
+            send = [s.B * heads[d] * seqs[r] * hs for d in range(c)]
+            recv = [s.B * heads[r] * seqs[q] * hs for q in range(c)]
         else:
-            send = [n * s.B * heads[r] * seqs[d] * hs for d in range(c)]
-            recv = [n * s.B * heads[q] * seqs[r] * hs for q in range(c)]
+            send = [s.B * heads[r] * seqs[d] * hs for d in range(c)]
+            recv = [s.B * heads[q] * seqs[r] * hs for q in range(c)]
         b = cost.all_to_all_bytes(send, recv, r, s.e)
         return Call("cp", "all_to_all", tag, b.sent, b.recv)
 
+    qkv, y = (s.nh, kv, kv), (s.nh,)
     calls = []
     for i in range(model.n_layer):
-        calls += [a2a(f"h.{i}.attn.ulysses_qkv:fwd", 3, True), a2a(f"h.{i}.attn.ulysses_out:fwd", 1, False)]
+        calls += [a2a(f"h.{i}.attn.ulysses_qkv:fwd", qkv, True), a2a(f"h.{i}.attn.ulysses_out:fwd", y, False)]
     for i in reversed(range(model.n_layer)):
-        calls += [a2a(f"h.{i}.attn.ulysses_out:bwd", 1, True), a2a(f"h.{i}.attn.ulysses_qkv:bwd", 3, False)]
+        calls += [a2a(f"h.{i}.attn.ulysses_out:bwd", y, True), a2a(f"h.{i}.attn.ulysses_qkv:bwd", qkv, False)]
     return calls
 
 

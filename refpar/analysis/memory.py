@@ -101,7 +101,7 @@ class Options:
         return self.state_itemsize or self.itemsize
 
     # the fields of a Plan (refpar/engine/plan.py) a data-parallel mesh leaves at their defaults
-    kind, chunks, schedule_csv, sp, cp_algo = "1f1b", None, None, False, None
+    kind, chunks, schedule_csv, sp, cp_algo, recompute = "1f1b", None, None, False, None, "none"
 
     @property
     def stage(self) -> int:

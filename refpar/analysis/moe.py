@@ -36,7 +36,9 @@ import math
 import numpy as np
 
 from refpar.comm import cost
-from refpar.model.moe import capacity, expert_param_shapes
+from refpar.holdings import expert_of
+from refpar.model import param_shapes
+from refpar.model.moe import capacity
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -106,9 +108,10 @@ def expected_all_to_all_bytes(config, tokens_per_rank: int, n_data: int, ep: int
 
 
 def expert_params_per_rank(config, ep: int, ep_rank: int) -> int:
-    """Expert parameters (elements) that ep rank `ep_rank` holds, over all MoE blocks."""
-    per_expert = sum(math.prod(s) for s in expert_param_shapes(config).values())
-    return len(_owned(config.moe_experts, ep, ep_rank)) * per_expert * len(config.moe_blocks)
+    """Expert parameters (elements) that ep rank `ep_rank` holds, over all MoE blocks (GPT-2's
+    GELU experts or Mixtral's SwiGLU ones, by the family's parameter shapes)."""
+    mine = _owned(config.moe_experts, ep, ep_rank)
+    return sum(math.prod(s) for n, s in param_shapes(config).items() if expert_of(n) in mine)
 
 
 def expert_param_bytes_per_rank(config, ep: int, ep_rank: int) -> int:
@@ -170,7 +173,9 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: 
 def mlp_activation_bytes(model, tokens: int, H: int | None = None) -> int:
     """What GPT-2's MLP adds to analysis.activations.layer_bytes (refpar's Keep): over `tokens`
     tokens, GeLU's input, its tanh and c_proj's input, 4C each (`H`, this tp rank's columns of
-    4C, under tp). An MoE block keeps `moe_cache_bytes` in its place."""
+    4C, under tp); Llama's SwiGLU (activations.llama_layer_bytes) the gate's and up's outputs and
+    down's input, H = F each. An MoE block keeps `moe_cache_bytes` in its place (a Mixtral
+    expert's SwiGLU keeps the same three of its F columns: expert_mlps, 3 Q F)."""
     return tokens * 3 * (4 * model.n_embd if H is None else H) * np.dtype(model.dtype).itemsize
 
 
@@ -185,7 +190,8 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
     D = sizes["dp"] * ep
     El = len(_owned(model.moe_experts, ep, coords["ep"]))
     N, e, C = b * Ta, np.dtype(model.dtype).itemsize, model.n_embd
-    H = shard_sizes(4 * C, t)[coords["tp"]]  # 4C without tp
+    # an expert's hidden width: GPT-2's 4C, Mixtral's SwiGLU F (this tp rank's columns under tp)
+    H = shard_sizes(model.intermediate_size if model.arch == "llama" else 4 * C, t)[coords["tp"]]
     runs = sum(exchange_runs(cfg.batch_size, m, j, D, cfg.seq_len, c, cp_algo))  # D without cp
     group = (coords["dp"] * ep + coords["ep"]) * c + coords["cp"]  # this rank in the exchange
     n = 0

@@ -114,6 +114,15 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
     ("llama dp x tp x pp", 8, ("--model", "llama-tiny", "--mesh", "dp=2,tp=2,pp=2", "--microbatches", "4")),
     ("llama fsdp x interleaved", 4, ("--model", "llama-tiny", "--mesh", "dp=2,pp=2", "--fsdp",
                                      "--schedule", "interleaved-1f1b", "--microbatches", "4")),
+    ("llama dp x tp+sp x pp", 8, ("--model", "llama-tiny", "--mesh", "dp=2,tp=2,pp=2", "--sp",
+                                  "--microbatches", "4")),
+    # RoPE by global position: zig-zag chunks under ring; Ulysses splits the 2 kv heads over cp
+    ("llama cp ring", 2, ("--model", "llama-tiny", "--mesh", "cp=2")),
+    ("llama cp ulysses", 2, ("--model", "llama-tiny", "--mesh", "cp=2", "--cp-algo", "ulysses")),
+    # Mixtral's experts: HF's MixtralSparseMoeBlock routing (softmax, top-2, renormalised, dropless)
+    ("llama dp x ep mixtral", 4, ("--model", "llama-tiny", "--mesh", "dp=2,ep=2", "--moe-experts", "4",
+                                  "--moe-topk", "2", "--dropless", "--microbatches", "2")),
+    ("llama tp+sp bf16", 2, ("--model", "llama-tiny", "--mesh", "tp=2", "--sp", "--precision", "bf16-mixed")),
 ]
 # About 10 runs that touch every building block once: `make test` runs these.
 QUICK = ("zero-3", "tp+sp", "dp x cp", "dp x ep", "pp zb-h1", "interleaved x tp", "zero-1 x tp+sp x pp",

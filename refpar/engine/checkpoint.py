@@ -9,14 +9,17 @@ is a flat range of each parameter it overlaps, of this rank's tp shard of it; `c
 cuts that into boxes of the global tensor (a tp shard's columns of c_attn are three runs). Saving
 writes each element once: of what a group holds alike each rank its `shard_range`, of what every
 tp rank holds whole tp rank 0, of the tied embedding pp rank 0 (the last stage's is the same), of
-DualPipe's two copies the first rank of each mirror pair.
+DualPipe's two copies the first rank of each mirror pair, of a Llama kv head that b = tp / n_kv_head
+tp ranks replicate (holdings.kv_replicas) the first of them.
 """
 
 from __future__ import annotations
 
 from refpar import checkpoint
-from refpar.holdings import tied_embedding
+from refpar.holdings import kv_replicas, tied_embedding
 from refpar.sharding import shard_range
+
+KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")  # Llama's kv heads' matrices
 
 
 def pieces(par, saving: bool) -> list:
@@ -24,6 +27,7 @@ def pieces(par, saving: bool) -> list:
     units, coords = par.hooks.units, par.mesh.coords
     slices = par.tp_slices
     tied = tied_embedding(par.model)
+    kv_copy = coords["tp"] % kv_replicas(par.model, par.mesh.sizes["tp"]) > 0  # another rank writes its kv
     out = []
     if saving and par.copies is not None and par.copies.rank > 0:  # its mirror writes the same
         return out
@@ -34,7 +38,8 @@ def pieces(par, saving: bool) -> list:
             a, b = shard_range(units.size[unit], group.size, group.rank)
             lo, hi = max(lo, a), min(hi, b)
         for name, a, b in units.segments(unit, lo, hi):
-            if saving and ((name not in slices and coords["tp"]) or (name == tied and coords["pp"])):
+            if saving and ((name not in slices and coords["tp"]) or (name == tied and coords["pp"])
+                           or (kv_copy and name.endswith(KV_PROJ))):
                 continue
             axis, index = slices.get(name, (None, None))
             offset = units.offsets[name][1]

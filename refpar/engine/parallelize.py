@@ -31,8 +31,10 @@ from dataclasses import dataclass, field, replace
 from refpar import backend
 from refpar.config import ModelConfig, Plan, TrainConfig
 from refpar.holdings import (
+    held_expert,
     keeps_lowp,
     microbatch_samples,
+    own_layers,
     sequence_parallel_param_names,
     stage_names,
     tied_embedding,
@@ -40,11 +42,10 @@ from refpar.holdings import (
 )
 from refpar.memory import MemoryLedger
 from refpar.model import init_params
-from refpar.model.moe import expert_prefix
 from refpar.parallel.clipping import clip_for
 from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.data_parallel import DataParallel
-from refpar.parallel.expert_parallel import ExpertParallelMoE, owned_experts, routing_runs, token_runs
+from refpar.parallel.expert_parallel import ExpertParallelMoE, routing_runs, token_runs
 from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
 from refpar.parallel.pipeline.executor import PipelineExecutor
@@ -99,9 +100,10 @@ class Parallel:
         return [g for g in (m.tp, m.pp, replicas if sharded else m.ep) if g.size > 1]
 
 
-def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None):
+def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None,
+               recompute: str = "none"):
     """The tensor_parallel.Layout of this rank's tokens and weights on `mesh` (its tp and cp axes),
-    or None where a block is the model's own (no tp, cp, sp or experts)."""
+    or None where a block is the model's own (holdings.own_layers)."""
     t, c = mesh.sizes["tp"], mesh.sizes["cp"]
     tp, cp = (mesh.tp if t > 1 else None), (mesh.cp if c > 1 else None)
     if cp is not None and sp:  # sp inside each cp rank's tokens
@@ -110,16 +112,15 @@ def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo
         return cp_layout(model, seq_len, cp, cp_algo or "ring", tp)
     if sp:
         return sp_layout(model, seq_len, mesh.tp)
-    return tp_layout(model, seq_len, tp) if tp is not None or model.moe_experts else None
+    return None if own_layers(model, mesh.sizes, sp, recompute) else tp_layout(model, seq_len, tp)
 
 
 def held_params(model: ModelConfig, mesh, names: set[str], seed: int) -> dict:
     """This rank's parameters: of the initialisation drawn whole, its stages' `names` (pp), its ep
     rank's experts (ep), its tp slices (tp), in the family's order, on the run's backend."""
     full = init_params(model, seed)
-    mine = tuple(expert_prefix(i, e) + "." for i in model.moe_blocks
-                 for e in owned_experts(model.moe_experts, mesh.sizes["ep"], mesh.coords["ep"]))
-    kept = {n: full[n] for n in full if n in names and (".mlp.experts." not in n or n.startswith(mine))}
+    ep, q = mesh.sizes["ep"], mesh.coords["ep"]
+    kept = {n: full[n] for n in full if n in names and held_expert(model, n, ep, q)}
     return backend.current().from_host(shard_params_tp(kept, model, mesh.sizes["tp"], mesh.coords["tp"]))
 
 
@@ -129,7 +130,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     sizes, coords, m = mesh.sizes, mesh.coords, plan.microbatches
     ledger = MemoryLedger()
     # 1. layout
-    lay = layout_for(model, train.seq_len, mesh, plan.sp, plan.cp_algo)
+    lay = layout_for(model, train.seq_len, mesh, plan.sp, plan.cp_algo, plan.recompute)
     # 2. MoE layer
     samples = [tuple(microbatch_samples(model, train.batch_size, m, sizes, coords, j)) for j in range(m)]
     moe, runs = None, {}

@@ -23,7 +23,7 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
     """Every check of a run on a mesh of `sizes` (every axis), with no communication."""
     p, d, e, c, t = (sizes.get(a, 1) for a in ("pp", "dp", "ep", "cp", "tp"))
     train.check_model(model)
-    _check_family(model, sizes, plan)
+    _check_family(model, sizes)
     check_expert_parallel(model, e)
     check_tp(model, t)
     if plan.sp:
@@ -48,19 +48,12 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
     _check_schedule(model, p, plan)  # last: building costs p x m x v; its own sentences
 
 
-def _check_family(model: ModelConfig, sizes: dict, plan: Plan) -> None:
-    """What the engine runs Llama with so far: dp, ZeRO, FSDP, pp and tp; sequence, context and
-    expert parallelism, recomputation and Mixtral's experts run GPT-2 only."""
-    if model.arch != "llama":
-        return
-    if model.moe_experts:
-        raise ConfigError("Mixtral's experts (arch='llama' with --moe-experts) run on one device through "
-                          "refpar.model so far; drop --moe-experts, or train GPT-2's MoE")
-    apart = [f"{a}={sizes[a]}" for a in ("cp", "ep") if sizes.get(a, 1) > 1] + ["--sp"] * plan.sp + (
-        [f"--recompute {plan.recompute}"] if plan.recompute not in (None, "none") else [])
-    if apart:
-        raise ConfigError(f"Llama runs on dp, pp, tp, ZeRO and FSDP meshes so far, not with "
-                          f"{', '.join(apart)}; drop them (or use a GPT-2 preset)")
+def _check_family(model: ModelConfig, sizes: dict) -> None:
+    """What the engine runs Llama with so far: every strategy; Mixtral's experts without expert
+    tensor parallelism (refpar/parallel/expert_tensor_parallel.py splits GPT-2's experts only)."""
+    if model.arch == "llama" and model.moe_experts and sizes.get("tp", 1) > 1:
+        raise ConfigError(f"Mixtral's experts run over ep, dp, cp and pp, not split over tp={sizes['tp']} "
+                          "(expert tensor parallelism is GPT-2's so far); drop tp from --mesh")
 
 
 def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:

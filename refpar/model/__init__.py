@@ -15,7 +15,7 @@ weight[out, in]). `from_hf_state_dict` also takes what an HF model's `state_dict
 from __future__ import annotations
 
 from refpar.config import ModelConfig
-from refpar.model import gpt, llama
+from refpar.model import gpt, llama, mixtral, moe
 
 FAMILIES = {"gpt2": gpt, "llama": llama}
 
@@ -44,6 +44,14 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, **options):
     """(mean loss, {name: gradient}); `options` as gpt.loss_and_grads takes them (seed, step,
     sample_ids, normalizer, training, moe, dloss, grad_dtype)."""
     return family(config).loss_and_grads(params, tokens, targets, config, **options)
+
+
+def moe_layer(config: ModelConfig, weight: float = 1.0, grad_scale: float = 1.0):
+    """The single-device MoE layer `loss_and_grads(..., moe=)` takes: GPT-2's experts
+    (moe.MoELayer) or Mixtral's (mixtral.MixtralMoELayer); `weight` and `grad_scale` as in
+    moe.route."""
+    layer = mixtral.MixtralMoELayer if config.arch == "llama" else moe.MoELayer
+    return layer(weight=weight, grad_scale=grad_scale)
 
 
 def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:

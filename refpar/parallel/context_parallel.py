@@ -23,6 +23,17 @@ their global positions; only attention needs the other ranks' keys and values. T
   head-sharded ones over the whole sequence, attention runs locally, and a second all-to-all turns
   the output back. Heads are split with shard_range, so nh need not divide c (c <= nh).
 
+Llama's grouped-query attention (k and v have nkv heads, each read by g = nh / nkv query heads):
+ring attention sends the kv heads alone around the ring (2 nkv, not 2 nh, heads a block) and each
+rank's g query heads of a kv head attend to it as one more batch axis (gqa_attention_forward's
+grouping), their dK and dV summed over the g before the block travels on. Ulysses splits the kv
+heads over cp as it splits the query heads, kv heads shard_range(nkv, c, r) going to the rank
+that gets their query heads, so each rank's all-to-all carries every kv head once: this needs
+the tp rank's kv heads to be a multiple of cp (`check_cp`). Replicating kv heads over cp
+(repeat_kv up to c heads, as some Ulysses ports do when nkv < c) would send each kv head to c/nkv
+ranks, more bytes for no gain where the split works; refpar refuses those meshes and ring
+attention runs them.
+
 Parameters are replicated over cp and their gradients summed over cp, as over dp.
 
 Mixed precision: the K/V blocks and Ulysses' all-to-alls travel in the 16-bit activation dtype.
@@ -43,9 +54,11 @@ from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import kv_heads_per_rank
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.gemm import matmul
 from refpar.model.layers import as_like, compute, rounded
+from refpar.model.llama_layers import gqa_attention_backward, gqa_attention_forward
 from refpar.parallel.tensor_parallel import Layout, tp_layout
 from refpar.sharding import shard_range, shard_sizes
 
@@ -84,6 +97,11 @@ def check_cp(config: ModelConfig, seq_len: int, cp: int, algo: str, tp: int) -> 
     if algo == "ulysses" and (seq_len < cp or config.n_head // tp < cp):
         raise ConfigError(f"Ulysses gives each of cp={cp} ranks whole heads and sequence positions; "
                           f"use cp <= n_head/tp={config.n_head // tp} and cp <= seq_len={seq_len}")
+    kv = kv_heads_per_rank(config, tp)
+    if algo == "ulysses" and config.arch == "llama" and (tp > config.n_kv_head or kv % cp):
+        raise ConfigError(f"Ulysses splits each tp rank's kv heads over cp like its query heads, but a "
+                          f"rank of tp={tp} holds {kv} of n_kv_head={config.n_kv_head}, which cp={cp} "
+                          f"does not divide; use --cp-algo ring, or a cp that divides {kv}")
 
 
 def cp_layout(config: ModelConfig, seq_len: int, cp_comm, algo: str, tp_comm=None) -> Layout:
@@ -130,8 +148,12 @@ class RingAttention:
         recv = self.cp.irecv(tuple(shape), backend.host_dtype(x), source=(r - 1) % c, tag=tag)
         return send, recv
 
-    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs) each
+    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs); k, v (B, nkv, Tl, hs)
         xp = array_namespace(q)
+        nh, nkv = q.shape[1], k.shape[1]
+        if nkv < nh:  # GQA (Llama: no dropout, keep is None): each kv head's g query heads a batch axis
+            q = xp.reshape(q, (q.shape[0], nkv, nh // nkv, *q.shape[2:]))  # (B, nkv, g, Tl, hs)
+            k, v = xp.expand_dims(k, axis=2), xp.expand_dims(v, axis=2)  # (B, nkv, 1, Tl, hs)
         cfg, T, c, pos = lay.config, lay.seq_len, self.cp.size, lay.region_pos
         keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
                          np.ix_(np.arange(*lay.heads), pos, np.arange(T)))  # (B, nh, Tl, T) bool
@@ -161,13 +183,14 @@ class RingAttention:
             if step < c - 1:
                 send.wait()
                 kv = as_like(recv.wait(), q)
-        out = rounded(out, q.dtype)  # (B, nh, Tl, hs)
-        return out, (q, k, v, out, lse, keep, scale, layer)
+        out = rounded(out, q.dtype)  # (B, nh, Tl, hs), or (B, nkv, g, Tl, hs)
+        return xp.reshape(out, (out.shape[0], nh, *out.shape[-2:])), (q, k, v, out, lse, keep, scale, layer)
 
     def backward(self, dout, cache, lay: Layout):
         q, k, v, out, lse, keep, scale, layer = cache
         xp, dt = array_namespace(dout), dout.dtype
         T, c, pos = lay.seq_len, self.cp.size, lay.region_pos
+        dout = xp.reshape(dout, out.shape)  # grouped as q under GQA
         qc, dc = compute(q), compute(dout)  # (B, nh, Tl, hs) each
         D = xp.sum(dc * compute(out), axis=-1, keepdims=True)  # (B, nh, Tl, 1): sum_j P_ij dP_ij of softmax
         dq = xp.zeros_like(qc)
@@ -183,63 +206,83 @@ class RingAttention:
             dp = _dropped(matmul(dc, xp.matrix_transpose(kc[1])), keep, k_pos, scale)  # (B, nh, Tl, Tk)
             ds = p * (dp - D) * (1.0 / math.sqrt(q.shape[-1]))
             dq = dq + matmul(ds, kc[0])
-            dkv = dkv + xp.stack([matmul(xp.matrix_transpose(ds), qc), matmul(xp.matrix_transpose(pd), dc)])
+            block = xp.stack([matmul(xp.matrix_transpose(ds), qc), matmul(xp.matrix_transpose(pd), dc)])
+            if block.shape != dkv.shape:  # GQA: a kv head's gradient sums over its g query heads
+                block = xp.sum(block, axis=-3, keepdims=True)  # (2, B, nkv, 1, Tk, hs)
+            dkv = dkv + block
             send_d, recv_d = self._pass(dkv, step, lay, f"h.{layer}.attn.ring_dkv:bwd")
             if step < c - 1:
                 send_kv.wait()
                 kv = as_like(recv_kv.wait(), q)
             send_d.wait()
             dkv = as_like(recv_d.wait(), q)  # after the last step: this rank's own block, complete
-        return rounded(dq, dt), rounded(dkv[0], dt), rounded(dkv[1], dt)
+        dq, dk, dv = rounded(dq, dt), rounded(dkv[0], dt), rounded(dkv[1], dt)
+        if dq.ndim == 5:  # GQA: back to (B, nh, Tl, hs) and (B, nkv, Tl, hs)
+            B, nkv, g, Tl, hs = dq.shape
+            dq, dk, dv = xp.reshape(dq, (B, nkv * g, Tl, hs)), dk[:, :, 0, ...], dv[:, :, 0, ...]
+        return dq, dk, dv
 
 
 class UlyssesAttention:
+    """Ulysses' core: q (B, nh, Tl, hs) and k, v (B, nkv, Tl, hs), nkv = nh but for Llama's GQA."""
+
     def __init__(self, cp):
         self.cp = cp
 
-    def _to_heads(self, x, seq_len, tag):
-        """(n, B, nh, Tl, hs) sequence-sharded -> (n, B, nh_c, T, hs) head-sharded: an all-to-all.
-        Chunks travel flat because their shapes differ when the splits are uneven."""
-        n, B, nh, _, hs = x.shape
-        c, r = self.cp.size, self.cp.rank
-        heads, seqs = shard_sizes(nh, c), shard_sizes(seq_len, c)
-        xp = array_namespace(x)
-        chunks = [xp.reshape(x[:, :, slice(*shard_range(nh, c, d)), ...], (-1,)) for d in range(c)]
-        counts = [n * B * heads[r] * seqs[s] * hs for s in range(c)]
+    def _to_heads(self, xs, seq_len, tag):
+        """[(B, n_i, Tl, hs)] sequence-sharded -> [(B, n_i_c, T, hs)] head-sharded: one all-to-all,
+        each array's heads split with shard_range. Chunks travel flat, each destination's pieces
+        one after another, because their shapes differ when the splits are uneven."""
+        xp, c, r = array_namespace(xs[0]), self.cp.size, self.cp.rank
+        B, hs, seqs = xs[0].shape[0], xs[0].shape[-1], shard_sizes(seq_len, c)
+        heads = [shard_sizes(x.shape[1], c) for x in xs]
+        chunks = [xp.concat([xp.reshape(x[:, slice(*shard_range(x.shape[1], c, d)), ...], (-1,)) for x in xs])
+                  for d in range(c)]
+        counts = [B * sum(h[r] for h in heads) * seqs[s] * hs for s in range(c)]
         got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
-        return xp.concat([xp.reshape(g, (n, B, heads[r], seqs[s], hs)) for s, g in enumerate(got)],
-                         axis=3)  # sources in sequence order
+        mine = [h[r] for h in heads]  # each array's heads this rank gets, from every source
+        return [xp.concat([xp.reshape(_piece(g, mine, i, B * seqs[s] * hs), (B, h[r], seqs[s], hs))
+                           for s, g in enumerate(got)], axis=2)  # sources in sequence order
+                for i, h in enumerate(heads)]
 
-    def _to_sequence(self, x, nh, tag):
-        """(n, B, nh_c, T, hs) head-sharded -> (n, B, nh, Tl, hs) sequence-sharded: the reverse."""
-        n, B, _, T, hs = x.shape
-        c, r = self.cp.size, self.cp.rank
-        heads, seqs = shard_sizes(nh, c), shard_sizes(T, c)
-        xp = array_namespace(x)
-        chunks = [xp.reshape(x[:, :, :, slice(*shard_range(T, c, d)), ...], (-1,)) for d in range(c)]
-        counts = [n * B * heads[s] * seqs[r] * hs for s in range(c)]
+    def _to_sequence(self, xs, n_heads, tag):
+        """[(B, n_i_c, T, hs)] head-sharded -> [(B, n_i, Tl, hs)] sequence-sharded, n_i = n_heads[i]:
+        the reverse."""
+        xp, c, r = array_namespace(xs[0]), self.cp.size, self.cp.rank
+        B, T, hs = xs[0].shape[0], xs[0].shape[2], xs[0].shape[-1]
+        heads, seqs = [shard_sizes(n, c) for n in n_heads], shard_sizes(T, c)
+        chunks = [xp.concat([xp.reshape(x[:, :, slice(*shard_range(T, c, d)), ...], (-1,)) for x in xs])
+                  for d in range(c)]
+        counts = [B * sum(h[s] for h in heads) * seqs[r] * hs for s in range(c)]
         got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
-        return xp.concat([xp.reshape(g, (n, B, heads[s], seqs[r], hs)) for s, g in enumerate(got)],
-                         axis=2)  # sources in head order
+        return [xp.concat([xp.reshape(_piece(g, [h[s] for h in heads], i, B * seqs[r] * hs),
+                                      (B, h[s], seqs[r], hs))
+                           for s, g in enumerate(got)], axis=1)  # sources in head order
+                for i, h in enumerate(heads)]
 
-    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs) each
+    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh, Tl, hs); k, v (B, nkv, Tl, hs)
         cfg, T, nh = lay.config, lay.seq_len, q.shape[1]
         a, b = shard_range(nh, self.cp.size, self.cp.rank)  # this rank's heads while head-sharded
-        xp = array_namespace(q)
-        qkv = self._to_heads(xp.stack([q, k, v]), T, f"h.{layer}.attn.ulysses_qkv:fwd")  # (3, B, nh_c, T, hs)
+        qc, kc, vc = self._to_heads([q, k, v], T, f"h.{layer}.attn.ulysses_qkv:fwd")  # (B, n_c, T, hs)
         pos = as_like(np.arange(T), q)
-        keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
-                         (slice(lay.heads[0] + a, lay.heads[0] + b),))  # (B, nh_c, T, T)
-        qc, kc, vc = qkv[0, ...], qkv[1, ...], qkv[2, ...]  # (B, nh_c, T, hs) each: whole sequence
-        y, core = attention_forward(qc, kc, vc, pos, pos, keep, drop.p)  # (B, nh_c, T, hs)
-        y = self._to_sequence(xp.expand_dims(y, axis=0), nh, f"h.{layer}.attn.ulysses_out:fwd")[0, ...]
-        return y, (core, layer, nh)
+        if cfg.arch == "llama":  # GQA: the rank's query heads read the kv heads it got (check_cp)
+            y, core = gqa_attention_forward(qc, kc, vc, pos, pos)  # (B, nh_c, T, hs)
+        else:
+            keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
+                             (slice(lay.heads[0] + a, lay.heads[0] + b),))  # (B, nh_c, T, T)
+            y, core = attention_forward(qc, kc, vc, pos, pos, keep, drop.p)  # (B, nh_c, T, hs)
+        y = self._to_sequence([y], [nh], f"h.{layer}.attn.ulysses_out:fwd")[0]  # (B, nh, Tl, hs)
+        return y, (core, layer, nh, k.shape[1], cfg.arch)
 
     def backward(self, dy, cache, lay: Layout):
-        core, layer, nh = cache
-        xp = array_namespace(dy)
-        dyh = self._to_heads(xp.expand_dims(dy, axis=0), lay.seq_len,
-                             f"h.{layer}.attn.ulysses_out:bwd")[0, ...]  # (B, nh_c, T, hs)
-        dqkv = xp.stack(attention_backward(dyh, core))  # (3, B, nh_c, T, hs)
-        dqkv = self._to_sequence(dqkv, nh, f"h.{layer}.attn.ulysses_qkv:bwd")  # (3, B, nh, Tl, hs)
-        return dqkv[0, ...], dqkv[1, ...], dqkv[2, ...]
+        core, layer, nh, nkv, arch = cache
+        dyh = self._to_heads([dy], lay.seq_len, f"h.{layer}.attn.ulysses_out:bwd")[0]  # (B, nh_c, T, hs)
+        grads = (gqa_attention_backward if arch == "llama" else attention_backward)(dyh, core)
+        return tuple(self._to_sequence(list(grads), [nh, nkv, nkv], f"h.{layer}.attn.ulysses_qkv:bwd"))
+
+
+def _piece(flat, n_heads, i, per_head):
+    """Array i's part of a received flat chunk, whose arrays' pieces lie one after another, array
+    j's of n_heads[j] heads of `per_head` elements each."""
+    start = sum(n_heads[:i]) * per_head
+    return flat[start:start + n_heads[i] * per_head]

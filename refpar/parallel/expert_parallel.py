@@ -24,6 +24,10 @@ it knows the global token count, its place in each expert's queue, and how many 
 sends to every expert (`moe.kept_counts`), so it drops exactly what one device drops and knows each
 all-to-all's receive sizes before it starts.
 
+Both families: GPT-2's experts (refpar/model/moe.py, GELU MLPs, router (C, E)) and Llama's Mixtral
+experts (refpar/model/mixtral.py: SwiGLU, router stored (E, C) as HF's MixtralSparseMoeBlock.gate),
+routed alike by moe.route (softmax, top-k, renormalised for k >= 2: Mixtral's router).
+
 Per MoE layer and step: one all-gather of counts (data axis), four all-to-alls on ep (dispatch and
 combine forward, and the same two backward), shown by the tags `h.{i}.mlp.experts:dispatch` etc.
 
@@ -48,7 +52,7 @@ from array_api_compat import array_namespace
 
 from refpar import backend
 from refpar.config import ConfigError
-from refpar.model import moe
+from refpar.model import mixtral, moe
 from refpar.model.layers import as_like
 from refpar.sharding import shard_range
 
@@ -147,6 +151,7 @@ class ExpertParallelMoE:
         if (data.rank // cp) % ep.size != ep.rank:
             raise ValueError("the data ranks must list each ep group contiguously, in ep order")
         self.data, self.ep, self.config = data, ep, config
+        self.family = mixtral if config.arch == "llama" else moe  # the experts' and router's names
         self.weight, self.grad_scale = weight, grad_scale
         E = config.moe_experts
         self.owners = [owned_experts(E, ep.size, q) for q in range(ep.size)]
@@ -160,11 +165,11 @@ class ExpertParallelMoE:
     def experts_forward(self, xe, rows_per_expert, params, layer):
         """This rank's experts on their rows, xe (Q, C) grouped by expert -> (Q, C); expert tensor
         parallelism (refpar/parallel/expert_tensor_parallel.py) splits each expert over tp here."""
-        return moe.experts_forward(xe, rows_per_expert, params, layer, self.local)
+        return self.family.experts_forward(xe, rows_per_expert, params, layer, self.local)
 
     def experts_backward(self, dye, ecache):
         """(Q, C) -> (dxe (Q, C), the local experts' gradients by name)."""
-        return moe.experts_backward(dye, ecache)
+        return self.family.experts_backward(dye, ecache)
 
     def _exchange(self, layer):
         runs = self.runs
@@ -179,7 +184,9 @@ class ExpertParallelMoE:
         xp = array_namespace(x)
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
         parts = None if self.runs is None else self.runs.parts
-        routing, rcache = moe.route(x2, params[moe.router_name(layer)], config,
+        w = params[self.family.router_name(layer)]  # GPT-2's (C, E), Mixtral's (E, C)
+        w = xp.matrix_transpose(w) if self.family is mixtral else w  # (C, E), the layout route takes
+        routing, rcache = moe.route(x2, w, config,
                                     exchange=self._exchange(layer), rank=self.data.rank,
                                     weight=self.weight, grad_scale=self.grad_scale, parts=parts)
         kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"],
@@ -216,5 +223,6 @@ class ExpertParallelMoE:
         back = self.ep.all_to_all(_source_major(dxe, recv), tag=f"{tag}:dispatch:bwd",
                                   recv_counts=send)
         dx2 = moe.dispatch_backward(xp.concat(back, axis=0), routing)  # (N, C)
-        dx_router, grads[moe.router_name(layer)] = moe.router_backward(dgates, cache["router"])
+        dx_router, dw = moe.router_backward(dgates, cache["router"])  # dw (C, E)
+        grads[self.family.router_name(layer)] = xp.matrix_transpose(dw) if self.family is mixtral else dw
         return xp.reshape(dx2 + dx_router, cache["shape"]), grads

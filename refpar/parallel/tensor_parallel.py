@@ -58,6 +58,7 @@ from refpar.model.layers import (
     layernorm_forward,
     rounded,
 )
+from refpar.model.llama_layers import gqa_attention_backward, gqa_attention_forward
 from refpar.sharding import shard_range
 
 
@@ -199,16 +200,19 @@ def row_parallel_linear_backward(dout, cache, lay: Layout):
 
 
 class LocalAttention:
-    """The whole sequence is on this rank: the model's causal attention on this rank's heads."""
+    """The whole sequence is on this rank: the model's causal attention on this rank's heads
+    (Llama's grouped-query attention, k and v of its kv heads, without dropout)."""
 
-    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh/t, Ta, hs) each
+    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh/t, Ta, hs); Llama's k, v nkv heads
         cfg, pos = lay.config, lay.region_pos
+        if cfg.arch == "llama":
+            return gqa_attention_forward(q, k, v, as_like(pos, q), as_like(pos, q))
         keep = drop.keep(layer, "attn", (cfg.n_head, lay.seq_len, lay.seq_len), q,
                          np.ix_(np.arange(*lay.heads), pos, pos))  # (B, nh/t, Ta, Ta)
         return attention_forward(q, k, v, as_like(pos, q), as_like(pos, q), keep, drop.p)
 
     def backward(self, dy, cache, lay: Layout):
-        return attention_backward(dy, cache)
+        return (gqa_attention_backward if lay.config.arch == "llama" else attention_backward)(dy, cache)
 
 
 def parallel_attention_forward(x, params, layer: int, lay: Layout, drop):

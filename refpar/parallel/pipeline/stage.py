@@ -233,7 +233,7 @@ class Stage:
         if lay is None:
             return self.own.block_forward(x, p, layer, self.config, drop)
         if self.own is llama:
-            return llama_parallel_block_forward(x, p, layer, lay, self.kv)
+            return llama_parallel_block_forward(x, p, layer, lay, self.kv, self.moe)
         return parallel_block_forward(x, p, layer, lay, drop, self.moe)
 
     def _head(self, x, p, targets, normalizer):
