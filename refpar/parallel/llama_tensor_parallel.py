@@ -47,8 +47,10 @@ from refpar.model.llama_layers import (
 from refpar.parallel.tensor_parallel import Layout
 
 
-def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group):
-    """x (B, T, C) -> (B, T, C): Llama's block with attention and the MLP tensor-parallel."""
+def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group, attention=None):
+    """x (B, T, C) -> (B, T, C): Llama's block with attention and the MLP tensor-parallel.
+    `attention`, an attention core with forward(q, k, v, layer, lay, drop) (refpar/serving's
+    CachedAttention), replaces causal GQA over the rows in hand; forward only, as serving needs."""
     cfg, P = lay.config, f"model.layers.{layer}."
     pos = as_like(lay.region_pos, x)  # (T,) global positions: RoPE's angles and the causal mask
     cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta, x)  # (T, hs) each
@@ -61,7 +63,10 @@ def llama_parallel_block_forward(x, params, layer: int, lay: Layout, kv_group):
     q, c_rq = rope_forward(split_heads(q, q.shape[-1] // hs), cos, sin)  # (B, nh/t, T, hs)
     k, c_rk = rope_forward(split_heads(k, k.shape[-1] // hs), cos, sin)  # (B, nkv_l, T, hs)
     v = split_heads(v, v.shape[-1] // hs)  # (B, nkv_l, T, hs)
-    o, c_sdpa = gqa_attention_forward(q, k, v, pos, pos)  # (B, nh/t, T, hs)
+    if attention is None:
+        o, c_sdpa = gqa_attention_forward(q, k, v, pos, pos)  # (B, nh/t, T, hs)
+    else:
+        o, c_sdpa = attention.forward(q, k, v, layer, lay, None)  # (B, nh/t, T, hs)
     o, c_o = linear_t_forward(merge_heads(o), params[P + "self_attn.o_proj.weight"])  # (B, T, C) partial
     x1 = x + lay.pair.leave(o, lay.tp, P + "self_attn.o_proj:fwd")  # (B, T, C)
 
