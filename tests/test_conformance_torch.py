@@ -59,7 +59,6 @@ def test_pytorch_matches_refpar_per_step_on_4_ranks(four_ranks, case):
 def test_dtensor_tp_of_llama_with_two_query_heads_per_kv_head_matches_refpar_per_step(two_ranks):
     # llama-tiny (4 query heads, 2 kv heads) on tp=2: each rank's 2 query heads read its one kv head
     check(two_ranks["llama-tp"])
-    assert {s["grad_worst"].split(".")[0] for s in two_ranks["llama-tp"]["steps"]} <= {"model", "lm_head"}
 
 
 @pytest.mark.timeout(900)
