@@ -557,10 +557,15 @@ def test_a_real_llama_generate_at_tp_4_caches_one_whole_kv_head_per_rank():
     at.button[0].click()
     rerun(at)
     deadline = time.monotonic() + 90
-    while "serving" not in at.session_state and time.monotonic() < deadline:
+    key = ("tp=4", 2, 2, "llama-tiny")  # this run's, not an earlier test's run the app's launcher still holds
+
+    def done():
+        return "serving" in at.session_state and tuple(at.session_state["serving"]["key"]) == key
+
+    while not done() and time.monotonic() < deadline:
         time.sleep(1)
         rerun(at)
-    assert "serving" in at.session_state, [c.value for c in at.code] + [e.value for e in at.error]
+    assert done(), [c.value for c in at.code] + [e.value for e in at.error]
     summary = at.session_state["serving"]["summary"]
     assert summary["model"]["arch"] == "llama" and summary["kv_matches_closed_form"]
     # each rank: 1 kv head of 2 (its query heads' one, held by 2 ranks), 4 layers, 16 channels, float64
