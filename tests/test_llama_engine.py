@@ -116,11 +116,16 @@ def test_llama_on_a_mesh_the_engine_cannot_run_it_on_is_one_sentence_on_every_ra
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_llama_block_activation_closed_form_is_the_planners_plus_what_refpar_keeps_beyond_it():
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_llama_block_activation_closed_form_is_the_planners_plus_what_refpar_keeps_beyond_it(t):
     config = model_preset("llama-tiny")
     b, T = 3, 16
     e = 8  # float64 activations, the planner's "float64" precision
-    planner = layer_activation_bytes(from_model_config(config), b, T, precision=PRECISIONS["float64"])
-    assert llama_layer_bytes(config, b, T, keep_refpar=False) == planner
+    planner = layer_activation_bytes(from_model_config(config), b, T, tp=t, sp=False,
+                                     precision=PRECISIONS["float64"])
+    # a tp rank's query heads, the kv heads they read (one, whole, on 2 ranks at t=4), its SwiGLU columns
+    kv = kv_heads(config, t, 0)
+    mine = dict(heads=config.n_head // t, kv_heads=kv[1] - kv[0], ff=config.intermediate_size // t)
+    assert llama_layer_bytes(config, b, T, **mine, keep_refpar=False) == planner
     # beyond it: 1/rms of both RMSNorms per token, and the block's RoPE cos and sin tables (T, hs)
-    assert llama_layer_bytes(config, b, T) - planner == 2 * e * b * T + 2 * e * T * config.head_size
+    assert llama_layer_bytes(config, b, T, **mine) - planner == 2 * e * b * T + 2 * e * T * config.head_size
