@@ -572,3 +572,21 @@ def test_a_real_llama_generate_at_tp_4_caches_one_whole_kv_head_per_rank():
     L, hs = LLAMA.n_layer, LLAMA.head_size
     for k in summary["kv_cache"]:
         assert k["peak_bytes"] == 2 * L * 1 * hs * summary["kv_peak_tokens"] * 8
+
+
+def test_sharding_page_draws_llamas_replicated_kv_heads_when_the_user_picks_llama():
+    from refpar.viz import mesh_sharding
+    from refpar.viz import sharding as sh
+
+    at = page("views/sharding.py")
+    at.toggle[0].set_value(True)
+    rerun(at).radio(key="family").set_value("Llama")
+    at.number_input(key="mix_dp").set_value(1)
+    at.number_input(key="mix_tp").set_value(4)
+    fig = charts(rerun(at))[0]
+    sets = fig["layout"]["meta"]["holders"]
+    params = mesh_sharding.mix_grids(1, 4, 3, config=sh.DEMO_LLAMA)["params"]  # the page's default ZeRO-3
+    for i, (name, grid) in enumerate(params.items()):
+        drawn = [tuple(sets[k]) for k in np.asarray(fig["data"][i]["z"]).ravel()]
+        assert drawn == list(grid.ravel()), name
+    assert [0, 1] in sets and [2, 3] in sets  # kv head 0 on ranks 0 and 1, kv head 1 on 2 and 3
