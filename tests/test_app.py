@@ -512,3 +512,81 @@ def test_sharding_page_mixes_pp_and_tp_by_stage_and_refuses_more_stages_than_blo
     at.number_input(key="mix_pp").set_value(3)
     rerun(at)
     assert "stages need at least 3 blocks" in at.error[0].value and not at.get("plotly_chart")
+
+
+LLAMA = model_preset("llama-tiny")  # 4 query heads over 2 kv heads
+
+
+def test_each_page_showing_refpars_model_draws_llama_when_the_user_picks_it():
+    at = page("views/memory.py")
+    at.radio(key="family").set_value("Llama")
+    fig = charts(rerun(at))[0]  # 4 ranks: tp=4 replicates each kv head on 2 ranks
+
+    def rank0(strategy, model):
+        rows = expected.closed_form_rows(expected.workload(strategy, 4, model, ONE_STEP))[1]
+        return comm.memory_by_rank(rows)[0]
+
+    for strategy in ("zero3", "tp"):
+        col = list(fig["data"][0]["x"]).index(f"{strategy} (4)")
+        for trace in fig["data"]:
+            assert trace["y"][col] == rank0(strategy, LLAMA).get(trace["name"], 0), (strategy, trace["name"])
+    assert rank0("zero3", TINY) != rank0("zero3", LLAMA)
+
+    at.switch_page("views/communication.py")
+    rerun(at).radio(key="family").set_value("Llama")
+    bars = charts(rerun(at))[0]["data"][0]  # default: tp=2 replicated over dp=2
+    rows, _ = expected.closed_form_rows(expected.workload("tp", 2, LLAMA, ONE_STEP, dp=2))
+    assert dict(zip(bars["x"], np.asarray(bars["y"]).tolist(), strict=True)) == comm.by_axis_op(rows)
+
+    at.switch_page("views/run.py")
+    rerun(at).radio(key="family").set_value("Llama")
+    assert "--model llama-tiny" in rerun(at).code[0].value and not at.button[0].disabled
+    at.switch_page("views/serving.py")
+    rerun(at).radio(key="family").set_value("Llama")
+    assert "generate --model llama-tiny --mesh tp=2" in rerun(at).code[0].value
+
+
+@pytest.mark.timeout(120)
+def test_a_real_llama_generate_at_tp_4_caches_one_whole_kv_head_per_rank():
+    at = page("views/serving.py")
+    at.radio(key="family").set_value("Llama")
+    at.selectbox[0].set_value("tp=4")
+    at.number_input[0].set_value(2)
+    at.number_input[1].set_value(2)
+    rerun(at)
+    at.button[0].click()
+    rerun(at)
+    deadline = time.monotonic() + 90
+    key = ("tp=4", 2, 2, "llama-tiny")  # this run's, not an earlier test's run the app's launcher still holds
+
+    def done():
+        return "serving" in at.session_state and tuple(at.session_state["serving"]["key"]) == key
+
+    while not done() and time.monotonic() < deadline:
+        time.sleep(1)
+        rerun(at)
+    assert done(), [c.value for c in at.code] + [e.value for e in at.error]
+    summary = at.session_state["serving"]["summary"]
+    assert summary["model"]["arch"] == "llama" and summary["kv_matches_closed_form"]
+    # each rank: 1 kv head of 2 (its query heads' one, held by 2 ranks), 4 layers, 16 channels, float64
+    L, hs = LLAMA.n_layer, LLAMA.head_size
+    for k in summary["kv_cache"]:
+        assert k["peak_bytes"] == 2 * L * 1 * hs * summary["kv_peak_tokens"] * 8
+
+
+def test_sharding_page_draws_llamas_replicated_kv_heads_when_the_user_picks_llama():
+    from refpar.viz import mesh_sharding
+    from refpar.viz import sharding as sh
+
+    at = page("views/sharding.py")
+    at.toggle[0].set_value(True)
+    rerun(at).radio(key="family").set_value("Llama")
+    at.number_input(key="mix_dp").set_value(1)
+    at.number_input(key="mix_tp").set_value(4)
+    fig = charts(rerun(at))[0]
+    sets = fig["layout"]["meta"]["holders"]
+    params = mesh_sharding.mix_grids(1, 4, 3, config=sh.DEMO_LLAMA)["params"]  # the page's default ZeRO-3
+    for i, (name, grid) in enumerate(params.items()):
+        drawn = [tuple(sets[k]) for k in np.asarray(fig["data"][i]["z"]).ravel()]
+        assert drawn == list(grid.ravel()), name
+    assert [0, 1] in sets and [2, 3] in sets  # kv head 0 on ranks 0 and 1, kv head 1 on 2 and 3

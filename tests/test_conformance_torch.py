@@ -28,7 +28,7 @@ def two_ranks():
     # 5 sequences: dp shards of 3 and 2, where loss conventions part. Pipeline cases take 2
     # sequences per microbatch (equal microbatches: refpar/conformance/pipeline.py).
     return run_cases(2, "--batch-size", "5", "--microbatches", "4", "ddp-mean", "ddp-accum",
-                     "ddp-accum-mean", "tp@float32", *CASES)
+                     "ddp-accum-mean", "tp@float32", "llama-tp", *CASES)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,12 @@ def test_pytorch_matches_refpar_per_step_on_2_ranks_with_uneven_pieces(two_ranks
 @pytest.mark.parametrize("case", CASES)
 def test_pytorch_matches_refpar_per_step_on_4_ranks(four_ranks, case):
     check(four_ranks[case])
+
+
+@pytest.mark.timeout(900)
+def test_dtensor_tp_of_llama_with_two_query_heads_per_kv_head_matches_refpar_per_step(two_ranks):
+    # llama-tiny (4 query heads, 2 kv heads) on tp=2: each rank's 2 query heads read its one kv head
+    check(two_ranks["llama-tp"])
 
 
 @pytest.mark.timeout(900)

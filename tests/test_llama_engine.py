@@ -15,7 +15,7 @@ import pytest
 from refpar import checkpoint
 from refpar.analysis.activations import llama_layer_bytes
 from refpar.analysis.presets import from_model_config
-from refpar.analysis.scale import PRECISIONS, layer_activation_bytes
+from refpar.analysis.scale import PRECISIONS, layer_activation_bytes, memory_per_rank
 from refpar.commands.verify import judge
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.holdings import kv_heads, kv_replicas, tp_param_slices
@@ -57,13 +57,21 @@ def test_llama_on_two_ranks_matches_one_device_with_closed_form_bytes_and_memory
     assert {r["axis"] for r in s["comm_bytes"]} == {"pp" if "pp=2" in args else "dp"}
 
 
+@pytest.fixture(scope="module")
+def tp4_run():
+    # tp=4 over llama-tiny's 2 kv heads: each kv head on 2 ranks, its k and v gradients summed over them
+    return refpar_json(4, "train", "--model", "llama-tiny", "--steps", "2", "--check", "--mesh", "tp=4",
+                       timeout=300)
+
+
 @pytest.mark.parametrize("args", [
-    ["--mesh", "tp=4"],
+    None,
     ["--mesh", "dp=2,tp=2", "--zero", "3"],
 ], ids=["tp4-kv-replicas", "dp2-tp2-zero3"])
-def test_llama_tensor_parallel_on_four_ranks_matches_one_device_with_closed_form_bytes_and_memory(args):
-    # tp=4 over llama-tiny's 2 kv heads: each kv head on 2 ranks, its k and v gradients summed over them
-    s = refpar_json(4, "train", "--model", "llama-tiny", "--steps", "2", "--check", *args, timeout=300)
+def test_llama_tensor_parallel_on_four_ranks_matches_one_device_with_closed_form_bytes_and_memory(args,
+                                                                                                  tp4_run):
+    s = tp4_run if args is None else refpar_json(4, "train", "--model", "llama-tiny", "--steps", "2",
+                                                 "--check", *args, timeout=300)
     assert_matches_one_device_and_closed_forms(s)
     assert ("tp", "all_reduce") in {(r["axis"], r["op"]) for r in s["comm_bytes"]}
 
@@ -193,6 +201,25 @@ def test_llama_checkpoint_saved_on_tp4_with_kv_replicas_resumes_on_tp4_and_on_a_
             assert all(within(rel_diff(params[k], v), CONTRACT) for k, v in uninterrupted.items()), mesh
 
 
+def test_planner_prices_tp_past_n_kv_head_with_the_executed_runs_parameter_and_activation_bytes(tp4_run):
+    """The planner (analysis/scale.memory_per_rank, what `refpar plan` searches with) on llama-tiny
+    tp=4, where each of the 2 kv heads is whole on 2 ranks, against the tp=4 run's ledger peaks."""
+    config, train = model_preset("llama-tiny"), TrainConfig()
+    planned = memory_per_rank(from_model_config(config), micro_batch=train.batch_size, seq=train.seq_len,
+                              tp=4, sp=False, precision=PRECISIONS["float64"])
+    for rank in range(4):
+        held = {r["category"]: r["bytes"] for r in tp4_run["memory_peak_bytes"] if r["rank"] == rank}
+        assert held["params"] == planned["params"] and held["optimizer"] == planned["optimizer"]
+        # refpar keeps, beyond the planner's Korthikanti et al. terms (float64, e = 8, N = B T tokens):
+        # per block each RMSNorm's 1/rms (2 e N) and RoPE's cos and sin (2 e T hs); the vocab-parallel
+        # embedding's int64 row ids and bool ownership flags (9 N); the final norm's 1/rms (e N); and
+        # over the rank's V/4 vocabulary rows the probabilities and one-hot targets (2 e each) where
+        # the planner prices one fp32 logits tensor (4).
+        e, N, T, hs, V4 = 8, train.batch_size * train.seq_len, train.seq_len, config.head_size, 96 // 4
+        beyond = config.n_layer * (2 * e * N + 2 * e * T * hs) + 9 * N + e * N + (2 * e - 4) * N * V4
+        assert held["activations"] == planned["activations"] + beyond, rank
+
+
 def test_llama_tp_slices_give_each_rank_its_heads_and_the_kv_head_they_read():
     config = model_preset("llama-tiny")  # 4 query heads over 2 kv heads, hs = 16
     assert [kv_heads(config, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
@@ -234,11 +261,16 @@ def test_llama_with_mixtral_experts_over_ep_matches_one_device_with_closed_form_
     assert {("ep", "all_to_all"), ("data", "all_gather")} <= {(r["axis"], r["op"]) for r in s["comm_bytes"]}
 
 
-def test_llama_block_activation_closed_form_is_the_planners_plus_what_refpar_keeps_beyond_it():
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_llama_block_activation_closed_form_is_the_planners_plus_what_refpar_keeps_beyond_it(t):
     config = model_preset("llama-tiny")
     b, T = 3, 16
     e = 8  # float64 activations, the planner's "float64" precision
-    planner = layer_activation_bytes(from_model_config(config), b, T, precision=PRECISIONS["float64"])
-    assert llama_layer_bytes(config, b, T, keep_refpar=False) == planner
+    planner = layer_activation_bytes(from_model_config(config), b, T, tp=t, sp=False,
+                                     precision=PRECISIONS["float64"])
+    # a tp rank's query heads, the kv heads they read (one, whole, on 2 ranks at t=4), its SwiGLU columns
+    kv = kv_heads(config, t, 0)
+    mine = dict(heads=config.n_head // t, kv_heads=kv[1] - kv[0], ff=config.intermediate_size // t)
+    assert llama_layer_bytes(config, b, T, **mine, keep_refpar=False) == planner
     # beyond it: 1/rms of both RMSNorms per token, and the block's RoPE cos and sin tables (T, hs)
-    assert llama_layer_bytes(config, b, T) - planner == 2 * e * b * T + 2 * e * T * config.head_size
+    assert llama_layer_bytes(config, b, T, **mine) - planner == 2 * e * b * T + 2 * e * T * config.head_size

@@ -193,3 +193,22 @@ def test_gpt2_loads_from_and_saves_to_gpt2_lm_head_model_with_its_logits():
     original = model.state_dict()
     assert list(again) == list(original)
     assert all(torch.equal(again[k], original[k]) for k in original)
+
+
+def test_greedy_serving_with_a_gqa_kv_cache_gives_hf_generates_greedy_tokens(monkeypatch):
+    """refpar's KV-cache decoding against HF's (its own DynamicCache), both greedy, float64."""
+    from refpar.serving.engine import serve
+    from refpar.serving.requests import make_requests
+    from refpar.serving.sampling import parse_sampling
+
+    compute_in_input_dtype(monkeypatch, modeling_llama, "Llama")
+    config = ModelConfig(**LLAMA)
+    model = hf_model(config)
+    params = M.from_hf_state_dict(model.state_dict(), config)
+    requests = make_requests(config, [5, 9], [8, 6], [0, 1], seed=2)
+    out = serve(params, config, requests, parse_sampling("greedy", seed=0), max_batch=2)
+    for r in requests:
+        ids = torch.tensor([r.prompt])
+        hf = model.generate(ids, max_new_tokens=r.max_new_tokens, min_new_tokens=r.max_new_tokens,
+                            do_sample=False, pad_token_id=0)
+        assert out.tokens[r.rid] == hf[0, len(r.prompt):].tolist(), r.rid

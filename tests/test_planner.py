@@ -306,3 +306,30 @@ def test_cli_searches_a_model_given_by_its_shape():
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["model"] == "custom" and result["global_batch"] == 2048 and len(result["plans"]) == 1
+
+
+def test_the_planner_searches_and_prices_tp_past_the_kv_heads_and_refuses_a_rank_reading_two():
+    # llama-small: 8 query heads over 2 kv heads. tp = 4 and 8 replicate each kv head (on 2 and 4
+    # ranks); tp = 2 splits them. Every rank then holds max(1, 2 / tp) whole kv heads of K and V.
+    from refpar.analysis.planner import meshes, parse_mesh, price
+    from refpar.analysis.presets import from_model_config
+    from refpar.analysis.scale import PRECISIONS, memory_per_rank
+    from refpar.config import model_preset
+
+    config = model_preset("llama-small")
+    spec, hw = from_model_config(config, global_batch=8), HARDWARE["h100"]
+    assert sorted({int(tp) for tp in meshes(spec, 8, hw, 8, 256)[:, 1]}) == [1, 2, 4, 8]
+    row = price(spec, hw, 8, parse_mesh("tp=8", 8), seq=256, global_batch=8, precision="float64")
+    assert row["mesh"]["tp"] == 8
+    C, hs, L = config.n_embd, config.head_size, config.n_layer
+    per = {t: memory_per_rank(spec, micro_batch=1, seq=256, tp=t, precision=PRECISIONS["float64"])["params"]
+           for t in (2, 4)}
+    # tp 2 -> 4 halves everything but K and V (each rank still one kv head: 2 (hs, C) matrices a
+    # block) and the RMSNorm gains every rank holds whole (2 a block, the final one)
+    whole = (2 * L * hs * C + (2 * L + 1) * C) * 8
+    assert per[4] - whole == (per[2] - whole) / 2
+    # 12 query heads over 3 kv heads: tp=4 would give rank 1 query heads 3-5, which read kv heads 0 and 1
+    odd = from_model_config(model_preset("llama-small", n_embd=192, n_head=12, n_kv_head=3), global_batch=8)
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide refpar's 3 key/value heads, nor is it a "
+                                          r"multiple of them .* choose tp in \{1, 3, 6, 12\}"):
+        price(odd, hw, 4, parse_mesh("tp=4", 4), seq=256, global_batch=8)

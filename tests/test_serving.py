@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+import refpar.model as M
 from refpar.analysis.hardware import hardware
 from refpar.analysis.presets import preset
 from refpar.analysis.serving import decode_estimate, kv_bytes_per_rank, kv_cache_bytes
@@ -24,6 +25,7 @@ from tests.mpi import ROOT, mpi_env, mpiexec
 from tests.numerics import CONTRACT, rel_diff, within
 
 CONFIG = model_preset("tiny")
+LLAMA = model_preset("llama-tiny")  # 4 query heads, 2 kv heads: tp=4 replicates each kv head twice
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "temperature=0.7,top_k=8"])
@@ -74,6 +76,70 @@ def test_tp_decode_moves_two_all_reduces_per_layer_per_token(parallel_runs):
     # per decoded token: the embedding's g, two g per block, and the (V/2, 1) logits gathered
     per_token = (2 * L + 1) * cost.all_reduce_bytes(C, 2, 0, b).sent + (V // 2) * b
     assert run["bytes_per_token"]["tp:decode"] == per_token
+
+
+def argmax_continuation(params, config, prompt, n: int) -> list[int]:
+    """Greedy decoding written out: the single-device forward over the whole sequence, argmax."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(np.argmax(M.forward(params, np.asarray([tokens]), config)[0, -1])))
+    return tokens[len(prompt):]
+
+
+def gqa_kv_bytes(config, layers: int, tp: int, tokens: int) -> int:
+    """K and V of `tokens` positions on one rank: max(1, n_kv_head / tp) kv heads of each layer, as
+    Llama's tp layout holds them (one whole kv head, replicated, once tp > n_kv_head), float64."""
+    return 2 * layers * max(1, config.n_kv_head // tp) * config.head_size * tokens * 8
+
+
+def test_llama_greedy_serving_is_the_forwards_argmax_continuation_and_caches_n_kv_head_heads():
+    params = M.init_params(LLAMA, 2)
+    requests = make_requests(LLAMA, [6, 15, 2, 10], [7, 3, 9, 4], [0, 0, 2, 3], seed=4)
+    ledger = MemoryLedger()
+    out = serve(params, LLAMA, requests, parse_sampling("greedy", seed=9), max_batch=2, ledger=ledger)
+    for r in requests:
+        assert out.tokens[r.rid] == argmax_continuation(params, LLAMA, r.prompt, r.max_new_tokens), r.rid
+    L, nh, hs = LLAMA.n_layer, LLAMA.n_head, LLAMA.head_size
+    for measured, cached in zip(out.kv_bytes, out.cached, strict=True):
+        tokens = sum(cached.values())
+        assert measured == gqa_kv_bytes(LLAMA, L, 1, tokens)
+        # n_kv_head / n_head of the cache multi-head attention (GPT-2's) would keep
+        assert measured * nh == LLAMA.n_kv_head * kv_cache_bytes(L, nh, hs, tokens, 8)
+    assert max(out.kv_bytes) == ledger.peak["activations"] > 0 and ledger.current["activations"] == 0
+
+
+@pytest.fixture(scope="module")
+def llama_runs():
+    proc = mpiexec(4, "tests/jobs/serving_job.py", "llama-tiny", timeout=240)
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(runs) == 3, proc.stdout[-2000:]
+    return runs
+
+
+def test_llama_on_tp_cp_pp_gives_the_single_device_tokens_logits_and_closed_form_bytes(llama_runs):
+    for run in llama_runs:
+        assert run["tokens_match_reference"], run["mesh"]
+        assert within(run["max_logit_rel_diff"], CONTRACT), f"{run['mesh']}: {run['max_logit_rel_diff']:.2e}"
+        assert run["comm_matches_closed_form"] and run["kv_matches_closed_form"], run["mesh"]
+
+
+def test_llama_kv_bytes_per_rank_keep_max_1_or_n_kv_head_over_tp_kv_heads(llama_runs):
+    """At every moment of every run, the ranks of one (tp, pp) coordinate (the cp ranks, which split
+    the positions) hold together the GQA closed form: tp=2 one of the two kv heads, tp=4 one too
+    (each kv head kept whole on the two ranks whose query heads read it), never a fraction."""
+    for run in llama_runs:
+        t, p = run["mesh"]["tp"], run["mesh"]["pp"]
+        for i, tokens in enumerate(run["kv_cached_tokens"]):
+            held: dict = {}
+            for k in run["kv_cache"]:
+                key = (k["coords"]["tp"], k["coords"]["pp"])
+                held[key] = held.get(key, 0) + k["bytes_timeline"][i]
+            assert held == {(tr, s): gqa_kv_bytes(LLAMA, LLAMA.n_layer // p, t, tokens)
+                            for tr in range(t) for s in range(p)}, (run["mesh"], run["kv_moments"][i])
+        if t == 4:  # past n_kv_head: every rank holds as much as GPT-2's rank of tp=4 (one head)
+            peak = run["kv_peak_tokens"]
+            assert all(k["peak_bytes"] == kv_cache_bytes(LLAMA.n_layer, LLAMA.n_head, LLAMA.head_size,
+                                                         peak, 8, shards=4) for k in run["kv_cache"])
 
 
 def test_kv_closed_form_per_rank_adds_up_and_splits_evenly():

@@ -389,3 +389,22 @@ def test_pp_tp_mix_puts_each_block_on_its_stage_ranks_cut_by_tp():
                 assert [set(sets[k]) for k in z.ravel()] == want, name
     with pytest.raises(ConfigError):
         ms.pp_tp_steps(3, 1)  # more stages than blocks
+
+
+def test_llama_mix_draws_each_kv_head_on_the_tp_ranks_whose_query_heads_read_it():
+    from refpar.viz import mesh_sharding as ms
+    from refpar.viz import sharding as sh
+
+    config = sh.DEMO_LLAMA  # 8 query heads over 2 kv heads, head size 2
+    hs, g = config.head_size, config.n_head // config.n_kv_head
+    for dp, tp in ((1, 2), (1, 4), (2, 4), (1, 8)):
+        params = ms.mix_grids(dp, tp, 0, config=config)["params"]
+        k = params["model.layers.0.self_attn.k_proj.weight"]  # (2 hs, C) rows of kv heads 0, 1
+        for head in range(config.n_kv_head):
+            # tp rank r holds query heads [r nh/tp, (r+1) nh/tp), which read kv head (r nh/tp) // g
+            readers = [r for r in range(tp) if (r * config.n_head // tp) // g == head
+                       or ((r + 1) * config.n_head // tp - 1) // g == head]
+            held = tuple(sorted(d * tp + r for d in range(dp) for r in readers))
+            assert all(cell == held for cell in k[head * hs:(head + 1) * hs].ravel()), (dp, tp, head)
+    with pytest.raises(ConfigError, match="Llama with sequence parallelism not yet"):
+        ms.mix_steps(1, 2, 0, sp=True, config=config)

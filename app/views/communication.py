@@ -1,4 +1,5 @@
 import streamlit as st
+from family import family_picker
 from lesson_link import lesson_link
 
 from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset
@@ -10,8 +11,8 @@ EP_MAX_WORLD = 8
 
 
 @st.cache_data(max_entries=64)
-def closed_form(strategy: str, n: int, dp: int, microbatches: int):
-    w = expected.workload(strategy, n, model_preset("tiny"), TrainConfig(steps=1), dp=dp,
+def closed_form(strategy: str, n: int, dp: int, microbatches: int, model: str = "tiny"):
+    w = expected.workload(strategy, n, model_preset(model), TrainConfig(steps=1), dp=dp,
                           microbatches=microbatches)
     rows, _ = expected.closed_form_rows(w)
     return w.sizes, rows, expected.calls(w)
@@ -30,8 +31,8 @@ def ep_closed_form(ep: int, dp: int):
 
 st.title("Communication")
 st.markdown(
-    "Bytes one training step of refpar's tiny GPT-2 moves, from the closed forms the tests check "
-    "every trace against. Drag the slider under the matrix to light up the links each collective "
+    "Bytes one training step of refpar's tiny GPT-2 or tiny Llama moves, from the closed forms the "
+    "tests check every trace against. Drag the slider under the matrix to light up the links each collective "
     "uses, in program order: a ring sends everything to the next rank of its group, so a tp group's "
     "traffic stays on the diagonal band of neighbours while dp's jumps across it."
 )
@@ -45,6 +46,7 @@ dp = c.number_input("dp replicas", min_value=1, value=2,
                     help="tp, sp, cp, pp and ep can be replicated over dp")
 m = d.number_input("microbatches", min_value=1, value=2, disabled=strategy == "ep",
                    help="pp: m per step; dp strategies: gradient accumulation")
+model = family_picker() if strategy != "ep" else "tiny"
 if strategy == "ep":
     st.markdown(f"A tiny GPT-2 whose {EP_MODEL.n_layer} blocks each hold {EP_MODEL.moe_experts} experts "
                 "(top-1, capacity factor 1.25), one sequence per data rank. Each block's router picks "
@@ -60,7 +62,7 @@ if strategy == "ep":
     st.plotly_chart(comm.matrix_figure(matrix, "who sends to whom, one step"), width="stretch")
     st.stop()
 try:
-    key = (strategy, int(n), 1 if expected.AXIS[strategy] == "dp" else int(dp), int(m))
+    key = (strategy, int(n), 1 if expected.AXIS[strategy] == "dp" else int(dp), int(m), model)
     sizes, rows, calls = closed_form(*key)
 except ConfigError as err:
     st.error(str(err))

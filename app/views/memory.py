@@ -1,4 +1,5 @@
 import streamlit as st
+from family import family_picker
 from lesson_link import lesson_link
 
 from refpar.config import ConfigError, TrainConfig, model_preset
@@ -10,8 +11,10 @@ MIXED_SHOWN = ("dp", "zero1", "zero2", "zero3", "fsdp")  # closed forms that cou
 
 
 @st.cache_data(max_entries=32)
-def rank0_memory(n: int, microbatches: int, precision: str = "fp64") -> tuple[dict, dict]:
-    """Rank 0's closed-form peak bytes by category per strategy, and why any strategy is left out."""
+def rank0_memory(n: int, microbatches: int, precision: str = "fp64",
+                 model: str = "tiny") -> tuple[dict, dict]:
+    """Rank 0's closed-form peak bytes by category per strategy for the preset `model`, and why any
+    strategy is left out."""
     columns, skipped = {}, {}
     dtype = PRECISIONS[precision]
     for s in SHOWN:
@@ -19,7 +22,7 @@ def rank0_memory(n: int, microbatches: int, precision: str = "fp64") -> tuple[di
             skipped[s] = f"its closed form counts fp64 and fp32 runs; choose fp64 to see {s}"
             continue
         try:
-            w = expected.workload(s, n, model_preset("tiny", dtype=dtype), TrainConfig(steps=1),
+            w = expected.workload(s, n, model_preset(model, dtype=dtype), TrainConfig(steps=1),
                                   microbatches=microbatches if s == "pp" else 1)
             columns[f"{s} ({n})"] = comm.memory_by_rank(expected.closed_form_rows(w)[1])[0]
         except ConfigError as err:
@@ -29,7 +32,7 @@ def rank0_memory(n: int, microbatches: int, precision: str = "fp64") -> tuple[di
 
 st.title("Memory")
 st.markdown(
-    "Peak bytes on rank 0 of refpar's tiny GPT-2, by category, from the closed forms the "
+    "Peak bytes on rank 0 of refpar's tiny GPT-2 or tiny Llama, by category, from the closed forms the "
     "memory ledger is tested against. Watch the optimizer state shrink from DP to ZeRO-1, the "
     "gradients at ZeRO-2 and the parameters at ZeRO-3, while TP and SP split activations too and "
     "PP holds only its stages (plus the activations its schedule keeps in flight). In bf16-mixed "
@@ -43,9 +46,10 @@ BATCH = TrainConfig().batch_size  # a pipeline's microbatches each hold one sequ
 m = b.number_input("microbatches (pp)", min_value=1, max_value=BATCH, value=4,
                    help=f"at most the batch of {BATCH} sequences")
 precision = st.radio("precision", ("fp64", "bf16-mixed"), horizontal=True)
+model = family_picker()
 if precision != "fp64":
     lesson_link(10)  # where the 2 + 2 + 4 + 8 bytes come from, measured
-columns, skipped = rank0_memory(int(n), int(m), precision)
+columns, skipped = rank0_memory(int(n), int(m), precision, model)
 st.plotly_chart(comm.memory_figure(columns, "peak bytes on rank 0, closed form"), width="stretch")
 for s, why in skipped.items():
     st.warning(f"{s} left out: {why}")

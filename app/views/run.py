@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import streamlit as st
+from family import family_picker
 from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec, shared
 from lesson_link import lesson_link
 
@@ -46,7 +47,8 @@ def progress(run: Launcher) -> None:
 
 st.title("Run for real")
 st.markdown(
-    "Launch `mpiexec` with the chosen mesh on this machine: real ranks train refpar's tiny GPT-2 and "
+    "Launch `mpiexec` with the chosen mesh on this machine: real ranks train refpar's tiny GPT-2 (or "
+    "its tiny Llama) and "
     "print a JSON summary of the bytes each rank sent and the memory it peaked at. Compare those "
     "with the closed forms on the Communication and Memory pages, which pick the run up once it ends."
 )
@@ -58,12 +60,13 @@ dp = c.number_input("dp replicas", min_value=1, value=1, disabled=strategy in ex
 m = d.number_input("microbatches", min_value=1, value=2,
                    help="pp: m per step; dp strategies: gradient accumulation")
 steps = e.number_input("steps", min_value=1, value=3, help=f"at most {MAX_STEPS}")
+model = family_picker()
 run = shared()
 try:
     if steps > MAX_STEPS:
         raise ConfigError(f"{steps} steps: choose 1 to {MAX_STEPS}, this is a demonstration")
-    key = (strategy, int(n), 1 if strategy in expected.DP_STRATEGIES else int(dp), int(m))
-    w = expected.workload(strategy, key[1], model_preset("tiny"), TrainConfig(steps=int(steps)), dp=key[2],
+    key = (strategy, int(n), 1 if strategy in expected.DP_STRATEGIES else int(dp), int(m), model)
+    w = expected.workload(strategy, key[1], model_preset(model), TrainConfig(steps=int(steps)), dp=key[2],
                           microbatches=key[3])
     expected.closed_form_rows(w)  # refuses a mesh refpar cannot run, with the reason, before launching
     launch = mpiexec()
@@ -79,7 +82,7 @@ st.code(" ".join(argv) if argv else "", language="bash")
 if st.button("Start", type="primary", disabled=argv is None or run.running()):
     try:
         mesh = " ".join(f"{k}={v}" for k, v in w.sizes.items() if v > 1)
-        run.start(argv, f"{mesh} {strategy}", key, w.train.steps, trace)
+        run.start(argv, f"{mesh} {strategy} ({model})", key, w.train.steps, trace)
     except ConfigError as err:
         st.error(str(err))
 progress(run)

@@ -2,6 +2,7 @@ import sys
 import time
 
 import streamlit as st
+from family import family_picker
 from launcher import TIME_LIMIT_S, Launcher, mpiexec, shared
 from lesson_link import lesson_link
 
@@ -13,7 +14,7 @@ from refpar.viz.serving import comm_per_token_figure, kv_cache_figure
 
 MESHES = ("tp=2", "cp=2", "pp=2", "tp=4", "cp=4", "pp=4", "tp=2,cp=2", "tp=2,pp=2", "cp=2,pp=2")
 PROMPTS, ARRIVALS = (12, 5, 20, 8, 9, 15), (0, 0, 1, 3, 4, 6)  # request i's prompt length and arrival step
-MAX_NEW_TOKENS, MAX_BATCH = 8, 3  # the tiny model holds 32 positions: 20 + 8 fit
+MAX_NEW_TOKENS, MAX_BATCH = 8, 3  # the tiny models hold 32 positions: 20 + 8 fit
 MAX_CONTEXT = 1 << 20
 
 
@@ -44,9 +45,11 @@ def progress(run: Launcher) -> None:
 
 st.title("Serving")
 st.markdown(
-    "Real ranks serve refpar's tiny GPT-2 with a KV cache and continuous batching (`refpar generate`). "
-    "Watch each rank's cache grow by one token per decode pass and shrink as requests finish (tp "
-    "splits the heads, pp the layers, cp the positions), and the bytes each token costs per axis; "
+    "Real ranks serve refpar's tiny GPT-2 or tiny Llama with a KV cache and continuous batching "
+    "(`refpar generate`). Watch each rank's cache grow by one token per decode pass and shrink as "
+    "requests finish (tp splits the kv heads, pp the layers, cp the positions; Llama's 2 kv heads "
+    "make its cache half of GPT-2's, and at tp=4 each kv head is kept whole on 2 ranks), and the "
+    "bytes each token costs per axis; "
     "below, the same closed forms price a large model on real GPUs, where tp cuts latency and pp does not."
 )
 lesson_link(4)
@@ -54,12 +57,13 @@ a, b, c = st.columns(3)
 mesh = a.selectbox("mesh", MESHES, index=0)
 n = b.number_input("requests", min_value=1, value=4, help=f"at most {len(PROMPTS)}")
 new = c.number_input("new tokens per request", min_value=1, value=4, help=f"at most {MAX_NEW_TOKENS}")
+model = family_picker()
 run = shared()
 try:
     if n > len(PROMPTS):
         raise ConfigError(f"{n} requests: choose 1 to {len(PROMPTS)}, this is a demonstration")
     if new > MAX_NEW_TOKENS:
-        raise ConfigError(f"{new} new tokens: choose 1 to {MAX_NEW_TOKENS}, the tiny model holds "
+        raise ConfigError(f"{new} new tokens: choose 1 to {MAX_NEW_TOKENS}, the tiny models hold "
                           "32 positions")
     launch = mpiexec()
     if launch is None:
@@ -67,7 +71,8 @@ try:
     world = 1
     for part in mesh.split(","):
         world *= int(part.split("=")[1])
-    argv = [launch, "-n", str(world), sys.executable, "-m", "refpar", "generate", "--mesh", mesh,
+    argv = [launch, "-n", str(world), sys.executable, "-m", "refpar", "generate", "--model", model,
+            "--mesh", mesh,
             "--prompt-lens", ",".join(map(str, PROMPTS[:n])), "--arrivals", ",".join(map(str, ARRIVALS[:n])),
             "--new-tokens", str(new), "--max-batch", str(MAX_BATCH), "--json"]
 except ConfigError as err:
@@ -76,7 +81,7 @@ except ConfigError as err:
 st.code(" ".join(argv) if argv else "", language="bash")
 if st.button("Generate", type="primary", disabled=argv is None or run.running()):
     try:
-        run.start(argv, f"generate on {mesh}", (mesh, int(n), int(new)), 1, kind="generate")
+        run.start(argv, f"{model} generate on {mesh}", (mesh, int(n), int(new), model), 1, kind="generate")
     except ConfigError as err:
         st.error(str(err))
 progress(run)

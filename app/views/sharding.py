@@ -1,4 +1,5 @@
 import streamlit as st
+from family import family_picker
 from lesson_link import lesson_link
 
 from refpar.config import ConfigError
@@ -14,18 +15,21 @@ def figure(strategy: str, n: int):
     return sharding.sharding_figure(sharding.steps_for(strategy, n), n, f"{NAMES[strategy]}, {n} ranks. ")
 
 
+MODELS = {"tiny": sharding.DEMO_MODEL, "llama-tiny": sharding.DEMO_LLAMA}  # the family's demo model
+
+
 @st.cache_data(max_entries=64)
-def mix_figure(dp: int, tp: int, zero: int, sp: bool):
+def mix_figure(dp: int, tp: int, zero: int, sp: bool, model: str = "tiny"):
     title = f"dp={dp} x tp={tp}{' with SP' if sp else ''}, ZeRO-{zero} over dp. "
-    return mesh_sharding.mix_figure(mesh_sharding.mix_steps(dp, tp, zero, sp), title)
+    return mesh_sharding.mix_figure(mesh_sharding.mix_steps(dp, tp, zero, sp, MODELS[model]), title)
 
 
 @st.cache_data(max_entries=16)
-def pp_tp_figure(pp: int, tp: int):
-    return mesh_sharding.mix_figure(mesh_sharding.pp_tp_steps(pp, tp), f"pp={pp} x tp={tp}. ")
+def pp_tp_figure(pp: int, tp: int, model: str = "tiny"):
+    return mesh_sharding.mix_figure(mesh_sharding.pp_tp_steps(pp, tp, MODELS[model]), f"pp={pp} x tp={tp}. ")
 
 
-def pp_tp() -> None:
+def pp_tp(model: str) -> None:
     st.markdown(
         "Pipeline stages times tensor parallelism, ranks numbered as refpar's mesh numbers them (tp "
         "fastest): each stage holds only its own blocks (stage_layers), and within a stage TP cuts "
@@ -37,12 +41,12 @@ def pp_tp() -> None:
     tp = b.number_input("tp", min_value=1, value=2, key="mix_pp_tp")
     lesson_link(6)
     try:
-        st.plotly_chart(pp_tp_figure(int(pp), int(tp)), width="stretch")
+        st.plotly_chart(pp_tp_figure(int(pp), int(tp), model), width="stretch")
     except ConfigError as err:
         st.error(str(err))
 
 
-def mix() -> None:
+def mix(model: str) -> None:
     st.markdown(
         "Two axes at once, on dp x tp ranks numbered as refpar's mesh numbers them (tp fastest). Each "
         "cell's colour is the set of ranks that hold it: TP cuts each weight into tp slices, every dp "
@@ -58,7 +62,7 @@ def mix() -> None:
     sp = d.checkbox("sequence parallel (SP) on tp", key="mix_sp")
     lesson_link(5 if sp else 3 if zero else 4)
     try:
-        st.plotly_chart(mix_figure(int(dp), int(tp), zero, sp), width="stretch")
+        st.plotly_chart(mix_figure(int(dp), int(tp), zero, sp, model), width="stretch")
     except ConfigError as err:
         st.error(str(err))
 
@@ -72,10 +76,14 @@ st.markdown(
     "attention and the MLP, and EP send each token to the rank that owns its expert."
 )
 if st.toggle("mix two axes (dp x tp with ZeRO, tp x sp, pp x tp)"):
-    if st.radio("axes", ("dp x tp", "pp x tp"), horizontal=True, key="mix_axes") == "pp x tp":
-        pp_tp()
+    axes = st.radio("axes", ("dp x tp", "pp x tp"), horizontal=True, key="mix_axes")
+    st.caption("Llama's 8 query heads share 2 kv heads: from tp = 4 on, each kv head's k_proj rows "
+               "are held whole by several ranks (one colour for the set).")
+    model = family_picker()
+    if axes == "pp x tp":
+        pp_tp(model)
     else:
-        mix()
+        mix(model)
 else:
     left, right = st.columns(2)
     strategy = left.selectbox("strategy", list(NAMES), format_func=NAMES.get, index=3)

@@ -131,7 +131,7 @@ def _linears(spec: ModelSpec, n, tp, ep, moe: bool):
     (column-parallel QKV and MLP input, row-parallel output projections)."""
     h, kv = spec.d_model, spec.kv_dim
     wide = 2 if spec.mlp == "swiglu" else 1  # SwiGLU's gate and up projections as one GEMM
-    out = [(n, (h + 2 * kv) / tp, h, 1), (n, h, h / tp, 1)]
+    out = [(n, h / tp + 2 * kv / np.minimum(tp, spec.n_kv_head), h, 1), (n, h, h / tp, 1)]  # whole kv heads
     if not moe:
         return out + [(n, wide * spec.d_ff / tp, h, 1), (n, h, spec.d_ff / tp, 1)]
     f = spec.moe_d_ff
@@ -207,7 +207,7 @@ def block_seconds(spec: ModelSpec, hw: Hardware, *, micro_batch, seq, tp=1, cp=1
     core_f, core_b = _attention_core(spec, hw, micro_batch, seq, tp, cp, dtype, eff, software)
     memory_f = memory_seconds(hw, _elementwise_bytes(spec, n, tp, sp, precision), eff)
     params = layer_params(spec, moe)
-    local = params.split / tp + params.replicated + params.experts / (ep * tp)
+    local = params.per_tp_rank(tp, spec.n_kv_head) + params.replicated + params.experts / (ep * tp)
     # Read the new gradient and the buffer, write the buffer: 2 + 4 + 4 bytes into an fp32
     # buffer, 2 + 2 + 2 into a 16-bit one.
     per_param = precision.grad + 2 * (precision.grad_accum or precision.grad)

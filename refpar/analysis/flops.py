@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from refpar.analysis.presets import ModelSpec
 
 
@@ -33,16 +35,24 @@ class LayerParams:
     `split` divides by t (attention and MLP weights, column-parallel biases); `replicated` is held
     whole by every tensor-parallel rank (norms, row-parallel output biases, the router); `experts`
     is the routed experts' total, split by ep (whole experts) and by t (each expert's matrices).
+    `kv`, the part of `split` that is K and V, splits by whole kv heads (`per_tp_rank`).
     """
 
     split: int
     replicated: int
     experts: int
     expert_active: int  # the k experts one token goes through
+    kv: int = 0  # K's and V's weights and biases, within `split`
 
     @property
     def total(self) -> int:
         return self.split + self.replicated + self.experts
+
+    def per_tp_rank(self, tp, n_kv_head):
+        """What one of t tensor-parallel ranks holds of `split`: a t-th, except K and V, of which it
+        holds max(1, nkv / t) whole kv heads: past t = nkv each kv head is replicated on t / nkv
+        ranks (grouped-query attention; refpar/parallel/llama_tensor_parallel.py, Megatron-LM, vLLM)."""
+        return (self.split - self.kv) / tp + self.kv / np.minimum(tp, n_kv_head)
 
 
 def layer_params(spec: ModelSpec, moe: bool) -> LayerParams:
@@ -50,10 +60,11 @@ def layer_params(spec: ModelSpec, moe: bool) -> LayerParams:
     norm = 2 * h if spec.norm == "layernorm" else h
     # Q and O are (h, h); K and V are (h, kv): kv = h without GQA (Ainslie et al. 2023).
     attn_split = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if b else 0)
+    kv_split = 2 * h * kv + (2 * kv if b else 0)
     attn_repl = h if b else 0
     if not moe:
         mlp_split, mlp_repl = _mlp_params(h, spec.d_ff, spec.mlp, b)
-        return LayerParams(attn_split + mlp_split, attn_repl + 2 * norm + mlp_repl, 0, 0)
+        return LayerParams(attn_split + mlp_split, attn_repl + 2 * norm + mlp_repl, 0, 0, kv_split)
     one_split, one_repl = _mlp_params(h, spec.moe_d_ff, spec.mlp, b)
     expert = one_split + one_repl
     shared_split = spec.n_shared_experts * one_split
@@ -62,7 +73,7 @@ def layer_params(spec: ModelSpec, moe: bool) -> LayerParams:
     return LayerParams(attn_split + shared_split,
                        attn_repl + 2 * norm + shared_repl + router,
                        spec.n_experts * expert,
-                       spec.top_k * expert)
+                       spec.top_k * expert, kv_split)
 
 
 @dataclass(frozen=True)

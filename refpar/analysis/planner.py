@@ -59,6 +59,14 @@ def check_gpus(gpus: int, hw: Hardware) -> None:
                           f"{node}-GPU {hw.name} nodes; use e.g. {lower} or {upper}")
 
 
+def splits_heads(spec: ModelSpec, tp: int) -> bool:
+    """Whether tp ranks each get whole query heads and whole kv heads: tp divides the query heads,
+    and either divides the kv heads or is a multiple of them (each kv head then replicated on
+    tp / nkv ranks, refpar/parallel/llama_tensor_parallel.py's layout), so that no rank's query
+    heads read two kv heads."""
+    return spec.n_head % tp == 0 and (spec.n_kv_head % tp == 0 or tp % spec.n_kv_head == 0)
+
+
 def meshes(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int, seq: int) -> np.ndarray:
     """Every valid (dp, tp, pp, cp, ep) for this model and world, one row each."""
     rows = []
@@ -68,7 +76,7 @@ def meshes(spec: ModelSpec, gpus: int, hw: Hardware, global_batch: int, seq: int
         return [d for d in divisors if n % d == 0]
 
     for tp in divisors:
-        if tp > hw.gpus_per_node or spec.n_kv_head % tp:
+        if tp > hw.gpus_per_node or not splits_heads(spec, tp):
             continue
         for pp in dividing(gpus // tp):
             if pp > spec.n_layer:
@@ -333,9 +341,11 @@ def price(spec: ModelSpec, hw: Hardware, gpus: int, mesh: dict, *, zero: int = 0
                           f"use {'--schedule none' if pp == 1 else 'a pipeline schedule such as 1f1b'}")
     if zero not in ZERO_STAGES:
         raise ConfigError(f"--zero {zero} must be one of {', '.join(map(str, ZERO_STAGES))}")
-    if spec.n_kv_head % tp:
-        raise ConfigError(f"tp={tp} does not divide {spec.name}'s {spec.n_kv_head} key/value heads; "
-                          f"choose tp in {{{', '.join(str(d) for d in _divisors(spec.n_kv_head))}}}")
+    if not splits_heads(spec, tp):
+        choices = [d for d in _divisors(spec.n_head) if splits_heads(spec, d)]
+        raise ConfigError(f"tp={tp} does not divide {spec.name}'s {spec.n_kv_head} key/value heads, nor "
+                          f"is it a multiple of them dividing its {spec.n_head} query heads (each rank "
+                          f"needs whole heads); choose tp in {{{', '.join(map(str, choices))}}}")
     if pp > spec.n_layer:
         raise ConfigError(f"pp={pp} is more stages than {spec.name}'s {spec.n_layer} blocks; use pp <= "
                           f"{spec.n_layer}")

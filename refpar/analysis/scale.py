@@ -113,6 +113,7 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
     # MLP matmuls, the two residual dropout masks. Sequence parallelism splits them by t.
     outside = (4 * e + 2 * mk) * n * h / sp_div
     # Inside: Q and K for QK^T, V, the output projection's input, the MLP's hidden activations.
+    # K and V are those of the rank's max(1, nkv / t) kv heads: whole heads, replicated past t = nkv.
     if moe:
         # Each token's k dispatched copies (the routed experts' first input) and the hidden
         # activations of its k routed and the shared experts; the router reads the norm output.
@@ -120,7 +121,8 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
         hidden = spec.top_k * h + experts * (3 if spec.mlp == "swiglu" else 2) * spec.moe_d_ff
     else:
         hidden = (3 if spec.mlp == "swiglu" else 2) * spec.d_ff  # gelu: its input, fc2's input
-    inside = e * n * (h + kv + kv + h + hidden) / tp
+    kv_rank = kv / np.minimum(tp, spec.n_kv_head)  # (N, kv_rank) each for K and V
+    inside = e * n * ((h + h + hidden) / tp + 2 * kv_rank)
     if recompute == "selective":
         return outside + inside
     # Softmax output, its dropout mask, and the dropped-out probabilities V is multiplied by:
@@ -181,17 +183,19 @@ def stage_params(spec: ModelSpec, tp, pp, ep):
     """((shared, expert) on the first stage, (shared, expert) on the last): one rank's weights.
 
     Shared weights are split by t (Megatron's column/row split; norms, row-parallel biases and
-    the router whole), experts by e and t. The first stage holds the embedding (vocabulary split
-    by t), the last the final norm and the LM head; a tied head is a second copy of the
-    embedding when the two are on different stages (Megatron keeps both and all-reduces their
-    gradients).
+    the router whole; K and V by whole kv heads, `LayerParams.per_tp_rank`), experts by e and t.
+    The first stage holds the embedding (vocabulary split by t), the last the final norm and the
+    LM head; a tied head is a second copy of the embedding when the two are on different stages
+    (Megatron keeps both and all-reduces their gradients).
     """
     tp, pp, ep = np.asarray(tp), np.asarray(pp), np.asarray(ep)
     h, V = spec.d_model, spec.vocab_size
     dense, moe = layer_params(spec, False), layer_params(spec, True)
 
     def blocks(nd, nm):
-        shared = nd * (dense.split / tp + dense.replicated) + nm * (moe.split / tp + moe.replicated)
+        nkv = spec.n_kv_head
+        shared = (nd * (dense.per_tp_rank(tp, nkv) + dense.replicated)
+                  + nm * (moe.per_tp_rank(tp, nkv) + moe.replicated))
         return shared, nm * moe.experts / (ep * tp)
 
     norm = 2 * h if spec.norm == "layernorm" else h
@@ -255,7 +259,8 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
         return (nd * per_layer[False] + nm * per_layer[True]) * hold + extra + working
 
     p2p = np.where(pp > 1, 2 * pr.activation * n * h / sp_div, 0)
-    biggest_block = np.maximum(dense.split / tp, (moe.split + moe.experts / ep) / tp)
+    biggest_block = np.maximum(dense.per_tp_rank(tp, spec.n_kv_head),
+                               moe.per_tp_rank(tp, spec.n_kv_head) + moe.experts / (ep * tp))
     gathered = np.where(zero >= 3, 2 * pr.param * biggest_block, 0)
     first = states(first_shared, first_expert)
     # Activations are priced on ceil(L / p) blocks: where p does not divide L the first stage holds

@@ -5,7 +5,10 @@ p pp, N tokens of a pass, R tokens chosen in it (one per request), B requests de
 
 KV cache (K and V of every layer, head and cached token):
     2 · L · nkv · hd · tokens · b / shards
-tp splits the heads, pp the layers, cp the tokens (striped: cp rank r holds positions p % c == r).
+tp splits the kv heads (GPT-2: nkv = its heads), pp the layers, cp the tokens (striped: cp rank r
+holds positions p % c == r). Past tp = nkv (grouped-query attention) a rank keeps the one kv head its
+query heads read, replicated on tp / nkv ranks: max(1, nkv / tp) heads per rank, so a Llama rank
+holds nkv / nh of GPT-2's cache while tp <= nkv, and 1 / (nh / tp) of it past that.
 `kv_bytes_per_rank` is the exact per-rank count the MemoryLedger measures, uneven splits included.
 
 Decode is memory-bound: each step reads every weight and the whole cache from HBM once (Pope et
@@ -24,6 +27,7 @@ from refpar.analysis.presets import ModelSpec
 from refpar.analysis.step_time import collective_time, link
 from refpar.comm import cost
 from refpar.config import ModelConfig
+from refpar.holdings import kv_heads
 from refpar.sharding import shard_range, shard_sizes
 
 TOKEN_ITEMSIZE = 8  # the chosen tokens travel as int64
@@ -39,10 +43,19 @@ def striped_tokens(cached: int, cp: int, cp_rank: int) -> int:
     return max(0, (cached - cp_rank + cp - 1) // cp)
 
 
+def kv_heads_held(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
+    """The kv heads [k0, k1) tp rank `rank` of `t` caches: GPT-2's shard_range of its heads; Llama's
+    shard_range of its kv heads, or past t = n_kv_head the one its query heads read
+    (holdings.kv_heads, the tensor-parallel layout its k_proj and v_proj rows have)."""
+    if config.arch == "llama":
+        return kv_heads(config, t, rank)
+    return shard_range(config.n_head, t, rank)
+
+
 def kv_bytes_per_rank(config: ModelConfig, cached, sizes: dict, coords: dict) -> int:
     """Bytes of KV cache one rank holds when the requests have `cached` positions each cached."""
     layers = len(range(*shard_range(config.n_layer, sizes["pp"], coords["pp"])))
-    heads = len(range(*shard_range(config.n_head, sizes["tp"], coords["tp"])))
+    heads = len(range(*kv_heads_held(config, sizes["tp"], coords["tp"])))
     tokens = sum(striped_tokens(n, sizes["cp"], coords["cp"]) for n in cached)
     return int(kv_cache_bytes(layers, heads, config.head_size, tokens, _itemsize(config)))
 

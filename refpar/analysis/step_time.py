@@ -234,7 +234,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     # home (analysis/intra_layer.py), behind the attention core. All-gather (Llama 3): K and V of
     # the whole sequence gathered before the core, their gradients reduce-scattered after it.
     bw, lat = on_link("cp")
-    kv = 2 * e * n_tok * spec.kv_dim / tp
+    kv = 2 * e * n_tok * spec.kv_dim / np.minimum(tp, spec.n_kv_head)  # whole kv heads, replicated past nkv
     if software.cp == "ring":
         hop = collective_time("send", kv, cp, bw, lat, cl)
         hops_f = np.where(cp > 1, cp - 1, 0)

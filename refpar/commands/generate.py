@@ -1,7 +1,8 @@
-"""`refpar generate`: serve GPT-2 with a KV cache and continuous batching, on one device or a mesh.
+"""`refpar generate`: serve GPT-2 or Llama with a KV cache and continuous batching, on one device or a mesh.
 
     refpar generate --check
     mpiexec -n 2 python -m refpar generate --mesh tp=2 --check
+    mpiexec -n 4 python -m refpar generate --model llama-tiny --mesh tp=4 --check
     mpiexec -n 2 python -m refpar generate --mesh cp=2 --prompt-lens 24,30 --new-tokens 3
     mpiexec -n 2 python -m refpar generate --mesh pp=2 --sampling temperature=0.8,top_k=20 --json
 
@@ -22,7 +23,8 @@ HELP = ("generate tokens with a KV cache (tp, cp or pp decoding, continuous batc
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None, help="tp=T,cp=C,pp=P (default: one device)")
-    parser.add_argument("--model", default="tiny", help="model preset: tiny or small (default tiny)")
+    parser.add_argument("--model", default="tiny",
+                        help="model preset: tiny, small, llama-tiny or llama-small (default tiny)")
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
     parser.add_argument("--prompt-lens", default="12,5,20,8", help="prompt length of each request")
     parser.add_argument("--new-tokens", default="6",
@@ -122,9 +124,9 @@ def print_report(s: dict) -> None:
           + ", ".join(f"rank {k['rank']} {k['peak_bytes']} B" for k in kv)
           + "; matches the closed form after every pass and step: "
           + ("yes" if s["kv_matches_closed_form"] else "NO"))
-    shards = s["mesh"]["tp"] * s["mesh"]["cp"] * s["mesh"]["pp"]
     print(f"  2 · layers · kv_heads · head_dim · tokens · bytes / shards at the peak of "
-          f"{s['kv_peak_tokens']} cached tokens over {shards} shards = {s['kv_closed_form_at_peak']:.0f} B")
+          f"{s['kv_peak_tokens']} cached tokens, {s['kv_heads']} kv heads over {s['kv_shards']} shards "
+          f"(min(tp, kv_heads) · cp · pp) = {s['kv_closed_form_at_peak']:.0f} B")
     if s["max_logit_rel_diff"] is not None:
         print(f"check against one device recomputing every sequence: max logit rel diff "
               f"{s['max_logit_rel_diff']:.1e}, tokens identical: "

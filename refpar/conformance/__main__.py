@@ -1,5 +1,7 @@
 """mpiexec -n 2 python -m refpar.conformance [--dtype float64] [--batch-size 8] CASE[@DTYPE] ...
 
+    mpiexec -n 2 python -m refpar.conformance llama-tp     # Llama's GQA under DTensor TP
+
 Runs each case (in --dtype, or in DTYPE when the name ends in "@float32" or "@float64") on every
 rank of the job and prints, from rank 0, one JSON line per case:
 {"case", "ranks", "dtype", "batch_size", "steps": [per-step worst-rank differences], "max",
@@ -22,7 +24,7 @@ from refpar.conformance.dist import process_group
 CASES = {"ddp": cases.ddp, "ddp-mean": partial(cases.ddp, convention="mean"),
          "ddp-accum": partial(cases.ddp, microbatches=2),
          "ddp-accum-mean": partial(cases.ddp, microbatches=2, convention="mean"), "fsdp2": cases.fsdp2,
-         "tp": cases.tp, "tp-sp": partial(cases.tp, sp=True)}
+         "tp": cases.tp, "tp-sp": partial(cases.tp, sp=True), "llama-tp": cases.llama_tp}
 # DeepSpeed (refpar/conformance/deepspeed_cases.py; the `deepspeed` extra): ZeRO-S at DeepSpeed's
 # default clipping (1.0) next to refpar's --clip-grad-norm 1.0; "-noclip" both unclipped; "-default"
 # DeepSpeed's default next to refpar unclipped (the convention mismatch). Imported when run.

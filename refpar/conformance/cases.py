@@ -264,3 +264,67 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
 
     sizes = {"tp": N, "pp": 1, "dp": 1, "ep": 1, "cp": 1}
     return run_steps(model, train_cfg, comm, sizes, Plan(sp=sp), each)
+
+
+# ------------------------------------------------------------------------------ DTensor TP, Llama
+def llama_tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8) -> list[dict]:
+    """DTensor tensor parallelism of Llama (refpar/conformance/torch_llama.py; q_proj, k_proj,
+    v_proj, gate_proj and up_proj ColwiseParallel, o_proj and down_proj RowwiseParallel, as
+    torchtitan's parallelize_llama) against refpar's TP (refpar/parallel/llama_tensor_parallel.py)
+    on tp = world, llama-tiny's 4 query heads over 2 kv heads with 2 blocks: grouped-query attention
+    with 2 query heads reading each kv head. ColwiseParallel's contiguous chunk r of q_proj, k_proj
+    and v_proj is rank r's query heads and the kv heads they read, the rows refpar keeps, so no
+    layout is remapped; the embedding and the head stay replicated on the torch side and rank r
+    compares the vocabulary rows refpar's shard holds. Ranks must divide the kv heads: past that a
+    kv head would be cut in pieces by DTensor's chunking, where refpar replicates it whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from refpar.config import ConfigError, model_preset
+    from refpar.conformance import torch_llama
+    from refpar.engine.report import full_params
+    from refpar.holdings import tp_param_slices
+    from refpar.model import llama
+
+    model = model_preset("llama-tiny", n_layer=2, dtype=dtype)
+    train_cfg = TrainConfig(steps=3, batch_size=batch_size, seq_len=8)
+    N, r, B, T = comm.size, comm.rank, train_cfg.batch_size, train_cfg.seq_len
+    if model.n_kv_head % N:
+        raise ConfigError(f"llama-tp compares DTensor's contiguous chunks, which split llama-tiny's "
+                          f"{model.n_kv_head} kv heads whole only on 1 or {model.n_kv_head} ranks; "
+                          f"run it on {model.n_kv_head} ranks")
+    full = llama.init_params(model, train_cfg.seed)
+    slices = tp_param_slices(model, N, r)
+    net = torch_llama.build(model, full, getattr(torch, dtype))
+    mesh = init_device_mesh("cpu", (N,))
+    plan = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+    plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+             "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    for layer in net.model.layers:
+        parallelize_module(layer, mesh, plan)
+    opt = adamw(net, train_cfg)
+    corpus = corpus_for(model, train_cfg)
+
+    def each(par, step, loss):
+        grads = held_grads(par)  # this rank's shards
+        tokens, targets = corpus.batch(step, range(B), T)
+        opt.zero_grad()
+        logits = net(torch.from_numpy(tokens))  # (B, T, V)
+        out = torch.nn.functional.cross_entropy(logits.reshape(-1, model.vocab_size),
+                                                torch.from_numpy(targets).reshape(-1))
+        out.backward()
+        opt.step()
+        theirs = {}
+        for n, p in net.named_parameters():
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # DTensor: this rank's shard
+            g = g.detach().numpy()
+            if not isinstance(p.grad, DTensor) and n in slices:  # replicated here, split by refpar
+                g = np.take(g, slices[n][1], axis=slices[n][0])
+            theirs[n] = g
+        params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy()
+                  for n, p in net.named_parameters()}
+        return step_row(loss, float(out.detach()), worst(theirs, grads), worst(params, full_params(par)))
+
+    sizes = {"tp": N, "pp": 1, "dp": 1, "ep": 1, "cp": 1}
+    return run_steps(model, train_cfg, comm, sizes, Plan(), each)

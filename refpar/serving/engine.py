@@ -1,6 +1,7 @@
 """Continuous batching over a mesh of tp x cp x pp ranks: prefill, then decode with a KV cache.
 
     mpiexec -n 2 python -m refpar generate --mesh tp=2 --check
+    mpiexec -n 4 python -m refpar generate --model llama-tiny --mesh tp=4 --check
 
 Legend: N tokens of a pass (the segments of several requests side by side, as vLLM flattens a
 batch), R rows whose logits are needed (one per request: the last token of its segment),
@@ -12,8 +13,9 @@ Every engine step (one tick of the scheduler, the same on every rank):
      first token;
   3. decode pass: one token for every request that was already running;
   4. requests with all their tokens leave and free their KV cache slots.
-A pass runs the tensor-parallel block of training (`parallel_block_forward`) on the new tokens
-only, with `CachedAttention` as its core: under tp the two g all-reduces per layer per pass
+A pass runs the tensor-parallel block of training (GPT-2's `parallel_block_forward`, Llama's
+`llama_parallel_block_forward`, RoPE at the tokens' global positions) on the new tokens only, with
+`CachedAttention` as its core: under tp the two g all-reduces per layer per pass
 (after attention, after the MLP) are the only traffic besides the vocab-parallel embedding and
 the gather of the logits. Under pp the pass is split into one group of requests per stage, so
 several groups are in flight (stage s works on group g while stage s+1 works on group g-1), and
@@ -31,10 +33,16 @@ import numpy as np
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import stage_layers, stage_param_names
 from refpar.memory import MemoryLedger
+from refpar.model import llama
 from refpar.model.gpt import NO_DROPOUT
 from refpar.model.layers import layernorm_forward
+from refpar.model.llama_layers import rmsnorm_forward
+from refpar.parallel.llama_tensor_parallel import llama_parallel_block_forward
 from refpar.parallel.tensor_parallel import check_tp, parallel_block_forward, shard_params_tp, tp_layout
-from refpar.parallel.vocab_parallel import vocab_parallel_embedding_forward
+from refpar.parallel.vocab_parallel import (
+    llama_vocab_parallel_embedding_forward,
+    vocab_parallel_embedding_forward,
+)
 from refpar.serving.kv_cache import CachedAttention, KVCache
 from refpar.serving.requests import Request, check_requests
 from refpar.serving.sampling import Sampling, sample_token
@@ -78,7 +86,7 @@ def check_serving(config: ModelConfig, sizes: dict, max_batch: int) -> None:
             raise ConfigError(f"serving splits a model over tp, cp and pp; {axis}={sizes[axis]} "
                               "would be independent replicas, so leave it out of --mesh")
     if config.moe_experts:
-        raise ConfigError("refpar generate serves dense GPT-2; leave out the MoE options")
+        raise ConfigError("refpar generate serves dense GPT-2 and Llama models; leave out the MoE options")
     stage_layers(config.n_layer, sizes.get("pp", 1), 0)  # enough blocks for the stages
     check_tp(config, sizes.get("tp", 1))  # whole heads and vocabulary rows on every tp rank
     if max_batch < 1:
@@ -117,10 +125,29 @@ class ServeResult:
     steps: int = 0
 
 
+def _embed(tokens, params, lay):
+    """tokens (1, N) -> x (1, N, C): this rank's vocabulary rows, summed over tp (g)."""
+    if lay.config.arch == "llama":
+        return llama_vocab_parallel_embedding_forward(tokens, params, lay)[0]
+    return vocab_parallel_embedding_forward(tokens, params, lay, NO_DROPOUT)[0]
+
+
+def _block(x, params, layer: int, lay):
+    """x (1, N, C) -> (1, N, C): the training block's forward, lay.attention its attention core."""
+    if lay.config.arch == "llama":  # forward only: no kv heads' gradient to sum over their replicas
+        return llama_parallel_block_forward(x, params, layer, lay, None)[0]  # lay.attention: the cache's
+    return parallel_block_forward(x, params, layer, lay, NO_DROPOUT)[0]
+
+
 def _head(x, params, config: ModelConfig, sm: ServeMesh):
-    """x (R, C) -> logits (R, V) on every tp rank: ln_f, this rank's vocabulary rows, all-gather."""
-    h, _ = layernorm_forward(x, params["ln_f.weight"], params["ln_f.bias"], config.layer_norm_eps)
-    local = h @ params["wte.weight"].T  # (R, V/t)
+    """x (R, C) -> logits (R, V) on every tp rank: the final norm, this rank's vocabulary rows of the
+    head, all-gather."""
+    if config.arch == "llama":
+        h, _ = rmsnorm_forward(x, params[llama.FINAL_NORM], config.norm_eps)  # (R, C)
+        local = h @ params[llama.head_name(config)].T  # (R, V/t)
+    else:
+        h, _ = layernorm_forward(x, params["ln_f.weight"], params["ln_f.bias"], config.layer_norm_eps)
+        local = h @ params["wte.weight"].T  # (R, V/t)
     if sm.tp is None:
         return local
     t = sm.sizes["tp"]
@@ -173,12 +200,12 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             ctx = tracer.context(step=step, microbatch=g, phase=phase) if tracer else nullcontext()
             with ctx:
                 if sm.stage == 0:
-                    x, _ = vocab_parallel_embedding_forward(tokens[None], params, lay, NO_DROPOUT)  # (1,N,C)
+                    x = _embed(tokens[None], params, lay)  # (1, N, C)
                 else:
                     x = sm.pp.recv((1, len(tokens), config.n_embd), np.dtype(config.dtype),
                                    source=sm.stage - 1, tag="pp:act")  # (1, N, C)
                 for layer in layers:
-                    x, _ = parallel_block_forward(x, params, layer, lay, NO_DROPOUT)  # (1, N, C)
+                    x = _block(x, params, layer, lay)  # (1, N, C)
                 if not sm.last_stage:
                     sm.pp.send(x, dest=sm.stage + 1, tag="pp:act")
                     chosen += [0] * len(group)  # placeholders: the last stage broadcasts the tokens

@@ -1,10 +1,16 @@
 """The KV cache of one rank, and the attention core that reads it while decoding.
 
-Legend: N new tokens of a pass (all requests' segments side by side), nh this rank's heads
-(nh/t under tensor parallelism), hs head size, Tr the positions of a request this rank holds.
+Legend: N new tokens of a pass (all requests' segments side by side), nh this rank's query heads
+(nh/t under tensor parallelism), nkv this rank's key/value heads (GPT-2: nkv = nh; Llama's
+grouped-query attention: g = nh / nkv query heads read each kv head), hs head size, Tr the positions
+of a request this rank holds.
 
 What a rank holds of a request's keys and values, for each block of its pipeline stage:
-    tp  splits the heads: rank r keeps heads shard_range(nh, t, r), as its c_attn columns compute;
+    tp  splits the kv heads, as its k and v weights compute them (holdings.kv_heads): GPT-2's
+        rank r keeps heads shard_range(nh, t, r); Llama's rank r keeps kv heads
+        shard_range(n_kv_head, t, r) while t <= n_kv_head, and when t > n_kv_head the one kv head
+        its query heads read, which t / n_kv_head ranks then each keep whole (vLLM replicates kv
+        heads the same way): per rank max(1, n_kv_head / t) kv heads, never a fraction of one;
     cp  splits the positions, striped: cp rank r keeps positions p with p % c == r (Brandon et al.
         2023, "Striped Attention"), so every rank's share grows by one token every c decode steps.
 Every append is an entry of the MemoryLedger (category `activations`: the keys and values are kept
@@ -34,8 +40,8 @@ from refpar.model.attention import attention_forward
 class KVCache:
     def __init__(self, ledger: MemoryLedger, cp_size: int = 1, cp_rank: int = 0):
         self.ledger, self.cp_size, self.cp_rank = ledger, cp_size, cp_rank
-        self.k: dict[tuple[int, int], np.ndarray] = {}  # (rid, layer) -> (nh, Tr, hs)
-        self.v: dict[tuple[int, int], np.ndarray] = {}  # (rid, layer) -> (nh, Tr, hs)
+        self.k: dict[tuple[int, int], np.ndarray] = {}  # (rid, layer) -> (nkv, Tr, hs)
+        self.v: dict[tuple[int, int], np.ndarray] = {}  # (rid, layer) -> (nkv, Tr, hs)
         self.pos: dict[tuple[int, int], np.ndarray] = {}  # (rid, layer) -> (Tr,) global positions
 
     def owns(self, positions) -> np.ndarray:
@@ -43,24 +49,24 @@ class KVCache:
         return np.asarray(positions) % self.cp_size == self.cp_rank  # (n,)
 
     def append(self, rid: int, layer: int, k, v, positions) -> None:
-        """k, v (nh, n, hs) of a request's new tokens at `positions` (n,): keeps the owned ones."""
+        """k, v (nkv, n, hs) of a request's new tokens at `positions` (n,): keeps the owned ones."""
         mine = self.owns(positions)  # (n,)
         if not mine.any():
             return
-        k, v, positions = k[:, mine], v[:, mine], np.asarray(positions)[mine]  # (nh, n_mine, hs)
+        k, v, positions = k[:, mine], v[:, mine], np.asarray(positions)[mine]  # (nkv, n_mine, hs)
         key = (rid, layer)
         if key in self.k:
-            k = np.concatenate([self.k[key], k], axis=1)  # (nh, Tr, hs)
-            v = np.concatenate([self.v[key], v], axis=1)  # (nh, Tr, hs)
+            k = np.concatenate([self.k[key], k], axis=1)  # (nkv, Tr, hs)
+            v = np.concatenate([self.v[key], v], axis=1)  # (nkv, Tr, hs)
             positions = np.concatenate([self.pos[key], positions])  # (Tr,)
         self.ledger.alloc(f"kv.r{rid}.h{layer}.p{int(positions[-1])}", 2 * int(mine.sum()) * k.shape[0]
                           * k.shape[2] * k.dtype.itemsize, "activations")
         self.k[key], self.v[key], self.pos[key] = k, v, positions
 
     def get(self, rid: int, layer: int, like):
-        """(K, V (nh, Tr, hs), positions (Tr,)); empty when this rank holds none of the request yet."""
+        """(K, V (nkv, Tr, hs), positions (Tr,)); empty when this rank holds none of the request yet."""
         if (rid, layer) not in self.k:
-            empty = np.zeros((like.shape[0], 0, like.shape[-1]), dtype=like.dtype)  # (nh, 0, hs)
+            empty = np.zeros((like.shape[0], 0, like.shape[-1]), dtype=like.dtype)  # (nkv, 0, hs)
             return empty, empty, np.zeros(0, dtype=np.int64)
         return self.k[(rid, layer)], self.v[(rid, layer)], self.pos[(rid, layer)]
 
@@ -72,43 +78,50 @@ class KVCache:
 
 
 def partial_attention(q, k, v, q_pos, k_pos):
-    """q (nh, n, hs) against the keys in hand k, v (nh, Tr, hs) -> (out (nh, n, hs), lse (nh, n, 1)),
-    out normalised over these keys only; rows that see none of them get out 0 and lse -inf."""
-    nh, n, hs = q.shape
-    if k.shape[1] == 0:
-        return np.zeros_like(q), np.full((nh, n, 1), -math.inf, dtype=q.dtype)
-    s = (q @ np.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(hs))  # (nh, n, Tr)
+    """q (..., n, hs) against the keys in hand k, v (..., Tr, hs), the leading axes broadcasting
+    (a kv head against its g query heads) -> (out (..., n, hs), lse (..., n, 1)), out normalised
+    over these keys only; rows that see none of them get out 0 and lse -inf."""
+    *lead, n, hs = q.shape
+    if k.shape[-2] == 0:
+        return np.zeros_like(q), np.full((*lead, n, 1), -math.inf, dtype=q.dtype)
+    s = (q @ np.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(hs))  # (..., n, Tr)
     s = np.where(np.reshape(k_pos, (1, -1)) <= np.reshape(q_pos, (-1, 1)), s, -math.inf)
-    m = np.max(s, axis=-1, keepdims=True)  # (nh, n, 1)
+    m = np.max(s, axis=-1, keepdims=True)  # (..., n, 1)
     m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(s - m)  # (nh, n, Tr)
-    z = np.sum(e, axis=-1, keepdims=True)  # (nh, n, 1)
+    e = np.exp(s - m)  # (..., n, Tr)
+    z = np.sum(e, axis=-1, keepdims=True)  # (..., n, 1)
     seen = z > 0
-    lse = np.where(seen, m + np.log(np.where(seen, z, 1.0)), -math.inf)  # (nh, n, 1)
+    lse = np.where(seen, m + np.log(np.where(seen, z, 1.0)), -math.inf)  # (..., n, 1)
     return (e @ v) / np.where(seen, z, 1.0), lse
 
 
 class CachedAttention:
-    """The attention core of a decode or prefill pass (tensor_parallel.Layout.attention): appends
-    the new keys and values of each request's segment to the cache, then attends the segment's
-    queries to everything the request has cached. `segments` are (rid, start, stop) along N."""
+    """The attention core of a decode or prefill pass (the serving Layout's `attention`, which both
+    families' tensor-parallel blocks call): appends the new keys and values of each
+    request's segment to the cache, then attends the segment's queries to everything the request
+    has cached. `segments` are (rid, start, stop) along N. The g query heads of a kv head are one
+    more axis against which the cached kv head broadcasts (model/llama_layers.gqa_attention_forward's
+    grouping, HF's repeat_kv order), so the cache keeps nkv heads and copies none."""
 
     def __init__(self, cache: KVCache, segments, cp=None):
         self.cache, self.segments, self.cp = cache, segments, cp
 
-    def forward(self, q, k, v, layer, lay, drop):  # (1, nh, N, hs) each
+    def forward(self, q, k, v, layer, lay, drop):  # q (1, nh, N, hs); k, v (1, nkv, N, hs)
         pos = lay.region_pos  # (N,)
+        nh, nkv, hs = q.shape[1], k.shape[1], q.shape[-1]
         outs, lses = [], []
         for rid, a, b in self.segments:
             self.cache.append(rid, layer, k[0, :, a:b], v[0, :, a:b], pos[a:b])
-            K, V, k_pos = self.cache.get(rid, layer, q[0])  # (nh, Tr, hs)
+            K, V, k_pos = self.cache.get(rid, layer, k[0])  # (nkv, Tr, hs)
+            qg = np.reshape(q[0, :, a:b], (nkv, nh // nkv, b - a, hs))  # (nkv, g, n, hs)
+            K, V = K[:, None], V[:, None]  # (nkv, 1, Tr, hs)
             if self.cp is None:
-                o, _ = attention_forward(q[:, :, a:b], K[None], V[None], pos[a:b], k_pos)  # (1, nh, n, hs)
-                outs.append(o[0])
+                o, _ = attention_forward(qg, K, V, pos[a:b], k_pos)  # (nkv, g, n, hs)
+                outs.append(np.reshape(o, (nh, b - a, hs)))
             else:
-                o, lse = partial_attention(q[0, :, a:b], K, V, pos[a:b], k_pos)  # (nh, n, hs), (nh, n, 1)
-                outs.append(o)
-                lses.append(lse)
+                o, lse = partial_attention(qg, K, V, pos[a:b], k_pos)  # (nkv, g, n, hs), (nkv, g, n, 1)
+                outs.append(np.reshape(o, (nh, b - a, hs)))
+                lses.append(np.reshape(lse, (nh, b - a, 1)))
         out = np.concatenate(outs, axis=1)  # (nh, N, hs)
         if self.cp is not None:
             lse = np.concatenate(lses, axis=1)  # (nh, N, 1)

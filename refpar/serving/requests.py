@@ -3,8 +3,8 @@
 Legend: V vocab, T tokens of a sequence (prompt and generated).
 
 The reference generates each request alone and recomputes the whole sequence for every new token
-(`gpt.forward`, no cache): whatever a KV cache, a batch or a mesh does must give its logits and
-tokens.
+(`refpar.model.forward`, GPT-2 or Llama, no cache): whatever a KV cache, a batch or a mesh does must
+give its logits and tokens.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refpar import model
 from refpar.config import ConfigError, ModelConfig
-from refpar.model import gpt
 from refpar.model.data import MarkovCorpus
 from refpar.serving.sampling import Sampling, sample_token
 
@@ -75,7 +75,7 @@ def reference_generate(params, config: ModelConfig, request: Request, sampling: 
     """(generated tokens, the logits (V,) each was chosen from): one device, full recompute."""
     tokens, logits = list(request.prompt), []
     for _ in range(request.max_new_tokens):
-        row = gpt.forward(params, np.asarray([tokens]), config)[0, -1]  # (V,)
+        row = model.forward(params, np.asarray([tokens]), config)[0, -1]  # (V,)
         logits.append(np.asarray(row))
         tokens.append(sample_token(row, sampling, request.rid, len(tokens)))
     return tokens[len(request.prompt):], logits

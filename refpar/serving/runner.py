@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refpar import model
 from refpar.analysis.serving import kv_bytes_per_rank, kv_cache_bytes, pass_comm_bytes
 from refpar.comm import cost
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig
 from refpar.memory import MemoryLedger
 from refpar.mesh import DeviceMesh, check_job_size
-from refpar.model import gpt
 from refpar.serving.engine import ServeMesh, check_serving, serve
 from refpar.serving.requests import Request, check_requests, reference_generate
 from refpar.serving.sampling import Sampling
@@ -48,7 +48,7 @@ def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request]
     mesh = DeviceMesh(world, sizes)
     sm = ServeMesh.from_mesh(mesh)
     ledger = MemoryLedger(record_events=True)
-    params = gpt.init_params(config, opts.seed)
+    params = model.init_params(config, opts.seed)
     result = serve(params, config, requests, sampling, sm, opts.max_batch, ledger, tracer)
 
     kv_expected = [kv_bytes_per_rank(config, cached.values(), sm.sizes, sm.coords)
@@ -98,7 +98,9 @@ def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
         sent[key] = sent.get(key, 0) + c["bytes_sent"]
     for (key, _), nbytes in sent.items():  # per token that went through the passes of the phase
         per_token[key] = max(per_token.get(key, 0.0), nbytes / phases[key.split(":")[1]][0])
-    shards = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("cp", 1)
+    # tp splits the kv heads until each rank holds one (Llama's GQA replicates it past that)
+    kv_heads = config.n_kv_head if config.arch == "llama" else config.n_head
+    kv_shards = min(sizes.get("tp", 1), kv_heads) * sizes.get("pp", 1) * sizes.get("cp", 1)
     peak_tokens = max((sum(cached.values()) for cached in result.cached), default=0)
     itemsize = np.dtype(config.dtype).itemsize
     prefill, decode = phases["prefill"], phases["decode"]
@@ -126,8 +128,10 @@ def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
         "kv_moments": result.moments,
         "kv_matches_closed_form": all(row["kv"] == row["kv_expected"] for row in every),
         "kv_peak_tokens": peak_tokens,  # cached positions of all running requests at their largest
-        "kv_closed_form_at_peak": kv_cache_bytes(config.n_layer, config.n_head, config.head_size,
-                                                 peak_tokens, itemsize, shards),
+        "kv_cached_tokens": [sum(cached.values()) for cached in result.cached],  # at each kv moment
+        "kv_heads": kv_heads, "kv_shards": kv_shards,
+        "kv_closed_form_at_peak": kv_cache_bytes(config.n_layer, kv_heads, config.head_size,
+                                                 peak_tokens, itemsize, kv_shards),
         "max_logit_rel_diff": max(diffs) if opts.check and diffs else None,
         "tokens_match_reference": all(row["same"] for row in every) if opts.check else None,
     }

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, Plan, TrainConfig
+from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, Plan, TrainConfig, model_preset
 
 DP_STRATEGIES = ("dp", "zero1", "zero2", "zero3", "fsdp")
 STRATEGIES = (*DP_STRATEGIES, "tp", "sp", "cp-ring", "cp-ulysses", "pp")
@@ -25,6 +25,9 @@ STRATEGIES = (*DP_STRATEGIES, "tp", "sp", "cp-ring", "cp-ulysses", "pp")
 AXIS = {**dict.fromkeys(DP_STRATEGIES, "dp"), "tp": "tp", "sp": "tp", "cp-ring": "cp", "cp-ulysses": "cp",
         "pp": "pp"}
 MAX_WORLD = 16  # the Run page's limit too: more ranks than this do not fit this machine or the screen
+# The model families the app lets the user pick, each the preset of refpar's it shows and runs:
+# GPT-2's tiny, and Llama's, whose 4 query heads over 2 kv heads show GQA (tp=4 replicates kv heads).
+FAMILIES = {"GPT-2": "tiny", "Llama": "llama-tiny"}
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,11 @@ def train_args(w: Workload, trace: str | None = None) -> list[str]:
     mesh = ",".join(f"{a}={w.sizes[a]}" for a in MESH_AXES if w.sizes[a] > 1) or "dp=1"
     args = ["--mesh", mesh, "--steps", str(w.train.steps), "--batch-size", str(w.train.batch_size),
             "--seq-len", str(w.train.seq_len), "--json"]
+    name = next((n for n in FAMILIES.values() if model_preset(n) == w.model), None)
+    if name is None:
+        raise ConfigError(f"the app launches the presets {', '.join(FAMILIES.values())} only")
+    if name != "tiny":  # refpar train's default
+        args += ["--model", name]
     if w.strategy in ("zero1", "zero2", "zero3"):
         args += ["--zero", w.strategy[-1]]
     elif w.strategy == "fsdp":

@@ -30,8 +30,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.holdings import stage_layers, units
-from refpar.model.gpt import param_shapes
+from refpar.holdings import stage_layers, tied_embedding, units
+from refpar.model import param_shapes
 from refpar.parallel.sequence_parallel import check_sp
 from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
 from refpar.sharding import shard_range
@@ -59,6 +59,8 @@ def check_mix(config: ModelConfig, dp: int, tp: int, zero: int, sp: bool, seq_le
     if not (dp >= 1 and tp >= 1 and dp * tp <= MAX_RANKS):
         raise ConfigError(f"dp={dp} x tp={tp} is {dp * tp} ranks; choose at most {MAX_RANKS} on screen")
     check_tp(config, tp)
+    if sp and config.arch == "llama":
+        raise ConfigError("refpar runs Llama with sequence parallelism not yet; draw Llama without SP")
     if sp:
         check_sp(config, seq_len, tp)
 
@@ -72,7 +74,7 @@ def ids_held(config: ModelConfig, dp: int, tp: int, zero: int, dp_rank: int, tp_
     if not (split_over_dp and zero > 0):
         return {n: w.ravel() for n, w in local.items()}
     held = {}
-    for names in units(list(local)).values():
+    for names in units(list(local), tied_embedding(config)).values():
         start, stop = shard_range(sum(local[n].size for n in names), dp, dp_rank)
         offset = 0
         for n in names:
@@ -122,7 +124,7 @@ def mix_steps(dp: int, tp: int, zero: int, sp: bool = False, config: ModelConfig
               seq_len: int = DEMO_SEQ) -> list[Step]:
     """Panel row -> tensor -> holder sets of block 0 at each moment of one training step."""
     check_mix(config, dp, tp, zero, sp, seq_len)
-    names = block_weights(0)
+    names = block_weights(0, config)
     whole = holder_sets(config, dp, tp, zero, False, names)  # every dp replica holds its tp shard
     cut = holder_sets(config, dp, tp, zero, True, names)  # ZeRO's dp shard of it
     nobody = {n: _nobody(g.shape) for n, g in whole.items()}
@@ -130,7 +132,11 @@ def mix_steps(dp: int, tp: int, zero: int, sp: bool = False, config: ModelConfig
     moments = [("before the step", "idle", None), ("forward h.0", "fwd", 0), ("forward h.1", "fwd", 1),
                ("backward h.1", "bwd", 1), ("backward h.0", "bwd", 0), ("gradient sync", "sync", None),
                ("optimizer step", "opt", None), ("after the step", "after", None)]
-    tp_note = " (tp: an all-reduce of the activations after each row-split c_proj)" if tp > 1 else ""
+    row_split = "o_proj and down_proj" if config.arch == "llama" else "c_proj"
+    tp_note = f" (tp: an all-reduce of the activations after each row-split {row_split})" if tp > 1 else ""
+    if config.arch == "llama" and tp > config.n_kv_head:
+        tp_note += (f"; each kv head's k_proj and v_proj rows are whole on {tp // config.n_kv_head} tp "
+                    "ranks, whose gradients are summed over them")
     moves = {
         0: {"sync": "all-reduce of each tp shard's gradient over dp",
             "opt": "every dp replica applies the same update to its tp shard"},
@@ -177,7 +183,7 @@ def pp_tp_steps(pp: int, tp: int, config: ModelConfig = DEMO_MODEL) -> list[Step
     grids = {}
     for stage in range(pp):
         for block in stage_layers(config.n_layer, pp, stage):
-            within = holder_sets(config, 1, tp, 0, False, block_weights(block))  # tp ranks of a stage
+            within = holder_sets(config, 1, tp, 0, False, block_weights(block, config))  # a stage's tp ranks
             grids[f"stage {stage}, h.{block}"] = {
                 n: np.vectorize(lambda ts, s=stage: tuple(s * tp + t for t in ts), otypes=[object])(g)
                 for n, g in within.items()}

@@ -38,11 +38,19 @@ RANK_COLOURS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2"
 # Small enough to draw every element, with 8 heads and 8 experts so tp and ep go up to 8.
 DEMO_MODEL = ModelConfig(vocab_size=32, n_positions=16, n_embd=16, n_head=8, n_layer=2, dropout=0.0)
 DEMO_MOE_MODEL = replace(DEMO_MODEL, moe_experts=8)
+# Its Llama twin: 8 query heads over 2 kv heads, so from tp = 4 on each kv head is on tp / 2 ranks.
+DEMO_LLAMA = ModelConfig(arch="llama", vocab_size=32, n_positions=16, n_embd=16, n_head=8, n_kv_head=2,
+                         n_layer=2, intermediate_size=32, dropout=0.0)
 DEMO_SEQ = 16
 
 
-def block_weights(layer: int = 0) -> list[str]:
-    """The four weight matrices of a block, the tensors the sharding view draws."""
+def block_weights(layer: int = 0, config: ModelConfig = DEMO_MODEL) -> list[str]:
+    """The four weight matrices of a block the sharding view draws: GPT-2's, or Llama's q_proj and
+    k_proj (v_proj is laid out as k_proj), gate_proj (up_proj alike) and down_proj."""
+    if config.arch == "llama":
+        p = f"model.layers.{layer}."
+        return [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "mlp.gate_proj.weight",
+                p + "mlp.down_proj.weight"]
     return [f"h.{layer}.attn.c_attn.weight", f"h.{layer}.attn.c_proj.weight",
             f"h.{layer}.mlp.c_fc.weight", f"h.{layer}.mlp.c_proj.weight"]
 
@@ -240,7 +248,7 @@ def panels_figure(steps: list[Step], heatmaps, legend: list[tuple[str, str]], ti
     grids = steps[-1].grids
     rows = list(grids)
     cols = max(len(r) for r in grids.values())
-    titles = [f"{row}: {'.'.join(n.split('.')[2:]) if n.startswith('h.') else n}"
+    titles = [f"{row}: {'.'.join(n.split('.')[2:]) if n.startswith('h.') else n.removeprefix('model.')}"
               for row in rows for n in grids[row]]
     # Rows as tall as their tallest tensor (at least a quarter of the tallest row) so cells stay square-ish.
     tall = [max(np.shape(g)[0] for g in grids[row].values()) for row in rows]

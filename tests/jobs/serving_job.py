@@ -1,12 +1,14 @@
 """Serving on 4 ranks under several meshes, one MPI job (tests/test_serving.py runs it):
 
-    mpiexec -n 4 python tests/jobs/serving_job.py
+    mpiexec -n 4 python tests/jobs/serving_job.py              # GPT-2 tiny
+    mpiexec -n 4 python tests/jobs/serving_job.py llama-tiny   # Llama: 4 heads, 2 kv heads
 
 Rank 0 prints one JSON line per mesh with what the test asserts."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 from refpar.comm.communicator import abort_on_error, world
 from refpar.config import model_preset
@@ -20,14 +22,20 @@ RUNS = [  # mesh, sampling: every axis, alone and combined, greedy and sampled
     ({"cp": 4}, "temperature=1.3"),
     ({"pp": 4}, "greedy"),
 ]
+LLAMA_RUNS = [  # tp below, at and past n_kv_head = 2 (each kv head then on two ranks), with cp and pp
+    ({"tp": 4}, "greedy"),
+    ({"tp": 2, "cp": 2}, "greedy"),
+    ({"pp": 2, "tp": 2}, "temperature=0.8,top_k=12"),
+]
 
 
 def main() -> None:
     comm = world()
-    config = model_preset("tiny")
+    name = sys.argv[1] if len(sys.argv) > 1 else "tiny"
+    config = model_preset(name)
     # Different lengths arriving at different steps, more requests than slots: continuous batching.
     requests = make_requests(config, [13, 4, 22, 7, 9], [5, 8, 3, 6, 2], [0, 0, 1, 2, 4], seed=5)
-    for sizes, sampling in RUNS:
+    for sizes, sampling in LLAMA_RUNS if config.arch == "llama" else RUNS:
         s = run_serving(comm, sizes, config, requests, parse_sampling(sampling, seed=11),
                         ServeOptions(max_batch=3, seed=3, check=True))
         if s is not None:
