@@ -51,6 +51,17 @@ def token_loss(logits, targets, tokens_here: int, world: int, B: int, T: int, co
     return total / tokens_here if convention == "mean" else total * (world / (B * T))
 
 
+def whole_batch_step(forward, opt, tokens, targets, vocab: int) -> float:
+    """torch's step on the whole batch, as every tp rank holds it: the mean cross-entropy's backward,
+    then the optimizer. Returns the loss."""
+    opt.zero_grad()
+    logits = forward(torch.from_numpy(tokens))  # (B, T, V)
+    out = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), torch.from_numpy(targets).reshape(-1))
+    out.backward()
+    opt.step()
+    return float(out.detach())
+
+
 def gpt2(name: str, t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(to_gpt2_layout(name, t.detach().numpy()))
 
@@ -239,12 +250,7 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
     def each(par, step, loss):
         grads = held_grads(par)  # this rank's shards, the sequence-sharded region summed over tp
         tokens, targets = corpus.batch(step, range(B), T)
-        opt.zero_grad()
-        logits = forward(torch.from_numpy(tokens))  # (B, T, V)
-        out = torch.nn.functional.cross_entropy(logits.reshape(-1, model.vocab_size),
-                                                torch.from_numpy(targets).reshape(-1))
-        out.backward()
-        opt.step()
+        theirs_loss = whole_batch_step(forward, opt, tokens, targets, model.vocab_size)
         theirs = {}
         for n, p in net.named_parameters():
             if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
@@ -260,7 +266,7 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
                 theirs[n] = gpt2(n, p.grad)
         params = {n: unpermute(n, gpt2(n, p.full_tensor() if isinstance(p, DTensor) else p))
                   for n, p in net.named_parameters()}
-        return step_row(loss, float(out.detach()), worst(theirs, grads), worst(params, full_params(par)))
+        return step_row(loss, theirs_loss, worst(theirs, grads), worst(params, full_params(par)))
 
     sizes = {"tp": N, "pp": 1, "dp": 1, "ep": 1, "cp": 1}
     return run_steps(model, train_cfg, comm, sizes, Plan(sp=sp), each)
@@ -309,12 +315,7 @@ def llama_tp(comm, dtype: str = "float64", convention: str = "global", batch_siz
     def each(par, step, loss):
         grads = held_grads(par)  # this rank's shards
         tokens, targets = corpus.batch(step, range(B), T)
-        opt.zero_grad()
-        logits = net(torch.from_numpy(tokens))  # (B, T, V)
-        out = torch.nn.functional.cross_entropy(logits.reshape(-1, model.vocab_size),
-                                                torch.from_numpy(targets).reshape(-1))
-        out.backward()
-        opt.step()
+        theirs_loss = whole_batch_step(net, opt, tokens, targets, model.vocab_size)
         theirs = {}
         for n, p in net.named_parameters():
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # DTensor: this rank's shard
@@ -324,7 +325,7 @@ def llama_tp(comm, dtype: str = "float64", convention: str = "global", batch_siz
             theirs[n] = g
         params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy()
                   for n, p in net.named_parameters()}
-        return step_row(loss, float(out.detach()), worst(theirs, grads), worst(params, full_params(par)))
+        return step_row(loss, theirs_loss, worst(theirs, grads), worst(params, full_params(par)))
 
     sizes = {"tp": N, "pp": 1, "dp": 1, "ep": 1, "cp": 1}
     return run_steps(model, train_cfg, comm, sizes, Plan(), each)
