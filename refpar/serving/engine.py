@@ -125,6 +125,9 @@ class ServeResult:
     kv_by_request: list = field(default_factory=list)  # {rid: bytes this rank holds}, from the ledger
     moments: list = field(default_factory=list)  # "step 3 decode", "step 3 end"
     pool: list = field(default_factory=list)  # paged: this rank's blocks, slots, tables at each moment
+    # paged, at each moment: {rid: positions it holds blocks for}; a step's blocks are taken when it
+    # is planned (vLLM's scheduler), so after a prefill pass the decoding requests hold one more
+    reserved: list = field(default_factory=list)
     preemptions: list = field(default_factory=list)  # paged: (step, rid) of each preemption
     shared: dict = field(default_factory=dict)  # paged: rid -> positions taken from a cached request
     kv_blocks: int | None = None  # paged: blocks of each rank's pool
@@ -204,6 +207,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
     out = ServeResult()
     seqs: dict[int, list[int]] = {}  # rid -> prompt + generated tokens
     fed: dict[int, int] = {}  # rid -> positions whose keys and values are cached
+    reserved: dict[int, int] = {}  # paged: rid -> positions it holds blocks for (this step's included)
     waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
     running: list[Request] = []
     if paging is not None:
@@ -215,6 +219,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
         out.cached.append(dict(fed))
         out.moments.append(moment)
         if paging is not None:
+            out.reserved.append(dict(reserved))
             t = cache.tables
             out.pool.append({"blocks": t.taken, "used_slots": t.used_slots(),
                              "wasted_slots": t.taken * t.block_size - t.used_slots(), "copies": t.copies,
@@ -229,13 +234,14 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             while not cache.fits(r.rid, len(seqs[r.rid])):
                 victim = decoding.pop()
                 cache.free(victim.rid)
-                del fed[victim.rid]
+                del fed[victim.rid], reserved[victim.rid]
                 preempted.append(victim)
                 out.preemptions.append((step, victim.rid))
                 if victim is r:
                     break
             else:
                 cache.grow(r.rid, len(seqs[r.rid]))
+                reserved[r.rid] = len(seqs[r.rid])
                 i += 1
         return preempted
 
@@ -259,7 +265,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             cache.free(r.rid)
             return None
         cache.grow(r.rid, len(seq))
-        out.shared[r.rid] = shared
+        reserved[r.rid], out.shared[r.rid] = len(seq), shared
         return shared
 
     def run_pass(step, phase, segs):  # segs: [(request, tokens, first position)]
@@ -331,6 +337,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             running.remove(r)
             cache.free(r.rid)
             del fed[r.rid]
+            reserved.pop(r.rid, None)
         snapshot(f"step {step} end")
         if progress is not None and paging is not None:
             progress(progress_line(step, running, waiting, cache.tables,

@@ -72,15 +72,16 @@ def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request]
         # saving depends on which requests hold a prefix together (the test works it out for its
         # mix), so the ledger is held to the blocks the tables hold.
         B, c, cr = opts.paging.block_size, sm.sizes["cp"], sm.coords["cp"]
-        unshared = [paged_blocks(cached.values(), B, c, cr) for cached in result.cached]
-        held = [p["blocks"] for p in result.pool]
+        unshared = [paged_blocks(held.values(), B, c, cr) for held in result.reserved]
+        taken = [p["blocks"] for p in result.pool]
         kv_expected = [block_bytes(config, B, sm.sizes, sm.coords) * n
-                       for n in (held if opts.paging.prefix_sharing else unshared)]
-        pool = {"blocks": held, "blocks_closed_form_unshared": unshared,
+                       for n in (taken if opts.paging.prefix_sharing else unshared)]
+        pool = {"blocks": taken, "blocks_closed_form_unshared": unshared,
                 "used_slots": [p["used_slots"] for p in result.pool],
                 "wasted_slots": [p["wasted_slots"] for p in result.pool],
-                "wasted_slots_closed_form_unshared": [paged_wasted_slots(cached.values(), B, c, cr)
-                                                      for cached in result.cached],
+                "wasted_slots_closed_form_unshared": [paged_wasted_slots(held.values(), B, c, cr)
+                                                      for held in result.reserved],
+                "reserved": [{str(rid): n for rid, n in held.items()} for held in result.reserved],
                 "copies": result.pool[-1]["copies"] if result.pool else 0,
                 "tables": [{str(rid): t for rid, t in p["tables"].items()} for p in result.pool],
                 "block_bytes": block_bytes(config, B, sm.sizes, sm.coords)}
@@ -173,6 +174,7 @@ def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
         "kv_matches_closed_form": all(row["kv"] == row["kv_expected"] for row in every),
         "kv_peak_tokens": peak_tokens,  # cached positions of all running requests at their largest
         "kv_cached_tokens": [sum(cached.values()) for cached in result.cached],  # at each kv moment
+        "kv_cached_by_request": [{str(rid): n for rid, n in cached.items()} for cached in result.cached],
         "kv_heads": kv_heads, "kv_shards": kv_shards,
         "kv_closed_form_at_peak": kv_cache_bytes(config.n_layer, kv_heads, config.head_size,
                                                  peak_tokens, itemsize, kv_shards),
