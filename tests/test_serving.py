@@ -3,6 +3,7 @@ against the single device recomputing every sequence; bytes and KV memory agains
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from refpar.analysis.hardware import hardware
 from refpar.analysis.presets import preset
 from refpar.analysis.serving import decode_estimate, kv_bytes_per_rank, kv_cache_bytes
 from refpar.comm import cost
+from refpar.commands.generate import add_arguments, paging_from_args
 from refpar.config import ConfigError, model_preset
 from refpar.memory import MemoryLedger
 from refpar.model import gpt
@@ -198,13 +200,19 @@ def test_bad_requests_get_one_sentence():
     with pytest.raises(ConfigError, match="unknown sampling option"):
         parse_sampling("temperature=0.5,nucleus=0.9")
     for args in (["--prompt-lens", "40"], ["--sampling", "temp=0.5"], ["--mesh", "dp=2"],
-                 ["--paged", "--block-size", "0"], ["--kv-blocks", "4"],  # --kv-blocks needs --paged
                  ["--paged", "--block-size", "4", "--kv-blocks", "3"]):  # 20 + 6 - 1 positions: 7 blocks
         proc = subprocess.run([sys.executable, "-m", "refpar", "generate", *args], cwd=ROOT,
                               env=mpi_env(), capture_output=True, text=True, timeout=60)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert lines[0].startswith("refpar generate: error: ")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for args, says in ((["--paged", "--block-size", "0"], "at least 1 token slot"),
+                       (["--paged", "--kv-blocks", "0"], "at least 1 block per rank"),
+                       (["--prefix-sharing"], "add --paged or leave --prefix-sharing out")):
+        with pytest.raises(ConfigError, match=says):
+            paging_from_args(parser.parse_args(args))
 
 
 def test_generate_command_reports_and_checks_on_one_device():

@@ -71,6 +71,23 @@ def int_list(text: str, what: str) -> list[int]:
     return values
 
 
+def paging_from_args(args):
+    """--paged and its options as a Paging (None: the contiguous cache); its options alone are refused."""
+    from refpar.config import ConfigError
+    from refpar.serving.paged import Paging
+
+    if not args.paged:
+        for flag, given in (("--block-size", args.block_size is not None),
+                            ("--kv-blocks", args.kv_blocks is not None),
+                            ("--prefix-sharing", args.prefix_sharing)):
+            if given:
+                raise ConfigError(f"{flag} sets up the paged cache; add --paged or leave {flag} out")
+        return None
+    paging = Paging(16 if args.block_size is None else args.block_size, args.kv_blocks, args.prefix_sharing)
+    paging.check()
+    return paging
+
+
 def run(args) -> int:
     from refpar.analysis.hardware import hardware
     from refpar.analysis.presets import preset
@@ -78,22 +95,12 @@ def run(args) -> int:
     from refpar.comm.communicator import world
     from refpar.config import ConfigError, ParallelConfig, check_output_path, model_preset, parse_mesh
     from refpar.serving.engine import check_serving
-    from refpar.serving.paged import Paging, pool_blocks
+    from refpar.serving.paged import pool_blocks
     from refpar.serving.requests import make_requests
     from refpar.serving.runner import ServeOptions, run_serving
     from refpar.serving.sampling import parse_sampling
 
-    paging = None
-    if args.paged:
-        block = 16 if args.block_size is None else args.block_size
-        paging = Paging(block, args.kv_blocks, args.prefix_sharing)
-        paging.check()
-    else:
-        for flag, given in (("--block-size", args.block_size is not None),
-                            ("--kv-blocks", args.kv_blocks is not None),
-                            ("--prefix-sharing", args.prefix_sharing)):
-            if given:
-                raise ConfigError(f"{flag} sets up the paged cache; add --paged or leave {flag} out")
+    paging = paging_from_args(args)
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
     config = model_preset(args.model, **({"dtype": args.dtype} if args.dtype is not None else {}))
     check_serving(config, sizes, args.max_batch)
