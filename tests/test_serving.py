@@ -319,3 +319,19 @@ def test_prefix_sharing_saves_the_system_prompts_whole_blocks_and_preemption_kee
             assert rank["blocks"][i] == unshared - saved, (rank["rank"], run["kv_moments"][i])
             assert rank["blocks"][i] <= run["paged"]["kv_blocks"] == 5
         assert rank["copies"] > 0, "the partly filled block is copied on write"
+
+
+def test_block_pool_figure_colours_each_block_by_a_holder_and_names_every_holder(gpt2_job):
+    from refpar.viz.serving import block_pool_figure
+
+    run = next(r for r in gpt2_job if r["paged"] is not None and r["paged"]["prefix_sharing"])
+    heat = block_pool_figure(run, rank=1).data[0]
+    tables = next(p for p in run["paged"]["pool"] if p["rank"] == 1)["tables"]
+    shared_seen = False
+    for i, held in enumerate(tables):
+        for b in range(run["paged"]["kv_blocks"]):
+            holders = [int(rid) for rid, table in held.items() if b in table]
+            assert (heat.z[i][b] in holders) if holders else heat.z[i][b] is None
+            assert heat.text[i][b].count("request") == len(holders) if holders else heat.text[i][b] == "free"
+            shared_seen |= len(holders) > 1
+    assert shared_seen, "the system prompt's block is drawn with its holders"
