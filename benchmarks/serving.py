@@ -1,7 +1,7 @@
 """The paged KV cache against the contiguous one, on a request mix of mixed lengths that share
 system prompts: KV memory per rank, the largest batch a memory holds, tokens per second.
 
-    python benchmarks/serving.py [--model small] [--memory-mib 16] [--block-size 16]
+    python benchmarks/serving.py [--model small] [--memory-mib 6] [--block-size 16]
     mpiexec -n 2 python benchmarks/serving.py --mesh tp=2
 
 The mix: 16 requests, every other one after one of two system prompts (64 and 32 tokens), user
@@ -54,8 +54,8 @@ def main() -> None:
     parser.add_argument("--mesh", default=None, help="tp=T,cp=C,pp=P (default: one device)")
     parser.add_argument("--model", default="small")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--memory-mib", type=float, default=16.0,
-                        help="KV memory per rank for the batch column (16)")
+    parser.add_argument("--memory-mib", type=float, default=6.0,
+                        help="KV memory per rank for the batch column (6)")
     args = parser.parse_args()
 
     from refpar.analysis.serving import block_bytes, kv_bytes_per_rank
@@ -74,6 +74,7 @@ def main() -> None:
         memory = int(args.memory_mib * 2**20)
         caches = [("contiguous", None), ("paged", Paging(args.block_size)),
                   ("paged + prefix sharing", Paging(args.block_size, prefix_sharing=True))]
+        run_serving(comm, sizes, config, mix[:4], greedy, ServeOptions(max_batch=8))  # warm-up, not timed
         rows = []
         for name, paging in caches:
             s = run_serving(comm, sizes, config, mix, greedy, ServeOptions(max_batch=8, paging=paging))
