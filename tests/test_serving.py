@@ -208,11 +208,12 @@ def test_bad_requests_get_one_sentence():
         assert lines[0].startswith("refpar generate: error: ")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    for args, says in ((["--paged", "--block-size", "0"], "at least 1 token slot"),
+    for args, says in ((["--paged", "--block-size", "0"], "1 to 32 token slots"),
+                       (["--paged", "--block-size", "33"], "1 to 32 token slots"),
                        (["--paged", "--kv-blocks", "0"], "at least 1 block per rank"),
                        (["--prefix-sharing"], "add --paged or leave --prefix-sharing out")):
         with pytest.raises(ConfigError, match=says):
-            paging_from_args(parser.parse_args(args))
+            paging_from_args(parser.parse_args(args), CONFIG.n_positions)
 
 
 def test_generate_command_reports_and_checks_on_one_device():
@@ -328,8 +329,9 @@ def test_block_pool_figure_colours_each_block_by_a_holder_and_names_every_holder
     heat = block_pool_figure(run, rank=1).data[0]
     tables = next(p for p in run["paged"]["pool"] if p["rank"] == 1)["tables"]
     shared_seen = False
+    assert len(heat.z[0]) == 1 + max(b for held in tables for t in held.values() for b in t)
     for i, held in enumerate(tables):
-        for b in range(run["paged"]["kv_blocks"]):
+        for b in range(len(heat.z[i])):
             holders = [int(rid) for rid, table in held.items() if b in table]
             assert (heat.z[i][b] in holders) if holders else heat.z[i][b] is None
             assert heat.text[i][b].count("request") == len(holders) if holders else heat.text[i][b] == "free"

@@ -71,7 +71,7 @@ def int_list(text: str, what: str) -> list[int]:
     return values
 
 
-def paging_from_args(args):
+def paging_from_args(args, n_positions: int):
     """--paged and its options as a Paging (None: the contiguous cache); its options alone are refused."""
     from refpar.config import ConfigError
     from refpar.serving.paged import Paging
@@ -84,7 +84,7 @@ def paging_from_args(args):
                 raise ConfigError(f"{flag} sets up the paged cache; add --paged or leave {flag} out")
         return None
     paging = Paging(16 if args.block_size is None else args.block_size, args.kv_blocks, args.prefix_sharing)
-    paging.check()
+    paging.check(n_positions)
     return paging
 
 
@@ -100,9 +100,9 @@ def run(args) -> int:
     from refpar.serving.runner import ServeOptions, run_serving
     from refpar.serving.sampling import parse_sampling
 
-    paging = paging_from_args(args)
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
     config = model_preset(args.model, **({"dtype": args.dtype} if args.dtype is not None else {}))
+    paging = paging_from_args(args, config.n_positions)
     check_serving(config, sizes, args.max_batch)
     sampling = parse_sampling(args.sampling, args.seed)  # first: it checks the seed the prompts use
     requests = make_requests(config, int_list(args.prompt_lens, "--prompt-lens"),

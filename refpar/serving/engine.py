@@ -45,7 +45,7 @@ from refpar.parallel.vocab_parallel import (
     vocab_parallel_embedding_forward,
 )
 from refpar.serving.kv_cache import CachedAttention, KVCache
-from refpar.serving.paged import BlockTables, PagedKVCache, Paging, common_prefix, pool_blocks
+from refpar.serving.paged import BlockTables, PagedKVCache, Paging, all_at_once, common_prefix, pool_blocks
 from refpar.serving.requests import Request, check_requests
 from refpar.serving.sampling import Sampling, sample_token
 from refpar.sharding import shard_range
@@ -179,7 +179,7 @@ def make_cache(config: ModelConfig, requests, sm: ServeMesh, ledger: MemoryLedge
     """The contiguous cache, or the paged one with the tables of every cp rank (see paged.py)."""
     if paging is None:
         return KVCache(ledger, sm.sizes["cp"], sm.coords["cp"])
-    paging.check()
+    paging.check(config.n_positions)
     c = sm.sizes["cp"]
     blocks = pool_blocks(paging, requests, c)
     nbytes = block_bytes(config, paging.block_size, sm.sizes, sm.coords)
@@ -187,7 +187,8 @@ def make_cache(config: ModelConfig, requests, sm: ServeMesh, ledger: MemoryLedge
              for r in range(c)]
     heads = kv_heads_held(config, sm.sizes["tp"], sm.coords["tp"])
     return PagedKVCache(ranks, sm.coords["cp"], stage_layers(config.n_layer, sm.sizes["pp"], sm.stage),
-                        heads[1] - heads[0], config.head_size, np.dtype(config.dtype))
+                        heads[1] - heads[0], config.head_size, np.dtype(config.dtype),
+                        all_at_once(requests, paging.block_size, c))
 
 
 def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampling: Sampling,

@@ -52,9 +52,10 @@ class Paging:
     kv_blocks: int | None = None  # blocks per rank; None: enough for every request at once
     prefix_sharing: bool = False
 
-    def check(self) -> None:
-        if self.block_size < 1:
-            raise ConfigError(f"--block-size {self.block_size} must be at least 1 token slot; give e.g. 16")
+    def check(self, n_positions: int) -> None:
+        if not 1 <= self.block_size <= n_positions:
+            raise ConfigError(f"--block-size {self.block_size} must be 1 to {n_positions} token slots (the "
+                              f"context); give e.g. {min(16, n_positions)}")
         if self.kv_blocks is not None and self.kv_blocks < 1:
             raise ConfigError(f"--kv-blocks {self.kv_blocks} must be at least 1 block per rank")
 
@@ -66,8 +67,11 @@ class BlockTables:
                  ledger: MemoryLedger | None = None, block_bytes: int = 0):
         self.num_blocks, self.block_size, self.cp, self.cp_rank = num_blocks, block_size, cp, cp_rank
         self.ledger, self.block_bytes = ledger, block_bytes
-        self.free = list(range(num_blocks))  # a heap: the lowest free id is taken first
-        self.refs = [0] * num_blocks
+        # Free ids: the given-back ones (a heap, all below `fresh`) and fresh..num_blocks-1, so the
+        # lowest free id is taken first and a large pool costs nothing until it is used.
+        self.given_back: list[int] = []
+        self.fresh = 0
+        self.refs: dict[int, int] = {}  # block -> holders
         self.table: dict[int, list[int]] = {}  # rid -> block ids
         self.filled: dict[int, int] = {}  # rid -> slots written
         self.copies = 0  # copy-on-write copies made
@@ -123,10 +127,17 @@ class BlockTables:
 
     @property
     def taken(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.free
+
+    @property
+    def free(self) -> int:
+        return len(self.given_back) + self.num_blocks - self.fresh
 
     def _take(self) -> int:
-        b = heapq.heappop(self.free)
+        if self.given_back:
+            b = heapq.heappop(self.given_back)
+        else:
+            b, self.fresh = self.fresh, self.fresh + 1
         self.refs[b] = 1
         if self.ledger is not None:
             self.ledger.alloc(f"kv.block{b}", self.block_bytes, "activations")
@@ -135,27 +146,31 @@ class BlockTables:
     def _drop(self, b: int) -> None:
         self.refs[b] -= 1
         if self.refs[b] == 0:
-            heapq.heappush(self.free, b)
+            del self.refs[b]
+            heapq.heappush(self.given_back, b)
             if self.ledger is not None:
                 self.ledger.free(f"kv.block{b}")
 
 
 class PagedKVCache:
     """This rank's pool of keys and values, read and written through the block tables; `ranks` are
-    the tables of every cp rank (the scheduler's), `ranks[cp_rank]` this rank's own."""
+    the tables of every cp rank (the scheduler's), `ranks[cp_rank]` this rank's own; `rows` the
+    blocks every request at its longest would hold at once."""
 
     def __init__(self, ranks: list[BlockTables], cp_rank: int, layers, kv_heads: int, head_size: int,
-                 dtype):
+                 dtype, rows: int):
         self.ranks, self.cp_rank = ranks, cp_rank
         self.tables = ranks[cp_rank]
         self.layer_index = {layer: i for i, layer in enumerate(layers)}
-        shape = (self.tables.num_blocks, len(layers), kv_heads, self.tables.block_size, head_size)
+        # The lowest free block is taken first: one taken while m are in use gets an id <= m, so no id
+        # reaches the most blocks ever in use at once, and that is at most `rows`.
+        shape = (min(self.tables.num_blocks, rows), len(layers), kv_heads, self.tables.block_size, head_size)
         self.k = np.zeros(shape, dtype=dtype)  # (blocks, Ls, nkv, B, hs)
         self.v = np.zeros(shape, dtype=dtype)  # (blocks, Ls, nkv, B, hs)
 
     # ------------------------------------------------------------ the scheduler's side (every cp rank)
     def fits(self, rid: int, positions: int) -> bool:
-        return all(t.needed(rid, positions) <= len(t.free) for t in self.ranks)
+        return all(t.needed(rid, positions) <= t.free for t in self.ranks)
 
     def grow(self, rid: int, positions: int) -> None:
         """Takes the blocks for positions 0..positions-1 on every cp rank, copying this rank's shared
@@ -215,18 +230,23 @@ class PagedKVCache:
 
 def pool_blocks(paging: Paging, requests, cp: int) -> int:
     """Blocks per rank: --kv-blocks, or enough for every request at its longest at once (cp rank 0
-    holds the most positions). A pool that cannot hold its longest request alone is refused."""
+    holds the most positions, `all_at_once`). A pool that cannot hold its longest request alone is
+    refused."""
     longest = max(requests, key=lambda r: len(r.prompt) + r.max_new_tokens)
     positions = len(longest.prompt) + longest.max_new_tokens - 1  # the last token is never fed back
     need = paged_blocks([positions], paging.block_size, cp, 0)
     if paging.kv_blocks is None:
-        longest_each = [len(r.prompt) + r.max_new_tokens - 1 for r in requests]
-        return paged_blocks(longest_each, paging.block_size, cp, 0)
+        return all_at_once(requests, paging.block_size, cp)
     if paging.kv_blocks < need:
         raise ConfigError(f"--kv-blocks {paging.kv_blocks} cannot hold request {longest.rid} alone "
                           f"({positions} positions need {need} blocks of {paging.block_size} on a rank); "
                           f"give --kv-blocks {need} or more")
     return paging.kv_blocks
+
+
+def all_at_once(requests, block_size: int, cp: int) -> int:
+    """Blocks cp rank 0 gives every request at its longest (the last token is never fed back)."""
+    return paged_blocks([len(r.prompt) + r.max_new_tokens - 1 for r in requests], block_size, cp, 0)
 
 
 def common_prefix(a, b) -> int:

@@ -64,8 +64,9 @@ def make_requests(config: ModelConfig, prompt_lens, new_tokens, arrivals, seed: 
     arrivals = list(arrivals) * n if len(arrivals) == 1 else list(arrivals)
     if min(prompt_lens) < 1:
         raise ConfigError("every prompt length must be at least 1")
-    if system_prompt < 0:
-        raise ConfigError(f"--system-prompt {system_prompt} must be 0 or more tokens")
+    if not 0 <= system_prompt < config.n_positions:
+        raise ConfigError(f"--system-prompt {system_prompt} must be 0 to {config.n_positions - 1} tokens, "
+                          f"below the context of {config.n_positions} positions")
     corpus = MarkovCorpus(config.vocab_size, seed)
     shared = tuple(int(t) for t in corpus.batch(0, [n], system_prompt)[0][0]) if system_prompt else ()
     out = []

@@ -85,7 +85,9 @@ def block_pool_figure(summary: dict, rank: int = 0) -> go.Figure:
     is shared; blank: free). Blocks are taken as requests are planned and given back as they finish
     or are preempted; the hover names every holder and the block's place in its table."""
     pool = next(p for p in summary["paged"]["pool"] if p["rank"] == rank)
-    moments, blocks = summary["kv_moments"], summary["paged"]["kv_blocks"]
+    moments = summary["kv_moments"]
+    # the lowest free block is taken first, so the blocks ever taken are 0 .. the highest one seen
+    blocks = 1 + max((b for tables in pool["tables"] for t in tables.values() for b in t), default=0)
     z, text = [], []
     for tables in pool["tables"]:
         owner, where = [None] * blocks, [""] * blocks
@@ -105,6 +107,7 @@ def block_pool_figure(summary: dict, rank: int = 0) -> go.Figure:
                      autorange="reversed")
     fig.update_xaxes(title_text=f"block of {summary['paged']['block_size']} slots")
     fig.update_layout(height=18 * len(moments) + 200,
-                      title=f"Block pool of rank {rank}: {blocks} blocks, "
+                      title=f"Block pool of rank {rank}: {blocks} of its {summary['paged']['kv_blocks']} "
+                            "blocks ever taken, "
                             f"{len(summary['paged']['preemptions'])} preemptions")
     return fig
