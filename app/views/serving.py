@@ -88,8 +88,8 @@ except ConfigError as err:
 st.code(" ".join(argv) if argv else "", language="bash")
 if st.button("Generate", type="primary", disabled=argv is None or run.running()):
     try:
-        run.start(argv, f"{model} generate on {mesh}", (mesh, int(n), int(new), model, paged), 1,
-                  kind="generate")
+        key = (mesh, int(n), int(new), model) + ((("paged", block, int(blocks)),) if paged else ())
+        run.start(argv, f"{model} generate on {mesh}", key, 1, kind="generate")
     except ConfigError as err:
         st.error(str(err))
 progress(run)
