@@ -13,6 +13,10 @@ Every engine step (one tick of the scheduler, the same on every rank):
      first token;
   3. decode pass: one token for every request that was already running;
   4. requests with all their tokens leave and free their KV cache slots.
+With a paged cache (`paging`, refpar/serving/paged.py) the step is planned first, as vLLM's
+scheduler does: every running request gets the block for its next position (the newest is
+preempted where a pool has none), then arrived requests are admitted while the pools have blocks
+for their prompts, each prefill starting after the prefix it shares with a cached request.
 A pass runs the tensor-parallel block of training (GPT-2's `parallel_block_forward`, Llama's
 `llama_parallel_block_forward`, RoPE at the tokens' global positions) on the new tokens only, with
 `CachedAttention` as its core: under tp the two g all-reduces per layer per pass
