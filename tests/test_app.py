@@ -376,10 +376,14 @@ def test_serving_page_at_scale_numbers_are_refpars_closed_forms():
 
 @pytest.mark.timeout(120)
 def test_a_real_generate_draws_each_ranks_kv_cache_from_its_summary():
+    """A paged run (blocks of 4 slots): the ledger's figures as for the contiguous cache, and the
+    pool drawn moment by moment from each request's block table."""
     at = page("views/serving.py")  # default mesh tp=2
     at.number_input[0].set_value(2)
     at.number_input[1].set_value(2)
+    at.checkbox[0].set_value(True)  # paged
     rerun(at)
+    assert "--paged --block-size 4" in at.code[0].value
     at.button[0].click()
     rerun(at)
     deadline = time.monotonic() + 90
@@ -399,6 +403,18 @@ def test_a_real_generate_draws_each_ranks_kv_cache_from_its_summary():
     tokens = {"prefill": summary["latency"]["prefill"]["prompt_tokens"],
               "decode": summary["latency"]["decode"]["tokens"]}
     assert drawn == pytest.approx(sum(r["bytes_sent"] / tokens[r["phase"]] for r in summary["comm_bytes"]))
+    pool = charts(at)[2]["data"][0]  # rank 0's blocks: the request holding each, at every moment
+    tables = summary["paged"]["pool"][0]["tables"]
+    z = np.asarray(pool["z"], dtype=float)
+    for i, held in enumerate(tables):
+        owners = {b: int(rid) for rid, table in held.items() for b in table}
+        assert [owners.get(b) for b in range(len(z[i]))] == \
+            [None if np.isnan(v) else int(v) for v in z[i]]
+    last = len(tables) - 1
+    assert tables[0] and not tables[last], "the pool fills, then every block is given back"
+    at.select_slider[0].set_value(summary["kv_moments"][0])
+    rerun(at)
+    assert at.dataframe[0].value["blocks"].tolist() == [" ".join(map(str, t)) for t in tables[0].values()]
     # One launcher for the whole app: the Run page sees this run ended and does not take it for training.
     at.switch_page("views/run.py")
     rerun(at)

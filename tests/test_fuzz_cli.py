@@ -275,6 +275,10 @@ def test_generate_flags_proceed_or_refuse_in_one_sentence_alike_on_every_rank(pl
         "--scale-gpus": pool("8", "1", "3", "0", "-1"), "--scale-batch": pool("1", "64", "0", "-1"),
         "--scale-context": pool("4096", "1", "0", "-1"),
         "--figure": path_pool(places, "new_file", "existing_dir", "no_parent", "empty"),
+        "--paged": SWITCH, "--prefix-sharing": SWITCH,
+        "--block-size": pool("16", "4", "1", "0", "-1", "1000000000000", "x"),
+        "--kv-blocks": pool("8", "3", "1", "0", "-1", "1000000000000", "x"),
+        "--system-prompt": pool("4", "0", "-1", "32", "1000000000000", "x"),
     }
 
     def case(data):

@@ -3,6 +3,7 @@ against the single device recomputing every sequence; bytes and KV memory agains
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from refpar.analysis.hardware import hardware
 from refpar.analysis.presets import preset
 from refpar.analysis.serving import decode_estimate, kv_bytes_per_rank, kv_cache_bytes
 from refpar.comm import cost
+from refpar.commands.generate import add_arguments, paging_from_args
 from refpar.config import ConfigError, model_preset
 from refpar.memory import MemoryLedger
 from refpar.model import gpt
@@ -48,12 +50,21 @@ def test_kv_cache_decoding_with_continuous_batching_matches_full_recompute(sampl
     assert max(out.kv_bytes) == ledger.peak["activations"]
 
 
+def job_runs(*args: str) -> list[dict]:
+    proc = mpiexec(4, "tests/jobs/serving_job.py", *args, timeout=240)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 @pytest.fixture(scope="module")
-def parallel_runs():
-    proc = mpiexec(4, "tests/jobs/serving_job.py", timeout=240)
-    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(runs) == 4, proc.stdout[-2000:]
+def gpt2_job():
+    runs = job_runs()
+    assert len(runs) == 4 + 3, [r["mesh"] for r in runs]
     return runs
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(gpt2_job):
+    return [r for r in gpt2_job if r["paged"] is None]
 
 
 def test_every_parallel_decoding_mode_gives_the_single_device_tokens_and_logits(parallel_runs):
@@ -109,11 +120,15 @@ def test_llama_greedy_serving_is_the_forwards_argmax_continuation_and_caches_n_k
 
 
 @pytest.fixture(scope="module")
-def llama_runs():
-    proc = mpiexec(4, "tests/jobs/serving_job.py", "llama-tiny", timeout=240)
-    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(runs) == 3, proc.stdout[-2000:]
+def llama_job():
+    runs = job_runs("llama-tiny")
+    assert len(runs) == 3 + 2, [r["mesh"] for r in runs]
     return runs
+
+
+@pytest.fixture(scope="module")
+def llama_runs(llama_job):
+    return [r for r in llama_job if r["paged"] is None]
 
 
 def test_llama_on_tp_cp_pp_gives_the_single_device_tokens_logits_and_closed_form_bytes(llama_runs):
@@ -184,12 +199,21 @@ def test_bad_requests_get_one_sentence():
         check_requests(CONFIG, [Request(0, tuple(range(30)), 5)])
     with pytest.raises(ConfigError, match="unknown sampling option"):
         parse_sampling("temperature=0.5,nucleus=0.9")
-    for args in (["--prompt-lens", "40"], ["--sampling", "temp=0.5"], ["--mesh", "dp=2"]):
+    for args in (["--prompt-lens", "40"], ["--sampling", "temp=0.5"], ["--mesh", "dp=2"],
+                 ["--paged", "--block-size", "4", "--kv-blocks", "3"]):  # 20 + 6 - 1 positions: 7 blocks
         proc = subprocess.run([sys.executable, "-m", "refpar", "generate", *args], cwd=ROOT,
                               env=mpi_env(), capture_output=True, text=True, timeout=60)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert lines[0].startswith("refpar generate: error: ")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for args, says in ((["--paged", "--block-size", "0"], "1 to 32 token slots"),
+                       (["--paged", "--block-size", "33"], "1 to 32 token slots"),
+                       (["--paged", "--kv-blocks", "0"], "at least 1 block per rank"),
+                       (["--prefix-sharing"], "add --paged or leave --prefix-sharing out")):
+        with pytest.raises(ConfigError, match=says):
+            paging_from_args(parser.parse_args(args), CONFIG.n_positions)
 
 
 def test_generate_command_reports_and_checks_on_one_device():
@@ -229,3 +253,87 @@ def test_comm_figure_bars_are_traced_bytes_per_token_and_diamonds_the_closed_for
     sent = sum(r["bytes_sent"] for r in run["comm_bytes"]
                if (r["rank"], r["phase"], r["axis"], r["op"]) == (0, "decode", "tp", "all_reduce"))
     assert next(b for b in bars if b.name == "decode tp all_reduce").y[0] == sent / decode
+
+
+# ---------------------------------------------------------------------------------- the paged cache
+def paged_pairs(runs):
+    """(contiguous run, paged run of the same mesh and requests) of a serving job."""
+    contiguous = [r for r in runs if r["paged"] is None]
+    return [(next(c for c in contiguous if c["mesh"] == p["mesh"]), p) for p in runs
+            if p["paged"] is not None and not p["paged"]["prefix_sharing"]]
+
+
+@pytest.mark.parametrize("job", ["gpt2_job", "llama_job"])
+def test_paged_cache_gives_the_contiguous_caches_tokens_and_logits_on_tp_cp_and_pp(job, request):
+    """The attention reads the same keys in the same order through the block tables, so without
+    preemption the logits are bitwise those of the contiguous cache (equal sha256 of every row); a
+    preempted request's recomputed prefill sums in another batch, so there: the float64 contract."""
+    pairs = paged_pairs(request.getfixturevalue(job))
+    assert {(p["mesh"]["tp"], p["mesh"]["cp"], p["mesh"]["pp"]) for _, p in pairs} == {(2, 2, 1), (2, 1, 2)}
+    for contiguous, paged in pairs:
+        assert [r["tokens"] for r in paged["requests"]] == [r["tokens"] for r in contiguous["requests"]]
+        assert paged["tokens_match_reference"] and within(paged["max_logit_rel_diff"], CONTRACT)
+        if not paged["paged"]["preemptions"]:
+            assert paged["logits_sha256"] == contiguous["logits_sha256"], paged["mesh"]
+    assert any(p["paged"]["preemptions"] for _, p in pairs) == (job == "llama_job")
+
+
+@pytest.mark.parametrize("job", ["gpt2_job", "llama_job"])
+def test_paged_pool_holds_ceil_positions_over_block_size_per_request_on_every_rank(job, request):
+    """After every pass and step, each rank's pool holds sum ceil(n_r / 4) blocks for the positions
+    n each request has blocks for (n_r: the rank's striped share), the ledger counts those blocks'
+    bytes, and the waste is each request's last block: below 4 slots per request."""
+    for _, paged in paged_pairs(request.getfixturevalue(job)):
+        c = paged["mesh"]["cp"]
+        for rank in paged["paged"]["pool"]:
+            cr = rank["coords"]["cp"]
+            kv = next(k for k in paged["kv_cache"] if k["rank"] == rank["rank"])
+            for i, held in enumerate(rank["reserved"]):
+                slots = [len(range(cr, n, c)) for n in held.values()]  # positions p % c == cr
+                assert rank["blocks"][i] == sum(-(-n // 4) for n in slots), (paged["mesh"], i)
+                assert kv["bytes_timeline"][i] == rank["blocks"][i] * rank["block_bytes"]
+                assert rank["wasted_slots"][i] == 4 * rank["blocks"][i] - sum(slots) < 4 * max(len(held), 1)
+        assert paged["kv_matches_closed_form"]
+
+
+def test_prefix_sharing_saves_the_system_prompts_whole_blocks_and_preemption_keeps_the_tokens(gpt2_job):
+    """Four requests start with the same 10 tokens (5 positions on each cp rank: one whole block of 4
+    and a partly filled one). k live requests hold the whole block once: (k - 1) blocks saved on
+    every rank at every moment; each one's first write into the partly filled block copies it. The
+    pool of 5 blocks makes requests wait and be preempted; tokens and logits are still the single
+    device's."""
+    run = next(r for r in gpt2_job if r["paged"] is not None and r["paged"]["prefix_sharing"])
+    prompts = {str(r["rid"]): r for r in run["requests"]}
+    assert run["tokens_match_reference"] and within(run["max_logit_rel_diff"], CONTRACT)
+    assert run["paged"]["preemptions"], "the pool of 5 blocks is too small for every request at once"
+    chat = make_requests(CONFIG, [3, 5, 2, 6], [8, 4, 5, 3], [0, 1, 2, 2], seed=5, system_prompt=10)
+    for a in chat:
+        for b in chat:
+            if a.rid != b.rid:  # the prompts share exactly the system prompt
+                assert a.prompt[:10] == b.prompt[:10] and a.prompt[10] != b.prompt[10]
+    assert len(prompts) == 4
+    for rank in run["paged"]["pool"]:
+        cr = rank["coords"]["cp"]
+        for i, held in enumerate(rank["reserved"]):
+            unshared = sum(-(-len(range(cr, n, 2)) // 4) for n in held.values())
+            saved = max(len(held) - 1, 0) * (len(range(cr, 10, 2)) // 4)
+            assert rank["blocks"][i] == unshared - saved, (rank["rank"], run["kv_moments"][i])
+            assert rank["blocks"][i] <= run["paged"]["kv_blocks"] == 5
+        assert rank["copies"] > 0, "the partly filled block is copied on write"
+
+
+def test_block_pool_figure_colours_each_block_by_a_holder_and_names_every_holder(gpt2_job):
+    from refpar.viz.serving import block_pool_figure
+
+    run = next(r for r in gpt2_job if r["paged"] is not None and r["paged"]["prefix_sharing"])
+    heat = block_pool_figure(run, rank=1).data[0]
+    tables = next(p for p in run["paged"]["pool"] if p["rank"] == 1)["tables"]
+    shared_seen = False
+    assert len(heat.z[0]) == 1 + max(b for held in tables for t in held.values() for b in t)
+    for i, held in enumerate(tables):
+        for b in range(len(heat.z[i])):
+            holders = [int(rid) for rid, table in held.items() if b in table]
+            assert (heat.z[i][b] in holders) if holders else heat.z[i][b] is None
+            assert heat.text[i][b].count("request") == len(holders) if holders else heat.text[i][b] == "free"
+            shared_seen |= len(holders) > 1
+    assert shared_seen, "the system prompt's block is drawn with its holders"

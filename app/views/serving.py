@@ -10,7 +10,7 @@ from refpar.analysis.hardware import HARDWARE, hardware
 from refpar.analysis.presets import PRESETS, preset
 from refpar.analysis.serving import serving_table
 from refpar.config import ConfigError
-from refpar.viz.serving import comm_per_token_figure, kv_cache_figure
+from refpar.viz.serving import block_pool_figure, comm_per_token_figure, kv_cache_figure
 
 MESHES = ("tp=2", "cp=2", "pp=2", "tp=4", "cp=4", "pp=4", "tp=2,cp=2", "tp=2,pp=2", "cp=2,pp=2")
 PROMPTS, ARRIVALS = (12, 5, 20, 8, 9, 15), (0, 0, 1, 3, 4, 6)  # request i's prompt length and arrival step
@@ -58,6 +58,11 @@ mesh = a.selectbox("mesh", MESHES, index=0)
 n = b.number_input("requests", min_value=1, value=4, help=f"at most {len(PROMPTS)}")
 new = c.number_input("new tokens per request", min_value=1, value=4, help=f"at most {MAX_NEW_TOKENS}")
 model = family_picker()
+a, b, c = st.columns(3)
+paged = a.checkbox("paged KV cache", help="fixed-size blocks from a pool, a block table per request (vLLM)")
+block = b.radio("block size", (4, 8, 16), horizontal=True, disabled=not paged)
+blocks = c.slider("blocks per rank (0: room for all)", min_value=0, max_value=32, value=0, disabled=not paged,
+                  help="a small pool preempts requests and recomputes them")
 run = shared()
 try:
     if n > len(PROMPTS):
@@ -75,13 +80,16 @@ try:
             "--mesh", mesh,
             "--prompt-lens", ",".join(map(str, PROMPTS[:n])), "--arrivals", ",".join(map(str, ARRIVALS[:n])),
             "--new-tokens", str(new), "--max-batch", str(MAX_BATCH), "--json"]
+    if paged:
+        argv += ["--paged", "--block-size", str(block)] + (["--kv-blocks", str(blocks)] if blocks else [])
 except ConfigError as err:
     st.error(str(err))
     argv = None
 st.code(" ".join(argv) if argv else "", language="bash")
 if st.button("Generate", type="primary", disabled=argv is None or run.running()):
     try:
-        run.start(argv, f"{model} generate on {mesh}", (mesh, int(n), int(new), model), 1, kind="generate")
+        key = (mesh, int(n), int(new), model) + ((("paged", block, int(blocks)),) if paged else ())
+        run.start(argv, f"{model} generate on {mesh}", key, 1, kind="generate")
     except ConfigError as err:
         st.error(str(err))
 progress(run)
@@ -91,6 +99,14 @@ if served is not None:
     st.subheader(f"The last run: {served['label']}, {summary['tokens_generated']} tokens")
     st.plotly_chart(kv_cache_figure(summary), width="stretch")
     st.plotly_chart(comm_per_token_figure(summary), width="stretch")
+    if summary.get("paged") is not None:
+        pool = summary["paged"]["pool"][0]
+        st.plotly_chart(block_pool_figure(summary, rank=0), width="stretch")
+        moment = st.select_slider("block tables of rank 0 after", summary["kv_moments"])
+        i = summary["kv_moments"].index(moment)
+        st.dataframe([{"request": rid, "blocks": " ".join(map(str, table)),
+                       "positions": pool["reserved"][i][rid]} for rid, table in pool["tables"][i].items()],
+                     hide_index=True)
 else:
     st.info("Press Generate to serve the requests on real ranks (a few seconds) and draw their KV caches.")
 

@@ -11,6 +11,14 @@ query heads read, replicated on tp / nkv ranks: max(1, nkv / tp) heads per rank,
 holds nkv / nh of GPT-2's cache while tp <= nkv, and 1 / (nh / tp) of it past that.
 `kv_bytes_per_rank` is the exact per-rank count the MemoryLedger measures, uneven splits included.
 
+Paged cache (blocks of B token slots, vLLM's PagedAttention): a request of n positions takes
+ceil(n_r / B) blocks on cp rank r (n_r its striped share), so its last block wastes
+ceil(n_r / B) · B - n_r < B slots: internal fragmentation is below one block per request, where a
+contiguous cache reserved for the longest request wastes the difference of lengths. k requests
+holding one shared prefix of s positions (a system prompt) keep its floor(s_r / B) whole blocks once,
+not k times: prefix sharing saves (k - 1) · floor(s_r / B) blocks on the rank (the partly filled block
+after the prefix is copied when each request writes into it).
+
 Decode is memory-bound: each step reads every weight and the whole cache from HBM once (Pope et
 al. 2022, "Efficiently Scaling Transformer Inference", sec. 2). Tensor parallelism divides that
 read by t and adds 2L all-reduces of B·h·b bytes per token; pipeline parallelism divides it by p
@@ -58,6 +66,30 @@ def kv_bytes_per_rank(config: ModelConfig, cached, sizes: dict, coords: dict) ->
     heads = len(range(*kv_heads_held(config, sizes["tp"], coords["tp"])))
     tokens = sum(striped_tokens(n, sizes["cp"], coords["cp"]) for n in cached)
     return int(kv_cache_bytes(layers, heads, config.head_size, tokens, _itemsize(config)))
+
+
+def paged_blocks(cached, block_size: int, cp: int = 1, cp_rank: int = 0) -> int:
+    """Blocks one rank's pool gives requests of `cached` positions each: sum of ceil(n_r / B)."""
+    return sum(-(-striped_tokens(n, cp, cp_rank) // block_size) for n in cached)
+
+
+def paged_wasted_slots(cached, block_size: int, cp: int = 1, cp_rank: int = 0) -> int:
+    """Slots taken but empty: each request's last block, fewer than B slots each."""
+    return paged_blocks(cached, block_size, cp, cp_rank) * block_size - sum(
+        striped_tokens(n, cp, cp_rank) for n in cached)
+
+
+def prefix_sharing_saved_blocks(holders: int, prefix: int, block_size: int, cp: int = 1,
+                                cp_rank: int = 0) -> int:
+    """Blocks one rank saves when `holders` live requests share a prefix of `prefix` positions."""
+    return max(0, holders - 1) * (striped_tokens(prefix, cp, cp_rank) // block_size)
+
+
+def block_bytes(config: ModelConfig, block_size: int, sizes: dict, coords: dict) -> int:
+    """One block of the pool: K and V of B slots for every layer of the rank's stage and its kv heads."""
+    layers = len(range(*shard_range(config.n_layer, sizes["pp"], coords["pp"])))
+    heads = len(range(*kv_heads_held(config, sizes["tp"], coords["tp"])))
+    return int(kv_cache_bytes(layers, heads, config.head_size, block_size, _itemsize(config)))
 
 
 def pass_comm_bytes(config: ModelConfig, sizes: dict, coords: dict, groups) -> dict:

@@ -5,11 +5,15 @@
     mpiexec -n 4 python -m refpar generate --model llama-tiny --mesh tp=4 --check
     mpiexec -n 2 python -m refpar generate --mesh cp=2 --prompt-lens 24,30 --new-tokens 3
     mpiexec -n 2 python -m refpar generate --mesh pp=2 --sampling temperature=0.8,top_k=20 --json
+    mpiexec -n 2 python -m refpar generate --mesh tp=2 --paged --block-size 4 --kv-blocks 12 \
+        --system-prompt 10 --prompt-lens 3,5,2,6 --prefix-sharing --check
 
 Requests get prompts from the Markov corpus; each arrives at an engine step (--arrivals) and takes
 one of --max-batch slots until its tokens are out. The report gives tokens, per-token latency of
 prefill and decode, bytes per token by axis, the KV cache each rank holds (measured by the
 MemoryLedger) next to its closed form, and the same closed forms for a large model on real GPUs.
+--paged keeps the cache in blocks (refpar/serving/paged.py): one progress line per engine step,
+then the pool's blocks, used and wasted slots per rank.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model preset: tiny, small, llama-tiny or llama-small (default tiny)")
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
     parser.add_argument("--prompt-lens", default="12,5,20,8", help="prompt length of each request")
+    parser.add_argument("--system-prompt", type=int, default=0,
+                        help="tokens every prompt starts with, before its own --prompt-lens (0)")
     parser.add_argument("--new-tokens", default="6",
                         help="tokens to generate: one for all, or one per request")
     parser.add_argument("--arrivals", default="0,0,1,3", help="engine step each request arrives at")
@@ -35,6 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1234, help="seeds the weights, prompts and sampling")
     parser.add_argument("--check", action="store_true",
                         help="compare with one device recomputing the whole sequence for every token")
+    parser.add_argument("--paged", action="store_true",
+                        help="keep the KV cache in blocks with block tables (vLLM's PagedAttention)")
+    parser.add_argument("--block-size", type=int, default=None, help="--paged: token slots per block (16)")
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="--paged: blocks per rank (default: enough for every request at once); a "
+                             "smaller pool preempts requests and recomputes them")
+    parser.add_argument("--prefix-sharing", action="store_true",
+                        help="--paged: requests starting with cached tokens share their blocks")
     parser.add_argument("--hardware", default="h100", help="GPU of the at-scale estimate (a100, h100, h200)")
     parser.add_argument("--scale-model", default="llama2-70b", help="model preset of the at-scale estimate")
     parser.add_argument("--scale-gpus", type=int, default=8, help="GPUs of one node in the estimate (8)")
@@ -57,6 +71,23 @@ def int_list(text: str, what: str) -> list[int]:
     return values
 
 
+def paging_from_args(args, n_positions: int):
+    """--paged and its options as a Paging (None: the contiguous cache); its options alone are refused."""
+    from refpar.config import ConfigError
+    from refpar.serving.paged import Paging
+
+    if not args.paged:
+        for flag, given in (("--block-size", args.block_size is not None),
+                            ("--kv-blocks", args.kv_blocks is not None),
+                            ("--prefix-sharing", args.prefix_sharing)):
+            if given:
+                raise ConfigError(f"{flag} sets up the paged cache; add --paged or leave {flag} out")
+        return None
+    paging = Paging(16 if args.block_size is None else args.block_size, args.kv_blocks, args.prefix_sharing)
+    paging.check(n_positions)
+    return paging
+
+
 def run(args) -> int:
     from refpar.analysis.hardware import hardware
     from refpar.analysis.presets import preset
@@ -64,17 +95,21 @@ def run(args) -> int:
     from refpar.comm.communicator import world
     from refpar.config import ConfigError, ParallelConfig, check_output_path, model_preset, parse_mesh
     from refpar.serving.engine import check_serving
+    from refpar.serving.paged import pool_blocks
     from refpar.serving.requests import make_requests
     from refpar.serving.runner import ServeOptions, run_serving
     from refpar.serving.sampling import parse_sampling
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
     config = model_preset(args.model, **({"dtype": args.dtype} if args.dtype is not None else {}))
+    paging = paging_from_args(args, config.n_positions)
     check_serving(config, sizes, args.max_batch)
     sampling = parse_sampling(args.sampling, args.seed)  # first: it checks the seed the prompts use
     requests = make_requests(config, int_list(args.prompt_lens, "--prompt-lens"),
                              int_list(args.new_tokens, "--new-tokens"),
-                             int_list(args.arrivals, "--arrivals"), args.seed)
+                             int_list(args.arrivals, "--arrivals"), args.seed, args.system_prompt)
+    if paging is not None:
+        pool_blocks(paging, requests, sizes["cp"])  # refuses a pool too small for the longest request
     spec, hw = preset(args.scale_model), hardware(args.hardware)
     for name in ("scale_gpus", "scale_batch", "scale_context"):
         if getattr(args, name) < 1:
@@ -84,7 +119,8 @@ def run(args) -> int:
     scale = serving_table(spec, hw, gpus=args.scale_gpus, batch=args.scale_batch,
                           context=args.scale_context)
     summary = run_serving(world(), sizes, config, requests, sampling,
-                          ServeOptions(args.max_batch, args.seed, args.check))
+                          ServeOptions(args.max_batch, args.seed, args.check, paging,
+                                       progress=paging is not None))
     if summary is None:
         return 0
     summary["scale"] = {"model": spec.name, "hardware": hw.name, "precision": "float16",
@@ -131,6 +167,8 @@ def print_report(s: dict) -> None:
         print(f"check against one device recomputing every sequence: max logit rel diff "
               f"{s['max_logit_rel_diff']:.1e}, tokens identical: "
               f"{'yes' if s['tokens_match_reference'] else 'NO'}")
+    if s["paged"] is not None:
+        print_pool(s)
     sc = s["scale"]
     print(f"at scale, {sc['model']} in {sc['precision']} on {sc['hardware']} (closed forms; batch "
           f"{sc['batch']}, context {sc['context']}):")
@@ -145,3 +183,22 @@ def print_report(s: dict) -> None:
     print("  tp divides each token's weight read by the GPUs; pp only pipelines requests (more "
           "tokens/s, same latency); tp across nodes pays 2 · layers all-reduces per token over "
           "InfiniBand", flush=True)
+
+
+def print_pool(s: dict) -> None:
+    p = s["paged"]
+    print(f"paged KV cache: blocks of {p['block_size']} slots, {p['kv_blocks']} blocks per rank"
+          + (", prefix sharing" if p["prefix_sharing"] else "")
+          + f"; {len(p['preemptions'])} preemption{'s' * (len(p['preemptions']) != 1)}"
+          + "".join(f" (step {step}: request {rid})" for step, rid in p["preemptions"]))
+    for r in p["pool"]:
+        peak = max(range(len(r["blocks"])), key=lambda i: r["blocks"][i])
+        print(f"  rank {r['rank']}: at most {r['blocks'][peak]} blocks "
+              f"({r['blocks'][peak] * r['block_bytes']} B), "
+              f"{r['used_slots'][peak]} slots used and {r['wasted_slots'][peak]} wasted then; "
+              f"{r['copies']} copy-on-write copies; ceil(positions / block) per request would take "
+              f"{r['blocks_closed_form_unshared'][peak]} blocks")
+    shared = {k: v for k, v in p["shared_positions"].items() if v}
+    if shared:
+        print("  shared prefixes (positions taken from a cached request): "
+              + ", ".join(f"request {k} {v}" for k, v in shared.items()), flush=True)

@@ -13,6 +13,10 @@ Every engine step (one tick of the scheduler, the same on every rank):
      first token;
   3. decode pass: one token for every request that was already running;
   4. requests with all their tokens leave and free their KV cache slots.
+With a paged cache (`paging`, refpar/serving/paged.py) the step is planned first, as vLLM's
+scheduler does: every running request gets the block for its next position (the newest is
+preempted where a pool has none), then arrived requests are admitted while the pools have blocks
+for their prompts, each prefill starting after the prefix it shares with a cached request.
 A pass runs the tensor-parallel block of training (GPT-2's `parallel_block_forward`, Llama's
 `llama_parallel_block_forward`, RoPE at the tokens' global positions) on the new tokens only, with
 `CachedAttention` as its core: under tp the two g all-reduces per layer per pass
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from refpar.analysis.serving import block_bytes, kv_heads_held
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import stage_layers, stage_param_names
 from refpar.memory import MemoryLedger
@@ -44,6 +49,7 @@ from refpar.parallel.vocab_parallel import (
     vocab_parallel_embedding_forward,
 )
 from refpar.serving.kv_cache import CachedAttention, KVCache
+from refpar.serving.paged import BlockTables, PagedKVCache, Paging, all_at_once, common_prefix, pool_blocks
 from refpar.serving.requests import Request, check_requests
 from refpar.serving.sampling import Sampling, sample_token
 from refpar.sharding import shard_range
@@ -122,7 +128,25 @@ class ServeResult:
     cached: list = field(default_factory=list)
     kv_by_request: list = field(default_factory=list)  # {rid: bytes this rank holds}, from the ledger
     moments: list = field(default_factory=list)  # "step 3 decode", "step 3 end"
+    pool: list = field(default_factory=list)  # paged: this rank's blocks, slots, tables at each moment
+    # paged, at each moment: {rid: positions it holds blocks for}; a step's blocks are taken when it
+    # is planned (vLLM's scheduler), so after a prefill pass the decoding requests hold one more
+    reserved: list = field(default_factory=list)
+    preemptions: list = field(default_factory=list)  # paged: (step, rid) of each preemption
+    shared: dict = field(default_factory=dict)  # paged: rid -> positions taken from a cached request
+    kv_blocks: int | None = None  # paged: blocks of each rank's pool
     steps: int = 0
+
+
+def progress_line(step: int, running, waiting, tables, preempted) -> str:
+    """One line per engine step of a paged run: what runs, what the pool holds, who was preempted."""
+    line = (f"step {step}: {len(running)} running, {len(waiting)} waiting, pool {tables.taken}/"
+            f"{tables.num_blocks} blocks ({tables.used_slots()} of {tables.taken * tables.block_size} "
+            f"slots used)")
+    if preempted:
+        line += f"; preempted request{'s' * (len(preempted) > 1)} {', '.join(map(str, preempted))} " \
+                "(blocks back to the pool, recomputed when admitted again)"
+    return line
 
 
 def _embed(tokens, params, lay):
@@ -155,34 +179,99 @@ def _head(x, params, config: ModelConfig, sm: ServeMesh):
     return sm.tp.all_gather(np.ascontiguousarray(local.T), tag="lm_head.logits", counts=counts).T
 
 
+def make_cache(config: ModelConfig, requests, sm: ServeMesh, ledger: MemoryLedger, paging: Paging | None):
+    """The contiguous cache, or the paged one with the tables of every cp rank (see paged.py)."""
+    if paging is None:
+        return KVCache(ledger, sm.sizes["cp"], sm.coords["cp"])
+    paging.check(config.n_positions)
+    c = sm.sizes["cp"]
+    blocks = pool_blocks(paging, requests, c)
+    nbytes = block_bytes(config, paging.block_size, sm.sizes, sm.coords)
+    ranks = [BlockTables(blocks, paging.block_size, c, r, ledger if r == sm.coords["cp"] else None, nbytes)
+             for r in range(c)]
+    heads = kv_heads_held(config, sm.sizes["tp"], sm.coords["tp"])
+    return PagedKVCache(ranks, sm.coords["cp"], stage_layers(config.n_layer, sm.sizes["pp"], sm.stage),
+                        heads[1] - heads[0], config.head_size, np.dtype(config.dtype),
+                        all_at_once(requests, paging.block_size, c))
+
+
 def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampling: Sampling,
           sm: ServeMesh = SINGLE, max_batch: int = 4, ledger: MemoryLedger | None = None,
-          tracer=None) -> ServeResult:
-    """Generates every request's tokens; see the module docstring for the step."""
+          tracer=None, paging: Paging | None = None, progress=None) -> ServeResult:
+    """Generates every request's tokens; see the module docstring for the step. `progress`, when
+    given, is called with one line per engine step of a paged run."""
     check_requests(config, requests)
     check_serving(config, sm.sizes, max_batch)
     ledger = MemoryLedger(record_events=True) if ledger is None else ledger
+    cache = make_cache(config, requests, sm, ledger, paging)  # before the weights: it may refuse the pool
     params = local_params(full_params, config, sm)
     for name, w in params.items():
         ledger.alloc(name, w, "params")
-    cache = KVCache(ledger, sm.sizes["cp"], sm.coords["cp"])
     base = tp_layout(config, config.n_positions, sm.tp)
     layers = stage_layers(config.n_layer, sm.sizes["pp"], sm.stage)
     out = ServeResult()
     seqs: dict[int, list[int]] = {}  # rid -> prompt + generated tokens
     fed: dict[int, int] = {}  # rid -> positions whose keys and values are cached
+    reserved: dict[int, int] = {}  # paged: rid -> positions it holds blocks for (this step's included)
     waiting = sorted(requests, key=lambda r: (r.arrival, r.rid))
     running: list[Request] = []
+    if paging is not None:
+        out.kv_blocks = cache.tables.num_blocks
 
     def snapshot(moment):
-        by_request: dict[int, int] = {}
-        for name, nbytes in ledger.live("activations").items():  # kv.r{rid}.h{layer}.p{position}
-            rid = int(name.split(".")[1][1:])
-            by_request[rid] = by_request.get(rid, 0) + nbytes
         out.kv_bytes.append(ledger.current["activations"])
-        out.kv_by_request.append(by_request)
+        out.kv_by_request.append(cache.bytes_by_request())
         out.cached.append(dict(fed))
         out.moments.append(moment)
+        if paging is not None:
+            out.reserved.append(dict(reserved))
+            t = cache.tables
+            out.pool.append({"blocks": t.taken, "used_slots": t.used_slots(),
+                             "wasted_slots": t.taken * t.block_size - t.used_slots(), "copies": t.copies,
+                             "tables": {rid: list(table) for rid, table in t.table.items()}})
+
+    def make_room(decoding, step) -> list[Request]:
+        """Blocks for one more position of every running request, oldest first; where the pool of
+        some cp rank has none, the newest running request is preempted (recomputed later)."""
+        preempted, i = [], 0
+        while i < len(decoding):
+            r = decoding[i]
+            while not cache.fits(r.rid, len(seqs[r.rid])):
+                victim = decoding.pop()
+                cache.free(victim.rid)
+                del fed[victim.rid], reserved[victim.rid]
+                preempted.append(victim)
+                out.preemptions.append((step, victim.rid))
+                if victim is r:
+                    break
+            else:
+                cache.grow(r.rid, len(seqs[r.rid]))
+                reserved[r.rid] = len(seqs[r.rid])
+                i += 1
+        return preempted
+
+    def admit(r, decoding) -> int | None:
+        """Blocks for a request's prefill (None: the pool has too few); returns the positions it
+        takes from a cached request with the same first tokens (0 without prefix sharing). A running
+        request that shares its last block writes past the sharer's slots, which the sharer never
+        reads; the sharer copies the block before its own first write into it."""
+        if paging is None:
+            return 0
+        seq, shared = seqs[r.rid], 0
+        if paging.prefix_sharing:  # the longest cached prefix, leaving one token to compute the logits of
+            def cached_prefix(d):
+                return common_prefix(seq[:-1], seqs[d.rid][:fed[d.rid]])
+
+            best = max(decoding, default=None, key=cached_prefix)  # ties: the earliest admitted
+            shared = 0 if best is None else cached_prefix(best)
+            if shared:
+                cache.share(r.rid, best.rid, shared)
+        if not cache.fits(r.rid, len(seq)):
+            cache.free(r.rid)
+            return None
+        cache.grow(r.rid, len(seq))
+        reserved[r.rid], out.shared[r.rid] = len(seq), shared
+        return shared
 
     def run_pass(step, phase, segs):  # segs: [(request, tokens, first position)]
         t0 = time.perf_counter()
@@ -229,21 +318,35 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
 
     step = 0
     while waiting or running:
-        arrived = [r for r in waiting if r.arrival <= step][:max_batch - len(running)]
         decoding = list(running)
-        for r in arrived:
+        preempted = make_room(decoding, step) if paging is not None else []
+        waiting = sorted(waiting + preempted, key=lambda r: (r.arrival, r.rid))
+        arrived = []  # first come, first served; none in a step that had to preempt (vLLM)
+        for r in [r for r in waiting if r.arrival <= step and not preempted]:
+            if len(decoding) + len(arrived) == max_batch:
+                break
+            if r.rid not in seqs:
+                seqs[r.rid], out.tokens[r.rid], out.logits[r.rid] = list(r.prompt), [], []
+            shared = admit(r, decoding)
+            if shared is None:
+                break
+            arrived.append((r, shared))
+        for r, _ in arrived:
             waiting.remove(r)
-            seqs[r.rid], out.tokens[r.rid], out.logits[r.rid] = list(r.prompt), [], []
         if arrived:
-            run_pass(step, "prefill", [(r, list(r.prompt), 0) for r in arrived])
+            run_pass(step, "prefill", [(r, seqs[r.rid][shared:], shared) for r, shared in arrived])
         if decoding:
             run_pass(step, "decode", [(r, seqs[r.rid][-1:], len(seqs[r.rid]) - 1) for r in decoding])
-        running = decoding + arrived
+        running = decoding + [r for r, _ in arrived]
         for r in [r for r in running if len(out.tokens[r.rid]) == r.max_new_tokens]:
             running.remove(r)
             cache.free(r.rid)
             del fed[r.rid]
+            reserved.pop(r.rid, None)
         snapshot(f"step {step} end")
+        if progress is not None and paging is not None:
+            progress(progress_line(step, running, waiting, cache.tables,
+                                   [rid for s_, rid in out.preemptions if s_ == step]))
         step += 1
     out.steps = step
     if not sm.last_stage:

@@ -70,6 +70,14 @@ class KVCache:
             return empty, empty, np.zeros(0, dtype=np.int64)
         return self.k[(rid, layer)], self.v[(rid, layer)], self.pos[(rid, layer)]
 
+    def bytes_by_request(self) -> dict[int, int]:
+        """{rid: bytes this rank holds}, read from the ledger's entries."""
+        by_request: dict[int, int] = {}
+        for name, nbytes in self.ledger.live("activations").items():  # kv.r{rid}.h{layer}.p{position}
+            rid = int(name.split(".")[1][1:])
+            by_request[rid] = by_request.get(rid, 0) + nbytes
+        return by_request
+
     def free(self, rid: int) -> None:
         """A finished request gives its slots back."""
         self.ledger.free_prefix(f"kv.r{rid}.")

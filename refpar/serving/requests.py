@@ -51,8 +51,10 @@ def check_requests(config: ModelConfig, requests: list[Request]) -> None:
             raise ConfigError(f"request {r.rid} arrives at step {r.arrival}; use a step >= 0")
 
 
-def make_requests(config: ModelConfig, prompt_lens, new_tokens, arrivals, seed: int) -> list[Request]:
-    """Prompts drawn from the Markov corpus refpar trains on (request i is sample i of step 0)."""
+def make_requests(config: ModelConfig, prompt_lens, new_tokens, arrivals, seed: int,
+                  system_prompt: int = 0) -> list[Request]:
+    """Prompts drawn from the Markov corpus refpar trains on (request i is sample i of step 0), each
+    after the same `system_prompt` tokens (sample n of step 0), as chat requests share one."""
     n = len(prompt_lens)
     for flag, values in (("--new-tokens", new_tokens), ("--arrivals", arrivals)):
         if len(values) not in (1, n):
@@ -62,11 +64,15 @@ def make_requests(config: ModelConfig, prompt_lens, new_tokens, arrivals, seed: 
     arrivals = list(arrivals) * n if len(arrivals) == 1 else list(arrivals)
     if min(prompt_lens) < 1:
         raise ConfigError("every prompt length must be at least 1")
+    if not 0 <= system_prompt < config.n_positions:
+        raise ConfigError(f"--system-prompt {system_prompt} must be 0 to {config.n_positions - 1} tokens, "
+                          f"below the context of {config.n_positions} positions")
     corpus = MarkovCorpus(config.vocab_size, seed)
+    shared = tuple(int(t) for t in corpus.batch(0, [n], system_prompt)[0][0]) if system_prompt else ()
     out = []
     for i, (length, new, arrival) in enumerate(zip(prompt_lens, new_tokens, arrivals, strict=True)):
         tokens, _ = corpus.batch(0, [i], int(length))  # (1, T)
-        out.append(Request(i, tuple(int(t) for t in tokens[0]), int(new), int(arrival)))
+        out.append(Request(i, shared + tuple(int(t) for t in tokens[0]), int(new), int(arrival)))
     check_requests(config, out)
     return out
 

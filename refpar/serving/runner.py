@@ -9,18 +9,27 @@ each token, and reports the largest relative difference of the logits and whethe
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from refpar import model
-from refpar.analysis.serving import kv_bytes_per_rank, kv_cache_bytes, pass_comm_bytes
+from refpar.analysis.serving import (
+    block_bytes,
+    kv_bytes_per_rank,
+    kv_cache_bytes,
+    paged_blocks,
+    paged_wasted_slots,
+    pass_comm_bytes,
+)
 from refpar.comm import cost
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig
 from refpar.memory import MemoryLedger
 from refpar.mesh import DeviceMesh, check_job_size
 from refpar.serving.engine import ServeMesh, check_serving, serve
+from refpar.serving.paged import Paging
 from refpar.serving.requests import Request, check_requests, reference_generate
 from refpar.serving.sampling import Sampling
 
@@ -30,6 +39,8 @@ class ServeOptions:
     max_batch: int = 4
     seed: int = 0  # the weights' seed
     check: bool = False
+    paging: Paging | None = None  # None: the contiguous cache
+    progress: bool = False  # print a paged run's engine steps as they end (rank 0)
 
 
 def rel_diff(a, b) -> float:
@@ -49,10 +60,31 @@ def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request]
     sm = ServeMesh.from_mesh(mesh)
     ledger = MemoryLedger(record_events=True)
     params = model.init_params(config, opts.seed)
-    result = serve(params, config, requests, sampling, sm, opts.max_batch, ledger, tracer)
+    progress = (lambda line: print(line, flush=True)) if opts.progress and world.rank == 0 else None
+    result = serve(params, config, requests, sampling, sm, opts.max_batch, ledger, tracer, opts.paging,
+                   progress)
 
     kv_expected = [kv_bytes_per_rank(config, cached.values(), sm.sizes, sm.coords)
                    for cached in result.cached]
+    pool = None
+    if opts.paging is not None:
+        # Without sharing each request holds ceil(n_r / B) blocks of its own; with sharing the
+        # saving depends on which requests hold a prefix together (the test works it out for its
+        # mix), so the ledger is held to the blocks the tables hold.
+        B, c, cr = opts.paging.block_size, sm.sizes["cp"], sm.coords["cp"]
+        unshared = [paged_blocks(held.values(), B, c, cr) for held in result.reserved]
+        taken = [p["blocks"] for p in result.pool]
+        kv_expected = [block_bytes(config, B, sm.sizes, sm.coords) * n
+                       for n in (taken if opts.paging.prefix_sharing else unshared)]
+        pool = {"blocks": taken, "blocks_closed_form_unshared": unshared,
+                "used_slots": [p["used_slots"] for p in result.pool],
+                "wasted_slots": [p["wasted_slots"] for p in result.pool],
+                "wasted_slots_closed_form_unshared": [paged_wasted_slots(held.values(), B, c, cr)
+                                                      for held in result.reserved],
+                "reserved": [{str(rid): n for rid, n in held.items()} for held in result.reserved],
+                "copies": result.pool[-1]["copies"] if result.pool else 0,
+                "tables": [{str(rid): t for rid, t in p["tables"].items()} for p in result.pool],
+                "block_bytes": block_bytes(config, B, sm.sizes, sm.coords)}
     expected: dict = {}
     for p in result.passes:
         for key, moved in pass_comm_bytes(config, sm.sizes, sm.coords, p.groups).items():
@@ -72,11 +104,24 @@ def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request]
         "kv_expected": kv_expected, "kv_peak": ledger.peak["activations"],
         "params_bytes": ledger.current["params"], "diffs": diffs, "same": same,
         "passes": [(p.phase, p.tokens, p.rows, p.seconds) for p in result.passes],
+        "pool": pool, "logits_sha256": _digest(result.logits), "kv_blocks": result.kv_blocks,
     }
     every = world.gather_object(mine)
     if world.rank != 0:
         return None
     return _summary(config, sizes, requests, sampling, opts, result, every)
+
+
+def _digest(logits: dict) -> str | None:
+    """sha256 of every logit row in request order (None off the last stage): equal digests are
+    bitwise equal logits."""
+    if not logits:
+        return None
+    h = hashlib.sha256()
+    for rid in sorted(logits):
+        for row in logits[rid]:
+            h.update(np.ascontiguousarray(row).tobytes())
+    return h.hexdigest()
 
 
 def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
@@ -129,9 +174,16 @@ def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
         "kv_matches_closed_form": all(row["kv"] == row["kv_expected"] for row in every),
         "kv_peak_tokens": peak_tokens,  # cached positions of all running requests at their largest
         "kv_cached_tokens": [sum(cached.values()) for cached in result.cached],  # at each kv moment
+        "kv_cached_by_request": [{str(rid): n for rid, n in cached.items()} for cached in result.cached],
         "kv_heads": kv_heads, "kv_shards": kv_shards,
         "kv_closed_form_at_peak": kv_cache_bytes(config.n_layer, kv_heads, config.head_size,
                                                  peak_tokens, itemsize, kv_shards),
         "max_logit_rel_diff": max(diffs) if opts.check and diffs else None,
         "tokens_match_reference": all(row["same"] for row in every) if opts.check else None,
+        "logits_sha256": next(row["logits_sha256"] for row in every if row["logits_sha256"]),
+        "paged": None if opts.paging is None else {
+            "block_size": opts.paging.block_size, "prefix_sharing": opts.paging.prefix_sharing,
+            "kv_blocks": every[0]["kv_blocks"], "preemptions": result.preemptions,
+            "shared_positions": {str(k): v for k, v in result.shared.items()},
+            "pool": [{"rank": row["rank"], "coords": row["coords"], **row["pool"]} for row in every]},
     }

@@ -77,3 +77,37 @@ def comm_per_token_figure(summary: dict) -> go.Figure:
     fig.update_layout(barmode="group", xaxis_title="rank", yaxis_title="bytes sent per token",
                       xaxis={"tickvals": ranks}, title="bytes per token by phase, axis and op")
     return fig
+
+
+def block_pool_figure(summary: dict, rank: int = 0) -> go.Figure:
+    """A paged run's pool on one rank: a row per moment (after each pass and each step's frees), a
+    column per block, coloured by the request whose table holds it (its first holder where a prefix
+    is shared; blank: free). Blocks are taken as requests are planned and given back as they finish
+    or are preempted; the hover names every holder and the block's place in its table."""
+    pool = next(p for p in summary["paged"]["pool"] if p["rank"] == rank)
+    moments = summary["kv_moments"]
+    # the lowest free block is taken first, so the blocks ever taken are 0 .. the highest one seen
+    blocks = 1 + max((b for tables in pool["tables"] for t in tables.values() for b in t), default=0)
+    z, text = [], []
+    for tables in pool["tables"]:
+        owner, where = [None] * blocks, [""] * blocks
+        for rid, table in tables.items():
+            for i, b in enumerate(table):
+                owner[b] = int(rid) if owner[b] is None else owner[b]
+                where[b] += f"request {rid} (its block {i}) "
+        z.append(owner)
+        text.append([w or "free" for w in where])
+    rids = [r["rid"] for r in summary["requests"]]
+    fig = go.Figure(go.Heatmap(
+        z=z, x=list(range(blocks)), y=list(range(len(moments))), text=text, customdata=[[m] * blocks
+                                                                                         for m in moments],
+        zmin=min(rids), zmax=max(rids), colorscale="Turbo", colorbar={"title": "request"}, xgap=1, ygap=1,
+        hovertemplate="%{customdata}, block %{x}: %{text}<extra></extra>"))
+    fig.update_yaxes(title_text="moment", tickvals=list(range(len(moments))), ticktext=moments,
+                     autorange="reversed")
+    fig.update_xaxes(title_text=f"block of {summary['paged']['block_size']} slots")
+    fig.update_layout(height=18 * len(moments) + 200,
+                      title=f"Block pool of rank {rank}: {blocks} of its {summary['paged']['kv_blocks']} "
+                            "blocks ever taken, "
+                            f"{len(summary['paged']['preemptions'])} preemptions")
+    return fig

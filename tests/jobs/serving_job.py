@@ -3,7 +3,9 @@
     mpiexec -n 4 python tests/jobs/serving_job.py              # GPT-2 tiny
     mpiexec -n 4 python tests/jobs/serving_job.py llama-tiny   # Llama: 4 heads, 2 kv heads
 
-Rank 0 prints one JSON line per mesh with what the test asserts."""
+Rank 0 prints one JSON line per mesh with what the test asserts, then the paged runs: the same
+requests on tp x cp and pp x tp with blocks of 4 slots (Llama's pp x tp pool too small, so it
+preempts), and (GPT-2) requests sharing a 10-token system prompt with prefix sharing on tp x cp."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import sys
 
 from refpar.comm.communicator import abort_on_error, world
 from refpar.config import model_preset
+from refpar.serving.paged import Paging
 from refpar.serving.requests import make_requests
 from refpar.serving.runner import ServeOptions, run_serving
 from refpar.serving.sampling import parse_sampling
@@ -28,6 +31,15 @@ LLAMA_RUNS = [  # tp below, at and past n_kv_head = 2 (each kv head then on two 
     ({"pp": 2, "tp": 2}, "temperature=0.8,top_k=12"),
 ]
 
+PAGED_RUNS = [  # mesh, sampling, blocks per rank (None: room for every request at once)
+    ({"tp": 2, "cp": 2}, "greedy", None),
+    ({"pp": 2, "tp": 2}, "temperature=0.8,top_k=12", None),
+]
+LLAMA_PAGED_RUNS = [
+    ({"tp": 2, "cp": 2}, "greedy", None),
+    ({"pp": 2, "tp": 2}, "temperature=0.8,top_k=12", 6),  # the longest request alone takes 6: preempts
+]
+
 
 def main() -> None:
     comm = world()
@@ -40,6 +52,20 @@ def main() -> None:
                         ServeOptions(max_batch=3, seed=3, check=True))
         if s is not None:
             print(json.dumps(s), flush=True)
+    for sizes, sampling, blocks in LLAMA_PAGED_RUNS if config.arch == "llama" else PAGED_RUNS:
+        s = run_serving(comm, sizes, config, requests, parse_sampling(sampling, seed=11),
+                        ServeOptions(max_batch=3, seed=3, check=True, paging=Paging(4, blocks)))
+        if s is not None:
+            print(json.dumps(s), flush=True)
+    if config.arch == "llama":
+        return
+    # Request 0 arrives alone and is never the newest running, so it outlives every preemption and
+    # every request holds the system prompt's blocks with it. 5 blocks a rank: some must wait.
+    chat = make_requests(config, [3, 5, 2, 6], [8, 4, 5, 3], [0, 1, 2, 2], seed=5, system_prompt=10)
+    s = run_serving(comm, {"tp": 2, "cp": 2}, config, chat, parse_sampling("greedy", seed=11),
+                    ServeOptions(max_batch=3, seed=3, check=True, paging=Paging(4, 5, True)))
+    if s is not None:
+        print(json.dumps(s), flush=True)
 
 
 if __name__ == "__main__":
