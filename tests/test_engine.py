@@ -10,6 +10,9 @@ import time
 
 import pytest
 
+from refpar.config import TrainConfig, model_preset
+from refpar.engine import Plan
+from tests.mesh_view import assert_mesh_view_matches_the_run
 from tests.mpi import ROOT, mpi_env, mpiexec, refpar_json, run_script
 from tests.numerics import CONTRACT, within
 
@@ -37,6 +40,9 @@ def test_dp2_tp2_pp2_1f1b_matches_one_device_with_closed_form_bytes_memory_and_a
     assert {e["pid"] for e in chrome["traceEvents"]} == set(range(8))
     lines = [json.loads(line) for line in trace.with_suffix(".jsonl").read_text().splitlines()]
     assert {e["axis"] for e in lines} >= {"tp", "pp", "dp"} and {e["rank"] for e in lines} == set(range(8))
+    # the Whole mesh page's holdings and step, rank by rank, are what this run measured and traced
+    assert_mesh_view_matches_the_run(s, model_preset("tiny"), TrainConfig(steps=3),
+                                     Plan(schedule="1f1b", microbatches=4), trace)
 
 
 @pytest.mark.timeout(900)  # its own subprocess limit (840 s) is the one meant, not the suite's 300 s
