@@ -590,3 +590,34 @@ def test_sharding_page_draws_llamas_replicated_kv_heads_when_the_user_picks_llam
         drawn = [tuple(sets[k]) for k in np.asarray(fig["data"][i]["z"]).ravel()]
         assert drawn == list(grid.ravel()), name
     assert [0, 1] in sets and [2, 3] in sets  # kv head 0 on ranks 0 and 1, kv head 1 on 2 and 3
+
+
+def test_whole_mesh_page_lays_ranks_out_as_the_mesh_does_and_steps_through_their_bytes():
+    from refpar.analysis.engine import MOMENTS, rank_comm_bytes, rank_coords
+    from refpar.engine import Plan
+
+    at = page("views/mesh.py")  # default: pp=2 x dp=2 x tp=2, ZeRO-3, 2 microbatches of GPT-2 tiny
+    grid = charts(at)[0]["data"][0]
+    # DeviceMesh's grid arange(8).reshape(pp, dp, tp): rank = 4 pp + 2 dp + tp; rows (pp, dp), columns tp
+    for rank, x, y in zip(grid["customdata"], grid["x"], grid["y"], strict=True):
+        assert (x, y) == (rank % 2, rank // 2), rank
+    at.selectbox(key="mesh_rank").set_value(5)  # pp=1, dp=0, tp=1
+    rerun(at)
+    held = dict(zip(at.dataframe[0].value["what"], at.dataframe[0].value["held"], strict=True))
+    assert held["stages and layers"] == "stage 1: blocks 2-3 + head"  # 4 blocks over 2 stages
+    assert held["attention heads"].startswith("heads 2-3")  # 4 heads over tp=2
+    assert held["vocabulary rows"] == "rows 48-95"  # 96 rows over tp=2
+    assert held["samples"] == "microbatch 0: 0, 1; microbatch 1: 2, 3"  # dp rank 0's half of 8, in 2
+    assert held["ZeRO shard of h.2"].endswith("(1/2 over dp)")
+    # the step's moments add up to the closed form of the step's bytes, which runs match exactly
+    sent = 0
+    for moment in MOMENTS:
+        at.select_slider(key="mesh_moment").set_value(moment)
+        rerun(at)
+        sent += int(charts(at)[1]["data"][0]["text"][5].split("<br>")[1][:-2].replace(",", ""))
+    sizes = {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2}
+    closed = rank_comm_bytes(TINY, ONE_STEP, sizes, rank_coords(sizes, 5), Plan(zero=3, microbatches=2))
+    assert sent == sum(s for s, _ in closed.values()) > 0
+    at.number_input(key="mesh_ep").set_value(4)
+    rerun(at)
+    assert "at most 16" in at.error[0].value

@@ -12,6 +12,22 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
 EXPERTS = 4  # the MoE model's experts per block when ep > 1 (ep must divide them)
 
 
+@st.cache_data(max_entries=32)
+def step_of_every_rank(model, cfg, sizes: dict, plan) -> dict:
+    """Rank -> its moments of the step: computed once per mesh, whichever moment or rank is shown."""
+    return {r: mesh_grid.step_moments(model, cfg, sizes, plan, r) for r in range(math.prod(sizes.values()))}
+
+
+@st.cache_data(max_entries=32)
+def checked(model, cfg, sizes: dict, plan) -> dict:
+    return mesh_grid.check_mesh(model, cfg, sizes, plan)
+
+
+@st.cache_data(max_entries=64)
+def facts_of(model, cfg, sizes: dict, plan, rank: int):
+    return mesh_grid.rank_facts(model, cfg, sizes, plan, rank)
+
+
 def pick_rank(key: str) -> None:
     """A click on a rank of the grid selects it (the rank is each point's customdata)."""
     points = st.session_state[key].selection.points
@@ -42,7 +58,7 @@ plan = Plan(schedule=schedule if sizes["pp"] > 1 else None, microbatches=m, sp=s
             zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
             chunks=2 if schedule == "interleaved-1f1b" and sizes["pp"] > 1 else None)
 try:
-    sizes = mesh_grid.check_mesh(model, cfg, sizes, plan)
+    sizes = checked(model, cfg, sizes, plan)
 except ConfigError as err:
     st.error(str(err))
     st.stop()
@@ -59,13 +75,13 @@ labels = {r: f"rank {r}" for r in range(world)}
 left, right = st.columns([3, 2])
 left.plotly_chart(mesh_grid.mesh_figure(sizes, labels, rank, "the ranks, coloured by pipeline rank"),
                   key="mesh_grid", on_select=lambda: pick_rank("mesh_grid"), selection_mode="points")
-facts = mesh_grid.rank_facts(model, cfg, sizes, plan, rank)
+facts = facts_of(model, cfg, sizes, plan, rank)
 right.markdown(f"**What rank {rank} holds**")
 right.dataframe(mesh_grid.holdings_rows(facts), hide_index=True, width="stretch")
 
 st.subheader("Through one training step")
 moment = st.select_slider("moment", MOMENTS, key="mesh_moment")
-every = {r: mesh_grid.step_moments(model, cfg, sizes, plan, r) for r in range(world)}
+every = step_of_every_rank(model, cfg, sizes, plan)
 at = {r: next(x for x in every[r] if x.label == moment) for r in range(world)}
 sent = {r: sum(mesh_grid.sent_by_axis(at[r]).values()) for r in range(world)}
 left, right = st.columns([3, 2])
