@@ -256,7 +256,10 @@ def test_run_page_refuses_bad_runs_before_launching():
 
 
 @pytest.mark.timeout(240)
-def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_form():
+def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_form(tmp_path, monkeypatch):
+    from launcher import cache_file, load_result
+
+    monkeypatch.setenv("REFPAR_APP_CACHE", str(tmp_path / "last-run.json"))
     at = page("views/run.py")  # default: dp=2, 3 steps
     at.number_input[3].set_value(2)
     at.button[0].click()
@@ -266,7 +269,21 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
         time.sleep(1)
         rerun(at)
     assert "run" in at.session_state, [c.value for c in at.code] + [e.value for e in at.error]
-    assert at.session_state["run"]["summary"]["world_size"] == 2
+    summary = at.session_state["run"]["summary"]
+    assert summary["world_size"] == 2 and "--check" in at.code[0].value
+    # --check: refpar's claim, on the page, with the run's own numbers (float64: within 1e-10)
+    claim = next(x.value for x in at.success if x.value.startswith("matches one device"))
+    assert f"{summary['max_loss_rel_diff']:.1e} in the loss" in claim
+    assert summary["max_param_rel_diff"] <= 1e-10
+    # the executed timeline of its last step: every message drawn once, the rest compute or idle
+    executed = next(c for c in charts(at) if any(t.get("name") == "compute or idle" for t in c["data"]))
+    shown = sum(len(t["x"]) for t in executed["data"] if t["name"] != "compute or idle")
+    assert shown == sum(e["ph"] == "X" for e in at.session_state["run"]["timeline"]["traceEvents"]) > 0
+    # a reload (a new session) and a restart of the app (the file alone) find the same run
+    again = page("views/run.py")
+    assert again.session_state["run"]["summary"] == summary
+    assert load_result(cache_file())["summary"] == summary
+    assert load_result(cache_file())["key"] == at.session_state["run"]["key"]
     at.switch_page("views/communication.py")
     rerun(at)
     at.selectbox[0].set_value("dp")
@@ -286,7 +303,6 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
     pairs = charts(at)[1]  # every rank, closed form next to measured
     assert list(pairs["data"][0]["x"]) == ["rank 0 closed form", "rank 0 measured", "rank 1 closed form",
                                            "rank 1 measured"]
-    summary = at.session_state["run"]["summary"]
     for trace in pairs["data"]:
         drawn = np.asarray(trace["y"]).tolist()
         for offset, field in ((0, "expected_memory_peak_bytes"), (1, "memory_peak_bytes")):
@@ -621,3 +637,22 @@ def test_whole_mesh_page_lays_ranks_out_as_the_mesh_does_and_steps_through_their
     at.number_input(key="mesh_ep").set_value(4)
     rerun(at)
     assert "at most 16" in at.error[0].value
+
+
+def test_run_page_launches_any_mesh_the_engine_runs_the_demos_3d_mesh_by_default():
+    at = page("views/run.py")
+    at.toggle(key="run_whole").set_value(True)
+    rerun(at)
+    command = at.code[0].value  # make demo's mesh, checked against one device
+    assert " -n 8 " in command and "train --mesh pp=2,dp=2,tp=2 " in command and "--check" in command
+    at.number_input(key="run_tp").set_value(3)
+    rerun(at)
+    assert "tp=3 does not divide n_head=4" in at.error[0].value and at.button[0].disabled
+    at.number_input(key="run_tp").set_value(2)
+    at.number_input(key="run_ep").set_value(2)
+    at.selectbox(key="run_strategy").set_value("zero3")
+    at.number_input(key="run_m").set_value(2)  # a MoE microbatch needs a sequence for each of dp x ep
+    rerun(at)
+    assert not at.error, [e.value for e in at.error]
+    assert " -n 16 " in at.code[0].value and "--moe-experts 4 --check" in at.code[0].value
+    assert "--zero 3" in at.code[0].value
