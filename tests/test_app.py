@@ -619,7 +619,7 @@ def test_whole_mesh_page_lays_ranks_out_as_the_mesh_does_and_steps_through_their
         assert (x, y) == (rank % 2, rank // 2), rank
     at.selectbox(key="mesh_rank").set_value(5)  # pp=1, dp=0, tp=1
     rerun(at)
-    held = dict(zip(at.dataframe[0].value["what"], at.dataframe[0].value["held"], strict=True))
+    held = dict(zip(at.table[0].value["what"], at.table[0].value["held"], strict=True))
     assert held["stages and layers"] == "stage 1: blocks 2-3 + head"  # 4 blocks over 2 stages
     assert held["attention heads"].startswith("heads 2-3")  # 4 heads over tp=2
     assert held["vocabulary rows"] == "rows 48-95"  # 96 rows over tp=2

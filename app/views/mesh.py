@@ -67,7 +67,8 @@ if sizes["ep"] > 1:
     st.caption(f"ep > 1: the model's blocks are Mixture-of-Experts layers of {EXPERTS} experts "
                "(`--moe-experts 4`)")
 st.code(f"mpiexec -n {world} refpar train "
-        + " ".join(mesh_grid.train_args(sizes, plan, preset, 3, model.moe_experts)), language="bash")
+        + " ".join(mesh_grid.train_args(sizes, plan, preset, 3, model.moe_experts)), language="bash",
+        wrap_lines=True)
 if st.session_state.get("mesh_rank", 0) >= world:
     st.session_state["mesh_rank"] = 0
 rank = st.selectbox("rank", list(range(world)), key="mesh_rank")
@@ -77,7 +78,7 @@ left.plotly_chart(mesh_grid.mesh_figure(sizes, labels, rank, "the ranks, coloure
                   key="mesh_grid", on_select=lambda: pick_rank("mesh_grid"), selection_mode="points")
 facts = facts_of(model, cfg, sizes, plan, rank)
 right.markdown(f"**What rank {rank} holds**")
-right.dataframe(mesh_grid.holdings_rows(facts), hide_index=True, width="stretch")
+right.table(mesh_grid.holdings_rows(facts), hide_index=True)
 
 st.subheader("Through one training step")
 moment = st.select_slider("moment", MOMENTS, key="mesh_moment")

@@ -132,7 +132,7 @@ else:
     except ConfigError as err:
         st.error(str(err))
         argv = None
-st.code(" ".join(argv) if argv else "", language="bash")
+st.code(" ".join(argv) if argv else "", language="bash", wrap_lines=True)
 if st.button("Start", type="primary", disabled=argv is None or run.running()):
     try:
         run.start(argv, label, key, int(steps), trace)

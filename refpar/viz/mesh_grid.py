@@ -137,7 +137,8 @@ def holdings_rows(facts: RankFacts) -> list[dict]:
             ("samples", "; ".join(f"microbatch {j}: {', '.join(map(str, s))}"
                                   for j, s in enumerate(facts.samples))),
             ("sequence positions", _ranges(facts.positions)),
-            ("experts", "-" if facts.experts is None else ", ".join(map(str, facts.experts))),
+            ("experts", "none (no MoE blocks)" if facts.experts is None
+             else ", ".join(map(str, facts.experts))),
             ("parameters", f"{facts.parameters:,} elements")]
     rows += [(f"ZeRO shard of {z['unit']}", f"elements {z['shard'][0]:,}-{z['shard'][1] - 1:,} of "
               f"{z['elements']:,} (1/{z['group_size']} over {z['group']})") for z in facts.zero_shards]
@@ -255,7 +256,7 @@ def mesh_figure(sizes: dict, labels: dict[int, str], selected: int | None = None
     peers = {p for g in groups(sizes, selected).values() for p in g} if selected is not None else set()
     fig = go.Figure(go.Scatter(
         x=[x for x, _ in cells], y=[y for _, y in cells], mode="markers+text", customdata=list(range(world)),
-        text=[labels[r] for r in range(world)], textfont={"size": 11},
+        text=[labels[r] for r in range(world)], textfont={"size": 12, "color": "white"},
         marker={"symbol": "square", "size": 74 if n_cols <= 8 else 56,
                 "color": [STAGE_COLOURS[stage_of[r] % len(STAGE_COLOURS)] for r in range(world)],
                 "opacity": [1.0 if selected is None or r == selected or r in peers else 0.45
