@@ -177,7 +177,8 @@ def step_moments(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, 
     actions it runs, every collective it makes (summed over its calls), what it gathers and frees.
     A MoE block's routing messages are left out: their sizes are the routing's, which only a run knows."""
     co = closed.rank_coords(sizes, rank)
-    schedule = closed.pipeline(sizes, plan)[0]
+    schedule, lay = closed.pipeline(sizes, plan)
+    head = any(lay.part(s) == lay.stages_per_copy - 1 for s in lay.stages_of(co["pp"]))
     actions = [c for a in schedule[co["pp"]] if a is not None for c in a.computations()]
     calls = closed.rank_calls(model, cfg, sizes, co, plan)
     stage3, strategy = plan.stage == 3, plan.strategy
@@ -189,7 +190,8 @@ def step_moments(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, 
                           + ("its shard of each unit" if plan.stage else "every parameter it holds"),
     }
     frees = {
-        "forward": ("each gathered unit once its forward is done (the head's ends kept for its backward)"
+        "forward": ("each gathered unit once its forward is done"
+                    + (" (the head's wte and root kept for its backward)" if head else "")
                     if stage3 and plan.reshard_after_forward else
                     "nothing: the gathered units stay for the backward" if stage3 else "nothing"),
         "backward": ("each gathered unit after its backward, and each unit's whole gradient once it is "
