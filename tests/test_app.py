@@ -654,5 +654,5 @@ def test_run_page_launches_any_mesh_the_engine_runs_the_demos_3d_mesh_by_default
     at.number_input(key="run_m").set_value(2)  # a MoE microbatch needs a sequence for each of dp x ep
     rerun(at)
     assert not at.error, [e.value for e in at.error]
-    assert " -n 16 " in at.code[0].value and "--moe-experts 4 --check" in at.code[0].value
+    assert " -n 16 " in at.code[0].value and "--moe-experts 4 --moe-topk 2 --check" in at.code[0].value
     assert "--zero 3" in at.code[0].value

@@ -4,12 +4,11 @@ import streamlit as st
 from family import family_picker
 
 from refpar.analysis.engine import MOMENTS
-from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig, model_preset
+from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig
 from refpar.viz import mesh_grid
 from refpar.viz.expected import DP_STRATEGIES
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
-EXPERTS = 4  # the MoE model's experts per block when ep > 1 (ep must divide them)
 
 
 @st.cache_data(max_entries=32)
@@ -52,7 +51,7 @@ schedule = b.selectbox("schedule", SCHEDULES, disabled=sizes["pp"] == 1, key="me
 m = int(c.number_input("microbatches", min_value=1, max_value=16, value=2, key="mesh_m"))
 sp = d.checkbox("sequence parallel (sp)", value=False, key="mesh_sp", disabled=sizes["tp"] == 1)
 preset = family_picker()
-model = model_preset(preset, moe_experts=EXPERTS) if sizes["ep"] > 1 else model_preset(preset)
+model = mesh_grid.mesh_model(preset, sizes["ep"])
 cfg = TrainConfig(steps=1)
 plan = Plan(schedule=schedule if sizes["pp"] > 1 else None, microbatches=m, sp=sp and sizes["tp"] > 1,
             zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
@@ -64,10 +63,10 @@ except ConfigError as err:
     st.stop()
 world = math.prod(sizes[a] for a in MESH_AXES)
 if sizes["ep"] > 1:
-    st.caption(f"ep > 1: the model's blocks are Mixture-of-Experts layers of {EXPERTS} experts "
-               "(`--moe-experts 4`)")
+    st.caption(f"ep > 1: every block is a Mixture-of-Experts layer of {model.moe_experts} experts, "
+               f"top-{model.moe_top_k}")
 st.code(f"mpiexec -n {world} refpar train "
-        + " ".join(mesh_grid.train_args(sizes, plan, preset, 3, model.moe_experts)), language="bash",
+        + " ".join(mesh_grid.train_args(sizes, plan, preset, 3, model.moe_experts > 0)), language="bash",
         wrap_lines=True)
 if st.session_state.get("mesh_rank", 0) >= world:
     st.session_state["mesh_rank"] = 0

@@ -86,7 +86,6 @@ if whole:
     steps = int(d.number_input("steps", min_value=1, value=3, help=f"at most {MAX_STEPS}", key="run_steps"))
     sp = e.checkbox("sp", disabled=sizes["tp"] == 1, key="run_sp")
     model = family_picker()
-    experts = 4 if sizes["ep"] > 1 else 0  # the Whole mesh page's MoE model
     plan = Plan(schedule=schedule if sizes["pp"] > 1 else None, microbatches=m, sp=sp and sizes["tp"] > 1,
                 zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
                 chunks=2 if schedule == "interleaved-1f1b" and sizes["pp"] > 1 else None)
@@ -94,12 +93,12 @@ if whole:
         if steps > MAX_STEPS:
             raise ConfigError(f"{steps} steps: choose 1 to {MAX_STEPS}, this is a demonstration")
         cfg = TrainConfig(steps=steps)
-        full = mesh_grid.check_mesh(model_preset(model, moe_experts=experts), cfg, sizes, plan)
+        full = mesh_grid.check_mesh(mesh_grid.mesh_model(model, sizes["ep"]), cfg, sizes, plan)
         launch = mpiexec()
         if launch is None:
             raise ConfigError("mpiexec is not installed; pip install mpich (the mpich extra) and reload")
         world = math.prod(full.values())
-        args = mesh_grid.train_args(full, plan, model, steps, experts)
+        args = mesh_grid.train_args(full, plan, model, steps, moe=full["ep"] > 1)
         argv = [launch, "-n", str(world), sys.executable, "-m", "refpar", "train", *args, "--json", "--trace",
                 trace]
         key = ("mesh", *args)

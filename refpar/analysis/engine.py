@@ -21,6 +21,9 @@ Per step, the rank at mesh coordinates `coords`:
   the optimizer's dtype) over the replica group under ZeRO, ep under DP with experts, tp and pp
   (refpar/parallel/clipping.py), on the steps the optimizer takes; the loss over the ranks that saw
   different tokens.
+`rank_calls` lists the step's collectives one by one with the moment of the step each belongs to
+(the forward, the backward, the sums after it, the optimizer step), for the app's Whole mesh page;
+`rank_comm_bytes` is their sum.
 Memory: the data-parallel strategy's states and transients (analysis/data_parallel.py), and the
 activations: the schedule's replay (schedules.stored) of what each F keeps until its B (and, where
 the backward is split, what B keeps until W), from analysis/activations.py's terms (the model's

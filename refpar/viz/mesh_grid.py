@@ -275,10 +275,21 @@ def mesh_figure(sizes: dict, labels: dict[int, str], selected: int | None = None
     return fig
 
 
-def train_args(sizes: dict, plan: Plan, preset: str, steps: int, moe_experts: int = 0,
+def mesh_model(preset: str, ep: int) -> ModelConfig:
+    """The model the Whole mesh and Run for real pages draw and run: the preset, its every block a
+    Mixture-of-Experts layer of 4 experts, top-2 (Mixtral's routing needs two), when ep > 1."""
+    from refpar.config import model_preset
+
+    return model_preset(preset, **MOE) if ep > 1 else model_preset(preset)
+
+
+MOE = {"moe_experts": 4, "moe_top_k": 2}
+
+
+def train_args(sizes: dict, plan: Plan, preset: str, steps: int, moe: bool = False,
                check: bool = True) -> list[str]:
     """The `refpar train` arguments that run this mesh and plan (after `mpiexec -n world`): the
-    model's preset, with `moe_experts` experts in every block when given; `check`: against one device."""
+    model's preset, with `mesh_model`'s experts when `moe`; `check`: against one device."""
     mesh = ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes[a] > 1) or "dp=1"
     args = ["--mesh", mesh, "--steps", str(steps), "--model", preset,
             "--microbatches", str(plan.microbatches)]
@@ -294,6 +305,6 @@ def train_args(sizes: dict, plan: Plan, preset: str, steps: int, moe_experts: in
         args += ["--schedule", plan.schedule]
     if plan.chunks is not None:
         args += ["--chunks", str(plan.chunks)]
-    if moe_experts:
-        args += ["--moe-experts", str(moe_experts)]
+    if moe:
+        args += ["--moe-experts", str(MOE["moe_experts"]), "--moe-topk", str(MOE["moe_top_k"])]
     return args + ["--check"] * check
