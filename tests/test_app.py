@@ -656,3 +656,15 @@ def test_run_page_launches_any_mesh_the_engine_runs_the_demos_3d_mesh_by_default
     assert not at.error, [e.value for e in at.error]
     assert " -n 16 " in at.code[0].value and "--moe-experts 4 --moe-topk 2 --check" in at.code[0].value
     assert "--zero 3" in at.code[0].value
+
+
+def test_the_kept_run_is_written_whole_and_a_damaged_file_is_no_run(tmp_path, monkeypatch):
+    from launcher import cache_file, load_result, save_result
+
+    monkeypatch.setenv("REFPAR_APP_CACHE", str(tmp_path / "cache" / "last-run.json"))
+    result = {"key": ("dp", 2, 1, 2, "tiny"), "label": "dp=2 dp (tiny)", "summary": {"steps": 1}}
+    save_result(result, cache_file())
+    assert load_result(cache_file()) == result  # the key a tuple again, as the pages compare it
+    assert [p.name for p in cache_file().parent.iterdir()] == ["last-run.json"]  # no partial file left
+    cache_file().write_text('{"key": ["dp", 2')  # a file cut short (a full disk, a kill mid-write)
+    assert load_result(cache_file()) is None and Launcher().last() is None
