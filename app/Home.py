@@ -42,6 +42,7 @@ pages = [
     st.Page(home, title="Home", icon=":material/home:", default=True),
     st.Page("views/sharding.py", title="Sharding layouts", icon=":material/grid_on:"),
     st.Page("views/pipeline.py", title="Pipeline schedules", icon=":material/view_timeline:"),
+    st.Page("views/mesh.py", title="Whole mesh", icon=":material/apps:"),
     st.Page("views/communication.py", title="Communication", icon=":material/swap_horiz:"),
     st.Page("views/memory.py", title="Memory", icon=":material/memory:"),
     st.Page("views/plan.py", title="Plan", icon=":material/calculate:"),

@@ -256,7 +256,10 @@ def test_run_page_refuses_bad_runs_before_launching():
 
 
 @pytest.mark.timeout(240)
-def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_form():
+def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_form(tmp_path, monkeypatch):
+    from launcher import cache_file, load_result
+
+    monkeypatch.setenv("REFPAR_APP_CACHE", str(tmp_path / "last-run.json"))
     at = page("views/run.py")  # default: dp=2, 3 steps
     at.number_input[3].set_value(2)
     at.button[0].click()
@@ -266,7 +269,21 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
         time.sleep(1)
         rerun(at)
     assert "run" in at.session_state, [c.value for c in at.code] + [e.value for e in at.error]
-    assert at.session_state["run"]["summary"]["world_size"] == 2
+    summary = at.session_state["run"]["summary"]
+    assert summary["world_size"] == 2 and "--check" in at.code[0].value
+    # --check: refpar's claim, on the page, with the run's own numbers (float64: within 1e-10)
+    claim = next(x.value for x in at.success if x.value.startswith("matches one device"))
+    assert f"{summary['max_loss_rel_diff']:.1e} in the loss" in claim
+    assert summary["max_param_rel_diff"] <= 1e-10
+    # the executed timeline of its last step: every message drawn once, the rest compute or idle
+    executed = next(c for c in charts(at) if any(t.get("name") == "compute or idle" for t in c["data"]))
+    shown = sum(len(t["x"]) for t in executed["data"] if t["name"] != "compute or idle")
+    assert shown == sum(e["ph"] == "X" for e in at.session_state["run"]["timeline"]["traceEvents"]) > 0
+    # a reload (a new session) and a restart of the app (the file alone) find the same run
+    again = page("views/run.py")
+    assert again.session_state["run"]["summary"] == summary
+    assert load_result(cache_file())["summary"] == summary
+    assert load_result(cache_file())["key"] == at.session_state["run"]["key"]
     at.switch_page("views/communication.py")
     rerun(at)
     at.selectbox[0].set_value("dp")
@@ -286,7 +303,6 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
     pairs = charts(at)[1]  # every rank, closed form next to measured
     assert list(pairs["data"][0]["x"]) == ["rank 0 closed form", "rank 0 measured", "rank 1 closed form",
                                            "rank 1 measured"]
-    summary = at.session_state["run"]["summary"]
     for trace in pairs["data"]:
         drawn = np.asarray(trace["y"]).tolist()
         for offset, field in ((0, "expected_memory_peak_bytes"), (1, "memory_peak_bytes")):
@@ -606,3 +622,65 @@ def test_sharding_page_draws_llamas_replicated_kv_heads_when_the_user_picks_llam
         drawn = [tuple(sets[k]) for k in np.asarray(fig["data"][i]["z"]).ravel()]
         assert drawn == list(grid.ravel()), name
     assert [0, 1] in sets and [2, 3] in sets  # kv head 0 on ranks 0 and 1, kv head 1 on 2 and 3
+
+
+def test_whole_mesh_page_lays_ranks_out_as_the_mesh_does_and_steps_through_their_bytes():
+    from refpar.analysis.engine import MOMENTS, rank_comm_bytes, rank_coords
+    from refpar.engine import Plan
+
+    at = page("views/mesh.py")  # default: pp=2 x dp=2 x tp=2, ZeRO-3, 2 microbatches of GPT-2 tiny
+    grid = charts(at)[0]["data"][0]
+    # DeviceMesh's grid arange(8).reshape(pp, dp, tp): rank = 4 pp + 2 dp + tp; rows (pp, dp), columns tp
+    for rank, x, y in zip(grid["customdata"], grid["x"], grid["y"], strict=True):
+        assert (x, y) == (rank % 2, rank // 2), rank
+    at.selectbox(key="mesh_rank").set_value(5)  # pp=1, dp=0, tp=1
+    rerun(at)
+    held = dict(zip(at.table[0].value["what"], at.table[0].value["held"], strict=True))
+    assert held["stages and layers"] == "stage 1: blocks 2-3 + head"  # 4 blocks over 2 stages
+    assert held["attention heads"].startswith("heads 2-3")  # 4 heads over tp=2
+    assert held["vocabulary rows"] == "rows 48-95"  # 96 rows over tp=2
+    assert held["samples"] == "microbatch 0: 0, 1; microbatch 1: 2, 3"  # dp rank 0's half of 8, in 2
+    assert held["ZeRO shard of h.2"].endswith("(1/2 over dp)")
+    # the step's moments add up to the closed form of the step's bytes, which runs match exactly
+    sent = 0
+    for moment in MOMENTS:
+        at.select_slider(key="mesh_moment").set_value(moment)
+        rerun(at)
+        sent += int(charts(at)[1]["data"][0]["text"][5].split("<br>")[1][:-2].replace(",", ""))
+    sizes = {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2}
+    closed = rank_comm_bytes(TINY, ONE_STEP, sizes, rank_coords(sizes, 5), Plan(zero=3, microbatches=2))
+    assert sent == sum(s for s, _ in closed.values()) > 0
+    at.number_input(key="mesh_ep").set_value(4)
+    rerun(at)
+    assert "at most 16" in at.error[0].value
+
+
+def test_run_page_launches_any_mesh_the_engine_runs_the_demos_3d_mesh_by_default():
+    at = page("views/run.py")
+    at.toggle(key="run_whole").set_value(True)
+    rerun(at)
+    command = at.code[0].value  # make demo's mesh, checked against one device
+    assert " -n 8 " in command and "train --mesh pp=2,dp=2,tp=2 " in command and "--check" in command
+    at.number_input(key="run_tp").set_value(3)
+    rerun(at)
+    assert "tp=3 does not divide n_head=4" in at.error[0].value and at.button[0].disabled
+    at.number_input(key="run_tp").set_value(2)
+    at.number_input(key="run_ep").set_value(2)
+    at.selectbox(key="run_strategy").set_value("zero3")
+    at.number_input(key="run_m").set_value(2)  # a MoE microbatch needs a sequence for each of dp x ep
+    rerun(at)
+    assert not at.error, [e.value for e in at.error]
+    assert " -n 16 " in at.code[0].value and "--moe-experts 4 --moe-topk 2 --check" in at.code[0].value
+    assert "--zero 3" in at.code[0].value
+
+
+def test_the_kept_run_is_written_whole_and_a_damaged_file_is_no_run(tmp_path, monkeypatch):
+    from launcher import cache_file, load_result, save_result
+
+    monkeypatch.setenv("REFPAR_APP_CACHE", str(tmp_path / "cache" / "last-run.json"))
+    result = {"key": ("dp", 2, 1, 2, "tiny"), "label": "dp=2 dp (tiny)", "summary": {"steps": 1}}
+    save_result(result, cache_file())
+    assert load_result(cache_file()) == result  # the key a tuple again, as the pages compare it
+    assert [p.name for p in cache_file().parent.iterdir()] == ["last-run.json"]  # no partial file left
+    cache_file().write_text('{"key": ["dp", 2')  # a file cut short (a full disk, a kill mid-write)
+    assert load_result(cache_file()) is None and Launcher().last() is None

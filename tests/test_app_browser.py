@@ -21,8 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
-PAGES = ["Sharding layouts", "Pipeline schedules", "Communication", "Memory", "Plan", "Run for real",
-         "Serving", "Lessons"]
+PAGES = ["Sharding layouts", "Pipeline schedules", "Whole mesh", "Communication", "Memory", "Plan",
+         "Run for real", "Serving", "Lessons"]
 NO_FIGURE = ("Run for real", "Serving", "Lessons")  # Serving draws its figures after a run
 CHANGED = "t => document.querySelector('.js-plotly-plot .gtitle').textContent !== t"
 SHOTS = {"Sharding layouts": "app-sharding.png", "Pipeline schedules": "app-pipeline.png",

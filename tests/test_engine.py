@@ -10,6 +10,11 @@ import time
 
 import pytest
 
+from refpar.config import TrainConfig, model_preset
+from refpar.engine import Plan
+from refpar.parallel.pipeline.schedules import build
+from refpar.viz import timeline
+from tests.mesh_view import assert_mesh_view_matches_the_run
 from tests.mpi import ROOT, mpi_env, mpiexec, refpar_json, run_script
 from tests.numerics import CONTRACT, within
 
@@ -37,6 +42,28 @@ def test_dp2_tp2_pp2_1f1b_matches_one_device_with_closed_form_bytes_memory_and_a
     assert {e["pid"] for e in chrome["traceEvents"]} == set(range(8))
     lines = [json.loads(line) for line in trace.with_suffix(".jsonl").read_text().splitlines()]
     assert {e["axis"] for e in lines} >= {"tp", "pp", "dp"} and {e["rank"] for e in lines} == set(range(8))
+    # the Whole mesh page's holdings and step, rank by rank, are what this run measured and traced
+    assert_mesh_view_matches_the_run(s, model_preset("tiny"), TrainConfig(steps=3),
+                                     Plan(schedule="1f1b", microbatches=4), trace)
+    # the executed timeline: the trace's actions are the 1F1B schedule; timed with their measured
+    # durations it gives the report's simulated bubble (the same durations, through a x1e6 to
+    # microseconds and back: a few ulps each, so 1e-12 relative on a ratio of their sums)
+    executed, simulated = timeline.simulated_from_trace(chrome)
+    assert executed == build("1f1b", 2, 4)
+    assert abs(simulated.bubble_fraction - s["bubble_fraction"]["simulated"]) <= 1e-12
+    figure = timeline.executed_figure(chrome)
+    drawn = [t for t in figure.data if t.name != "idle"]
+    assert sum(len(t.x) for t in drawn) == sum(e["ph"] == "X" for e in chrome["traceEvents"])
+    for rank in range(8):  # idle is exactly the time no action or message of the rank covers
+        busy = sorted((b, b + w) for t in drawn for y, b, w in zip(t.y, t.base, t.x, strict=True)
+                      if y == rank)
+        covered, reach = 0.0, 0.0
+        for a, b in busy:
+            covered += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
+        idle = sum(w for t in figure.data if t.name == "idle"
+                   for y, w in zip(t.y, t.x, strict=True) if y == rank)
+        assert abs(covered + idle - figure.layout.meta["end"]) <= 1e-9 * figure.layout.meta["end"]
 
 
 @pytest.mark.timeout(900)  # its own subprocess limit (840 s) is the one meant, not the suite's 300 s

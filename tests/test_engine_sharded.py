@@ -14,6 +14,7 @@ from refpar.comm import cost
 from refpar.config import TrainConfig, model_preset
 from refpar.engine import Plan
 from refpar.trainer import train_single_device
+from tests.mesh_view import assert_mesh_view_matches_the_run
 from tests.mpi import mpiexec, refpar_json
 from tests.numerics import CONTRACT, within
 
@@ -37,8 +38,14 @@ def _sent(s, axis, op):
     return {r["rank"]: r["bytes_sent"] for r in s["comm_bytes"] if (r["axis"], r["op"]) == (axis, op)}
 
 
-def test_zero3_over_dp_x_cp_with_a_pipeline_matches_one_device_and_the_closed_forms():
-    s = run_and_check(8, "--mesh", "dp=2,cp=2,pp=2", "--zero", "3", "--microbatches", "2")
+def test_zero3_over_dp_x_cp_with_a_pipeline_matches_one_device_and_the_closed_forms(tmp_path):
+    trace = tmp_path / "run.json"
+    s = run_and_check(8, "--mesh", "dp=2,cp=2,pp=2", "--zero", "3", "--microbatches", "2",
+                      "--trace", str(trace))
+    # the Whole mesh page's holdings and step (ZeRO-3's gathers over dp x cp), rank by rank, are
+    # what this run measured and traced
+    assert_mesh_view_matches_the_run(s, model_preset("tiny"), TrainConfig(steps=3),
+                                     Plan(zero=3, microbatches=2), trace)
     # gathered and reduced over the 4 ranks of dp x cp, which the loss is summed over too (3 steps x
     # one float64); cp itself carries only ring attention, no gradient or loss all-reduce
     assert set(_sent(s, "dp_cp", "all_gather")) == set(_sent(s, "dp_cp", "reduce_scatter")) == set(range(8))

@@ -1,3 +1,5 @@
+import json
+import math
 import os
 import sys
 import tempfile
@@ -5,12 +7,16 @@ import time
 from pathlib import Path
 
 import streamlit as st
+from executed import show_timeline
 from family import family_picker
 from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec, shared
 from lesson_link import lesson_link
 
-from refpar.config import ConfigError, TrainConfig, model_preset
-from refpar.viz import expected
+from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig, model_preset
+from refpar.viz import expected, mesh_grid
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
+DEMO = {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2}  # make demo's mesh
 
 
 @st.fragment(run_every=1.0)
@@ -37,12 +43,20 @@ def progress(run: Launcher) -> None:
         return  # the Serving page's run, which that page shows
     if run.error is not None:
         st.error(run.error)
-    elif run.result is not None:
-        summary = run.result["summary"]
-        st.success(f"{run.result['label']}: {summary['steps']} steps, last loss {summary['losses'][-1]:.4f}, "
+    elif run.last() is not None:
+        result = run.last()
+        summary = result["summary"]
+        st.success(f"{result['label']}: {summary['steps']} steps, last loss {summary['losses'][-1]:.4f}, "
                    f"{summary['step_time_s'] * 1e3:.1f} ms per step. Its bytes and memory are now on the "
                    "Communication and Memory pages.")
+        if summary.get("max_loss_rel_diff") is not None:
+            st.success(f"matches one device: max difference {summary['max_loss_rel_diff']:.1e} in the loss, "
+                       f"{summary['max_param_rel_diff']:.1e} in the parameters (relative, "
+                       f"{summary['dtype']}, after {summary['steps']} steps; refpar's contract in float64 "
+                       "is 1e-10)")
         st.dataframe(summary["comm_bytes"], hide_index=True)
+        if result.get("timeline"):
+            show_timeline(result["timeline"], result["label"])
 
 
 st.title("Run for real")
@@ -53,36 +67,82 @@ st.markdown(
     "with the closed forms on the Communication and Memory pages, which pick the run up once it ends."
 )
 lesson_link(8)
-a, b, c, d, e = st.columns(5)
-strategy = a.selectbox("strategy", expected.STRATEGIES, index=0)
-n = b.number_input("ranks on its axis", min_value=1, value=2)
-dp = c.number_input("dp replicas", min_value=1, value=1, disabled=strategy in expected.DP_STRATEGIES)
-m = d.number_input("microbatches", min_value=1, value=2,
-                   help="pp: m per step; dp strategies: gradient accumulation")
-steps = e.number_input("steps", min_value=1, value=3, help=f"at most {MAX_STEPS}")
-model = family_picker()
+whole = st.toggle("any mesh: every axis at once", key="run_whole",
+                  help="pp, dp (ZeRO or FSDP), ep, cp and tp (sp) together, as the Whole mesh page "
+                       "draws them")
 run = shared()
-try:
-    if steps > MAX_STEPS:
-        raise ConfigError(f"{steps} steps: choose 1 to {MAX_STEPS}, this is a demonstration")
-    key = (strategy, int(n), 1 if strategy in expected.DP_STRATEGIES else int(dp), int(m), model)
-    w = expected.workload(strategy, key[1], model_preset(model), TrainConfig(steps=int(steps)), dp=key[2],
-                          microbatches=key[3])
-    expected.closed_form_rows(w)  # refuses a mesh refpar cannot run, with the reason, before launching
-    launch = mpiexec()
-    if launch is None:
-        raise ConfigError("mpiexec is not installed; pip install mpich (the mpich extra) and reload")
-    trace = str(Path(tempfile.gettempdir()) / f"refpar-app-trace-{os.getpid()}.json")
-    argv = [launch, "-n", str(w.world), sys.executable, "-m", "refpar", "train",
-            *expected.train_args(w, trace)]
-except ConfigError as err:
-    st.error(str(err))
-    argv = None
-st.code(" ".join(argv) if argv else "", language="bash")
+if "run" not in st.session_state and run.last() is not None:
+    st.session_state["run"] = run.last()  # after a reload, or a new start of the app: the kept result
+trace = str(Path(tempfile.gettempdir()) / f"refpar-app-trace-{os.getpid()}.json")
+argv, key, label = None, None, ""
+if whole:
+    cols = st.columns(5)
+    sizes = {a: int(col.number_input(a, min_value=1, max_value=16, value=DEMO[a], key=f"run_{a}"))
+             for a, col in zip(MESH_AXES, cols, strict=True)}
+    a, b, c, d, e = st.columns(5)
+    strategy = a.selectbox("data parallelism", expected.DP_STRATEGIES, key="run_strategy")
+    schedule = b.selectbox("schedule", SCHEDULES, disabled=sizes["pp"] == 1, key="run_schedule")
+    m = int(c.number_input("microbatches", min_value=1, value=4, key="run_m"))
+    steps = int(d.number_input("steps", min_value=1, value=3, help=f"at most {MAX_STEPS}", key="run_steps"))
+    sp = e.checkbox("sp", disabled=sizes["tp"] == 1, key="run_sp")
+    model = family_picker()
+    plan = Plan(schedule=schedule if sizes["pp"] > 1 else None, microbatches=m, sp=sp and sizes["tp"] > 1,
+                zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
+                chunks=2 if schedule == "interleaved-1f1b" and sizes["pp"] > 1 else None)
+    try:
+        if steps > MAX_STEPS:
+            raise ConfigError(f"{steps} steps: choose 1 to {MAX_STEPS}, this is a demonstration")
+        cfg = TrainConfig(steps=steps)
+        full = mesh_grid.check_mesh(mesh_grid.mesh_model(model, sizes["ep"]), cfg, sizes, plan)
+        launch = mpiexec()
+        if launch is None:
+            raise ConfigError("mpiexec is not installed; pip install mpich (the mpich extra) and reload")
+        world = math.prod(full.values())
+        args = mesh_grid.train_args(full, plan, model, steps, moe=full["ep"] > 1)
+        argv = [launch, "-n", str(world), sys.executable, "-m", "refpar", "train", *args, "--json", "--trace",
+                trace]
+        key = ("mesh", *args)
+        mesh = " x ".join(f"{k}={v}" for k, v in full.items() if v > 1) or "one rank"
+        label = f"{mesh} {strategy} ({model})"
+    except ConfigError as err:
+        st.error(str(err))
+else:
+    a, b, c, d, e = st.columns(5)
+    strategy = a.selectbox("strategy", expected.STRATEGIES, index=0)
+    n = b.number_input("ranks on its axis", min_value=1, value=2)
+    dp = c.number_input("dp replicas", min_value=1, value=1, disabled=strategy in expected.DP_STRATEGIES)
+    m = d.number_input("microbatches", min_value=1, value=2,
+                       help="pp: m per step; dp strategies: gradient accumulation")
+    steps = e.number_input("steps", min_value=1, value=3, help=f"at most {MAX_STEPS}")
+    model = family_picker()
+    try:
+        if steps > MAX_STEPS:
+            raise ConfigError(f"{steps} steps: choose 1 to {MAX_STEPS}, this is a demonstration")
+        key = (strategy, int(n), 1 if strategy in expected.DP_STRATEGIES else int(dp), int(m), model)
+        w = expected.workload(strategy, key[1], model_preset(model), TrainConfig(steps=int(steps)), dp=key[2],
+                              microbatches=key[3])
+        expected.closed_form_rows(w)  # refuses a mesh refpar cannot run, with the reason, before launching
+        launch = mpiexec()
+        if launch is None:
+            raise ConfigError("mpiexec is not installed; pip install mpich (the mpich extra) and reload")
+        argv = [launch, "-n", str(w.world), sys.executable, "-m", "refpar", "train",
+                *expected.train_args(w, trace), "--check"]
+        label = f"{' '.join(f'{k}={v}' for k, v in w.sizes.items() if v > 1)} {strategy} ({model})"
+    except ConfigError as err:
+        st.error(str(err))
+        argv = None
+st.code(" ".join(argv) if argv else "", language="bash", wrap_lines=True)
 if st.button("Start", type="primary", disabled=argv is None or run.running()):
     try:
-        mesh = " ".join(f"{k}={v}" for k, v in w.sizes.items() if v > 1)
-        run.start(argv, f"{mesh} {strategy} ({model})", key, w.train.steps, trace)
+        run.start(argv, label, key, int(steps), trace)
     except ConfigError as err:
         st.error(str(err))
 progress(run)
+with st.expander("open the trace of another run (refpar train --trace PATH writes it)"):
+    uploaded = st.file_uploader("its Chrome trace, PATH (the .json file)", type="json")
+    if uploaded is not None:
+        try:
+            show_timeline(json.loads(uploaded.getvalue()), uploaded.name)
+        except (ValueError, KeyError, TypeError):
+            st.error(f"{uploaded.name} is not a Chrome trace of refpar train; give the PATH that "
+                     "--trace PATH wrote (not PATH.jsonl)")

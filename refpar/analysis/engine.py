@@ -21,6 +21,9 @@ Per step, the rank at mesh coordinates `coords`:
   the optimizer's dtype) over the replica group under ZeRO, ep under DP with experts, tp and pp
   (refpar/parallel/clipping.py), on the steps the optimizer takes; the loss over the ranks that saw
   different tokens.
+`rank_calls` lists the step's collectives one by one with the moment of the step each belongs to
+(the forward, the backward, the sums after it, the optimizer step), for the app's Whole mesh page;
+`rank_comm_bytes` is their sum.
 Memory: the data-parallel strategy's states and transients (analysis/data_parallel.py), and the
 activations: the schedule's replay (schedules.stored) of what each F keeps until its B (and, where
 the backward is split, what B keeps until W), from analysis/activations.py's terms (the model's
@@ -171,9 +174,15 @@ def _rows(model, cfg, sizes, coords, plan) -> list[int]:
 
 
 # -------------------------------------------------------------------------------------- bytes
-def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, plan,
-                    kept: list | None = None, stepped: bool = True) -> dict:
-    """{(axis, op): (sent, received)} of one step; `kept` (MoE): per microbatch, layer -> the
+# The moments of a step a call belongs to (refpar/viz/mesh_grid.py steps through them): the passes of
+# every microbatch, the sums once every backward is done, and the optimizer's update.
+MOMENTS = ("forward", "backward", "after the backward", "optimizer step")
+
+
+def rank_calls(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, plan,
+               kept: list | None = None, stepped: bool = True) -> list[tuple]:
+    """One step's collectives on the rank at `coords`: (moment, axis, op, what, bytes of one call,
+    times called), in MOMENTS order (module docstring); `kept` (MoE): per microbatch, layer -> the
     (D c, E) kept counts of this rank's MoE blocks; `stepped`: the optimizer took the step."""
     p, t, c = sizes["pp"], sizes["tp"], sizes["cp"]
     r, k = coords["pp"], coords["tp"]
@@ -181,7 +190,11 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
     lay = pipeline(sizes, plan)[1]
     P = lay.stages_per_copy
     pr, rows = precision(model, cfg, sizes), _rows(model, cfg, sizes, coords, plan)
-    totals: dict[tuple[str, str], tuple[int, int]] = {}
+    out: list[tuple[str, str, str, str, cost.Bytes, int]] = []
+
+    def add(moment, axis, op, what, b, times=1):
+        out.append((moment, axis, op, what, cost.Bytes(*b), times))
+
     for s in lay.stages_of(r):
         layers = list(stage_layers(model.n_layer, P, lay.part(s)))
         moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in model.moe_blocks)
@@ -197,38 +210,85 @@ def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: d
                 embedding = call.tag.startswith(("wte", "model.embed_tokens"))
                 if not (call.tag.startswith(("sp.", *moe_tags)) or (embedding and not first)
                         or (call.tag.startswith("lm_head") and not last)):
-                    cost.add(totals, (call.axis, call.op), (call.bytes_sent, call.bytes_recv),
-                             1 + _rerun(call.tag, plan.recompute))
+                    b, tag = (call.bytes_sent, call.bytes_recv), _global_block(call.tag, layers)
+                    add("forward" if tag.endswith(":fwd") else "backward", call.axis, call.op, tag, b)
+                    if _rerun(tag, plan.recompute):  # the forward again inside the backward
+                        add("backward", call.axis, call.op, f"{tag} (recomputed)", b)
     kv = kv_replicas(model, t)
     if kv > 1:  # each block's k_proj and v_proj gradients over the replicas of its kv head, per microbatch
         n = 2 * model.head_size * C
         blocks = sum(len(stage_layers(model.n_layer, P, lay.part(s))) * len(lay.microbatches(s))
                      for s in lay.stages_of(r))
-        cost.add(totals, ("tp", "all_reduce"), cost.all_reduce_bytes(n, kv, k % kv, e), times=blocks)
+        add("backward", "tp", "all_reduce", "k_proj and v_proj grads over their kv head's replicas",
+            cost.all_reduce_bytes(n, kv, k % kv, e), blocks)
     if model.moe_experts:
         Ta = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Ta
-        for key, b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
-                                                   kept or [], Ta, plan.cp_algo, plan.sp,
-                                                   plan.recompute == "full").items():
-            cost.add(totals, key, b)
+        for (axis, op), b in moe_forms.routing_step_bytes(model, cfg, sizes, coords, plan.microbatches, rows,
+                                                          kept or [], Ta, plan.cp_algo, plan.sp,
+                                                          plan.recompute == "full").items():
+            # one total for both passes: the routing's counts, dispatch and combine forward, their
+            # mirror backward
+            add("forward", axis, op, "MoE layers' routing, forward and backward", b)
     if p > 1:
         # each stage's activation out and input gradient back, of each microbatch of its copy, where
         # the neighbouring stage sits on another rank: 2v - [r = 0] - [r = p-1] per microbatch in a
         # loop; in a V 2 on rank 0 (the ends) and on rank p-1 (the turn from stage p-1 to p stays on
         # it), 4 on the others. As many arrive as leave (the same pairs of neighbours).
         Tl = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, 1).Tl
-        apart = [(s, j) for s in lay.stages_of(r) for j in lay.microbatches(s)
-                 for n in (s - 1, s + 1) if 0 <= lay.part(s) + n - s < P and lay.stage_rank[n] != r]
-        p2p = sum(rows[j] for _, j in apart) * Tl * C * e
-        cost.add(totals, ("pp", "isend"), (p2p, 0))
-        cost.add(totals, ("pp", "irecv"), (0, p2p))
-        cost.add(totals, ("pp", "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
+        for moment, step, sent, came in (("forward", 1, "activations to the next stage",
+                                          "activations from the previous stage"),
+                                         ("backward", -1, "input gradients to the previous stage",
+                                          "input gradients from the next stage")):
+            out_rows = sum(rows[j] for s in lay.stages_of(r) for j in lay.microbatches(s)
+                           if 0 <= lay.part(s) + step < P and lay.stage_rank[s + step] != r)
+            in_rows = sum(rows[j] for s in lay.stages_of(r) for j in lay.microbatches(s)
+                          if 0 <= lay.part(s) - step < P and lay.stage_rank[s - step] != r)
+            if out_rows:
+                add(moment, "pp", "isend", sent, (out_rows * Tl * C * e, 0))
+            if in_rows:
+                add(moment, "pp", "irecv", came, (0, in_rows * Tl * C * e))
+        add("after the backward", "pp", "all_reduce", "loss:pp",
+            cost.all_reduce_bytes(3 if model.moe_experts else 1, p, r, 8))
     clip = cfg.clip_grad_norm > 0
-    for key, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped, clip)[0].items():
-        cost.add(totals, key, b)
+    for axis, op, what, b in data_parallel_bytes(model, sizes, coords, plan, pr, stepped, clip)[1]:
+        add(_dp_moment(what), axis, op, what, b)
     axis, n, q = _group(model, sizes, coords, False)
     if n > 1:  # the loss (and the router losses) over the ranks that saw different tokens
-        cost.add(totals, (axis, "all_reduce"), cost.all_reduce_bytes(3 if model.moe_experts else 1, n, q, 8))
+        add("after the backward", axis, "all_reduce", "loss", cost.all_reduce_bytes(3 if model.moe_experts
+                                                                                    else 1, n, q, 8))
+    order = {m: i for i, m in enumerate(MOMENTS)}
+    return sorted(out, key=lambda call: order[call[0]])  # stable: program order within a moment
+
+
+def _global_block(tag: str, layers: list[int]) -> str:
+    """A stage's call tag with its block named globally: the stage's block i is the model's layers[i]."""
+    if not tag.startswith("h."):
+        return tag
+    dot = tag.index(".", 2)
+    return f"h.{layers[int(tag[2:dot])]}{tag[dot:]}"
+
+
+def _dp_moment(what: str) -> str:
+    """The moment of a data-parallel call (analysis/data_parallel.replay's and data_parallel_bytes'
+    tags): the gathers of a unit for a pass, the gradients' sums as backward completes units, the
+    gathers of the updated shards, and the sums made once every backward is done."""
+    if what.endswith(":params:step"):
+        return "optimizer step"
+    if what == "copies:grads":  # DualPipe's two copies, summed once both are done
+        return "after the backward"
+    if ":params:" in what:
+        return "forward" if what.endswith("fwd") else "backward"
+    if what.endswith(":grads") or what.startswith("bucket."):
+        return "backward"
+    return "after the backward"  # the tied wte, DualPipe's copies, sp's region, fp16's flag, the norm
+
+
+def rank_comm_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, plan,
+                    kept: list | None = None, stepped: bool = True) -> dict:
+    """{(axis, op): (sent, received)} of one step: `rank_calls` summed."""
+    totals: dict[tuple[str, str], tuple[int, int]] = {}
+    for _, axis, op, _, b, times in rank_calls(model, cfg, sizes, coords, plan, kept, stepped):
+        cost.add(totals, (axis, op), b, times)
     return totals
 
 

@@ -1,0 +1,96 @@
+import math
+
+import streamlit as st
+from family import family_picker
+
+from refpar.analysis.engine import MOMENTS
+from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig
+from refpar.viz import mesh_grid
+from refpar.viz.expected import DP_STRATEGIES
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
+
+
+@st.cache_data(max_entries=32)
+def step_of_every_rank(model, cfg, sizes: dict, plan) -> dict:
+    """Rank -> its moments of the step: computed once per mesh, whichever moment or rank is shown."""
+    return {r: mesh_grid.step_moments(model, cfg, sizes, plan, r) for r in range(math.prod(sizes.values()))}
+
+
+@st.cache_data(max_entries=32)
+def checked(model, cfg, sizes: dict, plan) -> dict:
+    return mesh_grid.check_mesh(model, cfg, sizes, plan)
+
+
+@st.cache_data(max_entries=64)
+def facts_of(model, cfg, sizes: dict, plan, rank: int):
+    return mesh_grid.rank_facts(model, cfg, sizes, plan, rank)
+
+
+def pick_rank(key: str) -> None:
+    """A click on a rank of the grid selects it (the rank is each point's customdata)."""
+    points = st.session_state[key].selection.points
+    if points:
+        st.session_state["mesh_rank"] = int(points[0]["customdata"])
+
+
+st.title("Whole mesh")
+st.markdown(
+    "Every rank of a run over pp, dp (ZeRO 0-3 or FSDP), ep, cp and tp (with sp), laid out as "
+    "refpar/mesh.py lays them (tp fastest). Click a rank, or pick it below, to see what it holds: "
+    "read off the functions the engine places data with (its stage's blocks, its heads and vocabulary "
+    "rows, its samples, its sequence positions, its experts, its ZeRO shard) and the bytes a run's "
+    "ledger measures. Then step through a training step: what each rank gathers, frees and sends.")
+cols = st.columns(5)
+sizes = {a: int(c.number_input(a, min_value=1, max_value=16, value=v, key=f"mesh_{a}"))
+         for a, c, v in zip(MESH_AXES, cols, (2, 2, 1, 1, 2), strict=True)}
+a, b, c, d = st.columns(4)
+strategy = a.selectbox("data parallelism", DP_STRATEGIES, index=3, key="mesh_strategy",
+                       help="over each unit's replicas: dp x cp (and ep, in a MoE model)")
+schedule = b.selectbox("schedule", SCHEDULES, disabled=sizes["pp"] == 1, key="mesh_schedule")
+m = int(c.number_input("microbatches", min_value=1, max_value=16, value=2, key="mesh_m"))
+sp = d.checkbox("sequence parallel (sp)", value=False, key="mesh_sp", disabled=sizes["tp"] == 1)
+preset = family_picker()
+model = mesh_grid.mesh_model(preset, sizes["ep"])
+cfg = TrainConfig(steps=1)
+plan = Plan(schedule=schedule if sizes["pp"] > 1 else None, microbatches=m, sp=sp and sizes["tp"] > 1,
+            zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
+            chunks=2 if schedule == "interleaved-1f1b" and sizes["pp"] > 1 else None)
+try:
+    sizes = checked(model, cfg, sizes, plan)
+except ConfigError as err:
+    st.error(str(err))
+    st.stop()
+world = math.prod(sizes[a] for a in MESH_AXES)
+if sizes["ep"] > 1:
+    st.caption(f"ep > 1: every block is a Mixture-of-Experts layer of {model.moe_experts} experts, "
+               f"top-{model.moe_top_k}")
+st.code(f"mpiexec -n {world} refpar train "
+        + " ".join(mesh_grid.train_args(sizes, plan, preset, 3, model.moe_experts > 0)), language="bash",
+        wrap_lines=True)
+if st.session_state.get("mesh_rank", 0) >= world:
+    st.session_state["mesh_rank"] = 0
+rank = st.selectbox("rank", list(range(world)), key="mesh_rank")
+labels = {r: f"rank {r}" for r in range(world)}
+left, right = st.columns([3, 2])
+left.plotly_chart(mesh_grid.mesh_figure(sizes, labels, rank, "the ranks, coloured by pipeline rank"),
+                  key="mesh_grid", on_select=lambda: pick_rank("mesh_grid"), selection_mode="points")
+facts = facts_of(model, cfg, sizes, plan, rank)
+right.markdown(f"**What rank {rank} holds**")
+right.table(mesh_grid.holdings_rows(facts), hide_index=True)
+
+st.subheader("Through one training step")
+moment = st.select_slider("moment", MOMENTS, key="mesh_moment")
+every = step_of_every_rank(model, cfg, sizes, plan)
+at = {r: next(x for x in every[r] if x.label == moment) for r in range(world)}
+sent = {r: sum(mesh_grid.sent_by_axis(at[r]).values()) for r in range(world)}
+left, right = st.columns([3, 2])
+left.plotly_chart(mesh_grid.mesh_figure(sizes, {r: f"rank {r}<br>{sent[r]:,} B" for r in range(world)}, rank,
+                                        f"{moment}: bytes each rank sends"), key="mesh_step")
+mine = at[rank]
+right.markdown(f"**Rank {rank}, {moment}**\n\n- computes: {mine.computes}\n"
+               f"- gathers: {', '.join(mine.gathers) or 'nothing'}\n- frees: {mine.frees}\n"
+               f"- sends: {sent[rank]:,} bytes"
+               + "".join(f"\n  - {axis}: {n:,} B" for axis, n in mesh_grid.sent_by_axis(mine).items()))
+if mine.calls:
+    st.dataframe(mine.calls, hide_index=True, width="stretch")
