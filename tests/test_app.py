@@ -176,7 +176,19 @@ def test_memory_page_shows_every_strategys_closed_form():
         assert trace["y"][col] == comm.memory_by_rank(zero3)[0].get(trace["name"], 0)
     at.number_input[0].set_value(3)
     rerun(at)
-    assert any("tp left out" in w.value for w in at.warning)
+    assert len(at.warning) == 1 and "- tp: tp=3 does not divide n_head=4" in at.warning[0].value
+    # 16 ranks: a batch of one sequence per data rank, so the dp family is drawn; tp, sp and pp are
+    # told why not in words the page's own controls can act on (no command-line flag)
+    at.number_input[0].set_value(16)
+    fig = charts(rerun(at))[0]
+    sixteen = TrainConfig(steps=1, batch_size=16)
+    zero3 = expected.closed_form_rows(expected.workload("zero3", 16, TINY, sixteen))[1]
+    assert list(fig["data"][0]["x"]) == [f"{s} (16)" for s in expected.DP_STRATEGIES]
+    col = list(fig["data"][0]["x"]).index("zero3 (16)")
+    for trace in fig["data"]:
+        assert trace["y"][col] == comm.memory_by_rank(zero3)[0].get(trace["name"], 0)
+    left_out = at.warning[0].value
+    assert all(f"- {s}:" in left_out for s in ("tp", "sp", "pp")) and "--" not in left_out
 
 
 def test_memory_page_in_bf16_mixed_shows_the_fp32_master_weights_of_the_zero_papers_16_psi():
@@ -190,7 +202,15 @@ def test_memory_page_in_bf16_mixed_shows_the_fp32_master_weights_of_the_zero_pap
     col = list(fig["data"][0]["x"]).index("zero3 (4)")
     shown = {trace["name"]: trace["y"][col] for trace in fig["data"]}
     assert shown["master"] == zero3["master"] == 4 * sum(unit_sizes(bf16).values()) // 4 > 0
-    assert "tp (4)" not in list(fig["data"][0]["x"])
+    # tp, sp and pp in bf16-mixed too: their closed forms are the ones `refpar train --precision
+    # bf16-mixed --check` lays next to the ledger
+    for strategy in ("tp", "sp", "pp"):
+        rows = expected.closed_form_rows(expected.workload(strategy, 4, bf16, ONE_STEP,
+                                                           microbatches=4 if strategy == "pp" else 1))[1]
+        col = list(fig["data"][0]["x"]).index(f"{strategy} (4)")
+        shown = {trace["name"]: trace["y"][col] for trace in fig["data"]}
+        assert shown == comm.memory_by_rank(rows)[0] and shown["master"] > 0, strategy
+    assert not at.warning
 
 
 def test_plan_page_renders_the_planners_plans():
