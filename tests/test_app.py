@@ -122,6 +122,20 @@ def test_pipeline_page_compares_two_schedules_and_explains_bad_ones():
     at.toggle[0].set_value(True)
     rerun(at)
     assert len(at.get("plotly_chart")) == 6
+    # 1F1B has no W of its own (its B bars are B + W, the page says so); zb-h1 splits them
+    assert [c.value for c in at.caption if "B + W" in c.value] == [
+        "This schedule runs each backward whole: its B bars are B + W long."]
+    # interleaved 1F1B against 1F1B at the default costs, on one time axis: each of a rank's v = 2 chunks
+    # holds half its layers and runs in half the time, so interleaving is faster, by the bubble it cuts
+    # (p=4, m=8: 1F1B's (m + p - 1)(F + B + W) = 33; interleaved's m(F + B + W) + (p - 1)(F + B + W)/v = 28.5)
+    at.selectbox(key="b_kind").set_value("interleaved-1f1b")
+    gantts = [c for c in charts(rerun(at)) if c["layout"]["xaxis"]["title"]["text"].startswith("time")]
+    one_f_one_b, interleaved = simulate(build("1f1b", 4, 8)), simulate(build("interleaved-1f1b", 4, 8, 2))
+    assert one_f_one_b.makespan == 33 and interleaved.makespan / 2 == 28.5
+    assert [tuple(g["layout"]["xaxis"]["range"]) for g in gantts] == [(0, 33)] * 4  # Gantt, held; each side
+    assert gantts[0]["layout"]["uniformtext"] == {"minsize": 9, "mode": "hide"}  # no unreadable label
+    ends = [max(np.asarray(t["base"]) + np.asarray(t["x"])) for t in gantts[2]["data"] if len(t["x"])]
+    assert max(ends) == 28.5
     at.selectbox(key="b_kind").set_value("interleaved-1f1b")
     at.number_input(key="b_m").set_value(6)
     rerun(at)
@@ -139,8 +153,9 @@ def test_pipeline_page_draws_the_v_schedules_in_two_shades_with_their_published_
     assert {"F", "F (2nd chunk)", "B", "B (2nd chunk)", "W", "W (2nd chunk)", "idle"} <= names
     timeline = simulate(build("v-half", 4, 8))
     assert float(at.metric[0].value) == pytest.approx(timeline.bubble_fraction, abs=5e-5)
-    # Qi et al.'s expected bubble for the published peak: 6p - 1 - 3M = 23 - 18
-    assert at.metric[2].value == at.metric[3].value == "5"
+    # Qi et al.'s expected bubble for the published peak: 6p - 1 - 3M = 23 - 18 chunk-forwards, each
+    # half of a rank's F = 1 (a rank holds 2 chunks)
+    assert at.metric[2].value == at.metric[3].value == "2.5"
     at.selectbox(key="kind").set_value("dualpipe")
     rerun(at)
     at.radio(key="overlap").set_value("max")

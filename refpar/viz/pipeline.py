@@ -112,10 +112,12 @@ def play_controls(names: list[str], prefix: str, labels: list[str] | None = None
     }
 
 
-def gantt_figure(timeline: Timeline, title: str = "") -> go.Figure:
+def gantt_figure(timeline: Timeline, title: str = "", x_end: float | None = None) -> go.Figure:
     """Ranks x time: F, B, W (and F&B) bars labelled like `format_grid` ("1F0"), a rank's second
     stage lighter, idle time shaded red. Animated: each frame shows the timeline up to the end of
-    one more action."""
+    one more action. `x_end` (default the makespan) sets where the time axis ends, so that two
+    timelines drawn side by side share one scale. A label that does not fit its bar at a readable
+    size is left to the hover."""
     p = len(timeline.slots)
     times = frame_times(timeline)
     labels = [f"{t:g}" for t in times]
@@ -124,7 +126,8 @@ def gantt_figure(timeline: Timeline, title: str = "") -> go.Figure:
                             for label, t in zip(labels, times, strict=True)])
     fig.update_layout(
         title=title, barmode="overlay", height=190 + 45 * p, margin={"b": CONTROLS_MARGIN},
-        xaxis={"title": "time (F = 1 unit)", "range": [0, timeline.makespan], "autorange": False},
+        xaxis={"title": "time (F = 1 unit)", "range": [0, x_end or timeline.makespan], "autorange": False},
+        uniformtext={"minsize": 9, "mode": "hide"},
         yaxis={"title": "rank", "range": [p - 0.5, -0.5], "autorange": False,
                "tickvals": list(range(p)), "ticktext": [f"rank {r}" for r in range(p)]},
         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
@@ -140,10 +143,11 @@ def idle_total(fig: go.Figure) -> float:
     return float(np.sum(idle.x)) if idle.x is not None else 0.0
 
 
-def inflight_figure(schedule: Schedule, timeline: Timeline, title: str = "") -> go.Figure:
+def inflight_figure(schedule: Schedule, timeline: Timeline, title: str = "",
+                    x_end: float | None = None) -> go.Figure:
     """Per rank, the (stage, microbatch) pairs whose activations are stored for backward, from the
     end of each action on: `stored(schedule)` placed at the simulated times. Multiply by one
-    microbatch's activation bytes per stage for memory."""
+    microbatch's activation bytes per stage for memory. `x_end` as in gantt_figure."""
     counts = stored(schedule)
     fig = go.Figure()
     for rank, slots in timeline.slots.items():
@@ -153,8 +157,8 @@ def inflight_figure(schedule: Schedule, timeline: Timeline, title: str = "") -> 
             x=[0.0] + [s.end for s in ordered] + [timeline.makespan],
             y=[0] + [counts[rank][s.tick] for s in ordered] + [counts[rank][-1] if counts[rank] else 0],
         ))
-    fig.update_layout(title=title, xaxis_title="time (F = 1 unit)",
-                      yaxis_title="stage-microbatches held", height=320)
+    fig.update_layout(title=title, height=320, yaxis_title="stage-microbatches held",
+                      xaxis={"title": "time (F = 1 unit)", "range": [0, x_end or timeline.makespan]})
     return fig
 
 
