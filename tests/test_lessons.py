@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -187,3 +188,24 @@ def test_a_ring_whose_rank_stops_is_reported_not_left_hanging(tmp_path):
                           text=True, timeout=180)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith("lesson 1: not yet: your code raised ValueError: rank 0 gave up (rank 0)")
+
+
+def test_a_ring_that_deadlocks_is_told_in_the_learners_words_and_soon(tmp_path):
+    # rank 0 skips the all-gather: ranks 1-3 wait for its messages, rank 0 for them in the checker's
+    # comparison. A 1 s wait (what REFPAR_COLLECTIVE_TIMEOUT sets) is told as 1 s, in one line that names
+    # neither refpar's ranks-in-groups nor a collective the learner never called, and no MPICH shutdown noise
+    stuck = tmp_path / "ring.py"
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[1].file).read_text()
+    stuck.write_text(solution.replace("    for k in range(p - 1):  # all-gather",
+                                      "    for k in range(p - 1 if r else 0):  # all-gather"))
+    assert stuck.read_text() != solution
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", "1", "--file", str(stuck)],
+                          cwd=ROOT, env={**mpi_env(), "REFPAR_COLLECTIVE_TIMEOUT": "1"}, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 1: not yet: your code did not finish on every rank: a rank waited more "
+                           "than 1 s for a message no rank sent; every rank must make the same calls in the "
+                           "same order (in a ring, each rank sends right exactly as often as its right "
+                           "neighbour receives from the left)\n"), proc.stdout
+    assert time.monotonic() - started < 60  # the launch, a 1 s wait and the gather, not a 120 s kill
