@@ -84,19 +84,25 @@ def frame_times(timeline: Timeline) -> list[float]:
     return times
 
 
-CONTROLS_MARGIN = 150  # pixels under the plot for the axis title, the slider and the buttons
+# Pixels under the plot: the axis title, then the slider (its value, rail and tick labels, 55 to ~125),
+# then the buttons on a row of their own (140 to ~170), so that in a narrow column they cannot cover
+# the slider's first labels.
+CONTROLS_MARGIN = 185
 
 
 def play_controls(names: list[str], prefix: str, labels: list[str] | None = None) -> dict:
     """Play/Pause buttons and a slider over the frames `names` (ticks labelled `labels`, default
-    the names), placed in pixels under the plot so they never cover an axis. `redraw` because
-    bars and heatmaps are not scatter traces (ENVIRONMENT.md, Plotly 7)."""
+    the names), placed in pixels under the plot so they never cover an axis, the buttons under the
+    slider. `redraw` because bars and heatmaps are not scatter traces (ENVIRONMENT.md, Plotly 7).
+    One frame has nothing to play: no controls."""
+    if len(names) < 2:
+        return {}
     step_args = {"frame": {"duration": 300, "redraw": True}, "mode": "immediate",
                  "transition": {"duration": 0}}
     return {
         "updatemenus": [{
             "type": "buttons", "direction": "left", "showactive": False, "x": 0, "xanchor": "left",
-            "y": 0, "yanchor": "top", "pad": {"t": 95},
+            "y": 0, "yanchor": "top", "pad": {"t": 140},
             "buttons": [
                 {"label": "Play", "method": "animate", "args": [None, {**step_args, "fromcurrent": True}]},
                 {"label": "Pause", "method": "animate",
@@ -104,7 +110,7 @@ def play_controls(names: list[str], prefix: str, labels: list[str] | None = None
             ],
         }],
         "sliders": [{
-            "active": len(names) - 1, "x": 0.16, "len": 0.84, "y": 0, "yanchor": "top", "pad": {"t": 55},
+            "active": len(names) - 1, "x": 0, "len": 1, "y": 0, "yanchor": "top", "pad": {"t": 55},
             "currentvalue": {"prefix": prefix, "xanchor": "left"},
             "steps": [{"label": label, "method": "animate", "args": [[name], step_args]}
                       for name, label in zip(names, labels or names, strict=True)],
@@ -125,7 +131,7 @@ def gantt_figure(timeline: Timeline, title: str = "", x_end: float | None = None
                     frames=[go.Frame(name=label, data=_bars(timeline, t))
                             for label, t in zip(labels, times, strict=True)])
     fig.update_layout(
-        title=title, barmode="overlay", height=190 + 45 * p, margin={"b": CONTROLS_MARGIN},
+        title=title, barmode="overlay", height=225 + 45 * p, margin={"b": CONTROLS_MARGIN},
         xaxis={"title": "time (F = 1 unit)", "range": [0, x_end or timeline.makespan], "autorange": False},
         uniformtext={"minsize": 9, "mode": "hide"},
         yaxis={"title": "rank", "range": [p - 0.5, -0.5], "autorange": False,
