@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERNALS = ROOT / "docs" / "internals.md"
-DOCS = [INTERNALS, ROOT / "README.md", *sorted((ROOT / "lessons").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "lessons").glob("*.md"))]
 
 TOP = r"(?:refpar|tests|benchmarks|gpu_backend|app|lessons|docs)"
 FILE = re.compile(rf"(?<![\w./]){TOP}/[\w/.-]*?\w\.(?:py|md)\b")  # a path from the repository root
@@ -144,3 +144,32 @@ def test_the_checks_refuse_what_does_not_exist():
     assert resolves("refpar.engine.train") and resolves("refpar.mesh.DeviceMesh.axis")
     assert not resolves("refpar.parallel.dp_runner") and not resolves("refpar.mesh.NoSuchMesh")
     assert [p for _, p in mentions(FILE, INTERNALS) if "dp_runner" in p or "pipeline/runner" in p] == []
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")  # a markdown link or image: [text](target)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_points_inside_the_clone_to_something_there(doc):
+    """A reader has the clone and nothing else: no web address, no shared folder, every relative link a
+    file of the repository (an anchor after # is left to the renderer)."""
+    for n, target in mentions(LINK, doc):
+        target = LINK.fullmatch(target).group(1).split("#")[0]
+        assert "://" not in target and not target.startswith("/"), f"{doc.name}:{n}: {target}"
+        if target:
+            assert (doc.parent / target).resolve().is_relative_to(ROOT), f"{doc.name}:{n}: {target}"
+            assert (doc.parent / target).exists(), f"{doc.name}:{n}: {target} does not exist"
+    assert "shared folder" not in doc.read_text(), doc.name
+
+
+def test_the_readme_is_one_screen_with_the_start_here_path_in_order():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 60
+    assert "make demo" in readme and "make test" in readme and "](docs/app-sharding.png)" in readme
+    path = ["Lesson 0", "Sharding", "Pipeline", "Whole mesh", "Run for real"]
+    start = readme.index("## Start here")
+    assert [readme.index(f"**{step}**", start) for step in path] == sorted(
+        readme.index(f"**{step}**", start) for step in path)
+    # and the Home page shows the same path, in the same order
+    home = (ROOT / "app" / "Home.py").read_text()
+    assert [home.index(step) for step in path] == sorted(home.index(step) for step in path)
