@@ -64,7 +64,10 @@ def rerun(at: AppTest) -> AppTest:
 def test_home_lists_every_page():
     at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
     assert not at.exception
-    text = at.markdown[0].value
+    path = at.markdown[0].value  # first, what to do after `make demo`, in order
+    steps = ["Lesson 0", "Sharding", "Pipeline", "Whole mesh", "Run for real"]
+    assert [path.index(f"**{s}**") for s in steps] == sorted(path.index(f"**{s}**") for s in steps)
+    text = "\n".join(m.value for m in at.markdown)
     for name in ("Sharding layouts", "Pipeline schedules", "Communication", "Memory", "Plan", "Run for real",
                  "Serving", "Lessons"):
         assert name in text

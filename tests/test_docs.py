@@ -163,6 +163,7 @@ def test_every_link_points_inside_the_clone_to_something_there(doc):
 
 
 def test_the_readme_is_one_screen_with_the_start_here_path_in_order():
+    """The Home page shows the same path: tests/test_app.py test_home_lists_every_page."""
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 60
     assert "make demo" in readme and "make test" in readme and "](docs/app-sharding.png)" in readme
@@ -170,6 +171,3 @@ def test_the_readme_is_one_screen_with_the_start_here_path_in_order():
     start = readme.index("## Start here")
     assert [readme.index(f"**{step}**", start) for step in path] == sorted(
         readme.index(f"**{step}**", start) for step in path)
-    # and the Home page shows the same path, in the same order
-    home = (ROOT / "app" / "Home.py").read_text()
-    assert [home.index(step) for step in path] == sorted(home.index(step) for step in path)
