@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ast
 import re
+import shlex
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,3 +173,47 @@ def test_the_readme_is_one_screen_with_the_start_here_path_in_order():
     start = readme.index("## Start here")
     assert [readme.index(f"**{step}**", start) for step in path] == sorted(
         readme.index(f"**{step}**", start) for step in path)
+
+
+def doc_commands() -> list[tuple[str, int, int, list[str]]]:
+    """(page, line, ranks, refpar's arguments) of each `python -m refpar ...` line in a fenced block of
+    docs/ (the lessons' run in tests/test_lessons.py), `mpiexec -n N` (or `srun ... -N 2
+    --ntasks-per-node=8`) giving the ranks."""
+    out = []
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        fenced = False
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                fenced = not fenced
+            elif fenced and "python -m refpar " in line:
+                words = shlex.split(line, comments=True)
+                launcher, args = words[:words.index("python")], words[words.index("python") + 3:]
+                ranks = 1
+                if "-n" in launcher:
+                    ranks = int(launcher[launcher.index("-n") + 1])
+                elif "srun" in launcher:
+                    per_node = next(w for w in launcher if w.startswith("--ntasks-per-node="))
+                    ranks = int(launcher[launcher.index("-N") + 1]) * int(per_node.split("=")[1])
+                out.append((page.name, n, ranks, args))
+    return out
+
+
+DOC_COMMANDS = doc_commands()
+
+
+@pytest.mark.parametrize("page, line, ranks, args", DOC_COMMANDS,
+                         ids=[f"{p}:{n}" for p, n, _, _ in DOC_COMMANDS])
+def test_every_refpar_command_in_docs_is_one_refpar_takes(page, line, ranks, args):
+    """Each command a docs page shows parses, and a `refpar train` one passes every check a run makes
+    before its first message (refpar/engine/plan.py validate) on a mesh of as many ranks as its
+    launcher starts: a renamed flag or a mesh the engine refuses fails here. Running them is the
+    lessons' job (their commands run in tests/test_lessons.py); these are 8-rank jobs, clusters and GPUs."""
+    from refpar.cli import parse
+    from refpar.commands.train import configs, plan_of
+    from refpar.engine import validate
+
+    parsed = parse(args)
+    if parsed.command == "train":
+        model, train, sizes = configs(parsed)
+        validate(model, train, sizes, plan_of(parsed, sizes, model))
+        assert np.prod(list(sizes.values())) == ranks, f"{page}:{line}: the mesh {sizes} on {ranks} ranks"
