@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERNALS = ROOT / "docs" / "internals.md"
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "lessons").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "lessons").glob("*.md"))]
 
 TOP = r"(?:refpar|tests|benchmarks|gpu_backend|app|lessons|docs)"
 FILE = re.compile(rf"(?<![\w./]){TOP}/[\w/.-]*?\w\.(?:py|md)\b")  # a path from the repository root
@@ -180,7 +180,7 @@ def doc_commands() -> list[tuple[str, int, int, list[str]]]:
     docs/ (the lessons' run in tests/test_lessons.py), `mpiexec -n N` (or `srun ... -N 2
     --ntasks-per-node=8`) giving the ranks."""
     out = []
-    for page in sorted((ROOT / "docs").glob("*.md")):
+    for page in sorted((ROOT / "docs").rglob("*.md")):
         fenced = False
         for n, line in enumerate(page.read_text().splitlines(), 1):
             if line.startswith("```"):
