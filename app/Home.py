@@ -20,6 +20,17 @@ st.set_page_config(page_title="refpar", layout="wide")
 
 def home() -> None:
     st.title("refpar: parallel training, step by step")
+    st.subheader("Start here")
+    st.markdown(
+        "1. **Lesson 0** (the Lessons page, or `refpar lesson show 0` in a terminal): your first "
+        "`mpiexec`, and how refpar's ranks split a batch.\n"
+        "2. **Sharding** (Sharding layouts): which rank holds which slice of each tensor, step by step.\n"
+        "3. **Pipeline** (Pipeline schedules): where each schedule idles.\n"
+        "4. **Whole mesh**: every rank of a mesh of up to 16, what it holds, gathers, frees and sends.\n"
+        "5. **Run for real**: launch real MPI ranks on this machine and compare them with the closed "
+        "forms."
+    )
+    st.subheader("Every page")
     st.markdown(
         "Every view draws refpar's own objects: the sharding grids come from the functions the "
         "strategies use to place data, the pipeline timelines from `simulate`, the bytes from the "

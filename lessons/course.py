@@ -71,6 +71,14 @@ def title(path: Path) -> str:
     return path.stem
 
 
+def reader_text(n: int) -> str:
+    """Lesson n as a reader sees it (the app's Lessons page, `refpar lesson show`): its markdown without
+    the varies and tolerance markers, which are for the comparison and would show as literal text."""
+    lines = lesson_path(n).read_text().splitlines(keepends=True)
+    return "".join(line for line in lines
+                   if not (VARIES_LINE.fullmatch(line.strip()) or TOLERANCE_LINE.fullmatch(line.strip())))
+
+
 def blocks(text: str) -> list[Block]:
     lines = text.splitlines()
     out, i = [], 0

@@ -275,6 +275,9 @@ def find(path) -> Path:
     """The checkpoint `path` names: itself if it holds a manifest, else its newest `step-*`
     directory that does (an unfinished save, without a manifest, is passed over)."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint; give --resume the directory --save "
+                              f"wrote (DIR or DIR/step-N)")
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist; give --resume a "
                               f"directory written by --save")

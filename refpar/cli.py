@@ -7,6 +7,7 @@ A `ConfigError` anywhere becomes one line on stderr and exit status 2, never a t
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import re
@@ -64,12 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def did_you_mean(word: str, known) -> str:
+    """" (did you mean --steps?)" when `word` is close to one of `known`, else ""."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.7)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """The parsed command line; arguments no option takes are refused by the command's own parser,
-    so that the sentence points to `refpar <command> --help`."""
-    args, extra = build_parser().parse_known_args(argv)
+    so that the sentence points to `refpar <command> --help`, with the nearest flag it knows."""
+    parser = build_parser()
+    words = sys.argv[1:] if argv is None else list(argv)
+    commands = parser._subparsers._group_actions[0].choices  # name -> that command's parser
+    if words and not words[0].startswith("-") and words[0] not in commands:
+        parser.error(f"there is no command {words[0]!r}{did_you_mean(words[0], commands)}; the commands "
+                     f"are {', '.join(commands)}")
+    args, extra = parser.parse_known_args(words)
     if extra:
-        args._parser.error(f"unrecognized arguments: {shlex.join(extra)}")  # quoted: '' shows
+        unknown = next((w.split("=")[0] for w in extra if w.startswith("--")), "")
+        hint = did_you_mean(unknown, args._parser._option_string_actions) if unknown else ""
+        args._parser.error(f"unrecognized arguments: {shlex.join(extra)}{hint}")  # quoted: '' shows
     return args
 
 
@@ -90,6 +105,9 @@ def _run_reporting_config_errors(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not (sys.argv[1:] if argv is None else argv):  # a bare `refpar`: what it can do, not an error
+        build_parser().print_help()
+        return 0
     args = parse(argv)
     if under_launcher():
         from refpar import jobs

@@ -25,6 +25,27 @@ PAGES = ["Sharding layouts", "Pipeline schedules", "Whole mesh", "Communication"
          "Run for real", "Serving", "Lessons"]
 NO_FIGURE = ("Run for real", "Serving", "Lessons")  # Serving draws its figures after a run
 CHANGED = "t => document.querySelector('.js-plotly-plot .gtitle').textContent !== t"
+# Every figure's text inside the figure (a Plotly title or a subplot title is never wrapped: too long,
+# it is cut at the figure's edge), and no Play/Pause button over a slider's labels. Returns what is wrong.
+LAYOUT_PROBLEMS = """() => {
+  const box = e => e.getBoundingClientRect();
+  const meets = (a, b) => a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+  const problems = [];
+  document.querySelectorAll('.js-plotly-plot').forEach((plot, k) => {
+    const edge = box(plot);
+    plot.querySelectorAll('.gtitle, .annotation-text').forEach(t => {
+      const b = box(t);
+      if (b.width && (b.left < edge.left - 1 || b.right > edge.right + 1))
+        problems.push(`figure ${k}: "${t.textContent}" runs past the figure's edge`);
+    });
+    const labels = [...plot.querySelectorAll('.slider-label, .slider-group text')].map(box);
+    plot.querySelectorAll('.updatemenu-button').forEach(button => {
+      if (labels.some(l => l.width && meets(l, box(button))))
+        problems.push(`figure ${k}: a button covers a slider label`);
+    });
+  });
+  return problems;
+}"""
 SHOTS = {"Sharding layouts": "app-sharding.png", "Pipeline schedules": "app-pipeline.png",
          "Communication": "app-communication.png"}
 
@@ -107,6 +128,13 @@ def test_every_page_renders_in_chromium_without_an_exception(app_url, tmp_path):
                     plot.locator(".updatemenu-button").first.click()
                     page.wait_for_function(CHANGED, arg=first)
                     page.wait_for_function(CHANGED.replace("!== t", "=== t"), arg=last)  # played to the end
+                assert page.evaluate(LAYOUT_PROBLEMS) == [], name
+                if name == "Pipeline schedules":  # two columns: the narrowest figures the app draws
+                    page.get_by_text("compare two schedules side by side").click()
+                    page.locator(".js-plotly-plot").nth(5).wait_for()
+                    assert page.evaluate(LAYOUT_PROBLEMS) == [], "the pipeline schedules side by side"
+                    page.get_by_text("compare two schedules side by side").click()
+                    page.wait_for_function("document.querySelectorAll('.js-plotly-plot').length == 3")
                 assert page.get_by_test_id("stException").count() == 0, f"{name} shows an exception"
                 assert page.get_by_test_id("stAlert").filter(has_text="Traceback").count() == 0
                 if name == "Communication":

@@ -172,6 +172,14 @@ def test_a_truncated_shard_is_refused_naming_the_shard(saved):
     _refused(saved, str(shard), "truncated")
 
 
+def test_a_file_given_to_resume_is_told_it_is_a_file_not_that_it_does_not_exist(tmp_path):
+    (tmp_path / "ckpt.npz").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"ckpt.npz is a file, not a checkpoint; give --resume the dir"):
+        checkpoint.find(tmp_path / "ckpt.npz")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.find(tmp_path / "nowhere")
+
+
 def test_a_directory_without_manifest_is_refused_as_unfinished(saved):
     (saved / "manifest.json").unlink()  # what a crash between the shards and the manifest leaves
     _refused(saved, str(saved), "no complete checkpoint")
@@ -279,3 +287,18 @@ def test_3d_checkpoint_resumes_under_tp_pp_and_on_one_process(tmp_path):
     for other in (tp_pp, one):
         worst = max(abs(a - b) / abs(b) for a, b in zip(other, full[2:], strict=True))
         assert within(worst, CONTRACT)
+
+
+def test_the_closing_line_of_a_resumed_run_counts_from_its_checkpoint_and_never_prints_minus_0():
+    from types import SimpleNamespace
+
+    from refpar.engine.lines import report
+
+    said = []
+    summary = {"loss_floor": 1.0, "max_loss_rel_diff": None, "grad_norms": None}
+    for losses, words in (([4.0, 4.0002], "4.0000 at step 3, 4.0001 over the last 2 steps, 0% of the way"),
+                          ([4.0, 2.5], "4.0000 at step 3, 3.2500 over the last 2 steps, 25% of the way"),
+                          ([4.0, 4.9], "4.0000 at step 3, 4.4500 over the last 2 steps, above the first")):
+        out = SimpleNamespace(losses=losses, first_step=2, step_time_s=0.1, loss_scaling=None)
+        report(said.append, None, None, None, None, None, out, [None], summary)  # one rank: no table
+        assert words in said[-1] and "-0%" not in said[-1], said[-1]

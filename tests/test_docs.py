@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import ast
 import re
+import shlex
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERNALS = ROOT / "docs" / "internals.md"
-DOCS = [INTERNALS, ROOT / "README.md", *sorted((ROOT / "lessons").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "lessons").glob("*.md"))]
 
 TOP = r"(?:refpar|tests|benchmarks|gpu_backend|app|lessons|docs)"
 FILE = re.compile(rf"(?<![\w./]){TOP}/[\w/.-]*?\w\.(?:py|md)\b")  # a path from the repository root
@@ -144,3 +146,74 @@ def test_the_checks_refuse_what_does_not_exist():
     assert resolves("refpar.engine.train") and resolves("refpar.mesh.DeviceMesh.axis")
     assert not resolves("refpar.parallel.dp_runner") and not resolves("refpar.mesh.NoSuchMesh")
     assert [p for _, p in mentions(FILE, INTERNALS) if "dp_runner" in p or "pipeline/runner" in p] == []
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")  # a markdown link or image: [text](target)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_points_inside_the_clone_to_something_there(doc):
+    """A reader has the clone and nothing else: no web address, no shared folder, every relative link a
+    file of the repository (an anchor after # is left to the renderer)."""
+    for n, target in mentions(LINK, doc):
+        target = LINK.fullmatch(target).group(1).split("#")[0]
+        assert "://" not in target and not target.startswith("/"), f"{doc.name}:{n}: {target}"
+        if target:
+            assert (doc.parent / target).resolve().is_relative_to(ROOT), f"{doc.name}:{n}: {target}"
+            assert (doc.parent / target).exists(), f"{doc.name}:{n}: {target} does not exist"
+    assert "shared folder" not in doc.read_text(), doc.name
+
+
+def test_the_readme_is_one_screen_with_the_start_here_path_in_order():
+    """The Home page shows the same path: tests/test_app.py test_home_lists_every_page."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 60
+    assert "make demo" in readme and "make test" in readme and "](docs/app-sharding.png)" in readme
+    path = ["Lesson 0", "Sharding", "Pipeline", "Whole mesh", "Run for real"]
+    start = readme.index("## Start here")
+    assert [readme.index(f"**{step}**", start) for step in path] == sorted(
+        readme.index(f"**{step}**", start) for step in path)
+
+
+def doc_commands() -> list[tuple[str, int, int, list[str]]]:
+    """(page, line, ranks, refpar's arguments) of each `python -m refpar ...` line in a fenced block of
+    docs/ (the lessons' run in tests/test_lessons.py), `mpiexec -n N` (or `srun ... -N 2
+    --ntasks-per-node=8`) giving the ranks."""
+    out = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        fenced = False
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                fenced = not fenced
+            elif fenced and "python -m refpar " in line:
+                words = shlex.split(line, comments=True)
+                launcher, args = words[:words.index("python")], words[words.index("python") + 3:]
+                ranks = 1
+                if "-n" in launcher:
+                    ranks = int(launcher[launcher.index("-n") + 1])
+                elif "srun" in launcher:
+                    per_node = next(w for w in launcher if w.startswith("--ntasks-per-node="))
+                    ranks = int(launcher[launcher.index("-N") + 1]) * int(per_node.split("=")[1])
+                out.append((page.name, n, ranks, args))
+    return out
+
+
+DOC_COMMANDS = doc_commands()
+
+
+@pytest.mark.parametrize("page, line, ranks, args", DOC_COMMANDS,
+                         ids=[f"{p}:{n}" for p, n, _, _ in DOC_COMMANDS])
+def test_every_refpar_command_in_docs_is_one_refpar_takes(page, line, ranks, args):
+    """Each command a docs page shows parses, and a `refpar train` one passes every check a run makes
+    before its first message (refpar/engine/plan.py validate) on a mesh of as many ranks as its
+    launcher starts: a renamed flag or a mesh the engine refuses fails here. Running them is the
+    lessons' job (their commands run in tests/test_lessons.py); these are 8-rank jobs, clusters and GPUs."""
+    from refpar.cli import parse
+    from refpar.commands.train import configs, plan_of
+    from refpar.engine import validate
+
+    parsed = parse(args)
+    if parsed.command == "train":
+        model, train, sizes = configs(parsed)
+        validate(model, train, sizes, plan_of(parsed, sizes, model))
+        assert np.prod(list(sizes.values())) == ranks, f"{page}:{line}: the mesh {sizes} on {ranks} ranks"

@@ -305,3 +305,28 @@ def test_lesson_arguments_finish_proceed_or_refuse_in_one_sentence_alike_on_ever
 
     tally = fuzz_command("lesson", case, examples=150)
     assert tally["refused"] and tally["finished"] and tally["proceeds"], tally
+
+
+def test_a_typo_is_told_the_nearest_name_and_the_help_of_its_command(capsys):
+    """The commonest mistakes, each told in the user's own words: the flag they typed and the one
+    they meant, the command's own --help, the flag (not the config field) a bad value came in by;
+    and a bare `refpar` shows the help instead of an error."""
+    from refpar.cli import main
+
+    def status(argv: list[str]) -> int:  # argparse's refusals exit, refpar's own return 2
+        try:
+            return main(argv)
+        except SystemExit as stop:
+            return stop.code
+
+    told = {"train --stpes 3": "--stpes 3 (did you mean --steps?); see refpar train --help",
+            "train --pecision=bf16": "(did you mean --precision?); see refpar train --help",
+            "tran": "there is no command 'tran' (did you mean train?)",
+            "train --steps -3": "refpar train: error: --steps -3 must be positive",
+            "train --lr nan": "refpar train: error: --lr nan must be positive"}
+    for argv, words in ((line.split(), words) for line, words in told.items()):
+        assert status(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and "TrainConfig" not in err, (argv, err)
+    assert status([]) == 0
+    assert "usage: refpar" in capsys.readouterr().out

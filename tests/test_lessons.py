@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -132,6 +133,9 @@ def test_the_app_shows_each_lesson_and_its_exercise():
     text = "\n".join(m.value for m in at.markdown)
     assert "Lesson 1: collectives" in text and "reduce-scatter" in text
     assert "def ring_all_reduce" in at.code[0].value
+    at.selectbox[0].set_value(10).run()  # lesson 10 marks seven blocks; a reader sees none of the markers
+    text = "\n".join(m.value for m in at.markdown)
+    assert "Lesson 10" in text and "<!--" not in text and "tolerance:" not in text
 
 
 def test_lesson_list_and_show_print_the_course(capsys):
@@ -142,7 +146,11 @@ def test_lesson_list_and_show_print_the_course(capsys):
     assert len(listed) == len(LESSON_FILES) and listed[1].startswith(" 1  Lesson 1: collectives")
     assert "exercise: lessons/exercises/01_ring_all_reduce.py" in listed[1]
     assert main(["lesson", "show", "6"]) == 0
-    assert capsys.readouterr().out == (lessons.LESSONS / "06-pipeline-parallelism.md").read_text()
+    # the lesson's text less its six comparison markers (varies, tolerance), which a reader has no use for
+    shown, source = capsys.readouterr().out, (lessons.LESSONS / "06-pipeline-parallelism.md").read_text()
+    assert "<!--" in source and "<!--" not in shown
+    assert shown.splitlines() == [x for x in source.splitlines() if not x.startswith("<!-- ")]
+    assert len(source.splitlines()) - len(shown.splitlines()) == 6
     assert main(["lesson", "show", "42"]) == 2
     assert "there is no lesson 42; the lessons are 0, 1" in capsys.readouterr().err
 
@@ -180,3 +188,24 @@ def test_a_ring_whose_rank_stops_is_reported_not_left_hanging(tmp_path):
                           text=True, timeout=180)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith("lesson 1: not yet: your code raised ValueError: rank 0 gave up (rank 0)")
+
+
+def test_a_ring_that_deadlocks_is_told_in_the_learners_words_and_soon(tmp_path):
+    # rank 0 skips the all-gather: ranks 1-3 wait for its messages, rank 0 for them in the checker's
+    # comparison. A 1 s wait (what REFPAR_COLLECTIVE_TIMEOUT sets) is told as 1 s, in one line that names
+    # neither refpar's ranks-in-groups nor a collective the learner never called, and no MPICH shutdown noise
+    stuck = tmp_path / "ring.py"
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[1].file).read_text()
+    stuck.write_text(solution.replace("    for k in range(p - 1):  # all-gather",
+                                      "    for k in range(p - 1 if r else 0):  # all-gather"))
+    assert stuck.read_text() != solution
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", "1", "--file", str(stuck)],
+                          cwd=ROOT, env={**mpi_env(), "REFPAR_COLLECTIVE_TIMEOUT": "1"}, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 1: not yet: your code did not finish on every rank: a rank waited more "
+                           "than 1 s for a message no rank sent; every rank must make the same calls in the "
+                           "same order (in a ring, each rank sends right exactly as often as its right "
+                           "neighbour receives from the left)\n"), proc.stdout
+    assert time.monotonic() - started < 60  # the launch, a 1 s wait and the gather, not a 120 s kill

@@ -107,6 +107,20 @@ def test_train_command_matches_one_device_and_reports_bytes_bubbles_and_trace(tm
     assert sorted((e["pid"], e["name"]) for e in events if e.get("cat") == "compute") == sorted(
         (pp * 2 + dp, str(a)) for pp, row in schedule.items() for a in row if a for dp in range(2))
     assert {e["name"].split()[0] for e in events if e.get("cat") == "pp"} >= {"isend", "irecv"}
+    # the app's Communication page draws this trace (the file, or every message of the .jsonl beside it as
+    # Run for real loads it): the compute actions carry no bytes and are left to the timeline, each
+    # message is one bar whose hover names the bytes it sent
+    from refpar.comm.trace import chrome_trace, read_trace
+    from refpar.viz.comm import trace_figure
+
+    messages = [e for e in events if e.get("ph") == "X" and e["cat"] != "compute"]
+    for drawn, sent in ((trace_figure(json.loads(trace.read_text())), messages),
+                        (trace_figure(chrome_trace(read_trace(trace.with_suffix(".jsonl")))), None)):
+        bars = [text for bar in drawn.data for text in bar.text]
+        assert all("bytes sent" in text for text in bars) and "compute" not in {b.name for b in drawn.data}
+        if sent is not None:
+            told = [f"{e['name']}: {e['args']['bytes_sent']:,} bytes sent" for e in sent]
+            assert sorted(bars) == sorted(told)
 
 
 @pytest.mark.parametrize("argv, words", [

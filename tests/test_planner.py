@@ -185,6 +185,14 @@ def test_plan_figure_stacks_each_plans_memory_and_time():
     memory = [t for t in fig.data if t.legendgroup == "memory"]
     times = [t for t in fig.data if t.legendgroup == "time"]
     assert [t.name for t in memory] == ["params", "grads", "master", "optimizer", "activations", "comm"]
+    # the Memory page's colours for memory; step time's own, hatched, none of them a memory colour
+    from refpar.viz.comm import CATEGORY_COLOURS
+
+    assert [t.marker.color for t in memory] == [CATEGORY_COLOURS[t.name] for t in memory]
+    time_colours = [t.marker.color for t in times]
+    assert len(set(time_colours)) == len(times) == 8
+    assert not set(time_colours) & set(CATEGORY_COLOURS.values())
+    assert {t.marker.pattern.shape for t in times} == {"/"} and fig.layout.legend.orientation == "h"
     for i, p in enumerate(result["plans"]):
         assert sum(t.x[i] for t in memory) == pytest.approx(sum(p["memory_bytes"].values()) / 1e9)
         assert sum(t.x[i] for t in times) == pytest.approx(p["step_time_s"])

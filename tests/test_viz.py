@@ -187,7 +187,10 @@ def test_sharding_figure_frames_carry_the_steps_grids():
         for trace, grid in zip(frame.data, grids, strict=True):
             np.testing.assert_array_equal(np.asarray(trace.z), grid)
     assert [s.label for s in fig.layout.sliders[0].steps] == [s.label for s in steps]
-    assert all(f.layout.title.text.endswith(s.moves) for f, s in zip(fig.frames, steps, strict=True))
+    # each frame's title says what moves, in lines short enough for the figure (Plotly never wraps)
+    titles = [f.layout.title.text for f in fig.frames]
+    assert all(t.replace("<br>", " ").endswith(s.moves) for t, s in zip(titles, steps, strict=True))
+    assert all(len(line) <= 80 for t in titles for line in t.split("<br>"))
 
 
 @pytest.mark.parametrize("strategy,n", [("tp", 3), ("dp", 9), ("sp", 1), ("ep", 9)])
@@ -309,6 +312,27 @@ def test_mix_colours_are_the_ranks_whose_engine_shards_hold_each_element(zero):
         assert drawn == [holders[starts[name] + j] for j in range(z.size)], name
         colours = {fig.data[-len(sets) + k].marker.color for k in np.unique(z)}  # the legend's squares
         assert len(colours) == len(np.unique(z))  # one colour per holder set
+
+
+def test_mix_colours_of_sets_of_ranks_stand_apart_from_every_single_ranks_on_dp2_tp4():
+    """dp=2 x tp=4 uses all 8 rank colours and 5 sets: each set's colour is at least 100 apart in RGB
+    (0-255 a channel) from every rank's, white's and every other set's, so a set is never taken for a
+    rank (Pastel1's first was 25 from rank 6's pink)."""
+    import itertools
+    import math
+
+    import plotly.graph_objects as go
+    from plotly.colors import hex_to_rgb
+
+    from refpar.viz import mesh_sharding as ms
+
+    fig = ms.mix_figure(ms.mix_steps(2, 4, 1))  # ZeRO-1: optimizer shards on single ranks, pairs elsewhere
+    shown = [t.marker.color for t in fig.data if isinstance(t, go.Scatter)]  # the legend's squares
+    assert len(shown) == len(fig.layout.meta["holders"]) == 1 + 8 + 4 + 1  # nobody, ranks, pairs, a tp group
+    singles = [c for c, s in zip(shown, fig.layout.meta["holders"], strict=True) if len(s) == 1]
+    sets = [c for c, s in zip(shown, fig.layout.meta["holders"], strict=True) if len(s) > 1]
+    assert min(math.dist(hex_to_rgb(a), hex_to_rgb(b)) for a in sets for b in singles + ["#ffffff"]) >= 100
+    assert min(math.dist(hex_to_rgb(a), hex_to_rgb(b)) for a, b in itertools.combinations(sets, 2)) >= 100
 
 
 def test_mix_sp_rows_are_shard_ranges_and_bad_mixes_are_one_sentence():

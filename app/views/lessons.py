@@ -24,7 +24,7 @@ wanted = st.query_params.pop(PARAM, "")
 if wanted.isdigit() and int(wanted) in titles:
     st.session_state["lesson"] = int(wanted)
 n = st.selectbox("Lesson", sorted(titles), format_func=lambda k: titles[k], key="lesson")
-st.markdown(lessons.lesson_path(n).read_text())
+st.markdown(lessons.reader_text(n))
 if n in EXERCISES:
     exercise = lessons.LESSONS / "exercises" / EXERCISES[n].file
     st.subheader("The exercise file")

@@ -3,26 +3,30 @@ from family import family_picker
 from lesson_link import lesson_link
 
 from refpar.config import ConfigError, TrainConfig, model_preset
-from refpar.precision import PRECISIONS, is_16bit
+from refpar.precision import PRECISIONS
 from refpar.viz import comm, expected
 
 SHOWN = ("dp", "zero1", "zero2", "zero3", "fsdp", "tp", "sp", "pp")
-MIXED_SHOWN = ("dp", "zero1", "zero2", "zero3", "fsdp")  # closed forms that count mixed precision
+BATCH = TrainConfig().batch_size
+
+
+def batch_for(n: int) -> int:
+    """The global batch the page prices: refpar's default, or one sequence per rank when the ranks
+    outnumber it (every data rank needs a sequence), the same for every strategy shown."""
+    return max(BATCH, n)
 
 
 @st.cache_data(max_entries=32)
 def rank0_memory(n: int, microbatches: int, precision: str = "fp64",
                  model: str = "tiny") -> tuple[dict, dict]:
-    """Rank 0's closed-form peak bytes by category per strategy for the preset `model`, and why any
-    strategy is left out."""
+    """Rank 0's closed-form peak bytes by category per strategy for the preset `model` (every
+    strategy's closed form counts fp64, fp32 and the 16-bit mixed runs), and why any is left out."""
     columns, skipped = {}, {}
     dtype = PRECISIONS[precision]
     for s in SHOWN:
-        if is_16bit(dtype) and s not in MIXED_SHOWN:
-            skipped[s] = f"its closed form counts fp64 and fp32 runs; choose fp64 to see {s}"
-            continue
         try:
-            w = expected.workload(s, n, model_preset(model, dtype=dtype), TrainConfig(steps=1),
+            w = expected.workload(s, n, model_preset(model, dtype=dtype),
+                                  TrainConfig(steps=1, batch_size=batch_for(n)),
                                   microbatches=microbatches if s == "pp" else 1)
             columns[f"{s} ({n})"] = comm.memory_by_rank(expected.closed_form_rows(w)[1])[0]
         except ConfigError as err:
@@ -42,17 +46,21 @@ st.markdown(
 lesson_link(3)
 a, b = st.columns(2)
 n = a.number_input("ranks on the strategy's axis", min_value=1, max_value=expected.MAX_WORLD, value=4)
-BATCH = TrainConfig().batch_size  # a pipeline's microbatches each hold one sequence or more
 m = b.number_input("microbatches (pp)", min_value=1, max_value=BATCH, value=4,
                    help=f"at most the batch of {BATCH} sequences")
 precision = st.radio("precision", ("fp64", "bf16-mixed"), horizontal=True)
 model = family_picker()
 if precision != "fp64":
     lesson_link(10)  # where the 2 + 2 + 4 + 8 bytes come from, measured
+if batch_for(int(n)) != BATCH:
+    st.caption(f"A batch of {batch_for(int(n))} sequences, one per data rank (refpar's default is {BATCH}).")
 columns, skipped = rank0_memory(int(n), int(m), precision, model)
-st.plotly_chart(comm.memory_figure(columns, "peak bytes on rank 0, closed form"), width="stretch")
-for s, why in skipped.items():
-    st.warning(f"{s} left out: {why}")
+if columns:
+    st.plotly_chart(comm.memory_figure(columns, "peak bytes on rank 0, closed form"), width="stretch")
+else:
+    st.error(f"No strategy runs on {n} ranks of this model; choose fewer ranks.")
+if skipped:  # one box: the strategy, and what to change on this page
+    st.warning("Left out:\n" + "\n".join(f"- {s}: {why}" for s, why in skipped.items()))
 run = st.session_state.get("run")
 if run is not None:
     summary = run["summary"]

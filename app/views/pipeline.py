@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import streamlit as st
 from lesson_link import lesson_link
 
@@ -8,6 +10,8 @@ from refpar.parallel.pipeline.schedules import (
     build,
     default_chunks,
     format_grid,
+    layout,
+    model_parts,
     published_bubble_fraction,
     simulate,
 )
@@ -31,23 +35,38 @@ def check(p: int, m: int, v: int, costs: tuple[float, float, float]) -> None:
         raise ConfigError(f"F, B and W must each take more than 0 and at most {MAX_COST:g} units")
 
 
+def chunks_per_rank(kind: str, p: int, v: int) -> int:
+    """How many of the model's parts one rank runs a microbatch through: v for interleaved 1F1B, 2
+    for the V-shaped ones, 1 for the others (DualPipe's two copies each cut the model in p)."""
+    return model_parts(kind, p, v) // p
+
+
 @st.cache_data(max_entries=64)
-def figures(kind: str, p: int, m: int, v: int, F: float, B: float, W: float, overlap: str = "sum"):
+def figures(kind: str, p: int, m: int, v: int, F: float, B: float, W: float, overlap: str = "sum",
+            x_end: float | None = None):
+    """F, B and W are what one rank spends on one microbatch, whatever the schedule: a rank that holds
+    c chunks of the model runs each in a c-th of the time, so that schedules of the same model on the
+    same ranks compare (undivided, interleaving would look slower for doing v times the work)."""
     schedule = build(kind, p, m, v)
-    costs = Costs(F=F, B=B, W=W, overlap=overlap)
-    timeline = simulate(schedule, costs)
+    share = 1 / chunks_per_rank(kind, p, v)
+    timeline = simulate(schedule, Costs(F=F * share, B=B * share, W=W * share, overlap=overlap))
     label = f"{kind}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
-    gantt = gantt_figure(timeline, label)
-    published = published_idle(kind, p, m, costs)
+    gantt = gantt_figure(timeline, label, x_end)
+    # The published idles are in the costs of one chunk; each is a sum of F, B and W, so a chunk's
+    # share of the costs scales it by the same share.
+    published = published_idle(kind, p, m, Costs(F=F, B=B, W=W, overlap=overlap))
+    if published is not None:
+        published = replace(published, idle=published.idle * share)
     busiest = None
     if published is not None:  # the rank that idles most, as the published figure counts idle time
         count = timeline.inner_idle_time if published.steady else timeline.idle_time
         busiest = max(map(count, timeline.slots))
-    return {"gantt": gantt, "inflight": inflight_figure(schedule, timeline, "held for backward"),
+    return {"gantt": gantt, "inflight": inflight_figure(schedule, timeline, "held for backward", x_end),
             "grid": grid_figure(schedule, "unit-cost grid"), "text": format_grid(schedule),
             "bubble": timeline.bubble_fraction, "idle": idle_total(gantt), "makespan": timeline.makespan,
             "closed": published_bubble_fraction(kind, p, m, v) if (F, B, W) == (1, 1, 1) else None,
-            "published": published, "busiest": busiest}
+            "published": published, "busiest": busiest,
+            "whole_backward": not layout(schedule).split}  # no W of its own: its B bars are B + W
 
 
 def controls(key: str, default_kind: str) -> tuple:
@@ -62,9 +81,12 @@ def controls(key: str, default_kind: str) -> tuple:
     elif v == 2:
         c.caption("two stages per rank: the first in the kind's colour, the second lighter")
     a, b, c = st.columns(3)
-    F = a.number_input("F cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}F")
-    B = b.number_input("B cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}B")
-    W = c.number_input("W cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}W")
+    per = "one microbatch through all of a rank's chunks"
+    F = a.number_input("F cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}F", help=f"forward of {per}")
+    B = b.number_input("B cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}B",
+                       help=f"backward for the inputs of {per}")
+    W = c.number_input("W cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}W",
+                       help=f"backward for the weights of {per}")
     overlap = "sum"
     if kind in OVERLAPPED:
         overlap = st.radio("an overlapped F&B costs", ("sum", "max"), horizontal=True, key=f"{key}overlap",
@@ -73,12 +95,17 @@ def controls(key: str, default_kind: str) -> tuple:
     return key, kind, int(p), int(m), int(v), float(F), float(B), float(W), overlap
 
 
-def show(key, kind, p, m, v, F, B, W, overlap="sum") -> None:
+def computed(key, kind, p, m, v, F, B, W, overlap="sum", x_end=None) -> dict | None:
     try:
         check(p, m, v, (F, B, W))
-        out = figures(kind, p, m, v, F, B, W, overlap)
+        return figures(kind, p, m, v, F, B, W, overlap, x_end)
     except ConfigError as err:
         st.error(str(err))
+        return None
+
+
+def show(key, out: dict | None, p: int) -> None:
+    if out is None:
         return
     a, b = st.columns(2)
     a.metric("bubble (simulated)", f"{out['bubble']:.4f}",
@@ -94,6 +121,8 @@ def show(key, kind, p, m, v, F, B, W, overlap="sum") -> None:
                  help=f"time units, {where}")
         b.metric("idle of the rank that idles most (published)", f"{published.idle:g}",
                  help=f"{published.source}; time units, {where}")
+    if out["whole_backward"]:
+        st.caption("This schedule runs each backward whole: its B bars are B + W long.")
     # keyed by side: two sides set alike draw the same figures, which need two element ids
     st.plotly_chart(out["gantt"], width="stretch", key=f"{key}gantt")
     st.plotly_chart(out["inflight"], width="stretch", key=f"{key}inflight")
@@ -115,8 +144,20 @@ lesson_link(6)
 if st.toggle("compare two schedules side by side"):
     left, right = st.columns(2)
     with left:
-        show(*controls("a_", "1f1b"))
+        a = controls("a_", "1f1b")
     with right:
-        show(*controls("b_", "zb-h1"))
+        b = controls("b_", "zb-h1")
+    with left:
+        first = computed(*a)
+    with right:
+        second = computed(*b)
+    if first is not None and second is not None:  # one time axis for both: their lengths compare by eye
+        x_end = max(first["makespan"], second["makespan"])
+        first, second = computed(*a, x_end=x_end), computed(*b, x_end=x_end)
+    with left:
+        show(a[0], first, a[2])
+    with right:
+        show(b[0], second, b[2])
 else:
-    show(*controls("", "1f1b"))
+    single = controls("", "1f1b")
+    show(single[0], computed(*single), single[2])

@@ -69,7 +69,8 @@ def mix(model: str) -> None:
 
 st.title("Sharding layouts")
 st.markdown(
-    "Each cell is one element of a tensor of block 0, coloured by the rank that holds it (grey: "
+    "Each cell is one element of a tensor of block 0 (the pp x tp mix draws every block), coloured by the "
+    "rank that holds it (grey: "
     "every rank has a copy; white: nobody holds it at that moment). Press Play or drag the slider "
     "through the step: watch ZeRO-3 gather block 0's weights only around its forward and backward, "
     "TP split c_attn and c_fc by columns and the c_proj's by rows, SP shard the sequence outside "

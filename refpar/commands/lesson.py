@@ -45,6 +45,6 @@ def run(args) -> int:
         raise ConfigError(f"refpar lesson {args.action} needs the lesson's number, e.g. "
                           f"refpar lesson {args.action} 1")
     if args.action == "show":
-        print(course.lesson_path(args.number).read_text(), end="", flush=True)
+        print(course.reader_text(args.number), end="", flush=True)
         return 0
     return checks.check(args.number, args.file)

@@ -196,6 +196,10 @@ def configs(args):
     if sizes["ep"] > 1 and not args.moe_experts:
         raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
                           f"E >= {sizes['ep']}")
+    for flag, value, example in (("--steps", args.steps, 5), ("--batch-size", args.batch_size, 8),
+                                 ("--seq-len", args.seq_len, 16), ("--lr", args.lr, 0.01)):
+        if not 0 < value < math.inf:  # nan too; named by its flag here, by its field in TrainConfig
+            raise ConfigError(f"{flag} {value} must be positive; give e.g. {flag} {example}")
     overrides = {k: v for k, v in (("dtype", precision_dtype(args)), ("dropout", args.dropout),
                                    ("n_layer", args.n_layer)) if v is not None}
     model = model_preset(args.model, **overrides, **model_overrides(args))

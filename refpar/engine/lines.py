@@ -154,12 +154,21 @@ def report(say, model, cfg, sizes, plan, par, out, every, s) -> None:
     tail = out.losses[-10:]
     first, last, floor = out.losses[0], sum(tail) / len(tail), s["loss_floor"]
     gap = first - floor
+    # Of the way from this run's first loss (a resumed run's first step is after its checkpoint); an
+    # integer, so that a loss a hair above the first prints 0%, not "-0%", and one that rose says so.
+    percent = round(100 * (first - last) / gap) if gap > 0 else None
     say(f"loss {first:.4f} at step {out.first_step + 1}, {last:.4f} over the last {len(tail)} steps"
-        + (f", {100 * (first - last) / gap:.0f}% of the way to the floor" if gap > 0 else "")
+        + ("" if percent is None else f", {percent}% of the way to the floor" if percent >= 0
+           else ", above the first loss")
         + f"; {out.step_time_s * 1e3:.1f} ms per step")
     if s["max_loss_rel_diff"] is not None:
         say(f"largest relative difference from one device: loss {s['max_loss_rel_diff']:.1e}, parameters "
             f"{s['max_param_rel_diff']:.1e} after {cfg.steps} steps")
+        if is_16bit(model.dtype):
+            say(f"  expected in {precision_of(model.dtype)}: one device runs it too, but the ranks sum in "
+                "another order, which flips some 16-bit roundings; AdamW moves a weight by about lr "
+                "whatever its gradient's size, so a flip can move it by 2 lr, large next to a tensor "
+                "(a bias, from 0) that has moved a few lr (lesson 10)")
     norms = [n for n in s["grad_norms"] or () if n is not None]  # none on the steps fp16 skipped
     if norms:
         clipped = clipped_steps(norms, cfg.clip_grad_norm)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import numpy as np
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import stage_layers, tied_embedding, units
@@ -46,7 +45,10 @@ from refpar.viz.sharding import (
 )
 
 ZERO_STAGES = (0, 1, 3)
-GROUP_COLOURS = qualitative.Pastel1  # sets of two or more ranks, paler; one rank keeps its RANK_COLOURS
+# Sets of two or more ranks; one rank keeps its RANK_COLOURS. Chosen greedily, each as far as it can be
+# from the ranks' colours, white (nobody) and the sets before it: at least 108 apart in RGB (0-255 a
+# channel), where Pastel1's first was 25 from rank 6's pink and could not be told from it.
+GROUP_COLOURS = ["#000000", "#fe00fa", "#0df9ff", "#00fe35", "#ffff33", "#511cfb", "#750d86", "#0d2a63"]
 
 
 def mesh_ranks(dp: int, tp: int) -> np.ndarray:

@@ -84,19 +84,25 @@ def frame_times(timeline: Timeline) -> list[float]:
     return times
 
 
-CONTROLS_MARGIN = 150  # pixels under the plot for the axis title, the slider and the buttons
+# Pixels under the plot: the axis title, then the slider (its value, rail and tick labels, 55 to ~125),
+# then the buttons on a row of their own (140 to ~170), so that in a narrow column they cannot cover
+# the slider's first labels.
+CONTROLS_MARGIN = 185
 
 
 def play_controls(names: list[str], prefix: str, labels: list[str] | None = None) -> dict:
     """Play/Pause buttons and a slider over the frames `names` (ticks labelled `labels`, default
-    the names), placed in pixels under the plot so they never cover an axis. `redraw` because
-    bars and heatmaps are not scatter traces (ENVIRONMENT.md, Plotly 7)."""
+    the names), placed in pixels under the plot so they never cover an axis, the buttons under the
+    slider. `redraw` because bars and heatmaps are not scatter traces (ENVIRONMENT.md, Plotly 7).
+    One frame has nothing to play: no controls."""
+    if len(names) < 2:
+        return {}
     step_args = {"frame": {"duration": 300, "redraw": True}, "mode": "immediate",
                  "transition": {"duration": 0}}
     return {
         "updatemenus": [{
             "type": "buttons", "direction": "left", "showactive": False, "x": 0, "xanchor": "left",
-            "y": 0, "yanchor": "top", "pad": {"t": 95},
+            "y": 0, "yanchor": "top", "pad": {"t": 140},
             "buttons": [
                 {"label": "Play", "method": "animate", "args": [None, {**step_args, "fromcurrent": True}]},
                 {"label": "Pause", "method": "animate",
@@ -104,7 +110,7 @@ def play_controls(names: list[str], prefix: str, labels: list[str] | None = None
             ],
         }],
         "sliders": [{
-            "active": len(names) - 1, "x": 0.16, "len": 0.84, "y": 0, "yanchor": "top", "pad": {"t": 55},
+            "active": len(names) - 1, "x": 0, "len": 1, "y": 0, "yanchor": "top", "pad": {"t": 55},
             "currentvalue": {"prefix": prefix, "xanchor": "left"},
             "steps": [{"label": label, "method": "animate", "args": [[name], step_args]}
                       for name, label in zip(names, labels or names, strict=True)],
@@ -112,10 +118,12 @@ def play_controls(names: list[str], prefix: str, labels: list[str] | None = None
     }
 
 
-def gantt_figure(timeline: Timeline, title: str = "") -> go.Figure:
+def gantt_figure(timeline: Timeline, title: str = "", x_end: float | None = None) -> go.Figure:
     """Ranks x time: F, B, W (and F&B) bars labelled like `format_grid` ("1F0"), a rank's second
     stage lighter, idle time shaded red. Animated: each frame shows the timeline up to the end of
-    one more action."""
+    one more action. `x_end` (default the makespan) sets where the time axis ends, so that two
+    timelines drawn side by side share one scale. A label that does not fit its bar at a readable
+    size is left to the hover."""
     p = len(timeline.slots)
     times = frame_times(timeline)
     labels = [f"{t:g}" for t in times]
@@ -123,8 +131,9 @@ def gantt_figure(timeline: Timeline, title: str = "") -> go.Figure:
                     frames=[go.Frame(name=label, data=_bars(timeline, t))
                             for label, t in zip(labels, times, strict=True)])
     fig.update_layout(
-        title=title, barmode="overlay", height=190 + 45 * p, margin={"b": CONTROLS_MARGIN},
-        xaxis={"title": "time (F = 1 unit)", "range": [0, timeline.makespan], "autorange": False},
+        title=title, barmode="overlay", height=225 + 45 * p, margin={"b": CONTROLS_MARGIN},
+        xaxis={"title": "time (F = 1 unit)", "range": [0, x_end or timeline.makespan], "autorange": False},
+        uniformtext={"minsize": 9, "mode": "hide"},
         yaxis={"title": "rank", "range": [p - 0.5, -0.5], "autorange": False,
                "tickvals": list(range(p)), "ticktext": [f"rank {r}" for r in range(p)]},
         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
@@ -140,10 +149,11 @@ def idle_total(fig: go.Figure) -> float:
     return float(np.sum(idle.x)) if idle.x is not None else 0.0
 
 
-def inflight_figure(schedule: Schedule, timeline: Timeline, title: str = "") -> go.Figure:
+def inflight_figure(schedule: Schedule, timeline: Timeline, title: str = "",
+                    x_end: float | None = None) -> go.Figure:
     """Per rank, the (stage, microbatch) pairs whose activations are stored for backward, from the
     end of each action on: `stored(schedule)` placed at the simulated times. Multiply by one
-    microbatch's activation bytes per stage for memory."""
+    microbatch's activation bytes per stage for memory. `x_end` as in gantt_figure."""
     counts = stored(schedule)
     fig = go.Figure()
     for rank, slots in timeline.slots.items():
@@ -153,8 +163,8 @@ def inflight_figure(schedule: Schedule, timeline: Timeline, title: str = "") -> 
             x=[0.0] + [s.end for s in ordered] + [timeline.makespan],
             y=[0] + [counts[rank][s.tick] for s in ordered] + [counts[rank][-1] if counts[rank] else 0],
         ))
-    fig.update_layout(title=title, xaxis_title="time (F = 1 unit)",
-                      yaxis_title="stage-microbatches held", height=320)
+    fig.update_layout(title=title, height=320, yaxis_title="stage-microbatches held",
+                      xaxis={"title": "time (F = 1 unit)", "range": [0, x_end or timeline.makespan]})
     return fig
 
 

@@ -9,6 +9,13 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from refpar.viz.comm import CATEGORY_COLOURS
+
+# Step time by cause, in colours of their own (the memory bars keep the Memory page's), and hatched: a
+# bar of either legend cannot be taken for one of the other (both have an "optimizer").
+TIME_COLOURS = {"compute": "#3a3a3a", "bubble": "#d62728", "tp": "#7b4ea3", "cp": "#c994c7",
+                "ep": "#e6ab02", "pp": "#a6761d", "dp": "#1f78b4", "optimizer": "#bdbdbd"}
+
 
 def plan_label(p: dict) -> str:
     """`dp=16 tp=8 pp=32 zero=1 zb-h2 selective`: the mesh axes above 1 and the options."""
@@ -26,10 +33,13 @@ def plan_figure(result: dict) -> go.Figure:
                         subplot_titles=("memory per GPU (GB)", "step time (s)"))
     for category in plans[0]["memory_bytes"] if plans else ():
         fig.add_trace(go.Bar(y=labels, x=[p["memory_bytes"][category] / 1e9 for p in plans],
-                             name=category, orientation="h", legendgroup="memory"), row=1, col=1)
+                             name=category, orientation="h", legendgroup="memory",
+                             legendgrouptitle_text="memory", marker_color=CATEGORY_COLOURS[category]),
+                      row=1, col=1)
     for cause in plans[0]["time_s"] if plans else ():
         fig.add_trace(go.Bar(y=labels, x=[p["time_s"][cause] for p in plans], name=cause,
-                             orientation="h", legendgroup="time"), row=1, col=2)
+                             orientation="h", legendgroup="time", legendgrouptitle_text="step time",
+                             marker={"color": TIME_COLOURS[cause], "pattern_shape": "/"}), row=1, col=2)
     if "memory_capacity_bytes" in result:
         fig.add_vline(x=result["memory_capacity_bytes"] / 1e9, line_dash="dash", row=1, col=1)
     fig.update_layout(
@@ -37,6 +47,9 @@ def plan_figure(result: dict) -> go.Figure:
         title=f"{result['model']} on {result['gpus']} {result['hardware']} GPUs: "
               f"{result['fitting']} of {result['candidates']} plans fit",
         yaxis={"autorange": "reversed"},
+        # under the bars, the two legends side by side: a 14-entry column at the right ran off the page
+        legend={"orientation": "h", "y": -0.12, "yanchor": "top", "x": 0, "xanchor": "left",
+                "traceorder": "grouped"},
     )
     return fig
 

@@ -14,6 +14,7 @@ holds it at that moment (a gradient not computed yet, a gathered copy already fr
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -240,6 +241,12 @@ def _heatmaps(step: Step, n: int) -> list[go.Heatmap]:
     return traces
 
 
+def wrapped(text: str, width: int = 80) -> str:
+    """A figure title broken into lines of at most `width` characters (Plotly never wraps one, and
+    cuts it at the figure's right edge)."""
+    return "<br>".join(textwrap.wrap(text, width))
+
+
 def panels_figure(steps: list[Step], heatmaps, legend: list[tuple[str, str]], title: str, spacing: float,
                 height: tuple[int, int], **layout) -> go.Figure:
     """One heatmap per (panel row, tensor) of the last step, a frame per step with a slider and Play;
@@ -248,7 +255,9 @@ def panels_figure(steps: list[Step], heatmaps, legend: list[tuple[str, str]], ti
     grids = steps[-1].grids
     rows = list(grids)
     cols = max(len(r) for r in grids.values())
-    titles = [f"{row}: {'.'.join(n.split('.')[2:]) if n.startswith('h.') else n.removeprefix('model.')}"
+    # On two lines ("optimizer:" over "attn.c_attn"): one line is wider than a narrow panel, and
+    # the first panel's title then runs off the figure's left edge.
+    titles = [f"{row}:<br>{'.'.join(n.split('.')[2:]) if n.startswith('h.') else n.removeprefix('model.')}"
               for row in rows for n in grids[row]]
     # Rows as tall as their tallest tensor (at least a quarter of the tallest row) so cells stay square-ish.
     tall = [max(np.shape(g)[0] for g in grids[row].values()) for row in rows]
@@ -261,13 +270,15 @@ def panels_figure(steps: list[Step], heatmaps, legend: list[tuple[str, str]], ti
         fig.layout[f"xaxis{axis}"].update(range=[-0.5, shape[1] - 0.5], autorange=False, showticklabels=False)
         fig.layout[f"yaxis{axis}"].update(range=[shape[0] - 0.5, -0.5], autorange=False, showticklabels=False)
     fig.frames = [go.Frame(name=s.label, data=heatmaps(s), traces=list(range(len(cells))),
-                           layout={"title": {"text": f"{title}{s.label}: {s.moves}"}}) for s in steps]
+                           layout={"title": {"text": wrapped(f"{title}{s.label}: {s.moves}")}})
+                  for s in steps]
     for label, colour in legend:
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label, showlegend=True,
                                  marker={"symbol": "square", "size": 12, "color": colour,
                                          "line": {"color": "#666", "width": 1}}), row=1, col=1)
-    fig.update_layout(title=f"{title}{steps[-1].label}: {steps[-1].moves}",
-                      height=height[0] * len(rows) + height[1], margin={"b": CONTROLS_MARGIN, "t": 110},
+    fig.update_annotations(font_size=12)  # the panel titles
+    fig.update_layout(title=wrapped(f"{title}{steps[-1].label}: {steps[-1].moves}"),
+                      height=height[0] * len(rows) + height[1] + 35, margin={"b": CONTROLS_MARGIN, "t": 110},
                       **play_controls([s.label for s in steps], ""), **layout)
     return fig
 
