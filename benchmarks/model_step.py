@@ -1,7 +1,8 @@
-"""One training step (forward, backward, AdamW) of the `small` GPT-2 preset in float32: refpar's
-NumPy model against the same model in PyTorch eager on the CPU, same threads, same batch.
+"""One training step (forward, backward, AdamW) of a GPT-2 preset in float32 (`small` by default,
+`gpt2` = GPT-2 small, 124M): refpar's NumPy model against the same model in PyTorch eager on the
+CPU, same threads, same batch.
 
-    python benchmarks/model_step.py [--threads 2] [--batch-size 8] [--seq-len 256] [--dropout 0.0]
+    python benchmarks/model_step.py [--model gpt2] [--threads 2] [--batch-size 8] [--seq-len 256]
 
 Prints the median (and minimum) step time of each and the ratio refpar / torch (lower is better;
 1.0 = parity).
@@ -19,6 +20,7 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="BLAS/torch threads (default: all cores)")
+    parser.add_argument("--model", default="small", help="GPT-2 preset: small or gpt2 (default small)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dropout", type=float, default=None, help="default: the preset's")
@@ -123,12 +125,12 @@ def torch_step_time(config, train, tokens, targets):
 
 def main() -> int:
     overrides = {} if ARGS.dropout is None else {"dropout": ARGS.dropout}
-    config = model_preset("small", dtype="float32", **overrides)
+    config = model_preset(ARGS.model, dtype="float32", **overrides)
     train = TrainConfig(batch_size=ARGS.batch_size, seq_len=ARGS.seq_len)
     train.check_model(config)
     corpus = MarkovCorpus(config.vocab_size, train.seed)
     tokens, targets = corpus.batch(0, range(train.batch_size), train.seq_len)  # (B, T) each
-    print(f"small preset: {config.n_layer} layers, C={config.n_embd}, V={config.vocab_size}, float32, "
+    print(f"{ARGS.model} preset: {config.n_layer} layers, C={config.n_embd}, V={config.vocab_size}, float32, "
           f"dropout {config.dropout}; batch {train.batch_size} x {train.seq_len}; {ARGS.threads} threads; "
           f"{ARGS.clock} clock",
           flush=True)
