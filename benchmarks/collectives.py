@@ -11,8 +11,7 @@ columns divide it by the memcpy bandwidth of one core measured at the start of t
 second table puts each size's ring reduce-scatter next to its ring all-reduce. "size" is the
 full tensor: the all-reduce input, the all-gather output, what one rank sends in an all-to-all.
 On a machine with fewer cores than ranks the ranks share cores and times say more about the
-scheduler than about the algorithms (and the ranks yield their cores while they wait, MPICH's
-heavy yield); the table header prints the core count.
+scheduler than about the algorithms; the table header prints the core count.
 """
 
 from __future__ import annotations
@@ -159,12 +158,8 @@ def main() -> None:
     overhead, ring_ms = [], {}
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")  # more ranks than cores: yield, don't spin
     for ranks in (int(r) for r in args.ranks.split(",")):
-        # More ranks than cores: a waiting rank must yield its core, else it spins on the one its
-        # partner needs. Otherwise spinning is faster (at 8 MB on 2 ranks, yielding costs the ring
-        # all-reduce half its bus bandwidth); the environment's setting wins.
-        yield_default = "1" if ranks > (os.cpu_count() or 1) else "0"
-        env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = os.environ.get("MPIR_CVAR_ENABLE_HEAVY_YIELD", yield_default)
         cmd = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker", "--sizes", args.sizes]
         try:
             proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,

@@ -152,10 +152,7 @@ def main() -> None:
           f"process ({args.ranks} processes of batch {args.batch_size // args.ranks}, no communication)",
           flush=True)
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    # Waiting ranks yield their core only when there are more ranks than cores (as in collectives.py).
-    heavy_yield = "1" if args.ranks > (os.cpu_count() or 1) else "0"
-    env = dict(os.environ, PYTHONPATH=str(ROOT),
-               MPIR_CVAR_ENABLE_HEAVY_YIELD=os.environ.get("MPIR_CVAR_ENABLE_HEAVY_YIELD", heavy_yield))
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
     results = {}
     for label in STRATEGIES:
         cmd = [str(mpiexec), "-n", str(args.ranks), sys.executable, __file__, "--worker", label,
