@@ -6,7 +6,9 @@
 
 Prints ratios, not pass/fail. Bus bandwidth follows nccl-tests: algorithm bandwidth (tensor bytes /
 time) times 2(p-1)/p for all-reduce, (p-1)/p for reduce-scatter, all-gather and all-to-all, 1 for
-broadcast, so it compares with the memcpy bandwidth of the machine whatever p is. "size" is the
+broadcast, so it compares with the memcpy bandwidth of the machine whatever p is; the "/ memcpy"
+columns divide it by the memcpy bandwidth of one core measured at the start of the same run, and a
+second table puts each size's ring reduce-scatter next to its ring all-reduce. "size" is the
 full tensor: the all-reduce input, the all-gather output, what one rank sends in an all-to-all.
 On a machine with fewer cores than ranks the ranks share cores and times say more about the
 scheduler than about the algorithms; the table header prints the core count.
@@ -74,7 +76,7 @@ def worker(sizes: list[int]) -> None:
             n = size // 8
             x = np.random.default_rng(comm.rank).standard_normal(n)  # (n,) float64
             chunks = [x[slice(*shard_range(n, p, i))].copy() for i in range(p)]  # (n/p,) each
-            reps = int(min(20, max(3, (64 << 20) // max(size, 1) // 4)))
+            reps = int(min(20, max(7, (64 << 20) // max(size, 1) // 4)))  # a median of 7 at least
             for op, algos in ALGORITHMS.items():
                 native = seconds_per_call(comm, reps, call, comm, op, "native", x, chunks)
                 for algo in algos:
@@ -151,9 +153,9 @@ def main() -> None:
     print(f"# {os.cpu_count()} cores; memcpy (np.copyto, 64 MB, one core): {memcpy / 1e9:.2f} GB/s",
           flush=True)
     print("| ranks | op | algo | size | native ms | algo ms | algo/native throughput | native busbw GB/s "
-          "| algo busbw GB/s |", flush=True)
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    overhead = []
+          "| algo busbw GB/s | native / memcpy | algo / memcpy |", flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    overhead, ring_ms = [], {}
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")  # more ranks than cores: yield, don't spin
@@ -175,10 +177,20 @@ def main() -> None:
                 overhead.append(row)
                 continue
             p, size = row["ranks"], row["size"]
-            busbw = size * bus_factor(row["op"], p) / 1e9  # GB/s at 1 s per call
+            busbw = size * bus_factor(row["op"], p)  # bytes/s at 1 s per call
             print(f"| {p} | {row['op']} | {row['algo']} | {human(size)} | {row['native_s'] * 1e3:.3f} "
                   f"| {row['algo_s'] * 1e3:.3f} | {row['native_s'] / row['algo_s']:.2f} "
-                  f"| {busbw / row['native_s']:.2f} | {busbw / row['algo_s']:.2f} |", flush=True)
+                  f"| {busbw / row['native_s'] / 1e9:.2f} | {busbw / row['algo_s'] / 1e9:.2f} "
+                  f"| {busbw / row['native_s'] / memcpy:.2f} | {busbw / row['algo_s'] / memcpy:.2f} |",
+                  flush=True)
+            if row["algo"] == "ring" and row["op"] in ("all_reduce", "reduce_scatter"):
+                ring_ms.setdefault((p, size), {})[row["op"]] = row["algo_s"] * 1e3
+    print("\n| ranks | size | ring all_reduce ms | ring reduce_scatter ms | reduce_scatter / all_reduce |")
+    print("|---|---|---|---|---|")
+    for (p, size), ms in ring_ms.items():
+        if len(ms) == 2:
+            print(f"| {p} | {human(size)} | {ms['all_reduce']:.3f} | {ms['reduce_scatter']:.3f} "
+                  f"| {ms['reduce_scatter'] / ms['all_reduce']:.2f} |", flush=True)
     print("\n| ranks | all_reduce size | untraced ms | traced ms | measured overhead | recording us/call "
           "| recording / untraced |")
     print("|---|---|---|---|---|---|---|")

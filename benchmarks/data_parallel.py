@@ -1,10 +1,16 @@
-"""Data parallelism's cost on this machine: DP=2 against one process on the same global batch, the
-share of the step spent communicating (from the trace), and ZeRO-3 / FSDP against DP.
+"""Data parallelism's cost on this machine: DP=2 against one process on the same global batch and
+against the two-process ceiling, the share of the step spent communicating (from the trace), and
+ZeRO-3 / FSDP against DP.
 
     python benchmarks/data_parallel.py [--model small] [--steps 5] [--batch-size 8] [--seq-len 64]
 
 Every process runs one BLAS thread, so DP=2 uses two cores where the single process uses one: the
-ideal DP=2 step is half the single-process step plus the communication. The script runs the
+ideal DP=2 step is half the single-process step plus the communication. What two cores can do at
+best is the two-process ceiling: two independent processes started together, each training on its
+half of the batch with its own (replicated) optimizer and no communication, sharing memory bandwidth
+and caches as the ranks do; its step is the slower of the two processes' fastest steps, and each
+strategy's "of the ceiling" is that step over the strategy's (1.0 = communication and sharding
+cost nothing). The script runs the
 single-process reference itself and each parallel strategy as `mpiexec -n 2 python <this file>
 --worker STRATEGY`, then prints times and ratios, not pass/fail. Each figure is the fastest timed
 step (the least disturbed on a shared machine). "Messages in flight" is the union of rank 0's
@@ -51,6 +57,7 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--half", action="store_true", help=argparse.SUPPRESS)  # one ceiling process
     return parser.parse_args(argv)
 
 
@@ -64,6 +71,25 @@ def single_process(args) -> float:
 
     model, train = configs(args)
     return min(train_single_device(model, train).step_times_s[1:])
+
+
+def two_process_ceiling(args) -> float:
+    """The step of --ranks (two by default) independent single processes on their share of the
+    batch each, run at the same time."""
+    cmd = [sys.executable, __file__, "--half", "--model", args.model, "--steps", str(args.steps),
+           "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--ranks", str(args.ranks)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(args.ranks)]
+    outs = [proc.communicate(timeout=900)[0] for proc in procs]
+    if any(proc.returncode for proc in procs):
+        sys.exit("a two-process ceiling process failed")
+    return max(json.loads(out.strip().splitlines()[-1])["step_time_s"] for out in outs)
+
+
+def half_batch(args) -> None:
+    """One process of the ceiling: the single-process run on its share of the global batch."""
+    half = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // args.ranks})
+    print(json.dumps({"step_time_s": single_process(half)}), flush=True)
 
 
 def worker(args) -> None:
@@ -111,6 +137,9 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if args.half:
+        half_batch(args)
+        return
     if args.steps < 2:
         sys.exit("--steps must be at least 2: the first step is warm-up")
     model, train = configs(args)
@@ -118,6 +147,10 @@ def main() -> None:
           f"{args.steps - 1} timed steps, one BLAS thread per process, {os.cpu_count()} cores", flush=True)
     one = single_process(args)
     print(f"{'single process':<28} {one * 1e3:8.1f} ms/step", flush=True)
+    ceiling = two_process_ceiling(args)
+    print(f"{'two-process ceiling':<28} {ceiling * 1e3:8.1f} ms/step  {one / ceiling:5.2f}x the single "
+          f"process ({args.ranks} processes of batch {args.batch_size // args.ranks}, no communication)",
+          flush=True)
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
     results = {}
@@ -132,6 +165,7 @@ def main() -> None:
         results[label] = r
         print(f"{label + f' dp={args.ranks}':<28} {r['step_time_s'] * 1e3:8.1f} ms/step  "
               f"{one / r['step_time_s']:5.2f}x the single process (ideal {args.ranks})  "
+              f"{ceiling / r['step_time_s']:5.2f} of the ceiling  "
               f"messages in flight {100 * r['comm_s_per_step'] / r['step_time_s']:4.1f}% of the step",
               flush=True)
     dp = results["DP"]["step_time_s"]

@@ -1,10 +1,16 @@
-"""One training step (forward, backward, AdamW) of the `small` GPT-2 preset in float32: refpar's
-NumPy model against the same model in PyTorch eager on the CPU, same threads, same batch.
+"""One training step (forward, backward, AdamW) of a GPT-2 preset in float32 (`small` by default,
+`gpt2` = GPT-2 small, 124M): refpar's NumPy model against the same model in PyTorch eager on the
+CPU, same threads, same batch.
 
-    python benchmarks/model_step.py [--threads 2] [--batch-size 8] [--seq-len 256] [--dropout 0.0]
+    python benchmarks/model_step.py [--model gpt2] [--threads 2] [--batch-size 8] [--seq-len 256]
 
 Prints the median (and minimum) step time of each and the ratio refpar / torch (lower is better;
-1.0 = parity).
+1.0 = parity). With --profile, a table of each part of the step instead: the embedding, every
+block's forward and backward, the head (ln_f, tied logits, cross-entropy) and the optimizer, the
+median over the timed steps. refpar's parts are timed around the calls `loss_and_grads` makes, one
+after the other as it makes them; torch's by hooks on each block (forward pre-hook and hook,
+backward pre-hook and hook), so a torch block's backward is the autograd time from the gradient
+of its output to the gradient of its input.
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="BLAS/torch threads (default: all cores)")
+    parser.add_argument("--model", default="small", help="GPT-2 preset: small or gpt2 (default small)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dropout", type=float, default=None, help="default: the preset's")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps after two warm-up steps")
+    parser.add_argument("--profile", action="store_true", help="time each block's forward and backward")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="cpu: process CPU time, steadier on a shared machine (use with --threads 1)")
     return parser.parse_args()
@@ -37,12 +45,21 @@ import numpy as np  # noqa: E402
 
 from refpar.config import TrainConfig, model_preset  # noqa: E402
 from refpar.model.data import MarkovCorpus  # noqa: E402
-from refpar.model.gpt import init_params, loss_and_grads  # noqa: E402
+from refpar.model.gpt import (  # noqa: E402
+    add_embedding_grads,
+    block_backward,
+    block_forward,
+    embed_backward,
+    embed_forward,
+    head_backward,
+    head_forward,
+    init_params,
+    loss_and_grads,
+)
 from refpar.model.optim import optimizer_init, optimizer_step  # noqa: E402
 
 
 def median_time(step, repeats):
-    clock = time.perf_counter if ARGS.clock == "wall" else time.process_time
     for _ in range(2):
         step()
     times = []
@@ -65,7 +82,48 @@ def refpar_step_time(config, train, tokens, targets):
     return median_time(step, ARGS.repeats)
 
 
-def torch_step_time(config, train, tokens, targets):
+def clock():
+    return (time.perf_counter if ARGS.clock == "wall" else time.process_time)()
+
+
+def refpar_profile(config, train, tokens, targets) -> dict:
+    """{part: median seconds}: `loss_and_grads`'s calls (no dropout), then the optimizer step."""
+    params = init_params(config, train.seed)
+    opt = optimizer_init(params, train)
+    B, T = tokens.shape
+    runs = []
+    for _ in range(2 + ARGS.repeats):
+        t = {}
+        start = clock()
+        x, c_embed = embed_forward(tokens, params)  # (B, T, C)
+        t["embedding forward"] = clock() - start
+        caches = []
+        for layer in range(config.n_layer):
+            start = clock()
+            x, c = block_forward(x, params, layer, config)  # (B, T, C)
+            t[f"block {layer} forward"] = clock() - start
+            caches.append(c)
+        start = clock()
+        _, c_head = head_forward(x, params, targets, config, B * T)
+        dx, grads = head_backward(c_head)  # (B, T, C)
+        t["head forward + backward"] = clock() - start
+        for layer in reversed(range(config.n_layer)):
+            start = clock()
+            dx, g = block_backward(dx, caches[layer])  # (B, T, C)
+            t[f"block {layer} backward"] = clock() - start
+            grads.update(g)
+        start = clock()
+        add_embedding_grads(grads, embed_backward(dx, c_embed))
+        t["embedding backward"] = clock() - start
+        start = clock()
+        params, opt = optimizer_step(params, {n: grads[n] for n in params}, opt, train, lr=train.lr)
+        t["optimizer (AdamW)"] = clock() - start
+        runs.append(t)
+    return {part: float(np.median([r[part] for r in runs[2:]])) for part in runs[0]}
+
+
+def torch_model(config, train):
+    """(nanoGPT's GPT-2 in torch, its AdamW with refpar's decay groups)."""
     import torch
     from torch import nn
     from torch.nn import functional as F
@@ -111,6 +169,60 @@ def torch_step_time(config, train, tokens, targets):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps)
+    return model, opt
+
+
+def torch_profile(config, train, tokens, targets) -> dict:
+    """{part: median seconds}: each block's forward and backward by module hooks, the rest as
+    what the step's other spans leave."""
+    import torch
+
+    model, opt = torch_model(config, train)
+    idx, tgt = torch.from_numpy(tokens), torch.from_numpy(targets)
+    marks: dict = {}
+    for layer, block in enumerate(model.h):
+        block.register_forward_pre_hook(lambda *_, i=layer: marks.__setitem__(("f0", i), clock()))
+        block.register_forward_hook(lambda *_, i=layer: marks.__setitem__(("f1", i), clock()))
+        block.register_full_backward_pre_hook(lambda *_, i=layer: marks.__setitem__(("b0", i), clock()))
+        block.register_full_backward_hook(lambda *_, i=layer: marks.__setitem__(("b1", i), clock()))
+    L = config.n_layer
+    runs = []
+    for _ in range(2 + ARGS.repeats):
+        opt.zero_grad(set_to_none=True)
+        start = clock()
+        model(idx, tgt).backward()
+        backward_end = clock()
+        opt.step()
+        t = {"embedding forward": marks[("f0", 0)] - start}
+        t.update({f"block {i} forward": marks[("f1", i)] - marks[("f0", i)] for i in range(L)})
+        t["head forward + backward"] = marks[("b0", L - 1)] - marks[("f1", L - 1)]  # ln_f, logits, loss
+        t.update({f"block {i} backward": marks[("b1", i)] - marks[("b0", i)] for i in reversed(range(L))})
+        t["embedding backward"] = backward_end - marks[("b1", 0)]
+        t["optimizer (AdamW)"] = clock() - backward_end
+        runs.append(t)
+    return {part: float(np.median([r[part] for r in runs[2:]])) for part in runs[0]}
+
+
+def print_profile(config, train, tokens, targets) -> None:
+    ours = refpar_profile(config, train, tokens, targets)
+    try:
+        theirs = torch_profile(config, train, tokens, targets)
+    except ImportError:
+        theirs = {}
+    print("| part | refpar ms | torch ms | refpar / torch |\n|---|---|---|---|")
+    for part, t in ours.items():
+        other = theirs.get(part)
+        versus = f"| {other * 1e3:.2f} | {t / other:.2f} |" if other else "| - | - |"
+        print(f"| {part} | {t * 1e3:.2f} {versus}", flush=True)
+    if theirs:
+        print(f"| sum | {sum(ours.values()) * 1e3:.2f} | {sum(theirs.values()) * 1e3:.2f} "
+              f"| {sum(ours.values()) / sum(theirs.values()):.2f} |", flush=True)
+
+
+def torch_step_time(config, train, tokens, targets):
+    import torch
+
+    model, opt = torch_model(config, train)
     idx, tgt = torch.from_numpy(tokens), torch.from_numpy(targets)
 
     def step():
@@ -123,15 +235,18 @@ def torch_step_time(config, train, tokens, targets):
 
 def main() -> int:
     overrides = {} if ARGS.dropout is None else {"dropout": ARGS.dropout}
-    config = model_preset("small", dtype="float32", **overrides)
+    config = model_preset(ARGS.model, dtype="float32", **overrides)
     train = TrainConfig(batch_size=ARGS.batch_size, seq_len=ARGS.seq_len)
     train.check_model(config)
     corpus = MarkovCorpus(config.vocab_size, train.seed)
     tokens, targets = corpus.batch(0, range(train.batch_size), train.seq_len)  # (B, T) each
-    print(f"small preset: {config.n_layer} layers, C={config.n_embd}, V={config.vocab_size}, float32, "
+    print(f"{ARGS.model} preset: {config.n_layer} layers, C={config.n_embd}, V={config.vocab_size}, float32, "
           f"dropout {config.dropout}; batch {train.batch_size} x {train.seq_len}; {ARGS.threads} threads; "
           f"{ARGS.clock} clock",
           flush=True)
+    if ARGS.profile:
+        print_profile(config, train, tokens, targets)
+        return 0
     # The minimum too: on a shared machine it is the least disturbed of the timed steps.
     ours = refpar_step_time(config, train, tokens, targets)
     print(f"refpar (NumPy):       {ours[0] * 1e3:8.1f} ms per step (min {ours[1] * 1e3:.1f})", flush=True)

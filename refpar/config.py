@@ -263,8 +263,12 @@ class TrainConfig:
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # A step takes milliseconds on one core: the model of every test and of the demo.
     "tiny": ModelConfig(),
-    # Large enough that matmuls dominate: the benchmark preset.
+    # Large enough that matmuls dominate: the benchmark preset (3.7M parameters), not GPT-2 small.
     "small": ModelConfig(vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_layer=4, dtype="float32"),
+    # Hugging Face's GPT-2 small ("gpt2", Radford et al. 2019): 124,439,808 parameters with the tied
+    # head, its dropout 0.1; float32, as it is trained.
+    "gpt2": ModelConfig(vocab_size=50257, n_positions=1024, n_embd=768, n_head=12, n_layer=12,
+                        dtype="float32"),
     # Llama's tiny twin: 4 query heads share 2 kv heads, so tensor parallelism over 4 ranks must
     # replicate each kv head on 2 of them. F = 176 is 8C/3 rounded up to a multiple of 16.
     "llama-tiny": ModelConfig(
@@ -277,6 +281,13 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         intermediate_size=688, dropout=0.0, dtype="float32"
     ),
 }
+
+
+def describe_preset(name: str) -> str:
+    """A preset's size in words, for --help: "small (4 layers, 256 channels, 8 heads, ...)"."""
+    m = MODEL_PRESETS[name]
+    return (f"{name} ({m.arch}, {m.n_layer} layers, {m.n_embd} channels, {m.n_head} heads, vocabulary "
+            f"{m.vocab_size}, {m.n_positions} positions, {m.dtype})")
 
 
 def model_preset(name: str, **overrides) -> ModelConfig:

@@ -241,6 +241,17 @@ def test_refpar_models_are_counted_as_their_parameter_table(overrides):
     assert counted >= 2  # a family of presets at least
 
 
+def test_gpt2_preset_has_hugging_faces_gpt2_small_parameter_count():
+    # refpar train --model gpt2 is Hugging Face's "gpt2": GPT2LMHeadModel's num_parameters() with the
+    # head tied to wte is 124,439,808 (the released checkpoint); shapes only, nothing allocated.
+    import math
+
+    from refpar.config import model_preset
+    from refpar.model import param_shapes
+
+    assert sum(math.prod(shape) for shape in param_shapes(model_preset("gpt2")).values()) == 124_439_808
+
+
 @pytest.mark.parametrize("name, released", [("llama2-7b", 6_738_415_616), ("llama3-8b", 8_030_261_248),
                                             ("llama3-70b", 70_553_706_496),
                                             ("mixtral-8x7b", 46_702_792_704)])

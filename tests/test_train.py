@@ -30,6 +30,34 @@ def test_training_tiny_gets_more_than_halfway_from_the_initial_loss_to_the_floor
     assert last > floor - 0.05  # nothing beats the entropy rate (up to batch noise)
 
 
+def test_a_vocabulary_too_large_for_a_dense_chain_gets_a_sparse_chain_and_its_stationary_pi():
+    # GPT-2's 50257 tokens: no dense (V, V) matrix. pi by power iteration, checked against the
+    # dense linear solve on the tiny chain (both within 1e-15 in the 1-norm of the exact pi:
+    # a few ulps of its largest entry, far less than a wrong pi's error) and, on the large chain,
+    # as a fixed point of P by np.add.at, not the bincount the corpus uses.
+    from refpar.model.data import DENSE_VOCAB
+
+    small = MarkovCorpus(96, seed=3)
+    assert np.abs(small._stationary_by_iteration() - small.stationary).sum() < 1e-13
+    V = DENSE_VOCAB + 1000
+    corpus = MarkovCorpus(V, seed=3)
+    assert corpus.transition is None
+    pi = corpus.stationary
+    moved = np.zeros(V)
+    np.add.at(moved, corpus.successors.ravel(), (pi[:, None] * corpus.probs).ravel())  # (V,) pi P
+    assert np.abs(moved - pi).sum() < 1e-13 and abs(pi.sum() - 1) < 1e-13
+    rows = np.arange(V)
+    assert np.array_equal(corpus.successors[:, 0], (rows + 1) % V)
+    assert np.array_equal(corpus.successors[:, 1], (rows + 2) % V)
+    ordered = np.sort(corpus.successors, axis=1)
+    assert np.all(ordered[:, 1:] != ordered[:, :-1])  # k distinct successors per token
+    tokens, targets = corpus.batch(0, range(200), 32)
+    which = np.argmax(corpus.successors[tokens] == targets[..., None], axis=-1)  # (B, T) the edge taken
+    assert np.all(corpus.successors[tokens, which] == targets)  # every step follows an edge
+    nll = -np.log(corpus.probs[tokens, which])
+    assert abs(nll.mean() - corpus.entropy_rate()) < 0.05  # 6,400 tokens: standard error ~0.01
+
+
 def test_markov_floor_is_the_empirical_mean_negative_log_likelihood_of_the_chain():
     corpus = MarkovCorpus(96, seed=3)
     tokens, targets = corpus.batch(0, range(200), 32)

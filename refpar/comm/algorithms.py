@@ -6,8 +6,12 @@ n % p chunks one element longer). Each function takes a `link` with `rank`, `siz
 buffers; the Communicator's link counts every byte it moves, so what these functions send is
 exactly what the trace records and what `refpar.comm.cost` predicts.
 
-Buffers are allocated once per call and every step works on views (`np.add(..., out=)`), so the
-ring all-reduce keeps up with MPI's own (benchmarks/collectives.py).
+Memory traffic: every function allocates its output once and nothing else it can avoid; sends
+go straight from the input or the output, receives land where their data ends up (never in a
+temporary to be copied on), and reductions run in place (`ufunc(..., out=)`). Each docstring
+counts, per element of the full tensor n, what one rank moves over the link and how many
+reductions (two reads, one write) and copies it does: the algorithm's own memory traffic, which
+benchmarks/collectives.py compares with the machine's memcpy bandwidth.
 
 References: ring reduce-scatter / all-gather / all-reduce: Patarasuk & Yuan 2009 and Thakur,
 Rabenseifner & Gropp 2005 ("Optimization of Collective Communication Operations in MPICH");
@@ -26,21 +30,25 @@ def chunk_bounds(n: int, p: int, unit: int = 1) -> list[tuple[int, int]]:
     return [(start * unit, stop * unit) for start, stop in (shard_range(n, p, i) for i in range(p))]
 
 
-def ring_reduce_scatter_inplace(link, buf: np.ndarray, bounds, ufunc) -> None:
-    """After the call chunk r of the flat `buf` holds the reduction over all ranks of chunk r.
+def ring_reduce_steps(link, x: np.ndarray, bounds, ufunc, landing) -> None:
+    """The p - 1 steps of a ring reduce-scatter of the flat `x` (p >= 2), ending with the reduction
+    over all ranks of chunk r in `landing(p - 2, r)`.
 
-    p - 1 steps; in step k rank r sends chunk (r - k - 1) mod p to its right neighbour and adds
-    the chunk (r - k - 2) mod p arriving from its left neighbour into its own copy, which it
-    forwards in step k + 1. In the last step chunk r arrives, summed over the other p - 1 ranks.
+    In step k rank r sends chunk (r - k - 1) mod p of its partial sums to its right neighbour and
+    receives chunk i = (r - k - 2) mod p from its left neighbour into `landing(k, i)` (a buffer of
+    chunk i's length, never the one being sent), adds its own chunk i of `x` there in place and
+    forwards it in step k + 1. Step 0 sends straight from `x`. Every sum is ufunc(own, received).
+    Per element: (p-1)/p sent, (p-1)/p received, (p-1)/p reductions, no copy.
     """
     p, r = link.size, link.rank
     right, left = (r + 1) % p, (r - 1) % p
-    tmp = np.empty(max(b - a for a, b in bounds), dtype=buf.dtype)  # one receive buffer for all steps
+    sending = x[slice(*bounds[(r - 1) % p])]  # step 0 sends our own chunk r-1, not yet reduced
     for k in range(p - 1):
-        s0, s1 = bounds[(r - k - 1) % p]  # step k: send chunk (r-k-1) mod p to the right neighbour,
-        r0, r1 = bounds[(r - k - 2) % p]  # receive chunk (r-k-2) mod p from the left one
-        link.sendrecv(buf[s0:s1], right, tmp[: r1 - r0], left)
-        ufunc(buf[r0:r1], tmp[: r1 - r0], out=buf[r0:r1])  # and add it into our copy, in place
+        i = (r - k - 2) % p
+        into = landing(k, i)
+        link.sendrecv(sending, right, into, left)
+        ufunc(x[slice(*bounds[i])], into, out=into)  # our own chunk i added to the partial sum
+        sending = into
 
 
 def ring_all_gather_inplace(link, buf: np.ndarray, bounds) -> None:
@@ -48,6 +56,7 @@ def ring_all_gather_inplace(link, buf: np.ndarray, bounds) -> None:
 
     p - 1 steps; in step k rank r sends chunk (r - k) mod p to its right neighbour and receives
     chunk (r - k - 1) mod p from its left neighbour straight into place.
+    Per element: (p-1)/p sent, (p-1)/p received, no reduction, no copy.
     """
     p, r = link.size, link.rank
     right, left = (r + 1) % p, (r - 1) % p
@@ -58,27 +67,52 @@ def ring_all_gather_inplace(link, buf: np.ndarray, bounds) -> None:
 
 
 def ring_all_reduce(link, x: np.ndarray, ufunc) -> np.ndarray:
-    """Ring all-reduce = ring reduce-scatter, then ring all-gather of the reduced chunks: each
-    rank sends 2 (n - n/p) elements, the bandwidth optimum."""
-    buf = x.reshape(-1).copy()  # (n,) the output, reduced in place; x stays untouched
-    bounds = chunk_bounds(buf.size, link.size)
-    ring_reduce_scatter_inplace(link, buf, bounds, ufunc)
-    ring_all_gather_inplace(link, buf, bounds)
-    return buf.reshape(x.shape)
+    """Ring all-reduce = ring reduce-scatter, then ring all-gather of the reduced chunks, both in
+    the output: each chunk's partial sums land at their own place in it, which the all-gather then
+    overwrites with the finished chunk. Per element: 2(p-1)/p sent, 2(p-1)/p received (the
+    bandwidth optimum), (p-1)/p reductions, no copy (p = 1: one copy)."""
+    flat = x.reshape(-1)  # (n,) a view; x stays untouched
+    out = np.empty_like(flat)  # (n,) the only allocation
+    if link.size == 1:
+        np.copyto(out, flat)
+        return out.reshape(x.shape)
+    bounds = chunk_bounds(flat.size, link.size)
+    ring_reduce_steps(link, flat, bounds, ufunc, lambda k, i: out[slice(*bounds[i])])
+    ring_all_gather_inplace(link, out, bounds)
+    return out.reshape(x.shape)
 
 
 def ring_reduce_scatter(link, x: np.ndarray, ufunc) -> np.ndarray:
-    """x (n, ...) on every rank -> rows shard_range(n, p, r) of the reduction, shape (n_r, ...)."""
+    """x (n, ...) on every rank -> rows shard_range(n, p, r) of the reduction, shape (n_r, ...).
+
+    The last step's chunk lands in the output; the p - 2 steps before it in two spare buffers of
+    one chunk, in turn (none for p = 2). Per element: (p-1)/p sent, (p-1)/p received, (p-1)/p
+    reductions, no copy (p = 1: one copy); memory 2n/p beyond the output for p > 2."""
+    p, r = link.size, link.rank
     unit = int(np.prod(x.shape[1:], dtype=np.int64))
-    buf = x.reshape(-1).copy()  # (n * unit,) reduced in place chunk by chunk
-    bounds = chunk_bounds(x.shape[0], link.size, unit)
-    ring_reduce_scatter_inplace(link, buf, bounds, ufunc)
-    a, b = bounds[link.rank]
-    return buf[a:b].reshape((b - a) // unit if unit else 0, *x.shape[1:]).copy()
+    flat = x.reshape(-1)  # (n * unit,) a view; x stays untouched
+    bounds = chunk_bounds(x.shape[0], p, unit)
+    a, b = bounds[r]
+    out = np.empty(((b - a) // unit if unit else 0, *x.shape[1:]), dtype=x.dtype)  # (n_r, ...)
+    mine = out.reshape(-1)  # (n_r * unit,)
+    if p == 1:
+        np.copyto(mine, flat)
+        return out
+    longest = max(hi - lo for lo, hi in bounds)
+    spare = [np.empty(longest, dtype=x.dtype) for _ in range(min(2, p - 2))]  # (longest,) each
+
+    def landing(k: int, i: int) -> np.ndarray:
+        lo, hi = bounds[i]
+        return mine if k == p - 2 else spare[k % 2][: hi - lo]
+
+    ring_reduce_steps(link, flat, bounds, ufunc, landing)
+    return out
 
 
 def ring_all_gather(link, x: np.ndarray, counts: list[int]) -> np.ndarray:
-    """x (counts[r], ...) on rank r -> all pieces concatenated along axis 0, (sum(counts), ...)."""
+    """x (counts[r], ...) on rank r -> all pieces concatenated along axis 0, (sum(counts), ...).
+    Per element of the output (even pieces): (p-1)/p sent, (p-1)/p received, 1/p copied (the own
+    piece into place)."""
     unit = int(np.prod(x.shape[1:], dtype=np.int64))
     out = np.empty((sum(counts), *x.shape[1:]), dtype=x.dtype)  # (N, ...)
     flat = out.reshape(-1)
@@ -95,6 +129,7 @@ def pairwise_all_to_all(link, chunks: list[np.ndarray], received: list[np.ndarra
 
     p - 1 steps; in step k rank r sends to (r + k) mod p and receives from (r - k) mod p, so every
     pair meets exactly once and no rank waits on two partners at a time. Its own chunk is a copy.
+    Per element that rank r sends (even chunks): (p-1)/p sent, (p-1)/p received, 1/p copied.
     """
     p, r = link.size, link.rank
     received[r][...] = chunks[r]
@@ -109,6 +144,7 @@ def tree_broadcast(link, buf: np.ndarray, root: int) -> None:
     With v = (r - root) mod p, rank v receives from v - 2^j where 2^j is v's lowest set bit, then
     forwards to v + 2^i for every 2^i below that bit (largest first), so the number of ranks that
     hold the data doubles each round.
+    Per element: 1 received (not the root), 1 sent per child: up to ceil(log2 p) at the root.
     """
     p = link.size
     v = (link.rank - root) % p
@@ -128,7 +164,8 @@ def tree_broadcast(link, buf: np.ndarray, root: int) -> None:
 def scatter_allgather_broadcast(link, buf: np.ndarray, root: int) -> None:
     """van de Geijn's broadcast for long messages: the root scatters chunk i of the flat `buf` to
     rank i, then a ring all-gather completes it everywhere; each rank receives n elements, the
-    root sends about 2n whatever p is (a tree root sends n log2 p)."""
+    root sends about 2n whatever p is (a tree root sends n log2 p). Per element: 1 received (not
+    the root: 1/p scattered, (p-1)/p gathered), 2(p-1)/p sent by the root, (p-1)/p by the others."""
     p, r = link.size, link.rank
     flat = buf.reshape(-1)
     bounds = chunk_bounds(flat.size, p)

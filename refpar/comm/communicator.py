@@ -379,7 +379,7 @@ class Communicator:
         a, like = _to_host(x)
         self._check_peer(root, "root")
         t0 = self._begin("broadcast", algo, a.shape, a.dtype, tag, root=root)
-        out = a.copy()
+        out = a.copy() if self.rank == root else np.empty_like(a)  # the others' contents are ignored
         if algo == "native":
             self._native(lambda: self.comm.Ibcast(_wire(out), root),
                          lambda: self.comm.Bcast(_wire(out), root))

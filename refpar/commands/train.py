@@ -19,10 +19,14 @@ HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the bes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from refpar.config import TrainConfig
+    from refpar.config import MODEL_PRESETS, TrainConfig, describe_preset
 
     d = TrainConfig()
-    parser.add_argument("--model", default="tiny", help="model preset: tiny or small (default tiny)")
+    parser.add_argument("--model", default="tiny", help=(
+        f"model preset (default tiny): {describe_preset('tiny')}, the tests' model, 55K parameters; "
+        f"{describe_preset('small')}, the benchmarks' model, 3.7M parameters, not GPT-2 small; "
+        f"{describe_preset('gpt2')}, Hugging Face's GPT-2 small, 124M parameters; "
+        f"{', '.join(name for name in MODEL_PRESETS if name not in ('tiny', 'small', 'gpt2'))}"))
     parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     parser.add_argument("--batch-size", type=int, default=d.batch_size,
                         help=f"global batch, sequences per step (default {d.batch_size})")

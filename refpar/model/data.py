@@ -9,6 +9,11 @@ V and V-1), so pi is unique.
 
 Batches are keyed by (seed, "data", step, sample_id): a data-parallel rank that takes its slice of
 the global sample ids draws exactly those rows of the global batch.
+
+Up to DENSE_VOCAB tokens the chain is a dense (V, V) matrix and pi one linear solve. A larger
+vocabulary (GPT-2's 50257: a dense P would take 20 GB, the per-row draw minutes) draws all rows'
+random successors at once and finds pi by power iteration on the sparse chain, to 1e-15 in the
+1-norm (the random edges make the chain mix in tens of steps); `transition` is None there.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import numpy as np
 
 from refpar import rng
 from refpar.config import ConfigError
+
+DENSE_VOCAB = 8192  # the largest vocabulary whose chain is a dense matrix (512 MB)
 
 
 class MarkovCorpus:
@@ -29,19 +36,26 @@ class MarkovCorpus:
         V = vocab_size
         self.vocab_size, self.seed = V, seed
         gen = rng.generator(seed, "data")  # the chain's own key: no step or sample id
+        dense = V <= DENSE_VOCAB
         successors = np.empty((V, branching), dtype=np.int64)  # (V, k)
-        for i in range(V):
-            others = np.setdiff1d(np.arange(V), [(i + 1) % V, (i + 2) % V])
-            picked = gen.choice(others, size=branching - 2, replace=False)
-            successors[i] = [(i + 1) % V, (i + 2) % V, *picked]
+        if dense:
+            for i in range(V):
+                others = np.setdiff1d(np.arange(V), [(i + 1) % V, (i + 2) % V])
+                picked = gen.choice(others, size=branching - 2, replace=False)
+                successors[i] = [(i + 1) % V, (i + 2) % V, *picked]
+        else:
+            successors[:, 0], successors[:, 1] = (np.arange(V) + 1) % V, (np.arange(V) + 2) % V
+            successors[:, 2:] = _random_successors(gen, V, branching - 2)
         # Cubed uniforms: uneven probabilities, so the floor is well below log(branching).
         weights = gen.random((V, branching)) ** 3 + 1e-3  # (V, k)
         self.successors = successors
         self.probs = weights / weights.sum(axis=1, keepdims=True)  # (V, k), rows sum to 1
-        self.transition = np.zeros((V, V))  # (V, V) dense P[i, j]
-        np.add.at(self.transition, (np.repeat(np.arange(V), branching), successors.ravel()),
-                  self.probs.ravel())
-        self.stationary = self._stationary()  # (V,)
+        self.transition = None
+        if dense:
+            self.transition = np.zeros((V, V))  # (V, V) dense P[i, j]
+            np.add.at(self.transition, (np.repeat(np.arange(V), branching), successors.ravel()),
+                      self.probs.ravel())
+        self.stationary = self._stationary() if dense else self._stationary_by_iteration()  # (V,)
         self._cum = np.cumsum(self.probs, axis=1)  # (V, k)
         self._cum_pi = np.cumsum(self.stationary)  # (V,)
 
@@ -54,6 +68,22 @@ class MarkovCorpus:
         rhs = np.zeros(V)
         rhs[-1] = 1.0
         return np.linalg.solve(A, rhs)
+
+    def step_distribution(self, pi: np.ndarray) -> np.ndarray:
+        """pi P for a distribution pi (V,) over tokens, from the sparse successors: (V,)."""
+        return np.bincount(self.successors.ravel(), weights=(pi[:, None] * self.probs).ravel(),
+                           minlength=self.vocab_size)
+
+    def _stationary_by_iteration(self, tol: float = 1e-15, max_steps: int = 10_000) -> np.ndarray:
+        """pi = lim pi_0 P^t from the uniform pi_0; the chain is irreducible and aperiodic."""
+        pi = np.full(self.vocab_size, 1.0 / self.vocab_size)  # (V,)
+        for _ in range(max_steps):
+            nxt = self.step_distribution(pi)  # (V,)
+            nxt /= nxt.sum()  # against drift of the rounding
+            if np.abs(nxt - pi).sum() < tol:
+                return nxt
+            pi = nxt
+        raise RuntimeError(f"the chain's stationary distribution did not converge in {max_steps} steps")
 
     def entropy_rate(self) -> float:
         """sum_i pi_i H(P_i) in nats: the loss floor."""
@@ -73,3 +103,16 @@ class MarkovCorpus:
             choice = (u[:, t + 1, None] >= self._cum[state]).sum(axis=1)  # (B,) in 0..k
             seq[:, t + 1] = self.successors[state, np.minimum(choice, k - 1)]
         return np.ascontiguousarray(seq[:, :-1]), np.ascontiguousarray(seq[:, 1:])
+
+
+def _random_successors(gen, V: int, extra: int) -> np.ndarray:
+    """(V, extra) distinct random successors per token, none of them i+1 or i+2 (mod V): offsets
+    from i drawn among 0 and 3..V-1, the rows with a repeat drawn again until none has one."""
+    offsets = np.empty((V, extra), dtype=np.int64)  # (V, extra)
+    redraw = np.arange(V)
+    while redraw.size:
+        drawn = gen.integers(3, V + 1, size=(redraw.size, extra)) % V  # V wraps to offset 0: i itself
+        offsets[redraw] = drawn
+        ordered = np.sort(drawn, axis=1)
+        redraw = redraw[(ordered[:, 1:] == ordered[:, :-1]).any(axis=1)]
+    return (np.arange(V)[:, None] + offsets) % V

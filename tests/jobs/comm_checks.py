@@ -207,7 +207,7 @@ def check_group(c: Checker, comm, dtypes=DTYPES) -> None:
 
 def ring_order_sum(xs: list[np.ndarray], c: int) -> np.ndarray:
     """Chunk c of the ring's reduction: it starts at rank c + 1, and each rank after it adds its
-    own copy to what arrives, rank c last (algorithms.ring_reduce_scatter_inplace)."""
+    own copy to what arrives, rank c last (algorithms.ring_reduce_steps)."""
     p = len(xs)
     acc = xs[(c + 1) % p]
     for j in range(2, p + 1):
