@@ -1,10 +1,12 @@
 """Aux-loss-free balancing (DeepSeek-V3 §2.1.2) over a 30-step tiny run on one device (float64)."""
 
 import numpy as np
+import pytest
 
 from refpar.analysis.moe import load_imbalance
 from refpar.config import TrainConfig, model_preset
 from refpar.trainer import train_single_device
+from refpar.viz.moe import expert_load_figure
 
 STEPS, GAMMA = 30, 0.01
 
@@ -17,15 +19,21 @@ def run(balance: str):
     return model, train_single_device(model, TrainConfig(steps=STEPS)).moe_steps
 
 
+@pytest.fixture(scope="module")
+def runs():
+    """(model, the aux-free run's MoE steps, the unbalanced run's): both tests read the same runs."""
+    model, free = run("aux-free")
+    return model, free, run("none")[1]
+
+
 def imbalance(steps, model) -> np.ndarray:
     """(steps,) max/mean load, averaged over the MoE blocks."""
     return np.array([np.mean([load_imbalance(s.tokens_per_expert[i]) for i in model.moe_blocks])
                      for s in steps])
 
 
-def test_aux_free_bias_evens_expert_load_over_30_tiny_steps_and_follows_the_sign_update():
-    model, free = run("aux-free")
-    _, none = run("none")
+def test_aux_free_bias_evens_expert_load_over_30_tiny_steps_and_follows_the_sign_update(runs):
+    model, free, none = runs
     balanced, unbalanced = imbalance(free, model), imbalance(none, model)
     print(f"max/mean load, first 10 steps then last 10: aux-free {balanced[:10].mean():.3f} -> "
           f"{balanced[-10:].mean():.3f}, no balancing {unbalanced[:10].mean():.3f} -> "
@@ -43,3 +51,21 @@ def test_aux_free_bias_evens_expert_load_over_30_tiny_steps_and_follows_the_sign
             load = np.array(s.tokens_per_expert[i], dtype=float)
             expected = expected + GAMMA * np.sign(load.mean() - load)
     assert all(s.expert_bias == {} for s in none)
+
+
+def test_expert_load_figure_draws_each_experts_load_and_the_imbalance_of_both_runs(runs):
+    """The app's figure from two runs' --json "moe" objects (steps x blocks x E loads, here built
+    from the runs' records): one line per expert and run, and each run's max/mean per step."""
+    model, free, none = runs
+    blocks = list(model.moe_blocks)
+    as_json = {label: {"blocks": blocks, "tokens_per_expert": [[s.tokens_per_expert[i] for i in blocks]
+                                                               for s in steps]}
+               for label, steps in (("aux-free", free), ("none", none))}
+    fig = expert_load_figure(as_json, block_index=1)
+    lines = [t for t in fig.data if t.xaxis == "x"]
+    assert len(lines) == 2 * model.moe_experts
+    assert list(lines[3].y) == [s.tokens_per_expert[blocks[1]][3] for s in free]
+    for label, steps in (("aux-free", free), ("none", none)):
+        (ratio,) = [t for t in fig.data if t.name == label]
+        loads = np.array([s.tokens_per_expert[blocks[1]] for s in steps], dtype=float)
+        np.testing.assert_array_equal(ratio.y, loads.max(axis=1) / loads.mean(axis=1))

@@ -11,6 +11,7 @@ from lesson_link import lesson_link
 
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.viz import expected
+from refpar.viz.moe import expert_load_figure
 
 
 @st.fragment(run_every=1.0)
@@ -43,6 +44,8 @@ def progress(run: Launcher) -> None:
                    f"{summary['step_time_s'] * 1e3:.1f} ms per step. Its bytes and memory are now on the "
                    "Communication and Memory pages.")
         st.dataframe(summary["comm_bytes"], hide_index=True)
+        if summary.get("moe"):  # an MoE run: each expert's load per step
+            st.plotly_chart(expert_load_figure({run.result["label"]: summary["moe"]}))
 
 
 st.title("Run for real")
