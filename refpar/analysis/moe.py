@@ -26,7 +26,7 @@ the R rows it dispatches and the Q rows its experts receive, both from that micr
 (`dispatch_rows`); an expert's hidden width is this tp rank's columns H of 4C, and under sp the
 router keeps the gathered (b_j, Ta, C) instead of ln_2's (b_j, Tl, C) shard. Mixed precision:
 e = 2 bytes for the activations; the integer indices and counts stay int64, the two router losses
-float32.
+float32. DeepSeek's shared experts and sequence-wise loss add to it (`routing_option_bytes`).
 """
 
 from __future__ import annotations

@@ -170,6 +170,9 @@ def model_overrides(args) -> dict:
             raise ConfigError(f"{flag} shapes the experts of a Mixture of Experts; add --moe-experts E "
                               f"or drop {flag}")
         return {}
+    if args.moe_bias_rate != MOE_DEFAULTS["moe_bias_rate"] and args.moe_balance != "aux-free":
+        raise ConfigError("--moe-bias-rate sets aux-free balancing's bias step; add --moe-balance aux-free "
+                          "or drop --moe-bias-rate")
     layers = None
     if args.moe_layers is not None:
         try:

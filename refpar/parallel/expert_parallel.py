@@ -31,6 +31,14 @@ routed alike by moe.route (softmax, top-k, renormalised for k >= 2: Mixtral's ro
 Per MoE layer and step: one all-gather of counts (data axis), four all-to-alls on ep (dispatch and
 combine forward, and the same two backward), shown by the tags `h.{i}.mlp.experts:dispatch` etc.
 
+DeepSeek's routing options (refpar/model/moe.py) change no message: the aux-free bias is updated
+from the gathered counts, the same on every rank (`self.bias`, moe.update_expert_bias); shared
+experts are dense weights every data rank holds and runs on its own tokens; with a group limit a
+token's rows go to the ranks of at most M expert groups (one group per ep rank when G = ep), so the
+all-to-all's sizes, which come from the counts as before, shrink. Dropping by score would need every
+assignment's score, not counts: it is refused on more than one data rank (`check_expert_parallel`).
+The sequence-wise loss needs whole sequences on a rank: refused with cp > 1.
+
 With context parallelism each data rank's rows are split over c cp ranks
 by position, so the exchange group is the dp x ep x cp ranks (group rank d * c + cp rank, cp
 innermost) and a rank's tokens are no longer one contiguous block of the global order: of each
