@@ -49,8 +49,7 @@ CASES = {
     "deepseek_probs_drops": cfg(moe_top_k=2, moe_capacity_factor=0.75, moe_gate="sigmoid",
                                 moe_balance="aux-free", moe_seq_aux_weight=0.3, moe_groups=2,
                                 moe_group_limit=1, moe_shared_experts=1, moe_drop_policy="probs"),
-    "softmax_seq_aux_shared_2": cfg(moe_top_k=3, moe_capacity_factor=0.75, moe_seq_aux_weight=0.3,
-                                    moe_shared_experts=2),
+    "softmax_seq_aux": cfg(moe_top_k=2, moe_capacity_factor=0.75, moe_seq_aux_weight=0.3),
 }
 BIASES = {"deepseek_probs_drops": np.array([0.05, -0.02, 0.0, 0.03])}
 
