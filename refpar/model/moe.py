@@ -138,11 +138,12 @@ def router_scores(logits, gate: str):
 
 
 def select_experts(scores, k: int, bias=None, groups: int = 1, group_limit: int | None = None):
-    """scores (N, E) -> the k chosen experts (N, k) and argsort's (N, E) buffer they view.
-    Ties go to the lower expert index. DeepSeek-V3's two changes (§2.1.2, eq. 16 and "node-limited
-    routing"): `bias` (E,) is added for the choice only, never to the gates; with `group_limit` M the
-    experts, in `groups` runs of E / G, are first narrowed to the M groups whose ceil(k / M) best
-    biased scores sum highest (K_r / M in the paper), ties to the lower group."""
+    """scores (N, E) -> the k chosen experts (N, k), a view of argsort's (N, E) buffer (what a
+    cache keeps). Ties go to the lower expert index. DeepSeek-V3's two changes (§2.1.2, eq. 16 and
+    "node-limited routing"): `bias` (E,) is added for the choice only, never to the gates; with
+    `group_limit` M the experts, in `groups` runs of E / G, are first narrowed to the M groups
+    whose ceil(k / M) best biased scores sum highest (K_r / M in the paper), ties to the lower
+    group."""
     xp = array_namespace(scores)
     choice = scores if bias is None else scores + bias  # (N, E)
     if group_limit is not None:
@@ -154,8 +155,7 @@ def select_experts(scores, k: int, bias=None, groups: int = 1, group_limit: int 
         allowed = xp.sum(one_hot(top, groups, xp.int64), axis=1) > 0  # (N, G)
         allowed = xp.reshape(xp.broadcast_to(allowed[..., None], (N, groups, per)), (N, E))  # (N, E)
         choice = xp.where(allowed, choice, -xp.inf)  # (N, E): the other groups are never chosen
-    order = xp.argsort(-choice, axis=-1, stable=True)  # (N, E)
-    return order[:, :k], order
+    return xp.argsort(-choice, axis=-1, stable=True)[:, :k]  # (N, k)
 
 
 def router_forward(x2, w, k: int, gate: str = "softmax", bias=None, groups: int = 1,
@@ -168,7 +168,7 @@ def router_forward(x2, w, k: int, gate: str = "softmax", bias=None, groups: int 
     xp = array_namespace(x2, w)
     logits, lin_cache = linear_forward(x2, w, None)  # (N, E)
     scores, lse = router_scores(logits, gate)  # (N, E), (N,)
-    experts, _ = select_experts(scores, k, bias, groups, group_limit)  # (N, k)
+    experts = select_experts(scores, k, bias, groups, group_limit)  # (N, k)
     chosen = xp.take_along_axis(scores, experts, axis=-1)  # (N, k)
     if k == 1 and gate == "softmax":
         gates = chosen  # (N, 1)
