@@ -37,6 +37,11 @@ def _require_positive(owner: str, **values: int | float) -> None:
                               "to a value > 0")
 
 
+MOE_GATES = ("softmax", "sigmoid")
+MOE_BALANCES = ("aux", "aux-free", "none")
+MOE_DROP_POLICIES = ("position", "probs")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model's shape. arch="gpt2" (Radford et al. 2019): pre-LayerNorm blocks, learned positions,
@@ -62,6 +67,15 @@ class ModelConfig:
     moe_layers: tuple[int, ...] | None = None  # blocks whose MLP becomes MoE; None: all blocks
     moe_aux_loss_weight: float = 0.01  # alpha of the Switch load-balancing loss
     moe_z_loss_weight: float = 0.001  # beta of the ST-MoE router z-loss
+    moe_shared_experts: int = 0  # S experts every token passes through (DeepSeekMoE, Dai et al. 2024)
+    moe_gate: str = "softmax"  # router scores: "softmax" (Switch, Mixtral) or "sigmoid" (DeepSeek-V3)
+    moe_balance: str = "aux"  # "aux" (Switch loss), "aux-free" (DeepSeek-V3's bias) or "none"
+    moe_bias_rate: float = 0.001  # gamma of the aux-free bias update (DeepSeek-V3 used 0.001)
+    moe_seq_aux_weight: float = 0.0  # alpha of DeepSeek-V3's sequence-wise balance loss (it used 1e-4)
+    moe_groups: int = 1  # G groups of E / G consecutive experts (DeepSeek-V3: one per node)
+    moe_group_limit: int | None = None  # M: a token's experts lie in at most M groups; None: any
+    moe_drop_policy: str = "position"  # past the capacity, drop the latest ("position") or least
+    # probable ("probs") assignments (Megatron-Core's moe_token_drop_policy)
     arch: str = "gpt2"  # one of ARCHS
     # Llama only: None for GPT-2; for Llama, None takes the default given as "None:" on each line.
     n_kv_head: int | None = None  # kv heads, grouped-query attention (Ainslie et al. 2023); None: n_head
@@ -146,6 +160,41 @@ class ModelConfig:
         if not (0 <= self.moe_aux_loss_weight < math.inf and 0 <= self.moe_z_loss_weight < math.inf):
             raise ConfigError(f"moe_aux_loss_weight={self.moe_aux_loss_weight} and moe_z_loss_weight="
                               f"{self.moe_z_loss_weight} must be 0 or positive, and finite")
+        self._check_routing()
+
+    def _check_routing(self) -> None:
+        """The DeepSeekMoE / DeepSeek-V3 / Megatron-Core routing options (refpar/model/moe.py)."""
+        E, k, G, M = self.moe_experts, self.moe_top_k, self.moe_groups, self.moe_group_limit
+        if self.moe_shared_experts < 0:
+            raise ConfigError(f"moe_shared_experts={self.moe_shared_experts} must be 0 or a positive count")
+        if self.moe_shared_experts and self.arch != "gpt2":
+            raise ConfigError("shared experts are GPT-2 MLPs in refpar; use arch='gpt2' or "
+                              "moe_shared_experts=0 (--moe-shared-experts 0)")
+        if self.moe_gate not in MOE_GATES:
+            raise ConfigError(f"unknown moe_gate {self.moe_gate!r}; choose one of {', '.join(MOE_GATES)}")
+        if self.moe_gate == "sigmoid" and k == 1:
+            raise ConfigError("sigmoid gates are normalised over the chosen experts, which with "
+                              "moe_top_k=1 makes every gate 1 and cuts the router off from the loss; "
+                              "use moe_top_k >= 2 (--moe-topk 2)")
+        if self.moe_balance not in MOE_BALANCES:
+            raise ConfigError(f"unknown moe_balance {self.moe_balance!r}; choose one of "
+                              f"{', '.join(MOE_BALANCES)}")
+        if self.moe_balance == "aux-free" and not 0 < self.moe_bias_rate < math.inf:
+            raise ConfigError(f"moe_bias_rate={self.moe_bias_rate} must be positive and finite for "
+                              "aux-free balancing; DeepSeek-V3 used 0.001")
+        if not 0 <= self.moe_seq_aux_weight < math.inf:
+            raise ConfigError(f"moe_seq_aux_weight={self.moe_seq_aux_weight} must be 0 or positive, "
+                              "and finite; DeepSeek-V3 used 0.0001")
+        if G < 1 or E % G:
+            raise ConfigError(f"moe_groups={G} must divide moe_experts={E}; choose one of {_divisors(E)}")
+        if M is not None and not 1 <= M <= G:
+            raise ConfigError(f"moe_group_limit={M} must be between 1 and moe_groups={G}")
+        if M is not None and M * (E // G) < k:
+            raise ConfigError(f"moe_group_limit={M} groups of {E // G} experts hold fewer than "
+                              f"moe_top_k={k}; allow at least {-(-k // (E // G))} groups")
+        if self.moe_drop_policy not in MOE_DROP_POLICIES:
+            raise ConfigError(f"unknown moe_drop_policy {self.moe_drop_policy!r}; choose one of "
+                              f"{', '.join(MOE_DROP_POLICIES)}")
 
     @property
     def moe_blocks(self) -> tuple[int, ...]:

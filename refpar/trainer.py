@@ -35,7 +35,7 @@ from refpar import backend, checkpoint
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model import init_params, loss_and_grads, moe_layer
 from refpar.model.data import MarkovCorpus
-from refpar.model.moe import kept_counts
+from refpar.model.moe import kept_counts, update_expert_bias
 from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
 from refpar.sharding import shard_range
@@ -65,6 +65,8 @@ class MoEStep:
     time_s: float
     # one dict per microbatch: layer -> (D, E) kept in that microbatch (they add up to kept_counts)
     microbatch_kept_counts: list[dict[int, np.ndarray]] = field(default_factory=list)
+    # aux-free balancing: layer -> the (E,) expert bias this step chose with (empty otherwise)
+    expert_bias: dict[int, list[float]] = field(default_factory=dict)
 
 
 def router_shares(routings: list[dict]) -> tuple[float, float]:
@@ -73,10 +75,10 @@ def router_shares(routings: list[dict]) -> tuple[float, float]:
             sum(float(r["z_loss"]) for rs in routings for r in rs.values()))
 
 
-def step_record(step, loss, routings: list[dict], start, totals=None) -> MoEStep:
+def step_record(step, loss, routings: list[dict], start, totals=None, bias: dict | None = None) -> MoEStep:
     """A step's record from the routing of every MoE layer in each microbatch (one dict layer ->
     routing per microbatch); `totals` the (loss, aux, z) summed over ranks, else this process ran
-    the whole batch."""
+    the whole batch; `bias` the aux-free expert biases the step routed with (moe.update_expert_bias)."""
     if totals is None:
         totals = (loss, *router_shares(routings))
     kept = [{i: backend.to_host(kept_counts(r["selections"], r["capacity"], r["owners"]))
@@ -88,7 +90,9 @@ def step_record(step, loss, routings: list[dict], start, totals=None) -> MoEStep
                                                    for rs in routings)] for i in layers},
         dropped={i: sum(int(rs[i]["dropped"]) for rs in routings) for i in layers},
         kept_counts={i: sum(k[i] for k in kept) for i in layers},
-        time_s=time.perf_counter() - start, microbatch_kept_counts=kept)
+        time_s=time.perf_counter() - start, microbatch_kept_counts=kept,
+        expert_bias={i: [float(b) for b in backend.to_host(v)] for i, v in (bias or {}).items()
+                     if i in layers})
 
 
 @dataclass
@@ -137,6 +141,7 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
         if scaler is not None:
             scaler.load_state_dict(state.pop("loss_scaler"))
     m = microbatches if model.moe_experts else 1
+    expert_bias: dict = {}  # aux-free balancing: layer -> (E,), updated after each step
     for step in range(result.first_step, train.steps):
         start = time.perf_counter()
         dloss = 1.0 if scaler is None else scaler.scale
@@ -144,7 +149,8 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
         for j in range(m):
             ids = range(*shard_range(train.batch_size, m, j)) if m > 1 else sample_ids
             tokens, targets = corpus.batch(step, ids, train.seq_len)  # (B/M, T) each
-            layer = moe_layer(model, weight=1 / m, grad_scale=dloss) if model.moe_experts else None
+            layer = (moe_layer(model, weight=1 / m, grad_scale=dloss, bias=expert_bias)
+                     if model.moe_experts else None)
             # fp16 loss scaling expects overflow to inf now and then, and checks for it: no warnings.
             with np.errstate(over="ignore", invalid="ignore") if scaler else contextlib.nullcontext():
                 part, g = loss_and_grads(params, tokens, targets, model, seed=train.seed, step=step,
@@ -155,7 +161,8 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
             if layer is not None:
                 routings.append(layer.last_routing)
         if model.moe_experts:
-            result.moe_steps.append(step_record(step, loss, routings, start))
+            result.moe_steps.append(step_record(step, loss, routings, start, bias=expert_bias))
+            update_expert_bias(expert_bias, routings, model)
         skip = scaler is not None and has_overflow(grads)
         factor = 1.0 / dloss  # the loss scale undone
         if train.clip_grad_norm:

@@ -55,6 +55,34 @@ def test_moe_active_parameters_match_the_papers():
     # Dai et al. 2024, Table 1 / Section 5: DeepSeekMoE 16B has 16.4B total, 2.8B activated.
     deepseek = param_counts(PRESETS["deepseek-moe-16b"])
     assert round(deepseek.total / 1e9, 1) == 16.4 and round(deepseek.active / 1e9, 1) == 2.8
+    # DeepSeek-AI 2024, DeepSeek-V3 report, abstract and Table 1: 671B total, 37B activated (the
+    # main model, without its 14B multi-token-prediction module)
+    v3 = param_counts(PRESETS["deepseek-v3"])
+    assert round(v3.total / 1e9) == 671 and int(v3.active / 1e9) == 37
+
+
+# One MLA block of DeepSeek-V3 from its config.json shapes: q_a (7168, 1536), its norm, q_b
+# (1536, 128 * (128 + 64)), kv_a (7168, 512 + 64), its norm, kv_b (512, 128 * (128 + 128)),
+# o (128 * 128, 7168).
+V3_MLA = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+
+
+def test_deepseek_v3_published_mesh_memory_per_gpu_from_the_closed_forms():
+    """PP16 x EP64 with ZeRO-1 and no TP on 2,048 H800s (DeepSeek-V3 report §3.2), dp = 2048 /
+    (16 x 64) = 2: the heaviest stage is the first, the embedding and the 3 dense blocks (stage_layers
+    gives it 3 of 61), so bf16 weights and gradients of those, and ZeRO-1's fp32 master and two
+    moments sharded over all 128 ranks that hold them."""
+    from refpar.analysis.flops import attention_params
+
+    spec = PRESETS["deepseek-v3"]
+    assert sum(attention_params(spec)) == V3_MLA == 187_107_328
+    h = spec.d_model
+    first = spec.vocab_size * h + 3 * (V3_MLA + 2 * h + 3 * h * 18432)  # embedding + 3 dense blocks
+    mem = memory_per_rank(spec, micro_batch=1, seq=4096, pp=16, dp=2, ep=64, zero=1,
+                          microbatches=120, recompute="full")
+    assert float(mem["params"]) == float(mem["grads"]) == 2 * first
+    assert float(mem["master"]) == 4 * first / 128 and float(mem["optimizer"]) == 8 * first / 128
+    print({k: round(float(v) / 1e9, 2) for k, v in mem.items()}, "GB per GPU")
 
 
 @pytest.mark.parametrize("name", MEGATRON + ["gpt3-175b"])

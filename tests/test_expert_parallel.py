@@ -14,7 +14,7 @@ from refpar.model.gpt import param_shapes
 from tests.mpi import mpiexec
 from tests.numerics import CONTRACT, within
 
-CASES = {"top1_drops", "top2_drops", "top1_dropless", "top2_dropless"}
+CASES = {"top1_drops", "top2_drops", "top1_dropless", "top2_dropless", "deepseek_drops"}
 
 
 def runs(n, *meshes):
@@ -33,6 +33,8 @@ def assert_matches_single_device(rows):
         assert r["same_dropped"] and r["same_tokens_per_expert"] and within(r["same_aux"], CONTRACT), r
         assert r["bytes_match"], r  # traced bytes per (axis, op) and expert memory == closed forms
         assert (min(r["dropped"]) > 0) == r["case"].endswith("_drops"), r
+        assert r["same_bias"] and r["group_limited"], r  # aux-free biases equal, bit for bit
+        assert r["bias_moved"] == (r["case"] == "deepseek_drops"), r
 
 
 def test_ep2_matches_single_device_after_3_adamw_steps_for_top1_top2_drops_and_dropless():

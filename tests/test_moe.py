@@ -26,8 +26,8 @@ def make_params(config, seed, router_std=1.0):
     return params
 
 
-def objective(x, params, config, G):
-    out, cache = moe.moe_forward(x, params, 0, config)
+def objective(x, params, config, G, bias=None):
+    out, cache = moe.moe_forward(x, params, 0, config, bias=bias)
     r = cache["routing"]
     return float(np.sum(out * G) + r["aux_loss"] + r["z_loss"]), cache
 
@@ -43,7 +43,15 @@ CASES = {
     "switch_top1_drops": cfg(moe_top_k=1, moe_capacity_factor=1.0),
     "top2_drops": cfg(moe_top_k=2, moe_capacity_factor=0.75),
     "top2_dropless": cfg(moe_experts=3, moe_top_k=2, moe_dropless=True),
+    # DeepSeek-V3's router: sigmoid gates normalised over the top-k, a bias that only picks, the
+    # sequence-wise balance loss (no Switch loss: aux-free), 2 groups of 2 experts with 1 per token,
+    # and a shared expert; capacity drops by score (Megatron-Core's "probs")
+    "deepseek_probs_drops": cfg(moe_top_k=2, moe_capacity_factor=0.75, moe_gate="sigmoid",
+                                moe_balance="aux-free", moe_seq_aux_weight=0.3, moe_groups=2,
+                                moe_group_limit=1, moe_shared_experts=1, moe_drop_policy="probs"),
+    "softmax_seq_aux": cfg(moe_top_k=2, moe_capacity_factor=0.75, moe_seq_aux_weight=0.3),
 }
+BIASES = {"deepseek_probs_drops": np.array([0.05, -0.02, 0.0, 0.03])}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -53,14 +61,16 @@ def test_moe_backward_matches_central_differences_with_aux_and_z_loss(name):
     x = gen.standard_normal((B, T, C))
     G = gen.standard_normal((B, T, C))
     params = make_params(config, 2)
-    _, cache = objective(x, params, config, G)
+    bias = BIASES.get(name)
+    _, cache = objective(x, params, config, G, bias)
     r = cache["routing"]
     assert (r["dropped"] > 0) == (not config.moe_dropless)
     # Top-k is piecewise constant: the check is valid only away from ties between the k-th and
-    # the next probability, where an eps-sized step cannot change the choice.
+    # the next probability, where an eps-sized step cannot change the choice (with a bias or groups
+    # the choice is not the plain top-k: the unchanged choices below are the check).
     probs = np.sort(cache["router"][0], axis=-1)[:, ::-1]
     k = config.moe_top_k
-    assert np.min(probs[:, k - 1] - probs[:, k]) > 1e-4
+    assert bias is not None or np.min(probs[:, k - 1] - probs[:, k]) > 1e-4
 
     dx, grads = moe.moe_backward(G, cache)
     assert r["aux_loss"] > 0 and r["z_loss"] > 0
@@ -73,9 +83,9 @@ def test_moe_backward_matches_central_differences_with_aux_and_z_loss(name):
         for i in pick.choice(flat.size, size=min(flat.size, 12), replace=False):
             old = flat[i]
             flat[i] = old + eps
-            up, c_up = objective(x, params, config, G)
+            up, c_up = objective(x, params, config, G, bias)
             flat[i] = old - eps
-            down, c_down = objective(x, params, config, G)
+            down, c_down = objective(x, params, config, G, bias)
             flat[i] = old
             assert np.array_equal(c_up["routing"]["keep"], r["keep"])
             assert np.array_equal(c_down["routing"]["experts"], r["experts"])
@@ -267,3 +277,63 @@ def test_routing_interleaved_runs_across_parts_keeps_what_one_device_keeps(k, dr
     np.testing.assert_array_equal(keep, whole["keep"])
     assert (whole["dropped"] > 0) == (not dropless)
     assert _losses_are_the_whole_batch_resummed(aux, z, whole, len(x))
+
+
+def test_deepseek_routing_matches_brute_force_groups_bias_sigmoid_gates_probs_drops_and_seq_loss():
+    """Group-limited choice with a bias, sigmoid gates normalised over the k, drops by score and the
+    sequence-wise loss, each written out as a plain loop from the papers' definitions."""
+    E, k, G, M, cap_factor, alpha = 12, 3, 4, 2, 0.6, 0.3  # groups of 3: their best 2 score them
+    config = cfg(moe_experts=E, moe_top_k=k, moe_capacity_factor=cap_factor, moe_gate="sigmoid",
+                 moe_balance="aux-free", moe_seq_aux_weight=alpha, moe_groups=G, moe_group_limit=M,
+                 moe_drop_policy="probs")
+    x = np.random.default_rng(12).standard_normal((B * T, C))
+    w = np.random.default_rng(13).standard_normal((C, E))
+    bias = np.random.default_rng(14).standard_normal(E) * 0.1
+    routing, _ = moe.route(x, w, config, bias=bias, seq_len=T)
+    s = 1 / (1 + np.exp(-(x @ w)))  # (N, E) sigmoid affinities
+    cap = math.ceil(B * T * k * cap_factor / E)
+    chosen = []
+    for n in range(B * T):  # DeepSeek-V3 §2.1.2: the M groups with the best top-ceil(k/M) sums
+        biased = s[n] + bias
+        group_score = [sum(sorted(biased[g * 3:g * 3 + 3])[::-1][:2]) for g in range(G)]
+        groups = sorted(range(G), key=lambda g: (-group_score[g], g))[:M]
+        allowed = [e for e in range(E) if e // 3 in groups]
+        chosen.append(sorted(allowed, key=lambda e: (-biased[e], e))[:k])
+    chosen = np.array(chosen)  # (N, k)
+    np.testing.assert_array_equal(routing["experts"], chosen)
+    assert all(len({e // 3 for e in row}) <= M for row in chosen)
+    picked = np.take_along_axis(s, chosen, axis=1)  # gates from the unbiased scores
+    np.testing.assert_allclose(routing["gates"], picked / picked.sum(axis=1, keepdims=True), rtol=1e-14)
+    # drops by score: each expert keeps its cap highest scores, ties in queue order (slot, token)
+    keep = np.zeros((B * T, k), bool)
+    for e in range(E):
+        queue = [(j, n) for j in range(k) for n in range(B * T) if chosen[n, j] == e]
+        for j, n in sorted(queue, key=lambda a: -picked[a[1], a[0]])[:cap]:
+            keep[n, j] = True
+    np.testing.assert_array_equal(routing["keep"], keep)
+    assert routing["dropped"] == int((~keep).sum()) > 0
+    # DeepSeek-V3 eq. 17-20 per sequence, averaged over the B sequences (no Switch loss: aux-free)
+    share = s / s.sum(axis=1, keepdims=True)  # (N, E)
+    seq = 0.0
+    for b in range(B):
+        rows = slice(b * T, (b + 1) * T)
+        f = E / (k * T) * np.array([(chosen[rows] == i).sum() for i in range(E)])
+        seq += alpha * np.sum(f * share[rows].mean(axis=0)) / B
+    assert rel_diff(float(routing["aux_loss"]), seq) < 1e-14
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(moe_gate="relu"), "unknown moe_gate"),
+    (dict(moe_gate="sigmoid", moe_top_k=1), "moe_top_k >= 2"),
+    (dict(moe_balance="loss"), "unknown moe_balance"),
+    (dict(moe_balance="aux-free", moe_bias_rate=0.0), "moe_bias_rate=0.0 must be positive"),
+    (dict(moe_seq_aux_weight=-1.0), "moe_seq_aux_weight=-1.0"),
+    (dict(moe_groups=3), "moe_groups=3 must divide moe_experts=4"),
+    (dict(moe_groups=2, moe_group_limit=3), "moe_group_limit=3 must be between 1 and moe_groups=2"),
+    (dict(moe_top_k=3, moe_groups=2, moe_group_limit=1), "allow at least 2 groups"),
+    (dict(moe_drop_policy="random"), "unknown moe_drop_policy"),
+    (dict(moe_shared_experts=-1), "moe_shared_experts=-1"),
+])
+def test_routing_options_refuse_bad_values_in_one_sentence(fields, says):
+    with pytest.raises(ConfigError, match=says):
+        cfg(**fields)

@@ -36,14 +36,16 @@ def rows(tmp_path_factory):
 def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_bytes_and_memory(rows):
     """pp=2 x ep=2 under 1f1b, gpipe (top-1) and interleaved (dropless), pp=2 x dp=2 under zb-h1,
     pp=4 with MoE in the last two blocks only, dp x ep without a pipeline, each with 2 or 4
-    microbatches, and pp=2 x ep=2 under zb-h1 in bf16 (its loss within bf16's MoE bound, the rest as
-    follows): losses, parameters, aux losses and the routing of every block are the single device's
-    with the same microbatches; each step's traced bytes per (axis, op) and every memory peak equal
-    the closed forms from the routing counts, and so does every rank's activation peak, to the
-    byte: the MoE blocks' routing, router, expert buffers and caches from the counts of each
-    microbatch, replayed over the schedule."""
+    microbatches, pp=2 x ep=2 under 1f1b with DeepSeek-V3's routing (shared expert, sigmoid gates,
+    aux-free bias, sequence-wise loss, group limit), and pp=2 x ep=2 under zb-h1 in bf16 (its loss
+    within bf16's MoE bound, the rest as follows): losses, parameters, aux losses and the routing
+    of every block are the single device's with the same microbatches (the aux-free biases too);
+    each step's traced bytes per (axis, op) and every memory peak equal the closed forms from the
+    routing counts, and so does every rank's activation peak, to the byte: the MoE blocks'
+    routing, router, expert buffers and caches from the counts of each microbatch, replayed over
+    the schedule."""
     runs = [r for r in rows if "run" in r]
-    assert len(runs) == 7
+    assert len(runs) == 8
     for r in runs:
         if "bfloat16" in r["run"]:  # routing may flip once the parameters differ in the last bit
             assert within(r["loss_diff"], BF16_MOE_TOLERANCE), r

@@ -29,9 +29,11 @@ def rows(tmp_path_factory):
 
 
 def test_moe_with_expert_tp_and_sp_matches_one_device_with_closed_form_bytes_and_memory(rows):
-    """ep=2 x tp=2 (one and two microbatches, with and without sp), pp=2 x tp=2 with sp (top-1),
+    """ep=2 x tp=2 (one and two microbatches, with and without sp; with sp also with DeepSeek-V3's
+    routing, its shared expert replicated over tp), pp=2 x tp=2 with sp (top-1),
     dp=2 x tp=2, cp=2 x tp=2 (ring) and cp=2 x tp=2 with sp (Ulysses): losses, parameters gathered
-    over tp, aux losses and the routing of every block are the single device's with capacities
+    over tp, aux losses, the routing of every block and the aux-free biases are the single
+    device's with capacities
     that drop; ep=2 x tp=2 with sp in bf16-mixed: the loss
     within verify's MoE bound of the bf16 single device. Each step's traced bytes per (axis, op)
     and the params/grads/optimizer (bf16: master) and activation peaks equal the closed forms; every rank
@@ -39,7 +41,7 @@ def test_moe_with_expert_tp_and_sp_matches_one_device_with_closed_form_bytes_and
     under sp gathers the sequence twice; a rank holds 1/t of its experts' weights (c_proj.bias
     whole)."""
     runs = [r for r in rows if "run" in r]
-    assert len(runs) == 7 and sum(r["run"].startswith("cp=2,tp=2") for r in runs) == 2
+    assert len(runs) == 8 and sum(r["run"].startswith("cp=2,tp=2") for r in runs) == 2
     C = 16
     whole, half = 2 * C * 4 * C + 4 * C + C, 2 * C * 2 * C + 2 * C + C  # one expert, and its tp shard
     for r in runs:

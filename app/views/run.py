@@ -14,6 +14,7 @@ from lesson_link import lesson_link
 
 from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig, model_preset
 from refpar.viz import expected, mesh_grid
+from refpar.viz.moe import expert_load_figure
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
 DEMO = {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2}  # make demo's mesh
@@ -55,6 +56,8 @@ def progress(run: Launcher) -> None:
                        f"{summary['dtype']}, after {summary['steps']} steps; refpar's contract in float64 "
                        "is 1e-10)")
         st.dataframe(summary["comm_bytes"], hide_index=True)
+        if summary.get("moe"):  # an MoE run: each expert's load per step
+            st.plotly_chart(expert_load_figure({result["label"]: summary["moe"]}))
         if result.get("timeline"):
             show_timeline(result["timeline"], result["label"])
 

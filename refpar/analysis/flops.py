@@ -55,13 +55,31 @@ class LayerParams:
         return (self.split - self.kv) / tp + self.kv / np.minimum(tp, n_kv_head)
 
 
-def layer_params(spec: ModelSpec, moe: bool) -> LayerParams:
+def attention_params(spec: ModelSpec) -> tuple[int, int, int]:
+    """(split, replicated, kv) weights of one attention block, as `LayerParams` splits them.
+    Q and O are (h, h), K and V (h, kv): kv = h without GQA (Ainslie et al. 2023). Multi-head latent
+    attention (DeepSeek-V2 §2.1, V3's config): Q = up(norm(down_q x)), down_q (h, q_lora) and up
+    (q_lora, a (nope + rope)); K and V from one latent, (h, kv_lora + rope) (the rope part is
+    the shared decoupled key), its norm, and up (kv_lora, a (nope + v)); O (a v, h). The down
+    projections and their norms are replicated over tp (Megatron-Core's MLA), the rest splits by
+    heads."""
     h, kv, b = spec.d_model, spec.kv_dim, spec.bias
+    if spec.kv_lora_rank:
+        a, rope = spec.n_head, spec.qk_rope_head_dim
+        qk = spec.qk_nope_head_dim + rope
+        q_lora, kv_lora = spec.q_lora_rank, spec.kv_lora_rank
+        split = (q_lora * a * qk + kv_lora * a * (spec.qk_nope_head_dim + spec.v_head_dim)
+                 + a * spec.v_head_dim * h)
+        replicated = h * q_lora + q_lora + h * (kv_lora + rope) + kv_lora
+        return split, replicated, 0
+    split = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if b else 0)
+    return split, (h if b else 0), 2 * h * kv + (2 * kv if b else 0)
+
+
+def layer_params(spec: ModelSpec, moe: bool) -> LayerParams:
+    h, b = spec.d_model, spec.bias
     norm = 2 * h if spec.norm == "layernorm" else h
-    # Q and O are (h, h); K and V are (h, kv): kv = h without GQA (Ainslie et al. 2023).
-    attn_split = 2 * h * h + 2 * h * kv + ((h + 2 * kv) if b else 0)
-    kv_split = 2 * h * kv + (2 * kv if b else 0)
-    attn_repl = h if b else 0
+    attn_split, attn_repl, kv_split = attention_params(spec)
     if not moe:
         mlp_split, mlp_repl = _mlp_params(h, spec.d_ff, spec.mlp, b)
         return LayerParams(attn_split + mlp_split, attn_repl + 2 * norm + mlp_repl, 0, 0, kv_split)
@@ -105,7 +123,9 @@ def param_counts(spec: ModelSpec) -> ParamCounts:
 def layer_matmul_params(spec: ModelSpec) -> int:
     """Weights one token multiplies by in all blocks together (MoE: k routed + shared experts)."""
     h, kv = spec.d_model, spec.kv_dim
-    attn = 2 * h * h + 2 * h * kv
+    # every attention weight multiplies each token once (MLA's norms are not weights of a GEMM)
+    attn = (sum(attention_params(spec)[:2]) - spec.q_lora_rank - spec.kv_lora_rank if spec.kv_lora_rank
+            else 2 * h * h + 2 * h * kv)
     width = 3 if spec.mlp == "swiglu" else 2
     dense = attn + width * h * spec.d_ff
     moe = attn + (spec.top_k + spec.n_shared_experts) * width * h * spec.moe_d_ff + h * spec.n_experts

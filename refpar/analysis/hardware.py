@@ -113,6 +113,19 @@ HARDWARE: dict[str, Hardware] = {
         # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: the H100 SXM's compute, 141 GB
         # HBM3e at 4.8 TB/s, NVLink 900 GB/s. DGX H200: eight ConnectX-7 at 400 Gb/s per GPU.
         Hardware(
+            # the H100's die for export, NVLink cut to 400 GB/s both ways; DeepSeek-V3's nodes have
+            # 8 GPUs and one 400 Gb/s InfiniBand NIC per GPU (DeepSeek-AI 2024, V3 report §3.1)
+            "h800",
+            peak_flops=HOPPER_FLOPS,
+            memory_bytes=80 * GIGA, hbm_bandwidth=3350 * GIGA, gpus_per_node=8,
+            nvlink_bandwidth=200 * GIGA, ib_bandwidth=50 * GIGA,
+            sm_count=132, matmul_flops={"bfloat16": 794.5 * TERA, "float16": 794.5 * TERA,
+                                        "fp8": 1402.6 * TERA},
+            flash_fraction=0.35,
+            source="NVIDIA H800 (SXM): H100 compute and memory, NVLink 400 GB/s; DeepSeek-V3 report "
+                   "§3.1; MAMF as measured on the H100 (Bekman)",
+        ),
+        Hardware(
             "h200",
             peak_flops=HOPPER_FLOPS,
             memory_bytes=141 * GIGA, hbm_bandwidth=4800 * GIGA, gpus_per_node=8,

@@ -26,7 +26,7 @@ the R rows it dispatches and the Q rows its experts receive, both from that micr
 (`dispatch_rows`); an expert's hidden width is this tp rank's columns H of 4C, and under sp the
 router keeps the gathered (b_j, Ta, C) instead of ln_2's (b_j, Tl, C) shard. Mixed precision:
 e = 2 bytes for the activations; the integer indices and counts stay int64, the two router losses
-float32.
+float32. DeepSeek's shared experts and sequence-wise loss add to it (`routing_option_bytes`).
 """
 
 from __future__ import annotations
@@ -170,6 +170,17 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: 
     }
 
 
+def routing_option_bytes(model, N: int, rows: int, e: int) -> dict[str, int]:
+    """What DeepSeek's routing options add to a MoE block's cache over N tokens in `rows`
+    sequences: each shared expert keeps what a dense GPT-2 MLP keeps (3 N 4C, at full width on
+    every rank: shared experts are replicated, under tp too); the sequence-wise balance loss its
+    coefficients, one per sequence and expert (rows, E). Sigmoid gates, the aux-free bias and
+    group-limited routing keep nothing more: the scores replace the probabilities, and the bias and
+    the group mask only change which experts argsort's (N, E) buffer lists first."""
+    return {"shared_experts": model.moe_shared_experts * 3 * N * 4 * model.n_embd * e,
+            "sequence_balance": rows * model.moe_experts * e if model.moe_seq_aux_weight else 0}
+
+
 def mlp_activation_bytes(model, tokens: int, H: int | None = None) -> int:
     """What GPT-2's MLP adds to analysis.activations.layer_bytes (refpar's Keep): over `tokens`
     tokens, GeLU's input, its tanh and c_proj's input, 4C each (`H`, this tp rank's columns of
@@ -199,6 +210,7 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
         if layer in model.moe_blocks:
             R, Q = dispatch_rows(kept[layer], ep, group, c)
             parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, C, R, Q, runs, ep, El, e, H)
+            parts |= routing_option_bytes(model, N, b, e)
             if sp:  # the gathered sequence for the router, ln_2's shard not kept
                 parts["sequence"] = (N - b * shard_sizes(Ta, t)[coords["tp"]]) * C * e
             n += sum(parts.values()) - mlp_activation_bytes(model, N, H)
@@ -232,3 +244,10 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
                     gather = cost.all_gather_bytes(shard_sizes(Ta, t), k, e, rows[j] * C)
                     cost.add(out, ("tp", "all_gather"), gather, 2 + rerun)
     return out
+
+
+def load_imbalance(loads) -> float:
+    """max / mean of one MoE block's per-expert loads at one step: 1 when every expert gets the same
+    share, E when one expert gets everything."""
+    loads = np.asarray(loads, dtype=float)
+    return float(loads.max() / loads.mean())

@@ -14,6 +14,11 @@ see. Each difference is a field of `ModelSpec`, not a separate code path:
     n_experts > 0         MoE MLPs: n_experts routed experts of width moe_d_ff, top_k per token,
                           n_shared_experts always-on experts (DeepSeekMoE, Dai et al. 2024), the
                           first n_dense_layers blocks keep a dense MLP of width d_ff
+    kv_lora_rank > 0      multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024, §2.1): Q and
+                          K/V pass through low-rank latents (q_lora_rank, kv_lora_rank), each head
+                          has qk_nope_head_dim + qk_rope_head_dim query/key and v_head_dim value
+                          channels. Its parameters are counted exactly (flops.attention_params); the
+                          activation and FLOP terms that read kv_dim keep the MHA shape (h per K, V)
 
 Legend: L layers, h = d_model, a heads, s sequence, V vocabulary, f MLP width.
 """
@@ -53,6 +58,11 @@ class ModelSpec:
     n_shared_experts: int = 0
     moe_d_ff: int = 0
     n_dense_layers: int = 0
+    q_lora_rank: int = 0  # multi-head latent attention (DeepSeek-V2/V3); 0: Q is one (h, h) matrix
+    kv_lora_rank: int = 0  # 0: no MLA
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -161,6 +171,17 @@ PRESETS: dict[str, ModelSpec] = {
         replace(_llama("deepseek-moe-16b", 28, 2048, 16, 16, 10944, 102400, 4096, 1024,
                        "Dai et al. 2024, Section 5; deepseek-moe-16b-base config.json"),
                 n_experts=64, top_k=6, n_shared_experts=2, moe_d_ff=1408, n_dense_layers=1),
+        # DeepSeek-AI 2024 (DeepSeek-V3 Technical Report), §4.2 and the released config.json: 61
+        # layers, h = 7168, 128 heads of MLA (q_lora_rank 1536, kv_lora_rank 512, 128 + 64 query/key
+        # and 128 value channels per head), the first 3 blocks dense (f = 18432), then 256 routed
+        # experts of width 2048, top-8, and 1 shared; vocabulary 129,280, untied head; 4k context,
+        # batch 15,360 sequences (§4.2: ramped up to 15360). 671B total, 37B active per token (the
+        # paper's figures, without the 14B multi-token-prediction module); tests/test_analysis_moe.py.
+        replace(_llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, 15360,
+                       "DeepSeek-AI 2024, DeepSeek-V3 Technical Report §4.2; DeepSeek-V3 config.json"),
+                n_experts=256, top_k=8, n_shared_experts=1, moe_d_ff=2048, n_dense_layers=3,
+                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                v_head_dim=128),
     ]
 }
 

@@ -121,10 +121,14 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
 
 # The options that shape the experts, with their defaults: without --moe-experts none applies.
 MOE_DEFAULTS = {"moe_topk": 1, "moe_layers": None, "capacity_factor": 1.25, "dropless": False,
-                "aux_loss_weight": 0.01, "z_loss_weight": 0.001}
+                "aux_loss_weight": 0.01, "z_loss_weight": 0.001, "moe_shared_experts": 0,
+                "moe_gate": "softmax", "moe_balance": "aux", "moe_bias_rate": 0.001, "moe_seq_aux": 0.0,
+                "moe_groups": 1, "moe_group_limit": None, "moe_drop_policy": "position"}
 
 
 def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    from refpar.config import MOE_BALANCES, MOE_DROP_POLICIES, MOE_GATES
+
     d = MOE_DEFAULTS
     group = parser.add_argument_group("Mixture of Experts (refpar/model/moe.py)")
     group.add_argument("--moe-experts", type=int, default=0,
@@ -141,6 +145,22 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
                        help="alpha of the Switch load-balancing loss (default 0.01)")
     group.add_argument("--z-loss-weight", type=float, default=d["z_loss_weight"],
                        help="beta of the router z-loss (default 0.001)")
+    group.add_argument("--moe-shared-experts", type=int, default=d["moe_shared_experts"],
+                       help="experts every token passes through, DeepSeekMoE's (default 0)")
+    group.add_argument("--moe-gate", choices=MOE_GATES, default=d["moe_gate"],
+                       help="router scores: softmax (Switch, Mixtral) or sigmoid (DeepSeek-V3)")
+    group.add_argument("--moe-balance", choices=MOE_BALANCES, default=d["moe_balance"],
+                       help="aux: Switch's loss; aux-free: DeepSeek-V3's expert bias; none")
+    group.add_argument("--moe-bias-rate", type=float, default=d["moe_bias_rate"],
+                       help="gamma of the aux-free bias update (default 0.001)")
+    group.add_argument("--moe-seq-aux", type=float, default=d["moe_seq_aux"],
+                       help="alpha of DeepSeek-V3's sequence-wise balance loss (default 0)")
+    group.add_argument("--moe-groups", type=int, default=d["moe_groups"],
+                       help="groups of consecutive experts for --moe-group-limit (default 1)")
+    group.add_argument("--moe-group-limit", type=int, default=d["moe_group_limit"],
+                       help="a token's experts lie in at most M groups (DeepSeek-V3's node limit)")
+    group.add_argument("--moe-drop-policy", choices=MOE_DROP_POLICIES, default=d["moe_drop_policy"],
+                       help="past the capacity drop the last queued (position) or least probable (probs)")
 
 
 def model_overrides(args) -> dict:
@@ -154,6 +174,9 @@ def model_overrides(args) -> dict:
             raise ConfigError(f"{flag} shapes the experts of a Mixture of Experts; add --moe-experts E "
                               f"or drop {flag}")
         return {}
+    if args.moe_bias_rate != MOE_DEFAULTS["moe_bias_rate"] and args.moe_balance != "aux-free":
+        raise ConfigError("--moe-bias-rate sets aux-free balancing's bias step; add --moe-balance aux-free "
+                          "or drop --moe-bias-rate")
     layers = None
     if args.moe_layers is not None:
         try:
@@ -162,7 +185,11 @@ def model_overrides(args) -> dict:
             raise ConfigError(f"--moe-layers {args.moe_layers!r} needs block numbers like 1,3") from None
     return {"moe_experts": args.moe_experts, "moe_top_k": args.moe_topk, "moe_layers": layers,
             "moe_capacity_factor": args.capacity_factor, "moe_dropless": args.dropless,
-            "moe_aux_loss_weight": args.aux_loss_weight, "moe_z_loss_weight": args.z_loss_weight}
+            "moe_aux_loss_weight": args.aux_loss_weight, "moe_z_loss_weight": args.z_loss_weight,
+            "moe_shared_experts": args.moe_shared_experts, "moe_gate": args.moe_gate,
+            "moe_balance": args.moe_balance, "moe_bias_rate": args.moe_bias_rate,
+            "moe_seq_aux_weight": args.moe_seq_aux, "moe_groups": args.moe_groups,
+            "moe_group_limit": args.moe_group_limit, "moe_drop_policy": args.moe_drop_policy}
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -280,6 +307,9 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
         check_output_path("--save", args.save, directory=True)
     if args.resume == "":
         raise ConfigError("--resume needs a directory written by --save")
+    if (args.save or args.resume) and getattr(args, "moe_balance", "aux") == "aux-free":
+        raise ConfigError("a checkpoint does not hold aux-free balancing's expert biases, so a resumed "
+                          "run would route differently; drop --save/--resume or use --moe-balance aux")
     if (args.save or args.resume) and getattr(args, "backend", "numpy") != "numpy":
         raise ConfigError(f"--save and --resume read and write NumPy arrays; drop them or --backend "
                           f"{args.backend}")

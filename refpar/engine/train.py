@@ -32,6 +32,7 @@ import numpy as np
 from refpar import checkpoint
 from refpar.model import gemm
 from refpar.model.data import MarkovCorpus
+from refpar.model.moe import update_expert_bias
 from refpar.model.optim import learning_rate
 from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline
@@ -119,9 +120,10 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
         run.windows.append((start, time.perf_counter()))
         run.step_times.append(run.windows[-1][1] - start)
         run.losses.append(float(shares[0]))
-        record = step_record(step, loss, routed, start, shares) if par.moe is not None else None
+        record = step_record(step, loss, routed, start, shares, par.moe.bias) if par.moe is not None else None
         if record is not None:
             run.moe_steps.append(record)
+            update_expert_bias(par.moe.bias, routed, model)  # from the global counts: no message
         if on_step is not None:
             on_step(step, run.losses[-1], run.step_times[-1], tracer.totals() if tracer else {}, record,
                     None if scaler is None else (scale, skipped, len(skipped_steps)))

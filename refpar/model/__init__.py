@@ -46,12 +46,12 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, **options):
     return family(config).loss_and_grads(params, tokens, targets, config, **options)
 
 
-def moe_layer(config: ModelConfig, weight: float = 1.0, grad_scale: float = 1.0):
+def moe_layer(config: ModelConfig, weight: float = 1.0, grad_scale: float = 1.0, bias: dict | None = None):
     """The single-device MoE layer `loss_and_grads(..., moe=)` takes: GPT-2's experts
-    (moe.MoELayer) or Mixtral's (mixtral.MixtralMoELayer); `weight` and `grad_scale` as in
-    moe.route."""
+    (moe.MoELayer) or Mixtral's (mixtral.MixtralMoELayer); `weight`, `grad_scale` and `bias` (the
+    run's aux-free expert biases, layer -> (E,)) as in moe.route."""
     layer = mixtral.MixtralMoELayer if config.arch == "llama" else moe.MoELayer
-    return layer(weight=weight, grad_scale=grad_scale)
+    return layer(weight=weight, grad_scale=grad_scale, bias=bias)
 
 
 def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:

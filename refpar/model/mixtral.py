@@ -110,14 +110,15 @@ def experts_backward(dybuf, caches):
 
 
 # ------------------------------------------------------------------------------ the whole layer
-def moe_forward(x, params, layer: int, config, weight: float = 1.0, grad_scale: float = 1.0):
+def moe_forward(x, params, layer: int, config, weight: float = 1.0, grad_scale: float = 1.0, bias=None):
     """x (B, T, C) after post_attention_layernorm -> (out (B, T, C), cache), as moe.moe_forward
     with the router stored (E, C) and SwiGLU experts; cache["routing"] holds the losses and
-    statistics; `weight` and `grad_scale` as in moe.route."""
+    statistics; `weight`, `grad_scale` and `bias` as in moe.route."""
     xp = array_namespace(x)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
     w_router = xp.matrix_transpose(params[router_name(layer)])  # (C, E), the layout route takes
-    routing, rcache = route(x2, w_router, config, weight=weight, grad_scale=grad_scale)
+    routing, rcache = route(x2, w_router, config, weight=weight, grad_scale=grad_scale, bias=bias,
+                            seq_len=x.shape[1])
     xbuf = dispatch(x2, routing)  # (R, C)
     counts = [int(c) for c in routing["rows_per_expert"]]
     ybuf, ecache = experts_forward(xbuf, counts, params, layer, range(config.moe_experts))  # (R, C)
@@ -142,10 +143,11 @@ def moe_backward(dout, cache):
 
 class MixtralMoELayer(MoELayer):
     """The single-device Mixtral layer as the object `llama.block_forward(..., moe=)` takes, with
-    MoELayer's `last_routing`, `weight` and `grad_scale`."""
+    MoELayer's `last_routing`, `weight`, `grad_scale` and `bias`."""
 
     def forward(self, x, params, layer: int, config):
-        out, cache = moe_forward(x, params, layer, config, self.weight, self.grad_scale)
+        out, cache = moe_forward(x, params, layer, config, self.weight, self.grad_scale,
+                                 self.bias.get(layer))
         self.last_routing[layer] = cache["routing"]
         return out, cache
 

@@ -1,5 +1,5 @@
 """Mixture of Experts feed-forward as a forward/backward pair: router, top-k gates, capacity,
-experts, and the two router losses with hand-written gradients.
+experts, shared experts, and the router losses with hand-written gradients.
 
 Legend: B batch, T sequence, C channels, N tokens of this call (B*T), E experts, k experts per
 token, R rows of the expert buffer (assignments kept), H = 4C, an expert's hidden width.
@@ -25,6 +25,28 @@ The conventions, so that the numbers can be reproduced elsewhere:
 - Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): beta * mean over tokens of logsumexp(logits)^2.
 - Both losses enter the training loss with weight 1 (alpha and beta are their weights), and
   `moe_backward` includes their gradients.
+
+The routing of DeepSeekMoE and DeepSeek-V3, and Megatron-Core's drop policies (ModelConfig fields):
+- `moe_shared_experts` S (DeepSeekMoE, Dai et al. 2024, eq. 9): S GPT-2 MLPs every token passes
+  through, ungated, added to the routed output. They are dense weights: every data rank holds them.
+- Fine-grained experts (DeepSeekMoE §3.1): any E and k (DeepSeek-V3: 256 routed, k = 8); an
+  expert's width stays 4C here, the planner's preset (refpar/analysis/presets.py) has V3's own.
+- `moe_gate="sigmoid"` (DeepSeek-V3, Liu et al. 2024, eq. 13-15): s = sigmoid(logits); the gates
+  are the chosen s normalised over the k. The balance losses read s' = s / sum_E s (eq. 19).
+- `moe_balance`: "aux" is the Switch loss above; "aux-free" (DeepSeek-V3 §2.1.2, from Wang et al.
+  2024) drops it and adds a bias b (E,) to the scores for the top-k choice only, never to the gates;
+  after each step b_i += gamma * sign(mean load - load_i) (`update_expert_bias`, gamma =
+  `moe_bias_rate`), the load being the step's global selections; "none": neither.
+- `moe_seq_aux_weight` alpha (DeepSeek-V3 eq. 17-20): alpha * sum_i f_i P_i per sequence, f_i =
+  E / (k T) * the sequence's selections of i, P_i its mean s'_i, averaged over the sequences of the
+  global (micro)batch; it is added to `aux_loss`.
+- `moe_groups` G and `moe_group_limit` M (DeepSeek-V3's node-limited routing): the E experts form G
+  groups of E / G consecutive ones (on a mesh with ep = G, one per ep rank); a token first keeps the
+  M groups whose ceil(k / M) best biased scores sum highest, then picks its k among their experts,
+  so its rows cross to at most M groups.
+- `moe_drop_policy` (Megatron-Core's moe_token_drop_policy): "position" is the queue order above;
+  "probs" lets each expert keep the `capacity` assignments of highest score, ties in queue order.
+  It ranks the whole batch's scores, so it runs on one data rank (expert_parallel refuses it).
 - Microbatches (Megatron-Core's convention): a step of M microbatches routes each microbatch on
   its own tokens: N_global above is the microbatch's token count (capacity, queue order, f and P
   are the microbatch's), and each microbatch's aux and z losses enter with weight 1/M
@@ -79,12 +101,19 @@ def expert_param_shapes(config) -> dict[str, tuple[int, ...]]:
     }
 
 
+def shared_prefix(layer: int, expert: int) -> str:
+    """A shared expert's names: outside `.mlp.experts.`, so dense (holdings.is_expert)."""
+    return f"h.{layer}.mlp.shared_experts.{expert}"
+
+
 def moe_param_shapes(config, layer: int) -> dict[str, tuple[int, ...]]:
-    """Every parameter of block `layer`'s MoE by full name."""
+    """Every parameter of block `layer`'s MoE by full name: router, routed experts, shared experts."""
     shapes = {router_name(layer): (config.n_embd, config.moe_experts)}
-    for e in range(config.moe_experts):
+    prefixes = ([expert_prefix(layer, e) for e in range(config.moe_experts)]
+                + [shared_prefix(layer, s) for s in range(config.moe_shared_experts)])
+    for p in prefixes:
         for suffix, shape in expert_param_shapes(config).items():
-            shapes[f"{expert_prefix(layer, e)}.{suffix}"] = shape
+            shapes[f"{p}.{suffix}"] = shape
     return shapes
 
 
@@ -96,19 +125,63 @@ def capacity(n_tokens: int, config) -> int | None:
 
 
 # -------------------------------------------------------------------------------------- router
-def router_forward(x2, w, k: int):
-    """x2 (N, C), w (C, E) -> probs (N, E), the k chosen experts (N, k) and their gates (N, k)."""
-    xp = array_namespace(x2, w)
-    logits, lin_cache = linear_forward(x2, w, None)  # (N, E)
+def router_scores(logits, gate: str):
+    """logits (N, E) -> (scores (N, E), lse (N,)): softmax probabilities (Switch) or sigmoid
+    affinities (DeepSeek-V3 eq. 15), and the logits' logsumexp, which the z-loss squares."""
+    xp = array_namespace(logits)
     m = xp.max(logits, axis=-1, keepdims=True)  # (N, 1): exp cannot overflow
     e = xp.exp(logits - m)  # (N, E)
     s = xp.sum(e, axis=-1, keepdims=True)  # (N, 1)
-    probs = e / s  # (N, E)
-    lse = xp.reshape(m + xp.log(s), (-1,))  # (N,) logsumexp of the logits
-    experts = xp.argsort(-probs, axis=-1, stable=True)[:, :k]  # (N, k): ties to the lower index
-    chosen = xp.take_along_axis(probs, experts, axis=-1)  # (N, k)
-    gates = chosen if k == 1 else chosen / xp.sum(chosen, axis=-1, keepdims=True)  # (N, k)
-    return probs, lse, experts, chosen, gates, lin_cache
+    lse = xp.reshape(m + xp.log(s), (-1,))  # (N,)
+    scores = e / s if gate == "softmax" else 1.0 / (1.0 + xp.exp(-logits))  # (N, E)
+    return scores, lse
+
+
+def select_experts(scores, k: int, bias=None, groups: int = 1, group_limit: int | None = None):
+    """scores (N, E) -> the k chosen experts (N, k), a view of argsort's (N, E) buffer (what a
+    cache keeps). Ties go to the lower expert index. DeepSeek-V3's two changes (§2.1.2, eq. 16 and
+    "node-limited routing"): `bias` (E,) is added for the choice only, never to the gates; with
+    `group_limit` M the experts, in `groups` runs of E / G, are first narrowed to the M groups
+    whose ceil(k / M) best biased scores sum highest (K_r / M in the paper), ties to the lower
+    group."""
+    xp = array_namespace(scores)
+    choice = scores if bias is None else scores + bias  # (N, E)
+    if group_limit is not None:
+        N, E = choice.shape
+        per = E // groups
+        best = xp.sort(xp.reshape(choice, (N, groups, per)), axis=-1, descending=True)  # (N, G, E/G)
+        group_score = xp.sum(best[..., :-(-k // group_limit)], axis=-1)  # (N, G)
+        top = xp.argsort(-group_score, axis=-1, stable=True)[:, :group_limit]  # (N, M)
+        allowed = xp.sum(one_hot(top, groups, xp.int64), axis=1) > 0  # (N, G)
+        allowed = xp.reshape(xp.broadcast_to(allowed[..., None], (N, groups, per)), (N, E))  # (N, E)
+        choice = xp.where(allowed, choice, -xp.inf)  # (N, E): the other groups are never chosen
+    return xp.argsort(-choice, axis=-1, stable=True)[:, :k]  # (N, k)
+
+
+def router_forward(x2, w, k: int, gate: str = "softmax", bias=None, groups: int = 1,
+                   group_limit: int | None = None):
+    """x2 (N, C), w (C, E) -> scores (N, E), lse (N,), the k chosen experts (N, k), their scores
+    (N, k) and their gates (N, k). Gates: a softmax's top-1 is the probability itself (Switch;
+    renormalising a single gate would make it 1 and cut the router off from the task loss); k >= 2
+    softmax scores (Mixtral) and sigmoid scores (DeepSeek-V3 eq. 13) are normalised over the k.
+    `bias`, `groups` and `group_limit` as in `select_experts`."""
+    xp = array_namespace(x2, w)
+    logits, lin_cache = linear_forward(x2, w, None)  # (N, E)
+    scores, lse = router_scores(logits, gate)  # (N, E), (N,)
+    experts = select_experts(scores, k, bias, groups, group_limit)  # (N, k)
+    chosen = xp.take_along_axis(scores, experts, axis=-1)  # (N, k)
+    if k == 1 and gate == "softmax":
+        gates = chosen  # (N, 1)
+    else:
+        gates = chosen / xp.sum(chosen, axis=-1, keepdims=True)  # (N, k)
+    return scores, lse, experts, chosen, gates, lin_cache
+
+
+def balance_affinities(scores, gate: str):
+    """The router's per-token distribution the balance losses read: softmax probabilities as they
+    are; sigmoid affinities normalised over all E experts (DeepSeek-V3 eq. 19's s')."""
+    xp = array_namespace(scores)
+    return scores if gate == "softmax" else scores / xp.sum(scores, axis=-1, keepdims=True)  # (N, E)
 
 
 def selection_counts(experts, n_experts: int):
@@ -163,7 +236,7 @@ def kept_counts(all_counts, cap, owners=None):
 
 @fp32_compute
 def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad_scale: float = 1.0,
-          parts: Parts | None = None):
+          parts: Parts | None = None, bias=None, seq_len: int | None = None):
     """Router forward and the routing decision for this call's tokens.
 
     `exchange(counts (runs, k, E)) -> (P, k, E)` gathers the selection counts of the runs of every
@@ -172,6 +245,8 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     this call is the whole batch. `weight` weighs both router losses (1/M for one of M
     microbatches); `grad_scale` is the fp16 loss scale the backward will start from: the router
     losses' gradients are scaled by it like the task loss's, their reported values are not.
+    `bias` (E,): aux-free balancing's expert bias (`update_expert_bias`), for the choice only;
+    `seq_len` T: this call's tokens are whole sequences of T, which the sequence-wise loss needs.
     Returns (routing, cache): routing is a dict with the chosen `experts` (N, k), `gates` (N, k),
     `keep` (N, k), the buffer layout (`token_of_row` (R,), `gate_of_row` (R,), `row` (N, k),
     `rows_per_expert` (E,) of this call), the losses `aux_loss`, `z_loss` (this call's share of the
@@ -180,7 +255,8 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     """
     xp = array_namespace(x2, w)
     N, E, k = x2.shape[0], config.moe_experts, config.moe_top_k
-    probs, lse, experts, chosen, gates, lin_cache = router_forward(x2, w, k)
+    scores, lse, experts, chosen, gates, lin_cache = router_forward(
+        x2, w, k, config.moe_gate, bias, config.moe_groups, config.moe_group_limit)
     parts = Parts((N,), (rank,)) if parts is None else parts
     hot = one_hot(experts, E, xp.int64)  # (N, k, E)
     # Earlier selections of this call: cum[n] counts tokens 0..n-1, so a run's counts are the
@@ -199,6 +275,8 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     run_of = as_like(np.repeat(np.arange(len(parts.sizes)), parts.sizes), hot)  # (N,)
     ahead = cum[:-1, ...] + xp.take(offsets - at_start, run_of, axis=0)  # (N, k, E)
     position = xp.sum(ahead * hot, axis=-1)  # (N, k): place in the expert's global queue
+    if config.moe_drop_policy == "probs" and cap is not None:
+        position = rank_by_score(experts, chosen, E)  # (N, k): this call is the whole batch
     keep = position >= 0 if cap is None else position < cap  # (N, k)
 
     # Buffer rows: kept assignments sorted by expert, then by queue position. Listing assignments
@@ -212,9 +290,16 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     kept_hot = hot * xp.astype(keep, xp.int64)[..., None]  # (N, k, E)
 
     n_dev = xp.asarray(N, dtype=xp.int64, device=device(x2))
-    aux_coef = (weight * config.moe_aux_loss_weight * E / n_global) * (
+    alpha = config.moe_aux_loss_weight if config.moe_balance == "aux" else 0.0
+    aux_coef = (weight * alpha * E / n_global) * (
         xp.astype(selected, x2.dtype) / (n_global * k)
     )  # (E,): alpha * E * f_i / N_global, d aux / d probs[n, i]
+    affinity = balance_affinities(scores, config.moe_gate)  # (N, E)
+    balance, seq_coef = xp.sum(affinity * aux_coef), None
+    if config.moe_seq_aux_weight:
+        seq_coef = sequence_balance_coefficients(hot, seq_len, n_global, config, weight,
+                                                 scores.dtype)  # (N / T, E)
+        balance = balance + xp.sum(xp.reshape(affinity, (-1, seq_len, E)) * seq_coef[:, None, :])
     z_coef = weight * config.moe_z_loss_weight / n_global
     kept_global = selected if cap is None else xp.minimum(selected, xp.asarray(cap, dtype=xp.int64))
     routing = {
@@ -223,7 +308,8 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
         "gate_of_row": xp.take(gate_flat, order, axis=0),  # (R,)
         "row": xp.minimum(row, xp.asarray(R, dtype=row.dtype)),  # (N, k): R is the zero row
         "rows_per_expert": xp.sum(kept_hot, axis=(0, 1)),  # (E,) this call's
-        "aux_loss": xp.sum(probs * aux_coef),
+        # the balance losses: Switch's and, with moe_seq_aux_weight, the sequence-wise one
+        "aux_loss": balance,
         "z_loss": z_coef * xp.sum(lse * lse),
         "tokens_per_expert": kept_global,  # (E,) global
         "dropped": int(xp.sum(selected - kept_global)),
@@ -233,28 +319,76 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     }
     if grad_scale != 1.0:  # the losses above stay unscaled; their gradients, like the rest, scale
         aux_coef, z_coef = aux_coef * grad_scale, z_coef * grad_scale
-    cache = (probs, lse, experts, chosen, gates, keep, aux_coef, z_coef, lin_cache)
+        seq_coef = None if seq_coef is None else seq_coef * grad_scale
+    cache = (scores, lse, experts, chosen, gates, keep, aux_coef, seq_coef, z_coef, config.moe_gate,
+             lin_cache)
     return routing, cache
 
 
 @fp32_compute
 def router_backward(dgates, cache):
-    """dgates (N, k) of the kept assignments -> (dx2 (N, C), dw (C, E)), aux and z-loss included."""
-    probs, lse, experts, chosen, gates, keep, aux_coef, z_coef, lin_cache = cache
-    xp = array_namespace(probs)
-    E, k = probs.shape[-1], experts.shape[-1]
+    """dgates (N, k) of the kept assignments -> (dx2 (N, C), dw (C, E)), the balance and z-loss
+    gradients included."""
+    scores, lse, experts, chosen, gates, keep, aux_coef, seq_coef, z_coef, gate, lin_cache = cache
+    xp = array_namespace(scores)
+    N, E = scores.shape
+    k = experts.shape[-1]
     dgates = dgates * xp.astype(keep, dgates.dtype)  # (N, k): a dropped gate changes nothing
-    if k == 1:
+    if k == 1 and gate == "softmax":
         dchosen = dgates  # (N, 1)
-    else:  # g_j = p_j / S with S = sum of the chosen p: dp_j = (dg_j - sum_l dg_l g_l) / S
+    else:  # g_j = s_j / S with S = sum of the chosen s: ds_j = (dg_j - sum_l dg_l g_l) / S
         S = xp.sum(chosen, axis=-1, keepdims=True)  # (N, 1)
         dchosen = (dgates - xp.sum(dgates * gates, axis=-1, keepdims=True)) / S  # (N, k)
-    dprobs = xp.sum(one_hot(experts, E, probs.dtype) * dchosen[..., None], axis=1)  # (N, E)
-    dprobs = dprobs + aux_coef  # (N, E)
-    dlogits = probs * (dprobs - xp.sum(probs * dprobs, axis=-1, keepdims=True))  # (N, E)
-    dlogits = dlogits + (2.0 * z_coef) * lse[:, None] * probs  # d lse^2 = 2 lse softmax
+    dscores = xp.sum(one_hot(experts, E, scores.dtype) * dchosen[..., None], axis=1)  # (N, E)
+    daffinity = aux_coef  # (E,), d(balance losses) / d affinity[n, i]
+    if seq_coef is not None:  # (N / T, E) -> each token's row of it
+        T = N // seq_coef.shape[0]
+        daffinity = xp.reshape(xp.broadcast_to(seq_coef[:, None, :], (seq_coef.shape[0], T, E)),
+                               (N, E)) + aux_coef  # (N, E)
+    if gate == "softmax":  # the affinity is the probability itself
+        dscores = dscores + daffinity  # (N, E)
+        dlogits = scores * (dscores - xp.sum(scores * dscores, axis=-1, keepdims=True))  # (N, E)
+        softmax = scores  # (N, E)
+    else:  # affinity s / sum(s) over the E experts; sigmoid' = s (1 - s)
+        total = xp.sum(scores, axis=-1, keepdims=True)  # (N, 1)
+        dscores = dscores + (daffinity - xp.sum(daffinity * scores, axis=-1, keepdims=True) / total) / total
+        dlogits = dscores * scores * (1.0 - scores)  # (N, E)
+        # the z-loss reads the logits' softmax, which a sigmoid router does not keep: one GEMM again
+        softmax = xp.exp(linear_forward(*lin_cache[:2], None)[0] - lse[:, None])  # (N, E)
+    dlogits = dlogits + (2.0 * z_coef) * lse[:, None] * softmax  # d lse^2 = 2 lse softmax
     dx2, dw, _ = linear_backward(dlogits, lin_cache)
     return dx2, dw
+
+
+def rank_by_score(experts, chosen, n_experts: int):
+    """(N, k) chosen experts and their scores of the whole (micro)batch -> (N, k): each
+    assignment's place in its expert's queue ordered by score, highest first, ties in queue order
+    (slot, then token). Megatron-Core's drop policy "probs": past the capacity the least probable
+    assignments go, where "position" drops the last ones queued."""
+    xp = array_namespace(experts)
+    N, k = experts.shape
+    flat_e = xp.reshape(experts.T, (-1,))  # (k*N,) slot-major: queue order
+    by_score = xp.argsort(-xp.reshape(chosen.T, (-1,)), stable=True)  # (k*N,)
+    order = xp.take(by_score, xp.argsort(xp.take(flat_e, by_score), stable=True))  # expert-major, best first
+    sorted_e = xp.take(flat_e, order)  # (k*N,)
+    counts = xp.sum(one_hot(flat_e, n_experts, xp.int64), axis=0)  # (E,)
+    first = xp.cumulative_sum(counts) - counts  # (E,) where each expert's block starts
+    place = xp.arange(k * N, dtype=xp.int64, device=device(experts)) - xp.take(first, sorted_e)
+    return xp.reshape(xp.take(place, xp.argsort(order, stable=True)), (k, N)).T  # (N, k)
+
+
+def sequence_balance_coefficients(hot, seq_len: int, n_global: int, config, weight: float, dtype):
+    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) per sequence of T tokens,
+    alpha * sum_i f_i P_i with f_i = E / (k T) * (the sequence's selections of expert i) and
+    P_i = mean over its tokens of the affinity s'_i, averaged over the B_g = N_global / T sequences
+    of the global (micro)batch. It is linear in the affinities: the loss is sum over tokens t of
+    s'[t, i] * coef[row of t, i], coef = weight * alpha * E / (B_g k T^2) * counts. hot (N, k, E)
+    -> coef (N / T, E) of `dtype`."""
+    xp = array_namespace(hot)
+    N, k, E = hot.shape
+    counts = xp.sum(xp.reshape(hot, (N // seq_len, seq_len * k, E)), axis=1)  # (N / T, E)
+    scale = weight * config.moe_seq_aux_weight * E / ((n_global // seq_len) * k * seq_len ** 2)
+    return scale * xp.astype(counts, dtype)  # (N / T, E)
 
 
 # ----------------------------------------------------------------------- dispatch and combine
@@ -299,19 +433,32 @@ def combine_backward(dout, pad, routing):
 
 
 # ------------------------------------------------------------------------------------ experts
+def mlp_forward(x2, params, prefix: str):
+    """One expert, GPT-2's MLP: (n, C) -> (n, C) through c_fc, tanh-GELU, c_proj."""
+    h, c1 = linear_forward(x2, params[f"{prefix}.c_fc.weight"], params[f"{prefix}.c_fc.bias"])  # (n, H)
+    a, c2 = gelu_forward(h)  # (n, H)
+    y, c3 = linear_forward(a, params[f"{prefix}.c_proj.weight"], params[f"{prefix}.c_proj.bias"])  # (n, C)
+    return y, (prefix, c1, c2, c3)
+
+
+def mlp_backward(dy, cache):
+    """(n, C) -> (dx (n, C), the expert's gradients by name)."""
+    p, c1, c2, c3 = cache
+    grads = {}
+    da, grads[f"{p}.c_proj.weight"], grads[f"{p}.c_proj.bias"] = linear_backward(dy, c3)  # (n, H)
+    dh = gelu_backward(da, c2)  # (n, H)
+    dx, grads[f"{p}.c_fc.weight"], grads[f"{p}.c_fc.bias"] = linear_backward(dh, c1)  # (n, C)
+    return dx, grads
+
+
 def experts_forward(xbuf, rows_per_expert, params, layer: int, experts):
-    """xbuf (R, C) grouped by expert, `rows_per_expert` (len(experts),) host ints -> (R, C).
-    Each expert is GPT-2's MLP: c_fc, tanh-GELU, c_proj."""
+    """xbuf (R, C) grouped by expert, `rows_per_expert` (len(experts),) host ints -> (R, C)."""
     xp = array_namespace(xbuf)
     outs, caches, start = [], [], 0
     for e, n in zip(experts, rows_per_expert, strict=True):
-        p = expert_prefix(layer, e)
-        xe = xbuf[start:start + n, ...]  # (n_e, C)
-        h, c1 = linear_forward(xe, params[f"{p}.c_fc.weight"], params[f"{p}.c_fc.bias"])  # (n_e, H)
-        a, c2 = gelu_forward(h)  # (n_e, H)
-        y, c3 = linear_forward(a, params[f"{p}.c_proj.weight"], params[f"{p}.c_proj.bias"])
-        outs.append(y)  # (n_e, C)
-        caches.append((p, c1, c2, c3))
+        y, c = mlp_forward(xbuf[start:start + n, ...], params, expert_prefix(layer, e))  # (n_e, C)
+        outs.append(y)
+        caches.append(c)
         start += n
     return xp.concat(outs, axis=0), caches  # (R, C)
 
@@ -320,44 +467,84 @@ def experts_backward(dybuf, caches):
     """(R, C) -> (dxbuf (R, C), grads by name of the experts in the cache)."""
     xp = array_namespace(dybuf)
     dxs, grads, start = [], {}, 0
-    for p, c1, c2, c3 in caches:
-        n = c1[0].shape[0]
-        da, grads[f"{p}.c_proj.weight"], grads[f"{p}.c_proj.bias"] = linear_backward(
-            dybuf[start:start + n, ...], c3)  # (n_e, H)
-        dh = gelu_backward(da, c2)  # (n_e, H)
-        dx, grads[f"{p}.c_fc.weight"], grads[f"{p}.c_fc.bias"] = linear_backward(dh, c1)
-        dxs.append(dx)  # (n_e, C)
+    for c in caches:
+        n = c[1][0].shape[0]
+        dx, g = mlp_backward(dybuf[start:start + n, ...], c)  # (n_e, C)
+        dxs.append(dx)
+        grads.update(g)
         start += n
     return xp.concat(dxs, axis=0), grads  # (R, C)
 
 
+def shared_experts_forward(x2, params, layer: int, n_shared: int):
+    """DeepSeekMoE's shared experts (Dai et al. 2024, eq. 9): every token passes through all S,
+    unrouted and ungated; (N, C) -> (their sum (N, C), caches), or (None, []) when S = 0."""
+    if n_shared == 0:
+        return None, []
+    outs, caches = zip(*(mlp_forward(x2, params, shared_prefix(layer, s)) for s in range(n_shared)),
+                       strict=True)
+    return sum(outs), list(caches)  # (N, C)
+
+
+def shared_experts_backward(dout2, caches):
+    """dout2 (N, C) -> (dx2 (N, C) or None when S = 0, the shared experts' gradients)."""
+    dx2, grads = None, {}
+    for c in caches:
+        dx, g = mlp_backward(dout2, c)  # (N, C)
+        dx2 = dx if dx2 is None else dx2 + dx
+        grads.update(g)
+    return dx2, grads
+
+
 # ------------------------------------------------------------------------------ the whole layer
-def moe_forward(x, params, layer: int, config, weight: float = 1.0, grad_scale: float = 1.0):
+def moe_forward(x, params, layer: int, config, weight: float = 1.0, grad_scale: float = 1.0, bias=None):
     """x (B, T, C) after ln_2 -> (out (B, T, C), cache). This call is the whole global batch (or
     one microbatch: `weight` 1/M). cache["routing"] holds the losses and statistics (`aux_loss`,
-    `z_loss`, `tokens_per_expert`, `dropped`); `weight` and `grad_scale` as in `route`."""
+    `z_loss`, `tokens_per_expert`, `dropped`); `weight`, `grad_scale` and `bias` as in `route`."""
     xp = array_namespace(x)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
-    routing, rcache = route(x2, params[router_name(layer)], config, weight=weight, grad_scale=grad_scale)
+    routing, rcache = route(x2, params[router_name(layer)], config, weight=weight, grad_scale=grad_scale,
+                            bias=bias, seq_len=x.shape[1])
     xbuf = dispatch(x2, routing)  # (R, C)
     counts = [int(c) for c in routing["rows_per_expert"]]
     ybuf, ecache = experts_forward(xbuf, counts, params, layer, range(config.moe_experts))  # (R, C)
     out, pad = combine(ybuf, routing)  # (N, C)
+    shared, scache = shared_experts_forward(x2, params, layer, config.moe_shared_experts)  # (N, C)
+    out = out if shared is None else out + shared  # (N, C)
     cache = {"routing": routing, "router": rcache, "experts": ecache, "pad": pad, "layer": layer,
-             "shape": x.shape}
+             "shape": x.shape, "shared": scache}
     return xp.reshape(out, x.shape), cache
 
 
 def moe_backward(dout, cache):
-    """dout (B, T, C) -> (dx (B, T, C), grads by name), aux and z-loss gradients included."""
+    """dout (B, T, C) -> (dx (B, T, C), grads by name), the router losses' gradients included."""
     xp = array_namespace(dout)
     routing = cache["routing"]
     dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, C)
+    dx_shared, shared_grads = shared_experts_backward(dout2, cache["shared"])  # (N, C)
     dybuf, dgates = combine_backward(dout2, cache["pad"], routing)  # (R, C), (N, k)
     dxbuf, grads = experts_backward(dybuf, cache["experts"])  # (R, C)
     dx2 = dispatch_backward(dxbuf, routing)  # (N, C)
     dx_router, grads[router_name(cache["layer"])] = router_backward(dgates, cache["router"])
-    return xp.reshape(dx2 + dx_router, cache["shape"]), grads
+    dx2 = dx2 + dx_router if dx_shared is None else dx2 + dx_router + dx_shared  # (N, C)
+    return xp.reshape(dx2, cache["shape"]), grads | shared_grads
+
+
+def update_expert_bias(bias: dict, routings: list[dict], config) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing (§2.1.2, after Wang et al. 2024): after each step,
+    b_i += gamma * sign(mean load - load_i) for every MoE layer in `routings` (one dict layer ->
+    routing per microbatch), the load c_i being the step's selections of expert i over the whole
+    global batch (before any drop: every rank's counts, summed over dp, ep and cp by the routing's
+    exchange, so every rank holding the layer computes the same bias and none sends a byte).
+    `bias`: layer -> (E,) float64, updated in place; a layer starts at zero."""
+    if config.moe_balance != "aux-free":
+        return
+    for layer in (routings[0] if routings else {}):
+        xp = array_namespace(routings[0][layer]["selections"])
+        load = xp.astype(sum(xp.sum(rs[layer]["selections"], axis=(0, 1)) for rs in routings),
+                         xp.float64)  # (E,)
+        step = config.moe_bias_rate * xp.sign(xp.mean(load) - load)  # (E,)
+        bias[layer] = step if layer not in bias else bias[layer] + step
 
 
 def router_loss(cache):
@@ -369,14 +556,17 @@ class MoELayer:
     """The single-device layer as the object `gpt.block_forward(..., moe=)` takes; expert
     parallelism passes its own with the same two methods. `last_routing[layer]` keeps the routing
     of each layer's latest forward, for reports. `weight`: 1/M when the step has M microbatches;
-    `grad_scale`: the fp16 loss scale of the backward that will follow (`route`)."""
+    `grad_scale`: the fp16 loss scale of the backward that will follow (`route`); `bias`: layer ->
+    aux-free balancing's (E,) bias, the run's dict that `update_expert_bias` keeps."""
 
-    def __init__(self, weight: float = 1.0, grad_scale: float = 1.0):
+    def __init__(self, weight: float = 1.0, grad_scale: float = 1.0, bias: dict | None = None):
         self.last_routing: dict[int, dict] = {}
         self.weight, self.grad_scale = weight, grad_scale
+        self.bias = {} if bias is None else bias
 
     def forward(self, x, params, layer: int, config):
-        out, cache = moe_forward(x, params, layer, config, self.weight, self.grad_scale)
+        out, cache = moe_forward(x, params, layer, config, self.weight, self.grad_scale,
+                                 self.bias.get(layer))
         self.last_routing[layer] = cache["routing"]
         return out, cache
 

@@ -31,6 +31,14 @@ routed alike by moe.route (softmax, top-k, renormalised for k >= 2: Mixtral's ro
 Per MoE layer and step: one all-gather of counts (data axis), four all-to-alls on ep (dispatch and
 combine forward, and the same two backward), shown by the tags `h.{i}.mlp.experts:dispatch` etc.
 
+DeepSeek's routing options (refpar/model/moe.py) change no message: the aux-free bias is updated
+from the gathered counts, the same on every rank (`self.bias`, moe.update_expert_bias); shared
+experts are dense weights every data rank holds and runs on its own tokens; with a group limit a
+token's rows go to the ranks of at most M expert groups (one group per ep rank when G = ep), so the
+all-to-all's sizes, which come from the counts as before, shrink. Dropping by score would need every
+assignment's score, not counts: it is refused on more than one data rank (`check_expert_parallel`).
+The sequence-wise loss needs whole sequences on a rank: refused with cp > 1.
+
 With context parallelism each data rank's rows are split over c cp ranks
 by position, so the exchange group is the dp x ep x cp ranks (group rank d * c + cp rank, cp
 innermost) and a rank's tokens are no longer one contiguous block of the global order: of each
@@ -57,8 +65,17 @@ from refpar.model.layers import as_like
 from refpar.sharding import shard_range
 
 
-def check_expert_parallel(config, ep: int) -> None:
-    """ConfigErrors for an MoE model on `ep` ranks, raised before any communication."""
+def check_expert_parallel(config, ep: int, data_ranks: int = 1, cp: int = 1) -> None:
+    """ConfigErrors for an MoE model on `ep` ranks of `data_ranks` = dp x ep, each split over `cp`,
+    raised before any communication."""
+    if config.moe_experts and config.moe_drop_policy == "probs" and not config.moe_dropless \
+            and data_ranks * cp > 1:
+        raise ConfigError("moe_drop_policy='probs' ranks every assignment of the batch by score, which "
+                          "refpar does on one data rank only; use --moe-drop-policy position, "
+                          "--dropless, or dp=ep=cp=1")
+    if config.moe_experts and config.moe_seq_aux_weight and cp > 1:
+        raise ConfigError(f"the sequence-wise balance loss needs each sequence whole on one rank, "
+                          f"but cp={cp} splits them; use cp=1 or --moe-seq-aux 0")
     if ep > 1 and config.moe_experts == 0:
         raise ConfigError(f"ep={ep} needs experts to spread; add --moe-experts E with E >= {ep}")
     if config.moe_experts and config.moe_experts < ep:
@@ -161,6 +178,7 @@ class ExpertParallelMoE:
         self.members = [base + q * cp for q in range(ep.size)]
         self.runs: RoutingRuns | None = None
         self.last_routing: dict[int, dict] = {}
+        self.bias: dict = {}  # aux-free balancing: layer -> (E,), equal on every rank (update_expert_bias)
 
     def experts_forward(self, xe, rows_per_expert, params, layer):
         """This rank's experts on their rows, xe (Q, C) grouped by expert -> (Q, C); expert tensor
@@ -188,7 +206,8 @@ class ExpertParallelMoE:
         w = xp.matrix_transpose(w) if self.family is mixtral else w  # (C, E), the layout route takes
         routing, rcache = moe.route(x2, w, config,
                                     exchange=self._exchange(layer), rank=self.data.rank,
-                                    weight=self.weight, grad_scale=self.grad_scale, parts=parts)
+                                    weight=self.weight, grad_scale=self.grad_scale, parts=parts,
+                                    bias=self.bias.get(layer), seq_len=x.shape[1])
         kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"],
                                                routing["owners"]))  # (group ranks, E)
         mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert
@@ -206,9 +225,12 @@ class ExpertParallelMoE:
         back = self.ep.all_to_all(_source_major(ye, recv), tag=f"{tag}:combine",
                                   recv_counts=send)  # S x (., C)
         out, pad = moe.combine(xp.concat(back, axis=0), routing)  # (N, C)
+        # shared experts are dense: every rank holds them and runs its own tokens through them
+        shared, scache = moe.shared_experts_forward(x2, params, layer, config.moe_shared_experts)
+        out = out if shared is None else out + shared  # (N, C)
         self.last_routing[layer] = routing
         cache = {"routing": routing, "router": rcache, "experts": ecache, "pad": pad,
-                 "layer": layer, "shape": x.shape, "send": send, "recv": recv}
+                 "layer": layer, "shape": x.shape, "send": send, "recv": recv, "shared": scache}
         return xp.reshape(out, x.shape), cache
 
     def backward(self, dout, cache):
@@ -216,6 +238,7 @@ class ExpertParallelMoE:
         routing, layer, send, recv = cache["routing"], cache["layer"], cache["send"], cache["recv"]
         tag = f"h.{layer}.mlp.experts"
         dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, C)
+        dx_shared, shared_grads = moe.shared_experts_backward(dout2, cache["shared"])  # (N, C)
         dybuf, dgates = moe.combine_backward(dout2, cache["pad"], routing)  # (R, C), (N, k)
         got = self.ep.all_to_all(_split_rows(dybuf, send), tag=f"{tag}:combine:bwd",
                                  recv_counts=[int(c) for c in recv.sum(axis=1)])
@@ -225,4 +248,5 @@ class ExpertParallelMoE:
         dx2 = moe.dispatch_backward(xp.concat(back, axis=0), routing)  # (N, C)
         dx_router, dw = moe.router_backward(dgates, cache["router"])  # dw (C, E)
         grads[self.family.router_name(layer)] = xp.matrix_transpose(dw) if self.family is mixtral else dw
-        return xp.reshape(dx2 + dx_router, cache["shape"]), grads
+        dx2 = dx2 + dx_router if dx_shared is None else dx2 + dx_router + dx_shared  # (N, C)
+        return xp.reshape(dx2, cache["shape"]), grads | shared_grads

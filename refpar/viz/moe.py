@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from refpar.analysis import engine as closed
+from refpar.analysis.moe import load_imbalance
 from refpar.config import Plan, TrainConfig
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
@@ -51,6 +52,30 @@ def routing_figure(moe: dict, block_index: int = 0, step: int = -1) -> go.Figure
     fig.update_yaxes(title_text="step", dtick=1, row=1, col=1)
     fig.update_yaxes(title_text="data rank", dtick=1, autorange="reversed", row=1, col=2)
     fig.update_layout(title=f"block {block}: routing and dispatch", coloraxis={"colorscale": "Blues"})
+    return fig
+
+
+def expert_load_figure(runs: dict[str, dict], block_index: int = 0) -> go.Figure:
+    """The per-expert load of one MoE block over the steps of one or more runs (label -> the "moe"
+    object of each run's --json summary): above, each expert's kept assignments per step, one line
+    per expert and run (dashed for the second run on); below, the load imbalance max / mean
+    (analysis.moe.load_imbalance), 1 when every expert gets its share. Two runs that differ only in
+    --moe-balance show what aux-loss-free balancing does (lessons/07)."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
+                        subplot_titles=("assignments kept per expert", "load imbalance (max / mean)"))
+    for r, (label, moe) in enumerate(runs.items()):
+        loads = np.array([s[block_index] for s in moe["tokens_per_expert"]], dtype=float)  # (steps, E)
+        steps = list(range(1, len(loads) + 1))
+        dash = "solid" if r == 0 else "dash"
+        for e in range(loads.shape[1]):
+            fig.add_trace(go.Scatter(x=steps, y=loads[:, e], mode="lines", line={"dash": dash, "width": 1},
+                                     legendgroup=label, showlegend=False,
+                                     name=f"{label}: expert {e}"), row=1, col=1)
+        fig.add_trace(go.Scatter(x=steps, y=[load_imbalance(row) for row in loads], mode="lines+markers",
+                                 line={"dash": dash}, legendgroup=label, name=label), row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2, col=1)
+    block = next(iter(runs.values()))["blocks"][block_index] if runs else block_index
+    fig.update_layout(title=f"block {block}: expert load over the run", height=520)
     return fig
 
 

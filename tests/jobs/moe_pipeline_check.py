@@ -36,8 +36,13 @@ from tests.numerics import rel_diff
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
 TRAIN = TrainConfig(steps=3, batch_size=8, seq_len=8, lr=1e-2, seed=11)
+# DeepSeek-V3's routing (refpar/model/moe.py): a shared expert, sigmoid gates, the aux-free bias (a
+# rate large enough to change choices within 3 steps), the sequence-wise loss, 2 groups, 1 per token
+DEEPSEEK = {"moe_shared_experts": 1, "moe_gate": "sigmoid", "moe_balance": "aux-free", "moe_bias_rate": 0.05,
+            "moe_seq_aux_weight": 0.01, "moe_groups": 2, "moe_group_limit": 1}
 # (mesh, schedule, microbatches, chunks, model changes); schedule None: a mesh without pp
 RUNS = [
+    ("pp=2,ep=2", "1f1b", 2, 1, DEEPSEEK),
     ("pp=2,ep=2", "1f1b", 2, 1, {}),
     ("pp=2,ep=2", "gpipe", 4, 1, {"moe_top_k": 1}),
     ("pp=2,ep=2", "interleaved-1f1b", 2, 2, {"moe_dropless": True}),
@@ -96,6 +101,7 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
                                        op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                        and s.tokens_per_expert == {i: r.tokens_per_expert[i] for i in s.tokens_per_expert}
+                       and s.expert_bias == {i: r.expert_bias[i] for i in s.expert_bias}
                        for s, r in zip(run.moe_steps, ref.moe_steps, strict=True))
     bytes_ok = True
     for s in run.moe_steps:

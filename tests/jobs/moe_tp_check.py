@@ -33,7 +33,7 @@ from refpar.mesh import DeviceMesh
 from refpar.model.gpt import param_shapes
 from refpar.parallel.tensor_parallel import shard_params_tp
 from refpar.trainer import train_single_device
-from tests.jobs.moe_pipeline_check import emit, plan_of, resume_row, train
+from tests.jobs.moe_pipeline_check import DEEPSEEK, emit, plan_of, resume_row, train
 from tests.numerics import rel_diff
 
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
@@ -43,6 +43,7 @@ TRAIN = TrainConfig(steps=3, batch_size=8, seq_len=8, lr=1e-2, seed=11)
 RUNS = [
     ("ep=2,tp=2", False, "1f1b", 1, {}, None),
     ("ep=2,tp=2", True, "1f1b", 2, {}, None),
+    ("ep=2,tp=2", True, "1f1b", 2, DEEPSEEK, None),  # shared experts replicated over tp, like the router
     ("pp=2,tp=2", True, "1f1b", 2, {"moe_top_k": 1}, None),
     ("dp=2,tp=2", False, "1f1b", 2, {"moe_layers": (0, 3)}, None),
     ("ep=2,tp=2", True, "1f1b", 2, {"dtype": "bfloat16"}, None),  # the same pieces in mixed precision
@@ -74,6 +75,7 @@ def check_run(comm, mesh_text, sp, schedule, m, changes, algo) -> dict:
         ref.params[n], np.float64)) for n, p in whole.items())]), op="max")[0])
     routing_same = all(s.dropped == {i: r.dropped[i] for i in s.dropped}
                        and s.tokens_per_expert == {i: r.tokens_per_expert[i] for i in s.tokens_per_expert}
+                       and s.expert_bias == {i: r.expert_bias[i] for i in s.expert_bias}
                        for s, r in zip(run.moe_steps, ref.moe_steps, strict=True))
     bytes_ok = True
     for s in run.moe_steps:
