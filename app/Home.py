@@ -13,6 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# pandas before any page runs: Plotly and st.dataframe import it on first use, and when a page's
+# script thread and the next page's both do so at once, one of them sees the module half initialised
+# ("partially initialized module 'pandas' has no attribute 'Series'", seen leaving Whole mesh for
+# Communication in Chromium).
+import pandas  # noqa: E402, F401
 import streamlit as st  # noqa: E402
 
 st.set_page_config(page_title="refpar", layout="wide")

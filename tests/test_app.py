@@ -194,7 +194,11 @@ def test_memory_page_shows_every_strategys_closed_form():
         assert trace["y"][col] == comm.memory_by_rank(zero3)[0].get(trace["name"], 0)
     at.number_input[0].set_value(3)
     rerun(at)
-    assert len(at.warning) == 1 and "- tp: tp=3 does not divide n_head=4" in at.warning[0].value
+    # one sentence naming what is left out (the fuzz test holds every warning to one line), and
+    # refpar's reason under it
+    assert [w.value for w in at.warning] == [
+        "Left out on 3 ranks: tp, sp; choose another number of ranks to see them."]
+    assert "- **tp**: tp=3 does not divide n_head=4" in at.expander[0].markdown[0].value
     # 16 ranks: a batch of one sequence per data rank, so the dp family is drawn; tp, sp and pp are
     # told why not in words the page's own controls can act on (no command-line flag)
     at.number_input[0].set_value(16)
@@ -205,8 +209,9 @@ def test_memory_page_shows_every_strategys_closed_form():
     col = list(fig["data"][0]["x"]).index("zero3 (16)")
     for trace in fig["data"]:
         assert trace["y"][col] == comm.memory_by_rank(zero3)[0].get(trace["name"], 0)
-    left_out = at.warning[0].value
-    assert all(f"- {s}:" in left_out for s in ("tp", "sp", "pp")) and "--" not in left_out
+    assert at.warning[0].value.startswith("Left out on 16 ranks: tp, sp, pp;")
+    reasons = at.expander[0].markdown[0].value
+    assert all(f"- **{s}**:" in reasons for s in ("tp", "sp", "pp")) and "--" not in reasons
 
 
 def test_memory_page_in_bf16_mixed_shows_the_fp32_master_weights_of_the_zero_papers_16_psi():

@@ -94,7 +94,7 @@ def test_train_json_summary_is_the_last_line_with_every_summary_field_and_the_re
     "args, words",
     [
         (["--steps", "many"], "invalid int value: 'many'"),
-        (["--steps", "0"], "steps must be positive"),
+        (["--steps", "0"], "--steps 0 must be positive"),
         (["--model", "huge"], "unknown model preset 'huge'"),
         (["--mesh", "dp=2"], "the mesh dp=2 has 2 ranks but the job has 1"),
         (["--mesh", "dp2"], "needs the form axis=size"),

@@ -59,8 +59,11 @@ if columns:
     st.plotly_chart(comm.memory_figure(columns, "peak bytes on rank 0, closed form"), width="stretch")
 else:
     st.error(f"No strategy runs on {n} ranks of this model; choose fewer ranks.")
-if skipped:  # one box: the strategy, and what to change on this page
-    st.warning("Left out:\n" + "\n".join(f"- {s}: {why}" for s, why in skipped.items()))
+if skipped:  # one sentence naming what is left out and what to change here; refpar's reasons below it
+    st.warning(f"Left out on {n} ranks: {', '.join(skipped)}; choose another number of ranks to see "
+               f"{'it' if len(skipped) == 1 else 'them'}.")
+    with st.expander("why each is left out (as `refpar train` would say it)"):
+        st.markdown("\n".join(f"- **{s}**: {why}" for s, why in skipped.items()))
 run = st.session_state.get("run")
 if run is not None:
     summary = run["summary"]
