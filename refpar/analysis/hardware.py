@@ -110,8 +110,6 @@ HARDWARE: dict[str, Hardware] = {
             flash_fraction=0.35,
             source="NVIDIA H100 datasheet (SXM); DGX H100 user guide; MAMF table (Bekman)",
         ),
-        # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: the H100 SXM's compute, 141 GB
-        # HBM3e at 4.8 TB/s, NVLink 900 GB/s. DGX H200: eight ConnectX-7 at 400 Gb/s per GPU.
         Hardware(
             # the H100's die for export, NVLink cut to 400 GB/s both ways; DeepSeek-V3's nodes have
             # 8 GPUs and one 400 Gb/s InfiniBand NIC per GPU (DeepSeek-AI 2024, V3 report §3.1)
@@ -125,6 +123,8 @@ HARDWARE: dict[str, Hardware] = {
             source="NVIDIA H800 (SXM): H100 compute and memory, NVLink 400 GB/s; DeepSeek-V3 report "
                    "§3.1; MAMF as measured on the H100 (Bekman)",
         ),
+        # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column: the H100 SXM's compute, 141 GB
+        # HBM3e at 4.8 TB/s, NVLink 900 GB/s. DGX H200: eight ConnectX-7 at 400 Gb/s per GPU.
         Hardware(
             "h200",
             peak_flops=HOPPER_FLOPS,
