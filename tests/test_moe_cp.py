@@ -24,12 +24,15 @@ def rows(tmp_path_factory):
 
 
 def test_moe_with_ring_and_ulysses_cp_matches_one_device_with_closed_form_bytes_and_memory(rows):
-    """ep=2 x cp=2 (ring), dp=2 x cp=2 (Ulysses, top-1) and pp=2 x cp=2 (ring, 1f1b), 2 microbatches
-    each, capacities that drop assignments: losses and parameters within 1e-10 of one device, aux
-    losses and every block's dropped and kept counts the single device's, each step's traced bytes
-    per (axis, op) and the params/grads/optimizer peaks equal to the closed forms."""
+    """ep=2 x cp=2 (ring) with Switch's routing and with DeepSeek-V3's (shared expert, sigmoid gates,
+    aux-free bias, group limit, drops by position), dp=2 x cp=2 (Ulysses, top-1) and pp=2 x cp=2
+    (ring, 1f1b), 2 microbatches each, capacities that drop assignments: losses and parameters
+    within 1e-10 of one device, aux losses, every block's dropped and kept counts and the expert
+    bias the single device's, each step's traced bytes per (axis, op) and the params/grads/
+    optimizer peaks equal to the closed forms."""
     runs = [r for r in rows if "run" in r]
-    assert [r["run"].split()[0] for r in runs] == ["ep=2,cp=2", "dp=2,cp=2", "pp=2,cp=2"]
+    assert [r["run"].split()[0] for r in runs] == ["ep=2,cp=2", "ep=2,cp=2", "dp=2,cp=2", "pp=2,cp=2"]
+    assert runs[1]["bias_moved"] and "moe_gate': 'sigmoid'" in runs[1]["run"], runs[1]
     for r in runs:
         assert within(r["loss_diff"], CONTRACT) and within(r["param_diff"], CONTRACT), r
         # the router losses of parameters that differ in their last bits, summed over other

@@ -118,10 +118,13 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
                + (f" {cp_algo}" if cp_algo else ""),
         "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
         "param_diff": param_diff,
-        "aux_diff": max(abs(a.aux_loss - b.aux_loss) / b.aux_loss
+        # relative, or absolute where the reference has no balance loss (aux-free without seq aux)
+        "aux_diff": max(abs(a.aux_loss - b.aux_loss) / (abs(b.aux_loss) or 1.0)
                         for a, b in zip(run.moe_steps, ref.moe_steps, strict=True)),
         "routing_same": all_ranks(comm, routing_same),
         "dropped": [sum(s.dropped.values()) for s in ref.moe_steps],
+        # aux-free balancing: the bias that routing_same compares has left zero
+        "bias_moved": any(np.any(b) for s in ref.moe_steps for b in s.expert_bias.values()),
         "bytes_ok": all_ranks(comm, bytes_ok),
         "memory_ok": all_ranks(comm, memory_ok),
         "activation_peaks": comm.all_gather(np.array([[par.ledger.peak["activations"],
