@@ -33,6 +33,12 @@ def test_moe_with_ring_and_ulysses_cp_matches_one_device_with_closed_form_bytes_
     runs = [r for r in rows if "run" in r]
     assert [r["run"].split()[0] for r in runs] == ["ep=2,cp=2", "ep=2,cp=2", "dp=2,cp=2", "pp=2,cp=2"]
     assert runs[1]["bias_moved"] and "moe_gate': 'sigmoid'" in runs[1]["run"], runs[1]
+    # DeepSeek-V3's sequence-wise loss: each rank all-reduces its rows' (rows, E) int64 counts over
+    # cp=2 per MoE layer and microbatch, ring: 2 (n - n/2) elements each way, n = rows E; here 2 rows
+    # (8 sequences over 2 data ranks and 2 microbatches), E = 4, 3 MoE layers, 2 microbatches, 3 steps
+    n = 2 * 4
+    assert runs[1]["seq_counts_bytes"] == [[3 * 3 * 2 * 2 * (n - n // 2) * 8] * 2] * 4, runs[1]
+    assert all(r["seq_counts_bytes"] == [[0, 0]] * 4 for r in runs if r is not runs[1]), runs
     for r in runs:
         assert within(r["loss_diff"], CONTRACT) and within(r["param_diff"], CONTRACT), r
         # the router losses of parameters that differ in their last bits, summed over other

@@ -92,6 +92,14 @@ def routed_counts_all_gather_bytes(config, runs: list[int], rank: int) -> cost.B
     return cost.all_gather_bytes([r * config.moe_top_k * config.moe_experts for r in runs], rank, 8)
 
 
+def seq_counts_all_reduce_bytes(config, rows: int, cp: int, cp_rank: int) -> cost.Bytes:
+    """DeepSeek-V3's sequence-wise loss (eq. 17-20) under cp: f_i counts a whole sequence's
+    selections, of which each of the cp ranks holds some positions, so every MoE layer all-reduces
+    its `rows` rows' (rows, E) int64 counts over cp once per forward. P_i, linear in the loss, does
+    not move (refpar/model/moe.sequence_balance_coefficients)."""
+    return cost.all_reduce_bytes(rows * config.moe_experts, cp, cp_rank, 8)
+
+
 def expected_all_to_all_bytes(config, tokens_per_rank: int, n_data: int, ep: int,
                               itemsize: int) -> float:
     """ep all-to-all bytes of one MoE layer per rank and step when routing is uniform and balanced:
@@ -222,8 +230,10 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
     """{(axis, op): (sent, received)} of one step's MoE layers on the rank at `coords` (module
     docstring): per microbatch j (b_j rows of Ta tokens) and MoE layer of its stages (`kept[j]`:
     layer -> (D c, E) kept counts), the counts' all-gather over the data ranks and the all-to-alls
-    over ep; with tp the expert buffer's all-reduce forward and backward and, under sp, the gathers
-    of the layer's tokens before it and of their gradient before its backward. `rerun` (full
+    over ep; with the sequence-wise loss and cp > 1 the all-reduce over cp of each row's (b_j, E)
+    int64 selection counts (`seq_counts_all_reduce_bytes`); with tp the expert buffer's all-reduce
+    forward and backward and, under sp, the gathers of the layer's tokens before it and of their
+    gradient before its backward. `rerun` (full
     recomputation, refpar/parallel/recompute.py): each layer's forward runs once more in the backward,
     its counts, dispatch and combine, g and gather with it."""
     ep, c, t, k = sizes["ep"], sizes["cp"], sizes["tp"], coords["tp"]
@@ -235,6 +245,9 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
         for counts in layers.values():
             counted = routed_counts_all_gather_bytes(model, runs, group)
             cost.add(out, ("data", "all_gather"), counted, 1 + rerun)
+            if model.moe_seq_aux_weight and c > 1:
+                cost.add(out, ("cp", "all_reduce"), seq_counts_all_reduce_bytes(model, rows[j], c,
+                                                                                 coords["cp"]), 1 + rerun)
             both = all_to_all_bytes(counts, ep, group, C, e, c)  # forward and backward: halves alike
             cost.add(out, ("ep", "all_to_all"), (both[0] * (2 + rerun) // 2, both[1] * (2 + rerun) // 2))
             if t > 1:  # g forward and f backward around the local experts' (Q, C) buffer

@@ -39,7 +39,8 @@ The routing of DeepSeekMoE and DeepSeek-V3, and Megatron-Core's drop policies (M
   `moe_bias_rate`), the load being the step's global selections; "none": neither.
 - `moe_seq_aux_weight` alpha (DeepSeek-V3 eq. 17-20): alpha * sum_i f_i P_i per sequence, f_i =
   E / (k T) * the sequence's selections of i, P_i its mean s'_i, averaged over the sequences of the
-  global (micro)batch; it is added to `aux_loss`.
+  global (micro)batch; it is added to `aux_loss`. Where context parallelism splits the sequences,
+  f's counts are summed over the cp ranks (`sum_sequences`); P enters linearly and stays local.
 - `moe_groups` G and `moe_group_limit` M (DeepSeek-V3's node-limited routing): the E experts form G
   groups of E / G consecutive ones (on a mesh with ep = G, one per ep rank); a token first keeps the
   M groups whose ceil(k / M) best biased scores sum highest, then picks its k among their experts,
@@ -236,7 +237,8 @@ def kept_counts(all_counts, cap, owners=None):
 
 @fp32_compute
 def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad_scale: float = 1.0,
-          parts: Parts | None = None, bias=None, seq_len: int | None = None):
+          parts: Parts | None = None, bias=None, seq_len: int | None = None, seq_rows: int | None = None,
+          sum_sequences=None):
     """Router forward and the routing decision for this call's tokens.
 
     `exchange(counts (runs, k, E)) -> (P, k, E)` gathers the selection counts of the runs of every
@@ -246,7 +248,10 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     microbatches); `grad_scale` is the fp16 loss scale the backward will start from: the router
     losses' gradients are scaled by it like the task loss's, their reported values are not.
     `bias` (E,): aux-free balancing's expert bias (`update_expert_bias`), for the choice only;
-    `seq_len` T: this call's tokens are whole sequences of T, which the sequence-wise loss needs.
+    `seq_len` T, the sequences' length, which the sequence-wise loss needs: this call's tokens are
+    `seq_rows` rows (by default N / T: whole sequences) of N / seq_rows positions each, row-major;
+    where other ranks hold the rest of each row (context parallelism), `sum_sequences(counts
+    (seq_rows, E)) -> (seq_rows, E)` sums each row's selection counts over them.
     Returns (routing, cache): routing is a dict with the chosen `experts` (N, k), `gates` (N, k),
     `keep` (N, k), the buffer layout (`token_of_row` (R,), `gate_of_row` (R,), `row` (N, k),
     `rows_per_expert` (E,) of this call), the losses `aux_loss`, `z_loss` (this call's share of the
@@ -297,9 +302,10 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     affinity = balance_affinities(scores, config.moe_gate)  # (N, E)
     balance, seq_coef = xp.sum(affinity * aux_coef), None
     if config.moe_seq_aux_weight:
-        seq_coef = sequence_balance_coefficients(hot, seq_len, n_global, config, weight,
-                                                 scores.dtype)  # (N / T, E)
-        balance = balance + xp.sum(xp.reshape(affinity, (-1, seq_len, E)) * seq_coef[:, None, :])
+        rows = N // seq_len if seq_rows is None else seq_rows
+        seq_coef = sequence_balance_coefficients(hot, rows, seq_len, n_global, config, weight,
+                                                 scores.dtype, sum_sequences)  # (rows, E)
+        balance = balance + xp.sum(xp.reshape(affinity, (rows, -1, E)) * seq_coef[:, None, :])
     z_coef = weight * config.moe_z_loss_weight / n_global
     kept_global = selected if cap is None else xp.minimum(selected, xp.asarray(cap, dtype=xp.int64))
     routing = {
@@ -341,9 +347,9 @@ def router_backward(dgates, cache):
         dchosen = (dgates - xp.sum(dgates * gates, axis=-1, keepdims=True)) / S  # (N, k)
     dscores = xp.sum(one_hot(experts, E, scores.dtype) * dchosen[..., None], axis=1)  # (N, E)
     daffinity = aux_coef  # (E,), d(balance losses) / d affinity[n, i]
-    if seq_coef is not None:  # (N / T, E) -> each token's row of it
-        T = N // seq_coef.shape[0]
-        daffinity = xp.reshape(xp.broadcast_to(seq_coef[:, None, :], (seq_coef.shape[0], T, E)),
+    if seq_coef is not None:  # (rows, E) -> each token's row of it, N / rows tokens a row
+        per_row = N // seq_coef.shape[0]
+        daffinity = xp.reshape(xp.broadcast_to(seq_coef[:, None, :], (seq_coef.shape[0], per_row, E)),
                                (N, E)) + aux_coef  # (N, E)
     if gate == "softmax":  # the affinity is the probability itself
         dscores = dscores + daffinity  # (N, E)
@@ -377,18 +383,25 @@ def rank_by_score(experts, chosen, n_experts: int):
     return xp.reshape(xp.take(place, xp.argsort(order, stable=True)), (k, N)).T  # (N, k)
 
 
-def sequence_balance_coefficients(hot, seq_len: int, n_global: int, config, weight: float, dtype):
+def sequence_balance_coefficients(hot, rows: int, seq_len: int, n_global: int, config, weight: float,
+                                  dtype, sum_sequences=None):
     """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) per sequence of T tokens,
     alpha * sum_i f_i P_i with f_i = E / (k T) * (the sequence's selections of expert i) and
     P_i = mean over its tokens of the affinity s'_i, averaged over the B_g = N_global / T sequences
     of the global (micro)batch. It is linear in the affinities: the loss is sum over tokens t of
     s'[t, i] * coef[row of t, i], coef = weight * alpha * E / (B_g k T^2) * counts. hot (N, k, E)
-    -> coef (N / T, E) of `dtype`."""
+    of `rows` rows (N / rows positions of each) -> coef (rows, E) of `dtype`.
+
+    Under context parallelism a rank holds only some positions of each row: f_i needs the whole
+    row's counts, so `sum_sequences` adds the (rows, E) partial counts up over the ranks holding
+    the rest (an all-reduce over cp). P_i needs no exchange: the loss is linear in it, so each rank
+    sums s' * coef over its own tokens and the shares add up to the loss, and its gradient is local."""
     xp = array_namespace(hot)
     N, k, E = hot.shape
-    counts = xp.sum(xp.reshape(hot, (N // seq_len, seq_len * k, E)), axis=1)  # (N / T, E)
+    counts = xp.sum(xp.reshape(hot, (rows, (N // rows) * k, E)), axis=1)  # (rows, E) this call's
+    counts = counts if sum_sequences is None else sum_sequences(counts)  # (rows, E) whole rows'
     scale = weight * config.moe_seq_aux_weight * E / ((n_global // seq_len) * k * seq_len ** 2)
-    return scale * xp.astype(counts, dtype)  # (N / T, E)
+    return scale * xp.astype(counts, dtype)  # (rows, E)
 
 
 # ----------------------------------------------------------------------- dispatch and combine

@@ -37,7 +37,10 @@ experts are dense weights every data rank holds and runs on its own tokens; with
 token's rows go to the ranks of at most M expert groups (one group per ep rank when G = ep), so the
 all-to-all's sizes, which come from the counts as before, shrink. Dropping by score would need every
 assignment's score, not counts: it is refused on more than one data rank (`check_expert_parallel`).
-The sequence-wise loss needs whole sequences on a rank: refused with cp > 1.
+The sequence-wise loss (DeepSeek-V3 eq. 17-20) needs each sequence's counts f_i: with cp > 1 a rank
+holds some positions of its rows, so per MoE layer and microbatch it all-reduces its (rows, E)
+int64 partial counts over cp (`h.{i}.mlp.router:seq_counts`); the loss is linear in the affinities,
+so their sums P_i, the loss's value and its gradient stay local.
 
 With context parallelism each data rank's rows are split over c cp ranks
 by position, so the exchange group is the dp x ep x cp ranks (group rank d * c + cp rank, cp
@@ -73,9 +76,6 @@ def check_expert_parallel(config, ep: int, data_ranks: int = 1, cp: int = 1) -> 
         raise ConfigError("moe_drop_policy='probs' ranks every assignment of the batch by score, which "
                           "refpar does on one data rank only; use --moe-drop-policy position, "
                           "--dropless, or dp=ep=cp=1")
-    if config.moe_experts and config.moe_seq_aux_weight and cp > 1:
-        raise ConfigError(f"the sequence-wise balance loss needs each sequence whole on one rank, "
-                          f"but cp={cp} splits them; use cp=1 or --moe-seq-aux 0")
     if ep > 1 and config.moe_experts == 0:
         raise ConfigError(f"ep={ep} needs experts to spread; add --moe-experts E with E >= {ep}")
     if config.moe_experts and config.moe_experts < ep:
@@ -162,12 +162,17 @@ class ExpertParallelMoE:
     `last_routing[layer]` holds that layer's routing. `weight`: the router losses' weight, 1/M when
     a step has M microbatches; `grad_scale`: the fp16 loss scale the next backward starts from
     (both as in moe.route); `runs`: the RoutingRuns of the microbatch the next forward routes (None:
-    each group rank's tokens are one run, the dp x ep runner's case; needed with cp > 1)."""
+    each group rank's tokens are one run, the dp x ep runner's case; needed with cp > 1);
+    `sequences`: with cp > 1, the communicator over the cp ranks holding the rest of this rank's
+    sequences (mesh.cp), over which the sequence-wise loss sums its counts."""
 
-    def __init__(self, data, ep, config, weight: float = 1.0, grad_scale: float = 1.0, cp: int = 1):
+    def __init__(self, data, ep, config, weight: float = 1.0, grad_scale: float = 1.0, cp: int = 1,
+                 sequences=None):
+        if (sequences.size if sequences is not None else 1) != cp:
+            raise ValueError("pass the cp communicator as `sequences` exactly when cp > 1")
         if (data.rank // cp) % ep.size != ep.rank:
             raise ValueError("the data ranks must list each ep group contiguously, in ep order")
-        self.data, self.ep, self.config = data, ep, config
+        self.data, self.ep, self.config, self.sequences = data, ep, config, sequences
         self.family = mixtral if config.arch == "llama" else moe  # the experts' and router's names
         self.weight, self.grad_scale = weight, grad_scale
         E = config.moe_experts
@@ -198,16 +203,25 @@ class ExpertParallelMoE:
             return got if runs is None else _take_rows(got, runs.order)
         return gather
 
+    def _sum_sequences(self, layer):
+        """The sequence-wise loss's (rows, E) counts of this rank's positions -> its rows' whole
+        counts: summed over the cp ranks holding the rest (None without cp: rows are whole)."""
+        if self.sequences is None:
+            return None
+        return lambda counts: self.sequences.all_reduce(counts, tag=f"h.{layer}.mlp.router:seq_counts")
+
     def forward(self, x, params, layer, config):
         xp = array_namespace(x)
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
         parts = None if self.runs is None else self.runs.parts
+        cp = 1 if self.sequences is None else self.sequences.size
         w = params[self.family.router_name(layer)]  # GPT-2's (C, E), Mixtral's (E, C)
         w = xp.matrix_transpose(w) if self.family is mixtral else w  # (C, E), the layout route takes
         routing, rcache = moe.route(x2, w, config,
                                     exchange=self._exchange(layer), rank=self.data.rank,
                                     weight=self.weight, grad_scale=self.grad_scale, parts=parts,
-                                    bias=self.bias.get(layer), seq_len=x.shape[1])
+                                    bias=self.bias.get(layer), seq_len=x.shape[1] * cp,
+                                    seq_rows=x.shape[0], sum_sequences=self._sum_sequences(layer))
         kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"],
                                                routing["owners"]))  # (group ranks, E)
         mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert

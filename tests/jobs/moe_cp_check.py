@@ -35,9 +35,10 @@ from tests.jobs.moe_pipeline_check import (
 # (mesh, schedule, microbatches, chunks, model changes, cp algorithm)
 RUNS = [
     ("ep=2,cp=2", "1f1b", 2, 1, {}, "ring"),
-    # DeepSeek-V3's routing over ring cp: shared expert, sigmoid gates, aux-free bias, 2 groups, 1
-    # per token, capacity dropping by position (moe_pipeline_check.DEEPSEEK)
-    ("ep=2,cp=2", "1f1b", 2, 1, {k: v for k, v in DEEPSEEK.items() if k != "moe_seq_aux_weight"}, "ring"),
+    # DeepSeek-V3's routing over ring cp: shared expert, sigmoid gates, aux-free bias, sequence-wise
+    # loss (its counts summed over cp), 2 groups, 1 per token, capacity dropping by position
+    # (moe_pipeline_check.DEEPSEEK)
+    ("ep=2,cp=2", "1f1b", 2, 1, DEEPSEEK, "ring"),
     ("dp=2,cp=2", "1f1b", 2, 1, {"moe_top_k": 1}, "ulysses"),
     ("pp=2,cp=2", "1f1b", 2, 1, {}, "ring"),
 ]

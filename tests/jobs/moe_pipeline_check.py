@@ -113,6 +113,7 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
         model, TRAIN, mesh.sizes, mesh.coords, plan, [s.microbatch_kept_counts for s in run.moe_steps])}
     memory_ok = dict(par.ledger.peak) == states
     a2a = sum(e.bytes_sent for e in events if e.op == "all_to_all")
+    seq_counts = [e for e in events if e.tag.endswith(":seq_counts")]
     return {
         "run": f"{mesh_text} {schedule or 'without pp'} m={m} v={v} {changes}"
                + (f" {cp_algo}" if cp_algo else ""),
@@ -130,6 +131,9 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
         "activation_peaks": comm.all_gather(np.array([[par.ledger.peak["activations"],
                                                         states["activations"]]])).tolist(),
         "all_to_all_bytes": float(comm.all_reduce(np.array([float(a2a)]))[0]),
+        # the sequence-wise loss's counts summed over cp: (sent, received) on every rank
+        "seq_counts_bytes": comm.all_gather(np.array([[sum(e.bytes_sent for e in seq_counts),
+                                                       sum(e.bytes_recv for e in seq_counts)]])).tolist(),
     }
 
 
