@@ -35,8 +35,12 @@ DeepSeek's routing options (refpar/model/moe.py) change no message: the aux-free
 from the gathered counts, the same on every rank (`self.bias`, moe.update_expert_bias); shared
 experts are dense weights every data rank holds and runs on its own tokens; with a group limit a
 token's rows go to the ranks of at most M expert groups (one group per ep rank when G = ep), so the
-all-to-all's sizes, which come from the counts as before, shrink. Dropping by score would need every
-assignment's score, not counts: it is refused on more than one data rank (`check_expert_parallel`).
+all-to-all's sizes, which come from the counts as before, shrink. Dropping by score (Megatron-Core's
+"probs") needs every assignment's score, not only counts: per MoE layer and microbatch each rank
+all-gathers over the data ranks its kept-or-not assignments' scores, N k of them in its experts'
+queue order (`h.{i}.mlp.router:scores`), and every rank ranks the same global queues
+(moe.rank_by_score); what each rank sends each expert then comes from that ranking
+(moe.routing_kept), not from the counts.
 The sequence-wise loss (DeepSeek-V3 eq. 17-20) needs each sequence's counts f_i: with cp > 1 a rank
 holds some positions of its rows, so per MoE layer and microbatch it all-reduces its (rows, E)
 int64 partial counts over cp (`h.{i}.mlp.router:seq_counts`); the loss is linear in the affinities,
@@ -68,14 +72,9 @@ from refpar.model.layers import as_like
 from refpar.sharding import shard_range
 
 
-def check_expert_parallel(config, ep: int, data_ranks: int = 1, cp: int = 1) -> None:
-    """ConfigErrors for an MoE model on `ep` ranks of `data_ranks` = dp x ep, each split over `cp`,
-    raised before any communication."""
-    if config.moe_experts and config.moe_drop_policy == "probs" and not config.moe_dropless \
-            and data_ranks * cp > 1:
-        raise ConfigError("moe_drop_policy='probs' ranks every assignment of the batch by score, which "
-                          "refpar does on one data rank only; use --moe-drop-policy position, "
-                          "--dropless, or dp=ep=cp=1")
+def check_expert_parallel(config, ep: int) -> None:
+    """ConfigErrors for an MoE model on `ep` ranks, raised before any communication. Every routing
+    option runs on every mesh: none is refused here."""
     if ep > 1 and config.moe_experts == 0:
         raise ConfigError(f"ep={ep} needs experts to spread; add --moe-experts E with E >= {ep}")
     if config.moe_experts and config.moe_experts < ep:
@@ -210,6 +209,15 @@ class ExpertParallelMoE:
             return None
         return lambda counts: self.sequences.all_reduce(counts, tag=f"h.{layer}.mlp.router:seq_counts")
 
+    def _gather_scores(self, layer):
+        """The drop policy "probs" (moe.rank_by_score): every data rank's scores in queue order,
+        concatenated in rank order; `counts`, the ranks' lengths, come from the gathered counts
+        (a rank holding nothing of the batch may be left off the end of them)."""
+        def gather(scores, counts):  # (n,) -> (k N_global,)
+            counts = counts + [0] * (self.data.size - len(counts))
+            return self.data.all_gather(scores, tag=f"h.{layer}.mlp.router:scores", counts=counts)
+        return gather
+
     def forward(self, x, params, layer, config):
         xp = array_namespace(x)
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
@@ -221,9 +229,9 @@ class ExpertParallelMoE:
                                     exchange=self._exchange(layer), rank=self.data.rank,
                                     weight=self.weight, grad_scale=self.grad_scale, parts=parts,
                                     bias=self.bias.get(layer), seq_len=x.shape[1] * cp,
-                                    seq_rows=x.shape[0], sum_sequences=self._sum_sequences(layer))
-        kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"],
-                                               routing["owners"]))  # (group ranks, E)
+                                    seq_rows=x.shape[0], sum_sequences=self._sum_sequences(layer),
+                                    gather_scores=self._gather_scores(layer))
+        kept = backend.to_host(moe.routing_kept(routing))  # (group ranks, E)
         mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert
         send = [int(mine[list(self.owners[q])].sum()) for q in range(self.ep.size)]
         recv = kept[np.ix_(self.members, list(self.local))]  # (S, El)

@@ -49,6 +49,8 @@ RUNS = [
     ("pp=2,dp=2", "zb-h1", 2, 1, {}),
     ("pp=4", "1f1b", 4, 1, {"moe_layers": (2, 3)}),  # stages 0 and 1 hold no MoE block
     ("dp=2,ep=2", None, 2, 1, {}),
+    # Megatron-Core's drop policy "probs" over 4 data ranks: every rank ranks the gathered scores
+    ("dp=2,ep=2", None, 2, 1, {"moe_drop_policy": "probs"}),
     # 16-bit activations, router losses kept in fp32: the closed forms in bf16, against a bf16 device
     ("pp=2,ep=2", "zb-h1", 2, 1, {"dtype": "bfloat16"}),
 ]
@@ -113,7 +115,10 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
         model, TRAIN, mesh.sizes, mesh.coords, plan, [s.microbatch_kept_counts for s in run.moe_steps])}
     memory_ok = dict(par.ledger.peak) == states
     a2a = sum(e.bytes_sent for e in events if e.op == "all_to_all")
-    seq_counts = [e for e in events if e.tag.endswith(":seq_counts")]
+
+    def moved(suffix):  # (sent, received) of this rank's messages tagged h.*.mlp.router<suffix>
+        tagged = [e for e in events if e.tag.endswith(suffix)]
+        return np.array([[sum(e.bytes_sent for e in tagged), sum(e.bytes_recv for e in tagged)]])
     return {
         "run": f"{mesh_text} {schedule or 'without pp'} m={m} v={v} {changes}"
                + (f" {cp_algo}" if cp_algo else ""),
@@ -131,9 +136,10 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
         "activation_peaks": comm.all_gather(np.array([[par.ledger.peak["activations"],
                                                         states["activations"]]])).tolist(),
         "all_to_all_bytes": float(comm.all_reduce(np.array([float(a2a)]))[0]),
-        # the sequence-wise loss's counts summed over cp: (sent, received) on every rank
-        "seq_counts_bytes": comm.all_gather(np.array([[sum(e.bytes_sent for e in seq_counts),
-                                                       sum(e.bytes_recv for e in seq_counts)]])).tolist(),
+        # every rank's (sent, received): the sequence-wise loss's counts summed over cp, and the
+        # scores gathered to drop by score
+        "seq_counts_bytes": comm.all_gather(moved(":seq_counts")).tolist(),
+        "scores_bytes": comm.all_gather(moved(":scores")).tolist(),
     }
 
 
