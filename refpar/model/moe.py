@@ -429,7 +429,8 @@ def rank_by_score(experts, chosen, position, all_counts, cap: int, owners=None, 
     # expert-major, best first within each expert
     order = xp.take(by_score, xp.argsort(xp.take(expert_of, by_score), stable=True))  # (k N_global,)
     index = xp.arange(queue.shape[0], dtype=xp.int64, device=device(experts))  # (k N_global,)
-    score_place = xp.take(index - xp.take(first, expert_of), xp.argsort(order, stable=True))  # by queue index
+    # each queue entry's place in its expert's queue by score: 0 for the best
+    score_place = xp.take(index - xp.take(first, expert_of), xp.argsort(order, stable=True))  # (k N_global,)
     kept_flat = to_host(score_place) < cap  # (k N_global,) host
     kept = np.bincount(owner * E + to_host(expert_of), weights=kept_flat,
                        minlength=ranks * E).astype(np.int64).reshape(ranks, E)  # (ranks, E)

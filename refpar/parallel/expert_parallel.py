@@ -37,8 +37,8 @@ experts are dense weights every data rank holds and runs on its own tokens; with
 token's rows go to the ranks of at most M expert groups (one group per ep rank when G = ep), so the
 all-to-all's sizes, which come from the counts as before, shrink. Dropping by score (Megatron-Core's
 "probs") needs every assignment's score, not only counts: per MoE layer and microbatch each rank
-all-gathers over the data ranks its kept-or-not assignments' scores, N k of them in its experts'
-queue order (`h.{i}.mlp.router:scores`), and every rank ranks the same global queues
+all-gathers over the data ranks the scores of all its N k assignments, in its experts' queue order
+(`h.{i}.mlp.router:scores`), and every rank ranks the same global queues
 (moe.rank_by_score); what each rank sends each expert then comes from that ranking
 (moe.routing_kept), not from the counts.
 The sequence-wise loss (DeepSeek-V3 eq. 17-20) needs each sequence's counts f_i: with cp > 1 a rank
