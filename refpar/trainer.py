@@ -35,7 +35,7 @@ from refpar import backend, checkpoint
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model import init_params, loss_and_grads, moe_layer
 from refpar.model.data import MarkovCorpus
-from refpar.model.moe import kept_counts, update_expert_bias
+from refpar.model.moe import routing_kept, update_expert_bias
 from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
 from refpar.sharding import shard_range
@@ -81,8 +81,7 @@ def step_record(step, loss, routings: list[dict], start, totals=None, bias: dict
     the whole batch; `bias` the aux-free expert biases the step routed with (moe.update_expert_bias)."""
     if totals is None:
         totals = (loss, *router_shares(routings))
-    kept = [{i: backend.to_host(kept_counts(r["selections"], r["capacity"], r["owners"]))
-             for i, r in rs.items()} for rs in routings]
+    kept = [{i: backend.to_host(routing_kept(r)) for i, r in rs.items()} for rs in routings]
     layers = list(routings[0]) if routings else []  # a pipeline stage may hold no MoE block
     return MoEStep(
         step=step, loss=float(totals[0]), aux_loss=float(totals[1]), z_loss=float(totals[2]),

@@ -1,6 +1,7 @@
 """The MoE layer against finite differences, a brute-force router and GPT-2's MLP (float64)."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -231,14 +232,19 @@ def test_routing_a_batch_in_parts_keeps_what_one_device_keeps(k, dropless):
     assert _losses_are_the_whole_batch_resummed(aux, z, whole, len(x))
 
 
-@pytest.mark.parametrize("k, dropless", [(1, False), (2, False), (2, True)])
-def test_routing_interleaved_runs_across_parts_keeps_what_one_device_keeps(k, dropless):
+@pytest.mark.parametrize("k, dropless, policy", [(1, False, "position"), (2, False, "position"),
+                                                 (2, True, "position"), (1, False, "probs"),
+                                                 (2, False, "probs")])
+def test_routing_interleaved_runs_across_parts_keeps_what_one_device_keeps(k, dropless, policy):
     """Three parts hold, of each of 4 rows of 6 tokens, runs of positions in zig-zag fashion (part
     0 positions 0 and 5, part 1 positions 1-2, part 2 positions 3-4; part 0's run 5 of row b and
     run 0 of row b+1 are one run), as context-parallel ranks do. Each routes only its own tokens,
     seeing every run's counts in global order: every token's kept slots, each part's rows per
-    expert (kept_counts folded by owner), the drops and the losses are the single call's."""
-    config = cfg(moe_top_k=k, moe_capacity_factor=0.7, moe_dropless=dropless)
+    expert (kept_counts folded by owner), the drops and the losses are the single call's.
+    Dropping by score ("probs"), each part also sees every part's scores as the all-gather
+    assembles them (part by part, each in its queue order): its kept slots are still the single
+    call's, and its rows per expert (routing_kept) those of the single call's keep mask."""
+    config = cfg(moe_top_k=k, moe_capacity_factor=0.7, moe_dropless=dropless, moe_drop_policy=policy)
     rows, seq = 4, 6
     x = np.random.default_rng(14).standard_normal((rows * seq, C))
     w = np.random.default_rng(15).standard_normal((C, 4))
@@ -261,22 +267,42 @@ def test_routing_interleaved_runs_across_parts_keeps_what_one_device_keeps(k, dr
         mine = [i for i, r in enumerate(runs) if r[2] == part]
         ids = np.concatenate([np.arange(runs[i][0], runs[i][0] + runs[i][1]) for i in mine])
         parts = moe.Parts(tuple(runs[i][1] for i in mine), tuple(place[i] for i in mine), owners)
-        counts, _ = moe.route(x[ids], w, config, parts=parts)  # this part's runs' counts
+        # this part's runs' counts, which the drop policy does not change
+        counts, _ = moe.route(x[ids], w, replace(config, moe_drop_policy="position"), parts=parts)
         calls.append((ids, parts, counts["selections"]))
     every = np.zeros((len(runs), k, 4), dtype=np.int64)  # (P, k, E) what the all-gather assembles
     for _, parts, counts in calls:
         every[list(parts.index)] = counts
-    kept = moe.kept_counts(every, whole["capacity"], owners)  # (3, E)
+    if policy == "position":
+        kept = moe.kept_counts(every, whole["capacity"], owners)  # (3, E)
+    else:  # what the single call keeps of each part's tokens, per expert
+        hot = np.eye(4, dtype=np.int64)[whole["experts"]] * whole["keep"][..., None]  # (N, k, E)
+        kept = np.stack([hot[ids].sum(axis=(0, 1)) for ids, _, _ in calls])  # (3, E)
+    sent = {}  # part -> its scores in queue order, as it hands them to the all-gather
+
+    def record(part):
+        def gather(scores, counts):
+            sent[part] = scores
+            return np.zeros(sum(counts))
+        return gather
+    for part, (ids, parts, _) in enumerate(calls):
+        moe.route(x[ids], w, config, exchange=lambda c, every=every: every, parts=parts,
+                  gather_scores=record(part))
     keep, aux, z = np.zeros_like(whole["keep"]), 0.0, 0.0
     for part, (ids, parts, _) in enumerate(calls):
-        routing, _ = moe.route(x[ids], w, config, exchange=lambda c, every=every: every, parts=parts)
+        routing, _ = moe.route(x[ids], w, config, exchange=lambda c, every=every: every, parts=parts,
+                               gather_scores=lambda s, counts: np.concatenate([sent[p] for p in range(3)]))
         keep[ids] = routing["keep"]
         np.testing.assert_array_equal(routing["rows_per_expert"], kept[part])
+        np.testing.assert_array_equal(moe.routing_kept(routing), kept)
         aux, z = aux + routing["aux_loss"], z + routing["z_loss"]
         assert routing["dropped"] == whole["dropped"]
     np.testing.assert_array_equal(keep, whole["keep"])
     assert (whole["dropped"] > 0) == (not dropless)
     assert _losses_are_the_whole_batch_resummed(aux, z, whole, len(x))
+    if policy == "probs":  # the score decides: some slot kept by score is one the queue would drop
+        by_position, _ = moe.route(x, w, replace(config, moe_drop_policy="position"))
+        assert not np.array_equal(by_position["keep"], whole["keep"])
 
 
 def test_deepseek_routing_matches_brute_force_groups_bias_sigmoid_gates_probs_drops_and_seq_loss():

@@ -24,12 +24,30 @@ def rows(tmp_path_factory):
 
 
 def test_moe_with_ring_and_ulysses_cp_matches_one_device_with_closed_form_bytes_and_memory(rows):
-    """ep=2 x cp=2 (ring), dp=2 x cp=2 (Ulysses, top-1) and pp=2 x cp=2 (ring, 1f1b), 2 microbatches
-    each, capacities that drop assignments: losses and parameters within 1e-10 of one device, aux
-    losses and every block's dropped and kept counts the single device's, each step's traced bytes
-    per (axis, op) and the params/grads/optimizer peaks equal to the closed forms."""
+    """ep=2 x cp=2 (ring) with Switch's routing, with DeepSeek-V3's (shared expert, sigmoid gates,
+    aux-free bias, sequence-wise loss, group limit, drops by position) and dropping by score
+    (Megatron-Core's "probs"), dp=2 x cp=2 (Ulysses, top-1) and pp=2 x cp=2
+    (ring, 1f1b), 2 microbatches each, capacities that drop assignments: losses and parameters
+    within 1e-10 of one device, aux losses, every block's dropped and kept counts and the expert
+    bias the single device's, each step's traced bytes per (axis, op) and the params/grads/
+    optimizer peaks equal to the closed forms."""
     runs = [r for r in rows if "run" in r]
-    assert [r["run"].split()[0] for r in runs] == ["ep=2,cp=2", "dp=2,cp=2", "pp=2,cp=2"]
+    assert [r["run"].split()[0] for r in runs] == ["ep=2,cp=2"] * 3 + ["dp=2,cp=2", "pp=2,cp=2"]
+    assert runs[1]["bias_moved"] and "moe_gate': 'sigmoid'" in runs[1]["run"], runs[1]
+    # DeepSeek-V3's sequence-wise loss: each rank all-reduces its rows' (rows, E) int64 counts over
+    # cp=2 per MoE layer and microbatch, ring: 2 (n - n/2) elements each way, n = rows E; here 2 rows
+    # (8 sequences over 2 data ranks and 2 microbatches), E = 4, 3 MoE layers, 2 microbatches, 3 steps
+    n = 2 * 4
+    assert runs[1]["seq_counts_bytes"] == [[3 * 3 * 2 * 2 * (n - n // 2) * 8] * 2] * 4, runs[1]
+    assert all(r["seq_counts_bytes"] == [[0, 0]] * 4 for r in runs if r is not runs[1]), runs
+    # dropping by score: the scores' ring all-gather over the 4 data ranks (2 data x 2 cp ranks),
+    # each holding 2 rows x 4 positions of each microbatch, k = 2 float64 scores a token: it sends
+    # and receives the 3 pieces not its own per MoE layer (3), microbatch (2) and step (3)
+    by_score = runs[2]
+    assert "'probs'" in by_score["run"], by_score
+    assert by_score["all_to_all_bytes"] != runs[0]["all_to_all_bytes"], by_score  # other rows kept
+    assert by_score["scores_bytes"] == [[3 * 2 * 3 * 3 * 8 * 2 * 8] * 2] * 4, by_score
+    assert all(r["scores_bytes"] == [[0, 0]] * 4 for r in runs if r is not by_score), runs
     for r in runs:
         assert within(r["loss_diff"], CONTRACT) and within(r["param_diff"], CONTRACT), r
         # the router losses of parameters that differ in their last bits, summed over other

@@ -35,9 +35,10 @@ def rows(tmp_path_factory):
 
 def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_bytes_and_memory(rows):
     """pp=2 x ep=2 under 1f1b, gpipe (top-1) and interleaved (dropless), pp=2 x dp=2 under zb-h1,
-    pp=4 with MoE in the last two blocks only, dp x ep without a pipeline, each with 2 or 4
-    microbatches, pp=2 x ep=2 under 1f1b with DeepSeek-V3's routing (shared expert, sigmoid gates,
-    aux-free bias, sequence-wise loss, group limit), and pp=2 x ep=2 under zb-h1 in bf16 (its loss
+    pp=4 with MoE in the last two blocks only, dp x ep without a pipeline (dropping by position
+    and by score: Megatron-Core's "probs", the scores all-gathered), each with 2 or 4 microbatches,
+    pp=2 x ep=2 under 1f1b with DeepSeek-V3's routing (shared expert, sigmoid gates, aux-free bias,
+    sequence-wise loss, group limit), and pp=2 x ep=2 under zb-h1 in bf16 (its loss
     within bf16's MoE bound, the rest as follows): losses, parameters, aux losses and the routing
     of every block are the single device's with the same microbatches (the aux-free biases too);
     each step's traced bytes per (axis, op) and every memory peak equal the closed forms from the
@@ -45,7 +46,16 @@ def test_moe_pipelines_and_dp_ep_microbatches_match_one_device_with_closed_form_
     routing, router, expert buffers and caches from the counts of each microbatch, replayed over
     the schedule."""
     runs = [r for r in rows if "run" in r]
-    assert len(runs) == 8
+    assert len(runs) == 9
+    # dropping by score ranks other assignments first than the queue: another run than by position
+    by_position, by_score = [r for r in runs if r["run"].startswith("dp=2,ep=2")]
+    assert "'probs'" in by_score["run"] and by_score["loss_diff"] < 1e-10, by_score
+    assert by_score["all_to_all_bytes"] != by_position["all_to_all_bytes"], (by_score, by_position)
+    # the scores' ring all-gather over the 4 data ranks: each holds 1 row of 8 tokens of each of the
+    # 2 microbatches, k = 2 float64 scores a token, and sends and receives the 3 pieces not its own
+    # (or its neighbour's: all pieces are alike) per MoE layer (3), microbatch (2) and step (3)
+    assert by_score["scores_bytes"] == [[3 * 2 * 3 * 3 * 8 * 2 * 8] * 2] * 4, by_score
+    assert all(r["scores_bytes"] == [[0, 0]] * 4 for r in runs if r is not by_score), runs
     for r in runs:
         if "bfloat16" in r["run"]:  # routing may flip once the parameters differ in the last bit
             assert within(r["loss_diff"], BF16_MOE_TOLERANCE), r

@@ -31,7 +31,8 @@ def rows(tmp_path_factory):
 def test_moe_with_expert_tp_and_sp_matches_one_device_with_closed_form_bytes_and_memory(rows):
     """ep=2 x tp=2 (one and two microbatches, with and without sp; with sp also with DeepSeek-V3's
     routing, its shared expert replicated over tp), pp=2 x tp=2 with sp (top-1),
-    dp=2 x tp=2, cp=2 x tp=2 (ring) and cp=2 x tp=2 with sp (Ulysses): losses, parameters gathered
+    dp=2 x tp=2, cp=2 x tp=2 (ring) and cp=2 x tp=2 with sp (Ulysses, with DeepSeek-V3's
+    sequence-wise loss, its counts all-reduced over cp): losses, parameters gathered
     over tp, aux losses, the routing of every block and the aux-free biases are the single
     device's with capacities
     that drop; ep=2 x tp=2 with sp in bf16-mixed: the loss

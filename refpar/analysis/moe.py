@@ -92,6 +92,25 @@ def routed_counts_all_gather_bytes(config, runs: list[int], rank: int) -> cost.B
     return cost.all_gather_bytes([r * config.moe_top_k * config.moe_experts for r in runs], rank, 8)
 
 
+def scores_all_gather_bytes(config, cfg, m: int, j: int, n_data: int, cp: int, Ta: int, rank: int,
+                            itemsize: int) -> cost.Bytes:
+    """Megatron-Core's drop policy "probs" over several ranks (moe.rank_by_score): in microbatch j
+    of m every exchange rank (d c + cp rank) all-gathers the scores of its N_g k assignments, N_g =
+    its rows of the microbatch (holdings.microbatch_samples) times its Ta positions, in the router's
+    dtype (`itemsize`: fp32_compute's float32 under 16-bit activations)."""
+    a, b = shard_range(cfg.batch_size, m, j)
+    tokens = [rows * Ta for rows in shard_sizes(b - a, n_data) for _ in range(cp)]
+    return cost.all_gather_bytes([n * config.moe_top_k for n in tokens], rank, itemsize)
+
+
+def seq_counts_all_reduce_bytes(config, rows: int, cp: int, cp_rank: int) -> cost.Bytes:
+    """DeepSeek-V3's sequence-wise loss (eq. 17-20) under cp: f_i counts a whole sequence's
+    selections, of which each of the cp ranks holds some positions, so every MoE layer all-reduces
+    its `rows` rows' (rows, E) int64 counts over cp once per forward. P_i, linear in the loss, does
+    not move (refpar/model/moe.sequence_balance_coefficients)."""
+    return cost.all_reduce_bytes(rows * config.moe_experts, cp, cp_rank, 8)
+
+
 def expected_all_to_all_bytes(config, tokens_per_rank: int, n_data: int, ep: int,
                               itemsize: int) -> float:
     """ep all-to-all bytes of one MoE layer per rank and step when routing is uniform and balanced:
@@ -170,15 +189,20 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: 
     }
 
 
-def routing_option_bytes(model, N: int, rows: int, e: int) -> dict[str, int]:
-    """What DeepSeek's routing options add to a MoE block's cache over N tokens in `rows`
-    sequences: each shared expert keeps what a dense GPT-2 MLP keeps (3 N 4C, at full width on
-    every rank: shared experts are replicated, under tp too); the sequence-wise balance loss its
-    coefficients, one per sequence and expert (rows, E). Sigmoid gates, the aux-free bias and
-    group-limited routing keep nothing more: the scores replace the probabilities, and the bias and
-    the group mask only change which experts argsort's (N, E) buffer lists first."""
+def routing_option_bytes(model, N: int, rows: int, e: int, ranks: int = 1) -> dict[str, int]:
+    """What DeepSeek's routing options and Megatron-Core's drop policy add to a MoE block's cache
+    over N tokens in `rows` sequences, routed among `ranks` exchange ranks (D c): each shared
+    expert keeps what a dense GPT-2 MLP keeps (3 N 4C, at full width on every rank: shared experts
+    are replicated, under tp too); the sequence-wise balance loss its coefficients, one per sequence
+    and expert (rows, E); dropping by score ("probs", with a capacity) what each exchange rank keeps
+    per expert, (ranks, E) int64, which the counts alone no longer give (moe.routing_kept). Sigmoid
+    gates, the aux-free bias and group-limited routing keep nothing more: the scores replace the
+    probabilities, and the bias and the group mask only change which experts argsort's (N, E)
+    buffer lists first."""
+    by_score = model.moe_drop_policy == "probs" and not model.moe_dropless
     return {"shared_experts": model.moe_shared_experts * 3 * N * 4 * model.n_embd * e,
-            "sequence_balance": rows * model.moe_experts * e if model.moe_seq_aux_weight else 0}
+            "sequence_balance": rows * model.moe_experts * e if model.moe_seq_aux_weight else 0,
+            "kept_by_score": ranks * model.moe_experts * INDEX_BYTES if by_score else 0}
 
 
 def mlp_activation_bytes(model, tokens: int, H: int | None = None) -> int:
@@ -210,7 +234,7 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
         if layer in model.moe_blocks:
             R, Q = dispatch_rows(kept[layer], ep, group, c)
             parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, C, R, Q, runs, ep, El, e, H)
-            parts |= routing_option_bytes(model, N, b, e)
+            parts |= routing_option_bytes(model, N, b, e, D * c)
             if sp:  # the gathered sequence for the router, ln_2's shard not kept
                 parts["sequence"] = (N - b * shard_sizes(Ta, t)[coords["tp"]]) * C * e
             n += sum(parts.values()) - mlp_activation_bytes(model, N, H)
@@ -222,8 +246,11 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
     """{(axis, op): (sent, received)} of one step's MoE layers on the rank at `coords` (module
     docstring): per microbatch j (b_j rows of Ta tokens) and MoE layer of its stages (`kept[j]`:
     layer -> (D c, E) kept counts), the counts' all-gather over the data ranks and the all-to-alls
-    over ep; with tp the expert buffer's all-reduce forward and backward and, under sp, the gathers
-    of the layer's tokens before it and of their gradient before its backward. `rerun` (full
+    over ep; dropping by score over several ranks, the scores' all-gather over the data ranks
+    (`scores_all_gather_bytes`); with the sequence-wise loss and cp > 1 the all-reduce over cp of
+    each row's (b_j, E) int64 selection counts (`seq_counts_all_reduce_bytes`); with tp the expert
+    buffer's all-reduce forward and backward and, under sp, the gathers of the layer's tokens
+    before it and of their gradient before its backward. `rerun` (full
     recomputation, refpar/parallel/recompute.py): each layer's forward runs once more in the backward,
     its counts, dispatch and combine, g and gather with it."""
     ep, c, t, k = sizes["ep"], sizes["cp"], sizes["tp"], coords["tp"]
@@ -235,6 +262,12 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
         for counts in layers.values():
             counted = routed_counts_all_gather_bytes(model, runs, group)
             cost.add(out, ("data", "all_gather"), counted, 1 + rerun)
+            if model.moe_drop_policy == "probs" and not model.moe_dropless and D * c > 1:
+                cost.add(out, ("data", "all_gather"), scores_all_gather_bytes(
+                    model, cfg, m, j, D, c, Ta, group, max(e, 4)), 1 + rerun)
+            if model.moe_seq_aux_weight and c > 1:
+                cost.add(out, ("cp", "all_reduce"), seq_counts_all_reduce_bytes(model, rows[j], c,
+                                                                                 coords["cp"]), 1 + rerun)
             both = all_to_all_bytes(counts, ep, group, C, e, c)  # forward and backward: halves alike
             cost.add(out, ("ep", "all_to_all"), (both[0] * (2 + rerun) // 2, both[1] * (2 + rerun) // 2))
             if t > 1:  # g forward and f backward around the local experts' (Q, C) buffer

@@ -136,8 +136,11 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     moe, runs = None, {}
     if model.moe_experts:
         data, c = mesh.axis("data"), sizes["cp"]
-        moe = (TensorParallelExpertMoE(data, mesh.ep, model, lay, plan.sp, weight=1 / m, cp=c)
-               if sizes["tp"] > 1 else ExpertParallelMoE(data, mesh.ep, model, weight=1 / m, cp=c))
+        sequences = mesh.cp if c > 1 else None  # the sequence-wise loss sums its counts over them
+        moe = (TensorParallelExpertMoE(data, mesh.ep, model, lay, plan.sp, weight=1 / m, cp=c,
+                                       sequences=sequences)
+               if sizes["tp"] > 1 else ExpertParallelMoE(data, mesh.ep, model, weight=1 / m, cp=c,
+                                                         sequences=sequences))
         held = [cp_positions(train.seq_len, c, r, plan.cp_algo) for r in range(c)]  # (Ta,) each
         n_data = sizes["dp"] * sizes["ep"]
         for j in range(m):  # every member's token runs, for the routing's global order

@@ -24,7 +24,7 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
     p, d, e, c, t = (sizes.get(a, 1) for a in ("pp", "dp", "ep", "cp", "tp"))
     train.check_model(model)
     _check_family(model, sizes)
-    check_expert_parallel(model, e, d * e, c)
+    check_expert_parallel(model, e)
     check_tp(model, t)
     if plan.sp:
         check_sp(model, train.seq_len, t)  # "give the mesh tp=2 or more", seq_len >= tp

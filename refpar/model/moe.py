@@ -39,14 +39,16 @@ The routing of DeepSeekMoE and DeepSeek-V3, and Megatron-Core's drop policies (M
   `moe_bias_rate`), the load being the step's global selections; "none": neither.
 - `moe_seq_aux_weight` alpha (DeepSeek-V3 eq. 17-20): alpha * sum_i f_i P_i per sequence, f_i =
   E / (k T) * the sequence's selections of i, P_i its mean s'_i, averaged over the sequences of the
-  global (micro)batch; it is added to `aux_loss`.
+  global (micro)batch; it is added to `aux_loss`. Where context parallelism splits the sequences,
+  f's counts are summed over the cp ranks (`sum_sequences`); P enters linearly and stays local.
 - `moe_groups` G and `moe_group_limit` M (DeepSeek-V3's node-limited routing): the E experts form G
   groups of E / G consecutive ones (on a mesh with ep = G, one per ep rank); a token first keeps the
   M groups whose ceil(k / M) best biased scores sum highest, then picks its k among their experts,
   so its rows cross to at most M groups.
 - `moe_drop_policy` (Megatron-Core's moe_token_drop_policy): "position" is the queue order above;
   "probs" lets each expert keep the `capacity` assignments of highest score, ties in queue order.
-  It ranks the whole batch's scores, so it runs on one data rank (expert_parallel refuses it).
+  It ranks the whole batch's scores: over several ranks each gathers every rank's scores in queue
+  order (`route`'s gather_scores, `rank_by_score`), and ranks the same global queues.
 - Microbatches (Megatron-Core's convention): a step of M microbatches routes each microbatch on
   its own tokens: N_global above is the microbatch's token count (capacity, queue order, f and P
   are the microbatch's), and each microbatch's aux and z losses enter with weight 1/M
@@ -73,6 +75,7 @@ from dataclasses import dataclass
 import numpy as np
 from array_api_compat import array_namespace, device
 
+from refpar.backend import to_host
 from refpar.model.layers import (
     as_like,
     gelu_backward,
@@ -215,6 +218,15 @@ def queue_offsets(all_counts, rank: int):
     return earlier_slots + earlier_ranks
 
 
+def routing_kept(routing):
+    """(ranks, E): the assignments each exchange rank keeps per expert in one routing (`route`), the
+    all-to-all's sizes. By position a function of the counts (`kept_counts`); by score (drop policy
+    "probs") of every assignment's score, so `route` keeps what it found."""
+    if "kept_by_score" in routing:
+        return routing["kept_by_score"]
+    return kept_counts(routing["selections"], routing["capacity"], routing["owners"])
+
+
 def kept_counts(all_counts, cap, owners=None):
     """(parts, k, E) selection counts -> (parts, E) assignments each part keeps per expert: part p's
     slot-j choices of e hold queue places [offset, offset + count), and those below `cap` stay.
@@ -236,7 +248,8 @@ def kept_counts(all_counts, cap, owners=None):
 
 @fp32_compute
 def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad_scale: float = 1.0,
-          parts: Parts | None = None, bias=None, seq_len: int | None = None):
+          parts: Parts | None = None, bias=None, seq_len: int | None = None, seq_rows: int | None = None,
+          sum_sequences=None, gather_scores=None):
     """Router forward and the routing decision for this call's tokens.
 
     `exchange(counts (runs, k, E)) -> (P, k, E)` gathers the selection counts of the runs of every
@@ -246,12 +259,19 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     microbatches); `grad_scale` is the fp16 loss scale the backward will start from: the router
     losses' gradients are scaled by it like the task loss's, their reported values are not.
     `bias` (E,): aux-free balancing's expert bias (`update_expert_bias`), for the choice only;
-    `seq_len` T: this call's tokens are whole sequences of T, which the sequence-wise loss needs.
+    `seq_len` T, the sequences' length, which the sequence-wise loss needs: this call's tokens are
+    `seq_rows` rows (by default N / T: whole sequences) of N / seq_rows positions each, row-major;
+    where other ranks hold the rest of each row (context parallelism), `sum_sequences(counts
+    (seq_rows, E)) -> (seq_rows, E)` sums each row's selection counts over them.
+    `gather_scores(scores (n,), counts) -> (sum(counts),)`: with the drop policy "probs" over more
+    than one exchange rank, every rank's scores in rank order (`rank_by_score`); None: this call is
+    the whole batch.
     Returns (routing, cache): routing is a dict with the chosen `experts` (N, k), `gates` (N, k),
     `keep` (N, k), the buffer layout (`token_of_row` (R,), `gate_of_row` (R,), `row` (N, k),
     `rows_per_expert` (E,) of this call), the losses `aux_loss`, `z_loss` (this call's share of the
     global ones), the global `tokens_per_expert` (E,) kept and `dropped` assignments, `capacity`,
-    `selections`, every run's counts (P, k, E), and `owners`, `parts.owners`.
+    `selections`, every run's counts (P, k, E), and `owners`, `parts.owners`; under the drop policy
+    "probs" also `kept_by_score` (ranks, E) (`routing_kept`).
     """
     xp = array_namespace(x2, w)
     N, E, k = x2.shape[0], config.moe_experts, config.moe_top_k
@@ -275,9 +295,12 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     run_of = as_like(np.repeat(np.arange(len(parts.sizes)), parts.sizes), hot)  # (N,)
     ahead = cum[:-1, ...] + xp.take(offsets - at_start, run_of, axis=0)  # (N, k, E)
     position = xp.sum(ahead * hot, axis=-1)  # (N, k): place in the expert's global queue
+    kept_by_score = None  # (ranks, E): under "probs", what each exchange rank keeps per expert
     if config.moe_drop_policy == "probs" and cap is not None:
-        position = rank_by_score(experts, chosen, E)  # (N, k): this call is the whole batch
-    keep = position >= 0 if cap is None else position < cap  # (N, k)
+        keep, kept_by_score = rank_by_score(experts, chosen, position, all_counts, cap, parts.owners,
+                                            gather_scores)  # (N, k), (ranks, E)
+    else:
+        keep = position >= 0 if cap is None else position < cap  # (N, k)
 
     # Buffer rows: kept assignments sorted by expert, then by queue position. Listing assignments
     # slot-major, (j, n) -> j * N + n, is queue order, so a stable sort by expert gives it.
@@ -297,9 +320,10 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     affinity = balance_affinities(scores, config.moe_gate)  # (N, E)
     balance, seq_coef = xp.sum(affinity * aux_coef), None
     if config.moe_seq_aux_weight:
-        seq_coef = sequence_balance_coefficients(hot, seq_len, n_global, config, weight,
-                                                 scores.dtype)  # (N / T, E)
-        balance = balance + xp.sum(xp.reshape(affinity, (-1, seq_len, E)) * seq_coef[:, None, :])
+        rows = N // seq_len if seq_rows is None else seq_rows
+        seq_coef = sequence_balance_coefficients(hot, rows, seq_len, n_global, config, weight,
+                                                 scores.dtype, sum_sequences)  # (rows, E)
+        balance = balance + xp.sum(xp.reshape(affinity, (rows, -1, E)) * seq_coef[:, None, :])
     z_coef = weight * config.moe_z_loss_weight / n_global
     kept_global = selected if cap is None else xp.minimum(selected, xp.asarray(cap, dtype=xp.int64))
     routing = {
@@ -317,6 +341,8 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
         "selections": all_counts,  # (P, k, E) of every run of the global batch
         "owners": parts.owners,  # (P,) the exchange rank of each run, or None: run p is rank p's
     }
+    if kept_by_score is not None:  # not a function of the counts: kept here for `routing_kept`
+        routing["kept_by_score"] = kept_by_score  # (ranks, E) host int64
     if grad_scale != 1.0:  # the losses above stay unscaled; their gradients, like the rest, scale
         aux_coef, z_coef = aux_coef * grad_scale, z_coef * grad_scale
         seq_coef = None if seq_coef is None else seq_coef * grad_scale
@@ -341,9 +367,9 @@ def router_backward(dgates, cache):
         dchosen = (dgates - xp.sum(dgates * gates, axis=-1, keepdims=True)) / S  # (N, k)
     dscores = xp.sum(one_hot(experts, E, scores.dtype) * dchosen[..., None], axis=1)  # (N, E)
     daffinity = aux_coef  # (E,), d(balance losses) / d affinity[n, i]
-    if seq_coef is not None:  # (N / T, E) -> each token's row of it
-        T = N // seq_coef.shape[0]
-        daffinity = xp.reshape(xp.broadcast_to(seq_coef[:, None, :], (seq_coef.shape[0], T, E)),
+    if seq_coef is not None:  # (rows, E) -> each token's row of it, N / rows tokens a row
+        per_row = N // seq_coef.shape[0]
+        daffinity = xp.reshape(xp.broadcast_to(seq_coef[:, None, :], (seq_coef.shape[0], per_row, E)),
                                (N, E)) + aux_coef  # (N, E)
     if gate == "softmax":  # the affinity is the probability itself
         dscores = dscores + daffinity  # (N, E)
@@ -360,35 +386,77 @@ def router_backward(dgates, cache):
     return dx2, dw
 
 
-def rank_by_score(experts, chosen, n_experts: int):
-    """(N, k) chosen experts and their scores of the whole (micro)batch -> (N, k): each
-    assignment's place in its expert's queue ordered by score, highest first, ties in queue order
-    (slot, then token). Megatron-Core's drop policy "probs": past the capacity the least probable
-    assignments go, where "position" drops the last ones queued."""
+def queue_owners(all_counts, owners=None) -> np.ndarray:
+    """(P, k, E) counts of every run in global order -> (k N_global,) host ints: the exchange rank
+    holding each assignment of the experts' queues laid end to end, expert by expert, each in queue
+    order (slot, then global token: run p's slot-j choices of e are one segment of e's queue).
+    `owners` (P,) as in `Parts` (None: run p is rank p's)."""
+    counts = to_host(all_counts)  # (P, k, E)
+    P, k, E = counts.shape
+    owners = np.arange(P) if owners is None else np.asarray(owners)  # (P,)
+    segments = np.transpose(counts, (2, 1, 0)).reshape(-1)  # (E k P,): expert, slot, run
+    return np.repeat(np.tile(owners, E * k), segments)  # (k N_global,)
+
+
+def rank_by_score(experts, chosen, position, all_counts, cap: int, owners=None, gather=None):
+    """Megatron-Core's drop policy "probs" over the global (micro)batch: each expert keeps the `cap`
+    assignments of highest score, ties in queue order (slot, then token), where "position" keeps
+    the first `cap` queued. (N, k) chosen experts, their scores and their places in the experts'
+    queues (`position`, what the position policy ranks by) -> (keep (N, k) of this call, kept
+    (ranks, E) host ints: the assignments each exchange rank keeps per expert, which `kept_counts`
+    gives for the position policy).
+
+    Ranking needs every assignment's score, not only the counts: each rank lists its scores in its
+    experts' queue order, `gather(scores, counts)` concatenates every exchange rank's list in rank
+    order (an all-gather over the data ranks, `counts` the ranks' lengths; None: this call is the
+    whole batch), and the counts say where each gathered score sits in the queues
+    (`queue_owners`), so every rank ranks the same global queue, identically, and keeps its own."""
     xp = array_namespace(experts)
-    N, k = experts.shape
-    flat_e = xp.reshape(experts.T, (-1,))  # (k*N,) slot-major: queue order
-    by_score = xp.argsort(-xp.reshape(chosen.T, (-1,)), stable=True)  # (k*N,)
-    order = xp.take(by_score, xp.argsort(xp.take(flat_e, by_score), stable=True))  # expert-major, best first
-    sorted_e = xp.take(flat_e, order)  # (k*N,)
-    counts = xp.sum(one_hot(flat_e, n_experts, xp.int64), axis=0)  # (E,)
-    first = xp.cumulative_sum(counts) - counts  # (E,) where each expert's block starts
-    place = xp.arange(k * N, dtype=xp.int64, device=device(experts)) - xp.take(first, sorted_e)
-    return xp.reshape(xp.take(place, xp.argsort(order, stable=True)), (k, N)).T  # (N, k)
+    P, _, E = all_counts.shape
+    selected = xp.sum(all_counts, axis=(0, 1))  # (E,) each expert's queue length
+    first = xp.cumulative_sum(selected) - selected  # (E,) where each expert's queue starts
+    flat = xp.reshape(xp.take(first, xp.reshape(experts, (-1,))), experts.shape) + position  # (N, k)
+    mine = xp.argsort(xp.reshape(flat, (-1,)), stable=True)  # (N k,) own assignments in queue order
+    sent = xp.take(xp.reshape(chosen, (-1,)), mine)  # (N k,)
+    owner = queue_owners(all_counts, owners)  # (k N_global,) host
+    ranks = P if owners is None else int(np.max(owners)) + 1
+    got = sent if gather is None else gather(sent, np.bincount(owner, minlength=ranks).tolist())
+    # gathered entry i, rank by rank each in queue order, is the score at queue index dest[i]
+    dest = np.argsort(owner, kind="stable")  # (k N_global,)
+    queue = xp.take(got, as_like(np.argsort(dest), got))  # (k N_global,) the queues end to end
+    expert_of = xp.repeat(xp.arange(E, dtype=xp.int64, device=device(experts)), selected)  # (k N_global,)
+    by_score = xp.argsort(-queue, stable=True)  # (k N_global,)
+    # expert-major, best first within each expert
+    order = xp.take(by_score, xp.argsort(xp.take(expert_of, by_score), stable=True))  # (k N_global,)
+    index = xp.arange(queue.shape[0], dtype=xp.int64, device=device(experts))  # (k N_global,)
+    # each queue entry's place in its expert's queue by score: 0 for the best
+    score_place = xp.take(index - xp.take(first, expert_of), xp.argsort(order, stable=True))  # (k N_global,)
+    kept_flat = to_host(score_place) < cap  # (k N_global,) host
+    kept = np.bincount(owner * E + to_host(expert_of), weights=kept_flat,
+                       minlength=ranks * E).astype(np.int64).reshape(ranks, E)  # (ranks, E)
+    keep = xp.reshape(xp.take(score_place, xp.reshape(flat, (-1,))), flat.shape) < cap  # (N, k)
+    return keep, kept
 
 
-def sequence_balance_coefficients(hot, seq_len: int, n_global: int, config, weight: float, dtype):
+def sequence_balance_coefficients(hot, rows: int, seq_len: int, n_global: int, config, weight: float,
+                                  dtype, sum_sequences=None):
     """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) per sequence of T tokens,
     alpha * sum_i f_i P_i with f_i = E / (k T) * (the sequence's selections of expert i) and
     P_i = mean over its tokens of the affinity s'_i, averaged over the B_g = N_global / T sequences
     of the global (micro)batch. It is linear in the affinities: the loss is sum over tokens t of
     s'[t, i] * coef[row of t, i], coef = weight * alpha * E / (B_g k T^2) * counts. hot (N, k, E)
-    -> coef (N / T, E) of `dtype`."""
+    of `rows` rows (N / rows positions of each) -> coef (rows, E) of `dtype`.
+
+    Under context parallelism a rank holds only some positions of each row: f_i needs the whole
+    row's counts, so `sum_sequences` adds the (rows, E) partial counts up over the ranks holding
+    the rest (an all-reduce over cp). P_i needs no exchange: the loss is linear in it, so each rank
+    sums s' * coef over its own tokens and the shares add up to the loss, and its gradient is local."""
     xp = array_namespace(hot)
     N, k, E = hot.shape
-    counts = xp.sum(xp.reshape(hot, (N // seq_len, seq_len * k, E)), axis=1)  # (N / T, E)
+    counts = xp.sum(xp.reshape(hot, (rows, (N // rows) * k, E)), axis=1)  # (rows, E) this call's
+    counts = counts if sum_sequences is None else sum_sequences(counts)  # (rows, E) whole rows'
     scale = weight * config.moe_seq_aux_weight * E / ((n_global // seq_len) * k * seq_len ** 2)
-    return scale * xp.astype(counts, dtype)  # (N / T, E)
+    return scale * xp.astype(counts, dtype)  # (rows, E)
 
 
 # ----------------------------------------------------------------------- dispatch and combine

@@ -35,9 +35,16 @@ DeepSeek's routing options (refpar/model/moe.py) change no message: the aux-free
 from the gathered counts, the same on every rank (`self.bias`, moe.update_expert_bias); shared
 experts are dense weights every data rank holds and runs on its own tokens; with a group limit a
 token's rows go to the ranks of at most M expert groups (one group per ep rank when G = ep), so the
-all-to-all's sizes, which come from the counts as before, shrink. Dropping by score would need every
-assignment's score, not counts: it is refused on more than one data rank (`check_expert_parallel`).
-The sequence-wise loss needs whole sequences on a rank: refused with cp > 1.
+all-to-all's sizes, which come from the counts as before, shrink. Dropping by score (Megatron-Core's
+"probs") needs every assignment's score, not only counts: per MoE layer and microbatch each rank
+all-gathers over the data ranks the scores of all its N k assignments, in its experts' queue order
+(`h.{i}.mlp.router:scores`), and every rank ranks the same global queues
+(moe.rank_by_score); what each rank sends each expert then comes from that ranking
+(moe.routing_kept), not from the counts.
+The sequence-wise loss (DeepSeek-V3 eq. 17-20) needs each sequence's counts f_i: with cp > 1 a rank
+holds some positions of its rows, so per MoE layer and microbatch it all-reduces its (rows, E)
+int64 partial counts over cp (`h.{i}.mlp.router:seq_counts`); the loss is linear in the affinities,
+so their sums P_i, the loss's value and its gradient stay local.
 
 With context parallelism each data rank's rows are split over c cp ranks
 by position, so the exchange group is the dp x ep x cp ranks (group rank d * c + cp rank, cp
@@ -65,17 +72,9 @@ from refpar.model.layers import as_like
 from refpar.sharding import shard_range
 
 
-def check_expert_parallel(config, ep: int, data_ranks: int = 1, cp: int = 1) -> None:
-    """ConfigErrors for an MoE model on `ep` ranks of `data_ranks` = dp x ep, each split over `cp`,
-    raised before any communication."""
-    if config.moe_experts and config.moe_drop_policy == "probs" and not config.moe_dropless \
-            and data_ranks * cp > 1:
-        raise ConfigError("moe_drop_policy='probs' ranks every assignment of the batch by score, which "
-                          "refpar does on one data rank only; use --moe-drop-policy position, "
-                          "--dropless, or dp=ep=cp=1")
-    if config.moe_experts and config.moe_seq_aux_weight and cp > 1:
-        raise ConfigError(f"the sequence-wise balance loss needs each sequence whole on one rank, "
-                          f"but cp={cp} splits them; use cp=1 or --moe-seq-aux 0")
+def check_expert_parallel(config, ep: int) -> None:
+    """ConfigErrors for an MoE model on `ep` ranks, raised before any communication. Every routing
+    option runs on every mesh: none is refused here."""
     if ep > 1 and config.moe_experts == 0:
         raise ConfigError(f"ep={ep} needs experts to spread; add --moe-experts E with E >= {ep}")
     if config.moe_experts and config.moe_experts < ep:
@@ -162,12 +161,17 @@ class ExpertParallelMoE:
     `last_routing[layer]` holds that layer's routing. `weight`: the router losses' weight, 1/M when
     a step has M microbatches; `grad_scale`: the fp16 loss scale the next backward starts from
     (both as in moe.route); `runs`: the RoutingRuns of the microbatch the next forward routes (None:
-    each group rank's tokens are one run, the dp x ep runner's case; needed with cp > 1)."""
+    each group rank's tokens are one run, the dp x ep runner's case; needed with cp > 1);
+    `sequences`: with cp > 1, the communicator over the cp ranks holding the rest of this rank's
+    sequences (mesh.cp), over which the sequence-wise loss sums its counts."""
 
-    def __init__(self, data, ep, config, weight: float = 1.0, grad_scale: float = 1.0, cp: int = 1):
+    def __init__(self, data, ep, config, weight: float = 1.0, grad_scale: float = 1.0, cp: int = 1,
+                 sequences=None):
+        if (sequences.size if sequences is not None else 1) != cp:
+            raise ValueError("pass the cp communicator as `sequences` exactly when cp > 1")
         if (data.rank // cp) % ep.size != ep.rank:
             raise ValueError("the data ranks must list each ep group contiguously, in ep order")
-        self.data, self.ep, self.config = data, ep, config
+        self.data, self.ep, self.config, self.sequences = data, ep, config, sequences
         self.family = mixtral if config.arch == "llama" else moe  # the experts' and router's names
         self.weight, self.grad_scale = weight, grad_scale
         E = config.moe_experts
@@ -198,18 +202,36 @@ class ExpertParallelMoE:
             return got if runs is None else _take_rows(got, runs.order)
         return gather
 
+    def _sum_sequences(self, layer):
+        """The sequence-wise loss's (rows, E) counts of this rank's positions -> its rows' whole
+        counts: summed over the cp ranks holding the rest (None without cp: rows are whole)."""
+        if self.sequences is None:
+            return None
+        return lambda counts: self.sequences.all_reduce(counts, tag=f"h.{layer}.mlp.router:seq_counts")
+
+    def _gather_scores(self, layer):
+        """The drop policy "probs" (moe.rank_by_score): every data rank's scores in queue order,
+        concatenated in rank order; `counts`, the ranks' lengths, come from the gathered counts
+        (a rank holding nothing of the batch may be left off the end of them)."""
+        def gather(scores, counts):  # (n,) -> (k N_global,)
+            counts = counts + [0] * (self.data.size - len(counts))
+            return self.data.all_gather(scores, tag=f"h.{layer}.mlp.router:scores", counts=counts)
+        return gather
+
     def forward(self, x, params, layer, config):
         xp = array_namespace(x)
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
         parts = None if self.runs is None else self.runs.parts
+        cp = 1 if self.sequences is None else self.sequences.size
         w = params[self.family.router_name(layer)]  # GPT-2's (C, E), Mixtral's (E, C)
         w = xp.matrix_transpose(w) if self.family is mixtral else w  # (C, E), the layout route takes
         routing, rcache = moe.route(x2, w, config,
                                     exchange=self._exchange(layer), rank=self.data.rank,
                                     weight=self.weight, grad_scale=self.grad_scale, parts=parts,
-                                    bias=self.bias.get(layer), seq_len=x.shape[1])
-        kept = backend.to_host(moe.kept_counts(routing["selections"], routing["capacity"],
-                                               routing["owners"]))  # (group ranks, E)
+                                    bias=self.bias.get(layer), seq_len=x.shape[1] * cp,
+                                    seq_rows=x.shape[0], sum_sequences=self._sum_sequences(layer),
+                                    gather_scores=self._gather_scores(layer))
+        kept = backend.to_host(moe.routing_kept(routing))  # (group ranks, E)
         mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert
         send = [int(mine[list(self.owners[q])].sum()) for q in range(self.ep.size)]
         recv = kept[np.ix_(self.members, list(self.local))]  # (S, El)

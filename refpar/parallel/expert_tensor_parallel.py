@@ -98,8 +98,8 @@ class TensorParallelExpertMoE(ExpertParallelMoE):
     `data` and `ep` are the communicators of this rank's tp coordinate."""
 
     def __init__(self, data, ep, config, lay, sp: bool = False, weight: float = 1.0,
-                 grad_scale: float = 1.0, cp: int = 1):
-        super().__init__(data, ep, config, weight, grad_scale, cp)
+                 grad_scale: float = 1.0, cp: int = 1, sequences=None):
+        super().__init__(data, ep, config, weight, grad_scale, cp, sequences)
         self.lay, self.sp = lay, sp
         # Ta, the region's tokens: T, or this cp rank's positions (sequence_parallel.sp_cp_layout)
         self.Ta = len(lay.region_pos)

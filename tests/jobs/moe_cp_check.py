@@ -3,9 +3,10 @@ tests/test_moe_cp.py.
 
     mpiexec -n 4 python tests/jobs/moe_cp_check.py /tmp/checkpoints
 
-Prints one JSON line per run from rank 0. Training runs (ep x cp ring, dp x cp Ulysses, pp x cp
-ring, each with 2 microbatches): tests/jobs/moe_pipeline_check.check_run's comparison with the
-single device (losses, parameters, aux losses, the routing of every block) and its closed-form
+Prints one JSON line per run from rank 0. Training runs (ep x cp ring, with Switch's and with
+DeepSeek-V3's routing and dropping by score, dp x cp Ulysses, pp x cp ring, each with 2 microbatches):
+tests/jobs/moe_pipeline_check.check_run's comparison with the single device (losses, parameters,
+aux losses, the routing and expert bias of every block) and its closed-form
 checks of every step's bytes and the params/grads/optimizer peaks. Checkpoint runs: 4 steps under
 ep=2,cp=2 (ring), saved after step 2; resumed from there under the same mesh (losses and
 parameters compared exactly) and under dp=2,ep=2, a mesh without cp (each rank's loaded tensors
@@ -21,6 +22,7 @@ from refpar.comm.trace import Tracer
 from refpar.config import parse_mesh
 from refpar.mesh import DeviceMesh
 from tests.jobs.moe_pipeline_check import (
+    DEEPSEEK,
     MODEL,
     TRAIN,
     check_run,
@@ -33,6 +35,12 @@ from tests.jobs.moe_pipeline_check import (
 # (mesh, schedule, microbatches, chunks, model changes, cp algorithm)
 RUNS = [
     ("ep=2,cp=2", "1f1b", 2, 1, {}, "ring"),
+    # DeepSeek-V3's routing over ring cp: shared expert, sigmoid gates, aux-free bias, sequence-wise
+    # loss (its counts summed over cp), 2 groups, 1 per token, capacity dropping by position
+    # (moe_pipeline_check.DEEPSEEK)
+    ("ep=2,cp=2", "1f1b", 2, 1, DEEPSEEK, "ring"),
+    # Megatron-Core's drop policy "probs": the scores gathered over the dp x ep x cp data ranks
+    ("ep=2,cp=2", "1f1b", 2, 1, {"moe_drop_policy": "probs"}, "ring"),
     ("dp=2,cp=2", "1f1b", 2, 1, {"moe_top_k": 1}, "ulysses"),
     ("pp=2,cp=2", "1f1b", 2, 1, {}, "ring"),
 ]

@@ -49,6 +49,8 @@ RUNS = [
     ("pp=2,dp=2", "zb-h1", 2, 1, {}),
     ("pp=4", "1f1b", 4, 1, {"moe_layers": (2, 3)}),  # stages 0 and 1 hold no MoE block
     ("dp=2,ep=2", None, 2, 1, {}),
+    # Megatron-Core's drop policy "probs" over 4 data ranks: every rank ranks the gathered scores
+    ("dp=2,ep=2", None, 2, 1, {"moe_drop_policy": "probs"}),
     # 16-bit activations, router losses kept in fp32: the closed forms in bf16, against a bf16 device
     ("pp=2,ep=2", "zb-h1", 2, 1, {"dtype": "bfloat16"}),
 ]
@@ -113,20 +115,31 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
         model, TRAIN, mesh.sizes, mesh.coords, plan, [s.microbatch_kept_counts for s in run.moe_steps])}
     memory_ok = dict(par.ledger.peak) == states
     a2a = sum(e.bytes_sent for e in events if e.op == "all_to_all")
+
+    def moved(suffix):  # (sent, received) of this rank's messages tagged h.*.mlp.router<suffix>
+        tagged = [e for e in events if e.tag.endswith(suffix)]
+        return np.array([[sum(e.bytes_sent for e in tagged), sum(e.bytes_recv for e in tagged)]])
     return {
         "run": f"{mesh_text} {schedule or 'without pp'} m={m} v={v} {changes}"
                + (f" {cp_algo}" if cp_algo else ""),
         "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
         "param_diff": param_diff,
-        "aux_diff": max(abs(a.aux_loss - b.aux_loss) / b.aux_loss
+        # relative, or absolute where the reference has no balance loss (aux-free without seq aux)
+        "aux_diff": max(abs(a.aux_loss - b.aux_loss) / (abs(b.aux_loss) or 1.0)
                         for a, b in zip(run.moe_steps, ref.moe_steps, strict=True)),
         "routing_same": all_ranks(comm, routing_same),
         "dropped": [sum(s.dropped.values()) for s in ref.moe_steps],
+        # aux-free balancing: the bias that routing_same compares has left zero
+        "bias_moved": any(np.any(b) for s in ref.moe_steps for b in s.expert_bias.values()),
         "bytes_ok": all_ranks(comm, bytes_ok),
         "memory_ok": all_ranks(comm, memory_ok),
         "activation_peaks": comm.all_gather(np.array([[par.ledger.peak["activations"],
                                                         states["activations"]]])).tolist(),
         "all_to_all_bytes": float(comm.all_reduce(np.array([float(a2a)]))[0]),
+        # every rank's (sent, received): the sequence-wise loss's counts summed over cp, and the
+        # scores gathered to drop by score
+        "seq_counts_bytes": comm.all_gather(moved(":seq_counts")).tolist(),
+        "scores_bytes": comm.all_gather(moved(":scores")).tolist(),
     }
 
 

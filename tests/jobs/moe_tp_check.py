@@ -48,9 +48,10 @@ RUNS = [
     ("dp=2,tp=2", False, "1f1b", 2, {"moe_layers": (0, 3)}, None),
     ("ep=2,tp=2", True, "1f1b", 2, {"dtype": "bfloat16"}, None),  # the same pieces in mixed precision
     # cp and tp together: routing over cp's runs on every tp rank (sp gathers them back over tp);
-    # Ulysses needs cp <= n_head / tp
+    # Ulysses needs cp <= n_head / tp; with sp, DeepSeek-V3's sequence-wise loss, its counts summed
+    # over cp
     ("cp=2,tp=2", False, "1f1b", 2, {}, "ring"),
-    ("cp=2,tp=2", True, "1f1b", 2, {"n_head": 4}, "ulysses"),
+    ("cp=2,tp=2", True, "1f1b", 2, {"n_head": 4, "moe_seq_aux_weight": 0.01}, "ulysses"),
 ]
 
 
