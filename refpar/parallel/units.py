@@ -295,20 +295,30 @@ def _view_at(base, view: _ParamView):
 def detach(cache, bases: dict):
     """`cache` with every array viewing one of `bases` (unit -> flat buffer) replaced by (unit, its
     position in that buffer), so the cache does not keep the buffer alive."""
-    if backend.is_array(cache):
-        for unit, base in bases.items():
-            if backend.owner(cache) is backend.owner(base):
-                return unit, _position(cache, base)
+    if not bases:  # nothing was gathered (DP, ZeRO-1/2): views of buffers kept anyway hold nothing
         return cache
+    owners: dict[int, tuple] = {}
+    for unit, base in bases.items():  # the first unit that views a buffer names it
+        owners.setdefault(id(backend.owner(base)), (unit, base))
+    return _detach(cache, owners)
+
+
+def _detach(cache, owners: dict):
+    """`detach` below its entry: `owners` maps each buffer's owner's id to (unit, buffer)."""
+    if backend.is_array(cache):
+        unit_base = owners.get(id(backend.owner(cache)))
+        return cache if unit_base is None else (unit_base[0], _position(cache, unit_base[1]))
     if isinstance(cache, tuple | list):
-        return type(cache)(detach(c, bases) for c in cache)
+        return type(cache)(_detach(c, owners) for c in cache)
     if isinstance(cache, dict):  # a MoE block's cache (its experts' linear caches hold weights)
-        return {k: detach(c, bases) for k, c in cache.items()}
+        return {k: _detach(c, owners) for k, c in cache.items()}
     return cache
 
 
 def attach(cache, bases: dict):
     """Inverse of `detach` on buffers of the same layout (gathered again, or the same ones)."""
+    if not bases:  # `detach` replaced nothing
+        return cache
     if isinstance(cache, tuple) and len(cache) == 2 and isinstance(cache[1], _ParamView):
         return _view_at(bases[cache[0]], cache[1])
     if isinstance(cache, tuple | list):
