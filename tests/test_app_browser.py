@@ -8,6 +8,7 @@ shows a Streamlit exception.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -101,6 +102,41 @@ def app_url(moe_pipeline_run, tmp_path):
             server.wait()
 
 
+# The figure's bars as Plotly drew them: each trace's name, ranks and hover text (_fullData: the
+# arrays decoded from the base64 Streamlit sends).
+BARS = "el => el._fullData.map(t => ({name: t.name, y: Array.from(t.y), text: Array.from(t.hovertext)}))"
+
+
+def open_uploaded_traces(page, trace: Path, tmp_path: Path) -> None:
+    """Run for real's uploader given the trace file a real run wrote: the executed Gantt draws every
+    rank, each action and each message with its tag, as the file holds them; then a file cut short
+    gets one sentence, and no traceback."""
+    box = page.get_by_test_id("stExpander").filter(has_text="open the trace of another run")
+    box.get_by_text("open the trace of another run").click()
+    box.locator("input[type=file]").set_input_files(str(trace))
+    executed = box.locator(".js-plotly-plot").filter(has_text="executed, last step")
+    executed.wait_for()
+    settle(page)
+    assert page.get_by_test_id("stException").count() == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    bars = executed.evaluate(BARS)
+    assert executed.evaluate("el => el.layout.yaxis.tickvals") == sorted({e["pid"] for e in events})
+    drawn = sorted((rank, text.split("<br>")[0]) for b in bars if b["name"].endswith(" messages")
+                   for rank, text in zip(b["y"], b["text"], strict=True))
+    assert drawn == sorted((e["pid"], e["name"]) for e in events if e["cat"] != "compute")
+    assert any(" ep h.0.mlp.experts:dispatch" in name for _, name in drawn)  # the tags, drawn
+    actions = sorted((rank, text) for b in bars if not b["name"].endswith(("messages", "idle"))
+                     for rank, text in zip(b["y"], b["text"], strict=True))
+    assert actions == sorted((e["pid"], e["name"]) for e in events if e["cat"] == "compute")
+    cut = tmp_path / "cut.json"
+    cut.write_bytes(trace.read_bytes()[:5000])  # a file cut short: a kill mid-write, a full disk
+    box.locator("input[type=file]").set_input_files(str(cut))
+    alert = box.get_by_test_id("stAlert").filter(has_text="cut.json")
+    alert.wait_for()
+    assert "cut.json is not whole JSON" in alert.text_content()
+    assert page.get_by_test_id("stException").count() == 0
+
+
 def settle(page) -> None:
     """Waits for the script run to end (Streamlit's running indicator gone)."""
     page.wait_for_function("!document.querySelector('[data-testid=\"stStatusWidget\"]')")
@@ -115,7 +151,11 @@ def test_every_page_renders_in_chromium_without_an_exception(app_url, moe_pipeli
 
     def shoot(name: str) -> None:
         if "REFPAR_SCREENSHOTS" in os.environ:
-            settle(page)  # not mid-rerun, when Streamlit greys out what it is about to redraw
+            # not mid-rerun, when Streamlit greys out what it is about to redraw, nor before the
+            # browser has drawn what the rerun sent
+            settle(page)
+            page.wait_for_timeout(500)
+            settle(page)
             page.screenshot(path=str(shots / name), full_page=False)
             taken.add(name)
 
@@ -152,9 +192,12 @@ def test_every_page_renders_in_chromium_without_an_exception(app_url, moe_pipeli
                     page.evaluate("window.scrollTo(0, 0)")
                     shoot("app-sharding.png")
                     page.get_by_text("mix two axes").click()  # dp x tp with ZeRO-3, each slice by its ranks
-                    page.get_by_test_id("stRadio").first.wait_for()  # its choice of axes
+                    intro = page.get_by_text("Two axes at once", exact=False)
+                    intro.wait_for()
                     settle(page)
+                    page.locator(".js-plotly-plot").first.wait_for()
                     assert page.evaluate(LAYOUT_PROBLEMS) == [], "the mixed axes"
+                    intro.evaluate("e => e.scrollIntoView({block: 'start'})")  # its figure below it
                     shoot("app-sharding-mixed.png")
                     page.get_by_text("mix two axes").click()
                     settle(page)
@@ -176,6 +219,7 @@ def test_every_page_renders_in_chromium_without_an_exception(app_url, moe_pipeli
                     box = point.bounding_box()
                     page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
                     page.get_by_text("What rank 5 holds").wait_for()
+                    page.get_by_test_id("stTable").get_by_text("stage 1: blocks 2-3 + head").wait_for()
                     settle(page)
                     assert page.evaluate(LAYOUT_PROBLEMS) == [], "the whole mesh, rank 5 selected"
                     shoot("app-mesh.png")
@@ -198,6 +242,7 @@ def test_every_page_renders_in_chromium_without_an_exception(app_url, moe_pipeli
                     assert page.evaluate(LAYOUT_PROBLEMS) == [], "the executed timeline"
                     executed.scroll_into_view_if_needed()
                     shoot("app-run-timeline.png")
+                    open_uploaded_traces(page, moe_pipeline_run["trace_path"], tmp_path)
             if "REFPAR_SCREENSHOTS" in os.environ:
                 assert taken == set(SHOTS)
                 for f in SHOTS:  # readable, and small enough to keep in the repository

@@ -58,7 +58,7 @@ def progress(run: Launcher) -> None:
         if summary.get("moe"):  # an MoE run: each expert's load per step
             st.plotly_chart(expert_load_figure({result["label"]: summary["moe"]}))
         if result.get("timeline"):
-            show_timeline(result["timeline"], result["label"])
+            show_timeline(result["timeline"], result["label"], "last-run")
 
 
 st.title("Run for real")
@@ -144,6 +144,7 @@ with st.expander("open the trace of another run (refpar train --trace PATH write
     uploaded = st.file_uploader("its Chrome trace, PATH (the .json file)", type="json")
     if uploaded is not None:
         try:
-            show_timeline(timeline.read_trace_upload(uploaded.name, uploaded.getvalue()), uploaded.name)
+            opened = timeline.read_trace_upload(uploaded.name, uploaded.getvalue())
+            show_timeline(opened, uploaded.name, "uploaded")
         except ConfigError as err:
             st.error(str(err))

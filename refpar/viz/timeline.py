@@ -72,10 +72,11 @@ def read_trace_upload(name: str, data: bytes) -> dict:
         raise ConfigError(f"{name} is empty; {redo}")
     try:
         trace = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
-        where = f" at character {err.pos}" if isinstance(err, json.JSONDecodeError) else ""
-        raise ConfigError(f"{name} is not whole JSON (it breaks off{where}: a file cut short?); "
-                          f"{redo}") from None
+    except ValueError as err:  # UnicodeDecodeError too: bytes that are no text
+        if isinstance(err, json.JSONDecodeError) and err.pos > 0:
+            raise ConfigError(f"{name} is not whole JSON (it breaks off at character {err.pos}: a file cut "
+                              f"short?); {redo}") from None
+        raise ConfigError(f"{name} is not JSON; {redo}") from None
     if isinstance(trace, dict) and "losses" in trace and "mesh" in trace:
         raise ConfigError(f"{name} is the --json summary of a run, not its trace; {redo}")
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
