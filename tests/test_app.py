@@ -701,6 +701,86 @@ def test_whole_mesh_page_lays_ranks_out_as_the_mesh_does_and_steps_through_their
     assert "at most 16" in at.error[0].value
 
 
+def test_whole_mesh_prices_moe_routing_with_a_runs_counts_exactly_and_balanced_routing_by_its_closed_form(
+        moe_pipeline_run, monkeypatch):
+    from refpar.analysis.engine import rank_coords, rank_memory_rows
+    from refpar.engine import Plan
+    from refpar.viz.mesh_grid import mesh_model
+
+    monkeypatch.setenv("REFPAR_APP_CACHE", str(moe_pipeline_run["cache"]))  # Run for real's last run
+    summary, path = moe_pipeline_run["summary"], moe_pipeline_run["trace_path"]
+    events = [json.loads(x) for x in path.with_suffix(".jsonl").read_text().splitlines()]
+    at = page("views/mesh.py")
+    for axis, n in {"pp": 2, "dp": 1, "ep": 2, "cp": 1, "tp": 1}.items():  # the run's mesh and plan
+        at.number_input(key=f"mesh_{axis}").set_value(n)
+    at.selectbox(key="mesh_strategy").set_value("dp")
+    rerun(at)
+
+    def shown(rank: int) -> tuple[dict, tuple]:
+        """(peak bytes by category, (sent, received) by the all-to-alls) the page shows for `rank`."""
+        at.selectbox(key="mesh_rank").set_value(rank)
+        at.select_slider(key="mesh_moment").set_value("forward")  # the routing's total for both passes
+        rerun(at)
+        held = dict(zip(at.table[0].value["what"], at.table[0].value["held"], strict=True))
+        peaks = {w.removeprefix("peak ").removesuffix(" bytes"): int(h.replace(",", ""))
+                 for w, h in held.items() if w.startswith("peak ")}
+        calls = at.dataframe[0].value
+        a2a = calls[calls["op"] == "all_to_all"]
+        return peaks, (int(a2a["bytes_sent"].sum()), int(a2a["bytes_recv"].sum()))
+
+    # The run's own counts (the default once a run of this mesh is kept): its ledger and its trace.
+    assert at.radio(key="mesh_routing").value.startswith("the last run's counts")
+    for rank in range(4):
+        peaks, a2a = shown(rank)
+        assert peaks == {r["category"]: r["bytes"] for r in summary["memory_peak_bytes"] if r["rank"] == rank}
+        traced = [e for e in events if e["rank"] == rank and e["op"] == "all_to_all"]
+        assert a2a == (sum(e["bytes_sent"] for e in traced), sum(e["bytes_recv"] for e in traced)), rank
+    # Balanced, said so: each of the 2 data ranks routes 2 rows x 16 tokens of each of 2 microbatches,
+    # 64 assignments, 16 per expert (capacity ceil(128 x 2 x 1.25 / 4) = 80 drops none). Per MoE
+    # block and microbatch it sends the 32 rows for the other ep rank's 2 experts and receives 32 for
+    # its own, forward (dispatch, combine) and backward alike: 2 (32 + 32) rows of C = 32 float64s,
+    # over its stage's 2 blocks and 2 microbatches.
+    at.radio(key="mesh_routing").set_value("balanced (assumed)")
+    rerun(at)
+    assert any("balanced (an assumption)" in c.value for c in at.caption)
+    model, sizes, plan = mesh_model("tiny", 2), summary["mesh"], Plan(schedule="1f1b", microbatches=2)
+    for rank in range(4):
+        peaks, a2a = shown(rank)
+        assert a2a == (2 * (32 + 32) * 32 * 8 * 2 * 2,) * 2, rank
+        stage = range(2 * (rank // 2), 2 * (rank // 2) + 2)
+        balanced = [[{block: np.full((2, 4), 16) for block in stage}] * 2]  # one step, 2 microbatches
+        closed = rank_memory_rows(model, ONE_STEP, sizes, rank_coords(sizes, rank), plan, balanced)
+        assert peaks == {r["category"]: r["bytes"] for r in closed}, rank
+
+
+def test_an_uploaded_trace_is_read_whole_and_a_bad_one_gets_one_sentence_saying_what_it_is(moe_pipeline_run):
+    from refpar.config import ConfigError
+    from refpar.viz.timeline import read_trace_upload
+
+    data = moe_pipeline_run["trace_path"].read_bytes()
+    assert read_trace_upload("trace.json", data) == json.loads(data)  # what the page draws (Chromium too)
+    trace = json.loads(data)
+
+    def without(field: str) -> bytes:  # every event without args[field]: another version's trace
+        return json.dumps({**trace, "traceEvents": [
+            {**e, "args": {k: v for k, v in e.get("args", {}).items() if k != field}}
+            for e in trace["traceEvents"]]}).encode()
+
+    bad = {b"": "f.json is empty", b"\xff\xfe\x00": "f.json is not JSON", b"<html>": "f.json is not JSON",
+           data[: len(data) // 2]: "f.json is not whole JSON (it breaks off at character",
+           json.dumps(moe_pipeline_run["summary"]).encode(): "f.json is the --json summary of a run, not its",
+           b"[1, 2]": "f.json is JSON but not a Chrome trace",
+           b'{"traceEvents": []}': "a Chrome trace with no events to draw",
+           without("tick"): "has no args.tick: another version's",  # an action without its tick
+           without("tag"): "has no args.tag: another version's or another tool's"}
+    for upload, words in bad.items():
+        with pytest.raises(ConfigError) as err:
+            read_trace_upload("f.json", upload)
+        sentence = str(err.value)
+        assert words in sentence and "refpar train --trace PATH" in sentence, sentence
+        assert "\n" not in sentence and sentence.count(". ") == 0, sentence  # one sentence
+
+
 def test_run_page_launches_any_mesh_the_engine_runs_the_demos_3d_mesh_by_default():
     at = page("views/run.py")
     at.toggle(key="run_whole").set_value(True)

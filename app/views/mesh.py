@@ -2,6 +2,7 @@ import math
 
 import streamlit as st
 from family import family_picker
+from launcher import shared
 
 from refpar.analysis.engine import MOMENTS
 from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig
@@ -11,10 +12,21 @@ from refpar.viz.expected import DP_STRATEGIES
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
 
 
+BALANCED = ("MoE routing priced as balanced (an assumption): in each microbatch of T tokens every expert "
+            "receives its share T k / E of the T k assignments, from each data rank in proportion to its "
+            "tokens, and keeps up to the capacity the run computes.")
+
+
+def routing_of(moe: dict | None):
+    """The kept counts to price a MoE mesh with: a run's (its summary's "moe" field), else balanced."""
+    return mesh_grid.run_routing(moe, "the run") if moe else None
+
+
 @st.cache_data(max_entries=32)
-def step_of_every_rank(model, cfg, sizes: dict, plan) -> dict:
+def step_of_every_rank(model, cfg, sizes: dict, plan, moe: dict | None) -> dict:
     """Rank -> its moments of the step: computed once per mesh, whichever moment or rank is shown."""
-    return {r: mesh_grid.step_moments(model, cfg, sizes, plan, r) for r in range(math.prod(sizes.values()))}
+    return {r: mesh_grid.step_moments(model, cfg, sizes, plan, r, routing_of(moe))
+            for r in range(math.prod(sizes.values()))}
 
 
 @st.cache_data(max_entries=32)
@@ -23,8 +35,18 @@ def checked(model, cfg, sizes: dict, plan) -> dict:
 
 
 @st.cache_data(max_entries=64)
-def facts_of(model, cfg, sizes: dict, plan, rank: int):
-    return mesh_grid.rank_facts(model, cfg, sizes, plan, rank)
+def facts_of(model, cfg, sizes: dict, plan, rank: int, moe: dict | None):
+    return mesh_grid.rank_facts(model, cfg, sizes, plan, rank, routing_of(moe))
+
+
+def last_run_of(sizes: dict, plan, preset: str) -> dict | None:
+    """The last Run for real result if it ran this very mesh, plan and model (its command's arguments
+    are this page's) and kept its routing counts, else None."""
+    last = st.session_state.get("run") or shared().last()
+    if not last or not (last["summary"].get("moe") or {}).get("microbatch_kept_counts"):
+        return None
+    args = mesh_grid.train_args(sizes, plan, preset, last["summary"]["steps"], moe=True)
+    return last if last.get("key") == ("mesh", *args) else None
 
 
 def pick_rank(key: str) -> None:
@@ -62,9 +84,22 @@ except ConfigError as err:
     st.error(str(err))
     st.stop()
 world = math.prod(sizes[a] for a in MESH_AXES)
+moe = None  # the run's routing counts the page prices a MoE mesh with (None: balanced)
 if sizes["ep"] > 1:
     st.caption(f"ep > 1: every block is a Mixture-of-Experts layer of {model.moe_experts} experts, "
                f"top-{model.moe_top_k}")
+    run = last_run_of(sizes, plan, preset)
+    choices = ["balanced (assumed)"] + ([f"the last run's counts ({run['label']})"] if run else [])
+    if st.radio("routing", choices, index=len(choices) - 1, horizontal=True, key="mesh_routing",
+                help="what the all-to-alls move and a MoE block keeps follows from the routing counts"
+                ).startswith("balanced"):
+        st.caption(BALANCED + ("" if run else " Run this mesh on Run for real (any mesh) to price its own "
+                               "counts here."))
+    else:
+        moe, cfg = run["summary"]["moe"], TrainConfig(steps=run["summary"]["steps"])
+        st.caption("MoE routing priced with the run's own kept counts (its --json summary's "
+                   "microbatch_kept_counts): the step below is its last, the peaks its highest over every "
+                   "step.")
 st.code(f"mpiexec -n {world} refpar train "
         + " ".join(mesh_grid.train_args(sizes, plan, preset, 3, model.moe_experts > 0)), language="bash",
         wrap_lines=True)
@@ -75,13 +110,13 @@ labels = {r: f"rank {r}" for r in range(world)}
 left, right = st.columns([3, 2])
 left.plotly_chart(mesh_grid.mesh_figure(sizes, labels, rank, "the ranks, coloured by pipeline rank"),
                   key="mesh_grid", on_select=lambda: pick_rank("mesh_grid"), selection_mode="points")
-facts = facts_of(model, cfg, sizes, plan, rank)
+facts = facts_of(model, cfg, sizes, plan, rank, moe)
 right.markdown(f"**What rank {rank} holds**")
 right.table(mesh_grid.holdings_rows(facts), hide_index=True)
 
 st.subheader("Through one training step")
 moment = st.select_slider("moment", MOMENTS, key="mesh_moment")
-every = step_of_every_rank(model, cfg, sizes, plan)
+every = step_of_every_rank(model, cfg, sizes, plan, moe)
 at = {r: next(x for x in every[r] if x.label == moment) for r in range(world)}
 sent = {r: sum(mesh_grid.sent_by_axis(at[r]).values()) for r in range(world)}
 left, right = st.columns([3, 2])

@@ -1,4 +1,3 @@
-import json
 import math
 import os
 import sys
@@ -13,7 +12,7 @@ from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec, shared
 from lesson_link import lesson_link
 
 from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig, model_preset
-from refpar.viz import expected, mesh_grid
+from refpar.viz import expected, mesh_grid, timeline
 from refpar.viz.moe import expert_load_figure
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
@@ -59,7 +58,7 @@ def progress(run: Launcher) -> None:
         if summary.get("moe"):  # an MoE run: each expert's load per step
             st.plotly_chart(expert_load_figure({result["label"]: summary["moe"]}))
         if result.get("timeline"):
-            show_timeline(result["timeline"], result["label"])
+            show_timeline(result["timeline"], result["label"], "last-run")
 
 
 st.title("Run for real")
@@ -145,7 +144,7 @@ with st.expander("open the trace of another run (refpar train --trace PATH write
     uploaded = st.file_uploader("its Chrome trace, PATH (the .json file)", type="json")
     if uploaded is not None:
         try:
-            show_timeline(json.loads(uploaded.getvalue()), uploaded.name)
-        except (ValueError, KeyError, TypeError):
-            st.error(f"{uploaded.name} is not a Chrome trace of refpar train; give the PATH that "
-                     "--trace PATH wrote (not PATH.jsonl)")
+            opened = timeline.read_trace_upload(uploaded.name, uploaded.getvalue())
+            show_timeline(opened, uploaded.name, "uploaded")
+        except ConfigError as err:
+            st.error(str(err))

@@ -105,7 +105,8 @@ def collect(model, cfg, mesh, plan, *, check: bool = False, ref=None, plain=None
             "full": full_params(par) if check else {},
             "split": time_split(par.executor.slots, [e for e in comm.tracer.events if e.step == last]
                                 if comm.tracer else [], out.windows[-1]),
-            "moe": [(s.tokens_per_expert, s.dropped, s.kept_counts) for s in out.moe_steps],
+            "moe": [(s.tokens_per_expert, s.dropped, s.kept_counts, s.microbatch_kept_counts)
+                    for s in out.moe_steps],
             "flops": out.flops}
     if trace:
         write_traces(trace, plain, par, comm.tracer.events, last)
@@ -169,10 +170,14 @@ def _moe_fields(model, cfg, sizes, plan, out, every, ref) -> dict:
     steps = []
     for i in range(len(out.losses)):
         step = {"tokens_per_expert": {}, "dropped": {}, "kept_counts": {}}
+        microbatches = [{} for _ in range(plan.microbatches)]
         for e in every:
-            for key, part in zip(step, e["moe"][i], strict=True):
+            *parts, per_microbatch = e["moe"][i]
+            for key, part in zip(step, parts, strict=True):
                 step[key].update(part)
-        steps.append(step)
+            for mine, part in zip(microbatches, per_microbatch, strict=True):
+                mine.update(part)
+        steps.append(step | {"microbatch_kept_counts": microbatches})
     tokens = cfg.batch_size * cfg.seq_len // plan.microbatches  # routed together: one global microbatch
     n_data = sizes["dp"] * ep
     return {
@@ -181,6 +186,10 @@ def _moe_fields(model, cfg, sizes, plan, out, every, ref) -> dict:
         "dropped": [[st["dropped"][i] for i in blocks] for st in steps],
         "capacity": capacity(tokens, model),
         "kept_counts": [[np.asarray(st["kept_counts"][i]).tolist() for i in blocks] for st in steps],
+        # per step and microbatch, each block's (D c, E) kept counts, which add up to kept_counts: what
+        # the closed forms of the routing's bytes and of a MoE block's memory read (analysis/moe.py)
+        "microbatch_kept_counts": [[[np.asarray(mb[i]).tolist() for i in blocks]
+                                    for mb in st["microbatch_kept_counts"]] for st in steps],
         "experts_per_ep_rank": [list(owned_experts(model.moe_experts, ep, q)) for q in range(ep)],
         "aux_loss": [s.aux_loss for s in out.moe_steps], "z_loss": [s.z_loss for s in out.moe_steps],
         "expert_param_bytes_per_ep_rank": [expert_param_bytes_per_rank(model, ep, q) for q in range(ep)],

@@ -16,6 +16,10 @@ plan (nothing re-derived here):
                  (refpar.analysis.engine.rank_units, as parallel/units.py lays the flat buffers)
     bytes        refpar.analysis.engine's closed forms, which a run's ledger and trace match byte for
                  byte (tests/test_viz.py holds them against a real run's --json summary)
+    routing      a MoE block's all-to-alls and what its cache keeps follow from its kept counts, the
+                 (D c, E) assignments each data rank (x cp rank) keeps per expert in each microbatch
+                 (refpar.analysis.moe): a real run's own (its --json summary's microbatch_kept_counts,
+                 `run_routing`), or, before any run, `balanced_routing`'s
 
 `step_moments` groups one step's collectives of a rank (refpar.analysis.engine.rank_calls) by the
 moment of the step they belong to: the forward and backward passes of every microbatch, the sums
@@ -33,9 +37,10 @@ import plotly.graph_objects as go
 from refpar.analysis import engine as closed
 from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, Plan, TrainConfig
 from refpar.holdings import embed_param_names, kv_heads, stage_layers, tp_param_slices
+from refpar.model.moe import capacity, kept_counts
 from refpar.parallel.context_parallel import cp_positions
 from refpar.parallel.expert_parallel import owned_experts
-from refpar.sharding import shard_range
+from refpar.sharding import shard_range, shard_sizes
 
 MAX_RANKS = 16  # a grid larger than this does not fit the screen (nor this machine's runs)
 STAGE_COLOURS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
@@ -72,6 +77,53 @@ def groups(sizes: dict, rank: int) -> dict[str, list[int]]:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """The kept counts a MoE mesh is priced with: per step, per microbatch, MoE block -> its (D c, E)
+    kept counts (refpar.analysis.engine's `kept_by_step`), and where they come from."""
+
+    kept_by_step: list[list[dict[int, np.ndarray]]]
+    source: str  # "balanced" (assumed) or a real run's label
+
+
+def balanced_routing(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan) -> Routing:
+    """One step of balanced routing: in microbatch j (T_j tokens of the global batch, routed
+    together), every expert receives its share T_j k / E of the T_j k assignments, from each member
+    of the exchange (data rank d x cp rank q, in the exchange's order (d c + q)) in proportion to the
+    N_g tokens it routes: member g's N_g k assignments spread over the E experts as evenly as whole
+    numbers allow (shard_sizes: the first experts take the remainder). Each expert keeps up to the
+    capacity the run computes (refpar.model.moe.capacity of T_j), earlier members' first, as the
+    run's queue does (`kept_counts`, every slot in one queue)."""
+    E, k, c = model.moe_experts, model.moe_top_k, sizes["cp"]
+    D = sizes["dp"] * sizes["ep"]
+    microbatches = []
+    for j in range(plan.microbatches):
+        tokens = []  # N_g of each member g = d c + q
+        for d in range(D):
+            co = {**closed.rank_coords(sizes, 0), "dp": d // sizes["ep"], "ep": d % sizes["ep"]}
+            rows = len(closed.samples(model, cfg, sizes, co, plan, j))
+            tokens += [rows * len(cp_positions(cfg.seq_len, c, q, plan.cp_algo)) for q in range(c)]
+        chosen = np.array([[shard_sizes(n * k, E)] for n in tokens], dtype=np.int64)  # (D c, 1, E)
+        kept = kept_counts(chosen, capacity(sum(tokens), model))  # (D c, E); sum(tokens) = T_j
+        microbatches.append({layer: kept for layer in model.moe_blocks})
+    return Routing([microbatches], "balanced")
+
+
+def run_routing(moe: dict, label: str) -> Routing:
+    """A run's own kept counts, from its --json summary's "moe" field."""
+    blocks = moe["blocks"]
+    return Routing([[{blocks[i]: np.asarray(counts, dtype=np.int64) for i, counts in enumerate(microbatch)}
+                     for microbatch in step] for step in moe["microbatch_kept_counts"]], label)
+
+
+def _rank_kept(model: ModelConfig, sizes: dict, plan: Plan, rank: int, step: list[dict]) -> list[dict]:
+    """One step's kept counts cut to the MoE blocks of `rank`'s stages (what that rank routes)."""
+    lay = closed.pipeline(sizes, plan)[1]
+    mine = {i for s in lay.stages_of(closed.rank_coords(sizes, rank)["pp"])
+            for i in stage_layers(model.n_layer, lay.stages_per_copy, lay.part(s))}
+    return [{layer: kept for layer, kept in microbatch.items() if layer in mine} for microbatch in step]
+
+
+@dataclass(frozen=True)
 class RankFacts:
     """What one rank holds (module docstring: where each fact comes from)."""
 
@@ -87,11 +139,17 @@ class RankFacts:
     experts: list[int] | None  # the experts it holds, None without MoE
     parameters: int  # elements of its (tp-sliced) parameters
     zero_shards: list[dict]  # per unit {"unit", "elements", "shard": [a, b), "group", "group_size"}
-    memory: dict[str, int] | None  # peak bytes by category (the ledger's); None for MoE: its routing decides
+    memory: dict[str, int]  # peak bytes by category (the ledger's), a MoE mesh's for its routing
 
 
-def rank_facts(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, rank: int) -> RankFacts:
+def rank_facts(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, rank: int,
+               routing: Routing | None = None) -> RankFacts:
+    """`routing`: a MoE mesh's kept counts (default: `balanced_routing`)."""
     co = closed.rank_coords(sizes, rank)
+    if model.moe_experts and routing is None:
+        routing = balanced_routing(model, cfg, sizes, plan)
+    kept_by_step = [_rank_kept(model, sizes, plan, rank, step) for step in routing.kept_by_step] if routing \
+        else None
     t, k = sizes["tp"], co["tp"]
     lay = closed.pipeline(sizes, plan)[1]
     P = lay.stages_per_copy
@@ -114,9 +172,8 @@ def rank_facts(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, ra
         [int(x) for x in positions],
         list(owned_experts(model.moe_experts, sizes["ep"], co["ep"])) if model.moe_experts else None,
         sum(closed.rank_param_numels(model, sizes, co, plan).values()), shards,
-        # a MoE block keeps what its experts were routed, which only a run knows
-        None if model.moe_experts else
-        {r["category"]: r["bytes"] for r in closed.rank_memory_rows(model, cfg, sizes, co, plan)})
+        {r["category"]: r["bytes"]
+         for r in closed.rank_memory_rows(model, cfg, sizes, co, plan, kept_by_step)})
 
 
 def holdings_rows(facts: RankFacts) -> list[dict]:
@@ -142,10 +199,7 @@ def holdings_rows(facts: RankFacts) -> list[dict]:
             ("parameters", f"{facts.parameters:,} elements")]
     rows += [(f"ZeRO shard of {z['unit']}", f"elements {z['shard'][0]:,}-{z['shard'][1] - 1:,} of "
               f"{z['elements']:,} (1/{z['group_size']} over {z['group']})") for z in facts.zero_shards]
-    if facts.memory is None:
-        rows.append(("peak bytes", "what a MoE block keeps depends on its routing: run it for real"))
-    else:
-        rows += [(f"peak {cat} bytes", f"{b:,}") for cat, b in facts.memory.items()]
+    rows += [(f"peak {cat} bytes", f"{b:,}") for cat, b in facts.memory.items()]
     return [{"what": w, "held": h} for w, h in rows]
 
 
@@ -172,15 +226,20 @@ class Moment:
     frees: str  # what it lets go of afterwards
 
 
-def step_moments(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, rank: int) -> list[Moment]:
+def step_moments(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, rank: int,
+                 routing: Routing | None = None) -> list[Moment]:
     """Each moment of one training step on `rank` (refpar.analysis.engine.MOMENTS): the pipeline
     actions it runs, every collective it makes (summed over its calls), what it gathers and frees.
-    A MoE block's routing messages are left out: their sizes are the routing's, which only a run knows."""
+    A MoE mesh's routing messages are its last step's under `routing` (default: `balanced_routing`),
+    one total for both passes in the forward's moment (refpar.analysis.engine.rank_calls)."""
     co = closed.rank_coords(sizes, rank)
+    if model.moe_experts and routing is None:
+        routing = balanced_routing(model, cfg, sizes, plan)
+    kept = _rank_kept(model, sizes, plan, rank, routing.kept_by_step[-1]) if routing else None
     schedule, lay = closed.pipeline(sizes, plan)
     head = any(lay.part(s) == lay.stages_per_copy - 1 for s in lay.stages_of(co["pp"]))
     actions = [c for a in schedule[co["pp"]] if a is not None for c in a.computations()]
-    calls = closed.rank_calls(model, cfg, sizes, co, plan)
+    calls = closed.rank_calls(model, cfg, sizes, co, plan, kept)
     stage3, strategy = plan.stage == 3, plan.strategy
     computes = {
         "forward": ", ".join(str(a) for a in actions if a.kind == "F"),

@@ -15,6 +15,7 @@ executed Gantt can sit next to the simulated one (refpar.viz.pipeline.gantt_figu
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,48 @@ def spans(trace: dict) -> tuple[list[Span], list[Span]]:
         else:
             messages.append(Span(e["pid"], start, end, e["name"], e.get("cat", ""), e.get("args", {})))
     return compute, messages
+
+
+# What each event of a trace `refpar train --trace` writes carries (refpar/comm/trace.chrome_trace,
+# refpar/engine/report.write_traces), which the figures read.
+EVENT_FIELDS = ("name", "pid", "ts", "dur")
+MESSAGE_ARGS = ("tag", "bytes_sent", "bytes_recv", "step")
+ACTION_ARGS = ("tick", "step")
+
+
+def read_trace_upload(name: str, data: bytes) -> dict:
+    """The Chrome trace in the bytes of an uploaded file `name`, or a ConfigError in one sentence
+    saying what the file is instead: empty, cut short (not whole JSON), a --json summary, JSON of
+    something else, or a trace whose events lack what this refpar writes (another version's, or
+    another tool's)."""
+    redo = "give the PATH that `refpar train --trace PATH` wrote (not PATH.jsonl)"
+    if not data.strip():
+        raise ConfigError(f"{name} is empty; {redo}")
+    try:
+        trace = json.loads(data)
+    except ValueError as err:  # UnicodeDecodeError too: bytes that are no text
+        if isinstance(err, json.JSONDecodeError) and err.pos > 0:
+            raise ConfigError(f"{name} is not whole JSON (it breaks off at character {err.pos}: a file cut "
+                              f"short?); {redo}") from None
+        raise ConfigError(f"{name} is not JSON; {redo}") from None
+    if isinstance(trace, dict) and "losses" in trace and "mesh" in trace:
+        raise ConfigError(f"{name} is the --json summary of a run, not its trace; {redo}")
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ConfigError(f"{name} is JSON but not a Chrome trace (it has no traceEvents list); {redo}")
+    slices = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
+    if not slices:
+        raise ConfigError(f"{name} is a Chrome trace with no events to draw; {redo}")
+    for e in slices:
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        wanted = EVENT_FIELDS + tuple(f"args.{a}" for a in
+                                      (ACTION_ARGS if e.get("cat") == "compute" else MESSAGE_ARGS))
+        missing = [f for f in wanted if (args if f.startswith("args.") else e).get(f.removeprefix("args."))
+                   is None and not (f == "args.tick" and str(e.get("name", "")).startswith("recompute"))]
+        if missing:
+            raise ConfigError(f"{name} is a Chrome trace but not one this refpar writes (its event "
+                              f"{e.get('name', '?')!r} has no {missing[0]}: another version's or another "
+                              "tool's); trace the run again with this refpar's `refpar train --trace PATH`")
+    return trace
 
 
 def _action_kind(name: str) -> str:
@@ -93,11 +136,13 @@ def executed_figure(trace: dict, title: str = "") -> go.Figure:
                        [f"{idle} {s.end - s.start:.3f} ms" for s in gaps], opacity=0.3))
     fig = go.Figure(traces)
     fig.update_layout(
-        title=title, barmode="overlay", height=170 + 40 * len(ranks),
+        title=title, barmode="overlay", height=250 + 40 * len(ranks),
         xaxis={"title": "time in the last step (ms)", "range": [0, end]},
         yaxis={"title": "rank", "range": [len(ranks) - 0.5, -0.5], "tickvals": ranks,
                "ticktext": [f"rank {r}" for r in ranks]},
-        legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 0, "xanchor": "left"},
+        # below the axis title: above the plot it would run over the title in a half-width column
+        legend={"orientation": "h", "y": -0.22, "yanchor": "top", "x": 0, "xanchor": "left"},
+        margin={"b": 130},
         meta={"end": end})
     return fig
 
