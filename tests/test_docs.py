@@ -2,7 +2,13 @@
 as `file.py:function` at each point; README.md and the lessons name files too. Every file named must
 exist, and every name after `file.py:` (a function, a class, a constant, or `Class.member`) and
 every `refpar.module.name` must be defined there, so a renamed or deleted function fails here instead
-of leaving the page describing code that is gone. Read with `ast`, nothing imported or run."""
+of leaving the page describing code that is gone (read with `ast`, nothing imported or run).
+
+The docs' commands run as written. Every command in a fenced block of docs/ runs here, once however
+many pages show it, and prints what its pages say: a shown output, "matches one device", a byte
+count, a memory figure, a file written. The commands this machine cannot run (a scheduler, a
+cluster's MPI, GPUs, the framework extras) carry a `# needs ...` mark the reader sees, and
+NOT_RUN_HERE lists each; the whole commands that sentences name are parsed and checked, not run."""
 
 from __future__ import annotations
 
@@ -262,11 +268,30 @@ def refpar_args(command: DocCommand) -> tuple[int, list[str]] | None:
     return ranks, args
 
 
-REFPAR_COMMANDS = [(c, *refpar_args(c)) for c in DOCS_COMMANDS if refpar_args(c)]
+INLINE = re.compile(r"`((?:mpiexec -n \d+ )?python -m refpar [^`]*)`")  # a whole command in a sentence
+PLACEHOLDER = re.compile(r"\[|\.\.\.|<|\b[A-Z]{2,}\b")  # `verify [--quick]`, `refpar ...`, `check DUMP`
+
+
+def inline_commands() -> list[DocCommand]:
+    """The whole commands that sentences of docs/ name in backquotes (what-works.md's table,
+    command-line.md), outside fenced blocks and less those with a placeholder: each parses and
+    passes refpar's checks below; they are not run (the fenced commands next to them are)."""
+    out = []
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        fenced = False
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            fenced = fenced != line.startswith("```")
+            if page.name != "app.md" and not fenced:
+                out += [DocCommand(str(page.relative_to(ROOT / "docs")), n, m.group(1), None, (), None)
+                        for m in INLINE.finditer(line) if not PLACEHOLDER.search(m.group(1))]
+    return out
+
+
+REFPAR_COMMANDS = [(c, *refpar_args(c)) for c in DOCS_COMMANDS + inline_commands() if refpar_args(c)]
 
 
 @pytest.mark.parametrize("command, ranks, args", REFPAR_COMMANDS,
-                         ids=[f"{c.page}:{c.line}" for c, _, _ in REFPAR_COMMANDS])
+                         ids=[f"{c.page}:{c.line} {shlex.join(a[:3])}" for c, _, a in REFPAR_COMMANDS])
 def test_every_refpar_command_in_docs_is_one_refpar_takes(command, ranks, args):
     """Each refpar command a docs page shows parses, and a `refpar train` one passes every check a run
     makes before its first message (refpar/engine/plan.py validate) on a mesh of as many ranks as its
