@@ -199,7 +199,8 @@ class DocCommand:
     text: str  # less its trailing comment
     needs: str | None  # what the page says it needs (`# needs ...` after it, or alone above it in its block)
     before: tuple[str, ...]  # the block's commands above it: it may read what they write (a checkpoint)
-    shown: str | None  # the output after a `$ ` command, as the page shows it
+    shown: str | None = None  # a ```console block's output after the command, as the page shows it
+    varies: tuple[str, ...] = ()  # that block's `<!-- varies: REGEX -->` masks (lessons/course.py)
 
     @property
     def words(self) -> list[str]:
@@ -207,40 +208,44 @@ class DocCommand:
 
 
 def doc_commands() -> list[DocCommand]:
-    """Every command in a fenced block of docs/ but the app's page (its own tests run `make app`):
-    the `$ ` lines of a block that has them (the lines after one are its output), else each line that
-    starts with python, mpiexec, srun or refpar."""
+    """Every command in a fenced block of docs/ but the app's page (its own tests run `make app`): in a
+    ```console block the `$ ` lines, each followed by its output, read as the lessons' are
+    (lessons/course.py blocks); in any other, each line that starts with python, mpiexec, srun or
+    refpar."""
     out = []
     for page in sorted((ROOT / "docs").rglob("*.md")):
         if page.name == "app.md":
             continue
-        lines = page.read_text().splitlines()
+        name, text = str(page.relative_to(ROOT / "docs")), page.read_text()
+        console = {block.start: block for block in lessons.blocks(text)}
+        lines = text.splitlines()
         n = 0
         while n < len(lines):
             if not lines[n].startswith("```"):
                 n += 1
                 continue
             end = next(k for k in range(n + 1, len(lines)) if lines[k].startswith("```"))
-            body = list(enumerate(lines[n + 1:end], n + 2))
-            dollars = any(line.startswith("$ ") for _, line in body)
+            if block := console.get(n):
+                numbers = [k + 1 for k in range(n + 1, end) if lines[k].startswith("$ ")]
+                for i, (number, command, shown) in enumerate(zip(numbers, block.commands, block.outputs,
+                                                                 strict=True)):
+                    out.append(DocCommand(name, number, command, None, tuple(block.commands[:i]), shown,
+                                          tuple(block.varies)))
+                n = end + 1
+                continue
             block_needs, before = None, []
-            for k, (number, line) in enumerate(body):
+            for number, line in enumerate(lines[n + 1:end], n + 2):
+                assert not line.startswith("$ "), f"{name}:{number}: a `$ ` command needs ```console"
                 if mark := NEEDS.match(line.strip()):
                     block_needs = mark.group(1)
                     continue
-                text = line[2:] if dollars and line.startswith("$ ") else "" if dollars else line
-                if not text or text.split()[0] not in COMMAND_WORDS:
+                if not line or line.split()[0] not in COMMAND_WORDS:
                     continue
-                comment = COMMENT.search(text)
+                comment = COMMENT.search(line)
                 mark = NEEDS.match(comment.group(0).strip()) if comment else None
-                shown = None
-                if dollars:
-                    rest = [x for _, x in body[k + 1:]]
-                    stop = next((j for j, x in enumerate(rest) if x.startswith("$ ")), len(rest))
-                    shown = "\n".join(rest[:stop]) + "\n"
-                command = COMMENT.sub("", text)
-                out.append(DocCommand(str(page.relative_to(ROOT / "docs")), number, command,
-                                      mark.group(1) if mark else block_needs, tuple(before), shown))
+                command = COMMENT.sub("", line)
+                out.append(DocCommand(name, number, command, mark.group(1) if mark else block_needs,
+                                      tuple(before)))
                 before.append(command)
             n = end + 1
     return out
@@ -282,7 +287,7 @@ def inline_commands() -> list[DocCommand]:
         for n, line in enumerate(page.read_text().splitlines(), 1):
             fenced = fenced != line.startswith("```")
             if page.name != "app.md" and not fenced:
-                out += [DocCommand(str(page.relative_to(ROOT / "docs")), n, m.group(1), None, (), None)
+                out += [DocCommand(str(page.relative_to(ROOT / "docs")), n, m.group(1), None, ())
                         for m in INLINE.finditer(line) if not PLACEHOLDER.search(m.group(1))]
     return out
 
@@ -400,7 +405,7 @@ def test_every_command_in_docs_runs_and_prints_what_its_pages_say(command, docs_
     out = ran(command.text, docs_dir)
     for place in SHOWN_AT[command.text]:
         if place.shown is not None:  # the output a page prints under the command
-            problem = lessons.compare(place.shown, out)
+            problem = lessons.compare(place.shown, out, place.varies)
             assert problem is None, f"{place.page}:{place.line}: `{place.text}`: {problem}"
     words = command.words
     if "train" in words and "--check" in words:
