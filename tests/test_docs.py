@@ -208,10 +208,10 @@ class DocCommand:
 
 
 def doc_commands() -> list[DocCommand]:
-    """Every command in a fenced block of docs/ but the app's page (its own tests run `make app`): in a
-    ```console block the `$ ` lines, each followed by its output, read as the lessons' are
-    (lessons/course.py blocks); in any other, each line that starts with python, mpiexec, srun or
-    refpar."""
+    """Every command in a fenced block of docs/ but app.md's (`make app` starts a server; the app's own
+    tests drive it): in a ```console block the `$ ` lines, each followed by its output, read as the
+    lessons' are (lessons/course.py blocks); in any other, each line that starts with python, mpiexec,
+    srun or refpar."""
     out = []
     for page in sorted((ROOT / "docs").rglob("*.md")):
         if page.name == "app.md":
