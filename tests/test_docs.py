@@ -8,7 +8,7 @@ The docs' commands run as written. Every command in a fenced block of docs/ runs
 many pages show it, and prints what its pages say: a shown output, "matches one device", a byte
 count, a memory figure, a file written. The commands this machine cannot run (a scheduler, a
 cluster's MPI, GPUs, the framework extras) carry a `# needs ...` mark the reader sees, and
-NOT_RUN_HERE lists each; the whole commands that sentences name are parsed and checked, not run."""
+NOT_RUN_HERE lists each. The whole commands that sentences name in backquotes run too."""
 
 from __future__ import annotations
 
@@ -273,14 +273,14 @@ def refpar_args(command: DocCommand) -> tuple[int, list[str]] | None:
     return ranks, args
 
 
-INLINE = re.compile(r"`((?:mpiexec -n \d+ )?python -m refpar [^`]*)`")  # a whole command in a sentence
+INLINE = re.compile(r"`((?:mpiexec -n \d+ )?python -m refpar[ .][^`]*)`")  # a whole command in a sentence
 PLACEHOLDER = re.compile(r"\[|\.\.\.|<|\b[A-Z]{2,}\b")  # `verify [--quick]`, `refpar ...`, `check DUMP`
 
 
 def inline_commands() -> list[DocCommand]:
     """The whole commands that sentences of docs/ name in backquotes (what-works.md's table,
-    command-line.md), outside fenced blocks and less those with a placeholder: each parses and
-    passes refpar's checks below; they are not run (the fenced commands next to them are)."""
+    command-line.md), outside fenced blocks and less those with a placeholder (`verify [--quick]`):
+    they run as the fenced ones do."""
     out = []
     for page in sorted((ROOT / "docs").rglob("*.md")):
         fenced = False
@@ -292,7 +292,8 @@ def inline_commands() -> list[DocCommand]:
     return out
 
 
-REFPAR_COMMANDS = [(c, *refpar_args(c)) for c in DOCS_COMMANDS + inline_commands() if refpar_args(c)]
+INLINE_COMMANDS = inline_commands()
+REFPAR_COMMANDS = [(c, *refpar_args(c)) for c in DOCS_COMMANDS + INLINE_COMMANDS if refpar_args(c)]
 
 
 @pytest.mark.parametrize("command, ranks, args", REFPAR_COMMANDS,
@@ -336,6 +337,9 @@ NOT_RUN_HERE = [  # (page, how the command starts, its page's mark): each comman
      "--backend torch --device cuda", "needs a GPU"),
     ("what-works.md", "python benchmarks/gpu_check.py", "needs a GPU: the equivalence matrix, then TFLOP/s"),
 ]
+RUN_ELSEWHERE = {  # a command a sentence names that another test runs, with more: not run twice
+    "mpiexec -n 2 python -m refpar.conformance ddp fsdp2 tp pp-1F1B": "tests/test_conformance_torch.py",
+}
 
 
 def test_the_commands_not_run_here_are_the_ones_their_pages_mark():
@@ -348,10 +352,10 @@ def test_the_commands_not_run_here_are_the_ones_their_pages_mark():
 
 
 def _places() -> dict[str, list[DocCommand]]:
-    """Each runnable command's text -> every place a page shows it."""
+    """Each runnable command's text -> every place a page shows it (a fenced block, or a sentence)."""
     out: dict[str, list[DocCommand]] = {}
-    for c in DOCS_COMMANDS:
-        if c.needs is None:
+    for c in DOCS_COMMANDS + INLINE_COMMANDS:
+        if c.needs is None and c.text not in RUN_ELSEWHERE:
             out.setdefault(c.text, []).append(c)
     return out
 
@@ -401,7 +405,8 @@ def claims(*texts: str):
 
 
 @pytest.mark.parametrize("command", RUNNABLE,
-                         ids=[", ".join(f"{c.page}:{c.line}" for c in SHOWN_AT[r.text]) for r in RUNNABLE])
+                         ids=[", ".join(f"{c.page}:{c.line}" for c in SHOWN_AT[r.text])
+                              + f" {shlex.join(refpar_args(r)[1][:3])}" for r in RUNNABLE])
 def test_every_command_in_docs_runs_and_prints_what_its_pages_say(command, docs_dir):
     """The command exits as its page implies and prints what every page that shows it says: the
     output under it, a `--check`'s match with one device, and the CLAIMS below."""
@@ -420,6 +425,7 @@ def test_every_command_in_docs_runs_and_prints_what_its_pages_say(command, docs_
 def test_every_claim_checks_a_command_a_page_shows():
     """A page's command edited away must take its claims with it, not leave them checking nothing."""
     assert set(CLAIMS) <= set(SHOWN_AT) and set(EXIT_STATUS) <= set(SHOWN_AT)
+    assert set(RUN_ELSEWHERE) <= {c.text for c in INLINE_COMMANDS}
     assert len(CLAIMS) >= 15
 
 
@@ -637,3 +643,59 @@ def _expert_tp_all_reduces_the_expert_buffer_once_each_way(out, _):
     the expert buffer forward and one backward (block 0 is an MoE block; under sp its attention's are
     reduce-scatters and all-gathers)."""
     assert ", 2 all_reduce," in line_of(out, "tp collectives of block 0 in one step")
+
+
+@claims("python -m refpar schedule zb-h1 --stages 4 --microbatches 8")
+def _a_schedule_as_data_simulated_on_a_grid(out, _):
+    """what-works.md: schedules as data, simulated, on a ranks x ticks grid: each of the 4 ranks runs
+    every microbatch's F, B and W once, and ZB-H1's bubble with unit costs is Qi et al.'s (2023)
+    (p-1)(F+B-W) idle ticks a rank against m(F+B+W) busy ones."""
+    p, m = 4, 8
+    rows = [line.split()[2:] for line in out.splitlines() if re.match(r"rank \d ", line)]
+    assert len(rows) == p
+    for r, row in enumerate(rows):
+        assert sorted(a for a in row if a != ".") == sorted(f"{r}{k}{i}" for k in "FBW" for i in range(m))
+    idle = (p - 1) * (1 + 1 - 1)
+    bubble = re.match(r"bubble: ([\d.]+)% of all rank-time", line_of(out, "bubble:")).group(1)
+    assert float(bubble) == round(100 * idle / (m * 3 + idle), 2)
+
+
+@claims("python -m refpar plan --model megatron-1t --gpus 4096 --hardware h100")
+def _plans_ranked_by_step_time_with_memory_time_and_collectives(out, _):
+    """what-works.md: ranks every mesh by predicted step time, with memory per GPU by category, time
+    by cause and every collective."""
+    steps = [float(s) for s in re.findall(r"^   step ([\d.]+) s ", out, re.M)]
+    assert len(steps) >= 3 and steps == sorted(steps)
+    memory = re.findall(r"^   memory GB: (.*)$", out, re.M)
+    assert len(memory) == len(steps) and all(
+        re.findall(r"([a-z]+) [\d.]+", m) == ["params", "grads", "master", "optimizer", "activations", "comm",
+                                              "total"] for m in memory)
+    causes = re.findall(r"^   time s: +(.*)$", out, re.M)
+    assert len(causes) == len(steps) and all("compute" in c and "bubble" in c for c in causes)
+    assert len(re.findall(r"^   collectives: \w+\.\w+ ", out, re.M)) == len(steps)
+
+
+@claims("mpiexec -n 4 python -m refpar generate --mesh tp=2,cp=2 --check")
+def _serving_exact_with_bytes_and_kv_next_to_closed_forms(out, _):
+    """what-works.md: decode exact against recomputing every sequence; bytes per token and KV bytes per
+    rank next to their closed forms; the same closed forms for a 70B model on H100s."""
+    exact = re.fullmatch(r"check against one device recomputing every sequence: max logit rel diff (\S+), "
+                         r"tokens identical: yes", line_of(out, "check against one device"))
+    assert exact and float(exact.group(1)) <= 1e-10
+    assert line_of(out, "traced bytes == closed forms").endswith(": yes")
+    kv = line_of(out, "KV cache per rank")
+    assert kv.endswith("matches the closed form after every pass and step: yes"), kv
+    assert line_of(out, "at scale, llama2-70b").startswith("at scale, llama2-70b in float16 on h100")
+
+
+@claims("mpiexec -n 4 python -m refpar train --mesh pp=4 --schedule interleaved-1f1b --microbatches 4 "
+        "--n-layer 8 --steps 2 --check")
+def _measured_bubble_next_to_the_simulated_one(out, _):
+    """what-works.md: the measured bubble next to the simulated one; with unit costs, interleaving's
+    published (p-1)/(v m + p-1) (Narayanan et al. 2021), v = 2 chunks a rank here."""
+    p, m, v = 4, 4, 2
+    assert f"schedule interleaved-1f1b over pp={p} (v={v})" in out
+    bubble = re.fullmatch(r"bubble of the last step: measured [\d.]+% of rank-time, simulated with the "
+                          r"measured action times [\d.]+%, with unit costs ([\d.]+)%",
+                          line_of(out, "bubble of the last"))
+    assert bubble and float(bubble.group(1)) == round(100 * (p - 1) / (v * m + p - 1), 1)
