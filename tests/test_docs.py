@@ -13,6 +13,7 @@ NOT_RUN_HERE lists each. The whole commands that sentences name in backquotes ru
 from __future__ import annotations
 
 import ast
+import itertools
 import re
 import shlex
 import subprocess
@@ -440,6 +441,13 @@ def line_of(out: str, start: str) -> str:
     return found[0]
 
 
+def section(out: str, start: str) -> list[str]:
+    """The indented lines right under the line of `out` that starts with `start`."""
+    lines = out.splitlines()
+    k = next(i for i, line in enumerate(lines) if line.startswith(start))
+    return list(itertools.takewhile(lambda line: line.startswith("  "), lines[k + 1:]))
+
+
 def bytes_rows(out: str) -> dict[tuple[str, str], list[int]]:
     """(axis, op) -> the measured bytes sent of each group of ranks in the bytes table, which the
     generic check holds equal to the closed form."""
@@ -471,6 +479,11 @@ def matches_one_device(words: list[str], out: str) -> None:
         assert loss <= 1e-10 and params <= 1e-10, out
     assert "measured | closed form" in line_of(out, "bytes sent (received) per rank")
     assert "measured | closed form" in line_of(out, "peak memory per rank")
+    sent = re.findall(r"([\d,]+ \([\d,]+\)) \| ([\d,]+ \([\d,]+\))",
+                      "\n".join(section(out, "bytes sent (received) per rank")))
+    count = r"(\d+(?:,\d{3})*)"  # 1,234,567 (a greedy [\d,]+ would take the comma after it)
+    held = re.findall(rf"[a-z]+ {count} \| {count}", "\n".join(section(out, "peak memory per rank")))
+    assert sent and held and all(m == c for m, c in sent + held), out
     assert "MISMATCH" not in out, out
     if "--moe-experts" in words:
         assert line_of(out, "dropped assignments per block").endswith("; one device's: the same"), out
@@ -621,8 +634,7 @@ def _moe_prints_router_losses_drops_loads_and_uniform_bytes(out, _):
 def _every_ranks_activations_next_to_their_closed_form(out, _):
     """what-works.md: inside pipeline stages, every rank's peak memory next to its closed form,
     activations included."""
-    memory = out[out.index("peak memory per rank"):out.index("model states")].splitlines()[1:]
-    ranks = [line for line in memory if re.match(r"  ranks? [\d,-]+: ", line)]
+    ranks = section(out, "peak memory per rank")
     assert ranks and all(re.search(r"activations ([\d,]+) \| \1,", line) for line in ranks)
     covered = {r for line in ranks for r in _ranks(line.split(":")[0].split()[1])}
     assert covered == {0, 1, 2, 3}
