@@ -711,3 +711,13 @@ def _measured_bubble_next_to_the_simulated_one(out, _):
                           r"measured action times [\d.]+%, with unit costs ([\d.]+)%",
                           line_of(out, "bubble of the last"))
     assert bubble and float(bubble.group(1)) == round(100 * (p - 1) / (v * m + p - 1), 1)
+
+
+def test_the_command_make_demo_runs_is_the_one_the_page_names():
+    """command-line.md says what `make demo` runs and then what it prints; the Makefile's recipe is that
+    command (with this environment's python and mpiexec), so the page describes the demo one gets."""
+    page = " ".join((ROOT / "docs" / "command-line.md").read_text().split())
+    named = re.search(r"`make demo` runs `([^`]+)`", page).group(1)
+    recipe = re.search(r"^demo:.*\n\t(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    shown = recipe.replace("$(VENV)/bin/mpiexec", "mpiexec").replace("$(PY)", "python").split()
+    assert shown[shown.index("mpiexec"):] == named.split()
