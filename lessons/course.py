@@ -118,25 +118,30 @@ def command_env() -> dict:
 
 
 def argv(command: str) -> list[str]:
-    """A lesson's command as the learner types it -> what runs: `python` and `mpiexec` are this
-    environment's."""
+    """A lesson's command as the learner types it -> what runs: `python`, `mpiexec` and a leading
+    `refpar` are this environment's."""
     words = shlex.split(command)
     bin_dir = Path(sys.executable).parent
     out = []
-    for w in words:
+    for k, w in enumerate(words):
         if w == "python":
             out.append(sys.executable)
-        elif w == "mpiexec" and (bin_dir / "mpiexec").exists():
-            out.append(str(bin_dir / "mpiexec"))
+        elif (w == "mpiexec" or (w == "refpar" and k == 0)) and (bin_dir / w).exists():
+            out.append(str(bin_dir / w))
         else:
             out.append(w)
     return out
 
 
+def run(command: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Runs one command as a learner types it (in the repository root unless `cwd` says where)."""
+    return subprocess.run(argv(command), cwd=cwd, env=command_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def run_command(command: str, timeout: float = 300) -> str:
     """Runs one lesson command in the repository root; stdout then stderr, as the learner sees."""
-    proc = subprocess.run(argv(command), cwd=ROOT, env=command_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = run(command, timeout)
     return proc.stdout + proc.stderr
 
 
