@@ -97,8 +97,10 @@ def layernorm_forward(x, w, b, eps=1e-5):
     xc = x - mean  # (..., C)
     var = xp.mean(xc * xc, axis=-1, keepdims=True)  # (..., 1)
     rstd = 1.0 / xp.sqrt(var + eps)  # (..., 1)
-    xhat = xc * rstd  # (..., C)
-    out = xhat * w + b  # (..., C)
+    xhat = xc  # (..., C): x - mean, scaled in place (the same roundings as xc * rstd, one array fewer)
+    xhat *= rstd
+    out = xhat * w  # (..., C)
+    out += b
     return out, (xhat, rstd, w)
 
 
@@ -110,12 +112,11 @@ def layernorm_backward(dout, cache):
     dw = xp.sum(dout * xhat, axis=lead)  # (C,)
     db = xp.sum(dout, axis=lead)  # (C,)
     dxhat = dout * w  # (..., C)
-    # d/dx of (x - mean) * rstd: remove the mean of dxhat and its projection on xhat.
-    dx = (
-        dxhat
-        - xp.mean(dxhat, axis=-1, keepdims=True)
-        - xhat * xp.mean(dxhat * xhat, axis=-1, keepdims=True)
-    ) * rstd  # (..., C)
+    # d/dx of (x - mean) * rstd: remove the mean of dxhat and its projection on xhat, in place on
+    # the first difference (the roundings of the one expression, two arrays fewer).
+    dx = dxhat - xp.mean(dxhat, axis=-1, keepdims=True)  # (..., C)
+    dx -= xhat * xp.mean(dxhat * xhat, axis=-1, keepdims=True)
+    dx *= rstd
     return dx, dw, db
 
 
@@ -146,7 +147,10 @@ def gelu_backward(dout, cache):
     g += 1.0
     g *= GELU_C  # d(tanh argument)/dx
     g *= x
-    g *= 1.0 - t * t
+    sech2 = t * t  # (...): 1 - t^2 in place, -(t^2) + 1 being the same rounding
+    sech2 *= -1.0
+    sech2 += 1.0
+    g *= sech2
     g += 1.0 + t
     g *= 0.5
     g *= dout
