@@ -29,9 +29,10 @@ counts (an allocation inside the optimizer or a collective is theirs). Rows, mea
     collectives              the public methods of the Communicator and its Request: each
                              collective, message and wait, with its copies, reductions and tracing,
                              and the time waiting for the other rank
-    allocation and copies    NumPy's and array-api-compat's zeros, empty, concat, stack, copy,
-                             asarray, astype, ... (ALLOCATING) outside the rows above; the arrays
-                             that arithmetic returns are allocated inside the operator: next row
+    allocation and copies    the functions zeros, empty, concat, stack, copy, asarray, astype, ...
+                             (ALLOCATING) of NumPy and array-api-compat outside the rows above;
+                             the arrays that arithmetic returns, and ndarray methods (x.copy()),
+                             count in the next row
     elementwise and Python   the profiled step less the rows above: LayerNorm, softmax, GELU and
                              the rest of every layer's arithmetic, and the interpreter's time
 """
