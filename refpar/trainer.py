@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refpar import backend, checkpoint
+from refpar.allocator import keep_freed_memory
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model import init_params, loss_and_grads, moe_layer
 from refpar.model.data import MarkovCorpus
@@ -128,6 +129,7 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
     routes each step in `microbatches` slices (module docstring); a dense model's numbers do not
     depend on them but for the order of sums, so it takes the batch at once."""
     train.check_model(model)
+    keep_freed_memory()  # each step reuses the pages of the one before (refpar/allocator.py)
     corpus = corpus_for(model, train)
     params = init_params(model, train.seed) if resume is None else {}
     state = optimizer_init(params, train)

@@ -176,6 +176,24 @@ def test_dropout_mask_of_a_shard_is_the_slice_of_the_full_mask():
     assert 0.6 < full.mean() < 0.9
 
 
+@pytest.mark.parametrize("shape", [(4, 6, 6), (3, 5, 7), (1,), (2, 64)])  # odd sizes: a half word left
+@pytest.mark.parametrize("p", [0.1, 0.25, 1 / 3, 0.5, 1e-9, 0.9999999, np.float64(0.1), np.float32(0.1)])
+def test_dropout_mask_is_the_float32_uniforms_compared_with_p(shape, p):
+    """keep_mask decides on the uniforms' 32-bit words (dropout._uniform_words); the mask must be
+    what NumPy's own float32 uniforms of the same key give, `random(shape, float32) >= p`, whole
+    and sliced, whatever p's type (a float64 scalar compares in float64, a float or float32 one
+    in float32) and at p near 0 and near 1."""
+    from refpar import rng
+    from refpar.model.dropout import SITES
+
+    ids = [5, 9, 0]
+    want = np.stack([rng.generator(3, "dropout", 7, 2, SITES["attn"], s).random(shape, dtype=np.float32) >= p
+                     for s in ids])  # (3, *shape)
+    assert np.array_equal(keep_mask(3, 7, 2, "attn", ids, shape, p), want)
+    index = (slice(None), slice(0, 1)) if len(shape) > 1 else (slice(1, None),)
+    assert np.array_equal(keep_mask(3, 7, 2, "attn", ids, shape, p, index), want[(slice(None), *index)])
+
+
 # ------------------------------------------------------------------------------------ whole model
 def tiny_batch(B=2, T=8):
     config = model_preset("tiny", dropout=0.1)

@@ -14,7 +14,15 @@ import pytest
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params, loss_and_grads
-from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
+from refpar.model.optim import (
+    ADAMW_CHUNK,
+    adamw_update,
+    clip_coefficient,
+    learning_rate,
+    optimizer_init,
+    optimizer_step,
+    sum_of_squares,
+)
 from refpar.trainer import train_single_device
 from tests.numerics import CONTRACT, U64, rel_diff, within
 
@@ -109,6 +117,41 @@ def test_weight_decay_scales_matrices_and_embeddings_only_unless_decay_all(decay
         assert np.array_equal(new[n], p * (1 - 0.1 * 0.5) if decayed else p), n
     vectors = {n for n, p in params.items() if p.ndim < 2}
     assert vectors >= {"h.0.ln_1.weight", "h.0.attn.c_attn.bias", "ln_f.bias"}
+
+
+@pytest.mark.parametrize("namespace", ["numpy", "torch"])
+def test_adamw_on_an_array_of_several_chunks_is_the_formula_element_by_element_bit_for_bit(namespace):
+    """Past ADAMW_CHUNK elements the update runs a chunk at a time: every element must still get
+    AdamW's formula (decoupled decay, moments, bias corrections, in torch.optim.AdamW's order),
+    written out here one expression a line as the update rounds it, so the bits agree; a
+    per-element decay mask (a flat shard's) is sliced with its chunk. On torch m and v agree bit
+    for bit too; p within the sqrt, which torch rounds within one ulp (2u) where NumPy rounds it
+    correctly (tests/test_mixed_precision_torch.py): the update's six roundings then differ by at
+    most 11u of the update, and p - update rounds on each side, half an ulp of p each."""
+    cfg = TrainConfig(weight_decay=0.1)
+    rng = np.random.default_rng(5)
+    shape = (3, ADAMW_CHUNK // 2 + 7)  # 1.5 chunks and a bit: the last chunk is short
+    p, g, m = (rng.standard_normal(shape) for _ in range(3))
+    v = rng.standard_normal(shape) ** 2
+    decay = rng.random(shape) < 0.5
+    lr, t, factor = 3e-3, 4, 0.5
+    g1 = g * factor
+    want_p = p * (1.0 - (lr * cfg.weight_decay) * decay.astype(float))
+    want_m = cfg.beta1 * m + (1.0 - cfg.beta1) * g1
+    want_v = cfg.beta2 * v + (g1 * g1) * (1.0 - cfg.beta2)
+    denom = np.sqrt(want_v) / (1.0 - cfg.beta2 ** t) ** 0.5 + cfg.eps
+    update = (want_m / denom) * (lr / (1.0 - cfg.beta1 ** t))
+    want_p = want_p - update
+    if namespace == "torch":
+        torch = pytest.importorskip("torch")
+        p, g, m, v, decay = map(torch.from_numpy, (p, g, m, v, decay))
+    got = [np.asarray(a) for a in adamw_update(p, g, m, v, t, cfg, decay, lr, grad_factor=factor)]
+    assert all(a.shape == shape for a in got)
+    assert np.array_equal(got[1], want_m) and np.array_equal(got[2], want_v)
+    if namespace == "numpy":
+        assert np.array_equal(got[0], want_p)
+    else:
+        assert np.all(np.abs(got[0] - want_p) <= 11 * U64 * np.abs(update) + np.spacing(np.abs(want_p)))
 
 
 @pytest.mark.parametrize(("fields", "words"), [

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from refpar import checkpoint
+from refpar.allocator import keep_freed_memory
 from refpar.model import gemm
 from refpar.model.data import MarkovCorpus
 from refpar.model.moe import update_expert_bias
@@ -74,6 +75,7 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
     `on_step(step, loss, seconds, totals, moe_step, scaling)` after each step (moe_step None without
     experts; scaling, fp16 only: the step's loss scale, whether it was skipped, the skips so far)."""
     model, cfg, mesh, hooks, executor = par.model, par.train, par.mesh, par.hooks, par.executor
+    keep_freed_memory()  # each step reuses the pages of the one before (refpar/allocator.py)
     scaler = hooks.dtypes.scaler  # fp16 only
     run = Run()
     if resume is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from array_api_compat import array_namespace
+from array_api_compat import array_namespace, device
 
 from refpar.model.gemm import matmul
 from refpar.model.layers import dropout_forward
@@ -28,7 +28,9 @@ def attention_forward(q, k, v, q_pos, k_pos, keep=None, p=0.0):
     # In-place updates of fresh arrays: the (B, nh, Tq, Tk) tensors dominate this layer's time.
     scores = matmul(q, xp.matrix_transpose(k))  # (B, nh, Tq, Tk)
     scores *= scale
-    scores = xp.where(visible, scores, -math.inf)  # (B, nh, Tq, Tk)
+    # The causal mask added in place (x + 0 is x, x + -inf is -inf): `where` would write a new array.
+    mask = xp.where(visible, xp.zeros(visible.shape, dtype=scores.dtype, device=device(scores)), -math.inf)
+    scores += mask  # (B, nh, Tq, Tk)
     scores -= xp.max(scores, axis=-1, keepdims=True)  # max 0 per row: exp cannot overflow
     att = xp.exp(scores)  # (B, nh, Tq, Tk)
     att /= xp.sum(att, axis=-1, keepdims=True)  # softmax

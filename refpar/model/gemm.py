@@ -7,9 +7,10 @@ of the planner's closed forms (refpar/analysis/flops.py: Narayanan et al. 2021, 
 run's count is comparable with them. Counted: the linear layers' forward and both halves of their
 backward (dx = dout @ w.T, dw = x.T @ dout), the attention core's QK^T and scores @ V and their
 four backward products, the tied head's logits and its two backward products; so a forward that
-recomputation runs again is counted again. Not counted: the embeddings' backward, a one-hot
-product only because the array API has no scatter-add (frameworks scatter rows: no FLOPs), and
-elementwise work (norms, softmax, GELU, biases), which the convention leaves out.
+recomputation runs again is counted again. Not counted: the embeddings' backward, a scatter-add
+of rows as frameworks do it (layers.scatter_add_rows; a one-hot product only in a namespace
+without one, array-api-strict or CuPy), and elementwise work (norms, softmax, GELU, biases),
+which the convention leaves out.
 """
 
 from __future__ import annotations

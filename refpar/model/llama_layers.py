@@ -18,7 +18,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace, device
 
 from refpar.model.attention import attention_backward, attention_forward
-from refpar.model.layers import as_like, linear_backward, linear_forward, one_hot
+from refpar.model.layers import as_like, linear_backward, linear_forward, scatter_add_rows
 from refpar.precision import fp32_compute
 
 
@@ -184,8 +184,8 @@ def token_embedding_forward(tokens, w):
 
 @fp32_compute
 def token_embedding_backward(dout, cache):
-    """-> dw (V, C): a scatter-add written as a one-hot product, so repeated tokens accumulate."""
+    """-> dw (V, C): a scatter-add, so repeated tokens accumulate."""
     tokens, V = cache
     xp = array_namespace(dout)
     dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, C)
-    return one_hot(xp.reshape(tokens, (-1,)), V, dout.dtype).T @ dout2  # (V, C)
+    return scatter_add_rows(xp.reshape(tokens, (-1,)), dout2, V)  # (V, C)

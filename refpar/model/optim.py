@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 
-from array_api_compat import array_namespace
+from array_api_compat import array_namespace, device
 
 from refpar.precision import is_16bit
 
@@ -146,14 +146,36 @@ def _with_master(state: dict, params: dict) -> dict:
     return state
 
 
+ADAMW_CHUNK = 1 << 16  # elements a pass of `adamw_update` takes: its temporaries stay in the cache
+
+
 def adamw_update(p, g, m, v, t: int, cfg, decay, lr: float, grad_factor: float = 1.0):
     """One AdamW step of one array (t counts from 1) at learning rate `lr`; returns new (p, m, v),
     in torch.optim.AdamW's order of operations: decay, moments, then
     p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps).
 
-    Each operation rounds as in the one-expression form; the in-place ones only reuse arrays this
-    call has just made (7 arrays of p's size where the expressions made 14: at GPT-2's 124M
-    parameters each is 0.5 GB to allocate and fault in)."""
+    An array of more than ADAMW_CHUNK elements is updated a chunk at a time (every element's update
+    is its own, so the numbers are the same): the update's ten passes then run over temporaries
+    the cache holds, where whole-array temporaries (each 0.5 GB at GPT-2's 124M parameters) would
+    be allocated, faulted in and streamed through memory once a pass."""
+    n = math.prod(p.shape)
+    if n <= ADAMW_CHUNK:
+        return _adamw_elements(p, g, m, v, t, cfg, decay, lr, grad_factor)
+    xp = array_namespace(p, g)
+    flat = [xp.reshape(a, (n,)) for a in (p, g, m, v)]  # (n,) each
+    masks = None if isinstance(decay, bool) else xp.reshape(decay, (n,))  # (n,)
+    out = [xp.empty((n,), dtype=a.dtype, device=device(a)) for a in (p, m, v)]  # new p, m, v
+    for start in range(0, n, ADAMW_CHUNK):
+        part = slice(start, start + ADAMW_CHUNK)
+        chunk_decay = decay if masks is None else masks[part]
+        out[0][part], out[1][part], out[2][part] = _adamw_elements(
+            *(a[part] for a in flat), t, cfg, chunk_decay, lr, grad_factor)
+    return tuple(xp.reshape(a, p.shape) for a in out)
+
+
+def _adamw_elements(p, g, m, v, t: int, cfg, decay, lr: float, grad_factor: float):
+    """`adamw_update` of one piece, by whole-array operations. Each operation rounds as in the
+    one-expression form; the in-place ones only reuse arrays this call has just made."""
     xp = array_namespace(p, g)
     g = g if grad_factor == 1.0 else g * grad_factor
     p = p * _decay_factor(p, cfg, decay, lr)  # a new array: updated in place below

@@ -18,7 +18,15 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
-from refpar.model.layers import as_like, compute, layernorm_backward, layernorm_forward, one_hot, rounded
+from refpar.model.layers import (
+    as_like,
+    compute,
+    layernorm_backward,
+    layernorm_forward,
+    one_hot,
+    rounded,
+    scatter_add_rows,
+)
 from refpar.model.llama_layers import rmsnorm_backward, rmsnorm_forward
 from refpar.parallel.tensor_parallel import (
     Layout,
@@ -52,10 +60,10 @@ def vocab_rows_backward(dx, cache, lay: Layout, w, tag: str):
     rows, mine = cache
     xp = array_namespace(dx)
     dpartial = compute(lay.pair.leave_backward(dx, lay.tp, f"{tag}:bwd"))  # (B, Ta, C)
-    # Scatter-adds as one-hot products (the array API has no scatter-add): repeats accumulate.
-    hot = one_hot(xp.reshape(rows, (-1,)), w.shape[0], dpartial.dtype)  # (B*Ta, V/t)
-    hot = hot * xp.reshape(xp.astype(mine, dpartial.dtype), (-1, 1))  # rows of other ranks' tokens are 0
-    return rounded(hot.T @ xp.reshape(dpartial, (-1, dpartial.shape[-1])), w.dtype)  # (V/t, C)
+    # Other ranks' tokens add zero rows (to row 0), so the sums are made in the one device's order.
+    dpartial = xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (B*Ta, C)
+    dpartial = dpartial * xp.reshape(xp.astype(mine, dpartial.dtype), (-1, 1))  # 0 where not mine
+    return rounded(scatter_add_rows(xp.reshape(rows, (-1,)), dpartial, w.shape[0]), w.dtype)  # (V/t, C)
 
 
 def vocab_parallel_embedding_forward(tokens, params, lay: Layout, drop):
