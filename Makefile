@@ -3,8 +3,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# MPICH busy-polls; with more ranks than cores this halves the run time (ENVIRONMENT.md).
-export MPIR_CVAR_ENABLE_HEAVY_YIELD := 1
 
 .PHONY: demo test test-kernels conformance lint bench app clean
 

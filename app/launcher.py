@@ -53,7 +53,7 @@ class Launcher:
             if self.running():
                 raise ConfigError("a run is already going; wait for it or stop it first")
             self.watch = RankWatch()
-            env = {**os.environ, "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1", **self.watch.env(),
+            env = {**os.environ, **self.watch.env(),
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
             # A list, never a shell; a session of its own so that Stop ends mpiexec and its ranks.
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -158,7 +158,6 @@ def main() -> None:
     overhead, ring_ms = [], {}
     mpiexec = Path(sys.executable).parent / "mpiexec"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")  # more ranks than cores: yield, don't spin
     for ranks in (int(r) for r in args.ranks.split(",")):
         cmd = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker", "--sizes", args.sizes]
         try:

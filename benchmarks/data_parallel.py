@@ -295,7 +295,7 @@ def main() -> None:
 def run_strategy(args, label: str) -> dict:
     """One strategy as `mpiexec -n RANKS python <this file> --worker LABEL`: rank 0's JSON line."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [str(mpiexec), "-n", str(args.ranks), sys.executable, __file__, "--worker", label,
            "--model", args.model, "--steps", str(args.steps), "--batch-size", str(args.batch_size),
            "--seq-len", str(args.seq_len)] + (["--profile"] if args.profile else [])

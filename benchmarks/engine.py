@@ -69,7 +69,6 @@ def main() -> None:
         worker(*args.worker, args.steps, args.seq_len)
         return
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
     print(f"{'model':<6} {'mesh':<16} {'ranks':>5} {'step ms':>9} {'tokens/s':>9} {'vs 1 rank':>9} "
           f"{'compute':>8} {'comm':>6} {'idle':>6}", flush=True)
     for model in args.models.split(","):
@@ -79,7 +78,7 @@ def main() -> None:
             cmd = [str(mpiexec), "-n", str(n), sys.executable, __file__, "--worker", mesh, model,
                    "--steps", str(args.steps), "--seq-len", str(args.seq_len)]
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             except subprocess.TimeoutExpired:
                 print(f"{model:<6} {mesh:<16} {n:>5}  timed out after {args.timeout:.0f} s", flush=True)
                 continue

@@ -64,7 +64,7 @@ def equivalence(spec: str, transport: str = "mpi", matrix=MATRIX) -> bool:
     """Runs `matrix` on backend `spec` over `transport`; prints one row per strategy; True when
     all match."""
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     ok = True
     for n, names in matrix:
         proc = subprocess.run([str(mpiexec), "-n", str(n), sys.executable, "tests/jobs/backend_job.py", spec,

@@ -54,7 +54,6 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     args = parser.parse_args()
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
     common = ("--model", args.model, "--moe-experts", str(args.experts), "--moe-topk", str(args.topk),
               "--microbatches", "2", "--steps", str(args.steps), "--json")
     print(f"{'run':<20} {'ranks':>5} {'step ms':>8} {'tokens/s':>9} {'vs 1':>6} {'sent/rank/step':>15} "
@@ -63,7 +62,7 @@ def main() -> None:
     for label, n, options in RUNS:
         cmd = [str(mpiexec), "-n", str(n), sys.executable, "-m", "refpar", "train", *options, *common]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                                   cwd=ROOT)
         except subprocess.TimeoutExpired:
             print(f"{label:<20} {n:>5}  timed out after {args.timeout:.0f} s", flush=True)

@@ -111,7 +111,6 @@ def blocks(text: str) -> list[Block]:
 def command_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"  # MPICH busy-polls when ranks outnumber cores
     env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
     env["COLUMNS"] = "100"
     return env

@@ -17,7 +17,6 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 def mpi_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"  # MPICH busy-polls; we run more ranks than cores
     env["OMP_NUM_THREADS"] = env["OPENBLAS_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
     env.update(extra or {})
     return env

@@ -212,7 +212,7 @@ def launch(ranks: int, args: tuple[str, ...], steps: int, timeout: float,
     cmd = [str(mpiexec), "-n", str(ranks), sys.executable, "-m", "refpar", "train", *args,
            "--steps", str(steps), "--check", "--json", *backend]
     watch = RankWatch()  # which rank died, if one does
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", OMP_NUM_THREADS="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1",
                OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]), **watch.env())
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
