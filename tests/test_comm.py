@@ -253,3 +253,33 @@ with abort_on_error():
     labels = sorted((e["step"], e["microbatch"], e["phase"]) for e in grads if e["rank"] == 1)
     assert labels == [(0, 0, "bwd"), (0, 1, "bwd"), (1, 0, "bwd"), (1, 1, "bwd")]
     assert {e["algo"] for e in lines} == {"native(ring)", "ring"}
+
+
+def test_heavy_yield_is_set_where_ranks_outnumber_cores_more_than_twice_and_an_explicit_setting_stays():
+    from refpar.comm.communicator import wait_policy
+
+    key = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
+    assert wait_policy({"MPI_LOCALNRANKS": "8"}, cores=2)[key] == "1"  # 8 > 2 x 2
+    assert key not in wait_policy({"MPI_LOCALNRANKS": "4"}, cores=2)  # 4 = 2 x 2: busy-polling pays
+    assert key not in wait_policy({"MPI_LOCALNRANKS": "8"}, cores=4)
+    assert key not in wait_policy({}, cores=1)  # not launched by hydra: one rank
+    assert wait_policy({"MPI_LOCALNRANKS": "8", key: "0"}, cores=2)[key] == "0"  # the user's choice
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_the_ranks_start_mpi_with_the_wait_policy_of_this_machine(tmp_path, monkeypatch, ranks):
+    import os
+
+    monkeypatch.delenv("MPIR_CVAR_ENABLE_HEAVY_YIELD", raising=False)
+    proc, _ = _run(tmp_path, ranks, """
+import os
+from refpar.comm.communicator import abort_on_error, world
+with abort_on_error():
+    comm = world()
+    every = comm.gather_object(os.environ.get("MPIR_CVAR_ENABLE_HEAVY_YIELD"))
+    if comm.rank == 0:
+        print(" ".join(map(str, every)))
+""")
+    assert proc.returncode == 0, proc.stderr
+    expected = "1" if ranks > 2 * len(os.sched_getaffinity(0)) else "None"
+    assert proc.stdout.split() == [expected] * ranks
