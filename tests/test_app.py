@@ -565,7 +565,7 @@ def test_communication_page_draws_ep_bytes_equal_to_the_moe_closed_form():
     bars, matrix = charts(at)
     config = model_preset("tiny", moe_experts=8)
     sizes = ParallelConfig({"dp": 2, "ep": 4}).sizes
-    kept = mv.drawn_kept(config, 8, ONE_STEP.seq_len)
+    kept = mv.drawn_kept(config, 8, ONE_STEP.seq_len, 4)
     rows = mv.step_rows(config, sizes, kept)
     drawn = dict(zip(bars["data"][0]["x"], np.asarray(bars["data"][0]["y"]).tolist(), strict=True))
     assert drawn == comm.by_axis_op(rows) and drawn["ep all_to_all"] > 0
