@@ -124,7 +124,7 @@ def run_routing(moe: dict, label: str) -> Routing:
 
 
 def _rank_kept(model: ModelConfig, sizes: dict, plan: Plan, rank: int, step: list[dict]) -> list[dict]:
-    """One step's kept counts cut to the MoE blocks of `rank`'s stages (what that rank routes)."""
+    """One step's counts cut to the MoE blocks of `rank`'s stages (what that rank routes)."""
     lay = closed.pipeline(sizes, plan)[1]
     mine = {i for s in lay.stages_of(closed.rank_coords(sizes, rank)["pp"])
             for i in stage_layers(model.n_layer, lay.stages_per_copy, lay.part(s))}
@@ -152,7 +152,7 @@ class RankFacts:
 
 def rank_facts(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, rank: int,
                routing: Routing | None = None) -> RankFacts:
-    """`routing`: a MoE mesh's kept counts (default: `balanced_routing`)."""
+    """`routing`: a MoE mesh's kept and pair counts (default: `balanced_routing`)."""
     co = closed.rank_coords(sizes, rank)
     if model.moe_experts and routing is None:
         routing = balanced_routing(model, cfg, sizes, plan)
