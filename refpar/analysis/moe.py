@@ -266,7 +266,7 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
                          m: int, j: int, cp_algo: str | None = None, sp: bool = False) -> int:
     """What the MoE blocks among `layers` keep beyond a dense block, for microbatch j of m (b rows of
     Ta tokens) on the rank at `coords`: in each, the MLP's terms give way to `moe_cache_bytes` from
-    that block's (D c, E) kept counts (`kept`: layer -> counts); under sp the layer keeps the
+    that block's (kept (D c, E), pairs (D c, ep)) counts (`kept`: layer -> them); under sp the layer keeps the
     gathered (b, Ta, C) its router read instead of ln_2's (b, Tl, C) shard, which the dense block's
     c_fc would keep."""
     c, t, ep = sizes["cp"], sizes["tp"], sizes["ep"]
@@ -294,14 +294,14 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
                        Ta: int, cp_algo: str | None = None, sp: bool = False, rerun: bool = False) -> dict:
     """{(axis, op): (sent, received)} of one step's MoE layers on the rank at `coords` (module
     docstring): per microbatch j (b_j rows of Ta tokens) and MoE layer of its stages (`kept[j]`:
-    layer -> (D c, E) kept counts), the counts' all-gather over the data ranks and the all-to-alls
-    over ep; dropping by score over several ranks, the scores' all-gather over the data ranks
-    (`scores_all_gather_bytes`); with the sequence-wise loss and cp > 1 the all-reduce over cp of
-    each row's (b_j, E) int64 selection counts (`seq_counts_all_reduce_bytes`); with tp the expert
-    buffer's all-reduce forward and backward and, under sp, the gathers of the layer's tokens
-    before it and of their gradient before its backward. `rerun` (full
-    recomputation, refpar/parallel/recompute.py): each layer's forward runs once more in the backward,
-    its counts, dispatch and combine, g and gather with it."""
+    layer -> (kept (D c, E), pairs (D c, ep)) counts), the counts' and the pairs' all-gathers over
+    the data ranks and the pairs' all-to-alls over ep; dropping by score over several ranks, the
+    scores' all-gather over the data ranks (`scores_all_gather_bytes`); with the sequence-wise loss
+    and cp > 1 the all-reduce over cp of each row's (b_j, E) int64 selection counts
+    (`seq_counts_all_reduce_bytes`); with tp the expert buffer's all-reduce forward and backward
+    and, under sp, the gathers of the layer's tokens before it and of their gradient before its
+    backward. `rerun` (full recomputation, refpar/parallel/recompute.py): each layer's forward runs
+    once more in the backward, its counts, pairs, dispatch and combine, g and gather with it."""
     ep, c, t, k = sizes["ep"], sizes["cp"], sizes["tp"], coords["tp"]
     D, e, C = sizes["dp"] * ep, np.dtype(model.dtype).itemsize, model.n_embd
     group = (coords["dp"] * ep + coords["ep"]) * c + coords["cp"]

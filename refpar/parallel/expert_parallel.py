@@ -92,7 +92,8 @@ from refpar.sharding import shard_range
 
 def check_expert_parallel(config, ep: int) -> None:
     """ConfigErrors for an MoE model on `ep` ranks, raised before any communication. Every routing
-    option runs on every mesh: none is refused here."""
+    option runs on every mesh: none is refused here; a 16-bit pair record names at most 256 local
+    experts (its indices are floats of the activations' dtype)."""
     if ep > 1 and config.moe_experts == 0:
         raise ConfigError(f"ep={ep} needs experts to spread; add --moe-experts E with E >= {ep}")
     if config.moe_experts and config.moe_experts < ep:
