@@ -66,8 +66,17 @@ class MoEStep:
     time_s: float
     # one dict per microbatch: layer -> (D, E) kept in that microbatch (they add up to kept_counts)
     microbatch_kept_counts: list[dict[int, np.ndarray]] = field(default_factory=list)
+    # one dict per microbatch: layer -> (D, ep) pairs (token, ep rank) per data rank and destination
+    # (expert parallelism's all-to-all rows; empty on one device, which sends none)
+    microbatch_pair_counts: list[dict[int, np.ndarray]] = field(default_factory=list)
     # aux-free balancing: layer -> the (E,) expert bias this step chose with (empty otherwise)
     expert_bias: dict[int, list[float]] = field(default_factory=dict)
+
+    @property
+    def microbatch_counts(self) -> list[dict[int, tuple]]:
+        """Per microbatch, layer -> (kept, pairs): what refpar.analysis.moe's closed forms read."""
+        return [{i: (kept[i], pairs[i]) for i in kept}
+                for kept, pairs in zip(self.microbatch_kept_counts, self.microbatch_pair_counts, strict=True)]
 
 
 def router_shares(routings: list[dict]) -> tuple[float, float]:
@@ -91,6 +100,7 @@ def step_record(step, loss, routings: list[dict], start, totals=None, bias: dict
         dropped={i: sum(int(rs[i]["dropped"]) for rs in routings) for i in layers},
         kept_counts={i: sum(k[i] for k in kept) for i in layers},
         time_s=time.perf_counter() - start, microbatch_kept_counts=kept,
+        microbatch_pair_counts=[{i: r["pairs"] for i, r in rs.items() if "pairs" in r} for rs in routings],
         expert_bias={i: [float(b) for b in backend.to_host(v)] for i, v in (bias or {}).items()
                      if i in layers})
 

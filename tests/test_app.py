@@ -565,7 +565,7 @@ def test_communication_page_draws_ep_bytes_equal_to_the_moe_closed_form():
     bars, matrix = charts(at)
     config = model_preset("tiny", moe_experts=8)
     sizes = ParallelConfig({"dp": 2, "ep": 4}).sizes
-    kept = mv.drawn_kept(config, 8, ONE_STEP.seq_len)
+    kept = mv.drawn_kept(config, 8, ONE_STEP.seq_len, 4)
     rows = mv.step_rows(config, sizes, kept)
     drawn = dict(zip(bars["data"][0]["x"], np.asarray(bars["data"][0]["y"]).tolist(), strict=True))
     assert drawn == comm.by_axis_op(rows) and drawn["ep all_to_all"] > 0
@@ -736,19 +736,21 @@ def test_whole_mesh_prices_moe_routing_with_a_runs_counts_exactly_and_balanced_r
         traced = [e for e in events if e["rank"] == rank and e["op"] == "all_to_all"]
         assert a2a == (sum(e["bytes_sent"] for e in traced), sum(e["bytes_recv"] for e in traced)), rank
     # Balanced, said so: each of the 2 data ranks routes 2 rows x 16 tokens of each of 2 microbatches,
-    # 64 assignments, 16 per expert (capacity ceil(128 x 2 x 1.25 / 4) = 80 drops none). Per MoE
-    # block and microbatch it sends the 32 rows for the other ep rank's 2 experts and receives 32 for
-    # its own, forward (dispatch, combine) and backward alike: 2 (32 + 32) rows of C = 32 float64s,
-    # over its stage's 2 blocks and 2 microbatches.
+    # 64 assignments, 16 per expert (capacity ceil(128 x 2 x 1.25 / 4) = 80 drops none), each its
+    # own pair (the balanced assumption). Per MoE block and microbatch it sends the 32 pairs for the
+    # other ep rank's 2 experts and receives 32 for its own: rows of C = 32 float64s, and records of
+    # m = 2 slots (dispatch C + 2m, combine C, combine:bwd C, dispatch:bwd C + m), over its stage's
+    # 2 blocks and 2 microbatches.
     at.radio(key="mesh_routing").set_value("balanced (assumed)")
     rerun(at)
     assert any("balanced (an assumption)" in c.value for c in at.caption)
     model, sizes, plan = mesh_model("tiny", 2), summary["mesh"], Plan(schedule="1f1b", microbatches=2)
     for rank in range(4):
         peaks, a2a = shown(rank)
-        assert a2a == (2 * (32 + 32) * 32 * 8 * 2 * 2,) * 2, rank
+        assert a2a == ((32 * (2 * 32 + 2 * 2) + 32 * (2 * 32 + 2)) * 8 * 2 * 2,) * 2, rank
         stage = range(2 * (rank // 2), 2 * (rank // 2) + 2)
-        balanced = [[{block: np.full((2, 4), 16) for block in stage}] * 2]  # one step, 2 microbatches
+        counts = (np.full((2, 4), 16), np.full((2, 2), 32))  # (kept, pairs): one pair an assignment
+        balanced = [[{block: counts for block in stage}] * 2]  # one step, 2 microbatches
         closed = rank_memory_rows(model, ONE_STEP, sizes, rank_coords(sizes, rank), plan, balanced)
         assert peaks == {r["category"]: r["bytes"] for r in closed}, rank
 

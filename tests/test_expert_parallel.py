@@ -14,7 +14,7 @@ from refpar.model.gpt import param_shapes
 from tests.mpi import mpiexec
 from tests.numerics import CONTRACT, within
 
-CASES = {"top1_drops", "top2_drops", "top1_dropless", "top2_dropless", "deepseek_drops"}
+CASES = {"top1_drops", "top2_drops", "top1_dropless", "top2_dropless", "deepseek_drops", "group_limited"}
 
 
 def runs(n, *meshes):
@@ -46,8 +46,10 @@ def test_ep4_and_dp2_ep2_match_single_device_after_3_adamw_steps_with_closed_for
 
 
 def test_balanced_routing_bytes_equal_the_uniform_expectation():
-    """When every rank keeps the same number of rows for every expert, the exact bytes from the
-    counts are the uniform-routing expectation, with and without a capacity that binds."""
+    """When every rank keeps the same number of rows for every expert and each assignment is its own
+    pair (a token's experts on different ep ranks), the exact payload bytes from the counts (the
+    pairs' records left out: m = 0) are the uniform-routing expectation, with and without a
+    capacity that binds."""
     for factor, dropless in [(0.5, False), (2.0, False), (1.0, True)]:
         config = ModelConfig(n_embd=16, moe_experts=8, moe_top_k=2, moe_capacity_factor=factor,
                              moe_dropless=dropless)
@@ -57,7 +59,8 @@ def test_balanced_routing_bytes_equal_the_uniform_expectation():
         per_rank = (share if cap is None else min(share, cap)) // n_data
         kept = np.full((n_data, 8), per_rank)
         for rank in range(n_data):
-            exact = moe_analysis.all_to_all_bytes(kept, ep, rank, 16, 8)
+            pairs = moe_analysis.pair_counts_upper_bound(kept, ep)
+            exact = moe_analysis.all_to_all_bytes(pairs, ep, rank, 16, 8, slots=0)
             expected = moe_analysis.expected_all_to_all_bytes(config, tokens, n_data, ep, 8)
             assert exact.sent == exact.recv == expected
 
@@ -171,3 +174,32 @@ def test_uniform_all_to_all_bytes_agree_with_the_planners_ep_term():
                                dtype="float64")
         ours = config.n_layer * moe_analysis.expected_all_to_all_bytes(config, tokens, dp * ep, ep, 8)
         assert ours > 0 and float(sent["ep"]) == pytest.approx(ours, rel=1e-12)
+
+
+def test_pair_counts_of_a_hand_counted_routing_and_their_closed_form_bytes():
+    """4 tokens, top-2 of 4 experts on ep=2 (experts 0, 1 on rank 0; 2, 3 on rank 1), one dropped
+    assignment. By hand: token 0 -> {0, 1}: one pair to rank 0 (two assignments); token 1 -> {0, 2}:
+    one to each; token 2 -> {3, 2}: one to rank 1; token 3 -> {1, 3} with 3 dropped: one to rank 0.
+    Pairs to (rank 0, rank 1) = (3, 2), 5 in all for 7 kept assignments."""
+    from refpar.parallel.expert_parallel import pair_layout
+
+    experts = np.array([[0, 1], [0, 2], [3, 2], [1, 3]])
+    keep = np.array([[True, True], [True, True], [True, True], [True, False]])
+    lay = pair_layout(experts, keep, np.array([0, 0, 1, 1]), np.array([0, 2]), m=2)
+    assert lay["sizes"] == [3, 2]
+    assert lay["token"].tolist() == [0, 1, 3, 1, 2]  # destination-major, tokens ascending
+    # each pair's local experts, slot order, -1 past them: token 2's slots are 3, then 2
+    assert lay["local"].tolist() == [[0, 1], [0, -1], [1, -1], [0, -1], [1, 0]]
+    assert lay["row"].tolist() == [[0, 5], [1, 3], [5, 4], [2, 5]]  # 5: no pair (the zero row)
+    assert lay["gate_at"][3, 1] == 5 * 2  # the dropped slot's dgate is the zero past the records
+    # two data ranks (dp=1, ep=2) with these pairs: rank 0 sends its 2 rank-1 pairs, receives rank
+    # 1's 4 rank-0 pairs; C = 16, m = 2: dispatch 20 elements a row, combine 16, back 16 and 18
+    pairs = np.array([[3, 2], [4, 1]])
+    assert moe_analysis.all_to_all_rows(pairs, 2, 0) == (2, 4)
+    assert moe_analysis.record_slots(4, 2, 2) == 2
+    b = moe_analysis.all_to_all_bytes(pairs, 2, 0, 16, 8, 2)
+    assert b.sent == 8 * (2 * 20 + 4 * 16 + 2 * 16 + 4 * 18)
+    assert b.recv == 8 * (4 * 20 + 2 * 16 + 4 * 16 + 2 * 18)
+    # one per assignment (the old exchange's rows) bounds the pairs from above
+    kept = np.array([[3, 2, 1, 1], [2, 2, 1, 0]])
+    assert moe_analysis.pair_counts_upper_bound(kept, 2).tolist() == [[5, 2], [4, 1]]

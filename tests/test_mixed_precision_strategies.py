@@ -21,10 +21,12 @@ where a parallel run sums in another order or rounds at another point, each diff
 - pp: each microbatch's gradients are rounded to 16 bits and accumulated in 16 bits (one device
   has one batch); the tied wte's two halves meet in a 16-bit all-reduce.
 - engine: all of tp's, pp's and dp's roundings together.
-- ep: tokens reach their experts and come back exactly (all-to-all moves bits), the dense and expert
-  gradients are summed in 16 bits; but routing is discrete: once the parameters differ in the last
-  bit, a token at the capacity edge or near a top-k tie can change expert, moving its own loss
-  term by O(1/N) of the mean, so EP gets the widest bound.
+- ep: tokens reach their experts exactly (all-to-all moves bits), but a receiver sums the
+  gate-weighted outputs of a token's experts on it and rounds that sum to 16 bits before it travels
+  back (one pair per token and ep rank), where one device rounds the sum over all k once; the same
+  for dx backward; the dense and expert gradients are summed in 16 bits; and routing is discrete:
+  once the parameters differ in the last bit, a token at the capacity edge or near a top-k tie can
+  change expert, moving its own loss term by O(1/N) of the mean, so EP gets the widest bound.
 Each rounding moves one element by at most u relative, a loss is a mean over B*T = 64 tokens, and
 AdamW's normalised update turns a flipped sign of a tiny gradient into a full lr = 3e-4 step of one
 element, not a relative error, so after 3 steps the loss differences measured are 1e-7 .. 3e-4

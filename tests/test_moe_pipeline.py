@@ -134,8 +134,8 @@ def test_held_bytes_of_an_moe_cache_is_the_closed_form_and_never_parameters_or_g
     routing, N, C, e = cache["routing"], 16, 16, x.itemsize
     R = int(np.sum(routing["rows_per_expert"]))
     assert (0 < R < N * k) != dropless  # the capacity drops some assignments
-    parts = moe_cache_bytes(N, k, 4, C, R, R, 1, 1, 4, e)
-    want = sum(parts.values()) - parts["counts"] + N * C * e
+    parts = moe_cache_bytes(N, k, 4, C, R, R, 1, e)  # no pairs: one device's experts take its rows
+    want = sum(parts.values()) + N * C * e
     assert held_bytes((cache, params), params) == want
     assert held_bytes((cache, params, grads), params) == want
     assert held_bytes((params, grads), params) == 0

@@ -355,12 +355,14 @@ def test_ep_traffic_matrix_rows_and_columns_are_the_closed_form_bytes():
 
     config = model_preset("tiny", moe_experts=8)
     sizes = ParallelConfig({"dp": 2, "ep": 4}).sizes
-    kept = mv.drawn_kept(config, 8, 16)
+    kept = mv.drawn_kept(config, 8, 16, 4)
     itemsize = np.dtype(config.dtype).itemsize
-    assert all(k.shape == (8, 8) for k in kept) and len(kept) == len(config.moe_blocks)
-    a2a = sum(mv.all_to_all_matrix(k, 4, config.n_embd, itemsize) for k in kept)
+    m = closed.record_slots(config.moe_experts, config.moe_top_k, 4)
+    assert all(k.shape == (8, 8) and p.shape == (8, 4) for k, p in kept)
+    assert len(kept) == len(config.moe_blocks)
+    a2a = sum(mv.all_to_all_matrix(k, 4, config.n_embd, itemsize, m) for k in kept)
     for d in range(8):
-        exact = [closed.all_to_all_bytes(k, 4, d, config.n_embd, itemsize) for k in kept]
+        exact = [closed.all_to_all_bytes(p, 4, d, config.n_embd, itemsize, m) for _, p in kept]
         assert a2a[d].sum() == sum(b.sent for b in exact) and a2a[:, d].sum() == sum(b.recv for b in exact)
         assert not a2a[d, [r for r in range(8) if r // 4 != d // 4]].any()  # no all-to-all across dp
     rows = mv.step_rows(config, sizes, kept)

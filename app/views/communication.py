@@ -25,7 +25,7 @@ def ep_closed_form(ep: int, dp: int):
         raise ConfigError(f"the mesh has {dp * ep} ranks; the ep view draws at most {EP_MAX_WORLD}")
     check_expert_parallel(EP_MODEL, ep)
     sizes = ParallelConfig({"dp": dp, "ep": ep}).sizes
-    kept = moe.drawn_kept(EP_MODEL, dp * ep, TrainConfig().seq_len)
+    kept = moe.drawn_kept(EP_MODEL, dp * ep, TrainConfig().seq_len, ep)
     return moe.step_rows(EP_MODEL, sizes, kept), moe.traffic_matrix(EP_MODEL, sizes, kept)
 
 

@@ -14,11 +14,13 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
 
 BALANCED = ("MoE routing priced as balanced (an assumption): in each microbatch of T tokens every expert "
             "receives its share T k / E of the T k assignments, from each data rank in proportion to its "
-            "tokens, and keeps up to the capacity the run computes.")
+            "tokens, and keeps up to the capacity the run computes; each kept assignment is its own "
+            "(token, ep rank) pair, exact for top-1 and an upper bound on the all-to-all rows otherwise.")
 
 
 def routing_of(moe: dict | None):
-    """The kept counts to price a MoE mesh with: a run's (its summary's "moe" field), else balanced."""
+    """The kept and pair counts a MoE mesh is priced with: a run's (its summary's "moe" field), else
+    balanced."""
     return mesh_grid.run_routing(moe, "the run") if moe else None
 
 
@@ -43,7 +45,7 @@ def last_run_of(sizes: dict, plan, preset: str) -> dict | None:
     """The last Run for real result if it ran this very mesh, plan and model (its command's arguments
     are this page's) and kept its routing counts, else None."""
     last = st.session_state.get("run") or shared().last()
-    if not last or not (last["summary"].get("moe") or {}).get("microbatch_kept_counts"):
+    if not last or not (last["summary"].get("moe") or {}).get("microbatch_pair_counts"):
         return None
     args = mesh_grid.train_args(sizes, plan, preset, last["summary"]["steps"], moe=True)
     return last if last.get("key") == ("mesh", *args) else None
@@ -97,9 +99,9 @@ if sizes["ep"] > 1:
                                "counts here."))
     else:
         moe, cfg = run["summary"]["moe"], TrainConfig(steps=run["summary"]["steps"])
-        st.caption("MoE routing priced with the run's own kept counts (its --json summary's "
-                   "microbatch_kept_counts): the step below is its last, the peaks its highest over every "
-                   "step.")
+        st.caption("MoE routing priced with the run's own kept and pair counts (its --json summary's "
+                   "microbatch_kept_counts and microbatch_pair_counts): the step below is its last, the "
+                   "peaks its highest over every step.")
 st.code(f"mpiexec -n {world} refpar train "
         + " ".join(mesh_grid.train_args(sizes, plan, preset, 3, model.moe_experts > 0)), language="bash",
         wrap_lines=True)

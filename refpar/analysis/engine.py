@@ -10,7 +10,7 @@ Per step, the rank at mesh coordinates `coords`:
   ring attention's hops or Ulysses' all-to-alls (B = b_j, this rank's tokens); in MoE blocks the
   expert buffer's all-reduces and sp's gathers instead of the MLP's (analysis/moe.py).
 - ep, data: per MoE layer of its stages and microbatch, the routing counts' all-gather over the
-  data ranks and the all-to-alls from the kept counts (analysis/moe.py).
+  data ranks and the all-to-alls from the kept and pair counts (analysis/moe.py).
 - pp: the activations and input gradients of (b_j, Tl, C) between neighbouring stages on two ranks
   ((2v - [r = 0] - [r = p-1]) each way in a loop); the loss (one float64, three with experts) over
   pp; DualPipe's copies' gradient sum over the mirror ranks r and p-1-r.
@@ -183,7 +183,8 @@ def rank_calls(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, 
                kept: list | None = None, stepped: bool = True) -> list[tuple]:
     """One step's collectives on the rank at `coords`: (moment, axis, op, what, bytes of one call,
     times called), in MOMENTS order (module docstring); `kept` (MoE): per microbatch, layer -> the
-    (D c, E) kept counts of this rank's MoE blocks; `stepped`: the optimizer took the step."""
+    (kept (D c, E), pairs (D c, ep)) counts of this rank's MoE blocks; `stepped`: the optimizer
+    took the step."""
     p, t, c = sizes["pp"], sizes["tp"], sizes["cp"]
     r, k = coords["pp"], coords["tp"]
     e, C = np.dtype(model.dtype).itemsize, model.n_embd
@@ -381,7 +382,7 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
                                 stage: int, n_stages: int, b: int, plan, kept: dict | None = None,
                                 j: int = 0) -> int:
     """What microbatch j (b rows) keeps on the rank at `coords` of part `stage` of the model cut in
-    `n_stages` (Layout.part) between its F and B; `kept` (MoE): layer -> its (D c, E) kept counts."""
+    `n_stages` (Layout.part) between its F and B; `kept` (MoE): layer -> its (kept, pairs) counts."""
     layers = stage_layers(model.n_layer, n_stages, stage)
     if plain(model, sizes, plan):
         pieces = model_activation_bytes(model, b, cfg.seq_len, plan.recompute)

@@ -3,28 +3,39 @@ a MoE block's cache keeps (refpar/analysis/engine.py composes them with the othe
 
 Legend: E experts, k experts per token, C channels, ep expert-parallel ranks, D = dp * ep data
 ranks, c cp ranks, N_d tokens of data rank d, K[d, e] assignments data rank d keeps for expert e
-(after the capacity; `refpar.model.moe.kept_counts` from the routing counts), s itemsize in bytes.
+(after the capacity; `refpar.model.moe.kept_counts` from the routing counts), P[d, q] the pairs
+(token, ep rank q) of data rank d, a token counted once per ep rank holding at least one of its
+kept experts, m = min(k, ceil(E / ep)) a pair record's slots, s itemsize in bytes.
+
+A layer's counts are (K, P): the (D c, E) kept counts and the (D c, ep) pair counts
+(ExpertParallelMoE records P in `routing["pairs"]`; the trainer's `microbatch_pair_counts`). P is
+not a function of K: two of a token's experts on one rank make one pair, so the runtime gathers it.
 
 Per MoE layer and microbatch (each routes on its own tokens), data rank d in an ep group sends
-A_d = sum over the experts e of the other ep ranks of K[d, e] rows and receives B_d = sum over the
-other members d' of its group of K[d', e] over its own experts. Forward: dispatch sends A, receives
-B; combine sends B, receives A. Backward repeats both with gradients. So bytes sent = bytes
-received = 2 (A_d + B_d) C s; a rank's rows for its own experts never leave it. The counts move
-once, by an all-gather over the stage's data ranks of one (k, E) int64 array per run of consecutive
-global tokens (`routing_runs`: 1 per data rank without cp; with c cp ranks, group rank d c + j,
-under Ulysses one per row, under ring 2 per row, but rank 0's late chunk ends a row where its early
-chunk starts the next, b + 1 runs, and rank c-1's two chunks touch, b runs).
+A_d = sum over the other ep ranks q of P[d, q] pairs and receives B_d = sum over the other members
+d' of its group of P[d', q_d]. A pair's rows (refpar/parallel/expert_parallel.py): dispatch C + 2m
+elements (the token, then m gates and m local expert indices), combine C (the gate-weighted sum of
+its experts' outputs), combine:bwd C (dout), dispatch:bwd C + m (dx and the m gates' gradients).
+So forward: sent A (C + 2m) + B C, received B (C + 2m) + A C; backward: sent A C + B (C + m),
+received B C + A (C + m), times s; a rank's pairs for its own experts never leave it. The counts
+move once, by an all-gather over the stage's data ranks of one (k, E) int64 array per run of
+consecutive global tokens (`routing_runs`: 1 per data rank without cp; with c cp ranks, group rank
+d c + j, under Ulysses one per row, under ring 2 per row, but rank 0's late chunk ends a row where
+its early chunk starts the next, b + 1 runs, and rank c-1's two chunks touch, b runs); the pairs
+per destination by one more, of one (ep,) int64 array per exchange rank.
 
 With tp (refpar/parallel/expert_tensor_parallel.py) each expert is a tensor-parallel MLP: per MoE
-layer and microbatch an all-reduce of the (Q, C) expert buffer forward and one backward (Q from
-`dispatch_rows`), and under sp two all-gathers of (b_j, Ta_j, C) around the layer; routing and the
-all-to-alls run among the ranks of one tp coordinate, the same as without tp.
+layer and microbatch an all-reduce of the (Q, C) expert buffer forward and one backward (Q, the
+assignments its experts run, from `dispatch_rows`), and under sp two all-gathers of (b_j, Ta_j, C)
+around the layer; routing and the all-to-alls run among the ranks of one tp coordinate, the same
+as without tp.
 
 Activations: in a MoE block the MLP's terms are replaced by what the MoE layer's cache keeps
 (`moe_cache_bytes`), a function of this rank's N = b_j Ta tokens, k, E, C, the exchanged counts,
-the R rows it dispatches and the Q rows its experts receive, both from that microbatch's K
-(`dispatch_rows`); an expert's hidden width is this tp rank's columns H of 4C, and under sp the
-router keeps the gathered (b_j, Ta, C) instead of ln_2's (b_j, Tl, C) shard. Mixed precision:
+the R assignments it keeps and the Q its experts run (from that microbatch's K) and the pairs it
+sends and receives (from its P, `dispatch_rows`); an expert's hidden width is this tp rank's
+columns H of 4C, and under sp the router keeps the gathered (b_j, Ta, C) instead of ln_2's
+(b_j, Tl, C) shard. Mixed precision:
 e = 2 bytes for the activations; the integer indices and counts stay int64, the two router losses
 float32. DeepSeek's shared experts and sequence-wise loss add to it (`routing_option_bytes`).
 """
@@ -46,21 +57,48 @@ def _owned(n_experts: int, ep: int, q: int) -> list[int]:
     return list(range(*shard_range(n_experts, ep, q)))
 
 
-def all_to_all_rows(kept, ep: int, data_rank: int, cp: int = 1) -> tuple[int, int]:
-    """(A, B): rows data rank `data_rank` sends to and receives from the other ranks of its ep
-    group in one all-to-all pass (dispatch), from the (D, E) kept counts of one MoE layer. With
-    cp > 1, `data_rank` is the group rank d c + j and kept is (D c, E); the group's members are
-    the ranks of the same cp rank j. `dispatch_rows`' (R, Q) less the rows kept for its own experts."""
-    R, Q = dispatch_rows(kept, ep, data_rank, cp)
-    home = int(np.asarray(kept)[data_rank, _owned(np.shape(kept)[1], ep, (data_rank // cp) % ep)].sum())
-    return R - home, Q - home
+def record_slots(n_experts: int, top_k: int, ep: int) -> int:
+    """m, the slots of a pair's record: a token has at most k experts on one ep rank, and at most
+    as many as the rank holds (the largest shard of E over ep)."""
+    return min(top_k, max(shard_sizes(n_experts, ep)))
 
 
-def all_to_all_bytes(kept, ep: int, data_rank: int, n_embd: int, itemsize: int, cp: int = 1) -> cost.Bytes:
-    """Exact ep all-to-all bytes of one MoE layer in one step (forward and backward)."""
-    A, B = all_to_all_rows(kept, ep, data_rank, cp)
-    both = 2 * (A + B) * n_embd * itemsize
-    return cost.Bytes(both, both)
+def pair_counts_upper_bound(kept, ep: int) -> np.ndarray:
+    """(D c, E) kept counts -> (D c, ep) pairs as if every kept assignment of a token lay on its
+    own ep rank: one pair per assignment, exact for top-1, otherwise an upper bound (a token with
+    two experts on one rank makes one pair). For routings drawn from counts alone."""
+    kept = np.asarray(kept)
+    return np.stack([kept[:, _owned(kept.shape[1], ep, q)].sum(axis=1) for q in range(ep)], axis=1)
+
+
+def all_to_all_rows(pairs, ep: int, data_rank: int, cp: int = 1) -> tuple[int, int]:
+    """(A, B): the pairs exchange rank `data_rank` sends to and receives from the other ranks of its
+    ep group in one all-to-all pass, from the (D c, ep) pair counts of one MoE layer (pairs[g, q]:
+    exchange rank g's tokens keeping an expert of ep rank q). With cp > 1, `data_rank` is the group
+    rank d c + j; the group's members are the ranks of the same cp rank j, c apart. The pairs of
+    its own ep rank never leave it."""
+    pairs = np.asarray(pairs)
+    q = (data_rank // cp) % ep
+    members = [data_rank + (o - q) * cp for o in range(ep) if o != q]
+    return int(pairs[data_rank].sum() - pairs[data_rank, q]), int(pairs[members, q].sum())
+
+
+def all_to_all_bytes(pairs, ep: int, data_rank: int, n_embd: int, itemsize: int, slots: int,
+                     cp: int = 1, forwards: int = 1, backwards: int = 1) -> cost.Bytes:
+    """Exact ep all-to-all bytes of one MoE layer in one step (`forwards` forward passes, 2 under
+    full recomputation, and `backwards` backward), from the module docstring's row layouts:
+    dispatch C + 2m, combine C, combine:bwd C, dispatch:bwd C + m elements a pair (m `slots`)."""
+    A, B = all_to_all_rows(pairs, ep, data_rank, cp)
+    C, m = n_embd, slots
+    sent = forwards * (A * (C + 2 * m) + B * C) + backwards * (A * C + B * (C + m))
+    recv = forwards * (B * (C + 2 * m) + A * C) + backwards * (B * C + A * (C + m))
+    return cost.Bytes(sent * itemsize, recv * itemsize)
+
+
+def pair_counts_all_gather_bytes(ep: int, ranks: int, rank: int) -> cost.Bytes:
+    """The all-gather over the `ranks` exchange ranks of each one's (ep,) int64 pairs per
+    destination (`h.{i}.mlp.experts:pairs`): the all-to-alls' receive sizes."""
+    return cost.all_gather_bytes([ep] * ranks, rank, 8)
 
 
 def routing_runs(rows: int, seq_len: int, cp: int, cp_rank: int, cp_algo: str | None) -> int:
@@ -143,24 +181,28 @@ def expert_param_bytes_per_rank(config, ep: int, ep_rank: int) -> int:
 INDEX_BYTES = 8  # routing's indices and counts: int64, argsort's and the counts' dtype
 
 
-def dispatch_rows(kept, ep: int, data_rank: int, cp: int = 1) -> tuple[int, int]:
-    """(R, Q) of one MoE layer from its (D c, E) kept counts: the rows exchange rank `data_rank`
-    (d c + cp rank) dispatches (every assignment it keeps, its own experts' included) and the rows
-    its experts receive (from every member of its ep group, itself included: the ranks of its dp
-    and cp coordinates, c apart)."""
-    kept = np.asarray(kept)
+def dispatch_rows(counts, ep: int, data_rank: int, cp: int = 1) -> tuple[int, int, int, int]:
+    """(R, P_out, P_in, Q) of one MoE layer from its counts, (kept (D c, E), pairs (D c, ep)): the
+    assignments exchange rank `data_rank` (d c + cp rank) keeps (its routing's rows), the pairs it
+    sends and receives (its own ep rank's included), and the assignments its experts run, from
+    every member of its ep group (itself included: the ranks of its dp and cp coordinates, c apart)."""
+    kept, pairs = (np.asarray(a) for a in counts)
     q = (data_rank // cp) % ep
     members = [data_rank + (o - q) * cp for o in range(ep)]
     mine = _owned(kept.shape[1], ep, q)
-    return int(kept[data_rank].sum()), int(kept[np.ix_(members, mine)].sum())
+    return (int(kept[data_rank].sum()), int(pairs[data_rank].sum()), int(pairs[members, q].sum()),
+            int(kept[np.ix_(members, mine)].sum()))
 
 
-def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: int, El: int,
-                    e: int, H: int | None = None) -> dict[str, int]:
-    """Bytes the cache of one MoE block (ExpertParallelMoE.forward) keeps alive on a rank, by part:
-    N tokens routed, R rows dispatched, Q rows received by its El local experts, D data ranks, e
-    bytes per activation element. Each buffer once, wherever it is referenced from (routing and
-    router cache share the chosen experts, gates and keep flags):
+def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, e: int, H: int | None = None,
+                    pairs: tuple[int, int, int, int, int] | None = None) -> dict[str, int]:
+    """Bytes the cache of one MoE block keeps alive on a rank, by part: N tokens routed, R
+    assignments kept, Q assignments its experts run, D runs whose counts were exchanged, e bytes
+    per activation element; `pairs` (ExpertParallelMoE.forward) = (P_out, P_in, m, ep, G): the
+    pairs it sends and receives, a record's slots, the ep ranks and the G exchange ranks (None:
+    one device's moe_forward, whose experts take its R rows, Q = R, and keep no pairs). Each buffer
+    once, wherever it is referenced from (routing and router cache share the chosen experts, gates
+    and keep flags):
 
         router        probs (N, E) and the logsumexp (N,); argsort's (N, E) int64, whose first k
                       columns are the chosen experts (a view: the whole buffer stays); the chosen
@@ -169,23 +211,29 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, ep: 
                       ln_2's output, is the dense block's (kept by c_fc there, by the router here).
         routing       token (int64) and gate of each of the R rows; each assignment's row (N, k)
                       int64; this call's and the global kept rows per expert, (E,) int64 each;
-                      every data rank's selection counts (D, k, E) int64; the aux and z losses,
-                      0-d (float32 when the activations are 16-bit: fp32_compute keeps 0-d fp32)
-        expert_input  the Q rows received, in expert order (Q, C)
+                      every run's selection counts (D, k, E) int64; the aux and z losses, 0-d
+                      (float32 when the activations are 16-bit: fp32_compute keeps 0-d fp32);
+                      with ep, every exchange rank's pairs per destination (G, ep) int64
+        pairs         the sender's: each pair's token (P_out,), each (token, ep rank)'s pair
+                      (N, ep) and where each slot's dgate comes back (N, k), int64
+        received      the receiver's layout (moe.buffer_layout): token and gate of each of the Q
+                      rows, each record slot's row and gate (P_in, m)
+        expert_input  the Q rows its experts run, in expert order (Q, C)
         expert_mlps   each local expert's c_fc output, its tanh and the GeLU output: 3 Q H, H = 4C,
                       or this tp rank's columns of it (`H`, refpar/parallel/expert_tensor_parallel.py)
-        combine_pad   the R rows that came back plus combine's zero row, (R+1, C)
-        counts        the rows each ep rank sends each local expert, (ep, El) int64
-    The dispatched (R, C) buffer and the expert outputs leave with the all-to-alls: not kept."""
+        combine_pad   the Q expert outputs plus combine's zero row, (Q+1, C)
+    The rows that travel (dispatched, received, combined) leave with the all-to-alls: not kept."""
     i = INDEX_BYTES
     gates = N * e if k == 1 else 2 * N * k * e
+    P_out, P_in, m, ep, G = (0, 0, 0, 0, 0) if pairs is None else pairs
     return {
         "router": N * E * e + N * e + N * E * i + gates + N * k + E * e,
-        "routing": R * (i + e) + N * k * i + 2 * E * i + D * k * E * i + 2 * max(e, 4),
+        "routing": R * (i + e) + N * k * i + 2 * E * i + D * k * E * i + 2 * max(e, 4) + G * ep * i,
+        "pairs": 0 if pairs is None else (P_out + N * ep + N * k) * i,
+        "received": 0 if pairs is None else Q * (i + e) + P_in * m * (i + e),
         "expert_input": Q * C * e,
         "expert_mlps": 3 * Q * (4 * C if H is None else H) * e,
-        "combine_pad": (R + 1) * C * e,
-        "counts": ep * El * i,
+        "combine_pad": (Q + 1) * C * e,
     }
 
 
@@ -218,12 +266,11 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
                          m: int, j: int, cp_algo: str | None = None, sp: bool = False) -> int:
     """What the MoE blocks among `layers` keep beyond a dense block, for microbatch j of m (b rows of
     Ta tokens) on the rank at `coords`: in each, the MLP's terms give way to `moe_cache_bytes` from
-    that block's (D c, E) kept counts (`kept`: layer -> counts); under sp the layer keeps the
+    that block's (kept (D c, E), pairs (D c, ep)) counts (`kept`: layer -> them); under sp the layer keeps the
     gathered (b, Ta, C) its router read instead of ln_2's (b, Tl, C) shard, which the dense block's
     c_fc would keep."""
     c, t, ep = sizes["cp"], sizes["tp"], sizes["ep"]
     D = sizes["dp"] * ep
-    El = len(_owned(model.moe_experts, ep, coords["ep"]))
     N, e, C = b * Ta, np.dtype(model.dtype).itemsize, model.n_embd
     # an expert's hidden width: GPT-2's 4C, Mixtral's SwiGLU F (this tp rank's columns under tp)
     H = shard_sizes(model.intermediate_size if model.arch == "llama" else 4 * C, t)[coords["tp"]]
@@ -232,8 +279,10 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
     n = 0
     for layer in layers:
         if layer in model.moe_blocks:
-            R, Q = dispatch_rows(kept[layer], ep, group, c)
-            parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, C, R, Q, runs, ep, El, e, H)
+            R, P_out, P_in, Q = dispatch_rows(kept[layer], ep, group, c)
+            m = record_slots(model.moe_experts, model.moe_top_k, ep)
+            parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, C, R, Q, runs, e, H,
+                                    (P_out, P_in, m, ep, D * c))
             parts |= routing_option_bytes(model, N, b, e, D * c)
             if sp:  # the gathered sequence for the router, ln_2's shard not kept
                 parts["sequence"] = (N - b * shard_sizes(Ta, t)[coords["tp"]]) * C * e
@@ -245,14 +294,14 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
                        Ta: int, cp_algo: str | None = None, sp: bool = False, rerun: bool = False) -> dict:
     """{(axis, op): (sent, received)} of one step's MoE layers on the rank at `coords` (module
     docstring): per microbatch j (b_j rows of Ta tokens) and MoE layer of its stages (`kept[j]`:
-    layer -> (D c, E) kept counts), the counts' all-gather over the data ranks and the all-to-alls
-    over ep; dropping by score over several ranks, the scores' all-gather over the data ranks
-    (`scores_all_gather_bytes`); with the sequence-wise loss and cp > 1 the all-reduce over cp of
-    each row's (b_j, E) int64 selection counts (`seq_counts_all_reduce_bytes`); with tp the expert
-    buffer's all-reduce forward and backward and, under sp, the gathers of the layer's tokens
-    before it and of their gradient before its backward. `rerun` (full
-    recomputation, refpar/parallel/recompute.py): each layer's forward runs once more in the backward,
-    its counts, dispatch and combine, g and gather with it."""
+    layer -> (kept (D c, E), pairs (D c, ep)) counts), the counts' and the pairs' all-gathers over
+    the data ranks and the pairs' all-to-alls over ep; dropping by score over several ranks, the
+    scores' all-gather over the data ranks (`scores_all_gather_bytes`); with the sequence-wise loss
+    and cp > 1 the all-reduce over cp of each row's (b_j, E) int64 selection counts
+    (`seq_counts_all_reduce_bytes`); with tp the expert buffer's all-reduce forward and backward
+    and, under sp, the gathers of the layer's tokens before it and of their gradient before its
+    backward. `rerun` (full recomputation, refpar/parallel/recompute.py): each layer's forward runs
+    once more in the backward, its counts, pairs, dispatch and combine, g and gather with it."""
     ep, c, t, k = sizes["ep"], sizes["cp"], sizes["tp"], coords["tp"]
     D, e, C = sizes["dp"] * ep, np.dtype(model.dtype).itemsize, model.n_embd
     group = (coords["dp"] * ep + coords["ep"]) * c + coords["cp"]
@@ -268,10 +317,12 @@ def routing_step_bytes(model, cfg, sizes: dict, coords: dict, m: int, rows: list
             if model.moe_seq_aux_weight and c > 1:
                 cost.add(out, ("cp", "all_reduce"), seq_counts_all_reduce_bytes(model, rows[j], c,
                                                                                  coords["cp"]), 1 + rerun)
-            both = all_to_all_bytes(counts, ep, group, C, e, c)  # forward and backward: halves alike
-            cost.add(out, ("ep", "all_to_all"), (both[0] * (2 + rerun) // 2, both[1] * (2 + rerun) // 2))
+            cost.add(out, ("data", "all_gather"), pair_counts_all_gather_bytes(ep, D * c, group), 1 + rerun)
+            cost.add(out, ("ep", "all_to_all"), all_to_all_bytes(
+                counts[1], ep, group, C, e, record_slots(model.moe_experts, model.moe_top_k, ep), c,
+                forwards=1 + rerun))
             if t > 1:  # g forward and f backward around the local experts' (Q, C) buffer
-                Q = dispatch_rows(counts, ep, group, c)[1]  # the rows this rank's experts receive
+                Q = dispatch_rows(counts, ep, group, c)[3]  # the assignments this rank's experts run
                 cost.add(out, ("tp", "all_reduce"), cost.all_reduce_bytes(Q * C, t, k, e), 2 + rerun)
                 if sp:
                     gather = cost.all_gather_bytes(shard_sizes(Ta, t), k, e, rows[j] * C)

@@ -105,8 +105,8 @@ def collect(model, cfg, mesh, plan, *, check: bool = False, ref=None, plain=None
             "full": full_params(par) if check else {},
             "split": time_split(par.executor.slots, [e for e in comm.tracer.events if e.step == last]
                                 if comm.tracer else [], out.windows[-1]),
-            "moe": [(s.tokens_per_expert, s.dropped, s.kept_counts, s.microbatch_kept_counts)
-                    for s in out.moe_steps],
+            "moe": [(s.tokens_per_expert, s.dropped, s.kept_counts, s.microbatch_kept_counts,
+                     s.microbatch_pair_counts) for s in out.moe_steps],
             "flops": out.flops}
     if trace:
         write_traces(trace, plain, par, comm.tracer.events, last)
@@ -171,13 +171,16 @@ def _moe_fields(model, cfg, sizes, plan, out, every, ref) -> dict:
     for i in range(len(out.losses)):
         step = {"tokens_per_expert": {}, "dropped": {}, "kept_counts": {}}
         microbatches = [{} for _ in range(plan.microbatches)]
+        pairs = [{} for _ in range(plan.microbatches)]
         for e in every:
-            *parts, per_microbatch = e["moe"][i]
+            *parts, per_microbatch, pairs_per_microbatch = e["moe"][i]
             for key, part in zip(step, parts, strict=True):
                 step[key].update(part)
             for mine, part in zip(microbatches, per_microbatch, strict=True):
                 mine.update(part)
-        steps.append(step | {"microbatch_kept_counts": microbatches})
+            for mine, part in zip(pairs, pairs_per_microbatch, strict=True):
+                mine.update(part)
+        steps.append(step | {"microbatch_kept_counts": microbatches, "microbatch_pair_counts": pairs})
     tokens = cfg.batch_size * cfg.seq_len // plan.microbatches  # routed together: one global microbatch
     n_data = sizes["dp"] * ep
     return {
@@ -190,6 +193,9 @@ def _moe_fields(model, cfg, sizes, plan, out, every, ref) -> dict:
         # the closed forms of the routing's bytes and of a MoE block's memory read (analysis/moe.py)
         "microbatch_kept_counts": [[[np.asarray(mb[i]).tolist() for i in blocks]
                                     for mb in st["microbatch_kept_counts"]] for st in steps],
+        # per step and microbatch, each block's (D c, ep) pairs (token, ep rank): the all-to-alls' rows
+        "microbatch_pair_counts": [[[np.asarray(mb[i]).tolist() for i in blocks]
+                                    for mb in st["microbatch_pair_counts"]] for st in steps],
         "experts_per_ep_rank": [list(owned_experts(model.moe_experts, ep, q)) for q in range(ep)],
         "aux_loss": [s.aux_loss for s in out.moe_steps], "z_loss": [s.z_loss for s in out.moe_steps],
         "expert_param_bytes_per_ep_rank": [expert_param_bytes_per_rank(model, ep, q) for q in range(ep)],
@@ -285,7 +291,7 @@ def _skipped_list(out) -> list[int]:
 
 
 def _kept(out) -> list:
-    """MoE: per step, per microbatch, layer -> (D, E) kept counts of this rank's blocks."""
-    return [s.microbatch_kept_counts for s in out.moe_steps]
+    """MoE: per step, per microbatch, layer -> (kept (D, E), pairs (D, ep)) of this rank's blocks."""
+    return [s.microbatch_counts for s in out.moe_steps]
 
 

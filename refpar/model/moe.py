@@ -302,17 +302,7 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     else:
         keep = position >= 0 if cap is None else position < cap  # (N, k)
 
-    # Buffer rows: kept assignments sorted by expert, then by queue position. Listing assignments
-    # slot-major, (j, n) -> j * N + n, is queue order, so a stable sort by expert gives it.
-    key = xp.reshape(xp.where(keep, experts, E).T, (-1,))  # (k*N,): dropped ones sort last
-    perm = xp.argsort(key, stable=True)  # (k*N,)
-    R = int(xp.sum(xp.astype(keep, xp.int64)))
-    order = perm[:R]  # (R,) flat slot-major index of each row's assignment
-    gate_flat = xp.reshape(gates.T, (-1,))  # (k*N,)
-    row = xp.reshape(xp.argsort(perm, stable=True), (k, N)).T  # (N, k): inverse permutation
     kept_hot = hot * xp.astype(keep, xp.int64)[..., None]  # (N, k, E)
-
-    n_dev = xp.asarray(N, dtype=xp.int64, device=device(x2))
     alpha = config.moe_aux_loss_weight if config.moe_balance == "aux" else 0.0
     aux_coef = (weight * alpha * E / n_global) * (
         xp.astype(selected, x2.dtype) / (n_global * k)
@@ -328,9 +318,7 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     kept_global = selected if cap is None else xp.minimum(selected, xp.asarray(cap, dtype=xp.int64))
     routing = {
         "experts": experts, "gates": gates, "keep": keep,
-        "token_of_row": xp.remainder(order, n_dev),  # (R,)
-        "gate_of_row": xp.take(gate_flat, order, axis=0),  # (R,)
-        "row": xp.minimum(row, xp.asarray(R, dtype=row.dtype)),  # (N, k): R is the zero row
+        **buffer_layout(experts, keep, gates, E),  # token_of_row (R,), gate_of_row (R,), row (N, k)
         "rows_per_expert": xp.sum(kept_hot, axis=(0, 1)),  # (E,) this call's
         # the balance losses: Switch's and, with moe_seq_aux_weight, the sequence-wise one
         "aux_loss": balance,
@@ -349,6 +337,26 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     cache = (scores, lse, experts, chosen, gates, keep, aux_coef, seq_coef, z_coef, config.moe_gate,
              lin_cache)
     return routing, cache
+
+
+def buffer_layout(experts, keep, gates, n_experts: int) -> dict:
+    """The expert buffer's rows of n tokens' assignments: experts, keep and gates (n, k) ->
+    `token_of_row` (R,), `gate_of_row` (R,) and each assignment's `row` (n, k), R (the zero row)
+    where dropped. Rows are the kept assignments sorted by expert, then slot, then token: listed
+    slot-major, (j, t) -> j n + t, they are in queue order, so a stable sort by expert gives it.
+    `route` lays out a call's tokens so; expert parallelism's receiver lays out its pairs' records
+    so (refpar/parallel/expert_parallel.py), with its local experts as `experts`."""
+    xp = array_namespace(experts)
+    n, k = experts.shape
+    key = xp.reshape(xp.where(keep, experts, n_experts).T, (-1,))  # (k n,): dropped ones sort last
+    perm = xp.argsort(key, stable=True)  # (k n,)
+    R = int(xp.sum(xp.astype(keep, xp.int64)))
+    order = perm[:R]  # (R,) flat slot-major index of each row's assignment
+    row = xp.reshape(xp.argsort(perm, stable=True), (k, n)).T  # (n, k): inverse permutation
+    n_dev = xp.asarray(n, dtype=xp.int64, device=device(experts))
+    return {"token_of_row": xp.remainder(order, n_dev),  # (R,)
+            "gate_of_row": xp.take(xp.reshape(gates.T, (-1,)), order, axis=0),  # (R,)
+            "row": xp.minimum(row, xp.asarray(R, dtype=row.dtype))}  # (n, k): R is the zero row
 
 
 @fp32_compute

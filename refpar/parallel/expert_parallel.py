@@ -4,7 +4,22 @@ and back by all-to-all.
     mpiexec -n 4 python -m refpar train --mesh dp=2,ep=2 --moe-experts 4 --moe-topk 2 --check
 
 Legend: N this rank's tokens, C channels, E experts, k experts per token, D = dp * ep data ranks,
-R rows this rank sends (its kept assignments), Q rows its experts receive.
+El this rank's experts, P the pairs (token, ep rank) it sends: a token once to every ep rank
+holding at least one of its kept experts, P_in the pairs it receives, Q the assignments its
+experts run (from every member of its ep group), m = min(k, ceil(E / ep)) a record's slots.
+
+The all-to-alls move pairs, as DeepEP and DeepSeek-V3's node-limited routing do, not one row per
+(token, expert) assignment. A pair's rows, in the activations' dtype: dispatch C + 2m (the token,
+then its record: m gates and m of the receiver's local expert indices in slot order, gate 0 and
+index -1 past the token's slots; an index is exact in a float, up to 256 local experts in 16 bits);
+combine C (the sum over the row's experts of gate * output); combine:bwd C (dout); dispatch:bwd
+C + m (the sum of the experts' dx, then each slot's dgate = <dout, y_expert>, which
+moe.router_backward reads as on one device). The receiver lays its pairs' assignments out by local
+expert (moe.buffer_layout, route's own layout), so experts_forward / experts_backward (and expert
+tensor parallelism there) see one batch per expert as before; moe.combine / combine_backward weigh
+and sum per pair as one device does per token; the sender adds up a token's pairs (the gathers of
+moe.dispatch_backward). A pair exists when at least one of its assignments is kept; with a group
+limit M a token's pairs go to at most M ep ranks (G = ep), which is where the limit saves rows.
 
 Layout (as DeepSpeed-MoE and Megatron-Core lay it): ep lies inside data parallelism. Each of the
 dp x ep ranks holds its own part of the global batch (data rank d = dp_rank * ep + ep_rank, in batch
@@ -20,22 +35,25 @@ one batch part would compute every attention layer ep times over.
 Capacity is global over the global microbatch (the whole batch with one microbatch; see
 holdings.microbatch_samples for which tokens form microbatch j). Before dispatch every
 rank all-gathers the (k, E) selection counts of every data rank (`moe.route`'s exchange); from them
-it knows the global token count, its place in each expert's queue, and how many rows every rank
-sends to every expert (`moe.kept_counts`), so it drops exactly what one device drops and knows each
-all-to-all's receive sizes before it starts.
+it knows the global token count, its place in each expert's queue, and how many assignments every
+rank keeps for every expert (`moe.kept_counts`), so it drops exactly what one device drops. The
+pairs do not follow from those counts (two of a token's experts on one rank make one pair), so each
+rank then all-gathers over the data ranks its (ep,) int64 pairs per destination
+(`h.{i}.mlp.experts:pairs`): every rank knows each all-to-all's receive sizes before it starts, and
+the closed forms read the same counts (refpar/analysis/moe.py, the trainer's microbatch_pair_counts).
 
 Both families: GPT-2's experts (refpar/model/moe.py, GELU MLPs, router (C, E)) and Llama's Mixtral
 experts (refpar/model/mixtral.py: SwiGLU, router stored (E, C) as HF's MixtralSparseMoeBlock.gate),
 routed alike by moe.route (softmax, top-k, renormalised for k >= 2: Mixtral's router).
 
-Per MoE layer and step: one all-gather of counts (data axis), four all-to-alls on ep (dispatch and
-combine forward, and the same two backward), shown by the tags `h.{i}.mlp.experts:dispatch` etc.
+Per MoE layer and step: two all-gathers on the data axis (the selection counts, the pairs), four
+all-to-alls on ep (dispatch and combine forward, and the same two backward), shown by the tags
+`h.{i}.mlp.experts:dispatch` etc.
 
 DeepSeek's routing options (refpar/model/moe.py) change no message: the aux-free bias is updated
 from the gathered counts, the same on every rank (`self.bias`, moe.update_expert_bias); shared
-experts are dense weights every data rank holds and runs on its own tokens; with a group limit a
-token's rows go to the ranks of at most M expert groups (one group per ep rank when G = ep), so the
-all-to-all's sizes, which come from the counts as before, shrink. Dropping by score (Megatron-Core's
+experts are dense weights every data rank holds and runs on its own tokens; a group limit only
+shrinks the pairs. Dropping by score (Megatron-Core's
 "probs") needs every assignment's score, not only counts: per MoE layer and microbatch each rank
 all-gathers over the data ranks the scores of all its N k assignments, in its experts' queue order
 (`h.{i}.mlp.router:scores`), and every rank ranks the same global queues
@@ -63,7 +81,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from array_api_compat import array_namespace
+from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.config import ConfigError
@@ -74,13 +92,18 @@ from refpar.sharding import shard_range
 
 def check_expert_parallel(config, ep: int) -> None:
     """ConfigErrors for an MoE model on `ep` ranks, raised before any communication. Every routing
-    option runs on every mesh: none is refused here."""
+    option runs on every mesh: none is refused here; a 16-bit pair record names at most 256 local
+    experts (its indices are floats of the activations' dtype)."""
     if ep > 1 and config.moe_experts == 0:
         raise ConfigError(f"ep={ep} needs experts to spread; add --moe-experts E with E >= {ep}")
     if config.moe_experts and config.moe_experts < ep:
         raise ConfigError(
             f"moe_experts={config.moe_experts} is fewer than ep={ep}; use at least {ep} experts"
         )
+    El = -(-config.moe_experts // max(ep, 1))
+    if config.dtype in ("bfloat16", "float16") and El > 256:  # a record's index must be exact
+        raise ConfigError(f"{El} experts per ep rank exceed the 256 a 16-bit pair record can name; "
+                          f"use ep >= {-(-config.moe_experts // 256)}")
 
 
 def owned_experts(n_experts: int, ep: int, ep_rank: int) -> range:
@@ -99,21 +122,41 @@ def _split_rows(buf, sizes):
     return [buf[int(a):int(b), ...] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _expert_major(pieces, counts):
-    """pieces[s] (sum_e counts[s, e], C), grouped by expert -> (Q, C) grouped by expert, then by
-    source: each local expert sees one batch of rows, in the order of the global queue."""
-    xp = array_namespace(pieces[0])
-    split = [_split_rows(p, counts[s]) for s, p in enumerate(pieces)]
-    return xp.concat([split[s][e] for e in range(counts.shape[1]) for s in range(len(pieces))],
-                     axis=0)
+def pair_layout(experts, keep, owner, first, m: int) -> dict:
+    """The (token, ep rank) pairs of one call's routing, host ints: experts and keep (N, k), owner
+    (E,) the ep rank of each expert, first (ep,) each ep rank's first expert, m a record's slots.
+    -> `token` (P,) each pair's token, destination-major and ascending within; `sizes` (ep,) the
+    pairs bound for each ep rank; `row` (N, ep) the pair of token n and rank q, or P (the zero row)
+    where n keeps no expert of q; `local` (P, m) the receiver's local expert of each of the pair's
+    slots, in slot order, then -1; `gate` (P, m) where each slot's gate lies in the flat (N k)
+    gates, N k (a zero) past them; `gate_at` (N, k) where each kept slot's dgate comes back in the
+    flat (P m) record gradients, P m (a zero) where dropped."""
+    N, k = experts.shape
+    ep = len(first)
+    dest = np.where(keep, owner[experts], -1)  # (N, k) the ep rank of each kept assignment
+    has = np.stack([np.any(dest == q, axis=1) for q in range(ep)])  # (ep, N)
+    token = np.concatenate([np.flatnonzero(h) for h in has])  # (P,), a buffer of its own: kept
+    q_of = np.repeat(np.arange(ep), has.sum(axis=1))  # (P,)
+    P = token.shape[0]
+    row = np.full((N, ep), P, dtype=np.int64)  # (N, ep)
+    row[token, q_of] = np.arange(P)
+    bound = dest[token] == q_of[:, None]  # (P, k)
+    order = np.argsort(~bound, axis=1, kind="stable")[:, :m]  # (P, m): the bound slots first
+    filled = np.take_along_axis(bound, order, axis=1)  # (P, m)
+    at = np.flatnonzero(filled)  # the filled record slots, p m + i
+    gate_at = np.full((N, k), P * m, dtype=np.int64)  # (N, k)
+    gate_at[token[at // m], order.reshape(-1)[at]] = at
+    return {"token": token, "sizes": [int(c) for c in has.sum(axis=1)], "row": row,
+            "local": np.where(filled, experts[token[:, None], order] - first[q_of][:, None], -1),
+            "gate": np.where(filled, token[:, None] * k + order, N * k), "gate_at": gate_at}
 
 
-def _source_major(buf, counts):
-    """The inverse of `_expert_major`: (Q, C) -> pieces[s] grouped by expert."""
-    xp = array_namespace(buf)
-    S, El = counts.shape
-    rows = _split_rows(buf, [int(counts[s, e]) for e in range(El) for s in range(S)])
-    return [xp.concat([rows[e * S + s] for e in range(El)], axis=0) for s in range(S)]
+def _take_padded(a, index):
+    """Entries `index` (host ints, any shape) of a flattened, a zero appended for the index past
+    its end: (...) -> index.shape, in a's namespace, dtype and device."""
+    xp = array_namespace(a)
+    flat = xp.concat([xp.reshape(a, (-1,)), xp.zeros((1,), dtype=a.dtype, device=device(a))])
+    return xp.reshape(xp.take(flat, as_like(np.reshape(index, (-1,)), a)), index.shape)
 
 
 def token_runs(sample_ids, positions, seq_len: int) -> list[tuple[int, int]]:
@@ -177,6 +220,9 @@ class ExpertParallelMoE:
         E = config.moe_experts
         self.owners = [owned_experts(E, ep.size, q) for q in range(ep.size)]
         self.local = self.owners[ep.rank]
+        self.owner = np.repeat(np.arange(ep.size), [len(o) for o in self.owners])  # (E,) ep rank
+        self.first = np.asarray([o.start for o in self.owners])  # (ep,) each ep rank's first expert
+        self.m = min(config.moe_top_k, max(len(o) for o in self.owners))  # a record's slots
         # group ranks of this ep group's members (same dp and cp rank), in ep order
         base = (data.rank // cp - ep.rank) * cp + data.rank % cp
         self.members = [base + q * cp for q in range(ep.size)]
@@ -231,43 +277,66 @@ class ExpertParallelMoE:
                                     bias=self.bias.get(layer), seq_len=x.shape[1] * cp,
                                     seq_rows=x.shape[0], sum_sequences=self._sum_sequences(layer),
                                     gather_scores=self._gather_scores(layer))
+        C, m, tag = x2.shape[1], self.m, f"h.{layer}.mlp.experts"
+        lay = pair_layout(backend.to_host(routing["experts"]), backend.to_host(routing["keep"]),
+                          self.owner, self.first, m)
+        sizes = lay["sizes"]  # pairs to each ep rank
+        pairs = backend.to_host(self.data.all_gather(
+            np.asarray(sizes, dtype=np.int64), tag=f"{tag}:pairs",
+            counts=[self.ep.size] * self.data.size)).reshape(self.data.size, self.ep.size)
+        routing["pairs"] = pairs  # (group ranks, ep): every exchange rank's, for the closed forms
+        pairs_in = [int(c) for c in pairs[self.members, self.ep.rank]]  # from each ep rank
+        mine = {"token_of_row": as_like(lay["token"], x2), "row": as_like(lay["row"], x2),
+                "gate_at": lay["gate_at"]}  # the sender's side of its pairs
+        xrow = xp.concat([moe.dispatch(x2, mine), _take_padded(routing["gates"], lay["gate"]),
+                          xp.astype(as_like(lay["local"], x2), x2.dtype)], axis=1)  # (P, C + 2m)
+        got = self.ep.all_to_all(_split_rows(xrow, sizes), tag=f"{tag}:dispatch",
+                                 recv_counts=pairs_in)  # S x (., C + 2m)
+        del xrow
+        xr = xp.concat(got, axis=0)  # (P_in, C + 2m): every pair sent here, source by source
+        # the receiver lays its pairs' assignments out by local expert (moe.buffer_layout)
+        expert_in = xp.astype(xr[:, C + m:], xp.int64)  # (P_in, m) local experts, -1 past the slots
+        gate_in = xp.astype(xr[:, C:C + m], x2.dtype)  # (P_in, m) 0 past the slots (a copy)
+        lr = moe.buffer_layout(expert_in, expert_in >= 0, gate_in, len(self.local)) | {"gates": gate_in}
+        xe = moe.dispatch(xr[:, :C], lr)  # (Q, C) grouped by local expert
+        del xr, got
         kept = backend.to_host(moe.routing_kept(routing))  # (group ranks, E)
-        mine = kept[self.data.rank]  # (E,) rows this rank sends to each expert
-        send = [int(mine[list(self.owners[q])].sum()) for q in range(self.ep.size)]
-        recv = kept[np.ix_(self.members, list(self.local))]  # (S, El)
-
-        xbuf = moe.dispatch(x2, routing)  # (R, C)
-        tag = f"h.{layer}.mlp.experts"
-        rows_in = [int(c) for c in recv.sum(axis=1)]  # from each ep rank: known, nothing to ask
-        got = self.ep.all_to_all(_split_rows(xbuf, send), tag=f"{tag}:dispatch",
-                                 recv_counts=rows_in)  # S x (., C)
-        xe = _expert_major(got, recv)  # (Q, C)
-        ye, ecache = self.experts_forward(xe, [int(c) for c in recv.sum(axis=0)], params,
-                                          layer)  # (Q, C)
-        back = self.ep.all_to_all(_source_major(ye, recv), tag=f"{tag}:combine",
-                                  recv_counts=send)  # S x (., C)
-        out, pad = moe.combine(xp.concat(back, axis=0), routing)  # (N, C)
+        per_expert = [int(c) for c in kept[np.ix_(self.members, list(self.local))].sum(axis=0)]
+        ye, ecache = self.experts_forward(xe, per_expert, params, layer)  # (Q, C)
+        yr, ypad = moe.combine(ye, lr)  # (P_in, C): each pair's experts weighted and summed
+        back = self.ep.all_to_all(_split_rows(yr, pairs_in), tag=f"{tag}:combine",
+                                  recv_counts=sizes)  # S x (., C)
+        # a token's output: its pairs' rows summed, the gathers of dispatch's backward
+        out = moe.dispatch_backward(xp.concat(back, axis=0), mine)  # (N, C)
         # shared experts are dense: every rank holds them and runs its own tokens through them
         shared, scache = moe.shared_experts_forward(x2, params, layer, config.moe_shared_experts)
         out = out if shared is None else out + shared  # (N, C)
         self.last_routing[layer] = routing
-        cache = {"routing": routing, "router": rcache, "experts": ecache, "pad": pad,
-                 "layer": layer, "shape": x.shape, "send": send, "recv": recv, "shared": scache}
+        cache = {"routing": routing, "router": rcache, "experts": ecache, "layer": layer,
+                 "shape": x.shape, "shared": scache, "sizes": sizes, "pairs_in": pairs_in,
+                 "pairs": mine, "received": lr, "pad": ypad}
         return xp.reshape(out, x.shape), cache
 
     def backward(self, dout, cache):
         xp = array_namespace(dout)
-        routing, layer, send, recv = cache["routing"], cache["layer"], cache["send"], cache["recv"]
+        layer, sizes, pairs_in, mine = cache["layer"], cache["sizes"], cache["pairs_in"], cache["pairs"]
         tag = f"h.{layer}.mlp.experts"
         dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, C)
+        C = dout2.shape[1]
         dx_shared, shared_grads = moe.shared_experts_backward(dout2, cache["shared"])  # (N, C)
-        dybuf, dgates = moe.combine_backward(dout2, cache["pad"], routing)  # (R, C), (N, k)
-        got = self.ep.all_to_all(_split_rows(dybuf, send), tag=f"{tag}:combine:bwd",
-                                 recv_counts=[int(c) for c in recv.sum(axis=1)])
-        dxe, grads = self.experts_backward(_expert_major(got, recv), cache["experts"])  # (Q, C)
-        back = self.ep.all_to_all(_source_major(dxe, recv), tag=f"{tag}:dispatch:bwd",
-                                  recv_counts=send)
-        dx2 = moe.dispatch_backward(xp.concat(back, axis=0), routing)  # (N, C)
+        # the combine's backward: each pair's dout once, to the rank that summed it
+        got = self.ep.all_to_all(_split_rows(moe.dispatch(dout2, mine), sizes), tag=f"{tag}:combine:bwd",
+                                 recv_counts=pairs_in)  # S x (., C)
+        # each expert's dy = gate * dout; dgate = <dout, y_expert> (moe.combine_backward)
+        dye, dgr = moe.combine_backward(xp.concat(got, axis=0), cache["pad"], cache["received"])
+        dxe, grads = self.experts_backward(dye, cache["experts"])  # (Q, C)
+        dxr = moe.dispatch_backward(dxe, cache["received"])  # (P_in, C): summed over a pair's experts
+        back = self.ep.all_to_all(_split_rows(xp.concat([dxr, xp.astype(dgr, dxr.dtype)], axis=1),
+                                              pairs_in), tag=f"{tag}:dispatch:bwd",
+                                  recv_counts=sizes)  # S x (., C + m)
+        back = xp.concat(back, axis=0)  # (P, C + m)
+        dx2 = moe.dispatch_backward(back[:, :C], mine)  # (N, C)
+        dgates = _take_padded(back[:, C:], mine["gate_at"])  # (N, k), 0 where dropped
         dx_router, dw = moe.router_backward(dgates, cache["router"])  # dw (C, E)
         grads[self.family.router_name(layer)] = xp.matrix_transpose(dw) if self.family is mixtral else dw
         dx2 = dx2 + dx_router if dx_shared is None else dx2 + dx_router + dx_shared  # (N, C)

@@ -17,9 +17,10 @@ plan (nothing re-derived here):
     bytes        refpar.analysis.engine's closed forms, which a run's ledger and trace match byte for
                  byte (tests/test_viz.py holds them against a real run's --json summary)
     routing      a MoE block's all-to-alls and what its cache keeps follow from its kept counts, the
-                 (D c, E) assignments each data rank (x cp rank) keeps per expert in each microbatch
-                 (refpar.analysis.moe): a real run's own (its --json summary's microbatch_kept_counts,
-                 `run_routing`), or, before any run, `balanced_routing`'s
+                 (D c, E) assignments each data rank (x cp rank) keeps per expert in each microbatch,
+                 and its pair counts, the (D c, ep) tokens each sends to each ep rank
+                 (refpar.analysis.moe): a real run's own (its --json summary's microbatch_kept_counts
+                 and microbatch_pair_counts, `run_routing`), or, before any run, `balanced_routing`'s
 
 `step_moments` groups one step's collectives of a rank (refpar.analysis.engine.rank_calls) by the
 moment of the step they belong to: the forward and backward passes of every microbatch, the sums
@@ -35,6 +36,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from refpar.analysis import engine as closed
+from refpar.analysis.moe import pair_counts_upper_bound
 from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, Plan, TrainConfig
 from refpar.holdings import embed_param_names, kv_heads, stage_layers, tp_param_slices
 from refpar.model.moe import capacity, kept_counts
@@ -78,10 +80,10 @@ def groups(sizes: dict, rank: int) -> dict[str, list[int]]:
 
 @dataclass(frozen=True)
 class Routing:
-    """The kept counts a MoE mesh is priced with: per step, per microbatch, MoE block -> its (D c, E)
-    kept counts (refpar.analysis.engine's `kept_by_step`), and where they come from."""
+    """The counts a MoE mesh is priced with: per step, per microbatch, MoE block -> its (kept (D c, E),
+    pairs (D c, ep)) counts (refpar.analysis.engine's `kept_by_step`), and where they come from."""
 
-    kept_by_step: list[list[dict[int, np.ndarray]]]
+    kept_by_step: list[list[dict[int, tuple]]]
     source: str  # "balanced" (assumed) or a real run's label
 
 
@@ -92,7 +94,9 @@ def balanced_routing(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Pl
     N_g tokens it routes: member g's N_g k assignments spread over the E experts as evenly as whole
     numbers allow (shard_sizes: the first experts take the remainder). Each expert keeps up to the
     capacity the run computes (refpar.model.moe.capacity of T_j), earlier members' first, as the
-    run's queue does (`kept_counts`, every slot in one queue)."""
+    run's queue does (`kept_counts`, every slot in one queue). Pairs: one per kept assignment, as
+    if a token's experts lay on different ep ranks (analysis.moe.pair_counts_upper_bound; exact for
+    top-1, an upper bound otherwise)."""
     E, k, c = model.moe_experts, model.moe_top_k, sizes["cp"]
     D = sizes["dp"] * sizes["ep"]
     microbatches = []
@@ -104,19 +108,23 @@ def balanced_routing(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Pl
             tokens += [rows * len(cp_positions(cfg.seq_len, c, q, plan.cp_algo)) for q in range(c)]
         chosen = np.array([[shard_sizes(n * k, E)] for n in tokens], dtype=np.int64)  # (D c, 1, E)
         kept = kept_counts(chosen, capacity(sum(tokens), model))  # (D c, E); sum(tokens) = T_j
-        microbatches.append({layer: kept for layer in model.moe_blocks})
+        pairs = pair_counts_upper_bound(kept, sizes["ep"])  # (D c, ep)
+        microbatches.append({layer: (kept, pairs) for layer in model.moe_blocks})
     return Routing([microbatches], "balanced")
 
 
 def run_routing(moe: dict, label: str) -> Routing:
-    """A run's own kept counts, from its --json summary's "moe" field."""
+    """A run's own kept and pair counts, from its --json summary's "moe" field."""
     blocks = moe["blocks"]
-    return Routing([[{blocks[i]: np.asarray(counts, dtype=np.int64) for i, counts in enumerate(microbatch)}
-                     for microbatch in step] for step in moe["microbatch_kept_counts"]], label)
+    return Routing([[{blocks[i]: (np.asarray(kept, dtype=np.int64), np.asarray(pairs, dtype=np.int64))
+                      for i, (kept, pairs) in enumerate(zip(kept_mb, pairs_mb, strict=True))}
+                     for kept_mb, pairs_mb in zip(kept_step, pairs_step, strict=True)]
+                    for kept_step, pairs_step in zip(moe["microbatch_kept_counts"],
+                                                     moe["microbatch_pair_counts"], strict=True)], label)
 
 
 def _rank_kept(model: ModelConfig, sizes: dict, plan: Plan, rank: int, step: list[dict]) -> list[dict]:
-    """One step's kept counts cut to the MoE blocks of `rank`'s stages (what that rank routes)."""
+    """One step's counts cut to the MoE blocks of `rank`'s stages (what that rank routes)."""
     lay = closed.pipeline(sizes, plan)[1]
     mine = {i for s in lay.stages_of(closed.rank_coords(sizes, rank)["pp"])
             for i in stage_layers(model.n_layer, lay.stages_per_copy, lay.part(s))}
@@ -144,7 +152,7 @@ class RankFacts:
 
 def rank_facts(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, rank: int,
                routing: Routing | None = None) -> RankFacts:
-    """`routing`: a MoE mesh's kept counts (default: `balanced_routing`)."""
+    """`routing`: a MoE mesh's kept and pair counts (default: `balanced_routing`)."""
     co = closed.rank_coords(sizes, rank)
     if model.moe_experts and routing is None:
         routing = balanced_routing(model, cfg, sizes, plan)

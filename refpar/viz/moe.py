@@ -14,12 +14,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from refpar.analysis import engine as closed
-from refpar.analysis.moe import load_imbalance
+from refpar.analysis.moe import load_imbalance, record_slots
 from refpar.config import Plan, TrainConfig
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import init_params
-from refpar.model.moe import capacity, kept_counts, router_forward, router_name, selection_counts
-from refpar.sharding import shard_range
+from refpar.model.moe import route, router_name
+from refpar.sharding import shard_sizes
 from refpar.viz.comm import destinations
 
 
@@ -79,20 +79,27 @@ def expert_load_figure(runs: dict[str, dict], block_index: int = 0) -> go.Figure
     return fig
 
 
-def drawn_kept(config, n_data: int, tokens_per_rank: int, seed: int = 0) -> list[np.ndarray]:
-    """(D, E) kept counts of each MoE block for one step: each data rank holds one sequence of
-    refpar's corpus, and each block's router (`router_forward`, the initial weights) routes its
-    embedded tokens; the capacity then drops what overflows (`kept_counts`). The embeddings stand
-    in for the block's true input: a routing drawn by refpar's router, not a trained one's."""
+def drawn_kept(config, n_data: int, tokens_per_rank: int, ep: int, seed: int = 0) -> list[tuple]:
+    """(kept (D, E), pairs (D, ep)) counts of each MoE block for one step: each data rank holds one
+    sequence of refpar's corpus, and each block's router (`route`, the initial weights) routes the
+    embedded tokens of all of them as one global batch, data rank by data rank, so the capacity drops
+    what the run's would; a data rank's pairs are its tokens keeping an expert of each ep rank. The
+    embeddings stand in for the block's true input: a routing drawn by refpar's router, not a
+    trained one's."""
     params = init_params(config, seed)
     tokens, _ = MarkovCorpus(config.vocab_size, seed).batch(0, np.arange(n_data), tokens_per_rank)  # (D, T)
     x = params["wte.weight"][tokens] + params["wpe.weight"][:tokens_per_rank]  # (D, T, C)
+    owner = np.repeat(np.arange(ep), shard_sizes(config.moe_experts, ep))  # (E,) ep rank of each expert
     out = []
     for block in config.moe_blocks:
-        w = params[router_name(block)]  # (C, E)
-        counts = np.stack([selection_counts(router_forward(x[d], w, config.moe_top_k)[2], config.moe_experts)
-                           for d in range(n_data)])  # (D, k, E)
-        out.append(np.asarray(kept_counts(counts, capacity(n_data * tokens_per_rank, config))))
+        routing, _ = route(x.reshape(n_data * tokens_per_rank, -1), params[router_name(block)], config)
+        experts = routing["experts"].reshape(n_data, tokens_per_rank, -1)  # (D, T, k)
+        keep = routing["keep"].reshape(experts.shape)  # (D, T, k)
+        kept = np.stack([np.bincount(experts[d][keep[d]], minlength=config.moe_experts)
+                         for d in range(n_data)])  # (D, E)
+        dest = np.where(keep, owner[experts], -1)  # (D, T, k)
+        pairs = np.stack([np.any(dest == q, axis=-1).sum(axis=1) for q in range(ep)], axis=1)  # (D, ep)
+        out.append((kept, pairs))
     return out
 
 
@@ -111,21 +118,21 @@ def step_rows(config, sizes: dict[str, int], kept_by_layer) -> list[dict]:
     return rows
 
 
-def all_to_all_matrix(kept, ep: int, n_embd: int, itemsize: int) -> np.ndarray:
-    """(D, D) bytes one MoE block's all-to-alls move in a step: data rank d sends its rows for the
-    experts of ep peer d' (dispatch) and d''s outputs for d's experts back (combine), and the
-    backward repeats both with gradients."""
-    kept = np.asarray(kept)
-    n_data, n_experts = kept.shape
-    owned = [list(range(*shard_range(n_experts, ep, q))) for q in range(ep)]
+def all_to_all_matrix(counts, ep: int, n_embd: int, itemsize: int, slots: int) -> np.ndarray:
+    """(D, D) bytes one MoE block's all-to-alls move in a step, from its (kept, pairs) counts: data
+    rank d sends ep peer d' its pairs for the peer's experts (dispatch, C + 2m elements a row, m
+    `slots`) and d''s combined outputs for d's pairs back (combine, C); the backward sends d's
+    dout per pair (C) and d''s dx with the gates' gradients back (C + m): refpar.analysis.moe."""
+    pairs = np.asarray(counts[1])
+    n_data, C, m = pairs.shape[0], n_embd, slots
     matrix = np.zeros((n_data, n_data))
     for d in range(n_data):
         base = d - d % ep
         for q in range(ep):
             peer = base + q
             if peer != d:
-                rows = kept[d, owned[q]].sum() + kept[peer, owned[d % ep]].sum()
-                matrix[d, peer] = 2 * rows * n_embd * itemsize
+                rows = pairs[d, q] * (2 * C + 2 * m) + pairs[peer, d % ep] * (2 * C + m)  # elements
+                matrix[d, peer] = rows * itemsize
     return matrix
 
 
@@ -134,7 +141,8 @@ def traffic_matrix(config, sizes: dict[str, int], kept_by_layer) -> np.ndarray:
     collective to the next rank of its group (`refpar.viz.comm.destinations`)."""
     ep, world = sizes.get("ep", 1), sizes.get("dp", 1) * sizes.get("ep", 1)
     itemsize = np.dtype(config.dtype).itemsize
-    matrix = sum((all_to_all_matrix(k, ep, config.n_embd, itemsize) for k in kept_by_layer),
+    m = record_slots(config.moe_experts, config.moe_top_k, ep)
+    matrix = sum((all_to_all_matrix(k, ep, config.n_embd, itemsize, m) for k in kept_by_layer),
                  np.zeros((world, world)))
     for row in step_rows(config, sizes, kept_by_layer):
         if row["axis"] == "ep":

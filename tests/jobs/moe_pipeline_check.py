@@ -108,11 +108,11 @@ def check_run(comm, mesh_text, schedule, m, v, changes, cp_algo=None) -> dict:
     bytes_ok = True
     for s in run.moe_steps:
         traced = {k: b for k, b in comm.tracer.totals(step=s.step).items() if b != (0, 0)}
-        expected = rank_comm_bytes(model, TRAIN, mesh.sizes, mesh.coords, plan, s.microbatch_kept_counts)
+        expected = rank_comm_bytes(model, TRAIN, mesh.sizes, mesh.coords, plan, s.microbatch_counts)
         bytes_ok &= traced == {key: tuple(b) for key, b in expected.items() if tuple(b) != (0, 0)}
     # what the F's caches keep until their B, replayed over the schedule, among the rest
     states = {r["category"]: r["bytes"] for r in rank_memory_rows(
-        model, TRAIN, mesh.sizes, mesh.coords, plan, [s.microbatch_kept_counts for s in run.moe_steps])}
+        model, TRAIN, mesh.sizes, mesh.coords, plan, [s.microbatch_counts for s in run.moe_steps])}
     memory_ok = dict(par.ledger.peak) == states
     a2a = sum(e.bytes_sent for e in events if e.op == "all_to_all")
 

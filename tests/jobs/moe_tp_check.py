@@ -81,10 +81,10 @@ def check_run(comm, mesh_text, sp, schedule, m, changes, algo) -> dict:
     bytes_ok = True
     for s in run.moe_steps:
         traced = {k: b for k, b in comm.tracer.totals(step=s.step).items() if b != (0, 0)}
-        expected = rank_comm_bytes(model, TRAIN, mesh.sizes, mesh.coords, par.plan, s.microbatch_kept_counts)
+        expected = rank_comm_bytes(model, TRAIN, mesh.sizes, mesh.coords, par.plan, s.microbatch_counts)
         bytes_ok &= traced == {key: tuple(b) for key, b in expected.items() if tuple(b) != (0, 0)}
     states = {r["category"]: r["bytes"] for r in rank_memory_rows(
-        model, TRAIN, mesh.sizes, mesh.coords, par.plan, [s.microbatch_kept_counts for s in run.moe_steps])}
+        model, TRAIN, mesh.sizes, mesh.coords, par.plan, [s.microbatch_counts for s in run.moe_steps])}
     memory_ok = dict(par.ledger.peak) == states
     # this rank's expert-buffer all-reduces and sp gathers per MoE layer it runs, microbatch and step
     layers = len(run.moe_steps[0].kept_counts) * m * TRAIN.steps

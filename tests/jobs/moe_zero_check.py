@@ -82,10 +82,10 @@ def check_run(comm, mesh_text, zero, fsdp, schedule, chunks, dtype, cp_algo=None
                        for s, r in zip(run.moe_steps, ref.moe_steps, strict=True))
     bytes_ok = True
     for s in run.moe_steps:
-        expected = rank_comm_bytes(model, train_cfg, mesh.sizes, mesh.coords, plan, s.microbatch_kept_counts)
+        expected = rank_comm_bytes(model, train_cfg, mesh.sizes, mesh.coords, plan, s.microbatch_counts)
         bytes_ok &= traced_by_step(comm, s.step) == {
             key: tuple(b) for key, b in expected.items() if tuple(b) != (0, 0)}
-    kept = [s.microbatch_kept_counts for s in run.moe_steps]
+    kept = [s.microbatch_counts for s in run.moe_steps]
 
     def peaks(p):
         return {r["category"]: r["bytes"]
