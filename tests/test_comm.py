@@ -4,6 +4,7 @@ mesh layout, fail-fast errors and the Chrome trace. MPI jobs run as subprocesses
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -268,8 +269,6 @@ def test_heavy_yield_is_set_where_ranks_outnumber_cores_more_than_twice_and_an_e
 
 @pytest.mark.parametrize("ranks", [2, 8])
 def test_the_ranks_start_mpi_with_the_wait_policy_of_this_machine(tmp_path, monkeypatch, ranks):
-    import os
-
     monkeypatch.delenv("MPIR_CVAR_ENABLE_HEAVY_YIELD", raising=False)
     proc, _ = _run(tmp_path, ranks, """
 import os

@@ -64,7 +64,11 @@ def check(mesh_text: str, case: str, comm) -> dict:
     ref = train_single_device(model, train)  # the routing of every step too
     param_diff = max(rel_diff(p, ref.params[n]) for n, p in params.items())
     param_diff = float(comm.all_reduce(np.array([param_diff]), op="max")[0])
-    bytes_ok, limited = True, True
+    # group-limited routing: every token's experts lie in at most M groups (from the expert ids)
+    per_group = model.moe_experts // model.moe_groups
+    limited = all(len(set(row)) <= (model.moe_group_limit or model.moe_groups)
+                  for r in par.moe.last_routing.values() for row in np.asarray(r["experts"]) // per_group)
+    bytes_ok = True
     for s in run.moe_steps:
         traced = {k: b for k, b in comm.tracer.totals(step=s.step).items() if b != (0, 0)}
         expected = rank_comm_bytes(model, train, mesh.sizes, mesh.coords, plan, s.microbatch_counts)
@@ -82,8 +86,11 @@ def check(mesh_text: str, case: str, comm) -> dict:
                                   for _, p in counts)
         bytes_ok &= rows == sum(int(p[group].sum()) for _, p in counts)
         tokens = train.batch_size * train.seq_len // mesh.sizes["dp"] // mesh.sizes["ep"]  # per MoE layer
+        if model.moe_group_limit is not None:  # M groups a token, each on ep / G ranks (or one)
+            ep = mesh.sizes["ep"]
+            reach = min(ep, model.moe_group_limit * max(1, ep // model.moe_groups))
+            limited &= rows <= reach * tokens * len(counts)
         if case == "group_limited" and mesh.sizes["ep"] == model.moe_groups:
-            limited &= rows <= model.moe_group_limit * tokens * len(counts)
             limited &= rows < sum(int(k[group].sum()) for k, _ in counts)  # the saving is real
     held = sum(p.nbytes for n, p in params.items() if ".mlp.experts." in n)
     bytes_ok &= held == moe_analysis.expert_param_bytes_per_rank(model, mesh.sizes["ep"],
@@ -102,7 +109,8 @@ def check(mesh_text: str, case: str, comm) -> dict:
         "bytes_match": bytes_ok,  # traced comm and held expert bytes == closed forms
         "same_bias": [s.expert_bias for s in run.moe_steps] == [s.expert_bias for s in ref.moe_steps],
         "bias_moved": any(b for s in run.moe_steps for b in s.expert_bias.values()),
-        # from the trace: at most M ep ranks a token, fewer rows than kept assignments (ep=4 only)
+        # expert ids in at most M groups; from the trace, at most the ranks of M groups a token,
+        # and fewer rows than kept assignments (group_limited on ep=4)
         "group_limited": bool(comm.all_reduce(np.array([int(limited)]), op="min")[0]),
     }
 
