@@ -19,7 +19,7 @@ HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the bes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from refpar.config import MODEL_PRESETS, TrainConfig, describe_preset
+    from refpar.config import FINETUNE_RECIPE, MODEL_PRESETS, RECIPES, TrainConfig, describe_preset
 
     d = TrainConfig()
     parser.add_argument("--model", default="tiny", help=(
@@ -28,11 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{describe_preset('gpt2')}, Hugging Face's GPT-2 small, 124M parameters; "
         f"{', '.join(name for name in MODEL_PRESETS if name not in ('tiny', 'small', 'gpt2'))}"))
     parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    add_data_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=d.batch_size,
                         help=f"global batch, sequences per step (default {d.batch_size})")
     parser.add_argument("--seq-len", type=int, default=d.seq_len,
                         help=f"tokens per sequence (default {d.seq_len})")
-    parser.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate (default: the preset's recipe, refpar/config.py RECIPES: "
+                             + ", ".join(f"{name} {r.lr:g}" for name, r in RECIPES.items())
+                             + f"; {FINETUNE_RECIPE.lr:g} with --init-from)")
     parser.add_argument("--optimizer", default=d.optimizer, help="adamw or sgd (default adamw)")
     add_schedule_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
@@ -68,6 +72,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_moe_arguments(parser)
 
 
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the run trains on (refpar/data; docs/data.md): the Markov corpus unless --data is given."""
+    add = parser.add_argument
+    add("--data", metavar="PATH", default=None,
+        help="train on real text: a UTF-8 text file, a folder of them, or a folder with nanoGPT's "
+             "train.bin and val.bin (default: the synthetic Markov corpus, whose best loss is known)")
+    add("--tokenizer", default=None, metavar="KIND",
+        help="with --data text: bytes (256 tokens, the default), bpe (a byte-level BPE of --vocab-size "
+             "tokens trained on the corpus, saved beside --save), gpt2 (tiktoken's, where its file is "
+             "present) or the path of a tokenizer.json")
+    add("--vocab-size", type=int, default=None, metavar="N",
+        help="with --data: the BPE's vocabulary, or the vocabulary of nanoGPT token files")
+    add("--eval-every", type=int, default=0, metavar="N",
+        help="the validation loss on held-out windows every N steps and after the last (default 0: never)")
+
+
+def data_configs(args, overrides: dict) -> dict:
+    """TrainConfig's data fields; with --data the model's vocabulary becomes the corpus's (in
+    `overrides`), after the corpus was opened and checked on every rank before any communication."""
+    fields = {"data": args.data, "tokenizer": args.tokenizer, "tokenizer_vocab": args.vocab_size,
+              "eval_every": args.eval_every}
+    if args.data is not None:
+        from refpar.data import open_data
+
+        corpus = open_data(args.data, args.tokenizer, args.vocab_size, args.seed)
+        corpus.check_fits(args.batch_size, args.seq_len)
+        overrides.setdefault("vocab_size", corpus.vocab_size)
+    return fields
+
+
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     """Clipping, the learning-rate schedule and the weight-decay rule (refpar/model/optim.py)."""
     from refpar.config import LR_SCHEDULES
@@ -75,12 +109,14 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--clip-grad-norm", type=float, default=0.0, metavar="X",
         help="clip the gradients to global L2 norm X, as torch's clip_grad_norm_ (default 0: no clipping)")
-    add("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+    add("--lr-schedule", default=None, choices=LR_SCHEDULES,
         help="learning rate over the steps: constant, or cosine, linear, wsd decay to --min-lr "
-             "(Megatron-LM's and nanoGPT's definitions; default constant)")
-    add("--warmup-steps", type=int, default=0, metavar="N", help="steps of linear warmup to --lr (default 0)")
-    add("--min-lr", type=float, default=0.0, metavar="X",
-        help="the learning rate a decaying schedule ends at, on the last step (default 0)")
+             "(Megatron-LM's and nanoGPT's definitions; default: the preset's recipe)")
+    add("--warmup-steps", type=int, default=None, metavar="N",
+        help="steps of linear warmup to --lr (default: the recipe's, at most a tenth of --steps)")
+    add("--min-lr", type=float, default=None, metavar="X",
+        help="the learning rate a decaying schedule ends at, on the last step (default: the recipe's "
+             "fraction of --lr, 0 for a constant schedule)")
     add("--wsd-decay-steps", type=int, default=None, metavar="N",
         help="wsd: steps of its final decay (default: a fifth of the steps after the warmup)")
     add("--decay-all", action="store_true",
@@ -227,23 +263,47 @@ def configs(args):
     if sizes["ep"] > 1 and not args.moe_experts:
         raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
                           f"E >= {sizes['ep']}")
+    schedule = optimizer_schedule(args)
     for flag, value, example in (("--steps", args.steps, 5), ("--batch-size", args.batch_size, 8),
-                                 ("--seq-len", args.seq_len, 16), ("--lr", args.lr, 0.01)):
+                                 ("--seq-len", args.seq_len, 16), ("--lr", schedule["lr"], 0.01)):
         if not 0 < value < math.inf:  # nan too; named by its flag here, by its field in TrainConfig
             raise ConfigError(f"{flag} {value} must be positive; give e.g. {flag} {example}")
     overrides = {k: v for k, v in (("dtype", precision_dtype(args)), ("dropout", args.dropout),
                                    ("n_layer", args.n_layer)) if v is not None}
+    data = data_configs(args, overrides)
     model = model_preset(args.model, **overrides, **model_overrides(args))
-    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                        optimizer=args.optimizer, seed=args.seed,
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                        optimizer=args.optimizer, seed=args.seed, **schedule,
                         fp32_grads=getattr(args, "fp32_grads", False),
                         loss_scale=getattr(args, "loss_scale", None),
                         loss_scale_window=getattr(args, "loss_scale_window", None),
-                        clip_grad_norm=args.clip_grad_norm, lr_schedule=args.lr_schedule,
-                        warmup_steps=args.warmup_steps, min_lr=args.min_lr,
-                        wsd_decay_steps=args.wsd_decay_steps, decay_all=args.decay_all)
+                        clip_grad_norm=args.clip_grad_norm, wsd_decay_steps=args.wsd_decay_steps,
+                        decay_all=args.decay_all, **data)
     train.check_model(model)
     return model, train, sizes
+
+
+def recipe_of(args):
+    """The preset's optimizer recipe (refpar/config.py RECIPES), or fine-tuning's for --init-from; an
+    unknown preset's is TrainConfig's lr (model_preset refuses the name itself)."""
+    from refpar.config import FINETUNE_RECIPE, RECIPES, Recipe, TrainConfig
+
+    if getattr(args, "init_from", None):
+        return FINETUNE_RECIPE
+    return RECIPES.get(args.model) or Recipe(TrainConfig().lr)
+
+
+def optimizer_schedule(args) -> dict:
+    """lr, lr_schedule, warmup_steps and min_lr: each flag given, else the recipe's."""
+    recipe = recipe_of(args)
+    lr = recipe.lr if args.lr is None else args.lr
+    schedule = recipe.schedule if args.lr_schedule is None else args.lr_schedule
+    warmup = recipe.warmup_for(args.steps) if args.warmup_steps is None else args.warmup_steps
+    if args.min_lr is not None:
+        min_lr = args.min_lr
+    else:  # the recipe's floor, relative to the peak actually used
+        min_lr = lr * recipe.min_lr_ratio if schedule != "constant" else 0.0
+    return {"lr": lr, "lr_schedule": schedule, "warmup_steps": warmup, "min_lr": min_lr}
 
 
 def plan_of(args, sizes: dict[str, int], model):
@@ -291,6 +351,7 @@ def run(args) -> int:
         from refpar.config import check_output_path
 
         check_output_path("--trace", args.trace)
+        check_output_path("--trace", str(Path(args.trace).with_suffix(".jsonl")))  # its JSON lines
     plan = plan_of(args, sizes, model)
     validate(model, train, sizes, plan)  # on every rank, before any communication
     backend.use(args.backend, args.device)  # before any array exists: the run draws through it
