@@ -26,6 +26,7 @@ from refpar.parallel.pipeline.schedules import simulate
 from refpar.report import run_summary, summary_line
 from refpar.trainer import corpus_for, train_single_device
 
+from . import runlog
 from .checkpoint import open_resume
 from .lines import header, progress, report
 from .parallelize import parallelize
@@ -63,15 +64,21 @@ def _run(model, cfg, sizes: dict, plan, args, mesh, plain) -> int:
         if speak:
             print(text, flush=True)
 
+    peak = None
+    if runlog.wants_peak(args):  # every rank at once: ranks that share cores in the run share them here
+        plain.barrier()
+        peak = runlog.measure_peak(runlog.gemm_dtype(model.dtype))
     check = args.check and speak
     ref = train_single_device(model, cfg, microbatches=plan.microbatches) if check else None
     floor = corpus_for(model, cfg).entropy_rate()
-    for line in header(model, cfg, sizes, plan, args.model, floor):
+    for line in header(model, cfg, sizes, plan, args.model, floor) + ([peak.line(comm.size)] if peak else []):
         say(line)
-    summary, par, out, every = collect(
-        model, cfg, mesh, plan, check=args.check, ref=ref, plain=plain, trace=args.trace,
-        on_step=progress(say, model, cfg, ref, floor, comm.size > 1, sizes["pp"]),
-        save=args.save, save_every=args.save_every, resume=args.resume)
+    with runlog.RunLog(model, cfg, comm.size, args, peak, speak) as log:  # --log, --tensorboard, the bar
+        summary, par, out, every = collect(
+            model, cfg, mesh, plan, check=args.check, ref=ref, plain=plain, trace=args.trace,
+            on_step=log.on_step(progress(log.say, model, cfg, ref, floor, comm.size > 1, sizes["pp"],
+                                         args.log_every)),
+            save=args.save, save_every=args.save_every, resume=args.resume)
     if not speak:
         return 0
     report(say, model, cfg, sizes, plan, par, out, every, summary)
