@@ -117,9 +117,10 @@ def holdings(model, cfg, sizes, plan) -> list[str]:
 def progress(say, model, cfg, ref, floor, moves: bool, pp: int = 1, log_every: int | None = None):
     """The step table: about a dozen rows whatever the length of the run, plus the first and last,
     and one whenever a minute has passed without (runlog.HEARTBEAT_S); with `log_every` N the steps
-    N, 2N, ..., the first and the last, each with the run's elapsed time, ETA and MFU (refpar/engine/
-    runlog.py). `moves`: with what rank 0 sent in the step, by axis. Without a pipeline rank 0 routes
-    every MoE block, and shows the assignments dropped in all of them and the first one's experts' loads."""
+    N, 2N, ..., the first and the last, each with the run's elapsed time, ETA and MFU (`measured`,
+    refpar/engine/runlog.py). `moves`: with what rank 0 sent in the step, by axis. Without a pipeline
+    rank 0 routes every MoE block, and shows the assignments dropped in all of them and the first
+    one's experts' loads."""
     whole = model.moe_experts and pp == 1
     every = log_every or max(1, cfg.steps // 12)
     last_row = [time.monotonic()]

@@ -6,8 +6,8 @@ MFU columns (--log-every); refpar/engine/report.py puts them around the loop's o
     tail -f run.jsonl        # a line as each step ends; a killed run keeps the lines it wrote
 
 When each shows:
-- the bar (tqdm) only where rank 0's stderr is a terminal, tqdm's own rule (`disable=None`): a log
-  file, a pipe and the tests get no carriage returns; under mpiexec a rank's stderr is a pipe
+- the bar (tqdm) only where rank 0's stderr is a terminal (the rule of tqdm's `disable=None`): a
+  log file, a pipe and the tests get no carriage returns; under mpiexec a rank's stderr is a pipe
   (MPICH's Hydra forwards it), so the bar is one process's, and a multi-rank run reports by its rows;
 - the step rows: about a dozen (every steps // 12) plus the first and the last, as before, and a
   row whenever HEARTBEAT_S have passed since the last one, so a slow run's log is never silent
@@ -20,8 +20,8 @@ MFU, model FLOPs utilization (Chowdhery et al. 2022, PaLM, Appendix B): the FLOP
 for a step over the step's time and the peak FLOP/s of the processes that ran it. The model's FLOPs
 are the planner's closed form without recomputation (refpar/analysis/flops.py model_flops:
 Narayanan et al.'s count, 72 B s L h^2 (1 + s/6h + V/12Lh) for GPT-2): PaLM's definition leaves
-out rematerialization (counted in, it is HFU) and so does it the extra QK^T of ring attention; on a
-dense model it is exactly the GEMM FLOPs the ranks' tallies add up to without recomputation
+out rematerialization (counted in, it is HFU), and this count leaves out ring attention's second
+QK^T too; on a dense model it is exactly the GEMM FLOPs the ranks' tallies add up to without recomputation
 (refpar/model/gemm.py; tests/test_runlog.py), and it costs no message per step. A MoE model is
 priced as if no token were dropped. The peak is measured, not looked up: a few large matrix
 products in the dtype the run's GEMMs compute in, on every process at the same moment (ranks
@@ -34,7 +34,6 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -149,8 +148,7 @@ class RunLog:
         if args.tensorboard is not None:
             from tensorboardX import SummaryWriter
 
-            Path(args.tensorboard).mkdir(parents=True, exist_ok=True)
-            self.events = SummaryWriter(logdir=args.tensorboard)
+            self.events = SummaryWriter(logdir=args.tensorboard)  # makes the folder and its parents
 
     def __enter__(self):
         return self
