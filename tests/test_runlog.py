@@ -266,3 +266,32 @@ def test_at_a_terminal_the_bar_shows_on_stderr_and_the_table_is_unchanged():
     assert plain.stderr == ""  # no terminal: no bar
     losses = re.compile(r"^ +(\d+) +(\d+\.\d{4}) ", re.M)
     assert losses.findall(out) == losses.findall(plain.stdout) and len(losses.findall(out)) == 16
+
+
+def test_a_killed_run_keeps_every_line_it_wrote(tmp_path):
+    """Each line is flushed as its step ends: SIGKILL mid-run leaves whole lines, steps 1..k in order."""
+    import signal
+    import time
+
+    log = tmp_path / "run.jsonl"
+    with subprocess.Popen([sys.executable, "-m", "refpar", "train", "--steps", "100000", "--log", str(log)],
+                          cwd=tmp_path, env=mpi_env(), stdout=subprocess.DEVNULL) as proc:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not log.exists() or log.read_text().count("\n") < 3):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+    text = log.read_text()
+    assert text.endswith("\n")  # no half-written line
+    steps = [json.loads(line)["step"] for line in text.splitlines()]
+    assert len(steps) >= 3 and steps == list(range(1, len(steps) + 1))
+
+
+def test_a_resumed_run_continues_its_log(tmp_path):
+    """--resume appends: the log of 4 steps, then of steps 5 and 6 from the checkpoint, reads as one run
+    of 6, whose losses are the uninterrupted run's (float64, one device: bit for bit)."""
+    refpar("train", "--steps", "4", "--save", "ckpt", "--log", "run.jsonl", cwd=tmp_path)
+    refpar("train", "--steps", "6", "--resume", "ckpt", "--log", "run.jsonl", cwd=tmp_path)
+    log = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines()]
+    whole = json.loads(refpar("train", "--steps", "6", "--json", cwd=tmp_path).stdout.splitlines()[-1])
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in log] == whole["losses"]
