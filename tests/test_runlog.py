@@ -295,3 +295,21 @@ def test_a_resumed_run_continues_its_log(tmp_path):
     whole = json.loads(refpar("train", "--steps", "6", "--json", cwd=tmp_path).stdout.splitlines()[-1])
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in log] == whole["losses"]
+
+
+def test_a_validation_loss_the_loop_gives_is_logged_on_its_step_only(tmp_path):
+    """The loop names `val_loss` on the steps --eval-every evaluates (None elsewhere): the JSON line and
+    the events carry it on those steps and nowhere else."""
+    from refpar.config import TrainConfig, model_preset
+    from refpar.engine.runlog import Peak, RunLog
+
+    args = SimpleNamespace(log=str(tmp_path / "run.jsonl"), tensorboard=str(tmp_path / "tb"), resume=None)
+    shown = []
+    with RunLog(model_preset("tiny"), TrainConfig(steps=3), 1, args, Peak(1e10, 1024, "float64", 5, 0.1),
+                speak=True) as log:
+        on_step = log.on_step(lambda *a, **k: shown.append(a[0]))
+        for step, val in enumerate((None, 2.5, None)):
+            on_step(step, 3.0 - step / 10, 0.01, {}, None, None, val_loss=val)
+    lines = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert shown == [0, 1, 2] and [r["val_loss"] for r in lines] == [None, 2.5, None]
+    assert read_scalars(tmp_path / "tb")["val_loss"] == {2: 2.5}
