@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, metavar="PATH",
                         help="write communication events as a Chrome trace (open in Perfetto) and "
                              "PATH.jsonl")
+    add_report_arguments(parser)
     add_strategy_arguments(parser)
     add_moe_arguments(parser)
 
@@ -100,6 +101,35 @@ def data_configs(args, overrides: dict) -> dict:
         corpus.check_fits(args.batch_size, args.seq_len)
         overrides.setdefault("vocab_size", corpus.vocab_size)
     return fields
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a run reports as it goes (refpar/engine/runlog.py)."""
+    add = parser.add_argument
+    add("--log-every", type=int, default=None, metavar="N",
+        help="a step row every N steps, with elapsed time, ETA and MFU (default: about a dozen rows, and "
+             "one at least every minute)")
+    add("--log", default=None, metavar="PATH",
+        help="write one JSON line per step as it ends: loss, val_loss, lr, grad_norm, tokens/s, MFU, times")
+    add("--tensorboard", default=None, metavar="DIR",
+        help="write TensorBoard event files to DIR (needs tensorboardX: pip install refpar[tensorboard])")
+
+
+def check_report_args(args) -> None:
+    """--log-every, --log and --tensorboard, refused before the run in one sentence."""
+    import importlib.util
+
+    from refpar.config import ConfigError, check_output_path
+
+    if args.log_every is not None and args.log_every < 1:
+        raise ConfigError(f"--log-every {args.log_every} must be at least 1; give e.g. --log-every 10")
+    if args.log is not None:
+        check_output_path("--log", args.log)
+    if args.tensorboard is not None:
+        check_output_path("--tensorboard", args.tensorboard, directory=True)
+        if importlib.util.find_spec("tensorboardX") is None:
+            raise ConfigError("--tensorboard writes through tensorboardX, which is not installed here; "
+                              "pip install 'refpar[tensorboard]' (tensorboardX==2.6.5) or drop --tensorboard")
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
@@ -347,6 +377,7 @@ def run(args) -> int:
     model, train, sizes = configs(args)
     check_checkpoint_args(sizes, args)
     check_precision_args(sizes, args)
+    check_report_args(args)
     if args.trace is not None:
         from refpar.config import check_output_path
 

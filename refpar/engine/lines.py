@@ -7,6 +7,7 @@ routing of a MoE model, the tp collectives of block 0 and ring attention's balan
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import replace
 
@@ -23,6 +24,8 @@ from refpar.parallel.pipeline.schedules import critical_path_gap
 from refpar.precision import is_16bit, precision_of
 from refpar.sharding import shard_range
 from refpar.trainer import baseline
+
+from .runlog import HEARTBEAT_S, duration
 
 LABEL = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
 
@@ -119,14 +122,21 @@ def holdings(model, cfg, sizes, plan) -> list[str]:
     return out
 
 
-def progress(say, model, cfg, ref, floor: tuple[str, float], moves: bool, pp: int = 1):
-    """The step table: about a dozen rows whatever the length of the run, plus the first and last;
-    `moves`: with what rank 0 sent in the step, by axis. Without a pipeline rank 0 routes every MoE
-    block, and shows the assignments dropped in all of them and the first one's experts' loads."""
+def progress(say, model, cfg, ref, floor: tuple[str, float], moves: bool, pp: int = 1,
+             log_every: int | None = None):
+    """The step table: about a dozen rows whatever the length of the run, plus the first and last,
+    and one whenever a minute has passed without (runlog.HEARTBEAT_S); with `log_every` N the steps
+    N, 2N, ..., the first and the last, each with the run's elapsed time, ETA and MFU (`measured`,
+    refpar/engine/runlog.py); a row for each step with a validation loss. `floor`: ("floor", the
+    Markov chain's entropy rate) or ("unigram", the text's unigram entropy). `moves`: with what rank 0
+    sent in the step, by axis. Without a pipeline rank 0 routes every MoE block, and shows the
+    assignments dropped in all of them and the first one's experts' loads."""
     whole = model.moe_experts and pp == 1
-    every = max(1, cfg.steps // 12)
-    label, floor = floor  # ("floor", the entropy rate) or ("unigram", the text's unigram entropy)
+    every = log_every or max(1, cfg.steps // 12)
+    last_row = [time.monotonic()]
+    label, floor = floor
     say(f"{'step':>6} {'loss':>9} {label:>9} {'tokens/s':>10}"
+        + (f" {'elapsed':>8} {'ETA':>8} {'MFU':>7}" if log_every else "")
         + (f" {'single device':>14} {'rel diff':>8}" if ref else "")
         + (f" {'aux':>7} {'z':>7}" if model.moe_experts else "")
         + (f" {'dropped':>7}  tokens per expert (block {model.moe_blocks[0]})" if whole else "")
@@ -135,16 +145,18 @@ def progress(say, model, cfg, ref, floor: tuple[str, float], moves: bool, pp: in
         + ("  rank 0 sent this step" if moves else ""))
     sent_before: dict[str, int] = {}
 
-    def row(step, loss, seconds, totals, moe_step, scaling=None, val_loss=None):
+    def row(step, loss, seconds, totals, moe_step, scaling=None, measured=None, val_loss=None):
         by_axis: dict[str, int] = {}
         for (axis, _), (s, _) in totals.items():
             by_axis[axis] = by_axis.get(axis, 0) + s
         moved = ", ".join(f"{a} {by_axis[a] - sent_before.get(a, 0):,} B" for a in sorted(by_axis)
                           if by_axis[a] > sent_before.get(a, 0))
         sent_before.update(by_axis)
-        if ((step + 1) % every and step not in (0, cfg.steps - 1) and not (scaling and scaling[1])
-                and val_loss is None):
+        due = (not (step + 1) % every or step in (0, cfg.steps - 1) or (scaling and scaling[1])
+               or val_loss is not None)
+        if not (due or log_every is None and time.monotonic() - last_row[0] >= HEARTBEAT_S):
             return
+        last_row[0] = time.monotonic()
         tail = (f" {ref.losses[step]:>14.10f} {abs(loss - ref.losses[step]) / abs(ref.losses[step]):>8.1e}"
                 if ref else "")
         if moe_step is not None:
@@ -156,8 +168,10 @@ def progress(say, model, cfg, ref, floor: tuple[str, float], moves: bool, pp: in
             tail += f" {scaling[0]:>11g} {scaling[2]:>8}"
         if cfg.eval_every:
             tail += f" {val_loss:>9.4f}" if val_loss is not None else f" {'':>9}"
+        clock = (f" {duration(measured.elapsed_s):>8} {duration(measured.eta_s):>8} {measured.mfu:>7.2%}"
+                 if log_every else "")
         say(f"{step + 1:>6} {loss:>9.4f} {floor:>9.4f} {cfg.batch_size * cfg.seq_len / seconds:>10,.0f}"
-            f"{tail}" + (f"  {moved or '-'}" if moves else ""))
+            f"{clock}{tail}" + (f"  {moved or '-'}" if moves else ""))
 
     return row
 

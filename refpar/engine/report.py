@@ -26,6 +26,7 @@ from refpar.parallel.pipeline.schedules import simulate
 from refpar.report import run_summary, summary_line
 from refpar.trainer import baseline, corpus_for, loss_floor, train_single_device, validation_loss
 
+from . import runlog
 from .checkpoint import gather_params, open_resume
 from .lines import header, progress, report
 from .parallelize import parallelize
@@ -63,18 +64,25 @@ def _run(model, cfg, sizes: dict, plan, args, mesh, plain) -> int:
         if speak:
             print(text, flush=True)
 
+    peak = None
+    if runlog.wants_peak(args):  # every rank at once: ranks that share cores in the run share them here
+        plain.barrier()
+        peak = runlog.measure_peak(runlog.gemm_dtype(model.dtype))
     check = args.check and speak
     ref = train_single_device(model, cfg, microbatches=plan.microbatches) if check else None
     corpus = corpus_for(model, cfg)
-    for line in header(model, cfg, sizes, plan, args.model, corpus):
+    for line in header(model, cfg, sizes, plan, args.model, corpus) + ([peak.line(comm.size)] if peak
+                                                                         else []):
         say(line)
     if args.save is not None and getattr(corpus, "tokenizer", None) is not None and speak:
         Path(args.save).mkdir(parents=True, exist_ok=True)
         corpus.tokenizer.save(args.save)  # beside the steps: refpar export and generate --from read it
-    summary, par, out, every = collect(
-        model, cfg, mesh, plan, check=args.check, ref=ref, plain=plain, trace=args.trace,
-        on_step=progress(say, model, cfg, ref, baseline(corpus), comm.size > 1, sizes["pp"]),
-        save=args.save, save_every=args.save_every, resume=args.resume)
+    with runlog.RunLog(model, cfg, comm.size, args, peak, speak) as log:  # --log, --tensorboard, the bar
+        summary, par, out, every = collect(
+            model, cfg, mesh, plan, check=args.check, ref=ref, plain=plain, trace=args.trace,
+            on_step=log.on_step(progress(log.say, model, cfg, ref, baseline(corpus), comm.size > 1,
+                                         sizes["pp"], args.log_every)),
+            save=args.save, save_every=args.save_every, resume=args.resume)
     if not speak:
         return 0
     report(say, model, cfg, sizes, plan, par, out, every, summary)

@@ -72,9 +72,10 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
           resume: str | None = None, evaluate=None) -> Run:
     """Trains `par.train.steps` steps, or from the checkpoint `resume` (any mesh's) up to them;
     with `save`, checkpoints every `save_every` steps and after the last (refpar/checkpoint.py).
-    `on_step(step, loss, seconds, totals, moe_step, scaling, val_loss=...)` after each step (moe_step
-    None without experts; scaling, fp16 only: the step's loss scale, whether it was skipped, the skips
-    so far; val_loss None but where the validation loss was computed). `evaluate()`, called on every
+    `on_step(step, loss, seconds, totals, moe_step, scaling, val_loss=..., grad_norm=...)` after each
+    step (moe_step None without experts; scaling, fp16 only: the step's loss scale, whether it was
+    skipped, the skips so far; val_loss None but where the validation loss was computed; grad_norm, with
+    clipping: the global norm before clipping, None on a skipped step). `evaluate()`, called on every
     rank after the steps trainer.evaluates names, returns the validation loss on rank 0."""
     model, cfg, mesh, hooks, executor = par.model, par.train, par.mesh, par.hooks, par.executor
     keep_freed_memory()  # each step reuses the pages of the one before (refpar/allocator.py)
@@ -133,7 +134,8 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
             update_expert_bias(par.moe.bias, routed, model)  # from the global counts: no message
         if on_step is not None:
             on_step(step, run.losses[-1], run.step_times[-1], tracer.totals() if tracer else {}, record,
-                    None if scaler is None else (scale, skipped, len(skipped_steps)), val_loss=val_loss)
+                    None if scaler is None else (scale, skipped, len(skipped_steps)), val_loss=val_loss,
+                    grad_norm=run.grad_norms[-1] if par.clip is not None else None)
         if save is not None and checkpoint.should_save(step + 1, cfg.steps, save_every):
             checkpoint.save_training(save, step + 1, pieces(par, saving=True), model, cfg, mesh.sizes,
                                      f"engine {par.plan.strategy}", mesh.world,
