@@ -176,7 +176,7 @@ def test_a_default_table_is_never_silent_longer_than_the_heartbeat(monkeypatch):
     monkeypatch.setattr(lines, "time", SimpleNamespace(monotonic=lambda: now[0]))
     printed = []
     row = lines.progress(lambda text="": printed.append((now[0], text)), model_preset("tiny"),
-                         TrainConfig(steps=2000), None, 0.88, moves=False)
+                         TrainConfig(steps=2000), None, ("floor", 0.88), moves=False)
     for step in range(2000):
         now[0] += 25.0
         row(step, 3.0, 25.0, {}, None)
