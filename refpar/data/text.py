@@ -69,6 +69,7 @@ class TextCorpus:
     def batch(self, step: int, sample_ids, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, targets), each (b, T) int64: row i is the window of T+1 training tokens at the
         offset keyed by (seed, "data", step, sample_ids[i]); targets are the tokens shifted by one."""
+        self.check_fits(len(sample_ids), seq_len)
         starts = self.train_tokens - seq_len  # offsets 0 .. N-T-1 hold a whole window
         offsets = [int(rng.generator(self.seed, "data", step, int(s)).integers(0, starts))
                    for s in sample_ids]
@@ -77,6 +78,7 @@ class TextCorpus:
     def val_batch(self, seq_len: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens, targets), each (rows, T) int64: `rows` held-out windows evenly spaced from the
         first validation token to the last, the same on every call and every rank."""
+        self.check_fits(rows, seq_len)
         offsets = np.linspace(0, self.val_tokens - seq_len - 1, rows).round().astype(np.int64)  # (rows,)
         return _windows(self.val, offsets, seq_len)
 

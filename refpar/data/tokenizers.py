@@ -33,7 +33,7 @@ from refpar.config import ConfigError
 
 FILE_NAME = "tokenizer.json"
 REFPAR_KEY = "refpar_tokenizer"  # refpar's own tokenizer.json: {"refpar_tokenizer": "bytes" | "gpt2"}
-NAMES = ("bytes", "bpe", "gpt2")
+NAMES = ("bytes", "bpe", "gpt2")  # the tokenizers named by a word; anything else is a path
 # A corpus of a few MB (refpar's docs and lessons, a slice of the standard library) has a few hundred
 # frequent pieces (common words, indentation, keywords): 512 tokens learn those, about halve the
 # tokens per text against bytes, and keep the embedding and logits small for the tiny and small
@@ -280,7 +280,7 @@ def make_tokenizer(spec: str, texts_fn: Callable[[], Iterable[str]], vocab_size:
     elif os.sep in spec or spec.endswith(".json") or Path(spec).exists():
         tokenizer = load_tokenizer(spec)
     else:
-        raise ConfigError(f"unknown tokenizer {spec!r}; choose bytes, bpe, gpt2 or the path of a "
+        raise ConfigError(f"unknown tokenizer {spec!r}; choose {', '.join(NAMES)} or the path of a "
                           f"{FILE_NAME}")
     if vocab_size is not None and vocab_size < tokenizer.vocab_size:
         raise ConfigError(f"a vocab size of {vocab_size} is smaller than the {tokenizer.name} "
