@@ -242,6 +242,19 @@ def test_a_single_bin_file_or_a_train_bin_alone_holds_out_its_tail(tmp_path):
         assert corpus.vocab_size == 1024 and "last 20% held out" in corpus.describe()
 
 
+def test_token_files_with_a_tokenizer_take_its_vocabulary_and_decode_with_it(tmp_path):
+    library = library_bpe([random_text(3000, 6)], vocab_size=280)
+    library.save(str(tmp_path / "tokenizer.json"))
+    text = random_text(4000, 7)
+    ids = np.asarray(library.encode(text).ids, dtype=np.uint16)
+    ids.tofile(tmp_path / "text.bin")
+    corpus = open_data(tmp_path / "text.bin", tokenizer=str(tmp_path / "tokenizer.json"))
+    assert corpus.vocab_size == library.get_vocab_size() and corpus.tokenizer.name == "hf"
+    tokens, _ = corpus.batch(0, range(2), 50)
+    for row in tokens:  # each window decodes to a piece of the text
+        assert len(window_positions(ids, row)) >= 1 and corpus.tokenizer.decode(row) in text
+
+
 # --- bad input: one sentence each, naming the path and what to change -----------------------------
 
 
@@ -299,4 +312,5 @@ def test_each_bad_input_gets_one_sentence_naming_the_file_and_what_to_change(tmp
     short_text = tmp_path / "short.txt"
     refused("'bpf'", "choose bytes, bpe, gpt2", call=lambda: open_data(short_text, tokenizer="bpf"))
     refused("at least 257", call=lambda: open_data(short_text, tokenizer="bpe", vocab_size=256))
+    refused("vocab size 0", "positive integer", call=lambda: open_data(short_text, vocab_size=0))
     refused("exactly 256", call=lambda: open_data(short_text, tokenizer="bytes", vocab_size=512))

@@ -122,6 +122,9 @@ def open_data(path, tokenizer: str | None = None, vocab_size: int | None = None,
     if not 0 < val_fraction < 1:
         raise ConfigError(f"the validation fraction {val_fraction} must be between 0 and 1 (exclusive); "
                           f"use e.g. 0.1")
+    if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+        raise ConfigError(f"the vocab size {vocab_size} must be a positive integer; leave it out for "
+                          f"the tokenizer's own")
     if not path.exists():
         raise ConfigError(f"data path {path} does not exist; give a UTF-8 text file, a folder of them, "
                           f"or a folder with nanoGPT's train.bin and val.bin")
