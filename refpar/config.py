@@ -236,6 +236,9 @@ class TrainConfig:
     min_lr: float = 0.0  # where cosine, linear and wsd decay to, at the last step
     wsd_decay_steps: int | None = None  # wsd: steps of its final decay (None: a fifth after warmup)
     decay_all: bool = False  # weight decay on every tensor, not only matrices and embeddings
+    # Weights (refpar/weights.py): an HF model folder or .safetensors file to start from instead of
+    # init_params(seed); each rank reads only its slices of it.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         _require_positive("TrainConfig", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,

@@ -18,15 +18,23 @@ from pathlib import Path
 HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
 
 
+class PresetDefault(str):
+    """--model's default, told apart from a --model the user gave (which --init-from checks)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from refpar.config import MODEL_PRESETS, TrainConfig, describe_preset
 
     d = TrainConfig()
-    parser.add_argument("--model", default="tiny", help=(
+    parser.add_argument("--model", default=PresetDefault("tiny"), help=(
         f"model preset (default tiny): {describe_preset('tiny')}, the tests' model, 55K parameters; "
         f"{describe_preset('small')}, the benchmarks' model, 3.7M parameters, not GPT-2 small; "
         f"{describe_preset('gpt2')}, Hugging Face's GPT-2 small, 124M parameters; "
         f"{', '.join(name for name in MODEL_PRESETS if name not in ('tiny', 'small', 'gpt2'))}"))
+    parser.add_argument("--init-from", metavar="PATH", default=None,
+                        help="start from Hugging Face weights: a GPT2LMHeadModel or LlamaForCausalLM folder "
+                             "(config.json + model.safetensors; it gives the model's shape) or a "
+                             ".safetensors file with --model (refpar/weights.py); each rank reads its slices")
     parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     parser.add_argument("--batch-size", type=int, default=d.batch_size,
                         help=f"global batch, sequences per step (default {d.batch_size})")
@@ -233,7 +241,14 @@ def configs(args):
             raise ConfigError(f"{flag} {value} must be positive; give e.g. {flag} {example}")
     overrides = {k: v for k, v in (("dtype", precision_dtype(args)), ("dropout", args.dropout),
                                    ("n_layer", args.n_layer)) if v is not None}
-    model = model_preset(args.model, **overrides, **model_overrides(args))
+    if getattr(args, "init_from", None) is not None:  # the shape from the weights (refpar/weights.py)
+        from refpar.weights import read_hf_config
+
+        preset = None if isinstance(args.model, PresetDefault) else args.model
+        model = read_hf_config(args.init_from, preset, dtype=precision_dtype(args), dropout=args.dropout,
+                               n_layer=args.n_layer, moe=model_overrides(args))
+    else:
+        model = model_preset(args.model, **overrides, **model_overrides(args))
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                         optimizer=args.optimizer, seed=args.seed,
                         fp32_grads=getattr(args, "fp32_grads", False),
@@ -241,7 +256,8 @@ def configs(args):
                         loss_scale_window=getattr(args, "loss_scale_window", None),
                         clip_grad_norm=args.clip_grad_norm, lr_schedule=args.lr_schedule,
                         warmup_steps=args.warmup_steps, min_lr=args.min_lr,
-                        wsd_decay_steps=args.wsd_decay_steps, decay_all=args.decay_all)
+                        wsd_decay_steps=args.wsd_decay_steps, decay_all=args.decay_all,
+                        init_from=getattr(args, "init_from", None))
     train.check_model(model)
     return model, train, sizes
 

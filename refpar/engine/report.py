@@ -66,7 +66,7 @@ def _run(model, cfg, sizes: dict, plan, args, mesh, plain) -> int:
     check = args.check and speak
     ref = train_single_device(model, cfg, microbatches=plan.microbatches) if check else None
     floor = corpus_for(model, cfg).entropy_rate()
-    for line in header(model, cfg, sizes, plan, args.model, floor):
+    for line in header(model, cfg, sizes, plan, cfg.init_from or args.model, floor):
         say(line)
     summary, par, out, every = collect(
         model, cfg, mesh, plan, check=args.check, ref=ref, plain=plain, trace=args.trace,
