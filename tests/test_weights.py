@@ -1,0 +1,238 @@
+"""Weights in and out in Hugging Face's own format (refpar/weights.py): `refpar train --init-from` an
+HF folder on any mesh starts from transformers' own model, a rank reads only its slices of the file,
+and `refpar export` writes a checkpoint that `from_pretrained` loads with the same logits.
+
+The HF models are GPT2LMHeadModel and LlamaForCausalLM built from tiny configs (no download), in
+float64, saved with save_pretrained(safe_serialization=True): the folder a user with a hub copy has.
+The oracle is transformers itself: its logits (eager attention; Llama's float32 casts made no-ops as
+in tests/hf_float64.py) and torch's cross-entropy on refpar's batch.
+"""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import refpar.model as M
+from refpar import checkpoint
+from refpar.cli import main
+from refpar.config import ModelConfig
+from refpar.holdings import tp_param_slices
+from refpar.model.data import MarkovCorpus
+from tests.mpi import mpiexec, refpar_json
+from tests.numerics import CONTRACT, rel_diff, within
+
+torch = pytest.importorskip("torch", reason="torch is not installed: pip install 'refpar[torch]'")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install "
+                                   "'refpar[dev]'")
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+from refpar import weights  # noqa: E402
+from tests.hf_float64 import compute_in_input_dtype  # noqa: E402
+
+HF_CONFIGS = {
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                            bos_token_id=0, eos_token_id=0),
+    "llama": lambda: transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                              num_hidden_layers=2, num_attention_heads=4,
+                                              num_key_value_heads=2, max_position_embeddings=32,
+                                              rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=0,
+                                              eos_token_id=0),
+}
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+B, T, SEED = 8, 16, 1234  # refpar train's default batch, sequence and seed
+
+
+def hf_folder(path, family: str):
+    """An HF model of `family` in float64, its norms and biases moved away from 1 and 0 (so that a
+    swapped or skipped one shows), saved as save_pretrained saves it; returns the model."""
+    torch.manual_seed(0)
+    cls = getattr(transformers, CLASSES[family])
+    model = cls(HF_CONFIGS[family]()).to(torch.float64).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_first_loss(model, vocab_size: int) -> float:
+    """transformers' logits on step 0's batch of refpar's corpus, and torch's mean cross-entropy."""
+    tokens, targets = MarkovCorpus(vocab_size, SEED).batch(0, range(B), T)  # (B, T) each
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens)).logits  # (B, T, V)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size),
+                                             torch.from_numpy(targets).reshape(-1)).item()
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def hf(request, tmp_path_factory):
+    """(family, folder, transformers' first loss) for each family, built once."""
+    family = request.param
+    folder = tmp_path_factory.mktemp(f"hf-{family}")
+    with pytest.MonkeyPatch.context() as mp:
+        compute_in_input_dtype(mp, modeling_llama, "Llama")
+        model = hf_folder(folder, family)
+        return family, folder, hf_first_loss(model, 96)
+
+
+@pytest.mark.parametrize("mesh, ranks", [(None, 1), ("dp=2,tp=2", 4), ("pp=2", 2)],
+                         ids=["one-device", "dp2-tp2", "pp2"])
+def test_init_from_an_hf_folder_starts_from_transformers_loss_and_matches_the_single_device(hf, mesh, ranks):
+    family, folder, hf_loss = hf
+    args = ["train", "--init-from", str(folder), "--dtype", "float64", "--dropout", "0", "--steps", "2",
+            "--check"] + (["--mesh", mesh, "--microbatches", "2"] if mesh else [])
+    out = refpar_json(ranks, *args, timeout=300)
+    assert out["model"]["arch"] == family and out["model"]["n_layer"] == 2  # the shape of config.json
+    diffs = {"first loss vs transformers": rel_diff(out["losses"][0], hf_loss),
+             "single device's first loss vs transformers": rel_diff(out["reference_losses"][0], hf_loss),
+             "losses vs single device": out["max_loss_rel_diff"],
+             "parameters vs single device after 2 steps": out["max_param_rel_diff"]}
+    print(f"{family} {mesh}: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    assert all(within(v, CONTRACT) for v in diffs.values()), diffs
+
+
+class SliceSpy:
+    """safetensors' safe_open, recording every (key, index) a tensor is read by."""
+
+    def __init__(self, real):
+        self.real, self.reads = real, []
+
+    def __call__(self, *args, **kwargs):
+        handle, spy = self.real(*args, **kwargs), self
+
+        class Opened:
+            def get_slice(self, key):
+                tensor = handle.get_slice(key)
+
+                class Slice:
+                    def __getitem__(self, index):
+                        spy.reads.append((key, index))
+                        return tensor[index]
+                return Slice()
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+        return Opened()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_tp_rank_reads_only_its_slices_of_each_tensor(tmp_path, monkeypatch, family):
+    hf_folder(tmp_path, family)
+    config = weights.read_hf_config(tmp_path)
+    full = weights.read_params(tmp_path, config)
+    for rank in range(2):
+        spy = SliceSpy(weights.safe_open)
+        monkeypatch.setattr(weights, "safe_open", spy)
+        slices = tp_param_slices(config, 2, rank)
+        mine = weights.read_params(tmp_path, config, slices=slices)
+        for name, shard in mine.items():
+            key = weights.SafetensorsWeights(tmp_path).key(name)
+            reads = [index for k, index in spy.reads if k == key]
+            if name not in slices:  # replicated: read whole, once
+                assert reads == [(slice(None),) * full[name].ndim], name
+                continue
+            axis, held = slices[name]
+            read_rows = [i for index in reads for i in range(*index[axis].indices(full[name].shape[axis]))]
+            assert read_rows == list(held), name  # exactly its global indices, each once
+            assert all(s == slice(None) for index in reads for s in index[:axis]), name
+            assert shard.size < full[name].size
+            assert np.array_equal(shard, np.take(full[name], held, axis=axis)), name
+        if family == "gpt2":  # c_attn's q, k and v columns: three runs, three slices
+            assert len([1 for k, _ in spy.reads if k == "transformer.h.0.attn.c_attn.weight"]) == 3
+
+
+@pytest.mark.parametrize("preset, mesh, ranks", [("tiny", "tp=2", 2), ("llama-tiny", None, 1)])
+def test_an_exported_checkpoint_loads_in_transformers_with_refpars_logits(tmp_path, monkeypatch, preset, mesh,
+                                                                         ranks):
+    run = tmp_path / "run"
+    mpiexec(ranks, "-m", "refpar", "train", "--model", preset, "--dtype", "float64", "--steps", "3",
+            "--save", str(run), *(["--mesh", mesh] if mesh else []), timeout=300)
+    (run / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')  # what a text run leaves there
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0
+
+    manifest = checkpoint.read_manifest(run)  # the checkpoint's own parameters, read as --resume reads them
+    names = [n.removeprefix("params/") for n in manifest["tensors"] if n.startswith("params/")]
+    arrays = checkpoint.load(run, [checkpoint.whole(f"params/{n}", manifest["tensors"][f"params/{n}"][0])
+                                   for n in names], manifest)
+    params = dict(zip(names, arrays, strict=True))
+    config = ModelConfig(**manifest["model"])
+
+    compute_in_input_dtype(monkeypatch, modeling_llama, "Llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    assert type(model).__name__ == CLASSES[config.arch]
+    assert all(p.dtype == torch.float64 for p in model.parameters())  # stored float64, loaded float64
+    tokens, _ = MarkovCorpus(config.vocab_size, 7).batch(0, range(3), config.n_positions)  # (3, P)
+    with torch.no_grad():
+        hf_logits = model.eval()(torch.from_numpy(tokens)).logits.numpy()  # (3, P, V)
+    diff = rel_diff(hf_logits, M.forward(params, tokens, config))
+    print(f"{preset}: exported logits vs refpar's {diff:.1e}")
+    assert within(diff, CONTRACT)
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    # and back in: the HF folder gives the checkpoint's parameters, bit for bit (float64 throughout)
+    again_config, again = weights.load_model(tmp_path / "hf")
+    assert again_config.dtype == "float64" and list(again) == names
+    assert all(np.array_equal(again[n], params[n]) for n in names)
+
+
+# --------------------------------------------------------------------------------------- bad input
+def edited_folder(src, dst, **changes):
+    """A copy of HF folder `src` with config.json's fields changed (None: removed)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return dst
+
+
+def refused(argv, capsys) -> str:
+    """The one line `refpar` prints for `argv`, which it must refuse with exit status 2."""
+    capsys.readouterr()  # what came before (save_pretrained's progress bars)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_bad_weights_are_refused_in_one_sentence(tmp_path, capsys):
+    llama, gpt2 = tmp_path / "llama", tmp_path / "gpt2"
+    hf_folder(llama, "llama")
+    hf_folder(gpt2, "gpt2")
+    train = ["train", "--steps", "1", "--init-from"]
+    mistral = edited_folder(llama, tmp_path / "mistral", model_type="mistral",
+                            architectures=["MistralForCausalLM"])
+    assert "refpar reads GPT2LMHeadModel and LlamaForCausalLM" in refused(train + [str(mistral)], capsys)
+    scaled = edited_folder(llama, tmp_path / "scaled", rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                                                        "rope_theta": 500000.0})
+    assert "rope_type 'llama3'" in refused(train + [str(scaled)], capsys)
+    biased = edited_folder(llama, tmp_path / "biased", attention_bias=True)
+    assert "attention_bias=True" in refused(train + [str(biased)], capsys)
+    relu = edited_folder(gpt2, tmp_path / "relu", activation_function="relu")
+    assert "activation_function='relu'" in refused(train + [str(relu)], capsys)
+    assert "--model tiny has n_layer=4" in refused(train + [str(gpt2), "--model", "tiny"], capsys)
+    assert "--n-layer 4 contradicts" in refused(train + [str(gpt2), "--n-layer", "4"], capsys)
+    assert "dense model" in refused(train + [str(gpt2), "--moe-experts", "2"], capsys)
+
+    bare = gpt2 / "model.safetensors"  # 2 layers; the tiny preset has 4
+    assert "add --model PRESET" in refused(train + [str(bare)], capsys)
+    assert "has no tensor h.2.ln_1.weight" in refused(train + [str(bare), "--model", "tiny"], capsys)
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    shutil.copy(bare, no_config)
+    assert "has no config.json" in refused(train + [str(no_config)], capsys)
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    shutil.copy(gpt2 / "config.json", no_weights)
+    assert "has no model.safetensors" in refused(train + [str(no_weights)], capsys)
+    pickle = tmp_path / "pytorch_model.safetensors"
+    pickle.write_bytes(b"PK\x03\x04 a torch.save zip, not safetensors" * 10)
+    assert "is not a safetensors file" in refused(train + [str(pickle), "--model", "tiny"], capsys)
+
+    assert "is not an empty folder" in refused(["export", str(tmp_path), str(gpt2)], capsys)
+    assert "is not a folder" in refused(["export", str(bare), str(tmp_path / "new")], capsys)
+    assert not (tmp_path / "new").exists()
