@@ -5,6 +5,7 @@ or the shards model.safetensors.index.json lists) or a bare .safetensors file, f
     mpiexec -n 4 python -m refpar train --init-from hf-folder --mesh dp=2,tp=2 --check
     refpar export runs/tiny hf-folder                                    # export_checkpoint
     config, params = load_model("hf-folder")             # an HF folder or a refpar checkpoint, whole
+    tokenizer = find_tokenizer("hf-folder")              # its tokenizer.json, if it has one
 
 The names are the families' own (refpar/model/__init__.py): GPT-2's `wte.weight`, ... with or without
 GPT2LMHeadModel's `transformer.` prefix, in Conv1D's weight[in, out]; LlamaForCausalLM's
@@ -356,6 +357,21 @@ def load_model(path, preset: str | None = None, dtype: str | None = None) -> tup
     return config, read_params(path, config)
 
 
+def find_tokenizer(path) -> Path | None:
+    """The tokenizer.json that goes with the weights at `path`: an HF folder's own, or a refpar
+    checkpoint's (in its step folder or the run folder above it, where a text run saves it); None
+    where there is none (a Markov-corpus run's tokens are their own ids)."""
+    path = Path(path)
+    if is_refpar_checkpoint(path):
+        from refpar import checkpoint
+
+        step = checkpoint.find(path)
+        candidates = [step / TOKENIZER, step.parent / TOKENIZER]
+    else:
+        candidates = [(path if path.is_dir() else path.parent) / TOKENIZER]
+    return next((p for p in candidates if p.is_file()), None)
+
+
 def checkpoint_params(path) -> tuple[ModelConfig, dict]:
     """(ModelConfig, parameters in the checkpoint's dtype) of a refpar checkpoint, whatever mesh
     wrote it (its optimizer state is not read)."""
@@ -451,5 +467,5 @@ def export_checkpoint(ckpt, out) -> tuple[Path, ModelConfig, Path | None]:
     check_export_target(out)
     step = checkpoint.find(ckpt)
     config, params = checkpoint_params(step)
-    tokenizer = next((p for p in (step / TOKENIZER, step.parent / TOKENIZER) if p.is_file()), None)
+    tokenizer = find_tokenizer(step)
     return write_hf_folder(config, params, out, tokenizer), config, tokenizer

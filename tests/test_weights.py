@@ -147,6 +147,22 @@ def test_a_tp_rank_reads_only_its_slices_of_each_tensor(tmp_path, monkeypatch, f
             assert len([1 for k, _ in spy.reads if k == "transformer.h.0.attn.c_attn.weight"]) == 3
 
 
+def test_bfloat16_weights_are_read_by_slices_and_converted_to_the_runs_dtype(tmp_path):
+    """Hub Llamas are stored in bfloat16, which NumPy's safetensors binding cannot return: they are
+    sliced from a memory map instead, and widened exactly (every bfloat16 is a float64)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(HF_CONFIGS["llama"]()).to(torch.bfloat16)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    assert weights.read_hf_config(tmp_path).dtype == "bfloat16"  # the folder's own, unless the run says
+    config = weights.read_hf_config(tmp_path, dtype="float64")
+    state = {n: t.to(torch.float64).numpy() for n, t in model.state_dict().items()}
+    for rank in range(2):
+        slices = tp_param_slices(config, 2, rank)
+        for name, shard in weights.read_params(tmp_path, config, slices=slices).items():
+            axis, held = slices.get(name, (0, np.arange(state[name].shape[0])))
+            assert shard.dtype == np.float64 and np.array_equal(shard, np.take(state[name], held, axis=axis))
+
+
 @pytest.mark.parametrize("preset, mesh, ranks", [("tiny", "tp=2", 2), ("llama-tiny", None, 1)])
 def test_an_exported_checkpoint_loads_in_transformers_with_refpars_logits(tmp_path, monkeypatch, preset, mesh,
                                                                          ranks):
@@ -174,6 +190,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_refpars_logits(tmp_pa
     print(f"{preset}: exported logits vs refpar's {diff:.1e}")
     assert within(diff, CONTRACT)
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    assert weights.find_tokenizer(tmp_path / "hf") == tmp_path / "hf" / "tokenizer.json"
     # and back in: the HF folder gives the checkpoint's parameters, bit for bit (float64 throughout)
     again_config, again = weights.load_model(tmp_path / "hf")
     assert again_config.dtype == "float64" and list(again) == names
