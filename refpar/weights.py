@@ -45,7 +45,7 @@ TOKENIZER = "tokenizer.json"  # a text run's tokenizer, which `export` copies be
 FILE_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Buffers that older files saved beside the weights: GPT-2's causal mask, Llama's rotary inv_freq.
 BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 # The ModelConfig fields that set the parameters' shapes, which a --model preset must agree on.
 SHAPE_FIELDS = ("arch", "vocab_size", "n_positions", "n_embd", "n_head", "n_layer", "n_kv_head",
                 "intermediate_size", "tie_embeddings", "moe_experts")
@@ -249,9 +249,24 @@ def _llama_fields(hf: dict, where: Path) -> dict:
                 init_std=float(_get(hf, "initializer_range", 0.02)), dropout=0.0)
 
 
+def _mixtral_fields(hf: dict, where: Path) -> dict:
+    """ModelConfig fields of a MixtralForCausalLM config.json: Llama's blocks with Mixtral's experts in
+    every one (refpar/model/mixtral.py), routed as transformers routes them: top-k of a softmax,
+    renormalised, no capacity (dropless), and no router loss in the training loss unless
+    output_router_logits (which refpar does not take: its Switch loss is its own)."""
+    _require(hf, "router_jitter_noise", (0, 0.0), 0.0, where, "router adds no noise to its logits")
+    _require(hf, "sliding_window", (None,), None, where, "attention is causal over the whole sequence")
+    _require(hf, "output_router_logits", (False,), False, where,
+             "training loss adds no HF load-balancing loss")
+    return _llama_fields(hf, where) | dict(
+        moe_experts=int(_get(hf, "num_local_experts", 8)), moe_top_k=int(_get(hf, "num_experts_per_tok", 2)),
+        moe_dropless=True, moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0)
+
+
 def read_hf_config(path, preset: str | None = None, *, dtype: str | None = None, dropout: float | None = None,
                    n_layer: int | None = None, moe: dict | None = None) -> ModelConfig:
-    """The ModelConfig of an HF model folder's config.json (GPT2LMHeadModel or LlamaForCausalLM), or
+    """The ModelConfig of an HF model folder's config.json (GPT2LMHeadModel, LlamaForCausalLM or
+    MixtralForCausalLM), or
     of `preset` for a bare .safetensors file, checked against the file's tensors (names, shapes,
     dtypes). `dtype` (the run's --dtype/--precision) defaults to the weights' own dtype for a folder,
     the preset's for a bare file; `dropout` replaces GPT-2's; `preset`, `n_layer` and `moe` (the
@@ -281,15 +296,17 @@ def read_hf_config(path, preset: str | None = None, *, dtype: str | None = None,
         raise ConfigError(f"{where} is not a JSON config ({err}); give the config.json save_pretrained "
                           "wrote") from None
     family = _family(hf, where)
-    fields = _gpt2_fields(hf, where, dropout) if family == "gpt2" else _llama_fields(hf, where)
-    if family == "llama" and dropout is not None:
+    fields = {"gpt2": lambda: _gpt2_fields(hf, where, dropout), "llama": lambda: _llama_fields(hf, where),
+              "mixtral": lambda: _mixtral_fields(hf, where)}[family]()
+    if family != "gpt2" and dropout is not None:
         fields["dropout"] = dropout  # Llama's check says what to do with a nonzero one
     if n_layer is not None and n_layer != fields["n_layer"]:
         raise ConfigError(f"--n-layer {n_layer} contradicts {where}, whose model has {fields['n_layer']} "
                           "layers; drop --n-layer")
     if moe:
-        raise ConfigError(f"--moe-experts makes a Mixture of Experts, but {where} is a dense model; drop "
-                          "the --moe-* flags")
+        what = "gives its experts" if family == "mixtral" else "is a dense model"
+        raise ConfigError(f"--moe-experts makes a Mixture of Experts, but {where} {what}; drop the --moe-* "
+                          "flags")
     config = ModelConfig(**fields)
     if preset is not None:
         wanted = model_preset(preset)
@@ -309,7 +326,7 @@ def _family(hf: dict, where: Path) -> str:
     if kind in ARCHITECTURES and ARCHITECTURES[kind] in archs:
         return kind
     raise ConfigError(f"{where} describes {', '.join(map(str, archs))} (model_type {kind!r}); refpar reads "
-                      f"{' and '.join(ARCHITECTURES.values())} folders")
+                      f"{', '.join(ARCHITECTURES.values())} folders")
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -393,7 +410,8 @@ def hf_config(config: ModelConfig) -> dict:
     """config.json of `config` for transformers: GPT2LMHeadModel or LlamaForCausalLM, `dtype` the
     weights' (float64 stays float64). The special tokens are left unset (null): refpar's
     vocabularies have none."""
-    common = {"architectures": [ARCHITECTURES[config.arch]], "model_type": config.arch,
+    kind = "mixtral" if config.moe_experts else config.arch
+    common = {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
               "vocab_size": config.vocab_size, "initializer_range": config.init_std,
               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "dtype": config.dtype,
               "use_cache": True}
@@ -405,7 +423,10 @@ def hf_config(config: ModelConfig) -> dict:
             "embd_pdrop": config.dropout, "attn_pdrop": config.dropout, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
             "tie_word_embeddings": True}
-    return common | {
+    experts = {} if not config.moe_experts else {
+        "num_local_experts": config.moe_experts, "num_experts_per_tok": config.moe_top_k,
+        "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None}
+    return common | experts | {
         "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
         "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
         "num_key_value_heads": config.n_kv_head, "head_dim": config.head_size,
@@ -426,15 +447,30 @@ def check_export_target(out) -> Path:
     return out
 
 
+def check_exportable(config: ModelConfig) -> None:
+    """A model transformers runs as refpar does: GPT-2, Llama, or Llama with Mixtral's experts in every
+    block, routed by a softmax (MixtralForCausalLM; it routes without capacity, so a checkpoint
+    trained with one gives the same logits where no token was dropped)."""
+    if not config.moe_experts:
+        return
+    problem = ("GPT-2's experts have no Hugging Face model" if config.arch == "gpt2" else
+               "MixtralForCausalLM has experts in every block" if config.moe_layers is not None else
+               "MixtralForCausalLM routes by a softmax" if config.moe_gate != "softmax" else
+               "MixtralForCausalLM routes without expert groups" if config.moe_group_limit else
+               "a checkpoint does not hold aux-free balancing's expert biases"
+               if config.moe_balance == "aux-free" else None)
+    if problem:
+        raise ConfigError(f"refpar export cannot write this Mixture of Experts: {problem}; export dense "
+                          "GPT-2 or Llama, or Llama with --moe-experts in every block")
+
+
 def write_hf_folder(config: ModelConfig, params: dict, out, tokenizer: Path | None = None) -> Path:
     """OUT/config.json and OUT/model.safetensors (HF's keys: `transformer.` + GPT-2's names, Llama's
     as they are), plus a copy of `tokenizer`, written into a temporary folder beside OUT and renamed
     to it at the end: OUT is the whole export or absent."""
     from refpar.model import to_hf_state_dict
 
-    if config.moe_experts:
-        raise ConfigError("refpar export writes dense GPT-2 and Llama models; this checkpoint has "
-                          f"{config.moe_experts} experts per MoE block, which it cannot write yet")
+    check_exportable(config)
     out = check_export_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

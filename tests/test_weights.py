@@ -17,7 +17,7 @@ import pytest
 import refpar.model as M
 from refpar import checkpoint
 from refpar.cli import main
-from refpar.config import ModelConfig
+from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import tp_param_slices
 from refpar.model.data import MarkovCorpus
 from tests.mpi import mpiexec, refpar_json
@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: pip install
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install "
                                    "'refpar[dev]'")
 from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 
 from refpar import weights  # noqa: E402
 from tests.hf_float64 import compute_in_input_dtype  # noqa: E402
@@ -39,14 +40,21 @@ HF_CONFIGS = {
                                               num_key_value_heads=2, max_position_embeddings=32,
                                               rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=0,
                                               eos_token_id=0),
+    "mixtral": lambda: transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48,
+                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                  num_key_value_heads=2, max_position_embeddings=32,
+                                                  num_local_experts=4, num_experts_per_tok=2,
+                                                  bos_token_id=0, eos_token_id=0,
+                                                  experts_implementation="eager"),
 }
-CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 B, T, SEED = 8, 16, 1234  # refpar train's default batch, sequence and seed
 
 
 def hf_folder(path, family: str):
     """An HF model of `family` in float64, its norms and biases moved away from 1 and 0 (so that a
-    swapped or skipped one shows), saved as save_pretrained saves it; returns the model."""
+    swapped or skipped one shows) and Mixtral's routers scaled so that no top-2 choice is near a tie,
+    saved as save_pretrained saves it; returns the model."""
     torch.manual_seed(0)
     cls = getattr(transformers, CLASSES[family])
     model = cls(HF_CONFIGS[family]()).to(torch.float64).eval()
@@ -54,6 +62,8 @@ def hf_folder(path, family: str):
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.mul_(20.0)
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -67,25 +77,34 @@ def hf_first_loss(model, vocab_size: int) -> float:
                                              torch.from_numpy(targets).reshape(-1)).item()
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
-def hf(request, tmp_path_factory):
-    """(family, folder, transformers' first loss) for each family, built once."""
-    family = request.param
-    folder = tmp_path_factory.mktemp(f"hf-{family}")
-    with pytest.MonkeyPatch.context() as mp:
-        compute_in_input_dtype(mp, modeling_llama, "Llama")
-        model = hf_folder(folder, family)
-        return family, folder, hf_first_loss(model, 96)
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    """family -> (folder, transformers' first loss), each built once."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            folder = tmp_path_factory.mktemp(f"hf-{family}")
+            with pytest.MonkeyPatch.context() as mp:
+                compute_in_input_dtype(mp, modeling_llama, "Llama")
+                compute_in_input_dtype(mp, modeling_mixtral, "Mixtral")
+                built[family] = folder, hf_first_loss(hf_folder(folder, family), 96)
+        return built[family]
+    return get
 
 
-@pytest.mark.parametrize("mesh, ranks", [(None, 1), ("dp=2,tp=2", 4), ("pp=2", 2)],
-                         ids=["one-device", "dp2-tp2", "pp2"])
-def test_init_from_an_hf_folder_starts_from_transformers_loss_and_matches_the_single_device(hf, mesh, ranks):
-    family, folder, hf_loss = hf
+MESHES = [(None, 1), ("dp=2,tp=2", 4), ("pp=2", 2)]
+
+
+@pytest.mark.parametrize("family, mesh, ranks", [(f, m, n) for f in ("gpt2", "llama") for m, n in MESHES]
+                         + [("mixtral", "dp=2,ep=2", 4)])
+def test_init_from_an_hf_folder_starts_from_transformers_loss_and_matches_the_single_device(
+        hf_folders, family, mesh, ranks):
+    folder, hf_loss = hf_folders(family)
     args = ["train", "--init-from", str(folder), "--dtype", "float64", "--dropout", "0", "--steps", "2",
             "--check"] + (["--mesh", mesh, "--microbatches", "2"] if mesh else [])
     out = refpar_json(ranks, *args, timeout=300)
-    assert out["model"]["arch"] == family and out["model"]["n_layer"] == 2  # the shape of config.json
+    assert out["model"]["n_layer"] == 2 and out["model"]["moe_experts"] == (4 if family == "mixtral" else 0)
     diffs = {"first loss vs transformers": rel_diff(out["losses"][0], hf_loss),
              "single device's first loss vs transformers": rel_diff(out["reference_losses"][0], hf_loss),
              "losses vs single device": out["max_loss_rel_diff"],
@@ -163,12 +182,17 @@ def test_bfloat16_weights_are_read_by_slices_and_converted_to_the_runs_dtype(tmp
             assert shard.dtype == np.float64 and np.array_equal(shard, np.take(state[name], held, axis=axis))
 
 
-@pytest.mark.parametrize("preset, mesh, ranks", [("tiny", "tp=2", 2), ("llama-tiny", None, 1)])
-def test_an_exported_checkpoint_loads_in_transformers_with_refpars_logits(tmp_path, monkeypatch, preset, mesh,
-                                                                         ranks):
+MIXTRAL_FLAGS = ("--moe-experts", "4", "--moe-topk", "2", "--dropless")
+
+
+@pytest.mark.parametrize("preset, flags, ranks", [("tiny", ("--mesh", "tp=2"), 2), ("llama-tiny", (), 1),
+                                                  ("llama-tiny", ("--mesh", "ep=2", *MIXTRAL_FLAGS), 2)],
+                         ids=["gpt2-tp2", "llama", "mixtral-ep2"])
+def test_an_exported_checkpoint_loads_in_transformers_with_refpars_logits(tmp_path, monkeypatch, preset,
+                                                                         flags, ranks):
     run = tmp_path / "run"
     mpiexec(ranks, "-m", "refpar", "train", "--model", preset, "--dtype", "float64", "--steps", "3",
-            "--save", str(run), *(["--mesh", mesh] if mesh else []), timeout=300)
+            "--save", str(run), *flags, timeout=300)
     (run / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')  # what a text run leaves there
     assert main(["export", str(run), str(tmp_path / "hf")]) == 0
 
@@ -180,14 +204,17 @@ def test_an_exported_checkpoint_loads_in_transformers_with_refpars_logits(tmp_pa
     config = ModelConfig(**manifest["model"])
 
     compute_in_input_dtype(monkeypatch, modeling_llama, "Llama")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
-    assert type(model).__name__ == CLASSES[config.arch]
+    compute_in_input_dtype(monkeypatch, modeling_mixtral, "Mixtral")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager",
+                                                              experts_implementation="eager")
+    family = "mixtral" if config.moe_experts else config.arch
+    assert type(model).__name__ == CLASSES[family]
     assert all(p.dtype == torch.float64 for p in model.parameters())  # stored float64, loaded float64
     tokens, _ = MarkovCorpus(config.vocab_size, 7).batch(0, range(3), config.n_positions)  # (3, P)
     with torch.no_grad():
         hf_logits = model.eval()(torch.from_numpy(tokens)).logits.numpy()  # (3, P, V)
     diff = rel_diff(hf_logits, M.forward(params, tokens, config))
-    print(f"{preset}: exported logits vs refpar's {diff:.1e}")
+    print(f"{family}: exported logits vs refpar's {diff:.1e}")
     assert within(diff, CONTRACT)
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
     assert weights.find_tokenizer(tmp_path / "hf") == tmp_path / "hf" / "tokenizer.json"
@@ -223,7 +250,8 @@ def test_bad_weights_are_refused_in_one_sentence(tmp_path, capsys):
     train = ["train", "--steps", "1", "--init-from"]
     mistral = edited_folder(llama, tmp_path / "mistral", model_type="mistral",
                             architectures=["MistralForCausalLM"])
-    assert "refpar reads GPT2LMHeadModel and LlamaForCausalLM" in refused(train + [str(mistral)], capsys)
+    reads = "refpar reads GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM folders"
+    assert reads in refused(train + [str(mistral)], capsys)
     scaled = edited_folder(llama, tmp_path / "scaled", rope_parameters={"rope_type": "llama3", "factor": 8.0,
                                                                         "rope_theta": 500000.0})
     assert "rope_type 'llama3'" in refused(train + [str(scaled)], capsys)
@@ -234,6 +262,7 @@ def test_bad_weights_are_refused_in_one_sentence(tmp_path, capsys):
     assert "--model tiny has n_layer=4" in refused(train + [str(gpt2), "--model", "tiny"], capsys)
     assert "--n-layer 4 contradicts" in refused(train + [str(gpt2), "--n-layer", "4"], capsys)
     assert "dense model" in refused(train + [str(gpt2), "--moe-experts", "2"], capsys)
+    assert "dense model; drop ep" in refused(train + [str(gpt2), "--mesh", "ep=2"], capsys)
 
     bare = gpt2 / "model.safetensors"  # 2 layers; the tiny preset has 4
     assert "add --model PRESET" in refused(train + [str(bare)], capsys)
@@ -251,5 +280,7 @@ def test_bad_weights_are_refused_in_one_sentence(tmp_path, capsys):
     assert "is not a safetensors file" in refused(train + [str(pickle), "--model", "tiny"], capsys)
 
     assert "is not an empty folder" in refused(["export", str(tmp_path), str(gpt2)], capsys)
+    with pytest.raises(ConfigError, match="GPT-2's experts have no Hugging Face model"):
+        weights.check_exportable(ModelConfig(moe_experts=2))
     assert "is not a folder" in refused(["export", str(bare), str(tmp_path / "new")], capsys)
     assert not (tmp_path / "new").exists()

@@ -4,7 +4,8 @@
     refpar export runs/tiny hf-tiny          # runs/tiny's newest complete step, or runs/tiny/step-N
     python -c "import transformers; transformers.AutoModelForCausalLM.from_pretrained('hf-tiny')"
 
-OUT gets config.json (GPT2LMHeadModel or LlamaForCausalLM, `dtype` the checkpoint's), model.safetensors
+OUT gets config.json (GPT2LMHeadModel, LlamaForCausalLM, or MixtralForCausalLM for Llama with experts
+in every block; `dtype` the checkpoint's), model.safetensors
 (Hugging Face's keys and layouts, the parameters in the checkpoint's dtype: a float64 run's stay
 float64, so the round trip is exact) and the run's tokenizer.json if the run folder has one. It is
 written in a temporary folder beside OUT and renamed at the end: OUT is whole or absent
@@ -28,13 +29,13 @@ def run(args) -> int:
     from pathlib import Path
 
     from refpar.config import ConfigError
-    from refpar.weights import export_checkpoint
+    from refpar.weights import export_checkpoint, hf_config
 
     if not Path(args.ckpt).is_dir():
         raise ConfigError(f"{args.ckpt} is not a folder; give the checkpoint folder refpar train --save "
                           "wrote (DIR or DIR/step-N)")
     out, config, tokenizer = export_checkpoint(args.ckpt, args.out)
-    family = "GPT2LMHeadModel" if config.arch == "gpt2" else "LlamaForCausalLM"
+    family = hf_config(config)["architectures"][0]
     print(f"wrote {out}: {family}, {config.n_layer} layers, {config.n_embd} channels, {config.dtype}"
           + (f", with {tokenizer}" if tokenizer else "")
           + f"; load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})", flush=True)

@@ -232,7 +232,7 @@ def configs(args):
     from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset, parse_mesh
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
-    if sizes["ep"] > 1 and not args.moe_experts:
+    if sizes["ep"] > 1 and not args.moe_experts and getattr(args, "init_from", None) is None:
         raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
                           f"E >= {sizes['ep']}")
     for flag, value, example in (("--steps", args.steps, 5), ("--batch-size", args.batch_size, 8),
@@ -247,6 +247,9 @@ def configs(args):
         preset = None if isinstance(args.model, PresetDefault) else args.model
         model = read_hf_config(args.init_from, preset, dtype=precision_dtype(args), dropout=args.dropout,
                                n_layer=args.n_layer, moe=model_overrides(args))
+        if sizes["ep"] > 1 and not model.moe_experts:
+            raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks, but {args.init_from} is a dense "
+                              "model; drop ep from --mesh")
     else:
         model = model_preset(args.model, **overrides, **model_overrides(args))
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
