@@ -285,6 +285,9 @@ def read_hf_config(path, preset: str | None = None, *, dtype: str | None = None,
         SafetensorsWeights(path).check(config, f"--model {preset}")
         return config
     where = path / CONFIG
+    if not where.is_file() and ((path / "manifest.json").is_file() or any(path.glob("step-*/manifest.json"))):
+        raise ConfigError(f"{path} is a refpar checkpoint, not a Hugging Face folder; continue it with "
+                          f"--resume {path}, or write it as one with refpar export {path} OUT")
     if not where.is_file():
         raise ConfigError(f"{path} has no {CONFIG}; give a Hugging Face model folder (config.json and "
                           "model.safetensors) or a .safetensors file with --model PRESET")

@@ -194,6 +194,7 @@ def test_an_exported_checkpoint_loads_in_transformers_with_refpars_logits(tmp_pa
     mpiexec(ranks, "-m", "refpar", "train", "--model", preset, "--dtype", "float64", "--steps", "3",
             "--save", str(run), *flags, timeout=300)
     (run / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')  # what a text run leaves there
+    (tmp_path / "hf").mkdir()  # an empty OUT is taken, as a new one
     assert main(["export", str(run), str(tmp_path / "hf")]) == 0
 
     manifest = checkpoint.read_manifest(run)  # the checkpoint's own parameters, read as --resume reads them
@@ -275,6 +276,10 @@ def test_bad_weights_are_refused_in_one_sentence(tmp_path, capsys):
     no_weights.mkdir()
     shutil.copy(gpt2 / "config.json", no_weights)
     assert "has no model.safetensors" in refused(train + [str(no_weights)], capsys)
+    run = tmp_path / "run" / "step-00000002"  # what --save writes, as far as its layout goes
+    run.mkdir(parents=True)
+    (run / "manifest.json").write_text("{}")
+    assert "is a refpar checkpoint" in refused(train + [str(run.parent)], capsys)
     pickle = tmp_path / "pytorch_model.safetensors"
     pickle.write_bytes(b"PK\x03\x04 a torch.save zip, not safetensors" * 10)
     assert "is not a safetensors file" in refused(train + [str(pickle), "--model", "tiny"], capsys)
