@@ -75,7 +75,8 @@ class SafetensorsWeights:
     def check(self, config: ModelConfig, shape_from: str) -> None:
         """Every parameter of `config` is in the files, of its shape, in a float dtype refpar reads,
         and no tensor is left over (a file of another model); `shape_from` says where the config's
-        shape came from, for the sentence."""
+        shape came from, for the sentence. A tied head is the embedding: HF's files leave it out, and
+        one that is there is not read."""
         shapes = param_shapes(config)
         for name, shape in shapes.items():
             key = self.key(name)

@@ -222,6 +222,8 @@ def test_an_exported_checkpoint_loads_in_transformers_with_refpars_logits(tmp_pa
     # and back in: the HF folder gives the checkpoint's parameters, bit for bit (float64 throughout)
     again_config, again = weights.load_model(tmp_path / "hf")
     assert again_config.dtype == "float64" and list(again) == names
+    if not config.moe_experts:  # config.json gives the checkpoint's config back (Mixtral's: as HF routes)
+        assert again_config == config
     assert all(np.array_equal(again[n], params[n]) for n in names)
 
 
