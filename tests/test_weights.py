@@ -145,8 +145,9 @@ def test_a_tp_rank_reads_only_its_slices_of_each_tensor(tmp_path, monkeypatch, f
     hf_folder(tmp_path, family)
     config = weights.read_hf_config(tmp_path)
     full = weights.read_params(tmp_path, config)
+    real = weights.safe_open
     for rank in range(2):
-        spy = SliceSpy(weights.safe_open)
+        spy = SliceSpy(real)
         monkeypatch.setattr(weights, "safe_open", spy)
         slices = tp_param_slices(config, 2, rank)
         mine = weights.read_params(tmp_path, config, slices=slices)
@@ -255,6 +256,9 @@ def test_bad_weights_are_refused_in_one_sentence(tmp_path, capsys):
                             architectures=["MistralForCausalLM"])
     reads = "refpar reads GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM folders"
     assert reads in refused(train + [str(mistral)], capsys)
+    job = mpiexec(2, "-m", "refpar", *train, str(mistral), "--mesh", "dp=2", check=False, timeout=120)
+    lines = job.stderr.strip().splitlines()  # every rank refuses before any message; rank 0 says why
+    assert job.returncode == 2 and len(lines) == 1 and reads in lines[0], job.stderr
     scaled = edited_folder(llama, tmp_path / "scaled", rope_parameters={"rope_type": "llama3", "factor": 8.0,
                                                                         "rope_theta": 500000.0})
     assert "rope_type 'llama3'" in refused(train + [str(scaled)], capsys)
