@@ -232,7 +232,8 @@ def worker(args) -> None:
     profiler = StepProfiler(train.steps) if args.profile else None
     if profiler is not None:
         profiler.install()
-    on_step = None if profiler is None else lambda step, loss, seconds, *_: profiler.on_step(step, seconds)
+    on_step = None if profiler is None else (
+        lambda step, loss, seconds, *_, **__: profiler.on_step(step, seconds))
     start = time.perf_counter()
     run = train_engine(parallelize(model, train, DeviceMesh(comm, {"dp": comm.size}), plan), on_step)
     elapsed = time.perf_counter() - start

@@ -508,6 +508,22 @@ def _copy(want: Piece, dst, covered, have: Piece, src, shape) -> None:
         covered[idx[inside] - a] = True
 
 
+def assemble(arrays: list[tuple[Piece, np.ndarray]], tensors: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """Whole tensors {name: (shape, dtype)} from pieces that cover each of them, as `load` reassembles
+    a checkpoint's, in memory: what every rank of a mesh holds (engine/checkpoint.pieces), gathered."""
+    out = {}
+    for name, (shape, dtype) in tensors.items():
+        want = whole(name, shape)
+        dst, covered = np.empty(tuple(shape), dtype), np.zeros(tuple(shape), bool)
+        for have, src in arrays:
+            if have.tensor == name and _may_overlap(want, have, shape):
+                _copy(want, dst, covered, have, src, shape)
+        if not covered.all():
+            raise ValueError(f"the pieces do not cover {name}")  # a bug in pieces(), not a user's mistake
+        out[name] = dst
+    return out
+
+
 # ---------------------------------------------------------------------------------- training
 def save_training(root, step: int, arrays: list[tuple[Piece, np.ndarray]], model, train,
                   mesh: dict, strategy: str, comm=None, *, optimizer_t: int | None = None,

@@ -14,7 +14,21 @@ import re
 import shlex
 import sys
 
-from refpar.config import ConfigError
+
+def one_blas_thread_unless_chosen() -> None:
+    """One BLAS/OpenMP thread per process, as `make demo` runs every rank, unless the user set a thread
+    count: set before NumPy loads OpenBLAS, which reads it once. On 2 cores `refpar train --steps 30`
+    took 949-1409 ms a step with OpenBLAS's default threads and 143-154 ms with one (issue 38): the
+    models' GEMMs are too small to share, and every MPI rank is already a process of its own."""
+    chosen = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "GOTO_NUM_THREADS")
+    if not any(var in os.environ for var in chosen):
+        for var in chosen[:3]:
+            os.environ[var] = "1"
+
+
+one_blas_thread_unless_chosen()
+
+from refpar.config import ConfigError  # noqa: E402  (NumPy loads here: after the thread count is set)
 
 # name -> module. Command modules import heavy dependencies (mpi4py, the model) inside run(),
 # so `refpar schedule --help` starts instantly and never initialises MPI.

@@ -236,6 +236,11 @@ class TrainConfig:
     min_lr: float = 0.0  # where cosine, linear and wsd decay to, at the last step
     wsd_decay_steps: int | None = None  # wsd: steps of its final decay (None: a fifth after warmup)
     decay_all: bool = False  # weight decay on every tensor, not only matrices and embeddings
+    # What it trains on (refpar/data; trainer.corpus_for): None is the synthetic Markov corpus.
+    data: str | None = None  # a UTF-8 text file, a folder of them, or nanoGPT's train.bin/val.bin
+    tokenizer: str | None = None  # bytes, bpe, gpt2 or a tokenizer.json (None: bytes for text)
+    tokenizer_vocab: int | None = None  # the BPE's vocabulary, or the token files' (None: their default)
+    eval_every: int = 0  # the validation loss every N steps and after the last; 0: never
     # Weights (refpar/weights.py): an HF model folder or .safetensors file to start from instead of
     # init_params(seed); each rank reads only its slices of it.
     init_from: str | None = None
@@ -254,6 +259,11 @@ class TrainConfig:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed} must be a non-negative integer")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"eval_every={self.eval_every} must be a whole number >= 0; use e.g. "
+                              "--eval-every 50")
+        if self.data is None and (self.tokenizer is not None or self.tokenizer_vocab is not None):
+            raise ConfigError("--tokenizer and --vocab-size tokenize text; add --data PATH or drop them")
         self._check_schedule()
 
     def _check_schedule(self) -> None:
@@ -333,6 +343,43 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         intermediate_size=688, dropout=0.0, dtype="float32"
     ),
 }
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The optimizer settings `refpar train --model NAME` uses unless a flag gives its own: peak
+    learning rate, linear warmup steps (at most a tenth of a run's steps, so a short run still
+    reaches its peak) and the schedule, decaying to min_lr_ratio x lr at the last step."""
+
+    lr: float
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0  # the decay's floor over the peak (nanoGPT and Chinchilla: 0.1)
+    source: str = ""  # where the numbers come from
+
+    def warmup_for(self, steps: int) -> int:
+        return min(self.warmup_steps, steps // 10)
+
+
+RECIPES: dict[str, Recipe] = {
+    # The course's models (55K and 119K parameters) learn fastest at a constant 1e-2 (measured: tiny
+    # 4.57 -> 3.14 over 30 steps, at 1e-3 only to 4.12); constant, so that every lesson's numbers hold.
+    "tiny": Recipe(1e-2, source="measured on the Markov corpus"),
+    "llama-tiny": Recipe(1e-2, source="measured on the Markov corpus"),
+    # nanoGPT's "baby GPT" (config/train_shakespeare_char.py: 10.7M parameters, lr 1e-3, 100 warmup
+    # iterations, cosine to min_lr = lr / 10); 1e-2 makes these 3.7M-parameter models' loss rise
+    # (7.70 -> 8.07 over 30 steps), 1e-3 lowers it.
+    "small": Recipe(1e-3, 100, "cosine", 0.1, "nanoGPT train_shakespeare_char"),
+    # Llama's schedule (Touvron et al. 2023, section 2.2: 2,000 warmup steps, cosine to 10% of the
+    # peak) at the baby GPT's peak for a model of this size.
+    "llama-small": Recipe(1e-3, 100, "cosine", 0.1, "Touvron et al. 2023's schedule, nanoGPT's peak"),
+    # GPT-3's 125M model (Brown et al. 2020, table 2.1: 6e-4), as nanoGPT trains GPT-2 small
+    # (train_gpt2.py: 2,000 warmup iterations, cosine to 6e-5).
+    "gpt2": Recipe(6e-4, 2000, "cosine", 0.1, "Brown et al. 2020 table 2.1; nanoGPT train_gpt2"),
+}
+# Weights loaded with --init-from are fine-tuned, not trained from scratch: nanoGPT's
+# config/finetune_shakespeare.py (GPT-2 from its checkpoint: lr 3e-5, constant).
+FINETUNE_RECIPE = Recipe(3e-5, source="nanoGPT finetune_shakespeare")
 
 
 def describe_preset(name: str) -> str:
@@ -433,10 +480,10 @@ class Plan:
 
 
 def check_output_path(flag: str, path: str, directory: bool = False) -> None:
-    """Refuses, before a run starts, a `--figure PATH`, `--trace PATH` or (`directory`) `--save DIR`
-    that the run could not write at its end: a missing folder, a folder where a file goes, a file
-    where a folder goes. A directory is created with its parents, so only its nearest existing
-    ancestor must be a writable folder."""
+    """Refuses, before a run starts, a `--figure PATH`, `--trace PATH`, `--log PATH` or (`directory`)
+    `--save DIR` that the run could not write at its end: a missing folder, a folder where a file
+    goes, a file where a folder goes, an existing file that is not writable. A directory is created
+    with its parents, so only its nearest existing ancestor must be a writable folder."""
     if not path:
         raise ConfigError(f"{flag} needs a path; give the {'directory' if directory else 'file'} to write")
     target = Path(path)
@@ -454,6 +501,9 @@ def check_output_path(flag: str, path: str, directory: bool = False) -> None:
         if not where.is_dir():
             raise ConfigError(f"{flag} {path!r}: the directory {str(where)!r} does not exist; create it "
                               "or give a file in an existing directory")
+        if target.exists() and not os.access(target, os.W_OK):  # it would fail at the run's end
+            raise ConfigError(f"{flag} {path!r} exists and is not writable; give another path or make it "
+                              "writable")
     if not os.access(where, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path!r}: {str(where)!r} is not writable; give a path in a directory "
                           "you can write to")

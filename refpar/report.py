@@ -45,6 +45,10 @@ SUMMARY_FIELDS = (
     "lrs",  # the learning rate of each step
     "flops_per_step",  # per rank, one per step: the GEMM FLOPs it ran, recomputed forwards included
     "planned_flops_per_step",  # the planner's FLOPs of one step, all ranks (analysis/flops.step_flops)
+    "val_losses",  # --eval-every: [{"step": steps done, "loss": held-out loss}]
+    "reference_val_losses",  # --eval-every --check: the single device's
+    "tokenizer",  # --data with text: {"name", "vocab_size"}; null on the Markov corpus
+    "data",  # {"kind": "markov" | "text", "path", "description", "loss_floor" | "unigram_entropy", ...}
 )
 
 

@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 
 # A fixed number per purpose, so that adding a purpose never changes another's stream.
-PURPOSES = {"init": 1, "data": 2, "dropout": 3, "moe": 4, "sample": 5, "test": 6}
+PURPOSES = {"init": 1, "data": 2, "dropout": 3, "moe": 4, "sample": 5, "test": 6, "validation": 7}
 
 
 def name_id(name: str) -> int:

@@ -34,8 +34,9 @@ import numpy as np
 from refpar import backend, checkpoint
 from refpar.allocator import keep_freed_memory
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
-from refpar.model import init_params, loss_and_grads, moe_layer
+from refpar.model import forward, init_params, loss_and_grads, moe_layer
 from refpar.model.data import MarkovCorpus
+from refpar.model.layers import cross_entropy_forward
 from refpar.model.moe import routing_kept, update_expert_bias
 from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
@@ -111,12 +112,13 @@ class RunResult:
     step_times_s: list[float] = field(default_factory=list)
     params: dict = field(default_factory=dict)  # after the last step
     first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
-    loss_floor: float = 0.0  # the corpus's entropy rate in nats
+    loss_floor: float | None = 0.0  # the corpus's entropy rate in nats (None: text, unknown)
     loss_scales: list[float] = field(default_factory=list)  # fp16-mixed: the scale of each step
     skipped_steps: list[int] = field(default_factory=list)  # fp16-mixed: 0-based steps skipped
     moe_steps: list[MoEStep] = field(default_factory=list)  # MoE models: each step's routing
     lrs: list[float] = field(default_factory=list)  # the learning rate of each step
     grad_norms: list[float | None] = field(default_factory=list)  # clipping: each step's global norm
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # --eval-every: (steps done, loss)
 
     @property
     def step_time_s(self) -> float:
@@ -125,8 +127,57 @@ class RunResult:
         return sum(times) / len(times)
 
 
-def corpus_for(model: ModelConfig, train: TrainConfig) -> MarkovCorpus:
-    return MarkovCorpus(model.vocab_size, train.seed)
+_OPENED: dict[tuple, object] = {}  # text corpora by (path, tokenizer, vocabulary, seed): tokenized once
+
+
+def corpus_for(model: ModelConfig, train: TrainConfig):
+    """The corpus a run trains on: the text or token files `train.data` names (refpar/data), else the
+    Markov corpus. Either draws the global batch by (seed, step, sample id) (`batch`) and has held-out
+    windows (`val_batch`)."""
+    if train.data is None:
+        return MarkovCorpus(model.vocab_size, train.seed)
+    key = (train.data, train.tokenizer, train.tokenizer_vocab, train.seed)
+    if key not in _OPENED:
+        from refpar.data import open_data
+
+        _OPENED[key] = open_data(train.data, train.tokenizer, train.tokenizer_vocab, train.seed)
+    return _OPENED[key]
+
+
+def loss_floor(corpus) -> float | None:
+    """The lowest mean loss possible where it is known: the Markov chain's entropy rate; None for text."""
+    return corpus.entropy_rate() if isinstance(corpus, MarkovCorpus) else None
+
+
+def baseline(corpus) -> tuple[str, float]:
+    """What a run's loss is printed next to: the Markov chain's floor, or the text's unigram entropy (the
+    loss of a model that ignores the context: below it, the model has learned from the context)."""
+    floor = loss_floor(corpus)
+    return ("floor", floor) if floor is not None else ("unigram", corpus.unigram_entropy())
+
+
+EVAL_BATCHES = 4  # the held-out rows of a validation loss: this many global batches (nanoGPT: eval_iters)
+LOGITS_BUDGET = 1 << 24  # logits evaluated at once, at most: GPT-2's T x V is 51M per row
+
+
+def validation_loss(params: dict, model: ModelConfig, corpus, train: TrainConfig) -> float:
+    """Mean cross-entropy, in evaluation mode (no dropout, no router losses), of the corpus's held-out
+    windows: EVAL_BATCHES x batch_size rows of seq_len tokens, a few rows at a time."""
+    rows = EVAL_BATCHES * train.batch_size
+    tokens, targets = corpus.val_batch(train.seq_len, rows)  # (rows, T) each
+    chunk = max(1, LOGITS_BUDGET // (train.seq_len * model.vocab_size))
+    total = 0.0
+    for a in range(0, rows, chunk):
+        logits = forward(params, tokens[a:a + chunk], model)  # (chunk, T, V)
+        loss, _ = cross_entropy_forward(logits, targets[a:a + chunk], tokens.size)
+        total += float(backend.to_host(loss))
+    return total
+
+
+def evaluates(train: TrainConfig, step: int) -> bool:
+    """Whether the validation loss is computed after 0-based step `step`: every eval_every steps and
+    after the last."""
+    return bool(train.eval_every) and ((step + 1) % train.eval_every == 0 or step + 1 == train.steps)
 
 
 def train_single_device(model: ModelConfig, train: TrainConfig,
@@ -154,7 +205,7 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
     scaler = loss_scaler(model, train)  # None unless fp16-mixed
     grad_dtype = MASTER_DTYPE if train.fp32_grads else None
     sample_ids = range(train.batch_size)
-    result = RunResult(loss_floor=corpus.entropy_rate())
+    result = RunResult(loss_floor=loss_floor(corpus))
     if resume is not None:
         result.first_step, params, state = checkpoint.load_whole(resume, model, train)
         if scaler is not None:
@@ -199,6 +250,8 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
         elapsed = time.perf_counter() - start
         result.losses.append(loss)
         result.step_times_s.append(elapsed)
+        if evaluates(train, step):
+            result.val_losses.append((step + 1, validation_loss(params, model, corpus, train)))
         if on_step is not None:
             on_step(StepResult(step, loss, elapsed, None if scaler is None else dloss, skip,
                                0 if scaler is None else scaler.skipped))

@@ -23,7 +23,7 @@ class PresetDefault(str):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from refpar.config import MODEL_PRESETS, TrainConfig, describe_preset
+    from refpar.config import FINETUNE_RECIPE, MODEL_PRESETS, RECIPES, TrainConfig, describe_preset
 
     d = TrainConfig()
     parser.add_argument("--model", default=PresetDefault("tiny"), help=(
@@ -36,11 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(config.json + model.safetensors; it gives the model's shape) or a "
                              ".safetensors file with --model (refpar/weights.py); each rank reads its slices")
     parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    add_data_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=d.batch_size,
                         help=f"global batch, sequences per step (default {d.batch_size})")
     parser.add_argument("--seq-len", type=int, default=d.seq_len,
                         help=f"tokens per sequence (default {d.seq_len})")
-    parser.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="peak learning rate (default: the preset's recipe, refpar/config.py RECIPES: "
+                             + ", ".join(f"{name} {r.lr:g}" for name, r in RECIPES.items())
+                             + f"; {FINETUNE_RECIPE.lr:g} with --init-from)")
     parser.add_argument("--optimizer", default=d.optimizer, help="adamw or sgd (default adamw)")
     add_schedule_arguments(parser)
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
@@ -72,8 +76,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, metavar="PATH",
                         help="write communication events as a Chrome trace (open in Perfetto) and "
                              "PATH.jsonl")
+    add_report_arguments(parser)
     add_strategy_arguments(parser)
     add_moe_arguments(parser)
+
+
+def add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the run trains on (refpar/data; docs/data.md): the Markov corpus unless --data is given."""
+    add = parser.add_argument
+    add("--data", metavar="PATH", default=None,
+        help="train on real text: a UTF-8 text file, a folder of them, or a folder with nanoGPT's "
+             "train.bin and val.bin (default: the synthetic Markov corpus, whose best loss is known)")
+    add("--tokenizer", default=None, metavar="KIND",
+        help="with --data text: bytes (256 tokens, the default), bpe (a byte-level BPE of --vocab-size "
+             "tokens trained on the corpus, saved beside --save), gpt2 (tiktoken's, where its file is "
+             "present) or the path of a tokenizer.json")
+    add("--vocab-size", type=int, default=None, metavar="N",
+        help="with --data: the BPE's vocabulary, or the vocabulary of nanoGPT token files")
+    add("--eval-every", type=int, default=0, metavar="N",
+        help="the validation loss on held-out windows every N steps and after the last (default 0: never)")
+
+
+def data_configs(args, overrides: dict) -> dict:
+    """TrainConfig's data fields; with --data the model's vocabulary becomes the corpus's (in
+    `overrides`), after the corpus was opened and checked on every rank before any communication."""
+    fields = {"data": args.data, "tokenizer": args.tokenizer, "tokenizer_vocab": args.vocab_size,
+              "eval_every": args.eval_every}
+    if args.data is not None:
+        from refpar.data import open_data
+
+        corpus = open_data(args.data, args.tokenizer, args.vocab_size, args.seed)
+        corpus.check_fits(args.batch_size, args.seq_len)
+        overrides.setdefault("vocab_size", corpus.vocab_size)
+    return fields
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a run reports as it goes (refpar/engine/runlog.py)."""
+    add = parser.add_argument
+    add("--log-every", type=int, default=None, metavar="N",
+        help="a step row every N steps, with elapsed time, ETA and MFU (default: about a dozen rows, and "
+             "one at least every minute)")
+    add("--log", default=None, metavar="PATH",
+        help="write one JSON line per step as it ends: loss, val_loss, lr, grad_norm, tokens/s, MFU, times")
+    add("--tensorboard", default=None, metavar="DIR",
+        help="write TensorBoard event files to DIR (needs tensorboardX: pip install refpar[tensorboard])")
+
+
+def check_report_args(args) -> None:
+    """--log-every, --log and --tensorboard, refused before the run in one sentence."""
+    import importlib.util
+
+    from refpar.config import ConfigError, check_output_path
+
+    if args.log_every is not None and args.log_every < 1:
+        raise ConfigError(f"--log-every {args.log_every} must be at least 1; give e.g. --log-every 10")
+    if args.log is not None:
+        check_output_path("--log", args.log)
+    if args.tensorboard is not None:
+        check_output_path("--tensorboard", args.tensorboard, directory=True)
+        if importlib.util.find_spec("tensorboardX") is None:
+            raise ConfigError("--tensorboard writes through tensorboardX, which is not installed here; "
+                              "pip install 'refpar[tensorboard]' (tensorboardX==2.6.5) or drop --tensorboard")
 
 
 def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,12 +147,14 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--clip-grad-norm", type=float, default=0.0, metavar="X",
         help="clip the gradients to global L2 norm X, as torch's clip_grad_norm_ (default 0: no clipping)")
-    add("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+    add("--lr-schedule", default=None, choices=LR_SCHEDULES,
         help="learning rate over the steps: constant, or cosine, linear, wsd decay to --min-lr "
-             "(Megatron-LM's and nanoGPT's definitions; default constant)")
-    add("--warmup-steps", type=int, default=0, metavar="N", help="steps of linear warmup to --lr (default 0)")
-    add("--min-lr", type=float, default=0.0, metavar="X",
-        help="the learning rate a decaying schedule ends at, on the last step (default 0)")
+             "(Megatron-LM's and nanoGPT's definitions; default: the preset's recipe)")
+    add("--warmup-steps", type=int, default=None, metavar="N",
+        help="steps of linear warmup to --lr (default: the recipe's, at most a tenth of --steps)")
+    add("--min-lr", type=float, default=None, metavar="X",
+        help="the learning rate a decaying schedule ends at, on the last step (default: the recipe's "
+             "fraction of --lr, 0 for a constant schedule)")
     add("--wsd-decay-steps", type=int, default=None, metavar="N",
         help="wsd: steps of its final decay (default: a fifth of the steps after the warmup)")
     add("--decay-all", action="store_true",
@@ -235,12 +301,14 @@ def configs(args):
     if sizes["ep"] > 1 and not args.moe_experts and getattr(args, "init_from", None) is None:
         raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
                           f"E >= {sizes['ep']}")
+    schedule = optimizer_schedule(args)
     for flag, value, example in (("--steps", args.steps, 5), ("--batch-size", args.batch_size, 8),
-                                 ("--seq-len", args.seq_len, 16), ("--lr", args.lr, 0.01)):
+                                 ("--seq-len", args.seq_len, 16), ("--lr", schedule["lr"], 0.01)):
         if not 0 < value < math.inf:  # nan too; named by its flag here, by its field in TrainConfig
             raise ConfigError(f"{flag} {value} must be positive; give e.g. {flag} {example}")
     overrides = {k: v for k, v in (("dtype", precision_dtype(args)), ("dropout", args.dropout),
                                    ("n_layer", args.n_layer)) if v is not None}
+    data = data_configs(args, overrides)
     if getattr(args, "init_from", None) is not None:  # the shape from the weights (refpar/weights.py)
         from refpar.weights import read_hf_config
 
@@ -250,19 +318,44 @@ def configs(args):
         if sizes["ep"] > 1 and not model.moe_experts:
             raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks, but {args.init_from} is a dense "
                               "model; drop ep from --mesh")
+        if overrides.get("vocab_size", 0) > model.vocab_size:  # --data's tokenizer
+            raise ConfigError(f"the --data tokenizer has {overrides['vocab_size']} tokens but the model of "
+                              f"{args.init_from} embeds {model.vocab_size}; give the model's own tokenizer "
+                              "(--tokenizer its tokenizer.json) or one of fewer tokens")
     else:
         model = model_preset(args.model, **overrides, **model_overrides(args))
-    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                        optimizer=args.optimizer, seed=args.seed,
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                        optimizer=args.optimizer, seed=args.seed, **schedule,
                         fp32_grads=getattr(args, "fp32_grads", False),
                         loss_scale=getattr(args, "loss_scale", None),
                         loss_scale_window=getattr(args, "loss_scale_window", None),
-                        clip_grad_norm=args.clip_grad_norm, lr_schedule=args.lr_schedule,
-                        warmup_steps=args.warmup_steps, min_lr=args.min_lr,
-                        wsd_decay_steps=args.wsd_decay_steps, decay_all=args.decay_all,
-                        init_from=getattr(args, "init_from", None))
+                        clip_grad_norm=args.clip_grad_norm, wsd_decay_steps=args.wsd_decay_steps,
+                        decay_all=args.decay_all, init_from=getattr(args, "init_from", None), **data)
     train.check_model(model)
     return model, train, sizes
+
+
+def recipe_of(args):
+    """The preset's optimizer recipe (refpar/config.py RECIPES), or fine-tuning's for --init-from; an
+    unknown preset's is TrainConfig's lr (model_preset refuses the name itself)."""
+    from refpar.config import FINETUNE_RECIPE, RECIPES, Recipe, TrainConfig
+
+    if getattr(args, "init_from", None):
+        return FINETUNE_RECIPE
+    return RECIPES.get(args.model) or Recipe(TrainConfig().lr)
+
+
+def optimizer_schedule(args) -> dict:
+    """lr, lr_schedule, warmup_steps and min_lr: each flag given, else the recipe's."""
+    recipe = recipe_of(args)
+    lr = recipe.lr if args.lr is None else args.lr
+    schedule = recipe.schedule if args.lr_schedule is None else args.lr_schedule
+    warmup = recipe.warmup_for(args.steps) if args.warmup_steps is None else args.warmup_steps
+    if args.min_lr is not None:
+        min_lr = args.min_lr
+    else:  # the recipe's floor, relative to the peak actually used
+        min_lr = lr * recipe.min_lr_ratio if schedule != "constant" else 0.0
+    return {"lr": lr, "lr_schedule": schedule, "warmup_steps": warmup, "min_lr": min_lr}
 
 
 def plan_of(args, sizes: dict[str, int], model):
@@ -306,10 +399,12 @@ def run(args) -> int:
     model, train, sizes = configs(args)
     check_checkpoint_args(sizes, args)
     check_precision_args(sizes, args)
+    check_report_args(args)
     if args.trace is not None:
         from refpar.config import check_output_path
 
         check_output_path("--trace", args.trace)
+        check_output_path("--trace", str(Path(args.trace).with_suffix(".jsonl")))  # its JSON lines
     plan = plan_of(args, sizes, model)
     validate(model, train, sizes, plan)  # on every rank, before any communication
     backend.use(args.backend, args.device)  # before any array exists: the run draws through it

@@ -10,7 +10,8 @@ timeout and reads its JSON summary: the largest relative difference from one dev
 traced bytes per rank, axis and op equal the closed forms, and whether the peak memory per rank
 and category equals them ("-" where the run models none). Exit status 1 if any row fails.
 --clip-grad-norm, --lr-schedule, --warmup-steps and --min-lr go to every run; with clipping a float64 run is
-judged on its global gradient norms too.
+judged on its global gradient norms too. --data (with --tokenizer, --vocab-size) trains every run on real
+text instead of the Markov corpus: `refpar verify --quick --data docs/`.
 
 What "agrees with one device" means depends on the precision (`tolerance`): float64 runs match
 loss and parameters to 1e-10; float32, bf16-mixed and fp16-mixed runs compare losses only, within
@@ -150,6 +151,13 @@ def add_arguments(parser) -> None:
                         help="every run's warmup steps (default 0)")
     parser.add_argument("--min-lr", type=float, default=0.0, metavar="X",
                         help="where every run's decaying schedule ends (default 0)")
+    parser.add_argument("--data", metavar="PATH", default=None,
+                        help="every run trains on this text or these token files (refpar train --data) "
+                             "instead of the Markov corpus")
+    parser.add_argument("--tokenizer", default=None, metavar="KIND",
+                        help="with --data: every run's tokenizer (refpar train --tokenizer)")
+    parser.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                        help="with --data: the BPE's or the token files' vocabulary")
 
 
 def _rows(rows, key) -> dict | None:
@@ -233,6 +241,25 @@ def launch(ranks: int, args: tuple[str, ...], steps: int, timeout: float,
     return json.loads(lines[-1]), seconds
 
 
+def data_flags(args) -> tuple[str, ...]:
+    """--data and its options for every run, after the corpus was opened and checked here: a path or
+    tokenizer that cannot serve is one sentence before any job starts."""
+    if args.data is None:
+        if args.tokenizer is not None or args.vocab_size is not None:
+            from refpar.config import ConfigError
+
+            raise ConfigError("--tokenizer and --vocab-size tokenize text; add --data PATH or drop them")
+        return ()
+    from refpar.data import open_data
+
+    open_data(args.data, args.tokenizer, args.vocab_size).check_fits(8, 16)  # the runs' batch of 8 x 16
+    flags = ("--data", str(Path(args.data).resolve()))  # the runs start in the repository
+    if args.tokenizer is not None:  # a tokenizer.json's path resolved too; bytes, bpe and gpt2 are kinds
+        kind = args.tokenizer in ("bytes", "bpe", "gpt2")
+        flags += ("--tokenizer", args.tokenizer if kind else str(Path(args.tokenizer).resolve()))
+    return flags + (("--vocab-size", str(args.vocab_size)) if args.vocab_size is not None else ())
+
+
 def run(args) -> int:
     from refpar import backend
 
@@ -240,6 +267,7 @@ def run(args) -> int:
     chosen = ("--backend", args.backend) + (("--device", args.device) if args.device else ())
     chosen += ("--clip-grad-norm", str(args.clip_grad_norm), "--lr-schedule", args.lr_schedule,
                "--warmup-steps", str(args.warmup_steps), "--min-lr", str(args.min_lr))
+    chosen += data_flags(args)
     names = [n for n, _, _ in MATRIX]
     wanted = QUICK if args.quick else tuple(names)
     if args.only:

@@ -71,7 +71,7 @@ def run_steps(model, train_cfg, comm, sizes: dict, plan: Plan, each) -> list[dic
     steps, `each(par, step, loss)` runs the torch side's step and returns the comparison row."""
     par = parallelize(model, train_cfg, DeviceMesh(comm, sizes), plan)
     rows = []
-    train(par, lambda step, loss, *_: rows.append(each(par, step, loss)))
+    train(par, lambda step, loss, *_, **__: rows.append(each(par, step, loss)))
     return rows
 
 

@@ -15,8 +15,10 @@ tp ranks replicate (holdings.kv_replicas) the first of them.
 
 from __future__ import annotations
 
-from refpar import checkpoint
+from refpar import backend, checkpoint
 from refpar.holdings import kv_replicas, tied_embedding
+from refpar.model import param_shapes
+from refpar.precision import dtype_of
 from refpar.sharding import shard_range
 
 KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")  # Llama's kv heads' matrices
@@ -46,6 +48,22 @@ def pieces(par, saving: bool) -> list:
             out += checkpoint.shard_pieces(f"{prefix}/{name}", flat[a - first:b - first],
                                            units.shapes[name], a - offset, axis, index)
     return out
+
+
+def gather_params(par, comm) -> dict | None:
+    """Every parameter whole, on `comm`'s rank 0 (None elsewhere): each rank's pieces of them, as a save
+    writes them (each element once, whatever the mesh), gathered over `comm` and reassembled. The
+    validation loss evaluates these on one process (refpar/trainer.validation_loss)."""
+    mine = [(p, backend.to_host(v).copy()) for p, v in pieces(par, saving=True)
+            if p.tensor.startswith("params/")]
+    every = comm.gather_object(mine)
+    if comm.rank != 0:
+        return None
+    shapes = param_shapes(par.model)
+    dtype = dtype_of(par.model.dtype)
+    whole = checkpoint.assemble([x for part in every for x in part],
+                                {f"params/{n}": (s, dtype) for n, s in shapes.items()})
+    return {n: whole[f"params/{n}"] for n in shapes}
 
 
 def saved_position(t: int, scaler) -> dict:

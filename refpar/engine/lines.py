@@ -7,6 +7,7 @@ routing of a MoE model, the tp collectives of block 0 and ring attention's balan
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import replace
 
@@ -22,11 +23,14 @@ from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import critical_path_gap
 from refpar.precision import is_16bit, precision_of
 from refpar.sharding import shard_range
+from refpar.trainer import baseline
+
+from .runlog import HEARTBEAT_S, duration
 
 LABEL = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
 
 
-def header(model, cfg, sizes, plan, preset: str, floor: float) -> list[str]:
+def header(model, cfg, sizes, plan, preset: str, corpus) -> list[str]:
     """What runs where: the model, the data, and on more than one rank the strategies and who holds what."""
     n_params = sum(int(np.prod(s)) for s in param_shapes(model).values())
     world = int(np.prod(list(sizes.values())))
@@ -36,13 +40,20 @@ def header(model, cfg, sizes, plan, preset: str, floor: float) -> list[str]:
     lines = [f"{family} {preset}: {model.n_layer} layers, {model.n_embd} channels, {heads}, "
              f"{n_params:,} parameters, {_precision(model.dtype)}, dropout {model.dropout}"
              + (f"; mesh {mesh} on {world} ranks" if world > 1 else ", 1 device"),
-             f"data: Markov chain over {model.vocab_size} tokens, batch {cfg.batch_size} x {cfg.seq_len} "
+             f"data: {corpus.describe()}, batch {cfg.batch_size} x {cfg.seq_len} "
              f"tokens" + (f" in {plan.microbatches} microbatches" if plan.microbatches > 1 else "")
-             + f"; loss floor (entropy rate) {floor:.4f}", optimizer_line(cfg)]
+             + _baseline_words(corpus), optimizer_line(cfg)]
     if world == 1:
         return lines
     lines.append(_strategies(model, sizes, plan))
     return lines + holdings(model, cfg, sizes, plan)
+
+
+def _baseline_words(corpus) -> str:
+    label, value = baseline(corpus)
+    if label == "floor":
+        return f"; loss floor (entropy rate) {value:.4f}"
+    return f"; unigram entropy {value:.4f} (the loss of a model that ignores the context)"
 
 
 def optimizer_line(cfg) -> str:
@@ -111,29 +122,41 @@ def holdings(model, cfg, sizes, plan) -> list[str]:
     return out
 
 
-def progress(say, model, cfg, ref, floor, moves: bool, pp: int = 1):
-    """The step table: about a dozen rows whatever the length of the run, plus the first and last;
-    `moves`: with what rank 0 sent in the step, by axis. Without a pipeline rank 0 routes every MoE
-    block, and shows the assignments dropped in all of them and the first one's experts' loads."""
+def progress(say, model, cfg, ref, floor: tuple[str, float], moves: bool, pp: int = 1,
+             log_every: int | None = None):
+    """The step table: about a dozen rows whatever the length of the run, plus the first and last,
+    and one whenever a minute has passed without (runlog.HEARTBEAT_S); with `log_every` N the steps
+    N, 2N, ..., the first and the last, each with the run's elapsed time, ETA and MFU (`measured`,
+    refpar/engine/runlog.py); a row for each step with a validation loss. `floor`: ("floor", the
+    Markov chain's entropy rate) or ("unigram", the text's unigram entropy). `moves`: with what rank 0
+    sent in the step, by axis. Without a pipeline rank 0 routes every MoE block, and shows the
+    assignments dropped in all of them and the first one's experts' loads."""
     whole = model.moe_experts and pp == 1
-    every = max(1, cfg.steps // 12)
-    say(f"{'step':>6} {'loss':>9} {'floor':>9} {'tokens/s':>10}"
+    every = log_every or max(1, cfg.steps // 12)
+    last_row = [time.monotonic()]
+    label, floor = floor
+    say(f"{'step':>6} {'loss':>9} {label:>9} {'tokens/s':>10}"
+        + (f" {'elapsed':>8} {'ETA':>8} {'MFU':>7}" if log_every else "")
         + (f" {'single device':>14} {'rel diff':>8}" if ref else "")
         + (f" {'aux':>7} {'z':>7}" if model.moe_experts else "")
         + (f" {'dropped':>7}  tokens per expert (block {model.moe_blocks[0]})" if whole else "")
         + (f" {'loss scale':>11} {'skipped':>8}" if model.dtype == "float16" else "")
+        + (f" {'val loss':>9}" if cfg.eval_every else "")
         + ("  rank 0 sent this step" if moves else ""))
     sent_before: dict[str, int] = {}
 
-    def row(step, loss, seconds, totals, moe_step, scaling=None):
+    def row(step, loss, seconds, totals, moe_step, scaling=None, measured=None, val_loss=None):
         by_axis: dict[str, int] = {}
         for (axis, _), (s, _) in totals.items():
             by_axis[axis] = by_axis.get(axis, 0) + s
         moved = ", ".join(f"{a} {by_axis[a] - sent_before.get(a, 0):,} B" for a in sorted(by_axis)
                           if by_axis[a] > sent_before.get(a, 0))
         sent_before.update(by_axis)
-        if (step + 1) % every and step not in (0, cfg.steps - 1) and not (scaling and scaling[1]):
+        due = (not (step + 1) % every or step in (0, cfg.steps - 1) or (scaling and scaling[1])
+               or val_loss is not None)
+        if not (due or log_every is None and time.monotonic() - last_row[0] >= HEARTBEAT_S):
             return
+        last_row[0] = time.monotonic()
         tail = (f" {ref.losses[step]:>14.10f} {abs(loss - ref.losses[step]) / abs(ref.losses[step]):>8.1e}"
                 if ref else "")
         if moe_step is not None:
@@ -143,8 +166,12 @@ def progress(say, model, cfg, ref, floor, moves: bool, pp: int = 1):
                 tail += f" {sum(moe_step.dropped.values()):>7}  {loads}"
         if scaling is not None:
             tail += f" {scaling[0]:>11g} {scaling[2]:>8}"
+        if cfg.eval_every:
+            tail += f" {val_loss:>9.4f}" if val_loss is not None else f" {'':>9}"
+        clock = (f" {duration(measured.elapsed_s):>8} {duration(measured.eta_s):>8} {measured.mfu:>7.2%}"
+                 if log_every else "")
         say(f"{step + 1:>6} {loss:>9.4f} {floor:>9.4f} {cfg.batch_size * cfg.seq_len / seconds:>10,.0f}"
-            f"{tail}" + (f"  {moved or '-'}" if moves else ""))
+            f"{clock}{tail}" + (f"  {moved or '-'}" if moves else ""))
 
     return row
 
@@ -153,14 +180,26 @@ def report(say, model, cfg, sizes, plan, par, out, every, s) -> None:
     """The closing lines, on rank 0 (module docstring)."""
     tail = out.losses[-10:]
     first, last, floor = out.losses[0], sum(tail) / len(tail), s["loss_floor"]
-    gap = first - floor
-    # Of the way from this run's first loss (a resumed run's first step is after its checkpoint); an
-    # integer, so that a loss a hair above the first prints 0%, not "-0%", and one that rose says so.
-    percent = round(100 * (first - last) / gap) if gap > 0 else None
-    say(f"loss {first:.4f} at step {out.first_step + 1}, {last:.4f} over the last {len(tail)} steps"
-        + ("" if percent is None else f", {percent}% of the way to the floor" if percent >= 0
-           else ", above the first loss")
-        + f"; {out.step_time_s * 1e3:.1f} ms per step")
+    if floor is None:  # text: next to the loss of a model that ignores the context
+        unigram = s["data"]["unigram_entropy"]
+        say(f"loss {first:.4f} at step {out.first_step + 1}, {last:.4f} over the last {len(tail)} steps; "
+            f"the text's unigram entropy {unigram:.4f}, "
+            + ("below it: the model predicts from the context" if last < unigram else "not yet below it")
+            + f"; {out.step_time_s * 1e3:.1f} ms per step")
+    else:
+        gap = first - floor
+        # Of the way from this run's first loss (a resumed run's first step is after its checkpoint); an
+        # integer, so that a loss a hair above the first prints 0%, not "-0%", and one that rose says so.
+        percent = round(100 * (first - last) / gap) if gap > 0 else None
+        say(f"loss {first:.4f} at step {out.first_step + 1}, {last:.4f} over the last {len(tail)} steps"
+            + ("" if percent is None else f", {percent}% of the way to the floor" if percent >= 0
+               else ", above the first loss")
+            + f"; {out.step_time_s * 1e3:.1f} ms per step")
+    if s["val_losses"]:
+        step, val = s["val_losses"][-1]["step"], s["val_losses"][-1]["loss"]
+        say(f"validation loss {val:.4f} after {step} steps (held-out windows, evaluation mode)"
+            + ("" if not s["reference_val_losses"] else
+               f"; one device's {s['reference_val_losses'][-1]['loss']:.4f}"))
     if s["max_loss_rel_diff"] is not None:
         say(f"largest relative difference from one device: loss {s['max_loss_rel_diff']:.1e}, parameters "
             f"{s['max_param_rel_diff']:.1e} after {cfg.steps} steps")

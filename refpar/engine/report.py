@@ -24,9 +24,10 @@ from refpar.model.moe import capacity
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import simulate
 from refpar.report import run_summary, summary_line
-from refpar.trainer import corpus_for, train_single_device
+from refpar.trainer import baseline, corpus_for, loss_floor, train_single_device, validation_loss
 
-from .checkpoint import open_resume
+from . import runlog
+from .checkpoint import gather_params, open_resume
 from .lines import header, progress, report
 from .parallelize import parallelize
 from .train import train
@@ -63,15 +64,25 @@ def _run(model, cfg, sizes: dict, plan, args, mesh, plain) -> int:
         if speak:
             print(text, flush=True)
 
+    peak = None
+    if runlog.wants_peak(args):  # every rank at once: ranks that share cores in the run share them here
+        plain.barrier()
+        peak = runlog.measure_peak(runlog.gemm_dtype(model.dtype))
     check = args.check and speak
     ref = train_single_device(model, cfg, microbatches=plan.microbatches) if check else None
-    floor = corpus_for(model, cfg).entropy_rate()
-    for line in header(model, cfg, sizes, plan, cfg.init_from or args.model, floor):
+    corpus = corpus_for(model, cfg)
+    label = cfg.init_from or args.model  # the model's name: its preset, or the folder it came from
+    for line in header(model, cfg, sizes, plan, label, corpus) + ([peak.line(comm.size)] if peak else []):
         say(line)
-    summary, par, out, every = collect(
-        model, cfg, mesh, plan, check=args.check, ref=ref, plain=plain, trace=args.trace,
-        on_step=progress(say, model, cfg, ref, floor, comm.size > 1, sizes["pp"]),
-        save=args.save, save_every=args.save_every, resume=args.resume)
+    if args.save is not None and getattr(corpus, "tokenizer", None) is not None and speak:
+        Path(args.save).mkdir(parents=True, exist_ok=True)
+        corpus.tokenizer.save(args.save)  # beside the steps: refpar export and generate --from read it
+    with runlog.RunLog(model, cfg, comm.size, args, peak, speak) as log:  # --log, --tensorboard, the bar
+        summary, par, out, every = collect(
+            model, cfg, mesh, plan, check=args.check, ref=ref, plain=plain, trace=args.trace,
+            on_step=log.on_step(progress(log.say, model, cfg, ref, baseline(corpus), comm.size > 1,
+                                         sizes["pp"], args.log_every)),
+            save=args.save, save_every=args.save_every, resume=args.resume)
     if not speak:
         return 0
     report(say, model, cfg, sizes, plan, par, out, every, summary)
@@ -93,7 +104,13 @@ def collect(model, cfg, mesh, plan, *, check: bool = False, ref=None, plain=None
     comm = mesh.world
     plain = plain or comm
     par = parallelize(model, cfg, mesh, plan)
-    out = train(par, on_step, save=save, save_every=save_every, resume=resume)
+    corpus = corpus_for(model, cfg)
+
+    def evaluate():  # the validation loss of the parameters every rank holds a part of, on rank 0
+        params = gather_params(par, plain)
+        return None if params is None else validation_loss(params, model, corpus, cfg)
+
+    out = train(par, on_step, save=save, save_every=save_every, resume=resume, evaluate=evaluate)
     sizes, last = mesh.sizes, cfg.steps - 1
     skipped = {k - out.first_step for k in _skipped_list(out)}
     mine = {"totals": out.totals, "peak": dict(par.ledger.peak),
@@ -115,11 +132,10 @@ def collect(model, cfg, mesh, plan, *, check: bool = False, ref=None, plain=None
         return None, par, out, None
     if check and ref is None:
         ref = train_single_device(model, cfg, microbatches=plan.microbatches)
-    floor = corpus_for(model, cfg).entropy_rate()
-    return summarize(model, cfg, sizes, plan, par, out, every, ref, floor), par, out, every
+    return summarize(model, cfg, sizes, plan, par, out, every, ref, corpus), par, out, every
 
 
-def summarize(model, cfg, sizes, plan, par, out, every, ref, floor) -> dict:
+def summarize(model, cfg, sizes, plan, par, out, every, ref, corpus) -> dict:
     """The JSON summary's fields from every rank's measurements (on rank 0)."""
     comm_rows = [{"rank": r, "axis": a, "op": o, "bytes_sent": int(s), "bytes_recv": int(rv)}
                  for r, e in enumerate(every) for (a, o), (s, rv) in sorted(e["totals"].items()) if s or rv]
@@ -132,6 +148,10 @@ def summarize(model, cfg, sizes, plan, par, out, every, ref, floor) -> dict:
               # sum over the ranks is what the planner prices for a step (refpar/analysis/flops.step_flops),
               # unless Llama's tp ranks replicate kv heads (each computes their K and V projections)
               "flops_per_step": [e["flops"] for e in every],
+              "val_losses": [{"step": s, "loss": v} for s, v in out.val_losses] if cfg.eval_every else None,
+              "data": data_fields(corpus, cfg),
+              "tokenizer": None if getattr(corpus, "tokenizer", None) is None else {
+                  "name": corpus.tokenizer.name, "vocab_size": corpus.tokenizer.vocab_size},
               "planned_flops_per_step": int(step_flops(
                   from_model_config(model), cfg.batch_size, cfg.seq_len, plan.recompute,
                   scores_again=sizes["cp"] > 1 and (plan.cp_algo or "ring") == "ring"))}
@@ -142,6 +162,9 @@ def summarize(model, cfg, sizes, plan, par, out, every, ref, floor) -> dict:
             fields |= {"reference_grad_norms": ref_norms, "max_grad_norm_rel_diff": max(
                 (abs(a - b) / abs(b) for a, b in zip(out.grad_norms, ref_norms, strict=True)
                  if a is not None and b is not None), default=None)}
+        if cfg.eval_every:
+            fields["reference_val_losses"] = [{"step": s, "loss": v} for s, v in ref.val_losses
+                                              if s > out.first_step]
         fields |= {"reference_losses": ref_losses,
                   "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(out.losses, ref_losses,
                                                                                 strict=True)),
@@ -157,7 +180,7 @@ def summarize(model, cfg, sizes, plan, par, out, every, ref, floor) -> dict:
         schedule=plan.kind if sizes["pp"] > 1 else None, microbatches=plan.microbatches,
         comm_bytes=comm_rows, expected_comm_bytes=expected_comm, memory_peak_bytes=memory_rows,
         expected_memory_peak_bytes=expected_memory, bubble_fraction=bubble, step_time_s=out.step_time_s,
-        loss_floor=floor, moe=moe, loss_scaling=out.loss_scaling,
+        loss_floor=loss_floor(corpus), moe=moe, loss_scaling=out.loss_scaling,
         data_parallel={"strategy": plan.strategy, "model_state_bytes": [e["state"] for e in every],
                        "bucket_elems": min(plan.bucket_elems, max(e["held"] for e in every)),
                        "overlap": plan.overlap, "prefetch": plan.prefetch,
@@ -206,6 +229,17 @@ def _moe_fields(model, cfg, sizes, plan, out, every, ref) -> dict:
     }
 
 
+def data_fields(corpus, cfg) -> dict:
+    """The "data" summary field: what the run trained on and the loss it is measured against."""
+    label, value = baseline(corpus)
+    fields = {"kind": "markov" if cfg.data is None else "text", "path": cfg.data,
+              "description": corpus.describe(),
+              ("loss_floor" if label == "floor" else "unigram_entropy"): value}
+    if cfg.data is not None:
+        fields |= {"train_tokens": int(corpus.train_tokens), "val_tokens": int(corpus.val_tokens)}
+    return fields
+
+
 def time_split(slots, events, window) -> dict[str, float]:
     """One rank's step in seconds: compute = its actions minus the collectives inside them,
     communication = every blocking collective, idle = the rest (waiting for pipeline messages,
@@ -238,7 +272,8 @@ def write_traces(path, plain, par, events, step: int) -> None:
         return
     parts = [event_of(e) for part in every for e in part["events"]]
     slots = [{**sl, "rank": rank} for rank, part in enumerate(every) for sl in part["slots"]]
-    t0 = min([e.t_start for e in parts] + [sl["start"] for sl in slots])
+    # one device sends nothing and runs no pipeline: its trace is empty, on the clock of no event
+    t0 = min([e.t_start for e in parts] + [sl["start"] for sl in slots], default=0.0)
     trace = chrome_trace(parts, t0)
     for rank in sorted({sl["rank"] for sl in slots}):
         trace["traceEvents"] += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,

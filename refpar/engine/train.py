@@ -32,13 +32,12 @@ import numpy as np
 from refpar import checkpoint
 from refpar.allocator import keep_freed_memory
 from refpar.model import gemm
-from refpar.model.data import MarkovCorpus
 from refpar.model.moe import update_expert_bias
 from refpar.model.optim import learning_rate
 from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline
 from refpar.report import loss_scaling_summary
-from refpar.trainer import MoEStep, router_shares, step_record
+from refpar.trainer import MoEStep, corpus_for, evaluates, router_shares, step_record
 
 from .checkpoint import pieces, resume_from, saved_position
 from .parallelize import Parallel
@@ -60,6 +59,7 @@ class Run:
     lrs: list[float] = field(default_factory=list)  # the learning rate of each step
     grad_norms: list[float | None] = field(default_factory=list)  # clipping: the global norm (skipped: None)
     flops: list[int] = field(default_factory=list)  # the GEMM FLOPs this rank ran each step (model/gemm.py)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # --eval-every: (steps done, loss)
 
     @property
     def step_time_s(self) -> float:
@@ -69,18 +69,21 @@ class Run:
 
 
 def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: int | None = None,
-          resume: str | None = None) -> Run:
+          resume: str | None = None, evaluate=None) -> Run:
     """Trains `par.train.steps` steps, or from the checkpoint `resume` (any mesh's) up to them;
     with `save`, checkpoints every `save_every` steps and after the last (refpar/checkpoint.py).
-    `on_step(step, loss, seconds, totals, moe_step, scaling)` after each step (moe_step None without
-    experts; scaling, fp16 only: the step's loss scale, whether it was skipped, the skips so far)."""
+    `on_step(step, loss, seconds, totals, moe_step, scaling, val_loss=..., grad_norm=...)` after each
+    step (moe_step None without experts; scaling, fp16 only: the step's loss scale, whether it was
+    skipped, the skips so far; val_loss None but where the validation loss was computed; grad_norm, with
+    clipping: the global norm before clipping, None on a skipped step). `evaluate()`, called on every
+    rank after the steps trainer.evaluates names, returns the validation loss on rank 0."""
     model, cfg, mesh, hooks, executor = par.model, par.train, par.mesh, par.hooks, par.executor
     keep_freed_memory()  # each step reuses the pages of the one before (refpar/allocator.py)
     scaler = hooks.dtypes.scaler  # fp16 only
     run = Run()
     if resume is not None:
         run.first_step = resume_from(par, resume)
-    corpus = MarkovCorpus(model.vocab_size, cfg.seed)
+    corpus = corpus_for(model, cfg)
     normalizer = cfg.batch_size * cfg.seq_len  # global tokens: the losses add up to the mean
     tracer = mesh.world.tracer
     scales, skipped_steps = [], []
@@ -122,13 +125,17 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
         run.windows.append((start, time.perf_counter()))
         run.step_times.append(run.windows[-1][1] - start)
         run.losses.append(float(shares[0]))
+        val_loss = evaluate() if evaluate is not None and evaluates(cfg, step) else None
+        if val_loss is not None:
+            run.val_losses.append((step + 1, val_loss))
         record = step_record(step, loss, routed, start, shares, par.moe.bias) if par.moe is not None else None
         if record is not None:
             run.moe_steps.append(record)
             update_expert_bias(par.moe.bias, routed, model)  # from the global counts: no message
         if on_step is not None:
             on_step(step, run.losses[-1], run.step_times[-1], tracer.totals() if tracer else {}, record,
-                    None if scaler is None else (scale, skipped, len(skipped_steps)))
+                    None if scaler is None else (scale, skipped, len(skipped_steps)), val_loss=val_loss,
+                    grad_norm=run.grad_norms[-1] if par.clip is not None else None)
         if save is not None and checkpoint.should_save(step + 1, cfg.steps, save_every):
             checkpoint.save_training(save, step + 1, pieces(par, saving=True), model, cfg, mesh.sizes,
                                      f"engine {par.plan.strategy}", mesh.world,

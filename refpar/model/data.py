@@ -94,6 +94,22 @@ class MarkovCorpus:
         """(tokens, targets), each (len(sample_ids), seq_len) int64; targets are tokens shifted by one."""
         u = np.stack([rng.uniform(self.seed, "data", step, int(s), shape=(seq_len + 1,))
                       for s in sample_ids])  # (B, T+1)
+        return self._walk(u)
+
+    def val_batch(self, seq_len: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Held-out (tokens, targets), each (rows, seq_len): fresh sequences of the same chain under a
+        key of their own ("validation"), the same on every call and every rank."""
+        u = np.stack([rng.uniform(self.seed, "validation", i, shape=(seq_len + 1,))
+                      for i in range(rows)])  # (rows, T+1)
+        return self._walk(u)
+
+    def describe(self) -> str:
+        return f"Markov chain over {self.vocab_size} tokens"
+
+    def _walk(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The chain's sequences drawn by the uniforms u (B, T+1): the first token from pi, each next
+        from its successors."""
+        seq_len = u.shape[1] - 1
         B = u.shape[0]
         seq = np.empty((B, seq_len + 1), dtype=np.int64)  # (B, T+1)
         seq[:, 0] = np.minimum(np.searchsorted(self._cum_pi, u[:, 0], side="right"), self.vocab_size - 1)
