@@ -20,7 +20,7 @@ from refpar.cli import main
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import tp_param_slices
 from refpar.model.data import MarkovCorpus
-from tests.mpi import mpiexec, refpar_json
+from tests.mpi import ROOT, mpiexec, refpar_json
 from tests.numerics import CONTRACT, rel_diff, within
 
 torch = pytest.importorskip("torch", reason="torch is not installed: pip install 'refpar[torch]'")
@@ -186,15 +186,19 @@ def test_bfloat16_weights_are_read_by_slices_and_converted_to_the_runs_dtype(tmp
 MIXTRAL_FLAGS = ("--moe-experts", "4", "--moe-topk", "2", "--dropless")
 
 
-@pytest.mark.parametrize("preset, flags, ranks", [("tiny", ("--mesh", "tp=2"), 2), ("llama-tiny", (), 1),
-                                                  ("llama-tiny", ("--mesh", "ep=2", *MIXTRAL_FLAGS), 2)],
-                         ids=["gpt2-tp2", "llama", "mixtral-ep2"])
+@pytest.mark.parametrize("preset, flags, ranks", [
+    ("tiny", ("--mesh", "tp=2", "--data", "CORPUS", "--tokenizer", "bytes"), 2),  # text: a tokenizer.json
+    ("llama-tiny", (), 1), ("llama-tiny", ("--mesh", "ep=2", *MIXTRAL_FLAGS), 2)],
+    ids=["gpt2-tp2-text", "llama", "mixtral-ep2"])
 def test_an_exported_checkpoint_loads_in_transformers_with_refpars_logits(tmp_path, monkeypatch, preset,
                                                                          flags, ranks):
-    run = tmp_path / "run"
+    run, corpus = tmp_path / "run", tmp_path / "corpus.txt"
+    corpus.write_text((ROOT / "docs" / "weights.md").read_text())
+    flags = [str(corpus) if f == "CORPUS" else f for f in flags]
     mpiexec(ranks, "-m", "refpar", "train", "--model", preset, "--dtype", "float64", "--steps", "3",
             "--save", str(run), *flags, timeout=300)
-    (run / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')  # what a text run leaves there
+    if "--data" not in flags:  # a Markov run has no tokenizer; one where a text run saves it
+        (run / "tokenizer.json").write_text('{"model": {"type": "BPE"}}')
     (tmp_path / "hf").mkdir()  # an empty OUT is taken, as a new one
     assert main(["export", str(run), str(tmp_path / "hf")]) == 0
 
@@ -270,6 +274,10 @@ def test_bad_weights_are_refused_in_one_sentence(tmp_path, capsys):
     assert "--n-layer 4 contradicts" in refused(train + [str(gpt2), "--n-layer", "4"], capsys)
     assert "dense model" in refused(train + [str(gpt2), "--moe-experts", "2"], capsys)
     assert "dense model; drop ep" in refused(train + [str(gpt2), "--mesh", "ep=2"], capsys)
+    text = tmp_path / "corpus.txt"
+    text.write_text((ROOT / "docs" / "weights.md").read_text())
+    bytes_text = ["--data", str(text), "--tokenizer", "bytes"]  # 256 tokens; the GPT-2 here embeds 96
+    assert "has 256 tokens but the model of" in refused(train + [str(gpt2), *bytes_text], capsys)
 
     bare = gpt2 / "model.safetensors"  # 2 layers; the tiny preset has 4
     assert "add --model PRESET" in refused(train + [str(bare)], capsys)
