@@ -23,7 +23,6 @@ ConfigError naming the field and the file, raised on every rank before any commu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -267,14 +266,14 @@ def _mixtral_fields(hf: dict, where: Path) -> dict:
 def read_hf_config(path, preset: str | None = None, *, dtype: str | None = None, dropout: float | None = None,
                    n_layer: int | None = None, moe: dict | None = None) -> ModelConfig:
     """The ModelConfig of an HF model folder's config.json (GPT2LMHeadModel, LlamaForCausalLM or
-    MixtralForCausalLM), or
-    of `preset` for a bare .safetensors file, checked against the file's tensors (names, shapes,
-    dtypes). `dtype` (the run's --dtype/--precision) defaults to the weights' own dtype for a folder,
-    the preset's for a bare file; `dropout` replaces GPT-2's; `preset`, `n_layer` and `moe` (the
-    MoE fields of --moe-*) given with a folder must agree with it. Every mistake is a ConfigError."""
+    MixtralForCausalLM), or of `preset` for a bare .safetensors file, checked against the file's
+    tensors (names, shapes, dtypes). `dtype` (the run's --dtype/--precision) defaults to the
+    weights' own dtype for a folder, the preset's for a bare file; `dropout` replaces GPT-2's;
+    `preset`, `n_layer` and `moe` (the MoE fields of --moe-*) given with a folder must agree with it.
+    Every mistake is a ConfigError."""
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"--init-from {path}: no such file or folder; give a Hugging Face model folder "
+        raise ConfigError(f"{path}: no such file or folder; give a Hugging Face model folder "
                           "(config.json and model.safetensors) or a .safetensors file with --model PRESET")
     if path.is_file():
         if preset is None:
@@ -300,10 +299,12 @@ def read_hf_config(path, preset: str | None = None, *, dtype: str | None = None,
         raise ConfigError(f"{where} is not a JSON config ({err}); give the config.json save_pretrained "
                           "wrote") from None
     family = _family(hf, where)
-    fields = {"gpt2": lambda: _gpt2_fields(hf, where, dropout), "llama": lambda: _llama_fields(hf, where),
-              "mixtral": lambda: _mixtral_fields(hf, where)}[family]()
-    if family != "gpt2" and dropout is not None:
-        fields["dropout"] = dropout  # Llama's check says what to do with a nonzero one
+    if family == "gpt2":
+        fields = _gpt2_fields(hf, where, dropout)
+    else:
+        fields = _llama_fields(hf, where) if family == "llama" else _mixtral_fields(hf, where)
+        if dropout is not None:
+            fields["dropout"] = dropout  # Llama's check says what to do with a nonzero one
     if n_layer is not None and n_layer != fields["n_layer"]:
         raise ConfigError(f"--n-layer {n_layer} contradicts {where}, whose model has {fields['n_layer']} "
                           "layers; drop --n-layer")
@@ -324,7 +325,7 @@ def read_hf_config(path, preset: str | None = None, *, dtype: str | None = None,
 
 
 def _family(hf: dict, where: Path) -> str:
-    """"gpt2" or "llama" from config.json's model_type and architectures, else a ConfigError."""
+    """"gpt2", "llama" or "mixtral" from config.json's model_type and architectures, else a ConfigError."""
     kind = hf.get("model_type")
     archs = hf.get("architectures") or [ARCHITECTURES.get(kind)]
     if kind in ARCHITECTURES and ARCHITECTURES[kind] in archs:
@@ -350,18 +351,13 @@ def read_params(path, config: ModelConfig, names=None, slices: dict | None = Non
                 for n in names}
     finally:
         for handle in opened.values():
-            with contextlib.suppress(AttributeError):
-                handle.__exit__(None, None, None)
+            handle.__exit__(None, None, None)
 
 
 def is_refpar_checkpoint(path) -> bool:
     """Whether `path` is a refpar checkpoint directory (DIR/step-N or DIR) rather than an HF folder."""
     path = Path(path)
-    return path.is_dir() and not (path / CONFIG).exists() and not weight_files_exist(path)
-
-
-def weight_files_exist(path: Path) -> bool:
-    return (path / WEIGHTS).is_file() or (path / INDEX).is_file()
+    return path.is_dir() and not any((path / f).exists() for f in (CONFIG, WEIGHTS, INDEX))
 
 
 def load_model(path, preset: str | None = None, dtype: str | None = None) -> tuple[ModelConfig, dict]:
@@ -411,9 +407,10 @@ def checkpoint_params(path) -> tuple[ModelConfig, dict]:
 
 # ------------------------------------------------------------------------------------------ writing
 def hf_config(config: ModelConfig) -> dict:
-    """config.json of `config` for transformers: GPT2LMHeadModel or LlamaForCausalLM, `dtype` the
-    weights' (float64 stays float64). The special tokens are left unset (null): refpar's
-    vocabularies have none."""
+    """config.json of `config` for transformers: GPT2LMHeadModel, LlamaForCausalLM, or
+    MixtralForCausalLM for Llama with experts; `dtype` the weights' (float64 stays float64). The
+    special tokens are left unset (null): the Markov corpus has none, and a text run's tokenizer.json,
+    copied beside the weights, names its own."""
     kind = "mixtral" if config.moe_experts else config.arch
     common = {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
               "vocab_size": config.vocab_size, "initializer_range": config.init_std,
