@@ -40,6 +40,7 @@ COMMANDS: dict[str, str] = {
     "verify": "refpar.commands.verify",
     "check": "refpar.commands.check",
     "generate": "refpar.commands.generate",
+    "export": "refpar.commands.export",
     "lesson": "refpar.commands.lesson",
 }
 

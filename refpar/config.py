@@ -241,6 +241,9 @@ class TrainConfig:
     tokenizer: str | None = None  # bytes, bpe, gpt2 or a tokenizer.json (None: bytes for text)
     tokenizer_vocab: int | None = None  # the BPE's vocabulary, or the token files' (None: their default)
     eval_every: int = 0  # the validation loss every N steps and after the last; 0: never
+    # Weights (refpar/weights.py): an HF model folder or .safetensors file to start from instead of
+    # init_params(seed); each rank reads only its slices of it.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         _require_positive("TrainConfig", steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,

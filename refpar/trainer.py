@@ -184,7 +184,8 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
                         on_step: Callable[[StepResult], None] | None = None, *, microbatches: int = 1,
                         save: str | None = None, save_every: int | None = None,
                         resume: str | None = None) -> RunResult:
-    """Trains from `init_params(model, train.seed)` for `train.steps` steps on one process, or from
+    """Trains from `init_params(model, train.seed)` (or the weights `train.init_from` names,
+    refpar/weights.py) for `train.steps` steps on one process, or from
     the checkpoint `resume` (any mesh's) up to `train.steps`; with `save`, writes a checkpoint under
     that directory every `save_every` steps and after the last (refpar/checkpoint.py). A MoE model
     routes each step in `microbatches` slices (module docstring); a dense model's numbers do not
@@ -192,7 +193,14 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
     train.check_model(model)
     keep_freed_memory()  # each step reuses the pages of the one before (refpar/allocator.py)
     corpus = corpus_for(model, train)
-    params = init_params(model, train.seed) if resume is None else {}
+    if resume is not None:
+        params = {}
+    elif train.init_from is not None:
+        from refpar.weights import read_params
+
+        params = read_params(train.init_from, model)
+    else:
+        params = init_params(model, train.seed)
     state = optimizer_init(params, train)
     scaler = loss_scaler(model, train)  # None unless fp16-mixed
     grad_dtype = MASTER_DTYPE if train.fp32_grads else None

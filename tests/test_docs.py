@@ -310,7 +310,9 @@ def test_every_refpar_command_in_docs_is_one_refpar_takes(command, ranks, args):
     from refpar.engine import validate
 
     parsed = parse(args)
-    if parsed.command == "train":
+    # a run from weights that a command above it exports (docs/weights.md) takes its model from them:
+    # it is checked where it runs, in test_every_command_in_docs_runs_and_prints_what_its_pages_say
+    if parsed.command == "train" and parsed.init_from is None:
         model, train, sizes = configs(parsed)
         try:
             validate(model, train, sizes, plan_of(parsed, sizes, model))

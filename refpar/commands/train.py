@@ -18,15 +18,23 @@ from pathlib import Path
 HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
 
 
+class PresetDefault(str):
+    """--model's default, told apart from a --model the user gave (which --init-from checks)."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from refpar.config import FINETUNE_RECIPE, MODEL_PRESETS, RECIPES, TrainConfig, describe_preset
 
     d = TrainConfig()
-    parser.add_argument("--model", default="tiny", help=(
+    parser.add_argument("--model", default=PresetDefault("tiny"), help=(
         f"model preset (default tiny): {describe_preset('tiny')}, the tests' model, 55K parameters; "
         f"{describe_preset('small')}, the benchmarks' model, 3.7M parameters, not GPT-2 small; "
         f"{describe_preset('gpt2')}, Hugging Face's GPT-2 small, 124M parameters; "
         f"{', '.join(name for name in MODEL_PRESETS if name not in ('tiny', 'small', 'gpt2'))}"))
+    parser.add_argument("--init-from", metavar="PATH", default=None,
+                        help="start from Hugging Face weights: a GPT2LMHeadModel or LlamaForCausalLM folder "
+                             "(config.json + model.safetensors; it gives the model's shape) or a "
+                             ".safetensors file with --model (refpar/weights.py); each rank reads its slices")
     parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     add_data_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=d.batch_size,
@@ -290,7 +298,7 @@ def configs(args):
     from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset, parse_mesh
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
-    if sizes["ep"] > 1 and not args.moe_experts:
+    if sizes["ep"] > 1 and not args.moe_experts and getattr(args, "init_from", None) is None:
         raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
                           f"E >= {sizes['ep']}")
     schedule = optimizer_schedule(args)
@@ -301,14 +309,28 @@ def configs(args):
     overrides = {k: v for k, v in (("dtype", precision_dtype(args)), ("dropout", args.dropout),
                                    ("n_layer", args.n_layer)) if v is not None}
     data = data_configs(args, overrides)
-    model = model_preset(args.model, **overrides, **model_overrides(args))
+    if getattr(args, "init_from", None) is not None:  # the shape from the weights (refpar/weights.py)
+        from refpar.weights import read_hf_config
+
+        preset = None if isinstance(args.model, PresetDefault) else args.model
+        model = read_hf_config(args.init_from, preset, dtype=precision_dtype(args), dropout=args.dropout,
+                               n_layer=args.n_layer, moe=model_overrides(args))
+        if sizes["ep"] > 1 and not model.moe_experts:
+            raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks, but {args.init_from} is a dense "
+                              "model; drop ep from --mesh")
+        if overrides.get("vocab_size", 0) > model.vocab_size:  # --data's tokenizer
+            raise ConfigError(f"the --data tokenizer has {overrides['vocab_size']} tokens but the model of "
+                              f"{args.init_from} embeds {model.vocab_size}; give the model's own tokenizer "
+                              "(--tokenizer its tokenizer.json) or one of fewer tokens")
+    else:
+        model = model_preset(args.model, **overrides, **model_overrides(args))
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                         optimizer=args.optimizer, seed=args.seed, **schedule,
                         fp32_grads=getattr(args, "fp32_grads", False),
                         loss_scale=getattr(args, "loss_scale", None),
                         loss_scale_window=getattr(args, "loss_scale_window", None),
                         clip_grad_norm=args.clip_grad_norm, wsd_decay_steps=args.wsd_decay_steps,
-                        decay_all=args.decay_all, **data)
+                        decay_all=args.decay_all, init_from=getattr(args, "init_from", None), **data)
     train.check_model(model)
     return model, train, sizes
 

@@ -17,7 +17,8 @@ before it:
                 blocks keep for the backward and rerun in it (--recompute; the attention core
                 under "selective" wraps the layout's)
  4. parameters  drawn whole on the host, sliced by pp (the stages'), ep (this rank's experts) and
-                tp (tensor_parallel's slices), moved to the run's backend
+                tp (tensor_parallel's slices), moved to the run's backend; or, with
+                TrainConfig.init_from, only those slices read from the weights file (refpar/weights.py)
  5. data        each unit's replica group (dp x cp; a MoE model's dense weights dp x ep x cp)
     parallel    keeps it by plain DP (bucketed all-reduce), ZeRO-1/2/3 or FSDP: the stages' hooks
  6. optimizer   the state that strategy holds (whole, or this rank's shards); fp16's loss scaler;
@@ -41,7 +42,7 @@ from refpar.holdings import (
     tp_param_slices,
 )
 from refpar.memory import MemoryLedger
-from refpar.model import init_params
+from refpar.model import init_params, param_shapes
 from refpar.parallel.clipping import clip_for
 from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.data_parallel import DataParallel
@@ -115,11 +116,18 @@ def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo
     return None if own_layers(model, mesh.sizes, sp, recompute) else tp_layout(model, seq_len, tp)
 
 
-def held_params(model: ModelConfig, mesh, names: set[str], seed: int) -> dict:
+def held_params(model: ModelConfig, mesh, names: set[str], seed: int, init_from: str | None = None) -> dict:
     """This rank's parameters: of the initialisation drawn whole, its stages' `names` (pp), its ep
-    rank's experts (ep), its tp slices (tp), in the family's order, on the run's backend."""
-    full = init_params(model, seed)
+    rank's experts (ep), its tp slices (tp), in the family's order, on the run's backend. With
+    `init_from` (an HF folder or .safetensors file) the same slices are read from it, and nothing else."""
     ep, q = mesh.sizes["ep"], mesh.coords["ep"]
+    if init_from is not None:
+        from refpar.weights import read_params
+
+        held = [n for n in param_shapes(model) if n in names and held_expert(model, n, ep, q)]
+        slices = tp_param_slices(model, mesh.sizes["tp"], mesh.coords["tp"])
+        return backend.current().from_host(read_params(init_from, model, held, slices))
+    full = init_params(model, seed)
     kept = {n: full[n] for n in full if n in names and held_expert(model, n, ep, q)}
     return backend.current().from_host(shard_params_tp(kept, model, mesh.sizes["tp"], mesh.coords["tp"]))
 
@@ -154,7 +162,8 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     pipe = layout(schedule)
     stages = pipe.stages_of(coords["pp"])
     # 4. parameters
-    params = held_params(model, mesh, {n for s in stages for n in stage_names(model, pipe, s)}, train.seed)
+    params = held_params(model, mesh, {n for s in stages for n in stage_names(model, pipe, s)}, train.seed,
+                         train.init_from)
     # 5. data parallelism over each unit's replica group
     dense = mesh.axis("data") if model.moe_experts else mesh.axis("dp_cp")
     held = {s: [n for n in stage_names(model, pipe, s) if n in params] for s in stages}

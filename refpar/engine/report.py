@@ -71,8 +71,8 @@ def _run(model, cfg, sizes: dict, plan, args, mesh, plain) -> int:
     check = args.check and speak
     ref = train_single_device(model, cfg, microbatches=plan.microbatches) if check else None
     corpus = corpus_for(model, cfg)
-    for line in header(model, cfg, sizes, plan, args.model, corpus) + ([peak.line(comm.size)] if peak
-                                                                         else []):
+    label = cfg.init_from or args.model  # the model's name: its preset, or the folder it came from
+    for line in header(model, cfg, sizes, plan, label, corpus) + ([peak.line(comm.size)] if peak else []):
         say(line)
     if args.save is not None and getattr(corpus, "tokenizer", None) is not None and speak:
         Path(args.save).mkdir(parents=True, exist_ok=True)
