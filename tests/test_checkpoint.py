@@ -295,7 +295,7 @@ def test_the_closing_line_of_a_resumed_run_counts_from_its_checkpoint_and_never_
     from refpar.engine.lines import report
 
     said = []
-    summary = {"loss_floor": 1.0, "max_loss_rel_diff": None, "grad_norms": None}
+    summary = {"loss_floor": 1.0, "max_loss_rel_diff": None, "grad_norms": None, "val_losses": None}
     for losses, words in (([4.0, 4.0002], "4.0000 at step 3, 4.0001 over the last 2 steps, 0% of the way"),
                           ([4.0, 2.5], "4.0000 at step 3, 3.2500 over the last 2 steps, 25% of the way"),
                           ([4.0, 4.9], "4.0000 at step 3, 4.4500 over the last 2 steps, above the first")):
