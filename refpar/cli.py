@@ -14,6 +14,7 @@ import re
 import shlex
 import sys
 
+from refpar import interrupt
 from refpar.config import ConfigError
 
 # name -> module. Command modules import heavy dependencies (mpi4py, the model) inside run(),
@@ -109,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     args = parse(argv)
-    if under_launcher():
+    if args.command == "app":  # a server: Ctrl-C is its normal end, and streamlit stops itself
+        return _run_reporting_config_errors(args)
+    # Ctrl-C and SIGTERM end every rank at once with one line (refpar/interrupt.py).
+    with interrupt.watching(f"refpar {args.command}", getattr(args, "save", None), launcher_rank(),
+                            under_launcher()):
+        if not under_launcher():
+            return _run_reporting_config_errors(args)
         from refpar import jobs
         from refpar.comm.communicator import abort_on_error
 
@@ -120,4 +127,3 @@ def main(argv: list[str] | None = None) -> int:
             status = _run_reporting_config_errors(args)
         jobs.ended()
         return status
-    return _run_reporting_config_errors(args)
