@@ -57,7 +57,6 @@ import os
 import signal
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,7 +93,7 @@ class Progress:
 
 progress = Progress()
 _file_operations = threading.Lock()  # held by a save's file operation, and for good by the watcher
-_children: weakref.WeakSet = weakref.WeakSet()  # subprocess.Popen of the jobs handed over
+_children: list = []  # subprocess.Popen of the jobs handed over that may still run
 _interrupted = threading.Event()
 
 
@@ -114,7 +113,8 @@ def file_operation():
 
 def adopt(proc) -> None:
     """Hands a launched job (a subprocess.Popen) to the watcher: an interruption ends it too."""
-    _children.add(proc)
+    _children[:] = [p for p in _children if p.poll() is None] + [proc]  # one assignment: the watcher
+    # may be copying the list at the same moment
 
 
 @contextlib.contextmanager

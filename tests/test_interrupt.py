@@ -207,3 +207,22 @@ def _quick() -> tuple:
     from refpar.commands.verify import QUICK
 
     return QUICK
+
+
+@pytest.mark.timeout(300)
+def test_the_apps_stop_button_ends_a_run_with_its_one_line():
+    sys.path.insert(0, str(ROOT / "app"))
+    from launcher import Launcher
+
+    run = Launcher()
+    run.start(_train(2, "--mesh", "dp=2", *TINY, "--steps", "2000"), "stopped", None, 2000)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(ROW.match(line) for line in run.lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        run.stop()  # SIGTERM to the job's process group
+        run.reader.join(timeout=60)
+    finally:
+        if run.running():
+            os.killpg(run.proc.pid, signal.SIGKILL)
+    assert run.proc.returncode == 143 and SAID.fullmatch(run.error.splitlines()[0]), run.error
