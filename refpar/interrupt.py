@@ -43,11 +43,12 @@ What MPICH 5.0.2's hydra does (measured, 2 and 8 ranks): it forwards SIGINT and 
 mpiexec or to its process group, to every rank (the ranks run in sessions of their own, so a
 terminal's Ctrl-C reaches them only this way); on SIGINT it prints, on its stdout,
 "[mpiexec@HOST] Sending Ctrl-C to processes as requested" and "[mpiexec@HOST] Press Ctrl-C again
-to force abort"; SIGTERM it forwards silently. When the first rank exits it kills the others, prints
-no "BAD TERMINATION" banner for an exit status (only for a rank killed by a signal) and exits with
-that status. Hence `GRACE_S`: every rank gets the signal within milliseconds, but a rank whose
-watcher is kept off the CPU a little longer (8 ranks on 2 cores) must still remove its temporary
-files before the first exit ends it.
+to force abort"; SIGTERM it forwards silently. When the first rank exits it kills the others
+(SIGKILL) and, that rank having exited with a status rather than died of a signal, prints no "BAD
+TERMINATION" box and exits with that status, 130 or 143, the same on every rank. Hence `GRACE_S`:
+every rank gets the signal at about the same time, but each must have removed its temporary files
+before the first exit ends it. Measured on 2 cores under a load of 12, `dp=2,tp=2,pp=2` (8 ranks):
+the 8 watchers woke 0.5-24 ms after the signal, and the job had ended 0.59-0.62 s after it.
 """
 
 from __future__ import annotations

@@ -142,38 +142,49 @@ def _resumes_bit_for_bit(ranks: int, args: tuple, root: Path, k: int) -> None:
     assert resumed["losses"] == full["losses"][k:], (resumed["losses"], full["losses"])
 
 
+# (ranks, mesh): 2 ranks, and 8 on three axes whose pipeline ranks wait in sends and receives
+MESHES = {2: ("--mesh", "dp=2", *TINY), 8: ("--mesh", "dp=2,tp=2,pp=2", "--microbatches", "2", *TINY)}
+
+
 @pytest.mark.timeout(600)
-def test_ctrl_c_mid_step_ends_two_ranks_with_one_line_and_130_and_resume_continues(tmp_path):
-    root, args = tmp_path / "ckpt", ("--mesh", "dp=2", *TINY)
-    job = Job(_train(2, *args, "--steps", "120", "--save", str(root), "--save-every", "1"))
-    job.wait_for(lambda: len(job.watch.pids()) == 2 and any(ROW.match(x) and int(x.split()[0]) >= 10
-                                                            for x in job.out))
-    seconds = job.interrupt(signal.SIGINT, whole_group=True, pids=list(job.watch.pids().values()))
-    assert seconds < GONE_S and job.proc.returncode == 130, (seconds, job.proc.returncode, job.err)
+@pytest.mark.parametrize("ranks, number", [(2, signal.SIGINT), (8, signal.SIGTERM)],
+                         ids=["2-SIGINT", "8-SIGTERM"])
+def test_a_signal_to_the_process_group_mid_step_ends_every_rank_with_one_line_and_resume_continues(
+        tmp_path, ranks, number):
+    root, args = tmp_path / "ckpt", MESHES[ranks]
+    job = Job(_train(ranks, *args, "--steps", "120", "--save", str(root), "--save-every", "1"))
+    job.wait_for(lambda: len(job.watch.pids()) == ranks and any(ROW.match(x) and int(x.split()[0]) >= 10
+                                                                for x in job.out), timeout=300)
+    seconds = job.interrupt(number, whole_group=True, pids=list(job.watch.pids().values()))
+    assert seconds < GONE_S and job.proc.returncode == EXIT[number], (seconds, job.proc.returncode, job.err)
     said = _one_line(job)
     assert said.group(2) == "step" and int(said.group(4)) == 120 and said.group(5), said.group(0)
-    assert [line for line in job.out if HYDRA.fullmatch(line.strip())], job.out  # mpiexec's, verbatim
+    banner = [line for line in job.out if HYDRA.search(line)]  # mpiexec's own lines, verbatim
+    assert all(HYDRA.fullmatch(line.strip()) for line in banner), banner
+    assert len(banner) == (2 if number == signal.SIGINT else 0), banner  # SIGTERM: hydra is silent
     step, k = int(said.group(3)), int(said.group(5).rsplit("-", 1)[1])
     assert said.group(5) == str(root / f"step-{k:08d}") and step - 1 <= k <= step, said.group(0)
-    _resumes_bit_for_bit(2, args, root, k)
+    _resumes_bit_for_bit(ranks, args, root, k)
 
 
 @pytest.mark.timeout(600)
-def test_sigterm_to_mpiexec_mid_save_ends_eight_ranks_with_143_and_leaves_no_half_checkpoint(tmp_path):
+@pytest.mark.parametrize("ranks, number, whole_group", [(2, signal.SIGINT, True), (8, signal.SIGTERM, False)],
+                         ids=["2-SIGINT-to-the-group", "8-SIGTERM-to-mpiexec-alone"])
+def test_a_signal_mid_save_ends_every_rank_and_leaves_no_half_checkpoint(tmp_path, ranks, number,
+                                                                         whole_group):
     script, saving, root = tmp_path / "job.py", tmp_path / "saving", tmp_path / "ckpt"
     script.write_text(SLOW_SAVE)
     saving.mkdir()
-    args = ("--mesh", "dp=2,tp=2,pp=2", "--microbatches", "2", *TINY)
-    job = Job(_train(8, *args, "--steps", "6", "--save", str(root), "--save-every", "2", script=script),
+    args = MESHES[ranks]
+    job = Job(_train(ranks, *args, "--steps", "6", "--save", str(root), "--save-every", "2", script=script),
               env={"SLOW_STEP": "step-00000004", "SAVING": str(saving)})
-    job.wait_for(lambda: len(list(saving.iterdir())) == 8, timeout=300)  # every rank inside its write
-    seconds = job.interrupt(signal.SIGTERM, whole_group=False, pids=list(job.watch.pids().values()))
-    assert seconds < GONE_S and job.proc.returncode == 143, (seconds, job.proc.returncode, job.err)
+    job.wait_for(lambda: len(list(saving.iterdir())) == ranks, timeout=300)  # every rank inside its write
+    seconds = job.interrupt(number, whole_group=whole_group, pids=list(job.watch.pids().values()))
+    assert seconds < GONE_S and job.proc.returncode == EXIT[number], (seconds, job.proc.returncode, job.err)
     assert _one_line(job).group(0) == (f"refpar train: interrupted at step 4 of 6; the last complete "
                                        f"checkpoint is {root / 'step-00000002'}")
-    assert not job.out or not [line for line in job.out if HYDRA.search(line)]  # SIGTERM: hydra is silent
-    assert sorted(p.name for p in (root / "step-00000004").iterdir()) == []  # the abandoned save
-    _resumes_bit_for_bit(8, args, root, 2)
+    assert list((root / "step-00000004").iterdir()) == []  # the abandoned save: no file, whole or half
+    _resumes_bit_for_bit(ranks, args, root, 2)
 
 
 @pytest.mark.timeout(300)
