@@ -43,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from refpar import interrupt
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.model import param_shapes
 from refpar.precision import MASTER_DTYPE, is_16bit
@@ -209,12 +210,13 @@ def _prepare(path: Path) -> None:
     """Rank 0, before any rank writes: the directory, without the manifest of an earlier save into
     it (so a crash from here on leaves a directory that is passed over, not a manifest over a mix of
     old and new files) and without the temporary files a crashed save left."""
-    path.mkdir(parents=True, exist_ok=True)
-    if (path / MANIFEST).exists():
-        (path / MANIFEST).unlink()
-        _fsync_dir(path)
-    for stale in path.glob(".*.tmp-*"):
-        stale.unlink(missing_ok=True)
+    with interrupt.file_operation():  # Ctrl-C waits for it, as for each step below (refpar/interrupt.py)
+        path.mkdir(parents=True, exist_ok=True)
+        if (path / MANIFEST).exists():
+            (path / MANIFEST).unlink()
+            _fsync_dir(path)
+        for stale in path.glob(".*.tmp-*"):
+            stale.unlink(missing_ok=True)
 
 
 def _attempt(action, file: Path) -> tuple:
@@ -241,11 +243,14 @@ def _atomic_write(target: Path, write) -> None:
     reader sees the old file or the whole new one. A failed write removes its temporary file."""
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with interrupt.file_operation():
+            f = open(tmp, "wb")
+        with f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+        with interrupt.file_operation():
+            os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)

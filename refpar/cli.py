@@ -28,6 +28,7 @@ def one_blas_thread_unless_chosen() -> None:
 
 one_blas_thread_unless_chosen()
 
+from refpar import interrupt  # noqa: E402
 from refpar.config import ConfigError  # noqa: E402  (NumPy loads here: after the thread count is set)
 
 # name -> module. Command modules import heavy dependencies (mpi4py, the model) inside run(),
@@ -124,7 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     args = parse(argv)
-    if under_launcher():
+    if args.command == "app":  # a server: Ctrl-C is its normal end, and streamlit stops itself
+        return _run_reporting_config_errors(args)
+    # Ctrl-C and SIGTERM end every rank at once with one line (refpar/interrupt.py).
+    with interrupt.watching(f"refpar {args.command}", getattr(args, "save", None), launcher_rank(),
+                            under_launcher()):
+        if not under_launcher():
+            return _run_reporting_config_errors(args)
         from refpar import jobs
         from refpar.comm.communicator import abort_on_error
 
@@ -135,4 +142,3 @@ def main(argv: list[str] | None = None) -> int:
             status = _run_reporting_config_errors(args)
         jobs.ended()
         return status
-    return _run_reporting_config_errors(args)

@@ -144,11 +144,11 @@ def steps_done(lines: list[str]) -> int | None:
 def how_it_ended(returncode: int, output: str, watch: RankWatch | None = None,
                  steps: int | None = None) -> str:
     """One sentence for a job that exited with `returncode` (non-zero) after printing `output`
-    (its stdout and stderr): refpar's own error line if a rank printed one, else which rank died of
-    which signal, and after how many steps, else the exit status and the last line."""
+    (its stdout and stderr): refpar's own error or interruption line if a rank printed one, else
+    which rank died of which signal, and after how many steps, else the exit status and the last line."""
     lines = output.splitlines()
-    for line in lines:
-        if line.startswith("refpar") and ": error" in line:
+    for line in lines:  # refpar's error line, or its line for Ctrl-C / SIGTERM (refpar/interrupt.py)
+        if line.startswith("refpar") and (": error" in line or ": interrupted" in line):
             return line.strip()
     if returncode < 0:
         return f"mpiexec was stopped by signal {-returncode} ({_signal_name(-returncode)})"

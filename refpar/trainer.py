@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refpar import backend, checkpoint
+from refpar import backend, checkpoint, interrupt
 from refpar.allocator import keep_freed_memory
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model import forward, init_params, loss_and_grads, moe_layer
@@ -213,6 +213,7 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
     m = microbatches if model.moe_experts else 1
     expert_bias: dict = {}  # aux-free balancing: layer -> (E,), updated after each step
     for step in range(result.first_step, train.steps):
+        interrupt.at(step, train.steps)  # what Ctrl-C's line says (refpar/interrupt.py)
         start = time.perf_counter()
         dloss = 1.0 if scaler is None else scaler.scale
         loss, grads, routings = 0.0, None, []

@@ -214,6 +214,7 @@ def launch(ranks: int, args: tuple[str, ...], steps: int, timeout: float,
     """One run as `mpiexec` from this Python's environment; (summary, seconds), or (one sentence
     saying how it failed, seconds). `backend`: further `refpar train` arguments (the backend, the
     precision)."""
+    from refpar import interrupt
     from refpar.jobs import RankWatch, how_it_ended
 
     mpiexec = Path(sys.executable).parent / "mpiexec"
@@ -224,6 +225,7 @@ def launch(ranks: int, args: tuple[str, ...], steps: int, timeout: float,
                OPENBLAS_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]), **watch.env())
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    interrupt.adopt(proc)  # Ctrl-C or SIGTERM to verify ends this job too (refpar/interrupt.py)
     watch.follow(proc)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -261,7 +263,7 @@ def data_flags(args) -> tuple[str, ...]:
 
 
 def run(args) -> int:
-    from refpar import backend
+    from refpar import backend, interrupt
 
     backend.get(args.backend, args.device)  # a backend that cannot run here: one sentence, no jobs
     chosen = ("--backend", args.backend) + (("--device", args.device) if args.device else ())
@@ -281,9 +283,11 @@ def run(args) -> int:
     print(f"{'config':<24} {'ranks':>5} {'max diff':>9} {'bytes':>6} {'memory':>6} {'time':>7}"
           + (f" {'clipped':>7}" if clipping else "") + "  result", flush=True)
     failed, skipped, used = 0, 0, set()
+    order = [name for name, _, _ in MATRIX if name in wanted]
     for name, ranks, cli in MATRIX:
         if name not in wanted:
             continue
+        interrupt.at(order.index(name), len(order), "run")  # what Ctrl-C's line says
         precision = cli[cli.index("--precision") + 1] if "--precision" in cli else args.precision
         moe = "--moe-experts" in cli
         why = refused(precision, moe)

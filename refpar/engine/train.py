@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refpar import checkpoint
+from refpar import checkpoint, interrupt
 from refpar.allocator import keep_freed_memory
 from refpar.model import gemm
 from refpar.model.moe import update_expert_bias
@@ -88,6 +88,7 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
     tracer = mesh.world.tracer
     scales, skipped_steps = [], []
     for step in range(run.first_step, cfg.steps):
+        interrupt.at(step, cfg.steps)  # what Ctrl-C's line says (refpar/interrupt.py)
         start = time.perf_counter()
         gemm.take()  # the tally from 0: GEMMs run before this step (--check's single device) are not its
         par.routings.clear()
