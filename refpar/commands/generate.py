@@ -119,6 +119,17 @@ def weights_and_tokenizer(args):
     return config, params, tokenizer
 
 
+def trained_seq_len(source) -> int | None:
+    """The sequence length a refpar checkpoint's run trained on (None: random weights or an HF folder)."""
+    from refpar.weights import is_refpar_checkpoint
+
+    if source is None or not is_refpar_checkpoint(source):
+        return None
+    from refpar.checkpoint import read_manifest
+
+    return int(read_manifest(source)["train"]["seq_len"])
+
+
 def requests_of(args, config, tokenizer) -> list:
     """The requests: each --prompt tokenized, arriving at once; else --prompt-lens prompts drawn from
     the Markov corpus, arriving at --arrivals. --max-new-tokens, if given, for every request."""
@@ -192,7 +203,8 @@ def run(args) -> int:
     if summary is None:
         return 0
     summary["weights"] = {"from": args.source, "seed": None if args.source else args.seed,
-                          "tokenizer": None if tokenizer is None else tokenizer.name}
+                          "tokenizer": None if tokenizer is None else tokenizer.name,
+                          "trained_seq_len": trained_seq_len(args.source)}
     if tokenizer is not None:  # the text of each prompt and of what followed it
         prompts = {r.rid: r.prompt for r in requests}
         for r in summary["requests"]:
@@ -222,6 +234,12 @@ def print_report(s: dict) -> None:
     else:
         print(f"weights: {w['from']}; tokenizer: " + (w["tokenizer"] or "none (prompts and output are "
                                                         "token ids)"), flush=True)
+    longest = max(r["prompt_len"] + len(r["tokens"]) - 1 for r in s["requests"])
+    trained = w["trained_seq_len"]
+    if trained is not None and longest > trained and s["model"]["arch"] == "gpt2":
+        print(f"note: a sequence here reaches {longest} positions; the run trained on {trained}, so GPT-2's "
+              "learned position embeddings past those are untrained (ask for fewer tokens, or train with a "
+              "longer --seq-len)", flush=True)
     mesh = "-".join(f"{a.upper()}({n})" for a, n in s["mesh"].items() if n > 1) or "one device"
     print(f"refpar generate: {len(s['requests'])} requests on {mesh} ({s['world_size']} ranks), "
           f"{s['sampling']}, at most {s['max_batch']} at once, {s['steps']} engine steps", flush=True)
