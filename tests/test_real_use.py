@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 import pytest
 
-from refpar.cli import parse
+from refpar.cli import main, parse
 from refpar.commands.train import configs
 from refpar.config import MODEL_PRESETS, RECIPES, ConfigError, TrainConfig, check_output_path, model_preset
 from refpar.model.data import MarkovCorpus
@@ -150,3 +150,16 @@ def test_an_existing_output_the_user_cannot_write_is_refused_before_the_run():
         assert message.startswith("ConfigError") and "exists and is not writable" in message, message
     finally:
         shutil.rmtree(folder)
+
+
+def test_a_resumed_run_keeps_the_schedule_its_checkpoint_trained_with(tmp_path):
+    """The small recipe warms up over a tenth of --steps: a run extended from 20 to 40 steps by
+    --resume keeps the checkpoint's 2 warmup steps (its manifest's), instead of refusing to go on."""
+    run = str(tmp_path / "run")
+    small = ["--model", "small", "--seq-len", "8", "--batch-size", "2"]
+    assert main(["train", *small, "--steps", "20", "--save", run]) == 0
+    cfg = configs(parse(["train", *small, "--steps", "40", "--resume", run]))[1]
+    assert (cfg.warmup_steps, cfg.lr, cfg.min_lr) == (2, RECIPES["small"].lr, 0.1 * RECIPES["small"].lr)
+    assert main(["train", *small, "--steps", "22", "--resume", run]) == 0
+    given = configs(parse(["train", *small, "--steps", "40", "--resume", run, "--warmup-steps", "3"]))[1]
+    assert given.warmup_steps == 3  # a flag given wins, and the checkpoint then refuses what differs
