@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar.checkpoint import _atomic_write
 from refpar.config import ConfigError
+from refpar.files import write_atomically
 
 FILE_NAME = "tokenizer.json"
 REFPAR_KEY = "refpar_tokenizer"  # refpar's own tokenizer.json: {"refpar_tokenizer": "bytes" | "gpt2"}
@@ -65,7 +65,7 @@ class Tokenizer:
         path = Path(folder) / FILE_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         text = self._json()
-        _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+        write_atomically(path, lambda f: f.write(text.encode("utf-8")))
         return path
 
     def _json(self) -> str:
