@@ -7,6 +7,7 @@ after the ranks began to talk, would hang the job or print twice.
 """
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -42,6 +43,11 @@ def wordpiece(path):
     return path
 
 
+def fifo(path):
+    os.mkfifo(path)
+    return path
+
+
 def text_file(path, n=4000):
     path.write_text((ROOT / "docs" / "data.md").read_text()[:n])
     return path
@@ -52,6 +58,8 @@ CASES = {
     "binary-data": (lambda d: ["--data", str(ROOT / "docs" / "app-home.png")],
                     ["app-home.png", "not UTF-8 text"]),
     "empty-data": (lambda d: ["--data", str(d / "empty.txt")], ["empty.txt", "is empty"]),
+    "data-that-is-a-pipe": (lambda d: ["--data", str(fifo(d / "pipe"))],  # read, it would wait forever
+                            ["pipe", "neither a file nor a folder"]),
     "corpus-shorter-than-a-window": (lambda d: ["--data", str(text_file(d / "short.txt", 100)),
                                                 "--seq-len", "128"],
                                      ["short.txt", "choose seq_len below"]),

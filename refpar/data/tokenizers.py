@@ -227,7 +227,9 @@ def load_tokenizer(path) -> Tokenizer:
     path = Path(path)
     file = path / FILE_NAME if path.is_dir() else path
     if not file.is_file():
-        where = f"{path} holds no {FILE_NAME}" if path.is_dir() else f"tokenizer file {path} does not exist"
+        where = (f"{path} holds no {FILE_NAME}" if path.is_dir() else
+                 f"tokenizer file {path} is not a file" if path.exists() else  # a device, a pipe
+                 f"tokenizer file {path} does not exist")
         raise ConfigError(f"{where}; give a {FILE_NAME} (one a run saved, or a Hugging Face model "
                           f"folder's) or a folder holding one, or choose bytes, bpe or gpt2")
     try:
