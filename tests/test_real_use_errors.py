@@ -2,8 +2,11 @@
 train --mesh dp=2 ...` on every rank before any message, with exit status 2, one line on stderr
 (rank 0's) naming the flag or path, no traceback, and nothing written (no --save folder, no --log or
 --trace file). tests/test_data.py and tests/test_weights.py check each sentence at the function
-level; here it is the whole command on two ranks, where a check that ran on one rank only, or
-after the ranks began to talk, would hang the job or print twice.
+level; here it is the whole command on two ranks, where a check made on one rank only would leave
+the other waiting in a collective (the job would time out, or MPI_Abort would end it with another
+status), and a sentence every rank printed would show twice. The second part: every file refpar
+writes whole goes through refpar/files.py, which leaves the old file or the whole new one whether
+the write raises or a SIGTERM comes in the middle of it.
 """
 
 import json
@@ -86,6 +89,12 @@ CASES = {
     "tensorboard-is-a-file": (lambda d: ["--tensorboard", str(text_file(d / "tb"))],
                               ["--tensorboard", "is a file"]),
     "trace-is-a-folder": (lambda d: ["--trace", str(d / "out")], ["--trace", "is a directory"]),
+    # /proc: access() says root may write there, but no file can be made (as on NFS with root
+    # squashed): --trace failed after the whole run with a traceback, --log as the run began
+    "trace-where-no-file-can-be-made": (lambda d: ["--trace", "/proc/trace.json"],
+                                        ["--trace '/proc/trace.json'", "no file can be created in '/proc'"]),
+    "log-where-no-file-can-be-made": (lambda d: ["--log", "/proc/run.jsonl"],
+                                      ["--log '/proc/run.jsonl'", "no file can be created in '/proc'"]),
     "save-under-a-file": (lambda d: ["--save", str(text_file(d / "text.txt") / "ckpt")],
                           ["--save", "lies under the file"]),
 }
