@@ -215,3 +215,57 @@ def test_sigterm_in_a_write_leaves_the_old_file_or_the_whole_new_one_and_no_temp
         assert list(tmp_path.iterdir()) == []
     else:
         assert list(tmp_path.iterdir()) == [target] and target.read_bytes() == left
+
+
+# The --log writer (refpar/engine/runlog.py) of a run under refpar's watcher, its file made to write
+# each line in two halves with a pause between (as the kernel may, at a page boundary).
+SLOW_LOG = """
+import sys, time
+from types import SimpleNamespace
+from refpar import interrupt
+from refpar.config import TrainConfig, model_preset
+from refpar.engine.runlog import RunLog
+
+class TwoHalves:
+    def __init__(self, f):
+        self.f = f
+    def write(self, line):
+        self.f.write(line[:10])
+        self.f.flush()
+        if '"step": 2' in line:
+            print("ready", flush=True)
+            time.sleep(0.5)
+        return self.f.write(line[10:])
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+args = SimpleNamespace(log=sys.argv[1], tensorboard=None, resume=None)
+with interrupt.watching("refpar train"), RunLog(model_preset("tiny"), TrainConfig(), 1, args, None,
+                                                speak=True) as log:
+    log.file = TwoHalves(log.file)
+    step = log.on_step(lambda *row, **kw: None)
+    for i in range(3):
+        step(i, 3.0, 0.1, {}, None)
+"""
+
+
+def test_sigterm_in_the_middle_of_a_log_line_leaves_every_line_whole(tmp_path):
+    """A line is one file operation: the watcher waits for its second half, then ends the process."""
+    import subprocess
+    import sys
+
+    from tests.mpi import mpi_env
+
+    log = tmp_path / "run.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_LOG, str(log)], cwd=ROOT, env=mpi_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(15)  # SIGTERM
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "Traceback" not in err, (out, err)
+    text = log.read_text()
+    assert text.endswith("\n"), text
+    assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2]
