@@ -175,7 +175,8 @@ def validation_loss(params: dict, model: ModelConfig, corpus, train: TrainConfig
 
 
 def evaluates(train: TrainConfig, step: int) -> bool:
-    """Whether the validation loss is computed after 0-based step `step`: every eval_every steps and
+    """Whether the validation loss is computed after 0-based step `step`: before the first (step -1:
+    the loss of the weights the run starts from, as nanoGPT's iteration 0), every eval_every steps and
     after the last."""
     return bool(train.eval_every) and ((step + 1) % train.eval_every == 0 or step + 1 == train.steps)
 
@@ -212,6 +213,8 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
             scaler.load_state_dict(state.pop("loss_scaler"))
     m = microbatches if model.moe_experts else 1
     expert_bias: dict = {}  # aux-free balancing: layer -> (E,), updated after each step
+    if evaluates(train, -1) and result.first_step == 0:  # the weights it starts from
+        result.val_losses.append((0, validation_loss(params, model, corpus, train)))
     for step in range(result.first_step, train.steps):
         interrupt.at(step, train.steps)  # what Ctrl-C's line says (refpar/interrupt.py)
         start = time.perf_counter()

@@ -372,6 +372,7 @@ _RUNS: dict[tuple[str, Path], subprocess.CompletedProcess] = {}
 def docs_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("docs")
     (folder / "hosts").write_text(HOSTS)
+    (folder / "docs").symlink_to(ROOT / "docs")  # the corpus of the pages' `--data docs`, as from the clone
     return folder
 
 
@@ -713,6 +714,37 @@ def _measured_bubble_next_to_the_simulated_one(out, _):
                           r"measured action times [\d.]+%, with unit costs ([\d.]+)%",
                           line_of(out, "bubble of the last"))
     assert bubble and float(bubble.group(1)) == round(100 * (p - 1) / (v * m + p - 1), 1)
+
+
+@claims("python -m refpar train --model small --data docs --seq-len 64 --steps 30 --eval-every 10 --save "
+        "runs/docs")
+def _text_run_reads_docs_and_reports_validation_losses(out, folder):
+    """command-line.md, "Real text in, text out": the header says what was read and the unigram
+    entropy, the table a val loss column, the closing lines the last validation loss; the tokenizer is
+    kept beside the checkpoints."""
+    data = line_of(out, "data: text:")
+    assert "files of docs" in data and "bytes tokenizer (256)" in data and "unigram entropy" in data
+    assert "val loss" in line_of(out, "step ")
+    val = re.fullmatch(r"validation loss ([\d.]+) after 30 steps, [\d.]+ before the first "
+                       r"\(held-out windows, evaluation mode\)", line_of(out, "validation loss"))
+    first = float(re.search(r"^loss ([\d.]+) at step 1", out, re.M).group(1))
+    assert val and float(val.group(1)) < first
+    assert (folder / "runs" / "docs" / "tokenizer.json").is_file()
+
+
+@claims("python -m refpar generate --from runs/docs --prompt \"Pipeline parallelism\" --max-new-tokens 40")
+def _generate_from_the_run_writes_text(out, _):
+    """command-line.md: generate --from reads the run's checkpoint and tokenizer and prints the prompt
+    and what followed it as text (40 bytes)."""
+    assert out.splitlines()[0] == "weights: runs/docs; tokenizer: bytes"
+    assert line_of(out, "request 0:").endswith("40 new tokens:")
+    assert out.splitlines()[out.splitlines().index(line_of_raw(out, "request 0:")) + 1].startswith(
+        "    Pipeline parallelism")
+
+
+def line_of_raw(out: str, start: str) -> str:
+    """The line of `out` that starts with `start` after its leading spaces, as printed."""
+    return next(line for line in out.splitlines() if line.strip().startswith(start))
 
 
 def test_the_command_make_demo_runs_is_the_one_the_page_names():

@@ -1,5 +1,7 @@
 """`refpar generate`: serve GPT-2 or Llama with a KV cache and continuous batching, on one device or a mesh.
 
+    refpar generate --from runs/text --prompt "Data parallelism" --max-new-tokens 200
+    mpiexec -n 2 python -m refpar generate --from runs/text --mesh tp=2 --prompt "ZeRO" --check
     refpar generate --check
     mpiexec -n 2 python -m refpar generate --mesh tp=2 --check
     mpiexec -n 4 python -m refpar generate --model llama-tiny --mesh tp=4 --check
@@ -8,8 +10,11 @@
     mpiexec -n 2 python -m refpar generate --mesh tp=2 --paged --block-size 4 --kv-blocks 12 \
         --system-prompt 10 --prompt-lens 3,5,2,6 --prefix-sharing --check
 
-Requests get prompts from the Markov corpus; each arrives at an engine step (--arrivals) and takes
-one of --max-batch slots until its tokens are out. The report gives tokens, per-token latency of
+--from loads trained weights (a refpar checkpoint, or a Hugging Face model folder: refpar/weights.py)
+and the tokenizer saved beside them, so --prompt is text and the output is text; without --from the
+weights are random (the first line says so). Without --prompt, requests get prompts of token ids from
+the Markov corpus; each arrives at an engine step (--arrivals) and takes one of --max-batch slots
+until its tokens are out. The report gives tokens, per-token latency of
 prefill and decode, bytes per token by axis, the KV cache each rank holds (measured by the
 MemoryLedger) next to its closed form, and the same closed forms for a large model on real GPUs.
 --paged keeps the cache in blocks (refpar/serving/paged.py): one progress line per engine step,
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 HELP = ("generate tokens with a KV cache (tp, cp or pp decoding, continuous batching); report latency, "
         "bytes, KV memory")
@@ -27,8 +33,21 @@ HELP = ("generate tokens with a KV cache (tp, cp or pp decoding, continuous batc
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", default=None, help="tp=T,cp=C,pp=P (default: one device)")
-    parser.add_argument("--model", default="tiny",
-                        help="model preset: tiny, small, llama-tiny or llama-small (default tiny)")
+    parser.add_argument("--from", dest="source", default=None, metavar="CKPT_OR_HF_DIR",
+                        help="trained weights: a refpar checkpoint (DIR or DIR/step-N, from refpar train "
+                             "--save) or a Hugging Face model folder (config.json + model.safetensors); "
+                             "default: random weights drawn from --seed")
+    parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                        help="a prompt in words, tokenized by the weights' tokenizer (the tokenizer.json "
+                             "beside them, or --tokenizer); repeat it for several requests")
+    parser.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                        help="tokens to generate for every request (default: --new-tokens)")
+    parser.add_argument("--tokenizer", default=None, metavar="KIND",
+                        help="for --prompt where the weights carry no tokenizer: bytes, gpt2 or the path "
+                             "of a tokenizer.json")
+    parser.add_argument("--model", default=None,
+                        help="model preset: tiny, small, llama-tiny or llama-small (default tiny); with "
+                             "--from, only for a bare .safetensors file")
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
     parser.add_argument("--prompt-lens", default="12,5,20,8", help="prompt length of each request")
     parser.add_argument("--system-prompt", type=int, default=0,
@@ -71,6 +90,69 @@ def int_list(text: str, what: str) -> list[int]:
     return values
 
 
+def weights_and_tokenizer(args):
+    """(ModelConfig, whole parameters or None for random ones, tokenizer or None) of --from, --model,
+    --dtype and --tokenizer; every rank reads the same files, so every rank refuses alike."""
+    from refpar.config import ConfigError, model_preset
+
+    params, tokenizer = None, None
+    if args.source is not None:
+        from refpar.data.tokenizers import load_tokenizer
+        from refpar.weights import find_tokenizer, load_model
+
+        config, params = load_model(args.source, preset=args.model, dtype=args.dtype)
+        found = find_tokenizer(args.source)
+        tokenizer = load_tokenizer(found) if found is not None else None
+    else:
+        dtype = {"dtype": args.dtype} if args.dtype is not None else {}
+        config = model_preset(args.model or "tiny", **dtype)
+    if args.tokenizer is not None:
+        from refpar.data.tokenizers import make_tokenizer
+
+        if args.tokenizer == "bpe":
+            raise ConfigError("--tokenizer bpe is trained on a corpus by refpar train; give the "
+                              "tokenizer.json that run saved beside its checkpoints")
+        tokenizer = make_tokenizer(args.tokenizer, tuple, None)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise ConfigError(f"the {tokenizer.name} tokenizer has {tokenizer.vocab_size} tokens but the model "
+                          f"only {config.vocab_size}; give the tokenizer these weights were trained with")
+    return config, params, tokenizer
+
+
+def trained_seq_len(source) -> int | None:
+    """The sequence length a refpar checkpoint's run trained on (None: random weights or an HF folder)."""
+    from refpar.weights import is_refpar_checkpoint
+
+    if source is None or not is_refpar_checkpoint(source):
+        return None
+    from refpar.checkpoint import read_manifest
+
+    return int(read_manifest(source)["train"]["seq_len"])
+
+
+def requests_of(args, config, tokenizer) -> list:
+    """The requests: each --prompt tokenized, arriving at once; else --prompt-lens prompts drawn from
+    the Markov corpus, arriving at --arrivals. --max-new-tokens, if given, for every request."""
+    from refpar.config import ConfigError
+    from refpar.serving.requests import Request, check_requests, make_requests
+
+    new = int_list(args.new_tokens, "--new-tokens") if args.max_new_tokens is None else [args.max_new_tokens]
+    if not args.prompt:
+        return make_requests(config, int_list(args.prompt_lens, "--prompt-lens"), new,
+                             int_list(args.arrivals, "--arrivals"), args.seed, args.system_prompt)
+    if tokenizer is None:
+        where = (f"the weights at {args.source} have no tokenizer.json beside them (a run on the Markov "
+                 "corpus trains on token ids)" if args.source else "random weights have no tokenizer")
+        raise ConfigError(f"--prompt is text, but {where}; give --tokenizer bytes, gpt2 or a tokenizer.json, "
+                          "or --prompt-lens for prompts of token ids")
+    if len(new) != 1:
+        raise ConfigError("with --prompt give one number of new tokens (--max-new-tokens N) for every prompt")
+    requests = [Request(i, tuple(int(t) for t in tokenizer.encode(text)), new[0], 0)
+                for i, text in enumerate(args.prompt)]
+    check_requests(config, requests)
+    return requests
+
+
 def paging_from_args(args, n_positions: int):
     """--paged and its options as a Paging (None: the contiguous cache); its options alone are refused."""
     from refpar.config import ConfigError
@@ -93,21 +175,18 @@ def run(args) -> int:
     from refpar.analysis.presets import preset
     from refpar.analysis.serving import serving_table
     from refpar.comm.communicator import world
-    from refpar.config import ConfigError, ParallelConfig, check_output_path, model_preset, parse_mesh
+    from refpar.config import ConfigError, ParallelConfig, check_output_path, parse_mesh
     from refpar.serving.engine import check_serving
     from refpar.serving.paged import pool_blocks
-    from refpar.serving.requests import make_requests
     from refpar.serving.runner import ServeOptions, run_serving
     from refpar.serving.sampling import parse_sampling
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
-    config = model_preset(args.model, **({"dtype": args.dtype} if args.dtype is not None else {}))
+    config, params, tokenizer = weights_and_tokenizer(args)
     paging = paging_from_args(args, config.n_positions)
     check_serving(config, sizes, args.max_batch)
     sampling = parse_sampling(args.sampling, args.seed)  # first: it checks the seed the prompts use
-    requests = make_requests(config, int_list(args.prompt_lens, "--prompt-lens"),
-                             int_list(args.new_tokens, "--new-tokens"),
-                             int_list(args.arrivals, "--arrivals"), args.seed, args.system_prompt)
+    requests = requests_of(args, config, tokenizer)
     if paging is not None:
         pool_blocks(paging, requests, sizes["cp"])  # refuses a pool too small for the longest request
     spec, hw = preset(args.scale_model), hardware(args.hardware)
@@ -120,9 +199,17 @@ def run(args) -> int:
                           context=args.scale_context)
     summary = run_serving(world(), sizes, config, requests, sampling,
                           ServeOptions(args.max_batch, args.seed, args.check, paging,
-                                       progress=paging is not None))
+                                       progress=paging is not None), params)
     if summary is None:
         return 0
+    summary["weights"] = {"from": args.source, "seed": None if args.source else args.seed,
+                          "tokenizer": None if tokenizer is None else tokenizer.name,
+                          "trained_seq_len": trained_seq_len(args.source)}
+    if tokenizer is not None:  # the text of each prompt and of what followed it
+        prompts = {r.rid: r.prompt for r in requests}
+        for r in summary["requests"]:
+            r["prompt_text"] = tokenizer.decode(list(prompts[r["rid"]]))
+            r["text"] = tokenizer.decode(r["tokens"])
     summary["scale"] = {"model": spec.name, "hardware": hw.name, "precision": "float16",
                         "batch": args.scale_batch, "context": args.scale_context, "layouts": scale}
     print_report(summary)
@@ -142,12 +229,29 @@ def run(args) -> int:
 
 
 def print_report(s: dict) -> None:
+    w = s["weights"]
+    if w["from"] is None:
+        print(f"weights: random, drawn from --seed {w['seed']} (untrained: give --from CKPT_OR_HF_DIR, a "
+              "checkpoint refpar train --save wrote or a Hugging Face folder, for trained ones)", flush=True)
+    else:
+        print(f"weights: {w['from']}; tokenizer: " + (w["tokenizer"] or "none (prompts and output are "
+                                                        "token ids)"), flush=True)
+    longest = max(r["prompt_len"] + len(r["tokens"]) - 1 for r in s["requests"])
+    trained = w["trained_seq_len"]
+    if trained is not None and longest > trained and s["model"]["arch"] == "gpt2":
+        print(f"note: a sequence here reaches {longest} positions; the run trained on {trained}, so GPT-2's "
+              "learned position embeddings past those are untrained (ask for fewer tokens, or train with a "
+              "longer --seq-len)", flush=True)
     mesh = "-".join(f"{a.upper()}({n})" for a, n in s["mesh"].items() if n > 1) or "one device"
     print(f"refpar generate: {len(s['requests'])} requests on {mesh} ({s['world_size']} ranks), "
           f"{s['sampling']}, at most {s['max_batch']} at once, {s['steps']} engine steps", flush=True)
     for r in s["requests"]:
-        print(f"  request {r['rid']}: prompt {r['prompt_len']} tokens, arrives at step {r['arrival']} -> "
-              + " ".join(map(str, r["tokens"])))
+        head = f"  request {r['rid']}: prompt {r['prompt_len']} tokens, arrives at step {r['arrival']}"
+        if "text" not in r:
+            print(f"{head} -> " + " ".join(map(str, r["tokens"])))
+            continue
+        print(f"{head}, {len(r['tokens'])} new tokens:")  # the prompt, then what the model wrote
+        print(textwrap.indent(r["prompt_text"] + r["text"], "    ", lambda line: True))
     pre, dec = s["latency"]["prefill"], s["latency"]["decode"]
     print(f"tokens generated: {s['tokens_generated']}")
     print(f"latency: prefill {pre['prompt_tokens']} prompt tokens in {pre['passes']} passes, "

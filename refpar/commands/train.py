@@ -346,7 +346,12 @@ def recipe_of(args):
 
 
 def optimizer_schedule(args) -> dict:
-    """lr, lr_schedule, warmup_steps and min_lr: each flag given, else the recipe's."""
+    """lr, lr_schedule, warmup_steps and min_lr: each flag given, else the checkpoint's when resuming
+    (a recipe's warmup follows --steps, which a resumed run may extend), else the recipe's."""
+    saved = resumed_schedule(args.resume) if getattr(args, "resume", None) else None
+    if saved is not None and all(getattr(args, k) is None for k in ("lr", "lr_schedule", "warmup_steps",
+                                                                      "min_lr")):
+        return saved
     recipe = recipe_of(args)
     lr = recipe.lr if args.lr is None else args.lr
     schedule = recipe.schedule if args.lr_schedule is None else args.lr_schedule
@@ -356,6 +361,20 @@ def optimizer_schedule(args) -> dict:
     else:  # the recipe's floor, relative to the peak actually used
         min_lr = lr * recipe.min_lr_ratio if schedule != "constant" else 0.0
     return {"lr": lr, "lr_schedule": schedule, "warmup_steps": warmup, "min_lr": min_lr}
+
+
+def resumed_schedule(path: str) -> dict | None:
+    """The learning-rate settings the checkpoint `path` was trained with, read from its manifest alone
+    (None where there is none to read: opening the checkpoint later says why in one sentence)."""
+    import json
+
+    from refpar import checkpoint
+
+    try:
+        train = json.loads((checkpoint.find(path) / checkpoint.MANIFEST).read_text())["train"]
+        return {k: train[k] for k in ("lr", "lr_schedule", "warmup_steps", "min_lr")}
+    except (checkpoint.CheckpointError, OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def plan_of(args, sizes: dict[str, int], model):

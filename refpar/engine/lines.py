@@ -197,7 +197,10 @@ def report(say, model, cfg, sizes, plan, par, out, every, s) -> None:
             + f"; {out.step_time_s * 1e3:.1f} ms per step")
     if s["val_losses"]:
         step, val = s["val_losses"][-1]["step"], s["val_losses"][-1]["loss"]
-        say(f"validation loss {val:.4f} after {step} steps (held-out windows, evaluation mode)"
+        before = [v["loss"] for v in s["val_losses"] if v["step"] == 0]
+        say(f"validation loss {val:.4f} after {step} steps" + (f", {before[0]:.4f} before the first" if before
+                                                                 else "")
+            + " (held-out windows, evaluation mode)"
             + ("" if not s["reference_val_losses"] else
                f"; one device's {s['reference_val_losses'][-1]['loss']:.4f}"))
     if s["max_loss_rel_diff"] is not None:

@@ -164,8 +164,8 @@ def summarize(model, cfg, sizes, plan, par, out, every, ref, corpus) -> dict:
                 (abs(a - b) / abs(b) for a, b in zip(out.grad_norms, ref_norms, strict=True)
                  if a is not None and b is not None), default=None)}
         if cfg.eval_every:
-            fields["reference_val_losses"] = [{"step": s, "loss": v} for s, v in ref.val_losses
-                                              if s > out.first_step]
+            steps = {s for s, _ in out.val_losses}  # a resumed run's, from its checkpoint on
+            fields["reference_val_losses"] = [{"step": s, "loss": v} for s, v in ref.val_losses if s in steps]
         fields |= {"reference_losses": ref_losses,
                   "max_loss_rel_diff": max(abs(a - b) / abs(b) for a, b in zip(out.losses, ref_losses,
                                                                                 strict=True)),

@@ -87,6 +87,10 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
     normalizer = cfg.batch_size * cfg.seq_len  # global tokens: the losses add up to the mean
     tracer = mesh.world.tracer
     scales, skipped_steps = [], []
+    if evaluate is not None and evaluates(cfg, -1) and run.first_step == 0:  # the weights it starts from
+        start_loss = evaluate()
+        if start_loss is not None:
+            run.val_losses.append((0, start_loss))
     for step in range(run.first_step, cfg.steps):
         interrupt.at(step, cfg.steps)  # what Ctrl-C's line says (refpar/interrupt.py)
         start = time.perf_counter()

@@ -48,8 +48,9 @@ def rel_diff(a, b) -> float:
 
 
 def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request], sampling: Sampling,
-                opts: ServeOptions) -> dict | None:
-    """Serves `requests` on the mesh `sizes` over `world`; the summary on world rank 0, else None."""
+                opts: ServeOptions, params: dict | None = None) -> dict | None:
+    """Serves `requests` on the mesh `sizes` over `world` with the whole `params` (default: drawn from
+    `opts.seed`); the summary on world rank 0, else None."""
     check_requests(config, requests)
     check_serving(config, sizes, opts.max_batch)  # on every rank, before any communication
     check_job_size(sizes, world.size)
@@ -59,7 +60,7 @@ def run_serving(world, sizes: dict, config: ModelConfig, requests: list[Request]
     mesh = DeviceMesh(world, sizes)
     sm = ServeMesh.from_mesh(mesh)
     ledger = MemoryLedger(record_events=True)
-    params = model.init_params(config, opts.seed)
+    params = model.init_params(config, opts.seed) if params is None else params
     progress = (lambda line: print(line, flush=True)) if opts.progress and world.rank == 0 else None
     result = serve(params, config, requests, sampling, sm, opts.max_batch, ledger, tracer, opts.paging,
                    progress)
