@@ -250,7 +250,8 @@ with interrupt.watching("refpar train"), RunLog(model_preset("tiny"), TrainConfi
 
 
 def test_sigterm_in_the_middle_of_a_log_line_leaves_every_line_whole(tmp_path):
-    """A line is one file operation: the watcher waits for its second half, then ends the process."""
+    """A line is one file operation: the watcher waits for its second half, then ends the process
+    (without the lock, the file ends in the middle of step 2's line)."""
     import subprocess
     import sys
 
@@ -268,4 +269,6 @@ def test_sigterm_in_the_middle_of_a_log_line_leaves_every_line_whole(tmp_path):
     assert proc.returncode == 143 and "Traceback" not in err, (out, err)
     text = log.read_text()
     assert text.endswith("\n"), text
-    assert [json.loads(line)["step"] for line in text.splitlines()] == [1, 2]
+    steps = [json.loads(line)["step"] for line in text.splitlines()]
+    # the watcher may take the lock only after the next line's (Python's lock is not fair): whole too
+    assert steps in ([1, 2], [1, 2, 3]), text
