@@ -45,6 +45,7 @@ import numpy as np
 
 from refpar import interrupt
 from refpar.config import ConfigError, ModelConfig, TrainConfig
+from refpar.files import fsync_folder, write_atomically
 from refpar.model import param_shapes
 from refpar.precision import MASTER_DTYPE, is_16bit
 
@@ -182,7 +183,7 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
     named = {f"a{i}": np.ascontiguousarray(a).view(_stored(a.dtype)) for i, (_, a) in enumerate(arrays)}
 
     def write_shard() -> dict:
-        _atomic_write(path / name, lambda f: np.savez(f, **named))
+        write_atomically(path / name, lambda f: np.savez(f, **named))
         return {"file": name, "sha256": _sha256(path / name), "bytes": (path / name).stat().st_size,
                 "arrays": [{"key": k, **p.to_json()} for k, (p, _) in zip(named, arrays, strict=True)]}
 
@@ -196,7 +197,8 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
                    "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in tensors.items()},
                    "files": records}
             text = json.dumps(doc, indent=1)
-            _, failure = _attempt(lambda: _atomic_write(manifest, lambda f: f.write(text.encode())), manifest)
+            _, failure = _attempt(lambda: write_atomically(manifest, lambda f: f.write(text.encode())),
+                                  manifest)
     try:
         _agree(comm, failure)
     except CheckpointError:
@@ -210,11 +212,11 @@ def _prepare(path: Path) -> None:
     """Rank 0, before any rank writes: the directory, without the manifest of an earlier save into
     it (so a crash from here on leaves a directory that is passed over, not a manifest over a mix of
     old and new files) and without the temporary files a crashed save left."""
-    with interrupt.file_operation():  # Ctrl-C waits for it, as for each step below (refpar/interrupt.py)
+    with interrupt.file_operation():  # Ctrl-C waits for it, as for write_atomically's (refpar/interrupt.py)
         path.mkdir(parents=True, exist_ok=True)
         if (path / MANIFEST).exists():
             (path / MANIFEST).unlink()
-            _fsync_dir(path)
+            fsync_folder(path)
         for stale in path.glob(".*.tmp-*"):
             stale.unlink(missing_ok=True)
 
@@ -236,35 +238,6 @@ def _agree(comm, failure: str | None) -> None:
     failure = failure if comm is None else comm.broadcast_object(failure, root=0)
     if failure is not None:
         raise CheckpointError(failure)
-
-
-def _atomic_write(target: Path, write) -> None:
-    """`write(f)` into a temporary file beside `target`, fsynced, then renamed over `target`: a
-    reader sees the old file or the whole new one. A failed write removes its temporary file."""
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        with interrupt.file_operation():
-            f = open(tmp, "wb")
-        with f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        with interrupt.file_operation():
-            os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Makes a rename in `path` durable (POSIX: the directory entry is the directory's data)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:

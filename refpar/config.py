@@ -482,8 +482,9 @@ class Plan:
 def check_output_path(flag: str, path: str, directory: bool = False) -> None:
     """Refuses, before a run starts, a `--figure PATH`, `--trace PATH`, `--log PATH` or (`directory`)
     `--save DIR` that the run could not write at its end: a missing folder, a folder where a file
-    goes, a file where a folder goes, an existing file that is not writable. A directory is created
-    with its parents, so only its nearest existing ancestor must be a writable folder."""
+    goes, a file where a folder goes, an existing file that is not writable, a folder where no file
+    can be created. A directory is created with its parents, so only its nearest existing ancestor
+    must be a writable folder."""
     if not path:
         raise ConfigError(f"{flag} needs a path; give the {'directory' if directory else 'file'} to write")
     target = Path(path)
@@ -507,3 +508,23 @@ def check_output_path(flag: str, path: str, directory: bool = False) -> None:
     if not os.access(where, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path!r}: {str(where)!r} is not writable; give a path in a directory "
                           "you can write to")
+    _try_creating_a_file(flag, path, where)
+
+
+def _try_creating_a_file(flag: str, path: str, where: Path) -> None:
+    """What access() cannot tell (it answers yes to root everywhere): a folder where no file can be
+    made (/proc, NFS with root squashed, a security policy) refuses here, not after the run. The file
+    is removed at once, in one file operation, so an interruption cannot leave it."""
+    import tempfile
+
+    from refpar import interrupt
+
+    with interrupt.file_operation():
+        try:
+            fd, probe = tempfile.mkstemp(dir=where, prefix=".refpar-check-")
+        except OSError as err:
+            raise ConfigError(f"{flag} {path!r}: no file can be created in {str(where)!r} "
+                              f"({(err.strerror or str(err)).lower()}); give a path in a directory you can "
+                              "write to") from None
+        os.close(fd)
+        os.unlink(probe)

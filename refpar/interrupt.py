@@ -9,7 +9,7 @@ The exit status is 130 after SIGINT and 143 after SIGTERM (128 + the signal, as 
 mpiexec exits with the same. `refpar.cli.main` watches every command this way but `refpar app` (a
 server, whose Ctrl-C is its normal end); the training loops say where they are with `at(step,
 steps)`, `refpar verify` hands over the jobs it launches with `adopt(proc)`, and a checkpoint save
-takes each of its file operations through `file_operation()`.
+takes each of its file operations through `file_operation()`, as every writer of refpar/files.py does.
 
 Why a thread, and not Python's signal handler: Python runs a handler only in the main thread,
 between bytecodes, so a rank waiting inside an MPI call for a peer (or inside a long NumPy call)
@@ -25,9 +25,11 @@ reads it and ends the process itself:
 2. rank 0 writes the line on stderr (what this rank was doing, from `progress`, and with --save
    what `--resume DIR` would load: `checkpoint.find`, final now that no manifest can come or go);
    then stdout and stderr go to /dev/null, so nothing the main thread still prints follows it;
-3. it removes this process's temporary checkpoint files (`.NAME.tmp-PID` beside their targets):
-   a save that did not finish leaves a step directory without `manifest.json` and no half file,
-   and such a directory is never loaded (`checkpoint.find` passes over it);
+3. it removes the temporary files and folders this process is writing (refpar/files.py writes
+   every whole file under a temporary name and renames it into place, each step a file operation,
+   and lists the temporary name here in between): an interrupted write leaves the old file or the
+   whole new one and no temporary file; a save that did not finish leaves a step directory without
+   `manifest.json`, which is never loaded (`checkpoint.find` passes over it);
 4. it sends SIGTERM to the jobs handed to it and waits up to `CHILDREN_S` for them to end, then
    kills the rest;
 5. under mpiexec it waits `GRACE_S`, then `os._exit(128 + signal)` (no MPI_Finalize, no clean-up
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import threading
 import time
@@ -93,7 +96,8 @@ class Progress:
 
 
 progress = Progress()
-_file_operations = threading.Lock()  # held by a save's file operation, and for good by the watcher
+_file_operations = threading.Lock()  # held by a file operation (refpar/files.py), and for good by the watcher
+_temporary: set[Path] = set()  # the temporary files and folders being written (refpar/files.py)
 _children: list = []  # subprocess.Popen of the jobs handed over that may still run
 _interrupted = threading.Event()
 
@@ -105,11 +109,33 @@ def at(index: int, total: int, unit: str = "step") -> None:
 
 @contextlib.contextmanager
 def file_operation():
-    """Around one file operation of a save that must not be cut short (module docstring, 1): an
+    """Around one file operation that must not be cut short (module docstring, 1; refpar/files.py): an
     interruption waits for it, and a thread that asks after the interruption waits until the
     process has ended."""
     with _file_operations:
         yield
+
+
+def created_temporary(path: Path) -> None:
+    """Said inside the `file_operation()` that created `path`, a temporary file or folder: an
+    interruption removes it (module docstring, 3) until `removed_temporary(path)`."""
+    _temporary.add(path)
+
+
+def removed_temporary(path: Path) -> None:
+    """Said inside the `file_operation()` that renamed `path` into place or removed it."""
+    _temporary.discard(path)
+
+
+def remove(path: Path) -> None:
+    """Removes a temporary file or folder, whatever is left of it."""
+    with contextlib.suppress(OSError):
+        if path.is_dir() and not path.is_symlink():
+            aside = path.with_name(f"{path.name}.removed")
+            os.replace(path, aside)  # first: a writer that opens files by the folder's name adds none now
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def adopt(proc) -> None:
@@ -196,10 +222,6 @@ def _stop(rank: int, launched: bool) -> None:
 
 
 def _remove_temporary_files() -> None:
-    """This process's temporary checkpoint files under --save (refpar/checkpoint.py names them
-    `.NAME.tmp-PID`); a rank on another node with the same pid writes into the same abandoned save."""
-    if progress.save is None:
-        return
-    for tmp in Path(progress.save).glob(f"*/.*.tmp-{os.getpid()}"):
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+    """What refpar/files.py is writing now: with the lock held for good, the list can no longer change."""
+    for path in list(_temporary):
+        remove(path)

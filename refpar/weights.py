@@ -34,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from refpar.config import ConfigError, ModelConfig, check_output_path, model_preset
+from refpar.files import make_folder_atomically
 from refpar.model import param_shapes
 from refpar.precision import dtype_of
 
@@ -468,31 +469,25 @@ def check_exportable(config: ModelConfig) -> None:
 def write_hf_folder(config: ModelConfig, params: dict, out, tokenizer: Path | None = None) -> Path:
     """OUT/config.json and OUT/model.safetensors (HF's keys: `transformer.` + GPT-2's names, Llama's
     as they are), plus a copy of `tokenizer`, written into a temporary folder beside OUT and renamed
-    to it at the end: OUT is the whole export or absent."""
+    to it at the end (refpar/files.py): OUT is the whole export or absent, interrupted or not."""
     from refpar.model import to_hf_state_dict
 
     check_exportable(config)
     out = check_export_target(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        tmp.mkdir()
-        tensors = {k: np.ascontiguousarray(v) for k, v in to_hf_state_dict(params, config).items()}
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})  # "pt": what transformers expects
-        (tmp / CONFIG).write_text(json.dumps(hf_config(config), indent=2) + "\n")
+    tensors = {k: np.ascontiguousarray(v) for k, v in to_hf_state_dict(params, config).items()}
+
+    def fill(folder: Path) -> None:
+        save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})  # "pt": transformers expects it
+        (folder / CONFIG).write_text(json.dumps(hf_config(config), indent=2) + "\n")
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+            shutil.copyfile(tokenizer, folder / TOKENIZER)
         umask = os.umask(0)
         os.umask(umask)
-        for file in tmp.iterdir():
+        for file in folder.iterdir():
             file.chmod(0o666 & ~umask)  # as any file this user writes (safetensors writes 0600)
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, out)  # onto a missing or empty OUT: atomic
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return make_folder_atomically(out, fill)  # the temporary folder is renamed to OUT: all or nothing
 
 
 def export_checkpoint(ckpt, out) -> tuple[Path, ModelConfig, Path | None]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refpar import checkpoint, jobs
+from refpar import checkpoint, files, jobs
 from refpar.checkpoint import CheckpointError
 from refpar.commands import verify
 from refpar.config import TrainConfig, model_preset
@@ -328,8 +328,8 @@ class _FillingDisk:
 
 
 def _disk_full_after(room: int, failing: str):
-    """`open` for the checkpoint module: a file whose path contains `failing`, opened for writing,
-    takes `room` bytes and then fails with ENOSPC."""
+    """`open` for refpar/files.py (which writes the checkpoint's files): a file whose path contains
+    `failing`, opened for writing, takes `room` bytes and then fails with ENOSPC."""
     def full_disk_open(path, mode="r", *args, **kwargs):
         f = open(path, mode, *args, **kwargs)
         return _FillingDisk(f, room, path) if "w" in mode and failing in str(path) else f
@@ -341,7 +341,7 @@ def test_a_full_disk_fails_the_save_in_one_sentence_and_keeps_the_previous_step(
         tmp_path, monkeypatch, uninterrupted, failing):
     full, _ = uninterrupted
     shutil.copytree(uninterrupted[1] / STEP2, tmp_path / STEP2)
-    monkeypatch.setattr(checkpoint, "open", _disk_full_after(100, f"{STEP4}/.{failing}"), raising=False)
+    monkeypatch.setattr(files, "open", _disk_full_after(100, f"{STEP4}/.{failing}"), raising=False)
     with pytest.raises(CheckpointError) as err:
         train_single_device(MODEL, replace(TRAIN, steps=4), save=str(tmp_path), save_every=2,
                             resume=str(tmp_path / STEP2))
@@ -357,7 +357,7 @@ def test_a_full_disk_on_one_rank_stops_every_rank_with_one_sentence_and_no_trace
     script = tmp_path / "job.py"
     script.write_text(f"""
 import errno, os, sys
-from refpar import checkpoint
+from refpar import files
 from refpar.cli import main, launcher_rank
 if launcher_rank() == 1:  # only rank 1's disk is full (say, another node's)
     real_open = open
@@ -365,7 +365,7 @@ if launcher_rank() == 1:  # only rank 1's disk is full (say, another node's)
         if "w" in mode and "{STEP4}/.rank00001.npz" in str(path):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real_open(path, mode, *args, **kwargs)
-    checkpoint.open = full_disk_open
+    files.open = full_disk_open
 sys.exit(main(sys.argv[1:]))
 """)
     root = tmp_path / "ckpt"

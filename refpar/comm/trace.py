@@ -12,6 +12,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
+from refpar.files import write_atomically
+
 
 @dataclass(slots=True)
 class CommEvent:
@@ -122,11 +124,11 @@ def chrome_trace(events: list[CommEvent], t0: float | None = None) -> dict:
 
 def write_trace(path, events: list[CommEvent]) -> None:
     """Writes events as JSON lines when `path` ends in .jsonl, else as a Chrome trace (.json)."""
-    with open(path, "w") as f:
-        if str(path).endswith(".jsonl"):
-            f.writelines(json.dumps(e.to_dict()) + "\n" for e in events)
-        else:
-            json.dump(chrome_trace(events), f)
+    if str(path).endswith(".jsonl"):
+        text = "".join(json.dumps(e.to_dict()) + "\n" for e in events)
+    else:
+        text = json.dumps(chrome_trace(events))
+    write_atomically(path, lambda f: f.write(text.encode()))  # whole or not at all (refpar/files.py)
 
 
 def event_of(d: dict) -> CommEvent:

@@ -214,9 +214,11 @@ def run(args) -> int:
                         "batch": args.scale_batch, "context": args.scale_context, "layouts": scale}
     print_report(summary)
     if args.figure:
+        from refpar.files import write_atomically
         from refpar.viz.serving import kv_cache_figure
 
-        kv_cache_figure(summary).write_html(args.figure, include_plotlyjs=True)
+        figure = kv_cache_figure(summary)
+        write_atomically(args.figure, lambda f: f.write(figure.to_html(include_plotlyjs=True).encode()))
     # float32 logits differ from the single device's in the reduction order of the merged heads,
     # partial sums and log-sum-exp merges: ~1e-7 relative, so the check allows 1e-4 there.
     tol = 1e-10 if config.dtype == "float64" else 1e-4

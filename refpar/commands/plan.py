@@ -182,8 +182,10 @@ def run(args) -> int:
         result.update(software=args.software, search_s=time.perf_counter() - start)
         text = format_plans(result)
     if args.figure:
+        from refpar.files import write_atomically
         from refpar.viz.plan import plan_figure
 
-        plan_figure(result).write_html(args.figure, include_plotlyjs=True)
+        figure = plan_figure(result)
+        write_atomically(args.figure, lambda f: f.write(figure.to_html(include_plotlyjs=True).encode()))
     print(json.dumps(result) if args.json else text, flush=True)
     return 0

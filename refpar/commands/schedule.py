@@ -151,9 +151,11 @@ def run(args) -> int:
         print(S.format_grid(schedule, err), flush=True)
         return 1
     if args.figure:
+        from refpar.files import write_atomically
         from refpar.viz.pipeline import gantt_figure
 
-        gantt_figure(S.simulate(schedule, costs), title).write_html(args.figure, include_plotlyjs=True)
+        figure = gantt_figure(S.simulate(schedule, costs), title)
+        write_atomically(args.figure, lambda f: f.write(figure.to_html(include_plotlyjs=True).encode()))
     if args.csv:
         print(S.to_csv(schedule), end="", flush=True)
         return 0

@@ -31,6 +31,7 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.conformance.cases import configs, gpt2
 from refpar.conformance.dist import process_group
 from refpar.conformance.torch_model import build, qkv_row_order, to_gpt2_layout
+from refpar.files import write_atomically
 from refpar.holdings import microbatch_samples
 from refpar.model.dropout import keep_mask
 from refpar.model.gpt import init_params, param_shapes
@@ -43,9 +44,9 @@ SITES = ("attn", "attn_resid", "mlp_resid")
 
 def write(out: Path, comm, layout: dict, arrays: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    np.savez(out / f"rank{comm.rank}.npz", **arrays)
+    write_atomically(out / f"rank{comm.rank}.npz", lambda f: np.savez(f, **arrays))
     if comm.rank == 0:
-        (out / "layout.json").write_text(json.dumps(layout, indent=1))
+        write_atomically(out / "layout.json", lambda f: f.write(json.dumps(layout, indent=1).encode()))
 
 
 def model_fields(model) -> dict:

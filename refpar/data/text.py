@@ -128,6 +128,9 @@ def open_data(path, tokenizer: str | None = None, vocab_size: int | None = None,
     if not path.exists():
         raise ConfigError(f"data path {path} does not exist; give a UTF-8 text file, a folder of them, "
                           f"or a folder with nanoGPT's train.bin and val.bin")
+    if not (path.is_file() or path.is_dir()):  # a device or a pipe: read as a folder it holds nothing
+        raise ConfigError(f"data path {path} is neither a file nor a folder; give a UTF-8 text file, a "
+                          f"folder of them, or a folder with nanoGPT's train.bin and val.bin")
     if token_files.is_token_data(path):
         train, val, vocab, tok, source = token_files.open_token_files(path, tokenizer, vocab_size,
                                                                       val_fraction)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar.checkpoint import _atomic_write
 from refpar.config import ConfigError
+from refpar.files import write_atomically
 
 FILE_NAME = "tokenizer.json"
 REFPAR_KEY = "refpar_tokenizer"  # refpar's own tokenizer.json: {"refpar_tokenizer": "bytes" | "gpt2"}
@@ -65,7 +65,7 @@ class Tokenizer:
         path = Path(folder) / FILE_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         text = self._json()
-        _atomic_write(path, lambda f: f.write(text.encode("utf-8")))
+        write_atomically(path, lambda f: f.write(text.encode("utf-8")))
         return path
 
     def _json(self) -> str:
@@ -227,7 +227,9 @@ def load_tokenizer(path) -> Tokenizer:
     path = Path(path)
     file = path / FILE_NAME if path.is_dir() else path
     if not file.is_file():
-        where = f"{path} holds no {FILE_NAME}" if path.is_dir() else f"tokenizer file {path} does not exist"
+        where = (f"{path} holds no {FILE_NAME}" if path.is_dir() else
+                 f"tokenizer file {path} is not a file" if path.exists() else  # a device, a pipe
+                 f"tokenizer file {path} does not exist")
         raise ConfigError(f"{where}; give a {FILE_NAME} (one a run saved, or a Hugging Face model "
                           f"folder's) or a folder holding one, or choose bytes, bpe or gpt2")
     try:

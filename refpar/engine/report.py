@@ -18,6 +18,7 @@ from refpar.analysis import engine as closed
 from refpar.analysis.flops import step_flops
 from refpar.analysis.moe import expected_all_to_all_bytes, expert_param_bytes_per_rank
 from refpar.analysis.presets import from_model_config
+from refpar.files import write_atomically
 from refpar.holdings import kv_replicas, tp_param_slices
 from refpar.memory import CATEGORIES
 from refpar.model.moe import capacity
@@ -282,10 +283,9 @@ def write_traces(path, plain, par, events, step: int) -> None:
         {"name": sl["action"], "cat": "compute", "ph": "X", "pid": sl["rank"], "tid": 1,
          "ts": (sl["start"] - t0) * 1e6, "dur": (sl["end"] - sl["start"]) * 1e6,
          "args": {"tick": sl["tick"], "step": step}} for sl in slots]
-    with open(path, "w") as f:
-        json.dump(trace, f)
-    with open(Path(path).with_suffix(".jsonl"), "w") as f:
-        f.writelines(json.dumps(e) + "\n" for part in every for e in part["all"])
+    lines = "".join(json.dumps(e) + "\n" for part in every for e in part["all"])
+    write_atomically(path, lambda f: f.write(json.dumps(trace).encode()))  # whole or not at all
+    write_atomically(Path(path).with_suffix(".jsonl"), lambda f: f.write(lines.encode()))
 
 
 def full_params(par) -> dict:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refpar import interrupt
 from refpar.analysis.flops import model_flops
 from refpar.analysis.presets import from_model_config
 from refpar.model.optim import learning_rate
@@ -202,8 +203,12 @@ class RunLog:
 
     def _write(self, record: dict) -> None:
         if self.file is not None:
-            self.file.write(summary_line(record) + "\n")  # strict JSON: a diverged loss is null
-            self.file.flush()  # as each step ends: `tail -f` sees it, a killed run keeps it
+            # One file operation (refpar/interrupt.py): Ctrl-C or SIGTERM ends the process after the
+            # line is out or before it starts, never inside the write (the kernel may end a write to
+            # a file at a page boundary when the process is killed, leaving half a line).
+            with interrupt.file_operation():
+                self.file.write(summary_line(record) + "\n")  # strict JSON: a diverged loss is null
+                self.file.flush()  # as each step ends: `tail -f` sees it, a killed run keeps it
         if self.events is not None:
             for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "aux_loss", "z_loss"):
                 if record.get(key) is not None:
