@@ -69,7 +69,7 @@ def test_generate_from_an_hf_folder_writes_transformers_greedy_text_on_every_ser
     assert request["prompt_text"] == PROMPT
     assert request["text"] == bytes(want).decode("utf-8", errors="replace")
     assert s["tokens_match_reference"] and s["max_logit_rel_diff"] <= 1e-10
-    assert s["weights"] == {"from": str(folder), "seed": None, "tokenizer": "bytes"}
+    assert s["weights"] == {"from": str(folder), "seed": None, "tokenizer": "bytes", "trained_seq_len": None}
     assert out["lines"][0] == f"weights: {folder}; tokenizer: bytes"
 
 
