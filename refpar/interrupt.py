@@ -59,6 +59,7 @@ import contextlib
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -218,7 +219,37 @@ def _stop(rank: int, launched: bool) -> None:
             with contextlib.suppress(OSError):
                 proc.kill()
     if launched:
+        _exit_together()
+
+
+def _exit_together() -> None:
+    """Returns when every rank of this node has stopped, or after GRACE_S. Hydra reports the bitwise OR
+    of its ranks' wait statuses and kills (SIGKILL) the others when one exits: a rank that exits a
+    moment after the rest is killed first, and mpiexec returns 9 instead of 143 (2 of 8 tries, 8 ranks
+    on 2 cores, each rank exiting GRACE_S after its own signal). So the ranks meet first: each appends a
+    byte to one file named after the node's launcher (their parent), the last one removes it, and all
+    leave at once."""
+    local = os.environ.get("MPI_LOCALNRANKS")  # hydra's count of this node's ranks
+    if local is None:
         time.sleep(GRACE_S)
+        return
+    path = Path(tempfile.gettempdir()) / f".refpar-interrupted-{os.getppid()}"
+    deadline = time.monotonic() + GRACE_S
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.write(fd, b"x")
+        met = os.fstat(fd).st_size >= int(local)
+        os.close(fd)
+        if met:
+            os.unlink(path)
+            return
+    while time.monotonic() < deadline:
+        try:
+            if os.stat(path).st_size >= int(local):
+                return
+        except FileNotFoundError:  # the last rank to arrive removed it
+            return
+        time.sleep(0.001)
 
 
 def _remove_temporary_files() -> None:
