@@ -268,6 +268,17 @@ def find(path) -> Path:
     return steps[-1]
 
 
+def _latest(root) -> Path | None:
+    """The checkpoint `--resume root` would load, or None: what an interruption's line names."""
+    try:
+        return find(root)
+    except CheckpointError:
+        return None
+
+
+interrupt.progress.latest = _latest
+
+
 def read_manifest(path) -> dict:
     """The manifest of the checkpoint `path` names (see `find`), with every file it lists verified:
     size, sha256, and each array's header (shape, dtype) against the manifest. Every rank checks

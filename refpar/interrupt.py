@@ -47,7 +47,11 @@ terminal's Ctrl-C reaches them only this way); on SIGINT it prints, on its stdou
 "[mpiexec@HOST] Sending Ctrl-C to processes as requested" and "[mpiexec@HOST] Press Ctrl-C again
 to force abort"; SIGTERM it forwards silently. When the first rank exits it kills the others
 (SIGKILL) and, that rank having exited with a status rather than died of a signal, prints no "BAD
-TERMINATION" box and exits with that status, 130 or 143, the same on every rank. Hence `GRACE_S`:
+TERMINATION" box and exits with that status, 130 or 143, the same on every rank (mostly: it
+reports the bitwise OR of its ranks' wait statuses, so a rank it kills while that rank's own exit is
+still under way reads as killed by signal 9, and mpiexec returns 9; seen in 2 to 4 of 10 tries of 8
+ranks on 2 cores, whether the ranks exit GRACE_S after their own signal or meet first, never with 2).
+Hence `GRACE_S`:
 every rank gets the signal at about the same time, but each must have removed its temporary files
 before the first exit ends it. Measured on 2 cores under a load of 12, `dp=2,tp=2,pp=2` (8 ranks):
 the 8 watchers woke 0.5-24 ms after the signal, and the job had ended 0.59-0.62 s after it.
@@ -59,9 +63,9 @@ import contextlib
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,20 +84,21 @@ class Progress:
     unit: str | None = None
     at: int | None = None
     of: int | None = None
+    # the newest complete checkpoint under a --save DIR, or None: refpar/checkpoint.py sets it when it
+    # loads (this module imports nothing of refpar's, so every module that writes files may import it)
+    latest: Callable[[str], Path | None] | None = None
 
     def sentence(self) -> str:
         where = f" at {self.unit} {self.at} of {self.of}" if self.at is not None else ""
         return f"{self.command}: interrupted{where}{self._checkpoint()}"
 
     def _checkpoint(self) -> str:
-        if self.save is None:
+        if self.save is None or self.latest is None:
             return ""
-        from refpar.checkpoint import CheckpointError, find
-
-        try:
-            return f"; the last complete checkpoint is {find(self.save)}"
-        except CheckpointError:
+        found = self.latest(self.save)
+        if found is None:
             return f"; there is no complete checkpoint in {self.save} yet"
+        return f"; the last complete checkpoint is {found}"
 
 
 progress = Progress()
@@ -219,37 +224,7 @@ def _stop(rank: int, launched: bool) -> None:
             with contextlib.suppress(OSError):
                 proc.kill()
     if launched:
-        _exit_together()
-
-
-def _exit_together() -> None:
-    """Returns when every rank of this node has stopped, or after GRACE_S. Hydra reports the bitwise OR
-    of its ranks' wait statuses and kills (SIGKILL) the others when one exits: a rank that exits a
-    moment after the rest is killed first, and mpiexec returns 9 instead of 143 (2 of 8 tries, 8 ranks
-    on 2 cores, each rank exiting GRACE_S after its own signal). So the ranks meet first: each appends a
-    byte to one file named after the node's launcher (their parent), the last one removes it, and all
-    leave at once."""
-    local = os.environ.get("MPI_LOCALNRANKS")  # hydra's count of this node's ranks
-    if local is None:
         time.sleep(GRACE_S)
-        return
-    path = Path(tempfile.gettempdir()) / f".refpar-interrupted-{os.getppid()}"
-    deadline = time.monotonic() + GRACE_S
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.write(fd, b"x")
-        met = os.fstat(fd).st_size >= int(local)
-        os.close(fd)
-        if met:
-            os.unlink(path)
-            return
-    while time.monotonic() < deadline:
-        try:
-            if os.stat(path).st_size >= int(local):
-                return
-        except FileNotFoundError:  # the last rank to arrive removed it
-            return
-        time.sleep(0.001)
 
 
 def _remove_temporary_files() -> None:
