@@ -4,8 +4,10 @@
     python benchmarks/versus.py HEAD~1 moe.py --rounds 5
 
 The base commit is checked out into a temporary git worktree; the benchmark runs there and here
-in turns, `--rounds` times each, so that a machine whose load drifts slows both alike, and each
-row keeps its fastest round (the least disturbed one). A row is a line of the benchmark's table:
+in turns, `--rounds` times each, so that a machine whose load drifts slows both alike. Each row
+shows its fastest round on each side (the least disturbed one) and the median over rounds of the
+ratio of a round's two runs, taken one right after the other (the paired ratio, which a load that
+drifts between rounds affects least). A row is a line of the benchmark's table:
 its label is the words before the first number, its time the first number with a decimal point,
 in milliseconds (every benchmark here prints its step time that way). Prints a table, not
 pass/fail: `here / base` above 1 is slower.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,20 +68,28 @@ def main() -> int:
                        check=True)
         try:
             best: dict[str, dict[str, float]] = {"base": {}, "here": {}}
+            paired: dict[str, list[float]] = {}  # label -> here / base of each round
             for _ in range(args.rounds):
-                for side, checkout in (("base", base), ("here", ROOT)):
-                    for label, ms in run(checkout, args.script, rest).items():
+                times = {side: run(checkout, args.script, rest) for side, checkout in (("base", base),
+                                                                                      ("here", ROOT))}
+                for side, found in times.items():
+                    for label, ms in found.items():
                         best[side][label] = min(ms, best[side].get(label, ms))
+                for label in times["base"].keys() & times["here"].keys():
+                    if times["base"][label] > 0:
+                        paired.setdefault(label, []).append(times["here"][label] / times["base"][label])
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT, check=True)
     width = max(map(len, best["here"] | best["base"]), default=10)
     print(f"{args.script} {' '.join(rest)}: fastest of {args.rounds} rounds, ms")
-    print(f"{'row':<{width}} {args.base:>10} {'here':>10} {'here/base':>10}")
+    print(f"{'row':<{width}} {args.base:>10} {'here':>10} {'here/base':>10} {'paired':>8}")
     for label in best["here"] | best["base"]:
         a, b = best["base"].get(label), best["here"].get(label)
         ratio = f"{b / a:.3f}" if a and b else "-"
+        pairs = paired.get(label)
+        median = f"{statistics.median(pairs):.3f}" if pairs else "-"
         shown = ["-" if t is None else f"{t:.1f}" for t in (a, b)]
-        print(f"{label:<{width}} {shown[0]:>10} {shown[1]:>10} {ratio:>10}")
+        print(f"{label:<{width}} {shown[0]:>10} {shown[1]:>10} {ratio:>10} {median:>8}")
     return 0
 
 
