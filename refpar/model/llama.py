@@ -54,6 +54,7 @@ from refpar.precision import dtype_of
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+
 # Mixtral's sparse MoE block under the names of its checkpoint files (what HF's `save_pretrained`
 # writes and the released Mixtral-8x7B holds), torch.nn.Linear's (out, in):
 #   model.layers.{i}.block_sparse_moe.gate.weight           (E, C)  the router

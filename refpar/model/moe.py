@@ -9,13 +9,9 @@ token, R rows of the expert buffer (assignments kept), H an expert's hidden widt
 intermediate_size for Mixtral's).
 
 A family's MoE differs from another's in three things only, held by its `MoESpec` (gpt.MOE,
-llama.MOE): its parameters' names, the router's layout, and the expert MLP (`GeluMLP`, `SwiGLUMLP`),
-which the shared experts share. GPT-2's (refpar/model/gpt.py): router `h.{i}.mlp.router.weight`
-(C, E), experts `h.{i}.mlp.experts.{e}.c_fc` / `c_proj` in GPT-2's Conv1D layout with biases,
-shared experts `h.{i}.mlp.shared_experts.{s}`. Mixtral's (Jiang et al. 2024; refpar/model/llama.py):
-Hugging Face's MixtralSparseMoeBlock names, router `model.layers.{i}.block_sparse_moe.gate.weight`
-stored (E, C), experts `...block_sparse_moe.experts.{e}.w1` / `w3` / `w2`, SwiGLU without biases in
-torch.nn.Linear's layout. Routing is HF's MixtralSparseMoeBlock's when dropless with k >= 2.
+llama.MOE): its parameters' names, the router's layout ((C, E), or (E, C) as torch.nn.Linear stores
+Mixtral's), and the expert MLP, which the shared experts share: GPT-2's (`GeluMLP`) or Mixtral's
+SwiGLU (`SwiGLUMLP`, Jiang et al. 2024).
 
 Mixed precision: `combine` and the backward scatter-adds run under `fp32_compute`
 (refpar/precision.py), the experts through the fp32-computing layer pairs.
