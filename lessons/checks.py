@@ -260,7 +260,7 @@ def _check_v_schedule(path: Path) -> str:
 
 # ------------------------------------------------------------------------------------- 07
 def check_07(mod, comm) -> str:
-    from refpar.model.moe import kept_counts, selection_counts
+    from refpar.model.routing import kept_counts, selection_counts
 
     for n, e, k, f in ((16, 4, 2, 1.0), (10, 4, 1, 1.25), (7, 3, 2, 0.5)):
         want = math.ceil(n * k * f / e)

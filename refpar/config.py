@@ -163,7 +163,7 @@ class ModelConfig:
         self._check_routing()
 
     def _check_routing(self) -> None:
-        """The DeepSeekMoE / DeepSeek-V3 / Megatron-Core routing options (refpar/model/moe.py)."""
+        """The DeepSeekMoE / DeepSeek-V3 / Megatron-Core routing options (refpar/model/routing.py)."""
         E, k, G, M = self.moe_experts, self.moe_top_k, self.moe_groups, self.moe_group_limit
         if self.moe_shared_experts < 0:
             raise ConfigError(f"moe_shared_experts={self.moe_shared_experts} must be 0 or a positive count")

@@ -37,8 +37,8 @@ from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model import forward, init_params, loss_and_grads, moe_layer
 from refpar.model.data import MarkovCorpus
 from refpar.model.layers import cross_entropy_forward
-from refpar.model.moe import routing_kept, update_expert_bias
 from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
+from refpar.model.routing import routing_kept, update_expert_bias
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
 from refpar.sharding import shard_range
 
@@ -89,7 +89,7 @@ def router_shares(routings: list[dict]) -> tuple[float, float]:
 def step_record(step, loss, routings: list[dict], start, totals=None, bias: dict | None = None) -> MoEStep:
     """A step's record from the routing of every MoE layer in each microbatch (one dict layer ->
     routing per microbatch); `totals` the (loss, aux, z) summed over ranks, else this process ran
-    the whole batch; `bias` the aux-free expert biases the step routed with (moe.update_expert_bias)."""
+    the whole batch; `bias` the aux-free expert biases the step routed with (routing.update_expert_bias)."""
     if totals is None:
         totals = (loss, *router_shares(routings))
     kept = [{i: backend.to_host(routing_kept(r)) for i, r in rs.items()} for rs in routings]

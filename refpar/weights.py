@@ -252,7 +252,7 @@ def _llama_fields(hf: dict, where: Path) -> dict:
 
 def _mixtral_fields(hf: dict, where: Path) -> dict:
     """ModelConfig fields of a MixtralForCausalLM config.json: Llama's blocks with Mixtral's experts in
-    every one (refpar/model/mixtral.py), routed as transformers routes them: top-k of a softmax,
+    every one (refpar/model/llama.py's MOE), routed as transformers routes them: top-k of a softmax,
     renormalised, no capacity (dropless), and no router loss in the training loss unless
     output_router_logits (which refpar does not take: its Switch loss is its own)."""
     _require(hf, "router_jitter_noise", (0, 0.0), 0.0, where, "router adds no noise to its logits")

@@ -211,9 +211,9 @@ def test_whole_llama_gradients_match_finite_differences(overrides):
         if name.endswith("norm.weight"):
             params[name] = params[name] + 0.1 * gen.normal(size=params[name].shape)
     for layer in config.moe_blocks:  # a decisive router keeps every top-k choice far from a tie
-        params[llama.mixtral.router_name(layer)] *= 40.0
+        params[llama.MOE.router_name(layer)] *= 40.0
     tokens, targets = gen.integers(0, 24, (2, 8)), gen.integers(0, 24, (2, 8))
-    recorder = llama.mixtral.MixtralMoELayer()
+    recorder = M.moe_layer(config)
     loss, grads = M.loss_and_grads(params, tokens, targets, config, moe=recorder)
     if config.moe_blocks:
         assert recorder.last_routing[1]["dropped"] > 0  # capacity drops some assignments

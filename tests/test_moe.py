@@ -8,7 +8,9 @@ import pytest
 
 from refpar.config import ConfigError, ModelConfig
 from refpar.model import moe
+from refpar.model.gpt import MOE
 from refpar.model.layers import gelu_forward, linear_forward
+from refpar.model.routing import Parts, kept_counts, route, routing_kept
 from tests.numerics import CONTRACT, U64, rel_diff, sum_error, within
 
 C, B, T = 8, 2, 6
@@ -21,14 +23,14 @@ def make_params(config, seed, router_std=1.0):
     """Random weights, the router's large enough that the top-k choice is far from a tie."""
     gen = np.random.default_rng(seed)
     params = {}
-    for name, shape in moe.moe_param_shapes(config, 0).items():
+    for name, shape in MOE.param_shapes(config, 0).items():
         std = router_std if name.endswith("router.weight") else 0.3
         params[name] = gen.standard_normal(shape) * std
     return params
 
 
 def objective(x, params, config, G, bias=None):
-    out, cache = moe.moe_forward(x, params, 0, config, bias=bias)
+    out, cache = moe.moe_forward(x, params, 0, config, MOE, bias=bias)
     r = cache["routing"]
     return float(np.sum(out * G) + r["aux_loss"] + r["z_loss"]), cache
 
@@ -117,7 +119,7 @@ def test_capacity_drops_assignments_in_documented_order(k, factor):
     config = cfg(moe_top_k=k, moe_capacity_factor=factor)
     x = np.random.default_rng(4).standard_normal((B * T, C))
     w = np.random.default_rng(5).standard_normal((C, 4))
-    routing, cache = moe.route(x, w, config)
+    routing, cache = route(x, w, config)
     cap = math.ceil(B * T * k * factor / 4)
     assert routing["capacity"] == cap
     choice, keep = brute_force_routing(cache[0], k, cap)
@@ -133,7 +135,7 @@ def test_token_that_loses_all_experts_passes_through_as_zero():
     gen = np.random.default_rng(6)
     x = gen.standard_normal((B, T, C))
     params = make_params(config, 7)
-    out, cache = moe.moe_forward(x, params, 0, config)
+    out, cache = moe.moe_forward(x, params, 0, config, MOE)
     dropped = ~cache["routing"]["keep"][:, 0]
     assert dropped.any()
     assert np.all(out.reshape(-1, C)[dropped] == 0.0)
@@ -145,7 +147,7 @@ def test_one_expert_top1_is_gpt2_mlp_and_uniform_router_aux_loss_is_alpha():
     gen = np.random.default_rng(8)
     x = gen.standard_normal((B, T, C))
     params = make_params(config, 9)
-    out, cache = moe.moe_forward(x, params, 0, config)
+    out, cache = moe.moe_forward(x, params, 0, config, MOE)
     p = "h.0.mlp.experts.0"
     h, _ = linear_forward(x, params[f"{p}.c_fc.weight"], params[f"{p}.c_fc.bias"])
     mlp, _ = linear_forward(gelu_forward(h)[0], params[f"{p}.c_proj.weight"],
@@ -172,11 +174,11 @@ def test_moe_runs_on_other_array_namespaces_with_numpys_numbers(backend):
     gen = np.random.default_rng(10)
     x = gen.standard_normal((B, T, C))
     params = make_params(config, 11)
-    out, cache = moe.moe_forward(x, params, 0, config)
+    out, cache = moe.moe_forward(x, params, 0, config, MOE)
     dx, grads = moe.moe_backward(x, cache)
     sx = lib.asarray(x)
     sparams = {k: lib.asarray(v) for k, v in params.items()}
-    sout, scache = moe.moe_forward(sx, sparams, 0, config)
+    sout, scache = moe.moe_forward(sx, sparams, 0, config, MOE)
     sdx, sgrads = moe.moe_backward(sx, scache)
     # another namespace, another BLAS and other sum orders: the float64 contract
     assert within(rel_diff(np.asarray(sout), out), CONTRACT)
@@ -216,13 +218,13 @@ def test_routing_a_batch_in_parts_keeps_what_one_device_keeps(k, dropless):
     config = cfg(moe_top_k=k, moe_capacity_factor=0.7, moe_dropless=dropless)
     x = np.random.default_rng(12).standard_normal((B * T, C))
     w = np.random.default_rng(13).standard_normal((C, 4))
-    whole, _ = moe.route(x, w, config)
+    whole, _ = route(x, w, config)
     parts = [x[:5], x[5:7], x[7:]]
-    counts = np.stack([moe.route(p, w, config)[0]["selections"][0] for p in parts])  # (3, k, E)
-    kept = moe.kept_counts(counts, whole["capacity"])
+    counts = np.stack([route(p, w, config)[0]["selections"][0] for p in parts])  # (3, k, E)
+    kept = kept_counts(counts, whole["capacity"])
     keep, aux, z = [], 0.0, 0.0
     for r, p in enumerate(parts):
-        part, _ = moe.route(p, w, config, exchange=lambda c: counts, rank=r)
+        part, _ = route(p, w, config, exchange=lambda c: counts, rank=r)
         np.testing.assert_array_equal(part["rows_per_expert"], kept[r])
         keep.append(part["keep"])
         aux, z = aux + part["aux_loss"], z + part["z_loss"]
@@ -248,7 +250,7 @@ def test_routing_interleaved_runs_across_parts_keeps_what_one_device_keeps(k, dr
     rows, seq = 4, 6
     x = np.random.default_rng(14).standard_normal((rows * seq, C))
     w = np.random.default_rng(15).standard_normal((C, 4))
-    whole, _ = moe.route(x, w, config)
+    whole, _ = route(x, w, config)
     held = [[0, 5], [1, 2], [3, 4]]  # positions of each part in every row
     runs = []  # (global start, length, part) of maximal runs of consecutive global token indices
     for part, positions in enumerate(held):
@@ -266,15 +268,15 @@ def test_routing_interleaved_runs_across_parts_keeps_what_one_device_keeps(k, dr
     for part in range(3):
         mine = [i for i, r in enumerate(runs) if r[2] == part]
         ids = np.concatenate([np.arange(runs[i][0], runs[i][0] + runs[i][1]) for i in mine])
-        parts = moe.Parts(tuple(runs[i][1] for i in mine), tuple(place[i] for i in mine), owners)
+        parts = Parts(tuple(runs[i][1] for i in mine), tuple(place[i] for i in mine), owners)
         # this part's runs' counts, which the drop policy does not change
-        counts, _ = moe.route(x[ids], w, replace(config, moe_drop_policy="position"), parts=parts)
+        counts, _ = route(x[ids], w, replace(config, moe_drop_policy="position"), parts=parts)
         calls.append((ids, parts, counts["selections"]))
     every = np.zeros((len(runs), k, 4), dtype=np.int64)  # (P, k, E) what the all-gather assembles
     for _, parts, counts in calls:
         every[list(parts.index)] = counts
     if policy == "position":
-        kept = moe.kept_counts(every, whole["capacity"], owners)  # (3, E)
+        kept = kept_counts(every, whole["capacity"], owners)  # (3, E)
     else:  # what the single call keeps of each part's tokens, per expert
         hot = np.eye(4, dtype=np.int64)[whole["experts"]] * whole["keep"][..., None]  # (N, k, E)
         kept = np.stack([hot[ids].sum(axis=(0, 1)) for ids, _, _ in calls])  # (3, E)
@@ -286,22 +288,22 @@ def test_routing_interleaved_runs_across_parts_keeps_what_one_device_keeps(k, dr
             return np.zeros(sum(counts))
         return gather
     for part, (ids, parts, _) in enumerate(calls):
-        moe.route(x[ids], w, config, exchange=lambda c, every=every: every, parts=parts,
-                  gather_scores=record(part))
+        route(x[ids], w, config, exchange=lambda c, every=every: every, parts=parts,
+              gather_scores=record(part))
     keep, aux, z = np.zeros_like(whole["keep"]), 0.0, 0.0
     for part, (ids, parts, _) in enumerate(calls):
-        routing, _ = moe.route(x[ids], w, config, exchange=lambda c, every=every: every, parts=parts,
-                               gather_scores=lambda s, counts: np.concatenate([sent[p] for p in range(3)]))
+        routing, _ = route(x[ids], w, config, exchange=lambda c, every=every: every, parts=parts,
+                           gather_scores=lambda s, counts: np.concatenate([sent[p] for p in range(3)]))
         keep[ids] = routing["keep"]
         np.testing.assert_array_equal(routing["rows_per_expert"], kept[part])
-        np.testing.assert_array_equal(moe.routing_kept(routing), kept)
+        np.testing.assert_array_equal(routing_kept(routing), kept)
         aux, z = aux + routing["aux_loss"], z + routing["z_loss"]
         assert routing["dropped"] == whole["dropped"]
     np.testing.assert_array_equal(keep, whole["keep"])
     assert (whole["dropped"] > 0) == (not dropless)
     assert _losses_are_the_whole_batch_resummed(aux, z, whole, len(x))
     if policy == "probs":  # the score decides: some slot kept by score is one the queue would drop
-        by_position, _ = moe.route(x, w, replace(config, moe_drop_policy="position"))
+        by_position, _ = route(x, w, replace(config, moe_drop_policy="position"))
         assert not np.array_equal(by_position["keep"], whole["keep"])
 
 
@@ -315,7 +317,7 @@ def test_deepseek_routing_matches_brute_force_groups_bias_sigmoid_gates_probs_dr
     x = np.random.default_rng(12).standard_normal((B * T, C))
     w = np.random.default_rng(13).standard_normal((C, E))
     bias = np.random.default_rng(14).standard_normal(E) * 0.1
-    routing, _ = moe.route(x, w, config, bias=bias, seq_len=T)
+    routing, _ = route(x, w, config, bias=bias, seq_len=T)
     s = 1 / (1 + np.exp(-(x @ w)))  # (N, E) sigmoid affinities
     cap = math.ceil(B * T * k * cap_factor / E)
     chosen = []

@@ -9,7 +9,7 @@ from refpar.analysis.moe import routing_runs
 from refpar.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from refpar.engine import Plan, validate
 from refpar.parallel.context_parallel import cp_positions
-from refpar.parallel.expert_parallel import token_runs
+from refpar.parallel.routing_runs import token_runs
 from tests.mpi import mpiexec
 from tests.numerics import CONTRACT, within
 

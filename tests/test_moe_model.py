@@ -5,7 +5,7 @@ import pytest
 
 from refpar.config import ModelConfig
 from refpar.model import moe
-from refpar.model.gpt import init_params, loss_and_grads
+from refpar.model.gpt import MOE, init_params, loss_and_grads
 from tests.numerics import sum_error, within
 
 # Central differences with eps = 1e-6 on a loss of ~3: truncation ~eps^2 = 1e-12, rounding
@@ -39,13 +39,13 @@ def test_whole_model_gradients_with_moe_match_central_differences(kw):
     config = moe_model(**kw)
     params = init_params(config, seed=3)
     for layer in config.moe_blocks:  # a decisive router keeps every top-k choice far from a tie
-        params[moe.router_name(layer)] *= 40.0
+        params[MOE.router_name(layer)] *= 40.0
     gen = np.random.default_rng(4)
     tokens = gen.integers(0, 24, (2, 8))
     targets = gen.integers(0, 24, (2, 8))
 
     def f():
-        recorder = moe.MoELayer()
+        recorder = moe.MoELayer(MOE)
         loss, grads = loss_and_grads(params, tokens, targets, config, seed=1, step=2, moe=recorder)
         return loss, grads, recorder.last_routing
 

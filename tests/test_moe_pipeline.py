@@ -14,7 +14,7 @@ from refpar.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from refpar.engine import Plan, validate
 from refpar.holdings import microbatch_samples
 from refpar.model import moe
-from refpar.model.gpt import dtype_of, init_params
+from refpar.model.gpt import MOE, dtype_of, init_params
 from refpar.parallel.pipeline.executor import held_bytes
 from refpar.trainer import train_single_device
 from tests.mpi import MPIEXEC, ROOT, mpi_env, mpiexec, refpar_json
@@ -129,7 +129,7 @@ def test_held_bytes_of_an_moe_cache_is_the_closed_form_and_never_parameters_or_g
                         moe_experts=4, moe_top_k=k, moe_capacity_factor=0.8, moe_dropless=dropless)
     params = init_params(model, seed=5)
     x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(dtype_of(dtype))  # (B, T, C)
-    out, cache = moe.moe_forward(x, params, 0, model)
+    out, cache = moe.moe_forward(x, params, 0, model, MOE)
     _, grads = moe.moe_backward(np.ones_like(out), cache)
     routing, N, C, e = cache["routing"], 16, 16, x.itemsize
     R = int(np.sum(routing["rows_per_expert"]))

@@ -3,7 +3,7 @@ a MoE block's cache keeps (refpar/analysis/engine.py composes them with the othe
 
 Legend: E experts, k experts per token, C channels, ep expert-parallel ranks, D = dp * ep data
 ranks, c cp ranks, N_d tokens of data rank d, K[d, e] assignments data rank d keeps for expert e
-(after the capacity; `refpar.model.moe.kept_counts` from the routing counts), P[d, q] the pairs
+(after the capacity; `refpar.model.routing.kept_counts` from the routing counts), P[d, q] the pairs
 (token, ep rank q) of data rank d, a token counted once per ep rank holding at least one of its
 kept experts, m = min(k, ceil(E / ep)) a pair record's slots, s itemsize in bytes.
 
@@ -49,7 +49,7 @@ import numpy as np
 from refpar.comm import cost
 from refpar.holdings import expert_of
 from refpar.model import param_shapes
-from refpar.model.moe import capacity
+from refpar.model.routing import capacity
 from refpar.sharding import shard_range, shard_sizes
 
 
@@ -145,7 +145,7 @@ def seq_counts_all_reduce_bytes(config, rows: int, cp: int, cp_rank: int) -> cos
     """DeepSeek-V3's sequence-wise loss (eq. 17-20) under cp: f_i counts a whole sequence's
     selections, of which each of the cp ranks holds some positions, so every MoE layer all-reduces
     its `rows` rows' (rows, E) int64 counts over cp once per forward. P_i, linear in the loss, does
-    not move (refpar/model/moe.sequence_balance_coefficients)."""
+    not move (refpar/model/routing.sequence_balance_coefficients)."""
     return cost.all_reduce_bytes(rows * config.moe_experts, cp, cp_rank, 8)
 
 

@@ -192,7 +192,7 @@ def from_model_config(config: ModelConfig, global_batch: int = 1) -> ModelSpec:
 
     refpar's MoE blocks are MLPs of the family's kind behind a router without bias, with no shared
     experts: GPT-2 MLPs of width 4C (refpar/model/moe.py), or Mixtral's SwiGLU experts of width
-    intermediate_size (refpar/model/mixtral.py). The spec counts its MoE blocks and puts its dense
+    intermediate_size (refpar/model/llama.py). The spec counts its MoE blocks and puts its dense
     ones first, so per-stage splits (pp > 1) are refpar's own when the MoE blocks are the last ones.
     """
     moe = len(config.moe_blocks)

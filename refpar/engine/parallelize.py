@@ -46,13 +46,14 @@ from refpar.model import init_params, param_shapes
 from refpar.parallel.clipping import clip_for
 from refpar.parallel.context_parallel import cp_layout, cp_positions
 from refpar.parallel.data_parallel import DataParallel
-from refpar.parallel.expert_parallel import ExpertParallelMoE, routing_runs, token_runs
+from refpar.parallel.expert_parallel import ExpertParallelMoE
 from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.schedules import layout, of_plan
 from refpar.parallel.pipeline.stage import Stage
 from refpar.parallel.recompute import Recompute, SelectiveAttention
+from refpar.parallel.routing_runs import routing_runs, token_runs
 from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
 from refpar.parallel.tensor_parallel import shard_params_tp, tp_layout
 from refpar.parallel.units import Units

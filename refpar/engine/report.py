@@ -21,7 +21,7 @@ from refpar.analysis.presets import from_model_config
 from refpar.files import write_atomically
 from refpar.holdings import kv_replicas, tp_param_slices
 from refpar.memory import CATEGORIES
-from refpar.model.moe import capacity
+from refpar.model.routing import capacity
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import simulate
 from refpar.report import run_summary, summary_line

@@ -32,8 +32,8 @@ import numpy as np
 from refpar import checkpoint, interrupt
 from refpar.allocator import keep_freed_memory
 from refpar.model import gemm
-from refpar.model.moe import update_expert_bias
 from refpar.model.optim import learning_rate
+from refpar.model.routing import update_expert_bias
 from refpar.parallel.pipeline.executor import Microbatch
 from refpar.parallel.pipeline.schedules import Timeline
 from refpar.report import loss_scaling_summary

@@ -1,5 +1,6 @@
 """The single-device reference model, one API for both families, chosen by `ModelConfig.arch`:
-GPT-2 (refpar/model/gpt.py) and Llama (refpar/model/llama.py, with Mixtral's experts in mixtral.py).
+GPT-2 (refpar/model/gpt.py) and Llama (refpar/model/llama.py, with Mixtral's experts), each
+with its Mixture of Experts (refpar/model/moe.py) described by the family's `MOE`.
 
     params = init_params(config, seed)                     # or from_hf_state_dict(hf_state, config)
     logits = forward(params, tokens, config)                # (B, T, V)
@@ -15,7 +16,7 @@ weight[out, in]). `from_hf_state_dict` also takes what an HF model's `state_dict
 from __future__ import annotations
 
 from refpar.config import ModelConfig
-from refpar.model import gpt, llama, mixtral, moe
+from refpar.model import gpt, llama, moe
 
 FAMILIES = {"gpt2": gpt, "llama": llama}
 
@@ -46,12 +47,16 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, **options):
     return family(config).loss_and_grads(params, tokens, targets, config, **options)
 
 
+def moe_spec(config: ModelConfig) -> moe.MoESpec:
+    """The family's MoE: its parameters' names, its router's layout and its expert MLP."""
+    return family(config).MOE
+
+
 def moe_layer(config: ModelConfig, weight: float = 1.0, grad_scale: float = 1.0, bias: dict | None = None):
-    """The single-device MoE layer `loss_and_grads(..., moe=)` takes: GPT-2's experts
-    (moe.MoELayer) or Mixtral's (mixtral.MixtralMoELayer); `weight`, `grad_scale` and `bias` (the
-    run's aux-free expert biases, layer -> (E,)) as in moe.route."""
-    layer = mixtral.MixtralMoELayer if config.arch == "llama" else moe.MoELayer
-    return layer(weight=weight, grad_scale=grad_scale, bias=bias)
+    """The single-device MoE layer `loss_and_grads(..., moe=)` takes, for the family's `moe_spec`;
+    `weight`, `grad_scale` and `bias` (the run's aux-free expert biases, layer -> (E,)) as in
+    routing.route."""
+    return moe.MoELayer(moe_spec(config), weight=weight, grad_scale=grad_scale, bias=bias)
 
 
 def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:

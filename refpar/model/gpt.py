@@ -40,11 +40,16 @@ from refpar.model.layers import (
     linear_backward,
     linear_forward,
 )
-from refpar.model.moe import MoELayer, moe_param_shapes, router_loss
+from refpar.model.moe import GeluMLP, MoELayer, MoESpec, router_loss
 from refpar.precision import dtype_of
 
-
 # ------------------------------------------------------------------------------------ parameters
+# The Mixture of Experts that replaces the MLP in `config.moe_blocks` (refpar/model/moe.py): a router
+# (C, E) and GPT-2 MLPs as experts and shared experts
+MOE = MoESpec(router="h.{layer}.mlp.router.weight", experts="h.{layer}.mlp.experts.{expert}",
+              shared="h.{layer}.mlp.shared_experts.{expert}", router_out_in=False, mlp=GeluMLP())
+
+
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and full shape, in GPT-2's state-dict order. Every GPT-2-only path
     (the strategies, serving) starts here, so a Llama config is refused here."""
@@ -63,7 +68,7 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
         })
         if i in config.moe_blocks:  # a Mixture of Experts replaces the MLP (refpar/model/moe.py)
-            shapes.update(moe_param_shapes(config, i))
+            shapes.update(MOE.param_shapes(config, i))
         else:
             shapes.update({
                 h + "mlp.c_fc.weight": (C, 4 * C), h + "mlp.c_fc.bias": (4 * C,),
@@ -210,7 +215,7 @@ def block_forward(x, params, layer: int, config: ModelConfig, drop: DropoutConte
 
     m, c_ln2 = layernorm_forward(x1, P[h + "ln_2.weight"], P[h + "ln_2.bias"], eps)  # (B, T, C)
     if layer in config.moe_blocks:
-        moe = MoELayer() if moe is None else moe
+        moe = MoELayer(MOE) if moe is None else moe
         m, c_moe = moe.forward(m, P, layer, config)  # (B, T, C)
         c_fc, c_gelu, c_mproj = (moe, c_moe), None, None
     else:
@@ -314,7 +319,7 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, seed=0, step
     normalizer = B * T if normalizer is None else normalizer
     drop = DropoutContext(seed, step, sample_ids, config.dropout, training) if drop is None else drop
     if moe is None and dloss != 1.0 and config.moe_blocks:
-        moe = MoELayer(grad_scale=dloss)  # the router losses' gradients scale with the rest
+        moe = MoELayer(MOE, grad_scale=dloss)  # the router losses' gradients scale with the rest
 
     x, c_embed = embed_forward(tokens, params, drop)  # (B, T, C)
     c_blocks = []

@@ -5,7 +5,8 @@ Legend: B batch, T sequence, C channels, nh query heads, nkv key/value heads, hs
 F the SwiGLU width (intermediate_size), V vocab, L layers.
 Pre-RMSNorm blocks, rotary positions (no position table), SwiGLU MLP, grouped-query attention, no
 biases, no dropout; the head `lm_head` is its own (V, C) matrix unless `tie_embeddings`. In the
-blocks of `config.moe_blocks` Mixtral's experts replace the MLP (refpar/model/mixtral.py).
+blocks of `config.moe_blocks` Mixtral's experts (Jiang et al. 2024) replace the MLP: refpar/model/moe.py's
+layer with `MOE`, Hugging Face's MixtralSparseMoeBlock under its names (below).
 
 Parameters are a flat dict keyed by Hugging Face's own state-dict names, in its layout (every
 matrix (out, in), torch.nn.Linear's): model.embed_tokens.weight, model.layers.{i}.self_attn.
@@ -30,7 +31,6 @@ from array_api_compat import array_namespace, device
 
 from refpar import rng
 from refpar.config import ModelConfig
-from refpar.model import mixtral
 from refpar.model.gpt import merge_heads, split_heads
 from refpar.model.layers import as_like, cross_entropy_backward, cross_entropy_forward
 from refpar.model.llama_layers import (
@@ -48,12 +48,26 @@ from refpar.model.llama_layers import (
     token_embedding_backward,
     token_embedding_forward,
 )
-from refpar.model.moe import router_loss
+from refpar.model.moe import MoELayer, MoESpec, SwiGLUMLP, router_loss
 from refpar.precision import dtype_of
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+
+# Mixtral's sparse MoE block under the names of its checkpoint files (what HF's `save_pretrained`
+# writes and the released Mixtral-8x7B holds), torch.nn.Linear's (out, in):
+#   model.layers.{i}.block_sparse_moe.gate.weight           (E, C)  the router
+#   model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight (F, C)  gate
+#   model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight (F, C)  up
+#   model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight (C, F)  down: expert(x) = w2(silu(w1 x) * w3 x)
+# Its routing is HF's MixtralSparseMoeBlock's when dropless with k >= 2; a capacity, when set, drops as
+# for GPT-2's experts. The router losses are refpar's, per block (refpar/model/routing.py); HF's
+# `load_balancing_loss_func` pools all layers' router logits and is off by default
+# (`output_router_logits=False`), so a comparison with HF sets both loss weights to 0.
+MOE = MoESpec(router="model.layers.{layer}.block_sparse_moe.gate.weight",
+              experts="model.layers.{layer}.block_sparse_moe.experts.{expert}", shared=None,
+              router_out_in=True, mlp=SwiGLUMLP())
 
 
 # ------------------------------------------------------------------------------------ parameters
@@ -74,7 +88,7 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (kv, C), p + "self_attn.o_proj.weight": (C, C),
         })
         if i in config.moe_blocks:
-            shapes.update(mixtral.moe_param_shapes(config, i))
+            shapes.update(MOE.param_shapes(config, i))
         else:
             shapes.update({p + "mlp.gate_proj.weight": (F, C), p + "mlp.up_proj.weight": (F, C),
                            p + "mlp.down_proj.weight": (C, F)})
@@ -132,7 +146,7 @@ def block_forward(x, params, layer: int, config: ModelConfig, drop=None, positio
     """x (B, T, C) -> y (B, T, C): x + attn(input_layernorm(x)), then + mlp(post_attention_layernorm(.)).
     `positions` (T,) are the global positions of x's rows (default 0..T-1): they set both RoPE's
     angles and the causal mask. In the blocks of `config.moe_blocks` the MLP is `moe.forward`
-    (default the single-device `MixtralMoELayer`). `drop` as in `embed_forward`."""
+    (default the single-device `MoELayer` of `MOE`). `drop` as in `embed_forward`."""
     p = f"model.layers.{layer}."
     P = params
     T = x.shape[1]
@@ -153,7 +167,7 @@ def block_forward(x, params, layer: int, config: ModelConfig, drop=None, positio
 
     m, c_ln2 = rmsnorm_forward(x1, P[p + "post_attention_layernorm.weight"], eps)  # (B, T, C)
     if layer in config.moe_blocks:
-        moe = mixtral.MixtralMoELayer() if moe is None else moe
+        moe = MoELayer(MOE) if moe is None else moe
         m, c_mlp = moe.forward(m, P, layer, config)  # (B, T, C)
     else:
         moe = None  # a dense block
@@ -246,7 +260,7 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, normalizer=N
     B, T = tokens.shape
     normalizer = B * T if normalizer is None else normalizer
     if moe is None and dloss != 1.0 and config.moe_blocks:
-        moe = mixtral.MixtralMoELayer(grad_scale=dloss)  # the router losses' gradients scale too
+        moe = MoELayer(MOE, grad_scale=dloss)  # the router losses' gradients scale too
 
     x, c_embed = embed_forward(tokens, params)  # (B, T, C)
     c_blocks = []
@@ -275,6 +289,28 @@ def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:
     return dict(params_or_grads)
 
 
+def unfuse_experts(state_dict: dict, n_layer: int) -> dict:
+    """transformers >= 5's in-memory Mixtral keys (`model.layers.{i}.mlp.gate.weight`,
+    `mlp.experts.gate_up_proj` (E, 2F, C): gate rows then up rows, `mlp.experts.down_proj`
+    (E, C, F)) as the checkpoint's per-expert keys of `MOE`; every other key passes unchanged."""
+    out = dict(state_dict)
+    for i in range(n_layer):
+        fused = f"model.layers.{i}.mlp."
+        if fused + "gate.weight" in out:
+            out[MOE.router_name(i)] = out.pop(fused + "gate.weight")
+        if fused + "experts.gate_up_proj" in out:
+            gate_up = out.pop(fused + "experts.gate_up_proj")  # (E, 2F, C)
+            F = gate_up.shape[1] // 2
+            for e in range(gate_up.shape[0]):
+                out[f"{MOE.expert_prefix(i, e)}.w1.weight"] = gate_up[e, :F]  # (F, C)
+                out[f"{MOE.expert_prefix(i, e)}.w3.weight"] = gate_up[e, F:]  # (F, C)
+        if fused + "experts.down_proj" in out:
+            down = out.pop(fused + "experts.down_proj")  # (E, C, F)
+            for e in range(down.shape[0]):
+                out[f"{MOE.expert_prefix(i, e)}.w2.weight"] = down[e]  # (C, F)
+    return out
+
+
 def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
     """Parameters from a LlamaForCausalLM or MixtralForCausalLM state dict (arrays or anything
     `np.asarray` takes, e.g. CPU torch tensors): the checkpoint's keys, or a model's `state_dict()`
@@ -283,7 +319,7 @@ def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
     names, unknown names and wrong shapes raise ValueError naming the first one."""
     dtype = dtype_of(config.dtype)
     shapes = param_shapes(config)
-    state_dict = mixtral.unfuse_experts(state_dict, config.n_layer)
+    state_dict = unfuse_experts(state_dict, config.n_layer)
     params, extra = {}, []
     tied_head = None
     for key, value in state_dict.items():

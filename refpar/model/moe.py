@@ -1,470 +1,135 @@
-"""Mixture of Experts feed-forward as a forward/backward pair: router, top-k gates, capacity,
-experts, shared experts, and the router losses with hand-written gradients.
+"""Mixture of Experts feed-forward as a forward/backward pair, one layer for both families: the
+tokens go to their experts by the routing of refpar/model/routing.py (`dispatch`), each expert runs
+its rows (`experts_forward`), and each token's output is the gate-weighted sum of its experts'
+(`combine`), plus that of the shared experts every token passes through (DeepSeekMoE, Dai et al.
+2024, eq. 9: ungated, dense weights every data rank holds).
 
 Legend: B batch, T sequence, C channels, N tokens of this call (B*T), E experts, k experts per
-token, R rows of the expert buffer (assignments kept), H = 4C, an expert's hidden width.
+token, R rows of the expert buffer (assignments kept), H an expert's hidden width (4C for GPT-2's,
+intermediate_size for Mixtral's).
 
-The conventions, so that the numbers can be reproduced elsewhere:
-- Router (Switch Transformer, Fedus et al. 2021): logits = x @ router.weight, weight (C, E) with
-  no bias; probs = softmax(logits).
-- Top-k: the k largest probabilities, ties to the lower expert index. Gates: with k = 1 the gate is
-  the probability itself (Switch; renormalising a single gate would make it 1 and cut the router
-  off from the task loss); with k >= 2 the k selected probabilities are renormalised to sum to 1
-  (Mixtral, Jiang et al. 2024: the same as a softmax over the selected logits).
-- Capacity: an expert takes at most ceil(N_global * k * capacity_factor / E) assignments, where
-  an assignment is one (token, slot) pair and N_global the tokens of the whole global batch.
-  An expert's queue is ordered by slot first, then by global token index b * T + t: every first
-  choice is served before any second choice (GShard, Lepikhin et al. 2020), earlier tokens of the
-  batch before later ones. Assignments past the capacity are dropped: they add nothing, so a token
-  that loses all its experts leaves the block through the residual unchanged. Gates are not
-  renormalised after a drop. With `moe_dropless` there is no capacity.
-- Load-balancing loss (Switch eq. 4, for any k): alpha * E * sum_i f_i * P_i with f_i the share
-  of the N_global * k selections (before dropping) that chose expert i and P_i the mean of
-  probs[:, i] over the global batch; uniform routing gives alpha. f is piecewise constant, so
-  the gradient flows through P only.
-- Router z-loss (ST-MoE, Zoph et al. 2022, eq. 5): beta * mean over tokens of logsumexp(logits)^2.
-- Both losses enter the training loss with weight 1 (alpha and beta are their weights), and
-  `moe_backward` includes their gradients.
+A family's MoE differs from another's in three things only, held by its `MoESpec` (gpt.MOE,
+llama.MOE): its parameters' names, the router's layout ((C, E), or (E, C) as torch.nn.Linear stores
+Mixtral's), and the expert MLP, which the shared experts share: GPT-2's (`GeluMLP`) or Mixtral's
+SwiGLU (`SwiGLUMLP`, Jiang et al. 2024).
 
-The routing of DeepSeekMoE and DeepSeek-V3, and Megatron-Core's drop policies (ModelConfig fields):
-- `moe_shared_experts` S (DeepSeekMoE, Dai et al. 2024, eq. 9): S GPT-2 MLPs every token passes
-  through, ungated, added to the routed output. They are dense weights: every data rank holds them.
-- Fine-grained experts (DeepSeekMoE §3.1): any E and k (DeepSeek-V3: 256 routed, k = 8); an
-  expert's width stays 4C here, the planner's preset (refpar/analysis/presets.py) has V3's own.
-- `moe_gate="sigmoid"` (DeepSeek-V3, Liu et al. 2024, eq. 13-15): s = sigmoid(logits); the gates
-  are the chosen s normalised over the k. The balance losses read s' = s / sum_E s (eq. 19).
-- `moe_balance`: "aux" is the Switch loss above; "aux-free" (DeepSeek-V3 §2.1.2, from Wang et al.
-  2024) drops it and adds a bias b (E,) to the scores for the top-k choice only, never to the gates;
-  after each step b_i += gamma * sign(mean load - load_i) (`update_expert_bias`, gamma =
-  `moe_bias_rate`), the load being the step's global selections; "none": neither.
-- `moe_seq_aux_weight` alpha (DeepSeek-V3 eq. 17-20): alpha * sum_i f_i P_i per sequence, f_i =
-  E / (k T) * the sequence's selections of i, P_i its mean s'_i, averaged over the sequences of the
-  global (micro)batch; it is added to `aux_loss`. Where context parallelism splits the sequences,
-  f's counts are summed over the cp ranks (`sum_sequences`); P enters linearly and stays local.
-- `moe_groups` G and `moe_group_limit` M (DeepSeek-V3's node-limited routing): the E experts form G
-  groups of E / G consecutive ones (on a mesh with ep = G, one per ep rank); a token first keeps the
-  M groups whose ceil(k / M) best biased scores sum highest, then picks its k among their experts,
-  so its rows cross to at most M groups.
-- `moe_drop_policy` (Megatron-Core's moe_token_drop_policy): "position" is the queue order above;
-  "probs" lets each expert keep the `capacity` assignments of highest score, ties in queue order.
-  It ranks the whole batch's scores: over several ranks each gathers every rank's scores in queue
-  order (`route`'s gather_scores, `rank_by_score`), and ranks the same global queues.
-- Microbatches (Megatron-Core's convention): a step of M microbatches routes each microbatch on
-  its own tokens: N_global above is the microbatch's token count (capacity, queue order, f and P
-  are the microbatch's), and each microbatch's aux and z losses enter with weight 1/M
-  (`loss_scale`), so the step's router losses are the mean over microbatches. M = 1 is the
-  global-batch routing above.
+Mixed precision: `combine` and the backward scatter-adds run under `fp32_compute`
+(refpar/precision.py), the experts through the fp32-computing layer pairs.
 
-Mixed precision: the router (softmax, gates, losses), `combine` and the backward scatter-adds run
-under `fp32_compute` (refpar/precision.py), the experts through the fp32-computing layer pairs.
-
-Everything that depends on the rest of the global batch comes from the selection counts alone:
-`route` takes an `exchange(counts) -> every part's counts`, the identity here on one device and an
-all-gather under expert parallelism (refpar/parallel/expert_parallel.py), which also reuses
-`dispatch`, `experts_forward` and `combine`. A part is a run of consecutive global token indices:
-a data rank's rows (T tokens each, rows consecutive) are one, a context-parallel rank's positions
-of its rows are several (`Parts`), and a run's place in each expert's queue comes from the runs
-before it in global order.
+Expert parallelism (refpar/parallel/expert_parallel.py) reuses `dispatch`, `experts_forward`,
+`combine`, their backwards and the shared experts, with the same MoESpec.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import numpy as np
 from array_api_compat import array_namespace, device
 
-from refpar.backend import to_host
-from refpar.model.layers import (
-    as_like,
-    gelu_backward,
-    gelu_forward,
-    linear_backward,
-    linear_forward,
-    one_hot,
-)
+from refpar.model.layers import gelu_backward, gelu_forward, linear_backward, linear_forward
+from refpar.model.llama_layers import swiglu_mlp_backward, swiglu_mlp_forward
+from refpar.model.routing import route, router_backward
 from refpar.precision import fp32_compute
 
 
-def router_name(layer: int) -> str:
-    return f"h.{layer}.mlp.router.weight"
+# -------------------------------------------------------------------------------- expert MLPs
+class GeluMLP:
+    """GPT-2's MLP as an expert, in GPT-2's Conv1D layout weight[in, out] with biases:
+    c_fc (C, H), tanh-GELU, c_proj (H, C), H = 4C."""
+
+    down_bias = "c_proj.bias"  # what tensor parallelism adds once, after the sum over tp
+
+    def shapes(self, config) -> dict[str, tuple[int, ...]]:
+        """One expert's parameters by suffix."""
+        C = config.n_embd
+        return {"c_fc.weight": (C, 4 * C), "c_fc.bias": (4 * C,),
+                "c_proj.weight": (4 * C, C), "c_proj.bias": (C,)}
+
+    def forward(self, x2, params, prefix: str, down_bias: bool = True):
+        """(n, C) -> (n, C). Without `down_bias` c_proj's bias is left out of the output (expert
+        tensor parallelism adds it after summing the partial outputs), its gradient still computed."""
+        h, c1 = linear_forward(x2, params[f"{prefix}.c_fc.weight"], params[f"{prefix}.c_fc.bias"])  # (n, H)
+        a, c2 = gelu_forward(h)  # (n, H)
+        b = params[f"{prefix}.c_proj.bias"] if down_bias else None
+        y, c3 = linear_forward(a, params[f"{prefix}.c_proj.weight"], b)  # (n, C)
+        return y, (prefix, c1, c2, (*c3[:2], True))  # c_proj's bias gradient either way
+
+    def backward(self, dy, cache):
+        """(n, C) -> (dx (n, C), the expert's gradients by name)."""
+        p, c1, c2, c3 = cache
+        grads = {}
+        da, grads[f"{p}.c_proj.weight"], grads[f"{p}.c_proj.bias"] = linear_backward(dy, c3)  # (n, H)
+        dh = gelu_backward(da, c2)  # (n, H)
+        dx, grads[f"{p}.c_fc.weight"], grads[f"{p}.c_fc.bias"] = linear_backward(dh, c1)  # (n, C)
+        return dx, grads
 
 
-def expert_prefix(layer: int, expert: int) -> str:
-    return f"h.{layer}.mlp.experts.{expert}"
+class SwiGLUMLP:
+    """Llama's MLP as an expert (Mixtral's), without biases, in torch.nn.Linear's layout
+    weight[out, in] under HF's Mixtral names: w1 (H, C) gate, w3 (H, C) up, w2 (C, H) down,
+    expert(x) = w2(silu(w1 x) * w3 x), H = intermediate_size."""
 
+    down_bias = None
 
-def expert_param_shapes(config) -> dict[str, tuple[int, ...]]:
-    """One expert's parameters by suffix: GPT-2's MLP, (C, 4C) up and (4C, C) down."""
-    C = config.n_embd
-    return {
-        "c_fc.weight": (C, 4 * C), "c_fc.bias": (4 * C,),
-        "c_proj.weight": (4 * C, C), "c_proj.bias": (C,),
-    }
+    def shapes(self, config) -> dict[str, tuple[int, ...]]:
+        """One expert's parameters by suffix."""
+        C, H = config.n_embd, config.intermediate_size
+        return {"w1.weight": (H, C), "w3.weight": (H, C), "w2.weight": (C, H)}
 
+    def forward(self, x2, params, prefix: str, down_bias: bool = True):
+        """(n, C) -> (n, C); there is no bias to leave out."""
+        y, c = swiglu_mlp_forward(x2, params[f"{prefix}.w1.weight"], params[f"{prefix}.w3.weight"],
+                                  params[f"{prefix}.w2.weight"])  # (n, C)
+        return y, (prefix, c)
 
-def shared_prefix(layer: int, expert: int) -> str:
-    """A shared expert's names: outside `.mlp.experts.`, so dense (holdings.is_expert)."""
-    return f"h.{layer}.mlp.shared_experts.{expert}"
-
-
-def moe_param_shapes(config, layer: int) -> dict[str, tuple[int, ...]]:
-    """Every parameter of block `layer`'s MoE by full name: router, routed experts, shared experts."""
-    shapes = {router_name(layer): (config.n_embd, config.moe_experts)}
-    prefixes = ([expert_prefix(layer, e) for e in range(config.moe_experts)]
-                + [shared_prefix(layer, s) for s in range(config.moe_shared_experts)])
-    for p in prefixes:
-        for suffix, shape in expert_param_shapes(config).items():
-            shapes[f"{p}.{suffix}"] = shape
-    return shapes
-
-
-def capacity(n_tokens: int, config) -> int | None:
-    """Assignments one expert takes from a batch of n_tokens (None: dropless)."""
-    if config.moe_dropless:
-        return None
-    return math.ceil(n_tokens * config.moe_top_k * config.moe_capacity_factor / config.moe_experts)
-
-
-# -------------------------------------------------------------------------------------- router
-def router_scores(logits, gate: str):
-    """logits (N, E) -> (scores (N, E), lse (N,)): softmax probabilities (Switch) or sigmoid
-    affinities (DeepSeek-V3 eq. 15), and the logits' logsumexp, which the z-loss squares."""
-    xp = array_namespace(logits)
-    m = xp.max(logits, axis=-1, keepdims=True)  # (N, 1): exp cannot overflow
-    e = xp.exp(logits - m)  # (N, E)
-    s = xp.sum(e, axis=-1, keepdims=True)  # (N, 1)
-    lse = xp.reshape(m + xp.log(s), (-1,))  # (N,)
-    scores = e / s if gate == "softmax" else 1.0 / (1.0 + xp.exp(-logits))  # (N, E)
-    return scores, lse
-
-
-def select_experts(scores, k: int, bias=None, groups: int = 1, group_limit: int | None = None):
-    """scores (N, E) -> the k chosen experts (N, k), a view of argsort's (N, E) buffer (what a
-    cache keeps). Ties go to the lower expert index. DeepSeek-V3's two changes (§2.1.2, eq. 16 and
-    "node-limited routing"): `bias` (E,) is added for the choice only, never to the gates; with
-    `group_limit` M the experts, in `groups` runs of E / G, are first narrowed to the M groups
-    whose ceil(k / M) best biased scores sum highest (K_r / M in the paper), ties to the lower
-    group."""
-    xp = array_namespace(scores)
-    choice = scores if bias is None else scores + bias  # (N, E)
-    if group_limit is not None:
-        N, E = choice.shape
-        per = E // groups
-        best = xp.sort(xp.reshape(choice, (N, groups, per)), axis=-1, descending=True)  # (N, G, E/G)
-        group_score = xp.sum(best[..., :-(-k // group_limit)], axis=-1)  # (N, G)
-        top = xp.argsort(-group_score, axis=-1, stable=True)[:, :group_limit]  # (N, M)
-        allowed = xp.sum(one_hot(top, groups, xp.int64), axis=1) > 0  # (N, G)
-        allowed = xp.reshape(xp.broadcast_to(allowed[..., None], (N, groups, per)), (N, E))  # (N, E)
-        choice = xp.where(allowed, choice, -xp.inf)  # (N, E): the other groups are never chosen
-    return xp.argsort(-choice, axis=-1, stable=True)[:, :k]  # (N, k)
-
-
-def router_forward(x2, w, k: int, gate: str = "softmax", bias=None, groups: int = 1,
-                   group_limit: int | None = None):
-    """x2 (N, C), w (C, E) -> scores (N, E), lse (N,), the k chosen experts (N, k), their scores
-    (N, k) and their gates (N, k). Gates: a softmax's top-1 is the probability itself (Switch;
-    renormalising a single gate would make it 1 and cut the router off from the task loss); k >= 2
-    softmax scores (Mixtral) and sigmoid scores (DeepSeek-V3 eq. 13) are normalised over the k.
-    `bias`, `groups` and `group_limit` as in `select_experts`."""
-    xp = array_namespace(x2, w)
-    logits, lin_cache = linear_forward(x2, w, None)  # (N, E)
-    scores, lse = router_scores(logits, gate)  # (N, E), (N,)
-    experts = select_experts(scores, k, bias, groups, group_limit)  # (N, k)
-    chosen = xp.take_along_axis(scores, experts, axis=-1)  # (N, k)
-    if k == 1 and gate == "softmax":
-        gates = chosen  # (N, 1)
-    else:
-        gates = chosen / xp.sum(chosen, axis=-1, keepdims=True)  # (N, k)
-    return scores, lse, experts, chosen, gates, lin_cache
-
-
-def balance_affinities(scores, gate: str):
-    """The router's per-token distribution the balance losses read: softmax probabilities as they
-    are; sigmoid affinities normalised over all E experts (DeepSeek-V3 eq. 19's s')."""
-    xp = array_namespace(scores)
-    return scores if gate == "softmax" else scores / xp.sum(scores, axis=-1, keepdims=True)  # (N, E)
-
-
-def selection_counts(experts, n_experts: int):
-    """(N, k) chosen experts -> (k, E): how many tokens chose expert e in slot j."""
-    xp = array_namespace(experts)
-    hot = one_hot(experts, n_experts, xp.int64)  # (N, k, E)
-    return xp.sum(hot, axis=0)  # (k, E)
+    def backward(self, dy, cache):
+        """(n, C) -> (dx (n, C), the expert's gradients by name)."""
+        p, c = cache
+        dx, dw1, dw3, dw2 = swiglu_mlp_backward(dy, c)  # (n, C)
+        return dx, {f"{p}.w1.weight": dw1, f"{p}.w3.weight": dw3, f"{p}.w2.weight": dw2}
 
 
 @dataclass(frozen=True)
-class Parts:
-    """Where one call's tokens lie in the global (micro)batch. The call's N tokens, in its order, are
-    runs of `sizes` tokens, each a run of consecutive global token indices b*T + t; `index[i]` is
-    run i's place among the runs of every part in global order (the order of `exchange`'s result).
-    `owners[p]`: the exchange rank holding run p (None: run p is rank p's), so that `kept_counts`
-    can add up what each rank sends."""
+class MoESpec:
+    """What a family's MoE layer is made of. `router`, `experts` and `shared` are name templates
+    with {layer} and {expert}; the shared experts' lie outside `.experts.`, so they are dense
+    (holdings.is_expert). `router_out_in`: the router is stored (E, C), torch.nn.Linear's layout,
+    rather than (C, E); `route` takes (C, E) either way."""
 
-    sizes: tuple[int, ...]
-    index: tuple[int, ...]
-    owners: tuple[int, ...] | None = None
+    router: str
+    experts: str
+    shared: str | None
+    router_out_in: bool
+    mlp: GeluMLP | SwiGLUMLP
 
+    def router_name(self, layer: int) -> str:
+        return self.router.format(layer=layer)
 
-def queue_offsets(all_counts, rank: int):
-    """(parts, k, E) counts of every part of the global batch (in batch order) -> (k, E): the
-    assignments queued ahead of part `rank`'s first slot-j choice of expert e, namely all earlier
-    slots' and the earlier parts' slot-j ones."""
-    xp = array_namespace(all_counts)
-    total = xp.sum(all_counts, axis=0)  # (k, E)
-    earlier_slots = xp.cumulative_sum(total, axis=0) - total  # (k, E)
-    earlier_ranks = xp.sum(all_counts[:rank, ...], axis=0)  # (k, E)
-    return earlier_slots + earlier_ranks
+    def expert_prefix(self, layer: int, expert: int) -> str:
+        return self.experts.format(layer=layer, expert=expert)
 
+    def shared_prefix(self, layer: int, expert: int) -> str:
+        return self.shared.format(layer=layer, expert=expert)
 
-def routing_kept(routing):
-    """(ranks, E): the assignments each exchange rank keeps per expert in one routing (`route`), the
-    all-to-all's sizes. By position a function of the counts (`kept_counts`); by score (drop policy
-    "probs") of every assignment's score, so `route` keeps what it found."""
-    if "kept_by_score" in routing:
-        return routing["kept_by_score"]
-    return kept_counts(routing["selections"], routing["capacity"], routing["owners"])
+    def param_shapes(self, config, layer: int) -> dict[str, tuple[int, ...]]:
+        """Every parameter of block `layer`'s MoE by full name: router, routed experts, shared
+        experts (the order of the family's state dict)."""
+        C, E = config.n_embd, config.moe_experts
+        shapes = {self.router_name(layer): (E, C) if self.router_out_in else (C, E)}
+        prefixes = ([self.expert_prefix(layer, e) for e in range(E)]
+                    + [self.shared_prefix(layer, s) for s in range(config.moe_shared_experts)])
+        for p in prefixes:
+            shapes.update({f"{p}.{suffix}": shape for suffix, shape in self.mlp.shapes(config).items()})
+        return shapes
 
+    def router_weight(self, params, layer: int):
+        """The router as `route` takes it, (C, E) (a view when stored (E, C))."""
+        w = params[self.router_name(layer)]
+        return array_namespace(w).matrix_transpose(w) if self.router_out_in else w
 
-def kept_counts(all_counts, cap, owners=None):
-    """(parts, k, E) selection counts -> (parts, E) assignments each part keeps per expert: part p's
-    slot-j choices of e hold queue places [offset, offset + count), and those below `cap` stay.
-    With `owners` (parts,) the parts are added up per owner: (ranks, E), ranks = max(owners) + 1."""
-    xp = array_namespace(all_counts)
-    if cap is None:
-        kept = xp.sum(all_counts, axis=1)  # (parts, E)
-    else:
-        parts = all_counts.shape[0]
-        start = xp.stack([queue_offsets(all_counts, r) for r in range(parts)])  # (parts, k, E)
-        room = xp.clip(cap - start, min=0)  # (parts, k, E)
-        kept = xp.sum(xp.minimum(room, all_counts), axis=1)  # (parts, E)
-    if owners is None:
-        return kept
-    owners = np.asarray(owners)
-    return xp.stack([xp.sum(xp.take(kept, as_like(np.flatnonzero(owners == r), kept), axis=0), axis=0)
-                     for r in range(int(owners.max()) + 1)])  # (ranks, E)
-
-
-@fp32_compute
-def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad_scale: float = 1.0,
-          parts: Parts | None = None, bias=None, seq_len: int | None = None, seq_rows: int | None = None,
-          sum_sequences=None, gather_scores=None):
-    """Router forward and the routing decision for this call's tokens.
-
-    `exchange(counts (runs, k, E)) -> (P, k, E)` gathers the selection counts of the runs of every
-    part of the global batch in global order; `parts` says which runs this call's tokens are (by
-    default one run, the `rank`-th: a data rank's rows without context parallelism); by default
-    this call is the whole batch. `weight` weighs both router losses (1/M for one of M
-    microbatches); `grad_scale` is the fp16 loss scale the backward will start from: the router
-    losses' gradients are scaled by it like the task loss's, their reported values are not.
-    `bias` (E,): aux-free balancing's expert bias (`update_expert_bias`), for the choice only;
-    `seq_len` T, the sequences' length, which the sequence-wise loss needs: this call's tokens are
-    `seq_rows` rows (by default N / T: whole sequences) of N / seq_rows positions each, row-major;
-    where other ranks hold the rest of each row (context parallelism), `sum_sequences(counts
-    (seq_rows, E)) -> (seq_rows, E)` sums each row's selection counts over them.
-    `gather_scores(scores (n,), counts) -> (sum(counts),)`: with the drop policy "probs" over more
-    than one exchange rank, every rank's scores in rank order (`rank_by_score`); None: this call is
-    the whole batch.
-    Returns (routing, cache): routing is a dict with the chosen `experts` (N, k), `gates` (N, k),
-    `keep` (N, k), the buffer layout (`token_of_row` (R,), `gate_of_row` (R,), `row` (N, k),
-    `rows_per_expert` (E,) of this call), the losses `aux_loss`, `z_loss` (this call's share of the
-    global ones), the global `tokens_per_expert` (E,) kept and `dropped` assignments, `capacity`,
-    `selections`, every run's counts (P, k, E), and `owners`, `parts.owners`; under the drop policy
-    "probs" also `kept_by_score` (ranks, E) (`routing_kept`).
-    """
-    xp = array_namespace(x2, w)
-    N, E, k = x2.shape[0], config.moe_experts, config.moe_top_k
-    scores, lse, experts, chosen, gates, lin_cache = router_forward(
-        x2, w, k, config.moe_gate, bias, config.moe_groups, config.moe_group_limit)
-    parts = Parts((N,), (rank,)) if parts is None else parts
-    hot = one_hot(experts, E, xp.int64)  # (N, k, E)
-    # Earlier selections of this call: cum[n] counts tokens 0..n-1, so a run's counts are the
-    # difference of cum at its ends, and a token's place within its run cum[n] - cum[run start].
-    cum = xp.cumulative_sum(hot, axis=0, include_initial=True)  # (N+1, k, E)
-    ends = np.cumsum(parts.sizes)  # (runs,) host
-    starts = as_like(ends - np.asarray(parts.sizes), hot)  # (runs,)
-    at_start = xp.take(cum, starts, axis=0)  # (runs, k, E)
-    counts = xp.take(cum, as_like(ends, hot), axis=0) - at_start  # (runs, k, E)
-    all_counts = counts if exchange is None else exchange(counts)  # (P, k, E)
-    selected = xp.sum(all_counts, axis=(0, 1))  # (E,) global selections per expert
-    n_global = int(xp.sum(selected)) // k
-    cap = capacity(n_global, config)
-
-    offsets = xp.stack([queue_offsets(all_counts, p) for p in parts.index])  # (runs, k, E)
-    run_of = as_like(np.repeat(np.arange(len(parts.sizes)), parts.sizes), hot)  # (N,)
-    ahead = cum[:-1, ...] + xp.take(offsets - at_start, run_of, axis=0)  # (N, k, E)
-    position = xp.sum(ahead * hot, axis=-1)  # (N, k): place in the expert's global queue
-    kept_by_score = None  # (ranks, E): under "probs", what each exchange rank keeps per expert
-    if config.moe_drop_policy == "probs" and cap is not None:
-        keep, kept_by_score = rank_by_score(experts, chosen, position, all_counts, cap, parts.owners,
-                                            gather_scores)  # (N, k), (ranks, E)
-    else:
-        keep = position >= 0 if cap is None else position < cap  # (N, k)
-
-    kept_hot = hot * xp.astype(keep, xp.int64)[..., None]  # (N, k, E)
-    alpha = config.moe_aux_loss_weight if config.moe_balance == "aux" else 0.0
-    aux_coef = (weight * alpha * E / n_global) * (
-        xp.astype(selected, x2.dtype) / (n_global * k)
-    )  # (E,): alpha * E * f_i / N_global, d aux / d probs[n, i]
-    affinity = balance_affinities(scores, config.moe_gate)  # (N, E)
-    balance, seq_coef = xp.sum(affinity * aux_coef), None
-    if config.moe_seq_aux_weight:
-        rows = N // seq_len if seq_rows is None else seq_rows
-        seq_coef = sequence_balance_coefficients(hot, rows, seq_len, n_global, config, weight,
-                                                 scores.dtype, sum_sequences)  # (rows, E)
-        balance = balance + xp.sum(xp.reshape(affinity, (rows, -1, E)) * seq_coef[:, None, :])
-    z_coef = weight * config.moe_z_loss_weight / n_global
-    kept_global = selected if cap is None else xp.minimum(selected, xp.asarray(cap, dtype=xp.int64))
-    routing = {
-        "experts": experts, "gates": gates, "keep": keep,
-        **buffer_layout(experts, keep, gates, E),  # token_of_row (R,), gate_of_row (R,), row (N, k)
-        "rows_per_expert": xp.sum(kept_hot, axis=(0, 1)),  # (E,) this call's
-        # the balance losses: Switch's and, with moe_seq_aux_weight, the sequence-wise one
-        "aux_loss": balance,
-        "z_loss": z_coef * xp.sum(lse * lse),
-        "tokens_per_expert": kept_global,  # (E,) global
-        "dropped": int(xp.sum(selected - kept_global)),
-        "capacity": cap,
-        "selections": all_counts,  # (P, k, E) of every run of the global batch
-        "owners": parts.owners,  # (P,) the exchange rank of each run, or None: run p is rank p's
-    }
-    if kept_by_score is not None:  # not a function of the counts: kept here for `routing_kept`
-        routing["kept_by_score"] = kept_by_score  # (ranks, E) host int64
-    if grad_scale != 1.0:  # the losses above stay unscaled; their gradients, like the rest, scale
-        aux_coef, z_coef = aux_coef * grad_scale, z_coef * grad_scale
-        seq_coef = None if seq_coef is None else seq_coef * grad_scale
-    cache = (scores, lse, experts, chosen, gates, keep, aux_coef, seq_coef, z_coef, config.moe_gate,
-             lin_cache)
-    return routing, cache
-
-
-def buffer_layout(experts, keep, gates, n_experts: int) -> dict:
-    """The expert buffer's rows of n tokens' assignments: experts, keep and gates (n, k) ->
-    `token_of_row` (R,), `gate_of_row` (R,) and each assignment's `row` (n, k), R (the zero row)
-    where dropped. Rows are the kept assignments sorted by expert, then slot, then token: listed
-    slot-major, (j, t) -> j n + t, they are in queue order, so a stable sort by expert gives it.
-    `route` lays out a call's tokens so; expert parallelism's receiver lays out its pairs' records
-    so (refpar/parallel/expert_parallel.py), with its local experts as `experts`."""
-    xp = array_namespace(experts)
-    n, k = experts.shape
-    key = xp.reshape(xp.where(keep, experts, n_experts).T, (-1,))  # (k n,): dropped ones sort last
-    perm = xp.argsort(key, stable=True)  # (k n,)
-    R = int(xp.sum(xp.astype(keep, xp.int64)))
-    order = perm[:R]  # (R,) flat slot-major index of each row's assignment
-    row = xp.reshape(xp.argsort(perm, stable=True), (k, n)).T  # (n, k): inverse permutation
-    n_dev = xp.asarray(n, dtype=xp.int64, device=device(experts))
-    return {"token_of_row": xp.remainder(order, n_dev),  # (R,)
-            "gate_of_row": xp.take(xp.reshape(gates.T, (-1,)), order, axis=0),  # (R,)
-            "row": xp.minimum(row, xp.asarray(R, dtype=row.dtype))}  # (n, k): R is the zero row
-
-
-@fp32_compute
-def router_backward(dgates, cache):
-    """dgates (N, k) of the kept assignments -> (dx2 (N, C), dw (C, E)), the balance and z-loss
-    gradients included."""
-    scores, lse, experts, chosen, gates, keep, aux_coef, seq_coef, z_coef, gate, lin_cache = cache
-    xp = array_namespace(scores)
-    N, E = scores.shape
-    k = experts.shape[-1]
-    dgates = dgates * xp.astype(keep, dgates.dtype)  # (N, k): a dropped gate changes nothing
-    if k == 1 and gate == "softmax":
-        dchosen = dgates  # (N, 1)
-    else:  # g_j = s_j / S with S = sum of the chosen s: ds_j = (dg_j - sum_l dg_l g_l) / S
-        S = xp.sum(chosen, axis=-1, keepdims=True)  # (N, 1)
-        dchosen = (dgates - xp.sum(dgates * gates, axis=-1, keepdims=True)) / S  # (N, k)
-    dscores = xp.sum(one_hot(experts, E, scores.dtype) * dchosen[..., None], axis=1)  # (N, E)
-    daffinity = aux_coef  # (E,), d(balance losses) / d affinity[n, i]
-    if seq_coef is not None:  # (rows, E) -> each token's row of it, N / rows tokens a row
-        per_row = N // seq_coef.shape[0]
-        daffinity = xp.reshape(xp.broadcast_to(seq_coef[:, None, :], (seq_coef.shape[0], per_row, E)),
-                               (N, E)) + aux_coef  # (N, E)
-    if gate == "softmax":  # the affinity is the probability itself
-        dscores = dscores + daffinity  # (N, E)
-        dlogits = scores * (dscores - xp.sum(scores * dscores, axis=-1, keepdims=True))  # (N, E)
-        softmax = scores  # (N, E)
-    else:  # affinity s / sum(s) over the E experts; sigmoid' = s (1 - s)
-        total = xp.sum(scores, axis=-1, keepdims=True)  # (N, 1)
-        dscores = dscores + (daffinity - xp.sum(daffinity * scores, axis=-1, keepdims=True) / total) / total
-        dlogits = dscores * scores * (1.0 - scores)  # (N, E)
-        # the z-loss reads the logits' softmax, which a sigmoid router does not keep: one GEMM again
-        softmax = xp.exp(linear_forward(*lin_cache[:2], None)[0] - lse[:, None])  # (N, E)
-    dlogits = dlogits + (2.0 * z_coef) * lse[:, None] * softmax  # d lse^2 = 2 lse softmax
-    dx2, dw, _ = linear_backward(dlogits, lin_cache)
-    return dx2, dw
-
-
-def queue_owners(all_counts, owners=None) -> np.ndarray:
-    """(P, k, E) counts of every run in global order -> (k N_global,) host ints: the exchange rank
-    holding each assignment of the experts' queues laid end to end, expert by expert, each in queue
-    order (slot, then global token: run p's slot-j choices of e are one segment of e's queue).
-    `owners` (P,) as in `Parts` (None: run p is rank p's)."""
-    counts = to_host(all_counts)  # (P, k, E)
-    P, k, E = counts.shape
-    owners = np.arange(P) if owners is None else np.asarray(owners)  # (P,)
-    segments = np.transpose(counts, (2, 1, 0)).reshape(-1)  # (E k P,): expert, slot, run
-    return np.repeat(np.tile(owners, E * k), segments)  # (k N_global,)
-
-
-def rank_by_score(experts, chosen, position, all_counts, cap: int, owners=None, gather=None):
-    """Megatron-Core's drop policy "probs" over the global (micro)batch: each expert keeps the `cap`
-    assignments of highest score, ties in queue order (slot, then token), where "position" keeps
-    the first `cap` queued. (N, k) chosen experts, their scores and their places in the experts'
-    queues (`position`, what the position policy ranks by) -> (keep (N, k) of this call, kept
-    (ranks, E) host ints: the assignments each exchange rank keeps per expert, which `kept_counts`
-    gives for the position policy).
-
-    Ranking needs every assignment's score, not only the counts: each rank lists its scores in its
-    experts' queue order, `gather(scores, counts)` concatenates every exchange rank's list in rank
-    order (an all-gather over the data ranks, `counts` the ranks' lengths; None: this call is the
-    whole batch), and the counts say where each gathered score sits in the queues
-    (`queue_owners`), so every rank ranks the same global queue, identically, and keeps its own."""
-    xp = array_namespace(experts)
-    P, _, E = all_counts.shape
-    selected = xp.sum(all_counts, axis=(0, 1))  # (E,) each expert's queue length
-    first = xp.cumulative_sum(selected) - selected  # (E,) where each expert's queue starts
-    flat = xp.reshape(xp.take(first, xp.reshape(experts, (-1,))), experts.shape) + position  # (N, k)
-    mine = xp.argsort(xp.reshape(flat, (-1,)), stable=True)  # (N k,) own assignments in queue order
-    sent = xp.take(xp.reshape(chosen, (-1,)), mine)  # (N k,)
-    owner = queue_owners(all_counts, owners)  # (k N_global,) host
-    ranks = P if owners is None else int(np.max(owners)) + 1
-    got = sent if gather is None else gather(sent, np.bincount(owner, minlength=ranks).tolist())
-    # gathered entry i, rank by rank each in queue order, is the score at queue index dest[i]
-    dest = np.argsort(owner, kind="stable")  # (k N_global,)
-    queue = xp.take(got, as_like(np.argsort(dest), got))  # (k N_global,) the queues end to end
-    expert_of = xp.repeat(xp.arange(E, dtype=xp.int64, device=device(experts)), selected)  # (k N_global,)
-    by_score = xp.argsort(-queue, stable=True)  # (k N_global,)
-    # expert-major, best first within each expert
-    order = xp.take(by_score, xp.argsort(xp.take(expert_of, by_score), stable=True))  # (k N_global,)
-    index = xp.arange(queue.shape[0], dtype=xp.int64, device=device(experts))  # (k N_global,)
-    # each queue entry's place in its expert's queue by score: 0 for the best
-    score_place = xp.take(index - xp.take(first, expert_of), xp.argsort(order, stable=True))  # (k N_global,)
-    kept_flat = to_host(score_place) < cap  # (k N_global,) host
-    kept = np.bincount(owner * E + to_host(expert_of), weights=kept_flat,
-                       minlength=ranks * E).astype(np.int64).reshape(ranks, E)  # (ranks, E)
-    keep = xp.reshape(xp.take(score_place, xp.reshape(flat, (-1,))), flat.shape) < cap  # (N, k)
-    return keep, kept
-
-
-def sequence_balance_coefficients(hot, rows: int, seq_len: int, n_global: int, config, weight: float,
-                                  dtype, sum_sequences=None):
-    """DeepSeek-V3's sequence-wise balance loss (eq. 17-20) per sequence of T tokens,
-    alpha * sum_i f_i P_i with f_i = E / (k T) * (the sequence's selections of expert i) and
-    P_i = mean over its tokens of the affinity s'_i, averaged over the B_g = N_global / T sequences
-    of the global (micro)batch. It is linear in the affinities: the loss is sum over tokens t of
-    s'[t, i] * coef[row of t, i], coef = weight * alpha * E / (B_g k T^2) * counts. hot (N, k, E)
-    of `rows` rows (N / rows positions of each) -> coef (rows, E) of `dtype`.
-
-    Under context parallelism a rank holds only some positions of each row: f_i needs the whole
-    row's counts, so `sum_sequences` adds the (rows, E) partial counts up over the ranks holding
-    the rest (an all-reduce over cp). P_i needs no exchange: the loss is linear in it, so each rank
-    sums s' * coef over its own tokens and the shares add up to the loss, and its gradient is local."""
-    xp = array_namespace(hot)
-    N, k, E = hot.shape
-    counts = xp.sum(xp.reshape(hot, (rows, (N // rows) * k, E)), axis=1)  # (rows, E) this call's
-    counts = counts if sum_sequences is None else sum_sequences(counts)  # (rows, E) whole rows'
-    scale = weight * config.moe_seq_aux_weight * E / ((n_global // seq_len) * k * seq_len ** 2)
-    return scale * xp.astype(counts, dtype)  # (rows, E)
+    def router_grad(self, dw):
+        """dw (C, E) -> the router's gradient in its stored layout."""
+        return array_namespace(dw).matrix_transpose(dw) if self.router_out_in else dw
 
 
 # ----------------------------------------------------------------------- dispatch and combine
@@ -509,118 +174,89 @@ def combine_backward(dout, pad, routing):
 
 
 # ------------------------------------------------------------------------------------ experts
-def mlp_forward(x2, params, prefix: str):
-    """One expert, GPT-2's MLP: (n, C) -> (n, C) through c_fc, tanh-GELU, c_proj."""
-    h, c1 = linear_forward(x2, params[f"{prefix}.c_fc.weight"], params[f"{prefix}.c_fc.bias"])  # (n, H)
-    a, c2 = gelu_forward(h)  # (n, H)
-    y, c3 = linear_forward(a, params[f"{prefix}.c_proj.weight"], params[f"{prefix}.c_proj.bias"])  # (n, C)
-    return y, (prefix, c1, c2, c3)
-
-
-def mlp_backward(dy, cache):
-    """(n, C) -> (dx (n, C), the expert's gradients by name)."""
-    p, c1, c2, c3 = cache
-    grads = {}
-    da, grads[f"{p}.c_proj.weight"], grads[f"{p}.c_proj.bias"] = linear_backward(dy, c3)  # (n, H)
-    dh = gelu_backward(da, c2)  # (n, H)
-    dx, grads[f"{p}.c_fc.weight"], grads[f"{p}.c_fc.bias"] = linear_backward(dh, c1)  # (n, C)
-    return dx, grads
-
-
-def experts_forward(xbuf, rows_per_expert, params, layer: int, experts):
-    """xbuf (R, C) grouped by expert, `rows_per_expert` (len(experts),) host ints -> (R, C)."""
+def experts_forward(xbuf, rows_per_expert, params, layer: int, experts, spec: MoESpec,
+                    down_bias: bool = True):
+    """xbuf (R, C) grouped by expert, `rows_per_expert` (len(experts),) host ints -> (R, C).
+    `down_bias` as in GeluMLP.forward."""
     xp = array_namespace(xbuf)
     outs, caches, start = [], [], 0
     for e, n in zip(experts, rows_per_expert, strict=True):
-        y, c = mlp_forward(xbuf[start:start + n, ...], params, expert_prefix(layer, e))  # (n_e, C)
+        y, c = spec.mlp.forward(xbuf[start:start + n, ...], params, spec.expert_prefix(layer, e),
+                                down_bias)  # (n_e, C)
         outs.append(y)
-        caches.append(c)
+        caches.append((n, c))
         start += n
-    return xp.concat(outs, axis=0), caches  # (R, C)
+    return xp.concat(outs, axis=0), (spec.mlp, caches)  # (R, C)
 
 
-def experts_backward(dybuf, caches):
+def experts_backward(dybuf, cache):
     """(R, C) -> (dxbuf (R, C), grads by name of the experts in the cache)."""
     xp = array_namespace(dybuf)
+    mlp, caches = cache
     dxs, grads, start = [], {}, 0
-    for c in caches:
-        n = c[1][0].shape[0]
-        dx, g = mlp_backward(dybuf[start:start + n, ...], c)  # (n_e, C)
+    for n, c in caches:
+        dx, g = mlp.backward(dybuf[start:start + n, ...], c)  # (n_e, C)
         dxs.append(dx)
         grads.update(g)
         start += n
     return xp.concat(dxs, axis=0), grads  # (R, C)
 
 
-def shared_experts_forward(x2, params, layer: int, n_shared: int):
+def shared_experts_forward(x2, params, layer: int, n_shared: int, spec: MoESpec):
     """DeepSeekMoE's shared experts (Dai et al. 2024, eq. 9): every token passes through all S,
     unrouted and ungated; (N, C) -> (their sum (N, C), caches), or (None, []) when S = 0."""
     if n_shared == 0:
         return None, []
-    outs, caches = zip(*(mlp_forward(x2, params, shared_prefix(layer, s)) for s in range(n_shared)),
-                       strict=True)
-    return sum(outs), list(caches)  # (N, C)
+    outs, caches = zip(*(spec.mlp.forward(x2, params, spec.shared_prefix(layer, s))
+                         for s in range(n_shared)), strict=True)
+    return sum(outs), [(spec.mlp, c) for c in caches]  # (N, C)
 
 
 def shared_experts_backward(dout2, caches):
     """dout2 (N, C) -> (dx2 (N, C) or None when S = 0, the shared experts' gradients)."""
     dx2, grads = None, {}
-    for c in caches:
-        dx, g = mlp_backward(dout2, c)  # (N, C)
+    for mlp, c in caches:
+        dx, g = mlp.backward(dout2, c)  # (N, C)
         dx2 = dx if dx2 is None else dx2 + dx
         grads.update(g)
     return dx2, grads
 
 
 # ------------------------------------------------------------------------------ the whole layer
-def moe_forward(x, params, layer: int, config, weight: float = 1.0, grad_scale: float = 1.0, bias=None):
-    """x (B, T, C) after ln_2 -> (out (B, T, C), cache). This call is the whole global batch (or
-    one microbatch: `weight` 1/M). cache["routing"] holds the losses and statistics (`aux_loss`,
-    `z_loss`, `tokens_per_expert`, `dropped`); `weight`, `grad_scale` and `bias` as in `route`."""
+def moe_forward(x, params, layer: int, config, spec: MoESpec, weight: float = 1.0, grad_scale: float = 1.0,
+                bias=None):
+    """x (B, T, C) after the block's second norm -> (out (B, T, C), cache). This call is the whole
+    global batch (or one microbatch: `weight` 1/M). cache["routing"] holds the losses and statistics
+    (`aux_loss`, `z_loss`, `tokens_per_expert`, `dropped`); `weight`, `grad_scale` and `bias` as in
+    routing.route."""
     xp = array_namespace(x)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
-    routing, rcache = route(x2, params[router_name(layer)], config, weight=weight, grad_scale=grad_scale,
-                            bias=bias, seq_len=x.shape[1])
+    routing, rcache = route(x2, spec.router_weight(params, layer), config, weight=weight,
+                            grad_scale=grad_scale, bias=bias, seq_len=x.shape[1])
     xbuf = dispatch(x2, routing)  # (R, C)
     counts = [int(c) for c in routing["rows_per_expert"]]
-    ybuf, ecache = experts_forward(xbuf, counts, params, layer, range(config.moe_experts))  # (R, C)
+    ybuf, ecache = experts_forward(xbuf, counts, params, layer, range(config.moe_experts), spec)  # (R, C)
     out, pad = combine(ybuf, routing)  # (N, C)
-    shared, scache = shared_experts_forward(x2, params, layer, config.moe_shared_experts)  # (N, C)
+    shared, scache = shared_experts_forward(x2, params, layer, config.moe_shared_experts, spec)  # (N, C)
     out = out if shared is None else out + shared  # (N, C)
     cache = {"routing": routing, "router": rcache, "experts": ecache, "pad": pad, "layer": layer,
-             "shape": x.shape, "shared": scache}
+             "shape": x.shape, "shared": scache, "spec": spec}
     return xp.reshape(out, x.shape), cache
 
 
 def moe_backward(dout, cache):
     """dout (B, T, C) -> (dx (B, T, C), grads by name), the router losses' gradients included."""
     xp = array_namespace(dout)
-    routing = cache["routing"]
+    routing, spec = cache["routing"], cache["spec"]
     dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, C)
     dx_shared, shared_grads = shared_experts_backward(dout2, cache["shared"])  # (N, C)
     dybuf, dgates = combine_backward(dout2, cache["pad"], routing)  # (R, C), (N, k)
     dxbuf, grads = experts_backward(dybuf, cache["experts"])  # (R, C)
     dx2 = dispatch_backward(dxbuf, routing)  # (N, C)
-    dx_router, grads[router_name(cache["layer"])] = router_backward(dgates, cache["router"])
+    dx_router, dw = router_backward(dgates, cache["router"])  # (N, C), (C, E)
+    grads[spec.router_name(cache["layer"])] = spec.router_grad(dw)
     dx2 = dx2 + dx_router if dx_shared is None else dx2 + dx_router + dx_shared  # (N, C)
     return xp.reshape(dx2, cache["shape"]), grads | shared_grads
-
-
-def update_expert_bias(bias: dict, routings: list[dict], config) -> None:
-    """DeepSeek-V3's auxiliary-loss-free balancing (§2.1.2, after Wang et al. 2024): after each step,
-    b_i += gamma * sign(mean load - load_i) for every MoE layer in `routings` (one dict layer ->
-    routing per microbatch), the load c_i being the step's selections of expert i over the whole
-    global batch (before any drop: every rank's counts, summed over dp, ep and cp by the routing's
-    exchange, so every rank holding the layer computes the same bias and none sends a byte).
-    `bias`: layer -> (E,) float64, updated in place; a layer starts at zero."""
-    if config.moe_balance != "aux-free":
-        return
-    for layer in (routings[0] if routings else {}):
-        xp = array_namespace(routings[0][layer]["selections"])
-        load = xp.astype(sum(xp.sum(rs[layer]["selections"], axis=(0, 1)) for rs in routings),
-                         xp.float64)  # (E,)
-        step = config.moe_bias_rate * xp.sign(xp.mean(load) - load)  # (E,)
-        bias[layer] = step if layer not in bias else bias[layer] + step
 
 
 def router_loss(cache):
@@ -629,19 +265,21 @@ def router_loss(cache):
 
 
 class MoELayer:
-    """The single-device layer as the object `gpt.block_forward(..., moe=)` takes; expert
-    parallelism passes its own with the same two methods. `last_routing[layer]` keeps the routing
-    of each layer's latest forward, for reports. `weight`: 1/M when the step has M microbatches;
-    `grad_scale`: the fp16 loss scale of the backward that will follow (`route`); `bias`: layer ->
-    aux-free balancing's (E,) bias, the run's dict that `update_expert_bias` keeps."""
+    """The single-device layer as the object `block_forward(..., moe=)` takes (gpt.py's and
+    llama.py's), for the family's `spec`; expert parallelism passes its own with the same two
+    methods. `last_routing[layer]` keeps the routing of each layer's latest forward, for reports.
+    `weight`: 1/M when the step has M microbatches; `grad_scale`: the fp16 loss scale of the backward
+    that will follow (routing.route); `bias`: layer -> aux-free balancing's (E,) bias, the run's dict
+    that routing.update_expert_bias keeps."""
 
-    def __init__(self, weight: float = 1.0, grad_scale: float = 1.0, bias: dict | None = None):
+    def __init__(self, spec: MoESpec, weight: float = 1.0, grad_scale: float = 1.0, bias: dict | None = None):
+        self.spec = spec
         self.last_routing: dict[int, dict] = {}
         self.weight, self.grad_scale = weight, grad_scale
         self.bias = {} if bias is None else bias
 
     def forward(self, x, params, layer: int, config):
-        out, cache = moe_forward(x, params, layer, config, self.weight, self.grad_scale,
+        out, cache = moe_forward(x, params, layer, config, self.spec, self.weight, self.grad_scale,
                                  self.bias.get(layer))
         self.last_routing[layer] = cache["routing"]
         return out, cache

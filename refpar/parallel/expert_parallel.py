@@ -14,8 +14,8 @@ then its record: m gates and m of the receiver's local expert indices in slot or
 index -1 past the token's slots; an index is exact in a float, up to 256 local experts in 16 bits);
 combine C (the sum over the row's experts of gate * output); combine:bwd C (dout); dispatch:bwd
 C + m (the sum of the experts' dx, then each slot's dgate = <dout, y_expert>, which
-moe.router_backward reads as on one device). The receiver lays its pairs' assignments out by local
-expert (moe.buffer_layout, route's own layout), so experts_forward / experts_backward (and expert
+routing.router_backward reads as on one device). The receiver lays its pairs' assignments out by local
+expert (routing.buffer_layout, route's own layout), so experts_forward / experts_backward (and expert
 tensor parallelism there) see one batch per expert as before; moe.combine / combine_backward weigh
 and sum per pair as one device does per token; the sender adds up a token's pairs (the gathers of
 moe.dispatch_backward). A pair exists when at least one of its assignments is kept; with a group
@@ -34,59 +34,52 @@ one batch part would compute every attention layer ep times over.
 
 Capacity is global over the global microbatch (the whole batch with one microbatch; see
 holdings.microbatch_samples for which tokens form microbatch j). Before dispatch every
-rank all-gathers the (k, E) selection counts of every data rank (`moe.route`'s exchange); from them
+rank all-gathers the (k, E) selection counts of every data rank (`routing.route`'s exchange); from them
 it knows the global token count, its place in each expert's queue, and how many assignments every
-rank keeps for every expert (`moe.kept_counts`), so it drops exactly what one device drops. The
+rank keeps for every expert (`routing.kept_counts`), so it drops exactly what one device drops. The
 pairs do not follow from those counts (two of a token's experts on one rank make one pair), so each
 rank then all-gathers over the data ranks its (ep,) int64 pairs per destination
 (`h.{i}.mlp.experts:pairs`): every rank knows each all-to-all's receive sizes before it starts, and
 the closed forms read the same counts (refpar/analysis/moe.py, the trainer's microbatch_pair_counts).
 
-Both families: GPT-2's experts (refpar/model/moe.py, GELU MLPs, router (C, E)) and Llama's Mixtral
-experts (refpar/model/mixtral.py: SwiGLU, router stored (E, C) as HF's MixtralSparseMoeBlock.gate),
-routed alike by moe.route (softmax, top-k, renormalised for k >= 2: Mixtral's router).
+Both families alike: the experts' MLP, their names and the router's layout are the family's
+`MoESpec` (refpar/model/moe.py; refpar.model.moe_spec), the routing is routing.route's.
 
 Per MoE layer and step: two all-gathers on the data axis (the selection counts, the pairs), four
 all-to-alls on ep (dispatch and combine forward, and the same two backward), shown by the tags
 `h.{i}.mlp.experts:dispatch` etc.
 
-DeepSeek's routing options (refpar/model/moe.py) change no message: the aux-free bias is updated
-from the gathered counts, the same on every rank (`self.bias`, moe.update_expert_bias); shared
+DeepSeek's routing options (refpar/model/routing.py) change no message: the aux-free bias is updated
+from the gathered counts, the same on every rank (`self.bias`, routing.update_expert_bias); shared
 experts are dense weights every data rank holds and runs on its own tokens; a group limit only
 shrinks the pairs. Dropping by score (Megatron-Core's
 "probs") needs every assignment's score, not only counts: per MoE layer and microbatch each rank
 all-gathers over the data ranks the scores of all its N k assignments, in its experts' queue order
 (`h.{i}.mlp.router:scores`), and every rank ranks the same global queues
-(moe.rank_by_score); what each rank sends each expert then comes from that ranking
-(moe.routing_kept), not from the counts.
+(routing.rank_by_score); what each rank sends each expert then comes from that ranking
+(routing.routing_kept), not from the counts.
 The sequence-wise loss (DeepSeek-V3 eq. 17-20) needs each sequence's counts f_i: with cp > 1 a rank
 holds some positions of its rows, so per MoE layer and microbatch it all-reduces its (rows, E)
 int64 partial counts over cp (`h.{i}.mlp.router:seq_counts`); the loss is linear in the affinities,
 so their sums P_i, the loss's value and its gradient stay local.
 
-With context parallelism each data rank's rows are split over c cp ranks
-by position, so the exchange group is the dp x ep x cp ranks (group rank d * c + cp rank, cp
-innermost) and a rank's tokens are no longer one contiguous block of the global order: of each
-of its rows it holds runs of positions (two zig-zag chunks under ring attention, one chunk under
-Ulysses). Routing then works on runs (`token_runs`, maximal runs of consecutive global token
-indices b*T + t): each rank all-gathers one (k, E) count per run, and each run's queue offset
-comes from the runs before it in global order (`moe.Parts`). The global order of the runs is
-computed by every rank from the microbatch's rows and the cp layout, without communication
-(`RoutingRuns`): the all-gather carries only counts, and without cp a data rank's rows are one
-run, so the exchange is the dp x ep runner's. The all-to-alls stay on ep (same dp and cp rank).
+With context parallelism a rank's tokens are runs of the global order (refpar/parallel/routing_runs.py,
+`self.runs`): the exchange group is then the dp x ep x cp ranks (group rank d * c + cp rank, cp
+innermost), each rank gathers one (k, E) count per run. The all-to-alls stay on ep (same dp and cp
+rank).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 from array_api_compat import array_namespace, device
 
 from refpar import backend
 from refpar.config import ConfigError
-from refpar.model import mixtral, moe
+from refpar.model import moe, moe_spec
 from refpar.model.layers import as_like
+from refpar.model.routing import buffer_layout, route, router_backward, routing_kept
+from refpar.parallel.routing_runs import RoutingRuns
 from refpar.sharding import shard_range
 
 
@@ -159,52 +152,14 @@ def _take_padded(a, index):
     return xp.reshape(xp.take(flat, as_like(np.reshape(index, (-1,)), a)), index.shape)
 
 
-def token_runs(sample_ids, positions, seq_len: int) -> list[tuple[int, int]]:
-    """The maximal runs (first global token index, length) of consecutive global token indices
-    s * T + t among rows `sample_ids` (ascending) at `positions` (ascending), in that order: the
-    order of the tokens of a (rows, positions) batch flattened."""
-    runs: list[tuple[int, int]] = []
-    for s in sample_ids:
-        for t in positions:
-            g = int(s) * seq_len + int(t)
-            if runs and sum(runs[-1]) == g:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((g, 1))
-    return runs
-
-
-@dataclass(frozen=True)
-class RoutingRuns:
-    """The runs of one global microbatch over the exchange group: `parts`, this rank's runs for
-    moe.route; `per_rank`, how many runs each group rank holds (the all-gather's counts); `order`,
-    the runs as gathered (group rank by group rank) in global order."""
-
-    parts: moe.Parts
-    per_rank: tuple[int, ...]
-    order: tuple[int, ...]
-
-
-def routing_runs(runs_by_rank: list[list[tuple[int, int]]], rank: int) -> RoutingRuns:
-    """`runs_by_rank[g]`: group rank g's `token_runs`; the RoutingRuns of group rank `rank`."""
-    gathered = [(start, g, n) for g, runs in enumerate(runs_by_rank) for start, n in runs]
-    order = sorted(range(len(gathered)), key=lambda i: gathered[i][0])  # global order
-    place = {i: p for p, i in enumerate(order)}
-    first = sum(len(r) for r in runs_by_rank[:rank])
-    mine = range(first, first + len(runs_by_rank[rank]))
-    parts = moe.Parts(tuple(gathered[i][2] for i in mine), tuple(place[i] for i in mine),
-                      tuple(gathered[i][1] for i in order))
-    return RoutingRuns(parts, tuple(len(r) for r in runs_by_rank), tuple(order))
-
-
 class ExpertParallelMoE:
     """refpar.model.moe's layer with the experts spread over `ep`; pass it to `block_forward` as
     `moe`. `data` is the communicator over all dp x ep (x cp) ranks in batch order (cp innermost,
     `cp` of them per data rank), `ep` the one over this rank's ep group. After each forward,
     `last_routing[layer]` holds that layer's routing. `weight`: the router losses' weight, 1/M when
     a step has M microbatches; `grad_scale`: the fp16 loss scale the next backward starts from
-    (both as in moe.route); `runs`: the RoutingRuns of the microbatch the next forward routes (None:
-    each group rank's tokens are one run, the dp x ep runner's case; needed with cp > 1);
+    (both as in routing.route); `runs`: the RoutingRuns of the microbatch the next forward routes
+    (None: each group rank's tokens are one run, as without cp; needed with cp > 1);
     `sequences`: with cp > 1, the communicator over the cp ranks holding the rest of this rank's
     sequences (mesh.cp), over which the sequence-wise loss sums its counts."""
 
@@ -215,7 +170,7 @@ class ExpertParallelMoE:
         if (data.rank // cp) % ep.size != ep.rank:
             raise ValueError("the data ranks must list each ep group contiguously, in ep order")
         self.data, self.ep, self.config, self.sequences = data, ep, config, sequences
-        self.family = mixtral if config.arch == "llama" else moe  # the experts' and router's names
+        self.spec = moe_spec(config)  # the experts' MLP and names, the router's layout
         self.weight, self.grad_scale = weight, grad_scale
         E = config.moe_experts
         self.owners = [owned_experts(E, ep.size, q) for q in range(ep.size)]
@@ -233,11 +188,11 @@ class ExpertParallelMoE:
     def experts_forward(self, xe, rows_per_expert, params, layer):
         """This rank's experts on their rows, xe (Q, C) grouped by expert -> (Q, C); expert tensor
         parallelism (refpar/parallel/expert_tensor_parallel.py) splits each expert over tp here."""
-        return self.family.experts_forward(xe, rows_per_expert, params, layer, self.local)
+        return moe.experts_forward(xe, rows_per_expert, params, layer, self.local, self.spec)
 
     def experts_backward(self, dye, ecache):
         """(Q, C) -> (dxe (Q, C), the local experts' gradients by name)."""
-        return self.family.experts_backward(dye, ecache)
+        return moe.experts_backward(dye, ecache)
 
     def _exchange(self, layer):
         runs = self.runs
@@ -256,7 +211,7 @@ class ExpertParallelMoE:
         return lambda counts: self.sequences.all_reduce(counts, tag=f"h.{layer}.mlp.router:seq_counts")
 
     def _gather_scores(self, layer):
-        """The drop policy "probs" (moe.rank_by_score): every data rank's scores in queue order,
+        """The drop policy "probs" (routing.rank_by_score): every data rank's scores in queue order,
         concatenated in rank order; `counts`, the ranks' lengths, come from the gathered counts
         (a rank holding nothing of the batch may be left off the end of them)."""
         def gather(scores, counts):  # (n,) -> (k N_global,)
@@ -269,14 +224,12 @@ class ExpertParallelMoE:
         x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, C)
         parts = None if self.runs is None else self.runs.parts
         cp = 1 if self.sequences is None else self.sequences.size
-        w = params[self.family.router_name(layer)]  # GPT-2's (C, E), Mixtral's (E, C)
-        w = xp.matrix_transpose(w) if self.family is mixtral else w  # (C, E), the layout route takes
-        routing, rcache = moe.route(x2, w, config,
-                                    exchange=self._exchange(layer), rank=self.data.rank,
-                                    weight=self.weight, grad_scale=self.grad_scale, parts=parts,
-                                    bias=self.bias.get(layer), seq_len=x.shape[1] * cp,
-                                    seq_rows=x.shape[0], sum_sequences=self._sum_sequences(layer),
-                                    gather_scores=self._gather_scores(layer))
+        routing, rcache = route(x2, self.spec.router_weight(params, layer), config,
+                                exchange=self._exchange(layer), rank=self.data.rank,
+                                weight=self.weight, grad_scale=self.grad_scale, parts=parts,
+                                bias=self.bias.get(layer), seq_len=x.shape[1] * cp,
+                                seq_rows=x.shape[0], sum_sequences=self._sum_sequences(layer),
+                                gather_scores=self._gather_scores(layer))
         C, m, tag = x2.shape[1], self.m, f"h.{layer}.mlp.experts"
         lay = pair_layout(backend.to_host(routing["experts"]), backend.to_host(routing["keep"]),
                           self.owner, self.first, m)
@@ -294,13 +247,13 @@ class ExpertParallelMoE:
                                  recv_counts=pairs_in)  # S x (., C + 2m)
         del xrow
         xr = xp.concat(got, axis=0)  # (P_in, C + 2m): every pair sent here, source by source
-        # the receiver lays its pairs' assignments out by local expert (moe.buffer_layout)
+        # the receiver lays its pairs' assignments out by local expert (routing.buffer_layout)
         expert_in = xp.astype(xr[:, C + m:], xp.int64)  # (P_in, m) local experts, -1 past the slots
         gate_in = xp.astype(xr[:, C:C + m], x2.dtype)  # (P_in, m) 0 past the slots (a copy)
-        lr = moe.buffer_layout(expert_in, expert_in >= 0, gate_in, len(self.local)) | {"gates": gate_in}
+        lr = buffer_layout(expert_in, expert_in >= 0, gate_in, len(self.local)) | {"gates": gate_in}
         xe = moe.dispatch(xr[:, :C], lr)  # (Q, C) grouped by local expert
         del xr, got
-        kept = backend.to_host(moe.routing_kept(routing))  # (group ranks, E)
+        kept = backend.to_host(routing_kept(routing))  # (group ranks, E)
         per_expert = [int(c) for c in kept[np.ix_(self.members, list(self.local))].sum(axis=0)]
         ye, ecache = self.experts_forward(xe, per_expert, params, layer)  # (Q, C)
         yr, ypad = moe.combine(ye, lr)  # (P_in, C): each pair's experts weighted and summed
@@ -309,7 +262,7 @@ class ExpertParallelMoE:
         # a token's output: its pairs' rows summed, the gathers of dispatch's backward
         out = moe.dispatch_backward(xp.concat(back, axis=0), mine)  # (N, C)
         # shared experts are dense: every rank holds them and runs its own tokens through them
-        shared, scache = moe.shared_experts_forward(x2, params, layer, config.moe_shared_experts)
+        shared, scache = moe.shared_experts_forward(x2, params, layer, config.moe_shared_experts, self.spec)
         out = out if shared is None else out + shared  # (N, C)
         self.last_routing[layer] = routing
         cache = {"routing": routing, "router": rcache, "experts": ecache, "layer": layer,
@@ -337,7 +290,7 @@ class ExpertParallelMoE:
         back = xp.concat(back, axis=0)  # (P, C + m)
         dx2 = moe.dispatch_backward(back[:, :C], mine)  # (N, C)
         dgates = _take_padded(back[:, C:], mine["gate_at"])  # (N, k), 0 where dropped
-        dx_router, dw = moe.router_backward(dgates, cache["router"])  # dw (C, E)
-        grads[self.family.router_name(layer)] = xp.matrix_transpose(dw) if self.family is mixtral else dw
+        dx_router, dw = router_backward(dgates, cache["router"])  # dw (C, E)
+        grads[self.spec.router_name(layer)] = self.spec.router_grad(dw)
         dx2 = dx2 + dx_router if dx_shared is None else dx2 + dx_router + dx_shared  # (N, C)
         return xp.reshape(dx2, cache["shape"]), grads | shared_grads

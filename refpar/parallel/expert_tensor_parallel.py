@@ -20,7 +20,9 @@ so every tp rank routes the runs of positions cp alone routes (`cp`: the exchang
 ranks per data rank, as ExpertParallelMoE's).
 
 Inside, the expert buffer (Q, C) is a tensor-parallel region of its own, entered and left through
-Megatron's pair (refpar/parallel/tensor_parallel.py):
+Megatron's pair (refpar/parallel/tensor_parallel.py), each expert the family's expert MLP
+(moe.MoESpec's `mlp`, run by moe.experts_forward on this rank's shards): GPT-2's moe.GeluMLP, as
+refpar/engine/plan.py refuses Mixtral's experts over tp.
 
     f  copy_to_tp      on the buffer's rows     identity forward | all-reduce backward
        c_fc            columns shard_range(H, t, rank) of every expert: (Q_e, H/t)
@@ -38,7 +40,7 @@ from __future__ import annotations
 from array_api_compat import array_namespace
 
 from refpar.model import moe
-from refpar.model.layers import compute, gelu_backward, gelu_forward, linear_backward, linear_forward, rounded
+from refpar.model.layers import compute, rounded
 from refpar.parallel.expert_parallel import ExpertParallelMoE
 from refpar.parallel.sequence_parallel import gather_from_sp
 from refpar.parallel.tensor_parallel import (
@@ -50,45 +52,33 @@ from refpar.parallel.tensor_parallel import (
 from refpar.sharding import shard_range
 
 
-def tensor_parallel_experts_forward(xe, rows_per_expert, params, layer: int, experts, tp):
-    """xe (Q, C) grouped by expert, the same on every tp rank -> (Q, C), the same on every tp rank."""
+def tensor_parallel_experts_forward(xe, rows_per_expert, params, layer: int, experts, spec, tp):
+    """xe (Q, C) grouped by expert, the same on every tp rank -> (Q, C), the same on every tp rank.
+    Each expert is spec.mlp (moe.GeluMLP) on this rank's shards, its down projection's bias left
+    out of the partial outputs and added once after their sum."""
     xp = array_namespace(xe)
     tag = f"h.{layer}.mlp.experts"
     xa = copy_to_tp(xe, tp, f"{tag}.c_fc:fwd")  # f: (Q, C)
-    partials, caches, start = [], [], 0
-    for e, n in zip(experts, rows_per_expert, strict=True):
-        p = moe.expert_prefix(layer, e)
-        h, c1 = linear_forward(xa[start:start + n, ...], params[f"{p}.c_fc.weight"],
-                               params[f"{p}.c_fc.bias"])  # (n_e, H/t)
-        a, c2 = gelu_forward(h)  # (n_e, H/t)
-        part, c3 = linear_forward(a, params[f"{p}.c_proj.weight"], None)  # (n_e, C), partial over t
-        partials.append(part)
-        caches.append((p, n, c1, c2, (c3[0], c3[1], True)))  # c_proj's bias: its backward sums dy
-        start += n
-    y = reduce_from_tp(xp.concat(partials, axis=0), tp, f"{tag}.c_proj:fwd")  # g: (Q, C), summed
-    outs, start = [], 0
-    for p, n, *_ in caches:
-        b = params[f"{p}.c_proj.bias"]
-        outs.append(rounded(compute(y[start:start + n, ...]) + compute(b), y.dtype))  # (n_e, C)
-        start += n
-    return xp.concat(outs, axis=0), (caches, tp, tag)  # (Q, C)
+    partial, ecache = moe.experts_forward(xa, rows_per_expert, params, layer, experts, spec,
+                                          down_bias=False)  # (Q, C), partial over t
+    y = reduce_from_tp(partial, tp, f"{tag}.c_proj:fwd")  # g: (Q, C), summed
+    if spec.mlp.down_bias is not None:
+        outs, start = [], 0
+        for e, n in zip(experts, rows_per_expert, strict=True):
+            b = params[f"{spec.expert_prefix(layer, e)}.{spec.mlp.down_bias}"]
+            outs.append(rounded(compute(y[start:start + n, ...]) + compute(b), y.dtype))  # (n_e, C)
+            start += n
+        y = xp.concat(outs, axis=0)  # (Q, C)
+    return y, (ecache, tp, tag)
 
 
 def tensor_parallel_experts_backward(dye, cache):
     """dye (Q, C), the same on every tp rank -> (dxe (Q, C) summed over tp, this rank's shards of
     the experts' gradients)."""
-    xp = array_namespace(dye)
-    caches, tp, tag = cache
+    ecache, tp, tag = cache
     dy = reduce_from_tp_backward(dye, tp, f"{tag}.c_proj:bwd")  # g backward: (Q, C)
-    dxs, grads, start = [], {}, 0
-    for p, n, c1, c2, c3 in caches:
-        da, grads[f"{p}.c_proj.weight"], grads[f"{p}.c_proj.bias"] = linear_backward(
-            dy[start:start + n, ...], c3)  # (n_e, H/t); (H/t, C), (C,)
-        dh = gelu_backward(da, c2)  # (n_e, H/t)
-        dx, grads[f"{p}.c_fc.weight"], grads[f"{p}.c_fc.bias"] = linear_backward(dh, c1)  # (n_e, C)
-        dxs.append(dx)  # (n_e, C), partial over t
-        start += n
-    dxe = copy_to_tp_backward(xp.concat(dxs, axis=0), tp, f"{tag}.c_fc:bwd")  # f backward: (Q, C)
+    dxe, grads = moe.experts_backward(dy, ecache)  # (Q, C), partial over t
+    dxe = copy_to_tp_backward(dxe, tp, f"{tag}.c_fc:bwd")  # f backward: (Q, C)
     return dxe, grads
 
 
@@ -127,7 +117,7 @@ class TensorParallelExpertMoE(ExpertParallelMoE):
         return x[:, lo:hi, ...]
 
     def experts_forward(self, xe, rows_per_expert, params, layer):
-        return tensor_parallel_experts_forward(xe, rows_per_expert, params, layer, self.local,
+        return tensor_parallel_experts_forward(xe, rows_per_expert, params, layer, self.local, self.spec,
                                                self.lay.tp)
 
     def experts_backward(self, dye, ecache):

@@ -39,7 +39,7 @@ from refpar.analysis import engine as closed
 from refpar.analysis.moe import pair_counts_upper_bound
 from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, Plan, TrainConfig
 from refpar.holdings import embed_param_names, kv_heads, stage_layers, tp_param_slices
-from refpar.model.moe import capacity, kept_counts
+from refpar.model.routing import capacity, kept_counts
 from refpar.parallel.context_parallel import cp_positions
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.sharding import shard_range, shard_sizes
@@ -93,7 +93,7 @@ def balanced_routing(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Pl
     of the exchange (data rank d x cp rank q, in the exchange's order (d c + q)) in proportion to the
     N_g tokens it routes: member g's N_g k assignments spread over the E experts as evenly as whole
     numbers allow (shard_sizes: the first experts take the remainder). Each expert keeps up to the
-    capacity the run computes (refpar.model.moe.capacity of T_j), earlier members' first, as the
+    capacity the run computes (refpar.model.routing.capacity of T_j), earlier members' first, as the
     run's queue does (`kept_counts`, every slot in one queue). Pairs: one per kept assignment, as
     if a token's experts lay on different ep ranks (analysis.moe.pair_counts_upper_bound; exact for
     top-1, an upper bound otherwise)."""

@@ -17,8 +17,8 @@ from refpar.analysis import engine as closed
 from refpar.analysis.moe import load_imbalance, record_slots
 from refpar.config import Plan, TrainConfig
 from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params
-from refpar.model.moe import route, router_name
+from refpar.model.gpt import MOE, init_params
+from refpar.model.routing import route
 from refpar.sharding import shard_sizes
 from refpar.viz.comm import destinations
 
@@ -92,7 +92,7 @@ def drawn_kept(config, n_data: int, tokens_per_rank: int, ep: int, seed: int = 0
     owner = np.repeat(np.arange(ep), shard_sizes(config.moe_experts, ep))  # (E,) ep rank of each expert
     out = []
     for block in config.moe_blocks:
-        routing, _ = route(x.reshape(n_data * tokens_per_rank, -1), params[router_name(block)], config)
+        routing, _ = route(x.reshape(n_data * tokens_per_rank, -1), params[MOE.router_name(block)], config)
         experts = routing["experts"].reshape(n_data, tokens_per_rank, -1)  # (D, T, k)
         keep = routing["keep"].reshape(experts.shape)  # (D, T, k)
         kept = np.stack([np.bincount(experts[d][keep[d]], minlength=config.moe_experts)

@@ -24,8 +24,8 @@ from plotly.subplots import make_subplots
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import tp_param_slices, units
 from refpar.model.data import MarkovCorpus
-from refpar.model.gpt import init_params, param_shapes
-from refpar.model.moe import router_forward, router_name
+from refpar.model.gpt import MOE, init_params, param_shapes
+from refpar.model.routing import router_forward
 from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.sequence_parallel import check_sp
 from refpar.parallel.tensor_parallel import check_tp
@@ -192,7 +192,7 @@ def ep_steps(ep: int, tokens_per_rank: int = 8, config: ModelConfig = DEMO_MOE_M
     params = init_params(config, seed)
     tokens, _ = MarkovCorpus(config.vocab_size, seed).batch(0, np.arange(ep), tokens_per_rank)  # (ep, T)
     x = (params["wte.weight"][tokens] + params["wpe.weight"][:tokens_per_rank]).reshape(-1, config.n_embd)
-    w = params[router_name(0)]  # (C, E)
+    w = params[MOE.router_name(0)]  # (C, E)
     experts = np.asarray(router_forward(x, w, 1)[2])[:, 0].reshape(ep, tokens_per_rank)
     home = np.repeat(np.arange(ep)[:, None], tokens_per_rank, axis=1)  # (ep, tokens)
     away = owner_of[experts]

@@ -36,7 +36,7 @@ from tests.numerics import rel_diff
 MODEL = ModelConfig(vocab_size=32, n_positions=8, n_embd=16, n_head=2, n_layer=4, dropout=0.1,
                     moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8, moe_layers=(1, 2, 3))
 TRAIN = TrainConfig(steps=3, batch_size=8, seq_len=8, lr=1e-2, seed=11)
-# DeepSeek-V3's routing (refpar/model/moe.py): a shared expert, sigmoid gates, the aux-free bias (a
+# DeepSeek-V3's routing (refpar/model/routing.py): a shared expert, sigmoid gates, the aux-free bias (a
 # rate large enough to change choices within 3 steps), the sequence-wise loss, 2 groups, 1 per token
 DEEPSEEK = {"moe_shared_experts": 1, "moe_gate": "sigmoid", "moe_balance": "aux-free", "moe_bias_rate": 0.05,
             "moe_seq_aux_weight": 0.01, "moe_groups": 2, "moe_group_limit": 1}
