@@ -1,6 +1,8 @@
 """The single-device training loop: the reference run that every strategy's losses are compared with,
 for either model family (refpar.model dispatches by ModelConfig.arch).
 
+    mpiexec -n 8 refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --check   # rank 0 runs it first
+
 Step s trains on the global batch of sample ids 0..B-1 of `MarkovCorpus.batch(s, ...)`, with
 dropout keyed by (seed, s, layer, site, sample id): a parallel run that splits the same batch and
 the same keys reproduces these losses and parameters.
