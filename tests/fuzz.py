@@ -8,7 +8,7 @@ so that proceeding costs microseconds:
   Reading its `rank` and `size` is free (the checks that compare the mesh with the job do that);
   anything else, the first `split` of a DeviceMesh or the first collective, raises `Communicates`.
 - the single-device run raises `Trains` where it draws its training corpus (`refpar.trainer.
-  corpus_for`, the first step of `train_single_device` and of the command's report) or starts it;
+  corpus_for`, the first step of `train_single_device` and of refpar/engine/run.py) or starts it;
 - the lesson checker's loading of a learner's file raises `RunsExercise`, and launching mpiexec for
   it raises `Communicates`.
 
