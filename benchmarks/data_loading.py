@@ -76,7 +76,7 @@ def gpt2_step_seconds(batch_size: int, seq_len: int) -> float:
 
     result = train_single_device(model_preset("gpt2", dtype=ARGS.step_dtype),
                                  TrainConfig(steps=2, batch_size=batch_size, seq_len=seq_len))
-    return result.step_times_s[1]
+    return result.step_times[1]
 
 
 def gpt2_step_lower_bound(batch_size: int, seq_len: int) -> tuple[float, float]:

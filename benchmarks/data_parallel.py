@@ -175,7 +175,7 @@ def single_process(args) -> float:
     from refpar.trainer import train_single_device
 
     model, train = configs(args)
-    return min(train_single_device(model, train).step_times_s[1:])
+    return min(train_single_device(model, train).step_times[1:])
 
 
 def two_process_ceiling(args) -> dict:

@@ -6,7 +6,7 @@ several meshes, with each step's share of compute, communication and idle from t
 Each mesh runs as `mpiexec -n N python <this file> --worker MESH MODEL ...`: refpar/engine on
 the same global batch (8 sequences in 4 microbatches; a mesh without pp accumulates them), one
 BLAS thread per rank. Times are the mean of the steps after the first; the shares are the mean
-over ranks of the last step's split (refpar.engine.report.time_split): compute = pipeline
+over ranks of the last step's split (refpar.engine.run.time_split): compute = pipeline
 actions minus the collectives inside them, communication = blocking collectives (including the
 wait for the group's slowest rank), idle = the rest (pipeline waits, optimizer, bookkeeping).
 Prints a table, not pass/fail.
@@ -37,7 +37,7 @@ def worker(mesh_text: str, model_name: str, steps: int, seq_len: int) -> None:
     from refpar.comm.trace import Tracer
     from refpar.config import ParallelConfig, Plan, TrainConfig, model_preset, parse_mesh
     from refpar.engine import parallelize, train
-    from refpar.engine.report import time_split
+    from refpar.engine.run import time_split
     from refpar.mesh import DeviceMesh
 
     with abort_on_error():

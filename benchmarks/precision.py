@@ -29,7 +29,7 @@ from refpar.comm.communicator import abort_on_error, world  # noqa: E402
 from refpar.comm.trace import Tracer  # noqa: E402
 from refpar.config import Plan, TrainConfig, model_preset  # noqa: E402
 from refpar.engine import parallelize, train  # noqa: E402
-from refpar.engine.report import STATES  # noqa: E402
+from refpar.engine.run import STATES  # noqa: E402
 from refpar.mesh import DeviceMesh  # noqa: E402
 from refpar.precision import PRECISIONS  # noqa: E402
 

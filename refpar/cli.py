@@ -133,12 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         if not under_launcher():
             return _run_reporting_config_errors(args)
         from refpar import jobs
-        from refpar.comm.communicator import abort_on_error
 
         jobs.announce(launcher_rank())  # a launching process can then say which rank died, if one does
-        # Any other error on one rank must end every rank, not leave the others waiting in a
-        # collective.
-        with abort_on_error():
-            status = _run_reporting_config_errors(args)
+        # A command whose ranks communicate ends every rank on any error past its checks, from its
+        # first message on (refpar/engine/run.py:run_job, refpar/commands/generate.py:run): before
+        # it, MPI is not running and the launcher ends the job at the first rank to exit.
+        status = _run_reporting_config_errors(args)
         jobs.ended()
         return status

@@ -1,6 +1,8 @@
 """The single-device training loop: the reference run that every strategy's losses are compared with,
 for either model family (refpar.model dispatches by ModelConfig.arch).
 
+    mpiexec -n 8 refpar train --mesh dp=2,tp=2,pp=2 --microbatches 4 --check   # rank 0 runs it first
+
 Step s trains on the global batch of sample ids 0..B-1 of `MarkovCorpus.batch(s, ...)`, with
 dropout keyed by (seed, s, layer, site, sample id): a parallel run that splits the same batch and
 the same keys reproduces these losses and parameters.
@@ -16,10 +18,10 @@ mixed precision; none on a step fp16 skips), the definition every mesh reproduce
 MoE models (`microbatches` M): routing statistics are per microbatch, as in Megatron-Core: global
 microbatch j is the contiguous slice shard_range(B, M, j) of the batch, routed on its own tokens
 (capacity from its token count, its own drop order), each contributing 1/M of its router losses, and
-the gradients accumulate over the M slices; every step's routing is kept (`MoEStep`). A parallel run
-with M microbatches routes the same token sets in the same queue order. Routing is a discrete
-choice: once two runs' parameters differ in the last bit, a token near a tie or at the capacity edge
-can go elsewhere, so a 16-bit run agrees with one device in its losses within a tolerance.
+the gradients accumulate over the M slices; every step's routing is kept (refpar/records.py:MoEStep).
+A parallel run with M microbatches routes the same token sets in the same queue order. Routing is a
+discrete choice: once two runs' parameters differ in the last bit, a token near a tie or at the
+capacity edge can go elsewhere, so a 16-bit run agrees with one device in its losses within a tolerance.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,9 +39,10 @@ from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model import forward, init_params, loss_and_grads, moe_layer
 from refpar.model.data import MarkovCorpus
 from refpar.model.layers import cross_entropy_forward
+from refpar.model.routing import update_expert_bias
 from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
-from refpar.model.routing import routing_kept, update_expert_bias
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
+from refpar.records import Run, step_record
 from refpar.sharding import shard_range
 
 
@@ -51,80 +54,6 @@ class StepResult:
     loss_scale: float | None = None  # fp16-mixed: the scale this step's backward used
     skipped: bool = False  # fp16-mixed: the gradients overflowed, so the update was skipped
     skipped_total: int = 0  # fp16-mixed: steps skipped so far, from step 0 (across resumes)
-
-
-@dataclass
-class MoEStep:
-    """One step's routing as the whole run saw it: every number is global (the same on every rank)."""
-
-    step: int
-    loss: float  # cross-entropy + router losses, the single device's loss
-    aux_loss: float  # sum over MoE blocks of the load-balancing losses
-    z_loss: float  # sum over MoE blocks of the router z-losses
-    tokens_per_expert: dict[int, list[int]]  # layer -> assignments each expert kept
-    dropped: dict[int, int]  # layer -> assignments dropped by the capacity
-    kept_counts: dict[int, np.ndarray]  # layer -> (D, E) kept per data rank (x cp rank) and expert
-    time_s: float
-    # one dict per microbatch: layer -> (D, E) kept in that microbatch (they add up to kept_counts)
-    microbatch_kept_counts: list[dict[int, np.ndarray]] = field(default_factory=list)
-    # one dict per microbatch: layer -> (D, ep) pairs (token, ep rank) per data rank and destination
-    # (expert parallelism's all-to-all rows; empty on one device, which sends none)
-    microbatch_pair_counts: list[dict[int, np.ndarray]] = field(default_factory=list)
-    # aux-free balancing: layer -> the (E,) expert bias this step chose with (empty otherwise)
-    expert_bias: dict[int, list[float]] = field(default_factory=dict)
-
-    @property
-    def microbatch_counts(self) -> list[dict[int, tuple]]:
-        """Per microbatch, layer -> (kept, pairs): what refpar.analysis.moe's closed forms read."""
-        return [{i: (kept[i], pairs[i]) for i in kept}
-                for kept, pairs in zip(self.microbatch_kept_counts, self.microbatch_pair_counts, strict=True)]
-
-
-def router_shares(routings: list[dict]) -> tuple[float, float]:
-    """(aux, z) of this process: the sum over microbatches and MoE layers of its shares."""
-    return (sum(float(r["aux_loss"]) for rs in routings for r in rs.values()),
-            sum(float(r["z_loss"]) for rs in routings for r in rs.values()))
-
-
-def step_record(step, loss, routings: list[dict], start, totals=None, bias: dict | None = None) -> MoEStep:
-    """A step's record from the routing of every MoE layer in each microbatch (one dict layer ->
-    routing per microbatch); `totals` the (loss, aux, z) summed over ranks, else this process ran
-    the whole batch; `bias` the aux-free expert biases the step routed with (routing.update_expert_bias)."""
-    if totals is None:
-        totals = (loss, *router_shares(routings))
-    kept = [{i: backend.to_host(routing_kept(r)) for i, r in rs.items()} for rs in routings]
-    layers = list(routings[0]) if routings else []  # a pipeline stage may hold no MoE block
-    return MoEStep(
-        step=step, loss=float(totals[0]), aux_loss=float(totals[1]), z_loss=float(totals[2]),
-        tokens_per_expert={i: [int(c) for c in sum(backend.to_host(rs[i]["tokens_per_expert"])
-                                                   for rs in routings)] for i in layers},
-        dropped={i: sum(int(rs[i]["dropped"]) for rs in routings) for i in layers},
-        kept_counts={i: sum(k[i] for k in kept) for i in layers},
-        time_s=time.perf_counter() - start, microbatch_kept_counts=kept,
-        microbatch_pair_counts=[{i: r["pairs"] for i, r in rs.items() if "pairs" in r} for rs in routings],
-        expert_bias={i: [float(b) for b in backend.to_host(v)] for i, v in (bias or {}).items()
-                     if i in layers})
-
-
-@dataclass
-class RunResult:
-    losses: list[float] = field(default_factory=list)
-    step_times_s: list[float] = field(default_factory=list)
-    params: dict = field(default_factory=dict)  # after the last step
-    first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
-    loss_floor: float | None = 0.0  # the corpus's entropy rate in nats (None: text, unknown)
-    loss_scales: list[float] = field(default_factory=list)  # fp16-mixed: the scale of each step
-    skipped_steps: list[int] = field(default_factory=list)  # fp16-mixed: 0-based steps skipped
-    moe_steps: list[MoEStep] = field(default_factory=list)  # MoE models: each step's routing
-    lrs: list[float] = field(default_factory=list)  # the learning rate of each step
-    grad_norms: list[float | None] = field(default_factory=list)  # clipping: each step's global norm
-    val_losses: list[tuple[int, float]] = field(default_factory=list)  # --eval-every: (steps done, loss)
-
-    @property
-    def step_time_s(self) -> float:
-        """Mean step time, leaving out the first step (it pays for warm-up) when there are others."""
-        times = self.step_times_s[1:] or self.step_times_s
-        return sum(times) / len(times)
 
 
 _OPENED: dict[tuple, object] = {}  # text corpora by (path, tokenizer, vocabulary, seed): tokenized once
@@ -184,7 +113,7 @@ def evaluates(train: TrainConfig, step: int) -> bool:
 def train_single_device(model: ModelConfig, train: TrainConfig,
                         on_step: Callable[[StepResult], None] | None = None, *, microbatches: int = 1,
                         save: str | None = None, save_every: int | None = None,
-                        resume: str | None = None) -> RunResult:
+                        resume: str | None = None) -> Run:
     """Trains from `init_params(model, train.seed)` (or the weights `train.init_from` names,
     refpar/weights.py) for `train.steps` steps on one process, or from
     the checkpoint `resume` (any mesh's) up to `train.steps`; with `save`, writes a checkpoint under
@@ -206,7 +135,7 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
     scaler = loss_scaler(model, train)  # None unless fp16-mixed
     grad_dtype = MASTER_DTYPE if train.fp32_grads else None
     sample_ids = range(train.batch_size)
-    result = RunResult(loss_floor=loss_floor(corpus))
+    result = Run(loss_floor=loss_floor(corpus))
     if resume is not None:
         result.first_step, params, state = checkpoint.load_whole(resume, model, train)
         if scaler is not None:
@@ -253,7 +182,7 @@ def train_single_device(model: ModelConfig, train: TrainConfig,
                 result.skipped_steps.append(step)
         elapsed = time.perf_counter() - start
         result.losses.append(loss)
-        result.step_times_s.append(elapsed)
+        result.step_times.append(elapsed)
         if evaluates(train, step):
             result.val_losses.append((step + 1, validation_loss(params, model, corpus, train)))
         if on_step is not None:

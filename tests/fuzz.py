@@ -8,7 +8,7 @@ so that proceeding costs microseconds:
   Reading its `rank` and `size` is free (the checks that compare the mesh with the job do that);
   anything else, the first `split` of a DeviceMesh or the first collective, raises `Communicates`.
 - the single-device run raises `Trains` where it draws its training corpus (`refpar.trainer.
-  corpus_for`, the first step of `train_single_device` and of the command's report) or starts it;
+  corpus_for`, the first step of `train_single_device` and of refpar/engine/run.py) or starts it;
 - the lesson checker's loading of a learner's file raises `RunsExercise`, and launching mpiexec for
   it raises `Communicates`.
 
@@ -85,7 +85,7 @@ def _stops(size: int, rank: int, launched: bool):
     from lessons import checks as lesson_checks
     from refpar import backend, trainer
     from refpar.comm import communicator
-    from refpar.engine import report  # imported now, so that its own names for the trainer's are stopped too
+    from refpar.engine import run as engine_run  # now: its own names for the trainer's are stopped too
 
     def world(tracer=None, **_options):
         return CommunicatorStub(size, rank, tracer)
@@ -113,8 +113,8 @@ def _stops(size: int, rank: int, launched: bool):
         mp.setattr(communicator, "abort_on_error", pass_through)
         mp.setattr(trainer, "corpus_for", trains)
         mp.setattr(trainer, "train_single_device", trains)
-        mp.setattr(report, "corpus_for", trains)
-        mp.setattr(report, "train_single_device", trains)
+        mp.setattr(engine_run, "corpus_for", trains)
+        mp.setattr(engine_run, "train_single_device", trains)
         mp.setattr(lesson_checks, "_load", runs_exercise)
         mp.setattr(lesson_checks, "subprocess",
                    SimpleNamespace(run=launches, TimeoutExpired=TimeoutError))

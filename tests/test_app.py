@@ -671,7 +671,7 @@ def test_sharding_page_draws_llamas_replicated_kv_heads_when_the_user_picks_llam
 
 
 def test_whole_mesh_page_lays_ranks_out_as_the_mesh_does_and_steps_through_their_bytes():
-    from refpar.analysis.engine import MOMENTS, rank_comm_bytes, rank_coords
+    from refpar.analysis.closed_forms import MOMENTS, rank_comm_bytes, rank_coords
     from refpar.engine import Plan
 
     at = page("views/mesh.py")  # default: pp=2 x dp=2 x tp=2, ZeRO-3, 2 microbatches of GPT-2 tiny
@@ -703,7 +703,7 @@ def test_whole_mesh_page_lays_ranks_out_as_the_mesh_does_and_steps_through_their
 
 def test_whole_mesh_prices_moe_routing_with_a_runs_counts_exactly_and_balanced_routing_by_its_closed_form(
         moe_pipeline_run, monkeypatch):
-    from refpar.analysis.engine import rank_coords, rank_memory_rows
+    from refpar.analysis.closed_forms import rank_coords, rank_memory_rows
     from refpar.engine import Plan
     from refpar.viz.mesh_grid import mesh_model
 

@@ -292,7 +292,7 @@ def test_3d_checkpoint_resumes_under_tp_pp_and_on_one_process(tmp_path):
 def test_the_closing_line_of_a_resumed_run_counts_from_its_checkpoint_and_never_prints_minus_0():
     from types import SimpleNamespace
 
-    from refpar.engine.lines import report
+    from refpar.engine.lines import closing_lines
 
     said = []
     summary = {"loss_floor": 1.0, "max_loss_rel_diff": None, "grad_norms": None, "val_losses": None}
@@ -300,5 +300,5 @@ def test_the_closing_line_of_a_resumed_run_counts_from_its_checkpoint_and_never_
                           ([4.0, 2.5], "4.0000 at step 3, 3.2500 over the last 2 steps, 25% of the way"),
                           ([4.0, 4.9], "4.0000 at step 3, 4.4500 over the last 2 steps, above the first")):
         out = SimpleNamespace(losses=losses, first_step=2, step_time_s=0.1, loss_scaling=None)
-        report(said.append, None, None, None, None, None, out, [None], summary)  # one rank: no table
+        closing_lines(said.append, None, None, None, None, None, out, [None], summary)  # one rank: no table
         assert words in said[-1] and "-0%" not in said[-1], said[-1]

@@ -23,7 +23,7 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
 from refpar.engine import Plan
-from refpar.engine.report import STATES, collect
+from refpar.engine.run import STATES, collect
 from refpar.mesh import DeviceMesh
 from refpar.parallel.zero import Zero
 
@@ -225,7 +225,7 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig
 from refpar.engine import Plan
-from refpar.engine.report import collect
+from refpar.engine.run import collect
 from refpar.mesh import DeviceMesh
 
 SHAPES = [  # (model, train, microbatches): one block with the embedding the largest unit; and

@@ -136,13 +136,13 @@ def test_internals_names_every_step_of_the_engine_as_file_and_function():
     lost its path (or a regex that stopped matching) fails instead of checking nothing."""
     named = {m.group(0) for _, line in enumerate(INTERNALS.read_text().splitlines())
              for m in NAMED.finditer(line)}
-    path = ["refpar/cli.py:main", "refpar/commands/train.py:run", "refpar/engine/plan.py:validate",
-            "refpar/engine/report.py:run", "refpar/engine/parallelize.py:parallelize",
+    path = ["refpar/cli.py:main", "refpar/commands/train.py:run", "refpar/engine/validate.py:validate",
+            "refpar/engine/run.py:run_job", "refpar/engine/parallelize.py:parallelize",
             "refpar/engine/train.py:train", "refpar/parallel/pipeline/executor.py:PipelineExecutor.step",
             "refpar/parallel/pipeline/stage.py:Stage.forward",
             "refpar/parallel/tensor_parallel.py:parallel_block_forward",
             "refpar/parallel/zero.py:Zero.reduce", "refpar/parallel/zero.py:Zero.step",
-            "refpar/model/optim.py:adamw_update", "refpar/engine/report.py:collect"]
+            "refpar/model/optim.py:adamw_update", "refpar/engine/run.py:collect"]
     assert [p for p in path if p not in named] == []
     assert len(named) >= 100  # the walk-through and the interfaces name far more than the path
 
@@ -301,7 +301,7 @@ REFPAR_COMMANDS = [(c, *refpar_args(c)) for c in DOCS_COMMANDS + INLINE_COMMANDS
                          ids=[f"{c.page}:{c.line} {shlex.join(a[:3])}" for c, _, a in REFPAR_COMMANDS])
 def test_every_refpar_command_in_docs_is_one_refpar_takes(command, ranks, args):
     """Each refpar command a docs page shows parses, and a `refpar train` one passes every check a run
-    makes before its first message (refpar/engine/plan.py validate) on a mesh of as many ranks as its
+    makes before its first message (refpar/engine/validate.py validate) on a mesh of as many ranks as its
     launcher starts: a renamed flag or a mesh the engine refuses fails here, the cluster's and GPUs'
     commands too, which cannot run here."""
     from refpar.cli import parse

@@ -2,14 +2,14 @@
 over the dp x cp group, ZeRO-2 with tp and pp, sp with ZeRO-2/3, sp inside cp, FSDP's prefetch and
 no-reshard with pp and tp. Each MPI job trains 3 AdamW steps in float64 with dropout and several
 microbatches, and is checked at once against the single device (<= 1e-10) and against the closed
-forms of refpar/analysis/engine.py (bytes per rank, axis and op, and peak memory per rank and
+forms of refpar/analysis/closed_forms.py (bytes per rank, axis and op, and peak memory per rank and
 category, exactly)."""
 
 from __future__ import annotations
 
 import pytest
 
-from refpar.analysis.engine import rank_coords, rank_units
+from refpar.analysis.closed_forms import rank_coords, rank_units
 from refpar.comm import cost
 from refpar.config import TrainConfig, model_preset
 from refpar.engine import Plan

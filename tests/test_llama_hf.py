@@ -197,7 +197,7 @@ def test_gpt2_loads_from_and_saves_to_gpt2_lm_head_model_with_its_logits():
 
 def test_greedy_serving_with_a_gqa_kv_cache_gives_hf_generates_greedy_tokens(monkeypatch):
     """refpar's KV-cache decoding against HF's (its own DynamicCache), both greedy, float64."""
-    from refpar.serving.engine import serve
+    from refpar.serving.batching import serve
     from refpar.serving.requests import make_requests
     from refpar.serving.sampling import parse_sampling
 

@@ -12,9 +12,9 @@ import pytest
 import refpar.model as M
 from refpar.checkpoint import CheckpointError
 from refpar.config import ConfigError, ModelConfig, TrainConfig, model_preset
+from refpar.engine.report import SUMMARY_FIELDS
 from refpar.model import gpt, llama
 from refpar.model.data import MarkovCorpus
-from refpar.report import SUMMARY_FIELDS
 from refpar.trainer import train_single_device
 from tests.mpi import ROOT, mpi_env
 

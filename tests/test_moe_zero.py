@@ -1,6 +1,6 @@
 """ZeRO-1/2/3 and FSDP for MoE runs (refpar/parallel/zero.py over each unit's replica group): the
 dense weights sharded over each stage's dp x ep data ranks, the experts over dp, against the single
-device with the same microbatches, refpar/analysis/engine.py's closed forms, and checkpoints that
+device with the same microbatches, refpar/analysis/closed_forms.py's closed forms, and checkpoints that
 reshard."""
 
 import json

@@ -48,7 +48,7 @@ def test_every_schedule_matches_single_device_after_3_adamw_steps_with_dropout(r
 
 def test_traced_bytes_equal_the_closed_form_per_rank_axis_and_op(results):
     # activations and input gradients over pp, wte's gradient in the embedding group, the loss
-    # over pp: refpar.analysis.engine's closed forms, exactly, on every rank.
+    # over pp: refpar.analysis.closed_forms's closed forms, exactly, on every rank.
     p, rows = results
     assert all(r["traced_bytes_equal_closed_form"] for r in rows), [r["kind"] for r in rows]
 

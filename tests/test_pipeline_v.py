@@ -79,7 +79,7 @@ def test_clipping_takes_one_devices_global_norm_on_every_rank_counting_each_copy
 def test_traced_bytes_and_peak_memory_per_category_are_the_closed_forms(results):
     # activations and input gradients between stages on two ranks, the tied wte where its ends sit
     # on two ranks, DualPipe's copies over the mirror ranks, ZeRO's and FSDP's collectives; memory
-    # per category, the activations the replay of each rank's list (refpar/analysis/engine.py)
+    # per category, the activations the replay of each rank's list (refpar/analysis/closed_forms.py)
     for r in results:
         assert r["traced_bytes_equal_closed_form"] and r["memory_equal_closed_form"], r
         assert r["activation_peak"] == r["replayed_peak"], r

@@ -1,6 +1,6 @@
 """Activation recomputation (--recompute, refpar/parallel/recompute.py) on real MPI ranks: selective
 and full reproduce one device and are bit for bit the run without recomputation; every rank's
-activation peak is its closed form (refpar/analysis/engine.py: the schedule's replay with the
+activation peak is its closed form (refpar/analysis/closed_forms.py: the schedule's replay with the
 rerun's working set); the reruns' collectives are traced under their own phase and counted in the
 closed form of bytes; the GEMM FLOPs the ranks run are the planner's; the paper's per-layer forms;
 the planner's pricing of what selective saves."""

@@ -20,7 +20,7 @@ from refpar.commands.generate import add_arguments, paging_from_args
 from refpar.config import ConfigError, model_preset
 from refpar.memory import MemoryLedger
 from refpar.model import gpt
-from refpar.serving.engine import serve
+from refpar.serving.batching import serve
 from refpar.serving.requests import Request, check_requests, make_requests, reference_generate
 from refpar.serving.sampling import Sampling, parse_sampling, sample_token
 from tests.mpi import ROOT, mpi_env, mpiexec

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from refpar.config import ConfigError, TrainConfig, model_preset
+from refpar.engine.report import SUMMARY_FIELDS
 from refpar.model.data import MarkovCorpus
-from refpar.report import SUMMARY_FIELDS
 from refpar.trainer import train_single_device
 from tests.mpi import ROOT, mpi_env
 from tests.numerics import CONTRACT, rel_diff, within

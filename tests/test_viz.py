@@ -349,7 +349,7 @@ def test_mix_sp_rows_are_shard_ranges_and_bad_mixes_are_one_sentence():
 
 def test_ep_traffic_matrix_rows_and_columns_are_the_closed_form_bytes():
     from refpar.analysis import moe as closed
-    from refpar.analysis.engine import rank_comm_bytes
+    from refpar.analysis.closed_forms import rank_comm_bytes
     from refpar.config import ParallelConfig, Plan
     from refpar.viz import moe as mv
 

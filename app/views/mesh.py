@@ -4,7 +4,7 @@ import streamlit as st
 from family import family_picker
 from launcher import shared
 
-from refpar.analysis.engine import MOMENTS
+from refpar.analysis.closed_forms import MOMENTS
 from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig
 from refpar.viz import mesh_grid
 from refpar.viz.expected import DP_STRATEGIES

@@ -4,14 +4,14 @@
     mpiexec -n 2 python lessons/scripts/11_recompute.py [--seq-len T] [--steps N]
 
 For each mode: every rank's activation peak as its memory ledger measured it, next to the closed
-form (refpar/analysis/engine.py); the GEMM FLOPs each rank ran per step (refpar/model/gemm.py),
+form (refpar/analysis/closed_forms.py); the GEMM FLOPs each rank ran per step (refpar/model/gemm.py),
 next to the planner's FLOPs of a step (refpar/analysis/flops.py) shared by the two ranks; and the
 mean step time, leaving out the first step.
 """
 
 import argparse
 
-from refpar.analysis.engine import activation_peak
+from refpar.analysis.closed_forms import activation_peak
 from refpar.analysis.flops import step_flops
 from refpar.analysis.presets import from_model_config
 from refpar.comm.communicator import world

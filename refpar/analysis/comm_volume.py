@@ -9,7 +9,7 @@ a reduce-scatter of the gradients). `paper_step_elems` is that.
 unit, per micro-batch, from the replay of refpar/analysis/data_parallel.py; the rings it writes out
 as isend/irecv to overlap them with compute too) and `step_bytes` sums them, priced with
 `refpar.comm.cost`, exact for uneven `shard_range` partitions: the number a trace must show, to the
-byte. These are the data-parallel mesh's (`--mesh dp=N`); refpar/analysis/engine.py composes the
+byte. These are the data-parallel mesh's (`--mesh dp=N`); refpar/analysis/closed_forms.py composes the
 same for any mesh. Gradients move in
 their dtype (2 bytes in bf16/fp16-mixed, 4 with --fp32-grads), parameters in theirs (2 bytes in
 mixed precision); fp16's loss scaling adds one 4-byte float32 flag all-reduced over dp where the
@@ -18,7 +18,7 @@ ranks hold different gradient shards (ZeRO and FSDP; plain DP's all-reduced grad
 
 from __future__ import annotations
 
-from refpar.analysis import engine
+from refpar.analysis import closed_forms
 from refpar.analysis.memory import Options, check_strategy
 from refpar.comm import cost
 
@@ -34,7 +34,7 @@ def step_calls(config, n: int, rank: int, opts: Options, loss: bool = True, step
     `loss` the last is the loss's one-element all-reduce (a float64 whatever the model's dtype)."""
     check_strategy(opts.strategy)
     sizes = {"pp": 1, "dp": n, "ep": 1, "cp": 1, "tp": 1}
-    _, calls = engine.data_parallel_bytes(config, sizes, engine.rank_coords(sizes, rank), opts,
+    _, calls = closed_forms.data_parallel_bytes(config, sizes, closed_forms.rank_coords(sizes, rank), opts,
                                           opts.precision, stepped)
     if loss and n > 1:
         calls.append(("dp", "all_reduce", "loss", cost.all_reduce_bytes(1, n, rank, 8)))

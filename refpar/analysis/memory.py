@@ -31,7 +31,7 @@ a piece's freshly returned gradients before they are folded into a buffer, a uni
 before its reduce-scatter, gathered units, and collective outputs not yet consumed (the replay of
 refpar/analysis/data_parallel.py). The optimizer's elementwise temporaries (one parameter segment,
 written back at once) are not counted, like any other intermediate of a single expression. These
-are the data-parallel mesh's (`--mesh dp=N`) forms; refpar/analysis/engine.py composes the same
+are the data-parallel mesh's (`--mesh dp=N`) forms; refpar/analysis/closed_forms.py composes the same
 for any mesh.
 """
 
@@ -40,8 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from refpar.analysis import closed_forms
 from refpar.analysis import data_parallel as dp_forms
-from refpar.analysis import engine
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import units as stage_units
 from refpar.model.gpt import param_shapes
@@ -100,7 +100,7 @@ class Options:
     def state_bytes(self) -> int:
         return self.state_itemsize or self.itemsize
 
-    # the fields of a Plan (refpar/engine/plan.py) a data-parallel mesh leaves at their defaults
+    # the fields of a Plan (refpar/config.py) a data-parallel mesh leaves at their defaults
     kind, chunks, schedule_csv, sp, cp_algo, recompute = "1f1b", None, None, False, None, "none"
 
     @property
@@ -130,7 +130,7 @@ def rank_units(config: ModelConfig, n: int, rank: int, opts: Options) -> dp_form
     """Rank `rank` of a data-parallel mesh of n ranks: every unit, over all n."""
     check_strategy(opts.strategy)
     sizes = {"pp": 1, "dp": n, "ep": 1, "cp": 1, "tp": 1}
-    return engine.rank_units(config, sizes, engine.rank_coords(sizes, rank), opts)
+    return closed_forms.rank_units(config, sizes, closed_forms.rank_coords(sizes, rank), opts)
 
 
 def model_state_bytes(config: ModelConfig, n: int, rank: int, opts: Options) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """Closed forms of expert parallelism: the routing's bytes from its counts, expert memory, and what
-a MoE block's cache keeps (refpar/analysis/engine.py composes them with the other strategies').
+a MoE block's cache keeps (refpar/analysis/closed_forms.py composes them with the other strategies').
 
 Legend: E experts, k experts per token, C channels, ep expert-parallel ranks, D = dp * ep data
 ranks, c cp ranks, N_d tokens of data rank d, K[d, e] assignments data rank d keeps for expert e

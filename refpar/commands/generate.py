@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import textwrap
+from contextlib import nullcontext
 
 HELP = ("generate tokens with a KV cache (tp, cp or pp decoding, continuous batching); report latency, "
         "bytes, KV memory")
@@ -174,9 +175,10 @@ def run(args) -> int:
     from refpar.analysis.hardware import hardware
     from refpar.analysis.presets import preset
     from refpar.analysis.serving import serving_table
-    from refpar.comm.communicator import world
+    from refpar.comm.communicator import abort_on_error, world
     from refpar.config import ConfigError, ParallelConfig, check_output_path, parse_mesh
-    from refpar.serving.engine import check_serving
+    from refpar.mesh import check_job_size
+    from refpar.serving.batching import check_serving
     from refpar.serving.paged import pool_blocks
     from refpar.serving.runner import ServeOptions, run_serving
     from refpar.serving.sampling import parse_sampling
@@ -197,9 +199,14 @@ def run(args) -> int:
         check_output_path("--figure", args.figure)
     scale = serving_table(spec, hw, gpus=args.scale_gpus, batch=args.scale_batch,
                           context=args.scale_context)
-    summary = run_serving(world(), sizes, config, requests, sampling,
-                          ServeOptions(args.max_batch, args.seed, args.check, paging,
-                                       progress=paging is not None), params)
+    comm = world()
+    check_job_size(sizes, comm.size)  # the last check every rank makes alike, before any message
+    # From the first message on, an error on one rank must end every rank, not leave the others
+    # waiting in a collective (refpar.cli returns 2 from each rank only for the checks above).
+    with abort_on_error() if comm.size > 1 else nullcontext():
+        summary = run_serving(comm, sizes, config, requests, sampling,
+                              ServeOptions(args.max_batch, args.seed, args.check, paging,
+                                           progress=paging is not None), params)
     if summary is None:
         return 0
     summary["weights"] = {"from": args.source, "seed": None if args.source else args.seed,

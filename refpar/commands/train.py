@@ -1,12 +1,13 @@
-"""`refpar train`: train GPT-2 on the synthetic Markov corpus, on any mesh, and print the loss next
-to its floor (and, with --check, next to the single device's).
+"""`refpar train`: train GPT-2 or Llama (--model) on the synthetic Markov corpus or a text (--data), on
+any mesh, and print the loss next to its floor or the text's unigram entropy (and, with --check, next
+to the single device's).
 
     refpar train --model tiny --steps 200
-    refpar train --model tiny --steps 5 --json     # last line: the JSON summary (refpar.report)
+    refpar train --model tiny --steps 5 --json     # last line: the JSON summary (refpar/engine/report.py)
     mpiexec -n 8 refpar train --mesh dp=2,tp=2,pp=2 --zero 1 --microbatches 4 --check
 
-Every mesh takes one path: the options become a `Plan` (refpar/engine/plan.py), checked on every
-rank before any communication, and refpar/engine/report.py trains and reports.
+Every mesh takes one path: the options become a `Plan` (refpar/config.py), checked on every rank
+before any communication (refpar/engine/validate.py), and refpar/engine/run.py trains and reports.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import math
 from pathlib import Path
 
-HELP = "Train GPT-2 on a synthetic Markov corpus; print the loss next to the best loss possible."
+HELP = "Train GPT-2 or Llama on any mesh; print the loss next to the best loss possible."
 
 
 class PresetDefault(str):
@@ -378,7 +379,7 @@ def resumed_schedule(path: str) -> dict | None:
 
 
 def plan_of(args, sizes: dict[str, int], model):
-    """The Plan the options ask for (refpar/engine/plan.py checks it with the configs)."""
+    """The Plan the options ask for (refpar/engine/validate.py checks it with the configs)."""
     from refpar.config import ConfigError
     from refpar.engine import Plan
     from refpar.precision import dtype_of
@@ -413,7 +414,8 @@ def plan_of(args, sizes: dict[str, int], model):
 
 def run(args) -> int:
     from refpar import backend
-    from refpar.engine import report, validate
+    from refpar.engine import validate
+    from refpar.engine.run import run_job
 
     model, train, sizes = configs(args)
     check_checkpoint_args(sizes, args)
@@ -427,7 +429,7 @@ def run(args) -> int:
     plan = plan_of(args, sizes, model)
     validate(model, train, sizes, plan)  # on every rank, before any communication
     backend.use(args.backend, args.device)  # before any array exists: the run draws through it
-    return report.run(model, train, sizes, plan, args)
+    return run_job(model, train, sizes, plan, args)
 
 
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:

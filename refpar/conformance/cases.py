@@ -201,7 +201,7 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
         parallelize_module,
     )
 
-    from refpar.engine.report import full_params
+    from refpar.engine.run import full_params
     from refpar.holdings import tp_param_slices
 
     model, train_cfg = configs(dtype, batch_size=batch_size)
@@ -289,7 +289,7 @@ def llama_tp(comm, dtype: str = "float64", convention: str = "global", batch_siz
 
     from refpar.config import ConfigError, model_preset
     from refpar.conformance import torch_llama
-    from refpar.engine.report import full_params
+    from refpar.engine.run import full_params
     from refpar.holdings import tp_param_slices
     from refpar.model import llama
 

@@ -1,8 +1,11 @@
-"""What rank 0 prints of a run (refpar/engine/report.py gathers it): the header (the model, the
-data, the strategies, who holds what), the step table, and the closing lines: the losses' progress
-and difference from one device, the bytes per rank, axis and op and the peak memory per rank and
-category next to their closed forms, the model states, the pipeline's bubble and time split, the
-routing of a MoE model, the tp collectives of block 0 and ring attention's balance.
+"""What rank 0 prints during and after a run of `refpar train` (refpar/engine/run.py; the header before
+the first step is refpar/engine/header.py's): the step table, and the closing lines: the losses'
+progress and difference from one device, the bytes per rank, axis and op and the peak memory per rank
+and category next to their closed forms (from refpar/engine/report.py's summary), the model states,
+the pipeline's bubble and time split, the routing of a MoE model, the tp collectives of block 0 and
+ring attention's balance.
+
+    mpiexec -n 8 python -m refpar train --mesh dp=2,tp=2,pp=2 --zero 1 --microbatches 4 --check
 """
 
 from __future__ import annotations
@@ -11,115 +14,14 @@ import time
 from collections import Counter
 from dataclasses import replace
 
-import numpy as np
-
-from refpar.analysis import engine as closed
-from refpar.config import MESH_AXES
-from refpar.holdings import stage_layers
-from refpar.model import param_shapes
-from refpar.model.optim import clipped_steps, decay_rule, wsd_decay_steps
+from refpar.analysis import closed_forms as closed
+from refpar.model.optim import clipped_steps
 from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
-from refpar.parallel.expert_parallel import owned_experts
 from refpar.parallel.pipeline.schedules import critical_path_gap
 from refpar.precision import is_16bit, precision_of
-from refpar.sharding import shard_range
-from refpar.trainer import baseline
 
+from .header import LABEL
 from .runlog import HEARTBEAT_S, duration
-
-LABEL = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP"}
-
-
-def header(model, cfg, sizes, plan, preset: str, corpus) -> list[str]:
-    """What runs where: the model, the data, and on more than one rank the strategies and who holds what."""
-    n_params = sum(int(np.prod(s)) for s in param_shapes(model).values())
-    world = int(np.prod(list(sizes.values())))
-    mesh = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes[a] > 1)
-    family = "Llama" if model.arch == "llama" else "GPT-2"
-    heads = f"{model.n_head} heads" + (f" over {model.n_kv_head} kv heads" if model.arch == "llama" else "")
-    lines = [f"{family} {preset}: {model.n_layer} layers, {model.n_embd} channels, {heads}, "
-             f"{n_params:,} parameters, {_precision(model.dtype)}, dropout {model.dropout}"
-             + (f"; mesh {mesh} on {world} ranks" if world > 1 else ", 1 device"),
-             f"data: {corpus.describe()}, batch {cfg.batch_size} x {cfg.seq_len} "
-             f"tokens" + (f" in {plan.microbatches} microbatches" if plan.microbatches > 1 else "")
-             + _baseline_words(corpus), optimizer_line(cfg)]
-    if world == 1:
-        return lines
-    lines.append(_strategies(model, sizes, plan))
-    return lines + holdings(model, cfg, sizes, plan)
-
-
-def _baseline_words(corpus) -> str:
-    label, value = baseline(corpus)
-    if label == "floor":
-        return f"; loss floor (entropy rate) {value:.4f}"
-    return f"; unigram entropy {value:.4f} (the loss of a model that ignores the context)"
-
-
-def optimizer_line(cfg) -> str:
-    """The optimizer, its learning-rate schedule, the weight-decay rule and clipping (optim.py)."""
-    name = {"adamw": "AdamW", "sgd": "SGD"}[cfg.optimizer]
-    line = f"optimizer: {name} lr {cfg.lr:g}"
-    if cfg.lr_schedule != "constant" or cfg.warmup_steps:
-        line += (f" ({cfg.warmup_steps} warmup steps" if cfg.warmup_steps else " (")
-        if cfg.lr_schedule != "constant":
-            decay = f"{cfg.lr_schedule} decay" + (f" over the last {wsd_decay_steps(cfg)} steps"
-                                                  if cfg.lr_schedule == "wsd" else "")
-            line += ("; " if cfg.warmup_steps else "") + f"{decay} to {cfg.min_lr:g} at step {cfg.steps}"
-        line += ")"
-    line += f", {decay_rule(cfg)}"
-    if cfg.clip_grad_norm:
-        line += f"; gradients clipped to global norm {cfg.clip_grad_norm:g}"
-    return line
-
-
-def _strategies(model, sizes, plan) -> str:
-    replicas = sizes["dp"] * sizes["cp"] * (sizes["ep"] if model.moe_experts else 1) > 1
-    parts = [f"{LABEL[plan.strategy]} over each unit's replicas" if replicas or plan.strategy != "dp" else ""]
-    if plan.prefetch or not plan.reshard_after_forward:
-        parts[-1] += " (" + ", ".join(["prefetch"] * plan.prefetch + ["no reshard after forward"]
-                                      * (not plan.reshard_after_forward)) + ")"
-    if plan.overlap or plan.bucket_elems < 1 << 62:
-        parts[-1] += (f" (buckets of {plan.bucket_elems:,} elements" if plan.bucket_elems < 1 << 62
-                      else " (one bucket") + (", overlapped)" if plan.overlap else ")")
-    if sizes["pp"] > 1:
-        v = closed.pipeline(sizes, plan)[1].n_stages // sizes["pp"]
-        parts.append(f"schedule {plan.kind} over pp={sizes['pp']} (v={v})")
-    if sizes["tp"] > 1:
-        parts.append(f"tensor parallel over tp={sizes['tp']}" + (" with sp" if plan.sp else ""))
-    if sizes["cp"] > 1:
-        parts.append(f"{plan.cp_algo or 'ring'} attention over cp={sizes['cp']}")
-    if model.moe_experts:
-        parts.append(f"{model.moe_experts} experts top-{model.moe_top_k} in blocks "
-                     f"{','.join(map(str, model.moe_blocks))}, over ep={sizes['ep']}")
-    return "; ".join(p for p in parts if p) or "no data parallelism"
-
-
-def holdings(model, cfg, sizes, plan) -> list[str]:
-    """One line per rank: coordinates, stages and blocks, heads, vocabulary rows, samples, parameters."""
-    t, lay = sizes["tp"], closed.pipeline(sizes, plan)[1]
-    P = lay.stages_per_copy
-    out = []
-    for rank in range(int(np.prod(list(sizes.values())))):
-        co = closed.rank_coords(sizes, rank)
-        parts = []
-        for s in lay.stages_of(co["pp"]):
-            k = lay.part(s)
-            blocks = stage_layers(model.n_layer, P, k)
-            held = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
-            copy = f" of copy {s // P}" if lay.copies > 1 else ""
-            parts.append(f"stage {s}{copy} ({'embedding + ' if k == 0 else ''}{held}"
-                         f"{' + head' if k == P - 1 else ''})")
-        h0, h1 = shard_range(model.n_head, t, co["tp"])
-        v0, v1 = shard_range(model.vocab_size, t, co["tp"])
-        ids = [i for j in range(plan.microbatches) for i in closed.samples(model, cfg, sizes, co, plan, j)]
-        experts = (f", experts {list(owned_experts(model.moe_experts, sizes['ep'], co['ep']))}"
-                   if model.moe_experts else "")
-        coords = " ".join(f"{a}={co[a]}" for a in MESH_AXES if sizes[a] > 1)
-        out.append(f"  rank {rank} {coords}: {', '.join(parts)}; heads {h0}-{h1 - 1}, vocab rows "
-                   f"{v0}-{v1 - 1}{experts}, samples {min(ids)}-{max(ids)}; "
-                   f"{sum(closed.rank_param_numels(model, sizes, co, plan).values()):,} parameters")
-    return out
 
 
 def progress(say, model, cfg, ref, floor: tuple[str, float], moves: bool, pp: int = 1,
@@ -176,7 +78,7 @@ def progress(say, model, cfg, ref, floor: tuple[str, float], moves: bool, pp: in
     return row
 
 
-def report(say, model, cfg, sizes, plan, par, out, every, s) -> None:
+def closing_lines(say, model, cfg, sizes, plan, par, out, every, s) -> None:
     """The closing lines, on rank 0 (module docstring)."""
     tail = out.losses[-10:]
     first, last, floor = out.losses[0], sum(tail) / len(tail), s["loss_floor"]
@@ -322,9 +224,3 @@ def _grouped(lines_of: dict[int, tuple[str, ...]]) -> list[tuple[str, tuple[str,
             who = "ranks " + ",".join(map(str, ranks))
         out.append((who, lines))
     return out
-
-
-def _precision(dtype: str) -> str:
-    if not is_16bit(dtype):
-        return dtype
-    return f"{precision_of(dtype)} ({dtype} weights and activations, fp32 master weights)"

@@ -1,4 +1,4 @@
-"""`parallelize`: the strategies applied to a model (GPT-2, or Llama on its own layers: plan.validate
+"""`parallelize`: the strategies applied to a model (GPT-2, or Llama on its own layers: validate.py
 says where) on a mesh, in one fixed order, for every mesh.
 
     par = parallelize(model, train, mesh, Plan(microbatches=4, zero=1))
@@ -58,8 +58,6 @@ from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
 from refpar.parallel.tensor_parallel import shard_params_tp, tp_layout
 from refpar.parallel.units import Units
 from refpar.parallel.zero import Zero
-
-from .plan import validate
 
 
 @dataclass
@@ -134,8 +132,8 @@ def held_params(model: ModelConfig, mesh, names: set[str], seed: int, init_from:
 
 
 def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Parallel:
-    """The model on this rank of `mesh` as `plan` says (module docstring); every check first."""
-    validate(model, train, mesh.sizes, plan)
+    """The model on this rank of `mesh` as `plan` says (module docstring), once `validate`
+    (refpar/engine/validate.py) has passed them, as `refpar train` checks them before any message."""
     sizes, coords, m = mesh.sizes, mesh.coords, plan.microbatches
     ledger = MemoryLedger()
     # 1. layout

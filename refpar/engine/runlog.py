@@ -1,6 +1,6 @@
 """A run that reports as it goes, from rank 0: a progress bar with an ETA at a terminal, one JSON line
 per step (--log), TensorBoard event files (--tensorboard), and the step table's elapsed, ETA and
-MFU columns (--log-every); refpar/engine/report.py puts them around the loop's on_step.
+MFU columns (--log-every); refpar/engine/run.py puts them around the loop's on_step.
 
     refpar train --model small --steps 2000 --log-every 100 --log run.jsonl --tensorboard tb
     tail -f run.jsonl        # a line as each step ends; a killed run keeps the lines it wrote
@@ -42,7 +42,8 @@ from refpar.analysis.flops import model_flops
 from refpar.analysis.presets import from_model_config
 from refpar.model.optim import learning_rate
 from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit
-from refpar.report import summary_line
+
+from .report import summary_line
 
 HEARTBEAT_S = 60.0  # without --log-every, the longest a run's table stays silent (plus one step)
 PEAK_REPEATS = 5  # timed products, after one untimed (BLAS threads, a GPU's handles start)

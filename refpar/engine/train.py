@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,37 +34,11 @@ from refpar.model import gemm
 from refpar.model.optim import learning_rate
 from refpar.model.routing import update_expert_bias
 from refpar.parallel.pipeline.executor import Microbatch
-from refpar.parallel.pipeline.schedules import Timeline
-from refpar.report import loss_scaling_summary
-from refpar.trainer import MoEStep, corpus_for, evaluates, router_shares, step_record
+from refpar.records import Run, router_shares, step_record
+from refpar.trainer import corpus_for, evaluates
 
 from .checkpoint import pieces, resume_from, saved_position
 from .parallelize import Parallel
-
-
-@dataclass
-class Run:
-    """One rank's view of a finished run."""
-
-    losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)
-    windows: list[tuple[float, float]] = field(default_factory=list)  # each step on the tracer's clock
-    first_step: int = 0  # 0-based index of losses[0]: not 0 when resumed from a checkpoint
-    totals: dict = field(default_factory=dict)  # traced (axis, op) -> (sent, received) of the steps
-    measured: Timeline | None = None  # the last step's executed actions, every pipeline rank
-    simulated: Timeline | None = None  # the schedule simulated with their measured durations
-    loss_scaling: dict | None = None  # fp16: report.loss_scaling_summary (scales, skipped steps)
-    moe_steps: list[MoEStep] = field(default_factory=list)  # MoE: the routing of this rank's blocks
-    lrs: list[float] = field(default_factory=list)  # the learning rate of each step
-    grad_norms: list[float | None] = field(default_factory=list)  # clipping: the global norm (skipped: None)
-    flops: list[int] = field(default_factory=list)  # the GEMM FLOPs this rank ran each step (model/gemm.py)
-    val_losses: list[tuple[int, float]] = field(default_factory=list)  # --eval-every: (steps done, loss)
-
-    @property
-    def step_time_s(self) -> float:
-        """Mean step time, leaving out the first step (warm-up) when there are others."""
-        times = self.step_times[1:] or self.step_times
-        return float(np.mean(times))
 
 
 def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: int | None = None,
@@ -147,7 +120,7 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
                                      moe_microbatches=par.plan.microbatches if model.moe_experts else None,
                                      **saved_position(hooks.t, scaler))
     run.totals = tracer.totals() if tracer else {}  # before the timeline's gather adds its own
-    run.loss_scaling = loss_scaling_summary(scales, skipped_steps)
+    run.loss_scales, run.skipped_steps = scales, skipped_steps
     run.measured = executor.measured_timeline()
     run.simulated = executor.simulated_timeline(run.measured)
     return run

@@ -34,7 +34,7 @@ Mixed precision: the squares are summed in fp32 (the optimizer's dtype: float64 
 of the gradients as backward wrote them, and the norm multiplied by 1/loss scale (a power of two:
 the norm of the unscaled gradients, exactly). An fp16 step that overflowed was skipped before
 (units.Hooks.begin_update): no norm. Traced: one all-reduce of that one number per axis, tagged
-"grad_norm.AXIS" (refpar/analysis/engine.py counts them).
+"grad_norm.AXIS" (refpar/analysis/closed_forms.py counts them).
 """
 
 from __future__ import annotations

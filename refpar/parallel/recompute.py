@@ -21,7 +21,7 @@ under phase "recompute"; its compute is timed into `spans`, drawn in the trace b
 
 Memory: what the rerun makes is a working set of one block (full) or one attention core
 (selective), held while that piece's backward runs: the ledger's "recompute" entry among the
-activations, beside the caches the schedule keeps (refpar/analysis/engine.py replays both).
+activations, beside the caches the schedule keeps (refpar/analysis/closed_forms.py replays both).
 """
 
 from __future__ import annotations

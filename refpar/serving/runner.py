@@ -28,7 +28,7 @@ from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig
 from refpar.memory import MemoryLedger
 from refpar.mesh import DeviceMesh, check_job_size
-from refpar.serving.engine import ServeMesh, check_serving, serve
+from refpar.serving.batching import ServeMesh, check_serving, serve
 from refpar.serving.paged import Paging
 from refpar.serving.requests import Request, check_requests, reference_generate
 from refpar.serving.sampling import Sampling

@@ -1,7 +1,7 @@
 """What a run on a given mesh must move and hold, from the closed forms.
 
 The rows are exactly the `expected_comm_bytes` and `expected_memory_peak_bytes` rows `refpar train
---json` prints (DESIGN.md, "Command line"), from refpar.analysis.engine, which composes every
+--json` prints (DESIGN.md, "Command line"), from refpar.analysis.closed_forms, which composes every
 strategy's closed forms for a mesh, so a figure drawn from them can be laid next to a real run's
 measured rows.
 
@@ -74,7 +74,7 @@ def plan_of(w: Workload) -> Plan:
 
 def _checked(w: Workload) -> Plan:
     """The workload's plan, checked as refpar train checks it (ConfigError with the fix)."""
-    from refpar.engine.plan import validate
+    from refpar.engine.validate import validate
 
     plan = plan_of(w)
     validate(w.model, w.train, w.sizes, plan)
@@ -83,7 +83,7 @@ def _checked(w: Workload) -> Plan:
 
 def closed_form_rows(w: Workload) -> tuple[list[dict], list[dict]]:
     """(comm rows, memory rows) of every rank, as `refpar train --json` prints them expected."""
-    from refpar.analysis.engine import rank_comm_rows, rank_coords, rank_memory_rows
+    from refpar.analysis.closed_forms import rank_comm_rows, rank_coords, rank_memory_rows
 
     plan, comm, memory = _checked(w), [], []
     for rank in range(w.world):
@@ -110,7 +110,7 @@ def calls(w: Workload) -> list[dict]:
         per_rank = [step_calls(w.model, n, r, opts) for r in range(n)]
         return [{"axis": row[0][0], "op": row[0][1], "tag": row[0][2], "bytes_sent": [c[3].sent for c in row]}
                 for row in zip(*per_rank, strict=True)]
-    from refpar.analysis.engine import rank_coords
+    from refpar.analysis.closed_forms import rank_coords
     from refpar.analysis.intra_layer import expected_calls
 
     per_rank = [expected_calls(w.model, w.train, w.sizes, rank_coords(w.sizes, r), plan.sp, plan.cp_algo)

@@ -13,8 +13,8 @@ plan (nothing re-derived here):
                  (refpar/engine/parallelize.layout_for: a layout's resid_pos)
     experts      expert_parallel.owned_experts of its ep rank
     ZeRO shard   shard_range of each unit (holdings.units) over the unit's replica group
-                 (refpar.analysis.engine.rank_units, as parallel/units.py lays the flat buffers)
-    bytes        refpar.analysis.engine's closed forms, which a run's ledger and trace match byte for
+                 (refpar.analysis.closed_forms.rank_units, as parallel/units.py lays the flat buffers)
+    bytes        refpar.analysis.closed_forms's closed forms, which a run's ledger and trace match byte for
                  byte (tests/test_viz.py holds them against a real run's --json summary)
     routing      a MoE block's all-to-alls and what its cache keeps follow from its kept counts, the
                  (D c, E) assignments each data rank (x cp rank) keeps per expert in each microbatch,
@@ -22,7 +22,7 @@ plan (nothing re-derived here):
                  (refpar.analysis.moe): a real run's own (its --json summary's microbatch_kept_counts
                  and microbatch_pair_counts, `run_routing`), or, before any run, `balanced_routing`'s
 
-`step_moments` groups one step's collectives of a rank (refpar.analysis.engine.rank_calls) by the
+`step_moments` groups one step's collectives of a rank (refpar.analysis.closed_forms.rank_calls) by the
 moment of the step they belong to: the forward and backward passes of every microbatch, the sums
 made once every backward is done, and the optimizer's update.
 """
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import plotly.graph_objects as go
 
-from refpar.analysis import engine as closed
+from refpar.analysis import closed_forms as closed
 from refpar.analysis.moe import pair_counts_upper_bound
 from refpar.config import MESH_AXES, ConfigError, ModelConfig, ParallelConfig, Plan, TrainConfig
 from refpar.holdings import embed_param_names, kv_heads, stage_layers, tp_param_slices
@@ -51,7 +51,7 @@ GATHERS = ("all_gather",)  # the calls that bring a whole unit (or sequence) ont
 
 def check_mesh(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan) -> dict[str, int]:
     """Every axis of `sizes`, checked as `refpar train` checks the run (ConfigError with the fix)."""
-    from refpar.engine.plan import validate
+    from refpar.engine.validate import validate
 
     full = ParallelConfig(dict(sizes)).sizes
     world = math.prod(full[a] for a in MESH_AXES)
@@ -81,7 +81,7 @@ def groups(sizes: dict, rank: int) -> dict[str, list[int]]:
 @dataclass(frozen=True)
 class Routing:
     """The counts a MoE mesh is priced with: per step, per microbatch, MoE block -> its (kept (D c, E),
-    pairs (D c, ep)) counts (refpar.analysis.engine's `kept_by_step`), and where they come from."""
+    pairs (D c, ep)) counts (refpar.analysis.closed_forms's `kept_by_step`), and where they come from."""
 
     kept_by_step: list[list[dict[int, tuple]]]
     source: str  # "balanced" (assumed) or a real run's label
@@ -227,7 +227,7 @@ def _ranges(ids: list[int]) -> str:
 class Moment:
     """What one rank does at one moment of the step."""
 
-    label: str  # one of refpar.analysis.engine.MOMENTS
+    label: str  # one of refpar.analysis.closed_forms.MOMENTS
     computes: str
     calls: list[dict]  # {"axis", "op", "what", "calls", "bytes_sent", "bytes_recv"}, each row times its calls
     gathers: list[str]  # the units (or sequences) it all-gathers
@@ -236,10 +236,10 @@ class Moment:
 
 def step_moments(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, rank: int,
                  routing: Routing | None = None) -> list[Moment]:
-    """Each moment of one training step on `rank` (refpar.analysis.engine.MOMENTS): the pipeline
+    """Each moment of one training step on `rank` (refpar.analysis.closed_forms.MOMENTS): the pipeline
     actions it runs, every collective it makes (summed over its calls), what it gathers and frees.
     A MoE mesh's routing messages are its last step's under `routing` (default: `balanced_routing`),
-    one total for both passes in the forward's moment (refpar.analysis.engine.rank_calls)."""
+    one total for both passes in the forward's moment (refpar.analysis.closed_forms.rank_calls)."""
     co = closed.rank_coords(sizes, rank)
     if model.moe_experts and routing is None:
         routing = balanced_routing(model, cfg, sizes, plan)

@@ -3,7 +3,7 @@ the all-to-all carried.
 
 Data in (the "moe" object of `refpar train --json`, refpar/engine/report.py), a Plotly figure
 out. For the Communication page, `drawn_kept` draws one step's routing with refpar's own router and
-`step_rows` / `traffic_matrix` give what a dp x ep step moves, from refpar.analysis.engine's exact
+`step_rows` / `traffic_matrix` give what a dp x ep step moves, from refpar.analysis.closed_forms's exact
 closed forms (which take the routing counts).
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from refpar.analysis import engine as closed
+from refpar.analysis import closed_forms as closed
 from refpar.analysis.moe import load_imbalance, record_slots
 from refpar.config import Plan, TrainConfig
 from refpar.model.data import MarkovCorpus
@@ -105,7 +105,7 @@ def drawn_kept(config, n_data: int, tokens_per_rank: int, ep: int, seed: int = 0
 
 def step_rows(config, sizes: dict[str, int], kept_by_layer) -> list[dict]:
     """`comm_bytes` rows of one training step on every rank of a dp x ep mesh (`sizes`: every axis)
-    whose MoE blocks kept `kept_by_layer` (refpar.analysis.engine.rank_comm_bytes); the axis `data`
+    whose MoE blocks kept `kept_by_layer` (refpar.analysis.closed_forms.rank_comm_bytes); the axis `data`
     is all dp x ep ranks."""
     dp, ep = sizes["dp"], sizes["ep"]
     kept = [dict(zip(config.moe_blocks, kept_by_layer, strict=True))]  # one microbatch

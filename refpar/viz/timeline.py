@@ -1,5 +1,5 @@
 """The executed timeline: what a real run's ranks did in its last step, read from the Chrome trace
-`refpar train --trace PATH` writes (refpar/engine/report.write_traces), drawn per rank as a Gantt:
+`refpar train --trace PATH` writes (refpar/engine/run.py:write_traces), drawn per rank as a Gantt:
 
     compute     each pipeline action the rank ran ("1F0", "0B3", "recompute h.2"), its thread 1
     messages    each collective and point-to-point message, named "op axis tag", its thread 0
@@ -56,7 +56,7 @@ def spans(trace: dict) -> tuple[list[Span], list[Span]]:
 
 
 # What each event of a trace `refpar train --trace` writes carries (refpar/comm/trace.chrome_trace,
-# refpar/engine/report.write_traces), which the figures read.
+# refpar/engine/run.py:write_traces), which the figures read.
 EVENT_FIELDS = ("name", "pid", "ts", "dur")
 MESSAGE_ARGS = ("tag", "bytes_sent", "bytes_recv", "step")
 ACTION_ARGS = ("tick", "step")

@@ -18,7 +18,7 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
 from refpar.engine import Plan, parallelize, train
-from refpar.engine.report import full_params
+from refpar.engine.run import full_params
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
 from tests.numerics import rel_diff

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 
 from refpar.analysis import moe as moe_analysis
-from refpar.analysis.engine import rank_comm_bytes
+from refpar.analysis.closed_forms import rank_comm_bytes
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh

@@ -18,13 +18,13 @@ from collections import Counter
 import numpy as np
 
 from refpar import backend, precision
-from refpar.analysis.engine import rank_memory_rows, rank_param_numels
+from refpar.analysis.closed_forms import rank_memory_rows, rank_param_numels
 from refpar.analysis.intra_layer import expected_calls
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
 from refpar.engine import Plan, parallelize, train
-from refpar.engine.report import full_params
+from refpar.engine.run import full_params
 from refpar.holdings import tp_param_slices
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device

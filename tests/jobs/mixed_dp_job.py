@@ -33,7 +33,7 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import TrainConfig, model_preset
 from refpar.engine import Plan
-from refpar.engine.report import STATES, collect
+from refpar.engine.run import STATES, collect
 from refpar.mesh import DeviceMesh
 from refpar.sharding import shard_sizes
 from refpar.trainer import train_single_device

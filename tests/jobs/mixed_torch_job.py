@@ -1,5 +1,5 @@
 """One MPI job that trains each mesh of a list in bf16-mixed (or fp16-mixed) twice, on the NumPy
-backend and on torch CPU tensors, through the engine and its report (refpar/engine/report.collect,
+backend and on torch CPU tensors, through the engine and its report (refpar/engine/run.py:collect,
 what `refpar train --check --json` runs); rank 0 prints one JSON line per mesh with both runs'
 summaries and the differences between them. Run by tests/test_mixed_precision_torch.py:
 
@@ -19,7 +19,7 @@ from refpar import backend
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import Plan, TrainConfig, model_preset
-from refpar.engine.report import collect
+from refpar.engine.run import collect
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
 from tests.numerics import rel_diff

@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from refpar import checkpoint
-from refpar.analysis.engine import rank_comm_bytes, rank_memory_rows
+from refpar.analysis.closed_forms import rank_comm_bytes, rank_memory_rows
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh
 from refpar.engine import Plan, parallelize
 from refpar.engine import train as train_engine
 from refpar.engine.checkpoint import resume_from
-from refpar.engine.report import full_params
+from refpar.engine.run import full_params
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
 from tests.numerics import rel_diff

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from refpar import checkpoint
-from refpar.analysis.engine import rank_comm_bytes, rank_memory_rows
+from refpar.analysis.closed_forms import rank_comm_bytes, rank_memory_rows
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh

@@ -6,7 +6,7 @@ group), run under mpiexec -n 4 by tests/test_moe_zero.py.
 Prints one JSON line per run from rank 0. Training runs: the largest loss and parameter
 differences from the single device with the same microbatches, whether the routing is the
 reference's, whether every step's traced bytes per (axis, op) and every memory peak equal
-refpar/analysis/engine.py's closed forms, and the optimizer peak next to the unsharded run's.
+refpar/analysis/closed_forms.py's closed forms, and the optimizer peak next to the unsharded run's.
 Checkpoint runs: 4 steps saved after step 2 under ZeRO, resumed from there under the same mesh and
 ZeRO stage (compared exactly) and under other meshes, stages and one process.
 """
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar.analysis.engine import rank_comm_bytes, rank_memory_rows
+from refpar.analysis.closed_forms import rank_comm_bytes, rank_memory_rows
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import parse_mesh
 from refpar.engine import Plan, parallelize
 from refpar.engine import train as train_engine
-from refpar.engine.report import full_params
+from refpar.engine.run import full_params
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
 from tests.jobs.moe_pipeline_check import MODEL, TRAIN, all_ranks, emit, reassembles_exactly, resume_row

@@ -1,7 +1,7 @@
 """Run by tests/test_pipeline_executor.py under `mpiexec -n P python tests/jobs/pipeline_checks.py CASES`:
 trains with every schedule in CASES on a pp=P mesh and prints, on rank 0, one JSON line per case
 with the differences from the single-device run, the activation peaks next to the closed form (the
-replay of the schedule, refpar/analysis/engine.py), and the measured, simulated and bounding times
+replay of the schedule, refpar/analysis/closed_forms.py), and the measured, simulated and bounding times
 of the last step.
 
 CASES is a JSON list of [kind, microbatches, chunks]."""
@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from refpar.analysis.engine import activation_peak, microbatch_activation_bytes, rank_comm_rows
+from refpar.analysis.closed_forms import activation_peak, microbatch_activation_bytes, rank_comm_rows
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig

@@ -2,7 +2,7 @@
 the V-shaped and bidirectional schedules (and schedules read from torch's CSV) on meshes of the 4
 ranks and prints, on rank 0, one JSON line per case: the losses next to the single-device run's,
 the largest parameter difference, whether every rank's traced bytes and peak memory per category
-are the closed forms (refpar/analysis/engine.py), and per world rank its pipeline coordinate, its
+are the closed forms (refpar/analysis/closed_forms.py), and per world rank its pipeline coordinate, its
 measured activation and parameter peaks and the replay of its schedule list.
 
 CASES is a JSON list of {"mesh": {axis: size}, "schedule": KIND or null, "csv": PATH or null,
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar.analysis.engine import activation_peak, rank_comm_rows, rank_memory_rows
+from refpar.analysis.closed_forms import activation_peak, rank_comm_rows, rank_memory_rows
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig
 from refpar.engine import Plan, parallelize, train
-from refpar.engine.report import full_params
+from refpar.engine.run import full_params
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
 from tests.numerics import rel_diff

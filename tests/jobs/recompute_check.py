@@ -15,13 +15,13 @@ import json
 
 import numpy as np
 
-from refpar.analysis.engine import activation_peak
+from refpar.analysis.closed_forms import activation_peak
 from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.commands.verify import judge
 from refpar.config import RECOMPUTE, TrainConfig, model_preset
 from refpar.engine import Plan
-from refpar.engine.report import _kept, collect, full_params
+from refpar.engine.run import _kept, collect, full_params
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
 
