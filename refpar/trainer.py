@@ -39,8 +39,8 @@ from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.model import forward, init_params, loss_and_grads, moe_layer
 from refpar.model.data import MarkovCorpus
 from refpar.model.layers import cross_entropy_forward
-from refpar.model.routing import update_expert_bias
 from refpar.model.optim import clip_coefficient, learning_rate, optimizer_init, optimizer_step, sum_of_squares
+from refpar.model.routing import update_expert_bias
 from refpar.precision import MASTER_DTYPE, has_overflow, loss_scaler
 from refpar.records import Run, step_record
 from refpar.sharding import shard_range
