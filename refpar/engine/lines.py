@@ -20,7 +20,7 @@ from refpar.model import param_shapes
 from refpar.model.optim import clipped_steps, decay_rule, wsd_decay_steps
 from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
 from refpar.parallel.expert_parallel import owned_experts
-from refpar.parallel.pipeline.schedules import critical_path_gap
+from refpar.parallel.pipeline.simulate import critical_path_gap
 from refpar.precision import is_16bit, precision_of
 from refpar.sharding import shard_range
 from refpar.trainer import baseline

@@ -23,7 +23,7 @@ from refpar.holdings import kv_replicas, tp_param_slices
 from refpar.memory import CATEGORIES
 from refpar.model.moe import capacity
 from refpar.parallel.expert_parallel import owned_experts
-from refpar.parallel.pipeline.schedules import simulate
+from refpar.parallel.pipeline.simulate import simulate
 from refpar.report import run_summary, summary_line
 from refpar.trainer import baseline, corpus_for, loss_floor, train_single_device, validation_loss
 

@@ -35,7 +35,7 @@ from refpar.model import gemm
 from refpar.model.moe import update_expert_bias
 from refpar.model.optim import learning_rate
 from refpar.parallel.pipeline.executor import Microbatch
-from refpar.parallel.pipeline.schedules import Timeline
+from refpar.parallel.pipeline.simulate import Timeline
 from refpar.report import loss_scaling_summary
 from refpar.trainer import MoEStep, corpus_for, evaluates, router_shares, step_record
 
