@@ -176,7 +176,7 @@ PRESETS: dict[str, ModelSpec] = {
         # and 128 value channels per head), the first 3 blocks dense (f = 18432), then 256 routed
         # experts of width 2048, top-8, and 1 shared; vocabulary 129,280, untied head; 4k context,
         # batch 15,360 sequences (§4.2: ramped up to 15360). 671B total, 37B active per token (the
-        # paper's figures, without the 14B multi-token-prediction module); tests/test_analysis_moe.py.
+        # paper's figures, without the 14B multi-token-prediction module); tests/test_analysis_published.py.
         replace(_llama("deepseek-v3", 61, 7168, 128, 128, 18432, 129280, 4096, 15360,
                        "DeepSeek-AI 2024, DeepSeek-V3 Technical Report §4.2; DeepSeek-V3 config.json"),
                 n_experts=256, top_k=8, n_shared_experts=1, moe_d_ff=2048, n_dense_layers=3,
