@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from lessons.course import LESSONS, ROOT, argv, command_env
+from refpar.comm.diagnosis import CollectiveTimeout
 from refpar.config import ConfigError
 from refpar.sharding import shard_range
 
@@ -420,7 +421,7 @@ def _verdict(ex: Exercise, path: Path, comm) -> tuple[bool, str]:
     except Wrong as err:
         return False, str(err)
     except Exception as err:  # the learner's code failed: say where, in one line
-        if type(err).__name__ == "CollectiveTimeout":  # refpar.comm.communicator's
+        if isinstance(err, CollectiveTimeout):
             # The same words on every rank, in the learner's terms: the stuck rank waits in their code,
             # the others in the checker's comparison, which is none of their business.
             return False, (f"your code did not finish on every rank: a rank waited more than "

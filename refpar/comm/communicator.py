@@ -482,10 +482,8 @@ class Communicator:
             self._wait([nonblocking()], late)
 
     def _wait(self, requests, late=None) -> None:
-        """Waits for all requests; with a timeout, polls them together with the arrivals of the
-        collective in progress (`_arrive`) and raises CollectiveTimeout when late: naming the ranks
-        that have not arrived if there are any, else in the sentence `late()` gives (default: the
-        collective in progress)."""
+        """Waits for all requests; with a timeout, polls them and the arrivals of the collective in
+        progress (`_arrive`) and says whom it waits for when late (diagnosis.wait_or_explain)."""
         if self.timeout is None:
             MPI.Request.Waitall(requests)
             return

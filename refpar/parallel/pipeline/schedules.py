@@ -55,7 +55,7 @@ class Action:
 def overlapped(forward: Action, backward: Action) -> Action:
     """DualPipe's F&B: the forward of one microbatch and the backward of another as one action.
     The executor runs the forward and then the backward; the simulator charges one slot of
-    max(F, B) or F + B (`Costs.overlap`)."""
+    max(F, B) or F + B (`simulate.Costs.overlap`)."""
     return Action(-1, OVERLAP, -1, (forward, backward))
 
 
@@ -68,8 +68,6 @@ class ScheduleError(ConfigError):
     def __init__(self, message: str, rank: int | None = None, tick: int | None = None):
         super().__init__(message)
         self.rank, self.tick = rank, tick
-
-
 
 
 @dataclass(frozen=True)
@@ -190,8 +188,6 @@ def _copies(seen: set[Action], n_stages: int, m: int) -> int:
             and forwards(n_stages // 2) == set(range(half, m)):
         return 2
     return 1
-
-
 
 
 def check_sizes(p: int, m: int) -> None:
