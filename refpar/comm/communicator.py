@@ -579,12 +579,7 @@ def world(tracer: Tracer | None = None, *, debug: bool | None = None,
 
 
 def abort_on_error(grace_s: float = 0.5):
-    """Wrap a program's main: an exception (or a non-zero sys.exit) on any rank prints that rank and
-    the error once and calls MPI Abort, which ends every rank of the job at once instead of leaving
-    the others waiting forever (diagnosis.end_job_on_error says who prints, and when).
-
-        with abort_on_error():
-            main()
-    """
+    """`with abort_on_error(): main()`: an error on any rank is printed once and ends every rank of
+    the job (MPI Abort) instead of leaving the others waiting forever (diagnosis.end_job_on_error)."""
     everyone = MPI.COMM_WORLD
     return diagnosis.end_job_on_error(everyone.Abort, everyone.Get_rank(), everyone.Get_size(), grace_s)

@@ -1,22 +1,15 @@
-"""What a rank says when communication goes wrong, so that a hang or a mismatch ends in a sentence
-instead of a silent wait. Communicator (communicator.py) calls these; nothing here imports mpi4py:
-the MPI objects it touches (requests, the private duplicate communicator) come in as arguments.
+"""What a rank says when communication goes wrong, so that a mismatch or a hang ends in a sentence
+instead of a silent wait (Communicator, communicator.py, calls these; nothing here imports mpi4py:
+the MPI requests and communicators it touches come in as arguments).
 
     REFPAR_DEBUG_COLLECTIVES=1 mpiexec -n 2 python -m refpar train --mesh dp=2 --steps 1
     REFPAR_COLLECTIVE_TIMEOUT=30 mpiexec -n 2 python -m refpar train --mesh dp=2 --steps 1
 
-- Debug mode (`debug`): before each collective the ranks of the group exchange their `signature`
-  (op, algo, shape, dtype, tag) and `check_signatures` raises `CollectiveMismatch` naming the ranks
-  that differ.
-- Timeout (`timeout`): every wait polls its non-blocking requests (`wait_or_explain`) and raises
-  `CollectiveTimeout` when it takes longer, in one sentence naming this rank's op, axis and tag and
-  whom it waits for: before each collective the ranks of the group tell each other that they have
-  reached it (`Arrivals`: an empty message to each peer, on the private duplicate, never traced), so
-  the sentence names the ranks that have not (stuck in a computation, or waiting elsewhere); a
-  point-to-point wait names the peer and the tag of the message (`world rank 2's 'pp:act:s0:mb1'`).
-  Unset, every call is MPI's blocking one and no extra message is sent.
-- `end_job_on_error`: an exception on one rank prints that rank and the error once and ends the
-  whole job (communicator.abort_on_error gives it MPI's Abort).
+Debug mode: before each collective the ranks of a group exchange their `signature` and
+`check_signatures` names the ranks that differ. Timeout: before each collective the ranks tell each
+other they have reached it (`Arrivals`, untraced empty messages), and a late wait (`wait_or_explain`)
+names the ranks that have not, or the peer and tag of a point-to-point message. Unset, every call is
+MPI's blocking one and no extra message is sent. `end_job_on_error`: one rank's error ends the job.
 """
 
 from __future__ import annotations
