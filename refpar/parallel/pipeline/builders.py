@@ -34,7 +34,7 @@ ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb-h1", "zb-h2")  # the others hold 2 (o
 def gpipe(p: int, m: int) -> Schedule:
     check_sizes(p, m)
     return unit_grid({r: [Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)]
-                  for r in range(p)})
+                      for r in range(p)})
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:

@@ -87,7 +87,7 @@ class Timeline:
 
 
 def run_in_order(schedule: Schedule, smap: StageMap, duration: Callable[[int, int, Action], float],
-         p2p: float) -> Timeline:
+                 p2p: float) -> Timeline:
     """Runs each rank's list in order, each action as soon as its rank is free and its inputs
     have arrived; raises ScheduleError naming the first action that can never run."""
     for rank, row in schedule.items():
