@@ -9,7 +9,7 @@ head every stage of a microbatch keeps the same bytes per block.
 
 peak: rank 1's stored activations in M_B, what one microbatch leaves on a 1F1B rank (L/p = 2
 blocks), from its F to its W (or to its full B). simulated: the replay of rank 1's list
-(schedules.stored) in stage-microbatches, a V's stage being M_B / 2; measured: the run's ledger
+(simulate.stored) in stage-microbatches, a V's stage being M_B / 2; measured: the run's ledger
 peak over M_B, M_B measured on the 1F1B run (rank 1 holds p - 1 microbatches); published: the
 papers' count for rank 1 (1F1B p - 1; ZB-H1 at most 1F1B's p, its W's kept a while longer; ZB-V
 1x of 1F1B's p; V-Half (p+2)//2; V-Min (p+4)//3; DualPipe(V) PP+1 stages of its table).
@@ -53,7 +53,8 @@ def main(steps: int) -> None:
     from refpar.config import ModelConfig, TrainConfig
     from refpar.engine import Plan, parallelize, train
     from refpar.mesh import DeviceMesh
-    from refpar.parallel.pipeline import schedules as S
+    from refpar.parallel.pipeline.schedules import stage_map
+    from refpar.parallel.pipeline.simulate import simulate, stored
 
     model = ModelConfig(n_layer=8, dtype="float64")
     cfg = TrainConfig(steps=steps, batch_size=8, seq_len=8)
@@ -68,10 +69,10 @@ def main(steps: int) -> None:
             if kind == "1f1b":
                 M_B = peak / (P - 1)
             schedule = par.executor.schedule
-            lay = S.layout(schedule)
+            lay = stage_map(schedule)
             share = Fraction(1, 2) if lay.n_stages == 2 * P and lay.copies == 1 else Fraction(1)
-            simulated = share * max(S.stored(schedule)[1])
-            rates = [rate(t, schedule) for t in (S.simulate(schedule), run.simulated, run.measured)]
+            simulated = share * max(stored(schedule)[1])
+            rates = [rate(t, schedule) for t in (simulate(schedule), run.simulated, run.measured)]
             rows.append((kind, simulated, peak / M_B, PUBLISHED[kind][0], *rates, PUBLISHED[kind][1]))
         if comm.rank == 0:
             print(f"p={P}, m={M}: rank 1's peak activations in M_B, and the bubble rate")

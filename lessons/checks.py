@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from lessons.course import LESSONS, ROOT, argv, command_env
+from refpar.comm.diagnosis import CollectiveTimeout
 from refpar.config import ConfigError
 from refpar.sharding import shard_range
 
@@ -203,15 +204,16 @@ V_RANKS, V_MICROBATCHES = 2, 4
 
 
 def check_06(mod, comm) -> str:
-    from refpar.parallel.pipeline import schedules as S
+    from refpar.parallel.pipeline.builders import gpipe, one_f_one_b
+    from refpar.parallel.pipeline.simulate import peak_inflight_microbatches, simulate
 
     for p, m in ((2, 1), (4, 4), (4, 8), (8, 3)):
-        want = S.simulate(S.gpipe(p, m)).bubble_fraction
+        want = simulate(gpipe(p, m)).bubble_fraction
         got = mod.gpipe_bubble(p, m)
         if not math.isclose(got, want, rel_tol=CONTRACT):
             raise Wrong(f"gpipe_bubble({p}, {m}) = {got}, the simulated GPipe schedule idles "
                         f"{want:.6f} of its rank-time")
-        peaks = S.peak_inflight_microbatches(S.one_f_one_b(p, m))
+        peaks = peak_inflight_microbatches(one_f_one_b(p, m))
         for rank in range(p):
             if mod.one_f_one_b_peak(p, m, rank) != peaks[rank]:
                 raise Wrong(f"one_f_one_b_peak({p}, {m}, rank={rank}) = "
@@ -223,8 +225,10 @@ def check_06(mod, comm) -> str:
 
 def _check_v_schedule(path: Path) -> str:
     """Part 2: a zero-bubble V schedule for p = 2, m = 4, written by hand in torch's CSV."""
-    from refpar.parallel.pipeline import schedules as S
-    from refpar.parallel.pipeline.schedules_v import v_placement
+    from refpar.parallel.pipeline.builders_v import v_placement
+    from refpar.parallel.pipeline.formats import from_csv
+    from refpar.parallel.pipeline.schedules import ScheduleError
+    from refpar.parallel.pipeline.simulate import Costs, peak_inflight_microbatches, simulate, validate
 
     p, m = V_RANKS, V_MICROBATCHES
     shown = _shown(path)
@@ -235,22 +239,22 @@ def _check_v_schedule(path: Path) -> str:
         raise NotImplementedError(f"write part 2, {shown} (a V schedule for p={p} ranks and m={m} "
                                   "microbatches as torch's CSV, one row per rank), next to part 1")
     try:
-        schedule = S.from_csv(text)
-        lay = S.validate(schedule)
-    except S.ScheduleError as err:
+        schedule = from_csv(text)
+        lay = validate(schedule)
+    except ScheduleError as err:
         raise Wrong(f"{err} (refpar schedule --from-csv {shown} marks it in the grid)") from None
     if len(schedule) != p or lay.stage_rank != v_placement(p) or lay.n_microbatches != m:
         where = ", ".join(f"stage {s} on rank {r}" for s, r in sorted(lay.stage_rank.items()))
         raise Wrong(f"{shown} has {where} and {lay.n_microbatches} microbatches; the V puts stages 0 "
                     f"and 3 on rank 0, 1 and 2 on rank 1, and runs m={m} microbatches")
-    timeline = S.simulate(schedule, S.Costs(1, 1, 1))
+    timeline = simulate(schedule, Costs(1, 1, 1))
     for rank in range(p):
         idle = timeline.inner_idle_time(rank)
         if idle:
             raise Wrong(f"rank {rank} idles {idle:g} tick{'s' * (idle != 1)} between its first and its "
                         "last action (every pass 1 tick); split each backward into I and W and put a W "
                         "where the rank would wait")
-    peak = max(S.peak_inflight_microbatches(schedule).values())
+    peak = max(peak_inflight_microbatches(schedule).values())
     if peak > 2 * p:
         raise Wrong(f"a rank holds {peak} stage-microbatches at once; 1F1B's memory is {2 * p} of these "
                     "half stages: run a microbatch's B and W sooner")
@@ -417,7 +421,7 @@ def _verdict(ex: Exercise, path: Path, comm) -> tuple[bool, str]:
     except Wrong as err:
         return False, str(err)
     except Exception as err:  # the learner's code failed: say where, in one line
-        if type(err).__name__ == "CollectiveTimeout":  # refpar.comm.communicator's
+        if isinstance(err, CollectiveTimeout):
             # The same words on every rank, in the learner's terms: the stuck rank waits in their code,
             # the others in the checker's comparison, which is none of their business.
             return False, (f"your code did not finish on every rank: a rank waited more than "

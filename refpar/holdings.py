@@ -84,7 +84,7 @@ def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[st
 
 
 def stage_names(config: ModelConfig, lay, stage: int) -> list[str]:
-    """The parameters stage `stage` of a schedule with layout `lay` (schedules.Layout) reads: those
+    """The parameters stage `stage` of a schedule with stage map `lay` (schedules.StageMap) reads: those
     of its part of the model (DualPipe's two copies hold the same parts)."""
     return stage_param_names(config, lay.stages_per_copy, lay.part(stage))
 
@@ -302,7 +302,7 @@ def buckets(params: list[tuple[str, int, object]], bucket_elems: int) -> list[tu
     return out
 
 
-def rank_layout(by_stage: dict[int, dict[str, list[str]]]) -> dict[str, list[str]]:
+def rank_units(by_stage: dict[int, dict[str, list[str]]]) -> dict[str, list[str]]:
     """A rank's units end to end, as its flat buffers lay them out (`by_stage`: each stage's
     `units`): the dense units first, then the experts', each in stage order; a unit two stages hold
     (the tied wte) once. Unit -> its parameters."""

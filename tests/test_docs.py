@@ -13,10 +13,12 @@ NOT_RUN_HERE lists each. The whole commands that sentences name in backquotes ru
 from __future__ import annotations
 
 import ast
+import io
 import itertools
 import re
 import shlex
 import subprocess
+import tokenize
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -157,6 +159,80 @@ def test_the_checks_refuse_what_does_not_exist():
     assert resolves("refpar.engine.train") and resolves("refpar.mesh.DeviceMesh.axis")
     assert not resolves("refpar.parallel.dp_runner") and not resolves("refpar.mesh.NoSuchMesh")
     assert [p for _, p in mentions(FILE, INTERNALS) if "dp_runner" in p or "pipeline/runner" in p] == []
+
+
+SOURCES = sorted((ROOT / "refpar").rglob("*.py"))
+# `engine/parallelize.microbatch_samples`: a module named by its path inside the repository, then a name
+PATH_NAME = re.compile(r"(?<![\w./-])((?:[A-Za-z_]\w*/)+[A-Za-z_]\w*)\.(?!(?:py|md)\b)([A-Za-z_][\w.]*\w)")
+CODE = [f for top in ("refpar", "tests", "benchmarks", "gpu_backend", "app", "lessons")
+        for f in (ROOT / top).rglob("*.py")]  # the repository's Python files
+DIRECTORIES = {part for f in CODE for part in f.relative_to(ROOT).parts[:-1]}
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """The docstrings (of the module, its classes and functions) and the comments of a Python file,
+    as (line number, text) per line: what a reader takes for a description of the code."""
+    source = path.read_text()
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                out += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
+    out += [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.COMMENT]
+    return out
+
+
+def path_name_exists(module: str, name: str) -> bool:
+    """Whether `a/b` + `.name` names a module of the repository (the files whose path ends in
+    a/b.py) that defines `name`. A path whose first folder is none of the repository's (another
+    project's, `megatron/core/...`) is left alone."""
+    if module.split("/")[0] not in DIRECTORIES:
+        return True
+    return any(defined(f, name) for f in CODE if f.as_posix().endswith(f"/{module}.py"))
+
+
+def unknown_names(path: Path) -> list[str]:
+    """Every path from the repository root, `file.py:name`, `refpar.x.y` and `a/b.name` that the
+    docstrings and comments of `path` name and the repository lacks: `file.py:123` (a line) needs
+    the file, `refpar.x.y` a module, or a name defined in the longest module it starts with."""
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    out = []
+    for n, line in prose(path):
+        out += [f"{where}:{n}: {m.group(0)}" for m in FILE.finditer(line)
+                if not TEMPLATE.search(m.group(0)) and not (ROOT / m.group(0)).exists()]
+        out += [f"{where}:{n}: {m.group(0)}" for m in NAMED.finditer(line)
+                if not defined(ROOT / m.group(1), m.group(2))]
+        out += [f"{where}:{n}: {m.group(0)}" for m in DOTTED.finditer(line) if not resolves(m.group(0))]
+        out += [f"{where}:{n}: {m.group(0)}" for m in PATH_NAME.finditer(line)
+                if not path_name_exists(m.group(1), m.group(2))]
+    return out
+
+
+def test_every_file_and_name_refpar_s_docstrings_and_comments_name_exists():
+    """Docstrings are checked like docs: a renamed module or function fails here instead of leaving
+    a comment that points a reader at code that is gone."""
+    missing = [m for path in SOURCES for m in unknown_names(path)]
+    assert not missing, "\n".join(missing)
+
+
+def test_the_docstring_check_reads_docstrings_and_comments_and_refuses_what_is_gone(tmp_path):
+    """The checker itself, on a file written here: each kind of name is found in a docstring or a
+    comment, and refused when it does not exist; code outside them is not read."""
+    fake = tmp_path / "probe.py"
+    lines = ['"""refpar/parallel/pipeline/schedules.py:StageMap, refpar/no_such_file.py:12, and',
+             'refpar.parallel.pipeline.simulate.simulate, refpar.comm.diagnosis.NoSuchError."""',
+             "# engine/parallelize.parallelize, engine/parallelize.no_such_step, megatron/core.whatever",
+             "x = 'refpar/not_a_docstring.py'",
+             "def f():",
+             '    """refpar/parallel/ring.py:Ring.no_such_method"""']
+    fake.write_text("\n".join(lines) + "\n")
+    found = [m.split(": ", 1)[1] for m in unknown_names(fake)]
+    assert sorted(found) == sorted(["refpar/no_such_file.py", "refpar.comm.diagnosis.NoSuchError",
+                                    "engine/parallelize.no_such_step",
+                                    "refpar/parallel/ring.py:Ring.no_such_method"])
 
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # a markdown link or image: [text](target)

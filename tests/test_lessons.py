@@ -73,7 +73,8 @@ def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path, capsys):
     assert check(6, answer) == 1
     out = capsys.readouterr().out
     assert out.startswith("lesson 6: not yet: the exercise is still blank: write part 2, "), out
-    from refpar.parallel.pipeline.schedules import build, to_csv
+    from refpar.parallel.pipeline.builders import build
+    from refpar.parallel.pipeline.formats import to_csv
 
     schedule.write_text(to_csv(build("v-half", 2, 4)))  # valid, but it idles a tick
     assert check(6, answer) == 1

@@ -1,4 +1,4 @@
-"""The V-shaped and bidirectional schedules (schedules_v.py) as data: their placement, their peak
+"""The V-shaped and bidirectional schedules (builders_v.py) as data: their placement, their peak
 activations against the published multiples of 1F1B's, their simulated bubbles against the
 published closed forms, and the schedule CSV of torch.distributed.pipelining read and written by
 refpar (torch itself reads and writes it in tests/test_schedule_csv.py)."""
@@ -8,22 +8,12 @@ from fractions import Fraction
 import pytest
 
 from refpar.cli import main
-from refpar.parallel.pipeline.schedules import (
-    Action,
-    Costs,
-    ScheduleError,
-    build,
-    format_grid,
-    from_csv,
-    layout,
-    one_f_one_b,
-    overlapped,
-    simulate,
-    stored,
-    to_csv,
-    validate,
-)
-from refpar.parallel.pipeline.schedules_v import expected_v_bubble, published_peak, v_placement
+from refpar.parallel.pipeline.builders import build, one_f_one_b
+from refpar.parallel.pipeline.builders_v import v_placement
+from refpar.parallel.pipeline.formats import format_grid, from_csv, to_csv
+from refpar.parallel.pipeline.published import expected_v_bubble, published_peak
+from refpar.parallel.pipeline.schedules import Action, ScheduleError, overlapped, stage_map
+from refpar.parallel.pipeline.simulate import Costs, simulate, stored, validate
 from refpar.parallel.pipeline.stage import stage_layers
 
 V_KINDS = ["zbv", "v-half", "v-min", "dualpipev"]
@@ -50,7 +40,7 @@ def test_every_grid_is_valid_with_f_before_b_before_w_on_two_stages_per_rank(kin
 
 @pytest.mark.parametrize("kind, p, m", EVERY)
 def test_the_v_placement_puts_stages_r_and_2p_minus_1_minus_r_on_rank_r(kind, p, m):
-    lay = layout(build(kind, p, m))
+    lay = stage_map(build(kind, p, m))
     assert lay.stage_rank == {s: min(s, 2 * p - 1 - s) for s in range(2 * p)} == v_placement(p)
     assert {lay.chunk(r) for r in range(p)} == {0} and {lay.chunk(2 * p - 1 - r) for r in range(p)} == {1}
     if kind == "dualpipe":
@@ -100,8 +90,8 @@ def test_dualpipe_holds_two_copies_of_the_parameters(p):
     # DualPipe README, "Parameter Per Device": 2x. Each rank runs one part of each copy of a model
     # cut in p parts (r and p-1-r), where a 1F1B rank runs one part and a V rank two halves.
     n_layer = 3 * p
-    lay = layout(build("dualpipe", p, 2 * p))
-    v = layout(build("zbv", p, 2 * p))
+    lay = stage_map(build("dualpipe", p, 2 * p))
+    v = stage_map(build("zbv", p, 2 * p))
     for rank in range(p):
         mine = [s for s, r in lay.stage_rank.items() if r == rank]
         blocks = sum(len(stage_layers(n_layer, lay.stages_per_copy, lay.part(s))) for s in mine)
@@ -194,7 +184,7 @@ def test_csv_round_trip_gives_the_same_schedule(kind, p, m):
     text = to_csv(schedule)
     assert from_csv(text) == schedule
     # torch's kinds: I where a W follows, B for the full backward
-    lay = layout(schedule)
+    lay = stage_map(schedule)
     cells = [c for line in text.splitlines() for c in line.split(",") if c]
     names = {n for c in cells for n in (c[1:c.index(")")].split(";") if c.startswith("(") else [c])}
     for s, i in [(stage, i) for stage in range(lay.n_stages) for i in lay.microbatches(stage)]:

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from refpar.cli import main
-from refpar.parallel.pipeline.schedules import build, to_csv
+from refpar.parallel.pipeline.builders import build
+from refpar.parallel.pipeline.formats import to_csv
 from tests.mpi import mpiexec, refpar_json
 from tests.numerics import CONTRACT, within
 

@@ -8,13 +8,9 @@ import pytest
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.model.gpt import init_params
 from refpar.parallel.expert_parallel import owned_experts
-from refpar.parallel.pipeline.schedules import (
-    Costs,
-    build,
-    layout,
-    peak_inflight_microbatches,
-    simulate,
-)
+from refpar.parallel.pipeline.builders import build
+from refpar.parallel.pipeline.schedules import stage_map
+from refpar.parallel.pipeline.simulate import Costs, peak_inflight_microbatches, simulate
 from refpar.parallel.tensor_parallel import shard_params_tp
 from refpar.parallel.units import Units
 from refpar.sharding import shard_range
@@ -83,7 +79,7 @@ def test_a_ranks_two_stages_are_drawn_in_two_shades(kind, p, m):
     # rank r holds stages r and 2p-1-r: r's actions in the kind's colour, 2p-1-r's lighter, in the
     # Gantt and in the grid (an F&B pair takes its forward's stage)
     schedule = build(kind, p, m)
-    lay = layout(schedule)
+    lay = stage_map(schedule)
     action = {str(a): a for row in schedule.values() for a in row if a is not None}
     fig = gantt_figure(simulate(schedule))
     for t in fig.data[:-1]:  # the last trace is idle time

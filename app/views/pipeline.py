@@ -4,18 +4,11 @@ import streamlit as st
 from lesson_link import lesson_link
 
 from refpar.config import ConfigError
-from refpar.parallel.pipeline.schedules import (
-    BUILDERS,
-    Costs,
-    build,
-    default_chunks,
-    format_grid,
-    layout,
-    model_parts,
-    published_bubble_fraction,
-    simulate,
-)
-from refpar.parallel.pipeline.schedules_v import published_idle
+from refpar.parallel.pipeline.builders import BUILDERS, build, default_chunks, model_parts
+from refpar.parallel.pipeline.formats import format_grid
+from refpar.parallel.pipeline.published import published_bubble_fraction, published_idle
+from refpar.parallel.pipeline.schedules import stage_map
+from refpar.parallel.pipeline.simulate import Costs, simulate
 from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
 
 OVERLAPPED = ("dualpipev", "dualpipe")  # the schedules with overlapped F&B pairs
@@ -66,7 +59,7 @@ def figures(kind: str, p: int, m: int, v: int, F: float, B: float, W: float, ove
             "bubble": timeline.bubble_fraction, "idle": idle_total(gantt), "makespan": timeline.makespan,
             "closed": published_bubble_fraction(kind, p, m, v) if (F, B, W) == (1, 1, 1) else None,
             "published": published, "busiest": busiest,
-            "whole_backward": not layout(schedule).split}  # no W of its own: its B bars are B + W
+            "whole_backward": not stage_map(schedule).split}  # no W of its own: its B bars are B + W
 
 
 def controls(key: str, default_kind: str) -> tuple:

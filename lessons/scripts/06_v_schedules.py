@@ -14,19 +14,21 @@ its first and last action (the zero-bubble schedules, whose steps run back to ba
 
 from fractions import Fraction
 
-from refpar.parallel.pipeline import schedules as S
-from refpar.parallel.pipeline import schedules_v as V
+from refpar.parallel.pipeline.builders import build
+from refpar.parallel.pipeline.published import expected_v_bubble
+from refpar.parallel.pipeline.schedules import stage_map
+from refpar.parallel.pipeline.simulate import Costs, simulate, stored
 
 p, m = 4, 8
-unit = S.Costs(1, 1, 1)
+unit = Costs(1, 1, 1)
 B = (p - 1) / (m + p - 1)
 # what the papers say, at p = 4, m = 8: (peak, rate, idle, idle between first and last action?)
 PUBLISHED = {
     "1f1b": ("p = 4", f"B = {B:.4f}", (p - 1) * (1 + 2), False),  # DualPipe README: (PP-1)(F+B)
     "zb-h1": ("p = 4", f"B/3 = {B / 3:.4f}", (p - 1) * (1 + 2 - 2), False),  # (PP-1)(F+B-2W)
     "zbv": ("1x = 4", "0", 0, True),
-    "v-half": ("(p+2)//2 = 3", f"B/2 = {B / 2:.4f}", V.expected_v_bubble(p, 6), True),
-    "v-min": ("(p+4)//3 = 2", f"2B/3 = {2 * B / 3:.4f} + O(p)", V.expected_v_bubble(p, 4), True),
+    "v-half": ("(p+2)//2 = 3", f"B/2 = {B / 2:.4f}", expected_v_bubble(p, 6), True),
+    "v-min": ("(p+4)//3 = 2", f"2B/3 = {2 * B / 3:.4f} + O(p)", expected_v_bubble(p, 4), True),
     # DualPipe README: (PP/2-1)(F&B+B-3W), F&B = F + B + W = 3 run one after the other, B = B + W = 2
     "dualpipev": ("(PP+1)/2 = 9/2", "-", (2 * p / 2 - 1) * (3 + 2 - 3), False),
     "dualpipe": ("PP+1 = 5", "-", (p / 2 - 1) * (3 + 2 - 3), False),
@@ -35,11 +37,11 @@ PUBLISHED = {
 print(f"{'schedule':10} {'peak':>5} {'published':>15}   {'rate':>6} {'published':>20}   {'idle':>4} "
       f"{'published':>9}")
 for kind, (peak_said, rate_said, idle_said, steady) in PUBLISHED.items():
-    schedule = S.build(kind, p, m)
-    lay = S.layout(schedule)
+    schedule = build(kind, p, m)
+    lay = stage_map(schedule)
     share = Fraction(1, 2) if lay.n_stages == 2 * p and lay.copies == 1 else Fraction(1)
-    peak = share * max(max(trace) for trace in S.stored(schedule).values())
-    timeline = S.simulate(schedule, unit)
+    peak = share * max(max(trace) for trace in stored(schedule).values())
+    timeline = simulate(schedule, unit)
     span = max(timeline.busy_time(r) + timeline.inner_idle_time(r) for r in schedule)
     rate = 1 - timeline.busy_time(0) / span
     idle = max(map(timeline.inner_idle_time if steady else timeline.idle_time, schedule))

@@ -25,7 +25,7 @@ Per step, the rank at mesh coordinates `coords`:
 (the forward, the backward, the sums after it, the optimizer step), for the app's Whole mesh page;
 `rank_comm_bytes` is their sum.
 Memory: the data-parallel strategy's states and transients (analysis/data_parallel.py), and the
-activations: the schedule's replay (schedules.stored) of what each F keeps until its B (and, where
+activations: the schedule's replay (simulate.stored) of what each F keeps until its B (and, where
 the backward is split, what B keeps until W), from analysis/activations.py's terms (the model's
 own layers without tp, cp, sp or experts: analysis/activations.model_activation_bytes).
 
@@ -74,7 +74,9 @@ from refpar.holdings import (
 )
 from refpar.memory import CATEGORIES
 from refpar.model import param_shapes
-from refpar.parallel.pipeline.schedules import Layout, Schedule, layout, of_plan, stored
+from refpar.parallel.pipeline.builders import of_plan
+from refpar.parallel.pipeline.schedules import Schedule, StageMap, stage_map
+from refpar.parallel.pipeline.simulate import stored
 from refpar.sharding import shard_sizes
 
 
@@ -84,12 +86,12 @@ def rank_coords(sizes: dict, rank: int) -> dict:
     return {a: int(c) for a, c in zip(MESH_AXES, position, strict=True)}
 
 
-def pipeline(sizes: dict, plan) -> tuple[Schedule, Layout]:
+def pipeline(sizes: dict, plan) -> tuple[Schedule, StageMap]:
     """The schedule `plan` runs on the mesh's pp ranks and its layout: which rank runs each stage
     (chunk c of rank r is stage c p + r in a loop; stages r and 2p-1-r in a V) and which part of
     the model each stage is."""
     schedule = of_plan(plan, sizes["pp"])
-    return schedule, layout(schedule)
+    return schedule, stage_map(schedule)
 
 
 def rank_param_numels(model: ModelConfig, sizes: dict, coords: dict, plan) -> dict[str, int]:
@@ -382,7 +384,7 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
                                 stage: int, n_stages: int, b: int, plan, kept: dict | None = None,
                                 j: int = 0) -> int:
     """What microbatch j (b rows) keeps on the rank at `coords` of part `stage` of the model cut in
-    `n_stages` (Layout.part) between its F and B; `kept` (MoE): layer -> its (kept, pairs) counts."""
+    `n_stages` (StageMap.part) between its F and B; `kept` (MoE): layer -> its (kept, pairs) counts."""
     layers = stage_layers(model.n_layer, n_stages, stage)
     if plain(model, sizes, plan):
         pieces = model_activation_bytes(model, b, cfg.seq_len, plan.recompute)

@@ -63,7 +63,7 @@ def in_flight(schedule: str, pp, m, chunks=1):
     on the first (Korthikanti et al. 2022, Section 4.2.3); its last stage warms up (v-1)p + 1
     chunks of one v-th of the layers (Megatron-LM's interleaved schedule). ZB-H1 keeps 1F1B's
     p and 1, ZB-H2 2p - 1 on the first stage (Qi et al. 2023, Section 3). These are the peaks of
-    refpar's schedule builders (`schedules.stored`, divided by v).
+    refpar's schedule builders (`simulate.stored`, divided by v).
     """
     pp, m = np.asarray(pp), np.asarray(m)
     if schedule == "gpipe":
@@ -83,7 +83,7 @@ def held_until_w(schedule: str, pp, m, chunks=1):
     A zero-bubble schedule defers W: after its B a micro-batch still keeps the linear layers'
     inputs and output gradients, nearly its full activations, so every stage, the last included,
     holds p (ZB-H1) or 2p - 1 (ZB-H2) micro-batches (Qi et al. 2023, Section 3; the peaks of
-    `schedules.peak_inflight_microbatches`). The memory model prices them as full activations:
+    `simulate.peak_inflight_microbatches`). The memory model prices them as full activations:
     an upper bound. Without a split backward this is `in_flight`.
     """
     first, last = in_flight(schedule, pp, m, chunks)

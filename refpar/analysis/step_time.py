@@ -119,7 +119,7 @@ def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1):
 
     F, B, W: one micro-batch's forward, input-gradient and weight-gradient time on a whole stage
     (a chunk of an interleaved stage takes a v-th of each); p2p: one activation transfer.
-    With p2p = 0 these are the makespans `schedules.simulate` gives for the builders' schedules:
+    With p2p = 0 these are the makespans `simulate.simulate` gives for the builders' schedules:
     GPipe and 1F1B idle (p-1)(F+B+W) (Narayanan et al. 2021, eq. 1), interleaving divides that by
     v (Section 2.2.2), ZB-H1 idles (p-1)(F+B-W) (Qi et al. 2023, Section 3; the simulator's
     max(F, W) + B - W where W > F), ZB-H2 (p-1)(F+B-2W) in steady state but at least the (p-1) F
@@ -147,7 +147,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     The compute of a block is efficiency.block_seconds (GEMMs by shape, the attention core,
     memory-bound kernels) at the calibrated `eff`; collectives are alpha-beta times at
     eff.network of their link; `software` says what overlaps what. The step is the pipeline's
-    (schedules.simulate's makespan, in closed form) on its heaviest stage, plus what the data
+    (simulate.simulate's makespan, in closed form) on its heaviest stage, plus what the data
     parallel reduction and the optimizer add. refpar/analysis/calibration.py holds the whole model
     against published measured runs.
 
@@ -413,7 +413,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
         "optimizer": optimizer,
     }
     times["total"] = work + pipe_comm + t_tied + t_sp_grads + bubble + dp_time + optimizer
-    # One micro-batch on one stage, for schedules.simulate (analysis/timeline.py), and one dense
+    # One micro-batch on one stage, for simulate.simulate (analysis/timeline.py), and one dense
     # block's forward and whole backward with their exposed communication.
     times["stage"] = {"F": t_f, "B": t_b, "W": t_w, "p2p": p2p}
     times["block"] = {"F": sum(dense[0].values()), "B": sum(dense[1].values()) + sum(dense[2].values())}

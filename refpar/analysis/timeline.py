@@ -1,7 +1,7 @@
 """A plan's pipeline, action by action: refpar's schedule builders timed with the plan's costs.
 
 `refpar plan` ranks with the closed forms of step_time.pipeline_time; this runs the schedule
-itself through `schedules.simulate`, with each micro-batch's forward, input-gradient,
+itself through `simulate.simulate`, with each micro-batch's forward, input-gradient,
 weight-gradient and transfer times from the FLOPs and the hardware (`stage_costs_s` of a plan),
 so the app can draw where each rank idles. The simulator walks every action: a 64-stage,
 384-micro-batch 1F1B takes seconds, so it is run for a plan being looked at, not in the search.
@@ -9,7 +9,8 @@ so the app can draw where each rank idles. The simulator walks every action: a 6
 
 from __future__ import annotations
 
-from refpar.parallel.pipeline.schedules import Costs, Timeline, build, simulate
+from refpar.parallel.pipeline.builders import build
+from refpar.parallel.pipeline.simulate import Costs, Timeline, simulate
 
 
 def plan_timeline(plan: dict) -> Timeline:

@@ -30,21 +30,35 @@ def chunk_bounds(n: int, p: int, unit: int = 1) -> list[tuple[int, int]]:
     return [(start * unit, stop * unit) for start, stop in (shard_range(n, p, i) for i in range(p))]
 
 
+def ring_round(p: int, r: int, k: int) -> tuple[int, int, bool]:
+    """Round k of a ring all-reduce on p ranks, seen from rank r: (the chunk it sends to its right
+    neighbour r+1, the chunk it receives from its left neighbour r-1, whether it adds its own copy
+    of that chunk to what arrives). Rounds 0..p-2 reduce-scatter: send chunk (r-k-1), receive chunk
+    (r-k-2) and add, so after them rank r holds chunk r reduced over all ranks. Rounds p-1..2p-3
+    all-gather (j = k-p+1): send chunk (r-j), store chunk (r-j-1). An all-gather alone is these
+    last p-1 rounds, starting from chunk r. Every ring in refpar follows this order: the blocking
+    ones below and parallel/ring.py's, which overlaps its rounds with computation."""
+    if k < p - 1:
+        return (r - k - 1) % p, (r - k - 2) % p, True
+    j = k - (p - 1)
+    return (r - j) % p, (r - j - 1) % p, False
+
+
 def ring_reduce_steps(link, x: np.ndarray, bounds, ufunc, landing) -> None:
     """The p - 1 steps of a ring reduce-scatter of the flat `x` (p >= 2), ending with the reduction
     over all ranks of chunk r in `landing(p - 2, r)`.
 
-    In step k rank r sends chunk (r - k - 1) mod p of its partial sums to its right neighbour and
-    receives chunk i = (r - k - 2) mod p from its left neighbour into `landing(k, i)` (a buffer of
-    chunk i's length, never the one being sent), adds its own chunk i of `x` there in place and
-    forwards it in step k + 1. Step 0 sends straight from `x`. Every sum is ufunc(own, received).
+    In step k (`ring_round`) rank r sends chunk (r - k - 1) mod p of its partial sums to its right
+    neighbour and receives chunk i = (r - k - 2) mod p from its left neighbour into `landing(k, i)`
+    (a buffer of chunk i's length, never the one being sent), adds its own chunk i of `x` there in
+    place and forwards it in step k + 1. Step 0 sends straight from `x`. Every sum is ufunc(own, received).
     Per element: (p-1)/p sent, (p-1)/p received, (p-1)/p reductions, no copy.
     """
     p, r = link.size, link.rank
     right, left = (r + 1) % p, (r - 1) % p
-    sending = x[slice(*bounds[(r - 1) % p])]  # step 0 sends our own chunk r-1, not yet reduced
+    sending = x[slice(*bounds[ring_round(p, r, 0)[0]])]  # step 0 sends our own chunk r-1, not yet reduced
     for k in range(p - 1):
-        i = (r - k - 2) % p
+        _, i, _ = ring_round(p, r, k)
         into = landing(k, i)
         link.sendrecv(sending, right, into, left)
         ufunc(x[slice(*bounds[i])], into, out=into)  # our own chunk i added to the partial sum
@@ -54,16 +68,15 @@ def ring_reduce_steps(link, x: np.ndarray, bounds, ufunc, landing) -> None:
 def ring_all_gather_inplace(link, buf: np.ndarray, bounds) -> None:
     """Chunk r of the flat `buf` is this rank's; after the call every chunk is everyone's.
 
-    p - 1 steps; in step k rank r sends chunk (r - k) mod p to its right neighbour and receives
-    chunk (r - k - 1) mod p from its left neighbour straight into place.
+    The all-gather rounds of `ring_round`: in step k rank r sends chunk (r - k) mod p to its right
+    neighbour and receives chunk (r - k - 1) mod p from its left neighbour straight into place.
     Per element: (p-1)/p sent, (p-1)/p received, no reduction, no copy.
     """
     p, r = link.size, link.rank
     right, left = (r + 1) % p, (r - 1) % p
-    for k in range(p - 1):
-        s0, s1 = bounds[(r - k) % p]  # step k: send chunk (r-k) mod p to the right neighbour,
-        r0, r1 = bounds[(r - k - 1) % p]  # receive chunk (r-k-1) mod p from the left one, in place
-        link.sendrecv(buf[s0:s1], right, buf[r0:r1], left)
+    for k in range(p - 1, 2 * (p - 1)):
+        send, recv, _ = ring_round(p, r, k)
+        link.sendrecv(buf[slice(*bounds[send])], right, buf[slice(*bounds[recv])], left)
 
 
 def ring_all_reduce(link, x: np.ndarray, ufunc) -> np.ndarray:

@@ -16,17 +16,11 @@ buffer-based calls: no pickling.
 with NumPy's ufuncs in a known order, `algo="native"` through a user-defined MPI operation in
 MPI's order. The trace records the 16-bit dtype and 2 bytes per element.
 
-Switches (constructor arguments; None reads the environment):
-- `debug` (`REFPAR_DEBUG_COLLECTIVES=1`): before each collective the ranks of the group exchange
-  (op, algo, shape, dtype, tag) and raise `CollectiveMismatch` naming the ranks that differ.
-- `timeout` (`REFPAR_COLLECTIVE_TIMEOUT=seconds`): every wait polls non-blocking requests and
-  raises `CollectiveTimeout` when it takes longer, in one sentence naming this rank's op, axis and
-  tag and whom it waits for: before each collective the ranks of the group tell each other that
-  they have reached it (an empty message to each peer, on the private duplicate, never traced), so
-  the sentence names the ranks that have not (stuck in a computation, or waiting elsewhere); a
-  point-to-point wait names the peer and the tag of the message (`world rank 2's 'pp:act:s0:mb1'`).
-  Unset, every call is MPI's blocking one and no extra message is sent.
-Wrap a program's main in `abort_on_error()` so that an error on one rank ends the whole job.
+Switches (constructor arguments; None reads the environment): `debug`
+(`REFPAR_DEBUG_COLLECTIVES=1`) checks that the ranks of a group make the same call, `timeout`
+(`REFPAR_COLLECTIVE_TIMEOUT=seconds`) turns a hang into a sentence naming whom a rank waits for:
+refpar/comm/diagnosis.py. Wrap a program's main in `abort_on_error()` so that an error on one rank
+ends the whole job.
 
 MPICH's waiting ranks busy-poll; `MPIR_CVAR_ENABLE_HEAVY_YIELD=1` makes them sleep between polls.
 Before MPI starts, refpar sets it where the node runs more than twice as many ranks as it has cores
@@ -39,24 +33,28 @@ with 8 the pollers take the cores from the ranks that compute (the `small` prese
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pickle
-import sys
-import time
-import traceback
 import zlib
-from contextlib import contextmanager
 
 import numpy as np
-from array_api_compat import is_array_api_obj
 
 from refpar import backend
-from refpar.comm import algorithms, cost
+from refpar.comm import algorithms, cost, diagnosis
+from refpar.comm.buffers import (
+    SIXTEEN_BIT,
+    displacements,
+    dtype_name,
+    from_host,
+    require_axis0,
+    row_size,
+    staged,
+    to_host,
+    wire,
+)
 from refpar.comm.trace import Tracer, now
 from refpar.config import ConfigError
-from refpar.precision import dtype_of
 from refpar.sharding import shard_sizes
 
 
@@ -83,60 +81,6 @@ REDUCE_OPS = {
     "min": (np.minimum, MPI.MIN),
 }
 
-_SIGNATURE_BYTES = 1024  # room for one rank's (op, algo, shape, dtype, tag) in debug mode
-# With a timeout, "I have reached this collective": an empty message on the private duplicate,
-# under a tag of its own (the written-out algorithms' messages there use tag 0).
-_ARRIVAL_TAG = 1
-_NOTHING = np.empty(0, dtype=np.uint8)
-
-
-class CollectiveError(RuntimeError):
-    """Ranks of a group disagree about a collective, or one waited too long for the others."""
-
-
-class CollectiveMismatch(CollectiveError):
-    """Debug mode found ranks of one group calling different collectives (op, shape, dtype, tag)."""
-
-
-class CollectiveTimeout(CollectiveError):
-    """A wait took longer than the collective timeout: a deadlock or a rank that stopped."""
-
-
-def _env_timeout() -> float | None:
-    text = os.environ.get("REFPAR_COLLECTIVE_TIMEOUT", "").strip()
-    if not text:
-        return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise ConfigError(f"REFPAR_COLLECTIVE_TIMEOUT={text!r} must be a number of seconds") from None
-    if seconds <= 0:
-        raise ConfigError(f"REFPAR_COLLECTIVE_TIMEOUT={text!r} must be positive; unset it for no timeout")
-    return seconds
-
-
-def _to_host(x):
-    """(contiguous NumPy array, the input as a template for results, or None for NumPy input).
-
-    Device arrays (torch CUDA, CuPy) are staged: copied to the host after their device's queued
-    work, and results copied back to the same device; the MPI library here is not GPU-aware."""
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x), None
-    if not is_array_api_obj(x):
-        return np.ascontiguousarray(np.asarray(x)), None
-    return np.ascontiguousarray(backend.to_host(x)), x
-
-
-def _from_host(a: np.ndarray, like):
-    """`a` in the namespace and on the device of `like` (None: NumPy as it is)."""
-    return a if like is None else backend.as_like(a, like)
-
-
-def _staged(like) -> bool:
-    """Whether a call's data went through host buffers on its way from and to a device."""
-    return like is not None and backend.on_device(like)
-
-
 # Tags up to MPI's TAG_UB (2^29 - 1 in MPICH; the standard promises at least 32767), so that two
 # tensors in flight on one link almost never share a hash.
 _TAG_LIMIT = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) + 1
@@ -146,10 +90,6 @@ def _mpi_tag(tag: str) -> int:
     """The MPI tag of a point-to-point message: a hash of its refpar tag, the same on every rank,
     so a receive matches the send of the same tensor. `Communicator._tag` refuses a collision."""
     return zlib.crc32(tag.encode()) % _TAG_LIMIT
-
-
-class TagCollision(RuntimeError):
-    """Two refpar tags hash to one MPI tag on one communicator: their messages could swap."""
 
 
 class _Link:
@@ -163,29 +103,15 @@ class _Link:
     def sendrecv(self, sendbuf, dest, recvbuf, source) -> None:
         requests = []
         if recvbuf is not None:
-            requests.append(self.owner._private.Irecv(_wire(recvbuf), source, 0))
+            requests.append(self.owner._private.Irecv(wire(recvbuf), source, 0))
             self.recv += recvbuf.nbytes
         if sendbuf is not None:
-            requests.append(self.owner._private.Isend(_wire(sendbuf), dest, 0))
+            requests.append(self.owner._private.Isend(wire(sendbuf), dest, 0))
             self.sent += sendbuf.nbytes
         self.owner._wait(requests)
 
     def moved(self) -> cost.Bytes:
         return cost.Bytes(self.sent, self.recv)
-
-
-class _Arrivals:
-    """One collective's arrival messages (`Communicator._arrive`): an empty message from this rank
-    to every other rank of the group, and one expected from each."""
-
-    def __init__(self, private, rank: int, size: int):
-        self.peers = [r for r in range(size) if r != rank]
-        self.received = [private.Irecv(_NOTHING, r, _ARRIVAL_TAG) for r in self.peers]
-        self.requests = self.received + [private.Isend(_NOTHING, r, _ARRIVAL_TAG) for r in self.peers]
-
-    def missing(self) -> list[int]:
-        """The group ranks whose arrival has not come."""
-        return [r for r, got in zip(self.peers, self.received, strict=True) if not got.Test()]
 
 
 class Request:
@@ -201,15 +127,15 @@ class Request:
 
     def wait(self):
         if not self._done:
-            self._comm._wait([self._request], late=lambda: self._comm._late_message(
-                self._op, self._peer, self._tag))
+            self._comm._wait([self._request], late=lambda: diagnosis.late_message(
+                self._comm, self._op, self._peer, self._tag))
             self._done = True
             if self._comm.tracer is not None:
                 n = self._buf.nbytes
                 moved = cost.Bytes(n, 0) if self._op == "isend" else cost.Bytes(0, n)
                 self._comm._record(self._op, "p2p", self._comm.group[self._peer], self._buf.shape,
                                    self._buf.dtype, moved, self._tag, self._t_start, self._like)
-        return _from_host(self._buf, self._like) if self._op == "irecv" else None
+        return from_host(self._buf, self._like) if self._op == "irecv" else None
 
 
 class Communicator:
@@ -236,14 +162,13 @@ class Communicator:
         self.tracer = tracer
         if tracer is not None and tracer.rank is None:
             tracer.rank = self.world_rank
-        self.debug = os.environ.get("REFPAR_DEBUG_COLLECTIVES", "") not in ("", "0") if debug is None \
-            else bool(debug)
-        self.timeout = _env_timeout() if timeout is None else timeout
+        self.debug = diagnosis.debug_from_env() if debug is None else bool(debug)
+        self.timeout = diagnosis.timeout_from_env() if timeout is None else timeout
         # Written-out algorithms, debug checks and count exchanges talk on a duplicate, so their
         # messages can never be taken by a user's recv on the same communicator.
         self._private = mpi_comm.Dup()
-        self._doing = ("", "")  # (op, tag) of the call in progress, for the timeout's message
-        self._arrivals: _Arrivals | None = None  # with a timeout: the group's word that it reached it
+        self.doing = ("", "")  # (op, tag) of the call in progress, for the timeout's message
+        self._arrivals: diagnosis.Arrivals | None = None  # with a timeout: the group has reached it
         self._tag_names: dict[int, str] = {}  # MPI tag -> the refpar tag that first used it
 
     def __repr__(self) -> str:
@@ -270,13 +195,13 @@ class Communicator:
             _reduce_op(op)
             return self._by_transport("all_reduce", x, tag, lambda item: cost.all_reduce_bytes(
                 math.prod(x.shape), self.size, self.rank, item), lambda: self.transport.all_reduce(x, op))
-        a, like = _to_host(x)
+        a, like = to_host(x)
         ufunc, mpi_op = _reduce_op(op, a.dtype)
         t0 = self._begin("all_reduce", algo, a.shape, a.dtype, tag)
         if algo == "native":
             out = np.empty_like(a)
-            self._native(lambda: self.comm.Iallreduce(_wire(a), _wire(out), mpi_op),
-                         lambda: self.comm.Allreduce(_wire(a), _wire(out), mpi_op))
+            self._native(lambda: self.comm.Iallreduce(wire(a), wire(out), mpi_op),
+                         lambda: self.comm.Allreduce(wire(a), wire(out), mpi_op))
         else:
             link = _Link(self)
             out = algorithms.ring_all_reduce(link, a, ufunc)
@@ -284,7 +209,7 @@ class Communicator:
             moved = cost.all_reduce_bytes(a.size, self.size, self.rank, a.itemsize) \
                 if algo == "native" else link.moved()
             self._record("all_reduce", algo, None, a.shape, a.dtype, moved, tag, t0, like)
-        return _from_host(out, like)
+        return from_host(out, like)
 
     def reduce_scatter(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
         """x (n, ...), the same shape on every rank -> rows `shard_range(n, size, rank)` of the
@@ -294,17 +219,17 @@ class Communicator:
             return self._by_transport("reduce_scatter", x, tag, lambda item: cost.reduce_scatter_bytes(
                 x.shape[0], self.size, self.rank, item, math.prod(x.shape[1:])),
                 lambda: self.transport.reduce_scatter(x, op, self.size))
-        a, like = _to_host(x)
-        _require_axis0(a, "reduce_scatter")
+        a, like = to_host(x)
+        require_axis0(a, "reduce_scatter")
         ufunc, mpi_op = _reduce_op(op, a.dtype)
         t0 = self._begin("reduce_scatter", algo, a.shape, a.dtype, tag)
         rows = shard_sizes(a.shape[0], self.size)
-        unit = _row_size(a)
+        unit = row_size(a)
         if algo == "native":
             out = np.empty((rows[self.rank], *a.shape[1:]), dtype=a.dtype)
             counts = [c * unit for c in rows]
-            self._native(lambda: self.comm.Ireduce_scatter(_wire(a), _wire(out), counts, mpi_op),
-                         lambda: self.comm.Reduce_scatter(_wire(a), _wire(out), counts, mpi_op))
+            self._native(lambda: self.comm.Ireduce_scatter(wire(a), wire(out), counts, mpi_op),
+                         lambda: self.comm.Reduce_scatter(wire(a), wire(out), counts, mpi_op))
         else:
             link = _Link(self)
             out = algorithms.ring_reduce_scatter(link, a, ufunc)
@@ -312,7 +237,7 @@ class Communicator:
             moved = cost.reduce_scatter_bytes(a.shape[0], self.size, self.rank, a.itemsize, unit) \
                 if algo == "native" else link.moved()
             self._record("reduce_scatter", algo, None, a.shape, a.dtype, moved, tag, t0, like)
-        return _from_host(out, like)
+        return from_host(out, like)
 
     def all_gather(self, x, algo: str = "native", tag: str = "", counts: list[int] | None = None):
         """x (n_rank, ...) on each rank -> the pieces concatenated along axis 0 in rank order,
@@ -323,23 +248,23 @@ class Communicator:
             return self._by_transport("all_gather", x, tag, lambda item: cost.all_gather_bytes(
                 [int(c) for c in counts], self.rank, item, math.prod(x.shape[1:])),
                 lambda: self.transport.all_gather(x, self.size))
-        a, like = _to_host(x)
-        _require_axis0(a, "all_gather")
+        a, like = to_host(x)
+        require_axis0(a, "all_gather")
         t0 = self._begin("all_gather", algo, ("*", *a.shape[1:]), a.dtype, tag)
         counts = self._counts(a.shape[0]) if counts is None else [int(c) for c in counts]
         if len(counts) != self.size or counts[self.rank] != a.shape[0]:
             raise ValueError(f"all_gather counts {counts} do not give rank {self.rank} its "
                              f"{a.shape[0]} rows; pass one count per rank or none")
-        unit = _row_size(a)
+        unit = row_size(a)
         if algo == "native":
             out = np.empty((sum(counts), *a.shape[1:]), dtype=a.dtype)
             if len(set(counts)) == 1:  # MPICH's Allgather is 10-50x faster than its Allgatherv here
-                self._native(lambda: self.comm.Iallgather(_wire(a), _wire(out)),
-                             lambda: self.comm.Allgather(_wire(a), _wire(out)))
+                self._native(lambda: self.comm.Iallgather(wire(a), wire(out)),
+                             lambda: self.comm.Allgather(wire(a), wire(out)))
             else:
-                spec = [_wire(out), ([c * unit for c in counts], _displacements(counts, unit))]
-                self._native(lambda: self.comm.Iallgatherv(_wire(a), spec),
-                             lambda: self.comm.Allgatherv(_wire(a), spec))
+                spec = [wire(out), ([c * unit for c in counts], displacements(counts, unit))]
+                self._native(lambda: self.comm.Iallgatherv(wire(a), spec),
+                             lambda: self.comm.Allgatherv(wire(a), spec))
         else:
             link = _Link(self)
             out = algorithms.ring_all_gather(link, a, counts)
@@ -347,7 +272,7 @@ class Communicator:
             moved = cost.all_gather_bytes(counts, self.rank, a.itemsize, unit) \
                 if algo == "native" else link.moved()
             self._record("all_gather", algo, None, a.shape, a.dtype, moved, tag, t0, like)
-        return _from_host(out, like)
+        return from_host(out, like)
 
     def all_to_all(self, chunks, algo: str = "native", tag: str = "",
                    recv_counts: list[int] | None = None) -> list:
@@ -357,11 +282,11 @@ class Communicator:
         algo: native or pairwise."""
         if len(chunks) != self.size:
             raise ValueError(f"all_to_all needs one chunk per rank ({self.size}), got {len(chunks)}")
-        hosted = [_to_host(c) for c in chunks]
+        hosted = [to_host(c) for c in chunks]
         parts = [h[0] for h in hosted]
         like = hosted[0][1]  # results come back in the namespace and on the device of the first chunk
         for part in parts:
-            _require_axis0(part, "all_to_all")
+            require_axis0(part, "all_to_all")
             if part.shape[1:] != parts[0].shape[1:] or part.dtype != parts[0].dtype:
                 raise ValueError("all_to_all chunks must share their shape after axis 0 and their "
                                  f"dtype; got {[(p.shape, p.dtype.name) for p in parts]}")
@@ -375,8 +300,8 @@ class Communicator:
         if algo == "native":
             sendbuf = np.concatenate(parts)  # (sum n_j, ...) one buffer for MPI's Alltoallv
             recvbuf = np.empty((sum(recv_counts), *rest), dtype=dtype)
-            send_spec = [_wire(sendbuf), ([c * unit for c in send_counts], _displacements(send_counts, unit))]
-            recv_spec = [_wire(recvbuf), ([c * unit for c in recv_counts], _displacements(recv_counts, unit))]
+            send_spec = [wire(sendbuf), ([c * unit for c in send_counts], displacements(send_counts, unit))]
+            recv_spec = [wire(recvbuf), ([c * unit for c in recv_counts], displacements(recv_counts, unit))]
             self._native(lambda: self.comm.Ialltoallv(send_spec, recv_spec),
                          lambda: self.comm.Alltoallv(send_spec, recv_spec))
             received = np.split(recvbuf, np.cumsum(recv_counts)[:-1])
@@ -389,7 +314,7 @@ class Communicator:
                                           self.rank, dtype.itemsize) if algo == "native" else link.moved()
             self._record("all_to_all", algo, None, (sum(send_counts), *rest), dtype, moved, tag, t0,
                          like)
-        return [_from_host(r, like) for r in received]
+        return [from_host(r, like) for r in received]
 
     def broadcast(self, x, root: int = 0, algo: str = "native", tag: str = ""):
         """Rank `root`'s x to every rank. As in MPI, every rank passes an array of the same shape
@@ -399,13 +324,13 @@ class Communicator:
             return self._by_transport("broadcast", x, tag, lambda item: cost.broadcast_bytes(
                 math.prod(x.shape), self.size, self.rank, root, item),
                 lambda: self.transport.broadcast(x, root, self.group[root]), root=root)
-        a, like = _to_host(x)
+        a, like = to_host(x)
         self._check_peer(root, "root")
         t0 = self._begin("broadcast", algo, a.shape, a.dtype, tag, root=root)
         out = a.copy() if self.rank == root else np.empty_like(a)  # the others' contents are ignored
         if algo == "native":
-            self._native(lambda: self.comm.Ibcast(_wire(out), root),
-                         lambda: self.comm.Bcast(_wire(out), root))
+            self._native(lambda: self.comm.Ibcast(wire(out), root),
+                         lambda: self.comm.Bcast(wire(out), root))
         else:
             link = _Link(self)
             written_out = {"tree": algorithms.tree_broadcast,
@@ -415,7 +340,7 @@ class Communicator:
             moved = cost.broadcast_bytes(out.size, self.size, self.rank, root, a.itemsize) \
                 if algo == "native" else link.moved()
             self._record("broadcast", algo, None, a.shape, a.dtype, moved, tag, t0, like)
-        return _from_host(out, like)
+        return from_host(out, like)
 
     def barrier(self, tag: str = "") -> None:
         """Returns once every rank of the group has entered it."""
@@ -428,14 +353,14 @@ class Communicator:
         """Small Python objects (trace rows, reports) from every rank to `root`, in rank order; None
         elsewhere. Pickled and untraced: for bookkeeping about a run, never for its tensors."""
         self._check_peer(root, "root")
-        self._doing = ("gather_object", "")
+        self.doing = ("gather_object", "")
         if self.timeout is None:
             return self._private.gather(obj, root)
         self._arrive()
         # No non-blocking pickled gather in MPI: send the pickle's length, then its bytes.
         data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
         lengths = self._counts(data.size)
-        spec = [np.empty(sum(lengths), np.uint8), (lengths, _displacements(lengths, 1))] \
+        spec = [np.empty(sum(lengths), np.uint8), (lengths, displacements(lengths, 1))] \
             if self.rank == root else None
         self._wait([self._private.Igatherv(data, spec, root)])
         if self.rank != root:
@@ -448,7 +373,7 @@ class Communicator:
         and untraced, like gather_object: for bookkeeping (whether a checkpoint was written), never
         for a run's tensors."""
         self._check_peer(root, "root")
-        self._doing = ("broadcast_object", "")
+        self.doing = ("broadcast_object", "")
         if self.timeout is None:
             return self._private.bcast(obj, root)
         self._arrive()
@@ -471,18 +396,18 @@ class Communicator:
         n = _mpi_tag(tag)
         first = self._tag_names.setdefault(n, tag)
         if first != tag:
-            raise TagCollision(f"tags {first!r} and {tag!r} both map to MPI tag {n} on axis {self.axis}, "
-                               "so their messages could swap; rename one of them")
+            raise diagnosis.TagCollision(f"tags {first!r} and {tag!r} both map to MPI tag {n} on axis "
+                                         f"{self.axis}, so their messages could swap; rename one of them")
         return n
 
     def send(self, x, dest: int, tag: str = "") -> None:
         """Sends x to group rank `dest`; the matching recv names the same tag."""
-        a, like = _to_host(x)
+        a, like = to_host(x)
         self._check_peer(dest, "dest")
         t0 = now()
-        self._native(lambda: self.comm.Isend(_wire(a), dest, self._tag(tag)),
-                     lambda: self.comm.Send(_wire(a), dest, self._tag(tag)),
-                     late=lambda: self._late_message("send", dest, tag))
+        self._native(lambda: self.comm.Isend(wire(a), dest, self._tag(tag)),
+                     lambda: self.comm.Send(wire(a), dest, self._tag(tag)),
+                     late=lambda: diagnosis.late_message(self, "send", dest, tag))
         if self.tracer is not None:
             self._record("send", "p2p", self.group[dest], a.shape, a.dtype, cost.Bytes(a.nbytes, 0), tag, t0,
                          like)
@@ -493,21 +418,21 @@ class Communicator:
         self._check_peer(source, "source")
         out = np.empty(shape, dtype=dtype)
         t0 = now()
-        self._native(lambda: self.comm.Irecv(_wire(out), source, self._tag(tag)),
-                     lambda: self.comm.Recv(_wire(out), source, self._tag(tag)),
-                     late=lambda: self._late_message("recv", source, tag))
+        self._native(lambda: self.comm.Irecv(wire(out), source, self._tag(tag)),
+                     lambda: self.comm.Recv(wire(out), source, self._tag(tag)),
+                     late=lambda: diagnosis.late_message(self, "recv", source, tag))
         if self.tracer is not None:
             self._record("recv", "p2p", self.group[source], out.shape, out.dtype, cost.Bytes(0, out.nbytes),
                          tag, t0, like)
-        return _from_host(out, like)
+        return from_host(out, like)
 
     def isend(self, x, dest: int, tag: str = "") -> Request:
         """Starts sending x to `dest`; x may be reused at once (its host copy travels)."""
-        a, like = _to_host(x)
+        a, like = to_host(x)
         a = a.copy()  # the caller may overwrite x before the send completes
         self._check_peer(dest, "dest")
         t0 = now()
-        return Request(self, self.comm.Isend(_wire(a), dest, self._tag(tag)), "isend", dest, a, like, tag, t0)
+        return Request(self, self.comm.Isend(wire(a), dest, self._tag(tag)), "isend", dest, a, like, tag, t0)
 
     def irecv(self, shape, dtype, source: int, tag: str = "", like=None) -> Request:
         """Starts receiving a (shape, dtype) array from `source`; `wait()` returns it, in `like`'s
@@ -515,7 +440,7 @@ class Communicator:
         self._check_peer(source, "source")
         out = np.empty(shape, dtype=dtype)
         t0 = now()
-        return Request(self, self.comm.Irecv(_wire(out), source, self._tag(tag)), "irecv", source, out, like,
+        return Request(self, self.comm.Irecv(wire(out), source, self._tag(tag)), "irecv", source, out, like,
                        tag, t0)
 
     # --- machinery ---------------------------------------------------------------------------
@@ -542,7 +467,7 @@ class Communicator:
         has reached it: `_arrive`), runs the debug check; returns t_start."""
         if algo != "native":
             cost.resolve_algo(op, algo)
-        self._doing = (op, tag)
+        self.doing = (op, tag)
         if self.timeout is not None:
             self._arrive()
         if self.debug:
@@ -557,64 +482,20 @@ class Communicator:
             self._wait([nonblocking()], late)
 
     def _wait(self, requests, late=None) -> None:
-        """Waits for all requests; with a timeout, polls them together with the arrivals of the
-        collective in progress (`_arrive`) and raises CollectiveTimeout when late: naming the ranks
-        that have not arrived if there are any, else in the sentence `late()` gives (default: the
-        collective in progress)."""
+        """Waits for all requests; with a timeout, polls them and the arrivals of the collective in
+        progress (`_arrive`) and says whom it waits for when late (diagnosis.wait_or_explain)."""
         if self.timeout is None:
             MPI.Request.Waitall(requests)
             return
         arrivals, self._arrivals = self._arrivals, None
-        pending = requests + (arrivals.requests if arrivals is not None else [])
-        deadline = time.monotonic() + self.timeout
-        polls = 0
-        while not MPI.Request.Testall(pending):
-            if time.monotonic() > deadline:
-                missing = arrivals.missing() if arrivals is not None else []
-                raise CollectiveTimeout(self._not_arrived(missing) if missing
-                                        else late() if late is not None else self._late_message())
-            polls += 1
-            if polls > 1000:  # after a short spin, yield the core to the other ranks
-                time.sleep(1e-4 if polls < 10000 else 1e-3)
+        diagnosis.wait_or_explain(self, requests, arrivals, MPI.Request.Testall, late)
 
     def _arrive(self) -> None:
         """Tells every other rank of the group that this one has reached its next collective and
         starts receiving their word of the same; the collective's first wait completes both, so that
         a timeout can name the ranks that have not arrived (a non-blocking collective cannot say
-        whom it still waits for), at no extra round trip. MPI keeps the messages from one rank to
-        another in order, so the k-th arrival received from a peer is its k-th collective on this
-        communicator, whatever the op."""
-        self._arrivals = _Arrivals(self._private, self.rank, self.size)
-
-    def _not_arrived(self, missing: list[int]) -> str:
-        op, tag = self._doing
-        ranks = [self.group[r] for r in missing]
-        who = (f"world rank {ranks[0]}, which has" if len(ranks) == 1
-               else f"world ranks {', '.join(map(str, ranks))}, which have")
-        return (f"{self._waiter()} waited more than {self.timeout:g} s in {op} on axis {self.axis} "
-                f"with tag {tag!r} for {who} not reached it (still computing, stuck, or waiting in "
-                "another call)")
-
-    def _waiter(self) -> str:
-        return (f"world rank {self.world_rank} ({self.axis} rank {self.rank} of {self.size}, "
-                f"group {list(self.group)})")
-
-    def _late_message(self, p2p_op: str | None = None, peer: int = 0, tag: str = "") -> str:
-        """The timeout's sentence: a point-to-point wait names its peer and tag; a collective whose
-        ranks have all arrived (`_arrive`) says what else can keep it from completing."""
-        if p2p_op in ("recv", "irecv"):
-            return (f"{self._waiter()} waited more than {self.timeout:g} s for world rank "
-                    f"{self.group[peer]}'s {tag!r} ({p2p_op} on axis {self.axis}), which that rank has "
-                    "not sent (still computing, stuck, or waiting elsewhere)")
-        if p2p_op in ("send", "isend"):
-            return (f"{self._waiter()} waited more than {self.timeout:g} s for world rank "
-                    f"{self.group[peer]} to receive {tag!r} ({p2p_op} on axis {self.axis}), which that "
-                    "rank has not asked for (still computing, stuck, or waiting elsewhere)")
-        op, tag = self._doing
-        return (f"{self._waiter()} waited more than {self.timeout:g} s in {op} on axis {self.axis} "
-                f"with tag {tag!r} after every rank of the group reached its next collective: they "
-                "call different ones (REFPAR_DEBUG_COLLECTIVES=1 names them), one stopped inside it, "
-                "or it takes longer than the timeout")
+        whom it still waits for), at no extra round trip."""
+        self._arrivals = diagnosis.Arrivals(self._private, self.rank, self.size)
 
     def _counts(self, n: int) -> list[int]:
         mine = np.array([n], dtype=np.int64)
@@ -632,27 +513,11 @@ class Communicator:
 
     def _check_same(self, op, algo, shape, dtype, tag, extra) -> None:
         """Debug mode: every rank of the group shows the others what it is about to call."""
-        mine = json.dumps([op, algo, list(shape), dtype, tag, extra]).encode()[:_SIGNATURE_BYTES]
-        buf = np.zeros(_SIGNATURE_BYTES, dtype=np.uint8)
-        buf[: len(mine)] = np.frombuffer(mine, dtype=np.uint8)
-        every = np.empty((self.size, _SIGNATURE_BYTES), dtype=np.uint8)
+        buf = diagnosis.signature(op, algo, shape, dtype, tag, extra)
+        every = np.empty((self.size, buf.size), dtype=np.uint8)
         self._native(lambda: self._private.Iallgather(buf, every),
                      lambda: self._private.Allgather(buf, every))
-        calls = [bytes(row).rstrip(b"\0").decode() for row in every]
-        if len(set(calls)) == 1:
-            return
-        by_call: dict[str, list[int]] = {}
-        for rank, call in enumerate(calls):
-            by_call.setdefault(call, []).append(self.group[rank])
-        described = []
-        for call, ranks in by_call.items():
-            c_op, c_algo, c_shape, c_dtype, c_tag, c_extra = json.loads(call)
-            shape_text = "(" + ", ".join(str(s) for s in c_shape) + ("," if len(c_shape) == 1 else "") + ")"
-            more = "".join(f", {k}={v}" for k, v in c_extra.items())
-            described.append(f"world ranks {ranks} call {c_op}(shape={shape_text}, dtype={c_dtype}, "
-                             f"algo={c_algo}, tag={c_tag!r}{more})")
-        raise CollectiveMismatch(f"collective mismatch on axis {self.axis} (world ranks {list(self.group)}): "
-                                 + "; ".join(described))
+        diagnosis.check_signatures(every, self)
 
     def _check_peer(self, peer: int, what: str) -> None:
         if not 0 <= peer < self.size:
@@ -661,18 +526,11 @@ class Communicator:
     def _record(self, op, algo, peer, shape, dtype, moved: cost.Bytes, tag: str, t0: float,
                 like=None) -> None:
         name = _NATIVE_NAMES.get(op, algo) if algo == "native" else algo
-        self.tracer.record(op, self.axis, self.group, name, peer, _dtype_name(dtype), tuple(shape),
-                           moved.sent, moved.recv, tag, t0, now(), _staged(like))
+        self.tracer.record(op, self.axis, self.group, name, peer, dtype_name(dtype), tuple(shape),
+                           moved.sent, moved.recv, tag, t0, now(), staged(like))
 
 
 _NATIVE_NAMES = {op: f"native({algo})" for op, algo in cost.NATIVE_ALGO.items()}
-_DTYPE_NAMES: dict = {}  # dtype.name runs Python code in NumPy; a traced call should cost microseconds
-
-
-def _dtype_name(dtype) -> str:
-    if dtype not in _DTYPE_NAMES:
-        _DTYPE_NAMES[dtype] = np.dtype(dtype).name
-    return _DTYPE_NAMES[dtype]
 
 
 def _reduce_op(op: str, dtype=None):
@@ -681,20 +539,9 @@ def _reduce_op(op: str, dtype=None):
     if op not in REDUCE_OPS:
         raise ConfigError(f"unknown reduction {op!r}; choose one of {', '.join(REDUCE_OPS)}")
     ufunc, mpi_op = REDUCE_OPS[op]
-    if dtype is not None and dtype in _SIXTEEN_BIT:
+    if dtype is not None and dtype in SIXTEEN_BIT:
         return ufunc, _op_16bit(op, dtype)
     return ufunc, mpi_op
-
-
-# The 16-bit floats of mixed precision: MPI has no bfloat16 (and NumPy exports no buffer of one),
-# so both travel as their 2-byte bit patterns, a uint16 view of the same memory. The trace still
-# records the real dtype and its 2-byte itemsize.
-_SIXTEEN_BIT = frozenset({dtype_of("bfloat16"), dtype_of("float16")})
-
-
-def _wire(a: np.ndarray) -> np.ndarray:
-    """What MPI moves for `a`: the array itself, or the uint16 view of a 16-bit float array."""
-    return a.view(np.uint16) if a.dtype in _SIXTEEN_BIT else a
 
 
 _OPS_16BIT: dict = {}  # (op, dtype) -> MPI.Op, created once per process
@@ -717,19 +564,6 @@ def _op_16bit(op: str, dtype: np.dtype):
     return _OPS_16BIT[key]
 
 
-def _require_axis0(a: np.ndarray, op: str) -> None:
-    if a.ndim == 0:
-        raise ValueError(f"{op} splits or joins axis 0; give it an array of at least one dimension")
-
-
-def _row_size(a: np.ndarray) -> int:
-    return int(np.prod(a.shape[1:], dtype=np.int64))
-
-
-def _displacements(counts: list[int], unit: int) -> list[int]:
-    return [int(d) * unit for d in np.concatenate([[0], np.cumsum(counts)[:-1]])]
-
-
 def world(tracer: Tracer | None = None, *, debug: bool | None = None,
           timeout: float | None = None, transport: str = "mpi") -> Communicator:
     """The communicator of all ranks (MPI.COMM_WORLD), axis "world". transport "mpi" stages device
@@ -744,51 +578,8 @@ def world(tracer: Tracer | None = None, *, debug: bool | None = None,
     return comm
 
 
-@contextmanager
 def abort_on_error(grace_s: float = 0.5):
-    """Wrap a program's main: an exception (or a non-zero sys.exit) on any rank prints that rank and
-    the error once to stderr and calls MPI Abort, which ends every rank of the job at once (exit
-    status 2 for a ConfigError, 1 otherwise) instead of leaving the others waiting forever.
-
-    Printed once: when every rank fails alike, rank 0 prints and aborts at once and the others wait
-    `grace_s` first, so the abort ends them before they print. A CollectiveTimeout is the exception:
-    each rank that times out prints which op, axis and tag it is in, and waits 2 * `grace_s` before
-    aborting so that the other stuck ranks can say where they are.
-
-        with abort_on_error():
-            main()
-    """
-    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    where = f"rank {rank} of {size}"
-    try:
-        yield
-    except SystemExit as stop:
-        if stop.code in (0, None):
-            raise
-        code = stop.code if isinstance(stop.code, int) else 1
-        _abort(f"refpar: error on {where}: exited with {stop.code!r}\n", code, rank != 0, grace_s)
-    except Exception as err:  # noqa: BLE001 - any error on one rank must end every rank
-        if isinstance(err, ConfigError | CollectiveError):
-            message = f"refpar: error on {where}: {err}\n"
-        else:
-            message = (f"refpar: {where} failed:\n" + "".join(traceback.format_exception(err))
-                       + f"refpar: error on {where}: {type(err).__name__}: {err}\n")
-        timed_out = isinstance(err, CollectiveTimeout)
-        _abort(message, 2 if isinstance(err, ConfigError) else 1, rank != 0 and not timed_out,
-               grace_s, linger=timed_out)
-
-
-def _abort(message: str, code: int, wait_first: bool, grace_s: float, linger: bool = False) -> None:
-    if wait_first:  # let rank 0 speak for a failure every rank shares
-        time.sleep(grace_s)
-    sys.stdout.flush()
-    sys.stderr.write(message)
-    sys.stderr.flush()
-    if linger:  # let the other stuck ranks say where they are (their clocks ran out about now too)
-        time.sleep(2 * grace_s)
-    else:
-        # The launcher forwards stderr asynchronously and Abort kills its proxies at once: without
-        # a pause the one message could be lost (seen under MPICH's hydra). Still well before the
-        # other ranks' grace period ends, so they do not print too.
-        time.sleep(grace_s / 2)
-    MPI.COMM_WORLD.Abort(code)
+    """`with abort_on_error(): main()`: an error on any rank is printed once and ends every rank of
+    the job (MPI Abort) instead of leaving the others waiting forever (diagnosis.end_job_on_error)."""
+    everyone = MPI.COMM_WORLD
+    return diagnosis.end_job_on_error(everyone.Abort, everyone.Get_rank(), everyone.Get_size(), grace_s)

@@ -16,8 +16,17 @@ import math
 from pathlib import Path
 
 from refpar.config import ConfigError, check_output_path
-from refpar.parallel.pipeline import schedules as S
-from refpar.parallel.pipeline import schedules_v as V
+from refpar.parallel.pipeline.builders import BUILDERS, build, default_chunks
+from refpar.parallel.pipeline.formats import format_grid, from_csv, to_csv
+from refpar.parallel.pipeline.published import published_bubble_fraction, published_idle, published_peak
+from refpar.parallel.pipeline.schedules import Schedule, ScheduleError
+from refpar.parallel.pipeline.simulate import (
+    OVERLAP_COSTS,
+    Costs,
+    peak_inflight_microbatches,
+    simulate,
+    validate,
+)
 
 HELP = ("print a pipeline schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, v-half, v-min, "
         "dualpipev, dualpipe, or one read from torch's CSV) and its bubble")
@@ -29,7 +38,7 @@ MAX_STAGES, MAX_CELLS = 256, 1 << 14
 
 def add_arguments(parser) -> None:
     parser.add_argument("kind", metavar="KIND", nargs="?", default=None,
-                        help=f"one of {', '.join(S.BUILDERS)} (or give --from-csv)")
+                        help=f"one of {', '.join(BUILDERS)} (or give --from-csv)")
     parser.add_argument("--stages", "-p", type=int, default=None, help="pipeline ranks p")
     parser.add_argument("--microbatches", "-m", type=int, default=None, help="microbatches m")
     parser.add_argument("--chunks", "-v", type=int, default=None,
@@ -39,7 +48,7 @@ def add_arguments(parser) -> None:
                         help="duration of an input-gradient backward (1); a full backward costs B + W")
     parser.add_argument("--cost-w", type=float, default=1.0, help="duration of a weight gradient (1)")
     parser.add_argument("--cost-p2p", type=float, default=0.0, help="duration of one transfer (0)")
-    parser.add_argument("--cost-overlap", choices=S.OVERLAP_COSTS, default="sum",
+    parser.add_argument("--cost-overlap", choices=OVERLAP_COSTS, default="sum",
                         help="an overlapped F&B (dualpipe, dualpipev) costs F + B (sum, the default: "
                              "run one after the other) or max(F, B) (max: each hides the other)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -52,20 +61,20 @@ def add_arguments(parser) -> None:
                         help="also write the simulated timeline as an HTML figure")
 
 
-def summary(kind: str, p: int, m: int, v: int, costs: S.Costs) -> dict:
+def summary(kind: str, p: int, m: int, v: int, costs: Costs) -> dict:
     """Everything the command prints for a built schedule, as data (the app uses it too)."""
-    return describe(S.build(kind, p, m, v), costs, kind)
+    return describe(build(kind, p, m, v), costs, kind)
 
 
-def describe(schedule: S.Schedule, costs: S.Costs, kind: str | None = None) -> dict:
+def describe(schedule: Schedule, costs: Costs, kind: str | None = None) -> dict:
     """What the command prints about a valid schedule: `kind` names its builder, None for one
     read from a file (which then has no published closed form to compare with)."""
-    lay = S.validate(schedule)
-    timeline = S.simulate(schedule, costs)
+    lay = validate(schedule)
+    timeline = simulate(schedule, costs)
     p, m = len(schedule), lay.n_microbatches
     v = lay.n_stages // p
-    published = None if kind is None else V.published_idle(kind, p, m, costs)
-    peaks = S.peak_inflight_microbatches(schedule)  # {rank: count}, for every rank at once
+    published = None if kind is None else published_idle(kind, p, m, costs)
+    peaks = peak_inflight_microbatches(schedule)  # {rank: count}, for every rank at once
     return {
         "kind": kind, "stages": p, "microbatches": m, "chunks": v,
         "costs": {"F": costs.F, "B": costs.B, "W": costs.W, "p2p": costs.p2p, "overlap": costs.overlap},
@@ -79,16 +88,16 @@ def describe(schedule: S.Schedule, costs: S.Costs, kind: str | None = None) -> d
         # the rank that idles most, over the step and between its own first and last action
         "max_idle": max(map(timeline.idle_time, schedule)),
         "max_steady_idle": max(map(timeline.inner_idle_time, schedule)),
-        "published_bubble_fraction": None if kind is None else S.published_bubble_fraction(kind, p, m, v),
+        "published_bubble_fraction": None if kind is None else published_bubble_fraction(kind, p, m, v),
         "published_idle": None if published is None else
         {"idle": published.idle, "steady": published.steady, "source": published.source},
         "peak_inflight_microbatches": [peaks[r] for r in sorted(schedule)],
-        "published_peak": None if kind is None else V.published_peak(kind, p),
+        "published_peak": None if kind is None else published_peak(kind, p),
     }
 
 
-def _costs(args) -> S.Costs:
-    costs = S.Costs(args.cost_f, args.cost_b, args.cost_w, args.cost_p2p, args.cost_overlap)
+def _costs(args) -> Costs:
+    costs = Costs(args.cost_f, args.cost_b, args.cost_w, args.cost_p2p, args.cost_overlap)
     for name, value in (("--cost-f", costs.F), ("--cost-b", costs.B), ("--cost-w", costs.W)):
         if not 0 < value < math.inf:  # nan too
             raise ConfigError(f"{name} {value:g} must be positive and finite; give a duration, e.g. {name} 1")
@@ -104,7 +113,7 @@ def _check_size(p: int, m: int, v: int) -> None:
                           f"{MAX_STAGES} and p x m x v <= {MAX_CELLS:,}, e.g. -p 64 -m 256")
 
 
-def _schedule(args) -> tuple[S.Schedule, str | None, str]:
+def _schedule(args) -> tuple[Schedule, str | None, str]:
     """(schedule, the builder's name or None, a title) from KIND or --from-csv."""
     if args.from_csv is not None:
         if args.kind is not None or args.stages is not None or args.microbatches is not None \
@@ -115,7 +124,7 @@ def _schedule(args) -> tuple[S.Schedule, str | None, str]:
         if not path.is_file():
             raise ConfigError(f"--from-csv {path}: no such file; give the path of a schedule CSV")
         try:
-            schedule = S.from_csv(path.read_text())
+            schedule = from_csv(path.read_text())
         except UnicodeDecodeError:
             raise ConfigError(f"--from-csv {path} is not text; give a schedule CSV (refpar schedule KIND "
                               "--csv writes one)") from None
@@ -125,19 +134,19 @@ def _schedule(args) -> tuple[S.Schedule, str | None, str]:
         _check_size(len(schedule), 1, forwards // max(len(schedule), 1))
         return schedule, None, path.name
     if args.kind is None:
-        raise ConfigError(f"give a schedule KIND ({', '.join(S.BUILDERS)}) or --from-csv FILE")
+        raise ConfigError(f"give a schedule KIND ({', '.join(BUILDERS)}) or --from-csv FILE")
     if args.stages is None or args.microbatches is None:
         raise ConfigError(f"refpar schedule {args.kind} needs --stages P and --microbatches M, e.g. "
                           "-p 4 -m 8")
     p, m = args.stages, args.microbatches
-    v = args.chunks if args.chunks is not None else S.default_chunks(args.kind)
+    v = args.chunks if args.chunks is not None else default_chunks(args.kind)
     # Only sizes the builders would take: a wrong kind, size or chunk count gets their own sentence.
-    buildable = args.kind in S.BUILDERS and min(p, m, v) >= 1 \
-        and (v == S.default_chunks(args.kind) or args.kind == "interleaved-1f1b")
+    buildable = args.kind in BUILDERS and min(p, m, v) >= 1 \
+        and (v == default_chunks(args.kind) or args.kind == "interleaved-1f1b")
     if buildable:
         _check_size(p, m, v)
     title = f"{args.kind}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
-    return S.build(args.kind, p, m, v), args.kind, title
+    return build(args.kind, p, m, v), args.kind, title
 
 
 def run(args) -> int:
@@ -147,17 +156,17 @@ def run(args) -> int:
     schedule, kind, title = _schedule(args)
     try:
         out = describe(schedule, costs, kind)
-    except S.ScheduleError as err:  # only a schedule read from a file can be broken
-        print(S.format_grid(schedule, err), flush=True)
+    except ScheduleError as err:  # only a schedule read from a file can be broken
+        print(format_grid(schedule, err), flush=True)
         return 1
     if args.figure:
         from refpar.files import write_atomically
         from refpar.viz.pipeline import gantt_figure
 
-        figure = gantt_figure(S.simulate(schedule, costs), title)
+        figure = gantt_figure(simulate(schedule, costs), title)
         write_atomically(args.figure, lambda f: f.write(figure.to_html(include_plotlyjs=True).encode()))
     if args.csv:
-        print(S.to_csv(schedule), end="", flush=True)
+        print(to_csv(schedule), end="", flush=True)
         return 0
     if args.json:
         print(json.dumps(out), flush=True)
@@ -169,7 +178,7 @@ def run(args) -> int:
     else:
         print(f"{args.from_csv}: p={p} ranks, m={m} microbatches, v={v} stages per rank, read from "
               "torch's CSV; each column is one cell of the file", flush=True)
-    print(S.format_grid(schedule))
+    print(format_grid(schedule))
     overlap = f" F&B={costs.overlap}" if any(a is not None and a.parts for row in schedule.values()
                                               for a in row) else ""
     print(f"simulated with F={costs.F:g} B={costs.B:g} W={costs.W:g} p2p={costs.p2p:g}{overlap} (a full "

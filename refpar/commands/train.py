@@ -165,7 +165,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     """The strategies' options beyond the mesh: data parallelism, tp/sp/cp and the pipeline."""
     from refpar.config import RECOMPUTE
-    from refpar.parallel.pipeline.schedules import BUILDERS
+    from refpar.parallel.pipeline.builders import BUILDERS
 
     add = parser.add_argument
     add("--zero", type=int, default=0, choices=(0, 1, 2, 3),

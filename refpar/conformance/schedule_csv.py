@@ -7,7 +7,7 @@ schedule class `Schedule<name>` (`_dump_csv(path, format="compute_only")`); `loa
 is what torch's `_load_csv` makes of a CSV: it validates it (every stage on one rank, every
 microbatch's F, and B or I and W, in order), infers the stage placement and lowers it with the
 sends and receives it would run. Used by tests/test_schedule_csv.py next to refpar's
-`schedules.to_csv` / `from_csv`.
+`formats.to_csv` / `from_csv`.
 
     TORCH = torch's class name -> (refpar's builder of the same order, or None; the placement)
 """

@@ -49,8 +49,9 @@ from refpar.parallel.data_parallel import DataParallel
 from refpar.parallel.expert_parallel import ExpertParallelMoE
 from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
+from refpar.parallel.pipeline.builders import of_plan
 from refpar.parallel.pipeline.executor import PipelineExecutor
-from refpar.parallel.pipeline.schedules import layout, of_plan
+from refpar.parallel.pipeline.schedules import stage_map
 from refpar.parallel.pipeline.stage import Stage
 from refpar.parallel.recompute import Recompute, SelectiveAttention
 from refpar.parallel.routing_runs import routing_runs, token_runs
@@ -158,7 +159,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
             runs[samples[j]] = routing_runs(every, data.rank)
     # 3. pipeline
     schedule = of_plan(plan, sizes["pp"])
-    pipe = layout(schedule)
+    pipe = stage_map(schedule)
     stages = pipe.stages_of(coords["pp"])
     # 4. parameters
     params = held_params(model, mesh, {n for s in stages for n in stage_names(model, pipe, s)}, train.seed,

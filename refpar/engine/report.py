@@ -26,7 +26,7 @@ from refpar.config import ModelConfig, TrainConfig
 from refpar.memory import CATEGORIES
 from refpar.model.routing import capacity
 from refpar.parallel.expert_parallel import owned_experts
-from refpar.parallel.pipeline.schedules import simulate
+from refpar.parallel.pipeline.simulate import simulate
 from refpar.precision import precision_of
 from refpar.trainer import baseline, loss_floor
 

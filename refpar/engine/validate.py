@@ -13,8 +13,9 @@ from refpar.config import RECOMPUTE, ConfigError, ModelConfig, Plan, TrainConfig
 from refpar.holdings import stage_layers, tied_embedding
 from refpar.parallel.context_parallel import check_cp
 from refpar.parallel.expert_parallel import check_expert_parallel
-from refpar.parallel.pipeline.schedules import BUILDERS, build, layout, model_parts, of_plan
-from refpar.parallel.pipeline.schedules import validate as validate_schedule
+from refpar.parallel.pipeline.builders import BUILDERS, build, model_parts, of_plan
+from refpar.parallel.pipeline.schedules import stage_map
+from refpar.parallel.pipeline.simulate import validate as validate_schedule
 from refpar.parallel.sequence_parallel import check_sp, check_sp_cp
 from refpar.parallel.tensor_parallel import check_tp
 
@@ -57,10 +58,10 @@ def _check_family(model: ModelConfig, sizes: dict) -> None:
 
 
 def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:
-    """The schedule builds, or its CSV reads and runs (`schedules.validate` names the first action
+    """The schedule builds, or its CSV reads and runs (`simulate.validate` names the first action
     that cannot), on p ranks with the plan's microbatches and enough blocks for its stages."""
     if plan.schedule_csv is None:
-        lay = layout(build(plan.kind, p, plan.microbatches, plan.chunks))
+        lay = stage_map(build(plan.kind, p, plan.microbatches, plan.chunks))
     else:
         lay = _check_csv(model, p, plan)
     if lay.copies == 2 and model.moe_experts:
@@ -72,7 +73,7 @@ def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:
 
 def _check_csv(model: ModelConfig, p: int, plan: Plan):
     """A schedule read from torch's CSV: a row per pp rank, the plan's microbatches, a block for each
-    stage, and every action able to run; returns its schedules.Layout."""
+    stage, and every action able to run; returns its schedules.StageMap."""
     if plan.chunks is not None:
         raise ConfigError("--chunks sets the stages per rank of a built schedule, and a --schedule-csv "
                           "file places its own; drop --chunks")

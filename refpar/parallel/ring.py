@@ -6,25 +6,25 @@ computation can run between rounds while the messages are in flight (the trace s
     ring.advance()                                                          # round 1, ...
 
 Legend: p ranks, r this rank, chunk i = `shard_range(n, p, i)` of the n elements of `buf`.
-All-reduce (reduce=True) = reduce-scatter, then all-gather. Reduce-scatter round k: rank r sends
-chunk (r-k-1) to its right neighbour and adds the chunk (r-k-2) it receives from its left, so
-after p-1 rounds it holds chunk r reduced. All-gather round k: it sends chunk (r-k) and stores
-chunk (r-k-1); an all-gather alone (reduce=False) starts from `buf` holding chunk r. Each rank
-sends exactly what `refpar.comm.cost` prices for the ring: 2n - c_r - c_{r+1} for the all-reduce,
-n - c_{r+1} for the all-gather. The send copy and the receive buffer of the round in flight are
-in the ledger as comm.
+All-reduce (reduce=True) = reduce-scatter, then all-gather; an all-gather alone (reduce=False)
+starts from `buf` holding chunk r. Which chunk goes where in each round is the blocking ring's
+(`refpar.comm.algorithms.ring_round`); only the transport differs: tagged, traced isend/irecv
+instead of the Communicator's private link. Each rank sends exactly what `refpar.comm.cost` prices
+for the ring: 2n - c_r - c_{r+1} for the all-reduce, n - c_{r+1} for the all-gather. The send copy
+and the receive buffer of the round in flight are in the ledger as comm.
 """
 
 from __future__ import annotations
 
 from refpar import backend
-from refpar.sharding import shard_range
+from refpar.comm.algorithms import chunk_bounds, ring_round
 
 
 class Ring:
     def __init__(self, comm, buf, tag: str, ledger, reduce: bool):
         self.comm, self.buf, self.tag, self.ledger, self.reduce = comm, buf, tag, ledger, reduce
         self.p, self.r = comm.size, comm.rank
+        self.bounds = chunk_bounds(buf.shape[0], self.p)  # buf (n,): shape[0], as .size is a method in torch
         self.rounds = (2 if reduce else 1) * (self.p - 1)
         self.round, self.pending = 0, None
         if not self.done:
@@ -34,19 +34,11 @@ class Ring:
     def done(self) -> bool:
         return self.round == self.rounds
 
-    def _chunks(self, k: int) -> tuple[int, int, bool]:
-        p, r = self.p, self.r
-        if self.reduce and k < p - 1:
-            return (r - k - 1) % p, (r - k - 2) % p, True  # reduce-scatter: add what arrives
-        if self.reduce:
-            k -= p - 1
-        return (r - k) % p, (r - k - 1) % p, False  # all-gather: store what arrives
-
     def _post(self) -> None:
-        send, recv, reduce = self._chunks(self.round)
-        n = self.buf.shape[0]  # (n,): not .size, which is a method on torch tensors
-        a, b = shard_range(n, self.p, send)
-        c, d = shard_range(n, self.p, recv)
+        # an all-gather alone is the all-reduce's last p-1 rounds
+        k = self.round if self.reduce else self.round + self.p - 1
+        send, recv, reduce = ring_round(self.p, self.r, k)
+        (a, b), (c, d) = self.bounds[send], self.bounds[recv]
         right, left = (self.r + 1) % self.p, (self.r - 1) % self.p
         self.ledger.alloc(f"comm.{self.tag}.send", self.buf[a:b], "comm")  # isend's copy
         self.ledger.alloc(f"comm.{self.tag}.recv", self.buf[c:d], "comm")  # irecv's buffer

@@ -33,7 +33,7 @@ import numpy as np
 from array_api_compat import array_namespace, is_cupy_array, is_torch_array
 
 from refpar import backend
-from refpar.holdings import expert_unit, rank_layout, unit_order, units
+from refpar.holdings import expert_unit, rank_units, unit_order, units
 from refpar.memory import nbytes_of
 from refpar.model.optim import adamw_update, decays, mixed_adamw_update, mixed_sgd_update, sgd_update
 from refpar.precision import MASTER_DTYPE, dtype_of, is_16bit, loss_scaler, overflow_anywhere
@@ -85,7 +85,7 @@ class Units:
         by_stage = {s: units(names, tied) for s, names in sorted(stages.items())}
         # in GPT-2's order inside a unit: DualPipe's mirror ranks hold a root of wpe and ln_f from
         # stages in the other order, and sum_copies adds their buffers element by element
-        self.names = {u: [n for n in shapes if n in names] for u, names in rank_layout(by_stage).items()}
+        self.names = {u: [n for n in shapes if n in names] for u, names in rank_units(by_stage).items()}
         self.backwards = {u: sum(uses[s] for s, us in by_stage.items() if u in us) for u in self.names}
         self.of_stage = {s: list(us) for s, us in by_stage.items()}
         self.offsets: dict[str, tuple[str, int, int]] = {}  # name -> (unit, start, stop) in the unit

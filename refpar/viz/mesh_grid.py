@@ -5,7 +5,7 @@ Everything is read off the functions a run itself places data with, for the run'
 plan (nothing re-derived here):
 
     ranks        arange(world).reshape(pp, dp, ep, cp, tp): refpar/mesh.py's grid (tp fastest)
-    stages       the schedule's layout (schedules.layout(of_plan(plan, pp))): the stages a pp rank
+    stages       the schedule's stage map (schedules.stage_map(of_plan(plan, pp))): the stages a pp rank
                  runs, their part of the model, its blocks (holdings.stage_layers)
     heads, vocab holdings.tp_param_slices and kv_heads of the rank's tp coordinate
     samples      holdings.microbatch_samples of each microbatch (its dp, and ep in a MoE model, share)

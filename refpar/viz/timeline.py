@@ -8,7 +8,7 @@
 A run without a pipeline traces no actions (its executor runs one forward and backward), so there
 the time between messages is drawn as "compute or idle", not split.
 
-`simulated_from_trace` times the same run's schedule (refpar.parallel.pipeline.schedules.simulate)
+`simulated_from_trace` times the same run's schedule (refpar.parallel.pipeline.simulate.simulate)
 with the action times the trace measured, as refpar train's report does for its bubble, so the
 executed Gantt can sit next to the simulated one (refpar.viz.pipeline.gantt_figure).
 """
@@ -22,7 +22,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from refpar.config import ConfigError
-from refpar.parallel.pipeline.schedules import Action, Schedule, Timeline, overlapped, simulate
+from refpar.parallel.pipeline.schedules import Action, Schedule, overlapped
+from refpar.parallel.pipeline.simulate import Timeline, simulate
 from refpar.viz.pipeline import COLOURS
 
 AXIS_COLOURS = {"dp": "#9467bd", "dp_cp": "#8c564b", "data": "#8c564b", "tp": "#17becf", "cp": "#bcbd22",
@@ -170,7 +171,7 @@ def schedule_from_trace(trace: dict) -> Schedule:
     world = max(s.rank for s in spans(trace)[1] + compute) + 1
     pp = len({tuple(sorted(row.items())) for row in by_rank.values()})
     rows = [by_rank[r * (world // pp)] for r in range(pp)]
-    ticks = max(t for row in rows for t in row) + 1  # every row as long as the grid (schedules._grid)
+    ticks = max(t for row in rows for t in row) + 1  # every row as long as the grid (simulate.unit_grid)
     return {r: [_action(row[t]) if t in row else None for t in range(ticks)] for r, row in enumerate(rows)}
 
 

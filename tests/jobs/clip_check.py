@@ -18,7 +18,8 @@ from refpar.engine import Plan, parallelize, train
 from refpar.holdings import is_expert, tp_param_slices
 from refpar.mesh import DeviceMesh
 from refpar.parallel.clipping import GlobalNormClip, clip_for
-from refpar.parallel.pipeline.schedules import layout, of_plan
+from refpar.parallel.pipeline.builders import of_plan
+from refpar.parallel.pipeline.schedules import stage_map
 from refpar.trainer import train_single_device
 
 MAX_NORM = 0.05  # the tiny model's norms are about 1: every step clips
@@ -45,7 +46,7 @@ def bugs(par) -> dict:
         return GlobalNormClip(MAX_NORM, lambda n: good.counted(n) or extra(n), good.axes)
 
     if par.copies is not None:  # the mirror rank's rule left out: on p = 2 both ranks hold the model
-        stages = layout(of_plan(par.plan, mesh.sizes["pp"])).stages_of(mesh.coords["pp"])
+        stages = stage_map(of_plan(par.plan, mesh.sizes["pp"])).stages_of(mesh.coords["pp"])
         return {"DualPipe copies counted on both mirror ranks": clip_for(
                     model, par.train, mesh, par.plan, stages, mesh.axis("dp_cp"), copies=None)}
     if not model.moe_experts:

@@ -1,9 +1,5 @@
-"""Pipeline parallelism: schedules as data (schedules.py, schedules_v.py), one Stage (stage.py) and
-the executor that runs a rank's list (executor.py).
-
-The V-shaped and bidirectional builders live in schedules_v.py, built on schedules.py's types;
-importing it registers them in schedules.BUILDERS, so the package imports it first, whichever
-module of it is asked for.
+"""Pipeline parallelism: schedules as data (schedules.py: the types; builders.py, builders_v.py: the
+papers' schedules; simulate.py: running them in order; formats.py: the grid and torch's CSV;
+published.py: the papers' closed forms), one Stage (stage.py) and the executor that runs a rank's
+list (executor.py).
 """
-
-from refpar.parallel.pipeline import schedules_v  # noqa: F401

@@ -13,7 +13,7 @@ Each rank walks `schedule[rank]` in order and does what each action says:
     F&B      DualPipe's overlapped pair (schedules.overlapped): its F, then its B, one after the
              other (overlapping them is the simulator's `Costs.overlap="max"`, not done here)
 
-"Stage s+1" and "s-1" are the neighbours within s's copy of the model (schedules.Layout.part): in a
+"Stage s+1" and "s-1" are the neighbours within s's copy of the model (schedules.StageMap.part): in a
 V the stage after p-1 is p on the same rank, whose output is handed over without a message; in
 DualPipe stage p-1 ends copy 0 and stage p starts copy 1.
 
@@ -25,7 +25,7 @@ timeline and the simulated one can be compared action by action.
 
 Memory: the cache of every F is registered in the MemoryLedger as activations when it is made
 and released by the B that consumes it; what B keeps for W is registered until W. So the ledger's
-activation peak per rank is the schedule's replay (`schedules.stored`) with those two sizes: for
+activation peak per rank is the schedule's replay (`simulate.stored`) with those two sizes: for
 GPipe and 1F1B, the peak in-flight count times the bytes of one microbatch.
 
 The loss of each microbatch is its token losses over the *global* token count, so the losses add
@@ -50,7 +50,8 @@ from refpar import backend
 from refpar.config import ConfigError, ModelConfig
 from refpar.memory import MemoryLedger, nbytes_of
 from refpar.model.gpt import DropoutContext
-from refpar.parallel.pipeline.schedules import Action, Schedule, Slot, Timeline, simulate, validate
+from refpar.parallel.pipeline.schedules import Action, Schedule
+from refpar.parallel.pipeline.simulate import Slot, Timeline, simulate, validate
 
 if TYPE_CHECKING:  # the communicator module starts MPI when imported; `--help` must not
     from refpar.comm.communicator import Communicator

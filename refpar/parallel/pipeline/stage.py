@@ -5,7 +5,7 @@ parallelism) and the hooks'.
 
 Legend: B microbatch rows, T sequence, Tl this rank's tokens of the residual stream (T, or its cp
 and sp share), C channels, V vocab. The schedule cuts the model into P parts (its p x v stages;
-DualPipe's p, twice: schedules.Layout.part); part k holds blocks shard_range(L, P, k), so a loop's
+DualPipe's p, twice: schedules.StageMap.part); part k holds blocks shard_range(L, P, k), so a loop's
 stage = chunk * p + rank, and a V's stages r and 2p-1-r, hold layers that follow the previous
 stage's.
 
@@ -94,7 +94,7 @@ def _linear_dw(x, dout):
 
 
 class Stage:
-    """Part `part` of the model `config` cut in `n_parts` (the stage's schedules.Layout.part); `units`
+    """Part `part` of the model `config` cut in `n_parts` (the stage's schedules.StageMap.part); `units`
     the unit keys this rank holds of it (refpar/holdings.py), `hooks` its data-parallel strategy,
     `lay` its tensor_parallel.Layout
     (None: the model's own layers), `moe` the expert-parallel layer of its MoE blocks. A MoE stage

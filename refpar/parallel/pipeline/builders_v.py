@@ -17,27 +17,18 @@ early stage and short-lived for its late one, add up to about the same on every 
     dualpipe(p, m)   DeepSeek-V3 technical report, section 3.2.1 (deepseek-ai/DualPipe, dualpipe.py):
                      two copies of the model fed from both ends of the pipeline.
 
-Every builder returns a grid (schedules._grid: each action at the tick it starts when every action
-takes one tick), which validate, simulate, stored and format_grid read like any other schedule.
+Every builder returns a grid (simulate.unit_grid: each action at the tick it starts when every
+action takes one tick), which validate, simulate, stored and format_grid read like any other
+schedule; builders.BUILDERS names them for `build`. What their papers publish: published.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from refpar.config import ConfigError
-from refpar.parallel.pipeline.schedules import (
-    BUILDERS,
-    Action,
-    Costs,
-    Layout,
-    Schedule,
-    _check,
-    _grid,
-    overlapped,
-)
+from refpar.parallel.pipeline.schedules import Action, Schedule, StageMap, check_sizes, overlapped
+from refpar.parallel.pipeline.simulate import unit_grid
 
 
 def v_stages(p: int, rank: int) -> tuple[int, int]:
@@ -84,7 +75,7 @@ def zbv(p: int, m: int) -> Schedule:
     activations, p microbatches of its two stages: 1F1B's peak. With fewer microbatches the
     pattern is built for 2p-1 and the missing ones are left out, as torch's ScheduleZBVZeroBubble
     does."""
-    _check(p, m)
+    check_sizes(p, m)
     n = max(m, 2 * p - 1)
     orders = {}
     for r in range(p):
@@ -108,7 +99,7 @@ def zbv(p: int, m: int) -> Schedule:
             while o.count(stage, "W") < o.count(stage, "B"):
                 o.add(stage, "W")
         orders[r] = [a for a in o.actions if a.microbatch < m]
-    return _grid(orders)
+    return unit_grid(orders)
 
 
 # ---------------------------------------------------------------- V-Half and V-Min from a building block
@@ -180,9 +171,9 @@ def from_block(p: int, m: int, block) -> Schedule:
     (and after the same pass of the microbatch before) where its rank's peak memory does not grow,
     which closes the gaps the repetition leaves in the warm-up and the cool-down; put each W in a
     free tick; then squeeze, every action as early as its rank's order allows."""
-    _check(p, m)
+    check_sizes(p, m)
     stage_rank = v_placement(p)
-    lay = Layout(stage_rank, m, frozenset((s, i) for s in stage_rank for i in range(m)))
+    smap = StageMap(stage_rank, m, frozenset((s, i) for s in stage_rank for i in range(m)))
     ticks: dict[int, dict[Action, int]] = {}
     for r in range(p):
         if len({t % 6 for t in block(p, r)}) < 4:
@@ -199,7 +190,7 @@ def from_block(p: int, m: int, block) -> Schedule:
     cap = max(map(_held_peak, at.values()))
     for start, r, a in sorted((t, r, a) for r, row in ticks.items() for a, t in row.items()):
         own, mine = ticks[r], at[r]
-        after = [ticks[stage_rank[n.stage]][n] for n in lay.inputs(a)]
+        after = [ticks[stage_rank[n.stage]][n] for n in smap.inputs(a)]
         if a.microbatch > 0:
             after.append(own[Action(a.stage, a.kind, a.microbatch - 1)])
         earliest = max(after, default=-1) + 1
@@ -209,7 +200,7 @@ def from_block(p: int, m: int, block) -> Schedule:
                 own[a] = int(t)
                 break
             mine[start], mine[t] = mine[t], FREE
-    return _grid({r: _with_weights(row) for r, row in ticks.items()})
+    return unit_grid({r: _with_weights(row) for r, row in ticks.items()})
 
 
 def v_half(p: int, m: int) -> Schedule:
@@ -277,11 +268,11 @@ def dualpipev(p: int, m: int) -> Schedule:
     a pipeline of p. Needs m >= 2p (DualPipe's step() asserts num_chunks >= 2 * num_ranks).
     DeepSeek's README: bubble (PP/2-1)(F&B + B - 3W) with PP = 2p stages, activations of PP+1
     stages per rank, on PP/2 devices."""
-    _check(p, m)
+    check_sizes(p, m)
     if m < 2 * p:
         raise ConfigError(f"dualpipev needs at least 2p = {2 * p} microbatches, got m={m}; use "
                           f"--microbatches {2 * p} or more")
-    return _grid({r: _dualpipe_order(_Order(), r, p, m, *v_stages(p, r)) for r in range(p)})
+    return unit_grid({r: _dualpipe_order(_Order(), r, p, m, *v_stages(p, r)) for r in range(p)})
 
 
 def dualpipe(p: int, m: int) -> Schedule:
@@ -292,7 +283,7 @@ def dualpipe(p: int, m: int) -> Schedule:
     its first forwards through copy 0, one in the second half through copy 1; each runs DualPipe's
     steps as rank min(r, p-1-r) of a half pipeline of p/2 ranks. Needs m even and >= 2p. README:
     bubble (PP/2-1)(F&B + B - 3W) with PP = p, activations of PP+1 stages per rank."""
-    _check(p, m)
+    check_sizes(p, m)
     if p % 2:
         raise ConfigError(f"dualpipe feeds the pipeline from both ends and needs an even number of "
                           f"ranks, got p={p}; use p in {{{p - 1}, {p + 1}}}")
@@ -305,66 +296,4 @@ def dualpipe(p: int, m: int) -> Schedule:
         first = {theirs: m // 2}  # copy 1 takes the second half of the microbatches
         stage0, stage1 = (mine, theirs) if r < p // 2 else (theirs, mine)
         orders[r] = _dualpipe_order(_Order(first), min(r, p - 1 - r), p // 2, m // 2, stage0, stage1)
-    return _grid(orders)
-
-
-# ---------------------------------------------------------------- what the papers publish
-
-def published_peak(kind: str, p: int) -> int | None:
-    """The most stage activations a rank holds at once (from a stage's F to its W, or to its
-    full B), as published, where m is large enough to fill the pipeline: ZB-V 2p, that is p
-    microbatches of two stages each, 1F1B's p (zero-bubble README, "1x"); V-Half (p+2)//2 and
-    V-Min (p+4)//3 microbatches, twice that in stages (Qi et al.'s playground, "Activation Memory
-    (by #micro-batch)"; README "1/2x", "1/3x"); DualPipeV PP+1 stages with PP = 2p and DualPipe
-    PP+1 with PP = p, each stage of DualPipe a rank's 1/p of the model (DualPipe README)."""
-    return {"zbv": 2 * p, "v-half": 2 * ((p + 2) // 2), "v-min": 2 * ((p + 4) // 3),
-            "dualpipev": 2 * p + 1, "dualpipe": p + 1}.get(kind)
-
-
-def expected_v_bubble(p: int, M: int) -> int:
-    """Qi et al.'s expected bubble of a V schedule whose ranks hold at most M stage activations:
-    idle ticks between a rank's first and last action, F = B = W = 1 tick,
-    3p - 1 - 3M + max(3p, p - 1 + 2(1 + (M+1)//2)) (sail-sg/zero-bubble,
-    megatron/core/pipeline_parallel/zerobubble/scheduler/v_auto_schedule.py, schedule()). For
-    M = 2p it is 0 (ZB-V); for M <= 2p - 2 it is 6p - 1 - 3M, so M = p gives 3p - 1 and
-    M = 2p/3 gives 4p - 1: half and two thirds of 1F1B's 6(p-1) as p grows, the README's B/2 for
-    V-Half and 2B/3 for V-Min."""
-    return 3 * p - 1 - 3 * M + max(3 * p, p - 1 + 2 * (1 + (M + 1) // 2))
-
-
-@dataclass(frozen=True)
-class Published:
-    """A published bubble: the idle time of the rank that idles most, counted between its own
-    first and last action (`steady`, what back-to-back steps keep) or over the whole step."""
-
-    idle: float
-    steady: bool
-    source: str
-
-
-def published_idle(kind: str, p: int, m: int, costs: Costs) -> Published | None:
-    """The published bubble of a V-shaped or bidirectional schedule, where its source states one
-    for these p, m and costs:
-      zbv      0 between first and last action, F = B = W and m >= 2p-1 (Qi et al. 2024, section 6);
-      v-half, v-min  expected_v_bubble(p, published_peak), F = B = W, p >= 3 and m >= p;
-      dualpipe, dualpipev  (PP/2-1)(F&B + B - 3W) over the step, B the full backward (refpar's
-               B + W), F&B as costs.overlap prices it (DualPipe README). The README draws it with a
-               backward for inputs as long as a forward (B = F); other costs are left to the
-               simulation."""
-    unit = (costs.F, costs.B, costs.W) == (1.0, 1.0, 1.0)
-    if kind == "zbv" and unit and m >= 2 * p - 1:
-        return Published(0.0, True, "Qi et al. 2024, ZB-V (section 6)")
-    if kind in ("v-half", "v-min") and unit and p >= 3 and m >= p:
-        return Published(float(expected_v_bubble(p, published_peak(kind, p))), True,
-                         "Qi et al. 2024b, expected bubble for the peak memory (v_auto_schedule.py)")
-    if kind in ("dualpipe", "dualpipev") and costs.B == costs.F:
-        PP = p if kind == "dualpipe" else 2 * p  # stages of the README's table
-        full = costs.B + costs.W
-        pair = costs.F + full if costs.overlap == "sum" else max(costs.F, full)
-        return Published((PP / 2 - 1) * (pair + full - 3 * costs.W), False,
-                         "DualPipe README, (PP/2-1)(F&B+B-3W)")
-    return None
-
-
-BUILDERS.update({"zbv": zbv, "v-half": v_half, "v-min": v_min, "dualpipev": dualpipev,
-                 "dualpipe": dualpipe})
+    return unit_grid(orders)
