@@ -25,7 +25,7 @@ from refpar.config import TrainConfig, model_preset
 from refpar.engine import Plan
 from refpar.engine.run import STATES, collect
 from refpar.mesh import DeviceMesh
-from refpar.parallel.zero import Zero
+from refpar.parallel.zero import Zero3
 
 CONFIGS = [
     ("dp", dict(microbatches=1, bucket_elems=3000)),
@@ -43,7 +43,7 @@ report = []
 # Every unit ZeRO-3/FSDP releases must be garbage by the next gather: the ledger's free is real
 # only if no cache still views the gathered buffer.
 dropped, alive = [], [0]
-drop, gather = Zero.drop, Zero.gather
+drop, gather = Zero3.drop, Zero3.gather
 
 
 def tracked_drop(self, unit):
@@ -57,7 +57,7 @@ def tracked_gather(self, unit, phase):
     gather(self, unit, phase)
 
 
-Zero.drop, Zero.gather = tracked_drop, tracked_gather
+Zero3.drop, Zero3.gather = tracked_drop, tracked_gather
 
 
 def bucket_intervals(events):

@@ -113,7 +113,7 @@ def test_zero_grids_are_the_runtimes_unit_shards(n):
         grid = sh.flat_owner_grid(config, n, name).ravel()
         unit, start, _ = lay.offsets[name]
         for rank in range(n):
-            a, b = runtime_units(config, n, rank).own[unit]
+            a, b = runtime_units(config, n, rank).owned[unit]
             held = np.flatnonzero(grid == rank) + start  # positions in the unit's flat buffer
             assert set(held) == set(range(a, b)) & set(range(start, start + grid.size))
 
@@ -273,7 +273,7 @@ def engine_holders(dp: int, tp: int, zero: int) -> dict[int, set]:
 
     from refpar.memory import MemoryLedger
     from refpar.model.gpt import param_shapes
-    from refpar.parallel.zero import Zero
+    from refpar.parallel.zero import Zero3
 
     shapes = param_shapes(sh.DEMO_MODEL)
     starts = np.cumsum([0] + [int(np.prod(s)) for s in shapes.values()])
@@ -286,8 +286,8 @@ def engine_holders(dp: int, tp: int, zero: int) -> dict[int, set]:
             if zero == 3:
                 units = Units({0: list(local)}, {n: w.shape for n, w in local.items()},
                               lambda expert, d=d: SimpleNamespace(size=dp, rank=d), {0: 1})
-                held = np.concatenate(list(Zero(units, sh.DEMO_MODEL, TrainConfig(), MemoryLedger(), local,
-                                                3).shards.values()))
+                held = np.concatenate(list(Zero3(units, sh.DEMO_MODEL, TrainConfig(), MemoryLedger(),
+                                                 local).shards.values()))
             else:
                 held = np.concatenate([w.ravel() for w in local.values()])
             for i in held.astype(int):

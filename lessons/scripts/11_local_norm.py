@@ -8,8 +8,6 @@ over pp, refpar/parallel/clipping.py); on pp=2 with the bug. The bug is the engi
 GlobalNormClip with the pp axis left out of its sum: a few lines here, no option of refpar's.
 """
 
-from dataclasses import replace
-
 from refpar.comm.communicator import world
 from refpar.config import Plan, TrainConfig, model_preset
 from refpar.engine import parallelize, train
@@ -27,8 +25,8 @@ plan = Plan(microbatches=2)
 def run(local_norm: bool):
     par = parallelize(model, cfg, DeviceMesh(comm, {"pp": 2}), plan)
     if local_norm:  # the bug: each stage's sum of squares stays its own
-        par = replace(par, clip=GlobalNormClip(MAX_NORM, par.clip.counted,
-                                               [axis for axis in par.clip.axes if axis.axis != "pp"]))
+        par.states.clip = GlobalNormClip(MAX_NORM, par.clip.counted,
+                                         [axis for axis in par.clip.axes if axis.axis != "pp"])
     out = train(par)
     return out.losses, comm.gather_object(out.grad_norms)  # the losses are the model's: every rank's
 

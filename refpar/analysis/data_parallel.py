@@ -6,7 +6,7 @@ ranks, b bytes of a parameter, g of a gradient (b, or 4 with fp32 gradients), k 
 
 refpar/parallel/{data_parallel, zero, fsdp}.py run every piece of a stage (the embedding, each
 block, the head) between an acquire and a release of its units, fold its gradients in, and say
-which units it completed (refpar/parallel/units.py). What moves and what is held follows from
+which units it completed (refpar/parallel/model_states.py). What moves and what is held follows from
 that sequence alone, so this module replays it on sizes (`replay`), for the rank's list of the
 schedule (one stage, one microbatch after another, without a pipeline):
 

@@ -77,7 +77,7 @@ def run_steps(model, train_cfg, comm, sizes: dict, plan: Plan, each) -> list[dic
 
 def held_grads(par) -> dict:
     """This rank's summed gradients by name (plain DP's flat buffer; tp shards under tp)."""
-    u, g = par.hooks.units, par.hooks.grads
+    u, g = par.states.units, par.states.grads
     return {n: np.array(v) for k in u.names for n, v in u.views(k, u.slice(k, g)).items()}
 
 
@@ -118,7 +118,7 @@ def ddp(comm, dtype: str = "float64", convention: str = "global", batch_size: in
         theirs = {n: gpt2(n, p.grad) for n, p in net.module.named_parameters()}
         params = {n: gpt2(n, p) for n, p in net.module.named_parameters()}
         return step_row(loss, float(reported) / N, worst(theirs, grads),
-                        worst(params, par.hooks.full_params()))
+                        worst(params, par.states.full_params()))
 
     return run_steps(model, train_cfg, comm, sizes, Plan(microbatches=microbatches), each)
 
@@ -147,7 +147,7 @@ def fsdp2(comm, dtype: str = "float64", convention: str = "global", batch_size: 
     sizes = {"dp": N, "pp": 1, "ep": 1, "cp": 1, "tp": 1}
 
     def each(par, step, loss):
-        ours, lay = par.hooks, par.hooks.units
+        ours, lay = par.states, par.states.units
         whole = {}
         for u in lay.names:
             flat = comm.all_gather(ours.grad_shards[u], tag=f"{u}:grads:check", counts=lay.counts[u])
@@ -169,7 +169,7 @@ def fsdp2(comm, dtype: str = "float64", convention: str = "global", batch_size: 
             theirs_rows[n] = local.detach().numpy()
             want_rows[n] = to_torch_layout(n, whole[n])[lo:lo + local.shape[0]]
         g_fsdp = worst(theirs_rows, want_rows)
-        g_ours = worst({u: lay.flatten(u, theirs_full)[slice(*lay.own[u])] for u in lay.names},
+        g_ours = worst({u: lay.flatten(u, theirs_full)[slice(*lay.owned[u])] for u in lay.names},
                        {u: ours.grad_shards[u] for u in lay.names})
         params = {n: gpt2(n, p.full_tensor()) for n, p in net.named_parameters()}
         return step_row(loss, float(reported) / N, max(g_fsdp, g_ours), worst(params, ours.full_params()))

@@ -156,12 +156,12 @@ def ds_partitions(engine, grads: dict | None = None) -> dict:
 def refpar_partitions(par) -> dict:
     """{"params", "m", "v": this rank's ZeRO shard of each unit (refpar/parallel/zero.py), in GPT-2's
     layout}: the master weights are the parameters themselves (no mixed precision here)."""
-    z, u = par.hooks, par.hooks.units
+    z, u = par.states, par.states.units
     out = {"params": {}, "m": {}, "v": {}}
-    for k, (a, b) in u.own.items():
+    for k, (a, b) in u.owned.items():
         names = u.names[k]
         group = (names, [u.offsets[n][2] - u.offsets[n][1] for n in names], [u.offsets[n][1] for n in names])
-        p = u.slice(k, z.params)[a:b] if z.stage < 3 else z.shards[k]
+        p = z.param_shard(k)
         for key, arr in (("params", p), ("m", z.state[k]["m"]), ("v", z.state[k]["v"])):
             out[key] |= partitions.of_flat(*group, a, b, np.asarray(arr))
     return out

@@ -257,7 +257,7 @@ def tp_case(comm, dtype: str = "float64", batch_size: int = 8, sp: bool = False,
                    "loss": abs(theirs_loss - loss) / abs(loss)}
             row["grads"], row[worst_key("grads")] = element_diff(grads, held_grads(par), index)
             row["params"], row[worst_key("params")] = element_diff(local(ddp.module, model, "param"),
-                                                                 par.hooks.full_params(), index)
+                                                                 par.states.full_params(), index)
             return row
 
         sizes = {"tp": N, "pp": 1, "dp": 1, "ep": 1, "cp": 1}

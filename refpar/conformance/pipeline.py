@@ -14,7 +14,7 @@ torch's schedules divide the gradients by the number of microbatches after backw
 microbatches are equal; here the torch side takes refpar's ("global": loss_fn = token sum / (B*T),
 scale_grads=False), and "mean" takes torch's default.
 
-The tied wte sits on the first and the last stage; as in Megatron (and refpar's data-parallel hooks)
+The tied wte sits on the first and the last stage; as in Megatron (and refpar's model states)
 its two gradients are summed after the backward, so both copies take the same update.
 """
 
@@ -136,7 +136,7 @@ def pipelining(comm, name: str, dtype: str = "float64", convention: str = "globa
     corpus = corpus_for(model, train)
 
     def each(par, step, loss):
-        grads, ours = held_grads(par), par.hooks.full_params()
+        grads, ours = held_grads(par), par.states.full_params()
         tokens, targets = corpus.batch(step, range(B), T)
         opt.zero_grad()
         losses = []

@@ -2,7 +2,7 @@
 resumes through (refpar/checkpoint.py keeps the file format and reassembles any piece from any
 other mesh's).
 
-Each data-parallel strategy lists what it holds (`hooks.held()`): per unit, a flat range of its
+Each data-parallel strategy lists what it holds (`states.held()`): per unit, a flat range of its
 parameters, fp32 masters or AdamW moments, and whether the unit's replica group holds the same
 (DP's whole units, ZeRO-1/2's parameters) or its own shard (ZeRO's state). A flat range of a unit
 is a flat range of each parameter it overlaps, of this rank's tp shard of it; `checkpoint.shard_pieces`
@@ -26,14 +26,14 @@ KV_PROJ = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")  # Llama's kv h
 
 def pieces(par, saving: bool) -> list:
     """(checkpoint.Piece, view) of everything this rank holds; loading writes through the views."""
-    units, coords = par.hooks.units, par.mesh.coords
+    units, coords = par.states.units, par.mesh.coords
     slices = par.tp_slices
     tied = tied_embedding(par.model)
     kv_copy = coords["tp"] % kv_replicas(par.model, par.mesh.sizes["tp"]) > 0  # another rank writes its kv
     out = []
     if saving and par.copies is not None and par.copies.rank > 0:  # its mirror writes the same
         return out
-    for prefix, unit, first, flat, replicated in par.hooks.held():
+    for prefix, unit, first, flat, replicated in par.states.held():
         lo, hi = first, first + flat.shape[0]
         if saving and replicated:  # each rank of the group writes its part
             group = units.group[unit]
@@ -89,14 +89,14 @@ def open_resume(path: str, model, cfg, plan) -> dict:
 def resume_from(par, path: str) -> int:
     """Loads this rank's holdings from the checkpoint `path` (any mesh's) and the optimizer's and
     fp16 loss scaler's position; returns the steps done."""
-    hooks = par.hooks
+    states = par.states
     manifest = open_resume(path, par.model, par.train, par.plan)
     wanted = pieces(par, saving=False)
     for (_, view), loaded in zip(wanted, checkpoint.load(path, [p for p, _ in wanted], manifest),
                                  strict=True):
         view[...] = loaded
     step = int(manifest["step"])
-    hooks.t = int(manifest.get("optimizer_t", step))
-    if hooks.dtypes.scaler is not None and manifest.get("loss_scaler") is not None:
-        hooks.dtypes.scaler.load_state_dict(manifest["loss_scaler"])
+    states.t = int(manifest.get("optimizer_t", step))
+    if states.dtypes.scaler is not None and manifest.get("loss_scaler") is not None:
+        states.dtypes.scaler.load_state_dict(manifest["loss_scaler"])
     return step

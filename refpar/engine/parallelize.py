@@ -20,7 +20,8 @@ before it:
                 tp (tensor_parallel's slices), moved to the run's backend; or, with
                 TrainConfig.init_from, only those slices read from the weights file (refpar/weights.py)
  5. data        each unit's replica group (dp x cp; a MoE model's dense weights dp x ep x cp)
-    parallel    keeps it by plain DP (bucketed all-reduce), ZeRO-1/2/3 or FSDP: the stages' hooks
+    parallel    keeps its model states by plain DP (bucketed all-reduce), ZeRO-1/2/3 or FSDP,
+                bound once to what a step needs of the other strategies (model_states.Composition)
  6. optimizer   the state that strategy holds (whole, or this rank's shards); fp16's loss scaler;
                 clipping by the global norm: what this rank counts, the axes its sums go over
 """
@@ -49,6 +50,7 @@ from refpar.parallel.data_parallel import DataParallel
 from refpar.parallel.expert_parallel import ExpertParallelMoE
 from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
+from refpar.parallel.model_states import Composition
 from refpar.parallel.pipeline.builders import of_plan
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.schedules import stage_map
@@ -58,7 +60,7 @@ from refpar.parallel.routing_runs import routing_runs, token_runs
 from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
 from refpar.parallel.tensor_parallel import shard_params_tp, tp_layout
 from refpar.parallel.units import Units
-from refpar.parallel.zero import Zero
+from refpar.parallel.zero import Zero1, Zero2, Zero3
 
 
 @dataclass
@@ -70,16 +72,12 @@ class Parallel:
     mesh: object
     plan: Plan
     lay: object  # tensor_parallel.Layout, or None: the model's own layers
-    hooks: object  # DataParallel, Zero or FSDP
+    states: object  # model_states.ModelStates: DataParallel, Zero1, Zero2, Zero3 or FSDP
     executor: PipelineExecutor
     ledger: MemoryLedger
     samples: list[tuple[int, ...]]  # this rank's sample ids of each microbatch
     moe: object = None  # the MoE blocks' layer
     routings: dict = field(default_factory=dict)  # sample ids of a microbatch -> layer -> routing
-    sp_names: list[str] = field(default_factory=list)  # held parameters of the sequence-sharded region
-    embedding: object = None  # the group summing the tied wte's two ends (mesh's "embedding"), or None
-    copies: object = None  # DualPipe: the mirror rank's group summing the two copies' gradients
-    clip: object = None  # clipping.GlobalNormClip with --clip-grad-norm
 
     @property
     def data(self):
@@ -93,12 +91,21 @@ class Parallel:
         return tp_param_slices(self.model, self.mesh.sizes["tp"], self.mesh.coords["tp"])
 
     @property
-    def differ(self) -> list:
-        """The groups whose ranks hold different gradients, where an fp16 overflow is agreed: tp
-        shards, pipeline stages, and each unit's shard under ZeRO (else a MoE model's experts)."""
-        m, sharded = self.mesh, self.plan.stage > 0
-        replicas = self.data if self.model.moe_experts else m.axis("dp_cp")
-        return [g for g in (m.tp, m.pp, replicas if sharded else m.ep) if g.size > 1]
+    def clip(self):
+        """clipping.GlobalNormClip with --clip-grad-norm (else None), bound in the model states."""
+        return self.states.clip
+
+    @property
+    def copies(self):
+        """DualPipe: the mirror rank's group summing the two copies' gradients (else None)."""
+        return self.states.copies
+
+
+def differing_groups(model: ModelConfig, mesh, plan: Plan) -> list:
+    """The groups whose ranks hold different gradients, where an fp16 overflow is agreed: tp shards,
+    pipeline stages, and each unit's shard under ZeRO (else a MoE model's experts)."""
+    replicas = mesh.axis("data" if model.moe_experts else "dp_cp")
+    return [g for g in (mesh.tp, mesh.pp, replicas if plan.stage > 0 else mesh.ep) if g.size > 1]
 
 
 def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None,
@@ -170,35 +177,37 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     units = Units(held, {n: p.shape for n, p in params.items()},
                   lambda expert: mesh.axis("dp_cp") if expert else dense,
                   {s: len(pipe.microbatches(s)) for s in stages}, tied_embedding(model))
+    # the partial sums between pipeline ranks: the tied wte's two ends where two ranks hold them,
+    # DualPipe's two copies of every part; the sequence-sharded region's over tp
+    copies = mesh.axis("mirror") if pipe.copies == 2 else None
+    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if plan.sp else []
+    composition = Composition(
+        embedding=mesh.axis("embedding") if pipe.tied_apart and tied_embedding(model) else None,
+        tp=mesh.tp, sp_names=sp_names, copies=copies, differ=differing_groups(model, mesh, plan),
+        clip=clip_for(model, train, mesh, plan, stages, dense, copies), moe=moe)
     # 6. optimizer state: created by the strategy, which knows what it keeps
     lowp = keeps_lowp(model, mesh.sizes)
     if plan.fsdp:
-        hooks = FSDP(units, model, train, ledger, params, plan.prefetch, plan.reshard_after_forward,
-                     both_ends=pipe.n_stages == 1, lowp=lowp)
+        states = FSDP(units, model, train, ledger, params, composition, plan.prefetch,
+                      plan.reshard_after_forward, both_ends=pipe.n_stages == 1, lowp=lowp)
     elif plan.zero:
-        hooks = Zero(units, model, train, ledger, params, plan.zero, lowp)
+        states = (Zero1, Zero2, Zero3)[plan.zero - 1](units, model, train, ledger, params, composition, lowp)
     else:
-        hooks = DataParallel(units, model, train, ledger, params, plan.bucket_elems, plan.overlap, lowp)
+        states = DataParallel(units, model, train, ledger, params, composition, plan.bucket_elems,
+                              plan.overlap, lowp)
     routings: dict = {}
     # recomputation: what a block keeps and reruns (refpar/parallel/recompute.py)
     recompute = (None if plan.recompute == "none" else
-                 Recompute(plan.recompute, ledger, hooks.buffers(), mesh.world.tracer))
+                 Recompute(plan.recompute, ledger, states.buffers(), mesh.world.tracer))
     if recompute is not None and recompute.mode == "selective" and lay is not None:
         lay = replace(lay, attention=SelectiveAttention(lay.attention, recompute))
 
     def make_stage(s: int, pipe) -> Stage:
-        return Stage(model, pipe.stages_per_copy, pipe.part(s), units.of_stage[s], hooks, lay, moe, runs,
+        return Stage(model, pipe.stages_per_copy, pipe.part(s), units.of_stage[s], states, lay, moe, runs,
                      routings, mesh.axis("kv"), recompute)
 
     tokens = train.seq_len if lay is None else len(lay.resid_pos)
     like = next(iter(params.values()))
-    executor = PipelineExecutor(schedule, model, mesh.pp, make_stage, tokens, like, hooks.buffers(), ledger)
-    sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if plan.sp else []
-    # the partial sums between pipeline ranks: the tied wte's two ends where two ranks hold them,
-    # DualPipe's two copies of every part
-    embedding = mesh.axis("embedding") if pipe.tied_apart and tied_embedding(model) else None
-    copies = mesh.axis("mirror") if pipe.copies == 2 else None
-    clip = clip_for(model, train, mesh, plan, stages, dense, copies)
-    return Parallel(model, train, mesh, plan, lay, hooks, executor, ledger, samples, moe, routings, sp_names,
-                    embedding, copies, clip)
+    executor = PipelineExecutor(schedule, model, mesh.pp, make_stage, tokens, like, states.buffers(), ledger)
+    return Parallel(model, train, mesh, plan, lay, states, executor, ledger, samples, moe, routings)
 

@@ -109,7 +109,7 @@ def collect(model, cfg, mesh, plan, *, check: bool = False, ref=None, plain=None
     sizes, last = mesh.sizes, cfg.steps - 1
     skipped = {k - out.first_step for k in out.skipped_steps}
     mine = {"totals": out.totals, "peak": dict(par.ledger.peak),
-            "state": sum(par.ledger.current[c] for c in STATES), "held": par.hooks.units.total,
+            "state": sum(par.ledger.current[c] for c in STATES), "held": par.states.units.total,
             "expected_comm": closed.rank_comm_rows(model, cfg, sizes, mesh.coords, plan, len(out.losses),
                                                    skipped, _kept(out)),
             "expected_memory": closed.rank_memory_rows(model, cfg, sizes, mesh.coords, plan, _kept(out),
@@ -182,7 +182,7 @@ def full_params(par) -> dict:
     device, not for training): each tp-sliced one all-gathered along its split axis and its global
     indices (holdings.tp_param_slices) put back in order; a replicated kv head must be the same on
     each of its ranks (else it is infinitely far from one device)."""
-    local, tp = par.hooks.full_params(), par.mesh.tp
+    local, tp = par.states.full_params(), par.mesh.tp
     if tp.size == 1:
         return local
     every = [tp_param_slices(par.model, tp.size, r) for r in range(tp.size)]

@@ -4,14 +4,14 @@
 
 One step on every rank:
 
-    batch      this rank's rows of each microbatch (engine/parallelize.microbatch_samples), the
-               tokens and targets of the global step, dropout keyed by global sample ids
+    batch      this rank's rows of each microbatch (holdings.microbatch_samples), the tokens and
+               targets of the global step, dropout keyed by global sample ids
     pipeline   executor.step walks this rank's list of the schedule: each stage's F and B run their
-               pieces, which acquire their units' parameters from the hooks and fold their
+               pieces, which acquire their units' parameters from the model states and fold their
                gradients into them (DP's buckets and ZeRO's reduce-scatters start as units complete)
-    sums       hooks.finish: DP's rings still in flight, the tied wte over the embedding group, the
+    sums       states.finish: DP's rings still in flight, the tied wte over the embedding group, the
                sequence-sharded region over tp (on ZeRO's shards)
-    optimizer  hooks.step: fp16 agrees on an overflow over the groups whose gradients differ, the
+    optimizer  states.step: fp16 agrees on an overflow over the groups whose gradients differ, the
                global norm is summed over the axes that shard it (refpar/parallel/clipping.py),
                then AdamW at the step's learning rate (optim.learning_rate) on what this rank keeps,
                gradients clipped (ZeRO-1/2 then all-gather the updated units)
@@ -50,9 +50,9 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
     skipped, the skips so far; val_loss None but where the validation loss was computed; grad_norm, with
     clipping: the global norm before clipping, None on a skipped step). `evaluate()`, called on every
     rank after the steps trainer.evaluates names, returns the validation loss on rank 0."""
-    model, cfg, mesh, hooks, executor = par.model, par.train, par.mesh, par.hooks, par.executor
+    model, cfg, mesh, states, executor = par.model, par.train, par.mesh, par.states, par.executor
     keep_freed_memory()  # each step reuses the pages of the one before (refpar/allocator.py)
-    scaler = hooks.dtypes.scaler  # fp16 only
+    scaler = states.dtypes.scaler  # fp16 only
     run = Run()
     if resume is not None:
         run.first_step = resume_from(par, resume)
@@ -77,18 +77,16 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
             starts = np.cumsum([0, *map(len, par.samples)])
             mbs = [Microbatch(np.array(tokens[a:b]), np.array(targets[a:b]), ids)  # (b, T) each
                    for ids, a, b in zip(par.samples, starts[:-1], starts[1:], strict=True)]
-            scale = hooks.dtypes.dloss
-            if par.moe is not None:
-                par.moe.grad_scale = scale  # the router losses' gradients scale with the rest
-            hooks.begin_step()
+            scale = states.dtypes.dloss
+            states.begin_step()  # the router losses' gradients scale with the rest
             with np.errstate(over="ignore", invalid="ignore") if scaler else nullcontext():
                 loss = executor.step(mbs, step=step, seed=cfg.seed, normalizer=normalizer, dloss=scale)
-            hooks.finish(par.embedding, mesh.tp, par.sp_names, par.copies)
+            states.finish()
             run.lrs.append(learning_rate(cfg, step))
-            skipped = hooks.step(par.differ, run.lrs[-1], par.clip)
+            skipped = states.step(run.lrs[-1])
             run.flops.append(gemm.take())  # the step's forwards, backwards and recomputed forwards
-            if par.clip is not None:
-                run.grad_norms.append(None if skipped else par.clip.norm)
+            if states.clip is not None:
+                run.grad_norms.append(None if skipped else states.clip.norm)
             if scaler is not None:
                 scales.append(scale)
                 skipped_steps += [step] * skipped
@@ -113,12 +111,12 @@ def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: i
         if on_step is not None:
             on_step(step, run.losses[-1], run.step_times[-1], tracer.totals() if tracer else {}, record,
                     None if scaler is None else (scale, skipped, len(skipped_steps)), val_loss=val_loss,
-                    grad_norm=run.grad_norms[-1] if par.clip is not None else None)
+                    grad_norm=run.grad_norms[-1] if states.clip is not None else None)
         if save is not None and checkpoint.should_save(step + 1, cfg.steps, save_every):
             checkpoint.save_training(save, step + 1, pieces(par, saving=True), model, cfg, mesh.sizes,
                                      f"engine {par.plan.strategy}", mesh.world,
                                      moe_microbatches=par.plan.microbatches if model.moe_experts else None,
-                                     **saved_position(hooks.t, scaler))
+                                     **saved_position(states.t, scaler))
     run.totals = tracer.totals() if tracer else {}  # before the timeline's gather adds its own
     run.loss_scales, run.skipped_steps = scales, skipped_steps
     run.measured = executor.measured_timeline()

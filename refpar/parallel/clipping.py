@@ -4,7 +4,7 @@
 
 The single device (refpar/trainer.py) multiplies every gradient by clip_coefficient(‖g‖) =
 min(1, X / (‖g‖ + 1e-6)) (torch.nn.utils.clip_grad_norm_'s formula and eps), with ‖g‖ the L2 norm
-over all the model's parameters. After the gradient sums (`hooks.finish`) a rank holds pieces and
+over all the model's parameters. After the gradient sums (`states.finish`) a rank holds pieces and
 copies of that vector; it sums the squares of the elements it *counts*, so that every element of
 the model is counted by exactly one rank of the groups the sums are then all-reduced over:
 
@@ -33,7 +33,7 @@ counted once per tp rank, the tied wte counted on both ends.
 Mixed precision: the squares are summed in fp32 (the optimizer's dtype: float64 runs in float64),
 of the gradients as backward wrote them, and the norm multiplied by 1/loss scale (a power of two:
 the norm of the unscaled gradients, exactly). An fp16 step that overflowed was skipped before
-(units.Hooks.begin_update): no norm. Traced: one all-reduce of that one number per axis, tagged
+(model_states.ModelStates.begin_update): no norm. Traced: one all-reduce of that one number per axis, tagged
 "grad_norm.AXIS" (refpar/analysis/closed_forms.py counts them).
 """
 
@@ -54,18 +54,19 @@ class GlobalNormClip:
         self.max_norm, self.counted, self.axes = max_norm, counted, axes
         self.norm: float | None = None  # the last step's, before clipping
 
-    def squares(self, hooks):
-        """(1,): Σ g² over the gradient elements this rank holds after the sums and counts."""
-        u = hooks.units
-        pieces = [g[lo - start:hi - start] for unit, start, g in hooks.held_grads()
+    def squares(self, states):
+        """(1,): Σ g² over the gradient elements this rank holds after the sums and counts (`states`:
+        its model_states.ModelStates)."""
+        u = states.units
+        pieces = [g[lo - start:hi - start] for unit, start, g in states.held_grads()
                   for name, lo, hi in u.segments(unit, start, start + g.shape[0]) if self.counted(name)]
-        like = hooks.held_grads()[0][2]
-        total = backend.zeros(like, 1, hooks.dtypes.state)  # (1,)
+        like = states.held_grads()[0][2]
+        total = backend.zeros(like, 1, states.dtypes.state)  # (1,)
         return total + sum_of_squares(pieces) if pieces else total
 
-    def coefficient(self, hooks, inv_scale: float) -> float:
+    def coefficient(self, states, inv_scale: float) -> float:
         """This step's clip_coefficient of the global norm, the same on every rank; keeps the norm."""
-        total = self.squares(hooks)
+        total = self.squares(states)
         for axis in self.axes:
             total = axis.all_reduce(total, tag=f"grad_norm.{axis.axis}")
         self.norm = float(backend.to_host(total)[0]) ** 0.5 * inv_scale

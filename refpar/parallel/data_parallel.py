@@ -20,7 +20,7 @@ ring's 2(N-1) rounds written out as isend/irecv, one round advanced each time an
 backward finishes, so the messages of bucket k are in flight while the backward of the next
 blocks computes (the trace shows bucket k's sends ending after bucket k+1's begin). Same bytes.
 
-After the backward the partial sums follow (`Hooks.partial_sums`: the tied wte, DualPipe's two
+After the backward the partial sums follow (`ModelStates.partial_sums`: the tied wte, DualPipe's two
 copies of every part over the mesh's mirror group, pipeline ranks r and p-1-r, the
 sequence-sharded region). Ledger: params Ψl, grads Ψl (+ the largest dict a backward piece
 returns, until it is folded in), optimizer 2Ψl (AdamW m, v), comm one bucket's all-reduce output
@@ -35,18 +35,18 @@ from array_api_compat import array_namespace
 
 from refpar import backend
 from refpar.holdings import buckets
+from refpar.parallel.model_states import ModelStates
 from refpar.parallel.ring import Ring
-from refpar.parallel.units import Hooks, fold_grads
 
 
-class DataParallel(Hooks):
+class DataParallel(ModelStates):
     """This rank's replicas of its units; `params` the parameters it holds (drawn whole, tp-sliced).
     `bucket_elems` caps a bucket (a parameter is never split); `overlap` all-reduces by rings."""
 
-    def __init__(self, units_, config, train, ledger, params: dict, bucket_elems: int = 1 << 62,
-                 overlap: bool = False, lowp: bool = True):
-        super().__init__(units_, config, train, ledger, lowp)
-        dt, u = self.dtypes, units_
+    def __init__(self, units, config, train, ledger, params: dict, composition=None,
+                 bucket_elems: int = 1 << 62, overlap: bool = False, lowp: bool = True):
+        super().__init__(units, config, train, ledger, composition, lowp)
+        dt, u = self.dtypes, units
         xp = array_namespace(next(iter(params.values())))
         self.params = ledger.alloc("params.flat", xp.concat([u.flatten(k, params) for k in u.names]),
                                    "params")  # (Ψl,)
@@ -59,7 +59,7 @@ class DataParallel(Hooks):
         self.master = ledger.alloc("master.flat", xp.astype(self.params, backend.dtype_like(
             self.params, dt.state)), "master") if dt.mixed else None  # (Ψl,)
         # each unit's parameters and gradients as views of the buffers above, made once: the buffers
-        # live as long as the hooks, and every microbatch's acquire and fold reads them
+        # live as long as the model states, and every microbatch's acquire and fold reads them
         self.param_views = {k: u.views(k, u.slice(k, self.params)) for k in u.names}
         self.grad_views = {k: u.views(k, u.slice(k, self.grads)) for k in u.names}
         self.lowp_views = None if self.lowp is None else {
@@ -71,7 +71,6 @@ class DataParallel(Hooks):
         self.buckets = buckets(layout, bucket_elems)  # [(start, stop, units)], in backward order
 
     def buffers(self) -> list:
-        """The arrays the parameters live in (a cache viewing them keeps no activation alive)."""
         return [self.params]
 
     def acquire(self, keys, phase: str, hold=None, following=()):
@@ -81,11 +80,8 @@ class DataParallel(Hooks):
     def release(self, keys, phase: str, hold=None) -> None:
         """Every rank keeps its whole replica: nothing to free."""
 
-    def fold(self, grads: dict) -> None:
-        def add(unit, g):
-            fold_grads(self.grad_views[unit], g, None if self.lowp is None else self.lowp_views[unit])
-
-        self.piece(grads, add)
+    def accumulator(self, unit: str):
+        return self.grad_views[unit], None if self.lowp_views is None else self.lowp_views[unit]
 
     def done(self, keys) -> None:
         """In the step's last microbatch: one round further for every bucket already on its way,
@@ -117,26 +113,25 @@ class DataParallel(Hooks):
         self.sent = {i for i, (_, _, members) in enumerate(self.buckets)
                      if self.units.group[next(iter(members))].size == 1}  # nothing to sum
 
-    def finish(self, embedding=None, tp=None, sp_names=(), copies=None) -> None:
+    def finish(self) -> None:
         """After the backward: the rings still in flight, then the partial sums (module docstring);
-        `copies`: DualPipe's mirror rank, whose copy of the same parts has the other gradients."""
+        DualPipe's mirror rank's copy of the same parts has the other gradients."""
         while self.in_flight:
             for ring in self.in_flight:
                 ring.advance()
             self.in_flight = [ring for ring in self.in_flight if not ring.done]
         u = self.units
         wte = u.slice("wte", self.grads) if "wte" in u.names else None
-        spans = [(self.grads, u.start[k] + a, u.start[k] + b) for k, a, b in map(u.offsets.get, sp_names)]
-        self.partial_sums(wte, spans, embedding, tp, copies, lambda k: u.slice(k, self.grads))
+        spans = [(self.grads, u.start[k] + a, u.start[k] + b)
+                 for k, a, b in map(u.offsets.get, self.sp_names)]
+        self.partial_sums(wte, spans, lambda k: u.slice(k, self.grads))
 
     def held_grads(self) -> list:
         return [(k, 0, self.units.slice(k, self.grads)) for k in self.units.names]
 
-    def step(self, differ: list, lr: float, clip=None) -> bool:
-        """The optimizer at learning rate `lr` on every unit, gradients clipped by `clip`; returns
-        whether fp16 found an overflow (and skipped it). `differ`: the groups whose ranks hold
-        different gradients (where it is agreed)."""
-        factor = self.begin_update(differ, clip)
+    def step(self, lr: float) -> bool:
+        """The optimizer on every unit, whole."""
+        factor = self.begin_update()
         if factor is None:
             return True
         u = self.units

@@ -30,14 +30,16 @@ from __future__ import annotations
 from refpar import backend
 from refpar.holdings import ENDS
 from refpar.parallel.ring import Ring
-from refpar.parallel.zero import Zero
+from refpar.parallel.zero import Zero3
 
 
-class FSDP(Zero):
-    def __init__(self, units_, config, train, ledger, params: dict,
+class FSDP(Zero3):
+    """ZeRO-3 with FSDP's policy of when a unit is gathered (module docstring)."""
+
+    def __init__(self, units, config, train, ledger, params: dict, composition=None,
                  prefetch: bool = False, reshard_after_forward: bool = True, both_ends: bool = False,
                  lowp: bool = True):
-        super().__init__(units_, config, train, ledger, params, stage=3, lowp=lowp)
+        super().__init__(units, config, train, ledger, params, composition, lowp)
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.both_ends = both_ends  # a stage of this rank holds the embedding and the head
         self.pending: dict[str, Ring] = {}  # unit -> its all-gather still in flight
@@ -61,7 +63,7 @@ class FSDP(Zero):
     def start_gather(self, unit: str, phase: str) -> None:
         """Allocates the unit's full buffer with this rank's shard in place and posts the ring's
         first round; `acquire` completes it."""
-        a, b = self.units.own[unit]
+        a, b = self.units.owned[unit]
         full = backend.zeros(self.shards[unit], self.units.size[unit], backend.host_dtype(self.shards[unit]))
         full[a:b] = self.shards[unit]  # (Ψ_u,)
         self.gathered[unit] = self.ledger.alloc(f"params.gathered.{unit}", full, "params")

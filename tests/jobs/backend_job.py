@@ -38,7 +38,7 @@ def train_on(name: str, comm):
     model = model_preset("tiny", moe_experts=4 if name == "ep" else 0)
     par = parallelize(model, TRAIN, DeviceMesh(comm, MESHES[name]), PLANS[name])
     run, ref = train(par), train_single_device(model, TRAIN)
-    held = dict(enumerate(par.hooks.buffers()))
+    held = dict(enumerate(par.states.buffers()))
     return run.losses, held, full_params(par), ref.losses, ref.params
 
 

@@ -59,8 +59,8 @@ def bugs(par) -> dict:
                 lambda n: not is_expert(n) and (n in split or mesh.coords["tp"] == 0))}
 
 
-def norm_of(clip, hooks) -> float:
-    clip.coefficient(hooks, 1.0)  # float64: no loss scale
+def norm_of(clip, states) -> float:
+    clip.coefficient(states, 1.0)  # float64: no loss scale
     return clip.norm
 
 
@@ -75,7 +75,7 @@ def main() -> None:
         run = train(par)
         # the last step's gradients are still held, summed: each bug's norm of them
         mine = {"engine": run.grad_norms, "lrs": run.lrs,
-                "bugs": {name: norm_of(clip, par.hooks) for name, clip in bugs(par).items()}}
+                "bugs": {name: norm_of(clip, par.states) for name, clip in bugs(par).items()}}
         every = comm.gather_object(mine)
         if comm.rank == 0:
             ref = train_single_device(model, cfg, microbatches=plan.microbatches)

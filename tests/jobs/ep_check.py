@@ -60,7 +60,7 @@ def check(mesh_text: str, case: str, comm) -> dict:
     plan = Plan(zero=1 if model.moe_shared_experts else 0)
     par = parallelize(model, train, mesh, plan)
     run = train_engine(par)
-    params = par.hooks.full_params()
+    params = par.states.full_params()
     ref = train_single_device(model, train)  # the routing of every step too
     param_diff = max(rel_diff(p, ref.params[n]) for n, p in params.items())
     param_diff = float(comm.all_reduce(np.array([param_diff]), op="max")[0])

@@ -106,7 +106,7 @@ def check(spec: dict, comm, tracer: Tracer, references: dict) -> dict:
     scaling = run.loss_scaling or {"skipped_steps": [], "scales": []}
     out["skipped_steps"], out["reference_skipped"] = scaling["skipped_steps"], ref.skipped_steps
     out["scales"] = scaling["scales"]
-    out["optimizer_t"] = par.hooks.t
+    out["optimizer_t"] = par.states.t
     out["replicated_digest"] = hashlib.sha256(b"".join(
         np.ascontiguousarray(full[n]).tobytes() for n in sorted(full) if n not in sharded)).hexdigest()
     return out

@@ -54,7 +54,7 @@ def run_data_parallel(strategy: str, model, cfg, comm, **saving):
     par = parallelize(model, cfg, DeviceMesh(comm, {"dp": comm.size}), plan)
     run = train(par, **saving)
     scaling = run.loss_scaling or {"scales": [], "skipped_steps": []}
-    return run, par.hooks.full_params(), scaling["scales"], scaling["skipped_steps"]
+    return run, par.states.full_params(), scaling["scales"], scaling["skipped_steps"]
 
 
 def main(root: Path) -> None:

@@ -51,7 +51,7 @@ def run_on(name: str, configs, comm, plain, ref):
     summary, par, _, every = collect(model, train, DeviceMesh(comm, sizes), plan, check=True, ref=ref,
                                      plain=plain)
     held = sorted({(type(a).__module__.split(".")[0], str(a.dtype).rsplit(".", 1)[-1])
-                   for a in arrays(vars(par.hooks))})
+                   for a in arrays(vars(par.states))})
     backend.use("numpy")
     return summary, every, plain.gather_object(held)
 

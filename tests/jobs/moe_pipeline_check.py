@@ -148,10 +148,10 @@ def reassembles_exactly(mesh, schedule, path: Path, train_cfg) -> bool:
     the checkpoint's global tensors (read whole on one process): parameters and AdamW's m and v."""
     par = parallelize(MODEL, train_cfg, mesh, plan_of(schedule if mesh.sizes["pp"] > 1 else None, 2, 1))
     resume_from(par, str(path))
-    hooks, u = par.hooks, par.hooks.units
+    states, u = par.states, par.states.units
     _, whole, moments = checkpoint.load_whole(str(path), MODEL, train_cfg)
     held = {"params": whole, "m": moments["m"], "v": moments["v"]}
-    mine = {"params": hooks.params, "m": hooks.state["m"], "v": hooks.state["v"]}
+    mine = {"params": states.params, "m": states.state["m"], "v": states.state["v"]}
     return all(np.array_equal(v, held[kind][n]) for kind, flat in mine.items() for k in u.names
                for n, v in u.views(k, u.slice(k, flat)).items())
 

@@ -61,8 +61,8 @@ def all_ranks(comm, ok: bool) -> bool:
 
 def local(par) -> dict:
     """The parameters this rank holds (its tp shards), by name (plain DP keeps them whole)."""
-    u = par.hooks.units
-    return {n: v for k in u.names for n, v in u.views(k, u.slice(k, par.hooks.params)).items()}
+    u = par.states.units
+    return {n: v for k in u.names for n, v in u.views(k, u.slice(k, par.states.params)).items()}
 
 
 def check_run(comm, mesh_text, sp, schedule, m, changes, algo) -> dict:
@@ -122,9 +122,9 @@ def reassembles_exactly(mesh, path: Path, train_cfg) -> bool:
     global tensors (read whole on one process): parameters and AdamW's m and v."""
     par = parallelize(MODEL, train_cfg, mesh, plan_of(None, 2, 1))
     resume_from(par, str(path))
-    hooks, u = par.hooks, par.hooks.units
+    states, u = par.states, par.states.units
     _, whole, moments = checkpoint.load_whole(str(path), MODEL, train_cfg)
-    mine = {"params": hooks.params, "m": hooks.state["m"], "v": hooks.state["v"]}
+    mine = {"params": states.params, "m": states.state["m"], "v": states.state["v"]}
     held = {"params": whole, "m": moments["m"], "v": moments["v"]}
     ok = True
     for kind, flat in mine.items():

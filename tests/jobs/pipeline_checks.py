@@ -36,7 +36,7 @@ def main(cases) -> None:
         plan = Plan(schedule=kind, microbatches=m, chunks=v)
         par = parallelize(MODEL, TRAIN, mesh, plan)
         run = train(par)
-        whole = par.hooks.full_params()
+        whole = par.states.full_params()
         diff = max(rel_diff(p, reference.params[n]) for n, p in whole.items())
         ex = par.executor
         first = min(ex.stages)

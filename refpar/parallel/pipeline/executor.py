@@ -31,7 +31,7 @@ GPipe and 1F1B, the peak in-flight count times the bytes of one microbatch.
 The loss of each microbatch is its token losses over the *global* token count, so the losses add
 up to the single device's mean; dropout masks are keyed by global sample ids and global layer
 indices, so every stage drops what the single device drops. The stages give their gradients to
-their data-parallel hooks piece by piece (pipeline/stage.py), which accumulate them over the
+their model states piece by piece (pipeline/stage.py), which accumulate them over the
 microbatches and sum them where the strategy says.
 
 Mixed precision: activations and their gradients travel in the model's 16-bit dtype.
@@ -164,7 +164,7 @@ class PipelineExecutor:
              dloss: float = 1.0) -> float:
         """Runs this rank's actions for one optimizer step; returns the sum of the microbatch losses
         computed here (0.0 on ranks without the last stage). The gradients are in the stages'
-        hooks. `dloss`: the fp16 loss scale."""
+        model states. `dloss`: the fp16 loss scale."""
         for stage in self.stages.values():
             stage.dloss = dloss
             if stage.recompute is not None:

@@ -1,7 +1,7 @@
 """One pipeline stage of either model family, for every mesh: a contiguous run of blocks, with the
 embedding on the first stage and the final norm plus the LM head on the last (GPT-2's tied to
 wte). No communication of its own: what moves is the pieces' (tensor, sequence, context and expert
-parallelism) and the hooks'.
+parallelism) and the model states'.
 
 Legend: B microbatch rows, T sequence, Tl this rank's tokens of the residual stream (T, or its cp
 and sp share), C channels, V vocab. The schedule cuts the model into P parts (its p x v stages;
@@ -15,10 +15,10 @@ Each stage runs the three actions of a schedule:
     dx, saved  = stage.backward_input(dout, cache, mb, weight=True)    # B: the input gradient
     stage.backward_weight(saved)                                       # W: weight gradients
 
-and every piece inside them (the embedding, each block, the head) asks the stage's `hooks` (the
-data-parallel strategy, refpar/parallel/units.py) for its units' parameters just before it runs and
-hands them back right after (`acquire` / `release`: ZeRO-3 and FSDP gather and free them there),
-then gives its gradients to the hooks (`fold`) and says which units are complete (`done`: DP's
+and every piece inside them (the embedding, each block, the head) asks the stage's `states` (the
+data-parallel strategy, refpar/parallel/model_states.py) for its units' parameters just before it
+runs and hands them back right after (`acquire` / `release`: ZeRO-3 and FSDP gather and free them
+there), then gives its gradients to them (`fold`) and says which units are complete (`done`: DP's
 buckets and ZeRO's reduce-scatters start there). So ZeRO-3, FSDP and DP plug into this one class.
 
 Two kinds of pieces, one class:
@@ -61,7 +61,7 @@ from refpar.model.gpt import DropoutContext, attention_core, embed_backward, mer
 from refpar.model.layers import cross_entropy_backward, dropout_backward, gelu_backward, layernorm_backward
 from refpar.parallel.llama_tensor_parallel import llama_parallel_block_backward, llama_parallel_block_forward
 from refpar.parallel.tensor_parallel import parallel_block_backward, parallel_block_forward
-from refpar.parallel.units import attach, detach
+from refpar.parallel.views import attach, detach
 from refpar.parallel.vocab_parallel import (
     llama_vocab_parallel_embedding_backward,
     llama_vocab_parallel_embedding_forward,
@@ -95,7 +95,7 @@ def _linear_dw(x, dout):
 
 class Stage:
     """Part `part` of the model `config` cut in `n_parts` (the stage's schedules.StageMap.part); `units`
-    the unit keys this rank holds of it (refpar/holdings.py), `hooks` its data-parallel strategy,
+    the unit keys this rank holds of it (refpar/holdings.py), `states` its model states,
     `lay` its tensor_parallel.Layout
     (None: the model's own layers), `moe` the expert-parallel layer of its MoE blocks. A MoE stage
     routes each microbatch with `runs[sample ids]` (expert_parallel.RoutingRuns) and files its
@@ -103,9 +103,9 @@ class Stage:
     `kv`: the mesh's "kv" group, where Llama's tp ranks replicate kv heads (else None).
     `recompute`: the rank's recompute.Recompute, or None (nothing recomputed)."""
 
-    def __init__(self, config, n_parts: int, part: int, units: list[str], hooks, lay=None, moe=None,
+    def __init__(self, config, n_parts: int, part: int, units: list[str], states, lay=None, moe=None,
                  runs=None, routings=None, kv=None, recompute=None):
-        self.config, self.part, self.hooks, self.lay, self.kv = config, part, hooks, lay, kv
+        self.config, self.part, self.states, self.lay, self.kv = config, part, states, lay, kv
         self.recompute = recompute
         mode = "none" if recompute is None else recompute.mode
         self.full, self.selective = mode == "full", mode == "selective" and lay is None
@@ -128,13 +128,13 @@ class Stage:
 
     def _acquire(self, j: int, pieces: list, phase: str, mb: int):
         following = pieces[j + 1] if j + 1 < len(pieces) else ()
-        return self.hooks.acquire(pieces[j], phase, (self.part, mb), following)
+        return self.states.acquire(pieces[j], phase, (self.part, mb), following)
 
     # -- F --------------------------------------------------------------------------------------
     def forward(self, x, targets, drop: DropoutContext, normalizer, mb: int = 0):
         """F. x is tokens (B, T) on the first stage, the previous stage's output (B, Tl, C) after.
         Returns the output (B, Tl, C), or the loss (a 0-d array) on the last stage, and the cache."""
-        hooks, pieces = self.hooks, self._pieces(True)
+        states, pieces = self.states, self._pieces(True)
         if self.moe is not None:
             self.moe.runs = self.runs[drop.sample_ids]  # this microbatch's token runs
         c_embed = c_head = None
@@ -144,7 +144,7 @@ class Stage:
             x, c_embed = self._embed(x, p, drop)  # (B, Tl, C)
             c_embed = detach(c_embed, bases)
             del p, bases  # no reference left, so a gathered unit is really freed
-            hooks.release(self.ends, "embed:fwd", (self.part, mb))
+            states.release(self.ends, "embed:fwd", (self.part, mb))
             j += 1
         c_blocks = []
         for layer in self.layers:
@@ -157,14 +157,14 @@ class Stage:
                 c = (*c[:4], (*c[4][:3], drop), *c[5:])
             c_blocks.append(detach(c, bases))
             del p, bases, c, x_in
-            hooks.release(self.blocks[layer], "fwd", (self.part, mb))
+            states.release(self.blocks[layer], "fwd", (self.part, mb))
             j += 1
         if self.last:
             p, bases = self._acquire(j, pieces, "head:fwd", mb)
             x, c_head = self._head(x, p, targets, normalizer)  # a 0-d array
             c_head = detach(c_head, bases)
             del p, bases
-            hooks.release(self.ends, "head:fwd", (self.part, mb))
+            states.release(self.ends, "head:fwd", (self.part, mb))
         if self.moe is not None:
             for layer in self.layers:
                 if layer in self.config.moe_blocks:
@@ -177,7 +177,7 @@ class Stage:
         loss starts it). Returns dx (B, Tl, C), None on the first stage, and what W needs (nothing
         with `weight`, or with tensor-parallel pieces: their weight gradients are given already)."""
         c_embed, c_blocks, c_head = cache
-        hooks, pieces, hold = self.hooks, self._pieces(False), (self.part, mb)
+        states, pieces, hold = self.states, self._pieces(False), (self.part, mb)
         now = weight or self.fused
         saved = []  # (units it completes, what the weight half needs), in backward order
 
@@ -192,7 +192,7 @@ class Stage:
             bases = self._acquire(j, pieces, "head:bwd", mb)[1]  # the cache holds what it reads
             d, w = self._head_backward(attach(c_head, bases))  # (B, Tl, C)
             del c_head, bases
-            hooks.release(self.ends, "head:bwd", hold)
+            states.release(self.ends, "head:bwd", hold)
             weights(() if self.first else self.ends, w)  # on a first stage the embedding completes them
             j += 1
         for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
@@ -210,7 +210,7 @@ class Stage:
             if self.full:
                 self.recompute.done()
             del c, p, bases
-            hooks.release(self.blocks[layer], "bwd", hold)
+            states.release(self.blocks[layer], "bwd", hold)
             weights(self.blocks[layer], w)
             j += 1
         if self.first:
@@ -277,10 +277,10 @@ class Stage:
         return ("grads", embed(d, c_embed, lay, self._row_counts(d)))
 
     def backward_weight(self, saved) -> None:
-        """W: each piece's weight gradients from what B saved, given to the hooks piece by piece."""
+        """W: each piece's weight gradients from what B saved, given to the model states piece by piece."""
         for done, (kind, arrays) in saved:
-            self.hooks.fold(arrays if kind == "grads" else self._weight_grads(kind, arrays))
-            self.hooks.done(done)
+            self.states.fold(arrays if kind == "grads" else self._weight_grads(kind, arrays))
+            self.states.done(done)
 
     def _row_counts(self, like) -> dict:
         """Stand-ins for the embedding's tables (GPT-2's wte and wpe, Llama's embed_tokens): the
