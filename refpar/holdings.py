@@ -145,7 +145,7 @@ def kv_heads(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
 
 
 def _llama_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
-    """Llama's table (refpar/parallel/llama_tensor_parallel.py), weights in HF's [out, in] layout."""
+    """Llama's table (refpar/parallel/llama_pieces.py), weights in HF's [out, in] layout."""
     hs, F = config.head_size, config.intermediate_size
     h0, h1 = shard_range(config.n_head, t, rank)
     k0, k1 = kv_heads(config, t, rank)
@@ -167,7 +167,7 @@ def _llama_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[
 def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
     """Which slice of each full parameter tp rank `rank` of `t` holds: (axis, global indices);
     absent = replicated (refpar/parallel/tensor_parallel.py has the table, and
-    llama_tensor_parallel.py Llama's)."""
+    llama_pieces.py Llama's)."""
     if config.arch == "llama":
         return _llama_tp_slices(config, t, rank)
     C, hs = config.n_embd, config.head_size

@@ -95,16 +95,17 @@ def layer_bytes(model: ModelConfig, r: RankShape, attention: str = "local", drop
 
 
 def embed_bytes(model: ModelConfig, r: RankShape, dropout: bool = True) -> int:
-    """Vocab-parallel embedding: row ids (int64) and ownership flags (bool) of the looked-up tokens,
-    and the embd dropout mask."""
-    return r.B * r.Ta * (8 + 1) + (r.B * r.Tl * model.n_embd * r.e if dropout else 0)
+    """Vocab-parallel embedding: the looked-up token ids (int64; the backward finds its rows among
+    them again), and the embd dropout mask."""
+    return r.B * r.Ta * 8 + (r.B * r.Tl * model.n_embd * r.e if dropout else 0)
 
 
 def head_bytes(model: ModelConfig, r: RankShape) -> int:
-    """ln_f (x-hat, rstd), its output kept by the LM head, and over this rank's vocabulary rows
-    (B, Ta, V/t) the softmax probabilities and the one-hot targets (as the model's cross-entropy)."""
+    """ln_f (x-hat, rstd), its output kept by the LM head, over this rank's vocabulary rows (B, Ta,
+    V/t) the softmax probabilities, and the int64 targets (the backward makes their one-hot rows
+    again, as the model's cross-entropy does)."""
     C = model.n_embd
-    return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * r.e * 2 * r.V
+    return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * (r.e * r.V + 8)
 
 
 def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str = "none") -> dict[str, int]:
@@ -137,7 +138,7 @@ def llama_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = N
                       Tl: int | None = None, Ta: int | None = None, attention: str = "local",
                       cp: int = 1, cp_rank: int = 0, recompute: str = "none") -> int:
     """One Llama block's kept bytes (refpar/model/llama.py's caches, each buffer once), for b
-    sequences of T tokens, kv = n_kv_head * head_size; on a tp rank (llama_tensor_parallel) of its
+    sequences of T tokens, kv = n_kv_head * head_size; on a tp rank (llama_pieces) of its
     `heads` query heads, `kv_heads` kv heads and `ff` SwiGLU columns, where C in the inside terms is
     its heads' columns (the RMSNorms and their outputs stay whole); on a cp rank of cp ranks holding
     `Ta` of the tokens (default T), attention "ring" or "ulysses"; under sp of the `Tl` tokens of its

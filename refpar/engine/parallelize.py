@@ -49,12 +49,13 @@ from refpar.parallel.data_parallel import DataParallel
 from refpar.parallel.expert_parallel import ExpertParallelMoE, routing_runs, token_runs
 from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
+from refpar.parallel.pieces import tp_layout
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.schedules import layout, of_plan
 from refpar.parallel.pipeline.stage import Stage
 from refpar.parallel.recompute import Recompute, SelectiveAttention
 from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
-from refpar.parallel.tensor_parallel import shard_params_tp, tp_layout
+from refpar.parallel.tensor_parallel import shard_params_tp
 from refpar.parallel.units import Units
 from refpar.parallel.zero import Zero
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from array_api_compat import array_namespace, device
+from array_api_compat import array_namespace
 
 from refpar.holdings import ENDS, stage_layers
 from refpar.model import gpt, llama
@@ -59,19 +59,9 @@ from refpar.model.attention import attention_backward
 from refpar.model.gemm import matmul
 from refpar.model.gpt import DropoutContext, attention_core, embed_backward, merge_heads, split_heads
 from refpar.model.layers import cross_entropy_backward, dropout_backward, gelu_backward, layernorm_backward
-from refpar.parallel.llama_tensor_parallel import llama_parallel_block_backward, llama_parallel_block_forward
-from refpar.parallel.tensor_parallel import parallel_block_backward, parallel_block_forward
+from refpar.parallel.pieces import family, head_backward, head_forward
+from refpar.parallel.tensor_parallel import weight_grads
 from refpar.parallel.units import attach, detach
-from refpar.parallel.vocab_parallel import (
-    llama_vocab_parallel_embedding_backward,
-    llama_vocab_parallel_embedding_forward,
-    llama_vocab_parallel_head_backward,
-    llama_vocab_parallel_head_forward,
-    vocab_parallel_embedding_backward,
-    vocab_parallel_embedding_forward,
-    vocab_parallel_head_backward,
-    vocab_parallel_head_forward,
-)
 from refpar.precision import fp32_compute
 
 
@@ -218,30 +208,25 @@ class Stage:
             d = None
         return d, saved
 
-    # -- the pieces: the model's own layers (GPT-2's or Llama's) or tensor parallelism's -------
+    # -- the pieces: the model's own layers (GPT-2's or Llama's) or the Layout's (refpar/parallel/pieces.py)
     def _embed(self, tokens, p, drop):
         lay = self.lay
         if lay is None:
             return self.own.embed_forward(tokens, p, drop)
-        if self.own is llama:
-            return llama_vocab_parallel_embedding_forward(tokens[:, lay.region_pos], p, lay)
-        return vocab_parallel_embedding_forward(tokens[:, lay.region_pos], p, lay, drop)
+        return family(self.config).embed(tokens[:, lay.region_pos], p, lay, drop)
 
     def _block(self, x, p, layer: int, drop):
         """Block `layer`'s forward: (out (B, Tl, C), cache)."""
         lay = self.lay
         if lay is None:
             return self.own.block_forward(x, p, layer, self.config, drop)
-        if self.own is llama:
-            return llama_parallel_block_forward(x, p, layer, lay, self.kv, self.moe)
-        return parallel_block_forward(x, p, layer, lay, drop, self.moe)
+        return family(self.config).block(x, p, layer, lay, drop, self.moe, self.kv)
 
     def _head(self, x, p, targets, normalizer):
         lay = self.lay
         if lay is None:
             return self.own.head_forward(x, p, targets, self.config, normalizer)
-        head = llama_vocab_parallel_head_forward if self.own is llama else vocab_parallel_head_forward
-        return head(x, p, targets[:, lay.region_pos], lay, normalizer)
+        return head_forward(x, p, targets[:, lay.region_pos], lay, normalizer)
 
     def _head_backward(self, c_head):
         """-> (dx, what the weight half needs): GPT-2's own head split for W, the others fused."""
@@ -250,10 +235,9 @@ class Stage:
             return self._head_input(c_head)
         if lay is None:
             d, grads = llama.head_backward(c_head, self.dloss)
-        else:
-            head = llama_vocab_parallel_head_backward if self.own is llama else vocab_parallel_head_backward
-            d, grads = head(c_head, lay, self.dloss)
-        return d, ("grads", grads)
+            return d, ("grads", grads)
+        d, work = head_backward(c_head, lay, self.dloss)
+        return d, ("work", work)
 
     def _block_backward(self, d, c, layer: int):
         lay = self.lay
@@ -262,9 +246,8 @@ class Stage:
         if lay is None:
             d, grads = llama.block_backward(d, c)
             return d, ("grads", grads)
-        block = llama_parallel_block_backward if self.own is llama else parallel_block_backward
-        d, grads = block(d, c, layer, lay)
-        return d, ("grads", grads)
+        d, work = family(self.config).block_backward(d, c, layer, lay)
+        return d, ("work", work)
 
     def _embed_backward(self, d, c_embed):
         lay = self.lay
@@ -272,9 +255,7 @@ class Stage:
             return ("embed", (d, c_embed))
         if lay is None:
             return ("grads", llama.embed_backward(d, c_embed))
-        embed = (llama_vocab_parallel_embedding_backward if self.own is llama else
-                 vocab_parallel_embedding_backward)
-        return ("grads", embed(d, c_embed, lay, self._row_counts(d)))
+        return ("work", family(self.config).embed_backward(d, c_embed, lay))
 
     def backward_weight(self, saved) -> None:
         """W: each piece's weight gradients from what B saved, given to the hooks piece by piece."""
@@ -282,19 +263,12 @@ class Stage:
             self.hooks.fold(arrays if kind == "grads" else self._weight_grads(kind, arrays))
             self.hooks.done(done)
 
-    def _row_counts(self, like) -> dict:
-        """Stand-ins for the embedding's tables (GPT-2's wte and wpe, Llama's embed_tokens): the
-        vocab-parallel embedding's backward reads only their numbers of rows (V/t and n_positions),
-        so zero-width arrays spare gathering them."""
-        xp, lay = array_namespace(like), self.lay
-        rows = ({"model.embed_tokens.weight": lay.vocab[1] - lay.vocab[0]} if self.own is llama else
-                {"wte.weight": lay.vocab[1] - lay.vocab[0], "wpe.weight": self.config.n_positions})
-        return {n: xp.zeros((r, 0), dtype=like.dtype, device=device(like)) for n, r in rows.items()}
-
     # -- the model's layers, split in halves, mirroring gpt.head_backward and gpt.block_backward --
 
     def _weight_grads(self, kind: str, arrays) -> dict:
         """The weight half of a piece: its gradients from what its input half kept."""
+        if kind == "work":  # the Layout's pieces' weight halves
+            return weight_grads(arrays)
         if kind == "embed":  # the first stage's input gradient scattered into wte and wpe
             return embed_backward(*arrays)
         grads = {}
