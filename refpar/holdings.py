@@ -119,14 +119,6 @@ def kv_replicas(config: ModelConfig, t: int) -> int:
     return t // config.n_kv_head
 
 
-def own_layers(config: ModelConfig, sizes: dict, sp: bool, recompute: str = "none") -> bool:
-    """Whether a stage runs the model's own layers (refpar/model) rather than tensor parallelism's
-    pieces: no tp, cp, sp or experts, and for Llama no selective recomputation, whose attention core
-    swap (recompute.SelectiveAttention) is the pieces' (on a tp=1 layout then)."""
-    return (sizes.get("tp", 1) == 1 and sizes.get("cp", 1) == 1 and not sp and not config.moe_experts
-            and not (config.arch == "llama" and recompute == "selective"))
-
-
 def kv_heads_per_rank(config: ModelConfig, t: int) -> int:
     """How many kv heads each tp rank holds: n_kv_head / t, one when replicated; GPT-2's are its
     query heads, n_head / t."""

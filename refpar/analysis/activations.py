@@ -108,31 +108,6 @@ def head_bytes(model: ModelConfig, r: RankShape) -> int:
     return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * (r.e * r.V + 8)
 
 
-def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str = "none") -> dict[str, int]:
-    """Bytes each piece of the model's own layers (a stage without tp, cp, sp or experts) keeps for
-    the backward of a microbatch of b sequences of T tokens
-    (an array several caches share counts once, parameters not at all). A block keeps what
-    `layer_bytes` counts for one rank without tensor, sequence or
-    context parallelism (Korthikanti et al. 2022's terms as refpar keeps them). The model's own
-    embedding keeps the int64 tokens and positions and, with dropout, its mask; its head keeps
-    ln_f's x̂, 1/σ and output, the softmax probabilities (b, T, V) and the int64 targets. With
-    `recompute` a block keeps what `layer_bytes` says then; "core" is its attention core's
-    `core_bytes`."""
-    if config.arch == "llama":
-        return llama_activation_bytes(config, b, T, recompute)
-    e = dtype_of(config.dtype).itemsize
-    rank = RankShape(B=b, T=T, Ta=T, Tl=T, t=1, c=1, nh=config.n_head, V=config.vocab_size, e=e,
-                     cp_tokens=(T,), cp_rank=0)
-    dropout = config.dropout > 0.0
-    tokens, C, V = b * T, config.n_embd, config.vocab_size
-    return {
-        "embed": 8 * tokens + 8 * T + (e * tokens * C if dropout else 0),
-        "block": layer_bytes(config, rank, "local", dropout, recompute=recompute),
-        "core": core_bytes(config, rank, "local", dropout),
-        "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens,
-    }
-
-
 def llama_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = None,
                       kv_heads: int | None = None, ff: int | None = None, keep_refpar: bool = True,
                       Tl: int | None = None, Ta: int | None = None, attention: str = "local",
@@ -190,13 +165,3 @@ def llama_core_bytes(config: ModelConfig, b: int, T: int, heads: int, kv_heads: 
     if attention == "ring":
         return e * b * Ta * heads * hs + b * heads * Ta * (4 if e == 2 else e)
     return e * heads * Ta * T * b
-
-
-def llama_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str = "none") -> dict[str, int]:
-    """`model_activation_bytes` of Llama's own layers: the embedding keeps the int64 tokens (no
-    position table, no dropout), a block `llama_layer_bytes` (under `recompute` "full" its input;
-    "selective" runs on tensor parallelism's pieces, holdings.own_layers), the head the final norm's
-    x-hat, 1/rms and output, the softmax probabilities (b, T, V) and the int64 targets."""
-    e, tokens, C, V = dtype_of(config.dtype).itemsize, b * T, config.n_embd, config.vocab_size
-    return {"embed": 8 * tokens, "block": llama_layer_bytes(config, b, T, recompute=recompute),
-            "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens}

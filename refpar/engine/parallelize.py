@@ -1,5 +1,5 @@
-"""`parallelize`: the strategies applied to a model (GPT-2, or Llama on its own layers: plan.validate
-says where) on a mesh, in one fixed order, for every mesh.
+"""`parallelize`: the strategies applied to a model (GPT-2 or Llama: plan.validate says what each
+runs) on a mesh, in one fixed order, for every mesh.
 
     par = parallelize(model, train, mesh, Plan(microbatches=4, zero=1))
     run = train(par)                                                   # refpar/engine/train.py
@@ -9,8 +9,8 @@ before it:
 
  1. layout      which tokens and weights of a block this rank computes: tensor parallelism's heads
                 and vocabulary rows (tp), sequence parallelism's residual shard (sp), context
-                parallelism's positions with ring or Ulysses attention (cp) (`layout_for`); None
-                without any of them: the model's own layers, backward split for zero-bubble schedules
+                parallelism's positions with ring or Ulysses attention (cp) (`layout_for`); the
+                trivial layout without any of them (the model's layers, bit for bit)
  2. MoE layer   expert parallelism over ep (its routing over the mesh's `data` group) and expert
                 tensor parallelism over tp, in the MoE blocks; each microbatch's token runs
  3. pipeline    the schedule as data, the stages this pp rank runs (one Stage class), what their
@@ -35,7 +35,6 @@ from refpar.holdings import (
     held_expert,
     keeps_lowp,
     microbatch_samples,
-    own_layers,
     sequence_parallel_param_names,
     stage_names,
     tied_embedding,
@@ -70,7 +69,7 @@ class Parallel:
     train: TrainConfig
     mesh: object
     plan: Plan
-    lay: object  # tensor_parallel.Layout, or None: the model's own layers
+    lay: object  # tensor_parallel.Layout: the pieces' (refpar/parallel/pieces.py)
     hooks: object  # DataParallel, Zero or FSDP
     executor: PipelineExecutor
     ledger: MemoryLedger
@@ -102,10 +101,9 @@ class Parallel:
         return [g for g in (m.tp, m.pp, replicas if sharded else m.ep) if g.size > 1]
 
 
-def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None,
-               recompute: str = "none"):
-    """The tensor_parallel.Layout of this rank's tokens and weights on `mesh` (its tp and cp axes),
-    or None where a block is the model's own (holdings.own_layers)."""
+def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None):
+    """The tensor_parallel.Layout of this rank's tokens and weights on `mesh` (its tp and cp axes):
+    the trivial one (pieces.tp_layout without a tp group) where nothing is split."""
     t, c = mesh.sizes["tp"], mesh.sizes["cp"]
     tp, cp = (mesh.tp if t > 1 else None), (mesh.cp if c > 1 else None)
     if cp is not None and sp:  # sp inside each cp rank's tokens
@@ -114,7 +112,7 @@ def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo
         return cp_layout(model, seq_len, cp, cp_algo or "ring", tp)
     if sp:
         return sp_layout(model, seq_len, mesh.tp)
-    return None if own_layers(model, mesh.sizes, sp, recompute) else tp_layout(model, seq_len, tp)
+    return tp_layout(model, seq_len, tp)
 
 
 def held_params(model: ModelConfig, mesh, names: set[str], seed: int, init_from: str | None = None) -> dict:
@@ -139,7 +137,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     sizes, coords, m = mesh.sizes, mesh.coords, plan.microbatches
     ledger = MemoryLedger()
     # 1. layout
-    lay = layout_for(model, train.seq_len, mesh, plan.sp, plan.cp_algo, plan.recompute)
+    lay = layout_for(model, train.seq_len, mesh, plan.sp, plan.cp_algo)
     # 2. MoE layer
     samples = [tuple(microbatch_samples(model, train.batch_size, m, sizes, coords, j)) for j in range(m)]
     moe, runs = None, {}
@@ -184,14 +182,14 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     # recomputation: what a block keeps and reruns (refpar/parallel/recompute.py)
     recompute = (None if plan.recompute == "none" else
                  Recompute(plan.recompute, ledger, hooks.buffers(), mesh.world.tracer))
-    if recompute is not None and recompute.mode == "selective" and lay is not None:
+    if recompute is not None and recompute.mode == "selective":
         lay = replace(lay, attention=SelectiveAttention(lay.attention, recompute))
 
     def make_stage(s: int, pipe) -> Stage:
         return Stage(model, pipe.stages_per_copy, pipe.part(s), units.of_stage[s], hooks, lay, moe, runs,
                      routings, mesh.axis("kv"), recompute)
 
-    tokens = train.seq_len if lay is None else len(lay.resid_pos)
+    tokens = len(lay.resid_pos)
     like = next(iter(params.values()))
     executor = PipelineExecutor(schedule, model, mesh.pp, make_stage, tokens, like, hooks.buffers(), ledger)
     sp_names = [n for n in sequence_parallel_param_names(model) if n in params] if plan.sp else []

@@ -16,6 +16,10 @@ so a block does two all-reduces forward (g after attention, g after the MLP) and
 (f before each): four, each of (B, T, C). Inside a region nothing moves: the column-parallel linear
 (c_attn, c_fc) splits its output columns, the row-parallel linear (c_proj) its input rows, and
 attention runs on whole heads (the fused c_attn is split per head, so a head's Q, K, V stay together).
+This file holds the pair, the `Layout` and the two linears, each backward in an input and a weight
+half; the blocks built of them are refpar/parallel/gpt2_pieces.py's and llama_pieces.py's, chosen
+by refpar/parallel/pieces.py, which also makes the layouts (`tp_layout`; tp = 1: NO_PAIR, the
+trivial layout every unsplit mesh runs).
 
 Weights a rank holds (GPT-2 Conv1D layout weight[in, out]); all others are replicated:
     wte.weight            rows shard_range(V, t, rank)              (V/t, C), uneven allowed
