@@ -119,14 +119,6 @@ def kv_replicas(config: ModelConfig, t: int) -> int:
     return t // config.n_kv_head
 
 
-def own_layers(config: ModelConfig, sizes: dict, sp: bool, recompute: str = "none") -> bool:
-    """Whether a stage runs the model's own layers (refpar/model) rather than tensor parallelism's
-    pieces: no tp, cp, sp or experts, and for Llama no selective recomputation, whose attention core
-    swap (recompute.SelectiveAttention) is the pieces' (on a tp=1 layout then)."""
-    return (sizes.get("tp", 1) == 1 and sizes.get("cp", 1) == 1 and not sp and not config.moe_experts
-            and not (config.arch == "llama" and recompute == "selective"))
-
-
 def kv_heads_per_rank(config: ModelConfig, t: int) -> int:
     """How many kv heads each tp rank holds: n_kv_head / t, one when replicated; GPT-2's are its
     query heads, n_head / t."""
@@ -145,7 +137,7 @@ def kv_heads(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
 
 
 def _llama_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
-    """Llama's table (refpar/parallel/llama_tensor_parallel.py), weights in HF's [out, in] layout."""
+    """Llama's table (refpar/parallel/llama_pieces.py), weights in HF's [out, in] layout."""
     hs, F = config.head_size, config.intermediate_size
     h0, h1 = shard_range(config.n_head, t, rank)
     k0, k1 = kv_heads(config, t, rank)
@@ -167,7 +159,7 @@ def _llama_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[
 def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
     """Which slice of each full parameter tp rank `rank` of `t` holds: (axis, global indices);
     absent = replicated (refpar/parallel/tensor_parallel.py has the table, and
-    llama_tensor_parallel.py Llama's)."""
+    llama_pieces.py Llama's)."""
     if config.arch == "llama":
         return _llama_tp_slices(config, t, rank)
     C, hs = config.n_embd, config.head_size

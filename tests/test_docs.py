@@ -142,7 +142,7 @@ def test_internals_names_every_step_of_the_engine_as_file_and_function():
             "refpar/engine/run.py:run_job", "refpar/engine/parallelize.py:parallelize",
             "refpar/engine/train.py:train", "refpar/parallel/pipeline/executor.py:PipelineExecutor.step",
             "refpar/parallel/pipeline/stage.py:Stage.forward",
-            "refpar/parallel/tensor_parallel.py:parallel_block_forward",
+            "refpar/parallel/gpt2_pieces.py:block_forward",
             "refpar/parallel/zero.py:Zero.reduce", "refpar/parallel/zero.py:Zero.step",
             "refpar/model/optim.py:adamw_update", "refpar/engine/run.py:collect"]
     assert [p for p in path if p not in named] == []

@@ -212,11 +212,11 @@ def test_planner_prices_tp_past_n_kv_head_with_the_executed_runs_parameter_and_a
         assert held["params"] == planned["params"] and held["optimizer"] == planned["optimizer"]
         # refpar keeps, beyond the planner's Korthikanti et al. terms (float64, e = 8, N = B T tokens):
         # per block each RMSNorm's 1/rms (2 e N) and RoPE's cos and sin (2 e T hs); the vocab-parallel
-        # embedding's int64 row ids and bool ownership flags (9 N); the final norm's 1/rms (e N); and
-        # over the rank's V/4 vocabulary rows the probabilities and one-hot targets (2 e each) where
-        # the planner prices one fp32 logits tensor (4).
+        # embedding's int64 token ids (8 N); the final norm's 1/rms (e N); over the rank's V/4
+        # vocabulary rows the probabilities (e each) where the planner prices one fp32 logits tensor
+        # (4); and the cross-entropy's int64 targets (8 N).
         e, N, T, hs, V4 = 8, train.batch_size * train.seq_len, train.seq_len, config.head_size, 96 // 4
-        beyond = config.n_layer * (2 * e * N + 2 * e * T * hs) + 9 * N + e * N + (2 * e - 4) * N * V4
+        beyond = config.n_layer * (2 * e * N + 2 * e * T * hs) + 8 * N + e * N + (e - 4) * N * V4 + 8 * N
         assert held["activations"] == planned["activations"] + beyond, rank
 
 

@@ -4,7 +4,7 @@
         --trace /tmp/refpar-lesson04-gqa.json
     python lessons/scripts/04_gqa_kv_heads.py /tmp/refpar-lesson04-gqa.jsonl
 
-The layout comes from refpar/holdings.py (the table in refpar/parallel/llama_tensor_parallel.py);
+The layout comes from refpar/holdings.py (the table in refpar/parallel/llama_pieces.py);
 the sums come from the run's trace (JSON lines, one collective per line): block 0's all-reduce of
 its k_proj and v_proj gradients, tagged "model.layers.0.self_attn.kv_proj:replica-grad".
 """

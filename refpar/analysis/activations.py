@@ -95,41 +95,17 @@ def layer_bytes(model: ModelConfig, r: RankShape, attention: str = "local", drop
 
 
 def embed_bytes(model: ModelConfig, r: RankShape, dropout: bool = True) -> int:
-    """Vocab-parallel embedding: row ids (int64) and ownership flags (bool) of the looked-up tokens,
-    and the embd dropout mask."""
-    return r.B * r.Ta * (8 + 1) + (r.B * r.Tl * model.n_embd * r.e if dropout else 0)
+    """Vocab-parallel embedding: the looked-up token ids (int64; the backward finds its rows among
+    them again), and the embd dropout mask."""
+    return r.B * r.Ta * 8 + (r.B * r.Tl * model.n_embd * r.e if dropout else 0)
 
 
 def head_bytes(model: ModelConfig, r: RankShape) -> int:
-    """ln_f (x-hat, rstd), its output kept by the LM head, and over this rank's vocabulary rows
-    (B, Ta, V/t) the softmax probabilities and the one-hot targets (as the model's cross-entropy)."""
+    """ln_f (x-hat, rstd), its output kept by the LM head, over this rank's vocabulary rows (B, Ta,
+    V/t) the softmax probabilities, and the int64 targets (the backward makes their one-hot rows
+    again, as the model's cross-entropy does)."""
     C = model.n_embd
-    return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * r.e * 2 * r.V
-
-
-def model_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str = "none") -> dict[str, int]:
-    """Bytes each piece of the model's own layers (a stage without tp, cp, sp or experts) keeps for
-    the backward of a microbatch of b sequences of T tokens
-    (an array several caches share counts once, parameters not at all). A block keeps what
-    `layer_bytes` counts for one rank without tensor, sequence or
-    context parallelism (Korthikanti et al. 2022's terms as refpar keeps them). The model's own
-    embedding keeps the int64 tokens and positions and, with dropout, its mask; its head keeps
-    ln_f's x̂, 1/σ and output, the softmax probabilities (b, T, V) and the int64 targets. With
-    `recompute` a block keeps what `layer_bytes` says then; "core" is its attention core's
-    `core_bytes`."""
-    if config.arch == "llama":
-        return llama_activation_bytes(config, b, T, recompute)
-    e = dtype_of(config.dtype).itemsize
-    rank = RankShape(B=b, T=T, Ta=T, Tl=T, t=1, c=1, nh=config.n_head, V=config.vocab_size, e=e,
-                     cp_tokens=(T,), cp_rank=0)
-    dropout = config.dropout > 0.0
-    tokens, C, V = b * T, config.n_embd, config.vocab_size
-    return {
-        "embed": 8 * tokens + 8 * T + (e * tokens * C if dropout else 0),
-        "block": layer_bytes(config, rank, "local", dropout, recompute=recompute),
-        "core": core_bytes(config, rank, "local", dropout),
-        "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens,
-    }
+    return r.B * r.Tl * r.e * (C + 1 + C) + r.B * r.Ta * (r.e * r.V + 8)
 
 
 def llama_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = None,
@@ -137,7 +113,7 @@ def llama_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = N
                       Tl: int | None = None, Ta: int | None = None, attention: str = "local",
                       cp: int = 1, cp_rank: int = 0, recompute: str = "none") -> int:
     """One Llama block's kept bytes (refpar/model/llama.py's caches, each buffer once), for b
-    sequences of T tokens, kv = n_kv_head * head_size; on a tp rank (llama_tensor_parallel) of its
+    sequences of T tokens, kv = n_kv_head * head_size; on a tp rank (llama_pieces) of its
     `heads` query heads, `kv_heads` kv heads and `ff` SwiGLU columns, where C in the inside terms is
     its heads' columns (the RMSNorms and their outputs stay whole); on a cp rank of cp ranks holding
     `Ta` of the tokens (default T), attention "ring" or "ulysses"; under sp of the `Tl` tokens of its
@@ -189,13 +165,3 @@ def llama_core_bytes(config: ModelConfig, b: int, T: int, heads: int, kv_heads: 
     if attention == "ring":
         return e * b * Ta * heads * hs + b * heads * Ta * (4 if e == 2 else e)
     return e * heads * Ta * T * b
-
-
-def llama_activation_bytes(config: ModelConfig, b: int, T: int, recompute: str = "none") -> dict[str, int]:
-    """`model_activation_bytes` of Llama's own layers: the embedding keeps the int64 tokens (no
-    position table, no dropout), a block `llama_layer_bytes` (under `recompute` "full" its input;
-    "selective" runs on tensor parallelism's pieces, holdings.own_layers), the head the final norm's
-    x-hat, 1/rms and output, the softmax probabilities (b, T, V) and the int64 targets."""
-    e, tokens, C, V = dtype_of(config.dtype).itemsize, b * T, config.n_embd, config.vocab_size
-    return {"embed": 8 * tokens, "block": llama_layer_bytes(config, b, T, recompute=recompute),
-            "head": e * (2 * tokens * C + tokens + tokens * V) + 8 * tokens}

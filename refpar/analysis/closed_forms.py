@@ -27,7 +27,7 @@ Per step, the rank at mesh coordinates `coords`:
 Memory: the data-parallel strategy's states and transients (analysis/data_parallel.py), and the
 activations: the schedule's replay (simulate.stored) of what each F keeps until its B (and, where
 the backward is split, what B keeps until W), from analysis/activations.py's terms (the model's
-own layers without tp, cp, sp or experts: analysis/activations.model_activation_bytes).
+pieces of refpar/parallel/pieces.py, the trivial layout's where nothing is split).
 
 Mixed precision: e = 2 for activations, p2p messages and parameter all-gathers; gradient sums
 move gi bytes per element (2, or 4 with fp32_grads); the strategies' float32 pieces (cross-entropy
@@ -50,7 +50,6 @@ from refpar.analysis.activations import (
     layer_bytes,
     llama_core_bytes,
     llama_layer_bytes,
-    model_activation_bytes,
 )
 from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
 from refpar.comm import cost
@@ -64,7 +63,6 @@ from refpar.holdings import (
     kv_heads,
     kv_replicas,
     microbatch_samples,
-    own_layers,
     sequence_parallel_param_names,
     stage_layers,
     stage_names,
@@ -153,14 +151,10 @@ def rank_units(model: ModelConfig, sizes: dict, coords: dict, plan) -> dp_forms.
                               fused=not split_backward(model, sizes, plan))
 
 
-def plain(model, sizes: dict, plan) -> bool:
-    """Whether the blocks are the model's own (holdings.own_layers; refpar/engine/parallelize)."""
-    return own_layers(model, sizes, plan.sp, plan.recompute)
-
-
 def split_backward(model, sizes: dict, plan) -> bool:
-    """Whether a stage's backward is split into B and W (GPT-2's own layers; Llama's fuse them)."""
-    return plain(model, sizes, plan) and model.arch == "gpt2"
+    """Whether a stage's backward is split into B and W: every piece's is (refpar/parallel/pieces.py)
+    but in a model with MoE blocks, whose layer gives its gradients fused (pipeline/stage.py)."""
+    return not model.moe_experts
 
 
 def precision(model: ModelConfig, cfg: TrainConfig, sizes: dict) -> dp_forms.Precision:
@@ -386,10 +380,6 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
     """What microbatch j (b rows) keeps on the rank at `coords` of part `stage` of the model cut in
     `n_stages` (StageMap.part) between its F and B; `kept` (MoE): layer -> its (kept, pairs) counts."""
     layers = stage_layers(model.n_layer, n_stages, stage)
-    if plain(model, sizes, plan):
-        pieces = model_activation_bytes(model, b, cfg.seq_len, plan.recompute)
-        return (pieces["embed"] * (stage == 0) + len(layers) * pieces["block"]
-                + pieces["head"] * (stage == n_stages - 1))
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
     dropout = model.dropout > 0.0
     block = (_llama_block_bytes(model, cfg, coords, r, plan, plan.recompute) if model.arch == "llama" else
@@ -431,8 +421,6 @@ def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
     block's cache of the stage (full; a MoE block's from its kept counts `kept`); 0 without."""
     if plan.recompute == "none":
         return 0
-    if plain(model, sizes, plan):
-        return model_activation_bytes(model, b, cfg.seq_len)["block" if plan.recompute == "full" else "core"]
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
     llama = model.arch == "llama"
     if plan.recompute == "selective":
@@ -447,17 +435,36 @@ def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
                for i in stage_layers(model.n_layer, n_stages, stage))
 
 
-def weight_activation_bytes(model: ModelConfig, cfg: TrainConfig, stage: int, n_stages: int, b: int) -> int:
-    """What B keeps for W where a schedule splits them (the model's own layers): per linear layer its
-    input (from F's cache) and its output gradient, per LayerNorm its two gains' gradients; the
-    head's ln_f output and logits' gradient; the first stage's input gradient and embedding cache."""
-    e, C, V, N = np.dtype(model.dtype).itemsize, model.n_embd, model.vocab_size, b * cfg.seq_len
-    block = e * (N * (4 * C + C + C + C) + N * (C + 4 * C + C + 3 * C) + 4 * C)
+def weight_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, stage: int,
+                            n_stages: int, b: int, plan) -> int:
+    """What B keeps for W where a schedule splits them (refpar/parallel/pieces.py's weight halves),
+    on the rank of shape r (b rows): per linear layer its input and its output gradient, a row-
+    parallel one's both over the region's Ta tokens (the input gradient gathered under sp) and its
+    bias's over the residual stream's Tl; per norm its gains' gradients; the head's norm output and
+    the logits' gradient of its vocabulary rows; the first stage's embedding gradient (gathered
+    under sp) and token ids, and GPT-2's wpe gradient's input."""
+    r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
+    e, C, Na, Nl = r.e, model.n_embd, r.B * r.Ta, r.B * r.Tl
+    gathered = Na * C if plan.sp else 0  # a row-parallel linear's output gradient over the region
+    col = Na if plan.sp else Nl  # the column-parallel linears keep their input entered again
+    if model.arch == "llama":
+        k0, k1 = kv_heads(model, r.t, coords["tp"])
+        Ch, kv = r.nh * model.head_size, (k1 - k0) * model.head_size
+        F = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+        # down's input and gradient, gate's and up's gradients, o's input and gradient, q's, k's and
+        # v's gradients; the two norms' outputs; their gains
+        block = e * (Na * (F + C + 2 * F + Ch + C + Ch + 2 * kv) + 2 * col * C + 2 * C)
+    else:
+        Cl = C // r.t
+        # mlp.c_proj's and attn.c_proj's inputs (4C/t, C/t), c_fc's and c_attn's output gradients
+        # (4C/t, 3C/t), their inputs (ln_2's and ln_1's outputs), the row-parallel output gradients;
+        # the LayerNorm gains
+        block = e * (Na * 12 * Cl + 2 * col * C + 2 * (Nl * C + gathered) + 4 * C)
     n = len(stage_layers(model.n_layer, n_stages, stage)) * block
     if stage == n_stages - 1:
-        n += e * (N * (C + V) + 2 * C)
+        n += e * (col * C + Na * r.V + (C if model.arch == "llama" else 2 * C))
     if stage == 0:
-        n += e * N * C + model_activation_bytes(model, b, cfg.seq_len)["embed"]
+        n += e * (gathered or Nl * C) + 8 * Na + (e * Nl * C if model.arch == "gpt2" and plan.sp else 0)
     return n
 
 
@@ -480,7 +487,8 @@ def activation_peak(model, cfg, sizes, coords, plan, kept_by_step=None) -> int:
         def after_b(a):
             if not split_w:
                 return 0
-            return weight_activation_bytes(model, cfg, lay.part(a.stage), P, rows[a.microbatch])
+            part, b = lay.part(a.stage), rows[a.microbatch]
+            return weight_activation_bytes(model, cfg, sizes, coords, part, P, b, plan)
 
         def during_b(a, kept=kept):
             if where[a.stage] != r:

@@ -51,7 +51,7 @@ class LayerParams:
     def per_tp_rank(self, tp, n_kv_head):
         """What one of t tensor-parallel ranks holds of `split`: a t-th, except K and V, of which it
         holds max(1, nkv / t) whole kv heads: past t = nkv each kv head is replicated on t / nkv
-        ranks (grouped-query attention; refpar/parallel/llama_tensor_parallel.py, Megatron-LM, vLLM)."""
+        ranks (grouped-query attention; refpar/parallel/llama_pieces.py, Megatron-LM, vLLM)."""
         return (self.split - self.kv) / tp + self.kv / np.minimum(tp, n_kv_head)
 
 

@@ -121,7 +121,7 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
         return Call("tp", "reduce_scatter", tag, b.sent, b.recv)
 
     ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta, compute_itemsize(e)) for k in ("max", "sumexp", "target")]
-    # Llama's blocks move what GPT-2's do (llama_tensor_parallel.py), under other tags
+    # Llama's blocks move what GPT-2's do (llama_pieces.py), under other tags
     embed = "wte" if model.arch == "gpt2" else "model.embed_tokens"
     if not sp:
         calls = [ar(f"{embed}:fwd", act)]

@@ -62,7 +62,7 @@ def check_gpus(gpus: int, hw: Hardware) -> None:
 def splits_heads(spec: ModelSpec, tp: int) -> bool:
     """Whether tp ranks each get whole query heads and whole kv heads: tp divides the query heads,
     and either divides the kv heads or is a multiple of them (each kv head then replicated on
-    tp / nkv ranks, refpar/parallel/llama_tensor_parallel.py's layout), so that no rank's query
+    tp / nkv ranks, refpar/parallel/llama_pieces.py's layout), so that no rank's query
     heads read two kv heads."""
     return spec.n_head % tp == 0 and (spec.n_kv_head % tp == 0 or tp % spec.n_kv_head == 0)
 

@@ -276,7 +276,7 @@ def tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int
 def llama_tp(comm, dtype: str = "float64", convention: str = "global", batch_size: int = 8) -> list[dict]:
     """DTensor tensor parallelism of Llama (refpar/conformance/torch_llama.py; q_proj, k_proj,
     v_proj, gate_proj and up_proj ColwiseParallel, o_proj and down_proj RowwiseParallel, as
-    torchtitan's parallelize_llama) against refpar's TP (refpar/parallel/llama_tensor_parallel.py)
+    torchtitan's parallelize_llama) against refpar's TP (refpar/parallel/llama_pieces.py)
     on tp = world, llama-tiny's 4 query heads over 2 kv heads with 2 blocks: grouped-query attention
     with 2 query heads reading each kv head. ColwiseParallel's contiguous chunk r of q_proj, k_proj
     and v_proj is rank r's query heads and the kv heads they read, the rows refpar keeps, so no

@@ -1,5 +1,5 @@
-"""`parallelize`: the strategies applied to a model (GPT-2, or Llama on its own layers: validate.py
-says where) on a mesh, in one fixed order, for every mesh.
+"""`parallelize`: the strategies applied to a model (GPT-2 or Llama: engine/validate.py says what
+each runs) on a mesh, in one fixed order, for every mesh.
 
     par = parallelize(model, train, mesh, Plan(microbatches=4, zero=1))
     run = train(par)                                                   # refpar/engine/train.py
@@ -9,8 +9,8 @@ before it:
 
  1. layout      which tokens and weights of a block this rank computes: tensor parallelism's heads
                 and vocabulary rows (tp), sequence parallelism's residual shard (sp), context
-                parallelism's positions with ring or Ulysses attention (cp) (`layout_for`); None
-                without any of them: the model's own layers, backward split for zero-bubble schedules
+                parallelism's positions with ring or Ulysses attention (cp) (`layout_for`); the
+                trivial layout without any of them (the model's layers, bit for bit)
  2. MoE layer   expert parallelism over ep (its routing over the mesh's `data` group) and expert
                 tensor parallelism over tp, in the MoE blocks; each microbatch's token runs
  3. pipeline    the schedule as data, the stages this pp rank runs (one Stage class), what their
@@ -36,7 +36,6 @@ from refpar.holdings import (
     held_expert,
     keeps_lowp,
     microbatch_samples,
-    own_layers,
     sequence_parallel_param_names,
     stage_names,
     tied_embedding,
@@ -51,6 +50,7 @@ from refpar.parallel.expert_parallel import ExpertParallelMoE
 from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
 from refpar.parallel.model_states import Composition
+from refpar.parallel.pieces import tp_layout
 from refpar.parallel.pipeline.builders import of_plan
 from refpar.parallel.pipeline.executor import PipelineExecutor
 from refpar.parallel.pipeline.schedules import stage_map
@@ -58,7 +58,7 @@ from refpar.parallel.pipeline.stage import Stage
 from refpar.parallel.recompute import Recompute, SelectiveAttention
 from refpar.parallel.routing_runs import routing_runs, token_runs
 from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
-from refpar.parallel.tensor_parallel import shard_params_tp, tp_layout
+from refpar.parallel.tensor_parallel import shard_params_tp
 from refpar.parallel.units import Units
 from refpar.parallel.zero import Zero1, Zero2, Zero3
 
@@ -71,7 +71,7 @@ class Parallel:
     train: TrainConfig
     mesh: object
     plan: Plan
-    lay: object  # tensor_parallel.Layout, or None: the model's own layers
+    lay: object  # tensor_parallel.Layout: the pieces' (refpar/parallel/pieces.py)
     states: object  # model_states.ModelStates: DataParallel, Zero1, Zero2, Zero3 or FSDP
     executor: PipelineExecutor
     ledger: MemoryLedger
@@ -108,10 +108,9 @@ def differing_groups(model: ModelConfig, mesh, plan: Plan) -> list:
     return [g for g in (mesh.tp, mesh.pp, replicas if plan.stage > 0 else mesh.ep) if g.size > 1]
 
 
-def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None,
-               recompute: str = "none"):
-    """The tensor_parallel.Layout of this rank's tokens and weights on `mesh` (its tp and cp axes),
-    or None where a block is the model's own (holdings.own_layers)."""
+def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo: str | None = None):
+    """The tensor_parallel.Layout of this rank's tokens and weights on `mesh` (its tp and cp axes):
+    the trivial one (pieces.tp_layout without a tp group) where nothing is split."""
     t, c = mesh.sizes["tp"], mesh.sizes["cp"]
     tp, cp = (mesh.tp if t > 1 else None), (mesh.cp if c > 1 else None)
     if cp is not None and sp:  # sp inside each cp rank's tokens
@@ -120,7 +119,7 @@ def layout_for(model: ModelConfig, seq_len: int, mesh, sp: bool = False, cp_algo
         return cp_layout(model, seq_len, cp, cp_algo or "ring", tp)
     if sp:
         return sp_layout(model, seq_len, mesh.tp)
-    return None if own_layers(model, mesh.sizes, sp, recompute) else tp_layout(model, seq_len, tp)
+    return tp_layout(model, seq_len, tp)
 
 
 def held_params(model: ModelConfig, mesh, names: set[str], seed: int, init_from: str | None = None) -> dict:
@@ -145,7 +144,7 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     sizes, coords, m = mesh.sizes, mesh.coords, plan.microbatches
     ledger = MemoryLedger()
     # 1. layout
-    lay = layout_for(model, train.seq_len, mesh, plan.sp, plan.cp_algo, plan.recompute)
+    lay = layout_for(model, train.seq_len, mesh, plan.sp, plan.cp_algo)
     # 2. MoE layer
     samples = [tuple(microbatch_samples(model, train.batch_size, m, sizes, coords, j)) for j in range(m)]
     moe, runs = None, {}
@@ -199,14 +198,14 @@ def parallelize(model: ModelConfig, train: TrainConfig, mesh, plan: Plan) -> Par
     # recomputation: what a block keeps and reruns (refpar/parallel/recompute.py)
     recompute = (None if plan.recompute == "none" else
                  Recompute(plan.recompute, ledger, states.buffers(), mesh.world.tracer))
-    if recompute is not None and recompute.mode == "selective" and lay is not None:
+    if recompute is not None and recompute.mode == "selective":
         lay = replace(lay, attention=SelectiveAttention(lay.attention, recompute))
 
     def make_stage(s: int, pipe) -> Stage:
         return Stage(model, pipe.stages_per_copy, pipe.part(s), units.of_stage[s], states, lay, moe, runs,
                      routings, mesh.axis("kv"), recompute)
 
-    tokens = train.seq_len if lay is None else len(lay.resid_pos)
+    tokens = len(lay.resid_pos)
     like = next(iter(params.values()))
     executor = PipelineExecutor(schedule, model, mesh.pp, make_stage, tokens, like, states.buffers(), ledger)
     return Parallel(model, train, mesh, plan, lay, states, executor, ledger, samples, moe, routings)

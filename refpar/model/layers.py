@@ -79,13 +79,34 @@ def linear_forward(x, w, b):
 @fp32_compute
 def linear_backward(dout, cache):
     x, w, has_bias = cache
+    dx = linear_backward_input(dout, w)  # (..., in)
+    dw, db = linear_backward_weight(x, dout, has_bias)  # (in, out), (out,)
+    return dx, dw, db
+
+
+@fp32_compute
+def linear_backward_input(dout, w):
+    """The input half of `linear_backward`, dx = dout @ w.T (..., in): what the layer before waits
+    for. A pipeline's zero-bubble schedules run it in B and the weight half later, in W."""
     xp = array_namespace(dout, w)
     dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, out)
+    return xp.reshape(matmul(dout2, w.T), (*dout.shape[:-1], w.shape[0]))  # (..., in)
+
+
+@fp32_compute
+def linear_backward_weight(x, dout, has_bias):
+    """The weight half of `linear_backward`: dw = x.T @ dout (in, out), db the sum of dout (out,)."""
+    xp = array_namespace(dout, x)
     x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, in)
-    dx = xp.reshape(matmul(dout2, w.T), x.shape)  # (..., in)
-    dw = matmul(x2.T, dout2)  # (in, out)
-    db = xp.sum(dout2, axis=0) if has_bias else None  # (out,)
-    return dx, dw, db
+    dw = matmul(x2.T, xp.reshape(dout, (-1, dout.shape[-1])))  # (in, out)
+    return dw, (bias_backward(dout) if has_bias else None)
+
+
+@fp32_compute
+def bias_backward(dout):
+    """A bias's gradient: dout (..., out) summed over its tokens (out,)."""
+    xp = array_namespace(dout)
+    return xp.sum(xp.reshape(dout, (-1, dout.shape[-1])), axis=0)  # (out,)
 
 
 # ------------------------------------------------------------------------------------- layernorm

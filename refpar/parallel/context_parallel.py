@@ -55,11 +55,10 @@ from array_api_compat import array_namespace, device
 from refpar import backend
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import kv_heads_per_rank
-from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.gemm import matmul
 from refpar.model.layers import as_like, compute, rounded
-from refpar.model.llama_layers import gqa_attention_backward, gqa_attention_forward
-from refpar.parallel.tensor_parallel import Layout, tp_layout
+from refpar.parallel.pieces import family, tp_layout
+from refpar.parallel.tensor_parallel import Layout
 from refpar.sharding import shard_range, shard_sizes
 
 CP_ALGOS = ("ring", "ulysses")
@@ -265,19 +264,17 @@ class UlyssesAttention:
         a, b = shard_range(nh, self.cp.size, self.cp.rank)  # this rank's heads while head-sharded
         qc, kc, vc = self._to_heads([q, k, v], T, f"h.{layer}.attn.ulysses_qkv:fwd")  # (B, n_c, T, hs)
         pos = as_like(np.arange(T), q)
-        if cfg.arch == "llama":  # GQA: the rank's query heads read the kv heads it got (check_cp)
-            y, core = gqa_attention_forward(qc, kc, vc, pos, pos)  # (B, nh_c, T, hs)
-        else:
-            keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
-                             (slice(lay.heads[0] + a, lay.heads[0] + b),))  # (B, nh_c, T, T)
-            y, core = attention_forward(qc, kc, vc, pos, pos, keep, drop.p)  # (B, nh_c, T, hs)
+        keep = drop.keep(layer, "attn", (cfg.n_head, T, T), q,
+                         (slice(lay.heads[0] + a, lay.heads[0] + b),))  # (B, nh_c, T, T) or None
+        # the family's core: Llama's GQA reads the kv heads this rank got (check_cp)
+        y, core = family(cfg).attend(qc, kc, vc, pos, pos, keep, drop.p)  # (B, nh_c, T, hs)
         y = self._to_sequence([y], [nh], f"h.{layer}.attn.ulysses_out:fwd")[0]  # (B, nh, Tl, hs)
-        return y, (core, layer, nh, k.shape[1], cfg.arch)
+        return y, (core, layer, nh, k.shape[1])
 
     def backward(self, dy, cache, lay: Layout):
-        core, layer, nh, nkv, arch = cache
+        core, layer, nh, nkv = cache
         dyh = self._to_heads([dy], lay.seq_len, f"h.{layer}.attn.ulysses_out:bwd")[0]  # (B, nh_c, T, hs)
-        grads = (gqa_attention_backward if arch == "llama" else attention_backward)(dyh, core)
+        grads = family(lay.config).attend_backward(dyh, core)
         return tuple(self._to_sequence(list(grads), [nh, nkv, nkv], f"h.{layer}.attn.ulysses_qkv:bwd"))
 
 

@@ -56,7 +56,7 @@ class Recompute:
 
 
 class SelectiveAttention:
-    """An attention core of a tensor_parallel.Layout (LocalAttention, context_parallel's
+    """An attention core of a tensor_parallel.Layout (pieces.LocalAttention, context_parallel's
     RingAttention or UlyssesAttention) that keeps only q, k and v and runs its forward again
     inside its backward."""
 

@@ -32,7 +32,8 @@ from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
 from refpar.parallel.context_parallel import cp_layout, cp_positions
-from refpar.parallel.tensor_parallel import Layout, RegionPair, check_tp, tp_layout
+from refpar.parallel.pieces import tp_layout
+from refpar.parallel.tensor_parallel import Layout, RegionPair, check_tp
 from refpar.sharding import shard_range, shard_sizes
 
 

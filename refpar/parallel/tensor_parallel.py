@@ -16,6 +16,10 @@ so a block does two all-reduces forward (g after attention, g after the MLP) and
 (f before each): four, each of (B, T, C). Inside a region nothing moves: the column-parallel linear
 (c_attn, c_fc) splits its output columns, the row-parallel linear (c_proj) its input rows, and
 attention runs on whole heads (the fused c_attn is split per head, so a head's Q, K, V stay together).
+This file holds the pair, the `Layout` and the two linears, each backward in an input and a weight
+half; the blocks built of them are refpar/parallel/gpt2_pieces.py's and llama_pieces.py's, chosen
+by refpar/parallel/pieces.py, which also makes the layouts (`tp_layout`; tp = 1: NO_PAIR, the
+trivial layout every unsplit mesh runs).
 
 Weights a rank holds (GPT-2 Conv1D layout weight[in, out]); all others are replicated:
     wte.weight            rows shard_range(V, t, rank)              (V/t, C), uneven allowed
@@ -45,21 +49,16 @@ from array_api_compat import array_namespace
 
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import tp_param_slices
-from refpar.model.attention import attention_backward, attention_forward
-from refpar.model.gemm import matmul
 from refpar.model.layers import (
-    as_like,
+    bias_backward,
     compute,
     dropout_backward,
     dropout_forward,
-    gelu_backward,
-    gelu_forward,
-    layernorm_backward,
-    layernorm_forward,
+    linear_backward_input,
+    linear_backward_weight,
+    linear_forward,
     rounded,
 )
-from refpar.model.llama_layers import gqa_attention_backward, gqa_attention_forward
-from refpar.sharding import shard_range
 
 
 # f and g, each with its backward next to it. `tp` is the tp Communicator.
@@ -122,22 +121,12 @@ def check_tp(config: ModelConfig, tp: int) -> None:
         raise ConfigError(f"tp={tp} does not divide n_head={config.n_head}; choose tp in {set(choices)}")
     if config.vocab_size < tp:
         raise ConfigError(f"tp={tp} is larger than vocab_size={config.vocab_size}; use tp <= vocab_size")
-    kv = config.n_kv_head
-    if config.arch == "llama" and kv % tp and tp % kv:
+    kv = config.n_kv_head or config.n_head  # GPT-2's kv heads are its heads, which tp divides
+    if kv % tp and tp % kv:
         choices = sorted({d for d in range(1, config.n_head + 1) if config.n_head % d == 0 and (kv % d == 0
                                                                                           or d % kv == 0)})
         raise ConfigError(f"tp={tp} neither divides n_kv_head={kv} nor is a multiple of it, so a rank's "
                           f"query heads would read two kv heads; choose tp in {set(choices)}")
-
-
-def tp_layout(config: ModelConfig, seq_len: int, tp_comm) -> Layout:
-    """Plain TP: every rank holds the whole sequence, its heads, its vocabulary rows."""
-    t, r = (1, 0) if tp_comm is None else (tp_comm.size, tp_comm.rank)
-    check_tp(config, t)
-    pos = np.arange(seq_len)
-    return Layout(config, seq_len, tp_comm, TP_PAIR if t > 1 else NO_PAIR,
-                  shard_range(config.n_head, t, r), shard_range(config.vocab_size, t, r),
-                  pos, pos, LocalAttention())
 
 
 def shard_params_tp(full: dict, config: ModelConfig, t: int, rank: int) -> dict:
@@ -158,143 +147,83 @@ def resid_dropout_backward(dout, cache):
     return dropout_backward(dout, cache)
 
 
-# Column- and row-parallel linear (weight [in, out]).
-def column_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
-    """x (B, Tl, C) -> (B, Ta, out/t). Keeps x as given, not as entered: the backward enters it again,
-    free under TP (f is the identity), an all-gather under SP, which keeps only the sequence shard
-    (Korthikanti et al. 2022 §4.2.2)."""
+# Column- and row-parallel linear (weight [in, out]), each a forward and a backward in two halves:
+# the input half (dx, with the communication dx needs) returns the weight half's work, a (function,
+# arguments) pair that `weight_grads` runs in W, or right away (Qi et al. 2023, section 2). The GEMMs
+# are refpar/model/layers.py's (one 2-D GEMM over all tokens), so that a layout that splits nothing
+# computes the single device's numbers bit for bit.
+def column_parallel_linear_forward(x, weights: list, lay: Layout, tag: str):
+    """x (B, Tl, C) -> [(B, Ta, out/t)], one for each (w (C, out/t), b or None) of `weights`: the
+    linears that read one region input, entered once. Keeps x as given, not as entered: the backward
+    enters it again, free under TP (f is the identity), an all-gather under SP, which keeps only the
+    sequence shard between F and B (Korthikanti et al. 2022 §4.2.2)."""
     xa = lay.pair.enter(x, lay.tp, f"{tag}:fwd")  # (B, Ta, C)
-    out = matmul(compute(xa), compute(w))  # (B, Ta, out/t)
-    if b is not None:
-        out = out + compute(b)
-    return rounded(out, x.dtype), (x, w, b is not None, tag)
+    outs = [linear_forward(xa, w, b)[0] for w, b in weights]  # (B, Ta, out/t) each
+    return outs, (x, [w for w, _ in weights], tag)
 
 
-def column_parallel_linear_backward(dout, cache, lay: Layout):
-    x, w, has_bias, tag = cache
-    xa = compute(lay.pair.enter(x, lay.tp, f"{tag}:regather"))  # (B, Ta, C)
-    xp, dt, dc = array_namespace(dout), dout.dtype, compute(dout)
-    dw = matmul(xp.reshape(xa, (-1, xa.shape[-1])).T, xp.reshape(dc, (-1, dc.shape[-1])))  # (C, out/t)
-    db = rounded(xp.sum(dc, axis=(0, 1)), w.dtype) if has_bias else None  # (out/t,)
-    dx = lay.pair.enter_backward(rounded(matmul(dc, compute(w).T), dt), lay.tp, f"{tag}:bwd")  # (B, Tl, C)
-    return dx, rounded(dw, w.dtype), db
+def column_parallel_linear_backward(douts: list, cache, lay: Layout, names: list, transposed: bool = False):
+    """douts [(B, Ta, out/t)] -> (dx (B, Tl, C), the weight half: names[i] (weight, bias or None)
+    get dw (C, out/t), or its transpose for a weight kept (out, in), and db). The input half enters
+    the input again (":regather") and sums the input's gradients in the linears' order before f's
+    backward: every collective stays in B, in the order of a backward that is not split, and W
+    only multiplies (it keeps the entered input, (B, Ta, C) under sp)."""
+    x, ws, tag = cache
+    xa = lay.pair.enter(x, lay.tp, f"{tag}:regather")  # (B, Ta, C)
+    dxa = linear_backward_input(douts[0], ws[0])  # (B, Ta, C)
+    for dout, w in zip(douts[1:], ws[1:], strict=True):
+        dxa = dxa + linear_backward_input(dout, w)
+    dx = lay.pair.enter_backward(dxa, lay.tp, f"{tag}:bwd")  # (B, Tl, C)
+    return dx, (linears_weight, (xa, [(n, d, transposed) for n, d in zip(names, douts, strict=True)]))
+
+
+def linears_weight(x, linears) -> dict:
+    """The weight half of the linears that read one input x (B, Ta, C): `linears` is (names (weight,
+    bias or None), dout, whether the weight is kept (out, in)) each."""
+    grads = {}
+    for (weight, bias), dout, transposed in linears:
+        dw, db = linear_backward_weight(x, dout, bias is not None)  # (in, out), (out,)
+        grads[weight] = array_namespace(dw).matrix_transpose(dw) if transposed else dw
+        if bias is not None:
+            grads[bias] = db
+    return grads
 
 
 def row_parallel_linear_forward(x, w, b, lay: Layout, tag: str):
     """x (B, Ta, in/t) -> (B, Tl, C): each rank's rows give a partial sum; g adds them, then the bias
     is added once."""
-    partial = rounded(matmul(compute(x), compute(w)), x.dtype)  # (B, Ta, C), partial over t
+    partial, _ = linear_forward(x, w, None)  # (B, Ta, C), partial over t
     out = lay.pair.leave(partial, lay.tp, f"{tag}:fwd")  # (B, Tl, C)
-    return rounded(compute(out) + compute(b), x.dtype), (x, w, tag)
+    if b is not None:
+        out = rounded(compute(out) + compute(b), x.dtype)
+    return out, (x, w, b is not None, tag)
 
 
-def row_parallel_linear_backward(dout, cache, lay: Layout):
-    x, w, tag = cache
-    xp, dt = array_namespace(dout), dout.dtype
-    db = rounded(xp.sum(compute(dout), axis=(0, 1)), w.dtype)  # (C,): over this rank's residual tokens
-    dpartial = compute(lay.pair.leave_backward(dout, lay.tp, f"{tag}:bwd"))  # (B, Ta, C)
-    xc = compute(x)
-    dpartial2 = xp.reshape(dpartial, (-1, dpartial.shape[-1]))  # (B*Ta, C)
-    dw = matmul(xp.reshape(xc, (-1, xc.shape[-1])).T, dpartial2)  # (in/t, C)
-    return rounded(matmul(dpartial, compute(w).T), dt), rounded(dw, w.dtype), db  # dx (B, Ta, in/t)
+def row_parallel_linear_backward(dout, cache, lay: Layout, names: tuple, transposed: bool = False):
+    """dout (B, Tl, C) -> (dx (B, Ta, in/t), the weight half: dw from this rank's rows of the input,
+    db over this rank's residual tokens)."""
+    x, w, has_bias, tag = cache
+    dpartial = lay.pair.leave_backward(dout, lay.tp, f"{tag}:bwd")  # (B, Ta, C)
+    dx = linear_backward_input(dpartial, w)  # (B, Ta, in/t)
+    return dx, (row_weight, (names, x, dpartial, dout if has_bias else None, transposed))
 
 
-class LocalAttention:
-    """The whole sequence is on this rank: the model's causal attention on this rank's heads
-    (Llama's grouped-query attention, k and v of its kv heads, without dropout)."""
-
-    def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh/t, Ta, hs); Llama's k, v nkv heads
-        cfg, pos = lay.config, lay.region_pos
-        if cfg.arch == "llama":
-            return gqa_attention_forward(q, k, v, as_like(pos, q), as_like(pos, q))
-        keep = drop.keep(layer, "attn", (cfg.n_head, lay.seq_len, lay.seq_len), q,
-                         np.ix_(np.arange(*lay.heads), pos, pos))  # (B, nh/t, Ta, Ta)
-        return attention_forward(q, k, v, as_like(pos, q), as_like(pos, q), keep, drop.p)
-
-    def backward(self, dy, cache, lay: Layout):
-        return (gqa_attention_backward if lay.config.arch == "llama" else attention_backward)(dy, cache)
+def row_weight(names, x, dpartial, dout, transposed) -> dict:
+    grads = linears_weight(x, [((names[0], None), dpartial, transposed)])
+    if dout is not None:
+        grads[names[1]] = bias_backward(dout)  # (C,)
+    return grads
 
 
-def parallel_attention_forward(x, params, layer: int, lay: Layout, drop):
-    """x (B, Tl, C), ln_1's output -> (B, Tl, C), before the residual dropout."""
-    P, hs = f"h.{layer}.attn.", lay.config.head_size
-    nh = lay.heads[1] - lay.heads[0]
-    qkv, c_attn = column_parallel_linear_forward(
-        x, params[P + "c_attn.weight"], params[P + "c_attn.bias"], lay, P + "c_attn")  # (B, Ta, 3C/t)
-    xp, (B, Ta, _) = array_namespace(qkv), qkv.shape
-    qkv = xp.permute_dims(xp.reshape(qkv, (B, Ta, 3, nh, hs)), (2, 0, 3, 1, 4))  # (3, B, nh/t, Ta, hs)
-    q, k, v = qkv[0, ...], qkv[1, ...], qkv[2, ...]  # (B, nh/t, Ta, hs) each
-    y, core = lay.attention.forward(q, k, v, layer, lay, drop)  # (B, nh/t, Ta, hs)
-    y = xp.reshape(xp.permute_dims(y, (0, 2, 1, 3)), (B, Ta, nh * hs))  # (B, Ta, C/t)
-    out, c_proj = row_parallel_linear_forward(
-        y, params[P + "c_proj.weight"], params[P + "c_proj.bias"], lay, P + "c_proj")  # (B, Tl, C)
-    return out, (c_attn, core, c_proj)
+def given(names: tuple, *grads) -> dict:
+    """The weight half of a piece whose gradients its input half computed on the way (a norm's gains,
+    two reductions; a MoE layer's, fused)."""
+    return dict(zip(names, grads, strict=True))
 
 
-def parallel_attention_backward(dout, cache, layer: int, lay: Layout):
-    c_attn, core, c_proj = cache
-    P, hs = f"h.{layer}.attn.", lay.config.head_size
-    nh = lay.heads[1] - lay.heads[0]
-    dy, dw_proj, db_proj = row_parallel_linear_backward(dout, c_proj, lay)  # (B, Ta, C/t)
-    xp, (B, Ta, _) = array_namespace(dy), dy.shape
-    dy = xp.permute_dims(xp.reshape(dy, (B, Ta, nh, hs)), (0, 2, 1, 3))  # (B, nh/t, Ta, hs)
-    dqkv = xp.stack(lay.attention.backward(dy, core, lay))  # (3, B, nh/t, Ta, hs)
-    dqkv = xp.reshape(xp.permute_dims(dqkv, (1, 3, 0, 2, 4)), (B, Ta, 3 * nh * hs))  # (B, Ta, 3C/t)
-    dx, dw_attn, db_attn = column_parallel_linear_backward(dqkv, c_attn, lay)  # (B, Tl, C)
-    return dx, {P + "c_attn.weight": dw_attn, P + "c_attn.bias": db_attn,
-                P + "c_proj.weight": dw_proj, P + "c_proj.bias": db_proj}
-
-
-def parallel_mlp_forward(x, params, layer: int, lay: Layout):
-    """x (B, Tl, C), ln_2's output -> (B, Tl, C), before the residual dropout."""
-    P = f"h.{layer}.mlp."
-    h, c_fc = column_parallel_linear_forward(
-        x, params[P + "c_fc.weight"], params[P + "c_fc.bias"], lay, P + "c_fc")  # (B, Ta, 4C/t)
-    g, gelu = gelu_forward(h)  # (B, Ta, 4C/t)
-    out, c_proj = row_parallel_linear_forward(
-        g, params[P + "c_proj.weight"], params[P + "c_proj.bias"], lay, P + "c_proj")  # (B, Tl, C)
-    return out, (c_fc, gelu, c_proj)
-
-
-def parallel_mlp_backward(dout, cache, layer: int, lay: Layout):
-    c_fc, gelu, c_proj = cache
-    P = f"h.{layer}.mlp."
-    dg, dw_proj, db_proj = row_parallel_linear_backward(dout, c_proj, lay)  # (B, Ta, 4C/t)
-    dx, dw_fc, db_fc = column_parallel_linear_backward(gelu_backward(dg, gelu), c_fc, lay)  # (B, Tl, C)
-    return dx, {P + "c_fc.weight": dw_fc, P + "c_fc.bias": db_fc,
-                P + "c_proj.weight": dw_proj, P + "c_proj.bias": db_proj}
-
-
-def parallel_block_forward(x, params, layer: int, lay: Layout, drop, moe=None):
-    """x (B, Tl, C) -> (B, Tl, C): GPT-2's pre-LayerNorm block with both sublayers tensor-parallel.
-    In the blocks of `config.moe_blocks` the MLP is `moe.forward` (the expert-parallel layer
-    refpar/engine/parallelize.py builds)."""
-    P, eps = f"h.{layer}.", lay.config.layer_norm_eps
-    a, ln_1 = layernorm_forward(x, params[P + "ln_1.weight"], params[P + "ln_1.bias"], eps)
-    a, attn = parallel_attention_forward(a, params, layer, lay, drop)  # f ... g
-    a, drop_a = resid_dropout_forward(a, drop, layer, "attn_resid", lay)
-    x = x + a
-    m, ln_2 = layernorm_forward(x, params[P + "ln_2.weight"], params[P + "ln_2.bias"], eps)
-    if layer in lay.config.moe_blocks:
-        m, mlp = moe.forward(m, params, layer, lay.config)  # (B, Tl, C)
-        mlp = (moe, mlp)
-    else:
-        m, mlp = parallel_mlp_forward(m, params, layer, lay)  # f ... g
-    m, drop_m = resid_dropout_forward(m, drop, layer, "mlp_resid", lay)
-    return x + m, (ln_1, attn, drop_a, ln_2, mlp, drop_m)
-
-
-def parallel_block_backward(dy, cache, layer: int, lay: Layout):
-    ln_1, attn, drop_a, ln_2, mlp, drop_m = cache
-    P = f"h.{layer}."
-    if layer in lay.config.moe_blocks:
-        moe, c_moe = mlp
-        dm, grads = moe.backward(resid_dropout_backward(dy, drop_m), c_moe)  # (B, Tl, C)
-    else:
-        dm, grads = parallel_mlp_backward(resid_dropout_backward(dy, drop_m), mlp, layer, lay)
-    dx, grads[P + "ln_2.weight"], grads[P + "ln_2.bias"] = layernorm_backward(dm, ln_2)
-    dx = dx + dy
-    da, attn_grads = parallel_attention_backward(resid_dropout_backward(dx, drop_a), attn, layer, lay)
-    grads |= attn_grads
-    dx0, grads[P + "ln_1.weight"], grads[P + "ln_1.bias"] = layernorm_backward(da, ln_1)
-    return dx + dx0, grads
+def weight_grads(work) -> dict:
+    """W: the gradients of a piece from its weight half's work, [(function, arguments)]."""
+    grads = {}
+    for fn, args in work:
+        grads |= fn(*args)
+    return grads

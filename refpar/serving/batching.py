@@ -17,13 +17,13 @@ With a paged cache (`paging`, refpar/serving/paged.py) the step is planned first
 scheduler does: every running request gets the block for its next position (the newest is
 preempted where a pool has none), then arrived requests are admitted while the pools have blocks
 for their prompts, each prefill starting after the prefix it shares with a cached request.
-A pass runs the tensor-parallel block of training (GPT-2's `parallel_block_forward`, Llama's
-`llama_parallel_block_forward`, RoPE at the tokens' global positions) on the new tokens only, with
-`CachedAttention` as its core: under tp the two g all-reduces per layer per pass
-(after attention, after the MLP) are the only traffic besides the vocab-parallel embedding and
-the gather of the logits. Under pp the pass is split into one group of requests per stage, so
-several groups are in flight (stage s works on group g while stage s+1 works on group g-1), and
-the last stage broadcasts the new tokens to every stage.
+A pass runs the tensor-parallel block of training (refpar/parallel/pieces.py's table: GPT-2's
+`gpt2_pieces.block_forward`, Llama's `llama_pieces.block_forward`, RoPE at the tokens' global
+positions) on the new tokens only, with `CachedAttention` as its core: under tp the two g
+all-reduces per layer per pass (after attention, after the MLP) are the only traffic besides the
+vocab-parallel embedding and the gather of the logits. Under pp the pass is split into one group of
+requests per stage, so several groups are in flight (stage s works on group g while stage s+1 works
+on group g-1), and the last stage broadcasts the new tokens to every stage.
 """
 
 from __future__ import annotations
@@ -42,12 +42,8 @@ from refpar.model import llama
 from refpar.model.gpt import NO_DROPOUT
 from refpar.model.layers import layernorm_forward
 from refpar.model.llama_layers import rmsnorm_forward
-from refpar.parallel.llama_tensor_parallel import llama_parallel_block_forward
-from refpar.parallel.tensor_parallel import check_tp, parallel_block_forward, shard_params_tp, tp_layout
-from refpar.parallel.vocab_parallel import (
-    llama_vocab_parallel_embedding_forward,
-    vocab_parallel_embedding_forward,
-)
+from refpar.parallel.pieces import family, tp_layout
+from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
 from refpar.serving.kv_cache import CachedAttention, KVCache
 from refpar.serving.paged import BlockTables, PagedKVCache, Paging, all_at_once, common_prefix, pool_blocks
 from refpar.serving.requests import Request, check_requests
@@ -151,16 +147,13 @@ def progress_line(step: int, running, waiting, tables, preempted) -> str:
 
 def _embed(tokens, params, lay):
     """tokens (1, N) -> x (1, N, C): this rank's vocabulary rows, summed over tp (g)."""
-    if lay.config.arch == "llama":
-        return llama_vocab_parallel_embedding_forward(tokens, params, lay)[0]
-    return vocab_parallel_embedding_forward(tokens, params, lay, NO_DROPOUT)[0]
+    return family(lay.config).embed(tokens, params, lay, NO_DROPOUT)[0]
 
 
 def _block(x, params, layer: int, lay):
-    """x (1, N, C) -> (1, N, C): the training block's forward, lay.attention its attention core."""
-    if lay.config.arch == "llama":  # forward only: no kv heads' gradient to sum over their replicas
-        return llama_parallel_block_forward(x, params, layer, lay, None)[0]  # lay.attention: the cache's
-    return parallel_block_forward(x, params, layer, lay, NO_DROPOUT)[0]
+    """x (1, N, C) -> (1, N, C): the training block's forward, lay.attention its attention core
+    (forward only: no kv heads' gradient to sum over their replicas)."""
+    return family(lay.config).block(x, params, layer, lay, NO_DROPOUT)[0]
 
 
 def _head(x, params, config: ModelConfig, sm: ServeMesh):

@@ -3,6 +3,8 @@ embedding on the first stage and the final norm plus the LM head on the last (GP
 wte). No communication of its own: what moves is the pieces' (tensor, sequence, context and expert
 parallelism) and the model states'.
 
+    mpiexec -n 2 python -m refpar train --mesh pp=2 --schedule zb-h1 --microbatches 4 --check
+
 Legend: B microbatch rows, T sequence, Tl this rank's tokens of the residual stream (T, or its cp
 and sp share), C channels, V vocab. The schedule cuts the model into P parts (its p x v stages;
 DualPipe's p, twice: schedules.StageMap.part); part k holds blocks shard_range(L, P, k), so a loop's
@@ -16,32 +18,27 @@ Each stage runs the three actions of a schedule:
     stage.backward_weight(saved)                                       # W: weight gradients
 
 and every piece inside them (the embedding, each block, the head) asks the stage's `states` (the
-data-parallel strategy, refpar/parallel/model_states.py) for its units' parameters just before it
-runs and hands them back right after (`acquire` / `release`: ZeRO-3 and FSDP gather and free them
-there), then gives its gradients to them (`fold`) and says which units are complete (`done`: DP's
+data-parallel strategy, refpar/parallel/model_states.py) for its units' parameters just before it runs and
+hands them back right after (`acquire` / `release`: ZeRO-3 and FSDP gather and free them there),
+then gives its gradients to the states (`fold`) and says which units are complete (`done`: DP's
 buckets and ZeRO's reduce-scatters start there). So ZeRO-3, FSDP and DP plug into this one class.
 
-Two kinds of pieces, one class:
-- `lay` None (no tp, cp, sp or experts: a dp, pp or single-device mesh): the model's own layers
-  (`block_forward`, `embed_forward`, `head_forward` of refpar/model/gpt.py or llama.py, chosen by
-  `config.arch`). GPT-2's have the backward split in two as zero-bubble
-  schedules need (Qi et al. 2023, section 2). B computes what the previous stage waits for (dx) and
-  keeps, for W, the inputs and output gradients of every linear layer; W turns them into weight
-  gradients (x.T @ dout), which nobody downstream waits for. With `weight` (a schedule without W
-  for this microbatch) each piece's weight half runs right after its input half. The formulas are
-  the model's (`linear_backward`, `layernorm_backward`, `embed_backward`), in the same order, so a
-  stage computes the single device's gradients bit for bit. Llama's pieces run the model's own
-  fused backward (`llama.block_backward`, `head_backward`, `embed_backward`), so B is its whole
-  backward, as with the tensor-parallel pieces below.
-- a tensor_parallel.Layout: tensor parallelism's pieces (vocab-parallel embedding and head, the
-  f/g or sp pairs, ring or Ulysses attention under cp, the expert-parallel layer `moe` in MoE
-  blocks). They compute input and weight gradients together, so B is the whole backward and W
-  has nothing left to do: schedules that split B from W run, but gain nothing.
+The pieces are those of the layout `lay` (refpar/parallel/pieces.py, one table per family): the
+trivial layout where nothing is split (a dp, pp or single-device mesh), which runs the model's
+layers in the model's order, bit for bit the single device's; tensor parallelism's otherwise
+(vocab-parallel embedding and head, the f/g or sp pairs, ring or Ulysses attention under cp, the
+expert-parallel layer `moe` in MoE blocks). Each piece's backward is split in two as zero-bubble
+schedules need (Qi et al. 2023, section 2): its input half computes what the previous stage waits
+for (dx, with every collective dx needs) and returns its weight half's work (each linear's input
+and output gradient), which W turns into weight gradients (x.T @ dout); nobody downstream waits for
+them. With `weight` (a schedule without W for this microbatch) each piece's weight half runs right
+after its input half. A model with MoE blocks runs them right away always: the MoE layer's backward
+(refpar/model/moe.py) computes its gradients fused.
 
 Recomputation (refpar/parallel/recompute.py, `recompute`): under "full" a block keeps only its
-input and its backward runs `_block` again first; under "selective" the attention core keeps only
-q, k, v (the Layout's core is a recompute.SelectiveAttention; the model's own block swaps its core's
-cache for them here) and the core's backward runs its forward again.
+input and its backward runs the block again first; under "selective" the layout's attention core
+is a recompute.SelectiveAttention, which keeps q, k, v alone and runs its forward again inside its
+backward.
 
 Mixed precision: the pieces run under `fp32_compute` (16-bit in, fp32 GEMMs, 16-bit out); `dloss`
 (the fp16 loss scale, set by the executor for a step) starts the last stage's backward.
@@ -51,69 +48,30 @@ from __future__ import annotations
 
 from functools import partial
 
-from array_api_compat import array_namespace, device
-
 from refpar.holdings import ENDS, stage_layers
-from refpar.model import gpt, llama
-from refpar.model.attention import attention_backward
-from refpar.model.gemm import matmul
-from refpar.model.gpt import DropoutContext, attention_core, embed_backward, merge_heads, split_heads
-from refpar.model.layers import cross_entropy_backward, dropout_backward, gelu_backward, layernorm_backward
-from refpar.parallel.llama_tensor_parallel import llama_parallel_block_backward, llama_parallel_block_forward
-from refpar.parallel.tensor_parallel import parallel_block_backward, parallel_block_forward
+from refpar.model.gpt import DropoutContext
+from refpar.parallel.pieces import family, head_backward, head_forward
+from refpar.parallel.tensor_parallel import weight_grads
 from refpar.parallel.views import attach, detach
-from refpar.parallel.vocab_parallel import (
-    llama_vocab_parallel_embedding_backward,
-    llama_vocab_parallel_embedding_forward,
-    llama_vocab_parallel_head_backward,
-    llama_vocab_parallel_head_forward,
-    vocab_parallel_embedding_backward,
-    vocab_parallel_embedding_forward,
-    vocab_parallel_head_backward,
-    vocab_parallel_head_forward,
-)
-from refpar.precision import fp32_compute
-
-
-@fp32_compute
-def _linear_dx(dout, cache):
-    """The input half of `linear_backward`: dx = dout @ w.T (same formula, same order)."""
-    x, w, _ = cache
-    xp = array_namespace(dout, w)
-    dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, out)
-    return xp.reshape(matmul(dout2, w.T), x.shape)  # (..., in)
-
-
-@fp32_compute
-def _linear_dw(x, dout):
-    """The weight half of `linear_backward`: dw = x.T @ dout, db = sum of dout."""
-    xp = array_namespace(dout, x)
-    dout2 = xp.reshape(dout, (-1, dout.shape[-1]))  # (N, out)
-    x2 = xp.reshape(x, (-1, x.shape[-1]))  # (N, in)
-    return matmul(x2.T, dout2), xp.sum(dout2, axis=0)  # (in, out), (out,)
 
 
 class Stage:
     """Part `part` of the model `config` cut in `n_parts` (the stage's schedules.StageMap.part); `units`
-    the unit keys this rank holds of it (refpar/holdings.py), `states` its model states,
-    `lay` its tensor_parallel.Layout
-    (None: the model's own layers), `moe` the expert-parallel layer of its MoE blocks. A MoE stage
+    the unit keys this rank holds of it (refpar/holdings.py), `states` its data-parallel strategy,
+    `lay` its tensor_parallel.Layout, `moe` the expert-parallel layer of its MoE blocks. A MoE stage
     routes each microbatch with `runs[sample ids]` (expert_parallel.RoutingRuns) and files its
     blocks' routing under the microbatch's sample ids in `routings` (shared by the rank's stages).
     `kv`: the mesh's "kv" group, where Llama's tp ranks replicate kv heads (else None).
     `recompute`: the rank's recompute.Recompute, or None (nothing recomputed)."""
 
-    def __init__(self, config, n_parts: int, part: int, units: list[str], states, lay=None, moe=None,
+    def __init__(self, config, n_parts: int, part: int, units: list[str], states, lay, moe=None,
                  runs=None, routings=None, kv=None, recompute=None):
         self.config, self.part, self.states, self.lay, self.kv = config, part, states, lay, kv
-        self.recompute = recompute
-        mode = "none" if recompute is None else recompute.mode
-        self.full, self.selective = mode == "full", mode == "selective" and lay is None
+        self.pieces, self.recompute = family(config), recompute
+        self.full = recompute is not None and recompute.mode == "full"
+        self.fused = bool(config.moe_experts)  # the MoE layer's backward gives its gradients at once
         self.moe, self.runs, self.routings = moe, runs, routings
         self.dloss = 1.0  # where the last stage's backward starts: 1, or an fp16 run's loss scale
-        # the model's own layers: GPT-2's (backward split for W) or Llama's (fused)
-        self.own = llama if config.arch == "llama" else gpt
-        self.fused = lay is not None or self.own is llama  # B computes the weight gradients too
         self.layers = stage_layers(config.n_layer, n_parts, part)
         self.first, self.last = part == 0, part == n_parts - 1
         self.ends = tuple(u for u in ENDS if u in units)
@@ -130,18 +88,22 @@ class Stage:
         following = pieces[j + 1] if j + 1 < len(pieces) else ()
         return self.states.acquire(pieces[j], phase, (self.part, mb), following)
 
+    def _block(self, x, p, layer: int, drop):
+        """Block `layer`'s forward: (out (B, Tl, C), cache)."""
+        return self.pieces.block(x, p, layer, self.lay, drop, self.moe, self.kv)
+
     # -- F --------------------------------------------------------------------------------------
     def forward(self, x, targets, drop: DropoutContext, normalizer, mb: int = 0):
         """F. x is tokens (B, T) on the first stage, the previous stage's output (B, Tl, C) after.
         Returns the output (B, Tl, C), or the loss (a 0-d array) on the last stage, and the cache."""
-        states, pieces = self.states, self._pieces(True)
+        states, pieces, lay = self.states, self._pieces(True), self.lay
         if self.moe is not None:
             self.moe.runs = self.runs[drop.sample_ids]  # this microbatch's token runs
         c_embed = c_head = None
         j = 0
         if self.first:
             p, bases = self._acquire(j, pieces, "embed:fwd", mb)
-            x, c_embed = self._embed(x, p, drop)  # (B, Tl, C)
+            x, c_embed = self.pieces.embed(x[:, lay.region_pos], p, lay, drop)  # (B, Tl, C)
             c_embed = detach(c_embed, bases)
             del p, bases  # no reference left, so a gathered unit is really freed
             states.release(self.ends, "embed:fwd", (self.part, mb))
@@ -153,15 +115,13 @@ class Stage:
             x, c = self._block(x_in, p, layer, drop)  # (B, Tl, C)
             if self.full:  # the input alone; the backward runs the block again
                 c = (x_in, drop)
-            elif self.selective:  # the model's attention core keeps its inputs q, k, v alone
-                c = (*c[:4], (*c[4][:3], drop), *c[5:])
             c_blocks.append(detach(c, bases))
             del p, bases, c, x_in
             states.release(self.blocks[layer], "fwd", (self.part, mb))
             j += 1
         if self.last:
             p, bases = self._acquire(j, pieces, "head:fwd", mb)
-            x, c_head = self._head(x, p, targets, normalizer)  # a 0-d array
+            x, c_head = head_forward(x, p, targets[:, lay.region_pos], lay, normalizer)  # a 0-d array
             c_head = detach(c_head, bases)
             del p, bases
             states.release(self.ends, "head:fwd", (self.part, mb))
@@ -174,26 +134,26 @@ class Stage:
     # -- B --------------------------------------------------------------------------------------
     def backward_input(self, dout, cache, mb: int = 0, weight: bool = True):
         """B. dout (B, Tl, C) is the next stage's input gradient (None on the last stage, where the
-        loss starts it). Returns dx (B, Tl, C), None on the first stage, and what W needs (nothing
-        with `weight`, or with tensor-parallel pieces: their weight gradients are given already)."""
+        loss starts it). Returns dx (B, Tl, C), None on the first stage, and what W needs: each
+        piece's weight half's work (nothing with `weight`, or in a MoE model: given already)."""
         c_embed, c_blocks, c_head = cache
-        states, pieces, hold = self.states, self._pieces(False), (self.part, mb)
+        states, pieces, hold, lay = self.states, self._pieces(False), (self.part, mb), self.lay
         now = weight or self.fused
-        saved = []  # (units it completes, what the weight half needs), in backward order
+        saved = []  # (units it completes, its weight half's work), in backward order
 
-        def weights(done, w):  # each piece's weight half right away, or kept for W
+        def weights(done, work):  # each piece's weight half right away, or kept for W
             if now:
-                self.backward_weight([(done, w)])
+                self.backward_weight([(done, work)])
             else:
-                saved.append((done, w))
+                saved.append((done, work))
 
         d, j = dout, 0
         if self.last:
             bases = self._acquire(j, pieces, "head:bwd", mb)[1]  # the cache holds what it reads
-            d, w = self._head_backward(attach(c_head, bases))  # (B, Tl, C)
+            d, work = head_backward(attach(c_head, bases), lay, self.dloss)  # (B, Tl, C)
             del c_head, bases
             states.release(self.ends, "head:bwd", hold)
-            weights(() if self.first else self.ends, w)  # on a first stage the embedding completes them
+            weights(() if self.first else self.ends, work)  # on a first stage the embedding completes them
             j += 1
         for layer, c in zip(reversed(self.layers), reversed(c_blocks), strict=True):
             p, bases = self._acquire(j, pieces, "bwd", mb)
@@ -206,139 +166,21 @@ class Stage:
                 del x_in
             else:
                 c = attach(c, bases)
-            d, w = self._block_backward(d, c, layer)  # (B, Tl, C)
+            d, work = self.pieces.block_backward(d, c, layer, lay)  # (B, Tl, C)
             if self.full:
                 self.recompute.done()
             del c, p, bases
             states.release(self.blocks[layer], "bwd", hold)
-            weights(self.blocks[layer], w)
+            weights(self.blocks[layer], work)
             j += 1
-        if self.first:
-            weights(self.ends, self._embed_backward(d, c_embed))
+        if self.first:  # the embedding reads no parameter backward (it scatters rows)
+            weights(self.ends, self.pieces.embed_backward(d, c_embed, lay))
             d = None
         return d, saved
 
-    # -- the pieces: the model's own layers (GPT-2's or Llama's) or tensor parallelism's -------
-    def _embed(self, tokens, p, drop):
-        lay = self.lay
-        if lay is None:
-            return self.own.embed_forward(tokens, p, drop)
-        if self.own is llama:
-            return llama_vocab_parallel_embedding_forward(tokens[:, lay.region_pos], p, lay)
-        return vocab_parallel_embedding_forward(tokens[:, lay.region_pos], p, lay, drop)
-
-    def _block(self, x, p, layer: int, drop):
-        """Block `layer`'s forward: (out (B, Tl, C), cache)."""
-        lay = self.lay
-        if lay is None:
-            return self.own.block_forward(x, p, layer, self.config, drop)
-        if self.own is llama:
-            return llama_parallel_block_forward(x, p, layer, lay, self.kv, self.moe)
-        return parallel_block_forward(x, p, layer, lay, drop, self.moe)
-
-    def _head(self, x, p, targets, normalizer):
-        lay = self.lay
-        if lay is None:
-            return self.own.head_forward(x, p, targets, self.config, normalizer)
-        head = llama_vocab_parallel_head_forward if self.own is llama else vocab_parallel_head_forward
-        return head(x, p, targets[:, lay.region_pos], lay, normalizer)
-
-    def _head_backward(self, c_head):
-        """-> (dx, what the weight half needs): GPT-2's own head split for W, the others fused."""
-        lay = self.lay
-        if lay is None and self.own is gpt:
-            return self._head_input(c_head)
-        if lay is None:
-            d, grads = llama.head_backward(c_head, self.dloss)
-        else:
-            head = llama_vocab_parallel_head_backward if self.own is llama else vocab_parallel_head_backward
-            d, grads = head(c_head, lay, self.dloss)
-        return d, ("grads", grads)
-
-    def _block_backward(self, d, c, layer: int):
-        lay = self.lay
-        if lay is None and self.own is gpt:
-            return self._block_input(d, c)
-        if lay is None:
-            d, grads = llama.block_backward(d, c)
-            return d, ("grads", grads)
-        block = llama_parallel_block_backward if self.own is llama else parallel_block_backward
-        d, grads = block(d, c, layer, lay)
-        return d, ("grads", grads)
-
-    def _embed_backward(self, d, c_embed):
-        lay = self.lay
-        if lay is None and self.own is gpt:  # embed_backward reads no parameter (it scatters rows)
-            return ("embed", (d, c_embed))
-        if lay is None:
-            return ("grads", llama.embed_backward(d, c_embed))
-        embed = (llama_vocab_parallel_embedding_backward if self.own is llama else
-                 vocab_parallel_embedding_backward)
-        return ("grads", embed(d, c_embed, lay, self._row_counts(d)))
-
+    # -- W --------------------------------------------------------------------------------------
     def backward_weight(self, saved) -> None:
-        """W: each piece's weight gradients from what B saved, given to the model states piece by piece."""
-        for done, (kind, arrays) in saved:
-            self.states.fold(arrays if kind == "grads" else self._weight_grads(kind, arrays))
+        """W: each piece's weight gradients from what B saved, given to the states piece by piece."""
+        for done, work in saved:
+            self.states.fold(weight_grads(work))
             self.states.done(done)
-
-    def _row_counts(self, like) -> dict:
-        """Stand-ins for the embedding's tables (GPT-2's wte and wpe, Llama's embed_tokens): the
-        vocab-parallel embedding's backward reads only their numbers of rows (V/t and n_positions),
-        so zero-width arrays spare gathering them."""
-        xp, lay = array_namespace(like), self.lay
-        rows = ({"model.embed_tokens.weight": lay.vocab[1] - lay.vocab[0]} if self.own is llama else
-                {"wte.weight": lay.vocab[1] - lay.vocab[0], "wpe.weight": self.config.n_positions})
-        return {n: xp.zeros((r, 0), dtype=like.dtype, device=device(like)) for n, r in rows.items()}
-
-    # -- the model's layers, split in halves, mirroring gpt.head_backward and gpt.block_backward --
-
-    def _weight_grads(self, kind: str, arrays) -> dict:
-        """The weight half of a piece: its gradients from what its input half kept."""
-        if kind == "embed":  # the first stage's input gradient scattered into wte and wpe
-            return embed_backward(*arrays)
-        grads = {}
-        for prefix, how, pair in arrays:
-            if how == "linear":
-                grads[prefix + ".weight"], grads[prefix + ".bias"] = _linear_dw(*pair)
-            elif how == "done":  # LayerNorm gains: two reductions the input half computed on the way
-                grads[prefix + ".weight"], grads[prefix + ".bias"] = pair
-            else:  # the tied head: logits = xf @ wte.T, so dwte = (xf.T @ dlogits).T
-                grads["wte.weight"] = _linear_dw(*pair)[0].T  # (V, C)
-        return grads
-
-    def _head_input(self, c_head):
-        (c_lnf, c_lin), c_ce = c_head
-        dlogits = cross_entropy_backward(self.dloss, c_ce)  # (B, T, V)
-        dxf = _linear_dx(dlogits, c_lin)  # (B, T, C)
-        dx, dw, db = layernorm_backward(dxf, c_lnf)  # (B, T, C)
-        return dx, ("pieces", [("", "tied_head", (c_lin[0], dlogits)), ("ln_f", "done", (dw, db))])
-
-    def _block_input(self, dy, cache):
-        (layer, n_head, c_ln1, c_attn, c_sdpa, c_proj, c_drop1, c_ln2, c_fc, c_gelu, c_mproj,
-         c_drop2) = cache
-        xp = array_namespace(dy)
-        h, kept = f"h.{layer}.", []
-        dm = dropout_backward(dy, c_drop2)  # (B, T, C)
-        kept.append((h + "mlp.c_proj", "linear", (c_mproj[0], dm)))
-        dm = gelu_backward(_linear_dx(dm, c_mproj), c_gelu)  # (B, T, 4C)
-        kept.append((h + "mlp.c_fc", "linear", (c_fc[0], dm)))
-        dm, dw, db = layernorm_backward(_linear_dx(dm, c_fc), c_ln2)  # (B, T, C)
-        kept.append((h + "ln_2", "done", (dw, db)))
-        dx1 = dy + dm  # (B, T, C)
-
-        do = dropout_backward(dx1, c_drop1)  # (B, T, C)
-        kept.append((h + "attn.c_proj", "linear", (c_proj[0], do)))
-        do = _linear_dx(do, c_proj)  # (B, T, C)
-        if self.selective:  # the core's forward again, from its kept q, k, v and the keyed masks
-            q, k, v, drop = c_sdpa
-            c_sdpa = self.recompute.rerun(f"h.{layer}.attn.core",
-                                          partial(attention_core, q, k, v, layer, n_head, drop), (q, k, v))
-        dq, dk, dv = attention_backward(split_heads(do, n_head), c_sdpa)  # (B, nh, T, hs) each
-        if self.selective:
-            self.recompute.done()
-        dqkv = xp.concat([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)  # (B, T, 3C)
-        kept.append((h + "attn.c_attn", "linear", (c_attn[0], dqkv)))
-        da, dw, db = layernorm_backward(_linear_dx(dqkv, c_attn), c_ln1)  # (B, T, C)
-        kept.append((h + "ln_1", "done", (dw, db)))
-        return dx1 + da, ("pieces", kept)  # (B, T, C)
