@@ -499,7 +499,7 @@ def _copy(want: Piece, dst, covered, have: Piece, src, shape) -> None:
 
 def assemble(arrays: list[tuple[Piece, np.ndarray]], tensors: dict[str, tuple]) -> dict[str, np.ndarray]:
     """Whole tensors {name: (shape, dtype)} from pieces that cover each of them, as `load` reassembles
-    a checkpoint's, in memory: what every rank of a mesh holds (engine/checkpoint.pieces), gathered."""
+    a checkpoint's, in memory: what every rank of a mesh holds (engine/sharded_state.pieces), gathered."""
     out = {}
     for name, (shape, dtype) in tensors.items():
         want = whole(name, shape)

@@ -21,11 +21,11 @@ from refpar.holdings import kv_replicas, tp_param_slices
 from refpar.trainer import baseline, corpus_for, train_single_device, validation_loss
 
 from . import runlog
-from .checkpoint import gather_params, open_resume
 from .header import header
 from .lines import closing_lines, progress
 from .parallelize import parallelize
 from .report import summarize, summary_line
+from .sharded_state import gather_params, open_resume
 from .train import train
 
 STATES = ("params", "grads", "master", "optimizer")  # the model states: the ZeRO paper's categories

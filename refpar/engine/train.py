@@ -37,8 +37,8 @@ from refpar.parallel.pipeline.executor import Microbatch
 from refpar.records import Run, router_shares, step_record
 from refpar.trainer import corpus_for, evaluates
 
-from .checkpoint import pieces, resume_from, saved_position
 from .parallelize import Parallel
+from .sharded_state import pieces, resume_from, saved_position
 
 
 def train(par: Parallel, on_step=None, *, save: str | None = None, save_every: int | None = None,

@@ -245,5 +245,5 @@ class ModelStates:
 
     def held(self) -> list:
         """(prefix, unit, first element, flat array, replicated) of everything this rank holds: what
-        refpar/engine/checkpoint.py writes and reads."""
+        refpar/engine/sharded_state.py writes and reads."""
         raise NotImplementedError

@@ -27,8 +27,8 @@ from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh
 from refpar.engine import Plan, parallelize
 from refpar.engine import train as train_engine
-from refpar.engine.checkpoint import resume_from
 from refpar.engine.run import full_params
+from refpar.engine.sharded_state import resume_from
 from refpar.mesh import DeviceMesh
 from refpar.trainer import train_single_device
 from tests.numerics import rel_diff

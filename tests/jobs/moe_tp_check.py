@@ -28,7 +28,7 @@ from refpar.comm.communicator import abort_on_error, world
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig, parse_mesh
 from refpar.engine import parallelize
-from refpar.engine.checkpoint import resume_from
+from refpar.engine.sharded_state import resume_from
 from refpar.mesh import DeviceMesh
 from refpar.model.gpt import param_shapes
 from refpar.parallel.tensor_parallel import shard_params_tp
