@@ -45,14 +45,10 @@ def write_atomically(target, write: Callable[[BinaryIO], object]) -> Path:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        with interrupt.file_operation():
-            os.replace(tmp, target)
-            interrupt.removed_temporary(tmp)
     except BaseException:
         _remove(tmp)
         raise
-    fsync_folder(target.parent)
-    return target
+    return _into_place(tmp, target)
 
 
 def make_folder_atomically(target, fill: Callable[[Path], object]) -> Path:
@@ -70,8 +66,18 @@ def make_folder_atomically(target, fill: Callable[[Path], object]) -> Path:
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
         fsync_folder(tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return _into_place(tmp, target)  # onto a missing or empty folder: atomic
+
+
+def _into_place(tmp: Path, target: Path) -> Path:
+    """The complete, fsynced temporary `tmp` renamed to `target` in one file operation, the rename
+    then made durable; on failure `tmp` is removed."""
+    try:
         with interrupt.file_operation():
-            os.replace(tmp, target)  # onto a missing or empty folder: atomic
+            os.replace(tmp, target)
             interrupt.removed_temporary(tmp)
     except BaseException:
         _remove(tmp)
