@@ -6,6 +6,7 @@ cases both per-rank action orders."""
 
 import json
 
+import numpy as np
 import pytest
 
 from refpar.conformance.pipeline import SCHEDULES
@@ -98,14 +99,26 @@ def test_torch_1f1b_order_differs_only_in_its_last_rank_forward_labels(two_ranks
 def test_float32_differences_are_rounding_because_float64_agrees(two_ranks):
     """float32, DTensor TP against refpar TP: the loss within 1e-6 and the gradients within 1e-4
     (float32 sums over ~1e3 terms in another order), while the same case in float64 agrees to
-    1e-10, so nothing but rounding differs. The parameters differ most (up to ~1e-3) in
-    attn.c_attn.bias: its key third has a true gradient of exactly 0 (a bias added to every key
-    shifts each softmax row by a constant), so both sides hold rounding noise there, which AdamW's
-    m / sqrt(v) turns into steps of +-lr in unrelated directions."""
+    1e-10, so nothing but rounding differs. The parameters differ most (up to ~3e-3) where AdamW's
+    first step g / (|g| + eps) is most sensitive to rounding: in a tensor with a gradient element
+    within a few eps of 0. attn.c_attn.bias's key third has a true gradient of exactly 0 (a bias
+    added to every key shifts each softmax row by a constant), so both sides hold rounding noise
+    there; h.0.ln_2.bias has an element of 2.7e-8 (float64), 3 eps, whose float32 rounding moves
+    its step by ~1e-3 of lr. Which of them is the worst depends on each side's summation order, so
+    the test asks for one of the tensors with such an element, found from one device in float64."""
+    from refpar.conformance.cases import configs
+    from refpar.model import init_params, loss_and_grads
+    from refpar.trainer import corpus_for
+
+    model, train = configs("float64", batch_size=5)
+    tokens, targets = corpus_for(model, train).batch(0, list(range(5)), train.seq_len)
+    grads = loss_and_grads(init_params(model, train.seed), np.array(tokens), np.array(targets), model)[1]
+    sensitive = {n for n, g in grads.items() if np.min(np.abs(g)) < 10 * train.eps}
+    assert "h.0.attn.c_attn.bias" in sensitive  # its exact zeros
     check(two_ranks["tp"])
     for s in two_ranks["tp@float32"]["steps"]:
         assert within(s["loss"], 1e-6) and within(s["grads"], 1e-4), s
-        assert within(s["params"], 1e-2) and s["param_worst"].endswith("attn.c_attn.bias"), s
+        assert within(s["params"], 1e-2) and s["param_worst"] in sensitive, (s, sorted(sensitive))
 
 
 @pytest.mark.timeout(900)
