@@ -59,7 +59,7 @@ class Stage:
     """Part `part` of the model `config` cut in `n_parts` (the stage's schedules.StageMap.part); `units`
     the unit keys this rank holds of it (refpar/holdings.py), `states` its data-parallel strategy,
     `lay` its tensor_parallel.Layout, `moe` the expert-parallel layer of its MoE blocks. A MoE stage
-    routes each microbatch with `runs[sample ids]` (expert_parallel.RoutingRuns) and files its
+    routes each microbatch with `runs[sample ids]` (routing_runs.RoutingRuns) and files its
     blocks' routing under the microbatch's sample ids in `routings` (shared by the rank's stages).
     `kv`: the mesh's "kv" group, where Llama's tp ranks replicate kv heads (else None).
     `recompute`: the rank's recompute.Recompute, or None (nothing recomputed)."""
