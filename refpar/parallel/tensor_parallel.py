@@ -138,9 +138,19 @@ def shard_params_tp(full: dict, config: ModelConfig, t: int, rank: int) -> dict:
 
 # Dropout keyed by global indices (DropoutContext.keep draws a site's mask whole per sample and then
 # slices it): replicated regions get identical masks on every tp rank, shards get their own part.
+def positions_index(pos: np.ndarray):
+    """Global positions as an index of a mask's sequence axis: a slice where they are consecutive
+    (the whole sequence, an sp shard), which views the drawn mask instead of copying it; else the
+    positions themselves (a cp rank's zig-zag chunks)."""
+    if len(pos) and np.all(np.diff(pos) == 1):
+        return slice(int(pos[0]), int(pos[-1]) + 1)
+    return pos
+
+
 def resid_dropout_forward(x, drop, layer: int, site: str, lay: Layout):
     shape = (lay.seq_len, lay.config.n_embd)
-    return dropout_forward(x, drop.keep(layer, site, shape, x, (lay.resid_pos, slice(None))), drop.p)
+    index = (positions_index(lay.resid_pos), slice(None))
+    return dropout_forward(x, drop.keep(layer, site, shape, x, index), drop.p)
 
 
 def resid_dropout_backward(dout, cache):
