@@ -12,6 +12,8 @@ read. Unit keys are refpar's own and the same for both (`wte` the tied embedding
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,36 +30,111 @@ def stage_layers(n_layer: int, n_stages: int, stage: int) -> range:
     return range(*shard_range(n_layer, n_stages, stage))
 
 
-BLOCK_PREFIX = {"gpt2": "h.", "llama": "model.layers."}  # a block's names start with this and "{i}."
-FIRST_ONLY = {"wpe.weight", "model.embed_tokens.weight"}  # read by the embedding (unless tied)
+@dataclass(frozen=True)
+class Names:
+    """What holdings asks of one family's parameter names (refpar.model's state-dict keys)."""
+
+    title: str  # the family as the header names it
+    block_prefix: str  # a block's names start with this and "{i}."
+    embedding: str  # the (V, C) token embedding
+    positions: tuple[str, ...]  # read by the embedding only (GPT-2's learned positions)
+    final_norm: tuple[str, ...]
+    untied_head: str | None  # the head's own (V, C) matrix where it is not tied; None: always tied
+    expert_marker: str  # an expert's names hold this then "{e}."
+    tp_slices: Callable  # (config, t, rank) -> {name: (axis, global indices)}
+    sp_names: Callable  # config -> the replicated parameters of the sequence-parallel region
+
+
+def _gpt2_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
+    """GPT-2's table (refpar/parallel/gpt2_pieces.py), weights in its Conv1D [in, out] layout."""
+    C, hs = config.n_embd, config.head_size
+    h0, h1 = shard_range(config.n_head, t, rank)
+    head_cols = np.arange(h0 * hs, h1 * hs)  # this rank's heads within q, within k, within v
+    qkv_cols = np.concatenate([head_cols, C + head_cols, 2 * C + head_cols])
+    fc = np.arange(*shard_range(4 * C, t, rank))
+    slices = {"wte.weight": (0, np.arange(*shard_range(config.vocab_size, t, rank)))}
+    for i in range(config.n_layer):
+        slices |= {
+            f"h.{i}.attn.c_attn.weight": (1, qkv_cols), f"h.{i}.attn.c_attn.bias": (0, qkv_cols),
+            f"h.{i}.attn.c_proj.weight": (0, head_cols),
+        }
+        # an MoE block's MLP is its experts, each split like the dense MLP
+        mlps = ([f"h.{i}.mlp.experts.{e}." for e in range(config.moe_experts)]
+                if i in config.moe_blocks else [f"h.{i}.mlp."])
+        for p in mlps:
+            slices |= {p + "c_fc.weight": (1, fc), p + "c_fc.bias": (0, fc), p + "c_proj.weight": (0, fc)}
+    return slices
+
+
+def _gpt2_sp_names(config: ModelConfig) -> list[str]:
+    names = ["wpe.weight", "ln_f.weight", "ln_f.bias"]
+    for i in range(config.n_layer):
+        names += [f"h.{i}.{n}" for n in ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias",
+                                          "ln_2.weight", "ln_2.bias", "mlp.c_proj.bias")]
+    return names
+
+
+def _llama_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
+    """Llama's table (refpar/parallel/llama_pieces.py), weights in HF's [out, in] layout."""
+    hs, F = config.head_size, config.intermediate_size
+    h0, h1 = shard_range(config.n_head, t, rank)
+    k0, k1 = kv_heads(config, t, rank)
+    heads, kv = np.arange(h0 * hs, h1 * hs), np.arange(k0 * hs, k1 * hs)
+    ff = np.arange(*shard_range(F, t, rank))
+    vocab = (0, np.arange(*shard_range(config.vocab_size, t, rank)))
+    slices = {"model.embed_tokens.weight": vocab}
+    if not config.tie_embeddings:
+        slices["lm_head.weight"] = vocab
+    for i in range(config.n_layer):
+        p = f"model.layers.{i}."
+        slices |= {p + "self_attn.q_proj.weight": (0, heads), p + "self_attn.k_proj.weight": (0, kv),
+                   p + "self_attn.v_proj.weight": (0, kv), p + "self_attn.o_proj.weight": (1, heads),
+                   p + "mlp.gate_proj.weight": (0, ff), p + "mlp.up_proj.weight": (0, ff),
+                   p + "mlp.down_proj.weight": (1, ff)}
+    return slices
+
+
+def _llama_sp_names(config: ModelConfig) -> list[str]:
+    """Its RMSNorm gains (no biases, no position table)."""
+    return ["model.norm.weight"] + [f"model.layers.{i}.{n}_layernorm.weight"
+                                    for i in range(config.n_layer) for n in ("input", "post_attention")]
+
+
+FAMILIES = {
+    "gpt2": Names("GPT-2", "h.", "wte.weight", ("wpe.weight",), ("ln_f.weight", "ln_f.bias"), None,
+                  ".mlp.experts.", _gpt2_tp_slices, _gpt2_sp_names),
+    "llama": Names("Llama", "model.layers.", "model.embed_tokens.weight", (), ("model.norm.weight",),
+                   "lm_head.weight", ".block_sparse_moe.experts.", _llama_tp_slices, _llama_sp_names),
+}
+
+
+def names(config: ModelConfig) -> Names:
+    return FAMILIES[config.arch]
 
 
 def block_of(name: str) -> int | None:
-    """The index of the block parameter `name` belongs to (either family), None outside the blocks."""
-    for prefix in BLOCK_PREFIX.values():
-        if name.startswith(prefix):
-            return int(name[len(prefix):name.index(".", len(prefix))])
+    """The index of the block parameter `name` belongs to (any family), None outside the blocks."""
+    for fam in FAMILIES.values():
+        if name.startswith(fam.block_prefix):
+            return int(name[len(fam.block_prefix):name.index(".", len(fam.block_prefix))])
     return None
 
 
 def tied_embedding(config: ModelConfig) -> str | None:
     """The embedding the head also reads, which the first and the last stage hold alike (their
     gradients sum over the embedding group): GPT-2's wte; Llama's embed_tokens if tie_embeddings."""
-    if config.arch == "gpt2":
-        return "wte.weight"
-    return "model.embed_tokens.weight" if config.tie_embeddings else None
+    fam = names(config)
+    return fam.embedding if fam.untied_head is None or config.tie_embeddings else None
 
 
 def embed_param_names(config: ModelConfig) -> tuple[str, ...]:
     """The parameters whose gradients the embedding's backward returns."""
-    return ("wte.weight", "wpe.weight") if config.arch == "gpt2" else ("model.embed_tokens.weight",)
+    return (names(config).embedding, *names(config).positions)
 
 
 def head_param_names(config: ModelConfig) -> tuple[str, ...]:
     """The parameters whose gradients the head's backward returns: the (V, C) matrix and the final norm."""
-    if config.arch == "gpt2":
-        return ("wte.weight", "ln_f.weight", "ln_f.bias")
-    return (tied_embedding(config) or "lm_head.weight", "model.norm.weight")
+    return (tied_embedding(config) or names(config).untied_head, *names(config).final_norm)
 
 
 def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[str]:
@@ -74,7 +151,7 @@ def stage_param_names(config: ModelConfig, n_stages: int, stage: int) -> list[st
             wanted = block in keep
         elif name == tied:
             wanted = first or last
-        elif name in FIRST_ONLY:
+        elif name in embed_param_names(config):
             wanted = first
         else:  # the final norm, Llama's untied lm_head
             wanted = last
@@ -111,20 +188,22 @@ def held_numels(config: ModelConfig, sizes: dict, coords: dict, chunks: int = 1)
     return out
 
 
+def n_kv_heads(config: ModelConfig) -> int:
+    """The model's kv heads: Llama's n_kv_head (grouped-query attention); GPT-2's are its query heads."""
+    return config.n_kv_head or config.n_head
+
+
 def kv_replicas(config: ModelConfig, t: int) -> int:
     """How many tp ranks hold each kv head: t / n_kv_head when t > n_kv_head (grouped-query
     attention with fewer kv heads than ranks replicates each), else 1 (GPT-2: 1)."""
-    if config.arch != "llama" or t <= config.n_kv_head:
-        return 1
-    return t // config.n_kv_head
+    kv = n_kv_heads(config)
+    return 1 if t <= kv else t // kv
 
 
 def kv_heads_per_rank(config: ModelConfig, t: int) -> int:
     """How many kv heads each tp rank holds: n_kv_head / t, one when replicated; GPT-2's are its
     query heads, n_head / t."""
-    if config.arch != "llama":
-        return config.n_head // t
-    return max(config.n_kv_head // t, 1)
+    return max(n_kv_heads(config) // t, 1)
 
 
 def kv_heads(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
@@ -133,66 +212,19 @@ def kv_heads(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
     b = kv_replicas(config, t)
     if b > 1:
         return rank // b, rank // b + 1
-    return shard_range(config.n_kv_head, t, rank)
-
-
-def _llama_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
-    """Llama's table (refpar/parallel/llama_pieces.py), weights in HF's [out, in] layout."""
-    hs, F = config.head_size, config.intermediate_size
-    h0, h1 = shard_range(config.n_head, t, rank)
-    k0, k1 = kv_heads(config, t, rank)
-    heads, kv = np.arange(h0 * hs, h1 * hs), np.arange(k0 * hs, k1 * hs)
-    ff = np.arange(*shard_range(F, t, rank))
-    vocab = (0, np.arange(*shard_range(config.vocab_size, t, rank)))
-    slices = {"model.embed_tokens.weight": vocab}
-    if not config.tie_embeddings:
-        slices["lm_head.weight"] = vocab
-    for i in range(config.n_layer):
-        p = f"model.layers.{i}."
-        slices |= {p + "self_attn.q_proj.weight": (0, heads), p + "self_attn.k_proj.weight": (0, kv),
-                   p + "self_attn.v_proj.weight": (0, kv), p + "self_attn.o_proj.weight": (1, heads),
-                   p + "mlp.gate_proj.weight": (0, ff), p + "mlp.up_proj.weight": (0, ff),
-                   p + "mlp.down_proj.weight": (1, ff)}
-    return slices
+    return shard_range(n_kv_heads(config), t, rank)
 
 
 def tp_param_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
     """Which slice of each full parameter tp rank `rank` of `t` holds: (axis, global indices);
-    absent = replicated (refpar/parallel/tensor_parallel.py has the table, and
-    llama_pieces.py Llama's)."""
-    if config.arch == "llama":
-        return _llama_tp_slices(config, t, rank)
-    C, hs = config.n_embd, config.head_size
-    h0, h1 = shard_range(config.n_head, t, rank)
-    head_cols = np.arange(h0 * hs, h1 * hs)  # this rank's heads within q, within k, within v
-    qkv_cols = np.concatenate([head_cols, C + head_cols, 2 * C + head_cols])
-    fc = np.arange(*shard_range(4 * C, t, rank))
-    slices = {"wte.weight": (0, np.arange(*shard_range(config.vocab_size, t, rank)))}
-    for i in range(config.n_layer):
-        slices |= {
-            f"h.{i}.attn.c_attn.weight": (1, qkv_cols), f"h.{i}.attn.c_attn.bias": (0, qkv_cols),
-            f"h.{i}.attn.c_proj.weight": (0, head_cols),
-        }
-        # an MoE block's MLP is its experts, each split like the dense MLP
-        mlps = ([f"h.{i}.mlp.experts.{e}." for e in range(config.moe_experts)]
-                if i in config.moe_blocks else [f"h.{i}.mlp."])
-        for p in mlps:
-            slices |= {p + "c_fc.weight": (1, fc), p + "c_fc.bias": (0, fc), p + "c_proj.weight": (0, fc)}
-    return slices
+    absent = replicated (the family's pieces split them so: refpar/parallel/pieces.py)."""
+    return names(config).tp_slices(config, t, rank)
 
 
 def sequence_parallel_param_names(config: ModelConfig) -> list[str]:
     """Replicated parameters applied in the sequence-sharded region (refpar/parallel/
-    sequence_parallel.py): each tp rank computes their gradient from its sequence shard only. Llama's
-    are its RMSNorm gains (no biases, no position table)."""
-    if config.arch == "llama":
-        return ["model.norm.weight"] + [f"model.layers.{i}.{n}_layernorm.weight"
-                                        for i in range(config.n_layer) for n in ("input", "post_attention")]
-    names = ["wpe.weight", "ln_f.weight", "ln_f.bias"]
-    for i in range(config.n_layer):
-        names += [f"h.{i}.{n}" for n in ("ln_1.weight", "ln_1.bias", "attn.c_proj.bias",
-                                          "ln_2.weight", "ln_2.bias", "mlp.c_proj.bias")]
-    return names
+    sequence_parallel.py): each tp rank computes their gradient from its sequence shard only."""
+    return names(config).sp_names(config)
 
 
 def microbatch_samples(model: ModelConfig, batch_size: int, m: int, sizes: dict, coords: dict,
@@ -220,16 +252,13 @@ def keeps_lowp(config: ModelConfig, sizes: dict) -> bool:
     return not config.moe_experts and all(n == 1 for a, n in sizes.items() if a != "dp")
 
 
-EXPERTS = (".mlp.experts.", ".block_sparse_moe.experts.")  # GPT-2's h.i.mlp.experts.e., Mixtral's
-
-
 def is_expert(name: str) -> bool:
-    return any(m in name for m in EXPERTS)
+    return any(fam.expert_marker in name for fam in FAMILIES.values())
 
 
 def expert_of(name: str) -> int | None:
     """The expert a parameter belongs to (either family), None outside the experts."""
-    for marker in EXPERTS:
+    for marker in (fam.expert_marker for fam in FAMILIES.values()):
         if marker in name:
             rest = name[name.index(marker) + len(marker):]
             return int(rest[:rest.index(".")])

@@ -10,7 +10,7 @@ import numpy as np
 
 from refpar.analysis import closed_forms as closed
 from refpar.config import MESH_AXES
-from refpar.holdings import stage_layers
+from refpar.holdings import names, stage_layers
 from refpar.model import param_shapes
 from refpar.model.optim import decay_rule, wsd_decay_steps
 from refpar.parallel.expert_parallel import owned_experts
@@ -26,9 +26,8 @@ def header(model, cfg, sizes, plan, preset: str, corpus) -> list[str]:
     n_params = sum(int(np.prod(s)) for s in param_shapes(model).values())
     world = int(np.prod(list(sizes.values())))
     mesh = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes[a] > 1)
-    family = "Llama" if model.arch == "llama" else "GPT-2"
-    heads = f"{model.n_head} heads" + (f" over {model.n_kv_head} kv heads" if model.arch == "llama" else "")
-    lines = [f"{family} {preset}: {model.n_layer} layers, {model.n_embd} channels, {heads}, "
+    heads = f"{model.n_head} heads" + (f" over {model.n_kv_head} kv heads" if model.n_kv_head else "")
+    lines = [f"{names(model).title} {preset}: {model.n_layer} layers, {model.n_embd} channels, {heads}, "
              f"{n_params:,} parameters, {_precision(model.dtype)}, dropout {model.dropout}"
              + (f"; mesh {mesh} on {world} ranks" if world > 1 else ", 1 device"),
              f"data: {corpus.describe()}, batch {cfg.batch_size} x {cfg.seq_len} "

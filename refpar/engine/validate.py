@@ -13,6 +13,7 @@ from refpar.config import RECOMPUTE, ConfigError, ModelConfig, Plan, TrainConfig
 from refpar.holdings import stage_layers, tied_embedding
 from refpar.parallel.context_parallel import check_cp
 from refpar.parallel.expert_parallel import check_expert_parallel
+from refpar.parallel.pieces import family
 from refpar.parallel.pipeline.builders import BUILDERS, build, model_parts, of_plan
 from refpar.parallel.pipeline.schedules import stage_map
 from refpar.parallel.pipeline.simulate import validate as validate_schedule
@@ -50,9 +51,9 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
 
 
 def _check_family(model: ModelConfig, sizes: dict) -> None:
-    """What the engine runs Llama with so far: every strategy; Mixtral's experts without expert
-    tensor parallelism (refpar/parallel/expert_tensor_parallel.py splits GPT-2's experts only)."""
-    if model.arch == "llama" and model.moe_experts and sizes.get("tp", 1) > 1:
+    """Every strategy runs every family, but refpar/parallel/expert_tensor_parallel.py splits GPT-2's
+    experts only (the pieces table's `experts_over_tp`)."""
+    if model.moe_experts and sizes.get("tp", 1) > 1 and not family(model).experts_over_tp:
         raise ConfigError(f"Mixtral's experts run over ep, dp, cp and pp, not split over tp={sizes['tp']} "
                           "(expert tensor parallelism is GPT-2's so far); drop tp from --mesh")
 

@@ -97,7 +97,7 @@ def check_cp(config: ModelConfig, seq_len: int, cp: int, algo: str, tp: int) -> 
         raise ConfigError(f"Ulysses gives each of cp={cp} ranks whole heads and sequence positions; "
                           f"use cp <= n_head/tp={config.n_head // tp} and cp <= seq_len={seq_len}")
     kv = kv_heads_per_rank(config, tp)
-    if algo == "ulysses" and config.arch == "llama" and (tp > config.n_kv_head or kv % cp):
+    if algo == "ulysses" and family(config).grouped_kv and (tp > config.n_kv_head or kv % cp):
         raise ConfigError(f"Ulysses splits each tp rank's kv heads over cp like its query heads, but a "
                           f"rank of tp={tp} holds {kv} of n_kv_head={config.n_kv_head}, which cp={cp} "
                           f"does not divide; use --cp-algo ring, or a cp that divides {kv}")

@@ -60,15 +60,17 @@ class Family:
     head: Callable  # config -> the name of the (V, C) head matrix
     attend: Callable  # (q, k, v, q_pos, k_pos, keep, p) -> (y, cache): attention over whole heads
     attend_backward: Callable  # (dy, cache) -> (dq, dk, dv)
+    experts_over_tp: bool  # whether refpar/parallel/expert_tensor_parallel.py splits its experts
+    grouped_kv: bool  # whether its attention may read fewer kv heads than query heads (GQA)
 
 
 GPT2 = Family(gpt2_pieces.embed_forward, gpt2_pieces.embed_backward, gpt2_pieces.block_forward,
               gpt2_pieces.block_backward, gpt2_pieces.norm_forward, gpt2_pieces.norm_backward,
-              lambda config: "wte.weight", attention_forward, attention_backward)
+              lambda config: "wte.weight", attention_forward, attention_backward, True, False)
 LLAMA = Family(llama_pieces.embed_forward, llama_pieces.embed_backward, llama_pieces.block_forward,
                llama_pieces.block_backward, llama_pieces.norm_forward, llama_pieces.norm_backward,
                lambda config: llama_pieces.EMBED if config.tie_embeddings else "lm_head.weight",
-               _gqa_forward, gqa_attention_backward)
+               _gqa_forward, gqa_attention_backward, False, True)
 FAMILIES = {"gpt2": GPT2, "llama": LLAMA}
 
 

@@ -38,10 +38,7 @@ from refpar.analysis.serving import block_bytes, kv_heads_held
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import stage_layers, stage_param_names
 from refpar.memory import MemoryLedger
-from refpar.model import llama
 from refpar.model.gpt import NO_DROPOUT
-from refpar.model.layers import layernorm_forward
-from refpar.model.llama_layers import rmsnorm_forward
 from refpar.parallel.pieces import family, tp_layout
 from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
 from refpar.serving.kv_cache import CachedAttention, KVCache
@@ -156,15 +153,12 @@ def _block(x, params, layer: int, lay):
     return family(lay.config).block(x, params, layer, lay, NO_DROPOUT)[0]
 
 
-def _head(x, params, config: ModelConfig, sm: ServeMesh):
-    """x (R, C) -> logits (R, V) on every tp rank: the final norm, this rank's vocabulary rows of the
-    head, all-gather."""
-    if config.arch == "llama":
-        h, _ = rmsnorm_forward(x, params[llama.FINAL_NORM], config.norm_eps)  # (R, C)
-        local = h @ params[llama.head_name(config)].T  # (R, V/t)
-    else:
-        h, _ = layernorm_forward(x, params["ln_f.weight"], params["ln_f.bias"], config.layer_norm_eps)
-        local = h @ params["wte.weight"].T  # (R, V/t)
+def _head(x, params, lay, sm: ServeMesh):
+    """x (R, C) -> logits (R, V) on every tp rank: the family's final norm, this rank's vocabulary
+    rows of the head, all-gather."""
+    fam, config = family(lay.config), lay.config
+    h, _ = fam.norm(x, params, lay)  # (R, C)
+    local = h @ params[fam.head(config)].T  # (R, V/t)
     if sm.tp is None:
         return local
     t = sm.sizes["tp"]
@@ -292,7 +286,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
                     sm.pp.send(x, dest=sm.stage + 1, tag="pp:act")
                     chosen += [0] * len(group)  # placeholders: the last stage broadcasts the tokens
                     continue
-                logits = _head(x[0, ends - 1], params, config, sm)  # (R, V)
+                logits = _head(x[0, ends - 1], params, lay, sm)  # (R, V)
             for (r, tok, p0), row in zip(group, logits, strict=True):
                 out.logits[r.rid].append(row)
                 chosen.append(sample_token(row, sampling, r.rid, p0 + len(tok)))

@@ -26,6 +26,7 @@ from refpar.analysis.serving import (
 from refpar.comm import cost
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig
+from refpar.holdings import n_kv_heads
 from refpar.memory import MemoryLedger
 from refpar.mesh import DeviceMesh, check_job_size
 from refpar.serving.batching import ServeMesh, check_serving, serve
@@ -145,7 +146,7 @@ def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
     for (key, _), nbytes in sent.items():  # per token that went through the passes of the phase
         per_token[key] = max(per_token.get(key, 0.0), nbytes / phases[key.split(":")[1]][0])
     # tp splits the kv heads until each rank holds one (Llama's GQA replicates it past that)
-    kv_heads = config.n_kv_head if config.arch == "llama" else config.n_head
+    kv_heads = n_kv_heads(config)
     kv_shards = min(sizes.get("tp", 1), kv_heads) * sizes.get("pp", 1) * sizes.get("cp", 1)
     peak_tokens = max((sum(cached.values()) for cached in result.cached), default=0)
     itemsize = np.dtype(config.dtype).itemsize

@@ -166,7 +166,7 @@ def rank_facts(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan, ra
     vocab = tp_param_slices(model, t, k).get(embed_param_names(model)[0])
     rows = (0, model.vocab_size) if vocab is None else (int(vocab[1][0]), int(vocab[1][-1]) + 1)
     heads = shard_range(model.n_head, t, k)
-    kv = kv_heads(model, t, k) if model.arch == "llama" else heads  # GPT-2's kv heads are its query heads
+    kv = kv_heads(model, t, k)  # GPT-2's kv heads are its query heads
     positions = cp_positions(cfg.seq_len, sizes["cp"], co["cp"], plan.cp_algo)  # (Ta,)
     if plan.sp:  # the residual stream's sp shard of this cp rank's tokens (sequence_parallel.sp_cp_layout)
         positions = positions[slice(*shard_range(len(positions), t, k))]  # (Tl,)
