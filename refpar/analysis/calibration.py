@@ -24,7 +24,7 @@ import numpy as np
 from refpar.analysis.efficiency import CALIBRATED, Efficiency
 from refpar.analysis.flops import model_flops, step_flops
 from refpar.analysis.hardware import HARDWARE
-from refpar.analysis.planner import plan
+from refpar.analysis.planner import UNPRICED, plan
 from refpar.analysis.published_runs import METRICS, RUNS, Run
 from refpar.analysis.scale import PRECISIONS, memory_per_rank, stage_layers
 from refpar.analysis.step_time import step_time
@@ -65,7 +65,8 @@ def price(run: Run, eff: Efficiency = CALIBRATED) -> dict:
                   recompute=run.recompute, sp=run.sp, precision=PRECISIONS[run.precision])
         times, _, _ = step_time(run.model, hw, global_batch=run.global_batch, eff=eff,
                                 software=run.software, **kw)
-        memory = memory_per_rank(run.model, microbatches=run.global_batch // (mesh["dp"] * micro), **kw)
+        memory = memory_per_rank(run.model, microbatches=run.global_batch // (mesh["dp"] * micro),
+                                 software=run.software, **kw)
         needed = np.broadcast_to(sum(memory.values()), micro.shape)
         total = np.broadcast_to(times["total"], micro.shape)
         for i in range(len(micro)):
@@ -152,10 +153,7 @@ def fit(runs: list[Run] = RUNS, grid: dict = GRID, smallest: float = 0.0025,
 # What the model may leave out of a plan the published runs did not use, by the feature that
 # makes the search prefer it.
 MISSING = {
-    "zero-bubble": "zero-bubble schedules hold every W until the optimizer step and, in practice, "
-                   "validate the step after it (Qi et al. 2023, Section 4); neither is priced",
-    "context": "ring attention's per-hop kernel launches and any causal imbalance beyond the "
-               "zig-zag split are not priced",
+    **UNPRICED,  # these two the search also ranks last (planner.plan)
     "zero": "ZeRO-2/3's per-micro-batch collectives are priced as hidden where compute covers them; "
             "NCCL's kernels take SMs from that compute",
     "chunks": "every extra interleaved chunk adds transfers priced at bandwidth and latency but not "
