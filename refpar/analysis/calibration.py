@@ -25,7 +25,7 @@ from refpar.analysis.efficiency import CALIBRATED, Efficiency
 from refpar.analysis.flops import model_flops, step_flops
 from refpar.analysis.hardware import HARDWARE
 from refpar.analysis.planner import UNPRICED, plan
-from refpar.analysis.published_runs import METRICS, RUNS, Run
+from refpar.analysis.published_runs import METRICS, RUNS, Run, source_group
 from refpar.analysis.scale import PRECISIONS, memory_per_rank, stage_layers
 from refpar.analysis.step_time import step_time
 
@@ -84,7 +84,8 @@ def price(run: Run, eff: Efficiency = CALIBRATED) -> dict:
              "tflops_hardware": step_flops(run.model, batch, seq, "full") / per_gpu / 1e12,
              "tflops_model": model_flops(run.model, batch, seq) / per_gpu / 1e12,
              "mfu": model_flops(run.model, batch, seq) / per_gpu / hw.flops("bfloat16"),
-             "block_ms": 1e3 * (at(times["block"]["F"]) + at(times["block"]["B"]))}[run.metric]
+             "block_ms": 1e3 * (at(times["block"]["F"]) + at(times["block"]["B"])),
+             "tokens_per_gpu_s": batch * seq / per_gpu}[run.metric]
     return {"predicted": float(value), "schedule": schedule, "chunks": int(chunks[i]),
             "micro_batch": int(micro[i]), "step_s": seconds, "fits": not unfit,
             "memory_bytes": float(needed[i]),
@@ -103,7 +104,8 @@ def validate(eff: Efficiency = CALIBRATED, runs: list[Run] = RUNS, search: bool 
                      "relative_error": priced["predicted"] / run.published - 1, "held_out": not run.fit,
                      "tolerance": run.tolerance, "hardware": run.hardware, "mesh": dict(run.mesh),
                      "chosen": {k: priced[k] for k in ("schedule", "chunks", "micro_batch")},
-                     "fits": priced["fits"], "assumed": run.assumed, "outside": run.outside})
+                     "fits": priced["fits"], "memory_bytes": priced["memory_bytes"],
+                     "source_group": source_group(run), "assumed": run.assumed, "outside": run.outside})
         if search and run.metric != "block_ms":
             rows[-1]["search"] = against_search(run, eff)
     held = [abs(r["relative_error"]) for r in rows if r["held_out"]]

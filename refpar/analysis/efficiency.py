@@ -132,9 +132,13 @@ DEEPSPEED_2022 = Software(attention="unfused", tp_overlap=False, dp_overlap=Fals
 # async TP (eager), all-gather context parallelism (context_parallel_rotate_method="allgather").
 TORCHTITAN_FSDP2 = Software(attention="flash", tp_overlap=False, dp_overlap=True, cp="all_gather",
                             fused_grad_accumulation=False, fp32_grad_reduce=True)
+# MosaicML Composer's PyTorch FSDP (2023, llm-foundry's MPT benchmarks): flash attention, FULL_SHARD
+# with backward prefetch, bf16 gradient reduction, no fused gradient accumulation.
+COMPOSER_FSDP_2023 = Software(attention="flash", tp_overlap=False, dp_overlap=True,
+                              fused_grad_accumulation=False, fp32_grad_reduce=False)
 SOFTWARE = {"modern": MODERN, "megatron-2021": MEGATRON_2021, "megatron-2022": MEGATRON_2022,
             "llama3": LLAMA3, "megatron-core-2024": MEGATRON_CORE_2024, "deepspeed-2022": DEEPSPEED_2022,
-            "torchtitan-fsdp2": TORCHTITAN_FSDP2}
+            "torchtitan-fsdp2": TORCHTITAN_FSDP2, "composer-fsdp-2023": COMPOSER_FSDP_2023}
 
 
 def gemm_seconds(hw: Hardware, M, N, K, *, batch=1, dtype="bfloat16", eff=CALIBRATED, itemsize=2):
