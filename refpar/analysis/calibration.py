@@ -115,6 +115,21 @@ def validate(eff: Efficiency = CALIBRATED, runs: list[Run] = RUNS, search: bool 
             "largest_fit_error": max(fitted, default=0.0), "largest_held_out_error": max(held, default=0.0)}
 
 
+def summary(rows: list[dict], within: float = 0.15) -> dict:
+    """The error of a table of validate() rows, whole and by source: rows, median and worst
+    |relative error|, how many are within `within`, how many plans are accepted as fitting."""
+
+    def stats(group: list[dict]) -> dict:
+        errors = [abs(r["relative_error"]) for r in group]
+        return {"rows": len(group), "median_abs_error": float(np.median(errors)),
+                "worst_abs_error": max(errors), "within": sum(e <= within for e in errors),
+                "fitting": sum(bool(r["fits"]) for r in group)}
+
+    groups = sorted({r["source_group"] for r in rows})
+    return {**stats(rows), "within_bound": within,
+            "by_source": {g: stats([r for r in rows if r["source_group"] == g]) for g in groups}}
+
+
 def fit_error(eff: Efficiency, runs: list[Run] = RUNS) -> float:
     """The largest |relative error| over the runs marked fit: what fit() makes small."""
     return max(abs(price(r, eff)["predicted"] / r.published - 1) for r in runs if r.fit)
