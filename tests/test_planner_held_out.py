@@ -124,3 +124,30 @@ def test_held_out_without_validate_is_refused_in_one_sentence(capsys):
     assert main(["plan", "--held-out"]) != 0
     err = capsys.readouterr().err
     assert "--held-out goes with --validate" in err and "Traceback" not in err
+
+
+def test_leave_one_source_out_fits_without_the_source_it_predicts(monkeypatch):
+    # calibration.fit is replaced by a recorder (the real one takes a minute): each fold must fit on
+    # the other sources' rows only, and predict its own rows with what that fit returned; sources
+    # without fit rows are predicted with CALIBRATED, which never saw them.
+    fitted = {}
+
+    def record(runs, start=None, smallest=None):
+        groups = {calibration.source_group(r) for r in runs}
+        eff = calibration.NEUTRAL if "narayanan" in groups else calibration.CALIBRATED
+        fitted[frozenset(groups)] = [r.name for r in runs]
+        return eff, 0.0
+
+    monkeypatch.setattr(calibration, "fit", record)
+    cv = calibration.cross_validate(held_out=HELD_OUT[:1])
+    assert set(cv["folds"]) == {"narayanan", "korthikanti", "llama", "torchtitan"}
+    assert frozenset({"korthikanti", "llama"}) in fitted and frozenset({"narayanan", "llama"}) in fitted
+    for groups, names in fitted.items():
+        assert all(calibration.source_group(BY_RUN[n]) in groups for n in names)
+    korthikanti = [r for r in RUNS if calibration.source_group(r) == "korthikanti"]
+    expected = [abs(price(r, calibration.NEUTRAL)["predicted"] / r.published - 1) for r in korthikanti]
+    assert cv["folds"]["korthikanti"]["worst_abs_error"] == max(expected)
+    assert cv["folds"]["torchtitan"]["efficiency"] == vars(calibration.CALIBRATED)
+
+
+BY_RUN = {r.name: r for r in RUNS}

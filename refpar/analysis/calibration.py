@@ -178,6 +178,33 @@ MISSING = {
 }
 
 
+NEUTRAL = Efficiency(matmul=0.9, memory=0.75, network=0.7)  # GRID's middle: a start no source chose
+
+
+def cross_validate(runs: list[Run] = RUNS, held_out: list[Run] = (), smallest: float = 0.0025) -> dict:
+    """Leave one source out: for each source with fit rows, the fractions fitted without it (a
+    pattern search from NEUTRAL over the other sources' fit rows) and every row of it predicted
+    with them; sources without fit rows (`held_out` and the calibration set's held-out-only ones)
+    are predicted with CALIBRATED, which never saw them. Returns {"folds": {source: {efficiency,
+    fit_error, rows, median_abs_error, worst_abs_error}}, "median_abs_error", "worst_abs_error"}."""
+    every = list(runs) + list(held_out)
+    groups = sorted({source_group(r) for r in every})
+    folds, errors = {}, []
+    for group in groups:
+        rows = [r for r in every if source_group(r) == group]
+        others = [r for r in runs if source_group(r) != group]
+        if any(r.fit for r in rows):
+            eff, error = fit(others, start=NEUTRAL, smallest=smallest)
+        else:
+            eff, error = CALIBRATED, fit_error(CALIBRATED, others)
+        group_errors = [abs(price(r, eff)["predicted"] / r.published - 1) for r in rows]
+        errors += group_errors
+        folds[group] = {"efficiency": vars(eff), "fit_error": error, "rows": len(rows),
+                        "median_abs_error": float(np.median(group_errors)),
+                        "worst_abs_error": max(group_errors)}
+    return {"folds": folds, "median_abs_error": float(np.median(errors)), "worst_abs_error": max(errors)}
+
+
 def against_search(run: Run, eff: Efficiency = CALIBRATED) -> dict:
     """The published plan next to the search's fastest for the same model, batch, GPUs and
     software: each one's predicted step time by cause, their difference, and what the model may

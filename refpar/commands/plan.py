@@ -56,6 +56,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--held-out", action="store_true",
                         help="with --validate: the held-out runs (refpar/analysis/held_out_runs.py), never "
                              "fitted, with their median and worst error, whole and by source")
+    parser.add_argument("--cross-validate", action="store_true",
+                        help="with --validate: leave one source out (fit without it, predict it); "
+                             "about a minute")
     parser.add_argument("--figure", metavar="PATH", default=None,
                         help="also write the plans' memory and time as an HTML figure")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -162,6 +165,18 @@ def format_held_out(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_cross_validation(cv: dict) -> str:
+    lines = ["leave one source out (fitted without it where it has fit rows, else the calibrated fractions):"]
+    for group, f in cv["folds"].items():
+        e = f["efficiency"]
+        lines.append(f"  {group}: {f['rows']} runs, median |error| {f['median_abs_error'] * 100:.1f}%, "
+                     f"worst {f['worst_abs_error'] * 100:.1f}% (matmul {e['matmul']:.4g}, memory "
+                     f"{e['memory']:.4g}, network {e['network']:.4g})")
+    lines.append(f"  all: median |error| {cv['median_abs_error'] * 100:.1f}%, "
+                 f"worst {cv['worst_abs_error'] * 100:.1f}%")
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     from refpar.analysis.efficiency import SOFTWARE
     from refpar.analysis.hardware import hardware
@@ -169,21 +184,29 @@ def run(args) -> int:
     from refpar.analysis.presets import parse_model_spec, preset
     from refpar.config import ConfigError, check_output_path
 
-    if args.held_out and not args.validate:
-        raise ConfigError("--held-out goes with --validate: refpar plan --validate --held-out")
+    if (args.held_out or args.cross_validate) and not args.validate:
+        flag = "--held-out" if args.held_out else "--cross-validate"
+        raise ConfigError(f"{flag} goes with --validate: refpar plan --validate {flag}")
     if args.validate and args.held_out:
         from refpar.analysis.calibration import summary, validate
         from refpar.analysis.held_out_runs import HELD_OUT
 
         result = validate(runs=HELD_OUT)
         result["summary"] = summary(result["rows"])
-        print(json.dumps(result) if args.json else format_held_out(result), flush=True)
-        return 0
-    if args.validate:
+        text = format_held_out(result)
+    elif args.validate:
         from refpar.analysis.calibration import validate
 
         result = validate(search=True)
-        print(json.dumps(result) if args.json else format_validation(result), flush=True)
+        text = format_validation(result)
+    if args.validate:
+        if args.cross_validate:
+            from refpar.analysis.calibration import cross_validate
+            from refpar.analysis.held_out_runs import HELD_OUT
+
+            result["cross_validation"] = cross_validate(held_out=HELD_OUT)
+            text += "\n" + format_cross_validation(result["cross_validation"])
+        print(json.dumps(result) if args.json else text, flush=True)
         return 0
     if (args.model is None) == (args.model_spec is None):
         raise ConfigError("give one of --model NAME or --model-spec SPEC (or --validate)")
