@@ -223,6 +223,7 @@ def test_pricing_the_searchs_best_plan_gives_its_own_row_and_rank_one(name, gpus
 
 
 def test_a_plan_that_does_not_fit_is_refused_naming_the_category_and_the_excess():
+    from refpar.analysis.efficiency import MODERN
     from refpar.analysis.planner import parse_mesh, price
     from refpar.analysis.scale import memory_per_rank
 
@@ -233,7 +234,7 @@ def test_a_plan_that_does_not_fit_is_refused_naming_the_category_and_the_excess(
         price(spec, hw, 3072, mesh)  # no recomputation: 64 micro-batches of 2 blocks in flight
     # The excess, recomputed from the memory model itself.
     memory = memory_per_rank(spec, micro_batch=1, seq=2048, tp=8, pp=64, dp=6, microbatches=512,
-                             schedule="1f1b", sp=False)
+                             schedule="1f1b", sp=False, software=MODERN)  # price()'s default software
     over = (sum(memory.values()) - hw.memory_bytes) / 1e9
     text = str(err.value)
     assert "\n" not in text and f"{over:.1f} GB over" in text

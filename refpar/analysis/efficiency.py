@@ -81,6 +81,11 @@ class Software:
     gradient buffer itself. scatter_gather: without sequence parallelism a pipeline transfer sends
     a t-th of the activation over InfiniBand and all-gathers it over NVLink on arrival (Narayanan
     et al. 2021, Section 4.1); otherwise every tensor-parallel rank sends all of it (refpar's).
+    fp32_grad_reduce: the data-parallel reduction moves fp32 gradients, 4 bytes per parameter
+    (Megatron-LM with bf16 forces accumulate_allreduce_grads_in_fp32; torchtitan's FSDP2 default
+    mixed_precision_reduce="float32"; DeepSpeed's bf16 optimizer); otherwise `Precision.grad`.
+    p2p_overlap: the pipeline's sends and receives run behind the next micro-batch's compute
+    (Megatron-Core's overlap_p2p_comm), so only those of the pipeline's fill and drain are exposed.
     """
 
     attention: str = "flash"
@@ -89,6 +94,8 @@ class Software:
     cp: str = "ring"
     fused_grad_accumulation: bool = True
     scatter_gather: bool = False
+    fp32_grad_reduce: bool = False
+    p2p_overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -106,8 +113,32 @@ MEGATRON_2021 = Software(attention="unfused", dp_overlap=False, fused_grad_accum
                          scatter_gather=True)
 MEGATRON_2022 = replace(MEGATRON_2021, tp_overlap=True)
 LLAMA3 = Software(cp="all_gather", fused_grad_accumulation=False)
+# Megatron-Core / NeMo as their 2024 performance recipes run it: Transformer Engine's fused
+# (flash) attention, tensor-parallel communication overlapped (tp_comm_overlap), overlapped p2p
+# (overlap_p2p_comm), gradient reduce-scatter and parameter all-gather of the distributed optimizer
+# overlapped with the backward and forward (overlap_grad_reduce, overlap_param_gather), fused
+# gradient accumulation into fp32 main_grad, reduced in fp32; ring (p2p) context parallelism.
+MEGATRON_CORE_2024 = Software(attention="flash", tp_overlap=True, dp_overlap=True, cp="ring",
+                              fused_grad_accumulation=True, fp32_grad_reduce=True, p2p_overlap=True)
+# Megatron-DeepSpeed of 2022 (BLOOM, MT-NLG): Megatron's unfused attention with its fused
+# softmax, DeepSpeed's pipeline engine (blocking sends, the data-parallel reduction after the
+# pipeline has drained), its bf16 optimizer accumulating and reducing fp32 gradients, no overlap of
+# tensor-parallel collectives.
+DEEPSPEED_2022 = Software(attention="unfused", tp_overlap=False, dp_overlap=False, cp="ring",
+                          fused_grad_accumulation=False, fp32_grad_reduce=True)
+# torchtitan's FSDP2 (2024): PyTorch SDPA's flash kernel, FSDP2 prefetching its all-gathers and
+# overlapping its reduce-scatters with the backward, bf16 parameters and fp32 reduction
+# (mixed_precision_reduce="float32"), no fused gradient accumulation, tensor parallelism without
+# async TP (eager), all-gather context parallelism (context_parallel_rotate_method="allgather").
+TORCHTITAN_FSDP2 = Software(attention="flash", tp_overlap=False, dp_overlap=True, cp="all_gather",
+                            fused_grad_accumulation=False, fp32_grad_reduce=True)
+# MosaicML Composer's PyTorch FSDP (2023, llm-foundry's MPT benchmarks): flash attention, FULL_SHARD
+# with backward prefetch, bf16 gradient reduction, no fused gradient accumulation.
+COMPOSER_FSDP_2023 = Software(attention="flash", tp_overlap=False, dp_overlap=True,
+                              fused_grad_accumulation=False, fp32_grad_reduce=False)
 SOFTWARE = {"modern": MODERN, "megatron-2021": MEGATRON_2021, "megatron-2022": MEGATRON_2022,
-            "llama3": LLAMA3}
+            "llama3": LLAMA3, "megatron-core-2024": MEGATRON_CORE_2024, "deepspeed-2022": DEEPSPEED_2022,
+            "torchtitan-fsdp2": TORCHTITAN_FSDP2, "composer-fsdp-2023": COMPOSER_FSDP_2023}
 
 
 def gemm_seconds(hw: Hardware, M, N, K, *, batch=1, dtype="bfloat16", eff=CALIBRATED, itemsize=2):

@@ -30,9 +30,17 @@ from refpar.analysis.step_time import step_time, throughput
 from refpar.config import RECOMPUTE, ConfigError
 
 ZERO_STAGES = (0, 1, 2, 3)
-# (schedule, chunks per stage); with one stage there is no schedule to choose ("none").
-SCHEDULE_CHOICES = (("none", 1), ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
-                    ("interleaved-1f1b", 4), ("zb-h1", 1), ("zb-h2", 1))
+# With one stage there is no schedule to choose ("none"); interleaved-1f1b is tried with every
+# chunk count v >= 2 that divides a stage's blocks, as price() accepts.
+SCHEDULE_CHOICES = ("none", "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2")
+# What the model leaves out of a plan's cost, by the feature that makes the search prefer it: a
+# plan that has one ranks after every plan that has none (plan()).
+UNPRICED = {
+    "zero-bubble": "zero-bubble schedules hold every W until the optimizer step and, in practice, "
+                   "validate the step after it (Qi et al. 2023, Section 4); neither is priced",
+    "context": "ring attention's per-hop kernel launches and any causal imbalance beyond the "
+               "zig-zag split are not priced",
+}
 MEMORY_KEYS = ("params", "grads", "master", "optimizer", "activations", "comm")  # the ledger's
 COMM_KEYS = ("tp", "cp", "ep", "pp", "dp")
 TIME_KEYS = ("compute", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
@@ -110,6 +118,7 @@ class Candidates:
 
     columns: dict[str, np.ndarray]
     schedule: np.ndarray  # index into SCHEDULE_CHOICES
+    chunks: np.ndarray  # interleaved chunks per stage (1 for the other schedules)
     recompute: np.ndarray  # index into RECOMPUTE
     memory: dict[str, np.ndarray]
     times: dict[str, np.ndarray]
@@ -165,23 +174,28 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
                     "micro_batch": micro, "microbatches": m}
 
     parts, priced, leanest = [], 0, np.inf
-    for code, (label, chunks) in enumerate(SCHEDULE_CHOICES):
+    memory_kw = dict(precision=PRECISIONS[precision], software=software)
+    for code, label in enumerate(SCHEDULE_CHOICES):
         # One stage has no schedule to choose; its memory and time are 1F1B's with p = 1.
         schedule = "1f1b" if label == "none" else label
         ok = pp == 1 if label == "none" else pp > 1
-        if schedule == "interleaved-1f1b":
-            ok &= (stage_layers(spec.n_layer, pp)[1] % chunks == 0) & (m % pp == 0)
         if schedule == "zb-h1":
             ok &= m >= pp
         if schedule == "zb-h2":
             ok &= m >= 2 * pp - 1
         rows_ok = np.nonzero(ok)[0]
+        chunks = np.ones(len(rows_ok), dtype=np.int64)
+        if schedule == "interleaved-1f1b":  # every v >= 2 dividing the stage's blocks, m in multiples of p
+            rows_ok = rows_ok[m[rows_ok] % pp[rows_ok] == 0]
+            per_stage = stage_layers(spec.n_layer, pp[rows_ok])[1]
+            each = [(rows_ok[per_stage % v == 0], v) for v in range(2, int(per_stage.max(initial=1)) + 1)]
+            rows_ok = np.concatenate([r for r, _ in each] or [np.zeros(0, np.int64)])
+            chunks = np.concatenate([np.full(len(r), v) for r, v in each] or [np.zeros(0, np.int64)])
         sizes = dict(micro_batch=micro[rows_ok], tp=tp[rows_ok], pp=pp[rows_ok], dp=dp[rows_ok],
                      cp=cp[rows_ok], ep=ep[rows_ok], zero=zero[rows_ok])
         for rc, recompute in enumerate(RECOMPUTE if len(rows_ok) else ()):
-            options = dict(seq=seq, schedule=schedule, chunks=chunks, recompute=recompute,
-                           precision=PRECISIONS[precision])
-            memory = memory_per_rank(spec, microbatches=m[rows_ok], **sizes, **options)
+            options = dict(seq=seq, schedule=schedule, chunks=chunks, recompute=recompute)
+            memory = memory_per_rank(spec, microbatches=m[rows_ok], **sizes, **options, **memory_kw)
             total = sum(memory.values())
             priced += len(rows_ok)
             leanest = min(leanest, float(total.min()))
@@ -189,11 +203,12 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
             if len(keep) == 0:
                 continue
             index = rows_ok[keep]
-            times, comm, calls = step_time(spec, hw, global_batch=global_batch, dtype=dtype,
-                                           eff=eff, software=software, **options,
+            times, comm, calls = step_time(spec, hw, global_batch=global_batch, dtype=dtype, eff=eff,
+                                           software=software, precision=PRECISIONS[precision],
+                                           **{**options, "chunks": chunks[keep]},
                                            **{k: v[keep] for k, v in sizes.items()})
             memory = {k: np.broadcast_to(v, total.shape)[keep] for k, v in memory.items()}
-            parts.append((index, code, rc, memory, times, comm, calls))
+            parts.append((index, code, rc, memory, times, comm, calls, chunks[keep]))
 
     def cat(key_fn):
         if not parts:
@@ -205,6 +220,7 @@ def enumerate_plans(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int,
         columns=columns,
         schedule=cat(lambda p: p[1]).astype(int),
         recompute=cat(lambda p: p[2]).astype(int),
+        chunks=cat(lambda p: p[7]).astype(int),
         memory={k: cat(lambda p, k=k: p[3][k]) for k in MEMORY_KEYS},
         times={k: cat(lambda p, k=k: p[4][k]) for k in (*TIME_KEYS, "total")},
         stage={k: cat(lambda p, k=k: p[4]["stage"][k]) for k in ("F", "B", "W", "p2p")},
@@ -239,16 +255,19 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
     seconds = c.times["total"]
     bucket = np.floor(seconds / (seconds.min() * 1e-3))
     axes = sum((c.columns[k] > 1).astype(int) for k in ("tp", "pp", "cp", "ep"))
-    order = np.lexsort((total_memory, c.columns["zero"], axes, bucket))[:top]
+    # A plan relying on what the model does not price (UNPRICED) ranks after every plan that does not.
+    zero_bubble = np.isin(c.schedule, [SCHEDULE_CHOICES.index("zb-h1"), SCHEDULE_CHOICES.index("zb-h2")])
+    unpriced = zero_bubble | ((c.columns["cp"] > 1) & (software.cp == "ring"))
+    order = np.lexsort((total_memory, c.columns["zero"], axes, bucket, unpriced))[:top]
     plans = [_row(spec, hw, gpus, global_batch, seq, dtype,
                   mesh={k: int(c.columns[k][i]) for k in ("dp", "tp", "pp", "cp", "ep")},
                   zero=int(c.columns["zero"][i]), micro_batch=int(c.columns["micro_batch"][i]),
-                  schedule=SCHEDULE_CHOICES[c.schedule[i]][0], chunks=SCHEDULE_CHOICES[c.schedule[i]][1],
+                  schedule=SCHEDULE_CHOICES[c.schedule[i]], chunks=int(c.chunks[i]),
                   recompute=RECOMPUTE[c.recompute[i]], sp=bool(c.columns["tp"][i] > 1),
                   memory={k: c.memory[k][i] for k in MEMORY_KEYS},
                   times={k: c.times[k][i] for k in TIME_KEYS},
                   comm={k: v[i] for k, v in c.comm_bytes.items()}, calls=c.collectives(i),
-                  stage={k: v[i] for k, v in c.stage.items()})
+                  stage={k: v[i] for k, v in c.stage.items()}, software=software)
              for i in order]
     result = {
         "model": spec.name, "hardware": hw.name, "gpus": gpus, "global_batch": global_batch,
@@ -256,15 +275,20 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
         "memory_capacity_bytes": hw.memory_bytes, "plans": plans,
     }
     if priced is not None:
-        result["rank"] = 1 + int(np.sum(seconds < priced["step_time_s"] * (1 - 1e-12)))
+        # Its rank in the order above: the plans that come before it.
+        faster = seconds < priced["step_time_s"] * (1 - 1e-12)
+        before = (~unpriced | faster) if priced.get("unpriced") else (~unpriced & faster)
+        result["rank"] = 1 + int(np.sum(before))
     return result
 
 
 def _row(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, seq: int, dtype: str, *, mesh: dict,
          zero: int, micro_batch: int, schedule: str, chunks: int, recompute: str, sp: bool, memory: dict,
-         times: dict, comm: dict, calls: list[dict], stage: dict) -> dict:
+         times: dict, comm: dict, calls: list[dict], stage: dict, software: Software = MODERN) -> dict:
     """One plan as the --json output lists it (a search row and a priced plan alike)."""
     step = float(sum(times[k] for k in TIME_KEYS))
+    unpriced = ([UNPRICED["zero-bubble"]] if schedule in ("zb-h1", "zb-h2") else []) + (
+        [UNPRICED["context"]] if mesh["cp"] > 1 and software.cp == "ring" else [])
     mfu, tokens = throughput(spec, hw, step, global_batch=global_batch, seq=seq, gpus=gpus, dtype=dtype)
     return {
         "mesh": mesh, "zero": zero, "micro_batch": micro_batch,
@@ -275,7 +299,7 @@ def _row(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, seq: int, 
         "comm_bytes": {k: float(v) for k, v in comm.items()},
         "collectives": calls,
         "stage_costs_s": {k: float(v) for k, v in stage.items()},
-        "step_time_s": step, "mfu": float(mfu), "tokens_per_s": float(tokens),
+        "step_time_s": step, "mfu": float(mfu), "tokens_per_s": float(tokens), "unpriced": unpriced,
     }
 
 
@@ -374,7 +398,7 @@ def price(spec: ModelSpec, hw: Hardware, gpus: int, mesh: dict, *, zero: int = 0
     kind = "1f1b" if schedule == "none" else schedule
     options = dict(micro_batch=micro_batch, seq=seq, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, zero=zero,
                    schedule=kind, chunks=chunks, recompute=recompute, sp=sp, precision=PRECISIONS[precision])
-    memory = memory_per_rank(spec, microbatches=m, **options)
+    memory = memory_per_rank(spec, microbatches=m, software=software, **options)
     needed = float(sum(memory.values()))
     if needed > hw.memory_bytes:
         worst = max(MEMORY_KEYS, key=lambda k: float(memory[k]))
@@ -388,5 +412,6 @@ def price(spec: ModelSpec, hw: Hardware, gpus: int, mesh: dict, *, zero: int = 0
     return _row(spec, hw, gpus, global_batch, seq, dtype, mesh=dict(mesh), zero=zero, micro_batch=micro_batch,
                 schedule=schedule, chunks=chunks, recompute=recompute, sp=sp, memory=memory,
                 times=times, comm=comm, calls=collectives(calls, lambda x: np.asarray(x).item()
-                                                           if np.ndim(x) == 0 else x), stage=times["stage"])
+                                                           if np.ndim(x) == 0 else x), stage=times["stage"],
+                software=software)
 

@@ -23,6 +23,7 @@ METRICS = {
     "mfu": "model FLOPs utilization",
     "step_s": "seconds per iteration",
     "block_ms": "ms per block, forward + backward",
+    "tokens_per_gpu_s": "tokens per second per GPU",
 }
 
 NARAYANAN = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters "
@@ -57,6 +58,7 @@ class Run:
     tolerance: float = 0.10
     assumed: str = ""  # what the source leaves open and how it is chosen here
     outside: str = ""  # for a row the model cannot bring within 10%: why, with the numbers
+    source_group: str = ""  # the independent source (leave-one-source-out); "" : source_group() derives it
 
     @property
     def gpus(self) -> int:
@@ -190,6 +192,11 @@ LLAMA_128K = ("outside 10%: at 131,072 tokens the attention core is 62% of a blo
               "peak in FLOPs really computed, against 42% at 8K; the model matches them only with the "
               "attention at 26% of peak. Counted with the causal half instead, the prediction would be 16% "
               "low. Llama 3 names neither its attention kernel nor its FLOP count.")
+
+
+def source_group(run: Run) -> str:
+    """The independent source a run comes from: its `source_group`, else its paper's first author."""
+    return run.source_group or run.source.split()[0].lower()
 
 
 RUNS: list[Run] = _narayanan_table1() + _narayanan_table2() + _korthikanti() + _llama3()

@@ -93,7 +93,8 @@ def held_until_w(schedule: str, pp, m, chunks=1):
 
 
 def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=False,
-                           recompute="none", precision: Precision = PRECISIONS["bf16"], moe=False):
+                           recompute="none", precision: Precision = PRECISIONS["bf16"], moe=False,
+                           attention="unfused"):
     """Bytes one block keeps for backward, per micro-batch, on one rank.
 
     Korthikanti et al. 2022, Section 4.1, term by term, with GQA, SwiGLU, MoE and dropout-free
@@ -102,6 +103,12 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
     parallelism, s b h / t (34 + 5 a s / h) with sequence parallelism too; "selective" drops the
     5 a s / h term (the attention core is recomputed, as flash attention does); "full" keeps only
     the block's input, 2 s b h (/ t with sequence parallelism).
+
+    attention="flash" (FlashAttention, Dao et al. 2022, Section 3.1) never stores the b a s^2
+    scores nor their dropout mask (it draws the mask again from the RNG state): it keeps the
+    output, which is the output projection's input counted above, and the softmax's log-sum-exp,
+    one fp32 value per query and head, 4 b (a/t) s/c bytes. Selective recomputation then drops
+    nothing more.
     """
     e, h, kv = precision.activation, spec.d_model, spec.kv_dim
     mk = precision.mask if spec.dropout else 0
@@ -123,6 +130,8 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
         hidden = (3 if spec.mlp == "swiglu" else 2) * spec.d_ff  # gelu: its input, fc2's input
     kv_rank = kv / np.minimum(tp, spec.n_kv_head)  # (N, kv_rank) each for K and V
     inside = e * n * ((h + h + hidden) / tp + 2 * kv_rank)
+    if attention == "flash":
+        return outside + inside + 4 * (spec.n_head / tp) * n
     if recompute == "selective":
         return outside + inside
     # Softmax output, its dropout mask, and the dropped-out probabilities V is multiplied by:
@@ -134,7 +143,7 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
 
 
 def model_states(params, zero, group, precision: Precision = PRECISIONS["bf16"], expert_params=0,
-                 expert_group=1):
+                 expert_group=1, fused_grad_accumulation=False):
     """Bytes of weights, gradients, master weights and moments per rank (Rajbhandari et al. 2020,
     Figure 1), in the ledger's categories.
 
@@ -142,6 +151,12 @@ def model_states(params, zero, group, precision: Precision = PRECISIONS["bf16"],
     ZeRO stage 1 shards the optimizer state (K = master + Adam's m and v), stage 2 the gradients
     too, stage 3 the weights too: (2 + 2 + K) psi, 2 psi + 2 psi + K psi / N_d, 2 psi +
     (2 + K) psi / N_d, (2 + 2 + K) psi / N_d.
+
+    With an fp32 accumulation buffer (`precision.grad_accum`) and `fused_grad_accumulation`
+    (Megatron-LM's gradient_accumulation_fusion: the weight-gradient GEMM writes into the fp32
+    main_grad), no 16-bit gradient is kept beside it: 4 bytes of gradient per parameter, not 2 + 4
+    (Megatron-LM, docs distrib_optimizer: "bf16 param, fp32 grads": 18 bytes per parameter, 6 + 12/d
+    with the distributed optimizer).
     """
     zero = np.asarray(zero)
 
@@ -151,10 +166,18 @@ def model_states(params, zero, group, precision: Precision = PRECISIONS["bf16"],
 
     return {
         "params": precision.param * sharded(3),
-        "grads": (precision.grad + precision.grad_accum) * sharded(2),
+        "grads": grad_bytes(precision, fused_grad_accumulation) * sharded(2),
         "master": precision.master * sharded(1),  # the ledger's "master": fp32 weights
         "optimizer": precision.optimizer * sharded(1),  # the ledger's "optimizer": the moments
     }
+
+
+def grad_bytes(precision: Precision, fused_grad_accumulation=False) -> int:
+    """Bytes of gradient kept per parameter: the 16-bit gradient and any fp32 accumulation buffer;
+    the buffer alone where the weight-gradient GEMM accumulates into it (model_states)."""
+    if precision.grad_accum and fused_grad_accumulation:
+        return precision.grad_accum
+    return precision.grad + precision.grad_accum
 
 
 def stage_layers(n_layer: int, pp):
@@ -211,7 +234,7 @@ def stage_params(spec: ModelSpec, tp, pp, ep):
 
 def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1, ep=1, zero=0,
                     schedule="1f1b", microbatches=1, chunks=1, recompute="none", sp=None,
-                    precision: Precision = PRECISIONS["bf16"]):
+                    precision: Precision = PRECISIONS["bf16"], software=None):
     """Peak bytes per rank by category on the stage that needs the most (first or last).
 
     params, grads, master, optimizer: ZeRO stage 1 shards the optimizer state (master weights and
@@ -223,7 +246,9 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
     (Korthikanti et al. 2022, Section 4.3). comm: send and receive buffers of one activation for
     the pipeline, and ZeRO-3's two gathered blocks (the one computing and the one prefetched).
     sp defaults to on whenever tp > 1 (it costs no extra bytes on the wire: Korthikanti et al.
-    2022, Section 4.2.2).
+    2022, Section 4.2.2). `software` (efficiency.Software) says how the framework holds them: its
+    attention kernel (flash keeps no scores) and whether gradients accumulate in the fp32 buffer
+    alone; None is refpar's own way (materialized scores, a 16-bit gradient beside the buffer).
     """
     tp, pp, dp, cp, ep, zero = (np.asarray(x) for x in (tp, pp, dp, cp, ep, zero))
     sp = tp > 1 if sp is None else np.asarray(sp)
@@ -232,11 +257,14 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
     (fd, fm), (ld, lm) = _stage_layers(spec, pp)
     (first_shared, first_expert), (last_shared, last_expert) = stage_params(spec, tp, pp, ep)
 
+    attention = "unfused" if software is None else software.attention
+    fused = software is not None and software.fused_grad_accumulation
+
     def states(shared, expert):
-        return model_states(shared, zero, dp * ep * cp, pr, expert, dp * cp)
+        return model_states(shared, zero, dp * ep * cp, pr, expert, dp * cp, fused)
 
     first_hold, last_hold = held_until_w(schedule, pp, microbatches, chunks)
-    act_kw = dict(tp=tp, cp=cp, sp=sp, precision=pr)
+    act_kw = dict(tp=tp, cp=cp, sp=sp, precision=pr, attention=attention)
     per_layer = {
         kind: layer_activation_bytes(spec, micro_batch, seq, recompute=recompute, moe=kind, **act_kw)
         for kind in (False, True)

@@ -114,7 +114,7 @@ def stage_replicated(spec: ModelSpec) -> float:
     return ((spec.n_layer - n_moe) * dense.replicated + n_moe * moe.replicated) / spec.n_layer
 
 
-def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1):
+def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1, overlap=False):
     """(work, bubble, exposed p2p) of one step on the busiest stage, in seconds.
 
     F, B, W: one micro-batch's forward, input-gradient and weight-gradient time on a whole stage
@@ -124,7 +124,9 @@ def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1):
     v (Section 2.2.2), ZB-H1 idles (p-1)(F+B-W) (Qi et al. 2023, Section 3; the simulator's
     max(F, W) + B - W where W > F), ZB-H2 (p-1)(F+B-2W) in steady state but at least the (p-1) F
     it takes the first forward to reach the last stage (m >= 2p - 1). Transfers are priced as
-    blocking, every micro-batch and chunk, both ways: an upper bound on the simulator's.
+    blocking, every micro-batch and chunk, both ways: an upper bound on the simulator's. With
+    `overlap` (Megatron-Core's overlap_p2p_comm) a transfer runs behind the next chunk's compute,
+    and only the 2 (p - 1) of the fill and the drain, where no compute waits to cover them, are.
     """
     if schedule == "interleaved-1f1b":
         bubble = (pp - 1) / chunks * (F + B + W)
@@ -134,7 +136,8 @@ def pipeline_time(schedule: str, pp, m, F, B, W, p2p=0.0, chunks=1):
         bubble = (pp - 1) * np.maximum(F, F + B - 2 * W)
     else:
         bubble = (pp - 1) * (F + B + W)
-    comm = np.where(pp > 1, 2 * (m * chunks + pp - 1) * p2p, 0.0)
+    exposed = 2 * (pp - 1) if overlap else 2 * (m * chunks + pp - 1)
+    comm = np.where(pp > 1, exposed * p2p, 0.0)
     return m * (F + B + W), bubble, comm
 
 
@@ -283,8 +286,11 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
                    "cp": cp_block_f, "ep": ep_calls}
         hideable = tp_block_b - tp_block_critical
         hidden = np.minimum(hideable, t["wgrad"]) if software.tp_overlap else 0.0
+        # Under FlashAttention selective recomputation has nothing to make again: the kernel keeps
+        # no scores, and its backward already recomputes them (priced in core_b).
+        selective = 0.0 if software.attention == "flash" else t["core_f"]
         rerun = {"none": dict.fromkeys(forward, 0.0), "selective": {**dict.fromkeys(forward, 0.0),
-                 "compute": t["core_f"]}, "full": forward}[recompute]
+                 "compute": selective}, "full": forward}[recompute]
         backward = {"compute": t["gemm_b"] - t["wgrad"] + t["core_b"] + t["memory_b"] + rerun["compute"],
                     "tp": tp_block_b - hidden + rerun["tp"], "cp": cp_block_b + rerun["cp"],
                     "ep": ep_calls + rerun["ep"]}
@@ -349,7 +355,8 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     pp_bytes = sends * p2p_size + collective_bytes("all_reduce", tied, 2)
     calls["pp.send"] = ("pp", "send", p2p_size, pp, sends, send, "p2p")
     calls["pp.all_reduce"] = ("pp", "all_reduce", tied, 2, np.where(tied > 0, 1, 0), t_tied, tied_algo)
-    work, bubble, pipe_comm = pipeline_time(schedule, pp, m, t_f, t_b, t_w, p2p, chunks)
+    work, bubble, pipe_comm = pipeline_time(schedule, pp, m, t_f, t_b, t_w, p2p, chunks,
+                                            overlap=software.p2p_overlap)
 
     # Data parallelism over the replicas of each weight of the heaviest stage (scale.py): stages 0
     # and 1 reduce the gradients once, stage 2 reduce-scatters each micro-batch's gradients during
@@ -366,7 +373,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
         n = group_sizes["dp"] * group_sizes["cp"] * group_sizes.get("ep", 1)
         # The group spans the slowest of its axes: its link is that axis's.
         bw, lat = on_link("dp", group_sizes)
-        g, w = params * precision.grad, params * precision.param
+        g, w = params * (4 if software.fp32_grad_reduce else precision.grad), params * precision.param
         t_ar, ar_algo = collective_choice("all_reduce", g, n, bw, lat, cl)
         t_rs = collective_time("reduce_scatter", g, n, bw, lat, cl)
         t_ag = collective_time("all_gather", w, n, bw, lat, cl)

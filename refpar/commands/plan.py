@@ -7,6 +7,7 @@ published measured runs; closed forms, no MPI.
     refpar plan --model-spec layers=70,hidden=14336,heads=112,vocab=250680,seq=2048 --gpus 384 \\
         --hardware a100
     refpar plan --validate --json
+    refpar plan --validate --held-out
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def add_arguments(parser) -> None:
     price.add_argument("--sp", action="store_true", help="sequence parallelism with tp > 1")
     parser.add_argument("--validate", action="store_true",
                         help="hold the model against published measured runs")
+    parser.add_argument("--held-out", action="store_true",
+                        help="with --validate: the held-out runs (refpar/analysis/held_out_runs.py), never "
+                             "fitted, with their median and worst error, whole and by source")
+    parser.add_argument("--cross-validate", action="store_true",
+                        help="with --validate: leave one source out (fit without it, predict it); "
+                             "about a minute")
     parser.add_argument("--figure", metavar="PATH", default=None,
                         help="also write the plans' memory and time as an HTML figure")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -140,6 +147,36 @@ def format_validation(result: dict) -> str:
     return "\n".join(lines)
 
 
+def format_held_out(result: dict) -> str:
+    rows, s = result["rows"], result["summary"]
+    width = max(len(r["name"]) for r in rows)
+    lines = [f"{'held-out run':{width}s}  {'predicted':>10s}  {'published':>10s}  {'error':>7s}  fits",
+             *(f"{r['name']:{width}s}  {r['predicted']:10.3f}  {r['published']:10.3f}  "
+               f"{r['relative_error'] * 100:+6.1f}%  {'yes' if r['fits'] else 'NO'}" for r in rows), ""]
+
+    def line(name: str, g: dict) -> str:
+        return (f"{name}: {g['rows']} runs, median |error| {g['median_abs_error'] * 100:.1f}%, worst "
+                f"{g['worst_abs_error'] * 100:.1f}%, {g['within']} within {s['within_bound'] * 100:.0f}%, "
+                f"{g['fitting']} accepted as fitting")
+
+    lines += [line("held out", s), *(line(f"  {k}", g) for k, g in s["by_source"].items())]
+    lines += sorted({f"{r['source_group']}: {r['outside']}" for r in rows if r["outside"]})
+    lines += ["sources: " + "; ".join(sorted({r["source"] for r in rows}))]
+    return "\n".join(lines)
+
+
+def format_cross_validation(cv: dict) -> str:
+    lines = ["leave one source out (fitted without it where it has fit rows, else the calibrated fractions):"]
+    for group, f in cv["folds"].items():
+        e = f["efficiency"]
+        lines.append(f"  {group}: {f['rows']} runs, median |error| {f['median_abs_error'] * 100:.1f}%, "
+                     f"worst {f['worst_abs_error'] * 100:.1f}% (matmul {e['matmul']:.4g}, memory "
+                     f"{e['memory']:.4g}, network {e['network']:.4g})")
+    lines.append(f"  all: median |error| {cv['median_abs_error'] * 100:.1f}%, "
+                 f"worst {cv['worst_abs_error'] * 100:.1f}%")
+    return "\n".join(lines)
+
+
 def run(args) -> int:
     from refpar.analysis.efficiency import SOFTWARE
     from refpar.analysis.hardware import hardware
@@ -147,11 +184,29 @@ def run(args) -> int:
     from refpar.analysis.presets import parse_model_spec, preset
     from refpar.config import ConfigError, check_output_path
 
-    if args.validate:
+    if (args.held_out or args.cross_validate) and not args.validate:
+        flag = "--held-out" if args.held_out else "--cross-validate"
+        raise ConfigError(f"{flag} goes with --validate: refpar plan --validate {flag}")
+    if args.validate and args.held_out:
+        from refpar.analysis.calibration import summary, validate
+        from refpar.analysis.held_out_runs import HELD_OUT
+
+        result = validate(runs=HELD_OUT)
+        result["summary"] = summary(result["rows"])
+        text = format_held_out(result)
+    elif args.validate:
         from refpar.analysis.calibration import validate
 
         result = validate(search=True)
-        print(json.dumps(result) if args.json else format_validation(result), flush=True)
+        text = format_validation(result)
+    if args.validate:
+        if args.cross_validate:
+            from refpar.analysis.calibration import cross_validate
+            from refpar.analysis.held_out_runs import HELD_OUT
+
+            result["cross_validation"] = cross_validate(held_out=HELD_OUT)
+            text += "\n" + format_cross_validation(result["cross_validation"])
+        print(json.dumps(result) if args.json else text, flush=True)
         return 0
     if (args.model is None) == (args.model_spec is None):
         raise ConfigError("give one of --model NAME or --model-spec SPEC (or --validate)")
