@@ -7,6 +7,7 @@ Hugging Face's router casts its input and weight to float32 (`.type(torch.float3
 models); `float64_router` makes exactly that cast a no-op for the test, and the rest of its code runs
 as shipped."""
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -19,6 +20,7 @@ from refpar.config import ConfigError, ModelConfig
 from refpar.model import llama, moe
 from refpar.model.moe import MoESpec, SwiGLUMLP
 from refpar.model.routing import route
+from tests.mpi import mpiexec
 from tests.numerics import CONTRACT, rel_diff, within
 
 C, F, N = 8, 6, 256  # channels, an expert's width, tokens routed
@@ -249,3 +251,19 @@ def test_sigmoid_top1_is_allowed_unnormalised_and_the_command_line_names_the_opt
     got = model_overrides(args)
     assert (got["moe_group_score"], got["moe_norm_topk_prob"], got["moe_routed_scaling_factor"]) == (
         "megatron", False, 2.5)
+
+
+def test_conventions_under_ep2_are_the_single_device_run():
+    """tests/jobs/ep_conventions_check.py: 3 AdamW steps on ep=2 against one device, Llama's shared
+    SwiGLU experts with Megatron's group score and unnormalised scaled sigmoid gates, and GPT-2 with
+    DeepSeek's group score, scaled softmax gates and drops by score; in both the other group score
+    moves the single device's losses, so a run that ignored the option could not match."""
+    proc = mpiexec(2, "tests/jobs/ep_conventions_check.py", timeout=240)
+    rows = {r["case"]: r for r in map(json.loads, (line for line in proc.stdout.splitlines()
+                                                   if line.startswith("{")))}
+    assert rows.keys() == {"llama_megatron_unnormalised", "gpt2_deepseek_drops"}
+    for r in rows.values():
+        assert within(r["loss_diff"], CONTRACT) and within(r["param_diff"], CONTRACT), r
+        assert r["same_dropped"] and r["same_tokens_per_expert"] and r["same_bias"], r
+        assert r["other_convention_loss_diff"] > 1e-6, r  # far above the contract: the option matters
+    assert rows["llama_megatron_unnormalised"]["bias_moved"] and rows["gpt2_deepseek_drops"]["dropped"] > 0
