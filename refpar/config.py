@@ -142,7 +142,8 @@ class ModelConfig:
         if self.moe_experts and self.moe_top_k == 1 and self.moe_norm_topk_prob:
             raise ConfigError("Mixtral's router renormalises the top-k gates to sum to 1, which with "
                               "moe_top_k=1 makes every gate 1 and cuts the router off from the loss; "
-                              "use moe_top_k=2 (--moe-topk 2) or moe_norm_topk_prob=False")
+                              "use moe_top_k=2 (--moe-topk 2) or moe_norm_topk_prob=False "
+                              "(--no-moe-norm-topk-prob)")
 
     def _check_moe(self) -> None:
         if self.moe_experts < 0:
@@ -177,7 +178,8 @@ class ModelConfig:
         if self.moe_gate == "sigmoid" and k == 1 and self.moe_norm_topk_prob:
             raise ConfigError("sigmoid gates are normalised over the chosen experts, which with "
                               "moe_top_k=1 makes every gate 1 and cuts the router off from the loss; "
-                              "use moe_top_k >= 2 (--moe-topk 2) or moe_norm_topk_prob=False")
+                              "use moe_top_k >= 2 (--moe-topk 2) or moe_norm_topk_prob=False "
+                              "(--no-moe-norm-topk-prob)")
         if self.moe_balance not in MOE_BALANCES:
             raise ConfigError(f"unknown moe_balance {self.moe_balance!r}; choose one of "
                               f"{', '.join(MOE_BALANCES)}")

@@ -20,7 +20,7 @@ from refpar.config import ConfigError, ModelConfig
 from refpar.model import llama, moe
 from refpar.model.moe import MoESpec, SwiGLUMLP
 from refpar.model.routing import route
-from tests.mpi import mpiexec
+from tests.mpi import mpiexec, refpar_json
 from tests.numerics import CONTRACT, rel_diff, within
 
 C, F, N = 8, 6, 256  # channels, an expert's width, tokens routed
@@ -267,3 +267,24 @@ def test_conventions_under_ep2_are_the_single_device_run():
         assert r["same_dropped"] and r["same_tokens_per_expert"] and r["same_bias"], r
         assert r["other_convention_loss_diff"] > 1e-6, r  # far above the contract: the option matters
     assert rows["llama_megatron_unnormalised"]["bias_moved"] and rows["gpt2_deepseek_drops"]["dropped"] > 0
+
+
+def test_train_check_on_ep2_with_the_options_by_flag_meets_every_closed_form():
+    """`refpar train --check` with the conventions given by flag (Llama's shared SwiGLU expert,
+    unnormalised gates, which the router keeps as the chosen scores themselves, Megatron's group
+    score): the single device's losses and parameters, and the memory and communication closed forms
+    (refpar/analysis/moe.py: the shared expert's SwiGLU width, one gate array, not two)."""
+    summary = refpar_json(2, "train", "--model", "llama-tiny", "--n-layer", "2", "--mesh", "ep=2",
+                          "--moe-experts", "8", "--moe-topk", "3", "--moe-shared-experts", "1",
+                          "--no-moe-norm-topk-prob", "--moe-groups", "4", "--moe-group-limit", "2",
+                          "--moe-group-score", "megatron", "--steps", "2", "--check", timeout=180)
+    model = summary["model"]
+    assert (model["moe_group_score"], model["moe_norm_topk_prob"], model["moe_shared_experts"]) == (
+        "megatron", False, 1)
+    assert within(summary["max_loss_rel_diff"], CONTRACT) and within(summary["max_param_rel_diff"], CONTRACT)
+    measured = {(r["rank"], r["category"]): r["bytes"] for r in summary["memory_peak_bytes"]}
+    assert all(measured[(r["rank"], r["category"])] == r["bytes"]
+               for r in summary["expected_memory_peak_bytes"])
+    key = ("rank", "op")
+    assert sorted(tuple(r[k] for k in key) + (r["bytes_sent"],) for r in summary["comm_bytes"]) == \
+        sorted(tuple(r[k] for k in key) + (r["bytes_sent"],) for r in summary["expected_comm_bytes"])
