@@ -253,6 +253,21 @@ def test_sigmoid_top1_is_allowed_unnormalised_and_the_command_line_names_the_opt
         "megatron", False, 2.5)
 
 
+@pytest.mark.parametrize("fields, says", [(dict(moe_shared_experts=1), "has no shared experts"),
+                                          (dict(norm=False), "normalises its top-k gates"),
+                                          (dict(scale=2.5), "does not scale them")])
+def test_export_refuses_what_mixtral_cannot_hold(fields, says):
+    """MixtralForCausalLM (refpar export's target for Llama's experts) has no shared experts and
+    always normalises, never scales: each is one sentence before anything is written."""
+    from refpar.weights import check_exportable
+
+    config = cfg(8, 1, None, 2, **({"moe_gate": "softmax", "moe_balance": "aux"} | fields))
+    check_exportable(replace(config, moe_shared_experts=0, moe_norm_topk_prob=True,
+                             moe_routed_scaling_factor=1.0))  # Mixtral's own: exportable
+    with pytest.raises(ConfigError, match=says):
+        check_exportable(config)
+
+
 def test_conventions_under_ep2_are_the_single_device_run():
     """tests/jobs/ep_conventions_check.py: 3 AdamW steps on ep=2 against one device, Llama's shared
     SwiGLU experts with Megatron's group score and unnormalised scaled sigmoid gates, and GPT-2 with
