@@ -40,6 +40,7 @@ def _require_positive(owner: str, **values: int | float) -> None:
 MOE_GATES = ("softmax", "sigmoid")
 MOE_BALANCES = ("aux", "aux-free", "none")
 MOE_DROP_POLICIES = ("position", "probs")
+MOE_GROUP_SCORES = ("deepseek", "megatron")  # routing.group_score_size: a group's best 2, or floor(k/M)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ class ModelConfig:
     moe_group_limit: int | None = None  # M: a token's experts lie in at most M groups; None: any
     moe_drop_policy: str = "position"  # past the capacity, drop the latest ("position") or least
     # probable ("probs") assignments (Megatron-Core's moe_token_drop_policy)
+    moe_group_score: str = "deepseek"  # a group's score for moe_group_limit: its best 2 biased scores
+    # ("deepseek": DeepSeek-V3's code, HF's DeepseekV3TopkRouter) or best floor(k/M) ("megatron")
+    moe_norm_topk_prob: bool = True  # divide the k chosen scores by their sum (HF's norm_topk_prob)
+    moe_routed_scaling_factor: float = 1.0  # the gates' factor (DeepSeek-V3's routed_scaling_factor: 2.5)
     arch: str = "gpt2"  # one of ARCHS
     # Llama only: None for GPT-2; for Llama, None takes the default given as "None:" on each line.
     n_kv_head: int | None = None  # kv heads, grouped-query attention (Ainslie et al. 2023); None: n_head
@@ -134,10 +139,11 @@ class ModelConfig:
         if self.dropout != 0.0:
             raise ConfigError(f"Llama trains without dropout but dropout={self.dropout}; set dropout=0.0 "
                               "(--dropout 0)")
-        if self.moe_experts and self.moe_top_k == 1:
+        if self.moe_experts and self.moe_top_k == 1 and self.moe_norm_topk_prob:
             raise ConfigError("Mixtral's router renormalises the top-k gates to sum to 1, which with "
                               "moe_top_k=1 makes every gate 1 and cuts the router off from the loss; "
-                              "use moe_top_k=2 (--moe-topk 2)")
+                              "use moe_top_k=2 (--moe-topk 2) or moe_norm_topk_prob=False "
+                              "(--no-moe-norm-topk-prob)")
 
     def _check_moe(self) -> None:
         if self.moe_experts < 0:
@@ -167,15 +173,13 @@ class ModelConfig:
         E, k, G, M = self.moe_experts, self.moe_top_k, self.moe_groups, self.moe_group_limit
         if self.moe_shared_experts < 0:
             raise ConfigError(f"moe_shared_experts={self.moe_shared_experts} must be 0 or a positive count")
-        if self.moe_shared_experts and self.arch != "gpt2":
-            raise ConfigError("shared experts are GPT-2 MLPs in refpar; use arch='gpt2' or "
-                              "moe_shared_experts=0 (--moe-shared-experts 0)")
         if self.moe_gate not in MOE_GATES:
             raise ConfigError(f"unknown moe_gate {self.moe_gate!r}; choose one of {', '.join(MOE_GATES)}")
-        if self.moe_gate == "sigmoid" and k == 1:
+        if self.moe_gate == "sigmoid" and k == 1 and self.moe_norm_topk_prob:
             raise ConfigError("sigmoid gates are normalised over the chosen experts, which with "
                               "moe_top_k=1 makes every gate 1 and cuts the router off from the loss; "
-                              "use moe_top_k >= 2 (--moe-topk 2)")
+                              "use moe_top_k >= 2 (--moe-topk 2) or moe_norm_topk_prob=False "
+                              "(--no-moe-norm-topk-prob)")
         if self.moe_balance not in MOE_BALANCES:
             raise ConfigError(f"unknown moe_balance {self.moe_balance!r}; choose one of "
                               f"{', '.join(MOE_BALANCES)}")
@@ -195,6 +199,22 @@ class ModelConfig:
         if self.moe_drop_policy not in MOE_DROP_POLICIES:
             raise ConfigError(f"unknown moe_drop_policy {self.moe_drop_policy!r}; choose one of "
                               f"{', '.join(MOE_DROP_POLICIES)}")
+        if self.moe_group_score not in MOE_GROUP_SCORES:
+            raise ConfigError(f"unknown moe_group_score {self.moe_group_score!r}; choose one of "
+                              f"{', '.join(MOE_GROUP_SCORES)}")
+        if M is not None and self.moe_group_score == "deepseek" and E // G < 2:
+            raise ConfigError(f"moe_group_score='deepseek' scores a group by its best 2 experts, but "
+                              f"moe_groups={G} groups of moe_experts={E} hold 1 each; use at most {E // 2} "
+                              "groups or moe_group_score='megatron'")
+        if M is not None and self.moe_group_score == "megatron" and k < M:
+            raise ConfigError(f"moe_group_score='megatron' scores a group by its best floor(moe_top_k / "
+                              f"moe_group_limit) = 0 experts with moe_top_k={k} < moe_group_limit={M}; "
+                              f"use moe_group_limit <= {k} or moe_group_score='deepseek'")
+        if not isinstance(self.moe_norm_topk_prob, bool):
+            raise ConfigError(f"moe_norm_topk_prob={self.moe_norm_topk_prob!r} must be True or False")
+        if not 0 < self.moe_routed_scaling_factor < math.inf:
+            raise ConfigError(f"moe_routed_scaling_factor={self.moe_routed_scaling_factor} must be positive "
+                              "and finite; DeepSeek-V3 uses 2.5, 1.0 leaves the gates as they are")
 
     @property
     def moe_blocks(self) -> tuple[int, ...]:

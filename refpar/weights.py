@@ -459,6 +459,9 @@ def check_exportable(config: ModelConfig) -> None:
                "MixtralForCausalLM has experts in every block" if config.moe_layers is not None else
                "MixtralForCausalLM routes by a softmax" if config.moe_gate != "softmax" else
                "MixtralForCausalLM routes without expert groups" if config.moe_group_limit else
+               "MixtralForCausalLM has no shared experts" if config.moe_shared_experts else
+               "MixtralForCausalLM normalises its top-k gates and does not scale them"
+               if not config.moe_norm_topk_prob or config.moe_routed_scaling_factor != 1.0 else
                "a checkpoint does not hold aux-free balancing's expert biases"
                if config.moe_balance == "aux-free" else None)
     if problem:

@@ -195,7 +195,8 @@ def dispatch_rows(counts, ep: int, data_rank: int, cp: int = 1) -> tuple[int, in
 
 
 def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, e: int, H: int | None = None,
-                    pairs: tuple[int, int, int, int, int] | None = None) -> dict[str, int]:
+                    pairs: tuple[int, int, int, int, int] | None = None,
+                    gates_apart: bool | None = None) -> dict[str, int]:
     """Bytes the cache of one MoE block keeps alive on a rank, by part: N tokens routed, R
     assignments kept, Q assignments its experts run, D runs whose counts were exchanged, e bytes
     per activation element; `pairs` (ExpertParallelMoE.forward) = (P_out, P_in, m, ep, G): the
@@ -206,8 +207,9 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, e: i
 
         router        probs (N, E) and the logsumexp (N,); argsort's (N, E) int64, whose first k
                       columns are the chosen experts (a view: the whole buffer stays); the chosen
-                      probabilities and the gates (N, k), one array when k = 1 (the gate is the
-                      probability); keep (N, k) bool; the aux-loss coefficients (E,). Its input,
+                      probabilities and the gates (N, k), one array where the gate is the
+                      probability (`gates_apart` False; None: k = 1, a softmax's top-1, see
+                      `gates_are_apart`); keep (N, k) bool; the aux-loss coefficients (E,). Its input,
                       ln_2's output, is the dense block's (kept by c_fc there, by the router here).
         routing       token (int64) and gate of each of the R rows; each assignment's row (N, k)
                       int64; this call's and the global kept rows per expert, (E,) int64 each;
@@ -224,7 +226,8 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, e: i
         combine_pad   the Q expert outputs plus combine's zero row, (Q+1, C)
     The rows that travel (dispatched, received, combined) leave with the all-to-alls: not kept."""
     i = INDEX_BYTES
-    gates = N * e if k == 1 else 2 * N * k * e
+    apart = k > 1 if gates_apart is None else gates_apart
+    gates = (2 if apart else 1) * N * k * e
     P_out, P_in, m, ep, G = (0, 0, 0, 0, 0) if pairs is None else pairs
     return {
         "router": N * E * e + N * e + N * E * i + gates + N * k + E * e,
@@ -237,18 +240,28 @@ def moe_cache_bytes(N: int, k: int, E: int, C: int, R: int, Q: int, D: int, e: i
     }
 
 
+def gates_are_apart(model) -> bool:
+    """Whether the router keeps the gates as an array of their own beside the chosen scores
+    (refpar/model/routing.py's router_forward): where they are normalised over the k (not a softmax's
+    top-1, and moe_norm_topk_prob) or scaled (moe_routed_scaling_factor != 1)."""
+    normalised = model.moe_norm_topk_prob and not (model.moe_top_k == 1 and model.moe_gate == "softmax")
+    return normalised or model.moe_routed_scaling_factor != 1.0
+
+
 def routing_option_bytes(model, N: int, rows: int, e: int, ranks: int = 1) -> dict[str, int]:
     """What DeepSeek's routing options and Megatron-Core's drop policy add to a MoE block's cache
     over N tokens in `rows` sequences, routed among `ranks` exchange ranks (D c): each shared
-    expert keeps what a dense GPT-2 MLP keeps (3 N 4C, at full width on every rank: shared experts
-    are replicated, under tp too); the sequence-wise balance loss its coefficients, one per sequence
-    and expert (rows, E); dropping by score ("probs", with a capacity) what each exchange rank keeps
-    per expert, (ranks, E) int64, which the counts alone no longer give (moe.routing_kept). Sigmoid
+    expert keeps what the family's dense MLP keeps (3 N H, H = GPT-2's 4C or Llama's F, at full
+    width on every rank: shared experts are replicated, under tp too); the sequence-wise balance loss
+    its coefficients, one per sequence and expert (rows, E); dropping by score ("probs", with a
+    capacity) what each exchange rank keeps per expert, (ranks, E) int64, which the counts alone no
+    longer give (moe.routing_kept). Sigmoid
     gates, the aux-free bias and group-limited routing keep nothing more: the scores replace the
     probabilities, and the bias and the group mask only change which experts argsort's (N, E)
     buffer lists first."""
     by_score = model.moe_drop_policy == "probs" and not model.moe_dropless
-    return {"shared_experts": model.moe_shared_experts * 3 * N * 4 * model.n_embd * e,
+    H = model.intermediate_size if model.arch == "llama" else 4 * model.n_embd
+    return {"shared_experts": model.moe_shared_experts * 3 * N * H * e,
             "sequence_balance": rows * model.moe_experts * e if model.moe_seq_aux_weight else 0,
             "kept_by_score": ranks * model.moe_experts * INDEX_BYTES if by_score else 0}
 
@@ -282,7 +295,7 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
             R, P_out, P_in, Q = dispatch_rows(kept[layer], ep, group, c)
             m = record_slots(model.moe_experts, model.moe_top_k, ep)
             parts = moe_cache_bytes(N, model.moe_top_k, model.moe_experts, C, R, Q, runs, e, H,
-                                    (P_out, P_in, m, ep, D * c))
+                                    (P_out, P_in, m, ep, D * c), gates_are_apart(model))
             parts |= routing_option_bytes(model, N, b, e, D * c)
             if sp:  # the gathered sequence for the router, ln_2's shard not kept
                 parts["sequence"] = (N - b * shard_sizes(Ta, t)[coords["tp"]]) * C * e

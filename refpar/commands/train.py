@@ -198,11 +198,12 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
 MOE_DEFAULTS = {"moe_topk": 1, "moe_layers": None, "capacity_factor": 1.25, "dropless": False,
                 "aux_loss_weight": 0.01, "z_loss_weight": 0.001, "moe_shared_experts": 0,
                 "moe_gate": "softmax", "moe_balance": "aux", "moe_bias_rate": 0.001, "moe_seq_aux": 0.0,
-                "moe_groups": 1, "moe_group_limit": None, "moe_drop_policy": "position"}
+                "moe_groups": 1, "moe_group_limit": None, "moe_drop_policy": "position",
+                "moe_group_score": "deepseek", "moe_norm_topk_prob": True, "moe_routed_scaling_factor": 1.0}
 
 
 def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
-    from refpar.config import MOE_BALANCES, MOE_DROP_POLICIES, MOE_GATES
+    from refpar.config import MOE_BALANCES, MOE_DROP_POLICIES, MOE_GATES, MOE_GROUP_SCORES
 
     d = MOE_DEFAULTS
     group = parser.add_argument_group("Mixture of Experts (refpar/model/moe.py)")
@@ -236,6 +237,14 @@ def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a token's experts lie in at most M groups (DeepSeek-V3's node limit)")
     group.add_argument("--moe-drop-policy", choices=MOE_DROP_POLICIES, default=d["moe_drop_policy"],
                        help="past the capacity drop the last queued (position) or least probable (probs)")
+    group.add_argument("--moe-group-score", choices=MOE_GROUP_SCORES, default=d["moe_group_score"],
+                       help="a group's score for --moe-group-limit: its best 2 scores (deepseek, as "
+                            "Hugging Face) or best floor(k/M) (megatron, as Megatron-Core)")
+    group.add_argument("--moe-norm-topk-prob", action=argparse.BooleanOptionalAction,
+                       default=d["moe_norm_topk_prob"],
+                       help="divide the k chosen scores by their sum (default on; HF's norm_topk_prob)")
+    group.add_argument("--moe-routed-scaling-factor", type=float, default=d["moe_routed_scaling_factor"],
+                       help="multiply the gates by this (DeepSeek-V3: 2.5; default 1.0)")
 
 
 def model_overrides(args) -> dict:
@@ -264,7 +273,9 @@ def model_overrides(args) -> dict:
             "moe_shared_experts": args.moe_shared_experts, "moe_gate": args.moe_gate,
             "moe_balance": args.moe_balance, "moe_bias_rate": args.moe_bias_rate,
             "moe_seq_aux_weight": args.moe_seq_aux, "moe_groups": args.moe_groups,
-            "moe_group_limit": args.moe_group_limit, "moe_drop_policy": args.moe_drop_policy}
+            "moe_group_limit": args.moe_group_limit, "moe_drop_policy": args.moe_drop_policy,
+            "moe_group_score": args.moe_group_score, "moe_norm_topk_prob": args.moe_norm_topk_prob,
+            "moe_routed_scaling_factor": args.moe_routed_scaling_factor}
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:

@@ -65,8 +65,11 @@ LM_HEAD = "lm_head.weight"
 # for GPT-2's experts. The router losses are refpar's, per block (refpar/model/routing.py); HF's
 # `load_balancing_loss_func` pools all layers' router logits and is off by default
 # (`output_router_logits=False`), so a comparison with HF sets both loss weights to 0.
+# Shared experts (refpar's names; MixtralForCausalLM has none): SwiGLU MLPs of the experts' shape,
+#   model.layers.{i}.block_sparse_moe.shared_experts.{s}.w1/w3/w2.weight
 MOE = MoESpec(router="model.layers.{layer}.block_sparse_moe.gate.weight",
-              experts="model.layers.{layer}.block_sparse_moe.experts.{expert}", shared=None,
+              experts="model.layers.{layer}.block_sparse_moe.experts.{expert}",
+              shared="model.layers.{layer}.block_sparse_moe.shared_experts.{expert}",
               router_out_in=True, mlp=SwiGLUMLP())
 
 

@@ -11,7 +11,7 @@ intermediate_size for Mixtral's).
 A family's MoE differs from another's in three things only, held by its `MoESpec` (gpt.MOE,
 llama.MOE): its parameters' names, the router's layout ((C, E), or (E, C) as torch.nn.Linear stores
 Mixtral's), and the expert MLP, which the shared experts share: GPT-2's (`GeluMLP`) or Mixtral's
-SwiGLU (`SwiGLUMLP`, Jiang et al. 2024).
+SwiGLU (`SwiGLUMLP`, Jiang et al. 2024; DeepSeek-V3's under its own names and width).
 
 Mixed precision: `combine` and the backward scatter-adds run under `fp32_compute`
 (refpar/precision.py), the experts through the fp32-computing layer pairs.
@@ -39,11 +39,10 @@ class GeluMLP:
 
     down_bias = "c_proj.bias"  # what tensor parallelism adds once, after the sum over tp
 
-    def shapes(self, config) -> dict[str, tuple[int, ...]]:
-        """One expert's parameters by suffix."""
-        C = config.n_embd
-        return {"c_fc.weight": (C, 4 * C), "c_fc.bias": (4 * C,),
-                "c_proj.weight": (4 * C, C), "c_proj.bias": (C,)}
+    def shapes(self, config, copies: int = 1) -> dict[str, tuple[int, ...]]:
+        """One expert's parameters by suffix; `copies` experts as one MLP of their widths side by side."""
+        C, H = config.n_embd, 4 * config.n_embd * copies
+        return {"c_fc.weight": (C, H), "c_fc.bias": (H,), "c_proj.weight": (H, C), "c_proj.bias": (C,)}
 
     def forward(self, x2, params, prefix: str, down_bias: bool = True):
         """(n, C) -> (n, C). Without `down_bias` c_proj's bias is left out of the output (expert
@@ -64,29 +63,37 @@ class GeluMLP:
         return dx, grads
 
 
+@dataclass(frozen=True)
 class SwiGLUMLP:
-    """Llama's MLP as an expert (Mixtral's), without biases, in torch.nn.Linear's layout
-    weight[out, in] under HF's Mixtral names: w1 (H, C) gate, w3 (H, C) up, w2 (C, H) down,
-    expert(x) = w2(silu(w1 x) * w3 x), H = intermediate_size."""
+    """Llama's MLP as an expert, without biases, in torch.nn.Linear's layout weight[out, in]:
+    expert(x) = down(silu(gate x) * up x), gate and up (H, C), down (C, H). `gate`, `up`, `down`:
+    the projections' names (Mixtral's w1, w3, w2 by default; DeepSeek-V3's gate_proj, up_proj,
+    down_proj); `width`: the ModelConfig field holding H (intermediate_size for Mixtral's,
+    DeepSeek-V3's routed experts have their own)."""
 
-    down_bias = None
+    gate: str = "w1"
+    up: str = "w3"
+    down: str = "w2"
+    width: str = "intermediate_size"
+    down_bias = None  # a class attribute, not a field: there is no bias
 
-    def shapes(self, config) -> dict[str, tuple[int, ...]]:
-        """One expert's parameters by suffix."""
-        C, H = config.n_embd, config.intermediate_size
-        return {"w1.weight": (H, C), "w3.weight": (H, C), "w2.weight": (C, H)}
+    def shapes(self, config, copies: int = 1) -> dict[str, tuple[int, ...]]:
+        """One expert's parameters by suffix; `copies` experts as one MLP of their widths side by side."""
+        C, H = config.n_embd, getattr(config, self.width) * copies
+        return {f"{self.gate}.weight": (H, C), f"{self.up}.weight": (H, C), f"{self.down}.weight": (C, H)}
 
     def forward(self, x2, params, prefix: str, down_bias: bool = True):
         """(n, C) -> (n, C); there is no bias to leave out."""
-        y, c = swiglu_mlp_forward(x2, params[f"{prefix}.w1.weight"], params[f"{prefix}.w3.weight"],
-                                  params[f"{prefix}.w2.weight"])  # (n, C)
+        w = [params[f"{prefix}.{name}.weight"] for name in (self.gate, self.up, self.down)]
+        y, c = swiglu_mlp_forward(x2, *w)  # (n, C)
         return y, (prefix, c)
 
     def backward(self, dy, cache):
         """(n, C) -> (dx (n, C), the expert's gradients by name)."""
         p, c = cache
-        dx, dw1, dw3, dw2 = swiglu_mlp_backward(dy, c)  # (n, C)
-        return dx, {f"{p}.w1.weight": dw1, f"{p}.w3.weight": dw3, f"{p}.w2.weight": dw2}
+        dx, dgate, dup, ddown = swiglu_mlp_backward(dy, c)  # (n, C)
+        return dx, {f"{p}.{self.gate}.weight": dgate, f"{p}.{self.up}.weight": dup,
+                    f"{p}.{self.down}.weight": ddown}
 
 
 @dataclass(frozen=True)
@@ -94,13 +101,18 @@ class MoESpec:
     """What a family's MoE layer is made of. `router`, `experts` and `shared` are name templates
     with {layer} and {expert}; the shared experts' lie outside `.experts.`, so they are dense
     (holdings.is_expert). `router_out_in`: the router is stored (E, C), torch.nn.Linear's layout,
-    rather than (C, E); `route` takes (C, E) either way."""
+    rather than (C, E); `route` takes (C, E) either way. `shared_mlp`: the shared experts' MLP
+    (None: `mlp`'s kind). A `shared` template with {expert} names S separate MLPs (GPT-2's, Llama's);
+    without it, one MLP of S times the width stands for all S (DeepSeek-V3's `mlp.shared_experts`,
+    Hugging Face's DeepseekV3MoE): the same function, as an MLP over concatenated hidden units is the
+    sum of the parts."""
 
     router: str
     experts: str
     shared: str | None
     router_out_in: bool
     mlp: GeluMLP | SwiGLUMLP
+    shared_mlp: GeluMLP | SwiGLUMLP | None = None
 
     def router_name(self, layer: int) -> str:
         return self.router.format(layer=layer)
@@ -111,15 +123,31 @@ class MoESpec:
     def shared_prefix(self, layer: int, expert: int) -> str:
         return self.shared.format(layer=layer, expert=expert)
 
+    @property
+    def shared_kind(self) -> GeluMLP | SwiGLUMLP:
+        """The shared experts' MLP."""
+        return self.mlp if self.shared_mlp is None else self.shared_mlp
+
+    def shared_parts(self, layer: int, n_shared: int) -> list[tuple[str, int]]:
+        """Block `layer`'s S shared experts as stored: (prefix, experts it holds) per MLP, S of one
+        or one of S (0 shared experts: none)."""
+        if n_shared == 0:
+            return []
+        if "{expert}" not in self.shared:
+            return [(self.shared.format(layer=layer), n_shared)]
+        return [(self.shared_prefix(layer, s), 1) for s in range(n_shared)]
+
     def param_shapes(self, config, layer: int) -> dict[str, tuple[int, ...]]:
         """Every parameter of block `layer`'s MoE by full name: router, routed experts, shared
         experts (the order of the family's state dict)."""
         C, E = config.n_embd, config.moe_experts
         shapes = {self.router_name(layer): (E, C) if self.router_out_in else (C, E)}
-        prefixes = ([self.expert_prefix(layer, e) for e in range(E)]
-                    + [self.shared_prefix(layer, s) for s in range(config.moe_shared_experts)])
-        for p in prefixes:
+        for e in range(E):
+            p = self.expert_prefix(layer, e)
             shapes.update({f"{p}.{suffix}": shape for suffix, shape in self.mlp.shapes(config).items()})
+        for p, copies in self.shared_parts(layer, config.moe_shared_experts):
+            shapes.update({f"{p}.{suffix}": shape
+                           for suffix, shape in self.shared_kind.shapes(config, copies).items()})
         return shapes
 
     def router_weight(self, params, layer: int):
@@ -205,11 +233,12 @@ def experts_backward(dybuf, cache):
 def shared_experts_forward(x2, params, layer: int, n_shared: int, spec: MoESpec):
     """DeepSeekMoE's shared experts (Dai et al. 2024, eq. 9): every token passes through all S,
     unrouted and ungated; (N, C) -> (their sum (N, C), caches), or (None, []) when S = 0."""
-    if n_shared == 0:
+    parts = spec.shared_parts(layer, n_shared)
+    if not parts:
         return None, []
-    outs, caches = zip(*(spec.mlp.forward(x2, params, spec.shared_prefix(layer, s))
-                         for s in range(n_shared)), strict=True)
-    return sum(outs), [(spec.mlp, c) for c in caches]  # (N, C)
+    mlp = spec.shared_kind
+    outs, caches = zip(*(mlp.forward(x2, params, prefix) for prefix, _ in parts), strict=True)
+    return sum(outs), [(mlp, c) for c in caches]  # (N, C)
 
 
 def shared_experts_backward(dout2, caches):

@@ -12,7 +12,10 @@ The conventions, so that the numbers can be reproduced elsewhere:
 - Top-k: the k largest probabilities, ties to the lower expert index. Gates: with k = 1 the gate is
   the probability itself (Switch; renormalising a single gate would make it 1 and cut the router
   off from the task loss); with k >= 2 the k selected probabilities are renormalised to sum to 1
-  (Mixtral, Jiang et al. 2024: the same as a softmax over the selected logits).
+  (Mixtral, Jiang et al. 2024: the same as a softmax over the selected logits). With
+  `moe_norm_topk_prob` False (Hugging Face's norm_topk_prob) no gate is renormalised; every gate is
+  then multiplied by `moe_routed_scaling_factor` (DeepSeek-V3's routed_scaling_factor, 2.5 there;
+  Megatron-Core's moe_router_topk_scaling_factor; 1 by default).
 - Capacity: an expert takes at most ceil(N_global * k * capacity_factor / E) assignments, where
   an assignment is one (token, slot) pair and N_global the tokens of the whole global batch.
   An expert's queue is ordered by slot first, then by global token index b * T + t: every first
@@ -30,11 +33,13 @@ The conventions, so that the numbers can be reproduced elsewhere:
 
 The routing of DeepSeekMoE and DeepSeek-V3, and Megatron-Core's drop policies (ModelConfig fields):
 - `moe_shared_experts` S (DeepSeekMoE, Dai et al. 2024, eq. 9): S experts every token passes
-  through, ungated, added to the routed output (refpar/model/moe.py; no routing).
+  through, ungated, added to the routed output, each the family's expert MLP (GPT-2's GELU MLP,
+  Llama's and DeepSeek-V3's SwiGLU; refpar/model/moe.py; no routing).
 - Fine-grained experts (DeepSeekMoE §3.1): any E and k (DeepSeek-V3: 256 routed, k = 8); an
   expert's width stays 4C here, the planner's preset (refpar/analysis/presets.py) has V3's own.
 - `moe_gate="sigmoid"` (DeepSeek-V3, Liu et al. 2024, eq. 13-15): s = sigmoid(logits); the gates
-  are the chosen s normalised over the k. The balance losses read s' = s / sum_E s (eq. 19).
+  are the chosen s normalised over the k (unless `moe_norm_topk_prob` is False). The balance losses
+  read s' = s / sum_E s (eq. 19).
 - `moe_balance`: "aux" is the Switch loss above; "aux-free" (DeepSeek-V3 §2.1.2, from Wang et al.
   2024) drops it and adds a bias b (E,) to the scores for the top-k choice only, never to the gates;
   after each step b_i += gamma * sign(mean load - load_i) (`update_expert_bias`, gamma =
@@ -45,8 +50,11 @@ The routing of DeepSeekMoE and DeepSeek-V3, and Megatron-Core's drop policies (M
   f's counts are summed over the cp ranks (`sum_sequences`); P enters linearly and stays local.
 - `moe_groups` G and `moe_group_limit` M (DeepSeek-V3's node-limited routing): the E experts form G
   groups of E / G consecutive ones (on a mesh with ep = G, one per ep rank); a token first keeps the
-  M groups whose ceil(k / M) best biased scores sum highest, then picks its k among their experts,
-  so its rows cross to at most M groups.
+  M groups whose best biased scores sum highest, then picks its k among their experts, so its rows
+  cross to at most M groups. How many of a group's scores sum (`moe_group_score`): "deepseek", the
+  best 2 (DeepSeek-V3's reference code and Hugging Face's DeepseekV3TopkRouter), or "megatron", the
+  best floor(k / M) (Megatron-Core's group_limited_topk). The paper's K_r / M is 2 for DeepSeek-V3
+  (K_r = 8, M = 4), where both agree; they differ wherever floor(k / M) != 2.
 - `moe_drop_policy` (Megatron-Core's moe_token_drop_policy): "position" is the queue order above;
   "probs" lets each expert keep the `capacity` assignments of highest score, ties in queue order.
   It ranks the whole batch's scores: over several ranks each gathers every rank's scores in queue
@@ -100,20 +108,27 @@ def router_scores(logits, gate: str):
     return scores, lse
 
 
-def select_experts(scores, k: int, bias=None, groups: int = 1, group_limit: int | None = None):
+def group_score_size(convention: str, k: int, group_limit: int) -> int:
+    """How many of a group's best biased scores sum to its score (`moe_group_score`): "deepseek" 2,
+    as DeepSeek-V3's reference code and Hugging Face's DeepseekV3TopkRouter (the paper's K_r / M
+    with its K_r = 8, M = 4); "megatron" floor(k / M), as Megatron-Core's group_limited_topk."""
+    return 2 if convention == "deepseek" else k // group_limit
+
+
+def select_experts(scores, k: int, bias=None, groups: int = 1, group_limit: int | None = None,
+                   group_score: str = "deepseek"):
     """scores (N, E) -> the k chosen experts (N, k), a view of argsort's (N, E) buffer (what a
     cache keeps). Ties go to the lower expert index. DeepSeek-V3's two changes (§2.1.2, eq. 16 and
     "node-limited routing"): `bias` (E,) is added for the choice only, never to the gates; with
     `group_limit` M the experts, in `groups` runs of E / G, are first narrowed to the M groups
-    whose ceil(k / M) best biased scores sum highest (K_r / M in the paper), ties to the lower
-    group."""
+    whose best biased scores sum highest (how many: `group_score_size`), ties to the lower group."""
     xp = array_namespace(scores)
     choice = scores if bias is None else scores + bias  # (N, E)
     if group_limit is not None:
         N, E = choice.shape
         per = E // groups
         best = xp.sort(xp.reshape(choice, (N, groups, per)), axis=-1, descending=True)  # (N, G, E/G)
-        group_score = xp.sum(best[..., :-(-k // group_limit)], axis=-1)  # (N, G)
+        group_score = xp.sum(best[..., :group_score_size(group_score, k, group_limit)], axis=-1)  # (N, G)
         top = xp.argsort(-group_score, axis=-1, stable=True)[:, :group_limit]  # (N, M)
         allowed = xp.sum(one_hot(top, groups, xp.int64), axis=1) > 0  # (N, G)
         allowed = xp.reshape(xp.broadcast_to(allowed[..., None], (N, groups, per)), (N, E))  # (N, E)
@@ -121,22 +136,28 @@ def select_experts(scores, k: int, bias=None, groups: int = 1, group_limit: int 
     return xp.argsort(-choice, axis=-1, stable=True)[:, :k]  # (N, k)
 
 
+def normalises(k: int, gate: str, norm_topk_prob: bool) -> bool:
+    """Whether the k chosen scores are divided by their sum: with `norm_topk_prob` (Hugging Face's
+    name), except a softmax's top-1 (Switch: renormalising a single gate would make it 1 and cut the
+    router off from the task loss)."""
+    return norm_topk_prob and not (k == 1 and gate == "softmax")
+
+
 def router_forward(x2, w, k: int, gate: str = "softmax", bias=None, groups: int = 1,
-                   group_limit: int | None = None):
+                   group_limit: int | None = None, group_score: str = "deepseek",
+                   norm_topk_prob: bool = True, scaling: float = 1.0):
     """x2 (N, C), w (C, E) -> scores (N, E), lse (N,), the k chosen experts (N, k), their scores
-    (N, k) and their gates (N, k). Gates: a softmax's top-1 is the probability itself (Switch;
-    renormalising a single gate would make it 1 and cut the router off from the task loss); k >= 2
-    softmax scores (Mixtral) and sigmoid scores (DeepSeek-V3 eq. 13) are normalised over the k.
-    `bias`, `groups` and `group_limit` as in `select_experts`."""
+    (N, k) and their gates (N, k). Gates: the chosen scores, softmax (Mixtral) or sigmoid (DeepSeek-V3
+    eq. 13), normalised over the k where `normalises`, then times `scaling` (DeepSeek-V3's
+    routed_scaling_factor, Megatron-Core's moe_router_topk_scaling_factor). `bias`, `groups`,
+    `group_limit` and `group_score` as in `select_experts`."""
     xp = array_namespace(x2, w)
     logits, lin_cache = linear_forward(x2, w, None)  # (N, E)
     scores, lse = router_scores(logits, gate)  # (N, E), (N,)
-    experts = select_experts(scores, k, bias, groups, group_limit)  # (N, k)
+    experts = select_experts(scores, k, bias, groups, group_limit, group_score)  # (N, k)
     chosen = xp.take_along_axis(scores, experts, axis=-1)  # (N, k)
-    if k == 1 and gate == "softmax":
-        gates = chosen  # (N, 1)
-    else:
-        gates = chosen / xp.sum(chosen, axis=-1, keepdims=True)  # (N, k)
+    gates = chosen / xp.sum(chosen, axis=-1, keepdims=True) if normalises(k, gate, norm_topk_prob) else chosen
+    gates = gates if scaling == 1.0 else scaling * gates  # (N, k)
     return scores, lse, experts, chosen, gates, lin_cache
 
 
@@ -236,7 +257,8 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
     xp = array_namespace(x2, w)
     N, E, k = x2.shape[0], config.moe_experts, config.moe_top_k
     scores, lse, experts, chosen, gates, lin_cache = router_forward(
-        x2, w, k, config.moe_gate, bias, config.moe_groups, config.moe_group_limit)
+        x2, w, k, config.moe_gate, bias, config.moe_groups, config.moe_group_limit, config.moe_group_score,
+        config.moe_norm_topk_prob, config.moe_routed_scaling_factor)
     parts = Parts((N,), (rank,)) if parts is None else parts
     hot = one_hot(experts, E, xp.int64)  # (N, k, E)
     # Earlier selections of this call: cum[n] counts tokens 0..n-1, so a run's counts are the
@@ -295,7 +317,8 @@ def route(x2, w, config, exchange=None, rank: int = 0, weight: float = 1.0, grad
         aux_coef, z_coef = aux_coef * grad_scale, z_coef * grad_scale
         seq_coef = None if seq_coef is None else seq_coef * grad_scale
     cache = (scores, lse, experts, chosen, gates, keep, aux_coef, seq_coef, z_coef, config.moe_gate,
-             lin_cache)
+             lin_cache, normalises(k, config.moe_gate, config.moe_norm_topk_prob),
+             config.moe_routed_scaling_factor)
     return routing, cache
 
 
@@ -323,16 +346,16 @@ def buffer_layout(experts, keep, gates, n_experts: int) -> dict:
 def router_backward(dgates, cache):
     """dgates (N, k) of the kept assignments -> (dx2 (N, C), dw (C, E)), the balance and z-loss
     gradients included."""
-    scores, lse, experts, chosen, gates, keep, aux_coef, seq_coef, z_coef, gate, lin_cache = cache
+    scores, lse, experts, chosen, gates, keep, aux_coef, seq_coef, z_coef, gate, lin_cache, norm, f = cache
     xp = array_namespace(scores)
     N, E = scores.shape
-    k = experts.shape[-1]
     dgates = dgates * xp.astype(keep, dgates.dtype)  # (N, k): a dropped gate changes nothing
-    if k == 1 and gate == "softmax":
-        dchosen = dgates  # (N, 1)
-    else:  # g_j = s_j / S with S = sum of the chosen s: ds_j = (dg_j - sum_l dg_l g_l) / S
+    if not norm:  # g_j = f s_j
+        dchosen = dgates if f == 1.0 else f * dgates  # (N, k)
+    else:  # g_j = f s_j / S with S = sum of the chosen s: ds_j = (f dg_j - sum_l dg_l g_l) / S
         S = xp.sum(chosen, axis=-1, keepdims=True)  # (N, 1)
-        dchosen = (dgates - xp.sum(dgates * gates, axis=-1, keepdims=True)) / S  # (N, k)
+        fdg = dgates if f == 1.0 else f * dgates  # (N, k)
+        dchosen = (fdg - xp.sum(dgates * gates, axis=-1, keepdims=True)) / S  # (N, k)
     dscores = xp.sum(one_hot(experts, E, scores.dtype) * dchosen[..., None], axis=1)  # (N, E)
     daffinity = aux_coef  # (E,), d(balance losses) / d affinity[n, i]
     if seq_coef is not None:  # (rows, E) -> each token's row of it, N / rows tokens a row
