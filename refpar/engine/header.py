@@ -26,7 +26,7 @@ def header(model, cfg, sizes, plan, preset: str, corpus) -> list[str]:
     n_params = sum(int(np.prod(s)) for s in param_shapes(model).values())
     world = int(np.prod(list(sizes.values())))
     mesh = " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes[a] > 1)
-    family = "Llama" if model.arch == "llama" else "GPT-2"
+    family = {"llama": "Llama", "deepseek": "DeepSeek-V3"}.get(model.arch, "GPT-2")
     heads = f"{model.n_head} heads" + (f" over {model.n_kv_head} kv heads" if model.arch == "llama" else "")
     lines = [f"{family} {preset}: {model.n_layer} layers, {model.n_embd} channels, {heads}, "
              f"{n_params:,} parameters, {_precision(model.dtype)}, dropout {model.dropout}"

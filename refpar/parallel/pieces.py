@@ -36,7 +36,7 @@ from refpar.config import ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.layers import as_like
 from refpar.model.llama_layers import gqa_attention_backward, gqa_attention_forward
-from refpar.parallel import gpt2_pieces, llama_pieces
+from refpar.parallel import deepseek_pieces, gpt2_pieces, llama_pieces
 from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp, positions_index
 from refpar.parallel.vocab_parallel import logits_backward, logits_forward
 from refpar.sharding import shard_range
@@ -69,7 +69,11 @@ LLAMA = Family(llama_pieces.embed_forward, llama_pieces.embed_backward, llama_pi
                llama_pieces.block_backward, llama_pieces.norm_forward, llama_pieces.norm_backward,
                lambda config: llama_pieces.EMBED if config.tie_embeddings else "lm_head.weight",
                _gqa_forward, gqa_attention_backward)
-FAMILIES = {"gpt2": GPT2, "llama": LLAMA}
+DEEPSEEK = Family(deepseek_pieces.embed_forward, deepseek_pieces.embed_backward,
+                  deepseek_pieces.block_forward, deepseek_pieces.block_backward,
+                  deepseek_pieces.norm_forward, deepseek_pieces.norm_backward,
+                  LLAMA.head, attention_forward, attention_backward)  # MLA's heads attend inside its block
+FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "deepseek": DEEPSEEK}
 
 
 def family(config: ModelConfig) -> Family:
