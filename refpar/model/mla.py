@@ -2,6 +2,8 @@
 al. 2024, section 2.1.1) as a forward/backward pair written by hand, exactly Hugging Face's
 DeepseekV3Attention (transformers/models/deepseek_v3/modeling_deepseek_v3.py, eager attention).
 
+    python -m pytest tests/test_deepseek_hf.py      # against DeepseekV3ForCausalLM, float64
+
 Legend: B batch, T sequence, C channels, nh heads, dn qk_nope_head_dim, dr qk_rope_head_dim,
 dq = dn + dr a head's query and key width, dv v_head_dim, rq q_lora_rank, rkv kv_lora_rank.
 
@@ -138,7 +140,7 @@ def mla_backward(dout, cache):
     dkv = merge_heads(xp.concat([dk[..., :dn], dv], axis=-1))  # (B, T, nh * (dn + dv))
     dlatent, g[prefix + "kv_b_proj.weight"] = linear_t_backward(dkv, c_kvb)  # (B, T, rkv)
     dlatent, g[prefix + "kv_a_layernorm.weight"] = rmsnorm_backward(dlatent, c_kvn)  # (B, T, rkv)
-    dckv = xp.concat([dlatent, dk_rope[:, 0]], axis=-1)  # (B, T, rkv + dr)
+    dckv = xp.concat([dlatent, dk_rope[:, 0, ...]], axis=-1)  # (B, T, rkv + dr)
     dx, g[prefix + "kv_a_proj_with_mqa.weight"] = linear_t_backward(dckv, c_kva)  # (B, T, C)
 
     dq_rope = mla_rope_backward(dq[..., dn:], c_rq, interleave)  # (B, nh, T, dr)

@@ -2,6 +2,8 @@
 for each depth, the convention of Megatron-Core 0.16.1's MultiTokenPredictionLayer and GPTModel
 (transformers' DeepseekV3ForCausalLM has no MTP module, so Megatron-Core's is the reference).
 
+    python -m pytest tests/test_deepseek_hf.py -k multi_token    # against HF's modules in its convention
+
 Legend: B batch, T sequence, C channels, V vocab, D depths (num_nextn_predict_layers), k a depth
 1..D, T_k = T - k the positions depth k predicts at.
 
@@ -63,7 +65,7 @@ def mtp_forward(h, targets, params, k: int, config, head: str, block_forward, no
     T_k = h.shape[1] - 1
     e, c_emb = token_embedding_forward(targets[:, k - 1:k - 1 + T_k], P[EMBED])  # (B, T_k, C): t_{i+k}
     e, c_en = rmsnorm_forward(e, P[p + "enorm.weight"], eps)  # (B, T_k, C)
-    g, c_hn = rmsnorm_forward(h[:, :T_k], P[p + "hnorm.weight"], eps)  # (B, T_k, C)
+    g, c_hn = rmsnorm_forward(h[:, :T_k, ...], P[p + "hnorm.weight"], eps)  # (B, T_k, C)
     z, c_proj = linear_t_forward(xp.concat([e, g], axis=-1), P[p + "eh_proj.weight"])  # (B, T_k, C)
     y, c_block = block_forward(z, P, mtp_layer(config, k))  # (B, T_k, C)
     hk, c_norm = rmsnorm_forward(y, P[p + "shared_head.norm.weight"], eps)  # (B, T_k, C)
