@@ -51,14 +51,15 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
 
 def _check_family(model: ModelConfig, sizes: dict) -> None:
     """What the engine runs Llama with so far: every strategy; Mixtral's experts without expert
-    tensor parallelism (refpar/parallel/expert_tensor_parallel.py splits GPT-2's experts only)."""
+    tensor parallelism (refpar/parallel/expert_tensor_parallel.py splits GPT-2's experts only).
+    DeepSeek-V3 runs unsplit (refpar/parallel/deepseek_pieces.py): no tp, cp or multi-token prediction."""
     if model.arch == "llama" and model.moe_experts and sizes.get("tp", 1) > 1:
         raise ConfigError(f"Mixtral's experts run over ep, dp, cp and pp, not split over tp={sizes['tp']} "
                           "(expert tensor parallelism is GPT-2's so far); drop tp from --mesh")
-    split = [f"{axis}={sizes[axis]}" for axis in ("tp", "cp") if sizes.get(axis, 1) > 1]
     if model.arch == "deepseek" and model.num_nextn_predict_layers:
         raise ConfigError("multi-token prediction trains in refpar.model.loss_and_grads only so far, not on "
                           "the engine's pieces; set num_nextn_predict_layers=0")
+    split = [f"{axis}={sizes[axis]}" for axis in ("tp", "cp") if sizes.get(axis, 1) > 1]
     if model.arch == "deepseek" and split:
         raise ConfigError(f"DeepSeek's latent attention runs whole on each rank so far, not split over "
                           f"{split[0]} (dp, ZeRO, FSDP, pp and ep run it); drop {split[0]} from --mesh")

@@ -19,7 +19,8 @@ tensor_parallel.weight_grads runs:
     work = pieces.embed_backward(dx, cache, lay)                     # its input is tokens
     grads = weight_grads(work)                                         # in W, or right away
 
-GPT-2's are refpar/parallel/gpt2_pieces.py's, Llama's refpar/parallel/llama_pieces.py's; the head
+GPT-2's are refpar/parallel/gpt2_pieces.py's, Llama's refpar/parallel/llama_pieces.py's, DeepSeek-V3's
+refpar/parallel/deepseek_pieces.py's (unsplit so far: its blocks attend inside themselves); the head
 (final norm, then vocab_parallel's logits and cross-entropy) is one for both. `attend` is the family's
 attention over whole heads, which LocalAttention and context_parallel's Ulysses call: GPT-2's
 multi-head attention with its dropout, Llama's grouped-query attention.
