@@ -15,8 +15,11 @@ from refpar.precision import PRECISIONS
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")  # the last two: mixed precision
 MAX_RUN_BYTES = 1 << 40  # 1 TiB: no run of refpar's holds its parameters or a step's logits in more
-ARCHS = ("gpt2", "llama")  # refpar/model/gpt.py, refpar/model/llama.py
+ARCHS = ("gpt2", "llama", "deepseek")  # refpar/model/gpt.py, refpar/model/llama.py, refpar/model/deepseek.py
 LLAMA_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "norm_eps", "tie_embeddings")
+DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                   "moe_intermediate_size", "first_k_dense_replace", "rope_interleave",
+                   "num_nextn_predict_layers", "mtp_loss_weight")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")  # refpar/model/optim.py learning_rate
 RECOMPUTE = ("none", "selective", "full")  # refpar/parallel/recompute.py; the planner prices each
@@ -88,11 +91,24 @@ class ModelConfig:
     rope_theta: float | None = None  # the RoPE base (Su et al. 2021); None: 10000.0, Llama 2's
     norm_eps: float | None = None  # RMSNorm's epsilon (HF's rms_norm_eps); None: 1e-6, HF's
     tie_embeddings: bool | None = None  # the head reuses model.embed_tokens (Llama 3.2 1B); None: False
+    # DeepSeek-V3 only (arch="deepseek", refpar/model/deepseek.py), under Hugging Face DeepseekV3Config's
+    # names; it also takes the Llama fields but n_kv_head. None for the other families.
+    q_lora_rank: int | None = None  # the query's low-rank width; None: a full q_proj (DeepSeek-V2-Lite)
+    kv_lora_rank: int | None = None  # the key-value latent's width, what MLA's cache keeps per token
+    qk_nope_head_dim: int | None = None  # a head's query and key channels without position
+    qk_rope_head_dim: int | None = None  # its rotary channels; the key's are one set shared by the heads
+    v_head_dim: int | None = None  # a head's value width
+    moe_intermediate_size: int | None = None  # a routed or shared expert's SwiGLU width
+    first_k_dense_replace: int | None = None  # the first k blocks keep a dense MLP; None: 0
+    rope_interleave: bool | None = None  # RoPE pairs channels (0, 1), (2, 3)... as DeepSeek's
+    # checkpoints do, else (i, i + dr/2) as Llama; None: True, Hugging Face's default
+    num_nextn_predict_layers: int | None = None  # D multi-token prediction depths (model/mtp.py); None: 0
+    mtp_loss_weight: float | None = None  # lambda, the MTP losses' weight; None: 0.3 (V3's first 10T tokens)
 
     def __post_init__(self) -> None:
         _require_positive("ModelConfig", vocab_size=self.vocab_size, n_positions=self.n_positions,
                           n_embd=self.n_embd, n_head=self.n_head, n_layer=self.n_layer)
-        if self.n_embd % self.n_head != 0:
+        if self.arch != "deepseek" and self.n_embd % self.n_head != 0:  # MLA's head widths are its own
             choices = [h for h in _divisors(self.n_embd) if h <= 64]
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                               f"choose n_head in {choices}")
@@ -105,21 +121,24 @@ class ModelConfig:
             raise ConfigError(f"unknown arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
         if self.arch == "llama":
             self._check_llama()
+        elif self.arch == "deepseek":
+            self._check_deepseek()
         else:
             given = [name for name in LLAMA_FIELDS if getattr(self, name) is not None]
             if given:
                 raise ConfigError(f"{given[0]} is a Llama field but arch={self.arch!r} (GPT-2 has "
                                   "multi-head attention, a 4C GELU MLP, learned positions and a tied "
                                   f"head); leave {given[0]} unset or set arch='llama'")
+        given = [name for name in DEEPSEEK_FIELDS if getattr(self, name) is not None]
+        if given and self.arch != "deepseek":
+            raise ConfigError(f"{given[0]} is a DeepSeek-V3 field but arch={self.arch!r}; leave it unset or "
+                              "set arch='deepseek'")
         self._check_moe()
 
     def _check_llama(self) -> None:
         """Llama's fields: None becomes Llama's default, then each is checked in one sentence."""
-        defaults = {"n_kv_head": self.n_head, "rope_theta": 10000.0, "norm_eps": 1e-6,
-                    "tie_embeddings": False}
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
         if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
             raise ConfigError(f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (each kv "
                               "head serves the same number of query heads); choose n_kv_head in "
@@ -127,9 +146,17 @@ class ModelConfig:
         if self.head_size % 2:
             raise ConfigError(f"the head size n_embd / n_head = {self.head_size} must be even (RoPE "
                               "rotates pairs of channels); choose n_head so that n_embd / n_head is even")
+        self._check_llama_shared()
+
+    def _check_llama_shared(self) -> None:
+        """The fields Llama shares with DeepSeek-V3: None becomes Llama's default, then each is checked."""
+        defaults = {"rope_theta": 10000.0, "norm_eps": 1e-6, "tie_embeddings": False}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
         if self.intermediate_size is None or self.intermediate_size < 1:
-            raise ConfigError(f"arch='llama' needs a positive intermediate_size, the SwiGLU width (Llama "
-                              f"uses about 8/3 n_embd, e.g. {16 * -(-8 * self.n_embd // 48)} for "
+            raise ConfigError(f"arch={self.arch!r} needs a positive intermediate_size, the SwiGLU width "
+                              f"(Llama uses about 8/3 n_embd, e.g. {16 * -(-8 * self.n_embd // 48)} for "
                               f"n_embd={self.n_embd})")
         if not self.rope_theta > 0:
             raise ConfigError(f"rope_theta={self.rope_theta} must be positive; Llama 2 uses 10000.0, "
@@ -137,13 +164,58 @@ class ModelConfig:
         if not self.norm_eps > 0:
             raise ConfigError(f"norm_eps={self.norm_eps} must be positive; Llama uses 1e-5 or 1e-6")
         if self.dropout != 0.0:
-            raise ConfigError(f"Llama trains without dropout but dropout={self.dropout}; set dropout=0.0 "
+            family = "DeepSeek-V3" if self.arch == "deepseek" else "Llama"
+            raise ConfigError(f"{family} trains without dropout but dropout={self.dropout}; set dropout=0.0 "
                               "(--dropout 0)")
         if self.moe_experts and self.moe_top_k == 1 and self.moe_norm_topk_prob:
             raise ConfigError("Mixtral's router renormalises the top-k gates to sum to 1, which with "
                               "moe_top_k=1 makes every gate 1 and cuts the router off from the loss; "
                               "use moe_top_k=2 (--moe-topk 2) or moe_norm_topk_prob=False "
                               "(--no-moe-norm-topk-prob)")
+
+    def _check_deepseek(self) -> None:
+        """DeepSeek-V3's fields (multi-head latent attention, dense first blocks), each in one sentence;
+        the shared ones are checked as Llama's."""
+        if self.n_kv_head is not None:
+            raise ConfigError(f"n_kv_head={self.n_kv_head} groups key-value heads, but DeepSeek's latent "
+                              "attention gives every head its own key and value; leave n_kv_head unset")
+        if self.first_k_dense_replace is None:
+            object.__setattr__(self, "first_k_dense_replace", 0)
+        if self.rope_interleave is None:
+            object.__setattr__(self, "rope_interleave", True)
+        if self.num_nextn_predict_layers is None:
+            object.__setattr__(self, "num_nextn_predict_layers", 0)
+        if self.mtp_loss_weight is None:
+            object.__setattr__(self, "mtp_loss_weight", 0.3)
+        if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
+            raise ConfigError(f"num_nextn_predict_layers={self.num_nextn_predict_layers!r} must be a whole "
+                              "number >= 0, the multi-token prediction depths (DeepSeek-V3: 1)")
+        if not 0 <= self.mtp_loss_weight < math.inf:
+            raise ConfigError(f"mtp_loss_weight={self.mtp_loss_weight} must be 0 or positive, and finite; "
+                              "DeepSeek-V3 used 0.3, then 0.1")
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"arch='deepseek' needs a positive whole {name}, got {value!r} "
+                                  "(DeepSeek-V3: kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim "
+                                  "64, v_head_dim 128)")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
+            raise ConfigError(f"q_lora_rank={self.q_lora_rank!r} must be a positive whole number "
+                              "(DeepSeek-V3: 1536), or unset for a full-rank query projection")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs "
+                              "of channels); DeepSeek-V3 uses 64")
+        dense = self.first_k_dense_replace
+        if not isinstance(dense, int) or not 0 <= dense <= self.n_layer:
+            raise ConfigError(f"first_k_dense_replace={self.first_k_dense_replace} dense blocks must lie "
+                              f"within the model's n_layer={self.n_layer}; choose 0 to {self.n_layer}")
+        if self.moe_experts and self.moe_layers is not None:
+            raise ConfigError("DeepSeek's MoE blocks are those after the first first_k_dense_replace; leave "
+                              "moe_layers unset and set first_k_dense_replace")
+        if self.moe_experts and (self.moe_intermediate_size is None or self.moe_intermediate_size < 1):
+            raise ConfigError(f"arch='deepseek' with moe_experts={self.moe_experts} needs a positive "
+                              "moe_intermediate_size, an expert's SwiGLU width (DeepSeek-V3: 2048)")
+        self._check_llama_shared()
 
     def _check_moe(self) -> None:
         if self.moe_experts < 0:
@@ -221,6 +293,8 @@ class ModelConfig:
         """The blocks whose MLP is a Mixture of Experts (empty without MoE)."""
         if self.moe_experts == 0:
             return ()
+        if self.arch == "deepseek":  # DeepSeek-V3: dense first blocks, then MoE
+            return tuple(range(self.first_k_dense_replace, self.n_layer))
         return tuple(range(self.n_layer)) if self.moe_layers is None else self.moe_layers
 
     @property
@@ -313,6 +387,10 @@ class TrainConfig:
 
     def check_model(self, model: ModelConfig) -> None:
         """Checks that need both configs."""
+        if model.arch == "deepseek" and self.seq_len <= model.num_nextn_predict_layers:
+            D = model.num_nextn_predict_layers
+            raise ConfigError(f"seq_len={self.seq_len} leaves no position for multi-token prediction depth "
+                              f"{D}; use --seq-len {D + 1} or more")
         if self.seq_len > model.n_positions:
             raise ConfigError(f"seq_len={self.seq_len} is longer than n_positions={model.n_positions}; "
                               f"use --seq-len {model.n_positions} or less")
@@ -362,6 +440,18 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         arch="llama", vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_kv_head=2, n_layer=4,
         intermediate_size=688, dropout=0.0, dtype="float32"
     ),
+    # DeepSeek-V3's tiny twin (refpar/model/deepseek.py): latent attention with every width its own,
+    # one dense block then three of 8 fine-grained experts (k = 3 of them in at most 2 of 4 groups)
+    # beside one shared expert, sigmoid gates normalised and scaled by 2.5 and aux-free balancing, as
+    # V3 routes.
+    "deepseek-tiny": ModelConfig(
+        arch="deepseek", vocab_size=96, n_positions=32, n_embd=64, n_head=4, n_layer=4, dropout=0.0,
+        intermediate_size=176, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, first_k_dense_replace=1, moe_experts=8, moe_top_k=3, moe_shared_experts=1,
+        moe_intermediate_size=32, moe_groups=4, moe_group_limit=2, moe_gate="sigmoid", moe_balance="aux-free",
+        moe_routed_scaling_factor=2.5, moe_dropless=True, moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0,
+        moe_seq_aux_weight=1e-4
+    ),
 }
 
 
@@ -386,6 +476,7 @@ RECIPES: dict[str, Recipe] = {
     # 4.57 -> 3.14 over 30 steps, at 1e-3 only to 4.12); constant, so that every lesson's numbers hold.
     "tiny": Recipe(1e-2, source="measured on the Markov corpus"),
     "llama-tiny": Recipe(1e-2, source="measured on the Markov corpus"),
+    "deepseek-tiny": Recipe(1e-2, source="measured on the Markov corpus"),
     # nanoGPT's "baby GPT" (config/train_shakespeare_char.py: 10.7M parameters, lr 1e-3, 100 warmup
     # iterations, cosine to min_lr = lr / 10); 1e-2 makes these 3.7M-parameter models' loss rise
     # (7.70 -> 8.07 over 30 steps), 1e-3 lowers it.

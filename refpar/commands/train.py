@@ -307,10 +307,19 @@ def precision_dtype(args) -> str | None:
 
 def configs(args):
     """(ModelConfig, TrainConfig, mesh sizes) from the parsed arguments; ConfigError on any mistake."""
-    from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset, parse_mesh
+    from refpar.config import (
+        MODEL_PRESETS,
+        ConfigError,
+        ParallelConfig,
+        TrainConfig,
+        model_preset,
+        parse_mesh,
+    )
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
-    if sizes["ep"] > 1 and not args.moe_experts and getattr(args, "init_from", None) is None:
+    preset_experts = args.model in MODEL_PRESETS and MODEL_PRESETS[args.model].moe_experts  # deepseek-tiny's
+    if sizes["ep"] > 1 and not args.moe_experts and getattr(args, "init_from", None) is None \
+            and not preset_experts:
         raise ConfigError(f"ep={sizes['ep']} spreads experts over ranks; add --moe-experts E with "
                           f"E >= {sizes['ep']}")
     schedule = optimizer_schedule(args)

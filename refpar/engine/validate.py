@@ -10,7 +10,7 @@ what to change, before the first message.
 from __future__ import annotations
 
 from refpar.config import RECOMPUTE, ConfigError, ModelConfig, Plan, TrainConfig
-from refpar.holdings import stage_layers, tied_embedding
+from refpar.holdings import names, stage_layers, tied_embedding
 from refpar.parallel.context_parallel import check_cp
 from refpar.parallel.expert_parallel import check_expert_parallel
 from refpar.parallel.pieces import family
@@ -51,11 +51,21 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
 
 
 def _check_family(model: ModelConfig, sizes: dict) -> None:
-    """Every strategy runs every family, but refpar/parallel/expert_tensor_parallel.py splits GPT-2's
-    experts only (the pieces table's `experts_over_tp`)."""
-    if model.moe_experts and sizes.get("tp", 1) > 1 and not family(model).experts_over_tp:
+    """What the engine runs each family with (the pieces table): every strategy, except that
+    refpar/parallel/expert_tensor_parallel.py splits GPT-2's experts only, DeepSeek-V3's latent
+    attention runs whole on each rank (refpar/parallel/deepseek_pieces.py: no tp or cp), and
+    multi-token prediction trains on one device only."""
+    fam = family(model)
+    split = [f"{axis}={sizes[axis]}" for axis in ("tp", "cp") if sizes.get(axis, 1) > 1]
+    if split and not fam.splits_attention:
+        raise ConfigError(f"{names(model).title}'s attention runs whole on each rank so far, not split over "
+                          f"{split[0]} (dp, ZeRO, FSDP, pp and ep run it); drop {split[0]} from --mesh")
+    if model.moe_experts and sizes.get("tp", 1) > 1 and not fam.experts_over_tp:
         raise ConfigError(f"Mixtral's experts run over ep, dp, cp and pp, not split over tp={sizes['tp']} "
                           "(expert tensor parallelism is GPT-2's so far); drop tp from --mesh")
+    if model.num_nextn_predict_layers:
+        raise ConfigError("multi-token prediction trains in refpar.model.loss_and_grads only so far, not on "
+                          "the engine's pieces; set num_nextn_predict_layers=0")
 
 
 def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:

@@ -1,6 +1,7 @@
-"""The single-device reference model, one API for both families, chosen by `ModelConfig.arch`:
-GPT-2 (refpar/model/gpt.py) and Llama (refpar/model/llama.py, with Mixtral's experts), each
-with its Mixture of Experts (refpar/model/moe.py) described by the family's `MOE`.
+"""The single-device reference model, one API for every family, chosen by `ModelConfig.arch`:
+GPT-2 (refpar/model/gpt.py), Llama (refpar/model/llama.py, with Mixtral's experts) and DeepSeek-V3
+(refpar/model/deepseek.py), each with its Mixture of Experts (refpar/model/moe.py) described by the
+family's `MOE`.
 
     params = init_params(config, seed)                     # or from_hf_state_dict(hf_state, config)
     logits = forward(params, tokens, config)                # (B, T, V)
@@ -9,16 +10,17 @@ with its Mixture of Experts (refpar/model/moe.py) described by the family's `MOE
 
 The Hugging Face keys are those of the family's checkpoint files: GPT2LMHeadModel's
 (`transformer.wte.weight`, ..., GPT-2's Conv1D layout weight[in, out]; no lm_head.weight, which is
-tied to wte) and LlamaForCausalLM's or MixtralForCausalLM's (`model.embed_tokens.weight`, ...,
-weight[out, in]). `from_hf_state_dict` also takes what an HF model's `state_dict()` returns.
+tied to wte) and LlamaForCausalLM's, MixtralForCausalLM's or DeepseekV3ForCausalLM's
+(`model.embed_tokens.weight`, ..., weight[out, in]). `from_hf_state_dict` also takes what an HF
+model's `state_dict()` returns.
 """
 
 from __future__ import annotations
 
 from refpar.config import ModelConfig
-from refpar.model import gpt, llama, moe
+from refpar.model import deepseek, gpt, llama, moe
 
-FAMILIES = {"gpt2": gpt, "llama": llama}
+FAMILIES = {"gpt2": gpt, "llama": llama, "deepseek": deepseek}
 
 
 def family(config: ModelConfig):
@@ -63,11 +65,11 @@ def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:
     """Parameters (or gradients) under Hugging Face's checkpoint keys, the same arrays."""
     if config.arch == "gpt2":  # refpar's GPT-2 names are GPT2Model's; GPT2LMHeadModel prefixes them
         return {"transformer." + k: v for k, v in gpt.to_gpt2_state_dict(params_or_grads).items()}
-    return llama.to_hf_state_dict(params_or_grads, config)
+    return family(config).to_hf_state_dict(params_or_grads, config)
 
 
 def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
     """refpar's parameters, in config.dtype, from an HF checkpoint's or model's state dict."""
     if config.arch == "gpt2":
         return gpt.from_gpt2_state_dict(state_dict, config)
-    return llama.from_hf_state_dict(state_dict, config)
+    return family(config).from_hf_state_dict(state_dict, config)

@@ -19,7 +19,8 @@ tensor_parallel.weight_grads runs:
     work = pieces.embed_backward(dx, cache, lay)                     # its input is tokens
     grads = weight_grads(work)                                         # in W, or right away
 
-GPT-2's are refpar/parallel/gpt2_pieces.py's, Llama's refpar/parallel/llama_pieces.py's; the head
+GPT-2's are refpar/parallel/gpt2_pieces.py's, Llama's refpar/parallel/llama_pieces.py's, DeepSeek-V3's
+refpar/parallel/deepseek_pieces.py's (unsplit so far: its blocks attend inside themselves); the head
 (final norm, then vocab_parallel's logits and cross-entropy) is one for both. `attend` is the family's
 attention over whole heads, which LocalAttention and context_parallel's Ulysses call: GPT-2's
 multi-head attention with its dropout, Llama's grouped-query attention.
@@ -36,7 +37,7 @@ from refpar.config import ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.layers import as_like
 from refpar.model.llama_layers import gqa_attention_backward, gqa_attention_forward
-from refpar.parallel import gpt2_pieces, llama_pieces
+from refpar.parallel import deepseek_pieces, gpt2_pieces, llama_pieces
 from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp, positions_index
 from refpar.parallel.vocab_parallel import logits_backward, logits_forward
 from refpar.sharding import shard_range
@@ -62,6 +63,7 @@ class Family:
     attend_backward: Callable  # (dy, cache) -> (dq, dk, dv)
     experts_over_tp: bool  # whether refpar/parallel/expert_tensor_parallel.py splits its experts
     grouped_kv: bool  # whether its attention may read fewer kv heads than query heads (GQA)
+    splits_attention: bool = True  # whether its pieces split heads (tp) and positions (cp)
 
 
 GPT2 = Family(gpt2_pieces.embed_forward, gpt2_pieces.embed_backward, gpt2_pieces.block_forward,
@@ -71,7 +73,12 @@ LLAMA = Family(llama_pieces.embed_forward, llama_pieces.embed_backward, llama_pi
                llama_pieces.block_backward, llama_pieces.norm_forward, llama_pieces.norm_backward,
                lambda config: llama_pieces.EMBED if config.tie_embeddings else "lm_head.weight",
                _gqa_forward, gqa_attention_backward, False, True)
-FAMILIES = {"gpt2": GPT2, "llama": LLAMA}
+DEEPSEEK = Family(deepseek_pieces.embed_forward, deepseek_pieces.embed_backward,
+                  deepseek_pieces.block_forward, deepseek_pieces.block_backward,
+                  deepseek_pieces.norm_forward, deepseek_pieces.norm_backward,
+                  LLAMA.head, attention_forward, attention_backward,  # MLA's heads attend inside its block
+                  False, False, splits_attention=False)
+FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "deepseek": DEEPSEEK}
 
 
 def family(config: ModelConfig) -> Family:
