@@ -12,6 +12,8 @@ import importlib.util
 import math
 import subprocess
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from lessons.course import LESSONS, ROOT, argv, command_env
-from refpar.comm.diagnosis import CollectiveTimeout
+from refpar.comm.diagnosis import CollectiveTimeout, timeout_from_env
 from refpar.config import ConfigError
 from refpar.sharding import shard_range
 
@@ -41,24 +43,97 @@ class Exercise:
     file: str  # under lessons/exercises/ (the blank) and lessons/solutions/ (the reference)
     ranks: int  # 1: runs in this process; more: under mpiexec -n ranks
     check: Callable  # check(module, comm) -> a line saying what passed; raises Wrong
+    hint: str = ""  # what a deadlock in this exercise usually is, after "in the same order"
 
 
-def _close(got, want, what: str) -> None:
+def _close(got, want, what: str, where=None) -> None:
     """got within CONTRACT of want, relative to want's largest entry or to 1 if that is smaller:
-    the checks' numbers are O(1), and a sum that cancels to near 0 has no relative accuracy."""
+    the checks' numbers are O(1), and a sum that cancels to near 0 has no relative accuracy. A miss
+    names how many elements differ and the first of them; `where(index)` adds what that index is to
+    the learner (the ring's chunk, the query's row)."""
     got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         raise Wrong(f"{what} has shape {got.shape}, it should be {want.shape}")
-    diff = float(np.max(np.abs(got - want), initial=0.0))
-    if diff > CONTRACT * max(1.0, float(np.max(np.abs(want), initial=0.0))):
-        raise Wrong(f"{what} is off by up to {diff:.3g} from the right answer")
+    bound = CONTRACT * max(1.0, float(np.max(np.abs(want), initial=0.0)))
+    # NaN compares as off; an infinity matches only the same infinity (a fully masked row's -inf lse)
+    same = (got == want) | (np.abs(got - want) <= bound)
+    if same.all():
+        return
+    bad = np.argwhere(~same)  # (k, ndim), in C order: the first is the lowest index
+    first = tuple(int(i) for i in bad[0])
+    index = first[0] if len(first) == 1 else first
+    diff = np.abs(got - want)[~same]
+    off = "not a number" if np.isnan(diff).any() else f"off by up to {float(np.max(diff)):.3g}"
+    raise Wrong(f"{what} is {off} at {len(bad)} of {got.size} elements; the first is "
+                f"[{', '.join(map(str, first))}]{' (' + where(index) + ')' if where else ''}: "
+                f"{got[first]:.6g} where the right answer is {want[first]:.6g}")
+
+
+def _allgather(comm, obj) -> list:
+    """Every rank's small object, on every rank, under `comm`'s timeout (MPI's own allgather would
+    wait for a rank that stopped for ever)."""
+    return comm.broadcast_object(comm.gather_object(obj))
+
+
+def _learner_line(path: Path) -> str:
+    """'line N, `code`' of the innermost frame of the learner's file now on the stack."""
+    frames = [f for f in traceback.extract_stack() if _same_file(f.filename, path)]
+    return f"line {frames[-1].lineno}, `{frames[-1].line}`" if frames else "your code"
+
+
+def _same_file(filename: str, path: Path) -> bool:
+    try:
+        return Path(filename).resolve() == path.resolve()
+    except OSError:
+        return False
+
+
+class _Teaching:
+    """The communicator a learner's exercise gets: refpar's, except that before each collective the
+    ranks compare what they are about to call (the op, the array's shape and dtype, and which of the
+    checker's arrays it is when it is one) and stop with the difference named, instead of summing
+    different arrays into silently wrong numbers. It counts the calls, too."""
+
+    def __init__(self, comm, path: Path, known: dict[str, np.ndarray] | None = None):
+        self.comm, self.rank, self.size, self.path = comm, comm.rank, comm.size, path
+        self.known = known or {}
+        self.calls: list[str] = []  # the ops called, in order
+
+    def all_reduce(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
+        self._agree("all_reduce", x, op)
+        return self.comm.all_reduce(x, op=op, algo=algo, tag=tag)
+
+    def _agree(self, name: str, x, op: str) -> None:
+        x = np.asarray(x)
+        which = next((k for k, v in self.known.items() if v.shape == x.shape and np.array_equal(v, x)), None)
+        self.calls.append(name)
+        mine = (name, op, tuple(x.shape), x.dtype.name, which)
+        every = _allgather(self.comm, (mine, _learner_line(self.path)))
+        if len({call for call, _ in every}) == 1:
+            return
+        k = len(self.calls)
+        said = "; ".join(
+            f"rank {r} {c[0]}({c[4] or 'an array'} of shape {c[2]}, {c[3]}, op={c[1]!r}) at {line}"
+            for r, (c, line) in enumerate(every))
+        raise Wrong(f"your ranks' collective number {k} differs: {said}. Every rank must call the same "
+                    "collectives in the same order on matching arrays, or MPI combines the wrong ones")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One rank's result; rank 0 combines every rank's (`_combine`)."""
+
+    ok: bool
+    sentence: str
+    raised_at: float | None = None  # time.time() when the learner's code raised
+    waits_in: str | None = None  # timed out waiting: where in the learner's code ("" in the checker's)
 
 
 # ------------------------------------------------------------------------------------- 00
 def check_00(mod, comm) -> str:
     for n in (10, 12, 3, 0):
         got = tuple(int(v) for v in mod.my_rows(n, comm.size, comm.rank))
-        everyone = comm.comm.allgather(got)  # every rank judges the same list, so all raise together
+        everyone = _allgather(comm, got)  # every rank judges the same list, so all raise together
         stops = [0] + [b for _, b in everyone]
         if any(a != s for (a, _), s in zip(everyone, stops, strict=False)) or stops[-1] != n:
             raise Wrong(f"with n={n} rows on {comm.size} ranks the ranks got {everyone}: together "
@@ -90,11 +165,18 @@ def check_01(mod, comm) -> str:
             _one_ring_result(x, before, got, want, link, n, p, r)
         except Wrong as err:
             problem = str(err)
-        problems = [m for m in comm.comm.allgather(problem) if m]  # all ranks stop together
+        problems = [m for m in _allgather(comm, problem) if m]  # all ranks stop together
         if problems:
             raise Wrong(problems[0])
     return (f"ring_all_reduce sums exactly like MPI on {p} ranks and each rank sends 2(p-1) chunks, "
             "2(n - n/p) elements")
+
+
+def _chunk_of(i: int, n: int, p: int) -> str:
+    """Which of the ring's p chunks element i of n is in (the exercise's `chunks`: shard_range's)."""
+    c = next(c for c in range(p) if shard_range(n, p, c)[0] <= i < shard_range(n, p, c)[1])
+    a, b = shard_range(n, p, c)
+    return f"in chunk {c} of {p}, elements {a}..{b - 1}"
 
 
 def _one_ring_result(x, before, got, want, link, n, p, r) -> None:
@@ -102,7 +184,7 @@ def _one_ring_result(x, before, got, want, link, n, p, r) -> None:
 
     if not np.array_equal(x, before):
         raise Wrong("ring_all_reduce changed its input x; work on a copy")
-    _close(got, want, f"rank {r}'s sum of {n} elements")
+    _close(got, want, f"rank {r}'s sum of {n} elements", lambda i: _chunk_of(i, n, p))
     expect = cost.all_reduce_bytes(n, p, r, 8, "ring").sent
     if link.sent != expect:
         raise Wrong(f"rank {r} sent {link.sent} bytes for n={n} float64 elements on {p} ranks; a "
@@ -121,7 +203,8 @@ def check_02(mod, comm) -> str:
     x, y, w = rng.standard_normal((8, 5)), rng.standard_normal(8), rng.standard_normal(5)
     a, b = shard_range(8, comm.size, comm.rank)
     local = {"w": _least_squares_grad(w, x[a:b], y[a:b]), "b": np.array([float(comm.rank + 1)])}
-    got = mod.average_gradients(local, comm)
+    got = mod.average_gradients(local, _Teaching(comm, Path(mod.__file__),
+                                                 {f"grads[{k!r}]": v for k, v in local.items()}))
     if not isinstance(got, dict) or set(got) != {"w", "b"}:
         raise Wrong("average_gradients must return a dict with the same names as its input")
     _close(got["b"], [np.mean(np.arange(1, comm.size + 1))], "the average of gradients 1 and 2")
@@ -149,29 +232,18 @@ def check_03(mod, comm) -> str:
 
 
 # ------------------------------------------------------------------------------------- 04
-class _CountingComm:
-    """A tp communicator that counts the learner's all-reduces."""
-
-    def __init__(self, comm):
-        self.comm, self.rank, self.size, self.all_reduces = comm, comm.rank, comm.size, 0
-
-    def all_reduce(self, x, *args, **kwargs):
-        self.all_reduces += 1
-        return self.comm.all_reduce(x, *args, **kwargs)
-
-
 def check_04(mod, comm) -> str:
     B, C, tp, r = 6, 8, comm.size, comm.rank
     rng = np.random.default_rng(4)
     x = rng.standard_normal((B, C))  # (B, C) the same on every tp rank
     w_fc, w_proj = rng.standard_normal((C, 4 * C)), rng.standard_normal((4 * C, C))
     a, b = shard_range(4 * C, tp, r)
-    counting = _CountingComm(comm)
+    counting = _Teaching(comm, Path(mod.__file__), {"x": x})
     got = mod.tp_mlp_forward(x, w_fc[:, a:b], w_proj[a:b, :], counting)  # (B, C)
-    _close(got, np.tanh(x @ w_fc) @ w_proj, f"rank {r}'s MLP output")
-    if counting.all_reduces != 1:
-        raise Wrong(f"your forward made {counting.all_reduces} all-reduces; Megatron's MLP needs "
-                    "exactly one, after the row-parallel c_proj (the column-parallel c_fc needs none)")
+    _close(got, np.tanh(x @ w_fc) @ w_proj, f"rank {r}'s MLP output", lambda i: f"row {i} of the batch")
+    if len(counting.calls) != 1:
+        raise Wrong(f"your forward made {len(counting.calls)} all-reduces; Megatron's MLP needs "
+                    "exactly one: which of the two products leaves each rank a partial sum?")
     return f"tp_mlp_forward equals the unsharded MLP on {tp} ranks with one all-reduce"
 
 
@@ -190,12 +262,35 @@ def check_05(mod, comm) -> str:
     for split in (1, 3, 5):
         o1, l1 = _attention(q, k[:split], v[:split])
         o2, l2 = _attention(q, k[split:], v[split:])
-        got = mod.merge_attention(o1, l1, o2, l2)
-        if not isinstance(got, tuple) or len(got) != 2:
-            raise Wrong("merge_attention must return two arrays: (out, lse)")
-        _close(got[1], lse_full, f"the merged log-sum-exp (keys split at {split})")
-        _close(got[0], o_full, f"the merged attention output (keys split at {split})")
-    return "merge_attention combines two blocks of keys exactly, as each step of ring attention does"
+        # Scores 800 higher give the same attention and every lse 800 higher: exp(800) overflows float64
+        for shift in (0.0, 800.0):
+            _merged_matches(mod, (o1, l1 + shift, o2, l2 + shift), (o_full, lse_full + shift),
+                            f"keys split at {split}" + (", every score and lse 800 higher" if shift else ""))
+    # A causal mask hides a whole block from some queries (ring attention's blocks of later keys):
+    # there the block's output is 0 and its lse -inf, and the merge must give the other block's own.
+    o1, l1 = _attention(q, k[:3], v[:3])
+    o2, l2 = _attention(q, k[3:], v[3:])
+    hidden1, hidden2 = np.array([0, 1, 0, 0, 0, 0], bool), np.array([0, 0, 0, 1, 1, 0], bool)  # (Tq,)
+    o1, l1 = np.where(hidden1[:, None], 0.0, o1), np.where(hidden1, -np.inf, l1)
+    o2, l2 = np.where(hidden2[:, None], 0.0, o2), np.where(hidden2, -np.inf, l2)
+    want_o = np.where(hidden1[:, None], o2, np.where(hidden2[:, None], o1, o_full))  # (Tq, D)
+    want_lse = np.where(hidden1, l2, np.where(hidden2, l1, lse_full))  # (Tq,)
+    for shift in (0.0, 800.0):
+        _merged_matches(mod, (o1, l1 + shift, o2, l2 + shift), (want_o, want_lse + shift),
+                        "query 1 sees no key of block 1, queries 3 and 4 none of block 2 (o 0, lse -inf "
+                        "there)" + (", every score and lse 800 higher" if shift else ""))
+    return ("merge_attention combines two blocks of keys exactly, as each step of ring attention does, "
+            "at scores of 800 and with blocks a query cannot see")
+
+
+def _merged_matches(mod, blocks, want, case: str) -> None:
+    got = mod.merge_attention(*(b.copy() for b in blocks))
+    if not isinstance(got, tuple) or len(got) != 2:
+        raise Wrong("merge_attention must return two arrays: (out, lse)")
+    def query(i):
+        return f"query {i if isinstance(i, int) else i[0]}"
+    _close(got[1], want[1], f"the merged log-sum-exp ({case})", query)
+    _close(got[0], want[0], f"the merged attention output ({case})", query)
 
 
 # ------------------------------------------------------------------------------------- 06
@@ -247,6 +342,11 @@ def _check_v_schedule(path: Path) -> str:
         where = ", ".join(f"stage {s} on rank {r}" for s, r in sorted(lay.stage_rank.items()))
         raise Wrong(f"{shown} has {where} and {lay.n_microbatches} microbatches; the V puts stages 0 "
                     f"and 3 on rank 0, 1 and 2 on rank 1, and runs m={m} microbatches")
+    copied = _builder_that_prints(schedule, p, m)
+    if copied:
+        raise Wrong(f"{shown} is the schedule `refpar schedule {copied} -p {p} -m {m} --csv` prints; "
+                    "part 2 asks for one you build yourself, tick by tick, from the V's dependencies "
+                    "(there are several that pass)")
     timeline = simulate(schedule, Costs(1, 1, 1))
     for rank in range(p):
         idle = timeline.inner_idle_time(rank)
@@ -260,6 +360,21 @@ def _check_v_schedule(path: Path) -> str:
                     "half stages: run a microbatch's B and W sooner")
     return (f"your V schedule validates, holds at most {peak} stage-microbatches per rank and never "
             "idles between a rank's first and last action")
+
+
+def _builder_that_prints(schedule, p: int, m: int) -> str | None:
+    """The refpar builder whose schedule for (p, m) this one is, action for action, or None."""
+    from refpar.parallel.pipeline.builders import BUILDERS, build
+    from refpar.parallel.pipeline.formats import to_csv
+
+    mine = to_csv(schedule)
+    for name in BUILDERS:
+        try:
+            if to_csv(build(name, p, m)) == mine:
+                return name
+        except (ConfigError, ValueError):  # a builder that does not take this p and m
+            continue
+    return None
 
 
 # ------------------------------------------------------------------------------------- 07
@@ -377,7 +492,9 @@ def check_11(mod, comm) -> str:
 
 EXERCISES = {e.number: e for e in (
     Exercise(0, "00_first_mpiexec.py", 3, check_00),
-    Exercise(1, "01_ring_all_reduce.py", 4, check_01),
+    Exercise(1, "01_ring_all_reduce.py", 4, check_01,
+             " (in a ring, each rank sends right exactly as often as its right neighbour receives from "
+             "the left)"),
     Exercise(2, "02_average_gradients.py", 2, check_02),
     Exercise(3, "03_zero_memory.py", 1, check_03),
     Exercise(4, "04_tp_mlp.py", 2, check_04),
@@ -412,23 +529,67 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _verdict(ex: Exercise, path: Path, comm) -> tuple[bool, str]:
-    """(passed, sentence) for this rank."""
+def _verdict(ex: Exercise, path: Path, comm) -> Verdict:
+    """This rank's Verdict: passed, wrong (Wrong, still blank), raised (with the learner's frames of
+    the traceback) or timed out waiting for a message (with where it waited)."""
     try:
-        return True, ex.check(_load(path), comm)
+        return Verdict(True, ex.check(_load(path), comm))
     except NotImplementedError as err:
-        return False, f"the exercise is still blank: {err} (in {_shown(path)})"
+        return Verdict(False, f"the exercise is still blank: {err} (in {_shown(path)})")
     except Wrong as err:
-        return False, str(err)
-    except Exception as err:  # the learner's code failed: say where, in one line
-        if isinstance(err, CollectiveTimeout):
-            # The same words on every rank, in the learner's terms: the stuck rank waits in their code,
-            # the others in the checker's comparison, which is none of their business.
-            return False, (f"your code did not finish on every rank: a rank waited more than "
-                           f"{comm.timeout:g} s for a message no rank sent; every rank must make the same "
-                           "calls in the same order (in a ring, each rank sends right exactly as often as "
-                           "its right neighbour receives from the left)")
-        return False, f"your code raised {type(err).__name__}: {err}"
+        return Verdict(False, str(err))
+    except CollectiveTimeout as err:
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if _same_file(f.filename, path)]
+        return Verdict(False, "", waits_in=f"line {frames[-1].lineno}, `{frames[-1].line}`" if frames else "")
+    except Exception as err:  # the learner's code failed: its own frames, not the checker's
+        return Verdict(False, f"your code raised {type(err).__name__}: {err}" + _your_traceback(err, path),
+                       raised_at=time.time())
+
+
+def _your_traceback(err: BaseException, path: Path) -> str:
+    """The traceback's frames in the learner's file, as Python prints them, each line indented."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if _same_file(f.filename, path)]
+    lines = [f'  File "{_shown(path)}", line {f.lineno}, in {f.name}\n    {f.line}' for f in frames]
+    if isinstance(err, SyntaxError) and err.lineno is not None:
+        lines.append(f'  File "{_shown(path)}", line {err.lineno}\n    {(err.text or "").strip()}')
+    return "".join("\n" + line for line in lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else \
+        f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def _combine(verdicts: list[Verdict], timeout: float, hint: str) -> tuple[bool, str]:
+    """Every rank's Verdict -> (passed, the sentence rank 0 prints). An error comes first: the rank
+    that raised first, with its traceback, since the others' waiting follows from it. Then a
+    deadlock, only when no rank raised: where each rank waited. Then the first rank's wrong answer,
+    naming the rank only when the ranks disagree."""
+    raised = sorted((v.raised_at, r) for r, v in enumerate(verdicts) if v.raised_at is not None)
+    if raised:
+        first = raised[0][1]
+        head, _, frames = verdicts[first].sentence.partition("\n")
+        if len(raised) == len(verdicts) and len({v.sentence for v in verdicts}) == 1:
+            return False, verdicts[first].sentence  # every rank raised the same: no rank to name
+        waited = [r for r, v in enumerate(verdicts) if v.waits_in is not None]
+        after = f"\n({_ranks(waited)} then waited for {_ranks([first])}: fix its error first)" \
+            if waited else ""
+        return False, f"{head} ({_ranks([first])})" + (f"\n{frames}" if frames else "") + after
+    waiting = [r for r, v in enumerate(verdicts) if v.waits_in is not None]
+    if waiting:
+        places: dict[str, list[int]] = {}
+        for r, v in enumerate(verdicts):
+            places.setdefault(v.waits_in or "", []).append(r)
+        said = "; ".join(f"{_ranks(ranks)} waited at {where}" if where else
+                         f"{_ranks(ranks)} had returned from your code" for where, ranks in places.items())
+        return False, (f"your code did not finish on every rank and no rank raised: after {timeout:g} s "
+                       f"without the message it waited for, {said}. Every rank must make the same "
+                       f"calls in the same order{hint}")
+    failed = [(r, v.sentence) for r, v in enumerate(verdicts) if not v.ok]
+    if not failed:
+        return True, verdicts[0].sentence
+    agree = len(failed) == len(verdicts) and len({s for _, s in failed}) == 1
+    return False, failed[0][1] + ("" if agree else f" (rank {failed[0][0]})")
 
 
 def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
@@ -442,43 +603,57 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
             "is a directory" if path.is_dir() else "does not exist"
         raise ConfigError(f"{path} {what}; give --file PATH to your copy of {ex.file}")
     if ex.ranks > 1 and not under_launcher():
-        cmd = argv(f"mpiexec -n {ex.ranks} python -m refpar lesson check {n} --file {path.resolve()}")
-        env = command_env()
-        # a rank left waiting for a message that never comes says so, instead of hanging
-        env.setdefault("REFPAR_COLLECTIVE_TIMEOUT", str(WAIT_S))
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"lesson {n}: not yet: your code did not finish in {timeout:g} s on {ex.ranks} ranks; "
-                  "a rank is probably waiting for a message no other rank sends (check that every "
-                  "rank calls sendrecv the same number of times, with matching partners)", flush=True)
-            return 1
-        sys.stdout.write(proc.stdout)
-        # A rank that gave up waiting leaves its message requests pending, which MPICH lists as it shuts
-        # down; the verdict above has said what is wrong.
-        sys.stderr.writelines(line for line in proc.stderr.splitlines(keepends=True)
-                              if not line.startswith("MPICH: Builtin communicator"))
-        return proc.returncode
-    comm = None
-    if ex.ranks > 1:
-        from refpar.comm.communicator import world  # initialises MPI: only under mpiexec
+        return _launch(n, ex, path, timeout)
+    if ex.ranks == 1:
+        ok, sentence = _combine([_verdict(ex, path, None)], 0, ex.hint)
+        print(f"lesson {n}: {'passed' if ok else 'not yet'}: {sentence}", flush=True)
+        return 0 if ok else 1
+    from refpar.comm.communicator import abort_on_error, world  # initialises MPI: only under mpiexec
 
-        comm = world()
-        if comm.size != ex.ranks:
-            raise ConfigError(f"lesson {n}'s exercise runs on {ex.ranks} ranks, not {comm.size}; "
-                              f"run refpar lesson check {n} without mpiexec")
-    ok, sentence = _verdict(ex, path, comm)
-    if comm is not None:
+    # Every wait of the learner's code is under a timeout, launched by `check` or by hand: a rank
+    # left waiting for a message that never comes says where it waits, instead of hanging.
+    wait_s = timeout_from_env() or WAIT_S
+    comm = world(timeout=wait_s)
+    if comm.size != ex.ranks:
+        raise ConfigError(f"lesson {n}'s exercise runs on {ex.ranks} ranks, not {comm.size}; "
+                          f"run refpar lesson check {n} without mpiexec")
+    mine = _verdict(ex, path, comm)
+    try:
         # gathered on a communicator that waits longer than the learner's, so the ranks still
         # stuck in the learner's code time out and report before the gather gives up on them
-        verdicts = world(timeout=3 * WAIT_S).gather_object((ok, sentence))
-        if comm.rank != 0:
-            return 0 if ok else 1
-        failed = [(r, s) for r, (good, s) in enumerate(verdicts) if not good]
-        ok = not failed
-        if failed:  # name the rank only when the ranks disagree
-            agree = len(failed) == len(verdicts) and len({s for _, s in failed}) == 1
-            sentence = failed[0][1] + ("" if agree else f" (rank {failed[0][0]})")
+        verdicts = world(timeout=3 * wait_s).gather_object(mine)
+    except CollectiveTimeout:
+        if comm.rank == 0:
+            print(f"lesson {n}: not yet: a rank was still busy in your code {3 * wait_s:g} s after the "
+                  "others had finished: does a loop of yours never end on it?", flush=True)
+            with abort_on_error(grace_s=0.1):  # ends the rank still running, and the job
+                raise SystemExit(1) from None
+        return 1
+    if comm.rank != 0:
+        return 0 if mine.ok else 1
+    ok, sentence = _combine(verdicts, wait_s, ex.hint)
     print(f"lesson {n}: {'passed' if ok else 'not yet'}: {sentence}", flush=True)
     return 0 if ok else 1
+
+
+def _launch(n: int, ex: Exercise, path: Path, timeout: float) -> int:
+    """`refpar lesson check n` outside mpiexec: runs itself under `mpiexec -n ranks` and passes on
+    the verdict, without the shutdown noise of ranks that gave up waiting."""
+    cmd = argv(f"mpiexec -n {ex.ranks} python -m refpar lesson check {n} --file {path.resolve()}")
+    env = command_env()
+    env.setdefault("REFPAR_COLLECTIVE_TIMEOUT", str(WAIT_S))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:  # every wait is under a timeout; this is the last net
+        said = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        verdict = [line for line in said.splitlines() if line.startswith(f"lesson {n}: ")]
+        print(verdict[0] if verdict else
+              f"lesson {n}: not yet: your code did not finish in {timeout:g} s on {ex.ranks} ranks, and no "
+              "rank said why: is a rank still computing?", flush=True)
+        return 1
+    sys.stdout.write(proc.stdout)
+    # A rank that gave up waiting leaves its message requests pending, which MPICH lists as it shuts
+    # down, and the abort that ends a rank still looping says so: the verdict above has said why.
+    sys.stderr.writelines(line for line in proc.stderr.splitlines(keepends=True)
+                          if not line.startswith(("MPICH: Builtin communicator", "refpar: error on rank 0")))
+    return proc.returncode

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from lessons import course as lessons
@@ -76,9 +77,17 @@ def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path, capsys):
     from refpar.parallel.pipeline.builders import build
     from refpar.parallel.pipeline.formats import to_csv
 
-    schedule.write_text(to_csv(build("v-half", 2, 4)))  # valid, but it idles a tick
+    # V-Half with its last two weight gradients swapped, so not refpar's own: valid, but it idles a tick
+    schedule.write_text(to_csv(build("v-half", 2, 4)).replace("0W2,0W3", "0W3,0W2"))
     assert check(6, answer) == 1
     assert "rank 0 idles 1 tick between its first and its last action" in capsys.readouterr().out
+    # refpar's own: zbv as the learner's command prints it (the issue's shortcut), v-half as to_csv writes it
+    for kind, text in (("zbv", lessons.run("refpar schedule zbv -p 2 -m 4 --csv").stdout),
+                       ("v-half", to_csv(build("v-half", 2, 4)))):
+        schedule.write_text(text)
+        assert check(6, answer) == 1
+        assert (f"lesson 6: not yet: {schedule} is the schedule `refpar schedule {kind} -p 2 -m 4 --csv` "
+                "prints; part 2 asks for one you build yourself") in capsys.readouterr().out
     schedule.write_text("0F0,3F0,3B0,0B0\r\n1F0,2F0,1B0,2B0\r\n")  # 1B0 before 2B0 on rank 1
     assert check(6, answer) == 1
     out = capsys.readouterr().out
@@ -189,12 +198,17 @@ def test_a_ring_whose_rank_stops_is_reported_not_left_hanging(tmp_path):
                           text=True, timeout=180)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith("lesson 1: not yet: your code raised ValueError: rank 0 gave up (rank 0)")
+    # its own frame of the traceback, not the checker's, and the others' waiting put after it
+    assert proc.stdout.splitlines()[1:] == [f'  File "{stops}", line 3, in ring_all_reduce',
+                                            "    raise ValueError('rank 0 gave up')",
+                                            "(ranks 1, 2 and 3 then waited for rank 0: fix its error first)"]
 
 
 def test_a_ring_that_deadlocks_is_told_in_the_learners_words_and_soon(tmp_path):
     # rank 0 skips the all-gather: ranks 1-3 wait for its messages, rank 0 for them in the checker's
     # comparison. A 1 s wait (what REFPAR_COLLECTIVE_TIMEOUT sets) is told as 1 s, in one line that names
-    # neither refpar's ranks-in-groups nor a collective the learner never called, and no MPICH shutdown noise
+    # where each rank waits in the learner's file (rank 0 in none of it), neither refpar's ranks-in-groups
+    # nor a collective the learner never called, and no MPICH shutdown noise
     stuck = tmp_path / "ring.py"
     solution = (lessons.LESSONS / "solutions" / EXERCISES[1].file).read_text()
     stuck.write_text(solution.replace("    for k in range(p - 1):  # all-gather",
@@ -205,8 +219,81 @@ def test_a_ring_that_deadlocks_is_told_in_the_learners_words_and_soon(tmp_path):
                           cwd=ROOT, env={**mpi_env(), "REFPAR_COLLECTIVE_TIMEOUT": "1"}, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 1 and proc.stderr == "", proc.stdout + proc.stderr
-    assert proc.stdout == ("lesson 1: not yet: your code did not finish on every rank: a rank waited more "
-                           "than 1 s for a message no rank sent; every rank must make the same calls in the "
-                           "same order (in a ring, each rank sends right exactly as often as its right "
-                           "neighbour receives from the left)\n"), proc.stdout
+    assert proc.stdout == ("lesson 1: not yet: your code did not finish on every rank and no rank raised: "
+                           "after 1 s without the message it waited for, rank 0 had returned from your code; "
+                           "ranks 1, 2 and 3 waited at line 28, `link.sendrecv(buf[s0:s1], right, "
+                           "buf[r0:r1], left)`. Every rank must make the same calls in the same order (in a "
+                           "ring, each rank sends right exactly as often as its right neighbour receives "
+                           "from the left)\n"), proc.stdout
     assert time.monotonic() - started < 60  # the launch, a 1 s wait and the gather, not a 120 s kill
+
+
+def _check_mpi(n: int, path, timeout_s: str | None = None) -> subprocess.CompletedProcess:
+    """`refpar lesson check n --file path` as a learner runs it (it starts mpiexec itself)."""
+    env = mpi_env({"REFPAR_COLLECTIVE_TIMEOUT": timeout_s} if timeout_s else None)
+    return subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", str(n), "--file", str(path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_an_error_on_the_last_rank_of_exercise_0_is_shown_with_its_traceback_not_a_hang(tmp_path):
+    # the others wait for it in the checker's exchange, under the checker's default timeout (not
+    # REFPAR_COLLECTIVE_TIMEOUT's): told in seconds, not after 120, and no call the exercise never makes
+    raises = tmp_path / "last_rank_raises.py"
+    raises.write_text("def my_rows(n, size, rank):\n"
+                      "    base, extra = divmod(n, size)\n"
+                      "    start = rank * base + min(rank, extra)\n"
+                      "    if rank == size - 1:\n"
+                      "        return (start, start + base, 0)[3]\n"
+                      "    return start, start + base + (rank < extra)\n")
+    started = time.monotonic()
+    proc = _check_mpi(0, raises)
+    assert time.monotonic() - started < 60  # the launch and one 4 s wait (checks.WAIT_S)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [
+        "lesson 0: not yet: your code raised IndexError: tuple index out of range (rank 2)",
+        f'  File "{raises}", line 5, in my_rows',
+        "    return (start, start + base, 0)[3]",
+        "(ranks 0 and 1 then waited for rank 2: fix its error first)"], proc.stdout
+
+
+def test_collectives_in_a_different_order_on_each_rank_are_named_not_summed(tmp_path):
+    # rank 1 all-reduces the gradients in the other order: MPI would add w to b; the teaching
+    # communicator compares the calls first and names the array each rank passed
+    swapped = tmp_path / "swapped.py"
+    swapped.write_text("def average_gradients(grads, dp):\n"
+                       "    names = sorted(grads, reverse=dp.rank == 1)\n"
+                       "    return {name: dp.all_reduce(grads[name]) / dp.size for name in names}\n")
+    proc = _check_mpi(2, swapped)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = "line 3, `return {name: dp.all_reduce(grads[name]) / dp.size for name in names}`"
+    assert proc.stdout == (
+        "lesson 2: not yet: your ranks' collective number 1 differs: rank 0 all_reduce(grads['b'] of shape "
+        f"(1,), float64, op='sum') at {line}; rank 1 all_reduce(grads['w'] of shape (5,), float64, "
+        f"op='sum') at {line}. Every rank must call the same collectives in the same order on matching "
+        "arrays, or MPI combines the wrong ones\n"), proc.stdout
+
+
+@pytest.mark.parametrize("merge, told", [
+    # exp(800) overflows: the naive sum of exps is refused at scores of 800
+    ("s1, s2 = np.exp(lse1), np.exp(lse2)\n"
+     "    return (s1[:, None] * o1 + s2[:, None] * o2) / (s1 + s2)[:, None], np.log(s1 + s2)",
+     "the merged log-sum-exp (keys split at 1, every score and lse 800 higher) is off by up to inf at 6 of "
+     "6 elements; the first is [0] (query 0): inf where the right answer is 809.692"),
+    # stable at 800, but -inf - -inf is NaN where block 1 is hidden from a query
+    ("lse = lse1 + np.log1p(np.exp(lse2 - lse1))\n"
+     "    return np.exp(lse1 - lse)[:, None] * o1 + np.exp(lse2 - lse)[:, None] * o2, lse",
+     "the merged log-sum-exp (query 1 sees no key of block 1, queries 3 and 4 none of block 2 (o 0, lse "
+     "-inf there)) is not a number at 1 of 6 elements; the first is [1] (query 1)"),
+    # weighted by the number of keys, not by the blocks' sums of exp: located, query and element
+    ("lse = np.logaddexp(lse1, lse2)\n"
+     "    return (1 * o1 + 5 * o2) / 6, lse",
+     "the merged attention output (keys split at 1) is off by up to "),
+])
+def test_an_unstable_or_unweighted_merge_is_refused_and_located(tmp_path, capsys, merge, told):
+    wrong = tmp_path / "merge.py"
+    wrong.write_text(f"import numpy as np\n\n\ndef merge_attention(o1, lse1, o2, lse2):\n    {merge}\n")
+    with np.errstate(all="ignore"):
+        assert check(5, wrong) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"lesson 5: not yet: {told}"), out
+    assert "the first is [" in out and "(query " in out
