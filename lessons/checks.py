@@ -97,24 +97,33 @@ class _Teaching:
     def __init__(self, comm, path: Path, known: dict[str, np.ndarray] | None = None):
         self.comm, self.rank, self.size, self.path = comm, comm.rank, comm.size, path
         self.known = known or {}
-        self.calls: list[str] = []  # the ops called, in order
+        self.calls: list[tuple[str, tuple]] = []  # (op, the input's shape) of each call, in order
 
     def all_reduce(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
         self._agree("all_reduce", x, op)
         return self.comm.all_reduce(x, op=op, algo=algo, tag=tag)
 
-    def _agree(self, name: str, x, op: str) -> None:
+    def reduce_scatter(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
+        self._agree("reduce_scatter", x, op)
+        return self.comm.reduce_scatter(x, op=op, algo=algo, tag=tag)
+
+    def all_gather(self, x, algo: str = "native", tag: str = "", counts=None):
+        self._agree("all_gather", x, "", rows_may_differ=True)  # uneven shards are legitimate
+        return self.comm.all_gather(x, algo=algo, tag=tag, counts=counts)
+
+    def _agree(self, name: str, x, op: str, rows_may_differ: bool = False) -> None:
         x = np.asarray(x)
         which = next((k for k, v in self.known.items() if v.shape == x.shape and np.array_equal(v, x)), None)
-        self.calls.append(name)
-        mine = (name, op, tuple(x.shape), x.dtype.name, which)
+        self.calls.append((name, tuple(x.shape)))
+        shape = ("*", *x.shape[1:]) if rows_may_differ and x.ndim else tuple(x.shape)
+        mine = (name, op, shape, x.dtype.name, which)
         every = _allgather(self.comm, (mine, _learner_line(self.path)))
         if len({call for call, _ in every}) == 1:
             return
         k = len(self.calls)
-        said = "; ".join(
-            f"rank {r} {c[0]}({c[4] or 'an array'} of shape {c[2]}, {c[3]}, op={c[1]!r}) at {line}"
-            for r, (c, line) in enumerate(every))
+        said = "; ".join(f"rank {r} {c[0]}({c[4] or 'an array'} of shape {c[2]}, {c[3]}"
+                         + (f", op={c[1]!r}" if c[1] else "") + f") at {line}"
+                         for r, (c, line) in enumerate(every))
         raise Wrong(f"your ranks' collective number {k} differs: {said}. Every rank must call the same "
                     "collectives in the same order on matching arrays, or MPI combines the wrong ones")
 
@@ -215,20 +224,49 @@ def check_02(mod, comm) -> str:
 
 
 # ------------------------------------------------------------------------------------- 03
-def check_03(mod, comm) -> str:
-    from refpar.analysis.memory import paper_model_state_bytes
+# AdamW's settings in exercise 3's file, repeated: the learner's file must not set the checker's answer
+ADAMW_03, LR_03 = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}, 0.01
 
-    for psi in (54_976, 1_000_000):
-        for n in (1, 2, 4, 8, 64):
-            for stage in (0, 1, 2, 3):
-                want = paper_model_state_bytes(psi, n, stage, k=16, param_bytes=8, grad_bytes=8)
-                got = mod.model_state_bytes(psi, n, stage)
-                if not math.isclose(got, want, rel_tol=CONTRACT):
-                    raise Wrong(f"model_state_bytes({psi}, n={n}, stage={stage}) = {got}, expected "
-                                f"{want:g}, {want / psi:g} bytes per parameter: of the 8 + 8 + 16, which "
-                                f"does stage {stage} divide over the n ranks, and which does every rank "
-                                "keep whole?")
-    return "model_state_bytes matches the ZeRO paper's closed forms for stages 0-3 in float64"
+
+def check_03(mod, comm) -> str:
+    from types import SimpleNamespace
+
+    from refpar.model.optim import adamw_update
+
+    P, r, path = comm.size, comm.rank, Path(mod.__file__)
+    for n, t in ((10, 1), (7, 3)):  # 7 rows: uneven shards; t = 3: moments from earlier steps
+        rng = np.random.default_rng([3, n])
+        param = rng.standard_normal(n)  # (n,) the same on every rank
+        grads = rng.standard_normal((P, n))  # (P, n) every rank's gradient: the checker knows them all
+        m0, v0 = (0.1 * rng.standard_normal(n), 0.01 * rng.random(n)) if t > 1 else (np.zeros(n), np.zeros(n))
+        # the single device: one AdamW step of the whole parameter on the whole batch's mean gradient
+        want = adamw_update(param.copy(), grads.mean(axis=0), m0.copy(), v0.copy(), t,
+                            SimpleNamespace(**ADAMW_03), decay=True, lr=LR_03)
+        a, b = shard_range(n, P, r)
+        dp = _Teaching(comm, path, {"grad": grads[r], "param": param})
+        got = mod.zero2_step(param.copy(), grads[r].copy(), m0[a:b].copy(), v0[a:b].copy(), t, dp)
+        if not isinstance(got, tuple) or len(got) != 3:
+            raise Wrong("zero2_step must return three arrays: (param, m, v)")
+        ops = [op for op, _ in dp.calls]
+        if "all_reduce" in ops:
+            raise Wrong(f"your step calls {', '.join(ops)}: an all-reduce leaves every rank the whole "
+                        "summed gradient, which ZeRO-2 never holds; which collective gives each rank "
+                        "only its rows of the sum?")
+        def row(i, a=a):
+            return f"row {a + i}"
+
+        def owner(i, n=n):
+            return f"row {i}, which rank {next(q for q in range(P) if i < shard_range(n, P, q)[1])} updates"
+
+        _close(got[1], want[1][a:b], f"rank {r}'s new m, rows {a}..{b - 1} of n={n}, step t={t}", row)
+        _close(got[2], want[2][a:b], f"rank {r}'s new v, rows {a}..{b - 1} of n={n}, step t={t}", row)
+        _close(got[0], want[0], f"rank {r}'s new parameter (n={n}, step t={t})", owner)
+        if dp.calls != [("reduce_scatter", (n,)), ("all_gather", (b - a,))]:
+            raise Wrong(f"your step calls {', '.join(f'{op}{shape}' for op, shape in dp.calls)}; ZeRO-2 "
+                        f"moves exactly an all-reduce's bytes, 2 (n - n/{P}) elements per rank: one "
+                        "collective of the whole gradient, one of this rank's rows")
+    return (f"zero2_step equals one AdamW step on one device over {P} ranks, uneven rows included, "
+            "each rank holding only its rows' moments and sending an all-reduce's bytes")
 
 
 # ------------------------------------------------------------------------------------- 04
@@ -242,8 +280,8 @@ def check_04(mod, comm) -> str:
     got = mod.tp_mlp_forward(x, w_fc[:, a:b], w_proj[a:b, :], counting)  # (B, C)
     _close(got, np.tanh(x @ w_fc) @ w_proj, f"rank {r}'s MLP output", lambda i: f"row {i} of the batch")
     if len(counting.calls) != 1:
-        raise Wrong(f"your forward made {len(counting.calls)} all-reduces; Megatron's MLP needs "
-                    "exactly one: which of the two products leaves each rank a partial sum?")
+        raise Wrong(f"your forward made {len(counting.calls)} collectives; Megatron's MLP needs "
+                    "exactly one all-reduce: which of the two products leaves each rank a partial sum?")
     return f"tp_mlp_forward equals the unsharded MLP on {tp} ranks with one all-reduce"
 
 
@@ -378,25 +416,48 @@ def _builder_that_prints(schedule, p: int, m: int) -> str | None:
 
 
 # ------------------------------------------------------------------------------------- 07
-def check_07(mod, comm) -> str:
-    from refpar.model.routing import kept_counts, selection_counts
+def _queue_positions(choices: np.ndarray, n_experts: int) -> np.ndarray:
+    """(N, k) the whole batch's choices -> (N, k) each assignment's place in its expert's queue:
+    slot 0 of every token in token order, then slot 1, ... (an independent loop, not refpar's router)."""
+    seen, place = np.zeros(n_experts, dtype=int), np.zeros(choices.shape, dtype=int)
+    for j in range(choices.shape[1]):
+        for t in range(choices.shape[0]):
+            place[t, j] = seen[choices[t, j]]
+            seen[choices[t, j]] += 1
+    return place
 
+
+def check_07(mod, comm) -> str:
+    P, r = comm.size, comm.rank
     for n, e, k, f in ((16, 4, 2, 1.0), (10, 4, 1, 1.25), (7, 3, 2, 0.5)):
         want = math.ceil(n * k * f / e)
         if mod.capacity(n, e, k, f) != want:
             raise Wrong(f"capacity(n_tokens={n}, experts={e}, top_k={k}, factor={f}) = "
-                        f"{mod.capacity(n, e, k, f)}; each expert takes ceil(n k f / E) = {want}")
+                        f"{mod.capacity(n, e, k, f)}, expected {want}")
     rng = np.random.default_rng(7)
-    for n, e, k, cap in ((16, 4, 2, 8), (16, 4, 2, 3), (9, 3, 1, 2)):
-        choices = np.stack([rng.permutation(e)[:k] for _ in range(n)])  # (N, k)
-        kept = kept_counts(selection_counts(choices, e)[None], cap)[0]  # (E,)
-        want = int(n * k - kept.sum())
-        got = mod.dropped(choices, e, cap)
-        if got != want:
-            raise Wrong(f"dropped(...) = {got} for {n} tokens choosing {k} of {e} experts with "
-                        f"capacity {cap}; {want} assignments are dropped (an expert keeps its first "
-                        "`capacity` assignments; each drops the rest)")
-    return "capacity and dropped agree with refpar's router"
+    for n, e, k, cap in ((16, 4, 2, 3), (9, 3, 1, 2), (16, 4, 2, 8), (12, 4, 2, 4)):
+        choices = np.stack([rng.permutation(e)[:k] for _ in range(n)])  # (N, k) the whole batch's
+        place = _queue_positions(choices, e)  # (N, k)
+        a, b = shard_range(n, P, r)
+        ep = _Teaching(comm, Path(mod.__file__), {"choices": choices[a:b]})
+        got = np.asarray(mod.kept(choices[a:b].copy(), e, cap, ep))
+        if got.shape != (b - a, k):
+            raise Wrong(f"kept(...) returned shape {got.shape} on rank {r}; it should be {(b - a, k)}, "
+                        "one entry per assignment of this rank's tokens")
+        wrong = np.argwhere(got.astype(bool) != (place[a:b] < cap))  # (w, 2)
+        if len(wrong):
+            t, j = (int(i) for i in wrong[0])
+            said = "keep" if got[t, j] else "drop"
+            raise Wrong(f"rank {r}'s kept(...) is wrong for {len(wrong)} of {got.size} assignments ({n} "
+                        f"tokens on {P} ranks, {e} experts, top-{k}, capacity {cap}); the first is token "
+                        f"{a + t}'s choice {j + 1}, expert {choices[a + t, j]}: you {said} it, but "
+                        f"{place[a + t, j]} assignments are ahead of it in that expert's queue")
+        sent = sum(math.prod(shape) for _, shape in ep.calls)
+        if sent > k * e:
+            raise Wrong(f"kept(...) exchanged {sent} numbers per rank for {b - a} tokens; {k * e} suffice "
+                        "whatever the number of tokens: what does a rank need to know about the others?")
+    return ("capacity and kept agree with the queue order over the whole batch on "
+            f"{P} ranks, exchanging a few counts per rank")
 
 
 # ------------------------------------------------------------------------------------- 08
@@ -499,11 +560,11 @@ EXERCISES = {e.number: e for e in (
              " (in a ring, each rank sends right exactly as often as its right neighbour receives from "
              "the left)"),
     Exercise(2, "02_average_gradients.py", 2, check_02),
-    Exercise(3, "03_zero_memory.py", 1, check_03),
+    Exercise(3, "03_zero_memory.py", 2, check_03),
     Exercise(4, "04_tp_mlp.py", 2, check_04),
     Exercise(5, "05_merge_attention.py", 1, check_05),
     Exercise(6, "06_pipeline_bubbles.py", 1, check_06),
-    Exercise(7, "07_capacity.py", 1, check_07),
+    Exercise(7, "07_capacity.py", 2, check_07),
     Exercise(8, "08_mesh_coords.py", 1, check_08),
     Exercise(9, "09_loss_normalisation.py", 1, check_09),
     Exercise(10, "10_mixed_precision_memory.py", 1, check_10),

@@ -297,3 +297,34 @@ def test_an_unstable_or_unweighted_merge_is_refused_and_located(tmp_path, capsys
     out = capsys.readouterr().out
     assert out.startswith(f"lesson 5: not yet: {told}"), out
     assert "the first is [" in out and "(query " in out
+
+
+def test_a_zero2_step_that_all_reduces_the_gradient_is_refused(tmp_path):
+    # the right numbers by the wrong route: every rank would hold the whole summed gradient
+    all_reduces = tmp_path / "all_reduce.py"
+    all_reduces.write_text((lessons.LESSONS / "solutions" / EXERCISES[3].file).read_text().replace(
+        'g = dp.reduce_scatter(grad, tag="param:grad") / dp.size',
+        'g = dp.all_reduce(grad)[slice(*shard_range(param.size, dp.size, dp.rank))] / dp.size'))
+    assert "dp.all_reduce" in all_reduces.read_text()
+    proc = _check_mpi(3, all_reduces)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 3: not yet: your step calls all_reduce, all_gather: an all-reduce leaves "
+                           "every rank the whole summed gradient, which ZeRO-2 never holds; which collective "
+                           "gives each rank only its rows of the sum?\n"), proc.stdout
+
+
+def test_a_capacity_queue_that_ignores_the_other_ranks_is_told_which_assignment(tmp_path):
+    # each rank queues its own tokens only: rank 1's first choices then sit ahead of rank 0's second
+    # ones nowhere, and an expert keeps too many; the message names the token, its choice and the queue
+    local = tmp_path / "local_queue.py"
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[7].file).read_text()
+    gathered = '    every = ep.all_gather(counts[None], tag="moe.counts").reshape(ep.size, k, n_experts)'
+    local.write_text(solution.replace(gathered, "    every = counts[None]  # (1, k, E): this rank's only")
+                     .replace("every[:ep.rank]", "every[:0]"))
+    assert local.read_text() != solution
+    proc = _check_mpi(7, local)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 7: not yet: rank 0's kept(...) is wrong for 2 of 16 assignments (16 "
+                           "tokens on 2 ranks, 4 experts, top-2, capacity 3); the first is token 5's choice "
+                           "2, expert 2: you keep it, but 3 assignments are ahead of it in that expert's "
+                           "queue (rank 0)\n"), proc.stdout
