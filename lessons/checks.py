@@ -472,14 +472,31 @@ def check_08(mod, comm) -> str:
             if got != want:
                 raise Wrong(f"coords({rank}, {sizes}) = {got}, expected {want}: tp varies fastest, "
                             "then dp, and pp slowest (ranks = arange(world).reshape(pp, dp, tp))")
-            lines = {"pp": grid[:, dp, tp], "dp": grid[pp, :, tp], "tp": grid[pp, dp, :]}
-            for axis, line in lines.items():
-                got_group = [int(g) for g in mod.group(rank, axis, dict(sizes))]
-                if got_group != [int(g) for g in line]:
-                    raise Wrong(f"group({rank}, {axis!r}, {sizes}) = {got_group}, expected "
-                                f"{[int(g) for g in line]}: the ranks that differ from rank {rank} "
-                                f"only in their {axis} coordinate, in {axis} order")
-    return "coords and group lay ranks out as refpar's DeviceMesh (and Megatron) do"
+    r = comm.rank
+    for sizes in ({"pp": 1, "dp": 2, "tp": 2}, {"pp": 2, "dp": 1, "tp": 2}, {"pp": 2, "dp": 2, "tp": 1}):
+        grid = np.arange(comm.size).reshape(sizes["pp"], sizes["dp"], sizes["tp"])
+        pp, dp, tp = (int(c) for c in np.unravel_index(r, grid.shape))
+        lines = {"pp": grid[:, dp, tp], "dp": grid[pp, :, tp], "tp": grid[pp, dp, :]}
+        groups = mod.mesh_groups(comm, dict(sizes))
+        if not isinstance(groups, dict) or set(groups) != set(lines):
+            raise Wrong("mesh_groups must return a dict with a communicator for each of pp, dp and tp")
+        problem = None
+        for axis, line in lines.items():
+            g, want = groups[axis], tuple(int(x) for x in line)
+            if problem is None and (g is None or tuple(g.group) != want):
+                problem = (f"on mesh {sizes}, rank {r}'s {axis} group holds world ranks "
+                           f"{None if g is None else list(g.group)} in that order; it should hold "
+                           f"{list(want)}: which ranks share a color, and what orders them?")
+        problems = [m for m in _allgather(comm, problem) if m]  # all ranks stop before talking in groups
+        if problems:
+            raise Wrong(problems[0])
+        for axis, line in lines.items():
+            g, want = groups[axis], tuple(int(x) for x in line)
+            total = g.all_reduce(np.array([float(r)]), tag=f"{axis}:check")  # (1,) it really talks
+            if total[0] != sum(want):
+                raise Wrong(f"rank {r}'s {axis} communicator summed {total[0]:g}, not {sum(want)}")
+    return ("coords and mesh_groups lay ranks out as refpar's DeviceMesh (and Megatron) do, each "
+            "group a working communicator made by Comm_split")
 
 
 # ------------------------------------------------------------------------------------- 09
@@ -565,7 +582,7 @@ EXERCISES = {e.number: e for e in (
     Exercise(5, "05_merge_attention.py", 1, check_05),
     Exercise(6, "06_pipeline_bubbles.py", 1, check_06),
     Exercise(7, "07_capacity.py", 2, check_07),
-    Exercise(8, "08_mesh_coords.py", 1, check_08),
+    Exercise(8, "08_mesh_coords.py", 4, check_08),
     Exercise(9, "09_loss_normalisation.py", 1, check_09),
     Exercise(10, "10_mixed_precision_memory.py", 1, check_10),
     Exercise(11, "11_step_flops.py", 1, check_11),
@@ -626,9 +643,9 @@ def _ranks(ranks: list[int]) -> str:
 
 def _combine(verdicts: list[Verdict], timeout: float, hint: str) -> tuple[bool, str]:
     """Every rank's Verdict -> (passed, the sentence rank 0 prints). An error comes first: the rank
-    that raised first, with its traceback, since the others' waiting follows from it. Then a
-    deadlock, only when no rank raised: where each rank waited. Then the first rank's wrong answer,
-    naming the rank only when the ranks disagree."""
+    that raised first, with its traceback, since the others' waiting follows from it. Then a wrong
+    answer (the first rank's, naming the rank only when the ranks disagree), unless a rank is stuck
+    inside the learner's code: then a deadlock, saying where each rank waited."""
     raised = sorted((v.raised_at, r) for r, v in enumerate(verdicts) if v.raised_at is not None)
     if raised:
         first = raised[0][1]
@@ -640,6 +657,10 @@ def _combine(verdicts: list[Verdict], timeout: float, hint: str) -> tuple[bool, 
             if waited else ""
         return False, f"{head} ({_ranks([first])})" + (f"\n{frames}" if frames else "") + after
     waiting = [r for r, v in enumerate(verdicts) if v.waits_in is not None]
+    failed = [(r, v.sentence) for r, v in enumerate(verdicts) if not v.ok and v.waits_in is None]
+    if failed and not any(verdicts[r].waits_in for r in waiting):  # the others wait in the checker only
+        agree = len(failed) == len(verdicts) and len({s for _, s in failed}) == 1
+        return False, failed[0][1] + ("" if agree else f" (rank {failed[0][0]})")
     if waiting:
         places: dict[str, list[int]] = {}
         for r, v in enumerate(verdicts):
@@ -649,11 +670,7 @@ def _combine(verdicts: list[Verdict], timeout: float, hint: str) -> tuple[bool, 
         return False, (f"your code did not finish on every rank and no rank raised: after {timeout:g} s "
                        f"without the message it waited for, {said}. Every rank must make the same "
                        f"calls in the same order{hint}")
-    failed = [(r, v.sentence) for r, v in enumerate(verdicts) if not v.ok]
-    if not failed:
-        return True, verdicts[0].sentence
-    agree = len(failed) == len(verdicts) and len({s for _, s in failed}) == 1
-    return False, failed[0][1] + ("" if agree else f" (rank {failed[0][0]})")
+    return True, verdicts[0].sentence
 
 
 def check(n: int, path: Path | None = None, timeout: float = 120) -> int:

@@ -328,3 +328,17 @@ def test_a_capacity_queue_that_ignores_the_other_ranks_is_told_which_assignment(
                            "tokens on 2 ranks, 4 experts, top-2, capacity 3); the first is token 5's choice "
                            "2, expert 2: you keep it, but 3 assignments are ahead of it in that expert's "
                            "queue (rank 0)\n"), proc.stdout
+
+
+def test_mesh_groups_split_by_the_wrong_color_are_told_which_ranks_they_hold(tmp_path):
+    # color and key swapped: the ranks with the same coordinate on the axis end up together
+    swapped = tmp_path / "swapped_split.py"
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[8].file).read_text()
+    swapped.write_text(solution.replace("world.split(first, key=mine[axis], axis=axis)",
+                                        "world.split(mine[axis], key=first, axis=axis)"))
+    assert swapped.read_text() != solution
+    proc = _check_mpi(8, swapped)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 8: not yet: on mesh {'pp': 1, 'dp': 2, 'tp': 2}, rank 0's pp group holds "
+                           "world ranks [0, 1, 2, 3] in that order; it should hold [0]: which ranks share a "
+                           "color, and what orders them?\n"), proc.stdout
