@@ -317,8 +317,67 @@ def check_05(mod, comm) -> str:
         _merged_matches(mod, (o1, l1 + shift, o2, l2 + shift), (want_o, want_lse + shift),
                         "query 1 sees no key of block 1, queries 3 and 4 none of block 2 (o 0, lse -inf "
                         "there)" + (", every score and lse 800 higher" if shift else ""))
-    return ("merge_attention combines two blocks of keys exactly, as each step of ring attention does, "
-            "at scores of 800 and with blocks a query cannot see")
+    return ("merge_attention combines two blocks of keys exactly, at scores of 800 and with blocks a query "
+            "cannot see; " + _check_ring(mod, comm))
+
+
+class _CountingP2P:
+    """The cp communicator exercise 5's ring gets: refpar's point-to-point calls, counting the bytes
+    this rank sends."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size, self.sent = comm, comm.rank, comm.size, 0
+
+    def isend(self, x, dest: int, tag: str = ""):
+        self.sent += np.asarray(x).nbytes
+        return self.comm.isend(x, dest, tag=tag)
+
+    def irecv(self, shape, dtype, source: int, tag: str = ""):
+        return self.comm.irecv(shape, dtype, source, tag=tag)
+
+    def send(self, x, dest: int, tag: str = ""):
+        self.sent += np.asarray(x).nbytes
+        return self.comm.send(x, dest, tag=tag)
+
+    def recv(self, shape, dtype, source: int, tag: str = ""):
+        return self.comm.recv(shape, dtype, source, tag=tag)
+
+
+def _causal_attention(q, k, v):
+    """(T, D) each, one sequence -> (o (T, D), lse (T,)) of causal attention, on one device."""
+    T = q.shape[0]
+    s = np.where(np.tril(np.ones((T, T), bool)), q @ k.T / np.sqrt(q.shape[-1]), -np.inf)  # (T, T)
+    m = s.max(axis=-1, keepdims=True)  # (T, 1): finite, every query sees itself
+    e = np.exp(s - m)
+    return e @ v / e.sum(axis=-1, keepdims=True), m[:, 0] + np.log(e.sum(axis=-1))
+
+
+def _check_ring(mod, comm) -> str:
+    """Part 2: ring attention over the cp ranks with zig-zag chunks, against one device's."""
+    from refpar.parallel.context_parallel import zigzag_positions
+
+    P, r = comm.size, comm.rank
+    for T, D in ((8, 4), (14, 3)):  # 14: chunks of 4 and 3 positions
+        rng = np.random.default_rng([5, T])
+        q, k, v = (rng.standard_normal((T, D)) * 3 for _ in range(3))  # (T, D) each, the whole sequence
+        want_o, want_lse = _causal_attention(q, k, v)
+        pos = zigzag_positions(T, P, r)  # (T_local,) chunks r and 2P - 1 - r
+        cp = _CountingP2P(comm)
+        got = mod.ring_attention(q[pos].copy(), k[pos].copy(), v[pos].copy(), pos.copy(), cp)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise Wrong("ring_attention must return two arrays: (out, lse)")
+
+        def at(i, pos=pos):
+            return f"the query at position {pos[i if isinstance(i, int) else i[0]]}"
+
+        case = f"T={T} over {P} ranks, rank {r} holding positions {pos.tolist()}"
+        _close(got[1], want_lse[pos], f"rank {r}'s log-sum-exp ({case})", at)
+        _close(got[0], want_o[pos], f"rank {r}'s attention output ({case})", at)
+        most = (P - 1) * (2 * k[pos].nbytes + pos.size * 8)
+        if cp.sent > most:
+            raise Wrong(f"rank {r} sent {cp.sent} bytes for T={T}; passing each other rank's keys, values "
+                        f"and their positions once around the ring takes {most}: what else travels?")
+    return f"ring_attention over {P} ranks with zig-zag chunks equals causal attention on one device"
 
 
 def _merged_matches(mod, blocks, want, case: str) -> None:
@@ -353,7 +412,72 @@ def check_06(mod, comm) -> str:
                             f"{mod.one_f_one_b_peak(p, m, rank)}, but rank {rank} of a 1F1B "
                             f"schedule holds at most {peaks[rank]} microbatches' activations")
     return ("gpipe_bubble and one_f_one_b_peak agree with refpar's simulated schedules; "
-            + _check_v_schedule(Path(mod.__file__).with_name(V_CSV)))
+            + _check_v_schedule(Path(mod.__file__).with_name(V_CSV)) + "; " + _check_executor(mod, comm))
+
+
+class _Stage:
+    """Stage r of a pipeline of tanh(x @ W_s) layers, as exercise 6's part 3 drives it: it records
+    the order of its forwards and backwards, holds each microbatch's activations from its forward to
+    its backward, and accumulates its weight gradient. The last stage's loss is the sum of
+    y * target over the microbatches, divided by m."""
+
+    def __init__(self, r: int, p: int, m: int, inputs, targets, w):
+        self.r, self.p, self.m, self.inputs, self.targets, self.w = r, p, m, inputs, targets, w
+        self.shape = inputs[0].shape  # (B, D) every activation and gradient
+        self.kept: dict[int, tuple] = {}  # microbatch -> (x, y) until its backward
+        self.order: list[str] = []
+        self.peak = 0
+        self.dw = np.zeros_like(w)  # (D, D)
+
+    def forward(self, j: int, x):
+        if j in self.kept or not 0 <= j < self.m:
+            raise Wrong(f"stage {self.r} ran the forward of microbatch {j} "
+                        + ("twice" if j in self.kept else f"of m={self.m}"))
+        x = self.inputs[j] if self.r == 0 else np.asarray(x, dtype=np.float64)  # (B, D)
+        y = np.tanh(x @ self.w)  # (B, D)
+        self.kept[j] = (x, y)
+        self.order.append(f"F{j}")
+        self.peak = max(self.peak, len(self.kept))
+        return y
+
+    def backward(self, j: int, dy):
+        if j not in self.kept:
+            raise Wrong(f"stage {self.r} ran the backward of microbatch {j} before its forward")
+        x, y = self.kept.pop(j)
+        dy = self.targets[j] / self.m if self.r == self.p - 1 else np.asarray(dy, dtype=np.float64)
+        dpre = dy * (1 - y * y)  # (B, D)
+        self.dw += x.T @ dpre  # (D, D)
+        self.order.append(f"B{j}")
+        return dpre @ self.w.T  # (B, D)
+
+
+def _check_executor(mod, comm) -> str:
+    """Part 3: a 1F1B step on the pp ranks, against refpar's 1F1B order and one device's gradients."""
+    from refpar.parallel.pipeline.builders import one_f_one_b
+
+    p, r = comm.size, comm.rank
+    for m, (B, D) in ((4, (3, 5)), (1, (2, 4))):  # m=1 < p: no steady state at all
+        rng = np.random.default_rng([6, m])
+        ws = [rng.standard_normal((D, D)) / np.sqrt(D) for _ in range(p)]  # (D, D) each stage's
+        inputs, targets = rng.standard_normal((m, B, D)), rng.standard_normal((m, B, D))
+        stage = _Stage(r, p, m, inputs, targets, ws[r])
+        mod.one_f_one_b(stage, m, comm)
+        want_order = [f"{a.kind}{a.microbatch}" for a in one_f_one_b(p, m)[r] if a is not None]
+        if stage.order != want_order:
+            raise Wrong(f"with m={m} microbatches on {p} stages, rank {r} ran {' '.join(stage.order)}; "
+                        f"1F1B runs {len(want_order)} passes, at most {min(p - r, m)} microbatches held at "
+                        f"once here: how many forwards before the first backward, and then?")
+        whole = [_Stage(s, p, m, inputs, targets, ws[s]) for s in range(p)]  # one device: stage by stage
+        for j in range(m):
+            x = None
+            for s in whole:
+                x = s.forward(j, x)
+            dy = None
+            for s in reversed(whole):
+                dy = s.backward(j, dy)
+        _close(stage.dw, whole[r].dw, f"rank {r}'s weight gradient with m={m}",
+               lambda i: f"row {i[0]}, column {i[1]}")
+    return f"one_f_one_b runs 1F1B's order on {p} ranks and accumulates one device's gradients"
 
 
 def _check_v_schedule(path: Path) -> str:
@@ -579,8 +703,8 @@ EXERCISES = {e.number: e for e in (
     Exercise(2, "02_average_gradients.py", 2, check_02),
     Exercise(3, "03_zero_memory.py", 2, check_03),
     Exercise(4, "04_tp_mlp.py", 2, check_04),
-    Exercise(5, "05_merge_attention.py", 1, check_05),
-    Exercise(6, "06_pipeline_bubbles.py", 1, check_06),
+    Exercise(5, "05_merge_attention.py", 2, check_05),
+    Exercise(6, "06_pipeline_bubbles.py", 2, check_06),
     Exercise(7, "07_capacity.py", 2, check_07),
     Exercise(8, "08_mesh_coords.py", 4, check_08),
     Exercise(9, "09_loss_normalisation.py", 1, check_09),

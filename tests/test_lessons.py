@@ -65,34 +65,52 @@ def test_a_wrong_answer_is_told_what_is_wrong(tmp_path, capsys):
     assert "lesson 9: not yet: global_mean_loss = " in out and "mean of the microbatches' means" in out
 
 
-def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path, capsys):
-    # part 1 done; part 2, the CSV next to it: blank, then a 1F1B-like V that idles, then broken
+def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path):
+    # part 1 done; part 2, the CSV next to it: blank, then a 1F1B-like V that idles, then broken.
+    # Parts 1 and 2 are judged before any message (part 3 runs on 2 ranks): one process suffices.
+    from lessons.checks import _verdict
+
+    def said():  # the sentence `refpar lesson check 6` would print after "not yet: "
+        verdict = _verdict(EXERCISES[6], answer, None)
+        assert not verdict.ok, verdict
+        return verdict.sentence
+
     answer = tmp_path / EXERCISES[6].file
     answer.write_text((lessons.LESSONS / "solutions" / EXERCISES[6].file).read_text())
     schedule = tmp_path / "06_v_schedule.csv"
     schedule.write_text("")
-    assert check(6, answer) == 1
-    out = capsys.readouterr().out
-    assert out.startswith("lesson 6: not yet: the exercise is still blank: write part 2, "), out
+    assert said().startswith("the exercise is still blank: write part 2, ")
     from refpar.parallel.pipeline.builders import build
     from refpar.parallel.pipeline.formats import to_csv
 
     # V-Half with its last two weight gradients swapped, so not refpar's own: valid, but it idles a tick
     schedule.write_text(to_csv(build("v-half", 2, 4)).replace("0W2,0W3", "0W3,0W2"))
-    assert check(6, answer) == 1
-    assert "rank 0 idles 1 tick between its first and its last action" in capsys.readouterr().out
+    assert "rank 0 idles 1 tick between its first and its last action" in said()
     # refpar's own: zbv as the learner's command prints it (the issue's shortcut), v-half as to_csv writes it
     for kind, text in (("zbv", lessons.run("refpar schedule zbv -p 2 -m 4 --csv").stdout),
                        ("v-half", to_csv(build("v-half", 2, 4)))):
         schedule.write_text(text)
-        assert check(6, answer) == 1
-        assert (f"lesson 6: not yet: {schedule} is the schedule `refpar schedule {kind} -p 2 -m 4 --csv` "
-                "prints; part 2 asks for one you build yourself") in capsys.readouterr().out
+        assert said().startswith(f"{schedule} is the schedule `refpar schedule {kind} -p 2 -m 4 --csv` "
+                                 "prints; part 2 asks for one you build yourself")
     schedule.write_text("0F0,3F0,3B0,0B0\r\n1F0,2F0,1B0,2B0\r\n")  # 1B0 before 2B0 on rank 1
-    assert check(6, answer) == 1
-    out = capsys.readouterr().out
+    out = said()
     assert "rank 1 tick 2: 1B0 needs 2B0, which rank 1 runs later at tick 3" in out
     assert "refpar schedule --from-csv" in out
+
+
+def test_an_executor_in_gpipe_order_is_told_its_order_not_its_numbers(tmp_path):
+    # every forward first, then every backward: the same gradients, in GPipe's order and memory
+    gpipe = tmp_path / EXERCISES[6].file
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[6].file).read_text()
+    gpipe.write_text(solution.replace("    warmup = min(p - r - 1, m)", "    warmup = m"))
+    assert gpipe.read_text() != solution
+    part_2 = (lessons.LESSONS / "solutions" / "06_v_schedule.csv").read_text()
+    (tmp_path / "06_v_schedule.csv").write_text(part_2)
+    proc = _check_mpi(6, gpipe)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 6: not yet: with m=4 microbatches on 2 stages, rank 0 ran F0 F1 F2 F3 B0 "
+                           "B1 B2 B3; 1F1B runs 8 passes, at most 2 microbatches held at once here: how many "
+                           "forwards before the first backward, and then? (rank 0)\n"), proc.stdout
 
 
 def test_the_paper_formula_with_even_shards_is_told_about_uneven_units(tmp_path, capsys):
@@ -288,15 +306,17 @@ def test_collectives_in_a_different_order_on_each_rank_are_named_not_summed(tmp_
     ("lse = np.logaddexp(lse1, lse2)\n"
      "    return (1 * o1 + 5 * o2) / 6, lse",
      "the merged attention output (keys split at 1) is off by up to "),
-])
-def test_an_unstable_or_unweighted_merge_is_refused_and_located(tmp_path, capsys, merge, told):
+], ids=["overflows-at-800", "nan-on-a-hidden-block", "weighted-by-key-count"])
+def test_an_unstable_or_unweighted_merge_is_refused_and_located(tmp_path, merge, told):
+    # part 1 is judged before any message (part 2, the ring, runs on 2 ranks): one process suffices
+    from lessons.checks import _verdict
+
     wrong = tmp_path / "merge.py"
     wrong.write_text(f"import numpy as np\n\n\ndef merge_attention(o1, lse1, o2, lse2):\n    {merge}\n")
     with np.errstate(all="ignore"):
-        assert check(5, wrong) == 1
-    out = capsys.readouterr().out
-    assert out.startswith(f"lesson 5: not yet: {told}"), out
-    assert "the first is [" in out and "(query " in out
+        verdict = _verdict(EXERCISES[5], wrong, None)
+    assert not verdict.ok and verdict.sentence.startswith(told), verdict
+    assert "the first is [" in verdict.sentence and "(query " in verdict.sentence
 
 
 def test_a_zero2_step_that_all_reduces_the_gradient_is_refused(tmp_path):
@@ -342,3 +362,17 @@ def test_mesh_groups_split_by_the_wrong_color_are_told_which_ranks_they_hold(tmp
     assert proc.stdout == ("lesson 8: not yet: on mesh {'pp': 1, 'dp': 2, 'tp': 2}, rank 0's pp group holds "
                            "world ranks [0, 1, 2, 3] in that order; it should hold [0]: which ranks share a "
                            "color, and what orders them?\n"), proc.stdout
+
+
+def test_a_ring_that_keeps_its_own_block_is_told_which_query_misses(tmp_path):
+    # it sends its block on but never takes the one arriving: it merges its own keys twice, so even
+    # position 0, which sees only itself, counts its key twice
+    stuck = tmp_path / "own_block.py"
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[5].file).read_text()
+    stuck.write_text(solution.replace("            block = coming.wait()", "            coming.wait()"))
+    assert stuck.read_text() != solution
+    proc = _check_mpi(5, stuck)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("lesson 5: not yet: rank 0's log-sum-exp (T=8 over 2 ranks, rank 0 "
+                                  "holding positions [0, 1, 6, 7]) is off by up to "), proc.stdout
+    assert "the first is [0] (the query at position 0)" in proc.stdout, proc.stdout
