@@ -1,4 +1,4 @@
-"""Lesson 3, reference solution: one ZeRO-2 optimizer step (refpar/parallel/model_states.py is
+"""Lesson 3, reference solution: one ZeRO-2 optimizer step (refpar/parallel/zero.py is
 refpar's own, for every unit of a model)."""
 
 from types import SimpleNamespace
