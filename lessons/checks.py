@@ -12,6 +12,8 @@ import importlib.util
 import math
 import subprocess
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from lessons.course import LESSONS, ROOT, argv, command_env
-from refpar.comm.diagnosis import CollectiveTimeout
+from refpar.comm.diagnosis import CollectiveTimeout, timeout_from_env
 from refpar.config import ConfigError
 from refpar.sharding import shard_range
 
@@ -41,24 +43,106 @@ class Exercise:
     file: str  # under lessons/exercises/ (the blank) and lessons/solutions/ (the reference)
     ranks: int  # 1: runs in this process; more: under mpiexec -n ranks
     check: Callable  # check(module, comm) -> a line saying what passed; raises Wrong
+    hint: str = ""  # what a deadlock in this exercise usually is, after "in the same order"
 
 
-def _close(got, want, what: str) -> None:
+def _close(got, want, what: str, where=None) -> None:
     """got within CONTRACT of want, relative to want's largest entry or to 1 if that is smaller:
-    the checks' numbers are O(1), and a sum that cancels to near 0 has no relative accuracy."""
+    the checks' numbers are O(1), and a sum that cancels to near 0 has no relative accuracy. A miss
+    names how many elements differ and the first of them; `where(index)` adds what that index is to
+    the learner (the ring's chunk, the query's row)."""
     got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     if got.shape != want.shape:
         raise Wrong(f"{what} has shape {got.shape}, it should be {want.shape}")
-    diff = float(np.max(np.abs(got - want), initial=0.0))
-    if diff > CONTRACT * max(1.0, float(np.max(np.abs(want), initial=0.0))):
-        raise Wrong(f"{what} is off by up to {diff:.3g} from the right answer")
+    bound = CONTRACT * max(1.0, float(np.max(np.abs(want), initial=0.0)))
+    # NaN compares as off; an infinity matches only the same infinity (a fully masked row's -inf lse)
+    same = (got == want) | (np.abs(got - want) <= bound)
+    if same.all():
+        return
+    bad = np.argwhere(~same)  # (k, ndim), in C order: the first is the lowest index
+    first = tuple(int(i) for i in bad[0])
+    index = first[0] if len(first) == 1 else first
+    diff = np.abs(got - want)[~same]
+    off = "not a number" if np.isnan(diff).any() else f"off by up to {float(np.max(diff)):.3g}"
+    raise Wrong(f"{what} is {off} at {len(bad)} of {got.size} elements; the first is "
+                f"[{', '.join(map(str, first))}]{' (' + where(index) + ')' if where else ''}: "
+                f"{got[first]:.6g} where the right answer is {want[first]:.6g}")
+
+
+def _allgather(comm, obj) -> list:
+    """Every rank's small object, on every rank, under `comm`'s timeout (MPI's own allgather would
+    wait for a rank that stopped for ever)."""
+    return comm.broadcast_object(comm.gather_object(obj))
+
+
+def _learner_line(path: Path) -> str:
+    """'line N, `code`' of the innermost frame of the learner's file now on the stack."""
+    frames = [f for f in traceback.extract_stack() if _same_file(f.filename, path)]
+    return f"line {frames[-1].lineno}, `{frames[-1].line}`" if frames else "your code"
+
+
+def _same_file(filename: str, path: Path) -> bool:
+    try:
+        return Path(filename).resolve() == path.resolve()
+    except OSError:
+        return False
+
+
+class _Teaching:
+    """The communicator a learner's exercise gets: refpar's, except that before each collective the
+    ranks compare what they are about to call (the op, the array's shape and dtype, and which of the
+    checker's arrays it is when it is one) and stop with the difference named, instead of summing
+    different arrays into silently wrong numbers. It counts the calls, too."""
+
+    def __init__(self, comm, path: Path, known: dict[str, np.ndarray] | None = None):
+        self.comm, self.rank, self.size, self.path = comm, comm.rank, comm.size, path
+        self.known = known or {}
+        self.calls: list[tuple[str, tuple]] = []  # (op, the input's shape) of each call, in order
+
+    def all_reduce(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
+        self._agree("all_reduce", x, op)
+        return self.comm.all_reduce(x, op=op, algo=algo, tag=tag)
+
+    def reduce_scatter(self, x, op: str = "sum", algo: str = "native", tag: str = ""):
+        self._agree("reduce_scatter", x, op)
+        return self.comm.reduce_scatter(x, op=op, algo=algo, tag=tag)
+
+    def all_gather(self, x, algo: str = "native", tag: str = "", counts=None):
+        self._agree("all_gather", x, "", rows_may_differ=True)  # uneven shards are legitimate
+        return self.comm.all_gather(x, algo=algo, tag=tag, counts=counts)
+
+    def _agree(self, name: str, x, op: str, rows_may_differ: bool = False) -> None:
+        x = np.asarray(x)
+        which = next((k for k, v in self.known.items() if v.shape == x.shape and np.array_equal(v, x)), None)
+        self.calls.append((name, tuple(x.shape)))
+        shape = ("*", *x.shape[1:]) if rows_may_differ and x.ndim else tuple(x.shape)
+        mine = (name, op, shape, x.dtype.name, which)
+        every = _allgather(self.comm, (mine, _learner_line(self.path)))
+        if len({call for call, _ in every}) == 1:
+            return
+        k = len(self.calls)
+        said = "; ".join(f"rank {r} {c[0]}({c[4] or 'an array'} of shape {c[2]}, {c[3]}"
+                         + (f", op={c[1]!r}" if c[1] else "") + f") at {line}"
+                         for r, (c, line) in enumerate(every))
+        raise Wrong(f"your ranks' collective number {k} differs: {said}. Every rank must call the same "
+                    "collectives in the same order on matching arrays, or MPI combines the wrong ones")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One rank's result; rank 0 combines every rank's (`_combine`)."""
+
+    ok: bool
+    sentence: str
+    raised_at: float | None = None  # time.time() when the learner's code raised
+    waits_in: str | None = None  # timed out waiting: where in the learner's code ("" in the checker's)
 
 
 # ------------------------------------------------------------------------------------- 00
 def check_00(mod, comm) -> str:
     for n in (10, 12, 3, 0):
         got = tuple(int(v) for v in mod.my_rows(n, comm.size, comm.rank))
-        everyone = comm.comm.allgather(got)  # every rank judges the same list, so all raise together
+        everyone = _allgather(comm, got)  # every rank judges the same list, so all raise together
         stops = [0] + [b for _, b in everyone]
         if any(a != s for (a, _), s in zip(everyone, stops, strict=False)) or stops[-1] != n:
             raise Wrong(f"with n={n} rows on {comm.size} ranks the ranks got {everyone}: together "
@@ -90,11 +174,18 @@ def check_01(mod, comm) -> str:
             _one_ring_result(x, before, got, want, link, n, p, r)
         except Wrong as err:
             problem = str(err)
-        problems = [m for m in comm.comm.allgather(problem) if m]  # all ranks stop together
+        problems = [m for m in _allgather(comm, problem) if m]  # all ranks stop together
         if problems:
             raise Wrong(problems[0])
     return (f"ring_all_reduce sums exactly like MPI on {p} ranks and each rank sends 2(p-1) chunks, "
             "2(n - n/p) elements")
+
+
+def _chunk_of(i: int, n: int, p: int) -> str:
+    """Which of the ring's p chunks element i of n is in (the exercise's `chunks`: shard_range's)."""
+    c = next(c for c in range(p) if shard_range(n, p, c)[0] <= i < shard_range(n, p, c)[1])
+    a, b = shard_range(n, p, c)
+    return f"in chunk {c} of {p}, elements {a}..{b - 1}"
 
 
 def _one_ring_result(x, before, got, want, link, n, p, r) -> None:
@@ -102,7 +193,7 @@ def _one_ring_result(x, before, got, want, link, n, p, r) -> None:
 
     if not np.array_equal(x, before):
         raise Wrong("ring_all_reduce changed its input x; work on a copy")
-    _close(got, want, f"rank {r}'s sum of {n} elements")
+    _close(got, want, f"rank {r}'s sum of {n} elements", lambda i: _chunk_of(i, n, p))
     expect = cost.all_reduce_bytes(n, p, r, 8, "ring").sent
     if link.sent != expect:
         raise Wrong(f"rank {r} sent {link.sent} bytes for n={n} float64 elements on {p} ranks; a "
@@ -121,7 +212,8 @@ def check_02(mod, comm) -> str:
     x, y, w = rng.standard_normal((8, 5)), rng.standard_normal(8), rng.standard_normal(5)
     a, b = shard_range(8, comm.size, comm.rank)
     local = {"w": _least_squares_grad(w, x[a:b], y[a:b]), "b": np.array([float(comm.rank + 1)])}
-    got = mod.average_gradients(local, comm)
+    got = mod.average_gradients(local, _Teaching(comm, Path(mod.__file__),
+                                                 {f"grads[{k!r}]": v for k, v in local.items()}))
     if not isinstance(got, dict) or set(got) != {"w", "b"}:
         raise Wrong("average_gradients must return a dict with the same names as its input")
     _close(got["b"], [np.mean(np.arange(1, comm.size + 1))], "the average of gradients 1 and 2")
@@ -132,46 +224,64 @@ def check_02(mod, comm) -> str:
 
 
 # ------------------------------------------------------------------------------------- 03
-def check_03(mod, comm) -> str:
-    from refpar.analysis.memory import paper_model_state_bytes
+# AdamW's settings in exercise 3's file, repeated: the learner's file must not set the checker's answer
+ADAMW_03, LR_03 = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}, 0.01
 
-    for psi in (54_976, 1_000_000):
-        for n in (1, 2, 4, 8, 64):
-            for stage in (0, 1, 2, 3):
-                want = paper_model_state_bytes(psi, n, stage, k=16, param_bytes=8, grad_bytes=8)
-                got = mod.model_state_bytes(psi, n, stage)
-                if not math.isclose(got, want, rel_tol=CONTRACT):
-                    raise Wrong(f"model_state_bytes({psi}, n={n}, stage={stage}) = {got}, expected "
-                                f"{want:g}: parameters 8 bytes, gradients 8, AdamW's two moments 16 "
-                                "per parameter; stage 1 shards the moments, 2 also the gradients, 3 "
-                                "also the parameters, each over n ranks")
-    return "model_state_bytes matches the ZeRO paper's closed forms for stages 0-3 in float64"
+
+def check_03(mod, comm) -> str:
+    from types import SimpleNamespace
+
+    from refpar.model.optim import adamw_update
+
+    P, r, path = comm.size, comm.rank, Path(mod.__file__)
+    for n, t in ((10, 1), (7, 3)):  # 7 rows: uneven shards; t = 3: moments from earlier steps
+        rng = np.random.default_rng([3, n])
+        param = rng.standard_normal(n)  # (n,) the same on every rank
+        grads = rng.standard_normal((P, n))  # (P, n) every rank's gradient: the checker knows them all
+        m0, v0 = (0.1 * rng.standard_normal(n), 0.01 * rng.random(n)) if t > 1 else (np.zeros(n), np.zeros(n))
+        # the single device: one AdamW step of the whole parameter on the whole batch's mean gradient
+        want = adamw_update(param.copy(), grads.mean(axis=0), m0.copy(), v0.copy(), t,
+                            SimpleNamespace(**ADAMW_03), decay=True, lr=LR_03)
+        a, b = shard_range(n, P, r)
+        dp = _Teaching(comm, path, {"grad": grads[r], "param": param})
+        got = mod.zero2_step(param.copy(), grads[r].copy(), m0[a:b].copy(), v0[a:b].copy(), t, dp)
+        if not isinstance(got, tuple) or len(got) != 3:
+            raise Wrong("zero2_step must return three arrays: (param, m, v)")
+        ops = [op for op, _ in dp.calls]
+        if "all_reduce" in ops:
+            raise Wrong(f"your step calls {', '.join(ops)}: an all-reduce leaves every rank the whole "
+                        "summed gradient, which ZeRO-2 never holds; which collective gives each rank "
+                        "only its rows of the sum?")
+        def row(i, a=a):
+            return f"row {a + i}"
+
+        def owner(i, n=n):
+            return f"row {i}, which rank {next(q for q in range(P) if i < shard_range(n, P, q)[1])} updates"
+
+        _close(got[1], want[1][a:b], f"rank {r}'s new m, rows {a}..{b - 1} of n={n}, step t={t}", row)
+        _close(got[2], want[2][a:b], f"rank {r}'s new v, rows {a}..{b - 1} of n={n}, step t={t}", row)
+        _close(got[0], want[0], f"rank {r}'s new parameter (n={n}, step t={t})", owner)
+        if dp.calls != [("reduce_scatter", (n,)), ("all_gather", (b - a,))]:
+            raise Wrong(f"your step calls {', '.join(f'{op}{shape}' for op, shape in dp.calls)}; ZeRO-2 "
+                        f"moves exactly an all-reduce's bytes, 2 (n - n/{P}) elements per rank: one "
+                        "collective of the whole gradient, one of this rank's rows")
+    return (f"zero2_step equals one AdamW step on one device over {P} ranks, uneven rows included, "
+            "each rank holding only its rows' moments and sending an all-reduce's bytes")
 
 
 # ------------------------------------------------------------------------------------- 04
-class _CountingComm:
-    """A tp communicator that counts the learner's all-reduces."""
-
-    def __init__(self, comm):
-        self.comm, self.rank, self.size, self.all_reduces = comm, comm.rank, comm.size, 0
-
-    def all_reduce(self, x, *args, **kwargs):
-        self.all_reduces += 1
-        return self.comm.all_reduce(x, *args, **kwargs)
-
-
 def check_04(mod, comm) -> str:
     B, C, tp, r = 6, 8, comm.size, comm.rank
     rng = np.random.default_rng(4)
     x = rng.standard_normal((B, C))  # (B, C) the same on every tp rank
     w_fc, w_proj = rng.standard_normal((C, 4 * C)), rng.standard_normal((4 * C, C))
     a, b = shard_range(4 * C, tp, r)
-    counting = _CountingComm(comm)
+    counting = _Teaching(comm, Path(mod.__file__), {"x": x})
     got = mod.tp_mlp_forward(x, w_fc[:, a:b], w_proj[a:b, :], counting)  # (B, C)
-    _close(got, np.tanh(x @ w_fc) @ w_proj, f"rank {r}'s MLP output")
-    if counting.all_reduces != 1:
-        raise Wrong(f"your forward made {counting.all_reduces} all-reduces; Megatron's MLP needs "
-                    "exactly one, after the row-parallel c_proj (the column-parallel c_fc needs none)")
+    _close(got, np.tanh(x @ w_fc) @ w_proj, f"rank {r}'s MLP output", lambda i: f"row {i} of the batch")
+    if len(counting.calls) != 1:
+        raise Wrong(f"your forward made {len(counting.calls)} collectives; Megatron's MLP needs "
+                    "exactly one all-reduce: which of the two products leaves each rank a partial sum?")
     return f"tp_mlp_forward equals the unsharded MLP on {tp} ranks with one all-reduce"
 
 
@@ -190,12 +300,94 @@ def check_05(mod, comm) -> str:
     for split in (1, 3, 5):
         o1, l1 = _attention(q, k[:split], v[:split])
         o2, l2 = _attention(q, k[split:], v[split:])
-        got = mod.merge_attention(o1, l1, o2, l2)
+        # Scores 800 higher give the same attention and every lse 800 higher: exp(800) overflows float64
+        for shift in (0.0, 800.0):
+            _merged_matches(mod, (o1, l1 + shift, o2, l2 + shift), (o_full, lse_full + shift),
+                            f"keys split at {split}" + (", every score and lse 800 higher" if shift else ""))
+    # A causal mask hides a whole block from some queries (ring attention's blocks of later keys):
+    # there the block's output is 0 and its lse -inf, and the merge must give the other block's own.
+    o1, l1 = _attention(q, k[:3], v[:3])
+    o2, l2 = _attention(q, k[3:], v[3:])
+    hidden1, hidden2 = np.array([0, 1, 0, 0, 0, 0], bool), np.array([0, 0, 0, 1, 1, 0], bool)  # (Tq,)
+    o1, l1 = np.where(hidden1[:, None], 0.0, o1), np.where(hidden1, -np.inf, l1)
+    o2, l2 = np.where(hidden2[:, None], 0.0, o2), np.where(hidden2, -np.inf, l2)
+    want_o = np.where(hidden1[:, None], o2, np.where(hidden2[:, None], o1, o_full))  # (Tq, D)
+    want_lse = np.where(hidden1, l2, np.where(hidden2, l1, lse_full))  # (Tq,)
+    for shift in (0.0, 800.0):
+        _merged_matches(mod, (o1, l1 + shift, o2, l2 + shift), (want_o, want_lse + shift),
+                        "query 1 sees no key of block 1, queries 3 and 4 none of block 2 (o 0, lse -inf "
+                        "there)" + (", every score and lse 800 higher" if shift else ""))
+    return ("merge_attention combines two blocks of keys exactly, at scores of 800 and with blocks a query "
+            "cannot see; " + _check_ring(mod, comm))
+
+
+class _CountingP2P:
+    """The cp communicator exercise 5's ring gets: refpar's point-to-point calls, counting the bytes
+    this rank sends."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size, self.sent = comm, comm.rank, comm.size, 0
+
+    def isend(self, x, dest: int, tag: str = ""):
+        self.sent += np.asarray(x).nbytes
+        return self.comm.isend(x, dest, tag=tag)
+
+    def irecv(self, shape, dtype, source: int, tag: str = ""):
+        return self.comm.irecv(shape, dtype, source, tag=tag)
+
+    def send(self, x, dest: int, tag: str = ""):
+        self.sent += np.asarray(x).nbytes
+        return self.comm.send(x, dest, tag=tag)
+
+    def recv(self, shape, dtype, source: int, tag: str = ""):
+        return self.comm.recv(shape, dtype, source, tag=tag)
+
+
+def _causal_attention(q, k, v):
+    """(T, D) each, one sequence -> (o (T, D), lse (T,)) of causal attention, on one device."""
+    T = q.shape[0]
+    s = np.where(np.tril(np.ones((T, T), bool)), q @ k.T / np.sqrt(q.shape[-1]), -np.inf)  # (T, T)
+    m = s.max(axis=-1, keepdims=True)  # (T, 1): finite, every query sees itself
+    e = np.exp(s - m)
+    return e @ v / e.sum(axis=-1, keepdims=True), m[:, 0] + np.log(e.sum(axis=-1))
+
+
+def _check_ring(mod, comm) -> str:
+    """Part 2: ring attention over the cp ranks with zig-zag chunks, against one device's."""
+    from refpar.parallel.context_parallel import zigzag_positions
+
+    P, r = comm.size, comm.rank
+    for T, D in ((8, 4), (14, 3)):  # 14: chunks of 4 and 3 positions
+        rng = np.random.default_rng([5, T])
+        q, k, v = (rng.standard_normal((T, D)) * 3 for _ in range(3))  # (T, D) each, the whole sequence
+        want_o, want_lse = _causal_attention(q, k, v)
+        pos = zigzag_positions(T, P, r)  # (T_local,) chunks r and 2P - 1 - r
+        cp = _CountingP2P(comm)
+        got = mod.ring_attention(q[pos].copy(), k[pos].copy(), v[pos].copy(), pos.copy(), cp)
         if not isinstance(got, tuple) or len(got) != 2:
-            raise Wrong("merge_attention must return two arrays: (out, lse)")
-        _close(got[1], lse_full, f"the merged log-sum-exp (keys split at {split})")
-        _close(got[0], o_full, f"the merged attention output (keys split at {split})")
-    return "merge_attention combines two blocks of keys exactly, as each step of ring attention does"
+            raise Wrong("ring_attention must return two arrays: (out, lse)")
+
+        def at(i, pos=pos):
+            return f"the query at position {pos[i if isinstance(i, int) else i[0]]}"
+
+        case = f"T={T} over {P} ranks, rank {r} holding positions {pos.tolist()}"
+        _close(got[1], want_lse[pos], f"rank {r}'s log-sum-exp ({case})", at)
+        _close(got[0], want_o[pos], f"rank {r}'s attention output ({case})", at)
+        most = (P - 1) * (2 * k[pos].nbytes + pos.size * 8)
+        if cp.sent > most:
+            raise Wrong(f"rank {r} sent {cp.sent} bytes for T={T}; passing each other rank's keys, values "
+                        f"and their positions once around the ring takes {most}: what else travels?")
+    return f"ring_attention over {P} ranks with zig-zag chunks equals causal attention on one device"
+
+
+def _merged_matches(mod, blocks, want, case: str) -> None:
+    got = mod.merge_attention(*(b.copy() for b in blocks))
+    if not isinstance(got, tuple) or len(got) != 2:
+        raise Wrong("merge_attention must return two arrays: (out, lse)")
+    def query(i):
+        return f"query {i if isinstance(i, int) else i[0]}"
+    _close(got[1], want[1], f"the merged log-sum-exp ({case})", query)
+    _close(got[0], want[0], f"the merged attention output ({case})", query)
 
 
 # ------------------------------------------------------------------------------------- 06
@@ -220,7 +412,72 @@ def check_06(mod, comm) -> str:
                             f"{mod.one_f_one_b_peak(p, m, rank)}, but rank {rank} of a 1F1B "
                             f"schedule holds at most {peaks[rank]} microbatches' activations")
     return ("gpipe_bubble and one_f_one_b_peak agree with refpar's simulated schedules; "
-            + _check_v_schedule(Path(mod.__file__).with_name(V_CSV)))
+            + _check_v_schedule(Path(mod.__file__).with_name(V_CSV)) + "; " + _check_executor(mod, comm))
+
+
+class _Stage:
+    """Stage r of a pipeline of tanh(x @ W_s) layers, as exercise 6's part 3 drives it: it records
+    the order of its forwards and backwards, holds each microbatch's activations from its forward to
+    its backward, and accumulates its weight gradient. The last stage's loss is the sum of
+    y * target over the microbatches, divided by m."""
+
+    def __init__(self, r: int, p: int, m: int, inputs, targets, w):
+        self.r, self.p, self.m, self.inputs, self.targets, self.w = r, p, m, inputs, targets, w
+        self.shape = inputs[0].shape  # (B, D) every activation and gradient
+        self.kept: dict[int, tuple] = {}  # microbatch -> (x, y) until its backward
+        self.order: list[str] = []
+        self.peak = 0
+        self.dw = np.zeros_like(w)  # (D, D)
+
+    def forward(self, j: int, x):
+        if j in self.kept or not 0 <= j < self.m:
+            raise Wrong(f"stage {self.r} ran the forward of microbatch {j} "
+                        + ("twice" if j in self.kept else f"of m={self.m}"))
+        x = self.inputs[j] if self.r == 0 else np.asarray(x, dtype=np.float64)  # (B, D)
+        y = np.tanh(x @ self.w)  # (B, D)
+        self.kept[j] = (x, y)
+        self.order.append(f"F{j}")
+        self.peak = max(self.peak, len(self.kept))
+        return y
+
+    def backward(self, j: int, dy):
+        if j not in self.kept:
+            raise Wrong(f"stage {self.r} ran the backward of microbatch {j} before its forward")
+        x, y = self.kept.pop(j)
+        dy = self.targets[j] / self.m if self.r == self.p - 1 else np.asarray(dy, dtype=np.float64)
+        dpre = dy * (1 - y * y)  # (B, D)
+        self.dw += x.T @ dpre  # (D, D)
+        self.order.append(f"B{j}")
+        return dpre @ self.w.T  # (B, D)
+
+
+def _check_executor(mod, comm) -> str:
+    """Part 3: a 1F1B step on the pp ranks, against refpar's 1F1B order and one device's gradients."""
+    from refpar.parallel.pipeline.builders import one_f_one_b
+
+    p, r = comm.size, comm.rank
+    for m, (B, D) in ((4, (3, 5)), (1, (2, 4))):  # m=1 < p: no steady state at all
+        rng = np.random.default_rng([6, m])
+        ws = [rng.standard_normal((D, D)) / np.sqrt(D) for _ in range(p)]  # (D, D) each stage's
+        inputs, targets = rng.standard_normal((m, B, D)), rng.standard_normal((m, B, D))
+        stage = _Stage(r, p, m, inputs, targets, ws[r])
+        mod.one_f_one_b(stage, m, comm)
+        want_order = [f"{a.kind}{a.microbatch}" for a in one_f_one_b(p, m)[r] if a is not None]
+        if stage.order != want_order:
+            raise Wrong(f"with m={m} microbatches on {p} stages, rank {r} ran {' '.join(stage.order)}; "
+                        f"1F1B runs {len(want_order)} passes, at most {min(p - r, m)} microbatches held at "
+                        f"once here: how many forwards before the first backward, and then?")
+        whole = [_Stage(s, p, m, inputs, targets, ws[s]) for s in range(p)]  # one device: stage by stage
+        for j in range(m):
+            x = None
+            for s in whole:
+                x = s.forward(j, x)
+            dy = None
+            for s in reversed(whole):
+                dy = s.backward(j, dy)
+        _close(stage.dw, whole[r].dw, f"rank {r}'s weight gradient with m={m}",
+               lambda i: f"row {i[0]}, column {i[1]}")
+    return f"one_f_one_b runs 1F1B's order on {p} ranks and accumulates one device's gradients"
 
 
 def _check_v_schedule(path: Path) -> str:
@@ -247,6 +504,11 @@ def _check_v_schedule(path: Path) -> str:
         where = ", ".join(f"stage {s} on rank {r}" for s, r in sorted(lay.stage_rank.items()))
         raise Wrong(f"{shown} has {where} and {lay.n_microbatches} microbatches; the V puts stages 0 "
                     f"and 3 on rank 0, 1 and 2 on rank 1, and runs m={m} microbatches")
+    copied = _builder_that_prints(schedule, p, m)
+    if copied:
+        raise Wrong(f"{shown} is the schedule `refpar schedule {copied} -p {p} -m {m} --csv` prints; "
+                    "part 2 asks for one you build yourself, tick by tick, from the V's dependencies "
+                    "(there are several that pass)")
     timeline = simulate(schedule, Costs(1, 1, 1))
     for rank in range(p):
         idle = timeline.inner_idle_time(rank)
@@ -262,26 +524,64 @@ def _check_v_schedule(path: Path) -> str:
             "idles between a rank's first and last action")
 
 
-# ------------------------------------------------------------------------------------- 07
-def check_07(mod, comm) -> str:
-    from refpar.model.routing import kept_counts, selection_counts
+def _builder_that_prints(schedule, p: int, m: int) -> str | None:
+    """The refpar builder whose schedule for (p, m) this one is, action for action, or None."""
+    from refpar.parallel.pipeline.builders import BUILDERS, build
+    from refpar.parallel.pipeline.formats import to_csv
 
+    mine = to_csv(schedule)
+    for name in BUILDERS:
+        try:
+            if to_csv(build(name, p, m)) == mine:
+                return name
+        except (ConfigError, ValueError):  # a builder that does not take this p and m
+            continue
+    return None
+
+
+# ------------------------------------------------------------------------------------- 07
+def _queue_positions(choices: np.ndarray, n_experts: int) -> np.ndarray:
+    """(N, k) the whole batch's choices -> (N, k) each assignment's place in its expert's queue:
+    slot 0 of every token in token order, then slot 1, ... (an independent loop, not refpar's router)."""
+    seen, place = np.zeros(n_experts, dtype=int), np.zeros(choices.shape, dtype=int)
+    for j in range(choices.shape[1]):
+        for t in range(choices.shape[0]):
+            place[t, j] = seen[choices[t, j]]
+            seen[choices[t, j]] += 1
+    return place
+
+
+def check_07(mod, comm) -> str:
+    P, r = comm.size, comm.rank
     for n, e, k, f in ((16, 4, 2, 1.0), (10, 4, 1, 1.25), (7, 3, 2, 0.5)):
         want = math.ceil(n * k * f / e)
         if mod.capacity(n, e, k, f) != want:
             raise Wrong(f"capacity(n_tokens={n}, experts={e}, top_k={k}, factor={f}) = "
-                        f"{mod.capacity(n, e, k, f)}; each expert takes ceil(n k f / E) = {want}")
+                        f"{mod.capacity(n, e, k, f)}, expected {want}")
     rng = np.random.default_rng(7)
-    for n, e, k, cap in ((16, 4, 2, 8), (16, 4, 2, 3), (9, 3, 1, 2)):
-        choices = np.stack([rng.permutation(e)[:k] for _ in range(n)])  # (N, k)
-        kept = kept_counts(selection_counts(choices, e)[None], cap)[0]  # (E,)
-        want = int(n * k - kept.sum())
-        got = mod.dropped(choices, e, cap)
-        if got != want:
-            raise Wrong(f"dropped(...) = {got} for {n} tokens choosing {k} of {e} experts with "
-                        f"capacity {cap}; {want} assignments are dropped (an expert keeps its first "
-                        "`capacity` assignments; each drops the rest)")
-    return "capacity and dropped agree with refpar's router"
+    for n, e, k, cap in ((16, 4, 2, 3), (9, 3, 1, 2), (16, 4, 2, 8), (12, 4, 2, 4)):
+        choices = np.stack([rng.permutation(e)[:k] for _ in range(n)])  # (N, k) the whole batch's
+        place = _queue_positions(choices, e)  # (N, k)
+        a, b = shard_range(n, P, r)
+        ep = _Teaching(comm, Path(mod.__file__), {"choices": choices[a:b]})
+        got = np.asarray(mod.kept(choices[a:b].copy(), e, cap, ep))
+        if got.shape != (b - a, k):
+            raise Wrong(f"kept(...) returned shape {got.shape} on rank {r}; it should be {(b - a, k)}, "
+                        "one entry per assignment of this rank's tokens")
+        wrong = np.argwhere(got.astype(bool) != (place[a:b] < cap))  # (w, 2)
+        if len(wrong):
+            t, j = (int(i) for i in wrong[0])
+            said = "keep" if got[t, j] else "drop"
+            raise Wrong(f"rank {r}'s kept(...) is wrong for {len(wrong)} of {got.size} assignments ({n} "
+                        f"tokens on {P} ranks, {e} experts, top-{k}, capacity {cap}); the first is token "
+                        f"{a + t}'s choice {j + 1}, expert {choices[a + t, j]}: you {said} it, but "
+                        f"{place[a + t, j]} assignments are ahead of it in that expert's queue")
+        sent = sum(math.prod(shape) for _, shape in ep.calls)
+        if sent > k * e:
+            raise Wrong(f"kept(...) exchanged {sent} numbers per rank for {b - a} tokens; {k * e} suffice "
+                        "whatever the number of tokens: what does a rank need to know about the others?")
+    return ("capacity and kept agree with the queue order over the whole batch on "
+            f"{P} ranks, exchanging a few counts per rank")
 
 
 # ------------------------------------------------------------------------------------- 08
@@ -296,14 +596,31 @@ def check_08(mod, comm) -> str:
             if got != want:
                 raise Wrong(f"coords({rank}, {sizes}) = {got}, expected {want}: tp varies fastest, "
                             "then dp, and pp slowest (ranks = arange(world).reshape(pp, dp, tp))")
-            lines = {"pp": grid[:, dp, tp], "dp": grid[pp, :, tp], "tp": grid[pp, dp, :]}
-            for axis, line in lines.items():
-                got_group = [int(g) for g in mod.group(rank, axis, dict(sizes))]
-                if got_group != [int(g) for g in line]:
-                    raise Wrong(f"group({rank}, {axis!r}, {sizes}) = {got_group}, expected "
-                                f"{[int(g) for g in line]}: the ranks that differ from rank {rank} "
-                                f"only in their {axis} coordinate, in {axis} order")
-    return "coords and group lay ranks out as refpar's DeviceMesh (and Megatron) do"
+    r = comm.rank
+    for sizes in ({"pp": 1, "dp": 2, "tp": 2}, {"pp": 2, "dp": 1, "tp": 2}, {"pp": 2, "dp": 2, "tp": 1}):
+        grid = np.arange(comm.size).reshape(sizes["pp"], sizes["dp"], sizes["tp"])
+        pp, dp, tp = (int(c) for c in np.unravel_index(r, grid.shape))
+        lines = {"pp": grid[:, dp, tp], "dp": grid[pp, :, tp], "tp": grid[pp, dp, :]}
+        groups = mod.mesh_groups(comm, dict(sizes))
+        if not isinstance(groups, dict) or set(groups) != set(lines):
+            raise Wrong("mesh_groups must return a dict with a communicator for each of pp, dp and tp")
+        problem = None
+        for axis, line in lines.items():
+            g, want = groups[axis], tuple(int(x) for x in line)
+            if problem is None and (g is None or tuple(g.group) != want):
+                problem = (f"on mesh {sizes}, rank {r}'s {axis} group holds world ranks "
+                           f"{None if g is None else list(g.group)} in that order; it should hold "
+                           f"{list(want)}: which ranks share a color, and what orders them?")
+        problems = [m for m in _allgather(comm, problem) if m]  # all ranks stop before talking in groups
+        if problems:
+            raise Wrong(problems[0])
+        for axis, line in lines.items():
+            g, want = groups[axis], tuple(int(x) for x in line)
+            total = g.all_reduce(np.array([float(r)]), tag=f"{axis}:check")  # (1,) it really talks
+            if total[0] != sum(want):
+                raise Wrong(f"rank {r}'s {axis} communicator summed {total[0]:g}, not {sum(want)}")
+    return ("coords and mesh_groups lay ranks out as refpar's DeviceMesh (and Megatron) do, each "
+            "group a working communicator made by Comm_split")
 
 
 # ------------------------------------------------------------------------------------- 09
@@ -358,10 +675,10 @@ def check_11(mod, comm) -> str:
     from refpar.analysis.presets import from_model_config
     from refpar.config import RECOMPUTE, model_preset
 
-    why = {"none": "forward 24 B s h^2 (linear layers) + 4 B s^2 h (QK^T, scores @ V) per block and "
-                   "2 B s h V for the head; backward twice that: 72 B s L h^2 (1 + s/6h + V/12Lh)",
-           "selective": "none's, plus each block's attention core once more: 4 B s^2 h per block",
-           "full": "none's, plus each block's forward once more (24 B s h^2 + 4 B s^2 h), not the head's"}
+    why = {"none": "count each product of the docstring's list once in the forward and twice in the "
+                   "backward; is the attention core's s x s square in, and the head?",
+           "selective": "what runs again is each block's attention core, nothing else",
+           "full": "what runs again is each block's whole forward, not the head's"}
     for (B, s), model in (((8, 16), model_preset("tiny")), ((8, 256), model_preset("small")),
                           ((2, 1024), model_preset("tiny", n_layer=12, n_embd=768, n_head=12,
                                                    vocab_size=50257, n_positions=1024))):
@@ -370,21 +687,26 @@ def check_11(mod, comm) -> str:
             want = int(step_flops(from_model_config(model), B, s, mode))
             got = mod.step_flops(B, s, L, h, V, mode)
             if got != want:
-                raise Wrong(f"step_flops(B={B}, s={s}, L={L}, h={h}, V={V}, {mode!r}) = {got}; refpar's "
-                            f"ranks run {want} together: {why[mode]}")
+                others = [m for m in RECOMPUTE if m != mode and
+                          got == int(step_flops(from_model_config(model), B, s, m))]
+                like = f", the count for {others[0]!r}" if others else ""
+                raise Wrong(f"step_flops(B={B}, s={s}, L={L}, h={h}, V={V}, {mode!r}) = {got}{like}; "
+                            f"refpar's ranks run {want} together ({got / want:.4f} of it): {why[mode]}")
     return "step_flops counts what refpar's GEMMs run, with and without recomputation, for three GPT-2 sizes"
 
 
 EXERCISES = {e.number: e for e in (
     Exercise(0, "00_first_mpiexec.py", 3, check_00),
-    Exercise(1, "01_ring_all_reduce.py", 4, check_01),
+    Exercise(1, "01_ring_all_reduce.py", 4, check_01,
+             " (in a ring, each rank sends right exactly as often as its right neighbour receives from "
+             "the left)"),
     Exercise(2, "02_average_gradients.py", 2, check_02),
-    Exercise(3, "03_zero_memory.py", 1, check_03),
+    Exercise(3, "03_zero_memory.py", 2, check_03),
     Exercise(4, "04_tp_mlp.py", 2, check_04),
-    Exercise(5, "05_merge_attention.py", 1, check_05),
-    Exercise(6, "06_pipeline_bubbles.py", 1, check_06),
-    Exercise(7, "07_capacity.py", 1, check_07),
-    Exercise(8, "08_mesh_coords.py", 1, check_08),
+    Exercise(5, "05_merge_attention.py", 2, check_05),
+    Exercise(6, "06_pipeline_bubbles.py", 2, check_06),
+    Exercise(7, "07_capacity.py", 2, check_07),
+    Exercise(8, "08_mesh_coords.py", 4, check_08),
     Exercise(9, "09_loss_normalisation.py", 1, check_09),
     Exercise(10, "10_mixed_precision_memory.py", 1, check_10),
     Exercise(11, "11_step_flops.py", 1, check_11),
@@ -412,23 +734,67 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _verdict(ex: Exercise, path: Path, comm) -> tuple[bool, str]:
-    """(passed, sentence) for this rank."""
+def _verdict(ex: Exercise, path: Path, comm) -> Verdict:
+    """This rank's Verdict: passed, wrong (Wrong, still blank), raised (with the learner's frames of
+    the traceback) or timed out waiting for a message (with where it waited)."""
     try:
-        return True, ex.check(_load(path), comm)
+        return Verdict(True, ex.check(_load(path), comm))
     except NotImplementedError as err:
-        return False, f"the exercise is still blank: {err} (in {_shown(path)})"
+        return Verdict(False, f"the exercise is still blank: {err} (in {_shown(path)})")
     except Wrong as err:
-        return False, str(err)
-    except Exception as err:  # the learner's code failed: say where, in one line
-        if isinstance(err, CollectiveTimeout):
-            # The same words on every rank, in the learner's terms: the stuck rank waits in their code,
-            # the others in the checker's comparison, which is none of their business.
-            return False, (f"your code did not finish on every rank: a rank waited more than "
-                           f"{comm.timeout:g} s for a message no rank sent; every rank must make the same "
-                           "calls in the same order (in a ring, each rank sends right exactly as often as "
-                           "its right neighbour receives from the left)")
-        return False, f"your code raised {type(err).__name__}: {err}"
+        return Verdict(False, str(err))
+    except CollectiveTimeout as err:
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if _same_file(f.filename, path)]
+        return Verdict(False, "", waits_in=f"line {frames[-1].lineno}, `{frames[-1].line}`" if frames else "")
+    except Exception as err:  # the learner's code failed: its own frames, not the checker's
+        return Verdict(False, f"your code raised {type(err).__name__}: {err}" + _your_traceback(err, path),
+                       raised_at=time.time())
+
+
+def _your_traceback(err: BaseException, path: Path) -> str:
+    """The traceback's frames in the learner's file, as Python prints them, each line indented."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if _same_file(f.filename, path)]
+    lines = [f'  File "{_shown(path)}", line {f.lineno}, in {f.name}\n    {f.line}' for f in frames]
+    if isinstance(err, SyntaxError) and err.lineno is not None:
+        lines.append(f'  File "{_shown(path)}", line {err.lineno}\n    {(err.text or "").strip()}')
+    return "".join("\n" + line for line in lines)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else \
+        f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
+
+
+def _combine(verdicts: list[Verdict], timeout: float, hint: str) -> tuple[bool, str]:
+    """Every rank's Verdict -> (passed, the sentence rank 0 prints). An error comes first: the rank
+    that raised first, with its traceback, since the others' waiting follows from it. Then a wrong
+    answer (the first rank's, naming the rank only when the ranks disagree), unless a rank is stuck
+    inside the learner's code: then a deadlock, saying where each rank waited."""
+    raised = sorted((v.raised_at, r) for r, v in enumerate(verdicts) if v.raised_at is not None)
+    if raised:
+        first = raised[0][1]
+        head, _, frames = verdicts[first].sentence.partition("\n")
+        if len(raised) == len(verdicts) and len({v.sentence for v in verdicts}) == 1:
+            return False, verdicts[first].sentence  # every rank raised the same: no rank to name
+        waited = [r for r, v in enumerate(verdicts) if v.waits_in is not None]
+        after = f"\n({_ranks(waited)} then waited for {_ranks([first])}: fix its error first)" \
+            if waited else ""
+        return False, f"{head} ({_ranks([first])})" + (f"\n{frames}" if frames else "") + after
+    waiting = [r for r, v in enumerate(verdicts) if v.waits_in is not None]
+    failed = [(r, v.sentence) for r, v in enumerate(verdicts) if not v.ok and v.waits_in is None]
+    if failed and not any(verdicts[r].waits_in for r in waiting):  # the others wait in the checker only
+        agree = len(failed) == len(verdicts) and len({s for _, s in failed}) == 1
+        return False, failed[0][1] + ("" if agree else f" (rank {failed[0][0]})")
+    if waiting:
+        places: dict[str, list[int]] = {}
+        for r, v in enumerate(verdicts):
+            places.setdefault(v.waits_in or "", []).append(r)
+        said = "; ".join(f"{_ranks(ranks)} waited at {where}" if where else
+                         f"{_ranks(ranks)} had returned from your code" for where, ranks in places.items())
+        return False, (f"your code did not finish on every rank and no rank raised: after {timeout:g} s "
+                       f"without the message it waited for, {said}. Every rank must make the same "
+                       f"calls in the same order{hint}")
+    return True, verdicts[0].sentence
 
 
 def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
@@ -442,43 +808,57 @@ def check(n: int, path: Path | None = None, timeout: float = 120) -> int:
             "is a directory" if path.is_dir() else "does not exist"
         raise ConfigError(f"{path} {what}; give --file PATH to your copy of {ex.file}")
     if ex.ranks > 1 and not under_launcher():
-        cmd = argv(f"mpiexec -n {ex.ranks} python -m refpar lesson check {n} --file {path.resolve()}")
-        env = command_env()
-        # a rank left waiting for a message that never comes says so, instead of hanging
-        env.setdefault("REFPAR_COLLECTIVE_TIMEOUT", str(WAIT_S))
-        try:
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"lesson {n}: not yet: your code did not finish in {timeout:g} s on {ex.ranks} ranks; "
-                  "a rank is probably waiting for a message no other rank sends (check that every "
-                  "rank calls sendrecv the same number of times, with matching partners)", flush=True)
-            return 1
-        sys.stdout.write(proc.stdout)
-        # A rank that gave up waiting leaves its message requests pending, which MPICH lists as it shuts
-        # down; the verdict above has said what is wrong.
-        sys.stderr.writelines(line for line in proc.stderr.splitlines(keepends=True)
-                              if not line.startswith("MPICH: Builtin communicator"))
-        return proc.returncode
-    comm = None
-    if ex.ranks > 1:
-        from refpar.comm.communicator import world  # initialises MPI: only under mpiexec
+        return _launch(n, ex, path, timeout)
+    if ex.ranks == 1:
+        ok, sentence = _combine([_verdict(ex, path, None)], 0, ex.hint)
+        print(f"lesson {n}: {'passed' if ok else 'not yet'}: {sentence}", flush=True)
+        return 0 if ok else 1
+    from refpar.comm.communicator import abort_on_error, world  # initialises MPI: only under mpiexec
 
-        comm = world()
-        if comm.size != ex.ranks:
-            raise ConfigError(f"lesson {n}'s exercise runs on {ex.ranks} ranks, not {comm.size}; "
-                              f"run refpar lesson check {n} without mpiexec")
-    ok, sentence = _verdict(ex, path, comm)
-    if comm is not None:
+    # Every wait of the learner's code is under a timeout, launched by `check` or by hand: a rank
+    # left waiting for a message that never comes says where it waits, instead of hanging.
+    wait_s = timeout_from_env() or WAIT_S
+    comm = world(timeout=wait_s)
+    if comm.size != ex.ranks:
+        raise ConfigError(f"lesson {n}'s exercise runs on {ex.ranks} ranks, not {comm.size}; "
+                          f"run refpar lesson check {n} without mpiexec")
+    mine = _verdict(ex, path, comm)
+    try:
         # gathered on a communicator that waits longer than the learner's, so the ranks still
         # stuck in the learner's code time out and report before the gather gives up on them
-        verdicts = world(timeout=3 * WAIT_S).gather_object((ok, sentence))
-        if comm.rank != 0:
-            return 0 if ok else 1
-        failed = [(r, s) for r, (good, s) in enumerate(verdicts) if not good]
-        ok = not failed
-        if failed:  # name the rank only when the ranks disagree
-            agree = len(failed) == len(verdicts) and len({s for _, s in failed}) == 1
-            sentence = failed[0][1] + ("" if agree else f" (rank {failed[0][0]})")
+        verdicts = world(timeout=3 * wait_s).gather_object(mine)
+    except CollectiveTimeout:
+        if comm.rank == 0:
+            print(f"lesson {n}: not yet: a rank was still busy in your code {3 * wait_s:g} s after the "
+                  "others had finished: does a loop of yours never end on it?", flush=True)
+            with abort_on_error(grace_s=0.1):  # ends the rank still running, and the job
+                raise SystemExit(1) from None
+        return 1
+    if comm.rank != 0:
+        return 0 if mine.ok else 1
+    ok, sentence = _combine(verdicts, wait_s, ex.hint)
     print(f"lesson {n}: {'passed' if ok else 'not yet'}: {sentence}", flush=True)
     return 0 if ok else 1
+
+
+def _launch(n: int, ex: Exercise, path: Path, timeout: float) -> int:
+    """`refpar lesson check n` outside mpiexec: runs itself under `mpiexec -n ranks` and passes on
+    the verdict, without the shutdown noise of ranks that gave up waiting."""
+    cmd = argv(f"mpiexec -n {ex.ranks} python -m refpar lesson check {n} --file {path.resolve()}")
+    env = command_env()
+    env.setdefault("REFPAR_COLLECTIVE_TIMEOUT", str(WAIT_S))
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:  # every wait is under a timeout; this is the last net
+        said = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        verdict = [line for line in said.splitlines() if line.startswith(f"lesson {n}: ")]
+        print(verdict[0] if verdict else
+              f"lesson {n}: not yet: your code did not finish in {timeout:g} s on {ex.ranks} ranks, and no "
+              "rank said why: is a rank still computing?", flush=True)
+        return 1
+    sys.stdout.write(proc.stdout)
+    # A rank that gave up waiting leaves its message requests pending, which MPICH lists as it shuts
+    # down, and the abort that ends a rank still looping says so: the verdict above has said why.
+    sys.stderr.writelines(line for line in proc.stderr.splitlines(keepends=True)
+                          if not line.startswith(("MPICH: Builtin communicator", "refpar: error on rank 0")))
+    return proc.returncode

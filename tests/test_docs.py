@@ -645,11 +645,12 @@ def _internals_shows_this_commands_output(out, _):
 
 
 @claims("python -m refpar lesson list")
-def _twelve_lessons(out, _):
-    """lessons.md: twelve lessons, each with its exercise."""
+def _thirteen_lessons(out, _):
+    """lessons.md: thirteen lessons, each but the last (serving) with its exercise."""
     titles = [lessons.title(p) for p in lessons.lesson_files()]
-    assert len(titles) == 12 and len(out.splitlines()) == 12
+    assert len(titles) == 13 and len(out.splitlines()) == 13
     assert [line.split("  ")[1] for line in out.splitlines()] == titles
+    assert ["(exercise: lessons/exercises/" in line for line in out.splitlines()] == [True] * 12 + [False]
 
 
 @claims("python -m refpar lesson show 1")

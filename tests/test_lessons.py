@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from lessons import course as lessons
@@ -64,26 +65,52 @@ def test_a_wrong_answer_is_told_what_is_wrong(tmp_path, capsys):
     assert "lesson 9: not yet: global_mean_loss = " in out and "mean of the microbatches' means" in out
 
 
-def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path, capsys):
-    # part 1 done; part 2, the CSV next to it: blank, then a 1F1B-like V that idles, then broken
+def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path):
+    # part 1 done; part 2, the CSV next to it: blank, then a 1F1B-like V that idles, then broken.
+    # Parts 1 and 2 are judged before any message (part 3 runs on 2 ranks): one process suffices.
+    from lessons.checks import _verdict
+
+    def said():  # the sentence `refpar lesson check 6` would print after "not yet: "
+        verdict = _verdict(EXERCISES[6], answer, None)
+        assert not verdict.ok, verdict
+        return verdict.sentence
+
     answer = tmp_path / EXERCISES[6].file
     answer.write_text((lessons.LESSONS / "solutions" / EXERCISES[6].file).read_text())
     schedule = tmp_path / "06_v_schedule.csv"
     schedule.write_text("")
-    assert check(6, answer) == 1
-    out = capsys.readouterr().out
-    assert out.startswith("lesson 6: not yet: the exercise is still blank: write part 2, "), out
+    assert said().startswith("the exercise is still blank: write part 2, ")
     from refpar.parallel.pipeline.builders import build
     from refpar.parallel.pipeline.formats import to_csv
 
-    schedule.write_text(to_csv(build("v-half", 2, 4)))  # valid, but it idles a tick
-    assert check(6, answer) == 1
-    assert "rank 0 idles 1 tick between its first and its last action" in capsys.readouterr().out
+    # V-Half with its last two weight gradients swapped, so not refpar's own: valid, but it idles a tick
+    schedule.write_text(to_csv(build("v-half", 2, 4)).replace("0W2,0W3", "0W3,0W2"))
+    assert "rank 0 idles 1 tick between its first and its last action" in said()
+    # refpar's own: zbv as the learner's command prints it (the issue's shortcut), v-half as to_csv writes it
+    for kind, text in (("zbv", lessons.run("refpar schedule zbv -p 2 -m 4 --csv").stdout),
+                       ("v-half", to_csv(build("v-half", 2, 4)))):
+        schedule.write_text(text)
+        assert said().startswith(f"{schedule} is the schedule `refpar schedule {kind} -p 2 -m 4 --csv` "
+                                 "prints; part 2 asks for one you build yourself")
     schedule.write_text("0F0,3F0,3B0,0B0\r\n1F0,2F0,1B0,2B0\r\n")  # 1B0 before 2B0 on rank 1
-    assert check(6, answer) == 1
-    out = capsys.readouterr().out
+    out = said()
     assert "rank 1 tick 2: 1B0 needs 2B0, which rank 1 runs later at tick 3" in out
     assert "refpar schedule --from-csv" in out
+
+
+def test_an_executor_in_gpipe_order_is_told_its_order_not_its_numbers(tmp_path):
+    # every forward first, then every backward: the same gradients, in GPipe's order and memory
+    gpipe = tmp_path / EXERCISES[6].file
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[6].file).read_text()
+    gpipe.write_text(solution.replace("    warmup = min(p - r - 1, m)", "    warmup = m"))
+    assert gpipe.read_text() != solution
+    part_2 = (lessons.LESSONS / "solutions" / "06_v_schedule.csv").read_text()
+    (tmp_path / "06_v_schedule.csv").write_text(part_2)
+    proc = _check_mpi(6, gpipe)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 6: not yet: with m=4 microbatches on 2 stages, rank 0 ran F0 F1 F2 F3 B0 "
+                           "B1 B2 B3; 1F1B runs 8 passes, at most 2 microbatches held at once here: how many "
+                           "forwards before the first backward, and then? (rank 0)\n"), proc.stdout
 
 
 def test_the_paper_formula_with_even_shards_is_told_about_uneven_units(tmp_path, capsys):
@@ -189,12 +216,17 @@ def test_a_ring_whose_rank_stops_is_reported_not_left_hanging(tmp_path):
                           text=True, timeout=180)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith("lesson 1: not yet: your code raised ValueError: rank 0 gave up (rank 0)")
+    # its own frame of the traceback, not the checker's, and the others' waiting put after it
+    assert proc.stdout.splitlines()[1:] == [f'  File "{stops}", line 3, in ring_all_reduce',
+                                            "    raise ValueError('rank 0 gave up')",
+                                            "(ranks 1, 2 and 3 then waited for rank 0: fix its error first)"]
 
 
 def test_a_ring_that_deadlocks_is_told_in_the_learners_words_and_soon(tmp_path):
     # rank 0 skips the all-gather: ranks 1-3 wait for its messages, rank 0 for them in the checker's
     # comparison. A 1 s wait (what REFPAR_COLLECTIVE_TIMEOUT sets) is told as 1 s, in one line that names
-    # neither refpar's ranks-in-groups nor a collective the learner never called, and no MPICH shutdown noise
+    # where each rank waits in the learner's file (rank 0 in none of it), neither refpar's ranks-in-groups
+    # nor a collective the learner never called, and no MPICH shutdown noise
     stuck = tmp_path / "ring.py"
     solution = (lessons.LESSONS / "solutions" / EXERCISES[1].file).read_text()
     stuck.write_text(solution.replace("    for k in range(p - 1):  # all-gather",
@@ -205,8 +237,156 @@ def test_a_ring_that_deadlocks_is_told_in_the_learners_words_and_soon(tmp_path):
                           cwd=ROOT, env={**mpi_env(), "REFPAR_COLLECTIVE_TIMEOUT": "1"}, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 1 and proc.stderr == "", proc.stdout + proc.stderr
-    assert proc.stdout == ("lesson 1: not yet: your code did not finish on every rank: a rank waited more "
-                           "than 1 s for a message no rank sent; every rank must make the same calls in the "
-                           "same order (in a ring, each rank sends right exactly as often as its right "
-                           "neighbour receives from the left)\n"), proc.stdout
+    assert proc.stdout == ("lesson 1: not yet: your code did not finish on every rank and no rank raised: "
+                           "after 1 s without the message it waited for, rank 0 had returned from your code; "
+                           "ranks 1, 2 and 3 waited at line 28, `link.sendrecv(buf[s0:s1], right, "
+                           "buf[r0:r1], left)`. Every rank must make the same calls in the same order (in a "
+                           "ring, each rank sends right exactly as often as its right neighbour receives "
+                           "from the left)\n"), proc.stdout
     assert time.monotonic() - started < 60  # the launch, a 1 s wait and the gather, not a 120 s kill
+
+
+def _check_mpi(n: int, path, timeout_s: str | None = None) -> subprocess.CompletedProcess:
+    """`refpar lesson check n --file path` as a learner runs it (it starts mpiexec itself)."""
+    env = mpi_env({"REFPAR_COLLECTIVE_TIMEOUT": timeout_s} if timeout_s else None)
+    return subprocess.run([sys.executable, "-m", "refpar", "lesson", "check", str(n), "--file", str(path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_an_error_on_the_last_rank_of_exercise_0_is_shown_with_its_traceback_not_a_hang(tmp_path):
+    # the others wait for it in the checker's exchange, under the checker's default timeout (not
+    # REFPAR_COLLECTIVE_TIMEOUT's): told in seconds, not after 120, and no call the exercise never makes
+    raises = tmp_path / "last_rank_raises.py"
+    raises.write_text("def my_rows(n, size, rank):\n"
+                      "    base, extra = divmod(n, size)\n"
+                      "    start = rank * base + min(rank, extra)\n"
+                      "    if rank == size - 1:\n"
+                      "        return (start, start + base, 0)[3]\n"
+                      "    return start, start + base + (rank < extra)\n")
+    started = time.monotonic()
+    proc = _check_mpi(0, raises)
+    assert time.monotonic() - started < 60  # the launch and one 4 s wait (checks.WAIT_S)
+    assert proc.returncode == 1 and proc.stderr == "", proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [
+        "lesson 0: not yet: your code raised IndexError: tuple index out of range (rank 2)",
+        f'  File "{raises}", line 5, in my_rows',
+        "    return (start, start + base, 0)[3]",
+        "(ranks 0 and 1 then waited for rank 2: fix its error first)"], proc.stdout
+
+
+def test_collectives_in_a_different_order_on_each_rank_are_named_not_summed(tmp_path):
+    # rank 1 all-reduces the gradients in the other order: MPI would add w to b; the teaching
+    # communicator compares the calls first and names the array each rank passed
+    swapped = tmp_path / "swapped.py"
+    swapped.write_text("def average_gradients(grads, dp):\n"
+                       "    names = sorted(grads, reverse=dp.rank == 1)\n"
+                       "    return {name: dp.all_reduce(grads[name]) / dp.size for name in names}\n")
+    proc = _check_mpi(2, swapped)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = "line 3, `return {name: dp.all_reduce(grads[name]) / dp.size for name in names}`"
+    assert proc.stdout == (
+        "lesson 2: not yet: your ranks' collective number 1 differs: rank 0 all_reduce(grads['b'] of shape "
+        f"(1,), float64, op='sum') at {line}; rank 1 all_reduce(grads['w'] of shape (5,), float64, "
+        f"op='sum') at {line}. Every rank must call the same collectives in the same order on matching "
+        "arrays, or MPI combines the wrong ones\n"), proc.stdout
+
+
+@pytest.mark.parametrize("merge, told", [
+    # exp(800) overflows: the naive sum of exps is refused at scores of 800
+    ("s1, s2 = np.exp(lse1), np.exp(lse2)\n"
+     "    return (s1[:, None] * o1 + s2[:, None] * o2) / (s1 + s2)[:, None], np.log(s1 + s2)",
+     "the merged log-sum-exp (keys split at 1, every score and lse 800 higher) is off by up to inf at 6 of "
+     "6 elements; the first is [0] (query 0): inf where the right answer is 809.692"),
+    # stable at 800, but -inf - -inf is NaN where block 1 is hidden from a query
+    ("lse = lse1 + np.log1p(np.exp(lse2 - lse1))\n"
+     "    return np.exp(lse1 - lse)[:, None] * o1 + np.exp(lse2 - lse)[:, None] * o2, lse",
+     "the merged log-sum-exp (query 1 sees no key of block 1, queries 3 and 4 none of block 2 (o 0, lse "
+     "-inf there)) is not a number at 1 of 6 elements; the first is [1] (query 1)"),
+    # weighted by the number of keys, not by the blocks' sums of exp: located, query and element
+    ("lse = np.logaddexp(lse1, lse2)\n"
+     "    return (1 * o1 + 5 * o2) / 6, lse",
+     "the merged attention output (keys split at 1) is off by up to "),
+], ids=["overflows-at-800", "nan-on-a-hidden-block", "weighted-by-key-count"])
+def test_an_unstable_or_unweighted_merge_is_refused_and_located(tmp_path, merge, told):
+    # part 1 is judged before any message (part 2, the ring, runs on 2 ranks): one process suffices
+    from lessons.checks import _verdict
+
+    wrong = tmp_path / "merge.py"
+    wrong.write_text(f"import numpy as np\n\n\ndef merge_attention(o1, lse1, o2, lse2):\n    {merge}\n")
+    with np.errstate(all="ignore"):
+        verdict = _verdict(EXERCISES[5], wrong, None)
+    assert not verdict.ok and verdict.sentence.startswith(told), verdict
+    assert "the first is [" in verdict.sentence and "(query " in verdict.sentence
+
+
+def test_a_zero2_step_that_all_reduces_the_gradient_is_refused(tmp_path):
+    # the right numbers by the wrong route: every rank would hold the whole summed gradient
+    all_reduces = tmp_path / "all_reduce.py"
+    all_reduces.write_text((lessons.LESSONS / "solutions" / EXERCISES[3].file).read_text().replace(
+        'g = dp.reduce_scatter(grad, tag="param:grad") / dp.size',
+        'g = dp.all_reduce(grad)[slice(*shard_range(param.size, dp.size, dp.rank))] / dp.size'))
+    assert "dp.all_reduce" in all_reduces.read_text()
+    proc = _check_mpi(3, all_reduces)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 3: not yet: your step calls all_reduce, all_gather: an all-reduce leaves "
+                           "every rank the whole summed gradient, which ZeRO-2 never holds; which collective "
+                           "gives each rank only its rows of the sum?\n"), proc.stdout
+
+
+def test_a_capacity_queue_that_ignores_the_other_ranks_is_told_which_assignment(tmp_path):
+    # each rank queues its own tokens only: rank 1's first choices then sit ahead of rank 0's second
+    # ones nowhere, and an expert keeps too many; the message names the token, its choice and the queue
+    local = tmp_path / "local_queue.py"
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[7].file).read_text()
+    gathered = '    every = ep.all_gather(counts[None], tag="moe.counts").reshape(ep.size, k, n_experts)'
+    local.write_text(solution.replace(gathered, "    every = counts[None]  # (1, k, E): this rank's only")
+                     .replace("every[:ep.rank]", "every[:0]"))
+    assert local.read_text() != solution
+    proc = _check_mpi(7, local)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 7: not yet: rank 0's kept(...) is wrong for 2 of 16 assignments (16 "
+                           "tokens on 2 ranks, 4 experts, top-2, capacity 3); the first is token 5's choice "
+                           "2, expert 2: you keep it, but 3 assignments are ahead of it in that expert's "
+                           "queue (rank 0)\n"), proc.stdout
+
+
+def test_mesh_groups_split_by_the_wrong_color_are_told_which_ranks_they_hold(tmp_path):
+    # color and key swapped: the ranks with the same coordinate on the axis end up together
+    swapped = tmp_path / "swapped_split.py"
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[8].file).read_text()
+    swapped.write_text(solution.replace("world.split(first, key=mine[axis], axis=axis)",
+                                        "world.split(mine[axis], key=first, axis=axis)"))
+    assert swapped.read_text() != solution
+    proc = _check_mpi(8, swapped)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ("lesson 8: not yet: on mesh {'pp': 1, 'dp': 2, 'tp': 2}, rank 0's pp group holds "
+                           "world ranks [0, 1, 2, 3] in that order; it should hold [0]: which ranks share a "
+                           "color, and what orders them?\n"), proc.stdout
+
+
+def test_a_ring_that_keeps_its_own_block_is_told_which_query_misses(tmp_path):
+    # it sends its block on but never takes the one arriving: it merges its own keys twice, so even
+    # position 0, which sees only itself, counts its key twice
+    stuck = tmp_path / "own_block.py"
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[5].file).read_text()
+    stuck.write_text(solution.replace("            block = coming.wait()", "            coming.wait()"))
+    assert stuck.read_text() != solution
+    proc = _check_mpi(5, stuck)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("lesson 5: not yet: rank 0's log-sum-exp (T=8 over 2 ranks, rank 0 "
+                                  "holding positions [0, 1, 6, 7]) is off by up to "), proc.stdout
+    assert "the first is [0] (the query at position 0)" in proc.stdout, proc.stdout
+
+
+def test_a_wrong_sum_is_located_by_chunk_and_element():
+    # exercise 1's check: a ring that skipped one chunk's reduction is told which chunk, not just "off"
+    from lessons.checks import Wrong, _chunk_of, _close
+
+    want = np.arange(20.0)
+    got = want.copy()
+    got[5:10] += 1.0  # chunk 1 of 4 (elements 5..9) never got the other ranks' part
+    with pytest.raises(Wrong) as told:
+        _close(got, want, "rank 2's sum of 20 elements", lambda i: _chunk_of(i, 20, 4))
+    assert str(told.value) == ("rank 2's sum of 20 elements is off by up to 1 at 5 of 20 elements; the first "
+                               "is [5] (in chunk 1 of 4, elements 5..9): 6 where the right answer is 5")
+    _close(want * (1 + 1e-12), want, "a sum in another order")  # within the float64 contract: silent

@@ -10,11 +10,13 @@ which sends the contiguous array `sendbuf` to rank `dest` while it receives into
 `source` (each side may be None). The checker counts the bytes you send.
 
 Cut the n elements into p chunks as `chunks` below does (the first n % p chunks one longer). Then
-1. reduce-scatter, p - 1 steps: in step k send chunk (r - k - 1) mod p to the right neighbour,
-   receive chunk (r - k - 2) mod p from the left one and add it into your copy;
-   afterwards chunk r holds the sum over every rank;
-2. all-gather, p - 1 steps: in step k send chunk (r - k) mod p to the right, receive chunk
-   (r - k - 1) mod p from the left, into place.
+1. reduce-scatter, p - 1 steps: in every step each rank sends one chunk to its right neighbour and
+   adds the chunk that arrives from its left neighbour into its own copy. Choose the chunks so that
+   what a rank sends is always the one it has just added into, and after p - 1 steps each rank holds
+   the whole sum of one chunk (draw p = 3 on paper: which chunk must rank r send first?);
+2. all-gather, p - 1 steps: pass the finished chunks on around the ring, each rank storing what
+   arrives in place, until every rank has every summed chunk.
+Each step sends one chunk, never the whole vector: the checker counts your bytes against the ring's.
 """
 
 import numpy as np

@@ -1,16 +1,39 @@
-"""Lesson 3 exercise: the bytes of model states per rank under ZeRO.
+"""Lesson 3 exercise: one ZeRO-2 optimizer step, on 2 data-parallel ranks.
 
-    refpar lesson check 3
+    refpar lesson check 3                      # runs the checks on 2 ranks
 
-refpar trains in float64 with AdamW: per parameter, 8 bytes of weight, 8 of gradient and 16 of
-optimizer state (two moments). With n data-parallel ranks, ZeRO stage 1 shards the optimizer state
-over the n ranks, stage 2 also the gradients, stage 3 also the parameters; stage 0 is plain data
-parallelism, every rank holding everything.
+Every rank holds the whole parameter `param` (n,) and the gradient `grad` (n,) of the mean loss over
+its own equal share of the batch. Under ZeRO-2 rank r keeps AdamW's moments `m` and `v` for its rows
+only, `refpar.sharding.shard_range(n, dp.size, dp.rank)` (lesson 0's split), and the step must leave
+every rank with the same parameter a single device would have after one AdamW step on the whole
+batch's gradient, without any rank ever holding the whole reduced gradient.
+
+`dp` is refpar's Communicator over the data-parallel ranks: `dp.size`, `dp.rank`,
+`dp.reduce_scatter(x)` (x (n,) on every rank -> this rank's rows of the sum over the ranks) and
+`dp.all_gather(x)` (each rank's rows -> every rank's, concatenated in rank order). `adamw` below
+updates any piece of the parameter: every element's update is its own. The checker counts your
+collectives and their bytes.
 """
 
+from types import SimpleNamespace
 
-def model_state_bytes(psi: int, n: int, stage: int) -> float:
-    """Bytes of parameters + gradients + optimizer state one rank holds, for psi parameters."""
+import numpy as np
+
+from refpar.model.optim import adamw_update
+
+ADAMW = SimpleNamespace(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+LR = 0.01
+
+
+def adamw(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: int):
+    """One AdamW step (t counts from 1) of any piece: p, g, m, v of one shape -> new (p, m, v)."""
+    return adamw_update(p, g, m, v, t, ADAMW, decay=True, lr=LR)
+
+
+def zero2_step(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, t: int, dp):
+    """param (n,), grad (n,) on every rank; m, v (rows of this rank,) -> (new param (n,) on every
+    rank, new m, new v of this rank's rows)."""
     # ---- your part ------------------------------------------------------------------------------
-    raise NotImplementedError("write model_state_bytes(psi, n, stage) for stages 0, 1, 2 and 3")
+    raise NotImplementedError("write zero2_step(param, grad, m, v, t, dp): shard the gradient, update "
+                              "your rows, share them")
     # ---- end of your part -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Lesson 8 exercise: where a rank sits on a pp x dp x tp mesh, and who its group is.
+"""Lesson 8 exercise: where a rank sits on a pp x dp x tp mesh, and its groups, made with Comm_split.
 
-    refpar lesson check 8
+    refpar lesson check 8                      # runs the checks on 4 ranks
 
 refpar (like Megatron-LM) lays ranks out as arange(world).reshape(pp, dp, tp): tp varies fastest
 (the ranks of a tp group are neighbours, one node's GPUs), pp slowest.
@@ -14,8 +14,11 @@ def coords(rank: int, sizes: dict) -> dict:
     # ---- end of your part -----------------------------------------------------------------------
 
 
-def group(rank: int, axis: str, sizes: dict) -> list[int]:
-    """The world ranks that differ from `rank` only in their `axis` coordinate, in axis order."""
+def mesh_groups(world, sizes: dict) -> dict:
+    """world: refpar's Communicator over every rank -> {"pp": ..., "dp": ..., "tp": ...}, the
+    Communicator of this rank's group along each axis: the ranks that differ from this one only in
+    that coordinate, ranked in that axis's order. Make each with `world.split(color, key)` (MPI's
+    Comm_split): ranks that pass the same color form one communicator, ranked by key."""
     # ---- your part ------------------------------------------------------------------------------
-    raise NotImplementedError("write group(rank, axis, sizes)")
+    raise NotImplementedError("write mesh_groups(world, sizes) with world.split(color, key)")
     # ---- end of your part -----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Lesson 7, reference solution: expert capacity and dropped tokens."""
+"""Lesson 7, reference solution: expert capacity, and which assignments survive it, on ep ranks
+(refpar/model/routing.py's queue_offsets and kept_counts are refpar's own)."""
 
 import math
 
@@ -6,11 +7,20 @@ import numpy as np
 
 
 def capacity(n_tokens: int, n_experts: int, top_k: int, factor: float) -> int:
-    """The assignments one expert takes from a batch of n_tokens."""
+    """The assignments one expert takes from a batch of n_tokens: its even share of the batch's
+    n_tokens * top_k assignments, times the capacity factor, rounded up."""
     return math.ceil(n_tokens * top_k * factor / n_experts)
 
 
-def dropped(choices: np.ndarray, n_experts: int, cap: int) -> int:
-    """choices (n, top_k): the experts each token chose -> how many assignments are dropped."""
-    wanted = np.bincount(choices.reshape(-1), minlength=n_experts)  # (E,) assignments per expert
-    return int(np.maximum(wanted - cap, 0).sum())  # the order decides who, not how many
+def kept(choices: np.ndarray, n_experts: int, cap: int, ep) -> np.ndarray:
+    """choices (n, top_k): the experts this rank's tokens chose -> (n, top_k) bool, True where that
+    assignment is among the first `cap` of its expert's queue over the whole batch."""
+    k = choices.shape[1]
+    hot = choices[:, :, None] == np.arange(n_experts)  # (n, k, E): assignment -> its expert
+    counts = hot.sum(axis=0)  # (k, E) this rank's slot-j choices of each expert
+    every = ep.all_gather(counts[None], tag="moe.counts").reshape(ep.size, k, n_experts)  # (P, k, E)
+    # ahead of my slot-j choices of e: every rank's earlier slots, then the earlier ranks' slot j
+    ahead = np.cumsum(every.sum(axis=0), axis=0) - every.sum(axis=0) + every[:ep.rank].sum(axis=0)  # (k, E)
+    mine = np.cumsum(hot, axis=0) - hot  # (n, k, E): my earlier tokens' same-slot choices of e
+    position = ((ahead[None] + mine) * hot).sum(axis=-1)  # (n, k): place in its expert's queue
+    return position < cap

@@ -1,4 +1,4 @@
-"""Lesson 8, reference solution: where a rank sits on a pp x dp x tp mesh, and who its group is."""
+"""Lesson 8, reference solution: where a rank sits on a pp x dp x tp mesh, and its groups."""
 
 AXES = ("pp", "dp", "tp")  # slowest to fastest
 
@@ -11,10 +11,15 @@ def coords(rank: int, sizes: dict) -> dict:
     return {axis: out[axis] for axis in AXES}
 
 
-def group(rank: int, axis: str, sizes: dict) -> list[int]:
-    """The world ranks that differ from `rank` only in their `axis` coordinate, in axis order."""
-    stride = 1
-    for a in reversed(AXES[AXES.index(axis) + 1:]):
-        stride *= sizes[a]  # ranks one step apart on `axis` are `stride` apart in the world
-    first = rank - coords(rank, sizes)[axis] * stride
-    return [first + i * stride for i in range(sizes[axis])]
+def mesh_groups(world, sizes: dict) -> dict:
+    """world: refpar's Communicator over every rank -> {"pp": ..., "dp": ..., "tp": ...}, the
+    Communicator of this rank's group along each axis (refpar/mesh.py's DeviceMesh is refpar's own)."""
+    mine = coords(world.rank, sizes)
+    groups = {}
+    for i, axis in enumerate(AXES):  # the same order on every rank: Comm_split is collective over world
+        stride = 1
+        for faster in AXES[i + 1:]:
+            stride *= sizes[faster]  # ranks one step apart on `axis` are `stride` apart in the world
+        first = world.rank - mine[axis] * stride  # the group's rank with coordinate 0: one color per group
+        groups[axis] = world.split(first, key=mine[axis], axis=axis)
+    return groups
