@@ -13,7 +13,7 @@ files), and if any rank's check fails, every rank raises the first failing rank'
 
 `comm` is a refpar.comm.communicator.Communicator or None (one process: the decision is local).
 Everything moves as uint8 arrays through `Communicator.broadcast` and `all_gather`, so ranks never
-unpickle what another rank sent (docs/checkpoints.md).
+unpickle what another rank sent (docs/internals.md, "Communicator").
 """
 
 from __future__ import annotations

@@ -390,7 +390,10 @@ def _check_manifest(doc, file: Path) -> None:
     if doc.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not a {FORMAT} manifest (format {str(doc.get('format'))[:40]!r}); "
                               f"it was not written by this version of refpar")
-    if doc.get(CHECKSUM) != _checksum(doc):
+    if CHECKSUM not in doc:
+        raise CheckpointError(f"checkpoint manifest {shown(file)} has no {CHECKSUM}: an older refpar wrote "
+                              "it or it was edited; save it again with this version")
+    if doc[CHECKSUM] != _checksum(doc):
         raise bad(f"its {CHECKSUM} does not match its contents")
     for key in ("model", "train", "mesh", "tensors"):  # only tensors in every manifest (save's)
         if (key in doc or key == "tensors") and not isinstance(doc.get(key), dict):

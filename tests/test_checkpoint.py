@@ -223,7 +223,7 @@ def test_zero3_checkpoint_resumes_under_other_meshes(tmp_path):
     step2 = str(tmp_path / "step-00000002")
     for mesh in (("--zero", "1"), ("--zero", "0")):
         resumed = refpar_json(2, *common, "--mesh", "dp=2", *mesh, "--resume", step2,
-                              "--save", str(tmp_path / "again"))["losses"]
+                              "--save", str(tmp_path / "again"), "--overwrite")["losses"]
         # Exact: the same two ranks take the same samples, so every rank's forward and backward is
         # the same sequence of operations; a sum of two partial gradients is the same number in
         # either order (addition is commutative), whether all-reduced or reduce-scattered; AdamW is

@@ -245,3 +245,130 @@ def test_check_refuses_a_hostile_file_in_one_sentence_without_waiting_or_inflati
     err = capsys.readouterr().err
     assert err.startswith("refpar check: error: ") and err.count("\n") == 1 and words in err, err
     assert "pickled" not in err
+
+
+# ------------------------------------------------- a hand-edited manifest (item 5), one sentence each
+def _edit(doc: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        doc = doc[key]
+    if value is _REMOVED:
+        del doc[path[-1]]
+    else:
+        doc[path[-1]] = value
+
+
+_REMOVED = object()
+NOT_JSON = "is not a number JSON allows"  # NaN and Infinity: refused by the reader, checksum or not
+EDITS = {  # what issue 43 tried (each a traceback, or silently taken) -> words of the sentence
+    "shape-infinity": (("tensors", "params/wte.weight", "shape", 0), float("inf"), NOT_JSON),
+    "bytes-infinity": (("files", 0, "bytes"), float("inf"), NOT_JSON),
+    "box-infinity": (("files", 0, "arrays", 0, "box", 0, 1), float("inf"), NOT_JSON),
+    "step-infinity": (("step",), float("inf"), NOT_JSON),
+    "step-nan": (("step",), float("nan"), NOT_JSON),
+    "shape-10**400": (("tensors", "params/wte.weight", "shape", 0), 10 ** 400, "has no shape of whole"),
+    "bytes-string": (("files", 0, "bytes"), "12", "lacks its name, sha256, size or arrays"),
+    "box-float": (("files", 0, "arrays", 0, "box", 0, 1), 2.0, "no key, tensor and box"),
+    "step-two": (("step",), "two", "'step' is two, not a whole number"),
+    "step-1.5": (("step",), 1.5, "'step' is 1.5, not a whole number"),
+    "model-5": (("model",), 5, "'model' is missing or not an object"),
+    "no-model": (("model",), _REMOVED, "lacks model in its manifest"),
+    "optimizer-t-x": (("optimizer_t",), "x", "'optimizer_t' is x, not a whole number"),
+    "loss-scaler-junk": (("loss_scaler",), {"scale": "big"}, "'loss_scaler' is not a positive finite"),
+    "loss-scale-nan": (("loss_scaler",), {"scale": float("nan"), "good_steps": 0, "skipped": 0}, NOT_JSON),
+    "loss-scale-0": (("loss_scaler",), {"scale": 0, "good_steps": 0, "skipped": 0},
+                     "'loss_scaler' is not a positive finite"),
+}
+
+
+@pytest.mark.parametrize("resigned", [True, False], ids=["checksum-redone", "checksum-left"])
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_hand_edited_manifest_is_refused_in_one_sentence(tmp_path, run4, edit, resigned):
+    step = tmp_path / STEP2
+    shutil.copytree(run4 / STEP2, step)
+    doc = json.loads((step / checkpoint.MANIFEST).read_text())
+    path, value, words = EDITS[edit]
+    _edit(doc, path, value)
+    if resigned:  # as a forger who knew the format: the field checks must catch it
+        doc[checkpoint.CHECKSUM] = checkpoint._checksum(doc)
+    elif words != NOT_JSON:  # a plain hand edit: the checksum catches it first
+        words = "does not match its contents"
+    (step / checkpoint.MANIFEST).write_text(json.dumps(doc))  # NaN and Infinity as a hand edit writes them
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.load_whole(step, MODEL, replace(TRAIN, steps=6))
+    assert words in str(err.value) and "\n" not in str(err.value), err.value
+
+
+def test_a_manifest_nested_200k_deep_or_larger_than_a_manifest_is_refused(tmp_path, run4):
+    step = tmp_path / STEP2
+    shutil.copytree(run4 / STEP2, step)
+    (step / checkpoint.MANIFEST).write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(checkpoint.CheckpointError, match="nested too deeply"):
+        checkpoint.read_manifest(step)
+    with open(step / checkpoint.MANIFEST, "wb") as f:  # sparse: no disk is spent on it
+        f.truncate(checkpoint.MANIFEST_LIMIT + 1)
+    with pytest.raises(checkpoint.CheckpointError, match="more than the 67,108,864 such a file can be"):
+        checkpoint.read_manifest(step)
+    (step / checkpoint.MANIFEST).unlink()
+    os.mkfifo(step / checkpoint.MANIFEST)  # passed over, as an unfinished save's: find waits on nothing
+    with pytest.raises(checkpoint.CheckpointError, match="holds no complete checkpoint"):
+        checkpoint.read_manifest(tmp_path)
+
+
+# --------------------------------------------------------------------- schedule CSVs (item 6)
+CSVS = {
+    "cell-over-131072": ("0F0," + "x" * 140_000 + "\n", "cannot be read as CSV (row 0: field larger than"),
+    "number-over-4300-digits": ("0F" + "9" * 5000 + "\n", "a cell of 5,002 characters is not an action"),
+    "number-of-150-digits": ("0F" + "9" * 150 + "\n", "is not a computation"),
+    "20-MB-of-idle-cells": ("," * (20 << 20), "more than the 8,388,608 a schedule's can be"),
+    "a-million-idle-rows": ("\n" * 5000 + "0F0\n", "more than 4,096 rows or 1,048,576 cells"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CSVS))
+def test_a_hostile_schedule_csv_is_one_sentence_from_schedule_and_train(tmp_path, case, capsys):
+    from tests.fuzz import run_as_rank
+
+    text, words = CSVS[case]
+    path = tmp_path / "s.csv"
+    path.write_text(text)
+    assert main(["schedule", "--from-csv", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err[:500]
+    # train refuses it on every rank before any message (it was an MPI abort)
+    for rank in (0, 1):
+        out = run_as_rank(["train", "--mesh", "pp=2", "--schedule-csv", str(path)], rank, 2)
+        assert out.kind == "refused", out.describe()[:1000]
+        assert rank or (out.stderr.count("\n") == 1 and words in out.stderr), out.stderr[:500]
+
+
+# ------------------------------------------------------------ hostile arguments (item 8)
+LONG = "a" * 5000
+ARGUMENTS = {
+    "save-long": (["train", "--save", LONG], "--save aaaa"),
+    "trace-long": (["train", "--trace", LONG], "--trace aaaa"),
+    "resume-long": (["train", "--resume", LONG], "--resume aaaa"),
+    "figure-long": (["schedule", "1f1b", "-p", "2", "-m", "2", "--figure", LONG], "--figure aaaa"),
+    "check-long": (["check", LONG], "refpar check aaaa"),
+    "capacity-factor": (["train", "--moe-experts", "4", "--capacity-factor", "1e308"],
+                        "--capacity-factor 1e+308 is past any use"),
+    "bucket-kb": (["train", "--mesh", "dp=2", "--bucket-kb", "1e308"], "--bucket-kb 1e+308 must be"),
+    "verify-timeout-nan": (["verify", "--timeout", "nan"], "--timeout nan must be a positive finite"),
+    "verify-steps": (["verify", "--steps=-1"], "--steps -1 must be at least 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARGUMENTS))
+def test_a_hostile_argument_is_one_sentence_before_any_work(case, capsys):
+    argv, words = ARGUMENTS[case]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) < 400 and words in err, err
+    assert "too long" in err or not case.endswith("-long"), err
+
+
+def test_a_collective_timeout_of_nan_is_refused_not_taken_as_none(monkeypatch):
+    from refpar.comm import diagnosis
+
+    monkeypatch.setenv("REFPAR_COLLECTIVE_TIMEOUT", "nan")  # compared false with 0, so was accepted
+    with pytest.raises(ConfigError, match="must be a positive finite number of seconds"):
+        diagnosis.timeout_from_env()
