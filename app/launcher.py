@@ -72,13 +72,13 @@ class Launcher:
         watch.close()
         with self.lock:
             trace, events, last_step = (Path(self.trace) if self.trace else None), None, None
-            if proc.returncode == 0 and trace is not None and trace.with_suffix(".jsonl").exists():
+            if proc.returncode == 0 and trace is not None and Path(f"{trace}.jsonl").exists():
                 # every message of the run (the Chrome trace beside it holds the last step only)
-                events = chrome_trace(read_trace(trace.with_suffix(".jsonl")))
+                events = chrome_trace(read_trace(Path(f"{trace}.jsonl")))
                 last_step = json.loads(trace.read_text()) if trace.exists() else None
             if trace is not None:  # a stopped run may have left half a file
                 trace.unlink(missing_ok=True)
-                trace.with_suffix(".jsonl").unlink(missing_ok=True)
+                Path(f"{trace}.jsonl").unlink(missing_ok=True)
             summary = next((json.loads(x) for x in reversed(self.lines) if x.startswith('{"mesh"')), None)
             if proc.returncode == 0 and summary is not None:
                 self.result = {"key": self.key, "label": self.label, "summary": summary, "trace": events,

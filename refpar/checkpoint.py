@@ -21,7 +21,16 @@ file operation). A write that fails (a full disk) stops every rank with the same
 the file, removes what that save wrote and leaves the earlier steps as they were. Before reading
 anything, every rank checks every file's size, sha256 and array headers (shape, dtype, no object
 arrays) against the manifest, so all ranks refuse a damaged checkpoint alike; loading never
-unpickles (`allow_pickle=False`). Any mismatch is one sentence naming the file.
+unpickles (`allow_pickle=False`). Any mismatch is one sentence naming the file. The manifest is read
+as a regular file of bounded size, carries its own checksum (`manifest_sha256`) and has every field
+checked for type and range (`_check_manifest`); a shard's members may not inflate past what the
+manifest accounts for (refpar/reading.py).
+
+Concurrent jobs: the step `--resume DIR` loads is chosen once, on rank 0, and sent with its manifest
+to every rank (`decide_resume`; each rank listing DIR itself could load another step while a save
+lands, and the ranks then waited in different collectives); a run holds `--save DIR`'s lock
+(refpar/save_lock.py) and names in it the step it is writing, whose resume is refused. Ranks send
+each other the save's records and outcome as JSON bytes, never pickles (refpar/agreement.py).
 
 Mixed precision: `.npy` cannot describe ml_dtypes' bfloat16 without pickling, so 16-bit arrays are
 stored as their uint16 bit patterns and the manifest keeps their true dtype; the fp32 master weights
@@ -43,15 +52,21 @@ from pathlib import Path
 
 import numpy as np
 
-from refpar import interrupt
+from refpar import interrupt, save_lock
+from refpar.agreement import broadcast_json, decided, gather_json
 from refpar.config import ConfigError, ModelConfig, TrainConfig
 from refpar.files import fsync_folder, write_atomically
 from refpar.model import param_shapes
 from refpar.precision import MASTER_DTYPE, is_16bit
+from refpar.reading import check_path_length, check_zip_sizes, load_json, read_bounded, regular_file, shown
 
 FORMAT = "refpar-checkpoint/1"
 MANIFEST = "manifest.json"
 STEP_PREFIX = "step-"
+MANIFEST_LIMIT = 64 << 20  # bytes: GPT-2 small on 8 ranks writes about 1 MB
+CHECKSUM = "manifest_sha256"  # the manifest's own checksum, over the rest of it (`_checksum`)
+DTYPES = ("float64", "float32", "float16", "bfloat16")  # what a training checkpoint's tensors are
+MAX_ELEMENTS = 1 << 48  # per tensor: far past any model, short of every integer overflow
 
 
 class CheckpointError(ConfigError):
@@ -178,6 +193,8 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
     # leave the others waiting: each step says how it went, and rank 0 tells every rank in the
     # exchange that also orders the steps (the others write only once the directory is ready, and
     # go on only once the manifest is in place).
+    if leader:
+        save_lock.mark(path.parent, path.name)  # a resume of this step is refused from here on
     _agree(comm, _attempt(lambda: _prepare(path), path)[1] if leader else None)
     name = f"rank{rank:05d}.npz"
     named = {f"a{i}": np.ascontiguousarray(a).view(_stored(a.dtype)) for i, (_, a) in enumerate(arrays)}
@@ -189,14 +206,14 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
 
     record, failure = _attempt(write_shard, path / name)
     mine = failure or record  # a rank's record, or why it has none
-    records = [mine] if comm is None else comm.gather_object(mine, root=0)
+    records = gather_json(comm, mine)  # JSON bytes: no rank unpickles another's
     if leader:
         failure = next((r for r in records if isinstance(r, str)), None)  # the first failing rank's
         if failure is None:
             doc = {"format": FORMAT, **info,
                    "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in tensors.items()},
                    "files": records}
-            text = json.dumps(doc, indent=1)
+            text = json.dumps({**doc, CHECKSUM: _checksum(doc)}, indent=1)
             _, failure = _attempt(lambda: write_atomically(manifest, lambda f: f.write(text.encode())),
                                   manifest)
     try:
@@ -205,7 +222,16 @@ def save(path, arrays: list[tuple[Piece, np.ndarray]], tensors: dict, info: dict
         with contextlib.suppress(OSError):
             (path / name).unlink(missing_ok=True)  # give a full disk back what this save took
         raise
+    if leader:
+        save_lock.mark(path.parent, None)
     return path
+
+
+def _checksum(doc: dict) -> str:
+    """sha256 of the manifest `doc` without its checksum, in one canonical spelling: a manifest edited
+    by hand, or cut short, no longer matches it."""
+    body = {k: v for k, v in doc.items() if k != CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _prepare(path: Path) -> None:
@@ -235,7 +261,7 @@ def _attempt(action, file: Path) -> tuple:
 
 def _agree(comm, failure: str | None) -> None:
     """Raises CheckpointError(rank 0's `failure`) on every rank, if rank 0 has one."""
-    failure = failure if comm is None else comm.broadcast_object(failure, root=0)
+    failure = broadcast_json(comm, failure)
     if failure is not None:
         raise CheckpointError(failure)
 
@@ -252,6 +278,7 @@ def _sha256(path: Path) -> str:
 def find(path) -> Path:
     """The checkpoint `path` names: itself if it holds a manifest, else its newest `step-*`
     directory that does (an unfinished save, without a manifest, is passed over)."""
+    check_path_length("--resume", path, CheckpointError)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a checkpoint; give --resume the directory --save "
@@ -279,30 +306,59 @@ def _latest(root) -> Path | None:
 interrupt.progress.latest = _latest
 
 
+def decide_resume(path, comm=None) -> str:
+    """The checkpoint step `--resume path` loads, decided once for the whole job (refpar/agreement.py):
+    rank 0 finds the newest complete step, reads its manifest and refuses a step another job is
+    writing (refpar/save_lock.py); every rank gets the same step directory and the same manifest
+    bytes (`read_manifest` takes those, not the file, which a writer could replace meanwhile)."""
+
+    def look() -> dict:
+        step = find(path)
+        text = read_bounded(step / MANIFEST, "checkpoint manifest", MANIFEST_LIMIT, CheckpointError)
+        who = save_lock.holder(step.parent)
+        if who is not None and who.get("step") == step.name:
+            raise CheckpointError(f"checkpoint {shown(step)} is being written now by "
+                                  f"{save_lock.describe(step.parent, who)}; wait for its save to finish, "
+                                  "or resume from an earlier step")
+        try:
+            return {"dir": str(step), "manifest": text.decode()}
+        except UnicodeDecodeError:
+            raise CheckpointError(f"checkpoint manifest {shown(step / MANIFEST)} is not text; the "
+                                  "file was changed after it was written") from None
+
+    answer = decided(comm, look)
+    _decided[answer["dir"]] = answer["manifest"]
+    return answer["dir"]
+
+
+_decided: dict[str, str] = {}  # step directory -> the manifest text rank 0 read for this job
+
+
+def decided_manifest(folder) -> str | None:
+    """The manifest text `decide_resume` chose for the step directory `folder`, if it chose one."""
+    return _decided.get(str(folder))
+
+
 def read_manifest(path) -> dict:
     """The manifest of the checkpoint `path` names (see `find`), with every file it lists verified:
     size, sha256, and each array's header (shape, dtype) against the manifest. Every rank checks
     every file, not just those it will read, so that all ranks refuse a damaged checkpoint alike,
     with the same sentence, before any communication (one rank failing alone would leave the others
-    waiting in a collective)."""
-    file = find(path) / MANIFEST
-    try:
-        doc = json.loads(file.read_text())
-        if doc.get("format") != FORMAT:
-            raise CheckpointError(f"{file} is not a {FORMAT} manifest (format {doc.get('format')!r}); "
-                                  f"it was not written by this version of refpar")
-        tensors = {n: (tuple(int(s) for s in t["shape"]), np.dtype(t["dtype"]).name)
-                   for n, t in doc["tensors"].items()}
-        files = [{"file": str(r["file"]), "sha256": str(r["sha256"]), "bytes": int(r["bytes"]),
-                  "arrays": [(str(a["key"]), Piece.from_json(a)) for a in r["arrays"]]}
-                 for r in doc["files"]]
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{file} is not a readable checkpoint manifest ({err}); the save that "
-                              f"wrote it did not finish or the file was changed") from None
+    waiting in a collective). The manifest itself is checked first: a regular file of bounded size,
+    JSON without NaN or Infinity, every field of the type and range a save writes (`_check_manifest`),
+    and its own checksum."""
+    folder = find(path)
+    file = folder / MANIFEST
+    text = decided_manifest(folder)
+    if text is None:
+        text = read_bounded(file, "checkpoint manifest", MANIFEST_LIMIT, CheckpointError)
+    doc = load_json(text, file, "checkpoint manifest", CheckpointError)
+    _check_manifest(doc, file)
+    tensors = {n: (tuple(t["shape"]), np.dtype(t["dtype"]).name) for n, t in doc["tensors"].items()}
+    files = [{"file": r["file"], "sha256": r["sha256"], "bytes": r["bytes"],
+              "arrays": [(a["key"], Piece.from_json(a)) for a in r["arrays"]]} for r in doc["files"]]
     for r in files:
-        if Path(r["file"]).name != r["file"]:
+        if Path(r["file"]).name != r["file"] or r["file"] in ("", ".", ".."):
             raise CheckpointError(f"{file} names shard {r['file']!r} outside its directory; "
                                   f"the manifest was changed after it was written")
         for _, piece in r["arrays"]:
@@ -313,6 +369,60 @@ def read_manifest(path) -> dict:
     for r in files:
         _verify_shard(file.parent, r, tensors)
     return {**doc, "tensors": tensors, "files": files, "dir": str(file.parent)}
+
+
+def _check_manifest(doc, file: Path) -> None:
+    """Every field a resume reads, of the type and range `save_training` writes, and the checksum;
+    else one sentence naming the field. Python's json gives any JSON value: without this a
+    `"step": 1.5` resumed at the wrong step and `"shape": [1e999]` was a traceback (issue 43)."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint manifest {shown(file)}: {what}; the file was changed after "
+                               "it was written, or was not written by refpar")
+
+    def count(x, low=0) -> bool:
+        return type(x) is int and low <= x < MAX_ELEMENTS
+
+    def pair(x) -> bool:
+        return isinstance(x, list) and len(x) == 2 and all(count(v) for v in x)
+
+    if not isinstance(doc, dict):
+        raise bad("it is not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a {FORMAT} manifest (format {str(doc.get('format'))[:40]!r}); "
+                              f"it was not written by this version of refpar")
+    if CHECKSUM not in doc:
+        raise CheckpointError(f"checkpoint manifest {shown(file)} has no {CHECKSUM}: an older refpar wrote "
+                              "it or it was edited; save it again with this version")
+    if doc[CHECKSUM] != _checksum(doc):
+        raise bad(f"its {CHECKSUM} does not match its contents")
+    for key in ("model", "train", "mesh", "tensors"):  # only tensors in every manifest (save's)
+        if (key in doc or key == "tensors") and not isinstance(doc.get(key), dict):
+            raise bad(f"{key!r} is missing or not an object")
+    for key, low in (("step", 0), ("optimizer_t", 0), ("world_size", 1), ("moe_microbatches", 1)):
+        if key in doc and not count(doc.get(key), low):
+            raise bad(f"{key!r} is {str(doc.get(key))[:40]}, not a whole number of at least {low}")
+    scaler = doc.get("loss_scaler")
+    if scaler is not None and not (isinstance(scaler, dict) and type(scaler.get("scale")) in (int, float)
+                                   and 0 < scaler["scale"] < math.inf and count(scaler.get("good_steps"))
+                                   and count(scaler.get("skipped"))):
+        raise bad("'loss_scaler' is not a positive finite scale with whole good_steps and skipped")
+    for name, t in doc["tensors"].items():
+        if not (isinstance(t, dict) and isinstance(t.get("shape"), list) and len(t["shape"]) <= 8
+                and all(count(n) for n in t["shape"]) and math.prod(t["shape"]) < MAX_ELEMENTS
+                and t.get("dtype") in DTYPES):
+            raise bad(f"tensor {name[:80]!r} has no shape of whole sizes and dtype among {', '.join(DTYPES)}")
+    if not isinstance(doc.get("files"), list):
+        raise bad("'files' is missing or not a list")
+    for r in doc["files"]:
+        if not (isinstance(r, dict) and isinstance(r.get("file"), str) and isinstance(r.get("sha256"), str)
+                and count(r.get("bytes")) and isinstance(r.get("arrays"), list)):
+            raise bad("a file record lacks its name, sha256, size or arrays")
+        for a in r["arrays"]:
+            if not (isinstance(a, dict) and isinstance(a.get("key"), str) and isinstance(a.get("tensor"), str)
+                    and (("box" in a and isinstance(a["box"], list) and all(pair(x) for x in a["box"]))
+                         or ("box" not in a and pair(a.get("flat"))))):
+                raise bad(f"an array of {r['file'][:80]!r} has no key, tensor and box or flat range of "
+                          "whole numbers")
 
 
 def load(path, wanted: list[Piece], manifest: dict | None = None) -> list[np.ndarray]:
@@ -371,18 +481,23 @@ def _where(piece: Piece) -> str:
 
 def _verify_shard(folder: Path, record: dict, tensors: dict) -> None:
     file = folder / record["file"]
-    if not file.is_file():
+    if not file.exists():
         raise CheckpointError(f"checkpoint shard {file} is missing; the checkpoint is incomplete "
                               f"and cannot be loaded")
-    size = file.stat().st_size
+    size = regular_file(file, "checkpoint shard", CheckpointError).st_size  # a FIFO would hang the hash
     if size != record["bytes"]:
         raise CheckpointError(f"checkpoint shard {file} is {size} bytes but its manifest says "
                               f"{record['bytes']} (truncated or replaced); the checkpoint cannot be loaded")
     if _sha256(file) != record["sha256"]:
         raise CheckpointError(f"checkpoint shard {file} is corrupt: its sha256 does not match the "
                               f"manifest; the checkpoint cannot be loaded")
+    # the arrays' bytes and, per member, a .npy header and the zip's own: inflating more is refused
+    data = sum(math.prod(p.shape) * _stored(np.dtype(tensors[p.tensor][1])).itemsize
+               for _, p in record["arrays"])
     try:
         with zipfile.ZipFile(file) as z:
+            check_zip_sizes(z, file, "checkpoint shard", data + 4096 * (len(record["arrays"]) + 1),
+                            CheckpointError)
             for key, piece in record["arrays"]:
                 with z.open(f"{key}.npy") as f:
                     header = _read_header(f)
@@ -425,9 +540,9 @@ def _member(npz, file: Path, key: str, piece: Piece, dtype: np.dtype) -> np.ndar
         raise CheckpointError(f"checkpoint shard {file} has no array {key} that its manifest "
                               f"lists") from None
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as err:
-        # Object arrays land here: reading them would mean unpickling, which a checkpoint never needs.
-        raise CheckpointError(f"checkpoint shard {file} array {key} cannot be read without "
-                              f"unpickling or is damaged ({err}); refusing it") from None
+        # A damaged member lands here (an object array was refused by its header already).
+        raise CheckpointError(f"checkpoint shard {file} array {key} is damaged ({err}); the checkpoint "
+                              "cannot be loaded") from None
     if a.dtype != _stored(dtype) or a.shape != piece.shape:
         raise CheckpointError(f"checkpoint shard {file} array {key} is {a.dtype}{list(a.shape)} but "
                               f"the manifest says {piece.tensor} {_where(piece)} of {dtype}")
@@ -539,6 +654,10 @@ def open_training(path, model, train) -> dict:
     but the number of steps must match, or the run would not continue the one that was saved."""
     man = read_manifest(path)
     where = f"checkpoint {man['dir']}"
+    missing = [key for key in ("model", "train", "step") if key not in man]
+    if missing:
+        raise CheckpointError(f"{where} lacks {', '.join(missing)} in its manifest, so it is not a training "
+                              "checkpoint refpar train wrote; resume from a directory written by --save")
     for kind, mine, default in (("model", model.to_dict(), ModelConfig().to_dict()),
                                 ("train", train.to_dict(), TrainConfig().to_dict())):
         mine = json.loads(json.dumps(mine))  # as the manifest stores it: tuples (moe_layers) as lists

@@ -590,14 +590,18 @@ class Plan:
         return "fsdp" if self.fsdp else ("dp" if self.zero == 0 else f"zero{self.zero}")
 
 
-def check_output_path(flag: str, path: str, directory: bool = False) -> None:
+def check_output_path(flag: str, path: str, directory: bool = False, overwrite: bool | None = None) -> None:
     """Refuses, before a run starts, a `--figure PATH`, `--trace PATH`, `--log PATH` or (`directory`)
-    `--save DIR` that the run could not write at its end: a missing folder, a folder where a file
-    goes, a file where a folder goes, an existing file that is not writable, a folder where no file
-    can be created. A directory is created with its parents, so only its nearest existing ancestor
-    must be a writable folder."""
+    `--save DIR` that the run could not write at its end: a path too long for the system, a missing
+    folder, a folder where a file goes, a file where a folder goes, an existing file that is not
+    writable, a folder where no file can be created, and (`overwrite` False) an existing file. A
+    directory is created with its parents, so only its nearest existing ancestor must be a writable
+    folder."""
+    from refpar.reading import check_path_length
+
     if not path:
         raise ConfigError(f"{flag} needs a path; give the {'directory' if directory else 'file'} to write")
+    check_path_length(flag, path, ConfigError)
     target = Path(path)
     if directory:
         if target.exists() and not target.is_dir():
@@ -613,6 +617,8 @@ def check_output_path(flag: str, path: str, directory: bool = False) -> None:
         if not where.is_dir():
             raise ConfigError(f"{flag} {path!r}: the directory {str(where)!r} does not exist; create it "
                               "or give a file in an existing directory")
+        if overwrite is False and (target.exists() or target.is_symlink()):
+            raise ConfigError(f"{flag} {path!r} exists; pass --overwrite to replace it, or give another path")
         if target.exists() and not os.access(target, os.W_OK):  # it would fail at the run's end
             raise ConfigError(f"{flag} {path!r} exists and is not writable; give another path or make it "
                               "writable")
@@ -620,6 +626,11 @@ def check_output_path(flag: str, path: str, directory: bool = False) -> None:
         raise ConfigError(f"{flag} {path!r}: {str(where)!r} is not writable; give a path in a directory "
                           "you can write to")
     _try_creating_a_file(flag, path, where)
+
+
+def add_overwrite_argument(parser) -> None:
+    """--overwrite, for a command that writes a file (--figure): an existing one is refused without it."""
+    parser.add_argument("--overwrite", action="store_true", help="replace a --figure file that exists")
 
 
 def _try_creating_a_file(flag: str, path: str, where: Path) -> None:

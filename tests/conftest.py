@@ -32,7 +32,7 @@ def moe_pipeline_run(tmp_path_factory) -> dict:
     proc = mpiexec(4, "-m", "refpar", "train", *args, "--json", "--trace", str(trace), timeout=180)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     result = {"key": ("mesh", *args), "label": "pp=2 x ep=2 dp (tiny)", "summary": summary,
-              "trace": chrome_trace(read_trace(trace.with_suffix(".jsonl"))),
+              "trace": chrome_trace(read_trace(f"{trace}.jsonl")),
               "timeline": json.loads(trace.read_text())}
     save_result(result, folder / "last-run.json")
     return {**result, "trace_path": trace, "cache": folder / "last-run.json"}

@@ -162,3 +162,76 @@ def assert_one_sentence(outcome: Outcome, command: str) -> None:
     assert len(sentence) > 10, outcome.describe()
     assert "Traceback" not in sentence and "usage:" not in sentence, outcome.describe()
 
+
+
+# ----------------------------------------------------------- files and environments (issue 43)
+# What a hand-edited, truncated or hostile file holds where refpar expects a number, a name or a
+# list: drawn into manifests, layouts and schedule CSVs by tests/test_reliability_fuzz.py.
+HOSTILE_VALUES = (None, True, -1, 0, 1.5, 10 ** 400, float("nan"), float("inf"), -float("inf"), "", "two",
+                  "x" * 5000, [], {}, [1e999], {"a": None}, [[[[[]]]]])
+
+
+def hostile_json():
+    """A JSON value a user's file might hold: any of HOSTILE_VALUES, small numbers and names, and
+    lists and objects of them, a few levels deep."""
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(st.sampled_from(HOSTILE_VALUES), st.integers(-3, 10), st.floats(allow_nan=True),
+                     st.text(max_size=8))
+    def nested(inner):
+        return st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3))
+
+    return st.recursive(leaf, nested, max_leaves=6)
+
+
+def mutate_json(data, doc, paths: int = 3):
+    """`doc` with up to `paths` drawn places replaced by hostile values, removed, or (once in a
+    while) nested 100,000 deep. Returns the new document as text (json.dumps writes NaN and
+    Infinity, as a hand edit might)."""
+    import copy
+    import json
+
+    from hypothesis import strategies as st
+
+    doc = copy.deepcopy(doc)
+    for _ in range(data.draw(st.integers(1, paths))):
+        parent, key = _drawn_place(data, doc)
+        if parent is None:
+            break
+        how = data.draw(st.sampled_from(["replace", "replace", "remove", "deep"]))
+        if how == "remove" and isinstance(parent, dict):
+            del parent[key]
+        elif how == "deep":
+            parent[key] = "DEEP"
+        else:
+            parent[key] = data.draw(hostile_json())
+    text = json.dumps(doc)
+    return text.replace('"DEEP"', "[" * 100_000 + "]" * 100_000, 1)
+
+
+def _drawn_place(data, doc):
+    """(container, key) of a place inside `doc`, walked down from the top by drawn steps."""
+    from hypothesis import strategies as st
+
+    parent, key = None, None
+    node = doc
+    while isinstance(node, dict | list) and len(node):
+        keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+        parent, key = node, data.draw(st.sampled_from(keys))
+        node = node[key]
+        if not data.draw(st.booleans()):
+            break
+    return parent, key
+
+
+def hostile_csv_cell():
+    """A cell of a schedule CSV: actions refpar and torch write, and what a broken or hostile file
+    holds instead (huge numbers, long or quoted cells, NUL, separators)."""
+    from hypothesis import strategies as st
+
+    return st.one_of(
+        st.sampled_from(["", "", "0F0", "0B0", "0W0", "0I0", "1F0", "1B0", "(0F1;1B0)OVERLAP_F_B",
+                         "0SEND_F0"]),
+        st.sampled_from(["9" * 5000 + "F0", "0F" + "9" * 5000, "x" * 200_000, '"a,b"', '"', "\x00",
+                         "0F0\n1F0", "-1F0", "0f0", "１F0"]),
+        st.text(max_size=6))

@@ -16,7 +16,7 @@ def assert_mesh_view_matches_the_run(s: dict, model, cfg, plan, trace: Path | No
     """`s`: the run's --json summary (every step alike: float64, no fp16 skips); `trace`: its
     --trace file, whose JSON lines hold every message with the pass ("fwd", "bwd") it was sent in."""
     sizes, steps = s["mesh"], len(s["losses"])
-    events = ([json.loads(x) for x in trace.with_suffix(".jsonl").read_text().splitlines()]
+    events = ([json.loads(x) for x in trace.with_name(trace.name + ".jsonl").read_text().splitlines()]
               if trace is not None else [])
     for rank in range(s["world_size"]):
         facts = mesh_grid.rank_facts(model, cfg, sizes, plan, rank)

@@ -711,7 +711,7 @@ def test_whole_mesh_prices_moe_routing_with_a_runs_counts_exactly_and_balanced_r
 
     monkeypatch.setenv("REFPAR_APP_CACHE", str(moe_pipeline_run["cache"]))  # Run for real's last run
     summary, path = moe_pipeline_run["summary"], moe_pipeline_run["trace_path"]
-    events = [json.loads(x) for x in path.with_suffix(".jsonl").read_text().splitlines()]
+    events = [json.loads(x) for x in path.with_name(path.name + ".jsonl").read_text().splitlines()]
     at = page("views/mesh.py")
     for axis, n in {"pp": 2, "dp": 1, "ep": 2, "cp": 1, "tp": 1}.items():  # the run's mesh and plan
         at.number_input(key=f"mesh_{axis}").set_value(n)

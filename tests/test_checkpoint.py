@@ -194,6 +194,7 @@ def test_an_object_array_is_refused_without_unpickling(tmp_path):
             np.lib.format.write_array(f, np.array([{"evil": 1}, None], dtype=object), allow_pickle=True)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     manifest["files"][0].update(sha256=checkpoint._sha256(shard), bytes=shard.stat().st_size)
+    manifest[checkpoint.CHECKSUM] = checkpoint._checksum(manifest)  # a forger who knows the format
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="unpickling") as err:
         checkpoint.load(tmp_path, [piece])
@@ -222,7 +223,7 @@ def test_zero3_checkpoint_resumes_under_other_meshes(tmp_path):
     step2 = str(tmp_path / "step-00000002")
     for mesh in (("--zero", "1"), ("--zero", "0")):
         resumed = refpar_json(2, *common, "--mesh", "dp=2", *mesh, "--resume", step2,
-                              "--save", str(tmp_path / "again"))["losses"]
+                              "--save", str(tmp_path / "again"), "--overwrite")["losses"]
         # Exact: the same two ranks take the same samples, so every rank's forward and backward is
         # the same sequence of operations; a sum of two partial gradients is the same number in
         # either order (addition is commutative), whether all-reduced or reduce-scattered; AdamW is

@@ -40,7 +40,7 @@ def test_dp2_tp2_pp2_1f1b_matches_one_device_with_closed_form_bytes_memory_and_a
     assert 0 < s["bubble_fraction"]["simulated"] < 1 and 0 < s["bubble_fraction"]["measured"] < 1
     chrome = json.loads(trace.read_text())
     assert {e["pid"] for e in chrome["traceEvents"]} == set(range(8))
-    lines = [json.loads(line) for line in trace.with_suffix(".jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in trace.with_name(trace.name + ".jsonl").read_text().splitlines()]
     assert {e["axis"] for e in lines} >= {"tp", "pp", "dp"} and {e["rank"] for e in lines} == set(range(8))
     # the Whole mesh page's holdings and step, rank by rank, are what this run measured and traced
     assert_mesh_view_matches_the_run(s, model_preset("tiny"), TrainConfig(steps=3),

@@ -111,7 +111,7 @@ def test_train_command_matches_one_device_and_reports_bytes_bubbles_and_trace(tm
 
     messages = [e for e in events if e.get("ph") == "X" and e["cat"] != "compute"]
     for drawn, sent in ((trace_figure(json.loads(trace.read_text())), messages),
-                        (trace_figure(chrome_trace(read_trace(trace.with_suffix(".jsonl")))), None)):
+                        (trace_figure(chrome_trace(read_trace(f"{trace}.jsonl"))), None)):
         bars = [text for bar in drawn.data for text in bar.text]
         assert all("bytes sent" in text for text in bars) and "compute" not in {b.name for b in drawn.data}
         if sent is not None:

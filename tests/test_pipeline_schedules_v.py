@@ -227,8 +227,10 @@ def test_schedule_command_marks_the_first_broken_dependency_of_a_csv(tmp_path, c
     # rank 0 runs 0B0 before the 0F0 whose activations it needs
     path = tmp_path / "broken.csv"
     path.write_text("0B0,0F0\r\n1F0,1B0\r\n")
-    assert main(["schedule", "--from-csv", str(path)]) == 1
-    out = capsys.readouterr().out
+    assert main(["schedule", "--from-csv", str(path)]) == 2  # bad input: a refusal (issue 43, item 6)
+    out, err = capsys.readouterr()
+    assert err == f"refpar schedule: error: {path} does not run: rank 0 tick 0: 0B0 needs 0F0, which rank 0 "\
+                  "runs later at tick 1\n"
     assert "rank 0  !0B0 0F0" in out and "rank 1  1F0  1B0" in out
     assert out.strip().endswith("error: rank 0 tick 0: 0B0 needs 0F0, which rank 0 runs later at tick 1")
 

@@ -122,7 +122,7 @@ def test_trace_on_one_device_writes_a_trace_with_no_messages(tmp_path):
     proc = run_refpar("train", "--steps", "2", "--trace", str(path))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(path.read_text())["traceEvents"] == []
-    assert path.with_suffix(".jsonl").exists()
+    assert path.with_name(path.name + ".jsonl").exists()  # PATH.jsonl, as --help says
 
 
 def test_an_existing_output_the_user_cannot_write_is_refused_before_the_run():

@@ -1,8 +1,8 @@
 """Lesson 4: which kv head each tp rank of llama-tiny holds, and who sums its gradient with whom.
 
     mpiexec -n 4 python -m refpar train --model llama-tiny --mesh tp=4 --steps 1 \
-        --trace /tmp/refpar-lesson04-gqa.json
-    python lessons/scripts/04_gqa_kv_heads.py /tmp/refpar-lesson04-gqa.jsonl
+        --trace /tmp/refpar-lesson04-gqa.json --overwrite
+    python lessons/scripts/04_gqa_kv_heads.py /tmp/refpar-lesson04-gqa.json.jsonl
 
 The layout comes from refpar/holdings.py (the table in refpar/parallel/llama_pieces.py);
 the sums come from the run's trace (JSON lines, one collective per line): block 0's all-reduce of

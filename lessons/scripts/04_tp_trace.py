@@ -1,6 +1,6 @@
 """Lesson 4: rank 0's collectives of one tensor-parallel step, in the order they ran.
 
-    mpiexec -n 2 python -m refpar train --mesh tp=2 --steps 1 --trace /tmp/refpar-lesson04.json
+    mpiexec -n 2 python -m refpar train --mesh tp=2 --steps 1 --trace /tmp/refpar-lesson04.json --overwrite
     python lessons/scripts/04_tp_trace.py /tmp/refpar-lesson04.json
 
 Reads the Chrome/Perfetto trace that `--trace` writes (open it in https://ui.perfetto.dev too).

@@ -15,6 +15,7 @@ MPI's blocking one and no extra message is sent. `end_job_on_error`: one rank's 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -60,8 +61,9 @@ def timeout_from_env() -> float | None:
         seconds = float(text)
     except ValueError:
         raise ConfigError(f"REFPAR_COLLECTIVE_TIMEOUT={text!r} must be a number of seconds") from None
-    if seconds <= 0:
-        raise ConfigError(f"REFPAR_COLLECTIVE_TIMEOUT={text!r} must be positive; unset it for no timeout")
+    if not 0 < seconds < math.inf:  # nan too, which compared false and so disabled the timeout
+        raise ConfigError(f"REFPAR_COLLECTIVE_TIMEOUT={text!r} must be a positive finite number of seconds; "
+                          "unset it for no timeout")
     return seconds
 
 

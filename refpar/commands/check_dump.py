@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,9 @@ import numpy as np
 from refpar.config import ConfigError, ModelConfig
 from refpar.model.dropout import SITES
 from refpar.model.gpt import param_shapes
+from refpar.reading import check_path_length, read_bounded, regular_file
+
+LAYOUT_LIMIT = 16 << 20  # bytes: a layout lists a model's parameter names, kilobytes
 
 SPLITS = ("replicate", "column", "row")
 # The ranks of a dump lie on one mesh axis; which one names how its tensors were split.
@@ -35,9 +39,15 @@ class Dump:
     dtype: str
 
 
-def _load_rank(path: Path) -> dict:
+def _load_rank(path: Path, limit: int) -> dict:
+    """One rank's arrays; `limit` bounds the bytes its members inflate to, unless the file is nearly
+    as large (a zip bomb of 400 KB inflated to 5.1 GB, issue 43). Only regular files are opened: a
+    FIFO would wait forever."""
     st = path.with_suffix(".safetensors")
     if not path.exists() and st.exists():
+        if regular_file(st, st.name, CheckError).st_size > limit:
+            raise CheckError(f"{st.name} is larger than the {limit:,} bytes the model's weights and "
+                             "gradients can take; dump that model's arrays only")
         try:
             from safetensors.numpy import load_file
         except ImportError as err:
@@ -46,13 +56,25 @@ def _load_rank(path: Path) -> dict:
             return dict(load_file(str(st)))
         except Exception as err:  # a truncated or foreign file: safetensors' own errors, OSError
             raise CheckError(f"{st.name} is not a readable .safetensors file ({type(err).__name__})") from err
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         raise CheckError(f"the dump lacks {path.name}")
+    size = regular_file(path, path.name, CheckError).st_size
+    try:
+        with zipfile.ZipFile(path) as z:
+            inflated = sum(info.file_size for info in z.infolist())
+    except Exception as err:  # a truncated or foreign file: zipfile, OSError, EOFError
+        raise CheckError(f"{path.name} is not a readable .npz file ({type(err).__name__})") from err
+    # np.savez stores its arrays as they are; savez_compressed rarely shrinks them 50 times
+    if inflated > limit and inflated > 50 * size:
+        raise CheckError(f"{path.name} would inflate from {size:,} to {inflated:,} bytes, more than the "
+                         f"model's weights, gradients and inputs take ({limit:,}); refusing it")
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except ValueError as err:
-        raise CheckError(f"{path.name} holds pickled objects, which refpar never loads") from err
+        if "allow_pickle" in str(err):  # numpy's refusal of an object array
+            raise CheckError(f"{path.name} holds pickled objects, which refpar never loads") from err
+        raise CheckError(f"{path.name} has a damaged array ({str(err)[:120]}); dump it again") from err
     except Exception as err:  # a truncated or foreign file: zipfile, OSError, EOFError
         raise CheckError(f"{path.name} is not a readable .npz file ({type(err).__name__})") from err
 
@@ -62,17 +84,25 @@ def _whole(value, least: int = 0) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def _read_layout(root: Path) -> dict:
-    try:
-        layout = json.loads((root / "layout.json").read_text())
-    except FileNotFoundError as err:
-        raise CheckError(f"{root} has no layout.json") from err
+    file = root / "layout.json"
+    if not file.exists() and not file.is_symlink():
+        raise CheckError(f"{root} has no layout.json")
+    try:  # a regular file of bounded size: a FIFO or /dev/zero there would never end
+        layout = json.loads(read_bounded(file, "layout.json", LAYOUT_LIMIT, CheckError).decode(),
+                            parse_constant=_no_constant)
     except json.JSONDecodeError as err:
         raise CheckError(f"layout.json is not valid JSON (line {err.lineno}: {err.msg})") from err
     except UnicodeDecodeError as err:
         raise CheckError("layout.json is not UTF-8 text; write it with json.dump") from err
-    except OSError as err:  # a directory of that name, no permission
-        raise CheckError(f"layout.json cannot be read ({type(err).__name__}); make it a JSON file") from err
+    except RecursionError:
+        raise CheckError("layout.json is nested too deeply to be a layout; write it with json.dump") from None
+    except ValueError as err:  # NaN, Infinity
+        raise CheckError(f"layout.json is not valid JSON ({err})") from err
     if not isinstance(layout, dict) or not isinstance(layout.get("model"), dict):
         raise CheckError('layout.json needs a "model" object with the GPT-2 sizes')
     return layout
@@ -176,12 +206,17 @@ def _check_mask(r: int, name: str, mask, config: ModelConfig) -> None:
 
 
 def load(directory: str) -> Dump:
+    check_path_length("refpar check", directory, CheckError)
     root = Path(directory)
     if not root.is_dir():
         raise CheckError(f"{directory} is not a directory holding layout.json and rank*.npz")
     layout = _read_layout(root)
     config = _check_layout(layout)
-    ranks = [_load_rank(root / f"rank{r}.npz") for r in range(layout["ranks"])]
+    if layout["ranks"] > 4096:
+        raise CheckError(f"layout.json's ranks {layout['ranks']} is more than refpar check reads (4096)")
+    # the model's weights and gradients in float64, twice over, and room for tokens and masks
+    limit = 32 * sum(math.prod(s) for s in param_shapes(config).values()) + (64 << 20)
+    ranks = [_load_rank(root / f"rank{r}.npz", limit) for r in range(layout["ranks"])]
     for r, arrays in enumerate(ranks):
         _check_rank(r, arrays, layout, config)
     dtypes = {str(a.dtype) for arrays in ranks for k, a in arrays.items() if k.startswith("grads.")}

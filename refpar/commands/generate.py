@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-context", type=int, default=4096, help="cached tokens per request (4096)")
     parser.add_argument("--figure", metavar="PATH", default=None,
                         help="also write each rank's KV cache over the run as an HTML figure")
+    from refpar.config import add_overwrite_argument
+
+    add_overwrite_argument(parser)
     parser.add_argument("--json", action="store_true", help="print a one-line JSON summary last")
 
 
@@ -196,7 +199,7 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if args.figure is not None:
-        check_output_path("--figure", args.figure)
+        check_output_path("--figure", args.figure, overwrite=args.overwrite)
     scale = serving_table(spec, hw, gpus=args.scale_gpus, batch=args.scale_batch,
                           context=args.scale_context)
     comm = world()

@@ -61,6 +61,9 @@ def add_arguments(parser) -> None:
                              "about a minute")
     parser.add_argument("--figure", metavar="PATH", default=None,
                         help="also write the plans' memory and time as an HTML figure")
+    from refpar.config import add_overwrite_argument
+
+    add_overwrite_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -217,7 +220,7 @@ def run(args) -> int:
     if args.software not in SOFTWARE:
         raise ConfigError(f"unknown --software {args.software!r}; choose one of {', '.join(SOFTWARE)}")
     if args.figure is not None:
-        check_output_path("--figure", args.figure)
+        check_output_path("--figure", args.figure, overwrite=args.overwrite)
     spec = preset(args.model) if args.model is not None else parse_model_spec(args.model_spec)
     hw, software = hardware(args.hardware), SOFTWARE[args.software]
     common = dict(global_batch=args.global_batch, seq=args.seq, precision=args.precision,

@@ -15,9 +15,9 @@ import json
 import math
 from pathlib import Path
 
-from refpar.config import ConfigError, check_output_path
+from refpar.config import ConfigError, add_overwrite_argument, check_output_path
 from refpar.parallel.pipeline.builders import BUILDERS, build, default_chunks
-from refpar.parallel.pipeline.formats import format_grid, from_csv, to_csv
+from refpar.parallel.pipeline.formats import MAX_CSV_CHARS, format_grid, from_csv, to_csv
 from refpar.parallel.pipeline.published import published_bubble_fraction, published_idle, published_peak
 from refpar.parallel.pipeline.schedules import Schedule, ScheduleError
 from refpar.parallel.pipeline.simulate import (
@@ -27,6 +27,7 @@ from refpar.parallel.pipeline.simulate import (
     simulate,
     validate,
 )
+from refpar.reading import read_bounded, shown
 
 HELP = ("print a pipeline schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, v-half, v-min, "
         "dualpipev, dualpipe, or one read from torch's CSV) and its bubble")
@@ -59,6 +60,7 @@ def add_arguments(parser) -> None:
                         help="read the schedule from torch's CSV instead of building KIND")
     parser.add_argument("--figure", metavar="PATH", default=None,
                         help="also write the simulated timeline as an HTML figure")
+    add_overwrite_argument(parser)
 
 
 def summary(kind: str, p: int, m: int, v: int, costs: Costs) -> dict:
@@ -121,10 +123,10 @@ def _schedule(args) -> tuple[Schedule, str | None, str]:
             raise ConfigError("--from-csv FILE reads the whole schedule; drop KIND, --stages, "
                               "--microbatches and --chunks")
         path = Path(args.from_csv)
-        if not path.is_file():
-            raise ConfigError(f"--from-csv {path}: no such file; give the path of a schedule CSV")
+        if not path.exists():
+            raise ConfigError(f"--from-csv {shown(path)}: no such file; give the path of a schedule CSV")
         try:
-            schedule = from_csv(path.read_text())
+            schedule = from_csv(read_bounded(path, "--from-csv", MAX_CSV_CHARS * 4, ConfigError).decode())
         except UnicodeDecodeError:
             raise ConfigError(f"--from-csv {path} is not text; give a schedule CSV (refpar schedule KIND "
                               "--csv writes one)") from None
@@ -152,13 +154,13 @@ def _schedule(args) -> tuple[Schedule, str | None, str]:
 def run(args) -> int:
     costs = _costs(args)
     if args.figure is not None:
-        check_output_path("--figure", args.figure)
+        check_output_path("--figure", args.figure, overwrite=args.overwrite)
     schedule, kind, title = _schedule(args)
     try:
         out = describe(schedule, costs, kind)
-    except ScheduleError as err:  # only a schedule read from a file can be broken
+    except ScheduleError as err:  # only a schedule read from a file can be broken: the grid shows where
         print(format_grid(schedule, err), flush=True)
-        return 1
+        raise ConfigError(f"{shown(args.from_csv)} does not run: {err}") from None
     if args.figure:
         from refpar.files import write_atomically
         from refpar.viz.pipeline import gantt_figure

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="DIR", default=None,
                         help="continue from a checkpoint (DIR/step-N, or DIR: its newest complete "
                              "step), whatever mesh wrote it; --steps counts from the start")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what --save DIR (its step directories), --trace and --log hold "
+                             "already (default: refuse them, unless --resume continues the run in DIR)")
     # Flags every strategy reads; add_strategy_arguments and add_moe_arguments add the strategies'.
     parser.add_argument("--microbatches", type=int, default=1,
                         help="micro-batches per step (gradient accumulation; pipeline microbatches)")
@@ -133,7 +136,8 @@ def check_report_args(args) -> None:
     if args.log_every is not None and args.log_every < 1:
         raise ConfigError(f"--log-every {args.log_every} must be at least 1; give e.g. --log-every 10")
     if args.log is not None:
-        check_output_path("--log", args.log)
+        appends = getattr(args, "resume", None) is not None  # a resumed run goes on with its log
+        check_output_path("--log", args.log, overwrite=getattr(args, "overwrite", False) or appends)
     if args.tensorboard is not None:
         check_output_path("--tensorboard", args.tensorboard, directory=True)
         if importlib.util.find_spec("tensorboardX") is None:
@@ -202,6 +206,9 @@ MOE_DEFAULTS = {"moe_topk": 1, "moe_layers": None, "capacity_factor": 1.25, "dro
                 "moe_group_score": "deepseek", "moe_norm_topk_prob": True, "moe_routed_scaling_factor": 1.0}
 
 
+MAX_CAPACITY_FACTOR = 1e6
+
+
 def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
     from refpar.config import MOE_BALANCES, MOE_DROP_POLICIES, MOE_GATES, MOE_GROUP_SCORES
 
@@ -261,6 +268,12 @@ def model_overrides(args) -> dict:
     if args.moe_bias_rate != MOE_DEFAULTS["moe_bias_rate"] and args.moe_balance != "aux-free":
         raise ConfigError("--moe-bias-rate sets aux-free balancing's bias step; add --moe-balance aux-free "
                           "or drop --moe-bias-rate")
+    if args.capacity_factor > MAX_CAPACITY_FACTOR:  # capacity = ceil(tokens * k * factor / E): past E / k
+        # every token fits already, and 1e308 overflowed to an infinite capacity (issue 43)
+        every = args.moe_experts / max(args.moe_topk, 1)
+        raise ConfigError(f"--capacity-factor {args.capacity_factor:g} is past any use (from E / k = "
+                          f"{every:g} on no token is dropped); give at most {MAX_CAPACITY_FACTOR:g}, or "
+                          "--dropless")
     layers = None
     if args.moe_layers is not None:
         try:
@@ -387,14 +400,17 @@ def optimizer_schedule(args) -> dict:
 def resumed_schedule(path: str) -> dict | None:
     """The learning-rate settings the checkpoint `path` was trained with, read from its manifest alone
     (None where there is none to read: opening the checkpoint later says why in one sentence)."""
-    import json
-
     from refpar import checkpoint
+    from refpar.reading import load_json, read_bounded
 
     try:
-        train = json.loads((checkpoint.find(path) / checkpoint.MANIFEST).read_text())["train"]
+        folder = checkpoint.find(path)
+        text = checkpoint.decided_manifest(folder) or read_bounded(
+            folder / checkpoint.MANIFEST, "checkpoint manifest", checkpoint.MANIFEST_LIMIT,
+            checkpoint.CheckpointError)
+        train = load_json(text, folder, "checkpoint manifest", checkpoint.CheckpointError)["train"]
         return {k: train[k] for k in ("lr", "lr_schedule", "warmup_steps", "min_lr")}
-    except (checkpoint.CheckpointError, OSError, ValueError, KeyError, TypeError):
+    except (checkpoint.CheckpointError, KeyError, TypeError):
         return None
 
 
@@ -408,20 +424,23 @@ def plan_of(args, sizes: dict[str, int], model):
         raise ConfigError(f"--fsdp and --zero {args.zero} are two ways to shard; give one of them")
     if args.bucket_kb is not None and (args.zero or args.fsdp):
         raise ConfigError("--bucket-kb sizes plain DP's all-reduce buckets; drop it or use --zero 0")
-    if args.bucket_kb is not None and not 0 < args.bucket_kb < math.inf:  # nan too
-        raise ConfigError(f"--bucket-kb {args.bucket_kb:g} must be a positive finite size in KiB; give "
-                          "e.g. --bucket-kb 64")
+    if args.bucket_kb is not None and not 0 < args.bucket_kb <= 1 << 40:  # nan and 1e308 too (1 PiB)
+        raise ConfigError(f"--bucket-kb {args.bucket_kb:g} must be a positive size in KiB of at most 2^40; "
+                          "give e.g. --bucket-kb 64")
     bucket = 1 << 62
     if args.bucket_kb is not None:  # a bucket holds gradients
         bucket = int(args.bucket_kb * 1024 // (4 if args.fp32_grads else dtype_of(model.dtype).itemsize))
     csv = None
     if args.schedule_csv is not None:
+        from refpar.parallel.pipeline.formats import MAX_CSV_CHARS
+        from refpar.reading import read_bounded
+
         path = Path(args.schedule_csv)
-        if not path.is_file():
+        if not path.exists():
             raise ConfigError(f"--schedule-csv {path}: no such file; give the path of a schedule CSV "
                               "(refpar schedule KIND --csv writes one)")
-        try:
-            csv = path.read_text()
+        try:  # a regular file of bounded size (a FIFO would wait forever)
+            csv = read_bounded(path, "--schedule-csv", MAX_CSV_CHARS * 4, ConfigError).decode()
         except UnicodeDecodeError:
             raise ConfigError(f"--schedule-csv {path} is not text; give a schedule CSV (refpar schedule "
                               "KIND --csv writes one)") from None
@@ -433,7 +452,7 @@ def plan_of(args, sizes: dict[str, int], model):
 
 
 def run(args) -> int:
-    from refpar import backend
+    from refpar import backend, save_lock
     from refpar.engine import validate
     from refpar.engine.run import run_job
 
@@ -444,12 +463,79 @@ def run(args) -> int:
     if args.trace is not None:
         from refpar.config import check_output_path
 
-        check_output_path("--trace", args.trace)
-        check_output_path("--trace", str(Path(args.trace).with_suffix(".jsonl")))  # its JSON lines
+        check_output_path("--trace", args.trace, overwrite=args.overwrite)
+        check_output_path("--trace", trace_lines(args.trace), overwrite=args.overwrite)
     plan = plan_of(args, sizes, model)
     validate(model, train, sizes, plan)  # on every rank, before any communication
-    backend.use(args.backend, args.device)  # before any array exists: the run draws through it
-    return run_job(model, train, sizes, plan, args)
+    train, lock = decide_checkpoints(args, train)  # rank 0 decides, every rank is told
+    try:
+        backend.use(args.backend, args.device)  # before any array exists: the run draws through it
+        return run_job(model, train, sizes, plan, args)
+    finally:
+        if lock is not None:
+            save_lock.release(Path(lock))
+
+
+def trace_lines(trace: str) -> str:
+    """--trace PATH's second file, every message of the run as JSON lines: PATH.jsonl, as the help says."""
+    return f"{trace}.jsonl"
+
+
+def decide_checkpoints(args, train):
+    """What every rank must agree on about --resume and --save, decided on rank 0 and sent to the
+    others (refpar/agreement.py), after every check a rank makes alone: the step a resume loads
+    (args.resume becomes its directory) and, for --save DIR, its lock (refpar/save_lock.py: another
+    job writing DIR is refused) and whether DIR may be written (a run already in it is refused unless
+    --overwrite, which removes its steps, or --resume continues it). Returns (the TrainConfig, with
+    the learning-rate settings of the step decided on, the lock's path on rank 0 or None)."""
+    import dataclasses
+
+    from refpar import checkpoint
+    from refpar.agreement import decided
+
+    if args.resume is None and args.save is None:
+        return train, None
+    comm = None
+    from refpar.cli import under_launcher
+
+    if under_launcher():
+        from refpar.comm.communicator import world
+
+        comm = world()
+    if args.resume is not None:
+        args.resume = checkpoint.decide_resume(args.resume, comm)
+        saved = resumed_schedule(args.resume)
+        if saved is not None and all(getattr(args, k) is None for k in ("lr", "lr_schedule", "warmup_steps",
+                                                                          "min_lr")):
+            train = dataclasses.replace(train, **saved)  # the decided step's, whatever a rank read before
+    if args.save is None:
+        return train, None
+    lock = decided(comm, lambda: claim_save(args.save, args.resume, args.overwrite))
+    return train, lock if comm is None or comm.rank == 0 else None
+
+
+def claim_save(save: str, resume: str | None, overwrite: bool) -> str:
+    """Rank 0: takes --save DIR's lock and refuses a DIR that holds another run, unless `overwrite`
+    (its step directories are removed) or `resume` is a step in DIR (the run goes on there)."""
+    from refpar import checkpoint, interrupt, save_lock
+    from refpar.config import ConfigError
+    from refpar.reading import shown
+
+    root = Path(save)
+    continuing = resume is not None and Path(resume).resolve().parent == root.resolve()
+    lock = save_lock.take(root)
+    steps = sorted(p for p in root.glob(f"{checkpoint.STEP_PREFIX}*") if p.is_dir())
+    if steps and not continuing:
+        if not overwrite:
+            save_lock.release(lock)
+            names = ", ".join(p.name for p in steps[-3:])
+            raise ConfigError(f"--save {shown(save)} already holds a run ({names}); continue it with "
+                              f"--resume {shown(save)}, pass --overwrite to replace it, or give another "
+                              "--save DIR")
+        for step in steps:  # the old run's steps, which a later --resume would mix with this run's
+            with interrupt.file_operation():
+                interrupt.remove(step)
+    return str(lock)
 
 
 def check_checkpoint_args(sizes: dict[str, int], args) -> None:
@@ -462,6 +548,10 @@ def check_checkpoint_args(sizes: dict[str, int], args) -> None:
         check_output_path("--save", args.save, directory=True)
     if args.resume == "":
         raise ConfigError("--resume needs a directory written by --save")
+    if args.resume is not None:
+        from refpar.reading import check_path_length
+
+        check_path_length("--resume", args.resume, ConfigError)
     if (args.save or args.resume) and getattr(args, "moe_balance", "aux") == "aux-free":
         raise ConfigError("a checkpoint does not hold aux-free balancing's expert biases, so a resumed "
                           "run would route differently; drop --save/--resume or use --moe-balance aux")

@@ -27,6 +27,7 @@ are skipped with its reason.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -264,7 +265,13 @@ def data_flags(args) -> tuple[str, ...]:
 
 def run(args) -> int:
     from refpar import backend, interrupt
+    from refpar.config import ConfigError
 
+    if not 0 < args.timeout < math.inf:  # nan too: every run would time out at once, or never
+        raise ConfigError(f"--timeout {args.timeout:g} must be a positive finite number of seconds; give "
+                          "e.g. --timeout 300")
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} must be at least 1; give e.g. --steps 3")
     backend.get(args.backend, args.device)  # a backend that cannot run here: one sentence, no jobs
     chosen = ("--backend", args.backend) + (("--device", args.device) if args.device else ())
     chosen += ("--clip-grad-norm", str(args.clip_grad_norm), "--lr-schedule", args.lr_schedule,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from refpar.agreement import agreed
 from refpar.analysis import closed_forms as closed
 from refpar.files import write_atomically
 from refpar.holdings import kv_replicas, tp_param_slices
@@ -41,8 +42,10 @@ def run_job(model, cfg, sizes: dict, plan, args) -> int:
     comm, plain = world(Tracer()), world()  # plain: the report's own traffic, left out of the trace
     # its sentence comes from every rank alike, before any message
     mesh = DeviceMesh(comm, sizes, kv_replicas(model, sizes["tp"]))
-    if args.resume is not None:
-        open_resume(args.resume, model, cfg, plan)  # so do a checkpoint's that this run cannot take
+    if args.resume is not None:  # so do a checkpoint's that this run cannot take (every rank reads the
+        # files of the step rank 0 chose, refpar/commands/train.py:decide_checkpoints; one that sees
+        # them changed by another job refuses for all)
+        agreed(plain, lambda: open_resume(args.resume, model, cfg, plan))
     if comm.size == 1:
         return _train_and_report(model, cfg, sizes, plan, args, mesh, plain)
     # From here on ranks communicate: an error one rank meets alone (a full disk, say) must end
@@ -83,7 +86,7 @@ def _train_and_report(model, cfg, sizes: dict, plan, args, mesh, plain) -> int:
     closing_lines(say, model, cfg, sizes, plan, par, out, every, summary)
     if args.trace:
         say(f"trace: {args.trace} (open in https://ui.perfetto.dev), "
-            f"{Path(args.trace).with_suffix('.jsonl')} (JSON lines)")
+            f"{args.trace}.jsonl (JSON lines)")
     if args.json:
         say(summary_line(summary))
     return 0
@@ -174,7 +177,7 @@ def write_traces(path, plain, par, events, step: int) -> None:
          "args": {"tick": sl["tick"], "step": step}} for sl in slots]
     lines = "".join(json.dumps(e) + "\n" for part in every for e in part["all"])
     write_atomically(path, lambda f: f.write(json.dumps(trace).encode()))  # whole or not at all
-    write_atomically(Path(path).with_suffix(".jsonl"), lambda f: f.write(lines.encode()))
+    write_atomically(f"{path}.jsonl", lambda f: f.write(lines.encode()))
 
 
 def full_params(par) -> dict:

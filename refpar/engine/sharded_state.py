@@ -15,7 +15,12 @@ tp ranks replicate (holdings.kv_replicas) the first of them.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from refpar import backend, checkpoint
+from refpar.agreement import gather_json
 from refpar.holdings import kv_replicas, tied_embedding
 from refpar.model import param_shapes
 from refpar.precision import dtype_of
@@ -52,17 +57,27 @@ def pieces(par, saving: bool) -> list:
 
 def gather_params(par, comm) -> dict | None:
     """Every parameter whole, on `comm`'s rank 0 (None elsewhere): each rank's pieces of them, as a save
-    writes them (each element once, whatever the mesh), gathered over `comm` and reassembled. The
-    validation loss evaluates these on one process (refpar/trainer.validation_loss)."""
-    mine = [(p, backend.to_host(v).copy()) for p, v in pieces(par, saving=True)
-            if p.tensor.startswith("params/")]
-    every = comm.gather_object(mine)
-    if comm.rank != 0:
-        return None
-    shapes = param_shapes(par.model)
+    writes them (each element once, whatever the mesh), sent to rank 0 over `comm` (their names as
+    JSON, their numbers as arrays) and reassembled. The validation loss evaluates these on one
+    process (refpar/trainer.validation_loss)."""
     dtype = dtype_of(par.model.dtype)
-    whole = checkpoint.assemble([x for part in every for x in part],
-                                {f"params/{n}": (s, dtype) for n, s in shapes.items()})
+    mine = [(p, backend.to_host(v)) for p, v in pieces(par, saving=True) if p.tensor.startswith("params/")]
+    # the pieces' names as JSON and their numbers as one flat array each rank sends: nothing pickled
+    flat = np.concatenate([np.ravel(v) for _, v in mine]) if mine else np.empty(0, dtype)  # (n_rank,)
+    every = gather_json(comm, [p.to_json() for p, _ in mine])
+    if comm.rank != 0:
+        if flat.size:
+            comm.send(np.ascontiguousarray(flat, dtype), 0, tag="params:gather")
+        return None
+    arrays = list(mine)
+    for rank, part in enumerate(every[1:], start=1):
+        held = [checkpoint.Piece.from_json(d) for d in part]
+        sizes = [math.prod(p.shape) for p in held]
+        data = comm.recv((sum(sizes),), dtype, rank, tag="params:gather") if sum(sizes) else None
+        for p, a, b in zip(held, np.cumsum([0, *sizes[:-1]]), np.cumsum(sizes), strict=True):
+            arrays.append((p, data[a:b].reshape(p.shape)))
+    shapes = param_shapes(par.model)
+    whole = checkpoint.assemble(arrays, {f"params/{n}": (s, dtype) for n, s in shapes.items()})
     return {n: whole[f"params/{n}"] for n in shapes}
 
 

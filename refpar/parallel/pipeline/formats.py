@@ -36,7 +36,11 @@ def format_grid(schedule: Schedule, error: ScheduleError | None = None) -> str:
 # kinds: F; I, the backward for the input only (refpar's B where a W follows); B, the full backward
 # (refpar's B with no W); W; and OVERLAP_F_B, a forward and a backward as one action, written
 # "(0F5;7B2)OVERLAP_F_B". _load_csv reads the rows back, row k being rank k.
-_CELL = re.compile(r"(\d+)([FIBW])(\d+)")
+_CELL = re.compile(r"(\d{1,6})([FIBW])(\d{1,6})")  # a longer number is no stage or microbatch of a grid
+# Bounds on what a CSV may hold, checked before its cells are read (issue 43: a 20 MB CSV of idle
+# cells took 108 s and 2.2 GB). `refpar schedule` shows at most 256 ranks x 16,384 actions; its
+# busiest schedules run about 3 ticks per action, so 1 << 20 cells is room to spare.
+MAX_CSV_CHARS, MAX_CSV_CELLS, MAX_CSV_RANKS, MAX_CELL_CHARS = 8 << 20, 1 << 20, 4096, 200
 _PAIR = re.compile(r"\((.*)\)OVERLAP_F_B")
 _COMMS = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*")
 
@@ -78,6 +82,30 @@ def _read_cell(cell: str, rank: int, tick: int) -> tuple[bool, list[tuple[Action
     return pair is not None, out
 
 
+def _rows(text: str) -> list[list[str]]:
+    """The CSV's rows, refused in one sentence past the bounds above (before anything is built) or
+    where Python's csv module would raise (a cell past its field limit, a NUL)."""
+    if len(text) > MAX_CSV_CHARS:
+        raise ScheduleError(f"the CSV is {len(text):,} characters, more than the {MAX_CSV_CHARS:,} a "
+                            "schedule's can be; give torch's CSV of one schedule")
+    rows, cells = [], 0
+    try:
+        for row in csv.reader(io.StringIO(text)):
+            cells += len(row)
+            long = next((c for c in row if len(c) > MAX_CELL_CHARS), None)
+            if long is not None:
+                raise ScheduleError(f"rank {len(rows)}: a cell of {len(long):,} characters is not an "
+                                    "action; a cell holds one such as 0F0 or (0F1;3B0)OVERLAP_F_B")
+            if cells > MAX_CSV_CELLS or len(rows) >= MAX_CSV_RANKS:
+                raise ScheduleError(f"the CSV holds more than {MAX_CSV_RANKS:,} rows or {MAX_CSV_CELLS:,} "
+                                    "cells (idle ones too), more than a schedule refpar runs or shows")
+            rows.append(row)
+    except csv.Error as err:
+        raise ScheduleError(f"the CSV cannot be read as CSV (row {len(rows)}: {err}); give torch's "
+                            "compute-only schedule CSV") from None
+    return rows
+
+
 def from_csv(text: str) -> Schedule:
     """A schedule from torch's compute-only CSV: row k is rank k, an empty cell an idle tick.
     Raises ScheduleError naming the first cell that is not a computation, an I with no W, or a W
@@ -85,7 +113,7 @@ def from_csv(text: str) -> Schedule:
     schedule: Schedule = {}
     backward: dict[Action, tuple[str, int, int]] = {}  # refpar's B -> (torch's I or B, rank, tick)
     weight: dict[Action, tuple[int, int]] = {}  # the B whose W it is -> (rank, tick)
-    rows = list(csv.reader(io.StringIO(text)))
+    rows = _rows(text)
     while rows and not any(cell.strip() for cell in rows[-1]):  # blank lines at the end
         rows.pop()
     for rank, row in enumerate(rows):
