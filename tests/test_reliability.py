@@ -298,6 +298,22 @@ def test_a_hand_edited_manifest_is_refused_in_one_sentence(tmp_path, run4, edit,
     assert words in str(err.value) and "\n" not in str(err.value), err.value
 
 
+def test_a_manifest_from_before_checksums_still_loads_and_its_fields_are_still_checked(tmp_path, run4):
+    step = tmp_path / STEP2
+    shutil.copytree(run4 / STEP2, step)
+    signed = checkpoint.load_whole(step, MODEL, replace(TRAIN, steps=6))
+    doc = json.loads((step / checkpoint.MANIFEST).read_text())
+    del doc[checkpoint.CHECKSUM]  # as an older refpar wrote it
+    (step / checkpoint.MANIFEST).write_text(json.dumps(doc))
+    step_n, params, _ = checkpoint.load_whole(step, MODEL, replace(TRAIN, steps=6))
+    assert step_n == signed[0] and params.keys() == signed[1].keys()  # the run is not lost: bit for bit
+    assert all(np.array_equal(params[n], signed[1][n]) for n in params)
+    doc["step"] = 1.5
+    (step / checkpoint.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(checkpoint.CheckpointError, match="'step' is 1.5, not a whole number"):
+        checkpoint.load_whole(step, MODEL, replace(TRAIN, steps=6))
+
+
 def test_a_manifest_nested_200k_deep_or_larger_than_a_manifest_is_refused(tmp_path, run4):
     step = tmp_path / STEP2
     shutil.copytree(run4 / STEP2, step)
