@@ -12,8 +12,10 @@ sentence). `agreed(comm, check)` is the other direction: every rank checks (each
 files), and if any rank's check fails, every rank raises the first failing rank's sentence.
 
 `comm` is a refpar.comm.communicator.Communicator or None (one process: the decision is local).
-Everything moves as uint8 arrays through `Communicator.broadcast` and `all_gather`, so ranks never
-unpickle what another rank sent (docs/internals.md, "Communicator").
+Everything moves as uint8 arrays through `Communicator.broadcast_bytes` and `all_gather_bytes`, so
+ranks never unpickle what another rank sent (docs/internals.md, "Communicator"), and, like the other
+bookkeeping, they are not traced: the bytes a run's --check holds against the closed forms are its
+training's.
 """
 
 from __future__ import annotations
@@ -37,21 +39,14 @@ def broadcast_json(comm, doc, root: int = 0):
     """Rank `root`'s JSON-able `doc` on every rank (the others' `doc` is ignored)."""
     if comm is None or comm.size == 1:
         return doc
-    data = _to_bytes(doc) if comm.rank == root else np.empty(0, np.uint8)
-    length = comm.broadcast(np.array([data.size], np.int64), root=root)
-    out = comm.broadcast(data if comm.rank == root else np.empty(int(length[0]), np.uint8), root=root)
-    return _from_bytes(out)
+    return _from_bytes(comm.broadcast_bytes(_to_bytes(doc) if comm.rank == root else None, root=root))
 
 
 def gather_json(comm, doc) -> list:
     """Every rank's JSON-able `doc`, in rank order, on every rank."""
     if comm is None or comm.size == 1:
         return [doc]
-    data = _to_bytes(doc)
-    counts = [int(n) for n in comm.all_gather(np.array([data.size], np.int64))]
-    joined = comm.all_gather(data, counts=counts)
-    bounds = np.cumsum([0, *counts])
-    return [_from_bytes(joined[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return [_from_bytes(a) for a in comm.all_gather_bytes(_to_bytes(doc))]
 
 
 def decided(comm, decide):

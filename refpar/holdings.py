@@ -43,6 +43,7 @@ class Names:
     expert_marker: str  # an expert's names hold this then "{e}."
     tp_slices: Callable  # (config, t, rank) -> {name: (axis, global indices)}
     sp_names: Callable  # config -> the replicated parameters of the sequence-parallel region
+    activations_priced: bool = True  # whether refpar/analysis/closed_forms.py counts its blocks' caches
 
 
 def _gpt2_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
@@ -108,7 +109,8 @@ FAMILIES = {
     # DeepSeek-V3's names are Llama's outside the blocks; its pieces split nothing yet (tp and cp are
     # refused, refpar/engine/validate.py), so every parameter is whole on every rank
     "deepseek": Names("DeepSeek-V3", "model.layers.", "model.embed_tokens.weight", (), ("model.norm.weight",),
-                      "lm_head.weight", ".mlp.experts.", lambda config, t, rank: {}, lambda config: []),
+                      "lm_head.weight", ".mlp.experts.", lambda config, t, rank: {}, lambda config: [],
+                      activations_priced=False),  # MLA's caches: issue 41
 }
 
 

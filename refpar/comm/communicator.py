@@ -386,6 +386,36 @@ class Communicator:
         self._wait([self._private.Ibcast(data, root)])
         return pickle.loads(data.tobytes())
 
+    def broadcast_bytes(self, data, root: int = 0) -> np.ndarray:
+        """Rank `root`'s uint8 array on every rank (the others pass None). Untraced, like
+        gather_object: for bookkeeping that every rank must agree on (refpar/agreement.py's decisions,
+        as JSON bytes), never for a run's tensors; nothing is unpickled."""
+        self._check_peer(root, "root")
+        self.doing = ("broadcast_bytes", "")
+        if self.timeout is not None:
+            self._arrive()
+        length = np.array([0 if data is None else data.size], dtype=np.int64)
+        self._native(lambda: self._private.Ibcast(length, root), lambda: self._private.Bcast(length, root))
+        out = np.ascontiguousarray(data, dtype=np.uint8) if self.rank == root \
+            else np.empty(int(length[0]), dtype=np.uint8)
+        self._native(lambda: self._private.Ibcast(out, root), lambda: self._private.Bcast(out, root))
+        return out
+
+    def all_gather_bytes(self, data) -> list[np.ndarray]:
+        """Every rank's uint8 array, in rank order, on every rank. Untraced bookkeeping, as
+        broadcast_bytes."""
+        self.doing = ("all_gather_bytes", "")
+        if self.timeout is not None:
+            self._arrive()
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        counts = self._counts(data.size)
+        out = np.empty(sum(counts), dtype=np.uint8)
+        spec = [out, (counts, displacements(counts, 1))]
+        self._native(lambda: self._private.Iallgatherv(data, spec),
+                     lambda: self._private.Allgatherv(data, spec))
+        bounds = np.cumsum([0, *counts])
+        return [out[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
     # --- point to point ----------------------------------------------------------------------
 
     def _tag(self, tag: str) -> int:
