@@ -4,28 +4,27 @@
 import streamlit as st
 
 from refpar.config import ConfigError
-from refpar.viz import pipeline, timeline
-
-EXECUTED = "executed, last step"  # the figures' titles are short: they share a half-width column
+from refpar.viz import timeline
 
 
 def show_timeline(trace: dict, label: str, key: str) -> None:
-    """`key` names this page's figures: the same trace may be drawn twice (the last run's, uploaded)."""
+    """`key` names this page's figures: the same trace may be drawn twice (the last run's, uploaded).
+    A trace whose actions make no schedule gets the executed figure and one sentence saying why."""
     st.markdown(f"**{label}**: what its ranks did in its last step")
-    compute, _ = timeline.spans(trace)
-    if not compute:
-        st.plotly_chart(timeline.executed_figure(trace, EXECUTED), width="stretch", key=f"{key}-executed")
-        st.caption("Without a pipeline the run traces its messages only: the time between them is its "
-                   "forward, backward and optimizer.")
-        return
+    executed, simulated, note = timeline.trace_figures(trace)
+    if simulated is None:
+        st.plotly_chart(executed, width="stretch", key=f"{key}-executed")
+    else:
+        left, right = st.columns(2)
+        left.plotly_chart(executed, width="stretch", key=f"{key}-executed")
+        right.plotly_chart(simulated, width="stretch", key=f"{key}-simulated")
+    st.caption(note)
+
+
+def show_upload(name: str, data: bytes) -> None:
+    """An uploaded trace's figures, or one st.error sentence saying what the file is instead."""
     try:
-        _, simulated = timeline.simulated_from_trace(trace)
-    except (ConfigError, KeyError, ValueError) as err:
-        st.plotly_chart(timeline.executed_figure(trace, EXECUTED), width="stretch", key=f"{key}-executed")
-        st.warning(f"the trace's actions do not make a schedule to simulate: {err}")
-        return
-    left, right = st.columns(2)
-    left.plotly_chart(timeline.executed_figure(trace, EXECUTED), width="stretch", key=f"{key}-executed")
-    simulated_figure = pipeline.gantt_figure(simulated, f"simulated: bubble {simulated.bubble_fraction:.1%}")
-    simulated_figure.update_xaxes(title="seconds (each action as long as it ran)")
-    right.plotly_chart(simulated_figure, width="stretch", key=f"{key}-simulated")
+        trace = timeline.read_trace_upload(name, data)
+        show_timeline(trace, name, "uploaded")
+    except ConfigError as err:
+        st.error(str(err))

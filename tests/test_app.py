@@ -320,9 +320,9 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
     claim = next(x.value for x in at.success if x.value.startswith("matches one device"))
     assert f"{summary['max_loss_rel_diff']:.1e} in the loss" in claim
     assert summary["max_param_rel_diff"] <= 1e-10
-    # the executed timeline of its last step: every message drawn once, the rest compute or idle
-    executed = next(c for c in charts(at) if any(t.get("name") == "compute or idle" for t in c["data"]))
-    shown = sum(len(t["x"]) for t in executed["data"] if t["name"] != "compute or idle")
+    # the executed timeline of its last step: every message drawn once, the time between split by phase
+    executed = next(c for c in charts(at) if c["layout"]["title"]["text"] == "executed, last step")
+    shown = sum(len(t["x"]) for t in executed["data"] if t["name"].endswith(" messages"))
     assert shown == sum(e["ph"] == "X" for e in at.session_state["run"]["timeline"]["traceEvents"]) > 0
     # a reload (a new session) and a restart of the app (the file alone) find the same run
     again = page("views/run.py")
@@ -339,7 +339,7 @@ def test_a_real_run_feeds_the_communication_page_with_bytes_equal_to_the_closed_
     # The traced run's calls, one bar each, and as many bytes as the summary counted.
     trace = charts(at)[-1]
     events = [e for e in at.session_state["run"]["trace"]["traceEvents"] if e.get("ph") == "X"]
-    assert sum(len(t["y"]) for t in trace["data"]) == len(events) > 0
+    assert sum(len(t["y"]) for t in trace["data"] if t["name"] != comm.WAITING) == len(events) > 0
     # The summary leaves out the report's own gather of these numbers, which the trace records.
     traced = sum(e["args"]["bytes_sent"] for e in events if e["args"]["tag"] != "report")
     assert traced == sum(r["bytes_sent"] for r in at.session_state["run"]["summary"]["comm_bytes"])
@@ -808,9 +808,286 @@ def test_the_kept_run_is_written_whole_and_a_damaged_file_is_no_run(tmp_path, mo
     from launcher import cache_file, load_result, save_result
 
     monkeypatch.setenv("REFPAR_APP_CACHE", str(tmp_path / "cache" / "last-run.json"))
-    result = {"key": ("dp", 2, 1, 2, "tiny"), "label": "dp=2 dp (tiny)", "summary": {"steps": 1}}
+    result = {"key": ("dp", 2, 1, 2, "tiny"), "label": "dp=2 dp (tiny)",  # what every page reads of it
+              "summary": {"steps": 1, "losses": [4.5], "step_time_s": 0.1, "comm_bytes": [],
+                          "mesh": {"pp": 1, "dp": 2, "ep": 1, "cp": 1, "tp": 1}}}
     save_result(result, cache_file())
     assert load_result(cache_file()) == result  # the key a tuple again, as the pages compare it
     assert [p.name for p in cache_file().parent.iterdir()] == ["last-run.json"]  # no partial file left
     cache_file().write_text('{"key": ["dp", 2')  # a file cut short (a full disk, a kill mid-write)
     assert load_result(cache_file()) is None and Launcher().last() is None
+
+
+def test_plain_streamlit_run_from_the_checkout_listens_on_this_machine_only(monkeypatch):
+    """`streamlit run app/Home.py` from the checkout reads .streamlit/config.toml: 127.0.0.1, not
+    Streamlit's every interface (issue 43), and the browser's upload bound is the reader's."""
+    from streamlit import config
+
+    from refpar.viz.timeline import MAX_TRACE_BYTES
+
+    monkeypatch.chdir(ROOT)
+    try:
+        config.get_config_options(force_reparse=True)
+        assert config.get_option("server.address") == "127.0.0.1"
+        assert config.get_option("server.maxUploadSize") << 20 == MAX_TRACE_BYTES
+    finally:
+        monkeypatch.undo()
+        config.get_config_options(force_reparse=True)
+
+
+def test_the_app_writes_its_traces_in_a_private_directory_never_through_a_planted_symlink(tmp_path):
+    """Another local user's symlink at the old fixed name, /tmp/refpar-app-trace-<pid>.json(l),
+    pointing at a file of ours: the page's command writes its trace elsewhere, in a directory of
+    this user's alone made afresh, and a run writing there leaves the file untouched."""
+    import os
+    import stat
+    import tempfile
+
+    import launcher
+
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    old = Path(tempfile.gettempdir()) / f"refpar-app-trace-{os.getpid()}"
+    planted = [old.with_suffix(suffix) for suffix in (".json", ".jsonl")]
+    for link in planted:
+        link.unlink(missing_ok=True)
+        link.symlink_to(victim)
+    try:
+        at = page("views/run.py")
+        argv = at.code[0].value.split()
+        trace = Path(argv[argv.index("--trace") + 1])
+        assert trace not in planted and trace.with_suffix(".jsonl") not in planted
+        folder = trace.parent.stat(follow_symlinks=False)
+        assert stat.S_ISDIR(folder.st_mode) and stat.S_IMODE(folder.st_mode) == 0o700
+        assert folder.st_uid == os.getuid() and trace.parent == Path(launcher.shared().trace_path()).parent
+        # what refpar train does with --trace PATH: write PATH and PATH.jsonl
+        writes = f"import pathlib; p = pathlib.Path({str(trace)!r}); p.write_text('{{}}'); " \
+                 "p.with_suffix('.jsonl').write_text('')"
+        run = Launcher()
+        run.start([sys.executable, "-c", writes], "writes", None, 1, str(trace))
+        run.reader.join(timeout=30)
+        assert run.proc.returncode == 0 and victim.read_text() == "keep me"
+        assert not trace.exists() and not trace.with_suffix(".jsonl").exists()  # taken in, then removed
+    finally:
+        for link in planted:
+            link.unlink(missing_ok=True)
+
+
+# The uploads issue 43 found: 419 bytes that asked for 3 GB (tick 10^9), and the ones that raised.
+HOSTILE_EVENT = {"name": "0F0", "cat": "compute", "ph": "X", "pid": 0, "tid": 1, "ts": 0, "dur": 5,
+                 "args": {"tick": 10**9, "step": 1}}
+HOSTILE = {"tick 10^9": {"traceEvents": [HOSTILE_EVENT, {**HOSTILE_EVENT, "name": "0B0", "ts": 9,
+                                                         "args": {"tick": 1, "step": 1}}]},
+           'ts "abc"': {"traceEvents": [{**HOSTILE_EVENT, "ts": "abc"}]},
+           'name "123"': {"traceEvents": [{**HOSTILE_EVENT, "name": "123"}]},
+           'pid "zero"': {"traceEvents": [{**HOSTILE_EVENT, "pid": "zero"}]},
+           "tick 0.5": {"traceEvents": [{**HOSTILE_EVENT, "args": {"tick": 0.5, "step": 1}}]}}
+
+
+@pytest.mark.parametrize("what", sorted(HOSTILE))
+def test_a_hostile_upload_gets_one_sentence_in_little_memory(what):
+    """What the Run for real page does with an upload (app/executed.py:show_upload): read it, then
+    draw it. Each of issue 43's uploads is one sentence, a ConfigError or (a trace that reads but
+    makes no schedule) the note under the executed figure, and the 419-byte one with tick 10^9 is
+    refused before any grid is built: under 4 MB traced (a list of 10^9 ticks is 8 GB)."""
+    import tracemalloc
+
+    from refpar.config import ConfigError
+    from refpar.viz.timeline import read_trace_upload, trace_figures
+
+    data = json.dumps(HOSTILE[what]).encode()
+    assert len(data) < 420
+    tracemalloc.start()
+    try:
+        _, simulated, sentence = trace_figures(read_trace_upload("f.json", data))
+        assert simulated is None
+    except ConfigError as err:
+        sentence = str(err)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    assert "\n" not in sentence and "refpar train --trace PATH" in sentence, sentence
+    words = {"tick 10^9": "places an action at tick 1000000000", 'ts "abc"': "has ts abc",
+             'name "123"': "no pipeline action", 'pid "zero"': "has pid zero", "tick 0.5": "has tick 0.5"}
+    assert words[what] in sentence, sentence
+
+
+def test_an_upload_nested_too_deep_or_too_large_is_one_sentence():
+    from refpar.config import ConfigError
+    from refpar.viz.timeline import MAX_TRACE_BYTES, read_trace_upload
+
+    for data, words in ((b"[" * 200_000, "nested too deeply"),
+                        (b" " * (MAX_TRACE_BYTES + 1), "more than the 64 MiB")):
+        with pytest.raises(ConfigError, match=words):
+            read_trace_upload("f.json", data)
+
+
+def test_the_executed_timeline_draws_the_traces_actions_apart_from_its_messages_and_the_reports_bubble(
+        moe_pipeline_run):
+    """Every action of the trace drawn once in the compute lane, every message once in the message
+    lane below it (never over an action), each send joined to its receive, and the measured bubble
+    the report printed."""
+    from refpar.viz import timeline
+
+    trace = moe_pipeline_run["timeline"]
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    figure, simulated, note = timeline.trace_figures(trace)
+    bars = [t for t in figure.data if t.type == "bar"]
+    actions = sorted((int(y), text) for t in bars if t.name in ("F", "B", "W")
+                     for y, text in zip(t.y, t.hovertext, strict=True))
+    assert actions == sorted((e["pid"], e["name"]) for e in events if e["cat"] == "compute")
+    messages = [t for t in bars if t.name.endswith(" messages")]
+    assert sum(len(t.x) for t in messages) == sum(e["cat"] != "compute" for e in events)
+    for t in bars:  # the lanes: actions and idle in [rank - 0.4, rank + 0.1], messages in [+0.15, +0.37]
+        low, high = t.offset, t.offset + t.width
+        assert (low >= 0.15) if t in messages else (high <= 0.1), t.name
+    sends = sum(e["name"].startswith("isend") for e in events)
+    lines = next(t for t in figure.data if t.name == "send to receive")
+    assert len(lines.x) == 3 * sends > 0  # each send to its receive: two points and a break
+    measured = moe_pipeline_run["summary"]["bubble_fraction"]["measured"]
+    assert abs(timeline.measured_from_trace(trace).bubble_fraction - measured) <= 1e-12
+    assert f"measured {measured:.1%}" in note and simulated is not None
+    assert simulated.layout.xaxis.title.text.startswith("ms")  # one unit: both in ms
+    labels = [s["label"] for s in simulated.layout.sliders[0].steps]
+    assert all(len(label.replace(".", "").replace("-", "")) <= 4 for label in labels), labels
+
+
+def test_the_communication_trace_draws_a_ranks_wait_for_its_group_as_waiting():
+    """Two ranks of a dp group: rank 1 reaches the first all-reduce 1.9 s after rank 0; rank 0's
+    first 1.9 s are drawn as waiting, and rank 1, the last to arrive, waits for nobody."""
+    from refpar.comm.trace import CommEvent, chrome_trace
+
+    def call(rank, start, end):
+        return CommEvent(rank=rank, op="all_reduce", axis="dp", group=(0, 1), algo="native(ring)", peer=None,
+                         dtype="float64", shape=(4,), bytes_sent=32, bytes_recv=32, tag="loss", step=1,
+                         microbatch=None, phase=None, t_start=start, t_end=end)
+
+    fig = comm.trace_figure(chrome_trace([call(0, 0.0, 1.902), call(1, 1.9, 1.902)]))
+    waiting = next(t for t in fig.data if t.name == comm.WAITING)
+    assert list(waiting.y) == [0]
+    np.testing.assert_allclose(waiting.x, [1900.0])  # ms
+
+
+BANNER = ("=" * 80 + "\n=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+          "=   RANK 0 PID 1 RUNNING AT host\n" + "=" * 80)
+
+
+def test_stop_says_stopped_in_one_line_keeps_mpis_output_as_code_and_the_last_result(moe_pipeline_run,
+                                                                                     monkeypatch):
+    """A run stopped midway: one neutral line (not MPICH's banner as red headings), the banner in a
+    code block, and the last finished run still shown below it."""
+    import launcher
+
+    run = Launcher()
+    run.result = {k: moe_pipeline_run[k] for k in ("key", "label", "summary", "trace", "timeline")}
+    monkeypatch.setattr(launcher, "shared", lambda: run)
+    prints = f"import sys, time; print({BANNER!r}, flush=True); time.sleep(60)"
+    run.start([sys.executable, "-c", prints], "pp=2 x ep=2 dp (tiny)", None, 3)
+    deadline = time.monotonic() + 30
+    while not run.lines and time.monotonic() < deadline:
+        time.sleep(0.1)
+    run.stop()
+    run.reader.join(timeout=30)
+    at = page("views/run.py")
+    assert not at.error, [e.value for e in at.error]
+    stopped = [i.value for i in at.info if "stopped" in i.value]
+    assert len(stopped) == 1 and "\n" not in stopped[0] and "BAD TERMINATION" not in stopped[0], stopped
+    assert any("BAD TERMINATION" in c.value for c in at.code)
+    assert any(s.value.startswith(moe_pipeline_run["label"]) for s in at.success)  # the last good run
+
+
+BAD_CACHES = {"wrong shape": '{"key": 5, "summary": {"steps": "two"}}', "a list": "[1, 2]",
+              "cut short": '{"key": ["dp", 2', "a hostile trace": None}
+
+
+def test_a_bad_run_cache_is_one_sentence_on_every_page_that_shows_the_run(moe_pipeline_run, tmp_path,
+                                                                          monkeypatch):
+    """A kept run of the wrong shape (hand-edited, another version's, cut short) is no run: each page
+    that shows the last run says so in one st.error sentence naming the file, and draws the rest."""
+    cache = tmp_path / "last-run.json"
+    monkeypatch.setenv("REFPAR_APP_CACHE", str(cache))
+    hostile = json.loads(moe_pipeline_run["cache"].read_text())
+    hostile["timeline"] = {"traceEvents": [{**HOSTILE_EVENT, "pid": "zero"}]}
+    import launcher
+
+    for what, text in BAD_CACHES.items():
+        cache.write_text(text if text is not None else json.dumps(hostile))
+        sentence = launcher.cache_problem(cache)
+        assert sentence.startswith(f"the kept run {cache} ") and "\n" not in sentence, sentence
+        if what not in ("wrong shape", "a hostile trace"):
+            continue  # the pages show what cache_problem says: two kinds are enough to see it there
+        for path in ("views/run.py", "views/communication.py", "views/memory.py"):
+            at = page(path)
+            errors = [e.value for e in at.error]
+            assert len(errors) == 1 and str(cache) in errors[0], (what, path, errors)
+            assert "\n" not in errors[0], errors
+            assert f"delete {cache}" in errors[0]
+
+
+def test_the_last_run_any_mesh_is_on_communication_and_memory_whatever_their_controls(moe_pipeline_run,
+                                                                                      monkeypatch):
+    """An any-mesh run (pp=2 x ep=2), found by a fresh session in the kept file alone (a reload, a new
+    tab): Communication shows its bytes per step equal to the closed form its report priced, and
+    every traced call; Memory shows every rank's measured peaks beside the closed form."""
+    monkeypatch.setenv("REFPAR_APP_CACHE", str(moe_pipeline_run["cache"]))
+    summary = moe_pipeline_run["summary"]
+    at = page("views/communication.py")  # its controls at their defaults: tp, not this mesh
+    assert at.selectbox(key="comm_strategy").value == "tp"
+    assert f"The last real run: {moe_pipeline_run['label']}" in [h.value for h in at.subheader]
+    assert any(s.value.startswith("Measured equals the closed form") for s in at.success)
+    by_title = {c["layout"]["title"]["text"]: c for c in charts(at)
+                if isinstance(c["layout"].get("title"), dict)}
+    closed, measured = by_title[next(t for t in by_title if t.startswith("the run's bytes per step"))]["data"]
+    steps = summary["steps"]
+    assert measured["name"] == "measured"
+    np.testing.assert_array_equal(measured["y"], closed["y"])
+    assert sum(measured["y"]) == sum(r["bytes_sent"] for r in summary["comm_bytes"]) // steps
+    calls = by_title["measured: every call of the traced run, rank by rank"]["data"]
+    events = [e for e in moe_pipeline_run["trace"]["traceEvents"] if e.get("ph") == "X"]
+    assert sum(len(t["y"]) for t in calls if t["name"] != comm.WAITING) == len(events)
+    at.switch_page("views/memory.py")
+    rerun(at)
+    pairs = charts(at)[1]
+    assert list(pairs["data"][0]["x"])[:2] == ["rank 0 closed form", "rank 0 measured"]
+
+
+def test_show_the_last_run_sets_the_communication_controls_to_its_mesh(tmp_path, monkeypatch):
+    import launcher
+
+    monkeypatch.setenv("REFPAR_APP_CACHE", str(tmp_path / "none.json"))
+    result = {"key": ("zero3", 4, 1, 2, "llama-tiny"), "label": "dp=4 zero3 (llama-tiny)",
+              "summary": {"steps": 1, "losses": [4.5], "step_time_s": 0.1, "comm_bytes": [],
+                          "mesh": {"pp": 1, "dp": 4, "ep": 1, "cp": 1, "tp": 1}}}
+    assert launcher.result_problem(result) is None
+    run = Launcher()
+    run.result, run.kind = result, "train"
+    monkeypatch.setattr(launcher, "shared", lambda: run)
+    at = page("views/communication.py")
+    at.button[0].click()
+    rerun(at)
+    assert (at.selectbox(key="comm_strategy").value, at.number_input(key="comm_n").value,
+            at.number_input(key="comm_m").value, at.radio(key="family").value) == ("zero3", 4, 2, "Llama")
+    assert any(s.value.startswith("This is the last real run's mesh") for s in at.success)
+
+
+def test_sharding_opens_on_the_first_moment_and_steps_through_refpars_moments_with_their_narration():
+    """The figure opens before the step (not after it), its Play shows a moment a second (Play x3 is
+    faster), and the arrows move every figure of the page and the narration beside it one moment."""
+    steps = sharding.steps_for("zero3", 4)  # the page's default
+    at = page("views/sharding.py")
+    fig = charts(at)[0]
+    slider, buttons = fig["layout"]["sliders"][0], fig["layout"]["updatemenus"][0]["buttons"]
+    assert slider["active"] == 0 and fig["frames"][0]["name"] == steps[0].label
+    for shown, first in zip(fig["data"], fig["frames"][0]["data"], strict=False):
+        np.testing.assert_array_equal(np.asarray(shown["z"]), np.asarray(first["z"]))
+    assert [b["label"] for b in buttons] == ["Play", "Play x3", "Pause"]
+    assert [b["args"][1]["frame"]["duration"] for b in buttons[:2]] == [1000, 333]
+    assert at.info[0].value == f"**1 of {len(steps)}, {steps[0].label}**: {steps[0].moves}"
+    assert at.button(key="moment_back").disabled
+    at.button(key="moment_forward").click()
+    fig = charts(rerun(at))[0]
+    assert fig["layout"]["sliders"][0]["active"] == 1
+    assert at.info[0].value == f"**2 of {len(steps)}, {steps[1].label}**: {steps[1].moves}"
+    for shown, second in zip(fig["data"], fig["frames"][1]["data"], strict=False):
+        np.testing.assert_array_equal(np.asarray(shown["z"]), np.asarray(second["z"]))

@@ -13,7 +13,10 @@ exactly (derandomized, no database: tests/test_fuzz_cli.py says why).
 
 from __future__ import annotations
 
+import json
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -22,6 +25,8 @@ from streamlit.testing.v1 import AppTest
 
 from tests.test_app import HOME, TIMEOUT
 from tests.test_fuzz_cli import fuzz_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "app"))  # the app's launcher
 
 # Values far above a widget with no maximum (a user can type them), and edge costs.
 HUGE = (16, 17, 64, 65, 1000, 1024, 65536, 65537, 1 << 20, (1 << 20) + 1, 10**6, 10**9)
@@ -123,3 +128,145 @@ def test_fuzzed_widget_values_never_raise_and_bad_ones_get_one_sentence(path):
     one_case()
     print(f"{path}: {sum(tally.values())} cases, {dict(tally)}")
     assert tally["drawn"], tally
+
+
+# -- uploaded traces and kept runs (issue 43): hostile files, not widget values ------------------------
+
+def good_trace() -> dict:
+    """A Chrome trace as `refpar train --trace` writes it, built without a run: 1F1B on 2 stages of 2
+    microbatches at unit costs (ms), each stage's activations sent to the next and their gradients
+    back, and a dp all-reduce of the loss on both ranks."""
+    from refpar.parallel.pipeline.builders import build
+    from refpar.parallel.pipeline.simulate import simulate
+
+    timeline = simulate(build("1f1b", 2, 2))
+    events = [{"name": str(s.action), "cat": "compute", "ph": "X", "pid": r, "tid": 1, "ts": s.start * 1e3,
+               "dur": (s.end - s.start) * 1e3, "args": {"tick": s.tick, "step": 1}}
+              for r, row in timeline.slots.items() for s in row]
+    for mb in range(2):
+        for op, rank, peer in (("isend", 0, 1), ("irecv", 1, 0)):
+            events.append({"name": f"{op} pp pp:act:s0:mb{mb}", "cat": "pp", "ph": "X", "pid": rank, "tid": 0,
+                           "ts": 1e3 * mb, "dur": 500.0, "args": {"tag": f"pp:act:s0:mb{mb}", "peer": peer,
+                                                                   "bytes_sent": 4096 * (op == "isend"),
+                                                                   "bytes_recv": 4096 * (op == "irecv"),
+                                                                   "step": 1, "phase": "fwd"}})
+    events += [{"name": "all_reduce dp loss", "cat": "dp", "ph": "X", "pid": r, "tid": 0, "ts": 6e3 + r * 100,
+                "dur": 200.0, "args": {"tag": "loss", "group": [0, 1], "bytes_sent": 8, "bytes_recv": 8,
+                                       "step": 1}} for r in range(2)]
+    return {"traceEvents": events}
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.sampled_from([0, 1, -1, 2**31, 10**9, 10**20, 10**400]) | st.floats()
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6)
+EVENT_FIELDS = ("name", "cat", "ph", "pid", "ts", "dur", "args", "args.tick", "args.step", "args.tag",
+                "args.peer", "args.group", "args.phase", "args.bytes_sent", "args.bytes_recv")
+
+
+def mutated(document: dict, path: str, value) -> dict:
+    """`document` with the field at `path` ("args.tick") set to `value`."""
+    out = json.loads(json.dumps(document))
+    *parents, last = path.split(".")
+    where = out
+    for key in parents:
+        where = where.setdefault(key, {}) if isinstance(where.get(key, {}), dict) else {}
+    where[last] = value
+    return out
+
+
+def sentence_or_drawn(draw_it) -> str | None:
+    """None if `draw_it()` drew, else the ConfigError's sentence, which must be one line."""
+    from refpar.config import ConfigError
+
+    try:
+        draw_it()
+    except ConfigError as err:
+        assert str(err).strip() and "\n" not in str(err), str(err)
+        return str(err)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_uploaded_traces_draw_or_get_one_sentence():
+    """What the Run for real page does with an upload (app/executed.py:show_upload), for a real-shaped
+    trace with one field of one event, or the whole file, replaced by drawn JSON: it draws, or it
+    says in one sentence what is wrong; never another exception."""
+    from refpar.viz.timeline import read_trace_upload, trace_figures
+
+    good = good_trace()
+    tally: Counter = Counter()
+
+    @fuzz_settings(25)
+    @given(st.integers(0, len(good["traceEvents"]) - 1), st.sampled_from((*EVENT_FIELDS, "whole", "tick")),
+           JSON)
+    def one_case(index, field, value):
+        if field == "whole":
+            document = value
+        elif field == "tick":  # a tick far beyond the schedule: the 419-byte upload of issue 43
+            document = mutated(good, "traceEvents", [*good["traceEvents"][:-1], mutated(
+                good["traceEvents"][0], "args.tick", abs(value) if isinstance(value, int) else 10**9)])
+        else:
+            events = list(good["traceEvents"])
+            events[index] = mutated(events[index], field, value)
+            document = {"traceEvents": events}
+        data = json.dumps(document).encode()
+        said = sentence_or_drawn(lambda: trace_figures(read_trace_upload("f.json", data)))
+        tally["drawn" if said is None else "refused"] += 1
+
+    one_case()
+    print(dict(tally))
+    assert tally["drawn"] and tally["refused"], tally
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_kept_runs_are_drawn_by_every_page_or_refused_in_one_sentence(tmp_path):
+    """A kept run (app/launcher.py) with one field replaced by drawn JSON: `read_result` refuses it in
+    one sentence naming the file, or what it accepts every page can draw (the figures the Run for
+    real, Communication and Memory pages make of it)."""
+    import launcher
+
+    from refpar.viz import comm, timeline
+
+    good = {"key": ["dp", 2, 1, 2, "tiny"], "label": "dp=2 dp (tiny)", "timeline": good_trace(),
+            "trace": good_trace(), "summary": {
+                "steps": 2, "losses": [4.6, 4.5], "step_time_s": 0.1, "dtype": "float64",
+                "mesh": {"pp": 2, "dp": 1, "ep": 1, "cp": 1, "tp": 1},
+                "comm_bytes": [{"rank": r, "axis": "pp", "op": "isend", "bytes_sent": 8192, "bytes_recv": 0}
+                               for r in range(2)],
+                "memory_peak_bytes": [{"rank": r, "category": "params", "bytes": 100} for r in range(2)],
+                "expected_memory_peak_bytes": None, "max_loss_rel_diff": None}}
+    fields = ("key", "label", "timeline", "trace", "summary", "summary.steps", "summary.losses",
+              "summary.step_time_s", "summary.mesh", "summary.mesh.dp", "summary.comm_bytes",
+              "summary.memory_peak_bytes", "summary.max_loss_rel_diff", "summary.moe", "whole")
+    cache = tmp_path / "last-run.json"
+    tally: Counter = Counter()
+
+    def draw(result: dict) -> None:
+        s = result["summary"]
+        measured = [{**r, "bytes_sent": r["bytes_sent"] // s["steps"]} for r in s["comm_bytes"]]
+        comm.bytes_figure(measured)
+        comm.traffic_figure(measured, s["mesh"])
+        peaks = comm.memory_by_rank(s["memory_peak_bytes"] or [])
+        comm.memory_figure({f"rank {r}": c for r, c in peaks.items()})
+        assert f"{s['losses'][-1]:.4f} {s['step_time_s'] * 1e3:.1f} ms {result['label']}"  # Run's line
+        if result.get("trace"):
+            comm.trace_figure(result["trace"])
+        if result.get("timeline"):
+            timeline.trace_figures(result["timeline"])
+
+    @fuzz_settings(20)
+    @given(st.sampled_from(fields), JSON)
+    def one_case(field, value):
+        cache.write_text(json.dumps(value if field == "whole" else mutated(good, field, value)))
+        problem = launcher.cache_problem(cache)
+        if problem is None:
+            draw(launcher.read_result(cache))
+        else:
+            assert problem.startswith(f"the kept run {cache} ") and "\n" not in problem, problem
+        tally["drawn" if problem is None else "refused"] += 1
+
+    one_case()
+    print(dict(tally))
+    assert tally["drawn"] and tally["refused"], tally

@@ -1,5 +1,6 @@
 import streamlit as st
-from family import family_picker
+from family import FAMILIES, family_picker
+from last_run import last_run
 from lesson_link import lesson_link
 
 from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset
@@ -29,6 +30,45 @@ def ep_closed_form(ep: int, dp: int):
     return moe.step_rows(EP_MODEL, sizes, kept), moe.traffic_matrix(EP_MODEL, sizes, kept)
 
 
+def per_step(rows: list[dict], steps: int) -> list[dict]:
+    """A run's byte rows (totals over its steps) per step."""
+    return [{**r, "bytes_sent": r["bytes_sent"] // steps, "bytes_recv": r["bytes_recv"] // steps}
+            for r in rows]
+
+
+def show_run(run: dict) -> None:
+    """The last real run, whatever this page's controls say: its bytes per step next to the closed form
+    its own report priced (a check, or the differences), who sent to whom, and every traced call."""
+    summary = run["summary"]
+    steps = summary["steps"]
+    st.subheader(f"The last real run: {run['label']}")
+    measured = per_step(summary["comm_bytes"], steps)
+    closed = summary.get("expected_comm_bytes")
+    if closed is not None:
+        closed = per_step(closed, steps)
+        key = ("rank", "axis", "op", "bytes_sent", "bytes_recv")
+        differ = {tuple(r[k] for k in key) for r in measured} ^ {tuple(r[k] for k in key) for r in closed}
+        if not differ:
+            st.success(f"Measured equals the closed form: every rank, axis and op, byte for byte "
+                       f"({sum(r['bytes_sent'] for r in measured):,} bytes sent per step, all ranks).")
+        else:
+            st.warning(f"Measured differs from the closed form in {len(differ)} rows (rank, axis, op); "
+                       "the table below lists them.")
+            st.dataframe([dict(zip(key, row, strict=True)) for row in sorted(differ)], hide_index=True)
+    st.plotly_chart(comm.bytes_figure(closed or measured, measured if closed else None,
+                                      f"the run's bytes per step by axis and op ({steps} steps run)"),
+                    width="stretch", key="run-bytes")
+    st.plotly_chart(comm.traffic_figure(measured, summary["mesh"], "measured: who sends to whom, per step"),
+                    width="stretch", key="run-traffic")
+    if run.get("trace"):
+        title = "measured: every call of the traced run, rank by rank"
+        st.plotly_chart(comm.trace_figure(run["trace"], title), width="stretch", key="run-trace")
+        st.caption("Grey hatched: a rank waiting for the last rank of its group to reach the same call. On "
+                   "a CPU with more ranks than cores most of a call's time is waiting; the first call also "
+                   "waits for every rank to start up.")
+
+
+
 st.title("Communication")
 st.markdown(
     "Bytes one training step of refpar's tiny GPT-2 or tiny Llama moves, from the closed forms the "
@@ -37,14 +77,29 @@ st.markdown(
     "traffic stays on the diagonal band of neighbours while dp's jumps across it."
 )
 lesson_link(1)
+run = last_run()
+shown = run["key"] if run is not None else None
+if (shown is not None and len(shown) == 5 and shown[0] in expected.STRATEGIES
+        and shown[4] in FAMILIES.values() and all(isinstance(x, int) and x >= 1 for x in shown[1:4])):
+    # The Run for real page's single-axis run: a button sets this page's controls to its mesh.
+    def show_this_run(key=tuple(shown)) -> None:
+        for name, value in zip(("comm_strategy", "comm_n", "comm_dp", "comm_m"), key, strict=False):
+            st.session_state[name] = value
+        st.session_state["family"] = next(label for label, preset in FAMILIES.items() if preset == key[4])
+
+    st.button(f"show the last run's mesh ({run['label']})", on_click=show_this_run,
+              help="sets the controls below to the mesh the Run for real page launched")
+# The defaults through session state, never as the widgets' own: "show the last run's mesh" sets them.
+for name, default in (("comm_strategy", "tp"), ("comm_n", 2), ("comm_dp", 2), ("comm_m", 2)):
+    st.session_state.setdefault(name, default)
 a, b, c, d = st.columns(4)
-strategy = a.selectbox("strategy", (*expected.STRATEGIES, "ep"), index=expected.STRATEGIES.index("tp"))
-n = b.number_input("ranks on its axis", min_value=1, value=2,
+strategy = a.selectbox("strategy", (*expected.STRATEGIES, "ep"), key="comm_strategy")
+n = b.number_input("ranks on its axis", min_value=1, key="comm_n",
                    help="dp for DP, ZeRO and FSDP; tp for TP and SP; cp for CP; pp for PP; ep for EP")
-dp = c.number_input("dp replicas", min_value=1, value=2,
+dp = c.number_input("dp replicas", min_value=1, key="comm_dp",
                     disabled=strategy != "ep" and expected.AXIS[strategy] == "dp",
                     help="tp, sp, cp, pp and ep can be replicated over dp")
-m = d.number_input("microbatches", min_value=1, value=2, disabled=strategy == "ep",
+m = d.number_input("microbatches", min_value=1, disabled=strategy == "ep", key="comm_m",
                    help="pp: m per step; dp strategies: gradient accumulation")
 model = family_picker() if strategy != "ep" else "tiny"
 if strategy == "ep":
@@ -67,15 +122,10 @@ try:
 except ConfigError as err:
     st.error(str(err))
     st.stop()
-run = st.session_state.get("run")
 measured = None
 if run is not None and run["key"] == key:
-    per_step = run["summary"]["steps"]
-    measured = [{**r, "bytes_sent": r["bytes_sent"] // per_step, "bytes_recv": r["bytes_recv"] // per_step}
-                for r in run["summary"]["comm_bytes"]]
-    st.success("The measured bars come from the run launched on the Run for real page (per step).")
-else:
-    st.info("Launch this mesh on the Run for real page to see measured bytes beside the closed form.")
+    measured = per_step(run["summary"]["comm_bytes"], run["summary"]["steps"])
+    st.success("This is the last real run's mesh: its measured bytes per step are beside the closed form.")
 st.plotly_chart(comm.bytes_figure(rows, measured, "bytes per step by axis and op"), width="stretch")
 left, right = st.columns(2)
 if calls:
@@ -85,8 +135,7 @@ else:
     left.plotly_chart(comm.traffic_figure(rows, sizes, "who sends to whom, one step"), width="stretch")
     right.markdown("The pipeline's messages are per microbatch: the Pipeline page draws when each "
                    "one is sent.")
-if measured is not None:
-    st.plotly_chart(comm.traffic_figure(measured, sizes, "measured: who sends to whom"), width="stretch")
-    if run.get("trace"):
-        title = "measured: every call of the traced run, rank by rank"
-        st.plotly_chart(comm.trace_figure(run["trace"], title), width="stretch")
+if run is None:
+    st.info("Launch a run on the Run for real page: its measured bytes appear here, whatever the mesh above.")
+else:
+    show_run(run)

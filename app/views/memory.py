@@ -1,5 +1,6 @@
 import streamlit as st
 from family import family_picker
+from last_run import last_run
 from lesson_link import lesson_link
 
 from refpar.config import ConfigError, TrainConfig, model_preset
@@ -64,7 +65,7 @@ if skipped:  # one sentence naming what is left out and what to change here; ref
                f"{'it' if len(skipped) == 1 else 'them'}.")
     with st.expander("why each is left out (as `refpar train` would say it)"):
         st.markdown("\n".join(f"- **{s}**: {why}" for s, why in skipped.items()))
-run = st.session_state.get("run")
+run = last_run()
 if run is not None:
     summary = run["summary"]
     measured = comm.memory_by_rank(summary["memory_peak_bytes"] or [])

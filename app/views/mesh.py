@@ -2,7 +2,7 @@ import math
 
 import streamlit as st
 from family import family_picker
-from launcher import shared
+from last_run import last_run
 
 from refpar.analysis.closed_forms import MOMENTS
 from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig
@@ -44,7 +44,7 @@ def facts_of(model, cfg, sizes: dict, plan, rank: int, moe: dict | None):
 def last_run_of(sizes: dict, plan, preset: str) -> dict | None:
     """The last Run for real result if it ran this very mesh, plan and model (its command's arguments
     are this page's) and kept its routing counts, else None."""
-    last = st.session_state.get("run") or shared().last()
+    last = last_run()
     if not last or not (last["summary"].get("moe") or {}).get("microbatch_pair_counts"):
         return None
     args = mesh_grid.train_args(sizes, plan, preset, last["summary"]["steps"], moe=True)

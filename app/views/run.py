@@ -1,18 +1,16 @@
 import math
-import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import streamlit as st
-from executed import show_timeline
+from executed import show_timeline, show_upload
 from family import family_picker
+from last_run import last_run
 from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec, shared
 from lesson_link import lesson_link
 
 from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig, model_preset
-from refpar.viz import expected, mesh_grid, timeline
+from refpar.viz import expected, mesh_grid
 from refpar.viz.moe import expert_load_figure
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
@@ -42,8 +40,16 @@ def progress(run: Launcher) -> None:
     if run.kind != "train":
         return  # the Serving page's run, which that page shows
     if run.error is not None:
-        st.error(run.error)
-    elif run.last() is not None:
+        # One line of our own; MPI's output (a stopped mpiexec prints a BAD TERMINATION banner whose
+        # "=====" lines markdown would render as headings) only as code, folded away.
+        ended, _, output = run.error.partition("\n")
+        if run.stopped:
+            st.info(f"{run.label}: stopped ({ended}); the last finished run, if any, is still below.")
+        else:
+            st.error(f"{run.label}: {ended.rstrip('.')}; its output is below.")
+        with st.expander("its output (the last lines)"):
+            st.code(output, language=None)
+    if run.last() is not None:
         result = run.last()
         summary = result["summary"]
         st.success(f"{result['label']}: {summary['steps']} steps, last loss {summary['losses'][-1]:.4f}, "
@@ -73,9 +79,8 @@ whole = st.toggle("any mesh: every axis at once", key="run_whole",
                   help="pp, dp (ZeRO or FSDP), ep, cp and tp (sp) together, as the Whole mesh page "
                        "draws them")
 run = shared()
-if "run" not in st.session_state and run.last() is not None:
-    st.session_state["run"] = run.last()  # after a reload, or a new start of the app: the kept result
-trace = str(Path(tempfile.gettempdir()) / f"refpar-app-trace-{os.getpid()}.json")
+last_run()  # after a reload, or a new start of the app: the kept result
+trace = run.trace_path()
 argv, key, label = None, None, ""
 if whole:
     cols = st.columns(5)
@@ -143,8 +148,4 @@ progress(run)
 with st.expander("open the trace of another run (refpar train --trace PATH writes it)"):
     uploaded = st.file_uploader("its Chrome trace, PATH (the .json file)", type="json")
     if uploaded is not None:
-        try:
-            opened = timeline.read_trace_upload(uploaded.name, uploaded.getvalue())
-            show_timeline(opened, uploaded.name, "uploaded")
-        except ConfigError as err:
-            st.error(str(err))
+        show_upload(uploaded.name, uploaded.getvalue())

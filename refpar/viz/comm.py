@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 
 from refpar.config import MESH_AXES
 from refpar.viz.pipeline import CONTROLS_MARGIN, play_controls
+from refpar.viz.timeline import AXIS_COLOURS, group_arrivals
 
 CATEGORY_COLOURS = {"params": "#4c78a8", "grads": "#f58518", "master": "#9d755d", "optimizer": "#54a24b",
                     "activations": "#e45756", "comm": "#72b7b2"}
@@ -169,10 +170,16 @@ def memory_figure(columns: dict[str, dict[str, int]], title: str = "") -> go.Fig
     return fig
 
 
+WAITING = "waiting for the group"
+
+
 def trace_figure(trace: dict, title: str = "") -> go.Figure:
     """A real run's communication events (the Chrome trace `refpar train --trace` writes, as
     `refpar.comm.trace.chrome_trace` builds it): one bar per call, rank by rank over time,
-    coloured by axis; hovering names the op, the tag and the bytes."""
+    coloured by axis; hovering names the op, the tag and the bytes. The part of a collective before
+    the last rank of its group called it (refpar.viz.timeline.group_arrivals) is drawn grey over its
+    bar, as waiting: on an oversubscribed CPU, most of a call's time, and the whole start-up (the
+    first collective waits for the slowest rank to import and build its model)."""
     calls = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] != "compute"]  # no F/B
     fig = go.Figure()
     for axis in dict.fromkeys(e["cat"] for e in calls):
@@ -180,8 +187,19 @@ def trace_figure(trace: dict, title: str = "") -> go.Figure:
         fig.add_trace(go.Bar(
             name=axis, orientation="h", y=[e["pid"] for e in mine], base=[e["ts"] / 1e3 for e in mine],
             x=[max(e["dur"], 1.0) / 1e3 for e in mine],  # a call shorter than 1 us still shows
+            marker_color=AXIS_COLOURS.get(axis),
             text=[f"{e['name']}: {e['args']['bytes_sent']:,} bytes sent" for e in mine], textposition="none",
             hovertemplate="rank %{y}, %{base:.3f} ms: %{text}<extra></extra>"))
+    waits = [(e, min(arrived, (e["ts"] + e["dur"]) / 1e3) - e["ts"] / 1e3)
+             for e, arrived in zip(calls, group_arrivals(calls), strict=True)]
+    waits = [(e, w) for e, w in waits if w > 0]
+    if waits:
+        fig.add_trace(go.Bar(
+            name=WAITING, orientation="h", y=[e["pid"] for e, _ in waits],
+            base=[e["ts"] / 1e3 for e, _ in waits],
+            x=[w for _, w in waits], marker_color="#d9d9d9", marker_pattern_shape="/",
+            text=[f"{e['name']}: waited {w:.3f} ms for the last rank of its group" for e, w in waits],
+            textposition="none", hovertemplate="rank %{y}, %{base:.3f} ms: %{text}<extra></extra>"))
     ranks = sorted({e["pid"] for e in calls})
     fig.update_layout(title=title, barmode="overlay", height=160 + 40 * max(len(ranks), 1),
                       xaxis_title="ms since the first call",

@@ -217,9 +217,9 @@ def _heatmaps(grids: dict[str, dict[str, np.ndarray]], index: dict, scale: list)
     return traces
 
 
-def mix_figure(steps: list[Step], title: str = "") -> go.Figure:
-    """One heatmap per (panel row, tensor), a frame per step with a slider and Play, showing the
-    last step; z indexes `layout.meta["holders"]`, coloured per set."""
+def mix_figure(steps: list[Step], title: str = "", at: int = 0) -> go.Figure:
+    """One heatmap per (panel row, tensor), a frame per step with a slider and Play, opening on step
+    `at` (panels_figure); z indexes `layout.meta["holders"]`, coloured per set."""
     grids_seen = [g for step in steps for row in step.grids.values() for g in row.values()]
     sets = sorted({s for g in grids_seen for s in g.ravel()}, key=lambda s: (len(s), s))
     index = {s: i for i, s in enumerate(sets)}
@@ -229,4 +229,4 @@ def mix_figure(steps: list[Step], title: str = "") -> go.Figure:
     scale = [[edge, c] for i, c in enumerate(colours) for edge in (i / k, (i + 1) / k)]
     legend = [(_label(s), colour) for s, colour in zip(sets, colours, strict=True)]
     return panels_figure(steps, lambda s: _heatmaps(s.grids, index, scale), legend, title, 0.08, (240, 160),
-                       meta={"holders": [list(s) for s in sets]})
+                         at, meta={"holders": [list(s) for s in sets]})

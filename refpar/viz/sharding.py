@@ -241,6 +241,9 @@ def _heatmaps(step: Step, n: int) -> list[go.Heatmap]:
     return traces
 
 
+FRAME_MS = 1000  # a frame a second: each moment's narration is a sentence to read
+
+
 def wrapped(text: str, width: int = 80) -> str:
     """A figure title broken into lines of at most `width` characters (Plotly never wraps one, and
     cuts it at the figure's right edge)."""
@@ -248,10 +251,11 @@ def wrapped(text: str, width: int = 80) -> str:
 
 
 def panels_figure(steps: list[Step], heatmaps, legend: list[tuple[str, str]], title: str, spacing: float,
-                height: tuple[int, int], **layout) -> go.Figure:
-    """One heatmap per (panel row, tensor) of the last step, a frame per step with a slider and Play;
-    `heatmaps(step)` gives a step's traces in panel order, `legend` the (label, colour) squares,
-    `height` the pixels per panel row and around them."""
+                height: tuple[int, int], at: int = 0, **layout) -> go.Figure:
+    """One heatmap per (panel row, tensor), a frame per step with a slider and Play, opening on step
+    `at` (the first: a learner starts before the step, as the narration does) and playing a frame a
+    second, slow enough to read what moves; `heatmaps(step)` gives a step's traces in panel order,
+    `legend` the (label, colour) squares, `height` the pixels per panel row and around them."""
     grids = steps[-1].grids
     rows = list(grids)
     cols = max(len(r) for r in grids.values())
@@ -264,7 +268,7 @@ def panels_figure(steps: list[Step], heatmaps, legend: list[tuple[str, str]], ti
     fig = make_subplots(rows=len(rows), cols=cols, subplot_titles=titles, horizontal_spacing=0.04,
                         vertical_spacing=spacing, row_heights=[max(h, max(tall) / 4) for h in tall])
     cells = [(r, c, np.shape(g)) for r, row in enumerate(rows) for c, g in enumerate(grids[row].values())]
-    for (r, c, shape), trace in zip(cells, heatmaps(steps[-1]), strict=True):
+    for (r, c, shape), trace in zip(cells, heatmaps(steps[at]), strict=True):
         fig.add_trace(trace, row=r + 1, col=c + 1)
         axis = "" if r == c == 0 else str(r * cols + c + 1)
         fig.layout[f"xaxis{axis}"].update(range=[-0.5, shape[1] - 0.5], autorange=False, showticklabels=False)
@@ -277,15 +281,15 @@ def panels_figure(steps: list[Step], heatmaps, legend: list[tuple[str, str]], ti
                                  marker={"symbol": "square", "size": 12, "color": colour,
                                          "line": {"color": "#666", "width": 1}}), row=1, col=1)
     fig.update_annotations(font_size=12)  # the panel titles
-    fig.update_layout(title=wrapped(f"{title}{steps[-1].label}: {steps[-1].moves}"),
+    fig.update_layout(title=wrapped(f"{title}{steps[at].label}: {steps[at].moves}"),
                       height=height[0] * len(rows) + height[1] + 35, margin={"b": CONTROLS_MARGIN, "t": 110},
-                      **play_controls([s.label for s in steps], ""), **layout)
+                      **play_controls([s.label for s in steps], "", active=at, frame_ms=FRAME_MS), **layout)
     return fig
 
 
-def sharding_figure(steps: list[Step], n: int, title: str = "") -> go.Figure:
+def sharding_figure(steps: list[Step], n: int, title: str = "", at: int = 0) -> go.Figure:
     """Colour = the rank that holds the element; grey = every rank holds a copy; white = nobody
     holds it now."""
     legend = zip(["nobody", "every rank"] + [f"rank {r}" for r in range(n)],
                  ["#ffffff", "#9e9e9e"] + RANK_COLOURS[:n], strict=True)
-    return panels_figure(steps, lambda s: _heatmaps(s, n), list(legend), title, 0.12, (260, 120))
+    return panels_figure(steps, lambda s: _heatmaps(s, n), list(legend), title, 0.12, (260, 120), at)
