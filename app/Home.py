@@ -23,18 +23,46 @@ import streamlit as st  # noqa: E402
 st.set_page_config(page_title="refpar", layout="wide")
 
 
+# The five-minute tour: each step a page, and what to do there.
+TOUR = [
+    ("views/lessons.py", "Lesson 0", {"lesson": "0"}, ":material/school:",
+     "your first `mpiexec`, and how refpar's ranks split a batch (or `refpar lesson show 0` in a terminal)."),
+    ("views/sharding.py", "Sharding", None, ":material/grid_on:",
+     "step ZeRO-3 through a training step with the arrows: block 0's weights are gathered for its forward "
+     "and backward only. Which share of them does rank 0 hold between?"),
+    ("views/pipeline.py", "Pipeline", None, ":material/view_timeline:",
+     "1F1B on 4 stages and 8 microbatches: where each stage idles (the red), and the bubble's formula."),
+    ("views/mesh.py", "Whole mesh", None, ":material/apps:",
+     "click a rank of a pp x dp x tp mesh: what it holds, gathers, frees and sends."),
+    ("views/run.py", "Run for real", None, ":material/play_arrow:",
+     "press Start: real MPI ranks train, then Communication and Memory show their measured bytes and "
+     "peaks beside the closed forms."),
+]
+
+
+@st.cache_data
+def picture():
+    """1F1B on 4 stages of 8 microbatches, the picture the papers draw: each bar an action, red idle."""
+    from refpar.parallel.pipeline.builders import build
+    from refpar.parallel.pipeline.simulate import simulate
+    from refpar.viz.pipeline import gantt_figure
+
+    timeline = simulate(build("1f1b", 4, 8))
+    figure = gantt_figure(timeline, f"1F1B, 4 stages, 8 microbatches: bubble {timeline.bubble_fraction:.0%}",
+                          animated=False)
+    figure.update_layout(height=300, margin={"b": 40, "t": 60})
+    return figure
+
+
 def home() -> None:
     st.title("refpar: parallel training, step by step")
-    st.subheader("Start here")
-    st.markdown(
-        "1. **Lesson 0** (the Lessons page, or `refpar lesson show 0` in a terminal): your first "
-        "`mpiexec`, and how refpar's ranks split a batch.\n"
-        "2. **Sharding** (Sharding layouts): which rank holds which slice of each tensor, step by step.\n"
-        "3. **Pipeline** (Pipeline schedules): where each schedule idles.\n"
-        "4. **Whole mesh**: every rank of a mesh of up to 16, what it holds, gathers, frees and sends.\n"
-        "5. **Run for real**: launch real MPI ranks on this machine and compare them with the closed "
-        "forms."
-    )
+    left, right = st.columns([1, 1])
+    with left:
+        st.subheader("Start here: a five-minute tour")
+        for n, (page, label, query, icon, what) in enumerate(TOUR, 1):
+            st.page_link(page, label=f"{n}. {label}", icon=icon, query_params=query)
+            st.caption(what)
+    right.plotly_chart(picture(), width="stretch")
     st.subheader("Every page")
     st.markdown(
         "Every view draws refpar's own objects: the sharding grids come from the functions the "

@@ -66,9 +66,11 @@ def rerun(at: AppTest) -> AppTest:
 def test_home_lists_every_page():
     at = AppTest.from_file(HOME, default_timeout=TIMEOUT).run()
     assert not at.exception
-    path = at.markdown[0].value  # first, what to do after `make demo`, in order
-    steps = ["Lesson 0", "Sharding", "Pipeline", "Whole mesh", "Run for real"]
-    assert [path.index(f"**{s}**") for s in steps] == sorted(path.index(f"**{s}**") for s in steps)
+    # first, what to do after `make demo`, in order: a tour whose steps are links to their pages
+    tour = [(link.proto.label, link.proto.page, link.proto.query_string) for link in at.get("page_link")]
+    assert tour == [("1. Lesson 0", "lessons", "lesson=0"), ("2. Sharding", "sharding", ""),
+                    ("3. Pipeline", "pipeline", ""), ("4. Whole mesh", "mesh", ""),
+                    ("5. Run for real", "run", "")]
     text = "\n".join(m.value for m in at.markdown)
     for name in ("Sharding layouts", "Pipeline schedules", "Communication", "Memory", "Plan", "Run for real",
                  "Serving", "Lessons"):
@@ -1091,3 +1093,25 @@ def test_sharding_opens_on_the_first_moment_and_steps_through_refpars_moments_wi
     assert at.info[0].value == f"**2 of {len(steps)}, {steps[1].label}**: {steps[1].moves}"
     for shown, second in zip(fig["data"], fig["frames"][1]["data"], strict=False):
         np.testing.assert_array_equal(np.asarray(shown["z"]), np.asarray(second["z"]))
+
+
+def test_pipeline_page_asks_for_the_bubble_first_and_grades_it_against_the_simulation():
+    """Predict, then reveal: with "predict first" on, no figure and no bubble until a guess; a guess
+    within 0.01 of the simulated bubble is right, another is corrected with the simulated number.
+    Equal costs other than 1 keep the closed form: the bubble is a ratio of times."""
+    timeline = simulate(build("1f1b", 4, 8))  # the page's default
+    at = page("views/pipeline.py")
+    at.toggle(key="predict").set_value(True)
+    rerun(at)
+    assert not at.get("plotly_chart") and not at.metric and "Guess the bubble" in at.info[0].value
+    at.number_input(key="guess").set_value(round(timeline.bubble_fraction, 2))
+    rerun(at)
+    assert at.success[0].value.startswith(f"Right: {timeline.bubble_fraction:.4f}") and at.get("plotly_chart")
+    at.number_input(key="guess").set_value(0.9)
+    rerun(at)
+    assert at.warning[0].value.startswith(f"Not quite: {timeline.bubble_fraction:.4f}")
+    for cost in ("F", "B", "W"):
+        at.number_input(key=cost).set_value(2.5)
+    rerun(at)
+    assert float(at.metric[1].value) == pytest.approx(published_bubble_fraction("1f1b", 4, 8), abs=5e-5)
+    assert float(at.metric[0].value) == pytest.approx(timeline.bubble_fraction, abs=5e-5)

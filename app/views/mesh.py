@@ -117,7 +117,10 @@ right.markdown(f"**What rank {rank} holds**")
 right.table(mesh_grid.holdings_rows(facts), hide_index=True)
 
 st.subheader("Through one training step")
-moment = st.select_slider("moment", MOMENTS, key="mesh_moment")
+# Each label numbered, the number of moments said: a select slider shows only the current label.
+moment = st.select_slider(f"moment of the step ({len(MOMENTS)} in all)", MOMENTS, key="mesh_moment",
+                          format_func=lambda x: f"{MOMENTS.index(x) + 1}. {x}")
+st.caption(" → ".join(f"{k}. {x}" for k, x in enumerate(MOMENTS, 1)))
 every = step_of_every_rank(model, cfg, sizes, plan, moe)
 at = {r: next(x for x in every[r] if x.label == moment) for r in range(world)}
 sent = {r: sum(mesh_grid.sent_by_axis(at[r]).values()) for r in range(world)}

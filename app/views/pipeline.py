@@ -57,7 +57,8 @@ def figures(kind: str, p: int, m: int, v: int, F: float, B: float, W: float, ove
     return {"gantt": gantt, "inflight": inflight_figure(schedule, timeline, "held for backward", x_end),
             "grid": grid_figure(schedule, "unit-cost grid"), "text": format_grid(schedule),
             "bubble": timeline.bubble_fraction, "idle": idle_total(gantt), "makespan": timeline.makespan,
-            "closed": published_bubble_fraction(kind, p, m, v) if (F, B, W) == (1, 1, 1) else None,
+            # the bubble is a ratio of times: equal costs, whatever their size, give the unit-cost form
+            "closed": published_bubble_fraction(kind, p, m, v) if F == B == W else None,
             "published": published, "busiest": busiest,
             "whole_backward": not stage_map(schedule).split}  # no W of its own: its B bars are B + W
 
@@ -97,15 +98,35 @@ def computed(key, kind, p, m, v, F, B, W, overlap="sum", x_end=None) -> dict | N
         return None
 
 
+def predicted(key: str, out: dict) -> bool:
+    """Predict, then reveal: with "predict first" on, the learner's guess of the bubble, graded
+    against the simulation; True once they have guessed (or with it off), when the answers show."""
+    if not st.session_state.get("predict"):
+        return True
+    guess = st.number_input("your guess: the share of rank-time idle (0 to 1)", min_value=0.0, max_value=1.0,
+                            value=None, step=0.01, key=f"{key}guess",
+                            help="count the idle slots of the grid, or use the formula of the lesson")
+    if guess is None:
+        st.info("Guess the bubble of this schedule first: the answers appear once you have.")
+        return False
+    if abs(guess - out["bubble"]) <= 0.01:
+        st.success(f"Right: {out['bubble']:.4f} of the rank-time is idle.")
+    else:
+        st.warning(f"Not quite: {out['bubble']:.4f} of the rank-time is idle, not {guess:.2f}; the Gantt "
+                   "below shows where.")
+    return True
+
+
 def show(key, out: dict | None, p: int) -> None:
-    if out is None:
+    if out is None or not predicted(key, out):
         return
     a, b = st.columns(2)
     a.metric("bubble (simulated)", f"{out['bubble']:.4f}",
              help=f"idle time shaded in the Gantt, {out['idle']:g}, over p x makespan = {p} x "
                   f"{out['makespan']:g}")
     b.metric("bubble (closed form)", "n/a" if out["closed"] is None else f"{out['closed']:.4f}",
-             help="the published form with F = B = W = 1; n/a for other costs or where none is published")
+             help="the published form, which holds for F = B = W (any one cost: the bubble is a ratio of "
+                  "times); n/a for unequal costs or where none is published")
     published = out["published"]
     if published is not None:
         where = "between its first and last action" if published.steady else "over the step"
@@ -134,7 +155,9 @@ st.markdown(
     "copies of the model fed from both ends: a rank's second stage is drawn lighter."
 )
 lesson_link(6)
-if st.toggle("compare two schedules side by side"):
+compare = st.toggle("compare two schedules side by side")
+st.toggle("predict first", key="predict", help="hide the bubble and the figures until you have guessed it")
+if compare:
     left, right = st.columns(2)
     with left:
         a = controls("a_", "1f1b")

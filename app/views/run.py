@@ -60,7 +60,12 @@ def progress(run: Launcher) -> None:
                        f"{summary['max_param_rel_diff']:.1e} in the parameters (relative, "
                        f"{summary['dtype']}, after {summary['steps']} steps; refpar's contract in float64 "
                        "is 1e-10)")
-        st.dataframe(summary["comm_bytes"], hide_index=True)
+        steps = summary["steps"]
+        st.caption(f"Bytes each rank sent and received by axis and op: over all {steps} steps of the run, "
+                   "then per step (what the Communication page draws).")
+        st.dataframe([{**r, "sent per step": r["bytes_sent"] // steps,
+                       "received per step": r["bytes_recv"] // steps} for r in summary["comm_bytes"]],
+                     hide_index=True)
         if summary.get("moe"):  # an MoE run: each expert's load per step
             st.plotly_chart(expert_load_figure({result["label"]: summary["moe"]}))
         if result.get("timeline"):

@@ -127,14 +127,15 @@ def play_controls(names: list[str], prefix: str, labels: list[str] | None = None
     }
 
 
-def gantt_figure(timeline: Timeline, title: str = "", x_end: float | None = None) -> go.Figure:
+def gantt_figure(timeline: Timeline, title: str = "", x_end: float | None = None,
+                 animated: bool = True) -> go.Figure:
     """Ranks x time: F, B, W (and F&B) bars labelled like `format_grid` ("1F0"), a rank's second
     stage lighter, idle time shaded red. Animated: each frame shows the timeline up to the end of
     one more action. `x_end` (default the makespan) sets where the time axis ends, so that two
     timelines drawn side by side share one scale. A label that does not fit its bar at a readable
-    size is left to the hover."""
+    size is left to the hover. `animated=False`: the whole timeline, no frames (a still picture)."""
     p = len(timeline.slots)
-    times = frame_times(timeline)
+    times = frame_times(timeline) if animated else []
     names = [f"{t:g}" for t in times]  # distinct: a frame's name is its key
     labels = [f"{t:.4g}" for t in times]  # measured times in ms have 15 digits; the slider shows 4
     fig = go.Figure(data=_bars(timeline, timeline.makespan),
