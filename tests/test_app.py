@@ -1007,12 +1007,13 @@ def test_a_bad_run_cache_is_one_sentence_on_every_page_that_shows_the_run(moe_pi
                                                                           monkeypatch):
     """A kept run of the wrong shape (hand-edited, another version's, cut short) is no run: each page
     that shows the last run says so in one st.error sentence naming the file, and draws the rest."""
-    cache = tmp_path / "last-run.json"
-    monkeypatch.setenv("REFPAR_APP_CACHE", str(cache))
-    hostile = json.loads(moe_pipeline_run["cache"].read_text())
-    hostile["timeline"] = {"traceEvents": [{**HOSTILE_EVENT, "pid": "zero"}]}
     import launcher
 
+    cache = tmp_path / "last-run.json"
+    monkeypatch.setenv("REFPAR_APP_CACHE", str(cache))
+    monkeypatch.setattr(launcher, "shared", Launcher)  # no run of this app process: the kept file alone
+    hostile = json.loads(moe_pipeline_run["cache"].read_text())
+    hostile["timeline"] = {"traceEvents": [{**HOSTILE_EVENT, "pid": "zero"}]}
     for what, text in BAD_CACHES.items():
         cache.write_text(text if text is not None else json.dumps(hostile))
         sentence = launcher.cache_problem(cache)
@@ -1032,7 +1033,10 @@ def test_the_last_run_any_mesh_is_on_communication_and_memory_whatever_their_con
     """An any-mesh run (pp=2 x ep=2), found by a fresh session in the kept file alone (a reload, a new
     tab): Communication shows its bytes per step equal to the closed form its report priced, and
     every traced call; Memory shows every rank's measured peaks beside the closed form."""
+    import launcher
+
     monkeypatch.setenv("REFPAR_APP_CACHE", str(moe_pipeline_run["cache"]))
+    monkeypatch.setattr(launcher, "shared", Launcher)  # a new start of the app: the kept file alone
     summary = moe_pipeline_run["summary"]
     at = page("views/communication.py")  # its controls at their defaults: tp, not this mesh
     assert at.selectbox(key="comm_strategy").value == "tp"

@@ -1,3 +1,5 @@
+import re
+
 import streamlit as st
 from family import FAMILIES, family_picker
 from last_run import last_run
@@ -11,12 +13,37 @@ EP_MODEL = model_preset("tiny", moe_experts=8)  # every block an MoE block of 8 
 EP_MAX_WORLD = 8
 
 
-@st.cache_data(max_entries=64)
-def closed_form(strategy: str, n: int, dp: int, microbatches: int, model: str = "tiny"):
-    w = expected.workload(strategy, n, model_preset(model), TrainConfig(steps=1), dp=dp,
+BATCH, SEQ = TrainConfig().batch_size, TrainConfig().seq_len
+
+
+def priced(strategy: str, n: int, dp: int, microbatches: int, model: str, batch: int):
+    w = expected.workload(strategy, n, model_preset(model), TrainConfig(steps=1, batch_size=batch), dp=dp,
                           microbatches=microbatches)
     rows, _ = expected.closed_form_rows(w)
     return w.sizes, rows, expected.calls(w)
+
+
+@st.cache_data(max_entries=64)
+def closed_form(strategy: str, n: int, dp: int, microbatches: int, model: str = "tiny"):
+    """The mesh's closed forms and the global batch they price: refpar's default, which the Run for
+    real page runs, unless the mesh's data ranks need more sequences than it holds (each its
+    microbatches' worth); then as many as they need, so that no mesh asks for a batch control."""
+    try:
+        return (*priced(strategy, n, dp, microbatches, model, BATCH), BATCH)
+    except ConfigError as err:
+        if "--batch-size" not in str(err):
+            raise
+    batch = (n if expected.AXIS[strategy] == "dp" else dp) * microbatches
+    return (*priced(strategy, n, dp, microbatches, model, batch), batch)
+
+
+def in_page_words(sentence: str, strategy: str, n: int) -> str:
+    """refpar's command-line sentence for a mesh this page cannot price, said with this page's
+    controls: the flags it names are not on the page."""
+    if n == 1 and ("or more to --mesh" in sentence or "give the mesh" in sentence):
+        return f"{strategy} splits the work over its axis; choose 2 or more ranks on its axis"
+    return re.sub(r"; use --seq-len \d+ or more$",
+                  f"; this page's sequences are {SEQ} tokens, so choose fewer ranks on its axis", sentence)
 
 
 @st.cache_data(max_entries=16)
@@ -118,10 +145,13 @@ if strategy == "ep":
     st.stop()
 try:
     key = (strategy, int(n), 1 if expected.AXIS[strategy] == "dp" else int(dp), int(m), model)
-    sizes, rows, calls = closed_form(*key)
+    sizes, rows, calls, batch = closed_form(*key)
 except ConfigError as err:
-    st.error(str(err))
+    st.error(in_page_words(str(err), strategy, int(n)))
     st.stop()
+if batch != BATCH:
+    st.caption(f"A batch of {batch} sequences, each data rank's {int(m)} microbatches "
+               f"(refpar's default is {BATCH}).")
 measured = None
 if run is not None and run["key"] == key:
     measured = per_step(run["summary"]["comm_bytes"], run["summary"]["steps"])
