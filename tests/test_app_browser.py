@@ -169,6 +169,7 @@ def test_every_page_renders_in_chromium_without_an_exception(app_url, moe_pipeli
             page.set_default_timeout(90_000)
             page.goto(app_url)
             page.get_by_text("parallel training, step by step").wait_for()
+            page.locator(".js-plotly-plot").first.wait_for()  # Home's picture
             shoot("app-home.png")
             for name in PAGES:
                 page.get_by_test_id("stSidebarNav").get_by_role("link", name=name).click()
