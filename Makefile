@@ -24,8 +24,12 @@ lint: $(STAMP)
 # The suite includes `refpar verify --quick` (tests/test_engine.py): every strategy combination.
 # One BLAS thread: the tiny test models gain nothing from more, and the MPI jobs already use every
 # core (with two OpenBLAS threads a tiny training run took 10x longer on a busy 2-core machine).
+# Two pytest workers (pytest-xdist), a test file each at a time (--dist loadfile: a file's module
+# fixtures, MPI runs among them, are made once): the single-process tests then use both cores, as
+# the MPI jobs already did. Under a load of 8-20 on 2 cores the whole suite took 34 minutes so and 83
+# one file after another.
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 # The single-process numeric tests under four OpenBLAS kernel families (SkylakeX, Haswell,
 # Sandybridge, Prescott; those this CPU can run, at least three): each sums in its own order, so a
