@@ -69,6 +69,18 @@ def test_a_resume_while_a_save_lands_loads_rank_0s_step_on_every_rank(tmp_path, 
     assert len(losses) == 3 and np.allclose(losses, ref, rtol=CONTRACT, atol=0), (losses, ref)
 
 
+def test_generate_from_a_run_while_a_save_lands_loads_rank_0s_step_on_every_rank(tmp_path, run4):
+    script = tmp_path / "job.py"
+    script.write_text(STALE_LISTING)
+    proc = mpiexec(2, str(script), "generate", "--from", str(run4), "--mesh", "tp=2", "--prompt-lens", "5,3",
+                   "--arrivals", "0", "--new-tokens", "3", "--check", "--json",
+                   env={"REFPAR_COLLECTIVE_TIMEOUT": "20"}, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    # both ranks hold rank 0's step 2 (each its tp half), so their tokens are one device's from step 2
+    assert summary["weights"]["from"] == str(run4 / STEP2) and summary["tokens_match_reference"]
+
+
 # A writer that completes a step every few milliseconds (copies of step 2 under newer names,
 # each renamed into place whole, as a save's manifest lands), and one job resuming from the
 # directory three times meanwhile on 2 ranks.

@@ -178,6 +178,7 @@ def run(args) -> int:
     from refpar.analysis.hardware import hardware
     from refpar.analysis.presets import preset
     from refpar.analysis.serving import serving_table
+    from refpar.checkpoint import decide_resume
     from refpar.comm.communicator import abort_on_error, world
     from refpar.config import ConfigError, ParallelConfig, check_output_path, parse_mesh
     from refpar.mesh import check_job_size
@@ -185,8 +186,14 @@ def run(args) -> int:
     from refpar.serving.paged import pool_blocks
     from refpar.serving.runner import ServeOptions, run_serving
     from refpar.serving.sampling import parse_sampling
+    from refpar.weights import is_refpar_checkpoint
 
     sizes = ParallelConfig(parse_mesh(args.mesh) if args.mesh is not None else {}).sizes
+    comm = world()
+    if args.source is not None and comm.size > 1 and is_refpar_checkpoint(args.source):
+        # rank 0 picks the step of a run directory, as train's --resume does: each rank listing the
+        # directory itself while a save lands could load another step (issue 43)
+        args.source = decide_resume(args.source, comm)
     config, params, tokenizer = weights_and_tokenizer(args)
     paging = paging_from_args(args, config.n_positions)
     check_serving(config, sizes, args.max_batch)
@@ -202,7 +209,6 @@ def run(args) -> int:
         check_output_path("--figure", args.figure, overwrite=args.overwrite)
     scale = serving_table(spec, hw, gpus=args.scale_gpus, batch=args.scale_batch,
                           context=args.scale_context)
-    comm = world()
     check_job_size(sizes, comm.size)  # the last check every rank makes alike, before any message
     # From the first message on, an error on one rank must end every rank, not leave the others
     # waiting in a collective (refpar.cli returns 2 from each rank only for the checks above).
