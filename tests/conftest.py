@@ -10,6 +10,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The files that take longest (pytest --durations, summed per file), collected first: `make test`
+# hands whole files to two workers in collection order (pytest-xdist's --dist loadfile), so a long
+# file collected last would run alone at the end while the other worker idles.
+SLOWEST_FIRST = ("test_lessons.py", "test_fuzz_app.py", "test_real_use.py", "test_docs.py", "test_engine.py",
+                 "test_app.py", "test_engine_sharded.py", "test_fuzz_cli.py", "test_interrupt.py",
+                 "test_reliability.py", "test_conformance_torch.py", "test_moe_tp.py", "test_moe_zero.py",
+                 "test_comm.py", "test_mixed_precision_strategies.py", "test_moe_pipeline.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: each file's own order kept
+
 
 @pytest.fixture(scope="session")
 def moe_pipeline_run(tmp_path_factory) -> dict:
