@@ -43,8 +43,8 @@ TOUR = [
 @st.cache_data
 def picture():
     """1F1B on 4 stages of 8 microbatches, the picture the papers draw: each bar an action, red idle."""
-    from refpar.parallel.pipeline.builders import build
-    from refpar.parallel.pipeline.simulate import simulate
+    from refpar.schedules.builders import build
+    from refpar.schedules.simulate import simulate
     from refpar.viz.pipeline import gantt_figure
 
     timeline = simulate(build("1f1b", 4, 8))

@@ -53,8 +53,8 @@ def main(steps: int) -> None:
     from refpar.config import ModelConfig, TrainConfig
     from refpar.engine import Plan, parallelize, train
     from refpar.mesh import DeviceMesh
-    from refpar.parallel.pipeline.schedules import stage_map
-    from refpar.parallel.pipeline.simulate import simulate, stored
+    from refpar.schedules import stage_map
+    from refpar.schedules.simulate import simulate, stored
 
     model = ModelConfig(n_layer=8, dtype="float64")
     cfg = TrainConfig(steps=steps, batch_size=8, seq_len=8)

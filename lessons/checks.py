@@ -396,8 +396,8 @@ V_RANKS, V_MICROBATCHES = 2, 4
 
 
 def check_06(mod, comm) -> str:
-    from refpar.parallel.pipeline.builders import gpipe, one_f_one_b
-    from refpar.parallel.pipeline.simulate import peak_inflight_microbatches, simulate
+    from refpar.schedules.builders import gpipe, one_f_one_b
+    from refpar.schedules.simulate import peak_inflight_microbatches, simulate
 
     for p, m in ((2, 1), (4, 4), (4, 8), (8, 3)):
         want = simulate(gpipe(p, m)).bubble_fraction
@@ -453,7 +453,7 @@ class _Stage:
 
 def _check_executor(mod, comm) -> str:
     """Part 3: a 1F1B step on the pp ranks, against refpar's 1F1B order and one device's gradients."""
-    from refpar.parallel.pipeline.builders import one_f_one_b
+    from refpar.schedules.builders import one_f_one_b
 
     p, r = comm.size, comm.rank
     for m, (B, D) in ((4, (3, 5)), (1, (2, 4))):  # m=1 < p: no steady state at all
@@ -482,10 +482,10 @@ def _check_executor(mod, comm) -> str:
 
 def _check_v_schedule(path: Path) -> str:
     """Part 2: a zero-bubble V schedule for p = 2, m = 4, written by hand in torch's CSV."""
-    from refpar.parallel.pipeline.builders_v import v_placement
-    from refpar.parallel.pipeline.formats import from_csv
-    from refpar.parallel.pipeline.schedules import ScheduleError
-    from refpar.parallel.pipeline.simulate import Costs, peak_inflight_microbatches, simulate, validate
+    from refpar.schedules import ScheduleError
+    from refpar.schedules.builders_v import v_placement
+    from refpar.schedules.formats import from_csv
+    from refpar.schedules.simulate import Costs, peak_inflight_microbatches, simulate, validate
 
     p, m = V_RANKS, V_MICROBATCHES
     shown = _shown(path)
@@ -526,8 +526,8 @@ def _check_v_schedule(path: Path) -> str:
 
 def _builder_that_prints(schedule, p: int, m: int) -> str | None:
     """The refpar builder whose schedule for (p, m) this one is, action for action, or None."""
-    from refpar.parallel.pipeline.builders import BUILDERS, build
-    from refpar.parallel.pipeline.formats import to_csv
+    from refpar.schedules.builders import BUILDERS, build
+    from refpar.schedules.formats import to_csv
 
     mine = to_csv(schedule)
     for name in BUILDERS:

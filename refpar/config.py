@@ -560,7 +560,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 class Plan:
     """What a run does on its mesh beyond the mesh's sizes (the defaults: no strategy asked for)."""
 
-    schedule: str | None = None  # pipeline schedule (refpar/parallel/pipeline/schedules.py); 1f1b
+    schedule: str | None = None  # pipeline schedule (refpar/schedules/__init__.py); 1f1b
     microbatches: int = 1  # per step: pipeline microbatches, gradient accumulation, MoE routing
     chunks: int | None = None  # v, model chunks per pipeline rank (interleaved-1f1b: 2)
     sp: bool = False  # Megatron sequence parallelism over tp

@@ -18,7 +18,7 @@ from refpar import backend
 from refpar.model.routing import routing_kept
 
 if TYPE_CHECKING:
-    from refpar.parallel.pipeline.simulate import Timeline
+    from refpar.schedules.simulate import Timeline
 
 
 @dataclass

@@ -23,8 +23,8 @@ from refpar.analysis.presets import PRESETS
 from refpar.analysis.scale import PRECISIONS, stage_layers
 from refpar.analysis.step_time import collective_choice, link, pipeline_time, step_time
 from refpar.config import ConfigError
-from refpar.parallel.pipeline.builders import build
-from refpar.parallel.pipeline.simulate import simulate
+from refpar.schedules.builders import build
+from refpar.schedules.simulate import simulate
 
 A100, H100 = HARDWARE["a100"], HARDWARE["h100"]
 

@@ -3,8 +3,8 @@
 import pytest
 
 from refpar.analysis.step_time import pipeline_time
-from refpar.parallel.pipeline.builders import build
-from refpar.parallel.pipeline.simulate import Costs, simulate
+from refpar.schedules.builders import build
+from refpar.schedules.simulate import Costs, simulate
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-h2", 1)]
 # Qi et al. 2023 take F = B = W; Narayanan et al. 2021 a backward of twice the forward; the rest
@@ -56,7 +56,7 @@ def test_micro_batches_held_until_w_are_the_schedules_own_peaks(kind, v, p, m):
     # micro-batches (in whole stages: an interleaved chunk is a v-th) as the schedule keeps
     # anything of, from F until W (tests/test_pipeline_analysis_agrees.py checks F until B).
     from refpar.analysis.scale import held_until_w
-    from refpar.parallel.pipeline.simulate import peak_inflight_microbatches
+    from refpar.schedules.simulate import peak_inflight_microbatches
 
     if kind == "zb-h2" and m < 2 * p - 1:
         pytest.skip("the planner offers ZB-H2 only with m >= 2p - 1")

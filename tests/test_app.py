@@ -17,9 +17,9 @@ from streamlit.testing.v1 import AppTest
 
 from refpar.analysis.memory import unit_sizes
 from refpar.config import TrainConfig, model_preset
-from refpar.parallel.pipeline.builders import build
-from refpar.parallel.pipeline.published import published_bubble_fraction
-from refpar.parallel.pipeline.simulate import simulate
+from refpar.schedules.builders import build
+from refpar.schedules.published import published_bubble_fraction
+from refpar.schedules.simulate import simulate
 from refpar.viz import comm, expected, sharding
 
 ROOT = Path(__file__).resolve().parents[1]

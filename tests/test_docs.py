@@ -223,8 +223,8 @@ def test_the_docstring_check_reads_docstrings_and_comments_and_refuses_what_is_g
     """The checker itself, on a file written here: each kind of name is found in a docstring or a
     comment, and refused when it does not exist; code outside them is not read."""
     fake = tmp_path / "probe.py"
-    lines = ['"""refpar/parallel/pipeline/schedules.py:StageMap, refpar/no_such_file.py:12, and',
-             'refpar.parallel.pipeline.simulate.simulate, refpar.comm.diagnosis.NoSuchError."""',
+    lines = ['"""refpar/schedules/__init__.py:StageMap, refpar/no_such_file.py:12, and',
+             'refpar.schedules.simulate.simulate, refpar.comm.diagnosis.NoSuchError."""',
              "# engine/parallelize.parallelize, engine/parallelize.no_such_step, megatron/core.whatever",
              "x = 'refpar/not_a_docstring.py'",
              "def f():",

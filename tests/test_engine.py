@@ -12,7 +12,7 @@ import pytest
 
 from refpar.config import TrainConfig, model_preset
 from refpar.engine import Plan
-from refpar.parallel.pipeline.builders import build
+from refpar.schedules.builders import build
 from refpar.viz import timeline
 from tests.mesh_view import assert_mesh_view_matches_the_run
 from tests.mpi import ROOT, mpi_env, mpiexec, refpar_json, run_script

@@ -141,8 +141,8 @@ def good_trace() -> dict:
     """A Chrome trace as `refpar train --trace` writes it, built without a run: 1F1B on 2 stages of 2
     microbatches at unit costs (ms), each stage's activations sent to the next and their gradients
     back, and a dp all-reduce of the loss on both ranks."""
-    from refpar.parallel.pipeline.builders import build
-    from refpar.parallel.pipeline.simulate import simulate
+    from refpar.schedules.builders import build
+    from refpar.schedules.simulate import simulate
 
     timeline = simulate(build("1f1b", 2, 2))
     events = [{"name": str(s.action), "cat": "compute", "ph": "X", "pid": r, "tid": 1, "ts": s.start * 1e3,

@@ -80,8 +80,8 @@ def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path):
     schedule = tmp_path / "06_v_schedule.csv"
     schedule.write_text("")
     assert said().startswith("the exercise is still blank: write part 2, ")
-    from refpar.parallel.pipeline.builders import build
-    from refpar.parallel.pipeline.formats import to_csv
+    from refpar.schedules.builders import build
+    from refpar.schedules.formats import to_csv
 
     # V-Half with its last two weight gradients swapped, so not refpar's own: valid, but it idles a tick
     schedule.write_text(to_csv(build("v-half", 2, 4)).replace("0W2,0W3", "0W3,0W2"))

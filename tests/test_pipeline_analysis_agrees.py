@@ -7,8 +7,8 @@ import pytest
 
 from refpar.analysis.scale import in_flight
 from refpar.analysis.step_time import pipeline_time
-from refpar.parallel.pipeline.builders import build
-from refpar.parallel.pipeline.simulate import Costs, simulate, stored
+from refpar.schedules.builders import build
+from refpar.schedules.simulate import Costs, simulate, stored
 
 KINDS = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"]
 SHAPES = [(2, 4), (3, 9), (4, 8), (4, 12)]  # m >= 2p - 1, where ZB-H2's closed form holds

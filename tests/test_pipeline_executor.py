@@ -8,8 +8,8 @@ import json
 import pytest
 
 from refpar.cli import main
-from refpar.parallel.pipeline.builders import gpipe, interleaved_1f1b, one_f_one_b
-from refpar.parallel.pipeline.simulate import peak_inflight_microbatches
+from refpar.schedules.builders import gpipe, interleaved_1f1b, one_f_one_b
+from refpar.schedules.simulate import peak_inflight_microbatches
 from tests.mpi import mpiexec, refpar_json
 from tests.numerics import CONTRACT, within
 

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refpar.cli import main
-from refpar.parallel.pipeline.builders import build, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
-from refpar.parallel.pipeline.formats import format_grid
-from refpar.parallel.pipeline.schedules import Action, ScheduleError
-from refpar.parallel.pipeline.simulate import Costs, peak_inflight_microbatches, simulate, stored, validate
+from refpar.schedules import Action, ScheduleError
+from refpar.schedules.builders import build, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
+from refpar.schedules.formats import format_grid
+from refpar.schedules.simulate import Costs, peak_inflight_microbatches, simulate, stored, validate
 
 SHAPES = [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (5, 12)]
 

@@ -8,13 +8,13 @@ from fractions import Fraction
 import pytest
 
 from refpar.cli import main
-from refpar.parallel.pipeline.builders import build, one_f_one_b
-from refpar.parallel.pipeline.builders_v import v_placement
-from refpar.parallel.pipeline.formats import format_grid, from_csv, to_csv
-from refpar.parallel.pipeline.published import expected_v_bubble, published_peak
-from refpar.parallel.pipeline.schedules import Action, ScheduleError, overlapped, stage_map
-from refpar.parallel.pipeline.simulate import Costs, simulate, stored, validate
 from refpar.parallel.pipeline.stage import stage_layers
+from refpar.schedules import Action, ScheduleError, overlapped, stage_map
+from refpar.schedules.builders import build, one_f_one_b
+from refpar.schedules.builders_v import v_placement
+from refpar.schedules.formats import format_grid, from_csv, to_csv
+from refpar.schedules.published import expected_v_bubble, published_peak
+from refpar.schedules.simulate import Costs, simulate, stored, validate
 
 V_KINDS = ["zbv", "v-half", "v-min", "dualpipev"]
 SHAPES = {"zbv": [(1, 1), (2, 1), (2, 3), (3, 2), (4, 8), (5, 12)],

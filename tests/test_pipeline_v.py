@@ -9,8 +9,8 @@ import json
 import pytest
 
 from refpar.cli import main
-from refpar.parallel.pipeline.builders import build
-from refpar.parallel.pipeline.formats import to_csv
+from refpar.schedules.builders import build
+from refpar.schedules.formats import to_csv
 from tests.mpi import mpiexec, refpar_json
 from tests.numerics import CONTRACT, within
 

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from refpar import checkpoint
 from refpar.comm import diagnosis
 from refpar.config import ConfigError, TrainConfig, model_preset
-from refpar.parallel.pipeline.formats import from_csv
-from refpar.parallel.pipeline.schedules import ScheduleError
+from refpar.schedules import ScheduleError
+from refpar.schedules.formats import from_csv
 from refpar.trainer import train_single_device
 from tests.fuzz import hostile_csv_cell, mutate_json, run_as_rank
 from tests.test_fuzz_cli import fuzz_settings, judge

@@ -8,9 +8,9 @@ import pytest
 pytest.importorskip("torch")
 
 from refpar.conformance.schedule_csv import TORCH, dump, fake_group, load  # noqa: E402
-from refpar.parallel.pipeline.builders import build  # noqa: E402
-from refpar.parallel.pipeline.formats import from_csv, to_csv  # noqa: E402
-from refpar.parallel.pipeline.simulate import Costs, simulate, validate  # noqa: E402
+from refpar.schedules.builders import build  # noqa: E402
+from refpar.schedules.formats import from_csv, to_csv  # noqa: E402
+from refpar.schedules.simulate import Costs, simulate, validate  # noqa: E402
 
 MICROBATCHES = {2: 4, 3: 6, 4: 8}  # p -> m: 2p, what DualPipeV needs (torch: m >= the 2p stages)
 

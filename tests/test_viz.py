@@ -8,11 +8,11 @@ import pytest
 from refpar.config import ConfigError, TrainConfig, model_preset
 from refpar.model.gpt import init_params
 from refpar.parallel.expert_parallel import owned_experts
-from refpar.parallel.pipeline.builders import build
-from refpar.parallel.pipeline.schedules import stage_map
-from refpar.parallel.pipeline.simulate import Costs, peak_inflight_microbatches, simulate
 from refpar.parallel.tensor_parallel import shard_params_tp
 from refpar.parallel.units import Units
+from refpar.schedules import stage_map
+from refpar.schedules.builders import build
+from refpar.schedules.simulate import Costs, peak_inflight_microbatches, simulate
 from refpar.sharding import shard_range
 from refpar.viz import comm as cv
 from refpar.viz import expected as ex

@@ -4,11 +4,11 @@ import streamlit as st
 from lesson_link import lesson_link
 
 from refpar.config import ConfigError
-from refpar.parallel.pipeline.builders import BUILDERS, build, default_chunks, model_parts
-from refpar.parallel.pipeline.formats import format_grid
-from refpar.parallel.pipeline.published import published_bubble_fraction, published_idle
-from refpar.parallel.pipeline.schedules import stage_map
-from refpar.parallel.pipeline.simulate import Costs, simulate
+from refpar.schedules import stage_map
+from refpar.schedules.builders import BUILDERS, build, default_chunks, model_parts
+from refpar.schedules.formats import format_grid
+from refpar.schedules.published import published_bubble_fraction, published_idle
+from refpar.schedules.simulate import Costs, simulate
 from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
 
 OVERLAPPED = ("dualpipev", "dualpipe")  # the schedules with overlapped F&B pairs

@@ -14,10 +14,10 @@ its first and last action (the zero-bubble schedules, whose steps run back to ba
 
 from fractions import Fraction
 
-from refpar.parallel.pipeline.builders import build
-from refpar.parallel.pipeline.published import expected_v_bubble
-from refpar.parallel.pipeline.schedules import stage_map
-from refpar.parallel.pipeline.simulate import Costs, simulate, stored
+from refpar.schedules import stage_map
+from refpar.schedules.builders import build
+from refpar.schedules.published import expected_v_bubble
+from refpar.schedules.simulate import Costs, simulate, stored
 
 p, m = 4, 8
 unit = Costs(1, 1, 1)

@@ -72,9 +72,9 @@ from refpar.holdings import (
 )
 from refpar.memory import CATEGORIES
 from refpar.model import param_shapes
-from refpar.parallel.pipeline.builders import of_plan
-from refpar.parallel.pipeline.schedules import Schedule, StageMap, stage_map
-from refpar.parallel.pipeline.simulate import stored
+from refpar.schedules import Schedule, StageMap, stage_map
+from refpar.schedules.builders import of_plan
+from refpar.schedules.simulate import stored
 from refpar.sharding import shard_sizes
 
 

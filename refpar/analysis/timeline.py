@@ -9,8 +9,8 @@ so the app can draw where each rank idles. The simulator walks every action: a 6
 
 from __future__ import annotations
 
-from refpar.parallel.pipeline.builders import build
-from refpar.parallel.pipeline.simulate import Costs, Timeline, simulate
+from refpar.schedules.builders import build
+from refpar.schedules.simulate import Costs, Timeline, simulate
 
 
 def plan_timeline(plan: dict) -> Timeline:

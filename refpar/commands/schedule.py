@@ -16,18 +16,18 @@ import math
 from pathlib import Path
 
 from refpar.config import ConfigError, add_overwrite_argument, check_output_path
-from refpar.parallel.pipeline.builders import BUILDERS, build, default_chunks
-from refpar.parallel.pipeline.formats import MAX_CSV_CHARS, format_grid, from_csv, to_csv
-from refpar.parallel.pipeline.published import published_bubble_fraction, published_idle, published_peak
-from refpar.parallel.pipeline.schedules import Schedule, ScheduleError
-from refpar.parallel.pipeline.simulate import (
+from refpar.reading import read_bounded, shown
+from refpar.schedules import Schedule, ScheduleError
+from refpar.schedules.builders import BUILDERS, build, default_chunks
+from refpar.schedules.formats import MAX_CSV_CHARS, format_grid, from_csv, to_csv
+from refpar.schedules.published import published_bubble_fraction, published_idle, published_peak
+from refpar.schedules.simulate import (
     OVERLAP_COSTS,
     Costs,
     peak_inflight_microbatches,
     simulate,
     validate,
 )
-from refpar.reading import read_bounded, shown
 
 HELP = ("print a pipeline schedule (gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv, v-half, v-min, "
         "dualpipev, dualpipe, or one read from torch's CSV) and its bubble")

@@ -169,7 +169,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser) -> None:
 def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     """The strategies' options beyond the mesh: data parallelism, tp/sp/cp and the pipeline."""
     from refpar.config import RECOMPUTE
-    from refpar.parallel.pipeline.builders import BUILDERS
+    from refpar.schedules.builders import BUILDERS
 
     add = parser.add_argument
     add("--zero", type=int, default=0, choices=(0, 1, 2, 3),
@@ -432,8 +432,8 @@ def plan_of(args, sizes: dict[str, int], model):
         bucket = int(args.bucket_kb * 1024 // (4 if args.fp32_grads else dtype_of(model.dtype).itemsize))
     csv = None
     if args.schedule_csv is not None:
-        from refpar.parallel.pipeline.formats import MAX_CSV_CHARS
         from refpar.reading import read_bounded
+        from refpar.schedules.formats import MAX_CSV_CHARS
 
         path = Path(args.schedule_csv)
         if not path.exists():

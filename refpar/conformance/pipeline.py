@@ -31,7 +31,7 @@ from refpar.conformance.cases import adamw, held_grads, run_steps
 from refpar.conformance.compare import step_row, worst
 from refpar.conformance.torch_model import Block, to_gpt2_layout, to_torch_layout
 from refpar.model.gpt import init_params
-from refpar.parallel.pipeline.builders import build
+from refpar.schedules.builders import build
 from refpar.sharding import shard_range
 from refpar.trainer import corpus_for
 

@@ -17,8 +17,8 @@ from dataclasses import replace
 from refpar.analysis import closed_forms as closed
 from refpar.model.optim import clipped_steps
 from refpar.parallel.context_parallel import causal_work, contiguous_positions, zigzag_positions
-from refpar.parallel.pipeline.simulate import critical_path_gap
 from refpar.precision import is_16bit, precision_of
+from refpar.schedules.simulate import critical_path_gap
 
 from .header import LABEL
 from .runlog import HEARTBEAT_S, duration

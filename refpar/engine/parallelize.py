@@ -51,9 +51,7 @@ from refpar.parallel.expert_tensor_parallel import TensorParallelExpertMoE
 from refpar.parallel.fsdp import FSDP
 from refpar.parallel.model_states import Composition
 from refpar.parallel.pieces import tp_layout
-from refpar.parallel.pipeline.builders import of_plan
 from refpar.parallel.pipeline.executor import PipelineExecutor
-from refpar.parallel.pipeline.schedules import stage_map
 from refpar.parallel.pipeline.stage import Stage
 from refpar.parallel.recompute import Recompute, SelectiveAttention
 from refpar.parallel.routing_runs import routing_runs, token_runs
@@ -61,6 +59,8 @@ from refpar.parallel.sequence_parallel import sp_cp_layout, sp_layout
 from refpar.parallel.tensor_parallel import shard_params_tp
 from refpar.parallel.units import Units
 from refpar.parallel.zero import Zero1, Zero2, Zero3
+from refpar.schedules import stage_map
+from refpar.schedules.builders import of_plan
 
 
 @dataclass

@@ -27,8 +27,8 @@ from refpar.holdings import names
 from refpar.memory import CATEGORIES
 from refpar.model.routing import capacity
 from refpar.parallel.expert_parallel import owned_experts
-from refpar.parallel.pipeline.simulate import simulate
 from refpar.precision import precision_of
+from refpar.schedules.simulate import simulate
 from refpar.trainer import baseline, loss_floor
 
 SUMMARY_FIELDS = (

@@ -14,11 +14,11 @@ from refpar.holdings import names, stage_layers, tied_embedding
 from refpar.parallel.context_parallel import check_cp
 from refpar.parallel.expert_parallel import check_expert_parallel
 from refpar.parallel.pieces import family
-from refpar.parallel.pipeline.builders import BUILDERS, build, model_parts, of_plan
-from refpar.parallel.pipeline.schedules import stage_map
-from refpar.parallel.pipeline.simulate import validate as validate_schedule
 from refpar.parallel.sequence_parallel import check_sp, check_sp_cp
 from refpar.parallel.tensor_parallel import check_tp
+from refpar.schedules import stage_map
+from refpar.schedules.builders import BUILDERS, build, model_parts, of_plan
+from refpar.schedules.simulate import validate as validate_schedule
 
 
 def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) -> None:

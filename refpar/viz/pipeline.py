@@ -1,7 +1,7 @@
 """Figures of a pipeline schedule: the simulated timeline as a Gantt, what each stage holds for
 backward over time, and the ranks x ticks grid.
 
-Data in (a `Schedule` and the `Timeline` that `refpar.parallel.pipeline.simulate.simulate` gives),
+Data in (a `Schedule` and the `Timeline` that `refpar.schedules.simulate.simulate` gives),
 a Plotly figure out; the app's Pipeline page lays these out. Ranks run down the y axis (rank 0 on
 top, as `format_grid` prints them), time runs right. Where a rank holds more than one stage (the
 interleaved, V-shaped and bidirectional schedules), its first stage's actions are drawn in the
@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from refpar.parallel.pipeline.schedules import KINDS, OVERLAP, Action, Schedule
-from refpar.parallel.pipeline.simulate import Timeline, stored
+from refpar.schedules import KINDS, OVERLAP, Action, Schedule
+from refpar.schedules.simulate import Timeline, stored
 
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", OVERLAP: "#b279a2", "idle": "#d62728"}
 SHADES = {"F": "#9ecae9", "B": "#ffbf79", "W": "#88d27a", OVERLAP: "#d6a5c9"}  # a rank's 2nd stage

@@ -8,7 +8,7 @@
 A run without a pipeline traces no actions (its executor runs one forward and backward), so there
 the time between messages is drawn as "compute or idle", not split.
 
-`simulated_from_trace` times the same run's schedule (refpar.parallel.pipeline.simulate.simulate)
+`simulated_from_trace` times the same run's schedule (refpar.schedules.simulate.simulate)
 with the action times the trace measured, as refpar train's report does for its bubble, so the
 executed Gantt can sit next to the simulated one (refpar.viz.pipeline.gantt_figure).
 """
@@ -23,8 +23,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from refpar.config import ConfigError
-from refpar.parallel.pipeline.schedules import Action, Schedule, overlapped
-from refpar.parallel.pipeline.simulate import Slot, Timeline, simulate
+from refpar.schedules import Action, Schedule, overlapped
+from refpar.schedules.simulate import Slot, Timeline, simulate
 from refpar.viz.pipeline import COLOURS, gantt_figure
 
 AXIS_COLOURS = {"dp": "#9467bd", "dp_cp": "#8c564b", "data": "#8c564b", "tp": "#17becf", "cp": "#bcbd22",

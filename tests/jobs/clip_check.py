@@ -18,8 +18,8 @@ from refpar.engine import Plan, parallelize, train
 from refpar.holdings import is_expert, tp_param_slices
 from refpar.mesh import DeviceMesh
 from refpar.parallel.clipping import GlobalNormClip, clip_for
-from refpar.parallel.pipeline.builders import of_plan
-from refpar.parallel.pipeline.schedules import stage_map
+from refpar.schedules import stage_map
+from refpar.schedules.builders import of_plan
 from refpar.trainer import train_single_device
 
 MAX_NORM = 0.05  # the tiny model's norms are about 1: every step clips

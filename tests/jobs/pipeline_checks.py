@@ -17,7 +17,7 @@ from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig, TrainConfig
 from refpar.engine import Plan, parallelize, train
 from refpar.mesh import DeviceMesh
-from refpar.parallel.pipeline.simulate import critical_path_gap
+from refpar.schedules.simulate import critical_path_gap
 from refpar.trainer import train_single_device
 from tests.numerics import rel_diff
 

@@ -50,8 +50,8 @@ from refpar import backend
 from refpar.config import ConfigError, ModelConfig
 from refpar.memory import MemoryLedger, nbytes_of
 from refpar.model.gpt import DropoutContext
-from refpar.parallel.pipeline.schedules import Action, Schedule
-from refpar.parallel.pipeline.simulate import Slot, Timeline, simulate, validate
+from refpar.schedules import Action, Schedule
+from refpar.schedules.simulate import Slot, Timeline, simulate, validate
 
 if TYPE_CHECKING:  # the communicator module starts MPI when imported; `--help` must not
     from refpar.comm.communicator import Communicator

@@ -8,7 +8,7 @@ import csv
 import io
 import re
 
-from refpar.parallel.pipeline.schedules import OVERLAP, Action, Schedule, ScheduleError, StageMap, stage_map
+from refpar.schedules import OVERLAP, Action, Schedule, ScheduleError, StageMap, stage_map
 
 
 def format_grid(schedule: Schedule, error: ScheduleError | None = None) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from refpar.config import ConfigError
-from refpar.parallel.pipeline.schedules import Action, Schedule, ScheduleError, StageMap, stage_map
+from refpar.schedules import Action, Schedule, ScheduleError, StageMap, stage_map
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from refpar.config import ConfigError
-from refpar.parallel.pipeline.builders_v import dualpipe, dualpipev, v_half, v_min, zbv
-from refpar.parallel.pipeline.formats import from_csv
-from refpar.parallel.pipeline.schedules import Action, Schedule, StageMap, check_sizes
-from refpar.parallel.pipeline.simulate import unit_grid
+from refpar.schedules import Action, Schedule, StageMap, check_sizes
+from refpar.schedules.builders_v import dualpipe, dualpipev, v_half, v_min, zbv
+from refpar.schedules.formats import from_csv
+from refpar.schedules.simulate import unit_grid
 
 ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb-h1", "zb-h2")  # the others hold 2 (or v) stages per rank
 

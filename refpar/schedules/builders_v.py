@@ -27,8 +27,8 @@ from __future__ import annotations
 import numpy as np
 
 from refpar.config import ConfigError
-from refpar.parallel.pipeline.schedules import Action, Schedule, StageMap, check_sizes, overlapped
-from refpar.parallel.pipeline.simulate import unit_grid
+from refpar.schedules import Action, Schedule, StageMap, check_sizes, overlapped
+from refpar.schedules.simulate import unit_grid
 
 
 def v_stages(p: int, rank: int) -> tuple[int, int]:

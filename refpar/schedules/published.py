@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from refpar.parallel.pipeline.simulate import Costs
+from refpar.schedules.simulate import Costs
 
 
 def published_bubble_fraction(kind: str, p: int, m: int, v: int = 1) -> float | None:
