@@ -15,7 +15,7 @@ from refpar.precision import PRECISIONS
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")  # the last two: mixed precision
 MAX_RUN_BYTES = 1 << 40  # 1 TiB: no run of refpar's holds its parameters or a step's logits in more
-ARCHS = ("gpt2", "llama", "deepseek")  # refpar/model/gpt.py, refpar/model/llama.py, refpar/model/deepseek.py
+ARCHS = ("gpt2", "llama", "deepseek-v3")  # refpar/model/: gpt.py, llama.py, deepseek.py
 LLAMA_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "norm_eps", "tie_embeddings")
 DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                    "moe_intermediate_size", "first_k_dense_replace", "rope_interleave",
@@ -91,7 +91,7 @@ class ModelConfig:
     rope_theta: float | None = None  # the RoPE base (Su et al. 2021); None: 10000.0, Llama 2's
     norm_eps: float | None = None  # RMSNorm's epsilon (HF's rms_norm_eps); None: 1e-6, HF's
     tie_embeddings: bool | None = None  # the head reuses model.embed_tokens (Llama 3.2 1B); None: False
-    # DeepSeek-V3 only (arch="deepseek", refpar/model/deepseek.py), under Hugging Face DeepseekV3Config's
+    # DeepSeek-V3 only (arch="deepseek-v3", refpar/model/deepseek.py), under Hugging Face DeepseekV3Config's
     # names; it also takes the Llama fields but n_kv_head. None for the other families.
     q_lora_rank: int | None = None  # the query's low-rank width; None: a full q_proj (DeepSeek-V2-Lite)
     kv_lora_rank: int | None = None  # the key-value latent's width, what MLA's cache keeps per token
@@ -108,7 +108,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require_positive("ModelConfig", vocab_size=self.vocab_size, n_positions=self.n_positions,
                           n_embd=self.n_embd, n_head=self.n_head, n_layer=self.n_layer)
-        if self.arch != "deepseek" and self.n_embd % self.n_head != 0:  # MLA's head widths are its own
+        if self.arch != "deepseek-v3" and self.n_embd % self.n_head != 0:  # MLA's head widths are its own
             choices = [h for h in _divisors(self.n_embd) if h <= 64]
             raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                               f"choose n_head in {choices}")
@@ -121,7 +121,7 @@ class ModelConfig:
             raise ConfigError(f"unknown arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
         if self.arch == "llama":
             self._check_llama()
-        elif self.arch == "deepseek":
+        elif self.arch == "deepseek-v3":
             self._check_deepseek()
         else:
             given = [name for name in LLAMA_FIELDS if getattr(self, name) is not None]
@@ -130,9 +130,9 @@ class ModelConfig:
                                   "multi-head attention, a 4C GELU MLP, learned positions and a tied "
                                   f"head); leave {given[0]} unset or set arch='llama'")
         given = [name for name in DEEPSEEK_FIELDS if getattr(self, name) is not None]
-        if given and self.arch != "deepseek":
+        if given and self.arch != "deepseek-v3":
             raise ConfigError(f"{given[0]} is a DeepSeek-V3 field but arch={self.arch!r}; leave it unset or "
-                              "set arch='deepseek'")
+                              "set arch='deepseek-v3'")
         self._check_moe()
 
     def _check_llama(self) -> None:
@@ -164,7 +164,7 @@ class ModelConfig:
         if not self.norm_eps > 0:
             raise ConfigError(f"norm_eps={self.norm_eps} must be positive; Llama uses 1e-5 or 1e-6")
         if self.dropout != 0.0:
-            family = "DeepSeek-V3" if self.arch == "deepseek" else "Llama"
+            family = "DeepSeek-V3" if self.arch == "deepseek-v3" else "Llama"
             raise ConfigError(f"{family} trains without dropout but dropout={self.dropout}; set dropout=0.0 "
                               "(--dropout 0)")
         if self.moe_experts and self.moe_top_k == 1 and self.moe_norm_topk_prob:
@@ -196,7 +196,7 @@ class ModelConfig:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"arch='deepseek' needs a positive whole {name}, got {value!r} "
+                raise ConfigError(f"arch='deepseek-v3' needs a positive whole {name}, got {value!r} "
                                   "(DeepSeek-V3: kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim "
                                   "64, v_head_dim 128)")
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 1):
@@ -213,7 +213,7 @@ class ModelConfig:
             raise ConfigError("DeepSeek's MoE blocks are those after the first first_k_dense_replace; leave "
                               "moe_layers unset and set first_k_dense_replace")
         if self.moe_experts and (self.moe_intermediate_size is None or self.moe_intermediate_size < 1):
-            raise ConfigError(f"arch='deepseek' with moe_experts={self.moe_experts} needs a positive "
+            raise ConfigError(f"arch='deepseek-v3' with moe_experts={self.moe_experts} needs a positive "
                               "moe_intermediate_size, an expert's SwiGLU width (DeepSeek-V3: 2048)")
         self._check_llama_shared()
 
@@ -293,7 +293,7 @@ class ModelConfig:
         """The blocks whose MLP is a Mixture of Experts (empty without MoE)."""
         if self.moe_experts == 0:
             return ()
-        if self.arch == "deepseek":  # DeepSeek-V3: dense first blocks, then MoE
+        if self.arch == "deepseek-v3":  # DeepSeek-V3: dense first blocks, then MoE
             return tuple(range(self.first_k_dense_replace, self.n_layer))
         return tuple(range(self.n_layer)) if self.moe_layers is None else self.moe_layers
 
@@ -387,7 +387,7 @@ class TrainConfig:
 
     def check_model(self, model: ModelConfig) -> None:
         """Checks that need both configs."""
-        if model.arch == "deepseek" and self.seq_len <= model.num_nextn_predict_layers:
+        if model.arch == "deepseek-v3" and self.seq_len <= model.num_nextn_predict_layers:
             D = model.num_nextn_predict_layers
             raise ConfigError(f"seq_len={self.seq_len} leaves no position for multi-token prediction depth "
                               f"{D}; use --seq-len {D + 1} or more")
@@ -445,7 +445,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     # beside one shared expert, sigmoid gates normalised and scaled by 2.5 and aux-free balancing, as
     # V3 routes.
     "deepseek-tiny": ModelConfig(
-        arch="deepseek", vocab_size=96, n_positions=32, n_embd=64, n_head=4, n_layer=4, dropout=0.0,
+        arch="deepseek-v3", vocab_size=96, n_positions=32, n_embd=64, n_head=4, n_layer=4, dropout=0.0,
         intermediate_size=176, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=16, first_k_dense_replace=1, moe_experts=8, moe_top_k=3, moe_shared_experts=1,
         moe_intermediate_size=32, moe_groups=4, moe_group_limit=2, moe_gate="sigmoid", moe_balance="aux-free",

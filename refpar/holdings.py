@@ -108,9 +108,10 @@ FAMILIES = {
                    "lm_head.weight", ".block_sparse_moe.experts.", _llama_tp_slices, _llama_sp_names),
     # DeepSeek-V3's names are Llama's outside the blocks; its pieces split nothing yet (tp and cp are
     # refused, refpar/engine/validate.py), so every parameter is whole on every rank
-    "deepseek": Names("DeepSeek-V3", "model.layers.", "model.embed_tokens.weight", (), ("model.norm.weight",),
-                      "lm_head.weight", ".mlp.experts.", lambda config, t, rank: {}, lambda config: [],
-                      activations_priced=False),  # MLA's caches: issue 41
+    "deepseek-v3": Names("DeepSeek-V3", "model.layers.", "model.embed_tokens.weight", (),
+                         ("model.norm.weight",), "lm_head.weight", ".mlp.experts.",
+                         lambda config, t, rank: {}, lambda config: [],
+                         activations_priced=False),  # MLA's caches: issue 41
 }
 
 

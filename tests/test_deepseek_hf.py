@@ -31,7 +31,7 @@ from tests.numerics import CONTRACT, rel_diff, within  # noqa: E402
 
 # Every MLA width differs from the others, so a swapped split or transpose cannot line up; norm_eps is
 # not 1e-6, the latent norms' own epsilon.
-DENSE = dict(arch="deepseek", vocab_size=64, n_positions=16, n_embd=32, n_head=4, n_layer=2, dropout=0.0,
+DENSE = dict(arch="deepseek-v3", vocab_size=64, n_positions=16, n_embd=32, n_head=4, n_layer=2, dropout=0.0,
              intermediate_size=48, q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=6,
              v_head_dim=10, rope_theta=500000.0, norm_eps=1e-5)
 

@@ -46,13 +46,13 @@ MODELS = {
     "mixtral": model_preset("llama-tiny", moe_experts=4, moe_top_k=2, moe_capacity_factor=0.8,
                             tie_embeddings=True),
     # DeepSeek-V3's latent attention, shared experts, group-limited routing and one MTP depth
-    "deepseek": model_preset("deepseek-tiny", n_layer=2, num_nextn_predict_layers=1),
+    "deepseek-v3": model_preset("deepseek-tiny", n_layer=2, num_nextn_predict_layers=1),
 }
 
 
 @pytest.mark.parametrize("xp", namespaces())
 @pytest.mark.parametrize("model, optimizer", [("gpt2", "adamw"), ("gpt2", "sgd"), ("llama", "adamw"),
-                                              ("mixtral", "adamw"), ("deepseek", "adamw")])
+                                              ("mixtral", "adamw"), ("deepseek-v3", "adamw")])
 def test_forward_backward_and_optimizer_step_give_the_numpy_numbers(xp, model, optimizer):
     config = MODELS[model]
     train = TrainConfig(optimizer=optimizer)

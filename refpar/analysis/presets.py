@@ -198,7 +198,7 @@ def from_model_config(config: ModelConfig, global_batch: int = 1) -> ModelSpec:
     moe = len(config.moe_blocks)
     experts = dict(n_experts=config.moe_experts if moe else 0, top_k=config.moe_top_k if moe else 0,
                    n_dense_layers=config.n_layer - moe)
-    if config.arch == "deepseek":  # refpar/model/deepseek.py: latent attention, S shared experts
+    if config.arch == "deepseek-v3":  # refpar/model/deepseek.py: latent attention, S shared experts
         mla = dict(q_lora_rank=config.q_lora_rank or 0, kv_lora_rank=config.kv_lora_rank,
                    qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
                    v_head_dim=config.v_head_dim)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from refpar.config import ModelConfig
 from refpar.model import deepseek, gpt, llama, moe
 
-FAMILIES = {"gpt2": gpt, "llama": llama, "deepseek": deepseek}
+FAMILIES = {"gpt2": gpt, "llama": llama, "deepseek-v3": deepseek}
 
 
 def family(config: ModelConfig):

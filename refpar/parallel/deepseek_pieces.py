@@ -7,7 +7,7 @@ weight half as they are; the embedding and the final norm are Llama's (the same 
 What runs it: one device, data parallelism with ZeRO and FSDP, pipeline stages and expert
 parallelism (`moe` is the stage's expert-parallel layer), none of which splits a block's tokens or
 heads. Tensor and context parallelism split multi-head latent attention's heads and positions and
-are refused for arch="deepseek" (refpar/engine/validate.py) until pieces of their own exist.
+are refused for arch="deepseek-v3" (refpar/engine/validate.py) until pieces of their own exist.
 """
 
 from __future__ import annotations

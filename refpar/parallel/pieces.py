@@ -78,7 +78,7 @@ DEEPSEEK = Family(deepseek_pieces.embed_forward, deepseek_pieces.embed_backward,
                   deepseek_pieces.norm_forward, deepseek_pieces.norm_backward,
                   LLAMA.head, attention_forward, attention_backward,  # MLA's heads attend inside its block
                   False, False, splits_attention=False)
-FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "deepseek": DEEPSEEK}
+FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "deepseek-v3": DEEPSEEK}
 
 
 def family(config: ModelConfig) -> Family:
