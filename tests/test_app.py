@@ -147,9 +147,9 @@ def test_pipeline_page_compares_two_schedules_and_explains_bad_ones():
     at.number_input(key="b_m").set_value(6)
     rerun(at)
     assert "divisible" in at.error[0].value and len(at.get("plotly_chart")) == 3
-    at.number_input(key="a_F").set_value(0.0)
+    at.number_input(key="a_F").set_value(0.0)  # refused under its own box, by its own label
     rerun(at)
-    assert any("more than 0" in e.value for e in at.error)
+    assert [e.value for e in at.error if e.value.startswith("F cost = 0: choose 0.1 to 100")]
 
 
 def test_pipeline_page_draws_the_v_schedules_in_two_shades_with_their_published_bubble():

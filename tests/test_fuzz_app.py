@@ -4,6 +4,10 @@ so nothing outside them can arrive) and far above where a widget has no maximum,
 exception; a combination it cannot draw gets a one-line st.error or st.warning sentence instead
 of its figures.
 
+The Pipeline page's figures cost the most to draw (seconds a case): its inputs are fuzzed through the
+page's own functions (app/schedule_figures.py), and the page itself is driven through chosen cases
+in one session.
+
 One AppTest session per page, as one user changing the inputs again and again: each case sets
 every choice (toggle, radio, checkbox, selectbox), reruns, sets every number input that is now on
 the page (near its minimum or its default, but one of them, or none, at an edge of its range), and
@@ -14,6 +18,7 @@ exactly (derandomized, no database: tests/test_fuzz_cli.py says why).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -38,8 +43,6 @@ PAGES = {
     "views/sharding.py": (("ranks", "dp", "tp", "pp"),
                           ("mix two axes (dp x tp with ZeRO, tp x sp, pp x tp)", "axes", "strategy",
                            "ZeRO stage over dp", "sequence parallel (SP) on tp")),
-    "views/pipeline.py": (("p (stages)", "m (microbatches)", "v (chunks per rank)", "F cost", "B cost",
-                           "W cost"), ("compare two schedules side by side", "schedule")),
     "views/communication.py": (("ranks on its axis", "dp replicas", "microbatches"), ("strategy",)),
     "views/memory.py": (("ranks on the strategy's axis", "microbatches (pp)"), ("precision",)),
     "views/plan.py": (("GPUs", "plans shown"), ("model", "hardware")),
@@ -47,7 +50,7 @@ PAGES = {
     "views/serving.py": (("requests", "new tokens per request", "requests decoded together",
                           "cached tokens per request"), ("mesh", "model", "hardware")),
 }
-EXAMPLES = {"views/pipeline.py": 15, "views/plan.py": 15}  # their figures cost the most to draw
+EXAMPLES = {"views/plan.py": 15}  # its figures cost the most to draw (the Pipeline page: below)
 # Selectboxes that show labels for their values (format_func): AppTest sets them by value.
 VALUES = {"strategy": ("dp", "zero1", "zero2", "zero3", "fsdp", "tp", "sp", "ep")}  # sharding.py's NAMES
 
@@ -83,7 +86,7 @@ def choose(widget, index: int, path: str) -> None:
 
 
 # Pages whose errors must name only their own controls: no command-line flag (issue 44).
-IN_PAGE_WORDS = ("views/communication.py", "views/memory.py")
+IN_PAGE_WORDS = ("views/communication.py", "views/memory.py", "views/pipeline.py")
 
 
 def assert_page_is_sound(at: AppTest, where: str, path: str = "") -> None:
@@ -133,6 +136,122 @@ def test_fuzzed_widget_values_never_raise_and_bad_ones_get_one_sentence(path):
     one_case()
     print(f"{path}: {sum(tally.values())} cases, {dict(tally)}")
     assert tally["drawn"], tally
+
+
+# -- the Pipeline page: its inputs through the page's own functions, the page on chosen cases ----------
+
+PIPELINE_BOXES = ("p (stages)", "m (microbatches)", "v (chunks per rank)", "F cost", "B cost", "W cost")
+
+
+def names_a_box(sentence: str, boxes=PIPELINE_BOXES) -> bool:
+    """Whether `sentence` names one of `boxes`, by its label or by its symbol ("m=6", "p in {2, 4}")."""
+    return any(box in sentence or re.search(rf"\b{re.escape(box.split(' (')[0])}(=| in \{{)", sentence)
+               for box in boxes)
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_pipeline_inputs_are_refused_naming_their_box_or_simulated():
+    """Every schedule and any value a user can type (no limits on the boxes: typed values reach the
+    page): the page's checks refuse it in one sentence that opens with the box's label, or the
+    schedule's builder refuses it in one sentence (said in the page's words, no flag) naming a box,
+    or it is simulated: a bubble in [0, 1), and for equal costs the published bubble where one is."""
+    import schedule_figures as parts
+    from page_words import in_page_words
+
+    from refpar.config import ConfigError
+    from refpar.schedules.builders import BUILDERS, default_chunks
+    from refpar.schedules.published import published_bubble_fraction
+
+    tally: Counter = Counter()
+    counts = st.sampled_from((-1, 0, 1, 2, 3, 4, 5, 6, 8, 16, 17, 64, 65, 10**6))
+    costs = st.sampled_from((-1.0, 0.0, 0.05, 0.1, *NEAR_COSTS, 100.0, 100.5, 1e9))
+
+    @fuzz_settings(60)
+    @given(st.sampled_from(tuple(BUILDERS)), counts, counts, st.integers(-1, 5),
+           st.tuples(costs, costs, costs), st.sampled_from(("sum", "max")), st.booleans())
+    def one_case(kind, p, m, v, three, overlap, equal):
+        three = (three[0],) * 3 if equal else three
+        v = v if kind == "interleaved-1f1b" else default_chunks(kind)  # the page's v box is interleaved's
+        overlap = overlap if kind in ("dualpipev", "dualpipe") else "sum"
+        try:
+            parts.check_counts(p, m, v)
+            parts.check_costs(three)
+        except ConfigError as err:
+            said = str(err)
+            assert "\n" not in said and said.startswith(PIPELINE_BOXES), said
+            tally["refused by the page"] += 1
+            return
+        try:
+            _, timeline, _ = parts.timeline_of(kind, p, m, v, *three, overlap)
+        except ConfigError as err:
+            said = in_page_words(str(err), parts.CONTROLS)
+            assert "\n" not in said and "--" not in said and names_a_box(said), said
+            tally["refused by the builder"] += 1
+            return
+        assert 0 <= timeline.bubble_fraction < 1 and timeline.makespan > 0
+        closed = published_bubble_fraction(kind, p, m, v)
+        if equal and closed is not None:
+            assert timeline.bubble_fraction == pytest.approx(closed, abs=1e-12), (kind, p, m, v)
+        tally["simulated"] += 1
+
+    one_case()
+    print(dict(tally))
+    assert len(tally) == 3, tally
+
+
+PIPELINE_DEFAULTS = {"kind": "1f1b", "p": 4, "m": 8, "v": 2, "F": 1.0, "B": 1.0, "W": 1.0, "overlap": "sum"}
+def set_widgets(at: AppTest, values: dict) -> AppTest:
+    """Sets those of `values` (widget key -> value) whose widgets are on the page and differ, and reruns
+    if any did."""
+    changed = False
+    for widget in (*at.selectbox, *at.radio, *at.number_input):
+        if widget.key in values and widget.value != values[widget.key]:
+            widget.set_value(values[widget.key])
+            changed = True
+    return at.run() if changed else at
+
+
+# (widget key -> value) to set, then what the page must show: "drawn" (its figures, no error) or the
+# start of its one error, which names the box. One session, each case on the page's defaults; the
+# side-by-side comparison is tests/test_app.py's.
+PIPELINE_CASES = (
+    ({"p": 0}, "p (stages) = 0: choose 1 to 16"),
+    ({"p": 17}, "p (stages) = 17: choose 1 to 16"),
+    ({"m": 65}, "m (microbatches) = 65: choose 1 to 64"),
+    ({"W": 0.0}, "W cost = 0: choose 0.1 to 100"),
+    ({"F": 1e9}, "F cost = 1e+09: choose 0.1 to 100"),
+    ({"kind": "dualpipev", "m": 2}, "dualpipev needs at least 2p = 8 microbatches, got m=2; "
+                                    "set m (microbatches) to 8 or more"),
+    ({"kind": "interleaved-1f1b", "v": 0}, "v (chunks per rank) = 0: choose 1 to 4"),
+    ({"kind": "interleaved-1f1b", "v": 1}, "interleaved 1F1B needs at least 2 chunks per rank, got v=1; "
+                                           "set v (chunks per rank) to 2 or more"),
+    ({"kind": "dualpipe", "p": 3, "overlap": "max"}, "dualpipe feeds the pipeline from both ends"),
+    ({"kind": "dualpipe", "overlap": "max", "F": 0.5, "B": 2.0, "W": 99.5}, "drawn"),
+)
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_page_refuses_each_bad_box_by_its_label_and_draws_the_rest():
+    at = AppTest.from_file(HOME, default_timeout=TIMEOUT)
+    at.run()
+    at.switch_page("views/pipeline.py")
+    at.run()
+    assert_page_is_sound(at, "opening", "views/pipeline.py")
+    previous: dict = {}
+    for settings, shown in PIPELINE_CASES:
+        # First the case's kind and what boxes it already has, while the last case's bad value still
+        # keeps the page from drawing (figures cost seconds); then the last case's boxes back to the
+        # page's defaults and the boxes the kind brought.
+        at = set_widgets(at, settings)
+        set_widgets(at, {k: PIPELINE_DEFAULTS[k] for k in previous if k not in settings} | settings)
+        assert_page_is_sound(at, f"with {settings}", "views/pipeline.py")
+        errors = [e.value for e in at.error]
+        if shown == "drawn":
+            assert not errors and at.get("plotly_chart"), (settings, errors)
+        else:
+            assert len(errors) == 1 and errors[0].startswith(shown), (settings, errors)
+            assert names_a_box(errors[0]) and not at.get("plotly_chart"), errors
+        previous = settings
 
 
 # -- uploaded traces and kept runs (issue 43): hostile files, not widget values ------------------------

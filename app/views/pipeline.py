@@ -1,86 +1,50 @@
-from dataclasses import replace
-
+import schedule_figures as parts
 import streamlit as st
 from lesson_link import lesson_link
+from page_words import in_page_words
 
 from refpar.config import ConfigError
-from refpar.schedules import stage_map
-from refpar.schedules.builders import BUILDERS, build, default_chunks, model_parts
-from refpar.schedules.formats import format_grid
-from refpar.schedules.published import published_bubble_fraction, published_idle
-from refpar.schedules.simulate import Costs, simulate
-from refpar.viz.pipeline import gantt_figure, grid_figure, idle_total, inflight_figure
+from refpar.schedules.builders import BUILDERS, default_chunks
 
 OVERLAPPED = ("dualpipev", "dualpipe")  # the schedules with overlapped F&B pairs
-
-MAX_P, MAX_M, MAX_V, MAX_COST = 16, 64, 4, 100.0
-
-
-def check(p: int, m: int, v: int, costs: tuple[float, float, float]) -> None:
-    """Refuses what would freeze the browser or mean nothing, in one sentence each."""
-    if not 1 <= p <= MAX_P:
-        raise ConfigError(f"p={p} stages: choose 1 to {MAX_P}")
-    if not 1 <= m <= MAX_M:
-        raise ConfigError(f"m={m} microbatches would draw {m * p * 3:,} bars; choose 1 to {MAX_M}")
-    if not 1 <= v <= MAX_V:
-        raise ConfigError(f"v={v} chunks: choose 1 to {MAX_V}")
-    if not all(0 < c <= MAX_COST for c in costs):
-        raise ConfigError(f"F, B and W must each take more than 0 and at most {MAX_COST:g} units")
-
-
-def chunks_per_rank(kind: str, p: int, v: int) -> int:
-    """How many of the model's parts one rank runs a microbatch through: v for interleaved 1F1B, 2
-    for the V-shaped ones, 1 for the others (DualPipe's two copies each cut the model in p)."""
-    return model_parts(kind, p, v) // p
 
 
 @st.cache_data(max_entries=64)
 def figures(kind: str, p: int, m: int, v: int, F: float, B: float, W: float, overlap: str = "sum",
-            x_end: float | None = None):
-    """F, B and W are what one rank spends on one microbatch, whatever the schedule: a rank that holds
-    c chunks of the model runs each in a c-th of the time, so that schedules of the same model on the
-    same ranks compare (undivided, interleaving would look slower for doing v times the work)."""
-    schedule = build(kind, p, m, v)
-    share = 1 / chunks_per_rank(kind, p, v)
-    timeline = simulate(schedule, Costs(F=F * share, B=B * share, W=W * share, overlap=overlap))
-    label = f"{kind}, p={p}, m={m}" + (f", v={v}" if v > 1 else "")
-    gantt = gantt_figure(timeline, label, x_end)
-    # The published idles are in the costs of one chunk; each is a sum of F, B and W, so a chunk's
-    # share of the costs scales it by the same share.
-    published = published_idle(kind, p, m, Costs(F=F, B=B, W=W, overlap=overlap))
-    if published is not None:
-        published = replace(published, idle=published.idle * share)
-    busiest = None
-    if published is not None:  # the rank that idles most, as the published figure counts idle time
-        count = timeline.inner_idle_time if published.steady else timeline.idle_time
-        busiest = max(map(count, timeline.slots))
-    return {"gantt": gantt, "inflight": inflight_figure(schedule, timeline, "held for backward", x_end),
-            "grid": grid_figure(schedule, "unit-cost grid"), "text": format_grid(schedule),
-            "bubble": timeline.bubble_fraction, "idle": idle_total(gantt), "makespan": timeline.makespan,
-            # the bubble is a ratio of times: equal costs, whatever their size, give the unit-cost form
-            "closed": published_bubble_fraction(kind, p, m, v) if F == B == W else None,
-            "published": published, "busiest": busiest,
-            "whole_backward": not stage_map(schedule).split}  # no W of its own: its B bars are B + W
+            x_end: float | None = None) -> dict:
+    return parts.figures(kind, p, m, v, F, B, W, overlap, x_end)
+
+
+@st.cache_data(max_entries=64)
+def makespan(kind: str, p: int, m: int, v: int, F: float, B: float, W: float, overlap: str = "sum") -> float:
+    """The simulated step's length alone: two schedules side by side are drawn once, on one axis."""
+    return parts.timeline_of(kind, p, m, v, F, B, W, overlap)[1].makespan
 
 
 def controls(key: str, default_kind: str) -> tuple:
     kinds = list(BUILDERS)
     kind = st.selectbox("schedule", kinds, index=kinds.index(default_kind), key=f"{key}kind")
     a, b, c = st.columns(3)
-    p = a.number_input("p (stages)", min_value=1, value=4, key=f"{key}p")
-    m = b.number_input("m (microbatches)", min_value=1, value=8, key=f"{key}m")
+    # No limits on the boxes: a value the page cannot use reaches it and is refused under the boxes,
+    # rather than left in a box the page silently ignores.
+    p = a.number_input("p (stages)", value=4, key=f"{key}p", help=f"1 to {parts.MAX_P}")
+    m = b.number_input("m (microbatches)", value=8, key=f"{key}m", help=f"1 to {parts.MAX_M}")
     v = default_chunks(kind)  # 1, or the 2 stages per rank of the V-shaped and bidirectional ones
     if kind == "interleaved-1f1b":
-        v = c.number_input("v (chunks per rank)", min_value=1, value=2, key=f"{key}v")
+        v = c.number_input("v (chunks per rank)", value=2, key=f"{key}v", help=f"1 to {parts.MAX_V}")
     elif v == 2:
         c.caption("two stages per rank: the first in the kind's colour, the second lighter")
     a, b, c = st.columns(3)
-    per = "one microbatch through all of a rank's chunks"
-    F = a.number_input("F cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}F", help=f"forward of {per}")
-    B = b.number_input("B cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}B",
-                       help=f"backward for the inputs of {per}")
-    W = c.number_input("W cost", min_value=0.0, value=1.0, step=0.5, key=f"{key}W",
-                       help=f"backward for the weights of {per}")
+    per = (f"one microbatch through all of a rank's chunks, {parts.MIN_COST:g} to {parts.MAX_COST:g} "
+           "time units")
+    F, B, W = (col.number_input(label, value=1.0, step=0.5, key=f"{key}{label[0]}", help=f"{what} of {per}")
+               for col, label, what in zip((a, b, c), parts.COSTS, ("forward", "backward for the inputs",
+                                                              "backward for the weights"), strict=True))
+    try:  # refused here, under the boxes, before anything is drawn with them
+        parts.check_counts(int(p), int(m), int(v))
+        parts.check_costs((float(F), float(B), float(W)))
+    except ConfigError as err:
+        st.error(str(err))
     overlap = "sum"
     if kind in OVERLAPPED:
         overlap = st.radio("an overlapped F&B costs", ("sum", "max"), horizontal=True, key=f"{key}overlap",
@@ -89,12 +53,23 @@ def controls(key: str, default_kind: str) -> tuple:
     return key, kind, int(p), int(m), int(v), float(F), float(B), float(W), overlap
 
 
-def computed(key, kind, p, m, v, F, B, W, overlap="sum", x_end=None) -> dict | None:
+def valid(key, kind, p, m, v, F, B, W, overlap="sum") -> bool:
+    """Whether the side's inputs make a schedule (its controls have said why not)."""
     try:
-        check(p, m, v, (F, B, W))
+        parts.check_counts(p, m, v)
+        parts.check_costs((F, B, W))
+    except ConfigError:
+        return False
+    return True
+
+
+def computed(key, kind, p, m, v, F, B, W, overlap="sum", x_end=None) -> dict | None:
+    if not valid(key, kind, p, m, v, F, B, W, overlap):
+        return None
+    try:
         return figures(kind, p, m, v, F, B, W, overlap, x_end)
-    except ConfigError as err:
-        st.error(str(err))
+    except ConfigError as err:  # a schedule its builder refuses (interleaved 1F1B's m and p)
+        st.error(in_page_words(str(err), parts.CONTROLS))
         return None
 
 
@@ -163,13 +138,16 @@ if compare:
         a = controls("a_", "1f1b")
     with right:
         b = controls("b_", "zb-h1")
+    x_end = None
+    if valid(*a) and valid(*b):  # one time axis for both: their lengths compare by eye
+        try:
+            x_end = max(makespan(*a[1:]), makespan(*b[1:]))
+        except ConfigError:
+            pass  # the side its builder refuses says so below
     with left:
-        first = computed(*a)
+        first = computed(*a, x_end=x_end)
     with right:
-        second = computed(*b)
-    if first is not None and second is not None:  # one time axis for both: their lengths compare by eye
-        x_end = max(first["makespan"], second["makespan"])
-        first, second = computed(*a, x_end=x_end), computed(*b, x_end=x_end)
+        second = computed(*b, x_end=x_end)
     with left:
         show(a[0], first, a[2])
     with right:

@@ -118,7 +118,8 @@ class Layout:
 def check_tp(config: ModelConfig, tp: int) -> None:
     if config.n_head % tp != 0:
         choices = [d for d in range(1, config.n_head + 1) if config.n_head % d == 0]
-        raise ConfigError(f"tp={tp} does not divide n_head={config.n_head}; choose tp in {set(choices)}")
+        raise ConfigError(f"tp={tp} does not divide n_head={config.n_head}; choose tp in "
+                          f"{{{', '.join(map(str, choices))}}}")  # sorted, as a person lists them
     if config.vocab_size < tp:
         raise ConfigError(f"tp={tp} is larger than vocab_size={config.vocab_size}; use tp <= vocab_size")
     kv = config.n_kv_head or config.n_head  # GPT-2's kv heads are its heads, which tp divides
@@ -126,7 +127,8 @@ def check_tp(config: ModelConfig, tp: int) -> None:
         choices = sorted({d for d in range(1, config.n_head + 1) if config.n_head % d == 0 and (kv % d == 0
                                                                                           or d % kv == 0)})
         raise ConfigError(f"tp={tp} neither divides n_kv_head={kv} nor is a multiple of it, so a rank's "
-                          f"query heads would read two kv heads; choose tp in {set(choices)}")
+                          f"query heads would read two kv heads; choose tp in "
+                          f"{{{', '.join(map(str, choices))}}}")
 
 
 def shard_params_tp(full: dict, config: ModelConfig, t: int, rank: int) -> dict:
