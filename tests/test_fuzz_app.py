@@ -62,10 +62,11 @@ def number(widget, draw: dict, label: str):
     if isinstance(widget.value, float):
         value = EDGE_COSTS[pick % len(EDGE_COSTS)] if draw["edge"] == label else \
             NEAR_COSTS[pick % len(NEAR_COSTS)]
-    elif draw["edge"] == label:
-        value = [int(low), HUGE[pick % len(HUGE)] if high is None else int(high)][pick % 2]
+    elif draw["edge"] == label:  # a box without a minimum: the page refuses 0 and below itself
+        lowest = 1 - pick // 2 % 3 if low is None else int(low)
+        value = [lowest, HUGE[pick % len(HUGE)] if high is None else int(high)][pick % 2]
     else:
-        value = int([low, widget.proto.default][pick % 2]) + pick // 2 % 9
+        value = int([1 if low is None else low, widget.proto.default][pick % 2]) + pick // 2 % 9
     value = value if high is None else min(value, high)
     return float(value) if isinstance(widget.value, float) else int(value)
 
@@ -86,7 +87,8 @@ def choose(widget, index: int, path: str) -> None:
 
 
 # Pages whose errors must name only their own controls: no command-line flag (issue 44).
-IN_PAGE_WORDS = ("views/communication.py", "views/memory.py", "views/pipeline.py")
+IN_PAGE_WORDS = ("views/communication.py", "views/memory.py", "views/pipeline.py", "views/plan.py",
+                 "views/run.py")
 
 
 def assert_page_is_sound(at: AppTest, where: str, path: str = "") -> None:
@@ -94,7 +96,7 @@ def assert_page_is_sound(at: AppTest, where: str, path: str = "") -> None:
     for element in (*at.error, *at.warning):
         text = str(element.value)
         assert text.strip() and "\n" not in text.strip() and "Traceback" not in text, f"{where}: {text!r}"
-        assert path not in IN_PAGE_WORDS or " --" not in text, f"{where}: {text!r} names a flag"
+        assert path not in IN_PAGE_WORDS or "--" not in text, f"{where}: {text!r} names a flag"
 
 
 @pytest.mark.timeout(600)

@@ -1,9 +1,8 @@
-import re
-
 import streamlit as st
 from family import FAMILIES, family_picker
 from last_run import last_run
 from lesson_link import lesson_link
+from page_words import axis_in_page_words
 
 from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset
 from refpar.parallel.expert_parallel import check_expert_parallel
@@ -35,15 +34,6 @@ def closed_form(strategy: str, n: int, dp: int, microbatches: int, model: str = 
             raise
     batch = (n if expected.AXIS[strategy] == "dp" else dp) * microbatches
     return (*priced(strategy, n, dp, microbatches, model, batch), batch)
-
-
-def in_page_words(sentence: str, strategy: str, n: int) -> str:
-    """refpar's command-line sentence for a mesh this page cannot price, said with this page's
-    controls: the flags it names are not on the page."""
-    if n == 1 and ("or more to --mesh" in sentence or "give the mesh" in sentence):
-        return f"{strategy} splits the work over its axis; choose 2 or more ranks on its axis"
-    return re.sub(r"; use --seq-len \d+ or more$",
-                  f"; this page's sequences are {SEQ} tokens, so choose fewer ranks on its axis", sentence)
 
 
 @st.cache_data(max_entries=16)
@@ -147,7 +137,7 @@ try:
     key = (strategy, int(n), 1 if expected.AXIS[strategy] == "dp" else int(dp), int(m), model)
     sizes, rows, calls, batch = closed_form(*key)
 except ConfigError as err:
-    st.error(in_page_words(str(err), strategy, int(n)))
+    st.error(axis_in_page_words(str(err), strategy, int(n), SEQ))
     st.stop()
 if batch != BATCH:
     st.caption(f"A batch of {batch} sequences, each data rank's {int(m)} microbatches "

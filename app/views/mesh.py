@@ -3,6 +3,7 @@ import math
 import streamlit as st
 from family import family_picker
 from last_run import last_run
+from page_words import mesh_in_page_words
 
 from refpar.analysis.closed_forms import MOMENTS
 from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig
@@ -10,6 +11,7 @@ from refpar.viz import mesh_grid
 from refpar.viz.expected import DP_STRATEGIES
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "zb-h1", "dualpipev")
+MAX_AXIS, MAX_M, MAX_BATCH = mesh_grid.MAX_RANKS, 16, 256
 
 
 BALANCED = ("MoE routing priced as balanced (an assumption): in each microbatch of T tokens every expert "
@@ -41,13 +43,13 @@ def facts_of(model, cfg, sizes: dict, plan, rank: int, moe: dict | None):
     return mesh_grid.rank_facts(model, cfg, sizes, plan, rank, routing_of(moe))
 
 
-def last_run_of(sizes: dict, plan, preset: str) -> dict | None:
+def last_run_of(sizes: dict, plan, preset: str, cfg: TrainConfig) -> dict | None:
     """The last Run for real result if it ran this very mesh, plan and model (its command's arguments
     are this page's) and kept its routing counts, else None."""
     last = last_run()
     if not last or not (last["summary"].get("moe") or {}).get("microbatch_pair_counts"):
         return None
-    args = mesh_grid.train_args(sizes, plan, preset, last["summary"]["steps"], moe=True)
+    args = mesh_grid.train_args(sizes, plan, preset, last["summary"]["steps"], moe=True, cfg=cfg)
     return last if last.get("key") == ("mesh", *args) else None
 
 
@@ -65,32 +67,50 @@ st.markdown(
     "read off the functions the engine places data with (its stage's blocks, its heads and vocabulary "
     "rows, its samples, its sequence positions, its experts, its ZeRO shard) and the bytes a run's "
     "ledger measures. Then step through a training step: what each rank gathers, frees and sends.")
+
+def within(label: str, value: int, high: int) -> int:
+    """`value` if the page can use it, else one sentence naming its box: the boxes have no limits, so
+    that a typed value reaches the page and is refused here, not left in a box the page ignores."""
+    if not 1 <= value <= high:
+        st.error(f"{label} = {value:,}: choose 1 to {high}")
+        st.stop()
+    return int(value)
+
+
 cols = st.columns(5)
-sizes = {a: int(c.number_input(a, min_value=1, max_value=16, value=v, key=f"mesh_{a}"))
+sizes = {a: c.number_input(a, value=v, key=f"mesh_{a}", help=f"1 to {MAX_AXIS}, all five multiplying to at "
+                           f"most {mesh_grid.MAX_RANKS}")
          for a, c, v in zip(MESH_AXES, cols, (2, 2, 1, 1, 2), strict=True)}
-a, b, c, d = st.columns(4)
+a, b, c, d, e, f = st.columns(6)
 strategy = a.selectbox("data parallelism", DP_STRATEGIES, index=3, key="mesh_strategy",
                        help="over each unit's replicas: dp x cp (and ep, in a MoE model)")
 schedule = b.selectbox("schedule", SCHEDULES, disabled=sizes["pp"] == 1, key="mesh_schedule")
-m = int(c.number_input("microbatches", min_value=1, max_value=16, value=2, key="mesh_m"))
-sp = d.checkbox("sequence parallel (sp)", value=False, key="mesh_sp", disabled=sizes["tp"] == 1)
+m = c.number_input("microbatches", value=2, key="mesh_m", help=f"1 to {MAX_M}")
+batch = d.number_input("batch size", value=TrainConfig().batch_size, key="mesh_batch",
+                       help=f"sequences in a step, 1 to {MAX_BATCH}")
+seq = e.number_input("sequence length", value=TrainConfig().seq_len, key="mesh_seq",
+                     help="tokens in a sequence, up to the model's positions")
+sp = f.checkbox("sequence parallel (sp)", value=False, key="mesh_sp", disabled=sizes["tp"] == 1)
 preset = family_picker()
+sizes = {a: within(a, n, MAX_AXIS) for a, n in sizes.items()}
+m, batch = within("microbatches", m, MAX_M), within("batch size", batch, MAX_BATCH)
 model = mesh_grid.mesh_model(preset, sizes["ep"])
-cfg = TrainConfig(steps=1)
+seq = within("sequence length", seq, model.n_positions)
+cfg = TrainConfig(steps=1, batch_size=batch, seq_len=seq)
 plan = Plan(schedule=schedule if sizes["pp"] > 1 else None, microbatches=m, sp=sp and sizes["tp"] > 1,
             zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
             chunks=2 if schedule == "interleaved-1f1b" and sizes["pp"] > 1 else None)
 try:
     sizes = checked(model, cfg, sizes, plan)
 except ConfigError as err:
-    st.error(str(err))
+    st.error(mesh_in_page_words(str(err), strategy))
     st.stop()
 world = math.prod(sizes[a] for a in MESH_AXES)
 moe = None  # the run's routing counts the page prices a MoE mesh with (None: balanced)
 if sizes["ep"] > 1:
     st.caption(f"ep > 1: every block is a Mixture-of-Experts layer of {model.moe_experts} experts, "
                f"top-{model.moe_top_k}")
-    run = last_run_of(sizes, plan, preset)
+    run = last_run_of(sizes, plan, preset, cfg)
     choices = ["balanced (assumed)"] + ([f"the last run's counts ({run['label']})"] if run else [])
     if st.radio("routing", choices, index=len(choices) - 1, horizontal=True, key="mesh_routing",
                 help="what the all-to-alls move and a MoE block keeps follows from the routing counts"
@@ -98,13 +118,13 @@ if sizes["ep"] > 1:
         st.caption(BALANCED + ("" if run else " Run this mesh on Run for real (any mesh) to price its own "
                                "counts here."))
     else:
-        moe, cfg = run["summary"]["moe"], TrainConfig(steps=run["summary"]["steps"])
+        moe, cfg = run["summary"]["moe"], TrainConfig(steps=run["summary"]["steps"], batch_size=batch,
+                                                      seq_len=seq)
         st.caption("MoE routing priced with the run's own kept and pair counts (its --json summary's "
                    "microbatch_kept_counts and microbatch_pair_counts): the step below is its last, the "
                    "peaks its highest over every step.")
-st.code(f"mpiexec -n {world} refpar train "
-        + " ".join(mesh_grid.train_args(sizes, plan, preset, 3, model.moe_experts > 0)), language="bash",
-        wrap_lines=True)
+command = mesh_grid.train_args(sizes, plan, preset, 3, model.moe_experts > 0, cfg=cfg)
+st.code(f"mpiexec -n {world} refpar train " + " ".join(command), language="bash", wrap_lines=True)
 if st.session_state.get("mesh_rank", 0) >= world:
     st.session_state["mesh_rank"] = 0
 rank = st.selectbox("rank", list(range(world)), key="mesh_rank")

@@ -1,5 +1,6 @@
 import streamlit as st
 from lesson_link import lesson_link
+from page_words import in_page_words
 
 from refpar.analysis.calibration import validate
 from refpar.analysis.efficiency import SOFTWARE
@@ -9,7 +10,28 @@ from refpar.analysis.presets import PRESETS, preset
 from refpar.config import ConfigError
 from refpar.viz.plan import plan_figure, plan_label, validation_figure
 
-MAX_GPUS = 1 << 16
+MAX_GPUS, MAX_TOP = 1 << 16, 10
+# The planner's flags as this page's controls, and what to say for what it has no control for.
+CONTROLS = {"gpus": "GPUs", "schedule": "schedule", "chunks": "chunks (interleaved)", "zero": "ZeRO stage",
+            "micro-batch": "micro-batch", "recompute": "recompute", "sp": "sequence parallelism"}
+INSTEAD = {r"use more GPUs, a smaller global batch or a shorter sequence":
+           "choose more GPUs or a smaller model",
+           r"use a global batch that is a multiple of (\d+)": r"choose GPUs that divide it",
+           r"recompute \(--recompute selective or full\)": "set recompute to selective or full"}
+
+
+def said(err: ConfigError) -> str:
+    """The planner's sentence in this page's words."""
+    return in_page_words(str(err), CONTROLS, INSTEAD)
+
+
+def within(label: str, value: int, low: int, high: int | None = None) -> int:
+    """`value` if the page can use it, else a ConfigError naming the box: the boxes have no limits, so
+    that a typed value reaches the page and is refused here rather than left in a box the page ignores."""
+    if value < low or (high is not None and value > high):
+        raise ConfigError(f"{label} = {value:,}: choose {low:,} to {high:,}" if high is not None
+                          else f"{label} = {value:,}: choose {low:,} or more")
+    return int(value)
 
 
 @st.cache_data(max_entries=32)
@@ -51,15 +73,14 @@ names = list(PRESETS)
 a, b, c, d = st.columns(4)
 model = a.selectbox("model", names, index=names.index("gpt3-175b") if "gpt3-175b" in names else 0)
 hw = b.selectbox("hardware", list(HARDWARE), index=list(HARDWARE).index("h100") if "h100" in HARDWARE else 0)
-gpus = c.number_input("GPUs", min_value=1, value=1024, step=8)
-top = d.number_input("plans shown", min_value=1, max_value=10, value=5)
+gpus = c.number_input("GPUs", value=1024, step=8, key="plan_gpus", help=f"1 to {MAX_GPUS:,}")
+top = d.number_input("plans shown", value=5, key="plan_top", help=f"1 to {MAX_TOP}")
 software = st.selectbox("software", list(SOFTWARE), help="which attention kernel, and what overlaps what")
 try:
-    if gpus > MAX_GPUS:
-        raise ConfigError(f"{gpus:,} GPUs: choose at most {MAX_GPUS:,}")
-    result = plans(model, hw, int(gpus), int(top), software)
+    gpus, top = within("GPUs", gpus, 1, MAX_GPUS), within("plans shown", top, 1, MAX_TOP)
+    result = plans(model, hw, gpus, top, software)
 except ConfigError as err:
-    st.error(str(err))
+    st.error(said(err))
     st.stop()
 st.plotly_chart(plan_figure(result), width="stretch")
 st.dataframe(table(result["plans"]), hide_index=True)
@@ -69,17 +90,19 @@ st.markdown("Give a mesh (dp takes the GPUs the others leave) and the options; t
             "as a search row and ranked among the plans the search finds.")
 sizes = {}
 for column, axis in zip(st.columns(4), [a for a in AXES if a != "dp"], strict=True):
-    sizes[axis] = column.number_input(axis, min_value=1, value={"tp": 8, "pp": 8}.get(axis, 1),
-                                      key=f"price-{axis}")
+    sizes[axis] = column.number_input(axis, value={"tp": 8, "pp": 8}.get(axis, 1), key=f"price-{axis}",
+                                      help="1 to the GPUs")
 e, f, g, h = st.columns(4)
 zero = e.selectbox("ZeRO stage", ZERO_STAGES, key="price-zero")
 schedule = f.selectbox("schedule", SCHEDULES, index=SCHEDULES.index("1f1b"), key="price-schedule")
-chunks = g.number_input("chunks (interleaved)", min_value=2, value=2, key="price-chunks")
-micro_batch = h.number_input("micro-batch", min_value=1, value=1, key="price-micro")
+chunks = g.number_input("chunks (interleaved)", value=2, key="price-chunks", help="2 or more")
+micro_batch = h.number_input("micro-batch", value=1, key="price-micro", help="1 or more")
 i, j = st.columns(2)
 recompute = i.selectbox("recompute", RECOMPUTE, index=RECOMPUTE.index("selective"), key="price-recompute")
 sp = j.checkbox("sequence parallelism", value=True, key="price-sp")
 try:
+    sizes = {axis: within(axis, size, 1, gpus) for axis, size in sizes.items()}
+    chunks, micro_batch = within("chunks (interleaved)", chunks, 2), within("micro-batch", micro_batch, 1)
     replica = sizes["tp"] * sizes["pp"] * sizes["cp"] * sizes["ep"]
     if int(gpus) % replica:
         raise ConfigError(f"tp x pp x cp x ep = {replica} does not divide {int(gpus)} GPUs; choose sizes "
@@ -90,7 +113,7 @@ try:
                ("sp", bool(sp and mesh["tp"] > 1)))
     mine = priced(model, hw, int(gpus), tuple(mesh.items()), options, software)
 except ConfigError as err:
-    st.error(str(err))
+    st.error(said(err))
 else:
     row = mine["plans"][0]
     st.markdown(f"**{plan_label(row)}**: step {row['step_time_s']:.3f} s, MFU {100 * row['mfu']:.1f}%; "

@@ -8,6 +8,7 @@ from family import family_picker
 from last_run import last_run
 from launcher import MAX_STEPS, TIME_LIMIT_S, Launcher, mpiexec, shared
 from lesson_link import lesson_link
+from page_words import axis_in_page_words, mesh_in_page_words
 
 from refpar.config import MESH_AXES, ConfigError, Plan, TrainConfig, model_preset
 from refpar.viz import expected, mesh_grid
@@ -88,36 +89,45 @@ last_run()  # after a reload, or a new start of the app: the kept result
 trace = run.trace_path()
 argv, key, label = None, None, ""
 if whole:
+    # No limits on the boxes: a typed value reaches the page, which refuses it by its box's label.
     cols = st.columns(5)
-    sizes = {a: int(col.number_input(a, min_value=1, max_value=16, value=DEMO[a], key=f"run_{a}"))
+    sizes = {a: int(col.number_input(a, value=DEMO[a], key=f"run_{a}", help=f"1 to {mesh_grid.MAX_RANKS}"))
              for a, col in zip(MESH_AXES, cols, strict=True)}
-    a, b, c, d, e = st.columns(5)
+    a, b, c, d, e, f, g = st.columns(7)
     strategy = a.selectbox("data parallelism", expected.DP_STRATEGIES, key="run_strategy")
     schedule = b.selectbox("schedule", SCHEDULES, disabled=sizes["pp"] == 1, key="run_schedule")
-    m = int(c.number_input("microbatches", min_value=1, value=4, key="run_m"))
-    steps = int(d.number_input("steps", min_value=1, value=3, help=f"at most {MAX_STEPS}", key="run_steps"))
-    sp = e.checkbox("sp", disabled=sizes["tp"] == 1, key="run_sp")
+    m = int(c.number_input("microbatches", value=4, key="run_m", help="1 or more"))
+    batch = int(d.number_input("batch size", value=TrainConfig().batch_size, key="run_batch",
+                               help="sequences in a step"))
+    seq = int(e.number_input("sequence length", value=TrainConfig().seq_len, key="run_seq",
+                             help="tokens in a sequence, up to the model's positions"))
+    steps = int(f.number_input("steps", value=3, help=f"1 to {MAX_STEPS}", key="run_steps"))
+    sp = g.checkbox("sp", disabled=sizes["tp"] == 1, key="run_sp")
     model = family_picker()
-    plan = Plan(schedule=schedule if sizes["pp"] > 1 else None, microbatches=m, sp=sp and sizes["tp"] > 1,
-                zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
-                chunks=2 if schedule == "interleaved-1f1b" and sizes["pp"] > 1 else None)
     try:
-        if steps > MAX_STEPS:
-            raise ConfigError(f"{steps} steps: choose 1 to {MAX_STEPS}, this is a demonstration")
-        cfg = TrainConfig(steps=steps)
+        for label, value, high in (*((a, n, mesh_grid.MAX_RANKS) for a, n in sizes.items()),
+                                   ("microbatches", m, None), ("batch size", batch, None),
+                                   ("sequence length", seq, None), ("steps", steps, MAX_STEPS)):
+            if value < 1 or (high is not None and value > high):
+                raise ConfigError(f"{label} = {value:,}: choose 1 to {high}" if high is not None else
+                                  f"{label} = {value:,}: choose 1 or more")
+        plan = Plan(schedule=schedule if sizes["pp"] > 1 else None, microbatches=m, sp=sp and sizes["tp"] > 1,
+                    zero=int(strategy[-1]) if strategy.startswith("zero") else 0, fsdp=strategy == "fsdp",
+                    chunks=2 if schedule == "interleaved-1f1b" and sizes["pp"] > 1 else None)
+        cfg = TrainConfig(steps=steps, batch_size=batch, seq_len=seq)
         full = mesh_grid.check_mesh(mesh_grid.mesh_model(model, sizes["ep"]), cfg, sizes, plan)
         launch = mpiexec()
         if launch is None:
             raise ConfigError("mpiexec is not installed; pip install mpich (the mpich extra) and reload")
         world = math.prod(full.values())
-        args = mesh_grid.train_args(full, plan, model, steps, moe=full["ep"] > 1)
+        args = mesh_grid.train_args(full, plan, model, steps, moe=full["ep"] > 1, cfg=cfg)
         argv = [launch, "-n", str(world), sys.executable, "-m", "refpar", "train", *args, "--json", "--trace",
                 trace]
         key = ("mesh", *args)
         mesh = " x ".join(f"{k}={v}" for k, v in full.items() if v > 1) or "one rank"
         label = f"{mesh} {strategy} ({model})"
     except ConfigError as err:
-        st.error(str(err))
+        st.error(mesh_in_page_words(str(err), strategy))
 else:
     a, b, c, d, e = st.columns(5)
     strategy = a.selectbox("strategy", expected.STRATEGIES, index=0)
@@ -141,7 +151,7 @@ else:
                 *expected.train_args(w, trace), "--check"]
         label = f"{' '.join(f'{k}={v}' for k, v in w.sizes.items() if v > 1)} {strategy} ({model})"
     except ConfigError as err:
-        st.error(str(err))
+        st.error(axis_in_page_words(str(err), strategy, int(n), TrainConfig().seq_len))
         argv = None
 st.code(" ".join(argv) if argv else "", language="bash", wrap_lines=True)
 if st.button("Start", type="primary", disabled=argv is None or run.running()):

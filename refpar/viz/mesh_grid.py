@@ -56,7 +56,8 @@ def check_mesh(model: ModelConfig, cfg: TrainConfig, sizes: dict, plan: Plan) ->
     full = ParallelConfig(dict(sizes)).sizes
     world = math.prod(full[a] for a in MESH_AXES)
     if world > MAX_RANKS:
-        raise ConfigError(f"the mesh has {world} ranks; choose sizes that multiply to at most {MAX_RANKS}")
+        raise ConfigError(f"pp x dp x ep x cp x tp = {world} ranks; choose sizes that multiply to at most "
+                          f"{MAX_RANKS}")
     validate(model, cfg, full, plan)
     return full
 
@@ -354,9 +355,10 @@ MOE = {"moe_experts": 4, "moe_top_k": 2}
 
 
 def train_args(sizes: dict, plan: Plan, preset: str, steps: int, moe: bool = False,
-               check: bool = True) -> list[str]:
+               check: bool = True, cfg: TrainConfig | None = None) -> list[str]:
     """The `refpar train` arguments that run this mesh and plan (after `mpiexec -n world`): the
-    model's preset, with `mesh_model`'s experts when `moe`; `check`: against one device."""
+    model's preset, with `mesh_model`'s experts when `moe`; `check`: against one device; `cfg`'s batch
+    size and sequence length where they are not refpar's defaults."""
     mesh = ",".join(f"{a}={sizes[a]}" for a in MESH_AXES if sizes[a] > 1) or "dp=1"
     args = ["--mesh", mesh, "--steps", str(steps), "--model", preset,
             "--microbatches", str(plan.microbatches)]
@@ -374,4 +376,8 @@ def train_args(sizes: dict, plan: Plan, preset: str, steps: int, moe: bool = Fal
         args += ["--chunks", str(plan.chunks)]
     if moe:
         args += ["--moe-experts", str(MOE["moe_experts"]), "--moe-topk", str(MOE["moe_top_k"])]
+    if cfg is not None and cfg.batch_size != TrainConfig().batch_size:
+        args += ["--batch-size", str(cfg.batch_size)]
+    if cfg is not None and cfg.seq_len != TrainConfig().seq_len:
+        args += ["--seq-len", str(cfg.seq_len)]
     return args + ["--check"] * check
