@@ -5,6 +5,19 @@ its numbers and its reason, and names the box or choice to change."""
 
 import re
 
+from refpar.config import ConfigError
+from refpar.viz.expected import AXIS
+
+
+def within(label: str, value: int, low: int, high: int | None = None) -> int:
+    """`value` if the page can use it, else a ConfigError naming the box: the boxes have no limits, so
+    that a typed value reaches the page and is refused by its label rather than left in a box the page
+    ignores."""
+    if value < low or (high is not None and value > high):
+        raise ConfigError(f"{label} = {value:,}: choose {low:,} to {high:,}" if high is not None
+                          else f"{label} = {value:,}: choose {low:,} or more")
+    return int(value)
+
 
 def in_page_words(sentence: str, controls: dict[str, str], instead: dict[str, str] | None = None) -> str:
     """`sentence` with each `--flag` of `controls` (flag without its dashes -> the page's label) said as
@@ -62,5 +75,22 @@ def axis_in_page_words(sentence: str, strategy: str, n: int, seq: int) -> str:
         r"use --batch-size \d+ or more, or fewer microbatches": "choose fewer microbatches",
         r"use --batch-size \d+ or more so every rank has a sequence":
             "choose fewer ranks on its axis or fewer dp replicas",
+        rf"^{AXIS.get(strategy, strategy)}=(\d+)": r"\1 ranks on its axis",
+        rf"choose {AXIS.get(strategy, strategy)} in": "choose ranks on its axis in",
     }
     return in_page_words(sentence, AXIS_CONTROLS, instead)
+
+
+# The planner's flags (refpar.analysis.planner) as the controls of the pages that price a published model
+# (Plan, and the at-scale sections of app/at_scale.py), and what to say for what they have no control for.
+PLANNER_CONTROLS = {"gpus": "GPUs", "schedule": "schedule", "chunks": "chunks (interleaved)",
+                    "zero": "ZeRO stage", "micro-batch": "micro-batch", "recompute": "recompute",
+                    "sp": "sequence parallelism"}
+PLANNER_INSTEAD = {r"use more GPUs, a smaller global batch or a shorter sequence":
+                   "choose more GPUs or a smaller model",
+                   r"use a global batch that is a multiple of (\d+)": r"choose GPUs that divide it",
+                   r"recompute \(--recompute selective or full\)": "set recompute to selective or full"}
+
+
+def planner_in_page_words(sentence: str) -> str:
+    return in_page_words(sentence, PLANNER_CONTROLS, PLANNER_INSTEAD)

@@ -41,9 +41,15 @@ def assert_in_page_words(sentence: str, labels: set[str]) -> None:
         assert numbers == sorted(numbers), sentence
 
 
+def widget(at: AppTest, name: str):
+    """The page's number box or choice whose key, or else label, is `name`."""
+    boxes = [w for kind in ("number_input", "selectbox") for w in getattr(at, kind)]
+    return next(w for w in boxes if w.key == name or (w.key is None and w.label == name))
+
+
 def drive(path: str, cases: tuple, before: dict | None = None) -> None:
-    """Opens `path` (its widgets set to `before` first), then for each (widget key -> value, the start of
-    the one error wanted): sets them, checks the sentence, and sets them back to what they were."""
+    """Opens `path` (its toggles set to `before` first), then for each (widget key or label -> value, the
+    start of the one error wanted): sets them, checks the sentence, and sets them back as they were."""
     at = AppTest.from_file(HOME, default_timeout=TIMEOUT)
     at.run()
     at.switch_page(path)
@@ -51,19 +57,17 @@ def drive(path: str, cases: tuple, before: dict | None = None) -> None:
     for key, value in (before or {}).items():
         at.toggle(key=key).set_value(value).run()
     assert not at.exception, [e.value for e in at.exception]
-    widgets = {w.key: w for kind in ("number_input", "selectbox") for w in getattr(at, kind) if w.key}
-    defaults = {key: w.value for key, w in widgets.items()}
+    defaults = {name: widget(at, name).value for settings, _ in cases for name in settings}
     for settings, wanted in cases:
-        for key, value in settings.items():
-            widgets[key].set_value(value)
+        for name, value in settings.items():
+            widget(at, name).set_value(value)
         at.run()
         assert not at.exception, (settings, [e.value for e in at.exception])
         errors = [e.value for e in at.error]
         assert len(errors) == 1 and errors[0].startswith(wanted), (settings, errors)
         assert_in_page_words(errors[0], controls(at))
-        widgets = {w.key: w for kind in ("number_input", "selectbox") for w in getattr(at, kind) if w.key}
-        for key in settings:
-            widgets[key].set_value(defaults[key])
+        for name in settings:
+            widget(at, name).set_value(defaults[name])
 
 
 MESH_CASES = (  # the page's default: pp=2 x dp=2 x tp=2, ZeRO-3, 2 microbatches, batch 8 of 16 tokens
@@ -110,6 +114,31 @@ def test_plan_page_refuses_bad_inputs_in_its_own_words():
         ({"plan_top": 11}, "plans shown = 11: choose 1 to 10"),
         ({"plan_gpus": 0}, "GPUs = 0: choose 1 to 65,536"),
         ({"plan_gpus": 7}, "GPUs 7 is neither a power of two"),
+    ))
+
+
+@pytest.mark.timeout(300)
+def test_memory_communication_serving_and_sharding_refuse_bad_inputs_in_their_own_words():
+    drive("views/memory.py", (
+        ({"memory_n": 0}, "ranks on the strategy's axis = 0: choose 1 to 16"),
+        ({"memory_m": 9}, "microbatches (pp) = 9: choose 1 to 8"),
+    ))
+    drive("views/communication.py", (
+        ({"comm_n": 0}, "ranks on its axis = 0: choose 1 or more"),
+        ({"comm_m": -1}, "microbatches = -1: choose 1 or more"),
+        ({"comm_strategy": "zero3", "comm_n": 1},
+         "zero3 splits the work over its axis; choose 2 or more ranks on its axis"),
+        ({"comm_n": 3}, "3 ranks on its axis does not divide n_head=4; choose ranks on its axis in "
+                        "{1, 2, 4}"),
+    ))
+    drive("views/serving.py", (
+        ({"serve_n": 0}, "requests = 0: choose 1 to"),
+        ({"serve_new": 1000}, "new tokens per request = 1,000: choose 1 to"),
+        ({"serve_batch": 1025}, "requests decoded together = 1,025: choose 1 to 1,024"),
+        ({"serve_context": 0}, "cached tokens per request = 0: choose 1 to"),
+    ))
+    drive("views/sharding.py", (
+        ({"ranks": 9}, "9 ranks cannot be told apart on screen; choose 1 to 8"),
     ))
 
 

@@ -1,4 +1,5 @@
 import streamlit as st
+from at_scale import show_at_scale
 from family import FAMILIES, family_picker
 from last_run import last_run
 from lesson_link import lesson_link
@@ -111,14 +112,18 @@ for name, default in (("comm_strategy", "tp"), ("comm_n", 2), ("comm_dp", 2), ("
     st.session_state.setdefault(name, default)
 a, b, c, d = st.columns(4)
 strategy = a.selectbox("strategy", (*expected.STRATEGIES, "ep"), key="comm_strategy")
-n = b.number_input("ranks on its axis", min_value=1, key="comm_n",
+n = b.number_input("ranks on its axis", step=1, key="comm_n",
                    help="dp for DP, ZeRO and FSDP; tp for TP and SP; cp for CP; pp for PP; ep for EP")
-dp = c.number_input("dp replicas", min_value=1, key="comm_dp",
+dp = c.number_input("dp replicas", step=1, key="comm_dp",
                     disabled=strategy != "ep" and expected.AXIS[strategy] == "dp",
                     help="tp, sp, cp, pp and ep can be replicated over dp")
-m = d.number_input("microbatches", min_value=1, disabled=strategy == "ep", key="comm_m",
+m = d.number_input("microbatches", step=1, disabled=strategy == "ep", key="comm_m",
                    help="pp: m per step; dp strategies: gradient accumulation")
 model = family_picker() if strategy != "ep" else "tiny"
+for label, value in (("ranks on its axis", n), ("dp replicas", dp), ("microbatches", m)):
+    if value < 1:  # the boxes have no limits: a typed value reaches the page and is refused here
+        st.error(f"{label} = {value:,}: choose 1 or more")
+        st.stop()
 if strategy == "ep":
     st.markdown(f"A tiny GPT-2 whose {EP_MODEL.n_layer} blocks each hold {EP_MODEL.moe_experts} experts "
                 "(top-1, capacity factor 1.25), one sequence per data rank. Each block's router picks "
@@ -159,3 +164,5 @@ if run is None:
     st.info("Launch a run on the Run for real page: its measured bytes appear here, whatever the mesh above.")
 else:
     show_run(run)
+
+show_at_scale("communication_scale", "llama3-70b", memory=False)

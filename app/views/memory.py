@@ -1,4 +1,5 @@
 import streamlit as st
+from at_scale import show_at_scale
 from family import family_picker
 from last_run import last_run
 from lesson_link import lesson_link
@@ -46,11 +47,16 @@ st.markdown(
 )
 lesson_link(3)
 a, b = st.columns(2)
-n = a.number_input("ranks on the strategy's axis", min_value=1, max_value=expected.MAX_WORLD, value=4)
-m = b.number_input("microbatches (pp)", min_value=1, max_value=BATCH, value=4,
-                   help=f"at most the batch of {BATCH} sequences")
+# No limits on the boxes: a typed value reaches the page, which refuses it by the box's label.
+n = a.number_input("ranks on the strategy's axis", value=4, key="memory_n", help=f"1 to {expected.MAX_WORLD}")
+m = b.number_input("microbatches (pp)", value=4, key="memory_m", help=f"1 to the batch of {BATCH} sequences")
 precision = st.radio("precision", ("fp64", "bf16-mixed"), horizontal=True)
 model = family_picker()
+for label, value, high in (("ranks on the strategy's axis", n, expected.MAX_WORLD),
+                           ("microbatches (pp)", m, BATCH)):
+    if not 1 <= value <= high:
+        st.error(f"{label} = {value:,}: choose 1 to {high}")
+        st.stop()
 if precision != "fp64":
     lesson_link(10)  # where the 2 + 2 + 4 + 8 bytes come from, measured
 if batch_for(int(n)) != BATCH:
@@ -59,7 +65,7 @@ columns, skipped = rank0_memory(int(n), int(m), precision, model)
 if columns:
     st.plotly_chart(comm.memory_figure(columns, "peak bytes on rank 0, closed form"), width="stretch")
 else:
-    st.error(f"No strategy runs on {n} ranks of this model; choose fewer ranks.")
+    st.error(f"No strategy runs on {n} ranks of this model; choose fewer ranks on the strategy's axis.")
 if skipped:  # one sentence naming what is left out and what to change here; refpar's reasons below it
     st.warning(f"Left out on {n} ranks: {', '.join(skipped)}; choose another number of ranks to see "
                f"{'it' if len(skipped) == 1 else 'them'}.")
@@ -78,3 +84,5 @@ if run is not None:
     st.plotly_chart(comm.memory_figure(pairs, "closed form next to measured, every rank"), width="stretch")
 else:
     st.info("Launch a run on the Run for real page to see every rank's measured peaks beside these.")
+
+show_at_scale("memory_scale", "llama3-8b", comm=False)

@@ -1,6 +1,7 @@
 import math
 
 import streamlit as st
+from at_scale import show_at_scale
 from family import family_picker
 from last_run import last_run
 from page_words import mesh_in_page_words
@@ -154,3 +155,5 @@ right.markdown(f"**Rank {rank}, {moment}**\n\n- computes: {mine.computes}\n"
                + "".join(f"\n  - {axis}: {n:,} B" for axis, n in mesh_grid.sent_by_axis(mine).items()))
 if mine.calls:
     st.dataframe(mine.calls, hide_index=True, width="stretch")
+
+show_at_scale("mesh_scale", "deepseek-v3")

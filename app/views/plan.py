@@ -1,6 +1,6 @@
 import streamlit as st
 from lesson_link import lesson_link
-from page_words import in_page_words
+from page_words import planner_in_page_words, within
 
 from refpar.analysis.calibration import validate
 from refpar.analysis.efficiency import SOFTWARE
@@ -11,27 +11,6 @@ from refpar.config import ConfigError
 from refpar.viz.plan import plan_figure, plan_label, validation_figure
 
 MAX_GPUS, MAX_TOP = 1 << 16, 10
-# The planner's flags as this page's controls, and what to say for what it has no control for.
-CONTROLS = {"gpus": "GPUs", "schedule": "schedule", "chunks": "chunks (interleaved)", "zero": "ZeRO stage",
-            "micro-batch": "micro-batch", "recompute": "recompute", "sp": "sequence parallelism"}
-INSTEAD = {r"use more GPUs, a smaller global batch or a shorter sequence":
-           "choose more GPUs or a smaller model",
-           r"use a global batch that is a multiple of (\d+)": r"choose GPUs that divide it",
-           r"recompute \(--recompute selective or full\)": "set recompute to selective or full"}
-
-
-def said(err: ConfigError) -> str:
-    """The planner's sentence in this page's words."""
-    return in_page_words(str(err), CONTROLS, INSTEAD)
-
-
-def within(label: str, value: int, low: int, high: int | None = None) -> int:
-    """`value` if the page can use it, else a ConfigError naming the box: the boxes have no limits, so
-    that a typed value reaches the page and is refused here rather than left in a box the page ignores."""
-    if value < low or (high is not None and value > high):
-        raise ConfigError(f"{label} = {value:,}: choose {low:,} to {high:,}" if high is not None
-                          else f"{label} = {value:,}: choose {low:,} or more")
-    return int(value)
 
 
 @st.cache_data(max_entries=32)
@@ -80,7 +59,7 @@ try:
     gpus, top = within("GPUs", gpus, 1, MAX_GPUS), within("plans shown", top, 1, MAX_TOP)
     result = plans(model, hw, gpus, top, software)
 except ConfigError as err:
-    st.error(said(err))
+    st.error(planner_in_page_words(str(err)))
     st.stop()
 st.plotly_chart(plan_figure(result), width="stretch")
 st.dataframe(table(result["plans"]), hide_index=True)
@@ -113,7 +92,7 @@ try:
                ("sp", bool(sp and mesh["tp"] > 1)))
     mine = priced(model, hw, int(gpus), tuple(mesh.items()), options, software)
 except ConfigError as err:
-    st.error(said(err))
+    st.error(planner_in_page_words(str(err)))
 else:
     row = mine["plans"][0]
     st.markdown(f"**{plan_label(row)}**: step {row['step_time_s']:.3f} s, MFU {100 * row['mfu']:.1f}%; "

@@ -16,6 +16,7 @@ MESHES = ("tp=2", "cp=2", "pp=2", "tp=4", "cp=4", "pp=4", "tp=2,cp=2", "tp=2,pp=
 PROMPTS, ARRIVALS = (12, 5, 20, 8, 9, 15), (0, 0, 1, 3, 4, 6)  # request i's prompt length and arrival step
 MAX_NEW_TOKENS, MAX_BATCH = 8, 3  # the tiny models hold 32 positions: 20 + 8 fit
 MAX_CONTEXT = 1 << 20
+MAX_DECODED = 1024  # requests decoded together at scale
 
 
 @st.cache_data(max_entries=32)
@@ -55,8 +56,9 @@ st.markdown(
 lesson_link(12)
 a, b, c = st.columns(3)
 mesh = a.selectbox("mesh", MESHES, index=0)
-n = b.number_input("requests", min_value=1, value=4, help=f"at most {len(PROMPTS)}")
-new = c.number_input("new tokens per request", min_value=1, value=4, help=f"at most {MAX_NEW_TOKENS}")
+# No limits on the boxes: a typed value reaches the page, which refuses it by the box's label.
+n = b.number_input("requests", value=4, key="serve_n", help=f"1 to {len(PROMPTS)}")
+new = c.number_input("new tokens per request", value=4, key="serve_new", help=f"1 to {MAX_NEW_TOKENS}")
 model = family_picker()
 a, b, c = st.columns(3)
 paged = a.checkbox("paged KV cache", help="fixed-size blocks from a pool, a block table per request (vLLM)")
@@ -65,11 +67,11 @@ blocks = c.slider("blocks per rank (0: room for all)", min_value=0, max_value=32
                   help="a small pool preempts requests and recomputes them")
 run = shared()
 try:
-    if n > len(PROMPTS):
-        raise ConfigError(f"{n} requests: choose 1 to {len(PROMPTS)}, this is a demonstration")
-    if new > MAX_NEW_TOKENS:
-        raise ConfigError(f"{new} new tokens: choose 1 to {MAX_NEW_TOKENS}, the tiny models hold "
-                          "32 positions")
+    if not 1 <= n <= len(PROMPTS):
+        raise ConfigError(f"requests = {n:,}: choose 1 to {len(PROMPTS)}, this is a demonstration")
+    if not 1 <= new <= MAX_NEW_TOKENS:
+        raise ConfigError(f"new tokens per request = {new:,}: choose 1 to {MAX_NEW_TOKENS}, the tiny models "
+                          "hold 32 positions")
     launch = mpiexec()
     if launch is None:
         raise ConfigError("mpiexec is not installed; pip install mpich (the mpich extra) and reload")
@@ -115,12 +117,14 @@ names = list(PRESETS)
 a, b, c, d = st.columns(4)
 model = a.selectbox("model", names, index=names.index("llama2-70b") if "llama2-70b" in names else 0)
 hw = b.selectbox("hardware", list(HARDWARE), index=list(HARDWARE).index("h100") if "h100" in HARDWARE else 0)
-batch = c.number_input("requests decoded together", min_value=1, max_value=1024, value=1)
-context = d.number_input("cached tokens per request", min_value=1, value=4096,
-                         help=f"at most {MAX_CONTEXT:,}")
+batch = c.number_input("requests decoded together", value=1, key="serve_batch", help=f"1 to {MAX_DECODED:,}")
+context = d.number_input("cached tokens per request", value=4096, key="serve_context",
+                         help=f"1 to {MAX_CONTEXT:,}")
 try:
-    if context > MAX_CONTEXT:
-        raise ConfigError(f"{context:,} cached tokens: choose at most {MAX_CONTEXT:,}")
+    if not 1 <= batch <= MAX_DECODED:
+        raise ConfigError(f"requests decoded together = {batch:,}: choose 1 to {MAX_DECODED:,}")
+    if not 1 <= context <= MAX_CONTEXT:
+        raise ConfigError(f"cached tokens per request = {context:,}: choose 1 to {MAX_CONTEXT:,}")
     rows = at_scale(model, hw, int(batch), int(context))
 except ConfigError as err:
     st.error(str(err))
