@@ -4,6 +4,7 @@ from family import FAMILIES, family_picker
 from last_run import last_run
 from lesson_link import lesson_link
 from page_words import axis_in_page_words
+from ring_view import show_ring
 
 from refpar.config import ConfigError, ParallelConfig, TrainConfig, model_preset
 from refpar.parallel.expert_parallel import check_expert_parallel
@@ -160,6 +161,7 @@ else:
     left.plotly_chart(comm.traffic_figure(rows, sizes, "who sends to whom, one step"), width="stretch")
     right.markdown("The pipeline's messages are per microbatch: the Pipeline page draws when each "
                    "one is sent.")
+show_ring(int(n))
 if run is None:
     st.info("Launch a run on the Run for real page: its measured bytes appear here, whatever the mesh above.")
 else:
