@@ -1,10 +1,11 @@
 """The executed timeline of a traced run (refpar.viz.timeline) next to its simulated schedule
-(refpar.viz.pipeline), for the Run for real page: its last run's trace, or an uploaded --trace file."""
+(refpar.viz.pipeline), for the Run for real page: its last run's trace, or an uploaded --trace file;
+an uploaded PATH.jsonl (every message of the run) as the Communication page draws a run's calls."""
 
 import streamlit as st
 
 from refpar.config import ConfigError
-from refpar.viz import timeline
+from refpar.viz import comm, timeline
 
 
 def show_timeline(trace: dict, label: str, key: str) -> None:
@@ -21,10 +22,16 @@ def show_timeline(trace: dict, label: str, key: str) -> None:
     st.caption(note)
 
 
-def show_upload(name: str, data: bytes) -> None:
-    """An uploaded trace's figures, or one st.error sentence saying what the file is instead."""
+def show_upload(name: str, data: bytes, key: str = "uploaded") -> None:
+    """An uploaded trace's figures (PATH: the executed timeline; PATH.jsonl: every call, rank by rank),
+    or one st.error sentence saying what the file is instead."""
     try:
-        trace = timeline.read_trace_upload(name, data)
-        show_timeline(trace, name, "uploaded")
+        if name.endswith(".jsonl"):
+            trace = timeline.read_jsonl_upload(name, data)
+            st.plotly_chart(comm.trace_figure(trace, f"{name}: every call of the run"), width="stretch",
+                            key=f"{key}-calls")
+            st.caption("PATH.jsonl holds the run's messages only; its actions (F, B, W) are in PATH.")
+        else:
+            show_timeline(timeline.read_trace_upload(name, data), name, key)
     except ConfigError as err:
         st.error(str(err))

@@ -396,3 +396,48 @@ def test_fuzzed_kept_runs_are_drawn_by_every_page_or_refused_in_one_sentence(tmp
     one_case()
     print(dict(tally))
     assert tally["drawn"] and tally["refused"], tally
+
+
+def good_jsonl() -> list[dict]:
+    """PATH.jsonl's lines as `refpar train --trace PATH` writes them (refpar.comm.trace.write_trace): a dp
+    all-reduce of the gradients on 2 ranks, the second rank arriving later, and a pp send and receive."""
+    from refpar.comm.trace import CommEvent
+
+    common = {"algo": "native(ring)", "dtype": "float64", "shape": [4], "step": 1, "microbatch": None,
+              "phase": None}
+    events = [CommEvent(rank=r, op="all_reduce", axis="dp", group=(0, 1), peer=None, bytes_sent=32,
+                        bytes_recv=32, tag="grads", t_start=1.0 + r / 100, t_end=1.05, **common)
+              for r in range(2)]
+    events += [CommEvent(rank=r, op=op, axis="pp", group=(0, 1), peer=1 - r, bytes_sent=32 * (r == 0),
+                         bytes_recv=32 * (r == 1), tag="pp:act:s0:mb0", t_start=1.1, t_end=1.2, **common)
+               for r, op in ((0, "isend"), (1, "irecv"))]
+    return [e.to_dict() for e in events]
+
+
+@pytest.mark.timeout(300)
+def test_fuzzed_jsonl_uploads_draw_every_call_or_get_one_sentence():
+    """What the Run for real and Communication pages do with an uploaded PATH.jsonl
+    (app/executed.py:show_upload): the file as refpar writes it draws one bar per message; with one
+    field of one line, or one whole line, replaced by drawn JSON, it draws or is refused in one
+    sentence; never another exception."""
+    from refpar.viz.comm import trace_figure
+    from refpar.viz.timeline import read_jsonl_upload
+
+    lines = good_jsonl()
+    figure = trace_figure(read_jsonl_upload("f.jsonl", "\n".join(map(json.dumps, lines)).encode()))
+    # one bar per message, by axis, and rank 0's wait for rank 1 at the all-reduce drawn apart
+    assert {t.name: len(t.x) for t in figure.data} == {"dp": 2, "pp": 2, "waiting for the group": 1}
+    tally: Counter = Counter()
+
+    @fuzz_settings(25)
+    @given(st.integers(0, len(lines) - 1), st.sampled_from((*lines[0], "whole line")), JSON)
+    def one_case(index, field, value):
+        changed = list(lines)
+        changed[index] = value if field == "whole line" else {**lines[index], field: value}
+        data = "\n".join(json.dumps(line) for line in changed).encode()
+        said = sentence_or_drawn(lambda: trace_figure(read_jsonl_upload("f.jsonl", data)))
+        tally["drawn" if said is None else "refused"] += 1
+
+    one_case()
+    print(dict(tally))
+    assert tally["refused"], tally

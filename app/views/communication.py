@@ -1,5 +1,6 @@
 import streamlit as st
 from at_scale import show_at_scale
+from executed import show_upload
 from family import FAMILIES, family_picker
 from last_run import last_run
 from lesson_link import lesson_link
@@ -162,6 +163,11 @@ else:
     right.markdown("The pipeline's messages are per microbatch: the Pipeline page draws when each "
                    "one is sent.")
 show_ring(int(n))
+with st.expander("open the messages of another run (refpar train --trace PATH writes PATH.jsonl)"):
+    uploaded = st.file_uploader("its PATH.jsonl, every message, or its Chrome trace PATH (.json)",
+                                type=["jsonl", "json"], key="comm_upload")
+    if uploaded is not None:
+        show_upload(uploaded.name, uploaded.getvalue(), "comm-uploaded")
 if run is None:
     st.info("Launch a run on the Run for real page: its measured bytes appear here, whatever the mesh above.")
 else:

@@ -161,6 +161,7 @@ if st.button("Start", type="primary", disabled=argv is None or run.running()):
         st.error(str(err))
 progress(run)
 with st.expander("open the trace of another run (refpar train --trace PATH writes it)"):
-    uploaded = st.file_uploader("its Chrome trace, PATH (the .json file)", type="json")
+    uploaded = st.file_uploader("its Chrome trace PATH (.json), or PATH.jsonl, every message",
+                                type=["json", "jsonl"])
     if uploaded is not None:
         show_upload(uploaded.name, uploaded.getvalue())

@@ -97,6 +97,39 @@ def read_trace_upload(name: str, data: bytes) -> dict:
     return check_trace(name, trace)
 
 
+def read_jsonl_upload(name: str, data: bytes) -> dict:
+    """The Chrome trace of an uploaded PATH.jsonl (every message of a `refpar train --trace PATH` run, one
+    JSON line each: refpar.comm.trace.write_trace), checked as a kept run's is; or a ConfigError in one
+    sentence naming the file and its first line that is not such a message."""
+    from refpar.comm.trace import chrome_trace, event_of
+
+    redo = "give the PATH.jsonl that `refpar train --trace PATH` wrote"
+    if len(data) > MAX_TRACE_BYTES:
+        raise ConfigError(f"{name} holds {len(data):,} bytes, more than the {MAX_TRACE_BYTES >> 20} MiB "
+                          f"a trace of the app's runs needs; {redo}")
+    events = []
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            fields = json.loads(line)
+            event = event_of(fields) if isinstance(fields, dict) else None
+        except (ValueError, TypeError, KeyError, RecursionError):
+            event = None  # bytes that are no text, not JSON, or JSON with other fields
+        if event is None:
+            raise ConfigError(f"line {number} of {name} is not a message as PATH.jsonl holds them; {redo}")
+        events.append(event)
+        if len(events) > MAX_EVENTS:
+            raise ConfigError(f"{name} holds more than the {MAX_EVENTS:,} messages the app draws; {redo}")
+    if not events:
+        raise ConfigError(f"{name} holds no message; {redo}")
+    try:
+        trace = chrome_trace(events)
+    except TypeError:  # a time that is no number
+        raise ConfigError(f"{name} has a message whose times are not numbers; {redo}") from None
+    return check_trace(name, trace, whole_run=True)
+
+
 def check_trace(name: str, trace, whole_run: bool = False) -> dict:
     """`trace` if it is a Chrome trace as this refpar writes it, checked for everything the figures
     and `schedule_from_trace` read (types, finite and bounded numbers, action names), else a
