@@ -10,11 +10,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from refpar.viz.comm import CATEGORY_COLOURS
+from refpar.viz.timeline import AXIS_COLOURS
 
 # Step time by cause, in colours of their own (the memory bars keep the Memory page's), and hatched: a
 # bar of either legend cannot be taken for one of the other (both have an "optimizer").
-TIME_COLOURS = {"compute": "#3a3a3a", "bubble": "#d62728", "tp": "#7b4ea3", "cp": "#c994c7",
-                "ep": "#e6ab02", "pp": "#a6761d", "dp": "#1f78b4", "optimizer": "#bdbdbd"}
+TIME_COLOURS = {"compute": "#3a3a3a", "bubble": "#d62728", "optimizer": "#bdbdbd",
+                **{axis: AXIS_COLOURS[axis] for axis in ("tp", "cp", "ep", "pp", "dp")}}  # every page's
 
 
 def plan_label(p: dict) -> str:

@@ -16,6 +16,18 @@ def _rank_title(k: dict) -> str:
     return f"rank {k['rank']} ({coords})"
 
 
+# Requests in colours that can be told apart (Plotly's qualitative Dark24), one each, the same on every
+# figure of a serving run.
+REQUEST_COLOURS = ("#2E91E5", "#E15F99", "#1CA71C", "#FB0D0D", "#DA16FF", "#222A2A", "#B68100", "#750D86",
+                   "#EB663B", "#511CFB", "#00A08B", "#FB00D1", "#FC0080", "#B2828D", "#6C7C32", "#778AAE",
+                   "#862A16", "#A777F1", "#620042", "#1616A7", "#DA60CA", "#6C4516", "#0D2A63", "#AF0038")
+
+
+def request_colour(i: int) -> str:
+    """The colour of the i-th request of a run."""
+    return REQUEST_COLOURS[i % len(REQUEST_COLOURS)]
+
+
 def kv_cache_figure(summary: dict) -> go.Figure:
     """One panel per rank: the KV cache bytes the MemoryLedger counted after every pass and after
     every step's frees, stacked by request (a request's band grows by one token per decode pass
@@ -30,7 +42,7 @@ def kv_cache_figure(summary: dict) -> go.Figure:
         for i, rid in enumerate(rids):
             fig.add_trace(go.Bar(
                 x=x, y=[d.get(rid, 0) for d in k["bytes_by_request"]], name=f"request {rid}",
-                legendgroup=rid, showlegend=row == 1, marker_color=f"hsl({(i * 67) % 360}, 60%, 55%)",
+                legendgroup=rid, showlegend=row == 1, marker_color=request_colour(i),
                 customdata=moments, hovertemplate="%{customdata}: %{y} B of request " + rid
                 + "<extra></extra>"), row=row, col=1)
         fig.add_trace(go.Scatter(
@@ -98,10 +110,15 @@ def block_pool_figure(summary: dict, rank: int = 0) -> go.Figure:
         z.append(owner)
         text.append([w or "free" for w in where])
     rids = [r["rid"] for r in summary["requests"]]
+    # one step of the scale per request, in the request's colour of the KV cache figure: ids, not a range
+    low, n = min(rids), max(rids) - min(rids) + 1
+    steps = [[edge, request_colour(rids.index(low + k) if low + k in rids else k)]
+             for k in range(n) for edge in (k / n, (k + 1) / n)]
     fig = go.Figure(go.Heatmap(
         z=z, x=list(range(blocks)), y=list(range(len(moments))), text=text, customdata=[[m] * blocks
                                                                                          for m in moments],
-        zmin=min(rids), zmax=max(rids), colorscale="Turbo", colorbar={"title": "request"}, xgap=1, ygap=1,
+        zmin=low - 0.5, zmax=low + n - 0.5, colorscale=steps, xgap=1, ygap=1,
+        colorbar={"title": "request", "tickvals": rids, "ticktext": [str(r) for r in rids]},
         hovertemplate="%{customdata}, block %{x}: %{text}<extra></extra>"))
     fig.update_yaxes(title_text="moment", tickvals=list(range(len(moments))), ticktext=moments,
                      autorange="reversed")
