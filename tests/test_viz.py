@@ -430,3 +430,15 @@ def test_llama_mix_draws_each_kv_head_on_the_tp_ranks_whose_query_heads_read_it(
             assert all(cell == held for cell in k[head * hs:(head + 1) * hs].ravel()), (dp, tp, head)
     with pytest.raises(ConfigError, match="Llama with sequence parallelism not yet"):
         ms.mix_steps(1, 2, 0, sp=True, config=config)
+
+
+def test_mesh_grid_labels_are_dark_on_faded_ranks_and_white_on_full_ones():
+    """The Whole mesh grid (issue 44's legibility list): white text only where its cell is in full colour."""
+    from refpar.viz.mesh_grid import groups, mesh_figure
+
+    sizes = {"pp": 2, "dp": 2, "ep": 1, "cp": 1, "tp": 2}
+    fig = mesh_figure(sizes, {r: f"rank {r}" for r in range(8)}, selected=5)
+    marker, font = fig.data[0].marker, fig.data[0].textfont
+    peers = {p for g in groups(sizes, 5).values() for p in g}
+    assert [o == 1.0 for o in marker.opacity] == [r == 5 or r in peers for r in range(8)]
+    assert list(font.color) == ["white" if o == 1.0 else "#222222" for o in marker.opacity]

@@ -133,6 +133,7 @@ labels = {r: f"rank {r}" for r in range(world)}
 left, right = st.columns([3, 2])
 left.plotly_chart(mesh_grid.mesh_figure(sizes, labels, rank, "the ranks, coloured by pipeline rank"),
                   key="mesh_grid", on_select=lambda: pick_rank("mesh_grid"), selection_mode="points")
+st.caption(mesh_grid.LEGEND)
 facts = facts_of(model, cfg, sizes, plan, rank, moe)
 right.markdown(f"**What rank {rank} holds**")
 right.table(mesh_grid.holdings_rows(facts), hide_index=True)

@@ -317,20 +317,23 @@ def mesh_figure(sizes: dict, labels: dict[int, str], selected: int | None = None
                 stage_of: dict[int, int] | None = None) -> go.Figure:
     """The ranks as a grid, pp x dp rows by ep x cp x tp columns (refpar/mesh.py's order), each a
     square coloured by its pipeline rank, labelled `labels[rank]`, its rank in customdata (a click
-    selects it); the `selected` rank is outlined and its groups' ranks ringed."""
+    selects it); the `selected` rank is outlined and its groups' ranks ringed, the others faded
+    (LEGEND says so in words)."""
     world = math.prod(sizes[a] for a in MESH_AXES)
     rows, cols = _grid_axes(sizes)
     n_rows, n_cols = math.prod(sizes[a] for a in rows), math.prod(sizes[a] for a in cols)
     cells = [_cell(sizes, r) for r in range(world)]
     stage_of = stage_of or {r: closed.rank_coords(sizes, r)["pp"] for r in range(world)}
     peers = {p for g in groups(sizes, selected).values() for p in g} if selected is not None else set()
+    shown = [selected is None or r == selected or r in peers for r in range(world)]
     fig = go.Figure(go.Scatter(
         x=[x for x, _ in cells], y=[y for _, y in cells], mode="markers+text", customdata=list(range(world)),
-        text=[labels[r] for r in range(world)], textfont={"size": 12, "color": "white"},
+        # white on a full colour, near black on a faded one: readable on both
+        text=[labels[r] for r in range(world)],
+        textfont={"size": 12, "color": ["white" if s else "#222222" for s in shown]},
         marker={"symbol": "square", "size": 74 if n_cols <= 8 else 56,
                 "color": [STAGE_COLOURS[stage_of[r] % len(STAGE_COLOURS)] for r in range(world)],
-                "opacity": [1.0 if selected is None or r == selected or r in peers else 0.45
-                            for r in range(world)],
+                "opacity": [1.0 if s else 0.45 for s in shown],
                 "line": {"width": [5 if r == selected else 2 if r in peers else 0 for r in range(world)],
                          "color": "#222222"}},
         hovertemplate="%{text}<extra></extra>", showlegend=False))
@@ -352,6 +355,8 @@ def mesh_model(preset: str, ep: int) -> ModelConfig:
 
 
 MOE = {"moe_experts": 4, "moe_top_k": 2}
+LEGEND = ("Colour: the rank's pipeline stage. Thick outline: the rank shown; thin outline, full colour: "
+          "the ranks of its groups (the ranks it talks to); faded: every other rank.")
 
 
 def train_args(sizes: dict, plan: Plan, preset: str, steps: int, moe: bool = False,
