@@ -31,7 +31,7 @@ def memory_figure(row: dict, capacity_bytes: float, title: str) -> go.Figure:
                              marker_color=CATEGORY_COLOURS.get(category, "#999999"),
                              hovertemplate=f"{category}: {readable(n)}<extra></extra>"))
     fig.add_vline(x=capacity_bytes / 1e9, line_dash="dash",
-                  annotation_text=f"capacity {readable(capacity_bytes)}", annotation_position="top")
+                  annotation_text=f"capacity {readable(capacity_bytes)}", annotation_position="top left")
     fig.update_layout(title=title, barmode="stack", height=260, xaxis_title="GB per GPU",
                       legend={"orientation": "h", "y": -0.45})
     return fig
