@@ -98,8 +98,9 @@ def init_params(config: ModelConfig, seed: int) -> dict:
         elif ".ln_" in name or name.startswith("ln_f"):
             params[name] = np.ones(shape, dtype)
         else:
-            draw = rng.normal(seed, "init", rng.name_id(name), shape=shape)
-            params[name] = (draw * init_std(name, config)).astype(dtype)
+            draw = rng.normal(seed, "init", rng.name_id(name), shape=shape)  # float64, a fresh array
+            draw *= init_std(name, config)  # in place: GPT-2's 39M-entry embedding is not copied twice
+            params[name] = draw.astype(dtype, copy=False)
     return params
 
 
