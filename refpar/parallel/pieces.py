@@ -38,7 +38,7 @@ from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.layers import as_like
 from refpar.model.llama_layers import gqa_attention_backward, gqa_attention_forward
 from refpar.parallel import deepseek_pieces, gpt2_pieces, llama_pieces
-from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp, positions_index
+from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp
 from refpar.parallel.vocab_parallel import logits_backward, logits_forward
 from refpar.sharding import shard_range
 
@@ -109,7 +109,7 @@ class LocalAttention:
 
     def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh/t, Ta, hs); Llama's k, v nkv heads
         cfg, pos = lay.config, lay.region_pos
-        at = positions_index(pos)  # the whole sequence: a slice, so the mask is viewed, not copied
+        at = lay.region_index  # the whole sequence: a slice, so the mask is viewed, not copied
         heads = slice(*lay.heads)
         index = (heads, at, at) if isinstance(at, slice) else np.ix_(np.arange(*lay.heads), pos, pos)
         keep = drop.keep(layer, "attn", (cfg.n_head, lay.seq_len, lay.seq_len), q, index)  # (B, nh/t, Ta, Ta)
