@@ -26,6 +26,7 @@ from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.dropout import keep_mask
 from refpar.model.layers import (
+    add_grads,
     as_like,
     cross_entropy_backward,
     cross_entropy_forward,
@@ -162,7 +163,7 @@ def embed_backward(dx, cache) -> dict:
 def add_embedding_grads(grads: dict, g: dict) -> dict:
     """Folds the embedding's gradients `g` (`embed_backward`'s or a sharded twin's) into `grads`:
     wpe's, and wte's added to the tied head's share when `grads` already holds it."""
-    grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"] if "wte.weight" in grads else g["wte.weight"]
+    add_grads(grads, {"wte.weight": g["wte.weight"]})
     grads["wpe.weight"] = g["wpe.weight"]
     return grads
 

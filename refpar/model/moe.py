@@ -160,6 +160,31 @@ class MoESpec:
         return array_namespace(dw).matrix_transpose(dw) if self.router_out_in else dw
 
 
+def unfuse_experts(state_dict: dict, spec: MoESpec, n_layer: int) -> dict:
+    """transformers >= 5's in-memory routed experts, the same for MixtralForCausalLM and
+    DeepseekV3ForCausalLM (`model.layers.{i}.mlp.gate.weight`, `mlp.experts.gate_up_proj` (E, 2H, C):
+    gate rows then up rows, `mlp.experts.down_proj` (E, C, H)), as the checkpoint files' per-expert
+    keys of `spec` (its router and its SwiGLU's gate, up and down names); every other key passes
+    unchanged."""
+    out = dict(state_dict)
+    mlp = spec.mlp
+    for i in range(n_layer):
+        fused = f"model.layers.{i}.mlp."
+        if fused + "gate.weight" in out and spec.router_name(i) != fused + "gate.weight":
+            out[spec.router_name(i)] = out.pop(fused + "gate.weight")
+        if fused + "experts.gate_up_proj" in out:
+            gate_up = out.pop(fused + "experts.gate_up_proj")  # (E, 2H, C)
+            H = gate_up.shape[1] // 2
+            for e in range(gate_up.shape[0]):
+                out[f"{spec.expert_prefix(i, e)}.{mlp.gate}.weight"] = gate_up[e, :H]  # (H, C)
+                out[f"{spec.expert_prefix(i, e)}.{mlp.up}.weight"] = gate_up[e, H:]  # (H, C)
+        if fused + "experts.down_proj" in out:
+            down = out.pop(fused + "experts.down_proj")  # (E, C, H)
+            for e in range(down.shape[0]):
+                out[f"{spec.expert_prefix(i, e)}.{mlp.down}.weight"] = down[e]  # (C, H)
+    return out
+
+
 # ----------------------------------------------------------------------- dispatch and combine
 def dispatch(x2, routing):
     """(N, C) tokens -> (R, C) buffer rows, grouped by expert in queue order."""
