@@ -349,6 +349,16 @@ def to_gpt2_state_dict(params) -> dict:
     return dict(params)
 
 
+def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:
+    """GPT2LMHeadModel's checkpoint keys: refpar's, GPT2Model's, under its `transformer.` prefix."""
+    return {"transformer." + k: v for k, v in to_gpt2_state_dict(params_or_grads).items()}
+
+
+def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
+    """Parameters from a GPT2LMHeadModel's or GPT2Model's state dict (`from_gpt2_state_dict`)."""
+    return from_gpt2_state_dict(state_dict, config)
+
+
 def from_gpt2_state_dict(state_dict, config: ModelConfig) -> dict:
     """Parameters from a GPT-2 state dict (arrays or anything `np.asarray` takes, e.g. CPU torch
     tensors). Accepts GPT2Model names (`wte.weight`) and GPT2LMHeadModel names (with the

@@ -39,9 +39,13 @@ class GeluMLP:
 
     down_bias = "c_proj.bias"  # what tensor parallelism adds once, after the sum over tp
 
+    def hidden(self, config) -> int:
+        """H, one expert's hidden width: 4C."""
+        return 4 * config.n_embd
+
     def shapes(self, config, copies: int = 1) -> dict[str, tuple[int, ...]]:
         """One expert's parameters by suffix; `copies` experts as one MLP of their widths side by side."""
-        C, H = config.n_embd, 4 * config.n_embd * copies
+        C, H = config.n_embd, self.hidden(config) * copies
         return {"c_fc.weight": (C, H), "c_fc.bias": (H,), "c_proj.weight": (H, C), "c_proj.bias": (C,)}
 
     def forward(self, x2, params, prefix: str, down_bias: bool = True):
@@ -77,9 +81,13 @@ class SwiGLUMLP:
     width: str = "intermediate_size"
     down_bias = None  # a class attribute, not a field: there is no bias
 
+    def hidden(self, config) -> int:
+        """H, one expert's hidden width: the config's field `width`."""
+        return getattr(config, self.width)
+
     def shapes(self, config, copies: int = 1) -> dict[str, tuple[int, ...]]:
         """One expert's parameters by suffix; `copies` experts as one MLP of their widths side by side."""
-        C, H = config.n_embd, getattr(config, self.width) * copies
+        C, H = config.n_embd, self.hidden(config) * copies
         return {f"{self.gate}.weight": (H, C), f"{self.up}.weight": (H, C), f"{self.down}.weight": (C, H)}
 
     def forward(self, x2, params, prefix: str, down_bias: bool = True):
