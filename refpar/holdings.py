@@ -44,6 +44,10 @@ class Names:
     tp_slices: Callable  # (config, t, rank) -> {name: (axis, global indices)}
     sp_names: Callable  # config -> the replicated parameters of the sequence-parallel region
     activations_priced: bool = True  # whether refpar/analysis/closed_forms.py counts its blocks' caches
+    # A block's names after its prefix and "{i}.": the row-parallel linears, whose partial outputs tp
+    # sums, and the weights the sharding view draws (refpar/viz/sharding.py), one of each tp layout.
+    row_parallel: tuple[str, ...] = ()
+    drawn: tuple[str, ...] = ()
 
 
 def _gpt2_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
@@ -103,9 +107,15 @@ def _llama_sp_names(config: ModelConfig) -> list[str]:
 
 FAMILIES = {
     "gpt2": Names("GPT-2", "h.", "wte.weight", ("wpe.weight",), ("ln_f.weight", "ln_f.bias"), None,
-                  ".mlp.experts.", _gpt2_tp_slices, _gpt2_sp_names),
+                  ".mlp.experts.", _gpt2_tp_slices, _gpt2_sp_names,
+                  row_parallel=("attn.c_proj", "mlp.c_proj"),
+                  drawn=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")),
     "llama": Names("Llama", "model.layers.", "model.embed_tokens.weight", (), ("model.norm.weight",),
-                   "lm_head.weight", ".block_sparse_moe.experts.", _llama_tp_slices, _llama_sp_names),
+                   "lm_head.weight", ".block_sparse_moe.experts.", _llama_tp_slices, _llama_sp_names,
+                   row_parallel=("self_attn.o_proj", "mlp.down_proj"),
+                   # v_proj is laid out as k_proj, up_proj as gate_proj
+                   drawn=("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight",
+                          "mlp.down_proj.weight")),
     # DeepSeek-V3's names are Llama's outside the blocks; its pieces split nothing yet (tp and cp are
     # refused, refpar/engine/validate.py), so every parameter is whole on every rank
     "deepseek-v3": Names("DeepSeek-V3", "model.layers.", "model.embed_tokens.weight", (),

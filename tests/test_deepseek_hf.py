@@ -38,10 +38,11 @@ DENSE = dict(arch="deepseek-v3", vocab_size=64, n_positions=16, n_embd=32, n_hea
 # DeepSeek-V3's MoE: a dense first block, then 8 experts of which k = 3 in at most M = 2 of 4 groups
 # (k/M = 1.5: HF scores a group by its best 2, whatever k/M), 2 shared experts (one MLP of twice the
 # width in HF), sigmoid gates scaled by 2.5, aux-free biases (HF's e_score_correction_bias).
-MOE = dict(DENSE, n_layer=3, first_k_dense_replace=1, moe_experts=8, moe_top_k=3, moe_shared_experts=2,
-           moe_intermediate_size=12, moe_groups=4, moe_group_limit=2, moe_gate="sigmoid",
-           moe_balance="aux-free", moe_dropless=True, moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0,
-           moe_routed_scaling_factor=2.5)
+# Its MoE fields under Hugging Face's names, as issue 41's contract gives them.
+MOE = dict(DENSE, n_layer=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+           n_shared_experts=2, moe_intermediate_size=12, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+           moe_gate="sigmoid", moe_balance="aux-free", moe_dropless=True, moe_aux_loss_weight=0.0,
+           moe_z_loss_weight=0.0)
 
 
 def router_forward(self, hidden_states):
@@ -264,7 +265,7 @@ def test_mla_and_dense_blocks_match_hf_deepseek_v3_logits_loss_and_every_gradien
 def test_moe_blocks_with_shared_experts_and_group_limited_routing_match_hf_deepseek_v3_in_float64(
         monkeypatch, norm_topk_prob):
     float64_throughout(monkeypatch)
-    config = ModelConfig(**MOE, moe_norm_topk_prob=norm_topk_prob)
+    config = ModelConfig(**MOE, norm_topk_prob=norm_topk_prob)
     model = hf_model(config)
     with torch.no_grad():  # aux-free biases of the size of the score gaps, so that they change choices
         for layer in config.moe_blocks:

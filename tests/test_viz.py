@@ -430,5 +430,9 @@ def test_llama_mix_draws_each_kv_head_on_the_tp_ranks_whose_query_heads_read_it(
                        or ((r + 1) * config.n_head // tp - 1) // g == head]
             held = tuple(sorted(d * tp + r for d in range(dp) for r in readers))
             assert all(cell == held for cell in k[head * hs:(head + 1) * hs].ravel()), (dp, tp, head)
-    with pytest.raises(ConfigError, match="Llama with sequence parallelism not yet"):
-        ms.mix_steps(1, 2, 0, sp=True, config=config)
+    # Llama with sequence parallelism, which the engine runs (refpar/engine/validate.py): each tp rank
+    # holds its shard_range of the residual stream's rows, as for GPT-2
+    act = ms.mix_grids(1, 2, 0, sp=True, config=config)["activations"]["residual (T, C)"]
+    for t in range(2):
+        a, b = shard_range(sh.DEMO_SEQ, 2, t)
+        assert all(cell == (t,) for cell in act[a:b].ravel())

@@ -36,7 +36,7 @@ import numpy as np
 
 from refpar.comm import cost
 from refpar.config import ModelConfig, TrainConfig
-from refpar.holdings import held_numels, kv_heads_per_rank, sequence_parallel_param_names
+from refpar.holdings import held_numels, kv_heads_per_rank, names, sequence_parallel_param_names
 from refpar.model import param_shapes
 from refpar.sharding import shard_range, shard_sizes
 
@@ -122,7 +122,7 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
 
     ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta, compute_itemsize(e)) for k in ("max", "sumexp", "target")]
     # Llama's blocks move what GPT-2's do (llama_pieces.py), under other tags
-    embed = "wte" if model.arch == "gpt2" else "model.embed_tokens"
+    embed = names(model).embedding.removesuffix(".weight")  # wte, model.embed_tokens
     if not sp:
         calls = [ar(f"{embed}:fwd", act)]
         for i in range(L):

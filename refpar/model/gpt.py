@@ -26,6 +26,7 @@ from refpar.config import ConfigError, ModelConfig
 from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.dropout import keep_mask
 from refpar.model.layers import (
+    add_grads,
     as_like,
     cross_entropy_backward,
     cross_entropy_forward,
@@ -163,7 +164,7 @@ def embed_backward(dx, cache) -> dict:
 def add_embedding_grads(grads: dict, g: dict) -> dict:
     """Folds the embedding's gradients `g` (`embed_backward`'s or a sharded twin's) into `grads`:
     wpe's, and wte's added to the tied head's share when `grads` already holds it."""
-    grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"] if "wte.weight" in grads else g["wte.weight"]
+    add_grads(grads, {"wte.weight": g["wte.weight"]})
     grads["wpe.weight"] = g["wpe.weight"]
     return grads
 
@@ -347,6 +348,16 @@ def to_gpt2_state_dict(params) -> dict:
     """refpar's params are already named and laid out as a GPT-2 (Hugging Face GPT2Model) state
     dict; this returns a new dict with `lm_head.weight` left out (it is `wte.weight`)."""
     return dict(params)
+
+
+def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:
+    """GPT2LMHeadModel's checkpoint keys: refpar's, GPT2Model's, under its `transformer.` prefix."""
+    return {"transformer." + k: v for k, v in to_gpt2_state_dict(params_or_grads).items()}
+
+
+def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
+    """Parameters from a GPT2LMHeadModel's or GPT2Model's state dict (`from_gpt2_state_dict`)."""
+    return from_gpt2_state_dict(state_dict, config)
 
 
 def from_gpt2_state_dict(state_dict, config: ModelConfig) -> dict:
