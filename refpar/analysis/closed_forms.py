@@ -50,8 +50,11 @@ from refpar.analysis.activations import (
     layer_bytes,
     llama_core_bytes,
     llama_layer_bytes,
+    mla_core_bytes,
+    mla_layer_bytes,
 )
 from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
+from refpar.analysis.latent_attention import mla_tp_calls
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.holdings import (
@@ -195,10 +198,13 @@ def rank_calls(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, 
     for s in lay.stages_of(r):
         layers = list(stage_layers(model.n_layer, P, lay.part(s)))
         moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in model.moe_blocks)
-        blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None)
+        dense = {"first_k_dense_replace": 0} if model.arch == "deepseek-v3" else {}
+        blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None, **dense)
         for b in (rows[j] for j in lay.microbatches(s)):
             shape = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
             calls = _tp_calls(blocks, shape, plan.sp, k) if t > 1 else []
+            if t > 1 and model.arch == "deepseek-v3":  # latent attention enters at its latents
+                calls = mla_tp_calls(model, calls, shape, plan.sp, k)
             if c > 1:
                 ring = (plan.cp_algo or "ring") == "ring"
                 calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape)
@@ -382,8 +388,7 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
     layers = stage_layers(model.n_layer, n_stages, stage)
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
     dropout = model.dropout > 0.0
-    block = (_llama_block_bytes(model, cfg, coords, r, plan, plan.recompute) if model.arch == "llama" else
-             _block_bytes(model, r, plan, plan.recompute))
+    block = _family_block_bytes(model, cfg, coords, r, plan, plan.recompute)
     n = len(layers) * block + embed_bytes(model, r, dropout) * (stage == 0) + head_bytes(model, r) * (
         stage == n_stages - 1)
     if model.moe_experts and plan.recompute != "full":  # under full a MoE block keeps its input alone
@@ -400,6 +405,22 @@ def _block_bytes(model: ModelConfig, r, plan, recompute: str) -> int:
         # One head per rank: the merged heads c_proj keeps are a view of the ring's output, kept once.
         n -= r.B * r.Ta * r.e * model.head_size
     return n
+
+
+def _family_block_bytes(model, cfg, coords, r, plan, recompute: str, core: bool = False) -> int:
+    """What one dense block of the model's family keeps on the rank of shape `r`; `core`: what its
+    attention core makes again under selective recomputation instead."""
+    if model.arch == "llama":
+        return _llama_block_bytes(model, cfg, coords, r, plan, recompute, core)
+    if model.arch == "deepseek-v3":
+        if core:
+            return mla_core_bytes(model, r.B, cfg.seq_len, r.nh, r.Ta)
+        ff = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+        return mla_layer_bytes(model, r.B, cfg.seq_len, heads=r.nh, ff=ff, Tl=r.Tl, Ta=r.Ta,
+                               recompute=recompute)
+    if core:
+        return core_bytes(model, r, "local" if r.c == 1 else (plan.cp_algo or "ring"), model.dropout > 0.0)
+    return _block_bytes(model, r, plan, recompute)
 
 
 def _llama_block_bytes(model, cfg, coords, r, plan, recompute: str, core: bool = False) -> int:
@@ -422,13 +443,9 @@ def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
     if plan.recompute == "none":
         return 0
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
-    llama = model.arch == "llama"
     if plan.recompute == "selective":
-        if llama:
-            return _llama_block_bytes(model, cfg, coords, r, plan, "none", core=True)
-        return core_bytes(model, r, "local" if r.c == 1 else (plan.cp_algo or "ring"), model.dropout > 0.0)
-    dense = _llama_block_bytes(model, cfg, coords, r, plan, "none") if llama else _block_bytes(model, r, plan,
-                                                                                                "none")
+        return _family_block_bytes(model, cfg, coords, r, plan, "none", core=True)
+    dense = _family_block_bytes(model, cfg, coords, r, plan, "none")
     return max(dense + (moe_forms.moe_activation_delta(model, cfg, sizes, coords, [i], b, r.Ta, kept or {},
                                                        plan.microbatches, j, plan.cp_algo, plan.sp)
                         if i in model.moe_blocks else 0)
@@ -454,6 +471,16 @@ def weight_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
         # down's input and gradient, gate's and up's gradients, o's input and gradient, q's, k's and
         # v's gradients; the two norms' outputs; their gains
         block = e * (Na * (F + C + 2 * F + Ch + C + Ch + 2 * kv) + 2 * col * C + 2 * C)
+    elif model.arch == "deepseek-v3":  # refpar/parallel/mla_tensor_parallel.py's weight halves
+        F = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+        dn, dr, dv, rkv = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim, model.kv_lora_rank
+        rq = model.q_lora_rank
+        # the down-projections' and latent norms' gradients, computed in B and given to W
+        down = (rkv + dr) * C + rkv + (0 if rq is None else rq * C + rq)
+        # the MLP's as Llama's; o_proj's input and gradient; kv_b's and q_b's output gradients and
+        # their inputs (the latents; q_proj's: the norm's output), entered again; the two gains
+        block = e * (Na * (F + C + 2 * F + r.nh * (dv + (dn + dv) + (dn + dr)) + C)
+                     + col * (C + rkv + (C if rq is None else rq)) + down + 2 * C)
     else:
         Cl = C // r.t
         # mlp.c_proj's and attn.c_proj's inputs (4C/t, C/t), c_fc's and c_attn's output gradients
@@ -462,7 +489,7 @@ def weight_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
         block = e * (Na * 12 * Cl + 2 * col * C + 2 * (Nl * C + gathered) + 4 * C)
     n = len(stage_layers(model.n_layer, n_stages, stage)) * block
     if stage == n_stages - 1:
-        n += e * (col * C + Na * r.V + (C if model.arch == "llama" else 2 * C))
+        n += e * (col * C + Na * r.V + (2 * C if model.arch == "gpt2" else C))
     if stage == 0:
         n += e * (gathered or Nl * C) + 8 * Na + (e * Nl * C if model.arch == "gpt2" and plan.sp else 0)
     return n

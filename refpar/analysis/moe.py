@@ -260,10 +260,17 @@ def routing_option_bytes(model, N: int, rows: int, e: int, ranks: int = 1) -> di
     probabilities, and the bias and the group mask only change which experts argsort's (N, E)
     buffer lists first."""
     by_score = model.moe_drop_policy == "probs" and not model.moe_dropless
-    H = model.intermediate_size if model.arch == "llama" else 4 * model.n_embd
-    return {"shared_experts": model.moe_shared_experts * 3 * N * H * e,
+    return {"shared_experts": model.moe_shared_experts * 3 * N * expert_width(model) * e,
             "sequence_balance": rows * model.moe_experts * e if model.moe_seq_aux_weight else 0,
             "kept_by_score": ranks * model.moe_experts * INDEX_BYTES if by_score else 0}
+
+
+def expert_width(model) -> int:
+    """An expert's SwiGLU or GELU width: GPT-2's 4C, Mixtral's intermediate_size, DeepSeek-V3's
+    moe_intermediate_size (its shared experts' too: one MLP of S times it, refpar/model/deepseek.py)."""
+    if model.arch == "deepseek-v3":
+        return model.moe_intermediate_size
+    return model.intermediate_size if model.arch == "llama" else 4 * model.n_embd
 
 
 def mlp_activation_bytes(model, tokens: int, H: int | None = None) -> int:
@@ -285,8 +292,11 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
     c, t, ep = sizes["cp"], sizes["tp"], sizes["ep"]
     D = sizes["dp"] * ep
     N, e, C = b * Ta, np.dtype(model.dtype).itemsize, model.n_embd
-    # an expert's hidden width: GPT-2's 4C, Mixtral's SwiGLU F (this tp rank's columns under tp)
-    H = shard_sizes(model.intermediate_size if model.arch == "llama" else 4 * C, t)[coords["tp"]]
+    # an expert's hidden width: GPT-2's 4C, Mixtral's SwiGLU F, DeepSeek-V3's moe_intermediate_size
+    # (this tp rank's columns under tp), and the dense MLP's it replaces (DeepSeek-V3's F)
+    H = shard_sizes(expert_width(model), t)[coords["tp"]]
+    F = shard_sizes(model.intermediate_size if model.arch == "deepseek-v3" else expert_width(model), t)[
+        coords["tp"]]
     runs = sum(exchange_runs(cfg.batch_size, m, j, D, cfg.seq_len, c, cp_algo))  # D without cp
     group = (coords["dp"] * ep + coords["ep"]) * c + coords["cp"]  # this rank in the exchange
     n = 0
@@ -299,7 +309,7 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
             parts |= routing_option_bytes(model, N, b, e, D * c)
             if sp:  # the gathered sequence for the router, ln_2's shard not kept
                 parts["sequence"] = (N - b * shard_sizes(Ta, t)[coords["tp"]]) * C * e
-            n += sum(parts.values()) - mlp_activation_bytes(model, N, H)
+            n += sum(parts.values()) - mlp_activation_bytes(model, N, F)
     return n
 
 

@@ -52,20 +52,39 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
 
 def _check_family(model: ModelConfig, sizes: dict) -> None:
     """What the engine runs each family with (the pieces table): every strategy, except that
-    refpar/parallel/expert_tensor_parallel.py splits GPT-2's experts only, DeepSeek-V3's latent
-    attention runs whole on each rank (refpar/parallel/deepseek_pieces.py: no tp or cp), and
-    multi-token prediction trains on one device only."""
+    refpar/parallel/expert_tensor_parallel.py splits GPT-2's and DeepSeek-V3's experts only,
+    DeepSeek-V3's latent attention splits its heads over tp but not its positions over cp
+    (refpar/parallel/mla_tensor_parallel.py), and multi-token prediction trains on one device only."""
     fam = family(model)
     split = [f"{axis}={sizes[axis]}" for axis in ("tp", "cp") if sizes.get(axis, 1) > 1]
     if split and not fam.splits_attention:
         raise ConfigError(f"{names(model).title}'s attention runs whole on each rank so far, not split over "
                           f"{split[0]} (dp, ZeRO, FSDP, pp and ep run it); drop {split[0]} from --mesh")
+    if model.arch == "deepseek-v3":
+        _check_deepseek(model, sizes)
     if model.moe_experts and sizes.get("tp", 1) > 1 and not fam.experts_over_tp:
         raise ConfigError(f"Mixtral's experts run over ep, dp, cp and pp, not split over tp={sizes['tp']} "
-                          "(expert tensor parallelism is GPT-2's so far); drop tp from --mesh")
+                          "(expert tensor parallelism is GPT-2's and DeepSeek-V3's so far); drop tp from "
+                          "--mesh")
     if model.num_nextn_predict_layers:
         raise ConfigError("multi-token prediction trains in refpar.model.loss_and_grads only so far, not on "
                           "the engine's pieces; set num_nextn_predict_layers=0")
+
+
+def _check_deepseek(model: ModelConfig, sizes: dict) -> None:
+    """DeepSeek-V3 on the engine: latent attention's heads over tp (check_tp: n_head), no cp yet; the
+    dense and expert SwiGLU widths split over tp as Llama's MLP is, so each rank needs a column."""
+    c, t = sizes.get("cp", 1), sizes.get("tp", 1)
+    if c > 1:
+        raise ConfigError(f"DeepSeek-V3's latent attention splits its heads over tp, not its positions over "
+                          f"cp={c} so far; drop cp from --mesh")
+    widths = [("intermediate_size", model.intermediate_size)]
+    if model.moe_experts:
+        widths.append(("moe_intermediate_size", model.moe_intermediate_size))
+    for name, width in widths:
+        if width < t:
+            raise ConfigError(f"tp={t} splits {name}={width} into fewer columns than ranks; use "
+                              f"tp <= {width}")
 
 
 def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:
