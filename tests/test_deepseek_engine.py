@@ -1,6 +1,7 @@
 """DeepSeek-V3 on the engine's pieces (refpar/parallel/deepseek_pieces.py, its latent attention split by
 refpar/parallel/mla_tensor_parallel.py): expert parallelism with ZeRO-3 over the data ranks, tensor
-parallelism with and without sequence parallelism, and tp x ep with sp, each equal to one device
+parallelism with and without sequence parallelism, context parallelism (ring and Ulysses), and tp x
+ep with sp, each equal to one device
 within the float64 contract, every byte moved and every byte held (MLA's caches included) equal to
 refpar/analysis's closed forms."""
 
@@ -51,13 +52,14 @@ def tp_rows():
     return out
 
 
-def test_deepseek_latent_attention_over_tp_matches_one_device_with_closed_form_bytes_and_memory(tp_rows):
+def test_deepseek_latent_attention_over_tp_and_cp_matches_one_device_and_the_closed_forms(tp_rows):
     """tests/jobs/deepseek_tp_check.py on 2 ranks: tp=2 (a dense and a MoE block), tp=2 with sp and
     selective recomputation in two microbatches, a dense DeepSeek-V3 without a query latent (q_proj)
     under tp=2 with sp and full recomputation, and on pp=2 under zb-h1 (B keeps the weight halves
-    for W): losses and parameters within the float64 contract of one device, each step's bytes per
-    (axis, op) and every memory peak equal to the closed forms on every rank."""
-    assert len(tp_rows) == 4
+    for W); cp=2 by ring attention in two microbatches and by Ulysses with selective recomputation:
+    losses and parameters within the float64 contract of one device, each step's bytes per (axis,
+    op) and every memory peak equal to the closed forms on every rank."""
+    assert len(tp_rows) == 6
     for r in tp_rows:
         assert within(r["loss_diff"], CONTRACT) and within(r["param_diff"], CONTRACT), r
         assert r["bytes_ok"] and r["memory_ok"], r

@@ -77,14 +77,14 @@ def test_the_planner_prices_latent_attention_with_the_same_terms(tp, sp, recompu
     assert planner == closed
 
 
-@pytest.mark.parametrize("model, sizes, sentence", [
-    (TINY, {"cp": 2}, "not its positions over cp=2 so far; drop cp from --mesh"),
-    (TINY, {"tp": 3}, "tp=3 does not divide n_head=4"),
-    (replace(TINY, moe_intermediate_size=2, n_head=8), {"tp": 4},
+@pytest.mark.parametrize("model, sizes, cp_algo, sentence", [
+    (TINY, {"tp": 3}, None, "tp=3 does not divide n_head=4"),
+    (replace(TINY, moe_intermediate_size=2, n_head=8), {"tp": 4}, None,
      "tp=4 splits moe_intermediate_size=2 into fewer columns than ranks; use tp <= 2"),
-    (replace(TINY, num_nextn_predict_layers=1), {"tp": 2}, "multi-token prediction trains in"),
+    (TINY, {"tp": 2, "cp": 4}, "ulysses", "Ulysses gives each of cp=4 ranks whole heads"),
+    (replace(TINY, num_nextn_predict_layers=1), {"tp": 2}, None, "multi-token prediction trains in"),
 ])
-def test_meshes_deepseek_cannot_run_get_one_sentence_before_any_message(model, sizes, sentence):
+def test_meshes_deepseek_cannot_run_get_one_sentence_before_any_message(model, sizes, cp_algo, sentence):
     mesh = {"pp": 1, "dp": 1, "tp": 1, "cp": 1, "ep": 1} | sizes
     with pytest.raises(ConfigError, match=sentence):
-        validate(model, TrainConfig(batch_size=4, seq_len=8), mesh, Plan())
+        validate(model, TrainConfig(batch_size=4, seq_len=8), mesh, Plan(cp_algo=cp_algo))

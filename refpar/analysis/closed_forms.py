@@ -54,7 +54,7 @@ from refpar.analysis.activations import (
     mla_layer_bytes,
 )
 from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
-from refpar.analysis.latent_attention import mla_tp_calls
+from refpar.analysis.latent_attention import mla_cp_widths, mla_tp_calls
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.holdings import (
@@ -207,7 +207,8 @@ def rank_calls(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, 
                 calls = mla_tp_calls(model, calls, shape, plan.sp, k)
             if c > 1:
                 ring = (plan.cp_algo or "ring") == "ring"
-                calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape)
+                calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape, *mla_cp_widths(model, shape,
+                                                                                                 ring))
             for call in calls:
                 first, last = lay.part(s) == 0, lay.part(s) == P - 1
                 embedding = call.tag.startswith(("wte", "model.embed_tokens"))
@@ -413,11 +414,12 @@ def _family_block_bytes(model, cfg, coords, r, plan, recompute: str, core: bool 
     if model.arch == "llama":
         return _llama_block_bytes(model, cfg, coords, r, plan, recompute, core)
     if model.arch == "deepseek-v3":
+        cp = dict(attention="local" if r.c == 1 else (plan.cp_algo or "ring"), cp=r.c, cp_rank=r.cp_rank)
         if core:
-            return mla_core_bytes(model, r.B, cfg.seq_len, r.nh, r.Ta)
+            return mla_core_bytes(model, r.B, cfg.seq_len, r.nh, r.Ta, **cp)
         ff = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
         return mla_layer_bytes(model, r.B, cfg.seq_len, heads=r.nh, ff=ff, Tl=r.Tl, Ta=r.Ta,
-                               recompute=recompute)
+                               recompute=recompute, **cp)
     if core:
         return core_bytes(model, r, "local" if r.c == 1 else (plan.cp_algo or "ring"), model.dropout > 0.0)
     return _block_bytes(model, r, plan, recompute)

@@ -66,3 +66,14 @@ def mla_tp_calls(model: ModelConfig, calls: list[Call], s: RankShape, sp: bool, 
             out += [c for name, w in (kv_b, q) for c in (ag(f"{block}.attn.{name}:regather", w),
                                                        rs(f"{block}.attn.{name}:bwd", w))]
     return out
+
+
+def mla_cp_widths(model: ModelConfig, s: RankShape, ring: bool) -> tuple:
+    """What context parallelism moves per row and token of a DeepSeek-V3 block, as the argument
+    intra_layer's _ring_calls or _ulysses_calls takes (empty for the other families): the ring's
+    K/V block, this tp rank's heads of k (dn + dr) and v (dv) side by side; Ulysses' q, k and v
+    widths (the output's v's). Every head carries its copy of the shared RoPE key."""
+    if model.arch != "deepseek-v3":
+        return ()
+    dq, dv = model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
+    return (s.nh * (dq + dv),) if ring else ((dq, dq, dv),)

@@ -52,9 +52,8 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
 
 def _check_family(model: ModelConfig, sizes: dict) -> None:
     """What the engine runs each family with (the pieces table): every strategy, except that
-    refpar/parallel/expert_tensor_parallel.py splits GPT-2's and DeepSeek-V3's experts only,
-    DeepSeek-V3's latent attention splits its heads over tp but not its positions over cp
-    (refpar/parallel/mla_tensor_parallel.py), and multi-token prediction trains on one device only."""
+    refpar/parallel/expert_tensor_parallel.py splits GPT-2's and DeepSeek-V3's experts only, and
+    multi-token prediction trains on one device only."""
     fam = family(model)
     split = [f"{axis}={sizes[axis]}" for axis in ("tp", "cp") if sizes.get(axis, 1) > 1]
     if split and not fam.splits_attention:
@@ -72,12 +71,10 @@ def _check_family(model: ModelConfig, sizes: dict) -> None:
 
 
 def _check_deepseek(model: ModelConfig, sizes: dict) -> None:
-    """DeepSeek-V3 on the engine: latent attention's heads over tp (check_tp: n_head), no cp yet; the
-    dense and expert SwiGLU widths split over tp as Llama's MLP is, so each rank needs a column."""
-    c, t = sizes.get("cp", 1), sizes.get("tp", 1)
-    if c > 1:
-        raise ConfigError(f"DeepSeek-V3's latent attention splits its heads over tp, not its positions over "
-                          f"cp={c} so far; drop cp from --mesh")
+    """DeepSeek-V3 on the engine: latent attention's heads over tp (check_tp: n_head), its positions
+    over cp (check_cp); the dense and expert SwiGLU widths split over tp as Llama's MLP is, so each
+    rank needs a column."""
+    t = sizes.get("tp", 1)
     widths = [("intermediate_size", model.intermediate_size)]
     if model.moe_experts:
         widths.append(("moe_intermediate_size", model.moe_intermediate_size))

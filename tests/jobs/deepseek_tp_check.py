@@ -1,5 +1,6 @@
-"""DeepSeek-V3 with its latent attention split over tp (refpar/parallel/mla_tensor_parallel.py), run
-under mpiexec by tests/test_deepseek_engine.py.
+"""DeepSeek-V3 with its latent attention split over tp (refpar/parallel/mla_tensor_parallel.py) and cp
+(refpar/parallel/context_parallel.py's ring and Ulysses), run under mpiexec by
+tests/test_deepseek_engine.py.
 
     mpiexec -n 2 python tests/jobs/deepseek_tp_check.py
 
@@ -28,20 +29,23 @@ from tests.numerics import rel_diff
 MODEL = replace(MODEL_PRESETS["deepseek-tiny"], n_layer=2)
 TRAIN = TrainConfig(steps=2, batch_size=4, seq_len=8, lr=1e-2, seed=5)
 DENSE = {"moe_experts": 0, "moe_shared_experts": 0, "q_lora_rank": None}  # q_proj reads the hidden state
-# (mesh, sp, schedule, microbatches, model changes, recompute)
+# (mesh, sp, schedule, microbatches, model changes, recompute, cp algorithm)
 RUNS = [
-    ("tp=2", False, None, 1, {}, "none"),
-    ("tp=2", True, None, 2, {}, "selective"),
-    ("tp=2", True, None, 1, DENSE, "full"),
-    ("pp=2", False, "zb-h1", 2, DENSE, "none"),  # the weight halves B keeps for W
+    ("tp=2", False, None, 1, {}, "none", None),
+    ("tp=2", True, None, 2, {}, "selective", None),
+    ("tp=2", True, None, 1, DENSE, "full", None),
+    ("pp=2", False, "zb-h1", 2, DENSE, "none", None),  # the weight halves B keeps for W
+    # RoPE by each rank's global positions (zig-zag chunks under ring); k and v of their own widths
+    ("cp=2", False, None, 2, {}, "none", "ring"),
+    ("cp=2", False, None, 1, {}, "selective", "ulysses"),
 ]
 
 
-def check_run(comm, mesh_text, sp, schedule, m, changes, recompute) -> dict:
+def check_run(comm, mesh_text, sp, schedule, m, changes, recompute, cp_algo) -> dict:
     model = replace(MODEL, **changes)
     comm.tracer.clear()
     mesh = DeviceMesh(comm, parse_mesh(mesh_text))
-    plan = Plan(schedule=schedule, microbatches=m, sp=sp, recompute=recompute)
+    plan = Plan(schedule=schedule, microbatches=m, sp=sp, recompute=recompute, cp_algo=cp_algo)
     validate(model, TRAIN, mesh.sizes, plan)
     par = parallelize(model, TRAIN, mesh, plan)
     run = train_engine(par)
@@ -57,7 +61,7 @@ def check_run(comm, mesh_text, sp, schedule, m, changes, recompute) -> dict:
         bytes_ok &= traced == {key: tuple(b) for key, b in expected.items() if tuple(b) != (0, 0)}
     closed = {r["category"]: r["bytes"] for r in rank_memory_rows(
         model, TRAIN, mesh.sizes, mesh.coords, par.plan, kept if model.moe_experts else None)}
-    return {"run": f"{mesh_text}{' --sp' if sp else ''} {schedule} m={m} {changes} {recompute}",
+    return {"run": f"{mesh_text}{' --sp' if sp else ''} {cp_algo} {schedule} m={m} {changes} {recompute}",
             "loss_diff": max(abs(a - b) / abs(b) for a, b in zip(run.losses, ref.losses, strict=True)),
             "param_diff": param_diff, "bytes_ok": all_ranks(comm, bytes_ok),
             "memory_ok": all_ranks(comm, dict(par.ledger.peak) == closed)}
