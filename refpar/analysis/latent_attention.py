@@ -1,5 +1,6 @@
-"""What multi-head latent attention moves over tp (refpar/parallel/mla_tensor_parallel.py): the
-calls of a DeepSeek-V3 stage's blocks, which closed_forms.rank_calls adds up per axis and op.
+"""What multi-head latent attention moves over tp and cp (refpar/parallel/mla_tensor_parallel.py,
+context_parallel.py): the calls of a DeepSeek-V3 stage's blocks, which closed_forms.rank_calls adds up
+per axis and op.
 
     mpiexec -n 2 python -m refpar train --model deepseek-tiny --mesh tp=2 --sp --check
 
@@ -17,6 +18,9 @@ its latents, not at the hidden state. Per block, in place of the attention's one
 The down-projections and their norms run on the sequence shard under sp, so their gradients join
 the sequence-parallel region's one all-reduce per step (holdings.sequence_parallel_param_names,
 which closed_forms.data_parallel_bytes reads).
+
+Under cp the block's keys and values travel as GPT-2's do (intra_layer's _ring_calls and
+_ulysses_calls) at their own widths (`mla_cp_widths`): k dn + dr and v dv per head.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ the tp rank's kv heads to be a multiple of cp (`check_cp`). Replicating kv heads
 ranks, more bytes for no gain where the split works; refpar refuses those meshes and ring
 attention runs them.
 
+DeepSeek-V3's latent attention (refpar/parallel/mla_tensor_parallel.py) hands over k of dn + dr and
+v of dv channels per head, the shared RoPE key already rotated by the rank's global positions and
+copied into every head: the ring's block is k and v side by side on the last axis, and Ulysses
+moves each array at its own width.
+
 Parameters are replicated over cp and their gradients summed over cp, as over dp.
 
 Mixed precision: the K/V blocks and Ulysses' all-to-alls travel in the 16-bit activation dtype.
