@@ -51,8 +51,11 @@ from refpar.analysis.activations import (
     layer_bytes,
     llama_core_bytes,
     llama_layer_bytes,
+    mla_core_bytes,
+    mla_layer_bytes,
 )
 from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
+from refpar.analysis.latent_attention import mla_cp_widths, mla_tp_calls
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.holdings import (
@@ -197,13 +200,18 @@ def rank_calls(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, 
     for s in lay.stages_of(r):
         layers = list(stage_layers(model.n_layer, P, lay.part(s)))
         moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in model.moe_blocks)
-        blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None)
+        dense = {} if model.first_k_dense_replace is None else {"first_k_dense_replace": 0}
+        blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None, **dense)
+        forms = BLOCK_FORMS[model.arch]
         for b in (rows[j] for j in lay.microbatches(s)):
             shape = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
             calls = _tp_calls(blocks, shape, plan.sp, k) if t > 1 else []
+            if t > 1:
+                calls = forms.tp_calls(model, calls, shape, plan.sp, k)
             if c > 1:
                 ring = (plan.cp_algo or "ring") == "ring"
-                calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape)
+                calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape, *forms.cp_widths(model, shape,
+                                                                                                   ring))
             for call in calls:
                 first, last = lay.part(s) == 0, lay.part(s) == P - 1
                 embedding = call.tag.startswith(("wte", "model.embed_tokens"))
@@ -476,6 +484,34 @@ def _llama_weight_half_bytes(model, coords, r, plan) -> int:
     return r.e * (Na * (F + C + 2 * F + Ch + C + Ch + 2 * kv) + 2 * col * C + 2 * C)
 
 
+def _mla_block_bytes(model, cfg, coords, r, plan, recompute: str) -> int:
+    """What one DeepSeek-V3 block keeps on the rank of shape `r` (mla_layer_bytes): latent attention
+    on its heads, the dense MLP's columns (a MoE block's difference is analysis/moe.py's)."""
+    ff = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+    return mla_layer_bytes(model, r.B, cfg.seq_len, heads=r.nh, ff=ff, Tl=r.Tl, Ta=r.Ta, recompute=recompute,
+                           attention=_attention(r, plan), cp=r.c, cp_rank=r.cp_rank)
+
+
+def _mla_core_bytes(model, cfg, coords, r, plan) -> int:
+    """What latent attention's core makes again under selective recomputation (mla_core_bytes)."""
+    return mla_core_bytes(model, r.B, cfg.seq_len, r.nh, r.Ta, attention=_attention(r, plan), cp=r.c,
+                          cp_rank=r.cp_rank)
+
+
+def _mla_weight_half_bytes(model, coords, r, plan) -> int:
+    """What a DeepSeek-V3 block's B keeps for W (refpar/parallel/mla_tensor_parallel.py's weight halves):
+    the MLP's as Llama's; o_proj's input and gradient; kv_b's and q_b's output gradients and their inputs
+    (the latents; q_proj's: the norm's output), entered again; the down-projections' and latent norms'
+    gradients, computed in B and given to W; the two gains."""
+    C, (Na, _, col, _) = model.n_embd, _tokens(r, plan)
+    F = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+    dn, dr, dv, rkv = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim, model.kv_lora_rank
+    rq = model.q_lora_rank
+    down = (rkv + dr) * C + rkv + (0 if rq is None else rq * C + rq)
+    return r.e * (Na * (F + C + 2 * F + r.nh * (dv + (dn + dv) + (dn + dr)) + C)
+                  + col * (C + rkv + (C if rq is None else rq)) + down + 2 * C)
+
+
 @dataclass(frozen=True)
 class BlockForms:
     """A family's closed forms of one block on the rank of shape r (intra_layer.rank_shape)."""
@@ -483,15 +519,19 @@ class BlockForms:
     keeps: Callable  # (model, cfg, coords, r, plan, recompute) -> what it keeps between F and B
     core: Callable  # (model, cfg, coords, r, plan) -> what selective recomputation makes again
     weight_half: Callable  # (model, coords, r, plan) -> what B keeps for W where a schedule splits them
+    # (model, calls, r, sp, tp_rank) -> intra_layer._tp_calls' calls with the family's own entries
+    tp_calls: Callable = lambda model, calls, r, sp, tp_rank: calls
+    # (model, r, ring) -> the widths cp moves, as _ring_calls / _ulysses_calls take them (none: GPT-2's)
+    cp_widths: Callable = lambda model, r, ring: ()
 
 
 GPT2_FORMS = BlockForms(_block_bytes, _core_bytes, _weight_half_bytes)
 BLOCK_FORMS = {  # ModelConfig.arch -> its block's forms, as refpar/model/__init__.py's FAMILIES
     "gpt2": GPT2_FORMS,
     "llama": BlockForms(_llama_block_bytes, _llama_core_bytes, _llama_weight_half_bytes),
-    # MLA's caches are issue 41's: until then GPT-2's stand in, and holdings.Names.activations_priced
-    # keeps their figures out of the comparison with the run
-    "deepseek-v3": GPT2_FORMS,
+    # latent attention enters the tp region at its latents, and cp moves its keys and values at their widths
+    "deepseek-v3": BlockForms(_mla_block_bytes, _mla_core_bytes, _mla_weight_half_bytes, mla_tp_calls,
+                              mla_cp_widths),
 }
 
 

@@ -294,7 +294,9 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
     c, t, ep = sizes["cp"], sizes["tp"], sizes["ep"]
     D = sizes["dp"] * ep
     N, e, C = b * Ta, np.dtype(model.dtype).itemsize, model.n_embd
-    H = shard_sizes(expert_width(model), t)[coords["tp"]]  # this tp rank's columns of it
+    H = shard_sizes(expert_width(model), t)[coords["tp"]]  # this tp rank's columns of an expert
+    # and of the dense MLP the MoE replaces: GPT-2's 4C, Llama's and DeepSeek-V3's intermediate_size
+    F = shard_sizes(model.intermediate_size or 4 * C, t)[coords["tp"]]
     runs = sum(exchange_runs(cfg.batch_size, m, j, D, cfg.seq_len, c, cp_algo))  # D without cp
     group = (coords["dp"] * ep + coords["ep"]) * c + coords["cp"]  # this rank in the exchange
     n = 0
@@ -307,7 +309,7 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
             parts |= routing_option_bytes(model, N, b, e, D * c)
             if sp:  # the gathered sequence for the router, ln_2's shard not kept
                 parts["sequence"] = (N - b * shard_sizes(Ta, t)[coords["tp"]]) * C * e
-            n += sum(parts.values()) - mlp_activation_bytes(model, N, H)
+            n += sum(parts.values()) - mlp_activation_bytes(model, N, F)
     return n
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refpar.analysis.activations import mla_attention_elements
 from refpar.analysis.flops import layer_params
 from refpar.analysis.presets import ModelSpec
 from refpar.config import ConfigError
@@ -130,6 +131,10 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
         hidden = (3 if spec.mlp == "swiglu" else 2) * spec.d_ff  # gelu: its input, fc2's input
     kv_rank = kv / np.minimum(tp, spec.n_kv_head)  # (N, kv_rank) each for K and V
     inside = e * n * ((h + h + hidden) / tp + 2 * kv_rank)
+    if spec.kv_lora_rank:  # multi-head latent attention: its latents, q, k, the kv buffer, o's input
+        inside = e * (n * hidden / tp + mla_attention_elements(
+            n / sp_div, n, seq / cp, spec.n_head / tp, spec.q_lora_rank, spec.kv_lora_rank,
+            spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, keep_refpar=False))
     if attention == "flash":
         return outside + inside + 4 * (spec.n_head / tp) * n
     if recompute == "selective":

@@ -209,8 +209,7 @@ def _table(say, s) -> None:
 
 
 def _against(category: str, measured: int, closed: int | None) -> str:
-    """One category's peak next to its closed form; a category without one (DeepSeek-V3's
-    activations, holdings.Names.activations_priced) says so rather than differ."""
+    """One category's peak next to its closed form; a category without one says so rather than differ."""
     if closed is None:
         return f"{category} {measured:,} | no closed form yet"
     return f"{category} {measured:,} | {closed:,}" + ("" if measured == closed else " MISMATCH")

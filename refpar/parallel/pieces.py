@@ -20,10 +20,11 @@ tensor_parallel.weight_grads runs:
     grads = weight_grads(work)                                         # in W, or right away
 
 GPT-2's are refpar/parallel/gpt2_pieces.py's, Llama's refpar/parallel/llama_pieces.py's, DeepSeek-V3's
-refpar/parallel/deepseek_pieces.py's (unsplit so far: its blocks attend inside themselves); the head
+refpar/parallel/deepseek_pieces.py's (its latent attention split by mla_tensor_parallel.py); the head
 (final norm, then vocab_parallel's logits and cross-entropy) is one for both. `attend` is the family's
 attention over whole heads, which LocalAttention and context_parallel's Ulysses call: GPT-2's
-multi-head attention with its dropout, Llama's grouped-query attention.
+multi-head attention with its dropout, Llama's grouped-query attention, DeepSeek-V3's multi-head
+attention without dropout on its own query-key and value widths.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ LLAMA = Family(llama_pieces.embed_forward, llama_pieces.embed_backward, llama_pi
 DEEPSEEK = Family(deepseek_pieces.embed_forward, deepseek_pieces.embed_backward,
                   deepseek_pieces.block_forward, deepseek_pieces.block_backward,
                   deepseek_pieces.norm_forward, deepseek_pieces.norm_backward,
-                  LLAMA.head, attention_forward, attention_backward,  # MLA's heads attend inside its block
-                  False, False, splits_attention=False)
+                  LLAMA.head, attention_forward, attention_backward,  # MLA: multi-head, dv its own
+                  True, False)
 FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "deepseek-v3": DEEPSEEK}
 
 
