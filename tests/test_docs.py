@@ -741,8 +741,8 @@ def _expert_tp_all_reduces_the_expert_buffer_once_each_way(out, _):
 @claims("python -m refpar schedule zb-h1 --stages 4 --microbatches 8")
 def _a_schedule_as_data_simulated_on_a_grid(out, _):
     """what-works.md: schedules as data, simulated, on a ranks x ticks grid: each of the 4 ranks runs
-    every microbatch's F, I (the input's backward) and W once, and ZB-H1's bubble with unit costs is Qi et al.'s (2023)
-    (p-1)(F+B-W) idle ticks a rank against m(F+B+W) busy ones."""
+    every microbatch's F, I (the input's backward) and W once, and ZB-H1's bubble with unit costs is
+    Qi et al.'s (2023) (p-1)(F+B-W) idle ticks a rank against m(F+B+W) busy ones."""
     p, m = 4, 8
     rows = [line.split()[2:] for line in out.splitlines() if re.match(r"rank \d ", line)]
     assert len(rows) == p

@@ -210,8 +210,8 @@ def rank_calls(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, 
                 calls = forms.tp_calls(model, calls, shape, plan.sp, k)
             if c > 1:
                 ring = (plan.cp_algo or "ring") == "ring"
-                calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape, *forms.cp_widths(model, shape,
-                                                                                                   ring))
+                widths = forms.cp_widths(model, shape, ring)
+                calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape, *widths)
             for call in calls:
                 first, last = lay.part(s) == 0, lay.part(s) == P - 1
                 embedding = call.tag.startswith(("wte", "model.embed_tokens"))

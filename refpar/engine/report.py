@@ -23,7 +23,6 @@ from refpar.analysis.flops import step_flops
 from refpar.analysis.moe import expected_all_to_all_bytes, expert_param_bytes_per_rank
 from refpar.analysis.presets import from_model_config
 from refpar.config import ModelConfig, TrainConfig
-from refpar.holdings import names
 from refpar.memory import CATEGORIES
 from refpar.model.routing import capacity
 from refpar.parallel.expert_parallel import owned_experts
