@@ -321,8 +321,8 @@ def test_deepseek_bad_shapes_are_one_sentence_config_errors(overrides, message):
 
 
 @pytest.mark.parametrize("sizes, overrides, message", [
-    ({"tp": 2}, {}, "not split over tp=2"),
-    ({"cp": 2}, {}, "not split over cp=2"),
+    ({"tp": 2}, {"moe_intermediate_size": 1}, "tp=2 splits moe_intermediate_size=1 into fewer columns"),
+    ({"tp": 8}, {}, "tp=8 does not divide n_head=4"),
     ({}, {"num_nextn_predict_layers": 1}, "multi-token prediction trains in refpar.model.loss_and_grads"),
 ])
 def test_what_the_engine_does_not_run_yet_is_one_sentence_before_any_communication(sizes, overrides,
