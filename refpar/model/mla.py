@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace
 
-from refpar.model.attention import attention_backward, attention_forward
+from refpar.model.attention import CacheShape, attention_backward, attention_forward
 from refpar.model.gpt import merge_heads, split_heads
 from refpar.model.llama_layers import (
     linear_t_backward,
@@ -65,6 +65,17 @@ def mla_param_shapes(config, prefix: str) -> dict[str, tuple[int, ...]]:
                    prefix + "kv_b_proj.weight": (nh * (dn + dv), rkv),
                    prefix + "o_proj.weight": (C, nh * dv)})
     return shapes
+
+
+def latent_cache(config) -> CacheShape:
+    """What MLA's KV cache keeps per token per layer (DeepSeek-V2, section 2.1.2): the latent c_kv after
+    kv_a_layernorm and the rotated shared key k_rope, one entry of rkv + dr numbers for all heads,
+    whole on every tp rank; the heads' keys and values are absorbed from it (refpar/serving/
+    latent_attention.py). Multi-head attention with MLA's head widths would cache every head's key
+    (dn + dr) and value (dv): 2 nh dh when the widths are equal (DeepSeek-V2, Table 1)."""
+    rkv, dr = config.kv_lora_rank, config.qk_rope_head_dim
+    return CacheShape(1, rkv + dr, 0, rkv, split_by_tp=False,
+                      multi_head=config.n_head * (config.qk_nope_head_dim + dr + config.v_head_dim))
 
 
 # ---------------------------------------------------------------------------------------- rope
