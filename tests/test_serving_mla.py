@@ -5,6 +5,7 @@ sequence without a cache; the cache's bytes against MLA's closed form, written o
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +22,9 @@ from tests.numerics import CONTRACT, rel_diff, within
 
 DEEPSEEK = model_preset("deepseek-tiny")  # float64; MLA rkv 32, dr 8; 4 heads of dn 16, dv 16; MoE dropless
 ONE, AT = {"tp": 1, "cp": 1, "pp": 1}, {"tp": 0, "cp": 0, "pp": 0}
+# DeepSeek-V3's rope_scaling, with a pretraining context of 8 so that it changes the tiny model's angles
+YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 8, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def mla_bytes(config, layers: int, tokens: int) -> int:
@@ -34,15 +38,17 @@ def params():
     return M.init_params(DEEPSEEK, 2)
 
 
-@pytest.mark.parametrize("paging", [None, Paging(4)], ids=["contiguous", "paged"])
-def test_latent_cache_decoding_gives_the_recomputed_tokens_and_logits(params, paging):
+@pytest.mark.parametrize("paging, config", [
+    pytest.param(None, DEEPSEEK, id="contiguous"), pytest.param(Paging(4), DEEPSEEK, id="paged"),
+    pytest.param(None, replace(DEEPSEEK, rope_scaling=YARN), id="contiguous-yarn")])
+def test_latent_cache_decoding_gives_the_recomputed_tokens_and_logits(params, paging, config):
     requests = make_requests(DEEPSEEK, [5, 9, 2], [4, 3, 5], [0, 0, 2], seed=4)
     greedy = parse_sampling("greedy", seed=9)
     ledger = MemoryLedger()
-    out = serve(params, DEEPSEEK, requests, greedy, max_batch=2, ledger=ledger, paging=paging)
+    out = serve(params, config, requests, greedy, max_batch=2, ledger=ledger, paging=paging)
     worst = 0.0
     for r in requests:
-        tokens, logits = reference_generate(params, DEEPSEEK, r, greedy)  # no cache, whole sequence
+        tokens, logits = reference_generate(params, config, r, greedy)  # no cache, whole sequence
         assert out.tokens[r.rid] == tokens, f"request {r.rid}"
         worst = max(worst, *(rel_diff(a, b) for a, b in zip(out.logits[r.rid], logits, strict=True)))
     assert within(worst, CONTRACT), f"max logit rel diff {worst:.2e}"

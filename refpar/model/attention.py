@@ -52,11 +52,12 @@ def multi_head_cache(kv_heads: int, head_size: int, n_head: int) -> CacheShape:
 
 
 @fp32_compute
-def attention_forward(q, k, v, q_pos, k_pos, keep=None, p=0.0):
+def attention_forward(q, k, v, q_pos, k_pos, keep=None, p=0.0, scale=None):
     """q (B, nh, Tq, hs), k and v (B, nh, Tk, hs), positions (Tq,) and (Tk,); `keep` is the dropout
-    mask of the probabilities, broadcastable to (B, nh, Tq, Tk), or None."""
+    mask of the probabilities, broadcastable to (B, nh, Tq, Tk), or None; the scores' `scale` is
+    1/sqrt(hs) unless given (YaRN's multiplies it: model/rope_yarn.py)."""
     xp = array_namespace(q, k, v)
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     visible = xp.reshape(k_pos, (1, -1)) <= xp.reshape(q_pos, (-1, 1))  # (Tq, Tk)
     # In-place updates of fresh arrays: the (B, nh, Tq, Tk) tensors dominate this layer's time.
     scores = matmul(q, xp.matrix_transpose(k))  # (B, nh, Tq, Tk)

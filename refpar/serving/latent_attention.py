@@ -20,7 +20,8 @@ W_UV (dv, rkv)]. Serving never does: by associativity
 
 so a head's query is [q_nope W_UK, q_rope] (rkv + dr), it attends to the cached entries themselves,
 and its output (rkv) is taken to dv by W_UV: the cached tokens are read, never expanded, and the
-numbers equal mla_forward's up to rounding (the softmax scale stays the heads' 1/sqrt(dn + dr)).
+numbers equal mla_forward's up to rounding (the softmax scale stays the heads' 1/sqrt(dn + dr), and
+YaRN's rope_scaling applies as in mla_forward: mla_cos_sin, mla_softmax_scale).
 Under cp the partial outputs are merged in the latent space (nh, N, rkv), before W_UV, by
 kv_cache.merge_over_cp: W_UV is linear, so merging before or after it is the same.
 """
@@ -31,8 +32,8 @@ import numpy as np
 
 from refpar.model import deepseek
 from refpar.model.gpt import merge_heads, split_heads
-from refpar.model.llama_layers import rmsnorm_forward, rope_cos_sin
-from refpar.model.mla import LATENT_NORM_EPS, mla_rope_forward
+from refpar.model.llama_layers import rmsnorm_forward
+from refpar.model.mla import LATENT_NORM_EPS, mla_cos_sin, mla_rope_forward, mla_softmax_scale
 from refpar.serving.kv_cache import merge_over_cp, partial_attention
 
 
@@ -79,14 +80,14 @@ class LatentAttention:
 
     def forward(self, x, P, prefix: str, config, positions, layer: int):
         """x (1, N, C) after input_layernorm, positions (N,) global -> (1, N, C)."""
-        nh, dn, dr, rkv = config.n_head, config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
-        cos, sin = rope_cos_sin(positions, dr, config.rope_theta, x)  # (N, dr) each
+        nh, dn, rkv = config.n_head, config.qk_nope_head_dim, config.kv_lora_rank
+        cos, sin = mla_cos_sin(positions, config, x)  # (N, dr) each: YaRN's with rope_scaling
         q = mla_query(x, P, prefix, config, cos, sin)  # (nh, N, dn + dr)
         e = latent_entry(x, P, prefix, config, cos, sin)  # (1, N, rkv + dr)
         w_kvb = np.reshape(P[prefix + "kv_b_proj.weight"], (nh, dn + config.v_head_dim, rkv))
         w_uk, w_uv = w_kvb[:, :dn], w_kvb[:, dn:]  # (nh, dn, rkv), (nh, dv, rkv)
         q = np.concatenate([q[..., :dn] @ w_uk, q[..., dn:]], axis=-1)  # (nh, N, rkv + dr): W_UK absorbed
-        scale = 1.0 / np.sqrt(dn + dr)  # the heads' own scale, not 1/sqrt(rkv + dr)
+        scale = mla_softmax_scale(config)  # the heads' own 1/sqrt(dn + dr) (YaRN's), not 1/sqrt(rkv + dr)
         outs, lses = [], []
         for rid, a, b in self.segments:
             self.cache.append(rid, layer, e[:, a:b], e[:, a:b, :0], positions[a:b])  # no value: it is c_kv
