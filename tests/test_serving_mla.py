@@ -117,3 +117,14 @@ def test_generate_prints_the_latent_cache_and_its_ratio_to_multi_head_kv(capsys)
     assert f"(cp · pp; every tp rank keeps the whole latent) = {mla_bytes(DEEPSEEK, 4, 4)} B" in out
     assert "per token per layer 320 B; multi-head K/V of its 4 heads would take 1280 B: ratio 0.250" in out
     assert "tokens identical: yes" in out
+
+
+def test_at_scale_deepseek_v3_caches_576_numbers_per_token_per_layer_on_every_tp_rank():
+    from refpar.analysis.hardware import hardware
+    from refpar.analysis.presets import preset
+    from refpar.analysis.serving import decode_estimate
+
+    # DeepSeek-V2, section 2.1.2: (d_c + d_h^R) l elements per token, d_c = 512, d_h^R = 64, l = 61
+    row = decode_estimate(preset("deepseek-v3"), hardware("h100"), tp=8, pp=2, batch=4, context=1024)
+    assert row["kv_bytes_per_token_per_gpu"] == 61 * (512 + 64) * 2 / 2  # fp16, pp=2 halves the layers
+    assert row["kv_bytes_per_gpu"] == 4 * 1024 * row["kv_bytes_per_token_per_gpu"]

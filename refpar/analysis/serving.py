@@ -175,15 +175,22 @@ def decode_estimate(spec: ModelSpec, hw: Hardware, *, tp: int = 1, pp: int = 1, 
     """One configuration of a large model on real hardware: bytes per GPU and seconds per token.
 
     KV heads are split over tp while tp <= nkv; past that each is replicated (GQA), so the cache is
-    split over min(tp, nkv) · pp. Prefill is compute-bound (2 · params FLOPs per token at the
+    split over min(tp, nkv) · pp. A spec with multi-head latent attention (kv_lora_rank > 0,
+    DeepSeek-V3) caches kv_lora_rank + qk_rope_head_dim numbers per token per layer, whole on every
+    tp rank, so split over pp alone. Prefill is compute-bound (2 · params FLOPs per token at the
     fp16 peak); decode is the HBM read of weights and cache. Communication uses the hardware's
     NVLink inside a node and InfiniBand across (`step_time.link`), NCCL's latencies.
     """
     h, L = spec.d_model, spec.n_layer
     params = param_counts(spec).total
     weights = params * itemsize / (tp * pp)
-    kv_shards = min(tp, spec.n_kv_head) * pp
-    kv = kv_cache_bytes(L, spec.n_kv_head, spec.head_size, batch * context, itemsize, kv_shards)
+    if spec.kv_lora_rank:  # MLA: one latent entry per token per layer, replicated over tp
+        shards = pp
+        per_token = L * (spec.kv_lora_rank + spec.qk_rope_head_dim) * itemsize
+    else:
+        shards = min(tp, spec.n_kv_head) * pp
+        per_token = kv_cache_bytes(L, spec.n_kv_head, spec.head_size, 1, itemsize)
+    kv = per_token * batch * context / shards
     tp_bw, tp_lat = link(hw, {"tp": tp}, "tp")
     pp_bw, pp_lat = link(hw, {"tp": tp, "pp": pp}, "pp")
 
@@ -203,8 +210,7 @@ def decode_estimate(spec: ModelSpec, hw: Hardware, *, tp: int = 1, pp: int = 1, 
         "tp": tp, "pp": pp, "gpus": tp * pp, "batch": batch, "context": context,
         "tp_link": "nvlink" if tp <= hw.gpus_per_node else "infiniband",
         "weights_bytes_per_gpu": weights, "kv_bytes_per_gpu": kv,
-        "kv_bytes_per_token_per_gpu": kv_cache_bytes(L, spec.n_kv_head, spec.head_size, 1, itemsize,
-                                                     kv_shards),
+        "kv_bytes_per_token_per_gpu": per_token / shards,
         "tp_bytes_per_token": float(2 * L * (2 * (tp - 1) / tp) * h * itemsize) if tp > 1 else 0.0,
         "pp_bytes_per_token": float(h * itemsize) if pp > 1 else 0.0,
         "prefill_s_per_token": prefill / prompt,
