@@ -25,7 +25,7 @@ DEEPSEEK_MOE_NAMES = {"n_routed_experts": "moe_experts", "n_shared_experts": "mo
                       "routed_scaling_factor": "moe_routed_scaling_factor"}
 DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                    "moe_intermediate_size", "first_k_dense_replace", "rope_interleave",
-                   "num_nextn_predict_layers", "mtp_loss_weight", *DEEPSEEK_MOE_NAMES)
+                   "num_nextn_predict_layers", "mtp_loss_weight", "rope_scaling", *DEEPSEEK_MOE_NAMES)
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")  # refpar/model/optim.py learning_rate
 RECOMPUTE = ("none", "selective", "full")  # refpar/parallel/recompute.py; the planner prices each
@@ -33,6 +33,40 @@ RECOMPUTE = ("none", "selective", "full")  # refpar/parallel/recompute.py; the p
 
 class ConfigError(ValueError):
     """A configuration or command-line mistake; its message is one sentence saying what to change."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN's RoPE scaling (Peng et al. 2023), DeepSeek-V3's rope_scaling under Hugging Face's keys;
+    refpar/model/rope_yarn.py computes it. ModelConfig takes it as HF's dict too."""
+
+    factor: float  # the context extension (DeepSeek-V3: 40)
+    original_max_position_embeddings: int  # the pretraining context (DeepSeek-V3: 4096)
+    beta_fast: float = 32.0  # rotations below which a frequency is interpolated ...
+    beta_slow: float = 1.0  # ... and above which it is kept: a linear ramp between
+    mscale: float | None = None  # the rotary cos and sin's scale, get_mscale(factor, mscale) / ...
+    mscale_all_dim: float | None = None  # ... get_mscale(factor, mscale_all_dim); the softmax's, squared
+
+    @staticmethod
+    def of(value) -> RopeScaling:
+        """From HF's dict ({"type" or "rope_type": "yarn", ...}) or a RopeScaling, in one sentence if not."""
+        if isinstance(value, RopeScaling):
+            return value
+        keys = {f.name for f in fields(RopeScaling)}
+        # HF's dict names its type; to_dict's (asdict) does not, and YaRN is the only one
+        if not isinstance(value, dict) or value.get("type", value.get("rope_type", "yarn")) != "yarn":
+            raise ConfigError(f"rope_scaling={value!r} must be YaRN's, a dict with 'type': 'yarn' "
+                              "(DeepSeek-V3's rope_scaling), or None")
+        extra = sorted(set(value) - keys - {"type", "rope_type"})
+        if extra or "factor" not in value or "original_max_position_embeddings" not in value:
+            raise ConfigError(f"rope_scaling takes factor and original_max_position_embeddings, and "
+                              f"optionally beta_fast, beta_slow, mscale, mscale_all_dim; got {sorted(value)}")
+        scaling = RopeScaling(**{k: v for k, v in value.items() if k in keys})
+        if not (scaling.factor >= 1 and scaling.original_max_position_embeddings >= 1
+                and scaling.beta_fast > scaling.beta_slow > 0):
+            raise ConfigError(f"rope_scaling needs factor >= 1, original_max_position_embeddings >= 1 and "
+                              f"beta_fast > beta_slow > 0 (DeepSeek-V3: 40, 4096, 32, 1); got {value}")
+        return scaling
 
 
 def _divisors(n: int) -> list[int]:
@@ -110,6 +144,7 @@ class ModelConfig:
     # checkpoints do, else (i, i + dr/2) as Llama; None: True, Hugging Face's default
     num_nextn_predict_layers: int | None = None  # D multi-token prediction depths (model/mtp.py); None: 0
     mtp_loss_weight: float | None = None  # lambda, the MTP losses' weight; None: 0.3 (V3's first 10T tokens)
+    rope_scaling: RopeScaling | None = None  # YaRN (HF's rope_scaling dict, or RopeScaling); None: none
     # DeepSeek-V3's MoE fields under HF's names (DEEPSEEK_MOE_NAMES), another spelling of the moe_* fields
     # above: a value given here is moved there (a moe_* field left at its default counts as unset), so
     # these read None once the config is made and `dataclasses.replace`, which passes every field back
@@ -214,6 +249,8 @@ class ModelConfig:
             object.__setattr__(self, "rope_interleave", True)
         if self.num_nextn_predict_layers is None:
             object.__setattr__(self, "num_nextn_predict_layers", 0)
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", RopeScaling.of(self.rope_scaling))
         if self.mtp_loss_weight is None:
             object.__setattr__(self, "mtp_loss_weight", 0.3)
         if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:

@@ -49,6 +49,12 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, **options):
     return family(config).loss_and_grads(params, tokens, targets, config, **options)
 
 
+def kv_cache_shape(config: ModelConfig):
+    """What a KV cache keeps per token per layer (model/attention.py's CacheShape): K and V of every kv
+    head (GPT-2, Llama), or MLA's one latent entry (DeepSeek-V3)."""
+    return family(config).kv_cache_shape(config)
+
+
 def moe_spec(config: ModelConfig) -> moe.MoESpec:
     """The family's MoE: its parameters' names, its router's layout and its expert MLP."""
     return family(config).MOE

@@ -61,7 +61,7 @@ from refpar.model.llama_layers import (
     swiglu_mlp_backward,
     swiglu_mlp_forward,
 )
-from refpar.model.mla import mla_backward, mla_forward, mla_param_shapes
+from refpar.model.mla import latent_cache, mla_backward, mla_forward, mla_param_shapes
 from refpar.model.moe import MoELayer, MoESpec, SwiGLUMLP
 from refpar.model.mtp import mtp_backward, mtp_forward, mtp_layer, mtp_param_shapes
 from refpar.precision import dtype_of
@@ -96,6 +96,9 @@ def block_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, 
     return shapes
 
 
+kv_cache_shape = latent_cache  # what a KV cache keeps per token per layer: MLA's latent and rotary key
+
+
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and full shape, in the order of DeepseekV3ForCausalLM's checkpoint, then
     the multi-token prediction modules' (refpar/model/mtp.py), which that class has not."""
@@ -126,18 +129,20 @@ def init_params(config: ModelConfig, seed: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- block
-def block_forward(x, params, layer: int, config: ModelConfig, drop=None, positions=None, moe=None):
+def block_forward(x, params, layer: int, config: ModelConfig, drop=None, positions=None, moe=None,
+                  attention=mla_forward):
     """x (B, T, C) -> y (B, T, C): x + mla(input_layernorm(x)), then + mlp(post_attention_layernorm(.)),
     the MLP dense in the first first_k_dense_replace blocks and `moe.forward` (default the
     single-device `MoELayer` of `MOE`) after. `positions` (T,) as in llama.block_forward; `drop` is
-    accepted for a pipeline stage's sake (no dropout)."""
+    accepted for a pipeline stage's sake (no dropout). `attention` takes mla_forward's arguments:
+    serving's cached, absorbed MLA (refpar/serving/latent_attention.py), forward only."""
     p = f"model.layers.{layer}."
     P = params
     positions = _positions(x, x.shape[1], positions)  # (T,)
     eps = config.norm_eps
 
     a, c_ln1 = rmsnorm_forward(x, P[p + "input_layernorm.weight"], eps)  # (B, T, C)
-    o, c_attn = mla_forward(a, P, p + "self_attn.", config, positions)  # (B, T, C)
+    o, c_attn = attention(a, P, p + "self_attn.", config, positions)  # (B, T, C)
     x1 = x + o  # (B, T, C)
 
     m, c_ln2 = rmsnorm_forward(x1, P[p + "post_attention_layernorm.weight"], eps)  # (B, T, C)

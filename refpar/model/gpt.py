@@ -23,7 +23,7 @@ from array_api_compat import array_namespace, device
 
 from refpar import rng
 from refpar.config import ConfigError, ModelConfig
-from refpar.model.attention import attention_backward, attention_forward
+from refpar.model.attention import CacheShape, attention_backward, attention_forward, multi_head_cache
 from refpar.model.dropout import keep_mask
 from refpar.model.layers import (
     add_grads,
@@ -77,6 +77,11 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             })
     shapes.update({"ln_f.weight": (C,), "ln_f.bias": (C,)})
     return shapes
+
+
+def kv_cache_shape(config: ModelConfig) -> CacheShape:
+    """What a KV cache keeps per token per layer: K and V of every head."""
+    return multi_head_cache(config.n_head, config.head_size, config.n_head)
 
 
 def init_std(name: str, config: ModelConfig) -> float:

@@ -31,6 +31,7 @@ from array_api_compat import array_namespace, device
 
 from refpar import rng
 from refpar.config import ModelConfig
+from refpar.model.attention import CacheShape, multi_head_cache
 from refpar.model.gpt import merge_heads, split_heads
 from refpar.model.layers import add_grads, as_like, cross_entropy_backward, cross_entropy_forward
 from refpar.model.llama_layers import (
@@ -100,6 +101,11 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_embeddings:
         shapes[LM_HEAD] = (V, C)
     return shapes
+
+
+def kv_cache_shape(config: ModelConfig) -> CacheShape:
+    """What a KV cache keeps per token per layer: K and V of every kv head (grouped-query attention)."""
+    return multi_head_cache(config.n_kv_head, config.head_size, config.n_head)
 
 
 def init_params(config: ModelConfig, seed: int) -> dict:

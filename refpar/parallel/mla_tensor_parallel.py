@@ -42,9 +42,9 @@ from refpar.model.llama_layers import (
     linear_t_forward,
     rmsnorm_backward,
     rmsnorm_forward,
-    rope_cos_sin,
 )
-from refpar.model.mla import LATENT_NORM_EPS, mla_rope_backward, mla_rope_forward
+from refpar.model.mla import LATENT_NORM_EPS, mla_cos_sin, mla_rope_backward, mla_rope_forward
+from refpar.model.rope_yarn import softmax_factor
 from refpar.parallel.tensor_parallel import (
     Layout,
     column_parallel_linear_backward,
@@ -67,7 +67,7 @@ def mla_forward(a, params, layer: int, lay: Layout):
     cfg, P = lay.config, f"model.layers.{layer}.self_attn."
     dn, dr, rkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
     nh = lay.heads[1] - lay.heads[0]  # this rank's heads
-    cos, sin = rope_cos_sin(as_like(lay.region_pos, a), dr, cfg.rope_theta, a)  # (Ta, dr) each
+    cos, sin = mla_cos_sin(as_like(lay.region_pos, a), cfg, a)  # (Ta, dr) each: YaRN's with rope_scaling
 
     if cfg.q_lora_rank is None:  # q_proj reads the hidden state itself
         q_in, c_qa, c_qn, q_name = a, None, None, "q_proj"
@@ -94,6 +94,10 @@ def mla_forward(a, params, layer: int, lay: Layout):
     k = xp.concat([kv[..., :dn], xp.broadcast_to(k_rope, (B, nh, Ta, dr))], axis=-1)  # (B, nh/t, Ta, dq)
     v = kv[..., dn:]  # (B, nh/t, Ta, dv)
 
+    # YaRN's mscale^2 on the scores (1 without rope_scaling), carried by q so every core (local, ring,
+    # Ulysses) keeps its own 1/sqrt(dq)
+    m = softmax_factor(cfg.rope_scaling)
+    q = q * m if m != 1.0 else q  # (B, nh/t, Ta, dq)
     o, c_core = lay.attention.forward(q, k, v, layer, lay, NO_DROPOUT)  # (B, nh/t, Ta, dv)
     out, c_o = row_parallel_linear_forward(merge_heads(o), _t(params[P + "o_proj.weight"]), None, lay,
                                            P + "o_proj")  # (B, Tl, C)
@@ -112,6 +116,8 @@ def mla_backward(dout, cache, lay: Layout):
                                            transposed=True)  # (B, Ta, nh/t dv)
     nh = lay.heads[1] - lay.heads[0]
     dq, dk, dv = lay.attention.backward(split_heads(do, nh), c_core, lay)  # (B, nh/t, Ta, dq|dq|dv)
+    m = softmax_factor(cfg.rope_scaling)
+    dq = dq * m if m != 1.0 else dq  # (B, nh/t, Ta, dq): the scores' YaRN factor, as in the forward
 
     # the shared rotary key gathers its gradient from every head: this rank's here, the others' in f
     dk_rope = xp.sum(dk[..., dn:], axis=1, keepdims=True)  # (B, 1, Ta, dr)
