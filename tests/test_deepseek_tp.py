@@ -88,3 +88,21 @@ def test_meshes_deepseek_cannot_run_get_one_sentence_before_any_message(model, s
     mesh = {"pp": 1, "dp": 1, "tp": 1, "cp": 1, "ep": 1} | sizes
     with pytest.raises(ConfigError, match=sentence):
         validate(model, TrainConfig(batch_size=4, seq_len=8), mesh, Plan(cp_algo=cp_algo))
+
+
+def test_the_pieces_take_yarns_frequencies_and_softmax_factor_as_the_model_does():
+    """With rope_scaling (YaRN, mscale_all_dim != mscale so its softmax factor is not 1) the pieces scale
+    q by the factor where the model scales the scores: one more rounding, so the float64 contract
+    (1e-10 relative) rather than bitwise; without the factor they would differ by its square's 1.2%."""
+    yarn = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.5}
+    config = replace(TINY, rope_scaling=yarn)
+    params, x, dy = _block(config, 0)
+    lay = tp_layout(config, T, None)
+    y_ref, c_ref = deepseek.block_forward(x, params, 0, config, moe=MoELayer(deepseek.MOE))
+    y, c = deepseek_pieces.block_forward(x, params, 0, lay, moe=MoELayer(deepseek.MOE))
+    dx_ref, g_ref = deepseek.block_backward(dy, c_ref)
+    dx, work = deepseek_pieces.block_backward(dy, c, 0, lay)
+    grads = weight_grads(work)
+    for got, want in [(y, y_ref), (dx, dx_ref), *((grads[n], g_ref[n]) for n in g_ref)]:
+        assert np.max(np.abs(got - want)) <= 1e-10 * np.max(np.abs(want))
