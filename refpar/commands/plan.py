@@ -88,7 +88,7 @@ def format_plan(rank: int | str, p: dict) -> list[str]:
             f"{c['name']} {c['bytes'] / 1e6:.1f} MB x {c['calls_per_step']:.0f} over "
             f"{c['ranks']} ({c['algo']}, {c['seconds_per_call'] * 1e3:.2f} ms)"
             for c in p["collectives"]) if p["collectives"] else "   collectives: none",
-    ]
+    ] + ([f"   note: {p['above_published']}"] if p.get("above_published") else [])
 
 
 def format_plans(result: dict) -> str:
