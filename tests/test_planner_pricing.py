@@ -210,3 +210,58 @@ def test_eager_kernels_move_the_bytes_of_torchtitans_module_code():
     eager = _elementwise_bytes(spec, n, 1, False, precision, fused=False)
     fused = _elementwise_bytes(spec, n, 1, False, precision, fused=True)
     assert float(eager - fused) == 2 * 32 * n * h + 4 * n * f + 12 * n * (h + kv) + 8 * n * h
+
+
+H100_SPEC = "memory=80,flops=989.5,hbm=3350,nvlink=450,ib=50,gpus_per_node=8"
+
+
+def test_a_hardware_spec_of_the_h100_datasheet_prices_as_the_h100_preset():
+    # The same figures as the preset (its MAMF, flash fraction and SMs are the spec's defaults):
+    # the same plan costs the same, to the last digit.
+    from refpar.analysis.hardware import parse_hardware_spec
+    from refpar.analysis.planner import price
+
+    spec, mesh = PRESETS["llama3-8b"], {"dp": 8, "tp": 2, "pp": 2, "cp": 1, "ep": 1}
+    kw = dict(zero=1, schedule="1f1b", micro_batch=1, recompute="none", sp=True, global_batch=64, seq=8192)
+    custom = price(spec, parse_hardware_spec(H100_SPEC), 32, mesh, **kw)
+    preset = price(spec, HARDWARE["h100"], 32, mesh, **kw)
+    assert custom["step_time_s"] == preset["step_time_s"] and custom["memory_bytes"] == preset["memory_bytes"]
+    # Half the memory and a tenth of the network, as a user would give them: refused, then slower.
+    small = parse_hardware_spec(H100_SPEC.replace("memory=80", "memory=8"))
+    with pytest.raises(Exception, match="does not fit"):
+        price(spec, small, 32, mesh, **kw)
+    slow = price(spec, parse_hardware_spec(H100_SPEC.replace("ib=50", "ib=5")), 32, mesh, **kw)
+    assert slow["time_s"]["pp"] > preset["time_s"]["pp"]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("memory=80,flops=989.5", "needs hbm, nvlink, ib, gpus_per_node too"),
+    (H100_SPEC + ",memory=40", "gives memory twice"),
+    (H100_SPEC.replace("hbm=3350", "hbm=fast"), "hbm=fast must be a positive number"),
+    (H100_SPEC.replace("gpus_per_node=8", "gpus_per_node=2.5"), "gpus_per_node=2.5 must be a whole number"),
+    (H100_SPEC + ",mamf=2000", "above flops=989.5"),
+    (H100_SPEC + ",clock=2", "has no key 'clock'"),
+])
+def test_a_bad_hardware_spec_is_refused_in_one_sentence(text, words, capsys):
+    from refpar.cli import main
+
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--hardware-spec", text]) != 0
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_a100_40gb_and_b200_presets_hold_what_their_datasheets_change():
+    a100, small, h100, b200 = (HARDWARE[n] for n in ("a100", "a100-40gb", "h100", "b200"))
+    # The 40GB A100 is the 80GB one's chip with half the memory and 1,555 GB/s of HBM.
+    assert small.flops("bfloat16") == a100.flops("bfloat16") and small.memory_bytes == a100.memory_bytes / 2
+    # The B200's matmul rate, not measured here, is the H100's measured fraction of its peak.
+    assert b200.matmul_rate("bfloat16") / b200.flops("bfloat16") == pytest.approx(
+        h100.matmul_rate("bfloat16") / h100.flops("bfloat16"), rel=1e-12)
+    # A plan that fits 80 GB is refused on 40 GB, saying by how much.
+    from refpar.analysis.planner import price
+
+    mesh = {"dp": 8, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
+    kw = dict(zero=1, schedule="none", micro_batch=1, recompute="full", global_batch=8, seq=8192)
+    assert price(PRESETS["llama3-8b"], a100, 8, mesh, **kw)["step_time_s"] > 0
+    with pytest.raises(Exception, match="does not fit"):
+        price(PRESETS["llama3-8b"], small, 8, mesh, **kw)
