@@ -103,18 +103,22 @@ def _ring_time(op: str, size, n, bandwidth, latency):
         return np.asarray(cost.alpha_beta_time(op, "native", float(size.flat[0]), int(n.flat[0]),
                                                alpha=float(lat.flat[0]), bandwidth=float(bw.flat[0])),
                           float).reshape(size.shape)
-    out = np.zeros(size.shape)
     big = 1e12  # bytes: far enough from zero that the slope keeps its digits
-    for b in np.unique(bw):
-        on_link = bw == b
-        for a in np.unique(lat[on_link]):
-            same = on_link & (lat == a)
-            for p in np.unique(n[same]):
-                where = same & (n == p)
-                t0 = cost.alpha_beta_time(op, "native", 0, int(p), alpha=a, bandwidth=b)
-                slope = (cost.alpha_beta_time(op, "native", big, int(p), alpha=a, bandwidth=b) - t0) / big
-                out[where] = t0 + slope * size[where]
-    return out
+    # One integer code per distinct (bandwidth, latency, ranks), each column coded on its own.
+    columns = [np.unique(x.ravel(), return_inverse=True) for x in (bw, lat, n)]
+    code = np.zeros(size.size, dtype=np.int64)
+    for values, index in columns:
+        code = code * len(values) + index
+    codes, inverse = np.unique(code, return_inverse=True)
+    t0, slope = np.empty(len(codes)), np.empty(len(codes))
+    where = np.zeros(len(codes), dtype=np.int64)
+    where[inverse] = np.arange(size.size)  # one entry of each code
+    for j, i in enumerate(where):
+        b, a, p = bw.flat[i], lat.flat[i], n.flat[i]
+        t0[j] = cost.alpha_beta_time(op, "native", 0, int(p), alpha=a, bandwidth=b)
+        slope[j] = (cost.alpha_beta_time(op, "native", big, int(p), alpha=a, bandwidth=b) - t0[j]) / big
+    inverse = inverse.reshape(size.shape)
+    return t0[inverse] + slope[inverse] * size
 
 
 def collective_choice(op: str, size, n, bandwidth, latency, call_latency):
