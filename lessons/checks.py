@@ -20,6 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lessons.checkers.common import CONTRACT, Wrong
+from lessons.checkers.common import close as _close
+from lessons.checkers.memory import check_02
 from lessons.course import LESSONS, ROOT, argv, command_env
 from refpar.comm.diagnosis import CollectiveTimeout, timeout_from_env
 from refpar.config import ConfigError
@@ -28,13 +31,6 @@ from refpar.sharding import shard_range
 # Seconds a rank of an exercise may wait for a message before it is told why: the exercises' messages
 # are a few hundred bytes, which arrive in milliseconds even on 4 ranks sharing 2 busy cores.
 WAIT_S = 4
-# A learner's answer sums in its own order (on ranks, in its collective's order) and refpar's in
-# another: float64 against one device, relative 1e-10 (DESIGN.md, "Numerics").
-CONTRACT = 1e-10
-
-
-class Wrong(Exception):
-    """What is wrong with the learner's answer, in one or two plain sentences."""
 
 
 @dataclass(frozen=True)
@@ -44,29 +40,6 @@ class Exercise:
     ranks: int  # 1: runs in this process; more: under mpiexec -n ranks
     check: Callable  # check(module, comm) -> a line saying what passed; raises Wrong
     hint: str = ""  # what a deadlock in this exercise usually is, after "in the same order"
-
-
-def _close(got, want, what: str, where=None) -> None:
-    """got within CONTRACT of want, relative to want's largest entry or to 1 if that is smaller:
-    the checks' numbers are O(1), and a sum that cancels to near 0 has no relative accuracy. A miss
-    names how many elements differ and the first of them; `where(index)` adds what that index is to
-    the learner (the ring's chunk, the query's row)."""
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    if got.shape != want.shape:
-        raise Wrong(f"{what} has shape {got.shape}, it should be {want.shape}")
-    bound = CONTRACT * max(1.0, float(np.max(np.abs(want), initial=0.0)))
-    # NaN compares as off; an infinity matches only the same infinity (a fully masked row's -inf lse)
-    same = (got == want) | (np.abs(got - want) <= bound)
-    if same.all():
-        return
-    bad = np.argwhere(~same)  # (k, ndim), in C order: the first is the lowest index
-    first = tuple(int(i) for i in bad[0])
-    index = first[0] if len(first) == 1 else first
-    diff = np.abs(got - want)[~same]
-    off = "not a number" if np.isnan(diff).any() else f"off by up to {float(np.max(diff)):.3g}"
-    raise Wrong(f"{what} is {off} at {len(bad)} of {got.size} elements; the first is "
-                f"[{', '.join(map(str, first))}]{' (' + where(index) + ')' if where else ''}: "
-                f"{got[first]:.6g} where the right answer is {want[first]:.6g}")
 
 
 def _allgather(comm, obj) -> list:
@@ -201,13 +174,13 @@ def _one_ring_result(x, before, got, want, link, n, p, r) -> None:
                         "p-1 chunks, then all-gather p-1 chunks")
 
 
-# ------------------------------------------------------------------------------------- 02
+# ------------------------------------------------------------------------------------- 03
 def _least_squares_grad(w, x, y):
     """Gradient of mean((x @ w - y)^2) over the rows of x."""
     return 2 * x.T @ (x @ w - y) / len(y)  # (C,)
 
 
-def check_02(mod, comm) -> str:
+def check_03(mod, comm) -> str:
     rng = np.random.default_rng(0)
     x, y, w = rng.standard_normal((8, 5)), rng.standard_normal(8), rng.standard_normal(5)
     a, b = shard_range(8, comm.size, comm.rank)
@@ -223,12 +196,12 @@ def check_02(mod, comm) -> str:
             "equal shards' mean losses is the mean loss")
 
 
-# ------------------------------------------------------------------------------------- 03
-# AdamW's settings in exercise 3's file, repeated: the learner's file must not set the checker's answer
+# ------------------------------------------------------------------------------------- 04
+# AdamW's settings in exercise 4's file, repeated: the learner's file must not set the checker's answer
 ADAMW_03, LR_03 = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}, 0.01
 
 
-def check_03(mod, comm) -> str:
+def check_04(mod, comm) -> str:
     from types import SimpleNamespace
 
     from refpar.model.optim import adamw_update
@@ -269,8 +242,8 @@ def check_03(mod, comm) -> str:
             "each rank holding only its rows' moments and sending an all-reduce's bytes")
 
 
-# ------------------------------------------------------------------------------------- 04
-def check_04(mod, comm) -> str:
+# ------------------------------------------------------------------------------------- 06
+def check_06(mod, comm) -> str:
     B, C, tp, r = 6, 8, comm.size, comm.rank
     rng = np.random.default_rng(4)
     x = rng.standard_normal((B, C))  # (B, C) the same on every tp rank
@@ -285,7 +258,7 @@ def check_04(mod, comm) -> str:
     return f"tp_mlp_forward equals the unsharded MLP on {tp} ranks with one all-reduce"
 
 
-# ------------------------------------------------------------------------------------- 05
+# ------------------------------------------------------------------------------------- 07
 def _attention(q, k, v):
     s = q @ k.T / np.sqrt(q.shape[-1])  # (Tq, Tk)
     m = s.max(axis=-1, keepdims=True)
@@ -293,7 +266,7 @@ def _attention(q, k, v):
     return e @ v / e.sum(axis=-1, keepdims=True), (m + np.log(e.sum(-1, keepdims=True)))[:, 0]
 
 
-def check_05(mod, comm) -> str:
+def check_07(mod, comm) -> str:
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((6, 4)) * 3 for _ in range(3))
     o_full, lse_full = _attention(q, k, v)
@@ -322,7 +295,7 @@ def check_05(mod, comm) -> str:
 
 
 class _CountingP2P:
-    """The cp communicator exercise 5's ring gets: refpar's point-to-point calls, counting the bytes
+    """The cp communicator exercise 7's ring gets: refpar's point-to-point calls, counting the bytes
     this rank sends."""
 
     def __init__(self, comm):
@@ -390,12 +363,12 @@ def _merged_matches(mod, blocks, want, case: str) -> None:
     _close(got[0], want[0], f"the merged attention output ({case})", query)
 
 
-# ------------------------------------------------------------------------------------- 06
-V_CSV = "06_v_schedule.csv"  # part 2 of exercise 6, next to the Python file
+# ------------------------------------------------------------------------------------- 08
+V_CSV = "08_v_schedule.csv"  # part 2 of exercise 8, next to the Python file
 V_RANKS, V_MICROBATCHES = 2, 4
 
 
-def check_06(mod, comm) -> str:
+def check_08(mod, comm) -> str:
     from refpar.schedules.builders import gpipe, one_f_one_b
     from refpar.schedules.simulate import peak_inflight_microbatches, simulate
 
@@ -416,7 +389,7 @@ def check_06(mod, comm) -> str:
 
 
 class _Stage:
-    """Stage r of a pipeline of tanh(x @ W_s) layers, as exercise 6's part 3 drives it: it records
+    """Stage r of a pipeline of tanh(x @ W_s) layers, as exercise 8's part 3 drives it: it records
     the order of its forwards and backwards, holds each microbatch's activations from its forward to
     its backward, and accumulates its weight gradient. The last stage's loss is the sum of
     y * target over the microbatches, divided by m."""
@@ -539,7 +512,7 @@ def _builder_that_prints(schedule, p: int, m: int) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------- 07
+# ------------------------------------------------------------------------------------- 10
 def _queue_positions(choices: np.ndarray, n_experts: int) -> np.ndarray:
     """(N, k) the whole batch's choices -> (N, k) each assignment's place in its expert's queue:
     slot 0 of every token in token order, then slot 1, ... (an independent loop, not refpar's router)."""
@@ -551,7 +524,7 @@ def _queue_positions(choices: np.ndarray, n_experts: int) -> np.ndarray:
     return place
 
 
-def check_07(mod, comm) -> str:
+def check_10(mod, comm) -> str:
     P, r = comm.size, comm.rank
     for n, e, k, f in ((16, 4, 2, 1.0), (10, 4, 1, 1.25), (7, 3, 2, 0.5)):
         want = math.ceil(n * k * f / e)
@@ -584,8 +557,8 @@ def check_07(mod, comm) -> str:
             f"{P} ranks, exchanging a few counts per rank")
 
 
-# ------------------------------------------------------------------------------------- 08
-def check_08(mod, comm) -> str:
+# ------------------------------------------------------------------------------------- 11
+def check_11(mod, comm) -> str:
     for sizes in ({"pp": 2, "dp": 2, "tp": 2}, {"pp": 4, "dp": 1, "tp": 2}, {"pp": 2, "dp": 3, "tp": 4}):
         grid = np.arange(sizes["pp"] * sizes["dp"] * sizes["tp"]).reshape(
             sizes["pp"], sizes["dp"], sizes["tp"])
@@ -623,8 +596,8 @@ def check_08(mod, comm) -> str:
             "group a working communicator made by Comm_split")
 
 
-# ------------------------------------------------------------------------------------- 09
-def check_09(mod, comm) -> str:
+# ------------------------------------------------------------------------------------- 12
+def check_12(mod, comm) -> str:
     rng = np.random.default_rng(9)
     for counts in ([16, 16, 16], [16, 3, 9, 1], [5]):
         losses = [rng.random(c) * 4 for c in counts]  # per-token losses of each microbatch
@@ -638,8 +611,8 @@ def check_09(mod, comm) -> str:
     return "global_mean_loss weights every token once, however the microbatches are cut"
 
 
-# ------------------------------------------------------------------------------------- 10
-def check_10(mod, comm) -> str:
+# ------------------------------------------------------------------------------------- 13
+def check_13(mod, comm) -> str:
     from refpar.analysis.memory import Options, model_state_bytes, precision_options, unit_sizes
     from refpar.config import model_preset
 
@@ -669,8 +642,8 @@ def check_10(mod, comm) -> str:
             "bf16-mixed, uneven shards and fp32 gradients included")
 
 
-# ------------------------------------------------------------------------------------- 11
-def check_11(mod, comm) -> str:
+# ------------------------------------------------------------------------------------- 14
+def check_14(mod, comm) -> str:
     from refpar.analysis.flops import step_flops
     from refpar.analysis.presets import from_model_config
     from refpar.config import RECOMPUTE, model_preset
@@ -700,16 +673,17 @@ EXERCISES = {e.number: e for e in (
     Exercise(1, "01_ring_all_reduce.py", 4, check_01,
              " (in a ring, each rank sends right exactly as often as its right neighbour receives from "
              "the left)"),
-    Exercise(2, "02_average_gradients.py", 2, check_02),
-    Exercise(3, "03_zero_memory.py", 2, check_03),
-    Exercise(4, "04_tp_mlp.py", 2, check_04),
-    Exercise(5, "05_merge_attention.py", 2, check_05),
-    Exercise(6, "06_pipeline_bubbles.py", 2, check_06),
-    Exercise(7, "07_capacity.py", 2, check_07),
-    Exercise(8, "08_mesh_coords.py", 4, check_08),
-    Exercise(9, "09_loss_normalisation.py", 1, check_09),
-    Exercise(10, "10_mixed_precision_memory.py", 1, check_10),
-    Exercise(11, "11_step_flops.py", 1, check_11),
+    Exercise(2, "02_step_memory.py", 1, check_02),
+    Exercise(3, "03_average_gradients.py", 2, check_03),
+    Exercise(4, "04_zero_memory.py", 2, check_04),
+    Exercise(6, "06_tp_mlp.py", 2, check_06),
+    Exercise(7, "07_merge_attention.py", 2, check_07),
+    Exercise(8, "08_pipeline_bubbles.py", 2, check_08),
+    Exercise(10, "10_capacity.py", 2, check_10),
+    Exercise(11, "11_mesh_coords.py", 4, check_11),
+    Exercise(12, "12_loss_normalisation.py", 1, check_12),
+    Exercise(13, "13_mixed_precision_memory.py", 1, check_13),
+    Exercise(14, "14_step_flops.py", 1, check_14),
 )}
 
 
