@@ -23,6 +23,7 @@ import numpy as np
 from lessons.checkers.common import CONTRACT, Wrong
 from lessons.checkers.common import close as _close
 from lessons.checkers.memory import check_02
+from lessons.checkers.seconds import check_05
 from lessons.course import LESSONS, ROOT, argv, command_env
 from refpar.comm.diagnosis import CollectiveTimeout, timeout_from_env
 from refpar.config import ConfigError
@@ -676,6 +677,7 @@ EXERCISES = {e.number: e for e in (
     Exercise(2, "02_step_memory.py", 1, check_02),
     Exercise(3, "03_average_gradients.py", 2, check_03),
     Exercise(4, "04_zero_memory.py", 2, check_04),
+    Exercise(5, "05_seconds.py", 1, check_05),
     Exercise(6, "06_tp_mlp.py", 2, check_06),
     Exercise(7, "07_merge_attention.py", 2, check_07),
     Exercise(8, "08_pipeline_bubbles.py", 2, check_08),

@@ -48,3 +48,29 @@ def _told(n: int, path, capsys) -> str:
 ], ids=["paper-at-2-bytes", "no-gelu-tanh", "one-moment", "no-master-copy"])
 def test_lesson_2_wrong_memory_counts_are_told_the_missing_term(tmp_path, capsys, old, new, told):
     assert _told(2, _wrong(2, tmp_path, old, new), capsys) == told
+
+
+# ------------------------------------------------------------------------------------- lesson 5
+@pytest.mark.parametrize("old, new, told", [
+    # every step of the ring sending the whole buffer
+    ("(alpha + nbytes / p / bandwidth)", "(alpha + nbytes / bandwidth)",
+     "ring_all_reduce_seconds(439,808 B, p=2, alpha=5e-06 s, bandwidth=1e+10 B/s) = 9.79616e-05 s; "
+     "refpar's cost model gives 5.39808e-05 s; that is 2 (p-1) messages of the whole buffer: each step "
+     "of the ring moves one chunk, n/p bytes"),
+    # a reduce-scatter's time
+    ("return 2 * (p - 1) *", "return (p - 1) *",
+     "ring_all_reduce_seconds(439,808 B, p=2, alpha=5e-06 s, bandwidth=1e+10 B/s) = 2.69904e-05 s; "
+     "refpar's cost model gives 5.39808e-05 s; that is a reduce-scatter's time (or an all-gather's): the "
+     "all-reduce is both, one after the other"),
+    # compute and memory added, not overlapped
+    ("return max(compute, memory)", "return compute + memory",
+     "gemm_seconds(M=4096, N=4096, K=4096, 2-byte elements) on an H100 = 0.000168946 s; the roofline gives "
+     "0.000138897 s (compute bound); that is compute plus memory: a GEMM reads and writes while it "
+     "multiplies, so the slower of the two sets its time"),
+    # MFU over one GPU's peak
+    ("n_gpus * peak_flops)", "peak_flops)",
+     "mfu(1.68e+17 FLOPs, 9.1 s, 512 GPUs, peak 9.895e+14) = 18.6574; PaLM's definition gives 0.0364403; "
+     "that is the model FLOPs over one GPU's peak: the step ran on every GPU of the job"),
+], ids=["whole-buffer-per-step", "reduce-scatter-only", "compute-plus-memory", "one-gpu-peak"])
+def test_lesson_5_wrong_times_are_told_which_formula_they_are(tmp_path, capsys, old, new, told):
+    assert _told(5, _wrong(5, tmp_path, old, new), capsys) == told
