@@ -23,6 +23,7 @@ import numpy as np
 from lessons.checkers.common import CONTRACT, Wrong
 from lessons.checkers.common import close as _close
 from lessons.checkers.memory import check_02
+from lessons.checkers.overlap import check_09
 from lessons.checkers.seconds import check_05
 from lessons.course import LESSONS, ROOT, argv, command_env
 from refpar.comm.diagnosis import CollectiveTimeout, timeout_from_env
@@ -681,6 +682,7 @@ EXERCISES = {e.number: e for e in (
     Exercise(6, "06_tp_mlp.py", 2, check_06),
     Exercise(7, "07_merge_attention.py", 2, check_07),
     Exercise(8, "08_pipeline_bubbles.py", 2, check_08),
+    Exercise(9, "09_overlap.py", 1, check_09),
     Exercise(10, "10_capacity.py", 2, check_10),
     Exercise(11, "11_mesh_coords.py", 4, check_11),
     Exercise(12, "12_loss_normalisation.py", 1, check_12),

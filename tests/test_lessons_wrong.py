@@ -74,3 +74,24 @@ def test_lesson_2_wrong_memory_counts_are_told_the_missing_term(tmp_path, capsys
 ], ids=["whole-buffer-per-step", "reduce-scatter-only", "compute-plus-memory", "one-gpu-peak"])
 def test_lesson_5_wrong_times_are_told_which_formula_they_are(tmp_path, capsys, old, new, told):
     assert _told(5, _wrong(5, tmp_path, old, new), capsys) == told
+
+
+# ------------------------------------------------------------------------------------- lesson 9
+@pytest.mark.parametrize("old, new, told", [
+    # the spans' lengths added: the isend and irecv of one round counted twice
+    ("_covered([(s, e) for s, e, _ in messages])", "sum(e - s for s, e, _ in messages)",
+     "in_flight = 5.9 s for 'the isend and irecv of one ring round, posted together, one wait'; the spans "
+     "give 3 s: the spans' lengths add up to 5.9 s, but two messages in flight at the same moment are one "
+     "moment of communication"),
+    # only the waits: a blocking call's whole span forgotten
+    ("_covered([(s, e) for s, e, blocking in messages if blocking] + list(waits))", "_covered(list(waits))",
+     "exposed = 0 s for 'one blocking all-reduce after the backward'; the spans give 4 s: a blocking call "
+     "blocks the rank for its whole span, a non-blocking message only while the rank waits for it"),
+    # a sweep that assumes the spans come sorted
+    ("for start, end in sorted(spans):", "for start, end in spans:",
+     "in_flight = 2.9 s for 'the isend and irecv of one ring round, posted together, one wait' (the same "
+     "spans, listed in another order); the spans give 3 s: is every moment that some message covers counted, "
+     "once?"),
+], ids=["lengths-added", "waits-only", "unsorted-sweep"])
+def test_lesson_9_wrong_splits_are_told_which_span_they_miscount(tmp_path, capsys, old, new, told):
+    assert _told(9, _wrong(9, tmp_path, old, new), capsys) == told
