@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lessons.checkers.capstone import check_16
 from lessons.checkers.common import CONTRACT, Wrong
 from lessons.checkers.common import close as _close
 from lessons.checkers.memory import check_02
@@ -688,6 +689,7 @@ EXERCISES = {e.number: e for e in (
     Exercise(12, "12_loss_normalisation.py", 1, check_12),
     Exercise(13, "13_mixed_precision_memory.py", 1, check_13),
     Exercise(14, "14_step_flops.py", 1, check_14),
+    Exercise(16, "16_capstone.py", 1, check_16),
 )}
 
 

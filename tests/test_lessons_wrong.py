@@ -95,3 +95,30 @@ def test_lesson_5_wrong_times_are_told_which_formula_they_are(tmp_path, capsys, 
 ], ids=["lengths-added", "waits-only", "unsorted-sweep"])
 def test_lesson_9_wrong_splits_are_told_which_span_they_miscount(tmp_path, capsys, old, new, told):
     assert _told(9, _wrong(9, tmp_path, old, new), capsys) == told
+
+
+# ------------------------------------------------------------------------------------- lesson 16
+@pytest.mark.parametrize("old, new, told", [
+    # plain data parallelism: the simplest plan, four copies of everything
+    ('{"pp": 2, "dp": 2, "tp": 1}, "zero": 1, "microbatches": 4', '{"dp": 4}, "zero": 0, "microbatches": 1',
+     "your plan's rank 0 peaks at 3,270,144 bytes (params 439,808, grads 541,440, optimizer 879,616, "
+     "activations 969,472, comm 439,808), over the budget of 1,400,000: which category is largest there, and "
+     "which strategy divides it?"),
+    # a plan that fits, with tensor parallelism's all-reduces instead of ZeRO-1's data parallelism
+    ('{"pp": 2, "dp": 2, "tp": 1}, "zero": 1', '{"pp": 2, "dp": 1, "tp": 2}, "zero": 0',
+     "your plan fits (at most 1,122,176 bytes on a rank), and its busiest rank sends 343,048 bytes per step; "
+     "another plan on 4 ranks fits too and sends 264,720: which axis moves the fewest bytes for the memory "
+     "it saves, and what keeps its activations in the budget?"),
+    # the right plan, its activations estimated as GPipe's: every microbatch in flight
+    ("activations = 2 * (2 * 919_552 // 8 + 4_224)", "activations = 4 * (2 * 919_552 // 8 + 4_224)",
+     "your estimate of rank 0's activations, 936448, is +100% off the closed form's 468,224 (5% passes): see "
+     "lesson 2's block and embedding, for the rows of one microbatch, times the microbatches 1F1B keeps in "
+     "flight on rank 0 (lesson 8)"),
+    # ZeRO-1 forgotten in the estimate
+    ("16 * psi // 2", "16 * psi",
+     "your estimate of rank 0's model states, 944128, is +33% off the closed form's 708,096 (5% passes): see "
+     "lesson 2 (bytes per parameter) and lesson 4 (what ZeRO's stage shards), on the parameters of rank 0's "
+     "stage only"),
+], ids=["plain-dp-over-budget", "tp-fits-but-sends-more", "gpipe-activations", "no-zero-in-estimate"])
+def test_lesson_16_wrong_plans_and_estimates_are_told_before_anything_runs(tmp_path, capsys, old, new, told):
+    assert _told(16, _wrong(16, tmp_path, old, new), capsys) == told
