@@ -400,13 +400,14 @@ def test_a_ring_that_keeps_its_own_block_is_told_which_query_misses(tmp_path):
 
 def test_a_wrong_sum_is_located_by_chunk_and_element():
     # exercise 1's check: a ring that skipped one chunk's reduction is told which chunk, not just "off"
-    from lessons.checks import Wrong, _chunk_of, _close
+    from lessons.checkers.common import Wrong, close
+    from lessons.checkers.ring_all_reduce import chunk_of
 
     want = np.arange(20.0)
     got = want.copy()
     got[5:10] += 1.0  # chunk 1 of 4 (elements 5..9) never got the other ranks' part
     with pytest.raises(Wrong) as told:
-        _close(got, want, "rank 2's sum of 20 elements", lambda i: _chunk_of(i, 20, 4))
+        close(got, want, "rank 2's sum of 20 elements", lambda i: chunk_of(i, 20, 4))
     assert str(told.value) == ("rank 2's sum of 20 elements is off by up to 1 at 5 of 20 elements; the first "
                                "is [5] (in chunk 1 of 4, elements 5..9): 6 where the right answer is 5")
-    _close(want * (1 + 1e-12), want, "a sum in another order")  # within the float64 contract: silent
+    close(want * (1 + 1e-12), want, "a sum in another order")  # within the float64 contract: silent
