@@ -133,8 +133,9 @@ def _ranks(ranks: list[int]) -> str:
 def _combine(verdicts: list[Verdict], timeout: float, hint: str) -> tuple[bool, str]:
     """Every rank's Verdict -> (passed, the sentence rank 0 prints). An error comes first: the rank
     that raised first, with its traceback, since the others' waiting follows from it. Then a wrong
-    answer (the first rank's, naming the rank only when the ranks disagree), unless a rank is stuck
-    inside the learner's code: then a deadlock, saying where each rank waited."""
+    answer (the first rank's, naming the rank only when the ranks disagree), which stops that rank's
+    calls and may leave the others waiting for it. Only when no rank raised or answered wrong, a
+    deadlock, saying where each rank waited."""
     raised = sorted((v.raised_at, r) for r, v in enumerate(verdicts) if v.raised_at is not None)
     if raised:
         first = raised[0][1]
@@ -147,9 +148,12 @@ def _combine(verdicts: list[Verdict], timeout: float, hint: str) -> tuple[bool, 
         return False, f"{head} ({_ranks([first])})" + (f"\n{frames}" if frames else "") + after
     waiting = [r for r, v in enumerate(verdicts) if v.waits_in is not None]
     failed = [(r, v.sentence) for r, v in enumerate(verdicts) if not v.ok and v.waits_in is None]
-    if failed and not any(verdicts[r].waits_in for r in waiting):  # the others wait in the checker only
+    if failed:  # a wrong answer comes before the waiting it caused: its rank stopped calling
         agree = len(failed) == len(verdicts) and len({s for _, s in failed}) == 1
-        return False, failed[0][1] + ("" if agree else f" (rank {failed[0][0]})")
+        stuck = [r for r in waiting if verdicts[r].waits_in]  # waiting inside the learner's code
+        after = f"\n({_ranks(stuck)} then waited for {_ranks([failed[0][0]])} in your code: fix its " \
+            "answer first)" if stuck else ""
+        return False, failed[0][1] + ("" if agree else f" (rank {failed[0][0]})") + after
     if waiting:
         places: dict[str, list[int]] = {}
         for r, v in enumerate(verdicts):

@@ -122,3 +122,137 @@ def test_lesson_9_wrong_splits_are_told_which_span_they_miscount(tmp_path, capsy
 ], ids=["plain-dp-over-budget", "tp-fits-but-sends-more", "gpipe-activations", "no-zero-in-estimate"])
 def test_lesson_16_wrong_plans_and_estimates_are_told_before_anything_runs(tmp_path, capsys, old, new, told):
     assert _told(16, _wrong(16, tmp_path, old, new), capsys) == told
+
+
+# ------------------------------------------------------------------- lessons 12-14, one process each
+@pytest.mark.parametrize("n, old, new, told", [
+    (12, "return sum(loss_sums) / sum(token_counts)", "return sum(loss_sums) / len(loss_sums)",
+     "global_mean_loss = 35.669570 for microbatches of [16, 16, 16] tokens; the mean over every token is "
+     "2.229348 (each token's loss counts once, over the number of tokens of the whole batch)"),
+    (12, "return sum(loss_sums) / sum(token_counts)",
+     "return sum(loss_sums) / max(token_counts) / len(token_counts)",
+     "global_mean_loss = 0.882800 for microbatches of [16, 3, 9, 1] tokens; the mean over every token is "
+     "1.948249 (each token's loss counts once, over the number of tokens of the whole batch)"),
+    (13, "(grad_bytes + 2 * fp32_grads) * psi", "grad_bytes * psi",
+     "grads on rank 0 of n=1, ZeRO-0 with fp32_grads, units {'wte': 3072, 'root': 1088, 'h.0': 12704, 'h.1': "
+     "12704, 'h.2': 12704, 'h.3': 12704}: 219904, the ledger measures 329856."),
+    (13, '"master": 4 * (psi if stage == 0 else shard)', '"master": 4 * (psi if stage < 3 else shard)',
+     "master on rank 0 of n=2, ZeRO-1, units {'wte': 3072, 'root': 1088, 'h.0': 12704, 'h.1': 12704, 'h.2': "
+     "12704, 'h.3': 12704}: 219904, the ledger measures 109952."),
+    (14, "return 3 * (linears + core + head) + forwards", "return linears + core + head + forwards",
+     "step_flops(B=8, s=16, L=4, h=32, V=96, 'none') = 14417920; refpar's ranks run 43253760 together "
+     "(0.3333 "
+     "of it): count each product of the docstring's list once in the forward and twice in the backward"),
+    (14, "core = 2 * 2 * tokens * s * h * L", "core = 0",
+     "step_flops(B=8, s=16, L=4, h=32, V=96, 'none') = 40108032; refpar's ranks run 43253760 together "
+     "(0.9273 "
+     "of it): "),
+    (14, '"full": linears + core}[recompute]', '"full": linears + core + head}[recompute]',
+     "step_flops(B=8, s=16, L=4, h=32, V=96, 'full') = 57671680; refpar's ranks run 56885248 together "
+     "(1.0138 "
+     "of it): what runs again is each block's whole forward, not the head's"),
+], ids=["12-over-microbatches", "12-over-the-longest", "13-fp32-grads-without-bf16", "13-master-kept-whole",
+        "14-forward-only", "14-no-attention-core", "14-full-reruns-the-head"])
+def test_lessons_12_to_14_wrong_answers_are_told_what_they_count(tmp_path, capsys, n, old, new, told):
+    assert _told(n, _wrong(n, tmp_path, old, new), capsys).startswith(told)
+
+
+# ------------------------------------------- the exercises on ranks: one MPI launch per rank count
+RANKED = [  # (exercise, id, old, new, what rank 0 prints after "lesson N: ")
+    (0, "no-extra-rows", "start = rank * base + min(rank, extra)", "start = rank * base",
+     "not yet: with n=10 rows on 3 ranks the ranks got [(0, 4), (3, 6), (6, 9)]: together they must "
+     "cover rows "
+     "0..10 once, in rank order, with no gap or overlap"),
+    (0, "ceil-division", "base, extra = divmod(n, size)", "base, extra = -(-n // size), 0",
+     "not yet: with n=10 rows on 3 ranks the ranks got [(0, 4), (4, 8), (8, 12)]: together they must cover "
+     "rows 0..10 once, in rank order, with no gap or overlap"),
+    (0, "extras-to-the-last-ranks",
+     "min(rank, extra)\n    return start, start + base + (1 if rank < extra else 0)",
+     "max(0, rank - (size - extra))\n    return start, start + base + (1 if rank >= size - extra else 0)",
+     "not yet: with n=10 rows on 3 ranks the sizes are [3, 3, 4]: they should differ by at most one, the "
+     "extra "
+     "rows going to the first ranks"),
+    (3, "summed-not-averaged", "/ dp.size for name", "for name",
+     "not yet: the average of gradients 1 and 2 is off by up to 1.5 at 1 of 1 elements; the first is [0]: 3 "
+     "where the right answer is 1.5"),
+    (3, "local-gradient", 'dp.all_reduce(g, tag=f"{name}:grad") / dp.size', "g",
+     "not yet: the average of gradients 1 and 2 is off by up to 0.5 at 1 of 1 elements; the first is [0]: 1 "
+     "where the right answer is 1.5 (rank 0)"),
+    (3, "max-not-sum", 'dp.all_reduce(g, tag=f"{name}:grad")',
+     'dp.all_reduce(g, op="max", tag=f"{name}:grad")',
+     "not yet: the average of gradients 1 and 2 is off by up to 0.5 at 1 of 1 elements; the first is [0]: 1 "
+     "where the right answer is 1.5"),
+    (4, "summed-gradient", 'tag="param:grad") / dp.size', 'tag="param:grad")',
+     "not yet: rank 0's new m, rows 0..4 of n=10, step t=1 is off by up to 0.0578 at 5 of 5 elements; "
+     "the first "
+     "is [0] (row 0): -0.115637 where the right answer is -0.0578186 (rank 0)"),
+    (4, "rows-not-shared", 'return dp.all_gather(p, tag="param"), m, v', "return p, m, v",
+     "not yet: rank 0's new parameter (n=10, step t=1) has shape (5,), it should be (10,) (rank 0)"),
+    (4, "rank-0s-rows", "shard_range(param.size, dp.size, dp.rank)", "shard_range(param.size, dp.size, 0)",
+     "not yet: rank 0's new parameter (n=10, step t=1) is off by up to 2.52 at 5 of 10 elements; the "
+     "first is "
+     "[5] (row 5, which rank 1 updates): 0.365744 where the right answer is -0.626068 (rank 0)"),
+    (6, "no-all-reduce", 'return tp.all_reduce(partial, tag="mlp.c_proj:fwd")', "return partial",
+     "not yet: rank 0's MLP output is off by up to 9.44 at 48 of 48 elements; the first is [0, 0] (row "
+     "(0, 0) "
+     "of the batch): -5.5132 where the right answer is 3.92669 (rank 0)"),
+    (6, "averaged", 'tag="mlp.c_proj:fwd")', 'tag="mlp.c_proj:fwd") / tp.size',
+     "not yet: rank 0's MLP output is off by up to 4.19 at 48 of 48 elements; the first is [0, 0] (row "
+     "(0, 0) "
+     "of the batch): 1.96335 where the right answer is 3.92669 (rank 0)"),
+    (6, "hidden-units-summed-too", "h = np.tanh(x @ w_fc_shard)",
+     "h = np.tanh(tp.all_reduce(x @ w_fc_shard))",
+     "not yet: rank 0's MLP output is off by up to 12 at 48 of 48 elements; the first is [0, 0] (row (0, "
+     "0) of "
+     "the batch): 7.15814 where the right answer is 3.92669 (rank 0)"),
+    (10, "capacity-rounded-down", "return math.ceil(n_tokens * top_k * factor / n_experts)",
+     "return int(n_tokens * top_k * factor / n_experts)",
+     "not yet: capacity(n_tokens=10, experts=4, top_k=1, factor=1.25) = 3, expected 4"),
+    (10, "capacity-without-top-k", "math.ceil(n_tokens * top_k * factor / n_experts)",
+     "math.ceil(n_tokens * factor / n_experts)",
+     "not yet: capacity(n_tokens=16, experts=4, top_k=2, factor=1.0) = 4, expected 8"),
+    (10, "earlier-ranks-ignored", " + every[:ep.rank].sum(axis=0)", "",
+     "not yet: rank 1's kept(...) is wrong for 7 of 16 assignments (16 tokens on 2 ranks, 4 experts, top-2, "
+     "capacity 3); the first is token 8's choice 1, expert 0: you keep it, but 4 assignments are ahead of it "
+     "in that expert's queue (rank 1)\n(rank 0 then waited for rank 1 in your code: fix its answer first)"),
+    (11, "tp-slowest", "for axis in reversed(AXES):", "for axis in AXES:",
+     "not yet: coords(1, {'pp': 2, 'dp': 2, 'tp': 2}) = {'pp': 1, 'dp': 0, 'tp': 0}, expected {'pp': 0, "
+     "'dp': "
+     "0, 'tp': 1}: tp varies fastest, then dp, and pp slowest (ranks = arange(world).reshape(pp, dp, tp))"),
+    (11, "stride-forgotten", "first = world.rank - mine[axis] * stride", "first = world.rank - mine[axis]",
+     "not yet: on mesh {'pp': 1, 'dp': 2, 'tp': 2}, rank 0's dp group holds world ranks [0] in that "
+     "order; it "
+     "should hold [0, 2]: which ranks share a color, and what orders them?"),
+    (11, "reversed-in-the-group", "key=mine[axis]", "key=-mine[axis]",
+     "not yet: on mesh {'pp': 1, 'dp': 2, 'tp': 2}, rank 0's dp group holds world ranks [2, 0] in that "
+     "order; "
+     "it should hold [0, 2]: which ranks share a color, and what orders them?"),
+]
+
+
+@pytest.fixture(scope="module")
+def ranked_verdicts(tmp_path_factory) -> dict[str, str]:
+    """Every attempt of RANKED graded by tests/jobs/lesson_wrong_attempts.py: one launch per rank count
+    (3 launches, not 18), each attempt as `refpar lesson check N --file` grades it."""
+    import json
+
+    from tests.mpi import mpiexec
+
+    folder, by_ranks, path_of = tmp_path_factory.mktemp("attempts"), {}, {}
+    for n, name, old, new, _ in RANKED:
+        (folder / f"{n}-{name}").mkdir()
+        path = _wrong(n, folder / f"{n}-{name}", old, new)
+        path_of[str(path)] = f"{n}-{name}"
+        by_ranks.setdefault(EXERCISES[n].ranks, []).extend([str(n), str(path)])
+    said = {}
+    for ranks, args in by_ranks.items():
+        proc = mpiexec(ranks, "tests/jobs/lesson_wrong_attempts.py", *args,
+                       env={"REFPAR_COLLECTIVE_TIMEOUT": "4"})
+        said.update({path_of[k]: v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()})
+    return said
+
+
+@pytest.mark.parametrize("n, name, told", [(n, name, told) for n, name, _, _, told in RANKED],
+                         ids=[f"{n}-{name}" for n, name, *_ in RANKED])
+def test_wrong_answers_on_ranks_are_told_what_is_wrong_where(ranked_verdicts, n, name, told):
+    assert ranked_verdicts[f"{n}-{name}"] == told
