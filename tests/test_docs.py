@@ -645,12 +645,13 @@ def _internals_shows_this_commands_output(out, _):
 
 
 @claims("python -m refpar lesson list")
-def _thirteen_lessons(out, _):
-    """lessons.md: thirteen lessons, each but the last (serving) with its exercise."""
+def _seventeen_lessons(out, _):
+    """lessons.md: seventeen lessons, each but serving (15) with its exercise, the capstone (16) last."""
     titles = [lessons.title(p) for p in lessons.lesson_files()]
-    assert len(titles) == 13 and len(out.splitlines()) == 13
+    assert len(titles) == 17 and len(out.splitlines()) == 17
     assert [line.split("  ")[1] for line in out.splitlines()] == titles
-    assert ["(exercise: lessons/exercises/" in line for line in out.splitlines()] == [True] * 12 + [False]
+    exercises = ["(exercise: lessons/exercises/" in line for line in out.splitlines()]
+    assert exercises == [True] * 15 + [False, True]
 
 
 @claims("python -m refpar lesson show 1")

@@ -44,7 +44,7 @@ st.markdown(
     "the ZeRO paper's own numbers appear: 2 bytes of parameters and 2 of gradients per parameter, "
     "and 4 of fp32 master weights plus 8 of fp32 moments, the 12 that ZeRO-1 shards first."
 )
-lesson_link(3)
+lesson_link(2)
 a, b = st.columns(2)
 n = a.number_input("ranks on the strategy's axis", min_value=1, max_value=expected.MAX_WORLD, value=4)
 m = b.number_input("microbatches (pp)", min_value=1, max_value=BATCH, value=4,
@@ -52,7 +52,7 @@ m = b.number_input("microbatches (pp)", min_value=1, max_value=BATCH, value=4,
 precision = st.radio("precision", ("fp64", "bf16-mixed"), horizontal=True)
 model = family_picker()
 if precision != "fp64":
-    lesson_link(10)  # where the 2 + 2 + 4 + 8 bytes come from, measured
+    lesson_link(13)  # where the 2 + 2 + 4 + 8 bytes come from, measured
 if batch_for(int(n)) != BATCH:
     st.caption(f"A batch of {batch_for(int(n))} sequences, one per data rank (refpar's default is {BATCH}).")
 columns, skipped = rank0_memory(int(n), int(m), precision, model)

@@ -52,7 +52,7 @@ st.markdown(
     "bytes each token costs per axis; "
     "below, the same closed forms price a large model on real GPUs, where tp cuts latency and pp does not."
 )
-lesson_link(12)
+lesson_link(15)
 a, b, c = st.columns(3)
 mesh = a.selectbox("mesh", MESHES, index=0)
 n = b.number_input("requests", min_value=1, value=4, help=f"at most {len(PROMPTS)}")

@@ -112,7 +112,7 @@ def closing_lines(say, model, cfg, sizes, plan, par, out, every, s) -> None:
             say(f"  expected in {precision_of(model.dtype)}: one device runs it too, but the ranks sum in "
                 "another order, which flips some 16-bit roundings; AdamW moves a weight by about lr "
                 "whatever its gradient's size, so a flip can move it by 2 lr, large next to a tensor "
-                "(a bias, from 0) that has moved a few lr (lesson 10)")
+                "(a bias, from 0) that has moved a few lr (lesson 13)")
     norms = [n for n in s["grad_norms"] or () if n is not None]  # none on the steps fp16 skipped
     if norms:
         clipped = clipped_steps(norms, cfg.clip_grad_norm)
