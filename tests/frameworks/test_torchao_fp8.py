@@ -109,3 +109,34 @@ def test_mxfp8_matches_torchao_to_mx(rounding, fmt):
         halved = data.to(torch.float32).numpy()[clamped] * 2.0
         assert np.array_equal(halved, q.data.astype(np.float32)[clamped])
         assert np.array_equal(dequantize(q)[2, 64:96], x[2, 64:96].astype(np.float64))
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "mxfp8-floor", "mxfp8-rceil"])
+def test_a_nan_spreads_over_its_scales_tile_in_both(name):
+    """A NaN makes its tile's amax and so its scale NaN: the whole tensor (tensorwise), its row
+    (rowwise), its 32-block (MX, the E8M0 byte 255) decode to NaN in both, and every other tile is
+    byte for byte the same. torchao's floor mode stores zeros beside the NaN (it divides by the
+    255 byte read as float32 inf) where refpar stores NaNs; both decode the block to NaN."""
+    x = operand((4, 256), 6)
+    x[3, 70] = np.nan
+    t = torch.from_numpy(x)
+    if name.startswith("mxfp8"):
+        rounding = name.split("-")[1]
+        q = quantize(x, Recipe(**{**RECIPES["mxfp8"].__dict__, "mx_rounding": rounding}), "input")
+        mode = {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}[rounding]
+        scale, data = to_mx(t, torch.float8_e4m3fn, 32, mode)
+        assert q.e8m0[3, 2] == 255 and np.array_equal(q.e8m0, scale.view(torch.uint8).numpy())
+        tile = np.zeros(x.shape, bool)
+        tile[3, 64:96] = True
+    else:
+        granularity = {"tensorwise": {}, "rowwise": dict(scaling_granularity=ScalingGranularity.AXISWISE,
+                                                         axiswise_dim=-1, round_scales_to_power_of_2=True)}
+        q = quantize(x, RECIPES[name], "input")
+        scale = tensor_to_scale(t, torch.float8_e4m3fn, **granularity[name])
+        data = hp_tensor_and_scale_to_float8(t, scale, torch.float8_e4m3fn, LinearMMConfig(),
+                                             axiswise_dim=-1 if name == "rowwise" else None)._data
+        tile = np.ones(x.shape, bool) if name == "tensorwise" else np.zeros(x.shape, bool)
+        tile[3] = True
+    ours = dequantize(q)
+    assert np.isnan(ours[tile]).all() and not np.isnan(ours[~tile]).any()
+    assert np.array_equal(q.data.view(np.uint8)[~tile], data.view(torch.uint8).numpy()[~tile])
