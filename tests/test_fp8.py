@@ -149,6 +149,26 @@ def test_edges_amax_zero_nan_and_subnormals():
     assert list(got) == [448.0, 2 * 2.0**-9, 2 * 2.0**-9, 0.0]  # 1.536 -> 2, 2.304 -> 2, 0.46 -> 0
 
 
+@pytest.mark.parametrize("name,scale", [
+    ("tensorwise", np.float32(448e12)),  # 448 / 1e-12, torchao's floor on amax
+    ("rowwise", np.float32(2.0**48)),  # 448e12 = 1.59 x 2^48, rounded down to a power of two
+    ("blockwise", np.float32(448e12)),
+    ("mxfp8", np.float64(2.0**127)),  # floor: amax 0's exponent bits read -127, -127 - 8 clamps to -127
+])
+def test_an_all_zero_tile_gets_a_finite_scale_and_zeros(name, scale):
+    """amax 0 in one tile (the whole tensor, the first row, its first 1x128 tile or 32-block):
+    the hand-computed scale, zeros in the float8 data, finite decoded values, the other tiles cast."""
+    zero = {"tensorwise": np.s_[:, :], "rowwise": np.s_[0, :], "blockwise": np.s_[0, :128],
+            "mxfp8": np.s_[0, :32]}[name]
+    x = operand((2, 256), 8)
+    x[zero] = 0.0
+    q = quantize(x, RECIPES[name], "input")
+    assert q.scale[0, 0] == scale and not np.any(q.data[zero].astype(float))
+    assert np.all(np.isfinite(dequantize(q))) and (name == "tensorwise" or np.any(q.data[1].astype(float)))
+    if name == "mxfp8":
+        assert q.e8m0[0, 0] == 0 and q.scale_inv[0, 0] == np.float32(2.0**-127)
+
+
 def test_delayed_scale_comes_from_the_last_history_len_amaxes():
     """TE's DelayedScaling: the first step casts with scale 1; after each step the scale is 448 /
     the largest of the last L recorded amaxes (L = 3 here), so a large amax stops counting L steps
