@@ -3,6 +3,8 @@ their bit patterns, each recipe's scale from its amax rule, the cast within half
 value, saturation and the edges (amax 0, NaN, subnormals), delayed scaling's history window, and
 fp8_matmul within a bound derived from the formats' unit roundoffs and float32 accumulation."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -122,14 +124,9 @@ def test_mxfp8_scales_are_e8m0_powers_of_two_per_32_elements():
     e = np.floor(np.log2(amax)) - 8
     assert np.array_equal(q.e8m0, (e + 127).astype(np.uint8)) and np.array_equal(q.scale_inv, 2.0**e)
     assert q.data[0, 5].astype(float) == 448.0 * np.sign(x[0, 5]) and 1.9 * 2**3 / 2.0 ** e[0, 0] > 448
-    rceil = quantize(x, RECIPES["mxfp8"].__class__(**{**RECIPES["mxfp8"].__dict__, "mx_rounding": "rceil"}),
-                     "input")
+    rceil = quantize(x, replace(RECIPES["mxfp8"], mx_rounding="rceil"), "input")
     assert np.array_equal(rceil.scale_inv, 2.0 ** np.ceil(np.log2(amax / 448)))
-    assert np.all(np.abs(x) * per_block(1 / rceil.scale_inv) <= 448)
-
-
-def per_block(s):
-    return np.repeat(s, 32, axis=1)
+    assert np.all(np.abs(x) * np.repeat(1 / rceil.scale_inv, 32, axis=1) <= 448)
 
 
 def test_edges_amax_zero_nan_and_subnormals():

@@ -6,11 +6,12 @@ float8 bytes and the scales. Not here: delayed scaling (torchao deleted it; Tran
 DelayedScaling runs only on CUDA: its wheels need a GPU and nvcc to build or load). `make
 conformance` runs this folder (not `make test`)."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from refpar.fp8 import RECIPES, dequantize, quantize
-from refpar.fp8.recipes import Recipe
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchao")
@@ -93,9 +94,8 @@ def test_mxfp8_matches_torchao_to_mx(rounding, fmt):
     2^-127: torchao's decoded values are half the input there. The zero row below is such a block."""
     x = operand((4, 256), 4 if rounding == "floor" else 5)
     x[2, 64:96] = np.float32(2.0**-120)  # a block whose floor exponent clamps to -127
-    base = RECIPES["mxfp8"]
-    recipe = Recipe(**{**base.__dict__, "mx_rounding": rounding,
-                       "formats": {k: np.dtype(fmt) for k in base.formats}})
+    recipe = replace(RECIPES["mxfp8"], mx_rounding=rounding,
+                     formats={k: np.dtype(fmt) for k in RECIPES["mxfp8"].formats})
     q = quantize(x, recipe, "input")
     mode = {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}[rounding]
     scale, data = to_mx(torch.from_numpy(x), TORCH_FP8[fmt], 32, mode)
@@ -122,7 +122,7 @@ def test_a_nan_spreads_over_its_scales_tile_in_both(name):
     t = torch.from_numpy(x)
     if name.startswith("mxfp8"):
         rounding = name.split("-")[1]
-        q = quantize(x, Recipe(**{**RECIPES["mxfp8"].__dict__, "mx_rounding": rounding}), "input")
+        q = quantize(x, replace(RECIPES["mxfp8"], mx_rounding=rounding), "input")
         mode = {"floor": ScaleCalculationMode.FLOOR, "rceil": ScaleCalculationMode.RCEIL}[rounding]
         scale, data = to_mx(t, torch.float8_e4m3fn, 32, mode)
         assert q.e8m0[3, 2] == 255 and np.array_equal(q.e8m0, scale.view(torch.uint8).numpy())
