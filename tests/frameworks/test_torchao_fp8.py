@@ -2,7 +2,9 @@
 each recipe both have: tensorwise and rowwise (torchao.float8), blockwise (the torch reference
 functions of torchao.prototype.blockwise_fp8_training.kernels, whose module imports triton), mxfp8
 with floor and rceil scales (torchao.prototype.mx_formats.mx_tensor.to_mx). Each compares the
-float8 bytes and the scales. Not here: delayed scaling (torchao deleted it; TransformerEngine's
+float8 bytes and the scales. torchao's Float8Linear itself (tensorwise, rowwise) runs on CPU, and
+its forward and both backward GEMMs are refpar's fp8_matmul in the three roles, to float32's order
+of sums. Not here: delayed scaling (torchao deleted it; TransformerEngine's
 DelayedScaling runs only on CUDA: its wheels need a GPU and nvcc to build or load). `make
 conformance` runs this folder (not `make test`)."""
 
@@ -140,3 +142,45 @@ def test_a_nan_spreads_over_its_scales_tile_in_both(name):
     ours = dequantize(q)
     assert np.isnan(ours[tile]).all() and not np.isnan(ours[~tile]).any()
     assert np.array_equal(q.data.view(np.uint8)[~tile], data.view(torch.uint8).numpy()[~tile])
+
+
+U32, UBF16 = 2.0**-24, 2.0**-8  # float32's and bfloat16's unit roundoffs
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_torchaos_float8_linear_on_cpu_is_refpars_three_gemms(name):
+    """torchao's Float8Linear (convert_to_float8_training; torch._scaled_mm runs on CPU for tensor-
+    and row-wise scales) against refpar's fp8_matmul in the three roles: y = x @ w.T ("output"),
+    dx = dy @ w ("grad_input"), dw = dy.T @ x ("grad_weight", refpar's x.T @ dy transposed).
+    The float8 operands are the same (the tests above), so only the float32 sums' order differs:
+    each entry within 2 gamma_(K+3) sum |a^||b^| (gamma_n = n u32 / (1 - n u32); K + 3 roundings
+    at most on either side). Rowwise adds torchao's own rounding of the output to bfloat16
+    (float8_ops.addmm_float8_unwrapped: "torch._scaled_mm not having float32 output type"), twice
+    where it scales after the GEMM: (2 u_bf16 + u_bf16^2) |out| more."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from refpar.fp8 import fp8_matmul
+    from refpar.fp8.recipes import ROLES
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(name))
+    x = torch.randn(16, 64, requires_grad=True)
+    y = model(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    w, xn, dyn = model[0].weight.detach().numpy(), x.detach().numpy(), dy.numpy()
+    recipe = RECIPES[name]
+    gemms = {"output": (xn, w.T, y.detach().numpy()), "grad_input": (dyn, w, x.grad.numpy()),
+             "grad_weight": (xn.T, dyn, model[0].weight.grad.numpy().T)}
+    for role, (a, b, theirs) in gemms.items():
+        ours = fp8_matmul(a, b, recipe, role).astype(np.float64)
+        kind_a, kind_b = ROLES[role]
+        qa = np.abs(dequantize(quantize(a, recipe, kind_a)))
+        qb = np.abs(dequantize(quantize(b.T, recipe, kind_b)))
+        n = a.shape[1] + 3
+        bound = 2 * n * U32 / (1 - n * U32) * (qa @ qb.T)
+        if name == "rowwise":
+            bound = bound + (2 * UBF16 + UBF16**2) * (np.abs(ours) + bound)
+        worst = float(np.max(np.abs(ours - theirs) / bound))
+        assert worst <= 1.0, (name, role, worst)
