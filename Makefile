@@ -49,12 +49,13 @@ test-kernels: $(STAMP)
 	$(PY) benchmarks/bound_ratios.py $(KERNEL_TESTS)
 
 # Megatron-Core's GPTModel and DeepSpeed's ZeRO against refpar (tests/frameworks/, refpar/conformance/
-# megatron_cases.py and deepspeed_cases.py): their extras installed once (DS_BUILD_OPS=0: no compiled
-# DeepSpeed ops, the cases use torch's AdamW), then the 2-rank jobs. Kept out of `make test`, which
+# megatron_cases.py and deepspeed_cases.py), torchao's FP8 casts against refpar/fp8/: their extras
+# installed once (DS_BUILD_OPS=0: no compiled DeepSpeed ops, the cases use torch's AdamW), then the
+# 2-rank jobs and the single-process torchao tests. Kept out of `make test`, which
 # must stay within 15 minutes on 2 cores.
 CONFORMANCE_STAMP := $(VENV)/.conformance-installed
 $(CONFORMANCE_STAMP): $(STAMP)
-	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[all,megatron,deepspeed]'
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[all,megatron,deepspeed,torchao]'
 	touch $(CONFORMANCE_STAMP)
 
 conformance: $(CONFORMANCE_STAMP)
