@@ -42,7 +42,7 @@ test: $(STAMP) lint
 # MPI jobs, ~6 minutes per family on 2 cores (they passed under Haswell when the bounds were set).
 KERNEL_TESTS := tests/test_model_gradients.py tests/test_moe.py tests/test_moe_model.py \
 	tests/test_precision.py tests/test_model_backends.py tests/test_model_torch.py \
-	tests/test_llama_layers.py tests/test_llama_hf.py \
+	tests/test_llama_layers.py tests/test_llama_hf.py tests/test_fp8.py \
 	tests/test_moe_pipeline.py::test_one_microbatch_is_the_global_batch_and_dropless_unweighted_microbatches_only_accumulate \
 	tests/test_train.py::test_markov_floor_is_the_empirical_mean_negative_log_likelihood_of_the_chain
 test-kernels: $(STAMP)
