@@ -12,8 +12,9 @@ compute_scale_from_amax) maps the tile's amax onto the format's largest value: s
 divided in float64 and rounded to float32, amax floored at 1e-12 so that an all-zero tile gets a
 finite scale. Optionally rounded down to a power of two (torchao's rowwise recipe, TE's
 `force_pow_2_scales`): exactly, from the float32 bits as TE does. torchao takes exp2(floor(log2(s)))
-in float32, which rounds up a scale within ~2^-23 below a power of two; a NaN or inf amax gives a NaN
-or zero scale here and in torchao, where TE keeps a scale of 1.
+in float32, whose log2 rounds a scale a few ulps below a power of two up to it (1024 (1 - 2^-22)
+gives 1024 there, 512 here). A NaN or inf amax gives a NaN or zero scale here and in torchao, where
+TE keeps a scale of 1.
 
 MX's scale (OCP "Microscaling Formats (MX) v1.0", section 6.3) is 2^e with e stored as an E8M0 byte
 e + 127. "floor" (the spec's rule, torchao's default ScaleCalculationMode.FLOOR):
