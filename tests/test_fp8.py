@@ -21,7 +21,7 @@ from refpar.fp8.formats import (
     unit_roundoff,
 )
 from refpar.fp8.recipes import ROLES, delayed_scales
-from refpar.fp8.scaling import mx_scale_inv
+from refpar.fp8.scaling import mx_scale_inv, round_down_to_power_of_2
 from tests.numerics import U64, within
 
 U32 = 2.0**-24  # float32's unit roundoff
@@ -96,6 +96,14 @@ def test_rowwise_scales_are_powers_of_two_at_most_448_over_each_rows_amax():
     assert q.scale.shape == (16, 1) and np.array_equal(q.scale, expect)
     top = np.abs(x).max(axis=1) * q.scale[:, 0]
     assert np.all((top > 224) & (top <= 448))
+
+
+def test_power_of_two_rounding_is_exact_at_the_edges():
+    """A power of two stays; a scale one ulp or a few below one goes down to the next power (torchao's
+    float32 log2 would give 1024 for the second); 0, inf and NaN stay as they are."""
+    s = np.array([1024.0, 1024 * (1 - 2.0**-24), 1024 * (1 - 2.0**-22), 3.0, 0.0, np.inf, np.nan], np.float32)
+    got = round_down_to_power_of_2(s)
+    assert list(got[:5]) == [1024.0, 512.0, 512.0, 2.0, 0.0] and np.isinf(got[5]) and np.isnan(got[6])
 
 
 def test_blockwise_tiles_are_1x128_for_activations_and_128x128_for_weights():
