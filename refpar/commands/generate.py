@@ -249,6 +249,8 @@ def run(args) -> int:
 
 
 def print_report(s: dict) -> None:
+    from refpar.holdings import FAMILIES
+
     w = s["weights"]
     if w["from"] is None:
         print(f"weights: random, drawn from --seed {w['seed']} (untrained: give --from CKPT_OR_HF_DIR, a "
@@ -258,10 +260,11 @@ def print_report(s: dict) -> None:
                                                         "token ids)"), flush=True)
     longest = max(r["prompt_len"] + len(r["tokens"]) - 1 for r in s["requests"])
     trained = w["trained_seq_len"]
-    if trained is not None and longest > trained and s["model"]["arch"] == "gpt2":
-        print(f"note: a sequence here reaches {longest} positions; the run trained on {trained}, so GPT-2's "
-              "learned position embeddings past those are untrained (ask for fewer tokens, or train with a "
-              "longer --seq-len)", flush=True)
+    family = FAMILIES[s["model"]["arch"]]
+    if trained is not None and longest > trained and family.positions:  # a learned position table
+        print(f"note: a sequence here reaches {longest} positions; the run trained on {trained}, so "
+              f"{family.title}'s learned position embeddings past those are untrained (ask for fewer tokens, "
+              "or train with a longer --seq-len)", flush=True)
     mesh = "-".join(f"{a.upper()}({n})" for a, n in s["mesh"].items() if n > 1) or "one device"
     print(f"refpar generate: {len(s['requests'])} requests on {mesh} ({s['world_size']} ranks), "
           f"{s['sampling']}, at most {s['max_batch']} at once, {s['steps']} engine steps", flush=True)
