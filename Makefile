@@ -42,19 +42,20 @@ test: $(STAMP) lint
 # MPI jobs, ~6 minutes per family on 2 cores (they passed under Haswell when the bounds were set).
 KERNEL_TESTS := tests/test_model_gradients.py tests/test_moe.py tests/test_moe_model.py \
 	tests/test_precision.py tests/test_model_backends.py tests/test_model_torch.py \
-	tests/test_llama_layers.py tests/test_llama_hf.py \
+	tests/test_llama_layers.py tests/test_llama_hf.py tests/test_fp8.py \
 	tests/test_moe_pipeline.py::test_one_microbatch_is_the_global_batch_and_dropless_unweighted_microbatches_only_accumulate \
 	tests/test_train.py::test_markov_floor_is_the_empirical_mean_negative_log_likelihood_of_the_chain
 test-kernels: $(STAMP)
 	$(PY) benchmarks/bound_ratios.py $(KERNEL_TESTS)
 
 # Megatron-Core's GPTModel and DeepSpeed's ZeRO against refpar (tests/frameworks/, refpar/conformance/
-# megatron_cases.py and deepspeed_cases.py): their extras installed once (DS_BUILD_OPS=0: no compiled
-# DeepSpeed ops, the cases use torch's AdamW), then the 2-rank jobs. Kept out of `make test`, which
+# megatron_cases.py and deepspeed_cases.py), torchao's FP8 casts against refpar/fp8/: their extras
+# installed once (DS_BUILD_OPS=0: no compiled DeepSpeed ops, the cases use torch's AdamW), then the
+# 2-rank jobs and the single-process torchao tests. Kept out of `make test`, which
 # must stay within 15 minutes on 2 cores.
 CONFORMANCE_STAMP := $(VENV)/.conformance-installed
 $(CONFORMANCE_STAMP): $(STAMP)
-	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[all,megatron,deepspeed]'
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e '.[all,megatron,deepspeed,torchao]'
 	touch $(CONFORMANCE_STAMP)
 
 conformance: $(CONFORMANCE_STAMP)

@@ -1,5 +1,5 @@
 """Every pipeline schedule at p = 4 ranks and m = 8 microbatches, trained on MPI: activation memory
-and bubble simulated, measured and published, side by side (lesson 6's table with the runs added).
+and bubble simulated, measured and published, side by side (lesson 8's table with the runs added).
 
     mpiexec -n 4 python benchmarks/pipeline_schedules.py [--steps 2]
 

@@ -1,7 +1,7 @@
 """Reruns every command of every lesson and writes its real output into the lesson.
 
     python lessons/regenerate.py          # every lesson
-    python lessons/regenerate.py 6 8      # lessons 6 and 8
+    python lessons/regenerate.py 8 8      # lessons 8 and 11
 
 Each ```console block of lessons/NN-name.md holds `$ command` lines, each followed by its output;
 this script replaces the outputs, so they never go stale. tests/test_lessons.py reruns the same

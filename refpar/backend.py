@@ -132,6 +132,8 @@ def as_like(a, like):
     """`a` (a NumPy array from the host or a message, a list, ...) as an array of the namespace and
     device of the array `like`. A NumPy bfloat16 array (ml_dtypes') goes to torch as its bit
     pattern: torch reads no ml_dtypes array, and both formats are the top 16 bits of a float32."""
+    if type(a) is np.ndarray and type(like) is np.ndarray:  # NumPy's asarray would return `a` itself
+        return a
     from array_api_compat import array_namespace, device
 
     xp = array_namespace(like)

@@ -121,6 +121,14 @@ def _run_reporting_config_errors(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `refpar schedule ... | head`: the reader has gone, so nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # or Python's exit flush raises again
+        return 141  # 128 + SIGPIPE, what a shell reports for a command a closed pipe ended
+
+
+def _main(argv: list[str] | None) -> int:
     if not (sys.argv[1:] if argv is None else argv):  # a bare `refpar`: what it can do, not an error
         build_parser().print_help()
         return 0

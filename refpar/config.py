@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from refpar.precision import PRECISIONS
 
 DTYPES = ("float64", "float32", "bfloat16", "float16")  # the last two: mixed precision
 MAX_RUN_BYTES = 1 << 40  # 1 TiB: no run of refpar's holds its parameters or a step's logits in more
-ARCHS = ("gpt2", "llama", "deepseek-v3")  # refpar/model/: gpt.py, llama.py, deepseek.py
 LLAMA_FIELDS = ("n_kv_head", "intermediate_size", "rope_theta", "norm_eps", "tie_embeddings")
+# DeepSeek-V3's MoE fields under Hugging Face DeepseekV3Config's names (issue 41's contract) -> refpar's,
+# the one name the code reads: ModelConfig moves the first into the second.
+DEEPSEEK_MOE_NAMES = {"n_routed_experts": "moe_experts", "n_shared_experts": "moe_shared_experts",
+                      "num_experts_per_tok": "moe_top_k", "n_group": "moe_groups",
+                      "topk_group": "moe_group_limit", "norm_topk_prob": "moe_norm_topk_prob",
+                      "routed_scaling_factor": "moe_routed_scaling_factor"}
 DEEPSEEK_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                    "moe_intermediate_size", "first_k_dense_replace", "rope_interleave",
-                   "num_nextn_predict_layers", "mtp_loss_weight")
+                   "num_nextn_predict_layers", "mtp_loss_weight", "rope_scaling", *DEEPSEEK_MOE_NAMES)
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear", "wsd")  # refpar/model/optim.py learning_rate
 RECOMPUTE = ("none", "selective", "full")  # refpar/parallel/recompute.py; the planner prices each
@@ -27,6 +33,40 @@ RECOMPUTE = ("none", "selective", "full")  # refpar/parallel/recompute.py; the p
 
 class ConfigError(ValueError):
     """A configuration or command-line mistake; its message is one sentence saying what to change."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN's RoPE scaling (Peng et al. 2023), DeepSeek-V3's rope_scaling under Hugging Face's keys;
+    refpar/model/rope_yarn.py computes it. ModelConfig takes it as HF's dict too."""
+
+    factor: float  # the context extension (DeepSeek-V3: 40)
+    original_max_position_embeddings: int  # the pretraining context (DeepSeek-V3: 4096)
+    beta_fast: float = 32.0  # rotations below which a frequency is interpolated ...
+    beta_slow: float = 1.0  # ... and above which it is kept: a linear ramp between
+    mscale: float | None = None  # the rotary cos and sin's scale, get_mscale(factor, mscale) / ...
+    mscale_all_dim: float | None = None  # ... get_mscale(factor, mscale_all_dim); the softmax's, squared
+
+    @staticmethod
+    def of(value) -> RopeScaling:
+        """From HF's dict ({"type" or "rope_type": "yarn", ...}) or a RopeScaling, in one sentence if not."""
+        if isinstance(value, RopeScaling):
+            return value
+        keys = {f.name for f in fields(RopeScaling)}
+        # HF's dict names its type; to_dict's (asdict) does not, and YaRN is the only one
+        if not isinstance(value, dict) or value.get("type", value.get("rope_type", "yarn")) != "yarn":
+            raise ConfigError(f"rope_scaling={value!r} must be YaRN's, a dict with 'type': 'yarn' "
+                              "(DeepSeek-V3's rope_scaling), or None")
+        extra = sorted(set(value) - keys - {"type", "rope_type"})
+        if extra or "factor" not in value or "original_max_position_embeddings" not in value:
+            raise ConfigError(f"rope_scaling takes factor and original_max_position_embeddings, and "
+                              f"optionally beta_fast, beta_slow, mscale, mscale_all_dim; got {sorted(value)}")
+        scaling = RopeScaling(**{k: v for k, v in value.items() if k in keys})
+        if not (scaling.factor >= 1 and scaling.original_max_position_embeddings >= 1
+                and scaling.beta_fast > scaling.beta_slow > 0):
+            raise ConfigError(f"rope_scaling needs factor >= 1, original_max_position_embeddings >= 1 and "
+                              f"beta_fast > beta_slow > 0 (DeepSeek-V3: 40, 4096, 32, 1); got {value}")
+        return scaling
 
 
 def _divisors(n: int) -> list[int]:
@@ -84,7 +124,7 @@ class ModelConfig:
     # ("deepseek": DeepSeek-V3's code, HF's DeepseekV3TopkRouter) or best floor(k/M) ("megatron")
     moe_norm_topk_prob: bool = True  # divide the k chosen scores by their sum (HF's norm_topk_prob)
     moe_routed_scaling_factor: float = 1.0  # the gates' factor (DeepSeek-V3's routed_scaling_factor: 2.5)
-    arch: str = "gpt2"  # one of ARCHS
+    arch: str = "gpt2"  # one of FAMILIES
     # Llama only: None for GPT-2; for Llama, None takes the default given as "None:" on each line.
     n_kv_head: int | None = None  # kv heads, grouped-query attention (Ainslie et al. 2023); None: n_head
     intermediate_size: int | None = None  # F, the SwiGLU width (Llama's is ~8C/3); no default
@@ -104,36 +144,64 @@ class ModelConfig:
     # checkpoints do, else (i, i + dr/2) as Llama; None: True, Hugging Face's default
     num_nextn_predict_layers: int | None = None  # D multi-token prediction depths (model/mtp.py); None: 0
     mtp_loss_weight: float | None = None  # lambda, the MTP losses' weight; None: 0.3 (V3's first 10T tokens)
+    rope_scaling: RopeScaling | None = None  # YaRN (HF's rope_scaling dict, or RopeScaling); None: none
+    # DeepSeek-V3's MoE fields under HF's names (DEEPSEEK_MOE_NAMES), another spelling of the moe_* fields
+    # above: a value given here is moved there (a moe_* field left at its default counts as unset), so
+    # these read None once the config is made and `dataclasses.replace`, which passes every field back
+    # in, passes no second value (replace by refpar's names: a deepseek config's moe_* are set).
+    n_routed_experts: int | None = None  # moe_experts
+    n_shared_experts: int | None = None  # moe_shared_experts
+    num_experts_per_tok: int | None = None  # moe_top_k
+    n_group: int | None = None  # moe_groups
+    topk_group: int | None = None  # moe_group_limit
+    norm_topk_prob: bool | None = None  # moe_norm_topk_prob
+    routed_scaling_factor: float | None = None  # moe_routed_scaling_factor
 
     def __post_init__(self) -> None:
         _require_positive("ModelConfig", vocab_size=self.vocab_size, n_positions=self.n_positions,
                           n_embd=self.n_embd, n_head=self.n_head, n_layer=self.n_layer)
-        if self.arch != "deepseek-v3" and self.n_embd % self.n_head != 0:  # MLA's head widths are its own
-            choices = [h for h in _divisors(self.n_embd) if h <= 64]
-            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                              f"choose n_head in {choices}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1); use e.g. 0.0 or 0.1")
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)} "
                               f"(or --precision {'|'.join(PRECISIONS)})")
-        if self.arch not in ARCHS:
-            raise ConfigError(f"unknown arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
-        if self.arch == "llama":
-            self._check_llama()
-        elif self.arch == "deepseek-v3":
-            self._check_deepseek()
-        else:
-            given = [name for name in LLAMA_FIELDS if getattr(self, name) is not None]
-            if given:
-                raise ConfigError(f"{given[0]} is a Llama field but arch={self.arch!r} (GPT-2 has "
-                                  "multi-head attention, a 4C GELU MLP, learned positions and a tied "
-                                  f"head); leave {given[0]} unset or set arch='llama'")
-        given = [name for name in DEEPSEEK_FIELDS if getattr(self, name) is not None]
-        if given and self.arch != "deepseek-v3":
-            raise ConfigError(f"{given[0]} is a DeepSeek-V3 field but arch={self.arch!r}; leave it unset or "
-                              "set arch='deepseek-v3'")
+        if self.arch not in FAMILIES:
+            raise ConfigError(f"unknown arch {self.arch!r}; choose one of {', '.join(FAMILIES)}")
+        family = FAMILIES[self.arch]
+        if family.heads_share_channels and self.n_embd % self.n_head != 0:
+            choices = [h for h in _divisors(self.n_embd) if h <= 64]
+            raise ConfigError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                              f"choose n_head in {choices}")
+        self._refuse_other_families_fields(family)
+        self._take_hf_moe_names()
+        if family.check is not None:
+            family.check(self)
         self._check_moe()
+
+    def _refuse_other_families_fields(self, family: Family) -> None:
+        """A field of another family (FAMILIES' `takes`) set for this one is one sentence."""
+        for name in FAMILY_FIELDS:
+            if name in family.takes or getattr(self, name) is None:
+                continue
+            owner = next(arch for arch, fam in FAMILIES.items() if name in fam.takes)
+            instead = (f"give {DEEPSEEK_MOE_NAMES[name]}, refpar's name for it, or"
+                       if name in DEEPSEEK_MOE_NAMES else f"leave {name} unset or")
+            raise ConfigError(f"{name} is a {FAMILIES[owner].title} field but arch={self.arch!r} "
+                              f"({family.is_}); {instead} set arch={owner!r}")
+
+    def _take_hf_moe_names(self) -> None:
+        """Moves DeepSeek-V3's MoE fields given under HF's names into refpar's (DEEPSEEK_MOE_NAMES);
+        both names set to different values is one sentence."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for hf, ours in DEEPSEEK_MOE_NAMES.items():
+            value, mine = getattr(self, hf), getattr(self, ours)
+            if value is None:
+                continue
+            if mine != defaults[ours] and mine != value:
+                raise ConfigError(f"{hf}={value!r} and {ours}={mine!r} are Hugging Face's and refpar's names "
+                                  f"for one field but differ; give one of them")
+            object.__setattr__(self, ours, value)
+            object.__setattr__(self, hf, None)
 
     def _check_llama(self) -> None:
         """Llama's fields: None becomes Llama's default, then each is checked in one sentence."""
@@ -164,9 +232,8 @@ class ModelConfig:
         if not self.norm_eps > 0:
             raise ConfigError(f"norm_eps={self.norm_eps} must be positive; Llama uses 1e-5 or 1e-6")
         if self.dropout != 0.0:
-            family = "DeepSeek-V3" if self.arch == "deepseek-v3" else "Llama"
-            raise ConfigError(f"{family} trains without dropout but dropout={self.dropout}; set dropout=0.0 "
-                              "(--dropout 0)")
+            raise ConfigError(f"{FAMILIES[self.arch].title} trains without dropout but dropout="
+                              f"{self.dropout}; set dropout=0.0 (--dropout 0)")
         if self.moe_experts and self.moe_top_k == 1 and self.moe_norm_topk_prob:
             raise ConfigError("Mixtral's router renormalises the top-k gates to sum to 1, which with "
                               "moe_top_k=1 makes every gate 1 and cuts the router off from the loss; "
@@ -176,15 +243,14 @@ class ModelConfig:
     def _check_deepseek(self) -> None:
         """DeepSeek-V3's fields (multi-head latent attention, dense first blocks), each in one sentence;
         the shared ones are checked as Llama's."""
-        if self.n_kv_head is not None:
-            raise ConfigError(f"n_kv_head={self.n_kv_head} groups key-value heads, but DeepSeek's latent "
-                              "attention gives every head its own key and value; leave n_kv_head unset")
         if self.first_k_dense_replace is None:
             object.__setattr__(self, "first_k_dense_replace", 0)
         if self.rope_interleave is None:
             object.__setattr__(self, "rope_interleave", True)
         if self.num_nextn_predict_layers is None:
             object.__setattr__(self, "num_nextn_predict_layers", 0)
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", RopeScaling.of(self.rope_scaling))
         if self.mtp_loss_weight is None:
             object.__setattr__(self, "mtp_loss_weight", 0.3)
         if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
@@ -293,7 +359,7 @@ class ModelConfig:
         """The blocks whose MLP is a Mixture of Experts (empty without MoE)."""
         if self.moe_experts == 0:
             return ()
-        if self.arch == "deepseek-v3":  # DeepSeek-V3: dense first blocks, then MoE
+        if self.first_k_dense_replace is not None:  # DeepSeek-V3: dense first blocks, then MoE
             return tuple(range(self.first_k_dense_replace, self.n_layer))
         return tuple(range(self.n_layer)) if self.moe_layers is None else self.moe_layers
 
@@ -303,6 +369,30 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What ModelConfig checks of one family (refpar/model/__init__.py's FAMILIES implements it,
+    refpar/holdings.py's FAMILIES names its parameters)."""
+
+    title: str  # the family as a sentence names it
+    is_: str  # what sets it apart, for the sentence refusing another family's field
+    takes: tuple[str, ...]  # the fields of FAMILY_FIELDS it reads; the others must stay None
+    check: Callable[[ModelConfig], None] | None  # fills in the defaults of `takes` and checks them
+    heads_share_channels: bool = True  # a head is n_embd / n_head channels (MLA's widths are its own)
+
+
+FAMILIES = {  # the values of ModelConfig.arch; refpar/model/: gpt.py, llama.py, deepseek.py
+    "gpt2": Family("GPT-2", "GPT-2 has multi-head attention, a 4C GELU MLP, learned positions and a tied "
+                   "head", (), None),
+    "llama": Family("Llama", "Llama has grouped-query attention and Mixtral's experts", LLAMA_FIELDS,
+                    ModelConfig._check_llama),
+    "deepseek-v3": Family("DeepSeek-V3", "DeepSeek-V3's latent attention gives every head its own key and "
+                          "value", LLAMA_FIELDS[1:] + DEEPSEEK_FIELDS, ModelConfig._check_deepseek,
+                          heads_share_channels=False),
+}
+FAMILY_FIELDS = tuple(dict.fromkeys(name for fam in FAMILIES.values() for name in fam.takes))
 
 
 @dataclass(frozen=True)
@@ -387,7 +477,7 @@ class TrainConfig:
 
     def check_model(self, model: ModelConfig) -> None:
         """Checks that need both configs."""
-        if model.arch == "deepseek-v3" and self.seq_len <= model.num_nextn_predict_layers:
+        if self.seq_len <= (model.num_nextn_predict_layers or 0):  # DeepSeek-V3's MTP depths
             D = model.num_nextn_predict_layers
             raise ConfigError(f"seq_len={self.seq_len} leaves no position for multi-token prediction depth "
                               f"{D}; use --seq-len {D + 1} or more")
@@ -447,9 +537,9 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
     "deepseek-tiny": ModelConfig(
         arch="deepseek-v3", vocab_size=96, n_positions=32, n_embd=64, n_head=4, n_layer=4, dropout=0.0,
         intermediate_size=176, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, first_k_dense_replace=1, moe_experts=8, moe_top_k=3, moe_shared_experts=1,
-        moe_intermediate_size=32, moe_groups=4, moe_group_limit=2, moe_gate="sigmoid", moe_balance="aux-free",
-        moe_routed_scaling_factor=2.5, moe_dropless=True, moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0,
+        v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+        moe_intermediate_size=32, n_group=4, topk_group=2, routed_scaling_factor=2.5, moe_gate="sigmoid",
+        moe_balance="aux-free", moe_dropless=True, moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0,
         moe_seq_aux_weight=1e-4
     ),
 }

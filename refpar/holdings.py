@@ -43,7 +43,10 @@ class Names:
     expert_marker: str  # an expert's names hold this then "{e}."
     tp_slices: Callable  # (config, t, rank) -> {name: (axis, global indices)}
     sp_names: Callable  # config -> the replicated parameters of the sequence-parallel region
-    activations_priced: bool = True  # whether refpar/analysis/closed_forms.py counts its blocks' caches
+    # A block's names after its prefix and "{i}.": the row-parallel linears, whose partial outputs tp
+    # sums, and the weights the sharding view draws (refpar/viz/sharding.py), one of each tp layout.
+    row_parallel: tuple[str, ...] = ()
+    drawn: tuple[str, ...] = ()
 
 
 def _gpt2_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
@@ -101,17 +104,60 @@ def _llama_sp_names(config: ModelConfig) -> list[str]:
                                     for i in range(config.n_layer) for n in ("input", "post_attention")]
 
 
+def _deepseek_tp_slices(config: ModelConfig, t: int, rank: int) -> dict[str, tuple[int, np.ndarray]]:
+    """DeepSeek-V3's table (refpar/parallel/mla_tensor_parallel.py, deepseek_pieces.py), HF's [out,
+    in] layout: the up-projections' rows and o_proj's columns of this rank's heads (the down-
+    projections and norms whole), the dense MLPs as Llama's, each routed expert's SwiGLU split the
+    same way over its own width (expert_tensor_parallel.py; the router and shared experts whole)."""
+    dn, dr, dv = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    h0, h1 = shard_range(config.n_head, t, rank)
+    ff = np.arange(*shard_range(config.intermediate_size, t, rank))
+    vocab = (0, np.arange(*shard_range(config.vocab_size, t, rank)))
+    slices = {"model.embed_tokens.weight": vocab}
+    if not config.tie_embeddings:
+        slices["lm_head.weight"] = vocab
+    q = "q_proj" if config.q_lora_rank is None else "q_b_proj"
+    for i in range(config.n_layer):
+        p = f"model.layers.{i}."
+        slices |= {p + f"self_attn.{q}.weight": (0, np.arange(h0 * (dn + dr), h1 * (dn + dr))),
+                   p + "self_attn.kv_b_proj.weight": (0, np.arange(h0 * (dn + dv), h1 * (dn + dv))),
+                   p + "self_attn.o_proj.weight": (1, np.arange(h0 * dv, h1 * dv))}
+        if i in config.moe_blocks:
+            H = np.arange(*shard_range(config.moe_intermediate_size, t, rank))
+            mlps = [(f"{p}mlp.experts.{e}.", H) for e in range(config.moe_experts)]
+        else:
+            mlps = [(p + "mlp.", ff)]
+        for m, cols in mlps:
+            slices |= {m + "gate_proj.weight": (0, cols), m + "up_proj.weight": (0, cols),
+                       m + "down_proj.weight": (1, cols)}
+    return slices
+
+
+def _deepseek_sp_names(config: ModelConfig) -> list[str]:
+    """Llama's RMSNorm gains, and latent attention's down-projections and their norms, which run on
+    the sequence shard (refpar/parallel/mla_tensor_parallel.py)."""
+    down = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"]
+    if config.q_lora_rank is not None:
+        down = ["q_a_proj.weight", "q_a_layernorm.weight", *down]
+    return _llama_sp_names(config) + [f"model.layers.{i}.self_attn.{n}" for i in range(config.n_layer)
+                                      for n in down]
+
+
 FAMILIES = {
     "gpt2": Names("GPT-2", "h.", "wte.weight", ("wpe.weight",), ("ln_f.weight", "ln_f.bias"), None,
-                  ".mlp.experts.", _gpt2_tp_slices, _gpt2_sp_names),
+                  ".mlp.experts.", _gpt2_tp_slices, _gpt2_sp_names,
+                  row_parallel=("attn.c_proj", "mlp.c_proj"),
+                  drawn=("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")),
     "llama": Names("Llama", "model.layers.", "model.embed_tokens.weight", (), ("model.norm.weight",),
-                   "lm_head.weight", ".block_sparse_moe.experts.", _llama_tp_slices, _llama_sp_names),
-    # DeepSeek-V3's names are Llama's outside the blocks; its pieces split nothing yet (tp and cp are
-    # refused, refpar/engine/validate.py), so every parameter is whole on every rank
+                   "lm_head.weight", ".block_sparse_moe.experts.", _llama_tp_slices, _llama_sp_names,
+                   row_parallel=("self_attn.o_proj", "mlp.down_proj"),
+                   # v_proj is laid out as k_proj, up_proj as gate_proj
+                   drawn=("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight",
+                          "mlp.down_proj.weight")),
+    # DeepSeek-V3's names are Llama's outside the blocks
     "deepseek-v3": Names("DeepSeek-V3", "model.layers.", "model.embed_tokens.weight", (),
                          ("model.norm.weight",), "lm_head.weight", ".mlp.experts.",
-                         lambda config, t, rank: {}, lambda config: [],
-                         activations_priced=False),  # MLA's caches: issue 41
+                         _deepseek_tp_slices, _deepseek_sp_names),
 }
 
 

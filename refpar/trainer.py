@@ -56,15 +56,18 @@ class StepResult:
     skipped_total: int = 0  # fp16-mixed: steps skipped so far, from step 0 (across resumes)
 
 
-_OPENED: dict[tuple, object] = {}  # text corpora by (path, tokenizer, vocabulary, seed): tokenized once
+_OPENED: dict[tuple, object] = {}  # corpora by (path, tokenizer, vocabulary, seed) or ("markov", V, seed)
 
 
 def corpus_for(model: ModelConfig, train: TrainConfig):
     """The corpus a run trains on: the text or token files `train.data` names (refpar/data), else the
     Markov corpus. Either draws the global batch by (seed, step, sample id) (`batch`) and has held-out
     windows (`val_batch`)."""
-    if train.data is None:
-        return MarkovCorpus(model.vocab_size, train.seed)
+    if train.data is None:  # the chain is drawn once: a run, its --check reference and its floor share it
+        key = ("markov", model.vocab_size, train.seed)
+        if key not in _OPENED:
+            _OPENED[key] = MarkovCorpus(model.vocab_size, train.seed)
+        return _OPENED[key]
     key = (train.data, train.tokenizer, train.tokenizer_vocab, train.seed)
     if key not in _OPENED:
         from refpar.data import open_data

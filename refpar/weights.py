@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from safetensors.numpy import save_file
 
 from refpar.config import ConfigError, ModelConfig, check_output_path, model_preset
 from refpar.files import make_folder_atomically
+from refpar.holdings import names, tied_embedding
 from refpar.model import param_shapes
 from refpar.precision import dtype_of
 
@@ -45,7 +47,6 @@ TOKENIZER = "tokenizer.json"  # a text run's tokenizer, which `export` copies be
 FILE_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # Buffers that older files saved beside the weights: GPT-2's causal mask, Llama's rotary inv_freq.
 BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 # The ModelConfig fields that set the parameters' shapes, which a --model preset must agree on.
 SHAPE_FIELDS = ("arch", "vocab_size", "n_positions", "n_embd", "n_head", "n_layer", "n_kv_head",
                 "intermediate_size", "tie_embeddings", "moe_experts")
@@ -91,7 +92,7 @@ class SafetensorsWeights:
                 raise ConfigError(f"{file}: {key} is stored as {dtype}; refpar reads "
                                   f"{', '.join(FILE_DTYPES)} weights")
         known = {self.key(n) for n in shapes}
-        tied_head = "lm_head.weight" if config.arch == "gpt2" or config.tie_embeddings else None
+        tied_head = "lm_head.weight" if tied_embedding(config) else None  # HF's key for it in any family
         extra = [k for k in self.tensors if k not in known and k != tied_head and not k.endswith(BUFFERS)]
         if extra:
             raise ConfigError(f"{self.tensors[extra[0]][0]} holds {extra[0]}, which the model of "
@@ -230,8 +231,9 @@ def _rope_theta(hf: dict, where: Path) -> float:
     return float(rope.get("rope_theta", _get(hf, "rope_theta", 10000.0)))
 
 
-def _llama_fields(hf: dict, where: Path) -> dict:
-    """ModelConfig fields of a LlamaForCausalLM config.json (LlamaConfig's defaults where absent)."""
+def _llama_fields(hf: dict, where: Path, dropout: float | None) -> dict:
+    """ModelConfig fields of a LlamaForCausalLM config.json (LlamaConfig's defaults where absent);
+    a `dropout` given is kept, for Llama's check to say what to do with a nonzero one."""
     C, nh = int(_get(hf, "hidden_size", 4096)), int(_get(hf, "num_attention_heads", 32))
     _require(hf, "hidden_act", ("silu",), "silu", where, "Llama's SwiGLU gates with SiLU")
     _require(hf, "attention_bias", (False,), False, where, "Llama has no attention biases")
@@ -247,10 +249,10 @@ def _llama_fields(hf: dict, where: Path) -> dict:
                 rope_theta=_rope_theta(hf, where),
                 norm_eps=float(_get(hf, "rms_norm_eps", 1e-6)),
                 tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
-                init_std=float(_get(hf, "initializer_range", 0.02)), dropout=0.0)
+                init_std=float(_get(hf, "initializer_range", 0.02)), dropout=dropout or 0.0)
 
 
-def _mixtral_fields(hf: dict, where: Path) -> dict:
+def _mixtral_fields(hf: dict, where: Path, dropout: float | None) -> dict:
     """ModelConfig fields of a MixtralForCausalLM config.json: Llama's blocks with Mixtral's experts in
     every one (refpar/model/llama.py's MOE), routed as transformers routes them: top-k of a softmax,
     renormalised, no capacity (dropless), and no router loss in the training loss unless
@@ -259,9 +261,63 @@ def _mixtral_fields(hf: dict, where: Path) -> dict:
     _require(hf, "sliding_window", (None,), None, where, "attention is causal over the whole sequence")
     _require(hf, "output_router_logits", (False,), False, where,
              "training loss adds no HF load-balancing loss")
-    return _llama_fields(hf, where) | dict(
+    return _llama_fields(hf, where, dropout) | dict(
         moe_experts=int(_get(hf, "num_local_experts", 8)), moe_top_k=int(_get(hf, "num_experts_per_tok", 2)),
         moe_dropless=True, moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0)
+
+
+def _gpt2_config(config: ModelConfig) -> dict:
+    """GPT2Config's own keys of `config`."""
+    return {"n_positions": config.n_positions, "n_embd": config.n_embd, "n_head": config.n_head,
+            "n_layer": config.n_layer, "n_inner": None, "activation_function": "gelu_new",
+            "layer_norm_epsilon": config.layer_norm_eps, "resid_pdrop": config.dropout,
+            "embd_pdrop": config.dropout, "attn_pdrop": config.dropout, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": True}
+
+
+def _llama_config(config: ModelConfig) -> dict:
+    """LlamaConfig's own keys of `config`."""
+    return {
+        "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head, "head_dim": config.head_size,
+        "max_position_embeddings": config.n_positions, "rms_norm_eps": config.norm_eps,
+        # both spellings: transformers >= 5 reads rope_parameters, earlier versions rope_theta
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": 0.0, "tie_word_embeddings": config.tie_embeddings}
+
+
+def _mixtral_config(config: ModelConfig) -> dict:
+    """MixtralConfig's own keys of `config`: Llama's and its experts'."""
+    return {"num_local_experts": config.moe_experts, "num_experts_per_tok": config.moe_top_k,
+            "router_jitter_noise": 0.0, "output_router_logits": False,
+            "sliding_window": None} | _llama_config(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModel:
+    """A Hugging Face model class refpar reads (`read_hf_config`) and writes (`write_hf_folder`)."""
+
+    architecture: str  # config.json's "architectures"
+    arch: str  # the ModelConfig.arch it is
+    experts: bool  # whether it has experts (refpar writes it for that family with --moe-experts)
+    fields: Callable[[dict, Path, float | None], dict]  # (config.json, its path, --dropout) -> ModelConfig's
+    config: Callable[[ModelConfig], dict]  # ModelConfig -> config.json's keys of this class
+
+
+HF_MODELS = {  # config.json's model_type -> the class
+    "gpt2": HFModel("GPT2LMHeadModel", "gpt2", False, _gpt2_fields, _gpt2_config),
+    "llama": HFModel("LlamaForCausalLM", "llama", False, _llama_fields, _llama_config),
+    "mixtral": HFModel("MixtralForCausalLM", "llama", True, _mixtral_fields, _mixtral_config),
+}
+
+
+def hf_model(config: ModelConfig) -> tuple[str, HFModel] | None:
+    """(model_type, HF_MODELS row) refpar writes `config` as, None where it writes none."""
+    return next(((kind, m) for kind, m in HF_MODELS.items()
+                 if m.arch == config.arch and m.experts == bool(config.moe_experts)), None)
 
 
 def read_hf_config(path, preset: str | None = None, *, dtype: str | None = None, dropout: float | None = None,
@@ -300,17 +356,12 @@ def read_hf_config(path, preset: str | None = None, *, dtype: str | None = None,
         raise ConfigError(f"{where} is not a JSON config ({err}); give the config.json save_pretrained "
                           "wrote") from None
     family = _family(hf, where)
-    if family == "gpt2":
-        fields = _gpt2_fields(hf, where, dropout)
-    else:
-        fields = _llama_fields(hf, where) if family == "llama" else _mixtral_fields(hf, where)
-        if dropout is not None:
-            fields["dropout"] = dropout  # Llama's check says what to do with a nonzero one
+    fields = family.fields(hf, where, dropout)
     if n_layer is not None and n_layer != fields["n_layer"]:
         raise ConfigError(f"--n-layer {n_layer} contradicts {where}, whose model has {fields['n_layer']} "
                           "layers; drop --n-layer")
     if moe:
-        what = "gives its experts" if family == "mixtral" else "is a dense model"
+        what = "gives its experts" if family.experts else "is a dense model"
         raise ConfigError(f"--moe-experts makes a Mixture of Experts, but {where} {what}; drop the --moe-* "
                           "flags")
     config = ModelConfig(**fields)
@@ -325,14 +376,15 @@ def read_hf_config(path, preset: str | None = None, *, dtype: str | None = None,
     return dataclasses.replace(config, dtype=dtype or weights.dtype(next(iter(param_shapes(config)))))
 
 
-def _family(hf: dict, where: Path) -> str:
-    """"gpt2", "llama" or "mixtral" from config.json's model_type and architectures, else a ConfigError."""
+def _family(hf: dict, where: Path) -> HFModel:
+    """The HF_MODELS row of config.json's model_type and architectures, else a ConfigError."""
     kind = hf.get("model_type")
-    archs = hf.get("architectures") or [ARCHITECTURES.get(kind)]
-    if kind in ARCHITECTURES and ARCHITECTURES[kind] in archs:
-        return kind
+    model = HF_MODELS.get(kind)
+    archs = hf.get("architectures") or [model and model.architecture]
+    if model is not None and model.architecture in archs:
+        return model
     raise ConfigError(f"{where} describes {', '.join(map(str, archs))} (model_type {kind!r}); refpar reads "
-                      f"{', '.join(ARCHITECTURES.values())} folders")
+                      f"{', '.join(m.architecture for m in HF_MODELS.values())} folders")
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -409,34 +461,15 @@ def checkpoint_params(path) -> tuple[ModelConfig, dict]:
 # ------------------------------------------------------------------------------------------ writing
 def hf_config(config: ModelConfig) -> dict:
     """config.json of `config` for transformers: GPT2LMHeadModel, LlamaForCausalLM, or
-    MixtralForCausalLM for Llama with experts; `dtype` the weights' (float64 stays float64). The
-    special tokens are left unset (null): the Markov corpus has none, and a text run's tokenizer.json,
-    copied beside the weights, names its own."""
-    kind = "mixtral" if config.moe_experts else config.arch
-    common = {"architectures": [ARCHITECTURES[kind]], "model_type": kind,
+    MixtralForCausalLM for Llama with experts (`hf_model`); `dtype` the weights' (float64 stays
+    float64). The special tokens are left unset (null): the Markov corpus has none, and a text run's
+    tokenizer.json, copied beside the weights, names its own."""
+    kind, model = hf_model(config)
+    common = {"architectures": [model.architecture], "model_type": kind,
               "vocab_size": config.vocab_size, "initializer_range": config.init_std,
               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "dtype": config.dtype,
               "use_cache": True}
-    if config.arch == "gpt2":
-        return common | {
-            "n_positions": config.n_positions, "n_embd": config.n_embd, "n_head": config.n_head,
-            "n_layer": config.n_layer, "n_inner": None, "activation_function": "gelu_new",
-            "layer_norm_epsilon": config.layer_norm_eps, "resid_pdrop": config.dropout,
-            "embd_pdrop": config.dropout, "attn_pdrop": config.dropout, "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": True}
-    experts = {} if not config.moe_experts else {
-        "num_local_experts": config.moe_experts, "num_experts_per_tok": config.moe_top_k,
-        "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None}
-    return common | experts | {
-        "hidden_size": config.n_embd, "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
-        "num_key_value_heads": config.n_kv_head, "head_dim": config.head_size,
-        "max_position_embeddings": config.n_positions, "rms_norm_eps": config.norm_eps,
-        # both spellings: transformers >= 5 reads rope_parameters, earlier versions rope_theta
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rope_theta": config.rope_theta, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "tie_word_embeddings": config.tie_embeddings}
+    return common | model.config(config)
 
 
 def check_export_target(out) -> Path:
@@ -450,13 +483,19 @@ def check_export_target(out) -> Path:
 
 
 def check_exportable(config: ModelConfig) -> None:
-    """A model transformers runs as refpar does: GPT-2, Llama, or Llama with Mixtral's experts in every
-    block, routed by a softmax (MixtralForCausalLM; it routes without capacity, so a checkpoint
-    trained with one gives the same logits where no token was dropped)."""
+    """A model transformers runs as refpar does (HF_MODELS): GPT-2, Llama, or Llama with Mixtral's
+    experts in every block, routed by a softmax (MixtralForCausalLM; it routes without capacity, so a
+    checkpoint trained with one gives the same logits where no token was dropped)."""
+    target = hf_model(config)
+    title = names(config).title
+    if target is None:
+        problem = (f"{title}'s experts have no Hugging Face model refpar writes" if config.moe_experts else
+                   f"{title} has no Hugging Face model refpar writes")
+        raise ConfigError(f"refpar export cannot write this model: {problem}; export dense GPT-2 or Llama, "
+                          "or Llama with --moe-experts in every block")
     if not config.moe_experts:
         return
-    problem = ("GPT-2's experts have no Hugging Face model" if config.arch == "gpt2" else
-               "MixtralForCausalLM has experts in every block" if config.moe_layers is not None else
+    problem = ("MixtralForCausalLM has experts in every block" if config.moe_layers is not None else
                "MixtralForCausalLM routes by a softmax" if config.moe_gate != "softmax" else
                "MixtralForCausalLM routes without expert groups" if config.moe_group_limit else
                "MixtralForCausalLM has no shared experts" if config.moe_shared_experts else

@@ -505,8 +505,8 @@ def test_lessons_page_shows_every_lessons_title_in_order():
         assert "<!--" not in shown[-1]
 
 
-LESSON_OF = {"views/sharding.py": 3, "views/pipeline.py": 6, "views/communication.py": 1,
-             "views/memory.py": 3, "views/plan.py": 8, "views/run.py": 8, "views/serving.py": 12}
+LESSON_OF = {"views/sharding.py": 4, "views/pipeline.py": 8, "views/communication.py": 1,
+             "views/memory.py": 2, "views/plan.py": 11, "views/run.py": 11, "views/serving.py": 15}
 
 
 def test_each_view_links_to_its_lesson_and_the_lessons_page_opens_on_it():
@@ -521,18 +521,18 @@ def test_each_view_links_to_its_lesson_and_the_lessons_page_opens_on_it():
         assert links == [("lessons", f"lesson={n}")], path
     at.switch_page("views/sharding.py")
     rerun(at)
-    for strategy, n in (("dp", 2), ("tp", 4), ("sp", 5), ("ep", 7)):
+    for strategy, n in (("dp", 3), ("tp", 6), ("sp", 7), ("ep", 10)):
         at.selectbox[0].set_value(strategy)
         assert rerun(at).get("page_link")[0].proto.query_string == f"lesson={n}"
     at.switch_page("views/memory.py")
     rerun(at).radio[0].set_value("bf16-mixed")
-    assert [link.proto.query_string for link in rerun(at).get("page_link")] == ["lesson=3", "lesson=10"]
+    assert [link.proto.query_string for link in rerun(at).get("page_link")] == ["lesson=2", "lesson=13"]
     # What following the link does: the address carries lesson=N and the Lessons page opens on lesson N.
-    at.query_params["lesson"] = "6"
+    at.query_params["lesson"] = "8"
     at.switch_page("views/lessons.py")
     rerun(at)
-    assert at.selectbox[0].value == 6
-    assert at.markdown[1].value.strip() == lessons.reader_text(6).strip()
+    assert at.selectbox[0].value == 8
+    assert at.markdown[1].value.strip() == lessons.reader_text(8).strip()
     at.selectbox[0].set_value(2)
     assert rerun(at).selectbox[0].value == 2  # the link chose the first lesson shown, not every later one
 

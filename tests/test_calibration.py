@@ -87,9 +87,9 @@ def test_llama3_table4_rows_multiply_out_to_their_gpus_tokens_and_mfu():
 
 def test_the_fitted_fractions_are_a_minimum_of_the_fit_rows_largest_error():
     # calibration.fit() chose CALIBRATED; no step of 0.005 along any fraction lowers the largest
-    # relative error over the fit rows (the pattern search stops when none does), which is 6.3%.
+    # relative error over the fit rows (the pattern search stops when none does), which is 7.8%.
     at = fit_error(CALIBRATED)
-    assert at == pytest.approx(0.0631, abs=5e-4)
+    assert at == pytest.approx(0.0782, abs=5e-4)
     for field in ("matmul", "memory", "network"):
         for sign in (1, -1):
             value = getattr(CALIBRATED, field) + sign * 0.005
@@ -116,7 +116,7 @@ def test_the_128k_note_has_the_models_own_numbers():
                           precision=PRECISIONS[long.precision], software=long.software)
     total = sum(block[k] for k in ("gemm_f", "gemm_b", "core_f", "core_b", "memory_f", "memory_b",
                                    "accumulate"))
-    assert round(100 * (block["core_f"] + block["core_b"]) / total) == 62
+    assert round(100 * (block["core_f"] + block["core_b"]) / total) == 61
 
     def computed_fraction(run):  # the causal half really computed, of the full square counted
         layers, core, logits = forward_flops(run.model, 1, run.seq)
@@ -125,10 +125,10 @@ def test_the_128k_note_has_the_models_own_numbers():
     assert round(100 * long.published * computed_fraction(long) / 989.5) == 27
     assert round(100 * short.published * computed_fraction(short) / 989.5) == 42
     half_counted = price(long)["predicted"] * computed_fraction(long) / long.published - 1
-    assert round(100 * half_counted) == -16
-    # The attention fraction at which the model would meet the published figure: 26%.
+    assert round(100 * half_counted) == -12
+    # The attention fraction at which the model would meet the published figure: 24%.
     errors = {}
-    for fraction in (0.25, 0.26, 0.27):
+    for fraction in (0.23, 0.24, 0.25):
         slower = replace(h100, name="h100-slower-attention", flash_fraction=fraction)
         hardware.HARDWARE[slower.name] = slower
         try:
@@ -136,8 +136,18 @@ def test_the_128k_note_has_the_models_own_numbers():
             errors[fraction] = abs(predicted / long.published - 1)
         finally:
             del hardware.HARDWARE[slower.name]
-    assert min(errors, key=errors.get) == 0.26
-    assert "62%" in long.outside and "27%" in long.outside and "26%" in long.outside
+    assert min(errors, key=errors.get) == 0.24
+    assert "61%" in long.outside and "27%" in long.outside and "24%" in long.outside
+
+
+def test_the_16k_note_has_the_models_own_numbers():
+    run = BY_NAME["Llama 3 405B on 16384 cp=1"]
+    priced = price(run)
+    assert f"(+{100 * (priced['predicted'] / run.published - 1):.1f}%)" in run.outside
+    assert f"exposes {priced['time_s']['tp']:.2f} s" in run.outside
+    before = price(run, replace(CALIBRATED, network=0.5))["time_s"]["tp"]
+    assert f"0.5 exposed {before:.2f} s" in run.outside
+    assert not priced["fits"] and f"({priced['memory_bytes'] / 1e9:.1f} GB" in run.outside
 
 
 def test_against_search_sets_the_published_plan_beside_the_fastest():

@@ -11,6 +11,7 @@ projections and norms, the interleaved rotary key shared by the heads, the dense
 group-limited routing, the shared experts, autograd) is theirs.
 """
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -38,10 +39,17 @@ DENSE = dict(arch="deepseek-v3", vocab_size=64, n_positions=16, n_embd=32, n_hea
 # DeepSeek-V3's MoE: a dense first block, then 8 experts of which k = 3 in at most M = 2 of 4 groups
 # (k/M = 1.5: HF scores a group by its best 2, whatever k/M), 2 shared experts (one MLP of twice the
 # width in HF), sigmoid gates scaled by 2.5, aux-free biases (HF's e_score_correction_bias).
-MOE = dict(DENSE, n_layer=3, first_k_dense_replace=1, moe_experts=8, moe_top_k=3, moe_shared_experts=2,
-           moe_intermediate_size=12, moe_groups=4, moe_group_limit=2, moe_gate="sigmoid",
-           moe_balance="aux-free", moe_dropless=True, moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0,
-           moe_routed_scaling_factor=2.5)
+# Its MoE fields under Hugging Face's names, as issue 41's contract gives them.
+MOE = dict(DENSE, n_layer=3, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+           n_shared_experts=2, moe_intermediate_size=12, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+           moe_gate="sigmoid", moe_balance="aux-free", moe_dropless=True, moe_aux_loss_weight=0.0,
+           moe_z_loss_weight=0.0)
+
+# YaRN as DeepSeek-V3's rope_scaling has it, with mscale != mscale_all_dim so that both the rotary
+# attention factor and the softmax's mscale^2 differ from 1; with theta 500000 and dr = 6 the ramp runs
+# over frequencies 0 to 2 of 3 (low = 0, high = 2), so interpolated, mixed and kept ones all occur.
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7}
 
 
 def router_forward(self, hidden_states):
@@ -264,7 +272,7 @@ def test_mla_and_dense_blocks_match_hf_deepseek_v3_logits_loss_and_every_gradien
 def test_moe_blocks_with_shared_experts_and_group_limited_routing_match_hf_deepseek_v3_in_float64(
         monkeypatch, norm_topk_prob):
     float64_throughout(monkeypatch)
-    config = ModelConfig(**MOE, moe_norm_topk_prob=norm_topk_prob)
+    config = ModelConfig(**MOE, norm_topk_prob=norm_topk_prob)
     model = hf_model(config)
     with torch.no_grad():  # aux-free biases of the size of the score gaps, so that they change choices
         for layer in config.moe_blocks:
@@ -311,6 +319,9 @@ def test_to_hf_state_dict_is_a_checkpoint_hf_loads_and_from_hf_state_dict_reads_
     ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers=-1 must be a whole number >= 0"),
     ({"moe_experts": 6, "moe_top_k": 2, "moe_groups": 4, "moe_intermediate_size": 8},
      "moe_groups=4 must divide moe_experts=6"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "must be YaRN's"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "takes factor and original_max_position_embeddings"),
+    ({"rope_scaling": {**YARN, "beta_slow": 40}}, "beta_fast > beta_slow > 0"),
 ])
 def test_deepseek_bad_shapes_are_one_sentence_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -320,8 +331,8 @@ def test_deepseek_bad_shapes_are_one_sentence_config_errors(overrides, message):
 
 
 @pytest.mark.parametrize("sizes, overrides, message", [
-    ({"tp": 2}, {}, "not split over tp=2"),
-    ({"cp": 2}, {}, "not split over cp=2"),
+    ({"tp": 2}, {"moe_intermediate_size": 1}, "tp=2 splits moe_intermediate_size=1 into fewer columns"),
+    ({"tp": 8}, {}, "tp=8 does not divide n_head=4"),
     ({}, {"num_nextn_predict_layers": 1}, "multi-token prediction trains in refpar.model.loss_and_grads"),
 ])
 def test_what_the_engine_does_not_run_yet_is_one_sentence_before_any_communication(sizes, overrides,
@@ -332,3 +343,63 @@ def test_what_the_engine_does_not_run_yet_is_one_sentence_before_any_communicati
     with pytest.raises(ConfigError, match=message):
         validate(model_preset("deepseek-tiny", **overrides), TrainConfig(),
                  dict.fromkeys(MESH_AXES, 1) | sizes, Plan())
+
+
+def hf_yarn_inv_freq(config, dtype):
+    """transformers' _compute_yarn_parameters' inverse frequencies (modeling_rope_utils.py, truncate
+    on, factor and both mscales given) in `dtype` where it computes them in float32."""
+    rope = config.rope_parameters
+    base, dim, factor = rope["rope_theta"], config.head_dim, rope["factor"]
+
+    def find_correction_dim(num_rotations):
+        return (dim * math.log(rope["original_max_position_embeddings"] / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(base))
+
+    low = max(math.floor(find_correction_dim(rope["beta_fast"])), 0)
+    high = min(math.ceil(find_correction_dim(rope["beta_slow"])), dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=dtype) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=dtype) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    inv_freq_interpolation, inv_freq_extrapolation = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    return inv_freq_interpolation * (1 - extrapolation_factor) + inv_freq_extrapolation * extrapolation_factor
+
+
+def yarn_rotary_forward(self, x, position_ids):
+    """DeepseekV3RotaryEmbedding.forward with YaRN's frequencies computed in x's dtype."""
+    freqs = position_ids[..., None].to(x.dtype) * hf_yarn_inv_freq(self.config, x.dtype)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+
+def hf_yarn_model(config: ModelConfig):
+    """hf_model's with DeepSeek-V3's rope_scaling in HF's rope_parameters."""
+    hf = hf_config(config)
+    hf.rope_parameters = {"rope_type": "yarn", "rope_theta": config.rope_theta,
+                          **{k: v for k, v in YARN.items() if k != "type"}}
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(hf).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def test_yarn_rope_scaling_matches_hf_deepseek_v3_in_float64(monkeypatch):
+    config = ModelConfig(**{**DENSE, "n_layer": 1, "rope_scaling": YARN})
+    model = hf_yarn_model(config)  # float32: the transcription must give HF's own frequencies bit for bit
+    rotary = model.model.rotary_emb
+    assert torch.equal(hf_yarn_inv_freq(rotary.config, torch.float32), rotary.inv_freq)
+    assert rotary.attention_scaling != 1.0
+    assert model.model.layers[0].self_attn.scaling != (12 + 6) ** -0.5  # mscale_all_dim's square
+    float64_throughout(monkeypatch)
+    monkeypatch.setattr(modeling_deepseek_v3.DeepseekV3RotaryEmbedding, "forward", yarn_rotary_forward)
+    diffs, worst = compare(config, model.to(torch.float64))
+    assert within(diffs[worst], CONTRACT), f"{worst}: relative difference {diffs[worst]:.2e}"
+    # and YaRN changes the numbers (by ~7e-4 here, small weights): plain RoPE's logits are other ones
+    params = M.from_hf_state_dict(model.state_dict(), config)
+    tokens, _ = batch(config)
+    plain = M.forward(params, tokens, replace(config, rope_scaling=None))
+    assert rel_diff(plain, M.forward(params, tokens, config)) > 1e4 * CONTRACT

@@ -645,12 +645,13 @@ def _internals_shows_this_commands_output(out, _):
 
 
 @claims("python -m refpar lesson list")
-def _thirteen_lessons(out, _):
-    """lessons.md: thirteen lessons, each but the last (serving) with its exercise."""
+def _seventeen_lessons(out, _):
+    """lessons.md: seventeen lessons, each but serving (15) with its exercise, the capstone (16) last."""
     titles = [lessons.title(p) for p in lessons.lesson_files()]
-    assert len(titles) == 13 and len(out.splitlines()) == 13
+    assert len(titles) == 17 and len(out.splitlines()) == 17
     assert [line.split("  ")[1] for line in out.splitlines()] == titles
-    assert ["(exercise: lessons/exercises/" in line for line in out.splitlines()] == [True] * 12 + [False]
+    exercises = ["(exercise: lessons/exercises/" in line for line in out.splitlines()]
+    assert exercises == [True] * 15 + [False, True]
 
 
 @claims("python -m refpar lesson show 1")
@@ -741,13 +742,13 @@ def _expert_tp_all_reduces_the_expert_buffer_once_each_way(out, _):
 @claims("python -m refpar schedule zb-h1 --stages 4 --microbatches 8")
 def _a_schedule_as_data_simulated_on_a_grid(out, _):
     """what-works.md: schedules as data, simulated, on a ranks x ticks grid: each of the 4 ranks runs
-    every microbatch's F, B and W once, and ZB-H1's bubble with unit costs is Qi et al.'s (2023)
-    (p-1)(F+B-W) idle ticks a rank against m(F+B+W) busy ones."""
+    every microbatch's F, I (the input's backward) and W once, and ZB-H1's bubble with unit costs is
+    Qi et al.'s (2023) (p-1)(F+B-W) idle ticks a rank against m(F+B+W) busy ones."""
     p, m = 4, 8
     rows = [line.split()[2:] for line in out.splitlines() if re.match(r"rank \d ", line)]
     assert len(rows) == p
     for r, row in enumerate(rows):
-        assert sorted(a for a in row if a != ".") == sorted(f"{r}{k}{i}" for k in "FBW" for i in range(m))
+        assert sorted(a for a in row if a != ".") == sorted(f"{r}{k}{i}" for k in "FIW" for i in range(m))
     idle = (p - 1) * (1 + 1 - 1)
     bubble = re.match(r"bubble: ([\d.]+)% of all rank-time", line_of(out, "bubble:")).group(1)
     assert float(bubble) == round(100 * idle / (m * 3 + idle), 2)

@@ -105,3 +105,16 @@ def test_bad_generate_input_is_one_sentence(args, words, capsys):
     assert main(["generate", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and "\n" not in err and "Traceback" not in err
+
+
+def test_generating_past_the_trained_length_notes_that_learned_positions_are_untrained(tmp_path, capsys):
+    """GPT-2 (the family with a learned position table, holdings.Names.positions) trained on 8 positions,
+    asked for 6 + 4: the report says positions 9 and 10 were never trained."""
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "1", "--seq-len", "8", "--save", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--from", str(run), "--prompt-lens", "6", "--new-tokens", "4",
+                 "--arrivals", "0"]) == 0
+    out = capsys.readouterr().out
+    assert ("a sequence here reaches 9 positions; the run trained on 8, so GPT-2's learned position "
+            "embeddings past those are untrained") in out

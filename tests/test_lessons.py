@@ -4,6 +4,7 @@ every reference solution passes its checker and every untouched exercise fails i
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -24,9 +25,24 @@ def test_every_command_of_the_lesson_prints_what_the_lesson_shows(path):
     assert found and all(b.commands for b in found), f"{path.name} has no ```console command"
     for block in found:
         for command, shown in zip(block.commands, block.outputs, strict=True):
-            problem = lessons.compare(shown, lessons.run_command(command, timeout=240), block.varies,
-                                      block.tolerance)
+            proc = lessons.run(command, timeout=240)
+            problem = lessons.compare(shown, proc.stdout + proc.stderr, block.varies, block.tolerance)
             assert problem is None, f"{path.name}: `{command}`: {problem}"
+            if CHECK.fullmatch(command):  # a grade: its exit status too, as a script would read it
+                assert proc.returncode == (0 if ": passed: " in shown else 1), f"{path.name}: `{command}`"
+
+
+CHECK = re.compile(r"python -m refpar lesson check (\d+)")
+
+
+def _shown_check(n: int) -> str | None:
+    """What lesson n shows `python -m refpar lesson check n` print on the untouched exercise (the test
+    above runs it and compares output and exit status), or None where the lesson does not show it."""
+    for block in lessons.blocks(lessons.lesson_path(n).read_text()):
+        for command, shown in zip(block.commands, block.outputs, strict=True):
+            if command == f"python -m refpar lesson check {n}":
+                return shown
+    return None
 
 
 def _check(n: int, folder: str, capsys) -> tuple[int, str]:
@@ -50,8 +66,12 @@ def test_the_reference_solution_passes_its_checker(n, capsys):
 
 @pytest.mark.parametrize("n", sorted(EXERCISES))
 def test_the_untouched_exercise_fails_its_checker_saying_it_is_blank(n, capsys):
-    code, out = _check(n, "exercises", capsys)
-    assert code == 1, out
+    # where the lesson shows the grade of the untouched exercise, the lesson's own test has run it (its
+    # output and exit status): no second launch of its ranks
+    out = _shown_check(n)
+    if out is None:
+        code, out = _check(n, "exercises", capsys)
+        assert code == 1, out
     assert out.startswith(f"lesson {n}: not yet: the exercise is still blank: write "), out
     assert EXERCISES[n].file in out, out
 
@@ -60,9 +80,9 @@ def test_a_wrong_answer_is_told_what_is_wrong(tmp_path, capsys):
     wrong = tmp_path / "mean_of_means.py"
     wrong.write_text("def global_mean_loss(loss_sums, token_counts):\n"
                      "    return sum(s / c for s, c in zip(loss_sums, token_counts)) / len(loss_sums)\n")
-    assert check(9, wrong) == 1
+    assert check(12, wrong) == 1
     out = capsys.readouterr().out
-    assert "lesson 9: not yet: global_mean_loss = " in out and "mean of the microbatches' means" in out
+    assert "lesson 12: not yet: global_mean_loss = " in out and "mean of the microbatches' means" in out
 
 
 def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path):
@@ -70,14 +90,14 @@ def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path):
     # Parts 1 and 2 are judged before any message (part 3 runs on 2 ranks): one process suffices.
     from lessons.checks import _verdict
 
-    def said():  # the sentence `refpar lesson check 6` would print after "not yet: "
-        verdict = _verdict(EXERCISES[6], answer, None)
+    def said():  # the sentence `refpar lesson check 8` would print after "not yet: "
+        verdict = _verdict(EXERCISES[8], answer, None)
         assert not verdict.ok, verdict
         return verdict.sentence
 
-    answer = tmp_path / EXERCISES[6].file
-    answer.write_text((lessons.LESSONS / "solutions" / EXERCISES[6].file).read_text())
-    schedule = tmp_path / "06_v_schedule.csv"
+    answer = tmp_path / EXERCISES[8].file
+    answer.write_text((lessons.LESSONS / "solutions" / EXERCISES[8].file).read_text())
+    schedule = tmp_path / "08_v_schedule.csv"
     schedule.write_text("")
     assert said().startswith("the exercise is still blank: write part 2, ")
     from refpar.schedules.builders import build
@@ -100,15 +120,15 @@ def test_lesson_6_part_2_checks_the_v_schedule_written_as_csv(tmp_path):
 
 def test_an_executor_in_gpipe_order_is_told_its_order_not_its_numbers(tmp_path):
     # every forward first, then every backward: the same gradients, in GPipe's order and memory
-    gpipe = tmp_path / EXERCISES[6].file
-    solution = (lessons.LESSONS / "solutions" / EXERCISES[6].file).read_text()
+    gpipe = tmp_path / EXERCISES[8].file
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[8].file).read_text()
     gpipe.write_text(solution.replace("    warmup = min(p - r - 1, m)", "    warmup = m"))
     assert gpipe.read_text() != solution
-    part_2 = (lessons.LESSONS / "solutions" / "06_v_schedule.csv").read_text()
-    (tmp_path / "06_v_schedule.csv").write_text(part_2)
-    proc = _check_mpi(6, gpipe)
+    part_2 = (lessons.LESSONS / "solutions" / "08_v_schedule.csv").read_text()
+    (tmp_path / "08_v_schedule.csv").write_text(part_2)
+    proc = _check_mpi(8, gpipe)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout == ("lesson 6: not yet: with m=4 microbatches on 2 stages, rank 0 ran F0 F1 F2 F3 B0 "
+    assert proc.stdout == ("lesson 8: not yet: with m=4 microbatches on 2 stages, rank 0 ran F0 F1 F2 F3 B0 "
                            "B1 B2 B3; 1F1B runs 8 passes, at most 2 microbatches held at once here: how many "
                            "forwards before the first backward, and then? (rank 0)\n"), proc.stdout
 
@@ -122,9 +142,9 @@ def test_the_paper_formula_with_even_shards_is_told_about_uneven_units(tmp_path,
                     "            'grads': 2 * (psi if stage < 2 else s),\n"
                     "            'master': 4 * (psi if stage == 0 else s),\n"
                     "            'optimizer': 8 * (psi if stage == 0 else s)}\n")
-    assert check(10, even) == 1
+    assert check(13, even) == 1
     out = capsys.readouterr().out
-    assert out.startswith("lesson 10: not yet: master on rank 0 of n=3, ZeRO-1"), out
+    assert out.startswith("lesson 13: not yet: master on rank 0 of n=3, ZeRO-1"), out
     assert "part of every unit" in out
 
 
@@ -161,9 +181,9 @@ def test_the_app_shows_each_lesson_and_its_exercise():
     text = "\n".join(m.value for m in at.markdown)
     assert "Lesson 1: collectives" in text and "reduce-scatter" in text
     assert "def ring_all_reduce" in at.code[0].value
-    at.selectbox[0].set_value(10).run()  # lesson 10 marks seven blocks; a reader sees none of the markers
+    at.selectbox[0].set_value(13).run()  # lesson 13 marks seven blocks; a reader sees none of the markers
     text = "\n".join(m.value for m in at.markdown)
-    assert "Lesson 10" in text and "<!--" not in text and "tolerance:" not in text
+    assert "Lesson 13" in text and "<!--" not in text and "tolerance:" not in text
 
 
 def test_lesson_list_and_show_print_the_course(capsys):
@@ -173,9 +193,9 @@ def test_lesson_list_and_show_print_the_course(capsys):
     listed = capsys.readouterr().out.splitlines()
     assert len(listed) == len(LESSON_FILES) and listed[1].startswith(" 1  Lesson 1: collectives")
     assert "exercise: lessons/exercises/01_ring_all_reduce.py" in listed[1]
-    assert main(["lesson", "show", "6"]) == 0
+    assert main(["lesson", "show", "8"]) == 0
     # the lesson's text less its six comparison markers (varies, tolerance), which a reader has no use for
-    shown, source = capsys.readouterr().out, (lessons.LESSONS / "06-pipeline-parallelism.md").read_text()
+    shown, source = capsys.readouterr().out, (lessons.LESSONS / "08-pipeline-parallelism.md").read_text()
     assert "<!--" in source and "<!--" not in shown
     assert shown.splitlines() == [x for x in source.splitlines() if not x.startswith("<!-- ")]
     assert len(source.splitlines()) - len(shown.splitlines()) == 6
@@ -281,11 +301,11 @@ def test_collectives_in_a_different_order_on_each_rank_are_named_not_summed(tmp_
     swapped.write_text("def average_gradients(grads, dp):\n"
                        "    names = sorted(grads, reverse=dp.rank == 1)\n"
                        "    return {name: dp.all_reduce(grads[name]) / dp.size for name in names}\n")
-    proc = _check_mpi(2, swapped)
+    proc = _check_mpi(3, swapped)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     line = "line 3, `return {name: dp.all_reduce(grads[name]) / dp.size for name in names}`"
     assert proc.stdout == (
-        "lesson 2: not yet: your ranks' collective number 1 differs: rank 0 all_reduce(grads['b'] of shape "
+        "lesson 3: not yet: your ranks' collective number 1 differs: rank 0 all_reduce(grads['b'] of shape "
         f"(1,), float64, op='sum') at {line}; rank 1 all_reduce(grads['w'] of shape (5,), float64, "
         f"op='sum') at {line}. Every rank must call the same collectives in the same order on matching "
         "arrays, or MPI combines the wrong ones\n"), proc.stdout
@@ -314,7 +334,7 @@ def test_an_unstable_or_unweighted_merge_is_refused_and_located(tmp_path, merge,
     wrong = tmp_path / "merge.py"
     wrong.write_text(f"import numpy as np\n\n\ndef merge_attention(o1, lse1, o2, lse2):\n    {merge}\n")
     with np.errstate(all="ignore"):
-        verdict = _verdict(EXERCISES[5], wrong, None)
+        verdict = _verdict(EXERCISES[7], wrong, None)
     assert not verdict.ok and verdict.sentence.startswith(told), verdict
     assert "the first is [" in verdict.sentence and "(query " in verdict.sentence
 
@@ -322,13 +342,13 @@ def test_an_unstable_or_unweighted_merge_is_refused_and_located(tmp_path, merge,
 def test_a_zero2_step_that_all_reduces_the_gradient_is_refused(tmp_path):
     # the right numbers by the wrong route: every rank would hold the whole summed gradient
     all_reduces = tmp_path / "all_reduce.py"
-    all_reduces.write_text((lessons.LESSONS / "solutions" / EXERCISES[3].file).read_text().replace(
+    all_reduces.write_text((lessons.LESSONS / "solutions" / EXERCISES[4].file).read_text().replace(
         'g = dp.reduce_scatter(grad, tag="param:grad") / dp.size',
         'g = dp.all_reduce(grad)[slice(*shard_range(param.size, dp.size, dp.rank))] / dp.size'))
     assert "dp.all_reduce" in all_reduces.read_text()
-    proc = _check_mpi(3, all_reduces)
+    proc = _check_mpi(4, all_reduces)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout == ("lesson 3: not yet: your step calls all_reduce, all_gather: an all-reduce leaves "
+    assert proc.stdout == ("lesson 4: not yet: your step calls all_reduce, all_gather: an all-reduce leaves "
                            "every rank the whole summed gradient, which ZeRO-2 never holds; which collective "
                            "gives each rank only its rows of the sum?\n"), proc.stdout
 
@@ -337,14 +357,14 @@ def test_a_capacity_queue_that_ignores_the_other_ranks_is_told_which_assignment(
     # each rank queues its own tokens only: rank 1's first choices then sit ahead of rank 0's second
     # ones nowhere, and an expert keeps too many; the message names the token, its choice and the queue
     local = tmp_path / "local_queue.py"
-    solution = (lessons.LESSONS / "solutions" / EXERCISES[7].file).read_text()
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[10].file).read_text()
     gathered = '    every = ep.all_gather(counts[None], tag="moe.counts").reshape(ep.size, k, n_experts)'
     local.write_text(solution.replace(gathered, "    every = counts[None]  # (1, k, E): this rank's only")
                      .replace("every[:ep.rank]", "every[:0]"))
     assert local.read_text() != solution
-    proc = _check_mpi(7, local)
+    proc = _check_mpi(10, local)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout == ("lesson 7: not yet: rank 0's kept(...) is wrong for 2 of 16 assignments (16 "
+    assert proc.stdout == ("lesson 10: not yet: rank 0's kept(...) is wrong for 2 of 16 assignments (16 "
                            "tokens on 2 ranks, 4 experts, top-2, capacity 3); the first is token 5's choice "
                            "2, expert 2: you keep it, but 3 assignments are ahead of it in that expert's "
                            "queue (rank 0)\n"), proc.stdout
@@ -353,13 +373,13 @@ def test_a_capacity_queue_that_ignores_the_other_ranks_is_told_which_assignment(
 def test_mesh_groups_split_by_the_wrong_color_are_told_which_ranks_they_hold(tmp_path):
     # color and key swapped: the ranks with the same coordinate on the axis end up together
     swapped = tmp_path / "swapped_split.py"
-    solution = (lessons.LESSONS / "solutions" / EXERCISES[8].file).read_text()
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[11].file).read_text()
     swapped.write_text(solution.replace("world.split(first, key=mine[axis], axis=axis)",
                                         "world.split(mine[axis], key=first, axis=axis)"))
     assert swapped.read_text() != solution
-    proc = _check_mpi(8, swapped)
+    proc = _check_mpi(11, swapped)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout == ("lesson 8: not yet: on mesh {'pp': 1, 'dp': 2, 'tp': 2}, rank 0's pp group holds "
+    assert proc.stdout == ("lesson 11: not yet: on mesh {'pp': 1, 'dp': 2, 'tp': 2}, rank 0's pp group holds "
                            "world ranks [0, 1, 2, 3] in that order; it should hold [0]: which ranks share a "
                            "color, and what orders them?\n"), proc.stdout
 
@@ -368,25 +388,26 @@ def test_a_ring_that_keeps_its_own_block_is_told_which_query_misses(tmp_path):
     # it sends its block on but never takes the one arriving: it merges its own keys twice, so even
     # position 0, which sees only itself, counts its key twice
     stuck = tmp_path / "own_block.py"
-    solution = (lessons.LESSONS / "solutions" / EXERCISES[5].file).read_text()
+    solution = (lessons.LESSONS / "solutions" / EXERCISES[7].file).read_text()
     stuck.write_text(solution.replace("            block = coming.wait()", "            coming.wait()"))
     assert stuck.read_text() != solution
-    proc = _check_mpi(5, stuck)
+    proc = _check_mpi(7, stuck)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("lesson 5: not yet: rank 0's log-sum-exp (T=8 over 2 ranks, rank 0 "
+    assert proc.stdout.startswith("lesson 7: not yet: rank 0's log-sum-exp (T=8 over 2 ranks, rank 0 "
                                   "holding positions [0, 1, 6, 7]) is off by up to "), proc.stdout
     assert "the first is [0] (the query at position 0)" in proc.stdout, proc.stdout
 
 
 def test_a_wrong_sum_is_located_by_chunk_and_element():
     # exercise 1's check: a ring that skipped one chunk's reduction is told which chunk, not just "off"
-    from lessons.checks import Wrong, _chunk_of, _close
+    from lessons.checkers.common import Wrong, close
+    from lessons.checkers.ring_all_reduce import chunk_of
 
     want = np.arange(20.0)
     got = want.copy()
     got[5:10] += 1.0  # chunk 1 of 4 (elements 5..9) never got the other ranks' part
     with pytest.raises(Wrong) as told:
-        _close(got, want, "rank 2's sum of 20 elements", lambda i: _chunk_of(i, 20, 4))
+        close(got, want, "rank 2's sum of 20 elements", lambda i: chunk_of(i, 20, 4))
     assert str(told.value) == ("rank 2's sum of 20 elements is off by up to 1 at 5 of 20 elements; the first "
                                "is [5] (in chunk 1 of 4, elements 5..9): 6 where the right answer is 5")
-    _close(want * (1 + 1e-12), want, "a sum in another order")  # within the float64 contract: silent
+    close(want * (1 + 1e-12), want, "a sum in another order")  # within the float64 contract: silent

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from refpar.cli import main
 from refpar.schedules import Action, ScheduleError
 from refpar.schedules.builders import build, gpipe, interleaved_1f1b, one_f_one_b, zb_h1, zb_h2
-from refpar.schedules.formats import format_grid
+from refpar.schedules.formats import format_grid, to_csv
 from refpar.schedules.simulate import Costs, peak_inflight_microbatches, simulate, stored, validate
 
 SHAPES = [(2, 1), (2, 4), (3, 5), (4, 4), (4, 8), (5, 12)]
@@ -192,3 +192,31 @@ def test_gantt_figure_draws_every_action_at_its_simulated_time_and_shades_the_bu
     # (p-1)/(3m+p-1) = 2/14 of rank-time idle
     assert idle_total(fig) == sum(map(timeline.idle_time, timeline.slots))
     assert idle_total(fig) / (3 * timeline.makespan) == 2 / 14
+
+
+@pytest.mark.parametrize("kind, p, m", [("1f1b", 3, 4), ("zb-h1", 3, 4), ("zb-h2", 2, 4), ("zbv", 2, 3),
+                                        ("dualpipev", 2, 4)])
+def test_the_grid_names_each_action_as_torchs_csv_does(kind, p, m):
+    """An input-only backward shows as I, a full backward as B (torch's names, read by torch itself in
+    tests/test_schedule_csv.py): every grid cell is the CSV's cell, an overlapped pair joined by &."""
+    schedule = build(kind, p, m)
+    rows = [line.split()[2:] for line in format_grid(schedule).splitlines()[1:]]
+    csv_rows = [row.split(",") for row in to_csv(schedule).splitlines()]
+    for grid_row, csv_row in zip(rows, csv_rows, strict=True):
+        cells = [c for c in csv_row if c]
+        shown = [c for c in grid_row if c != "."]
+        assert shown == [c.removeprefix("(").removesuffix(")OVERLAP_F_B").replace(";", "&") for c in cells]
+    split_kinds = {"zb-h1", "zb-h2", "zbv", "dualpipev"}
+    assert ("I" in format_grid(schedule)) == (kind in split_kinds)
+
+
+def test_a_pipe_closed_early_ends_the_command_without_a_traceback():
+    """`refpar schedule ... | head -1`: a grid far larger than a pipe's buffer, its reader gone."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "refpar", "schedule", "1f1b", "-p", "64", "-m", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"1f1b: p=64")
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 141 and proc.stderr.read() == b""

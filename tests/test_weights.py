@@ -303,3 +303,15 @@ def test_bad_weights_are_refused_in_one_sentence(tmp_path, capsys):
         weights.check_exportable(ModelConfig(moe_experts=2))
     assert "is not a folder" in refused(["export", str(bare), str(tmp_path / "new")], capsys)
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("experts, says", [
+    (0, "DeepSeek-V3 has no Hugging Face model refpar writes"),
+    (8, "DeepSeek-V3's experts have no Hugging Face model refpar writes")])
+def test_export_of_a_family_without_an_hf_model_refpar_writes_is_one_sentence(experts, says):
+    """weights.HF_MODELS has no DeepseekV3ForCausalLM: export refuses it rather than write its weights
+    under another class's config.json (hf_config raised a KeyError for it)."""
+    from refpar.config import model_preset
+
+    with pytest.raises(ConfigError, match=says):
+        weights.check_exportable(model_preset("deepseek-tiny", moe_experts=experts))

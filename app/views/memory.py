@@ -45,7 +45,7 @@ st.markdown(
     "the ZeRO paper's own numbers appear: 2 bytes of parameters and 2 of gradients per parameter, "
     "and 4 of fp32 master weights plus 8 of fp32 moments, the 12 that ZeRO-1 shards first."
 )
-lesson_link(3)
+lesson_link(2)
 a, b = st.columns(2)
 # No limits on the boxes: a typed value reaches the page, which refuses it by the box's label.
 n = a.number_input("ranks on the strategy's axis", value=4, key="memory_n", help=f"1 to {expected.MAX_WORLD}")
@@ -58,7 +58,7 @@ for label, value, high in (("ranks on the strategy's axis", n, expected.MAX_WORL
         st.error(f"{label} = {value:,}: choose 1 to {high}")
         st.stop()
 if precision != "fp64":
-    lesson_link(10)  # where the 2 + 2 + 4 + 8 bytes come from, measured
+    lesson_link(13)  # where the 2 + 2 + 4 + 8 bytes come from, measured
 if batch_for(int(n)) != BATCH:
     st.caption(f"A batch of {batch_for(int(n))} sequences, one per data rank (refpar's default is {BATCH}).")
 columns, skipped = rank0_memory(int(n), int(m), precision, model)

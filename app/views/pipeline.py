@@ -129,7 +129,7 @@ st.markdown(
     "schedules (zbv, v-half, v-min, dualpipev) put stages r and 2p-1-r on rank r, dualpipe two "
     "copies of the model fed from both ends: a rank's second stage is drawn lighter."
 )
-lesson_link(6)
+lesson_link(8)
 compare = st.toggle("compare two schedules side by side")
 st.toggle("predict first", key="predict", help="hide the bubble and the figures until you have guessed it")
 if compare:

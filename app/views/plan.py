@@ -47,7 +47,7 @@ st.markdown(
     "what each plan spends its memory on against the GPU's capacity (dashed line), and where its step "
     "time goes."
 )
-lesson_link(8)
+lesson_link(11)
 names = list(PRESETS)
 a, b, c, d = st.columns(4)
 model = a.selectbox("model", names, index=names.index("gpt3-175b") if "gpt3-175b" in names else 0)

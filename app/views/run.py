@@ -80,7 +80,7 @@ st.markdown(
     "print a JSON summary of the bytes each rank sent and the memory it peaked at. Compare those "
     "with the closed forms on the Communication and Memory pages, which pick the run up once it ends."
 )
-lesson_link(8)
+lesson_link(11)
 whole = st.toggle("any mesh: every axis at once", key="run_whole",
                   help="pp, dp (ZeRO or FSDP), ep, cp and tp (sp) together, as the Whole mesh page "
                        "draws them")

@@ -53,7 +53,7 @@ st.markdown(
     "bytes each token costs per axis; "
     "below, the same closed forms price a large model on real GPUs, where tp cuts latency and pp does not."
 )
-lesson_link(12)
+lesson_link(15)
 a, b, c = st.columns(3)
 mesh = a.selectbox("mesh", MESHES, index=0)
 # No limits on the boxes: a typed value reaches the page, which refuses it by the box's label.

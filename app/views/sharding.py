@@ -7,7 +7,7 @@ from refpar.viz import mesh_sharding, sharding
 
 NAMES = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "fsdp": "FSDP",
          "tp": "TP (column/row split)", "sp": "SP (sequence parallel)", "ep": "EP (experts)"}
-LESSON = {"dp": 2, "zero1": 3, "zero2": 3, "zero3": 3, "fsdp": 3, "tp": 4, "sp": 5, "ep": 7}
+LESSON = {"dp": 3, "zero1": 4, "zero2": 4, "zero3": 4, "fsdp": 4, "tp": 6, "sp": 7, "ep": 10}
 
 
 @st.cache_data(max_entries=64)
@@ -75,7 +75,7 @@ def pp_tp(model: str) -> None:
     pp = a.number_input("pp", min_value=1, value=2, key="mix_pp",
                         help=f"at most {sharding.DEMO_MODEL.n_layer}: one block per stage or more")
     tp = b.number_input("tp", min_value=1, value=2, key="mix_pp_tp")
-    lesson_link(6)
+    lesson_link(8)
     try:
         at = stepper(pp_tp_steps(int(pp), int(tp), model))
         st.plotly_chart(pp_tp_figure(int(pp), int(tp), model, at), width="stretch")
@@ -97,7 +97,7 @@ def mix(model: str) -> None:
     tp = b.number_input("tp", min_value=1, value=2, key="mix_tp")
     zero = c.selectbox("ZeRO stage over dp", mesh_sharding.ZERO_STAGES, index=2, key="mix_zero")
     sp = d.checkbox("sequence parallel (SP) on tp", key="mix_sp")
-    lesson_link(5 if sp else 3 if zero else 4)
+    lesson_link(7 if sp else 4 if zero else 6)
     try:
         at = stepper(mix_steps(int(dp), int(tp), zero, sp, model))
         st.plotly_chart(mix_figure(int(dp), int(tp), zero, sp, model, at), width="stretch")

@@ -165,3 +165,81 @@ def llama_core_bytes(config: ModelConfig, b: int, T: int, heads: int, kv_heads: 
     if attention == "ring":
         return e * b * Ta * heads * hs + b * heads * Ta * (4 if e == 2 else e)
     return e * heads * Ta * T * b
+
+
+def mla_attention_elements(Nl, Na, Ta, heads, rq, rkv, dn, dr, dv, keep_refpar: bool = True,
+                           qkv: bool = True):
+    """Elements multi-head latent attention keeps for its backward between the block's first
+    norm's output and o_proj (refpar/parallel/mla_tensor_parallel.py's caches, each buffer once),
+    the attention core's own and the norm's output aside: Nl of the residual stream's tokens (the
+    sequence shard under sp), Na = b Ta of the region's, `heads` this rank's; rq = 0 without a
+    query latent (q_proj reads the norm's output).
+
+        latents   Nl (2 rq + 2 rkv): each latent RMSNorm's x-hat, and its output, which the up-
+                  projection keeps (the shard: under sp the backward gathers it again)
+        heads     Na heads (2 dq + dn + dv): the rotated q and k, the up-projected key-value buffer
+                  (v is a view of it, so it is kept whole), the core's inputs; `qkv` False where
+                  the core keeps its own copies instead (Ulysses' head-sharded ones)
+        output    Na heads dv: o_proj's input (the merged heads)
+
+    `keep_refpar` adds what refpar keeps beyond the planner's count: each latent RMSNorm's 1/rms
+    per token (Nl each) and the block's RoPE cos and sin of its positions (2 Ta dr). Every size may
+    be a NumPy array (the planner prices a grid of meshes in one call)."""
+    dq = dn + dr
+    n = Nl * (2 * rq + 2 * rkv) + Na * heads * ((2 * dq + dn + dv if qkv else 0) + dv)
+    if keep_refpar:
+        n = n + Nl * ((rq > 0) + 1) + 2 * Ta * dr
+    return n
+
+
+def mla_layer_bytes(config: ModelConfig, b: int, T: int, heads: int | None = None, ff: int | None = None,
+                    keep_refpar: bool = True, Tl: int | None = None, Ta: int | None = None,
+                    attention: str = "local", cp: int = 1, cp_rank: int = 0, recompute: str = "none") -> int:
+    """One DeepSeek-V3 block's kept bytes with a dense MLP (refpar/parallel/deepseek_pieces.py's
+    caches), for b sequences of T tokens, on a tp rank of its `heads` heads and `ff` SwiGLU columns,
+    on a cp rank of cp ranks holding `Ta` of the tokens (default T), attention "ring" or "ulysses",
+    under sp of the `Tl` tokens of its sequence shard (default Ta); a MoE block's MLP terms give
+    way to analysis/moe.py's. Nl = b Tl, Na = b Ta:
+
+        outside  4 e Nl C + 2 e Nl: both RMSNorms' inputs (x-hat) and outputs (the first's kept by
+                 the down-projections, the second's by gate and up), their 1/rms (refpar's)
+        latent   e `mla_attention_elements`
+        mlp      e Na 3F: gate's and up's outputs, down's input (llama_layer_bytes' SwiGLU)
+        core     `mla_core_bytes`: the scores, or ring attention's output and log-sum-exp, or
+                 Ulysses' head-sharded q, k, v and their scores (which replace the sequence-sharded
+                 q, k and key-value buffer)
+
+    "selective" drops the core (it keeps q, k, v alone); "full" keeps the block's input alone, e Nl C."""
+    e, C = dtype_of(config.dtype).itemsize, config.n_embd
+    nh = config.n_head if heads is None else heads
+    F = config.intermediate_size if ff is None else ff
+    Ta = T if Ta is None else Ta
+    Tl = Ta if Tl is None else Tl
+    if recompute == "full":
+        return e * b * Tl * C
+    n = e * (4 * b * Tl * C + b * Ta * 3 * F) + (2 * e * b * Tl if keep_refpar else 0)
+    n += e * mla_attention_elements(b * Tl, b * Ta, Ta, nh, config.q_lora_rank or 0, config.kv_lora_rank,
+                                    config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim,
+                                    keep_refpar, qkv=attention != "ulysses" or recompute == "selective")
+    if recompute != "selective":
+        n += mla_core_bytes(config, b, T, nh, Ta, attention, cp, cp_rank)
+        if attention == "ring" and nh == 1:  # the merged heads o_proj keeps are a view of the output
+            n -= e * b * Ta * config.v_head_dim
+    return n
+
+
+def mla_core_bytes(config: ModelConfig, b: int, T: int, heads: int, Ta: int, attention: str = "local",
+                   cp: int = 1, cp_rank: int = 0) -> int:
+    """What a DeepSeek-V3 block's attention core keeps beyond q, k, v (`mla_layer_bytes`' legend),
+    which selective recomputation makes again: the softmax probabilities e heads Ta T b (no dropout);
+    under ring attention (context_parallel.py) the output e b Ta heads dv and the log-sum-exp b heads
+    Ta (float32 under 16 bits) instead; under Ulysses the head-sharded q and k (dn + dr each) and v
+    (dv) of its heads nh_c (shard_range over cp) over all T, and their scores."""
+    e, dv = dtype_of(config.dtype).itemsize, config.v_head_dim
+    dq = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if attention == "ulysses":
+        nh_c = shard_sizes(heads, cp)[cp_rank]
+        return e * b * T * nh_c * (2 * dq + dv) + e * nh_c * b * T * T
+    if attention == "ring":
+        return e * b * Ta * heads * dv + b * heads * Ta * (4 if e == 2 else e)
+    return e * heads * Ta * T * b

@@ -37,7 +37,8 @@ statistics, ring attention's dK/dV) come from analysis/intra_layer.py.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -50,8 +51,11 @@ from refpar.analysis.activations import (
     layer_bytes,
     llama_core_bytes,
     llama_layer_bytes,
+    mla_core_bytes,
+    mla_layer_bytes,
 )
 from refpar.analysis.intra_layer import _ring_calls, _tp_calls, _ulysses_calls, grad_itemsize, rank_shape
+from refpar.analysis.latent_attention import mla_cp_widths, mla_tp_calls
 from refpar.comm import cost
 from refpar.config import MESH_AXES, ModelConfig, TrainConfig
 from refpar.holdings import (
@@ -63,6 +67,7 @@ from refpar.holdings import (
     kv_heads,
     kv_replicas,
     microbatch_samples,
+    names,
     sequence_parallel_param_names,
     stage_layers,
     stage_names,
@@ -195,13 +200,18 @@ def rank_calls(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, 
     for s in lay.stages_of(r):
         layers = list(stage_layers(model.n_layer, P, lay.part(s)))
         moe_tags = tuple(f"h.{i}.mlp." for i, g in enumerate(layers) if g in model.moe_blocks)
-        blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None)
+        dense = {} if model.first_k_dense_replace is None else {"first_k_dense_replace": 0}
+        blocks = replace(model, n_layer=len(layers), moe_experts=0, moe_layers=None, **dense)
+        forms = BLOCK_FORMS[model.arch]
         for b in (rows[j] for j in lay.microbatches(s)):
             shape = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
             calls = _tp_calls(blocks, shape, plan.sp, k) if t > 1 else []
+            if t > 1:
+                calls = forms.tp_calls(model, calls, shape, plan.sp, k)
             if c > 1:
                 ring = (plan.cp_algo or "ring") == "ring"
-                calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape)
+                widths = forms.cp_widths(model, shape, ring)
+                calls += (_ring_calls if ring else _ulysses_calls)(blocks, shape, *widths)
             for call in calls:
                 first, last = lay.part(s) == 0, lay.part(s) == P - 1
                 embedding = call.tag.startswith(("wte", "model.embed_tokens"))
@@ -382,8 +392,7 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
     layers = stage_layers(model.n_layer, n_stages, stage)
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
     dropout = model.dropout > 0.0
-    block = (_llama_block_bytes(model, cfg, coords, r, plan, plan.recompute) if model.arch == "llama" else
-             _block_bytes(model, r, plan, plan.recompute))
+    block = BLOCK_FORMS[model.arch].keeps(model, cfg, coords, r, plan, plan.recompute)
     n = len(layers) * block + embed_bytes(model, r, dropout) * (stage == 0) + head_bytes(model, r) * (
         stage == n_stages - 1)
     if model.moe_experts and plan.recompute != "full":  # under full a MoE block keeps its input alone
@@ -392,9 +401,14 @@ def microbatch_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dic
     return n
 
 
-def _block_bytes(model: ModelConfig, r, plan, recompute: str) -> int:
-    """What one dense block keeps on a rank of shape `r` (a tensor_parallel.Layout's pieces)."""
-    attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
+def _attention(r, plan) -> str:
+    """The attention core a rank of shape `r` runs: local, or cp's ring or Ulysses."""
+    return "local" if r.c == 1 else (plan.cp_algo or "ring")
+
+
+def _block_bytes(model: ModelConfig, cfg, coords, r, plan, recompute: str) -> int:
+    """What one GPT-2 block keeps on a rank of shape `r` (a tensor_parallel.Layout's pieces)."""
+    attention = _attention(r, plan)
     n = layer_bytes(model, r, attention, model.dropout > 0.0, recompute=recompute)
     if attention == "ring" and r.nh == 1 and recompute == "none":
         # One head per rank: the merged heads c_proj keeps are a view of the ring's output, kept once.
@@ -402,16 +416,28 @@ def _block_bytes(model: ModelConfig, r, plan, recompute: str) -> int:
     return n
 
 
-def _llama_block_bytes(model, cfg, coords, r, plan, recompute: str, core: bool = False) -> int:
-    """What one Llama block keeps on the rank of shape `r` (llama_layer_bytes); `core`: what its
-    attention core makes again under selective recomputation (llama_core_bytes) instead."""
+def _core_bytes(model: ModelConfig, cfg, coords, r, plan) -> int:
+    """What GPT-2's attention core makes again under selective recomputation (core_bytes)."""
+    return core_bytes(model, r, _attention(r, plan), model.dropout > 0.0)
+
+
+def _llama_shape(model, coords, r, plan) -> dict:
+    """The rank's heads, kv heads, tokens and attention core, as llama_layer_bytes takes them."""
     k0, k1 = kv_heads(model, r.t, coords["tp"])
-    attention = "local" if r.c == 1 else (plan.cp_algo or "ring")
-    shape = dict(heads=r.nh, kv_heads=k1 - k0, Ta=r.Ta, attention=attention, cp=r.c, cp_rank=r.cp_rank)
-    if core:
-        return llama_core_bytes(model, r.B, cfg.seq_len, **shape)
+    return dict(heads=r.nh, kv_heads=k1 - k0, Ta=r.Ta, attention=_attention(r, plan), cp=r.c,
+                cp_rank=r.cp_rank)
+
+
+def _llama_block_bytes(model, cfg, coords, r, plan, recompute: str) -> int:
+    """What one Llama block keeps on the rank of shape `r` (llama_layer_bytes)."""
     ff = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
-    return llama_layer_bytes(model, r.B, cfg.seq_len, ff=ff, Tl=r.Tl, recompute=recompute, **shape)
+    return llama_layer_bytes(model, r.B, cfg.seq_len, ff=ff, Tl=r.Tl, recompute=recompute,
+                             **_llama_shape(model, coords, r, plan))
+
+
+def _llama_core_bytes(model, cfg, coords, r, plan) -> int:
+    """What a Llama block's attention core makes again under selective recomputation (llama_core_bytes)."""
+    return llama_core_bytes(model, r.B, cfg.seq_len, **_llama_shape(model, coords, r, plan))
 
 
 def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, stage: int,
@@ -422,17 +448,91 @@ def recompute_working_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
     if plan.recompute == "none":
         return 0
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
-    llama = model.arch == "llama"
+    forms = BLOCK_FORMS[model.arch]
     if plan.recompute == "selective":
-        if llama:
-            return _llama_block_bytes(model, cfg, coords, r, plan, "none", core=True)
-        return core_bytes(model, r, "local" if r.c == 1 else (plan.cp_algo or "ring"), model.dropout > 0.0)
-    dense = _llama_block_bytes(model, cfg, coords, r, plan, "none") if llama else _block_bytes(model, r, plan,
-                                                                                                "none")
+        return forms.core(model, cfg, coords, r, plan)
+    dense = forms.keeps(model, cfg, coords, r, plan, "none")
     return max(dense + (moe_forms.moe_activation_delta(model, cfg, sizes, coords, [i], b, r.Ta, kept or {},
                                                        plan.microbatches, j, plan.cp_algo, plan.sp)
                         if i in model.moe_blocks else 0)
                for i in stage_layers(model.n_layer, n_stages, stage))
+
+
+def _tokens(r, plan) -> tuple[int, int, int, int]:
+    """(Na, Nl, col, gathered) of a rank of shape `r`: its region's and its residual stream's tokens, the
+    tokens a column-parallel linear keeps its input over, and a row-parallel one's output gradient
+    gathered over the region (sp), in elements per channel."""
+    Na, Nl = r.B * r.Ta, r.B * r.Tl
+    return Na, Nl, (Na if plan.sp else Nl), (Na if plan.sp else 0)
+
+
+def _weight_half_bytes(model, coords, r, plan) -> int:
+    """What a GPT-2 block's B keeps for W: mlp.c_proj's and attn.c_proj's inputs (4C/t, C/t), c_fc's and
+    c_attn's output gradients (4C/t, 3C/t), their inputs (ln_2's and ln_1's outputs), the row-parallel
+    output gradients; the LayerNorm gains."""
+    C, (Na, Nl, col, gathered) = model.n_embd, _tokens(r, plan)
+    return r.e * (Na * 12 * (C // r.t) + 2 * col * C + 2 * (Nl * C + gathered * C) + 4 * C)
+
+
+def _llama_weight_half_bytes(model, coords, r, plan) -> int:
+    """What a Llama block's B keeps for W: down's input and gradient, gate's and up's gradients, o's
+    input and gradient, q's, k's and v's gradients; the two norms' outputs; their gains."""
+    C, (Na, _, col, _) = model.n_embd, _tokens(r, plan)
+    k0, k1 = kv_heads(model, r.t, coords["tp"])
+    Ch, kv = r.nh * model.head_size, (k1 - k0) * model.head_size
+    F = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+    return r.e * (Na * (F + C + 2 * F + Ch + C + Ch + 2 * kv) + 2 * col * C + 2 * C)
+
+
+def _mla_block_bytes(model, cfg, coords, r, plan, recompute: str) -> int:
+    """What one DeepSeek-V3 block keeps on the rank of shape `r` (mla_layer_bytes): latent attention
+    on its heads, the dense MLP's columns (a MoE block's difference is analysis/moe.py's)."""
+    ff = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+    return mla_layer_bytes(model, r.B, cfg.seq_len, heads=r.nh, ff=ff, Tl=r.Tl, Ta=r.Ta, recompute=recompute,
+                           attention=_attention(r, plan), cp=r.c, cp_rank=r.cp_rank)
+
+
+def _mla_core_bytes(model, cfg, coords, r, plan) -> int:
+    """What latent attention's core makes again under selective recomputation (mla_core_bytes)."""
+    return mla_core_bytes(model, r.B, cfg.seq_len, r.nh, r.Ta, attention=_attention(r, plan), cp=r.c,
+                          cp_rank=r.cp_rank)
+
+
+def _mla_weight_half_bytes(model, coords, r, plan) -> int:
+    """What a DeepSeek-V3 block's B keeps for W (refpar/parallel/mla_tensor_parallel.py's weight halves):
+    the MLP's as Llama's; o_proj's input and gradient; kv_b's and q_b's output gradients and their inputs
+    (the latents; q_proj's: the norm's output), entered again; the down-projections' and latent norms'
+    gradients, computed in B and given to W; the two gains."""
+    C, (Na, _, col, _) = model.n_embd, _tokens(r, plan)
+    F = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
+    dn, dr, dv, rkv = model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim, model.kv_lora_rank
+    rq = model.q_lora_rank
+    down = (rkv + dr) * C + rkv + (0 if rq is None else rq * C + rq)
+    return r.e * (Na * (F + C + 2 * F + r.nh * (dv + (dn + dv) + (dn + dr)) + C)
+                  + col * (C + rkv + (C if rq is None else rq)) + down + 2 * C)
+
+
+@dataclass(frozen=True)
+class BlockForms:
+    """A family's closed forms of one block on the rank of shape r (intra_layer.rank_shape)."""
+
+    keeps: Callable  # (model, cfg, coords, r, plan, recompute) -> what it keeps between F and B
+    core: Callable  # (model, cfg, coords, r, plan) -> what selective recomputation makes again
+    weight_half: Callable  # (model, coords, r, plan) -> what B keeps for W where a schedule splits them
+    # (model, calls, r, sp, tp_rank) -> intra_layer._tp_calls' calls with the family's own entries
+    tp_calls: Callable = lambda model, calls, r, sp, tp_rank: calls
+    # (model, r, ring) -> the widths cp moves, as _ring_calls / _ulysses_calls take them (none: GPT-2's)
+    cp_widths: Callable = lambda model, r, ring: ()
+
+
+GPT2_FORMS = BlockForms(_block_bytes, _core_bytes, _weight_half_bytes)
+BLOCK_FORMS = {  # ModelConfig.arch -> its block's forms, as refpar/model/__init__.py's FAMILIES
+    "gpt2": GPT2_FORMS,
+    "llama": BlockForms(_llama_block_bytes, _llama_core_bytes, _llama_weight_half_bytes),
+    # latent attention enters the tp region at its latents, and cp moves its keys and values at their widths
+    "deepseek-v3": BlockForms(_mla_block_bytes, _mla_core_bytes, _mla_weight_half_bytes, mla_tp_calls,
+                              mla_cp_widths),
+}
 
 
 def weight_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, coords: dict, stage: int,
@@ -444,27 +544,14 @@ def weight_activation_bytes(model: ModelConfig, cfg: TrainConfig, sizes: dict, c
     the logits' gradient of its vocabulary rows; the first stage's embedding gradient (gathered
     under sp) and token ids, and GPT-2's wpe gradient's input."""
     r = rank_shape(model, cfg, sizes, coords, plan.sp, plan.cp_algo, b)
-    e, C, Na, Nl = r.e, model.n_embd, r.B * r.Ta, r.B * r.Tl
-    gathered = Na * C if plan.sp else 0  # a row-parallel linear's output gradient over the region
-    col = Na if plan.sp else Nl  # the column-parallel linears keep their input entered again
-    if model.arch == "llama":
-        k0, k1 = kv_heads(model, r.t, coords["tp"])
-        Ch, kv = r.nh * model.head_size, (k1 - k0) * model.head_size
-        F = shard_sizes(model.intermediate_size, r.t)[coords["tp"]]
-        # down's input and gradient, gate's and up's gradients, o's input and gradient, q's, k's and
-        # v's gradients; the two norms' outputs; their gains
-        block = e * (Na * (F + C + 2 * F + Ch + C + Ch + 2 * kv) + 2 * col * C + 2 * C)
-    else:
-        Cl = C // r.t
-        # mlp.c_proj's and attn.c_proj's inputs (4C/t, C/t), c_fc's and c_attn's output gradients
-        # (4C/t, 3C/t), their inputs (ln_2's and ln_1's outputs), the row-parallel output gradients;
-        # the LayerNorm gains
-        block = e * (Na * 12 * Cl + 2 * col * C + 2 * (Nl * C + gathered) + 4 * C)
-    n = len(stage_layers(model.n_layer, n_stages, stage)) * block
-    if stage == n_stages - 1:
-        n += e * (col * C + Na * r.V + (C if model.arch == "llama" else 2 * C))
-    if stage == 0:
-        n += e * (gathered or Nl * C) + 8 * Na + (e * Nl * C if model.arch == "gpt2" and plan.sp else 0)
+    e, C, (Na, Nl, col, gathered) = r.e, model.n_embd, _tokens(r, plan)
+    fam = names(model)
+    n = len(stage_layers(model.n_layer, n_stages, stage)) * BLOCK_FORMS[model.arch].weight_half(
+        model, coords, r, plan)
+    if stage == n_stages - 1:  # the final norm's gains: LayerNorm's weight and bias, RMSNorm's weight
+        n += e * (col * C + Na * r.V + len(fam.final_norm) * C)
+    if stage == 0:  # a learned position table's gradient reads the (Tl, C) shard under sp
+        n += e * (gathered * C or Nl * C) + 8 * Na + (e * Nl * C if fam.positions and plan.sp else 0)
     return n
 
 

@@ -6,7 +6,9 @@ physical amount, so the decimal figure serves as the usable budget.
 
 Every GPU of a node reaches the others over NVLink through NVSwitch, and owns one InfiniBand
 adapter for traffic between nodes (DGX A100/H100/H200 user guides: eight compute NICs per eight
-GPUs), so a collective whose group spans nodes runs at the per-GPU InfiniBand bandwidth.
+GPUs); a collective whose group spans nodes leaves each node through the adapters of the group's
+members there (step_time.link). `refpar plan --hardware-spec` describes hardware of one's own
+(`parse_hardware_spec`).
 
 What the accelerator reaches in practice is measured, not read off the datasheet: `matmul_flops` is
 the Maximum Achievable Matmul FLOPS (MAMF) of a brute-force search over GEMM shapes, mean of 100
@@ -137,8 +139,93 @@ HARDWARE: dict[str, Hardware] = {
             flash_fraction=0.35,
             source="NVIDIA H200 datasheet (SXM); DGX H200 user guide; MAMF table (Bekman)",
         ),
+        # The A100 SXM 40GB column of the same datasheet: the 80GB part's compute and NVLink, 40 GB of
+        # HBM2 at 1,555 GB/s; DGX A100 (40GB) has the same eight 200 Gb/s adapters. The chip is the
+        # 80GB part's, so its measured MAMF is taken for this one (not measured here).
+        Hardware(
+            "a100-40gb",
+            peak_flops={"float64": 19.5 * TERA, "float32": 19.5 * TERA, "tf32": 156 * TERA,
+                        "bfloat16": 312 * TERA, "float16": 312 * TERA},
+            memory_bytes=40 * GIGA, hbm_bandwidth=1555 * GIGA, gpus_per_node=8,
+            nvlink_bandwidth=300 * GIGA, ib_bandwidth=25 * GIGA,
+            sm_count=108, matmul_flops={"bfloat16": 271.2 * TERA, "float16": 271.2 * TERA},
+            flash_fraction=0.50,
+            source="NVIDIA A100 datasheet (SXM 40GB); DGX A100 user guide; MAMF as measured on the "
+                   "A100 80GB (Bekman)",
+        ),
+        # HGX B200 at 1,000 W, dense: FP64 40, TF32 1,100, BF16/FP16 2,250, FP8 4,500 TFLOP/s; DGX B200:
+        # 1,440 GB of HBM3e at 64 TB/s for eight GPUs (180 GB, 8 TB/s each), NVLink 5 at 1.8 TB/s per
+        # GPU (900 GB/s each way), eight ConnectX-7 at 400 Gb/s (50 GB/s per GPU). Its MAMF and
+        # FlashAttention's fraction are not measured here: the H100's measured fractions of its peak
+        # (794.5 / 989.5 of the bf16 peak; 0.35) are taken, so its plans are the H100's scaled, not
+        # measured. 148 SMs (two dies of 74).
+        Hardware(
+            "b200",
+            peak_flops={"float64": 40 * TERA, "float32": 80 * TERA, "tf32": 1100 * TERA,
+                        "bfloat16": 2250 * TERA, "float16": 2250 * TERA, "fp8": 4500 * TERA},
+            memory_bytes=180 * GIGA, hbm_bandwidth=8000 * GIGA, gpus_per_node=8,
+            nvlink_bandwidth=900 * GIGA, ib_bandwidth=50 * GIGA,
+            sm_count=148, matmul_flops={"bfloat16": 2250 * TERA * 794.5 / 989.5},
+            flash_fraction=0.35,
+            source="HGX B200 specifications (1,000 W), DGX B200 specifications; MAMF and flash "
+                   "fraction scaled from the H100's measured ones",
+        ),
     ]
 }
+
+# `refpar plan --hardware-spec` keys (a contract): (Hardware field, unit it is given in).
+HARDWARE_SPEC_KEYS = {"memory": ("memory_bytes", GIGA), "flops": ("peak_flops", TERA),
+                      "hbm": ("hbm_bandwidth", GIGA), "nvlink": ("nvlink_bandwidth", GIGA),
+                      "ib": ("ib_bandwidth", GIGA), "gpus_per_node": ("gpus_per_node", 1),
+                      "mamf": ("matmul_flops", TERA), "flash": ("flash_fraction", 1), "sms": ("sm_count", 1)}
+REQUIRED_HARDWARE_KEYS = ("memory", "flops", "hbm", "nvlink", "ib", "gpus_per_node")
+
+
+def parse_hardware_spec(text: str) -> Hardware:
+    """`memory=GB,flops=TFLOP/s,hbm=GB/s,nvlink=GB/s,ib=GB/s,gpus_per_node=N[,mamf=TFLOP/s]
+    [,flash=F][,sms=N]` as a Hardware named "custom", or one sentence saying what to change.
+
+    flops is the dense bf16 (and fp16) tensor-core peak; nvlink the bandwidth each GPU has to the
+    others of its node each way, ib its own network adapter's each way. What a user rarely knows
+    has the H100's measured values: mamf (the matmul rate reached, default 794.5 / 989.5 of flops),
+    flash (FlashAttention's fraction of the peak, 0.35) and sms (132)."""
+    fields: dict[str, float] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or not key or not value:
+            raise ConfigError(f"--hardware-spec item {item.strip()!r} is not key=value; write e.g. "
+                              f"memory=80,flops=989.5,hbm=3350,nvlink=450,ib=50,gpus_per_node=8")
+        if key not in HARDWARE_SPEC_KEYS:
+            raise ConfigError(f"--hardware-spec has no key {key!r}; choose from "
+                              f"{', '.join(HARDWARE_SPEC_KEYS)}")
+        if key in fields:
+            raise ConfigError(f"--hardware-spec gives {key} twice; give it once")
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not number > 0 or number == float("inf"):
+            raise ConfigError(f"--hardware-spec {key}={value} must be a positive number")
+        if key in ("gpus_per_node", "sms") and number != int(number):
+            raise ConfigError(f"--hardware-spec {key}={value} must be a whole number")
+        if key == "flash" and number > 1:
+            raise ConfigError(f"--hardware-spec flash={value} is a fraction of the peak: give it in (0, 1]")
+        fields[key] = number
+    missing = [k for k in REQUIRED_HARDWARE_KEYS if k not in fields]
+    if missing:
+        raise ConfigError(f"--hardware-spec needs {', '.join(missing)} too (required: "
+                          f"{', '.join(REQUIRED_HARDWARE_KEYS)})")
+    peak = fields["flops"] * TERA
+    mamf = fields.get("mamf", fields["flops"] * 794.5 / 989.5) * TERA
+    if mamf > peak:
+        raise ConfigError(f"--hardware-spec mamf={mamf / TERA:g} is above flops={fields['flops']:g}; the "
+                          f"rate matmuls reach cannot exceed the peak")
+    return Hardware("custom", peak_flops={"bfloat16": peak, "float16": peak},
+                    memory_bytes=fields["memory"] * GIGA, hbm_bandwidth=fields["hbm"] * GIGA,
+                    gpus_per_node=int(fields["gpus_per_node"]), nvlink_bandwidth=fields["nvlink"] * GIGA,
+                    ib_bandwidth=fields["ib"] * GIGA, sm_count=int(fields.get("sms", 132)),
+                    matmul_flops={"bfloat16": mamf, "float16": mamf},
+                    flash_fraction=fields.get("flash", 0.35), source="--hardware-spec")
 
 
 def hardware(name: str) -> Hardware:

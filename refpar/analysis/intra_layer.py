@@ -36,7 +36,7 @@ import numpy as np
 
 from refpar.comm import cost
 from refpar.config import ModelConfig, TrainConfig
-from refpar.holdings import held_numels, kv_heads_per_rank, sequence_parallel_param_names
+from refpar.holdings import held_numels, kv_heads_per_rank, names, sequence_parallel_param_names
 from refpar.model import param_shapes
 from refpar.sharding import shard_range, shard_sizes
 
@@ -122,7 +122,7 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
 
     ce = [ar(f"lm_head.ce.{k}:fwd", s.B * s.Ta, compute_itemsize(e)) for k in ("max", "sumexp", "target")]
     # Llama's blocks move what GPT-2's do (llama_pieces.py), under other tags
-    embed = "wte" if model.arch == "gpt2" else "model.embed_tokens"
+    embed = names(model).embedding.removesuffix(".weight")  # wte, model.embed_tokens
     if not sp:
         calls = [ar(f"{embed}:fwd", act)]
         for i in range(L):
@@ -146,10 +146,13 @@ def _tp_calls(model: ModelConfig, s: RankShape, sp: bool, tp_rank: int, grad_e: 
     return calls
 
 
-def _ring_calls(model: ModelConfig, s: RankShape) -> list[Call]:
+def _ring_calls(model: ModelConfig, s: RankShape, kv_width: int | None = None) -> list[Call]:
+    """`kv_width`: a K/V block's elements per row and token (default 2 hs times the rank's kv heads;
+    DeepSeek-V3's heads times dn + dr + dv, analysis/latent_attention.py)."""
     c, r, hs = s.c, s.cp_rank, model.head_size
     kv = kv_heads_per_rank(model, s.t)  # Llama's K/V blocks carry its kv heads alone
-    block = [2 * s.B * kv * n * hs for n in s.cp_tokens]  # elements of each rank's K/V block
+    width = 2 * kv * hs if kv_width is None else kv_width
+    block = [s.B * width * n for n in s.cp_tokens]  # elements of each rank's K/V block
 
     def hop(tag, step, e=s.e):  # the block held at `step` goes to rank+1; rank-1's arrives
         return [Call("cp", "isend", tag, block[(r - step) % c] * e, 0),
@@ -167,22 +170,27 @@ def _ring_calls(model: ModelConfig, s: RankShape) -> list[Call]:
     return calls
 
 
-def _ulysses_calls(model: ModelConfig, s: RankShape) -> list[Call]:
-    c, r, hs = s.c, s.cp_rank, model.head_size
+def _ulysses_calls(model: ModelConfig, s: RankShape, widths: tuple[int, int, int] | None = None
+                   ) -> list[Call]:
+    """`widths`: q's, k's and v's head widths (default hs each; DeepSeek-V3's dn + dr, dn + dr, dv,
+    the output's v's)."""
+    c, r = s.c, s.cp_rank
     seqs, kv = list(s.cp_tokens), kv_heads_per_rank(model, s.t)  # Llama's k and v: its kv heads
+    wq, wk, wv = (model.head_size,) * 3 if widths is None else widths
 
-    def a2a(tag, arrays, to_heads):  # `arrays`: the head counts of q, k, v or of the output
-        heads = [sum(shard_sizes(n, c)[d] for n in arrays) for d in range(c)]  # of each rank's share
+    def a2a(tag, arrays, to_heads):  # `arrays`: (head count, width) of q, k, v or of the output
+        # of each rank's share, heads times their width
+        heads = [sum(shard_sizes(n, c)[d] * w for n, w in arrays) for d in range(c)]
         if to_heads:  # my tokens of each rank's heads out, my heads of each rank's tokens in
-            send = [s.B * heads[d] * seqs[r] * hs for d in range(c)]
-            recv = [s.B * heads[r] * seqs[q] * hs for q in range(c)]
+            send = [s.B * heads[d] * seqs[r] for d in range(c)]
+            recv = [s.B * heads[r] * seqs[q] for q in range(c)]
         else:
-            send = [s.B * heads[r] * seqs[d] * hs for d in range(c)]
-            recv = [s.B * heads[q] * seqs[r] * hs for q in range(c)]
+            send = [s.B * heads[r] * seqs[d] for d in range(c)]
+            recv = [s.B * heads[q] * seqs[r] for q in range(c)]
         b = cost.all_to_all_bytes(send, recv, r, s.e)
         return Call("cp", "all_to_all", tag, b.sent, b.recv)
 
-    qkv, y = (s.nh, kv, kv), (s.nh,)
+    qkv, y = ((s.nh, wq), (kv, wk), (kv, wv)), ((s.nh, wv),)
     calls = []
     for i in range(model.n_layer):
         calls += [a2a(f"h.{i}.attn.ulysses_qkv:fwd", qkv, True), a2a(f"h.{i}.attn.ulysses_out:fwd", y, False)]

@@ -48,7 +48,7 @@ import numpy as np
 
 from refpar.comm import cost
 from refpar.holdings import expert_of
-from refpar.model import param_shapes
+from refpar.model import moe_spec, param_shapes
 from refpar.model.routing import capacity
 from refpar.sharding import shard_range, shard_sizes
 
@@ -251,8 +251,9 @@ def gates_are_apart(model) -> bool:
 def routing_option_bytes(model, N: int, rows: int, e: int, ranks: int = 1) -> dict[str, int]:
     """What DeepSeek's routing options and Megatron-Core's drop policy add to a MoE block's cache
     over N tokens in `rows` sequences, routed among `ranks` exchange ranks (D c): each shared
-    expert keeps what the family's dense MLP keeps (3 N H, H = GPT-2's 4C or Llama's F, at full
-    width on every rank: shared experts are replicated, under tp too); the sequence-wise balance loss
+    expert keeps what its MLP keeps (3 N H, H its `expert_width`: GPT-2's 4C, Llama's F, DeepSeek-V3's
+    moe_intermediate_size, at full width on every rank: shared experts are replicated, under tp too);
+    the sequence-wise balance loss
     its coefficients, one per sequence and expert (rows, E); dropping by score ("probs", with a
     capacity) what each exchange rank keeps per expert, (ranks, E) int64, which the counts alone no
     longer give (moe.routing_kept). Sigmoid
@@ -260,10 +261,18 @@ def routing_option_bytes(model, N: int, rows: int, e: int, ranks: int = 1) -> di
     probabilities, and the bias and the group mask only change which experts argsort's (N, E)
     buffer lists first."""
     by_score = model.moe_drop_policy == "probs" and not model.moe_dropless
-    H = model.intermediate_size if model.arch == "llama" else 4 * model.n_embd
+    H = expert_width(model, shared=True)
     return {"shared_experts": model.moe_shared_experts * 3 * N * H * e,
             "sequence_balance": rows * model.moe_experts * e if model.moe_seq_aux_weight else 0,
             "kept_by_score": ranks * model.moe_experts * INDEX_BYTES if by_score else 0}
+
+
+def expert_width(model, shared: bool = False) -> int:
+    """H, the hidden width of one of the family's routed experts (or `shared` experts): its MoESpec's
+    MLP's (refpar.model.moe_spec): GPT-2's 4C, Mixtral's intermediate_size, DeepSeek-V3's
+    moe_intermediate_size."""
+    spec = moe_spec(model)
+    return (spec.shared_kind if shared else spec.mlp).hidden(model)
 
 
 def mlp_activation_bytes(model, tokens: int, H: int | None = None) -> int:
@@ -285,8 +294,9 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
     c, t, ep = sizes["cp"], sizes["tp"], sizes["ep"]
     D = sizes["dp"] * ep
     N, e, C = b * Ta, np.dtype(model.dtype).itemsize, model.n_embd
-    # an expert's hidden width: GPT-2's 4C, Mixtral's SwiGLU F (this tp rank's columns under tp)
-    H = shard_sizes(model.intermediate_size if model.arch == "llama" else 4 * C, t)[coords["tp"]]
+    H = shard_sizes(expert_width(model), t)[coords["tp"]]  # this tp rank's columns of an expert
+    # and of the dense MLP the MoE replaces: GPT-2's 4C, Llama's and DeepSeek-V3's intermediate_size
+    F = shard_sizes(model.intermediate_size or 4 * C, t)[coords["tp"]]
     runs = sum(exchange_runs(cfg.batch_size, m, j, D, cfg.seq_len, c, cp_algo))  # D without cp
     group = (coords["dp"] * ep + coords["ep"]) * c + coords["cp"]  # this rank in the exchange
     n = 0
@@ -299,7 +309,7 @@ def moe_activation_delta(model, cfg, sizes: dict, coords: dict, layers, b: int, 
             parts |= routing_option_bytes(model, N, b, e, D * c)
             if sp:  # the gathered sequence for the router, ln_2's shard not kept
                 parts["sequence"] = (N - b * shard_sizes(Ta, t)[coords["tp"]]) * C * e
-            n += sum(parts.values()) - mlp_activation_bytes(model, N, H)
+            n += sum(parts.values()) - mlp_activation_bytes(model, N, F)
     return n
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from refpar.analysis.efficiency import CALIBRATED, MODERN, Efficiency, Software
 from refpar.analysis.hardware import Hardware
+from refpar.analysis.mfu_ceiling import above_published
 from refpar.analysis.presets import ModelSpec
 from refpar.analysis.scale import PRECISIONS, memory_per_rank, stage_layers
 from refpar.analysis.step_time import step_time, throughput
@@ -237,7 +238,8 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
          seq: int | None = None, top: int = 5, precision: str = "bf16", dtype: str = "bfloat16",
          eff: Efficiency = CALIBRATED, software: Software = MODERN, priced: dict | None = None) -> dict:
     """The `top` fastest plans that fit, best first, as plain dicts (the --json output); with a
-    `priced` plan (price()), also its "rank" among them (1: none is faster)."""
+    `priced` plan (price()), also its "rank" among them (1: none is faster by more than the 0.1%
+    within which the search takes step times as equal and ranks the simpler plan first)."""
     global_batch = spec.global_batch if global_batch is None else global_batch
     seq = spec.seq_len if seq is None else seq
     c = enumerate_plans(spec, hw, gpus, global_batch, seq, precision, dtype, eff, software,
@@ -276,7 +278,7 @@ def plan(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int | None = No
     }
     if priced is not None:
         # Its rank in the order above: the plans that come before it.
-        faster = seconds < priced["step_time_s"] * (1 - 1e-12)
+        faster = bucket < np.floor(priced["step_time_s"] / (seconds.min() * 1e-3))
         before = (~unpriced | faster) if priced.get("unpriced") else (~unpriced & faster)
         result["rank"] = 1 + int(np.sum(before))
     return result
@@ -300,6 +302,7 @@ def _row(spec: ModelSpec, hw: Hardware, gpus: int, global_batch: int, seq: int, 
         "collectives": calls,
         "stage_costs_s": {k: float(v) for k, v in stage.items()},
         "step_time_s": step, "mfu": float(mfu), "tokens_per_s": float(tokens), "unpriced": unpriced,
+        "above_published": above_published(hw.name, float(mfu)),
     }
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refpar.analysis.activations import mla_attention_elements
 from refpar.analysis.flops import layer_params
 from refpar.analysis.presets import ModelSpec
 from refpar.config import ConfigError
@@ -102,7 +103,8 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
     s b h (34 + 5 a s / h) with no parallelism, s b h (10 + 24/t + 5 a s / (h t)) with tensor
     parallelism, s b h / t (34 + 5 a s / h) with sequence parallelism too; "selective" drops the
     5 a s / h term (the attention core is recomputed, as flash attention does); "full" keeps only
-    the block's input, 2 s b h (/ t with sequence parallelism).
+    the block's input, 2 s b h (/ t with sequence parallelism); "selective-op" is torchtitan's
+    per-op checkpointing (what it keeps is listed where it is computed).
 
     attention="flash" (FlashAttention, Dao et al. 2022, Section 3.1) never stores the b a s^2
     scores nor their dropout mask (it draws the mask again from the RNG state): it keeps the
@@ -116,6 +118,15 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
     sp_div = np.where(sp, tp, 1)
     if recompute == "full":
         return e * n * h / sp_div
+    kv_rank = kv / np.minimum(tp, spec.n_kv_head)  # (N, kv_rank) each for K and V
+    if recompute == "selective-op":
+        # torchtitan's per-op checkpointing (efficiency.op_checkpoint_gemms): the block's input, the
+        # outputs of the 1st, 3rd, 5th and 7th matmuls (q, v, w1, w2 for SwiGLU; q, v, fc1 for
+        # GELU; q, v alone for a MoE block, whose grouped expert GEMMs it does not save; a
+        # row-parallel output is the whole (n, h) before its reduction) and the flash kernel's
+        # output with its fp32 log-sum-exp.
+        mlp = 0 if moe else (spec.d_ff / tp + (h if spec.mlp == "swiglu" else 0))
+        return e * n * (h / sp_div + 2 * h / tp + kv_rank + mlp) + 4 * (spec.n_head / tp) * n
     # Outside the tensor-parallel region: the two norm inputs, the inputs of the QKV and first
     # MLP matmuls, the two residual dropout masks. Sequence parallelism splits them by t.
     outside = (4 * e + 2 * mk) * n * h / sp_div
@@ -128,8 +139,11 @@ def layer_activation_bytes(spec: ModelSpec, micro_batch, seq, *, tp=1, cp=1, sp=
         hidden = spec.top_k * h + experts * (3 if spec.mlp == "swiglu" else 2) * spec.moe_d_ff
     else:
         hidden = (3 if spec.mlp == "swiglu" else 2) * spec.d_ff  # gelu: its input, fc2's input
-    kv_rank = kv / np.minimum(tp, spec.n_kv_head)  # (N, kv_rank) each for K and V
     inside = e * n * ((h + h + hidden) / tp + 2 * kv_rank)
+    if spec.kv_lora_rank:  # multi-head latent attention: its latents, q, k, the kv buffer, o's input
+        inside = e * (n * hidden / tp + mla_attention_elements(
+            n / sp_div, n, seq / cp, spec.n_head / tp, spec.q_lora_rank, spec.kv_lora_rank,
+            spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim, keep_refpar=False))
     if attention == "flash":
         return outside + inside + 4 * (spec.n_head / tp) * n
     if recompute == "selective":
@@ -279,8 +293,8 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
     working = 0
     if recompute != "none":
         working = layer_activation_bytes(spec, micro_batch, seq, recompute="none", moe=spec.is_moe, **act_kw)
-    if recompute == "selective":
-        working = working - layer_activation_bytes(spec, micro_batch, seq, recompute="selective",
+    if recompute in ("selective", "selective-op"):
+        working = working - layer_activation_bytes(spec, micro_batch, seq, recompute=recompute,
                                                    moe=spec.is_moe, **act_kw)
 
     def activations(nd, nm, hold, extra):

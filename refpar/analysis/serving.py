@@ -9,6 +9,13 @@ tp splits the kv heads (GPT-2: nkv = its heads), pp the layers, cp the tokens (s
 holds positions p % c == r). Past tp = nkv (grouped-query attention) a rank keeps the one kv head its
 query heads read, replicated on tp / nkv ranks: max(1, nkv / tp) heads per rank, so a Llama rank
 holds nkv / nh of GPT-2's cache while tp <= nkv, and 1 / (nh / tp) of it past that.
+Multi-head latent attention (DeepSeek-V3) caches per token per layer one entry, the latent and the
+shared rotary key:
+    L · (kv_lora_rank + qk_rope_head_dim) · tokens · b / (pp · cp)
+with no tp in the denominator: every tp rank attends its own query heads to the whole latent, so
+each keeps all of it (replicated t times). Multi-head attention of the same heads would cache
+L · nh · (dn + dr + dv) · tokens · b (2 · nh · dh when the widths agree): `kv_ratio_to_multi_head`.
+What a family caches is refpar.model.kv_cache_shape's answer (model/attention.py's CacheShape).
 `kv_bytes_per_rank` is the exact per-rank count the MemoryLedger measures, uneven splits included.
 
 Paged cache (blocks of B token slots, vLLM's PagedAttention): a request of n positions takes
@@ -36,6 +43,7 @@ from refpar.analysis.step_time import collective_time, link
 from refpar.comm import cost
 from refpar.config import ModelConfig
 from refpar.holdings import kv_heads
+from refpar.model import kv_cache_shape
 from refpar.sharding import shard_range, shard_sizes
 
 TOKEN_ITEMSIZE = 8  # the chosen tokens travel as int64
@@ -52,20 +60,49 @@ def striped_tokens(cached: int, cp: int, cp_rank: int) -> int:
 
 
 def kv_heads_held(config: ModelConfig, t: int, rank: int) -> tuple[int, int]:
-    """The kv heads [k0, k1) tp rank `rank` of `t` caches: GPT-2's shard_range of its heads; Llama's
+    """The cached heads [k0, k1) tp rank `rank` of `t` keeps: GPT-2's shard_range of its heads; Llama's
     shard_range of its kv heads, or past t = n_kv_head the one its query heads read
-    (holdings.kv_heads, the tensor-parallel layout its k_proj and v_proj rows have)."""
-    if config.arch == "llama":
-        return kv_heads(config, t, rank)
-    return shard_range(config.n_head, t, rank)
+    (holdings.kv_heads, the tensor-parallel layout its k_proj and v_proj rows have); MLA's one latent
+    entry on every rank."""
+    shape = kv_cache_shape(config)
+    return kv_heads(config, t, rank) if shape.split_by_tp else (0, shape.heads)
+
+
+def kv_bytes_per_token(config: ModelConfig, t: int = 1, rank: int = 0) -> int:
+    """Bytes one token's cache takes in one layer on tp rank `rank` of `t`: its cached heads x (key +
+    value numbers) x itemsize; MLA (kv_lora_rank + qk_rope_head_dim) x itemsize on every tp rank."""
+    shape = kv_cache_shape(config)
+    heads = len(range(*kv_heads_held(config, t, rank)))
+    return heads * (shape.key + shape.value) * _itemsize(config)
+
+
+def kv_ratio_to_multi_head(config: ModelConfig) -> float:
+    """The whole model's cache per token over what multi-head attention of its query heads would keep,
+    2 · nh · hd (MLA: nh · (dn + dr + dv), CacheShape.multi_head): GPT-2 1, Llama nkv / nh."""
+    shape = kv_cache_shape(config)
+    return shape.per_token / shape.multi_head
+
+
+def kv_shards(config: ModelConfig, sizes: dict) -> int:
+    """How many pieces the model's cache is cut into: min(tp, kv heads) · cp · pp for multi-head and
+    grouped-query attention (past tp = nkv the kv heads are replicated), cp · pp for MLA, whose latent
+    every tp rank keeps whole."""
+    shape = kv_cache_shape(config)
+    tp = min(sizes.get("tp", 1), shape.heads) if shape.split_by_tp else 1
+    return tp * sizes.get("cp", 1) * sizes.get("pp", 1)
+
+
+def kv_total_bytes(config: ModelConfig, tokens: int, shards: int = 1) -> float:
+    """L · (numbers per token per layer) · tokens · b / shards: 2 · L · nkv · hd · tokens · b / shards
+    (kv_cache_bytes) for multi-head K/V, L · (rkv + dr) · tokens · b / shards for MLA."""
+    return config.n_layer * kv_cache_shape(config).per_token * tokens * _itemsize(config) / shards
 
 
 def kv_bytes_per_rank(config: ModelConfig, cached, sizes: dict, coords: dict) -> int:
     """Bytes of KV cache one rank holds when the requests have `cached` positions each cached."""
     layers = len(range(*shard_range(config.n_layer, sizes["pp"], coords["pp"])))
-    heads = len(range(*kv_heads_held(config, sizes["tp"], coords["tp"])))
     tokens = sum(striped_tokens(n, sizes["cp"], coords["cp"]) for n in cached)
-    return int(kv_cache_bytes(layers, heads, config.head_size, tokens, _itemsize(config)))
+    return layers * tokens * kv_bytes_per_token(config, sizes["tp"], coords["tp"])
 
 
 def paged_blocks(cached, block_size: int, cp: int = 1, cp_rank: int = 0) -> int:
@@ -86,10 +123,9 @@ def prefix_sharing_saved_blocks(holders: int, prefix: int, block_size: int, cp: 
 
 
 def block_bytes(config: ModelConfig, block_size: int, sizes: dict, coords: dict) -> int:
-    """One block of the pool: K and V of B slots for every layer of the rank's stage and its kv heads."""
+    """One block of the pool: the cache of B slots for every layer of the rank's stage and its heads."""
     layers = len(range(*shard_range(config.n_layer, sizes["pp"], coords["pp"])))
-    heads = len(range(*kv_heads_held(config, sizes["tp"], coords["tp"])))
-    return int(kv_cache_bytes(layers, heads, config.head_size, block_size, _itemsize(config)))
+    return layers * block_size * kv_bytes_per_token(config, sizes["tp"], coords["tp"])
 
 
 def pass_comm_bytes(config: ModelConfig, sizes: dict, coords: dict, groups) -> dict:
@@ -97,12 +133,13 @@ def pass_comm_bytes(config: ModelConfig, sizes: dict, coords: dict, groups) -> d
 
     tp: the embedding's g and two g per block, all-reduces of (N, C); the logits all-gathered
         as (V/t, R) pieces on the last stage.
-    cp: per block, the all-reduce of the max lse (nh/t, N) and of [weighted out, weight] (nh/t, N, hs+1).
+    cp: per block, the all-reduce of the max lse (nh/t, N) and of [weighted out, weight] (nh/t, N, a+1),
+        a the attention's output width per head (CacheShape.attended: hs; MLA's latent, kv_lora_rank).
     pp: (N, C) sent to the next stage per group; the R chosen tokens broadcast from the last stage.
     """
     t, c, p = sizes["tp"], sizes["cp"], sizes["pp"]
     tr, cr, s = coords["tp"], coords["cp"], coords["pp"]
-    b, C, hs = _itemsize(config), config.n_embd, config.head_size
+    b, C, hs = _itemsize(config), config.n_embd, kv_cache_shape(config).attended
     layers = len(range(*shard_range(config.n_layer, p, s)))
     heads = len(range(*shard_range(config.n_head, t, tr)))
     out: dict = {}
@@ -138,15 +175,22 @@ def decode_estimate(spec: ModelSpec, hw: Hardware, *, tp: int = 1, pp: int = 1, 
     """One configuration of a large model on real hardware: bytes per GPU and seconds per token.
 
     KV heads are split over tp while tp <= nkv; past that each is replicated (GQA), so the cache is
-    split over min(tp, nkv) · pp. Prefill is compute-bound (2 · params FLOPs per token at the
+    split over min(tp, nkv) · pp. A spec with multi-head latent attention (kv_lora_rank > 0,
+    DeepSeek-V3) caches kv_lora_rank + qk_rope_head_dim numbers per token per layer, whole on every
+    tp rank, so split over pp alone. Prefill is compute-bound (2 · params FLOPs per token at the
     fp16 peak); decode is the HBM read of weights and cache. Communication uses the hardware's
     NVLink inside a node and InfiniBand across (`step_time.link`), NCCL's latencies.
     """
     h, L = spec.d_model, spec.n_layer
     params = param_counts(spec).total
     weights = params * itemsize / (tp * pp)
-    kv_shards = min(tp, spec.n_kv_head) * pp
-    kv = kv_cache_bytes(L, spec.n_kv_head, spec.head_size, batch * context, itemsize, kv_shards)
+    if spec.kv_lora_rank:  # MLA: one latent entry per token per layer, replicated over tp
+        shards = pp
+        per_token = L * (spec.kv_lora_rank + spec.qk_rope_head_dim) * itemsize
+    else:
+        shards = min(tp, spec.n_kv_head) * pp
+        per_token = kv_cache_bytes(L, spec.n_kv_head, spec.head_size, 1, itemsize)
+    kv = per_token * batch * context / shards
     tp_bw, tp_lat = link(hw, {"tp": tp}, "tp")
     pp_bw, pp_lat = link(hw, {"tp": tp, "pp": pp}, "pp")
 
@@ -166,8 +210,7 @@ def decode_estimate(spec: ModelSpec, hw: Hardware, *, tp: int = 1, pp: int = 1, 
         "tp": tp, "pp": pp, "gpus": tp * pp, "batch": batch, "context": context,
         "tp_link": "nvlink" if tp <= hw.gpus_per_node else "infiniband",
         "weights_bytes_per_gpu": weights, "kv_bytes_per_gpu": kv,
-        "kv_bytes_per_token_per_gpu": kv_cache_bytes(L, spec.n_kv_head, spec.head_size, 1, itemsize,
-                                                     kv_shards),
+        "kv_bytes_per_token_per_gpu": per_token / shards,
         "tp_bytes_per_token": float(2 * L * (2 * (tp - 1) / tp) * h * itemsize) if tp > 1 else 0.0,
         "pp_bytes_per_token": float(h * itemsize) if pp > 1 else 0.0,
         "prefill_s_per_token": prefill / prompt,

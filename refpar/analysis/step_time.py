@@ -41,13 +41,39 @@ from refpar.comm import cost
 AXES = ("pp", "dp", "ep", "cp", "tp")  # slowest- to fastest-varying (refpar.config.MESH_AXES)
 
 
-def link(hw: Hardware, sizes: dict, axis: str):
-    """(bandwidth, step latency) of an axis's group: NVLink inside a node, InfiniBand across."""
-    stride = 1
-    for name in AXES[AXES.index(axis) + 1:]:
-        stride = stride * np.asarray(sizes.get(name, 1))
-    inside = stride * np.asarray(sizes.get(axis, 1)) <= hw.gpus_per_node
-    return (np.where(inside, hw.nvlink_bandwidth, hw.ib_bandwidth),
+def members_per_node(hw: Hardware, sizes: dict, group: tuple):
+    """How many ranks of one group (the axes `group`, the others fixed) one node holds, under the
+    mesh's layout: a node's gpus_per_node consecutive ranks cover the fastest axes first."""
+    left, members = hw.gpus_per_node, 1
+    for name in reversed(AXES):  # fastest first
+        size = np.asarray(sizes.get(name, 1))
+        covered = np.minimum(size, left)
+        if name in group:
+            members = members * covered
+        left = np.maximum(1, left // size)
+    return members
+
+
+def link(hw: Hardware, sizes: dict, axis: str, group: tuple = ()):
+    """(bandwidth, step latency) of a group: NVLink inside a node; across nodes, the adapters of
+    the group's members in each node together.
+
+    The group is the axis `axis`, or the axes `group` together (a data-parallel group spanning dp,
+    ep and cp). A group with g members in each of its nodes runs as NCCL runs it on DGX nodes: g
+    rings (channels), each leaving the node through a different member's adapter (NCCL binds a
+    channel to the NIC nearest its GPU), so each adapter carries a g-th of a rank's traffic and
+    NVLink the (g - 1)/g that stays inside: per-rank bandwidth min(g x adapter, g/(g - 1) x NVLink).
+    With one member per node (tensor parallelism filling the node) that is one adapter.
+    """
+    group = group or (axis,)
+    g = members_per_node(hw, sizes, group)
+    n = 1
+    for name in group:
+        n = n * np.asarray(sizes.get(name, 1))
+    inside = g >= n
+    across = np.minimum(g * hw.ib_bandwidth, hw.nvlink_bandwidth * g / np.maximum(g - 1, 1))
+    across = np.where(g > 1, across, hw.ib_bandwidth)
+    return (np.where(inside, hw.nvlink_bandwidth, across),
             np.where(inside, hw.nvlink_latency, hw.ib_latency))
 
 
@@ -77,18 +103,22 @@ def _ring_time(op: str, size, n, bandwidth, latency):
         return np.asarray(cost.alpha_beta_time(op, "native", float(size.flat[0]), int(n.flat[0]),
                                                alpha=float(lat.flat[0]), bandwidth=float(bw.flat[0])),
                           float).reshape(size.shape)
-    out = np.zeros(size.shape)
     big = 1e12  # bytes: far enough from zero that the slope keeps its digits
-    for b in np.unique(bw):
-        on_link = bw == b
-        for a in np.unique(lat[on_link]):
-            same = on_link & (lat == a)
-            for p in np.unique(n[same]):
-                where = same & (n == p)
-                t0 = cost.alpha_beta_time(op, "native", 0, int(p), alpha=a, bandwidth=b)
-                slope = (cost.alpha_beta_time(op, "native", big, int(p), alpha=a, bandwidth=b) - t0) / big
-                out[where] = t0 + slope * size[where]
-    return out
+    # One integer code per distinct (bandwidth, latency, ranks), each column coded on its own.
+    columns = [np.unique(x.ravel(), return_inverse=True) for x in (bw, lat, n)]
+    code = np.zeros(size.size, dtype=np.int64)
+    for values, index in columns:
+        code = code * len(values) + index
+    codes, inverse = np.unique(code, return_inverse=True)
+    t0, slope = np.empty(len(codes)), np.empty(len(codes))
+    where = np.zeros(len(codes), dtype=np.int64)
+    where[inverse] = np.arange(size.size)  # one entry of each code
+    for j, i in enumerate(where):
+        b, a, p = bw.flat[i], lat.flat[i], n.flat[i]
+        t0[j] = cost.alpha_beta_time(op, "native", 0, int(p), alpha=a, bandwidth=b)
+        slope[j] = (cost.alpha_beta_time(op, "native", big, int(p), alpha=a, bandwidth=b) - t0[j]) / big
+    inverse = inverse.reshape(size.shape)
+    return t0[inverse] + slope[inverse] * size
 
 
 def collective_choice(op: str, size, n, bandwidth, latency, call_latency):
@@ -169,7 +199,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     cl = hw.call_latency
 
     def on_link(axis, group=None):  # (bandwidth NCCL reaches, step latency) of an axis's group
-        bw, lat = link(hw, {**sizes, **(group or {})}, axis)
+        bw, lat = link(hw, {**sizes, **(group or {})}, axis, tuple(group or ()))
         return bw * eff.network, lat
 
     # One block's compute per micro-batch, dense and MoE (efficiency.py).
@@ -200,7 +230,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     t_rs = collective_time("reduce_scatter", act, tp, bw, lat, cl)
     stats = max(e, 4) * n_tok
     t_stats, stats_algo = collective_choice("all_reduce", stats, tp, bw, lat, cl)
-    redo = 2 if recompute == "full" else 0
+    redo = {"full": 2, "selective-op": 1}.get(recompute, 0)  # forward collectives run again per block
     # Calls per micro-batch, forward and backward: (all-reduces, all-gathers, reduce-scatters).
     ar_f = np.where(sp, 0, 2 * layers_per_stage + 1)
     ar_b = np.where(sp, 0, (2 + redo) * layers_per_stage + head_here)
@@ -252,7 +282,7 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
         t_gather = collective_time("all_gather", whole, cp, bw, lat, cl)
         t_scatter = collective_time("reduce_scatter", whole, cp, bw, lat, cl)
         cp_block_f, cp_block_b = t_gather, t_scatter
-        per_block = np.where(cp > 1, 1 + (recompute == "full"), 0)
+        per_block = np.where(cp > 1, 1 + (recompute in ("full", "selective-op")), 0)
         cp_bytes = m * layers_per_stage * collective_bytes("all_gather", whole, cp) * (per_block + (cp > 1))
         calls["cp.all_gather"] = ("cp", "all_gather", whole, cp, m * layers_per_stage * per_block,
                                   t_gather, "ring")
@@ -265,10 +295,11 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     moe_per_stage = spec.n_moe_layers / pp
     a2a = e * n_tok * max(spec.top_k, 1) * h
     t_a2a, ep_algo = collective_choice("all_to_all", a2a, ep, bw, lat, cl)
-    ep_bytes = m * moe_per_stage * (4 + (2 if recompute == "full" else 0)) * collective_bytes(
+    ep_redo = 2 if recompute in ("full", "selective-op") else 0
+    ep_bytes = m * moe_per_stage * (4 + ep_redo) * collective_bytes(
         "all_to_all", a2a, ep)
     calls["ep.all_to_all"] = ("ep", "all_to_all", a2a, ep,
-                              m * moe_per_stage * (4 + (2 if recompute == "full" else 0)), t_a2a, ep_algo)
+                              m * moe_per_stage * (4 + ep_redo), t_a2a, ep_algo)
 
     # A block forward and backward, by cause: its compute, and the communication on its critical
     # path. The forward's collectives always are. In the backward, where the software overlaps
@@ -289,8 +320,13 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
         # Under FlashAttention selective recomputation has nothing to make again: the kernel keeps
         # no scores, and its backward already recomputes them (priced in core_b).
         selective = 0.0 if software.attention == "flash" else t["core_f"]
+        # Per-op checkpointing (torchtitan's "op") reruns the forward's memory-bound kernels and every
+        # second GEMM (efficiency.op_checkpoint_gemms): o's collective again, K's gather under
+        # all-gather context parallelism, a MoE block's dispatch and combine.
+        per_op = {"compute": t["memory_f"] + t["op_gemm"], "tp": tp_block_f / 2,
+                  "cp": cp_block_f if software.cp == "all_gather" else 0.0, "ep": ep_calls}
         rerun = {"none": dict.fromkeys(forward, 0.0), "selective": {**dict.fromkeys(forward, 0.0),
-                 "compute": selective}, "full": forward}[recompute]
+                 "compute": selective}, "full": forward, "selective-op": per_op}[recompute]
         backward = {"compute": t["gemm_b"] - t["wgrad"] + t["core_b"] + t["memory_b"] + rerun["compute"],
                     "tp": tp_block_b - hidden + rerun["tp"], "cp": cp_block_b + rerun["cp"],
                     "ep": ep_calls + rerun["ep"]}

@@ -1,10 +1,12 @@
-"""`refpar generate`: serve GPT-2 or Llama with a KV cache and continuous batching, on one device or a mesh.
+"""`refpar generate`: serve GPT-2, Llama or DeepSeek-V3 with a KV cache and continuous batching, on one
+device or a mesh.
 
     refpar generate --from runs/text --prompt "Data parallelism" --max-new-tokens 200
     mpiexec -n 2 python -m refpar generate --from runs/text --mesh tp=2 --prompt "ZeRO" --check
     refpar generate --check
     mpiexec -n 2 python -m refpar generate --mesh tp=2 --check
     mpiexec -n 4 python -m refpar generate --model llama-tiny --mesh tp=4 --check
+    mpiexec -n 2 python -m refpar generate --model deepseek-tiny --mesh pp=2 --check
     mpiexec -n 2 python -m refpar generate --mesh cp=2 --prompt-lens 24,30 --new-tokens 3
     mpiexec -n 2 python -m refpar generate --mesh pp=2 --sampling temperature=0.8,top_k=20 --json
     mpiexec -n 2 python -m refpar generate --mesh tp=2 --paged --block-size 4 --kv-blocks 12 \
@@ -16,7 +18,8 @@ weights are random (the first line says so). Without --prompt, requests get prom
 the Markov corpus; each arrives at an engine step (--arrivals) and takes one of --max-batch slots
 until its tokens are out. The report gives tokens, per-token latency of
 prefill and decode, bytes per token by axis, the KV cache each rank holds (measured by the
-MemoryLedger) next to its closed form, and the same closed forms for a large model on real GPUs.
+MemoryLedger) next to its closed form and to what multi-head K/V would take (DeepSeek-V3's latent
+cache: refpar/serving/latent_attention.py), and the same closed forms for a large model on real GPUs.
 --paged keeps the cache in blocks (refpar/serving/paged.py): one progress line per engine step,
 then the pool's blocks, used and wasted slots per rank.
 """
@@ -47,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for --prompt where the weights carry no tokenizer: bytes, gpt2 or the path "
                              "of a tokenizer.json")
     parser.add_argument("--model", default=None,
-                        help="model preset: tiny, small, llama-tiny or llama-small (default tiny); with "
+                        help="model preset: tiny, small, llama-tiny, llama-small or deepseek-tiny (default "
+                             "tiny); with "
                              "--from, only for a bare .safetensors file")
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
     parser.add_argument("--prompt-lens", default="12,5,20,8", help="prompt length of each request")
@@ -245,6 +249,8 @@ def run(args) -> int:
 
 
 def print_report(s: dict) -> None:
+    from refpar.holdings import FAMILIES
+
     w = s["weights"]
     if w["from"] is None:
         print(f"weights: random, drawn from --seed {w['seed']} (untrained: give --from CKPT_OR_HF_DIR, a "
@@ -254,10 +260,11 @@ def print_report(s: dict) -> None:
                                                         "token ids)"), flush=True)
     longest = max(r["prompt_len"] + len(r["tokens"]) - 1 for r in s["requests"])
     trained = w["trained_seq_len"]
-    if trained is not None and longest > trained and s["model"]["arch"] == "gpt2":
-        print(f"note: a sequence here reaches {longest} positions; the run trained on {trained}, so GPT-2's "
-              "learned position embeddings past those are untrained (ask for fewer tokens, or train with a "
-              "longer --seq-len)", flush=True)
+    family = FAMILIES[s["model"]["arch"]]
+    if trained is not None and longest > trained and family.positions:  # a learned position table
+        print(f"note: a sequence here reaches {longest} positions; the run trained on {trained}, so "
+              f"{family.title}'s learned position embeddings past those are untrained (ask for fewer tokens, "
+              "or train with a longer --seq-len)", flush=True)
     mesh = "-".join(f"{a.upper()}({n})" for a, n in s["mesh"].items() if n > 1) or "one device"
     print(f"refpar generate: {len(s['requests'])} requests on {mesh} ({s['world_size']} ranks), "
           f"{s['sampling']}, at most {s['max_batch']} at once, {s['steps']} engine steps", flush=True)
@@ -282,9 +289,19 @@ def print_report(s: dict) -> None:
           + ", ".join(f"rank {k['rank']} {k['peak_bytes']} B" for k in kv)
           + "; matches the closed form after every pass and step: "
           + ("yes" if s["kv_matches_closed_form"] else "NO"))
-    print(f"  2 · layers · kv_heads · head_dim · tokens · bytes / shards at the peak of "
-          f"{s['kv_peak_tokens']} cached tokens, {s['kv_heads']} kv heads over {s['kv_shards']} shards "
-          f"(min(tp, kv_heads) · cp · pp) = {s['kv_closed_form_at_peak']:.0f} B")
+    if s["kv_latent"]:  # MLA: one entry per token per layer, whole on every tp rank
+        m = s["model"]
+        print(f"  layers · (kv_lora_rank + qk_rope_head_dim) · tokens · bytes / shards at the peak of "
+              f"{s['kv_peak_tokens']} cached tokens, {m['kv_lora_rank']} + {m['qk_rope_head_dim']} numbers "
+              f"over {s['kv_shards']} shards (cp · pp; every tp rank keeps the whole latent) = "
+              f"{s['kv_closed_form_at_peak']:.0f} B")
+    else:
+        print(f"  2 · layers · kv_heads · head_dim · tokens · bytes / shards at the peak of "
+              f"{s['kv_peak_tokens']} cached tokens, {s['kv_heads']} kv heads over {s['kv_shards']} shards "
+              f"(min(tp, kv_heads) · cp · pp) = {s['kv_closed_form_at_peak']:.0f} B")
+    print(f"  per token per layer {s['kv_bytes_per_token_per_layer']} B; multi-head K/V of its "
+          f"{s['model']['n_head']} heads would take {s['kv_multi_head_bytes_per_token_per_layer']} B: "
+          f"ratio {s['kv_ratio_to_multi_head']:.3f}")
     if s["max_logit_rel_diff"] is not None:
         print(f"check against one device recomputing every sequence: max logit rel diff "
               f"{s['max_logit_rel_diff']:.1e}, tokens identical: "

@@ -30,6 +30,10 @@ def add_arguments(parser) -> None:
                              "[,kv_heads=K][,ffn=F][,experts=E,topk=k][,arch=gpt2|llama]")
     parser.add_argument("--gpus", type=int, default=None, help="GPUs in the job")
     parser.add_argument("--hardware", default="h100", help=f"one of {', '.join(HARDWARE)}")
+    parser.add_argument("--hardware-spec", default=None, metavar="SPEC",
+                        help="your own accelerator instead of --hardware: memory=GB,flops=TFLOP/s (dense "
+                             "bf16),hbm=GB/s,nvlink=GB/s,ib=GB/s (per GPU, each way),gpus_per_node=N"
+                             "[,mamf=TFLOP/s,flash=F,sms=N] (refpar/analysis/hardware.py)")
     parser.add_argument("--global-batch", type=int, default=None,
                         help="sequences per step (default: the model's published batch)")
     parser.add_argument("--seq", type=int, default=None,
@@ -88,7 +92,7 @@ def format_plan(rank: int | str, p: dict) -> list[str]:
             f"{c['name']} {c['bytes'] / 1e6:.1f} MB x {c['calls_per_step']:.0f} over "
             f"{c['ranks']} ({c['algo']}, {c['seconds_per_call'] * 1e3:.2f} ms)"
             for c in p["collectives"]) if p["collectives"] else "   collectives: none",
-    ]
+    ] + ([f"   note: {p['above_published']}"] if p.get("above_published") else [])
 
 
 def format_plans(result: dict) -> str:
@@ -222,7 +226,13 @@ def run(args) -> int:
     if args.figure is not None:
         check_output_path("--figure", args.figure, overwrite=args.overwrite)
     spec = preset(args.model) if args.model is not None else parse_model_spec(args.model_spec)
-    hw, software = hardware(args.hardware), SOFTWARE[args.software]
+    if args.hardware_spec is not None:
+        from refpar.analysis.hardware import parse_hardware_spec
+
+        hw = parse_hardware_spec(args.hardware_spec)
+    else:
+        hw = hardware(args.hardware)
+    software = SOFTWARE[args.software]
     common = dict(global_batch=args.global_batch, seq=args.seq, precision=args.precision,
                   dtype=args.dtype, software=software)
     start = time.perf_counter()

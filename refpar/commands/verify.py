@@ -125,6 +125,19 @@ MATRIX: list[tuple[str, int, tuple[str, ...]]] = [
     ("llama dp x ep mixtral", 4, ("--model", "llama-tiny", "--mesh", "dp=2,ep=2", "--moe-experts", "4",
                                   "--moe-topk", "2", "--dropless", "--microbatches", "2")),
     ("llama tp+sp bf16", 2, ("--model", "llama-tiny", "--mesh", "tp=2", "--sp", "--precision", "bf16-mixed")),
+    # DeepSeek-V3 (deepseek-tiny: latent attention, a dense block, then 8 fine-grained experts and a
+    # shared one): heads over tp, the latents gathered under sp, routed experts' columns over tp,
+    # positions over cp with RoPE by global position, k and v at their own widths
+    ("deepseek dp x ep zero-3", 4, ("--model", "deepseek-tiny", "--mesh", "dp=2,ep=2", "--zero", "3")),
+    ("deepseek tp", 2, ("--model", "deepseek-tiny", "--mesh", "tp=2")),
+    ("deepseek tp+sp", 2, ("--model", "deepseek-tiny", "--mesh", "tp=2", "--sp", "--microbatches", "2")),
+    ("deepseek ep x tp+sp", 4, ("--model", "deepseek-tiny", "--mesh", "tp=2,ep=2", "--sp", "--zero", "1",
+                                "--microbatches", "2")),
+    ("deepseek cp ring", 2, ("--model", "deepseek-tiny", "--mesh", "cp=2")),
+    ("deepseek ulysses x tp+sp", 4, ("--model", "deepseek-tiny", "--mesh", "cp=2,tp=2", "--sp", "--cp-algo",
+                                     "ulysses", "--microbatches", "2")),
+    ("deepseek dp x tp x pp", 8, ("--model", "deepseek-tiny", "--mesh", "dp=2,tp=2,pp=2", "--zero", "1",
+                                  "--microbatches", "2")),
 ]
 # About 10 runs that touch every building block once: `make test` runs these.
 QUICK = ("zero-3", "tp+sp", "dp x cp", "dp x ep", "pp zb-h1", "interleaved x tp", "zero-1 x tp+sp x pp",
@@ -296,7 +309,7 @@ def run(args) -> int:
             continue
         interrupt.at(order.index(name), len(order), "run")  # what Ctrl-C's line says
         precision = cli[cli.index("--precision") + 1] if "--precision" in cli else args.precision
-        moe = "--moe-experts" in cli
+        moe = "--moe-experts" in cli or "deepseek-tiny" in cli  # its preset has experts
         why = refused(precision, moe)
         if why is not None:
             skipped += 1

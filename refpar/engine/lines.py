@@ -112,7 +112,7 @@ def closing_lines(say, model, cfg, sizes, plan, par, out, every, s) -> None:
             say(f"  expected in {precision_of(model.dtype)}: one device runs it too, but the ranks sum in "
                 "another order, which flips some 16-bit roundings; AdamW moves a weight by about lr "
                 "whatever its gradient's size, so a flip can move it by 2 lr, large next to a tensor "
-                "(a bias, from 0) that has moved a few lr (lesson 10)")
+                "(a bias, from 0) that has moved a few lr (lesson 13)")
     norms = [n for n in s["grad_norms"] or () if n is not None]  # none on the steps fp16 skipped
     if norms:
         clipped = clipped_steps(norms, cfg.clip_grad_norm)
@@ -209,8 +209,7 @@ def _table(say, s) -> None:
 
 
 def _against(category: str, measured: int, closed: int | None) -> str:
-    """One category's peak next to its closed form; a category without one (DeepSeek-V3's
-    activations, holdings.Names.activations_priced) says so rather than differ."""
+    """One category's peak next to its closed form; a category without one says so rather than differ."""
     if closed is None:
         return f"{category} {measured:,} | no closed form yet"
     return f"{category} {measured:,} | {closed:,}" + ("" if measured == closed else " MISMATCH")

@@ -23,7 +23,6 @@ from refpar.analysis.flops import step_flops
 from refpar.analysis.moe import expected_all_to_all_bytes, expert_param_bytes_per_rank
 from refpar.analysis.presets import from_model_config
 from refpar.config import ModelConfig, TrainConfig
-from refpar.holdings import names
 from refpar.memory import CATEGORIES
 from refpar.model.routing import capacity
 from refpar.parallel.expert_parallel import owned_experts
@@ -108,8 +107,7 @@ def summarize(model, cfg, sizes, plan, par, out, every, ref, corpus) -> dict:
     memory_rows = [{"rank": r, "category": c, "bytes": int(e["peak"][c])}
                    for r, e in enumerate(every) for c in CATEGORIES]
     expected_comm = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_comm"]]
-    expected_memory = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_memory"]
-                       if names(model).activations_priced or row["category"] != "activations"]
+    expected_memory = [{"rank": r, **row} for r, e in enumerate(every) for row in e["expected_memory"]]
     fields = {"lrs": out.lrs, "grad_norms": out.grad_norms if par.clip is not None else None,
               # per rank, per step: the GEMM FLOPs it ran (refpar/model/gemm.py); on a dense model their
               # sum over the ranks is what the planner prices for a step (refpar/analysis/flops.step_flops),

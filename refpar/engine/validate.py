@@ -52,20 +52,37 @@ def validate(model: ModelConfig, train: TrainConfig, sizes: dict, plan: Plan) ->
 
 def _check_family(model: ModelConfig, sizes: dict) -> None:
     """What the engine runs each family with (the pieces table): every strategy, except that
-    refpar/parallel/expert_tensor_parallel.py splits GPT-2's experts only, DeepSeek-V3's latent
-    attention runs whole on each rank (refpar/parallel/deepseek_pieces.py: no tp or cp), and
+    refpar/parallel/expert_tensor_parallel.py splits GPT-2's and DeepSeek-V3's experts only, and
     multi-token prediction trains on one device only."""
     fam = family(model)
     split = [f"{axis}={sizes[axis]}" for axis in ("tp", "cp") if sizes.get(axis, 1) > 1]
     if split and not fam.splits_attention:
         raise ConfigError(f"{names(model).title}'s attention runs whole on each rank so far, not split over "
                           f"{split[0]} (dp, ZeRO, FSDP, pp and ep run it); drop {split[0]} from --mesh")
+    _check_mlp_widths(model, sizes)
     if model.moe_experts and sizes.get("tp", 1) > 1 and not fam.experts_over_tp:
         raise ConfigError(f"Mixtral's experts run over ep, dp, cp and pp, not split over tp={sizes['tp']} "
-                          "(expert tensor parallelism is GPT-2's so far); drop tp from --mesh")
+                          "(expert tensor parallelism is GPT-2's and DeepSeek-V3's so far); drop tp from "
+                          "--mesh")
     if model.num_nextn_predict_layers:
         raise ConfigError("multi-token prediction trains in refpar.model.loss_and_grads only so far, not on "
                           "the engine's pieces; set num_nextn_predict_layers=0")
+
+
+def _check_mlp_widths(model: ModelConfig, sizes: dict) -> None:
+    """A SwiGLU width (Llama's and DeepSeek-V3's intermediate_size, DeepSeek-V3's experts'
+    moe_intermediate_size) splits over tp by columns, so each rank needs one (GPT-2's 4C has more
+    columns than n_head, which check_tp already holds to tp)."""
+    t = sizes.get("tp", 1)
+    widths = [("intermediate_size", model.intermediate_size)]
+    if model.moe_experts:
+        widths.append(("moe_intermediate_size", model.moe_intermediate_size))
+    for name, width in widths:
+        if width is None:
+            continue
+        if width < t:
+            raise ConfigError(f"tp={t} splits {name}={width} into fewer columns than ranks; use "
+                              f"tp <= {width}")
 
 
 def _check_schedule(model: ModelConfig, p: int, plan: Plan) -> None:

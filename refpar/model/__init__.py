@@ -49,6 +49,12 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, **options):
     return family(config).loss_and_grads(params, tokens, targets, config, **options)
 
 
+def kv_cache_shape(config: ModelConfig):
+    """What a KV cache keeps per token per layer (model/attention.py's CacheShape): K and V of every kv
+    head (GPT-2, Llama), or MLA's one latent entry (DeepSeek-V3)."""
+    return family(config).kv_cache_shape(config)
+
+
 def moe_spec(config: ModelConfig) -> moe.MoESpec:
     """The family's MoE: its parameters' names, its router's layout and its expert MLP."""
     return family(config).MOE
@@ -63,13 +69,9 @@ def moe_layer(config: ModelConfig, weight: float = 1.0, grad_scale: float = 1.0,
 
 def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:
     """Parameters (or gradients) under Hugging Face's checkpoint keys, the same arrays."""
-    if config.arch == "gpt2":  # refpar's GPT-2 names are GPT2Model's; GPT2LMHeadModel prefixes them
-        return {"transformer." + k: v for k, v in gpt.to_gpt2_state_dict(params_or_grads).items()}
     return family(config).to_hf_state_dict(params_or_grads, config)
 
 
 def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
     """refpar's parameters, in config.dtype, from an HF checkpoint's or model's state dict."""
-    if config.arch == "gpt2":
-        return gpt.from_gpt2_state_dict(state_dict, config)
     return family(config).from_hf_state_dict(state_dict, config)

@@ -39,8 +39,9 @@ class MarkovCorpus:
         dense = V <= DENSE_VOCAB
         successors = np.empty((V, branching), dtype=np.int64)  # (V, k)
         if dense:
+            tokens = np.arange(V)  # (V,)
             for i in range(V):
-                others = np.setdiff1d(np.arange(V), [(i + 1) % V, (i + 2) % V])
+                others = np.delete(tokens, [(i + 1) % V, (i + 2) % V])  # (V-2,) sorted, as setdiff1d's
                 picked = gen.choice(others, size=branching - 2, replace=False)
                 successors[i] = [(i + 1) % V, (i + 2) % V, *picked]
         else:

@@ -39,7 +39,7 @@ from array_api_compat import array_namespace
 
 from refpar import rng
 from refpar.config import ModelConfig
-from refpar.model.layers import as_like
+from refpar.model.layers import add_grads, as_like
 from refpar.model.llama import (
     EMBED,
     FINAL_NORM,
@@ -53,6 +53,7 @@ from refpar.model.llama import (
     head_forward,
     head_name,
     logits_forward,
+    params_from_hf,
 )
 from refpar.model.llama_layers import (
     rmsnorm_backward,
@@ -60,7 +61,7 @@ from refpar.model.llama_layers import (
     swiglu_mlp_backward,
     swiglu_mlp_forward,
 )
-from refpar.model.mla import mla_backward, mla_forward, mla_param_shapes
+from refpar.model.mla import latent_cache, mla_backward, mla_forward, mla_param_shapes
 from refpar.model.moe import MoELayer, MoESpec, SwiGLUMLP
 from refpar.model.mtp import mtp_backward, mtp_forward, mtp_layer, mtp_param_shapes
 from refpar.precision import dtype_of
@@ -95,6 +96,9 @@ def block_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, 
     return shapes
 
 
+kv_cache_shape = latent_cache  # what a KV cache keeps per token per layer: MLA's latent and rotary key
+
+
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's name and full shape, in the order of DeepseekV3ForCausalLM's checkpoint, then
     the multi-token prediction modules' (refpar/model/mtp.py), which that class has not."""
@@ -125,18 +129,20 @@ def init_params(config: ModelConfig, seed: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- block
-def block_forward(x, params, layer: int, config: ModelConfig, drop=None, positions=None, moe=None):
+def block_forward(x, params, layer: int, config: ModelConfig, drop=None, positions=None, moe=None,
+                  attention=mla_forward):
     """x (B, T, C) -> y (B, T, C): x + mla(input_layernorm(x)), then + mlp(post_attention_layernorm(.)),
     the MLP dense in the first first_k_dense_replace blocks and `moe.forward` (default the
     single-device `MoELayer` of `MOE`) after. `positions` (T,) as in llama.block_forward; `drop` is
-    accepted for a pipeline stage's sake (no dropout)."""
+    accepted for a pipeline stage's sake (no dropout). `attention` takes mla_forward's arguments:
+    serving's cached, absorbed MLA (refpar/serving/latent_attention.py), forward only."""
     p = f"model.layers.{layer}."
     P = params
     positions = _positions(x, x.shape[1], positions)  # (T,)
     eps = config.norm_eps
 
     a, c_ln1 = rmsnorm_forward(x, P[p + "input_layernorm.weight"], eps)  # (B, T, C)
-    o, c_attn = mla_forward(a, P, p + "self_attn.", config, positions)  # (B, T, C)
+    o, c_attn = attention(a, P, p + "self_attn.", config, positions)  # (B, T, C)
     x1 = x + o  # (B, T, C)
 
     m, c_ln2 = rmsnorm_forward(x1, P[p + "post_attention_layernorm.weight"], eps)  # (B, T, C)
@@ -218,12 +224,12 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, normalizer=N
     grads, dh = {}, None
     for c in reversed(c_mtp):  # depth D first: each gives the one before its gradient of h
         dh, g = mtp_backward(dloss * config.mtp_loss_weight / D, dh, c, block_backward)  # (B, T-k+1, C)
-        _accumulate(grads, g)  # the shared embedding and head take a share from each depth
+        add_grads(grads, g)  # the shared embedding and head take a share from each depth
     dx, g = head_backward(c_head, dloss)  # (B, T, C)
     if dh is not None:  # model.norm's output feeds the first MTP depth too
         dx_mtp, dnorm = rmsnorm_backward(dh, c_head[0][0])  # (B, T, C)
         dx, g[FINAL_NORM] = dx + dx_mtp, g[FINAL_NORM] + dnorm
-    _accumulate(grads, g)
+    add_grads(grads, g)
     for layer in reversed(range(config.n_layer)):
         dx, g = block_backward(dx, c_blocks[layer])  # (B, T, C)
         grads.update(g)
@@ -235,36 +241,10 @@ def loss_and_grads(params, tokens, targets, config: ModelConfig, *, normalizer=N
     return float(loss), {name: grads[name] for name in params}
 
 
-def _accumulate(grads: dict, g: dict) -> None:
-    """Adds the gradients `g` into `grads`, name by name."""
-    for name, grad in g.items():
-        grads[name] = grads[name] + grad if name in grads else grad
-
-
 # ------------------------------------------------------------------------ Hugging Face state dict
 def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:
     """The dict under DeepseekV3's checkpoint keys: refpar's own (a new dict, the same arrays)."""
     return dict(params_or_grads)
-
-
-def unfuse_experts(state_dict: dict, n_layer: int) -> dict:
-    """transformers >= 5's in-memory routed experts (`model.layers.{i}.mlp.experts.gate_up_proj`
-    (E, 2H, C): gate rows then up rows, `mlp.experts.down_proj` (E, C, H)) as the checkpoint's
-    per-expert keys of `MOE`; every other key passes unchanged."""
-    out = dict(state_dict)
-    for i in range(n_layer):
-        fused = f"model.layers.{i}.mlp.experts."
-        if fused + "gate_up_proj" in out:
-            gate_up = out.pop(fused + "gate_up_proj")  # (E, 2H, C)
-            H = gate_up.shape[1] // 2
-            for e in range(gate_up.shape[0]):
-                out[f"{MOE.expert_prefix(i, e)}.gate_proj.weight"] = gate_up[e, :H]  # (H, C)
-                out[f"{MOE.expert_prefix(i, e)}.up_proj.weight"] = gate_up[e, H:]  # (H, C)
-        if fused + "down_proj" in out:
-            down = out.pop(fused + "down_proj")  # (E, C, H)
-            for e in range(down.shape[0]):
-                out[f"{MOE.expert_prefix(i, e)}.down_proj.weight"] = down[e]  # (C, H)
-    return out
 
 
 def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
@@ -272,31 +252,9 @@ def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
     checkpoint's keys or a model's `state_dict()` (fused experts). The routers' bias buffers are left
     out (`expert_biases` reads them), and so are the rotary `inv_freq` buffers. Missing names, unknown
     names and wrong shapes raise ValueError naming the first one."""
-    dtype = dtype_of(config.dtype)
-    shapes = param_shapes(config)
-    state_dict = unfuse_experts(state_dict, config.n_layer + config.num_nextn_predict_layers)
-    params, extra = {}, []
-    tied_head = None
-    for key, value in state_dict.items():
-        if key == LM_HEAD and config.tie_embeddings:
-            tied_head = value
-        elif key.endswith(("rotary_emb.inv_freq", "mlp.gate.e_score_correction_bias")):
-            continue
-        elif key in shapes:
-            array = np.asarray(value, dtype=dtype)
-            if array.shape != shapes[key]:
-                raise ValueError(f"{key} has shape {array.shape}, expected {shapes[key]} for this config")
-            params[key] = array
-        else:
-            extra.append(key)
-    missing = [name for name in shapes if name not in params]
-    if missing:
-        raise ValueError(f"the state dict lacks {missing[0]} (and {len(missing) - 1} more)")
-    if extra:
-        raise ValueError(f"the state dict has {extra[0]}, which this DeepSeek config does not")
-    if tied_head is not None and not np.array_equal(np.asarray(tied_head, dtype=dtype), params[EMBED]):
-        raise ValueError(f"lm_head.weight differs from {EMBED}, but this config ties them")
-    return {name: params[name] for name in shapes}
+    return params_from_hf(state_dict, config, param_shapes(config), MOE,
+                          config.n_layer + config.num_nextn_predict_layers,
+                          ("rotary_emb.inv_freq", "mlp.gate.e_score_correction_bias"), "DeepSeek")
 
 
 def expert_biases(state_dict, config: ModelConfig) -> dict:

@@ -23,9 +23,10 @@ from array_api_compat import array_namespace, device
 
 from refpar import rng
 from refpar.config import ConfigError, ModelConfig
-from refpar.model.attention import attention_backward, attention_forward
+from refpar.model.attention import CacheShape, attention_backward, attention_forward, multi_head_cache
 from refpar.model.dropout import keep_mask
 from refpar.model.layers import (
+    add_grads,
     as_like,
     cross_entropy_backward,
     cross_entropy_forward,
@@ -78,6 +79,11 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def kv_cache_shape(config: ModelConfig) -> CacheShape:
+    """What a KV cache keeps per token per layer: K and V of every head."""
+    return multi_head_cache(config.n_head, config.head_size, config.n_head)
+
+
 def init_std(name: str, config: ModelConfig) -> float:
     """GPT-2's init: normal(0, 0.02) for weights and embeddings; the residual projections scaled by
     1/sqrt(2L) because each block adds two of them to the residual stream (GPT-2 paper, sec. 2.3)."""
@@ -98,8 +104,9 @@ def init_params(config: ModelConfig, seed: int) -> dict:
         elif ".ln_" in name or name.startswith("ln_f"):
             params[name] = np.ones(shape, dtype)
         else:
-            draw = rng.normal(seed, "init", rng.name_id(name), shape=shape)
-            params[name] = (draw * init_std(name, config)).astype(dtype)
+            draw = rng.normal(seed, "init", rng.name_id(name), shape=shape)  # float64, a fresh array
+            draw *= init_std(name, config)  # in place: GPT-2's 39M-entry embedding is not copied twice
+            params[name] = draw.astype(dtype, copy=False)
     return params
 
 
@@ -162,7 +169,7 @@ def embed_backward(dx, cache) -> dict:
 def add_embedding_grads(grads: dict, g: dict) -> dict:
     """Folds the embedding's gradients `g` (`embed_backward`'s or a sharded twin's) into `grads`:
     wpe's, and wte's added to the tied head's share when `grads` already holds it."""
-    grads["wte.weight"] = grads["wte.weight"] + g["wte.weight"] if "wte.weight" in grads else g["wte.weight"]
+    add_grads(grads, {"wte.weight": g["wte.weight"]})
     grads["wpe.weight"] = g["wpe.weight"]
     return grads
 
@@ -346,6 +353,16 @@ def to_gpt2_state_dict(params) -> dict:
     """refpar's params are already named and laid out as a GPT-2 (Hugging Face GPT2Model) state
     dict; this returns a new dict with `lm_head.weight` left out (it is `wte.weight`)."""
     return dict(params)
+
+
+def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:
+    """GPT2LMHeadModel's checkpoint keys: refpar's, GPT2Model's, under its `transformer.` prefix."""
+    return {"transformer." + k: v for k, v in to_gpt2_state_dict(params_or_grads).items()}
+
+
+def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
+    """Parameters from a GPT2LMHeadModel's or GPT2Model's state dict (`from_gpt2_state_dict`)."""
+    return from_gpt2_state_dict(state_dict, config)
 
 
 def from_gpt2_state_dict(state_dict, config: ModelConfig) -> dict:

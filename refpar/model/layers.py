@@ -64,6 +64,14 @@ def scatter_add_rows(idx, rows, n: int):
     return out
 
 
+def add_grads(grads: dict, g: dict) -> dict:
+    """Adds the gradients `g` into `grads` name by name (a parameter two parts of the model read,
+    such as a tied embedding, sums their shares); a name `grads` lacks is taken as it is."""
+    for name, grad in g.items():
+        grads[name] = grads[name] + grad if name in grads else grad
+    return grads
+
+
 # ---------------------------------------------------------------------------------------- linear
 @fp32_compute
 def linear_forward(x, w, b):

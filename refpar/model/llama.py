@@ -31,8 +31,9 @@ from array_api_compat import array_namespace, device
 
 from refpar import rng
 from refpar.config import ModelConfig
+from refpar.model.attention import CacheShape, multi_head_cache
 from refpar.model.gpt import merge_heads, split_heads
-from refpar.model.layers import as_like, cross_entropy_backward, cross_entropy_forward
+from refpar.model.layers import add_grads, as_like, cross_entropy_backward, cross_entropy_forward
 from refpar.model.llama_layers import (
     gqa_attention_backward,
     gqa_attention_forward,
@@ -48,7 +49,7 @@ from refpar.model.llama_layers import (
     token_embedding_backward,
     token_embedding_forward,
 )
-from refpar.model.moe import MoELayer, MoESpec, SwiGLUMLP, router_loss
+from refpar.model.moe import MoELayer, MoESpec, SwiGLUMLP, router_loss, unfuse_experts
 from refpar.precision import dtype_of
 
 EMBED = "model.embed_tokens.weight"
@@ -102,6 +103,11 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def kv_cache_shape(config: ModelConfig) -> CacheShape:
+    """What a KV cache keeps per token per layer: K and V of every kv head (grouped-query attention)."""
+    return multi_head_cache(config.n_kv_head, config.head_size, config.n_head)
+
+
 def init_params(config: ModelConfig, seed: int) -> dict:
     """HF's Llama init: every matrix normal(0, init_std) (its initializer_range, 0.02), the RMSNorm
     gains 1. Drawn as gpt.init_params draws: the full tensor from one RNG key per parameter name, so
@@ -133,8 +139,7 @@ def embed_backward(dx, cache) -> dict:
 def add_embedding_grads(grads: dict, g: dict) -> dict:
     """Folds the embedding's gradient `g` into `grads`, added to the tied head's share when `grads`
     already holds one."""
-    grads[EMBED] = grads[EMBED] + g[EMBED] if EMBED in grads else g[EMBED]
-    return grads
+    return add_grads(grads, {EMBED: g[EMBED]})
 
 
 # ----------------------------------------------------------------------------------------- block
@@ -292,43 +297,30 @@ def to_hf_state_dict(params_or_grads, config: ModelConfig) -> dict:
     return dict(params_or_grads)
 
 
-def unfuse_experts(state_dict: dict, n_layer: int) -> dict:
-    """transformers >= 5's in-memory Mixtral keys (`model.layers.{i}.mlp.gate.weight`,
-    `mlp.experts.gate_up_proj` (E, 2F, C): gate rows then up rows, `mlp.experts.down_proj`
-    (E, C, F)) as the checkpoint's per-expert keys of `MOE`; every other key passes unchanged."""
-    out = dict(state_dict)
-    for i in range(n_layer):
-        fused = f"model.layers.{i}.mlp."
-        if fused + "gate.weight" in out:
-            out[MOE.router_name(i)] = out.pop(fused + "gate.weight")
-        if fused + "experts.gate_up_proj" in out:
-            gate_up = out.pop(fused + "experts.gate_up_proj")  # (E, 2F, C)
-            F = gate_up.shape[1] // 2
-            for e in range(gate_up.shape[0]):
-                out[f"{MOE.expert_prefix(i, e)}.w1.weight"] = gate_up[e, :F]  # (F, C)
-                out[f"{MOE.expert_prefix(i, e)}.w3.weight"] = gate_up[e, F:]  # (F, C)
-        if fused + "experts.down_proj" in out:
-            down = out.pop(fused + "experts.down_proj")  # (E, C, F)
-            for e in range(down.shape[0]):
-                out[f"{MOE.expert_prefix(i, e)}.w2.weight"] = down[e]  # (C, F)
-    return out
-
-
 def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
     """Parameters from a LlamaForCausalLM or MixtralForCausalLM state dict (arrays or anything
     `np.asarray` takes, e.g. CPU torch tensors): the checkpoint's keys, or a model's `state_dict()`
     (transformers >= 5 fuses Mixtral's experts there; a tied lm_head.weight must equal the
     embedding). Rotary `inv_freq` buffers, which older checkpoints saved, are ignored. Missing
     names, unknown names and wrong shapes raise ValueError naming the first one."""
+    return params_from_hf(state_dict, config, param_shapes(config), MOE, config.n_layer,
+                          ("rotary_emb.inv_freq",), "Llama")
+
+
+def params_from_hf(state_dict, config: ModelConfig, shapes: dict, spec: MoESpec, n_layer: int,
+                   buffers: tuple[str, ...], family: str) -> dict:
+    """The parameters `shapes` (name -> shape), in config.dtype, from the HF state dict of a family
+    with Llama's names outside its blocks (Llama, Mixtral, DeepSeek-V3): the fused experts of its
+    `n_layer` blocks unfused as `spec` names them (moe.unfuse_experts), the keys ending in `buffers`
+    skipped; `family` names the family in the ValueError."""
     dtype = dtype_of(config.dtype)
-    shapes = param_shapes(config)
-    state_dict = unfuse_experts(state_dict, config.n_layer)
+    state_dict = unfuse_experts(state_dict, spec, n_layer)
     params, extra = {}, []
     tied_head = None
     for key, value in state_dict.items():
         if key == LM_HEAD and config.tie_embeddings:
             tied_head = value
-        elif key.endswith("rotary_emb.inv_freq"):
+        elif key.endswith(buffers):
             continue
         elif key in shapes:
             array = np.asarray(value, dtype=dtype)
@@ -341,7 +333,7 @@ def from_hf_state_dict(state_dict, config: ModelConfig) -> dict:
     if missing:
         raise ValueError(f"the state dict lacks {missing[0]} (and {len(missing) - 1} more)")
     if extra:
-        raise ValueError(f"the state dict has {extra[0]}, which this Llama config does not")
+        raise ValueError(f"the state dict has {extra[0]}, which this {family} config does not")
     if tied_head is not None and not np.array_equal(np.asarray(tied_head, dtype=dtype), params[EMBED]):
         raise ValueError(f"lm_head.weight differs from {EMBED}, but this config ties them")
     return {name: params[name] for name in shapes}

@@ -18,9 +18,9 @@ Without q_lora_rank the query is x @ q_proj.T (DeepSeek-V2-Lite). What a KV cach
 ckv and k_rope, rkv + dr numbers, where multi-head attention keeps 2 nh dq.
 
 Conventions, so that the numbers are Hugging Face's (and DeepSeek's reference code's):
-- The softmax scale is 1 / sqrt(dn + dr). refpar does not implement rope_scaling (YaRN), so HF's
-  yarn mscale, which multiplies the scale only when rope_parameters' rope_type is not "default",
-  never applies.
+- The softmax scale is 1 / sqrt(dn + dr). With `rope_scaling` (YaRN, refpar/model/rope_yarn.py) the
+  rotary frequencies are YaRN's, cos and sin are scaled by its attention factor and the softmax scale
+  by get_mscale(factor, mscale_all_dim)^2, as HF's DeepseekV3RotaryEmbedding and yarn_apply_mscale do.
 - The two latent RMSNorms take epsilon 1e-6 whatever rms_norm_eps is: HF builds them as
   DeepseekV3RMSNorm(rank), whose default that is.
 - With `rope_interleave` (HF's default, DeepSeek's checkpoints) the rotary channels pair as (0, 1),
@@ -31,9 +31,11 @@ Conventions, so that the numbers are Hugging Face's (and DeepSeek's reference co
 
 from __future__ import annotations
 
+import math
+
 from array_api_compat import array_namespace
 
-from refpar.model.attention import attention_backward, attention_forward
+from refpar.model.attention import CacheShape, attention_backward, attention_forward
 from refpar.model.gpt import merge_heads, split_heads
 from refpar.model.llama_layers import (
     linear_t_backward,
@@ -44,6 +46,7 @@ from refpar.model.llama_layers import (
     rope_cos_sin,
     rope_forward,
 )
+from refpar.model.rope_yarn import softmax_factor, yarn_cos_sin
 
 LATENT_NORM_EPS = 1e-6  # HF's DeepseekV3RMSNorm default, which q_a_layernorm and kv_a_layernorm keep
 
@@ -67,7 +70,31 @@ def mla_param_shapes(config, prefix: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def latent_cache(config) -> CacheShape:
+    """What MLA's KV cache keeps per token per layer (DeepSeek-V2, section 2.1.2): the latent c_kv after
+    kv_a_layernorm and the rotated shared key k_rope, one entry of rkv + dr numbers for all heads,
+    whole on every tp rank; the heads' keys and values are absorbed from it (refpar/serving/
+    latent_attention.py). Multi-head attention with MLA's head widths would cache every head's key
+    (dn + dr) and value (dv): 2 nh dh when the widths are equal (DeepSeek-V2, Table 1)."""
+    rkv, dr = config.kv_lora_rank, config.qk_rope_head_dim
+    return CacheShape(1, rkv + dr, 0, rkv, split_by_tp=False,
+                      multi_head=config.n_head * (config.qk_nope_head_dim + dr + config.v_head_dim))
+
+
 # ---------------------------------------------------------------------------------------- rope
+def mla_cos_sin(positions, config, like):
+    """cos and sin (T, dr) of the rotary channels at `positions` (T,): plain RoPE, or YaRN's with
+    config.rope_scaling."""
+    if config.rope_scaling is None:
+        return rope_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, like)
+    return yarn_cos_sin(positions, config.qk_rope_head_dim, config.rope_theta, config.rope_scaling, like)
+
+
+def mla_softmax_scale(config) -> float:
+    """1/sqrt(dn + dr), times YaRN's get_mscale(factor, mscale_all_dim)^2 with rope_scaling."""
+    return softmax_factor(config.rope_scaling) / math.sqrt(config.qk_nope_head_dim + config.qk_rope_head_dim)
+
+
 def mla_rope_forward(x, cos, sin, interleave: bool):
     """x (B, n, T, dr) rotated by position, with cos and sin (T, dr) from rope_cos_sin; `interleave`
     as in the module docstring."""
@@ -95,7 +122,7 @@ def mla_forward(x, params, prefix: str, config, positions):
     P, nh = params, config.n_head
     dn, dr, rkv = config.qk_nope_head_dim, config.qk_rope_head_dim, config.kv_lora_rank
     B, T, _ = x.shape
-    cos, sin = rope_cos_sin(positions, dr, config.rope_theta, x)  # (T, dr) each
+    cos, sin = mla_cos_sin(positions, config, x)  # (T, dr) each
 
     if config.q_lora_rank is None:
         q, c_q = linear_t_forward(x, P[prefix + "q_proj.weight"])  # (B, T, nh * dq)
@@ -118,7 +145,8 @@ def mla_forward(x, params, prefix: str, config, positions):
     k = xp.concat([kv[..., :dn], xp.broadcast_to(k_rope, (B, nh, T, dr))], axis=-1)  # (B, nh, T, dq)
     v = kv[..., dn:]  # (B, nh, T, dv)
 
-    o, c_att = attention_forward(q, k, v, positions, positions)  # (B, nh, T, dv): scale 1/sqrt(dq)
+    o, c_att = attention_forward(q, k, v, positions, positions,
+                                 scale=mla_softmax_scale(config))  # (B, nh, T, dv)
     out, c_o = linear_t_forward(merge_heads(o), P[prefix + "o_proj.weight"])  # (B, T, C)
     cache = (prefix, nh, dn, config.rope_interleave, c_qa, c_qn, c_q, c_rq, c_kva, c_rk, c_kvn, c_kvb,
              c_att, c_o)

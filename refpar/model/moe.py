@@ -39,9 +39,13 @@ class GeluMLP:
 
     down_bias = "c_proj.bias"  # what tensor parallelism adds once, after the sum over tp
 
+    def hidden(self, config) -> int:
+        """H, one expert's hidden width: 4C."""
+        return 4 * config.n_embd
+
     def shapes(self, config, copies: int = 1) -> dict[str, tuple[int, ...]]:
         """One expert's parameters by suffix; `copies` experts as one MLP of their widths side by side."""
-        C, H = config.n_embd, 4 * config.n_embd * copies
+        C, H = config.n_embd, self.hidden(config) * copies
         return {"c_fc.weight": (C, H), "c_fc.bias": (H,), "c_proj.weight": (H, C), "c_proj.bias": (C,)}
 
     def forward(self, x2, params, prefix: str, down_bias: bool = True):
@@ -77,9 +81,13 @@ class SwiGLUMLP:
     width: str = "intermediate_size"
     down_bias = None  # a class attribute, not a field: there is no bias
 
+    def hidden(self, config) -> int:
+        """H, one expert's hidden width: the config's field `width`."""
+        return getattr(config, self.width)
+
     def shapes(self, config, copies: int = 1) -> dict[str, tuple[int, ...]]:
         """One expert's parameters by suffix; `copies` experts as one MLP of their widths side by side."""
-        C, H = config.n_embd, getattr(config, self.width) * copies
+        C, H = config.n_embd, self.hidden(config) * copies
         return {f"{self.gate}.weight": (H, C), f"{self.up}.weight": (H, C), f"{self.down}.weight": (C, H)}
 
     def forward(self, x2, params, prefix: str, down_bias: bool = True):
@@ -158,6 +166,31 @@ class MoESpec:
     def router_grad(self, dw):
         """dw (C, E) -> the router's gradient in its stored layout."""
         return array_namespace(dw).matrix_transpose(dw) if self.router_out_in else dw
+
+
+def unfuse_experts(state_dict: dict, spec: MoESpec, n_layer: int) -> dict:
+    """transformers >= 5's in-memory routed experts, the same for MixtralForCausalLM and
+    DeepseekV3ForCausalLM (`model.layers.{i}.mlp.gate.weight`, `mlp.experts.gate_up_proj` (E, 2H, C):
+    gate rows then up rows, `mlp.experts.down_proj` (E, C, H)), as the checkpoint files' per-expert
+    keys of `spec` (its router and its SwiGLU's gate, up and down names); every other key passes
+    unchanged."""
+    out = dict(state_dict)
+    mlp = spec.mlp
+    for i in range(n_layer):
+        fused = f"model.layers.{i}.mlp."
+        if fused + "gate.weight" in out and spec.router_name(i) != fused + "gate.weight":
+            out[spec.router_name(i)] = out.pop(fused + "gate.weight")
+        if fused + "experts.gate_up_proj" in out:
+            gate_up = out.pop(fused + "experts.gate_up_proj")  # (E, 2H, C)
+            H = gate_up.shape[1] // 2
+            for e in range(gate_up.shape[0]):
+                out[f"{spec.expert_prefix(i, e)}.{mlp.gate}.weight"] = gate_up[e, :H]  # (H, C)
+                out[f"{spec.expert_prefix(i, e)}.{mlp.up}.weight"] = gate_up[e, H:]  # (H, C)
+        if fused + "experts.down_proj" in out:
+            down = out.pop(fused + "experts.down_proj")  # (E, C, H)
+            for e in range(down.shape[0]):
+                out[f"{spec.expert_prefix(i, e)}.{mlp.down}.weight"] = down[e]  # (C, H)
+    return out
 
 
 # ----------------------------------------------------------------------- dispatch and combine

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from array_api_compat import array_namespace, device
 
-from refpar.model.layers import cross_entropy_backward, cross_entropy_forward
+from refpar.model.layers import add_grads, cross_entropy_backward, cross_entropy_forward
 from refpar.model.llama_layers import (
     linear_t_backward,
     linear_t_forward,
@@ -92,7 +92,7 @@ def mtp_backward(dloss, dhk, cache, block_backward):
     de, g[p + "enorm.weight"] = rmsnorm_backward(dcat[..., :C], c_en)  # (B, T_k, C)
     dg, g[p + "hnorm.weight"] = rmsnorm_backward(dcat[..., C:], c_hn)  # (B, T_k, C)
     demb = token_embedding_backward(de, c_emb)  # (V, C)
-    g[EMBED] = g[EMBED] + demb if EMBED in g else demb  # a tied head is the embedding too
+    add_grads(g, {EMBED: demb})  # a tied head is the embedding too
     xp = array_namespace(dg)
     last = xp.zeros((dg.shape[0], 1, C), dtype=dg.dtype, device=device(dg))  # (B, 1, C): feeds no depth k
     return xp.concat([dg, last], axis=1), g  # (B, T_{k-1}, C)

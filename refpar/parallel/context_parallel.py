@@ -34,6 +34,11 @@ the tp rank's kv heads to be a multiple of cp (`check_cp`). Replicating kv heads
 ranks, more bytes for no gain where the split works; refpar refuses those meshes and ring
 attention runs them.
 
+DeepSeek-V3's latent attention (refpar/parallel/mla_tensor_parallel.py) hands over k of dn + dr and
+v of dv channels per head, the shared RoPE key already rotated by the rank's global positions and
+copied into every head: the ring's block is k and v side by side on the last axis, and Ulysses
+moves each array at its own width.
+
 Parameters are replicated over cp and their gradients summed over cp, as over dp.
 
 Mixed precision: the K/V blocks and Ulysses' all-to-alls travel in the 16-bit activation dtype.
@@ -160,14 +165,16 @@ class RingAttention:
         qc = compute(q)  # (B, nh, Tl, hs), float32 when q is 16-bit
         # Fresh and contiguous (zeros_like would copy q's strides, and the merged heads c_proj keeps
         # would then be a view of it in some namespaces): the same arrays are kept in every backend.
-        out = xp.zeros(q.shape, dtype=qc.dtype, device=device(q))  # (B, nh, Tl, hs)
+        out = xp.zeros((*q.shape[:-1], v.shape[-1]), dtype=qc.dtype, device=device(q))  # (B, nh, Tl, hs)
         lse = xp.full((*q.shape[:-1], 1), -math.inf, dtype=qc.dtype, device=device(q))  # (B, nh, Tl, 1)
-        kv = xp.stack([k, v])  # (2, B, nh, Tl, hs): the block that travels, in q's dtype
+        wk = k.shape[-1]  # k's width; v's may differ (DeepSeek-V3's MLA: dn + dr, and dv)
+        # the block that travels, in q's dtype: k and v side by side in one message
+        kv = xp.concat([k, v], axis=-1)  # (B, nh, Tl, 2hs)
         for step in range(c):
             if step < c - 1:
                 send, recv = self._pass(kv, step, lay, f"h.{layer}.attn.ring_kv:fwd")
-            kc = compute(kv)  # (2, B, nh, Tk, hs)
-            s = _scores(qc, kc[0], pos, zigzag_positions(T, c, self._source(step)))  # (B, nh, Tl, Tk)
+            kc = compute(kv)  # (B, nh, Tk, 2hs)
+            s = _scores(qc, kc[..., :wk], pos, zigzag_positions(T, c, self._source(step)))  # (B, nh, Tl, Tk)
             m = xp.max(s, axis=-1, keepdims=True)  # (B, nh, Tl, 1)
             m = xp.where(xp.isfinite(m), m, xp.zeros_like(m))  # rows with no visible key in this block
             e = xp.exp(s - m)  # (B, nh, Tl, Tk)
@@ -177,7 +184,7 @@ class RingAttention:
                          zigzag_positions(T, c, self._source(step)), scale)
             lse_b = xp.where(seen, m + xp.log(xp.where(seen, z, xp.ones_like(z))), -math.inf)
             new = xp.logaddexp(lse, lse_b)  # finite from step 0 on: each query sees itself
-            out = out * xp.exp(lse - new) + matmul(p, kc[1]) * xp.exp(lse_b - new)
+            out = out * xp.exp(lse - new) + matmul(p, kc[..., wk:]) * xp.exp(lse_b - new)
             lse = new
             if step < c - 1:
                 send.wait()
@@ -192,22 +199,24 @@ class RingAttention:
         dout = xp.reshape(dout, out.shape)  # grouped as q under GQA
         qc, dc = compute(q), compute(dout)  # (B, nh, Tl, hs) each
         D = xp.sum(dc * compute(out), axis=-1, keepdims=True)  # (B, nh, Tl, 1): sum_j P_ij dP_ij of softmax
-        dq = xp.zeros_like(qc)
-        kv = xp.stack([k, v])  # (2, B, nh, Tk, hs)
+        dq, wk = xp.zeros_like(qc), k.shape[-1]  # k's width, as forward
+        kv = xp.concat([k, v], axis=-1)  # (B, nh, Tk, 2hs)
         dkv = xp.zeros_like(compute(kv))  # the gradient of the block in hand, travelling with it
         for step in range(c):
             if step < c - 1:
                 send_kv, recv_kv = self._pass(kv, step, lay, f"h.{layer}.attn.ring_kv:bwd")
             k_pos = zigzag_positions(T, c, self._source(step))
-            kc = compute(kv)  # (2, B, nh, Tk, hs)
-            p = xp.exp(_scores(qc, kc[0], pos, k_pos) - lse)  # (B, nh, Tl, Tk), the global softmax
+            kc = compute(kv)  # (B, nh, Tk, 2hs)
+            p = xp.exp(_scores(qc, kc[..., :wk], pos, k_pos) - lse)  # (B, nh, Tl, Tk), the global softmax
             pd = _dropped(p, keep, k_pos, scale)
-            dp = _dropped(matmul(dc, xp.matrix_transpose(kc[1])), keep, k_pos, scale)  # (B, nh, Tl, Tk)
+            dp = matmul(dc, xp.matrix_transpose(kc[..., wk:]))  # (B, nh, Tl, Tk)
+            dp = _dropped(dp, keep, k_pos, scale)
             ds = p * (dp - D) * (1.0 / math.sqrt(q.shape[-1]))
-            dq = dq + matmul(ds, kc[0])
-            block = xp.stack([matmul(xp.matrix_transpose(ds), qc), matmul(xp.matrix_transpose(pd), dc)])
+            dq = dq + matmul(ds, kc[..., :wk])
+            block = xp.concat([matmul(xp.matrix_transpose(ds), qc), matmul(xp.matrix_transpose(pd), dc)],
+                              axis=-1)  # (B, nh, Tk, 2hs)
             if block.shape != dkv.shape:  # GQA: a kv head's gradient sums over its g query heads
-                block = xp.sum(block, axis=-3, keepdims=True)  # (2, B, nkv, 1, Tk, hs)
+                block = xp.sum(block, axis=-3, keepdims=True)  # (B, nkv, 1, Tk, 2hs)
             dkv = dkv + block
             send_d, recv_d = self._pass(dkv, step, lay, f"h.{layer}.attn.ring_dkv:bwd")
             if step < c - 1:
@@ -215,7 +224,7 @@ class RingAttention:
                 kv = as_like(recv_kv.wait(), q)
             send_d.wait()
             dkv = as_like(recv_d.wait(), q)  # after the last step: this rank's own block, complete
-        dq, dk, dv = rounded(dq, dt), rounded(dkv[0], dt), rounded(dkv[1], dt)
+        dq, dk, dv = rounded(dq, dt), rounded(dkv[..., :wk], dt), rounded(dkv[..., wk:], dt)
         if dq.ndim == 5:  # GQA: back to (B, nh, Tl, hs) and (B, nkv, Tl, hs)
             B, nkv, g, Tl, hs = dq.shape
             dq, dk, dv = xp.reshape(dq, (B, nkv * g, Tl, hs)), dk[:, :, 0, ...], dv[:, :, 0, ...]
@@ -223,7 +232,8 @@ class RingAttention:
 
 
 class UlyssesAttention:
-    """Ulysses' core: q (B, nh, Tl, hs) and k, v (B, nkv, Tl, hs), nkv = nh but for Llama's GQA."""
+    """Ulysses' core: q (B, nh, Tl, hs) and k, v (B, nkv, Tl, hs), nkv = nh but for Llama's GQA; each
+    array moves at its own width (DeepSeek-V3's q and k dn + dr, v dv)."""
 
     def __init__(self, cp):
         self.cp = cp
@@ -233,14 +243,14 @@ class UlyssesAttention:
         each array's heads split with shard_range. Chunks travel flat, each destination's pieces
         one after another, because their shapes differ when the splits are uneven."""
         xp, c, r = array_namespace(xs[0]), self.cp.size, self.cp.rank
-        B, hs, seqs = xs[0].shape[0], xs[0].shape[-1], shard_sizes(seq_len, c)
-        heads = [shard_sizes(x.shape[1], c) for x in xs]
+        B, seqs = xs[0].shape[0], shard_sizes(seq_len, c)
+        heads, widths = [shard_sizes(x.shape[1], c) for x in xs], [x.shape[-1] for x in xs]  # hs each
         chunks = [xp.concat([xp.reshape(x[:, slice(*shard_range(x.shape[1], c, d)), ...], (-1,)) for x in xs])
                   for d in range(c)]
-        counts = [B * sum(h[r] for h in heads) * seqs[s] * hs for s in range(c)]
+        mine = [h[r] * w for h, w in zip(heads, widths, strict=True)]  # each array's, per (row, token)
+        counts = [B * sum(mine) * seqs[s] for s in range(c)]
         got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
-        mine = [h[r] for h in heads]  # each array's heads this rank gets, from every source
-        return [xp.concat([xp.reshape(_piece(g, mine, i, B * seqs[s] * hs), (B, h[r], seqs[s], hs))
+        return [xp.concat([xp.reshape(_piece(g, mine, i, B * seqs[s]), (B, h[r], seqs[s], widths[i]))
                            for s, g in enumerate(got)], axis=2)  # sources in sequence order
                 for i, h in enumerate(heads)]
 
@@ -248,14 +258,15 @@ class UlyssesAttention:
         """[(B, n_i_c, T, hs)] head-sharded -> [(B, n_i, Tl, hs)] sequence-sharded, n_i = n_heads[i]:
         the reverse."""
         xp, c, r = array_namespace(xs[0]), self.cp.size, self.cp.rank
-        B, T, hs = xs[0].shape[0], xs[0].shape[2], xs[0].shape[-1]
+        B, T, widths = xs[0].shape[0], xs[0].shape[2], [x.shape[-1] for x in xs]
         heads, seqs = [shard_sizes(n, c) for n in n_heads], shard_sizes(T, c)
         chunks = [xp.concat([xp.reshape(x[:, :, slice(*shard_range(T, c, d)), ...], (-1,)) for x in xs])
                   for d in range(c)]
-        counts = [B * sum(h[s] for h in heads) * seqs[r] * hs for s in range(c)]
+        # each source's arrays, per (row, token): their heads there times their widths
+        theirs = [[h[s] * w for h, w in zip(heads, widths, strict=True)] for s in range(c)]
+        counts = [B * sum(theirs[s]) * seqs[r] for s in range(c)]
         got = self.cp.all_to_all(chunks, tag=tag, recv_counts=counts)
-        return [xp.concat([xp.reshape(_piece(g, [h[s] for h in heads], i, B * seqs[r] * hs),
-                                      (B, h[s], seqs[r], hs))
+        return [xp.concat([xp.reshape(_piece(g, theirs[s], i, B * seqs[r]), (B, h[s], seqs[r], widths[i]))
                            for s, g in enumerate(got)], axis=1)  # sources in head order
                 for i, h in enumerate(heads)]
 
@@ -278,8 +289,8 @@ class UlyssesAttention:
         return tuple(self._to_sequence(list(grads), [nh, nkv, nkv], f"h.{layer}.attn.ulysses_qkv:bwd"))
 
 
-def _piece(flat, n_heads, i, per_head):
+def _piece(flat, sizes, i, per):
     """Array i's part of a received flat chunk, whose arrays' pieces lie one after another, array
-    j's of n_heads[j] heads of `per_head` elements each."""
-    start = sum(n_heads[:i]) * per_head
-    return flat[start:start + n_heads[i] * per_head]
+    j's of sizes[j] x `per` elements (its heads times their width, times rows and tokens)."""
+    start = sum(sizes[:i]) * per
+    return flat[start:start + sizes[i] * per]

@@ -21,8 +21,9 @@ ranks per data rank, as ExpertParallelMoE's).
 
 Inside, the expert buffer (Q, C) is a tensor-parallel region of its own, entered and left through
 Megatron's pair (refpar/parallel/tensor_parallel.py), each expert the family's expert MLP
-(moe.MoESpec's `mlp`, run by moe.experts_forward on this rank's shards): GPT-2's moe.GeluMLP, as
-refpar/engine/validate.py refuses Mixtral's experts over tp.
+(moe.MoESpec's `mlp`, run by moe.experts_forward on this rank's shards): GPT-2's moe.GeluMLP and
+DeepSeek-V3's SwiGLU (its router and shared experts whole on every tp rank); refpar/engine/validate.py
+refuses Mixtral's experts over tp (refpar/parallel/pieces.py: Family.experts_over_tp).
 
     f  copy_to_tp      on the buffer's rows     identity forward | all-reduce backward
        c_fc            columns shard_range(H, t, rank) of every expert: (Q_e, H/t)

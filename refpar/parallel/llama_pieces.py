@@ -95,36 +95,49 @@ def block_forward(x, params, layer: int, lay: Layout, drop=None, moe=None, kv=No
     x1 = x + o  # (B, Tl, C)
 
     m, c_ln2 = rmsnorm_forward(x1, params[P + "post_attention_layernorm.weight"], cfg.norm_eps)
+    d, c_mlp = mlp_forward(m, params, layer, lay, moe)  # (B, Tl, C)
+    return x1 + d, (c_ln1, c_qkv, c_rq, c_rk, c_sdpa, c_o, c_ln2, c_mlp, kv)
+
+
+def mlp_forward(m, params, layer: int, lay: Layout, moe=None):
+    """m (B, Tl, C) post_attention_layernorm's output -> (B, Tl, C): the SwiGLU MLP, gate and up
+    column-parallel, down row-parallel; in the blocks of `config.moe_blocks` `moe.forward` (the
+    expert-parallel layer). DeepSeek-V3's blocks (deepseek_pieces.py) run it too."""
+    cfg, P = lay.config, f"model.layers.{layer}."
     if layer in cfg.moe_blocks:  # Mixtral's experts over ep (expert_parallel.ExpertParallelMoE)
         d, c_mlp = moe.forward(m, params, layer, cfg)  # (B, Tl, C)
-        c_mlp = (moe, c_mlp)
-    else:
-        (g, u), c_gu = column_parallel_linear_forward(
-            m, [(_t(params[P + f"mlp.{n}_proj.weight"]), None) for n in ("gate", "up")], lay, P + "mlp")
-        h, c_act = swiglu_forward(g, u)  # (B, Ta, F/t)
-        d, c_down = row_parallel_linear_forward(h, _t(params[P + "mlp.down_proj.weight"]), None, lay,
-                                                P + "mlp.down_proj")  # (B, Tl, C)
-        c_mlp = (None, (c_gu, c_act, c_down))
-    return x1 + d, (c_ln1, c_qkv, c_rq, c_rk, c_sdpa, c_o, c_ln2, c_mlp, kv)
+        return d, (moe, c_mlp)
+    (g, u), c_gu = column_parallel_linear_forward(
+        m, [(_t(params[P + f"mlp.{n}_proj.weight"]), None) for n in ("gate", "up")], lay, P + "mlp")
+    h, c_act = swiglu_forward(g, u)  # (B, Ta, F/t)
+    d, c_down = row_parallel_linear_forward(h, _t(params[P + "mlp.down_proj.weight"]), None, lay,
+                                            P + "mlp.down_proj")  # (B, Tl, C)
+    return d, (None, (c_gu, c_act, c_down))
+
+
+def mlp_backward(dy, cache, layer: int, lay: Layout):
+    """dy (B, Tl, C) -> (dm (B, Tl, C), the MLP's weight half: a MoE layer's gradients as given)."""
+    moe, c_mlp = cache
+    P = f"model.layers.{layer}."
+    if moe is not None:  # Mixtral's experts
+        dm, grads = moe.backward(dy, c_mlp)  # (B, Tl, C)
+        return dm, [(given, (tuple(grads), *grads.values()))]
+    c_gu, c_act, c_down = c_mlp
+    dh, w_down = row_parallel_linear_backward(dy, c_down, lay, (P + "mlp.down_proj.weight", None),
+                                              transposed=True)  # (B, Ta, F/t)
+    dgate, dup = swiglu_backward(dh, c_act)  # (B, Ta, F/t) each
+    dm, w_gu = column_parallel_linear_backward(
+        [dgate, dup], c_gu, lay, [(P + f"mlp.{n}_proj.weight", None) for n in ("gate", "up")],
+        transposed=True)  # (B, Tl, C)
+    return dm, [w_down, w_gu]
 
 
 def block_backward(dy, cache, layer: int, lay: Layout):
     """dy (B, Tl, C) -> (dx (B, Tl, C), the block's weight half: [(function, arguments)], k's and v's
     gradients summed over their replicas there)."""
-    c_ln1, c_qkv, c_rq, c_rk, c_sdpa, c_o, c_ln2, (moe, c_mlp), kv = cache
+    c_ln1, c_qkv, c_rq, c_rk, c_sdpa, c_o, c_ln2, c_mlp, kv = cache
     P = f"model.layers.{layer}."
-    if moe is not None:  # Mixtral's experts
-        dm, grads = moe.backward(dy, c_mlp)  # (B, Tl, C)
-        work = [(given, (tuple(grads), *grads.values()))]
-    else:
-        c_gu, c_act, c_down = c_mlp
-        dh, w_down = row_parallel_linear_backward(dy, c_down, lay, (P + "mlp.down_proj.weight", None),
-                                                  transposed=True)  # (B, Ta, F/t)
-        dgate, dup = swiglu_backward(dh, c_act)  # (B, Ta, F/t) each
-        dm, w_gu = column_parallel_linear_backward(
-            [dgate, dup], c_gu, lay, [(P + f"mlp.{n}_proj.weight", None) for n in ("gate", "up")],
-            transposed=True)  # (B, Tl, C)
-        work = [w_down, w_gu]
+    dm, work = mlp_backward(dy, c_mlp, layer, lay)  # (B, Tl, C)
     dm, dw = rmsnorm_backward(dm, c_ln2)  # (B, Tl, C)
     work.append((given, ((P + "post_attention_layernorm.weight",), dw)))
     dx1 = dy + dm  # (B, Tl, C)

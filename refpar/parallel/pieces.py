@@ -20,10 +20,11 @@ tensor_parallel.weight_grads runs:
     grads = weight_grads(work)                                         # in W, or right away
 
 GPT-2's are refpar/parallel/gpt2_pieces.py's, Llama's refpar/parallel/llama_pieces.py's, DeepSeek-V3's
-refpar/parallel/deepseek_pieces.py's (unsplit so far: its blocks attend inside themselves); the head
+refpar/parallel/deepseek_pieces.py's (its latent attention split by mla_tensor_parallel.py); the head
 (final norm, then vocab_parallel's logits and cross-entropy) is one for both. `attend` is the family's
 attention over whole heads, which LocalAttention and context_parallel's Ulysses call: GPT-2's
-multi-head attention with its dropout, Llama's grouped-query attention.
+multi-head attention with its dropout, Llama's grouped-query attention, DeepSeek-V3's multi-head
+attention without dropout on its own query-key and value widths.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from refpar.model.attention import attention_backward, attention_forward
 from refpar.model.layers import as_like
 from refpar.model.llama_layers import gqa_attention_backward, gqa_attention_forward
 from refpar.parallel import deepseek_pieces, gpt2_pieces, llama_pieces
-from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp, positions_index
+from refpar.parallel.tensor_parallel import NO_PAIR, TP_PAIR, Layout, check_tp
 from refpar.parallel.vocab_parallel import logits_backward, logits_forward
 from refpar.sharding import shard_range
 
@@ -76,8 +77,8 @@ LLAMA = Family(llama_pieces.embed_forward, llama_pieces.embed_backward, llama_pi
 DEEPSEEK = Family(deepseek_pieces.embed_forward, deepseek_pieces.embed_backward,
                   deepseek_pieces.block_forward, deepseek_pieces.block_backward,
                   deepseek_pieces.norm_forward, deepseek_pieces.norm_backward,
-                  LLAMA.head, attention_forward, attention_backward,  # MLA's heads attend inside its block
-                  False, False, splits_attention=False)
+                  LLAMA.head, attention_forward, attention_backward,  # MLA: multi-head, dv its own
+                  True, False)
 FAMILIES = {"gpt2": GPT2, "llama": LLAMA, "deepseek-v3": DEEPSEEK}
 
 
@@ -109,7 +110,7 @@ class LocalAttention:
 
     def forward(self, q, k, v, layer, lay: Layout, drop):  # (B, nh/t, Ta, hs); Llama's k, v nkv heads
         cfg, pos = lay.config, lay.region_pos
-        at = positions_index(pos)  # the whole sequence: a slice, so the mask is viewed, not copied
+        at = lay.region_index  # the whole sequence: a slice, so the mask is viewed, not copied
         heads = slice(*lay.heads)
         index = (heads, at, at) if isinstance(at, slice) else np.ix_(np.arange(*lay.heads), pos, pos)
         keep = drop.keep(layer, "attn", (cfg.n_head, lay.seq_len, lay.seq_len), q, index)  # (B, nh/t, Ta, Ta)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from array_api_compat import array_namespace
@@ -114,12 +115,20 @@ class Layout:
     resid_pos: np.ndarray  # (Tl,) global positions of the residual stream (LayerNorm, dropout)
     attention: object  # the attention core: forward(q, k, v, layer, lay, drop) / backward(dy, cache, lay)
 
+    @cached_property
+    def region_index(self):
+        """region_pos as an index of a mask's sequence axis (positions_index), found once per layout."""
+        return positions_index(self.region_pos)
+
+    @cached_property
+    def resid_index(self):
+        return positions_index(self.resid_pos)
+
 
 def check_tp(config: ModelConfig, tp: int) -> None:
     if config.n_head % tp != 0:
         choices = [d for d in range(1, config.n_head + 1) if config.n_head % d == 0]
-        raise ConfigError(f"tp={tp} does not divide n_head={config.n_head}; choose tp in "
-                          f"{{{', '.join(map(str, choices))}}}")  # sorted, as a person lists them
+        raise ConfigError(f"tp={tp} does not divide n_head={config.n_head}; choose tp in {_braces(choices)}")
     if config.vocab_size < tp:
         raise ConfigError(f"tp={tp} is larger than vocab_size={config.vocab_size}; use tp <= vocab_size")
     kv = config.n_kv_head or config.n_head  # GPT-2's kv heads are its heads, which tp divides
@@ -127,8 +136,12 @@ def check_tp(config: ModelConfig, tp: int) -> None:
         choices = sorted({d for d in range(1, config.n_head + 1) if config.n_head % d == 0 and (kv % d == 0
                                                                                           or d % kv == 0)})
         raise ConfigError(f"tp={tp} neither divides n_kv_head={kv} nor is a multiple of it, so a rank's "
-                          f"query heads would read two kv heads; choose tp in "
-                          f"{{{', '.join(map(str, choices))}}}")
+                          f"query heads would read two kv heads; choose tp in {_braces(choices)}")
+
+
+def _braces(choices) -> str:
+    """{1, 2, 4, 8}: the choices in increasing order (a printed set's order is not)."""
+    return "{" + ", ".join(str(c) for c in sorted(choices)) + "}"
 
 
 def shard_params_tp(full: dict, config: ModelConfig, t: int, rank: int) -> dict:
@@ -151,7 +164,7 @@ def positions_index(pos: np.ndarray):
 
 def resid_dropout_forward(x, drop, layer: int, site: str, lay: Layout):
     shape = (lay.seq_len, lay.config.n_embd)
-    index = (positions_index(lay.resid_pos), slice(None))
+    index = (lay.resid_index, slice(None))
     return dropout_forward(x, drop.keep(layer, site, shape, x, index), drop.p)
 
 

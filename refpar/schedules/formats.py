@@ -11,9 +11,23 @@ import re
 from refpar.schedules import OVERLAP, Action, Schedule, ScheduleError, StageMap, stage_map
 
 
+def action_name(a: Action, split) -> str:
+    """An action as the grid and torch's CSV name it: F the forward, I the backward for the input only
+    (refpar's B where a W of the same stage and microbatch follows: `(stage, microbatch) in split`),
+    W the weights' backward, B a full backward; an overlapped pair "0F5&7I2"."""
+    if a.parts:
+        return "&".join(action_name(part, split) for part in a.parts)
+    kind = "I" if a.kind == "B" and (a.stage, a.microbatch) in split else a.kind
+    return f"{a.stage}{kind}{a.microbatch}"
+
+
 def format_grid(schedule: Schedule, error: ScheduleError | None = None) -> str:
-    """Ranks x ticks, `.` for idle; the action an error names is marked `!`, and the error
-    follows the grid."""
+    """Ranks x ticks, `.` for idle, each action named by `action_name`; the action an error names is
+    marked `!`, and the error follows the grid."""
+    try:
+        split = stage_map(schedule).split
+    except ScheduleError:  # a schedule of the wrong shape: its backwards are shown as given
+        split = set()
     width = max([len(str(a)) for row in schedule.values() for a in row if a is not None] + [3]) + 1
     width += error is not None  # room for the mark
     n_ticks = max((len(row) for row in schedule.values()), default=0)
@@ -21,7 +35,7 @@ def format_grid(schedule: Schedule, error: ScheduleError | None = None) -> str:
     for rank, row in sorted(schedule.items()):
         cells = []
         for tick, a in enumerate(row):
-            text = "." if a is None else str(a)
+            text = "." if a is None else action_name(a, split)
             if error is not None and (error.rank, error.tick) == (rank, tick):
                 text = "!" + text
             cells.append(f"{text:<{width}}")
@@ -48,8 +62,7 @@ _COMMS = re.compile(r"\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRA
 def _torch_name(a: Action, smap: StageMap) -> str:
     if a.parts:
         return f"({';'.join(_torch_name(part, smap) for part in a.parts)})OVERLAP_F_B"
-    kind = "I" if a.kind == "B" and (a.stage, a.microbatch) in smap.split else a.kind
-    return f"{a.stage}{kind}{a.microbatch}"
+    return action_name(a, smap.split)
 
 
 def to_csv(schedule: Schedule) -> str:

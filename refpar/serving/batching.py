@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python -m refpar generate --mesh tp=2 --check
     mpiexec -n 4 python -m refpar generate --model llama-tiny --mesh tp=4 --check
+    mpiexec -n 2 python -m refpar generate --model deepseek-tiny --mesh cp=2 --check
 
 Legend: N tokens of a pass (the segments of several requests side by side, as vLLM flattens a
 batch), R rows whose logits are needed (one per request: the last token of its segment),
@@ -19,7 +20,9 @@ preempted where a pool has none), then arrived requests are admitted while the p
 for their prompts, each prefill starting after the prefix it shares with a cached request.
 A pass runs the tensor-parallel block of training (refpar/parallel/pieces.py's table: GPT-2's
 `gpt2_pieces.block_forward`, Llama's `llama_pieces.block_forward`, RoPE at the tokens' global
-positions) on the new tokens only, with `CachedAttention` as its core: under tp the two g
+positions) on the new tokens only, with `CachedAttention` as its core (DeepSeek-V3: its own block
+with `LatentAttention`, the cached latent read with the up-projections absorbed, latent_attention.py;
+served over cp and pp, not yet tp): under tp the two g
 all-reduces per layer per pass (after attention, after the MLP) are the only traffic besides the
 vocab-parallel embedding and the gather of the logits. Under pp the pass is split into one group of
 requests per stage, so several groups are in flight (stage s works on group g while stage s+1 works
@@ -38,10 +41,12 @@ from refpar.analysis.serving import block_bytes, kv_heads_held
 from refpar.config import ConfigError, ModelConfig
 from refpar.holdings import stage_layers, stage_param_names
 from refpar.memory import MemoryLedger
+from refpar.model import kv_cache_shape
 from refpar.model.gpt import NO_DROPOUT
 from refpar.parallel.pieces import family, tp_layout
 from refpar.parallel.tensor_parallel import check_tp, shard_params_tp
 from refpar.serving.kv_cache import CachedAttention, KVCache
+from refpar.serving.latent_attention import LatentAttention
 from refpar.serving.paged import BlockTables, PagedKVCache, Paging, all_at_once, common_prefix, pool_blocks
 from refpar.serving.requests import Request, check_requests
 from refpar.serving.sampling import Sampling, sample_token
@@ -84,8 +89,14 @@ def check_serving(config: ModelConfig, sizes: dict, max_batch: int) -> None:
         if sizes.get(axis, 1) > 1:
             raise ConfigError(f"serving splits a model over tp, cp and pp; {axis}={sizes[axis]} "
                               "would be independent replicas, so leave it out of --mesh")
-    if config.moe_experts:
-        raise ConfigError("refpar generate serves dense GPT-2 and Llama models; leave out the MoE options")
+    latent = kv_cache_shape(config).latent  # DeepSeek-V3's multi-head latent attention
+    if config.moe_experts and not (latent and config.moe_dropless):
+        # a token's experts must not depend on which tokens share its pass (capacity drops would)
+        raise ConfigError("refpar generate serves dense GPT-2 and Llama models and DeepSeek-V3 with "
+                          "dropless experts; leave out the MoE options, or set moe_dropless")
+    if latent and sizes.get("tp", 1) > 1:
+        raise ConfigError(f"refpar generate serves DeepSeek-V3 on one tp rank so far (its latent "
+                          f"attention's heads are not split yet); drop tp={sizes['tp']} from --mesh")
     stage_layers(config.n_layer, sizes.get("pp", 1), 0)  # enough blocks for the stages
     check_tp(config, sizes.get("tp", 1))  # whole heads and vocabulary rows on every tp rank
     if max_batch < 1:
@@ -149,7 +160,10 @@ def _embed(tokens, params, lay):
 
 def _block(x, params, layer: int, lay):
     """x (1, N, C) -> (1, N, C): the training block's forward, lay.attention its attention core
-    (forward only: no kv heads' gradient to sum over their replicas)."""
+    (forward only: no kv heads' gradient to sum over their replicas); DeepSeek-V3's block with its
+    absorbed latent attention (latent_attention.py)."""
+    if isinstance(lay.attention, LatentAttention):
+        return lay.attention.block(x, params, layer, lay)
     return family(lay.config).block(x, params, layer, lay, NO_DROPOUT)[0]
 
 
@@ -176,10 +190,10 @@ def make_cache(config: ModelConfig, requests, sm: ServeMesh, ledger: MemoryLedge
     nbytes = block_bytes(config, paging.block_size, sm.sizes, sm.coords)
     ranks = [BlockTables(blocks, paging.block_size, c, r, ledger if r == sm.coords["cp"] else None, nbytes)
              for r in range(c)]
-    heads = kv_heads_held(config, sm.sizes["tp"], sm.coords["tp"])
+    heads, shape = kv_heads_held(config, sm.sizes["tp"], sm.coords["tp"]), kv_cache_shape(config)
     return PagedKVCache(ranks, sm.coords["cp"], stage_layers(config.n_layer, sm.sizes["pp"], sm.stage),
-                        heads[1] - heads[0], config.head_size, np.dtype(config.dtype),
-                        all_at_once(requests, paging.block_size, c))
+                        heads[1] - heads[0], shape.key, np.dtype(config.dtype),
+                        all_at_once(requests, paging.block_size, c), shape.value)
 
 
 def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampling: Sampling,
@@ -195,6 +209,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
     for name, w in params.items():
         ledger.alloc(name, w, "params")
     base = tp_layout(config, config.n_positions, sm.tp)
+    attention = LatentAttention if kv_cache_shape(config).latent else CachedAttention
     layers = stage_layers(config.n_layer, sm.sizes["pp"], sm.stage)
     out = ServeResult()
     seqs: dict[int, list[int]] = {}  # rid -> prompt + generated tokens
@@ -271,7 +286,7 @@ def serve(full_params: dict, config: ModelConfig, requests: list[Request], sampl
             ends = np.cumsum([len(tok) for _, tok, _ in group])  # (R,)
             spans = [(r.rid, int(e - len(tok)), int(e)) for (r, tok, _), e in zip(group, ends, strict=True)]
             lay = replace(base, region_pos=pos, resid_pos=pos,
-                          attention=CachedAttention(cache, spans, sm.cp))
+                          attention=attention(cache, spans, sm.cp))
             sizes.append((len(tokens), len(group)))
             ctx = tracer.context(step=step, microbatch=g, phase=phase) if tracer else nullcontext()
             with ctx:

@@ -3,7 +3,9 @@
 Legend: N new tokens of a pass (all requests' segments side by side), nh this rank's query heads
 (nh/t under tensor parallelism), nkv this rank's key/value heads (GPT-2: nkv = nh; Llama's
 grouped-query attention: g = nh / nkv query heads read each kv head), hs head size, Tr the positions
-of a request this rank holds.
+of a request this rank holds. Multi-head latent attention caches one entry per token, [latent,
+rotary key] (nkv = 1, hs = kv_lora_rank + qk_rope_head_dim), and its value width is 0: its values are
+the entry's first kv_lora_rank numbers (refpar/serving/latent_attention.py).
 
 What a rank holds of a request's keys and values, for each block of its pipeline stage:
     tp  splits the kv heads, as its k and v weights compute them (holdings.kv_heads): GPT-2's
@@ -49,7 +51,8 @@ class KVCache:
         return np.asarray(positions) % self.cp_size == self.cp_rank  # (n,)
 
     def append(self, rid: int, layer: int, k, v, positions) -> None:
-        """k, v (nkv, n, hs) of a request's new tokens at `positions` (n,): keeps the owned ones."""
+        """k (nkv, n, hs), v (nkv, n, hv) of a request's new tokens at `positions` (n,): keeps the owned
+        ones (hv = hs, or 0 for MLA's one entry)."""
         mine = self.owns(positions)  # (n,)
         if not mine.any():
             return
@@ -57,17 +60,20 @@ class KVCache:
         key = (rid, layer)
         if key in self.k:
             k = np.concatenate([self.k[key], k], axis=1)  # (nkv, Tr, hs)
-            v = np.concatenate([self.v[key], v], axis=1)  # (nkv, Tr, hs)
+            v = np.concatenate([self.v[key], v], axis=1)  # (nkv, Tr, hv)
             positions = np.concatenate([self.pos[key], positions])  # (Tr,)
-        self.ledger.alloc(f"kv.r{rid}.h{layer}.p{int(positions[-1])}", 2 * int(mine.sum()) * k.shape[0]
-                          * k.shape[2] * k.dtype.itemsize, "activations")
+        self.ledger.alloc(f"kv.r{rid}.h{layer}.p{int(positions[-1])}", int(mine.sum()) * k.shape[0]
+                          * (k.shape[2] + v.shape[2]) * k.dtype.itemsize, "activations")
         self.k[key], self.v[key], self.pos[key] = k, v, positions
 
-    def get(self, rid: int, layer: int, like):
-        """(K, V (nkv, Tr, hs), positions (Tr,)); empty when this rank holds none of the request yet."""
+    def get(self, rid: int, layer: int, like, v_like=None):
+        """(K (nkv, Tr, hs), V (nkv, Tr, hv), positions (Tr,)); empty when this rank holds none of the
+        request yet, shaped as `like` and `v_like` (default `like`) are but for their token axis."""
         if (rid, layer) not in self.k:
-            empty = np.zeros((like.shape[0], 0, like.shape[-1]), dtype=like.dtype)  # (nkv, 0, hs)
-            return empty, empty, np.zeros(0, dtype=np.int64)
+            v_like = like if v_like is None else v_like
+            return (np.zeros((like.shape[0], 0, like.shape[-1]), dtype=like.dtype),  # (nkv, 0, hs)
+                    np.zeros((v_like.shape[0], 0, v_like.shape[-1]), dtype=like.dtype),  # (nkv, 0, hv)
+                    np.zeros(0, dtype=np.int64))
         return self.k[(rid, layer)], self.v[(rid, layer)], self.pos[(rid, layer)]
 
     def bytes_by_request(self) -> dict[int, int]:
@@ -85,14 +91,17 @@ class KVCache:
             del self.k[key], self.v[key], self.pos[key]
 
 
-def partial_attention(q, k, v, q_pos, k_pos):
-    """q (..., n, hs) against the keys in hand k, v (..., Tr, hs), the leading axes broadcasting
-    (a kv head against its g query heads) -> (out (..., n, hs), lse (..., n, 1)), out normalised
-    over these keys only; rows that see none of them get out 0 and lse -inf."""
+def partial_attention(q, k, v, q_pos, k_pos, scale=None):
+    """q (..., n, hs) against the keys in hand k (..., Tr, hs), v (..., Tr, hv), the leading axes
+    broadcasting (a kv head against its g query heads) -> (out (..., n, hv), lse (..., n, 1)), out
+    normalised over these keys only; rows that see none of them get out 0 and lse -inf. The scores'
+    scale is 1/sqrt(hs) unless given (MLA's absorbed query keeps its heads' 1/sqrt(dn + dr))."""
     *lead, n, hs = q.shape
     if k.shape[-2] == 0:
-        return np.zeros_like(q), np.full((*lead, n, 1), -math.inf, dtype=q.dtype)
-    s = (q @ np.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(hs))  # (..., n, Tr)
+        return (np.zeros((*lead, n, v.shape[-1]), dtype=q.dtype),
+                np.full((*lead, n, 1), -math.inf, dtype=q.dtype))
+    scale = 1.0 / math.sqrt(hs) if scale is None else scale
+    s = (q @ np.swapaxes(k, -1, -2)) * scale  # (..., n, Tr)
     s = np.where(np.reshape(k_pos, (1, -1)) <= np.reshape(q_pos, (-1, 1)), s, -math.inf)
     m = np.max(s, axis=-1, keepdims=True)  # (..., n, 1)
     m = np.where(np.isfinite(m), m, 0.0)
@@ -101,6 +110,15 @@ def partial_attention(q, k, v, q_pos, k_pos):
     seen = z > 0
     lse = np.where(seen, m + np.log(np.where(seen, z, 1.0)), -math.inf)  # (..., n, 1)
     return (e @ v) / np.where(seen, z, 1.0), lse
+
+
+def merge_over_cp(cp, out, lse, layer: int):
+    """The cp ranks' partial outputs out (nh, N, a) with their lse (nh, N, 1) merged by the log-sum-exp
+    rule (module docstring): two all-reduces -> (nh, N, a), the same on every cp rank."""
+    m = cp.all_reduce(lse, op="max", tag=f"h.{layer}.attn.lse_max")  # (nh, N, 1)
+    w = np.exp(lse - m)  # (nh, N, 1): 0 on ranks that hold no visible key
+    both = cp.all_reduce(np.concatenate([out * w, w], axis=-1), tag=f"h.{layer}.attn.lse_sum")  # (nh, N, a+1)
+    return both[..., :-1] / both[..., -1:]  # (nh, N, a)
 
 
 class CachedAttention:
@@ -132,10 +150,5 @@ class CachedAttention:
                 lses.append(np.reshape(lse, (nh, b - a, 1)))
         out = np.concatenate(outs, axis=1)  # (nh, N, hs)
         if self.cp is not None:
-            lse = np.concatenate(lses, axis=1)  # (nh, N, 1)
-            m = self.cp.all_reduce(lse, op="max", tag=f"h.{layer}.attn.lse_max")  # (nh, N, 1)
-            w = np.exp(lse - m)  # (nh, N, 1): 0 on ranks that hold no visible key
-            both = self.cp.all_reduce(np.concatenate([out * w, w], axis=-1),
-                                      tag=f"h.{layer}.attn.lse_sum")  # (nh, N, hs + 1)
-            out = both[..., :-1] / both[..., -1:]  # (nh, N, hs)
+            out = merge_over_cp(self.cp, out, np.concatenate(lses, axis=1), layer)  # (nh, N, hs)
         return out[None], None  # (1, nh, N, hs)

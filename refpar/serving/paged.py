@@ -9,7 +9,7 @@ under pp its stage's layers, under cp its striped positions (p % c == r). Slot j
 cp rank is its j-th own position, global position j * c + r; a block holds B consecutive slots of
 every layer of the stage (one block id for all layers, as vLLM's block tables are shared by layers):
 
-    pool K, V          (blocks, Ls, nkv, B, hs)
+    pool K, V          (blocks, Ls, nkv, B, hs), (blocks, Ls, nkv, B, hv): hv = hs, MLA's 0
     table of request   [b0, b1, ...]       slot j -> block table[j // B], offset j % B
 
 Blocks are taken when the scheduler plans a pass (vLLM's `append_slots`) and given back when a
@@ -158,15 +158,17 @@ class PagedKVCache:
     blocks every request at its longest would hold at once."""
 
     def __init__(self, ranks: list[BlockTables], cp_rank: int, layers, kv_heads: int, head_size: int,
-                 dtype, rows: int):
+                 dtype, rows: int, value_size: int | None = None):
         self.ranks, self.cp_rank = ranks, cp_rank
         self.tables = ranks[cp_rank]
         self.layer_index = {layer: i for i, layer in enumerate(layers)}
         # The lowest free block is taken first: one taken while m are in use gets an id <= m, so no id
         # reaches the most blocks ever in use at once, and that is at most `rows`.
-        shape = (min(self.tables.num_blocks, rows), len(layers), kv_heads, self.tables.block_size, head_size)
-        self.k = np.zeros(shape, dtype=dtype)  # (blocks, Ls, nkv, B, hs)
-        self.v = np.zeros(shape, dtype=dtype)  # (blocks, Ls, nkv, B, hs)
+        # `value_size` hv: head_size, or 0 for MLA's one entry per token (kv_cache.py's legend)
+        shape = (min(self.tables.num_blocks, rows), len(layers), kv_heads, self.tables.block_size)
+        hv = head_size if value_size is None else value_size
+        self.k = np.zeros((*shape, head_size), dtype=dtype)  # (blocks, Ls, nkv, B, hs)
+        self.v = np.zeros((*shape, hv), dtype=dtype)  # (blocks, Ls, nkv, B, hv)
 
     # ------------------------------------------------------------ the scheduler's side (every cp rank)
     def fits(self, rid: int, positions: int) -> bool:
@@ -178,7 +180,7 @@ class PagedKVCache:
         for t in self.ranks:
             for src, dst in t.grow(rid, positions):
                 if t is self.tables:
-                    self.k[dst], self.v[dst] = self.k[src], self.v[src]  # (Ls, nkv, B, hs)
+                    self.k[dst], self.v[dst] = self.k[src], self.v[src]  # (Ls, nkv, B, hs|hv)
 
     def share(self, rid: int, donor: int, positions: int) -> None:
         for t in self.ranks:
@@ -202,28 +204,30 @@ class PagedKVCache:
 
     # ------------------------------------------------------------ the attention's side (this rank)
     def append(self, rid: int, layer: int, k, v, positions) -> None:
-        """k, v (nkv, n, hs) of a request's new tokens at `positions` (n,): writes the owned ones into
-        the slots its table maps them to (taken by `grow` before the pass)."""
+        """k (nkv, n, hs), v (nkv, n, hv) of a request's new tokens at `positions` (n,): writes the owned
+        ones into the slots its table maps them to (taken by `grow` before the pass)."""
         t, positions = self.tables, np.asarray(positions)
         mine = positions % t.cp == t.cp_rank  # (n,)
         slot = positions[mine] // t.cp  # (n_mine,) this rank's slot numbers
         blocks = np.asarray(t.table[rid])[slot // t.block_size]  # (n_mine,)
         li = self.layer_index[layer]
         self.k[blocks, li, :, slot % t.block_size] = np.swapaxes(k[:, mine], 0, 1)  # (n_mine, nkv, hs)
-        self.v[blocks, li, :, slot % t.block_size] = np.swapaxes(v[:, mine], 0, 1)  # (n_mine, nkv, hs)
+        self.v[blocks, li, :, slot % t.block_size] = np.swapaxes(v[:, mine], 0, 1)  # (n_mine, nkv, hv)
 
-    def get(self, rid: int, layer: int, like):
-        """(K, V (nkv, n, hs), positions (n,)): the request's blocks gathered through its table, in
-        slot order, so the attention sees the arrays the contiguous cache would hold."""
+    def get(self, rid: int, layer: int, like=None, v_like=None):
+        """(K (nkv, n, hs), V (nkv, n, hv), positions (n,)): the request's blocks gathered through its
+        table, in slot order, so the attention sees the arrays the contiguous cache would hold (the
+        pool's shapes; `like` and `v_like` are the contiguous cache's arguments)."""
         t = self.tables
         n, table = t.filled.get(rid, 0), t.table.get(rid, [])
-        nkv, hs = like.shape[0], like.shape[-1]
+        nkv, hs, hv = self.k.shape[2], self.k.shape[-1], self.v.shape[-1]
         if n == 0:  # under cp, a rank may hold none of a short request yet
-            empty = np.zeros((nkv, 0, hs), dtype=like.dtype)  # (nkv, 0, hs)
-            return empty, empty, np.zeros(0, dtype=np.int64)
+            return (np.zeros((nkv, 0, hs), dtype=self.k.dtype),  # (nkv, 0, hs)
+                    np.zeros((nkv, 0, hv), dtype=self.v.dtype), np.zeros(0, dtype=np.int64))
         li = self.layer_index[layer]
-        K = np.reshape(np.swapaxes(self.k[table, li], 0, 1), (nkv, -1, hs))[:, :n]  # (nkv, n, hs)
-        V = np.reshape(np.swapaxes(self.v[table, li], 0, 1), (nkv, -1, hs))[:, :n]  # (nkv, n, hs)
+        slots = len(table) * t.block_size  # explicit: -1 cannot be inferred for MLA's hv = 0
+        K = np.reshape(np.swapaxes(self.k[table, li], 0, 1), (nkv, slots, hs))[:, :n]  # (nkv, n, hs)
+        V = np.reshape(np.swapaxes(self.v[table, li], 0, 1), (nkv, slots, hv))[:, :n]  # (nkv, n, hv)
         positions = np.arange(n, dtype=np.int64) * t.cp + t.cp_rank  # (n,)
         return np.ascontiguousarray(K), np.ascontiguousarray(V), positions
 

@@ -3,7 +3,7 @@
 Legend: V vocab, T tokens of a sequence (prompt and generated).
 
 The reference generates each request alone and recomputes the whole sequence for every new token
-(`refpar.model.forward`, GPT-2 or Llama, no cache): whatever a KV cache, a batch or a mesh does must
+(`refpar.model.forward`, any family, no cache): whatever a KV cache, a batch or a mesh does must
 give its logits and tokens.
 """
 

@@ -18,7 +18,9 @@ from refpar import model
 from refpar.analysis.serving import (
     block_bytes,
     kv_bytes_per_rank,
-    kv_cache_bytes,
+    kv_ratio_to_multi_head,
+    kv_shards,
+    kv_total_bytes,
     paged_blocks,
     paged_wasted_slots,
     pass_comm_bytes,
@@ -26,9 +28,9 @@ from refpar.analysis.serving import (
 from refpar.comm import cost
 from refpar.comm.trace import Tracer
 from refpar.config import ModelConfig
-from refpar.holdings import n_kv_heads
 from refpar.memory import MemoryLedger
 from refpar.mesh import DeviceMesh, check_job_size
+from refpar.model import kv_cache_shape
 from refpar.serving.batching import ServeMesh, check_serving, serve
 from refpar.serving.paged import Paging
 from refpar.serving.requests import Request, check_requests, reference_generate
@@ -145,9 +147,9 @@ def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
         sent[key] = sent.get(key, 0) + c["bytes_sent"]
     for (key, _), nbytes in sent.items():  # per token that went through the passes of the phase
         per_token[key] = max(per_token.get(key, 0.0), nbytes / phases[key.split(":")[1]][0])
-    # tp splits the kv heads until each rank holds one (Llama's GQA replicates it past that)
-    kv_heads = n_kv_heads(config)
-    kv_shards = min(sizes.get("tp", 1), kv_heads) * sizes.get("pp", 1) * sizes.get("cp", 1)
+    # tp splits the kv heads until each rank holds one (Llama's GQA replicates it past that); MLA's
+    # latent is whole on every tp rank
+    shape, shards = kv_cache_shape(config), kv_shards(config, sizes)
     peak_tokens = max((sum(cached.values()) for cached in result.cached), default=0)
     itemsize = np.dtype(config.dtype).itemsize
     prefill, decode = phases["prefill"], phases["decode"]
@@ -177,9 +179,12 @@ def _summary(config, sizes, requests, sampling, opts, result, every) -> dict:
         "kv_peak_tokens": peak_tokens,  # cached positions of all running requests at their largest
         "kv_cached_tokens": [sum(cached.values()) for cached in result.cached],  # at each kv moment
         "kv_cached_by_request": [{str(rid): n for rid, n in cached.items()} for cached in result.cached],
-        "kv_heads": kv_heads, "kv_shards": kv_shards,
-        "kv_closed_form_at_peak": kv_cache_bytes(config.n_layer, kv_heads, config.head_size,
-                                                 peak_tokens, itemsize, kv_shards),
+        "kv_heads": shape.heads, "kv_shards": shards, "kv_latent": shape.latent,
+        "kv_closed_form_at_peak": kv_total_bytes(config, peak_tokens, shards),
+        # per token per layer, the whole model's cache: as kept, and as multi-head K/V would keep it
+        "kv_bytes_per_token_per_layer": shape.per_token * itemsize,
+        "kv_multi_head_bytes_per_token_per_layer": shape.multi_head * itemsize,
+        "kv_ratio_to_multi_head": kv_ratio_to_multi_head(config),
         "max_logit_rel_diff": max(diffs) if opts.check and diffs else None,
         "tokens_match_reference": all(row["same"] for row in every) if opts.check else None,
         "logits_sha256": next(row["logits_sha256"] for row in every if row["logits_sha256"]),

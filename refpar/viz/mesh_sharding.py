@@ -29,6 +29,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from refpar.config import ConfigError, ModelConfig
+from refpar.holdings import names as family_names
 from refpar.holdings import stage_layers, tied_embedding, units
 from refpar.model import param_shapes
 from refpar.parallel.sequence_parallel import check_sp
@@ -61,8 +62,6 @@ def check_mix(config: ModelConfig, dp: int, tp: int, zero: int, sp: bool, seq_le
     if not (dp >= 1 and tp >= 1 and dp * tp <= MAX_RANKS):
         raise ConfigError(f"dp={dp} x tp={tp} is {dp * tp} ranks; choose at most {MAX_RANKS} on screen")
     check_tp(config, tp)
-    if sp and config.arch == "llama":
-        raise ConfigError("refpar runs Llama with sequence parallelism not yet; draw Llama without SP")
     if sp:
         check_sp(config, seq_len, tp)
 
@@ -134,9 +133,9 @@ def mix_steps(dp: int, tp: int, zero: int, sp: bool = False, config: ModelConfig
     moments = [("before the step", "idle", None), ("forward h.0", "fwd", 0), ("forward h.1", "fwd", 1),
                ("backward h.1", "bwd", 1), ("backward h.0", "bwd", 0), ("gradient sync", "sync", None),
                ("optimizer step", "opt", None), ("after the step", "after", None)]
-    row_split = "o_proj and down_proj" if config.arch == "llama" else "c_proj"
+    row_split = " and ".join(dict.fromkeys(n.rsplit(".", 1)[-1] for n in family_names(config).row_parallel))
     tp_note = f" (tp: an all-reduce of the activations after each row-split {row_split})" if tp > 1 else ""
-    if config.arch == "llama" and tp > config.n_kv_head:
+    if config.n_kv_head is not None and tp > config.n_kv_head:  # Llama's grouped-query attention
         tp_note += (f"; each kv head's k_proj and v_proj rows are whole on {tp // config.n_kv_head} tp "
                     "ranks, whose gradients are summed over them")
     moves = {

@@ -60,7 +60,7 @@ def expert_load_figure(runs: dict[str, dict], block_index: int = 0) -> go.Figure
     object of each run's --json summary): above, each expert's kept assignments per step, one line
     per expert and run (dashed for the second run on); below, the load imbalance max / mean
     (analysis.moe.load_imbalance), 1 when every expert gets its share. Two runs that differ only in
-    --moe-balance show what aux-loss-free balancing does (lessons/07)."""
+    --moe-balance show what aux-loss-free balancing does (lessons/10)."""
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08, row_heights=[0.6, 0.4],
                         subplot_titles=("assignments kept per expert", "load imbalance (max / mean)"))
     for r, (label, moe) in enumerate(runs.items()):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
-from refpar.schedules import KINDS, OVERLAP, Action, Schedule
+from refpar.schedules import KINDS, OVERLAP, Action, Schedule, stage_map
+from refpar.schedules.formats import action_name
 from refpar.schedules.simulate import Timeline, stored
 
 COLOURS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", OVERLAP: "#b279a2", "idle": "#d62728"}
@@ -194,10 +195,11 @@ def grid_figure(schedule: Schedule, title: str = "") -> go.Figure:
     chunk = chunk_of((r, a) for r, row in schedule.items() for a in row if a is not None)
     z = np.zeros((len(ranks), n_ticks), dtype=int)
     text = [[""] * n_ticks for _ in ranks]
+    split = stage_map(schedule).split  # a backward whose W comes apart is labelled I, as format_grid does
     for i, rank in enumerate(ranks):
         for tick, a in enumerate(schedule[rank]):
             z[i, tick] = grid_code(a, chunk)
-            text[i][tick] = "" if a is None else str(a)
+            text[i][tick] = "" if a is None else action_name(a, split)
     scale = ["#f0f0f0", *(COLOURS[k] for k in DRAWN), *(SHADES[k] for k in DRAWN)]
     n = len(scale)
     colorscale = [[edge, c] for k, c in enumerate(scale) for edge in (k / n, (k + 1) / n)]

@@ -22,7 +22,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from refpar.config import ConfigError, ModelConfig
-from refpar.holdings import tp_param_slices, units
+from refpar.holdings import names, tp_param_slices, units
 from refpar.model.data import MarkovCorpus
 from refpar.model.gpt import MOE, init_params, param_shapes
 from refpar.model.routing import router_forward
@@ -46,14 +46,12 @@ DEMO_SEQ = 16
 
 
 def block_weights(layer: int = 0, config: ModelConfig = DEMO_MODEL) -> list[str]:
-    """The four weight matrices of a block the sharding view draws: GPT-2's, or Llama's q_proj and
-    k_proj (v_proj is laid out as k_proj), gate_proj (up_proj alike) and down_proj."""
-    if config.arch == "llama":
-        p = f"model.layers.{layer}."
-        return [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "mlp.gate_proj.weight",
-                p + "mlp.down_proj.weight"]
-    return [f"h.{layer}.attn.c_attn.weight", f"h.{layer}.attn.c_proj.weight",
-            f"h.{layer}.mlp.c_fc.weight", f"h.{layer}.mlp.c_proj.weight"]
+    """The four weight matrices of a block the sharding view draws (holdings.Names.drawn): GPT-2's, or
+    Llama's q_proj and k_proj (v_proj is laid out as k_proj), gate_proj (up_proj alike) and down_proj."""
+    fam = names(config)
+    if not fam.drawn:
+        raise ConfigError(f"the sharding view draws no {fam.title} block yet; choose a GPT-2 or Llama model")
+    return [f"{fam.block_prefix}{layer}.{w}" for w in fam.drawn]
 
 
 def flat_owner_grid(config: ModelConfig, n: int, name: str) -> np.ndarray:
