@@ -552,7 +552,7 @@ def test_sharding_page_mixes_dp_and_tp_with_zero_and_refuses_too_many_ranks():
             assert drawn == list(grid.ravel()), name
         assert [f["name"] for f in fig["frames"]] == [s.label for s in mesh_sharding.mix_steps(2, 2, zero)]
     at.checkbox(key="mix_sp").set_value(True)
-    assert rerun(at).get("page_link")[0].proto.query_string == "lesson=5"
+    assert rerun(at).get("page_link")[0].proto.query_string == "lesson=7"  # 07-sequence-and-context
     at.number_input(key="mix_dp").set_value(3)
     at.number_input(key="mix_tp").set_value(4)
     rerun(at)
