@@ -411,3 +411,23 @@ def test_a_wrong_sum_is_located_by_chunk_and_element():
     assert str(told.value) == ("rank 2's sum of 20 elements is off by up to 1 at 5 of 20 elements; the first "
                                "is [5] (in chunk 1 of 4, elements 5..9): 6 where the right answer is 5")
     close(want * (1 + 1e-12), want, "a sum in another order")  # within the float64 contract: silent
+
+
+def test_the_capstone_prints_what_refpar_plan_says_of_the_same_plan():
+    # the example plan of lesson 16, whose `refpar plan` command and output the lesson shows (and the
+    # first test runs): the checker's in-process pricing must name that command and agree with it
+    import json
+
+    from lessons.checkers.capstone import _figures, _plan, _planner, _sizes
+    from refpar.config import TrainConfig, model_preset
+
+    sizes, plan = _sizes({"pp": 2, "dp": 2}), _plan(1, 2, 2)
+    peaks, sent = _figures(model_preset("tiny"), TrainConfig(steps=1), sizes, plan)
+    said = _planner(sizes, plan, peaks, sent)
+    command = said.split("`")[1]
+    printed = json.loads(lessons.run("python -m " + command + " --json").stdout)
+    assert command.endswith("--mesh pp=2,dp=2 --zero 1 --micro-batch 2"), command
+    memory, sends = (sum(printed["plan"][k].values()) for k in ("memory_bytes", "comm_bytes"))
+    assert f"prices it at {memory:,.0f} bytes per GPU (the ledger's busiest rank: {max(peaks):,})" in said
+    assert f"and {sends:,.0f} bytes sent per step" in said
+    assert f"ranks it {printed['rank']} of the {printed['fitting']} plans" in said

@@ -23,6 +23,10 @@ BUDGET = 1_400_000  # bytes: the sum of a rank's peaks
 # still passes, while a wrong model (a missing category, the wrong schedule's activations) does not.
 WITHIN = 0.05
 AXES = ("pp", "dp", "tp")
+# `refpar plan`'s view of the same job: the tiny GPT-2 as a --model-spec, on H100s given the budget as
+# their memory (the H100 preset's other figures, refpar/analysis/hardware.py), priced in float64
+PLANNER = ("--model-spec layers=4,hidden=32,heads=4,vocab=96,seq=16 --gpus 4 --global-batch 8 --precision "
+           "float64 --hardware-spec memory=0.0014,flops=989.5,hbm=3350,nvlink=450,ib=50,gpus_per_node=8")
 
 
 def _sizes(mesh: dict) -> dict:
@@ -127,6 +131,33 @@ def _run(sizes: dict, plan: Plan) -> dict:
     return {"command": cmd, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
+def _planner(sizes: dict, plan: Plan, peaks: list[int], sent: list[int]) -> str:
+    """What `refpar plan` says of the same plan (pure Python, under a second): its memory per GPU and the
+    bytes a rank sends, beside the ledger's, and where its own ranking, by predicted seconds, puts it."""
+    from refpar.analysis.hardware import parse_hardware_spec
+    from refpar.analysis.planner import plan as rank_plans
+    from refpar.analysis.planner import price
+    from refpar.analysis.presets import parse_model_spec
+
+    spec = parse_model_spec(PLANNER.split()[1])
+    hw = parse_hardware_spec(PLANNER.split()[-1])
+    micro_batch = 8 // (sizes["dp"] * plan.microbatches)
+    mesh = {"dp": sizes["dp"], "tp": sizes["tp"], "pp": sizes["pp"], "cp": 1, "ep": 1}
+    common = dict(global_batch=8, seq=16, precision="float64")
+    priced = price(spec, hw, RANKS, mesh, zero=plan.zero, micro_batch=micro_batch, **common)
+    ranked = rank_plans(spec, hw, RANKS, top=1, priced=priced, **common)
+    best = ranked["plans"][0]
+    best_text = (",".join(f"{a}={v}" for a, v in best["mesh"].items() if v > 1) + f" ZeRO-{best['zero']} "
+                 f"micro-batch {best['micro_batch']} recompute {best['recompute']}")
+    cmd = (f"refpar plan {PLANNER} --mesh {_mesh_text(sizes)}" + (f" --zero {plan.zero}" if plan.zero else "")
+           + f" --micro-batch {micro_batch}")
+    memory, sends = sum(priced["memory_bytes"].values()), sum(priced["comm_bytes"].values())
+    return (f"`{cmd}` prices it at {memory:,.0f} bytes per GPU (the ledger's busiest rank: {max(peaks):,}) "
+            f"and {sends:,.0f} bytes sent per step by its first stage's rank (the run's busiest: "
+            f"{max(sent):,}), and ranks it {ranked['rank']} of the {ranked['fitting']} plans it fits under "
+            f"the budget by predicted seconds; its fastest: {best_text}")
+
+
 def check_16(mod, comm) -> str:
     model, cfg = model_preset("tiny"), TrainConfig(steps=1)
     sizes, zero, m = _read_plan(mod)
@@ -168,4 +199,5 @@ def check_16(mod, comm) -> str:
             f"most {max(peaks):,}), the busiest sends {max(sent):,} bytes per step, no plan that fits sends "
             f"fewer; rank 0, your estimate | the closed form: {estimates}; `{run['command']}` matched one "
             f"device (loss rel diff {run['max_loss_rel_diff']:.1e}, parameters "
-            f"{run['max_param_rel_diff']:.1e}) and its bytes and memory were the closed forms'")
+            f"{run['max_param_rel_diff']:.1e}) and its bytes and memory were the closed forms'; "
+            + _planner(sizes, plan, peaks, sent))

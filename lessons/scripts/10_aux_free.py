@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python lessons/scripts/10_aux_free.py
 
-Two 30-step runs of the tiny GPT-2 with 8 experts, top-2 sigmoid gates, dropless, on ep=2: one
+Two 20-step runs of the tiny GPT-2 with 8 experts, top-2 sigmoid gates, dropless, on ep=2: one
 with no balancing at all (no Switch loss, no z-loss), one with the aux-free bias (gamma 0.01). The
 bias is added to the router's scores only to choose the experts; after each step it moves by
 gamma * sign(mean load - load) from the global counts every rank already has, so it costs no
@@ -20,7 +20,7 @@ from refpar.engine import parallelize, train
 from refpar.mesh import DeviceMesh
 
 comm = world(Tracer())
-config = TrainConfig(steps=30)
+config = TrainConfig(steps=20)
 results = {}
 for balance in ("none", "aux-free"):
     model = model_preset("tiny", moe_experts=8, moe_top_k=2, moe_dropless=True, moe_gate="sigmoid",
