@@ -30,9 +30,10 @@ Patched to run on the CPU (`patched`; each one found by removing it and reading 
   GPU they arrive as numpy arrays, as here.
 - `moe_utils.te_general_gemm = None`: the router's gating GEMM tests this name, which moe_utils binds
   only when Transformer Engine imports (a NameError without it; None is what the test means).
-- float64 only (`float64_sigmoid`): `Tensor.float` leaves a float64 tensor as it is, so that
-  `torch.sigmoid(logits.float())` in `topk_routing_with_score_function` runs in float64, as in
-  tests/frameworks/test_megatron_router.py. Run as shipped too: the float32 sigmoid's trace.
+- float64 only (`float64_sigmoid`): `Tensor.float` leaves a float64 tensor as it is (any in the
+  layer, not only the one meant), so that `torch.sigmoid(logits.float())` in
+  `topk_routing_with_score_function` runs in float64, as in tests/frameworks/test_megatron_router.py.
+  Run as shipped too: every float32 cast's trace, bounded by the test as the sigmoid's.
 Not needed here, though the GPT case patches it (megatron_cases.py): `CudaRNGStatesTracker.fork`.
 """
 
