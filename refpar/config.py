@@ -542,6 +542,17 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         moe_balance="aux-free", moe_dropless=True, moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0,
         moe_seq_aux_weight=1e-4
     ),
+    # The benchmark size of "small" with DeepSeek-V3's blocks (3.7M parameters): 8 heads whose query and
+    # key are 32 + 16 rotary channels and value 32, a 64-wide latent; one dense block then three of 16
+    # fine-grained experts (k = 4 of them in at most 2 of 4 groups) beside one shared expert, routed as V3.
+    "deepseek-small": ModelConfig(
+        arch="deepseek-v3", vocab_size=2048, n_positions=256, n_embd=256, n_head=8, n_layer=4, dropout=0.0,
+        dtype="float32", intermediate_size=688, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, first_k_dense_replace=1, n_routed_experts=16,
+        num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=32, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, moe_gate="sigmoid", moe_balance="aux-free", moe_dropless=True,
+        moe_aux_loss_weight=0.0, moe_z_loss_weight=0.0, moe_seq_aux_weight=1e-4
+    ),
 }
 
 
@@ -574,6 +585,9 @@ RECIPES: dict[str, Recipe] = {
     # Llama's schedule (Touvron et al. 2023, section 2.2: 2,000 warmup steps, cosine to 10% of the
     # peak) at the baby GPT's peak for a model of this size.
     "llama-small": Recipe(1e-3, 100, "cosine", 0.1, "Touvron et al. 2023's schedule, nanoGPT's peak"),
+    # DeepSeek-V3's schedule (DeepSeek-AI 2024, section 4.2: linear warmup over 2K steps, a cosine
+    # decay to a tenth of the peak) at the baby GPT's peak for a model of this size.
+    "deepseek-small": Recipe(1e-3, 100, "cosine", 0.1, "DeepSeek-V3 sec. 4.2's schedule, nanoGPT's peak"),
     # GPT-3's 125M model (Brown et al. 2020, table 2.1: 6e-4), as nanoGPT trains GPT-2 small
     # (train_gpt2.py: 2,000 warmup iterations, cosine to 6e-5).
     "gpt2": Recipe(6e-4, 2000, "cosine", 0.1, "Brown et al. 2020 table 2.1; nanoGPT train_gpt2"),

@@ -79,6 +79,8 @@ def test_the_planner_prices_latent_attention_with_the_same_terms(tp, sp, recompu
 
 @pytest.mark.parametrize("model, sizes, cp_algo, sentence", [
     (TINY, {"tp": 3}, None, "tp=3 does not divide n_head=4"),
+    # experts split unevenly over ep (shard_range: 8 over 3 ranks is 3, 3, 2); a rank with none is refused
+    (TINY, {"ep": 16}, None, "moe_experts=8 is fewer than ep=16; use at least 16 experts"),
     (replace(TINY, moe_intermediate_size=2, n_head=8), {"tp": 4}, None,
      "tp=4 splits moe_intermediate_size=2 into fewer columns than ranks; use tp <= 2"),
     (TINY, {"tp": 2, "cp": 4}, "ulysses", "Ulysses gives each of cp=4 ranks whole heads"),

@@ -77,19 +77,20 @@ def test_ratio_to_multi_head_kv_and_tp_replication_of_the_latent():
 
 
 def test_serving_refuses_what_it_cannot_serve_in_one_sentence():
-    with pytest.raises(ConfigError, match="drop tp=2"):
-        check_serving(DEEPSEEK, {"tp": 2}, 3)
+    with pytest.raises(ConfigError, match="tp=3 does not divide n_head=4"):  # whole heads per tp rank
+        check_serving(DEEPSEEK, {"tp": 3}, 3)
     capped = DEEPSEEK.__class__(**{**DEEPSEEK.to_dict(), "moe_dropless": False})
     with pytest.raises(ConfigError, match="dropless"):
         check_serving(capped, {}, 3)
 
 
-def test_pp_and_cp_serve_deepseek_as_one_device_with_their_closed_forms():
+def test_pp_cp_and_tp_serve_deepseek_as_one_device_with_their_closed_forms():
     proc = mpiexec(2, "tests/jobs/serving_job.py", "deepseek-tiny", timeout=240)
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [(r["mesh"], r["paged"] is not None) for r in runs] == [
         ({"tp": 1, "cp": 1, "pp": 2}, False), ({"tp": 1, "cp": 2, "pp": 1}, False),
-        ({"tp": 1, "cp": 2, "pp": 1}, True), ({"tp": 1, "cp": 1, "pp": 2}, True)]
+        ({"tp": 2, "cp": 1, "pp": 1}, False), ({"tp": 1, "cp": 2, "pp": 1}, True),
+        ({"tp": 1, "cp": 1, "pp": 2}, True)]
     for run in runs:
         assert run["tokens_match_reference"], run["mesh"]
         assert within(run["max_logit_rel_diff"], CONTRACT), run["mesh"]
@@ -104,7 +105,12 @@ def test_pp_and_cp_serve_deepseek_as_one_device_with_their_closed_forms():
         for k, by_request in zip(row["bytes_timeline"], cp["kv_cached_by_request"], strict=True):
             held = sum((n - row["coords"]["cp"] + 1) // 2 for n in by_request.values())  # p % 2 == r
             assert k == mla_bytes(DEEPSEEK, DEEPSEEK.n_layer, held)
-    assert runs[3]["paged"]["preemptions"], "3 blocks a rank cannot hold every request at once"
+    # tp=2: each rank its 2 heads, the whole latent of every layer of every cached token
+    tp = runs[2]
+    for row in tp["kv_cache"]:
+        for k, cached in zip(row["bytes_timeline"], tp["kv_cached_tokens"], strict=True):
+            assert k == mla_bytes(DEEPSEEK, DEEPSEEK.n_layer, cached)
+    assert runs[4]["paged"]["preemptions"], "3 blocks a rank cannot hold every request at once"
 
 
 def test_generate_prints_the_latent_cache_and_its_ratio_to_multi_head_kv(capsys):

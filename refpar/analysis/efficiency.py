@@ -166,12 +166,31 @@ def memory_seconds(hw: Hardware, nbytes, eff=CALIBRATED):
     return nbytes / (hw.hbm_bandwidth * eff.memory)
 
 
-def _linears(spec: ModelSpec, n, tp, ep, moe: bool):
+def _attention_linears(spec: ModelSpec, n, tp, sp=False):
+    """(M, N, K, batch) of one block's attention GEMMs on a rank, in forward order: QKV as one
+    column-parallel GEMM (whole kv heads) and the row-parallel output; or multi-head latent
+    attention's (Megatron-Core's MLA, refpar/parallel/mla_tensor_parallel.py): the down-projections
+    q_a_proj (h -> rq) and kv_a_proj_with_mqa (h -> rkv + dr) whole on every rank, on its n / t
+    tokens under sequence parallelism, the up-projections q_b_proj (rq -> a (dn + dr) / t; without
+    q_lora_rank one q_proj from h) and kv_b_proj (rkv -> a (dn + dv) / t) by heads, o_proj
+    (a dv / t -> h) by rows."""
+    h = spec.d_model
+    if not spec.kv_lora_rank:
+        kv = spec.kv_dim
+        return [(n, h / tp + 2 * kv / np.minimum(tp, spec.n_kv_head), h, 1), (n, h, h / tp, 1)]
+    a, dn, dr, dv = spec.n_head, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+    rq, rkv = spec.q_lora_rank, spec.kv_lora_rank
+    shard = n / np.where(sp, tp, 1)  # the down-projections' tokens
+    q = [(shard, rq, h, 1), (n, a * (dn + dr) / tp, rq, 1)] if rq else [(n, a * (dn + dr) / tp, h, 1)]
+    return q + [(shard, rkv + dr, h, 1), (n, a * (dn + dv) / tp, rkv, 1), (n, h, a * dv / tp, 1)]
+
+
+def _linears(spec: ModelSpec, n, tp, ep, moe: bool, sp=False):
     """(M, N, K, batch) of one block's forward GEMMs on a rank, n tokens, the weights split by t
-    (column-parallel QKV and MLP input, row-parallel output projections)."""
-    h, kv = spec.d_model, spec.kv_dim
+    (column-parallel QKV and MLP input, row-parallel output projections; `_attention_linears`)."""
+    h = spec.d_model
     wide = 2 if spec.mlp == "swiglu" else 1  # SwiGLU's gate and up projections as one GEMM
-    out = [(n, h / tp + 2 * kv / np.minimum(tp, spec.n_kv_head), h, 1), (n, h, h / tp, 1)]  # whole kv heads
+    out = _attention_linears(spec, n, tp, sp)
     if not moe:
         return out + [(n, wide * spec.d_ff / tp, h, 1), (n, h, spec.d_ff / tp, 1)]
     f = spec.moe_d_ff
@@ -187,12 +206,13 @@ def _linears(spec: ModelSpec, n, tp, ep, moe: bool):
 
 
 def _attention_core(spec: ModelSpec, hw: Hardware, b, seq, tp, cp, dtype, eff, software):
-    """(forward, backward) seconds of QK^T, softmax and the product with V on one rank."""
-    q, heads, hd = seq / cp, spec.n_head / tp, spec.head_size
+    """(forward, backward) seconds of QK^T, softmax and the product with V on one rank; a head's
+    query and key are dk channels wide and its value dv (the head size both, or MLA's dn + dr and dv)."""
+    q, heads, dk, dv = seq / cp, spec.n_head / tp, spec.qk_head_size, spec.v_head_size
     if software.attention == "flash":
         # Causal: half of the rank's q x s block of scores (the load-balanced causal split gives
         # every context-parallel rank the same half).
-        forward = 4 * b * q * seq * hd * heads / 2 / (hw.flops(dtype) * hw.flash_fraction)
+        forward = 2 * b * q * seq * (dk + dv) * heads / 2 / (hw.flops(dtype) * hw.flash_fraction)
         return forward, 2.5 * forward
     scores = b * heads * q * seq  # elements of the (b, a/t, q, s) score tensor
     per_byte = memory_seconds(hw, scores, eff)  # seconds to move one byte per score
@@ -206,9 +226,9 @@ def _attention_core(spec: ModelSpec, hw: Hardware, b, seq, tp, cp, dtype, eff, s
     # Forward: QK^T writes the scores, scale-mask-softmax reads and writes them, dropout, then
     # (scores) @ V reads them. Backward: dP = dO V^T writes, dV = P^T dO reads, dropout and softmax
     # backward read two and write one, dQ = dS K and dK = dS^T Q read.
-    forward = bmm(q, seq, hd, 2) + 4 * per_byte + dropout + bmm(q, hd, seq, 2)
-    backward = (bmm(q, seq, hd, 2) + bmm(seq, hd, q, 2) + dropout + 6 * per_byte
-                + bmm(q, hd, seq, 2) + bmm(seq, hd, q, 2))
+    forward = bmm(q, seq, dk, 2) + 4 * per_byte + dropout + bmm(q, dv, seq, 2)
+    backward = (bmm(q, seq, dv, 2) + bmm(seq, dv, q, 2) + dropout + 6 * per_byte
+                + bmm(q, dk, seq, 2) + bmm(seq, dk, q, 2))
     return forward, backward
 
 
@@ -240,15 +260,21 @@ def _elementwise_bytes(spec: ModelSpec, n, tp, sp, precision: Precision, fused: 
     activation = (swiglu if spec.mlp == "swiglu" else 2 * e) * hidden
     per_rotary = 2 * e + 16 if not fused else 2 * 2 * e
     rotary = 0 if spec.learned_positions else per_rotary * n * (h + spec.kv_dim) / tp
+    if spec.kv_lora_rank:  # MLA: the rank's heads' dr query channels, the shared dr-wide key whole;
+        # the latents' two RMSNorms on their (n, rq) and (n, rkv) (on n / t tokens under sp)
+        dr = spec.qk_rope_head_dim
+        rotary = per_rotary * n * (spec.n_head * dr / tp + dr)
+        norm = 4 * e + 28 if not fused else 2 * e
+        norms = norms + norm * n / np.where(sp, tp, 1) * (spec.q_lora_rank + spec.kv_lora_rank)
     copies = 0.0
     if not fused:
-        copies = 2 * e * n * h / tp
+        copies = 2 * e * n * spec.n_head * spec.v_head_size / tp
         if spec.n_kv_head < spec.n_head:
             copies = copies + 2 * e * n * h / tp
     return norms + residuals + activation + rotary + copies
 
 
-def op_checkpoint_gemms(spec: ModelSpec, n, tp, moe: bool):
+def op_checkpoint_gemms(spec: ModelSpec, n, tp, moe: bool, sp=False):
     """(M, N, K) of the forward GEMMs torchtitan's per-op activation checkpointing runs again.
 
     Its policy (torchtitan, `selective_ac_option = "op"`: torchtitan/parallelisms/parallelize_llama.py,
@@ -256,14 +282,20 @@ def op_checkpoint_gemms(spec: ModelSpec, n, tp, moe: bool):
     every second mm": counted per block in forward order, q, k, v, o, then the MLP's (w1, w3, w2
     for SwiGLU; fc1, fc2 for GELU), the 2nd, 4th and 6th are recomputed, so k, o and w3 (fc2).
     Everything else (norms, rotary, activation) is recomputed too. A MoE block's experts run as
-    grouped GEMMs, not aten.mm, so its whole MLP is recomputed."""
+    grouped GEMMs, not aten.mm, so its whole MLP is recomputed. Latent attention's mms are q_a,
+    q_b (or q), kv_a, kv_b and o (`_attention_linears`), so the count goes on from them."""
     h, kv = spec.d_model, spec.kv_dim / np.minimum(tp, spec.n_kv_head)  # whole kv heads per rank
-    attention = [(n, kv, h), (n, h, h / tp)]  # k, o
-    if moe:
-        return attention + [(M, N, K) for M, N, K, _ in _linears(spec, n, tp, 1, True)[2:]]
-    if spec.mlp == "swiglu":
-        return attention + [(n, spec.d_ff / tp, h)]  # w3
-    return attention + [(n, h, spec.d_ff / tp)]  # fc2
+    attention = [(n, h / tp, h), (n, kv, h), (n, kv, h), (n, h, h / tp)]  # q, k, v, o
+    if spec.kv_lora_rank:
+        attention = [(M, N, K) for M, N, K, _ in _attention_linears(spec, n, tp, sp)]
+    if moe:  # what _linears lists after the attention's GEMMs
+        after = len(_attention_linears(spec, n, tp, sp))
+        return attention[1::2] + [(M, N, K) for M, N, K, _ in _linears(spec, n, tp, 1, True, sp)[after:]]
+    if spec.mlp == "swiglu":  # w1, w3, w2
+        mlp = [(n, spec.d_ff / tp, h), (n, spec.d_ff / tp, h), (n, h, spec.d_ff / tp)]
+    else:  # fc1, fc2
+        mlp = [(n, spec.d_ff / tp, h), (n, h, spec.d_ff / tp)]
+    return (attention + mlp)[1::2]
 
 
 def block_seconds(spec: ModelSpec, hw: Hardware, *, micro_batch, seq, tp=1, cp=1, ep=1, sp=False,
@@ -276,7 +308,7 @@ def block_seconds(spec: ModelSpec, hw: Hardware, *, micro_batch, seq, tp=1, cp=1
     (the forward GEMMs per-op checkpointing runs again, `op_checkpoint_gemms`)."""
     n = micro_batch * seq / cp
     gemm = {"gemm_f": 0.0, "dgrad": 0.0, "wgrad": 0.0}
-    for M, N, K, batch in _linears(spec, n, tp, ep, moe):
+    for M, N, K, batch in _linears(spec, n, tp, ep, moe, sp):
         kw = dict(batch=batch, dtype=dtype, eff=eff)
         gemm["gemm_f"] = gemm["gemm_f"] + gemm_seconds(hw, M, N, K, **kw)
         gemm["dgrad"] = gemm["dgrad"] + gemm_seconds(hw, M, K, N, **kw)  # dX = dY W^T
@@ -284,7 +316,7 @@ def block_seconds(spec: ModelSpec, hw: Hardware, *, micro_batch, seq, tp=1, cp=1
     core_f, core_b = _attention_core(spec, hw, micro_batch, seq, tp, cp, dtype, eff, software)
     memory_f = memory_seconds(hw, _elementwise_bytes(spec, n, tp, sp, precision, software.fused_kernels), eff)
     op_gemm = sum(gemm_seconds(hw, M, N, K, dtype=dtype, eff=eff)
-                  for M, N, K in op_checkpoint_gemms(spec, n, tp, moe))
+                  for M, N, K in op_checkpoint_gemms(spec, n, tp, moe, sp))
     params = layer_params(spec, moe)
     local = params.per_tp_rank(tp, spec.n_kv_head) + params.replicated + params.experts / (ep * tp)
     # Read the new gradient and the buffer, write the buffer: 2 + 4 + 4 bytes into an fp32

@@ -136,11 +136,12 @@ def layer_matmul_params(spec: ModelSpec) -> int:
 def forward_flops(spec: ModelSpec, batch, seq):
     """(layer FLOPs, attention-core FLOPs, logit FLOPs) of one forward pass over batch x seq tokens.
 
-    Attention core = QK^T and scores @ V: 2 * 2 * s * h per token per layer (the full square).
+    Attention core = QK^T and scores @ V: 2 * s * a (dk + dv) per token per layer (the full square),
+    2 * 2 * s * h where a head's query, key and value are h / a wide (MLA's: dn + dr and dv).
     """
     tokens = batch * seq
     layers = 2 * tokens * layer_matmul_params(spec)
-    core = 4 * tokens * seq * spec.d_model * spec.n_layer
+    core = 2 * tokens * seq * spec.n_head * (spec.qk_head_size + spec.v_head_size) * spec.n_layer
     logits = 2 * tokens * spec.d_model * spec.vocab_size
     return layers, core, logits
 

@@ -17,8 +17,9 @@ see. Each difference is a field of `ModelSpec`, not a separate code path:
     kv_lora_rank > 0      multi-head latent attention (DeepSeek-V2, DeepSeek-AI 2024, §2.1): Q and
                           K/V pass through low-rank latents (q_lora_rank, kv_lora_rank), each head
                           has qk_nope_head_dim + qk_rope_head_dim query/key and v_head_dim value
-                          channels. Its parameters are counted exactly (flops.attention_params); the
-                          activation and FLOP terms that read kv_dim keep the MHA shape (h per K, V)
+                          channels. Its parameters (flops.attention_params), GEMMs
+                          (efficiency._attention_linears), attention core (qk_head_size, v_head_size)
+                          and context-parallel K/V are priced with these shapes, not K/V of width h
 
 Legend: L layers, h = d_model, a heads, s sequence, V vocabulary, f MLP width.
 """
@@ -85,6 +86,16 @@ class ModelSpec:
     @property
     def head_size(self) -> int:
         return self.d_model // self.n_head
+
+    @property
+    def qk_head_size(self) -> int:
+        """A head's query and key width: the head size, or MLA's qk_nope_head_dim + qk_rope_head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.kv_lora_rank else self.head_size
+
+    @property
+    def v_head_size(self) -> int:
+        """A head's value width: the head size, or MLA's v_head_dim."""
+        return self.v_head_dim if self.kv_lora_rank else self.head_size
 
     @property
     def kv_dim(self) -> int:

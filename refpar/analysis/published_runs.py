@@ -193,10 +193,10 @@ LLAMA_128K = ("outside 10%: at 131,072 tokens the attention core is 61% of a blo
               "attention at 24% of peak. Counted with the causal half instead, the prediction would be 12% "
               "low. Llama 3 names neither its attention kernel nor its FLOP count.")
 # Why the 16K-GPU 8K row is outside 10% since the refit (tests/test_calibration.py recomputes it).
-LLAMA_16K = ("outside 10% (+10.7%) since the fractions were refitted for collectives that leave a node "
+LLAMA_16K = ("outside 10% (+10.4%) since the fractions were refitted for collectives that leave a node "
              "through every member's adapter: the fit rows (Megatron-LM's, A100) raised the network "
              "fraction from 0.5 to 0.67, which exposes 1.06 s of tensor-parallel traffic per step where "
-             "0.5 exposed 1.40 s. The published plan is refused as not fitting (101.0 GB, 76.2 GB of it "
+             "0.5 exposed 1.40 s. The published plan is refused as not fitting (102.1 GB, 76.2 GB of it "
              "activations at v = 8, although it ran), so its options are priced as the fastest of all, "
              "not the fastest of those that fit.")
 

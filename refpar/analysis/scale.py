@@ -246,10 +246,26 @@ def stage_params(spec: ModelSpec, tp, pp, ep):
     return (first_shared, first_expert), (last_shared, last_expert)
 
 
+def middle_stage_params(spec: ModelSpec, tp, pp, ep):
+    """(shared, expert) one rank's weights on the heaviest middle stage (pp >= 3; zeros otherwise):
+    ceil(L / p) blocks and no embedding or head, as many of them MoE as the model has, as
+    step_time prices its compute. DeepSeek-V3's dense blocks all lie on the first stage, so its
+    middle stages hold the most experts (61 blocks over p = 16: the first 3 dense, the middle 4 MoE)."""
+    tp, pp, ep = np.asarray(tp), np.asarray(pp), np.asarray(ep)
+    dense, moe = layer_params(spec, False), layer_params(spec, True)
+    k = stage_layers(spec.n_layer, pp)[1]
+    nm = np.minimum(spec.n_moe_layers, k)
+    nkv = spec.n_kv_head
+    shared = (k - nm) * (dense.per_tp_rank(tp, nkv) + dense.replicated) + nm * (moe.per_tp_rank(tp, nkv)
+                                                                              + moe.replicated)
+    middle = pp >= 3
+    return np.where(middle, shared, 0), np.where(middle, nm * moe.experts / (ep * tp), 0)
+
+
 def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1, ep=1, zero=0,
                     schedule="1f1b", microbatches=1, chunks=1, recompute="none", sp=None,
                     precision: Precision = PRECISIONS["bf16"], software=None):
-    """Peak bytes per rank by category on the stage that needs the most (first or last).
+    """Peak bytes per rank by category on the stage that needs the most (first, a middle one or last).
 
     params, grads, master, optimizer: ZeRO stage 1 shards the optimizer state (master weights and
     moments), 2 the gradients too, 3 the weights too (Rajbhandari et al. 2020, Section 5 and
@@ -314,7 +330,14 @@ def memory_per_rank(spec: ModelSpec, *, micro_batch, seq, tp=1, pp=1, dp=1, cp=1
     last = states(last_shared, last_expert)
     last["activations"] = activations(ld, lm, last_hold, head_act
                                       + np.where(pp == 1, last_hold * embed_act, 0))
-    for stage in (first, last):
+    # A middle stage (pp >= 3) holds ceil(L / p) blocks, the MoE ones where there are that many, with
+    # the first stage's hold, which bounds its own (1F1B's stage s holds p - s).
+    middle = states(*middle_stage_params(spec, tp, pp, ep))
+    middle_moe = np.minimum(spec.n_moe_layers, full)
+    middle["activations"] = activations(full - middle_moe, middle_moe, first_hold, 0)
+    for stage in (first, middle, last):
         stage["comm"] = p2p + gathered
     use_first = sum(first.values()) >= sum(last.values())
-    return {k: np.where(use_first, first[k], last[k]) for k in first}
+    heavy = {k: np.where(use_first, first[k], last[k]) for k in first}
+    use_middle = (pp >= 3) & (sum(middle.values()) > sum(heavy.values()))
+    return {k: np.where(use_middle, middle[k], heavy[k]) for k in first}

@@ -35,7 +35,7 @@ from refpar.analysis.efficiency import (
 from refpar.analysis.flops import layer_params, model_flops
 from refpar.analysis.hardware import Hardware
 from refpar.analysis.presets import ModelSpec
-from refpar.analysis.scale import PRECISIONS, Precision, stage_layers, stage_params
+from refpar.analysis.scale import PRECISIONS, Precision, middle_stage_params, stage_layers, stage_params
 from refpar.comm import cost
 
 AXES = ("pp", "dp", "ep", "cp", "tp")  # slowest- to fastest-varying (refpar.config.MESH_AXES)
@@ -268,6 +268,8 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     # the whole sequence gathered before the core, their gradients reduce-scattered after it.
     bw, lat = on_link("cp")
     kv = 2 * e * n_tok * spec.kv_dim / np.minimum(tp, spec.n_kv_head)  # whole kv heads, replicated past nkv
+    if spec.kv_lora_rank:  # MLA: the rank's heads' k (dn + dr) and v (dv), latent_attention.mla_cp_widths
+        kv = e * n_tok * spec.n_head / tp * (spec.qk_head_size + spec.v_head_size)
     if software.cp == "ring":
         hop = collective_time("send", kv, cp, bw, lat, cl)
         hops_f = np.where(cp > 1, cp - 1, 0)
@@ -399,9 +401,14 @@ def step_time(spec: ModelSpec, hw: Hardware, *, global_batch, micro_batch, seq, 
     # its backward, stage 3 also gathers the weights before forward and backward (Rajbhandari et
     # al. 2020, Section 7). Overlapped (DDP buckets, Li et al. 2020; FSDP prefetching), only what
     # outlasts the backward it hides behind is exposed; otherwise all of it follows the backward.
+    # The stage holding the most weights: first, last or a middle one (DeepSeek-V3's middle stages
+    # hold the most experts, its first the dense blocks).
     (fs, fe), (ls, le) = stage_params(spec, tp, pp, ep)
+    ms, me = middle_stage_params(spec, tp, pp, ep)
     first_heavier = fs + fe >= ls + le
     shared, expert = np.where(first_heavier, fs, ls), np.where(first_heavier, fe, le)
+    middle_heavier = ms + me > shared + expert
+    shared, expert = np.where(middle_heavier, ms, shared), np.where(middle_heavier, me, expert)
     t_back = t_b + t_w
     dp_time, dp_bytes = 0.0, 0.0
     groups = (("dp", shared, {"dp": dp, "ep": ep, "cp": cp}), ("dp.experts", expert, {"dp": dp, "cp": cp}))

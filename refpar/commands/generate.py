@@ -50,9 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for --prompt where the weights carry no tokenizer: bytes, gpt2 or the path "
                              "of a tokenizer.json")
     parser.add_argument("--model", default=None,
-                        help="model preset: tiny, small, llama-tiny, llama-small or deepseek-tiny (default "
-                             "tiny); with "
-                             "--from, only for a bare .safetensors file")
+                        help="model preset: tiny, small, llama-tiny, llama-small, deepseek-tiny or "
+                             "deepseek-small (default tiny); with --from, only for a bare .safetensors file")
     parser.add_argument("--dtype", default=None, help="float64 or float32 (default: the preset's)")
     parser.add_argument("--prompt-lens", default="12,5,20,8", help="prompt length of each request")
     parser.add_argument("--system-prompt", type=int, default=0,

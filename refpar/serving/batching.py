@@ -21,8 +21,8 @@ for their prompts, each prefill starting after the prefix it shares with a cache
 A pass runs the tensor-parallel block of training (refpar/parallel/pieces.py's table: GPT-2's
 `gpt2_pieces.block_forward`, Llama's `llama_pieces.block_forward`, RoPE at the tokens' global
 positions) on the new tokens only, with `CachedAttention` as its core (DeepSeek-V3: its own block
-with `LatentAttention`, the cached latent read with the up-projections absorbed, latent_attention.py;
-served over cp and pp, not yet tp): under tp the two g
+with `LatentAttention`, the cached latent read with the up-projections absorbed, latent_attention.py,
+each tp rank its heads over the whole latent): under tp the two g
 all-reduces per layer per pass (after attention, after the MLP) are the only traffic besides the
 vocab-parallel embedding and the gather of the logits. Under pp the pass is split into one group of
 requests per stage, so several groups are in flight (stage s works on group g while stage s+1 works
@@ -94,9 +94,6 @@ def check_serving(config: ModelConfig, sizes: dict, max_batch: int) -> None:
         # a token's experts must not depend on which tokens share its pass (capacity drops would)
         raise ConfigError("refpar generate serves dense GPT-2 and Llama models and DeepSeek-V3 with "
                           "dropless experts; leave out the MoE options, or set moe_dropless")
-    if latent and sizes.get("tp", 1) > 1:
-        raise ConfigError(f"refpar generate serves DeepSeek-V3 on one tp rank so far (its latent "
-                          f"attention's heads are not split yet); drop tp={sizes['tp']} from --mesh")
     stage_layers(config.n_layer, sizes.get("pp", 1), 0)  # enough blocks for the stages
     check_tp(config, sizes.get("tp", 1))  # whole heads and vocabulary rows on every tp rank
     if max_batch < 1:

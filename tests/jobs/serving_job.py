@@ -2,7 +2,7 @@
 
     mpiexec -n 4 python tests/jobs/serving_job.py              # GPT-2 tiny
     mpiexec -n 4 python tests/jobs/serving_job.py llama-tiny   # Llama: 4 heads, 2 kv heads
-    mpiexec -n 2 python tests/jobs/serving_job.py deepseek-tiny   # MLA's latent cache: pp, cp
+    mpiexec -n 2 python tests/jobs/serving_job.py deepseek-tiny   # MLA's latent cache: pp, cp, tp
 
 Rank 0 prints one JSON line per mesh with what the test asserts, then the paged runs: the same
 requests on tp x cp and pp x tp with blocks of 4 slots (Llama's pp x tp pool too small, so it
@@ -37,7 +37,7 @@ PAGED_RUNS = [  # mesh, sampling, blocks per rank (None: room for every request 
     ({"pp": 2, "tp": 2}, "temperature=0.8,top_k=12", None),
 ]
 # DeepSeek-V3 (tests/test_serving_mla.py), on 2 ranks: pp and cp, each contiguous and paged
-DEEPSEEK_RUNS = [({"pp": 2}, "greedy"), ({"cp": 2}, "temperature=0.8,top_k=12")]
+DEEPSEEK_RUNS = [({"pp": 2}, "greedy"), ({"cp": 2}, "temperature=0.8,top_k=12"), ({"tp": 2}, "greedy")]
 DEEPSEEK_PAGED_RUNS = [({"cp": 2}, "greedy", None), ({"pp": 2}, "greedy", 3)]  # 3 blocks: preempts
 LLAMA_PAGED_RUNS = [
     ({"tp": 2, "cp": 2}, "greedy", None),
