@@ -198,35 +198,48 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def from_model_config(config: ModelConfig, global_batch: int = 1) -> ModelSpec:
-    """The spec of a model refpar trains (refpar.config.ModelConfig, GPT-2 or Llama), so a small
-    run's ledger and trace can be set against the same formulas the planner uses.
+    """The spec of a model refpar trains (refpar.config.ModelConfig), so a small run's ledger and trace
+    can be set against the same formulas the planner uses: the family's row of SPEC_OF.
 
-    refpar's MoE blocks are MLPs of the family's kind behind a router without bias, with no shared
-    experts: GPT-2 MLPs of width 4C (refpar/model/moe.py), or Mixtral's SwiGLU experts of width
-    intermediate_size (refpar/model/llama.py). The spec counts its MoE blocks and puts its dense
-    ones first, so per-stage splits (pp > 1) are refpar's own when the MoE blocks are the last ones.
+    refpar's MoE blocks are MLPs of the family's kind behind a router without bias: GPT-2 MLPs of
+    width 4C (refpar/model/moe.py), Mixtral's SwiGLU experts of width intermediate_size
+    (refpar/model/llama.py), DeepSeek-V3's of moe_intermediate_size with S shared experts
+    (refpar/model/deepseek.py). The spec counts its MoE blocks and puts its dense ones first, so
+    per-stage splits (pp > 1) are refpar's own when the MoE blocks are the last ones.
     """
     moe = len(config.moe_blocks)
     experts = dict(n_experts=config.moe_experts if moe else 0, top_k=config.moe_top_k if moe else 0,
                    n_dense_layers=config.n_layer - moe)
-    if config.arch == "deepseek-v3":  # refpar/model/deepseek.py: latent attention, S shared experts
-        mla = dict(q_lora_rank=config.q_lora_rank or 0, kv_lora_rank=config.kv_lora_rank,
-                   qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
-                   v_head_dim=config.v_head_dim)
-        return _llama("refpar", config.n_layer, config.n_embd, config.n_head, config.n_head,
-                      config.intermediate_size, config.vocab_size, config.n_positions, global_batch,
-                      "refpar.config.ModelConfig", tied_embeddings=config.tie_embeddings,
-                      moe_d_ff=config.moe_intermediate_size if moe else 0,
-                      n_shared_experts=config.moe_shared_experts if moe else 0, **mla, **experts)
-    if config.arch == "llama":
-        F = config.intermediate_size
-        return _llama("refpar", config.n_layer, config.n_embd, config.n_head, config.n_kv_head, F,
-                      config.vocab_size, config.n_positions, global_batch, "refpar.config.ModelConfig",
-                      tied_embeddings=config.tie_embeddings, moe_d_ff=F if moe else 0, **experts)
+    return SPEC_OF[config.arch](config, global_batch, bool(moe), experts)
+
+
+def _gpt2_spec(config: ModelConfig, global_batch: int, moe: bool, experts: dict) -> ModelSpec:
     return ModelSpec("refpar", config.n_layer, config.n_embd, config.n_head,
                      vocab_size=config.vocab_size, seq_len=config.n_positions,
                      global_batch=global_batch, dropout=config.dropout > 0,
                      moe_d_ff=4 * config.n_embd if moe else 0, **experts)
+
+
+def _llama_spec(config: ModelConfig, global_batch: int, moe: bool, experts: dict) -> ModelSpec:
+    F = config.intermediate_size
+    return _llama("refpar", config.n_layer, config.n_embd, config.n_head, config.n_kv_head, F,
+                  config.vocab_size, config.n_positions, global_batch, "refpar.config.ModelConfig",
+                  tied_embeddings=config.tie_embeddings, moe_d_ff=F if moe else 0, **experts)
+
+
+def _deepseek_spec(config: ModelConfig, global_batch: int, moe: bool, experts: dict) -> ModelSpec:
+    """Latent attention's widths, every head its own key (n_kv_head = n_head), S shared experts."""
+    mla = dict(q_lora_rank=config.q_lora_rank or 0, kv_lora_rank=config.kv_lora_rank,
+               qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+               v_head_dim=config.v_head_dim)
+    return _llama("refpar", config.n_layer, config.n_embd, config.n_head, config.n_head,
+                  config.intermediate_size, config.vocab_size, config.n_positions, global_batch,
+                  "refpar.config.ModelConfig", tied_embeddings=config.tie_embeddings,
+                  moe_d_ff=config.moe_intermediate_size if moe else 0,
+                  n_shared_experts=config.moe_shared_experts if moe else 0, **mla, **experts)
+
+
+SPEC_OF = {"gpt2": _gpt2_spec, "llama": _llama_spec, "deepseek-v3": _deepseek_spec}  # ModelConfig.arch
 
 
 def preset(name: str) -> ModelSpec:
