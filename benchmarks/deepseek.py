@@ -65,27 +65,10 @@ def param_counts(config) -> tuple[int, int]:
 
 
 def worker(mesh_text: str, model_name: str, steps: int, seq_len: int) -> None:
-    from refpar.comm.communicator import abort_on_error, world
-    from refpar.comm.trace import Tracer
-    from refpar.config import ParallelConfig, Plan, TrainConfig, parse_mesh
-    from refpar.engine import parallelize, train
-    from refpar.engine.run import time_split
-    from refpar.mesh import DeviceMesh
+    """One rank: benchmarks/engine.py's timed run, of this file's models."""
+    from benchmarks.engine import worker as engine_worker
 
-    with abort_on_error():
-        sizes = ParallelConfig(parse_mesh(mesh_text)).sizes
-        model = model_config(model_name)
-        config = TrainConfig(steps=steps, batch_size=8, seq_len=min(seq_len, model.n_positions))
-        comm, plain = world(Tracer()), world()
-        par = parallelize(model, config, DeviceMesh(comm, sizes), Plan(microbatches=4))
-        run = train(par)
-        last = [e for e in comm.tracer.events if e.step == steps - 1]
-        split = plain.gather_object(time_split(par.executor.slots, last, run.windows[-1]))
-        if plain.rank == 0:
-            shares = {k: float(np.mean([s[k] / s["wall"] for s in split]))
-                      for k in ("compute", "communication", "idle")}
-            print(json.dumps({"step_s": float(np.mean(run.step_times[1:] or run.step_times)),
-                              "tokens": config.batch_size * config.seq_len, **shares}), flush=True)
+    engine_worker(mesh_text, model_name, steps, seq_len, model_of=model_config)
 
 
 def main() -> None:

@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 MESHES = ["pp=1", "dp=2", "tp=2", "pp=2", "dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2", "dp=2,tp=2,pp=2"]
 
 
-def worker(mesh_text: str, model_name: str, steps: int, seq_len: int) -> None:
+def worker(mesh_text: str, model_name: str, steps: int, seq_len: int, model_of=None) -> None:
+    """One rank of the run: `model_of(model_name)` (default: the preset) on the mesh, timed."""
     from refpar.comm.communicator import abort_on_error, world
     from refpar.comm.trace import Tracer
     from refpar.config import ParallelConfig, Plan, TrainConfig, model_preset, parse_mesh
@@ -42,7 +43,7 @@ def worker(mesh_text: str, model_name: str, steps: int, seq_len: int) -> None:
 
     with abort_on_error():
         sizes = ParallelConfig(parse_mesh(mesh_text)).sizes
-        model = model_preset(model_name)
+        model = (model_of or model_preset)(model_name)
         config = TrainConfig(steps=steps, batch_size=8, seq_len=min(seq_len, model.n_positions))
         comm, plain = world(Tracer()), world()
         par = parallelize(model, config, DeviceMesh(comm, sizes), Plan(microbatches=4))
